@@ -1,0 +1,29 @@
+"""KVScope: `python app.py` (also the Hugging Face Spaces entry point)."""
+from __future__ import annotations
+
+import argparse
+import os
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+import gradio as gr  # noqa: E402
+
+from app.ui import build_app  # noqa: E402
+from engine.models import load_model  # noqa: E402
+
+
+def main() -> None:
+    """Load the model (KVSCOPE_MODEL or --model, default: the embedded Qwen2.5-Coder-0.5B) and serve the page."""
+    parser = argparse.ArgumentParser(description="KVScope explorer")
+    parser.add_argument("--model", default=os.environ.get("KVSCOPE_MODEL", "embedded"))
+    parser.add_argument("--device", default=os.environ.get("KVSCOPE_DEVICE", "auto"))
+    parser.add_argument("--dtype", default=os.environ.get("KVSCOPE_DTYPE", "auto"))
+    parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
+    args = parser.parse_args()
+    lm = load_model(args.model, device=args.device, dtype=args.dtype, progress=lambda message: print(message, flush=True))
+    build_app(lm).launch(server_name=args.host, server_port=args.port, theme=gr.themes.Soft())
+
+
+if __name__ == "__main__":
+    main()

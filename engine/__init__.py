@@ -1,0 +1,1 @@
+"""KVScope engine: a model's KV cache as an editable, composable notebook (torch + transformers only)."""

@@ -1,0 +1,165 @@
+"""The one place that touches transformers' cache objects, forward keywords and attention dispatch.
+
+Every forward of the engine runs through :func:`forward`: the stored K/V (any order, with positions and
+a visibility flag per entry) becomes a ``DynamicCache``, and a registered attention function
+(``"kvscope"``) replaces the model's mask by one built from *positions* and *visibility*, adds
+per-layer/per-head knockouts, and captures attention probabilities when asked. Sliding-window layers
+get their window from positions too, so caches never drop entries and splicing stays exact.
+"""
+from __future__ import annotations
+
+import importlib
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface, DynamicCache, PreTrainedModel
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+from transformers.models.llama.modeling_llama import eager_attention_forward as llama_eager_attention
+
+ATTENTION_NAME = "kvscope"
+
+
+@dataclass
+class ForwardPlan:
+    """Per-forward attention settings, read by the registered attention function."""
+
+    allowed: torch.Tensor  # (Q, K) bool: causal-by-position and visible, without any window
+    query_positions: torch.Tensor  # (Q,)
+    key_positions: torch.Tensor  # (K,)
+    blocked: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (H or 1, Q, K) bool
+    capture: bool = False
+    use_sdpa: bool = True
+    attentions: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (H, Q, K) probabilities
+
+    def mask_for(self, layer: int, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
+        """Additive mask (1, H or 1, Q, K) for one layer: visibility, window and knockouts."""
+        allowed = self.allowed
+        if sliding_window:
+            distance = self.query_positions[:, None] - self.key_positions[None, :]
+            allowed = allowed & (distance < sliding_window)
+        allowed = allowed[None]  # (1, Q, K)
+        if layer in self.blocked:
+            allowed = allowed & ~self.blocked[layer]
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        return mask[None]
+
+
+_ACTIVE_PLAN: ContextVar[ForwardPlan | None] = ContextVar("kvscope_plan", default=None)
+_ORIGINAL_IMPLEMENTATION = "_kvscope_original_attn_implementation"
+
+
+def _eager_for(module: torch.nn.Module):
+    """The eager attention of the module's own modeling file (soft-capping, sinks...), else Llama's."""
+    modeling = importlib.import_module(type(module).__module__)
+    return getattr(modeling, "eager_attention_forward", llama_eager_attention)
+
+
+def _kvscope_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    plan = _ACTIVE_PLAN.get()
+    use_sdpa = plan.use_sdpa if plan is not None else module.config._kvscope_use_sdpa
+    if plan is not None:
+        sliding_window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+        attention_mask = plan.mask_for(module.layer_idx, sliding_window, query.dtype)
+    if plan is not None and plan.capture or not use_sdpa:
+        output, weights = _eager_for(module)(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+        if plan is not None and plan.capture:
+            plan.attentions[module.layer_idx] = weights[0].float()
+        return output, weights
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
+AttentionInterface.register(ATTENTION_NAME, _kvscope_attention)
+# Outside engine forwards (e.g. captum calling the model) the model builds its own masks: additive
+# float masks work for both the SDPA and the eager path of the function above.
+AttentionMaskInterface.register(ATTENTION_NAME, eager_mask)
+
+
+def install(model: PreTrainedModel) -> None:
+    """Route the model's attention through KVScope's function (idempotent); keeps SDPA where it was used."""
+    if model.config._attn_implementation == ATTENTION_NAME:
+        return
+    original = model.config._attn_implementation or "eager"
+    model.config._kvscope_use_sdpa = original == "sdpa"
+    setattr(model.config, _ORIGINAL_IMPLEMENTATION, original)
+    model.set_attn_implementation(ATTENTION_NAME)
+    if model.config._attn_implementation != ATTENTION_NAME:
+        raise RuntimeError(f"{type(model).__name__} cannot route attention through a custom function")
+
+
+@dataclass
+class ForwardResult:
+    """What one forward produced: logits kept, the new tokens' K/V per layer, captured attentions."""
+
+    logits: torch.Tensor  # (T_kept, vocab) float32
+    new_keys: list[torch.Tensor]  # per layer (1, kv_heads, Q, head_dim)
+    new_values: list[torch.Tensor]
+    attentions: dict[int, torch.Tensor]  # layer -> (heads, Q, K_total)
+    hidden_states: tuple[torch.Tensor, ...] | None = None  # per layer (Q, hidden), when asked
+
+
+def forward(
+    model: PreTrainedModel,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+    key_positions: torch.Tensor,
+    key_visible: torch.Tensor,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    blocked: dict[int, torch.Tensor] | None = None,
+    capture: bool = False,
+    logits_to_keep: int = 1,
+    hidden_states: bool = False,
+) -> ForwardResult:
+    """Run ``input_ids`` at ``positions`` over stored K/V; query i sees visible entries at positions ≤ its own.
+
+    ``blocked[layer]`` is a (H or 1, Q, N_stored) bool tensor of extra entries hidden from the queries in
+    that layer (knockouts); it never touches the stored tensors. Nothing passed in is modified.
+    """
+    install(model)
+    device = input_ids.device
+    all_positions = torch.cat([key_positions, positions])
+    allowed = torch.cat(
+        [key_visible.to(device)[None, :].expand(len(positions), -1), torch.ones(len(positions), len(positions), dtype=torch.bool, device=device)],
+        dim=1,
+    ) & (all_positions[None, :] <= positions[:, None])
+    padded_blocks = {
+        layer: torch.nn.functional.pad(block.to(device), (0, len(positions)), value=False)
+        for layer, block in (blocked or {}).items()
+    }
+    plan = ForwardPlan(
+        allowed=allowed,
+        query_positions=positions,
+        key_positions=all_positions,
+        blocked=padded_blocks,
+        capture=capture,
+        use_sdpa=model.config._kvscope_use_sdpa,
+    )
+    cache = DynamicCache(ddp_cache_data=list(zip(keys, values))) if len(key_positions) else DynamicCache()
+    token = _ACTIVE_PLAN.set(plan)
+    try:
+        with torch.no_grad():
+            output = model(
+                input_ids=input_ids[None],
+                position_ids=positions[None],
+                attention_mask=plan.mask_for(-1, None, model.dtype),
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+                output_hidden_states=hidden_states,
+            )
+    finally:
+        _ACTIVE_PLAN.reset(token)
+    stored = len(key_positions)
+    return ForwardResult(
+        logits=output.logits[0].float(),
+        new_keys=[layer.keys[:, :, stored:] for layer in cache.layers],
+        new_values=[layer.values[:, :, stored:] for layer in cache.layers],
+        attentions=plan.attentions,
+        hidden_states=tuple(h[0] for h in output.hidden_states) if hidden_states else None,
+    )

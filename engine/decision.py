@@ -1,0 +1,83 @@
+"""Reading a decision: answer log-probs, margin, label, and recovery between cache states.
+
+A label's score is log Σ_s P(s | context, question) over its surface strings s, each scored as the full
+token sequence of a continuation. The margin compares the first label against the best other one, so it
+is the signed *decision score* the paper's recovery uses.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+RECOVERY_MIN_GAP = 0.25
+
+
+@dataclass
+class Decision:
+    """What the model would answer from one cache state, with the evidence."""
+
+    scores: dict[str, float]  # label -> log-prob (log-sum-exp over its surface strings)
+    string_logprobs: dict[str, dict[str, float]]  # label -> surface string -> log-prob
+    margin: float  # score(first label) − max(score(other labels))
+    label: str
+    next_token_logits: torch.Tensor = field(repr=False)  # (vocab,) float32, after the last decode token
+    attention: torch.Tensor | None = field(default=None, repr=False)  # (layers, heads, decode, entries + decode)
+
+    def as_dict(self) -> dict:
+        """JSON-ready summary (no tensors)."""
+        return {
+            "scores": {k: round(v, 4) for k, v in self.scores.items()},
+            "string_logprobs": {
+                label: {s: round(v, 4) for s, v in strings.items()} for label, strings in self.string_logprobs.items()
+            },
+            "margin": round(self.margin, 4),
+            "decision": self.label,
+        }
+
+
+def decide(string_logprobs: dict[str, dict[str, float]], next_token_logits: torch.Tensor) -> Decision:
+    """Aggregate per-string log-probs into label scores, margin and the chosen label."""
+    scores = {label: float(torch.logsumexp(torch.tensor(list(s.values())), 0)) for label, s in string_logprobs.items()}
+    labels = list(scores)
+    first, others = scores[labels[0]], [scores[label] for label in labels[1:]]
+    return Decision(
+        scores=scores,
+        string_logprobs=string_logprobs,
+        margin=first - max(others),
+        label=max(scores, key=scores.get),
+        next_token_logits=next_token_logits,
+    )
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """(s − s_stale) / (s_oracle − s_stale), or None with the reason when the gap is too small."""
+
+    value: float | None
+    reason: str | None = None
+
+    def as_dict(self) -> dict:
+        return {"recovery": None if self.value is None else round(self.value, 4), "reason": self.reason}
+
+
+def recovery(state: float, stale: float, oracle: float, min_gap: float = RECOVERY_MIN_GAP) -> Recovery:
+    """Decision recovery of a cache state: 0 is the stale cache, 1 is a clean prefill with the new value."""
+    gap = oracle - stale
+    if not math.isfinite(gap) or abs(gap) < min_gap:
+        return Recovery(None, f"oracle and stale margins differ by {gap:.3f} (< {min_gap}): nothing to recover")
+    return Recovery((state - stale) / gap)
+
+
+def logit_agreement(a: torch.Tensor, b: torch.Tensor, top_k: int = 5) -> dict[str, float]:
+    """Cosine, KL(a‖b) of softmaxes, top-1 and top-k overlap between two next-token logit vectors."""
+    a, b = a.float(), b.float()
+    log_p, log_q = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
+    top_a, top_b = set(a.topk(top_k).indices.tolist()), set(b.topk(top_k).indices.tolist())
+    return {
+        "cosine": float(torch.nn.functional.cosine_similarity(a, b, dim=0)),
+        "kl": float((log_p.exp() * (log_p - log_q)).sum()),
+        "top1_agree": float(a.argmax() == b.argmax()),
+        f"top{top_k}_agree": len(top_a & top_b) / top_k,
+    }

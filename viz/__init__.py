@@ -1,0 +1,1 @@
+"""Plotly figure builders from engine result objects (no model calls)."""
