@@ -115,11 +115,13 @@ def forward(
     capture: bool = False,
     logits_to_keep: int = 1,
     hidden_states: bool = False,
+    grad: bool = False,
 ) -> ForwardResult:
     """Run ``input_ids`` at ``positions`` over stored K/V; query i sees visible entries at positions ≤ its own.
 
     ``blocked[layer]`` is a (H or 1, Q, N_stored) bool tensor of extra entries hidden from the queries in
-    that layer (knockouts); it never touches the stored tensors. Nothing passed in is modified.
+    that layer (knockouts); it never touches the stored tensors. Nothing passed in is modified. With
+    ``grad`` the forward is differentiable (e.g. with respect to stored K/V that require grad).
     """
     install(model)
     device = input_ids.device
@@ -143,7 +145,7 @@ def forward(
     cache = DynamicCache(ddp_cache_data=list(zip(keys, values))) if len(key_positions) else DynamicCache()
     token = _ACTIVE_PLAN.set(plan)
     try:
-        with torch.no_grad():
+        with torch.set_grad_enabled(grad):
             output = model(
                 input_ids=input_ids[None],
                 position_ids=positions[None],

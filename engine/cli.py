@@ -1,4 +1,4 @@
-"""Headless CLI: ``python -m engine info|selftest|decide``.
+"""Headless CLI: ``python -m engine info|selftest|decide|edit|calibrate``.
 
 With ``--json`` exactly one JSON object goes to stdout (an ``{"error": ...}`` object and exit code 2 on
 bad input); logs and progress go to stderr.
@@ -11,11 +11,13 @@ import logging
 import sys
 from collections.abc import Callable
 
+from engine.calibrate import FLIP_THRESHOLD, calibrate, scenario_files
 from engine.models import LoadedModel, ModelLoadError, load_model
 from engine.notebook import NotebookError
 from engine.rope import RopeUnsupported
 from engine.runs import run_scenario
-from engine.scenario import Scenario, ScenarioError
+from engine.scenario import Scenario, ScenarioError, bundled_scenarios
+from engine.strategies import STRATEGIES, EditExperiment, EditSettings
 from engine.selftest import run_selftest
 
 USER_ERRORS = (ModelLoadError, ScenarioError, NotebookError, RopeUnsupported, FileNotFoundError)
@@ -58,10 +60,54 @@ def cmd_decide(args: argparse.Namespace) -> dict:
     return {"model": lm.fingerprint.name, **run_scenario(lm, scenario, values).as_dict()}
 
 
+def _settings(args: argparse.Namespace) -> EditSettings:
+    options = {"top_k": args.topk, "ranking": args.ranking, "cot_tokens": args.cot_tokens}
+    if args.erratum:
+        options["erratum"] = args.erratum
+    try:
+        return EditSettings(**options)
+    except ValueError as error:
+        raise ScenarioError(str(error)) from error
+
+
+def cmd_edit(args: argparse.Namespace) -> dict:
+    """Change a field old → new and compare every edit strategy's decision and recovery."""
+    scenario = Scenario.load(args.scenario)
+    names = [name.strip() for name in args.strategies.split(",")] if args.strategies else list(STRATEGIES)
+    unknown = [name for name in names if name not in STRATEGIES]
+    if unknown:
+        raise ScenarioError(f"unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
+    scenario.field(args.field)
+    settings = _settings(args)
+    lm = _load(args)
+    experiment = EditExperiment(lm, scenario, args.field, args.new, settings)
+    return experiment.report(names, progress=_progress("strategies")).as_dict()
+
+
+def cmd_calibrate(args: argparse.Namespace) -> dict:
+    """Check which scenarios' decisions flip with their field on this model (clean prefills)."""
+    files = scenario_files(args.scenarios or list(bundled_scenarios().values()))
+    lm = _load(args)
+    results = calibrate(lm, files, args.threshold, progress=_progress("scenarios"))
+    return {
+        "model": lm.fingerprint.name,
+        "threshold": args.threshold,
+        "flipping": sum(r.flips for r in results),
+        "total": len(results),
+        "scenarios": [r.as_dict() for r in results],
+    }
+
+
+def _progress(unit: str) -> Callable[[int, int], None]:
+    return lambda done, total: _log(f"{unit}: {done}/{total}")
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], dict]] = {
     "info": cmd_info,
     "selftest": cmd_selftest,
     "decide": cmd_decide,
+    "edit": cmd_edit,
+    "calibrate": cmd_calibrate,
 }
 
 
@@ -79,6 +125,18 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "decide":
             sub.add_argument("--scenario", required=True, help="scenario TOML file")
             sub.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="field value (repeatable)")
+        if name == "edit":
+            sub.add_argument("--scenario", required=True, help="scenario TOML file")
+            sub.add_argument("--field", help="field to change (default: the first)")
+            sub.add_argument("--new", help="new value (default: the field's `new`)")
+            sub.add_argument("--strategies", help=f"comma-separated subset of: {', '.join(STRATEGIES)}")
+            sub.add_argument("--topk", type=int, default=8, help="K for field_topk")
+            sub.add_argument("--ranking", default="causal", help="field_topk ranking: causal or deviation")
+            sub.add_argument("--cot-tokens", type=int, default=24, help="chain-of-thought length for field_only_cot")
+            sub.add_argument("--erratum", help="erratum template with {field}, {new}, {old}")
+        if name == "calibrate":
+            sub.add_argument("scenarios", nargs="*", help="scenario files or directories (default: the bundled demos)")
+            sub.add_argument("--threshold", type=float, default=FLIP_THRESHOLD, help="minimum |Δmargin| that counts as a flip")
     return parser
 
 

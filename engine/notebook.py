@@ -365,35 +365,63 @@ class Notebook:
         )
 
     # ---------------------------------------------------------------- decision
-    def _blocked(self, knockout: Knockout | None, extra_columns: int = 0) -> dict[int, torch.Tensor] | None:
-        """Knockout as per-layer (heads or 1, 1, N + extra) bool masks (broadcast over queries)."""
-        if knockout is None or not knockout.positions:
+    def _blocked(self, knockouts: Knockout | Sequence[Knockout] | None, extra_columns: int = 0) -> dict[int, torch.Tensor] | None:
+        """Knockouts as per-layer (heads or 1, 1, N + extra) bool masks (broadcast over queries), OR-ed."""
+        if knockouts is None:
             return None
         config = self.lm.model.config
-        layers = range(config.num_hidden_layers) if knockout.layers is None else knockout.layers
-        heads = config.num_attention_heads
-        columns = torch.zeros(len(self.positions) + extra_columns, dtype=torch.bool)
-        columns[self.entries_at(knockout.positions)] = True
-        if knockout.heads is None:
-            mask = columns[None, None, :]
-        else:
-            bad = [h for h in knockout.heads if not 0 <= h < heads]
-            if bad:
-                raise NotebookError(f"head {bad[0]} does not exist (model has {heads} query heads)")
-            rows = torch.zeros(heads, 1, 1, dtype=torch.bool)
-            rows[list(knockout.heads)] = True
-            mask = rows & columns[None, None, :]
-        bad_layers = [layer for layer in layers if not 0 <= layer < config.num_hidden_layers]
-        if bad_layers:
-            raise NotebookError(f"layer {bad_layers[0]} does not exist (model has {config.num_hidden_layers} layers)")
-        return {layer: mask for layer in layers}
+        layer_count, head_count = config.num_hidden_layers, config.num_attention_heads
+        blocked: dict[int, torch.Tensor] = {}
+        for knockout in [knockouts] if isinstance(knockouts, Knockout) else knockouts:
+            if not knockout.positions:
+                continue
+            columns = torch.zeros(len(self.positions) + extra_columns, dtype=torch.bool)
+            columns[self.entries_at(knockout.positions)] = True
+            rows = torch.ones(1, 1, 1, dtype=torch.bool)
+            if knockout.heads is not None:
+                bad = [h for h in knockout.heads if not 0 <= h < head_count]
+                if bad:
+                    raise NotebookError(f"head {bad[0]} does not exist (model has {head_count} query heads)")
+                rows = torch.zeros(head_count, 1, 1, dtype=torch.bool)
+                rows[list(knockout.heads)] = True
+            layers = range(layer_count) if knockout.layers is None else knockout.layers
+            bad_layers = [layer for layer in layers if not 0 <= layer < layer_count]
+            if bad_layers:
+                raise NotebookError(f"layer {bad_layers[0]} does not exist (model has {layer_count} layers)")
+            for layer in layers:
+                mask = rows & columns[None, None, :]
+                blocked[layer] = blocked[layer] | mask if layer in blocked else mask
+        return blocked or None
+
+    def _answer_logprobs(self, decode_ids, answers, knockout, *, capture: bool = False, grad: bool = False):
+        """Per-string answer log-prob tensors, plus the question forward (logits, attentions)."""
+        if not decode_ids:
+            raise NotebookError("a decision needs decode tokens (the question); got none")
+        start = self.next_position
+        positions = list(range(start, start + len(decode_ids)))
+        question = self._forward(decode_ids, positions, self.visible, blocked=self._blocked(knockout), capture=capture, grad=grad)
+        log_probs = torch.log_softmax(question.logits[-1], -1)
+        extended = self._with_entries(question, decode_ids, positions, ["question"] * len(decode_ids), self.visible, "question")
+        blocked = self._blocked(knockout, len(decode_ids))
+        scores: dict[str, list[torch.Tensor]] = {}
+        for label, sequences in answers.items():
+            scores[label] = []
+            for ids in sequences:
+                score = log_probs[ids[0]]
+                if len(ids) > 1:
+                    follow = range(extended.next_position, extended.next_position + len(ids) - 1)
+                    rest = extended._forward(list(ids[:-1]), follow, extended.visible, blocked=blocked, logits_to_keep=0, grad=grad)
+                    steps = torch.log_softmax(rest.logits, -1)
+                    score = score + steps[torch.arange(len(ids) - 1), torch.tensor(list(ids[1:]))].sum()
+                scores[label].append(score)
+        return scores, question
 
     def read(
         self,
         decode_ids: Sequence[int],
         answers: Mapping[str, Sequence[Sequence[int]]],
         *,
-        knockout: Knockout | None = None,
+        knockout: Knockout | Sequence[Knockout] | None = None,
         capture_attention: bool = False,
         answer_texts: Mapping[str, Sequence[str]] | None = None,
     ) -> Decision:
@@ -402,29 +430,49 @@ class Notebook:
         The notebook is not changed. With ``capture_attention`` the decision tokens' attention is returned
         as (layers, heads, decode tokens, stored entries + decode tokens), stored entries in storage order.
         """
-        if not decode_ids:
-            raise NotebookError("a decision needs decode tokens (the question); got none")
-        start = self.next_position
-        positions = list(range(start, start + len(decode_ids)))
-        question = self._forward(decode_ids, positions, self.visible, blocked=self._blocked(knockout), capture=capture_attention)
-        log_probs = torch.log_softmax(question.logits[-1], -1)
-        extended = self._with_entries(question, decode_ids, positions, ["question"] * len(decode_ids), self.visible, "question")
+        scores, question = self._answer_logprobs(decode_ids, answers, knockout, capture=capture_attention)
         texts = answer_texts or {label: [str(i) for i in range(len(seqs))] for label, seqs in answers.items()}
-        string_logprobs: dict[str, dict[str, float]] = {}
-        for label, sequences in answers.items():
-            string_logprobs[label] = {}
-            for text, ids in zip(texts[label], sequences):
-                score = float(log_probs[ids[0]])
-                if len(ids) > 1:
-                    follow = range(extended.next_position, extended.next_position + len(ids) - 1)
-                    rest = extended._forward(
-                        list(ids[:-1]), follow, extended.visible,
-                        blocked=self._blocked(knockout, len(decode_ids)), logits_to_keep=0,
-                    )
-                    steps = torch.log_softmax(rest.logits, -1)
-                    score += float(sum(steps[i, token] for i, token in enumerate(ids[1:])))
-                string_logprobs[label][text] = score
+        string_logprobs = {
+            label: {text: float(score) for text, score in zip(texts[label], label_scores)} for label, label_scores in scores.items()
+        }
         decision = decide(string_logprobs, question.logits[-1].detach().cpu())
         if capture_attention:
             decision.attention = torch.stack([question.attentions[layer] for layer in sorted(question.attentions)]).cpu()
         return decision
+
+    def decision_score(
+        self, decode_ids: Sequence[int], answers: Mapping[str, Sequence[Sequence[int]]], knockout: Knockout | Sequence[Knockout] | None = None
+    ) -> torch.Tensor:
+        """The decision margin as a differentiable scalar (gradients flow into K/V that require grad)."""
+        scores, _ = self._answer_logprobs(decode_ids, answers, knockout, grad=True)
+        label_scores = [torch.logsumexp(torch.stack(values), 0) for values in scores.values()]
+        return label_scores[0] - torch.stack(label_scores[1:]).max()
+
+    def with_grad(self) -> "Notebook":
+        """A copy whose K/V are fresh float leaves requiring grad (for attribution patching)."""
+        keys = tuple(k.detach().clone().requires_grad_(True) for k in self.keys)
+        values = tuple(v.detach().clone().requires_grad_(True) for v in self.values)
+        return dataclass_replace(self, keys=keys, values=values)
+
+    def generate(self, decode_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()) -> tuple["Notebook", list[int]]:
+        """Greedy decoding after ``decode_ids``; returns the notebook with everything appended and the new ids."""
+        positions = list(range(self.next_position, self.next_position + len(decode_ids)))
+        question = self._forward(decode_ids, positions, self.visible)
+        notebook = self._with_entries(question, decode_ids, positions, ["question"] * len(decode_ids), self.visible, "question")
+        logits, generated = question.logits[-1], []
+        for _ in range(max_new_tokens):
+            token = int(logits.argmax())
+            if token in stop_ids:
+                break
+            generated.append(token)
+            position = [notebook.next_position]
+            step = notebook._forward([token], position, notebook.visible)
+            notebook = notebook._with_entries(step, [token], position, ["generated"], notebook.visible, "generate 1 token")
+            logits = step.logits[-1]
+        return notebook, generated
+
+    def hidden_states(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Residual stream (layers + 1, T, hidden) of tokens run after this context (nothing is stored)."""
+        start = self.next_position
+        result = self._forward(list(token_ids), range(start, start + len(token_ids)), self.visible, hidden_states=True)
+        return torch.stack(result.hidden_states).float()

@@ -1,0 +1,97 @@
+"""Effects of patching one run's K/V into another, per (layer, position): exact and by attribution.
+
+Exact patching copies the donor's K/V at some (layer, position) entries into the base notebook and re-reads
+the decision: one read per entry set. Attribution patching estimates every entry at once from a single
+backward pass — effect ≈ (kv_donor − kv_base) · ∂score/∂kv at the base cache — which is exact where the
+score is linear in the patched K/V and usually ranks the large entries right. CacheBlend-style *deviation*
+(‖kv_donor − kv_base‖) is the cheap alternative ranking that ignores what the decision reads.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.notebook import Notebook, NotebookError
+from engine.scenario import RenderedPrompt
+
+
+@dataclass
+class EffectMap:
+    """Patch effects on the decision margin, (layers, positions), for the listed positions."""
+
+    effects: torch.Tensor  # (layers, P) Δmargin if donor K/V were patched at (layer, position)
+    positions: list[int]
+    base_margin: float
+    method: str  # "attribution" | "exact" | "deviation"
+
+    def per_position(self) -> torch.Tensor:
+        """Effect of patching all layers of each position (sum over layers)."""
+        return self.effects.sum(0)
+
+    def top_positions(self, k: int, direction: float = 1.0) -> list[int]:
+        """The k positions whose patch moves the margin most in ``direction``'s sign."""
+        if k > len(self.positions):
+            raise NotebookError(f"K={k} is larger than the {len(self.positions)} candidate positions")
+        scores = self.per_position() * (1.0 if direction >= 0 else -1.0)
+        return [self.positions[i] for i in scores.topk(k).indices.tolist()]
+
+    def top_entries(self, k: int, direction: float = 1.0) -> list[tuple[int, int]]:
+        """The k (layer, position) entries with the largest effect in ``direction``'s sign."""
+        scores = (self.effects * (1.0 if direction >= 0 else -1.0)).flatten()
+        width = len(self.positions)
+        return [(i // width, self.positions[i % width]) for i in scores.topk(min(k, scores.numel())).indices.tolist()]
+
+
+def _aligned(base: Notebook, donor: Notebook, positions: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    if donor.lm.fingerprint != base.lm.fingerprint:
+        raise NotebookError("the donor notebook comes from another model or dtype")
+    return base.entries_at(positions).to(base.lm.device), donor.entries_at(positions).to(base.lm.device)
+
+
+def attribution_effects(base: Notebook, donor: Notebook, prompt: RenderedPrompt, positions: Sequence[int]) -> EffectMap:
+    """Estimate every (layer, position) patch effect with one backward pass (attribution patching)."""
+    mine, theirs = _aligned(base, donor, positions)
+    leaf = base.with_grad()
+    score = leaf.decision_score(prompt.decode_ids, prompt.answer_ids)
+    score.backward()
+    effects = []
+    for key, value, donor_key, donor_value in zip(leaf.keys, leaf.values, donor.keys, donor.values):
+        delta_key = donor_key.index_select(2, theirs).float() - key.detach().index_select(2, mine).float()
+        delta_value = donor_value.index_select(2, theirs).float() - value.detach().index_select(2, mine).float()
+        effect = delta_key * key.grad.index_select(2, mine).float() + delta_value * value.grad.index_select(2, mine).float()
+        effects.append(effect.sum(dim=(0, 1, 3)))  # (P,)
+    return EffectMap(torch.stack(effects).detach().cpu(), list(positions), float(score.detach()), "attribution")
+
+
+def exact_effects(
+    base: Notebook, donor: Notebook, prompt: RenderedPrompt, positions: Sequence[int], per_layer: bool = False, progress=None
+) -> EffectMap:
+    """Exact patch effects: all layers per position, or each (layer, position) when ``per_layer``."""
+    _aligned(base, donor, positions)
+    base_margin = base.read_prompt(prompt).margin
+    layers = range(len(base.keys)) if per_layer else [None]
+    effects = torch.zeros(len(base.keys) if per_layer else 1, len(positions))
+    total, done = len(layers) * len(positions), 0
+    for row, layer in enumerate(layers):
+        for column, position in enumerate(positions):
+            patched = base.patch(donor, [position], None if layer is None else [layer])
+            effects[row, column] = patched.read_prompt(prompt).margin - base_margin
+            done += 1
+            if progress:
+                progress(done, total)
+    return EffectMap(effects, list(positions), base_margin, "exact")
+
+
+def kv_deviation(base: Notebook, donor: Notebook, positions: Sequence[int]) -> EffectMap:
+    """CacheBlend-style ‖kv_donor − kv_base‖ per (layer, position), each layer scaled by its mean norm."""
+    mine, theirs = _aligned(base, donor, positions)
+    rows = []
+    for key, value, donor_key, donor_value in zip(base.keys, base.values, donor.keys, donor.values):
+        own_key, own_value = key.index_select(2, mine).float(), value.index_select(2, mine).float()
+        deviation = (donor_key.index_select(2, theirs).float() - own_key).norm(dim=-1).sum(1)[0]
+        deviation = deviation + (donor_value.index_select(2, theirs).float() - own_value).norm(dim=-1).sum(1)[0]
+        scale = own_key.norm(dim=-1).mean() + own_value.norm(dim=-1).mean()
+        rows.append(deviation / scale.clamp_min(1e-6))
+    return EffectMap(torch.stack(rows).cpu(), list(positions), float("nan"), "deviation")

@@ -1,0 +1,386 @@
+"""Scenario files: a policy context with mutable fields, a question, and the answers to score (TOML).
+
+The format is documented in docs/scenarios.md. `render` turns a scenario into token ids whose field spans are
+exact by construction: every piece is tokenized on its own and the pieces are concatenated.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+_PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_TOP_KEYS = ("name", "description", "system", "context", "question", "fields", "answers", "expect")
+_REQUIRED_KEYS = ("name", "context", "question", "fields", "answers")
+_FIELD_KEYS = ("old", "new", "values")
+_SEPARATOR = "\n\n"
+_PLAIN_ANSWER_CUE = "\nAnswer:"
+_CONTEXT_SENTINEL = "KVSCOPEcontextSENTINEL"
+_QUESTION_SENTINEL = "KVSCOPEquestionSENTINEL"
+
+
+class ScenarioError(ValueError):
+    """A scenario file or a rendering request is invalid; the message names the problem."""
+
+
+@dataclass(frozen=True)
+class Field:
+    """A mutable field: its old and new value and further values for probes (old and new first)."""
+
+    name: str
+    old: str
+    new: str
+    values: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A parsed, validated scenario file."""
+
+    name: str
+    description: str
+    system: str | None
+    context: str
+    question: str
+    fields: dict[str, Field]
+    answers: dict[str, tuple[str, ...]]
+    expect: dict[str, str]
+    source: str | None = None
+
+    @classmethod
+    def from_toml(cls, text: str, source: str | None = None) -> Scenario:
+        """Parse and validate scenario TOML; `source` (a path) prefixes error messages."""
+        where = f"{source}: " if source else ""
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ScenarioError(f"{where}TOML syntax error: {e}") from e
+        try:
+            return _parse(data, source)
+        except ScenarioError as e:
+            raise ScenarioError(f"{where}{e}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> Scenario:
+        """Read and parse a scenario file."""
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ScenarioError(f"cannot read scenario file {path}: {e}") from e
+        return cls.from_toml(text, source=str(path))
+
+    def field(self, name: str | None = None) -> Field:
+        """The named field, or the first one declared."""
+        if name is None:
+            return next(iter(self.fields.values()))
+        if name not in self.fields:
+            raise ScenarioError(f"unknown field {name!r}; this scenario has: {', '.join(self.fields)}")
+        return self.fields[name]
+
+    def values_with(self, **overrides: str) -> dict[str, str]:
+        """Every field's old value, with `overrides` applied."""
+        values = {name: f.old for name, f in self.fields.items()}
+        for name, value in overrides.items():
+            self.field(name)
+            values[name] = _check_value(name, value)
+        return values
+
+
+@dataclass(frozen=True)
+class Span:
+    """Token indices [start, end) into `RenderedPrompt.context_ids`."""
+
+    start: int
+    end: int
+
+    def __len__(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """A scenario as token ids: the cached context, the decode-time tokens and the answers to score."""
+
+    context_ids: tuple[int, ...]
+    context_segments: tuple[str, ...]
+    field_spans: dict[str, Span]
+    decode_ids: tuple[int, ...]
+    answer_ids: dict[str, tuple[tuple[int, ...], ...]]
+    values: dict[str, str]
+
+
+def bundled_scenarios() -> dict[str, Path]:
+    """The demo scenarios shipped in demos/scenarios, by file stem."""
+    folder = Path(__file__).parents[1] / "demos" / "scenarios"
+    return {path.stem: path for path in sorted(folder.glob("*.toml"))}
+
+
+def render(
+    scenario: Scenario,
+    tokenizer: PreTrainedTokenizerBase,
+    values: Mapping[str, str] | None = None,
+    *,
+    max_tokens: int | None = None,
+) -> RenderedPrompt:
+    """Tokenize `scenario` with field `values` (old values by default), through the chat template if any."""
+    filled = scenario.values_with(**(values or {}))
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    if chat:
+        head, separator, tail = _chat_frame(scenario, tokenizer)
+        answer_prefix = ""
+    else:
+        head = scenario.system + _SEPARATOR if scenario.system else ""
+        separator, tail, answer_prefix = _SEPARATOR, _PLAIN_ANSWER_CUE, " "
+
+    ids: list[int] = []
+    segments: list[str] = []
+
+    def add(text: str, segment: str) -> None:
+        piece = _encode(tokenizer, text)
+        ids.extend(piece)
+        segments.extend([segment] * len(piece))
+
+    add(head, "template")
+    bos = tokenizer.bos_token_id
+    if _adds_bos(tokenizer) and ids[:1] != [bos]:
+        ids.insert(0, bos)
+        segments.insert(0, "template")
+
+    texts, names = _split_context(scenario.context)
+    spans: dict[str, Span] = {}
+    for text, name in zip(texts[:-1], names, strict=True):
+        lead = " " if text.endswith(" ") else ""
+        add(text.removesuffix(" ") if lead else text, "context")
+        start = len(ids)
+        add(lead + filled[name], f"field:{name}")
+        if len(ids) == start:
+            raise ScenarioError(f"field {name!r}: value {filled[name]!r} tokenizes to nothing with this tokenizer")
+        spans[name] = Span(start, len(ids))
+    add(texts[-1], "context")
+    add(separator, "template")
+
+    decode_ids = tuple(_encode(tokenizer, scenario.question + tail))
+    answer_ids: dict[str, tuple[tuple[int, ...], ...]] = {}
+    for label, surfaces in scenario.answers.items():
+        encoded = []
+        for surface in surfaces:
+            answer = tuple(_encode(tokenizer, answer_prefix + surface))
+            if not answer:
+                raise ScenarioError(f"answer {surface!r} (label {label!r}) tokenizes to nothing with this tokenizer")
+            encoded.append(answer)
+        answer_ids[label] = tuple(encoded)
+
+    if max_tokens is not None:
+        _check_length(len(ids), sum(len(s) for s in spans.values()), len(decode_ids), answer_ids, max_tokens)
+    return RenderedPrompt(
+        context_ids=tuple(ids),
+        context_segments=tuple(segments),
+        field_spans=spans,
+        decode_ids=decode_ids,
+        answer_ids=answer_ids,
+        values=filled,
+    )
+
+
+def _parse(data: dict[str, Any], source: str | None) -> Scenario:
+    """Validate the decoded TOML document and build the Scenario."""
+    unknown = [key for key in data if key not in _TOP_KEYS]
+    if unknown:
+        raise ScenarioError(f"unknown key {unknown[0]!r}; allowed keys: {', '.join(_TOP_KEYS)}")
+    for key in _REQUIRED_KEYS:
+        if key not in data:
+            raise ScenarioError(f"missing required key {key!r}")
+    name = _text(data, "name", required=True)
+    context = _text(data, "context", required=True)
+    question = _text(data, "question", required=True)
+    description = _text(data, "description") or ""
+    system = _text(data, "system") or None
+
+    fields = _parse_fields(data["fields"])
+    names = _split_context(context)[1]
+    for placeholder in names:
+        if placeholder not in fields:
+            raise ScenarioError(
+                f"the context uses {{{placeholder}}} but no field {placeholder!r} is declared "
+                f"(add a [fields.{placeholder}] table, or write {{{{{placeholder}}}}} for literal braces)"
+            )
+        if names.count(placeholder) > 1:
+            raise ScenarioError(
+                f"placeholder {{{placeholder}}} occurs {names.count(placeholder)} times in the context; "
+                "each field may appear once"
+            )
+    for field_name in fields:
+        if field_name not in names:
+            raise ScenarioError(f"field {field_name!r} is declared but {{{field_name}}} is not in the context")
+    for key, text in (("question", question), ("system", system or "")):
+        used = [n for n in _split_context(text)[1] if n in fields]
+        if used:
+            raise ScenarioError(f"{{{used[0]}}} appears in {key!r}; fields may only appear in the context")
+
+    answers = _parse_answers(data["answers"])
+    expect = _parse_expect(data.get("expect", {}), fields, answers)
+    return Scenario(
+        name=name,
+        description=description,
+        system=system,
+        context=context,
+        question=question,
+        fields=fields,
+        answers=answers,
+        expect=expect,
+        source=source,
+    )
+
+
+def _text(data: dict[str, Any], key: str, *, required: bool = False) -> str | None:
+    """A string value with surrounding whitespace removed; None when absent."""
+    if key not in data:
+        return None
+    value = data[key]
+    if not isinstance(value, str):
+        raise ScenarioError(f"{key!r} must be a string, not {type(value).__name__}")
+    value = value.strip()
+    if required and not value:
+        raise ScenarioError(f"{key!r} is empty")
+    return value
+
+
+def _parse_fields(table: Any) -> dict[str, Field]:
+    """The [fields.NAME] tables, in file order."""
+    if not isinstance(table, dict) or not table:
+        raise ScenarioError("'fields' must declare at least one field as a [fields.NAME] table")
+    fields = {}
+    for name, spec in table.items():
+        if not _IDENTIFIER.fullmatch(name):
+            raise ScenarioError(f"field name {name!r} is not an identifier (letters, digits, _; no leading digit)")
+        if not isinstance(spec, dict):
+            raise ScenarioError(f"field {name!r} must be a table with 'old' and 'new'")
+        unknown = [key for key in spec if key not in _FIELD_KEYS]
+        if unknown:
+            raise ScenarioError(f"field {name!r}: unknown key {unknown[0]!r}; allowed: {', '.join(_FIELD_KEYS)}")
+        for key in ("old", "new"):
+            if key not in spec:
+                raise ScenarioError(f"field {name!r}: missing required key {key!r}")
+        old, new = _check_value(name, spec["old"]), _check_value(name, spec["new"])
+        if old == new:
+            raise ScenarioError(f"field {name!r}: 'new' must differ from 'old' (both {old!r})")
+        more = spec.get("values", [])
+        if not isinstance(more, list):
+            raise ScenarioError(f"field {name!r}: 'values' must be a list of strings")
+        values = tuple(dict.fromkeys([old, new, *(_check_value(name, v) for v in more)]))
+        fields[name] = Field(name=name, old=old, new=new, values=values)
+    return fields
+
+
+def _check_value(field: str, value: Any) -> str:
+    """A field value: a non-empty string without braces."""
+    if not isinstance(value, str):
+        raise ScenarioError(f"field {field!r}: value {value!r} must be a string, not {type(value).__name__}")
+    if not value:
+        raise ScenarioError(f"field {field!r}: values must not be empty")
+    if "{" in value or "}" in value:
+        raise ScenarioError(f"field {field!r}: value {value!r} must not contain '{{' or '}}'")
+    return value
+
+
+def _parse_answers(table: Any) -> dict[str, tuple[str, ...]]:
+    """The [answers] table: label -> surface strings (a string or a list of strings)."""
+    if not isinstance(table, dict):
+        raise ScenarioError("'answers' must be a table: label = [surface strings]")
+    answers: dict[str, tuple[str, ...]] = {}
+    seen: dict[str, str] = {}
+    for label, surfaces in table.items():
+        surfaces = [surfaces] if isinstance(surfaces, str) else surfaces
+        if not isinstance(surfaces, list) or not surfaces:
+            raise ScenarioError(f"answer label {label!r} needs a string or a non-empty list of strings")
+        for surface in surfaces:
+            if not isinstance(surface, str) or not surface.strip():
+                raise ScenarioError(f"answer label {label!r}: {surface!r} is not a non-blank string")
+            if surface in seen and seen[surface] != label:
+                raise ScenarioError(f"answer {surface!r} is listed under both {seen[surface]!r} and {label!r}")
+            seen[surface] = label
+        answers[label] = tuple(dict.fromkeys(surfaces))
+    if len(answers) < 2:
+        raise ScenarioError(f"'answers' needs at least two labels to compare, got {len(answers)}")
+    return answers
+
+
+def _parse_expect(table: Any, fields: dict[str, Field], answers: dict[str, tuple[str, ...]]) -> dict[str, str]:
+    """The optional [expect] table: field value -> answer label."""
+    if not isinstance(table, dict):
+        raise ScenarioError("'expect' must be a table: value = \"label\"")
+    known_values = {v for f in fields.values() for v in f.values}
+    for value, label in table.items():
+        if not isinstance(label, str) or label not in answers:
+            raise ScenarioError(f"expect[{value!r}] names unknown answer label {label!r}; labels: {', '.join(answers)}")
+        if value not in known_values:
+            raise ScenarioError(f"expect names value {value!r}, which no field lists")
+    return dict(table)
+
+
+def _split_context(text: str) -> tuple[list[str], list[str]]:
+    """Split a template at `{name}` placeholders: literal texts (one more than names) and placeholder names."""
+    texts, names, current, pos = [], [], [], 0
+    for match in _PLACEHOLDER.finditer(text):
+        current.append(text[pos : match.start()])
+        pos = match.end()
+        if match.group(1) is None:
+            current.append(match.group(0)[0])
+        else:
+            texts.append("".join(current))
+            names.append(match.group(1))
+            current = []
+    current.append(text[pos:])
+    texts.append("".join(current))
+    return texts, names
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
+    """Token ids of `text` without special tokens added."""
+    return list(tokenizer(text, add_special_tokens=False).input_ids) if text else []
+
+
+def _adds_bos(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the tokenizer prepends its BOS token when special tokens are added."""
+    bos = tokenizer.bos_token_id
+    return bos is not None and tokenizer("a").input_ids[:1] == [bos]
+
+
+def _chat_frame(scenario: Scenario, tokenizer: PreTrainedTokenizerBase) -> tuple[str, str, str]:
+    """The chat template's text before the context, between context and question, and after the question."""
+    messages = [{"role": "system", "content": scenario.system}] if scenario.system else []
+    messages.append({"role": "user", "content": _CONTEXT_SENTINEL + _SEPARATOR + _QUESTION_SENTINEL})
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # jinja errors of arbitrary templates, e.g. "system role not supported"
+        raise ScenarioError(f"the tokenizer's chat template failed on this scenario: {e}") from e
+    if text.count(_CONTEXT_SENTINEL) != 1 or text.count(_QUESTION_SENTINEL) != 1:
+        raise ScenarioError("the tokenizer's chat template does not render the user message exactly once")
+    head, rest = text.split(_CONTEXT_SENTINEL)
+    separator, tail = rest.split(_QUESTION_SENTINEL)
+    return head, separator, tail
+
+
+def _check_length(
+    context: int, fields: int, decode: int, answer_ids: dict[str, tuple[tuple[int, ...], ...]], limit: int
+) -> None:
+    """Raise when context + decode tokens + the longest answer exceed `limit`, naming the longest part."""
+    answer = max(len(ids) for surfaces in answer_ids.values() for ids in surfaces)
+    total = context + decode + answer
+    if total <= limit:
+        return
+    parts = {"context": context, "question and assistant header": decode, "longest answer": answer}
+    longest = max(parts, key=parts.__getitem__)
+    raise ScenarioError(
+        f"rendered prompt is {total} tokens, over the limit of {limit}: context {context} "
+        f"(field values {fields}), question and assistant header {decode}, longest answer {answer}; "
+        f"the {longest} is the longest part"
+    )

@@ -1,0 +1,315 @@
+"""Edit strategies: repairing a prefilled cache after a field changes old → new.
+
+| strategy | what it does to the stale cache | cost | failure mode |
+|---|---|---|---|
+| ``stale`` | nothing (baseline) | 0 | reads the old notes |
+| ``field_only`` | recompute the field's K/V with the new value | |field| tokens | later notes still say "old": recovery ≈ 0 |
+| ``field_only_cot`` | field-only, then a short greedy chain of thought before answering | |field| + chain | needs decoding; the chain re-reads the field |
+| ``field_topk`` | field + the top-K downstream tokens (ranked by causal effect or K/V deviation) | |field| + K | K is model-dependent |
+| ``erratum`` | append ``[STATE UPDATE] field -> new; ...`` after the context | |erratum| | can revert when the field is buried early |
+| ``field_erratum`` | field-only plus the erratum (robust default) | |field| + |erratum| | — |
+| ``hoist`` | restate ``field: new`` at the end | |restatement| | prompt surgery in real systems |
+| ``full_downstream`` | recompute the field and everything after it | context − prefix | O(L) recompute |
+| ``oracle`` | clean prefill with the new value (reference) | whole context | — |
+| ``auto`` | cheapest of field_only / erratum / hoist / field_erratum agreeing with field_erratum | varies | — |
+
+In-place strategies need the new value to have the old value's token count; otherwise they report
+"not applicable" and why (use ``erratum``, ``field_erratum`` via errata, or ``full_downstream``).
+Recovery = (s − s_stale) / (s_oracle − s_stale) on the decision margin; chain-of-thought variants are
+compared with stale and oracle under the same chain-of-thought protocol.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from engine.decision import RECOVERY_MIN_GAP, Decision, Recovery, recovery
+from engine.models import LoadedModel
+from engine.notebook import Notebook, NotebookError
+from engine.patching import attribution_effects, kv_deviation
+from engine.runs import ScenarioRun, run_scenario
+from engine.scenario import Scenario, ScenarioError
+
+DEFAULT_ERRATUM = "[STATE UPDATE] {field} -> {new}; overrides any earlier value and conclusion"
+STRATEGIES = (
+    "stale", "field_only", "field_only_cot", "field_topk", "erratum",
+    "field_erratum", "hoist", "full_downstream", "oracle", "auto",
+)
+AUTO_CANDIDATES = ("field_only", "erratum", "hoist", "field_erratum")
+RANKINGS = ("causal", "deviation")
+
+
+class NotApplicable(Exception):
+    """A strategy that cannot apply to this edit; the message says why."""
+
+
+@dataclass(frozen=True)
+class EditSettings:
+    """Knobs of the strategies; the defaults follow the paper."""
+
+    erratum: str = DEFAULT_ERRATUM
+    hoist: str = "{field}: {new}"
+    top_k: int = 8
+    ranking: str = "causal"
+    cot_tokens: int = 24
+    cot_prefix: str = "Let me check the current {field} against the policy."
+    cot_answer_prefix: str = "\nSo the answer is:"
+    min_gap: float = RECOVERY_MIN_GAP
+
+    def __post_init__(self) -> None:
+        if self.ranking not in RANKINGS:
+            raise ValueError(f"unknown ranking {self.ranking!r}; choose one of {', '.join(RANKINGS)}")
+        if self.top_k < 1 or self.cot_tokens < 0:
+            raise ValueError("top_k must be ≥ 1 and cot_tokens ≥ 0")
+
+
+@dataclass
+class StrategyResult:
+    """One strategy's outcome with its evidence."""
+
+    name: str
+    applicable: bool
+    decision: Decision | None = None
+    recovery: Recovery | None = None
+    tokens_recomputed: int = 0
+    ms: float = 0.0
+    reason: str | None = None
+    detail: dict = field(default_factory=dict)
+    notebook: Notebook | None = field(default=None, repr=False)
+
+    def as_dict(self) -> dict:
+        """The CLI's per-strategy JSON."""
+        decision = self.decision.as_dict() if self.decision else {}
+        return {
+            "applicable": self.applicable,
+            "reason": self.reason,
+            "scores": decision.get("scores"),
+            "margin": decision.get("margin"),
+            "decision": decision.get("decision"),
+            "recovery": None if self.recovery is None else self.recovery.as_dict()["recovery"],
+            "recovery_note": None if self.recovery is None else self.recovery.reason,
+            "tokens_recomputed": self.tokens_recomputed,
+            "ms": round(self.ms, 1),
+            **({"detail": self.detail} if self.detail else {}),
+        }
+
+
+@dataclass
+class EditReport:
+    """All requested strategies for one field change, with stale and oracle for reference."""
+
+    model: str
+    scenario: str
+    field: str
+    old: str
+    new: str
+    stale: StrategyResult
+    oracle: StrategyResult
+    strategies: dict[str, StrategyResult]
+
+    @property
+    def flips(self) -> bool:
+        """Whether a clean prefill with the new value changes the decision."""
+        return self.stale.decision.label != self.oracle.decision.label
+
+    def as_dict(self) -> dict:
+        return {
+            "model": self.model,
+            "scenario": self.scenario,
+            "field": self.field,
+            "old": self.old,
+            "new": self.new,
+            "flips": self.flips,
+            "delta_margin": round(self.oracle.decision.margin - self.stale.decision.margin, 4),
+            "stale": self.stale.as_dict(),
+            "oracle": self.oracle.as_dict(),
+            "strategies": {name: result.as_dict() for name, result in self.strategies.items()},
+        }
+
+
+def _timed(function: Callable[[], tuple[Notebook | None, Decision, int, dict]]) -> tuple[Notebook | None, Decision, int, dict, float]:
+    started = time.perf_counter()
+    notebook, decision, tokens, detail = function()
+    return notebook, decision, tokens, detail, (time.perf_counter() - started) * 1000
+
+
+class EditExperiment:
+    """A field change on one scenario: the stale and oracle runs, and every strategy on demand."""
+
+    def __init__(
+        self,
+        lm: LoadedModel,
+        scenario: Scenario,
+        field_name: str | None = None,
+        new: str | None = None,
+        settings: EditSettings | None = None,
+    ) -> None:
+        self.lm, self.scenario, self.settings = lm, scenario, settings or EditSettings()
+        chosen = scenario.field(field_name)
+        self.field, self.old, self.new = chosen.name, chosen.old, chosen.new if new is None else new
+        if not self.new or "{" in self.new or "}" in self.new:
+            raise ScenarioError(f"new value for field {self.field!r} must be non-empty and contain no braces, got {self.new!r}")
+        started = time.perf_counter()
+        self.stale = run_scenario(lm, scenario, {self.field: self.old})
+        self.stale_ms = (time.perf_counter() - started) * 1000
+        started = time.perf_counter()
+        self.oracle = run_scenario(lm, scenario, {self.field: self.new})
+        self.oracle_ms = (time.perf_counter() - started) * 1000
+
+    # ------------------------------------------------------------------ shared pieces
+    @property
+    def prompt(self):
+        return self.stale.prompt
+
+    @cached_property
+    def field_positions(self) -> list[int]:
+        span = self.stale.prompt.field_spans[self.field]
+        return list(range(span.start, span.end))
+
+    @cached_property
+    def new_field_ids(self) -> list[int]:
+        span = self.oracle.prompt.field_spans[self.field]
+        return list(self.oracle.prompt.context_ids[span.start : span.end])
+
+    @cached_property
+    def downstream_positions(self) -> list[int]:
+        """Context positions after the field (the candidates for notes)."""
+        end = self.field_positions[-1]
+        return [p for p in self.stale.notebook.visible_positions() if p > end]
+
+    def _require_same_length(self) -> None:
+        old, new = len(self.field_positions), len(self.new_field_ids)
+        if old != new:
+            raise NotApplicable(
+                f"the new value is {new} tokens and the old one {old}: an in-place edit cannot keep later "
+                "positions; use erratum, field_erratum with errata only, or full_downstream"
+            )
+
+    def _field_edited(self) -> Notebook:
+        self._require_same_length()
+        return self.stale.notebook.replace(self.field_positions, self.new_field_ids)
+
+    def _line(self, template: str) -> list[int]:
+        text = template.format(field=self.field, new=self.new, old=self.old) + "\n\n"
+        return self.lm.tokenizer(text, add_special_tokens=False).input_ids
+
+    def _read(self, notebook: Notebook) -> Decision:
+        return notebook.read_prompt(self.prompt, answer_texts=self.scenario.answers)
+
+    def rank_downstream(self, base: Notebook, k: int) -> tuple[list[int], dict]:
+        """Top-k downstream positions by the configured ranking, against the oracle run's K/V."""
+        candidates = self.downstream_positions
+        if k > len(candidates):
+            raise NotebookError(f"K={k} is larger than the {len(candidates)} downstream tokens of field {self.field!r}")
+        direction = self.oracle.decision.margin - self.stale.decision.margin
+        if self.settings.ranking == "causal":
+            effects = attribution_effects(base, self.oracle.notebook, self.prompt, candidates)
+            return effects.top_positions(k, direction), {"ranking": "causal (attribution patching)"}
+        deviation = kv_deviation(base, self.oracle.notebook, candidates)
+        return deviation.top_positions(k), {"ranking": "deviation (CacheBlend-style)"}
+
+    # ------------------------------------------------------------------ strategies
+    def _stale(self):
+        return self.stale.notebook, self._read(self.stale.notebook), 0, {}
+
+    def _oracle(self):
+        notebook = Notebook.from_prompt(self.lm, self.oracle.prompt)
+        return notebook, self._read(notebook), len(self.oracle.prompt.context_ids), {}
+
+    def _field_only(self):
+        notebook = self._field_edited()
+        return notebook, self._read(notebook), len(self.field_positions), {}
+
+    def _erratum(self):
+        line = self._line(self.settings.erratum)
+        notebook = self.stale.notebook.append(line, "erratum")
+        return notebook, self._read(notebook), len(line), {"text": self.settings.erratum.format(field=self.field, new=self.new, old=self.old)}
+
+    def _field_erratum(self):
+        line = self._line(self.settings.erratum)
+        notebook = self._field_edited().append(line, "erratum")
+        return notebook, self._read(notebook), len(self.field_positions) + len(line), {}
+
+    def _hoist(self):
+        line = self._line(self.settings.hoist)
+        notebook = self.stale.notebook.append(line, "hoist")
+        return notebook, self._read(notebook), len(line), {"text": self.settings.hoist.format(field=self.field, new=self.new, old=self.old)}
+
+    def _full_downstream(self):
+        positions = self.field_positions + self.downstream_positions
+        tail = self.new_field_ids + [self.prompt.context_ids[p] for p in self.downstream_positions]
+        notebook = self.stale.notebook.replace(positions, tail)
+        return notebook, self._read(notebook), len(tail), {}
+
+    def _field_topk(self):
+        edited = self._field_edited()
+        started = time.perf_counter()
+        top, detail = self.rank_downstream(edited, self.settings.top_k)
+        detail.update(k=self.settings.top_k, positions=top, rank_ms=round((time.perf_counter() - started) * 1000, 1))
+        notebook = edited.recompute(top)
+        return notebook, self._read(notebook), len(self.field_positions) + len(top), detail
+
+    def cot_decision(self, notebook: Notebook) -> tuple[Decision, str]:
+        """Greedy chain of thought after the question, then the answer scored after an answer prefix."""
+        tokenizer = self.lm.tokenizer
+        prefix = tokenizer(self.settings.cot_prefix.format(field=self.field), add_special_tokens=False).input_ids
+        eos = self.lm.model.generation_config.eos_token_id
+        stops = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
+        extended, generated = notebook.generate(list(self.prompt.decode_ids) + prefix, self.settings.cot_tokens, tuple(stops))
+        answer_prefix = tokenizer(self.settings.cot_answer_prefix, add_special_tokens=False).input_ids
+        answers = {label: [tokenizer(" " + s, add_special_tokens=False).input_ids for s in strings] for label, strings in self.scenario.answers.items()}
+        decision = extended.read(answer_prefix, answers, answer_texts=self.scenario.answers)
+        return decision, tokenizer.decode(generated)
+
+    @cached_property
+    def _cot_baselines(self) -> tuple[Decision, Decision]:
+        return self.cot_decision(self.stale.notebook)[0], self.cot_decision(self.oracle.notebook)[0]
+
+    def _field_only_cot(self):
+        notebook = self._field_edited()
+        decision, chain = self.cot_decision(notebook)
+        stale, oracle = self._cot_baselines
+        detail = {"chain": chain, "stale_cot_margin": round(stale.margin, 4), "oracle_cot_margin": round(oracle.margin, 4)}
+        return notebook, decision, len(self.field_positions), detail
+
+    # ------------------------------------------------------------------ running
+    def run(self, name: str) -> StrategyResult:
+        """Run one strategy by name (see STRATEGIES)."""
+        if name not in STRATEGIES:
+            raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
+        if name == "auto":
+            return self._auto()
+        try:
+            notebook, decision, tokens, detail, ms = _timed(getattr(self, f"_{name}"))
+        except NotApplicable as reason:
+            return StrategyResult(name, applicable=False, reason=str(reason))
+        if name == "field_only_cot":
+            stale, oracle = self._cot_baselines
+            gain = recovery(decision.margin, stale.margin, oracle.margin, self.settings.min_gap)
+        else:
+            gain = recovery(decision.margin, self.stale.decision.margin, self.oracle.decision.margin, self.settings.min_gap)
+        return StrategyResult(name, True, decision, gain, tokens, ms, detail=detail, notebook=notebook)
+
+    def _auto(self) -> StrategyResult:
+        candidates = {name: self.run(name) for name in AUTO_CANDIDATES}
+        reference = candidates["field_erratum"] if candidates["field_erratum"].applicable else candidates["erratum"]
+        agreeing = [c for c in candidates.values() if c.applicable and c.decision.label == reference.decision.label]
+        chosen = min(agreeing, key=lambda c: (c.tokens_recomputed, c.ms))
+        detail = {"chosen": chosen.name, "reference": reference.name}
+        return StrategyResult("auto", True, chosen.decision, chosen.recovery, chosen.tokens_recomputed, chosen.ms, detail=detail, notebook=chosen.notebook)
+
+    def report(self, names: Sequence[str] = STRATEGIES, progress: Callable[[int, int], None] | None = None) -> EditReport:
+        """Run the named strategies and collect them with stale and oracle."""
+        unknown = [n for n in names if n not in STRATEGIES]
+        if unknown:
+            raise ValueError(f"unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
+        results = {}
+        for index, name in enumerate(names):
+            results[name] = self.run(name)
+            if progress:
+                progress(index + 1, len(names))
+        stale = StrategyResult("stale", True, self.stale.decision, Recovery(0.0), 0, self.stale_ms, notebook=self.stale.notebook)
+        oracle = StrategyResult("oracle", True, self.oracle.decision, Recovery(1.0), len(self.oracle.prompt.context_ids), self.oracle_ms, notebook=self.oracle.notebook)
+        return EditReport(self.lm.fingerprint.name, self.scenario.name, self.field, self.old, self.new, stale, oracle, results)
