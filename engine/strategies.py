@@ -198,11 +198,14 @@ class EditExperiment:
     def _read(self, notebook: Notebook) -> Decision:
         return notebook.read_prompt(self.prompt, answer_texts=self.scenario.answers)
 
+    def _check_k(self, k: int) -> None:
+        if k > len(self.downstream_positions):
+            raise NotebookError(f"K={k} is larger than the {len(self.downstream_positions)} downstream tokens of field {self.field!r}")
+
     def rank_downstream(self, base: Notebook, k: int) -> tuple[list[int], dict]:
         """Top-k downstream positions by the configured ranking, against the oracle run's K/V."""
+        self._check_k(k)
         candidates = self.downstream_positions
-        if k > len(candidates):
-            raise NotebookError(f"K={k} is larger than the {len(candidates)} downstream tokens of field {self.field!r}")
         direction = self.oracle.decision.margin - self.stale.decision.margin
         if self.settings.ranking == "causal":
             effects = attribution_effects(base, self.oracle.notebook, self.prompt, candidates)
@@ -244,6 +247,7 @@ class EditExperiment:
         return notebook, self._read(notebook), len(tail), {}
 
     def _field_topk(self):
+        self._check_k(self.settings.top_k)
         edited = self._field_edited()
         started = time.perf_counter()
         top, detail = self.rank_downstream(edited, self.settings.top_k)

@@ -1,0 +1,59 @@
+"""The CLI prints exactly one JSON object on stdout; bad input gives an error object and exit code 2."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+REFUND = str(ROOT / "demos" / "scenarios" / "refund_gate.toml")
+
+
+def run_cli(*args: str) -> tuple[int, dict]:
+    done = subprocess.run([sys.executable, "-m", "engine", *args, "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stdout.splitlines() if line.strip()]
+    assert len(lines) == 1, done.stdout + done.stderr
+    return done.returncode, json.loads(lines[0])
+
+
+def test_info_and_selftest():
+    code, info = run_cli("info", "--model", "tiny-llama")
+    assert code == 0 and info["layers"] == 3 and info["kv_heads"] == 2
+    code, report = run_cli("selftest", "--model", "tiny-llama")
+    assert code == 0 and report["ok"] is True
+    for key in ("rope_roundtrip_max_err", "reposition_vs_prefill_max_err", "splice_identity_max_logit_err"):
+        assert report[key] < 1e-4
+
+
+def test_selftest_reports_gpt2_without_rope():
+    code, report = run_cli("selftest", "--model", "tiny-gpt2")
+    assert code == 0 and report["rope_supported"] is False and "rotary" in report["rope_reason"]
+
+
+def test_decide_and_edit_shapes():
+    code, decision = run_cli("decide", "--model", "tiny-qwen2", "--scenario", REFUND)
+    assert code == 0 and {"scores", "margin", "decision", "values"} <= set(decision)
+    code, edit = run_cli("edit", "--model", "tiny-qwen2", "--scenario", REFUND, "--strategies", "erratum,full_downstream")
+    assert code == 0 and set(edit["strategies"]) == {"erratum", "full_downstream"}
+    assert {"model", "scenario", "field", "old", "new", "flips", "stale", "oracle"} <= set(edit)
+
+
+def test_calibrate_lists_every_bundled_scenario():
+    code, result = run_cli("calibrate", "--model", "tiny-qwen2")
+    assert code == 0 and result["total"] == len(list((ROOT / "demos" / "scenarios").glob("*.toml"))) > 0
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (("decide", "--model", "tiny-qwen2", "--scenario", REFUND, "--set", "nope=1"), "unknown field 'nope'"),
+        (("decide", "--model", "tiny-qwen2", "--scenario", "missing.toml"), "missing.toml"),
+        (("edit", "--model", "tiny-qwen2", "--scenario", REFUND, "--strategies", "magic"), "unknown strategy 'magic'"),
+        (("edit", "--model", "tiny-qwen2", "--scenario", REFUND, "--strategies", "field_topk", "--topk", "9999"), "K=9999 is larger"),
+        (("info", "--model", "no-such-alias"), "no-such-alias"),
+    ],
+)
+def test_bad_input_gives_error_json(args, message):
+    code, result = run_cli(*args)
+    assert code == 2 and message in result["error"]
