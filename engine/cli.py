@@ -1,4 +1,4 @@
-"""Headless CLI: ``python -m engine info|selftest|decide|edit|calibrate``.
+"""Headless CLI: ``python -m engine info|selftest|decide|edit|calibrate|compose|agent|keystone|memory``.
 
 With ``--json`` exactly one JSON object goes to stdout (an ``{"error": ...}`` object and exit code 2 on
 bad input); logs and progress go to stderr.
@@ -12,7 +12,12 @@ import sys
 from collections.abc import Callable
 
 from engine.calibrate import FLIP_THRESHOLD, calibrate, scenario_files
-from engine.models import LoadedModel, ModelLoadError, load_model
+from engine.agent import run_agent
+from engine.compose import adhoc_scenario, compare, with_skills
+from engine.keystone import keystone
+from engine.memory import memory_placement
+from engine.models import LoadedModel, ModelLoadError, cache_dir, load_model
+from engine.skills import SkillFileError, SkillStore
 from engine.notebook import NotebookError
 from engine.rope import RopeUnsupported
 from engine.runs import run_scenario
@@ -20,7 +25,7 @@ from engine.scenario import Scenario, ScenarioError, bundled_scenarios
 from engine.strategies import STRATEGIES, EditExperiment, EditSettings
 from engine.selftest import run_selftest
 
-USER_ERRORS = (ModelLoadError, ScenarioError, NotebookError, RopeUnsupported, FileNotFoundError)
+USER_ERRORS = (ModelLoadError, ScenarioError, NotebookError, RopeUnsupported, SkillFileError, FileNotFoundError)
 
 
 def _log(message: str) -> None:
@@ -98,6 +103,51 @@ def cmd_calibrate(args: argparse.Namespace) -> dict:
     }
 
 
+def _composition(args: argparse.Namespace) -> Scenario:
+    skills = [s.strip() for s in args.skills.split(",") if s.strip()] if args.skills else []
+    if args.scenario:
+        scenario = Scenario.load(args.scenario)
+        return with_skills(scenario, skills, args.at) if skills else scenario
+    if not skills:
+        raise ScenarioError("give --scenario FILE (placing skills with {skill:ID}) or --skills id,id")
+    return adhoc_scenario(skills)
+
+
+def _store() -> SkillStore:
+    return SkillStore(cache_dir() / "skills")
+
+
+def cmd_compose(args: argparse.Namespace) -> dict:
+    """Splice precompiled skills into a context and compare with a full recompute (fidelity, TTFT)."""
+    scenario = _composition(args)
+    lm = _load(args)
+    return {"model": lm.fingerprint.name, **compare(lm, scenario, _store(), seam=args.seam, blend=args.blend, reps=args.reps).as_dict()}
+
+
+def cmd_agent(args: argparse.Namespace) -> dict:
+    """Multi-turn episode: compose once, errata per turn, cached prefix vs re-prefill every turn."""
+    scenario = _composition(args)
+    scenario.field(args.field)
+    lm = _load(args)
+    report = run_agent(lm, scenario, _store(), turns=args.turns, field_name=args.field, toggle=args.toggle, seam=args.seam, progress=_progress("turns"))
+    return {"model": lm.fingerprint.name, **report.as_dict()}
+
+
+def cmd_keystone(args: argparse.Namespace) -> dict:
+    """Edit a field inside a spliced skill: every strategy on the composed vs the recomputed cache."""
+    scenario = _composition(args)
+    lm = _load(args)
+    report = keystone(lm, scenario, _store(), field_name=args.field, seam=args.seam, settings=_settings(args), progress=_progress("strategies"))
+    return {"model": lm.fingerprint.name, **report.as_dict()}
+
+
+def cmd_memory(args: argparse.Namespace) -> dict:
+    """A user-memory skill at the start vs the end: edit cost, transplant fidelity."""
+    scenario = _composition(args)
+    lm = _load(args)
+    return {"model": lm.fingerprint.name, **memory_placement(lm, scenario, _store(), skill_id=args.memory_skill, seam=args.seam)}
+
+
 def _progress(unit: str) -> Callable[[int, int], None]:
     return lambda done, total: _log(f"{unit}: {done}/{total}")
 
@@ -108,6 +158,10 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], dict]] = {
     "decide": cmd_decide,
     "edit": cmd_edit,
     "calibrate": cmd_calibrate,
+    "compose": cmd_compose,
+    "agent": cmd_agent,
+    "keystone": cmd_keystone,
+    "memory": cmd_memory,
 }
 
 
@@ -134,6 +188,23 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--ranking", default="causal", help="field_topk ranking: causal or deviation")
             sub.add_argument("--cot-tokens", type=int, default=24, help="chain-of-thought length for field_only_cot")
             sub.add_argument("--erratum", help="erratum template with {field}, {new}, {old}")
+        if name in ("compose", "agent", "keystone", "memory"):
+            sub.add_argument("--scenario", help="scenario TOML file (may place skills with {skill:ID})")
+            sub.add_argument("--skills", help="comma-separated skill ids from demos/skills")
+            sub.add_argument("--at", default="start", help="where --skills go in a scenario: start or end")
+            sub.add_argument("--seam", type=int, default=1, help="seam repair: recompute the first K tokens of each skill")
+        if name == "compose":
+            sub.add_argument("--blend", type=float, default=0.0, help="CacheBlend-style: recompute this fraction of the most deviating skill tokens")
+            sub.add_argument("--reps", type=int, default=1, help="timing repetitions (median)")
+        if name in ("agent", "keystone"):
+            sub.add_argument("--field", help="the field to change (default: the first)")
+        if name == "agent":
+            sub.add_argument("--turns", type=int, default=12, help="state changes after the first turn")
+            sub.add_argument("--toggle", action="store_true", help="toggle old/new every turn (drift stress test)")
+        if name == "keystone":
+            sub.set_defaults(topk=8, ranking="causal", cot_tokens=24, erratum=None)
+        if name == "memory":
+            sub.add_argument("--memory-skill", default="user_memory", help="the memory skill id")
         if name == "calibrate":
             sub.add_argument("scenarios", nargs="*", help="scenario files or directories (default: the bundled demos)")
             sub.add_argument("--threshold", type=float, default=FLIP_THRESHOLD, help="minimum |Δmargin| that counts as a flip")

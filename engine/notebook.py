@@ -49,11 +49,20 @@ class KVBlock:
     keys: tuple[torch.Tensor, ...]  # per layer (1, kv_heads, L, head_dim)
     values: tuple[torch.Tensor, ...]
     start_position: int
-    segment: str
+    segments: tuple[str, ...]  # (L,) labels, e.g. "skill:refund_policy" and "field:NAME" inside it
     fingerprint: ModelFingerprint
 
     def __len__(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def name(self) -> str:
+        """The block's main label (its most frequent segment)."""
+        return max(set(self.segments), key=self.segments.count)
+
+    def memory_bytes(self) -> int:
+        """Bytes of its K/V tensors."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
 
 def query_heads_of_kv_head(model_config, kv_head: int) -> tuple[int, ...]:
@@ -231,12 +240,15 @@ class Notebook:
         return dataclass_replace(self, keys=keys, positions=torch.where(moving, self.positions + delta, self.positions))
 
     # ---------------------------------------------------------------- operations
-    def append(self, token_ids: Sequence[int], segment: str = "context") -> "Notebook":
-        """Prefill tokens after the current context (e.g. an erratum line)."""
+    def append(self, token_ids: Sequence[int], segment: str | Sequence[str] = "context") -> "Notebook":
+        """Prefill tokens after the current context (e.g. an erratum line); one label or one per token."""
+        labels = [segment] * len(token_ids) if isinstance(segment, str) else list(segment)
         if not token_ids:
             raise NotebookError(f"nothing to append to segment {segment!r}: no tokens")
+        if len(labels) != len(token_ids):
+            raise NotebookError(f"got {len(labels)} segment labels for {len(token_ids)} tokens")
         start = self.next_position
-        return self._compute(token_ids, range(start, start + len(token_ids)), [segment] * len(token_ids), note=f"append {len(token_ids)} tokens as {segment}")
+        return self._compute(token_ids, range(start, start + len(token_ids)), labels, note=f"append {len(token_ids)} tokens as {labels[0]}")
 
     def append_text(self, text: str, segment: str = "erratum") -> "Notebook":
         """Tokenize text (no special tokens) and append it."""
@@ -298,18 +310,24 @@ class Notebook:
         note = f"patch {len(positions)} positions in {len(chosen)} layers from donor"
         return dataclass_replace(self, keys=patched(self.keys, donor.keys), values=patched(self.values, donor.values), log=self.log + (note,))
 
-    def block(self, segment: str) -> KVBlock:
-        """Extract one contiguous segment's K/V as a reusable block."""
-        entries = torch.tensor([i for i in self.order.tolist() if self.segments[i] == segment], dtype=torch.long)
-        if not len(entries):
-            raise NotebookError(f"segment {segment!r} is not in the notebook (segments: {sorted(set(self.segments))})")
+    def block(self, segment: str | None = None, positions: Sequence[int] | None = None) -> KVBlock:
+        """Extract one contiguous segment's (or these positions') K/V as a reusable block."""
+        if positions is not None:
+            entries = self.entries_at(positions)
+        else:
+            entries = torch.tensor([i for i in self.order.tolist() if self.segments[i] == segment], dtype=torch.long)
+            if not len(entries):
+                raise NotebookError(f"segment {segment!r} is not in the notebook (segments: {sorted(set(self.segments))})")
+        starts = self.positions[entries]
+        if not torch.equal(starts, torch.arange(int(starts[0]), int(starts[0]) + len(entries))):
+            raise NotebookError("a block must cover consecutive positions")
         index = entries.to(self.lm.device)
         return KVBlock(
             token_ids=self.token_ids[entries].clone(),
             keys=tuple(k.index_select(2, index) for k in self.keys),
             values=tuple(v.index_select(2, index) for v in self.values),
-            start_position=int(self.positions[entries[0]]),
-            segment=segment,
+            start_position=int(starts[0]),
+            segments=tuple(self.segments[i] for i in entries.tolist()),
             fingerprint=self.lm.fingerprint,
         )
 
@@ -321,7 +339,7 @@ class Notebook:
         """
         if block.fingerprint != self.lm.fingerprint:
             raise NotebookError(
-                f"block {block.segment!r} was computed by {block.fingerprint.name} ({block.fingerprint.dtype}), "
+                f"block {block.name!r} was computed by {block.fingerprint.name} ({block.fingerprint.dtype}), "
                 f"not by the loaded {self.lm.fingerprint.name} ({self.lm.fingerprint.dtype})"
             )
         at = self.next_position if at is None else at
@@ -332,8 +350,8 @@ class Notebook:
         try:
             rotary = self.rotary
         except RopeUnsupported as error:
-            raise NotebookError(f"cannot splice {block.segment!r}: {error}") from error
-        moved = self._shifted(at, len(block), f"splicing {block.segment!r}")
+            raise NotebookError(f"cannot splice {block.name!r}: {error}") from error
+        moved = self._shifted(at, len(block), f"splicing {block.name!r}")
         deltas = torch.full((len(block),), at - block.start_position, dtype=torch.long)
         keys = tuple(torch.cat([k, rotary.rotate(b, deltas)], dim=2) for k, b in zip(moved.keys, block.keys)) if moved.keys else tuple(rotary.rotate(b, deltas) for b in block.keys)
         values = tuple(torch.cat([v, b], dim=2) for v, b in zip(moved.values, block.values)) if moved.values else block.values
@@ -343,9 +361,9 @@ class Notebook:
             values=values,
             token_ids=torch.cat([moved.token_ids, block.token_ids]),
             positions=torch.cat([moved.positions, torch.arange(at, at + len(block))]),
-            segments=moved.segments + (block.segment,) * len(block),
+            segments=moved.segments + block.segments,
             visible=torch.cat([moved.visible, torch.ones(len(block), dtype=torch.bool)]),
-            log=self.log + (f"splice {block.segment} ({len(block)} tokens) at {at}",),
+            log=self.log + (f"splice {block.name} ({len(block)} tokens) at {at}" + (f", seam {seam}" if seam else ""),),
         )
         return spliced.recompute(range(at, at + seam))
 

@@ -1,7 +1,7 @@
 """Scenario runs: render a scenario with field values, prefill its notebook, read its decision."""
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from engine.decision import Decision
@@ -35,9 +35,18 @@ class ScenarioRun:
         }
 
 
-def run_scenario(lm: LoadedModel, scenario: Scenario, values: Mapping[str, str] | None = None, **read_options) -> ScenarioRun:
-    """Prefill the scenario's context with ``values`` (others at their old value) and read the decision."""
+def run_scenario(
+    lm: LoadedModel,
+    scenario: Scenario,
+    values: Mapping[str, str] | None = None,
+    build: Callable[[RenderedPrompt], Notebook] | None = None,
+    **read_options,
+) -> ScenarioRun:
+    """Build the scenario's context with ``values`` (others at their old value) and read the decision.
+
+    ``build`` makes the notebook from the rendered prompt (default: a clean prefill; e.g. splicing skills).
+    """
     prompt = render(scenario, lm.tokenizer, scenario.values_with(**dict(values or {})), max_tokens=lm.model.config.max_position_embeddings)
-    notebook = Notebook.from_prompt(lm, prompt)
+    notebook = build(prompt) if build else Notebook.from_prompt(lm, prompt)
     decision = notebook.read_prompt(prompt, answer_texts=scenario.answers, **read_options)
     return ScenarioRun(scenario, prompt, notebook, decision)

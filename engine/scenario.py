@@ -10,15 +10,18 @@ import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 _PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
+_SKILL_PLACEHOLDER = re.compile(r"\{skill:([A-Za-z0-9_-]+)\}")
+_SKILL_KEYS = ("title", "description", "text", "fields")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _TOP_KEYS = ("name", "description", "system", "context", "question", "fields", "answers", "expect")
-_REQUIRED_KEYS = ("name", "context", "question", "fields", "answers")
+_REQUIRED_KEYS = ("name", "context", "question", "answers")
 _FIELD_KEYS = ("old", "new", "values")
 _SEPARATOR = "\n\n"
 _PLAIN_ANSWER_CUE = "\nAnswer:"
@@ -53,29 +56,24 @@ class Scenario:
     answers: dict[str, tuple[str, ...]]
     expect: dict[str, str]
     source: str | None = None
+    skills: dict[str, "Skill"] = dataclass_field(default_factory=dict)  # {skill:ID} blocks used by the context
 
     @classmethod
-    def from_toml(cls, text: str, source: str | None = None) -> Scenario:
-        """Parse and validate scenario TOML; `source` (a path) prefixes error messages."""
+    def from_toml(cls, text: str, source: str | None = None, skills: Mapping[str, Path] | None = None) -> Scenario:
+        """Parse and validate scenario TOML; `source` (a path) prefixes error messages.
+
+        `{skill:ID}` placeholders resolve against `skills` (id -> file), by default the bundled library.
+        """
         where = f"{source}: " if source else ""
         try:
-            data = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as e:
-            raise ScenarioError(f"{where}TOML syntax error: {e}") from e
-        try:
-            return _parse(data, source)
+            return _parse(_toml(text), source, bundled_skills() if skills is None else skills)
         except ScenarioError as e:
             raise ScenarioError(f"{where}{e}") from None
 
     @classmethod
-    def load(cls, path: str | Path) -> Scenario:
+    def load(cls, path: str | Path, skills: Mapping[str, Path] | None = None) -> Scenario:
         """Read and parse a scenario file."""
-        path = Path(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise ScenarioError(f"cannot read scenario file {path}: {e}") from e
-        return cls.from_toml(text, source=str(path))
+        return cls.from_toml(_read(path, "scenario"), source=str(path), skills=skills)
 
     def field(self, name: str | None = None) -> Field:
         """The named field, or the first one declared."""
@@ -92,6 +90,27 @@ class Scenario:
             self.field(name)
             values[name] = _check_value(name, value)
         return values
+
+
+@dataclass(frozen=True)
+class Skill:
+    """A reusable text block (policy, tool specs, fact sheet...) whose K/V can be computed once and spliced."""
+
+    id: str
+    title: str
+    description: str
+    text: str
+    fields: dict[str, Field]
+    source: str | None = None
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Skill":
+        """Read and validate a skill file (TOML: title, description, text, optional [fields])."""
+        path = Path(path)
+        try:
+            return _parse_skill(_toml(_read(path, "skill")), path.stem, str(path))
+        except ScenarioError as e:
+            raise ScenarioError(f"{path}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -115,11 +134,18 @@ class RenderedPrompt:
     decode_ids: tuple[int, ...]
     answer_ids: dict[str, tuple[tuple[int, ...], ...]]
     values: dict[str, str]
+    skill_spans: dict[str, Span] = dataclass_field(default_factory=dict)  # skill id -> its tokens (fields inside)
 
 
 def bundled_scenarios() -> dict[str, Path]:
     """The demo scenarios shipped in demos/scenarios, by file stem."""
     folder = Path(__file__).parents[1] / "demos" / "scenarios"
+    return {path.stem: path for path in sorted(folder.glob("*.toml"))}
+
+
+def bundled_skills() -> dict[str, Path]:
+    """The skill library shipped in demos/skills, by id (file stem)."""
+    folder = Path(__file__).parents[1] / "demos" / "skills"
     return {path.stem: path for path in sorted(folder.glob("*.toml"))}
 
 
@@ -154,17 +180,28 @@ def render(
         ids.insert(0, bos)
         segments.insert(0, "template")
 
-    texts, names = _split_context(scenario.context)
     spans: dict[str, Span] = {}
-    for text, name in zip(texts[:-1], names, strict=True):
-        lead = " " if text.endswith(" ") else ""
-        add(text.removesuffix(" ") if lead else text, "context")
-        start = len(ids)
-        add(lead + filled[name], f"field:{name}")
-        if len(ids) == start:
-            raise ScenarioError(f"field {name!r}: value {filled[name]!r} tokenizes to nothing with this tokenizer")
-        spans[name] = Span(start, len(ids))
-    add(texts[-1], "context")
+    skill_spans: dict[str, Span] = {}
+
+    def add_template(template: str, segment: str) -> None:
+        texts, names = _split_context(template)
+        for text, name in zip(texts[:-1], names, strict=True):
+            lead = " " if text.endswith(" ") else ""
+            add(text.removesuffix(" ") if lead else text, segment)
+            start = len(ids)
+            add(lead + filled[name], f"field:{name}")
+            if len(ids) == start:
+                raise ScenarioError(f"field {name!r}: value {filled[name]!r} tokenizes to nothing with this tokenizer")
+            spans[name] = Span(start, len(ids))
+        add(texts[-1], segment)
+
+    for kind, text in _context_chunks(scenario.context):
+        if kind == "skill":
+            start = len(ids)
+            add_template(scenario.skills[text].text, f"skill:{text}")
+            skill_spans[text] = Span(start, len(ids))
+        else:
+            add_template(text, "context")
     add(separator, "template")
 
     decode_ids = tuple(_encode(tokenizer, scenario.question + tail))
@@ -187,10 +224,81 @@ def render(
         decode_ids=decode_ids,
         answer_ids=answer_ids,
         values=filled,
+        skill_spans=skill_spans,
     )
 
 
-def _parse(data: dict[str, Any], source: str | None) -> Scenario:
+def _toml(text: str) -> dict[str, Any]:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ScenarioError(f"TOML syntax error: {e}") from e
+
+
+def _read(path: str | Path, kind: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ScenarioError(f"cannot read {kind} file {path}: {e}") from e
+
+
+def _context_chunks(context: str) -> list[tuple[str, str]]:
+    """Split a context at `{skill:ID}` placeholders: ("text", text) and ("skill", id) chunks in order."""
+    chunks, position = [], 0
+    for match in _SKILL_PLACEHOLDER.finditer(context):
+        chunks.append(("text", context[position : match.start()]))
+        chunks.append(("skill", match.group(1)))
+        position = match.end()
+    chunks.append(("text", context[position:]))
+    return [(kind, text) for kind, text in chunks if kind == "skill" or text]
+
+
+def _resolve_skills(context: str, library: Mapping[str, Path]) -> dict[str, Skill]:
+    """Load every skill the context names, once each."""
+    ids = [text for kind, text in _context_chunks(context) if kind == "skill"]
+    skills = {}
+    for skill_id in ids:
+        if ids.count(skill_id) > 1:
+            raise ScenarioError(f"skill {skill_id!r} is placed {ids.count(skill_id)} times; each skill may appear once")
+        if skill_id not in library:
+            raise ScenarioError(f"unknown skill {skill_id!r}; available: {', '.join(sorted(library)) or 'none'}")
+        skills[skill_id] = Skill.load(library[skill_id])
+    return skills
+
+
+def _parse_skill(data: dict[str, Any], skill_id: str, source: str | None) -> Skill:
+    """Validate a skill document."""
+    unknown = [key for key in data if key not in _SKILL_KEYS]
+    if unknown:
+        raise ScenarioError(f"unknown key {unknown[0]!r}; allowed keys: {', '.join(_SKILL_KEYS)}")
+    text = _text(data, "text", required=True)
+    if text is None:
+        raise ScenarioError("missing required key 'text'")
+    fields = _parse_fields(data["fields"]) if "fields" in data else {}
+    names = _split_context(text)[1]
+    _check_placeholders(names, fields, "the skill text")
+    return Skill(skill_id, _text(data, "title") or skill_id, _text(data, "description") or "", text, fields, source)
+
+
+def _check_placeholders(names: list[str], fields: Mapping[str, Field], where: str) -> None:
+    """Every placeholder declared and used once; every declared field used."""
+    for placeholder in names:
+        if placeholder not in fields:
+            raise ScenarioError(
+                f"{where} uses {{{placeholder}}} but no field {placeholder!r} is declared "
+                f"(add a [fields.{placeholder}] table, or write {{{{{placeholder}}}}} for literal braces)"
+            )
+        if names.count(placeholder) > 1:
+            raise ScenarioError(
+                f"placeholder {{{placeholder}}} occurs {names.count(placeholder)} times in {where}; "
+                "each field may appear once"
+            )
+    for field_name in fields:
+        if field_name not in names:
+            raise ScenarioError(f"field {field_name!r} is declared but {{{field_name}}} is not in {where}")
+
+
+def _parse(data: dict[str, Any], source: str | None, library: Mapping[str, Path]) -> Scenario:
     """Validate the decoded TOML document and build the Scenario."""
     unknown = [key for key in data if key not in _TOP_KEYS]
     if unknown:
@@ -204,22 +312,14 @@ def _parse(data: dict[str, Any], source: str | None) -> Scenario:
     description = _text(data, "description") or ""
     system = _text(data, "system") or None
 
-    fields = _parse_fields(data["fields"])
-    names = _split_context(context)[1]
-    for placeholder in names:
-        if placeholder not in fields:
-            raise ScenarioError(
-                f"the context uses {{{placeholder}}} but no field {placeholder!r} is declared "
-                f"(add a [fields.{placeholder}] table, or write {{{{{placeholder}}}}} for literal braces)"
-            )
-        if names.count(placeholder) > 1:
-            raise ScenarioError(
-                f"placeholder {{{placeholder}}} occurs {names.count(placeholder)} times in the context; "
-                "each field may appear once"
-            )
-    for field_name in fields:
-        if field_name not in names:
-            raise ScenarioError(f"field {field_name!r} is declared but {{{field_name}}} is not in the context")
+    skills = _resolve_skills(context, library)
+    fields = _parse_fields(data["fields"]) if "fields" in data else {}
+    for skill in skills.values():
+        fields = {**skill.fields, **fields}  # the scenario's own declaration wins
+    if not fields:
+        raise ScenarioError("missing required key 'fields' (declare a [fields.NAME] table, or use a skill that declares one)")
+    names = [name for kind, text in _context_chunks(context) for name in _split_context(skills[text].text if kind == "skill" else text)[1]]
+    _check_placeholders(names, fields, "the context")
     for key, text in (("question", question), ("system", system or "")):
         used = [n for n in _split_context(text)[1] if n in fields]
         if used:
@@ -237,6 +337,7 @@ def _parse(data: dict[str, Any], source: str | None) -> Scenario:
         answers=answers,
         expect=expect,
         source=source,
+        skills=skills,
     )
 
 

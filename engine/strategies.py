@@ -30,7 +30,7 @@ from engine.models import LoadedModel
 from engine.notebook import Notebook, NotebookError
 from engine.patching import attribution_effects, kv_deviation
 from engine.runs import ScenarioRun, run_scenario
-from engine.scenario import Scenario, ScenarioError
+from engine.scenario import RenderedPrompt, Scenario, ScenarioError
 
 DEFAULT_ERRATUM = "[STATE UPDATE] {field} -> {new}; overrides any earlier value and conclusion"
 STRATEGIES = (
@@ -145,14 +145,17 @@ class EditExperiment:
         field_name: str | None = None,
         new: str | None = None,
         settings: EditSettings | None = None,
+        build: Callable[[RenderedPrompt], Notebook] | None = None,
     ) -> None:
+        """``build`` makes the stale notebook (default: a clean prefill; e.g. skills spliced). The oracle is
+        always a clean prefill with the new value."""
         self.lm, self.scenario, self.settings = lm, scenario, settings or EditSettings()
         chosen = scenario.field(field_name)
         self.field, self.old, self.new = chosen.name, chosen.old, chosen.new if new is None else new
         if not self.new or "{" in self.new or "}" in self.new:
             raise ScenarioError(f"new value for field {self.field!r} must be non-empty and contain no braces, got {self.new!r}")
         started = time.perf_counter()
-        self.stale = run_scenario(lm, scenario, {self.field: self.old})
+        self.stale = run_scenario(lm, scenario, {self.field: self.old}, build)
         self.stale_ms = (time.perf_counter() - started) * 1000
         started = time.perf_counter()
         self.oracle = run_scenario(lm, scenario, {self.field: self.new})

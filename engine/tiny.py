@@ -147,7 +147,7 @@ def _tiny_config(arch: str, tokenizer: PreTrainedTokenizerFast) -> PretrainedCon
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "head_dim": 16,
-        "max_position_embeddings": 512,
+        "max_position_embeddings": 4096,
     }
     rope = {"rope_type": "default", "rope_theta": 10000.0}
     if arch == "llama":
@@ -197,7 +197,7 @@ def _tiny_config(arch: str, tokenizer: PreTrainedTokenizerFast) -> PretrainedCon
             },
         )
     if arch == "gpt2":
-        return GPT2Config(**common, n_embd=64, n_layer=3, n_head=4, n_inner=128, n_positions=512)
+        return GPT2Config(**common, n_embd=64, n_layer=3, n_head=4, n_inner=128, n_positions=4096)
     raise ValueError(f"unknown tiny architecture {arch!r}; choose one of: {', '.join(TINY_ARCHS)}")
 
 

@@ -1,0 +1,194 @@
+"""Composing contexts from precompiled skills, and how close splicing gets to a full recompute.
+
+A scenario places skills with ``{skill:ID}`` placeholders. The *recomputed* path prefills every token. The
+*spliced* path prefills only the text between skills and splices each skill's stored K/V (keys re-rotated to
+their new positions, values unchanged), optionally recomputing the first ``seam`` tokens of each skill
+against the real prefix (seam repair) or the top fraction of its most deviating tokens (CacheBlend-style,
+ranked against the recomputed cache, so a diagnostic rather than a deployable ranking).
+Cost: splice is O(L) per skill instead of O(L·context) attention and MLP work.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.decision import Decision, logit_agreement
+from engine.models import LoadedModel
+from engine.notebook import Notebook, NotebookError
+from engine.patching import kv_deviation
+from engine.scenario import RenderedPrompt, Scenario, ScenarioError, Skill, bundled_skills, render
+
+SEAMS = (0, 1, 2, 4, 8, 16, 32)
+ADHOC_QUESTION = "Is the information above internally consistent? Answer yes or no."
+
+
+def with_skills(scenario: Scenario, skill_ids: Sequence[str], at: str = "start", library: Mapping | None = None) -> Scenario:
+    """The scenario with skills placed before its context (``start``) or after it (``end``)."""
+    if at not in ("start", "end"):
+        raise ScenarioError(f"--at must be 'start' or 'end', got {at!r}")
+    library = bundled_skills() if library is None else library
+    unknown = [s for s in skill_ids if s not in library]
+    if unknown:
+        raise ScenarioError(f"unknown skill {unknown[0]!r}; available: {', '.join(sorted(library))}")
+    placed = "\n\n".join(f"{{skill:{s}}}" for s in skill_ids)
+    context = f"{placed}\n\n{scenario.context}" if at == "start" else f"{scenario.context}\n\n{placed}"
+    skills = {**scenario.skills, **{s: Skill.load(library[s]) for s in skill_ids}}
+    fields = {**{n: f for s in skills.values() for n, f in s.fields.items()}, **scenario.fields}
+    return dataclasses.replace(scenario, context=context, skills=skills, fields=fields)
+
+
+def adhoc_scenario(skill_ids: Sequence[str], library: Mapping | None = None) -> Scenario:
+    """A scenario made only of skills, with a generic yes/no question."""
+    base = Scenario(
+        name="skills: " + ", ".join(skill_ids), description="Skills composed without a scenario.", system=None,
+        context="", question=ADHOC_QUESTION, fields={}, answers={"yes": ("yes", "Yes"), "no": ("no", "No")}, expect={},
+    )
+    composed = with_skills(base, skill_ids, "start", library)
+    return dataclasses.replace(composed, context=composed.context.strip())
+
+
+def splice_prompt(
+    lm: LoadedModel,
+    scenario: Scenario,
+    prompt: RenderedPrompt,
+    store,
+    *,
+    seam: int = 0,
+    blend: float = 0.0,
+    reference: Notebook | None = None,
+) -> Notebook:
+    """Build the prompt's context with every skill spliced from ``store`` and the rest prefilled."""
+    if blend and reference is None:
+        raise NotebookError("CacheBlend-style recompute needs the recomputed notebook as reference")
+    ids, segments = list(prompt.context_ids), list(prompt.context_segments)
+    notebook, cursor = Notebook.empty(lm), 0
+    for skill_id, span in sorted(prompt.skill_spans.items(), key=lambda item: item[1].start):
+        if span.start > cursor:
+            notebook = notebook.append(ids[cursor : span.start], segments[cursor : span.start])
+        skill = scenario.skills[skill_id]
+        block = store.get(lm, skill, {name: prompt.values[name] for name in skill.fields})
+        if block.token_ids.tolist() != ids[span.start : span.end]:
+            raise NotebookError(f"skill {skill_id!r} tokenizes differently in this context than when compiled")
+        notebook = notebook.splice(block, seam=min(seam, len(block)))
+        if blend:
+            count = max(1, round(blend * len(block)))
+            notebook = notebook.recompute(kv_deviation(notebook, reference, range(span.start, span.end)).top_positions(count))
+        cursor = span.end
+    if cursor < len(ids):
+        notebook = notebook.append(ids[cursor:], segments[cursor:])
+    return notebook
+
+
+def kv_relative_deviation(spliced: Notebook, reference: Notebook) -> torch.Tensor:
+    """(layers, context tokens) ‖Δk‖+‖Δv‖ over ‖k‖+‖v‖ of the reference, in reading order."""
+    positions = reference.visible_positions()
+    mine, theirs = spliced.entries_at(positions).to(spliced.lm.device), reference.entries_at(positions).to(spliced.lm.device)
+    rows = []
+    for key, value, ref_key, ref_value in zip(spliced.keys, spliced.values, reference.keys, reference.values):
+        rk, rv = ref_key.index_select(2, theirs).float(), ref_value.index_select(2, theirs).float()
+        delta = (key.index_select(2, mine).float() - rk).norm(dim=-1) + (value.index_select(2, mine).float() - rv).norm(dim=-1)
+        rows.append((delta / (rk.norm(dim=-1) + rv.norm(dim=-1)).clamp_min(1e-6)).mean(dim=(0, 1)))
+    return torch.stack(rows).cpu()
+
+
+@dataclass
+class Fidelity:
+    """Spliced vs recomputed: next-token logits, decision, K/V deviation and time to first token."""
+
+    scenario: str
+    skills: list[str]
+    seam: int
+    blend: float
+    context_tokens: int
+    skill_tokens: int
+    agreement: dict[str, float]
+    decision_agree: bool
+    spliced: Decision
+    recomputed: Decision
+    deviation: torch.Tensor  # (layers, context tokens)
+    ttft_ms: dict[str, float]
+    compile_ms: float
+
+    def as_dict(self) -> dict:
+        return {
+            "scenario": self.scenario,
+            "skills": self.skills,
+            "seam": self.seam,
+            "blend": self.blend,
+            "context_tokens": self.context_tokens,
+            "skill_tokens": self.skill_tokens,
+            **{key: round(value, 6) for key, value in self.agreement.items()},
+            "decision_agree": self.decision_agree,
+            "spliced": self.spliced.as_dict(),
+            "recomputed": self.recomputed.as_dict(),
+            "max_kv_deviation": round(float(self.deviation.max()), 6),
+            "ttft_ms": {key: round(value, 1) for key, value in self.ttft_ms.items()},
+            "speedup": round(self.ttft_ms["full"] / self.ttft_ms["splice"], 2),
+            "compile_ms": round(self.compile_ms, 1),
+        }
+
+
+def _timed(function: Callable[[], tuple[Notebook, Decision]], reps: int) -> tuple[tuple[Notebook, Decision], float]:
+    """The last result and the median wall time in ms over ``reps`` calls."""
+    times, result = [], None
+    for _ in range(reps):
+        started = time.perf_counter()
+        result = function()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - started) * 1000)
+    return result, sorted(times)[len(times) // 2]
+
+
+def compare(
+    lm: LoadedModel,
+    scenario: Scenario,
+    store,
+    *,
+    seam: int = 0,
+    blend: float = 0.0,
+    values: Mapping[str, str] | None = None,
+    reps: int = 1,
+) -> Fidelity:
+    """Splice vs full recompute of the scenario, side by side in one run (skills compiled first)."""
+    if not scenario.skills:
+        raise ScenarioError(f"scenario {scenario.name!r} places no skills (use {{skill:ID}} or --skills)")
+    if seam < 0 or not 0.0 <= blend <= 1.0:
+        raise ScenarioError(f"seam must be ≥ 0 and blend within [0, 1], got seam={seam}, blend={blend}")
+    prompt = render(scenario, lm.tokenizer, scenario.values_with(**dict(values or {})), max_tokens=lm.model.config.max_position_embeddings)
+    started = time.perf_counter()
+    for skill in scenario.skills.values():
+        store.get(lm, skill, {name: prompt.values[name] for name in skill.fields})
+    compile_ms = (time.perf_counter() - started) * 1000
+    answers = scenario.answers
+
+    def recompute_and_read() -> tuple[Notebook, Decision]:
+        notebook = Notebook.from_prompt(lm, prompt)
+        return notebook, notebook.read_prompt(prompt, answer_texts=answers)
+
+    (reference, recomputed), full_ms = _timed(recompute_and_read, reps)
+
+    def splice_and_read() -> tuple[Notebook, Decision]:
+        notebook = splice_prompt(lm, scenario, prompt, store, seam=seam, blend=blend, reference=reference)
+        return notebook, notebook.read_prompt(prompt, answer_texts=answers)
+
+    (spliced_notebook, spliced), splice_ms = _timed(splice_and_read, reps)
+    return Fidelity(
+        scenario=scenario.name,
+        skills=list(scenario.skills),
+        seam=seam,
+        blend=blend,
+        context_tokens=len(prompt.context_ids),
+        skill_tokens=sum(len(span) for span in prompt.skill_spans.values()),
+        agreement=logit_agreement(spliced.next_token_logits, recomputed.next_token_logits),
+        decision_agree=spliced.label == recomputed.label,
+        spliced=spliced,
+        recomputed=recomputed,
+        deviation=kv_relative_deviation(spliced_notebook, reference),
+        ttft_ms={"splice": splice_ms, "full": full_ms},
+        compile_ms=compile_ms,
+    )
