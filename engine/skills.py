@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from engine.models import LoadedModel, ModelFingerprint
@@ -97,7 +97,7 @@ def load_block(path: str | Path, lm: LoadedModel) -> KVBlock:
         with safe_open(str(path), framework="pt") as handle:
             meta = json.loads((handle.metadata() or {})["kvscope"])
             tensors = {name: handle.get_tensor(name) for name in handle.keys()}
-    except (OSError, KeyError, ValueError, json.JSONDecodeError) as error:
+    except (OSError, KeyError, ValueError, SafetensorError) as error:
         raise SkillFileError(f"{path} is not a KVScope skill file: {error}") from error
     if meta.get("format") != FORMAT_VERSION:
         raise SkillFileError(f"{path} has format {meta.get('format')!r}, expected {FORMAT_VERSION}")

@@ -1,0 +1,159 @@
+"""Composition: splice vs prefill ground truth, skill files, the store, keystone, agent loop, memory."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from engine.agent import run_agent, value_schedule
+from engine.compose import adhoc_scenario, compare, splice_prompt, with_skills
+from engine.keystone import keystone
+from engine.memory import memory_placement
+from engine.notebook import Notebook, NotebookError
+from engine.scenario import Scenario, ScenarioError, Skill, bundled_scenarios, bundled_skills, render
+from engine.skills import SkillFileError, SkillStore, compile_skill, load_block, save_block
+from engine.tiny import tiny_model
+
+SHORT = ["account_gate", "user_memory"]  # short enough for tiny models' 4k positions
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_model("qwen2")
+
+
+@pytest.fixture(scope="module")
+def store():
+    return SkillStore()
+
+
+def test_bundled_skill_library_is_complete():
+    skills = {skill_id: Skill.load(path) for skill_id, path in bundled_skills().items()}
+    assert len(skills) >= 6
+    assert any(skill.fields for skill in skills.values())
+
+
+def test_full_seam_splice_equals_prefill_in_both_orders(lm, store):
+    for order in (SHORT, SHORT[::-1]):
+        fidelity = compare(lm, adhoc_scenario(order), store, seam=10_000)
+        assert fidelity.agreement["cosine"] == pytest.approx(1.0, abs=1e-6)
+        assert fidelity.agreement["kl"] == pytest.approx(0.0, abs=1e-6)
+        assert float(fidelity.deviation.max()) < 1e-4
+
+
+def test_first_skill_at_its_original_position_is_exact_without_seam(lm, store):
+    scenario = adhoc_scenario(SHORT[:1])
+    prompt = render(scenario, lm.tokenizer)
+    spliced = splice_prompt(lm, scenario, prompt, store, seam=0)
+    reference = Notebook.from_prompt(lm, prompt)
+    assert torch.allclose(spliced.read_prompt(prompt).next_token_logits, reference.read_prompt(prompt).next_token_logits, atol=1e-5)
+
+
+def test_spliced_second_skill_keys_equal_keys_prefilled_at_the_target(lm, store):
+    """Re-rotated keys equal keys of the same canonical prefill shifted to the target position."""
+    scenario = adhoc_scenario(SHORT)
+    prompt = render(scenario, lm.tokenizer)
+    spliced = splice_prompt(lm, scenario, prompt, store, seam=0)
+    second = scenario.skills[SHORT[1]]
+    block = compile_skill(lm, second)
+    target = prompt.skill_spans[SHORT[1]].start
+    canonical = Notebook.prefill(lm, list(prompt.context_ids[: block.start_position]) + block.token_ids.tolist(), start_position=target - block.start_position)
+    expected = canonical.block(positions=range(target, target + len(block)))
+    got = spliced.block(positions=range(target, target + len(block)))
+    for mine, theirs in zip(got.keys + got.values, expected.keys + expected.values):
+        error = float((mine - theirs).abs().max()) / float(theirs.abs().max())
+        assert error < 1e-5, error
+
+
+def test_seam_repair_never_hurts_much_and_blend_runs(lm, store):
+    scenario = adhoc_scenario(SHORT)
+    cosines = [compare(lm, scenario, store, seam=seam).agreement["cosine"] for seam in (0, 4, 10_000)]
+    assert cosines[-1] == pytest.approx(1.0, abs=1e-6) and cosines[0] < 1.0
+    blended = compare(lm, scenario, store, seam=0, blend=1.0)
+    assert blended.agreement["cosine"] > cosines[0]
+
+
+def test_stored_skill_round_trip_is_bit_exact(lm, tmp_path):
+    block = compile_skill(lm, Skill.load(bundled_skills()["account_gate"]))
+    path = save_block(block, tmp_path / "gate.safetensors", "account_gate")
+    loaded = load_block(path, lm)
+    assert torch.equal(loaded.token_ids, block.token_ids) and loaded.segments == block.segments
+    assert all(torch.equal(a, b) for a, b in zip(loaded.keys + loaded.values, block.keys + block.values))
+
+
+def test_stored_skill_refusals(lm, tmp_path):
+    block = compile_skill(lm, Skill.load(bundled_skills()["account_gate"]))
+    path = save_block(block, tmp_path / "gate.safetensors", "account_gate")
+    with pytest.raises(SkillFileError, match="compiled by tiny-qwen2"):
+        load_block(path, tiny_model("qwen2", seed=1))
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF  # flip a byte inside the last tensor
+    tampered = tmp_path / "tampered.safetensors"
+    tampered.write_bytes(bytes(data))
+    with pytest.raises(SkillFileError, match="do not match their recorded sha256"):
+        load_block(tampered, lm)
+    meta = json.loads(__import__("safetensors").safe_open(str(path), framework="pt").metadata()["kvscope"])
+    wrong = {f"{kind}.{i}": torch.zeros(2, 3, 16) for kind in ("keys", "values") for i in range(3)}
+    from engine.skills import _tensor_digest
+
+    meta["sha256"] = _tensor_digest(wrong)
+    save_file(wrong, str(tmp_path / "shape.safetensors"), metadata={"kvscope": json.dumps(meta)})
+    with pytest.raises(SkillFileError, match="has shape"):
+        load_block(tmp_path / "shape.safetensors", lm)
+    (tmp_path / "junk.safetensors").write_bytes(b"not a file")
+    with pytest.raises(SkillFileError, match="not a KVScope skill file"):
+        load_block(tmp_path / "junk.safetensors", lm)
+
+
+def test_store_compiles_once_uses_disk_and_respects_budget(lm, tmp_path):
+    gate, memory = (Skill.load(bundled_skills()[s]) for s in SHORT)
+    store = SkillStore(tmp_path)
+    first = store.get(lm, gate)
+    assert store.get(lm, gate) is first and store.compiled == 1
+    assert len(list(tmp_path.glob("account_gate-*.safetensors"))) == 1
+    fresh = SkillStore(tmp_path)
+    assert torch.equal(fresh.get(lm, gate).keys[0], first.keys[0]) and fresh.compiled == 0
+    tight = SkillStore(budget_bytes=first.memory_bytes())
+    tight.get(lm, gate)
+    tight.get(lm, memory)
+    assert tight.memory_bytes() <= max(first.memory_bytes(), compile_skill(lm, memory).memory_bytes())
+    assert store.get(lm, gate, {"account_tier": "premium"}) is not first
+
+
+def test_gpt2_splice_is_refused(store):
+    with pytest.raises(NotebookError, match="no rotary"):
+        compare(tiny_model("gpt2"), adhoc_scenario(SHORT[:1]), store)
+
+
+def test_composition_errors():
+    with pytest.raises(ScenarioError, match="unknown skill 'nope'"):
+        adhoc_scenario(["nope"])
+    with pytest.raises(ScenarioError, match="'start' or 'end'"):
+        with_skills(Scenario.load(bundled_scenarios()["refund_gate"]), SHORT, "middle")
+    with pytest.raises(ScenarioError, match="unknown skill"):
+        Scenario.from_toml('name="x"\ncontext="{skill:missing}"\nquestion="q"\n[answers]\na="a"\nb="b"\n')
+
+
+def test_keystone_recomputed_side_matches_plain_edit(lm, store):
+    report = keystone(lm, adhoc_scenario(SHORT[:1]), store, seam=1, strategies=("erratum", "full_downstream"))
+    data = report.as_dict()
+    assert data["strategies"]["full_downstream"]["recomputed"]["margin"] == pytest.approx(data["oracle_margin"], abs=1e-4)
+    assert data["strategies"]["erratum"]["decision_agree"] in (True, False)
+    with pytest.raises(ScenarioError, match="not inside any skill"):
+        keystone(lm, Scenario.load(bundled_scenarios()["refund_gate"]), store)
+
+
+def test_agent_errata_on_a_cached_prefix_match_reprefill(lm, store):
+    report = run_agent(lm, adhoc_scenario(SHORT[:1]), store, turns=4, toggle=True, seam=1)
+    data = report.as_dict()
+    assert [t["value"] for t in data["turns"]] == value_schedule(("basic", "premium"), 4, True)
+    assert data["min_cosine"] > 0.9999 and data["decision_agreement"] == 1.0  # first skill sits at its source position
+    assert len(data["turns"]) == 5
+
+
+def test_memory_placement_reports_both_layouts(lm, store):
+    result = memory_placement(lm, Scenario.load(bundled_scenarios()["memory_contact"]), store)
+    start, end = result["placements"]["start"], result["placements"]["end"]
+    assert end["edit"]["full_downstream"]["tokens_recomputed"] < start["edit"]["full_downstream"]["tokens_recomputed"]
+    assert start["edit"]["full_downstream"]["margin"] == pytest.approx(start["oracle_margin"], abs=1e-4)
+    assert 0 < end["transplant"]["cosine"] <= 1.0 + 1e-6
