@@ -1,4 +1,4 @@
-"""Headless CLI: ``python -m engine info|selftest|decide|edit|calibrate|compose|agent|keystone|memory``.
+"""Headless CLI: ``python -m engine info|selftest|decide|edit|calibrate|probe|compose|agent|keystone|memory``.
 
 With ``--json`` exactly one JSON object goes to stdout (an ``{"error": ...}`` object and exit code 2 on
 bad input); logs and progress go to stderr.
@@ -6,6 +6,7 @@ bad input); logs and progress go to stderr.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import logging
 import sys
@@ -19,6 +20,7 @@ from engine.memory import memory_placement
 from engine.models import LoadedModel, ModelLoadError, cache_dir, load_model
 from engine.skills import SkillFileError, SkillStore
 from engine.notebook import NotebookError
+from engine.probes import PROBES
 from engine.rope import RopeUnsupported
 from engine.runs import run_scenario
 from engine.scenario import Scenario, ScenarioError, bundled_scenarios
@@ -103,6 +105,36 @@ def cmd_calibrate(args: argparse.Namespace) -> dict:
     }
 
 
+def _option_value(text: str):
+    """A --opt value: JSON where it parses (numbers, booleans, lists), else the raw string."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def cmd_probe(args: argparse.Namespace) -> dict:
+    """Run one causal probe on a scenario's field change (see engine/probes.py for each probe's options)."""
+    if args.name not in PROBES:
+        raise ScenarioError(f"unknown probe {args.name!r}; choose from {', '.join(PROBES)}")
+    scenario = Scenario.load(args.scenario)
+    scenario.field(args.field)
+    options = {}
+    for pair in args.opt:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ScenarioError(f"--opt expects KEY=VALUE, got {pair!r}")
+        options[key.strip()] = _option_value(value)
+    accepted = [p for p in inspect.signature(PROBES[args.name]).parameters if p not in ("experiment", "progress")]
+    unknown = [key for key in options if key not in accepted]
+    if unknown:
+        raise ScenarioError(f"probe {args.name!r} has no option {unknown[0]!r}; options: {', '.join(accepted) or 'none'}")
+    lm = _load(args)
+    experiment = EditExperiment(lm, scenario, args.field, args.new)
+    result = PROBES[args.name](experiment, progress=_progress(args.name), **options)
+    return {"model": lm.fingerprint.name, "probe": args.name, "scenario": scenario.name, "field": experiment.field, "old": experiment.old, "new": experiment.new, **result.as_dict()}
+
+
 def _composition(args: argparse.Namespace) -> Scenario:
     skills = [s.strip() for s in args.skills.split(",") if s.strip()] if args.skills else []
     if args.scenario:
@@ -158,6 +190,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], dict]] = {
     "decide": cmd_decide,
     "edit": cmd_edit,
     "calibrate": cmd_calibrate,
+    "probe": cmd_probe,
     "compose": cmd_compose,
     "agent": cmd_agent,
     "keystone": cmd_keystone,
@@ -188,6 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--ranking", default="causal", help="field_topk ranking: causal or deviation")
             sub.add_argument("--cot-tokens", type=int, default=24, help="chain-of-thought length for field_only_cot")
             sub.add_argument("--erratum", help="erratum template with {field}, {new}, {old}")
+        if name == "probe":
+            sub.add_argument("name", help=f"one of: {', '.join(PROBES)}")
+            sub.add_argument("--scenario", required=True, help="scenario TOML file")
+            sub.add_argument("--field", help="field to change (default: the first)")
+            sub.add_argument("--new", help="new value (default: the field's `new`)")
+            sub.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="probe option, e.g. top=8, exact=true, find=...")
         if name in ("compose", "agent", "keystone", "memory"):
             sub.add_argument("--scenario", help="scenario TOML file (may place skills with {skill:ID})")
             sub.add_argument("--skills", help="comma-separated skill ids from demos/skills")

@@ -44,6 +44,17 @@ def test_calibrate_lists_every_bundled_scenario():
     assert code == 0 and result["total"] == len(list((ROOT / "demos" / "scenarios").glob("*.toml"))) > 0
 
 
+def test_probe_compose_and_agent_shapes():
+    code, probe = run_cli("probe", "locality", "--model", "tiny-qwen2", "--scenario", REFUND)
+    assert code == 0 and probe["probe"] == "locality" and {"field_only", "full_downstream"} <= set(probe)
+    code, compose = run_cli("compose", "--model", "tiny-qwen2", "--skills", "account_gate", "--seam", "2")
+    assert code == 0
+    assert {"cosine", "kl", "top1_agree", "top5_agree", "decision_agree", "seam", "ttft_ms", "speedup"} <= set(compose)
+    assert set(compose["ttft_ms"]) == {"splice", "full"} and compose["seam"] == 2
+    code, agent = run_cli("agent", "--model", "tiny-qwen2", "--skills", "account_gate", "--turns", "2")
+    assert code == 0 and len(agent["turns"]) == 3 and {"cumulative_ttft_ms", "decision_agreement"} <= set(agent)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -52,6 +63,10 @@ def test_calibrate_lists_every_bundled_scenario():
         (("edit", "--model", "tiny-qwen2", "--scenario", REFUND, "--strategies", "magic"), "unknown strategy 'magic'"),
         (("edit", "--model", "tiny-qwen2", "--scenario", REFUND, "--strategies", "field_topk", "--topk", "9999"), "K=9999 is larger"),
         (("info", "--model", "no-such-alias"), "no-such-alias"),
+        (("probe", "vibes", "--model", "tiny-qwen2", "--scenario", REFUND), "unknown probe 'vibes'"),
+        (("probe", "notes_map", "--model", "tiny-qwen2", "--scenario", REFUND, "--opt", "bogus=1"), "no option 'bogus'"),
+        (("compose", "--model", "tiny-qwen2", "--skills", "nope"), "unknown skill 'nope'"),
+        (("compose", "--model", "tiny-gpt2", "--skills", "account_gate"), "no rotary"),
     ],
 )
 def test_bad_input_gives_error_json(args, message):
