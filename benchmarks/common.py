@@ -1,0 +1,63 @@
+"""Shared helpers of the benchmark scripts: neutral filler text, timing, result files."""
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from engine.models import LoadedModel
+
+RESULTS = Path(__file__).parent / "results"
+FILLER = (
+    "The team met on Tuesday, reviewed the backlog, and agreed to revisit the schedule next week. "
+    "Notes were shared in the usual channel and nobody raised further questions. "
+)
+
+
+def filler_text(lm: LoadedModel, tokens: int) -> str:
+    """Neutral meeting-log text of about ``tokens`` tokens (cut at a sentence boundary)."""
+    sentences, text = FILLER.split(". "), ""
+    while len(lm.tokenizer(text, add_special_tokens=False).input_ids) < tokens:
+        text += ". ".join(sentences).strip() + " "
+    ids = lm.tokenizer(text, add_special_tokens=False).input_ids[:tokens]
+    return lm.tokenizer.decode(ids).rsplit(".", 1)[0] + "."
+
+
+def median_ms(function: Callable[[], object], reps: int, warmup: int = 1) -> float:
+    """Median wall time in ms over ``reps`` calls after ``warmup`` calls."""
+    for _ in range(warmup):
+        function()
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        function()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - started) * 1000)
+    return statistics.median(times)
+
+
+def environment(lm: LoadedModel) -> dict:
+    """What the numbers were measured on."""
+    return {
+        "model": lm.fingerprint.name,
+        "dtype": lm.fingerprint.dtype,
+        "device": str(lm.device),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "torch_threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "torch": torch.__version__,
+    }
+
+
+def write_result(name: str, lm: LoadedModel, data: dict) -> Path:
+    """Write benchmarks/results/<name>-<model>-<device>.json and return its path."""
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}-{lm.fingerprint.name.split(':')[0]}-{lm.device.type}.json"
+    path.write_text(json.dumps({**environment(lm), **data}, indent=2))
+    return path

@@ -1,0 +1,69 @@
+"""Time to first token: splicing a precompiled skill vs a full prefill, by skill length.
+
+    python -m benchmarks.ttft [--model embedded] [--lengths 256,512,1024,2048,4096] [--seam 1] [--reps 3]
+
+For each length a skill of that many tokens (the long policy, repeated or cut) is placed before a bundled
+scenario's context. Both paths are timed side by side in the same run (median of --reps after a warm-up):
+``full`` prefills everything and reads the first answer token; ``splice`` prefills only the scenario text,
+splices the stored skill (compiled beforehand, as a server would) with seam repair, and reads. The
+speedup is full / splice. Logit cosine and decision agreement are recorded beside the times. Runs on CUDA
+when present (device/dtype auto); writes benchmarks/results/ttft-<model>-<device>.json and an HTML plot.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from tqdm import tqdm
+
+from benchmarks.common import RESULTS, write_result
+from engine.compose import compare
+from engine.models import load_model
+from engine.scenario import Scenario, Skill, bundled_scenarios, bundled_skills
+from engine.skills import SkillStore
+from viz.benchmarks import ttft_figure
+
+
+def skill_of_length(lm, tokens: int) -> Skill:
+    """The long policy skill repeated or cut to about ``tokens`` tokens."""
+    base = Skill.load(bundled_skills()["long_policy"])
+    text = base.text
+    while len(lm.tokenizer(text, add_special_tokens=False).input_ids) < tokens:
+        text += "\n\n" + base.text
+    ids = lm.tokenizer(text, add_special_tokens=False).input_ids[:tokens]
+    cut = lm.tokenizer.decode(ids).rsplit("\n", 1)[0].replace("{", "{{").replace("}", "}}")
+    return dataclasses.replace(base, id=f"policy_{tokens}", text=cut)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="embedded")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--scenario", default="refund_gate")
+    parser.add_argument("--lengths", default="256,512,1024,2048,4096")
+    parser.add_argument("--seam", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    lm = load_model(args.model, device=args.device, dtype=args.dtype, progress=print)
+    scenario = Scenario.load(bundled_scenarios()[args.scenario])
+    store, rows = SkillStore(), []
+    for length in tqdm([int(n) for n in args.lengths.split(",")], desc="skill lengths"):
+        skill = skill_of_length(lm, length)
+        placed = dataclasses.replace(scenario, context=f"{{skill:{skill.id}}}\n\n{scenario.context}", skills={skill.id: skill})
+        fidelity = compare(lm, placed, store, seam=args.seam, reps=args.reps)
+        row = fidelity.as_dict()
+        rows.append({
+            "skill_tokens": row["skill_tokens"], "context_tokens": row["context_tokens"],
+            "full_ms": row["ttft_ms"]["full"], "splice_ms": row["ttft_ms"]["splice"], "speedup": row["speedup"],
+            "compile_ms": row["compile_ms"], "cosine": row["cosine"], "decision_agree": row["decision_agree"],
+        })
+        print(f"{row['skill_tokens']:>6} skill tokens: full {row['ttft_ms']['full']:>9.1f} ms  splice {row['ttft_ms']['splice']:>8.1f} ms  ×{row['speedup']:<6} cosine {row['cosine']:.4f}")
+    out = write_result("ttft", lm, {"scenario": scenario.name, "seam": args.seam, "reps": args.reps, "rows": rows})
+    figure_path = RESULTS / out.name.replace(".json", ".html")
+    ttft_figure(rows, title=f"TTFT: splice vs full prefill ({lm.fingerprint.name}, {lm.device.type})").write_html(figure_path, include_plotlyjs="cdn")
+    print(f"wrote {out} and {figure_path}")
+
+
+if __name__ == "__main__":
+    main()
