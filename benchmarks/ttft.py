@@ -17,22 +17,11 @@ import dataclasses
 from tqdm import tqdm
 
 from benchmarks.common import RESULTS, write_result
-from engine.compose import compare
+from engine.compose import compare, skill_of_length
 from engine.models import load_model
 from engine.scenario import Scenario, Skill, bundled_scenarios, bundled_skills
 from engine.skills import SkillStore
 from viz.benchmarks import ttft_figure
-
-
-def skill_of_length(lm, tokens: int) -> Skill:
-    """The long policy skill repeated or cut to about ``tokens`` tokens."""
-    base = Skill.load(bundled_skills()["long_policy"])
-    text = base.text
-    while len(lm.tokenizer(text, add_special_tokens=False).input_ids) < tokens:
-        text += "\n\n" + base.text
-    ids = lm.tokenizer(text, add_special_tokens=False).input_ids[:tokens]
-    cut = lm.tokenizer.decode(ids).rsplit("\n", 1)[0].replace("{", "{{").replace("}", "}}")
-    return dataclasses.replace(base, id=f"policy_{tokens}", text=cut)
 
 
 def main() -> None:
@@ -48,8 +37,9 @@ def main() -> None:
     lm = load_model(args.model, device=args.device, dtype=args.dtype, progress=print)
     scenario = Scenario.load(bundled_scenarios()[args.scenario])
     store, rows = SkillStore(), []
+    policy = Skill.load(bundled_skills()["long_policy"])
     for length in tqdm([int(n) for n in args.lengths.split(",")], desc="skill lengths"):
-        skill = skill_of_length(lm, length)
+        skill = skill_of_length(lm, policy, length)
         placed = dataclasses.replace(scenario, context=f"{{skill:{skill.id}}}\n\n{scenario.context}", skills={skill.id: skill})
         fidelity = compare(lm, placed, store, seam=args.seam, reps=args.reps)
         row = fidelity.as_dict()

@@ -41,6 +41,18 @@ def with_skills(scenario: Scenario, skill_ids: Sequence[str], at: str = "start",
     return dataclasses.replace(scenario, context=context, skills=skills, fields=fields)
 
 
+def skill_of_length(lm: LoadedModel, skill: Skill, tokens: int) -> Skill:
+    """``skill`` repeated or cut (at a line break) to about ``tokens`` tokens, as a new skill ``<id>_<tokens>``."""
+    text = skill.text
+    while len(lm.tokenizer(text, add_special_tokens=False).input_ids) < tokens:
+        text += "\n\n" + skill.text
+    ids = lm.tokenizer(text, add_special_tokens=False).input_ids[:tokens]
+    cut = lm.tokenizer.decode(ids).rsplit("\n", 1)[0]
+    if skill.fields:
+        raise ScenarioError(f"skill {skill.id!r} has fields; only field-free skills can be resized")
+    return dataclasses.replace(skill, id=f"{skill.id}_{tokens}", text=cut.replace("{", "{{").replace("}", "}}"))
+
+
 def adhoc_scenario(skill_ids: Sequence[str], library: Mapping | None = None) -> Scenario:
     """A scenario made only of skills, with a generic yes/no question."""
     base = Scenario(
