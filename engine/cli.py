@@ -14,20 +14,21 @@ from collections.abc import Callable
 
 from engine.calibrate import FLIP_THRESHOLD, calibrate, scenario_files
 from engine.agent import run_agent
+from engine.attribution import AttributionError
 from engine.compose import adhoc_scenario, compare, with_skills
 from engine.keystone import keystone
 from engine.memory import memory_placement
 from engine.models import LoadedModel, ModelLoadError, cache_dir, load_model
 from engine.skills import SkillFileError, SkillStore
 from engine.notebook import NotebookError
-from engine.probes import PROBES
+from engine.registry import ALL_PROBES
 from engine.rope import RopeUnsupported
 from engine.runs import run_scenario
 from engine.scenario import Scenario, ScenarioError, bundled_scenarios
 from engine.strategies import STRATEGIES, EditExperiment, EditSettings
 from engine.selftest import run_selftest
 
-USER_ERRORS = (ModelLoadError, ScenarioError, NotebookError, RopeUnsupported, SkillFileError, FileNotFoundError)
+USER_ERRORS = (ModelLoadError, ScenarioError, NotebookError, RopeUnsupported, SkillFileError, AttributionError, FileNotFoundError)
 
 
 def _log(message: str) -> None:
@@ -115,8 +116,8 @@ def _option_value(text: str):
 
 def cmd_probe(args: argparse.Namespace) -> dict:
     """Run one causal probe on a scenario's field change (see engine/probes.py for each probe's options)."""
-    if args.name not in PROBES:
-        raise ScenarioError(f"unknown probe {args.name!r}; choose from {', '.join(PROBES)}")
+    if args.name not in ALL_PROBES:
+        raise ScenarioError(f"unknown probe {args.name!r}; choose from {', '.join(ALL_PROBES)}")
     scenario = Scenario.load(args.scenario)
     scenario.field(args.field)
     options = {}
@@ -125,13 +126,13 @@ def cmd_probe(args: argparse.Namespace) -> dict:
         if not sep:
             raise ScenarioError(f"--opt expects KEY=VALUE, got {pair!r}")
         options[key.strip()] = _option_value(value)
-    accepted = [p for p in inspect.signature(PROBES[args.name]).parameters if p not in ("experiment", "progress")]
+    accepted = [p for p in inspect.signature(ALL_PROBES[args.name]).parameters if p not in ("experiment", "source", "progress")]
     unknown = [key for key in options if key not in accepted]
     if unknown:
         raise ScenarioError(f"probe {args.name!r} has no option {unknown[0]!r}; options: {', '.join(accepted) or 'none'}")
     lm = _load(args)
     experiment = EditExperiment(lm, scenario, args.field, args.new)
-    result = PROBES[args.name](experiment, progress=_progress(args.name), **options)
+    result = ALL_PROBES[args.name](experiment, progress=_progress(args.name), **options)
     return {"model": lm.fingerprint.name, "probe": args.name, "scenario": scenario.name, "field": experiment.field, "old": experiment.old, "new": experiment.new, **result.as_dict()}
 
 
@@ -222,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--cot-tokens", type=int, default=24, help="chain-of-thought length for field_only_cot")
             sub.add_argument("--erratum", help="erratum template with {field}, {new}, {old}")
         if name == "probe":
-            sub.add_argument("name", help=f"one of: {', '.join(PROBES)}")
+            sub.add_argument("name", help=f"one of: {', '.join(ALL_PROBES)}")
             sub.add_argument("--scenario", required=True, help="scenario TOML file")
             sub.add_argument("--field", help="field to change (default: the first)")
             sub.add_argument("--new", help="new value (default: the field's `new`)")

@@ -34,6 +34,7 @@ import torch
 
 from engine.models import LoadedModel
 from engine.notebook import Notebook
+from engine.probes import ProbeError
 from engine.scenario import RenderedPrompt, ScenarioError, Span, render
 from engine.strategies import EditExperiment
 
@@ -43,10 +44,6 @@ _CASES: tuple[Callable[[str], str], ...] = (str, str.lower, str.capitalize, str.
 _WRAPS = ("{}", '"{}"', "'{}'", "`{}`", "({})")
 _ENDINGS = ("", ".")
 _FINAL_NORMS = ("norm", "final_layer_norm", "ln_f", "final_layernorm")
-
-
-class ProbeError(ValueError):
-    """The probe cannot run on this model or input; the message says why."""
 
 
 # ---------------------------------------------------------------------------- samples

@@ -1,0 +1,14 @@
+"""Every probe by name: the causal probes, the linear probe and captum attribution.
+
+Each takes an :class:`~engine.strategies.EditExperiment` first, plus ``progress`` and its own options,
+and returns a result with ``as_dict()``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from engine.attribution import captum_attribution
+from engine.linear_probe import probe_linear
+from engine.probes import PROBES
+
+ALL_PROBES: dict[str, Callable] = {**PROBES, "linear": probe_linear, "attribution": captum_attribution}
