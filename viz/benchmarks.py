@@ -4,6 +4,8 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from viz.common import PALETTE, TEMPLATE, safe_label
+
 
 def ttft_figure(rows: list[dict], title: str = "Time to first token") -> go.Figure:
     """Full-prefill vs splice TTFT by skill length (log axes) with the speedup on a second axis."""
@@ -16,4 +18,75 @@ def ttft_figure(rows: list[dict], title: str = "Time to first token") -> go.Figu
     figure.update_yaxes(type="log", title="TTFT (ms)", secondary_y=False)
     figure.update_yaxes(title="speedup (full / splice)", secondary_y=True)
     figure.update_layout(title=title, template="plotly_white", height=380, legend={"orientation": "h", "y": -0.2})
+    return figure
+
+
+def _measured_on(data: dict) -> str:
+    """The title suffix " (model, device)" from a result file's environment keys, when present."""
+    parts = [safe_label(str(data[key])) for key in ("model", "device") if data.get(key)]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def edit_latency_figure(data: dict) -> go.Figure:
+    """Each edit strategy's latency vs context length (log axes), the full recompute (oracle) dashed; from
+    ``edit-*.json``: ``rows`` of ``context_tokens`` and ``ms`` {strategy: ms or None when not applicable}."""
+    rows = sorted(data["rows"], key=lambda row: row["context_tokens"])
+    lengths = [row["context_tokens"] for row in rows]
+    names = list(dict.fromkeys(name for row in rows for name in row["ms"]))
+    figure = go.Figure()
+    for index, name in enumerate(names):
+        full = name == "oracle"
+        figure.add_scatter(
+            x=lengths, y=[row["ms"].get(name) for row in rows], mode="lines+markers",
+            name="full recompute (oracle)" if full else safe_label(name),
+            line={"color": "black", "dash": "dash"} if full else {"color": PALETTE[index % len(PALETTE)]},
+        )
+    figure.update_xaxes(type="log", title="context tokens")
+    figure.update_yaxes(type="log", title="latency (ms)")
+    figure.update_layout(title=f"Edit strategies: latency vs context length{_measured_on(data)}", template=TEMPLATE, height=400,
+                         legend={"orientation": "h", "y": -0.2})
+    return figure
+
+
+def prefill_figure(data: dict) -> go.Figure:
+    """Prefill time and decision-read time on the cached context vs context length (log axes), their ratio
+    on a second axis; from ``prefill-*.json``: ``rows`` of ``tokens``, ``prefill_ms``, ``read_ms``."""
+    rows = sorted(data["rows"], key=lambda row: row["tokens"])
+    tokens = [row["tokens"] for row in rows]
+    figure = make_subplots(specs=[[{"secondary_y": True}]])
+    figure.add_scatter(x=tokens, y=[row["prefill_ms"] for row in rows], name="prefill", mode="lines+markers")
+    figure.add_scatter(x=tokens, y=[row["read_ms"] for row in rows], name="decision read (cached)", mode="lines+markers")
+    figure.add_bar(x=tokens, y=[row["prefill_ms"] / row["read_ms"] for row in rows], name="prefill / read ×", opacity=0.3, secondary_y=True)
+    figure.update_xaxes(type="log", title="context tokens")
+    figure.update_yaxes(type="log", title="time (ms)", secondary_y=False)
+    figure.update_yaxes(title="prefill / read", secondary_y=True)
+    figure.update_layout(title=f"Prefill vs reading a decision from the cache{_measured_on(data)}", template=TEMPLATE, height=380,
+                         legend={"orientation": "h", "y": -0.2})
+    return figure
+
+
+def serving_figure(data: dict) -> go.Figure:
+    """A serving benchmark per variant vs offered load: TTFT p50 (solid) and p90 (dashed), throughput, and
+    prefix-cache hit rate; from ``serving-<engine>.json``: ``runs`` of ``variant`` ("erratum" | "in_prefix"),
+    ``offered_rps``, ``ttft_p50_ms``, ``ttft_p90_ms``, ``throughput_rps``, ``prefix_hit_rate``."""
+    figure = make_subplots(rows=1, cols=3, horizontal_spacing=0.08,
+                           subplot_titles=("time to first token", "throughput", "prefix-cache hit rate"))
+    variants = list(dict.fromkeys(run["variant"] for run in data["runs"]))
+    for index, variant in enumerate(variants):
+        runs = sorted((run for run in data["runs"] if run["variant"] == variant), key=lambda run: run["offered_rps"])
+        load, colour, name = [run["offered_rps"] for run in runs], PALETTE[index % len(PALETTE)], safe_label(variant)
+        for key, quantile, dash in (("ttft_p50_ms", "p50", "solid"), ("ttft_p90_ms", "p90", "dash")):
+            figure.add_scatter(x=load, y=[run[key] for run in runs], name=f"{name} TTFT {quantile}", legendgroup=variant,
+                               mode="lines+markers", line={"color": colour, "dash": dash}, row=1, col=1)
+        figure.add_scatter(x=load, y=[run["throughput_rps"] for run in runs], name=f"{name} throughput", legendgroup=variant,
+                           showlegend=False, mode="lines+markers", line={"color": colour}, row=1, col=2)
+        figure.add_scatter(x=load, y=[run["prefix_hit_rate"] for run in runs], name=f"{name} hit rate", legendgroup=variant,
+                           showlegend=False, mode="lines+markers", line={"color": colour}, row=1, col=3)
+    figure.update_xaxes(title_text="offered load (requests/s)")
+    figure.update_yaxes(title_text="TTFT (ms)", row=1, col=1)
+    figure.update_yaxes(title_text="completed requests/s", row=1, col=2)
+    figure.update_yaxes(title_text="hit rate", range=[0, 1.05], row=1, col=3)
+    engine = f" on {safe_label(str(data['engine']))}" if data.get("engine") else ""
+    figure.update_layout(title=f"Serving state changes: erratum vs in-prefix edit{engine}", template=TEMPLATE, height=400,
+                         legend={"orientation": "h", "y": -0.25})
     return figure

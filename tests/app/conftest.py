@@ -1,0 +1,70 @@
+"""Shared fixtures: a registry holding a tiny model, and a launched app for API and browser tests."""
+import os
+import socket
+import time
+import urllib.request
+
+import pytest
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+from app.state import ModelRegistry, SessionStore  # noqa: E402
+
+TINY = "tiny-qwen2"
+# A scenario whose field values are one token each in the tiny tokenizer (same-length edits).
+SCENARIO = '''
+name = "Refund test"
+description = "Order status decides the refund."
+context = """
+SESSION
+order_status: {order_status}
+POLICY
+Refunds are approved only when order_status is pending.
+"""
+question = "Should the refund be approved? Answer yes or no."
+
+[fields.order_status]
+old = "shipped"
+new = "pending"
+
+[answers]
+yes = ["yes", "Yes"]
+no = ["no", "No"]
+'''
+
+
+@pytest.fixture(scope="session")
+def registry():
+    registry = ModelRegistry(TINY)
+    registry.get()
+    return registry
+
+
+@pytest.fixture
+def sessions():
+    return SessionStore()
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def app_url(registry):
+    from app.ui import build_app
+
+    page = build_app(registry)
+    port = _free_port()
+    page.queue(default_concurrency_limit=1).launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    url = f"http://127.0.0.1:{port}/"
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        try:
+            if urllib.request.urlopen(url, timeout=2).status == 200:
+                break
+        except OSError:
+            time.sleep(0.3)
+    yield url
+    page.close()

@@ -1,0 +1,63 @@
+"""The launched app through gradio_client: named endpoints, errors, and concurrent sessions."""
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from gradio_client import Client
+
+from engine.scenario import Scenario
+from engine.strategies import EditExperiment
+from tests.app.conftest import SCENARIO
+
+STRATEGY_SET = ["field_only", "erratum"]
+
+
+def _edit(client: Client, text: str, field: str, value: str) -> dict:
+    result = client.predict(text, field, value, STRATEGY_SET, 4, None, api_name="/edit")
+    return result[5]  # the JSON summary
+
+
+def test_named_endpoints_exist(app_url):
+    names = set(Client(app_url, verbose=False).view_api(return_format="dict", print_info=False)["named_endpoints"])
+    assert {"/load_model", "/edit", "/knockout", "/probe", "/compose", "/keystone", "/agent", "/benchmarks", "/scenario"} <= names
+
+
+def test_edit_and_knockout_through_the_api(app_url, registry):
+    client = Client(app_url, verbose=False)
+    summary = _edit(client, SCENARIO, "order_status", "pending")
+    direct = EditExperiment(registry.get(), Scenario.from_toml(SCENARIO)).report(STRATEGY_SET).as_dict()
+    assert summary["strategies"]["erratum"]["margin"] == pytest.approx(direct["strategies"]["erratum"]["margin"], abs=1e-4)
+    text, _, data = client.predict("4", 4, api_name="/knockout")
+    assert data["positions"] == [4] and "Knocked out 1 positions" in text
+
+
+def test_bad_scenario_is_an_error_and_the_session_stays_usable(app_url):
+    client = Client(app_url, verbose=False)
+    with pytest.raises(Exception, match="TOML syntax error"):
+        client.predict("name = [broken", "order_status", "pending", STRATEGY_SET, 4, None, api_name="/edit")
+    assert _edit(client, SCENARIO, "order_status", "pending")["new"] == "pending"
+
+
+def test_compose_endpoint_reports_fidelity(app_url):
+    metrics, _, _, data = Client(app_url, verbose=False).predict(["account_gate"], "", "", "", 2, 0, api_name="/compose")
+    assert data["seam"] == 2 and {"cosine", "kl", "top1_agree", "decision_agree", "ttft_ms", "speedup"} <= set(data)
+    assert "cosine" in metrics
+
+
+def test_concurrent_clients_get_their_own_results(app_url, registry):
+    """Several clients edit different values at once; each gets the result of its own edit."""
+    values = ["pending", "shipped", "pending", "shipped"]
+    scenario = Scenario.from_toml(SCENARIO)
+    expected = {v: EditExperiment(registry.get(), scenario, new=v).report(STRATEGY_SET).as_dict() for v in set(values)}
+
+    def one(value: str) -> tuple[str, dict]:
+        client = Client(app_url, verbose=False)
+        summary = _edit(client, SCENARIO, "order_status", value)
+        text, _, knocked = client.predict("", 2, api_name="/knockout")  # acts on this client's own edit
+        return value, {"summary": summary, "knocked": knocked}
+
+    with ThreadPoolExecutor(max_workers=len(values)) as pool:
+        results = list(pool.map(one, values))
+    for value, result in results:
+        assert result["summary"]["new"] == value
+        assert result["summary"]["oracle"]["margin"] == pytest.approx(expected[value]["oracle"]["margin"], abs=1e-4)
+        assert result["knocked"]["positions"]  # the knockout found this session's edit

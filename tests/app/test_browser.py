@@ -1,0 +1,81 @@
+"""End to end in Debian's chromium through Playwright: what a person clicks and sees. Screenshots go to
+test-artifacts/."""
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.app.conftest import SCENARIO
+
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium is not installed (scripts/test.sh installs it)")
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+        "--disable-sync", "--no-first-run"]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(browser, app_url):
+    ARTIFACTS.mkdir(exist_ok=True)
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    page.goto(app_url)
+    page.wait_for_selector("#model-card", timeout=60_000)
+    yield page
+    context.close()
+
+
+def _shot(page, name: str) -> None:
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def _set_editor(page, text: str) -> None:
+    editor = page.locator("#scenario-editor .cm-content")
+    editor.click()
+    page.keyboard.press("Control+A")
+    page.keyboard.press("Delete")
+    editor.fill(text)
+    page.locator("#scenario-description").click()
+
+
+def test_edit_a_field_updates_strategy_cards(page):
+    page.get_by_role("tab", name="Notes").click()
+    _set_editor(page, SCENARIO)
+    page.locator("#run-edit").click()
+    card = page.locator('#strategy-cards [data-strategy="erratum"]')
+    card.wait_for(timeout=60_000)
+    assert card.get_attribute("data-decision") in ("yes", "no")
+    assert page.locator('#strategy-cards [data-strategy="oracle"]').count() == 1
+    _shot(page, "notes-edit")
+    page.locator("#knockout-positions").locator("textarea, input").first.fill("3, 4, 5")
+    page.locator("#run-knockout").click()
+    page.locator("#knockout-result").get_by_text("Knocked out 3 positions").wait_for(timeout=60_000)
+    _shot(page, "notes-knockout")
+
+
+def test_malformed_scenario_shows_its_error(page):
+    page.get_by_role("tab", name="Notes").click()
+    _set_editor(page, "name = [broken")
+    page.locator("#run-edit").click()
+    page.get_by_text("TOML syntax error").first.wait_for(timeout=30_000)
+    _shot(page, "notes-error")
+
+
+def test_drag_a_skill_into_the_context_shows_fidelity(page):
+    page.get_by_role("tab", name="Composer").click()
+    source = page.locator('#composer .kv-chip[data-from="library"][data-id="user_memory"]')
+    target = page.locator("#composer .kv-context")
+    source.drag_to(target)
+    page.locator('#composer .kv-in[data-id="user_memory"]').wait_for(timeout=10_000)
+    page.locator("#compose-metrics").get_by_text("cosine").wait_for(timeout=60_000)
+    _shot(page, "composer-drag")

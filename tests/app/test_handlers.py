@@ -1,0 +1,88 @@
+"""Handlers without a browser: results match the engine, bad input gives AppError, sessions stay apart."""
+import json
+from pathlib import Path
+
+import plotly.graph_objects as go
+import pytest
+
+from app import handlers
+from app.composer import SkillComposer
+from app.handlers import AppError
+from app.state import SessionStore
+from engine.scenario import Scenario
+from engine.strategies import EditExperiment
+from tests.app.conftest import SCENARIO
+
+
+def test_malformed_and_empty_scenarios_have_clear_errors():
+    with pytest.raises(AppError, match="TOML syntax error"):
+        handlers.scenario_choices("name = [unclosed")
+    with pytest.raises(AppError, match="editor is empty"):
+        handlers.scenario_choices("   ")
+    with pytest.raises(AppError, match="no field .status. is declared"):
+        handlers.scenario_choices(SCENARIO.replace("{order_status}", "{status}"))
+
+
+def test_scenario_choices_offer_fields_and_values():
+    view = handlers.scenario_choices(SCENARIO)
+    assert view.fields == ["order_status"] and view.values == ["shipped", "pending"] and view.new == "pending"
+
+
+def test_edit_matches_engine_and_is_kept_per_session(registry, sessions):
+    view = handlers.run_edit(registry, sessions, "a", None, SCENARIO, "order_status", "pending", ["field_only", "erratum"])
+    direct = EditExperiment(registry.get(), Scenario.from_toml(SCENARIO)).report(["field_only", "erratum"])
+    assert view.summary["strategies"]["erratum"]["margin"] == pytest.approx(direct.strategies["erratum"].decision.margin, abs=1e-4)
+    assert 'data-strategy="erratum"' in view.cards_html and "data-decision=" in view.cards_html
+    assert sessions.get("a", "edit") is not None and sessions.get("b", "edit") is None
+
+
+def test_knockout_needs_an_edit_and_hides_positions(registry, sessions):
+    with pytest.raises(AppError, match="run an edit first"):
+        handlers.run_knockout(sessions, "fresh", "", 4)
+    handlers.run_edit(registry, sessions, "s", None, SCENARIO, "order_status", "pending", ["field_only"])
+    text, _, data = handlers.run_knockout(sessions, "s", "3, 5", 4)
+    assert data["positions"] == [3, 5] and "Knocked out 2 positions" in text
+    with pytest.raises(AppError, match="integers"):
+        handlers.run_knockout(sessions, "s", "three", 4)
+    _, _, top = handlers.run_knockout(sessions, "s", "", 2)
+    assert len(top["positions"]) == 2
+
+
+def test_composer_drops_unknown_and_unsafe_ids():
+    composer = SkillComposer({"account_gate": "Account <gate>", "bad id!": "x"}, value=["account_gate"])
+    assert composer.preprocess(["account_gate", "nope", "<script>", "account_gate"]) == ["account_gate"]
+    assert composer.preprocess("not a list") == []
+    assert "&lt;gate&gt;" in json.dumps(composer.props["library"])
+    assert composer.api_info()["items"]["enum"] == ["account_gate"]
+
+
+def test_composed_scenario_keeps_user_braces_literal():
+    scenario = handlers.composed_scenario(["account_gate"], "before {x}", "", None)
+    assert "{{x}}" in scenario.context and "{skill:account_gate}" in scenario.context
+    with pytest.raises(AppError, match="at least one skill"):
+        handlers.composed_scenario([], "", "", None)
+
+
+def test_compose_reports_fidelity(registry):
+    view = handlers.run_compose(registry, None, ["account_gate"], "", "", None, seam=2)
+    assert view.summary["seam"] == 2 and 0 < view.summary["cosine"] <= 1 + 1e-6
+    assert "TTFT" in view.metrics_markdown
+
+
+def test_export_writes_json_and_html(tmp_path):
+    paths = handlers.export_files({"a": 1}, [go.Figure()], "x")
+    assert json.loads(Path(paths[0]).read_text()) == {"a": 1} and Path(paths[1]).read_text().startswith("<html>")
+    with pytest.raises(AppError, match="nothing to export"):
+        handlers.export_files(None, [], "x")
+
+
+def test_sessions_are_isolated_and_budgeted():
+    store = SessionStore(budget_bytes=100)
+    store.put("a", "k", "A", 60)
+    store.put("b", "k", "B", 60)
+    assert store.get("a", "k") is None and store.get("b", "k") == "B"
+
+
+def test_bad_model_spec_is_reported(registry):
+    with pytest.raises(AppError, match="no-such-alias"):
+        handlers.load_model_card(registry, "no-such-alias")

@@ -1,0 +1,52 @@
+"""Benchmark figures from result dictionaries shaped like the JSON files the scripts write."""
+import json
+
+import pytest
+
+from viz.benchmarks import edit_latency_figure, prefill_figure, serving_figure, ttft_figure
+
+
+def test_edit_latency_one_line_per_strategy_with_gaps_for_not_applicable():
+    data = {
+        "model": "tiny", "device": "cpu",
+        "rows": [
+            {"context_tokens": 1024, "ms": {"field_only": None, "erratum": 20.0, "oracle": 400.0}},
+            {"context_tokens": 256, "ms": {"field_only": 5.0, "erratum": 10.0, "oracle": 100.0}},
+        ],
+    }
+    figure = edit_latency_figure(data)
+    assert [trace.name for trace in figure.data] == ["field_only", "erratum", "full recompute (oracle)"]
+    assert list(figure.data[0].x) == [256, 1024] and list(figure.data[0].y) == [5.0, None]
+    assert figure.layout.xaxis.type == figure.layout.yaxis.type == "log"
+    assert "(tiny, cpu)" in figure.layout.title.text
+
+
+def test_prefill_times_and_ratio():
+    data = {"rows": [{"tokens": 512, "prefill_ms": 40.0, "read_ms": 4.0}, {"tokens": 256, "prefill_ms": 20.0, "read_ms": 5.0}]}
+    prefill, read, ratio = prefill_figure(data).data
+    assert list(prefill.x) == [256, 512] and list(prefill.y) == [20.0, 40.0] and list(read.y) == [5.0, 4.0]
+    assert list(ratio.y) == pytest.approx([4.0, 10.0]) and ratio.type == "bar"
+
+
+def test_serving_per_variant_ttft_quantiles_throughput_and_hit_rate():
+    runs = [
+        {"variant": v, "offered_rps": rps, "ttft_p50_ms": rps * 10 + i, "ttft_p90_ms": rps * 20 + i,
+         "throughput_rps": rps * 0.9, "prefix_hit_rate": 0.8 - i * 0.5}
+        for i, v in enumerate(["erratum", "in_prefix"]) for rps in (4, 1, 2)
+    ]
+    figure = serving_figure({"engine": "vllm", "runs": runs})
+    assert len(figure.data) == 2 * 4
+    p50, p90 = figure.data[0], figure.data[1]
+    assert list(p50.x) == [1, 2, 4] and list(p50.y) == [10, 20, 40] and list(p90.y) == [20, 40, 80]
+    assert p90.line.dash == "dash" and p50.line.color == p90.line.color
+    hit = [trace for trace in figure.data if trace.xaxis == "x3"]
+    assert [list(t.y) for t in hit] == [[0.8] * 3, [pytest.approx(0.3)] * 3]
+    assert "vllm" in figure.layout.title.text
+    json.loads(figure.to_json())
+    runs[0].update(prefix_hit_rate=None, ttft_p90_ms=None)  # the script writes None where the server reports nothing
+    assert None in serving_figure({"runs": runs}).data[1].y
+
+
+def test_ttft_figure_is_unchanged():
+    rows = [{"skill_tokens": 256, "full_ms": 10.0, "splice_ms": 2.0, "speedup": 5.0}]
+    assert len(ttft_figure(rows).data) == 3

@@ -1,0 +1,75 @@
+"""Composition figures: logit bars, K/V deviation and the agent episode."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from engine.agent import run_agent
+from engine.compose import adhoc_scenario, compare
+from engine.decision import decide
+from engine.skills import SkillStore
+from viz.common import MAX_COLUMNS
+from viz.compose import agent_figure, deviation_figure, logit_bars_figure
+
+
+@pytest.fixture(scope="module")
+def store():
+    return SkillStore()
+
+
+@pytest.fixture(scope="module")
+def fidelity(lm, store):
+    return compare(lm, adhoc_scenario(["account_gate"]), store, seam=0)
+
+
+def _decision(logits):
+    return decide({"yes": {"yes": -0.5}, "no": {"no": -1.0}}, torch.tensor(logits))
+
+
+def test_logit_bars_show_the_union_of_both_top_k_side_by_side():
+    spliced, recomputed = _decision([5.0, 4.0, 0.0, 0.0, 3.0]), _decision([5.0, 0.0, 4.0, 0.0, 0.0])
+    figure = logit_bars_figure(spliced, recomputed, lambda i: ["a", " b", "\n", "<x>", "a"][i], k=2)
+    first, second = figure.data
+    assert (first.name, second.name) == ("spliced", "recomputed") and figure.layout.barmode == "group"
+    assert list(first.customdata) == [0, 2, 1]  # union {0, 1} ∪ {0, 2}, ordered by the recomputed probability
+    assert list(second.x) == ["a", "⏎", "·b"]
+    assert np.allclose(first.y, torch.softmax(torch.tensor([5.0, 4.0, 0.0, 0.0, 3.0]), -1)[[0, 2, 1]].numpy())
+    duplicated = logit_bars_figure(spliced, recomputed, lambda i: "a", k=2)
+    assert len(set(duplicated.data[0].x)) == 3  # equal texts stay apart
+
+
+def test_logit_bars_on_real_decisions(fidelity, lm):
+    figure = logit_bars_figure(fidelity.spliced, fidelity.recomputed, lambda i: lm.tokenizer.decode([i]), k=5)
+    assert 5 <= len(figure.data[0].x) <= 10 and "cosine" in figure.layout.title.subtitle.text
+    json.loads(figure.to_json())
+
+
+def test_deviation_map_equals_the_fidelity_deviation(fidelity, lm):
+    figure = deviation_figure(fidelity)
+    (heatmap,) = figure.data
+    assert np.asarray(heatmap.z).shape == tuple(fidelity.deviation.shape)
+    assert np.allclose(heatmap.z, fidelity.deviation.numpy())
+    texts = ["tok"] * fidelity.deviation.shape[1]
+    assert "tok" in deviation_figure(fidelity, texts).layout.xaxis.ticktext
+    with pytest.raises(ValueError, match="token texts"):
+        deviation_figure(fidelity, texts[1:])
+
+
+def test_long_deviation_map_is_pooled(fidelity):
+    long = type(fidelity)(**{**fidelity.__dict__, "deviation": torch.rand(3, 1500)})
+    z = np.asarray(deviation_figure(long).data[0].z)
+    assert z.shape[0] == 3 and z.shape[1] <= MAX_COLUMNS
+
+
+def test_agent_episode_cosine_decisions_and_cumulative_ttft(lm, store):
+    report = run_agent(lm, adhoc_scenario(["account_gate"]), store, turns=3, toggle=True)
+    figure = agent_figure(report)
+    cosine, cached, full = figure.data
+    assert list(cosine.x) == [0, 1, 2, 3]
+    assert list(cosine.y) == pytest.approx([t.agreement["cosine"] for t in report.turns])
+    assert list(cosine.text) == [t.cached.label for t in report.turns]
+    assert list(cached.y) == pytest.approx(np.cumsum([t.cached_ms for t in report.turns]))
+    assert list(full.y) == pytest.approx(np.cumsum([t.full_ms for t in report.turns]))
+    assert cached.yaxis == full.yaxis == "y2" and cosine.yaxis in (None, "y")
+    json.loads(figure.to_json())

@@ -1,0 +1,47 @@
+"""HTML cards for edit strategies (every piece of text escaped: scenario and model text is user data)."""
+from __future__ import annotations
+
+import html
+
+from engine.strategies import EditReport, StrategyResult
+
+CARD_CSS = """
+<style>
+.kv-cards{display:grid;grid-template-columns:repeat(auto-fill,minmax(170px,1fr));gap:8px}
+.kv-card{border:1px solid #d0d7de;border-radius:8px;padding:8px 10px;font-size:13px;line-height:1.35}
+.kv-card h4{margin:0 0 4px 0;font-size:14px}
+.kv-card.flip{border-color:#2a9d8f;background:#f0faf8}
+.kv-card.stay{border-color:#e76f51;background:#fdf3f0}
+.kv-card.na{opacity:.55;background:#f6f8fa}
+.kv-card.ref{border-style:dashed}
+.kv-card .big{font-size:18px;font-weight:600}
+</style>
+"""
+
+
+def _card(result: StrategyResult, oracle_label: str, reference: bool = False) -> str:
+    name = html.escape(result.name)
+    if not result.applicable:
+        return f'<div class="kv-card na" data-strategy="{name}"><h4>{name}</h4>not applicable<br><small>{html.escape(result.reason or "")}</small></div>'
+    decision = result.decision
+    state = "flip" if decision.label == oracle_label else "stay"
+    recovered = "—" if result.recovery is None or result.recovery.value is None else f"{result.recovery.value:.2f}"
+    note = "" if result.recovery is None or result.recovery.reason is None else f"<br><small>{html.escape(result.recovery.reason)}</small>"
+    return (
+        f'<div class="kv-card {state}{" ref" if reference else ""}" data-strategy="{name}" data-decision="{html.escape(decision.label)}">'
+        f"<h4>{name}</h4><span class=\"big\">{html.escape(decision.label)}</span> margin {decision.margin:+.2f}<br>"
+        f"recovery {recovered} · {result.tokens_recomputed} tok · {result.ms:.0f} ms{note}</div>"
+    )
+
+
+def strategy_cards_html(report: EditReport) -> str:
+    """One card per strategy (green = reaches the oracle's decision), stale and oracle as dashed references."""
+    oracle_label = report.oracle.decision.label
+    cards = [_card(report.stale, oracle_label, reference=True), _card(report.oracle, oracle_label, reference=True)]
+    cards += [_card(result, oracle_label) for name, result in report.strategies.items() if name not in ("stale", "oracle")]
+    headline = (
+        f"<p><b>{html.escape(report.field)}</b>: {html.escape(report.old)} → {html.escape(report.new)} · "
+        + ("a clean prefill <b>flips</b> the decision" if report.flips else "a clean prefill does <b>not</b> flip the decision on this model")
+        + "</p>"
+    )
+    return CARD_CSS + headline + '<div class="kv-cards">' + "".join(cards) + "</div>"

@@ -1,0 +1,122 @@
+"""Shared pieces of the figures: safe labels for user and model text, token axes, pooling of big maps.
+
+Every user or model string that reaches a figure goes through :func:`safe_label`: plotly renders a subset
+of HTML (``<br>``, ``<b>``, entities) in hover, ticks and cell text, so ``<``, ``>`` and ``&`` are escaped
+(plotly shows the escaped text as written), control and format characters are replaced, and newlines and
+edge spaces are made visible.
+"""
+from __future__ import annotations
+
+import html
+import math
+import textwrap
+import unicodedata
+from collections.abc import Sequence
+
+import numpy as np
+import plotly.graph_objects as go
+
+MAX_COLUMNS = 512  # heatmap columns sent to the browser (a 512-wide map draws in under a second)
+MAX_TICKS = 40  # token labels on an axis; more are thinned
+DIVERGING = "RdBu_r"  # negative blue, positive red, centred at 0
+SEQUENTIAL = "Viridis"
+PALETTE = ("#2a9d8f", "#e76f51", "#264653", "#e9c46a", "#8e7dbe", "#f4a261", "#457b9d")
+GREY = "#b0bec5"
+TEMPLATE = "plotly_white"
+
+_VISIBLE = {"\n": "⏎", "\r": "␍", "\t": "⇥"}
+_HIDDEN = {"Cc", "Cf", "Cs", "Zl", "Zp"}  # control, format (bidi overrides, zero width), surrogates, separators
+
+
+def safe_label(text: str, limit: int | None = None) -> str:
+    """Text made visible and inert: ⏎ ␍ ⇥ for line breaks and tabs, � for other control or format characters,
+    · for spaces at the edges, ∅ for the empty string, cut to ``limit`` characters with …, then HTML-escaped."""
+    shown = "".join(_VISIBLE.get(c) or ("�" if unicodedata.category(c) in _HIDDEN else c) for c in text)
+    core = shown.strip(" ")
+    if not core:
+        shown = "·" * len(shown) or "∅"
+    else:
+        lead = len(shown) - len(shown.lstrip(" "))
+        shown = "·" * lead + core + "·" * (len(shown) - lead - len(core))
+    if limit is not None and len(shown) > limit:
+        shown = shown[: max(limit - 1, 0)] + "…"
+    return html.escape(shown, quote=False)
+
+
+def safe_lines(text: str, width: int = 60) -> str:
+    """Longer text (a reason, a note) wrapped for hover: safe lines joined by ``<br>``."""
+    return "<br>".join(safe_label(line) for line in textwrap.wrap(text, width)) or "∅"
+
+
+def pool_columns(z: np.ndarray, cap: int = MAX_COLUMNS) -> tuple[np.ndarray, list[range]]:
+    """At most ``cap`` columns: equal runs of columns merged, each keeping its value of largest magnitude
+    (peaks and signs survive). Returns the pooled (rows, runs) float32 map and each run's source columns."""
+    z = np.asarray(z, dtype=np.float32)
+    count = z.shape[1]
+    step = max(1, math.ceil(count / cap))
+    runs = [range(start, min(start + step, count)) for start in range(0, count, step)]
+    if step == 1:
+        return z, runs
+    blocks = np.pad(z, ((0, 0), (0, len(runs) * step - count)), constant_values=np.nan).reshape(len(z), len(runs), step)
+    strongest = np.nan_to_num(np.abs(blocks), nan=-1.0).argmax(-1)  # (rows, runs)
+    return np.take_along_axis(blocks, strongest[..., None], -1)[..., 0], runs
+
+
+def token_columns(
+    runs: Sequence[range],
+    texts: Sequence[str] | None = None,
+    positions: Sequence[int] | None = None,
+    segments: Sequence[str] | None = None,
+) -> tuple[list[str], dict]:
+    """Category names of heatmap columns (unique: position, token, segment; shown in hover) and x-axis
+    settings labelling at most MAX_TICKS of them with their token text."""
+    positions = list(range(runs[-1].stop)) if positions is None else list(positions)
+    names, ticks = [], []
+    for run in runs:
+        first, last = run[0], run[-1]
+        token = safe_label(texts[first], 16) if texts is not None else str(positions[first])
+        where = f"#{positions[first]}" if len(run) == 1 else f"#{positions[first]}–{positions[last]} ({len(run)} tokens, strongest shown)"
+        segment = f" [{safe_label(segments[first], 32)}]" if segments is not None else ""
+        names.append(f"{where} {token}{segment}")
+        ticks.append(token if len(run) == 1 else f"{token}…")
+    stride = max(1, math.ceil(len(names) / MAX_TICKS))
+    axis = {
+        "type": "category",
+        "tickmode": "array",
+        "tickvals": names[::stride],
+        "ticktext": ticks[::stride],
+        "tickangle": -60,
+    }
+    return names, axis
+
+
+def column_of(runs: Sequence[range], index: int) -> int:
+    """The pooled column holding source column ``index``."""
+    return index // len(runs[0])
+
+
+def heat_colours(values: np.ndarray, diverging: bool | None = None) -> dict:
+    """Heatmap colour settings: diverging and centred at 0 when ``diverging`` (default: values of both signs)."""
+    finite = np.asarray(values, dtype=np.float64)
+    finite = finite[np.isfinite(finite)]
+    if diverging is None:
+        diverging = finite.size > 0 and finite.min() < 0 < finite.max()
+    return {"colorscale": DIVERGING, "zmid": 0.0} if diverging else {"colorscale": SEQUENTIAL}
+
+
+def map_height(layers: int) -> int:
+    """A layer × token map's height: about 16 px per layer, within 320–800."""
+    return min(800, max(320, 140 + 16 * layers))
+
+
+def label_colours(labels: Sequence[str]) -> dict[str, str]:
+    """A fixed colour per decision label, in the given order."""
+    return {label: PALETTE[i % len(PALETTE)] for i, label in enumerate(labels)}
+
+
+def message_figure(text: str) -> go.Figure:
+    """An empty figure that says why there is nothing to draw."""
+    figure = go.Figure()
+    figure.add_annotation(text=safe_label(text), showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper", font={"size": 14})
+    figure.update_layout(template=TEMPLATE, height=220, xaxis={"visible": False}, yaxis={"visible": False})
+    return figure
