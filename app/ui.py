@@ -15,7 +15,7 @@ from engine.strategies import STRATEGIES
 MODEL_GROUP = "model"  # every model-bound handler shares one queue slot
 MODEL_LIMIT = 1
 
-INTRO = """# 🔭 KVScope
+INTRO = """# KVScope
 See and program a model's KV cache. During prefill a model writes its conclusion about a field onto later tokens'
 K/V — its *notes* — and the decision reads the notes, not the field. Edit a field and watch the decision flip (or
 not), see where the notes are, and splice precompiled skills into contexts."""
@@ -58,6 +58,7 @@ def build_app(registry: ModelRegistry, sessions: SessionStore | None = None) -> 
     first = handlers.scenario_choices(first_text)
     library = handlers.skill_library()
     model_spec_default = registry.default_spec
+    heads = registry.get().model.config.num_attention_heads
 
     def session_id(session: str | None) -> str:
         return session or sessions.new_id()
@@ -87,7 +88,7 @@ def build_app(registry: ModelRegistry, sessions: SessionStore | None = None) -> 
                         editor = gr.Code(first_text, language=None, label="Scenario (TOML, editable)", elem_id="scenario-editor", lines=14)
                     with gr.Column(scale=1):
                         description = gr.Markdown(first.description, elem_id="scenario-description")
-                        field = gr.Dropdown(first.fields, value=first.fields[0], label="Field", elem_id="field")
+                        field = gr.Dropdown(first.fields, value=first.fields[0], label="Field", allow_custom_value=True, elem_id="field")
                         new_value = gr.Dropdown(first.values, value=first.new, label="New value", allow_custom_value=True, elem_id="new-value")
                         strategies = gr.CheckboxGroup(
                             [s for s in STRATEGIES if s not in ("stale", "oracle")], value=list(handlers.DEFAULT_STRATEGIES),
@@ -99,8 +100,7 @@ def build_app(registry: ModelRegistry, sessions: SessionStore | None = None) -> 
                 with gr.Row():
                     strategy_plot = gr.Plot(label="Margins by strategy", elem_id="strategy-plot")
                     strip_plot = gr.Plot(label="Context coloured by notes effect", elem_id="strip-plot")
-                with gr.Row():
-                    head = gr.Number(value=None, label="Head (empty = mean over heads)", precision=0, elem_id="head")
+                head = gr.Slider(-1, heads - 1, value=-1, step=1, label="Attention head (-1 = mean over heads)", elem_id="head")
                 with gr.Row():
                     attention_plot = gr.Plot(label="Attention from the decision token", elem_id="attention-plot")
                     notes_plot = gr.Plot(label="Notes map (layer × position)", elem_id="notes-plot")
@@ -213,7 +213,7 @@ def build_app(registry: ModelRegistry, sessions: SessionStore | None = None) -> 
         def on_edit(session_value, model_spec, text, field_name, value, chosen, k, head_index, progress=gr.Progress()):
             sid = session_id(session_value)
             view = handlers.run_edit(registry, sessions, sid, model_spec, text, field_name, value, chosen or [], int(k),
-                                     None if head_index is None else int(head_index), progress=_progress_callback(progress))
+                                     None if head_index is None or int(head_index) < 0 else int(head_index), progress=_progress_callback(progress))
             return (view.cards_html, view.strategy_figure, view.strip_figure, view.attention_figure, view.notes_figure,
                     view.summary, sid)
 

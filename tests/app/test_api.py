@@ -12,7 +12,7 @@ STRATEGY_SET = ["field_only", "erratum"]
 
 
 def _edit(client: Client, text: str, field: str, value: str) -> dict:
-    result = client.predict(text, field, value, STRATEGY_SET, 4, None, api_name="/edit")
+    result = client.predict(text, field, value, STRATEGY_SET, 4, -1, api_name="/edit")
     return result[5]  # the JSON summary
 
 
@@ -33,7 +33,7 @@ def test_edit_and_knockout_through_the_api(app_url, registry):
 def test_bad_scenario_is_an_error_and_the_session_stays_usable(app_url):
     client = Client(app_url, verbose=False)
     with pytest.raises(Exception, match="TOML syntax error"):
-        client.predict("name = [broken", "order_status", "pending", STRATEGY_SET, 4, None, api_name="/edit")
+        client.predict("name = [broken", "order_status", "pending", STRATEGY_SET, 4, -1, api_name="/edit")
     assert _edit(client, SCENARIO, "order_status", "pending")["new"] == "pending"
 
 

@@ -56,7 +56,9 @@ def test_edit_a_field_updates_strategy_cards(page):
     card.wait_for(timeout=60_000)
     assert card.get_attribute("data-decision") in ("yes", "no")
     assert page.locator('#strategy-cards [data-strategy="oracle"]').count() == 1
+    page.locator("#notes-plot .js-plotly-plot").wait_for(timeout=30_000)
     _shot(page, "notes-edit")
+    page.get_by_text("Knockout: hide tokens from the decision").click()
     page.locator("#knockout-positions").locator("textarea, input").first.fill("3, 4, 5")
     page.locator("#run-knockout").click()
     page.locator("#knockout-result").get_by_text("Knocked out 3 positions").wait_for(timeout=60_000)
@@ -78,4 +80,5 @@ def test_drag_a_skill_into_the_context_shows_fidelity(page):
     source.drag_to(target)
     page.locator('#composer .kv-in[data-id="user_memory"]').wait_for(timeout=10_000)
     page.locator("#compose-metrics").get_by_text("cosine").wait_for(timeout=60_000)
+    page.locator("#logits-plot .js-plotly-plot").wait_for(timeout=30_000)
     _shot(page, "composer-drag")
