@@ -1,6 +1,7 @@
 """Shared helpers of the benchmark scripts: neutral filler text, timing, result files."""
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from engine.models import LoadedModel
+from engine.models import LoadedModel, load_model
 
 RESULTS = Path(__file__).parent / "results"
 FILLER = (
@@ -61,3 +62,17 @@ def write_result(name: str, lm: LoadedModel, data: dict) -> Path:
     path = RESULTS / f"{name}-{lm.fingerprint.name.split(':')[0]}-{lm.device.type}.json"
     path.write_text(json.dumps({**environment(lm), **data}, indent=2))
     return path
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """An argument parser with the model options every benchmark takes."""
+    result = argparse.ArgumentParser(description=doc.splitlines()[0])
+    result.add_argument("--model", default="embedded", help="model spec (alias, HF id or local dir)")
+    result.add_argument("--device", default="auto")
+    result.add_argument("--dtype", default="auto")
+    return result
+
+
+def load(args: argparse.Namespace) -> LoadedModel:
+    """The model the options name, with load progress printed."""
+    return load_model(args.model, device=args.device, dtype=args.dtype, progress=print)

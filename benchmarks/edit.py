@@ -10,14 +10,13 @@ benchmarks/results/edit-<model>-<device>.json.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import statistics
 
 from tqdm import tqdm
 
+from benchmarks import common
 from benchmarks.common import filler_text, write_result
-from engine.models import load_model
 from engine.probes import probe_notes_map
 from engine.scenario import Scenario, bundled_scenarios, render
 from engine.strategies import EditExperiment, EditSettings
@@ -35,16 +34,13 @@ def padded(scenario: Scenario, lm, tokens: int) -> Scenario:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="embedded")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
+    parser = common.parser(__doc__)
     parser.add_argument("--scenario", default="refund_gate")
     parser.add_argument("--lengths", default="256,1024,2048")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--notes-map-tokens", type=int, default=500)
     args = parser.parse_args()
-    lm = load_model(args.model, device=args.device, dtype=args.dtype, progress=print)
+    lm = common.load(args)
     scenario = Scenario.load(bundled_scenarios()[args.scenario])
     rows = []
     for length in tqdm([int(n) for n in args.lengths.split(",")], desc="context lengths"):

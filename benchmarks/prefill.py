@@ -7,26 +7,22 @@ the same run on the same notebook, so their ratio is what a cached context saves
 """
 from __future__ import annotations
 
-import argparse
 
 from tqdm import tqdm
 
+from benchmarks import common
 from benchmarks.common import filler_text, median_ms, write_result
-from engine.models import load_model
 from engine.notebook import Notebook
 from engine.runs import run_scenario
 from engine.scenario import Scenario, bundled_scenarios, render
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="embedded")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
+    parser = common.parser(__doc__)
     parser.add_argument("--lengths", default="256,512,1024,2048,4096")
     parser.add_argument("--reps", type=int, default=2)
     args = parser.parse_args()
-    lm = load_model(args.model, device=args.device, dtype=args.dtype, progress=print)
+    lm = common.load(args)
     scenario = Scenario.load(bundled_scenarios()["refund_gate"])
     prompt = render(scenario, lm.tokenizer)
     rows = []

@@ -11,30 +11,26 @@ when present (device/dtype auto); writes benchmarks/results/ttft-<model>-<device
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 from tqdm import tqdm
 
+from benchmarks import common
 from benchmarks.common import RESULTS, write_result
 from engine.compose import compare, skill_of_length
-from engine.models import load_model
 from engine.scenario import Scenario, Skill, bundled_scenarios, bundled_skills
 from engine.skills import SkillStore
 from viz.benchmarks import ttft_figure
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="embedded")
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="auto")
+    parser = common.parser(__doc__)
     parser.add_argument("--scenario", default="refund_gate")
     parser.add_argument("--lengths", default="256,512,1024,2048,4096")
     parser.add_argument("--seam", type=int, default=1)
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
-    lm = load_model(args.model, device=args.device, dtype=args.dtype, progress=print)
+    lm = common.load(args)
     scenario = Scenario.load(bundled_scenarios()[args.scenario])
     store, rows = SkillStore(), []
     policy = Skill.load(bundled_skills()["long_policy"])

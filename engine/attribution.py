@@ -23,7 +23,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from captum.attr import FeatureAblation, IntegratedGradients
 
 from engine.models import LoadedModel
 from engine.runs import ScenarioRun
@@ -212,6 +211,8 @@ def _ablation_scores(
         tick()
         return score(embedding(batch))
 
+    from captum.attr import FeatureAblation  # imported on use: captum adds seconds to every CLI start
+
     with torch.no_grad():
         scores = FeatureAblation(forward).attribute(ids[positions][None], baselines=baseline, feature_mask=mask[None])
     return scores[0].float()
@@ -236,6 +237,8 @@ def _gradient_scores(
         batch[:, positions] = chosen.to(batch.dtype)
         tick()
         return score(batch)
+
+    from captum.attr import IntegratedGradients  # imported on use, as above
 
     with torch.enable_grad():
         attributions = IntegratedGradients(forward).attribute(

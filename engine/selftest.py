@@ -100,10 +100,9 @@ def run_selftest(lm: LoadedModel, tokens: int = 48, shift: int = 37) -> SelfTest
         seam_err = float((_next_logits(repaired, decode) - reference).abs().max())
 
     tolerance = TOLERANCE.get(lm.dtype, 5e-2)
-    logit_scale = 10.0  # logit errors are absolute; logits span ~10–30, so allow 10× the relative tolerance
     checks = [chunk_err <= tolerance]
     if reason is None:
-        checks += [roundtrip <= tolerance, reposition <= tolerance, splice_err <= tolerance * logit_scale, seam_err <= tolerance * logit_scale]
+        checks += [roundtrip <= tolerance, reposition <= tolerance, splice_err <= tolerance, seam_err <= tolerance]
     return SelfTestReport(
         ok=all(checks),
         model=lm.fingerprint.name,

@@ -9,28 +9,10 @@ import pytest
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 from app.state import ModelRegistry, SessionStore  # noqa: E402
+from tests.shared import SAME_LENGTH_SCENARIO  # noqa: E402
 
 TINY = "tiny-qwen2"
-# A scenario whose field values are one token each in the tiny tokenizer (same-length edits).
-SCENARIO = '''
-name = "Refund test"
-description = "Order status decides the refund."
-context = """
-SESSION
-order_status: {order_status}
-POLICY
-Refunds are approved only when order_status is pending.
-"""
-question = "Should the refund be approved? Answer yes or no."
-
-[fields.order_status]
-old = "shipped"
-new = "pending"
-
-[answers]
-yes = ["yes", "Yes"]
-no = ["no", "No"]
-'''
+SCENARIO = SAME_LENGTH_SCENARIO
 
 
 @pytest.fixture(scope="session")

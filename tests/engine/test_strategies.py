@@ -3,10 +3,11 @@ import json
 
 import pytest
 
+from engine.notebook import NotebookError
 from engine.scenario import Scenario, ScenarioError
 from engine.strategies import STRATEGIES, EditExperiment, EditSettings
 from engine.tiny import tiny_model
-from engine.notebook import NotebookError
+from tests.shared import SAME_LENGTH_SCENARIO
 
 
 @pytest.fixture(scope="module")
@@ -14,30 +15,9 @@ def lm():
     return tiny_model("qwen2")
 
 
-SCENARIO = """
-name = "Refund test"
-description = "A field whose values are one token each in the tiny tokenizer."
-context = """ + '"""' + """
-SESSION
-order_status: {order_status}
-POLICY
-Refunds are approved only when order_status is pending.
-""" + '"""' + """
-question = "Should the refund be approved? Answer yes or no."
-
-[fields.order_status]
-old = "shipped"
-new = "pending"
-
-[answers]
-yes = ["yes", "Yes"]
-no = ["no", "No"]
-"""
-
-
 @pytest.fixture(scope="module")
 def scenario():
-    return Scenario.from_toml(SCENARIO)
+    return Scenario.from_toml(SAME_LENGTH_SCENARIO)
 
 
 @pytest.fixture(scope="module")

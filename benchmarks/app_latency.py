@@ -1,0 +1,99 @@
+"""App latency through its API: start-up, a field edit (all Notes panels), and splice vs recompute.
+
+    python -m benchmarks.app_latency [--model embedded] [--scenario refund_gate] [--reps 3]
+
+Starts `python app.py` on a free loopback port (the model cache must exist: run the app once before),
+measures the time until the page answers, then calls the named endpoints with gradio_client, as a browser
+would. Writes benchmarks/results/app-<model>-cpu.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from gradio_client import Client
+
+from benchmarks.common import RESULTS
+from engine.scenario import bundled_scenarios
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _wait(url: str, timeout: float) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if urllib.request.urlopen(url, timeout=2).status == 200:
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer within {timeout} s")
+
+
+def _timed(call, reps: int) -> tuple[float, object]:
+    times, result = [], None
+    for _ in range(reps):
+        started = time.perf_counter()
+        result = call()
+        times.append((time.perf_counter() - started) * 1000)
+    return statistics.median(times), result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="embedded")
+    parser.add_argument("--scenario", default="refund_gate")
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/"
+    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"}
+    started = time.perf_counter()
+    server = subprocess.Popen([sys.executable, "app.py", "--model", args.model, "--port", str(port)], cwd=ROOT, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait(url, 600)
+        start_s = time.perf_counter() - started
+        client = Client(url, verbose=False)
+        text = bundled_scenarios()[args.scenario].read_text()
+        strategies = ["field_only", "erratum", "field_erratum", "full_downstream"]
+        client.predict(text, None, None, strategies, 8, -1, api_name="/edit")  # warm-up
+        edit_ms, edit = _timed(lambda: client.predict(text, None, None, strategies, 8, -1, api_name="/edit"), args.reps)
+        client.predict(["account_gate"], "", "", args.scenario, 1, 0, api_name="/compose")
+        compose_ms, compose = _timed(lambda: client.predict(["account_gate"], "", "", args.scenario, 1, 0, api_name="/compose"), args.reps)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    summary = edit[5]
+    result = {
+        "model": summary["model"],
+        "scenario": args.scenario,
+        "context_tokens": summary["oracle"]["tokens_recomputed"],
+        "app_start_s": round(start_s, 2),
+        "edit_all_panels_ms": round(edit_ms, 1),
+        "compose_ms": round(compose_ms, 1),
+        "compose_context_tokens": compose[3]["context_tokens"],
+        "reps": args.reps,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    out = RESULTS / f"app-{summary['model'].split(':')[0]}-cpu.json"
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""The embedded default model (Qwen2.5-Coder-0.5B-Instruct): self-test and bundled-demo calibration."""
+import pytest
+
+from engine.calibrate import calibrate
+from engine.models import load_model
+from engine.scenario import bundled_scenarios
+from engine.selftest import run_selftest
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return load_model("embedded", dtype="float32")
+
+
+def test_selftest_is_ok_in_fp32(qwen):
+    report = run_selftest(qwen)
+    assert report.ok and report.rope_supported
+    assert report.rope_roundtrip_max_err <= 1e-3
+    assert report.reposition_vs_prefill_max_err <= 1e-3
+    assert report.splice_identity_max_logit_err <= 1e-3
+    assert report.splice_full_seam_max_logit_err <= 1e-3
+
+
+def test_bundled_demos_do_what_their_expectations_say(qwen):
+    results = calibrate(qwen, list(bundled_scenarios().values()))
+    judged = [r for r in results if r.expected_flip is not None]
+    assert judged, "no bundled scenario states [expect] for both values"
+    failures = [f"{r.scenario}: Δ{r.delta_margin:+.2f} {r.old_label}→{r.new_label}" for r in judged if not r.ok]
+    assert not failures, failures
+    assert sum(r.flips for r in judged) >= 8
