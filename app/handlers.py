@@ -152,9 +152,11 @@ class NotesView:
     summary: dict
 
 
-def _experiment(registry: ModelRegistry, spec: str | None, text: str, field: str | None, new: str | None, top_k: int = 8) -> EditExperiment:
+def _experiment(registry: ModelRegistry, spec: str | None, text: str, field: str | None, new: str | None, top_k: int = 8,
+                capture_attention: bool = False) -> EditExperiment:
     scenario = parse_scenario(text)
-    return EditExperiment(registry.get(spec), scenario, field or None, (new or None), EditSettings(top_k=int(top_k)))
+    return EditExperiment(registry.get(spec), scenario, field or None, (new or None), EditSettings(top_k=int(top_k)),
+                          capture_attention=capture_attention)
 
 
 @guarded
@@ -166,7 +168,7 @@ def run_edit(
     unknown = [name for name in strategies if name not in STRATEGIES]
     if unknown:
         raise AppError(f"unknown strategy {unknown[0]!r}")
-    experiment = _experiment(registry, spec, text, field, new, top_k)
+    experiment = _experiment(registry, spec, text, field, new, top_k, capture_attention=True)
     report = experiment.report(list(strategies) or list(DEFAULT_STRATEGIES), progress=progress)
     attention = PROBES["attention"](experiment)
     texts, segments = experiment.stale.notebook.token_texts(), experiment.stale.notebook.visible_segments()

@@ -760,7 +760,7 @@ class AttentionResult:
 
 def _attention_map(experiment: EditExperiment, run: ScenarioRun) -> AttentionMap:
     notebook = run.notebook
-    decision = _read(experiment, notebook, capture_attention=True)
+    decision = run.decision if run.decision.attention is not None else _read(experiment, notebook, capture_attention=True)
     last = decision.attention[:, :, -1, notebook.order]  # (layers, heads, context) in reading order
     positions = notebook.visible_positions()
     span = run.prompt.field_spans[experiment.field]

@@ -146,19 +146,21 @@ class EditExperiment:
         new: str | None = None,
         settings: EditSettings | None = None,
         build: Callable[[RenderedPrompt], Notebook] | None = None,
+        capture_attention: bool = False,
     ) -> None:
         """``build`` makes the stale notebook (default: a clean prefill; e.g. skills spliced). The oracle is
-        always a clean prefill with the new value."""
+        always a clean prefill with the new value. ``capture_attention`` keeps the decision tokens' attention
+        in the stale and oracle decisions (saves a read for attention views)."""
         self.lm, self.scenario, self.settings = lm, scenario, settings or EditSettings()
         chosen = scenario.field(field_name)
         self.field, self.old, self.new = chosen.name, chosen.old, chosen.new if new is None else new
         if not self.new or "{" in self.new or "}" in self.new:
             raise ScenarioError(f"new value for field {self.field!r} must be non-empty and contain no braces, got {self.new!r}")
         started = time.perf_counter()
-        self.stale = run_scenario(lm, scenario, {self.field: self.old}, build)
+        self.stale = run_scenario(lm, scenario, {self.field: self.old}, build, capture_attention=capture_attention)
         self.stale_ms = (time.perf_counter() - started) * 1000
         started = time.perf_counter()
-        self.oracle = run_scenario(lm, scenario, {self.field: self.new})
+        self.oracle = run_scenario(lm, scenario, {self.field: self.new}, capture_attention=capture_attention)
         self.oracle_ms = (time.perf_counter() - started) * 1000
 
     # ------------------------------------------------------------------ shared pieces
