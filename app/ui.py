@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 
 import gradio as gr
+import plotly.io
 
 from app import handlers
 from app.composer import SkillComposer
@@ -113,7 +114,7 @@ def build_app(registry: ModelRegistry, sessions: SessionStore | None = None) -> 
                 edit_json = gr.JSON(label="Result", elem_id="edit-json")
                 with gr.Row():
                     notes_export = gr.Button("Export JSON + figures", elem_id="export-notes")
-                    notes_files = gr.File(label="Exported files", file_count="multiple")
+                    notes_files = gr.File(label="Exported files", file_count="multiple", elem_id="notes-files")
 
             # ------------------------------------------------------------ Probes
             with gr.Tab("Probes", id="probes"):
@@ -129,6 +130,9 @@ def build_app(registry: ModelRegistry, sessions: SessionStore | None = None) -> 
                     probe_button = gr.Button("Run probe", variant="primary", elem_id="run-probe")
                 probe_plot = gr.Plot(label="Probe", elem_id="probe-plot")
                 probe_json = gr.JSON(label="Probe result", elem_id="probe-json")
+                with gr.Row():
+                    probe_export = gr.Button("Export JSON + figure", elem_id="export-probe")
+                    probe_files = gr.File(label="Exported files", file_count="multiple", elem_id="probe-files")
 
             # ------------------------------------------------------------ Composer
             with gr.Tab("Composer", id="composer"):
@@ -152,6 +156,9 @@ def build_app(registry: ModelRegistry, sessions: SessionStore | None = None) -> 
                     agent_button = gr.Button("Agent loop: errata on a cached context", elem_id="run-agent")
                 loop_plot = gr.Plot(label="Keystone / agent", elem_id="loop-plot")
                 compose_json = gr.JSON(label="Result", elem_id="compose-json")
+                with gr.Row():
+                    compose_export = gr.Button("Export JSON + figures", elem_id="export-compose")
+                    compose_files = gr.File(label="Exported files", file_count="multiple", elem_id="compose-files")
 
             # ------------------------------------------------------------ Benchmarks
             with gr.Tab("Benchmarks", id="benchmarks"):
@@ -232,12 +239,18 @@ def build_app(registry: ModelRegistry, sessions: SessionStore | None = None) -> 
         knockout_button.click(on_knockout, [session, knockout_positions, top_k], [knockout_text, knockout_plot, edit_json, session],
                               api_name="knockout", concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
 
-        @_ui_errors
-        def on_export(result, *figures):
-            return handlers.export_files(result, figures, "kvscope-notes")
+        def exporter(stem: str):
+            def export(result, *plots):
+                figures = [plotly.io.from_json(plot.plot) for plot in plots if plot is not None and plot.type == "plotly"]
+                return handlers.export_files(result, figures, stem)
 
-        notes_export.click(on_export, [edit_json, strategy_plot, strip_plot, attention_plot, notes_plot], notes_files,
+            return _ui_errors(export)
+
+        notes_export.click(exporter("kvscope-notes"), [edit_json, strategy_plot, strip_plot, attention_plot, notes_plot], notes_files,
                            api_name="export_notes", concurrency_limit=None)
+        probe_export.click(exporter("kvscope-probe"), [probe_json, probe_plot], probe_files, api_name="export_probe", concurrency_limit=None)
+        compose_export.click(exporter("kvscope-composer"), [compose_json, logits_plot, deviation_plot, loop_plot], compose_files,
+                             api_name="export_composer", concurrency_limit=None)
 
         @_ui_errors
         def on_probe(model_spec, text, field_name, value, name, find, replacement, method, progress=gr.Progress()):

@@ -1,5 +1,6 @@
 """The launched app through gradio_client: named endpoints, errors, and concurrent sessions."""
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from gradio_client import Client
@@ -61,3 +62,11 @@ def test_concurrent_clients_get_their_own_results(app_url, registry):
         assert result["summary"]["new"] == value
         assert result["summary"]["oracle"]["margin"] == pytest.approx(expected[value]["oracle"]["margin"], abs=1e-4)
         assert result["knocked"]["positions"]  # the knockout found this session's edit
+
+
+def test_export_after_an_edit_returns_json_and_html(app_url):
+    client = Client(app_url, verbose=False)
+    result = client.predict(SCENARIO, "order_status", "pending", STRATEGY_SET, 4, -1, api_name="/edit")
+    assert result[5]["new"] == "pending"
+    files = client.predict(result[5], None, None, None, None, api_name="/export_notes")
+    assert sorted(Path(f).suffix for f in files) == [".html", ".json"]

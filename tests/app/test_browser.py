@@ -63,6 +63,9 @@ def test_edit_a_field_updates_strategy_cards(page):
     page.locator("#run-knockout").click()
     page.locator("#knockout-result").get_by_text("Knocked out 3 positions").wait_for(timeout=60_000)
     _shot(page, "notes-knockout")
+    page.locator("#export-notes").click()
+    page.locator("#notes-files").get_by_text("kvscope-notes-figures").wait_for(timeout=60_000)
+    _shot(page, "notes-export")
 
 
 def test_malformed_scenario_shows_its_error(page):
