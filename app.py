@@ -26,8 +26,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
     args = parser.parse_args()
     registry = ModelRegistry(args.model, device=args.device, dtype=args.dtype)
-    registry.get(progress=lambda message: print(message, flush=True))
-    registry.selftest()
+    registry.get(progress=lambda message: print(message, flush=True))  # the self-test runs on first page load
     build_app(registry).queue(default_concurrency_limit=1).launch(server_name=args.host, server_port=args.port, theme=gr.themes.Soft())
 
 
