@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 from benchmarks import common
 from benchmarks.common import RESULTS, write_result
-from engine.compose import compare, skill_of_length
+from engine.compose import adhoc_scenario, compare, skill_of_length
 from engine.scenario import Scenario, Skill, bundled_scenarios, bundled_skills
 from engine.skills import SkillStore
 from viz.benchmarks import ttft_figure
@@ -25,18 +25,19 @@ from viz.benchmarks import ttft_figure
 
 def main() -> None:
     parser = common.parser(__doc__)
-    parser.add_argument("--scenario", default="refund_gate")
+    parser.add_argument("--scenario", default="refund_gate", help="scenario after the skill, or 'adhoc' for only a question")
     parser.add_argument("--lengths", default="256,512,1024,2048,4096")
     parser.add_argument("--seam", type=int, default=1)
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
     lm = common.load(args)
-    scenario = Scenario.load(bundled_scenarios()[args.scenario])
+    scenario = adhoc_scenario([]) if args.scenario == "adhoc" else Scenario.load(bundled_scenarios()[args.scenario])
     store, rows = SkillStore(), []
     policy = Skill.load(bundled_skills()["long_policy"])
     for length in tqdm([int(n) for n in args.lengths.split(",")], desc="skill lengths"):
         skill = skill_of_length(lm, policy, length)
-        placed = dataclasses.replace(scenario, context=f"{{skill:{skill.id}}}\n\n{scenario.context}", skills={skill.id: skill})
+        context = f"{{skill:{skill.id}}}\n\n{scenario.context}".strip()
+        placed = dataclasses.replace(scenario, context=context, skills={skill.id: skill})
         fidelity = compare(lm, placed, store, seam=args.seam, reps=args.reps)
         row = fidelity.as_dict()
         rows.append({
@@ -45,7 +46,7 @@ def main() -> None:
             "compile_ms": row["compile_ms"], "cosine": row["cosine"], "decision_agree": row["decision_agree"],
         })
         print(f"{row['skill_tokens']:>6} skill tokens: full {row['ttft_ms']['full']:>9.1f} ms  splice {row['ttft_ms']['splice']:>8.1f} ms  ×{row['speedup']:<6} cosine {row['cosine']:.4f}")
-    out = write_result("ttft", lm, {"scenario": scenario.name, "seam": args.seam, "reps": args.reps, "rows": rows})
+    out = write_result(f"ttft-{args.scenario}", lm, {"scenario": scenario.name, "seam": args.seam, "reps": args.reps, "rows": rows})
     figure_path = RESULTS / out.name.replace(".json", ".html")
     ttft_figure(rows, title=f"TTFT: splice vs full prefill ({lm.fingerprint.name}, {lm.device.type})").write_html(figure_path, include_plotlyjs="cdn")
     print(f"wrote {out} and {figure_path}")

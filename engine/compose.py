@@ -10,6 +10,7 @@ Cost: splice is O(L) per skill instead of O(L·context) attention and MLP work.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -59,6 +60,8 @@ def adhoc_scenario(skill_ids: Sequence[str], library: Mapping | None = None) -> 
         name="skills: " + ", ".join(skill_ids), description="Skills composed without a scenario.", system=None,
         context="", question=ADHOC_QUESTION, fields={}, answers={"yes": ("yes", "Yes"), "no": ("no", "No")}, expect={},
     )
+    if not skill_ids:
+        return base
     composed = with_skills(base, skill_ids, "start", library)
     return dataclasses.replace(composed, context=composed.context.strip())
 
@@ -145,7 +148,7 @@ class Fidelity:
 
 
 def _timed(function: Callable[[], tuple[Notebook, Decision]], reps: int) -> tuple[tuple[Notebook, Decision], float]:
-    """The last result and the median wall time in ms over ``reps`` calls."""
+    """The last result and the median wall time in ms; with several reps the first is a warm-up."""
     times, result = [], None
     for _ in range(reps):
         started = time.perf_counter()
@@ -153,7 +156,7 @@ def _timed(function: Callable[[], tuple[Notebook, Decision]], reps: int) -> tupl
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         times.append((time.perf_counter() - started) * 1000)
-    return result, sorted(times)[len(times) // 2]
+    return result, statistics.median(times[1:] if reps > 1 else times)
 
 
 def compare(
