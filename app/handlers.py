@@ -19,7 +19,7 @@ import plotly.graph_objects as go
 from app.state import ModelRegistry, SessionStore
 from engine.agent import run_agent
 from engine.attribution import AttributionError
-from engine.compose import Fidelity, adhoc_scenario, compare, skill_of_length
+from engine.compose import Fidelity, adhoc_scenario, compare, replace_context, skill_of_length
 from engine.keystone import keystone
 from engine.models import LoadedModel, ModelLoadError, available_offline
 from engine.notebook import Knockout, NotebookError
@@ -246,10 +246,7 @@ def composed_scenario(skill_ids: Sequence[str], before: str, between: str, after
     placed = joiner.join(f"{{skill:{skill_id}}}" for skill_id in skill_ids)
     base = parse_scenario(bundled_scenario_text(after_scenario)) if after_scenario else adhoc_scenario(list(skill_ids))
     tail = base.context if after_scenario else ""
-    skills = {**base.skills, **{skill_id: Skill.load(bundled_skills()[skill_id]) for skill_id in skill_ids}}
-    fields = {**{name: f for skill in skills.values() for name, f in skill.fields.items()}, **base.fields}
-    context = "\n\n".join(part for part in (_literal(before), placed, tail) if part)
-    return dataclasses.replace(base, context=context, skills=skills, fields=fields)
+    return replace_context(base, "\n\n".join(part for part in (_literal(before), placed, tail) if part), skill_ids)
 
 
 @dataclass

@@ -27,19 +27,25 @@ SEAMS = (0, 1, 2, 4, 8, 16, 32)
 ADHOC_QUESTION = "Is the information above internally consistent? Answer yes or no."
 
 
-def with_skills(scenario: Scenario, skill_ids: Sequence[str], at: str = "start", library: Mapping | None = None) -> Scenario:
-    """The scenario with skills placed before its context (``start``) or after it (``end``)."""
-    if at not in ("start", "end"):
-        raise ScenarioError(f"--at must be 'start' or 'end', got {at!r}")
+def replace_context(scenario: Scenario, context: str, skill_ids: Sequence[str], library: Mapping | None = None) -> Scenario:
+    """The scenario with a new context that places ``skill_ids`` (loaded from the library); skill fields merged,
+    the scenario's own declarations winning."""
     library = bundled_skills() if library is None else library
     unknown = [s for s in skill_ids if s not in library]
     if unknown:
         raise ScenarioError(f"unknown skill {unknown[0]!r}; available: {', '.join(sorted(library))}")
-    placed = "\n\n".join(f"{{skill:{s}}}" for s in skill_ids)
-    context = f"{placed}\n\n{scenario.context}" if at == "start" else f"{scenario.context}\n\n{placed}"
     skills = {**scenario.skills, **{s: Skill.load(library[s]) for s in skill_ids}}
     fields = {**{n: f for s in skills.values() for n, f in s.fields.items()}, **scenario.fields}
     return dataclasses.replace(scenario, context=context, skills=skills, fields=fields)
+
+
+def with_skills(scenario: Scenario, skill_ids: Sequence[str], at: str = "start", library: Mapping | None = None) -> Scenario:
+    """The scenario with skills placed before its context (``start``) or after it (``end``)."""
+    if at not in ("start", "end"):
+        raise ScenarioError(f"--at must be 'start' or 'end', got {at!r}")
+    placed = "\n\n".join(f"{{skill:{s}}}" for s in skill_ids)
+    context = f"{placed}\n\n{scenario.context}" if at == "start" else f"{scenario.context}\n\n{placed}"
+    return replace_context(scenario, context, skill_ids, library)
 
 
 def skill_of_length(lm: LoadedModel, skill: Skill, tokens: int) -> Skill:
