@@ -152,29 +152,45 @@ class NotesView:
     summary: dict
 
 
-def _experiment(registry: ModelRegistry, spec: str | None, text: str, field: str | None, new: str | None, top_k: int = 8,
-                capture_attention: bool = False) -> EditExperiment:
+def _experiment(registry: ModelRegistry, spec: str | None, text: str, field: str | None, new: str | None, top_k: int = 8) -> EditExperiment:
+    """The edit on the editor's scenario, its stale run reused from the registry's baselines."""
     scenario = parse_scenario(text)
+    stale = registry.baseline(spec, text, scenario)
     return EditExperiment(registry.get(spec), scenario, field or None, (new or None), EditSettings(top_k=int(top_k)),
-                          capture_attention=capture_attention)
+                          capture_attention=True, stale=stale)
+
+
+@guarded
+def prepare_baseline(registry: ModelRegistry, spec: str | None, text: str) -> str:
+    """Prefill the scenario at its old values (and the decision's gradients) ahead of the first edit;
+    returns the current decision as Markdown."""
+    scenario = parse_scenario(text)
+    run = registry.baseline(spec, text, scenario)
+    margin = run.gradients.margin  # the backward runs now, so the next edit's notes map is free
+    values = ", ".join(f"{html.escape(name)} = {html.escape(value)}" for name, value in run.prompt.values.items())
+    return (f"Now ({values}): the model answers **{html.escape(run.decision.label)}** (margin {margin:+.2f}); "
+            f"{len(run.prompt.context_ids)} context tokens cached.")
 
 
 @guarded
 def run_edit(
     registry: ModelRegistry, sessions: SessionStore, session: str, spec: str | None, text: str, field: str | None,
     new: str | None, strategies: Sequence[str], top_k: int = 8, head: int | None = None, progress: Progress = None,
+    separately: bool = False,
 ) -> NotesView:
-    """Change a field, run the chosen strategies, and build every Notes panel."""
+    """Change a field, run the chosen strategies (read together in one forward unless ``separately``, which
+    times each on its own), and build every Notes panel."""
     unknown = [name for name in strategies if name not in STRATEGIES]
     if unknown:
         raise AppError(f"unknown strategy {unknown[0]!r}")
-    experiment = _experiment(registry, spec, text, field, new, top_k, capture_attention=True)
-    report = experiment.report(list(strategies) or list(DEFAULT_STRATEGIES), progress=progress)
+    experiment = _experiment(registry, spec, text, field, new, top_k)
+    report = experiment.report(list(strategies) or list(DEFAULT_STRATEGIES), progress=progress, fused=not separately)
     attention = PROBES["attention"](experiment)
     texts, segments = experiment.stale.notebook.token_texts(), experiment.stale.notebook.visible_segments()
     candidates = experiment.field_positions + experiment.downstream_positions
     same_length = len(experiment.stale.prompt.context_ids) == len(experiment.oracle.prompt.context_ids)
-    effects = attribution_effects(experiment.stale.notebook, experiment.oracle.notebook, experiment.prompt, candidates) if same_length else None
+    effects = attribution_effects(experiment.stale.notebook, experiment.oracle.notebook, experiment.prompt, candidates,
+                                  gradients=experiment.stale.gradients) if same_length else None
     sessions.put(session, "edit", experiment, experiment.stale.notebook.memory_bytes() * 2)
     sessions.put(session, "effects", effects)
     return NotesView(

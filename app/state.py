@@ -13,10 +13,13 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.models import LoadedModel, load_model
+from engine.runs import ScenarioRun, run_scenario
+from engine.scenario import Scenario
 from engine.selftest import SelfTestReport, run_selftest
 from engine.skills import SkillStore
 
 DEFAULT_SESSION_BUDGET = 2 * 2**30
+BASELINE_CAPACITY = 8
 
 
 class ModelRegistry:
@@ -29,6 +32,7 @@ class ModelRegistry:
         self._models: OrderedDict[str, LoadedModel] = OrderedDict()
         self._selftests: dict[str, SelfTestReport] = {}
         self._skills: dict[str, SkillStore] = {}
+        self._baselines: OrderedDict[tuple[str, str], ScenarioRun] = OrderedDict()
         self._lock = threading.Lock()
 
     def add(self, spec: str, lm: LoadedModel) -> None:
@@ -58,11 +62,29 @@ class ModelRegistry:
         """The compiled-skill store of a model (shared by sessions: blocks are immutable)."""
         return self._skills.setdefault(spec or self.default_spec, SkillStore())
 
+    def baseline(self, spec: str | None, scenario_text: str, scenario: Scenario) -> ScenarioRun:
+        """The scenario prefilled at its old values, with the decision's attention (kept for the next edits;
+        shared by sessions: runs are immutable and keyed by the exact scenario text)."""
+        key = (spec or self.default_spec, scenario_text)
+        with self._lock:
+            cached = self._baselines.get(key)
+            if cached is not None:
+                self._baselines.move_to_end(key)
+                return cached
+        run = run_scenario(self.get(spec), scenario, capture_attention=True)
+        with self._lock:
+            self._baselines[key] = run
+            while len(self._baselines) > BASELINE_CAPACITY:
+                self._baselines.popitem(last=False)
+        return run
+
     def _evict(self) -> None:
         while len(self._models) > self.capacity:
             spec, _ = self._models.popitem(last=False)
             self._selftests.pop(spec, None)
             self._skills.pop(spec, None)
+            for key in [key for key in self._baselines if key[0] == spec]:
+                del self._baselines[key]
 
 
 class SessionStore:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import functools
+import html
 
 import gradio as gr
 import plotly.io
@@ -96,7 +97,10 @@ def build_app(registry: ModelRegistry, sessions: SessionStore | None = None) -> 
                             label="Strategies", elem_id="strategies",
                         )
                         top_k = gr.Slider(1, 64, value=8, step=1, label="K (field_topk, knockout)", elem_id="top-k")
+                        separately = gr.Checkbox(False, label="Time each strategy on its own (slower; default reads all in one forward)",
+                                                 elem_id="separately")
                         edit_button = gr.Button("Edit the field", variant="primary", elem_id="run-edit")
+                        baseline = gr.Markdown(elem_id="baseline")
                 cards = gr.HTML(elem_id="strategy-cards")
                 with gr.Row():
                     strategy_plot = gr.Plot(label="Margins by strategy", elem_id="strategy-plot")
@@ -211,21 +215,32 @@ def build_app(registry: ModelRegistry, sessions: SessionStore | None = None) -> 
             return (view.description, gr.update(choices=view.fields, value=chosen_field if chosen_field in view.fields else view.fields[0]),
                     gr.update(choices=view.values, value=view.new))
 
-        scenario_pick.change(on_scenario, scenario_pick, [editor, description, field, new_value], api_name="scenario", concurrency_limit=None)
-        upload.upload(on_upload, upload, [editor, description, field, new_value], api_name="upload_scenario", concurrency_limit=None)
-        editor.blur(lambda text: _choices(text), editor, [description, field, new_value], api_name=False, concurrency_limit=None)
+        def on_baseline(model_spec, text):
+            try:
+                return handlers.prepare_baseline(registry, model_spec, text)
+            except AppError as error:
+                return f"⚠️ {html.escape(str(error))}"
+
+        def then_prepare(event):
+            event.then(on_baseline, [spec, editor], baseline, api_name=False, concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
+
+        then_prepare(scenario_pick.change(on_scenario, scenario_pick, [editor, description, field, new_value], api_name="scenario", concurrency_limit=None))
+        then_prepare(upload.upload(on_upload, upload, [editor, description, field, new_value], api_name="upload_scenario", concurrency_limit=None))
+        then_prepare(editor.blur(lambda text: _choices(text), editor, [description, field, new_value], api_name=False, concurrency_limit=None))
+        page.load(on_baseline, [spec, editor], baseline, api_name="prepare", concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
         field.input(lambda text, f: _choices(text, f)[2], [editor, field], new_value, api_name=False, concurrency_limit=None)
 
         @_ui_errors
-        def on_edit(session_value, model_spec, text, field_name, value, chosen, k, head_index, progress=gr.Progress()):
+        def on_edit(session_value, model_spec, text, field_name, value, chosen, k, head_index, one_by_one=False, progress=gr.Progress()):
             sid = session_id(session_value)
             view = handlers.run_edit(registry, sessions, sid, model_spec, text, field_name, value, chosen or [], int(k),
-                                     None if head_index is None or int(head_index) < 0 else int(head_index), progress=_progress_callback(progress))
+                                     None if head_index is None or int(head_index) < 0 else int(head_index), progress=_progress_callback(progress),
+                                     separately=bool(one_by_one))
             return (view.cards_html, view.strategy_figure, view.strip_figure, view.attention_figure, view.notes_figure,
                     view.summary, sid)
 
         edit_button.click(
-            on_edit, [session, spec, editor, field, new_value, strategies, top_k, head],
+            on_edit, [session, spec, editor, field, new_value, strategies, top_k, head, separately],
             [cards, strategy_plot, strip_plot, attention_plot, notes_plot, edit_json, session],
             api_name="edit", concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT,
         )

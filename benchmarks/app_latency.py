@@ -1,10 +1,13 @@
 """App latency through its API: start-up, a field edit (all Notes panels), and splice vs recompute.
 
-    python -m benchmarks.app_latency [--model embedded] [--scenario refund_gate] [--reps 3]
+    python -m benchmarks.app_latency [--model embedded] [--scenario refund_gate] [--reps 5]
 
 Starts `python app.py` on a free loopback port (the model cache must exist: run the app once before),
 measures the time until the page answers, then calls the named endpoints with gradio_client, as a browser
-would. Writes benchmarks/results/app-<model>-cpu.json.
+would: picking a scenario prepares its cache (`/prepare`), an edit on a prepared scenario (`/edit`, new
+value side computed every time), an edit of a scenario never seen (the preparation included), and the
+composer's comparison with and without a scenario after the skill. Writes
+benchmarks/results/app-<model>-cpu.json.
 """
 from __future__ import annotations
 
@@ -46,9 +49,9 @@ def _wait(url: str, timeout: float) -> None:
 
 def _timed(call, reps: int) -> tuple[float, object]:
     times, result = [], None
-    for _ in range(reps):
+    for rep in range(reps):
         started = time.perf_counter()
-        result = call()
+        result = call(rep)
         times.append((time.perf_counter() - started) * 1000)
     return statistics.median(times), result
 
@@ -57,7 +60,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--scenario", default="refund_gate")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
     port = _free_port()
     url = f"http://127.0.0.1:{port}/"
@@ -65,34 +68,48 @@ def main() -> None:
     started = time.perf_counter()
     server = subprocess.Popen([sys.executable, "app.py", "--model", args.model, "--port", str(port)], cwd=ROOT, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    strategies = ["field_only", "erratum", "field_erratum", "full_downstream"]
     try:
         _wait(url, 600)
         start_s = time.perf_counter() - started
         client = Client(url, verbose=False)
         text = bundled_scenarios()[args.scenario].read_text()
-        strategies = ["field_only", "erratum", "field_erratum", "full_downstream"]
-        client.predict(text, None, None, strategies, 8, -1, api_name="/edit")  # warm-up
-        edit_ms, edit = _timed(lambda: client.predict(text, None, None, strategies, 8, -1, api_name="/edit"), args.reps)
-        client.predict(["account_gate"], "", "", args.scenario, 1, 0, api_name="/compose")
-        compose_ms, compose = _timed(lambda: client.predict(["account_gate"], "", "", args.scenario, 1, 0, api_name="/compose"), args.reps)
+
+        def edit(scenario_text: str):
+            return client.predict(scenario_text, None, None, strategies, 8, -1, False, api_name="/edit")
+
+        def fresh(rep: int) -> str:
+            return f"{text}\n# benchmark copy {rep}\n"  # a scenario text the app has not prepared yet
+
+        edit(fresh(-1))  # warm-up
+        prepare_ms, _ = _timed(lambda rep: client.predict(fresh(100 + rep), api_name="/prepare"), args.reps)
+        client.predict(text, api_name="/prepare")
+        edit_ms, result = _timed(lambda rep: edit(text), args.reps)
+        cold_ms, _ = _timed(lambda rep: edit(fresh(rep)), args.reps)
+        compose = {}
+        for after in (args.scenario, ""):
+            client.predict(["account_gate"], "", "", after, 1, 0, api_name="/compose")
+            ms, view = _timed(lambda rep: client.predict(["account_gate"], "", "", after, 1, 0, api_name="/compose"), args.reps)
+            compose[after or "question only"] = {"ms": round(ms, 1), "context_tokens": view[3]["context_tokens"], "ttft_ms": view[3]["ttft_ms"]}
     finally:
         server.terminate()
         server.wait(timeout=30)
-    summary = edit[5]
-    result = {
+    summary = result[5]
+    output = {
         "model": summary["model"],
         "scenario": args.scenario,
-        "context_tokens": summary["oracle"]["tokens_recomputed"],
+        "context_tokens": summary["context_tokens"],
         "app_start_s": round(start_s, 2),
+        "prepare_scenario_ms": round(prepare_ms, 1),
         "edit_all_panels_ms": round(edit_ms, 1),
-        "compose_ms": round(compose_ms, 1),
-        "compose_context_tokens": compose[3]["context_tokens"],
+        "edit_unprepared_scenario_ms": round(cold_ms, 1),
+        "compose": compose,
         "reps": args.reps,
     }
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"app-{summary['model'].split(':')[0]}-cpu.json"
-    out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result, indent=2))
+    out.write_text(json.dumps(output, indent=2))
+    print(json.dumps(output, indent=2))
 
 
 if __name__ == "__main__":

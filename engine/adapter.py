@@ -1,8 +1,8 @@
 """The one place that touches transformers' cache objects, forward keywords and attention dispatch.
 
-Every forward of the engine runs through :func:`forward`: the stored K/V (any order, with positions and
-a visibility flag per entry) becomes a ``DynamicCache``, and a registered attention function
-(``"kvscope"``) replaces the model's mask by one built from *positions* and *visibility*, adds
+Every forward of the engine runs through :func:`forward`: the stored K/V (any order, with positions)
+becomes a ``DynamicCache``, and a registered attention function (``"kvscope"``) replaces the model's
+mask by the caller's query × key visibility (so unrelated branches can share one forward), adds
 per-layer/per-head knockouts, and captures attention probabilities when asked. Sliding-window layers
 get their window from positions too, so caches never drop entries and splicing stays exact.
 """
@@ -25,13 +25,13 @@ ATTENTION_NAME = "kvscope"
 class ForwardPlan:
     """Per-forward attention settings, read by the registered attention function."""
 
-    allowed: torch.Tensor  # (Q, K) bool: causal-by-position and visible, without any window
+    allowed: torch.Tensor  # (Q, K) bool: which keys each query sees (causal), without any window
     query_positions: torch.Tensor  # (Q,)
     key_positions: torch.Tensor  # (K,)
     blocked: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (H or 1, Q, K) bool
-    capture: bool = False
+    capture_rows: torch.Tensor | None = None  # query rows whose attention probabilities are kept
     use_sdpa: bool = True
-    attentions: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (H, Q, K) probabilities
+    attentions: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (H, rows, K) probabilities
 
     def mask_for(self, layer: int, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
         """Additive mask (1, H or 1, Q, K) for one layer: visibility, window and knockouts."""
@@ -63,14 +63,13 @@ def _kvscope_attention(module, query, key, value, attention_mask, scaling=None, 
     if plan is not None:
         sliding_window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
         attention_mask = plan.mask_for(module.layer_idx, sliding_window, query.dtype)
-    if plan is not None and plan.capture or not use_sdpa:
-        output, weights = _eager_for(module)(
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
-        )
-        if plan is not None and plan.capture:
-            plan.attentions[module.layer_idx] = weights[0].float()
-        return output, weights
-    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    attend = sdpa_attention_forward if use_sdpa else _eager_for(module)
+    output, weights = attend(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if plan is not None and plan.capture_rows is not None:
+        rows = plan.capture_rows  # probabilities for these queries only, by the model's own eager attention
+        _, kept = _eager_for(module)(module, query[:, :, rows], key, value, attention_mask[:, :, rows], scaling=scaling, dropout=0.0, **kwargs)
+        plan.attentions[module.layer_idx] = kept[0].float()
+    return output, weights
 
 
 AttentionInterface.register(ATTENTION_NAME, _kvscope_attention)
@@ -107,42 +106,36 @@ def forward(
     keys: list[torch.Tensor],
     values: list[torch.Tensor],
     key_positions: torch.Tensor,
-    key_visible: torch.Tensor,
     input_ids: torch.Tensor,
     positions: torch.Tensor,
+    allowed: torch.Tensor,
     *,
     blocked: dict[int, torch.Tensor] | None = None,
-    capture: bool = False,
-    logits_to_keep: int = 1,
+    capture_rows: torch.Tensor | None = None,
+    logit_rows: torch.Tensor | None = None,
     hidden_states: bool = False,
     grad: bool = False,
 ) -> ForwardResult:
-    """Run ``input_ids`` at ``positions`` over stored K/V; query i sees visible entries at positions ≤ its own.
+    """Run ``input_ids`` at ``positions`` over stored K/V; ``allowed`` (Q, N + Q) says which stored entries
+    and which of the new tokens each query sees (the caller makes it causal).
 
-    ``blocked[layer]`` is a (H or 1, Q, N_stored) bool tensor of extra entries hidden from the queries in
-    that layer (knockouts); it never touches the stored tensors. Nothing passed in is modified. With
-    ``grad`` the forward is differentiable (e.g. with respect to stored K/V that require grad).
+    ``blocked[layer]`` is a (H or 1, Q, N + Q) bool tensor of extra keys hidden from the queries in that
+    layer (knockouts); it never touches the stored tensors. Logits are kept for ``logit_rows`` only (none
+    when not given), attention probabilities for ``capture_rows``. Nothing passed in is modified. With ``grad`` the forward is differentiable (e.g. with
+    respect to stored K/V that require grad).
     """
     install(model)
     device = input_ids.device
-    all_positions = torch.cat([key_positions, positions])
-    allowed = torch.cat(
-        [key_visible.to(device)[None, :].expand(len(positions), -1), torch.ones(len(positions), len(positions), dtype=torch.bool, device=device)],
-        dim=1,
-    ) & (all_positions[None, :] <= positions[:, None])
-    padded_blocks = {
-        layer: torch.nn.functional.pad(block.to(device), (0, len(positions)), value=False)
-        for layer, block in (blocked or {}).items()
-    }
     plan = ForwardPlan(
         allowed=allowed,
         query_positions=positions,
-        key_positions=all_positions,
-        blocked=padded_blocks,
-        capture=capture,
+        key_positions=torch.cat([key_positions, positions]),
+        blocked=dict(blocked or {}),
+        capture_rows=capture_rows,
         use_sdpa=model.config._kvscope_use_sdpa,
     )
     cache = DynamicCache(ddp_cache_data=list(zip(keys, values))) if len(key_positions) else DynamicCache()
+    kept = logit_rows if logit_rows is not None else torch.zeros(0, dtype=torch.long, device=device)
     token = _ACTIVE_PLAN.set(plan)
     try:
         with torch.set_grad_enabled(grad):
@@ -152,7 +145,7 @@ def forward(
                 attention_mask=plan.mask_for(-1, None, model.dtype),
                 cache=cache,
                 use_cache=True,
-                logits_to_keep=logits_to_keep,
+                logits_to_keep=kept,
                 output_hidden_states=hidden_states,
             )
     finally:

@@ -89,7 +89,7 @@ def cmd_edit(args: argparse.Namespace) -> dict:
     settings = _settings(args)
     lm = _load(args)
     experiment = EditExperiment(lm, scenario, args.field, args.new, settings)
-    return experiment.report(names, progress=_progress("strategies")).as_dict()
+    return experiment.report(names, progress=_progress("strategies"), fused=args.fused).as_dict()
 
 
 def cmd_calibrate(args: argparse.Namespace) -> dict:
@@ -221,6 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--topk", type=int, default=8, help="K for field_topk")
             sub.add_argument("--ranking", default="causal", help="field_topk ranking: causal or deviation")
             sub.add_argument("--cot-tokens", type=int, default=24, help="chain-of-thought length for field_only_cot")
+            sub.add_argument("--fused", action="store_true", help="read every strategy and the oracle in one forward (ms become shares)")
             sub.add_argument("--erratum", help="erratum template with {field}, {new}, {old}")
         if name == "probe":
             sub.add_argument("name", help=f"one of: {', '.join(ALL_PROBES)}")

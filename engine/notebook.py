@@ -6,6 +6,12 @@ mask, not on storage order, so operations never rebuild caches: a recomputed tok
 entry and its stale entry is hidden. A Notebook is immutable: every operation returns a new one that
 shares unchanged tensors, so forking is free.
 
+Computation is deferred: append / replace / recompute record a *pending step* (which tokens, and which
+earlier entries they see) and the K/V are computed when something needs them. A read then runs the
+pending tokens and the question in one forward, and :meth:`Notebook.read_many` reads several forks of
+one notebook in one forward (each fork's tokens see only its own entries). Fusing is exact: a token's
+K/V depend only on the entries it attends to, exactly as in a chunked prefill.
+
 Costs (N stored entries, T tokens computed): prefill/append O(T·N) attention; read O(D·N) for D decode
 tokens; replace/recompute/seam repair O(T·N) for the T tokens rewritten; patch and knockout O(1) forwards
 beyond the read itself; splice O(L) re-rotation for an L-token block plus the seam.
@@ -13,7 +19,7 @@ beyond the read itself; splice O(L) re-rotation for an L-token block plus the se
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace as dataclass_replace
+from dataclasses import dataclass, field, replace as dataclass_replace
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -39,6 +45,46 @@ class Knockout:
     positions: tuple[int, ...]
     layers: tuple[int, ...] | None = None
     heads: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    """Entries [start, stop) recorded but not computed yet; their tokens see the earlier entries in ``sees``
+    (and each other), causally by position."""
+
+    start: int
+    stop: int
+    sees: torch.Tensor  # (start,) bool, CPU
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """Tokens run after a notebook's entries without being stored (a question, answer continuations)."""
+
+    token_ids: list[int]
+    positions: list[int]
+    sees: torch.Tensor  # (T, T) bool: which continuation tokens each one sees (causal by position on top)
+    logit_rows: list[int]  # rows whose next-token logits are kept
+    knockout: "Knockout | Sequence[Knockout] | None" = None
+    captured_rows: list[int] = field(default_factory=list)  # rows whose attention is kept when capturing
+
+    @classmethod
+    def causal(cls, token_ids: Sequence[int], start: int, logit_rows: Sequence[int] = ()) -> "Continuation":
+        """Plain tokens at ``start``, ``start + 1``, ... each seeing the earlier ones."""
+        count = len(token_ids)
+        return cls(list(token_ids), list(range(start, start + count)), torch.ones(count, count, dtype=torch.bool), list(logit_rows))
+
+
+@dataclass
+class BranchRun:
+    """One notebook's share of a fused forward: itself computed, and what its continuation produced."""
+
+    notebook: "Notebook"  # no pending steps
+    keys: list[torch.Tensor]  # per layer (1, kv_heads, T, head_dim): the continuation's K/V
+    values: list[torch.Tensor]
+    logits: torch.Tensor  # (len(logit_rows), vocab) float32
+    attentions: dict[int, torch.Tensor]  # layer -> (heads, captured rows, entries + T), entries in storage order
+    hidden_states: tuple[torch.Tensor, ...] | None  # per layer (T, hidden), when asked
 
 
 @dataclass(frozen=True)
@@ -77,13 +123,14 @@ class Notebook:
     """K/V of a context plus what each entry is; see the module docstring."""
 
     lm: LoadedModel
-    keys: tuple[torch.Tensor, ...]  # per layer (1, kv_heads, N, head_dim), post-RoPE
-    values: tuple[torch.Tensor, ...]
+    computed_keys: tuple[torch.Tensor, ...]  # per layer (1, kv_heads, C, head_dim), post-RoPE, C = computed entries
+    computed_values: tuple[torch.Tensor, ...]
     token_ids: torch.Tensor  # (N,) int64, CPU
     positions: torch.Tensor  # (N,) int64, CPU
     segments: tuple[str, ...]  # (N,)
     visible: torch.Tensor  # (N,) bool, CPU
     log: tuple[str, ...] = ()
+    pending: tuple[PendingStep, ...] = ()  # entries C..N-1, in order
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -103,20 +150,23 @@ class Notebook:
         start_position: int = 0,
         progress: Callable[[int, int], None] | None = None,
     ) -> "Notebook":
-        """Prefill tokens (in chunks of ``chunk_size`` if given) starting at ``start_position``."""
+        """Prefill tokens (in chunks of ``chunk_size`` if given) starting at ``start_position``.
+
+        Every chunk but the last is computed at once; the last stays pending (a read fuses it with the
+        question) unless ``progress`` asks to report it.
+        """
         ids = list(token_ids)
         labels = [segments] * len(ids) if isinstance(segments, str) else list(segments)
         if len(labels) != len(ids):
             raise NotebookError(f"got {len(labels)} segment labels for {len(ids)} tokens")
         notebook, step = cls.empty(lm), chunk_size or max(len(ids), 1)
         for begin in range(0, len(ids), step):
-            notebook = notebook._compute(
-                ids[begin : begin + step],
-                list(range(start_position + begin, start_position + min(begin + step, len(ids)))),
-                labels[begin : begin + step],
-            )
+            end = min(begin + step, len(ids))
+            notebook = notebook._compute(ids[begin:end], list(range(start_position + begin, start_position + end)), labels[begin:end])
+            if end < len(ids) or progress:
+                notebook = notebook.materialized()
             if progress:
-                progress(min(begin + step, len(ids)), len(ids))
+                progress(end, len(ids))
         return dataclass_replace(notebook, log=(f"prefill {len(ids)} tokens" + (f" in chunks of {step}" if chunk_size else ""),))
 
     @classmethod
@@ -162,6 +212,40 @@ class Notebook:
         tokenizer = self.lm.tokenizer
         return [tokenizer.decode([token]) for token in self.visible_token_ids()]
 
+    @property
+    def keys(self) -> tuple[torch.Tensor, ...]:
+        """Per-layer keys (1, kv_heads, N, head_dim) of every entry, pending ones computed first."""
+        return self.materialized().computed_keys
+
+    @property
+    def values(self) -> tuple[torch.Tensor, ...]:
+        """Per-layer values of every entry, pending ones computed first."""
+        return self.materialized().computed_values
+
+    def materialized(self) -> "Notebook":
+        """This notebook with every pending step computed (one forward, remembered)."""
+        if not self.pending:
+            return self
+        if "_computed" not in self.__dict__:
+            _run_together([self], [None])
+        return self.__dict__["_computed"]
+
+    def _latest(self) -> "Notebook":
+        """The computed twin if a read already computed this notebook, else itself (never recompute twice)."""
+        return self.__dict__.get("_computed", self)
+
+    def computation(self) -> tuple:
+        """What determines this notebook's K/V: its computed tensors, tokens, positions and what each pending
+        step sees. Forks with equal computations hold equal K/V, so a fused read computes them once."""
+        latest = self._latest()
+        return (
+            tuple(id(tensor) for tensor in latest.computed_keys),
+            tuple(latest.token_ids.tolist()),
+            tuple(latest.positions.tolist()),
+            latest.visible.numpy().tobytes(),
+            tuple((step.start, step.stop, step.sees.numpy().tobytes()) for step in latest.pending),
+        )
+
     def memory_bytes(self) -> int:
         """Bytes held by K/V tensors (shared tensors counted once)."""
         seen: dict[int, int] = {}
@@ -185,45 +269,41 @@ class Notebook:
         return torch.tensor([lookup[int(p)] for p in positions], dtype=torch.long)
 
     # ---------------------------------------------------------------- primitive
-    def _forward(self, token_ids: Sequence[int], positions: Sequence[int], visible: torch.Tensor, **kwargs) -> adapter.ForwardResult:
-        device = self.lm.device
-        return adapter.forward(
-            self.lm.model,
-            list(self.keys),
-            list(self.values),
-            self.positions.to(device),
-            visible.to(device),
-            torch.tensor(list(token_ids), dtype=torch.long, device=device),
-            torch.tensor(list(positions), dtype=torch.long, device=device),
-            **kwargs,
-        )
-
-    def _with_entries(self, result: adapter.ForwardResult, token_ids, positions, segments, visible: torch.Tensor, note: str) -> "Notebook":
-        """A new notebook: these entries plus the forward's new ones appended."""
-        if not self.keys:
-            keys, values = tuple(result.new_keys), tuple(result.new_values)
-        else:
-            keys = tuple(torch.cat([old, new], dim=2) for old, new in zip(self.keys, result.new_keys))
-            values = tuple(torch.cat([old, new], dim=2) for old, new in zip(self.values, result.new_values))
-        count = len(token_ids)
-        return Notebook(
-            lm=self.lm,
-            keys=keys,
-            values=values,
-            token_ids=torch.cat([self.token_ids, torch.tensor(list(token_ids), dtype=torch.long)]),
-            positions=torch.cat([self.positions, torch.tensor(list(positions), dtype=torch.long)]),
-            segments=self.segments + tuple(segments),
-            visible=torch.cat([visible, torch.ones(count, dtype=torch.bool)]),
-            log=self.log + (note,),
-        )
-
     def _compute(self, token_ids, positions, segments, *, hide: torch.Tensor | None = None, note: str = "") -> "Notebook":
-        """Compute tokens at positions over this cache (``hide`` entries excluded) and store them."""
-        visible = self.visible.clone()
+        """Record tokens at positions to compute over this cache (``hide`` entries excluded from now on)."""
+        base = self._latest()
+        visible = base.visible.clone()
         if hide is not None:
             visible[hide] = False
-        result = self._forward(token_ids, positions, visible)
-        return self._with_entries(result, token_ids, positions, segments, visible, note)
+        count, stored = len(token_ids), len(base.positions)
+        return Notebook(
+            lm=base.lm,
+            computed_keys=base.computed_keys,
+            computed_values=base.computed_values,
+            token_ids=torch.cat([base.token_ids, torch.tensor(list(token_ids), dtype=torch.long)]),
+            positions=torch.cat([base.positions, torch.tensor(list(positions), dtype=torch.long)]),
+            segments=base.segments + tuple(segments),
+            visible=torch.cat([visible, torch.ones(count, dtype=torch.bool)]),
+            log=base.log + (note,),
+            pending=base.pending + (PendingStep(stored, stored + count, visible),),
+        )
+
+    def _with_continuation(self, run: BranchRun, continuation: Continuation, segment: str) -> "Notebook":
+        """The computed notebook with a continuation's tokens stored as entries (e.g. a generated token)."""
+        base = run.notebook
+        count = len(continuation.token_ids)
+        keys = tuple(torch.cat([old, new], dim=2) for old, new in zip(base.computed_keys, run.keys)) if base.computed_keys else tuple(run.keys)
+        values = tuple(torch.cat([old, new], dim=2) for old, new in zip(base.computed_values, run.values)) if base.computed_values else tuple(run.values)
+        return Notebook(
+            lm=base.lm,
+            computed_keys=keys,
+            computed_values=values,
+            token_ids=torch.cat([base.token_ids, torch.tensor(continuation.token_ids, dtype=torch.long)]),
+            positions=torch.cat([base.positions, torch.tensor(continuation.positions, dtype=torch.long)]),
+            segments=base.segments + (segment,) * count,
+            visible=torch.cat([base.visible, torch.ones(count, dtype=torch.bool)]),
+            log=base.log + (f"{segment} {count} tokens",),
+        )
 
     def _shifted(self, from_position: int, delta: int, reason: str) -> "Notebook":
         """Move every entry at ``from_position`` or later by ``delta`` positions (keys re-rotated)."""
@@ -237,7 +317,7 @@ class Notebook:
         index = torch.nonzero(moving).flatten().to(self.lm.device)
         deltas = torch.full((len(index),), delta, dtype=torch.long)
         keys = tuple(k.index_copy(2, index, rotary.rotate(k.index_select(2, index), deltas)) for k in self.keys)
-        return dataclass_replace(self, keys=keys, positions=torch.where(moving, self.positions + delta, self.positions))
+        return dataclass_replace(self.materialized(), computed_keys=keys, positions=torch.where(moving, self.positions + delta, self.positions))
 
     # ---------------------------------------------------------------- operations
     def append(self, token_ids: Sequence[int], segment: str | Sequence[str] = "context") -> "Notebook":
@@ -257,10 +337,11 @@ class Notebook:
             raise NotebookError(f"text for segment {segment!r} tokenizes to nothing: {text!r}")
         return self.append(ids, segment)
 
-    def replace(self, positions: Sequence[int], token_ids: Sequence[int], segment: str | None = None) -> "Notebook":
+    def replace(self, positions: Sequence[int], token_ids: Sequence[int], segment: str | Sequence[str] | None = None) -> "Notebook":
         """Rewrite a contiguous span with new tokens, recomputing only their K/V against the prefix.
 
         Later entries keep their (now stale) K/V; a length change moves them by re-rotating their keys.
+        ``segment`` labels the new tokens (one label or one per token; default: the span's first label).
         """
         if not positions or not token_ids:
             raise NotebookError("replace needs a non-empty span and non-empty new tokens")
@@ -268,14 +349,16 @@ class Notebook:
         start, length = int(self.positions[old].min()), len(positions)
         if sorted(int(p) for p in positions) != list(range(start, start + length)):
             raise NotebookError(f"replace needs contiguous positions, got {list(positions)}")
-        label = segment or self.segments[int(old[0])]
+        labels = [segment or self.segments[int(old[0])]] * len(token_ids) if segment is None or isinstance(segment, str) else list(segment)
+        if len(labels) != len(token_ids):
+            raise NotebookError(f"got {len(labels)} segment labels for {len(token_ids)} new tokens")
         moved = self._shifted(start + length, len(token_ids) - length, f"replacing {length} tokens by {len(token_ids)}")
         return moved._compute(
             token_ids,
             range(start, start + len(token_ids)),
-            [label] * len(token_ids),
+            labels,
             hide=old,
-            note=f"replace {label} at {start}..{start + length - 1} ({length}→{len(token_ids)} tokens)",
+            note=f"replace {labels[0]} at {start}..{start + length - 1} ({length}→{len(token_ids)} tokens)",
         )
 
     def recompute(self, positions: Sequence[int]) -> "Notebook":
@@ -308,7 +391,9 @@ class Notebook:
             )
 
         note = f"patch {len(positions)} positions in {len(chosen)} layers from donor"
-        return dataclass_replace(self, keys=patched(self.keys, donor.keys), values=patched(self.values, donor.values), log=self.log + (note,))
+        return dataclass_replace(
+            self.materialized(), computed_keys=patched(self.keys, donor.keys), computed_values=patched(self.values, donor.values), log=self.log + (note,)
+        )
 
     def block(self, segment: str | None = None, positions: Sequence[int] | None = None) -> KVBlock:
         """Extract one contiguous segment's (or these positions') K/V as a reusable block."""
@@ -351,19 +436,25 @@ class Notebook:
             rotary = self.rotary
         except RopeUnsupported as error:
             raise NotebookError(f"cannot splice {block.name!r}: {error}") from error
-        moved = self._shifted(at, len(block), f"splicing {block.name!r}")
-        deltas = torch.full((len(block),), at - block.start_position, dtype=torch.long)
-        keys = tuple(torch.cat([k, rotary.rotate(b, deltas)], dim=2) for k, b in zip(moved.keys, block.keys)) if moved.keys else tuple(rotary.rotate(b, deltas) for b in block.keys)
-        values = tuple(torch.cat([v, b], dim=2) for v, b in zip(moved.values, block.values)) if moved.values else block.values
+        moved = self._shifted(at, len(block), f"splicing {block.name!r}")._latest()
+        count, done = len(block), _computed_count(moved)  # the block joins the computed entries; pending ones follow it
+        deltas = torch.full((count,), at - block.start_position, dtype=torch.long)
+        rotated = tuple(rotary.rotate(b, deltas) for b in block.keys)
+        keys = tuple(torch.cat([k, b], dim=2) for k, b in zip(moved.computed_keys, rotated)) if moved.computed_keys else rotated
+        values = tuple(torch.cat([v, b], dim=2) for v, b in zip(moved.computed_values, block.values)) if moved.computed_values else block.values
+        unseen = torch.zeros(count, dtype=torch.bool)  # steps recorded before the splice never see the block
         spliced = Notebook(
             lm=self.lm,
-            keys=keys,
-            values=values,
-            token_ids=torch.cat([moved.token_ids, block.token_ids]),
-            positions=torch.cat([moved.positions, torch.arange(at, at + len(block))]),
-            segments=moved.segments + block.segments,
-            visible=torch.cat([moved.visible, torch.ones(len(block), dtype=torch.bool)]),
-            log=self.log + (f"splice {block.name} ({len(block)} tokens) at {at}" + (f", seam {seam}" if seam else ""),),
+            computed_keys=keys,
+            computed_values=values,
+            token_ids=torch.cat([moved.token_ids[:done], block.token_ids, moved.token_ids[done:]]),
+            positions=torch.cat([moved.positions[:done], torch.arange(at, at + count), moved.positions[done:]]),
+            segments=moved.segments[:done] + block.segments + moved.segments[done:],
+            visible=torch.cat([moved.visible[:done], torch.ones(count, dtype=torch.bool), moved.visible[done:]]),
+            log=self.log + (f"splice {block.name} ({count} tokens) at {at}" + (f", seam {seam}" if seam else ""),),
+            pending=tuple(
+                PendingStep(step.start + count, step.stop + count, torch.cat([step.sees[:done], unseen, step.sees[done:]])) for step in moved.pending
+            ),
         )
         return spliced.recompute(range(at, at + seam))
 
@@ -373,8 +464,8 @@ class Notebook:
         index = kept.to(self.lm.device)
         return Notebook(
             lm=self.lm,
-            keys=tuple(k.index_select(2, index) for k in self.keys),
-            values=tuple(v.index_select(2, index) for v in self.values),
+            computed_keys=tuple(k.index_select(2, index) for k in self.keys),
+            computed_values=tuple(v.index_select(2, index) for v in self.values),
             token_ids=self.token_ids[kept],
             positions=self.positions[kept],
             segments=tuple(self.segments[i] for i in kept.tolist()),
@@ -383,56 +474,115 @@ class Notebook:
         )
 
     # ---------------------------------------------------------------- decision
-    def _blocked(self, knockouts: Knockout | Sequence[Knockout] | None, extra_columns: int = 0) -> dict[int, torch.Tensor] | None:
-        """Knockouts as per-layer (heads or 1, 1, N + extra) bool masks (broadcast over queries), OR-ed."""
+    def _blocked(self, knockouts: Knockout | Sequence[Knockout] | None) -> dict[int, torch.Tensor]:
+        """Knockouts as per-layer (heads or 1, N) bool masks over this notebook's entries, OR-ed."""
         if knockouts is None:
-            return None
+            return {}
         config = self.lm.model.config
         layer_count, head_count = config.num_hidden_layers, config.num_attention_heads
         blocked: dict[int, torch.Tensor] = {}
         for knockout in [knockouts] if isinstance(knockouts, Knockout) else knockouts:
             if not knockout.positions:
                 continue
-            columns = torch.zeros(len(self.positions) + extra_columns, dtype=torch.bool)
+            columns = torch.zeros(len(self.positions), dtype=torch.bool)
             columns[self.entries_at(knockout.positions)] = True
-            rows = torch.ones(1, 1, 1, dtype=torch.bool)
+            rows = torch.ones(1, 1, dtype=torch.bool)
             if knockout.heads is not None:
                 bad = [h for h in knockout.heads if not 0 <= h < head_count]
                 if bad:
                     raise NotebookError(f"head {bad[0]} does not exist (model has {head_count} query heads)")
-                rows = torch.zeros(head_count, 1, 1, dtype=torch.bool)
+                rows = torch.zeros(head_count, 1, dtype=torch.bool)
                 rows[list(knockout.heads)] = True
             layers = range(layer_count) if knockout.layers is None else knockout.layers
             bad_layers = [layer for layer in layers if not 0 <= layer < layer_count]
             if bad_layers:
                 raise NotebookError(f"layer {bad_layers[0]} does not exist (model has {layer_count} layers)")
             for layer in layers:
-                mask = rows & columns[None, None, :]
+                mask = rows & columns[None, :]
                 blocked[layer] = blocked[layer] | mask if layer in blocked else mask
-        return blocked or None
+        return blocked
 
-    def _answer_logprobs(self, decode_ids, answers, knockout, *, capture: bool = False, grad: bool = False):
-        """Per-string answer log-prob tensors, plus the question forward (logits, attentions)."""
+    def _question(self, decode_ids: Sequence[int], answers: Mapping[str, Sequence[Sequence[int]]], knockout) -> tuple[Continuation, dict]:
+        """The question plus every multi-token answer's continuation as one branch each, and where each
+        answer token's log-prob is read: label -> [(answer ids, kept logit row per answer token)]."""
         if not decode_ids:
             raise NotebookError("a decision needs decode tokens (the question); got none")
-        start = self.next_position
-        positions = list(range(start, start + len(decode_ids)))
-        question = self._forward(decode_ids, positions, self.visible, blocked=self._blocked(knockout), capture=capture, grad=grad)
-        log_probs = torch.log_softmax(question.logits[-1], -1)
-        extended = self._with_entries(question, decode_ids, positions, ["question"] * len(decode_ids), self.visible, "question")
-        blocked = self._blocked(knockout, len(decode_ids))
-        scores: dict[str, list[torch.Tensor]] = {}
+        start, count = self.next_position, len(decode_ids)
+        ids, positions, branches, kept = list(decode_ids), list(range(start, start + count)), [], [count - 1]
+        layout: dict[str, list[tuple[Sequence[int], list[int]]]] = {}
         for label, sequences in answers.items():
-            scores[label] = []
-            for ids in sequences:
-                score = log_probs[ids[0]]
-                if len(ids) > 1:
-                    follow = range(extended.next_position, extended.next_position + len(ids) - 1)
-                    rest = extended._forward(list(ids[:-1]), follow, extended.visible, blocked=blocked, logits_to_keep=0, grad=grad)
-                    steps = torch.log_softmax(rest.logits, -1)
-                    score = score + steps[torch.arange(len(ids) - 1), torch.tensor(list(ids[1:]))].sum()
-                scores[label].append(score)
-        return scores, question
+            layout[label] = []
+            for answer in sequences:
+                rows = [0]
+                if len(answer) > 1:
+                    first = len(ids)
+                    ids += list(answer[:-1])
+                    positions += range(start + count, start + count + len(answer) - 1)
+                    branches.append((first, len(ids)))
+                    rows += range(len(kept), len(kept) + len(answer) - 1)
+                    kept += range(first, len(ids))
+                layout[label].append((answer, rows))
+        sees = torch.zeros(len(ids), len(ids), dtype=torch.bool)
+        sees[:, :count] = True
+        for first, stop in branches:
+            sees[first:stop, first:stop] = True
+        return Continuation(ids, positions, sees, kept, knockout, list(range(count))), layout
+
+    @staticmethod
+    def _scores(run: BranchRun, layout: dict) -> dict[str, list[torch.Tensor]]:
+        """Per-string answer log-probs from a question's kept logits."""
+        log_probs = torch.log_softmax(run.logits, -1)
+        return {
+            label: [sum(log_probs[row, token] for row, token in zip(rows, answer)) for answer, rows in strings]
+            for label, strings in layout.items()
+        }
+
+    @staticmethod
+    def read_many(
+        notebooks: Sequence["Notebook"],
+        decode_ids: Sequence[int],
+        answers: Mapping[str, Sequence[Sequence[int]]],
+        *,
+        knockout: Knockout | Sequence[Knockout] | None = None,
+        capture_attention: bool = False,
+        answer_texts: Mapping[str, Sequence[str]] | None = None,
+    ) -> list[Decision]:
+        """Read the same question from several forks of one notebook in a single forward.
+
+        Each fork's pending steps and question run together (forks with the same :meth:`computation` once);
+        every fork is left computed. With
+        ``capture_attention`` each decision carries the question tokens' attention as (layers, heads,
+        decode tokens, stored entries + decode tokens), stored entries in storage order.
+        """
+        questions = [notebook._question(decode_ids, answers, knockout) for notebook in notebooks]
+        computations = [notebook.computation() for notebook in notebooks]
+        first_of: dict[tuple, int] = {}
+        for index, key in enumerate(computations):
+            first_of.setdefault(key, index)
+        unique = sorted(set(first_of.values()))
+        runs: dict[int, BranchRun] = {}
+        for group in _forks_by_base([notebooks[i] for i in unique]):
+            chosen = [unique[i] for i in group]
+            for index, run in zip(chosen, _run_together([notebooks[i] for i in chosen], [questions[i][0] for i in chosen], capture=capture_attention)):
+                runs[index] = run
+        for index, notebook in enumerate(notebooks):
+            twin = runs[first_of[computations[index]]]
+            if index not in runs:
+                done = dataclass_replace(notebook._latest(), computed_keys=twin.notebook.computed_keys,
+                                         computed_values=twin.notebook.computed_values, pending=())
+                notebook.__dict__["_computed"] = done
+                runs[index] = dataclass_replace(twin, notebook=done)
+        texts = answer_texts or {label: [str(i) for i in range(len(seqs))] for label, seqs in answers.items()}
+        decisions = []
+        for run, (_, layout) in zip((runs[i] for i in range(len(notebooks))), questions):
+            scores = Notebook._scores(run, layout)
+            string_logprobs = {label: {text: float(score) for text, score in zip(texts[label], scores[label])} for label in scores}
+            decision = decide(string_logprobs, run.logits[0].detach().cpu())
+            if capture_attention:
+                entries, count = len(run.notebook.positions), len(decode_ids)
+                decision.attention = torch.stack([run.attentions[layer][:, :, : entries + count] for layer in sorted(run.attentions)]).cpu()
+            decisions.append(decision)
+        return decisions
 
     def read(
         self,
@@ -445,52 +595,169 @@ class Notebook:
     ) -> Decision:
         """Score each answer's token sequence after ``decode_ids`` (question + assistant header).
 
-        The notebook is not changed. With ``capture_attention`` the decision tokens' attention is returned
-        as (layers, heads, decode tokens, stored entries + decode tokens), stored entries in storage order.
+        The notebook is not changed (pending steps are computed in the same forward). With
+        ``capture_attention`` the decision tokens' attention is kept (see :meth:`read_many`).
         """
-        scores, question = self._answer_logprobs(decode_ids, answers, knockout, capture=capture_attention)
-        texts = answer_texts or {label: [str(i) for i in range(len(seqs))] for label, seqs in answers.items()}
-        string_logprobs = {
-            label: {text: float(score) for text, score in zip(texts[label], label_scores)} for label, label_scores in scores.items()
-        }
-        decision = decide(string_logprobs, question.logits[-1].detach().cpu())
-        if capture_attention:
-            decision.attention = torch.stack([question.attentions[layer] for layer in sorted(question.attentions)]).cpu()
-        return decision
+        return Notebook.read_many([self], decode_ids, answers, knockout=knockout, capture_attention=capture_attention, answer_texts=answer_texts)[0]
 
     def decision_score(
         self, decode_ids: Sequence[int], answers: Mapping[str, Sequence[Sequence[int]]], knockout: Knockout | Sequence[Knockout] | None = None
     ) -> torch.Tensor:
         """The decision margin as a differentiable scalar (gradients flow into K/V that require grad)."""
-        scores, _ = self._answer_logprobs(decode_ids, answers, knockout, grad=True)
-        label_scores = [torch.logsumexp(torch.stack(values), 0) for values in scores.values()]
+        question, layout = self._question(decode_ids, answers, knockout)
+        run = _run_together([self], [question], grad=True)[0]
+        label_scores = [torch.logsumexp(torch.stack(values), 0) for values in Notebook._scores(run, layout).values()]
         return label_scores[0] - torch.stack(label_scores[1:]).max()
 
     def with_grad(self) -> "Notebook":
         """A copy whose K/V are fresh float leaves requiring grad (for attribution patching)."""
         keys = tuple(k.detach().clone().requires_grad_(True) for k in self.keys)
         values = tuple(v.detach().clone().requires_grad_(True) for v in self.values)
-        return dataclass_replace(self, keys=keys, values=values)
+        return dataclass_replace(self.materialized(), computed_keys=keys, computed_values=values)
+
+    def _step(self, token_ids: Sequence[int], segment: str) -> tuple["Notebook", torch.Tensor]:
+        """Run tokens after the context, store them, and return the last token's next-token logits."""
+        continuation = Continuation.causal(token_ids, self.next_position, [len(token_ids) - 1])
+        run = _run_together([self], [continuation])[0]
+        return self._with_continuation(run, continuation, segment), run.logits[-1]
 
     def generate(self, decode_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()) -> tuple["Notebook", list[int]]:
         """Greedy decoding after ``decode_ids``; returns the notebook with everything appended and the new ids."""
-        positions = list(range(self.next_position, self.next_position + len(decode_ids)))
-        question = self._forward(decode_ids, positions, self.visible)
-        notebook = self._with_entries(question, decode_ids, positions, ["question"] * len(decode_ids), self.visible, "question")
-        logits, generated = question.logits[-1], []
+        notebook, logits = self._step(decode_ids, "question")
+        generated: list[int] = []
         for _ in range(max_new_tokens):
             token = int(logits.argmax())
             if token in stop_ids:
                 break
             generated.append(token)
-            position = [notebook.next_position]
-            step = notebook._forward([token], position, notebook.visible)
-            notebook = notebook._with_entries(step, [token], position, ["generated"], notebook.visible, "generate 1 token")
-            logits = step.logits[-1]
+            notebook, logits = notebook._step([token], "generated")
         return notebook, generated
 
     def hidden_states(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Residual stream (layers + 1, T, hidden) of tokens run after this context (nothing is stored)."""
-        start = self.next_position
-        result = self._forward(list(token_ids), range(start, start + len(token_ids)), self.visible, hidden_states=True)
-        return torch.stack(result.hidden_states).float()
+        run = _run_together([self], [Continuation.causal(token_ids, self.next_position)], hidden_states=True)[0]
+        return torch.stack(run.hidden_states).float()
+
+
+def _computed_count(notebook: Notebook) -> int:
+    return len(notebook.positions) - sum(step.stop - step.start for step in notebook.pending)
+
+
+def _forks_by_base(notebooks: Sequence[Notebook]) -> list[list[int]]:
+    """Indices of the notebooks grouped by the computed K/V they share (each group runs in one forward)."""
+    groups: dict[tuple, list[int]] = {}
+    for index, notebook in enumerate(notebooks):
+        latest = notebook._latest()
+        key = (_computed_count(latest), tuple(id(tensor) for tensor in latest.computed_keys))
+        groups.setdefault(key, []).append(index)
+    return list(groups.values())
+
+
+@dataclass
+class _FusedInput:
+    """Everything one fused forward runs: every fork's new tokens (pending, then continuation) and masks."""
+
+    token_ids: list[int]
+    positions: list[int]
+    allowed: torch.Tensor  # (Q, computed + Q) bool, causal by position
+    logit_rows: list[int]
+    captured_rows: list[int]
+    blocked: dict[int, torch.Tensor]  # layer -> (heads or 1, Q, computed + Q)
+    spans: list[tuple[int, int, int]]  # per fork: (first row, pending tokens, continuation tokens)
+
+
+def _fused_input(forks: Sequence[Notebook], extras: Sequence[Continuation], computed: int) -> _FusedInput:
+    """Lay the forks' new tokens side by side: each row sees the shared computed entries its step saw, its own
+    fork's earlier new tokens, and nothing of the other forks."""
+    sizes = [(len(fork.positions) - computed, len(extra.token_ids)) for fork, extra in zip(forks, extras)]
+    total = sum(new + more for new, more in sizes)
+    layout = _FusedInput([], [], torch.zeros(total, computed + total, dtype=torch.bool), [], [], {}, [])
+    offset = 0
+    for fork, extra, (new, more) in zip(forks, extras, sizes):
+        layout.token_ids += fork.token_ids[computed:].tolist() + extra.token_ids
+        layout.positions += fork.positions[computed:].tolist() + extra.positions
+        own = computed + offset  # column of the fork's first new token
+        for step in fork.pending:
+            first, last = offset + step.start - computed, offset + step.stop - computed
+            layout.allowed[first:last, :computed] = step.sees[:computed]
+            layout.allowed[first:last, own : own + step.start - computed] = step.sees[computed:]
+            layout.allowed[first:last, computed + first : computed + last] = True
+        rows = slice(offset + new, offset + new + more)
+        layout.allowed[rows, :computed] = fork.visible[:computed]
+        layout.allowed[rows, own : own + new] = fork.visible[computed:]
+        layout.allowed[rows, own + new : own + new + more] = extra.sees
+        layout.logit_rows += [offset + new + row for row in extra.logit_rows]
+        layout.captured_rows += [offset + new + row for row in extra.captured_rows]
+        for layer, mask in fork._blocked(extra.knockout).items():  # knockouts act on the continuation only
+            full = torch.zeros(mask.shape[0], total, computed + total, dtype=torch.bool)
+            full[:, rows, :computed] = mask[:, None, :computed]
+            full[:, rows, own : own + new] = mask[:, None, computed:]
+            layout.blocked[layer] = layout.blocked[layer] | full if layer in layout.blocked else full
+        layout.spans.append((offset, new, more))
+        offset += new + more
+    positions = torch.cat([forks[0].positions[:computed], torch.tensor(layout.positions, dtype=torch.long)])
+    layout.allowed &= positions[None, :] <= positions[computed:, None]
+    return layout
+
+
+def _run_together(
+    notebooks: Sequence[Notebook],
+    continuations: Sequence[Continuation | None],
+    *,
+    capture: bool = False,
+    grad: bool = False,
+    hidden_states: bool = False,
+) -> list[BranchRun]:
+    """One forward for several forks of one computed notebook: each fork's pending steps, then its continuation.
+
+    A fork's pending notebook remembers its computed twin afterwards (see :func:`_fused_input` for the masks).
+    """
+    if len(_forks_by_base(notebooks)) != 1:
+        raise NotebookError("notebooks run together must be forks of one computed notebook")
+    forks = [notebook._latest() for notebook in notebooks]
+    base, computed = forks[0], _computed_count(forks[0])
+    extras = [continuation or Continuation([], [], torch.zeros(0, 0, dtype=torch.bool), []) for continuation in continuations]
+    layout = _fused_input(forks, extras, computed)
+    device = base.lm.device
+    result = adapter.forward(
+        base.lm.model,
+        list(base.computed_keys),
+        list(base.computed_values),
+        base.positions[:computed].to(device),
+        torch.tensor(layout.token_ids, dtype=torch.long, device=device),
+        torch.tensor(layout.positions, dtype=torch.long, device=device),
+        layout.allowed.to(device),
+        blocked={layer: mask.to(device) for layer, mask in layout.blocked.items()},
+        capture_rows=torch.tensor(layout.captured_rows, dtype=torch.long, device=device) if capture else None,
+        logit_rows=torch.tensor(layout.logit_rows, dtype=torch.long, device=device),
+        hidden_states=hidden_states,
+        grad=grad,
+    )
+    runs, logit_row, captured_row = [], 0, 0
+    for notebook, fork, extra, (offset, new, more) in zip(notebooks, forks, extras, layout.spans):
+        mine, theirs = slice(offset, offset + new), slice(offset + new, offset + new + more)
+        done = fork
+        if fork.pending:
+            keys, values = _joined(base.computed_keys, result.new_keys, mine), _joined(base.computed_values, result.new_values, mine)
+            done = dataclass_replace(fork, computed_keys=keys, computed_values=values, pending=())
+            notebook.__dict__["_computed"] = fork.__dict__["_computed"] = done
+        columns = torch.cat([torch.arange(computed), torch.arange(computed + offset, computed + offset + new + more)]).to(device)
+        captured = slice(captured_row, captured_row + len(extra.captured_rows))
+        runs.append(BranchRun(
+            notebook=done,
+            keys=[k[:, :, theirs] for k in result.new_keys],
+            values=[v[:, :, theirs] for v in result.new_values],
+            logits=result.logits[logit_row : logit_row + len(extra.logit_rows)],
+            attentions={layer: weights[:, captured].index_select(-1, columns) for layer, weights in result.attentions.items()},
+            hidden_states=tuple(h[theirs] for h in result.hidden_states) if hidden_states else None,
+        ))
+        logit_row += len(extra.logit_rows)
+        captured_row += len(extra.captured_rows)
+    return runs
+
+
+def _joined(computed: tuple[torch.Tensor, ...], new: list[torch.Tensor], part: slice) -> tuple[torch.Tensor, ...]:
+    """Per layer: the computed K (or V) followed by the ``part`` of a forward's new ones."""
+    if not computed:
+        return tuple(tensor[:, :, part] for tensor in new)
+    return tuple(torch.cat([old, tensor[:, :, part]], dim=2) for old, tensor in zip(computed, new))

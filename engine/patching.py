@@ -50,19 +50,37 @@ def _aligned(base: Notebook, donor: Notebook, positions: Sequence[int]) -> tuple
     return base.entries_at(positions).to(base.lm.device), donor.entries_at(positions).to(base.lm.device)
 
 
-def attribution_effects(base: Notebook, donor: Notebook, prompt: RenderedPrompt, positions: Sequence[int]) -> EffectMap:
-    """Estimate every (layer, position) patch effect with one backward pass (attribution patching)."""
-    mine, theirs = _aligned(base, donor, positions)
+@dataclass(frozen=True)
+class DecisionGradients:
+    """∂margin/∂K and ∂margin/∂V at every entry of one notebook (one backward pass; reusable for any donor)."""
+
+    margin: float
+    keys: tuple[torch.Tensor, ...]  # per layer, like the notebook's keys
+    values: tuple[torch.Tensor, ...]
+
+
+def decision_gradients(base: Notebook, prompt: RenderedPrompt) -> DecisionGradients:
+    """Gradients of the decision margin with respect to the base notebook's K/V."""
     leaf = base.with_grad()
     score = leaf.decision_score(prompt.decode_ids, prompt.answer_ids)
     score.backward()
+    return DecisionGradients(float(score.detach()), tuple(k.grad for k in leaf.keys), tuple(v.grad for v in leaf.values))
+
+
+def attribution_effects(
+    base: Notebook, donor: Notebook, prompt: RenderedPrompt, positions: Sequence[int], gradients: DecisionGradients | None = None
+) -> EffectMap:
+    """Estimate every (layer, position) patch effect with one backward pass (attribution patching);
+    ``gradients`` of the base notebook, when already computed, make it free."""
+    mine, theirs = _aligned(base, donor, positions)
+    gradients = gradients or decision_gradients(base, prompt)
     effects = []
-    for key, value, donor_key, donor_value in zip(leaf.keys, leaf.values, donor.keys, donor.values):
-        delta_key = donor_key.index_select(2, theirs).float() - key.detach().index_select(2, mine).float()
-        delta_value = donor_value.index_select(2, theirs).float() - value.detach().index_select(2, mine).float()
-        effect = delta_key * key.grad.index_select(2, mine).float() + delta_value * value.grad.index_select(2, mine).float()
+    for key, value, key_grad, value_grad, donor_key, donor_value in zip(base.keys, base.values, gradients.keys, gradients.values, donor.keys, donor.values):
+        delta_key = donor_key.index_select(2, theirs).float() - key.index_select(2, mine).float()
+        delta_value = donor_value.index_select(2, theirs).float() - value.index_select(2, mine).float()
+        effect = delta_key * key_grad.index_select(2, mine).float() + delta_value * value_grad.index_select(2, mine).float()
         effects.append(effect.sum(dim=(0, 1, 3)))  # (P,)
-    return EffectMap(torch.stack(effects).detach().cpu(), list(positions), float(score.detach()), "attribution")
+    return EffectMap(torch.stack(effects).detach().cpu(), list(positions), gradients.margin, "attribution")
 
 
 def exact_effects(

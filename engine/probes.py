@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace as dataclass_replace
 
+import numpy as np
 import torch
 
 from engine.decision import Decision, recovery
@@ -48,9 +49,7 @@ def _round(value: float | None, digits: int = 4) -> float | None:
 
 def _nested(tensor: torch.Tensor, digits: int = 4) -> list:
     """A tensor as nested lists of rounded floats."""
-    if tensor.dim() == 1:
-        return [round(float(v), digits) for v in tensor.tolist()]
-    return [_nested(row, digits) for row in tensor]
+    return np.round(tensor.detach().cpu().double().numpy(), digits).tolist()
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,12 @@ In-place strategies need the new value to have the old value's token count; othe
 "not applicable" and why (use ``erratum``, ``field_erratum`` via errata, or ``full_downstream``).
 Recovery = (s − s_stale) / (s_oracle − s_stale) on the decision margin; chain-of-thought variants are
 compared with stale and oracle under the same chain-of-thought protocol.
+
+The reference oracle reuses the stale cache's prefix when the stale is a clean prefill (a prefix-cache
+hit: the same K/V as a clean prefill); the ``oracle`` *strategy* is always a clean prefill, the cost of
+recomputing from scratch. :meth:`EditExperiment.report` builds every strategy's cache and reads them all,
+with the oracle, in one fused forward (``fused=True``; each strategy's ms is then its share of that
+forward by tokens, marked in its detail) or one strategy at a time with its own wall time.
 """
 from __future__ import annotations
 
@@ -29,7 +35,7 @@ from engine.decision import RECOVERY_MIN_GAP, Decision, Recovery, recovery
 from engine.models import LoadedModel
 from engine.notebook import Notebook, NotebookError
 from engine.patching import attribution_effects, kv_deviation
-from engine.runs import run_scenario
+from engine.runs import PreparedRun, ScenarioRun, prepare_scenario, run_scenario
 from engine.scenario import RenderedPrompt, Scenario, ScenarioError
 
 DEFAULT_ERRATUM = "[STATE UPDATE] {field} -> {new}; overrides any earlier value and conclusion"
@@ -38,6 +44,7 @@ STRATEGIES = (
     "field_erratum", "hoist", "full_downstream", "oracle", "auto",
 )
 AUTO_CANDIDATES = ("field_only", "erratum", "hoist", "field_erratum")
+FUSABLE = ("stale", "field_only", "field_topk", "erratum", "field_erratum", "hoist", "full_downstream", "oracle")
 RANKINGS = ("causal", "deviation")
 
 
@@ -121,18 +128,13 @@ class EditReport:
             "field": self.field,
             "old": self.old,
             "new": self.new,
+            "context_tokens": len(self.stale.notebook),
             "flips": self.flips,
             "delta_margin": round(self.oracle.decision.margin - self.stale.decision.margin, 4),
             "stale": self.stale.as_dict(),
             "oracle": self.oracle.as_dict(),
             "strategies": {name: result.as_dict() for name, result in self.strategies.items()},
         }
-
-
-def _timed(function: Callable[[], tuple[Notebook | None, Decision, int, dict]]) -> tuple[Notebook | None, Decision, int, dict, float]:
-    started = time.perf_counter()
-    notebook, decision, tokens, detail = function()
-    return notebook, decision, tokens, detail, (time.perf_counter() - started) * 1000
 
 
 class EditExperiment:
@@ -147,21 +149,35 @@ class EditExperiment:
         settings: EditSettings | None = None,
         build: Callable[[RenderedPrompt], Notebook] | None = None,
         capture_attention: bool = False,
+        stale: ScenarioRun | None = None,
     ) -> None:
-        """``build`` makes the stale notebook (default: a clean prefill; e.g. skills spliced). The oracle is
-        always a clean prefill with the new value. ``capture_attention`` keeps the decision tokens' attention
-        in the stale and oracle decisions (saves a read for attention views)."""
+        """``build`` makes the stale notebook (default: a clean prefill; e.g. skills spliced); ``stale``
+        reuses a run of this scenario at its old values (e.g. cached across edits). The oracle is a clean
+        prefill with the new value (prefix reused from a clean stale). ``capture_attention`` keeps the
+        decision tokens' attention in the stale and oracle decisions (saves a read for attention views)."""
         self.lm, self.scenario, self.settings = lm, scenario, settings or EditSettings()
+        self.capture_attention = capture_attention
         chosen = scenario.field(field_name)
         self.field, self.old, self.new = chosen.name, chosen.old, chosen.new if new is None else new
         if not self.new or "{" in self.new or "}" in self.new:
             raise ScenarioError(f"new value for field {self.field!r} must be non-empty and contain no braces, got {self.new!r}")
+        if stale is not None and (stale.scenario != scenario or stale.prompt.values != scenario.values_with()):
+            raise ScenarioError(f"the cached stale run is not scenario {scenario.name!r} at its old values")
+        self.stale = stale or run_scenario(lm, scenario, {self.field: self.old}, build, capture_attention=capture_attention)
+        self._fused: dict[str, StrategyResult] = {}
+
+    @cached_property
+    def _oracle_plan(self) -> PreparedRun:
+        """The oracle's prompt and (still pending) notebook."""
+        return prepare_scenario(self.lm, self.scenario, {self.field: self.new}, reuse=self.stale)
+
+    @cached_property
+    def oracle(self) -> ScenarioRun:
+        """The reference: a clean prefill with the new value, and its decision."""
         started = time.perf_counter()
-        self.stale = run_scenario(lm, scenario, {self.field: self.old}, build, capture_attention=capture_attention)
-        self.stale_ms = (time.perf_counter() - started) * 1000
-        started = time.perf_counter()
-        self.oracle = run_scenario(lm, scenario, {self.field: self.new}, capture_attention=capture_attention)
-        self.oracle_ms = (time.perf_counter() - started) * 1000
+        prepared = self._oracle_plan
+        decision = prepared.notebook.read_prompt(prepared.prompt, answer_texts=self.scenario.answers, capture_attention=self.capture_attention)
+        return prepared.finish(decision, (time.perf_counter() - started) * 1000)
 
     # ------------------------------------------------------------------ shared pieces
     @property
@@ -175,8 +191,9 @@ class EditExperiment:
 
     @cached_property
     def new_field_ids(self) -> list[int]:
-        span = self.oracle.prompt.field_spans[self.field]
-        return list(self.oracle.prompt.context_ids[span.start : span.end])
+        prompt = self._oracle_plan.prompt
+        span = prompt.field_spans[self.field]
+        return list(prompt.context_ids[span.start : span.end])
 
     @cached_property
     def downstream_positions(self) -> list[int]:
@@ -218,38 +235,36 @@ class EditExperiment:
         deviation = kv_deviation(base, self.oracle.notebook, candidates)
         return deviation.top_positions(k), {"ranking": "deviation (CacheBlend-style)"}
 
-    # ------------------------------------------------------------------ strategies
+    # ------------------------------------------------------------------ strategies (caches, read later)
     def _stale(self):
-        return self.stale.notebook, self._read(self.stale.notebook), 0, {}
+        return self.stale.notebook, 0, {}
 
     def _oracle(self):
-        notebook = Notebook.from_prompt(self.lm, self.oracle.prompt)
-        return notebook, self._read(notebook), len(self.oracle.prompt.context_ids), {}
+        prompt = self._oracle_plan.prompt
+        return Notebook.from_prompt(self.lm, prompt), len(prompt.context_ids), {}
 
     def _field_only(self):
-        notebook = self._field_edited()
-        return notebook, self._read(notebook), len(self.field_positions), {}
+        return self._field_edited(), len(self.field_positions), {}
 
     def _erratum(self):
         line = self._line(self.settings.erratum)
-        notebook = self.stale.notebook.append(line, "erratum")
-        return notebook, self._read(notebook), len(line), {"text": self.settings.erratum.format(field=self.field, new=self.new, old=self.old)}
+        return self.stale.notebook.append(line, "erratum"), len(line), {"text": self.settings.erratum.format(field=self.field, new=self.new, old=self.old)}
 
     def _field_erratum(self):
         line = self._line(self.settings.erratum)
-        notebook = self._field_edited().append(line, "erratum")
-        return notebook, self._read(notebook), len(self.field_positions) + len(line), {}
+        return self._field_edited().append(line, "erratum"), len(self.field_positions) + len(line), {}
 
     def _hoist(self):
         line = self._line(self.settings.hoist)
-        notebook = self.stale.notebook.append(line, "hoist")
-        return notebook, self._read(notebook), len(line), {"text": self.settings.hoist.format(field=self.field, new=self.new, old=self.old)}
+        return self.stale.notebook.append(line, "hoist"), len(line), {"text": self.settings.hoist.format(field=self.field, new=self.new, old=self.old)}
 
     def _full_downstream(self):
         positions = self.field_positions + self.downstream_positions
         tail = self.new_field_ids + [self.prompt.context_ids[p] for p in self.downstream_positions]
-        notebook = self.stale.notebook.replace(positions, tail)
-        return notebook, self._read(notebook), len(tail), {}
+        stale = self.stale.notebook
+        labels = [stale.segments[int(stale.entries_at([self.field_positions[0]])[0])]] * len(self.new_field_ids)
+        labels += [stale.segments[int(i)] for i in stale.entries_at(self.downstream_positions)]
+        return stale.replace(positions, tail, labels), len(tail), {}
 
     def _field_topk(self):
         self._check_k(self.settings.top_k)
@@ -257,8 +272,7 @@ class EditExperiment:
         started = time.perf_counter()
         top, detail = self.rank_downstream(edited, self.settings.top_k)
         detail.update(k=self.settings.top_k, positions=top, rank_ms=round((time.perf_counter() - started) * 1000, 1))
-        notebook = edited.recompute(top)
-        return notebook, self._read(notebook), len(self.field_positions) + len(top), detail
+        return edited.recompute(top), len(self.field_positions) + len(top), detail
 
     def cot_decision(self, notebook: Notebook) -> tuple[Decision, str]:
         """Greedy chain of thought after the question, then the answer scored after an answer prefix."""
@@ -284,22 +298,40 @@ class EditExperiment:
         return notebook, decision, len(self.field_positions), detail
 
     # ------------------------------------------------------------------ running
+    def _recovery(self, decision: Decision) -> Recovery:
+        return recovery(decision.margin, self.stale.decision.margin, self.oracle.decision.margin, self.settings.min_gap)
+
     def run(self, name: str) -> StrategyResult:
-        """Run one strategy by name (see STRATEGIES)."""
+        """Run one strategy by name (see STRATEGIES); reuses its fused result when it has one."""
         if name not in STRATEGIES:
             raise ValueError(f"unknown strategy {name!r}; choose from {', '.join(STRATEGIES)}")
+        if name in self._fused:
+            return self._fused[name]
         if name == "auto":
             return self._auto()
+        if name == "field_only_cot":
+            return self._field_only_cot()
+        started = time.perf_counter()
         try:
-            notebook, decision, tokens, detail, ms = _timed(getattr(self, f"_{name}"))
+            notebook, tokens, detail = getattr(self, f"_{name}")()
         except NotApplicable as reason:
             return StrategyResult(name, applicable=False, reason=str(reason))
-        if name == "field_only_cot":
-            stale, oracle = self._cot_baselines
-            gain = recovery(decision.margin, stale.margin, oracle.margin, self.settings.min_gap)
-        else:
-            gain = recovery(decision.margin, self.stale.decision.margin, self.oracle.decision.margin, self.settings.min_gap)
-        return StrategyResult(name, True, decision, gain, tokens, ms, detail=detail, notebook=notebook)
+        decision = self._read(notebook)
+        ms = (time.perf_counter() - started) * 1000
+        return StrategyResult(name, True, decision, self._recovery(decision), tokens, ms, detail=detail, notebook=notebook)
+
+    def _field_only_cot(self) -> StrategyResult:
+        started = time.perf_counter()
+        try:
+            notebook = self._field_edited()
+        except NotApplicable as reason:
+            return StrategyResult("field_only_cot", applicable=False, reason=str(reason))
+        decision, chain = self.cot_decision(notebook)
+        ms = (time.perf_counter() - started) * 1000
+        stale, oracle = self._cot_baselines
+        detail = {"chain": chain, "stale_cot_margin": round(stale.margin, 4), "oracle_cot_margin": round(oracle.margin, 4)}
+        gain = recovery(decision.margin, stale.margin, oracle.margin, self.settings.min_gap)
+        return StrategyResult("field_only_cot", True, decision, gain, len(self.field_positions), ms, detail=detail, notebook=notebook)
 
     def _auto(self) -> StrategyResult:
         candidates = {name: self.run(name) for name in AUTO_CANDIDATES}
@@ -309,16 +341,55 @@ class EditExperiment:
         detail = {"chosen": chosen.name, "reference": reference.name}
         return StrategyResult("auto", True, chosen.decision, chosen.recovery, chosen.tokens_recomputed, chosen.ms, detail=detail, notebook=chosen.notebook)
 
-    def report(self, names: Sequence[str] = STRATEGIES, progress: Callable[[int, int], None] | None = None) -> EditReport:
-        """Run the named strategies and collect them with stale and oracle."""
+    def read_together(self, names: Sequence[str]) -> float:
+        """Build the named strategies' caches and read them, with the oracle if not read yet, in one forward.
+
+        Results are kept for :meth:`run`; each strategy's ms is its build time plus its share of the
+        forward by the tokens it ran there. Returns the fused forward's wall time in ms.
+        """
+        wanted = list(dict.fromkeys(n for name in names for n in (AUTO_CANDIDATES if name == "auto" else [name])))
+        prepared: dict[str, tuple[Notebook, int, dict, float]] = {}
+        for name in wanted:
+            if name not in FUSABLE or name in self._fused:
+                continue
+            started = time.perf_counter()
+            try:
+                notebook, tokens, detail = getattr(self, f"_{name}")()
+            except NotApplicable as reason:
+                self._fused[name] = StrategyResult(name, applicable=False, reason=str(reason))
+                continue
+            prepared[name] = (notebook, tokens, detail, (time.perf_counter() - started) * 1000)
+        oracle = None if "oracle" in self.__dict__ else self._oracle_plan
+        notebooks = [notebook for notebook, *_ in prepared.values()] + ([oracle.notebook] if oracle else [])
+        if not notebooks:
+            return 0.0
+        computations = [notebook.computation() for notebook in notebooks]  # equal ones run once: share their time
+        ran = {key: len(self.prompt.decode_ids) + sum(step.stop - step.start for step in notebook.pending) for key, notebook in zip(computations, notebooks)}
+        started = time.perf_counter()
+        decisions = Notebook.read_many(notebooks, self.prompt.decode_ids, self.prompt.answer_ids,
+                                       answer_texts=self.scenario.answers, capture_attention=self.capture_attention)
+        fused_ms = (time.perf_counter() - started) * 1000
+        shares = [fused_ms * ran[key] / sum(ran.values()) for key in computations]
+        if oracle:
+            self.__dict__["oracle"] = oracle.finish(decisions[-1], shares[-1])
+        for (name, (notebook, tokens, detail, build_ms)), decision, share in zip(prepared.items(), decisions, shares):
+            detail = detail | {"timing": f"share of one fused forward of {len(notebooks)} caches ({fused_ms:.0f} ms)"}
+            self._fused[name] = StrategyResult(name, True, decision, self._recovery(decision), tokens, build_ms + share, detail=detail, notebook=notebook)
+        return fused_ms
+
+    def report(self, names: Sequence[str] = STRATEGIES, progress: Callable[[int, int], None] | None = None, fused: bool = False) -> EditReport:
+        """Run the named strategies and collect them with stale and oracle (``fused``: see :meth:`read_together`)."""
         unknown = [n for n in names if n not in STRATEGIES]
         if unknown:
             raise ValueError(f"unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
+        if fused:
+            self.read_together(names)
         results = {}
         for index, name in enumerate(names):
             results[name] = self.run(name)
             if progress:
                 progress(index + 1, len(names))
-        stale = StrategyResult("stale", True, self.stale.decision, Recovery(0.0), 0, self.stale_ms, notebook=self.stale.notebook)
-        oracle = StrategyResult("oracle", True, self.oracle.decision, Recovery(1.0), len(self.oracle.prompt.context_ids), self.oracle_ms, notebook=self.oracle.notebook)
+        stale = StrategyResult("stale", True, self.stale.decision, Recovery(0.0), self.stale.computed_tokens, self.stale.ms, notebook=self.stale.notebook)
+        oracle = StrategyResult("oracle", True, self.oracle.decision, Recovery(1.0), self.oracle.computed_tokens, self.oracle.ms, notebook=self.oracle.notebook,
+                                detail={"reused_prefix_tokens": len(self.oracle.prompt.context_ids) - self.oracle.computed_tokens})
         return EditReport(self.lm.fingerprint.name, self.scenario.name, self.field, self.old, self.new, stale, oracle, results)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from viz.common import PALETTE, TEMPLATE, safe_label
+from viz.common import PALETTE, safe_label
 
 
 def ttft_figure(rows: list[dict], title: str = "Time to first token") -> go.Figure:
@@ -43,7 +43,7 @@ def edit_latency_figure(data: dict) -> go.Figure:
         )
     figure.update_xaxes(type="log", title="context tokens")
     figure.update_yaxes(type="log", title="latency (ms)")
-    figure.update_layout(title=f"Edit strategies: latency vs context length{_measured_on(data)}", template=TEMPLATE, height=400,
+    figure.update_layout(title=f"Edit strategies: latency vs context length{_measured_on(data)}", height=400,
                          legend={"orientation": "h", "y": -0.2})
     return figure
 
@@ -60,7 +60,7 @@ def prefill_figure(data: dict) -> go.Figure:
     figure.update_xaxes(type="log", title="context tokens")
     figure.update_yaxes(type="log", title="time (ms)", secondary_y=False)
     figure.update_yaxes(title="prefill / read", secondary_y=True)
-    figure.update_layout(title=f"Prefill vs reading a decision from the cache{_measured_on(data)}", template=TEMPLATE, height=380,
+    figure.update_layout(title=f"Prefill vs reading a decision from the cache{_measured_on(data)}", height=380,
                          legend={"orientation": "h", "y": -0.2})
     return figure
 
@@ -87,6 +87,6 @@ def serving_figure(data: dict) -> go.Figure:
     figure.update_yaxes(title_text="completed requests/s", row=1, col=2)
     figure.update_yaxes(title_text="hit rate", range=[0, 1.05], row=1, col=3)
     engine = f" on {safe_label(str(data['engine']))}" if data.get("engine") else ""
-    figure.update_layout(title=f"Serving state changes: erratum vs in-prefix edit{engine}", template=TEMPLATE, height=400,
+    figure.update_layout(title=f"Serving state changes: erratum vs in-prefix edit{engine}", height=400,
                          legend={"orientation": "h", "y": -0.25})
     return figure

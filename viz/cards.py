@@ -19,6 +19,11 @@ CARD_CSS = """
 """
 
 
+def _ms(result: StrategyResult) -> str:
+    """Wall time; '≈' marks a share of a fused forward (see EditExperiment.read_together)."""
+    return f"≈{result.ms:.0f} ms" if "timing" in result.detail else f"{result.ms:.0f} ms"
+
+
 def _card(result: StrategyResult, oracle_label: str, reference: bool = False) -> str:
     name = html.escape(result.name)
     if not result.applicable:
@@ -30,7 +35,7 @@ def _card(result: StrategyResult, oracle_label: str, reference: bool = False) ->
     return (
         f'<div class="kv-card {state}{" ref" if reference else ""}" data-strategy="{name}" data-decision="{html.escape(decision.label)}">'
         f"<h4>{name}</h4><span class=\"big\">{html.escape(decision.label)}</span> margin {decision.margin:+.2f}<br>"
-        f"recovery {recovered} · {result.tokens_recomputed} tok · {result.ms:.0f} ms{note}</div>"
+        f"recovery {recovered} · {result.tokens_recomputed} tok · {_ms(result)}{note}</div>"
     )
 
 

@@ -12,7 +12,7 @@ from engine.agent import AgentReport
 from engine.compose import Fidelity
 from engine.keystone import KeystoneReport
 from engine.decision import Decision, logit_agreement
-from viz.common import PALETTE, TEMPLATE, map_height, pool_columns, safe_label, token_columns
+from viz.common import PALETTE, map_height, pool_columns, safe_label, token_columns
 
 
 def logit_bars_figure(
@@ -38,7 +38,7 @@ def logit_bars_figure(
         title={"text": f"Next-token probabilities: spliced vs recomputed (union of top-{k})",
                "subtitle": {"text": f"logit cosine {agreement['cosine']:.6f}, KL(spliced‖recomputed) {agreement['kl']:.2e}"}},
         barmode="group", xaxis={"title": "next token", "type": "category", "tickangle": -45},
-        yaxis_title="probability", template=TEMPLATE, height=400, legend={"orientation": "h", "y": 1.02, "x": 1, "xanchor": "right", "yanchor": "bottom"},
+        yaxis_title="probability", height=400, legend={"orientation": "h", "y": 1.02, "x": 1, "xanchor": "right", "yanchor": "bottom"},
         margin={"l": 60, "r": 20, "t": 90, "b": 80},
     )
     return figure
@@ -60,7 +60,7 @@ def deviation_figure(fidelity: Fidelity, texts: Sequence[str] | None = None) -> 
     figure.update_layout(
         title={"text": f"K/V deviation, spliced vs recomputed ({repair}): max {float(deviation.max()):.3g}",
                "subtitle": {"text": f"{safe_label(fidelity.scenario)}: {fidelity.skill_tokens} of {fidelity.context_tokens} context tokens spliced"}},
-        xaxis={**xaxis, "title": "context token"}, yaxis_title="layer", template=TEMPLATE, height=map_height(len(z)),
+        xaxis={**xaxis, "title": "context token"}, yaxis_title="layer", height=map_height(len(z)),
         margin={"l": 60, "r": 20, "t": 90, "b": 100},
     )
     return figure
@@ -95,7 +95,7 @@ def agent_figure(report: AgentReport) -> go.Figure:
         title={"text": f"Agent episode: errata on a cached context vs re-prefilling ({safe_label(report.scenario)})",
                "subtitle": {"text": f"field {safe_label(report.field)}, seam {report.seam}; "
                                     f"decisions agree on {sum(agree)}/{len(turns)} turns"}},
-        template=TEMPLATE, height=420, legend={"orientation": "h", "y": -0.2}, margin={"l": 60, "r": 60, "t": 90, "b": 60},
+        height=420, legend={"orientation": "h", "y": -0.2}, margin={"l": 60, "r": 60, "t": 90, "b": 60},
     )
     return figure
 
@@ -113,6 +113,6 @@ def keystone_figure(report: KeystoneReport) -> go.Figure:
     figure.update_layout(
         title=f"Keystone: editing {safe_label(report.field)} inside a spliced skill (seam {report.seam})"
         + (f"; not applicable: {', '.join(skipped)}" if skipped else ""),
-        yaxis_title="decision margin", barmode="group", template=TEMPLATE, height=380,
+        yaxis_title="decision margin", barmode="group", height=380,
     )
     return figure

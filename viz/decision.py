@@ -33,7 +33,6 @@ def decision_figure(decision: Decision, title: str = "Decision") -> go.Figure:
     figure.update_layout(
         title=f"{title}: {decision.label} (margin {decision.margin:+.2f})",
         yaxis_title="log-prob of the answer",
-        template="plotly_white",
         height=340,
         margin={"l": 50, "r": 20, "t": 50, "b": 40},
         showlegend=False,

@@ -9,7 +9,7 @@ import plotly.graph_objects as go
 
 from engine.patching import EffectMap
 from engine.probes import AttentionMap, NotesMapResult
-from viz.common import TEMPLATE, column_of, heat_colours, map_height, pool_columns, safe_label, token_columns
+from viz.common import column_of, heat_colours, map_height, pool_columns, safe_label, token_columns
 
 
 def token_strip_figure(
@@ -58,7 +58,6 @@ def token_strip_figure(
             "ticktext": [f"#{row * per_row}" for row in range(rows)],
             "title": "first token of the row",
         },
-        template=TEMPLATE,
         height=min(1200, 120 + 26 * rows),
         margin={"l": 70, "r": 20, "t": 50, "b": 20},
     )
@@ -101,7 +100,6 @@ def attention_figure(
         title=f"{heading}: {which}",
         xaxis={**xaxis, "title": "context token"},
         yaxis_title="layer",
-        template=TEMPLATE,
         height=map_height(layers),
         margin={"l": 60, "r": 20, "t": 50, "b": 100},
     )
@@ -120,7 +118,7 @@ def _effect_heatmap(effects: np.ndarray, positions: Sequence[int], texts: Sequen
         )
     )
     figure.update_layout(
-        xaxis={**xaxis, "title": "field and downstream token"}, yaxis_title="layer", template=TEMPLATE,
+        xaxis={**xaxis, "title": "field and downstream token"}, yaxis_title="layer",
         height=map_height(len(z)), margin={"l": 60, "r": 20, "t": 70, "b": 100},
     )
     return figure, names, runs

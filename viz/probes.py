@@ -15,7 +15,7 @@ from plotly.subplots import make_subplots
 from engine.attribution import AttributionResult
 from engine.linear_probe import GROUPS, LinearProbeResult
 from engine.probes import Gap, HeadsResult, KnockoutResult, RandomControl, SuffixResult
-from viz.common import GREY, PALETTE, TEMPLATE, safe_label, safe_lines
+from viz.common import GREY, PALETTE, safe_label, safe_lines
 from viz.notes import attention_figure, notes_map_figure
 
 
@@ -63,7 +63,7 @@ def dose_response_figure(result: KnockoutResult) -> go.Figure:
     _references(figure, gap, scale)
     figure.update_layout(
         title=_title("Knockout dose-response: hiding the top-K notes from the oracle's decision", gap),
-        xaxis_title="K (notes hidden)", yaxis_title=axis, template=TEMPLATE, height=400,
+        xaxis_title="K (notes hidden)", yaxis_title=axis, height=400,
         margin={"l": 60, "r": 60, "t": 80, "b": 50},
     )
     return figure
@@ -85,7 +85,7 @@ def suffix_figure(result: SuffixResult) -> go.Figure:
     _references(figure, gap, scale)
     figure.update_layout(
         title=_title("Suffix concentration: patching the top-K notes into the stale cache", gap),
-        xaxis={"title": "K (notes patched, log scale)", "type": "log", "tickvals": ks}, yaxis_title=axis, template=TEMPLATE,
+        xaxis={"title": "K (notes patched, log scale)", "type": "log", "tickvals": ks}, yaxis_title=axis,
         height=440, legend={"orientation": "h", "y": -0.25}, margin={"l": 60, "r": 60, "t": 80, "b": 50},
     )
     return figure
@@ -120,7 +120,7 @@ def heads_figure(result: HeadsResult) -> go.Figure:
     figure.update_yaxes(title_text="drop in " + ("recovery" if gap.note is None else "margin"), row=1, col=2)
     figure.update_layout(
         title=_title(f"Read heads: {len(result.top_heads)} heads with most attention on {len(result.notes)} notes", gap),
-        template=TEMPLATE, height=max(400, 160 + 14 * mass.shape[0]), legend={"orientation": "h", "y": -0.3},
+        height=max(400, 160 + 14 * mass.shape[0]), legend={"orientation": "h", "y": -0.3},
         margin={"l": 60, "r": 20, "t": 100, "b": 60},
     )
     return figure
@@ -158,7 +158,7 @@ def linear_probe_figure(result: LinearProbeResult | dict) -> go.Figure:
     figure.update_layout(
         title={"text": "Linear probe: where the conclusion is written vs where the decision commits",
                "subtitle": {"text": f"{safe_label(data['scenario'])}, field {safe_label(data['field'])}, {data['n_samples']} samples"}},
-        template=TEMPLATE, height=420, legend={"orientation": "h", "y": -0.2}, margin={"l": 60, "r": 20, "t": 90, "b": 60},
+        height=420, legend={"orientation": "h", "y": -0.2}, margin={"l": 60, "r": 20, "t": 90, "b": 60},
     )
     return figure
 
@@ -187,7 +187,7 @@ def attribution_figure(result: AttributionResult, top: int = 40) -> go.Figure:
                "subtitle": {"text": f"Σ scores {result.total:+.3f} vs full − baseline {result.full_score - result.baseline_score:+.3f}; {shown}"}},
         xaxis_title="attribution (target units)",
         yaxis={"autorange": "reversed", "type": "category"},
-        template=TEMPLATE, height=min(1400, 140 + 22 * len(features)), margin={"l": 260, "r": 20, "t": 90, "b": 50},
+        height=min(1400, 140 + 22 * len(features)), margin={"l": 260, "r": 20, "t": 90, "b": 50},
     )
     return figure
 
@@ -200,7 +200,7 @@ def readings_figure(name: str, data: dict) -> go.Figure:
     for key, dash in (("stale_margin", "dot"), ("oracle_margin", "dash")):
         if isinstance(data.get(key), (int, float)):
             figure.add_hline(y=data[key], line={"dash": dash, "color": GREY}, annotation_text=key.split("_")[0], annotation_position="right")
-    figure.update_layout(title=f"Probe {safe_label(name)}: decision margins", yaxis_title="decision margin", template=TEMPLATE, height=360)
+    figure.update_layout(title=f"Probe {safe_label(name)}: decision margins", yaxis_title="decision margin", height=360)
     return figure
 
 

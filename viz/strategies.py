@@ -4,7 +4,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from engine.strategies import EditReport, StrategyResult
-from viz.common import GREY, TEMPLATE, label_colours, safe_label, safe_lines
+from viz.common import GREY, label_colours, safe_label, safe_lines
 
 
 def _recovery_text(result: StrategyResult, prefix: str = "R") -> str:
@@ -17,7 +17,7 @@ def _hover(result: StrategyResult) -> str:
         f"<b>{safe_label(result.name)}</b>",
         f"margin {result.decision.margin:+.3f} → {safe_label(result.decision.label)}",
         _recovery_text(result, "recovery"),
-        f"{result.tokens_recomputed} tokens recomputed, {result.ms:.1f} ms",
+        f"{result.tokens_recomputed} tokens recomputed, {result.ms:.1f} ms" + (" (share of one fused forward)" if "timing" in result.detail else ""),
     ]
     if result.recovery is not None and result.recovery.reason:
         lines.append(safe_lines(result.recovery.reason))
@@ -75,7 +75,6 @@ def strategy_figure(report: EditReport) -> go.Figure:
         barmode="overlay",
         xaxis={"title": "strategy", "categoryorder": "array", "categoryarray": names},
         yaxis_title=f"decision margin (log-prob of {first} − best other)",
-        template=TEMPLATE,
         height=420,
         legend={"orientation": "h", "y": -0.25},
         margin={"l": 60, "r": 150, "t": 60, "b": 80},

@@ -37,6 +37,10 @@ def test_decide_and_edit_shapes():
     code, edit = run_cli("edit", "--model", "tiny-qwen2", "--scenario", REFUND, "--strategies", "erratum,full_downstream")
     assert code == 0 and set(edit["strategies"]) == {"erratum", "full_downstream"}
     assert {"model", "scenario", "field", "old", "new", "flips", "stale", "oracle"} <= set(edit)
+    code, fused = run_cli("edit", "--model", "tiny-qwen2", "--scenario", REFUND, "--strategies", "erratum,full_downstream", "--fused")
+    assert code == 0 and "fused forward" in fused["strategies"]["erratum"]["detail"]["timing"]
+    for name in ("erratum", "full_downstream"):
+        assert fused["strategies"][name]["margin"] == pytest.approx(edit["strategies"][name]["margin"], abs=1e-3)
 
 
 def test_calibrate_lists_every_bundled_scenario():

@@ -97,7 +97,7 @@ def test_field_only_edit_is_exact_for_the_field(lm):
 
 
 def test_knock_out_nothing_changes_nothing(lm):
-    notebook = Notebook.prefill(lm, _ids(lm, 30))
+    notebook = Notebook.prefill(lm, _ids(lm, 30)).materialized()  # reads of computed K/V are bit-identical
     base = notebook.read(DECODE, ANSWERS)
     for knockout in (None, Knockout(()), Knockout((), layers=(0,), heads=(1,))):
         assert notebook.read(DECODE, ANSWERS, knockout=knockout).margin == base.margin
@@ -132,6 +132,75 @@ def test_captured_attention_is_a_distribution(lm):
     assert float(attention[:, :, 0, 21:].abs().max()) == 0.0  # causal: the first decode token sees no later one
 
 
+def _forks(lm):
+    ids = _ids(lm, 30)
+    stale = Notebook.prefill(lm, ids).materialized()
+    new, erratum = _ids(lm, 3, seed=4), _ids(lm, 5, seed=5)
+    return stale, {
+        "stale": stale,
+        "field": stale.replace(range(8, 11), new),
+        "erratum": stale.append(erratum, "erratum"),
+        "both": stale.replace(range(8, 11), new).append(erratum, "erratum"),
+        "downstream": stale.replace(range(8, 30), new + ids[11:]),
+    }
+
+
+def test_deferred_steps_read_in_one_forward_equal_step_by_step(lm):
+    _, forks = _forks(lm)
+    fused = forks["both"]
+    assert len(fused.pending) == 2
+    stepwise = forks["stale"].replace(range(8, 11), fused.token_ids[30:33].tolist()).materialized().append(fused.token_ids[33:].tolist(), "erratum")
+    reference = stepwise.materialized()
+    decision = fused.read(DECODE, ANSWERS)
+    assert torch.allclose(decision.next_token_logits, reference.read(DECODE, ANSWERS).next_token_logits, atol=ATOL)
+    assert _max_diff(fused.keys + fused.values, reference.keys + reference.values) < ATOL
+    assert fused.materialized().pending == () and fused.materialized() is fused.materialized()
+
+
+def test_read_many_equals_separate_reads_and_keeps_forks_apart(lm):
+    _, forks = _forks(lm)
+    separate = {name: Notebook.read_many([notebook], DECODE, ANSWERS, capture_attention=True)[0] for name, notebook in _forks(lm)[1].items()}
+    together = dict(zip(forks, Notebook.read_many(list(forks.values()), DECODE, ANSWERS, capture_attention=True)))
+    for name, decision in together.items():
+        assert torch.allclose(decision.next_token_logits, separate[name].next_token_logits, atol=ATOL), name
+        assert decision.scores["b"] == pytest.approx(separate[name].scores["b"], abs=1e-4)
+        assert decision.attention.shape == separate[name].attention.shape
+        assert torch.allclose(decision.attention, separate[name].attention, atol=1e-5)
+    for notebook in forks.values():
+        assert notebook.materialized().pending == ()
+    assert together["stale"].margin != pytest.approx(together["field"].margin, abs=1e-6)
+
+
+def test_read_many_applies_a_knockout_to_every_fork_only_at_the_question(lm):
+    _, forks = _forks(lm)
+    knockout = Knockout((4, 5, 17))
+    together = Notebook.read_many([forks["field"], forks["erratum"]], DECODE, ANSWERS, knockout=knockout)
+    fresh = _forks(lm)[1]
+    for decision, name in zip(together, ("field", "erratum")):
+        reference = fresh[name].materialized().read(DECODE, ANSWERS, knockout=knockout)
+        assert torch.allclose(decision.next_token_logits, reference.next_token_logits, atol=ATOL)
+
+
+def test_answers_with_several_multi_token_strings_do_not_see_each_other(lm):
+    ids = _ids(lm, 25)
+    answers = {"a": [[8, 12], [13, 14, 15]], "b": [[9, 10, 11]]}
+    decision = Notebook.prefill(lm, ids).read(DECODE, answers)
+    for label, strings in answers.items():
+        for index, answer in enumerate(strings):
+            log_probs = torch.log_softmax(_hf_logits(lm, ids + DECODE + answer), -1)
+            start = len(ids) + len(DECODE) - 1
+            expected = sum(float(log_probs[start + i, token]) for i, token in enumerate(answer))
+            assert decision.string_logprobs[label][str(index)] == pytest.approx(expected, abs=1e-4)
+
+
+def test_read_many_groups_forks_of_different_notebooks(lm):
+    first, second = Notebook.prefill(lm, _ids(lm, 20)), Notebook.prefill(lm, _ids(lm, 24, seed=7))
+    decisions = Notebook.read_many([first, second.append([3, 4]), first.append([5])], DECODE, ANSWERS)
+    expected = [first.read(DECODE, ANSWERS), second.append([3, 4]).read(DECODE, ANSWERS), first.append([5]).read(DECODE, ANSWERS)]
+    for decision, reference in zip(decisions, expected):
+        assert torch.allclose(decision.next_token_logits, reference.next_token_logits, atol=ATOL)
+
+
 def test_patch_every_position_equals_donor_and_self_patch_is_identity(lm):
     ids, new = _ids(lm, 30), _ids(lm, 3, seed=4)
     stale, oracle = Notebook.prefill(lm, ids), Notebook.prefill(lm, ids[:8] + new + ids[11:])
@@ -146,7 +215,7 @@ def test_splice_at_original_position_equals_prefill(arch):
     lm = tiny_model(arch)
     ids = _ids(lm, 36)
     source = Notebook.prefill(lm, ids, ["prefix"] * 12 + ["skill"] * 16 + ["after"] * 8)
-    composed = Notebook.prefill(lm, ids[:12], "prefix").splice(source.block("skill")).append(ids[28:], "after")
+    composed = Notebook.prefill(lm, ids[:12], "prefix").splice(source.block("skill")).append(ids[28:], "after").compact()  # reading order
     assert _max_diff(composed.keys + composed.values, source.keys + source.values) < ATOL
 
 
@@ -160,6 +229,22 @@ def test_splice_shifted_with_whole_seam_equals_prefill(arch):
     assert torch.allclose(composed.read(DECODE, ANSWERS).next_token_logits, reference.read(DECODE, ANSWERS).next_token_logits, atol=ATOL)
     compact = composed.compact()
     assert _max_diff(compact.keys + compact.values, reference.keys + reference.values) < ATOL
+
+
+@pytest.mark.parametrize("arch", ROPE_ARCHS)
+def test_splice_into_pending_steps_equals_splice_into_computed_ones(arch):
+    """Composing without computing first (prefix, block, seam and tail in one forward) changes nothing."""
+    lm = tiny_model(arch)
+    ids = _ids(lm, 40)
+    skill = Notebook.prefill(lm, ids[10:30], "skill", start_position=3).block("skill")
+    fused = Notebook.prefill(lm, ids[:10], "prefix").splice(skill, seam=2).append(ids[30:], "tail")
+    stepwise = Notebook.prefill(lm, ids[:10], "prefix").materialized().splice(skill, seam=2).materialized().append(ids[30:], "tail")
+    assert len(fused.pending) == 3
+    assert fused.visible_token_ids() == stepwise.visible_token_ids() == ids
+    assert fused.visible_segments() == stepwise.visible_segments()
+    assert torch.allclose(fused.read(DECODE, ANSWERS).next_token_logits, stepwise.read(DECODE, ANSWERS).next_token_logits, atol=ATOL)
+    order_f, order_s = fused.order, stepwise.order
+    assert _max_diff([k[:, :, order_f] for k in fused.keys], [k[:, :, order_s] for k in stepwise.keys]) < ATOL
 
 
 @pytest.mark.parametrize("arch", ROPE_ARCHS)
@@ -226,3 +311,15 @@ def test_bad_operations_have_specific_errors():
     other = tiny_model("llama", seed=1)
     with pytest.raises(NotebookError, match="computed by"):
         Notebook.prefill(other, [1, 2, 3]).splice(notebook.block("skill"))
+
+
+def test_read_many_computes_equal_forks_once_and_keeps_their_own_labels(lm):
+    stale, forks = _forks(lm)
+    ids = stale.visible_token_ids()
+    relabelled = stale.replace(range(8, 30), forks["downstream"].token_ids[30:].tolist(), ["other"] * 22)
+    assert relabelled.computation() == forks["downstream"].computation() != forks["field"].computation()
+    decisions = Notebook.read_many([forks["downstream"], relabelled], DECODE, ANSWERS)
+    assert torch.equal(decisions[0].next_token_logits, decisions[1].next_token_logits)
+    assert relabelled.keys[0] is forks["downstream"].keys[0]
+    assert relabelled.visible_segments()[8:] == ["other"] * 22 and forks["downstream"].visible_segments()[8] != "other"
+    assert len(ids) == 30

@@ -109,7 +109,7 @@ def test_notes_map_attribution_matches_exact_for_a_small_perturbation(lm):
     def nudge(tensors):
         return tuple(t + 1e-3 * torch.randn(t.shape, generator=generator) for t in tensors)
 
-    experiment = _with_donor(experiment, replace(stale, keys=nudge(stale.keys), values=nudge(stale.values)))
+    experiment = _with_donor(experiment, replace(stale.materialized(), computed_keys=nudge(stale.keys), computed_values=nudge(stale.values)))
     result = probe_notes_map(experiment, exact=True)
     pearson = torch.corrcoef(torch.tensor([result.per_position(), result.exact_effects]))[0, 1]
     assert float(pearson) > 0.99

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from engine.notebook import NotebookError
+from engine.notebook import Notebook, NotebookError
 from engine.scenario import Scenario, ScenarioError
 from engine.strategies import STRATEGIES, EditExperiment, EditSettings
 from engine.tiny import tiny_model
@@ -98,3 +98,45 @@ def test_report_is_json_with_the_cli_shape(report):
     assert {"model", "scenario", "field", "old", "new", "flips", "stale", "oracle", "strategies"} <= set(data)
     for entry in data["strategies"].values():
         assert {"applicable", "scores", "margin", "decision", "recovery", "tokens_recomputed", "ms"} <= set(entry)
+
+
+@pytest.mark.parametrize("longer", [False, True])
+def test_fused_report_equals_strategy_by_strategy(lm, scenario, longer):
+    new = scenario.field().new + (" and also confirmed by the manager" if longer else "")
+    names = ["stale", "field_only", "erratum", "field_erratum", "hoist", "full_downstream", "field_topk", "auto"]
+    settings = EditSettings(top_k=4)
+    sequential = EditExperiment(lm, scenario, new=new, settings=settings).report(names)
+    fused_experiment = EditExperiment(lm, scenario, new=new, settings=settings)
+    fused = fused_experiment.report(names, fused=True)
+    assert fused.oracle.decision.margin == pytest.approx(sequential.oracle.decision.margin, abs=1e-4)
+    for name in names:
+        one, together = sequential.strategies[name], fused.strategies[name]
+        assert one.applicable == together.applicable, name
+        if one.applicable:
+            assert together.decision.margin == pytest.approx(one.decision.margin, abs=1e-4), name
+            assert together.tokens_recomputed == one.tokens_recomputed, name
+    fused_only = [r for n, r in fused.strategies.items() if r.applicable and n not in ("auto",)]
+    assert all("fused forward" in r.detail["timing"] for r in fused_only)
+
+
+def test_oracle_reuses_the_stale_prefix_and_equals_a_clean_prefill(lm, scenario):
+    experiment = EditExperiment(lm, scenario)
+    oracle, field_start = experiment.oracle, experiment.field_positions[0]
+    clean = Notebook.from_prompt(lm, oracle.prompt)
+    assert oracle.computed_tokens == len(oracle.prompt.context_ids) - field_start
+    assert oracle.notebook.visible_token_ids() == clean.visible_token_ids()
+    assert oracle.notebook.visible_segments() == clean.visible_segments()
+    order = oracle.notebook.order
+    for mine, theirs in zip(oracle.notebook.keys + oracle.notebook.values, clean.keys + clean.values):
+        assert float((mine[:, :, order] - theirs).abs().max()) < 2e-5
+    assert oracle.decision.margin == pytest.approx(clean.read_prompt(oracle.prompt).margin, abs=1e-4)
+
+
+def test_a_cached_stale_run_is_reused_and_checked(lm, scenario):
+    first = EditExperiment(lm, scenario)
+    again = EditExperiment(lm, scenario, stale=first.stale)
+    assert again.stale is first.stale
+    assert again.run("erratum").decision.margin == pytest.approx(first.run("erratum").decision.margin, abs=1e-5)
+    other = Scenario.from_toml(SAME_LENGTH_SCENARIO.replace("Refund test", "Other test"))
+    with pytest.raises(ScenarioError, match="cached stale run"):
+        EditExperiment(lm, other, stale=first.stale)
