@@ -19,7 +19,14 @@ def _edit(client: Client, text: str, field: str, value: str) -> dict:
 
 def test_named_endpoints_exist(app_url):
     names = set(Client(app_url, verbose=False).view_api(return_format="dict", print_info=False)["named_endpoints"])
-    assert {"/load_model", "/edit", "/knockout", "/probe", "/compose", "/keystone", "/agent", "/benchmarks", "/scenario"} <= names
+    assert {"/load_model", "/prepare", "/edit", "/knockout", "/probe", "/compose", "/keystone", "/agent", "/benchmarks", "/scenario"} <= names
+
+
+def test_prepare_states_the_current_decision(app_url, registry):
+    message = Client(app_url, verbose=False).predict(SCENARIO, api_name="/prepare")
+    stale = EditExperiment(registry.get(), Scenario.from_toml(SCENARIO)).stale.decision
+    assert f"**{stale.label}**" in message and f"{stale.margin:+.2f}" in message
+    assert "⚠️" in Client(app_url, verbose=False).predict("name = [broken", api_name="/prepare")
 
 
 def test_edit_and_knockout_through_the_api(app_url, registry):

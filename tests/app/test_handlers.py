@@ -36,6 +36,25 @@ def test_edit_matches_engine_and_is_kept_per_session(registry, sessions):
     assert sessions.get("a", "edit") is not None and sessions.get("b", "edit") is None
 
 
+def test_prepared_scenario_is_reused_by_edits_and_matches_the_engine(registry, sessions):
+    text = SCENARIO + "\n# prepared copy\n"
+    message = handlers.prepare_baseline(registry, None, text)
+    baseline = registry.baseline(None, text, Scenario.from_toml(text))
+    assert f"**{baseline.decision.label}**" in message and "order_status = shipped" in message
+    assert "gradients" in baseline.__dict__  # the backward ran while preparing
+    fused = handlers.run_edit(registry, sessions, "p", None, text, "order_status", "pending", ["field_only", "erratum", "full_downstream"])
+    assert sessions.get("p", "edit").stale is baseline
+    separate = handlers.run_edit(registry, sessions, "q", None, text, "order_status", "pending", ["field_only", "erratum", "full_downstream"],
+                                 separately=True)
+    for name in ("field_only", "erratum", "full_downstream"):
+        assert fused.summary["strategies"][name]["margin"] == pytest.approx(separate.summary["strategies"][name]["margin"], abs=1e-4)
+    assert "fused forward" in fused.summary["strategies"]["erratum"]["detail"]["timing"]
+    assert "detail" not in separate.summary["strategies"]["field_only"]
+    assert "≈" in fused.cards_html and "≈" not in separate.cards_html
+    with pytest.raises(AppError, match="TOML syntax error"):
+        handlers.prepare_baseline(registry, None, "name = [unclosed")
+
+
 def test_knockout_needs_an_edit_and_hides_positions(registry, sessions):
     with pytest.raises(AppError, match="run an edit first"):
         handlers.run_knockout(sessions, "fresh", "", 4)
