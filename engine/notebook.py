@@ -6,11 +6,12 @@ mask, not on storage order, so operations never rebuild caches: a recomputed tok
 entry and its stale entry is hidden. A Notebook is immutable: every operation returns a new one that
 shares unchanged tensors, so forking is free.
 
-Computation is deferred: append / replace / recompute record a *pending step* (which tokens, and which
-earlier entries they see) and the K/V are computed when something needs them. A read then runs the
-pending tokens and the question in one forward, and :meth:`Notebook.read_many` reads several forks of
-one notebook in one forward (each fork's tokens see only its own entries). Fusing is exact: a token's
-K/V depend only on the entries it attends to, exactly as in a chunked prefill.
+Computation is deferred: append, replace, recompute, seam repair and the last chunk of a prefill record a
+*pending step* (which tokens, and which earlier entries they see) and the K/V are computed when something
+needs them. A read then runs the pending tokens and the question in one forward, and
+:meth:`Notebook.read_many` reads several forks of one notebook in one forward (each fork's tokens see
+only its own entries; equal forks run once). Fusing is exact: a token's K/V depend only on the entries it
+attends to, exactly as in a chunked prefill.
 
 Costs (N stored entries, T tokens computed): prefill/append O(T·N) attention; read O(D·N) for D decode
 tokens; replace/recompute/seam repair O(T·N) for the T tokens rewritten; patch and knockout O(1) forwards

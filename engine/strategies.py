@@ -165,6 +165,7 @@ class EditExperiment:
             raise ScenarioError(f"the cached stale run is not scenario {scenario.name!r} at its old values")
         self.stale = stale or run_scenario(lm, scenario, {self.field: self.old}, build, capture_attention=capture_attention)
         self._fused: dict[str, StrategyResult] = {}
+        self._oracle_timing: str | None = None  # set when the oracle was read in a fused forward
 
     @cached_property
     def _oracle_plan(self) -> PreparedRun:
@@ -370,10 +371,12 @@ class EditExperiment:
                                        answer_texts=self.scenario.answers, capture_attention=self.capture_attention)
         fused_ms = (time.perf_counter() - started) * 1000
         shares = [fused_ms * ran[key] / sum(ran.values()) for key in computations]
+        timing = f"share of one fused forward of {len(notebooks)} caches ({fused_ms:.0f} ms)"
         if oracle:
             self.__dict__["oracle"] = oracle.finish(decisions[-1], shares[-1])
+            self._oracle_timing = timing
         for (name, (notebook, tokens, detail, build_ms)), decision, share in zip(prepared.items(), decisions, shares):
-            detail = detail | {"timing": f"share of one fused forward of {len(notebooks)} caches ({fused_ms:.0f} ms)"}
+            detail = detail | {"timing": timing}
             self._fused[name] = StrategyResult(name, True, decision, self._recovery(decision), tokens, build_ms + share, detail=detail, notebook=notebook)
         return fused_ms
 
@@ -390,6 +393,7 @@ class EditExperiment:
             if progress:
                 progress(index + 1, len(names))
         stale = StrategyResult("stale", True, self.stale.decision, Recovery(0.0), self.stale.computed_tokens, self.stale.ms, notebook=self.stale.notebook)
+        reused = {"reused_prefix_tokens": len(self.oracle.prompt.context_ids) - self.oracle.computed_tokens}
         oracle = StrategyResult("oracle", True, self.oracle.decision, Recovery(1.0), self.oracle.computed_tokens, self.oracle.ms, notebook=self.oracle.notebook,
-                                detail={"reused_prefix_tokens": len(self.oracle.prompt.context_ids) - self.oracle.computed_tokens})
+                                detail=reused | ({"timing": self._oracle_timing} if self._oracle_timing else {}))
         return EditReport(self.lm.fingerprint.name, self.scenario.name, self.field, self.old, self.new, stale, oracle, results)
