@@ -279,13 +279,14 @@ def run_compose(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[s
     """Splice the composed skills and compare with a full recompute."""
     lm = registry.get(spec)
     scenario = composed_scenario(skill_ids, before, between, after_scenario)
-    fidelity: Fidelity = compare(lm, scenario, registry.skills(spec), seam=int(seam), blend=float(blend))
+    fidelity: Fidelity = compare(lm, scenario, registry.skills(spec), seam=int(seam), blend=float(blend), references=registry.references(spec))
     data = fidelity.as_dict()
     metrics = (
         f"**cosine** {data['cosine']:.4f} · **KL** {data['kl']:.4f} · **top-1** {'agree' if data['top1_agree'] else 'differ'} · "
         f"**top-5 overlap** {data['top5_agree']:.0%} · **decision** {'agrees' if data['decision_agree'] else 'differs'} "
         f"({html.escape(fidelity.spliced.label)} vs {html.escape(fidelity.recomputed.label)})  \n"
-        f"**TTFT** splice {data['ttft_ms']['splice']:.0f} ms vs full {data['ttft_ms']['full']:.0f} ms (×{data['speedup']}) · "
+        f"**TTFT** splice {data['ttft_ms']['splice']:.0f} ms vs full {data['ttft_ms']['full']:.0f} ms (×{data['speedup']}"
+        f"{'; full recompute reused from an earlier comparison of this context' if fidelity.reference_reused else ''}) · "
         f"{data['skill_tokens']} of {data['context_tokens']} context tokens spliced, seam {data['seam']}"
     )
     decode = lambda token: lm.tokenizer.decode([token])  # noqa: E731

@@ -9,9 +9,10 @@ from __future__ import annotations
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, MutableMapping
 from typing import Any
 
+from engine.compose import Recomputed
 from engine.models import LoadedModel, load_model
 from engine.runs import ScenarioRun, run_scenario
 from engine.scenario import Scenario
@@ -19,7 +20,40 @@ from engine.selftest import SelfTestReport, run_selftest
 from engine.skills import SkillStore
 
 DEFAULT_SESSION_BUDGET = 2 * 2**30
-BASELINE_CAPACITY = 8
+BASELINE_CAPACITY = 8  # scenarios prepared at their old values, per registry
+REFERENCE_CAPACITY = 8  # composer prompts with a recomputed side kept, per model
+
+
+class LRUCache(MutableMapping):
+    """A mapping that keeps its ``capacity`` most recently used entries (thread-safe)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._items: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __getitem__(self, key):
+        with self._lock:
+            self._items.move_to_end(key)
+            return self._items[key]
+
+    def __setitem__(self, key, value) -> None:
+        with self._lock:
+            self._items[key] = value
+            self._items.move_to_end(key)
+            while len(self._items) > self.capacity:
+                self._items.popitem(last=False)
+
+    def __delitem__(self, key) -> None:
+        with self._lock:
+            del self._items[key]
+
+    def __iter__(self) -> Iterator:
+        with self._lock:
+            return iter(list(self._items))
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 class ModelRegistry:
@@ -32,7 +66,8 @@ class ModelRegistry:
         self._models: OrderedDict[str, LoadedModel] = OrderedDict()
         self._selftests: dict[str, SelfTestReport] = {}
         self._skills: dict[str, SkillStore] = {}
-        self._baselines: OrderedDict[tuple[str, str], ScenarioRun] = OrderedDict()
+        self._baselines: LRUCache = LRUCache(BASELINE_CAPACITY)  # (spec, scenario text) -> ScenarioRun
+        self._references: dict[str, LRUCache] = {}
         self._lock = threading.Lock()
 
     def add(self, spec: str, lm: LoadedModel) -> None:
@@ -66,23 +101,20 @@ class ModelRegistry:
         """The scenario prefilled at its old values, with the decision's attention (kept for the next edits;
         shared by sessions: runs are immutable and keyed by the exact scenario text)."""
         key = (spec or self.default_spec, scenario_text)
-        with self._lock:
-            cached = self._baselines.get(key)
-            if cached is not None:
-                self._baselines.move_to_end(key)
-                return cached
-        run = run_scenario(self.get(spec), scenario, capture_attention=True)
-        with self._lock:
-            self._baselines[key] = run
-            while len(self._baselines) > BASELINE_CAPACITY:
-                self._baselines.popitem(last=False)
-        return run
+        if key not in self._baselines:
+            self._baselines[key] = run_scenario(self.get(spec), scenario, capture_attention=True)
+        return self._baselines[key]
+
+    def references(self, spec: str | None = None) -> MutableMapping[tuple, Recomputed]:
+        """Recomputed sides of the composer's comparisons for a model (reused when only seam or blend change)."""
+        return self._references.setdefault(spec or self.default_spec, LRUCache(REFERENCE_CAPACITY))
 
     def _evict(self) -> None:
         while len(self._models) > self.capacity:
             spec, _ = self._models.popitem(last=False)
             self._selftests.pop(spec, None)
             self._skills.pop(spec, None)
+            self._references.pop(spec, None)
             for key in [key for key in self._baselines if key[0] == spec]:
                 del self._baselines[key]
 

@@ -6,7 +6,8 @@ Starts `python app.py` on a free loopback port (the model cache must exist: run 
 measures the time until the page answers, then calls the named endpoints with gradio_client, as a browser
 would: picking a scenario prepares its cache (`/prepare`), an edit on a prepared scenario (`/edit`, new
 value side computed every time), an edit of a scenario never seen (the preparation included), and the
-composer's comparison with and without a scenario after the skill. Writes
+composer's comparison with and without a scenario after the skill, for a new context and when only the
+seam changes (the recomputed side is then reused). Writes
 benchmarks/results/app-<model>-cpu.json.
 """
 from __future__ import annotations
@@ -90,9 +91,16 @@ def main() -> None:
         cold_ms, _ = _timed(lambda rep: edit(fresh(rep)), args.reps)
         compose = {}
         for after in (args.scenario, ""):
-            client.predict(["account_gate"], "", "", after, 1, 0, api_name="/compose")
-            ms, view = _timed(lambda rep: client.predict(["account_gate"], "", "", after, 1, 0, api_name="/compose"), args.reps)
-            compose[after or "question only"] = {"ms": ms, "context_tokens": view[3]["context_tokens"], "ttft_ms": view[3]["ttft_ms"]}
+
+            def composed(rep: int, seam: int = 1):
+                note = f"Ticket {rep}."  # a context the app has not compared yet (its recomputed side is cached)
+                return client.predict(["account_gate"], note, "", after, seam, 0, api_name="/compose")
+
+            composed(-1)  # warm-up
+            ms, view = _timed(composed, args.reps)
+            seam_ms, _ = _timed(lambda rep: composed(args.reps - 1, seam=2 + rep), args.reps)
+            compose[after or "question only"] = {"new_context_ms": ms, "seam_change_ms": seam_ms,
+                                                 "context_tokens": view[3]["context_tokens"], "ttft_ms": view[3]["ttft_ms"]}
     finally:
         server.terminate()
         server.wait(timeout=30)

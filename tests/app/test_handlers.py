@@ -84,6 +84,9 @@ def test_composed_scenario_keeps_user_braces_literal():
 
 def test_compose_reports_fidelity(registry):
     view = handlers.run_compose(registry, None, ["account_gate"], "", "", None, seam=2)
+    moved = handlers.run_compose(registry, None, ["account_gate"], "", "", None, seam=3)
+    assert moved.summary["reference_reused"] and moved.summary["ttft_ms"]["full"] == view.summary["ttft_ms"]["full"]
+    assert "reused from an earlier comparison" in moved.metrics_markdown
     assert view.summary["seam"] == 2 and 0 < view.summary["cosine"] <= 1 + 1e-6
     assert "TTFT" in view.metrics_markdown
 

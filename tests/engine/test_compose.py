@@ -73,6 +73,18 @@ def test_seam_repair_never_hurts_much_and_blend_runs(lm, store):
     assert blended.agreement["cosine"] > cosines[0]
 
 
+def test_recomputed_side_is_reused_for_the_same_prompt_only(lm, store):
+    references = {}
+    first = compare(lm, adhoc_scenario(["account_gate"]), store, seam=0, references=references)
+    again = compare(lm, adhoc_scenario(["account_gate"]), store, seam=4, references=references)
+    fresh = compare(lm, adhoc_scenario(["account_gate"]), store, seam=4)
+    other = compare(lm, adhoc_scenario(["tone_guide"]), store, seam=0, references=references)
+    assert not first.reference_reused and again.reference_reused and not other.reference_reused and len(references) == 2
+    assert again.ttft_ms["full"] == first.ttft_ms["full"] and again.recomputed is first.recomputed
+    assert again.agreement["cosine"] == pytest.approx(fresh.agreement["cosine"], abs=1e-6)
+    assert again.spliced.margin == pytest.approx(fresh.spliced.margin, abs=1e-5)
+
+
 def test_stored_skill_round_trip_is_bit_exact(lm, tmp_path):
     block = compile_skill(lm, Skill.load(bundled_skills()["account_gate"]))
     path = save_block(block, tmp_path / "gate.safetensors", "account_gate")
