@@ -189,8 +189,8 @@ def build_app(registry: ModelRegistry, sessions: SessionStore | None = None) -> 
             card, info = handlers.load_model_card(registry, model_spec, progress=lambda message: progress(None, desc=message))
             return card, info, model_spec, session_id(session_value)
 
-        load_button.click(on_load_model, [session, model_input], [model_card, model_json, spec, session],
-                          api_name="load_model", concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
+        model_loaded = load_button.click(on_load_model, [session, model_input], [model_card, model_json, spec, session],
+                                         api_name="load_model", concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
         page.load(on_load_model, [session, spec], [model_card, model_json, spec, session], api_name=False,
                   concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
 
@@ -224,6 +224,7 @@ def build_app(registry: ModelRegistry, sessions: SessionStore | None = None) -> 
         def then_prepare(event):
             event.then(on_baseline, [spec, editor], baseline, api_name=False, concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
 
+        then_prepare(model_loaded)
         then_prepare(scenario_pick.change(on_scenario, scenario_pick, [editor, description, field, new_value], api_name="scenario", concurrency_limit=None))
         then_prepare(upload.upload(on_upload, upload, [editor, description, field, new_value], api_name="upload_scenario", concurrency_limit=None))
         then_prepare(editor.blur(lambda text: _choices(text), editor, [description, field, new_value], api_name=False, concurrency_limit=None))
