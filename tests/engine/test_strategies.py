@@ -119,8 +119,9 @@ def test_fused_report_equals_strategy_by_strategy(lm, scenario, longer):
     assert all("fused forward" in r.detail["timing"] for r in fused_only)
 
 
-def test_oracle_reuses_the_stale_prefix_and_equals_a_clean_prefill(lm, scenario):
-    experiment = EditExperiment(lm, scenario)
+@pytest.mark.parametrize("suffix", ["", " and also confirmed by the manager"])
+def test_oracle_reuses_the_stale_prefix_and_equals_a_clean_prefill(lm, scenario, suffix):
+    experiment = EditExperiment(lm, scenario, new=scenario.field().new + suffix)
     oracle, field_start = experiment.oracle, experiment.field_positions[0]
     clean = Notebook.from_prompt(lm, oracle.prompt)
     assert oracle.computed_tokens == len(oracle.prompt.context_ids) - field_start
