@@ -74,6 +74,9 @@ def attribution_effects(
     ``gradients`` of the base notebook, when already computed, make it free."""
     mine, theirs = _aligned(base, donor, positions)
     gradients = gradients or decision_gradients(base, prompt)
+    if gradients.keys[0].shape[2] != len(base.positions):
+        raise NotebookError(f"the gradients cover {gradients.keys[0].shape[2]} entries, the base notebook {len(base.positions)}: "
+                            "they were computed for another notebook")
     effects = []
     for key, value, key_grad, value_grad, donor_key, donor_value in zip(base.keys, base.values, gradients.keys, gradients.values, donor.keys, donor.values):
         delta_key = donor_key.index_select(2, theirs).float() - key.index_select(2, mine).float()

@@ -2,8 +2,10 @@
 import json
 
 import pytest
+import torch
 
 from engine.notebook import Notebook, NotebookError
+from engine.patching import attribution_effects
 from engine.scenario import Scenario, ScenarioError
 from engine.strategies import STRATEGIES, EditExperiment, EditSettings
 from engine.tiny import tiny_model
@@ -141,3 +143,15 @@ def test_a_cached_stale_run_is_reused_and_checked(lm, scenario):
     other = Scenario.from_toml(SAME_LENGTH_SCENARIO.replace("Refund test", "Other test"))
     with pytest.raises(ScenarioError, match="cached stale run"):
         EditExperiment(lm, other, stale=first.stale)
+
+
+def test_cached_gradients_make_attribution_free_and_are_checked(lm, scenario):
+    experiment = EditExperiment(lm, scenario)
+    candidates = experiment.field_positions + experiment.downstream_positions
+    fresh = attribution_effects(experiment.stale.notebook, experiment.oracle.notebook, experiment.prompt, candidates)
+    cached = attribution_effects(experiment.stale.notebook, experiment.oracle.notebook, experiment.prompt, candidates,
+                                 gradients=experiment.stale.gradients)
+    assert torch.allclose(fresh.effects, cached.effects, atol=1e-6) and fresh.base_margin == pytest.approx(cached.base_margin, abs=1e-6)
+    longer = experiment.stale.notebook.append([5, 6])
+    with pytest.raises(NotebookError, match="computed for another notebook"):
+        attribution_effects(longer, longer, experiment.prompt, candidates, gradients=experiment.stale.gradients)
