@@ -641,6 +641,7 @@ class Notebook:
 
 
 def _computed_count(notebook: Notebook) -> int:
+    """How many of the notebook's entries have K/V already (the rest are pending)."""
     return len(notebook.positions) - sum(step.stop - step.start for step in notebook.pending)
 
 
