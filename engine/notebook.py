@@ -293,12 +293,10 @@ class Notebook:
         """The computed notebook with a continuation's tokens stored as entries (e.g. a generated token)."""
         base = run.notebook
         count = len(continuation.token_ids)
-        keys = tuple(torch.cat([old, new], dim=2) for old, new in zip(base.computed_keys, run.keys)) if base.computed_keys else tuple(run.keys)
-        values = tuple(torch.cat([old, new], dim=2) for old, new in zip(base.computed_values, run.values)) if base.computed_values else tuple(run.values)
         return Notebook(
             lm=base.lm,
-            computed_keys=keys,
-            computed_values=values,
+            computed_keys=_joined(base.computed_keys, run.keys, slice(None)),
+            computed_values=_joined(base.computed_values, run.values, slice(None)),
             token_ids=torch.cat([base.token_ids, torch.tensor(continuation.token_ids, dtype=torch.long)]),
             positions=torch.cat([base.positions, torch.tensor(continuation.positions, dtype=torch.long)]),
             segments=base.segments + (segment,) * count,
