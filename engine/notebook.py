@@ -223,6 +223,11 @@ class Notebook:
         """Per-layer values of every entry, pending ones computed first."""
         return self.materialized().computed_values
 
+    @property
+    def pending_tokens(self) -> int:
+        """How many entries still wait for their K/V (computed by the next read or K/V access)."""
+        return sum(step.stop - step.start for step in self.pending)
+
     def materialized(self) -> "Notebook":
         """This notebook with every pending step computed (one forward, remembered)."""
         if not self.pending:
@@ -640,7 +645,7 @@ class Notebook:
 
 def _computed_count(notebook: Notebook) -> int:
     """How many of the notebook's entries have K/V already (the rest are pending)."""
-    return len(notebook.positions) - sum(step.stop - step.start for step in notebook.pending)
+    return len(notebook.positions) - notebook.pending_tokens
 
 
 def _forks_by_base(notebooks: Sequence[Notebook]) -> list[list[int]]:

@@ -86,6 +86,11 @@ class StrategyResult:
     detail: dict = field(default_factory=dict)
     notebook: Notebook | None = field(default=None, repr=False)
 
+    @property
+    def ms_is_share(self) -> bool:
+        """Whether ``ms`` is a share of one fused forward rather than this strategy's own wall time."""
+        return "timing" in self.detail
+
     def as_dict(self) -> dict:
         """The CLI's per-strategy JSON."""
         decision = self.decision.as_dict() if self.decision else {}
@@ -291,13 +296,6 @@ class EditExperiment:
     def _cot_baselines(self) -> tuple[Decision, Decision]:
         return self.cot_decision(self.stale.notebook)[0], self.cot_decision(self.oracle.notebook)[0]
 
-    def _field_only_cot(self):
-        notebook = self._field_edited()
-        decision, chain = self.cot_decision(notebook)
-        stale, oracle = self._cot_baselines
-        detail = {"chain": chain, "stale_cot_margin": round(stale.margin, 4), "oracle_cot_margin": round(oracle.margin, 4)}
-        return notebook, decision, len(self.field_positions), detail
-
     # ------------------------------------------------------------------ running
     def _recovery(self, decision: Decision) -> Recovery:
         return recovery(decision.margin, self.stale.decision.margin, self.oracle.decision.margin, self.settings.min_gap)
@@ -365,7 +363,7 @@ class EditExperiment:
         if not notebooks:
             return 0.0
         computations = [notebook.computation() for notebook in notebooks]  # equal ones run once: share their time
-        ran = {key: len(self.prompt.decode_ids) + sum(step.stop - step.start for step in notebook.pending) for key, notebook in zip(computations, notebooks)}
+        ran = {key: len(self.prompt.decode_ids) + notebook.pending_tokens for key, notebook in zip(computations, notebooks)}
         started = time.perf_counter()
         decisions = Notebook.read_many(notebooks, self.prompt.decode_ids, self.prompt.answer_ids,
                                        answer_texts=self.scenario.answers, capture_attention=self.capture_attention)

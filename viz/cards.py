@@ -21,7 +21,7 @@ CARD_CSS = """
 
 def _ms(result: StrategyResult) -> str:
     """Wall time; '≈' marks a share of a fused forward (see EditExperiment.read_together)."""
-    return f"≈{result.ms:.0f} ms" if "timing" in result.detail else f"{result.ms:.0f} ms"
+    return f"≈{result.ms:.0f} ms" if result.ms_is_share else f"{result.ms:.0f} ms"
 
 
 def _card(result: StrategyResult, oracle_label: str, reference: bool = False) -> str:

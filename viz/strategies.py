@@ -17,7 +17,7 @@ def _hover(result: StrategyResult) -> str:
         f"<b>{safe_label(result.name)}</b>",
         f"margin {result.decision.margin:+.3f} → {safe_label(result.decision.label)}",
         _recovery_text(result, "recovery"),
-        f"{result.tokens_recomputed} tokens recomputed, {result.ms:.1f} ms" + (" (share of one fused forward)" if "timing" in result.detail else ""),
+        f"{result.tokens_recomputed} tokens recomputed, {result.ms:.1f} ms" + (" (share of one fused forward)" if result.ms_is_share else ""),
     ]
     if result.recovery is not None and result.recovery.reason:
         lines.append(safe_lines(result.recovery.reason))
