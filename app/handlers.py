@@ -20,6 +20,7 @@ from app.state import ModelRegistry, SessionStore
 from engine.agent import run_agent
 from engine.attribution import AttributionError
 from engine.compose import Fidelity, adhoc_scenario, compare, replace_context, skill_of_length
+from engine.frontier import probe_frontier
 from engine.keystone import keystone
 from engine.models import LoadedModel, ModelLoadError, available_offline
 from engine.notebook import Knockout, NotebookError
@@ -28,10 +29,12 @@ from engine.probes import PROBES, ProbeError
 from engine.registry import ALL_PROBES
 from engine.rope import RopeUnsupported
 from engine.scenario import Scenario, ScenarioError, Skill, bundled_scenarios, bundled_skills
+from engine.selftest import SelfTestReport
 from engine.skills import SkillFileError
 from engine.strategies import STRATEGIES, EditExperiment, EditSettings
 from viz import benchmarks as benchmark_figures
 from viz import compose as compose_figures
+from viz import learn
 from viz import notes as notes_figures
 from viz.cards import strategy_cards_html
 from viz.common import message_figure
@@ -43,6 +46,10 @@ ENGINE_ERRORS = (ScenarioError, NotebookError, ProbeError, RopeUnsupported, Mode
 DEFAULT_STRATEGIES = ("field_only", "erratum", "field_erratum", "full_downstream")
 SAME_LENGTH_NOTE = "The notes map patches position by position: it needs old and new values of the same token length"
 RESULTS_DIR = Path(__file__).parents[1] / "benchmarks" / "results"
+# The bundled demo where the embedded model's notes carry the most of the decision (lowest field-only recovery
+# among the scenarios that flip; `python -m engine calibrate`): the Notes tab's default and the Learn tab's case.
+NOTES_SCENARIO = "pharmacy_prescription"
+TTFT_SCENARIO = "refund_gate"  # the quick TTFT check measures what benchmarks/ttft.py measured
 Progress = Callable[[int, int], None] | None
 
 
@@ -64,7 +71,7 @@ def guarded(function):
 
 
 # ---------------------------------------------------------------------------- model
-def model_card(lm: LoadedModel, selftest: dict | None = None) -> str:
+def model_card(lm: LoadedModel, selftest: SelfTestReport | None = None) -> str:
     """The model card as Markdown (values escaped)."""
     info = lm.info()
     rope = info.get("rope") or "none (learned positions: splicing is off)"
@@ -76,25 +83,23 @@ def model_card(lm: LoadedModel, selftest: dict | None = None) -> str:
         "Head dim": info.get("head_dim"),
         "RoPE": json.dumps(rope) if isinstance(rope, dict) else rope,
         "Device / dtype": f"{lm.device} / {lm.fingerprint.dtype}",
+        "Why this dtype": lm.dtype_reason,
         "Parameters": f"{info.get('parameters', 0) / 1e6:.1f} M ({info.get('parameter_bytes', 0) / 2**30:.2f} GiB)",
         "Fingerprint": lm.fingerprint.config_hash,
     }
     if selftest is not None:
-        verdict = "ok" if selftest["ok"] else "FAILED"
-        rows["RoPE self-test"] = (
-            f"{verdict} (round trip {selftest['rope_roundtrip_max_err']}, reposition {selftest['reposition_vs_prefill_max_err']}, "
-            f"splice {selftest['splice_identity_max_logit_err']})" if selftest["rope_supported"] else f"{verdict}: {selftest['rope_reason']}"
-        )
+        rows["Cache self-test"] = selftest.summary()
     return "\n".join(f"- **{key}**: {html.escape(str(value))}" for key, value in rows.items())
 
 
 @guarded
-def load_model_card(registry: ModelRegistry, spec: str, progress: Callable[[str], None] | None = None) -> tuple[str, dict]:
-    """Load (or reuse) a model, run its self-test once, and describe it."""
+def load_model_card(registry: ModelRegistry, spec: str, progress: Callable[[str], None] | None = None,
+                    dtype: str | None = None) -> tuple[str, dict]:
+    """Load (or reuse) a model, in ``dtype`` when given (else as loaded, or auto), run its self-test once, and describe it."""
     spec = (spec or "").strip() or registry.default_spec
-    lm = registry.get(spec, progress=progress)
-    report = registry.selftest(spec).as_dict()
-    return model_card(lm, report), {"model": lm.info() | {"fingerprint": lm.fingerprint.as_dict()}, "selftest": report}
+    lm = registry.get(spec, progress=progress, dtype=dtype or None)
+    report = registry.selftest(spec)
+    return model_card(lm, report), {"model": lm.info() | {"fingerprint": lm.fingerprint.as_dict()}, "selftest": report.as_dict()}
 
 
 def offline_models() -> list[str]:
@@ -146,7 +151,7 @@ class NotesView:
 
     cards_html: str
     strategy_figure: go.Figure
-    strip_figure: go.Figure
+    text_html: str
     attention_figure: go.Figure
     notes_figure: go.Figure
     summary: dict
@@ -176,7 +181,7 @@ def prepare_baseline(registry: ModelRegistry, spec: str | None, text: str) -> st
 def run_edit(
     registry: ModelRegistry, sessions: SessionStore, session: str, spec: str | None, text: str, field: str | None,
     new: str | None, strategies: Sequence[str], top_k: int = 8, head: int | None = None, progress: Progress = None,
-    separately: bool = False,
+    separately: bool = False, all_positions: bool = False,
 ) -> NotesView:
     """Change a field, run the chosen strategies (read together in one forward unless ``separately``, which
     times each on its own), and build every Notes panel."""
@@ -196,11 +201,36 @@ def run_edit(
     return NotesView(
         cards_html=strategy_cards_html(report),
         strategy_figure=strategy_figure(report),
-        strip_figure=notes_figures.effect_strip_figure(effects, texts, segments) if effects else message_figure(SAME_LENGTH_NOTE),
+        text_html=notes_figures.effect_text_html(effects, texts, segments) if effects else f"<p>{html.escape(SAME_LENGTH_NOTE)}</p>",
         attention_figure=notes_figures.attention_figure(attention.oracle, head=head),
-        notes_figure=notes_figures.effect_map_figure(effects, texts, segments) if effects else message_figure(SAME_LENGTH_NOTE),
+        notes_figure=_notes_map(experiment, effects, all_positions),
         summary=report.as_dict() | {"same_length": same_length},
     )
+
+
+def _notes_map(experiment: EditExperiment, effects, all_positions: bool) -> go.Figure:
+    if effects is None:
+        return message_figure(SAME_LENGTH_NOTE)
+    notebook = experiment.stale.notebook
+    return notes_figures.effect_map_figure(effects, notebook.token_texts(), notebook.visible_segments(), all_positions=all_positions)
+
+
+def notes_map_view(sessions: SessionStore, session: str, all_positions: bool) -> go.Figure:
+    """The last edit's notes map over the field and downstream tokens, or every position (no model call)."""
+    experiment: EditExperiment | None = sessions.get(session, "edit")
+    if experiment is None:
+        return message_figure("run an edit first: the notes map belongs to an edit")
+    return _notes_map(experiment, sessions.get(session, "effects"), bool(all_positions))
+
+
+@guarded
+def run_frontier(sessions: SessionStore, session: str, progress: Progress = None) -> tuple[go.Figure, dict]:
+    """The cost–quality frontier of the session's last edit (field_topk over K, both rankings, and the strategies)."""
+    experiment: EditExperiment | None = sessions.get(session, "edit")
+    if experiment is None:
+        raise AppError("run an edit first: the frontier measures that edit")
+    result = probe_frontier(experiment, progress=progress)
+    return notes_figures.frontier_figure(result), result.as_dict()
 
 
 @guarded
@@ -348,7 +378,7 @@ def benchmark_figures_for(results: dict[str, dict]) -> list[go.Figure]:
 def quick_ttft(registry: ModelRegistry, spec: str | None, lengths: Sequence[int] = (128, 512), progress: Progress = None) -> dict:
     """A small live TTFT table: the long policy cut to each length, spliced before the refund gate."""
     lm = registry.get(spec)
-    scenario = parse_scenario(bundled_scenario_text(LEARN_SCENARIO))
+    scenario = parse_scenario(bundled_scenario_text(TTFT_SCENARIO))
     policy = Skill.load(bundled_skills()["long_policy"])
     rows = []
     for index, length in enumerate(lengths):
@@ -363,31 +393,29 @@ def quick_ttft(registry: ModelRegistry, spec: str | None, lengths: Sequence[int]
 
 
 # ---------------------------------------------------------------------------- learn
-LEARN_SCENARIO = "refund_gate"
 LEARN_STRATEGIES = {1: ("field_only", "full_downstream"), 2: ("erratum", "field_erratum")}
 
 
 @guarded
 def learn_step(registry: ModelRegistry, index: int, spec: str | None) -> tuple[str, go.Figure]:
-    """Run one classroom step on the refund gate: decisions, field-only vs downstream, erratum, splicing."""
-    text = bundled_scenario_text(LEARN_SCENARIO)
+    """Run one classroom step on the notes demo: decisions, field-only vs downstream, erratum, splicing; the text
+    says what the loaded model did, beside the paper's figures."""
+    text = bundled_scenario_text(NOTES_SCENARIO)
+    lm = registry.get(spec)
     if index == 0:
         experiment = _experiment(registry, spec, text, None, None)
-        old, new = experiment.stale.decision, experiment.oracle.decision
-        message = (f"With <b>{html.escape(experiment.old)}</b> the model answers <b>{html.escape(old.label)}</b> (margin {old.margin:+.2f}); "
-                   f"with <b>{html.escape(experiment.new)}</b> it answers <b>{html.escape(new.label)}</b> (margin {new.margin:+.2f}).")
-        return message, decision_figure(new, title=f"{experiment.field} = {experiment.new}")
+        return learn.decisions_html(experiment, lm.fingerprint.name), decision_figure(experiment.oracle.decision, title=f"{experiment.field} = {experiment.new}")
     if index in LEARN_STRATEGIES:
         experiment = _experiment(registry, spec, text, None, None)
-        report = experiment.report(LEARN_STRATEGIES[index])
-        return strategy_cards_html(report), strategy_figure(report)
-    view = run_compose(registry, spec, ["refund_policy"], "", "", LEARN_SCENARIO, 1)
-    return html.escape(view.metrics_markdown).replace("**", ""), view.logits_figure
+        report = experiment.report(LEARN_STRATEGIES[index], fused=True)
+        return learn.strategies_html(report, index) + strategy_cards_html(report), strategy_figure(report)
+    view = run_compose(registry, spec, ["refund_policy"], "", "", NOTES_SCENARIO, 1)
+    return learn.splice_html(view.summary), view.logits_figure
 
 
 # ---------------------------------------------------------------------------- export
-def export_files(result: dict | None, figures: Sequence[go.Figure], stem: str) -> list[str]:
-    """Write the result JSON and one HTML file with every figure; returns their paths."""
+def export_files(result: dict | None, figures: Sequence[go.Figure], stem: str, html_parts: Sequence[str] = ()) -> list[str]:
+    """Write the result JSON and one HTML file with every figure (and any HTML views); returns their paths."""
     if not result:
         raise AppError("nothing to export yet: run something first")
     folder = Path(tempfile.mkdtemp(prefix="kvscope-"))
@@ -395,6 +423,5 @@ def export_files(result: dict | None, figures: Sequence[go.Figure], stem: str) -
     json_path.write_text(json.dumps(result, indent=2, ensure_ascii=False))
     html_path = folder / f"{stem}-figures.html"
     parts = [figure.to_html(full_html=False, include_plotlyjs="cdn" if i == 0 else False) for i, figure in enumerate(f for f in figures if f is not None)]
-    html_path.write_text("<html><body>" + "\n".join(parts) + "</body></html>", encoding="utf-8")
+    html_path.write_text("<html><body>" + "\n".join([*parts, *html_parts]) + "</body></html>", encoding="utf-8")
     return [str(json_path), str(html_path)]
-

@@ -64,6 +64,7 @@ class ModelRegistry:
         self.default_spec, self.capacity, self.device, self.dtype = default_spec, capacity, device, dtype
         self._loader = loader
         self._models: OrderedDict[str, LoadedModel] = OrderedDict()
+        self._dtypes: dict[str, str] = {}  # the dtype each spec was loaded with ("auto" or a name)
         self._selftests: dict[str, SelfTestReport] = {}
         self._skills: dict[str, SkillStore] = {}
         self._baselines: LRUCache = LRUCache(BASELINE_CAPACITY)  # (spec, scenario text) -> ScenarioRun
@@ -74,14 +75,20 @@ class ModelRegistry:
         """Register an already loaded model under ``spec``."""
         with self._lock:
             self._models[spec] = lm
+            self._dtypes[spec] = self.dtype
             self._evict()
 
-    def get(self, spec: str | None = None, progress: Callable[[str], None] | None = None) -> LoadedModel:
-        """The model for ``spec`` (default spec when None), loading it on first use."""
+    def get(self, spec: str | None = None, progress: Callable[[str], None] | None = None, dtype: str | None = None) -> LoadedModel:
+        """The model for ``spec`` (default spec when None), loading it on first use; a ``dtype`` other than the
+        one it was loaded with ("auto", "float32", "bfloat16", …) reloads it in that dtype."""
         spec = spec or self.default_spec
         with self._lock:
+            if dtype is not None and spec in self._models and self._dtypes[spec] != dtype:
+                self._drop(spec)
             if spec not in self._models:
-                self._models[spec] = self._loader(spec, device=self.device, dtype=self.dtype, progress=progress)
+                chosen = dtype or self._dtypes.get(spec, self.dtype)
+                self._models[spec] = self._loader(spec, device=self.device, dtype=chosen, progress=progress)
+                self._dtypes[spec] = chosen
                 self._evict()
             self._models.move_to_end(spec)
             return self._models[spec]
@@ -111,12 +118,16 @@ class ModelRegistry:
 
     def _evict(self) -> None:
         while len(self._models) > self.capacity:
-            spec, _ = self._models.popitem(last=False)
-            self._selftests.pop(spec, None)
-            self._skills.pop(spec, None)
-            self._references.pop(spec, None)
-            for key in [key for key in self._baselines if key[0] == spec]:
-                del self._baselines[key]
+            self._drop(next(iter(self._models)))
+
+    def _drop(self, spec: str) -> None:
+        """Forget a model and everything computed with it."""
+        self._models.pop(spec, None)
+        self._selftests.pop(spec, None)
+        self._skills.pop(spec, None)
+        self._references.pop(spec, None)
+        for key in [key for key in self._baselines if key[0] == spec]:
+            del self._baselines[key]
 
 
 class SessionStore:

@@ -11,6 +11,7 @@ from app import handlers
 from app.composer import SkillComposer
 from app.handlers import AppError
 from app.state import ModelRegistry, SessionStore
+from engine.registry import ALL_PROBES
 from engine.scenario import bundled_scenarios
 from engine.strategies import STRATEGIES
 
@@ -24,10 +25,11 @@ not), see where the notes are, and splice precompiled skills into contexts."""
 
 LEARN_STEPS = (
     ("1 · The notebook", "A prefilled context is a *notebook*: every token's keys and values, its position and its segment. "
-     "Reading a decision scores each answer after the question. Run the refund gate with the old and the new value."),
-    ("2 · Why editing the field alone fails", "Recompute only the field's K/V (`field_only`) and compare with recomputing "
-     "everything after it (`full_downstream`). Where the model wrote its conclusion onto later tokens, the field-only edit "
-     "keeps reading the stale notes."),
+     "Reading a decision scores each answer after the question. Run the demo with the old and the new value of its field."),
+    ("2 · Does editing the field alone work?", "Recompute only the field's K/V (`field_only`) and compare with recomputing "
+     "everything after it (`full_downstream`). Where the model wrote its conclusion onto later tokens — its notes — the "
+     "field-only edit keeps reading the stale notes. The result below says how much of this decision the loaded model "
+     "keeps in its notes, beside the paper's figures for larger models."),
     ("3 · The erratum", "Append one salient line — `[STATE UPDATE] field -> new; overrides any earlier value and conclusion` — "
      "instead of touching the prefix. It is append-only, so a server's prefix cache stays valid."),
     ("4 · Splicing skills", "Compute a skill's K/V once, rotate its keys to new positions (values carry no position), splice it "
@@ -56,7 +58,7 @@ def build_app(registry: ModelRegistry, sessions: SessionStore | None = None) -> 
     """The whole explorer over a model registry (the default model should already be loaded)."""
     sessions = sessions or SessionStore()
     scenario_names = sorted(bundled_scenarios())
-    first_text = handlers.bundled_scenario_text(scenario_names[0])
+    first_text = handlers.bundled_scenario_text(handlers.NOTES_SCENARIO)
     first = handlers.scenario_choices(first_text)
     library = handlers.skill_library()
     model_spec_default = registry.default_spec
@@ -77,6 +79,8 @@ def build_app(registry: ModelRegistry, sessions: SessionStore | None = None) -> 
                         choices=handlers.offline_models(), value=model_spec_default, allow_custom_value=True,
                         label="Model (alias, Hugging Face id or local directory)", elem_id="model-spec", scale=3,
                     )
+                    model_dtype = gr.Radio(["auto", "float32", "bfloat16"], value=None, label="dtype (empty = as loaded)",
+                                           elem_id="model-dtype", scale=2)
                     load_button = gr.Button("Load", variant="primary", elem_id="load-model", scale=1)
                 model_card = gr.Markdown(elem_id="model-card")
                 model_json = gr.JSON(label="Model info and self-test", elem_id="model-json")
@@ -85,7 +89,7 @@ def build_app(registry: ModelRegistry, sessions: SessionStore | None = None) -> 
             with gr.Tab("Notes", id="notes"):
                 with gr.Row():
                     with gr.Column(scale=2):
-                        scenario_pick = gr.Dropdown(scenario_names, value=scenario_names[0], label="Bundled scenario", elem_id="scenario")
+                        scenario_pick = gr.Dropdown(scenario_names, value=handlers.NOTES_SCENARIO, label="Bundled scenario", elem_id="scenario")
                         upload = gr.File(label="…or upload a scenario TOML", file_types=[".toml"], type="filepath", elem_id="scenario-upload")
                         editor = gr.Code(first_text, language=None, label="Scenario (TOML, editable)", elem_id="scenario-editor", lines=14)
                     with gr.Column(scale=1):
@@ -104,8 +108,12 @@ def build_app(registry: ModelRegistry, sessions: SessionStore | None = None) -> 
                 cards = gr.HTML(elem_id="strategy-cards")
                 with gr.Row():
                     strategy_plot = gr.Plot(label="Margins by strategy", elem_id="strategy-plot")
-                    strip_plot = gr.Plot(label="Context coloured by notes effect", elem_id="strip-plot")
-                head = gr.Slider(-1, heads - 1, value=-1, step=1, label="Attention head (-1 = mean over heads)", elem_id="head")
+                    frontier_plot = gr.Plot(label="Cost–quality frontier (runs after the edit)", elem_id="frontier-plot")
+                notes_text = gr.HTML(label="Context coloured by notes effect", elem_id="notes-text")
+                with gr.Row():
+                    head = gr.Slider(-1, heads - 1, value=-1, step=1, label="Attention head (-1 = mean over heads)", elem_id="head")
+                    all_positions = gr.Checkbox(False, label="Notes map: show every context position (default: the field and after)",
+                                                elem_id="notes-all-positions")
                 with gr.Row():
                     attention_plot = gr.Plot(label="Attention from the decision token", elem_id="attention-plot")
                     notes_plot = gr.Plot(label="Notes map (layer × position)", elem_id="notes-plot")
@@ -116,6 +124,7 @@ def build_app(registry: ModelRegistry, sessions: SessionStore | None = None) -> 
                     knockout_text = gr.Markdown(elem_id="knockout-result")
                     knockout_plot = gr.Plot(label="Decision after knockout")
                 edit_json = gr.JSON(label="Result", elem_id="edit-json")
+                frontier_json = gr.JSON(label="Frontier", elem_id="frontier-json", visible=False)
                 with gr.Row():
                     notes_export = gr.Button("Export JSON + figures", elem_id="export-notes")
                     notes_files = gr.File(label="Exported files", file_count="multiple", elem_id="notes-files")
@@ -125,7 +134,7 @@ def build_app(registry: ModelRegistry, sessions: SessionStore | None = None) -> 
                 gr.Markdown("Each probe runs on the scenario, field and new value chosen in the **Notes** tab.")
                 with gr.Row():
                     probe_name = gr.Dropdown(
-                        ["suffix", "linear", "heads", "false_note", "trigger", "knockout", "locality", "notes_map", "attribution"],
+                        [name for name in ALL_PROBES if name != "attention"],  # attention: the Notes tab
                         value="suffix", label="Probe", elem_id="probe-name",
                     )
                     trigger_find = gr.Textbox(label="trigger: rule text to flip", elem_id="trigger-find")
@@ -185,11 +194,11 @@ def build_app(registry: ModelRegistry, sessions: SessionStore | None = None) -> 
 
         # ---------------------------------------------------------------- wiring
         @_ui_errors
-        def on_load_model(session_value, model_spec, progress=gr.Progress(track_tqdm=True)):
-            card, info = handlers.load_model_card(registry, model_spec, progress=lambda message: progress(None, desc=message))
+        def on_load_model(session_value, model_spec, dtype=None, progress=gr.Progress(track_tqdm=True)):
+            card, info = handlers.load_model_card(registry, model_spec, progress=lambda message: progress(None, desc=message), dtype=dtype)
             return card, info, model_spec, session_id(session_value)
 
-        model_loaded = load_button.click(on_load_model, [session, model_input], [model_card, model_json, spec, session],
+        model_loaded = load_button.click(on_load_model, [session, model_input, model_dtype], [model_card, model_json, spec, session],
                                          api_name="load_model", concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
         page.load(on_load_model, [session, spec], [model_card, model_json, spec, session], api_name=False,
                   concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
@@ -232,19 +241,27 @@ def build_app(registry: ModelRegistry, sessions: SessionStore | None = None) -> 
         field.input(lambda text, f: _choices(text, f)[2], [editor, field], new_value, api_name=False, concurrency_limit=None)
 
         @_ui_errors
-        def on_edit(session_value, model_spec, text, field_name, value, chosen, k, head_index, one_by_one=False, progress=gr.Progress()):
+        def on_edit(session_value, model_spec, text, field_name, value, chosen, k, head_index, one_by_one=False, every_position=False,
+                    progress=gr.Progress()):
             sid = session_id(session_value)
             view = handlers.run_edit(registry, sessions, sid, model_spec, text, field_name, value, chosen or [], int(k),
                                      None if head_index is None or int(head_index) < 0 else int(head_index), progress=_progress_callback(progress),
-                                     separately=bool(one_by_one))
-            return (view.cards_html, view.strategy_figure, view.strip_figure, view.attention_figure, view.notes_figure,
+                                     separately=bool(one_by_one), all_positions=bool(every_position))
+            return (view.cards_html, view.strategy_figure, view.text_html, view.attention_figure, view.notes_figure,
                     view.summary, sid)
 
+        @_ui_errors
+        def on_frontier(session_value, progress=gr.Progress()):
+            return handlers.run_frontier(sessions, session_id(session_value), progress=_progress_callback(progress))
+
         edit_button.click(
-            on_edit, [session, spec, editor, field, new_value, strategies, top_k, head, separately],
-            [cards, strategy_plot, strip_plot, attention_plot, notes_plot, edit_json, session],
+            on_edit, [session, spec, editor, field, new_value, strategies, top_k, head, separately, all_positions],
+            [cards, strategy_plot, notes_text, attention_plot, notes_plot, edit_json, session],
             api_name="edit", concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT,
-        )
+        ).success(on_frontier, session, [frontier_plot, frontier_json], api_name="frontier",
+                  concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
+        all_positions.change(lambda session_value, every: handlers.notes_map_view(sessions, session_id(session_value), every),
+                             [session, all_positions], notes_plot, api_name=False, concurrency_limit=None)
 
         @_ui_errors
         def on_knockout(session_value, positions, k):
@@ -255,15 +272,17 @@ def build_app(registry: ModelRegistry, sessions: SessionStore | None = None) -> 
         knockout_button.click(on_knockout, [session, knockout_positions, top_k], [knockout_text, knockout_plot, edit_json, session],
                               api_name="knockout", concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
 
-        def exporter(stem: str):
-            def export(result, *plots):
+        def exporter(stem: str, views: int = 0):
+            """Export a result with its plots; the last ``views`` inputs are HTML views, not plots."""
+            def export(result, *plots_and_views):
+                plots, views_html = plots_and_views[: len(plots_and_views) - views], plots_and_views[len(plots_and_views) - views :]
                 figures = [plotly.io.from_json(plot.plot) for plot in plots if plot is not None and plot.type == "plotly"]
-                return handlers.export_files(result, figures, stem)
+                return handlers.export_files(result, figures, stem, [view for view in views_html if view])
 
             return _ui_errors(export)
 
-        notes_export.click(exporter("kvscope-notes"), [edit_json, strategy_plot, strip_plot, attention_plot, notes_plot], notes_files,
-                           api_name="export_notes", concurrency_limit=None)
+        notes_export.click(exporter("kvscope-notes", views=1), [edit_json, strategy_plot, frontier_plot, attention_plot, notes_plot, notes_text],
+                           notes_files, api_name="export_notes", concurrency_limit=None)
         probe_export.click(exporter("kvscope-probe"), [probe_json, probe_plot], probe_files, api_name="export_probe", concurrency_limit=None)
         compose_export.click(exporter("kvscope-composer"), [compose_json, logits_plot, deviation_plot, loop_plot], compose_files,
                              api_name="export_composer", concurrency_limit=None)

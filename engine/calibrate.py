@@ -1,4 +1,10 @@
-"""Does a scenario's decision follow its field on this model? Stale vs oracle for every scenario and field."""
+"""Does a scenario's decision follow its field on this model, and do the notes carry it?
+
+For every scenario and field: the clean-prefill decisions at the old and new value (stale vs oracle) and the
+field_only edit's recovery, whose complement is the notes share. A *notes demo* flips under a clean prefill
+while the field-only edit leaves the decision where it was (recovery ≤ ``NOTES_DEMO_MAX_RECOVERY``): the
+paper's phenomenon, visible on this model.
+"""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -6,10 +12,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine.models import LoadedModel
-from engine.runs import run_scenario
 from engine.scenario import Scenario
+from engine.strategies import EditExperiment
 
 FLIP_THRESHOLD = 1.0
+NOTES_DEMO_MAX_RECOVERY = 0.4
 
 
 @dataclass
@@ -29,28 +36,39 @@ class Calibration:
     flips: bool  # labels differ and |Δmargin| ≥ threshold
     expected_flip: bool | None  # from [expect]; None when it does not say
     ok: bool | None  # the model does what [expect] says (None when it does not say)
+    field_only_recovery: float | None  # None when undefined (tiny gap) or not applicable (length change)
+    field_only_label: str | None
+    notes_share: float | None  # 1 − field_only_recovery
+    notes_demo: bool  # flips, and field_only keeps the old decision with recovery ≤ NOTES_DEMO_MAX_RECOVERY
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
 def calibrate_scenario(lm: LoadedModel, path: Path, threshold: float = FLIP_THRESHOLD) -> list[Calibration]:
-    """Stale vs oracle decisions for every field of one scenario file."""
+    """Stale vs oracle decisions and the field-only recovery for every field of one scenario file."""
     scenario = Scenario.load(path)
     results = []
     for field in scenario.fields.values():
-        old = run_scenario(lm, scenario, {field.name: field.old}).decision
-        new = run_scenario(lm, scenario, {field.name: field.new}).decision
+        experiment = EditExperiment(lm, scenario, field.name)
+        notes = experiment.report(["field_only"], fused=True).notes
+        old, new = experiment.stale.decision, experiment.oracle.decision
         delta = new.margin - old.margin
         flips = old.label != new.label and abs(delta) >= threshold
         expect = scenario.expect
         expected_flip = expect[field.old] != expect[field.new] if field.old in expect and field.new in expect else None
+        notes_demo = (flips and notes.field_only_label == old.label and notes.field_recovery is not None
+                      and notes.field_recovery <= NOTES_DEMO_MAX_RECOVERY)
         results.append(
             Calibration(
                 file=str(path), scenario=scenario.name, field=field.name, old=field.old, new=field.new,
                 old_label=old.label, new_label=new.label, old_margin=round(old.margin, 4), new_margin=round(new.margin, 4),
                 delta_margin=round(delta, 4), flips=flips, expected_flip=expected_flip,
                 ok=None if expected_flip is None else flips == expected_flip and (not flips or new.label == expect[field.new]),
+                field_only_recovery=None if notes.field_recovery is None else round(notes.field_recovery, 4),
+                field_only_label=notes.field_only_label,
+                notes_share=None if notes.share is None else round(notes.share, 4),
+                notes_demo=notes_demo,
             )
         )
     return results

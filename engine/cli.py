@@ -12,7 +12,7 @@ import logging
 import sys
 from collections.abc import Callable
 
-from engine.calibrate import FLIP_THRESHOLD, calibrate, scenario_files
+from engine.calibrate import NOTES_DEMO_MAX_RECOVERY, FLIP_THRESHOLD, calibrate, scenario_files
 from engine.agent import run_agent
 from engine.attribution import AttributionError
 from engine.compose import adhoc_scenario, compare, with_skills
@@ -89,7 +89,7 @@ def cmd_edit(args: argparse.Namespace) -> dict:
     settings = _settings(args)
     lm = _load(args)
     experiment = EditExperiment(lm, scenario, args.field, args.new, settings)
-    return experiment.report(names, progress=_progress("strategies"), fused=args.fused).as_dict()
+    return experiment.report(names, progress=_progress("strategies"), fused=args.fused, downstream_patch=True).as_dict()
 
 
 def cmd_calibrate(args: argparse.Namespace) -> dict:
@@ -101,6 +101,8 @@ def cmd_calibrate(args: argparse.Namespace) -> dict:
         "model": lm.fingerprint.name,
         "threshold": args.threshold,
         "flipping": sum(r.flips for r in results),
+        "notes_demos": sum(r.notes_demo for r in results),
+        "notes_demo_max_field_recovery": NOTES_DEMO_MAX_RECOVERY,
         "total": len(results),
         "scenarios": [r.as_dict() for r in results],
     }

@@ -101,6 +101,7 @@ class LoadedModel:
     dtype: torch.dtype
     source: str
     fingerprint: ModelFingerprint
+    dtype_reason: str = "requested"
 
     def info(self) -> dict[str, Any]:
         """Architecture, attention geometry, RoPE, size and provenance, for display."""
@@ -123,6 +124,7 @@ class LoadedModel:
             "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
             "device": str(self.device),
             "dtype": dtype_name(self.dtype),
+            "dtype_reason": self.dtype_reason,
             "source": self.source,
             "fingerprint": self.fingerprint.as_dict(),
         }
@@ -535,6 +537,7 @@ def _load_tiny(arch: str, device: torch.device, dtype: torch.dtype | None) -> Lo
     from engine.tiny import tiny_model
 
     loaded = tiny_model(arch, dtype=dtype or torch.float32)
+    loaded.dtype_reason = f"{dtype_name(dtype)} as requested" if dtype else "float32 (tiny random-weight models are float32 unless asked)"
     if loaded.device != device:
         loaded.model.to(device)
         loaded.device = device
@@ -576,16 +579,21 @@ def _load_pretrained(
         return model.to(device)
 
     tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=False, local_files_only=local_only)
+
+    def loaded(model: PreTrainedModel, reason: str) -> LoadedModel:
+        chosen = next(model.parameters()).dtype
+        fingerprint = ModelFingerprint(name=name, config_hash=config_hash(model.config), dtype=dtype_name(chosen))
+        return LoadedModel(name, model, tokenizer, device, chosen, source, fingerprint, reason)
+
     if dtype is not None:
-        model = load(dtype)
+        result = loaded(load(dtype), f"{dtype_name(dtype)} as requested")
     elif device.type != "cpu":
-        model = load(_accelerator_dtype(device))
+        chosen = _accelerator_dtype(device)
+        result = loaded(load(chosen), f"auto on {device.type}: {dtype_name(chosen)} (what this GPU computes natively)")
     else:
-        model = _load_with_cpu_dtype_choice(load, name, config, report)
-    chosen = next(model.parameters()).dtype
-    fingerprint = ModelFingerprint(name=name, config_hash=config_hash(model.config), dtype=dtype_name(chosen))
-    logger.info("loaded %s on %s as %s (%s)", name, device, dtype_name(chosen), source)
-    return LoadedModel(name, model, tokenizer, device, chosen, source, fingerprint)
+        result = _load_with_cpu_dtype_choice(load, loaded, name, config, report)
+    logger.info("loaded %s on %s as %s (%s)", name, device, dtype_name(result.dtype), source)
+    return result
 
 
 def _causal_config(location: str, local_only: bool) -> PretrainedConfig:
@@ -612,35 +620,52 @@ def _is_causal_class(class_name: str) -> bool:
 
 
 def _load_with_cpu_dtype_choice(
-    load: Callable[[torch.dtype], PreTrainedModel], name: str, config: PretrainedConfig, report: Progress
-) -> PreTrainedModel:
-    """On CPU use bfloat16 only where measured faster and faithful; the choice is cached per model+CPU."""
+    load: Callable[[torch.dtype], PreTrainedModel],
+    loaded: Callable[[PreTrainedModel, str], LoadedModel],
+    name: str,
+    config: PretrainedConfig,
+    report: Progress,
+) -> LoadedModel:
+    """On CPU use bfloat16 only where it is measured faster, its logits agree with float32 and the cache
+    self-test passes in it; the choice and its reason are cached per model + CPU + torch version."""
+    from engine.selftest import run_selftest  # the self-test needs a loaded model: imported on use
+
     store = cache_dir() / "dtype-choices.json"
     key = f"{name}|{config_hash(config)}|torch {torch.__version__}|{_cpu_model()}"
     choices = _read_json(store)
-    if key in choices:
-        return load(DTYPES[choices[key]["dtype"]])
+    if key in choices and "reason" in choices[key]:
+        return loaded(load(DTYPES[choices[key]["dtype"]]), choices[key]["reason"])
     report("measuring float32 vs bfloat16 prefill speed on this CPU (one time)")
     fp32, bf16 = load(torch.float32), load(torch.bfloat16)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config.get_text_config().vocab_size, (1, _PROBE_TOKENS), generator=generator)
     (fp32_s, fp32_logits), (bf16_s, bf16_logits) = _time_prefills(fp32, bf16, ids)
     cosine = torch.nn.functional.cosine_similarity(fp32_logits, bf16_logits, dim=0).item()
-    use_bf16 = fp32_s / bf16_s >= _BF16_MIN_SPEEDUP and cosine >= _BF16_MIN_COSINE
-    entry = {
+    speedup = fp32_s / bf16_s
+    selftest_ok = None
+    if speedup >= _BF16_MIN_SPEEDUP and cosine >= _BF16_MIN_COSINE:
+        report("running the cache self-test in bfloat16 (one time)")
+        selftest_ok = run_selftest(loaded(bf16, "candidate")).ok
+    use_bf16 = bool(selftest_ok)
+    measured = f"one-thread prefill of {_PROBE_TOKENS} tokens: bfloat16 {speedup:.2f}× the speed of float32, logits cosine {cosine:.5f}"
+    if use_bf16:
+        reason = f"auto: bfloat16 ({measured}; cache self-test ok in bfloat16)"
+    elif selftest_ok is False:
+        reason = f"auto: float32 (bfloat16 is faster here but failed the cache self-test; {measured})"
+    else:
+        reason = f"auto: float32 (bfloat16 needs ≥ {_BF16_MIN_SPEEDUP}× speed and cosine ≥ {_BF16_MIN_COSINE}; {measured})"
+    choices[key] = {
         "dtype": "bfloat16" if use_bf16 else "float32",
         "float32_s": round(fp32_s, 4),
         "bfloat16_s": round(bf16_s, 4),
         "cosine": round(cosine, 6),
+        "selftest_ok": selftest_ok,
         "tokens": _PROBE_TOKENS,
+        "reason": reason,
     }
-    choices[key] = entry
     _write_json(store, choices)
-    report(
-        f"dtype auto: {entry['dtype']} (one-thread prefill of {_PROBE_TOKENS} tokens: float32 {fp32_s:.3f} s, "
-        f"bfloat16 {bf16_s:.3f} s; logits cosine {cosine:.5f})"
-    )
-    return bf16 if use_bf16 else fp32
+    report(reason)
+    return loaded(bf16 if use_bf16 else fp32, reason)
 
 
 def _time_prefills(

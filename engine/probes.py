@@ -182,7 +182,7 @@ def _require_aligned(experiment: EditExperiment, probe: str) -> None:
         )
 
 
-def _ks(ks: Sequence[int] | None, count: int, smallest: int = 1) -> list[int]:
+def k_ladder(ks: Sequence[int] | None, count: int, smallest: int = 1) -> list[int]:
     """The K values to sweep: given ones (checked), else smallest, 1, 2, 4, ... below ``count``, and ``count``."""
     if ks is None:
         doubling, k = [], 1
@@ -476,7 +476,7 @@ def probe_suffix(experiment: EditExperiment, *, progress: Progress = None, ks: S
     """Suffix concentration: recovery vs K (1, 2, 4, ... all), per layer band, and a random-K control."""
     _require_aligned(experiment, "suffix")
     gap, ranked = Gap.of(experiment), _ranked_notes(experiment)
-    ks, bands = _ks(ks, len(ranked)), _layer_bands(len(experiment.stale.notebook.keys))
+    ks, bands = k_ladder(ks, len(ranked)), _layer_bands(len(experiment.stale.notebook.keys))
     tick = _ticker(progress, len(ks))
     points = []
     for k in ks:
@@ -514,7 +514,7 @@ def probe_knockout(experiment: EditExperiment, *, progress: Progress = None, ks:
     """Hide the top-K notes from the decision tokens in the oracle cache, K = 0, 1, 2, 4, ... all."""
     _require_aligned(experiment, "knockout")
     gap, ranked, oracle = Gap.of(experiment), _ranked_notes(experiment), experiment.oracle.notebook
-    ks = _ks(ks, len(ranked), smallest=0)
+    ks = k_ladder(ks, len(ranked), smallest=0)
     tick = _ticker(progress, len(ks))
 
     def hidden(positions: Sequence[int]) -> Reading:

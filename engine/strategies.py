@@ -34,7 +34,7 @@ from functools import cached_property
 from engine.decision import RECOVERY_MIN_GAP, Decision, Recovery, recovery
 from engine.models import LoadedModel
 from engine.notebook import Notebook, NotebookError
-from engine.patching import attribution_effects, kv_deviation
+from engine.patching import EffectMap, attribution_effects, kv_deviation
 from engine.runs import PreparedRun, ScenarioRun, prepare_scenario, run_scenario
 from engine.scenario import RenderedPrompt, Scenario, ScenarioError
 
@@ -46,6 +46,7 @@ STRATEGIES = (
 AUTO_CANDIDATES = ("field_only", "erratum", "hoist", "field_erratum")
 FUSABLE = ("stale", "field_only", "field_topk", "erratum", "field_erratum", "hoist", "full_downstream", "oracle")
 RANKINGS = ("causal", "deviation")
+RANKING_LABELS = {"causal": "causal (attribution patching)", "deviation": "deviation (CacheBlend-style)"}
 
 
 class NotApplicable(Exception):
@@ -108,6 +109,63 @@ class StrategyResult:
         }
 
 
+@dataclass(frozen=True)
+class NotesShare:
+    """How much of a decision change the downstream notes carry, against the field's own K/V.
+
+    ``share`` = 1 − field_only recovery: the part of the stale → oracle margin change that recomputing the
+    field alone does not bring back. ``downstream_recovery`` (when measured) patches the oracle's K/V of
+    every token after the field into the stale cache with the field left stale: the notes alone.
+    """
+
+    share: float | None
+    field_recovery: float | None
+    field_only_label: str | None
+    stale_label: str
+    oracle_label: str
+    downstream_recovery: float | None = None
+    reason: str | None = None
+
+    @classmethod
+    def of(cls, field_only: StrategyResult, stale: Decision, oracle: Decision, downstream: Recovery | None = None) -> "NotesShare":
+        """From the field_only strategy's result (and the downstream patch's recovery, if read)."""
+        down = None if downstream is None else downstream.value
+        if not field_only.applicable:
+            return cls(None, None, None, stale.label, oracle.label, down, f"field_only is not applicable: {field_only.reason}")
+        value = field_only.recovery.value
+        share = None if value is None else 1.0 - value
+        return cls(share, value, field_only.decision.label, stale.label, oracle.label, down, field_only.recovery.reason)
+
+    @property
+    def field_alone_flips(self) -> bool | None:
+        """Whether recomputing the field alone already reaches the oracle's decision."""
+        return None if self.field_only_label is None else self.field_only_label == self.oracle_label
+
+    def headline(self) -> str:
+        """One sentence computed from the numbers (plain text)."""
+        if self.share is None:
+            return f"Notes share undefined: {self.reason}"
+        percent = f"{max(0.0, min(1.0, self.share)):.0%}"
+        if self.stale_label == self.oracle_label:
+            return f"Notes carry {percent} of this margin change; a clean prefill keeps the decision at {self.oracle_label}"
+        if self.field_alone_flips:
+            return (f"Notes carry {percent} of this decision; recomputing the field alone already reaches {self.field_only_label}: "
+                    "this model still reads much of the field directly")
+        return f"Notes carry {percent} of this decision; recomputing the field alone leaves it at {self.field_only_label}"
+
+    def as_dict(self) -> dict:
+        rounded = lambda value: None if value is None else round(value, 4)  # noqa: E731
+        return {
+            "share": rounded(self.share),
+            "field_recovery": rounded(self.field_recovery),
+            "downstream_recovery": rounded(self.downstream_recovery),
+            "field_only_decision": self.field_only_label,
+            "field_alone_flips": self.field_alone_flips,
+            "headline": self.headline(),
+            "reason": self.reason,
+        }
+
+
 @dataclass
 class EditReport:
     """All requested strategies for one field change, with stale and oracle for reference."""
@@ -120,6 +178,7 @@ class EditReport:
     stale: StrategyResult
     oracle: StrategyResult
     strategies: dict[str, StrategyResult]
+    notes: NotesShare
 
     @property
     def flips(self) -> bool:
@@ -136,6 +195,7 @@ class EditReport:
             "context_tokens": len(self.stale.notebook),
             "flips": self.flips,
             "delta_margin": round(self.oracle.decision.margin - self.stale.decision.margin, 4),
+            "notes": self.notes.as_dict(),
             "stale": self.stale.as_dict(),
             "oracle": self.oracle.as_dict(),
             "strategies": {name: result.as_dict() for name, result in self.strategies.items()},
@@ -215,7 +275,8 @@ class EditExperiment:
                 "positions; use erratum, field_erratum with errata only, or full_downstream"
             )
 
-    def _field_edited(self) -> Notebook:
+    def field_edited(self) -> Notebook:
+        """The stale cache with the field's K/V recomputed for the new value (same token length only)."""
         self._require_same_length()
         return self.stale.notebook.replace(self.field_positions, self.new_field_ids)
 
@@ -230,16 +291,27 @@ class EditExperiment:
         if k > len(self.downstream_positions):
             raise NotebookError(f"K={k} is larger than the {len(self.downstream_positions)} downstream tokens of field {self.field!r}")
 
+    def downstream_effects(self, base: Notebook, ranking: str | None = None) -> EffectMap:
+        """Every downstream position of ``base`` scored against the oracle run's K/V by ``ranking`` (default:
+        the settings'): causal = attribution patching (one backward), deviation = CacheBlend-style ‖ΔK/V‖."""
+        ranking = ranking or self.settings.ranking
+        if ranking not in RANKINGS:
+            raise ValueError(f"unknown ranking {ranking!r}; choose one of {', '.join(RANKINGS)}")
+        if ranking == "causal":
+            return attribution_effects(base, self.oracle.notebook, self.prompt, self.downstream_positions)
+        return kv_deviation(base, self.oracle.notebook, self.downstream_positions)
+
+    def top_downstream(self, effects: EffectMap, k: int) -> list[int]:
+        """The k highest-ranked positions of :meth:`downstream_effects` (causal: those that move the margin
+        towards the oracle's)."""
+        self._check_k(k)
+        direction = self.oracle.decision.margin - self.stale.decision.margin if effects.method == "attribution" else 1.0
+        return effects.top_positions(k, direction)
+
     def rank_downstream(self, base: Notebook, k: int) -> tuple[list[int], dict]:
         """Top-k downstream positions by the configured ranking, against the oracle run's K/V."""
         self._check_k(k)
-        candidates = self.downstream_positions
-        direction = self.oracle.decision.margin - self.stale.decision.margin
-        if self.settings.ranking == "causal":
-            effects = attribution_effects(base, self.oracle.notebook, self.prompt, candidates)
-            return effects.top_positions(k, direction), {"ranking": "causal (attribution patching)"}
-        deviation = kv_deviation(base, self.oracle.notebook, candidates)
-        return deviation.top_positions(k), {"ranking": "deviation (CacheBlend-style)"}
+        return self.top_downstream(self.downstream_effects(base), k), {"ranking": RANKING_LABELS[self.settings.ranking]}
 
     # ------------------------------------------------------------------ strategies (caches, read later)
     def _stale(self):
@@ -250,7 +322,7 @@ class EditExperiment:
         return Notebook.from_prompt(self.lm, prompt), len(prompt.context_ids), {}
 
     def _field_only(self):
-        return self._field_edited(), len(self.field_positions), {}
+        return self.field_edited(), len(self.field_positions), {}
 
     def _erratum(self):
         line = self._line(self.settings.erratum)
@@ -258,7 +330,7 @@ class EditExperiment:
 
     def _field_erratum(self):
         line = self._line(self.settings.erratum)
-        return self._field_edited().append(line, "erratum"), len(self.field_positions) + len(line), {}
+        return self.field_edited().append(line, "erratum"), len(self.field_positions) + len(line), {}
 
     def _hoist(self):
         line = self._line(self.settings.hoist)
@@ -274,7 +346,7 @@ class EditExperiment:
 
     def _field_topk(self):
         self._check_k(self.settings.top_k)
-        edited = self._field_edited()
+        edited = self.field_edited()
         started = time.perf_counter()
         top, detail = self.rank_downstream(edited, self.settings.top_k)
         detail.update(k=self.settings.top_k, positions=top, rank_ms=round((time.perf_counter() - started) * 1000, 1))
@@ -322,7 +394,7 @@ class EditExperiment:
     def _field_only_cot(self) -> StrategyResult:
         started = time.perf_counter()
         try:
-            notebook = self._field_edited()
+            notebook = self.field_edited()
         except NotApplicable as reason:
             return StrategyResult("field_only_cot", applicable=False, reason=str(reason))
         decision, chain = self.cot_decision(notebook)
@@ -378,13 +450,27 @@ class EditExperiment:
             self._fused[name] = StrategyResult(name, True, decision, self._recovery(decision), tokens, build_ms + share, detail=detail, notebook=notebook)
         return fused_ms
 
-    def report(self, names: Sequence[str] = STRATEGIES, progress: Callable[[int, int], None] | None = None, fused: bool = False) -> EditReport:
-        """Run the named strategies and collect them with stale and oracle (``fused``: see :meth:`read_together`)."""
+    def downstream_patch_recovery(self) -> Recovery | None:
+        """Recovery when the oracle's K/V of every token after the field are patched into the stale cache
+        and the field is left stale (the notes alone); None when the values differ in token length."""
+        if len(self.field_positions) != len(self.new_field_ids):
+            return None
+        return self._recovery(self._read(self.stale.notebook.patch(self.oracle.notebook, self.downstream_positions)))
+
+    def notes_share(self, downstream_patch: bool = False) -> NotesShare:
+        """The notes share of this edit (field_only's recovery; ``downstream_patch`` adds one more read)."""
+        return NotesShare.of(self.run("field_only"), self.stale.decision, self.oracle.decision,
+                             self.downstream_patch_recovery() if downstream_patch else None)
+
+    def report(self, names: Sequence[str] = STRATEGIES, progress: Callable[[int, int], None] | None = None, fused: bool = False,
+               downstream_patch: bool = False) -> EditReport:
+        """Run the named strategies and collect them with stale, oracle and the notes share (``fused``: see
+        :meth:`read_together`; field_only is always read, for the notes share)."""
         unknown = [n for n in names if n not in STRATEGIES]
         if unknown:
             raise ValueError(f"unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
         if fused:
-            self.read_together(names)
+            self.read_together([*names, "field_only"])
         results = {}
         for index, name in enumerate(names):
             results[name] = self.run(name)
@@ -394,4 +480,5 @@ class EditExperiment:
         reused = {"reused_prefix_tokens": len(self.oracle.prompt.context_ids) - self.oracle.computed_tokens}
         oracle = StrategyResult("oracle", True, self.oracle.decision, Recovery(1.0), self.oracle.computed_tokens, self.oracle.ms, notebook=self.oracle.notebook,
                                 detail=reused | ({"timing": self._oracle_timing} if self._oracle_timing else {}))
-        return EditReport(self.lm.fingerprint.name, self.scenario.name, self.field, self.old, self.new, stale, oracle, results)
+        return EditReport(self.lm.fingerprint.name, self.scenario.name, self.field, self.old, self.new, stale, oracle, results,
+                          self.notes_share(downstream_patch))

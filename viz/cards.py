@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import html
 
-from engine.strategies import EditReport, StrategyResult
+from engine.strategies import EditReport, NotesShare, StrategyResult
 
 CARD_CSS = """
 <style>
@@ -15,6 +15,7 @@ CARD_CSS = """
 .kv-card.na{opacity:.55;background:#f6f8fa}
 .kv-card.ref{border-style:dashed}
 .kv-card .big{font-size:18px;font-weight:600}
+.kv-notes{font-size:16px;margin:4px 0 8px 0;padding:6px 10px;border-left:4px solid #6a4c93;background:#f6f2fb}
 </style>
 """
 
@@ -49,4 +50,14 @@ def strategy_cards_html(report: EditReport) -> str:
         + ("a clean prefill <b>flips</b> the decision" if report.flips else "a clean prefill does <b>not</b> flip the decision on this model")
         + "</p>"
     )
-    return CARD_CSS + headline + '<div class="kv-cards">' + "".join(cards) + "</div>"
+    return CARD_CSS + notes_headline_html(report.notes) + headline + '<div class="kv-cards">' + "".join(cards) + "</div>"
+
+
+def notes_headline_html(notes: NotesShare) -> str:
+    """The notes share as a headline sentence, with the numbers it comes from."""
+    share = "" if notes.share is None else f"{notes.share:.4f}"
+    evidence = "" if notes.field_recovery is None else f" <small>(field_only recovery {notes.field_recovery:.2f}"
+    if evidence and notes.downstream_recovery is not None:
+        evidence += f"; the downstream notes patched in alone recover {notes.downstream_recovery:.2f}"
+    evidence += ")</small>" if evidence else ""
+    return f'<p class="kv-notes" id="notes-headline" data-share="{share}">{html.escape(notes.headline())}{evidence}</p>'

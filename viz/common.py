@@ -108,6 +108,24 @@ def heat_colours(values: np.ndarray, diverging: bool | None = None) -> dict:
     return {"colorscale": DIVERGING, "zmid": 0.0} if diverging else {"colorscale": SEQUENTIAL}
 
 
+def robust_limit(values: np.ndarray, quantile: float = 0.98) -> float:
+    """A symmetric colour limit ±r that a few extreme cells cannot wash out: the ``quantile`` of |values|
+    (the largest |value| when that is 0; 1 for an all-zero map)."""
+    magnitudes = np.abs(np.asarray(values, dtype=np.float64))
+    magnitudes = magnitudes[np.isfinite(magnitudes)]
+    if magnitudes.size == 0 or magnitudes.max() == 0:
+        return 1.0
+    limit = float(np.quantile(magnitudes, quantile))
+    return limit if limit > 0 else float(magnitudes.max())
+
+
+def diverging_colour(value: float, limit: float) -> str:
+    """An rgba background for ``value`` on a ±``limit`` scale: red above 0, blue below, transparent at 0."""
+    strength = min(abs(value) / limit, 1.0) if limit > 0 and math.isfinite(value) else 0.0
+    red, green, blue = (214, 39, 40) if value > 0 else (31, 119, 180)
+    return f"rgba({red},{green},{blue},{0.85 * strength:.3f})"
+
+
 def map_height(layers: int) -> int:
     """A layer × token map's height: about 16 px per layer, within 320–800."""
     return min(800, max(320, 140 + 16 * layers))

@@ -1,67 +1,56 @@
 """Figures of where the notes are: a context as a coloured token strip, attention and patch-effect maps."""
 from __future__ import annotations
 
-import math
+import html
 from collections.abc import Sequence
 
 import numpy as np
 import plotly.graph_objects as go
 
+from engine.frontier import FrontierResult
 from engine.patching import EffectMap
 from engine.probes import AttentionMap, NotesMapResult
-from viz.common import column_of, heat_colours, map_height, pool_columns, safe_label, token_columns
+from viz.common import (
+    DIVERGING, GREY, PALETTE, column_of, diverging_colour, map_height, pool_columns, robust_limit, safe_label, token_columns,
+)
 
 
-def token_strip_figure(
+def token_text_html(
     texts: Sequence[str],
     values: Sequence[float],
     segments: Sequence[str],
-    title: str = "Context",
-    per_row: int = 24,
     value_name: str = "value",
-) -> go.Figure:
-    """The context as rows of ``per_row`` token cells coloured by a value (diverging at 0 when it has both
-    signs), token text in the cells, position, segment and value in hover."""
+    title: str = "Context",
+    highlight: str | None = "field:",
+) -> str:
+    """The context as readable text, line breaks where the context has them, each token's background coloured
+    by its value on a robust symmetric scale (red above 0, blue below); position, segment and value show on
+    hover. Tokens whose segment starts with ``highlight`` are outlined. Every string is HTML-escaped."""
     if not len(texts) == len(values) == len(segments):
         raise ValueError(f"got {len(texts)} texts, {len(values)} values and {len(segments)} segments; they must match")
     if not texts:
         raise ValueError("no tokens to draw")
-    count, rows = len(texts), math.ceil(len(texts) / per_row)
-    z = np.full(rows * per_row, np.nan, dtype=np.float32)
-    z[:count] = values
-    cells = [safe_label(text, 12) for text in texts] + [""] * (rows * per_row - count)
-    hover = [
-        f"#{i} {safe_label(texts[i], 40)}<br>{safe_label(segments[i], 40)}<br>{safe_label(value_name)} {values[i]:+.4g}"
-        for i in range(count)
-    ] + [""] * (rows * per_row - count)
-    figure = go.Figure(
-        go.Heatmap(
-            z=z.reshape(rows, per_row),
-            text=np.array(cells, dtype=object).reshape(rows, per_row),
-            texttemplate="%{text}",
-            textfont={"size": 10},
-            hovertext=np.array(hover, dtype=object).reshape(rows, per_row),
-            hoverinfo="text",
-            xgap=1,
-            ygap=1,
-            colorbar={"title": safe_label(value_name)},
-            **heat_colours(z),
-        )
-    )
-    figure.update_layout(
-        title=safe_label(title),
-        xaxis={"visible": False},
-        yaxis={
-            "autorange": "reversed",
-            "tickmode": "array",
-            "tickvals": list(range(rows)),
-            "ticktext": [f"#{row * per_row}" for row in range(rows)],
-            "title": "first token of the row",
-        },
-        height=min(1200, 120 + 26 * rows),
-        margin={"l": 70, "r": 20, "t": 50, "b": 20},
-    )
-    return figure
+    limit = robust_limit(np.asarray(values, dtype=np.float64))
+    spans = []
+    for position, (text, value, segment) in enumerate(zip(texts, values, segments)):
+        tip = html.escape(f"#{position} {text!r} [{segment}] {value_name} {value:+.4g}", quote=True)
+        outline = " kv-field" if highlight and segment.startswith(highlight) else ""
+        spans.append(f'<span class="kv-tok{outline}" title="{tip}" data-value="{value:.4g}" '
+                     f'style="background:{diverging_colour(value, limit)}">{html.escape(text)}</span>')
+    legend = (f'<div class="kv-legend">{html.escape(title)} · colour scale ±{limit:.3g} {html.escape(value_name)} '
+              '(<span style="background:rgba(214,39,40,.85)">&nbsp;+&nbsp;</span> towards the new decision, '
+              '<span style="background:rgba(31,119,180,.85)">&nbsp;−&nbsp;</span> away; outlined: the field; hover a token for its value)</div>')
+    return (TEXT_CSS + f'<div class="kv-text" data-tokens="{len(texts)}" data-limit="{limit:.4g}">{legend}'
+            f'<div class="kv-body">{"".join(spans)}</div></div>')
+
+
+TEXT_CSS = """<style>
+.kv-text{font-family:ui-monospace,SFMono-Regular,Menlo,monospace;font-size:13px;line-height:1.7}
+.kv-text .kv-body{white-space:pre-wrap;word-break:break-word;max-height:520px;overflow:auto;border:1px solid #d0d7de;border-radius:6px;padding:8px}
+.kv-text .kv-tok{border-radius:3px}
+.kv-text .kv-field{outline:2px solid #6a4c93}
+.kv-text .kv-legend{font-family:sans-serif;font-size:12px;color:#555;margin-bottom:4px}
+</style>"""
 
 
 def attention_figure(
@@ -110,11 +99,12 @@ def _effect_heatmap(effects: np.ndarray, positions: Sequence[int], texts: Sequen
     """A diverging layer × position heatmap of Δmargin, pooled when wide; returns the figure, columns and runs."""
     z, runs = pool_columns(np.asarray(effects, dtype=np.float32))  # (layers, columns)
     names, xaxis = token_columns(runs, texts, positions, segments)
+    limit = robust_limit(z)
     figure = go.Figure(
         go.Heatmap(
-            z=z, x=names, y=np.arange(len(z)), colorbar={"title": "Δ margin"},
+            z=z, x=names, y=np.arange(len(z)), colorbar={"title": f"Δ margin<br>(±{limit:.2g}, 98th pct of |Δ|)"},
             hovertemplate="layer %{y}<br>%{x}<br>attributed Δ margin %{z:+.4f}<extra></extra>",
-            **heat_colours(z, diverging=True),
+            colorscale=DIVERGING, zmin=-limit, zmax=limit,
         )
     )
     figure.update_layout(
@@ -124,20 +114,25 @@ def _effect_heatmap(effects: np.ndarray, positions: Sequence[int], texts: Sequen
     return figure, names, runs
 
 
-def effect_map_figure(effects: EffectMap, texts: Sequence[str], segments: Sequence[str]) -> go.Figure:
-    """Attribution notes map from an :class:`EffectMap`; ``texts``/``segments`` are per context position."""
-    figure, _, _ = _effect_heatmap(
-        effects.effects.numpy(), effects.positions, [texts[p] for p in effects.positions], [segments[p] for p in effects.positions]
-    )
-    figure.update_layout(title=f"Notes map ({effects.method}): Δ margin from patching the new run's K/V per (layer, token)")
+def effect_map_figure(effects: EffectMap, texts: Sequence[str], segments: Sequence[str], all_positions: bool = False) -> go.Figure:
+    """Attribution notes map from an :class:`EffectMap` over the field and downstream tokens, or over every
+    context position (``all_positions``: positions before the field hold the same K/V in both runs, so 0);
+    ``texts``/``segments`` are per context position."""
+    positions = list(range(len(texts))) if all_positions else list(effects.positions)
+    z = np.zeros((effects.effects.shape[0], len(positions)), dtype=np.float32)
+    column = {position: i for i, position in enumerate(positions)}
+    z[:, [column[p] for p in effects.positions]] = effects.effects.numpy()
+    figure, _, _ = _effect_heatmap(z, positions, [texts[p] for p in positions], [segments[p] for p in positions])
+    shown = "every context position" if all_positions else "the field and the tokens after it"
+    figure.update_layout(title=f"Notes map ({effects.method})<br><sup>Δ margin from patching the new run's K/V per (layer, token), {shown}</sup>")
     return figure
 
 
-def effect_strip_figure(effects: EffectMap, texts: Sequence[str], segments: Sequence[str]) -> go.Figure:
-    """The whole context coloured by each position's summed patch effect (0 before the field)."""
+def effect_text_html(effects: EffectMap, texts: Sequence[str], segments: Sequence[str]) -> str:
+    """The whole context as text coloured by each position's summed patch effect (0 before the field)."""
     values = np.zeros(len(texts), dtype=np.float32)
     values[list(effects.positions)] = effects.per_position().numpy()
-    return token_strip_figure(texts, values.tolist(), segments, title="Context coloured by notes effect (Δ margin, all layers)", value_name="Δ margin")
+    return token_text_html(texts, values.tolist(), segments, value_name="Δ margin", title="Context coloured by notes effect (all layers)")
 
 
 def notes_map_figure(result: NotesMapResult) -> go.Figure:
@@ -158,5 +153,50 @@ def notes_map_figure(result: NotesMapResult) -> go.Figure:
     figure.update_layout(
         title=f"Notes map: Δ margin from patching oracle K/V per (layer, token); stale {gap.stale:+.2f} → oracle {gap.oracle:+.2f}",
         legend={"orientation": "h", "y": 1.02, "x": 1, "xanchor": "right", "yanchor": "bottom"},
+    )
+    return figure
+
+
+_PAPER_FRONTIER = "Paper (Qwen3-8B): CacheBlend-style selection P(correct) 0.13 at 14.5% recomputed; field+erratum 1.00 at 12.6%"
+
+
+def frontier_figure(result: FrontierResult) -> go.Figure:
+    """Recovery against the share of context tokens computed: field_topk over K as lines (causal and deviation
+    ranking), the other strategies as points; filled markers reach the oracle's decision, open ones do not."""
+    figure = go.Figure()
+    colours = dict(zip(result.methods(), PALETTE * 3))
+    for method in result.methods():
+        points = [p for p in result.points if p.method == method]
+        ladder = points[0].k is not None
+        figure.add_scatter(
+            x=[100 * p.fraction for p in points],
+            y=[p.recovery for p in points],
+            mode="lines+markers" if ladder else "markers",
+            name=safe_label(method),
+            line={"color": colours[method], "dash": "dot" if "deviation" in method else "solid"},
+            marker={
+                "size": 9 if ladder else 13, "color": colours[method], "line": {"color": colours[method], "width": 2},
+                "symbol": ["circle" if p.correct else "circle-open" for p in points],
+            },
+            hovertext=[
+                f"<b>{safe_label(method)}</b>{'' if p.k is None else f', K={p.k}'}<br>{p.tokens_computed} of {result.context_tokens} "
+                f"tokens computed ({100 * p.fraction:.1f}%)<br>margin {p.margin:+.3f} → {safe_label(p.label)}<br>"
+                f"recovery {'n/a' if p.recovery is None else f'{p.recovery:.2f}'}" for p in points
+            ],
+            hoverinfo="text",
+        )
+    for level, name in ((0.0, "stale"), (1.0, "oracle")):
+        figure.add_hline(y=level, line={"color": GREY, "dash": "dash"}, annotation_text=name, annotation_position="right")
+    gap = result.gap
+    figure.add_annotation(text=f"<i>{_PAPER_FRONTIER}</i>", xref="paper", yref="paper", x=0, y=-0.5, showarrow=False,
+                          xanchor="left", font={"size": 10, "color": "#555"})
+    figure.update_layout(
+        title=(f"Cost–quality frontier of this edit<br><sup>{safe_label(result.notes.headline())}<br>stale {gap.stale:+.2f} → oracle "
+               f"{gap.oracle:+.2f} ({safe_label(gap.oracle_label)}); filled markers reach the oracle's decision</sup>"),
+        xaxis={"title": "context tokens computed (%, log scale)", "type": "log", "ticksuffix": "%"},
+        yaxis={"title": "decision recovery (0 = stale, 1 = oracle)"},
+        height=540,
+        margin={"l": 60, "r": 50, "t": 100, "b": 140},
+        legend={"orientation": "h", "y": -0.22},
     )
     return figure

@@ -16,7 +16,7 @@ from engine.attribution import AttributionResult
 from engine.linear_probe import GROUPS, LinearProbeResult
 from engine.probes import Gap, HeadsResult, KnockoutResult, RandomControl, SuffixResult
 from viz.common import GREY, PALETTE, safe_label, safe_lines
-from viz.notes import attention_figure, notes_map_figure
+from viz.notes import attention_figure, frontier_figure, notes_map_figure
 
 
 def _scale(gap: Gap) -> tuple[Callable[[float], float], str]:
@@ -209,5 +209,6 @@ def probe_figure(name: str, result) -> go.Figure:
     builders = {
         "suffix": suffix_figure, "knockout": dose_response_figure, "heads": heads_figure, "linear": linear_probe_figure,
         "attribution": attribution_figure, "notes_map": notes_map_figure, "attention": lambda r: attention_figure(r.oracle),
+        "frontier": frontier_figure,
     }
     return builders[name](result) if name in builders else readings_figure(name, result.as_dict())

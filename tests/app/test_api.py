@@ -75,5 +75,5 @@ def test_export_after_an_edit_returns_json_and_html(app_url):
     client = Client(app_url, verbose=False)
     result = client.predict(SCENARIO, "order_status", "pending", STRATEGY_SET, 4, -1, api_name="/edit")
     assert result[5]["new"] == "pending"
-    files = client.predict(result[5], None, None, None, None, api_name="/export_notes")
+    files = client.predict(result[5], None, None, None, None, None, api_name="/export_notes")
     assert sorted(Path(f).suffix for f in files) == [".html", ".json"]

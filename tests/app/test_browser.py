@@ -68,6 +68,39 @@ def test_edit_a_field_updates_strategy_cards(page):
     _shot(page, "notes-export")
 
 
+def _plot_data(page, element_id: str) -> list[dict]:
+    """The traces plotly drew in a gr.Plot, as plotly decoded them (x, y and z as plain lists)."""
+    page.locator(f"#{element_id} .js-plotly-plot").wait_for(timeout=60_000)
+    return page.evaluate(
+        """id => Array.from(document.querySelector(`#${id} .js-plotly-plot`)._fullData, t => ({
+               name: t.name || null, type: t.type, x: Array.from(t.x || []), y: Array.from(t.y || []),
+               z: Array.from(t.z || [], row => Array.from(row)) }))""",
+        element_id,
+    )
+
+
+def test_default_notes_scenario_shows_notes_headline_frontier_and_map(page):
+    page.get_by_role("tab", name="Notes").click()
+    assert "PRESCRIPTION" in page.locator("#scenario-editor").inner_text()  # the default: the strongest notes demo
+    page.locator("#run-edit").click()
+    headline = page.locator("#notes-headline")
+    headline.wait_for(timeout=60_000)
+    assert headline.inner_text().startswith("Notes ")
+    assert page.locator("#notes-text .kv-tok").count() > 50
+    frontier = [trace for trace in _plot_data(page, "frontier-plot") if trace["type"] == "scatter" and trace["name"]]
+    names = {trace["name"] for trace in frontier}
+    assert {"field_only", "erratum", "field_topk (causal)", "field_topk (deviation)"} <= names
+    assert all(len(trace["x"]) == len(trace["y"]) > 0 for trace in frontier)
+    (heatmap, *_) = _plot_data(page, "notes-plot")
+    narrow = len(heatmap["z"][0])
+    assert len(heatmap["z"]) > 1 and narrow > 1 and any(value != 0 for row in heatmap["z"] for value in row)
+    _shot(page, "notes-default")
+    page.locator("#notes-all-positions input").check()
+    page.wait_for_function(
+        "n => document.querySelector('#notes-plot .js-plotly-plot')._fullData[0].z[0].length > n", arg=narrow, timeout=30_000)
+    _shot(page, "notes-all-positions")
+
+
 def test_malformed_scenario_shows_its_error(page):
     page.get_by_role("tab", name="Notes").click()
     _set_editor(page, "name = [broken")

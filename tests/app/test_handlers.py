@@ -1,4 +1,5 @@
 """Handlers without a browser: results match the engine, bad input gives AppError, sessions stay apart."""
+import html
 import json
 from pathlib import Path
 
@@ -108,3 +109,52 @@ def test_sessions_are_isolated_and_budgeted():
 def test_bad_model_spec_is_reported(registry):
     with pytest.raises(AppError, match="no-such-alias"):
         handlers.load_model_card(registry, "no-such-alias")
+
+
+def test_edit_headline_states_the_notes_share_from_field_only(registry, sessions):
+    view = handlers.run_edit(registry, sessions, "h", None, SCENARIO, "order_status", "pending", ["erratum"])
+    notes = view.summary["notes"]
+    field_only = EditExperiment(registry.get(), Scenario.from_toml(SCENARIO)).report(["field_only"]).strategies["field_only"]
+    if field_only.recovery.value is None:  # the tiny model barely moves: recovery is undefined, and so is the share
+        assert notes["share"] is None and notes["reason"] == field_only.recovery.reason
+    else:
+        assert notes["share"] == pytest.approx(1 - field_only.recovery.value, abs=1e-4)
+    assert 'id="notes-headline"' in view.cards_html and html.escape(notes["headline"]) in view.cards_html
+
+
+def test_frontier_and_notes_map_views_use_the_sessions_edit(registry, sessions):
+    with pytest.raises(AppError, match="run an edit first"):
+        handlers.run_frontier(sessions, "nobody")
+    handlers.run_edit(registry, sessions, "f", None, SCENARIO, "order_status", "pending", ["field_only"])
+    figure, data = handlers.run_frontier(sessions, "f")
+    methods = {point["method"] for point in data["points"]}
+    assert {"field_only", "erratum", "field_erratum", "hoist", "full_downstream", "field_topk (causal)", "field_topk (deviation)"} <= methods
+    field_only = next(p for p in data["points"] if p["method"] == "field_only")
+    assert field_only["recovery"] == pytest.approx(data["notes"]["field_recovery"], abs=1e-4)
+    assert len(figure.data) == len({p["method"] for p in data["points"]})
+    narrow, wide = (handlers.notes_map_view(sessions, "f", flag).data[0] for flag in (False, True))
+    assert len(wide.z[0]) == len(sessions.get("f", "edit").stale.prompt.context_ids) > len(narrow.z[0])
+
+
+def test_model_card_says_why_this_dtype_and_can_switch_it(registry):
+    card, info = handlers.load_model_card(registry, "")
+    assert "Why this dtype" in card and "Cache self-test" in card and "ok in float32" in card
+    assert info["selftest"]["ok"] and info["selftest"]["checks"]
+    other = type(registry)(registry.default_spec)
+    before = other.get()
+    card, info = handlers.load_model_card(other, "", dtype="bfloat16")
+    assert other.get() is not before and other.get().dtype_reason == "bfloat16 as requested"
+    assert info["selftest"]["dtype"] == "bfloat16" and "ok in bfloat16" in card
+    assert other.get(dtype="bfloat16") is other.get(), "the same dtype keeps the loaded model"
+
+
+def test_learn_steps_describe_what_the_model_did_beside_the_paper(registry):
+    text, _ = handlers.learn_step(registry, 1, None)
+    experiment = EditExperiment(registry.get(), Scenario.load(handlers.bundled_scenarios()[handlers.NOTES_SCENARIO]))
+    report = experiment.report(["field_only", "full_downstream"], fused=True)
+    field = report.notes.field_recovery
+    assert ("Recovery is undefined" if field is None else f"recovers only {field:.2f}" if not report.notes.field_alone_flips
+            else f"recovers {field:.2f}") in text
+    assert "Paper:" in text and "−0.028 Llama-3.1-8B" in text
+    text, _ = handlers.learn_step(registry, 2, None)
+    assert "erratum alone recovers" in text and "Paper:" in text

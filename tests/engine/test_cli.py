@@ -2,9 +2,12 @@
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+
+from tests.shared import SAME_LENGTH_SCENARIO
 
 ROOT = Path(__file__).resolve().parents[2]
 REFUND = str(ROOT / "demos" / "scenarios" / "refund_gate.toml")
@@ -76,3 +79,13 @@ def test_probe_compose_and_agent_shapes():
 def test_bad_input_gives_error_json(args, message):
     code, result = run_cli(*args)
     assert code == 2 and message in result["error"]
+
+
+def test_edit_json_reports_the_notes_share_and_probe_frontier_runs():
+    path = Path(tempfile.mkdtemp()) / "same.toml"
+    path.write_text(SAME_LENGTH_SCENARIO)
+    code, edit = run_cli("edit", "--model", "tiny-qwen2", "--scenario", str(path), "--strategies", "erratum", "--fused")
+    assert code == 0 and {"share", "field_recovery", "downstream_recovery", "headline"} <= set(edit["notes"])
+    code, frontier = run_cli("probe", "frontier", "--model", "tiny-qwen2", "--scenario", str(path))
+    assert code == 0 and frontier["probe"] == "frontier" and frontier["context_tokens"] > 0
+    assert {"field_topk (causal)", "field_topk (deviation)", "field_erratum"} <= {p["method"] for p in frontier["points"]}

@@ -21,6 +21,14 @@ def test_selftest_is_ok_in_fp32(qwen):
     assert report.splice_full_seam_max_logit_err <= 1e-3
 
 
+def test_selftest_is_ok_in_bf16_against_its_own_noise_floor():
+    report = run_selftest(load_model("embedded", dtype="bfloat16"))
+    assert report.ok, report.summary()
+    assert report.dtype == "bfloat16" and report.rope_supported
+    assert 0.0078125 <= report.kv_noise_floor < 0.05 and 0.0078125 <= report.logit_noise_floor < 0.05
+    assert report.reposition_vs_prefill_max_err < 0.05
+
+
 def test_bundled_demos_do_what_their_expectations_say(qwen):
     results = calibrate(qwen, list(bundled_scenarios().values()))
     judged = [r for r in results if r.expected_flip is not None]
@@ -28,3 +36,9 @@ def test_bundled_demos_do_what_their_expectations_say(qwen):
     failures = [f"{r.scenario}: Δ{r.delta_margin:+.2f} {r.old_label}→{r.new_label}" for r in judged if not r.ok]
     assert not failures, failures
     assert sum(r.flips for r in judged) >= 8
+    notes_demos = [r for r in results if r.notes_demo]
+    assert len(notes_demos) >= 4, [(r.scenario, r.field_only_recovery) for r in results if r.flips]
+    for r in notes_demos:  # the paper's phenomenon: a clean prefill flips, the field-only edit does not
+        assert r.field_only_recovery <= 0.4 and r.field_only_label == r.old_label != r.new_label and abs(r.delta_margin) >= 1.0
+    controls = [r for r in judged if not r.expected_flip]
+    assert controls and not any(r.flips for r in controls)

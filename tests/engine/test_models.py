@@ -341,7 +341,32 @@ def test_cpu_dtype_auto_keeps_float32_when_bfloat16_is_not_faster(
 
     monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(private_cache / "third"))
     fake_timings((3.0, torch.ones(4)), (1.0, torch.ones(4)))  # fast and faithful
-    assert load_model(str(llama_dir)).dtype is torch.bfloat16
+    chosen = load_model(str(llama_dir))
+    assert chosen.dtype is torch.bfloat16
+    assert chosen.dtype_reason.startswith("auto: bfloat16") and "3.00×" in chosen.dtype_reason and "self-test ok" in chosen.dtype_reason
+    assert chosen.info()["dtype_reason"] == chosen.dtype_reason
+
+
+def test_cpu_dtype_auto_keeps_float32_when_the_bfloat16_selftest_fails(
+    llama_dir: Path, private_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import engine.selftest
+
+    monkeypatch.setattr(models, "resolve_device", lambda device: torch.device("cpu"))
+    monkeypatch.setattr(models, "_time_prefills", lambda *models_and_ids: ((3.0, torch.ones(4)), (1.0, torch.ones(4))))
+    tested: list[torch.dtype] = []
+
+    def failing_selftest(lm: LoadedModel) -> types.SimpleNamespace:
+        tested.append(lm.dtype)
+        return types.SimpleNamespace(ok=False)
+
+    monkeypatch.setattr(engine.selftest, "run_selftest", failing_selftest)
+    chosen = load_model(str(llama_dir))
+    assert tested == [torch.bfloat16]
+    assert chosen.dtype is torch.float32 and "failed the cache self-test" in chosen.dtype_reason
+    entry, = json.loads((private_cache / "dtype-choices.json").read_text()).values()
+    assert entry["selftest_ok"] is False and entry["dtype"] == "float32"
+    assert load_model(str(llama_dir)).dtype_reason == chosen.dtype_reason, "the reason is cached with the choice"
 
 
 def test_tiny_specs_are_delegated(monkeypatch: pytest.MonkeyPatch, llama_dir: Path) -> None:

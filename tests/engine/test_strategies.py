@@ -155,3 +155,48 @@ def test_cached_gradients_make_attribution_free_and_are_checked(lm, scenario):
     longer = experiment.stale.notebook.append([5, 6])
     with pytest.raises(NotebookError, match="computed for another notebook"):
         attribution_effects(longer, longer, experiment.prompt, candidates, gradients=experiment.stale.gradients)
+
+
+def test_notes_share_is_one_minus_field_only_and_the_downstream_patch_is_exact(lm, scenario):
+    experiment = EditExperiment(lm, scenario, settings=EditSettings(min_gap=0.01))
+    report = experiment.report(["erratum"], fused=True, downstream_patch=True)
+    field_only = EditExperiment(lm, scenario, settings=EditSettings(min_gap=0.01)).run("field_only")
+    notes = report.notes
+    assert notes.field_recovery == pytest.approx(field_only.recovery.value, abs=1e-4)
+    assert notes.share == pytest.approx(1 - field_only.recovery.value, abs=1e-4)
+    assert notes.field_only_label == field_only.decision.label
+    # independent: a clean prefill with the new value, its downstream K/V copied into a clean stale prefill
+    new_prompt = experiment.oracle.prompt
+    clean_new, clean_old = Notebook.from_prompt(lm, new_prompt), Notebook.from_prompt(lm, experiment.stale.prompt)
+    patched = clean_old.patch(clean_new, experiment.downstream_positions).read_prompt(new_prompt)
+    stale, oracle = report.stale.decision.margin, report.oracle.decision.margin
+    assert notes.downstream_recovery == pytest.approx((patched.margin - stale) / (oracle - stale), abs=1e-3)
+    data = report.as_dict()["notes"]
+    assert data["share"] == pytest.approx(notes.share, abs=1e-4) and data["headline"].startswith("Notes carry")
+
+
+def test_notes_share_is_undefined_for_a_length_change(lm):
+    from engine.scenario import bundled_scenarios
+
+    experiment = EditExperiment(lm, Scenario.load(bundled_scenarios()["refund_gate"]))
+    notes = experiment.report(["erratum"], fused=True, downstream_patch=True).notes
+    assert notes.share is None and notes.downstream_recovery is None and "not applicable" in notes.reason
+    assert notes.headline().startswith("Notes share undefined")
+
+
+def test_frontier_points_equal_each_strategy_read_on_its_own(lm, scenario):
+    from engine.frontier import probe_frontier
+
+    settings = EditSettings(min_gap=0.01)
+    result = probe_frontier(EditExperiment(lm, scenario, settings=settings), ks=[1, 3])
+    context = result.context_tokens
+    assert context == len(EditExperiment(lm, scenario).prompt.context_ids)
+    for point in result.points:
+        name = "field_topk" if point.k is not None else point.method
+        ranking = "deviation" if "deviation" in point.method else "causal"
+        alone = EditExperiment(lm, scenario, settings=EditSettings(min_gap=0.01, top_k=point.k or 1, ranking=ranking)).run(name)
+        assert point.margin == pytest.approx(alone.decision.margin, abs=1e-4), point.method
+        assert point.tokens_computed == alone.tokens_recomputed and point.fraction == pytest.approx(point.tokens_computed / context)
+    assert [p.k for p in result.points if p.method == "field_topk (causal)"] == [1, 3]
+    cheapest = result.cheapest_correct()
+    assert cheapest.correct and all(p.tokens_computed >= cheapest.tokens_computed for p in result.points if p.correct)

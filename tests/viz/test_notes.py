@@ -1,12 +1,16 @@
-"""Token strip, attention and notes-map figures: data equal the inputs, big maps pooled, labels safe."""
+"""Context text, attention, notes-map and frontier figures: data equal the inputs, big maps pooled, labels safe."""
+import html
 import json
+import re
 
 import numpy as np
 import pytest
 
+from engine.frontier import probe_frontier
+from engine.patching import attribution_effects
 from engine.probes import probe_attention, probe_notes_map
-from viz.common import MAX_COLUMNS
-from viz.notes import attention_figure, notes_map_figure, token_strip_figure
+from viz.common import MAX_COLUMNS, robust_limit
+from viz.notes import attention_figure, effect_map_figure, frontier_figure, notes_map_figure, token_text_html
 
 
 @pytest.fixture(scope="module")
@@ -19,33 +23,48 @@ def attention(experiment):
     return probe_attention(experiment)
 
 
-def test_token_strip_wraps_rows_and_keeps_values(notes_map):
-    values = notes_map.per_position()
-    figure = token_strip_figure(notes_map.token_texts, values, notes_map.segments, "Notes per position", value_name="Δ margin")
-    (heatmap,) = figure.data
-    z = np.asarray(heatmap.z)
-    rows = -(-len(values) // 24)
-    assert z.shape == (rows, 24)
-    assert np.allclose(z.flatten()[: len(values)], values, atol=1e-6) and np.isnan(z.flatten()[len(values):]).all()
-    assert np.asarray(heatmap.text).flatten()[0] == "·REQ"
-    assert "field:request_id" in np.asarray(heatmap.hovertext).flatten()[0]
-    json.loads(figure.to_json())
+def test_token_text_keeps_every_token_value_and_line(notes_map):
+    values = list(notes_map.per_position())
+    page = token_text_html(notes_map.token_texts, values, notes_map.segments, value_name="Δ margin")
+    spans = re.findall(r'<span class="kv-tok( kv-field)?" title="([^"]*)" data-value="([^"]*)"', page)
+    assert len(spans) == len(values)
+    assert [float(value) for *_, value in spans] == pytest.approx(values, rel=1e-3, abs=1e-6)
+    field = [i for i, segment in enumerate(notes_map.segments) if segment.startswith("field:")]
+    assert [i for i, (outlined, *_) in enumerate(spans) if outlined] == field
+    assert "field:request_id" in spans[field[0]][1]
+    assert html.unescape(re.sub(r"<[^>]+>", "", page.split('class="kv-body">', 1)[1])) == "".join(notes_map.token_texts)
+    assert f'data-tokens="{len(values)}"' in page
 
 
-def test_token_strip_diverges_at_zero_only_with_both_signs():
-    mixed = token_strip_figure(["a", "b"], [-1.0, 1.0], ["x", "x"]).data[0]
-    positive = token_strip_figure(["a", "b"], [0.1, 1.0], ["x", "x"]).data[0]
-    assert mixed.zmid == 0 and positive.zmid is None
-    assert mixed.colorscale != positive.colorscale
+def test_token_text_colours_on_a_robust_symmetric_scale():
+    values = [0.0, 0.1, -0.1, 0.05] * 25 + [50.0]  # one outlier must not wash the rest out
+    page = token_text_html([f"t{i}" for i in range(len(values))], values, ["s"] * len(values))
+    limit = float(re.search(r'data-limit="([^"]+)"', page).group(1))
+    assert limit == pytest.approx(robust_limit(np.asarray(values)), rel=1e-3) and limit < 1.0
+    alphas = [float(a) for a in re.findall(r"rgba\((?:214,39,40|31,119,180),([0-9.]+)\)", page.split('class="kv-body">', 1)[1])]
+    assert alphas[1] == pytest.approx(0.85 * 0.1 / limit, abs=2e-3) and alphas[-1] == pytest.approx(0.85)
+    assert "rgba(31,119,180" in page and "rgba(214,39,40" in page
 
 
-def test_token_strip_escapes_control_characters_and_checks_lengths():
-    figure = token_strip_figure(["\x1b[0m", "<i>", "\n"], [0.0, 1.0, 2.0], ["seg\x00", "s", "s"])
-    cells = list(np.asarray(figure.data[0].text).flatten()[:3])
-    assert cells == ["�[0m", "&lt;i&gt;", "⏎"]
-    assert "\x00" not in figure.to_json() and "\\u0000" not in figure.to_json()
+def test_token_text_escapes_markup_and_checks_lengths():
+    page = token_text_html(["<script>x</script>", "&amp;", "\n"], [0.0, 1.0, 2.0], ['seg"><b>', "s", "s"])
+    assert "<script>" not in page and "&lt;script&gt;" in page and "&amp;amp;" in page
+    assert '"><b>' not in page
     with pytest.raises(ValueError, match="must match"):
-        token_strip_figure(["a"], [1.0, 2.0], ["s"])
+        token_text_html(["a"], [1.0, 2.0], ["s"])
+
+
+def test_effect_map_defaults_to_field_and_downstream_and_can_show_every_position(experiment):
+    texts, segments = experiment.stale.notebook.token_texts(), experiment.stale.notebook.visible_segments()
+    effects = attribution_effects(experiment.stale.notebook, experiment.oracle.notebook, experiment.prompt,
+                                  experiment.field_positions + experiment.downstream_positions)
+    narrow, wide = (effect_map_figure(effects, texts, segments, all_positions=flag).data[0] for flag in (False, True))
+    assert np.asarray(narrow.z).shape == (effects.effects.shape[0], len(effects.positions))
+    assert np.asarray(wide.z).shape == (effects.effects.shape[0], len(texts))
+    first = effects.positions[0]
+    assert np.allclose(np.asarray(wide.z)[:, :first], 0) and np.allclose(np.asarray(wide.z)[:, first:], narrow.z)
+    limit = robust_limit(np.asarray(narrow.z))
+    assert narrow.zmin == pytest.approx(-limit) and narrow.zmax == pytest.approx(limit) and limit > 0
 
 
 def test_attention_map_from_the_probe_is_layers_by_tokens(attention):
@@ -88,9 +107,22 @@ def test_notes_map_z_equals_the_effects_with_checks_marked(notes_map):
     assert heatmap.type == "heatmap" and marks.type == "scatter"
     effects = np.asarray(notes_map.effects, dtype=np.float32)
     assert np.asarray(heatmap.z).shape == effects.shape
-    assert np.allclose(heatmap.z, effects) and heatmap.zmid == 0 and heatmap.colorscale is not None
+    assert np.allclose(heatmap.z, effects) and heatmap.zmin == -heatmap.zmax and heatmap.colorscale is not None
     assert list(marks.y) == [check.layer for check in notes_map.entry_checks]
     columns = list(heatmap.x)
     assert [columns.index(x) for x in marks.x] == [notes_map.positions.index(c.position) for c in notes_map.entry_checks]
     assert all("exact Δ" in text for text in marks.hovertext)
+    json.loads(figure.to_json())
+
+
+def test_frontier_figure_draws_every_point_with_its_recovery(experiment):
+    result = probe_frontier(experiment)
+    figure = frontier_figure(result)
+    assert [trace.name for trace in figure.data] == result.methods()
+    for trace in figure.data:
+        points = [p for p in result.points if p.method == trace.name]
+        assert list(trace.x) == pytest.approx([100 * p.fraction for p in points])
+        assert list(trace.y) == pytest.approx([p.recovery for p in points])
+        assert list(trace.marker.symbol) == ["circle" if p.correct else "circle-open" for p in points]
+    assert figure.layout.xaxis.type == "log" and "Notes" in figure.layout.title.text
     json.loads(figure.to_json())
