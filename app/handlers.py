@@ -18,20 +18,17 @@ import plotly.graph_objects as go
 
 from app.state import ModelRegistry, SessionStore
 from engine.agent import run_agent
-from engine.attribution import AttributionError
-from engine.compose import Fidelity, adhoc_scenario, compare, replace_context, skill_of_length
+from engine.analysis import DEFAULT_STRATEGIES, analyse_edit
+from engine.compose import Fidelity, compare, compose_scenario, skill_of_length
+from engine.errors import KVScopeError
+from engine.experiment import EditExperiment
 from engine.frontier import probe_frontier
 from engine.keystone import keystone
-from engine.models import LoadedModel, ModelLoadError, available_offline
-from engine.notebook import Knockout, NotebookError
-from engine.patching import attribution_effects
-from engine.probes import PROBES, ProbeError
+from engine.models import LoadedModel, available_offline
 from engine.registry import ALL_PROBES
-from engine.rope import RopeUnsupported
-from engine.scenario import Scenario, ScenarioError, Skill, bundled_scenarios, bundled_skills
+from engine.scenario import Scenario, Skill, bundled_scenarios, bundled_skills
 from engine.selftest import SelfTestReport
-from engine.skills import SkillFileError
-from engine.strategies import STRATEGIES, EditExperiment, EditSettings
+from engine.strategies import EditSettings
 from viz import benchmarks as benchmark_figures
 from viz import compose as compose_figures
 from viz import learn
@@ -42,8 +39,6 @@ from viz.decision import decision_figure
 from viz.probes import probe_figure
 from viz.strategies import strategy_figure
 
-ENGINE_ERRORS = (ScenarioError, NotebookError, ProbeError, RopeUnsupported, ModelLoadError, SkillFileError, AttributionError)
-DEFAULT_STRATEGIES = ("field_only", "erratum", "field_erratum", "full_downstream")
 SAME_LENGTH_NOTE = "The notes map patches position by position: it needs old and new values of the same token length"
 RESULTS_DIR = Path(__file__).parents[1] / "benchmarks" / "results"
 # The bundled demo where the embedded model's notes carry the most of the decision (lowest field-only recovery
@@ -63,7 +58,7 @@ def guarded(function):
     def wrapper(*args, **kwargs):
         try:
             return function(*args, **kwargs)
-        except ENGINE_ERRORS as error:
+        except KVScopeError as error:
             raise AppError(str(error)) from error
 
     wrapper.__name__, wrapper.__doc__ = function.__name__, function.__doc__
@@ -185,26 +180,18 @@ def run_edit(
 ) -> NotesView:
     """Change a field, run the chosen strategies (read together in one forward unless ``separately``, which
     times each on its own), and build every Notes panel."""
-    unknown = [name for name in strategies if name not in STRATEGIES]
-    if unknown:
-        raise AppError(f"unknown strategy {unknown[0]!r}")
-    experiment = _experiment(registry, spec, text, field, new, top_k)
-    report = experiment.report(list(strategies) or list(DEFAULT_STRATEGIES), progress=progress, fused=not separately)
-    attention = PROBES["attention"](experiment)
-    texts, segments = experiment.stale.notebook.token_texts(), experiment.stale.notebook.visible_segments()
-    candidates = experiment.field_positions + experiment.downstream_positions
-    same_length = len(experiment.stale.prompt.context_ids) == len(experiment.oracle.prompt.context_ids)
-    effects = attribution_effects(experiment.stale.notebook, experiment.oracle.notebook, experiment.prompt, candidates,
-                                  gradients=experiment.stale.gradients) if same_length else None
-    sessions.put(session, "edit", experiment, experiment.stale.notebook.memory_bytes() * 2)
+    analysis = analyse_edit(_experiment(registry, spec, text, field, new, top_k), strategies, fused=not separately, progress=progress)
+    experiment, notebook, effects = analysis.experiment, analysis.experiment.stale.notebook, analysis.effects
+    sessions.put(session, "edit", experiment, notebook.memory_bytes() * 2)
     sessions.put(session, "effects", effects)
     return NotesView(
-        cards_html=strategy_cards_html(report),
-        strategy_figure=strategy_figure(report),
-        text_html=notes_figures.effect_text_html(effects, texts, segments) if effects else f"<p>{html.escape(SAME_LENGTH_NOTE)}</p>",
-        attention_figure=notes_figures.attention_figure(attention.oracle, head=head),
+        cards_html=strategy_cards_html(analysis.report),
+        strategy_figure=strategy_figure(analysis.report),
+        text_html=notes_figures.effect_text_html(effects, notebook.token_texts(), notebook.visible_segments()) if effects
+        else f"<p>{html.escape(SAME_LENGTH_NOTE)}</p>",
+        attention_figure=notes_figures.attention_figure(analysis.attention.oracle, head=head),
         notes_figure=_notes_map(experiment, effects, all_positions),
-        summary=report.as_dict() | {"same_length": same_length},
+        summary=analysis.as_dict(),
     )
 
 
@@ -246,12 +233,11 @@ def run_knockout(sessions: SessionStore, session: str, positions_text: str, top_
         except ValueError as error:
             raise AppError(f"positions must be integers separated by commas or spaces, got {positions_text!r}") from error
     elif effects is not None:
-        direction = experiment.oracle.decision.margin - experiment.stale.decision.margin
-        positions = effects.top_positions(int(top_k), direction)
+        positions = experiment.top_notes(effects, int(top_k))
     else:
         raise AppError("give positions to knock out (the top-K ranking needs same-length values)")
     oracle = experiment.oracle
-    knocked = oracle.notebook.read_prompt(oracle.prompt, knockout=Knockout(tuple(positions)), answer_texts=experiment.scenario.answers)
+    knocked = experiment.knocked_out(positions)
     texts = oracle.notebook.token_texts()
     shown = ", ".join(f"{p}:{texts[p]!r}" for p in positions[:12] if p < len(texts))
     verdict = (
@@ -279,20 +265,12 @@ def skill_library() -> dict[str, str]:
     return {skill_id: Skill.load(path).title for skill_id, path in bundled_skills().items()}
 
 
-def _literal(text: str | None) -> str:
-    """User text placed in a scenario context: braces escaped so they stay literal."""
-    return (text or "").replace("{", "{{").replace("}", "}}").strip()
-
-
+@guarded
 def composed_scenario(skill_ids: Sequence[str], before: str, between: str, after_scenario: str | None) -> Scenario:
-    """The composer's context: text before, the skills (text between them), then a scenario or a generic question."""
-    if not skill_ids:
-        raise AppError("drag at least one skill into the context")
-    joiner = f"\n\n{_literal(between)}\n\n" if _literal(between) else "\n\n"
-    placed = joiner.join(f"{{skill:{skill_id}}}" for skill_id in skill_ids)
-    base = parse_scenario(bundled_scenario_text(after_scenario)) if after_scenario else adhoc_scenario(list(skill_ids))
-    tail = base.context if after_scenario else ""
-    return replace_context(base, "\n\n".join(part for part in (_literal(before), placed, tail) if part), skill_ids)
+    """The composer's context: literal text before, the skills (literal text between them), then a bundled
+    scenario or a generic question."""
+    base = parse_scenario(bundled_scenario_text(after_scenario)) if after_scenario else None
+    return compose_scenario(skill_ids, before, between, base)
 
 
 @dataclass
@@ -334,11 +312,7 @@ def run_keystone(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[
     """Edit the field inside a spliced skill: composed vs recomputed per strategy."""
     lm = registry.get(spec)
     scenario = composed_scenario(skill_ids, before, between, after_scenario)
-    owners = [s for s in scenario.skills.values() if s.fields]
-    if not owners:
-        raise AppError("the keystone needs a skill with a mutable field in the context (e.g. Account gate)")
-    field = next(iter(owners[0].fields))
-    report = keystone(lm, scenario, registry.skills(spec), field_name=field, seam=int(seam), progress=progress)
+    report = keystone(lm, scenario, registry.skills(spec), seam=int(seam), progress=progress)
     return compose_figures.keystone_figure(report), report.as_dict()
 
 

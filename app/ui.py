@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import functools
 import html
+from dataclasses import dataclass
 
 import gradio as gr
 import plotly.io
@@ -54,292 +55,332 @@ def _ui_errors(function):
     return wrapper
 
 
-def build_app(registry: ModelRegistry, sessions: SessionStore | None = None) -> gr.Blocks:
-    """The whole explorer over a model registry (the default model should already be loaded)."""
-    sessions = sessions or SessionStore()
+@dataclass
+class Page:
+    """What every tab shares: the server-side state and the per-browser state (a session id, the model spec)."""
+
+    registry: ModelRegistry
+    sessions: SessionStore
+    session: gr.State
+    spec: gr.State
+
+    def session_id(self, session: str | None) -> str:
+        """The browser's session id, minted on its first action."""
+        return session or self.sessions.new_id()
+
+
+@dataclass
+class NotesInputs:
+    """The Notes tab's scenario, field and new value: the Probes tab runs on them too."""
+
+    editor: gr.Code
+    field: gr.Dropdown
+    new_value: gr.Dropdown
+    baseline: gr.Markdown
+
+
+def _model_bound(**options) -> dict:
+    """Event options of a handler that uses the shared model: one queue slot for all of them."""
+    return {"concurrency_id": MODEL_GROUP, "concurrency_limit": MODEL_LIMIT, **options}
+
+
+def _exporter(stem: str, views: int = 0):
+    """Export a result with its plots; the last ``views`` inputs are HTML views, not plots."""
+
+    def export(result, *plots_and_views):
+        plots, views_html = plots_and_views[: len(plots_and_views) - views], plots_and_views[len(plots_and_views) - views :]
+        figures = [plotly.io.from_json(plot.plot) for plot in plots if plot is not None and plot.type == "plotly"]
+        return handlers.export_files(result, figures, stem, [view for view in views_html if view])
+
+    return _ui_errors(export)
+
+
+def _model_tab(page: Page):
+    """Model: load a model in a dtype; the card and the self-test. Returns the load event (the baseline follows it)."""
+    with gr.Tab("Model", id="model"):
+        with gr.Row():
+            model_input = gr.Dropdown(
+                choices=handlers.offline_models(), value=page.registry.default_spec, allow_custom_value=True,
+                label="Model (alias, Hugging Face id or local directory)", elem_id="model-spec", scale=3,
+            )
+            model_dtype = gr.Radio(["auto", "float32", "bfloat16"], value=None, label="dtype (empty = as loaded)",
+                                   elem_id="model-dtype", scale=2)
+            load_button = gr.Button("Load", variant="primary", elem_id="load-model", scale=1)
+        model_card = gr.Markdown(elem_id="model-card")
+        model_json = gr.JSON(label="Model info and self-test", elem_id="model-json")
+
+    @_ui_errors
+    def on_load_model(session_value, model_spec, dtype=None, progress=gr.Progress(track_tqdm=True)):
+        card, info = handlers.load_model_card(page.registry, model_spec, progress=lambda message: progress(None, desc=message), dtype=dtype)
+        return card, info, model_spec, page.session_id(session_value)
+
+    outputs = [model_card, model_json, page.spec, page.session]
+    loaded = load_button.click(on_load_model, [page.session, model_input, model_dtype], outputs, api_name="load_model", **_model_bound())
+    return loaded, on_load_model, outputs
+
+
+def _notes_tab(page: Page) -> NotesInputs:
+    """Notes: a scenario, a field edit, the strategy cards, frontier, context text, attention, notes map, knockout."""
     scenario_names = sorted(bundled_scenarios())
     first_text = handlers.bundled_scenario_text(handlers.NOTES_SCENARIO)
     first = handlers.scenario_choices(first_text)
-    library = handlers.skill_library()
-    model_spec_default = registry.default_spec
-    heads = registry.get().model.config.num_attention_heads
+    heads = page.registry.get().model.config.num_attention_heads
+    with gr.Tab("Notes", id="notes"):
+        with gr.Row():
+            with gr.Column(scale=2):
+                scenario_pick = gr.Dropdown(scenario_names, value=handlers.NOTES_SCENARIO, label="Bundled scenario", elem_id="scenario")
+                upload = gr.File(label="…or upload a scenario TOML", file_types=[".toml"], type="filepath", elem_id="scenario-upload")
+                editor = gr.Code(first_text, language=None, label="Scenario (TOML, editable)", elem_id="scenario-editor", lines=14)
+            with gr.Column(scale=1):
+                description = gr.Markdown(first.description, elem_id="scenario-description")
+                field = gr.Dropdown(first.fields, value=first.fields[0], label="Field", allow_custom_value=True, elem_id="field")
+                new_value = gr.Dropdown(first.values, value=first.new, label="New value", allow_custom_value=True, elem_id="new-value")
+                strategies = gr.CheckboxGroup(
+                    [s for s in STRATEGIES if s not in ("stale", "oracle")], value=list(handlers.DEFAULT_STRATEGIES),
+                    label="Strategies", elem_id="strategies",
+                )
+                top_k = gr.Slider(1, 64, value=8, step=1, label="K (field_topk, knockout)", elem_id="top-k")
+                separately = gr.Checkbox(False, label="Time each strategy on its own (slower; default reads all in one forward)",
+                                         elem_id="separately")
+                edit_button = gr.Button("Edit the field", variant="primary", elem_id="run-edit")
+                baseline = gr.Markdown(elem_id="baseline")
+        cards = gr.HTML(elem_id="strategy-cards")
+        with gr.Row():
+            strategy_plot = gr.Plot(label="Margins by strategy", elem_id="strategy-plot")
+            frontier_plot = gr.Plot(label="Cost–quality frontier (runs after the edit)", elem_id="frontier-plot")
+        notes_text = gr.HTML(label="Context coloured by notes effect", elem_id="notes-text")
+        with gr.Row():
+            head = gr.Slider(-1, heads - 1, value=-1, step=1, label="Attention head (-1 = mean over heads)", elem_id="head")
+            all_positions = gr.Checkbox(False, label="Notes map: show every context position (default: the field and after)",
+                                        elem_id="notes-all-positions")
+        with gr.Row():
+            attention_plot = gr.Plot(label="Attention from the decision token", elem_id="attention-plot")
+            notes_plot = gr.Plot(label="Notes map (layer × position)", elem_id="notes-plot")
+        with gr.Accordion("Knockout: hide tokens from the decision", open=False):
+            with gr.Row():
+                knockout_positions = gr.Textbox(label="Positions (e.g. 40, 41, 57); empty = top-K notes", elem_id="knockout-positions")
+                knockout_button = gr.Button("Knock out and re-read", elem_id="run-knockout")
+            knockout_text = gr.Markdown(elem_id="knockout-result")
+            knockout_plot = gr.Plot(label="Decision after knockout")
+        edit_json = gr.JSON(label="Result", elem_id="edit-json")
+        frontier_json = gr.JSON(label="Frontier", elem_id="frontier-json", visible=False)
+        with gr.Row():
+            notes_export = gr.Button("Export JSON + figures", elem_id="export-notes")
+            notes_files = gr.File(label="Exported files", file_count="multiple", elem_id="notes-files")
 
-    def session_id(session: str | None) -> str:
-        return session or sessions.new_id()
+    @_ui_errors
+    def on_scenario(name):
+        text = handlers.bundled_scenario_text(name)
+        return text, *_choices(text)
 
-    with gr.Blocks(title="KVScope") as page:
-        session = gr.State(None)
-        spec = gr.State(model_spec_default)
+    @_ui_errors
+    def on_upload(path):
+        if not path:
+            raise AppError("no file uploaded")
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            text = handle.read()
+        return text, *_choices(text)
+
+    def _choices(text, chosen_field=None):
+        try:
+            view = handlers.scenario_choices(text, chosen_field)
+        except AppError as error:
+            return f"⚠️ {error}", gr.update(), gr.update()
+        return (view.description, gr.update(choices=view.fields, value=chosen_field if chosen_field in view.fields else view.fields[0]),
+                gr.update(choices=view.values, value=view.new))
+
+    inputs = NotesInputs(editor, field, new_value, baseline)
+    for event in (scenario_pick.change(on_scenario, scenario_pick, [editor, description, field, new_value], api_name="scenario", concurrency_limit=None),
+                  upload.upload(on_upload, upload, [editor, description, field, new_value], api_name="upload_scenario", concurrency_limit=None),
+                  editor.blur(lambda text: _choices(text), editor, [description, field, new_value], api_name=False, concurrency_limit=None)):
+        _then_prepare(page, event, inputs)
+    field.input(lambda text, f: _choices(text, f)[2], [editor, field], new_value, api_name=False, concurrency_limit=None)
+
+    @_ui_errors
+    def on_edit(session_value, model_spec, text, field_name, value, chosen, k, head_index, one_by_one=False, every_position=False,
+                progress=gr.Progress()):
+        sid = page.session_id(session_value)
+        view = handlers.run_edit(page.registry, page.sessions, sid, model_spec, text, field_name, value, chosen or [], int(k),
+                                 None if head_index is None or int(head_index) < 0 else int(head_index), progress=_progress_callback(progress),
+                                 separately=bool(one_by_one), all_positions=bool(every_position))
+        return (view.cards_html, view.strategy_figure, view.text_html, view.attention_figure, view.notes_figure,
+                view.summary, sid)
+
+    @_ui_errors
+    def on_frontier(session_value, progress=gr.Progress()):
+        return handlers.run_frontier(page.sessions, page.session_id(session_value), progress=_progress_callback(progress))
+
+    edit_button.click(
+        on_edit, [page.session, page.spec, editor, field, new_value, strategies, top_k, head, separately, all_positions],
+        [cards, strategy_plot, notes_text, attention_plot, notes_plot, edit_json, page.session], api_name="edit", **_model_bound(),
+    ).success(on_frontier, page.session, [frontier_plot, frontier_json], api_name="frontier", **_model_bound())
+    all_positions.change(lambda session_value, every: handlers.notes_map_view(page.sessions, page.session_id(session_value), every),
+                         [page.session, all_positions], notes_plot, api_name=False, concurrency_limit=None)
+
+    @_ui_errors
+    def on_knockout(session_value, positions, k):
+        sid = page.session_id(session_value)
+        text, figure, data = handlers.run_knockout(page.sessions, sid, positions, int(k))
+        return text, figure, data, sid
+
+    knockout_button.click(on_knockout, [page.session, knockout_positions, top_k], [knockout_text, knockout_plot, edit_json, page.session],
+                          api_name="knockout", **_model_bound())
+    notes_export.click(_exporter("kvscope-notes", views=1), [edit_json, strategy_plot, frontier_plot, attention_plot, notes_plot, notes_text],
+                       notes_files, api_name="export_notes", concurrency_limit=None)
+    return inputs
+
+
+def _prepare_message(page: Page, model_spec: str, text: str) -> str:
+    """Prefill the editor's scenario at its old values; the current decision, or why it cannot be prepared."""
+    try:
+        return handlers.prepare_baseline(page.registry, model_spec, text)
+    except AppError as error:
+        return f"⚠️ {html.escape(str(error))}"
+
+
+def _then_prepare(page: Page, event, notes: NotesInputs) -> None:
+    """After ``event``, prefill the editor's scenario at its old values and state the current decision."""
+    event.then(lambda model_spec, text: _prepare_message(page, model_spec, text), [page.spec, notes.editor], notes.baseline,
+               api_name=False, **_model_bound())
+
+
+def _probes_tab(page: Page, notes: NotesInputs) -> None:
+    """Probes: one probe (from the engine's registry) on the Notes tab's edit, with its figure."""
+    with gr.Tab("Probes", id="probes"):
+        gr.Markdown("Each probe runs on the scenario, field and new value chosen in the **Notes** tab.")
+        with gr.Row():
+            probe_name = gr.Dropdown(
+                [name for name in ALL_PROBES if name != "attention"],  # attention: the Notes tab
+                value="suffix", label="Probe", elem_id="probe-name",
+            )
+            trigger_find = gr.Textbox(label="trigger: rule text to flip", elem_id="trigger-find")
+            trigger_replace = gr.Textbox(label="trigger: replacement (same token count)", elem_id="trigger-replace")
+            attribution_method = gr.Radio(["ablation", "gradient"], value="ablation", label="attribution method")
+            probe_button = gr.Button("Run probe", variant="primary", elem_id="run-probe")
+        probe_plot = gr.Plot(label="Probe", elem_id="probe-plot")
+        probe_json = gr.JSON(label="Probe result", elem_id="probe-json")
+        with gr.Row():
+            probe_export = gr.Button("Export JSON + figure", elem_id="export-probe")
+            probe_files = gr.File(label="Exported files", file_count="multiple", elem_id="probe-files")
+
+    @_ui_errors
+    def on_probe(model_spec, text, field_name, value, name, find, replacement, method, progress=gr.Progress()):
+        options = {"find": find, "replace": replacement} if name == "trigger" else {"method": method} if name == "attribution" else {}
+        return handlers.run_probe(page.registry, model_spec, text, field_name, value, name, options, progress=_progress_callback(progress))
+
+    probe_button.click(on_probe, [page.spec, notes.editor, notes.field, notes.new_value, probe_name, trigger_find, trigger_replace,
+                                  attribution_method], [probe_plot, probe_json], api_name="probe", **_model_bound())
+    probe_export.click(_exporter("kvscope-probe"), [probe_json, probe_plot], probe_files, api_name="export_probe", concurrency_limit=None)
+
+
+def _composer_tab(page: Page) -> None:
+    """Composer: skills dragged into a context, splice vs recompute, the keystone and the agent loop."""
+    scenario_names = sorted(bundled_scenarios())
+    with gr.Tab("Composer", id="composer"):
+        composer = SkillComposer(handlers.skill_library(), value=["account_gate"], elem_id="composer")
+        with gr.Row():
+            before = gr.Textbox(label="Text before the skills", lines=2, elem_id="text-before")
+            between = gr.Textbox(label="Text between skills", lines=2, elem_id="text-between")
+            after = gr.Dropdown([""] + scenario_names, value="", label="Then a scenario (question and answers)", elem_id="after-scenario")
+        with gr.Row():
+            seam = gr.Slider(0, 32, value=1, step=1, label="Seam repair (tokens)", elem_id="seam")
+            blend = gr.Slider(0, 1, value=0, step=0.05, label="CacheBlend-style recompute fraction", elem_id="blend")
+            compose_button = gr.Button("Splice vs recompute", variant="primary", elem_id="run-compose")
+        compose_metrics = gr.Markdown(elem_id="compose-metrics")
+        with gr.Row():
+            logits_plot = gr.Plot(label="Top next tokens: spliced vs recomputed", elem_id="logits-plot")
+            deviation_plot = gr.Plot(label="K/V deviation (layer × token)", elem_id="deviation-plot")
+        with gr.Row():
+            turns = gr.Slider(1, 40, value=10, step=1, label="Agent turns")
+            toggle = gr.Checkbox(value=False, label="Toggle the field every turn (drift stress test)")
+            keystone_button = gr.Button("Keystone: edit the field inside a spliced skill", elem_id="run-keystone")
+            agent_button = gr.Button("Agent loop: errata on a cached context", elem_id="run-agent")
+        loop_plot = gr.Plot(label="Keystone / agent", elem_id="loop-plot")
+        compose_json = gr.JSON(label="Result", elem_id="compose-json")
+        with gr.Row():
+            compose_export = gr.Button("Export JSON + figures", elem_id="export-compose")
+            compose_files = gr.File(label="Exported files", file_count="multiple", elem_id="compose-files")
+
+    composition = [composer, before, between, after]
+
+    @_ui_errors
+    def on_compose(model_spec, skill_ids, text_before, text_between, after_name, seam_tokens, blend_fraction):
+        view = handlers.run_compose(page.registry, model_spec, skill_ids, text_before, text_between, after_name or None, seam_tokens, blend_fraction)
+        return view.metrics_markdown, view.logits_figure, view.deviation_figure, view.summary
+
+    compared = [compose_metrics, logits_plot, deviation_plot, compose_json]
+    compose_button.click(on_compose, [page.spec, *composition, seam, blend], compared, api_name="compose", **_model_bound())
+    composer.change(on_compose, [page.spec, *composition, seam, blend], compared, api_name=False, **_model_bound())
+
+    @_ui_errors
+    def on_keystone(model_spec, skill_ids, text_before, text_between, after_name, seam_tokens, progress=gr.Progress()):
+        return handlers.run_keystone(page.registry, model_spec, skill_ids, text_before, text_between, after_name or None, seam_tokens,
+                                     progress=_progress_callback(progress))
+
+    keystone_button.click(on_keystone, [page.spec, *composition, seam], [loop_plot, compose_json], api_name="keystone", **_model_bound())
+
+    @_ui_errors
+    def on_agent(model_spec, skill_ids, text_before, text_between, after_name, seam_tokens, turn_count, toggled, progress=gr.Progress()):
+        return handlers.run_agent_loop(page.registry, model_spec, skill_ids, text_before, text_between, after_name or None, seam_tokens,
+                                       turn_count, toggled, progress=_progress_callback(progress))
+
+    agent_button.click(on_agent, [page.spec, *composition, seam, turns, toggle], [loop_plot, compose_json], api_name="agent", **_model_bound())
+    compose_export.click(_exporter("kvscope-composer"), [compose_json, logits_plot, deviation_plot, loop_plot], compose_files,
+                         api_name="export_composer", concurrency_limit=None)
+
+
+def _benchmarks_tab(page: Page) -> None:
+    """Benchmarks: figures of the stored results, and a quick live TTFT check."""
+    with gr.Tab("Benchmarks", id="benchmarks"):
+        gr.Markdown("Results written by the scripts under `benchmarks/` (JSON in `benchmarks/results/`).")
+        bench_refresh = gr.Button("Show stored results", elem_id="bench-refresh")
+        bench_quick = gr.Button("Run a quick TTFT check live (2 lengths)", elem_id="bench-quick")
+        bench_plots = [gr.Plot(visible=False) for _ in range(6)]
+        bench_json = gr.JSON(label="Results")
+
+    def show_benchmarks(results):
+        figures = handlers.benchmark_figures_for(results)[: len(bench_plots)]
+        updates = [gr.update(value=f, visible=True) for f in figures]
+        updates += [gr.update(visible=False)] * (len(bench_plots) - len(figures))
+        return (*updates, results)
+
+    bench_refresh.click(lambda: show_benchmarks(handlers.benchmark_results()), None, [*bench_plots, bench_json],
+                        api_name="benchmarks", concurrency_limit=None)
+
+    @_ui_errors
+    def on_quick(model_spec, progress=gr.Progress()):
+        return show_benchmarks({"ttft-live": handlers.quick_ttft(page.registry, model_spec, progress=_progress_callback(progress))})
+
+    bench_quick.click(on_quick, page.spec, [*bench_plots, bench_json], api_name="benchmark_quick", **_model_bound())
+
+
+def _learn_tab(page: Page) -> None:
+    """Learn: the classroom walkthrough, one button per step."""
+    with gr.Tab("Learn", id="learn"):
+        for index, (title, text) in enumerate(LEARN_STEPS):
+            with gr.Group():
+                gr.Markdown(f"### {title}\n{text}")
+                button = gr.Button(f"Run step {index + 1}", elem_id=f"learn-{index + 1}")
+                result_md = gr.HTML()
+                result_plot = gr.Plot()
+            button.click(_ui_errors(functools.partial(handlers.learn_step, page.registry, index)), page.spec, [result_md, result_plot],
+                         api_name=f"learn_{index + 1}", **_model_bound())
+
+
+def build_app(registry: ModelRegistry, sessions: SessionStore | None = None) -> gr.Blocks:
+    """The whole explorer over a model registry (the default model should already be loaded)."""
+    with gr.Blocks(title="KVScope") as blocks:
+        page = Page(registry, sessions or SessionStore(), gr.State(None), gr.State(registry.default_spec))
         gr.Markdown(INTRO)
         with gr.Tabs():
-            # ------------------------------------------------------------ Model
-            with gr.Tab("Model", id="model"):
-                with gr.Row():
-                    model_input = gr.Dropdown(
-                        choices=handlers.offline_models(), value=model_spec_default, allow_custom_value=True,
-                        label="Model (alias, Hugging Face id or local directory)", elem_id="model-spec", scale=3,
-                    )
-                    model_dtype = gr.Radio(["auto", "float32", "bfloat16"], value=None, label="dtype (empty = as loaded)",
-                                           elem_id="model-dtype", scale=2)
-                    load_button = gr.Button("Load", variant="primary", elem_id="load-model", scale=1)
-                model_card = gr.Markdown(elem_id="model-card")
-                model_json = gr.JSON(label="Model info and self-test", elem_id="model-json")
-
-            # ------------------------------------------------------------ Notes
-            with gr.Tab("Notes", id="notes"):
-                with gr.Row():
-                    with gr.Column(scale=2):
-                        scenario_pick = gr.Dropdown(scenario_names, value=handlers.NOTES_SCENARIO, label="Bundled scenario", elem_id="scenario")
-                        upload = gr.File(label="…or upload a scenario TOML", file_types=[".toml"], type="filepath", elem_id="scenario-upload")
-                        editor = gr.Code(first_text, language=None, label="Scenario (TOML, editable)", elem_id="scenario-editor", lines=14)
-                    with gr.Column(scale=1):
-                        description = gr.Markdown(first.description, elem_id="scenario-description")
-                        field = gr.Dropdown(first.fields, value=first.fields[0], label="Field", allow_custom_value=True, elem_id="field")
-                        new_value = gr.Dropdown(first.values, value=first.new, label="New value", allow_custom_value=True, elem_id="new-value")
-                        strategies = gr.CheckboxGroup(
-                            [s for s in STRATEGIES if s not in ("stale", "oracle")], value=list(handlers.DEFAULT_STRATEGIES),
-                            label="Strategies", elem_id="strategies",
-                        )
-                        top_k = gr.Slider(1, 64, value=8, step=1, label="K (field_topk, knockout)", elem_id="top-k")
-                        separately = gr.Checkbox(False, label="Time each strategy on its own (slower; default reads all in one forward)",
-                                                 elem_id="separately")
-                        edit_button = gr.Button("Edit the field", variant="primary", elem_id="run-edit")
-                        baseline = gr.Markdown(elem_id="baseline")
-                cards = gr.HTML(elem_id="strategy-cards")
-                with gr.Row():
-                    strategy_plot = gr.Plot(label="Margins by strategy", elem_id="strategy-plot")
-                    frontier_plot = gr.Plot(label="Cost–quality frontier (runs after the edit)", elem_id="frontier-plot")
-                notes_text = gr.HTML(label="Context coloured by notes effect", elem_id="notes-text")
-                with gr.Row():
-                    head = gr.Slider(-1, heads - 1, value=-1, step=1, label="Attention head (-1 = mean over heads)", elem_id="head")
-                    all_positions = gr.Checkbox(False, label="Notes map: show every context position (default: the field and after)",
-                                                elem_id="notes-all-positions")
-                with gr.Row():
-                    attention_plot = gr.Plot(label="Attention from the decision token", elem_id="attention-plot")
-                    notes_plot = gr.Plot(label="Notes map (layer × position)", elem_id="notes-plot")
-                with gr.Accordion("Knockout: hide tokens from the decision", open=False):
-                    with gr.Row():
-                        knockout_positions = gr.Textbox(label="Positions (e.g. 40, 41, 57); empty = top-K notes", elem_id="knockout-positions")
-                        knockout_button = gr.Button("Knock out and re-read", elem_id="run-knockout")
-                    knockout_text = gr.Markdown(elem_id="knockout-result")
-                    knockout_plot = gr.Plot(label="Decision after knockout")
-                edit_json = gr.JSON(label="Result", elem_id="edit-json")
-                frontier_json = gr.JSON(label="Frontier", elem_id="frontier-json", visible=False)
-                with gr.Row():
-                    notes_export = gr.Button("Export JSON + figures", elem_id="export-notes")
-                    notes_files = gr.File(label="Exported files", file_count="multiple", elem_id="notes-files")
-
-            # ------------------------------------------------------------ Probes
-            with gr.Tab("Probes", id="probes"):
-                gr.Markdown("Each probe runs on the scenario, field and new value chosen in the **Notes** tab.")
-                with gr.Row():
-                    probe_name = gr.Dropdown(
-                        [name for name in ALL_PROBES if name != "attention"],  # attention: the Notes tab
-                        value="suffix", label="Probe", elem_id="probe-name",
-                    )
-                    trigger_find = gr.Textbox(label="trigger: rule text to flip", elem_id="trigger-find")
-                    trigger_replace = gr.Textbox(label="trigger: replacement (same token count)", elem_id="trigger-replace")
-                    attribution_method = gr.Radio(["ablation", "gradient"], value="ablation", label="attribution method")
-                    probe_button = gr.Button("Run probe", variant="primary", elem_id="run-probe")
-                probe_plot = gr.Plot(label="Probe", elem_id="probe-plot")
-                probe_json = gr.JSON(label="Probe result", elem_id="probe-json")
-                with gr.Row():
-                    probe_export = gr.Button("Export JSON + figure", elem_id="export-probe")
-                    probe_files = gr.File(label="Exported files", file_count="multiple", elem_id="probe-files")
-
-            # ------------------------------------------------------------ Composer
-            with gr.Tab("Composer", id="composer"):
-                composer = SkillComposer(library, value=["account_gate"], elem_id="composer")
-                with gr.Row():
-                    before = gr.Textbox(label="Text before the skills", lines=2, elem_id="text-before")
-                    between = gr.Textbox(label="Text between skills", lines=2, elem_id="text-between")
-                    after = gr.Dropdown([""] + scenario_names, value="", label="Then a scenario (question and answers)", elem_id="after-scenario")
-                with gr.Row():
-                    seam = gr.Slider(0, 32, value=1, step=1, label="Seam repair (tokens)", elem_id="seam")
-                    blend = gr.Slider(0, 1, value=0, step=0.05, label="CacheBlend-style recompute fraction", elem_id="blend")
-                    compose_button = gr.Button("Splice vs recompute", variant="primary", elem_id="run-compose")
-                compose_metrics = gr.Markdown(elem_id="compose-metrics")
-                with gr.Row():
-                    logits_plot = gr.Plot(label="Top next tokens: spliced vs recomputed", elem_id="logits-plot")
-                    deviation_plot = gr.Plot(label="K/V deviation (layer × token)", elem_id="deviation-plot")
-                with gr.Row():
-                    turns = gr.Slider(1, 40, value=10, step=1, label="Agent turns")
-                    toggle = gr.Checkbox(value=False, label="Toggle the field every turn (drift stress test)")
-                    keystone_button = gr.Button("Keystone: edit the field inside a spliced skill", elem_id="run-keystone")
-                    agent_button = gr.Button("Agent loop: errata on a cached context", elem_id="run-agent")
-                loop_plot = gr.Plot(label="Keystone / agent", elem_id="loop-plot")
-                compose_json = gr.JSON(label="Result", elem_id="compose-json")
-                with gr.Row():
-                    compose_export = gr.Button("Export JSON + figures", elem_id="export-compose")
-                    compose_files = gr.File(label="Exported files", file_count="multiple", elem_id="compose-files")
-
-            # ------------------------------------------------------------ Benchmarks
-            with gr.Tab("Benchmarks", id="benchmarks"):
-                gr.Markdown("Results written by the scripts under `benchmarks/` (JSON in `benchmarks/results/`).")
-                bench_refresh = gr.Button("Show stored results", elem_id="bench-refresh")
-                bench_quick = gr.Button("Run a quick TTFT check live (2 lengths)", elem_id="bench-quick")
-                bench_plots = [gr.Plot(visible=False) for _ in range(6)]
-                bench_json = gr.JSON(label="Results")
-
-            # ------------------------------------------------------------ Learn
-            with gr.Tab("Learn", id="learn"):
-                learn_outputs = []
-                for index, (title, text) in enumerate(LEARN_STEPS):
-                    with gr.Group():
-                        gr.Markdown(f"### {title}\n{text}")
-                        button = gr.Button(f"Run step {index + 1}", elem_id=f"learn-{index + 1}")
-                        result_md = gr.HTML()
-                        result_plot = gr.Plot()
-                    learn_outputs.append((button, result_md, result_plot))
-
-        # ---------------------------------------------------------------- wiring
-        @_ui_errors
-        def on_load_model(session_value, model_spec, dtype=None, progress=gr.Progress(track_tqdm=True)):
-            card, info = handlers.load_model_card(registry, model_spec, progress=lambda message: progress(None, desc=message), dtype=dtype)
-            return card, info, model_spec, session_id(session_value)
-
-        model_loaded = load_button.click(on_load_model, [session, model_input, model_dtype], [model_card, model_json, spec, session],
-                                         api_name="load_model", concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
-        page.load(on_load_model, [session, spec], [model_card, model_json, spec, session], api_name=False,
-                  concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
-
-        @_ui_errors
-        def on_scenario(name):
-            text = handlers.bundled_scenario_text(name)
-            return text, *_choices(text)
-
-        @_ui_errors
-        def on_upload(path):
-            if not path:
-                raise AppError("no file uploaded")
-            with open(path, encoding="utf-8", errors="replace") as handle:
-                text = handle.read()
-            return text, *_choices(text)
-
-        def _choices(text, chosen_field=None):
-            try:
-                view = handlers.scenario_choices(text, chosen_field)
-            except AppError as error:
-                return f"⚠️ {error}", gr.update(), gr.update()
-            return (view.description, gr.update(choices=view.fields, value=chosen_field if chosen_field in view.fields else view.fields[0]),
-                    gr.update(choices=view.values, value=view.new))
-
-        def on_baseline(model_spec, text):
-            try:
-                return handlers.prepare_baseline(registry, model_spec, text)
-            except AppError as error:
-                return f"⚠️ {html.escape(str(error))}"
-
-        def then_prepare(event):
-            event.then(on_baseline, [spec, editor], baseline, api_name=False, concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
-
-        then_prepare(model_loaded)
-        then_prepare(scenario_pick.change(on_scenario, scenario_pick, [editor, description, field, new_value], api_name="scenario", concurrency_limit=None))
-        then_prepare(upload.upload(on_upload, upload, [editor, description, field, new_value], api_name="upload_scenario", concurrency_limit=None))
-        then_prepare(editor.blur(lambda text: _choices(text), editor, [description, field, new_value], api_name=False, concurrency_limit=None))
-        page.load(on_baseline, [spec, editor], baseline, api_name="prepare", concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
-        field.input(lambda text, f: _choices(text, f)[2], [editor, field], new_value, api_name=False, concurrency_limit=None)
-
-        @_ui_errors
-        def on_edit(session_value, model_spec, text, field_name, value, chosen, k, head_index, one_by_one=False, every_position=False,
-                    progress=gr.Progress()):
-            sid = session_id(session_value)
-            view = handlers.run_edit(registry, sessions, sid, model_spec, text, field_name, value, chosen or [], int(k),
-                                     None if head_index is None or int(head_index) < 0 else int(head_index), progress=_progress_callback(progress),
-                                     separately=bool(one_by_one), all_positions=bool(every_position))
-            return (view.cards_html, view.strategy_figure, view.text_html, view.attention_figure, view.notes_figure,
-                    view.summary, sid)
-
-        @_ui_errors
-        def on_frontier(session_value, progress=gr.Progress()):
-            return handlers.run_frontier(sessions, session_id(session_value), progress=_progress_callback(progress))
-
-        edit_button.click(
-            on_edit, [session, spec, editor, field, new_value, strategies, top_k, head, separately, all_positions],
-            [cards, strategy_plot, notes_text, attention_plot, notes_plot, edit_json, session],
-            api_name="edit", concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT,
-        ).success(on_frontier, session, [frontier_plot, frontier_json], api_name="frontier",
-                  concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
-        all_positions.change(lambda session_value, every: handlers.notes_map_view(sessions, session_id(session_value), every),
-                             [session, all_positions], notes_plot, api_name=False, concurrency_limit=None)
-
-        @_ui_errors
-        def on_knockout(session_value, positions, k):
-            sid = session_id(session_value)
-            text, figure, data = handlers.run_knockout(sessions, sid, positions, int(k))
-            return text, figure, data, sid
-
-        knockout_button.click(on_knockout, [session, knockout_positions, top_k], [knockout_text, knockout_plot, edit_json, session],
-                              api_name="knockout", concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
-
-        def exporter(stem: str, views: int = 0):
-            """Export a result with its plots; the last ``views`` inputs are HTML views, not plots."""
-            def export(result, *plots_and_views):
-                plots, views_html = plots_and_views[: len(plots_and_views) - views], plots_and_views[len(plots_and_views) - views :]
-                figures = [plotly.io.from_json(plot.plot) for plot in plots if plot is not None and plot.type == "plotly"]
-                return handlers.export_files(result, figures, stem, [view for view in views_html if view])
-
-            return _ui_errors(export)
-
-        notes_export.click(exporter("kvscope-notes", views=1), [edit_json, strategy_plot, frontier_plot, attention_plot, notes_plot, notes_text],
-                           notes_files, api_name="export_notes", concurrency_limit=None)
-        probe_export.click(exporter("kvscope-probe"), [probe_json, probe_plot], probe_files, api_name="export_probe", concurrency_limit=None)
-        compose_export.click(exporter("kvscope-composer"), [compose_json, logits_plot, deviation_plot, loop_plot], compose_files,
-                             api_name="export_composer", concurrency_limit=None)
-
-        @_ui_errors
-        def on_probe(model_spec, text, field_name, value, name, find, replacement, method, progress=gr.Progress()):
-            options = {"find": find, "replace": replacement} if name == "trigger" else {"method": method} if name == "attribution" else {}
-            return handlers.run_probe(registry, model_spec, text, field_name, value, name, options, progress=_progress_callback(progress))
-
-        probe_button.click(on_probe, [spec, editor, field, new_value, probe_name, trigger_find, trigger_replace, attribution_method],
-                           [probe_plot, probe_json], api_name="probe", concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
-
-        composition = [composer, before, between, after]
-
-        @_ui_errors
-        def on_compose(model_spec, skill_ids, text_before, text_between, after_name, seam_tokens, blend_fraction):
-            view = handlers.run_compose(registry, model_spec, skill_ids, text_before, text_between, after_name or None, seam_tokens, blend_fraction)
-            return view.metrics_markdown, view.logits_figure, view.deviation_figure, view.summary
-
-        compose_button.click(on_compose, [spec, *composition, seam, blend], [compose_metrics, logits_plot, deviation_plot, compose_json],
-                             api_name="compose", concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
-        composer.change(on_compose, [spec, *composition, seam, blend], [compose_metrics, logits_plot, deviation_plot, compose_json],
-                        api_name=False, concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
-
-        @_ui_errors
-        def on_keystone(model_spec, skill_ids, text_before, text_between, after_name, seam_tokens, progress=gr.Progress()):
-            return handlers.run_keystone(registry, model_spec, skill_ids, text_before, text_between, after_name or None, seam_tokens,
-                                         progress=_progress_callback(progress))
-
-        keystone_button.click(on_keystone, [spec, *composition, seam], [loop_plot, compose_json], api_name="keystone",
-                              concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
-
-        @_ui_errors
-        def on_agent(model_spec, skill_ids, text_before, text_between, after_name, seam_tokens, turn_count, toggled, progress=gr.Progress()):
-            return handlers.run_agent_loop(registry, model_spec, skill_ids, text_before, text_between, after_name or None, seam_tokens,
-                                           turn_count, toggled, progress=_progress_callback(progress))
-
-        agent_button.click(on_agent, [spec, *composition, seam, turns, toggle], [loop_plot, compose_json], api_name="agent",
-                           concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
-
-        def show_benchmarks(results):
-            figures = handlers.benchmark_figures_for(results)[: len(bench_plots)]
-            updates = [gr.update(value=f, visible=True) for f in figures]
-            updates += [gr.update(visible=False)] * (len(bench_plots) - len(figures))
-            return (*updates, results)
-
-        bench_refresh.click(lambda: show_benchmarks(handlers.benchmark_results()), None, [*bench_plots, bench_json],
-                            api_name="benchmarks", concurrency_limit=None)
-
-        @_ui_errors
-        def on_quick(model_spec, progress=gr.Progress()):
-            return show_benchmarks({"ttft-live": handlers.quick_ttft(registry, model_spec, progress=_progress_callback(progress))})
-
-        bench_quick.click(on_quick, spec, [*bench_plots, bench_json], api_name="benchmark_quick",
-                          concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
-
-        for index, (button, result_md, result_plot) in enumerate(learn_outputs):
-            button.click(_ui_errors(functools.partial(handlers.learn_step, registry, index)), spec, [result_md, result_plot],
-                         api_name=f"learn_{index + 1}", concurrency_id=MODEL_GROUP, concurrency_limit=MODEL_LIMIT)
-    return page
+            model_loaded, on_load_model, model_outputs = _model_tab(page)
+            notes = _notes_tab(page)
+            _probes_tab(page, notes)
+            _composer_tab(page)
+            _benchmarks_tab(page)
+            _learn_tab(page)
+        _then_prepare(page, model_loaded, notes)
+        blocks.load(on_load_model, [page.session, page.spec], model_outputs, api_name=False, **_model_bound())
+        blocks.load(lambda model_spec, text: _prepare_message(page, model_spec, text), [page.spec, notes.editor], notes.baseline,
+                    api_name="prepare", **_model_bound())
+    return blocks

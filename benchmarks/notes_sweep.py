@@ -33,7 +33,8 @@ import torch
 from engine.calibrate import FLIP_THRESHOLD, NOTES_DEMO_MAX_RECOVERY
 from engine.models import LoadedModel, dtype_name, load_model
 from engine.scenario import Scenario
-from engine.strategies import EditExperiment, EditSettings
+from engine.experiment import EditExperiment
+from engine.strategies import EditSettings
 
 RESULTS = Path(__file__).parent / "results"
 

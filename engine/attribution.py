@@ -24,10 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.errors import KVScopeError
 from engine.models import LoadedModel
 from engine.runs import ScenarioRun
 from engine.scenario import RenderedPrompt
-from engine.strategies import EditExperiment
+from engine.experiment import EditExperiment
 
 METHODS = ("ablation", "gradient")
 GRANULARITIES = ("segments", "tokens")
@@ -37,7 +38,7 @@ MAX_ABLATION_FEATURES = 512
 _GRADIENT_BATCH = 4
 
 
-class AttributionError(ValueError):
+class AttributionError(KVScopeError):
     """An attribution request that cannot run; the message says which argument and what to use instead."""
 
 

@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine.models import LoadedModel
-from engine.scenario import Scenario
-from engine.strategies import EditExperiment
+from engine.scenario import Scenario, ScenarioError
+from engine.experiment import EditExperiment
 
 FLIP_THRESHOLD = 1.0
 NOTES_DEMO_MAX_RECOVERY = 0.4
@@ -83,7 +83,7 @@ def scenario_files(paths: Sequence[str | Path]) -> list[Path]:
         elif path.exists():
             files.append(path)
         else:
-            raise FileNotFoundError(f"scenario path {path} does not exist")
+            raise ScenarioError(f"scenario path {path} does not exist: give a .toml file or a directory of them")
     return files
 
 

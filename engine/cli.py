@@ -12,23 +12,21 @@ import logging
 import sys
 from collections.abc import Callable
 
-from engine.calibrate import NOTES_DEMO_MAX_RECOVERY, FLIP_THRESHOLD, calibrate, scenario_files
 from engine.agent import run_agent
-from engine.attribution import AttributionError
+from engine.calibrate import FLIP_THRESHOLD, NOTES_DEMO_MAX_RECOVERY, calibrate, scenario_files
 from engine.compose import adhoc_scenario, compare, with_skills
+from engine.errors import KVScopeError
+from engine.experiment import EditExperiment
 from engine.keystone import keystone
 from engine.memory import memory_placement
-from engine.models import LoadedModel, ModelLoadError, cache_dir, load_model
-from engine.skills import SkillFileError, SkillStore
-from engine.notebook import NotebookError
+from engine.models import LoadedModel, cache_dir, load_model
 from engine.registry import ALL_PROBES
-from engine.rope import RopeUnsupported
 from engine.runs import run_scenario
 from engine.scenario import Scenario, ScenarioError, bundled_scenarios
-from engine.strategies import STRATEGIES, EditExperiment, EditSettings
 from engine.selftest import run_selftest
+from engine.skills import SkillStore
+from engine.strategies import STRATEGIES, EditSettings, check_names
 
-USER_ERRORS = (ModelLoadError, ScenarioError, NotebookError, RopeUnsupported, SkillFileError, AttributionError, FileNotFoundError)
 
 
 def _log(message: str) -> None:
@@ -72,19 +70,13 @@ def _settings(args: argparse.Namespace) -> EditSettings:
     options = {"top_k": args.topk, "ranking": args.ranking, "cot_tokens": args.cot_tokens}
     if args.erratum:
         options["erratum"] = args.erratum
-    try:
-        return EditSettings(**options)
-    except ValueError as error:
-        raise ScenarioError(str(error)) from error
+    return EditSettings(**options)
 
 
 def cmd_edit(args: argparse.Namespace) -> dict:
     """Change a field old → new and compare every edit strategy's decision and recovery."""
     scenario = Scenario.load(args.scenario)
-    names = [name.strip() for name in args.strategies.split(",")] if args.strategies else list(STRATEGIES)
-    unknown = [name for name in names if name not in STRATEGIES]
-    if unknown:
-        raise ScenarioError(f"unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
+    names = check_names(name.strip() for name in args.strategies.split(",")) if args.strategies else list(STRATEGIES)
     scenario.field(args.field)
     settings = _settings(args)
     lm = _load(args)
@@ -117,7 +109,7 @@ def _option_value(text: str):
 
 
 def cmd_probe(args: argparse.Namespace) -> dict:
-    """Run one causal probe on a scenario's field change (see engine/probes.py for each probe's options)."""
+    """Run one causal probe on a scenario's field change (see engine/probes/ for each probe's options)."""
     if args.name not in ALL_PROBES:
         raise ScenarioError(f"unknown probe {args.name!r}; choose from {', '.join(ALL_PROBES)}")
     scenario = Scenario.load(args.scenario)
@@ -268,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
     try:
         result = COMMANDS[args.command](args)
-    except USER_ERRORS as error:
+    except KVScopeError as error:
         if args.json:
             print(json.dumps({"error": str(error), "type": type(error).__name__}))
         else:

@@ -39,6 +39,25 @@ def replace_context(scenario: Scenario, context: str, skill_ids: Sequence[str], 
     return dataclasses.replace(scenario, context=context, skills=skills, fields=fields)
 
 
+def literal(text: str | None) -> str:
+    """User text placed in a context as written: braces escaped, so neither ``{field}`` nor ``{skill:ID}`` in it
+    is expanded."""
+    return (text or "").replace("{", "{{").replace("}", "}}").strip()
+
+
+def compose_scenario(skill_ids: Sequence[str], before: str = "", between: str = "", base: Scenario | None = None,
+                     library: Mapping | None = None) -> Scenario:
+    """A context of literal text ``before``, the skills (literal text ``between`` them), then ``base``'s context
+    (its question and answers too); without ``base``, the skills alone with a generic question."""
+    if not skill_ids:
+        raise ScenarioError("place at least one skill in the context (drag one from the library)")
+    joiner = f"\n\n{literal(between)}\n\n" if literal(between) else "\n\n"
+    placed = joiner.join(f"{{skill:{skill_id}}}" for skill_id in skill_ids)
+    scenario = base or adhoc_scenario(list(skill_ids), library)
+    tail = base.context if base else ""
+    return replace_context(scenario, "\n\n".join(part for part in (literal(before), placed, tail) if part), skill_ids, library)
+
+
 def with_skills(scenario: Scenario, skill_ids: Sequence[str], at: str = "start", library: Mapping | None = None) -> Scenario:
     """The scenario with skills placed before its context (``start``) or after it (``end``)."""
     if at not in ("start", "end"):

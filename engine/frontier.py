@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from engine.decision import Decision
 from engine.notebook import Notebook
 from engine.probes import Gap, k_ladder
-from engine.strategies import RANKINGS, EditExperiment, NotApplicable, NotesShare
+from engine.experiment import EditExperiment, NotesShare
+from engine.strategies import RANKINGS, NotApplicable
 
 FRONTIER_STRATEGIES = ("field_only", "erratum", "field_erratum", "hoist", "full_downstream")
 Progress = Callable[[int, int], None] | None

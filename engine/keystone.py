@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from engine.compose import splice_prompt
 from engine.models import LoadedModel
 from engine.scenario import Scenario, ScenarioError
-from engine.strategies import STRATEGIES, EditExperiment, EditReport, EditSettings
+from engine.experiment import EditExperiment, EditReport
+from engine.strategies import STRATEGIES, EditSettings
 
 
 @dataclass
@@ -50,11 +51,13 @@ def keystone(
     settings: EditSettings | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> KeystoneReport:
-    """Run the edit strategies on a field that lives inside a skill, spliced and recomputed."""
-    field = scenario.field(field_name)
-    owners = [skill_id for skill_id, skill in scenario.skills.items() if field.name in skill.fields]
-    if not owners:
-        raise ScenarioError(f"field {field.name!r} is not inside any skill of this scenario; the keystone needs one")
+    """Run the edit strategies on a field that lives inside a skill (default: the first such field), spliced
+    and recomputed."""
+    inside = [name for skill in scenario.skills.values() for name in skill.fields]
+    field = scenario.field(field_name or next(iter(inside), None))
+    if field.name not in inside:
+        raise ScenarioError(f"field {field.name!r} is not inside any skill of this scenario; the keystone needs a skill "
+                            "with a mutable field in the context (e.g. account_gate)")
     spliced = EditExperiment(
         lm, scenario, field.name, settings=settings,
         build=lambda prompt: splice_prompt(lm, scenario, prompt, store, seam=seam),

@@ -36,7 +36,7 @@ from engine.models import LoadedModel
 from engine.notebook import Notebook
 from engine.probes import ProbeError
 from engine.scenario import RenderedPrompt, ScenarioError, Span, render
-from engine.strategies import EditExperiment
+from engine.experiment import EditExperiment
 
 GROUPS = ("field", "aggregators", "others", "decision")
 WRITE_THRESHOLD = 0.9

@@ -12,7 +12,7 @@ import re
 from engine.compose import compare, with_skills
 from engine.models import LoadedModel
 from engine.scenario import Scenario, ScenarioError
-from engine.strategies import EditExperiment
+from engine.experiment import EditExperiment
 
 PLACEMENTS = ("start", "end")
 

@@ -28,6 +28,7 @@ import torch
 
 from engine import adapter
 from engine.decision import Decision, decide
+from engine.errors import KVScopeError
 from engine.models import LoadedModel, ModelFingerprint
 from engine.rope import Rotary, RopeUnsupported
 
@@ -35,7 +36,7 @@ if TYPE_CHECKING:
     from engine.scenario import RenderedPrompt
 
 
-class NotebookError(ValueError):
+class NotebookError(KVScopeError):
     """An operation that cannot apply to this notebook; the message says which input and why."""
 
 

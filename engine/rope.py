@@ -20,10 +20,12 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from engine.errors import KVScopeError
+
 _LENGTH_DEPENDENT = {"dynamic", "longrope"}
 
 
-class RopeUnsupported(ValueError):
+class RopeUnsupported(KVScopeError):
     """Keys of this model cannot be moved to other positions by a delta rotation."""
 
 

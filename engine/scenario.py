@@ -16,8 +16,10 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from engine.errors import KVScopeError
+
 _PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
-_SKILL_PLACEHOLDER = re.compile(r"\{skill:([A-Za-z0-9_-]+)\}")
+_SKILL_PLACEHOLDER = re.compile(r"\{\{|\}\}|\{skill:([A-Za-z0-9_-]+)\}")  # {{ and }} are escapes, never skills
 _SKILL_KEYS = ("title", "description", "text", "fields")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _TOP_KEYS = ("name", "description", "system", "context", "question", "fields", "answers", "expect")
@@ -29,7 +31,7 @@ _CONTEXT_SENTINEL = "KVSCOPEcontextSENTINEL"
 _QUESTION_SENTINEL = "KVSCOPEquestionSENTINEL"
 
 
-class ScenarioError(ValueError):
+class ScenarioError(KVScopeError):
     """A scenario file or a rendering request is invalid; the message names the problem."""
 
 
@@ -246,6 +248,8 @@ def _context_chunks(context: str) -> list[tuple[str, str]]:
     """Split a context at `{skill:ID}` placeholders: ("text", text) and ("skill", id) chunks in order."""
     chunks, position = [], 0
     for match in _SKILL_PLACEHOLDER.finditer(context):
+        if match.group(1) is None:  # an escaped brace: literal text
+            continue
         chunks.append(("text", context[position : match.start()]))
         chunks.append(("skill", match.group(1)))
         position = match.end()

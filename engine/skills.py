@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from engine.errors import KVScopeError
 from engine.models import LoadedModel, ModelFingerprint
 from engine.notebook import KVBlock, Notebook
 from engine.scenario import Scenario, Skill, render
@@ -26,7 +27,7 @@ FORMAT_VERSION = 1
 DEFAULT_BUDGET_BYTES = 512 * 2**20
 
 
-class SkillFileError(ValueError):
+class SkillFileError(KVScopeError):
     """A stored skill file that cannot be used with this model; the message says why."""
 
 

@@ -23,7 +23,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from engine.models import LoadedModel, ModelFingerprint
+from engine.models.loaded import LoadedModel, ModelFingerprint, dtype_name
 
 TINY_ARCHS: tuple[str, ...] = (
     "llama",
@@ -228,7 +228,7 @@ def tiny_model(
         device=torch.device("cpu"),
         dtype=dtype,
         source="random weights (engine.tiny)",
-        fingerprint=ModelFingerprint(name=name, config_hash=config_hash, dtype=str(dtype).removeprefix("torch.")),
+        fingerprint=ModelFingerprint(name=name, config_hash=config_hash, dtype=dtype_name(dtype)),
     )
 
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import html
 
-from engine.strategies import EditReport, NotesShare, StrategyResult
+from engine.experiment import EditReport, NotesShare
+from engine.strategies import StrategyResult
 
 CARD_CSS = """
 <style>

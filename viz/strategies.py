@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from engine.strategies import EditReport, StrategyResult
+from engine.experiment import EditReport
+from engine.strategies import StrategyResult
 from viz.common import GREY, label_colours, safe_label, safe_lines
 
 

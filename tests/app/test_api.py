@@ -6,7 +6,7 @@ import pytest
 from gradio_client import Client
 
 from engine.scenario import Scenario
-from engine.strategies import EditExperiment
+from engine.experiment import EditExperiment
 from tests.app.conftest import SCENARIO
 
 STRATEGY_SET = ["field_only", "erratum"]

@@ -11,7 +11,7 @@ from app.composer import SkillComposer
 from app.handlers import AppError
 from app.state import SessionStore
 from engine.scenario import Scenario
-from engine.strategies import EditExperiment
+from engine.experiment import EditExperiment
 from tests.app.conftest import SCENARIO
 
 

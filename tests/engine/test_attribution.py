@@ -10,7 +10,7 @@ import torch
 from engine import attribution
 from engine.attribution import AttributionError, captum_attribution, context_features
 from engine.scenario import Scenario, bundled_scenarios
-from engine.strategies import EditExperiment
+from engine.experiment import EditExperiment
 from engine.tiny import tiny_model
 
 

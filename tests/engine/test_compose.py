@@ -170,3 +170,19 @@ def test_memory_placement_reports_both_layouts(lm, store):
     assert end["edit"]["full_downstream"]["tokens_recomputed"] < start["edit"]["full_downstream"]["tokens_recomputed"]
     assert start["edit"]["full_downstream"]["margin"] == pytest.approx(start["oracle_margin"], abs=1e-4)
     assert 0 < end["transplant"]["cosine"] <= 1.0 + 1e-6
+
+
+def test_composer_text_is_literal_even_when_it_names_a_skill():
+    from engine.compose import compose_scenario
+    from engine.scenario import render
+    from engine.tiny import tiny_model
+
+    tokenizer = tiny_model("qwen2").tokenizer
+    plain = render(compose_scenario(["account_gate"]), tokenizer)
+    named = compose_scenario(["account_gate"], before="see {skill:account_gate} and {skill:tone_guide}", between="{x}")
+    assert list(named.skills) == ["account_gate"]
+    prompt = render(named, tokenizer)
+    text = tokenizer.decode(prompt.context_ids)
+    assert "see {skill:account_gate} and {skill:tone_guide}" in text
+    assert text.count(tokenizer.decode(plain.context_ids[-20:])) == 1, "the skill's text is placed once"
+    assert len(prompt.context_ids) < 2 * len(plain.context_ids)

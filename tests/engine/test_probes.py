@@ -19,7 +19,7 @@ from engine.probes import (
     probe_trigger,
 )
 from engine.scenario import Scenario, bundled_scenarios, render
-from engine.strategies import EditExperiment
+from engine.experiment import EditExperiment
 from engine.tiny import tiny_model
 
 ATOL = 1e-5
@@ -49,9 +49,10 @@ def _margin(experiment: EditExperiment, notebook: Notebook, knockout=None) -> fl
 
 
 def _with_donor(experiment: EditExperiment, notebook: Notebook) -> EditExperiment:
-    """The experiment with its oracle run replaced by another notebook (e.g. a small perturbation)."""
-    experiment.oracle = replace(experiment.oracle, notebook=notebook, decision=notebook.read_prompt(experiment.prompt))
-    return experiment
+    """The same edit measured against another reference notebook (e.g. a small perturbation)."""
+    donor = replace(experiment.oracle, notebook=notebook, decision=notebook.read_prompt(experiment.prompt))
+    return EditExperiment(experiment.lm, experiment.scenario, experiment.field, experiment.new, experiment.settings,
+                          stale=experiment.stale, oracle=donor)
 
 
 def test_registry_names_the_eight_probes():
@@ -236,6 +237,10 @@ def test_attention_shapes_and_masses(experiment):
     field = experiment.field_positions
     expected = attention[..., field[0] : field[-1] + 1].sum(-1).mean(1)
     assert torch.allclose(torch.tensor(result.stale.mass["field"]), expected, atol=1e-3)
-    for mass in (result.stale.mass, result.oracle.mass):
-        totals = torch.tensor([mass["field"], mass["downstream"], mass["rest"]]).sum(0)
-        assert torch.allclose(totals, torch.ones(3))
+    for run, mass in ((experiment.stale, result.stale.mass), (experiment.oracle, result.oracle.mass)):
+        # "rest" read off the full attention row: the context before the field plus the question tokens themselves
+        captured = run.notebook.read_prompt(experiment.prompt, capture_attention=True).attention  # (layers, heads, decode, entries + decode)
+        row, decode = captured[:, :, -1], captured.shape[2]
+        prefix = run.notebook.entries_at([p for p in run.notebook.visible_positions() if p < field[0]])
+        rest = (row[..., prefix].sum(-1) + row[..., -decode:].sum(-1)).mean(1)
+        assert torch.allclose(torch.tensor(mass["rest"]), rest, atol=1e-4)

@@ -7,7 +7,8 @@ import torch
 from engine.notebook import Notebook, NotebookError
 from engine.patching import attribution_effects
 from engine.scenario import Scenario, ScenarioError
-from engine.strategies import STRATEGIES, EditExperiment, EditSettings
+from engine.experiment import EditExperiment
+from engine.strategies import STRATEGIES, EditSettings
 from engine.tiny import tiny_model
 from tests.shared import SAME_LENGTH_SCENARIO
 

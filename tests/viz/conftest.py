@@ -2,7 +2,8 @@
 import pytest
 
 from engine.scenario import Scenario, bundled_scenarios
-from engine.strategies import EditExperiment, EditSettings
+from engine.experiment import EditExperiment
+from engine.strategies import EditSettings
 from engine.tiny import tiny_model
 
 

@@ -1,0 +1,12 @@
+"""The one base of every error KVScope reports to a user.
+
+Each module raises a specific subclass whose message names the input and the fix (``ScenarioError``,
+``NotebookError``, ``ProbeError``, ``ModelLoadError``, ``RopeUnsupported``, ``SkillFileError``,
+``AttributionError``, ``StrategyError``); the CLI and the app catch :class:`KVScopeError` alone. It is a
+``ValueError``: every refusal is about a value the caller passed.
+"""
+from __future__ import annotations
+
+
+class KVScopeError(ValueError):
+    """Bad input or a refusal, with a message for the user; nothing was changed."""

@@ -1,0 +1,77 @@
+"""Attention: where the last decision token looks over the context, in the stale and the oracle cache.
+
+Per layer and head, in reading order (whatever the storage order), with the mass on the field, on the
+downstream tokens and on the rest (prefix and question tokens) per layer, mean over heads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.experiment import EditExperiment
+from engine.probes.common import Gap, Progress, read, rounded, ticker
+from engine.runs import ScenarioRun
+
+
+@dataclass
+class AttentionMap:
+    """One run's last-decision-token attention over its context, in reading order."""
+
+    label: str
+    positions: list[int]
+    token_texts: list[str]
+    segments: list[str]
+    attention: list  # (layers, heads, context tokens)
+    mass: dict[str, list[float]]  # field / downstream / rest (prefix and question tokens) per layer, mean over heads
+
+    def as_dict(self) -> dict:
+        return {
+            "label": self.label,
+            "positions": self.positions,
+            "token_texts": self.token_texts,
+            "segments": self.segments,
+            "attention": self.attention,
+            "mass": {name: [rounded(v) for v in values] for name, values in self.mass.items()},
+        }
+
+
+@dataclass
+class AttentionResult:
+    """Where the decision looks in the stale and the oracle cache."""
+
+    gap: Gap
+    stale: AttentionMap
+    oracle: AttentionMap
+
+    def as_dict(self) -> dict:
+        return {**self.gap.as_dict(), "stale": self.stale.as_dict(), "oracle": self.oracle.as_dict()}
+
+
+def _nested(tensor: torch.Tensor, digits: int = 4) -> list:
+    """A tensor as nested lists of rounded floats."""
+    return np.round(tensor.detach().cpu().double().numpy(), digits).tolist()
+
+
+def _attention_map(experiment: EditExperiment, run: ScenarioRun) -> AttentionMap:
+    notebook = run.notebook
+    decision = run.decision if run.decision.attention is not None else read(experiment, notebook, capture_attention=True)
+    last = decision.attention[:, :, -1, notebook.order]  # (layers, heads, context) in reading order
+    positions = notebook.visible_positions()
+    span = run.prompt.field_spans[experiment.field]
+    in_field = torch.tensor([span.start <= p < span.end for p in positions])
+    downstream = torch.tensor([p >= span.end for p in positions])
+    field_mass, downstream_mass = (last[..., mask].sum(-1).mean(1) for mask in (in_field, downstream))
+    mass = {"field": field_mass.tolist(), "downstream": downstream_mass.tolist(), "rest": (1 - field_mass - downstream_mass).tolist()}
+    return AttentionMap(decision.label, positions, notebook.token_texts(), notebook.visible_segments(), _nested(last), mass)
+
+
+def probe_attention(experiment: EditExperiment, *, progress: Progress = None) -> AttentionResult:
+    """Attention of the last decision token to every context token, per layer and head, stale and oracle."""
+    tick = ticker(progress, 2)
+    maps = []
+    for run in (experiment.stale, experiment.oracle):
+        maps.append(_attention_map(experiment, run))
+        tick()
+    return AttentionResult(Gap.of(experiment), *maps)

@@ -1,0 +1,58 @@
+"""Knockout: does hiding the top-K notes from the oracle's decision tokens undo the edit?
+
+Dose-response over K = 0, 1, 2, 4, ... all downstream tokens (ranked by attribution), each against K random
+downstream positions hidden (``seeds`` draws). Hiding goes through the attention mask; the cache is unchanged.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.experiment import EditExperiment
+from engine.notebook import Knockout
+from engine.probes.common import (
+    Gap, Progress, RandomControl, Reading, k_ladder, random_control, random_draws, ranked_notes, read, reading, require_aligned, ticker,
+)
+
+
+@dataclass
+class KnockoutPoint:
+    """The oracle's decision with the top-K notes (and K random downstream positions) hidden."""
+
+    k: int
+    positions: list[int]
+    top: Reading
+    random: RandomControl | None
+
+    def as_dict(self) -> dict:
+        return {"k": self.k, "positions": self.positions, "top": self.top.as_dict(), "random": None if self.random is None else self.random.as_dict()}
+
+
+@dataclass
+class KnockoutResult:
+    """Dose-response: recovery 1 = oracle unchanged, toward 0 = back to the stale decision."""
+
+    gap: Gap
+    points: list[KnockoutPoint]
+
+    def as_dict(self) -> dict:
+        return {**self.gap.as_dict(), "points": [p.as_dict() for p in self.points]}
+
+
+def probe_knockout(experiment: EditExperiment, *, progress: Progress = None, ks: Sequence[int] | None = None, seeds: int = 3) -> KnockoutResult:
+    """Hide the top-K notes from the decision tokens in the oracle cache, K = 0, 1, 2, 4, ... all."""
+    require_aligned(experiment, "knockout")
+    gap, ranked, oracle = Gap.of(experiment), ranked_notes(experiment), experiment.oracle.notebook
+    ks = k_ladder(ks, len(ranked), smallest=0)
+    tick = ticker(progress, len(ks))
+
+    def hidden(positions: Sequence[int]) -> Reading:
+        return reading(read(experiment, oracle, Knockout(tuple(positions))), gap)
+
+    points = []
+    for k in ks:
+        draws = random_draws(experiment.downstream_positions, k, seeds) if k else []
+        control = random_control([hidden(draw).margin for draw in draws], gap) if draws else None
+        points.append(KnockoutPoint(k, ranked[:k], hidden(ranked[:k]), control))
+        tick()
+    return KnockoutResult(gap, points)

@@ -1,0 +1,45 @@
+"""Locality: does recomputing the field alone recover the decision, against the field and everything after it?
+
+Runs the ``field_only`` and ``full_downstream`` strategies of the experiment (paper: ≈ 0 vs 1.0); a strategy
+that does not apply (field_only on a token-count change) is reported with its reason, not refused.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.experiment import EditExperiment
+from engine.probes.common import Gap, Progress, Reading, reading, ticker
+
+
+@dataclass
+class LocalityResult:
+    """Field-only vs full-downstream recompute: None where a strategy does not apply (see ``reasons``)."""
+
+    gap: Gap
+    field_only: Reading | None
+    full_downstream: Reading | None
+    reasons: dict[str, str]
+    ms: dict[str, float]
+
+    def as_dict(self) -> dict:
+        return {
+            **self.gap.as_dict(),
+            "field_only": None if self.field_only is None else self.field_only.as_dict(),
+            "full_downstream": None if self.full_downstream is None else self.full_downstream.as_dict(),
+            "reasons": self.reasons,
+            "ms": {name: round(ms, 1) for name, ms in self.ms.items()},
+        }
+
+
+def probe_locality(experiment: EditExperiment, *, progress: Progress = None) -> LocalityResult:
+    """Recompute only the field vs the field and everything after it (paper: ≈ 0 vs 1.0)."""
+    gap, tick = Gap.of(experiment), ticker(progress, 2)
+    readings, reasons, ms = {}, {}, {}
+    for name in ("field_only", "full_downstream"):
+        result = experiment.run(name)
+        readings[name] = reading(result.decision, gap) if result.applicable else None
+        if not result.applicable:
+            reasons[name] = result.reason
+        ms[name] = result.ms
+        tick()
+    return LocalityResult(gap, readings["field_only"], readings["full_downstream"], reasons, ms)
