@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from engine.compose import splice_prompt
 from engine.decision import Decision, logit_agreement
-from engine.models import LoadedModel
+from engine.loaded import LoadedModel
 from engine.notebook import Notebook
 from engine.scenario import Scenario, ScenarioError, render
 from engine.strategies import DEFAULT_ERRATUM

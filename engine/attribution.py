@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.errors import KVScopeError
-from engine.models import LoadedModel
+from engine.experiment import EditExperiment
+from engine.loaded import LoadedModel
 from engine.runs import ScenarioRun
 from engine.scenario import RenderedPrompt
-from engine.experiment import EditExperiment
 
 METHODS = ("ablation", "gradient")
 GRANULARITIES = ("segments", "tokens")

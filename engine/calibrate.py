@@ -11,9 +11,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engine.models import LoadedModel
-from engine.scenario import Scenario, ScenarioError
 from engine.experiment import EditExperiment
+from engine.loaded import LoadedModel
+from engine.scenario import Scenario, ScenarioError
 
 FLIP_THRESHOLD = 1.0
 NOTES_DEMO_MAX_RECOVERY = 0.4

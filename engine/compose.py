@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.decision import Decision, logit_agreement
-from engine.models import LoadedModel
+from engine.loaded import LoadedModel
 from engine.notebook import Notebook, NotebookError
 from engine.patching import kv_deviation
 from engine.scenario import RenderedPrompt, Scenario, ScenarioError, Skill, bundled_skills, render

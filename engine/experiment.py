@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from engine.decision import Decision, Recovery, recovery
-from engine.models import LoadedModel
+from engine.loaded import LoadedModel
 from engine.notebook import Knockout, Notebook, NotebookError
 from engine.patching import EffectMap, attribution_effects, kv_deviation
 from engine.runs import PreparedRun, ScenarioRun, prepare_scenario, run_scenario

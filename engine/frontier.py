@@ -19,9 +19,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from engine.decision import Decision
+from engine.experiment import EditExperiment, NotesShare
 from engine.notebook import Notebook
 from engine.probes import Gap, k_ladder
-from engine.experiment import EditExperiment, NotesShare
 from engine.strategies import RANKINGS, NotApplicable
 
 FRONTIER_STRATEGIES = ("field_only", "erratum", "field_erratum", "hoist", "full_downstream")

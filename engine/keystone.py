@@ -5,9 +5,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.compose import splice_prompt
-from engine.models import LoadedModel
-from engine.scenario import Scenario, ScenarioError
 from engine.experiment import EditExperiment, EditReport
+from engine.loaded import LoadedModel
+from engine.scenario import Scenario, ScenarioError
 from engine.strategies import STRATEGIES, EditSettings
 
 

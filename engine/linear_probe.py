@@ -32,11 +32,11 @@ from itertools import product
 
 import torch
 
-from engine.models import LoadedModel
+from engine.experiment import EditExperiment
+from engine.loaded import LoadedModel
 from engine.notebook import Notebook
 from engine.probes import ProbeError
 from engine.scenario import RenderedPrompt, ScenarioError, Span, render
-from engine.experiment import EditExperiment
 
 GROUPS = ("field", "aggregators", "others", "decision")
 WRITE_THRESHOLD = 0.9

@@ -10,9 +10,9 @@ import dataclasses
 import re
 
 from engine.compose import compare, with_skills
-from engine.models import LoadedModel
-from engine.scenario import Scenario, ScenarioError
 from engine.experiment import EditExperiment
+from engine.loaded import LoadedModel
+from engine.scenario import Scenario, ScenarioError
 
 PLACEMENTS = ("start", "end")
 

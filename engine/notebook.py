@@ -29,7 +29,7 @@ import torch
 from engine import adapter
 from engine.decision import Decision, decide
 from engine.errors import KVScopeError
-from engine.models import LoadedModel, ModelFingerprint
+from engine.loaded import LoadedModel, ModelFingerprint
 from engine.rope import Rotary, RopeUnsupported
 
 if TYPE_CHECKING:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from engine.decision import Decision
-from engine.models import LoadedModel
+from engine.loaded import LoadedModel
 from engine.notebook import Notebook
 from engine.patching import DecisionGradients, decision_gradients
 from engine.scenario import RenderedPrompt, Scenario, render

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from engine.models import LoadedModel
+from engine.loaded import LoadedModel
 from engine.notebook import Notebook
 from engine.rope import RopeUnsupported
 

@@ -19,7 +19,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from engine.errors import KVScopeError
-from engine.models import LoadedModel, ModelFingerprint
+from engine.loaded import LoadedModel, ModelFingerprint
 from engine.notebook import KVBlock, Notebook
 from engine.scenario import Scenario, Skill, render
 

@@ -23,7 +23,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from engine.models.loaded import LoadedModel, ModelFingerprint, dtype_name
+from engine.loaded import LoadedModel, ModelFingerprint, dtype_name
 
 TINY_ARCHS: tuple[str, ...] = (
     "llama",

@@ -24,7 +24,7 @@ from typing import BinaryIO
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.models.loaded import ModelLoadError, Progress, reporter
+from engine.loaded import ModelLoadError, Progress, reporter
 from engine.models.store import cache_dir, read_json, write_json
 
 logger = logging.getLogger(__name__)

@@ -23,7 +23,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, 
 
 from engine.models import gguf
 from engine.models.dtype import accelerator_dtype, load_with_cpu_dtype_choice
-from engine.models.loaded import (
+from engine.loaded import (
     DTYPES,
     LoadedModel,
     ModelFingerprint,

@@ -1,4 +1,4 @@
-"""What a load produces, and what every loader (engine.tiny included) shares.
+"""What a load produces, and what every loader (``engine.models`` and ``engine.tiny``) shares.
 
 `LoadedModel` (a causal LM with its tokenizer, device, dtype and provenance), its `ModelFingerprint`,
 `ModelLoadError`, `config_hash`, `rope_summary`, the dtype names (`DTYPES`, `dtype_name`) and progress
