@@ -18,7 +18,7 @@ import plotly.graph_objects as go
 
 from app.state import ModelRegistry, SessionStore
 from engine.agent import run_agent
-from engine.analysis import DEFAULT_STRATEGIES, analyse_edit
+from engine.analysis import analyse_edit
 from engine.compose import Fidelity, compare, compose_scenario, skill_of_length
 from engine.errors import KVScopeError
 from engine.experiment import EditExperiment

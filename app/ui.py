@@ -12,6 +12,7 @@ from app import handlers
 from app.composer import SkillComposer
 from app.handlers import AppError
 from app.state import ModelRegistry, SessionStore
+from engine.analysis import DEFAULT_STRATEGIES
 from engine.registry import ALL_PROBES
 from engine.scenario import bundled_scenarios
 from engine.strategies import STRATEGIES
@@ -136,7 +137,7 @@ def _notes_tab(page: Page) -> NotesInputs:
                 field = gr.Dropdown(first.fields, value=first.fields[0], label="Field", allow_custom_value=True, elem_id="field")
                 new_value = gr.Dropdown(first.values, value=first.new, label="New value", allow_custom_value=True, elem_id="new-value")
                 strategies = gr.CheckboxGroup(
-                    [s for s in STRATEGIES if s not in ("stale", "oracle")], value=list(handlers.DEFAULT_STRATEGIES),
+                    [s for s in STRATEGIES if s not in ("stale", "oracle")], value=list(DEFAULT_STRATEGIES),
                     label="Strategies", elem_id="strategies",
                 )
                 top_k = gr.Slider(1, 64, value=8, step=1, label="K (field_topk, knockout)", elem_id="top-k")

@@ -14,7 +14,8 @@ from engine.compose import splice_prompt
 from engine.decision import Decision, logit_agreement
 from engine.loaded import LoadedModel
 from engine.notebook import Notebook
-from engine.scenario import Scenario, ScenarioError, render
+from engine.runs import render_for
+from engine.scenario import Scenario, ScenarioError
 from engine.strategies import DEFAULT_ERRATUM
 
 
@@ -91,7 +92,7 @@ def run_agent(
         raise ScenarioError(f"an episode needs at least one turn, got {turns}")
     field = scenario.field(field_name)
     schedule = value_schedule(field.values, turns, toggle)
-    prompt = render(scenario, lm.tokenizer, scenario.values_with(**{field.name: schedule[0]}), max_tokens=lm.model.config.max_position_embeddings)
+    prompt = render_for(lm, scenario, {field.name: schedule[0]})
     answers = scenario.answers
 
     def compose() -> Notebook:

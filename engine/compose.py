@@ -21,7 +21,8 @@ from engine.decision import Decision, logit_agreement
 from engine.loaded import LoadedModel
 from engine.notebook import Notebook, NotebookError
 from engine.patching import kv_deviation
-from engine.scenario import RenderedPrompt, Scenario, ScenarioError, Skill, bundled_skills, render
+from engine.runs import render_for
+from engine.scenario import RenderedPrompt, Scenario, ScenarioError, Skill, bundled_skills
 
 SEAMS = (0, 1, 2, 4, 8, 16, 32)
 ADHOC_QUESTION = "Is the information above internally consistent? Answer yes or no."
@@ -215,7 +216,7 @@ def compare(
         raise ScenarioError(f"scenario {scenario.name!r} places no skills (use {{skill:ID}} or --skills)")
     if seam < 0 or not 0.0 <= blend <= 1.0:
         raise ScenarioError(f"seam must be ≥ 0 and blend within [0, 1], got seam={seam}, blend={blend}")
-    prompt = render(scenario, lm.tokenizer, scenario.values_with(**dict(values or {})), max_tokens=lm.model.config.max_position_embeddings)
+    prompt = render_for(lm, scenario, values)
     started = time.perf_counter()
     for skill in scenario.skills.values():
         store.get(lm, skill, {name: prompt.values[name] for name in skill.fields})

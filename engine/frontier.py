@@ -15,17 +15,17 @@ forward, every top-K fork of both rankings in one more (plus one backward for th
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.decision import Decision
 from engine.experiment import EditExperiment, NotesShare
 from engine.notebook import Notebook
 from engine.probes import Gap, k_ladder
+from engine.progress import StepProgress
 from engine.strategies import RANKINGS, NotApplicable
 
 FRONTIER_STRATEGIES = ("field_only", "erratum", "field_erratum", "hoist", "full_downstream")
-Progress = Callable[[int, int], None] | None
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ def _topk_points(experiment: EditExperiment, ks: Sequence[int] | None, gap: Gap,
     return [_point(method, k, field_tokens + k, decision, gap, context_tokens) for (method, k, _), decision in zip(forks, decisions)]
 
 
-def probe_frontier(experiment: EditExperiment, *, progress: Progress = None, ks: Sequence[int] | None = None) -> FrontierResult:
+def probe_frontier(experiment: EditExperiment, *, progress: StepProgress = None, ks: Sequence[int] | None = None) -> FrontierResult:
     """Recovery against computed tokens for field_topk over K (both rankings) and the named strategies."""
     started = time.perf_counter()
     experiment.read_together(FRONTIER_STRATEGIES)

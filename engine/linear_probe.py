@@ -36,7 +36,8 @@ from engine.experiment import EditExperiment
 from engine.loaded import LoadedModel
 from engine.notebook import Notebook
 from engine.probes import ProbeError
-from engine.scenario import RenderedPrompt, ScenarioError, Span, render
+from engine.runs import render_for
+from engine.scenario import RenderedPrompt, ScenarioError, Span
 
 GROUPS = ("field", "aggregators", "others", "decision")
 WRITE_THRESHOLD = 0.9
@@ -73,7 +74,7 @@ def render_value(experiment: EditExperiment, value: str) -> RenderedPrompt:
     """The experiment's scenario rendered with the edited field set to ``value``."""
     lm, scenario = experiment.lm, experiment.scenario
     values = scenario.values_with(**{experiment.field: value})
-    return render(scenario, lm.tokenizer, values, max_tokens=lm.model.config.max_position_embeddings)
+    return render_for(lm, scenario, values)
 
 
 def _renderable(experiment: EditExperiment, forms: Sequence[str], seen: set[str]) -> Iterator[tuple[str, RenderedPrompt]]:

@@ -1,16 +1,13 @@
 """What a load produces, and what every loader (``engine.models`` and ``engine.tiny``) shares.
 
 `LoadedModel` (a causal LM with its tokenizer, device, dtype and provenance), its `ModelFingerprint`,
-`ModelLoadError`, `config_hash`, `rope_summary`, the dtype names (`DTYPES`, `dtype_name`) and progress
-reporting (`Progress`, `reporter`). Nothing here loads anything, so the modules that build models import it
-without importing the loader.
+`ModelLoadError`, `config_hash`, `rope_summary`, the dtype names (`DTYPES`, `dtype_name`). Nothing here loads
+anything, so the modules that build models import it without importing the loader.
 """
 from __future__ import annotations
 
 import hashlib
 import json
-import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,9 +16,6 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from engine.errors import KVScopeError
 
-logger = logging.getLogger(__name__)
-
-Progress = Callable[[str], None]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -115,17 +109,6 @@ def rope_summary(config: PretrainedConfig) -> dict[str, Any] | None:
     if all(isinstance(value, dict) for value in params.values()):
         return {layer_type: _rope_entry(entry) for layer_type, entry in params.items()}
     return _rope_entry(params)
-
-
-def reporter(progress: Progress | None) -> Progress:
-    """A progress callback that also logs each message."""
-
-    def report(message: str) -> None:
-        logger.info(message)
-        if progress is not None:
-            progress(message)
-
-    return report
 
 
 def _drop_volatile(data: Any) -> Any:

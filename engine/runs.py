@@ -61,6 +61,12 @@ class PreparedRun:
         return ScenarioRun(self.scenario, self.prompt, self.notebook, decision, self.clean, self.computed_tokens, ms)
 
 
+def render_for(lm: LoadedModel, scenario: Scenario, values: Mapping[str, str] | None = None) -> RenderedPrompt:
+    """The scenario rendered with this model's tokenizer, ``values`` over the old ones, refused past the
+    model's context window."""
+    return render(scenario, lm.tokenizer, scenario.values_with(**dict(values or {})), max_tokens=lm.model.config.max_position_embeddings)
+
+
 def _shared_prefix(a: list[int], b: list[int]) -> int:
     count = 0
     for x, y in zip(a, b):
@@ -83,7 +89,7 @@ def prepare_scenario(
     prefill, and with ``reuse`` (a clean run of the same model) only the tokens after the prefix both
     contexts share are computed: a prefix-cache hit, identical to a clean prefill.
     """
-    prompt = render(scenario, lm.tokenizer, scenario.values_with(**dict(values or {})), max_tokens=lm.model.config.max_position_embeddings)
+    prompt = render_for(lm, scenario, values)
     ids = list(prompt.context_ids)
     if build is not None:
         return PreparedRun(scenario, prompt, build(prompt), False, len(ids))

@@ -17,8 +17,9 @@ import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
 from engine import selftest
-from engine.loaded import DTYPES, LoadedModel, Progress, config_hash
+from engine.loaded import DTYPES, LoadedModel, config_hash
 from engine.models.store import cache_dir, read_json, write_json
+from engine.progress import MessageProgress
 
 _PROBE_TOKENS = 64
 _PROBE_REPS = 3
@@ -38,7 +39,7 @@ def load_with_cpu_dtype_choice(
     loaded: Callable[[PreTrainedModel, str], LoadedModel],
     name: str,
     config: PretrainedConfig,
-    report: Progress,
+    report: MessageProgress,
 ) -> LoadedModel:
     """On CPU use bfloat16 only where it is measured faster, its logits agree with float32 and the cache
     self-test passes in it; the choice and its reason are cached per model + CPU + torch version."""

@@ -24,8 +24,9 @@ from typing import BinaryIO
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.loaded import ModelLoadError, Progress, reporter
+from engine.loaded import ModelLoadError
 from engine.models.store import cache_dir, read_json, write_json
+from engine.progress import MessageProgress, reporter
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ _MARKER = "kvscope-source.json"
 _CHUNK = 16 * 1024 * 1024
 
 
-def converted_alias(alias: str, report: Progress) -> tuple[Path, str, str]:
+def converted_alias(alias: str, report: MessageProgress) -> tuple[Path, str, str]:
     """The safetensors copy of one of ALIASES (converted the first time), its model name and its source."""
     if alias == "embedded":
         copy, name = _embedded_copy(report), EMBEDDED_NAME
@@ -67,9 +68,9 @@ def installed_specs() -> list[str]:
     return found
 
 
-def embedded_gguf_path(progress: Progress | None = None) -> Path:
+def embedded_gguf_path(progress: MessageProgress | None = None) -> Path:
     """The embedded model's GGUF in the cache dir (assembled from its wheels and sha256-verified on first use)."""
-    return _assemble_embedded(reporter(progress))
+    return _assemble_embedded(reporter(progress, logger))
 
 
 # --------------------------------------------------------------------------------------------
@@ -77,7 +78,7 @@ def embedded_gguf_path(progress: Progress | None = None) -> Path:
 # --------------------------------------------------------------------------------------------
 
 
-def _embedded_copy(report: Progress) -> Path:
+def _embedded_copy(report: MessageProgress) -> Path:
     """The safetensors copy of the embedded model, assembling and converting it the first time."""
     copy = _converted_dir(EMBEDDED_SHA256)
     if _is_complete(copy):
@@ -110,7 +111,7 @@ def _embedded_part_paths() -> list[Path]:
     return paths
 
 
-def _assemble_embedded(report: Progress) -> Path:
+def _assemble_embedded(report: MessageProgress) -> Path:
     """Concatenate the parts into one GGUF in the cache dir, streaming, and verify its sha256."""
     target = cache_dir() / "gguf" / EMBEDDED_GGUF_NAME
     if target.is_file() and target.stat().st_size == EMBEDDED_SIZE:
@@ -147,7 +148,7 @@ def _embedded_provenance() -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def _smollm2_copy(report: Progress) -> Path:
+def _smollm2_copy(report: MessageProgress) -> Path:
     """The safetensors copy of SmolLM2-135M-Instruct, converting the packaged GGUF the first time."""
     directory = _package_dir(SMOLLM2_PACKAGE)
     if directory is None:
@@ -164,7 +165,7 @@ def _smollm2_copy(report: Progress) -> Path:
     return copy
 
 
-def _file_sha256(path: Path, report: Progress) -> str:
+def _file_sha256(path: Path, report: MessageProgress) -> str:
     """sha256 of a file, remembered in the cache dir by path, size and mtime."""
     stat = path.stat()
     key = f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
@@ -200,7 +201,7 @@ def _sha256(
 
 
 def _convert_gguf(
-    gguf: Path, sha: str, alias: str, provenance: str, copy: Path, report: Progress, estimate: str
+    gguf: Path, sha: str, alias: str, provenance: str, copy: Path, report: MessageProgress, estimate: str
 ) -> None:
     """Dequantize a GGUF once into a safetensors copy; atomic: built in a temp dir, then renamed."""
     if _package_dir("accelerate") is None:

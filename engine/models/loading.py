@@ -21,19 +21,11 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from engine.loaded import DTYPES, LoadedModel, ModelFingerprint, ModelLoadError, config_hash, dtype_name
 from engine.models import gguf
 from engine.models.dtype import accelerator_dtype, load_with_cpu_dtype_choice
-from engine.loaded import (
-    DTYPES,
-    LoadedModel,
-    ModelFingerprint,
-    ModelLoadError,
-    Progress,
-    config_hash,
-    dtype_name,
-    reporter,
-)
 from engine.models.store import cache_dir
+from engine.progress import MessageProgress, reporter
 from engine.tiny import tiny_model
 
 logger = logging.getLogger(__name__)
@@ -49,10 +41,10 @@ def load_model(
     spec: str = "embedded",
     device: str = "auto",
     dtype: str = "auto",
-    progress: Progress | None = None,
+    progress: MessageProgress | None = None,
 ) -> LoadedModel:
     """Load a causal LM by alias ("embedded", "smollm2", "tiny-<arch>"), local directory or HF id."""
-    report = reporter(progress)
+    report = reporter(progress, logger)
     target = resolve_device(device)
     requested = parse_dtype(dtype)
     spec = spec.strip()
@@ -122,7 +114,7 @@ def _check_local_dir(path: Path) -> Path:
     return path.resolve()
 
 
-def _load_hub(spec: str, device: torch.device, dtype: torch.dtype | None, report: Progress) -> LoadedModel:
+def _load_hub(spec: str, device: torch.device, dtype: torch.dtype | None, report: MessageProgress) -> LoadedModel:
     """A Hugging Face id: the local HF cache first, then the hub (probed quickly so offline fails fast)."""
     bare = _BARE_NAME.fullmatch(spec) is not None
     if not bare and not _HUB_ID.fullmatch(spec):
@@ -155,7 +147,7 @@ def _in_hf_cache(spec: str) -> bool:
     return True
 
 
-def _probe_hub(spec: str, report: Progress) -> None:
+def _probe_hub(spec: str, report: MessageProgress) -> None:
     """Fail fast with a clear message when the hub is unreachable or the id does not exist."""
     from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError
@@ -211,7 +203,7 @@ def _load_pretrained(
     source: str,
     device: torch.device,
     dtype: torch.dtype | None,
-    report: Progress,
+    report: MessageProgress,
     local_only: bool = False,
 ) -> LoadedModel:
     """Load config, tokenizer and safetensors weights; pick the dtype; return a frozen eval model."""

@@ -11,7 +11,8 @@ import numpy as np
 import torch
 
 from engine.experiment import EditExperiment
-from engine.probes.common import Gap, Progress, read, rounded, ticker
+from engine.probes.common import Gap, read, rounded
+from engine.progress import StepProgress, ticker
 from engine.runs import ScenarioRun
 
 
@@ -67,7 +68,7 @@ def _attention_map(experiment: EditExperiment, run: ScenarioRun) -> AttentionMap
     return AttentionMap(decision.label, positions, notebook.token_texts(), notebook.visible_segments(), _nested(last), mass)
 
 
-def probe_attention(experiment: EditExperiment, *, progress: Progress = None) -> AttentionResult:
+def probe_attention(experiment: EditExperiment, *, progress: StepProgress = None) -> AttentionResult:
     """Attention of the last decision token to every context token, per layer and head, stale and oracle."""
     tick = ticker(progress, 2)
     maps = []

@@ -8,7 +8,7 @@ ranked by attribution patching (:func:`ranked_notes`, one backward, ``engine.pat
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.decision import Decision, recovery
@@ -17,7 +17,6 @@ from engine.experiment import EditExperiment
 from engine.notebook import Knockout, Notebook
 from engine.patching import EffectMap, attribution_effects
 
-Progress = Callable[[int, int], None] | None
 
 
 class ProbeError(KVScopeError):
@@ -101,19 +100,6 @@ class RandomControl:
 
 
 # ---------------------------------------------------------------------------- shared steps
-def ticker(progress: Progress, total: int) -> Callable[[], None]:
-    """A callback advancing ``progress`` by one step of ``total``."""
-    done = 0
-
-    def tick() -> None:
-        nonlocal done
-        done += 1
-        if progress:
-            progress(done, total)
-
-    return tick
-
-
 def read(experiment: EditExperiment, notebook: Notebook, knockout: Knockout | Sequence[Knockout] | None = None, **options) -> Decision:
     """The experiment's decision read from ``notebook``, with knockouts and read options (e.g. capture_attention)."""
     return notebook.read_prompt(experiment.prompt, answer_texts=experiment.scenario.answers, knockout=knockout, **options)

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.experiment import EditExperiment
-from engine.probes.common import Gap, ProbeError, Progress, Reading, patched_reading, ranked_notes, require_aligned, ticker
+from engine.probes.common import Gap, ProbeError, Reading, patched_reading, ranked_notes, require_aligned
+from engine.progress import StepProgress, ticker
 
 
 @dataclass
@@ -41,7 +42,7 @@ class FalseNoteResult:
         }
 
 
-def probe_false_note(experiment: EditExperiment, *, progress: Progress = None, k: int = 8) -> FalseNoteResult:
+def probe_false_note(experiment: EditExperiment, *, progress: StepProgress = None, k: int = 8) -> FalseNoteResult:
     """Inject the new value's top-K downstream K/V (not the field) into the stale cache (paper: follows, ≈ 1.0)."""
     require_aligned(experiment, "false_note")
     ranked = ranked_notes(experiment)

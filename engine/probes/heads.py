@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from engine.experiment import EditExperiment
 from engine.notebook import Knockout
 from engine.probes.common import (
-    Gap, ProbeError, Progress, RandomControl, Reading, random_control, random_draws, ranked_notes, read, reading, require_aligned, rounded,
-    ticker,
+    Gap, ProbeError, RandomControl, Reading, random_control, random_draws, ranked_notes, read, reading, require_aligned, rounded,
 )
+from engine.progress import StepProgress, ticker
 
 
 @dataclass
@@ -55,7 +55,7 @@ def _head_knockouts(pairs: Sequence[tuple[int, int]], positions: Sequence[int]) 
 
 
 def probe_heads(
-    experiment: EditExperiment, *, progress: Progress = None, heads: int = 12, notes: int = 8, seeds: int = 3
+    experiment: EditExperiment, *, progress: StepProgress = None, heads: int = 12, notes: int = 8, seeds: int = 3
 ) -> HeadsResult:
     """Read heads: rank (layer, head) by the last decision token's attention to the top notes; knock them out."""
     require_aligned(experiment, "heads")

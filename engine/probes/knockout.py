@@ -11,8 +11,9 @@ from dataclasses import dataclass
 from engine.experiment import EditExperiment
 from engine.notebook import Knockout
 from engine.probes.common import (
-    Gap, Progress, RandomControl, Reading, k_ladder, random_control, random_draws, ranked_notes, read, reading, require_aligned, ticker,
+    Gap, RandomControl, Reading, k_ladder, random_control, random_draws, ranked_notes, read, reading, require_aligned,
 )
+from engine.progress import StepProgress, ticker
 
 
 @dataclass
@@ -39,7 +40,7 @@ class KnockoutResult:
         return {**self.gap.as_dict(), "points": [p.as_dict() for p in self.points]}
 
 
-def probe_knockout(experiment: EditExperiment, *, progress: Progress = None, ks: Sequence[int] | None = None, seeds: int = 3) -> KnockoutResult:
+def probe_knockout(experiment: EditExperiment, *, progress: StepProgress = None, ks: Sequence[int] | None = None, seeds: int = 3) -> KnockoutResult:
     """Hide the top-K notes from the decision tokens in the oracle cache, K = 0, 1, 2, 4, ... all."""
     require_aligned(experiment, "knockout")
     gap, ranked, oracle = Gap.of(experiment), ranked_notes(experiment), experiment.oracle.notebook

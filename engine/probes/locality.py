@@ -8,7 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.experiment import EditExperiment
-from engine.probes.common import Gap, Progress, Reading, reading, ticker
+from engine.probes.common import Gap, Reading, reading
+from engine.progress import StepProgress, ticker
 
 
 @dataclass
@@ -31,7 +32,7 @@ class LocalityResult:
         }
 
 
-def probe_locality(experiment: EditExperiment, *, progress: Progress = None) -> LocalityResult:
+def probe_locality(experiment: EditExperiment, *, progress: StepProgress = None) -> LocalityResult:
     """Recompute only the field vs the field and everything after it (paper: ≈ 0 vs 1.0)."""
     gap, tick = Gap.of(experiment), ticker(progress, 2)
     readings, reasons, ms = {}, {}, {}

@@ -15,7 +15,8 @@ import torch
 from engine.experiment import EditExperiment
 from engine.notebook import Notebook
 from engine.patching import EffectMap, exact_effects
-from engine.probes.common import Gap, ProbeError, Progress, attribution, patched_reading, require_aligned, rounded, ticker
+from engine.probes.common import Gap, ProbeError, attribution, patched_reading, require_aligned, rounded
+from engine.progress import StepProgress, ticker
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,7 @@ def _position_checks(experiment: EditExperiment, summed: dict[int, float], posit
     return checks
 
 
-def probe_notes_map(experiment: EditExperiment, *, progress: Progress = None, top: int = 8, exact: bool = False) -> NotesMapResult:
+def probe_notes_map(experiment: EditExperiment, *, progress: StepProgress = None, top: int = 8, exact: bool = False) -> NotesMapResult:
     """Attribution map over the field and downstream, checked by exact patching of its top entries/positions.
 
     Verified: the ``top`` (layer, position) entries one by one, and the 2·``top`` strongest positions plus

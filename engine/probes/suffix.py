@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 from engine.experiment import EditExperiment
 from engine.probes.common import (
-    Gap, Progress, RandomControl, Reading, k_ladder, patched_reading, random_control, random_draws, ranked_notes, require_aligned, ticker,
+    Gap, RandomControl, Reading, k_ladder, patched_reading, random_control, random_draws, ranked_notes, require_aligned,
 )
+from engine.progress import StepProgress, ticker
 
 
 @dataclass
@@ -65,7 +66,7 @@ def _suffix_point(experiment: EditExperiment, chosen: list[int], bands: dict[str
     )
 
 
-def probe_suffix(experiment: EditExperiment, *, progress: Progress = None, ks: Sequence[int] | None = None, seeds: int = 3) -> SuffixResult:
+def probe_suffix(experiment: EditExperiment, *, progress: StepProgress = None, ks: Sequence[int] | None = None, seeds: int = 3) -> SuffixResult:
     """Suffix concentration: recovery vs K (1, 2, 4, ... all), per layer band, and a random-K control."""
     require_aligned(experiment, "suffix")
     gap, ranked = Gap.of(experiment), ranked_notes(experiment)

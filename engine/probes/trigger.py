@@ -10,9 +10,9 @@ from dataclasses import dataclass, replace as dataclass_replace
 
 from engine.experiment import EditExperiment
 from engine.notebook import Notebook
-from engine.probes.common import Gap, ProbeError, Progress, Reading, patched_reading, read, ticker
-from engine.runs import ScenarioRun
-from engine.scenario import render
+from engine.probes.common import Gap, ProbeError, Reading, patched_reading, read
+from engine.progress import StepProgress, ticker
+from engine.runs import ScenarioRun, render_for
 
 
 @dataclass
@@ -56,7 +56,7 @@ def _flipped_run(experiment: EditExperiment, find: str | None, replace: str | No
         raise ProbeError(f"trigger find={find!r} occurs {count} times in the scenario context; give a phrase that occurs exactly once")
     flipped = dataclass_replace(scenario, context=scenario.context.replace(find, replace))
     original = experiment.stale.prompt
-    prompt = render(flipped, lm.tokenizer, original.values, max_tokens=lm.model.config.max_position_embeddings)
+    prompt = render_for(lm, flipped, original.values)
     if len(prompt.context_ids) != len(original.context_ids):
         raise ProbeError(
             f"replacing {find!r} by {replace!r} changes the context from {len(original.context_ids)} to "
@@ -72,7 +72,7 @@ def _flipped_run(experiment: EditExperiment, find: str | None, replace: str | No
     return ScenarioRun(flipped, prompt, notebook, read(experiment, notebook)), changed
 
 
-def probe_trigger(experiment: EditExperiment, *, progress: Progress = None, find: str | None = None, replace: str | None = None) -> TriggerResult:
+def probe_trigger(experiment: EditExperiment, *, progress: StepProgress = None, find: str | None = None, replace: str | None = None) -> TriggerResult:
     """Flip a rule word; patch the flipped run's notes after it (≈ 1) vs only the trigger tokens (≈ 0)."""
     flipped, changed = _flipped_run(experiment, find, replace)
     notes = [p for p in experiment.downstream_positions if p > changed[0] and p not in changed]
