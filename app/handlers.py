@@ -10,7 +10,7 @@ import dataclasses
 import html
 import json
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,14 +25,12 @@ from engine.experiment import EditExperiment
 from engine.frontier import probe_frontier
 from engine.keystone import keystone
 from engine.models import LoadedModel, available_offline
+from engine.progress import MessageProgress, StepProgress
 from engine.registry import ALL_PROBES
 from engine.scenario import Scenario, Skill, bundled_scenarios, bundled_skills
 from engine.selftest import SelfTestReport
 from engine.strategies import EditSettings
-from viz import benchmarks as benchmark_figures
-from viz import compose as compose_figures
-from viz import learn
-from viz import notes as notes_figures
+from viz import benchmarks as benchmark_figures, compose as compose_figures, learn, notes as notes_figures
 from viz.cards import strategy_cards_html
 from viz.common import message_figure
 from viz.decision import decision_figure
@@ -45,7 +43,6 @@ RESULTS_DIR = Path(__file__).parents[1] / "benchmarks" / "results"
 # among the scenarios that flip; `python -m engine calibrate`): the Notes tab's default and the Learn tab's case.
 NOTES_SCENARIO = "pharmacy_prescription"
 TTFT_SCENARIO = "refund_gate"  # the quick TTFT check measures what benchmarks/ttft.py measured
-Progress = Callable[[int, int], None] | None
 
 
 class AppError(Exception):
@@ -88,7 +85,7 @@ def model_card(lm: LoadedModel, selftest: SelfTestReport | None = None) -> str:
 
 
 @guarded
-def load_model_card(registry: ModelRegistry, spec: str, progress: Callable[[str], None] | None = None,
+def load_model_card(registry: ModelRegistry, spec: str, progress: MessageProgress | None = None,
                     dtype: str | None = None) -> tuple[str, dict]:
     """Load (or reuse) a model, in ``dtype`` when given (else as loaded, or auto), run its self-test once, and describe it."""
     spec = (spec or "").strip() or registry.default_spec
@@ -175,7 +172,7 @@ def prepare_baseline(registry: ModelRegistry, spec: str | None, text: str) -> st
 @guarded
 def run_edit(
     registry: ModelRegistry, sessions: SessionStore, session: str, spec: str | None, text: str, field: str | None,
-    new: str | None, strategies: Sequence[str], top_k: int = 8, head: int | None = None, progress: Progress = None,
+    new: str | None, strategies: Sequence[str], top_k: int = 8, head: int | None = None, progress: StepProgress = None,
     separately: bool = False, all_positions: bool = False,
 ) -> NotesView:
     """Change a field, run the chosen strategies (read together in one forward unless ``separately``, which
@@ -211,7 +208,7 @@ def notes_map_view(sessions: SessionStore, session: str, all_positions: bool) ->
 
 
 @guarded
-def run_frontier(sessions: SessionStore, session: str, progress: Progress = None) -> tuple[go.Figure, dict]:
+def run_frontier(sessions: SessionStore, session: str, progress: StepProgress = None) -> tuple[go.Figure, dict]:
     """The cost–quality frontier of the session's last edit (field_topk over K, both rankings, and the strategies)."""
     experiment: EditExperiment | None = sessions.get(session, "edit")
     if experiment is None:
@@ -250,7 +247,7 @@ def run_knockout(sessions: SessionStore, session: str, positions_text: str, top_
 
 @guarded
 def run_probe(registry: ModelRegistry, spec: str | None, text: str, field: str | None, new: str | None, name: str,
-              options: dict | None = None, progress: Progress = None) -> tuple[go.Figure, dict]:
+              options: dict | None = None, progress: StepProgress = None) -> tuple[go.Figure, dict]:
     """One probe (causal, linear or attribution) on the Notes tab's edit, with its figure."""
     if name not in ALL_PROBES:
         raise AppError(f"unknown probe {name!r}; choose from {', '.join(ALL_PROBES)}")
@@ -308,7 +305,7 @@ def run_compose(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[s
 
 @guarded
 def run_keystone(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[str], before: str, between: str,
-                 after_scenario: str | None, seam: int, progress: Progress = None) -> tuple[go.Figure, dict]:
+                 after_scenario: str | None, seam: int, progress: StepProgress = None) -> tuple[go.Figure, dict]:
     """Edit the field inside a spliced skill: composed vs recomputed per strategy."""
     lm = registry.get(spec)
     scenario = composed_scenario(skill_ids, before, between, after_scenario)
@@ -318,7 +315,7 @@ def run_keystone(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[
 
 @guarded
 def run_agent_loop(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[str], before: str, between: str,
-                   after_scenario: str | None, seam: int, turns: int, toggle: bool, progress: Progress = None) -> tuple[go.Figure, dict]:
+                   after_scenario: str | None, seam: int, turns: int, toggle: bool, progress: StepProgress = None) -> tuple[go.Figure, dict]:
     """Multi-turn episode with errata on a cached, composed context vs re-prefilling every turn."""
     lm = registry.get(spec)
     scenario = composed_scenario(skill_ids, before, between, after_scenario)
@@ -349,7 +346,7 @@ def benchmark_figures_for(results: dict[str, dict]) -> list[go.Figure]:
 
 
 @guarded
-def quick_ttft(registry: ModelRegistry, spec: str | None, lengths: Sequence[int] = (128, 512), progress: Progress = None) -> dict:
+def quick_ttft(registry: ModelRegistry, spec: str | None, lengths: Sequence[int] = (128, 512), progress: StepProgress = None) -> dict:
     """A small live TTFT table: the long policy cut to each length, spliced before the refund gate."""
     lm = registry.get(spec)
     scenario = parse_scenario(bundled_scenario_text(TTFT_SCENARIO))

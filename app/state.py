@@ -14,6 +14,7 @@ from typing import Any
 
 from engine.compose import Recomputed
 from engine.models import LoadedModel, load_model
+from engine.progress import MessageProgress
 from engine.runs import ScenarioRun, run_scenario
 from engine.scenario import Scenario
 from engine.selftest import SelfTestReport, run_selftest
@@ -78,7 +79,7 @@ class ModelRegistry:
             self._dtypes[spec] = self.dtype
             self._evict()
 
-    def get(self, spec: str | None = None, progress: Callable[[str], None] | None = None, dtype: str | None = None) -> LoadedModel:
+    def get(self, spec: str | None = None, progress: MessageProgress | None = None, dtype: str | None = None) -> LoadedModel:
         """The model for ``spec`` (default spec when None), loading it on first use; a ``dtype`` other than the
         one it was loaded with ("auto", "float32", "bfloat16", …) reloads it in that dtype."""
         spec = spec or self.default_spec

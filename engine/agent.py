@@ -7,13 +7,13 @@ identical tokens, so any difference comes from splicing (seam) and never from th
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.compose import splice_prompt
 from engine.decision import Decision, logit_agreement
 from engine.loaded import LoadedModel
 from engine.notebook import Notebook
+from engine.progress import StepProgress
 from engine.runs import render_for
 from engine.scenario import Scenario, ScenarioError
 from engine.strategies import DEFAULT_ERRATUM
@@ -85,7 +85,7 @@ def run_agent(
     toggle: bool = False,
     seam: int = 1,
     erratum: str = DEFAULT_ERRATUM,
-    progress: Callable[[int, int], None] | None = None,
+    progress: StepProgress = None,
 ) -> AgentReport:
     """Run ``turns`` state changes after turn 0; compare the cached notebook with re-prefilling each turn."""
     if turns < 1:

@@ -5,12 +5,13 @@ One call, :func:`analyse_edit`, so a front end turns UI values into one engine c
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.experiment import EditExperiment, EditReport
 from engine.patching import EffectMap
 from engine.probes import AttentionResult, probe_attention
+from engine.progress import StepProgress
 
 DEFAULT_STRATEGIES = ("field_only", "erratum", "field_erratum", "full_downstream")
 
@@ -30,7 +31,7 @@ class EditAnalysis:
 
 
 def analyse_edit(experiment: EditExperiment, names: Sequence[str] = DEFAULT_STRATEGIES, *, fused: bool = True,
-                 progress: Callable[[int, int], None] | None = None) -> EditAnalysis:
+                 progress: StepProgress = None) -> EditAnalysis:
     """Run the named strategies (read together in one forward when ``fused``), the attention maps and the
     notes effects (from the stale run's cached gradients) of one edit."""
     report = experiment.report(list(names) or list(DEFAULT_STRATEGIES), progress=progress, fused=fused)

@@ -24,9 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.decision import answer_logprob, decision_margin, label_scores
 from engine.errors import KVScopeError
 from engine.experiment import EditExperiment
 from engine.loaded import LoadedModel
+from engine.progress import StepProgress, Tick
 from engine.runs import ScenarioRun
 from engine.scenario import RenderedPrompt
 
@@ -124,25 +126,23 @@ def context_features(segments: Sequence[str], token_texts: Sequence[str], granul
 
 
 # ---------------------------------------------------------------------------- the scored forward
-def _label_scores(lm: LoadedModel, embeds: torch.Tensor, answer_ids: dict[str, tuple[tuple[int, ...], ...]]) -> torch.Tensor:
+def _forward_label_scores(lm: LoadedModel, embeds: torch.Tensor, answer_ids: dict[str, tuple[tuple[int, ...], ...]]) -> torch.Tensor:
     """(B, labels) log Σ_s P(s | sequence) over each label's answers, from plain forwards of ``embeds`` (B, T, hidden)."""
     model, embedding = lm.model, lm.model.get_input_embeddings()
-    first: torch.Tensor | None = None
+    last: torch.Tensor | None = None
     labels = []
     for sequences in answer_ids.values():
         strings = []
         for ids in sequences:
             if len(ids) == 1:
-                if first is None:
-                    first = torch.log_softmax(model(inputs_embeds=embeds, logits_to_keep=1).logits[:, -1].float(), -1)
-                strings.append(first[:, ids[0]])
+                if last is None:
+                    last = model(inputs_embeds=embeds, logits_to_keep=1).logits
+                strings.append(answer_logprob(last, [0], ids))
                 continue
             lead = embedding(torch.tensor(ids[:-1], device=embeds.device))[None].expand(len(embeds), -1, -1)
-            logits = model(inputs_embeds=torch.cat([embeds, lead], 1), logits_to_keep=len(ids)).logits.float()
-            steps = torch.log_softmax(logits, -1)  # (B, len(ids), vocab)
-            index = torch.arange(len(ids), device=steps.device), torch.tensor(ids, device=steps.device)
-            strings.append(steps[:, index[0], index[1]].sum(-1))
-        labels.append(torch.logsumexp(torch.stack(strings, -1), -1))
+            logits = model(inputs_embeds=torch.cat([embeds, lead], 1), logits_to_keep=len(ids)).logits
+            strings.append(answer_logprob(logits, range(len(ids)), ids))
+        labels.append(label_scores(torch.stack(strings, -1)))
     return torch.stack(labels, -1)
 
 
@@ -153,10 +153,10 @@ def decision_target(lm: LoadedModel, prompt: RenderedPrompt, target: str, chosen
     labels = list(prompt.answer_ids)
 
     def score(embeds: torch.Tensor) -> torch.Tensor:
-        scores = _label_scores(lm, embeds, prompt.answer_ids)
+        scores = _forward_label_scores(lm, embeds, prompt.answer_ids)
         if target == "answer":
             return scores[:, labels.index(chosen)]
-        return scores[:, 0] - scores[:, 1:].max(-1).values
+        return decision_margin(scores)
 
     return score
 
@@ -202,7 +202,7 @@ def _ablation_scores(
     positions: torch.Tensor,
     mask: torch.Tensor,
     baseline: int,
-    tick: Callable[[], None],
+    tick: Tick,
 ) -> torch.Tensor:
     """captum FeatureAblation over the tokens at ``positions`` of ``ids`` (T,), grouped by ``mask`` (P,): (P,) scores."""
 
@@ -226,7 +226,7 @@ def _gradient_scores(
     positions: torch.Tensor,
     baseline: int,
     steps: int,
-    tick: Callable[[], None],
+    tick: Tick,
 ) -> torch.Tensor:
     """captum IntegratedGradients on the embeddings at ``positions``, summed over the hidden dim: (P,) scores."""
     with torch.no_grad():
@@ -257,7 +257,7 @@ def captum_attribution(
     target: str = "margin",
     baseline_id: int | None = None,
     steps: int = 8,
-    progress: Callable[[int, int], None] | None = None,
+    progress: StepProgress = None,
 ) -> AttributionResult:
     """Attribute a run's decision (an experiment's stale run by default, or ``run="oracle"``) to context features."""
     started = time.perf_counter()

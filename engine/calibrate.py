@@ -7,12 +7,13 @@ paper's phenomenon, visible on this model.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from engine.experiment import EditExperiment
 from engine.loaded import LoadedModel
+from engine.progress import StepProgress
 from engine.scenario import Scenario, ScenarioError
 
 FLIP_THRESHOLD = 1.0
@@ -87,7 +88,7 @@ def scenario_files(paths: Sequence[str | Path]) -> list[Path]:
     return files
 
 
-def calibrate(lm: LoadedModel, paths: Sequence[str | Path], threshold: float = FLIP_THRESHOLD, progress: Callable[[int, int], None] | None = None) -> list[Calibration]:
+def calibrate(lm: LoadedModel, paths: Sequence[str | Path], threshold: float = FLIP_THRESHOLD, progress: StepProgress = None) -> list[Calibration]:
     """Calibrate every scenario file under ``paths``."""
     files = scenario_files(paths)
     results: list[Calibration] = []

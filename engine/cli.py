@@ -20,13 +20,13 @@ from engine.experiment import EditExperiment
 from engine.keystone import keystone
 from engine.memory import memory_placement
 from engine.models import LoadedModel, cache_dir, load_model
+from engine.progress import StepProgress
 from engine.registry import ALL_PROBES
 from engine.runs import run_scenario
 from engine.scenario import Scenario, ScenarioError, bundled_scenarios
 from engine.selftest import run_selftest
 from engine.skills import SkillStore
 from engine.strategies import STRATEGIES, EditSettings, check_names
-
 
 
 def _log(message: str) -> None:
@@ -172,10 +172,10 @@ def cmd_memory(args: argparse.Namespace) -> dict:
     """A user-memory skill at the start vs the end: edit cost, transplant fidelity."""
     scenario = _composition(args)
     lm = _load(args)
-    return {"model": lm.fingerprint.name, **memory_placement(lm, scenario, _store(), skill_id=args.memory_skill, seam=args.seam)}
+    return {"model": lm.fingerprint.name, **memory_placement(lm, scenario, _store(), skill_id=args.memory_skill, seam=args.seam).as_dict()}
 
 
-def _progress(unit: str) -> Callable[[int, int], None]:
+def _progress(unit: str) -> StepProgress:
     return lambda done, total: _log(f"{unit}: {done}/{total}")
 
 

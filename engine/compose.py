@@ -20,7 +20,7 @@ import torch
 from engine.decision import Decision, logit_agreement
 from engine.loaded import LoadedModel
 from engine.notebook import Notebook, NotebookError
-from engine.patching import kv_deviation
+from engine.patching import kv_deviation, kv_relative_deviation
 from engine.runs import render_for
 from engine.scenario import RenderedPrompt, Scenario, ScenarioError, Skill, bundled_skills
 
@@ -122,18 +122,6 @@ def splice_prompt(
     if cursor < len(ids):
         notebook = notebook.append(ids[cursor:], segments[cursor:])
     return notebook
-
-
-def kv_relative_deviation(spliced: Notebook, reference: Notebook) -> torch.Tensor:
-    """(layers, context tokens) ‖Δk‖+‖Δv‖ over ‖k‖+‖v‖ of the reference, in reading order."""
-    positions = reference.visible_positions()
-    mine, theirs = spliced.entries_at(positions).to(spliced.lm.device), reference.entries_at(positions).to(spliced.lm.device)
-    rows = []
-    for key, value, ref_key, ref_value in zip(spliced.keys, spliced.values, reference.keys, reference.values):
-        rk, rv = ref_key.index_select(2, theirs).float(), ref_value.index_select(2, theirs).float()
-        delta = (key.index_select(2, mine).float() - rk).norm(dim=-1) + (value.index_select(2, mine).float() - rv).norm(dim=-1)
-        rows.append((delta / (rk.norm(dim=-1) + rv.norm(dim=-1)).clamp_min(1e-6)).mean(dim=(0, 1)))
-    return torch.stack(rows).cpu()
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ is the signed *decision score* the paper's recovery uses.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -37,15 +38,30 @@ class Decision:
         }
 
 
+def answer_logprob(logits: torch.Tensor, rows: Sequence[int], answer: Sequence[int]) -> torch.Tensor:
+    """log P(answer): Σ_i log-softmax(logits[rows[i]])[answer[i]], over logits (..., rows, vocab) -> (...)."""
+    steps = torch.log_softmax(logits[..., list(rows), :].float(), -1)
+    index = torch.arange(len(answer), device=steps.device), torch.tensor(list(answer), device=steps.device)
+    return steps[..., index[0], index[1]].sum(-1)
+
+
+def label_scores(string_logprobs: torch.Tensor) -> torch.Tensor:
+    """(..., strings) -> (...): a label's score, log Σ_s P(s) over its surface strings."""
+    return torch.logsumexp(string_logprobs, -1)
+
+
+def decision_margin(scores: torch.Tensor) -> torch.Tensor:
+    """(..., labels) -> (...): the first label's score minus the best other one's."""
+    return scores[..., 0] - scores[..., 1:].max(-1).values
+
+
 def decide(string_logprobs: dict[str, dict[str, float]], next_token_logits: torch.Tensor) -> Decision:
     """Aggregate per-string log-probs into label scores, margin and the chosen label."""
-    scores = {label: float(torch.logsumexp(torch.tensor(list(s.values())), 0)) for label, s in string_logprobs.items()}
-    labels = list(scores)
-    first, others = scores[labels[0]], [scores[label] for label in labels[1:]]
+    scores = {label: float(label_scores(torch.tensor(list(s.values())))) for label, s in string_logprobs.items()}
     return Decision(
         scores=scores,
         string_logprobs=string_logprobs,
-        margin=first - max(others),
+        margin=float(decision_margin(torch.tensor(list(scores.values()), dtype=torch.float64))),
         label=max(scores, key=scores.get),
         next_token_logits=next_token_logits,
     )

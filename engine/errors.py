@@ -10,3 +10,7 @@ from __future__ import annotations
 
 class KVScopeError(ValueError):
     """Bad input or a refusal, with a message for the user; nothing was changed."""
+
+
+class NotebookError(KVScopeError):
+    """An operation that cannot apply to a notebook; the message says which input and why."""

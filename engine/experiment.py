@@ -21,10 +21,19 @@ from engine.decision import Decision, Recovery, recovery
 from engine.loaded import LoadedModel
 from engine.notebook import Knockout, Notebook, NotebookError
 from engine.patching import EffectMap, attribution_effects, kv_deviation
+from engine.progress import StepProgress
 from engine.runs import PreparedRun, ScenarioRun, prepare_scenario, run_scenario
 from engine.scenario import RenderedPrompt, Scenario, ScenarioError
 from engine.strategies import (
-    AUTO_CANDIDATES, FUSABLE, RANKING_LABELS, REGISTRY, STRATEGIES, EditSettings, NotApplicable, StrategyResult, check_names,
+    AUTO_CANDIDATES,
+    FUSABLE,
+    RANKING_LABELS,
+    REGISTRY,
+    STRATEGIES,
+    EditSettings,
+    NotApplicable,
+    StrategyResult,
+    check_names,
     check_ranking,
 )
 
@@ -359,7 +368,7 @@ class EditExperiment:
         return NotesShare.of(self.run("field_only"), self.stale.decision, self.oracle.decision,
                              self.downstream_patch_recovery() if downstream_patch else None)
 
-    def report(self, names: Sequence[str] = STRATEGIES, progress: Callable[[int, int], None] | None = None, fused: bool = False,
+    def report(self, names: Sequence[str] = STRATEGIES, progress: StepProgress = None, fused: bool = False,
                downstream_patch: bool = False) -> EditReport:
         """Run the named strategies and collect them with stale, oracle and the notes share (``fused``: see
         :meth:`read_together`; field_only is always read, for the notes share)."""

@@ -1,12 +1,13 @@
 """Keystone: edit a field *inside* a spliced skill; composed vs recomputed cache, strategy by strategy."""
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.compose import splice_prompt
 from engine.experiment import EditExperiment, EditReport
 from engine.loaded import LoadedModel
+from engine.progress import StepProgress
 from engine.scenario import Scenario, ScenarioError
 from engine.strategies import STRATEGIES, EditSettings
 
@@ -49,7 +50,7 @@ def keystone(
     seam: int = 1,
     strategies: Sequence[str] = tuple(s for s in STRATEGIES if s not in ("field_only_cot", "auto")),
     settings: EditSettings | None = None,
-    progress: Callable[[int, int], None] | None = None,
+    progress: StepProgress = None,
 ) -> KeystoneReport:
     """Run the edit strategies on a field that lives inside a skill (default: the first such field), spliced
     and recomputed."""

@@ -36,6 +36,7 @@ from engine.experiment import EditExperiment
 from engine.loaded import LoadedModel
 from engine.notebook import Notebook
 from engine.probes import ProbeError
+from engine.progress import StepProgress, Tick
 from engine.runs import render_for
 from engine.scenario import RenderedPrompt, ScenarioError, Span
 
@@ -338,7 +339,7 @@ class LinearProbeResult:
         }
 
 
-def _accuracy_rows(stacks: dict[str, torch.Tensor], labels: Sequence, folds: int, tick: Callable[[], None]) -> dict[str, list[float]]:
+def _accuracy_rows(stacks: dict[str, torch.Tensor], labels: Sequence, folds: int, tick: Tick) -> dict[str, list[float]]:
     """Group -> CV accuracy per hidden state, for features (n, layers + 1, hidden) per group."""
     rows = {}
     for group, stack in stacks.items():
@@ -354,7 +355,7 @@ def probe_linear(
     *,
     min_samples: int = 16,
     folds: int = 4,
-    progress: Callable[[int, int], None] | None = None,
+    progress: StepProgress = None,
 ) -> LinearProbeResult:
     """Write before read: per-layer linear decodability of the conclusion at each position group, and the commit layer."""
     started = time.perf_counter()

@@ -11,7 +11,7 @@ Computation is deferred: append, replace, recompute, seam repair and the last ch
 needs them. A read then runs the pending tokens and the question in one forward, and
 :meth:`Notebook.read_many` reads several forks of one notebook in one forward (each fork's tokens see
 only its own entries; equal forks run once). Fusing is exact: a token's K/V depend only on the entries it
-attends to, exactly as in a chunked prefill.
+attends to, exactly as in a chunked prefill. The planner of that forward lives in :mod:`engine.fused`.
 
 Costs (N stored entries, T tokens computed): prefill/append O(T·N) attention; read O(D·N) for D decode
 tokens; replace/recompute/seam repair O(T·N) for the T tokens rewritten; patch and knockout O(1) forwards
@@ -19,25 +19,22 @@ beyond the read itself; splice O(L) re-rotation for an L-token block plus the se
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace as dataclass_replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace as dataclass_replace
 from functools import cached_property
 from typing import TYPE_CHECKING
 
 import torch
 
-from engine import adapter
-from engine.decision import Decision, decide
-from engine.errors import KVScopeError
+from engine.decision import Decision, answer_logprob, decide, decision_margin, label_scores
+from engine.errors import NotebookError
+from engine.fused import BranchRun, Continuation, PendingStep, computed_count, forks_by_base, joined, run_together
 from engine.loaded import LoadedModel, ModelFingerprint
-from engine.rope import Rotary, RopeUnsupported
+from engine.progress import StepProgress
+from engine.rope import RopeUnsupported, Rotary
 
 if TYPE_CHECKING:
     from engine.scenario import RenderedPrompt
-
-
-class NotebookError(KVScopeError):
-    """An operation that cannot apply to this notebook; the message says which input and why."""
 
 
 @dataclass(frozen=True)
@@ -47,46 +44,6 @@ class Knockout:
     positions: tuple[int, ...]
     layers: tuple[int, ...] | None = None
     heads: tuple[int, ...] | None = None
-
-
-@dataclass(frozen=True)
-class PendingStep:
-    """Entries [start, stop) recorded but not computed yet; their tokens see the earlier entries in ``sees``
-    (and each other), causally by position."""
-
-    start: int
-    stop: int
-    sees: torch.Tensor  # (start,) bool, CPU
-
-
-@dataclass(frozen=True)
-class Continuation:
-    """Tokens run after a notebook's entries without being stored (a question, answer continuations)."""
-
-    token_ids: list[int]
-    positions: list[int]
-    sees: torch.Tensor  # (T, T) bool: which continuation tokens each one sees (causal by position on top)
-    logit_rows: list[int]  # rows whose next-token logits are kept
-    knockout: "Knockout | Sequence[Knockout] | None" = None
-    captured_rows: list[int] = field(default_factory=list)  # rows whose attention is kept when capturing
-
-    @classmethod
-    def causal(cls, token_ids: Sequence[int], start: int, logit_rows: Sequence[int] = ()) -> "Continuation":
-        """Plain tokens at ``start``, ``start + 1``, ... each seeing the earlier ones."""
-        count = len(token_ids)
-        return cls(list(token_ids), list(range(start, start + count)), torch.ones(count, count, dtype=torch.bool), list(logit_rows))
-
-
-@dataclass
-class BranchRun:
-    """One notebook's share of a fused forward: itself computed, and what its continuation produced."""
-
-    notebook: "Notebook"  # no pending steps
-    keys: list[torch.Tensor]  # per layer (1, kv_heads, T, head_dim): the continuation's K/V
-    values: list[torch.Tensor]
-    logits: torch.Tensor  # (len(logit_rows), vocab) float32
-    attentions: dict[int, torch.Tensor]  # layer -> (heads, captured rows, entries + T), entries in storage order
-    hidden_states: tuple[torch.Tensor, ...] | None  # per layer (T, hidden), when asked
 
 
 @dataclass(frozen=True)
@@ -150,7 +107,7 @@ class Notebook:
         *,
         chunk_size: int | None = None,
         start_position: int = 0,
-        progress: Callable[[int, int], None] | None = None,
+        progress: StepProgress = None,
     ) -> "Notebook":
         """Prefill tokens (in chunks of ``chunk_size`` if given) starting at ``start_position``.
 
@@ -234,17 +191,30 @@ class Notebook:
         if not self.pending:
             return self
         if "_computed" not in self.__dict__:
-            _run_together([self], [None])
+            Notebook._run([self], [None])
         return self.__dict__["_computed"]
 
-    def _latest(self) -> "Notebook":
+    def latest(self) -> "Notebook":
         """The computed twin if a read already computed this notebook, else itself (never recompute twice)."""
         return self.__dict__.get("_computed", self)
+
+    @staticmethod
+    def _run(notebooks: Sequence["Notebook"], continuations: Sequence[Continuation | None], **options) -> list[BranchRun]:
+        """:func:`engine.fused.run_together`, after which each pending notebook remembers its computed twin."""
+        runs = run_together(notebooks, continuations, **options)
+        for notebook, run in zip(notebooks, runs):
+            notebook._remember(run.notebook)
+        return runs
+
+    def _remember(self, computed: "Notebook") -> None:
+        """Keep the computed twin of a pending notebook, so that nothing is computed twice."""
+        if self.pending and computed is not self:
+            self.__dict__["_computed"] = computed
 
     def computation(self) -> tuple:
         """What determines this notebook's K/V: its computed tensors, tokens, positions and what each pending
         step sees. Forks with equal computations hold equal K/V, so a fused read computes them once."""
-        latest = self._latest()
+        latest = self.latest()
         return (
             tuple(id(tensor) for tensor in latest.computed_keys),
             tuple(latest.token_ids.tolist()),
@@ -278,7 +248,7 @@ class Notebook:
     # ---------------------------------------------------------------- primitive
     def _compute(self, token_ids, positions, segments, *, hide: torch.Tensor | None = None, note: str = "") -> "Notebook":
         """Record tokens at positions to compute over this cache (``hide`` entries excluded from now on)."""
-        base = self._latest()
+        base = self.latest()
         visible = base.visible.clone()
         if hide is not None:
             visible[hide] = False
@@ -301,8 +271,8 @@ class Notebook:
         count = len(continuation.token_ids)
         return Notebook(
             lm=base.lm,
-            computed_keys=_joined(base.computed_keys, run.keys, slice(None)),
-            computed_values=_joined(base.computed_values, run.values, slice(None)),
+            computed_keys=joined(base.computed_keys, run.keys, slice(None)),
+            computed_values=joined(base.computed_values, run.values, slice(None)),
             token_ids=torch.cat([base.token_ids, torch.tensor(continuation.token_ids, dtype=torch.long)]),
             positions=torch.cat([base.positions, torch.tensor(continuation.positions, dtype=torch.long)]),
             segments=base.segments + (segment,) * count,
@@ -441,8 +411,8 @@ class Notebook:
             rotary = self.rotary
         except RopeUnsupported as error:
             raise NotebookError(f"cannot splice {block.name!r}: {error}") from error
-        moved = self._shifted(at, len(block), f"splicing {block.name!r}")._latest()
-        count, done = len(block), _computed_count(moved)  # the block joins the computed entries; pending ones follow it
+        moved = self._shifted(at, len(block), f"splicing {block.name!r}").latest()
+        count, done = len(block), computed_count(moved)  # the block joins the computed entries; pending ones follow it
         deltas = torch.full((count,), at - block.start_position, dtype=torch.long)
         rotated = tuple(rotary.rotate(b, deltas) for b in block.keys)
         keys = tuple(torch.cat([k, b], dim=2) for k, b in zip(moved.computed_keys, rotated)) if moved.computed_keys else rotated
@@ -479,7 +449,7 @@ class Notebook:
         )
 
     # ---------------------------------------------------------------- decision
-    def _blocked(self, knockouts: Knockout | Sequence[Knockout] | None) -> dict[int, torch.Tensor]:
+    def blocked_masks(self, knockouts: Knockout | Sequence[Knockout] | None) -> dict[int, torch.Tensor]:
         """Knockouts as per-layer (heads or 1, N) bool masks over this notebook's entries, OR-ed."""
         if knockouts is None:
             return {}
@@ -536,11 +506,7 @@ class Notebook:
     @staticmethod
     def _scores(run: BranchRun, layout: dict) -> dict[str, list[torch.Tensor]]:
         """Per-string answer log-probs from a question's kept logits."""
-        log_probs = torch.log_softmax(run.logits, -1)
-        return {
-            label: [sum(log_probs[row, token] for row, token in zip(rows, answer)) for answer, rows in strings]
-            for label, strings in layout.items()
-        }
+        return {label: [answer_logprob(run.logits, rows, answer) for answer, rows in strings] for label, strings in layout.items()}
 
     @staticmethod
     def read_many(
@@ -566,16 +532,16 @@ class Notebook:
             first_of.setdefault(key, index)
         unique = sorted(set(first_of.values()))
         runs: dict[int, BranchRun] = {}
-        for group in _forks_by_base([notebooks[i] for i in unique]):
+        for group in forks_by_base([notebooks[i] for i in unique]):
             chosen = [unique[i] for i in group]
-            for index, run in zip(chosen, _run_together([notebooks[i] for i in chosen], [questions[i][0] for i in chosen], capture=capture_attention)):
+            for index, run in zip(chosen, Notebook._run([notebooks[i] for i in chosen], [questions[i][0] for i in chosen], capture=capture_attention)):
                 runs[index] = run
         for index, notebook in enumerate(notebooks):
             twin = runs[first_of[computations[index]]]
             if index not in runs:
-                done = dataclass_replace(notebook._latest(), computed_keys=twin.notebook.computed_keys,
+                done = dataclass_replace(notebook.latest(), computed_keys=twin.notebook.computed_keys,
                                          computed_values=twin.notebook.computed_values, pending=())
-                notebook.__dict__["_computed"] = done
+                notebook._remember(done)
                 runs[index] = dataclass_replace(twin, notebook=done)
         texts = answer_texts or {label: [str(i) for i in range(len(seqs))] for label, seqs in answers.items()}
         decisions = []
@@ -610,9 +576,9 @@ class Notebook:
     ) -> torch.Tensor:
         """The decision margin as a differentiable scalar (gradients flow into K/V that require grad)."""
         question, layout = self._question(decode_ids, answers, knockout)
-        run = _run_together([self], [question], grad=True)[0]
-        label_scores = [torch.logsumexp(torch.stack(values), 0) for values in Notebook._scores(run, layout).values()]
-        return label_scores[0] - torch.stack(label_scores[1:]).max()
+        run = Notebook._run([self], [question], grad=True)[0]
+        strings = Notebook._scores(run, layout).values()
+        return decision_margin(torch.stack([label_scores(torch.stack(values)) for values in strings]))
 
     def with_grad(self) -> "Notebook":
         """A copy whose K/V are fresh float leaves requiring grad (for attribution patching)."""
@@ -623,7 +589,7 @@ class Notebook:
     def _step(self, token_ids: Sequence[int], segment: str) -> tuple["Notebook", torch.Tensor]:
         """Run tokens after the context, store them, and return the last token's next-token logits."""
         continuation = Continuation.causal(token_ids, self.next_position, [len(token_ids) - 1])
-        run = _run_together([self], [continuation])[0]
+        run = Notebook._run([self], [continuation])[0]
         return self._with_continuation(run, continuation, segment), run.logits[-1]
 
     def generate(self, decode_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()) -> tuple["Notebook", list[int]]:
@@ -640,130 +606,5 @@ class Notebook:
 
     def hidden_states(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Residual stream (layers + 1, T, hidden) of tokens run after this context (nothing is stored)."""
-        run = _run_together([self], [Continuation.causal(token_ids, self.next_position)], hidden_states=True)[0]
+        run = Notebook._run([self], [Continuation.causal(token_ids, self.next_position)], hidden_states=True)[0]
         return torch.stack(run.hidden_states).float()
-
-
-def _computed_count(notebook: Notebook) -> int:
-    """How many of the notebook's entries have K/V already (the rest are pending)."""
-    return len(notebook.positions) - notebook.pending_tokens
-
-
-def _forks_by_base(notebooks: Sequence[Notebook]) -> list[list[int]]:
-    """Indices of the notebooks grouped by the computed K/V they share (each group runs in one forward)."""
-    groups: dict[tuple, list[int]] = {}
-    for index, notebook in enumerate(notebooks):
-        latest = notebook._latest()
-        key = (_computed_count(latest), tuple(id(tensor) for tensor in latest.computed_keys))
-        groups.setdefault(key, []).append(index)
-    return list(groups.values())
-
-
-@dataclass
-class _FusedInput:
-    """Everything one fused forward runs: every fork's new tokens (pending, then continuation) and masks."""
-
-    token_ids: list[int]
-    positions: list[int]
-    allowed: torch.Tensor  # (Q, computed + Q) bool, causal by position
-    logit_rows: list[int]
-    captured_rows: list[int]
-    blocked: dict[int, torch.Tensor]  # layer -> (heads or 1, Q, computed + Q)
-    spans: list[tuple[int, int, int]]  # per fork: (first row, pending tokens, continuation tokens)
-
-
-def _fused_input(forks: Sequence[Notebook], extras: Sequence[Continuation], computed: int) -> _FusedInput:
-    """Lay the forks' new tokens side by side: each row sees the shared computed entries its step saw, its own
-    fork's earlier new tokens, and nothing of the other forks."""
-    sizes = [(len(fork.positions) - computed, len(extra.token_ids)) for fork, extra in zip(forks, extras)]
-    total = sum(new + more for new, more in sizes)
-    layout = _FusedInput([], [], torch.zeros(total, computed + total, dtype=torch.bool), [], [], {}, [])
-    offset = 0
-    for fork, extra, (new, more) in zip(forks, extras, sizes):
-        layout.token_ids += fork.token_ids[computed:].tolist() + extra.token_ids
-        layout.positions += fork.positions[computed:].tolist() + extra.positions
-        own = computed + offset  # column of the fork's first new token
-        for step in fork.pending:
-            first, last = offset + step.start - computed, offset + step.stop - computed
-            layout.allowed[first:last, :computed] = step.sees[:computed]
-            layout.allowed[first:last, own : own + step.start - computed] = step.sees[computed:]
-            layout.allowed[first:last, computed + first : computed + last] = True
-        rows = slice(offset + new, offset + new + more)
-        layout.allowed[rows, :computed] = fork.visible[:computed]
-        layout.allowed[rows, own : own + new] = fork.visible[computed:]
-        layout.allowed[rows, own + new : own + new + more] = extra.sees
-        layout.logit_rows += [offset + new + row for row in extra.logit_rows]
-        layout.captured_rows += [offset + new + row for row in extra.captured_rows]
-        for layer, mask in fork._blocked(extra.knockout).items():  # knockouts act on the continuation only
-            full = torch.zeros(mask.shape[0], total, computed + total, dtype=torch.bool)
-            full[:, rows, :computed] = mask[:, None, :computed]
-            full[:, rows, own : own + new] = mask[:, None, computed:]
-            layout.blocked[layer] = layout.blocked[layer] | full if layer in layout.blocked else full
-        layout.spans.append((offset, new, more))
-        offset += new + more
-    positions = torch.cat([forks[0].positions[:computed], torch.tensor(layout.positions, dtype=torch.long)])
-    layout.allowed &= positions[None, :] <= positions[computed:, None]
-    return layout
-
-
-def _run_together(
-    notebooks: Sequence[Notebook],
-    continuations: Sequence[Continuation | None],
-    *,
-    capture: bool = False,
-    grad: bool = False,
-    hidden_states: bool = False,
-) -> list[BranchRun]:
-    """One forward for several forks of one computed notebook: each fork's pending steps, then its continuation.
-
-    A fork's pending notebook remembers its computed twin afterwards (see :func:`_fused_input` for the masks).
-    """
-    if len(_forks_by_base(notebooks)) != 1:
-        raise NotebookError("notebooks run together must be forks of one computed notebook")
-    forks = [notebook._latest() for notebook in notebooks]
-    base, computed = forks[0], _computed_count(forks[0])
-    extras = [continuation or Continuation([], [], torch.zeros(0, 0, dtype=torch.bool), []) for continuation in continuations]
-    layout = _fused_input(forks, extras, computed)
-    device = base.lm.device
-    result = adapter.forward(
-        base.lm.model,
-        list(base.computed_keys),
-        list(base.computed_values),
-        base.positions[:computed].to(device),
-        torch.tensor(layout.token_ids, dtype=torch.long, device=device),
-        torch.tensor(layout.positions, dtype=torch.long, device=device),
-        layout.allowed.to(device),
-        blocked={layer: mask.to(device) for layer, mask in layout.blocked.items()},
-        capture_rows=torch.tensor(layout.captured_rows, dtype=torch.long, device=device) if capture else None,
-        logit_rows=torch.tensor(layout.logit_rows, dtype=torch.long, device=device),
-        hidden_states=hidden_states,
-        grad=grad,
-    )
-    runs, logit_row, captured_row = [], 0, 0
-    for notebook, fork, extra, (offset, new, more) in zip(notebooks, forks, extras, layout.spans):
-        mine, theirs = slice(offset, offset + new), slice(offset + new, offset + new + more)
-        done = fork
-        if fork.pending:
-            keys, values = _joined(base.computed_keys, result.new_keys, mine), _joined(base.computed_values, result.new_values, mine)
-            done = dataclass_replace(fork, computed_keys=keys, computed_values=values, pending=())
-            notebook.__dict__["_computed"] = fork.__dict__["_computed"] = done
-        columns = torch.cat([torch.arange(computed), torch.arange(computed + offset, computed + offset + new + more)]).to(device)
-        captured = slice(captured_row, captured_row + len(extra.captured_rows))
-        runs.append(BranchRun(
-            notebook=done,
-            keys=[k[:, :, theirs] for k in result.new_keys],
-            values=[v[:, :, theirs] for v in result.new_values],
-            logits=result.logits[logit_row : logit_row + len(extra.logit_rows)],
-            attentions={layer: weights[:, captured].index_select(-1, columns) for layer, weights in result.attentions.items()},
-            hidden_states=tuple(h[theirs] for h in result.hidden_states) if hidden_states else None,
-        ))
-        logit_row += len(extra.logit_rows)
-        captured_row += len(extra.captured_rows)
-    return runs
-
-
-def _joined(computed: tuple[torch.Tensor, ...], new: list[torch.Tensor], part: slice) -> tuple[torch.Tensor, ...]:
-    """Per layer: the computed K (or V) followed by the ``part`` of a forward's new ones."""
-    if not computed:
-        return tuple(tensor[:, :, part] for tensor in new)
-    return tuple(torch.cat([old, tensor[:, :, part]], dim=2) for old, tensor in zip(computed, new))

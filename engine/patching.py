@@ -105,14 +105,38 @@ def exact_effects(
     return EffectMap(effects, list(positions), base_margin, "exact")
 
 
+@dataclass(frozen=True)
+class KVDistance:
+    """Per layer (kv heads, positions): ‖Δk‖ + ‖Δv‖ between two notebooks' entries at the same positions, and
+    ‖k‖ + ‖v‖ of each side."""
+
+    delta: tuple[torch.Tensor, ...]
+    base_norm: tuple[torch.Tensor, ...]
+    other_norm: tuple[torch.Tensor, ...]
+
+
+def kv_distance(base: Notebook, other: Notebook, positions: Sequence[int]) -> KVDistance:
+    """The one K/V comparison: per-head distances and norms at ``positions`` (float32)."""
+    mine, theirs = _aligned(base, other, positions)
+    delta, base_norm, other_norm = [], [], []
+    for key, value, other_key, other_value in zip(base.keys, base.values, other.keys, other.values):
+        own_key, own_value = key.index_select(2, mine).float()[0], value.index_select(2, mine).float()[0]
+        far_key, far_value = other_key.index_select(2, theirs).float()[0], other_value.index_select(2, theirs).float()[0]
+        delta.append((far_key - own_key).norm(dim=-1) + (far_value - own_value).norm(dim=-1))
+        base_norm.append(own_key.norm(dim=-1) + own_value.norm(dim=-1))
+        other_norm.append(far_key.norm(dim=-1) + far_value.norm(dim=-1))
+    return KVDistance(tuple(delta), tuple(base_norm), tuple(other_norm))
+
+
 def kv_deviation(base: Notebook, donor: Notebook, positions: Sequence[int]) -> EffectMap:
     """CacheBlend-style ‖kv_donor − kv_base‖ per (layer, position), each layer scaled by its mean norm."""
-    mine, theirs = _aligned(base, donor, positions)
-    rows = []
-    for key, value, donor_key, donor_value in zip(base.keys, base.values, donor.keys, donor.values):
-        own_key, own_value = key.index_select(2, mine).float(), value.index_select(2, mine).float()
-        deviation = (donor_key.index_select(2, theirs).float() - own_key).norm(dim=-1).sum(1)[0]
-        deviation = deviation + (donor_value.index_select(2, theirs).float() - own_value).norm(dim=-1).sum(1)[0]
-        scale = own_key.norm(dim=-1).mean() + own_value.norm(dim=-1).mean()
-        rows.append(deviation / scale.clamp_min(1e-6))
+    distance = kv_distance(base, donor, positions)
+    rows = [delta.sum(0) / norm.mean().clamp_min(1e-6) for delta, norm in zip(distance.delta, distance.base_norm)]
     return EffectMap(torch.stack(rows).cpu(), list(positions), float("nan"), "deviation")
+
+
+def kv_relative_deviation(notebook: Notebook, reference: Notebook) -> torch.Tensor:
+    """(layers, context tokens) ‖Δk‖+‖Δv‖ over ‖k‖+‖v‖ of the reference, averaged over heads, in reading order."""
+    distance = kv_distance(notebook, reference, reference.visible_positions())
+    rows = [(delta / norm.clamp_min(1e-6)).mean(0) for delta, norm in zip(distance.delta, distance.other_norm)]
+    return torch.stack(rows).cpu()

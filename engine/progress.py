@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 MessageProgress = Callable[[str], None]  # "assembling embedded GGUF 2/6", …
 StepProgress = Callable[[int, int], None] | None  # (done, total), or None for no report
+Tick = Callable[[], None]  # one more step done
 
 
 def reporter(progress: MessageProgress | None, logger: logging.Logger) -> MessageProgress:
@@ -23,7 +24,7 @@ def reporter(progress: MessageProgress | None, logger: logging.Logger) -> Messag
     return report
 
 
-def ticker(progress: StepProgress, total: int) -> Callable[[], None]:
+def ticker(progress: StepProgress, total: int) -> Tick:
     """A callback advancing ``progress`` by one step of ``total``."""
     done = 0
 

@@ -23,7 +23,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from engine.loaded import LoadedModel, ModelFingerprint, dtype_name
+from engine.loaded import LoadedModel, ModelFingerprint, ModelLoadError, dtype_name
 
 TINY_ARCHS: tuple[str, ...] = (
     "llama",
@@ -198,7 +198,7 @@ def _tiny_config(arch: str, tokenizer: PreTrainedTokenizerFast) -> PretrainedCon
         )
     if arch == "gpt2":
         return GPT2Config(**common, n_embd=64, n_layer=3, n_head=4, n_inner=128, n_positions=4096)
-    raise ValueError(f"unknown tiny architecture {arch!r}; choose one of: {', '.join(TINY_ARCHS)}")
+    raise ModelLoadError(f"unknown tiny architecture {arch!r}; choose one of: {', '.join(TINY_ARCHS)}")
 
 
 def _config_hash(config: PretrainedConfig, seed: int) -> str:
@@ -212,7 +212,7 @@ def tiny_model(
 ) -> LoadedModel:
     """Build a tiny random-weight causal LM of `arch` (one of TINY_ARCHS) on CPU, eval mode, no grad."""
     if arch not in TINY_ARCHS:
-        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of: {', '.join(TINY_ARCHS)}")
+        raise ModelLoadError(f"unknown tiny architecture {arch!r}; choose one of: {', '.join(TINY_ARCHS)}")
     tokenizer = tiny_tokenizer(chat_template=chat_template)
     config = _tiny_config(arch, tokenizer)
     config_hash = _config_hash(config, seed)

@@ -7,7 +7,7 @@ its top entries and positions are then patched exactly, one read each, and the t
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +16,7 @@ from engine.experiment import EditExperiment
 from engine.notebook import Notebook
 from engine.patching import EffectMap, exact_effects
 from engine.probes.common import Gap, ProbeError, attribution, patched_reading, require_aligned, rounded
-from engine.progress import StepProgress, ticker
+from engine.progress import StepProgress, Tick, ticker
 
 
 @dataclass(frozen=True)
@@ -120,7 +120,7 @@ def _labels(notebook: Notebook, positions: Sequence[int]) -> tuple[list[str], li
     return [texts[p] for p in positions], [segments[p] for p in positions]
 
 
-def _entry_checks(experiment: EditExperiment, effects: EffectMap, top: int, gap: Gap, tick: Callable[[], None]) -> list[Check]:
+def _entry_checks(experiment: EditExperiment, effects: EffectMap, top: int, gap: Gap, tick: Tick) -> list[Check]:
     """Exact single-entry patches of the ``top`` attributed (layer, position) entries."""
     checks = []
     for layer, position in effects.top_entries(top, gap.direction):
@@ -130,7 +130,7 @@ def _entry_checks(experiment: EditExperiment, effects: EffectMap, top: int, gap:
     return checks
 
 
-def _position_checks(experiment: EditExperiment, summed: dict[int, float], positions: Sequence[int], gap: Gap, tick: Callable[[], None]) -> list[Check]:
+def _position_checks(experiment: EditExperiment, summed: dict[int, float], positions: Sequence[int], gap: Gap, tick: Tick) -> list[Check]:
     """Exact all-layer patches of these positions."""
     checks = []
     for position in positions:
@@ -180,7 +180,7 @@ def probe_notes_map(experiment: EditExperiment, *, progress: StepProgress = None
     return result
 
 
-def _add_exact_map(result: NotesMapResult, experiment: EditExperiment, tick: Callable[[], None]) -> None:
+def _add_exact_map(result: NotesMapResult, experiment: EditExperiment, tick: Tick) -> None:
     """Exact all-layer patch of every candidate position, compared with the attribution map."""
     started = time.perf_counter()
     stale, oracle = experiment.stale.notebook, experiment.oracle.notebook

@@ -165,7 +165,7 @@ def test_agent_errata_on_a_cached_prefix_match_reprefill(lm, store):
 
 
 def test_memory_placement_reports_both_layouts(lm, store):
-    result = memory_placement(lm, Scenario.load(bundled_scenarios()["memory_contact"]), store)
+    result = memory_placement(lm, Scenario.load(bundled_scenarios()["memory_contact"]), store).as_dict()
     start, end = result["placements"]["start"], result["placements"]["end"]
     assert end["edit"]["full_downstream"]["tokens_recomputed"] < start["edit"]["full_downstream"]["tokens_recomputed"]
     assert start["edit"]["full_downstream"]["margin"] == pytest.approx(start["oracle_margin"], abs=1e-4)

@@ -223,8 +223,8 @@ def test_attention_is_in_reading_order_whatever_the_storage_order(lm):
     experiment = _experiment(lm)
     before = probe_attention(experiment)
     # Recomputing the field appends its entries at the end of storage; the reading order is unchanged.
-    experiment.stale = replace(experiment.stale, notebook=experiment.stale.notebook.recompute(experiment.field_positions))
-    after = probe_attention(experiment)
+    stored_later = replace(experiment.stale, notebook=experiment.stale.notebook.recompute(experiment.field_positions))
+    after = probe_attention(_experiment(lm, stale=stored_later))
     assert after.stale.positions == before.stale.positions == list(range(len(experiment.prompt.context_ids)))
     assert torch.allclose(torch.tensor(after.stale.attention), torch.tensor(before.stale.attention), atol=1e-4)
 
