@@ -9,14 +9,14 @@ from __future__ import annotations
 import dataclasses
 import html
 import json
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import plotly.graph_objects as go
 
-from app.state import ModelRegistry, SessionStore
+from app.hosting import HostingProfile
+from app.state import ExportFolder, ModelRegistry, SessionStore, process_rss_bytes
 from engine.agent import run_agent
 from engine.analysis import analyse_edit
 from engine.compose import Fidelity, compare, compose_scenario, skill_of_length
@@ -32,7 +32,7 @@ from engine.selftest import SelfTestReport
 from engine.strategies import EditSettings
 from viz import benchmarks as benchmark_figures, compose as compose_figures, learn, notes as notes_figures
 from viz.cards import strategy_cards_html
-from viz.common import message_figure
+from viz.common import markdown_literal, message_figure
 from viz.decision import decision_figure
 from viz.probes import probe_figure
 from viz.strategies import strategy_figure
@@ -81,7 +81,7 @@ def model_card(lm: LoadedModel, selftest: SelfTestReport | None = None) -> str:
     }
     if selftest is not None:
         rows["Cache self-test"] = selftest.summary()
-    return "\n".join(f"- **{key}**: {html.escape(str(value))}" for key, value in rows.items())
+    return "\n".join(f"- **{key}**: {markdown_literal(str(value))}" for key, value in rows.items())
 
 
 @guarded
@@ -94,9 +94,15 @@ def load_model_card(registry: ModelRegistry, spec: str, progress: MessageProgres
     return model_card(lm, report), {"model": lm.info() | {"fingerprint": lm.fingerprint.as_dict()}, "selftest": report.as_dict()}
 
 
-def offline_models() -> list[str]:
-    """Model specs that load without the hub."""
-    return available_offline()
+def offered_models(registry: ModelRegistry) -> list[str]:
+    """Model specs to offer: those that load without the hub, within the profile's allowlist (plus the
+    HF ids its host named)."""
+    allowed = registry.profile.allowed_models
+    found = available_offline()
+    if allowed is None:
+        return found
+    tiny = tuple(spec for spec in allowed if spec.startswith("tiny-"))
+    return [spec for spec in found if spec in allowed] + [spec for spec in allowed if spec not in found and spec not in tiny and "/" in spec]
 
 
 # ---------------------------------------------------------------------------- scenarios
@@ -109,10 +115,12 @@ def bundled_scenario_text(name: str) -> str:
 
 
 @guarded
-def parse_scenario(text: str) -> Scenario:
-    """A scenario from the editor's TOML text."""
+def parse_scenario(text: str, profile: HostingProfile | None = None) -> Scenario:
+    """A scenario from the editor's TOML text (refused before parsing when longer than the profile allows)."""
     if not (text or "").strip():
         raise AppError("the scenario editor is empty: pick a bundled scenario, upload a TOML file or write one")
+    if profile is not None:
+        profile.check_scenario_text(text)
     return Scenario.from_toml(text, source="scenario editor")
 
 
@@ -129,7 +137,7 @@ def scenario_choices(text: str, field: str | None = None) -> ScenarioChoices:
     scenario = parse_scenario(text)
     chosen = scenario.fields[field] if field in scenario.fields else scenario.field()
     return ScenarioChoices(
-        description=f"**{html.escape(scenario.name)}** — {html.escape(scenario.description)}",
+        description=f"**{markdown_literal(scenario.name)}** — {markdown_literal(scenario.description)}",
         fields=list(scenario.fields),
         values=list(chosen.values),
         new=chosen.new,
@@ -151,7 +159,7 @@ class NotesView:
 
 def _experiment(registry: ModelRegistry, spec: str | None, text: str, field: str | None, new: str | None, top_k: int = 8) -> EditExperiment:
     """The edit on the editor's scenario, its stale run reused from the registry's baselines."""
-    scenario = parse_scenario(text)
+    scenario = parse_scenario(text, registry.profile)
     stale = registry.baseline(spec, text, scenario)
     return EditExperiment(registry.get(spec), scenario, field or None, (new or None), EditSettings(top_k=int(top_k)),
                           capture_attention=True, stale=stale)
@@ -161,11 +169,11 @@ def _experiment(registry: ModelRegistry, spec: str | None, text: str, field: str
 def prepare_baseline(registry: ModelRegistry, spec: str | None, text: str) -> str:
     """Prefill the scenario at its old values (and the decision's gradients) ahead of the first edit;
     returns the current decision as Markdown."""
-    scenario = parse_scenario(text)
+    scenario = parse_scenario(text, registry.profile)
     run = registry.baseline(spec, text, scenario)
     margin = run.gradients.margin  # the backward runs now, so the next edit's notes map is free
-    values = ", ".join(f"{html.escape(name)} = {html.escape(value)}" for name, value in run.prompt.values.items())
-    return (f"Now ({values}): the model answers **{html.escape(run.decision.label)}** (margin {margin:+.2f}); "
+    values = ", ".join(f"{markdown_literal(name)} = {markdown_literal(value)}" for name, value in run.prompt.values.items())
+    return (f"Now ({values}): the model answers **{markdown_literal(run.decision.label)}** (margin {margin:+.2f}); "
             f"{len(run.prompt.context_ids)} context tokens cached.")
 
 
@@ -177,10 +185,12 @@ def run_edit(
 ) -> NotesView:
     """Change a field, run the chosen strategies (read together in one forward unless ``separately``, which
     times each on its own), and build every Notes panel."""
-    analysis = analyse_edit(_experiment(registry, spec, text, field, new, top_k), strategies, fused=not separately, progress=progress)
+    chosen = registry.profile.checked_strategies(strategies)
+    analysis = analyse_edit(_experiment(registry, spec, text, field, new, top_k), chosen, fused=not separately, progress=progress)
     experiment, notebook, effects = analysis.experiment, analysis.experiment.stale.notebook, analysis.effects
-    sessions.put(session, "edit", experiment, notebook.memory_bytes() * 2)
-    sessions.put(session, "effects", effects)
+    model = registry.resolve(spec)
+    sessions.put(session, "edit", experiment, model)
+    sessions.put(session, "effects", effects, model)
     return NotesView(
         cards_html=strategy_cards_html(analysis.report),
         strategy_figure=strategy_figure(analysis.report),
@@ -238,9 +248,9 @@ def run_knockout(sessions: SessionStore, session: str, positions_text: str, top_
     texts = oracle.notebook.token_texts()
     shown = ", ".join(f"{p}:{texts[p]!r}" for p in positions[:12] if p < len(texts))
     verdict = (
-        f"Knocked out {len(positions)} positions ({html.escape(shown)}). Decision **{html.escape(knocked.label)}** "
-        f"(margin {knocked.margin:+.2f}); without knockout **{html.escape(oracle.decision.label)}** ({oracle.decision.margin:+.2f}), "
-        f"stale **{html.escape(experiment.stale.decision.label)}** ({experiment.stale.decision.margin:+.2f})."
+        f"Knocked out {len(positions)} positions ({markdown_literal(shown)}). Decision **{markdown_literal(knocked.label)}** "
+        f"(margin {knocked.margin:+.2f}); without knockout **{markdown_literal(oracle.decision.label)}** ({oracle.decision.margin:+.2f}), "
+        f"stale **{markdown_literal(experiment.stale.decision.label)}** ({experiment.stale.decision.margin:+.2f})."
     )
     return verdict, decision_figure(knocked, title="after knockout"), {"positions": positions, **knocked.as_dict()}
 
@@ -263,9 +273,12 @@ def skill_library() -> dict[str, str]:
 
 
 @guarded
-def composed_scenario(skill_ids: Sequence[str], before: str, between: str, after_scenario: str | None) -> Scenario:
+def composed_scenario(skill_ids: Sequence[str], before: str, between: str, after_scenario: str | None,
+                      profile: HostingProfile | None = None) -> Scenario:
     """The composer's context: literal text before, the skills (literal text between them), then a bundled
     scenario or a generic question."""
+    if profile is not None:
+        profile.check_scenario_text(f"{before or ''}{between or ''}")
     base = parse_scenario(bundled_scenario_text(after_scenario)) if after_scenario else None
     return compose_scenario(skill_ids, before, between, base)
 
@@ -283,13 +296,13 @@ def run_compose(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[s
                 after_scenario: str | None, seam: int, blend: float = 0.0) -> ComposeView:
     """Splice the composed skills and compare with a full recompute."""
     lm = registry.get(spec)
-    scenario = composed_scenario(skill_ids, before, between, after_scenario)
+    scenario = composed_scenario(skill_ids, before, between, after_scenario, registry.profile)
     fidelity: Fidelity = compare(lm, scenario, registry.skills(spec), seam=int(seam), blend=float(blend), references=registry.references(spec))
     data = fidelity.as_dict()
     metrics = (
         f"**cosine** {data['cosine']:.4f} · **KL** {data['kl']:.4f} · **top-1** {'agree' if data['top1_agree'] else 'differ'} · "
         f"**top-5 overlap** {data['top5_agree']:.0%} · **decision** {'agrees' if data['decision_agree'] else 'differs'} "
-        f"({html.escape(fidelity.spliced.label)} vs {html.escape(fidelity.recomputed.label)})  \n"
+        f"({markdown_literal(fidelity.spliced.label)} vs {markdown_literal(fidelity.recomputed.label)})  \n"
         f"**TTFT** splice {data['ttft_ms']['splice']:.0f} ms vs full {data['ttft_ms']['full']:.0f} ms (×{data['speedup']}"
         f"{'; full recompute reused from an earlier comparison of this context' if fidelity.reference_reused else ''}) · "
         f"{data['skill_tokens']} of {data['context_tokens']} context tokens spliced, seam {data['seam']}"
@@ -308,7 +321,7 @@ def run_keystone(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[
                  after_scenario: str | None, seam: int, progress: StepProgress = None) -> tuple[go.Figure, dict]:
     """Edit the field inside a spliced skill: composed vs recomputed per strategy."""
     lm = registry.get(spec)
-    scenario = composed_scenario(skill_ids, before, between, after_scenario)
+    scenario = composed_scenario(skill_ids, before, between, after_scenario, registry.profile)
     report = keystone(lm, scenario, registry.skills(spec), seam=int(seam), progress=progress)
     return compose_figures.keystone_figure(report), report.as_dict()
 
@@ -317,8 +330,9 @@ def run_keystone(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[
 def run_agent_loop(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[str], before: str, between: str,
                    after_scenario: str | None, seam: int, turns: int, toggle: bool, progress: StepProgress = None) -> tuple[go.Figure, dict]:
     """Multi-turn episode with errata on a cached, composed context vs re-prefilling every turn."""
+    registry.profile.check_turns(int(turns))
     lm = registry.get(spec)
-    scenario = composed_scenario(skill_ids, before, between, after_scenario)
+    scenario = composed_scenario(skill_ids, before, between, after_scenario, registry.profile)
     report = run_agent(lm, scenario, registry.skills(spec), turns=int(turns), toggle=bool(toggle), seam=int(seam), progress=progress)
     return compose_figures.agent_figure(report), report.as_dict()
 
@@ -385,14 +399,29 @@ def learn_step(registry: ModelRegistry, index: int, spec: str | None) -> tuple[s
 
 
 # ---------------------------------------------------------------------------- export
-def export_files(result: dict | None, figures: Sequence[go.Figure], stem: str, html_parts: Sequence[str] = ()) -> list[str]:
+@guarded
+def export_files(folder: ExportFolder, result: dict | None, figures: Sequence[go.Figure], stem: str, html_parts: Sequence[str] = ()) -> list[str]:
     """Write the result JSON and one HTML file with every figure (and any HTML views); returns their paths."""
     if not result:
         raise AppError("nothing to export yet: run something first")
-    folder = Path(tempfile.mkdtemp(prefix="kvscope-"))
-    json_path = folder / f"{stem}.json"
-    json_path.write_text(json.dumps(result, indent=2, ensure_ascii=False))
-    html_path = folder / f"{stem}-figures.html"
-    parts = [figure.to_html(full_html=False, include_plotlyjs="cdn" if i == 0 else False) for i, figure in enumerate(f for f in figures if f is not None)]
-    html_path.write_text("<html><body>" + "\n".join([*parts, *html_parts]) + "</body></html>", encoding="utf-8")
-    return [str(json_path), str(html_path)]
+    return [str(path) for path in folder.write(result, [figure for figure in figures if figure is not None], stem, html_parts)]
+
+
+# ---------------------------------------------------------------------------- server memory
+def memory_markdown(registry: ModelRegistry, sessions: SessionStore) -> str:
+    """What this server keeps in memory against its budgets, as Markdown."""
+    profile, shared, kept = registry.profile, registry.memory(), sessions.stats()
+    mb = lambda count: f"{count / 2**20:,.1f} MB"  # noqa: E731
+    rows = [
+        f"**Profile** {profile.name} · models loaded: {', '.join(registry.loaded()) or 'none'} (at most {profile.model_capacity}"
+        f"{', default pinned' if profile.pin_default_model else ''}) · process RSS {mb(process_rss_bytes())}",
+        f"**Sessions** {kept['sessions']} holding {mb(kept['bytes'])} of {mb(kept['budget_bytes'])} (idle ones dropped after "
+        f"{kept['ttl_s'] / 60:.0f} min) · **baselines** {mb(shared['baselines'])} of {mb(profile.baseline_budget_bytes)} · "
+        f"**composer references** {mb(shared['references'])} of {mb(profile.reference_budget_bytes)} (per model) · "
+        f"**compiled skills** {mb(shared['skills'])}",
+    ]
+    limits = [f"context ≤ {profile.max_context_tokens:,} tokens" if profile.max_context_tokens else "any context length",
+              f"≤ {profile.request_seconds:g} s of model time per request" if profile.request_seconds else "no time limit",
+              f"≤ {profile.max_agent_turns} agent turns", f"exports ≤ {profile.export_max_bytes / 2**20:.0f} MB"]
+    rows.append("**Limits** " + " · ".join(limits))
+    return "  \n".join(rows)

@@ -1,18 +1,34 @@
-"""Server-side state: loaded models shared by all sessions, and per-session results kept by id.
+"""Server-side state: loaded models shared by all sessions, per-session results kept by id, exports.
 
-A browser session holds only an opaque id in ``gr.State``; its notebooks and reports live here, under a
-lock and a byte budget (least recently used sessions are dropped first). No session can reach another's
+A browser session holds only an opaque id in ``gr.State``; its notebooks and reports live here. Memory is
+accounted in bytes of every tensor kept (:func:`engine.footprint.tensor_bytes`), bounded by the hosting
+profile's budgets (least recently used first) and reclaimed: idle sessions expire, and dropping a model
+drops every result computed with it, so no evicted copy stays alive. No session can reach another's
 entries: every read and write is keyed by the session's own id.
 """
 from __future__ import annotations
 
+import atexit
+import gc
+import json
+import shutil
+import tempfile
 import threading
+import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, MutableMapping
+from collections.abc import Callable, Hashable, Iterator, MutableMapping, Sequence
+from pathlib import Path
 from typing import Any
 
+import plotly.graph_objects as go
+import psutil
+import torch
+
+from app.hosting import HostingError, HostingProfile, local_profile
+from engine.budget import ComputeGate
 from engine.compose import Recomputed
+from engine.footprint import tensor_bytes
 from engine.models import LoadedModel, load_model
 from engine.progress import MessageProgress
 from engine.runs import ScenarioRun, run_scenario
@@ -20,29 +36,34 @@ from engine.scenario import Scenario
 from engine.selftest import SelfTestReport, run_selftest
 from engine.skills import SkillStore
 
-DEFAULT_SESSION_BUDGET = 2 * 2**30
-BASELINE_CAPACITY = 8  # scenarios prepared at their old values, per registry
-REFERENCE_CAPACITY = 8  # composer prompts with a recomputed side kept, per model
 
+class BudgetedLRU(MutableMapping):
+    """A thread-safe mapping within a byte budget (least recently used dropped first) and an idle TTL.
 
-class LRUCache(MutableMapping):
-    """A mapping that keeps its ``capacity`` most recently used entries (thread-safe)."""
+    Entries are weighed with ``weigh`` when stored and again whenever they are used, since results grow
+    after they are kept (an oracle read on demand, gradients); the most recent entry always stays.
+    """
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._items: OrderedDict = OrderedDict()
-        self._lock = threading.Lock()
+    def __init__(self, budget_bytes: int, ttl_s: float | None = None, weigh: Callable[[Any], int] = tensor_bytes,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.budget_bytes, self.ttl_s, self._weigh, self._clock = budget_bytes, ttl_s, weigh, clock
+        self._items: OrderedDict[Hashable, list] = OrderedDict()  # key -> [value, bytes, last used]
+        self._lock = threading.RLock()
 
     def __getitem__(self, key):
         with self._lock:
+            self._expire()
+            entry = self._items[key]
+            entry[1], entry[2] = self._weigh(entry[0]), self._clock()
             self._items.move_to_end(key)
-            return self._items[key]
+            return entry[0]
 
     def __setitem__(self, key, value) -> None:
         with self._lock:
-            self._items[key] = value
+            self._items[key] = [value, self._weigh(value), self._clock()]
             self._items.move_to_end(key)
-            while len(self._items) > self.capacity:
+            self._expire()
+            while len(self._items) > 1 and self.nbytes > self.budget_bytes:
                 self._items.popitem(last=False)
 
     def __delitem__(self, key) -> None:
@@ -54,23 +75,63 @@ class LRUCache(MutableMapping):
             return iter(list(self._items))
 
     def __len__(self) -> int:
-        return len(self._items)
+        with self._lock:
+            return len(self._items)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the entries as last weighed."""
+        with self._lock:
+            return sum(entry[1] for entry in self._items.values())
+
+    def drop_where(self, condition: Callable[[Hashable], bool]) -> None:
+        """Forget every entry whose key meets ``condition``."""
+        with self._lock:
+            for key in [key for key in self._items if condition(key)]:
+                del self._items[key]
+
+    def sweep(self) -> None:
+        """Drop expired entries now."""
+        with self._lock:
+            self._expire()
+
+    def _expire(self) -> None:
+        if self.ttl_s is None:
+            return
+        now = self._clock()
+        while self._items and now - next(iter(self._items.values()))[2] > self.ttl_s:
+            self._items.popitem(last=False)
 
 
 class ModelRegistry:
-    """Models by spec, at most ``capacity`` loaded at once; loads are serialized."""
+    """Models by spec, at most ``profile.model_capacity`` loaded at once (the default pinned on a public server);
+    the one owner of loaded models and of everything shared that was computed with them."""
 
-    def __init__(self, default_spec: str = "embedded", capacity: int = 2, device: str = "auto", dtype: str = "auto",
-                 loader: Callable[..., LoadedModel] = load_model) -> None:
-        self.default_spec, self.capacity, self.device, self.dtype = default_spec, capacity, device, dtype
+    def __init__(self, default_spec: str = "embedded", profile: HostingProfile | None = None, device: str = "auto",
+                 dtype: str = "auto", loader: Callable[..., LoadedModel] = load_model) -> None:
+        self.default_spec, self.device, self.dtype = default_spec, device, dtype
+        self.profile = profile or local_profile()
+        self.gate = ComputeGate()  # forwards of concurrent requests take turns, least model time first
         self._loader = loader
         self._models: OrderedDict[str, LoadedModel] = OrderedDict()
         self._dtypes: dict[str, str] = {}  # the dtype each spec was loaded with ("auto" or a name)
         self._selftests: dict[str, SelfTestReport] = {}
         self._skills: dict[str, SkillStore] = {}
-        self._baselines: LRUCache = LRUCache(BASELINE_CAPACITY)  # (spec, scenario text) -> ScenarioRun
-        self._references: dict[str, LRUCache] = {}
-        self._lock = threading.Lock()
+        self._baselines = BudgetedLRU(self.profile.baseline_budget_bytes)  # (spec, scenario text) -> ScenarioRun
+        self._references: dict[str, BudgetedLRU] = {}
+        self._drop_listeners: list[Callable[[str], None]] = []
+        self._lock = threading.RLock()
+
+    def resolve(self, spec: str | None) -> str:
+        """The spec a request means (the default when empty), checked against the profile's allowlist."""
+        spec = (spec or "").strip() or self.default_spec
+        if spec != self.default_spec:
+            self.profile.check_model(spec)
+        return spec
+
+    def on_drop(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(spec)`` whenever a model is dropped (e.g. to forget sessions computed with it)."""
+        self._drop_listeners.append(listener)
 
     def add(self, spec: str, lm: LoadedModel) -> None:
         """Register an already loaded model under ``spec``."""
@@ -82,83 +143,169 @@ class ModelRegistry:
     def get(self, spec: str | None = None, progress: MessageProgress | None = None, dtype: str | None = None) -> LoadedModel:
         """The model for ``spec`` (default spec when None), loading it on first use; a ``dtype`` other than the
         one it was loaded with ("auto", "float32", "bfloat16", …) reloads it in that dtype."""
-        spec = spec or self.default_spec
+        spec = self.resolve(spec)
         with self._lock:
             if dtype is not None and spec in self._models and self._dtypes[spec] != dtype:
                 self._drop(spec)
             if spec not in self._models:
                 chosen = dtype or self._dtypes.get(spec, self.dtype)
+                self._make_room()
                 self._models[spec] = self._loader(spec, device=self.device, dtype=chosen, progress=progress)
                 self._dtypes[spec] = chosen
                 self._evict()
             self._models.move_to_end(spec)
             return self._models[spec]
 
+    def loaded(self) -> list[str]:
+        """Specs of the models in memory, least recently used first."""
+        with self._lock:
+            return list(self._models)
+
     def selftest(self, spec: str | None = None) -> SelfTestReport:
         """The RoPE/splice self-test of a model, run once per model."""
-        spec = spec or self.default_spec
+        spec = self.resolve(spec)
         if spec not in self._selftests:
             self._selftests[spec] = run_selftest(self.get(spec))
         return self._selftests[spec]
 
     def skills(self, spec: str | None = None) -> SkillStore:
         """The compiled-skill store of a model (shared by sessions: blocks are immutable)."""
-        return self._skills.setdefault(spec or self.default_spec, SkillStore())
+        return self._skills.setdefault(self.resolve(spec), SkillStore())
 
     def baseline(self, spec: str | None, scenario_text: str, scenario: Scenario) -> ScenarioRun:
         """The scenario prefilled at its old values, with the decision's attention (kept for the next edits;
         shared by sessions: runs are immutable and keyed by the exact scenario text)."""
-        key = (spec or self.default_spec, scenario_text)
+        key = (self.resolve(spec), scenario_text)
         if key not in self._baselines:
             self._baselines[key] = run_scenario(self.get(spec), scenario, capture_attention=True)
         return self._baselines[key]
 
     def references(self, spec: str | None = None) -> MutableMapping[tuple, Recomputed]:
         """Recomputed sides of the composer's comparisons for a model (reused when only seam or blend change)."""
-        return self._references.setdefault(spec or self.default_spec, LRUCache(REFERENCE_CAPACITY))
+        return self._references.setdefault(self.resolve(spec), BudgetedLRU(self.profile.reference_budget_bytes))
+
+    def memory(self) -> dict[str, int]:
+        """Bytes of shared results kept, by kind (model weights excluded)."""
+        with self._lock:
+            return {
+                "baselines": self._baselines.nbytes,
+                "references": sum(store.nbytes for store in self._references.values()),
+                "skills": sum(store.memory_bytes() for store in self._skills.values()),
+            }
+
+    def _evictable(self) -> list[str]:
+        return [spec for spec in self._models if not (self.profile.pin_default_model and spec == self.default_spec)]
+
+    def _make_room(self) -> None:
+        """Drop models before loading one more, so two copies never sit in memory beyond the capacity."""
+        while len(self._models) >= self.profile.model_capacity and self._evictable():
+            self._drop(self._evictable()[0])
 
     def _evict(self) -> None:
-        while len(self._models) > self.capacity:
-            self._drop(next(iter(self._models)))
+        while len(self._models) > self.profile.model_capacity and self._evictable():
+            self._drop(self._evictable()[0])
 
     def _drop(self, spec: str) -> None:
-        """Forget a model and everything computed with it."""
+        """Forget a model and everything computed with it, then return its memory."""
         self._models.pop(spec, None)
         self._selftests.pop(spec, None)
         self._skills.pop(spec, None)
         self._references.pop(spec, None)
-        for key in [key for key in self._baselines if key[0] == spec]:
-            del self._baselines[key]
+        self._baselines.drop_where(lambda key: key[0] == spec)
+        for listener in self._drop_listeners:
+            listener(spec)
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
 
 class SessionStore:
-    """Per-session objects by (session id, key), with a total byte budget (LRU over sessions)."""
+    """Per-session results by (session id, key), each tagged with the model spec it was computed with.
 
-    def __init__(self, budget_bytes: int = DEFAULT_SESSION_BUDGET) -> None:
-        self.budget_bytes = budget_bytes
-        self._sessions: OrderedDict[str, dict[str, tuple[Any, int]]] = OrderedDict()
-        self._lock = threading.Lock()
+    The store weighs every tensor a session keeps, drops least recently used sessions beyond its byte
+    budget, expires sessions idle for ``ttl_s`` and forgets results of a dropped model.
+    """
+
+    def __init__(self, budget_bytes: int | None = None, ttl_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        profile = local_profile() if budget_bytes is None or ttl_s is None else None
+        self.budget_bytes = budget_bytes if budget_bytes is not None else profile.session_budget_bytes
+        self.ttl_s = ttl_s if ttl_s is not None else profile.session_ttl_s
+        self._sessions = BudgetedLRU(self.budget_bytes, self.ttl_s, weigh=self._weigh, clock=clock)
+
+    @classmethod
+    def for_profile(cls, profile: HostingProfile) -> "SessionStore":
+        """A store with the profile's budget and idle TTL."""
+        return cls(profile.session_budget_bytes, profile.session_ttl_s)
 
     @staticmethod
     def new_id() -> str:
         return uuid.uuid4().hex
 
-    def put(self, session: str, key: str, value: Any, nbytes: int = 0) -> None:
-        """Keep ``value`` for this session (``nbytes`` counts against the budget)."""
-        with self._lock:
-            entries = self._sessions.setdefault(session, {})
-            entries[key] = (value, nbytes)
-            self._sessions.move_to_end(session)
-            while len(self._sessions) > 1 and self._total() > self.budget_bytes:
-                self._sessions.popitem(last=False)
+    @staticmethod
+    def _weigh(entries: dict[str, tuple[Any, str | None]]) -> int:
+        return tensor_bytes([value for value, _ in entries.values()])
+
+    def put(self, session: str, key: str, value: Any, model: str | None = None) -> None:
+        """Keep ``value`` for this session; ``model`` is the spec it was computed with (forgotten with it)."""
+        entries = dict(self._sessions.get(session) or {})
+        entries[key] = (value, model)
+        self._sessions[session] = entries
 
     def get(self, session: str, key: str) -> Any | None:
         """This session's value for ``key``, or None."""
-        with self._lock:
-            entry = self._sessions.get(session, {}).get(key)
-            if entry is not None:
-                self._sessions.move_to_end(session)
-            return None if entry is None else entry[0]
+        entries = self._sessions.get(session)
+        entry = entries.get(key) if entries else None
+        return None if entry is None else entry[0]
 
-    def _total(self) -> int:
-        return sum(size for entries in self._sessions.values() for _, size in entries.values())
+    def forget_model(self, spec: str) -> None:
+        """Drop every session entry computed with model ``spec``."""
+        for session in list(self._sessions):
+            entries = self._sessions.get(session) or {}
+            kept = {key: entry for key, entry in entries.items() if entry[1] != spec}
+            if len(kept) != len(entries):
+                self._sessions[session] = kept
+
+    def stats(self) -> dict[str, float]:
+        """Sessions kept, their bytes, the budget and the idle TTL."""
+        self._sessions.sweep()
+        return {"sessions": len(self._sessions), "bytes": self._sessions.nbytes, "budget_bytes": self.budget_bytes, "ttl_s": self.ttl_s}
+
+
+class ExportFolder:
+    """Exports written under one folder owned by this server: size-capped, only the newest ``keep`` kept."""
+
+    def __init__(self, max_bytes: int, keep: int, root: Path | None = None) -> None:
+        self.max_bytes, self.keep = max_bytes, keep
+        if root is None:
+            root = Path(tempfile.mkdtemp(prefix="kvscope-exports-"))
+            atexit.register(shutil.rmtree, root, True)  # the server's own folder goes with it
+        self.root = root
+        self._lock = threading.Lock()
+
+    def write(self, result: dict, figures: Sequence[go.Figure], stem: str, html_parts: Sequence[str] = ()) -> list[Path]:
+        """The result as JSON and every figure (and HTML view) in one HTML file, in a new folder."""
+        text = json.dumps(result, indent=2, ensure_ascii=False)
+        parts = [figure.to_html(full_html=False, include_plotlyjs="cdn" if i == 0 else False) for i, figure in enumerate(figures)]
+        page = "<html><body>" + "\n".join([*parts, *html_parts]) + "</body></html>"
+        size = len(text.encode()) + len(page.encode())
+        if size > self.max_bytes:
+            raise HostingError(f"this export would be {size / 2**20:.1f} MB; the server writes at most {self.max_bytes / 2**20:.0f} MB per export")
+        with self._lock:
+            folder = Path(tempfile.mkdtemp(prefix="export-", dir=self.root))
+            (folder / f"{stem}.json").write_text(text, encoding="utf-8")
+            (folder / f"{stem}-figures.html").write_text(page, encoding="utf-8")
+            self._prune()
+        return [folder / f"{stem}.json", folder / f"{stem}-figures.html"]
+
+    def folders(self) -> list[Path]:
+        """Export folders on disk, oldest first."""
+        return sorted((p for p in self.root.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime_ns)
+
+    def _prune(self) -> None:
+        for folder in self.folders()[: -self.keep]:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def process_rss_bytes() -> int:
+    """Resident memory of this server process."""
+    return psutil.Process().memory_info().rss

@@ -6,19 +6,20 @@ import html
 from dataclasses import dataclass
 
 import gradio as gr
+import plotly.graph_objects as go
 import plotly.io
 
 from app import handlers
 from app.composer import SkillComposer
 from app.handlers import AppError
-from app.state import ModelRegistry, SessionStore
+from app.state import ExportFolder, ModelRegistry, SessionStore
+from engine.budget import bounded
 from engine.analysis import DEFAULT_STRATEGIES
 from engine.registry import ALL_PROBES
 from engine.scenario import bundled_scenarios
 from engine.strategies import STRATEGIES
 
-MODEL_GROUP = "model"  # every model-bound handler shares one queue slot
-MODEL_LIMIT = 1
+MODEL_GROUP = "model"  # every model-bound handler shares one queue group
 
 INTRO = """# KVScope
 See and program a model's KV cache. During prefill a model writes its conclusion about a field onto later tokens'
@@ -43,17 +44,9 @@ def _progress_callback(progress: gr.Progress):
     return lambda done, total: progress(done / max(total, 1))
 
 
-def _ui_errors(function):
-    """Show :class:`AppError` as a Gradio error toast; the session stays usable."""
-
-    @functools.wraps(function)
-    def wrapper(*args, **kwargs):
-        try:
-            return function(*args, **kwargs)
-        except AppError as error:
-            raise gr.Error(str(error)) from error
-
-    return wrapper
+def user_error(error: Exception) -> gr.Error:
+    """A refusal as a Gradio toast: the message escaped (toasts render HTML), no server traceback."""
+    return gr.Error(html.escape(str(error)), print_exception=False)
 
 
 @dataclass
@@ -62,12 +55,35 @@ class Page:
 
     registry: ModelRegistry
     sessions: SessionStore
+    exports: ExportFolder
     session: gr.State
     spec: gr.State
 
     def session_id(self, session: str | None) -> str:
         """The browser's session id, minted on its first action."""
         return session or self.sessions.new_id()
+
+    def bounded(self):
+        """The hosting profile's per-request budget, taking turns with other requests at the registry's gate."""
+        return bounded(self.registry.profile.work_budget, self.registry.gate)
+
+    def action(self, function):
+        """A UI handler run within the request budget, with :class:`AppError` shown as a toast; the session stays usable."""
+
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            try:
+                with self.bounded():
+                    return function(*args, **kwargs)
+            except AppError as error:
+                raise user_error(error) from error
+
+        return wrapper
+
+    def model_bound(self, **options) -> dict:
+        """Event options of a handler that uses a shared model: one queue group, as many in flight as the profile
+        allows (their forwards take turns at the gate)."""
+        return {"concurrency_id": MODEL_GROUP, "concurrency_limit": self.registry.profile.concurrency, **options}
 
 
 @dataclass
@@ -80,20 +96,25 @@ class NotesInputs:
     baseline: gr.Markdown
 
 
-def _model_bound(**options) -> dict:
-    """Event options of a handler that uses the shared model: one queue slot for all of them."""
-    return {"concurrency_id": MODEL_GROUP, "concurrency_limit": MODEL_LIMIT, **options}
+def _figure(plot, index: int) -> go.Figure | None:
+    """A plot component's value as a figure (None when empty), with a clear error for one that is not a plot."""
+    if plot is None or getattr(plot, "type", None) != "plotly":
+        return None
+    try:
+        return plotly.io.from_json(plot.plot)
+    except (ValueError, TypeError) as error:
+        raise AppError(f"plot {index + 1} of this export is not a valid plotly figure ({type(error).__name__}); re-run to redraw it") from error
 
 
-def _exporter(stem: str, views: int = 0):
+def _exporter(page: Page, stem: str, views: int = 0):
     """Export a result with its plots; the last ``views`` inputs are HTML views, not plots."""
 
     def export(result, *plots_and_views):
         plots, views_html = plots_and_views[: len(plots_and_views) - views], plots_and_views[len(plots_and_views) - views :]
-        figures = [plotly.io.from_json(plot.plot) for plot in plots if plot is not None and plot.type == "plotly"]
-        return handlers.export_files(result, figures, stem, [view for view in views_html if view])
+        figures = [_figure(plot, index) for index, plot in enumerate(plots)]
+        return handlers.export_files(page.exports, result, figures, stem, [view for view in views_html if view])
 
-    return _ui_errors(export)
+    return page.action(export)
 
 
 def _model_tab(page: Page):
@@ -101,22 +122,28 @@ def _model_tab(page: Page):
     with gr.Tab("Model", id="model"):
         with gr.Row():
             model_input = gr.Dropdown(
-                choices=handlers.offline_models(), value=page.registry.default_spec, allow_custom_value=True,
-                label="Model (alias, Hugging Face id or local directory)", elem_id="model-spec", scale=3,
+                choices=handlers.offered_models(page.registry), value=page.registry.default_spec, allow_custom_value=True,
+                label="Model (alias, Hugging Face id or local directory)" if page.registry.profile.allowed_models is None
+                else "Model (one of those this server offers)", elem_id="model-spec", scale=3,
             )
             model_dtype = gr.Radio(["auto", "float32", "bfloat16"], value=None, label="dtype (empty = as loaded)",
                                    elem_id="model-dtype", scale=2)
             load_button = gr.Button("Load", variant="primary", elem_id="load-model", scale=1)
         model_card = gr.Markdown(elem_id="model-card")
         model_json = gr.JSON(label="Model info and self-test", elem_id="model-json")
+        with gr.Row():
+            server_memory = gr.Markdown(elem_id="server-memory")
+            memory_refresh = gr.Button("Refresh", size="sm", elem_id="refresh-memory", scale=0)
 
-    @_ui_errors
+    @page.action
     def on_load_model(session_value, model_spec, dtype=None, progress=gr.Progress(track_tqdm=True)):
         card, info = handlers.load_model_card(page.registry, model_spec, progress=lambda message: progress(None, desc=message), dtype=dtype)
-        return card, info, model_spec, page.session_id(session_value)
+        return card, info, model_spec, page.session_id(session_value), handlers.memory_markdown(page.registry, page.sessions)
 
-    outputs = [model_card, model_json, page.spec, page.session]
-    loaded = load_button.click(on_load_model, [page.session, model_input, model_dtype], outputs, api_name="load_model", **_model_bound())
+    memory_refresh.click(lambda: handlers.memory_markdown(page.registry, page.sessions), None, server_memory, api_name="server_memory",
+                         concurrency_limit=None)
+    outputs = [model_card, model_json, page.spec, page.session, server_memory]
+    loaded = load_button.click(on_load_model, [page.session, model_input, model_dtype], outputs, api_name="load_model", **page.model_bound())
     return loaded, on_load_model, outputs
 
 
@@ -169,12 +196,12 @@ def _notes_tab(page: Page) -> NotesInputs:
             notes_export = gr.Button("Export JSON + figures", elem_id="export-notes")
             notes_files = gr.File(label="Exported files", file_count="multiple", elem_id="notes-files")
 
-    @_ui_errors
+    @page.action
     def on_scenario(name):
         text = handlers.bundled_scenario_text(name)
         return text, *_choices(text)
 
-    @_ui_errors
+    @page.action
     def on_upload(path):
         if not path:
             raise AppError("no file uploaded")
@@ -197,7 +224,7 @@ def _notes_tab(page: Page) -> NotesInputs:
         _then_prepare(page, event, inputs)
     field.input(lambda text, f: _choices(text, f)[2], [editor, field], new_value, api_name=False, concurrency_limit=None)
 
-    @_ui_errors
+    @page.action
     def on_edit(session_value, model_spec, text, field_name, value, chosen, k, head_index, one_by_one=False, every_position=False,
                 progress=gr.Progress()):
         sid = page.session_id(session_value)
@@ -207,26 +234,26 @@ def _notes_tab(page: Page) -> NotesInputs:
         return (view.cards_html, view.strategy_figure, view.text_html, view.attention_figure, view.notes_figure,
                 view.summary, sid)
 
-    @_ui_errors
+    @page.action
     def on_frontier(session_value, progress=gr.Progress()):
         return handlers.run_frontier(page.sessions, page.session_id(session_value), progress=_progress_callback(progress))
 
     edit_button.click(
         on_edit, [page.session, page.spec, editor, field, new_value, strategies, top_k, head, separately, all_positions],
-        [cards, strategy_plot, notes_text, attention_plot, notes_plot, edit_json, page.session], api_name="edit", **_model_bound(),
-    ).success(on_frontier, page.session, [frontier_plot, frontier_json], api_name="frontier", **_model_bound())
+        [cards, strategy_plot, notes_text, attention_plot, notes_plot, edit_json, page.session], api_name="edit", **page.model_bound(),
+    ).success(on_frontier, page.session, [frontier_plot, frontier_json], api_name="frontier", **page.model_bound())
     all_positions.change(lambda session_value, every: handlers.notes_map_view(page.sessions, page.session_id(session_value), every),
                          [page.session, all_positions], notes_plot, api_name=False, concurrency_limit=None)
 
-    @_ui_errors
+    @page.action
     def on_knockout(session_value, positions, k):
         sid = page.session_id(session_value)
         text, figure, data = handlers.run_knockout(page.sessions, sid, positions, int(k))
         return text, figure, data, sid
 
     knockout_button.click(on_knockout, [page.session, knockout_positions, top_k], [knockout_text, knockout_plot, edit_json, page.session],
-                          api_name="knockout", **_model_bound())
-    notes_export.click(_exporter("kvscope-notes", views=1), [edit_json, strategy_plot, frontier_plot, attention_plot, notes_plot, notes_text],
+                          api_name="knockout", **page.model_bound())
+    notes_export.click(_exporter(page, "kvscope-notes", views=1), [edit_json, strategy_plot, frontier_plot, attention_plot, notes_plot, notes_text],
                        notes_files, api_name="export_notes", concurrency_limit=None)
     return inputs
 
@@ -234,7 +261,8 @@ def _notes_tab(page: Page) -> NotesInputs:
 def _prepare_message(page: Page, model_spec: str, text: str) -> str:
     """Prefill the editor's scenario at its old values; the current decision, or why it cannot be prepared."""
     try:
-        return handlers.prepare_baseline(page.registry, model_spec, text)
+        with page.bounded():
+            return handlers.prepare_baseline(page.registry, model_spec, text)
     except AppError as error:
         return f"⚠️ {html.escape(str(error))}"
 
@@ -242,7 +270,7 @@ def _prepare_message(page: Page, model_spec: str, text: str) -> str:
 def _then_prepare(page: Page, event, notes: NotesInputs) -> None:
     """After ``event``, prefill the editor's scenario at its old values and state the current decision."""
     event.then(lambda model_spec, text: _prepare_message(page, model_spec, text), [page.spec, notes.editor], notes.baseline,
-               api_name=False, **_model_bound())
+               api_name=False, **page.model_bound())
 
 
 def _probes_tab(page: Page, notes: NotesInputs) -> None:
@@ -264,14 +292,14 @@ def _probes_tab(page: Page, notes: NotesInputs) -> None:
             probe_export = gr.Button("Export JSON + figure", elem_id="export-probe")
             probe_files = gr.File(label="Exported files", file_count="multiple", elem_id="probe-files")
 
-    @_ui_errors
+    @page.action
     def on_probe(model_spec, text, field_name, value, name, find, replacement, method, progress=gr.Progress()):
         options = {"find": find, "replace": replacement} if name == "trigger" else {"method": method} if name == "attribution" else {}
         return handlers.run_probe(page.registry, model_spec, text, field_name, value, name, options, progress=_progress_callback(progress))
 
     probe_button.click(on_probe, [page.spec, notes.editor, notes.field, notes.new_value, probe_name, trigger_find, trigger_replace,
-                                  attribution_method], [probe_plot, probe_json], api_name="probe", **_model_bound())
-    probe_export.click(_exporter("kvscope-probe"), [probe_json, probe_plot], probe_files, api_name="export_probe", concurrency_limit=None)
+                                  attribution_method], [probe_plot, probe_json], api_name="probe", **page.model_bound())
+    probe_export.click(_exporter(page, "kvscope-probe"), [probe_json, probe_plot], probe_files, api_name="export_probe", concurrency_limit=None)
 
 
 def _composer_tab(page: Page) -> None:
@@ -304,29 +332,29 @@ def _composer_tab(page: Page) -> None:
 
     composition = [composer, before, between, after]
 
-    @_ui_errors
+    @page.action
     def on_compose(model_spec, skill_ids, text_before, text_between, after_name, seam_tokens, blend_fraction):
         view = handlers.run_compose(page.registry, model_spec, skill_ids, text_before, text_between, after_name or None, seam_tokens, blend_fraction)
         return view.metrics_markdown, view.logits_figure, view.deviation_figure, view.summary
 
     compared = [compose_metrics, logits_plot, deviation_plot, compose_json]
-    compose_button.click(on_compose, [page.spec, *composition, seam, blend], compared, api_name="compose", **_model_bound())
-    composer.change(on_compose, [page.spec, *composition, seam, blend], compared, api_name=False, **_model_bound())
+    compose_button.click(on_compose, [page.spec, *composition, seam, blend], compared, api_name="compose", **page.model_bound())
+    composer.change(on_compose, [page.spec, *composition, seam, blend], compared, api_name=False, **page.model_bound())
 
-    @_ui_errors
+    @page.action
     def on_keystone(model_spec, skill_ids, text_before, text_between, after_name, seam_tokens, progress=gr.Progress()):
         return handlers.run_keystone(page.registry, model_spec, skill_ids, text_before, text_between, after_name or None, seam_tokens,
                                      progress=_progress_callback(progress))
 
-    keystone_button.click(on_keystone, [page.spec, *composition, seam], [loop_plot, compose_json], api_name="keystone", **_model_bound())
+    keystone_button.click(on_keystone, [page.spec, *composition, seam], [loop_plot, compose_json], api_name="keystone", **page.model_bound())
 
-    @_ui_errors
+    @page.action
     def on_agent(model_spec, skill_ids, text_before, text_between, after_name, seam_tokens, turn_count, toggled, progress=gr.Progress()):
         return handlers.run_agent_loop(page.registry, model_spec, skill_ids, text_before, text_between, after_name or None, seam_tokens,
                                        turn_count, toggled, progress=_progress_callback(progress))
 
-    agent_button.click(on_agent, [page.spec, *composition, seam, turns, toggle], [loop_plot, compose_json], api_name="agent", **_model_bound())
-    compose_export.click(_exporter("kvscope-composer"), [compose_json, logits_plot, deviation_plot, loop_plot], compose_files,
+    agent_button.click(on_agent, [page.spec, *composition, seam, turns, toggle], [loop_plot, compose_json], api_name="agent", **page.model_bound())
+    compose_export.click(_exporter(page, "kvscope-composer"), [compose_json, logits_plot, deviation_plot, loop_plot], compose_files,
                          api_name="export_composer", concurrency_limit=None)
 
 
@@ -348,11 +376,11 @@ def _benchmarks_tab(page: Page) -> None:
     bench_refresh.click(lambda: show_benchmarks(handlers.benchmark_results()), None, [*bench_plots, bench_json],
                         api_name="benchmarks", concurrency_limit=None)
 
-    @_ui_errors
+    @page.action
     def on_quick(model_spec, progress=gr.Progress()):
         return show_benchmarks({"ttft-live": handlers.quick_ttft(page.registry, model_spec, progress=_progress_callback(progress))})
 
-    bench_quick.click(on_quick, page.spec, [*bench_plots, bench_json], api_name="benchmark_quick", **_model_bound())
+    bench_quick.click(on_quick, page.spec, [*bench_plots, bench_json], api_name="benchmark_quick", **page.model_bound())
 
 
 def _learn_tab(page: Page) -> None:
@@ -364,14 +392,20 @@ def _learn_tab(page: Page) -> None:
                 button = gr.Button(f"Run step {index + 1}", elem_id=f"learn-{index + 1}")
                 result_md = gr.HTML()
                 result_plot = gr.Plot()
-            button.click(_ui_errors(functools.partial(handlers.learn_step, page.registry, index)), page.spec, [result_md, result_plot],
-                         api_name=f"learn_{index + 1}", **_model_bound())
+            button.click(page.action(functools.partial(handlers.learn_step, page.registry, index)), page.spec, [result_md, result_plot],
+                         api_name=f"learn_{index + 1}", **page.model_bound())
 
 
-def build_app(registry: ModelRegistry, sessions: SessionStore | None = None) -> gr.Blocks:
-    """The whole explorer over a model registry (the default model should already be loaded)."""
-    with gr.Blocks(title="KVScope") as blocks:
-        page = Page(registry, sessions or SessionStore(), gr.State(None), gr.State(registry.default_spec))
+def build_app(registry: ModelRegistry, sessions: SessionStore | None = None, exports: ExportFolder | None = None) -> gr.Blocks:
+    """The whole explorer over a model registry (the default model should already be loaded); sessions and
+    exports are bounded by the registry's hosting profile."""
+    profile = registry.profile
+    sessions = sessions or SessionStore.for_profile(profile)
+    registry.on_drop(sessions.forget_model)
+    exports = exports or ExportFolder(profile.export_max_bytes, profile.export_keep)
+    # Gradio copies returned files into its own cache: clear copies older than an hour, every 10 minutes.
+    with gr.Blocks(title="KVScope", delete_cache=(600, 3600)) as blocks:
+        page = Page(registry, sessions, exports, gr.State(None), gr.State(registry.default_spec))
         gr.Markdown(INTRO)
         with gr.Tabs():
             model_loaded, on_load_model, model_outputs = _model_tab(page)
@@ -381,7 +415,7 @@ def build_app(registry: ModelRegistry, sessions: SessionStore | None = None) -> 
             _benchmarks_tab(page)
             _learn_tab(page)
         _then_prepare(page, model_loaded, notes)
-        blocks.load(on_load_model, [page.session, page.spec], model_outputs, api_name=False, **_model_bound())
+        blocks.load(on_load_model, [page.session, page.spec], model_outputs, api_name=False, **page.model_bound())
         blocks.load(lambda model_spec, text: _prepare_message(page, model_spec, text), [page.spec, notes.editor], notes.baseline,
-                    api_name="prepare", **_model_bound())
+                    api_name="prepare", **page.model_bound())
     return blocks

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.budget import compute_slot
 from engine.decision import answer_logprob, decision_margin, label_scores
 from engine.errors import KVScopeError
 from engine.experiment import EditExperiment
@@ -136,11 +137,13 @@ def _forward_label_scores(lm: LoadedModel, embeds: torch.Tensor, answer_ids: dic
         for ids in sequences:
             if len(ids) == 1:
                 if last is None:
-                    last = model(inputs_embeds=embeds, logits_to_keep=1).logits
+                    with compute_slot(embeds.shape[1]):
+                        last = model(inputs_embeds=embeds, logits_to_keep=1).logits
                 strings.append(answer_logprob(last, [0], ids))
                 continue
             lead = embedding(torch.tensor(ids[:-1], device=embeds.device))[None].expand(len(embeds), -1, -1)
-            logits = model(inputs_embeds=torch.cat([embeds, lead], 1), logits_to_keep=len(ids)).logits
+            with compute_slot(embeds.shape[1] + len(ids) - 1):
+                logits = model(inputs_embeds=torch.cat([embeds, lead], 1), logits_to_keep=len(ids)).logits
             strings.append(answer_logprob(logits, range(len(ids)), ids))
         labels.append(label_scores(torch.stack(strings, -1)))
     return torch.stack(labels, -1)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.budget import compute_slot
 from engine.notebook import Notebook, NotebookError
 from engine.scenario import RenderedPrompt
 
@@ -63,7 +64,8 @@ def decision_gradients(base: Notebook, prompt: RenderedPrompt) -> DecisionGradie
     """Gradients of the decision margin with respect to the base notebook's K/V."""
     leaf = base.with_grad()
     score = leaf.decision_score(prompt.decode_ids, prompt.answer_ids)
-    score.backward()
+    with compute_slot():
+        score.backward()
     return DecisionGradients(float(score.detach()), tuple(k.grad for k in leaf.keys), tuple(v.grad for v in leaf.values))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 import textwrap
 import unicodedata
 from collections.abc import Sequence
@@ -45,6 +46,15 @@ def safe_label(text: str, limit: int | None = None) -> str:
     if limit is not None and len(shown) > limit:
         shown = shown[: max(limit - 1, 0)] + "…"
     return html.escape(shown, quote=False)
+
+
+_MARKDOWN_SPECIAL = re.compile(r"([\\`*_{}\[\]()#+\-.!|~>])")
+
+
+def markdown_literal(text: str) -> str:
+    """User text shown as itself inside Markdown: HTML-escaped, and every Markdown character backslash-escaped
+    (no links, images, emphasis or headings can be injected)."""
+    return _MARKDOWN_SPECIAL.sub(r"\\\1", html.escape(str(text), quote=False))
 
 
 def safe_lines(text: str, width: int = 60) -> str:

@@ -4,34 +4,37 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from engine.decision import Decision
+from viz.common import safe_label
 
 
 def decision_figure(decision: Decision, title: str = "Decision") -> go.Figure:
-    """Bars of each label's log-prob (and its surface strings), the chosen label highlighted."""
+    """Bars of each label's log-prob (and its surface strings), the chosen label highlighted; every label, string
+    and the title are escaped (plotly renders HTML in text)."""
     labels = list(decision.scores)
+    shown = [safe_label(label, 40) for label in labels]
     figure = go.Figure()
     figure.add_bar(
-        x=labels,
+        x=shown,
         y=[decision.scores[label] for label in labels],
         name="label (log Σ P)",
         marker_color=["#2a9d8f" if label == decision.label else "#b0bec5" for label in labels],
         text=[f"{decision.scores[label]:.2f}" for label in labels],
         textposition="outside",
     )
-    for label in labels:
+    for label, name in zip(labels, shown):
         strings = decision.string_logprobs[label]
         figure.add_scatter(
-            x=[label] * len(strings),
+            x=[name] * len(strings),
             y=list(strings.values()),
             mode="markers+text",
-            text=list(strings),
+            text=[safe_label(string, 40) for string in strings],
             textposition="middle right",
             marker={"color": "#264653", "size": 8},
-            name=f"{label} strings",
+            name=f"{name} strings",
             showlegend=False,
         )
     figure.update_layout(
-        title=f"{title}: {decision.label} (margin {decision.margin:+.2f})",
+        title=f"{safe_label(title, 80)}: {safe_label(decision.label, 40)} (margin {decision.margin:+.2f})",
         yaxis_title="log-prob of the answer",
         height=340,
         margin={"l": 50, "r": 20, "t": 50, "b": 40},

@@ -55,7 +55,8 @@ def converted_alias(alias: str, report: MessageProgress) -> tuple[Path, str, str
     else:
         copy, name = _smollm2_copy(report), SMOLLM2_NAME
     marker = json.loads((copy / _MARKER).read_text())
-    return copy, name, f"{marker['provenance']}; dequantized safetensors copy at {copy}"
+    logger.info("%s: dequantized safetensors copy at %s", alias, copy)
+    return copy, name, f"{marker['provenance']}; dequantized safetensors copy in the KVScope cache"
 
 
 def installed_specs() -> list[str]:

@@ -55,7 +55,7 @@ def load_model(
         return _load_pretrained(str(copy), name, source, target, requested, report)
     path = Path(spec).expanduser()
     if path.exists():
-        directory = _check_local_dir(path)
+        directory = _check_local_dir(path, spec)
         return _load_pretrained(
             str(directory), str(directory), f"local directory {directory}", target, requested, report
         )
@@ -101,16 +101,17 @@ def parse_dtype(dtype: str) -> torch.dtype | None:
 # --------------------------------------------------------------------------------------------
 
 
-def _check_local_dir(path: Path) -> Path:
-    """A local model directory with a config and safetensors weights (never pickle .bin)."""
+def _check_local_dir(path: Path, spec: str) -> Path:
+    """A local model directory with a config and safetensors weights (never pickle .bin); messages name the
+    ``spec`` as given, never the path it resolves to."""
     if not path.is_dir():
-        raise ModelLoadError(f"{path} is a file; give the model directory (config.json + *.safetensors)")
+        raise ModelLoadError(f"{spec!r} is a file; give the model directory (config.json + *.safetensors)")
     if not (path / "config.json").is_file():
-        raise ModelLoadError(f"{path} has no config.json: not a transformers model directory")
+        raise ModelLoadError(f"{spec!r} has no config.json: not a transformers model directory")
     if not any(path.glob("*.safetensors")):
         pickled = sorted(p.name for p in path.glob("*.bin"))
         found = f" (found {', '.join(pickled)}; KVScope never loads pickle weights)" if pickled else ""
-        raise ModelLoadError(f"{path} has no *.safetensors weights{found}")
+        raise ModelLoadError(f"{spec!r} has no *.safetensors weights{found}")
     return path.resolve()
 
 

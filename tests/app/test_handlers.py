@@ -5,11 +5,12 @@ from pathlib import Path
 
 import plotly.graph_objects as go
 import pytest
+import torch
 
 from app import handlers
 from app.composer import SkillComposer
 from app.handlers import AppError
-from app.state import SessionStore
+from app.state import ExportFolder, SessionStore
 from engine.scenario import Scenario
 from engine.experiment import EditExperiment
 from tests.app.conftest import SCENARIO
@@ -41,7 +42,7 @@ def test_prepared_scenario_is_reused_by_edits_and_matches_the_engine(registry, s
     text = SCENARIO + "\n# prepared copy\n"
     message = handlers.prepare_baseline(registry, None, text)
     baseline = registry.baseline(None, text, Scenario.from_toml(text))
-    assert f"**{baseline.decision.label}**" in message and "order_status = shipped" in message
+    assert f"**{baseline.decision.label}**" in message and r"order\_status = shipped" in message  # Markdown-escaped
     assert "gradients" in baseline.__dict__  # the backward ran while preparing
     fused = handlers.run_edit(registry, sessions, "p", None, text, "order_status", "pending", ["field_only", "erratum", "full_downstream"])
     assert sessions.get("p", "edit").stale is baseline
@@ -93,17 +94,18 @@ def test_compose_reports_fidelity(registry):
 
 
 def test_export_writes_json_and_html(tmp_path):
-    paths = handlers.export_files({"a": 1}, [go.Figure()], "x")
+    folder = ExportFolder(2**20, keep=4, root=tmp_path)
+    paths = handlers.export_files(folder, {"a": 1}, [go.Figure()], "x")
     assert json.loads(Path(paths[0]).read_text()) == {"a": 1} and Path(paths[1]).read_text().startswith("<html>")
     with pytest.raises(AppError, match="nothing to export"):
-        handlers.export_files(None, [], "x")
+        handlers.export_files(folder, None, [], "x")
 
 
 def test_sessions_are_isolated_and_budgeted():
-    store = SessionStore(budget_bytes=100)
-    store.put("a", "k", "A", 60)
-    store.put("b", "k", "B", 60)
-    assert store.get("a", "k") is None and store.get("b", "k") == "B"
+    store = SessionStore(budget_bytes=100, ttl_s=60)
+    store.put("a", "k", torch.zeros(15))
+    store.put("b", "k", torch.ones(15))
+    assert store.get("a", "k") is None and float(store.get("b", "k").sum()) == 15
 
 
 def test_bad_model_spec_is_reported(registry):

@@ -1,0 +1,151 @@
+"""Hosting profiles: what one server allows its visitors, and the memory it may keep for them.
+
+``local`` (``python app.py``) keeps today's freedom: any alias, HF id or local directory, any context the
+model takes, no time limit. ``public`` (``python app.py --public``, and automatically on a Hugging Face
+Space, where ``SPACE_ID`` is set) is for a Space or a shared classroom machine: models from an allowlist
+only (the offline aliases plus HF ids the host names in ``KVSCOPE_ALLOWED_MODELS``), no local paths,
+bounded context, strategies, turns and model time per request. Both profiles bound memory the same way,
+with budgets scaled to the machine's RAM. Every limit can be overridden by the host (see ``from_env``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import psutil
+
+from engine.budget import WorkBudget
+from engine.errors import KVScopeError
+from engine.models.gguf import ALIASES
+from engine.strategies import STRATEGIES
+from engine.tiny import TINY_ARCHS
+
+GiB = 2**30
+PUBLIC_MAX_CONTEXT_TOKENS = 1024
+PUBLIC_REQUEST_SECONDS = 30.0
+PUBLIC_MAX_SCENARIO_CHARS = 12_000
+PUBLIC_MAX_AGENT_TURNS = 8
+# Shares of the machine's RAM kept for results, per kind (the rest is for models and the work itself).
+SESSION_SHARE, BASELINE_SHARE, REFERENCE_SHARE = 0.06, 0.03, 0.03
+
+
+class HostingError(KVScopeError):
+    """A request this server's profile does not allow; the message names the limit and what to do."""
+
+
+@dataclass(frozen=True)
+class HostingProfile:
+    """The limits one server applies to every visitor."""
+
+    name: str  # "local" or "public"
+    allowed_models: tuple[str, ...] | None  # None: any alias, HF id or local directory
+    max_context_tokens: int | None
+    request_seconds: float | None  # model time per request
+    max_scenario_chars: int | None
+    max_strategies: int
+    max_agent_turns: int
+    session_budget_bytes: int
+    baseline_budget_bytes: int
+    reference_budget_bytes: int
+    session_ttl_s: float  # idle sessions are dropped after this long
+    export_max_bytes: int
+    export_keep: int  # export folders kept on disk (oldest removed first)
+    model_capacity: int  # models loaded at once
+    pin_default_model: bool  # never evict the default model (a public server's visitors all use it)
+    concurrency: int  # model-bound requests in flight (their forwards take turns, least model time first)
+
+    @property
+    def label(self) -> str:
+        """How refusals name this server's limits."""
+        return f"this server ({self.name} profile)"
+
+    @property
+    def work_budget(self) -> WorkBudget:
+        """The per-request budget the engine enforces."""
+        return WorkBudget(self.request_seconds, self.max_context_tokens, self.label)
+
+    def check_model(self, spec: str) -> None:
+        """Refuse a model spec outside the allowlist, without saying anything about the server's files."""
+        if self.allowed_models is not None and spec not in self.allowed_models:
+            raise HostingError(f"model {spec!r} is not offered by {self.label}; choose one of: {', '.join(self.allowed_models)}")
+
+    def check_scenario_text(self, text: str) -> None:
+        """Refuse an over-long scenario before parsing it."""
+        if self.max_scenario_chars is not None and len(text) > self.max_scenario_chars:
+            raise HostingError(f"the scenario has {len(text):,} characters; {self.label} accepts at most "
+                               f"{self.max_scenario_chars:,}: shorten its context")
+
+    def checked_strategies(self, names: Sequence[str]) -> list[str]:
+        """The strategy names once each, in order, within the per-request maximum."""
+        unique = list(dict.fromkeys(names))
+        if len(unique) > self.max_strategies:
+            raise HostingError(f"{len(unique)} strategies asked; {self.label} runs at most {self.max_strategies} per request")
+        return unique
+
+    def check_turns(self, turns: int) -> None:
+        """Refuse an agent episode longer than the maximum."""
+        if turns > self.max_agent_turns:
+            raise HostingError(f"{turns} agent turns asked; {self.label} runs at most {self.max_agent_turns}")
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def machine_memory_bytes() -> int:
+    """Total RAM of this machine."""
+    return psutil.virtual_memory().total
+
+
+def _budgets(memory_bytes: int) -> dict[str, int]:
+    return {
+        "session_budget_bytes": int(memory_bytes * SESSION_SHARE),
+        "baseline_budget_bytes": int(memory_bytes * BASELINE_SHARE),
+        "reference_budget_bytes": int(memory_bytes * REFERENCE_SHARE),
+    }
+
+
+def local_profile(memory_bytes: int | None = None) -> HostingProfile:
+    """One user on their own machine: everything allowed, memory still bounded."""
+    return HostingProfile(
+        name="local", allowed_models=None, max_context_tokens=None, request_seconds=None, max_scenario_chars=None,
+        max_strategies=len(STRATEGIES), max_agent_turns=64, session_ttl_s=6 * 3600.0, export_max_bytes=20 * 2**20,
+        export_keep=64, model_capacity=2, pin_default_model=False, concurrency=1, **_budgets(memory_bytes or machine_memory_bytes()),
+    )
+
+
+def public_profile(extra_models: Sequence[str] = (), memory_bytes: int | None = None) -> HostingProfile:
+    """A public Space or a shared classroom server."""
+    allowed = (*ALIASES, *(f"tiny-{arch}" for arch in TINY_ARCHS), *extra_models)
+    return HostingProfile(
+        name="public", allowed_models=tuple(dict.fromkeys(allowed)), max_context_tokens=PUBLIC_MAX_CONTEXT_TOKENS,
+        request_seconds=PUBLIC_REQUEST_SECONDS, max_scenario_chars=PUBLIC_MAX_SCENARIO_CHARS, max_strategies=len(STRATEGIES),
+        max_agent_turns=PUBLIC_MAX_AGENT_TURNS, session_ttl_s=15 * 60.0, export_max_bytes=2 * 2**20, export_keep=32,
+        model_capacity=2, pin_default_model=True, concurrency=4, **_budgets(memory_bytes or machine_memory_bytes()),
+    )
+
+
+OVERRIDES = {  # environment variable -> profile field (a host's settings)
+    "KVSCOPE_MAX_CONTEXT_TOKENS": ("max_context_tokens", int),
+    "KVSCOPE_REQUEST_SECONDS": ("request_seconds", float),
+    "KVSCOPE_MAX_SCENARIO_CHARS": ("max_scenario_chars", int),
+    "KVSCOPE_MAX_AGENT_TURNS": ("max_agent_turns", int),
+    "KVSCOPE_SESSION_TTL_S": ("session_ttl_s", float),
+    "KVSCOPE_CONCURRENCY": ("concurrency", int),
+}
+
+
+def from_env(public: bool, environ: Mapping[str, str] | None = None) -> HostingProfile:
+    """The profile for this process: public when asked or on a Space (``SPACE_ID``), with the host's overrides."""
+    environ = os.environ if environ is None else environ
+    extra = tuple(name.strip() for name in environ.get("KVSCOPE_ALLOWED_MODELS", "").split(",") if name.strip())
+    profile = public_profile(extra) if public or environ.get("SPACE_ID") else local_profile()
+    changes = {}
+    for variable, (name, kind) in OVERRIDES.items():
+        if environ.get(variable):
+            try:
+                changes[name] = kind(environ[variable])
+            except ValueError as error:
+                raise HostingError(f"{variable}={environ[variable]!r} is not a valid {kind.__name__}") from error
+    return replace(profile, **changes)

@@ -1,0 +1,118 @@
+"""Bounded work: a per-request budget (model time, context length) and a fair gate for shared models.
+
+A server wraps each request in :func:`bounded`; every forward (and backward) of the engine runs inside
+:func:`compute_slot`, which refuses a context over the budget's token limit before computing anything,
+stops the request cleanly between forwards once its model time is spent, and, when a :class:`ComputeGate`
+is given, takes turns with the other requests: the request that has used the least model time goes next
+(least attained service), so a short edit never waits behind a long request for more than one forward.
+Outside :func:`bounded` nothing is limited (the CLI, tests, local scripts).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+from engine.errors import KVScopeError
+
+
+class BudgetExceeded(KVScopeError):
+    """A request asked for more than this server allows (context length or model time); nothing was kept."""
+
+
+@dataclass(frozen=True)
+class WorkBudget:
+    """Limits of one request: model seconds (forwards and backwards) and tokens attended in one forward."""
+
+    seconds: float | None = None
+    max_context_tokens: int | None = None
+    profile: str = "this server"  # named in refusals, e.g. "the public profile"
+
+
+@dataclass
+class _Scope:
+    budget: WorkBudget
+    gate: ComputeGate | None
+    used_s: float = 0.0
+    forwards: int = 0
+    holding: bool = False
+    ticket: object = field(default_factory=object)
+
+
+_SCOPE: ContextVar[_Scope | None] = ContextVar("kvscope_budget", default=None)
+
+
+class ComputeGate:
+    """One model computation at a time; among waiting requests, the one with the least model time used first."""
+
+    def __init__(self) -> None:
+        self._condition = threading.Condition()
+        self._busy = False
+        self._waiting: dict[object, tuple[float, int]] = {}  # ticket -> (model seconds used, arrival)
+        self._arrivals = 0
+
+    @contextmanager
+    def turn(self, ticket: object, used_s: float) -> Iterator[None]:
+        """Hold the gate for one computation."""
+        with self._condition:
+            self._arrivals += 1
+            self._waiting[ticket] = (used_s, self._arrivals)
+            while self._busy or min(self._waiting, key=self._waiting.__getitem__) is not ticket:
+                self._condition.wait()
+            del self._waiting[ticket]
+            self._busy = True
+        try:
+            yield
+        finally:
+            with self._condition:
+                self._busy = False
+                self._condition.notify_all()
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for their turn now."""
+        with self._condition:
+            return len(self._waiting)
+
+
+@contextmanager
+def bounded(budget: WorkBudget, gate: ComputeGate | None = None) -> Iterator[None]:
+    """Run the enclosed request under ``budget``, taking turns at ``gate`` (None: no sharing)."""
+    token = _SCOPE.set(_Scope(budget, gate))
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+
+
+@contextmanager
+def compute_slot(tokens: int = 0) -> Iterator[None]:
+    """One forward or backward attending to ``tokens`` keys: checked against the request's budget first."""
+    scope = _SCOPE.get()
+    if scope is None or scope.holding:
+        yield
+        return
+    budget = scope.budget
+    if budget.max_context_tokens is not None and tokens > budget.max_context_tokens:
+        raise BudgetExceeded(
+            f"this request needs {tokens:,} tokens of context; {budget.profile} allows at most {budget.max_context_tokens:,}: "
+            "shorten the scenario (context, skills or turns)"
+        )
+    if budget.seconds is not None and scope.used_s >= budget.seconds:
+        raise BudgetExceeded(
+            f"stopped after {scope.forwards} model passes and {scope.used_s:.1f} s of model time: {budget.profile} gives one "
+            f"request at most {budget.seconds:g} s; use a shorter scenario or fewer strategies, probes or turns"
+        )
+    with scope.gate.turn(scope.ticket, scope.used_s) if scope.gate else nullcontext():
+        started = time.perf_counter()
+        scope.holding = True
+        try:
+            yield
+        finally:
+            scope.holding = False
+            scope.used_s += time.perf_counter() - started
+            scope.forwards += 1
+
