@@ -62,6 +62,16 @@ def guarded(function):
     return wrapper
 
 
+def number(value, name: str, default: float, kind: type = int) -> float:
+    """A numeric UI value (an API client may send None, "" or text): ``default`` when empty, else ``kind``."""
+    if value is None or value == "":
+        return default
+    try:
+        return kind(value)
+    except (TypeError, ValueError) as error:
+        raise AppError(f"{name} must be a {'whole ' if kind is int else ''}number, got {value!r}") from error
+
+
 # ---------------------------------------------------------------------------- model
 def model_card(lm: LoadedModel, selftest: SelfTestReport | None = None) -> str:
     """The model card as Markdown (values escaped)."""
@@ -161,7 +171,7 @@ def _experiment(registry: ModelRegistry, spec: str | None, text: str, field: str
     """The edit on the editor's scenario, its stale run reused from the registry's baselines."""
     scenario = parse_scenario(text, registry.profile)
     stale = registry.baseline(spec, text, scenario)
-    return EditExperiment(registry.get(spec), scenario, field or None, (new or None), EditSettings(top_k=int(top_k)),
+    return EditExperiment(registry.get(spec), scenario, field or None, (new or None), EditSettings(top_k=number(top_k, "K", 8)),
                           capture_attention=True, stale=stale)
 
 
@@ -240,7 +250,7 @@ def run_knockout(sessions: SessionStore, session: str, positions_text: str, top_
         except ValueError as error:
             raise AppError(f"positions must be integers separated by commas or spaces, got {positions_text!r}") from error
     elif effects is not None:
-        positions = experiment.top_notes(effects, int(top_k))
+        positions = experiment.top_notes(effects, number(top_k, "K", 8))
     else:
         raise AppError("give positions to knock out (the top-K ranking needs same-length values)")
     oracle = experiment.oracle
@@ -297,7 +307,7 @@ def run_compose(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[s
     """Splice the composed skills and compare with a full recompute."""
     lm = registry.get(spec)
     scenario = composed_scenario(skill_ids, before, between, after_scenario, registry.profile)
-    fidelity: Fidelity = compare(lm, scenario, registry.skills(spec), seam=int(seam), blend=float(blend), references=registry.references(spec))
+    fidelity: Fidelity = compare(lm, scenario, registry.skills(spec), seam=number(seam, "seam", 1), blend=number(blend, "blend", 0.0, float), references=registry.references(spec))
     data = fidelity.as_dict()
     metrics = (
         f"**cosine** {data['cosine']:.4f} · **KL** {data['kl']:.4f} · **top-1** {'agree' if data['top1_agree'] else 'differ'} · "
@@ -322,7 +332,7 @@ def run_keystone(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[
     """Edit the field inside a spliced skill: composed vs recomputed per strategy."""
     lm = registry.get(spec)
     scenario = composed_scenario(skill_ids, before, between, after_scenario, registry.profile)
-    report = keystone(lm, scenario, registry.skills(spec), seam=int(seam), progress=progress)
+    report = keystone(lm, scenario, registry.skills(spec), seam=number(seam, "seam", 1), progress=progress)
     return compose_figures.keystone_figure(report), report.as_dict()
 
 
@@ -330,10 +340,11 @@ def run_keystone(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[
 def run_agent_loop(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[str], before: str, between: str,
                    after_scenario: str | None, seam: int, turns: int, toggle: bool, progress: StepProgress = None) -> tuple[go.Figure, dict]:
     """Multi-turn episode with errata on a cached, composed context vs re-prefilling every turn."""
-    registry.profile.check_turns(int(turns))
+    turns = number(turns, "turns", 4)
+    registry.profile.check_turns(turns)
     lm = registry.get(spec)
     scenario = composed_scenario(skill_ids, before, between, after_scenario, registry.profile)
-    report = run_agent(lm, scenario, registry.skills(spec), turns=int(turns), toggle=bool(toggle), seam=int(seam), progress=progress)
+    report = run_agent(lm, scenario, registry.skills(spec), turns=turns, toggle=bool(toggle), seam=number(seam, "seam", 1), progress=progress)
     return compose_figures.agent_figure(report), report.as_dict()
 
 

@@ -228,8 +228,9 @@ def _notes_tab(page: Page) -> NotesInputs:
     def on_edit(session_value, model_spec, text, field_name, value, chosen, k, head_index, one_by_one=False, every_position=False,
                 progress=gr.Progress()):
         sid = page.session_id(session_value)
-        view = handlers.run_edit(page.registry, page.sessions, sid, model_spec, text, field_name, value, chosen or [], int(k),
-                                 None if head_index is None or int(head_index) < 0 else int(head_index), progress=_progress_callback(progress),
+        head_index = handlers.number(head_index, "attention head", -1)
+        view = handlers.run_edit(page.registry, page.sessions, sid, model_spec, text, field_name, value, chosen or [], k,
+                                 None if head_index < 0 else head_index, progress=_progress_callback(progress),
                                  separately=bool(one_by_one), all_positions=bool(every_position))
         return (view.cards_html, view.strategy_figure, view.text_html, view.attention_figure, view.notes_figure,
                 view.summary, sid)
@@ -248,7 +249,7 @@ def _notes_tab(page: Page) -> NotesInputs:
     @page.action
     def on_knockout(session_value, positions, k):
         sid = page.session_id(session_value)
-        text, figure, data = handlers.run_knockout(page.sessions, sid, positions, int(k))
+        text, figure, data = handlers.run_knockout(page.sessions, sid, positions, k)
         return text, figure, data, sid
 
     knockout_button.click(on_knockout, [page.session, knockout_positions, top_k], [knockout_text, knockout_plot, edit_json, page.session],
