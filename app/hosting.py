@@ -24,6 +24,7 @@ from engine.tiny import TINY_ARCHS
 
 GiB = 2**30
 PUBLIC_MAX_CONTEXT_TOKENS = 1024
+PUBLIC_FORWARD_TOKENS = 128  # new tokens per forward: ~1 s for the embedded model on 2 CPU cores
 PUBLIC_REQUEST_SECONDS = 30.0
 PUBLIC_MAX_SCENARIO_CHARS = 12_000
 PUBLIC_MAX_AGENT_TURNS = 8
@@ -42,6 +43,7 @@ class HostingProfile:
     name: str  # "local" or "public"
     allowed_models: tuple[str, ...] | None  # None: any alias, HF id or local directory
     max_context_tokens: int | None
+    forward_tokens: int | None  # new tokens per forward; longer work runs in exact chunks, other requests between
     request_seconds: float | None  # model time per request
     max_scenario_chars: int | None
     max_strategies: int
@@ -64,7 +66,7 @@ class HostingProfile:
     @property
     def work_budget(self) -> WorkBudget:
         """The per-request budget the engine enforces."""
-        return WorkBudget(self.request_seconds, self.max_context_tokens, self.label)
+        return WorkBudget(self.request_seconds, self.max_context_tokens, self.forward_tokens, self.label)
 
     def check_model(self, spec: str) -> None:
         """Refuse a model spec outside the allowlist, without saying anything about the server's files."""
@@ -109,7 +111,7 @@ def _budgets(memory_bytes: int) -> dict[str, int]:
 def local_profile(memory_bytes: int | None = None) -> HostingProfile:
     """One user on their own machine: everything allowed, memory still bounded."""
     return HostingProfile(
-        name="local", allowed_models=None, max_context_tokens=None, request_seconds=None, max_scenario_chars=None,
+        name="local", allowed_models=None, max_context_tokens=None, forward_tokens=None, request_seconds=None, max_scenario_chars=None,
         max_strategies=len(STRATEGIES), max_agent_turns=64, session_ttl_s=6 * 3600.0, export_max_bytes=20 * 2**20,
         export_keep=64, model_capacity=2, pin_default_model=False, concurrency=1, **_budgets(memory_bytes or machine_memory_bytes()),
     )
@@ -120,7 +122,8 @@ def public_profile(extra_models: Sequence[str] = (), memory_bytes: int | None = 
     allowed = (*ALIASES, *(f"tiny-{arch}" for arch in TINY_ARCHS), *extra_models)
     return HostingProfile(
         name="public", allowed_models=tuple(dict.fromkeys(allowed)), max_context_tokens=PUBLIC_MAX_CONTEXT_TOKENS,
-        request_seconds=PUBLIC_REQUEST_SECONDS, max_scenario_chars=PUBLIC_MAX_SCENARIO_CHARS, max_strategies=len(STRATEGIES),
+        forward_tokens=PUBLIC_FORWARD_TOKENS, request_seconds=PUBLIC_REQUEST_SECONDS, max_scenario_chars=PUBLIC_MAX_SCENARIO_CHARS,
+        max_strategies=len(STRATEGIES),
         max_agent_turns=PUBLIC_MAX_AGENT_TURNS, session_ttl_s=15 * 60.0, export_max_bytes=2 * 2**20, export_keep=32,
         model_capacity=2, pin_default_model=True, concurrency=4, **_budgets(memory_bytes or machine_memory_bytes()),
     )
@@ -128,6 +131,7 @@ def public_profile(extra_models: Sequence[str] = (), memory_bytes: int | None = 
 
 OVERRIDES = {  # environment variable -> profile field (a host's settings)
     "KVSCOPE_MAX_CONTEXT_TOKENS": ("max_context_tokens", int),
+    "KVSCOPE_FORWARD_TOKENS": ("forward_tokens", int),
     "KVSCOPE_REQUEST_SECONDS": ("request_seconds", float),
     "KVSCOPE_MAX_SCENARIO_CHARS": ("max_scenario_chars", int),
     "KVSCOPE_MAX_AGENT_TURNS": ("max_agent_turns", int),

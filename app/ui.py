@@ -13,8 +13,8 @@ from app import handlers
 from app.composer import SkillComposer
 from app.handlers import AppError
 from app.state import ExportFolder, ModelRegistry, SessionStore
-from engine.budget import bounded
 from engine.analysis import DEFAULT_STRATEGIES
+from engine.budget import bounded
 from engine.registry import ALL_PROBES
 from engine.scenario import bundled_scenarios
 from engine.strategies import STRATEGIES
@@ -46,7 +46,7 @@ def _progress_callback(progress: gr.Progress):
 
 def user_error(error: Exception) -> gr.Error:
     """A refusal as a Gradio toast: the message escaped (toasts render HTML), no server traceback."""
-    return gr.Error(html.escape(str(error)), print_exception=False)
+    return gr.Error(html.escape(str(error), quote=False), print_exception=False)
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
@@ -25,10 +25,12 @@ class BudgetExceeded(KVScopeError):
 
 @dataclass(frozen=True)
 class WorkBudget:
-    """Limits of one request: model seconds (forwards and backwards) and tokens attended in one forward."""
+    """Limits of one request: model seconds (forwards and backwards), tokens of context, and new tokens per
+    forward (longer computations run as several exact chunks, so other requests get turns in between)."""
 
     seconds: float | None = None
     max_context_tokens: int | None = None
+    forward_tokens: int | None = None
     profile: str = "this server"  # named in refusals, e.g. "the public profile"
 
 
@@ -46,30 +48,48 @@ _SCOPE: ContextVar[_Scope | None] = ContextVar("kvscope_budget", default=None)
 
 
 class ComputeGate:
-    """One model computation at a time; among waiting requests, the one with the least model time used first."""
+    """One model computation at a time. Among waiting requests the one with the least model time used goes
+    first (least attained service); a request that finishes a computation while still the least served
+    keeps the gate for ``hold_s`` to start its next one, so a short request runs its passes back to back
+    instead of alternating with a long one."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold_s: float = 0.25) -> None:
+        self.hold_s = hold_s
         self._condition = threading.Condition()
         self._busy = False
         self._waiting: dict[object, tuple[float, int]] = {}  # ticket -> (model seconds used, arrival)
+        self._held: tuple[object, float] | None = None  # (ticket, until) after a release
         self._arrivals = 0
 
-    @contextmanager
-    def turn(self, ticket: object, used_s: float) -> Iterator[None]:
-        """Hold the gate for one computation."""
+    def acquire(self, ticket: object, used_s: float) -> None:
+        """Wait for this request's turn."""
         with self._condition:
             self._arrivals += 1
             self._waiting[ticket] = (used_s, self._arrivals)
-            while self._busy or min(self._waiting, key=self._waiting.__getitem__) is not ticket:
-                self._condition.wait()
+            while True:
+                held = self._held if self._held and self._held[0] is not ticket and time.monotonic() < self._held[1] else None
+                if not self._busy and held is None and min(self._waiting, key=self._waiting.__getitem__) is ticket:
+                    break
+                self._condition.wait(None if held is None else max(held[1] - time.monotonic(), 0.001))
             del self._waiting[ticket]
-            self._busy = True
+            self._busy, self._held = True, None
+
+    def release(self, ticket: object, used_s: float) -> None:
+        """End this request's computation; hold the gate briefly for it if it is still the least served."""
+        with self._condition:
+            self._busy = False
+            least = min((used for used, _ in self._waiting.values()), default=float("inf"))
+            self._held = (ticket, time.monotonic() + self.hold_s) if self._waiting and used_s < least else None
+            self._condition.notify_all()
+
+    @contextmanager
+    def turn(self, ticket: object, used_s: float) -> Iterator[None]:
+        """Hold the gate for one computation (released as if no model time were used)."""
+        self.acquire(ticket, used_s)
         try:
             yield
         finally:
-            with self._condition:
-                self._busy = False
-                self._condition.notify_all()
+            self.release(ticket, used_s)
 
     @property
     def waiting(self) -> int:
@@ -86,6 +106,12 @@ def bounded(budget: WorkBudget, gate: ComputeGate | None = None) -> Iterator[Non
         yield
     finally:
         _SCOPE.reset(token)
+
+
+def forward_token_limit() -> int | None:
+    """New tokens one forward may run in the current request (None: no limit)."""
+    scope = _SCOPE.get()
+    return None if scope is None else scope.budget.forward_tokens
 
 
 @contextmanager
@@ -106,13 +132,16 @@ def compute_slot(tokens: int = 0) -> Iterator[None]:
             f"stopped after {scope.forwards} model passes and {scope.used_s:.1f} s of model time: {budget.profile} gives one "
             f"request at most {budget.seconds:g} s; use a shorter scenario or fewer strategies, probes or turns"
         )
-    with scope.gate.turn(scope.ticket, scope.used_s) if scope.gate else nullcontext():
-        started = time.perf_counter()
-        scope.holding = True
-        try:
-            yield
-        finally:
-            scope.holding = False
-            scope.used_s += time.perf_counter() - started
-            scope.forwards += 1
+    if scope.gate:
+        scope.gate.acquire(scope.ticket, scope.used_s)
+    started = time.perf_counter()
+    scope.holding = True
+    try:
+        yield
+    finally:
+        scope.holding = False
+        scope.used_s += time.perf_counter() - started
+        scope.forwards += 1
+        if scope.gate:
+            scope.gate.release(scope.ticket, scope.used_s)
 

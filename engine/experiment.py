@@ -343,8 +343,9 @@ class EditExperiment:
         computations = [notebook.computation() for notebook in notebooks]  # equal ones run once: share their time
         ran = {key: len(self.prompt.decode_ids) + notebook.pending_tokens for key, notebook in zip(computations, notebooks)}
         started = time.perf_counter()
+        captures = [False] * len(prepared) + ([self.capture_attention] if oracle else [])  # only the oracle's attention is shown
         decisions = Notebook.read_many(notebooks, self.prompt.decode_ids, self.prompt.answer_ids,
-                                       answer_texts=self.scenario.answers, capture_attention=self.capture_attention)
+                                       answer_texts=self.scenario.answers, capture_attention=captures)
         fused_ms = (time.perf_counter() - started) * 1000
         shares = [fused_ms * ran[key] / sum(ran.values()) for key in computations]
         timing = f"share of one fused forward of {len(notebooks)} caches ({fused_ms:.0f} ms)"

@@ -62,6 +62,43 @@ class BranchRun:
 
 
 
+def computed_in_chunks(notebook: Notebook, limit: int) -> Notebook:
+    """The notebook with its pending tokens computed ``limit`` at a time until at most ``limit`` remain: exact,
+    like a chunked prefill (a later chunk sees the earlier ones of its step as stored entries)."""
+    while notebook.pending_tokens > limit:
+        stop = computed_count(notebook) + limit
+        first, rest = [], []
+        for step in notebook.pending:
+            if step.stop <= stop:
+                first.append(step)
+            elif step.start < stop:
+                first.append(PendingStep(step.start, stop, step.sees))
+                rest.append(PendingStep(stop, step.stop, torch.cat([step.sees, torch.ones(stop - step.start, dtype=torch.bool)])))
+            else:
+                rest.append(step)
+        head = dataclass_replace(notebook, token_ids=notebook.token_ids[:stop], positions=notebook.positions[:stop],
+                                 segments=notebook.segments[:stop], visible=notebook.visible[:stop], pending=tuple(first))
+        done = run_together([head], [None])[0].notebook
+        notebook = dataclass_replace(notebook, computed_keys=done.computed_keys, computed_values=done.computed_values, pending=tuple(rest))
+    return notebook
+
+
+def batches(forks: Sequence[Notebook], continuations: Sequence[Continuation | None], limit: int | None) -> list[list[int]]:
+    """Indices of forks of one base split into forwards of at most ``limit`` new tokens each (one fork at least)."""
+    if limit is None:
+        return [list(range(len(forks)))]
+    groups: list[list[int]] = [[]]
+    used = 0
+    for index, (fork, continuation) in enumerate(zip(forks, continuations)):
+        size = fork.pending_tokens + (len(continuation.token_ids) if continuation else 0)
+        if groups[-1] and used + size > limit:
+            groups.append([])
+            used = 0
+        groups[-1].append(index)
+        used += size
+    return groups
+
+
 def computed_count(notebook: Notebook) -> int:
     """How many of the notebook's entries have K/V already (the rest are pending)."""
     return len(notebook.positions) - notebook.pending_tokens

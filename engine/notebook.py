@@ -26,9 +26,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.budget import forward_token_limit
 from engine.decision import Decision, answer_logprob, decide, decision_margin, label_scores
 from engine.errors import NotebookError
-from engine.fused import BranchRun, Continuation, PendingStep, computed_count, forks_by_base, joined, run_together
+from engine.fused import (
+    BranchRun,
+    Continuation,
+    PendingStep,
+    batches,
+    computed_count,
+    computed_in_chunks,
+    forks_by_base,
+    joined,
+    run_together,
+)
 from engine.loaded import LoadedModel, ModelFingerprint
 from engine.progress import StepProgress
 from engine.rope import RopeUnsupported, Rotary
@@ -200,11 +211,21 @@ class Notebook:
 
     @staticmethod
     def _run(notebooks: Sequence["Notebook"], continuations: Sequence[Continuation | None], **options) -> list[BranchRun]:
-        """:func:`engine.fused.run_together`, after which each pending notebook remembers its computed twin."""
-        runs = run_together(notebooks, continuations, **options)
-        for notebook, run in zip(notebooks, runs):
-            notebook._remember(run.notebook)
-        return runs
+        """Run notebooks with their continuations: forks of one computed base share a forward
+        (:func:`engine.fused.run_together`), each forward within the request's new-token limit (longer pending
+        steps computed in chunks first); each pending notebook then remembers its computed twin."""
+        limit = forward_token_limit()
+        ready = [computed_in_chunks(notebook.latest(), limit) if limit else notebook for notebook in notebooks]
+        runs: dict[int, BranchRun] = {}
+        for group in forks_by_base(ready):
+            forks, extras = [ready[i] for i in group], [continuations[i] for i in group]
+            for batch in batches(forks, extras, limit):
+                chosen = [group[i] for i in batch]
+                for index, run in zip(chosen, run_together([ready[i] for i in chosen], [continuations[i] for i in chosen], **options)):
+                    runs[index] = run
+        for index, notebook in enumerate(notebooks):
+            notebook._remember(runs[index].notebook)
+        return [runs[index] for index in range(len(notebooks))]
 
     def _remember(self, computed: "Notebook") -> None:
         """Keep the computed twin of a pending notebook, so that nothing is computed twice."""
@@ -515,27 +536,28 @@ class Notebook:
         answers: Mapping[str, Sequence[Sequence[int]]],
         *,
         knockout: Knockout | Sequence[Knockout] | None = None,
-        capture_attention: bool = False,
+        capture_attention: bool | Sequence[bool] = False,
         answer_texts: Mapping[str, Sequence[str]] | None = None,
     ) -> list[Decision]:
         """Read the same question from several forks of one notebook in a single forward.
 
-        Each fork's pending steps and question run together (forks with the same :meth:`computation` once);
-        every fork is left computed. With
-        ``capture_attention`` each decision carries the question tokens' attention as (layers, heads,
+        Each fork's pending steps and question run together (forks with the same :meth:`computation` once;
+        forks of different bases, or beyond a request's new-token limit, in several forwards); every fork is
+        left computed. With
+        ``capture_attention`` (for all forks, or one flag per fork) each decision carries the question tokens' attention as (layers, heads,
         decode tokens, stored entries + decode tokens), stored entries in storage order.
         """
         questions = [notebook._question(decode_ids, answers, knockout) for notebook in notebooks]
+        captures = [capture_attention] * len(notebooks) if isinstance(capture_attention, bool) else list(capture_attention)
         computations = [notebook.computation() for notebook in notebooks]
         first_of: dict[tuple, int] = {}
         for index, key in enumerate(computations):
             first_of.setdefault(key, index)
         unique = sorted(set(first_of.values()))
-        runs: dict[int, BranchRun] = {}
-        for group in forks_by_base([notebooks[i] for i in unique]):
-            chosen = [unique[i] for i in group]
-            for index, run in zip(chosen, Notebook._run([notebooks[i] for i in chosen], [questions[i][0] for i in chosen], capture=capture_attention)):
-                runs[index] = run
+        wanted = {i: any(captures[j] for j, key in enumerate(computations) if first_of[key] == i) for i in unique}
+        continuations = [questions[i][0] if wanted[i] else dataclass_replace(questions[i][0], captured_rows=[]) for i in unique]
+        unique_runs = Notebook._run([notebooks[i] for i in unique], continuations, capture=any(wanted.values()))
+        runs: dict[int, BranchRun] = dict(zip(unique, unique_runs))
         for index, notebook in enumerate(notebooks):
             twin = runs[first_of[computations[index]]]
             if index not in runs:
@@ -548,8 +570,8 @@ class Notebook:
         for run, (_, layout) in zip((runs[i] for i in range(len(notebooks))), questions):
             scores = Notebook._scores(run, layout)
             string_logprobs = {label: {text: float(score) for text, score in zip(texts[label], scores[label])} for label in scores}
-            decision = decide(string_logprobs, run.logits[0].detach().cpu())
-            if capture_attention:
+            decision = decide(string_logprobs, run.logits[0].detach().cpu().clone())  # not a view of every kept row
+            if captures[len(decisions)]:
                 entries, count = len(run.notebook.positions), len(decode_ids)
                 decision.attention = torch.stack([run.attentions[layer][:, :, : entries + count] for layer in sorted(run.attentions)]).cpu()
             decisions.append(decision)

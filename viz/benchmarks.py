@@ -90,3 +90,27 @@ def serving_figure(data: dict) -> go.Figure:
     figure.update_layout(title=f"Serving state changes: erratum vs in-prefix edit{engine}", height=400,
                          legend={"orientation": "h", "y": -0.25})
     return figure
+
+
+def soak_figure(data: dict) -> go.Figure:
+    """A soak run (``soak-*.json``): server RSS over sessions served, and normal edit latency percentiles while
+    the worst-case request ran and otherwise."""
+    figure = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38],
+                           subplot_titles=("Server RSS (MB) by sessions served", "Normal edit latency (s)"))
+    samples = data.get("rss_mb", [])
+    figure.add_scatter(x=[done for _, _, done in samples], y=[mb for _, mb, _ in samples], mode="lines", name="RSS (MB)", row=1, col=1)
+    cases = (("edit_seconds_alone", "alone"), ("edit_seconds_during_worst_case", "while the worst case runs"),
+             ("edit_seconds_under_load", f"{data.get('clients')} visitors at once"))
+    for index, (key, name) in enumerate(cases):
+        stats = data.get(key) or {}
+        quantiles = [q for q in ("p50", "p90", "p99") if q in stats]
+        figure.add_bar(x=quantiles, y=[stats[q] for q in quantiles], name=f"{name} (n={stats.get('n', 0)})",
+                       marker_color=PALETTE[index % len(PALETTE)], row=1, col=2)
+    figure.add_hline(y=5, line_dash="dash", line_color="black", annotation_text="target p90 5 s", row=1, col=2)
+    figure.update_xaxes(title="sessions served", row=1, col=1)
+    plateau = data.get("rss_plateau", {})
+    growth = f"RSS growth over the last half {plateau.get('growth_mb')} MB" if plateau.get("growth_mb") is not None else "RSS"
+    figure.update_layout(title=f"Soak, {safe_label(str(data.get('profile')))} profile: {data.get('sessions')} sessions, "
+                               f"{data.get('clients')} clients; {growth}; cross-talk {len(data.get('cross_talk', []))}",
+                         template="plotly_white", height=420, barmode="group", legend={"orientation": "h", "y": -0.2})
+    return figure

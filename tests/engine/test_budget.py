@@ -5,6 +5,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from engine.budget import BudgetExceeded, ComputeGate, WorkBudget, bounded, compute_slot
 from engine.notebook import Notebook
@@ -69,3 +70,56 @@ def test_gate_serves_the_request_with_least_model_time_first():
     for thread in (holder, *waiters):
         thread.join(5)
     assert order == ["short", "long"], "the request that used less model time goes first"
+
+
+def test_a_forward_token_limit_changes_no_number(lm):
+    """Under a new-token limit, pending work runs in chunks and fused reads in batches: the same K/V and decisions."""
+    from engine.experiment import EditExperiment
+    from engine.scenario import Scenario
+    from tests.shared import SAME_LENGTH_SCENARIO
+
+    names = ["field_only", "erratum", "field_erratum", "full_downstream"]
+    free = EditExperiment(lm, Scenario.from_toml(SAME_LENGTH_SCENARIO)).report(names, fused=True)
+    with bounded(WorkBudget(forward_tokens=7)):
+        experiment = EditExperiment(lm, Scenario.from_toml(SAME_LENGTH_SCENARIO))
+        limited = experiment.report(names, fused=True)
+        notebook = Notebook.prefill(lm, list(range(5, 45)))
+        keys = notebook.keys
+    assert torch.allclose(keys[1], Notebook.prefill(lm, list(range(5, 45))).keys[1], atol=1e-5)
+    for name in ["stale", "oracle", *names]:
+        a, b = getattr(free, name, None) or free.strategies[name], getattr(limited, name, None) or limited.strategies[name]
+        assert a.decision.margin == pytest.approx(b.decision.margin, abs=1e-4), name
+        assert torch.allclose(a.decision.next_token_logits, b.decision.next_token_logits, atol=1e-4), name
+
+
+def test_forward_token_limit_bounds_every_forward(lm, monkeypatch):
+    from engine import adapter
+
+    sizes = []
+    original = adapter.forward
+
+    def counting(model, keys, values, key_positions, input_ids, *args, **kwargs):
+        sizes.append(len(input_ids))
+        return original(model, keys, values, key_positions, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(adapter, "forward", counting)
+    with bounded(WorkBudget(forward_tokens=16)):
+        notebook = Notebook.prefill(lm, list(range(5, 105)))
+        forks = [notebook.append([7, 8, 9]), notebook.append([10] * 12), notebook.recompute(list(range(50, 100)))]
+        Notebook.read_many(forks, [3, 4], {"a": [[5]], "b": [[6]]})
+    assert max(sizes) <= 16 + 2 and len(sizes) >= 100 // 16
+
+
+def test_a_short_request_keeps_the_gate_between_its_passes():
+    gate, order = ComputeGate(hold_s=0.5), []
+    gate.acquire("short", 0.1)
+    waiter = threading.Thread(target=lambda: (gate.acquire("long", 40.0), order.append("long"), gate.release("long", 41.0)))
+    waiter.start()
+    time.sleep(0.05)
+    gate.release("short", 0.2)  # still the least served: the gate waits for its next pass
+    time.sleep(0.02)
+    gate.acquire("short", 0.2)
+    order.append("short")
+    gate.release("short", 50.0)  # now more served than the waiter: no hold
+    waiter.join(5)
+    assert order == ["short", "long"]
