@@ -25,6 +25,8 @@ from engine.experiment import EditExperiment
 from engine.frontier import probe_frontier
 from engine.keystone import keystone
 from engine.models import LoadedModel, available_offline
+from engine.models.gguf import ALIASES
+from engine.models.loading import TINY_PREFIX
 from engine.progress import MessageProgress, StepProgress
 from engine.registry import ALL_PROBES
 from engine.scenario import Scenario, Skill, bundled_scenarios, bundled_skills
@@ -107,12 +109,10 @@ def load_model_card(registry: ModelRegistry, spec: str, progress: MessageProgres
 def offered_models(registry: ModelRegistry) -> list[str]:
     """Model specs to offer: those that load without the hub, within the profile's allowlist (plus the
     HF ids its host named)."""
-    allowed = registry.profile.allowed_models
-    found = available_offline()
+    allowed, found = registry.profile.allowed_models, available_offline()
     if allowed is None:
         return found
-    tiny = tuple(spec for spec in allowed if spec.startswith("tiny-"))
-    return [spec for spec in found if spec in allowed] + [spec for spec in allowed if spec not in found and spec not in tiny and "/" in spec]
+    return [spec for spec in allowed if spec in found or (spec not in ALIASES and not spec.startswith(TINY_PREFIX))]
 
 
 # ---------------------------------------------------------------------------- scenarios

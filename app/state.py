@@ -9,9 +9,12 @@ entries: every read and write is keyed by the session's own id.
 from __future__ import annotations
 
 import atexit
+import ctypes
+import ctypes.util
 import gc
 import json
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -227,9 +230,9 @@ class SessionStore:
     """
 
     def __init__(self, budget_bytes: int | None = None, ttl_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-        profile = local_profile() if budget_bytes is None or ttl_s is None else None
-        self.budget_bytes = budget_bytes if budget_bytes is not None else profile.session_budget_bytes
-        self.ttl_s = ttl_s if ttl_s is not None else profile.session_ttl_s
+        defaults = local_profile()
+        self.budget_bytes = defaults.session_budget_bytes if budget_bytes is None else budget_bytes
+        self.ttl_s = defaults.session_ttl_s if ttl_s is None else ttl_s
         self._sessions = BudgetedLRU(self.budget_bytes, self.ttl_s, weigh=self._weigh, clock=clock)
 
     @classmethod
@@ -309,3 +312,23 @@ class ExportFolder:
 def process_rss_bytes() -> int:
     """Resident memory of this server process."""
     return psutil.Process().memory_info().rss
+
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if sys.platform.startswith("linux") and ctypes.util.find_library("c") else None
+_M_ARENA_MAX = -8  # glibc mallopt parameter
+_last_trim = [0.0]
+
+
+def limit_malloc_arenas(arenas: int = 2) -> None:
+    """Cap glibc's malloc arenas: each of Gradio's worker threads would otherwise keep its own arena of freed
+    tensor memory, and the server's RSS would grow with every thread that ever ran a request (glibc only)."""
+    if _LIBC is not None:
+        _LIBC.mallopt(_M_ARENA_MAX, arenas)
+
+
+def return_freed_memory(every_s: float = 10.0) -> None:
+    """Hand memory freed by dropped results back to the system, at most once every ``every_s`` seconds."""
+    now = time.monotonic()
+    if _LIBC is not None and now - _last_trim[0] >= every_s:
+        _last_trim[0] = now
+        _LIBC.malloc_trim(0)

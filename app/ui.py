@@ -12,7 +12,8 @@ import plotly.io
 from app import handlers
 from app.composer import SkillComposer
 from app.handlers import AppError
-from app.state import ExportFolder, ModelRegistry, SessionStore
+from app.inputs import LenientCheckboxGroup, LenientSlider
+from app.state import ExportFolder, ModelRegistry, SessionStore, return_freed_memory
 from engine.analysis import DEFAULT_STRATEGIES
 from engine.budget import bounded
 from engine.registry import ALL_PROBES
@@ -77,6 +78,8 @@ class Page:
                     return function(*args, **kwargs)
             except AppError as error:
                 raise user_error(error) from error
+            finally:
+                return_freed_memory()
 
         return wrapper
 
@@ -163,11 +166,11 @@ def _notes_tab(page: Page) -> NotesInputs:
                 description = gr.Markdown(first.description, elem_id="scenario-description")
                 field = gr.Dropdown(first.fields, value=first.fields[0], label="Field", allow_custom_value=True, elem_id="field")
                 new_value = gr.Dropdown(first.values, value=first.new, label="New value", allow_custom_value=True, elem_id="new-value")
-                strategies = gr.CheckboxGroup(
+                strategies = LenientCheckboxGroup(
                     [s for s in STRATEGIES if s not in ("stale", "oracle")], value=list(DEFAULT_STRATEGIES),
                     label="Strategies", elem_id="strategies",
                 )
-                top_k = gr.Slider(1, 64, value=8, step=1, label="K (field_topk, knockout)", elem_id="top-k")
+                top_k = LenientSlider(1, 64, value=8, step=1, label="K (field_topk, knockout)", elem_id="top-k")
                 separately = gr.Checkbox(False, label="Time each strategy on its own (slower; default reads all in one forward)",
                                          elem_id="separately")
                 edit_button = gr.Button("Edit the field", variant="primary", elem_id="run-edit")
@@ -178,7 +181,7 @@ def _notes_tab(page: Page) -> NotesInputs:
             frontier_plot = gr.Plot(label="Cost–quality frontier (runs after the edit)", elem_id="frontier-plot")
         notes_text = gr.HTML(label="Context coloured by notes effect", elem_id="notes-text")
         with gr.Row():
-            head = gr.Slider(-1, heads - 1, value=-1, step=1, label="Attention head (-1 = mean over heads)", elem_id="head")
+            head = LenientSlider(-1, heads - 1, value=-1, step=1, label="Attention head (-1 = mean over heads)", elem_id="head")
             all_positions = gr.Checkbox(False, label="Notes map: show every context position (default: the field and after)",
                                         elem_id="notes-all-positions")
         with gr.Row():
@@ -313,15 +316,16 @@ def _composer_tab(page: Page) -> None:
             between = gr.Textbox(label="Text between skills", lines=2, elem_id="text-between")
             after = gr.Dropdown([""] + scenario_names, value="", label="Then a scenario (question and answers)", elem_id="after-scenario")
         with gr.Row():
-            seam = gr.Slider(0, 32, value=1, step=1, label="Seam repair (tokens)", elem_id="seam")
-            blend = gr.Slider(0, 1, value=0, step=0.05, label="CacheBlend-style recompute fraction", elem_id="blend")
+            seam = LenientSlider(0, 32, value=1, step=1, label="Seam repair (tokens)", elem_id="seam")
+            blend = LenientSlider(0, 1, value=0, step=0.05, label="CacheBlend-style recompute fraction", elem_id="blend")
             compose_button = gr.Button("Splice vs recompute", variant="primary", elem_id="run-compose")
         compose_metrics = gr.Markdown(elem_id="compose-metrics")
         with gr.Row():
             logits_plot = gr.Plot(label="Top next tokens: spliced vs recomputed", elem_id="logits-plot")
             deviation_plot = gr.Plot(label="K/V deviation (layer × token)", elem_id="deviation-plot")
         with gr.Row():
-            turns = gr.Slider(1, 40, value=10, step=1, label="Agent turns")
+            most = page.registry.profile.max_agent_turns
+            turns = LenientSlider(1, most, value=min(10, most), step=1, label="Agent turns")
             toggle = gr.Checkbox(value=False, label="Toggle the field every turn (drift stress test)")
             keystone_button = gr.Button("Keystone: edit the field inside a spliced skill", elem_id="run-keystone")
             agent_button = gr.Button("Agent loop: errata on a cached context", elem_id="run-agent")

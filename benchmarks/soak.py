@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCENARIO = "refund_gate"
 FIELD = "refund_eligible"
 FIELD_VALUES = ("true", "false")
+ACCEPTED = ("duplicated strategies", "model switch", "composer braces")  # served: run once, allowlisted, literal text
 LEAK_MARKERS = (str(Path.home()), "Traceback", "/usr/", "site-packages", ".cache")
 
 
@@ -57,7 +58,7 @@ class Log:
     cross_talk: list[str] = field(default_factory=list)
     worst: list[dict] = field(default_factory=list)
     rss: list[tuple[float, float, int]] = field(default_factory=list)  # (t, MB, sessions done)
-    done: int = 0
+    done: int = 0  # visitors finished, in completion order
     worst_running: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -72,7 +73,7 @@ def _refusal(log: Log, kind: str, call) -> None:
     """Run a hostile call; it must be refused with a specific message that names no server path."""
     try:
         call()
-        log_entry = {"kind": kind, "message": "accepted", "expected": kind in ("duplicated strategies", "model switch")}
+        log_entry = {"kind": kind, "message": "accepted", "expected": kind in ACCEPTED}
     except Exception as error:  # noqa: BLE001 - gradio_client raises AppError text as a plain Exception
         message = str(error)
         leak = any(marker in message for marker in LEAK_MARKERS)
@@ -99,6 +100,8 @@ def hostile(url: str, log: Log, index: int, text: str, over_limit: str) -> None:
     ]
     kind, call = cases[index % len(cases)]
     _refusal(log, kind, call)
+    with log.lock:
+        log.done += 1
 
 
 def visitor(url: str, log: Log, index: int, text: str) -> None:
@@ -118,6 +121,8 @@ def visitor(url: str, log: Log, index: int, text: str) -> None:
         client.predict(["account_gate"], f"Ticket {index}.", "", "", 1, 0, api_name="/compose")
     if index % 5 == 2:
         client.predict(summary, None, None, None, None, None, api_name="/export_notes")
+    with log.lock:
+        log.done += 1
 
 
 def worst_case(url: str, log: Log, text: str, stop: threading.Event) -> None:
@@ -234,8 +239,6 @@ def main() -> None:
                 except Exception as error:  # noqa: BLE001 - an unexpected failure of a normal visitor
                     with log.lock:
                         log.errors.append({"kind": "normal visitor failed", "message": str(error)[:300], "expected": False})
-                with log.lock:
-                    log.done += 1
         visitors_s = time.time() - started
         memory_after_visitors = Client(url, verbose=False).predict(api_name="/server_memory")
         fair = fairness(url, log, text, worst_text, args.probe_edits)

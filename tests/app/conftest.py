@@ -27,6 +27,17 @@ def sessions():
     return SessionStore()
 
 
+def wait_until_serving(url: str, timeout: float) -> None:
+    """Poll ``url`` until it answers HTTP 200 (or ``timeout`` seconds pass)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if urllib.request.urlopen(url, timeout=2).status == 200:
+                return
+        except OSError:
+            time.sleep(0.3)
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -41,12 +52,6 @@ def app_url(registry):
     port = _free_port()
     page.queue(default_concurrency_limit=1).launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
     url = f"http://127.0.0.1:{port}/"
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        try:
-            if urllib.request.urlopen(url, timeout=2).status == 200:
-                break
-        except OSError:
-            time.sleep(0.3)
+    wait_until_serving(url, 60)
     yield url
     page.close()

@@ -6,7 +6,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 import weakref
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from app.state import BudgetedLRU, ExportFolder, ModelRegistry, SessionStore
 from app.ui import _figure, user_error
 from engine.budget import WorkBudget, bounded
 from engine.footprint import tensor_bytes
-from tests.app.conftest import SCENARIO, TINY, _free_port
+from tests.app.conftest import SCENARIO, TINY, _free_port, wait_until_serving
 
 ROOT = Path(__file__).parents[2]
 LONG_CONTEXT = SCENARIO.replace("SESSION\n", "SESSION\n" + "order notes: the parcel left the warehouse on time.\n" * 40)
@@ -207,13 +206,8 @@ def public_url():
     environment = {**os.environ, "KVSCOPE_MAX_CONTEXT_TOKENS": "200", "GRADIO_ANALYTICS_ENABLED": "False"}
     server = subprocess.Popen([sys.executable, "app.py", "--public", "--model", TINY, "--port", str(port)], cwd=ROOT,
                               env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    url, deadline = f"http://127.0.0.1:{port}/", time.time() + 90
-    while time.time() < deadline:
-        try:
-            if urllib.request.urlopen(url, timeout=2).status == 200:
-                break
-        except OSError:
-            time.sleep(0.5)
+    url = f"http://127.0.0.1:{port}/"
+    wait_until_serving(url, 90)
     yield url
     server.terminate()
     server.wait(20)
