@@ -338,13 +338,16 @@ def run_keystone(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[
 
 @guarded
 def run_agent_loop(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[str], before: str, between: str,
-                   after_scenario: str | None, seam: int, turns: int, toggle: bool, progress: StepProgress = None) -> tuple[go.Figure, dict]:
-    """Multi-turn episode with errata on a cached, composed context vs re-prefilling every turn."""
+                   after_scenario: str | None, seam: int, turns: int, toggle: bool, policy: str = "adaptive",
+                   progress: StepProgress = None) -> tuple[go.Figure, dict]:
+    """Multi-turn episode with errata on a cached, composed context (compacted by ``policy``), against the
+    clean-state prefill and the identical-token re-prefill every turn."""
     turns = number(turns, "turns", 4)
     registry.profile.check_turns(turns)
     lm = registry.get(spec)
     scenario = composed_scenario(skill_ids, before, between, after_scenario, registry.profile)
-    report = run_agent(lm, scenario, registry.skills(spec), turns=turns, toggle=bool(toggle), seam=number(seam, "seam", 1), progress=progress)
+    report = run_agent(lm, scenario, registry.skills(spec), turns=turns, toggle=bool(toggle), seam=number(seam, "seam", 1),
+                       policy=policy or "never", progress=progress)
     return compose_figures.agent_figure(report), report.as_dict()
 
 
@@ -355,12 +358,14 @@ def benchmark_results() -> dict[str, dict]:
 
 
 def benchmark_figures_for(results: dict[str, dict]) -> list[go.Figure]:
-    """A figure per known result kind (TTFT, edit latency, prefill, serving)."""
+    """A figure per known result kind (TTFT, edit latency, prefill, serving, agent policies, soak)."""
     builders = {
         "ttft": lambda data: benchmark_figures.ttft_figure(data["rows"], title=f"TTFT: splice vs full ({data['model']}, {data['device']})"),
         "edit": benchmark_figures.edit_latency_figure,
         "prefill": benchmark_figures.prefill_figure,
         "serving": benchmark_figures.serving_figure,
+        "agent": benchmark_figures.agent_policy_figure,
+        "soak": benchmark_figures.soak_figure,
     }
     figures = []
     for stem, data in results.items():

@@ -327,6 +327,7 @@ def _composer_tab(page: Page) -> None:
             most = page.registry.profile.max_agent_turns
             turns = LenientSlider(1, most, value=min(10, most), step=1, label="Agent turns")
             toggle = gr.Checkbox(value=False, label="Toggle the field every turn (drift stress test)")
+            policy = gr.Dropdown(["never", "every:4", "adaptive"], value="adaptive", label="Erratum compaction", elem_id="agent-policy")
             keystone_button = gr.Button("Keystone: edit the field inside a spliced skill", elem_id="run-keystone")
             agent_button = gr.Button("Agent loop: errata on a cached context", elem_id="run-agent")
         loop_plot = gr.Plot(label="Keystone / agent", elem_id="loop-plot")
@@ -354,11 +355,13 @@ def _composer_tab(page: Page) -> None:
     keystone_button.click(on_keystone, [page.spec, *composition, seam], [loop_plot, compose_json], api_name="keystone", **page.model_bound())
 
     @page.action
-    def on_agent(model_spec, skill_ids, text_before, text_between, after_name, seam_tokens, turn_count, toggled, progress=gr.Progress()):
+    def on_agent(model_spec, skill_ids, text_before, text_between, after_name, seam_tokens, turn_count, toggled, compaction="adaptive",
+                 progress=gr.Progress()):
         return handlers.run_agent_loop(page.registry, model_spec, skill_ids, text_before, text_between, after_name or None, seam_tokens,
-                                       turn_count, toggled, progress=_progress_callback(progress))
+                                       turn_count, toggled, compaction, progress=_progress_callback(progress))
 
-    agent_button.click(on_agent, [page.spec, *composition, seam, turns, toggle], [loop_plot, compose_json], api_name="agent", **page.model_bound())
+    agent_button.click(on_agent, [page.spec, *composition, seam, turns, toggle, policy], [loop_plot, compose_json], api_name="agent",
+                       **page.model_bound())
     compose_export.click(_exporter(page, "kvscope-composer"), [compose_json, logits_plot, deviation_plot, loop_plot], compose_files,
                          api_name="export_composer", concurrency_limit=None)
 
@@ -369,7 +372,7 @@ def _benchmarks_tab(page: Page) -> None:
         gr.Markdown("Results written by the scripts under `benchmarks/` (JSON in `benchmarks/results/`).")
         bench_refresh = gr.Button("Show stored results", elem_id="bench-refresh")
         bench_quick = gr.Button("Run a quick TTFT check live (2 lengths)", elem_id="bench-quick")
-        bench_plots = [gr.Plot(visible=False) for _ in range(6)]
+        bench_plots = [gr.Plot(visible=False) for _ in range(10)]
         bench_json = gr.JSON(label="Results")
 
     def show_benchmarks(results):

@@ -12,7 +12,7 @@ import logging
 import sys
 from collections.abc import Callable
 
-from engine.agent import run_agent
+from engine.agent import ERRATUM_WORDINGS, Compaction, run_agent
 from engine.calibrate import FLIP_THRESHOLD, NOTES_DEMO_MAX_RECOVERY, calibrate, scenario_files
 from engine.compose import adhoc_scenario, compare, with_skills
 from engine.errors import KVScopeError
@@ -152,11 +152,16 @@ def cmd_compose(args: argparse.Namespace) -> dict:
 
 
 def cmd_agent(args: argparse.Namespace) -> dict:
-    """Multi-turn episode: compose once, errata per turn, cached prefix vs re-prefill every turn."""
+    """Multi-turn episode: compose once, errata per turn (compacted by --policy), against the clean-state prefill
+    and the identical-token re-prefill every turn."""
     scenario = _composition(args)
-    scenario.field(args.field)
+    fields = [name.strip() for name in args.fields.split(",")] if args.fields else [scenario.field(args.field).name]
+    for name in fields:
+        scenario.field(name)
+    policy = Compaction.parse(args.policy)
     lm = _load(args)
-    report = run_agent(lm, scenario, _store(), turns=args.turns, field_name=args.field, toggle=args.toggle, seam=args.seam, progress=_progress("turns"))
+    report = run_agent(lm, scenario, _store(), turns=args.turns, fields=fields, toggle=args.toggle, seam=args.seam,
+                       policy=policy, wording=args.wording, progress=_progress("turns"))
     return {"model": lm.fingerprint.name, **report.as_dict()}
 
 
@@ -236,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "agent":
             sub.add_argument("--turns", type=int, default=12, help="state changes after the first turn")
             sub.add_argument("--toggle", action="store_true", help="toggle old/new every turn (drift stress test)")
+            sub.add_argument("--fields", help="comma-separated fields changing in turn (default: --field)")
+            sub.add_argument("--policy", default="never", help="erratum compaction: never, every:K or adaptive[:R]")
+            sub.add_argument("--wording", default="override", choices=list(ERRATUM_WORDINGS), help="erratum wording")
         if name == "keystone":
             sub.set_defaults(topk=8, ranking="causal", cot_tokens=24, erratum=None)
         if name == "memory":

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -67,7 +67,8 @@ def render_for(lm: LoadedModel, scenario: Scenario, values: Mapping[str, str] | 
     return render(scenario, lm.tokenizer, scenario.values_with(**dict(values or {})), max_tokens=lm.model.config.max_position_embeddings)
 
 
-def _shared_prefix(a: list[int], b: list[int]) -> int:
+def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens two id sequences share."""
     count = 0
     for x, y in zip(a, b):
         if x != y:
@@ -95,7 +96,7 @@ def prepare_scenario(
         return PreparedRun(scenario, prompt, build(prompt), False, len(ids))
     if reuse is not None and reuse.clean and reuse.notebook.lm is lm:
         cached = list(reuse.prompt.context_ids)
-        shared = _shared_prefix(cached, ids)
+        shared = shared_prefix(cached, ids)
         if shared == len(cached) == len(ids):
             return PreparedRun(scenario, prompt, reuse.notebook, True, 0)
         if 0 < shared < len(ids):

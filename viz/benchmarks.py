@@ -114,3 +114,28 @@ def soak_figure(data: dict) -> go.Figure:
                                f"{data.get('clients')} clients; {growth}; cross-talk {len(data.get('cross_talk', []))}",
                          template="plotly_white", height=420, barmode="group", legend={"orientation": "h", "y": -0.2})
     return figure
+
+
+def agent_policy_figure(data: dict) -> go.Figure:
+    """``agent-*.json``: per scenario and compaction policy, agreement with the clean-state prefill against the
+    cumulative TTFT speedup over clean prefills; beside it, agreement per erratum wording."""
+    figure = make_subplots(rows=1, cols=2, column_widths=[0.65, 0.35],
+                           subplot_titles=("Clean-state agreement vs cumulative TTFT speedup", "Erratum wording (no compaction)"))
+    policies = list(dict.fromkeys(row["policy"] for row in data["rows"]))
+    for index, policy in enumerate(policies):
+        rows = [row for row in data["rows"] if row["policy"] == policy]
+        figure.add_scatter(
+            x=[row["cumulative_speedup_vs_clean_state"] for row in rows], y=[row["clean_state_agreement"] for row in rows],
+            mode="markers+text", text=[safe_label(row["scenario"], 18) for row in rows], textposition="top center",
+            name=f"compaction {safe_label(policy)}", marker={"size": 11, "color": PALETTE[index % len(PALETTE)]}, row=1, col=1,
+        )
+    figure.add_hline(y=0.95, line_dash="dash", line_color="black", annotation_text="95%", row=1, col=1)
+    wordings = data.get("wordings", [])
+    figure.add_bar(x=[safe_label(row["wording"]) for row in wordings], y=[row["clean_state_agreement"] for row in wordings],
+                   marker_color=PALETTE[4 % len(PALETTE)], name="wording", showlegend=False, row=1, col=2)
+    figure.update_xaxes(title_text="cumulative TTFT speedup vs clean prefills (×)", row=1, col=1)
+    figure.update_yaxes(title_text="agreement with the clean-state prefill", range=[0, 1.05], row=1, col=1)
+    figure.update_yaxes(range=[0, 1.05], row=1, col=2)
+    figure.update_layout(title=f"Agent loop, {data.get('turns')}-turn toggle{_measured_on(data)}", template="plotly_white",
+                         height=440, legend={"orientation": "h", "y": -0.2})
+    return figure

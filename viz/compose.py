@@ -67,35 +67,44 @@ def deviation_figure(fidelity: Fidelity, texts: Sequence[str] | None = None) -> 
 
 
 def agent_figure(report: AgentReport) -> go.Figure:
-    """Per turn the logit cosine of the cached path vs re-prefilling (markers: decisions, red where they
-    differ), and the cumulative time to first token of both paths on a second axis."""
+    """Per turn the decision margin of the cached path beside the clean-state prefill (correctness) and the
+    identical-token re-prefill (cache mechanics), the state as tick labels, compactions marked; below, the
+    cumulative time to first token of each path."""
     turns = report.turns
     x = [t.turn for t in turns]
-    agree = [t.cached.label == t.full.label for t in turns]
-    figure = make_subplots(specs=[[{"secondary_y": True}]])
-    figure.add_scatter(
-        x=x, y=[t.agreement["cosine"] for t in turns], name="logit cosine", mode="lines+markers+text",
-        text=[safe_label(t.cached.label, 12) for t in turns], textposition="top center",
-        marker={"size": 10, "color": [PALETTE[0] if ok else "#d62828" for ok in agree]}, line={"color": PALETTE[2]},
-        hovertext=[
-            f"turn {t.turn}: {safe_label(report.field)} = {safe_label(t.value, 40)}<br>cached {safe_label(t.cached.label)} "
-            f"({t.cached.margin:+.3f}), full {safe_label(t.full.label)} ({t.full.margin:+.3f})"
-            + (f"<br>expected {safe_label(t.expected)}" if t.expected else "")
-            for t in turns
-        ],
-        hoverinfo="text",
-    )
-    for name, times, colour in (("cached", [t.cached_ms for t in turns], PALETTE[0]), ("full re-prefill", [t.full_ms for t in turns], PALETTE[1])):
-        figure.add_scatter(x=x, y=np.cumsum(times), name=f"cumulative TTFT, {name}", mode="lines",
-                           line={"color": colour, "dash": "dash"}, secondary_y=True)
-    figure.update_xaxes(title_text="turn (0 = composed context)", dtick=1)
-    figure.update_yaxes(title_text="logit cosine (cached vs full)", secondary_y=False)
-    figure.update_yaxes(title_text="cumulative TTFT (ms)", secondary_y=True)
+    figure = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.68, 0.32], vertical_spacing=0.08)
+    paths = (("cached (errata)", "cached", PALETTE[0], "solid"), ("clean-state prefill", "clean", "black", "dash"),
+             ("identical-token re-prefill", "identical", PALETTE[2], "dot"))
+    for name, attribute, colour, dash in paths:
+        decisions = [getattr(t, attribute) for t in turns]
+        figure.add_scatter(
+            x=x, y=[d.margin for d in decisions], name=name, mode="lines+markers", line={"color": colour, "dash": dash},
+            marker={"size": 9 if attribute == "cached" else 6},
+            hovertext=[f"turn {t.turn}: {safe_label(d.label)} ({d.margin:+.3f})" for t, d in zip(turns, decisions)], hoverinfo="text",
+            row=1, col=1,
+        )
+    wrong = [t for t in turns if t.cached.label != t.clean.label]
+    figure.add_scatter(x=[t.turn for t in wrong], y=[t.cached.margin for t in wrong], mode="markers", name="cached ≠ clean state",
+                       marker={"color": "#d62828", "size": 14, "symbol": "x"}, row=1, col=1)
+    for t in turns:
+        if t.compacted:
+            figure.add_vline(x=t.turn, line={"color": PALETTE[3], "dash": "dot"}, row=1, col=1)
+    figure.add_hline(y=0, line={"color": "#999", "width": 1}, row=1, col=1)
+    for (name, attribute, colour, dash) in paths:
+        figure.add_scatter(x=x, y=np.cumsum([getattr(t, f"{attribute}_ms") for t in turns]), name=f"{name}: cumulative TTFT",
+                           mode="lines", line={"color": colour, "dash": dash}, showlegend=False, row=2, col=1)
+    ticks = [f"{t.turn}<br>{safe_label(t.values[t.changed] if t.changed else ' / '.join(t.values.values()), 14)}" for t in turns]
+    figure.update_xaxes(tickvals=x, ticktext=ticks, row=2, col=1, title_text="turn and the new value (dotted lines: compaction)")
+    figure.update_yaxes(title_text="decision margin", row=1, col=1)
+    figure.update_yaxes(title_text="cumulative TTFT (ms)", row=2, col=1)
+    data = report.as_dict()
     figure.update_layout(
-        title={"text": f"Agent episode: errata on a cached context vs re-prefilling ({safe_label(report.scenario)})",
-               "subtitle": {"text": f"field {safe_label(report.field)}, seam {report.seam}; "
-                                    f"decisions agree on {sum(agree)}/{len(turns)} turns"}},
-        height=420, legend={"orientation": "h", "y": -0.2}, margin={"l": 60, "r": 60, "t": 90, "b": 60},
+        title={"text": f"Agent episode on {safe_label(report.scenario)}: errata on a cached context, compaction {safe_label(report.policy)}",
+               "subtitle": {"text": f"agrees with the clean state on {data['clean_state_agreement']:.0%} of turns "
+                                    f"(identical tokens {data['identical_tokens_agreement']:.0%}); {data['compactions']} compactions; "
+                                    f"cumulative TTFT ×{data['cumulative_speedup_vs_clean_state']} vs clean prefills"
+                                    + ("" if report.state_sensitive else "; the clean decision never changes: agreement says little")}},
+        height=560, legend={"orientation": "h", "y": -0.18}, margin={"l": 60, "r": 30, "t": 90, "b": 90},
     )
     return figure
 

@@ -222,6 +222,8 @@ def test_public_server_refuses_paths_and_long_contexts(public_url):
     with pytest.raises(Exception, match="allows at most 200"):
         client.predict(LONG_CONTEXT, "order_status", "pending", ["erratum"], 4, -1, api_name="/edit")
     assert time.perf_counter() - started < 10
+    with pytest.raises(Exception, match="the scenario editor is empty"):  # every input missing: a specific refusal
+        client.predict(None, None, None, None, None, None, api_name="/edit")
     summary = client.predict(SCENARIO, "order_status", "pending", ["erratum"], 4, -1, api_name="/edit")[5]
     assert summary["new"] == "pending"
     memory = client.predict(api_name="/server_memory")

@@ -1,11 +1,10 @@
-"""Composition: splice vs prefill ground truth, skill files, the store, keystone, agent loop, memory."""
+"""Composition: splice vs prefill ground truth, skill files, the store, keystone, memory."""
 import json
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine.agent import run_agent, value_schedule
 from engine.compose import adhoc_scenario, compare, splice_prompt, with_skills
 from engine.keystone import keystone
 from engine.memory import memory_placement
@@ -154,14 +153,6 @@ def test_keystone_recomputed_side_matches_plain_edit(lm, store):
     assert erratum["composed"]["margin"] == pytest.approx(erratum["recomputed"]["margin"], abs=1e-3) and erratum["decision_agree"]
     with pytest.raises(ScenarioError, match="not inside any skill"):
         keystone(lm, Scenario.load(bundled_scenarios()["refund_gate"]), store)
-
-
-def test_agent_errata_on_a_cached_prefix_match_reprefill(lm, store):
-    report = run_agent(lm, adhoc_scenario(SHORT[:1]), store, turns=4, toggle=True, seam=1)
-    data = report.as_dict()
-    assert [t["value"] for t in data["turns"]] == value_schedule(("basic", "premium"), 4, True)
-    assert data["min_cosine"] > 0.9999 and data["decision_agreement"] == 1.0  # first skill sits at its source position
-    assert len(data["turns"]) == 5
 
 
 def test_memory_placement_reports_both_layouts(lm, store):

@@ -62,14 +62,17 @@ def test_long_deviation_map_is_pooled(fidelity):
     assert z.shape[0] == 3 and z.shape[1] <= MAX_COLUMNS
 
 
-def test_agent_episode_cosine_decisions_and_cumulative_ttft(lm, store):
-    report = run_agent(lm, adhoc_scenario(["account_gate"]), store, turns=3, toggle=True)
+def test_agent_episode_shows_three_decisions_per_turn_and_cumulative_ttft(lm, store):
+    report = run_agent(lm, adhoc_scenario(["account_gate"]), store, turns=3, toggle=True, policy="every:2")
     figure = agent_figure(report)
-    cosine, cached, full = figure.data
-    assert list(cosine.x) == [0, 1, 2, 3]
-    assert list(cosine.y) == pytest.approx([t.agreement["cosine"] for t in report.turns])
-    assert list(cosine.text) == [t.cached.label for t in report.turns]
-    assert list(cached.y) == pytest.approx(np.cumsum([t.cached_ms for t in report.turns]))
-    assert list(full.y) == pytest.approx(np.cumsum([t.full_ms for t in report.turns]))
-    assert cached.yaxis == full.yaxis == "y2" and cosine.yaxis in (None, "y")
+    cached, clean, identical, wrong = figure.data[:4]
+    assert list(cached.x) == [0, 1, 2, 3]
+    assert list(cached.y) == pytest.approx([t.cached.margin for t in report.turns])
+    assert list(clean.y) == pytest.approx([t.clean.margin for t in report.turns])
+    assert list(identical.y) == pytest.approx([t.identical.margin for t in report.turns])
+    assert list(wrong.x) == [t.turn for t in report.turns if t.cached.label != t.clean.label]
+    ttft = figure.data[4:]
+    assert list(ttft[0].y) == pytest.approx(np.cumsum([t.cached_ms for t in report.turns]))
+    assert list(ttft[1].y) == pytest.approx(np.cumsum([t.clean_ms for t in report.turns]))
+    assert sum(shape.type == "line" and shape.x0 == shape.x1 for shape in figure.layout.shapes) == sum(t.compacted for t in report.turns)
     json.loads(figure.to_json())
