@@ -19,6 +19,7 @@ from engine.budget import bounded
 from engine.registry import ALL_PROBES
 from engine.scenario import bundled_scenarios
 from engine.strategies import STRATEGIES
+from viz.common import markdown_literal
 
 MODEL_GROUP = "model"  # every model-bound handler shares one queue group
 
@@ -133,10 +134,10 @@ def _model_tab(page: Page):
                                    elem_id="model-dtype", scale=2)
             load_button = gr.Button("Load", variant="primary", elem_id="load-model", scale=1)
         model_card = gr.Markdown(elem_id="model-card")
-        model_json = gr.JSON(label="Model info and self-test", elem_id="model-json")
         with gr.Row():
             server_memory = gr.Markdown(elem_id="server-memory")
             memory_refresh = gr.Button("Refresh", size="sm", elem_id="refresh-memory", scale=0)
+        model_json = gr.JSON(label="Model info and self-test", elem_id="model-json")
 
     @page.action
     def on_load_model(session_value, model_spec, dtype=None, progress=gr.Progress(track_tqdm=True)):
@@ -216,7 +217,7 @@ def _notes_tab(page: Page) -> NotesInputs:
         try:
             view = handlers.scenario_choices(text, chosen_field)
         except AppError as error:
-            return f"⚠️ {error}", gr.update(), gr.update()
+            return f"⚠️ {markdown_literal(str(error))}", gr.update(), gr.update()
         return (view.description, gr.update(choices=view.fields, value=chosen_field if chosen_field in view.fields else view.fields[0]),
                 gr.update(choices=view.values, value=view.new))
 
@@ -268,7 +269,7 @@ def _prepare_message(page: Page, model_spec: str, text: str) -> str:
         with page.bounded():
             return handlers.prepare_baseline(page.registry, model_spec, text)
     except AppError as error:
-        return f"⚠️ {html.escape(str(error))}"
+        return f"⚠️ {markdown_literal(str(error))}"
 
 
 def _then_prepare(page: Page, event, notes: NotesInputs) -> None:

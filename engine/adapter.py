@@ -18,7 +18,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.models.llama.modeling_llama import eager_attention_forward as llama_eager_attention
 
-from engine.budget import compute_slot
 
 ATTENTION_NAME = "kvscope"
 
@@ -140,7 +139,7 @@ def forward(
     kept = logit_rows if logit_rows is not None else torch.zeros(0, dtype=torch.long, device=device)
     token = _ACTIVE_PLAN.set(plan)
     try:
-        with compute_slot(int(positions.max()) + 1 if len(positions) else 0), torch.set_grad_enabled(grad):  # the context's length
+        with torch.set_grad_enabled(grad):
             output = model(
                 input_ids=input_ids[None],
                 position_ids=positions[None],

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine import adapter
+from engine.budget import compute_slot
 from engine.errors import NotebookError
 
 if TYPE_CHECKING:
@@ -177,8 +178,14 @@ def run_together(
     if len(forks_by_base(notebooks)) != 1:
         raise NotebookError("notebooks run together must be forks of one computed notebook")
     forks = [notebook.latest() for notebook in notebooks]
-    base, computed = forks[0], computed_count(forks[0])
     extras = [continuation or Continuation([], [], torch.zeros(0, 0, dtype=torch.bool), []) for continuation in continuations]
+    ends = [int(fork.positions.max()) + 1 for fork in forks if len(fork.positions)] + [max(extra.positions) + 1 for extra in extras if extra.positions]
+    with compute_slot(max(ends, default=0)):  # the context's length; planning and joining take the turn too
+        return _run_together(forks, extras, capture=capture, grad=grad, hidden_states=hidden_states)
+
+
+def _run_together(forks: list[Notebook], extras: list[Continuation], *, capture: bool, grad: bool, hidden_states: bool) -> list[BranchRun]:
+    base, computed = forks[0], computed_count(forks[0])
     layout = fused_input(forks, extras, computed)
     device = base.lm.device
     result = adapter.forward(

@@ -118,3 +118,30 @@ def test_drag_a_skill_into_the_context_shows_fidelity(page):
     page.locator("#compose-metrics").get_by_text("cosine").wait_for(timeout=60_000)
     page.locator("#logits-plot .js-plotly-plot").wait_for(timeout=30_000)
     _shot(page, "composer-drag")
+
+
+def test_model_tab_shows_memory_against_budgets(page):
+    memory = page.locator("#server-memory")
+    memory.get_by_text("Sessions").wait_for(timeout=60_000)
+    text = memory.inner_text()
+    assert "Profile local" in text and "process RSS" in text and "Limits any context length" in text
+    _shot(page, "model-memory")
+
+
+def test_agent_loop_shows_cached_clean_state_and_identical_decisions(page):
+    page.get_by_role("tab", name="Composer").click()
+    page.locator('#composer .kv-in[data-id="account_gate"]').wait_for(timeout=10_000)  # the composer's default context
+    page.locator("#run-agent").click()
+    names = [trace["name"] for trace in _plot_data(page, "loop-plot")]
+    assert names[:3] == ["cached (errata)", "clean-state prefill", "identical-token re-prefill"]
+    _shot(page, "agent-loop")
+
+
+def test_error_toasts_show_markup_as_text(page):
+    page.get_by_role("tab", name="Notes").click()
+    _set_editor(page, SCENARIO + '\n[expect]\n"shipped" = "<b>bold</b>"\n')
+    page.locator("#run-edit").click()
+    page.get_by_text("<b>bold</b>").first.wait_for(timeout=30_000)
+    assert page.locator(".toast-body b, [data-testid='toast-body'] b").count() == 0
+    assert page.locator("#scenario-description b").count() == 0, "the description's warning shows the markup as text"
+    _shot(page, "toast-escaped")
