@@ -53,7 +53,7 @@ class ComputeGate:
     keeps the gate for ``hold_s`` to start its next one, so a short request runs its passes back to back
     instead of alternating with a long one."""
 
-    def __init__(self, hold_s: float = 0.25) -> None:
+    def __init__(self, hold_s: float = 0.6) -> None:
         self.hold_s = hold_s
         self._condition = threading.Condition()
         self._busy = False
