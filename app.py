@@ -15,7 +15,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 import gradio as gr  # noqa: E402
 
 from app.hosting import from_env  # noqa: E402
-from app.state import ModelRegistry, limit_malloc_arenas  # noqa: E402
+from app.state import ModelRegistry, limit_malloc_arenas, return_freed_memory_every  # noqa: E402
 from app.ui import build_app  # noqa: E402
 
 
@@ -31,6 +31,7 @@ def main() -> None:
                         help="public hosting profile: allowlisted models, bounded context, work and memory (default on a Space)")
     args = parser.parse_args()
     limit_malloc_arenas()
+    return_freed_memory_every()
     profile = from_env(args.public)
     print(f"KVScope hosting profile: {profile.name}", flush=True)
     registry = ModelRegistry(args.model, profile=profile, device=args.device, dtype=args.dtype)

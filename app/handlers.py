@@ -103,7 +103,8 @@ def load_model_card(registry: ModelRegistry, spec: str, progress: MessageProgres
     spec = (spec or "").strip() or registry.default_spec
     lm = registry.get(spec, progress=progress, dtype=dtype or None)
     report = registry.selftest(spec)
-    return model_card(lm, report), {"model": lm.info() | {"fingerprint": lm.fingerprint.as_dict()}, "selftest": report.as_dict()}
+    return model_card(lm, report), {"model": lm.info() | {"fingerprint": lm.fingerprint.as_dict()}, "selftest": report.as_dict(),
+                                    "hosting": registry.profile.as_dict()}
 
 
 def offered_models(registry: ModelRegistry) -> list[str]:

@@ -316,7 +316,6 @@ def process_rss_bytes() -> int:
 
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if sys.platform.startswith("linux") and ctypes.util.find_library("c") else None
 _M_ARENA_MAX = -8  # glibc mallopt parameter
-_last_trim = [0.0]
 
 
 def limit_malloc_arenas(arenas: int = 2) -> None:
@@ -326,9 +325,17 @@ def limit_malloc_arenas(arenas: int = 2) -> None:
         _LIBC.mallopt(_M_ARENA_MAX, arenas)
 
 
-def return_freed_memory(every_s: float = 10.0) -> None:
-    """Hand memory freed by dropped results back to the system, at most once every ``every_s`` seconds."""
-    now = time.monotonic()
-    if _LIBC is not None and now - _last_trim[0] >= every_s:
-        _last_trim[0] = now
-        _LIBC.malloc_trim(0)
+def return_freed_memory_every(seconds: float = 10.0) -> threading.Thread | None:
+    """A daemon thread handing memory freed by dropped results back to the system every ``seconds`` (glibc
+    only), so that no request waits for it."""
+    if _LIBC is None:
+        return None
+
+    def trim_forever() -> None:
+        while True:
+            time.sleep(seconds)
+            _LIBC.malloc_trim(0)
+
+    thread = threading.Thread(target=trim_forever, name="kvscope-malloc-trim", daemon=True)
+    thread.start()
+    return thread

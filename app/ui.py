@@ -13,7 +13,7 @@ from app import handlers
 from app.composer import SkillComposer
 from app.handlers import AppError
 from app.inputs import LenientCheckboxGroup, LenientSlider
-from app.state import ExportFolder, ModelRegistry, SessionStore, return_freed_memory
+from app.state import ExportFolder, ModelRegistry, SessionStore
 from engine.analysis import DEFAULT_STRATEGIES
 from engine.budget import bounded
 from engine.registry import ALL_PROBES
@@ -79,8 +79,6 @@ class Page:
                     return function(*args, **kwargs)
             except AppError as error:
                 raise user_error(error) from error
-            finally:
-                return_freed_memory()
 
         return wrapper
 

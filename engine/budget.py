@@ -82,15 +82,6 @@ class ComputeGate:
             self._held = (ticket, time.monotonic() + self.hold_s) if self._waiting and used_s < least else None
             self._condition.notify_all()
 
-    @contextmanager
-    def turn(self, ticket: object, used_s: float) -> Iterator[None]:
-        """Hold the gate for one computation (released as if no model time were used)."""
-        self.acquire(ticket, used_s)
-        try:
-            yield
-        finally:
-            self.release(ticket, used_s)
-
     @property
     def waiting(self) -> int:
         """Requests waiting for their turn now."""

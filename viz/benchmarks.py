@@ -134,7 +134,7 @@ def agent_policy_figure(data: dict) -> go.Figure:
     figure.add_bar(x=[safe_label(row["wording"]) for row in wordings], y=[row["clean_state_agreement"] for row in wordings],
                    marker_color=PALETTE[4 % len(PALETTE)], name="wording", showlegend=False, row=1, col=2)
     figure.update_xaxes(title_text="cumulative TTFT speedup vs clean prefills (×)", row=1, col=1)
-    figure.update_yaxes(title_text="agreement with the clean-state prefill", range=[0, 1.05], row=1, col=1)
+    figure.update_yaxes(title_text="agreement with the clean-state prefill", range=[0, 1.15], row=1, col=1)  # room for labels
     figure.update_yaxes(range=[0, 1.05], row=1, col=2)
     figure.update_layout(title=f"Agent loop, {data.get('turns')}-turn toggle{_measured_on(data)}", template="plotly_white",
                          height=440, legend={"orientation": "h", "y": -0.2})

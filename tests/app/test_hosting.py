@@ -157,7 +157,8 @@ def test_offered_models_hold_no_paths_on_a_public_server():
     registry, _ = _registry(public_profile(extra_models=("org/model",)))
     offered = handlers.offered_models(registry)
     assert all("/" not in spec or spec == "org/model" for spec in offered) and "org/model" in offered
-    card, _ = handlers.load_model_card(registry, TINY)
+    card, info = handlers.load_model_card(registry, TINY)
+    assert info["hosting"]["name"] == "public" and info["hosting"]["max_context_tokens"] == 1024
     assert os.environ.get("KVSCOPE_CACHE_DIR", "~/.cache/kvscope") not in card and str(Path.home()) not in card
 
 

@@ -56,8 +56,9 @@ def test_gate_serves_the_request_with_least_model_time_first():
             time.sleep(0.3)
 
     def request(name: str, used: float) -> None:
-        with gate.turn(name, used):
-            order.append(name)
+        gate.acquire(name, used)
+        order.append(name)
+        gate.release(name, used + 100.0)  # more served than anyone: no hold
 
     holder = threading.Thread(target=hold)
     holder.start()
