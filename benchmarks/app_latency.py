@@ -31,13 +31,15 @@ from engine.scenario import bundled_scenarios
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free loopback port."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
 
 
-def _wait(url: str, timeout: float) -> None:
+def wait_until_serving(url: str, timeout: float) -> None:
+    """Poll ``url`` until it answers HTTP 200; TimeoutError after ``timeout`` seconds."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         try:
@@ -64,7 +66,7 @@ def main() -> None:
     parser.add_argument("--scenario", default="refund_gate")
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}/"
     env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"}
     started = time.perf_counter()
@@ -72,7 +74,7 @@ def main() -> None:
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     strategies = ["field_only", "erratum", "field_erratum", "full_downstream"]
     try:
-        _wait(url, 600)
+        wait_until_serving(url, 600)
         start_s = time.perf_counter() - started
         client = Client(url, verbose=False)
         text = bundled_scenarios()[args.scenario].read_text()

@@ -34,7 +34,7 @@ from pathlib import Path
 import psutil
 from gradio_client import Client
 
-from benchmarks.app_latency import _free_port, _wait
+from benchmarks.app_latency import free_port, wait_until_serving
 from benchmarks.common import RESULTS
 from engine.analysis import DEFAULT_STRATEGIES
 from engine.scenario import bundled_scenarios
@@ -207,7 +207,7 @@ def main() -> None:
     args = parser.parse_args()
     if not 1 <= args.sessions <= 2000 or not 1 <= args.clients <= 32 or not 2 <= args.probe_edits <= 200:
         parser.error("keep --sessions within 1..2000, --clients within 1..32 and --probe-edits within 2..200 (loopback only, bounded)")
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}/"
     environment = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"}
     command = [sys.executable, "app.py", "--model", args.model, "--port", str(port), *(["--public"] if args.profile == "public" else [])]
@@ -216,7 +216,7 @@ def main() -> None:
     text = bundled_scenarios()[SCENARIO].read_text()
     started = time.time()
     try:
-        _wait(url, 600)
+        wait_until_serving(url, 600)
         limits = Client(url, verbose=False).predict(api_name="/server_memory")
         limit = int(limits.split("context ≤ ")[1].split(" tokens")[0].replace(",", "")) if "context ≤ " in limits else 2048
         target = args.context_tokens or int(limit * 0.9)

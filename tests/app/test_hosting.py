@@ -20,7 +20,8 @@ from app.state import BudgetedLRU, ExportFolder, ModelRegistry, SessionStore
 from app.ui import _figure, user_error
 from engine.budget import WorkBudget, bounded
 from engine.footprint import tensor_bytes
-from tests.app.conftest import SCENARIO, TINY, _free_port, wait_until_serving
+from benchmarks.app_latency import free_port, wait_until_serving
+from tests.app.conftest import SCENARIO, TINY
 
 ROOT = Path(__file__).parents[2]
 LONG_CONTEXT = SCENARIO.replace("SESSION\n", "SESSION\n" + "order notes: the parcel left the warehouse on time.\n" * 40)
@@ -203,7 +204,7 @@ def test_exports_are_capped_and_pruned(tmp_path):
 # ---------------------------------------------------------------------------- python app.py --public
 @pytest.fixture(scope="module")
 def public_url():
-    port = _free_port()
+    port = free_port()
     environment = {**os.environ, "KVSCOPE_MAX_CONTEXT_TOKENS": "200", "GRADIO_ANALYTICS_ENABLED": "False"}
     server = subprocess.Popen([sys.executable, "app.py", "--public", "--model", TINY, "--port", str(port)], cwd=ROOT,
                               env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -9,8 +9,6 @@ from engine.compose import adhoc_scenario
 from engine.notebook import Notebook
 from engine.runs import render_for, run_scenario
 from engine.scenario import Scenario, ScenarioError
-from engine.skills import SkillStore
-from engine.tiny import tiny_model
 
 TWO_FIELDS = '''
 name = "Two fields"
@@ -36,16 +34,6 @@ new = "night"
 yes = ["yes"]
 no = ["no"]
 '''
-
-
-@pytest.fixture(scope="module")
-def lm():
-    return tiny_model("qwen2")
-
-
-@pytest.fixture(scope="module")
-def store():
-    return SkillStore()
 
 
 def test_identical_token_reference_is_exact_on_a_cached_prefix(lm, store):

@@ -16,16 +16,6 @@ from engine.tiny import tiny_model
 SHORT = ["account_gate", "user_memory"]  # short enough for tiny models' 4k positions
 
 
-@pytest.fixture(scope="module")
-def lm():
-    return tiny_model("qwen2")
-
-
-@pytest.fixture(scope="module")
-def store():
-    return SkillStore()
-
-
 def test_bundled_skill_library_is_complete():
     skills = {skill_id: Skill.load(path) for skill_id, path in bundled_skills().items()}
     assert len(skills) >= 6
