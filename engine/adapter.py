@@ -3,8 +3,8 @@
 Every forward of the engine runs through :func:`forward`: the stored K/V (any order, with positions)
 becomes a ``DynamicCache``, and a registered attention function (``"kvscope"``) replaces the model's
 mask by the caller's query × key visibility (so unrelated branches can share one forward), adds
-per-layer/per-head knockouts, and captures attention probabilities when asked. Sliding-window layers
-get their window from positions too, so caches never drop entries and splicing stays exact.
+per-layer/per-head knockouts, and captures attention probabilities when asked. Sliding-window and
+chunked-attention layers get their window or chunk from positions too, so caches never drop entries.
 """
 from __future__ import annotations
 
@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface, DynamicCache, PreTrainedModel
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 from transformers.models.llama.modeling_llama import eager_attention_forward as llama_eager_attention
 
+from engine.errors import KVScopeError
 
 ATTENTION_NAME = "kvscope"
 
@@ -34,12 +36,14 @@ class ForwardPlan:
     use_sdpa: bool = True
     attentions: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (H, rows, K) probabilities
 
-    def mask_for(self, layer: int, sliding_window: int | None, dtype: torch.dtype) -> torch.Tensor:
-        """Additive mask (1, H or 1, Q, K) for one layer: visibility, window and knockouts."""
+    def mask_for(self, layer: int, sliding_window: int | None, dtype: torch.dtype, chunk: int | None = None) -> torch.Tensor:
+        """Additive mask (1, H or 1, Q, K) for one layer: visibility, window or attention chunk, knockouts."""
         allowed = self.allowed
         if sliding_window:
             distance = self.query_positions[:, None] - self.key_positions[None, :]
             allowed = allowed & (distance < sliding_window)
+        if chunk:
+            allowed = allowed & (self.query_positions[:, None] // chunk == self.key_positions[None, :] // chunk)
         allowed = allowed[None]  # (1, Q, K)
         if layer in self.blocked:
             allowed = allowed & ~self.blocked[layer]
@@ -58,12 +62,41 @@ def _eager_for(module: torch.nn.Module):
     return getattr(modeling, "eager_attention_forward", llama_eager_attention)
 
 
+def _attention_chunk(module: torch.nn.Module) -> int | None:
+    """The chunk size of a chunked-attention layer (Llama-4: tokens see only their own fixed chunk), else None."""
+    layer_types = getattr(module.config, "layer_types", None) or []
+    if module.layer_idx < len(layer_types) and layer_types[module.layer_idx] == "chunked_attention":
+        return module.config.attention_chunk_size
+    return None
+
+
+def _temperature(module: torch.nn.Module, positions: torch.Tensor) -> torch.Tensor:
+    """Llama-4's query scale on NoPE layers at these positions (attention-temperature tuning)."""
+    return torch.log1p(torch.floor((positions.float() + 1.0) / module.floor_scale)) * module.attn_scale + 1.0
+
+
+def _retuned_query(module: torch.nn.Module, query: torch.Tensor, plan: ForwardPlan) -> torch.Tensor:
+    """Queries scaled for their true positions where the model scaled them by storage index.
+
+    Llama-4 tunes the temperature of NoPE layers from the cache length (stored entries + index), which
+    equals the position only for a plain left-to-right cache; stored forks and hidden entries break that.
+    """
+    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return query
+    count = len(plan.query_positions)
+    stored = len(plan.key_positions) - count
+    indices = torch.arange(stored, stored + count, device=query.device)
+    ratio = _temperature(module, plan.query_positions.to(query.device)) / _temperature(module, indices)
+    return (query.float() * ratio[:, None]).to(query.dtype)
+
+
 def _kvscope_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     plan = _ACTIVE_PLAN.get()
     use_sdpa = plan.use_sdpa if plan is not None else module.config._kvscope_use_sdpa
     if plan is not None:
+        query = _retuned_query(module, query, plan)
         sliding_window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
-        attention_mask = plan.mask_for(module.layer_idx, sliding_window, query.dtype)
+        attention_mask = plan.mask_for(module.layer_idx, sliding_window, query.dtype, _attention_chunk(module))
     attend = sdpa_attention_forward if use_sdpa else _eager_for(module)
     output, weights = attend(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if plan is not None and plan.capture_rows is not None:
@@ -79,10 +112,32 @@ AttentionInterface.register(ATTENTION_NAME, _kvscope_attention)
 AttentionMaskInterface.register(ATTENTION_NAME, eager_mask)
 
 
+class CacheUnsupported(KVScopeError):
+    """The model's cache is not a per-token K/V in every layer, so entries cannot be read or rewritten."""
+
+
+def recurrent_layers(model: PreTrainedModel) -> list[int]:
+    """Layers whose cache is a running state (Mamba, linear attention) rather than per-token K/V."""
+    layers = DynamicCache(config=model.config.get_text_config()).layers
+    return [index for index, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
+
+
+def check_per_token_cache(model: PreTrainedModel) -> None:
+    """Raise :class:`CacheUnsupported`, naming the layers, for a hybrid with recurrent layers."""
+    recurrent = recurrent_layers(model)
+    if recurrent:
+        raise CacheUnsupported(
+            f"{type(model).__name__} is a hybrid: layers {recurrent} keep a recurrent (Mamba / linear-attention) "
+            "state that sums up every earlier token at once instead of one K/V entry per token, so KVScope "
+            "cannot read, edit, patch, knock out or splice entries of its cache; this model is refused"
+        )
+
+
 def install(model: PreTrainedModel) -> None:
     """Route the model's attention through KVScope's function (idempotent); keeps SDPA where it was used."""
     if model.config._attn_implementation == ATTENTION_NAME:
         return
+    check_per_token_cache(model)
     original = model.config._attn_implementation or "eager"
     model.config._kvscope_use_sdpa = original == "sdpa"
     setattr(model.config, _ORIGINAL_IMPLEMENTATION, original)

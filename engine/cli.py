@@ -1,4 +1,4 @@
-"""Headless CLI: ``python -m engine info|selftest|decide|edit|calibrate|probe|compose|agent|keystone|memory``.
+"""Headless CLI: ``python -m engine info|selftest|support|decide|edit|calibrate|probe|compose|agent|keystone|memory``.
 
 With ``--json`` exactly one JSON object goes to stdout (an ``{"error": ...}`` object and exit code 2 on
 bad input); logs and progress go to stderr.
@@ -19,7 +19,7 @@ from engine.errors import KVScopeError
 from engine.experiment import EditExperiment
 from engine.keystone import keystone
 from engine.memory import memory_placement
-from engine.models import LoadedModel, cache_dir, load_model
+from engine.models import LoadedModel, ModelLoadError, cache_dir, load_model
 from engine.progress import StepProgress
 from engine.registry import ALL_PROBES
 from engine.runs import run_scenario
@@ -27,6 +27,8 @@ from engine.scenario import Scenario, ScenarioError, bundled_scenarios
 from engine.selftest import run_selftest
 from engine.skills import SkillStore
 from engine.strategies import STRATEGIES, EditSettings, check_names
+from engine.support import OPERATIONS, TOLERANCE, check_model, markdown_table, support_matrix
+from engine.tiny import HYBRID_ARCHS, TINY_ARCHS
 
 
 def _log(message: str) -> None:
@@ -45,6 +47,24 @@ def cmd_info(args: argparse.Namespace) -> dict:
 def cmd_selftest(args: argparse.Namespace) -> dict:
     """RoPE round trip, reposition-vs-prefill, splice identity and chunked prefill errors."""
     return run_selftest(_load(args)).as_dict()
+
+
+def cmd_support(args: argparse.Namespace) -> dict:
+    """Support matrix: every operation on every tiny family against ground truth (and the loaded model with --loaded)."""
+    families = tuple(name.strip() for name in args.families.split(",")) if args.families else TINY_ARCHS + HYBRID_ARCHS
+    unknown = [name for name in families if name not in TINY_ARCHS + HYBRID_ARCHS]
+    if unknown:
+        raise ModelLoadError(f"unknown family {unknown[0]!r} in --families; choose from: {', '.join(TINY_ARCHS + HYBRID_ARCHS)}")
+    rows = support_matrix(families, progress=_log)
+    loaded = check_model(_load(args)) if args.loaded else None
+    if args.markdown:
+        print(markdown_table(rows + ([loaded] if loaded else [])))
+    return {
+        "tolerance": TOLERANCE,
+        "operations": list(OPERATIONS),
+        "families": [row.as_dict() for row in rows],
+        "loaded": loaded.as_dict() if loaded else None,
+    }
 
 
 def _parse_assignments(pairs: list[str]) -> dict[str, str]:
@@ -187,6 +207,7 @@ def _progress(unit: str) -> StepProgress:
 COMMANDS: dict[str, Callable[[argparse.Namespace], dict]] = {
     "info": cmd_info,
     "selftest": cmd_selftest,
+    "support": cmd_support,
     "decide": cmd_decide,
     "edit": cmd_edit,
     "calibrate": cmd_calibrate,
@@ -209,6 +230,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     for name, handler in COMMANDS.items():
         sub = commands.add_parser(name, parents=[common], help=handler.__doc__)
+        if name == "support":
+            sub.add_argument("--loaded", action="store_true", help="also check the model named by --model")
+            sub.add_argument("--families", help="comma-separated tiny families (default: all)")
+            sub.add_argument("--markdown", action="store_true", help="print the matrix as a Markdown table (stdout) before the result")
         if name == "decide":
             sub.add_argument("--scenario", required=True, help="scenario TOML file")
             sub.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="field value (repeatable)")

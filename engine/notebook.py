@@ -312,8 +312,10 @@ class Notebook:
             raise NotebookError(f"{reason} needs to move later tokens, but {error}") from error
         index = torch.nonzero(moving).flatten().to(self.lm.device)
         deltas = torch.full((len(index),), delta, dtype=torch.long)
-        keys = tuple(k.index_copy(2, index, rotary.rotate(k.index_select(2, index), deltas)) for k in self.keys)
-        return dataclass_replace(self.materialized(), computed_keys=keys, positions=torch.where(moving, self.positions + delta, self.positions))
+        keys, values = rotary.move(self.keys, self.values, deltas, index)
+        return dataclass_replace(
+            self.materialized(), computed_keys=keys, computed_values=values, positions=torch.where(moving, self.positions + delta, self.positions)
+        )
 
     # ---------------------------------------------------------------- operations
     def append(self, token_ids: Sequence[int], segment: str | Sequence[str] = "context") -> "Notebook":
@@ -435,9 +437,9 @@ class Notebook:
         moved = self._shifted(at, len(block), f"splicing {block.name!r}").latest()
         count, done = len(block), computed_count(moved)  # the block joins the computed entries; pending ones follow it
         deltas = torch.full((count,), at - block.start_position, dtype=torch.long)
-        rotated = tuple(rotary.rotate(b, deltas) for b in block.keys)
-        keys = tuple(torch.cat([k, b], dim=2) for k, b in zip(moved.computed_keys, rotated)) if moved.computed_keys else rotated
-        values = tuple(torch.cat([v, b], dim=2) for v, b in zip(moved.computed_values, block.values)) if moved.computed_values else block.values
+        block_keys, block_values = rotary.move(block.keys, block.values, deltas)
+        keys = tuple(torch.cat([k, b], dim=2) for k, b in zip(moved.computed_keys, block_keys)) if moved.computed_keys else block_keys
+        values = tuple(torch.cat([v, b], dim=2) for v, b in zip(moved.computed_values, block_values)) if moved.computed_values else block_values
         unseen = torch.zeros(count, dtype=torch.bool)  # steps recorded before the splice never see the block
         spliced = Notebook(
             lm=self.lm,
@@ -542,8 +544,8 @@ class Notebook:
         """Read the same question from several forks of one notebook in a single forward.
 
         Each fork's pending steps and question run together (forks with the same :meth:`computation` once;
-        forks of different bases, or beyond a request's new-token limit, in several forwards); every fork is
-        left computed. With
+        forks of different bases, or beyond a request's new-token limit or ``FUSED_TOKENS``, in several forwards);
+        every fork is left computed. With
         ``capture_attention`` (for all forks, or one flag per fork) each decision carries the question tokens' attention as (layers, heads,
         decode tokens, stored entries + decode tokens), stored entries in storage order.
         """

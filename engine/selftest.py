@@ -12,12 +12,13 @@ Checks, each against ground truth computed by the same model:
 
 Each error is judged against the *noise floor of this dtype on this machine*, measured in the same run from
 two computations that are equal in exact arithmetic and never touch the code under test: the same text
-prefilled at position 0 and at position Δ. Its values (position-free) give the floor of the K/V checks; its
+prefilled at position 0 and at position Δ. Its position-free cache slot (the values; the latents under multi-head
+latent attention) gives the floor of the K/V checks; its
 next-token logits give the floor of the logit checks. A check passes when its error is within
 ``NOISE_FACTOR`` × its floor; a floor is never below a few units of the dtype's rounding (``torch.finfo``)
 and a floor above ``_FLOOR_CAP`` is itself a failure (something beyond rounding moved). Rotation runs in
-float32 whatever the storage dtype (``engine.rope``). Key errors are relative to the largest key, value
-errors to the largest value, logit errors to the largest logit.
+float32 whatever the storage dtype (``engine.rope``). K/V errors are relative to the largest cached entry,
+logit errors to the largest logit.
 If RoPE is unsupported (e.g. GPT-2), the rotation checks report the reason and splicing stays switched off.
 """
 from __future__ import annotations
@@ -147,13 +148,15 @@ def run_selftest(lm: LoadedModel, tokens: int = 48, shift: int = 37) -> SelfTest
         reason = str(error)
     else:
         shifted = Notebook.prefill(lm, context, segments, start_position=shift)
-        kv_floor = max(_max_relative(shifted.values, full.values), smallest)
+        kv_floor = max(_max_relative(rotary.position_free(shifted.keys, shifted.values), rotary.position_free(full.keys, full.values)), smallest)
         reference = _next_logits(full, decode)
         logit_floor = max(_relative_logit_err(_next_logits(shifted, decode), reference), smallest)
         n = len(full.positions)
         forward, back = torch.full((n,), shift), torch.full((n,), -shift)
-        roundtrip = _max_relative(tuple(rotary.rotate(rotary.rotate(k, forward), back) for k in full.keys), full.keys)
-        reposition = _max_relative(tuple(rotary.rotate(k, forward) for k in full.keys), shifted.keys)
+        there = rotary.move(full.keys, full.values, forward)
+        returned = rotary.move(*there, back)
+        roundtrip = _max_relative(returned[0] + returned[1], full.keys + full.values)
+        reposition = _max_relative(there[0] + there[1], shifted.keys + shifted.values)
         prefix = Notebook.prefill(lm, context[:split], "prefix")
         splice_err = _relative_logit_err(_next_logits(prefix.splice(full.block("block")), decode), reference)
         moved_err = _relative_logit_err(_next_logits(prefix.splice(shifted.block("block")), decode), reference)

@@ -11,9 +11,15 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    BambaConfig,
+    DeepseekV2Config,
+    DeepseekV3Config,
     Gemma2Config,
+    Gemma3TextConfig,
     GPT2Config,
     GPTNeoXConfig,
+    GptOssConfig,
+    Llama4TextConfig,
     LlamaConfig,
     MistralConfig,
     PhiConfig,
@@ -21,6 +27,7 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
+    Qwen3NextConfig,
 )
 
 from engine.loaded import LoadedModel, ModelFingerprint, ModelLoadError, dtype_name
@@ -36,7 +43,40 @@ TINY_ARCHS: tuple[str, ...] = (
     "llama3_scaling",
     "yarn",
     "gpt2",
+    "deepseek_v3",
+    "deepseek_v2",
+    "gemma3",
+    "gpt_oss",
+    "llama4",
+    "llama4_nope",
+    "dynamic_ntk",
+    "longrope",
 )
+# Hybrids whose recurrent layers keep a running state instead of per-token K/V: built to be refused.
+HYBRID_ARCHS: tuple[str, ...] = ("bamba", "qwen3_next")
+# Where these tiny models stand in for a real family (for the support matrix and the Model card).
+FAMILIES: dict[str, str] = {
+    "llama": "Llama 2/3",
+    "qwen2": "Qwen2 / Qwen2.5",
+    "qwen3": "Qwen3 (qk-norm)",
+    "mistral": "Mistral (sliding window)",
+    "gemma2": "Gemma-2 (sliding window, soft-capping)",
+    "gpt_neox": "GPT-NeoX / Pythia (partial rotary)",
+    "phi": "Phi-1/2 (partial rotary)",
+    "llama3_scaling": "Llama 3.1 rope scaling",
+    "yarn": "YaRN scaling",
+    "gpt2": "GPT-2 (learned positions)",
+    "deepseek_v3": "DeepSeek-V3 (MLA, interleaved rope)",
+    "deepseek_v2": "DeepSeek-V2 (MLA, complex rope)",
+    "gemma3": "Gemma-3 (per-layer-type rope, sliding, qk-norm)",
+    "gpt_oss": "GPT-OSS (sinks, sliding window, YaRN)",
+    "llama4": "Llama-4 (chunked attention, NoPE layers)",
+    "llama4_nope": "Llama-4-style NoPE layers, no chunking",
+    "dynamic_ntk": "dynamic NTK scaling",
+    "longrope": "LongRoPE (Phi-3)",
+    "bamba": "Bamba (Mamba-2 hybrid)",
+    "qwen3_next": "Qwen3-Next (gated DeltaNet hybrid)",
+}
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>")
 
@@ -49,6 +89,7 @@ CHAT_TEMPLATE = (
 )
 
 _VOCAB_SIZE = 600
+_EAGER_ARCHS = frozenset({"gemma2", "gemma3", "gpt_oss"})  # soft-capping and sinks live in their eager attention
 # Qwen2's pre-tokenizer split, so that a saved qwen2 directory (which transformers always reloads through
 # Qwen2Tokenizer, rebuilding the pipeline) tokenizes exactly like the in-memory tokenizer.
 _PRETOKENIZE_REGEX = (
@@ -198,6 +239,70 @@ def _tiny_config(arch: str, tokenizer: PreTrainedTokenizerFast) -> PretrainedCon
         )
     if arch == "gpt2":
         return GPT2Config(**common, n_embd=64, n_layer=3, n_head=4, n_inner=128, n_positions=4096)
+    return _newer_family_config(arch, decoder, rope)
+
+
+def _newer_family_config(arch: str, decoder: dict, rope: dict) -> PretrainedConfig:
+    """Configs of the families added for reach: latent attention, per-layer rope, sinks, NoPE, hybrids."""
+    three_types = ["sliding_attention", "full_attention", "sliding_attention"]
+    if arch in ("deepseek_v3", "deepseek_v2"):
+        latent = {k: v for k, v in decoder.items() if k not in ("head_dim", "num_key_value_heads")}
+        experts = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1}
+        mla = {"num_key_value_heads": 4, "kv_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16}
+        if arch == "deepseek_v3":
+            return DeepseekV3Config(**latent, **experts, **mla, q_lora_rank=32, n_group=1, topk_group=1, rope_interleave=True, rope_parameters=rope)
+        return DeepseekV2Config(**latent, **experts, **mla, q_lora_rank=None, rope_parameters=rope)
+    if arch == "gemma3":
+        local, full = {**rope}, {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}
+        return Gemma3TextConfig(
+            **decoder,
+            sliding_window=16,
+            layer_types=three_types,
+            query_pre_attn_scalar=16,
+            attn_logit_softcapping=4.0,
+            final_logit_softcapping=3.0,
+            rope_parameters={"sliding_attention": local, "full_attention": full},
+        )
+    if arch == "gpt_oss":
+        yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 32.0, "beta_slow": 1.0}
+        return GptOssConfig(**decoder, num_local_experts=4, num_experts_per_tok=2, sliding_window=16, layer_types=three_types, rope_parameters=yarn)
+    if arch in ("llama4", "llama4_nope"):
+        chunked = arch == "llama4"
+        return Llama4TextConfig(
+            **decoder,
+            intermediate_size_mlp=128,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            interleave_moe_layer_step=2,
+            no_rope_layers=[1, 1, 0],
+            attention_chunk_size=16 if chunked else None,
+            attn_temperature_tuning=chunked,
+            floor_scale=8,
+            rope_parameters=rope,
+        )
+    if arch in ("dynamic_ntk", "longrope"):
+        if arch == "dynamic_ntk":
+            scaled = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+        else:
+            scaled = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "original_max_position_embeddings": 64}
+        return LlamaConfig(**decoder, rope_parameters=scaled)
+    if arch == "bamba":
+        hybrid = {k: v for k, v in decoder.items() if k != "head_dim"}
+        return BambaConfig(**hybrid, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16)
+    if arch == "qwen3_next":
+        return Qwen3NextConfig(
+            **decoder,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            rope_parameters={**rope, "partial_rotary_factor": 0.5},
+        )
     raise ModelLoadError(f"unknown tiny architecture {arch!r}; choose one of: {', '.join(TINY_ARCHS)}")
 
 
@@ -211,12 +316,12 @@ def tiny_model(
     arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, chat_template: bool = True
 ) -> LoadedModel:
     """Build a tiny random-weight causal LM of `arch` (one of TINY_ARCHS) on CPU, eval mode, no grad."""
-    if arch not in TINY_ARCHS:
-        raise ModelLoadError(f"unknown tiny architecture {arch!r}; choose one of: {', '.join(TINY_ARCHS)}")
+    if arch not in TINY_ARCHS + HYBRID_ARCHS:
+        raise ModelLoadError(f"unknown tiny architecture {arch!r}; choose one of: {', '.join(TINY_ARCHS + HYBRID_ARCHS)}")
     tokenizer = tiny_tokenizer(chat_template=chat_template)
     config = _tiny_config(arch, tokenizer)
     config_hash = _config_hash(config, seed)
-    attn = "eager" if arch == "gemma2" else "sdpa"
+    attn = "eager" if arch in _EAGER_ARCHS else "sdpa"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
     model.to(dtype).eval().requires_grad_(False)

@@ -3,9 +3,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.rope import Rotary, RopeUnsupported
+from engine.rope import RopeUnsupported, Rotary, RotaryTable
 from engine.selftest import run_selftest
-from engine.tiny import TINY_ARCHS, tiny_model
+from engine.tiny import tiny_model
+from tests.engine.test_notebook import NOTEBOOK_ARCHS
 
 
 class _InterleavedRotary(torch.nn.Module):
@@ -35,42 +36,53 @@ def _complex_rotation(keys: torch.Tensor, deltas: torch.Tensor, inv_freq: torch.
     return torch.cat((rotated.real, rotated.imag), -1)
 
 
-@pytest.mark.parametrize("interleaved", [False, True])
-def test_rotation_matches_complex_multiplication(interleaved):
-    lm = tiny_model("llama")
-    rotary = Rotary.for_model(lm.model)
-    if interleaved:
-        rotary = Rotary(module=_InterleavedRotary(16), rotary_dim=16, interleaved=True, attention_scaling=1.0)
-        assert Rotary.for_model(_wrap(rotary.module)).interleaved
+class _ComplexRotary(_InterleavedRotary):
+    """A DeepSeek-V2/Llama-4-style table: complex ``freqs_cis`` with one entry per channel pair, scaled."""
+
+    def forward(self, x, position_ids):
+        freqs = position_ids[..., None].float() * self.inv_freq
+        return torch.polar(torch.ones_like(freqs), freqs) * 1.3
+
+
+class _PerPairRotary(_InterleavedRotary):
+    """A GPT-OSS-style table: real cos/sin with one entry per pair, applied to the two halves."""
+
+    def forward(self, x, position_ids):
+        freqs = position_ids[..., None].float() * self.inv_freq
+        return freqs.cos(), freqs.sin()
+
+
+@pytest.mark.parametrize(
+    "module, interleaved",
+    [(None, False), (_InterleavedRotary(16), True), (_ComplexRotary(16), True), (_PerPairRotary(16), False)],
+    ids=["llama", "interleaved", "complex", "per-pair"],
+)
+def test_rotation_matches_complex_multiplication(module, interleaved):
+    table = Rotary.for_model(tiny_model("llama").model).tables[0] if module is None else RotaryTable.read(module)
+    assert table.interleaved == interleaved and table.rotary_dim == 16
     keys = torch.randn(1, 2, 5, 16)
     deltas = torch.tensor([0, 1, -3, 17, 250])
-    expected = _complex_rotation(keys, deltas, rotary.module.inv_freq, interleaved)
-    assert torch.allclose(rotary.rotate(keys, deltas), expected, atol=1e-5)
-
-
-def _wrap(module: torch.nn.Module) -> torch.nn.Module:
-    holder = torch.nn.Module()
-    holder.rotary_emb = module
-    holder.config = LlamaConfig()
-    return holder
+    expected = _complex_rotation(keys, deltas, table.module.inv_freq, interleaved)
+    assert torch.allclose(table.rotate(keys, deltas), expected, atol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["gpt_neox", "phi"])
 def test_partial_rotary_leaves_pass_through_channels(arch):
-    rotary = Rotary.for_model(tiny_model(arch).model)
+    table = Rotary.for_model(tiny_model(arch).model).tables[0]
     head_dim = 16
-    assert rotary.rotary_dim < head_dim
+    assert table.rotary_dim < head_dim
     keys = torch.randn(1, 2, 4, head_dim)
-    moved = rotary.rotate(keys, torch.tensor([5, 6, 7, 8]))
-    assert torch.equal(moved[..., rotary.rotary_dim :], keys[..., rotary.rotary_dim :])
-    assert not torch.allclose(moved[..., : rotary.rotary_dim], keys[..., : rotary.rotary_dim])
+    moved = table.rotate(keys, torch.tensor([5, 6, 7, 8]))
+    assert torch.equal(moved[..., table.rotary_dim :], keys[..., table.rotary_dim :])
+    assert not torch.allclose(moved[..., : table.rotary_dim], keys[..., : table.rotary_dim])
 
 
-def test_yarn_rotation_uses_unscaled_angles():
-    rotary = Rotary.for_model(tiny_model("yarn").model)
-    assert rotary.attention_scaling != 1.0
+@pytest.mark.parametrize("arch", ["yarn", "gpt_oss"])
+def test_yarn_rotation_uses_unscaled_angles(arch):
+    table = Rotary.for_model(tiny_model(arch).model).tables[0]
+    assert table.module.attention_scaling != 1.0
     keys = torch.randn(1, 2, 6, 16)
-    moved = rotary.rotate(keys, torch.full((6,), 40))
+    moved = table.rotate(keys, torch.full((6,), 40))
     assert torch.allclose(moved.norm(dim=-1), keys.norm(dim=-1), atol=1e-5)  # a pure rotation keeps norms
 
 
@@ -92,7 +104,7 @@ def test_model_without_rope_is_refused():
         Rotary.for_model(tiny_model("gpt2").model)
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize("arch", NOTEBOOK_ARCHS)
 def test_selftest_passes_on_every_tiny_arch(arch):
     report = run_selftest(tiny_model(arch))
     assert report.ok

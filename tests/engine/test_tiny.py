@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine import tiny
 from engine.models import LoadedModel
-from engine.tiny import TINY_ARCHS, make_tiny_model_dir, tiny_model, tiny_tokenizer
+from engine.tiny import HYBRID_ARCHS, TINY_ARCHS, make_tiny_model_dir, tiny_model, tiny_tokenizer
 
 TEXT = "SESSION\norder_status: shipped\nPOLICY\nRefunds are approved only when order_status is pending. Yes or no?"
 
@@ -23,7 +23,7 @@ def _ids(tokenizer, n: int = 20) -> torch.Tensor:
     return torch.tensor([ids])
 
 
-@pytest.mark.parametrize("arch", TINY_ARCHS)
+@pytest.mark.parametrize("arch", TINY_ARCHS + HYBRID_ARCHS)
 def test_every_arch_builds_and_runs(arch: str) -> None:
     loaded = tiny_model(arch)
     assert isinstance(loaded, LoadedModel)
@@ -33,7 +33,7 @@ def test_every_arch_builds_and_runs(arch: str) -> None:
     assert not loaded.model.training
     assert not any(p.requires_grad for p in loaded.model.parameters())
     assert loaded.model.config.vocab_size == len(loaded.tokenizer)
-    expected_attn = "eager" if arch == "gemma2" else "sdpa"
+    expected_attn = "eager" if arch in ("gemma2", "gemma3", "gpt_oss") else "sdpa"
     assert loaded.model.config._attn_implementation == expected_attn
     logits = loaded.model(_ids(loaded.tokenizer)).logits
     assert logits.shape == (1, 20, len(loaded.tokenizer))

@@ -1,0 +1,225 @@
+"""The support matrix: which cache operations are exact on which model family, proved against ground truth.
+
+For each model (a tiny random-weight stand-in per family from ``engine.tiny``, or the loaded model) every
+operation runs once and is compared with what the model itself computes:
+
+- **read**: a notebook read equals the model's own forward over context + question (next-token logits);
+- **chunked prefill**: K/V prefilled in chunks equal one prefill;
+- **replace**: a field replaced (same length) with every later token recomputed equals a clean prefill;
+- **patch**: every position patched from a donor reads as the donor;
+- **knockout**: entries knocked out through the mask read as the same entries hidden from the context;
+- **move keys**: a block prefilled at 0 and moved to position Δ has the K/V of the block prefilled at Δ;
+- **splice**: a block spliced back at its own position equals the prefill it came from;
+- **seam repair**: a block compiled elsewhere, spliced with its whole length as seam, equals a prefill;
+- **self-test**: ``engine.selftest`` against this dtype's noise floor.
+
+An operation the engine refuses reports the refusal's own message (which family trait and why). Errors are
+max absolute differences in float32 (logits for reads, K/V otherwise). ``python -m engine support --json``
+prints the matrix; the README table is its ``--markdown`` output.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+
+import torch
+
+from engine.errors import KVScopeError
+from engine.loaded import LoadedModel
+from engine.notebook import Knockout, Notebook
+from engine.progress import MessageProgress
+from engine.selftest import run_selftest
+from engine.tiny import FAMILIES, HYBRID_ARCHS, TINY_ARCHS, tiny_model
+
+OPERATIONS: tuple[str, ...] = ("read", "chunked prefill", "replace", "patch", "knockout", "move keys", "splice", "seam repair", "self-test")
+TOLERANCE = 2e-5  # float32 on tiny models; the issue's bar for "exact"
+_DECODE = [5, 6, 7]
+_ANSWERS = {"a": [[8]], "b": [[9, 10, 11]]}
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One operation on one model: measured error against ground truth, or the refusal's reason."""
+
+    operation: str
+    supported: bool
+    max_error: float | None = None
+    reason: str | None = None
+
+    @property
+    def exact(self) -> bool:
+        """Supported and within :data:`TOLERANCE` (the self-test uses its own noise-derived limits)."""
+        return self.supported and (self.max_error is None or self.max_error <= TOLERANCE)
+
+
+@dataclass(frozen=True)
+class SupportRow:
+    """A model's verdict for every operation in :data:`OPERATIONS`."""
+
+    model: str
+    family: str
+    model_type: str
+    dtype: str
+    verdicts: tuple[Verdict, ...]
+    ms: float
+
+    def verdict(self, operation: str) -> Verdict:
+        return next(v for v in self.verdicts if v.operation == operation)
+
+    @property
+    def refused(self) -> dict[str, str]:
+        """Operation → reason, for the refused ones."""
+        return {v.operation: v.reason or "" for v in self.verdicts if not v.supported}
+
+    def as_dict(self) -> dict:
+        data = asdict(self)
+        data["verdicts"] = {v.operation: {k: val for k, val in asdict(v).items() if k != "operation"} for v in self.verdicts}
+        return data
+
+
+def _ids(lm: LoadedModel, count: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(10, lm.model.config.get_text_config().vocab_size - 10, (count,), generator=generator).tolist()
+
+
+def _diff(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> float:
+    return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b))
+
+
+def _logits(notebook: Notebook) -> torch.Tensor:
+    return notebook.read(_DECODE, _ANSWERS).next_token_logits
+
+
+def _model_logits(lm: LoadedModel, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return lm.model(torch.tensor([ids], device=lm.device)).logits[0, -1].float().cpu()
+
+
+def _operations(lm: LoadedModel, tokens: int) -> dict[str, Callable[[], float]]:
+    """Each operation as a function returning its max error against the ground truth (module docstring)."""
+    ids, new = _ids(lm, tokens, 0), _ids(lm, 3, 2)
+    third = tokens // 3
+
+    def read() -> float:
+        return float((_logits(Notebook.prefill(lm, ids)).cpu() - _model_logits(lm, ids + _DECODE)).abs().max())
+
+    def chunked() -> float:
+        whole, chunks = Notebook.prefill(lm, ids), Notebook.prefill(lm, ids, chunk_size=7)
+        return _diff(whole.keys + whole.values, chunks.keys + chunks.values)
+
+    def replaced() -> float:
+        edited = Notebook.prefill(lm, ids).replace(range(8, 11), new)
+        repaired = edited.recompute([p for p in edited.visible_positions() if p >= 11])
+        return float((_logits(repaired) - _logits(Notebook.prefill(lm, ids[:8] + new + ids[11:]))).abs().max())
+
+    def patched() -> float:
+        stale, donor = Notebook.prefill(lm, ids), Notebook.prefill(lm, ids[:8] + new + ids[11:])
+        return float((_logits(stale.patch(donor, range(tokens))) - _logits(donor)).abs().max())
+
+    def knocked() -> float:
+        notebook = Notebook.prefill(lm, ids)
+        hidden = notebook.visible.clone()
+        hidden[[4, 5, tokens - 5]] = False
+        reference = replace(notebook, visible=hidden).read(_DECODE, _ANSWERS).next_token_logits
+        return float((notebook.read(_DECODE, _ANSWERS, knockout=Knockout((4, 5, tokens - 5))).next_token_logits - reference).abs().max())
+
+    def moved() -> float:
+        block = Notebook.prefill(lm, ids[:third], "skill").block("skill")
+        relocated = Notebook.prefill(lm, _ids(lm, 2 * third, 9), "prefix").splice(block).block("skill")
+        target = Notebook.prefill(lm, ids[:third], "skill", start_position=2 * third)
+        return _diff(relocated.keys + relocated.values, target.keys + target.values)
+
+    def spliced() -> float:
+        source = Notebook.prefill(lm, ids, ["prefix"] * third + ["skill"] * third + ["after"] * (tokens - 2 * third))
+        composed = Notebook.prefill(lm, ids[:third], "prefix").splice(source.block("skill")).append(ids[2 * third :], "after").compact()
+        return _diff(composed.keys + composed.values, source.keys + source.values)
+
+    def seam() -> float:
+        skill = Notebook.prefill(lm, ids[third:], "skill", start_position=3).block("skill")
+        composed = Notebook.prefill(lm, ids[:third], "prefix").splice(skill, seam=len(skill))
+        return float((_logits(composed) - _logits(Notebook.prefill(lm, ids))).abs().max())
+
+    return {
+        "read": read,
+        "chunked prefill": chunked,
+        "replace": replaced,
+        "patch": patched,
+        "knockout": knocked,
+        "move keys": moved,
+        "splice": spliced,
+        "seam repair": seam,
+    }
+
+
+def _selftest_verdict(lm: LoadedModel) -> Verdict:
+    report = run_selftest(lm)
+    if not report.rope_supported:
+        return Verdict("self-test", report.ok, report.chunked_prefill_max_err, reason=None if report.ok else report.summary())
+    worst = max((c.error for c in report.checks if not c.name.startswith("noise")), default=None)
+    return Verdict("self-test", report.ok, worst, reason=None if report.ok else report.summary())
+
+
+def check_model(lm: LoadedModel, family: str | None = None, tokens: int = 30) -> SupportRow:
+    """Run every operation on this model against its ground truth; refusals keep their messages."""
+    started = time.perf_counter()
+    verdicts = []
+    for operation, run in _operations(lm, tokens).items():
+        try:
+            verdicts.append(Verdict(operation, True, run()))
+        except KVScopeError as error:
+            verdicts.append(Verdict(operation, False, reason=str(error)))
+    try:
+        verdicts.append(_selftest_verdict(lm))
+    except KVScopeError as error:
+        verdicts.append(Verdict("self-test", False, reason=str(error)))
+    config = lm.model.config.get_text_config()
+    return SupportRow(
+        model=lm.fingerprint.name,
+        family=family or config.model_type,
+        model_type=config.model_type,
+        dtype=lm.fingerprint.dtype,
+        verdicts=tuple(verdicts),
+        ms=round((time.perf_counter() - started) * 1000, 1),
+    )
+
+
+def support_matrix(archs: tuple[str, ...] = TINY_ARCHS + HYBRID_ARCHS, progress: MessageProgress | None = None) -> list[SupportRow]:
+    """One row per tiny family (float32, random weights): the matrix the README shows."""
+    rows = []
+    for index, arch in enumerate(archs):
+        if progress:
+            progress(f"{arch} ({index + 1}/{len(archs)})")
+        rows.append(check_model(tiny_model(arch), FAMILIES[arch]))
+    return rows
+
+
+def family_row(model_type: str, rows: list[SupportRow]) -> SupportRow | None:
+    """The tiny family row standing for a loaded model of this ``model_type`` (None when no family matches)."""
+    return next((row for row in rows if row.model_type == model_type), None)
+
+
+def _cell(verdict: Verdict) -> str:
+    if not verdict.supported:
+        return "refused"
+    return f"✓ {verdict.max_error:.0e}" if verdict.max_error is not None else "✓"
+
+
+def markdown_table(rows: list[SupportRow]) -> str:
+    """The matrix as a Markdown table (max errors; refusal reasons as numbered notes below it)."""
+    lines = ["| family (tiny model) | " + " | ".join(OPERATIONS) + " |", "|---" * (len(OPERATIONS) + 1) + "|"]
+    reasons: list[str] = []
+    for row in rows:
+        cells = []
+        for verdict in row.verdicts:
+            cell = _cell(verdict)
+            if not verdict.supported:
+                reason = verdict.reason or ""
+                if reason not in reasons:
+                    reasons.append(reason)
+                cell += f" [{reasons.index(reason) + 1}]"
+            cells.append(cell)
+        lines.append(f"| {row.family} (`tiny-{row.model.removeprefix('tiny-')}`) | " + " | ".join(cells) + " |")
+    lines.append("")
+    lines += [f"{number}. {reason}" for number, reason in enumerate(reasons, 1)]
+    return "\n".join(lines)
