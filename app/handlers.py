@@ -17,6 +17,7 @@ import plotly.graph_objects as go
 
 from app.hosting import HostingProfile
 from app.state import ExportFolder, ModelRegistry, SessionStore, process_rss_bytes
+from engine.adapter import cache_layout
 from engine.agent import run_agent
 from engine.analysis import analyse_edit
 from engine.compose import Fidelity, compare, compose_scenario, skill_of_length
@@ -32,6 +33,7 @@ from engine.registry import ALL_PROBES
 from engine.scenario import Scenario, Skill, bundled_scenarios, bundled_skills
 from engine.selftest import SelfTestReport
 from engine.strategies import EditSettings
+from engine.support import SupportRow
 from viz import benchmarks as benchmark_figures, compose as compose_figures, learn, notes as notes_figures
 from viz.cards import strategy_cards_html
 from viz.common import markdown_literal, message_figure
@@ -75,7 +77,7 @@ def number(value, name: str, default: float, kind: type = int) -> float:
 
 
 # ---------------------------------------------------------------------------- model
-def model_card(lm: LoadedModel, selftest: SelfTestReport | None = None) -> str:
+def model_card(lm: LoadedModel, selftest: SelfTestReport | None = None, support: SupportRow | None = None) -> str:
     """The model card as Markdown (values escaped)."""
     info = lm.info()
     rope = info.get("rope") or "none (learned positions: splicing is off)"
@@ -85,6 +87,7 @@ def model_card(lm: LoadedModel, selftest: SelfTestReport | None = None) -> str:
         "Architecture": info.get("architecture"),
         "Layers / heads / KV heads": f"{info.get('layers')} / {info.get('attention_heads')} / {info.get('kv_heads')}",
         "Head dim": info.get("head_dim"),
+        "Cached per token and layer": cache_layout(lm.model.config),
         "RoPE": json.dumps(rope) if isinstance(rope, dict) else rope,
         "Device / dtype": f"{lm.device} / {lm.fingerprint.dtype}",
         "Why this dtype": lm.dtype_reason,
@@ -93,6 +96,9 @@ def model_card(lm: LoadedModel, selftest: SelfTestReport | None = None) -> str:
     }
     if selftest is not None:
         rows["Cache self-test"] = selftest.summary()
+    if support is not None:
+        rows["Family"] = support.family
+        rows["Operations on this model"] = support.summary()
     return "\n".join(f"- **{key}**: {markdown_literal(str(value))}" for key, value in rows.items())
 
 
@@ -102,9 +108,18 @@ def load_model_card(registry: ModelRegistry, spec: str, progress: MessageProgres
     """Load (or reuse) a model, in ``dtype`` when given (else as loaded, or auto), run its self-test once, and describe it."""
     spec = (spec or "").strip() or registry.default_spec
     lm = registry.get(spec, progress=progress, dtype=dtype or None)
+    support = registry.support(spec)
+    report = registry.selftest(spec) if support.verdict("self-test").supported else None
+    return model_card(lm, report, support), {"model": lm.info() | {"fingerprint": lm.fingerprint.as_dict()},
+                                             "selftest": report.as_dict() if report else None, "support": support.as_dict(),
+                                             "hosting": registry.profile.as_dict()}
+
+
+def splicing_unlocked(registry: ModelRegistry, spec: str | None) -> None:
+    """Refuse to splice on a model whose cache self-test failed (an unknown family proves itself first)."""
     report = registry.selftest(spec)
-    return model_card(lm, report), {"model": lm.info() | {"fingerprint": lm.fingerprint.as_dict()}, "selftest": report.as_dict(),
-                                    "hosting": registry.profile.as_dict()}
+    if report.rope_supported and not report.ok:
+        raise AppError(f"splicing stays locked on this model: its cache self-test failed ({report.summary()})")
 
 
 def offered_models(registry: ModelRegistry) -> list[str]:
@@ -307,6 +322,7 @@ def run_compose(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[s
                 after_scenario: str | None, seam: int, blend: float = 0.0) -> ComposeView:
     """Splice the composed skills and compare with a full recompute."""
     lm = registry.get(spec)
+    splicing_unlocked(registry, spec)
     scenario = composed_scenario(skill_ids, before, between, after_scenario, registry.profile)
     fidelity: Fidelity = compare(lm, scenario, registry.skills(spec), seam=number(seam, "seam", 1), blend=number(blend, "blend", 0.0, float), references=registry.references(spec))
     data = fidelity.as_dict()
@@ -332,6 +348,7 @@ def run_keystone(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[
                  after_scenario: str | None, seam: int, progress: StepProgress = None) -> tuple[go.Figure, dict]:
     """Edit the field inside a spliced skill: composed vs recomputed per strategy."""
     lm = registry.get(spec)
+    splicing_unlocked(registry, spec)
     scenario = composed_scenario(skill_ids, before, between, after_scenario, registry.profile)
     report = keystone(lm, scenario, registry.skills(spec), seam=number(seam, "seam", 1), progress=progress)
     return compose_figures.keystone_figure(report), report.as_dict()
@@ -346,6 +363,7 @@ def run_agent_loop(registry: ModelRegistry, spec: str | None, skill_ids: Sequenc
     turns = number(turns, "turns", 4)
     registry.profile.check_turns(turns)
     lm = registry.get(spec)
+    splicing_unlocked(registry, spec)
     scenario = composed_scenario(skill_ids, before, between, after_scenario, registry.profile)
     report = run_agent(lm, scenario, registry.skills(spec), turns=turns, toggle=bool(toggle), seam=number(seam, "seam", 1),
                        policy=policy or "never", progress=progress)

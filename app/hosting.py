@@ -20,7 +20,7 @@ from engine.budget import WorkBudget
 from engine.errors import KVScopeError
 from engine.models.gguf import ALIASES
 from engine.strategies import STRATEGIES
-from engine.tiny import TINY_ARCHS
+from engine.tiny import HYBRID_ARCHS, TINY_ARCHS
 
 GiB = 2**30
 PUBLIC_MAX_CONTEXT_TOKENS = 1024
@@ -119,7 +119,7 @@ def local_profile(memory_bytes: int | None = None) -> HostingProfile:
 
 def public_profile(extra_models: Sequence[str] = (), memory_bytes: int | None = None) -> HostingProfile:
     """A public Space or a shared classroom server."""
-    allowed = (*ALIASES, *(f"tiny-{arch}" for arch in TINY_ARCHS), *extra_models)
+    allowed = (*ALIASES, *(f"tiny-{arch}" for arch in TINY_ARCHS + HYBRID_ARCHS), *extra_models)
     return HostingProfile(
         name="public", allowed_models=tuple(dict.fromkeys(allowed)), max_context_tokens=PUBLIC_MAX_CONTEXT_TOKENS,
         forward_tokens=PUBLIC_FORWARD_TOKENS, request_seconds=PUBLIC_REQUEST_SECONDS, max_scenario_chars=PUBLIC_MAX_SCENARIO_CHARS,

@@ -31,6 +31,7 @@ import torch
 from app.hosting import HostingError, HostingProfile, local_profile
 from engine.budget import ComputeGate
 from engine.compose import Recomputed
+from engine.errors import KVScopeError
 from engine.footprint import tensor_bytes
 from engine.models import LoadedModel, load_model
 from engine.progress import MessageProgress
@@ -38,6 +39,7 @@ from engine.runs import ScenarioRun, run_scenario
 from engine.scenario import Scenario
 from engine.selftest import SelfTestReport, run_selftest
 from engine.skills import SkillStore
+from engine.support import SupportRow, check_model
 
 
 class BudgetedLRU(MutableMapping):
@@ -119,6 +121,7 @@ class ModelRegistry:
         self._models: OrderedDict[str, LoadedModel] = OrderedDict()
         self._dtypes: dict[str, str] = {}  # the dtype each spec was loaded with ("auto" or a name)
         self._selftests: dict[str, SelfTestReport] = {}
+        self._support: dict[str, SupportRow] = {}
         self._skills: dict[str, SkillStore] = {}
         self._baselines = BudgetedLRU(self.profile.baseline_budget_bytes)  # (spec, scenario text) -> ScenarioRun
         self._references: dict[str, BudgetedLRU] = {}
@@ -171,6 +174,17 @@ class ModelRegistry:
             self._selftests[spec] = run_selftest(self.get(spec))
         return self._selftests[spec]
 
+    def support(self, spec: str | None = None) -> SupportRow:
+        """Every cache operation on this model against its own forward, refusals named (once per model)."""
+        spec = self.resolve(spec)
+        if spec not in self._support:
+            try:
+                report = self.selftest(spec)
+            except KVScopeError:
+                report = None  # the row's self-test verdict carries the refusal
+            self._support[spec] = check_model(self.get(spec), selftest=report)
+        return self._support[spec]
+
     def skills(self, spec: str | None = None) -> SkillStore:
         """The compiled-skill store of a model (shared by sessions: blocks are immutable)."""
         return self._skills.setdefault(self.resolve(spec), SkillStore())
@@ -212,6 +226,7 @@ class ModelRegistry:
         """Forget a model and everything computed with it, then return its memory."""
         self._models.pop(spec, None)
         self._selftests.pop(spec, None)
+        self._support.pop(spec, None)
         self._skills.pop(spec, None)
         self._references.pop(spec, None)
         self._baselines.drop_where(lambda key: key[0] == spec)

@@ -154,7 +154,7 @@ def _notes_tab(page: Page) -> NotesInputs:
     scenario_names = sorted(bundled_scenarios())
     first_text = handlers.bundled_scenario_text(handlers.NOTES_SCENARIO)
     first = handlers.scenario_choices(first_text)
-    heads = page.registry.get().model.config.num_attention_heads
+    heads = page.registry.get().model.config.get_text_config().num_attention_heads
     with gr.Tab("Notes", id="notes"):
         with gr.Row():
             with gr.Column(scale=2):

@@ -112,6 +112,26 @@ AttentionInterface.register(ATTENTION_NAME, _kvscope_attention)
 AttentionMaskInterface.register(ATTENTION_NAME, eager_mask)
 
 
+def cache_entry_shapes(config) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(heads, dim) of one token's cached key and value: per-KV-head K/V, or under multi-head latent
+    attention (DeepSeek-V2/V3) the latent shared by every head and its decoupled rope key."""
+    config = config.get_text_config()
+    if getattr(config, "kv_lora_rank", None) and getattr(config, "qk_rope_head_dim", None):
+        return (1, config.kv_lora_rank), (1, config.qk_rope_head_dim)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return (kv_heads, head_dim), (kv_heads, head_dim)
+
+
+def cache_layout(config) -> str:
+    """What one token's cache entry holds per layer, in words (for a model card)."""
+    (key_heads, key_dim), (value_heads, value_dim) = cache_entry_shapes(config)
+    if getattr(config.get_text_config(), "kv_lora_rank", None):
+        return f"latent {key_dim} (key slot, shared by every head) + rope key {value_dim} (value slot): multi-head latent attention"
+    return f"key {key_heads}×{key_dim} + value {value_heads}×{value_dim}"
+
+
 class CacheUnsupported(KVScopeError):
     """The model's cache is not a per-token K/V in every layer, so entries cannot be read or rewritten."""
 
@@ -139,8 +159,9 @@ def install(model: PreTrainedModel) -> None:
         return
     check_per_token_cache(model)
     original = model.config._attn_implementation or "eager"
-    model.config._kvscope_use_sdpa = original == "sdpa"
-    setattr(model.config, _ORIGINAL_IMPLEMENTATION, original)
+    for config in (model.config, *(getattr(model.config, name) for name in getattr(model.config, "sub_configs", {}))):
+        config._kvscope_use_sdpa = original == "sdpa"  # every sub-model (text, vision) reads its own config
+        setattr(config, _ORIGINAL_IMPLEMENTATION, original)
     model.set_attn_implementation(ATTENTION_NAME)
     if model.config._attn_implementation != ATTENTION_NAME:
         raise RuntimeError(f"{type(model).__name__} cannot route attention through a custom function")

@@ -363,7 +363,7 @@ def probe_linear(
     inputs = probe_inputs(experiment, min_samples)
     if len(inputs) < folds:
         raise ProbeError(f"only {len(inputs)} samples render for field {name!r}; need at least folds={folds}")
-    layers = lm.model.config.num_hidden_layers
+    layers = lm.model.config.get_text_config().num_hidden_layers
     fits = 2 * len(GROUPS) * (layers + 1)
     total, done = len(inputs) + fits, 0
 

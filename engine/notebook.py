@@ -81,13 +81,6 @@ class KVBlock:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
 
-def query_heads_of_kv_head(model_config, kv_head: int) -> tuple[int, ...]:
-    """Query heads that read one KV head under grouped-query attention (as ``repeat_kv`` maps them)."""
-    heads, kv_heads = model_config.num_attention_heads, getattr(model_config, "num_key_value_heads", None)
-    group = heads // (kv_heads or heads)
-    return tuple(range(kv_head * group, (kv_head + 1) * group))
-
-
 @dataclass(frozen=True)
 class Notebook:
     """K/V of a context plus what each entry is; see the module docstring."""
@@ -476,7 +469,7 @@ class Notebook:
         """Knockouts as per-layer (heads or 1, N) bool masks over this notebook's entries, OR-ed."""
         if knockouts is None:
             return {}
-        config = self.lm.model.config
+        config = self.lm.model.config.get_text_config()
         layer_count, head_count = config.num_hidden_layers, config.num_attention_heads
         blocked: dict[int, torch.Tensor] = {}
         for knockout in [knockouts] if isinstance(knockouts, Knockout) else knockouts:

@@ -38,17 +38,23 @@ class RopeUnsupported(KVScopeError):
 
 
 def _rope_types(model: PreTrainedModel) -> set[str]:
-    params = getattr(model.config, "rope_parameters", None) or {}
+    params = getattr(model.config.get_text_config(), "rope_parameters", None) or {}
     nested = [p for p in params.values() if isinstance(p, dict)] if isinstance(params, dict) else []
     tables = nested or [params]
     return {str(t.get("rope_type", t.get("type", "default"))) for t in tables if isinstance(t, dict)}
 
 
+def _text_decoder(model: PreTrainedModel) -> torch.nn.Module:
+    """The language model's decoder (a vision tower's own rotary and attention are not the cache's)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    return decoder if isinstance(decoder, torch.nn.Module) else model
+
+
 def _rotary_modules(model: PreTrainedModel) -> list[torch.nn.Module]:
-    """Modules holding inverse frequencies (``inv_freq`` or per layer type ``<type>_inv_freq``)."""
+    """Modules of the text decoder holding inverse frequencies (``inv_freq`` or per layer type ``<type>_inv_freq``)."""
     return [
         module
-        for module in model.modules()
+        for module in _text_decoder(model).modules()
         if callable(getattr(module, "forward", None))
         and any(name == "inv_freq" or name.endswith("_inv_freq") and "original" not in name for name, _ in module.named_buffers(recurse=False))
     ]
@@ -57,7 +63,7 @@ def _rotary_modules(model: PreTrainedModel) -> list[torch.nn.Module]:
 def _attention_modules(model: PreTrainedModel) -> list[torch.nn.Module]:
     """One attention module per decoder layer, in layer order."""
     found = {}
-    for module in model.modules():
+    for module in _text_decoder(model).modules():
         index = getattr(module, "layer_idx", None)
         if index is not None and hasattr(module, "config") and index not in found and any(hasattr(module, p) for p in ("q_proj", "q_a_proj", "query_key_value", "qkv_proj", "Wqkv")):
             found[index] = module
@@ -66,7 +72,7 @@ def _attention_modules(model: PreTrainedModel) -> list[torch.nn.Module]:
 
 def _absolute_position_effects(model: PreTrainedModel) -> str | None:
     """Why this model's K/V depend on absolute positions (so moving a block changes it), or None."""
-    config = model.config
+    config = model.config.get_text_config()
     layer_types = getattr(config, "layer_types", None) or []
     if "chunked_attention" in layer_types:
         return f"chunked attention (chunks of {config.attention_chunk_size} tokens at fixed absolute boundaries)"
@@ -162,7 +168,7 @@ class Rotary:
         attention = _attention_modules(model)
         if not attention:
             raise RopeUnsupported(f"{name}: no attention layers found, so there is no K/V to re-rotate")
-        layer_types = getattr(model.config, "layer_types", None)
+        layer_types = getattr(model.config.get_text_config(), "layer_types", None)
         per_type = "layer_type" in inspect.signature(module.forward).parameters
         tables: list[RotaryTable | None] = []
         for layer in attention:

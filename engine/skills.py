@@ -18,6 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from engine.adapter import cache_entry_shapes
 from engine.errors import KVScopeError
 from engine.loaded import LoadedModel, ModelFingerprint
 from engine.notebook import KVBlock, Notebook
@@ -84,11 +85,10 @@ def save_block(block: KVBlock, path: str | Path, skill_id: str) -> Path:
     return path
 
 
-def _expected_shape(lm: LoadedModel, length: int) -> tuple[int, int, int]:
-    config = lm.model.config
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return (getattr(config, "num_key_value_heads", None) or heads, length, head_dim)
+def _expected_shapes(lm: LoadedModel, length: int) -> dict[str, tuple[int, int, int]]:
+    """Shape of each stored tensor kind ("keys", "values") for a block of ``length`` tokens."""
+    key, value = cache_entry_shapes(lm.model.config)
+    return {"keys": (key[0], length, key[1]), "values": (value[0], length, value[1])}
 
 
 def load_block(path: str | Path, lm: LoadedModel) -> KVBlock:
@@ -111,12 +111,15 @@ def load_block(path: str | Path, lm: LoadedModel) -> KVBlock:
     if _tensor_digest(tensors) != meta["sha256"]:
         raise SkillFileError(f"{path}: tensor bytes do not match their recorded sha256 (file altered or corrupt)")
     layers, length = meta["layers"], len(meta["token_ids"])
-    shape = _expected_shape(lm, length)
+    shapes = _expected_shapes(lm, length)
     for name, tensor in tensors.items():
+        shape = shapes.get(name.partition(".")[0])
+        if shape is None:
+            raise SkillFileError(f"{path}: unexpected tensor {name!r} (a block holds keys.N and values.N)")
         if tuple(tensor.shape) != shape:
             raise SkillFileError(f"{path}: {name} has shape {tuple(tensor.shape)}, the model needs {shape}")
-    if len(tensors) != 2 * layers or layers != lm.model.config.num_hidden_layers or len(meta["segments"]) != length:
-        raise SkillFileError(f"{path}: holds {layers} layers and {len(tensors)} tensors; the model has {lm.model.config.num_hidden_layers} layers")
+    if len(tensors) != 2 * layers or layers != lm.model.config.get_text_config().num_hidden_layers or len(meta["segments"]) != length:
+        raise SkillFileError(f"{path}: holds {layers} layers and {len(tensors)} tensors; the model has {lm.model.config.get_text_config().num_hidden_layers} layers")
     device = lm.device
     return KVBlock(
         token_ids=torch.tensor(meta["token_ids"], dtype=torch.long),

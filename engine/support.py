@@ -29,8 +29,8 @@ from engine.errors import KVScopeError
 from engine.loaded import LoadedModel
 from engine.notebook import Knockout, Notebook
 from engine.progress import MessageProgress
-from engine.selftest import run_selftest
-from engine.tiny import FAMILIES, HYBRID_ARCHS, TINY_ARCHS, tiny_model
+from engine.selftest import SelfTestReport, run_selftest
+from engine.tiny import FAMILIES, HYBRID_ARCHS, TINY_ARCHS, tiny_family, tiny_model
 
 OPERATIONS: tuple[str, ...] = ("read", "chunked prefill", "replace", "patch", "knockout", "move keys", "splice", "seam repair", "self-test")
 TOLERANCE = 2e-5  # float32 on tiny models; the issue's bar for "exact"
@@ -71,6 +71,18 @@ class SupportRow:
     def refused(self) -> dict[str, str]:
         """Operation → reason, for the refused ones."""
         return {v.operation: v.reason or "" for v in self.verdicts if not v.supported}
+
+    def summary(self) -> str:
+        """One line for a model card: the max error of each supported operation, then refusals by reason."""
+        measured = ", ".join(
+            f"{v.operation} {v.max_error:.1g}" if v.max_error is not None else v.operation for v in self.verdicts if v.supported
+        )
+        by_reason: dict[str, list[str]] = {}
+        for operation, reason in self.refused.items():
+            by_reason.setdefault(reason, []).append(operation)
+        refused = "; ".join(f"refused {', '.join(ops)}: {reason}" for reason, ops in by_reason.items())
+        exact = f"max |error| vs the model's own forward ({self.dtype}): {measured}" if measured else ""
+        return ". ".join(part for part in (exact, refused) if part)
 
     def as_dict(self) -> dict:
         data = asdict(self)
@@ -152,16 +164,17 @@ def _operations(lm: LoadedModel, tokens: int) -> dict[str, Callable[[], float]]:
     }
 
 
-def _selftest_verdict(lm: LoadedModel) -> Verdict:
-    report = run_selftest(lm)
+def _selftest_verdict(lm: LoadedModel, report: SelfTestReport | None) -> Verdict:
+    report = report or run_selftest(lm)
     if not report.rope_supported:
         return Verdict("self-test", report.ok, report.chunked_prefill_max_err, reason=None if report.ok else report.summary())
     worst = max((c.error for c in report.checks if not c.name.startswith("noise")), default=None)
     return Verdict("self-test", report.ok, worst, reason=None if report.ok else report.summary())
 
 
-def check_model(lm: LoadedModel, family: str | None = None, tokens: int = 30) -> SupportRow:
-    """Run every operation on this model against its ground truth; refusals keep their messages."""
+def check_model(lm: LoadedModel, family: str | None = None, tokens: int = 30, selftest: SelfTestReport | None = None) -> SupportRow:
+    """Run every operation on this model against its ground truth; refusals keep their messages
+    (``selftest``: a report already computed for this model, reused)."""
     started = time.perf_counter()
     verdicts = []
     for operation, run in _operations(lm, tokens).items():
@@ -170,13 +183,13 @@ def check_model(lm: LoadedModel, family: str | None = None, tokens: int = 30) ->
         except KVScopeError as error:
             verdicts.append(Verdict(operation, False, reason=str(error)))
     try:
-        verdicts.append(_selftest_verdict(lm))
+        verdicts.append(_selftest_verdict(lm, selftest))
     except KVScopeError as error:
         verdicts.append(Verdict("self-test", False, reason=str(error)))
     config = lm.model.config.get_text_config()
     return SupportRow(
         model=lm.fingerprint.name,
-        family=family or config.model_type,
+        family=family or tiny_family(config.model_type) or f"{config.model_type} (no tiny stand-in)",
         model_type=config.model_type,
         dtype=lm.fingerprint.dtype,
         verdicts=tuple(verdicts),

@@ -11,6 +11,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     BambaConfig,
     DeepseekV2Config,
     DeepseekV3Config,
@@ -26,6 +27,7 @@ from transformers import (
     PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen2VLConfig,
     Qwen3Config,
     Qwen3NextConfig,
 )
@@ -51,6 +53,7 @@ TINY_ARCHS: tuple[str, ...] = (
     "llama4_nope",
     "dynamic_ntk",
     "longrope",
+    "qwen2_vl",
 )
 # Hybrids whose recurrent layers keep a running state instead of per-token K/V: built to be refused.
 HYBRID_ARCHS: tuple[str, ...] = ("bamba", "qwen3_next")
@@ -74,6 +77,7 @@ FAMILIES: dict[str, str] = {
     "llama4_nope": "Llama-4-style NoPE layers, no chunking",
     "dynamic_ntk": "dynamic NTK scaling",
     "longrope": "LongRoPE (Phi-3)",
+    "qwen2_vl": "Qwen2-VL (M-RoPE, text contexts)",
     "bamba": "Bamba (Mamba-2 hybrid)",
     "qwen3_next": "Qwen3-Next (gated DeltaNet hybrid)",
 }
@@ -188,7 +192,7 @@ def _tiny_config(arch: str, tokenizer: PreTrainedTokenizerFast) -> PretrainedCon
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
         "head_dim": 16,
-        "max_position_embeddings": 4096,
+        "max_position_embeddings": 16384,
     }
     rope = {"rope_type": "default", "rope_theta": 10000.0}
     if arch == "llama":
@@ -286,6 +290,17 @@ def _newer_family_config(arch: str, decoder: dict, rope: dict) -> PretrainedConf
         else:
             scaled = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "original_max_position_embeddings": 64}
         return LlamaConfig(**decoder, rope_parameters=scaled)
+    if arch == "qwen2_vl":
+        text = {k: v for k, v in decoder.items() if k not in ("initializer_range", "tie_word_embeddings", "head_dim")}
+        return Qwen2VLConfig(
+            text_config={**text, "rope_parameters": {**rope, "mrope_section": [2, 3, 3]}},
+            vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2, "spatial_merge_size": 2},
+            image_token_id=decoder["vocab_size"] - 1,
+            video_token_id=decoder["vocab_size"] - 2,
+            vision_start_token_id=decoder["vocab_size"] - 3,
+            initializer_range=0.08,
+            tie_word_embeddings=False,
+        )
     if arch == "bamba":
         hybrid = {k: v for k, v in decoder.items() if k != "head_dim"}
         return BambaConfig(**hybrid, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16)
@@ -306,6 +321,12 @@ def _newer_family_config(arch: str, decoder: dict, rope: dict) -> PretrainedConf
     raise ModelLoadError(f"unknown tiny architecture {arch!r}; choose one of: {', '.join(TINY_ARCHS)}")
 
 
+def tiny_family(model_type: str) -> str | None:
+    """The family label of the first tiny stand-in whose text decoder has this ``model_type`` (None: unknown family)."""
+    tokenizer = tiny_tokenizer()
+    return next((FAMILIES[arch] for arch in TINY_ARCHS + HYBRID_ARCHS if _tiny_config(arch, tokenizer).get_text_config().model_type == model_type), None)
+
+
 def _config_hash(config: PretrainedConfig, seed: int) -> str:
     """First 16 hex digits of sha256 over the config JSON (sorted keys) and the seed."""
     payload = json.dumps(config.to_dict(), sort_keys=True, default=str) + f"\nseed={seed}"
@@ -323,7 +344,8 @@ def tiny_model(
     config_hash = _config_hash(config, seed)
     attn = "eager" if arch in _EAGER_ARCHS else "sdpa"
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
+    auto_class = AutoModelForImageTextToText if arch == "qwen2_vl" else AutoModelForCausalLM
+    model = auto_class.from_config(config, attn_implementation=attn, dtype=torch.float32)
     model.to(dtype).eval().requires_grad_(False)
     name = f"tiny-{arch}"
     return LoadedModel(

@@ -15,11 +15,16 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoTokenizer,
     PretrainedConfig,
     PreTrainedModel,
 )
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+)
 
 from engine.loaded import DTYPES, LoadedModel, ModelFingerprint, ModelLoadError, config_hash, dtype_name
 from engine.models import gguf
@@ -209,14 +214,17 @@ def _load_pretrained(
 ) -> LoadedModel:
     """Load config, tokenizer and safetensors weights; pick the dtype; return a frozen eval model."""
     config = _causal_config(location, local_only)
-    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    auto_class, mapping = (
+        (AutoModelForCausalLM, MODEL_FOR_CAUSAL_LM_MAPPING) if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING else (AutoModelForImageTextToText, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING)
+    )
+    model_class = mapping[type(config)]
     attention = "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
 
     label = "safetensors copy" if Path(location).parent == cache_dir() / "converted" else name
 
     def load(torch_dtype: torch.dtype) -> PreTrainedModel:
         report(f"loading {label} ({dtype_name(torch_dtype)})")
-        model = AutoModelForCausalLM.from_pretrained(
+        model = auto_class.from_pretrained(
             location,
             dtype=torch_dtype,
             attn_implementation=attention,
@@ -246,19 +254,20 @@ def _load_pretrained(
 
 
 def _causal_config(location: str, local_only: bool) -> PretrainedConfig:
-    """The model's config, refusing remote code and anything that is not a decoder-only causal LM."""
+    """The model's config, refusing remote code and anything that is not a decoder-only causal LM (a
+    vision-language model's text decoder counts: KVScope feeds it text)."""
     try:
         config = AutoConfig.from_pretrained(location, trust_remote_code=False, local_files_only=local_only)
     except (OSError, ValueError) as error:
         raise ModelLoadError(f"cannot read the config of {location!r} (remote code is never run): {error}") from error
     archs = config.architectures or []
     causal = (
-        not config.is_encoder_decoder
-        and config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
         and type(config) in MODEL_FOR_CAUSAL_LM_MAPPING
         and (not archs or any(_is_causal_class(arch) for arch in archs))
     )
-    if not causal:
+    vision_language = type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING and any(arch.endswith("ForConditionalGeneration") for arch in archs)
+    if config.is_encoder_decoder or not (causal or vision_language):
         described = f"model_type {config.model_type!r}" + (f" ({', '.join(archs)})" if archs else "")
         raise ModelLoadError(f"{location!r} is {described}, not a causal LM: KVScope needs a decoder-only causal LM")
     return config

@@ -1,4 +1,5 @@
 """Handlers without a browser: results match the engine, bad input gives AppError, sessions stay apart."""
+import dataclasses
 import html
 import json
 from pathlib import Path
@@ -10,10 +11,11 @@ import torch
 from app import handlers
 from app.composer import SkillComposer
 from app.handlers import AppError
-from app.state import ExportFolder, SessionStore
+from app.state import ExportFolder, ModelRegistry, SessionStore
 from engine.scenario import Scenario
 from engine.experiment import EditExperiment
 from tests.app.conftest import SCENARIO
+from viz.common import markdown_literal
 
 
 def test_malformed_and_empty_scenarios_have_clear_errors():
@@ -160,3 +162,28 @@ def test_learn_steps_describe_what_the_model_did_beside_the_paper(registry):
     assert "Paper:" in text and "−0.028 Llama-3.1-8B" in text
     text, _ = handlers.learn_step(registry, 2, None)
     assert "erratum alone recovers" in text and "Paper:" in text
+
+
+def test_model_card_shows_this_models_row_of_the_support_matrix(registry):
+    card, info = handlers.load_model_card(registry, "")
+    assert f"**Family**: {markdown_literal('Qwen2 / Qwen2.5')}" in card and "Operations on this model" in card
+    verdicts = info["support"]["verdicts"]
+    assert all(v["supported"] and v["max_error"] <= 2e-5 for v in verdicts.values())
+    assert set(verdicts) == {"read", "chunked prefill", "replace", "patch", "knockout", "move keys", "splice", "seam repair", "self-test"}
+
+
+@pytest.mark.parametrize("spec, reason", [("tiny-bamba", "hybrid"), ("tiny-llama4", "chunked attention")])
+def test_refused_families_load_with_their_reasons_and_the_composer_refuses(spec, reason):
+    registry = ModelRegistry(spec)
+    card, info = handlers.load_model_card(registry, "")
+    assert "refused" in card and reason in card
+    assert not info["support"]["verdicts"]["splice"]["supported"]
+    with pytest.raises(AppError, match=reason):
+        handlers.run_compose(registry, None, ["account_gate"], "", "", None, seam=1)
+
+
+def test_a_failed_selftest_locks_splicing(registry, monkeypatch):
+    report = dataclasses.replace(registry.selftest(), ok=False)
+    monkeypatch.setattr(registry, "selftest", lambda spec=None: report)
+    with pytest.raises(AppError, match="splicing stays locked on this model: its cache self-test failed"):
+        handlers.run_compose(registry, None, ["account_gate"], "", "", None, seam=1)

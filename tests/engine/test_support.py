@@ -7,10 +7,11 @@ import torch
 
 from engine.adapter import CacheUnsupported
 from engine.cli import main
+from engine.models import load_model
 from engine.notebook import Knockout, Notebook
 from engine.rope import KEYS, VALUES, Rotary
-from engine.support import OPERATIONS, TOLERANCE, family_row, markdown_table, support_matrix
-from engine.tiny import FAMILIES, HYBRID_ARCHS, TINY_ARCHS, tiny_model
+from engine.support import OPERATIONS, TOLERANCE, check_model, family_row, markdown_table, support_matrix
+from engine.tiny import FAMILIES, HYBRID_ARCHS, TINY_ARCHS, make_tiny_model_dir, tiny_model
 
 MOVING = ("move keys", "splice", "seam repair")
 # Ground truth for the matrix: which operations each family must refuse, and a phrase of the reason.
@@ -127,3 +128,14 @@ def test_cli_support_checks_the_loaded_model(capsys):
     assert result["loaded"]["model_type"] == "gemma3_text"
     assert all(v["supported"] for v in result["loaded"]["verdicts"].values())
     assert result["families"][1]["verdicts"]["splice"]["reason"].startswith("cannot splice")
+
+
+def test_vision_language_checkpoint_loads_and_its_text_decoder_is_exact(tmp_path):
+    """Qwen2-VL is not an AutoModelForCausalLM: it loads as image-text-to-text; text contexts use M-RoPE
+    with three equal axes, so a delta rotation is the standard one and every operation is exact."""
+    lm = load_model(str(make_tiny_model_dir("qwen2_vl", tmp_path / "vl")), dtype="float32")
+    assert type(lm.model).__name__ == "Qwen2VLForConditionalGeneration"
+    assert lm.model.config.get_text_config().rope_parameters["mrope_section"] == [2, 3, 3]
+    row = check_model(lm)
+    assert not row.refused and all(v.max_error <= TOLERANCE for v in row.verdicts)
+    assert row.family == FAMILIES["qwen2_vl"]

@@ -32,7 +32,7 @@ def test_every_arch_builds_and_runs(arch: str) -> None:
     assert len(loaded.fingerprint.config_hash) == 16
     assert not loaded.model.training
     assert not any(p.requires_grad for p in loaded.model.parameters())
-    assert loaded.model.config.vocab_size == len(loaded.tokenizer)
+    assert loaded.model.config.get_text_config().vocab_size == len(loaded.tokenizer)
     expected_attn = "eager" if arch in ("gemma2", "gemma3", "gpt_oss") else "sdpa"
     assert loaded.model.config._attn_implementation == expected_attn
     logits = loaded.model(_ids(loaded.tokenizer)).logits
