@@ -57,8 +57,9 @@ def cmd_support(args: argparse.Namespace) -> dict:
         raise ModelLoadError(f"unknown family {unknown[0]!r} in --families; choose from: {', '.join(TINY_ARCHS + HYBRID_ARCHS)}")
     rows = support_matrix(families, progress=_log)
     loaded = check_model(_load(args)) if args.loaded else None
-    if args.markdown:
+    if args.markdown and not args.json:
         print(markdown_table(rows + ([loaded] if loaded else [])))
+        return {}
     return {
         "tolerance": TOLERANCE,
         "operations": list(OPERATIONS),
@@ -233,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "support":
             sub.add_argument("--loaded", action="store_true", help="also check the model named by --model")
             sub.add_argument("--families", help="comma-separated tiny families (default: all)")
-            sub.add_argument("--markdown", action="store_true", help="print the matrix as a Markdown table (stdout) before the result")
+            sub.add_argument("--markdown", action="store_true", help="print the matrix as a Markdown table instead (ignored with --json)")
         if name == "decide":
             sub.add_argument("--scenario", required=True, help="scenario TOML file")
             sub.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="field value (repeatable)")

@@ -215,7 +215,9 @@ def family_row(model_type: str, rows: list[SupportRow]) -> SupportRow | None:
 def _cell(verdict: Verdict) -> str:
     if not verdict.supported:
         return "refused"
-    return f"✓ {verdict.max_error:.0e}" if verdict.max_error is not None else "✓"
+    if verdict.max_error is None:
+        return "✓"
+    return f"✓ {verdict.max_error:.0e}" if verdict.max_error else "✓ 0"
 
 
 def markdown_table(rows: list[SupportRow]) -> str:

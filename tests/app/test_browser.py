@@ -128,6 +128,15 @@ def test_model_tab_shows_memory_against_budgets(page):
     _shot(page, "model-memory")
 
 
+def test_model_card_shows_the_models_support_row(page):
+    card = page.locator("#model-card")
+    card.get_by_text("Operations on this model").wait_for(timeout=60_000)
+    text = card.inner_text()
+    assert "Family: Qwen2 / Qwen2.5" in text and "Cached per token and layer: key 2×16 + value 2×16" in text
+    assert "max |error| vs the model's own forward (float32)" in text and "seam repair" in text
+    _shot(page, "model-card")
+
+
 def test_agent_loop_shows_cached_clean_state_and_identical_decisions(page):
     page.get_by_role("tab", name="Composer").click()
     page.locator('#composer .kv-in[data-id="account_gate"]').wait_for(timeout=10_000)  # the composer's default context
