@@ -321,7 +321,8 @@ class EditExperiment:
         return StrategyResult(name, True, decision, self.recovery_of(decision), tokens, ms, detail=detail, notebook=notebook)
 
     def read_together(self, names: Sequence[str]) -> float:
-        """Build the named strategies' caches and read them, with the oracle if not read yet, in one forward.
+        """Build the named strategies' caches and read them, with the oracle if not read yet, in one fused forward
+        (several for work beyond ``MAX_FORWARD_TOKENS``).
 
         Results are kept for :meth:`run`; each strategy's ms is its build time plus its share of the
         forward by the tokens it ran there. Returns the fused forward's wall time in ms.
@@ -348,7 +349,7 @@ class EditExperiment:
                                        answer_texts=self.scenario.answers, capture_attention=captures)
         fused_ms = (time.perf_counter() - started) * 1000
         shares = [fused_ms * ran[key] / sum(ran.values()) for key in computations]
-        timing = f"share of one fused forward of {len(notebooks)} caches ({fused_ms:.0f} ms)"
+        timing = f"share of the fused forwards of {len(notebooks)} caches ({fused_ms:.0f} ms)"
         if oracle:
             self._oracle_run = oracle.finish(decisions[-1], shares[-1])
             self._oracle_timing = timing

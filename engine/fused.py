@@ -84,10 +84,8 @@ def computed_in_chunks(notebook: Notebook, limit: int) -> Notebook:
     return notebook
 
 
-def batches(forks: Sequence[Notebook], continuations: Sequence[Continuation | None], limit: int | None) -> list[list[int]]:
+def batches(forks: Sequence[Notebook], continuations: Sequence[Continuation | None], limit: int) -> list[list[int]]:
     """Indices of forks of one base split into forwards of at most ``limit`` new tokens each (one fork at least)."""
-    if limit is None:
-        return [list(range(len(forks)))]
     groups: list[list[int]] = [[]]
     used = 0
     for index, (fork, continuation) in enumerate(zip(forks, continuations)):
@@ -188,20 +186,29 @@ def _run_together(forks: list[Notebook], extras: list[Continuation], *, capture:
     base, computed = forks[0], computed_count(forks[0])
     layout = fused_input(forks, extras, computed)
     device = base.lm.device
+    width = layout.allowed.shape[1]
+    seen = layout.allowed[:, :computed].any(0).nonzero()[:, 0]  # computed entries some new token attends to
+    kept = torch.cat([seen, torch.arange(computed, width)])  # the forward's keys, as layout columns
+    stored_keys, stored_values, allowed, blocked = list(base.computed_keys), list(base.computed_values), layout.allowed, layout.blocked
+    if len(seen) < computed:  # unseen entries (e.g. a stale context's tokens after its field) would cost attention for nothing
+        index = seen.to(device)
+        stored_keys, stored_values = [k.index_select(2, index) for k in stored_keys], [v.index_select(2, index) for v in stored_values]
+        allowed, blocked = allowed[:, kept], {layer: mask[..., kept] for layer, mask in blocked.items()}
     result = adapter.forward(
         base.lm.model,
-        list(base.computed_keys),
-        list(base.computed_values),
-        base.positions[:computed].to(device),
+        stored_keys,
+        stored_values,
+        base.positions[seen].to(device),
         torch.tensor(layout.token_ids, dtype=torch.long, device=device),
         torch.tensor(layout.positions, dtype=torch.long, device=device),
-        layout.allowed.to(device),
-        blocked={layer: mask.to(device) for layer, mask in layout.blocked.items()},
+        allowed.to(device),
+        blocked={layer: mask.to(device) for layer, mask in blocked.items()},
         capture_rows=torch.tensor(layout.captured_rows, dtype=torch.long, device=device) if capture else None,
         logit_rows=torch.tensor(layout.logit_rows, dtype=torch.long, device=device),
         hidden_states=hidden_states,
         grad=grad,
     )
+    attentions = {layer: _widened(weights, kept.to(device), width) for layer, weights in result.attentions.items()}
     runs, logit_row, captured_row = [], 0, 0
     for fork, extra, (offset, new, more) in zip(forks, extras, layout.spans):
         mine, theirs = slice(offset, offset + new), slice(offset + new, offset + new + more)
@@ -216,12 +223,19 @@ def _run_together(forks: list[Notebook], extras: list[Continuation], *, capture:
             keys=[k[:, :, theirs] for k in result.new_keys],
             values=[v[:, :, theirs] for v in result.new_values],
             logits=result.logits[logit_row : logit_row + len(extra.logit_rows)],
-            attentions={layer: weights[:, captured].index_select(-1, columns) for layer, weights in result.attentions.items()},
+            attentions={layer: weights[:, captured].index_select(-1, columns) for layer, weights in attentions.items()},
             hidden_states=tuple(h[theirs] for h in result.hidden_states) if hidden_states else None,
         ))
         logit_row += len(extra.logit_rows)
         captured_row += len(extra.captured_rows)
     return runs
+
+
+def _widened(weights: torch.Tensor, columns: torch.Tensor, width: int) -> torch.Tensor:
+    """Attention (heads, rows, keys run) over every layout column: 0 where an unseen entry was left out."""
+    if weights.shape[-1] == width:
+        return weights
+    return weights.new_zeros(*weights.shape[:-1], width).index_copy_(-1, columns, weights)
 
 
 def joined(computed: tuple[torch.Tensor, ...], new: list[torch.Tensor], part: slice) -> tuple[torch.Tensor, ...]:

@@ -205,10 +205,10 @@ class Notebook:
     @staticmethod
     def _run(notebooks: Sequence["Notebook"], continuations: Sequence[Continuation | None], **options) -> list[BranchRun]:
         """Run notebooks with their continuations: forks of one computed base share a forward
-        (:func:`engine.fused.run_together`), each forward within the request's new-token limit (longer pending
-        steps computed in chunks first); each pending notebook then remembers its computed twin."""
+        (:func:`engine.fused.run_together`), each forward within the new-token limit (longer pending steps
+        computed in chunks first); each pending notebook then remembers its computed twin."""
         limit = forward_token_limit()
-        ready = [computed_in_chunks(notebook.latest(), limit) if limit else notebook for notebook in notebooks]
+        ready = [computed_in_chunks(notebook.latest(), limit) for notebook in notebooks]
         runs: dict[int, BranchRun] = {}
         for group in forks_by_base(ready):
             forks, extras = [ready[i] for i in group], [continuations[i] for i in group]
@@ -537,8 +537,8 @@ class Notebook:
         """Read the same question from several forks of one notebook in a single forward.
 
         Each fork's pending steps and question run together (forks with the same :meth:`computation` once;
-        forks of different bases, or beyond a request's new-token limit or ``FUSED_TOKENS``, in several forwards);
-        every fork is left computed. With
+        forks of different bases, or beyond the new-token limit of a forward, in several forwards); every fork
+        is left computed. With
         ``capture_attention`` (for all forks, or one flag per fork) each decision carries the question tokens' attention as (layers, heads,
         decode tokens, stored entries + decode tokens), stored entries in storage order.
         """

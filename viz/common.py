@@ -24,6 +24,7 @@ DIVERGING = "RdBu_r"  # negative blue, positive red, centred at 0
 SEQUENTIAL = "Viridis"
 PALETTE = ("#2a9d8f", "#e76f51", "#264653", "#e9c46a", "#8e7dbe", "#f4a261", "#457b9d")
 GREY = "#b0bec5"
+FIELD_COLOUR = "#e040fb"  # outlines a field's columns; visible on Viridis and RdBu alike
 TEMPLATE = "plotly_white"
 # The theme is plotly's default rather than a per-figure argument: naming a template on a figure
 # validates the whole template again (~25 ms per figure, most of an edit's figure time).
@@ -92,7 +93,7 @@ def token_columns(
         where = f"#{positions[first]}" if len(run) == 1 else f"#{positions[first]}–{positions[last]} ({len(run)} tokens, strongest shown)"
         segment = f" [{safe_label(segments[first], 32)}]" if segments is not None else ""
         names.append(f"{where} {token}{segment}")
-        ticks.append(token if len(run) == 1 else f"{token}…")
+        ticks.append(token if len(run) == 1 else f"#{positions[first]} {token}…")
     stride = max(1, math.ceil(len(names) / MAX_TICKS))
     axis = {
         "type": "category",
@@ -102,6 +103,19 @@ def token_columns(
         "tickangle": -60,
     }
     return names, axis
+
+
+def mark_fields(figure: go.Figure, runs: Sequence[range], segments: Sequence[str] | None) -> None:
+    """Outline the heatmap columns holding each field's tokens (segments ``field:NAME``), labelled with the
+    field's name, so that a field stays findable among thousands of pooled tokens."""
+    columns: dict[str, list[int]] = {}
+    for column, run in enumerate(runs if segments is not None else ()):
+        for segment in dict.fromkeys(segments[i] for i in run if segments[i].startswith("field:")):
+            columns.setdefault(segment, []).append(column)
+    for segment, held in columns.items():
+        figure.add_vrect(x0=held[0] - 0.5, x1=held[-1] + 0.5, line={"color": FIELD_COLOUR, "width": 2}, fillcolor="rgba(0,0,0,0)",
+                         annotation={"text": safe_label(segment.removeprefix("field:"), 24), "font": {"color": FIELD_COLOUR, "size": 11}},
+                         annotation_position="outside top")
 
 
 def column_of(runs: Sequence[range], index: int) -> int:

@@ -11,8 +11,53 @@ from engine.frontier import FrontierResult
 from engine.patching import EffectMap
 from engine.probes import AttentionMap, NotesMapResult
 from viz.common import (
-    DIVERGING, GREY, PALETTE, column_of, diverging_colour, map_height, pool_columns, robust_limit, safe_label, token_columns,
+    DIVERGING, GREY, PALETTE, column_of, diverging_colour, map_height, mark_fields, pool_columns, robust_limit, safe_label,
+    token_columns,
 )
+
+
+MAX_TEXT_TOKENS = 1024  # tokens drawn in a text view (one <span> each); a longer context shows windows
+TEXT_WINDOW = 16  # neighbours shown either side of the field and of each strongest token in a long context
+
+
+def shown_tokens(values: np.ndarray, outlined: np.ndarray, cap: int = MAX_TEXT_TOKENS) -> np.ndarray:
+    """Which tokens a text view draws (bool per token): all of them up to ``cap``; beyond, the ``outlined``
+    tokens (the field) first, then the tokens of largest |value|, each with up to TEXT_WINDOW neighbours
+    either side (nearest first), until ``cap`` are chosen."""
+    count = len(values)
+    if count <= cap:
+        return np.ones(count, dtype=bool)
+    strongest = np.argsort(-np.abs(np.nan_to_num(values)), kind="stable")
+    shown, left = np.zeros(count, dtype=bool), cap
+    for centre in np.concatenate([np.flatnonzero(outlined), strongest]):
+        window = np.arange(max(centre - TEXT_WINDOW, 0), min(centre + TEXT_WINDOW + 1, count))
+        new = window[~shown[window]]
+        new = new[np.argsort(np.abs(new - centre), kind="stable")][:left]
+        shown[new] = True
+        left -= len(new)
+        if left == 0:
+            break
+    return shown
+
+
+def _stretches(flags: np.ndarray) -> list[range]:
+    """Runs of consecutive positions with the same flag."""
+    edges = [0, *(np.flatnonzero(flags[1:] != flags[:-1]) + 1).tolist(), len(flags)]
+    return [range(start, stop) for start, stop in zip(edges, edges[1:])]
+
+
+def _gap_html(hidden: range, values: np.ndarray, value_name: str) -> str:
+    """The inline marker standing for hidden tokens: how many and where; their largest |value| on hover."""
+    first, last, peak = hidden.start, hidden.stop - 1, float(np.nanmax(np.abs(values[hidden.start : hidden.stop])))
+    tip = html.escape(f"#{first}–#{last} not shown; largest |{value_name}| there {peak:.3g}", quote=True)
+    return f'<span class="kv-gap" title="{tip}" data-hidden="{len(hidden)}"> ⋯ {len(hidden):,} tokens (#{first}–#{last}) ⋯ </span>'
+
+
+def _token_html(position: int, text: str, value: float, segment: str, value_name: str, limit: float, outlined: bool) -> str:
+    """One token as a coloured span, its position, segment and value in the hover title."""
+    tip = html.escape(f"#{position} {text!r} [{segment}] {value_name} {value:+.4g}", quote=True)
+    return (f'<span class="kv-tok{" kv-field" if outlined else ""}" title="{tip}" data-value="{value:.4g}" '
+            f'style="background:{diverging_colour(value, limit)}">{html.escape(text)}</span>')
 
 
 def token_text_html(
@@ -25,23 +70,32 @@ def token_text_html(
 ) -> str:
     """The context as readable text, line breaks where the context has them, each token's background coloured
     by its value on a robust symmetric scale (red above 0, blue below); position, segment and value show on
-    hover. Tokens whose segment starts with ``highlight`` are outlined. Every string is HTML-escaped."""
+    hover. Tokens whose segment starts with ``highlight`` are outlined. Every string is HTML-escaped. Beyond
+    MAX_TEXT_TOKENS tokens only windows around the field and the strongest values are drawn (see
+    :func:`shown_tokens`), each hidden stretch replaced by a marker with its length and largest |value|."""
     if not len(texts) == len(values) == len(segments):
         raise ValueError(f"got {len(texts)} texts, {len(values)} values and {len(segments)} segments; they must match")
     if not texts:
         raise ValueError("no tokens to draw")
-    limit = robust_limit(np.asarray(values, dtype=np.float64))
-    spans = []
-    for position, (text, value, segment) in enumerate(zip(texts, values, segments)):
-        tip = html.escape(f"#{position} {text!r} [{segment}] {value_name} {value:+.4g}", quote=True)
-        outline = " kv-field" if highlight and segment.startswith(highlight) else ""
-        spans.append(f'<span class="kv-tok{outline}" title="{tip}" data-value="{value:.4g}" '
-                     f'style="background:{diverging_colour(value, limit)}">{html.escape(text)}</span>')
+    array = np.asarray(values, dtype=np.float64)
+    limit = robust_limit(array)
+    outlined = np.array([bool(highlight) and segment.startswith(highlight) for segment in segments])
+    shown = shown_tokens(array, outlined)
+    pieces = []
+    for stretch in _stretches(shown):
+        if not shown[stretch.start]:
+            pieces.append(_gap_html(stretch, array, value_name))
+            continue
+        pieces += [_token_html(p, texts[p], float(array[p]), segments[p], value_name, limit, bool(outlined[p])) for p in stretch]
+    count = int(shown.sum())
+    window = "" if count == len(texts) else (f"; showing {count:,} of {len(texts):,} tokens: the field and the strongest "
+                                             f"values with up to {TEXT_WINDOW} neighbours each")
     legend = (f'<div class="kv-legend">{html.escape(title)} · colour scale ±{limit:.3g} {html.escape(value_name)} '
               '(<span style="background:rgba(214,39,40,.85)">&nbsp;+&nbsp;</span> towards the new decision, '
-              '<span style="background:rgba(31,119,180,.85)">&nbsp;−&nbsp;</span> away; outlined: the field; hover a token for its value)</div>')
-    return (TEXT_CSS + f'<div class="kv-text" data-tokens="{len(texts)}" data-limit="{limit:.4g}">{legend}'
-            f'<div class="kv-body">{"".join(spans)}</div></div>')
+              '<span style="background:rgba(31,119,180,.85)">&nbsp;−&nbsp;</span> away; outlined: the field; hover a token for its value'
+              f'{window})</div>')
+    return (TEXT_CSS + f'<div class="kv-text" data-tokens="{len(texts)}" data-shown="{count}" data-limit="{limit:.4g}">{legend}'
+            f'<div class="kv-body">{"".join(pieces)}</div></div>')
 
 
 TEXT_CSS = """<style>
@@ -49,6 +103,7 @@ TEXT_CSS = """<style>
 .kv-text .kv-body{white-space:pre-wrap;word-break:break-word;max-height:520px;overflow:auto;border:1px solid #d0d7de;border-radius:6px;padding:8px}
 .kv-text .kv-tok{border-radius:3px}
 .kv-text .kv-field{outline:2px solid #6a4c93}
+.kv-text .kv-gap{color:#777;font-style:italic;font-family:sans-serif;font-size:12px}
 .kv-text .kv-legend{font-family:sans-serif;font-size:12px;color:#555;margin-bottom:4px}
 </style>"""
 
@@ -92,6 +147,7 @@ def attention_figure(
         height=map_height(layers),
         margin={"l": 60, "r": 20, "t": 50, "b": 100},
     )
+    mark_fields(figure, runs, segments)
     return figure
 
 
@@ -111,6 +167,7 @@ def _effect_heatmap(effects: np.ndarray, positions: Sequence[int], texts: Sequen
         xaxis={**xaxis, "title": "field and downstream token"}, yaxis_title="layer",
         height=map_height(len(z)), margin={"l": 60, "r": 20, "t": 70, "b": 100},
     )
+    mark_fields(figure, runs, segments)
     return figure, names, runs
 
 
