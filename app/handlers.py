@@ -34,12 +34,14 @@ from engine.scenario import Scenario, Skill, bundled_scenarios, bundled_skills
 from engine.selftest import SelfTestReport
 from engine.strategies import EditSettings
 from engine.support import SupportRow
+from engine.weight_edit import LoraSettings, RomeSettings, compare_edits
 from viz import benchmarks as benchmark_figures, compose as compose_figures, learn, notes as notes_figures
 from viz.cards import strategy_cards_html
 from viz.common import markdown_literal, message_figure
 from viz.decision import decision_figure
 from viz.probes import probe_figure
 from viz.strategies import strategy_figure
+from viz.weights import trade_off_markdown, weight_edit_figure
 
 SAME_LENGTH_NOTE = "The notes map patches position by position: it needs old and new values of the same token length"
 RESULTS_DIR = Path(__file__).parents[1] / "benchmarks" / "results"
@@ -290,6 +292,24 @@ def run_probe(registry: ModelRegistry, spec: str | None, text: str, field: str |
     experiment = _experiment(registry, spec, text, field, new)
     result = ALL_PROBES[name](experiment, progress=progress, **(options or {}))
     return probe_figure(name, result), result.as_dict()
+
+
+@guarded
+def run_weight_edits(registry: ModelRegistry, spec: str | None, text: str, field: str | None, new: str | None,
+                     methods: Sequence[str], lora_steps: int, rome_layer: int | None,
+                     progress: StepProgress = None) -> tuple[go.Figure, str, dict]:
+    """ROME and LoRA beside field_erratum on the Notes tab's edit, measured against the bundled scenarios
+    (``rome_layer`` −1 or None: the layer the notes map points to)."""
+    if not methods:
+        raise AppError("choose at least one method to compare")
+    scenario = parse_scenario(text, registry.profile)
+    others = [Scenario.load(path) for path in bundled_scenarios().values()]
+    layer = number(rome_layer, "ROME layer", -1)
+    layer = None if layer < 0 else layer
+    report = compare_edits(registry.get(spec), scenario, others, field or None, new or None, list(methods),
+                           lora=LoraSettings(steps=number(lora_steps, "LoRA steps", LoraSettings.steps)), rome=RomeSettings(layer=layer),
+                           progress=progress)
+    return weight_edit_figure(report), trade_off_markdown(report), report.as_dict()
 
 
 # ---------------------------------------------------------------------------- composer

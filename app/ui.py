@@ -19,6 +19,7 @@ from engine.budget import bounded
 from engine.registry import ALL_PROBES
 from engine.scenario import bundled_scenarios
 from engine.strategies import STRATEGIES
+from engine.weight_edit import METHODS as WEIGHT_METHODS, LoraSettings
 from viz.common import markdown_literal
 
 MODEL_GROUP = "model"  # every model-bound handler shares one queue group
@@ -294,6 +295,7 @@ def _probes_tab(page: Page, notes: NotesInputs) -> None:
         with gr.Row():
             probe_export = gr.Button("Export JSON + figure", elem_id="export-probe")
             probe_files = gr.File(label="Exported files", file_count="multiple", elem_id="probe-files")
+        _weights_section(page, notes)
 
     @page.action
     def on_probe(model_spec, text, field_name, value, name, find, replacement, method, progress=gr.Progress()):
@@ -303,6 +305,35 @@ def _probes_tab(page: Page, notes: NotesInputs) -> None:
     probe_button.click(on_probe, [page.spec, notes.editor, notes.field, notes.new_value, probe_name, trigger_find, trigger_replace,
                                   attribution_method], [probe_plot, probe_json], api_name="probe", **page.model_bound())
     probe_export.click(_exporter(page, "kvscope-probe"), [probe_json, probe_plot], probe_files, api_name="export_probe", concurrency_limit=None)
+
+
+def _weights_section(page: Page, notes: NotesInputs) -> None:
+    """Weight editing (ROME, LoRA) beside the erratum on the Notes tab's edit."""
+    with gr.Accordion("Cache editing vs weight editing (ROME, LoRA, field_erratum)", open=True, elem_id="weights-section"):
+        gr.Markdown(
+            "Makes the model give the new-value decision for the old-value context by editing **weights** (on a private copy: "
+            "the shared model never changes) or by appending an **erratum** to this request's cache, then measures each on the "
+            "edited request (efficacy), the same case for three other customers (contamination) and every other bundled "
+            "scenario (collateral). Weight edits train for seconds to minutes on a CPU."
+        )
+        with gr.Row():
+            methods = LenientCheckboxGroup(list(WEIGHT_METHODS), value=list(WEIGHT_METHODS), label="methods", elem_id="weights-methods")
+            lora_steps = LenientSlider(1, 60, value=LoraSettings.steps, step=1, label="LoRA steps (stops once flipped)", elem_id="weights-lora-steps")
+            layers = page.registry.get().model.config.get_text_config().num_hidden_layers
+            rome_layer = LenientSlider(-1, layers - 1, value=-1, step=1, label="ROME layer (-1: from the notes map)", elem_id="weights-rome-layer")
+            weights_button = gr.Button("Compare edits", variant="primary", elem_id="run-weights")
+        weights_summary = gr.Markdown(elem_id="weights-summary")
+        weights_plot = gr.Plot(label="Weight editing vs erratum", elem_id="weights-plot")
+        weights_json = gr.JSON(label="Comparison", elem_id="weights-json")
+
+    @page.action
+    def on_weights(model_spec, text, field_name, value, chosen, steps, layer, progress=gr.Progress()):
+        figure, summary, data = handlers.run_weight_edits(page.registry, model_spec, text, field_name, value, chosen, steps, layer,
+                                                          progress=_progress_callback(progress))
+        return summary, figure, data
+
+    weights_button.click(on_weights, [page.spec, notes.editor, notes.field, notes.new_value, methods, lora_steps, rome_layer],
+                         [weights_summary, weights_plot, weights_json], api_name="weights", **page.model_bound())
 
 
 def _composer_tab(page: Page) -> None:

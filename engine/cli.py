@@ -1,4 +1,4 @@
-"""Headless CLI: ``python -m engine info|selftest|support|decide|edit|calibrate|probe|compose|agent|keystone|memory``.
+"""Headless CLI: ``python -m engine info|selftest|support|decide|edit|calibrate|probe|compose|agent|keystone|memory|weights``.
 
 With ``--json`` exactly one JSON object goes to stdout (an ``{"error": ...}`` object and exit code 2 on
 bad input); logs and progress go to stderr.
@@ -29,6 +29,7 @@ from engine.skills import SkillStore
 from engine.strategies import STRATEGIES, EditSettings, check_names
 from engine.support import OPERATIONS, TOLERANCE, check_model, markdown_table, support_matrix
 from engine.tiny import HYBRID_ARCHS, TINY_ARCHS
+from engine.weight_edit import METHODS as WEIGHT_METHODS, LoraSettings, RomeSettings, compare_edits
 
 
 def _log(message: str) -> None:
@@ -201,6 +202,19 @@ def cmd_memory(args: argparse.Namespace) -> dict:
     return {"model": lm.fingerprint.name, **memory_placement(lm, scenario, _store(), skill_id=args.memory_skill, seam=args.seam).as_dict()}
 
 
+def cmd_weights(args: argparse.Namespace) -> dict:
+    """Weight editing (ROME, LoRA) beside field_erratum on one edit: efficacy, contamination, collateral, cost."""
+    scenario = Scenario.load(args.scenario)
+    paths = [p.strip() for p in args.others.split(",") if p.strip()] if args.others else list(bundled_scenarios().values())
+    others = [Scenario.load(path) for path in paths]
+    lora = LoraSettings(rank=args.lora_rank, steps=args.lora_steps, lr=args.lora_lr, modules=tuple(m.strip() for m in args.lora_modules.split(",") if m.strip()))
+    rome = RomeSettings(layer=args.rome_layer, steps=args.rome_steps)
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    lm = _load(args)
+    report = compare_edits(lm, scenario, others, field_name=args.field, new=args.new, methods=methods, lora=lora, rome=rome, progress=_progress("steps"))
+    return report.as_dict()
+
+
 def _progress(unit: str) -> StepProgress:
     return lambda done, total: _log(f"{unit}: {done}/{total}")
 
@@ -217,6 +231,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], dict]] = {
     "agent": cmd_agent,
     "keystone": cmd_keystone,
     "memory": cmd_memory,
+    "weights": cmd_weights,
 }
 
 
@@ -274,6 +289,18 @@ def build_parser() -> argparse.ArgumentParser:
             sub.set_defaults(topk=8, ranking="causal", cot_tokens=24, erratum=None)
         if name == "memory":
             sub.add_argument("--memory-skill", default="user_memory", help="the memory skill id")
+        if name == "weights":
+            sub.add_argument("--scenario", required=True, help="scenario TOML file")
+            sub.add_argument("--field", help="field to change (default: the first)")
+            sub.add_argument("--new", help="new value (default: the field's `new`)")
+            sub.add_argument("--methods", default=",".join(WEIGHT_METHODS), help=f"comma-separated subset of: {', '.join(WEIGHT_METHODS)}")
+            sub.add_argument("--lora-rank", type=int, default=LoraSettings.rank, help="LoRA rank")
+            sub.add_argument("--lora-steps", type=int, default=LoraSettings.steps, help="LoRA optimisation steps (stops early once flipped)")
+            sub.add_argument("--lora-lr", type=float, default=LoraSettings.lr, help="LoRA learning rate")
+            sub.add_argument("--lora-modules", default=",".join(LoraSettings.modules), help="linear modules LoRA wraps, by name")
+            sub.add_argument("--rome-layer", type=int, help="MLP layer ROME edits (default: just before the notes map's strongest layer)")
+            sub.add_argument("--rome-steps", type=int, default=RomeSettings.steps, help="ROME value optimisation steps")
+            sub.add_argument("--others", help="comma-separated scenario files for collateral (default: every bundled scenario)")
         if name == "calibrate":
             sub.add_argument("scenarios", nargs="*", help="scenario files or directories (default: the bundled demos)")
             sub.add_argument("--threshold", type=float, default=FLIP_THRESHOLD, help="minimum |Δmargin| that counts as a flip")

@@ -154,3 +154,25 @@ def test_error_toasts_show_markup_as_text(page):
     assert page.locator(".toast-body b, [data-testid='toast-body'] b").count() == 0
     assert page.locator("#scenario-description b").count() == 0, "the description's warning shows the markup as text"
     _shot(page, "toast-escaped")
+
+
+def test_lenient_inputs_render_with_their_parents_frontends(page):
+    """Subclassed Gradio inputs draw with CheckboxGroup's and Slider's own frontends (not an empty slot)."""
+    page.get_by_role("tab", name="Notes").click()
+    page.locator("#top-k input[type=range]").wait_for(timeout=60_000)
+    assert page.locator("#strategies input[type=checkbox]").count() > 3
+    page.get_by_role("tab", name="Composer").click()
+    page.locator("#seam input[type=range]").wait_for(timeout=60_000)
+    assert page.locator("#blend input[type=range]").count() == 1
+
+
+def test_weights_panel_compares_rome_and_the_erratum(page):
+    page.get_by_role("tab", name="Probes").click()
+    page.locator("#weights-methods").get_by_label("lora", exact=True).uncheck()
+    page.locator("#run-weights").click()
+    summary = page.locator("#weights-summary")
+    summary.get_by_text("other customers now get the new decision").first.wait_for(timeout=180_000)
+    text = summary.inner_text()
+    assert "field_erratum" in text and "rome" in text and "Paper (Llama-3.1-8B)" in text
+    assert page.locator("#weights-plot .main-svg").count() > 0
+    _shot(page, "weights-panel")

@@ -187,3 +187,16 @@ def test_a_failed_selftest_locks_splicing(registry, monkeypatch):
     monkeypatch.setattr(registry, "selftest", lambda spec=None: report)
     with pytest.raises(AppError, match="splicing stays locked on this model: its cache self-test failed"):
         handlers.run_compose(registry, None, ["account_gate"], "", "", None, seam=1)
+
+
+def test_weight_edits_panel_states_the_trade_off_from_the_numbers(registry):
+    figure, summary, data = handlers.run_weight_edits(registry, None, SCENARIO, "order_status", "pending", ["field_erratum", "rome"], 3, 1)
+    assert set(data["methods"]) == {"field_erratum", "rome"}
+    erratum = data["methods"]["field_erratum"]
+    others = len(data["probes"]["others"])
+    assert f"0/3 other customers now get the new decision; 0/{others} unrelated decisions changed" in summary
+    assert "Paper (Llama-3.1-8B)" in summary and "**rome**" in summary
+    assert [trace.name for trace in figure.data][:3] == ["efficacy (recovery)", "contamination (other customers flipped)", "collateral (unrelated decisions moved)"]
+    assert list(figure.data[1].y) == [erratum["contamination"], data["methods"]["rome"]["contamination"]]
+    with pytest.raises(AppError, match="choose at least one method"):
+        handlers.run_weight_edits(registry, None, SCENARIO, "order_status", "pending", [], 3, None)
