@@ -1,6 +1,6 @@
 """Cache editing vs weight editing over the flipping demos: ROME, LoRA and field_erratum, measured in one run each.
 
-    python -m benchmarks.weight_edit [--model embedded] [--scenarios a,b,...] [--methods rome,lora,field_erratum]
+    python -m benchmarks.weight_edit [--model embedded] [--scenarios a,b,...] [--methods rome,lora,field_erratum] [--collateral 6]
 
 For every scenario whose clean prefill changes the decision (stale label ≠ oracle label; the others are listed
 as skipped), ``engine.weight_edit.compare_edits`` runs each method on the same edit: efficacy (recovery on the
@@ -43,6 +43,7 @@ def main() -> None:
     parser = common.parser(__doc__)
     parser.add_argument("--scenarios", help="comma-separated bundled scenario names (default: every demo but the controls)")
     parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--collateral", type=int, default=6, help="unrelated scenarios read per edit (all: 0); each costs 4 reads")
     args = parser.parse_args()
     lm = common.load(args)
     bundled = {name: Scenario.load(path) for name, path in bundled_scenarios().items()}
@@ -54,12 +55,13 @@ def main() -> None:
         if experiment.stale.decision.label == experiment.oracle.decision.label:
             skipped.append({"scenario": name, "reason": f"the clean prefill keeps {experiment.stale.decision.label}: no flip to edit"})
             continue
-        report = compare_edits(lm, bundled[name], list(bundled.values()), methods=methods)
+        others = [scenario for other, scenario in bundled.items() if other != name]
+        report = compare_edits(lm, bundled[name], others[: args.collateral or None], methods=methods)
         first = first or report
         rows.append({"scenario": name, **report.as_dict()})
         print(f"{name:>24}: " + "; ".join(f"{m} eff {o.efficacy} cont {o.contamination:.2f} coll {o.collateral:.2f} "
                                           f"{o.edit_ms / 1000:.1f} s" for m, o in report.methods.items()))
-    result = {"methods": methods, "summary": _summary(rows, methods), "rows": rows, "skipped": skipped,
+    result = {"methods": methods, "collateral_scenarios": args.collateral or "all", "summary": _summary(rows, methods), "rows": rows, "skipped": skipped,
               "paper": {"model": "Llama-3.1-8B", "rome": {"edit_s": 5.6, "setup_s": 11.6, "contamination": 1.0, "collateral": 0.5},
                         "lora": {"edit_s": 3.1, "contamination": 1.0, "collateral": 0.5},
                         "field_erratum": {"edit_ms": 114, "contamination": 0.0}}}

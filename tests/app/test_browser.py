@@ -174,5 +174,5 @@ def test_weights_panel_compares_rome_and_the_erratum(page):
     summary.get_by_text("other customers now get the new decision").first.wait_for(timeout=180_000)
     text = summary.inner_text()
     assert "field_erratum" in text and "rome" in text and "Paper (Llama-3.1-8B)" in text
-    assert page.locator("#weights-plot .main-svg").count() > 0
+    page.locator("#weights-plot .main-svg").first.wait_for(timeout=60_000)
     _shot(page, "weights-panel")

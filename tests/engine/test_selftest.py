@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from engine.notebook import Notebook
-from engine.rope import Rotary
+from engine import rope
+from engine.rope import RotaryTable
 from engine.selftest import NOISE_FACTOR, run_selftest
 from engine.tiny import tiny_model
 
@@ -14,12 +15,12 @@ DTYPES = (torch.float32, torch.bfloat16)
 VARIANTS = ("llama", "qwen3", "gemma2", "phi", "yarn")
 
 
-def _wrong_base_tables(self: Rotary, deltas: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin of a rotary base of 500 (the tiny models use 10,000 or more), in the module's channel layout."""
-    inverse = 1.0 / 500.0 ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float32, device=device) / self.rotary_dim)
-    angles = deltas.to(device).float()[:, None] * inverse
-    angles = angles.repeat_interleave(2, dim=-1) if self.interleaved else torch.cat((angles, angles), dim=-1)
-    return angles.cos(), angles.sin()
+def _wrong_base_tables(module: torch.nn.Module, positions: torch.Tensor, layer_type: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin of a rotary base of 500 (the tiny models use 10,000 or more), half-split like llama's and phi's."""
+    dim = 2 * module.inv_freq.numel()
+    inverse = 1.0 / 500.0 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    angles = positions.float()[:, None] * inverse
+    return torch.cat((angles, angles), dim=-1).cos(), torch.cat((angles, angles), dim=-1).sin()
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -42,8 +43,8 @@ def test_selftest_passes_in_both_dtypes_with_limits_from_measured_noise(arch, dt
 @pytest.mark.parametrize("arch", ("llama", "phi"))
 def test_selftest_fails_for_an_off_by_one_position_delta(arch, dtype, monkeypatch):
     lm = tiny_model(arch, dtype=dtype)
-    rotate = Rotary.rotate
-    monkeypatch.setattr(Rotary, "rotate", lambda self, keys, deltas: rotate(self, keys, deltas + 1))
+    rotate = RotaryTable.rotate
+    monkeypatch.setattr(RotaryTable, "rotate", lambda self, keys, deltas: rotate(self, keys, deltas + 1))
     report = run_selftest(lm)
     assert not report.ok
     failed = {check.name for check in report.failed}
@@ -56,7 +57,7 @@ def test_selftest_fails_for_an_off_by_one_position_delta(arch, dtype, monkeypatc
 @pytest.mark.parametrize("arch", ("llama", "phi"))
 def test_selftest_fails_for_a_wrong_rotary_base(arch, dtype, monkeypatch):
     lm = tiny_model(arch, dtype=dtype)
-    monkeypatch.setattr(Rotary, "_cos_sin", _wrong_base_tables)
+    monkeypatch.setattr(rope, "_unscaled_tables", _wrong_base_tables)
     report = run_selftest(lm)
     assert not report.ok
     assert "reposition" in {check.name for check in report.failed}
