@@ -159,7 +159,8 @@ def install(model: PreTrainedModel) -> None:
         return
     check_per_token_cache(model)
     original = model.config._attn_implementation or "eager"
-    for config in (model.config, *(getattr(model.config, name) for name in getattr(model.config, "sub_configs", {}))):
+    sub_configs = (getattr(model.config, name, None) for name in getattr(model.config, "sub_configs", {}))
+    for config in (model.config, *(sub for sub in sub_configs if sub is not None)):
         config._kvscope_use_sdpa = original == "sdpa"  # every sub-model (text, vision) reads its own config
         setattr(config, _ORIGINAL_IMPLEMENTATION, original)
     model.set_attn_implementation(ATTENTION_NAME)

@@ -279,14 +279,16 @@ def strongest_layer(experiment: EditExperiment) -> int:
     return max(int(per_layer.argmax()) - 1, 0)
 
 
-_COVARIANCES: dict[tuple[str, str, int], tuple[torch.Tensor, float, int]] = {}
+_COVARIANCES: OrderedDict[tuple[str, str, int], tuple[torch.Tensor, float, int]] = OrderedDict()
+KEPT_COVARIANCES = 2  # each is in_features² floats (95 MB for the embedded model): the latest ones only
 
 
 def key_moment(lm: LoadedModel, name: str, tokens: int, progress: StepProgress = None) -> tuple[torch.Tensor, float, int]:
-    """E[k kᵀ] of the projection's inputs over the bundled corpus (computed once per model, layer and size);
-    returns (moment, ms, tokens used)."""
+    """E[k kᵀ] of the projection's inputs over the bundled corpus (computed once per model, layer and size; the
+    latest ``KEPT_COVARIANCES`` kept); returns (moment, ms, tokens used)."""
     key = (lm.fingerprint.name + lm.fingerprint.config_hash + lm.fingerprint.dtype, name, tokens)
     if key in _COVARIANCES:
+        _COVARIANCES.move_to_end(key)
         return _COVARIANCES[key]
     started = time.perf_counter()
     ids = lm.tokenizer(CORPUS.read_text(), add_special_tokens=False).input_ids[:tokens]
@@ -301,6 +303,8 @@ def key_moment(lm: LoadedModel, name: str, tokens: int, progress: StepProgress =
         tick()
     result = (recorder.moment / max(recorder.count, 1), round((time.perf_counter() - started) * 1000, 1), recorder.count)
     _COVARIANCES[key] = result
+    while len(_COVARIANCES) > KEPT_COVARIANCES:
+        _COVARIANCES.popitem(last=False)
     return result
 
 

@@ -141,3 +141,11 @@ def test_cli_weights_json(tmp_path, capsys):
     assert code == 0 and set(result["methods"]) == {"field_erratum", "rome"}
     assert {"efficacy", "contamination", "collateral", "collateral_mean_abs_delta", "edit_ms", "setup_ms", "memory_bytes"} <= set(result["methods"]["rome"])
     assert {"model", "scenario", "field", "old", "new"} <= set(result) and len(result["probes"]["others"]) == 2
+
+
+def test_key_covariances_are_bounded_and_symmetric(lm):
+    from engine import weight_edit
+
+    moments = [weight_edit.key_moment(lm, down_projection(lm, layer), 64)[0] for layer in range(3)]
+    assert len(weight_edit._COVARIANCES) <= weight_edit.KEPT_COVARIANCES
+    assert all(torch.allclose(m, m.T) and float(torch.linalg.eigvalsh(m).min()) > -1e-5 for m in moments)
