@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from engine import weight_edit
 from engine.cli import main
 from engine.experiment import EditExperiment
 from engine.runs import run_scenario
@@ -144,8 +145,6 @@ def test_cli_weights_json(tmp_path, capsys):
 
 
 def test_key_covariances_are_bounded_and_symmetric(lm):
-    from engine import weight_edit
-
     moments = [weight_edit.key_moment(lm, down_projection(lm, layer), 64)[0] for layer in range(3)]
     assert len(weight_edit._COVARIANCES) <= weight_edit.KEPT_COVARIANCES
     assert all(torch.allclose(m, m.T) and float(torch.linalg.eigvalsh(m).min()) > -1e-5 for m in moments)
