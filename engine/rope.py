@@ -185,10 +185,6 @@ class Rotary:
         table = self.tables[layer]
         return tensor if table is None else table.rotate(tensor, deltas)
 
-    def positional(self, keys: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """The per-layer tensors that carry position (the keys, or the latent layout's rope keys)."""
-        return values if self.slot == VALUES else keys
-
     def position_free(self, keys: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """The per-layer tensors that never change when a token moves (the values, or the latents)."""
         return keys if self.slot == VALUES else values

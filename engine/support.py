@@ -47,11 +47,6 @@ class Verdict:
     max_error: float | None = None
     reason: str | None = None
 
-    @property
-    def exact(self) -> bool:
-        """Supported and within :data:`TOLERANCE` (the self-test uses its own noise-derived limits)."""
-        return self.supported and (self.max_error is None or self.max_error <= TOLERANCE)
-
 
 @dataclass(frozen=True)
 class SupportRow:
@@ -205,11 +200,6 @@ def support_matrix(archs: tuple[str, ...] = TINY_ARCHS + HYBRID_ARCHS, progress:
             progress(f"{arch} ({index + 1}/{len(archs)})")
         rows.append(check_model(tiny_model(arch), FAMILIES[arch]))
     return rows
-
-
-def family_row(model_type: str, rows: list[SupportRow]) -> SupportRow | None:
-    """The tiny family row standing for a loaded model of this ``model_type`` (None when no family matches)."""
-    return next((row for row in rows if row.model_type == model_type), None)
 
 
 def _cell(verdict: Verdict) -> str:

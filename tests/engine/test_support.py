@@ -10,7 +10,7 @@ from engine.cli import main
 from engine.models import load_model
 from engine.notebook import Knockout, Notebook
 from engine.rope import KEYS, VALUES, Rotary
-from engine.support import OPERATIONS, TOLERANCE, check_model, family_row, markdown_table, support_matrix
+from engine.support import OPERATIONS, TOLERANCE, check_model, markdown_table, support_matrix
 from engine.tiny import FAMILIES, HYBRID_ARCHS, TINY_ARCHS, make_tiny_model_dir, tiny_model
 
 MOVING = ("move keys", "splice", "seam repair")
@@ -50,12 +50,6 @@ def test_markdown_table_has_a_row_per_family_and_numbered_reasons(matrix):
     assert lines[0].count("|") == len(OPERATIONS) + 2
     assert sum(line.startswith("| ") for line in lines[2:]) == len(matrix)
     assert "refused [1]" in table and "\n1. " in table and "chunked attention" in table
-
-
-def test_family_row_finds_the_tiny_stand_in(matrix):
-    rows = list(matrix.values())
-    assert family_row("deepseek_v3", rows).model == "tiny-deepseek_v3"
-    assert family_row("no_such_family", rows) is None
 
 
 def _ids(count, seed=0):
