@@ -20,7 +20,18 @@ from app.state import ExportFolder, ModelRegistry, SessionStore, process_rss_byt
 from engine.adapter import cache_layout
 from engine.agent import run_agent
 from engine.analysis import analyse_edit
-from engine.compose import Fidelity, compare, compose_scenario, skill_of_length
+from engine.compose import (
+    DEFAULT_REMEDY,
+    PLACEMENTS,
+    Fidelity,
+    Remedy,
+    adhoc_scenario,
+    compare,
+    compose_scenario,
+    skill_of_length,
+)
+from engine.compose_study import run_study, skill_prefixes
+from engine.decision import DECISIVE_MARGIN
 from engine.errors import KVScopeError
 from engine.experiment import EditExperiment
 from engine.frontier import probe_frontier
@@ -337,22 +348,52 @@ class ComposeView:
     summary: dict
 
 
+def remedy_info() -> str:
+    """What the default remedy costs and buys, from the stored N-skill study when there is one (plain text)."""
+    grammar = ("Parts joined by +: prefix (compile after the scenario's system prompt), seam:N, aggregators, deviation:F, causal:F "
+               "(the last two rank against the full recompute: diagnostics).")
+    stored = sorted(RESULTS_DIR.glob("compose_many-*.json"))
+    row = json.loads(stored[0].read_text())["summary"].get(DEFAULT_REMEDY.name) if stored else None
+    if not row:
+        return f"Default {DEFAULT_REMEDY.name}. {grammar}"
+    return (f"Default {DEFAULT_REMEDY.name}: in the stored N-skill study ({stored[0].stem}) it agrees on {row['agree_decisive']} of "
+            f"{row['decisive']} decisive cases, recomputes {row['recomputed_fraction']:.1%} of skill tokens, TTFT ×{row['speedup']['median']:.2f} "
+            f"vs a full recompute (median). {grammar}")
+
+
+def remedy_of(text: str | None) -> Remedy:
+    """The composer's remedy choice (a spec such as ``prefix+seam:1``); empty means the default."""
+    if text is not None and not isinstance(text, str):
+        raise AppError(f"the remedy must be a spec such as prefix+seam:1 (parts joined by +), got {text!r}")
+    return Remedy.parse(text.strip()) if text and text.strip() else DEFAULT_REMEDY
+
+
+def decision_words(fidelity: Fidelity) -> str:
+    """Agreement of the spliced decision with the recomputed one, ties named as such (Markdown)."""
+    labels = f"{markdown_literal(fidelity.spliced.label)} vs {markdown_literal(fidelity.recomputed.label)}"
+    error = f"margin error {fidelity.match.margin_error:+.3f}"
+    if fidelity.match.agree is None:
+        return f"**decision** the recomputed margin {fidelity.recomputed.margin:+.3f} is a tie ({labels}, {error})"
+    return f"**decision** {'agrees' if fidelity.match.agree else 'differs'} ({labels}, {error})"
+
+
 @guarded
 def run_compose(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[str], before: str, between: str,
-                after_scenario: str | None, seam: int, blend: float = 0.0) -> ComposeView:
-    """Splice the composed skills and compare with a full recompute."""
+                after_scenario: str | None, remedy: str | None = None) -> ComposeView:
+    """Splice the composed skills (repaired by ``remedy``) and compare with a full recompute."""
     lm = registry.get(spec)
     splicing_unlocked(registry, spec)
     scenario = composed_scenario(skill_ids, before, between, after_scenario, registry.profile)
-    fidelity: Fidelity = compare(lm, scenario, registry.skills(spec), seam=number(seam, "seam", 1), blend=number(blend, "blend", 0.0, float), references=registry.references(spec))
+    fidelity: Fidelity = compare(lm, scenario, registry.skills(spec), remedy=remedy_of(remedy), references=registry.references(spec))
     data = fidelity.as_dict()
+    ranked = "; ranked against the full recompute, so no TTFT saving in deployment" if fidelity.remedy.needs_reference else ""
     metrics = (
         f"**cosine** {data['cosine']:.4f} · **KL** {data['kl']:.4f} · **top-1** {'agree' if data['top1_agree'] else 'differ'} · "
-        f"**top-5 overlap** {data['top5_agree']:.0%} · **decision** {'agrees' if data['decision_agree'] else 'differs'} "
-        f"({markdown_literal(fidelity.spliced.label)} vs {markdown_literal(fidelity.recomputed.label)})  \n"
+        f"**top-5 overlap** {data['top5_agree']:.0%} · {decision_words(fidelity)}  \n"
         f"**TTFT** splice {data['ttft_ms']['splice']:.0f} ms vs full {data['ttft_ms']['full']:.0f} ms (×{data['speedup']}"
         f"{'; full recompute reused from an earlier comparison of this context' if fidelity.reference_reused else ''}) · "
-        f"{data['skill_tokens']} of {data['context_tokens']} context tokens spliced, seam {data['seam']}"
+        f"{data['skill_tokens']} of {data['context_tokens']} context tokens spliced; remedy {markdown_literal(fidelity.remedy.name)} "
+        f"recomputed {data['recomputed_tokens']} of them ({data['recomputed_fraction']:.1%}){ranked}"
     )
     decode = lambda token: lm.tokenizer.decode([token])  # noqa: E731
     return ComposeView(
@@ -365,18 +406,55 @@ def run_compose(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[s
 
 @guarded
 def run_keystone(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[str], before: str, between: str,
-                 after_scenario: str | None, seam: int, progress: StepProgress = None) -> tuple[go.Figure, dict]:
+                 after_scenario: str | None, remedy: str | None = None, progress: StepProgress = None) -> tuple[go.Figure, dict]:
     """Edit the field inside a spliced skill: composed vs recomputed per strategy."""
     lm = registry.get(spec)
     splicing_unlocked(registry, spec)
     scenario = composed_scenario(skill_ids, before, between, after_scenario, registry.profile)
-    report = keystone(lm, scenario, registry.skills(spec), seam=number(seam, "seam", 1), progress=progress)
+    report = keystone(lm, scenario, registry.skills(spec), remedy=remedy_of(remedy), progress=progress)
     return compose_figures.keystone_figure(report), report.as_dict()
 
 
 @guarded
+def run_composition_study(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[str], after_scenario: str | None,
+                          placements: Sequence[str], remedies: Sequence[str], progress: StepProgress = None) -> tuple[go.Figure, str, dict]:
+    """The N-skill study on this composition: the first 1..N skills (in the composer's order) at each placement
+    in the scenario, both values of its first field, every remedy; tie-aware summary and the remedy frontier."""
+    lm = registry.get(spec)
+    splicing_unlocked(registry, spec)
+    if not skill_ids:
+        raise AppError("place at least one skill in the context (drag one from the library)")
+    if not remedies:
+        raise AppError("choose at least one remedy to compare")
+    unknown = [p for p in placements or () if p not in PLACEMENTS]
+    if unknown or not placements:
+        raise AppError(f"placements must be chosen among {', '.join(PLACEMENTS)}, got {list(placements or [])}")
+    base = parse_scenario(bundled_scenario_text(after_scenario)) if after_scenario else adhoc_scenario([])
+    field = next(iter(base.fields.values()), None)
+    values = [{field.name: field.old}, {field.name: field.new}] if field else [{}]
+    study = run_study(lm, base, skill_prefixes(list(skill_ids)), registry.skills(spec), remedies=[remedy_of(r) for r in dict.fromkeys(remedies)],
+                      placements=list(dict.fromkeys(placements)), values=values, library=bundled_skills(), progress=progress)
+    data = {"model": lm.fingerprint.name, **study.as_dict()}
+    return compose_figures.study_figure(data), study_markdown(data), data
+
+
+def study_markdown(data: dict) -> str:
+    """One line per remedy: agreement on decisive cases, ties, margin error, recompute share, TTFT (Markdown)."""
+    count = len(data["cases"])
+    lines = [f"**{count} composed prompt{'' if count == 1 else 's'}**; agreement counts only cases whose recomputed |margin| ≥ {DECISIVE_MARGIN}."]
+    for name, row in data["summary"].items():
+        agreement = f"{row['agree_decisive']}/{row['decisive']} decisive agree" if row["decisive"] else "no decisive case"
+        lines.append(f"- {markdown_literal(name)}: {agreement}, {row['ties']} ties · mean |margin error| {row['mean_abs_margin_error']:.3f} · "
+                     f"median cosine {row['cosine']['median']:.4f} · recomputes {row['recomputed_fraction']:.1%} of skill tokens · "
+                     f"TTFT ×{row['speedup']['median']:.2f}" + (" (ranked against the full recompute: diagnostic)" if row["needs_reference"] else ""))
+    best = data.get("best")
+    lines.append(f"**Best deployable here:** {markdown_literal(best)}" if best else "**No deployable remedy agrees on every decisive case here.**")
+    return "\n".join(lines)
+
+
+@guarded
 def run_agent_loop(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[str], before: str, between: str,
-                   after_scenario: str | None, seam: int, turns: int, toggle: bool, policy: str = "adaptive",
+                   after_scenario: str | None, remedy: str | None, turns: int, toggle: bool, policy: str = "adaptive",
                    progress: StepProgress = None) -> tuple[go.Figure, dict]:
     """Multi-turn episode with errata on a cached, composed context (compacted by ``policy``), against the
     clean-state prefill and the identical-token re-prefill every turn."""
@@ -385,7 +463,7 @@ def run_agent_loop(registry: ModelRegistry, spec: str | None, skill_ids: Sequenc
     lm = registry.get(spec)
     splicing_unlocked(registry, spec)
     scenario = composed_scenario(skill_ids, before, between, after_scenario, registry.profile)
-    report = run_agent(lm, scenario, registry.skills(spec), turns=turns, toggle=bool(toggle), seam=number(seam, "seam", 1),
+    report = run_agent(lm, scenario, registry.skills(spec), turns=turns, toggle=bool(toggle), remedy=remedy_of(remedy),
                        policy=policy or "never", progress=progress)
     return compose_figures.agent_figure(report), report.as_dict()
 
@@ -405,6 +483,7 @@ def benchmark_figures_for(results: dict[str, dict]) -> list[go.Figure]:
         "serving": benchmark_figures.serving_figure,
         "agent": benchmark_figures.agent_policy_figure,
         "soak": benchmark_figures.soak_figure,
+        "compose_many": compose_figures.study_figure,
     }
     figures = []
     for stem, data in results.items():
@@ -424,7 +503,7 @@ def quick_ttft(registry: ModelRegistry, spec: str | None, lengths: Sequence[int]
     for index, length in enumerate(lengths):
         skill = skill_of_length(lm, policy, length)
         placed = dataclasses.replace(scenario, context=f"{{skill:{skill.id}}}\n\n{scenario.context}", skills={skill.id: skill})
-        data = compare(lm, placed, registry.skills(spec), seam=1).as_dict()
+        data = compare(lm, placed, registry.skills(spec)).as_dict()
         rows.append({"skill_tokens": data["skill_tokens"], "full_ms": data["ttft_ms"]["full"], "splice_ms": data["ttft_ms"]["splice"],
                      "speedup": data["speedup"], "cosine": data["cosine"]})
         if progress:

@@ -16,12 +16,16 @@ from app.inputs import LenientCheckboxGroup, LenientSlider
 from app.state import ExportFolder, ModelRegistry, SessionStore
 from engine.analysis import DEFAULT_STRATEGIES
 from engine.budget import bounded
+from engine.compose import DEFAULT_REMEDY, PLACEMENTS
+from engine.compose_study import REMEDIES as STUDY_REMEDIES
+from engine.decision import DECISIVE_MARGIN
 from engine.registry import ALL_PROBES
 from engine.scenario import bundled_scenarios
 from engine.strategies import STRATEGIES
 from engine.weight_edit import METHODS as WEIGHT_METHODS, LoraSettings
 from viz.common import markdown_literal
 
+KEYSTONE_DEMO = "keystone_safety"  # a scenario whose deciding field lives inside a spliced skill
 MODEL_GROUP = "model"  # every model-bound handler shares one queue group
 
 INTRO = """# KVScope
@@ -39,7 +43,8 @@ LEARN_STEPS = (
     ("3 · The erratum", "Append one salient line — `[STATE UPDATE] field -> new; overrides any earlier value and conclusion` — "
      "instead of touching the prefix. It is append-only, so a server's prefix cache stays valid."),
     ("4 · Splicing skills", "Compute a skill's K/V once, rotate its keys to new positions (values carry no position), splice it "
-     "into a context and recompute one boundary token (seam). Compare with a full recompute."),
+     "into a context and recompute one boundary token (seam); the skill is compiled after the scenario's own system prompt. "
+     "Compare with a full recompute."),
 )
 
 
@@ -346,8 +351,8 @@ def _composer_tab(page: Page) -> None:
             between = gr.Textbox(label="Text between skills", lines=2, elem_id="text-between")
             after = gr.Dropdown([""] + scenario_names, value="", label="Then a scenario (question and answers)", elem_id="after-scenario")
         with gr.Row():
-            seam = LenientSlider(0, 32, value=1, step=1, label="Seam repair (tokens)", elem_id="seam")
-            blend = LenientSlider(0, 1, value=0, step=0.05, label="CacheBlend-style recompute fraction", elem_id="blend")
+            remedy = gr.Dropdown(list(dict.fromkeys([DEFAULT_REMEDY.name, *STUDY_REMEDIES])), value=DEFAULT_REMEDY.name, allow_custom_value=True,
+                                 label="Repair of the spliced skills", info=handlers.remedy_info(), elem_id="remedy")
             compose_button = gr.Button("Splice vs recompute", variant="primary", elem_id="run-compose")
         compose_metrics = gr.Markdown(elem_id="compose-metrics")
         with gr.Row():
@@ -358,10 +363,24 @@ def _composer_tab(page: Page) -> None:
             turns = LenientSlider(1, most, value=min(10, most), step=1, label="Agent turns")
             toggle = gr.Checkbox(value=False, label="Toggle the field every turn (drift stress test)")
             policy = gr.Dropdown(["never", "every:4", "adaptive"], value="adaptive", label="Erratum compaction", elem_id="agent-policy")
+            keystone_demo = gr.Button("Load the keystone demo", elem_id="keystone-demo")
             keystone_button = gr.Button("Keystone: edit the field inside a spliced skill", elem_id="run-keystone")
             agent_button = gr.Button("Agent loop: errata on a cached context", elem_id="run-agent")
         loop_plot = gr.Plot(label="Keystone / agent", elem_id="loop-plot")
         compose_json = gr.JSON(label="Result", elem_id="compose-json")
+        with gr.Accordion("Many skills at once: the N-skill study on this composition", open=False, elem_id="study-panel"):
+            gr.Markdown("The first 1, 2 … N skills of the context above (in its order) placed in the chosen scenario, at each "
+                        "placement, for both values of its first field; each recomputed once and spliced with every remedy. "
+                        f"Agreement counts only decisive cases (recomputed |margin| ≥ {DECISIVE_MARGIN}); ties are reported apart. "
+                        "Text before/between skills is not used here.")
+            with gr.Row():
+                placements = LenientCheckboxGroup(list(PLACEMENTS), value=["start"], label="placements", elem_id="study-placements")
+                study_remedies = LenientCheckboxGroup(list(STUDY_REMEDIES), value=list(STUDY_REMEDIES[:3]), label="remedies",
+                                                      elem_id="study-remedies")
+                study_button = gr.Button("Run the study", elem_id="run-study")
+            study_summary = gr.Markdown(elem_id="study-summary")
+            study_plot = gr.Plot(label="Remedy frontier", elem_id="study-plot")
+            study_json = gr.JSON(label="Study", elem_id="study-json")
         with gr.Row():
             compose_export = gr.Button("Export JSON + figures", elem_id="export-compose")
             compose_files = gr.File(label="Exported files", file_count="multiple", elem_id="compose-files")
@@ -369,29 +388,38 @@ def _composer_tab(page: Page) -> None:
     composition = [composer, before, between, after]
 
     @page.action
-    def on_compose(model_spec, skill_ids, text_before, text_between, after_name, seam_tokens, blend_fraction):
-        view = handlers.run_compose(page.registry, model_spec, skill_ids, text_before, text_between, after_name or None, seam_tokens, blend_fraction)
+    def on_compose(model_spec, skill_ids, text_before, text_between, after_name, remedy_spec):
+        view = handlers.run_compose(page.registry, model_spec, skill_ids, text_before, text_between, after_name or None, remedy_spec)
         return view.metrics_markdown, view.logits_figure, view.deviation_figure, view.summary
 
     compared = [compose_metrics, logits_plot, deviation_plot, compose_json]
-    compose_button.click(on_compose, [page.spec, *composition, seam, blend], compared, api_name="compose", **page.model_bound())
-    composer.change(on_compose, [page.spec, *composition, seam, blend], compared, api_name=False, **page.model_bound())
+    compose_button.click(on_compose, [page.spec, *composition, remedy], compared, api_name="compose", **page.model_bound())
+    composer.change(on_compose, [page.spec, *composition, remedy], compared, api_name=False, **page.model_bound())
 
     @page.action
-    def on_keystone(model_spec, skill_ids, text_before, text_between, after_name, seam_tokens, progress=gr.Progress()):
-        return handlers.run_keystone(page.registry, model_spec, skill_ids, text_before, text_between, after_name or None, seam_tokens,
+    def on_keystone(model_spec, skill_ids, text_before, text_between, after_name, remedy_spec, progress=gr.Progress()):
+        return handlers.run_keystone(page.registry, model_spec, skill_ids, text_before, text_between, after_name or None, remedy_spec,
                                      progress=_progress_callback(progress))
 
-    keystone_button.click(on_keystone, [page.spec, *composition, seam], [loop_plot, compose_json], api_name="keystone", **page.model_bound())
+    keystone_demo.click(lambda: ([], KEYSTONE_DEMO), None, [composer, after], api_name=False)
+    keystone_button.click(on_keystone, [page.spec, *composition, remedy], [loop_plot, compose_json], api_name="keystone", **page.model_bound())
 
     @page.action
-    def on_agent(model_spec, skill_ids, text_before, text_between, after_name, seam_tokens, turn_count, toggled, compaction="adaptive",
+    def on_agent(model_spec, skill_ids, text_before, text_between, after_name, remedy_spec, turn_count, toggled, compaction="adaptive",
                  progress=gr.Progress()):
-        return handlers.run_agent_loop(page.registry, model_spec, skill_ids, text_before, text_between, after_name or None, seam_tokens,
+        return handlers.run_agent_loop(page.registry, model_spec, skill_ids, text_before, text_between, after_name or None, remedy_spec,
                                        turn_count, toggled, compaction, progress=_progress_callback(progress))
 
-    agent_button.click(on_agent, [page.spec, *composition, seam, turns, toggle, policy], [loop_plot, compose_json], api_name="agent",
+    agent_button.click(on_agent, [page.spec, *composition, remedy, turns, toggle, policy], [loop_plot, compose_json], api_name="agent",
                        **page.model_bound())
+
+    @page.action
+    def on_study(model_spec, skill_ids, after_name, chosen_placements, chosen_remedies, progress=gr.Progress()):
+        return handlers.run_composition_study(page.registry, model_spec, skill_ids, after_name or None, chosen_placements, chosen_remedies,
+                                              progress=_progress_callback(progress))
+
+    study_button.click(on_study, [page.spec, composer, after, placements, study_remedies], [study_plot, study_summary, study_json],
+                       api_name="compose_study", **page.model_bound())
     compose_export.click(_exporter(page, "kvscope-composer"), [compose_json, logits_plot, deviation_plot, loop_plot], compose_files,
                          api_name="export_composer", concurrency_limit=None)
 

@@ -96,7 +96,7 @@ def main() -> None:
 
             def composed(rep: int, seam: int = 1):
                 note = f"Ticket {rep}."  # a context the app has not compared yet (its recomputed side is cached)
-                return client.predict(["account_gate"], note, "", after, seam, 0, api_name="/compose")
+                return client.predict(["account_gate"], note, "", after, f"seam:{seam}", api_name="/compose")
 
             composed(-1)  # warm-up
             ms, view = _timed(composed, args.reps)

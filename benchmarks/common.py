@@ -56,10 +56,10 @@ def environment(lm: LoadedModel) -> dict:
     }
 
 
-def write_result(name: str, lm: LoadedModel, data: dict) -> Path:
-    """Write benchmarks/results/<name>-<model>-<device>.json and return its path."""
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{name}-{lm.fingerprint.name.split(':')[0]}-{lm.device.type}.json"
+def write_result(name: str, lm: LoadedModel, data: dict, folder: Path = RESULTS) -> Path:
+    """Write <folder>/<name>-<model>-<device>.json (default folder: benchmarks/results) and return its path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}-{lm.fingerprint.name.split(':')[0]}-{lm.device.type}.json"
     path.write_text(json.dumps({**environment(lm), **data}, indent=2))
     return path
 

@@ -96,7 +96,7 @@ def hostile(url: str, log: Log, index: int, text: str, over_limit: str) -> None:
         ("model switch", lambda: [client.predict(spec, None, api_name="/load_model") for spec in ("tiny-llama", "tiny-gpt2")]),
         ("empty edit", lambda: client.predict(None, None, None, None, None, None, api_name="/edit")),
         ("oversized export", lambda: client.predict({"blob": "x" * 20_000_000}, None, None, None, None, None, api_name="/export_notes")),
-        ("composer braces", lambda: client.predict(["account_gate"], "{skill:nope} {x}", "", "", 1, 0, api_name="/compose")),
+        ("composer braces", lambda: client.predict(["account_gate"], "{skill:nope} {x}", "", "", "seam:1", api_name="/compose")),
     ]
     kind, call = cases[index % len(cases)]
     _refusal(log, kind, call)
@@ -118,7 +118,7 @@ def visitor(url: str, log: Log, index: int, text: str) -> None:
         if summary.get("new") != value or not knocked.get("positions"):
             log.cross_talk.append(f"visitor {index}: asked {value}, saw {summary.get('new')}")
     if index % 4 == 1:
-        client.predict(["account_gate"], f"Ticket {index}.", "", "", 1, 0, api_name="/compose")
+        client.predict(["account_gate"], f"Ticket {index}.", "", "", "seam:1", api_name="/compose")
     if index % 5 == 2:
         client.predict(summary, None, None, None, None, None, api_name="/export_notes")
     with log.lock:

@@ -7,7 +7,7 @@ Each turn one field changes. The cached path appends only an erratum line to the
   every field at its current value and no errata. Agreement with it says whether the cached decision still
   follows the state.
 - **identical tokens** (exactness of the cache mechanics): a re-prefill of exactly the tokens the cached
-  path holds, errata included. Any difference comes from splicing (seam), never from the errata.
+  path holds, errata included. Any difference comes from splicing (and its remedy), never from the errata.
 
 Errata pile up and their effect fades on small models, so a **compaction policy** may fold the current state
 into the fields: the context is re-rendered with the current values and recomputed from the first token that
@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.compose import splice_prompt
+from engine.compose import DEFAULT_REMEDY, Remedy, splice_prompt
 from engine.decision import Decision, logit_agreement
 from engine.loaded import LoadedModel
 from engine.notebook import Notebook
@@ -115,7 +115,7 @@ class AgentReport:
 
     scenario: str
     fields: list[str]
-    seam: int
+    remedy: str
     policy: str
     wording: str
     turns: list[AgentTurn]
@@ -135,7 +135,7 @@ class AgentReport:
         return {
             "scenario": self.scenario,
             "fields": self.fields,
-            "seam": self.seam,
+            "remedy": self.remedy,
             "policy": self.policy,
             "wording": self.wording,
             "turns": [t.as_dict() for t in self.turns],
@@ -190,7 +190,7 @@ def run_agent(
     field_name: str | None = None,
     fields: Sequence[str] | None = None,
     toggle: bool = False,
-    seam: int = 1,
+    remedy: Remedy = DEFAULT_REMEDY,
     policy: Compaction | str = "never",
     wording: str = "override",
     progress: StepProgress = None,
@@ -199,6 +199,7 @@ def run_agent(
     first field) on the cached path under ``policy``; compare it with both references every turn."""
     if turns < 1:
         raise ScenarioError(f"an episode needs at least one turn, got {turns}")
+    remedy.require_deployable("an agent episode")
     if wording not in ERRATUM_WORDINGS:
         raise ScenarioError(f"unknown erratum wording {wording!r}; choose one of {', '.join(ERRATUM_WORDINGS)}")
     policy = policy if isinstance(policy, Compaction) else Compaction.parse(policy)
@@ -217,7 +218,7 @@ def run_agent(
         started = time.perf_counter()
         compact_now = False
         if base is None:
-            base = cached = splice_prompt(lm, scenario, base_prompt, store, seam=seam) if scenario.skills else Notebook.from_prompt(lm, base_prompt)
+            base = cached = splice_prompt(lm, scenario, base_prompt, store, remedy).notebook if scenario.skills else Notebook.from_prompt(lm, base_prompt)
             sequence = list(base_prompt.context_ids)
         elif policy.kind == "every" and errata + 1 >= policy.every:
             compact_now = True
@@ -252,4 +253,4 @@ def run_agent(
         ))
         if progress:
             progress(turn + 1, len(schedule))
-    return AgentReport(scenario.name, names, seam, policy.name, wording, history)
+    return AgentReport(scenario.name, names, remedy.name, policy.name, wording, history)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from engine.agent import ERRATUM_WORDINGS, Compaction, run_agent
 from engine.calibrate import FLIP_THRESHOLD, NOTES_DEMO_MAX_RECOVERY, calibrate, scenario_files
-from engine.compose import adhoc_scenario, compare, with_skills
+from engine.compose import DEFAULT_REMEDY, Remedy, adhoc_scenario, compare, with_skills
 from engine.errors import KVScopeError
 from engine.experiment import EditExperiment
 from engine.keystone import keystone
@@ -170,7 +170,7 @@ def cmd_compose(args: argparse.Namespace) -> dict:
     """Splice precompiled skills into a context and compare with a full recompute (fidelity, TTFT)."""
     scenario = _composition(args)
     lm = _load(args)
-    return {"model": lm.fingerprint.name, **compare(lm, scenario, _store(), seam=args.seam, blend=args.blend, reps=args.reps).as_dict()}
+    return {"model": lm.fingerprint.name, **compare(lm, scenario, _store(), remedy=Remedy.parse(args.remedy), reps=args.reps).as_dict()}
 
 
 def cmd_agent(args: argparse.Namespace) -> dict:
@@ -182,7 +182,7 @@ def cmd_agent(args: argparse.Namespace) -> dict:
         scenario.field(name)
     policy = Compaction.parse(args.policy)
     lm = _load(args)
-    report = run_agent(lm, scenario, _store(), turns=args.turns, fields=fields, toggle=args.toggle, seam=args.seam,
+    report = run_agent(lm, scenario, _store(), turns=args.turns, fields=fields, toggle=args.toggle, remedy=Remedy.parse(args.remedy),
                        policy=policy, wording=args.wording, progress=_progress("turns"))
     return {"model": lm.fingerprint.name, **report.as_dict()}
 
@@ -191,7 +191,7 @@ def cmd_keystone(args: argparse.Namespace) -> dict:
     """Edit a field inside a spliced skill: every strategy on the composed vs the recomputed cache."""
     scenario = _composition(args)
     lm = _load(args)
-    report = keystone(lm, scenario, _store(), field_name=args.field, seam=args.seam, settings=_settings(args), progress=_progress("strategies"))
+    report = keystone(lm, scenario, _store(), field_name=args.field, remedy=Remedy.parse(args.remedy), settings=_settings(args), progress=_progress("strategies"))
     return {"model": lm.fingerprint.name, **report.as_dict()}
 
 
@@ -272,10 +272,15 @@ def build_parser() -> argparse.ArgumentParser:
         if name in ("compose", "agent", "keystone", "memory"):
             sub.add_argument("--scenario", help="scenario TOML file (may place skills with {skill:ID})")
             sub.add_argument("--skills", help="comma-separated skill ids from demos/skills")
-            sub.add_argument("--at", default="start", help="where --skills go in a scenario: start or end")
+            sub.add_argument("--at", default="start", help="where --skills go in a scenario: start, after_fields or end")
+        if name in ("compose", "keystone", "agent"):
+            sub.add_argument("--remedy", default=DEFAULT_REMEDY.name,
+                             help="repair of spliced skills, parts joined by +: prefix (compile after the scenario's system prompt), "
+                                  "seam:N (first N tokens of each skill), aggregators, deviation:F or causal:F (top fraction F "
+                                  "ranked against the full recompute; compose only)")
+        if name == "memory":
             sub.add_argument("--seam", type=int, default=1, help="seam repair: recompute the first K tokens of each skill")
         if name == "compose":
-            sub.add_argument("--blend", type=float, default=0.0, help="CacheBlend-style: recompute this fraction of the most deviating skill tokens")
             sub.add_argument("--reps", type=int, default=1, help="timing repetitions (median)")
         if name in ("agent", "keystone"):
             sub.add_argument("--field", help="the field to change (default: the first)")

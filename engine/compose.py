@@ -2,14 +2,19 @@
 
 A scenario places skills with ``{skill:ID}`` placeholders. The *recomputed* path prefills every token. The
 *spliced* path prefills only the text between skills and splices each skill's stored K/V (keys re-rotated to
-their new positions, values unchanged), optionally recomputing the first ``seam`` tokens of each skill
-against the real prefix (seam repair) or the top fraction of its most deviating tokens (CacheBlend-style,
-ranked against the recomputed cache, so a diagnostic rather than a deployable ranking).
-Cost: splice is O(L) per skill instead of O(L·context) attention and MLP work.
+their new positions, values unchanged). A :class:`Remedy` says how the spliced skills are repaired: skills
+compiled after the target's own system prompt (``prefix``), the first ``seam`` tokens of each skill recomputed
+against the real prefix (seam repair), and a further selection of skill tokens recomputed — every aggregator
+token (punctuation and line breaks, where models write notes), or the top ``fraction`` ranked against the
+recomputed cache by K/V deviation (CacheBlend-style) or by causal effect on the decision (attribution
+patching). The two ranked selections need the full recompute they are compared with: diagnostics of how
+much a perfect ranking buys, not remedies a server could run.
+Cost: splice is O(L) per skill instead of O(L·context) attention and MLP work, plus what the remedy recomputes.
 """
 from __future__ import annotations
 
 import dataclasses
+import re
 import statistics
 import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
@@ -17,14 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.decision import Decision, logit_agreement
+from engine.decision import Decision, DecisionMatch, logit_agreement
 from engine.loaded import LoadedModel
-from engine.notebook import Notebook, NotebookError
-from engine.patching import kv_deviation, kv_relative_deviation
+from engine.notebook import KVBlock, Notebook, NotebookError
+from engine.patching import attribution_effects, kv_deviation, kv_relative_deviation
 from engine.runs import render_for
-from engine.scenario import RenderedPrompt, Scenario, ScenarioError, Skill, bundled_skills
+from engine.scenario import RenderedPrompt, Scenario, ScenarioError, Skill, Span, bundled_skills, is_aggregator
 
-SEAMS = (0, 1, 2, 4, 8, 16, 32)
 ADHOC_QUESTION = "Is the information above internally consistent? Answer yes or no."
 
 
@@ -49,9 +53,15 @@ def literal(text: str | None) -> str:
 def compose_scenario(skill_ids: Sequence[str], before: str = "", between: str = "", base: Scenario | None = None,
                      library: Mapping | None = None) -> Scenario:
     """A context of literal text ``before``, the skills (literal text ``between`` them), then ``base``'s context
-    (its question and answers too); without ``base``, the skills alone with a generic question."""
+    (its question and answers too); without ``base``, the skills alone with a generic question. A ``base`` that
+    places skills itself may stand alone."""
+    placed_by_base = [s for s in skill_ids if base is not None and s in base.skills]
+    if placed_by_base:
+        raise ScenarioError(f"skill {placed_by_base[0]!r} is already placed by scenario {base.name!r}; remove it from the context")
     if not skill_ids:
-        raise ScenarioError("place at least one skill in the context (drag one from the library)")
+        if base is not None and base.skills:
+            return replace_context(base, "\n\n".join(part for part in (literal(before), base.context) if part), [], library)
+        raise ScenarioError("place at least one skill in the context (drag one from the library), or choose a scenario that places skills")
     joiner = f"\n\n{literal(between)}\n\n" if literal(between) else "\n\n"
     placed = joiner.join(f"{{skill:{skill_id}}}" for skill_id in skill_ids)
     scenario = base or adhoc_scenario(list(skill_ids), library)
@@ -59,13 +69,34 @@ def compose_scenario(skill_ids: Sequence[str], before: str = "", between: str = 
     return replace_context(scenario, "\n\n".join(part for part in (literal(before), placed, tail) if part), skill_ids, library)
 
 
+PLACEMENTS = ("start", "after_fields", "end")
+
+
 def with_skills(scenario: Scenario, skill_ids: Sequence[str], at: str = "start", library: Mapping | None = None) -> Scenario:
-    """The scenario with skills placed before its context (``start``) or after it (``end``)."""
-    if at not in ("start", "end"):
-        raise ScenarioError(f"--at must be 'start' or 'end', got {at!r}")
+    """The scenario with skills placed before its context (``start``), after the paragraph holding its last
+    field (``after_fields``: between the fields and the rules that read them) or after its context (``end``)."""
+    if at not in PLACEMENTS:
+        raise ScenarioError(f"--at must be one of {', '.join(PLACEMENTS)}, got {at!r}")
     placed = "\n\n".join(f"{{skill:{s}}}" for s in skill_ids)
-    context = f"{placed}\n\n{scenario.context}" if at == "start" else f"{scenario.context}\n\n{placed}"
+    if at == "start":
+        context = f"{placed}\n\n{scenario.context}"
+    elif at == "end":
+        context = f"{scenario.context}\n\n{placed}"
+    else:
+        context = _after_fields(scenario, placed)
     return replace_context(scenario, context, skill_ids, library)
+
+
+def _after_fields(scenario: Scenario, placed: str) -> str:
+    """The context with ``placed`` inserted at the first paragraph break after the last field placeholder."""
+    ends = [match.end() for name in scenario.fields for match in re.finditer(r"(?<!\{)\{" + re.escape(name) + r"\}(?!\})", scenario.context)]
+    if not ends:
+        raise ScenarioError(f"scenario {scenario.name!r} has no field in its context to place skills after")
+    cut = scenario.context.find("\n\n", max(ends))
+    if cut < 0:
+        raise ScenarioError(f"scenario {scenario.name!r} has no paragraph break (blank line) after its last field; "
+                            "place the skills at the start or the end")
+    return f"{scenario.context[:cut]}\n\n{placed}{scenario.context[cut:]}"
 
 
 def skill_of_length(lm: LoadedModel, skill: Skill, tokens: int) -> Skill:
@@ -92,36 +123,155 @@ def adhoc_scenario(skill_ids: Sequence[str], library: Mapping | None = None) -> 
     return dataclasses.replace(composed, context=composed.context.strip())
 
 
+SELECTIONS = ("aggregators", "deviation", "causal")
+RANKED_SELECTIONS = ("deviation", "causal")  # ranked against the recomputed cache
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """How spliced skills are repaired; see the module docstring. ``parse("prefix+seam:1+deviation:0.15")``."""
+
+    seam: int = 0
+    prefix: bool = False
+    select: str | None = None
+    fraction: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.seam < 0:
+            raise ScenarioError(f"seam must be ≥ 0, got {self.seam}")
+        if self.select is not None and self.select not in SELECTIONS:
+            raise ScenarioError(f"unknown selection {self.select!r}; choose one of: {', '.join(SELECTIONS)}")
+        if self.select in RANKED_SELECTIONS and not 0.0 < self.fraction <= 1.0:
+            raise ScenarioError(f"{self.select} selection needs a fraction within (0, 1], got {self.fraction}")
+        if self.select not in RANKED_SELECTIONS and self.fraction:
+            raise ScenarioError(f"a fraction ({self.fraction}) only applies to the ranked selections: {', '.join(RANKED_SELECTIONS)}")
+
+    @classmethod
+    def parse(cls, text: str) -> "Remedy":
+        """From ``part+part``: ``prefix``, ``seam:N``, ``aggregators``, ``deviation:F``, ``causal:F`` (or ``splice``)."""
+        options: dict = {}
+        for part in (p.strip() for p in text.split("+")):
+            name, _, argument = part.partition(":")
+            try:
+                if name == "splice" and not argument:
+                    continue
+                if name == "prefix" and not argument:
+                    options["prefix"] = True
+                elif name == "seam":
+                    options["seam"] = int(argument)
+                elif name == "aggregators" and not argument:
+                    options["select"] = name
+                elif name in RANKED_SELECTIONS:
+                    options["select"], options["fraction"] = name, float(argument)
+                else:
+                    raise ValueError(part)
+            except ValueError:
+                raise ScenarioError(f"remedy part {part!r} not understood; write e.g. prefix+seam:1, aggregators, deviation:0.15 "
+                                    "or causal:0.1, joined by +") from None
+        return cls(**options)
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the selection is ranked against the recomputed cache (a diagnostic, not deployable)."""
+        return self.select in RANKED_SELECTIONS
+
+    def require_deployable(self, user: str) -> "Remedy":
+        """This remedy, refused when it ranks against a full recompute that ``user`` does not have."""
+        if self.needs_reference:
+            raise ScenarioError(f"remedy {self.name!r} ranks tokens against a full recompute; {user} needs a deployable one "
+                                "(prefix, seam:N, aggregators)")
+        return self
+
+    @property
+    def name(self) -> str:
+        """The spec :meth:`parse` reads back."""
+        parts = (["prefix"] if self.prefix else []) + ([f"seam:{self.seam}"] if self.seam else [])
+        if self.select:
+            parts.append(f"{self.select}:{self.fraction:g}" if self.needs_reference else self.select)
+        return "+".join(parts) or "splice"
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "seam": self.seam, "prefix": self.prefix, "select": self.select, "fraction": self.fraction,
+                "needs_reference": self.needs_reference}
+
+
+# The best deployable remedy of the N-skill study on the embedded model (benchmarks/results/compose_many-*.json):
+# as many decisive decisions kept as any deployable remedy, the smallest margin error, 0.3% of skill tokens recomputed.
+DEFAULT_REMEDY = Remedy(seam=1, prefix=True)
+
+
+def _skill_blocks(lm: LoadedModel, scenario: Scenario, prompt: RenderedPrompt, store, remedy: Remedy) -> list[tuple[str, Span, KVBlock]]:
+    """Every placed skill's compiled block, in context order, checked against the context's tokens."""
+    system = scenario.system if remedy.prefix else None
+    placed = []
+    for skill_id, span in sorted(prompt.skill_spans.items(), key=lambda item: item[1].start):
+        skill = scenario.skills[skill_id]
+        block = store.get(lm, skill, {name: prompt.values[name] for name in skill.fields}, system)
+        if block.token_ids.tolist() != list(prompt.context_ids[span.start : span.end]):
+            raise NotebookError(f"skill {skill_id!r} tokenizes differently in this context than when compiled")
+        placed.append((skill_id, span, block))
+    return placed
+
+
+def _assemble(lm: LoadedModel, prompt: RenderedPrompt, placed, seam: int, recompute: set[int]) -> Notebook:
+    """Prefill the text between skills, splice each block (seam repaired) and recompute the chosen skill
+    positions before anything after the skill is computed."""
+    ids, segments = list(prompt.context_ids), list(prompt.context_segments)
+    notebook, cursor = Notebook.empty(lm), 0
+    for _, span, block in placed:
+        if span.start > cursor:
+            notebook = notebook.append(ids[cursor : span.start], segments[cursor : span.start])
+        notebook = notebook.splice(block, seam=min(seam, len(block)))
+        notebook = notebook.recompute(sorted(p for p in recompute if span.start + seam <= p < span.end))
+        cursor = span.end
+    if cursor < len(ids):
+        notebook = notebook.append(ids[cursor:], segments[cursor:])
+    return notebook
+
+
+@dataclass(frozen=True)
+class Spliced:
+    """A context built with its skills spliced, and how many skill tokens the remedy recomputed."""
+
+    notebook: Notebook
+    remedy: Remedy
+    recomputed_tokens: int
+    skill_tokens: int
+
+    @property
+    def recomputed_fraction(self) -> float:
+        return self.recomputed_tokens / max(self.skill_tokens, 1)
+
+
 def splice_prompt(
     lm: LoadedModel,
     scenario: Scenario,
     prompt: RenderedPrompt,
     store,
-    *,
-    seam: int = 0,
-    blend: float = 0.0,
+    remedy: Remedy = DEFAULT_REMEDY,
     reference: Notebook | None = None,
-) -> Notebook:
-    """Build the prompt's context with every skill spliced from ``store`` and the rest prefilled."""
-    if blend and reference is None:
-        raise NotebookError("CacheBlend-style recompute needs the recomputed notebook as reference")
-    ids, segments = list(prompt.context_ids), list(prompt.context_segments)
-    notebook, cursor = Notebook.empty(lm), 0
-    for skill_id, span in sorted(prompt.skill_spans.items(), key=lambda item: item[1].start):
-        if span.start > cursor:
-            notebook = notebook.append(ids[cursor : span.start], segments[cursor : span.start])
-        skill = scenario.skills[skill_id]
-        block = store.get(lm, skill, {name: prompt.values[name] for name in skill.fields})
-        if block.token_ids.tolist() != ids[span.start : span.end]:
-            raise NotebookError(f"skill {skill_id!r} tokenizes differently in this context than when compiled")
-        notebook = notebook.splice(block, seam=min(seam, len(block)))
-        if blend:
-            count = max(1, round(blend * len(block)))
-            notebook = notebook.recompute(kv_deviation(notebook, reference, range(span.start, span.end)).top_positions(count))
-        cursor = span.end
-    if cursor < len(ids):
-        notebook = notebook.append(ids[cursor:], segments[cursor:])
-    return notebook
+) -> Spliced:
+    """Build the prompt's context with every skill spliced from ``store`` and the rest prefilled, repaired by
+    ``remedy`` (a ranked selection needs the recomputed ``reference``)."""
+    if remedy.needs_reference and reference is None:
+        raise NotebookError(f"the {remedy.select} selection ranks tokens against the recomputed cache: pass it as reference")
+    placed = _skill_blocks(lm, scenario, prompt, store, remedy)
+    seams = {p for _, span, _ in placed for p in range(span.start, min(span.start + remedy.seam, span.end))}
+    candidates = [p for _, span, _ in placed for p in range(span.start, span.end) if p not in seams]
+    chosen: set[int] = set()
+    if remedy.select == "aggregators":
+        texts = lm.tokenizer.batch_decode([[prompt.context_ids[p]] for p in candidates])
+        chosen = {p for p, text in zip(candidates, texts) if is_aggregator(text)}
+    elif remedy.needs_reference and candidates:
+        first = _assemble(lm, prompt, placed, remedy.seam, set())
+        count = min(len(candidates), max(1, round(remedy.fraction * len(candidates))))
+        if remedy.select == "deviation":
+            chosen = set(kv_deviation(first, reference, candidates).top_positions(count))
+        else:
+            gap = reference.read_prompt(prompt, answer_texts=scenario.answers).margin - first.read_prompt(prompt, answer_texts=scenario.answers).margin
+            chosen = set(attribution_effects(first, reference, prompt, candidates).top_positions(count, gap))
+    notebook = _assemble(lm, prompt, placed, remedy.seam, chosen)
+    return Spliced(notebook, remedy, len(seams) + len(chosen), sum(len(span) for _, span, _ in placed))
 
 
 @dataclass(frozen=True)
@@ -135,16 +285,16 @@ class Recomputed:
 
 @dataclass
 class Fidelity:
-    """Spliced vs recomputed: next-token logits, decision, K/V deviation and time to first token."""
+    """Spliced vs recomputed: next-token logits, decision (tie-aware), K/V deviation and time to first token."""
 
     scenario: str
     skills: list[str]
-    seam: int
-    blend: float
+    remedy: Remedy
     context_tokens: int
     skill_tokens: int
+    recomputed_tokens: int  # skill tokens the remedy recomputed (seams included)
     agreement: dict[str, float]
-    decision_agree: bool
+    match: DecisionMatch
     spliced: Decision
     recomputed: Decision
     deviation: torch.Tensor  # (layers, context tokens)
@@ -152,16 +302,23 @@ class Fidelity:
     compile_ms: float
     reference_reused: bool = False  # the recomputed side (and its TTFT) came from an earlier comparison
 
+    @property
+    def decision_agree(self) -> bool | None:
+        """Same label as the recomputed decision; None when that decision is a tie."""
+        return self.match.agree
+
     def as_dict(self) -> dict:
         return {
             "scenario": self.scenario,
             "skills": self.skills,
-            "seam": self.seam,
-            "blend": self.blend,
+            "remedy": self.remedy.as_dict(),
+            "seam": self.remedy.seam,
             "context_tokens": self.context_tokens,
             "skill_tokens": self.skill_tokens,
+            "recomputed_tokens": self.recomputed_tokens,
+            "recomputed_fraction": round(self.recomputed_tokens / max(self.skill_tokens, 1), 4),
             **{key: round(value, 6) for key, value in self.agreement.items()},
-            "decision_agree": self.decision_agree,
+            **self.match.as_dict(),
             "spliced": self.spliced.as_dict(),
             "recomputed": self.recomputed.as_dict(),
             "max_kv_deviation": round(float(self.deviation.max()), 6),
@@ -189,25 +346,25 @@ def compare(
     scenario: Scenario,
     store,
     *,
-    seam: int = 0,
-    blend: float = 0.0,
+    remedy: Remedy = DEFAULT_REMEDY,
     values: Mapping[str, str] | None = None,
     reps: int = 1,
     references: MutableMapping[tuple, Recomputed] | None = None,
 ) -> Fidelity:
-    """Splice vs full recompute of the scenario, side by side in one run (skills compiled first).
+    """Splice (repaired by ``remedy``) vs full recompute of the scenario, side by side in one run (skills
+    compiled first).
 
-    ``references`` keeps recomputed sides by prompt (e.g. across seam or blend changes in the app): a
-    prompt seen before reuses its recomputed cache, decision and measured TTFT.
+    ``references`` keeps recomputed sides by prompt (e.g. across remedy changes in the app): a prompt seen
+    before reuses its recomputed cache, decision and measured TTFT. A ranked remedy's splice time leaves out
+    the recomputed cache it ranks against.
     """
     if not scenario.skills:
         raise ScenarioError(f"scenario {scenario.name!r} places no skills (use {{skill:ID}} or --skills)")
-    if seam < 0 or not 0.0 <= blend <= 1.0:
-        raise ScenarioError(f"seam must be ≥ 0 and blend within [0, 1], got seam={seam}, blend={blend}")
     prompt = render_for(lm, scenario, values)
+    system = scenario.system if remedy.prefix else None
     started = time.perf_counter()
     for skill in scenario.skills.values():
-        store.get(lm, skill, {name: prompt.values[name] for name in skill.fields})
+        store.get(lm, skill, {name: prompt.values[name] for name in skill.fields}, system)
     compile_ms = (time.perf_counter() - started) * 1000
     answers = scenario.answers
 
@@ -220,28 +377,28 @@ def compare(
     reused = cached is not None
     if cached is None:
         (reference, recomputed), full_ms = _timed(recompute_and_read, reps)
-        cached = Recomputed(reference, recomputed, full_ms)
+        cached = Recomputed(reference.materialized(), recomputed, full_ms)
         if references is not None:
             references[key] = cached
     reference, recomputed, full_ms = cached.notebook, cached.decision, cached.ms
 
-    def splice_and_read() -> tuple[Notebook, Decision]:
-        notebook = splice_prompt(lm, scenario, prompt, store, seam=seam, blend=blend, reference=reference)
-        return notebook, notebook.read_prompt(prompt, answer_texts=answers)
+    def splice_and_read() -> tuple[Spliced, Decision]:
+        spliced = splice_prompt(lm, scenario, prompt, store, remedy, reference=reference)
+        return spliced, spliced.notebook.read_prompt(prompt, answer_texts=answers)
 
-    (spliced_notebook, spliced), splice_ms = _timed(splice_and_read, reps)
+    (built, spliced), splice_ms = _timed(splice_and_read, reps)
     return Fidelity(
         scenario=scenario.name,
         skills=list(scenario.skills),
-        seam=seam,
-        blend=blend,
+        remedy=remedy,
         context_tokens=len(prompt.context_ids),
-        skill_tokens=sum(len(span) for span in prompt.skill_spans.values()),
+        skill_tokens=built.skill_tokens,
+        recomputed_tokens=built.recomputed_tokens,
         agreement=logit_agreement(spliced.next_token_logits, recomputed.next_token_logits),
-        decision_agree=spliced.label == recomputed.label,
+        match=DecisionMatch.of(spliced, recomputed),
         spliced=spliced,
         recomputed=recomputed,
-        deviation=kv_relative_deviation(spliced_notebook, reference),
+        deviation=kv_relative_deviation(built.notebook, reference),
         ttft_ms={"splice": splice_ms, "full": full_ms},
         compile_ms=compile_ms,
         reference_reused=reused,

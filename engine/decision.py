@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 RECOVERY_MIN_GAP = 0.25
+DECISIVE_MARGIN = RECOVERY_MIN_GAP  # a reference margin closer to 0 than this is a tie: agreement with it says little
 
 
 @dataclass
@@ -97,3 +98,32 @@ def logit_agreement(a: torch.Tensor, b: torch.Tensor, top_k: int = 5) -> dict[st
         "top1_agree": float(a.argmax() == b.argmax()),
         f"top{top_k}_agree": len(top_a & top_b) / top_k,
     }
+
+
+@dataclass(frozen=True)
+class DecisionMatch:
+    """A decision read from an approximate cache against the reference's, aware of ties.
+
+    ``agree`` is None when the reference is a tie (|margin| < ``DECISIVE_MARGIN``): both labels are then
+    within noise of each other, and the margin error is the number to look at.
+    """
+
+    margin_error: float  # approximate − reference margin
+    reference_margin: float
+    same_label: bool
+
+    @classmethod
+    def of(cls, approximate: Decision, reference: Decision) -> "DecisionMatch":
+        return cls(approximate.margin - reference.margin, reference.margin, approximate.label == reference.label)
+
+    @property
+    def decisive(self) -> bool:
+        return abs(self.reference_margin) >= DECISIVE_MARGIN
+
+    @property
+    def agree(self) -> bool | None:
+        return self.same_label if self.decisive else None
+
+    def as_dict(self) -> dict:
+        return {"margin_error": round(self.margin_error, 4), "decisive": self.decisive, "decision_agree": self.agree,
+                "same_label": self.same_label}

@@ -4,7 +4,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.compose import splice_prompt
+from engine.compose import DEFAULT_REMEDY, Remedy, splice_prompt
+from engine.decision import DecisionMatch
 from engine.experiment import EditExperiment, EditReport
 from engine.loaded import LoadedModel
 from engine.progress import StepProgress
@@ -17,26 +18,46 @@ class KeystoneReport:
     """The same edit on a composed (spliced) and a recomputed cache."""
 
     field: str
-    seam: int
+    remedy: Remedy
     composed: EditReport
     recomputed: EditReport
 
+    @property
+    def delta_margin(self) -> float:
+        """Oracle − stale margin of the recomputed side: how far the edit should move the decision."""
+        return self.recomputed.oracle.decision.margin - self.recomputed.stale.decision.margin
+
+    def recovery_gaps(self) -> dict[str, float | None]:
+        """Per applicable strategy, composed − recomputed recovery (None where either is undefined)."""
+        gaps = {}
+        for name, composed in self.composed.strategies.items():
+            recomputed = self.recomputed.strategies[name]
+            if composed.applicable and recomputed.applicable:
+                a, b = composed.recovery.value, recomputed.recovery.value
+                gaps[name] = None if a is None or b is None else a - b
+        return gaps
+
     def as_dict(self) -> dict:
         rows = {}
+        gaps = self.recovery_gaps()
         for name, composed in self.composed.strategies.items():
             recomputed = self.recomputed.strategies[name]
             rows[name] = {
                 "applicable": composed.applicable,
                 "composed": composed.as_dict(),
                 "recomputed": recomputed.as_dict(),
-                "decision_agree": composed.applicable and composed.decision.label == recomputed.decision.label,
+                "recovery_gap": None if gaps.get(name) is None else round(gaps[name], 4),
+                **(DecisionMatch.of(composed.decision, recomputed.decision).as_dict() if composed.applicable and recomputed.applicable else {}),
             }
+        defined = [abs(gap) for gap in gaps.values() if gap is not None]
         return {
             "field": self.field,
-            "seam": self.seam,
+            "remedy": self.remedy.name,
             "flips": self.recomputed.flips,
+            "delta_margin": round(self.delta_margin, 4),
             "stale_margin": {"composed": round(self.composed.stale.decision.margin, 4), "recomputed": round(self.recomputed.stale.decision.margin, 4)},
             "oracle_margin": round(self.recomputed.oracle.decision.margin, 4),
+            "max_recovery_gap": round(max(defined), 4) if defined else None,
             "strategies": rows,
         }
 
@@ -47,7 +68,7 @@ def keystone(
     store,
     *,
     field_name: str | None = None,
-    seam: int = 1,
+    remedy: Remedy = DEFAULT_REMEDY,
     strategies: Sequence[str] = tuple(s for s in STRATEGIES if s not in ("field_only_cot", "auto")),
     settings: EditSettings | None = None,
     progress: StepProgress = None,
@@ -59,10 +80,11 @@ def keystone(
     if field.name not in inside:
         raise ScenarioError(f"field {field.name!r} is not inside any skill of this scenario; the keystone needs a skill "
                             "with a mutable field in the context (e.g. account_gate)")
+    remedy.require_deployable("the keystone")
     spliced = EditExperiment(
         lm, scenario, field.name, settings=settings,
-        build=lambda prompt: splice_prompt(lm, scenario, prompt, store, seam=seam),
+        build=lambda prompt: splice_prompt(lm, scenario, prompt, store, remedy).notebook,
     )
     recomputed = EditExperiment(lm, scenario, field.name, settings=settings)
     composed_report = spliced.report(strategies, progress=progress)
-    return KeystoneReport(field.name, seam, composed_report, recomputed.report(strategies))
+    return KeystoneReport(field.name, remedy, composed_report, recomputed.report(strategies))

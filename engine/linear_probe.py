@@ -24,7 +24,6 @@ the same conclusion there is nothing to decode; the result says so instead of re
 from __future__ import annotations
 
 import time
-import unicodedata
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ from engine.notebook import Notebook
 from engine.probes import ProbeError
 from engine.progress import StepProgress, Tick
 from engine.runs import render_for
-from engine.scenario import RenderedPrompt, ScenarioError, Span
+from engine.scenario import RenderedPrompt, ScenarioError, Span, is_aggregator
 
 GROUPS = ("field", "aggregators", "others", "decision")
 WRITE_THRESHOLD = 0.9
@@ -124,12 +123,6 @@ def _conclusion(experiment: EditExperiment, text: str, prompt: RenderedPrompt) -
 
 
 # ---------------------------------------------------------------------------- positions and features
-def is_aggregator(text: str) -> bool:
-    """Whether a token's text is whitespace only or punctuation only (a newline, '.', ':', ')\\n\\n' …)."""
-    stripped = text.strip()
-    return all(unicodedata.category(char).startswith("P") for char in stripped)
-
-
 def position_groups(token_texts: Sequence[str], field_span: Span) -> dict[str, list[int]]:
     """Context positions of the field, of downstream aggregators and of the other downstream tokens."""
     downstream = range(field_span.end, len(token_texts))

@@ -10,7 +10,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 
-from engine.compose import Fidelity, compare, with_skills
+from engine.compose import Fidelity, Remedy, compare, with_skills
 from engine.experiment import EditExperiment
 from engine.loaded import LoadedModel
 from engine.scenario import Scenario, ScenarioError
@@ -87,6 +87,6 @@ def memory_placement(lm: LoadedModel, scenario: Scenario, store, *, skill_id: st
             oracle_margin=experiment.oracle.decision.margin,
             oracle_decision=experiment.oracle.decision.label,
             edits={name: experiment.run(name) for name in EDIT_STRATEGIES},
-            transplant=compare(lm, placed, store, seam=seam),
+            transplant=compare(lm, placed, store, remedy=Remedy(seam=seam)),
         )
     return MemoryPlacement(scenario.name, skill_id, field, seam, placements)

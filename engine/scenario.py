@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import tomllib
+import unicodedata
 from collections.abc import Mapping
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
@@ -149,6 +150,12 @@ def bundled_skills() -> dict[str, Path]:
     """The skill library shipped in demos/skills, by id (file stem)."""
     folder = Path(__file__).parents[1] / "demos" / "skills"
     return {path.stem: path for path in sorted(folder.glob("*.toml"))}
+
+
+def is_aggregator(text: str) -> bool:
+    """Whether a token's text is whitespace only or punctuation only (a newline, '.', ':', ')\\n\\n' …)."""
+    stripped = text.strip()
+    return all(unicodedata.category(char).startswith("P") for char in stripped)
 
 
 def render(

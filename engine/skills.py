@@ -1,8 +1,8 @@
 """Precompiled skills: a skill's K/V computed once in isolation, stored as safetensors, kept hot in memory.
 
 A skill is compiled after a *canonical prefix* — the chat template's header with no system prompt (or the
-BOS token for plain models) — and only the skill's own tokens are kept, with the positions their keys were
-rotated for. Files hold the tensors plus JSON metadata (model fingerprint, token ids, segments, source
+BOS token for plain models), or with the target's own system prompt when the caller knows it (``system``) —
+and only the skill's own tokens are kept, with the positions their keys were rotated for. Files hold the tensors plus JSON metadata (model fingerprint, token ids, segments, source
 positions, dtype, a sha256 of the tensor bytes); loading checks all of it and never unpickles anything.
 """
 from __future__ import annotations
@@ -32,28 +32,29 @@ class SkillFileError(KVScopeError):
     """A stored skill file that cannot be used with this model; the message says why."""
 
 
-def _compile_scenario(skill: Skill) -> Scenario:
-    """A scenario holding only the skill after the canonical prefix."""
+def _compile_scenario(skill: Skill, system: str | None) -> Scenario:
+    """A scenario holding only the skill after the canonical prefix (with ``system`` as its system prompt)."""
     return Scenario(
-        name=f"skill:{skill.id}", description="", system=None, context=f"{{skill:{skill.id}}}", question="?",
+        name=f"skill:{skill.id}", description="", system=system or None, context=f"{{skill:{skill.id}}}", question="?",
         fields=dict(skill.fields), answers={"a": ("a",), "b": ("b",)}, expect={}, skills={skill.id: skill},
     )
 
 
-def _compile_prompt(lm: LoadedModel, skill: Skill, values: Mapping[str, str] | None):
-    prompt = render(_compile_scenario(skill), lm.tokenizer, values)
+def _compile_prompt(lm: LoadedModel, skill: Skill, values: Mapping[str, str] | None, system: str | None):
+    prompt = render(_compile_scenario(skill, system), lm.tokenizer, values)
     return prompt, prompt.skill_spans[skill.id]
 
 
-def skill_tokens(lm: LoadedModel, skill: Skill, values: Mapping[str, str] | None = None) -> tuple[list[int], list[str]]:
+def skill_tokens(lm: LoadedModel, skill: Skill, values: Mapping[str, str] | None = None,
+                 system: str | None = None) -> tuple[list[int], list[str]]:
     """The skill's token ids and segments as placed after the canonical prefix."""
-    prompt, span = _compile_prompt(lm, skill, values)
+    prompt, span = _compile_prompt(lm, skill, values, system)
     return list(prompt.context_ids[span.start : span.end]), list(prompt.context_segments[span.start : span.end])
 
 
-def compile_skill(lm: LoadedModel, skill: Skill, values: Mapping[str, str] | None = None) -> KVBlock:
-    """Compute the skill's K/V once, in isolation after the canonical prefix."""
-    prompt, span = _compile_prompt(lm, skill, values)
+def compile_skill(lm: LoadedModel, skill: Skill, values: Mapping[str, str] | None = None, system: str | None = None) -> KVBlock:
+    """Compute the skill's K/V once, in isolation after the canonical prefix (with ``system`` as its system prompt)."""
+    prompt, span = _compile_prompt(lm, skill, values, system)
     return Notebook.from_prompt(lm, prompt).block(positions=range(span.start, span.end))
 
 
@@ -142,19 +143,20 @@ class SkillStore:
         self.compiled = 0  # how many blocks this store had to compute
 
     @staticmethod
-    def key(lm: LoadedModel, ids: list[int], segments: list[str]) -> str:
-        """Content address of a compiled block."""
-        text = json.dumps([lm.fingerprint.as_dict(), ids, segments])
+    def key(lm: LoadedModel, ids: list[int], segments: list[str], system: str | None = None) -> str:
+        """Content address of a compiled block (the compile prefix's system prompt included)."""
+        text = json.dumps([lm.fingerprint.as_dict(), ids, segments] + ([system] if system else []))
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
     def memory_bytes(self) -> int:
         with self._lock:
             return sum(block.memory_bytes() for block in self._hot.values())
 
-    def get(self, lm: LoadedModel, skill: Skill, values: Mapping[str, str] | None = None) -> KVBlock:
-        """The skill's block for these field values, compiled at most once per store (and directory)."""
-        ids, segments = skill_tokens(lm, skill, values)
-        key = self.key(lm, ids, segments)
+    def get(self, lm: LoadedModel, skill: Skill, values: Mapping[str, str] | None = None, system: str | None = None) -> KVBlock:
+        """The skill's block for these field values (compiled after ``system`` when given), compiled at most once
+        per store (and directory)."""
+        ids, segments = skill_tokens(lm, skill, values, system)
+        key = self.key(lm, ids, segments, system)
         with self._lock:
             if key in self._hot:
                 self._hot.move_to_end(key)
@@ -163,7 +165,7 @@ class SkillStore:
         if path is not None and path.exists():
             block = load_block(path, lm)
         else:
-            block = compile_skill(lm, skill, values)
+            block = compile_skill(lm, skill, values, system)
             self.compiled += 1
             if path is not None:
                 save_block(block, path, skill.id)

@@ -4,14 +4,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import numpy as np
+import plotly.colors
 import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
 from engine.agent import AgentReport
 from engine.compose import Fidelity
-from engine.keystone import KeystoneReport
 from engine.decision import Decision, logit_agreement
+from engine.keystone import KeystoneReport
 from viz.common import PALETTE, map_height, pool_columns, safe_label, token_columns
 
 
@@ -56,7 +57,7 @@ def deviation_figure(fidelity: Fidelity, texts: Sequence[str] | None = None) -> 
         go.Heatmap(z=z, x=names, y=np.arange(len(z)), zmin=0.0, colorscale="Viridis", colorbar={"title": "relative Δ", "exponentformat": "e"},
                    hovertemplate="layer %{y}<br>%{x}<br>relative deviation %{z:.3g}<extra></extra>")
     )
-    repair = f"seam {fidelity.seam}" + (f", blend {fidelity.blend:.0%}" if fidelity.blend else "")
+    repair = f"remedy {safe_label(fidelity.remedy.name)}"
     figure.update_layout(
         title={"text": f"K/V deviation, spliced vs recomputed ({repair}): max {float(deviation.max()):.3g}",
                "subtitle": {"text": f"{safe_label(fidelity.scenario)}: {fidelity.skill_tokens} of {fidelity.context_tokens} context tokens spliced"}},
@@ -109,19 +110,68 @@ def agent_figure(report: AgentReport) -> go.Figure:
     return figure
 
 
-def keystone_figure(report: KeystoneReport) -> go.Figure:
-    """Per strategy the margin on the composed (spliced) cache beside the recomputed one, with stale and oracle."""
-    names = [name for name, result in report.composed.strategies.items() if result.applicable]
+def keystone_figure(report: KeystoneReport, band: float = 0.15) -> go.Figure:
+    """The paper's diagonal: each applicable strategy's recovery on the composed (spliced) cache against the same
+    strategy on the recomputed cache; points on the diagonal mean composing changes nothing, the band is ±``band``."""
+    gaps = report.recovery_gaps()
+    names = [name for name, gap in gaps.items() if gap is not None and name not in ("stale", "oracle")]
+    x = [report.recomputed.strategies[name].recovery.value for name in names]
+    y = [report.composed.strategies[name].recovery.value for name in names]
+    low, high = min([0.0, *x, *y]) - 0.1, max([1.0, *x, *y]) + 0.1
     figure = go.Figure()
-    for label, edit in (("composed (spliced)", report.composed), ("recomputed", report.recomputed)):
-        figure.add_bar(x=names, y=[edit.strategies[name].decision.margin for name in names], name=label,
-                       hovertext=[safe_label(edit.strategies[name].decision.label) for name in names])
-    for name, margin, dash in (("stale", report.recomputed.stale.decision.margin, "dot"), ("oracle", report.recomputed.oracle.decision.margin, "dash")):
-        figure.add_hline(y=margin, line={"dash": dash, "color": "grey"}, annotation_text=name, annotation_position="right")
-    skipped = [name for name in report.composed.strategies if name not in names]
+    figure.add_scatter(x=[low, high, high, low], y=[low + band, high + band, high - band, low - band], fill="toself", mode="lines",
+                       line={"width": 0}, fillcolor="rgba(120,120,120,0.15)", name=f"within ±{band}", hoverinfo="skip")
+    figure.add_scatter(x=[low, high], y=[low, high], mode="lines", line={"dash": "dash", "color": "grey"}, name="composed = recomputed")
+    figure.add_scatter(
+        x=x, y=y, mode="markers+text", text=[safe_label(name) for name in names], textposition="top center", name="strategies",
+        marker={"size": 12, "color": [PALETTE[0] if abs(gaps[name]) <= band else "#d62828" for name in names]},
+        hovertext=[f"{safe_label(name)}: recomputed {a:.3f}, composed {b:.3f} (gap {b - a:+.3f})" for name, a, b in zip(names, x, y)],
+        hoverinfo="text",
+    )
+    skipped = [name for name in report.composed.strategies if name not in names and name not in ("stale", "oracle")]
+    stale = report.composed.stale.decision.margin, report.recomputed.stale.decision.margin
     figure.update_layout(
-        title=f"Keystone: editing {safe_label(report.field)} inside a spliced skill (seam {report.seam})"
-        + (f"; not applicable: {', '.join(skipped)}" if skipped else ""),
-        yaxis_title="decision margin", barmode="group", height=380,
+        title={"text": f"Keystone: editing {safe_label(report.field)} inside a spliced skill (remedy {safe_label(report.remedy.name)})",
+               "subtitle": {"text": f"oracle − stale margin {report.delta_margin:+.2f}; stale margin composed {stale[0]:+.2f} vs recomputed {stale[1]:+.2f}"
+                                    + (f"; no recovery for: {', '.join(safe_label(n) for n in skipped)}" if skipped else "")}},
+        xaxis={"title": "recovery on the recomputed cache", "range": [low, high]},
+        yaxis={"title": "recovery on the composed cache", "range": [low, high], "scaleanchor": "x"},
+        height=460, margin={"l": 60, "r": 20, "t": 90, "b": 60}, legend={"orientation": "h", "y": -0.18},
+    )
+    return figure
+
+
+def study_figure(study: dict) -> go.Figure:
+    """From a composition study's JSON: left, each remedy's decision agreement on decisive cases against the
+    fraction of skill tokens it recomputes (hollow markers rank against the full recompute: diagnostics); right,
+    its mean |margin error| by number of skills."""
+    summary = study["summary"]
+    figure = make_subplots(rows=1, cols=2, column_widths=[0.55, 0.45], horizontal_spacing=0.12,
+                           subplot_titles=("agreement on decisive cases vs recompute", "mean |margin error| by skills"))
+    colours = PALETTE if len(summary) <= len(PALETTE) else plotly.colors.qualitative.Dark24
+    for index, (name, row) in enumerate(summary.items()):
+        colour = colours[index % len(colours)]
+        speed = row["speedup"]["median"] if row["speedup"] else float("nan")
+        figure.add_scatter(
+            x=[100 * row["recomputed_fraction"]], y=[row["agreement"]], mode="markers", name=safe_label(name), legendgroup=name,
+            marker={"size": 13, "color": colour, "symbol": "circle-open" if row["needs_reference"] else "circle", "line": {"width": 2, "color": colour}},
+            hovertext=[f"{safe_label(name)}: {row['agree_decisive']}/{row['decisive']} decisive cases agree, {row['ties']} ties; "
+                       f"median cosine {row['cosine']['median']:.4f}; TTFT ×{speed:.2f} (median)"], hoverinfo="text", row=1, col=1,
+        )
+        sizes = sorted(row["by_n"], key=int)
+        figure.add_scatter(x=[int(n) for n in sizes], y=[row["by_n"][n]["mean_abs_margin_error"] for n in sizes], mode="lines+markers",
+                           name=safe_label(name), legendgroup=name, showlegend=False, line={"color": colour}, row=1, col=2)
+    best = study.get("best")
+    figure.update_xaxes(title_text="skill tokens recomputed (%, mean)", row=1, col=1)
+    agreements = [row["agreement"] for row in summary.values() if row["agreement"] is not None]
+    figure.update_yaxes(title_text="decision agreement (decisive cases)", range=[max(0.0, min(agreements, default=0.0) - 0.1), 1.02], row=1, col=1)
+    figure.update_xaxes(title_text="skills in the context (N)", dtick=1, row=1, col=2)
+    figure.update_yaxes(title_text="|spliced − recomputed margin|", rangemode="tozero", row=1, col=2)
+    cases = len(study["cases"])
+    figure.update_layout(
+        title={"text": "Many skills at once: which repair keeps the decision",
+               "subtitle": {"text": f"{cases} composed prompts; hollow markers rank tokens against the full recompute (not deployable); "
+                                    + (f"best deployable: {safe_label(best)}" if best else "no deployable remedy agrees on every decisive case")}},
+        height=460, legend={"orientation": "h", "y": -0.22}, margin={"l": 60, "r": 20, "t": 100, "b": 110},
     )
     return figure

@@ -46,8 +46,8 @@ def test_bad_scenario_is_an_error_and_the_session_stays_usable(app_url):
 
 
 def test_compose_endpoint_reports_fidelity(app_url):
-    metrics, _, _, data = Client(app_url, verbose=False).predict(["account_gate"], "", "", "", 2, 0, api_name="/compose")
-    assert data["seam"] == 2 and {"cosine", "kl", "top1_agree", "decision_agree", "ttft_ms", "speedup"} <= set(data)
+    metrics, _, _, data = Client(app_url, verbose=False).predict(["account_gate"], "", "", "", "seam:2", api_name="/compose")
+    assert data["seam"] == 2 and data["remedy"]["name"] == "seam:2" and {"cosine", "kl", "top1_agree", "decision_agree", "ttft_ms", "speedup"} <= set(data)
     assert "cosine" in metrics
 
 

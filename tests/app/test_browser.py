@@ -146,6 +146,23 @@ def test_agent_loop_shows_cached_clean_state_and_identical_decisions(page):
     _shot(page, "agent-loop")
 
 
+def test_composer_study_and_keystone_diagonal(page):
+    page.get_by_role("tab", name="Composer").click()
+    page.locator('#composer .kv-in[data-id="account_gate"]').wait_for(timeout=10_000)
+    page.get_by_text("Many skills at once").click()
+    page.locator("#run-study").click()
+    page.locator("#study-summary").get_by_text("composed prompt").wait_for(timeout=120_000)
+    names = [trace["name"] for trace in _plot_data(page, "study-plot")]
+    assert {"splice", "seam:1", "prefix+seam:1"} <= set(names)
+    _shot(page, "composer-study")
+    page.locator("#keystone-demo").click()
+    page.locator('#composer .kv-in[data-id="account_gate"]').wait_for(state="detached", timeout=10_000)
+    page.locator("#run-keystone").click()
+    traces = _plot_data(page, "loop-plot")
+    assert [trace["name"] for trace in traces] == ["within ±0.15", "composed = recomputed", "strategies"]
+    _shot(page, "composer-keystone")
+
+
 def test_error_toasts_show_markup_as_text(page):
     page.get_by_role("tab", name="Notes").click()
     _set_editor(page, SCENARIO + '\n[expect]\n"shipped" = "<b>bold</b>"\n')
@@ -162,8 +179,9 @@ def test_lenient_inputs_render_with_their_parents_frontends(page):
     page.locator("#top-k input[type=range]").wait_for(timeout=60_000)
     assert page.locator("#strategies input[type=checkbox]").count() > 3
     page.get_by_role("tab", name="Composer").click()
-    page.locator("#seam input[type=range]").wait_for(timeout=60_000)
-    assert page.locator("#blend input[type=range]").count() == 1
+    page.get_by_text("Many skills at once").click()
+    page.locator("#study-remedies input[type=checkbox]").first.wait_for(timeout=60_000)
+    assert page.locator("#study-placements input[type=checkbox]").count() == 3
 
 
 def test_weights_panel_compares_rome_and_the_erratum(page):

@@ -87,12 +87,32 @@ def test_composed_scenario_keeps_user_braces_literal():
 
 
 def test_compose_reports_fidelity(registry):
-    view = handlers.run_compose(registry, None, ["account_gate"], "", "", None, seam=2)
-    moved = handlers.run_compose(registry, None, ["account_gate"], "", "", None, seam=3)
+    view = handlers.run_compose(registry, None, ["account_gate"], "", "", None, "seam:2")
+    moved = handlers.run_compose(registry, None, ["account_gate"], "", "", None, "prefix+seam:3")
     assert moved.summary["reference_reused"] and moved.summary["ttft_ms"]["full"] == view.summary["ttft_ms"]["full"]
     assert "reused from an earlier comparison" in moved.metrics_markdown
     assert view.summary["seam"] == 2 and 0 < view.summary["cosine"] <= 1 + 1e-6
-    assert "TTFT" in view.metrics_markdown
+    assert "TTFT" in view.metrics_markdown and "remedy seam:2 recomputed 2 of them" in view.metrics_markdown
+    assert "margin error" in view.metrics_markdown and moved.summary["remedy"]["prefix"]
+    ranked = handlers.run_compose(registry, None, ["account_gate"], "", "", None, "deviation:0.5")
+    assert "no TTFT saving in deployment" in ranked.metrics_markdown
+    with pytest.raises(AppError, match="'blend:1' not understood"):
+        handlers.run_compose(registry, None, ["account_gate"], "", "", None, "blend:1")
+
+
+def test_keystone_and_study_panels(registry):
+    figure, data = handlers.run_keystone(registry, None, ["account_gate"], "", "", None, "seam:1")
+    assert data["remedy"] == "seam:1" and "max_recovery_gap" in data and "Keystone" in figure.layout.title.text
+    with pytest.raises(AppError, match="deployable"):
+        handlers.run_keystone(registry, None, ["account_gate"], "", "", None, "causal:0.2")
+    figure, markdown, study = handlers.run_composition_study(registry, None, ["account_gate", "user_memory"], "refund_gate",
+                                                            ["start", "end"], ["splice", "seam:10000"])
+    assert len(study["cases"]) == 2 * 2 * 2 and set(study["summary"]) == {"splice", "seam:10000"}
+    assert "8 composed prompts" in markdown and "seam:10000" in markdown and len(figure.data) == 4
+    with pytest.raises(AppError, match="placements must be chosen"):
+        handlers.run_composition_study(registry, None, ["account_gate"], "refund_gate", ["middle"], ["splice"])
+    with pytest.raises(AppError, match="at least one remedy"):
+        handlers.run_composition_study(registry, None, ["account_gate"], "refund_gate", ["start"], [])
 
 
 def test_export_writes_json_and_html(tmp_path):
@@ -179,14 +199,14 @@ def test_refused_families_load_with_their_reasons_and_the_composer_refuses(spec,
     assert "refused" in card and reason in card
     assert not info["support"]["verdicts"]["splice"]["supported"]
     with pytest.raises(AppError, match=reason):
-        handlers.run_compose(registry, None, ["account_gate"], "", "", None, seam=1)
+        handlers.run_compose(registry, None, ["account_gate"], "", "", None)
 
 
 def test_a_failed_selftest_locks_splicing(registry, monkeypatch):
     report = dataclasses.replace(registry.selftest(), ok=False)
     monkeypatch.setattr(registry, "selftest", lambda spec=None: report)
     with pytest.raises(AppError, match="splicing stays locked on this model: its cache self-test failed"):
-        handlers.run_compose(registry, None, ["account_gate"], "", "", None, seam=1)
+        handlers.run_compose(registry, None, ["account_gate"], "", "", None)
 
 
 def test_weight_edits_panel_states_the_trade_off_from_the_numbers(registry):

@@ -122,13 +122,15 @@ def test_duplicated_strategies_run_once_and_turns_are_capped(registry, sessions)
     public = ModelRegistry(TINY, profile=public_profile())
     public.add(TINY, registry.get())
     with pytest.raises(AppError, match="9 agent turns asked; this server .* runs at most 8"):
-        handlers.run_agent_loop(public, None, ["account_gate"], "", "", None, 1, 9, False)
+        handlers.run_agent_loop(public, None, ["account_gate"], "", "", None, "seam:1", 9, False)
 
 
 # ---------------------------------------------------------------------------- 4. composer text
 def test_composer_text_naming_skills_is_literal(registry):
-    view = handlers.run_compose(registry, None, ["account_gate"], "see {skill:account_gate} and {skill:not_placed}", "", None, 1)
-    plain = handlers.run_compose(registry, None, ["account_gate"], "see", "", None, 1)
+    view = handlers.run_compose(registry, None, ["account_gate"], "see {skill:account_gate} and {skill:not_placed}", "", None, "seam:1")
+    plain = handlers.run_compose(registry, None, ["account_gate"], "see", "", None, "seam:1")
+    with pytest.raises(AppError, match="the remedy must be a spec"):
+        handlers.run_compose(registry, None, ["account_gate"], "see", "", None, 1)
     assert view.summary["skill_tokens"] == plain.summary["skill_tokens"], "the skill is placed once"
     assert view.summary["context_tokens"] < 2 * plain.summary["context_tokens"]
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from engine.agent import ERRATUM_WORDINGS, Compaction, compacted, run_agent, state_schedule, value_schedule
-from engine.compose import adhoc_scenario
+from engine.compose import Remedy, adhoc_scenario
 from engine.notebook import Notebook
 from engine.runs import render_for, run_scenario
 from engine.scenario import Scenario, ScenarioError
@@ -37,7 +37,7 @@ no = ["no"]
 
 
 def test_identical_token_reference_is_exact_on_a_cached_prefix(lm, store):
-    report = run_agent(lm, adhoc_scenario(["account_gate"]), store, turns=4, toggle=True, seam=1)
+    report = run_agent(lm, adhoc_scenario(["account_gate"]), store, turns=4, toggle=True, remedy=Remedy(seam=1))
     data = report.as_dict()
     assert [t["values"][report.fields[0]] for t in data["turns"]] == value_schedule(("basic", "premium"), 4, True)
     assert data["min_cosine_vs_identical_tokens"] > 0.9999 and data["identical_tokens_agreement"] == 1.0

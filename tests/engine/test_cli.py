@@ -54,7 +54,7 @@ def test_calibrate_lists_every_bundled_scenario():
 def test_probe_compose_and_agent_shapes():
     code, probe = run_cli("probe", "locality", "--model", "tiny-qwen2", "--scenario", REFUND)
     assert code == 0 and probe["probe"] == "locality" and {"field_only", "full_downstream"} <= set(probe)
-    code, compose = run_cli("compose", "--model", "tiny-qwen2", "--skills", "account_gate", "--seam", "2")
+    code, compose = run_cli("compose", "--model", "tiny-qwen2", "--skills", "account_gate", "--remedy", "seam:2")
     assert code == 0
     assert {"cosine", "kl", "top1_agree", "top5_agree", "decision_agree", "seam", "ttft_ms", "speedup"} <= set(compose)
     assert set(compose["ttft_ms"]) == {"splice", "full"} and compose["seam"] == 2

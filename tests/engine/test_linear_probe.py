@@ -13,7 +13,6 @@ from engine.linear_probe import (
     balanced_commit_layer,
     commit_layer,
     cv_accuracy,
-    is_aggregator,
     lens_agreement,
     lens_labels,
     position_groups,
@@ -22,7 +21,7 @@ from engine.linear_probe import (
     surface_variants,
 )
 from engine.notebook import Notebook
-from engine.scenario import Scenario, Span, bundled_scenarios
+from engine.scenario import Scenario, Span, bundled_scenarios, is_aggregator
 from engine.experiment import EditExperiment
 from engine.tiny import tiny_model
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.agent import run_agent
-from engine.compose import adhoc_scenario, compare
+from engine.compose import Remedy, adhoc_scenario, compare
 from engine.decision import decide
 from engine.skills import SkillStore
 from viz.common import MAX_COLUMNS
@@ -20,7 +20,7 @@ def store():
 
 @pytest.fixture(scope="module")
 def fidelity(lm, store):
-    return compare(lm, adhoc_scenario(["account_gate"]), store, seam=0)
+    return compare(lm, adhoc_scenario(["account_gate"]), store, remedy=Remedy())
 
 
 def _decision(logits):
@@ -76,3 +76,40 @@ def test_agent_episode_shows_three_decisions_per_turn_and_cumulative_ttft(lm, st
     assert list(ttft[1].y) == pytest.approx(np.cumsum([t.clean_ms for t in report.turns]))
     assert sum(shape.type == "line" and shape.x0 == shape.x1 for shape in figure.layout.shapes) == sum(t.compacted for t in report.turns)
     json.loads(figure.to_json())
+
+
+def test_keystone_diagonal_places_each_strategy_at_its_two_recoveries(lm, store):
+    from engine.keystone import keystone
+    from engine.scenario import Scenario, bundled_scenarios
+    from viz.compose import keystone_figure
+
+    report = keystone(lm, Scenario.load(bundled_scenarios()["keystone_safety"]), store, remedy=Remedy(seam=1),
+                      strategies=("field_only", "erratum", "full_downstream"))
+    figure = keystone_figure(report, band=0.15)
+    points = figure.data[2]
+    gaps = {name: gap for name, gap in report.recovery_gaps().items() if gap is not None and name not in ("stale", "oracle")}
+    assert list(points.text) == list(gaps)
+    assert list(points.x) == pytest.approx([report.recomputed.strategies[n].recovery.value for n in gaps])
+    assert list(points.y) == pytest.approx([report.composed.strategies[n].recovery.value for n in gaps])
+    red = [colour == "#d62828" for colour in points.marker.color]
+    assert red == [abs(gap) > 0.15 for gap in gaps.values()]
+    assert f"{report.delta_margin:+.2f}" in figure.layout.title.subtitle.text
+    json.loads(figure.to_json())
+
+
+def test_study_figure_puts_each_remedy_at_its_recompute_share_and_agreement():
+    from viz.compose import study_figure
+
+    row = lambda fraction, agreement, ranked: {  # noqa: E731
+        "recomputed_fraction": fraction, "agreement": agreement, "agree_decisive": 3, "decisive": 4, "ties": 1, "needs_reference": ranked,
+        "cosine": {"median": 0.99}, "speedup": {"median": 2.0},
+        "by_n": {"1": {"mean_abs_margin_error": 0.1}, "2": {"mean_abs_margin_error": 0.3}},
+    }
+    study = {"summary": {"splice": row(0.0, 0.75, False), "deviation:0.3": row(0.3, 1.0, True)}, "best": "splice", "cases": [{}] * 5}
+    figure = study_figure(study)
+    markers = [trace for trace in figure.data if trace.mode == "markers"]
+    assert [(m.x[0], m.y[0]) for m in markers] == [(0.0, 0.75), (30.0, 1.0)]
+    assert [m.marker.symbol for m in markers] == ["circle", "circle-open"]
+    lines = [trace for trace in figure.data if trace.mode == "lines+markers"]
+    assert list(lines[0].x) == [1, 2] and list(lines[0].y) == [0.1, 0.3]
+    assert "best deployable: splice" in figure.layout.title.subtitle.text

@@ -134,7 +134,7 @@ def test_each_field_is_outlined_over_its_pooled_columns():
 
 def test_deviation_at_8k_tokens_is_pooled_small(lm):
     scenario = with_skills(long_scenario(lm.tokenizer, TOKENS), ["refund_policy"])
-    fidelity = compare(lm, scenario, SkillStore(), seam=1)
+    fidelity = compare(lm, scenario, SkillStore())
     figure = deviation_figure(fidelity)
     (heatmap,) = figure.data
     deviation = fidelity.deviation.float().numpy()
