@@ -135,7 +135,7 @@ def keystone_figure(report: KeystoneReport, band: float = 0.15) -> go.Figure:
                "subtitle": {"text": f"oracle − stale margin {report.delta_margin:+.2f}; stale margin composed {stale[0]:+.2f} vs recomputed {stale[1]:+.2f}"
                                     + (f"; no recovery for: {', '.join(safe_label(n) for n in skipped)}" if skipped else "")}},
         xaxis={"title": "recovery on the recomputed cache", "range": [low, high]},
-        yaxis={"title": "recovery on the composed cache", "range": [low, high], "scaleanchor": "x"},
+        yaxis={"title": "recovery on the composed cache", "range": [low, high]},
         height=460, margin={"l": 60, "r": 20, "t": 90, "b": 60}, legend={"orientation": "h", "y": -0.18},
     )
     return figure
