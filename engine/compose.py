@@ -238,10 +238,6 @@ class Spliced:
     recomputed_tokens: int
     skill_tokens: int
 
-    @property
-    def recomputed_fraction(self) -> float:
-        return self.recomputed_tokens / max(self.skill_tokens, 1)
-
 
 def splice_prompt(
     lm: LoadedModel,
