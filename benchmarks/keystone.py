@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> dict:
     for text in tqdm(args.remedies.split(","), desc="remedies"):
         report = keystone(lm, scenario, store, remedy=Remedy.parse(text))
         rows[text] = report.as_dict()
-        gaps = {name: gap for name, gap in report.recovery_gaps().items() if gap is not None and name not in ("stale", "oracle")}
+        gaps = {name: gap for name, gap in report.recovery_gaps().items() if gap is not None}
         print(f"{text:22s} Δmargin {report.delta_margin:+.3f}  max |gap| {rows[text]['max_recovery_gap']}  "
               + "  ".join(f"{name} {gap:+.2f}" for name, gap in gaps.items()))
     data = {"scenario": scenario.name, "remedies": rows}

@@ -28,9 +28,12 @@ class KeystoneReport:
         return self.recomputed.oracle.decision.margin - self.recomputed.stale.decision.margin
 
     def recovery_gaps(self) -> dict[str, float | None]:
-        """Per applicable strategy, composed − recomputed recovery (None where either is undefined)."""
+        """Per applicable strategy (the stale and oracle references left out), composed − recomputed recovery
+        (None where either is undefined)."""
         gaps = {}
         for name, composed in self.composed.strategies.items():
+            if name in ("stale", "oracle"):
+                continue
             recomputed = self.recomputed.strategies[name]
             if composed.applicable and recomputed.applicable:
                 a, b = composed.recovery.value, recomputed.recovery.value

@@ -114,7 +114,7 @@ def keystone_figure(report: KeystoneReport, band: float = 0.15) -> go.Figure:
     """The paper's diagonal: each applicable strategy's recovery on the composed (spliced) cache against the same
     strategy on the recomputed cache; points on the diagonal mean composing changes nothing, the band is ±``band``."""
     gaps = report.recovery_gaps()
-    names = [name for name, gap in gaps.items() if gap is not None and name not in ("stale", "oracle")]
+    names = [name for name, gap in gaps.items() if gap is not None]
     x = [report.recomputed.strategies[name].recovery.value for name in names]
     y = [report.composed.strategies[name].recovery.value for name in names]
     low, high = min([0.0, *x, *y]) - 0.1, max([1.0, *x, *y]) + 0.1
@@ -128,7 +128,7 @@ def keystone_figure(report: KeystoneReport, band: float = 0.15) -> go.Figure:
         hovertext=[f"{safe_label(name)}: recomputed {a:.3f}, composed {b:.3f} (gap {b - a:+.3f})" for name, a, b in zip(names, x, y)],
         hoverinfo="text",
     )
-    skipped = [name for name in report.composed.strategies if name not in names and name not in ("stale", "oracle")]
+    skipped = [name for name in gaps if name not in names]
     stale = report.composed.stale.decision.margin, report.recomputed.stale.decision.margin
     figure.update_layout(
         title={"text": f"Keystone: editing {safe_label(report.field)} inside a spliced skill (remedy {safe_label(report.remedy.name)})",
