@@ -350,15 +350,23 @@ class ComposeView:
 
 def remedy_info() -> str:
     """What the default remedy costs and buys, from the stored N-skill study when there is one (plain text)."""
-    grammar = ("Parts joined by +: prefix (compile after the scenario's system prompt), seam:N, aggregators, deviation:F, causal:F "
+    grammar = ("Parts joined by +: prefix (compile after the scenario's system prompt), seam:N, aggregators, blend:F (CacheBlend: the "
+               "fraction F of skill tokens whose layer-1 K/V deviate most from a one-layer fresh prefill), deviation:F, causal:F "
                "(the last two rank against the full recompute: diagnostics).")
     stored = sorted(RESULTS_DIR.glob("compose_many-*.json"))
-    row = json.loads(stored[0].read_text())["summary"].get(DEFAULT_REMEDY.name) if stored else None
+    summary = json.loads(stored[0].read_text())["summary"] if stored else {}
+    row = summary.get(DEFAULT_REMEDY.name)
     if not row:
         return f"Default {DEFAULT_REMEDY.name}. {grammar}"
-    return (f"Default {DEFAULT_REMEDY.name}: in the stored N-skill study ({stored[0].stem}) it agrees on {row['agree_decisive']} of "
-            f"{row['decisive']} decisive cases, recomputes {row['recomputed_fraction']:.1%} of skill tokens, TTFT ×{row['speedup']['median']:.2f} "
-            f"vs a full recompute (median). {grammar}")
+
+    def costs(name: str, row: dict) -> str:
+        return (f"{name} agrees on {row['agree_decisive']} of {row['decisive']} decisive cases, recomputes {row['recomputed_fraction']:.1%} "
+                f"of skill tokens, TTFT ×{row['speedup']['median']:.2f} vs a full recompute (median)")
+
+    deployable = {name: other for name, other in summary.items() if not other["needs_reference"] and other["speedup"]}
+    fastest = max(deployable, key=lambda name: deployable[name]["speedup"]["median"])
+    faster = f" Fastest: {costs(fastest, deployable[fastest])}." if fastest != DEFAULT_REMEDY.name else ""
+    return f"Default: in the stored N-skill study ({stored[0].stem}) {costs(DEFAULT_REMEDY.name, row)}.{faster} {grammar}"
 
 
 def remedy_of(text: str | None) -> Remedy:
@@ -475,7 +483,8 @@ def benchmark_results() -> dict[str, dict]:
 
 
 def benchmark_figures_for(results: dict[str, dict]) -> list[go.Figure]:
-    """A figure per known result kind (TTFT, edit latency, prefill, serving, agent policies, soak)."""
+    """A figure per known result kind (TTFT, edit latency, prefill, serving, agent policies, soak, N-skill study,
+    cache reuse)."""
     builders = {
         "ttft": lambda data: benchmark_figures.ttft_figure(data["rows"], title=f"TTFT: splice vs full ({data['model']}, {data['device']})"),
         "edit": benchmark_figures.edit_latency_figure,
@@ -484,6 +493,7 @@ def benchmark_figures_for(results: dict[str, dict]) -> list[go.Figure]:
         "agent": benchmark_figures.agent_policy_figure,
         "soak": benchmark_figures.soak_figure,
         "compose_many": compose_figures.study_figure,
+        "cache_reuse": benchmark_figures.cache_reuse_figure,
     }
     figures = []
     for stem, data in results.items():

@@ -430,7 +430,7 @@ def _benchmarks_tab(page: Page) -> None:
         gr.Markdown("Results written by the scripts under `benchmarks/` (JSON in `benchmarks/results/`).")
         bench_refresh = gr.Button("Show stored results", elem_id="bench-refresh")
         bench_quick = gr.Button("Run a quick TTFT check live (2 lengths)", elem_id="bench-quick")
-        bench_plots = [gr.Plot(visible=False) for _ in range(10)]
+        bench_plots = [gr.Plot(visible=False) for _ in range(12)]
         bench_json = gr.JSON(label="Results")
 
     def show_benchmarks(results):

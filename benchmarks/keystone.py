@@ -21,7 +21,8 @@ from engine.keystone import keystone
 from engine.scenario import Scenario, bundled_scenarios
 from engine.skills import SkillStore
 
-REMEDIES = ("seam:1", "seam:8", "seam:32", "aggregators", "seam:8+aggregators", "prefix+seam:1")
+REMEDIES = ("seam:1", "seam:8", "seam:32", "aggregators", "seam:8+aggregators", "prefix+seam:1", "blend:0.3", "prefix+seam:1+blend:0.15",
+            "prefix+seam:1+blend:0.3", "prefix+seam:1+blend:0.7")
 
 
 def main(argv: list[str] | None = None) -> dict:

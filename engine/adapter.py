@@ -35,6 +35,7 @@ class ForwardPlan:
     capture_rows: torch.Tensor | None = None  # query rows whose attention probabilities are kept
     use_sdpa: bool = True
     attentions: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (H, rows, K) probabilities
+    stop_layer: int | None = None  # the forward ends once this layer has cached its K/V
 
     def mask_for(self, layer: int, sliding_window: int | None, dtype: torch.dtype, chunk: int | None = None) -> torch.Tensor:
         """Additive mask (1, H or 1, Q, K) for one layer: visibility, window or attention chunk, knockouts."""
@@ -90,8 +91,14 @@ def _retuned_query(module: torch.nn.Module, query: torch.Tensor, plan: ForwardPl
     return (query.float() * ratio[:, None]).to(query.dtype)
 
 
+class _StoppedEarly(Exception):
+    """Ends a forward whose plan asks for the K/V of its first layers only."""
+
+
 def _kvscope_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     plan = _ACTIVE_PLAN.get()
+    if plan is not None and plan.stop_layer == module.layer_idx:
+        raise _StoppedEarly  # this layer's K/V are already in the cache
     use_sdpa = plan.use_sdpa if plan is not None else module.config._kvscope_use_sdpa
     if plan is not None:
         query = _retuned_query(module, query, plan)
@@ -236,3 +243,33 @@ def forward(
         attentions=plan.attentions,
         hidden_states=tuple(h[0] for h in output.hidden_states) if hidden_states else None,
     )
+
+
+def prefill_layer_kv(model: PreTrainedModel, input_ids: torch.Tensor, positions: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys (RoPE applied) and values that a causal prefill of ``input_ids`` at ``positions`` caches at
+    ``layer``, (1, kv_heads, T, head_dim) each, running only the layers up to it (CacheBlend's cheap check of
+    which reused entries deviate from a fresh prefill)."""
+    layers = model.config.get_text_config().num_hidden_layers
+    if not 0 <= layer < layers:
+        raise KVScopeError(f"layer {layer} is outside the model's {layers} layers")
+    install(model)
+    count = len(input_ids)
+    plan = ForwardPlan(
+        allowed=torch.ones(count, count, dtype=torch.bool, device=input_ids.device).tril(),
+        query_positions=positions,
+        key_positions=positions,
+        use_sdpa=model.config._kvscope_use_sdpa,
+        stop_layer=layer,
+    )
+    cache = DynamicCache()
+    token = _ACTIVE_PLAN.set(plan)
+    try:
+        with torch.no_grad():
+            model(input_ids=input_ids[None], position_ids=positions[None], attention_mask=plan.mask_for(-1, None, model.dtype),
+                  cache=cache, use_cache=True, logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device))
+    except _StoppedEarly:
+        return cache.layers[layer].keys, cache.layers[layer].values
+    finally:
+        _ACTIVE_PLAN.reset(token)
+    raise KVScopeError(f"{type(model).__name__} never reached layer {layer}'s attention")
+

@@ -5,10 +5,12 @@ A scenario places skills with ``{skill:ID}`` placeholders. The *recomputed* path
 their new positions, values unchanged). A :class:`Remedy` says how the spliced skills are repaired: skills
 compiled after the target's own system prompt (``prefix``), the first ``seam`` tokens of each skill recomputed
 against the real prefix (seam repair), and a further selection of skill tokens recomputed — every aggregator
-token (punctuation and line breaks, where models write notes), or the top ``fraction`` ranked against the
-recomputed cache by K/V deviation (CacheBlend-style) or by causal effect on the decision (attribution
-patching). The two ranked selections need the full recompute they are compared with: diagnostics of how
-much a perfect ranking buys, not remedies a server could run.
+token (punctuation and line breaks, where models write notes), or the top ``fraction`` of a ranking:
+``blend`` ranks by how far a token's spliced K/V at layer 1 sit from a fresh prefill run through that layer
+only (CacheBlend's selection: a server can run it), ``deviation`` by K/V deviation from the full recompute
+at every layer and ``causal`` by causal effect on the decision (attribution patching). These last two need
+the full recompute they are compared with: diagnostics of how much a perfect ranking buys, not remedies a
+server could run.
 Cost: splice is O(L) per skill instead of O(L·context) attention and MLP work, plus what the remedy recomputes.
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ from engine.decision import Decision, DecisionMatch, logit_agreement
 from engine.loaded import LoadedModel
 from engine.notebook import KVBlock, Notebook, NotebookError
 from engine.patching import attribution_effects, kv_deviation, kv_relative_deviation
+from engine.rope import RopeUnsupported, Rotary
 from engine.runs import render_for
 from engine.scenario import RenderedPrompt, Scenario, ScenarioError, Skill, Span, bundled_skills, is_aggregator
 
@@ -123,8 +126,10 @@ def adhoc_scenario(skill_ids: Sequence[str], library: Mapping | None = None) -> 
     return dataclasses.replace(composed, context=composed.context.strip())
 
 
-SELECTIONS = ("aggregators", "deviation", "causal")
-RANKED_SELECTIONS = ("deviation", "causal")  # ranked against the recomputed cache
+SELECTIONS = ("aggregators", "blend", "deviation", "causal")
+RANKED_SELECTIONS = ("blend", "deviation", "causal")  # the top fraction of a ranking
+REFERENCE_SELECTIONS = ("deviation", "causal")  # ranked against the recomputed cache
+BLEND_LAYER = 1  # CacheBlend's check layer: the first whose K/V depend on other tokens
 
 
 @dataclass(frozen=True)
@@ -148,7 +153,8 @@ class Remedy:
 
     @classmethod
     def parse(cls, text: str) -> "Remedy":
-        """From ``part+part``: ``prefix``, ``seam:N``, ``aggregators``, ``deviation:F``, ``causal:F`` (or ``splice``)."""
+        """From ``part+part``: ``prefix``, ``seam:N``, ``aggregators``, ``blend:F``, ``deviation:F``, ``causal:F``
+        (or ``splice``)."""
         options: dict = {}
         for part in (p.strip() for p in text.split("+")):
             name, _, argument = part.partition(":")
@@ -166,20 +172,20 @@ class Remedy:
                 else:
                     raise ValueError(part)
             except ValueError:
-                raise ScenarioError(f"remedy part {part!r} not understood; write e.g. prefix+seam:1, aggregators, deviation:0.15 "
-                                    "or causal:0.1, joined by +") from None
+                raise ScenarioError(f"remedy part {part!r} not understood; write e.g. prefix+seam:1, aggregators, blend:0.3, "
+                                    "deviation:0.15 or causal:0.1, joined by +") from None
         return cls(**options)
 
     @property
     def needs_reference(self) -> bool:
         """Whether the selection is ranked against the recomputed cache (a diagnostic, not deployable)."""
-        return self.select in RANKED_SELECTIONS
+        return self.select in REFERENCE_SELECTIONS
 
     def require_deployable(self, user: str) -> "Remedy":
         """This remedy, refused when it ranks against a full recompute that ``user`` does not have."""
         if self.needs_reference:
             raise ScenarioError(f"remedy {self.name!r} ranks tokens against a full recompute; {user} needs a deployable one "
-                                "(prefix, seam:N, aggregators)")
+                                "(prefix, seam:N, aggregators, blend:F)")
         return self
 
     @property
@@ -187,7 +193,7 @@ class Remedy:
         """The spec :meth:`parse` reads back."""
         parts = (["prefix"] if self.prefix else []) + ([f"seam:{self.seam}"] if self.seam else [])
         if self.select:
-            parts.append(f"{self.select}:{self.fraction:g}" if self.needs_reference else self.select)
+            parts.append(f"{self.select}:{self.fraction:g}" if self.select in RANKED_SELECTIONS else self.select)
         return "+".join(parts) or "splice"
 
     def as_dict(self) -> dict:
@@ -196,8 +202,8 @@ class Remedy:
 
 
 # The best deployable remedy of the N-skill study on the embedded model (benchmarks/results/compose_many-*.json):
-# as many decisive decisions kept as any deployable remedy, the smallest margin error, 0.3% of skill tokens recomputed.
-DEFAULT_REMEDY = Remedy(seam=1, prefix=True)
+# the only one keeping every decisive decision (35/35), the smallest margin error; it recomputes 70% of skill tokens.
+DEFAULT_REMEDY = Remedy(seam=1, prefix=True, select="blend", fraction=0.7)
 
 
 def _skill_blocks(lm: LoadedModel, scenario: Scenario, prompt: RenderedPrompt, store, remedy: Remedy) -> list[tuple[str, Span, KVBlock]]:
@@ -229,6 +235,25 @@ def _assemble(lm: LoadedModel, prompt: RenderedPrompt, placed, seam: int, recomp
     return notebook
 
 
+def _blend_ranking(lm: LoadedModel, prompt: RenderedPrompt, placed, candidates: Sequence[int]) -> list[int]:
+    """Candidate skill positions, largest first, by how far their spliced K/V at :data:`BLEND_LAYER` sit from a
+    fresh prefill's (‖Δk‖ + ‖Δv‖ summed over heads); the prefill runs only the layers up to that one."""
+    layer = min(BLEND_LAYER, len(placed[0][2].keys) - 1)
+    try:
+        rotary = Rotary.for_model(lm.model)
+    except RopeUnsupported as error:
+        raise NotebookError(f"cannot splice skills: {error}") from error
+    fresh_keys, fresh_values = Notebook.prefill_layer(lm, prompt.context_ids, layer)
+    score: dict[int, float] = {}
+    for _, span, block in placed:
+        deltas = torch.full((len(block),), span.start - block.start_position, dtype=torch.long)
+        keys, values = rotary.move(block.keys[: layer + 1], block.values[: layer + 1], deltas)
+        fresh = slice(span.start, span.end)
+        distance = (keys[layer] - fresh_keys[:, :, fresh]).float().norm(dim=-1) + (values[layer] - fresh_values[:, :, fresh]).float().norm(dim=-1)
+        score.update(zip(range(span.start, span.end), distance[0].sum(0).tolist()))
+    return sorted(candidates, key=lambda position: -score[position])
+
+
 @dataclass(frozen=True)
 class Spliced:
     """A context built with its skills spliced, and how many skill tokens the remedy recomputed."""
@@ -258,14 +283,17 @@ def splice_prompt(
     if remedy.select == "aggregators":
         texts = lm.tokenizer.batch_decode([[prompt.context_ids[p]] for p in candidates])
         chosen = {p for p, text in zip(candidates, texts) if is_aggregator(text)}
-    elif remedy.needs_reference and candidates:
-        first = _assemble(lm, prompt, placed, remedy.seam, set())
+    elif remedy.select in RANKED_SELECTIONS and candidates:
         count = min(len(candidates), max(1, round(remedy.fraction * len(candidates))))
-        if remedy.select == "deviation":
-            chosen = set(kv_deviation(first, reference, candidates).top_positions(count))
+        if remedy.select == "blend":
+            chosen = set(_blend_ranking(lm, prompt, placed, candidates)[:count])
         else:
-            gap = reference.read_prompt(prompt, answer_texts=scenario.answers).margin - first.read_prompt(prompt, answer_texts=scenario.answers).margin
-            chosen = set(attribution_effects(first, reference, prompt, candidates).top_positions(count, gap))
+            first = _assemble(lm, prompt, placed, remedy.seam, set())
+            if remedy.select == "deviation":
+                chosen = set(kv_deviation(first, reference, candidates).top_positions(count))
+            else:
+                gap = reference.read_prompt(prompt, answer_texts=scenario.answers).margin - first.read_prompt(prompt, answer_texts=scenario.answers).margin
+                chosen = set(attribution_effects(first, reference, prompt, candidates).top_positions(count, gap))
     notebook = _assemble(lm, prompt, placed, remedy.seam, chosen)
     return Spliced(notebook, remedy, len(seams) + len(chosen), sum(len(span) for _, span, _ in placed))
 

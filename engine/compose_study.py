@@ -17,8 +17,8 @@ from engine.loaded import LoadedModel
 from engine.progress import StepProgress
 from engine.scenario import Scenario
 
-REMEDIES = ("splice", "seam:1", "prefix+seam:1", "seam:1+aggregators", "prefix+seam:1+aggregators", "deviation:0.3", "deviation:0.5",
-            "causal:0.15", "causal:0.3")
+REMEDIES = ("splice", "seam:1", "prefix+seam:1", "seam:1+aggregators", "prefix+seam:1+aggregators", "blend:0.3", "prefix+seam:1+blend:0.15",
+            "prefix+seam:1+blend:0.3", "prefix+seam:1+blend:0.5", "prefix+seam:1+blend:0.7", "deviation:0.5", "causal:0.15")
 
 
 @dataclass(frozen=True)

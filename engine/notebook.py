@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.budget import forward_token_limit
+from engine import adapter
+from engine.budget import compute_slot, forward_token_limit
 from engine.decision import Decision, answer_logprob, decide, decision_margin, label_scores
 from engine.errors import NotebookError
 from engine.fused import (
@@ -131,6 +132,14 @@ class Notebook:
             if progress:
                 progress(end, len(ids))
         return dataclass_replace(notebook, log=(f"prefill {len(ids)} tokens" + (f" in chunks of {step}" if chunk_size else ""),))
+
+    @staticmethod
+    def prefill_layer(lm: LoadedModel, token_ids: Sequence[int], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values a fresh prefill of ``token_ids`` (from position 0) stores at ``layer``, running only
+        the layers up to it; nothing is kept."""
+        with compute_slot(len(token_ids)):
+            return adapter.prefill_layer_kv(lm.model, torch.tensor(list(token_ids), dtype=torch.long, device=lm.device),
+                                            torch.arange(len(token_ids), device=lm.device), layer)
 
     @classmethod
     def from_prompt(cls, lm: LoadedModel, prompt: RenderedPrompt, **kwargs) -> "Notebook":

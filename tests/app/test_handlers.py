@@ -96,8 +96,24 @@ def test_compose_reports_fidelity(registry):
     assert "margin error" in view.metrics_markdown and moved.summary["remedy"]["prefix"]
     ranked = handlers.run_compose(registry, None, ["account_gate"], "", "", None, "deviation:0.5")
     assert "no TTFT saving in deployment" in ranked.metrics_markdown
-    with pytest.raises(AppError, match="'blend:1' not understood"):
-        handlers.run_compose(registry, None, ["account_gate"], "", "", None, "blend:1")
+    with pytest.raises(AppError, match="'mix:1' not understood"):
+        handlers.run_compose(registry, None, ["account_gate"], "", "", None, "mix:1")
+
+
+def test_remedy_info_states_the_default_and_the_fastest_from_the_stored_study(tmp_path, monkeypatch):
+    from engine.compose import DEFAULT_REMEDY
+
+    def row(agree, fraction, speedup, ranked=False):
+        return {"agree_decisive": agree, "decisive": 35, "recomputed_fraction": fraction, "speedup": {"median": speedup}, "needs_reference": ranked}
+
+    summary = {DEFAULT_REMEDY.name: row(35, 0.7, 1.2), "splice": row(32, 0.0, 5.8), "causal:0.15": row(34, 0.15, 9.0, ranked=True)}
+    (tmp_path / "compose_many-x-cpu.json").write_text(json.dumps({"summary": summary}))
+    monkeypatch.setattr(handlers, "RESULTS_DIR", tmp_path)
+    info = handlers.remedy_info()
+    assert f"{DEFAULT_REMEDY.name} agrees on 35 of 35 decisive cases, recomputes 70.0% of skill tokens, TTFT ×1.20" in info
+    assert "Fastest: splice agrees on 32 of 35" in info and "causal:0.15 agrees" not in info and "blend:F" in info
+    monkeypatch.setattr(handlers, "RESULTS_DIR", tmp_path / "none")
+    assert handlers.remedy_info().startswith(f"Default {DEFAULT_REMEDY.name}. Parts joined by +")
 
 
 def test_keystone_and_study_panels(registry):

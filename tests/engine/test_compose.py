@@ -6,6 +6,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine.compose import Remedy, adhoc_scenario, compare, splice_prompt, with_skills
+from engine.errors import KVScopeError
 from engine.keystone import keystone
 from engine.memory import memory_placement
 from engine.notebook import Notebook, NotebookError
@@ -58,7 +59,7 @@ def test_seam_repair_never_hurts_much_and_whole_selections_equal_prefill(lm, sto
     scenario = adhoc_scenario(SHORT)
     cosines = [compare(lm, scenario, store, remedy=Remedy(seam=seam)).agreement["cosine"] for seam in (0, 4, 10_000)]
     assert cosines[-1] == pytest.approx(1.0, abs=1e-6) and cosines[0] < 1.0
-    for select in ("deviation", "causal"):
+    for select in ("blend", "deviation", "causal"):
         whole = compare(lm, scenario, store, remedy=Remedy(select=select, fraction=1.0))
         assert whole.recomputed_tokens == whole.skill_tokens and whole.agreement["cosine"] == pytest.approx(1.0, abs=1e-6)
         assert float(whole.deviation.max()) < 1e-4
@@ -172,10 +173,12 @@ def test_composer_text_is_literal_even_when_it_names_a_skill():
 
 
 def test_remedy_specs_round_trip_and_refuse_nonsense():
-    for text in ("splice", "seam:1", "prefix+seam:4", "seam:1+aggregators", "prefix+deviation:0.15", "causal:0.3"):
+    for text in ("splice", "seam:1", "prefix+seam:4", "seam:1+aggregators", "seam:1+blend:0.3", "prefix+deviation:0.15", "causal:0.3"):
         assert Remedy.parse(Remedy.parse(text).name) == Remedy.parse(text)
     assert Remedy.parse("prefix+seam:2") == Remedy(seam=2, prefix=True) and Remedy.parse("causal:0.3").needs_reference
-    for bad, match in (("seam:x", "'seam:x' not understood"), ("blend:0.2", "'blend:0.2' not understood"), ("seam:-1", "seam must be ≥ 0"),
+    assert not Remedy.parse("blend:0.3").needs_reference and Remedy.parse("blend:0.3").require_deployable("the keystone")
+    for bad, match in (("seam:x", "'seam:x' not understood"), ("mix:0.2", "'mix:0.2' not understood"), ("seam:-1", "seam must be ≥ 0"),
+                       ("blend", "'blend' not understood.*blend:0.3"),
                        ("deviation:0", r"fraction within \(0, 1\]"), ("deviation:1.5", r"fraction within \(0, 1\]")):
         with pytest.raises(ScenarioError, match=match):
             Remedy.parse(bad)
@@ -218,6 +221,29 @@ def test_ranked_selection_needs_the_reference_and_keeps_its_budget(lm, store):
     assert built.recomputed_tokens == round(0.2 * built.skill_tokens)
 
 
+def test_layer_prefill_stops_with_the_keys_and_values_of_a_full_prefill(lm):
+    ids = render(adhoc_scenario(SHORT), lm.tokenizer).context_ids
+    full = Notebook.prefill(lm, ids)
+    for layer in (0, 1):
+        keys, values = Notebook.prefill_layer(lm, ids, layer)
+        assert torch.allclose(keys, full.keys[layer], atol=1e-5) and torch.allclose(values, full.values[layer], atol=1e-5)
+    with pytest.raises(KVScopeError, match="outside the model's"):
+        Notebook.prefill_layer(lm, ids, 99)
+
+
+def test_blend_recomputes_the_moved_skill_before_the_one_already_in_place(lm, store):
+    """The first skill sits where it was compiled (no deviation at the check layer): CacheBlend's ranking,
+    with a budget the size of the second skill, recomputes exactly the second one, without any reference."""
+    scenario = adhoc_scenario(SHORT)
+    prompt = render(scenario, lm.tokenizer)
+    second = prompt.skill_spans[SHORT[1]]
+    fraction = len(second) / sum(len(span) for span in prompt.skill_spans.values())
+    built = splice_prompt(lm, scenario, prompt, store, Remedy(select="blend", fraction=fraction))
+    assert built.recomputed_tokens == len(second)
+    reference = Notebook.from_prompt(lm, prompt)
+    assert built.notebook.read_prompt(prompt).next_token_logits.allclose(reference.read_prompt(prompt).next_token_logits, atol=1e-4)
+
+
 def test_skills_placed_after_the_fields_sit_between_fields_and_rules():
     base = Scenario.load(bundled_scenarios()["refund_gate"])
     context = with_skills(base, SHORT, "after_fields").context
@@ -243,9 +269,9 @@ def test_decision_match_counts_agreement_only_when_decisive():
 
 def test_keystone_on_a_moved_skill_reports_recovery_gaps(lm, store):
     scenario = Scenario.load(bundled_scenarios()["keystone_safety"])
-    report = keystone(lm, scenario, store, remedy=Remedy.parse("prefix+seam:1"), strategies=("field_only", "erratum"))
+    report = keystone(lm, scenario, store, remedy=Remedy.parse("prefix+seam:1+blend:0.3"), strategies=("field_only", "erratum"))
     data = report.as_dict()
-    assert data["remedy"] == "prefix+seam:1" and data["delta_margin"] == pytest.approx(report.delta_margin, abs=1e-4)
+    assert data["remedy"] == "prefix+seam:1+blend:0.3" and data["delta_margin"] == pytest.approx(report.delta_margin, abs=1e-4)
     gaps = report.recovery_gaps()
     assert set(gaps) >= {"field_only", "erratum"}
     defined = [abs(g) for g in gaps.values() if g is not None]

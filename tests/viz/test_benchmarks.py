@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from viz.benchmarks import edit_latency_figure, prefill_figure, serving_figure, ttft_figure
+from viz.benchmarks import cache_reuse_figure, edit_latency_figure, prefill_figure, serving_figure, ttft_figure
 
 
 def test_edit_latency_one_line_per_strategy_with_gaps_for_not_applicable():
@@ -50,3 +50,20 @@ def test_serving_per_variant_ttft_quantiles_throughput_and_hit_rate():
 def test_ttft_figure_is_unchanged():
     rows = [{"skill_tokens": 256, "full_ms": 10.0, "splice_ms": 2.0, "speedup": 5.0}]
     assert len(ttft_figure(rows).data) == 3
+
+
+def test_cache_reuse_points_are_the_numbers_per_engine_arm_and_case():
+    def row(kl, error, evaluated):
+        return {"kl": kl, "margin_error": error, "evaluated_tokens": evaluated, "clean_evaluated_tokens": 400}
+
+    data = {"model": "tiny", "device": "cpu", "cases": [
+        {"case": "moved", "scenario": "A <b>", "llama_cpp": {"reuse": row(0.2, -0.5, 8)}, "kvscope": {"move, seam 4": row(0.01, 0.1, 12)}},
+        {"case": "edit", "scenario": "B", "llama_cpp": {"reuse": row(0.0, 0.0, 300)}, "kvscope": {"erratum": row(0.3, 0.4, 20)}},
+    ]}
+    figure = cache_reuse_figure(data)
+    moved_kl, moved_error, moved_share, edit_kl = figure.data[0], figure.data[1], figure.data[2], figure.data[3]
+    assert list(moved_kl.y) == ["llama.cpp: reuse", "KVScope: move, seam 4"] and list(moved_kl.x) == [0.2, 0.01]
+    assert list(moved_error.x) == [0.5, 0.1] and list(moved_share.x) == pytest.approx([0.02, 0.03])
+    assert list(edit_kl.x) == [1e-7, 0.3] and edit_kl.marker.symbol == "diamond" and list(edit_kl.y) == ["llama.cpp: reuse", "KVScope: erratum"]
+    assert "&lt;b&gt;" in moved_kl.text[0] and figure.layout.xaxis.type == "log"
+    json.loads(figure.to_json())
