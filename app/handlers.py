@@ -351,7 +351,7 @@ class ComposeView:
 def remedy_info() -> str:
     """What the default remedy costs and buys, from the stored N-skill study when there is one (plain text)."""
     grammar = ("Parts joined by +: prefix (compile after the scenario's system prompt), seam:N, aggregators, blend:F (CacheBlend: the "
-               "fraction F of skill tokens whose layer-1 K/V deviate most from a one-layer fresh prefill), deviation:F, causal:F "
+               "fraction F of skill tokens whose layer-1 K/V deviate most from a fresh prefill run through layers 0–1 only), deviation:F, causal:F "
                "(the last two rank against the full recompute: diagnostics).")
     stored = sorted(RESULTS_DIR.glob("compose_many-*.json"))
     summary = json.loads(stored[0].read_text())["summary"] if stored else {}

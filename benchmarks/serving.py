@@ -171,6 +171,25 @@ def free_loopback_port() -> int:
         return probe.getsockname()[1]
 
 
+def wait_until_ready(process: subprocess.Popen, url: str, name: str, log_path: Path, timeout_s: float = _STARTUP_TIMEOUT_S) -> None:
+    """Poll ``url`` until it answers 200; a RuntimeError with the log's last lines if the process exits first or
+    ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(trust_env=False, timeout=5.0) as client:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                break
+            try:
+                if client.get(url).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+    tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
+    state = f"exited ({process.returncode})" if process.poll() is not None else f"not ready after {timeout_s:g} s"
+    raise RuntimeError(f"{name} {state}:\n{tail}")
+
+
 def llama_cpp_counters(log: str) -> CacheCounters:
     """Prompt tokens reused and looked up, summed over the completions in a llama-cpp-python server log.
 
@@ -233,26 +252,12 @@ class LlamaCppServer:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         with self.log_path.open("wb") as log:
             self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        self._wait_ready()
+        try:
+            wait_until_ready(self._process, f"{self.base_url}/v1/models", "llama.cpp server", self.log_path)
+        except RuntimeError:
+            self.__exit__(None, None, None)
+            raise
         return self
-
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
-        with httpx.Client(trust_env=False, timeout=5.0) as client:
-            while time.monotonic() < deadline:
-                if self._process.poll() is not None:
-                    raise RuntimeError(f"llama.cpp server exited ({self._process.returncode}):\n{self._log_tail()}")
-                try:
-                    if client.get(f"{self.base_url}/v1/models").status_code == 200:
-                        return
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.5)
-        self.__exit__(None, None, None)
-        raise RuntimeError(f"llama.cpp server not ready after {_STARTUP_TIMEOUT_S} s:\n{self._log_tail()}")
-
-    def _log_tail(self) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-20:])
 
     def __exit__(self, *exc: object) -> None:
         if self._process is not None and self._process.poll() is None:

@@ -277,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--remedy", default=DEFAULT_REMEDY.name,
                              help="repair of spliced skills, parts joined by +: prefix (compile after the scenario's system prompt), "
                                   "seam:N (first N tokens of each skill), aggregators, blend:F (top fraction F by layer-1 K/V deviation "
-                                  "from a one-layer fresh prefill, CacheBlend), deviation:F or causal:F (top fraction F ranked "
+                                  "from a fresh prefill of layers 0–1, CacheBlend), deviation:F or causal:F (top fraction F ranked "
                                   "against the full recompute; compose only)")
         if name == "memory":
             sub.add_argument("--seam", type=int, default=1, help="seam repair: recompute the first K tokens of each skill")

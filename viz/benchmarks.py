@@ -143,26 +143,29 @@ def agent_policy_figure(data: dict) -> go.Figure:
 
 def cache_reuse_figure(data: dict) -> go.Figure:
     """llama.cpp's shift-only reuse vs KVScope's arms (``cache_reuse-*.json``): per arm and case, KL from the
-    engine's own clean prefill (log axis), |first-token margin error| and the share of the clean prefill's prompt
-    tokens the engine evaluated; moved cases are circles, edit cases diamonds."""
+    engine's own clean prefill (log axis), |margin error| where the answers first differ and the share of the clean
+    prefill's prompt tokens the engine evaluated; colour = engine, circles = moved cases, diamonds = edit cases."""
     figure = make_subplots(rows=1, cols=3, horizontal_spacing=0.1,
-                           subplot_titles=("KL(clean ‖ state)", "|margin error| (first answer token)", "prompt tokens evaluated / clean"))
-    arms = list(dict.fromkeys((engine, arm) for case in data["cases"] for engine in ("llama_cpp", "kvscope") for arm in case[engine]))
-    labels = [f"{'llama.cpp' if engine == 'llama_cpp' else 'KVScope'}: {safe_label(arm)}" for engine, arm in arms]
-    for kind, symbol in (("moved", "circle"), ("edit", "diamond")):
-        rows = [(label, case, case[engine][arm]) for case in data["cases"] if case["case"] == kind
-                for label, (engine, arm) in zip(labels, arms) if arm in case[engine]]
-        hover = [f"{safe_label(case['scenario'])} ({kind})" for _, case, _ in rows]
-        colours = [PALETTE[1] if label.startswith("llama") else PALETTE[0] for label, _, _ in rows]
-        marker = {"symbol": symbol, "size": 9, "color": colours, "opacity": 0.8}
-        values = ([max(row["kl"], 1e-7) for _, _, row in rows], [abs(row["margin_error"]) for _, _, row in rows],
-                  [row["evaluated_tokens"] / max(row["clean_evaluated_tokens"], 1) for _, _, row in rows])
-        for column, y in enumerate(values, start=1):
-            figure.add_scatter(x=y, y=[label for label, _, _ in rows], mode="markers", marker=marker, text=hover, name=f"{kind} cases",
-                               legendgroup=kind, showlegend=column == 1, hovertemplate="%{text}: %{x:.3g}<extra></extra>", row=1, col=column)
+                           subplot_titles=("KL(clean ‖ state)", "|margin error| where the answers differ", "prompt tokens evaluated / clean"))
+    engines = {"llama_cpp": ("llama.cpp", PALETTE[1]), "kvscope": ("KVScope", PALETTE[0])}
+    arms = list(dict.fromkeys((engine, arm) for case in data["cases"] for engine in engines for arm in case[engine]))
+    label = {(engine, arm): f"{engines[engine][0]}: {safe_label(arm)}" for engine, arm in arms}
+    for engine, (name, colour) in engines.items():
+        for kind, symbol in (("moved", "circle"), ("edit", "diamond")):
+            rows = [(label[engine, arm], case, row) for case in data["cases"] if case["case"] == kind for arm, row in case[engine].items()]
+            if not rows:
+                continue
+            hover = [safe_label(str(case["scenario"])) for _, case, _ in rows]
+            values = ([max(row["kl"], 1e-7) for _, _, row in rows], [abs(row["margin_error"]) for _, _, row in rows],
+                      [row["evaluated_tokens"] / max(row["clean_evaluated_tokens"], 1) for _, _, row in rows])
+            for column, x in enumerate(values, start=1):
+                figure.add_scatter(x=x, y=[arm for arm, _, _ in rows], mode="markers", text=hover, name=f"{name}, {kind} cases",
+                                   marker={"symbol": symbol, "size": 9, "color": colour, "opacity": 0.8}, legendgroup=f"{engine}{kind}",
+                                   showlegend=column == 1, hovertemplate="%{text}: %{x:.3g}<extra></extra>", row=1, col=column)
+    order = [label[arm] for arm in arms][::-1]
     figure.update_xaxes(type="log", row=1, col=1)
-    figure.update_yaxes(categoryorder="array", categoryarray=labels[::-1], showticklabels=False)
+    figure.update_yaxes(categoryorder="array", categoryarray=order, showticklabels=False)
     figure.update_yaxes(showticklabels=True, row=1, col=1)
-    figure.update_layout(title=f"Reusing moved or edited K/V: llama.cpp --cache-reuse vs KVScope{_measured_on(data)}", height=120 + 28 * len(labels),
+    figure.update_layout(title=f"Reusing moved or edited K/V: llama.cpp --cache-reuse vs KVScope{_measured_on(data)}", height=140 + 28 * len(arms),
                          legend={"orientation": "h", "y": -0.12}, template="plotly_white", margin={"l": 260})
     return figure

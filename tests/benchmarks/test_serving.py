@@ -197,3 +197,15 @@ def test_end_to_end_on_llama_cpp_with_smollm2(tmp_path, monkeypatch):
     assert erratum["prefix_hit_rate"] >= 0.8 and in_prefix["prefix_hit_rate"] <= 0.2
     assert saved["correctness"]["pairs"] == runs["erratum"]["completed"]
     assert saved["summary"]["erratum_prefix_hit_rate"] == runs["erratum"]["prefix_hit_rate"]
+
+
+def test_a_server_that_exits_before_it_answers_is_reported_with_its_log(tmp_path):
+    import subprocess
+    import sys
+
+    log = tmp_path / "server.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen([sys.executable, "-c", "print('model file missing'); raise SystemExit(3)"], stdout=out)
+    process.wait()
+    with pytest.raises(RuntimeError, match=r"(?s)test server exited \(3\):.*model file missing"):
+        serving.wait_until_ready(process, f"http://127.0.0.1:{serving.free_loopback_port()}/health", "test server", log, timeout_s=5)

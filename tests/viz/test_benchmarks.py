@@ -61,9 +61,14 @@ def test_cache_reuse_points_are_the_numbers_per_engine_arm_and_case():
         {"case": "edit", "scenario": "B", "llama_cpp": {"reuse": row(0.0, 0.0, 300)}, "kvscope": {"erratum": row(0.3, 0.4, 20)}},
     ]}
     figure = cache_reuse_figure(data)
-    moved_kl, moved_error, moved_share, edit_kl = figure.data[0], figure.data[1], figure.data[2], figure.data[3]
-    assert list(moved_kl.y) == ["llama.cpp: reuse", "KVScope: move, seam 4"] and list(moved_kl.x) == [0.2, 0.01]
-    assert list(moved_error.x) == [0.5, 0.1] and list(moved_share.x) == pytest.approx([0.02, 0.03])
-    assert list(edit_kl.x) == [1e-7, 0.3] and edit_kl.marker.symbol == "diamond" and list(edit_kl.y) == ["llama.cpp: reuse", "KVScope: erratum"]
-    assert "&lt;b&gt;" in moved_kl.text[0] and figure.layout.xaxis.type == "log"
+    names = [trace.name for trace in figure.data if trace.showlegend]
+    assert names == ["llama.cpp, moved cases", "llama.cpp, edit cases", "KVScope, moved cases", "KVScope, edit cases"]
+    llama_moved_kl, llama_moved_error, llama_moved_share = figure.data[:3]
+    assert list(llama_moved_kl.y) == ["llama.cpp: reuse"] and list(llama_moved_kl.x) == [0.2] and list(llama_moved_error.x) == [0.5]
+    assert list(llama_moved_share.x) == pytest.approx([0.02]) and llama_moved_kl.marker.symbol == "circle"
+    llama_edit_kl, kvscope_edit_kl = figure.data[3], figure.data[9]
+    assert list(llama_edit_kl.x) == [1e-7] and llama_edit_kl.marker.symbol == "diamond" and list(kvscope_edit_kl.y) == ["KVScope: erratum"]
+    assert llama_moved_kl.marker.color != kvscope_edit_kl.marker.color
+    assert list(figure.layout.yaxis.categoryarray) == ["KVScope: erratum", "KVScope: move, seam 4", "llama.cpp: reuse"]
+    assert "&lt;b&gt;" in llama_moved_kl.text[0] and figure.layout.xaxis.type == "log"
     json.loads(figure.to_json())
