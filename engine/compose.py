@@ -27,7 +27,7 @@ import torch
 from engine.decision import Decision, DecisionMatch, logit_agreement
 from engine.loaded import LoadedModel
 from engine.notebook import KVBlock, Notebook, NotebookError
-from engine.patching import attribution_effects, kv_deviation, kv_relative_deviation
+from engine.patching import attribution_effects, entry_distance, kv_deviation, kv_relative_deviation
 from engine.rope import RopeUnsupported, Rotary
 from engine.runs import render_for
 from engine.scenario import RenderedPrompt, Scenario, ScenarioError, Skill, Span, bundled_skills, is_aggregator
@@ -237,7 +237,7 @@ def _assemble(lm: LoadedModel, prompt: RenderedPrompt, placed, seam: int, recomp
 
 def _blend_ranking(lm: LoadedModel, prompt: RenderedPrompt, placed, candidates: Sequence[int]) -> list[int]:
     """Candidate skill positions, largest first, by how far their spliced K/V at :data:`BLEND_LAYER` sit from a
-    fresh prefill's (‖Δk‖ + ‖Δv‖ summed over heads); the prefill runs only the layers up to that one."""
+    fresh prefill's (:func:`entry_distance` summed over heads); the prefill runs only the layers up to that one."""
     layer = min(BLEND_LAYER, len(placed[0][2].keys) - 1)
     try:
         rotary = Rotary.for_model(lm.model)
@@ -249,8 +249,8 @@ def _blend_ranking(lm: LoadedModel, prompt: RenderedPrompt, placed, candidates: 
         deltas = torch.full((len(block),), span.start - block.start_position, dtype=torch.long)
         keys, values = rotary.move(block.keys[: layer + 1], block.values[: layer + 1], deltas)
         fresh = slice(span.start, span.end)
-        distance = (keys[layer] - fresh_keys[:, :, fresh]).float().norm(dim=-1) + (values[layer] - fresh_values[:, :, fresh]).float().norm(dim=-1)
-        score.update(zip(range(span.start, span.end), distance[0].sum(0).tolist()))
+        distance = entry_distance(keys[layer][0], values[layer][0], fresh_keys[0, :, fresh], fresh_values[0, :, fresh])
+        score.update(zip(range(span.start, span.end), distance.sum(0).tolist()))
     return sorted(candidates, key=lambda position: -score[position])
 
 

@@ -117,14 +117,19 @@ class KVDistance:
     other_norm: tuple[torch.Tensor, ...]
 
 
+def entry_distance(keys: torch.Tensor, values: torch.Tensor, other_keys: torch.Tensor, other_values: torch.Tensor) -> torch.Tensor:
+    """The one K/V distance: ‖Δk‖ + ‖Δv‖ per head and entry (float32) between two (heads, N, head_dim) sets."""
+    return (other_keys.float() - keys.float()).norm(dim=-1) + (other_values.float() - values.float()).norm(dim=-1)
+
+
 def kv_distance(base: Notebook, other: Notebook, positions: Sequence[int]) -> KVDistance:
-    """The one K/V comparison: per-head distances and norms at ``positions`` (float32)."""
+    """The one K/V comparison of two notebooks: per-head distances and norms at ``positions`` (float32)."""
     mine, theirs = _aligned(base, other, positions)
     delta, base_norm, other_norm = [], [], []
     for key, value, other_key, other_value in zip(base.keys, base.values, other.keys, other.values):
         own_key, own_value = key.index_select(2, mine).float()[0], value.index_select(2, mine).float()[0]
         far_key, far_value = other_key.index_select(2, theirs).float()[0], other_value.index_select(2, theirs).float()[0]
-        delta.append((far_key - own_key).norm(dim=-1) + (far_value - own_value).norm(dim=-1))
+        delta.append(entry_distance(own_key, own_value, far_key, far_value))
         base_norm.append(own_key.norm(dim=-1) + own_value.norm(dim=-1))
         other_norm.append(far_key.norm(dim=-1) + far_value.norm(dim=-1))
     return KVDistance(tuple(delta), tuple(base_norm), tuple(other_norm))
