@@ -16,10 +16,11 @@ Two cases per scenario and field value, every prompt sent to both engines as the
   reuse can only shift chunks that follow a *removed* span, so it re-evaluates everything after the changed
   token; KVScope's field-only edit (the field's K/V alone) and both engines' erratum (append-only) are beside it.
 
-Each state is compared with its own engine's clean prefill of the new prompt (llama-server with prompt caching
-off for that request): KL(clean ‖ state) and top-1/top-5 over the whole vocabulary (llama-server returns
-probabilities for every token, not logits), the first-answer-token margin (the two labels' first tokens, as
-log-prob difference) with its error and, where the clean margin is decisive (≥ 0.25), decision agreement;
+Both engines are read where the answers first differ (their shared leading tokens, e.g. "Decision:", appended to
+the question). Each state is compared with its own engine's clean prefill of the new prompt (llama-server with
+prompt caching off for that request): KL(clean ‖ state) and top-1/top-5 over the whole vocabulary (llama-server
+returns probabilities for every token, not logits), the margin between the two labels' tokens there with its
+error and, where the clean margin is decisive (≥ 0.25), decision agreement;
 prompt tokens the engine evaluated, and its prompt time beside its clean prefill's. KVScope's logit cosine is
 added for its arms. Writes benchmarks/results/cache_reuse-<model>-<device>.json. Single runs: the engines run
 one after the other on the same CPU, and each engine's times are compared only with its own.
