@@ -236,3 +236,12 @@ def test_weight_edits_panel_states_the_trade_off_from_the_numbers(registry):
     assert list(figure.data[1].y) == [erratum["contamination"], data["methods"]["rome"]["contamination"]]
     with pytest.raises(AppError, match="choose at least one method"):
         handlers.run_weight_edits(registry, None, SCENARIO, "order_status", "pending", [], 3, None)
+
+
+def test_every_stored_benchmark_result_of_a_known_kind_gets_a_figure():
+    results = handlers.benchmark_results()
+    figures = handlers.benchmark_figures_for(results)
+    kinds = {"ttft", "edit", "prefill", "serving", "agent", "soak", "compose_many", "cache_reuse"}
+    assert len(figures) == sum(stem.split("-")[0] in kinds for stem in results) <= 12  # the Benchmarks tab's plot slots
+    titles = [figure.layout.title.text for figure in figures]
+    assert any("--cache-reuse vs KVScope" in title for title in titles) and any("Many skills at once" in title for title in titles)
