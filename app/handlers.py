@@ -364,7 +364,7 @@ def remedy_info() -> str:
                 f"of skill tokens, TTFT ×{row['speedup']['median']:.2f} vs a full recompute (median)")
 
     deployable = {name: other for name, other in summary.items() if not other["needs_reference"] and other["speedup"]}
-    fastest = max(deployable, key=lambda name: deployable[name]["speedup"]["median"])
+    fastest = max(deployable, default=DEFAULT_REMEDY.name, key=lambda name: deployable[name]["speedup"]["median"])
     faster = f" Fastest: {costs(fastest, deployable[fastest])}." if fastest != DEFAULT_REMEDY.name else ""
     return f"Default: in the stored N-skill study ({stored[0].stem}) {costs(DEFAULT_REMEDY.name, row)}.{faster} {grammar}"
 

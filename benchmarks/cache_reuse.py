@@ -98,7 +98,7 @@ def fidelity(state: NextToken, clean: NextToken, answer_ids: dict, logits: tuple
         "ms": round(state.ms, 1), "clean_ms": round(clean.ms, 1), "speedup": round(clean.ms / max(state.ms, 1e-6), 2),
     }
     if logits is not None:
-        row["logit_cosine"] = round(float(torch.nn.functional.cosine_similarity(logits[0].float(), logits[1].float(), dim=0)), 6)
+        row["logit_cosine"] = round(logit_agreement(*logits)["cosine"], 6)
     return row
 
 
@@ -158,6 +158,11 @@ def parse_completion(data: dict, vocab: int) -> NextToken:
     return NextToken(logprobs, int(data["timings"]["prompt_n"]), float(data["timings"]["prompt_ms"]))
 
 
+def _same_label(llama: NextToken, kvscope: NextToken, answers: dict) -> bool:
+    """Whether the two engines' clean prefills pick the same label."""
+    return (first_token_margin(llama.logprobs, answers) > 0) == (first_token_margin(kvscope.logprobs, answers) > 0)
+
+
 def _kvscope(function) -> tuple[torch.Tensor, float]:
     """Next-token logits of a KVScope state and the wall time of building and reading it."""
     started = time.perf_counter()
@@ -209,7 +214,7 @@ def moved_case(lm: LoadedModel, server: LlamaServer, scenario: Scenario, values:
         kvscope[f"compiled skill, {remedy.name}"] = fidelity(NextToken.from_logits(logits, evaluated, ms), mine, answers, (logits, clean_logits))
     return {"case": "moved", "scenario": scenario.name, "values": values, "skill": skill_id, "removed": removed.id,
             "moved_by": len(document), "context_tokens": len(context), "llama_cpp": llama, "kvscope": kvscope,
-            "engines_agree_on_clean": (first_token_margin(clean.logprobs, answers) > 0) == (first_token_margin(mine.logprobs, answers) > 0)}
+            "engines_agree_on_clean": _same_label(clean, mine, answers)}
 
 
 def edit_case(lm: LoadedModel, server: LlamaServer, scenario: Scenario, chunk: int) -> dict:
@@ -236,7 +241,7 @@ def edit_case(lm: LoadedModel, server: LlamaServer, scenario: Scenario, chunk: i
             kvscope[name] = fidelity(NextToken.from_logits(logits, result.tokens_recomputed + len(decode), result.ms), mine, answers, (logits, oracle))
     return {"case": "edit", "scenario": scenario.name, "field": experiment.field, "old": experiment.old, "new": experiment.new,
             "context_tokens": len(after), "llama_cpp": llama, "kvscope": kvscope,
-            "engines_agree_on_clean": (first_token_margin(clean.logprobs, answers) > 0) == (first_token_margin(mine.logprobs, answers) > 0)}
+            "engines_agree_on_clean": _same_label(clean, mine, answers)}
 
 
 def run(lm: LoadedModel, server: LlamaServer, names: list[str], skill: Skill, removed: Skill, seams: list[int], chunk: int) -> list[dict]:

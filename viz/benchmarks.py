@@ -146,7 +146,7 @@ def cache_reuse_figure(data: dict) -> go.Figure:
     engine's own clean prefill (log axis), |margin error| where the answers first differ and the share of the clean
     prefill's prompt tokens the engine evaluated; colour = engine, circles = moved cases, diamonds = edit cases."""
     figure = make_subplots(rows=1, cols=3, horizontal_spacing=0.1,
-                           subplot_titles=("KL(clean ‖ state)", "|margin error| where the answers differ", "prompt tokens evaluated / clean"))
+                           subplot_titles=("KL(clean ‖ state); 0 drawn at 1e-7", "|margin error| where the answers differ", "prompt tokens evaluated / clean"))
     engines = {"llama_cpp": ("llama.cpp", PALETTE[1]), "kvscope": ("KVScope", PALETTE[0])}
     arms = list(dict.fromkeys((engine, arm) for case in data["cases"] for engine in engines for arm in case[engine]))
     label = {(engine, arm): f"{engines[engine][0]}: {safe_label(arm)}" for engine, arm in arms}
