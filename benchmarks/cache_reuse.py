@@ -28,8 +28,6 @@ one after the other on the same CPU, and each engine's times are compared only w
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
@@ -40,7 +38,7 @@ import torch
 
 from benchmarks import common
 from benchmarks.common import RESULTS, write_result
-from benchmarks.serving import embedded_gguf, free_loopback_port, wait_until_ready
+from benchmarks.serving import SERVER_BINARY, LlamaServer, embedded_gguf
 from engine.compose import DEFAULT_REMEDY, Remedy, splice_prompt, with_skills
 from engine.decision import DECISIVE_MARGIN, logit_agreement
 from engine.experiment import EditExperiment
@@ -50,7 +48,6 @@ from engine.runs import render_for
 from engine.scenario import RenderedPrompt, Scenario, Skill, bundled_scenarios, bundled_skills
 from engine.skills import SkillStore
 
-SERVER_BINARY = Path(os.environ.get("KVSCOPE_CACHE_DIR", Path.home() / ".cache" / "kvscope")) / "llama-server" / "bin" / "llama-server"
 _LOGPROB_FLOOR = -50.0  # for a token whose probability the server rounds to 0
 
 
@@ -102,49 +99,15 @@ def fidelity(state: NextToken, clean: NextToken, answer_ids: dict, logits: tuple
     return row
 
 
-class LlamaServer:
-    """The C++ ``llama-server`` (one slot, prompt cache in RAM off) on a free loopback port."""
-
-    def __init__(self, binary: Path, gguf: Path, n_ctx: int, threads: int, log_path: Path) -> None:
-        if not binary.is_file():
-            raise SystemExit(f"{binary} is missing: run `bash scripts/build_llama_server.sh` first")
-        self.binary, self.gguf, self.n_ctx, self.threads, self.log_path = binary, gguf, n_ctx, threads, log_path
-        self.base_url, self._process = "", None
-
-    def settings(self) -> dict:
-        source = (self.binary.parents[1] / "SOURCE").read_text().strip() if (self.binary.parents[1] / "SOURCE").is_file() else "unknown"
-        return {"server": f"llama-server built from {source}", "gguf": self.gguf.name, "n_ctx": self.n_ctx, "threads": self.threads,
-                "slots": 1, "cache_ram_mib": 0}
-
-    def __enter__(self) -> "LlamaServer":
-        port = free_loopback_port()
-        self.base_url = f"http://127.0.0.1:{port}"
-        command = [str(self.binary), "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(port), "-c", str(self.n_ctx),
-                   "-t", str(self.threads), "-tb", str(self.threads), "-np", "1", "--cache-ram", "0", "--no-warmup"]
-        with self.log_path.open("wb") as log:
-            self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_until_ready(self._process, f"{self.base_url}/health", "llama-server", self.log_path)
-        except RuntimeError:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._process is not None and self._process.poll() is None:
-            self._process.terminate()
-            self._process.wait(timeout=15)
-        self._process = None
-
-    def next_token(self, ids: list[int], *, cache: bool, reuse_chunk: int = 0, vocab: int = 0) -> NextToken:
-        """Evaluate ``ids`` (after the slot's previous prompt when ``cache``; shifting chunks of at least
-        ``reuse_chunk`` tokens when > 0) and return the first token's log-probs over ``vocab`` tokens."""
-        body = {"prompt": ids, "n_predict": 1, "temperature": 0.0, "cache_prompt": cache, "n_cache_reuse": reuse_chunk,
-                "n_probs": vocab, "post_sampling_probs": False}
-        with httpx.Client(trust_env=False, timeout=600.0) as client:
-            response = client.post(f"{self.base_url}/completion", json=body)
-            response.raise_for_status()
-        return parse_completion(response.json(), vocab)
+def next_token(server: LlamaServer, ids: list[int], *, cache: bool, reuse_chunk: int = 0, vocab: int = 0) -> NextToken:
+    """Evaluate ``ids`` on ``server`` (after its slot's previous prompt when ``cache``; shifting chunks of at least
+    ``reuse_chunk`` tokens when > 0) and return the first token's log-probs over ``vocab`` tokens."""
+    body = {"prompt": ids, "n_predict": 1, "temperature": 0.0, "cache_prompt": cache, "n_cache_reuse": reuse_chunk,
+            "n_probs": vocab, "post_sampling_probs": False}
+    with httpx.Client(trust_env=False, timeout=600.0) as client:
+        response = client.post(f"{server.base_url}/completion", json=body)
+        response.raise_for_status()
+    return parse_completion(response.json(), vocab)
 
 
 def parse_completion(data: dict, vocab: int) -> NextToken:
@@ -180,11 +143,11 @@ def moved_case(lm: LoadedModel, server: LlamaServer, scenario: Scenario, values:
     context, decode = list(prompt.context_ids), list(prompt.decode_ids)
     before = context[:start] + document + context[start:]
     vocab = lm.model.config.get_text_config().vocab_size
-    server.next_token(before + decode, cache=False)
-    reused = server.next_token(context + decode, cache=True, reuse_chunk=chunk, vocab=vocab)
-    server.next_token(before + decode, cache=False)
-    prefix_only = server.next_token(context + decode, cache=True, reuse_chunk=0, vocab=vocab)
-    clean = server.next_token(context + decode, cache=False, vocab=vocab)
+    next_token(server, before + decode, cache=False)
+    reused = next_token(server, context + decode, cache=True, reuse_chunk=chunk, vocab=vocab)
+    next_token(server, before + decode, cache=False)
+    prefix_only = next_token(server, context + decode, cache=True, reuse_chunk=0, vocab=vocab)
+    clean = next_token(server, context + decode, cache=False, vocab=vocab)
     answers = prompt.answer_ids
     llama = {f"reuse (chunk ≥ {chunk}, shift only)": fidelity(reused, clean, answers),
              "prefix match only": fidelity(prefix_only, clean, answers)}
@@ -224,11 +187,11 @@ def edit_case(lm: LoadedModel, server: LlamaServer, scenario: Scenario, chunk: i
     erratum = experiment.line_ids(experiment.settings.erratum)
     answers, vocab = old.answer_ids, lm.model.config.get_text_config().vocab_size
     before, after, decode = list(old.context_ids), list(new.context_ids), list(old.decode_ids)
-    server.next_token(before + decode, cache=False)
-    reused = server.next_token(after + decode, cache=True, reuse_chunk=chunk, vocab=vocab)
-    server.next_token(before + decode, cache=False)
-    appended = server.next_token(before + erratum + decode, cache=True, reuse_chunk=chunk, vocab=vocab)
-    clean = server.next_token(after + decode, cache=False, vocab=vocab)
+    next_token(server, before + decode, cache=False)
+    reused = next_token(server, after + decode, cache=True, reuse_chunk=chunk, vocab=vocab)
+    next_token(server, before + decode, cache=False)
+    appended = next_token(server, before + erratum + decode, cache=True, reuse_chunk=chunk, vocab=vocab)
+    clean = next_token(server, after + decode, cache=False, vocab=vocab)
     llama = {f"reuse (chunk ≥ {chunk}, shift only)": fidelity(reused, clean, answers), "erratum": fidelity(appended, clean, answers)}
 
     report = experiment.report(["field_only", "erratum", "full_downstream"])

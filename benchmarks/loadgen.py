@@ -119,26 +119,41 @@ class RequestResult:
     completion_tokens: int
     text: str
     error: str | None = None
+    prompt_tokens: int | None = None  # the server's usage report, when it sends one
+    cached_tokens: int | None = None  # prompt tokens it served from its prefix cache (usage.prompt_tokens_details)
 
     @property
     def finished_s(self) -> float | None:
         return None if self.latency_s is None else self.sent_s + self.latency_s
 
 
-async def stream_completion(
-    client: httpx.AsyncClient, base_url: str, payload: dict[str, Any]
-) -> tuple[float | None, float, int, str]:
-    """POST a streaming completion; return (ttft_s, latency_s, completion tokens, text).
+@dataclass(frozen=True)
+class Streamed:
+    """What one streamed completion returned: timings (s), tokens, text and the server's usage report."""
 
-    Tokens are the streamed chunks with a choice, unless the server reports ``usage.completion_tokens``.
+    ttft_s: float | None
+    latency_s: float
+    completion_tokens: int
+    text: str
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+
+
+async def stream_completion(client: httpx.AsyncClient, base_url: str, payload: dict[str, Any]) -> Streamed:
+    """POST a streaming completion (asking for the usage report) and read it to the end.
+
+    Tokens are the streamed chunks with a choice, unless the server reports ``usage.completion_tokens``;
+    ``usage.prompt_tokens_details.cached_tokens`` (llama-server, vLLM with prompt-token details, SGLang) is the
+    request's own prefix-cache hit.
     """
     url = f"{require_loopback(base_url)}/v1/completions"
     started = time.perf_counter()
-    ttft, chunks, usage_tokens, pieces = None, 0, None, []
-    async with client.stream("POST", url, json={**payload, "stream": True}) as response:
+    ttft, chunks, usage, pieces = None, 0, {}, []
+    body = {**payload, "stream": True, "stream_options": {"include_usage": True}}
+    async with client.stream("POST", url, json=body) as response:
         if response.status_code != 200:
-            body = (await response.aread()).decode(errors="replace")[:300]
-            message = f"HTTP {response.status_code}: {body}"
+            text = (await response.aread()).decode(errors="replace")[:300]
+            message = f"HTTP {response.status_code}: {text}"
             raise httpx.HTTPStatusError(message, request=response.request, response=response)
         async for line in response.aiter_lines():
             if not line.startswith("data:"):
@@ -153,9 +168,16 @@ async def stream_completion(
                 chunks += 1
                 pieces.append(chunk["choices"][0].get("text") or "")
             if chunk.get("usage"):
-                usage_tokens = chunk["usage"].get("completion_tokens")
-    tokens = usage_tokens if usage_tokens is not None else chunks
-    return ttft, time.perf_counter() - started, tokens, "".join(pieces)
+                usage = chunk["usage"]
+    details = usage.get("prompt_tokens_details") or {}
+    return Streamed(
+        ttft_s=ttft,
+        latency_s=time.perf_counter() - started,
+        completion_tokens=usage.get("completion_tokens", chunks),
+        text="".join(pieces),
+        prompt_tokens=usage.get("prompt_tokens"),
+        cached_tokens=details.get("cached_tokens"),
+    )
 
 
 async def run_load(
@@ -177,14 +199,13 @@ async def run_load(
         await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
         sent = time.perf_counter() - start
         try:
-            ttft, latency, tokens, text = await asyncio.wait_for(
-                stream_completion(client, base_url, payloads[index]), request_timeout_s
-            )
+            streamed = await asyncio.wait_for(stream_completion(client, base_url, payloads[index]), request_timeout_s)
         except (TimeoutError, asyncio.TimeoutError):
             return RequestResult(index, at, sent, None, None, 0, "", error=f"timeout after {request_timeout_s} s")
         except (httpx.HTTPError, json.JSONDecodeError) as e:
             return RequestResult(index, at, sent, None, None, 0, "", error=f"{type(e).__name__}: {e}")
-        return RequestResult(index, at, sent, ttft, latency, tokens, text)
+        return RequestResult(index, at, sent, streamed.ttft_s, streamed.latency_s, streamed.completion_tokens,
+                             streamed.text, None, streamed.prompt_tokens, streamed.cached_tokens)
 
     async with loopback_client(request_timeout_s, connections=max(1, len(arrivals))) as client:
         start = time.perf_counter()  # after the client is built (its TLS context takes ~0.1 s)
@@ -306,6 +327,15 @@ class CacheCounters:
         """Hit rate of the tokens looked up between ``before`` and now; None if none were."""
         queries = self.queries - before.queries
         return (self.hits - before.hits) / queries if queries > 0 else None
+
+
+def usage_counters(results: Sequence[RequestResult]) -> CacheCounters | None:
+    """Prefix-cache hits summed over the completed requests' own usage reports; None unless every one
+    reported its cached tokens."""
+    done = [r for r in results if r.error is None]
+    if not done or any(r.cached_tokens is None or r.prompt_tokens is None for r in done):
+        return None
+    return CacheCounters(float(sum(r.cached_tokens for r in done)), float(sum(r.prompt_tokens for r in done)))
 
 
 def cache_counters(samples: Sequence[Sample]) -> CacheCounters | None:

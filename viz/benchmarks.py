@@ -66,28 +66,34 @@ def prefill_figure(data: dict) -> go.Figure:
 
 
 def serving_figure(data: dict) -> go.Figure:
-    """A serving benchmark per variant vs offered load: TTFT p50 (solid) and p90 (dashed), throughput, and
-    prefix-cache hit rate; from ``serving-<engine>.json``: ``runs`` of ``variant`` ("erratum" | "in_prefix"),
-    ``offered_rps``, ``ttft_p50_ms``, ``ttft_p90_ms``, ``throughput_rps``, ``prefix_hit_rate``."""
-    figure = make_subplots(rows=1, cols=3, horizontal_spacing=0.08,
-                           subplot_titles=("time to first token", "throughput", "prefix-cache hit rate"))
+    """A serving benchmark per variant vs offered load (log axes): TTFT p50 (solid) and p90 (dashed), throughput,
+    prefix-cache hit rate and accuracy against the clean-prefill answer; from ``serving-<engine>.json``: ``runs``
+    of ``variant``, ``offered_rps``, ``completed``, ``ttft_p50_ms``, ``ttft_p90_ms``, ``throughput_rps``,
+    ``prefix_hit_rate`` and ``accuracy`` (older results without it leave that panel empty)."""
+    figure = make_subplots(rows=1, cols=4, horizontal_spacing=0.07,
+                           subplot_titles=("time to first token", "throughput", "prefix-cache hit rate", "accuracy vs clean prefill"))
     variants = list(dict.fromkeys(run["variant"] for run in data["runs"]))
     for index, variant in enumerate(variants):
         runs = sorted((run for run in data["runs"] if run["variant"] == variant), key=lambda run: run["offered_rps"])
         load, colour, name = [run["offered_rps"] for run in runs], PALETTE[index % len(PALETTE)], safe_label(variant)
+        counts = [run.get("completed") for run in runs]
+        hover = "%{x} req/s: %{y} (n=%{customdata})<extra>%{fullData.name}</extra>"
         for key, quantile, dash in (("ttft_p50_ms", "p50", "solid"), ("ttft_p90_ms", "p90", "dash")):
             figure.add_scatter(x=load, y=[run[key] for run in runs], name=f"{name} TTFT {quantile}", legendgroup=variant,
-                               mode="lines+markers", line={"color": colour, "dash": dash}, row=1, col=1)
-        figure.add_scatter(x=load, y=[run["throughput_rps"] for run in runs], name=f"{name} throughput", legendgroup=variant,
-                           showlegend=False, mode="lines+markers", line={"color": colour}, row=1, col=2)
-        figure.add_scatter(x=load, y=[run["prefix_hit_rate"] for run in runs], name=f"{name} hit rate", legendgroup=variant,
-                           showlegend=False, mode="lines+markers", line={"color": colour}, row=1, col=3)
-    figure.update_xaxes(title_text="offered load (requests/s)")
-    figure.update_yaxes(title_text="TTFT (ms)", row=1, col=1)
+                               customdata=counts, hovertemplate=hover, mode="lines+markers",
+                               line={"color": colour, "dash": dash}, row=1, col=1)
+        for column, key, label in ((2, "throughput_rps", "throughput"), (3, "prefix_hit_rate", "hit rate"), (4, "accuracy", "accuracy")):
+            figure.add_scatter(x=load, y=[run.get(key) for run in runs], name=f"{name} {label}", legendgroup=variant,
+                               customdata=counts, hovertemplate=hover, showlegend=False, mode="lines+markers",
+                               line={"color": colour}, row=1, col=column)
+    figure.update_xaxes(title_text="offered load (requests/s)", type="log")
+    figure.update_yaxes(title_text="TTFT (ms)", type="log", row=1, col=1)
     figure.update_yaxes(title_text="completed requests/s", row=1, col=2)
     figure.update_yaxes(title_text="hit rate", range=[0, 1.05], row=1, col=3)
+    figure.update_yaxes(title_text="answers = clean prefill's", range=[0, 1.05], row=1, col=4)
     engine = f" on {safe_label(str(data['engine']))}" if data.get("engine") else ""
-    figure.update_layout(title=f"Serving state changes: erratum vs in-prefix edit{engine}", height=400,
+    workload = f"<br><sup>{safe_label(str(data['scenario']))}, {data.get('policy_tokens')}-token handbook</sup>" if data.get("scenario") else ""
+    figure.update_layout(title=f"Serving state changes: erratum vs in-prefix edit{engine}{workload}", height=430,
                          legend={"orientation": "h", "y": -0.25})
     return figure
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from benchmarks import cache_reuse
 from benchmarks.cache_reuse import NextToken, at_decision_point, first_token_margin, parse_completion, run
 from engine.scenario import Skill, bundled_skills
 from engine.tiny import tiny_model
@@ -42,9 +43,10 @@ def test_answers_are_read_where_they_first_differ():
     assert at_decision_point(single) == single
 
 
-def test_moved_and_edit_cases_match_ground_truth():
+def test_moved_and_edit_cases_match_ground_truth(monkeypatch):
     lm = tiny_model("qwen2")
     server = ExactServer(lm)
+    monkeypatch.setattr(cache_reuse, "next_token", lambda stub, ids, **options: stub.next_token(ids, **options))
     cases = run(lm, server, ["keystone_safety"], Skill.load(bundled_skills()["refund_policy"]),
                 Skill.load(bundled_skills()["tone_guide"]), [0, 10_000], chunk=16)
     moved, edit = [case for case in cases if case["case"] == "moved"], [case for case in cases if case["case"] == "edit"]

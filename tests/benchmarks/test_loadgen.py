@@ -25,6 +25,7 @@ from benchmarks.loadgen import (
     run_load,
     stream_completion,
     summarize,
+    usage_counters,
 )
 
 # --------------------------------------------------------------------------------------------
@@ -283,17 +284,44 @@ def test_request_deadline_is_recorded_as_an_error():
     assert summarize([result]).errors == 1
 
 
-def test_stream_completion_reads_usage_when_the_server_sends_it():
+def test_stream_completion_asks_for_usage_and_reads_the_cache_hit():
     chunks = [
         {"choices": [{"text": "No", "index": 0}]},
-        {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 7}},
+        {"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": 8}}},
     ]
     body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
-    transport = httpx.MockTransport(lambda request: httpx.Response(200, text=body))
+    sent = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        return httpx.Response(200, text=body)
 
     async def scenario():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+            return await stream_completion(client, "http://127.0.0.1:1", {"prompt": "x"})
+
+    streamed = asyncio.run(scenario())
+    assert streamed.text == "No" and streamed.completion_tokens == 7 and 0 <= streamed.ttft_s <= streamed.latency_s
+    assert (streamed.prompt_tokens, streamed.cached_tokens) == (10, 8)
+    assert sent == [{"prompt": "x", "stream": True, "stream_options": {"include_usage": True}}]
+
+
+def test_a_stream_without_usage_counts_its_chunks():
+    body = "".join(f"data: {json.dumps({'choices': [{'text': t}]})}\n\n" for t in ("Y", "es")) + "data: [DONE]\n\n"
+
+    async def scenario():
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, text=body))
         async with httpx.AsyncClient(transport=transport) as client:
             return await stream_completion(client, "http://127.0.0.1:1", {"prompt": "x"})
 
-    ttft, latency, tokens, text = asyncio.run(scenario())
-    assert text == "No" and tokens == 7 and 0 <= ttft <= latency
+    streamed = asyncio.run(scenario())
+    assert (streamed.text, streamed.completion_tokens, streamed.prompt_tokens, streamed.cached_tokens) == ("Yes", 2, None, None)
+
+
+def test_usage_counters_sum_completed_requests_and_need_every_report():
+    def result(prompt, cached, error=None):
+        return RequestResult(0, 0.0, 0.0, 0.1, 0.2, 1, "", error, prompt, cached)
+
+    assert usage_counters([result(100, 90), result(100, 10), result(None, None, "timeout")]) == CacheCounters(100.0, 200.0)
+    assert usage_counters([result(100, 90), result(100, None)]) is None  # one request did not say
+    assert usage_counters([result(None, None, "timeout")]) is None

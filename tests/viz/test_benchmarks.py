@@ -28,23 +28,29 @@ def test_prefill_times_and_ratio():
     assert list(ratio.y) == pytest.approx([4.0, 10.0]) and ratio.type == "bar"
 
 
-def test_serving_per_variant_ttft_quantiles_throughput_and_hit_rate():
+def test_serving_per_variant_ttft_quantiles_throughput_hit_rate_and_accuracy():
     runs = [
-        {"variant": v, "offered_rps": rps, "ttft_p50_ms": rps * 10 + i, "ttft_p90_ms": rps * 20 + i,
-         "throughput_rps": rps * 0.9, "prefix_hit_rate": 0.8 - i * 0.5}
+        {"variant": v, "offered_rps": rps, "completed": 30, "ttft_p50_ms": rps * 10 + i, "ttft_p90_ms": rps * 20 + i,
+         "throughput_rps": rps * 0.9, "prefix_hit_rate": 0.8 - i * 0.5, "accuracy": 1.0 - i * 0.25}
         for i, v in enumerate(["erratum", "in_prefix"]) for rps in (4, 1, 2)
     ]
-    figure = serving_figure({"engine": "vllm", "runs": runs})
-    assert len(figure.data) == 2 * 4
+    figure = serving_figure({"engine": "vllm", "scenario": "Loan <b>", "policy_tokens": 2028, "runs": runs})
+    assert len(figure.data) == 2 * 5
     p50, p90 = figure.data[0], figure.data[1]
     assert list(p50.x) == [1, 2, 4] and list(p50.y) == [10, 20, 40] and list(p90.y) == [20, 40, 80]
-    assert p90.line.dash == "dash" and p50.line.color == p90.line.color
+    assert p90.line.dash == "dash" and p50.line.color == p90.line.color and list(p50.customdata) == [30, 30, 30]
     hit = [trace for trace in figure.data if trace.xaxis == "x3"]
     assert [list(t.y) for t in hit] == [[0.8] * 3, [pytest.approx(0.3)] * 3]
-    assert "vllm" in figure.layout.title.text
+    accuracy = [trace for trace in figure.data if trace.xaxis == "x4"]
+    assert [list(t.y) for t in accuracy] == [[1.0] * 3, [0.75] * 3]
+    assert figure.layout.xaxis.type == "log" and figure.layout.yaxis.type == "log"
+    assert "vllm" in figure.layout.title.text and "Loan &lt;b&gt;" in figure.layout.title.text and "2028-token" in figure.layout.title.text
     json.loads(figure.to_json())
     runs[0].update(prefix_hit_rate=None, ttft_p90_ms=None)  # the script writes None where the server reports nothing
     assert None in serving_figure({"runs": runs}).data[1].y
+    for run in runs:
+        del run["accuracy"]  # a result from before accuracy was measured
+    assert all(y is None for trace in serving_figure({"runs": runs}).data if trace.xaxis == "x4" for y in trace.y)
 
 
 def test_ttft_figure_is_unchanged():
