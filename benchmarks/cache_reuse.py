@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict:
     lm = common.load(args)
     log = Path(tempfile.gettempdir()) / "kvscope-cache_reuse-llama-server.log"
     seams = [int(seam) for seam in args.seams.split(",")]
-    with LlamaServer(Path(args.server), embedded_gguf(), 4096, args.threads, log) as server:
+    with LlamaServer(Path(args.server), embedded_gguf(), 4096, args.threads, log, reuse_chunk=args.chunk) as server:
         cases = run(lm, server, args.scenarios.split(","), Skill.load(bundled_skills()[args.skill]),
                     Skill.load(bundled_skills()[args.removed]), seams, args.chunk)
         settings = server.settings()

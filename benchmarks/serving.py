@@ -2,8 +2,10 @@
 
     bash scripts/build_llama_server.sh      # once: llama-server built from the pinned llama.cpp source
     python -m benchmarks.serving [--scenario demos/scenarios/refund_gate.toml] [--model embedded|smollm2|FILE.gguf]
-                                 [--policy-tokens 2048] [--loads 0.03,0.2,1.5] [--requests 30] [--threads 2]
+                                 [--policy-tokens 2048] [--loads 0.04,0.2,1.5] [--requests 30] [--threads 2]
+    python -m benchmarks.serving --workload composed [--loads 0.2]       # llama.cpp chunk reuse vs prefix only
     python -m benchmarks.serving --engine vllm --url http://127.0.0.1:8000 --model Qwen/Qwen2.5-7B-Instruct ...
+    python -m benchmarks.serving --engine lmcache --url ... --workload composed --clean-from serving-vllm-composed.json
 
 The workload is a calibrated scenario (one whose decision follows its field under a clean prefill) scaled up:
 the scenario's context (the field early, the rule after it) is followed by a long handbook (the bundled skills,
@@ -24,11 +26,15 @@ sample count, throughput, the prefix-cache hit rate and **accuracy**, the fracti
 the clean-prefill answer's for that request's value. Agreement per variant (erratum vs in-prefix, each vs clean
 and vs the scenario's expected answer) covers every load.
 
+``--workload composed`` instead puts the bundled skills as blocks in a different order in every request before
+the scenario: ``chunk_reuse`` (the engine reuses cached blocks wherever they now sit) vs ``prefix_only``.
+
 Engines: ``llama-cpp`` (default) starts the C++ ``llama-server`` (one slot, its RAM prompt cache off) on a free
-127.0.0.1 port; ``vllm`` and ``sglang`` drive a server already running on loopback (benchmarks/vllm_serving.sh).
+127.0.0.1 port; ``vllm``, ``sglang`` and ``lmcache`` (vLLM with LMCache's CacheBlend) drive a server already
+running on loopback (benchmarks/vllm_serving.sh), whose prefix cache is emptied before every run.
 The hit rate is the requests' own ``usage.prompt_tokens_details.cached_tokens`` when every request reports it,
 else the engine's Prometheus ``/metrics`` counters. Prompts use the ChatML frame (Qwen2.5, SmolLM2).
-Writes benchmarks/results/serving-<engine>.json and .html (plot).
+Writes benchmarks/results/serving-<engine>[-composed].json and .html (plot).
 """
 from __future__ import annotations
 
@@ -36,7 +42,9 @@ import argparse
 import asyncio
 import enum
 import importlib.util
+import itertools
 import json
+import math
 import os
 import platform
 import random
@@ -128,6 +136,15 @@ def load_scenario(name_or_path: str) -> Scenario:
     return Scenario.load(bundled[name_or_path] if name_or_path in bundled else name_or_path)
 
 
+def nth_permutation(count: int, index: int) -> tuple[int, ...]:
+    """Permutation ``index`` (0 ≤ index < count!) of ``range(count)`` in lexicographic order."""
+    left, order = list(range(count)), []
+    for size in range(count, 0, -1):
+        position, index = divmod(index, math.factorial(size - 1))
+        order.append(left.pop(position))
+    return tuple(order)
+
+
 @dataclass(frozen=True)
 class Workload:
     """A scenario's first field over long shared text; the prompt of each variant (ChatML frame).
@@ -160,11 +177,19 @@ class Workload:
         """The cheap variant first, its exact reference second."""
         return (Variant.ERRATUM, Variant.IN_PREFIX) if self.kind == "edit" else (Variant.CHUNK_REUSE, Variant.PREFIX_ONLY)
 
+    def order(self, request: int) -> tuple[int, ...]:
+        """Composed: the block order of request ``request``: a different permutation for each of n! consecutive
+        request numbers (they step through the permutations by the smallest prime above n and (n-1)!, which is
+        coprime with n! and moves the first block on almost every step)."""
+        count = len(self.blocks)
+        floor = max(count, math.factorial(count - 1))
+        step = next(k for k in itertools.count(floor + 1) if all(k % d for d in range(2, k)))
+        return nth_permutation(count, request * step % math.factorial(count))
+
     def prompt(self, variant: Variant, value: str, request: int) -> str:
         system = f"<|im_start|>system\n{self.scenario.system}<|im_end|>\n" if self.scenario.system else ""
         if self.kind == "composed":
-            turn = request % len(self.blocks)
-            blocks = self.separator.join(self.blocks[turn:] + self.blocks[:turn])
+            blocks = self.separator.join(self.blocks[index] for index in self.order(request))
             context = context_text(self.scenario, {self.field: value}).rstrip()
             body = f"{self.separator}{blocks}{self.separator}{context}\n\n"  # the chat head is a segment of its own
         else:
@@ -178,13 +203,11 @@ class Workload:
 
     def clean_key(self, value: str, request: int) -> str:
         """Which clean-prefill answer a request is compared with: its value (and its block order, if composed)."""
-        return value if self.kind == "edit" else f"{value}, order {request % len(self.blocks)}"
+        return value if self.kind == "edit" else f"{value} @ {'-'.join(map(str, self.order(request)))}"
 
-    def clean_prompts(self) -> dict[str, str]:
-        """The prompt of each clean-prefill answer: the value in place, nothing appended."""
-        exact = self.variants[1]
-        requests = range(len(self.blocks)) if self.kind == "composed" else (0,)
-        return {self.clean_key(value, request): self.prompt(exact, value, request) for request in requests for value in self.values}
+    def clean_prompt(self, value: str, request: int) -> str:
+        """The clean-prefill prompt for a request: its value in place, nothing appended (request 0's number)."""
+        return self.prompt(self.variants[1], value, request if self.kind == "composed" else 0)
 
     def request_values(self, count: int, first: int) -> list[str]:
         """``count`` values alternating between the two, starting with value ``first`` (0 or 1)."""
@@ -223,6 +246,8 @@ class Engine(Protocol):
     def request_options(self, variant: Variant) -> dict[str, Any]: ...
 
     def clean_options(self) -> dict[str, Any]: ...
+
+    def reset_cache(self) -> None: ...
 
     def cache_counters(self) -> CacheCounters | None: ...
 
@@ -284,6 +309,9 @@ class LlamaServer:
         """A clean prefill: the slot's cache is neither read nor kept."""
         return {"cache_prompt": False}
 
+    def reset_cache(self) -> None:
+        """Nothing to empty: the one slot holds only the last prompt, and the warm-up replaces it."""
+
     def settings(self) -> dict[str, Any]:
         source = self.binary.parents[1] / "SOURCE"
         built = source.read_text().strip() if source.is_file() else "unknown"
@@ -344,6 +372,16 @@ class OpenAIServer:
 
     def clean_options(self) -> dict[str, Any]:
         return {}  # a prefix cache is exact; a prompt answered alone is a clean prefill
+
+    def reset_cache(self) -> None:
+        """Empty the engine's prefix cache, so that a run cannot hit an earlier run's prompts (vLLM:
+        ``/reset_prefix_cache``, served with VLLM_SERVER_DEV_MODE=1; SGLang: ``/flush_cache``)."""
+        route = "/flush_cache" if self.name == "sglang" else "/reset_prefix_cache"
+        with httpx.Client(trust_env=False, timeout=120.0) as client:
+            response = client.post(f"{self.base_url}{route}")
+        if response.status_code == 404:
+            raise WorkloadError(f"{self.name} has no {route}: start it with VLLM_SERVER_DEV_MODE=1 (vLLM) so runs do not share a cache")
+        response.raise_for_status()
 
     def settings(self) -> dict[str, Any]:
         return {"server": self.name, "url": self.base_url,
@@ -439,21 +477,48 @@ def send_one(engine: Engine, prompt: str, settings: Settings, options: dict[str,
     return asyncio.run(send())
 
 
-def clean_answers(engine: Engine, workload: Workload, settings: Settings) -> dict[str, str]:
-    """Each clean prompt answered alone, one after the other (llama-server: without its cache; prefix caches
-    are exact): the clean-prefill answer text per key. WorkloadError if every answer carries the same label,
-    since accuracy would then not show whether a variant followed the field."""
-    answers = {key: send_one(engine, prompt, settings, engine.clean_options()) for key, prompt in workload.clean_prompts().items()}
-    return checked_clean(workload, answers, engine.model)
+@dataclass(frozen=True)
+class PlannedRun:
+    """One offered load's arrivals (s) and request values, the same for every variant."""
+
+    load: Load
+    arrivals: list[float]
+    values: list[str]
+    first: int  # index in ``Workload.values`` of the first request's value
+
+    @property
+    def requests(self) -> list[tuple[str, int]]:
+        """(value, request number) of each request; numbers start at 1 (0 is the warm-up)."""
+        return [(value, index + 1) for index, value in enumerate(self.values)]
 
 
-def checked_clean(workload: Workload, answers: dict[str, str], model: str) -> dict[str, str]:
-    """``answers`` if they cover every clean key and do not all carry one label; else WorkloadError."""
-    missing = sorted(set(workload.clean_prompts()) - set(answers))
+def plan(workload: Workload, settings: Settings) -> list[PlannedRun]:
+    """Poisson arrivals and alternating values per offered load, reproducible from the seed."""
+    planned = []
+    for index, rps in enumerate(settings.loads):
+        load, seed = Load(rps, settings.requests, settings.max_duration_s), settings.seed + index
+        arrivals = arrival_times(load, random.Random(seed))
+        planned.append(PlannedRun(load, arrivals, workload.request_values(len(arrivals), first=seed % 2), seed % 2))
+    return planned
+
+
+def clean_answers(engine: Engine, workload: Workload, settings: Settings, requests: Sequence[tuple[str, int]]) -> dict[str, str]:
+    """The clean-prefill answer text for every clean key these requests need, each prompt answered alone on an
+    emptied cache (llama-server: without its cache; a prefix cache is exact). WorkloadError if every answer
+    carries the same label, since accuracy would then not show whether a variant followed the field."""
+    prompts = {workload.clean_key(value, request): workload.clean_prompt(value, request) for value, request in requests}
+    engine.reset_cache()
+    answers = {key: send_one(engine, prompt, settings, engine.clean_options()) for key, prompt in prompts.items()}
+    return checked_clean(workload, answers, requests, engine.model)
+
+
+def checked_clean(workload: Workload, answers: dict[str, str], requests: Sequence[tuple[str, int]], model: str) -> dict[str, str]:
+    """``answers`` if they cover every request's clean key and do not all carry one label; else WorkloadError."""
+    missing = sorted({workload.clean_key(value, request) for value, request in requests} - set(answers))
     if missing:
-        raise WorkloadError(f"no clean-prefill answer for {', '.join(missing)}")
+        raise WorkloadError(f"no clean-prefill answer for {len(missing)} request(s), e.g. {missing[0]!r}")
     if len({workload.label(text) for text in answers.values()}) < 2:
-        shown = ", ".join(f"{workload.field}={key}: {text.strip()!r}" for key, text in answers.items())
+        shown = ", ".join(f"{workload.field}={key}: {text.strip()!r}" for key, text in list(answers.items())[:4])
         raise WorkloadError(
             f"the clean-prefill answer does not change with {workload.field} on {model} ({shown}); "
             "pick a scenario whose decision follows its field on this model, or a shorter --policy-tokens"
@@ -461,48 +526,47 @@ def checked_clean(workload: Workload, answers: dict[str, str], model: str) -> di
     return answers
 
 
-def recorded_clean(path: Path, workload: Workload, model: str) -> dict[str, str]:
-    """The clean-prefill answers of an earlier run on an exact engine (its ``agreement.clean_answers``)."""
+def recorded_clean(path: Path, workload: Workload, requests: Sequence[tuple[str, int]], model: str) -> dict[str, str]:
+    """The clean-prefill answers of an earlier run on an exact engine (its ``agreement.clean_answers``), which
+    must have sent the same prompts: same model, scenario, blocks and separator."""
     data = json.loads(path.read_text())
-    if data.get("model") != model or data.get("scenario") != workload.scenario.name:
-        raise WorkloadError(f"{path} holds {data.get('model')!r} on {data.get('scenario')!r}, not {model!r} on {workload.scenario.name!r}")
-    return checked_clean(workload, data.get("agreement", {}).get("clean_answers", {}), model)
+    mine = {"model": model, "scenario": workload.scenario.name, "blocks": len(workload.blocks), "separator": workload.separator}
+    theirs = {key: data.get(key) for key in mine}
+    if theirs != mine:
+        raise WorkloadError(f"{path} was measured with {theirs}, this run has {mine}")
+    return checked_clean(workload, data.get("agreement", {}).get("clean_answers", {}), requests, model)
 
 
-def accuracy(workload: Workload, clean: dict[str, str], answered: Sequence[tuple[str, RequestResult]]) -> float | None:
-    """Fraction of completed answers whose label equals their clean-prefill answer's (``result.index`` + 1 is
-    the request number in the prompt)."""
-    done = [(value, result) for value, result in answered if result.error is None]
+def accuracy(workload: Workload, clean: dict[str, str], answered: Sequence[tuple[str, int, RequestResult]]) -> float | None:
+    """Fraction of completed answers whose label equals their clean-prefill answer's."""
+    done = [(value, request, result) for value, request, result in answered if result.error is None]
     if not done:
         return None
-    right = sum(workload.label(result.text) == workload.label(clean[workload.clean_key(value, result.index + 1)]) for value, result in done)
+    right = sum(workload.label(result.text) == workload.label(clean[workload.clean_key(value, request)]) for value, request, result in done)
     return round(right / len(done), 4)
 
 
-def run_variant(
-    engine: Engine, workload: Workload, variant: Variant, load: Load, seed: int, settings: Settings, clean: dict[str, str]
-) -> tuple[dict[str, Any], list[tuple[str, RequestResult]]]:
-    """One measured run after a warm-up of its variant; its row, and each request's value and result."""
-    rng = random.Random(seed)
-    arrivals = arrival_times(load, rng)
-    values = workload.request_values(len(arrivals) + 1, first=seed % 2)
+def run_variant(engine: Engine, workload: Workload, variant: Variant, planned: PlannedRun, settings: Settings,
+                clean: dict[str, str]) -> tuple[dict[str, Any], list[tuple[str, int, RequestResult]]]:
+    """One measured run on an emptied cache after a warm-up request of its variant (request 0, the other value
+    than the first request's); its row, and each request's value, number and result."""
     options = engine.request_options(variant)
-    warm_up = values[-1]  # the value after the last request's, so the first measured request changes the state
-    send_one(engine, workload.prompt(variant, warm_up, 0), settings, options)  # request 0: its own number and block order
-    payloads = [payload(engine, workload.prompt(variant, value, index + 1), settings.max_tokens, options) for index, value in enumerate(values[:-1])]
+    engine.reset_cache()
+    send_one(engine, workload.prompt(variant, workload.values[1 - planned.first], 0), settings, options)
+    payloads = [payload(engine, workload.prompt(variant, value, request), settings.max_tokens, options) for value, request in planned.requests]
     before = engine.cache_counters()
     started = time.perf_counter()
-    results = asyncio.run(run_load(engine.base_url, payloads, arrivals, settings.request_timeout_s))
+    results = asyncio.run(run_load(engine.base_url, payloads, planned.arrivals, settings.request_timeout_s))
     wall = time.perf_counter() - started
     counters = usage_counters(results)
     if counters is None and before is not None and (after := engine.cache_counters()) is not None:
         counters = CacheCounters(after.hits - before.hits, after.queries - before.queries)
     hit_rate = counters.hits / counters.queries if counters is not None and counters.queries > 0 else None
-    answered = list(zip(values[:-1], results, strict=True))
+    answered = [(value, request, result) for (value, request), result in zip(planned.requests, results, strict=True)]
     row = {
         "variant": variant.value,
-        "offered_rps": load.offered_rps,
-        "arrival_rps": arrival_rate(arrivals),
+        "offered_rps": planned.load.offered_rps,
+        "arrival_rps": arrival_rate(planned.arrivals),
         **asdict(summarize(results)),
         "accuracy": accuracy(workload, clean, answered),
         "ttft_ms": [None if r.ttft_s is None else round(r.ttft_s * 1000, 1) for r in results],
@@ -516,58 +580,65 @@ def run_variant(
     return row, answered
 
 
-def agreement(workload: Workload, clean: dict[str, str], answered: dict[Variant, list[tuple[str, RequestResult]]],
+def agreement(workload: Workload, clean: dict[str, str], answered: dict[Variant, list[tuple[str, int, RequestResult]]],
               sample: int) -> dict[str, Any]:
-    """Every request over every load: each variant vs the clean-prefill answer and the scenario's expected
-    answer, and (two variants) the same request under both; ``pairs`` counts requests both completed."""
+    """Every request over every load: each variant vs the clean-prefill answer and (where the scenario states
+    one) its expected answer, and (two variants) the same request under both; ``pairs`` counts requests every
+    variant completed."""
     label, variants = workload.label, list(answered)
-    rows = [dict(zip(variants, same, strict=True)) for same in zip(*answered.values(), strict=True)]
-    done = [row for row in rows if all(result.error is None for _, result in row.values())]
+    rows = []
+    for same in zip(*answered.values(), strict=True):
+        if len({(value, request) for value, request, _ in same}) != 1:
+            raise ValueError(f"variants answered different requests: {[(value, request) for value, request, _ in same]}")
+        rows.append({"value": same[0][0], "clean": clean[workload.clean_key(same[0][0], same[0][1])],
+                     **{variant: result.text for variant, (_, _, result) in zip(variants, same, strict=True)},
+                     "done": all(result.error is None for _, _, result in same)})
+    done = [row for row in rows if row["done"]]
 
-    def rate(matches: Callable[[dict[Variant, tuple[str, RequestResult]]], bool]) -> float | None:
-        return round(sum(matches(row) for row in done) / len(done), 4) if done else None
+    def rate(rows: list[dict], matches: Callable[[dict], bool]) -> float | None:
+        return round(sum(matches(row) for row in rows) / len(rows), 4) if rows else None
 
-    def clean_of(value: str, result: RequestResult) -> str:
-        return clean[workload.clean_key(value, result.index + 1)]
-
+    expected = [row for row in done if workload.expected(row["value"]) is not None]
     report: dict[str, Any] = {"pairs": len(done), "clean_answers": dict(clean)}
     if len(variants) == 2:
         first, second = variants
-        report[f"{first.value}_vs_{second.value}"] = rate(lambda row: label(row[first][1].text) == label(row[second][1].text))
+        report[f"{first.value}_vs_{second.value}"] = rate(done, lambda row: label(row[first]) == label(row[second]))
     for variant in variants:
-        report[f"{variant.value}_vs_clean"] = rate(lambda row, v=variant: label(row[v][1].text) == label(clean_of(*row[v])))
-    report["clean_vs_expected"] = {key: label(text) == workload.expected(key.split(",")[0]) for key, text in clean.items()
-                                   if workload.expected(key.split(",")[0])}
+        report[f"{variant.value}_vs_clean"] = rate(done, lambda row, v=variant: label(row[v]) == label(row["clean"]))
+    report["clean_vs_expected"] = rate(expected, lambda row: label(row["clean"]) == workload.expected(row["value"]))
     for variant in variants:
-        report[f"{variant.value}_vs_expected"] = rate(lambda row, v=variant: label(row[v][1].text) == workload.expected(row[v][0]))
-    report["sample"] = [
-        {"value": row[variants[0]][0], "clean": clean_of(*row[variants[0]]), **{v.value: row[v][1].text for v in variants}}
-        for row in done[:sample]
-    ]
+        report[f"{variant.value}_vs_expected"] = rate(expected, lambda row, v=variant: label(row[v]) == workload.expected(row["value"]))
+    report["sample"] = [{"value": row["value"], "clean": row["clean"], **{v.value: row[v] for v in variants}} for row in done[:sample]]
     return report
 
 
-def sweep(engine: Engine, workload: Workload, variants: Sequence[Variant], settings: Settings, clean: dict[str, str],
-          progress: Callable[[str], None]) -> dict[str, Any]:
-    """Each variant at every offered load (the same arrivals and values per load); runs, agreement and headline.
+def sweep(engine: Engine, workload: Workload, variants: Sequence[Variant], settings: Settings,
+          progress: Callable[[str], None], clean_from: Path | None = None) -> dict[str, Any]:
+    """The clean-prefill answers (measured, or recorded by an exact engine in ``clean_from``), then each variant
+    at every offered load (the same arrivals and values per load); runs, agreement and headline.
 
     All runs of the first (cheap) variant come first: the shared text then stays in a one-slot cache (llama.cpp)
     between them.
     """
-    runs, results = [], {variant: [] for variant in variants}
+    planned = plan(workload, settings)
+    requests = [request for run in planned for request in run.requests]
+    if clean_from is not None:
+        clean = recorded_clean(clean_from, workload, requests, engine.model)
+    else:
+        clean = clean_answers(engine, workload, settings, requests)
+    progress(f"{len(clean)} clean-prefill answers: " + ", ".join(f"{key} -> {text.strip()!r}" for key, text in list(clean.items())[:4]))
+    runs, answered = [], {variant: [] for variant in variants}
     for variant in variants:
-        for index, rps in enumerate(settings.loads):
-            load = Load(rps, settings.requests, settings.max_duration_s)
-            seed = settings.seed + index  # the same arrivals and values for every variant at this load
-            row, answered = run_variant(engine, workload, variant, load, seed, settings, clean)
+        for run in planned:
+            row, results = run_variant(engine, workload, variant, run, settings, clean)
             runs.append(row)
-            results[variant].extend(answered)
+            answered[variant].extend(results)
             progress(
-                f"{rps:>6} rps {variant.value:>11}: {row['completed']}/{row['requests']} done, accuracy {row['accuracy']}, "
+                f"{run.load.offered_rps:>6} rps {variant.value:>11}: {row['completed']}/{row['requests']} done, accuracy {row['accuracy']}, "
                 f"TTFT p50 {row['ttft_p50_ms']} ms p90 {row['ttft_p90_ms']} ms, "
                 f"{row['throughput_rps']} rps, prefix hit {row['prefix_hit_rate']}"
             )
-    return {"runs": runs, "agreement": agreement(workload, clean, results, sample=8), "summary": headline(runs)}
+    return {"runs": runs, "agreement": agreement(workload, clean, answered, sample=8), "summary": headline(runs)}
 
 
 def arrival_rate(arrivals: Sequence[float]) -> float | None:
@@ -578,9 +649,9 @@ def arrival_rate(arrivals: Sequence[float]) -> float | None:
 
 def saturation_rps(rows: Sequence[dict[str, Any]]) -> float | None:
     """The lowest offered load a variant no longer keeps up with (completed requests/s under 90% of the run's
-    arrival rate), if any."""
+    arrival rate; a run of one arrival cannot tell), if any."""
     for row in sorted(rows, key=lambda row: row["offered_rps"]):
-        if row["throughput_rps"] is not None and row["arrival_rps"] and row["throughput_rps"] < 0.9 * row["arrival_rps"]:
+        if row["arrival_rps"] and (row["throughput_rps"] or 0.0) < 0.9 * row["arrival_rps"]:  # none completed: saturated
             return row["offered_rps"]
     return None
 
@@ -625,16 +696,10 @@ def build_workload(engine: Engine, scenario: Scenario, kind: str, policy_tokens:
 
 def benchmark(engine: Engine, workload: Workload, settings: Settings, progress: Callable[[str], None],
               clean_from: Path | None = None) -> dict:
-    """The clean-prefill answers (measured, or recorded by an exact engine in ``clean_from``), then the sweep;
-    the result document."""
+    """Sweep the workload's variants (for composed prompts, the ones this engine has); the result document."""
     variants = workload.variants if workload.kind == "edit" else engine.composed_variants()
     progress(f"{workload.kind} workload: {workload.policy_tokens} shared tokens; variants {[v.value for v in variants]}; "
              f"loads {settings.loads} rps, {settings.requests} requests each")
-    if clean_from is not None:
-        clean = recorded_clean(clean_from, workload, engine.model)
-    else:
-        clean = clean_answers(engine, workload, settings)
-    progress("clean-prefill answers: " + ", ".join(f"{key} -> {text.strip()!r}" for key, text in clean.items()))
     return {
         "engine": engine.name,
         "model": engine.model,
@@ -643,12 +708,14 @@ def benchmark(engine: Engine, workload: Workload, settings: Settings, progress: 
         "field": workload.field,
         "values": list(workload.values),
         "policy_tokens": workload.policy_tokens,
+        "blocks": len(workload.blocks),
+        "separator": workload.separator,
         "prompt_tokens": {v.value: engine.count_tokens(workload.prompt(v, workload.values[1], 1)) for v in variants},
         "engine_settings": engine.settings(),
         "host": {"machine": platform.machine(), "cpus": os.cpu_count(), "load_average_at_start": os.getloadavg()},
         "settings": asdict(settings),
         "clean_source": str(clean_from) if clean_from is not None else "measured on this engine before the sweep",
-        **sweep(engine, workload, variants, settings, clean, progress),
+        **sweep(engine, workload, variants, settings, progress, clean_from),
     }
 
 
@@ -668,10 +735,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="lmcache: vLLM with LMCache's CacheBlend connector (composed workload, needs --clean-from)")
     parser.add_argument("--workload", choices=("edit", "composed"), default="edit")
     parser.add_argument("--model", default="embedded", help="llama-cpp: embedded|smollm2|FILE.gguf, else served name")
-    parser.add_argument("--url", help="vllm/sglang: the running server, on loopback")
+    parser.add_argument("--url", help="vllm/sglang/lmcache: the running server, on loopback")
     parser.add_argument("--scenario", default=DEFAULT_SCENARIO, help="bundled scenario name or scenario file")
     parser.add_argument("--policy-tokens", type=int, default=2048)
-    parser.add_argument("--loads", default="0.03,0.2,1.5", help="offered loads, requests/s")
+    parser.add_argument("--loads", default="0.04,0.2,1.5", help="offered loads, requests/s")
     parser.add_argument("--requests", type=int, default=30, help="requests per run (upper bound)")
     parser.add_argument("--max-duration", type=float, default=1200.0, help="arrival window per run, s (upper bound)")
     parser.add_argument("--max-tokens", type=int, default=4)

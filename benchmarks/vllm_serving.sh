@@ -42,6 +42,7 @@ RESULTS=benchmarks/results
 LOG="$RESULTS/${ENGINE}-server.log"
 mkdir -p "$RESULTS"
 
+export VLLM_SERVER_DEV_MODE=1   # vLLM's /reset_prefix_cache: the client empties the cache before every run
 case "$ENGINE" in
   vllm)
     # shellcheck disable=SC2086

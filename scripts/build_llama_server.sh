@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Build llama.cpp's C++ server (llama-server) for benchmarks/cache_reuse.py, from the llama.cpp tree vendored
-# in llama-cpp-python's source distribution: the same llama.cpp that requirements-serving.txt pins. The sdist
-# comes from PyPI and is checked against its sha256; the build has no web UI and no network at run time.
+# Build llama.cpp's C++ server (llama-server) for benchmarks/serving.py and benchmarks/cache_reuse.py, from the
+# llama.cpp tree vendored in llama-cpp-python 0.3.36's source distribution (a pinned llama.cpp). The sdist comes
+# from PyPI and is checked against its sha256; the build has no web UI and no network at run time.
 # Installs $KVSCOPE_CACHE_DIR/llama-server/bin/llama-server (about 10 min on 2 CPU cores) and prints its path.
 set -euo pipefail
 version=0.3.36

@@ -92,9 +92,10 @@ def serving_figure(data: dict) -> go.Figure:
     figure.update_yaxes(title_text="hit rate", range=[0, 1.05], row=1, col=3)
     figure.update_yaxes(title_text="answers = clean prefill's", range=[0, 1.05], row=1, col=4)
     engine = f" on {safe_label(str(data['engine']))}" if data.get("engine") else ""
-    workload = f"<br><sup>{safe_label(str(data['scenario']))}, {data.get('policy_tokens')}-token handbook</sup>" if data.get("scenario") else ""
-    figure.update_layout(title=f"Serving state changes: erratum vs in-prefix edit{engine}{workload}", height=430,
-                         legend={"orientation": "h", "y": -0.25})
+    shared = f", {data['policy_tokens']} shared tokens" if data.get("policy_tokens") else ""
+    workload = f"<br><sup>{safe_label(str(data['scenario']))}{shared}</sup>" if data.get("scenario") else ""
+    compared = " vs ".join(safe_label(variant) for variant in variants)
+    figure.update_layout(title=f"Serving: {compared}{engine}{workload}", height=430, legend={"orientation": "h", "y": -0.25})
     return figure
 
 

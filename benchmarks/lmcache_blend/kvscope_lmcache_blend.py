@@ -12,9 +12,13 @@ import functools
 
 
 def register() -> None:
-    """Wrap ``Worker.load_model`` (once per process) so that it registers the loaded model with LMCache."""
-    from lmcache.integration.vllm.utils import ENGINE_NAME
-    from lmcache.v1.compute.models.utils import VLLMModelTracker
+    """Wrap ``Worker.load_model`` (once per process) so that it registers the loaded model with LMCache; nothing
+    where LMCache is not installed (the plugin stays installed for later plain vLLM runs)."""
+    try:
+        from lmcache.integration.vllm.utils import ENGINE_NAME
+        from lmcache.v1.compute.models.utils import VLLMModelTracker
+    except ImportError:
+        return
     from vllm.v1.worker.gpu_worker import Worker
 
     load_model = Worker.load_model

@@ -56,3 +56,11 @@ def test_the_plugin_is_declared_as_a_vllm_general_plugin():
 
     project = tomllib.loads((PLUGIN.parent / "pyproject.toml").read_text())
     assert project["project"]["entry-points"]["vllm.general_plugins"] == {"kvscope_lmcache_blend": "kvscope_lmcache_blend:register"}
+
+
+def test_without_lmcache_the_plugin_leaves_vllm_alone(monkeypatch):
+    _fake_modules(monkeypatch)
+    original = Worker.load_model
+    monkeypatch.setitem(sys.modules, "lmcache.v1.compute.models.utils", None)  # import fails
+    _plugin().register()
+    assert Worker.load_model is original

@@ -93,18 +93,18 @@ def composed_workload() -> Workload:
     return Workload(load_scenario("refund_gate"), "", 0, "composed", ("BLOCK A", "BLOCK B", "BLOCK C"), " # # ")
 
 
-def test_composed_prompts_rotate_the_blocks_so_none_is_a_prefix_after_the_first():
+def test_composed_prompts_give_every_request_its_own_block_order():
     workload = composed_workload()
-    first, second = (workload.prompt(Variant.CHUNK_REUSE, "true", request) for request in (1, 2))
-    assert "<|im_start|>user\n # # BLOCK B # # BLOCK C # # BLOCK A # # SESSION\nrefund_eligible: true" in first
-    assert "BLOCK C # # BLOCK A # # BLOCK B # # SESSION" in second
+    assert [workload.order(request) for request in range(4)] == [(0, 1, 2), (2, 1, 0), (2, 0, 1), (1, 2, 0)]
+    assert len({workload.order(request) for request in range(6)}) == 6  # 3! requests in a row, no order twice
+    first = workload.prompt(Variant.CHUNK_REUSE, "true", 1)
+    assert "<|im_start|>user\n # # BLOCK C # # BLOCK B # # BLOCK A # # SESSION\nrefund_eligible: true" in first
     assert workload.prompt(Variant.PREFIX_ONLY, "true", 1) == first  # the variants differ in what the engine reuses
     assert workload.variants == (Variant.CHUNK_REUSE, Variant.PREFIX_ONLY)
-    assert workload.clean_key("false", 4) == "false, order 1" and refund_workload().clean_key("false", 4) == "false"
-    clean = workload.clean_prompts()
-    assert len(clean) == 6 and clean["true, order 2"] == workload.prompt(Variant.PREFIX_ONLY, "true", 2)
-    assert list(refund_workload().clean_prompts()) == ["false", "true"]
-    assert "[STATE UPDATE]" not in refund_workload().clean_prompts()["true"]
+    assert workload.clean_key("false", 1) == "false @ 2-1-0" and refund_workload().clean_key("false", 4) == "false"
+    assert workload.clean_prompt("true", 1) == first
+    assert refund_workload().clean_prompt("true", 9) == refund_workload().prompt(Variant.IN_PREFIX, "true", 0)
+    assert serving.nth_permutation(3, 5) == (2, 1, 0) and serving.nth_permutation(4, 0) == (0, 1, 2, 3)
 
 
 def test_engines_say_how_they_reuse_composed_blocks():
@@ -118,18 +118,83 @@ def test_engines_say_how_they_reuse_composed_blocks():
     assert OpenAIServer("vllm", "http://127.0.0.1:1", "m").composed_variants() == (Variant.PREFIX_ONLY,)
 
 
-def test_recorded_clean_answers_must_match_the_model_scenario_and_keys(tmp_path):
+def test_recorded_clean_answers_must_come_from_the_same_prompts(tmp_path):
     workload = composed_workload()
-    answers = {key: ("Yes" if key.startswith("true") else "No") for key in workload.clean_prompts()}
+    requests = [("true", 1), ("false", 2), ("true", 3)]
+    answers = {workload.clean_key(value, request): "Yes" if value == "true" else "No" for value, request in requests}
+    recorded = {"model": "m", "scenario": "Refund gate", "blocks": 3, "separator": " # # ", "agreement": {"clean_answers": answers}}
     path = tmp_path / "serving-vllm-composed.json"
-    path.write_text(json.dumps({"model": "m", "scenario": "Refund gate", "agreement": {"clean_answers": answers}}))
-    assert recorded_clean(path, workload, "m") == answers
-    with pytest.raises(WorkloadError, match="not 'other' on 'Refund gate'"):
-        recorded_clean(path, workload, "other")
-    del answers["true, order 2"]
-    path.write_text(json.dumps({"model": "m", "scenario": "Refund gate", "agreement": {"clean_answers": answers}}))
-    with pytest.raises(WorkloadError, match=r"no clean-prefill answer for true, order 2"):
-        recorded_clean(path, workload, "m")
+    path.write_text(json.dumps(recorded))
+    assert recorded_clean(path, workload, requests, "m") == answers
+    with pytest.raises(WorkloadError, match="'model': 'm'.*this run has .*'model': 'other'"):
+        recorded_clean(path, workload, requests, "other")
+    path.write_text(json.dumps({**recorded, "separator": "\n\n"}))
+    with pytest.raises(WorkloadError, match="measured with .*'separator': '.n.n'}, this run has"):
+        recorded_clean(path, workload, requests, "m")
+    path.write_text(json.dumps(recorded))
+    with pytest.raises(WorkloadError, match=r"no clean-prefill answer for 1 request\(s\), e.g. 'true @ 1-0-2'"):
+        recorded_clean(path, workload, [*requests, ("true", 4)], "m")
+
+
+def test_the_plan_is_reproducible_and_alternates_values():
+    settings = Settings(loads=(2.0, 0.5), requests=5, max_duration_s=100.0, max_tokens=2, request_timeout_s=1.0, seed=3)
+    planned = serving.plan(refund_workload(), settings)
+    assert [len(run.arrivals) for run in planned] == [5, 5] and planned[0].arrivals == serving.plan(refund_workload(), settings)[0].arrivals
+    assert planned[0].first == 1 and planned[0].values == ["true", "false", "true", "false", "true"]  # seed 3: starts at values[1]
+    assert planned[1].first == 0 and planned[1].requests[:2] == [("false", 1), ("true", 2)]
+
+
+def test_a_run_empties_the_cache_warms_up_on_the_other_value_then_sends_its_plan(monkeypatch):
+    calls = []
+
+    class Stub(OpenAIServer):
+        def reset_cache(self) -> None:
+            calls.append("reset")
+
+        def cache_counters(self):
+            return CacheCounters(10.0, 100.0) if not calls.count("counted") else CacheCounters(30.0, 300.0)
+
+    async def fake_load(base_url, payloads, arrivals, timeout):
+        calls.append("counted")
+        return [RequestResult(i, at, at, 0.1, 0.2, 1, "Yes" if "refund_eligible: true" in p["prompt"] else "No")
+                for i, (p, at) in enumerate(zip(payloads, arrivals))]
+
+    monkeypatch.setattr(serving, "send_one", lambda engine, prompt, settings, options: calls.append(("warm-up", prompt)))
+    monkeypatch.setattr(serving, "run_load", fake_load)
+    workload = refund_workload()
+    planned = serving.PlannedRun(serving.Load(1.0, 2, 10.0), [0.5, 1.5], ["true", "false"], first=1)
+    settings = Settings(loads=(1.0,), requests=2, max_duration_s=10.0, max_tokens=2, request_timeout_s=1.0, seed=0)
+    row, answered = serving.run_variant(Stub("vllm", "http://127.0.0.1:1", "m"), workload, Variant.IN_PREFIX, planned, settings, CLEAN)
+    assert calls[0] == "reset" and calls[1] == ("warm-up", workload.prompt(Variant.IN_PREFIX, "false", 0)) and calls[2] == "counted"
+    assert [(value, request) for value, request, _ in answered] == [("true", 1), ("false", 2)]
+    assert row["accuracy"] == 1.0 and row["arrival_rps"] == 1.0
+    assert row["prefix_hit_rate"] == 0.1 and row["prompt_tokens"] == 200.0  # no usage reports: the /metrics difference
+
+
+def test_reset_cache_posts_to_the_engines_route_and_names_the_switch_when_missing():
+    seen = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            seen.append(self.path)
+            self.send_response(200 if self.path == "/flush_cache" else 404)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        OpenAIServer("sglang", url, "m").reset_cache()
+        with pytest.raises(WorkloadError, match="VLLM_SERVER_DEV_MODE=1"):
+            OpenAIServer("vllm", url, "m").reset_cache()
+        assert seen == ["/flush_cache", "/reset_prefix_cache"]
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 # --------------------------------------------------------------------------------------------
@@ -137,36 +202,45 @@ def test_recorded_clean_answers_must_match_the_model_scenario_and_keys(tmp_path)
 # --------------------------------------------------------------------------------------------
 
 
-def _done(text: str) -> RequestResult:
-    return RequestResult(0, 0.0, 0.0, 0.1, 0.2, 2, text)
+def _done(text: str, index: int = 0) -> RequestResult:
+    return RequestResult(index, 0.0, 0.0, 0.1, 0.2, 2, text)
 
 
 TIMEOUT = RequestResult(0, 0.0, 0.0, None, None, 0, "", error="timeout after 1 s")
 CLEAN = {"false": "No", "true": "Yes"}
 
 
-def test_accuracy_compares_each_answer_with_the_clean_answer_for_its_value():
-    answered = [("true", _done("Yes")), ("false", _done("Yes")), ("false", _done(" no")), ("true", TIMEOUT)]
-    composed = [("true", RequestResult(1, 0.0, 0.0, 0.1, 0.2, 2, "No")), ("true", RequestResult(2, 0.0, 0.0, 0.1, 0.2, 2, "No"))]
-    by_order = {"true, order 2": "No", "true, order 0": "Yes", "false, order 0": "No"}
-    assert accuracy(composed_workload(), by_order, composed) == 0.5  # request 2 (index 1) has order 2, request 3 order 0
+def test_accuracy_compares_each_answer_with_the_clean_answer_for_its_request():
+    answered = [("true", 1, _done("Yes")), ("false", 2, _done("Yes")), ("false", 3, _done(" no")), ("true", 4, TIMEOUT)]
     assert accuracy(refund_workload(), CLEAN, answered) == pytest.approx(2 / 3, abs=1e-4)
-    assert accuracy(refund_workload(), CLEAN, [("true", TIMEOUT)]) is None
+    assert accuracy(refund_workload(), CLEAN, [("true", 1, TIMEOUT)]) is None
+    composed = composed_workload()
+    by_order = {composed.clean_key("true", 1): "No", composed.clean_key("true", 2): "Yes"}
+    assert accuracy(composed, by_order, [("true", 1, _done("No")), ("true", 2, _done("No"))]) == 0.5  # each its own order
 
 
 def test_agreement_per_variant_against_each_other_the_clean_answer_and_the_expected_answer():
-    erratum = [("true", _done("Yes")), ("false", _done("Yes")), ("true", _done(" yes")), ("false", _done("No"))]
-    in_prefix = [("true", _done("Yes")), ("false", _done("No.")), ("true", _done("No")), ("false", TIMEOUT)]
+    erratum = [("true", 1, _done("Yes")), ("false", 2, _done("Yes")), ("true", 3, _done(" yes")), ("false", 4, _done("No"))]
+    in_prefix = [("true", 1, _done("Yes")), ("false", 2, _done("No.")), ("true", 3, _done("No")), ("false", 4, TIMEOUT)]
     report = agreement(refund_workload(), {"false": "Yes", "true": "Yes"},
                        {Variant.ERRATUM: erratum, Variant.IN_PREFIX: in_prefix}, sample=2)
     assert report["pairs"] == 3
     assert report["erratum_vs_in_prefix"] == pytest.approx(1 / 3, abs=1e-4)
     assert report["erratum_vs_clean"] == 1.0 and report["in_prefix_vs_clean"] == pytest.approx(1 / 3, abs=1e-4)
-    assert report["clean_vs_expected"] == {"false": False, "true": True}
+    assert report["clean_vs_expected"] == pytest.approx(2 / 3, abs=1e-4)  # the clean "Yes" for false is wrong
     assert report["erratum_vs_expected"] == pytest.approx(2 / 3, abs=1e-4) and report["in_prefix_vs_expected"] == pytest.approx(2 / 3, abs=1e-4)
     assert report["sample"][1] == {"value": "false", "clean": "Yes", "erratum": "Yes", "in_prefix": "No."}
     single = agreement(refund_workload(), CLEAN, {Variant.CHUNK_REUSE: erratum}, sample=0)
     assert single["pairs"] == 4 and single["chunk_reuse_vs_clean"] == 0.75 and "erratum_vs_in_prefix" not in single
+    with pytest.raises(ValueError, match="variants answered different requests"):
+        agreement(refund_workload(), CLEAN, {Variant.ERRATUM: erratum, Variant.IN_PREFIX: in_prefix[::-1]}, sample=0)
+
+
+def test_agreement_with_the_expected_answer_leaves_out_values_the_scenario_states_none_for():
+    workload = refund_workload()
+    report = agreement(workload, {"true": "Yes", "maybe": "No"},
+                       {Variant.CHUNK_REUSE: [("true", 1, _done("Yes")), ("maybe", 2, _done("No"))]}, sample=0)
+    assert report["chunk_reuse_vs_expected"] == 1.0 and report["clean_vs_expected"] == 1.0  # "maybe" has no expectation
 
 
 def _row(variant: str, rps: float, throughput: float, p90: float, accuracy: float = 1.0) -> dict:
@@ -182,7 +256,8 @@ def test_headline_reports_ratios_at_the_top_load_and_where_each_variant_saturate
     assert summary["p90_ttft_ratio_in_prefix_over_erratum"] == 500.0
     assert summary["throughput_ratio_erratum_over_in_prefix"] == pytest.approx(22.9)
     assert summary["saturation_rps"] == {"erratum": None, "in_prefix": 0.2}  # judged against each run's own arrivals
-    assert saturation_rps([_row("in_prefix", 0.1, None, 1.0)]) is None
+    assert saturation_rps([_row("in_prefix", 0.1, None, 1.0)]) == 0.1  # nothing completed
+    assert saturation_rps([{**_row("in_prefix", 0.1, None, 1.0), "arrival_rps": None}]) is None  # one arrival: cannot tell
 
 
 def test_arrival_rate_is_the_runs_own():
@@ -198,9 +273,10 @@ class AlwaysNo(OpenAIServer):
 
 def test_a_workload_whose_clean_answer_ignores_the_field_is_refused(monkeypatch):
     monkeypatch.setattr(serving, "send_one", lambda engine, prompt, settings, options: "No")
+    monkeypatch.setattr(AlwaysNo, "reset_cache", lambda self: None)
     settings = Settings(loads=(1.0,), requests=1, max_duration_s=1.0, max_tokens=2, request_timeout_s=1.0, seed=0)
-    with pytest.raises(WorkloadError, match=r"does not change with refund_eligible on stub \(refund_eligible=false: 'No', refund_eligible=true: 'No'\)"):
-        serving.clean_answers(AlwaysNo(), refund_workload(), settings)
+    with pytest.raises(WorkloadError, match=r"does not change with refund_eligible on stub \(refund_eligible=true: 'No', refund_eligible=false: 'No'\)"):
+        serving.clean_answers(AlwaysNo(), refund_workload(), settings, [("true", 1), ("false", 2)])
 
 
 # --------------------------------------------------------------------------------------------
@@ -274,7 +350,7 @@ def test_end_to_end_on_llama_server_with_the_embedded_model(tmp_path, monkeypatc
     for row in runs.values():
         assert row["offered_rps"] == 2.0 and row["errors"] == 0 and row["completed"] == 3
         assert 0 < row["ttft_p50_ms"] <= row["ttft_p90_ms"] <= row["ttft_p99_ms"] and row["throughput_rps"] > 0
-        assert 0.0 <= row["accuracy"] <= 1.0
+    assert runs["in_prefix"]["accuracy"] >= 0.66 and runs["erratum"]["accuracy"] >= 0.66  # 3 requests, clear margins here
     # each answer's own usage: the erratum reuses the handbook, the in-prefix edit only the head before the value
     erratum, in_prefix = runs["erratum"], runs["in_prefix"]
     assert erratum["prefix_hit_tokens"] >= erratum["completed"] * saved["policy_tokens"]
@@ -295,7 +371,7 @@ def test_composed_blocks_on_llama_server_chunk_reuse_against_prefix_only(tmp_pat
         data = serving.benchmark(server, workload, settings=settings, progress=print)
     path = serving.write(data)
     assert path.name == "serving-llama-cpp-composed.json"
-    assert len(data["agreement"]["clean_answers"]) == 6  # 3 block orders x 2 values, each a prefill without the cache
+    assert len(data["agreement"]["clean_answers"]) == 3  # one per request (its value and block order), no cache
     runs = {row["variant"]: row for row in data["runs"]}
     assert set(runs) == {"chunk_reuse", "prefix_only"} and all(row["completed"] == 3 for row in runs.values())
     assert runs["prefix_only"]["accuracy"] == 1.0  # a prefix cache is exact
