@@ -85,14 +85,20 @@ def serving_figure(data: dict) -> go.Figure:
         for column, key, label in ((2, "throughput_rps", "throughput"), (3, "prefix_hit_rate", "hit rate"), (4, "accuracy", "accuracy")):
             figure.add_scatter(x=load, y=[run.get(key) for run in runs], name=f"{name} {label}", legendgroup=variant,
                                customdata=counts, hovertemplate=hover, showlegend=False, mode="lines+markers",
-                               line={"color": colour}, row=1, col=column)
-    figure.update_xaxes(title_text="offered load (requests/s)", type="log")
+                               line={"color": colour, "dash": ("solid", "dot", "dash")[index % 3]},
+                               marker={"symbol": ("circle", "square", "diamond")[index % 3], "size": 9 - 2 * (index % 3)},
+                               row=1, col=column)  # symbols and dashes keep equal lines (e.g. both accuracies 1.0) apart
+    loads = sorted({run["offered_rps"] for run in data["runs"]})
+    figure.update_xaxes(title_text="offered load (requests/s)", type="log", tickvals=loads, ticktext=[f"{load:g}" for load in loads])
     figure.update_yaxes(title_text="TTFT (ms)", type="log", row=1, col=1)
     figure.update_yaxes(title_text="completed requests/s", row=1, col=2)
     figure.update_yaxes(title_text="hit rate", range=[0, 1.05], row=1, col=3)
     figure.update_yaxes(title_text="answers = clean prefill's", range=[0, 1.05], row=1, col=4)
     engine = f" on {safe_label(str(data['engine']))}" if data.get("engine") else ""
     shared = f", {data['policy_tokens']} shared tokens" if data.get("policy_tokens") else ""
+    completed = sorted({run["completed"] for run in data["runs"] if run.get("completed") is not None})
+    if completed:
+        shared += f", {completed[0]}{'–' + str(completed[-1]) if len(completed) > 1 else ''} completed requests per point"
     workload = f"<br><sup>{safe_label(str(data['scenario']))}{shared}</sup>" if data.get("scenario") else ""
     compared = " vs ".join(safe_label(variant) for variant in variants)
     figure.update_layout(title=f"Serving: {compared}{engine}{workload}", height=430, legend={"orientation": "h", "y": -0.25})

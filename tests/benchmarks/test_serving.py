@@ -375,7 +375,7 @@ def test_composed_blocks_on_llama_server_chunk_reuse_against_prefix_only(tmp_pat
     runs = {row["variant"]: row for row in data["runs"]}
     assert set(runs) == {"chunk_reuse", "prefix_only"} and all(row["completed"] == 3 for row in runs.values())
     assert runs["prefix_only"]["accuracy"] == 1.0  # a prefix cache is exact
-    assert runs["chunk_reuse"]["prefix_hit_rate"] > runs["prefix_only"]["prefix_hit_rate"] + 0.3  # blocks shifted, not recomputed
+    assert runs["chunk_reuse"]["prefix_hit_rate"] > runs["prefix_only"]["prefix_hit_rate"] + 0.1  # chunks shifted, not recomputed
     assert data["agreement"]["pairs"] == 3 and "chunk_reuse_vs_prefix_only" in data["agreement"]
 
 
