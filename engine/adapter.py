@@ -200,6 +200,8 @@ def forward(
     logit_rows: torch.Tensor | None = None,
     hidden_states: bool = False,
     grad: bool = False,
+    rope_positions: torch.Tensor | None = None,
+    inputs_embeds: torch.Tensor | None = None,
 ) -> ForwardResult:
     """Run ``input_ids`` at ``positions`` over stored K/V; ``allowed`` (Q, N + Q) says which stored entries
     and which of the new tokens each query sees (the caller makes it causal).
@@ -207,7 +209,8 @@ def forward(
     ``blocked[layer]`` is a (H or 1, Q, N + Q) bool tensor of extra keys hidden from the queries in that
     layer (knockouts); it never touches the stored tensors. Logits are kept for ``logit_rows`` only (none
     when not given), attention probabilities for ``capture_rows``. Nothing passed in is modified. With ``grad`` the forward is differentiable (e.g. with
-    respect to stored K/V that require grad).
+    respect to stored K/V that require grad). M-RoPE models take (3, Q) ``rope_positions`` (the mask still
+    follows ``positions``); ``inputs_embeds`` (Q, hidden) replaces the token embeddings where images are fed.
     """
     install(model)
     device = input_ids.device
@@ -224,9 +227,10 @@ def forward(
     token = _ACTIVE_PLAN.set(plan)
     try:
         with torch.set_grad_enabled(grad):
+            tokens = {"input_ids": input_ids[None]} if inputs_embeds is None else {"inputs_embeds": inputs_embeds[None]}
             output = model(
-                input_ids=input_ids[None],
-                position_ids=positions[None],
+                **tokens,
+                position_ids=positions[None] if rope_positions is None else rope_positions[:, None],
                 attention_mask=plan.mask_for(-1, None, model.dtype),
                 cache=cache,
                 use_cache=True,

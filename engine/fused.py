@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine import adapter
+from engine import adapter, vision
 from engine.budget import compute_slot
 from engine.errors import NotebookError
 
@@ -42,12 +42,13 @@ class Continuation:
     logit_rows: list[int]  # rows whose next-token logits are kept
     knockout: Knockout | Sequence[Knockout] | None = None
     captured_rows: list[int] = field(default_factory=list)  # rows whose attention is kept when capturing
+    rope_offset: int = 0  # rope position − position on every M-RoPE axis (text after an image, engine.vision)
 
     @classmethod
-    def causal(cls, token_ids: Sequence[int], start: int, logit_rows: Sequence[int] = ()) -> "Continuation":
+    def causal(cls, token_ids: Sequence[int], start: int, logit_rows: Sequence[int] = (), rope_offset: int = 0) -> "Continuation":
         """Plain tokens at ``start``, ``start + 1``, ... each seeing the earlier ones."""
         count = len(token_ids)
-        return cls(list(token_ids), list(range(start, start + count)), torch.ones(count, count, dtype=torch.bool), list(logit_rows))
+        return cls(list(token_ids), list(range(start, start + count)), torch.ones(count, count, dtype=torch.bool), list(logit_rows), rope_offset=rope_offset)
 
 
 @dataclass
@@ -77,8 +78,8 @@ def computed_in_chunks(notebook: Notebook, limit: int) -> Notebook:
                 rest.append(PendingStep(stop, step.stop, torch.cat([step.sees, torch.ones(stop - step.start, dtype=torch.bool)])))
             else:
                 rest.append(step)
-        head = dataclass_replace(notebook, token_ids=notebook.token_ids[:stop], positions=notebook.positions[:stop],
-                                 segments=notebook.segments[:stop], visible=notebook.visible[:stop], pending=tuple(first))
+        head = dataclass_replace(notebook, token_ids=notebook.token_ids[:stop], positions=notebook.positions[:stop], segments=notebook.segments[:stop],
+                                 visible=notebook.visible[:stop], pending=tuple(first), rope_offsets=notebook.rope_offsets[:, :stop])
         done = run_together([head], [None])[0].notebook
         notebook = dataclass_replace(notebook, computed_keys=done.computed_keys, computed_values=done.computed_values, pending=tuple(rest))
     return notebook
@@ -119,6 +120,7 @@ class _FusedInput:
 
     token_ids: list[int]
     positions: list[int]
+    rope_offsets: list[torch.Tensor]  # per fork: (3, new tokens) M-RoPE offsets
     allowed: torch.Tensor  # (Q, computed + Q) bool, causal by position
     logit_rows: list[int]
     captured_rows: list[int]
@@ -131,11 +133,12 @@ def fused_input(forks: Sequence[Notebook], extras: Sequence[Continuation], compu
     fork's earlier new tokens, and nothing of the other forks."""
     sizes = [(len(fork.positions) - computed, len(extra.token_ids)) for fork, extra in zip(forks, extras)]
     total = sum(new + more for new, more in sizes)
-    layout = _FusedInput([], [], torch.zeros(total, computed + total, dtype=torch.bool), [], [], {}, [])
+    layout = _FusedInput([], [], [], torch.zeros(total, computed + total, dtype=torch.bool), [], [], {}, [])
     offset = 0
     for fork, extra, (new, more) in zip(forks, extras, sizes):
         layout.token_ids += fork.token_ids[computed:].tolist() + extra.token_ids
         layout.positions += fork.positions[computed:].tolist() + extra.positions
+        layout.rope_offsets += [fork.rope_offsets[:, computed:], torch.full((3, more), extra.rope_offset)]
         own = computed + offset  # column of the fork's first new token
         for step in fork.pending:
             first, last = offset + step.start - computed, offset + step.stop - computed
@@ -194,14 +197,18 @@ def _run_together(forks: list[Notebook], extras: list[Continuation], *, capture:
         index = seen.to(device)
         stored_keys, stored_values = [k.index_select(2, index) for k in stored_keys], [v.index_select(2, index) for v in stored_values]
         allowed, blocked = allowed[:, kept], {layer: mask[..., kept] for layer, mask in blocked.items()}
+    token_ids, positions = torch.tensor(layout.token_ids, dtype=torch.long, device=device), torch.tensor(layout.positions, dtype=torch.long, device=device)
+    rope = positions[None] + torch.cat(layout.rope_offsets, dim=1).to(device) if vision.uses_mrope(base.lm.model) else None
     result = adapter.forward(
         base.lm.model,
         stored_keys,
         stored_values,
         base.positions[seen].to(device),
-        torch.tensor(layout.token_ids, dtype=torch.long, device=device),
-        torch.tensor(layout.positions, dtype=torch.long, device=device),
+        token_ids,
+        positions,
         allowed.to(device),
+        rope_positions=rope,
+        inputs_embeds=vision.input_embeddings(base.lm, token_ids),
         blocked={layer: mask.to(device) for layer, mask in blocked.items()},
         capture_rows=torch.tensor(layout.captured_rows, dtype=torch.long, device=device) if capture else None,
         logit_rows=torch.tensor(layout.logit_rows, dtype=torch.long, device=device),

@@ -9,12 +9,15 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.errors import KVScopeError
+
+if TYPE_CHECKING:
+    from engine.vision import ImageTable
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -62,6 +65,8 @@ class LoadedModel:
     source: str
     fingerprint: ModelFingerprint
     dtype_reason: str = "requested"
+    image_processor: Any = None  # a vision-language model's own image processor (None: text only)
+    images: ImageTable | None = None  # virtual ids of the images encoded so far (engine.vision)
 
     def info(self) -> dict[str, Any]:
         """Architecture, attention geometry, RoPE, size and provenance, for display."""

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine import adapter
+from engine import adapter, vision
 from engine.budget import compute_slot, forward_token_limit
 from engine.decision import Decision, answer_logprob, decide, decision_margin, label_scores
 from engine.errors import NotebookError
@@ -68,6 +68,22 @@ class KVBlock:
     start_position: int
     segments: tuple[str, ...]  # (L,) labels, e.g. "skill:refund_policy" and "field:NAME" inside it
     fingerprint: ModelFingerprint
+    rope_offsets: torch.Tensor | None = None  # (3, L) M-RoPE offsets from the positions (None: text, all 0)
+
+    def __post_init__(self) -> None:
+        if self.rope_offsets is None:
+            object.__setattr__(self, "rope_offsets", torch.zeros(3, len(self.token_ids), dtype=torch.long))
+
+    @property
+    def rope_start(self) -> int:
+        """The rope position of its first token (temporal axis)."""
+        return self.start_position + int(self.rope_offsets[0, 0])
+
+    @property
+    def rope_span(self) -> int:
+        """How many rope positions it covers: its length, less where an image's patches share positions."""
+        rope = self.rope_offsets + torch.arange(self.start_position, self.start_position + len(self))[None]
+        return int(rope.max()) + 1 - self.rope_start
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -95,6 +111,14 @@ class Notebook:
     visible: torch.Tensor  # (N,) bool, CPU
     log: tuple[str, ...] = ()
     pending: tuple[PendingStep, ...] = ()  # entries C..N-1, in order
+    rope_offsets: torch.Tensor | None = None  # (3, N) int64: rope position − position per M-RoPE axis (None: all 0)
+
+    def __post_init__(self) -> None:
+        count = len(self.positions)
+        if self.rope_offsets is None:
+            object.__setattr__(self, "rope_offsets", torch.zeros(3, count, dtype=torch.long))
+        elif tuple(self.rope_offsets.shape) != (3, count):
+            raise NotebookError(f"rope offsets of shape {tuple(self.rope_offsets.shape)} for {count} entries")
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -124,9 +148,11 @@ class Notebook:
         if len(labels) != len(ids):
             raise NotebookError(f"got {len(labels)} segment labels for {len(ids)} tokens")
         notebook, step = cls.empty(lm), chunk_size or max(len(ids), 1)
+        offsets = notebook._offsets_for(ids, start_position, start_position)
         for begin in range(0, len(ids), step):
             end = min(begin + step, len(ids))
-            notebook = notebook._compute(ids[begin:end], list(range(start_position + begin, start_position + end)), labels[begin:end])
+            positions = list(range(start_position + begin, start_position + end))
+            notebook = notebook._compute(ids[begin:end], positions, labels[begin:end], rope_offsets=offsets[:, begin:end])
             if end < len(ids) or progress:
                 notebook = notebook.materialized()
             if progress:
@@ -162,6 +188,22 @@ class Notebook:
         return int(shown.max()) + 1 if len(shown) else 0
 
     @property
+    def rope_positions(self) -> torch.Tensor:
+        """(3, N) positions each entry's key was rotated for (temporal, height, width; equal for text)."""
+        return self.positions[None] + self.rope_offsets
+
+    @property
+    def next_rope_offset(self) -> int:
+        """Rope position − position of a token appended now (non-zero after an image, engine.vision)."""
+        shown = self.visible
+        return int(self.rope_positions[:, shown].max()) + 1 - self.next_position if bool(shown.any()) else 0
+
+    def _offsets_for(self, token_ids: Sequence[int], position: int, rope_position: int) -> torch.Tensor:
+        """(3, T) rope offsets of tokens laid out from ``position`` whose first rope position is ``rope_position``."""
+        rope = vision.rope_positions(self.lm, token_ids, rope_position)
+        return rope - torch.arange(position, position + len(token_ids))[None]
+
+    @property
     def order(self) -> torch.Tensor:
         """Entry indices of visible entries sorted by position: the context in reading order."""
         shown = torch.nonzero(self.visible).flatten()
@@ -182,7 +224,7 @@ class Notebook:
     def token_texts(self) -> list[str]:
         """Readable text of each visible token, in reading order."""
         tokenizer = self.lm.tokenizer
-        return [tokenizer.decode([token]) for token in self.visible_token_ids()]
+        return [vision.token_label(self.lm, token) or tokenizer.decode([token]) for token in self.visible_token_ids()]
 
     @property
     def keys(self) -> tuple[torch.Tensor, ...]:
@@ -242,6 +284,7 @@ class Notebook:
             tuple(id(tensor) for tensor in latest.computed_keys),
             tuple(latest.token_ids.tolist()),
             tuple(latest.positions.tolist()),
+            tuple(latest.rope_offsets.flatten().tolist()),
             latest.visible.numpy().tobytes(),
             tuple((step.start, step.stop, step.sees.numpy().tobytes()) for step in latest.pending),
         )
@@ -269,8 +312,9 @@ class Notebook:
         return torch.tensor([lookup[int(p)] for p in positions], dtype=torch.long)
 
     # ---------------------------------------------------------------- primitive
-    def _compute(self, token_ids, positions, segments, *, hide: torch.Tensor | None = None, note: str = "") -> "Notebook":
-        """Record tokens at positions to compute over this cache (``hide`` entries excluded from now on)."""
+    def _compute(self, token_ids, positions, segments, *, rope_offsets: torch.Tensor, hide: torch.Tensor | None = None, note: str = "") -> "Notebook":
+        """Record tokens at positions (their M-RoPE ``rope_offsets``, (3, T)) to compute over this cache (``hide``
+        entries excluded from now on)."""
         base = self.latest()
         visible = base.visible.clone()
         if hide is not None:
@@ -286,6 +330,7 @@ class Notebook:
             visible=torch.cat([visible, torch.ones(count, dtype=torch.bool)]),
             log=base.log + (note,),
             pending=base.pending + (PendingStep(stored, stored + count, visible),),
+            rope_offsets=torch.cat([base.rope_offsets, rope_offsets], dim=1),
         )
 
     def _with_continuation(self, run: BranchRun, continuation: Continuation, segment: str) -> "Notebook":
@@ -301,22 +346,26 @@ class Notebook:
             segments=base.segments + (segment,) * count,
             visible=torch.cat([base.visible, torch.ones(count, dtype=torch.bool)]),
             log=base.log + (f"{segment} {count} tokens",),
+            rope_offsets=torch.cat([base.rope_offsets, torch.full((3, count), continuation.rope_offset)], dim=1),
         )
 
-    def _shifted(self, from_position: int, delta: int, reason: str) -> "Notebook":
-        """Move every entry at ``from_position`` or later by ``delta`` positions (keys re-rotated)."""
+    def _shifted(self, from_position: int, delta: int, reason: str, rope_delta: int | None = None) -> "Notebook":
+        """Move every entry at ``from_position`` or later by ``delta`` positions, their keys re-rotated by
+        ``rope_delta`` (default ``delta``; they differ where an image's patches span fewer rope steps than tokens)."""
         moving = self.positions >= from_position
-        if delta == 0 or not bool(moving.any()):
+        rope_delta = delta if rope_delta is None else rope_delta
+        if delta == rope_delta == 0 or not bool(moving.any()):
             return self
         try:
             rotary = self.rotary
         except RopeUnsupported as error:
             raise NotebookError(f"{reason} needs to move later tokens, but {error}") from error
         index = torch.nonzero(moving).flatten().to(self.lm.device)
-        deltas = torch.full((len(index),), delta, dtype=torch.long)
+        deltas = torch.full((len(index),), rope_delta, dtype=torch.long)
         keys, values = rotary.move(self.keys, self.values, deltas, index)
+        offsets = torch.where(moving[None], self.rope_offsets + rope_delta - delta, self.rope_offsets)
         return dataclass_replace(
-            self.materialized(), computed_keys=keys, computed_values=values, positions=torch.where(moving, self.positions + delta, self.positions)
+            self.materialized(), computed_keys=keys, computed_values=values, positions=torch.where(moving, self.positions + delta, self.positions), rope_offsets=offsets
         )
 
     # ---------------------------------------------------------------- operations
@@ -328,7 +377,8 @@ class Notebook:
         if len(labels) != len(token_ids):
             raise NotebookError(f"got {len(labels)} segment labels for {len(token_ids)} tokens")
         start = self.next_position
-        return self._compute(token_ids, range(start, start + len(token_ids)), labels, note=f"append {len(token_ids)} tokens as {labels[0]}")
+        offsets = self._offsets_for(token_ids, start, start + self.next_rope_offset)
+        return self._compute(token_ids, range(start, start + len(token_ids)), labels, rope_offsets=offsets, note=f"append {len(token_ids)} tokens as {labels[0]}")
 
     def append_text(self, text: str, segment: str = "erratum") -> "Notebook":
         """Tokenize text (no special tokens) and append it."""
@@ -352,11 +402,17 @@ class Notebook:
         labels = [segment or self.segments[int(old[0])]] * len(token_ids) if segment is None or isinstance(segment, str) else list(segment)
         if len(labels) != len(token_ids):
             raise NotebookError(f"got {len(labels)} segment labels for {len(token_ids)} new tokens")
-        moved = self._shifted(start + length, len(token_ids) - length, f"replacing {length} tokens by {len(token_ids)}")
+        first = old[torch.argmin(self.positions[old])]
+        rope_start = int(self.rope_positions[0, first])  # the temporal axis: where an image or a text token begins
+        offsets = self._offsets_for(token_ids, start, rope_start)
+        old_span = int(self.rope_positions[:, old].max()) + 1 - rope_start
+        new_span = int((offsets + torch.arange(start, start + len(token_ids))).max()) + 1 - rope_start
+        moved = self._shifted(start + length, len(token_ids) - length, f"replacing {length} tokens by {len(token_ids)}", new_span - old_span)
         return moved._compute(
             token_ids,
             range(start, start + len(token_ids)),
             labels,
+            rope_offsets=offsets,
             hide=old,
             note=f"replace {labels[0]} at {start}..{start + length - 1} ({length}→{len(token_ids)} tokens)",
         )
@@ -370,6 +426,7 @@ class Notebook:
             self.token_ids[entries].tolist(),
             self.positions[entries].tolist(),
             [self.segments[i] for i in entries.tolist()],
+            rope_offsets=self.rope_offsets[:, entries],
             hide=entries,
             note=f"recompute {len(entries)} positions",
         )
@@ -414,6 +471,7 @@ class Notebook:
             start_position=int(starts[0]),
             segments=tuple(self.segments[i] for i in entries.tolist()),
             fingerprint=self.lm.fingerprint,
+            rope_offsets=self.rope_offsets[:, entries],
         )
 
     def splice(self, block: KVBlock, at: int | None = None, seam: int = 0) -> "Notebook":
@@ -436,9 +494,10 @@ class Notebook:
             rotary = self.rotary
         except RopeUnsupported as error:
             raise NotebookError(f"cannot splice {block.name!r}: {error}") from error
-        moved = self._shifted(at, len(block), f"splicing {block.name!r}").latest()
+        rope_at = at + (self.next_rope_offset if at == self.next_position else int(self.rope_offsets[0, self.entries_at([at])[0]]))
+        moved = self._shifted(at, len(block), f"splicing {block.name!r}", block.rope_span).latest()
         count, done = len(block), computed_count(moved)  # the block joins the computed entries; pending ones follow it
-        deltas = torch.full((count,), at - block.start_position, dtype=torch.long)
+        deltas = torch.full((count,), rope_at - block.rope_start, dtype=torch.long)
         block_keys, block_values = rotary.move(block.keys, block.values, deltas)
         keys = tuple(torch.cat([k, b], dim=2) for k, b in zip(moved.computed_keys, block_keys)) if moved.computed_keys else block_keys
         values = tuple(torch.cat([v, b], dim=2) for v, b in zip(moved.computed_values, block_values)) if moved.computed_values else block_values
@@ -454,6 +513,9 @@ class Notebook:
             log=self.log + (f"splice {block.name} ({count} tokens) at {at}" + (f", seam {seam}" if seam else ""),),
             pending=tuple(
                 PendingStep(step.start + count, step.stop + count, torch.cat([step.sees[:done], unseen, step.sees[done:]])) for step in moved.pending
+            ),
+            rope_offsets=torch.cat(
+                [moved.rope_offsets[:, :done], block.rope_offsets + (rope_at - block.rope_start) - (at - block.start_position), moved.rope_offsets[:, done:]], dim=1
             ),
         )
         return spliced.recompute(range(at, at + seam))
@@ -471,6 +533,7 @@ class Notebook:
             segments=tuple(self.segments[i] for i in kept.tolist()),
             visible=torch.ones(len(kept), dtype=torch.bool),
             log=self.log + (f"compact to {len(kept)} entries",),
+            rope_offsets=self.rope_offsets[:, kept],
         )
 
     # ---------------------------------------------------------------- decision
@@ -526,7 +589,7 @@ class Notebook:
         sees[:, :count] = True
         for first, stop in branches:
             sees[first:stop, first:stop] = True
-        return Continuation(ids, positions, sees, kept, knockout, list(range(count))), layout
+        return Continuation(ids, positions, sees, kept, knockout, list(range(count)), self.next_rope_offset), layout
 
     @staticmethod
     def _scores(run: BranchRun, layout: dict) -> dict[str, list[torch.Tensor]]:
@@ -614,7 +677,7 @@ class Notebook:
 
     def _step(self, token_ids: Sequence[int], segment: str) -> tuple["Notebook", torch.Tensor]:
         """Run tokens after the context, store them, and return the last token's next-token logits."""
-        continuation = Continuation.causal(token_ids, self.next_position, [len(token_ids) - 1])
+        continuation = Continuation.causal(token_ids, self.next_position, [len(token_ids) - 1], self.next_rope_offset)
         run = Notebook._run([self], [continuation])[0]
         return self._with_continuation(run, continuation, segment), run.logits[-1]
 
@@ -632,5 +695,5 @@ class Notebook:
 
     def hidden_states(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Residual stream (layers + 1, T, hidden) of tokens run after this context (nothing is stored)."""
-        run = Notebook._run([self], [Continuation.causal(token_ids, self.next_position)], hidden_states=True)[0]
+        run = Notebook._run([self], [Continuation.causal(token_ids, self.next_position, rope_offset=self.next_rope_offset)], hidden_states=True)[0]
         return torch.stack(run.hidden_states).float()

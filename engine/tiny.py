@@ -31,6 +31,7 @@ from transformers import (
     Qwen3Config,
     Qwen3NextConfig,
 )
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from engine.loaded import LoadedModel, ModelFingerprint, ModelLoadError, dtype_name
 
@@ -298,6 +299,7 @@ def _newer_family_config(arch: str, decoder: dict, rope: dict) -> PretrainedConf
             image_token_id=decoder["vocab_size"] - 1,
             video_token_id=decoder["vocab_size"] - 2,
             vision_start_token_id=decoder["vocab_size"] - 3,
+            vision_end_token_id=decoder["vocab_size"] - 4,
             initializer_range=0.08,
             tie_word_embeddings=False,
         )
@@ -348,6 +350,8 @@ def tiny_model(
     model = auto_class.from_config(config, attn_implementation=attn, dtype=torch.float32)
     model.to(dtype).eval().requires_grad_(False)
     name = f"tiny-{arch}"
+    # Qwen2-VL's own processor with its defaults (14-pixel patches, 2×2 merge), capped so a picture stays a few tokens
+    processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112) if arch == "qwen2_vl" else None
     return LoadedModel(
         name=name,
         model=model,
@@ -356,6 +360,7 @@ def tiny_model(
         dtype=dtype,
         source="random weights (engine.tiny)",
         fingerprint=ModelFingerprint(name=name, config_hash=config_hash, dtype=dtype_name(dtype)),
+        image_processor=processor,
     )
 
 
@@ -366,6 +371,8 @@ def make_tiny_model_dir(arch: str, path: str | Path, *, seed: int = 0) -> Path:
     loaded = tiny_model(arch, seed=seed)
     loaded.model.save_pretrained(out, safe_serialization=True)
     loaded.tokenizer.save_pretrained(out)
+    if loaded.image_processor is not None:
+        loaded.image_processor.save_pretrained(out)
     # transformers reloads qwen2 directories through Qwen2Tokenizer, whose default unk_token "<|endoftext|>"
     # would be added as token 600, past the embedding: record that there is no unk token.
     config_file = out / "tokenizer_config.json"

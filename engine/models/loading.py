@@ -10,10 +10,12 @@ import difflib
 import logging
 import re
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
     AutoConfig,
+    AutoImageProcessor,
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
     AutoTokenizer,
@@ -236,11 +238,12 @@ def _load_pretrained(
         return model.to(device)
 
     tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=False, local_files_only=local_only)
+    image_processor = _image_processor(location, local_only) if auto_class is AutoModelForImageTextToText else None
 
     def loaded(model: PreTrainedModel, reason: str) -> LoadedModel:
         chosen = next(model.parameters()).dtype
         fingerprint = ModelFingerprint(name=name, config_hash=config_hash(model.config), dtype=dtype_name(chosen))
-        return LoadedModel(name, model, tokenizer, device, chosen, source, fingerprint, reason)
+        return LoadedModel(name, model, tokenizer, device, chosen, source, fingerprint, reason, image_processor=image_processor)
 
     if dtype is not None:
         result = loaded(load(dtype), f"{dtype_name(dtype)} as requested")
@@ -251,6 +254,15 @@ def _load_pretrained(
         result = load_with_cpu_dtype_choice(load, loaded, name, config, report)
     logger.info("loaded %s on %s as %s (%s)", name, device, dtype_name(result.dtype), source)
     return result
+
+
+def _image_processor(location: str, local_only: bool) -> Any:
+    """A vision-language model's own image processor, or None where its directory has none (text use only)."""
+    try:
+        return AutoImageProcessor.from_pretrained(location, local_files_only=local_only, trust_remote_code=False)
+    except (OSError, ValueError) as error:
+        logger.info("no image processor for %s (%s): images are refused, text works", location, error)
+        return None
 
 
 def _causal_config(location: str, local_only: bool) -> PretrainedConfig:
