@@ -13,7 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import plotly.graph_objects as go
+from PIL import Image
 
 from app.hosting import HostingProfile
 from app.state import ExportFolder, ModelRegistry, SessionStore, process_rss_bytes
@@ -30,6 +32,7 @@ from engine.compose import (
     compose_scenario,
     skill_of_length,
 )
+from engine.compose_image import IMAGE_QUESTION, compare_image
 from engine.compose_study import run_study, skill_prefixes
 from engine.decision import DECISIVE_MARGIN
 from engine.errors import KVScopeError
@@ -45,6 +48,7 @@ from engine.scenario import Scenario, Skill, bundled_scenarios, bundled_skills
 from engine.selftest import SelfTestReport
 from engine.strategies import EditSettings
 from engine.support import SupportRow
+from engine.vision import check_vision_model
 from engine.weight_edit import LoraSettings, RomeSettings, compare_edits
 from viz import benchmarks as benchmark_figures, compose as compose_figures, learn, notes as notes_figures
 from viz.cards import strategy_cards_html
@@ -410,6 +414,41 @@ def run_compose(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[s
         deviation_figure=compose_figures.deviation_figure(fidelity),
         summary={"model": lm.fingerprint.name, **data},
     )
+
+
+MAX_PICTURE_SIDE = 448  # pixels: an uploaded picture is scaled down to fit (a few hundred image tokens at most)
+
+
+def fitted_picture(picture: np.ndarray) -> np.ndarray:
+    """An uploaded picture as RGB, scaled down (aspect kept) so that neither side exceeds MAX_PICTURE_SIDE."""
+    image = Image.fromarray(np.asarray(picture, dtype=np.uint8)).convert("RGB")
+    image.thumbnail((MAX_PICTURE_SIDE, MAX_PICTURE_SIDE))
+    return np.asarray(image)
+
+
+@guarded
+def run_image_compose(registry: ModelRegistry, spec: str | None, picture: np.ndarray | None, before: str, after: str, question: str,
+                      seam: int | None) -> tuple[str, go.Figure, dict]:
+    """Splice a picture's stored K/V after ``before`` (seam repair ``seam``) vs a full recompute from its pixels."""
+    if picture is None:
+        raise AppError("add a picture first (the bundled shipping label is the default)")
+    lm = registry.get(spec)
+    check_vision_model(lm)
+    splicing_unlocked(registry, spec)
+    result = compare_image(lm, fitted_picture(picture), "picture", before=before or "", after=after or "",
+                           question=(question or "").strip() or IMAGE_QUESTION, seam=int(number(seam, "seam", 0)))
+    data = result.as_dict()
+    labels = f"{markdown_literal(result.spliced.label)} vs {markdown_literal(result.recomputed.label)}"
+    verdict = "a tie in the recomputed decision" if result.match.agree is None else "agrees" if result.match.agree else "differs"
+    metrics = (
+        f"**cosine** {data['cosine']:.4f} · **KL** {data['kl']:.4f} · **top-1** {'agree' if data['top1_agree'] else 'differ'} · "
+        f"**decision** {verdict} ({labels}, margin error {result.match.margin_error:+.3f})  \n"
+        f"**TTFT** splice {data['ttft_ms']['splice']:.0f} ms vs full {data['ttft_ms']['full']:.0f} ms with the vision tower (×{data['speedup']}) · "
+        f"picture {data['image_tokens']} tokens over {data['rope_span']} rope positions, moved {data['shift']} positions, "
+        f"first {data['seam']} recomputed"
+    )
+    decode = lambda token: lm.tokenizer.decode([token])  # noqa: E731
+    return metrics, compose_figures.logit_bars_figure(result.spliced, result.recomputed, decode), {"model": lm.fingerprint.name, **data}
 
 
 @guarded

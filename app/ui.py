@@ -17,6 +17,7 @@ from app.state import ExportFolder, ModelRegistry, SessionStore
 from engine.analysis import DEFAULT_STRATEGIES
 from engine.budget import bounded
 from engine.compose import DEFAULT_REMEDY, PLACEMENTS
+from engine.compose_image import IMAGE_QUESTION, bundled_images
 from engine.compose_study import REMEDIES as STUDY_REMEDIES
 from engine.decision import DECISIVE_MARGIN
 from engine.registry import ALL_PROBES
@@ -381,6 +382,24 @@ def _composer_tab(page: Page) -> None:
             study_summary = gr.Markdown(elem_id="study-summary")
             study_plot = gr.Plot(label="Remedy frontier", elem_id="study-plot")
             study_json = gr.JSON(label="Study", elem_id="study-json")
+        with gr.Accordion("A picture's K/V spliced into a context (vision-language models)", open=False, elem_id="image-panel"):
+            gr.Markdown("The picture is encoded once (vision tower) and prefilled after the chat template's head; its K/V then "
+                        "move behind the text before it — keys re-rotated on M-RoPE's three axes — and the question is read. The "
+                        "full recompute runs the vision tower and prefills everything. Needs an M-RoPE vision-language model: "
+                        "choose `tiny-qwen2_vl` (random weights: exactness, not meaning) or a Qwen2-VL / Qwen2.5-VL checkpoint.")
+            with gr.Row():
+                picture = gr.Image(value=str(bundled_images()["shipping_label"]), type="numpy", label="Picture", height=220,
+                                   elem_id="image-picture")
+                with gr.Column():
+                    picture_before = gr.Textbox(label="Text before the picture (the block moves by its length)", lines=2,
+                                                value="Order 48213 was placed on Monday by a gold customer.", elem_id="image-before")
+                    picture_after = gr.Textbox(label="Text after the picture", lines=1, elem_id="image-after")
+                    picture_question = gr.Textbox(label="Question (yes / no)", value=IMAGE_QUESTION, elem_id="image-question")
+                    picture_seam = LenientSlider(0, 16, value=0, step=1, label="Seam: the picture's first tokens recomputed", elem_id="image-seam")
+                    picture_button = gr.Button("Splice picture vs recompute", variant="primary", elem_id="run-image")
+            picture_metrics = gr.Markdown(elem_id="image-metrics")
+            picture_plot = gr.Plot(label="Top next tokens: spliced picture vs recomputed from pixels", elem_id="image-logits-plot")
+            picture_json = gr.JSON(label="Picture splice", elem_id="image-json")
         with gr.Row():
             compose_export = gr.Button("Export JSON + figures", elem_id="export-compose")
             compose_files = gr.File(label="Exported files", file_count="multiple", elem_id="compose-files")
@@ -420,6 +439,12 @@ def _composer_tab(page: Page) -> None:
 
     study_button.click(on_study, [page.spec, composer, after, placements, study_remedies], [study_plot, study_summary, study_json],
                        api_name="compose_study", **page.model_bound())
+    @page.action
+    def on_image(model_spec, pixels, text_before, text_after, question, seam):
+        return handlers.run_image_compose(page.registry, model_spec, pixels, text_before, text_after, question, seam)
+
+    picture_button.click(on_image, [page.spec, picture, picture_before, picture_after, picture_question, picture_seam],
+                         [picture_metrics, picture_plot, picture_json], api_name="compose_image", **page.model_bound())
     compose_export.click(_exporter(page, "kvscope-composer"), [compose_json, logits_plot, deviation_plot, loop_plot], compose_files,
                          api_name="export_composer", concurrency_limit=None)
 

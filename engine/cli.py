@@ -1,4 +1,4 @@
-"""Headless CLI: ``python -m engine info|selftest|support|decide|edit|calibrate|probe|compose|agent|keystone|memory|weights``.
+"""Headless CLI: ``python -m engine info|selftest|support|decide|edit|calibrate|probe|compose|image|agent|keystone|memory|weights``.
 
 With ``--json`` exactly one JSON object goes to stdout (an ``{"error": ...}`` object and exit code 2 on
 bad input); logs and progress go to stderr.
@@ -11,10 +11,12 @@ import json
 import logging
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from engine.agent import ERRATUM_WORDINGS, Compaction, run_agent
 from engine.calibrate import FLIP_THRESHOLD, NOTES_DEMO_MAX_RECOVERY, calibrate, scenario_files
 from engine.compose import DEFAULT_REMEDY, Remedy, adhoc_scenario, compare, with_skills
+from engine.compose_image import IMAGE_QUESTION, bundled_images, compare_image, load_picture
 from engine.errors import KVScopeError
 from engine.experiment import EditExperiment
 from engine.keystone import keystone
@@ -173,6 +175,15 @@ def cmd_compose(args: argparse.Namespace) -> dict:
     return {"model": lm.fingerprint.name, **compare(lm, scenario, _store(), remedy=Remedy.parse(args.remedy), reps=args.reps).as_dict()}
 
 
+def cmd_image(args: argparse.Namespace) -> dict:
+    """Splice a picture's stored K/V into a context vs a full recompute from pixels (vision-language models)."""
+    path = bundled_images().get(args.image, args.image)
+    pixels = load_picture(path)
+    lm = _load(args)
+    result = compare_image(lm, pixels, Path(path).stem, before=args.before, after=args.after, question=args.question, seam=args.seam, reps=args.reps)
+    return {"model": lm.fingerprint.name, **result.as_dict()}
+
+
 def cmd_agent(args: argparse.Namespace) -> dict:
     """Multi-turn episode: compose once, errata per turn (compacted by --policy), against the clean-state prefill
     and the identical-token re-prefill every turn."""
@@ -228,6 +239,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], dict]] = {
     "calibrate": cmd_calibrate,
     "probe": cmd_probe,
     "compose": cmd_compose,
+    "image": cmd_image,
     "agent": cmd_agent,
     "keystone": cmd_keystone,
     "memory": cmd_memory,
@@ -281,8 +293,14 @@ def build_parser() -> argparse.ArgumentParser:
                                   "against the full recompute; compose only)")
         if name == "memory":
             sub.add_argument("--seam", type=int, default=1, help="seam repair: recompute the first K tokens of each skill")
-        if name == "compose":
+        if name in ("compose", "image"):
             sub.add_argument("--reps", type=int, default=1, help="timing repetitions (median)")
+        if name == "image":
+            sub.add_argument("--image", default="shipping_label", help=f"image file, or a bundled one: {', '.join(bundled_images())}")
+            sub.add_argument("--before", default="", help="text before the picture (the block moves by its length)")
+            sub.add_argument("--after", default="", help="text after the picture, before the question")
+            sub.add_argument("--question", default=IMAGE_QUESTION, help="a yes/no question")
+            sub.add_argument("--seam", type=int, default=0, help="recompute the picture's first N tokens against the real prefix")
         if name in ("agent", "keystone"):
             sub.add_argument("--field", help="the field to change (default: the first)")
         if name == "agent":

@@ -353,7 +353,7 @@ class Fidelity:
         }
 
 
-def _timed(function: Callable[[], tuple[Notebook, Decision]], reps: int) -> tuple[tuple[Notebook, Decision], float]:
+def timed_median(function: Callable[[], tuple[Notebook, Decision]], reps: int) -> tuple[tuple[Notebook, Decision], float]:
     """The last result and the median wall time in ms; with several reps the first is a warm-up."""
     times, result = [], None
     for _ in range(reps):
@@ -400,7 +400,7 @@ def compare(
     cached = None if references is None else references.get(key)
     reused = cached is not None
     if cached is None:
-        (reference, recomputed), full_ms = _timed(recompute_and_read, reps)
+        (reference, recomputed), full_ms = timed_median(recompute_and_read, reps)
         cached = Recomputed(reference.materialized(), recomputed, full_ms)
         if references is not None:
             references[key] = cached
@@ -410,7 +410,7 @@ def compare(
         spliced = splice_prompt(lm, scenario, prompt, store, remedy, reference=reference)
         return spliced, spliced.notebook.read_prompt(prompt, answer_texts=answers)
 
-    (built, spliced), splice_ms = _timed(splice_and_read, reps)
+    (built, spliced), splice_ms = timed_median(splice_and_read, reps)
     return Fidelity(
         scenario=scenario.name,
         skills=list(scenario.skills),

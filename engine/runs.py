@@ -64,7 +64,7 @@ class PreparedRun:
 def render_for(lm: LoadedModel, scenario: Scenario, values: Mapping[str, str] | None = None) -> RenderedPrompt:
     """The scenario rendered with this model's tokenizer, ``values`` over the old ones, refused past the
     model's context window."""
-    return render(scenario, lm.tokenizer, scenario.values_with(**dict(values or {})), max_tokens=lm.model.config.max_position_embeddings)
+    return render(scenario, lm.tokenizer, scenario.values_with(**dict(values or {})), max_tokens=lm.model.config.get_text_config().max_position_embeddings)
 
 
 def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import tomllib
 import unicodedata
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field as dataclass_field
 from pathlib import Path
 from typing import Any
@@ -174,8 +174,10 @@ def render(
     values: Mapping[str, str] | None = None,
     *,
     max_tokens: int | None = None,
+    appended: Sequence[tuple[int, str]] = (),
 ) -> RenderedPrompt:
-    """Tokenize `scenario` with field `values` (old values by default), through the chat template if any."""
+    """Tokenize `scenario` with field `values` (old values by default), through the chat template if any;
+    ``appended`` (token id, segment) pairs follow the context, before the question (e.g. an image's tokens)."""
     filled = scenario.values_with(**(values or {}))
     chat = bool(getattr(tokenizer, "chat_template", None))
     if chat:
@@ -221,6 +223,8 @@ def render(
             skill_spans[text] = Span(start, len(ids))
         else:
             add_template(text, "context")
+    ids.extend(token for token, _ in appended)
+    segments.extend(segment for _, segment in appended)
     add(separator, "template")
 
     decode_ids = tuple(_encode(tokenizer, scenario.question + tail))

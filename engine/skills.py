@@ -67,7 +67,12 @@ def _tensor_digest(tensors: Mapping[str, torch.Tensor]) -> str:
 
 
 def save_block(block: KVBlock, path: str | Path, skill_id: str) -> Path:
-    """Write a compiled block as one safetensors file with its metadata."""
+    """Write a compiled block as one safetensors file with its metadata (text blocks only)."""
+    if bool(block.rope_offsets.any()):
+        raise SkillFileError(
+            f"block {block.name!r} holds image patches: their token ids and embeddings live with this load of the "
+            "model only, so it cannot be stored as a skill file; keep it in memory or re-encode the image"
+        )
     tensors = {f"keys.{i}": k[0].detach().contiguous().cpu() for i, k in enumerate(block.keys)}
     tensors |= {f"values.{i}": v[0].detach().contiguous().cpu() for i, v in enumerate(block.values)}
     meta = {

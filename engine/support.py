@@ -11,7 +11,11 @@ operation runs once and is compared with what the model itself computes:
 - **move keys**: a block prefilled at 0 and moved to position Δ has the K/V of the block prefilled at Δ;
 - **splice**: a block spliced back at its own position equals the prefill it came from;
 - **seam repair**: a block compiled elsewhere, spliced with its whole length as seam, equals a prefill;
-- **self-test**: ``engine.selftest`` against this dtype's noise floor.
+- **self-test**: ``engine.selftest`` against this dtype's noise floor;
+- **images** (vision-language models only): a context with a generated picture, encoded by the model's own
+  processor and vision tower, read as the model's own forward over pixels reads it; prefilled in chunks, spliced
+  back at its own position, moved 161 positions (keys = the picture prefilled there) and seam-repaired; the
+  worst of the five. Text-only models show "–".
 
 An operation the engine refuses reports the refusal's own message (which family trait and why). Errors are
 max absolute differences in float32 (logits for reads, K/V otherwise). ``python -m engine support --json``
@@ -23,8 +27,10 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
+import numpy as np
 import torch
 
+from engine import vision
 from engine.errors import KVScopeError
 from engine.loaded import LoadedModel
 from engine.notebook import Knockout, Notebook
@@ -32,7 +38,7 @@ from engine.progress import MessageProgress
 from engine.selftest import SelfTestReport, run_selftest
 from engine.tiny import FAMILIES, HYBRID_ARCHS, TINY_ARCHS, tiny_family, tiny_model
 
-OPERATIONS: tuple[str, ...] = ("read", "chunked prefill", "replace", "patch", "knockout", "move keys", "splice", "seam repair", "self-test")
+OPERATIONS: tuple[str, ...] = ("read", "chunked prefill", "replace", "patch", "knockout", "move keys", "splice", "seam repair", "self-test", "images")
 TOLERANCE = 2e-5  # float32 on tiny models; the issue's bar for "exact"
 _DECODE = [5, 6, 7]
 _ANSWERS = {"a": [[8]], "b": [[9, 10, 11]]}
@@ -46,6 +52,7 @@ class Verdict:
     supported: bool
     max_error: float | None = None
     reason: str | None = None
+    applicable: bool = True  # False: nothing to check on this model (images on a text-only model)
 
 
 @dataclass(frozen=True)
@@ -65,12 +72,12 @@ class SupportRow:
     @property
     def refused(self) -> dict[str, str]:
         """Operation → reason, for the refused ones."""
-        return {v.operation: v.reason or "" for v in self.verdicts if not v.supported}
+        return {v.operation: v.reason or "" for v in self.verdicts if not v.supported and v.applicable}
 
     def summary(self) -> str:
         """One line for a model card: the max error of each supported operation, then refusals by reason."""
         measured = ", ".join(
-            f"{v.operation} {v.max_error:.1g}" if v.max_error is not None else v.operation for v in self.verdicts if v.supported
+            f"{v.operation} {v.max_error:.1g}" if v.max_error is not None else v.operation for v in self.verdicts if v.supported and v.applicable
         )
         by_reason: dict[str, list[str]] = {}
         for operation, reason in self.refused.items():
@@ -159,6 +166,59 @@ def _operations(lm: LoadedModel, tokens: int) -> dict[str, Callable[[], float]]:
     }
 
 
+def _picture() -> np.ndarray:
+    """A 56×112 RGB test picture (gradients and a checkerboard): 2 × 4 merged patches on Qwen2-VL's processor."""
+    rows, cols = np.mgrid[0:56, 0:112]
+    return np.stack([rows * 4, cols * 2, ((rows // 8 + cols // 8) % 2) * 255], axis=-1).astype(np.uint8)
+
+
+def _pixel_logits(lm: LoadedModel, ids: list[int], image: vision.EncodedImage, pixels: np.ndarray) -> torch.Tensor:
+    """The model's own next-token logits over text with the picture fed as pixels (its processor and rope index)."""
+    processed = lm.image_processor(images=[pixels], return_tensors="pt")
+    patches = set(image.token_ids[1:-1])
+    placeholder = [lm.model.config.image_token_id if token in patches else token for token in ids]
+    types = [int(token in patches) for token in ids]
+    with torch.no_grad():
+        output = lm.model(
+            input_ids=torch.tensor([placeholder], device=lm.device),
+            pixel_values=processed["pixel_values"].to(lm.device, lm.dtype),
+            image_grid_thw=processed["image_grid_thw"].to(lm.device),
+            mm_token_type_ids=torch.tensor([types], device=lm.device),
+        )
+    return output.logits[0, -1].float().cpu()
+
+
+def _image_error(lm: LoadedModel) -> float:
+    """The worst error of the image checks (module docstring) on a context: text, picture, text."""
+    pixels = _picture()
+    image = vision.encode_image(lm, pixels, "picture")
+    pre, post, picture = _ids(lm, 5, 3), _ids(lm, 6, 4), list(image.token_ids)
+    ids = pre + picture + post
+    source = Notebook.prefill(lm, ids, ["pre"] * len(pre) + ["picture"] * len(picture) + ["post"] * len(post))
+    alone = Notebook.prefill(lm, picture, "picture").block("picture")
+    relocated = Notebook.prefill(lm, _ids(lm, 161, 5), "prefix").splice(alone).block("picture")
+    at_target = Notebook.prefill(lm, picture, "picture", start_position=161)
+    composed = Notebook.prefill(lm, pre, "pre").splice(source.block("picture")).append(post, "post").compact()
+    chunked = Notebook.prefill(lm, ids, chunk_size=4)
+    repaired = Notebook.prefill(lm, pre, "pre").splice(alone, seam=len(alone)).append(post, "post")
+    return max(
+        float((_logits(source).cpu() - _pixel_logits(lm, ids + _DECODE, image, pixels)).abs().max()),
+        _diff(chunked.keys + chunked.values, source.keys + source.values),
+        _diff(composed.keys + composed.values, source.keys + source.values),
+        _diff(relocated.keys + relocated.values, at_target.keys + at_target.values),
+        float((_logits(repaired) - _logits(source)).abs().max()),
+    )
+
+
+def _image_verdict(lm: LoadedModel) -> Verdict:
+    if not hasattr(lm.model, "get_image_features"):
+        return Verdict("images", False, applicable=False)
+    try:
+        return Verdict("images", True, _image_error(lm))
+    except KVScopeError as error:
+        return Verdict("images", False, reason=str(error))
+
+
 def _selftest_verdict(lm: LoadedModel, report: SelfTestReport | None) -> Verdict:
     report = report or run_selftest(lm)
     if not report.rope_supported:
@@ -181,6 +241,7 @@ def check_model(lm: LoadedModel, family: str | None = None, tokens: int = 30, se
         verdicts.append(_selftest_verdict(lm, selftest))
     except KVScopeError as error:
         verdicts.append(Verdict("self-test", False, reason=str(error)))
+    verdicts.append(_image_verdict(lm))
     config = lm.model.config.get_text_config()
     return SupportRow(
         model=lm.fingerprint.name,
@@ -203,6 +264,8 @@ def support_matrix(archs: tuple[str, ...] = TINY_ARCHS + HYBRID_ARCHS, progress:
 
 
 def _cell(verdict: Verdict) -> str:
+    if not verdict.applicable:
+        return "–"
     if not verdict.supported:
         return "refused"
     if verdict.max_error is None:
@@ -218,7 +281,7 @@ def markdown_table(rows: list[SupportRow]) -> str:
         cells = []
         for verdict in row.verdicts:
             cell = _cell(verdict)
-            if not verdict.supported:
+            if not verdict.supported and verdict.applicable:
                 reason = verdict.reason or ""
                 if reason not in reasons:
                     reasons.append(reason)

@@ -78,7 +78,7 @@ FAMILIES: dict[str, str] = {
     "llama4_nope": "Llama-4-style NoPE layers, no chunking",
     "dynamic_ntk": "dynamic NTK scaling",
     "longrope": "LongRoPE (Phi-3)",
-    "qwen2_vl": "Qwen2-VL (M-RoPE, text contexts)",
+    "qwen2_vl": "Qwen2-VL (M-RoPE, text and images)",
     "bamba": "Bamba (Mamba-2 hybrid)",
     "qwen3_next": "Qwen3-Next (gated DeltaNet hybrid)",
 }

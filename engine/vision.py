@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -48,44 +49,50 @@ class EncodedImage:
 
 
 class ImageTable:
-    """The virtual patch ids of one loaded model (from past the vocabulary up), each with its embedding."""
+    """The virtual patch ids of one loaded model (from past the vocabulary up), each with its embedding.
 
-    def __init__(self, first_id: int) -> None:
+    Ids are never reused; beyond ``budget_bytes`` of embeddings the oldest images are dropped, and a notebook
+    still holding their ids is refused by name at its next forward.
+    """
+
+    def __init__(self, first_id: int, budget_bytes: int = 256 * 2**20) -> None:
         self.first_id = first_id
-        self._images: list[EncodedImage] = []
-        self._starts: list[int] = []  # first virtual id of each image
-        self._embeddings: list[torch.Tensor] = []  # per image (patches, hidden)
-        self._by_digest: dict[str, EncodedImage] = {}
+        self.budget_bytes = budget_bytes
+        self._next_id = first_id
+        self._images: OrderedDict[int, tuple[EncodedImage, torch.Tensor]] = OrderedDict()  # first id -> image, (patches, hidden)
+        self._by_key: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def add(self, digest: str, name: str, embeddings: torch.Tensor, rows: int, cols: int, wrap: tuple[int, int]) -> EncodedImage:
         """Register an image's patch embeddings (once per content and name); returns its tokens."""
         with self._lock:
             key = f"{digest}:{name}"
-            if key in self._by_digest:
-                return self._by_digest[key]
-            start = self.first_id + sum(len(e) for e in self._embeddings)
-            patches = tuple(range(start, start + len(embeddings)))
-            image = EncodedImage(name=name, token_ids=(wrap[0], *patches, wrap[1]), rows=rows, cols=cols)
-            self._images.append(image)
-            self._starts.append(start)
-            self._embeddings.append(embeddings)
-            self._by_digest[key] = image
+            if self._by_key.get(key) in self._images:
+                return self._images[self._by_key[key]][0]
+            start, self._next_id = self._next_id, self._next_id + len(embeddings)
+            image = EncodedImage(name=name, token_ids=(wrap[0], *range(start, self._next_id), wrap[1]), rows=rows, cols=cols)
+            self._images[start] = (image, embeddings)
+            self._by_key[key] = start
+            while len(self._images) > 1 and sum(e.numel() * e.element_size() for _, e in self._images.values()) > self.budget_bytes:
+                self._images.popitem(last=False)
             return image
 
     def locate(self, token_id: int) -> tuple[EncodedImage, int] | None:
         """The image a virtual id belongs to and its patch index (row-major), or None for a vocabulary token."""
         if token_id < self.first_id:
             return None
-        for image, start, embeddings in zip(self._images, self._starts, self._embeddings):
+        for start, (image, embeddings) in list(self._images.items()):
             if start <= token_id < start + len(embeddings):
                 return image, token_id - start
-        raise ImageError(f"token id {token_id} is past the vocabulary but no image registered with this model holds it")
+        raise ImageError(f"token id {token_id} is an image patch no longer held by this model (or never encoded with it): encode the image again")
 
     def embedding_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings (T, hidden) of virtual ids."""
-        table = torch.cat(self._embeddings)
-        return table[(token_ids - self.first_id).to(table.device)]
+        rows = []
+        for token in token_ids.tolist():
+            image, patch = self.locate(token)
+            rows.append(self._images[image.token_ids[1]][1][patch])
+        return torch.stack(rows)
 
 
 def uses_mrope(model: PreTrainedModel) -> bool:
@@ -101,7 +108,8 @@ def _table(lm: LoadedModel) -> ImageTable:
     return lm.images
 
 
-def _check_vision_model(lm: LoadedModel) -> None:
+def check_vision_model(lm: LoadedModel) -> None:
+    """Raise :class:`ImageError`, saying why, unless the model can take pictures (vision tower, M-RoPE, processor)."""
     config = lm.model.config
     if not hasattr(lm.model, "get_image_features") or getattr(config, "image_token_id", None) is None:
         raise ImageError(f"{lm.name} has no vision tower: images need a vision-language model such as Qwen2-VL or Qwen2.5-VL")
@@ -116,7 +124,7 @@ def _check_vision_model(lm: LoadedModel) -> None:
 
 def encode_image(lm: LoadedModel, image: Image.Image | np.ndarray, name: str) -> EncodedImage:
     """Run one picture through the model's own processor and vision tower; its tokens, ready to prefill."""
-    _check_vision_model(lm)
+    check_vision_model(lm)
     pixels = np.asarray(image.convert("RGB") if isinstance(image, Image.Image) else image)
     if pixels.ndim != 3 or pixels.shape[-1] != 3:
         raise ImageError(f"image {name!r} must be height × width × 3 (RGB), got shape {pixels.shape}")

@@ -3,10 +3,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from gradio_client import Client
+from gradio_client import Client, handle_file
 
-from engine.scenario import Scenario
+from engine.compose_image import bundled_images
 from engine.experiment import EditExperiment
+from engine.scenario import Scenario
 from tests.app.conftest import SCENARIO
 
 STRATEGY_SET = ["field_only", "erratum"]
@@ -19,7 +20,7 @@ def _edit(client: Client, text: str, field: str, value: str) -> dict:
 
 def test_named_endpoints_exist(app_url):
     names = set(Client(app_url, verbose=False).view_api(return_format="dict", print_info=False)["named_endpoints"])
-    assert {"/load_model", "/prepare", "/edit", "/knockout", "/probe", "/compose", "/keystone", "/agent", "/benchmarks", "/scenario"} <= names
+    assert {"/load_model", "/prepare", "/edit", "/knockout", "/probe", "/compose", "/keystone", "/agent", "/benchmarks", "/scenario", "/compose_image"} <= names
 
 
 def test_prepare_states_the_current_decision(app_url, registry):
@@ -49,6 +50,12 @@ def test_compose_endpoint_reports_fidelity(app_url):
     metrics, _, _, data = Client(app_url, verbose=False).predict(["account_gate"], "", "", "", "seam:2", api_name="/compose")
     assert data["seam"] == 2 and data["remedy"]["name"] == "seam:2" and {"cosine", "kl", "top1_agree", "decision_agree", "ttft_ms", "speedup"} <= set(data)
     assert "cosine" in metrics
+
+
+def test_picture_splice_on_a_text_model_is_refused_by_name(app_url):
+    picture = handle_file(str(bundled_images()["shipping_label"]))
+    with pytest.raises(Exception, match="has no vision tower"):
+        Client(app_url, verbose=False).predict(picture, "", "", "", 0, api_name="/compose_image")
 
 
 def test_concurrent_clients_get_their_own_results(app_url, registry):

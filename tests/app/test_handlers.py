@@ -4,6 +4,7 @@ import html
 import json
 from pathlib import Path
 
+import numpy as np
 import plotly.graph_objects as go
 import pytest
 import torch
@@ -12,8 +13,9 @@ from app import handlers
 from app.composer import SkillComposer
 from app.handlers import AppError
 from app.state import ExportFolder, ModelRegistry, SessionStore
-from engine.scenario import Scenario
+from engine.compose_image import bundled_images, load_picture
 from engine.experiment import EditExperiment
+from engine.scenario import Scenario
 from tests.app.conftest import SCENARIO
 from viz.common import markdown_literal
 
@@ -204,8 +206,33 @@ def test_model_card_shows_this_models_row_of_the_support_matrix(registry):
     card, info = handlers.load_model_card(registry, "")
     assert f"**Family**: {markdown_literal('Qwen2 / Qwen2.5')}" in card and "Operations on this model" in card
     verdicts = info["support"]["verdicts"]
-    assert all(v["supported"] and v["max_error"] <= 2e-5 for v in verdicts.values())
-    assert set(verdicts) == {"read", "chunked prefill", "replace", "patch", "knockout", "move keys", "splice", "seam repair", "self-test"}
+    assert all(v["supported"] and v["max_error"] <= 2e-5 for v in verdicts.values() if v["applicable"])
+    assert set(verdicts) == {"read", "chunked prefill", "replace", "patch", "knockout", "move keys", "splice", "seam repair", "self-test", "images"}
+    assert not verdicts["images"]["applicable"] and "images" not in card  # a text-only model: nothing to check, nothing said
+
+
+def test_picture_splice_matches_the_recompute_from_pixels_with_a_full_seam():
+    registry = ModelRegistry("tiny-qwen2_vl")
+    pixels = load_picture(bundled_images()["shipping_label"])
+    card, info = handlers.load_model_card(registry, "")
+    assert info["support"]["verdicts"]["images"]["max_error"] <= 2e-5 and "images" in card
+    moved = handlers.run_image_compose(registry, None, pixels, "Order 48213, placed on Monday.", "", "", 0)
+    repaired = handlers.run_image_compose(registry, None, pixels, "Order 48213, placed on Monday.", "", "", 14)
+    assert moved[2]["shift"] > 0 and moved[2]["cosine"] < 1 - 1e-6  # moved with no repair: close, not equal
+    assert repaired[2]["cosine"] > 1 - 1e-6 and abs(repaired[2]["margin_error"]) < 1e-4  # all 14 tokens recomputed: a prefill
+    assert "picture 14 tokens over 6 rope positions" in moved[0] and isinstance(moved[1], go.Figure)
+    with pytest.raises(AppError, match="add a picture first"):
+        handlers.run_image_compose(registry, None, None, "", "", "", 0)
+    with pytest.raises(AppError, match="seam 40 must be between 0 and the picture's 14 tokens"):
+        handlers.run_image_compose(registry, None, pixels, "", "", "", 40)
+    big = handlers.fitted_picture(np.zeros((2000, 1000, 3), dtype=np.uint8))
+    assert big.shape == (handlers.MAX_PICTURE_SIDE, handlers.MAX_PICTURE_SIDE // 2, 3)
+
+
+def test_picture_splice_on_a_text_model_names_what_is_missing(registry):
+    pixels = load_picture(bundled_images()["shipping_label"])
+    with pytest.raises(AppError, match="has no vision tower"):
+        handlers.run_image_compose(registry, None, pixels, "", "", "", 0)
 
 
 @pytest.mark.parametrize("spec, reason", [("tiny-bamba", "hybrid"), ("tiny-llama4", "chunked attention")])

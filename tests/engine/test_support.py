@@ -14,14 +14,15 @@ from engine.support import OPERATIONS, TOLERANCE, check_model, markdown_table, s
 from engine.tiny import FAMILIES, HYBRID_ARCHS, TINY_ARCHS, make_tiny_model_dir, tiny_model
 
 MOVING = ("move keys", "splice", "seam repair")
+TEXT_OPERATIONS = tuple(operation for operation in OPERATIONS if operation != "images")  # images: vision models only
 # Ground truth for the matrix: which operations each family must refuse, and a phrase of the reason.
 REFUSED = {
     "gpt2": (MOVING, "no rotary position embedding"),
     "llama4": (MOVING, "chunked attention"),
     "dynamic_ntk": (MOVING, "dynamic RoPE scaling"),
     "longrope": (MOVING, "longrope RoPE scaling"),
-    "bamba": (OPERATIONS, "hybrid: layers \\[0, 2\\] keep a recurrent"),
-    "qwen3_next": (OPERATIONS, "hybrid: layers \\[0, 2\\] keep a recurrent"),
+    "bamba": (TEXT_OPERATIONS, "hybrid: layers \\[0, 2\\] keep a recurrent"),
+    "qwen3_next": (TEXT_OPERATIONS, "hybrid: layers \\[0, 2\\] keep a recurrent"),
 }
 
 
@@ -41,6 +42,7 @@ def test_every_family_is_exact_or_refused_by_name(matrix, arch):
     for verdict in row.verdicts:
         if verdict.supported:
             assert verdict.max_error is not None and verdict.max_error <= TOLERANCE, (verdict.operation, verdict.max_error)
+    assert row.verdict("images").applicable == (arch == "qwen2_vl")  # pictures are checked where there is a vision tower
     assert row.family == FAMILIES[arch]
 
 
@@ -120,16 +122,17 @@ def test_cli_support_checks_the_loaded_model(capsys):
     result = json.loads(out)
     assert [row["model"] for row in result["families"]] == ["tiny-gemma3", "tiny-gpt2"]
     assert result["loaded"]["model_type"] == "gemma3_text"
-    assert all(v["supported"] for v in result["loaded"]["verdicts"].values())
+    assert all(v["supported"] for v in result["loaded"]["verdicts"].values() if v["applicable"])
     assert result["families"][1]["verdicts"]["splice"]["reason"].startswith("cannot splice")
 
 
 def test_vision_language_checkpoint_loads_and_its_text_decoder_is_exact(tmp_path):
-    """Qwen2-VL is not an AutoModelForCausalLM: it loads as image-text-to-text; text contexts use M-RoPE
-    with three equal axes, so a delta rotation is the standard one and every operation is exact."""
+    """Qwen2-VL is not an AutoModelForCausalLM: it loads as image-text-to-text with its own image processor; text
+    contexts use M-RoPE with three equal axes, pictures spread over them, and every operation is exact."""
     lm = load_model(str(make_tiny_model_dir("qwen2_vl", tmp_path / "vl")), dtype="float32")
     assert type(lm.model).__name__ == "Qwen2VLForConditionalGeneration"
     assert lm.model.config.get_text_config().rope_parameters["mrope_section"] == [2, 3, 3]
     row = check_model(lm)
     assert not row.refused and all(v.max_error <= TOLERANCE for v in row.verdicts)
+    assert row.verdict("images").applicable  # the saved image processor came back with the checkpoint
     assert row.family == FAMILIES["qwen2_vl"]
