@@ -19,7 +19,7 @@ from PIL import Image
 
 from app.hosting import HostingProfile
 from app.state import ExportFolder, ModelRegistry, SessionStore, process_rss_bytes
-from engine.adapter import cache_layout
+from engine.adapter import cache_layout, recurrent_layers
 from engine.agent import run_agent
 from engine.analysis import analyse_edit
 from engine.compose import (
@@ -38,6 +38,7 @@ from engine.decision import DECISIVE_MARGIN
 from engine.errors import KVScopeError
 from engine.experiment import EditExperiment
 from engine.frontier import probe_frontier
+from engine.hybrid import read_scenario
 from engine.keystone import keystone
 from engine.models import LoadedModel, available_offline
 from engine.models.gguf import ALIASES
@@ -213,6 +214,13 @@ def prepare_baseline(registry: ModelRegistry, spec: str | None, text: str) -> st
     """Prefill the scenario at its old values (and the decision's gradients) ahead of the first edit;
     returns the current decision as Markdown."""
     scenario = parse_scenario(text, registry.profile)
+    lm = registry.get(spec)
+    if recurrent_layers(lm.model):
+        read = read_scenario(lm, scenario)
+        values = ", ".join(f"{markdown_literal(name)} = {markdown_literal(value)}" for name, value in read.prompt.values.items())
+        return (f"Now ({values}): the model answers **{markdown_literal(read.decision.label)}** (margin {read.decision.margin:+.2f}), "
+                f"read on its own cache of {len(read.context)} tokens. It is a hybrid (recurrent layers {recurrent_layers(lm.model)}): "
+                "edits that rewrite cache entries are refused here; `python -m engine edit` reads the erratum against a clean prefill.")
     run = registry.baseline(spec, text, scenario)
     margin = run.gradients.margin  # the backward runs now, so the next edit's notes map is free
     values = ", ".join(f"{markdown_literal(name)} = {markdown_literal(value)}" for name, value in run.prompt.values.items())

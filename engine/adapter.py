@@ -155,9 +155,24 @@ def check_per_token_cache(model: PreTrainedModel) -> None:
     if recurrent:
         raise CacheUnsupported(
             f"{type(model).__name__} is a hybrid: layers {recurrent} keep a recurrent (Mamba / linear-attention) "
-            "state that sums up every earlier token at once instead of one K/V entry per token, so KVScope "
-            "cannot read, edit, patch, knock out or splice entries of its cache; this model is refused"
+            "state that sums up every earlier token at once instead of one K/V entry per token, so no entry of its "
+            "cache can be edited, patched, knocked out or moved; reads, appends and the erratum run exactly on its "
+            "own cache instead (engine.hybrid: decide and edit)"
         )
+
+
+def recurrent_forward(model: PreTrainedModel, cache: DynamicCache, input_ids: torch.Tensor, start: int) -> torch.Tensor:
+    """Run ``input_ids`` at positions ``start``, ``start + 1``… after a hybrid's own ``cache`` (advanced in place,
+    recurrent states included) with the model's own causal attention; next-token logits (T, vocab) float32."""
+    positions = torch.arange(start, start + len(input_ids), device=input_ids.device)
+    with torch.no_grad():
+        output = model(input_ids=input_ids[None], position_ids=positions[None], cache=cache, use_cache=True)
+    return output.logits[0].float()
+
+
+def recurrent_cache(model: PreTrainedModel) -> DynamicCache:
+    """An empty cache of the model's own layer kinds (running states for recurrent layers, K/V for attention)."""
+    return DynamicCache(config=model.config.get_text_config())
 
 
 def install(model: PreTrainedModel) -> None:

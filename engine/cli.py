@@ -13,12 +13,14 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from engine.adapter import recurrent_layers
 from engine.agent import ERRATUM_WORDINGS, Compaction, run_agent
 from engine.calibrate import FLIP_THRESHOLD, NOTES_DEMO_MAX_RECOVERY, calibrate, scenario_files
 from engine.compose import DEFAULT_REMEDY, Remedy, adhoc_scenario, compare, with_skills
 from engine.compose_image import IMAGE_QUESTION, bundled_images, compare_image, load_picture
 from engine.errors import KVScopeError
 from engine.experiment import EditExperiment
+from engine.hybrid import hybrid_edit, read_scenario
 from engine.keystone import keystone
 from engine.memory import memory_placement
 from engine.models import LoadedModel, ModelLoadError, cache_dir, load_model
@@ -87,6 +89,8 @@ def cmd_decide(args: argparse.Namespace) -> dict:
     values = _parse_assignments(args.set)
     scenario.values_with(**values)  # validate field names before the (slow) model load
     lm = _load(args)
+    if recurrent_layers(lm.model):
+        return {"model": lm.fingerprint.name, **read_scenario(lm, scenario, values).as_dict(), "hybrid": True}
     return {"model": lm.fingerprint.name, **run_scenario(lm, scenario, values).as_dict()}
 
 
@@ -104,6 +108,8 @@ def cmd_edit(args: argparse.Namespace) -> dict:
     scenario.field(args.field)
     settings = _settings(args)
     lm = _load(args)
+    if recurrent_layers(lm.model):
+        return hybrid_edit(lm, scenario, args.field, args.new, names, settings.erratum).as_dict()
     experiment = EditExperiment(lm, scenario, args.field, args.new, settings)
     return experiment.report(names, progress=_progress("strategies"), fused=args.fused, downstream_patch=True).as_dict()
 

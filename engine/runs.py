@@ -33,17 +33,27 @@ class ScenarioRun:
     @property
     def expected(self) -> dict[str, str]:
         """Field -> label the scenario expects for the value used, where it says."""
-        return {name: self.scenario.expect[value] for name, value in self.prompt.values.items() if value in self.scenario.expect}
+        return expected_labels(self.scenario, self.prompt)
 
     def as_dict(self) -> dict:
         """JSON-ready summary: values, token count, scores, margin, label, expectation."""
-        return {
-            "scenario": self.scenario.name,
-            "values": dict(self.prompt.values),
-            "context_tokens": len(self.prompt.context_ids),
-            **self.decision.as_dict(),
-            "expected": self.expected or None,
-        }
+        return run_summary(self.scenario, self.prompt, self.decision)
+
+
+def expected_labels(scenario: Scenario, prompt: RenderedPrompt) -> dict[str, str]:
+    """Field -> label the scenario expects for the value the prompt uses, where it says."""
+    return {name: scenario.expect[value] for name, value in prompt.values.items() if value in scenario.expect}
+
+
+def run_summary(scenario: Scenario, prompt: RenderedPrompt, decision: Decision) -> dict:
+    """JSON-ready summary of one run: values, token count, scores, margin, label, expectation."""
+    return {
+        "scenario": scenario.name,
+        "values": dict(prompt.values),
+        "context_tokens": len(prompt.context_ids),
+        **decision.as_dict(),
+        "expected": expected_labels(scenario, prompt) or None,
+    }
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ For each model (a tiny random-weight stand-in per family from ``engine.tiny``, o
 operation runs once and is compared with what the model itself computes:
 
 - **read**: a notebook read equals the model's own forward over context + question (next-token logits);
-- **chunked prefill**: K/V prefilled in chunks equal one prefill;
+  on a hybrid (recurrent layers) the read runs through its own append-only cache (:mod:`engine.hybrid`);
+- **chunked prefill**: K/V prefilled in chunks equal one prefill (on a hybrid: the logits read after them);
 - **replace**: a field replaced (same length) with every later token recomputed equals a clean prefill;
 - **patch**: every position patched from a donor reads as the donor;
 - **knockout**: entries knocked out through the mask read as the same entries hidden from the context;
@@ -31,7 +32,9 @@ import numpy as np
 import torch
 
 from engine import vision
+from engine.adapter import recurrent_layers
 from engine.errors import KVScopeError
+from engine.hybrid import RecurrentContext
 from engine.loaded import LoadedModel
 from engine.notebook import Knockout, Notebook
 from engine.progress import MessageProgress
@@ -114,11 +117,16 @@ def _operations(lm: LoadedModel, tokens: int) -> dict[str, Callable[[], float]]:
     """Each operation as a function returning its max error against the ground truth (module docstring)."""
     ids, new = _ids(lm, tokens, 0), _ids(lm, 3, 2)
     third = tokens // 3
+    recurrent = bool(recurrent_layers(lm.model))  # a hybrid reads through its own append-only cache (engine.hybrid)
 
     def read() -> float:
-        return float((_logits(Notebook.prefill(lm, ids)).cpu() - _model_logits(lm, ids + _DECODE)).abs().max())
+        context = RecurrentContext.prefill(lm, ids) if recurrent else Notebook.prefill(lm, ids)
+        return float((context.read(_DECODE, _ANSWERS).next_token_logits.cpu() - _model_logits(lm, ids + _DECODE)).abs().max())
 
     def chunked() -> float:
+        if recurrent:  # running states are compared through what they lead to: the next-token logits
+            whole, chunks = (RecurrentContext.prefill(lm, ids, chunk_size=size).read(_DECODE, _ANSWERS) for size in (None, 7))
+            return float((whole.next_token_logits - chunks.next_token_logits).abs().max())
         whole, chunks = Notebook.prefill(lm, ids), Notebook.prefill(lm, ids, chunk_size=7)
         return _diff(whole.keys + whole.values, chunks.keys + chunks.values)
 

@@ -245,6 +245,11 @@ def test_refused_families_load_with_their_reasons_and_the_composer_refuses(spec,
         handlers.run_compose(registry, None, ["account_gate"], "", "", None)
 
 
+def test_a_hybrid_states_its_decision_read_on_its_own_cache():
+    message = handlers.prepare_baseline(ModelRegistry("tiny-bamba"), None, SCENARIO)
+    assert "the model answers **" in message and "hybrid (recurrent layers [0, 2])" in message and "python -m engine edit" in message
+
+
 def test_a_failed_selftest_locks_splicing(registry, monkeypatch):
     report = dataclasses.replace(registry.selftest(), ok=False)
     monkeypatch.setattr(registry, "selftest", lambda spec=None: report)

@@ -14,15 +14,16 @@ from engine.support import OPERATIONS, TOLERANCE, check_model, markdown_table, s
 from engine.tiny import FAMILIES, HYBRID_ARCHS, TINY_ARCHS, make_tiny_model_dir, tiny_model
 
 MOVING = ("move keys", "splice", "seam repair")
-TEXT_OPERATIONS = tuple(operation for operation in OPERATIONS if operation != "images")  # images: vision models only
+# A hybrid reads (and prefills in chunks) through its own append-only cache; everything else rewrites entries.
+IN_PLACE = tuple(operation for operation in OPERATIONS if operation not in ("read", "chunked prefill", "images"))
 # Ground truth for the matrix: which operations each family must refuse, and a phrase of the reason.
 REFUSED = {
     "gpt2": (MOVING, "no rotary position embedding"),
     "llama4": (MOVING, "chunked attention"),
     "dynamic_ntk": (MOVING, "dynamic RoPE scaling"),
     "longrope": (MOVING, "longrope RoPE scaling"),
-    "bamba": (TEXT_OPERATIONS, "hybrid: layers \\[0, 2\\] keep a recurrent"),
-    "qwen3_next": (TEXT_OPERATIONS, "hybrid: layers \\[0, 2\\] keep a recurrent"),
+    "bamba": (IN_PLACE, "hybrid: layers \\[0, 2\\] keep a recurrent"),
+    "qwen3_next": (IN_PLACE, "hybrid: layers \\[0, 2\\] keep a recurrent"),
 }
 
 
