@@ -264,10 +264,11 @@ def forward(
     )
 
 
-def prefill_layer_kv(model: PreTrainedModel, input_ids: torch.Tensor, positions: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+def prefill_layer_kv(model: PreTrainedModel, input_ids: torch.Tensor, positions: torch.Tensor, layer: int,
+                     rope_positions: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys (RoPE applied) and values that a causal prefill of ``input_ids`` at ``positions`` caches at
     ``layer``, (1, kv_heads, T, head_dim) each, running only the layers up to it (CacheBlend's cheap check of
-    which reused entries deviate from a fresh prefill)."""
+    which reused entries deviate from a fresh prefill); ``rope_positions`` and ``inputs_embeds`` as in :func:`forward`."""
     layers = model.config.get_text_config().num_hidden_layers
     if not 0 <= layer < layers:
         raise KVScopeError(f"layer {layer} is outside the model's {layers} layers")
@@ -284,8 +285,10 @@ def prefill_layer_kv(model: PreTrainedModel, input_ids: torch.Tensor, positions:
     token = _ACTIVE_PLAN.set(plan)
     try:
         with torch.no_grad():
-            model(input_ids=input_ids[None], position_ids=positions[None], attention_mask=plan.mask_for(-1, None, model.dtype),
-                  cache=cache, use_cache=True, logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device))
+            tokens = {"input_ids": input_ids[None]} if inputs_embeds is None else {"inputs_embeds": inputs_embeds[None]}
+            model(**tokens, position_ids=positions[None] if rope_positions is None else rope_positions[:, None],
+                  attention_mask=plan.mask_for(-1, None, model.dtype), cache=cache, use_cache=True,
+                  logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device))
     except _StoppedEarly:
         return cache.layers[layer].keys, cache.layers[layer].values
     finally:

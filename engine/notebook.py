@@ -163,9 +163,10 @@ class Notebook:
     def prefill_layer(lm: LoadedModel, token_ids: Sequence[int], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values a fresh prefill of ``token_ids`` (from position 0) stores at ``layer``, running only
         the layers up to it; nothing is kept."""
+        ids = torch.tensor(list(token_ids), dtype=torch.long, device=lm.device)
+        rope = vision.rope_positions(lm, token_ids, 0).to(lm.device) if vision.uses_mrope(lm.model) else None
         with compute_slot(len(token_ids)):
-            return adapter.prefill_layer_kv(lm.model, torch.tensor(list(token_ids), dtype=torch.long, device=lm.device),
-                                            torch.arange(len(token_ids), device=lm.device), layer)
+            return adapter.prefill_layer_kv(lm.model, ids, torch.arange(len(token_ids), device=lm.device), layer, rope, vision.input_embeddings(lm, ids))
 
     @classmethod
     def from_prompt(cls, lm: LoadedModel, prompt: RenderedPrompt, **kwargs) -> "Notebook":
@@ -284,7 +285,7 @@ class Notebook:
             tuple(id(tensor) for tensor in latest.computed_keys),
             tuple(latest.token_ids.tolist()),
             tuple(latest.positions.tolist()),
-            tuple(latest.rope_offsets.flatten().tolist()),
+            latest.rope_offsets.numpy().tobytes(),
             latest.visible.numpy().tobytes(),
             tuple((step.start, step.stop, step.sees.numpy().tobytes()) for step in latest.pending),
         )

@@ -26,6 +26,7 @@ from transformers import (
     PhiConfig,
     PretrainedConfig,
     PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
     Qwen2Config,
     Qwen2VLConfig,
     Qwen3Config,
@@ -55,6 +56,7 @@ TINY_ARCHS: tuple[str, ...] = (
     "dynamic_ntk",
     "longrope",
     "qwen2_vl",
+    "qwen2_5_vl",
 )
 # Hybrids whose recurrent layers keep a running state instead of per-token K/V: built to be refused.
 HYBRID_ARCHS: tuple[str, ...] = ("bamba", "qwen3_next")
@@ -79,6 +81,7 @@ FAMILIES: dict[str, str] = {
     "dynamic_ntk": "dynamic NTK scaling",
     "longrope": "LongRoPE (Phi-3)",
     "qwen2_vl": "Qwen2-VL (M-RoPE, text and images)",
+    "qwen2_5_vl": "Qwen2.5-VL (M-RoPE, window-attention vision tower)",
     "bamba": "Bamba (Mamba-2 hybrid)",
     "qwen3_next": "Qwen3-Next (gated DeltaNet hybrid)",
 }
@@ -94,6 +97,7 @@ CHAT_TEMPLATE = (
 )
 
 _VOCAB_SIZE = 600
+VISION_ARCHS = ("qwen2_vl", "qwen2_5_vl")  # built with their vision tower and image processor
 _EAGER_ARCHS = frozenset({"gemma2", "gemma3", "gpt_oss"})  # soft-capping and sinks live in their eager attention
 # Qwen2's pre-tokenizer split, so that a saved qwen2 directory (which transformers always reloads through
 # Qwen2Tokenizer, rebuilding the pipeline) tokenizes exactly like the in-memory tokenizer.
@@ -291,11 +295,16 @@ def _newer_family_config(arch: str, decoder: dict, rope: dict) -> PretrainedConf
         else:
             scaled = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "original_max_position_embeddings": 64}
         return LlamaConfig(**decoder, rope_parameters=scaled)
-    if arch == "qwen2_vl":
+    if arch in VISION_ARCHS:
         text = {k: v for k, v in decoder.items() if k not in ("initializer_range", "tie_word_embeddings", "head_dim")}
-        return Qwen2VLConfig(
+        config_class, vision = (Qwen2VLConfig, {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2, "spatial_merge_size": 2})
+        if arch == "qwen2_5_vl":  # windowed vision attention with one full-attention block, as the real tower
+            vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64, "window_size": 56,
+                      "fullatt_block_indexes": [1], "spatial_merge_size": 2}
+            config_class = Qwen2_5_VLConfig
+        return config_class(
             text_config={**text, "rope_parameters": {**rope, "mrope_section": [2, 3, 3]}},
-            vision_config={"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2, "spatial_merge_size": 2},
+            vision_config=vision,
             image_token_id=decoder["vocab_size"] - 1,
             video_token_id=decoder["vocab_size"] - 2,
             vision_start_token_id=decoder["vocab_size"] - 3,
@@ -346,12 +355,12 @@ def tiny_model(
     config_hash = _config_hash(config, seed)
     attn = "eager" if arch in _EAGER_ARCHS else "sdpa"
     torch.manual_seed(seed)
-    auto_class = AutoModelForImageTextToText if arch == "qwen2_vl" else AutoModelForCausalLM
+    auto_class = AutoModelForImageTextToText if arch in VISION_ARCHS else AutoModelForCausalLM
     model = auto_class.from_config(config, attn_implementation=attn, dtype=torch.float32)
     model.to(dtype).eval().requires_grad_(False)
     name = f"tiny-{arch}"
     # Qwen2-VL's own processor with its defaults (14-pixel patches, 2×2 merge), capped so a picture stays a few tokens
-    processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112) if arch == "qwen2_vl" else None
+    processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112) if arch in VISION_ARCHS else None
     return LoadedModel(
         name=name,
         model=model,

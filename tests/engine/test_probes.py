@@ -5,6 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from engine.experiment import EditExperiment
 from engine.notebook import Knockout, Notebook
 from engine.probes import (
     PROBES,
@@ -19,7 +20,6 @@ from engine.probes import (
     probe_trigger,
 )
 from engine.scenario import Scenario, bundled_scenarios, render
-from engine.experiment import EditExperiment
 from engine.tiny import tiny_model
 
 ATOL = 1e-5
@@ -244,3 +244,15 @@ def test_attention_shapes_and_masses(experiment):
         prefix = run.notebook.entries_at([p for p in run.notebook.visible_positions() if p < field[0]])
         rest = (row[..., prefix].sum(-1) + row[..., -decode:].sum(-1)).mean(1)
         assert torch.allclose(torch.tensor(mass["rest"]), rest, atol=1e-4)
+
+
+def test_attention_json_keeps_every_head_while_small_and_the_mean_over_heads_past_the_cap(experiment, monkeypatch):
+    from engine.probes import attention as attention_module
+
+    result = probe_attention(experiment)
+    small = result.stale.as_dict()
+    assert small["attention_heads"] == "all" and small["attention"] == result.stale.attention
+    monkeypatch.setattr(attention_module, "MAX_JSON_VALUES", 10)  # as a 4k-token map of a 24-layer, 14-head model would be
+    large = result.stale.as_dict()
+    mean = torch.tensor(result.stale.attention, dtype=torch.float64).mean(1)
+    assert large["attention_heads"] == "mean" and torch.allclose(torch.tensor(large["attention"], dtype=torch.float64), mean, atol=1e-4)

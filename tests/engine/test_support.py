@@ -11,7 +11,7 @@ from engine.models import load_model
 from engine.notebook import Knockout, Notebook
 from engine.rope import KEYS, VALUES, Rotary
 from engine.support import OPERATIONS, TOLERANCE, check_model, markdown_table, support_matrix
-from engine.tiny import FAMILIES, HYBRID_ARCHS, TINY_ARCHS, make_tiny_model_dir, tiny_model
+from engine.tiny import FAMILIES, HYBRID_ARCHS, TINY_ARCHS, VISION_ARCHS, make_tiny_model_dir, tiny_model
 
 MOVING = ("move keys", "splice", "seam repair")
 # A hybrid reads (and prefills in chunks) through its own append-only cache; everything else rewrites entries.
@@ -43,7 +43,7 @@ def test_every_family_is_exact_or_refused_by_name(matrix, arch):
     for verdict in row.verdicts:
         if verdict.supported:
             assert verdict.max_error is not None and verdict.max_error <= TOLERANCE, (verdict.operation, verdict.max_error)
-    assert row.verdict("images").applicable == (arch == "qwen2_vl")  # pictures are checked where there is a vision tower
+    assert row.verdict("images").applicable == (arch in VISION_ARCHS)  # pictures are checked where there is a vision tower
     assert row.family == FAMILIES[arch]
 
 

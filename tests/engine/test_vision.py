@@ -13,14 +13,14 @@ from engine.errors import KVScopeError
 from engine.notebook import Knockout, Notebook
 from engine.skills import SkillFileError, save_block
 from engine.support import TOLERANCE, _picture, _pixel_logits
-from engine.tiny import tiny_model
+from engine.tiny import VISION_ARCHS, tiny_model
 
 QUESTION, ANSWERS = [5, 6, 7], {"a": [[8]], "b": [[9, 10]]}
 
 
-@pytest.fixture(scope="module")
-def lm():
-    return tiny_model("qwen2_vl")
+@pytest.fixture(scope="module", params=VISION_ARCHS)
+def lm(request):
+    return tiny_model(request.param)
 
 
 @pytest.fixture(scope="module")
@@ -163,3 +163,11 @@ def test_cli_image_prints_one_json_object_and_refuses_a_text_model(capsys):
     assert "no vision tower" in json.loads(capsys.readouterr().out)["error"]
     assert main(["image", "--model", "tiny-qwen2_vl", "--image", "/etc/hostname", "--json"]) == 2
     assert "cannot read image" in json.loads(capsys.readouterr().out)["error"]
+
+
+def test_a_one_layer_prefill_of_a_picture_has_the_full_prefills_keys(lm, picture):
+    """CacheBlend's cheap check runs the first layers only: with a picture it must place patches as the prefill does."""
+    context = _ids(3, 14) + list(picture.token_ids) + _ids(3, 15)
+    keys, values = Notebook.prefill_layer(lm, context, 1)
+    whole = Notebook.prefill(lm, context)
+    assert float((keys - whole.keys[1]).abs().max()) <= TOLERANCE and float((values - whole.values[1]).abs().max()) <= TOLERANCE
