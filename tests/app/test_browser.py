@@ -194,3 +194,25 @@ def test_weights_panel_compares_rome_and_the_erratum(page):
     assert "field_erratum" in text and "rome" in text and "Paper (Llama-3.1-8B)" in text
     page.locator("#weights-plot .main-svg").first.wait_for(timeout=60_000)
     _shot(page, "weights-panel")
+
+
+def test_a_picture_spliced_behind_text_on_a_vision_model(page):
+    """The default text model says what is missing; after loading tiny-qwen2_vl the picture splice runs."""
+    page.get_by_role("tab", name="Composer").click()
+    page.get_by_text("A picture's K/V spliced into a context").click()
+    page.locator("#image-picture img").wait_for(timeout=10_000)
+    page.locator("#run-image").click()
+    page.get_by_text("has no vision tower").first.wait_for(timeout=30_000)
+    page.get_by_role("tab", name="Model").click()
+    model = page.locator("#model-spec input")
+    model.fill("tiny-qwen2_vl")
+    model.press("Enter")
+    page.locator("#load-model").click()
+    page.locator("#model-card").get_by_text("Qwen2-VL").first.wait_for(timeout=120_000)
+    assert "images" in page.locator("#model-card").inner_text()
+    page.get_by_role("tab", name="Composer").click()
+    page.locator("#run-image").click()
+    page.locator("#image-metrics").get_by_text("rope positions").wait_for(timeout=60_000)
+    assert "picture 14 tokens over 6 rope positions" in page.locator("#image-metrics").inner_text()
+    assert {trace["name"] for trace in _plot_data(page, "image-logits-plot")} == {"spliced", "recomputed"}
+    _shot(page, "composer-picture")

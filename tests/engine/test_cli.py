@@ -1,4 +1,6 @@
 """The CLI prints exactly one JSON object on stdout; bad input gives an error object and exit code 2."""
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -7,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.cli import main
 from tests.shared import SAME_LENGTH_SCENARIO
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -14,10 +17,28 @@ REFUND = str(ROOT / "demos" / "scenarios" / "refund_gate.toml")
 
 
 def run_cli(*args: str) -> tuple[int, dict]:
+    """The CLI in this process (each new process spends ~10 s importing torch): exit code and its one JSON line."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main([*args, "--json"])
+    lines = [line for line in out.getvalue().splitlines() if line.strip()]
+    assert len(lines) == 1, out.getvalue()
+    return code, json.loads(lines[0])
+
+
+def run_process(*args: str) -> tuple[int, dict]:
+    """``python -m engine`` as its own process: exit code and the one JSON line on stdout."""
     done = subprocess.run([sys.executable, "-m", "engine", *args, "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     lines = [line for line in done.stdout.splitlines() if line.strip()]
     assert len(lines) == 1, done.stdout + done.stderr
     return done.returncode, json.loads(lines[0])
+
+
+def test_the_entry_point_prints_one_json_line_and_exits_2_on_bad_input():
+    code, info = run_process("info", "--model", "tiny-llama")
+    assert code == 0 and info["layers"] == 3
+    code, error = run_process("decide", "--model", "tiny-qwen2", "--scenario", "missing.toml")
+    assert code == 2 and "missing.toml" in error["error"]
 
 
 def test_info_and_selftest():
