@@ -531,7 +531,7 @@ def benchmark_results() -> dict[str, dict]:
 
 def benchmark_figures_for(results: dict[str, dict]) -> list[go.Figure]:
     """A figure per known result kind (TTFT, edit latency, prefill, serving, agent policies, soak, N-skill study,
-    cache reuse)."""
+    cache reuse, picture splice)."""
     builders = {
         "ttft": lambda data: benchmark_figures.ttft_figure(data["rows"], title=f"TTFT: splice vs full ({data['model']}, {data['device']})"),
         "edit": benchmark_figures.edit_latency_figure,
@@ -541,6 +541,7 @@ def benchmark_figures_for(results: dict[str, dict]) -> list[go.Figure]:
         "soak": benchmark_figures.soak_figure,
         "compose_many": compose_figures.study_figure,
         "cache_reuse": benchmark_figures.cache_reuse_figure,
+        "image": benchmark_figures.image_splice_figure,
     }
     figures = []
     for stem, data in results.items():

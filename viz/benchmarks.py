@@ -182,3 +182,31 @@ def cache_reuse_figure(data: dict) -> go.Figure:
     figure.update_layout(title=f"Reusing moved or edited K/V: llama.cpp --cache-reuse vs KVScope{_measured_on(data)}", height=140 + 28 * len(arms),
                          legend={"orientation": "h", "y": -0.12}, template="plotly_white", margin={"l": 260})
     return figure
+
+
+def image_splice_figure(data: dict) -> go.Figure:
+    """``image-splice-*.json``: a picture's K/V spliced behind text vs the recompute from pixels, per seam: logit cosine
+    and the TTFT speedup (median, bars from min to max) against how far the block moved; the paper's numbers dashed."""
+    figure = make_subplots(rows=1, cols=2, subplot_titles=("logit cosine vs full recompute", "TTFT speedup (recompute / splice)"))
+    seams = sorted({row["seam"] for row in data["rows"]})
+    for index, seam in enumerate(seams):
+        rows = sorted((row for row in data["rows"] if row["seam"] == seam), key=lambda row: row["shift"])
+        shifts, colour = [row["shift"] for row in rows], PALETTE[index % len(PALETTE)]
+        name = f"seam {seam}" + (" (every picture token)" if rows and seam >= rows[0]["image_tokens"] else "")
+        figure.add_scatter(x=shifts, y=[row["cosine"] for row in rows], mode="lines+markers", name=name, legendgroup=name,
+                           marker={"color": colour}, row=1, col=1)
+        medians = [row["speedup"]["median"] for row in rows]
+        figure.add_scatter(x=shifts, y=medians, mode="lines+markers", name=name, legendgroup=name, showlegend=False, marker={"color": colour},
+                           error_y={"type": "data", "symmetric": False, "array": [row["speedup"]["max"] - m for row, m in zip(rows, medians)],
+                                    "arrayminus": [m - row["speedup"]["min"] for row, m in zip(rows, medians)]}, row=1, col=2)
+    paper = data.get("paper", {})
+    if "cosine_shift_161" in paper:
+        figure.add_hline(y=paper["cosine_shift_161"], line_dash="dash", line_color="black", annotation_text="paper: 0.99 at 161", row=1, col=1)
+    for bound in paper.get("ttft_speedup", []):
+        figure.add_hline(y=bound, line_dash="dash", line_color="black", annotation_text=f"paper ×{bound}", row=1, col=2)
+    figure.update_xaxes(title_text="positions the picture moved (tokens of text before it)")
+    highest = max([row["speedup"]["max"] for row in data["rows"]] + list(paper.get("ttft_speedup", [])) + [1.0])
+    figure.update_yaxes(title_text="×", range=[0, highest * 1.1], row=1, col=2)
+    figure.update_layout(title=f"A picture's K/V spliced behind text, {data.get('reps')} timed reps{_measured_on(data)}", template="plotly_white",
+                         height=420, legend={"orientation": "h", "y": -0.25})
+    return figure

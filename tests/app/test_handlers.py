@@ -273,7 +273,8 @@ def test_weight_edits_panel_states_the_trade_off_from_the_numbers(registry):
 def test_every_stored_benchmark_result_of_a_known_kind_gets_a_figure():
     results = handlers.benchmark_results()
     figures = handlers.benchmark_figures_for(results)
-    kinds = {"ttft", "edit", "prefill", "serving", "agent", "soak", "compose_many", "cache_reuse"}
+    kinds = {"ttft", "edit", "prefill", "serving", "agent", "soak", "compose_many", "cache_reuse", "image"}
     assert len(figures) == sum(stem.split("-")[0] in kinds for stem in results) <= 12  # the Benchmarks tab's plot slots
     titles = [figure.layout.title.text for figure in figures]
     assert any("--cache-reuse vs KVScope" in title for title in titles) and any("Many skills at once" in title for title in titles)
+    assert any("A picture's K/V spliced behind text" in title for title in titles)
