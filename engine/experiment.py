@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from engine.decision import Decision, Recovery, recovery
 from engine.loaded import LoadedModel
@@ -36,6 +37,9 @@ from engine.strategies import (
     check_names,
     check_ranking,
 )
+
+if TYPE_CHECKING:
+    from engine.hybrid import HybridEditReport
 
 
 @dataclass(frozen=True)
@@ -115,20 +119,24 @@ class EditReport:
         return self.stale.decision.label != self.oracle.decision.label
 
     def as_dict(self) -> dict:
-        return {
-            "model": self.model,
-            "scenario": self.scenario,
-            "field": self.field,
-            "old": self.old,
-            "new": self.new,
-            "context_tokens": len(self.stale.notebook),
-            "flips": self.flips,
-            "delta_margin": round(self.oracle.decision.margin - self.stale.decision.margin, 4),
-            "notes": self.notes.as_dict(),
-            "stale": self.stale.as_dict(),
-            "oracle": self.oracle.as_dict(),
-            "strategies": {name: result.as_dict() for name, result in self.strategies.items()},
-        }
+        return edit_summary(self, len(self.stale.notebook)) | {"notes": self.notes.as_dict()}
+
+
+def edit_summary(report: EditReport | HybridEditReport, context_tokens: int) -> dict:
+    """The JSON every edit report shares: what changed, whether a clean prefill flips, stale, oracle, each strategy."""
+    return {
+        "model": report.model,
+        "scenario": report.scenario,
+        "field": report.field,
+        "old": report.old,
+        "new": report.new,
+        "context_tokens": context_tokens,
+        "flips": report.stale.decision.label != report.oracle.decision.label,
+        "delta_margin": round(report.oracle.decision.margin - report.stale.decision.margin, 4),
+        "stale": report.stale.as_dict(),
+        "oracle": report.oracle.as_dict(),
+        "strategies": {name: result.as_dict() for name, result in report.strategies.items()},
+    }
 
 
 class EditExperiment:

@@ -22,6 +22,7 @@ from engine.adapter import recurrent_cache, recurrent_forward, recurrent_layers
 from engine.budget import compute_slot, forward_token_limit
 from engine.decision import Decision, answer_logprob, decide, recovery
 from engine.errors import NotebookError
+from engine.experiment import edit_summary
 from engine.loaded import LoadedModel
 from engine.runs import render_for, run_summary
 from engine.scenario import RenderedPrompt, Scenario, ScenarioError
@@ -132,25 +133,8 @@ class HybridEditReport:
     oracle: StrategyResult
     strategies: dict[str, StrategyResult]
 
-    @property
-    def flips(self) -> bool:
-        return self.stale.decision.label != self.oracle.decision.label
-
     def as_dict(self) -> dict:
-        return {
-            "model": self.model,
-            "scenario": self.scenario,
-            "field": self.field,
-            "old": self.old,
-            "new": self.new,
-            "context_tokens": self.context_tokens,
-            "flips": self.flips,
-            "delta_margin": round(self.oracle.decision.margin - self.stale.decision.margin, 4),
-            "hybrid": True,
-            "stale": self.stale.as_dict(),
-            "oracle": self.oracle.as_dict(),
-            "strategies": {name: result.as_dict() for name, result in self.strategies.items()},
-        }
+        return edit_summary(self, self.context_tokens) | {"hybrid": True}
 
 
 def hybrid_edit(lm: LoadedModel, scenario: Scenario, field_name: str | None = None, new: str | None = None,
