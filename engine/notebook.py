@@ -403,8 +403,10 @@ class Notebook:
         labels = [segment or self.segments[int(old[0])]] * len(token_ids) if segment is None or isinstance(segment, str) else list(segment)
         if len(labels) != len(token_ids):
             raise NotebookError(f"got {len(labels)} segment labels for {len(token_ids)} new tokens")
-        first = old[torch.argmin(self.positions[old])]
-        rope_start = int(self.rope_positions[0, first])  # the temporal axis: where an image or a text token begins
+        in_order = old[torch.argsort(self.positions[old])]
+        vision.rope_positions(self.lm, self.token_ids[in_order].tolist(), 0)  # refuses a span that cuts a picture
+        first = in_order[0]
+        rope_start = int(self.rope_positions[0, first])  # the temporal axis: where a picture or a text token begins
         offsets = self._offsets_for(token_ids, start, rope_start)
         old_span = int(self.rope_positions[:, old].max()) + 1 - rope_start
         new_span = int((offsets + torch.arange(start, start + len(token_ids))).max()) + 1 - rope_start

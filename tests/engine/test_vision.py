@@ -127,6 +127,8 @@ def test_images_are_refused_by_name_where_they_cannot_work(lm, picture):
         Notebook.prefill(lm, list(picture.token_ids[:4]))
     with pytest.raises(vision.ImageError, match="without the patches before it"):
         Notebook.prefill(lm, list(picture.token_ids[3:]))
+    with pytest.raises(vision.ImageError, match="is cut"):  # a replace must take a picture whole or leave it
+        Notebook.prefill(lm, _ids(2, 16) + list(picture.token_ids)).replace(range(0, 5), _ids(2, 17))
     block = Notebook.prefill(lm, list(picture.token_ids), "picture").block("picture")
     with pytest.raises(SkillFileError, match="holds image patches"):
         save_block(block, "/nonexistent/x.safetensors", "x")
