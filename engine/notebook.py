@@ -438,7 +438,11 @@ class Notebook:
         """Copy the donor's K/V at these positions into this notebook, in the given layers (default all)."""
         if donor.lm.fingerprint != self.lm.fingerprint:
             raise NotebookError("patch donor comes from another model or dtype")
-        mine, theirs = self.entries_at(positions).to(self.lm.device), donor.entries_at(positions).to(self.lm.device)
+        mine, theirs = self.entries_at(positions), donor.entries_at(positions)
+        if not torch.equal(self.rope_offsets[:, mine], donor.rope_offsets[:, theirs]):
+            raise NotebookError("the donor's keys at these positions were rotated for other rope positions (the pictures before "
+                                "them differ): patch only where both contexts place their pictures alike")
+        mine, theirs = mine.to(self.lm.device), theirs.to(self.lm.device)
         chosen = set(range(len(self.keys)) if layers is None else layers)
         bad = [layer for layer in chosen if not 0 <= layer < len(self.keys)]
         if bad:
@@ -466,6 +470,7 @@ class Notebook:
         starts = self.positions[entries]
         if not torch.equal(starts, torch.arange(int(starts[0]), int(starts[0]) + len(entries))):
             raise NotebookError("a block must cover consecutive positions")
+        vision.rope_positions(self.lm, self.token_ids[entries].tolist(), 0)  # refuses a block that cuts a picture
         index = entries.to(self.lm.device)
         return KVBlock(
             token_ids=self.token_ids[entries].clone(),
@@ -497,6 +502,8 @@ class Notebook:
             rotary = self.rotary
         except RopeUnsupported as error:
             raise NotebookError(f"cannot splice {block.name!r}: {error}") from error
+        if at < self.next_position:
+            vision.check_boundary(self.lm, int(self.token_ids[self.entries_at([at])[0]]), at)
         rope_at = at + (self.next_rope_offset if at == self.next_position else int(self.rope_offsets[0, self.entries_at([at])[0]]))
         moved = self._shifted(at, len(block), f"splicing {block.name!r}", block.rope_span).latest()
         count, done = len(block), computed_count(moved)  # the block joins the computed entries; pending ones follow it

@@ -68,7 +68,7 @@ def _tensor_digest(tensors: Mapping[str, torch.Tensor]) -> str:
 
 def save_block(block: KVBlock, path: str | Path, skill_id: str) -> Path:
     """Write a compiled block as one safetensors file with its metadata (text blocks only)."""
-    if bool(block.rope_offsets.any()):
+    if not bool((block.rope_offsets == block.rope_offsets[:, :1]).all()):
         raise SkillFileError(
             f"block {block.name!r} holds image patches: their token ids and embeddings live with this load of the "
             "model only, so it cannot be stored as a skill file; keep it in memory or re-encode the image"
@@ -81,7 +81,7 @@ def save_block(block: KVBlock, path: str | Path, skill_id: str) -> Path:
         "fingerprint": block.fingerprint.as_dict(),
         "token_ids": block.token_ids.tolist(),
         "segments": list(block.segments),
-        "start_position": block.start_position,
+        "start_position": block.rope_start,  # text after a picture: its rope positions, the offset folded in
         "layers": len(block.keys),
         "sha256": _tensor_digest(tensors),
     }

@@ -26,11 +26,11 @@ import torch
 from PIL import Image
 from transformers import PreTrainedModel
 
-from engine.errors import KVScopeError
+from engine.errors import NotebookError
 from engine.loaded import LoadedModel
 
 
-class ImageError(KVScopeError):
+class ImageError(NotebookError):
     """An image cannot be encoded or placed; the message says which image and why."""
 
 
@@ -195,6 +195,15 @@ def input_embeddings(lm: LoadedModel, token_ids: torch.Tensor) -> torch.Tensor |
     embeddings = lm.model.get_input_embeddings()(token_ids.masked_fill(patches, 0))
     embeddings[patches] = table.embedding_rows(token_ids[patches]).to(embeddings.dtype)
     return embeddings
+
+
+def check_boundary(lm: LoadedModel, token_id: int, position: int) -> None:
+    """Refuse to insert before ``token_id`` (at ``position``) when it is a picture's patch other than its first."""
+    found = lm.images.locate(token_id) if lm.images is not None else None
+    if found is not None and found[1] > 0:
+        image, patch = found
+        raise ImageError(f"position {position} is patch {patch} of picture {image.name!r} ({image.patches} patches): "
+                         "insert before its first patch or after its last")
 
 
 def token_label(lm: LoadedModel, token_id: int) -> str | None:

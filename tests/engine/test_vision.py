@@ -9,9 +9,9 @@ import torch
 from engine import vision
 from engine.cli import main
 from engine.compose_image import bundled_images, compare_image, load_picture
-from engine.errors import KVScopeError
+from engine.errors import KVScopeError, NotebookError
 from engine.notebook import Knockout, Notebook
-from engine.skills import SkillFileError, save_block
+from engine.skills import SkillFileError, load_block, save_block
 from engine.support import TOLERANCE, _picture, _pixel_logits
 from engine.tiny import VISION_ARCHS, tiny_model
 
@@ -132,7 +132,33 @@ def test_images_are_refused_by_name_where_they_cannot_work(lm, picture):
     block = Notebook.prefill(lm, list(picture.token_ids), "picture").block("picture")
     with pytest.raises(SkillFileError, match="holds image patches"):
         save_block(block, "/nonexistent/x.safetensors", "x")
-    assert issubclass(vision.ImageError, KVScopeError)
+    assert issubclass(vision.ImageError, NotebookError) and issubclass(vision.ImageError, KVScopeError)
+
+
+def test_a_picture_is_never_cut_by_a_splice_a_block_or_a_patch(lm, picture):
+    """Operations that would leave a token sequence the model cannot produce are refused, naming the picture."""
+    context = _ids(5, 18) + list(picture.token_ids) + _ids(3, 19)
+    notebook = Notebook.prefill(lm, context)
+    text = Notebook.prefill(lm, [11, 12], "t").block("t")
+    with pytest.raises(vision.ImageError, match="position 9 is patch 3 of picture 'picture'"):
+        notebook.splice(text, at=9)
+    assert notebook.splice(text, at=6).rope_positions.shape == (3, len(context) + 2)  # before the first patch: fine
+    with pytest.raises(vision.ImageError, match="is cut"):
+        notebook.block(positions=range(5, 9))
+    plain = Notebook.prefill(lm, _ids(5, 18) + _ids(10, 20) + _ids(3, 19))
+    with pytest.raises(NotebookError, match="rotated for other rope positions"):
+        plain.patch(notebook, range(15, 18))
+
+
+def test_text_after_a_picture_is_stored_as_a_skill_file_with_its_rope_positions(lm, picture, tmp_path):
+    context = _ids(2, 21) + list(picture.token_ids) + _ids(6, 22)
+    notebook = Notebook.prefill(lm, context)
+    after = notebook.block(positions=range(12, 18))
+    assert int(after.rope_offsets[0, 0]) == -4  # 10 picture tokens over 6 rope positions
+    loaded = load_block(save_block(after, tmp_path / "after.safetensors", "after"), lm)
+    host = Notebook.prefill(lm, _ids(30, 23))
+    spliced, reloaded = host.splice(after), host.splice(loaded)
+    assert _kv_error(spliced, reloaded) == 0.0 and torch.equal(spliced.rope_positions, reloaded.rope_positions)
 
 
 def test_the_image_table_drops_the_oldest_picture_beyond_its_budget_and_says_so(lm):
