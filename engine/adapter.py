@@ -190,6 +190,13 @@ def install(model: PreTrainedModel) -> None:
         raise RuntimeError(f"{type(model).__name__} cannot route attention through a custom function")
 
 
+def _token_inputs(input_ids: torch.Tensor, positions: torch.Tensor, rope_positions: torch.Tensor | None,
+                  inputs_embeds: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The model's token and position keywords for one sequence: ids or embeddings (pictures), 1-D or M-RoPE positions."""
+    tokens = {"input_ids": input_ids[None]} if inputs_embeds is None else {"inputs_embeds": inputs_embeds[None]}
+    return tokens | {"position_ids": positions[None] if rope_positions is None else rope_positions[:, None]}
+
+
 @dataclass
 class ForwardResult:
     """What one forward produced: logits kept, the new tokens' K/V per layer, captured attentions."""
@@ -242,10 +249,8 @@ def forward(
     token = _ACTIVE_PLAN.set(plan)
     try:
         with torch.set_grad_enabled(grad):
-            tokens = {"input_ids": input_ids[None]} if inputs_embeds is None else {"inputs_embeds": inputs_embeds[None]}
             output = model(
-                **tokens,
-                position_ids=positions[None] if rope_positions is None else rope_positions[:, None],
+                **_token_inputs(input_ids, positions, rope_positions, inputs_embeds),
                 attention_mask=plan.mask_for(-1, None, model.dtype),
                 cache=cache,
                 use_cache=True,
@@ -285,10 +290,8 @@ def prefill_layer_kv(model: PreTrainedModel, input_ids: torch.Tensor, positions:
     token = _ACTIVE_PLAN.set(plan)
     try:
         with torch.no_grad():
-            tokens = {"input_ids": input_ids[None]} if inputs_embeds is None else {"inputs_embeds": inputs_embeds[None]}
-            model(**tokens, position_ids=positions[None] if rope_positions is None else rope_positions[:, None],
-                  attention_mask=plan.mask_for(-1, None, model.dtype), cache=cache, use_cache=True,
-                  logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device))
+            model(**_token_inputs(input_ids, positions, rope_positions, inputs_embeds), attention_mask=plan.mask_for(-1, None, model.dtype),
+                  cache=cache, use_cache=True, logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device))
     except _StoppedEarly:
         return cache.layers[layer].keys, cache.layers[layer].values
     finally:

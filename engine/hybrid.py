@@ -20,7 +20,7 @@ from transformers import DynamicCache
 
 from engine.adapter import recurrent_cache, recurrent_forward, recurrent_layers
 from engine.budget import compute_slot, forward_token_limit
-from engine.decision import Decision, answer_logprob, decide, recovery
+from engine.decision import Decision, Recovery, answer_logprob, decide, recovery
 from engine.errors import NotebookError
 from engine.experiment import edit_summary
 from engine.loaded import LoadedModel
@@ -146,20 +146,26 @@ def hybrid_edit(lm: LoadedModel, scenario: Scenario, field_name: str | None = No
         raise ScenarioError(f"new value for field {chosen.name!r} must be non-empty and contain no braces, got {value!r}")
 
     stale, oracle = read_scenario(lm, scenario, {chosen.name: chosen.old}), read_scenario(lm, scenario, {chosen.name: value})
+    references = {
+        "stale": StrategyResult("stale", True, stale.decision, Recovery(0.0), tokens_recomputed=len(stale.context), ms=stale.ms),
+        "oracle": StrategyResult("oracle", True, oracle.decision, Recovery(1.0), tokens_recomputed=len(oracle.context), ms=oracle.ms),
+    }
     strategies: dict[str, StrategyResult] = {}
     reason = _in_place_reason(lm)
     for name in names:
-        if name != "erratum":
+        if name in references:
+            strategies[name] = references[name]
+        elif name != "erratum":
             strategies[name] = StrategyResult(name, applicable=False, reason=reason)
-            continue
-        started = time.perf_counter()
-        line = lm.tokenizer(erratum.format(field=chosen.name, new=value, old=chosen.old) + "\n\n", add_special_tokens=False).input_ids
-        decision = stale.context.append(line, "erratum").read_prompt(stale.prompt, scenario.answers)
-        strategies[name] = StrategyResult(name, True, decision, recovery(decision.margin, stale.decision.margin, oracle.decision.margin),
-                                          tokens_recomputed=len(line), ms=(time.perf_counter() - started) * 1000)
+        else:
+            started = time.perf_counter()
+            line = lm.tokenizer(erratum.format(field=chosen.name, new=value, old=chosen.old) + "\n\n", add_special_tokens=False).input_ids
+            decision = stale.context.append(line, "erratum").read_prompt(stale.prompt, scenario.answers)
+            strategies[name] = StrategyResult(name, True, decision, recovery(decision.margin, stale.decision.margin, oracle.decision.margin),
+                                              tokens_recomputed=len(line), ms=(time.perf_counter() - started) * 1000)
     return HybridEditReport(
         model=lm.fingerprint.name, scenario=scenario.name, field=chosen.name, old=chosen.old, new=value, context_tokens=len(stale.context),
-        stale=StrategyResult("stale", True, stale.decision, tokens_recomputed=len(stale.context), ms=stale.ms),
-        oracle=StrategyResult("oracle", True, oracle.decision, tokens_recomputed=len(oracle.context), ms=oracle.ms),
+        stale=references["stale"],
+        oracle=references["oracle"],
         strategies=strategies,
     )

@@ -64,6 +64,9 @@ def test_an_edit_on_a_hybrid_reads_the_erratum_against_a_clean_prefill_and_refus
     for name in ("field_only", "full_downstream"):
         assert not report.strategies[name].applicable and "layers [0, 2] keep a recurrent state" in report.strategies[name].reason
     assert report.as_dict()["hybrid"] is True
+    every = hybrid_edit(lm, scenario).strategies  # the CLI's default: every strategy, the references read, not refused
+    assert every["stale"].applicable and every["oracle"].applicable and every["oracle"].recovery.value == 1.0
+    assert every["oracle"].decision.margin == pytest.approx(report.oracle.decision.margin, abs=1e-6)
 
 
 def test_the_append_only_path_is_refused_on_a_model_without_recurrent_layers():
