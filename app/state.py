@@ -33,11 +33,12 @@ from engine.budget import ComputeGate
 from engine.compose import Recomputed
 from engine.errors import KVScopeError
 from engine.footprint import tensor_bytes
+from engine.once import SingleFlight
 from engine.models import LoadedModel, load_model
 from engine.progress import MessageProgress
 from engine.runs import ScenarioRun, run_scenario
 from engine.scenario import Scenario
-from engine.selftest import SelfTestReport, run_selftest
+from engine.selftest import SelfTestReport
 from engine.skills import SkillStore
 from engine.support import SupportRow, check_model
 
@@ -120,13 +121,13 @@ class ModelRegistry:
         self._loader = loader
         self._models: OrderedDict[str, LoadedModel] = OrderedDict()
         self._dtypes: dict[str, str] = {}  # the dtype each spec was loaded with ("auto" or a name)
-        self._selftests: dict[str, SelfTestReport] = {}
         self._support: dict[str, SupportRow] = {}
         self._skills: dict[str, SkillStore] = {}
         self._baselines = BudgetedLRU(self.profile.baseline_budget_bytes)  # (spec, scenario text) -> ScenarioRun
         self._references: dict[str, BudgetedLRU] = {}
         self._drop_listeners: list[Callable[[str], None]] = []
         self._lock = threading.RLock()
+        self._once = SingleFlight()  # computed-once entries: one computation, every concurrent caller waits for it
 
     def resolve(self, spec: str | None) -> str:
         """The spec a request means (the default when empty), checked against the profile's allowlist."""
@@ -168,22 +169,22 @@ class ModelRegistry:
             return list(self._models)
 
     def selftest(self, spec: str | None = None) -> SelfTestReport:
-        """The RoPE/splice self-test of a model, run once per model."""
-        spec = self.resolve(spec)
-        if spec not in self._selftests:
-            self._selftests[spec] = run_selftest(self.get(spec))
-        return self._selftests[spec]
+        """The RoPE/splice self-test of a model: the one its splice gate runs once (``engine.loaded.SpliceGate``)."""
+        lm = self.get(spec)
+        return lm.splice_gate.report(lm)
 
     def support(self, spec: str | None = None) -> SupportRow:
         """Every cache operation on this model against its own forward, refusals named (once per model)."""
         spec = self.resolve(spec)
-        if spec not in self._support:
+
+        def check() -> SupportRow:
             try:
                 report = self.selftest(spec)
             except KVScopeError:
                 report = None  # the row's self-test verdict carries the refusal
-            self._support[spec] = check_model(self.get(spec), selftest=report)
-        return self._support[spec]
+            return check_model(self.get(spec), selftest=report)
+
+        return self._once.cached(self._support, spec, check, keep=lambda: spec in self._models)
 
     def skills(self, spec: str | None = None) -> SkillStore:
         """The compiled-skill store of a model (shared by sessions: blocks are immutable)."""
@@ -193,9 +194,8 @@ class ModelRegistry:
         """The scenario prefilled at its old values, with the decision's attention (kept for the next edits;
         shared by sessions: runs are immutable and keyed by the exact scenario text)."""
         key = (self.resolve(spec), scenario_text)
-        if key not in self._baselines:
-            self._baselines[key] = run_scenario(self.get(spec), scenario, capture_attention=True)
-        return self._baselines[key]
+        return self._once.cached(self._baselines, key, lambda: run_scenario(self.get(spec), scenario, capture_attention=True),
+                                 keep=lambda: key[0] in self._models)
 
     def references(self, spec: str | None = None) -> MutableMapping[tuple, Recomputed]:
         """Recomputed sides of the composer's comparisons for a model (reused when only seam or blend change)."""
@@ -225,7 +225,6 @@ class ModelRegistry:
     def _drop(self, spec: str) -> None:
         """Forget a model and everything computed with it, then return its memory."""
         self._models.pop(spec, None)
-        self._selftests.pop(spec, None)
         self._support.pop(spec, None)
         self._skills.pop(spec, None)
         self._references.pop(spec, None)

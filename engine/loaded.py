@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from engine.errors import KVScopeError
+from engine.once import SingleFlight
 
 if TYPE_CHECKING:
     from engine.vision import ImageTable
@@ -53,6 +57,68 @@ class ModelFingerprint:
         return {"name": self.name, "config_hash": self.config_hash, "dtype": self.dtype}
 
 
+class SpliceVerdict(Protocol):
+    """What the gate reads of a self-test report (``engine.selftest.SelfTestReport``)."""
+
+    ok: bool
+    rope_supported: bool
+
+    def summary(self) -> str: ...
+
+
+class SpliceLocked(KVScopeError):
+    """Splicing re-rotated K/V is refused: this model failed its cache self-test (the numbers are in the message)."""
+
+
+class SpliceGate:
+    """Whether a loaded model may splice re-rotated K/V, from its numeric self-test (like LMCache's rope check,
+    which hands out no fused rope once its self-test fails).
+
+    The self-test runs once, on first use, single-flight (concurrent first callers wait for the one run); the
+    loader may record a report it already has. The self-test's own splices pass (:meth:`measuring`).
+    """
+
+    def __init__(self, verify: Callable[["LoadedModel"], SpliceVerdict] | None = None) -> None:
+        self._verify = verify
+        self._report: SpliceVerdict | None = None
+        self._flight: SingleFlight[SpliceVerdict] = SingleFlight()
+        self._verifying = threading.local()
+
+    def record(self, report: SpliceVerdict) -> None:
+        """Keep a self-test report computed elsewhere (the loader's dtype choice runs one)."""
+        self._report = report
+
+    def report(self, lm: "LoadedModel") -> SpliceVerdict:
+        """The model's self-test report, run once."""
+        if self._report is None:
+            if self._verify is None:
+                raise SpliceLocked(f"{lm.name} was built without a cache self-test, so splicing stays locked; load it with engine.load_model")
+            self._report = self._flight.run("selftest", lambda: self._run(lm))
+        return self._report
+
+    def require(self, lm: "LoadedModel") -> None:
+        """Refuse (:class:`SpliceLocked`) when the self-test failed; where RoPE is unsupported the rotation
+        itself refuses, naming why."""
+        if getattr(self._verifying, "active", False):
+            return
+        report = self.report(lm)
+        if report.rope_supported and not report.ok:
+            raise SpliceLocked(f"splicing stays locked on {lm.name}: its cache self-test failed ({report.summary()})")
+
+    @contextmanager
+    def measuring(self) -> Iterator[None]:
+        """Splices in this thread pass the gate: the self-test measures splicing, so its own splices run ungated."""
+        self._verifying.active = True
+        try:
+            yield
+        finally:
+            self._verifying.active = False
+
+    def _run(self, lm: "LoadedModel") -> SpliceVerdict:
+        with self.measuring():
+            return self._verify(lm)
+
+
 @dataclass
 class LoadedModel:
     """A causal LM ready for the engine, with where it came from."""
@@ -67,6 +133,7 @@ class LoadedModel:
     dtype_reason: str = "requested"
     image_processor: Any = None  # a vision-language model's own image processor (None: text only)
     images: ImageTable | None = None  # virtual ids of the images encoded so far (engine.vision)
+    splice_gate: SpliceGate = field(default_factory=SpliceGate)  # splicing allowed once the self-test passes
 
     def info(self) -> dict[str, Any]:
         """Architecture, attention geometry, RoPE, size and provenance, for display."""

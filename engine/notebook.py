@@ -486,8 +486,10 @@ class Notebook:
         """Insert a precomputed block at position ``at`` (default: the end), keys re-rotated, no forward.
 
         Entries at or after ``at`` move right by the block's length. ``seam`` recomputes the block's first
-        tokens against the real prefix (seam repair); a seam as long as the block equals a prefill.
+        tokens against the real prefix (seam repair); a seam as long as the block equals a prefill. Refused
+        (:class:`~engine.loaded.SpliceLocked`) on a model whose cache self-test failed.
         """
+        self.lm.splice_gate.require(self.lm)
         if block.fingerprint != self.lm.fingerprint:
             raise NotebookError(
                 f"block {block.name!r} was computed by {block.fingerprint.name} ({block.fingerprint.dtype}), "

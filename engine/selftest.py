@@ -130,6 +130,11 @@ def _floor_check(name: str, floor: float) -> Check:
 
 def run_selftest(lm: LoadedModel, tokens: int = 48, shift: int = 37) -> SelfTestReport:
     """Measure the cache-math errors of this model against this dtype's noise floor (module docstring)."""
+    with lm.splice_gate.measuring():
+        return _measure(lm, tokens, shift)
+
+
+def _measure(lm: LoadedModel, tokens: int, shift: int) -> SelfTestReport:
     started = time.perf_counter()
     smallest = _EPS_UNITS * torch.finfo(lm.dtype).eps
     ids = _probe_ids(lm, tokens + 4)

@@ -38,7 +38,7 @@ from engine.hybrid import RecurrentContext
 from engine.loaded import LoadedModel
 from engine.notebook import Knockout, Notebook
 from engine.progress import MessageProgress
-from engine.selftest import SelfTestReport, run_selftest
+from engine.selftest import SelfTestReport
 from engine.tiny import FAMILIES, HYBRID_ARCHS, TINY_ARCHS, tiny_family, tiny_model
 
 OPERATIONS: tuple[str, ...] = ("read", "chunked prefill", "replace", "patch", "knockout", "move keys", "splice", "seam repair", "self-test", "images")
@@ -228,7 +228,7 @@ def _image_verdict(lm: LoadedModel) -> Verdict:
 
 
 def _selftest_verdict(lm: LoadedModel, report: SelfTestReport | None) -> Verdict:
-    report = report or run_selftest(lm)
+    report = report or lm.splice_gate.report(lm)
     if not report.rope_supported:
         return Verdict("self-test", report.ok, report.chunked_prefill_max_err, reason=None if report.ok else report.summary())
     worst = max((c.error for c in report.checks if not c.name.startswith("noise")), default=None)

@@ -34,7 +34,8 @@ from transformers import (
 )
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from engine.loaded import LoadedModel, ModelFingerprint, ModelLoadError, dtype_name
+from engine.loaded import LoadedModel, ModelFingerprint, ModelLoadError, SpliceGate, dtype_name
+from engine.selftest import run_selftest
 
 TINY_ARCHS: tuple[str, ...] = (
     "llama",
@@ -370,6 +371,7 @@ def tiny_model(
         source="random weights (engine.tiny)",
         fingerprint=ModelFingerprint(name=name, config_hash=config_hash, dtype=dtype_name(dtype)),
         image_processor=processor,
+        splice_gate=SpliceGate(run_selftest),
     )
 
 

@@ -28,11 +28,12 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
 )
 
-from engine.loaded import DTYPES, LoadedModel, ModelFingerprint, ModelLoadError, config_hash, dtype_name
+from engine.loaded import DTYPES, LoadedModel, ModelFingerprint, ModelLoadError, SpliceGate, config_hash, dtype_name
 from engine.models import gguf
 from engine.models.dtype import accelerator_dtype, load_with_cpu_dtype_choice
 from engine.models.store import cache_dir
 from engine.progress import MessageProgress, reporter
+from engine.selftest import run_selftest
 from engine.tiny import tiny_model
 
 logger = logging.getLogger(__name__)
@@ -243,7 +244,8 @@ def _load_pretrained(
     def loaded(model: PreTrainedModel, reason: str) -> LoadedModel:
         chosen = next(model.parameters()).dtype
         fingerprint = ModelFingerprint(name=name, config_hash=config_hash(model.config), dtype=dtype_name(chosen))
-        return LoadedModel(name, model, tokenizer, device, chosen, source, fingerprint, reason, image_processor=image_processor)
+        return LoadedModel(name, model, tokenizer, device, chosen, source, fingerprint, reason, image_processor=image_processor,
+                           splice_gate=SpliceGate(run_selftest))
 
     if dtype is not None:
         result = loaded(load(dtype), f"{dtype_name(dtype)} as requested")

@@ -111,3 +111,28 @@ def test_edit_json_reports_the_notes_share_and_probe_frontier_runs():
     code, frontier = run_cli("probe", "frontier", "--model", "tiny-qwen2", "--scenario", str(path))
     assert code == 0 and frontier["probe"] == "frontier" and frontier["context_tokens"] > 0
     assert {"field_topk (causal)", "field_topk (deviation)", "field_erratum"} <= {p["method"] for p in frontier["points"]}
+
+
+@pytest.fixture
+def rotation_off_by_one(monkeypatch):
+    """Re-rotation one position off: the cache self-test fails, as it would on a model whose RoPE KVScope gets wrong."""
+    from engine.rope import Rotary
+
+    move = Rotary.move
+    monkeypatch.setattr(Rotary, "move", lambda self, keys, values, deltas, entries=None: move(self, keys, values, deltas + 1, entries))
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("compose", "--skills", "account_gate"),
+        ("agent", "--skills", "account_gate", "--turns", "2"),
+        ("keystone", "--skills", "account_gate"),
+        ("memory", "--skills", "account_gate,user_memory"),
+    ],
+)
+def test_splicing_commands_refuse_a_model_whose_selftest_fails(rotation_off_by_one, args):
+    code, result = run_cli(*args, "--model", "tiny-qwen2")
+    assert code == 2 and result["type"] == "SpliceLocked", result
+    assert "splicing stays locked on tiny-qwen2: its cache self-test failed (FAILED in float32" in result["error"]
+    assert "reposition" in result["error"] and " > " in result["error"]  # the self-test's numbers against their limits

@@ -79,3 +79,58 @@ def test_selftest_fails_when_the_noise_floor_itself_is_not_rounding(monkeypatch)
     report = run_selftest(lm)
     assert not report.ok
     assert "noise floor (K/V)" in {check.name for check in report.failed}
+
+
+@pytest.fixture
+def rotation_off_by_one(monkeypatch):
+    """Re-rotation one position off: what the self-test exists to catch."""
+    move = rope.Rotary.move
+    monkeypatch.setattr(rope.Rotary, "move", lambda self, keys, values, deltas, entries=None: move(self, keys, values, deltas + 1, entries))
+
+
+def test_the_splice_gate_refuses_every_splice_once_the_selftest_fails(rotation_off_by_one):
+    from engine.loaded import SpliceLocked
+
+    lm = tiny_model("qwen2")
+    prefix, block = Notebook.prefill(lm, [5, 6, 7], "prefix"), Notebook.prefill(lm, [8, 9], "block").block("block")
+    with pytest.raises(SpliceLocked, match=r"splicing stays locked on tiny-qwen2: its cache self-test failed \(FAILED in float32.*reposition [0-9.e-]+ > "):
+        prefix.splice(block)
+    report = lm.splice_gate.report(lm)
+    assert not report.ok and {check.name for check in report.failed} >= {"reposition", "splice", "splice moved"}
+
+
+def test_the_splice_gate_runs_the_selftest_once_for_concurrent_first_splices(monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+    import threading
+    import time
+
+    from engine import loaded
+
+    calls = []
+
+    def counted(lm):
+        calls.append(1)
+        time.sleep(0.2)
+        return run_selftest(lm)
+
+    lm = tiny_model("llama")
+    lm.splice_gate = loaded.SpliceGate(counted)
+    prefix, block = Notebook.prefill(lm, [5, 6, 7], "prefix"), Notebook.prefill(lm, [8, 9], "block").block("block")
+    barrier = threading.Barrier(6)
+
+    def splice_after_barrier(_):
+        barrier.wait()
+        return prefix.splice(block).keys[0]
+
+    with ThreadPoolExecutor(6) as pool:
+        logits = list(pool.map(splice_after_barrier, range(6)))
+    assert len(calls) == 1 and all(torch.equal(logits[0], other) for other in logits[1:])
+
+
+def test_a_model_built_without_a_selftest_keeps_splicing_locked():
+    from engine.loaded import SpliceGate, SpliceLocked
+
+    lm = tiny_model("llama")
+    lm.splice_gate = SpliceGate()
+    with pytest.raises(SpliceLocked, match="built without a cache self-test"):
+        Notebook.prefill(lm, [5, 6], "prefix").splice(Notebook.prefill(lm, [8, 9], "block").block("block"))
