@@ -133,13 +133,6 @@ def load_model_card(registry: ModelRegistry, spec: str, progress: MessageProgres
                                              "hosting": registry.profile.as_dict()}
 
 
-def splicing_unlocked(registry: ModelRegistry, spec: str | None) -> None:
-    """Refuse to splice on a model whose cache self-test failed (an unknown family proves itself first)."""
-    report = registry.selftest(spec)
-    if report.rope_supported and not report.ok:
-        raise AppError(f"splicing stays locked on this model: its cache self-test failed ({report.summary()})")
-
-
 def offered_models(registry: ModelRegistry) -> list[str]:
     """Model specs to offer: those that load without the hub, within the profile's allowlist (plus the
     HF ids its host named)."""
@@ -402,7 +395,6 @@ def run_compose(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[s
                 after_scenario: str | None, remedy: str | None = None) -> ComposeView:
     """Splice the composed skills (repaired by ``remedy``) and compare with a full recompute."""
     lm = registry.get(spec)
-    splicing_unlocked(registry, spec)
     scenario = composed_scenario(skill_ids, before, between, after_scenario, registry.profile)
     fidelity: Fidelity = compare(lm, scenario, registry.skills(spec), remedy=remedy_of(remedy), references=registry.references(spec))
     data = fidelity.as_dict()
@@ -442,7 +434,6 @@ def run_image_compose(registry: ModelRegistry, spec: str | None, picture: np.nda
         raise AppError("add a picture first (the bundled shipping label is the default)")
     lm = registry.get(spec)
     check_vision_model(lm)
-    splicing_unlocked(registry, spec)
     result = compare_image(lm, fitted_picture(picture), "picture", before=before or "", after=after or "",
                            question=(question or "").strip() or IMAGE_QUESTION, seam=int(number(seam, "seam", 0)))
     data = result.as_dict()
@@ -464,7 +455,6 @@ def run_keystone(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[
                  after_scenario: str | None, remedy: str | None = None, progress: StepProgress = None) -> tuple[go.Figure, dict]:
     """Edit the field inside a spliced skill: composed vs recomputed per strategy."""
     lm = registry.get(spec)
-    splicing_unlocked(registry, spec)
     scenario = composed_scenario(skill_ids, before, between, after_scenario, registry.profile)
     report = keystone(lm, scenario, registry.skills(spec), remedy=remedy_of(remedy), progress=progress)
     return compose_figures.keystone_figure(report), report.as_dict()
@@ -476,7 +466,6 @@ def run_composition_study(registry: ModelRegistry, spec: str | None, skill_ids: 
     """The N-skill study on this composition: the first 1..N skills (in the composer's order) at each placement
     in the scenario, both values of its first field, every remedy; tie-aware summary and the remedy frontier."""
     lm = registry.get(spec)
-    splicing_unlocked(registry, spec)
     if not skill_ids:
         raise AppError("place at least one skill in the context (drag one from the library)")
     if not remedies:
@@ -516,7 +505,6 @@ def run_agent_loop(registry: ModelRegistry, spec: str | None, skill_ids: Sequenc
     turns = number(turns, "turns", 4)
     registry.profile.check_turns(turns)
     lm = registry.get(spec)
-    splicing_unlocked(registry, spec)
     scenario = composed_scenario(skill_ids, before, between, after_scenario, registry.profile)
     report = run_agent(lm, scenario, registry.skills(spec), turns=turns, toggle=bool(toggle), remedy=remedy_of(remedy),
                        policy=policy or "never", progress=progress)
@@ -586,7 +574,7 @@ def learn_step(registry: ModelRegistry, index: int, spec: str | None) -> tuple[s
         experiment = _experiment(registry, spec, text, None, None)
         report = experiment.report(LEARN_STRATEGIES[index], fused=True)
         return learn.strategies_html(report, index) + strategy_cards_html(report), strategy_figure(report)
-    view = run_compose(registry, spec, ["refund_policy"], "", "", NOTES_SCENARIO, 1)
+    view = run_compose(registry, spec, ["refund_policy"], "", "", NOTES_SCENARIO)  # the composer's default remedy
     return learn.splice_html(view.summary), view.logits_figure
 
 

@@ -1,5 +1,6 @@
 """End to end in Debian's chromium through Playwright: what a person clicks and sees. Screenshots go to
 test-artifacts/."""
+import re
 import shutil
 from pathlib import Path
 
@@ -216,3 +217,41 @@ def test_a_picture_spliced_behind_text_on_a_vision_model(page):
     assert "picture 14 tokens over 6 rope positions" in page.locator("#image-metrics").inner_text()
     assert {trace["name"] for trace in _plot_data(page, "image-logits-plot")} == {"spliced", "recomputed"}
     _shot(page, "composer-picture")
+
+
+LEARN_STEPS = {  # step → what its result must say (inner text, numbers by pattern), the traces its figure draws, cards shown
+    1: (r"tiny-qwen2: with expired the model answers \w+ \(margin [+-]\d+\.\d\d\); with valid it answers \w+ "
+        r"\(margin [+-]\d+\.\d\d\): a clean prefill (changes|does not change) the decision", {"label (log Σ P)"}, ()),
+    2: (r"recomputing the field alone recovers (only )?-?\d\.\d\d .*Paper: field-only recovery ≈ 0 at 7–9B", None,
+        ("field_only", "full_downstream")),
+    3: (r"the erratum alone recovers -?\d\.\d\d and field \+ erratum -?\d\.\d\d .*appending \d+ tokens to a \d+-token context"
+        r".*Paper: field\+erratum P\(correct\) 1\.00", None, ("erratum", "field_erratum")),
+    4: (r"Spliced vs recomputed: logit cosine \d\.\d{4}, KL -?\d\.\d{4}, decision (agrees|differs); time to first token "
+        r"\d+ ms vs \d+ ms \(×[\d.]+\) for \d+ spliced of \d+ context tokens\..*Paper: logit cosine 0\.90–0\.999",
+        {"spliced", "recomputed"}, ()),
+}
+TOAST = "[data-testid='toast-body'], .toast-body"
+
+
+@pytest.mark.parametrize("step", LEARN_STEPS, ids=["decisions", "field-only", "erratum", "splicing"])
+def test_learn_step_shows_its_result_and_figure(page, step):
+    """Each Learn button fills its own group: the sentence about what the loaded model did, and a drawn figure."""
+    pattern, traces, cards = LEARN_STEPS[step]
+    page.get_by_role("tab", name="Learn").click()
+    page.locator(f"#learn-{step}").click()
+    group = page.locator(f"#learn-{step}").locator("xpath=..")  # the step's gr.Group: its text, button, result and plot
+    result = group.locator(".html-container")
+    result.locator("p").first.or_(page.locator(TOAST)).first.wait_for(timeout=60_000)
+    assert page.locator(TOAST).count() == 0, page.locator(TOAST).all_inner_texts()
+    text = result.inner_text()
+    assert re.search(pattern, text, re.S), text
+    for name in cards:
+        assert result.locator(f'[data-strategy="{name}"]').count() == 1, name
+    plot = group.locator(".js-plotly-plot")
+    plot.locator(".main-svg").first.wait_for(timeout=30_000)
+    drawn = plot.evaluate("node => Array.from(node._fullData, t => ({name: t.name, x: Array.from(t.x || []), y: Array.from(t.y || [])}))")
+    assert drawn and all(len(trace["x"]) == len(trace["y"]) > 0 for trace in drawn), drawn
+    if traces:
+        assert traces <= {trace["name"] for trace in drawn}
+    group.scroll_into_view_if_needed()
+    _shot(page, f"learn-step-{step}")

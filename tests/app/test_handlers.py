@@ -2,6 +2,7 @@
 import dataclasses
 import html
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,7 @@ from app.handlers import AppError
 from app.state import ExportFolder, ModelRegistry, SessionStore
 from engine.compose_image import bundled_images, load_picture
 from engine.experiment import EditExperiment
+from engine.loaded import SpliceGate
 from engine.scenario import Scenario
 from tests.app.conftest import SCENARIO
 from viz.common import markdown_literal
@@ -202,6 +204,33 @@ def test_learn_steps_describe_what_the_model_did_beside_the_paper(registry):
     assert "erratum alone recovers" in text and "Paper:" in text
 
 
+LEARN_TEXT = {  # step index → words its HTML must hold (the numbers are checked by pattern)
+    0: (r"tiny-qwen2: with <b>expired</b> the model answers <b>\w+</b> \(margin [+−-]\d+\.\d\d\); with <b>valid</b> it answers "
+        r"<b>\w+</b> \(margin [+−-]\d+\.\d\d\): a clean prefill (changes|does <b>not</b> change) the decision"),
+    1: r"recomputing the field alone recovers (only )?-?\d\.\d\d.*−0\.028 Llama-3\.1-8B.*data-strategy=\"full_downstream\"",
+    2: r"the erratum alone recovers -?\d\.\d\d and field \+ erratum -?\d\.\d\d .*appending \d+ tokens to a \d+-token context.*"
+       r"data-strategy=\"field_erratum\"",
+    3: (r"logit cosine \d\.\d{4}, KL -?\d\.\d{4}, decision (agrees|differs); time to first token \d+ ms vs \d+ ms "
+        r"\(×[\d.]+\) for \d+ spliced of \d+ context tokens.*logit cosine 0\.90–0\.999"),
+}
+
+
+@pytest.mark.parametrize("index", range(4), ids=["decisions", "field-only", "erratum", "splicing"])
+def test_every_learn_step_returns_its_text_and_a_drawn_figure(registry, monkeypatch, index):
+    remedies = []
+    compare = handlers.compare
+    monkeypatch.setattr(handlers, "compare", lambda *args, **kwargs: remedies.append(kwargs["remedy"]) or compare(*args, **kwargs))
+    text, figure = handlers.learn_step(registry, index, None)
+    assert re.search(LEARN_TEXT[index], text, re.S), text
+    assert isinstance(figure, go.Figure) and figure.data
+    assert all(trace.x is not None and len(trace.x) == len(trace.y) > 0 for trace in figure.data)
+    if index == 3:  # the splice runs with the composer's default remedy, as the Composer tab does with its remedy left empty
+        assert remedies == [handlers.DEFAULT_REMEDY] and [trace.name for trace in figure.data] == ["spliced", "recomputed"]
+        summary = handlers.run_compose(registry, None, ["refund_policy"], "", "", handlers.NOTES_SCENARIO).summary
+        assert f"{summary['skill_tokens']} spliced of {summary['context_tokens']} context tokens" in text
+        assert f"logit cosine {summary['cosine']:.4f}" in text and summary["remedy"]["name"] == handlers.DEFAULT_REMEDY.name
+
+
 def test_model_card_shows_this_models_row_of_the_support_matrix(registry):
     card, info = handlers.load_model_card(registry, "")
     assert f"**Family**: {markdown_literal('Qwen2 / Qwen2.5')}" in card and "Operations on this model" in card
@@ -251,10 +280,49 @@ def test_a_hybrid_states_its_decision_read_on_its_own_cache():
 
 
 def test_a_failed_selftest_locks_splicing(registry, monkeypatch):
-    report = dataclasses.replace(registry.selftest(), ok=False)
-    monkeypatch.setattr(registry, "selftest", lambda spec=None: report)
-    with pytest.raises(AppError, match="splicing stays locked on this model: its cache self-test failed"):
+    lm = registry.get()
+    failed = SpliceGate()
+    failed.record(dataclasses.replace(registry.selftest(), ok=False))
+    monkeypatch.setattr(lm, "splice_gate", failed)  # the engine's gate refuses; the app only reports it
+    with pytest.raises(AppError, match=f"splicing stays locked on {lm.name}: its cache self-test failed"):
         handlers.run_compose(registry, None, ["account_gate"], "", "", None)
+
+
+def test_computed_once_entries_are_single_flight(monkeypatch):
+    """N concurrent first requests: one self-test, one support row, one baseline, and every caller the same result."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from app import state
+    from engine.selftest import run_selftest
+
+    calls = {"selftest": 0, "support": 0, "baseline": 0}
+
+    def counted(name, function):
+        def slow(*args, **kwargs):
+            calls[name] += 1
+            time.sleep(0.3)  # every thread arrives while the first computes
+            return function(*args, **kwargs)
+        return slow
+
+    monkeypatch.setattr(state, "check_model", counted("support", state.check_model))
+    monkeypatch.setattr(state, "run_scenario", counted("baseline", state.run_scenario))
+    fresh = ModelRegistry("tiny-qwen2")
+    lm = fresh.get()
+    lm.splice_gate = SpliceGate(counted("selftest", run_selftest))
+    scenario, threads = Scenario.from_toml(SCENARIO), 6
+    barrier = threading.Barrier(threads)
+
+    def first_request(_):
+        barrier.wait()
+        return fresh.selftest(), fresh.support(), fresh.baseline(None, SCENARIO, scenario)
+
+    with ThreadPoolExecutor(threads) as pool:
+        results = list(pool.map(first_request, range(threads)))
+    assert calls == {"selftest": 1, "support": 1, "baseline": 1}
+    for kind in range(3):
+        assert all(result[kind] is results[0][kind] for result in results)
 
 
 def test_weight_edits_panel_states_the_trade_off_from_the_numbers(registry):
