@@ -19,10 +19,15 @@ from PIL import Image
 
 from app.hosting import HostingProfile
 from app.state import ExportFolder, ModelRegistry, SessionStore, process_rss_bytes
-from engine.adapter import cache_layout, recurrent_layers
-from engine.agent import run_agent
-from engine.analysis import analyse_edit
-from engine.compose import (
+from engine.cache.adapter import cache_layout, recurrent_layers
+from engine.cache.decision import DECISIVE_MARGIN
+from engine.cache.selftest import SelfTestReport
+from engine.cache.vision import check_vision_model
+from engine.checks.support import SupportRow
+from engine.compose.agent import run_agent
+from engine.compose.keystone import keystone
+from engine.compose.pictures import IMAGE_QUESTION, compare_image
+from engine.compose.splice import (
     DEFAULT_REMEDY,
     PLACEMENTS,
     Fidelity,
@@ -32,26 +37,24 @@ from engine.compose import (
     compose_scenario,
     skill_of_length,
 )
-from engine.compose_image import IMAGE_QUESTION, compare_image
-from engine.compose_study import run_study, skill_prefixes
-from engine.decision import DECISIVE_MARGIN
+from engine.compose.study import run_study, skill_prefixes
+from engine.edit.experiment import EditExperiment
+from engine.edit.hybrid import read_scenario
+from engine.edit.strategies import EditSettings
+from engine.edit.weight_edit import LoraSettings, RomeSettings, compare_edits
 from engine.errors import KVScopeError
-from engine.experiment import EditExperiment
-from engine.frontier import probe_frontier
-from engine.hybrid import read_scenario
-from engine.keystone import keystone
 from engine.models import LoadedModel, available_offline
 from engine.models.gguf import ALIASES
 from engine.models.loading import TINY_PREFIX
+from engine.probes.analysis import analyse_edit
+from engine.probes.frontier import probe_frontier
+from engine.probes.registry import ALL_PROBES
 from engine.progress import MessageProgress, StepProgress
-from engine.registry import ALL_PROBES
 from engine.scenario import Scenario, Skill, bundled_scenarios, bundled_skills
-from engine.selftest import SelfTestReport
-from engine.strategies import EditSettings
-from engine.support import SupportRow
-from engine.vision import check_vision_model
-from engine.weight_edit import LoraSettings, RomeSettings, compare_edits
-from viz import benchmarks as benchmark_figures, compose as compose_figures, learn, notes as notes_figures
+from viz import benchmarks as benchmark_figures
+from viz import compose as compose_figures
+from viz import learn
+from viz import notes as notes_figures
 from viz.cards import strategy_cards_html
 from viz.common import markdown_literal, message_figure
 from viz.decision import decision_figure

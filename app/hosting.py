@@ -16,11 +16,11 @@ from dataclasses import dataclass, replace
 
 import psutil
 
-from engine.budget import WorkBudget
+from engine.cache.budget import WorkBudget
+from engine.edit.strategies import STRATEGIES
 from engine.errors import KVScopeError
 from engine.models.gguf import ALIASES
-from engine.strategies import STRATEGIES
-from engine.tiny import HYBRID_ARCHS, TINY_ARCHS
+from engine.models.tiny import HYBRID_ARCHS, TINY_ARCHS
 
 GiB = 2**30
 PUBLIC_MAX_CONTEXT_TOKENS = 1024

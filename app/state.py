@@ -1,7 +1,7 @@
 """Server-side state: loaded models shared by all sessions, per-session results kept by id, exports.
 
 A browser session holds only an opaque id in ``gr.State``; its notebooks and reports live here. Memory is
-accounted in bytes of every tensor kept (:func:`engine.footprint.tensor_bytes`), bounded by the hosting
+accounted in bytes of every tensor kept (:func:`engine.cache.footprint.tensor_bytes`), bounded by the hosting
 profile's budgets (least recently used first) and reclaimed: idle sessions expire, and dropping a model
 drops every result computed with it, so no evicted copy stays alive. No session can reach another's
 entries: every read and write is keyed by the session's own id.
@@ -29,18 +29,18 @@ import psutil
 import torch
 
 from app.hosting import HostingError, HostingProfile, local_profile
-from engine.budget import ComputeGate
-from engine.compose import Recomputed
+from engine.cache.budget import ComputeGate
+from engine.cache.footprint import tensor_bytes
+from engine.cache.selftest import SelfTestReport
+from engine.checks.support import SupportRow, check_model
+from engine.compose.skills import SkillStore
+from engine.compose.splice import Recomputed
+from engine.edit.runs import ScenarioRun, run_scenario
 from engine.errors import KVScopeError
-from engine.footprint import tensor_bytes
-from engine.once import SingleFlight
 from engine.models import LoadedModel, load_model
+from engine.once import SingleFlight
 from engine.progress import MessageProgress
-from engine.runs import ScenarioRun, run_scenario
 from engine.scenario import Scenario
-from engine.selftest import SelfTestReport
-from engine.skills import SkillStore
-from engine.support import SupportRow, check_model
 
 
 class BudgetedLRU(MutableMapping):
@@ -169,7 +169,7 @@ class ModelRegistry:
             return list(self._models)
 
     def selftest(self, spec: str | None = None) -> SelfTestReport:
-        """The RoPE/splice self-test of a model: the one its splice gate runs once (``engine.loaded.SpliceGate``)."""
+        """The RoPE/splice self-test of a model: the one its splice gate runs once (``engine.cache.loaded.SpliceGate``)."""
         lm = self.get(spec)
         return lm.splice_gate.report(lm)
 

@@ -14,16 +14,17 @@ from app.composer import SkillComposer
 from app.handlers import AppError
 from app.inputs import LenientCheckboxGroup, LenientSlider
 from app.state import ExportFolder, ModelRegistry, SessionStore
-from engine.analysis import DEFAULT_STRATEGIES
-from engine.budget import bounded
-from engine.compose import DEFAULT_REMEDY, PLACEMENTS
-from engine.compose_image import IMAGE_QUESTION, bundled_images
-from engine.compose_study import REMEDIES as STUDY_REMEDIES
-from engine.decision import DECISIVE_MARGIN
-from engine.registry import ALL_PROBES
+from engine.cache.budget import bounded
+from engine.cache.decision import DECISIVE_MARGIN
+from engine.compose.pictures import IMAGE_QUESTION, bundled_images
+from engine.compose.splice import DEFAULT_REMEDY, PLACEMENTS
+from engine.compose.study import REMEDIES as STUDY_REMEDIES
+from engine.edit.strategies import STRATEGIES
+from engine.edit.weight_edit import METHODS as WEIGHT_METHODS
+from engine.edit.weight_edit import LoraSettings
+from engine.probes.analysis import DEFAULT_STRATEGIES
+from engine.probes.registry import ALL_PROBES
 from engine.scenario import bundled_scenarios
-from engine.strategies import STRATEGIES
-from engine.weight_edit import METHODS as WEIGHT_METHODS, LoraSettings
 from viz.common import markdown_literal
 
 KEYSTONE_DEMO = "keystone_safety"  # a scenario whose deciding field lives inside a spliced skill

@@ -17,9 +17,9 @@ from tqdm import tqdm
 
 from benchmarks import common
 from benchmarks.common import RESULTS, write_result
-from engine.agent import ERRATUM_WORDINGS, Compaction, run_agent
+from engine.compose.agent import ERRATUM_WORDINGS, Compaction, run_agent
+from engine.compose.skills import SkillStore
 from engine.scenario import Scenario, bundled_scenarios
-from engine.skills import SkillStore
 from viz.benchmarks import agent_policy_figure
 
 SCENARIOS = "machine_safety,pharmacy_prescription,badge_access_yaml,refund_gate"

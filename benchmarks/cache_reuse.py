@@ -39,14 +39,20 @@ import torch
 from benchmarks import common
 from benchmarks.common import RESULTS, write_result
 from benchmarks.serving import SERVER_BINARY, LlamaServer, embedded_gguf
-from engine.compose import DEFAULT_REMEDY, Remedy, splice_prompt, with_skills
-from engine.decision import DECISIVE_MARGIN, logit_agreement
-from engine.experiment import EditExperiment
-from engine.loaded import LoadedModel
-from engine.notebook import Notebook
-from engine.runs import render_for
-from engine.scenario import RenderedPrompt, Scenario, Skill, bundled_scenarios, bundled_skills
-from engine.skills import SkillStore
+from engine.cache.decision import DECISIVE_MARGIN, logit_agreement
+from engine.cache.loaded import LoadedModel
+from engine.cache.notebook import Notebook
+from engine.compose.skills import SkillStore
+from engine.compose.splice import DEFAULT_REMEDY, Remedy, splice_prompt, with_skills
+from engine.edit.experiment import EditExperiment
+from engine.edit.runs import render_for
+from engine.scenario import (
+    RenderedPrompt,
+    Scenario,
+    Skill,
+    bundled_scenarios,
+    bundled_skills,
+)
 
 _LOGPROB_FLOOR = -50.0  # for a token whose probability the server rounds to 0
 

@@ -6,7 +6,7 @@
 
 For every scenario and both values of its first field, the first N skills (N = 1..4, and all of them
 reversed, at the start) are placed at each placement, each skill compiled in isolation. The composed prompt is
-recomputed once and spliced with every remedy (``engine.compose.Remedy``). Decision agreement counts only
+recomputed once and spliced with every remedy (``engine.compose.splice.Remedy``). Decision agreement counts only
 cases whose recomputed margin is decisive (|margin| ≥ 0.25); ties are reported apart. Writes
 benchmarks/results/compose_many-<model>-<device>.json and an HTML figure (remedy frontier and margin error by N).
 Timings are single runs side by side (the full recompute once per case); the ranked remedies (deviation,
@@ -20,10 +20,10 @@ from tqdm import tqdm
 
 from benchmarks import common
 from benchmarks.common import RESULTS, write_result
-from engine.compose import Remedy
-from engine.compose_study import REMEDIES, Study, run_study, skill_prefixes
+from engine.compose.skills import SkillStore
+from engine.compose.splice import Remedy
+from engine.compose.study import REMEDIES, Study, run_study, skill_prefixes
 from engine.scenario import Scenario, bundled_scenarios
-from engine.skills import SkillStore
 from viz.compose import study_figure
 
 

@@ -17,10 +17,10 @@ from tqdm import tqdm
 
 from benchmarks import common
 from benchmarks.common import filler_text, write_result
+from engine.edit.experiment import EditExperiment
+from engine.edit.strategies import EditSettings
 from engine.probes import probe_notes_map
 from engine.scenario import Scenario, bundled_scenarios, render
-from engine.experiment import EditExperiment
-from engine.strategies import EditSettings
 
 TIMED = ("field_only", "field_topk", "erratum", "field_erratum", "hoist", "full_downstream", "oracle")
 

@@ -9,14 +9,13 @@ does the spliced decision agree with the recomputed one? Writes benchmarks/resul
 """
 from __future__ import annotations
 
-
 from tqdm import tqdm
 
 from benchmarks import common
 from benchmarks.common import write_result
-from engine.compose import compare, with_skills
+from engine.compose.skills import SkillStore
+from engine.compose.splice import compare, with_skills
 from engine.scenario import Scenario, bundled_scenarios, bundled_skills
-from engine.skills import SkillStore
 
 
 def main() -> None:

@@ -16,10 +16,10 @@ from tqdm import tqdm
 
 from benchmarks import common
 from benchmarks.common import RESULTS, write_result
-from engine.compose import Remedy
-from engine.keystone import keystone
+from engine.compose.keystone import keystone
+from engine.compose.skills import SkillStore
+from engine.compose.splice import Remedy
 from engine.scenario import Scenario, bundled_scenarios
-from engine.skills import SkillStore
 
 REMEDIES = ("seam:1", "seam:8", "seam:32", "aggregators", "seam:8+aggregators", "prefix+seam:1", "blend:0.3", "prefix+seam:1+blend:0.15",
             "prefix+seam:1+blend:0.3", "prefix+seam:1+blend:0.7")

@@ -30,11 +30,11 @@ from pathlib import Path
 
 import torch
 
-from engine.calibrate import FLIP_THRESHOLD, NOTES_DEMO_MAX_RECOVERY
+from engine.edit.calibrate import FLIP_THRESHOLD, NOTES_DEMO_MAX_RECOVERY
+from engine.edit.experiment import EditExperiment
+from engine.edit.strategies import EditSettings
 from engine.models import LoadedModel, dtype_name, load_model
 from engine.scenario import Scenario
-from engine.experiment import EditExperiment
-from engine.strategies import EditSettings
 
 RESULTS = Path(__file__).parent / "results"
 

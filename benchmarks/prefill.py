@@ -7,13 +7,12 @@ the same run on the same notebook, so their ratio is what a cached context saves
 """
 from __future__ import annotations
 
-
 from tqdm import tqdm
 
 from benchmarks import common
 from benchmarks.common import filler_text, median_ms, write_result
-from engine.notebook import Notebook
-from engine.runs import run_scenario
+from engine.cache.notebook import Notebook
+from engine.edit.runs import run_scenario
 from engine.scenario import Scenario, bundled_scenarios, render
 
 

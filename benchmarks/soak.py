@@ -36,9 +36,9 @@ from gradio_client import Client
 
 from benchmarks.app_latency import free_port, wait_until_serving
 from benchmarks.common import RESULTS
-from engine.analysis import DEFAULT_STRATEGIES
+from engine.edit.strategies import STRATEGIES
+from engine.probes.analysis import DEFAULT_STRATEGIES
 from engine.scenario import bundled_scenarios
-from engine.strategies import STRATEGIES
 from viz.benchmarks import soak_figure
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -17,9 +17,9 @@ from tqdm import tqdm
 
 from benchmarks import common
 from benchmarks.common import RESULTS, write_result
-from engine.compose import adhoc_scenario, compare, skill_of_length
+from engine.compose.skills import SkillStore
+from engine.compose.splice import adhoc_scenario, compare, skill_of_length
 from engine.scenario import Scenario, Skill, bundled_scenarios, bundled_skills
-from engine.skills import SkillStore
 from viz.benchmarks import ttft_figure
 
 

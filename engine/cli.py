@@ -13,27 +13,50 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from engine.adapter import recurrent_layers
-from engine.agent import ERRATUM_WORDINGS, Compaction, run_agent
-from engine.calibrate import FLIP_THRESHOLD, NOTES_DEMO_MAX_RECOVERY, calibrate, scenario_files
-from engine.compose import DEFAULT_REMEDY, Remedy, adhoc_scenario, compare, with_skills
-from engine.compose_image import IMAGE_QUESTION, bundled_images, compare_image, load_picture
+from engine.cache.adapter import recurrent_layers
+from engine.cache.selftest import run_selftest
+from engine.checks.support import (
+    OPERATIONS,
+    TOLERANCE,
+    check_model,
+    markdown_table,
+    support_matrix,
+)
+from engine.compose.agent import ERRATUM_WORDINGS, Compaction, run_agent
+from engine.compose.keystone import keystone
+from engine.compose.memory import memory_placement
+from engine.compose.pictures import (
+    IMAGE_QUESTION,
+    bundled_images,
+    compare_image,
+    load_picture,
+)
+from engine.compose.skills import SkillStore
+from engine.compose.splice import (
+    DEFAULT_REMEDY,
+    Remedy,
+    adhoc_scenario,
+    compare,
+    with_skills,
+)
+from engine.edit.calibrate import (
+    FLIP_THRESHOLD,
+    NOTES_DEMO_MAX_RECOVERY,
+    calibrate,
+    scenario_files,
+)
+from engine.edit.experiment import EditExperiment
+from engine.edit.hybrid import hybrid_edit, read_scenario
+from engine.edit.runs import run_scenario
+from engine.edit.strategies import STRATEGIES, EditSettings, check_names
+from engine.edit.weight_edit import METHODS as WEIGHT_METHODS
+from engine.edit.weight_edit import LoraSettings, RomeSettings, compare_edits
 from engine.errors import KVScopeError
-from engine.experiment import EditExperiment
-from engine.hybrid import hybrid_edit, read_scenario
-from engine.keystone import keystone
-from engine.memory import memory_placement
 from engine.models import LoadedModel, ModelLoadError, cache_dir, load_model
+from engine.models.tiny import HYBRID_ARCHS, TINY_ARCHS
+from engine.probes.registry import ALL_PROBES
 from engine.progress import StepProgress
-from engine.registry import ALL_PROBES
-from engine.runs import run_scenario
 from engine.scenario import Scenario, ScenarioError, bundled_scenarios
-from engine.selftest import run_selftest
-from engine.skills import SkillStore
-from engine.strategies import STRATEGIES, EditSettings, check_names
-from engine.support import OPERATIONS, TOLERANCE, check_model, markdown_table, support_matrix
-from engine.tiny import HYBRID_ARCHS, TINY_ARCHS
-from engine.weight_edit import METHODS as WEIGHT_METHODS, LoraSettings, RomeSettings, compare_edits
 
 
 def _log(message: str) -> None:

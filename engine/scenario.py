@@ -10,7 +10,8 @@ import re
 import tomllib
 import unicodedata
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field as dataclass_field
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from transformers import PreTrainedTokenizerBase
 
 from engine.errors import KVScopeError
 
+DEMOS = Path(__file__).parents[1] / "demos"  # bundled scenarios, skills, images and corpora (data, not code)
 _PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
 _SKILL_PLACEHOLDER = re.compile(r"\{\{|\}\}|\{skill:([A-Za-z0-9_-]+)\}")  # {{ and }} are escapes, never skills
 _SKILL_KEYS = ("title", "description", "text", "fields")
@@ -141,13 +143,13 @@ class RenderedPrompt:
 
 def bundled_scenarios() -> dict[str, Path]:
     """The demo scenarios shipped in demos/scenarios, by file stem."""
-    folder = Path(__file__).parents[1] / "demos" / "scenarios"
+    folder = DEMOS / "scenarios"
     return {path.stem: path for path in sorted(folder.glob("*.toml"))}
 
 
 def bundled_skills() -> dict[str, Path]:
     """The skill library shipped in demos/skills, by id (file stem)."""
-    folder = Path(__file__).parents[1] / "demos" / "skills"
+    folder = DEMOS / "skills"
     return {path.stem: path for path in sorted(folder.glob("*.toml"))}
 
 

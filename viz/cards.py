@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import html
 
-from engine.experiment import EditReport, NotesShare
-from engine.strategies import StrategyResult
+from engine.edit.report import EditReport, NotesShare
+from engine.edit.strategies import StrategyResult
 
 CARD_CSS = """
 <style>

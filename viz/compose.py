@@ -9,10 +9,10 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from engine.agent import AgentReport
-from engine.compose import Fidelity
-from engine.decision import Decision, logit_agreement
-from engine.keystone import KeystoneReport
+from engine.cache.decision import Decision, logit_agreement
+from engine.compose.agent import AgentReport
+from engine.compose.keystone import KeystoneReport
+from engine.compose.splice import Fidelity
 from viz.common import PALETTE, map_height, pool_columns, safe_label, token_columns
 
 

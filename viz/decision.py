@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from engine.decision import Decision
+from engine.cache.decision import Decision
 from viz.common import safe_label
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import html
 
-from engine.experiment import EditExperiment, EditReport
+from engine.edit.experiment import EditExperiment
+from engine.edit.report import EditReport
 
 PAPER_FIELD_ONLY = "field-only recovery ≈ 0 at 7–9B (−0.028 Llama-3.1-8B, 0.005 Gemma-2-9B, 0.137 Mistral-7B)"
 PAPER_ERRATUM = "field+erratum P(correct) 1.00, matching hoist-to-end; erratum alone can revert when the field is buried early"

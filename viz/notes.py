@@ -7,14 +7,22 @@ from collections.abc import Sequence
 import numpy as np
 import plotly.graph_objects as go
 
-from engine.frontier import FrontierResult
-from engine.patching import EffectMap
+from engine.cache.patching import EffectMap
 from engine.probes import AttentionMap, NotesMapResult
+from engine.probes.frontier import FrontierResult
 from viz.common import (
-    DIVERGING, GREY, PALETTE, column_of, diverging_colour, map_height, mark_fields, pool_columns, robust_limit, safe_label,
+    DIVERGING,
+    GREY,
+    PALETTE,
+    column_of,
+    diverging_colour,
+    map_height,
+    mark_fields,
+    pool_columns,
+    robust_limit,
+    safe_label,
     token_columns,
 )
-
 
 MAX_TEXT_TOKENS = 1024  # tokens drawn in a text view (one <span> each); a longer context shows windows
 TEXT_WINDOW = 16  # neighbours shown either side of the field and of each strongest token in a long context

@@ -12,9 +12,9 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from engine.attribution import AttributionResult
-from engine.linear_probe import GROUPS, LinearProbeResult
 from engine.probes import Gap, HeadsResult, KnockoutResult, RandomControl, SuffixResult
+from engine.probes.attribution import AttributionResult
+from engine.probes.linear import GROUPS, LinearProbeResult
 from viz.common import GREY, PALETTE, safe_label, safe_lines
 from viz.notes import attention_figure, frontier_figure, notes_map_figure
 

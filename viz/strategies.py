@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from engine.experiment import EditReport
-from engine.strategies import StrategyResult
+from engine.edit.report import EditReport
+from engine.edit.strategies import StrategyResult
 from viz.common import GREY, label_colours, safe_label, safe_lines
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from engine.weight_edit import MethodOutcome, WeightEditReport
+from engine.edit.weight_edit import MethodOutcome, WeightEditReport
 from viz.common import PALETTE, safe_label
 
 # The paper's figures (Llama-3.1-8B), shown beside ours.

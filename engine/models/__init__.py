@@ -1,8 +1,8 @@
 """Model loading: the embedded default, packaged GGUFs, tiny models, any HF id or local directory; device and dtype.
 
-- `engine.loaded` (beside this package): `LoadedModel`, `ModelFingerprint`, `ModelLoadError`, `config_hash`,
-  `rope_summary`, `DTYPES`, `dtype_name`: what every loader, `engine.tiny` included, shares. It lives outside
-  the package so that `engine.tiny` imports it without importing the loader, which imports `engine.tiny`.
+- `engine.cache.loaded` (beside this package): `LoadedModel`, `ModelFingerprint`, `ModelLoadError`, `config_hash`,
+  `rope_summary`, `DTYPES`, `dtype_name`: what every loader, `engine.models.tiny` included, shares. It lives outside
+  the package so that `engine.models.tiny` imports it without importing the loader, which imports `engine.models.tiny`.
 - `store`: the cache dir and its JSON stores.
 - `gguf`: the `embedded` and `smollm2` aliases: GGUF assembly, sha256, conversion to safetensors, provenance.
 - `dtype`: the "auto" dtype choice (measured float32 vs bfloat16 on CPU, gated by the cache self-test).
@@ -12,9 +12,22 @@ Monkeypatch a name in the submodule that uses it, not here.
 """
 from __future__ import annotations
 
-from engine.loaded import DTYPES, LoadedModel, ModelFingerprint, ModelLoadError, config_hash, dtype_name, rope_summary
+from engine.cache.loaded import (
+    DTYPES,
+    LoadedModel,
+    ModelFingerprint,
+    ModelLoadError,
+    config_hash,
+    dtype_name,
+    rope_summary,
+)
 from engine.models.gguf import EMBEDDED_PACKAGES, EMBEDDED_SHA256, embedded_gguf_path
-from engine.models.loading import available_offline, load_model, parse_dtype, resolve_device
+from engine.models.loading import (
+    available_offline,
+    load_model,
+    parse_dtype,
+    resolve_device,
+)
 from engine.models.store import cache_dir
 
 __all__ = [

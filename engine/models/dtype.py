@@ -3,7 +3,7 @@
 On a GPU: bfloat16 where it computes it natively, else float16 (`accelerator_dtype`). On a CPU, bfloat16 only
 where it is measured faster than float32, its logits agree with float32's and the cache self-test passes in it
 (`load_with_cpu_dtype_choice`); the choice and its reason are remembered per model, torch version and CPU in
-`<cache>/dtype-choices.json`. The self-test lives above the notebook, which only needs `engine.loaded`,
+`<cache>/dtype-choices.json`. The self-test lives above the notebook, which only needs `engine.cache.loaded`,
 so importing it here makes no cycle.
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
 
-from engine import selftest
-from engine.loaded import DTYPES, LoadedModel, config_hash
+from engine.cache import selftest
+from engine.cache.loaded import DTYPES, LoadedModel, config_hash
 from engine.models.store import cache_dir, read_json, write_json
 from engine.progress import MessageProgress
 

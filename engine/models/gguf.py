@@ -24,7 +24,7 @@ from typing import BinaryIO
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.loaded import ModelLoadError
+from engine.cache.loaded import ModelLoadError
 from engine.models.store import cache_dir, read_json, write_json
 from engine.progress import MessageProgress, reporter
 

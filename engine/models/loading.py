@@ -28,13 +28,21 @@ from transformers.models.auto.modeling_auto import (
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
 )
 
-from engine.loaded import DTYPES, LoadedModel, ModelFingerprint, ModelLoadError, SpliceGate, config_hash, dtype_name
+from engine.cache.loaded import (
+    DTYPES,
+    LoadedModel,
+    ModelFingerprint,
+    ModelLoadError,
+    SpliceGate,
+    config_hash,
+    dtype_name,
+)
+from engine.cache.selftest import run_selftest
 from engine.models import gguf
 from engine.models.dtype import accelerator_dtype, load_with_cpu_dtype_choice
 from engine.models.store import cache_dir
+from engine.models.tiny import tiny_model
 from engine.progress import MessageProgress, reporter
-from engine.selftest import run_selftest
-from engine.tiny import tiny_model
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +200,7 @@ def _hf_cached_models() -> list[str]:
 
 
 def _load_tiny(arch: str, device: torch.device, dtype: torch.dtype | None) -> LoadedModel:
-    """Delegate "tiny-<arch>" to engine.tiny (random weights; float32 unless asked otherwise)."""
+    """Delegate "tiny-<arch>" to engine.models.tiny (random weights; float32 unless asked otherwise)."""
     loaded = tiny_model(arch, dtype=dtype or torch.float32)
     loaded.dtype_reason = f"{dtype_name(dtype)} as requested" if dtype else "float32 (tiny random-weight models are float32 unless asked)"
     if loaded.device != device:

@@ -15,7 +15,7 @@ margin between two reference states: 0 = stale, 1 = oracle (trigger: original ru
 | ``trigger`` | flipping a rule word: do notes after it carry the flip, and the word alone not? | 1 prefill + 3 R | no |
 | ``attention`` | where do the decision tokens look, in stale and oracle? | 2 R | no |
 
-Notes are ranked by attribution patching (one backward, ``engine.patching``); positions before the field
+Notes are ranked by attribution patching (one backward, ``engine.cache.patching``); positions before the field
 hold identical K/V in both runs, so the maps cover the field and the downstream tokens only. The shared
 error, gap, readings and steps live in :mod:`engine.probes.common`; each probe in the module of its name.
 """

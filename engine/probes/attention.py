@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine.experiment import EditExperiment
+from engine.edit.experiment import EditExperiment
+from engine.edit.runs import ScenarioRun
 from engine.probes.common import Gap, read, rounded
 from engine.progress import StepProgress, ticker
-from engine.runs import ScenarioRun
 
 MAX_JSON_VALUES = 250_000  # numbers per map in JSON (~2 MB); larger maps keep the mean over heads
 

@@ -3,7 +3,7 @@
 A probe measures recovery on a :class:`Gap` (0 = stale, 1 = oracle), reads decisions as :class:`Reading` objects,
 compares them with a :class:`RandomControl` over reproducible random draws, and (the patching probes) refuses
 an edit whose new value changes the token count (:func:`require_aligned`). Notes are the downstream positions
-ranked by attribution patching (:func:`ranked_notes`, one backward, ``engine.patching``).
+ranked by attribution patching (:func:`ranked_notes`, one backward, ``engine.cache.patching``).
 """
 from __future__ import annotations
 
@@ -11,12 +11,11 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.decision import Decision, recovery
+from engine.cache.decision import Decision, recovery
+from engine.cache.notebook import Knockout, Notebook
+from engine.cache.patching import EffectMap, attribution_effects
+from engine.edit.experiment import EditExperiment
 from engine.errors import KVScopeError
-from engine.experiment import EditExperiment
-from engine.notebook import Knockout, Notebook
-from engine.patching import EffectMap, attribution_effects
-
 
 
 class ProbeError(KVScopeError):

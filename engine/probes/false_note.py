@@ -8,8 +8,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.experiment import EditExperiment
-from engine.probes.common import Gap, ProbeError, Reading, patched_reading, ranked_notes, require_aligned
+from engine.edit.experiment import EditExperiment
+from engine.probes.common import (
+    Gap,
+    ProbeError,
+    Reading,
+    patched_reading,
+    ranked_notes,
+    require_aligned,
+)
 from engine.progress import StepProgress, ticker
 
 

@@ -8,10 +8,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.experiment import EditExperiment
-from engine.notebook import Knockout
+from engine.cache.notebook import Knockout
+from engine.edit.experiment import EditExperiment
 from engine.probes.common import (
-    Gap, RandomControl, Reading, k_ladder, random_control, random_draws, ranked_notes, read, reading, require_aligned,
+    Gap,
+    RandomControl,
+    Reading,
+    k_ladder,
+    random_control,
+    random_draws,
+    ranked_notes,
+    read,
+    reading,
+    require_aligned,
 )
 from engine.progress import StepProgress, ticker
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.experiment import EditExperiment
+from engine.edit.experiment import EditExperiment
 from engine.probes.common import Gap, Reading, reading
 from engine.progress import StepProgress, ticker
 

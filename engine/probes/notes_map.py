@@ -12,10 +12,17 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.experiment import EditExperiment
-from engine.notebook import Notebook
-from engine.patching import EffectMap, exact_effects
-from engine.probes.common import Gap, ProbeError, attribution, patched_reading, require_aligned, rounded
+from engine.cache.notebook import Notebook
+from engine.cache.patching import EffectMap, exact_effects
+from engine.edit.experiment import EditExperiment
+from engine.probes.common import (
+    Gap,
+    ProbeError,
+    attribution,
+    patched_reading,
+    require_aligned,
+    rounded,
+)
 from engine.progress import StepProgress, Tick, ticker
 
 

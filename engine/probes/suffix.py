@@ -9,9 +9,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.experiment import EditExperiment
+from engine.edit.experiment import EditExperiment
 from engine.probes.common import (
-    Gap, RandomControl, Reading, k_ladder, patched_reading, random_control, random_draws, ranked_notes, require_aligned,
+    Gap,
+    RandomControl,
+    Reading,
+    k_ladder,
+    patched_reading,
+    random_control,
+    random_draws,
+    ranked_notes,
+    require_aligned,
 )
 from engine.progress import StepProgress, ticker
 

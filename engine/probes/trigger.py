@@ -6,13 +6,14 @@ rule (1). Options ``find`` and ``replace`` name the phrase and its flip (same to
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace as dataclass_replace
+from dataclasses import dataclass
+from dataclasses import replace as dataclass_replace
 
-from engine.experiment import EditExperiment
-from engine.notebook import Notebook
+from engine.cache.notebook import Notebook
+from engine.edit.experiment import EditExperiment
+from engine.edit.runs import ScenarioRun, render_for
 from engine.probes.common import Gap, ProbeError, Reading, patched_reading, read
 from engine.progress import StepProgress, ticker
-from engine.runs import ScenarioRun, render_for
 
 
 @dataclass

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 from gradio_client import Client, handle_file
 
-from engine.compose_image import bundled_images
-from engine.experiment import EditExperiment
+from engine.compose.pictures import bundled_images
+from engine.edit.experiment import EditExperiment
 from engine.scenario import Scenario
 from tests.app.conftest import SCENARIO
 

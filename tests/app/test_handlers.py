@@ -14,9 +14,9 @@ from app import handlers
 from app.composer import SkillComposer
 from app.handlers import AppError
 from app.state import ExportFolder, ModelRegistry, SessionStore
-from engine.compose_image import bundled_images, load_picture
-from engine.experiment import EditExperiment
-from engine.loaded import SpliceGate
+from engine.cache.loaded import SpliceGate
+from engine.compose.pictures import bundled_images, load_picture
+from engine.edit.experiment import EditExperiment
 from engine.scenario import Scenario
 from tests.app.conftest import SCENARIO
 from viz.common import markdown_literal
@@ -105,7 +105,7 @@ def test_compose_reports_fidelity(registry):
 
 
 def test_remedy_info_states_the_default_and_the_fastest_from_the_stored_study(tmp_path, monkeypatch):
-    from engine.compose import DEFAULT_REMEDY
+    from engine.compose.splice import DEFAULT_REMEDY
 
     def row(agree, fraction, speedup, ranked=False):
         return {"agree_decisive": agree, "decisive": 35, "recomputed_fraction": fraction, "speedup": {"median": speedup}, "needs_reference": ranked}

@@ -18,9 +18,9 @@ from app.handlers import AppError
 from app.hosting import HostingError, from_env, local_profile, public_profile
 from app.state import BudgetedLRU, ExportFolder, ModelRegistry, SessionStore
 from app.ui import _figure, user_error
-from engine.budget import WorkBudget, bounded
-from engine.footprint import tensor_bytes
 from benchmarks.app_latency import free_port, wait_until_serving
+from engine.cache.budget import WorkBudget, bounded
+from engine.cache.footprint import tensor_bytes
 from tests.app.conftest import SCENARIO, TINY
 
 ROOT = Path(__file__).parents[2]

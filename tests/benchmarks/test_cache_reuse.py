@@ -6,9 +6,15 @@ import pytest
 import torch
 
 from benchmarks import cache_reuse
-from benchmarks.cache_reuse import NextToken, at_decision_point, first_token_margin, parse_completion, run
+from benchmarks.cache_reuse import (
+    NextToken,
+    at_decision_point,
+    first_token_margin,
+    parse_completion,
+    run,
+)
+from engine.models.tiny import tiny_model
 from engine.scenario import Skill, bundled_skills
-from engine.tiny import tiny_model
 
 
 class ExactServer:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import notes_sweep as sweep
+from engine.edit.runs import run_scenario
 from engine.models import load_model
-from engine.runs import run_scenario
 from engine.scenario import render
 
 

@@ -1,8 +1,8 @@
 """Fixtures shared by engine tests that do not define their own: a tiny Qwen2 model and a skill store."""
 import pytest
 
-from engine.skills import SkillStore
-from engine.tiny import tiny_model
+from engine.compose.skills import SkillStore
+from engine.models.tiny import tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -116,7 +116,7 @@ def test_edit_json_reports_the_notes_share_and_probe_frontier_runs():
 @pytest.fixture
 def rotation_off_by_one(monkeypatch):
     """Re-rotation one position off: the cache self-test fails, as it would on a model whose RoPE KVScope gets wrong."""
-    from engine.rope import Rotary
+    from engine.cache.rope import Rotary
 
     move = Rotary.move
     monkeypatch.setattr(Rotary, "move", lambda self, keys, values, deltas, entries=None: move(self, keys, values, deltas + 1, entries))

@@ -1,13 +1,13 @@
 """The embedded default model (Qwen2.5-Coder-0.5B-Instruct): self-test and bundled-demo calibration."""
 import pytest
 
-from engine.calibrate import calibrate
-from engine.compose import DEFAULT_REMEDY
-from engine.keystone import keystone
+from engine.cache.selftest import run_selftest
+from engine.compose.keystone import keystone
+from engine.compose.skills import SkillStore
+from engine.compose.splice import DEFAULT_REMEDY
+from engine.edit.calibrate import calibrate
 from engine.models import load_model
 from engine.scenario import Scenario, bundled_scenarios
-from engine.selftest import run_selftest
-from engine.skills import SkillStore
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from engine.models.tiny import tiny_tokenizer
 from engine.scenario import (
     Field,
     RenderedPrompt,
@@ -16,7 +17,6 @@ from engine.scenario import (
     context_text,
     render,
 )
-from engine.tiny import tiny_tokenizer
 
 EXAMPLE = '''
 name = "Refund gate"

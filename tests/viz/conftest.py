@@ -1,10 +1,10 @@
 """Shared engine results on a tiny model for the figure tests (built once per session)."""
 import pytest
 
+from engine.edit.experiment import EditExperiment
+from engine.edit.strategies import EditSettings
+from engine.models.tiny import tiny_model
 from engine.scenario import Scenario, bundled_scenarios
-from engine.experiment import EditExperiment
-from engine.strategies import EditSettings
-from engine.tiny import tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -3,7 +3,13 @@ import json
 
 import pytest
 
-from viz.benchmarks import cache_reuse_figure, edit_latency_figure, prefill_figure, serving_figure, ttft_figure
+from viz.benchmarks import (
+    cache_reuse_figure,
+    edit_latency_figure,
+    prefill_figure,
+    serving_figure,
+    ttft_figure,
+)
 
 
 def test_edit_latency_one_line_per_strategy_with_gaps_for_not_applicable():

@@ -2,7 +2,16 @@
 import numpy as np
 import pytest
 
-from viz.common import MAX_COLUMNS, MAX_TICKS, column_of, heat_colours, pool_columns, safe_label, safe_lines, token_columns
+from viz.common import (
+    MAX_COLUMNS,
+    MAX_TICKS,
+    column_of,
+    heat_colours,
+    pool_columns,
+    safe_label,
+    safe_lines,
+    token_columns,
+)
 
 
 @pytest.mark.parametrize(

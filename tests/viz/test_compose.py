@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.agent import run_agent
-from engine.compose import Remedy, adhoc_scenario, compare
-from engine.decision import decide
-from engine.skills import SkillStore
+from engine.cache.decision import decide
+from engine.compose.agent import run_agent
+from engine.compose.skills import SkillStore
+from engine.compose.splice import Remedy, adhoc_scenario, compare
 from viz.common import MAX_COLUMNS
 from viz.compose import agent_figure, deviation_figure, logit_bars_figure
 
@@ -79,7 +79,7 @@ def test_agent_episode_shows_three_decisions_per_turn_and_cumulative_ttft(lm, st
 
 
 def test_keystone_diagonal_places_each_strategy_at_its_two_recoveries(lm, store):
-    from engine.keystone import keystone
+    from engine.compose.keystone import keystone
     from engine.scenario import Scenario, bundled_scenarios
     from viz.compose import keystone_figure
 

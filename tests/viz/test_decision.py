@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.decision import decide
+from engine.cache.decision import decide
 from viz.decision import decision_figure
 
 

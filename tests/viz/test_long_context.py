@@ -8,18 +8,24 @@ import re
 import numpy as np
 import pytest
 
-from engine.analysis import analyse_edit
-from engine.attribution import AttributionResult, Feature
-from engine.compose import compare, with_skills
-from engine.experiment import EditExperiment
+from engine.compose.skills import SkillStore
+from engine.compose.splice import compare, with_skills
+from engine.edit.experiment import EditExperiment
+from engine.edit.strategies import EditSettings
+from engine.models.tiny import tiny_model
 from engine.probes import AttentionMap
-from engine.skills import SkillStore
-from engine.strategies import EditSettings
-from engine.tiny import tiny_model
+from engine.probes.analysis import analyse_edit
+from engine.probes.attribution import AttributionResult, Feature
 from tests.shared import long_scenario
 from viz.common import MAX_COLUMNS, pool_columns
 from viz.compose import deviation_figure
-from viz.notes import MAX_TEXT_TOKENS, attention_figure, effect_map_figure, effect_text_html, shown_tokens
+from viz.notes import (
+    MAX_TEXT_TOKENS,
+    attention_figure,
+    effect_map_figure,
+    effect_text_html,
+    shown_tokens,
+)
 from viz.probes import attribution_figure
 
 TOKENS = 8192

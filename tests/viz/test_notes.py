@@ -6,11 +6,17 @@ import re
 import numpy as np
 import pytest
 
-from engine.frontier import probe_frontier
-from engine.patching import attribution_effects
+from engine.cache.patching import attribution_effects
 from engine.probes import probe_attention, probe_notes_map
+from engine.probes.frontier import probe_frontier
 from viz.common import MAX_COLUMNS, robust_limit
-from viz.notes import attention_figure, effect_map_figure, frontier_figure, notes_map_figure, token_text_html
+from viz.notes import (
+    attention_figure,
+    effect_map_figure,
+    frontier_figure,
+    notes_map_figure,
+    token_text_html,
+)
 
 
 @pytest.fixture(scope="module")

@@ -4,10 +4,16 @@ import json
 import numpy as np
 import pytest
 
-from engine.attribution import AttributionResult, Feature, captum_attribution
-from engine.linear_probe import GROUPS, LinearProbeResult, Sample
 from engine.probes import Gap, probe_heads, probe_knockout, probe_suffix
-from viz.probes import attribution_figure, dose_response_figure, heads_figure, linear_probe_figure, suffix_figure
+from engine.probes.attribution import AttributionResult, Feature, captum_attribution
+from engine.probes.linear import GROUPS, LinearProbeResult, Sample
+from viz.probes import (
+    attribution_figure,
+    dose_response_figure,
+    heads_figure,
+    linear_probe_figure,
+    suffix_figure,
+)
 
 
 @pytest.fixture(scope="module")

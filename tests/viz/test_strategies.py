@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from engine.decision import Recovery
-from engine.strategies import StrategyResult
+from engine.cache.decision import Recovery
+from engine.edit.strategies import StrategyResult
 from viz.common import GREY
 from viz.strategies import strategy_figure
 

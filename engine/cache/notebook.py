@@ -1,0 +1,718 @@
+"""The Notebook: a prefilled context's K/V with per-token metadata; every cache operation goes through it.
+
+Storage is a bag of *entries*: one (key, value) per layer plus token id, absolute position (the one baked
+into the key by RoPE), segment label and a visibility flag. Attention depends only on positions and the
+mask, not on storage order, so operations never rebuild caches: a recomputed token is appended as a new
+entry and its stale entry is hidden. A Notebook is immutable: every operation returns a new one that
+shares unchanged tensors, so forking is free.
+
+Computation is deferred: append, replace, recompute, seam repair and the last chunk of a prefill record a
+*pending step* (which tokens, and which earlier entries they see) and the K/V are computed when something
+needs them. A read then runs the pending tokens and the question in one forward, and
+:meth:`Notebook.read_many` reads several forks of one notebook in one forward (each fork's tokens see
+only its own entries; equal forks run once). Fusing is exact: a token's K/V depend only on the entries it
+attends to, exactly as in a chunked prefill. The planner of that forward lives in :mod:`engine.cache.fused_forward`.
+
+Costs (N stored entries, T tokens computed): prefill/append O(T·N) attention; read O(D·N) for D decode
+tokens; replace/recompute/seam repair O(T·N) for the T tokens rewritten; patch and knockout O(1) forwards
+beyond the read itself; splice O(L) re-rotation for an L-token block plus the seam.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from dataclasses import replace as dataclass_replace
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.cache import adapter, vision
+from engine.cache.budget import compute_slot, forward_token_limit
+from engine.cache.decision import (
+    Decision,
+    answer_logprob,
+    decide,
+    decision_margin,
+    label_scores,
+)
+from engine.cache.fused_forward import (
+    BranchRun,
+    Continuation,
+    PendingStep,
+    batches,
+    computed_count,
+    computed_in_chunks,
+    forks_by_base,
+    joined,
+    run_together,
+)
+from engine.cache.loaded import LoadedModel, ModelFingerprint
+from engine.cache.rope import RopeUnsupported, Rotary
+from engine.errors import NotebookError
+from engine.progress import StepProgress
+
+if TYPE_CHECKING:
+    from engine.scenario import RenderedPrompt
+
+
+@dataclass(frozen=True)
+class Knockout:
+    """Hide cache positions from the decision tokens in some layers and query heads (None = all)."""
+
+    positions: tuple[int, ...]
+    layers: tuple[int, ...] | None = None
+    heads: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class KVBlock:
+    """A block's K/V computed once (e.g. a skill), with the positions its keys were rotated for."""
+
+    token_ids: torch.Tensor  # (L,)
+    keys: tuple[torch.Tensor, ...]  # per layer (1, kv_heads, L, head_dim)
+    values: tuple[torch.Tensor, ...]
+    start_position: int
+    segments: tuple[str, ...]  # (L,) labels, e.g. "skill:refund_policy" and "field:NAME" inside it
+    fingerprint: ModelFingerprint
+    rope_offsets: torch.Tensor | None = None  # (3, L) M-RoPE offsets from the positions (None: text, all 0)
+
+    def __post_init__(self) -> None:
+        if self.rope_offsets is None:
+            object.__setattr__(self, "rope_offsets", torch.zeros(3, len(self.token_ids), dtype=torch.long))
+
+    @property
+    def rope_start(self) -> int:
+        """The rope position of its first token (temporal axis)."""
+        return self.start_position + int(self.rope_offsets[0, 0])
+
+    @property
+    def rope_span(self) -> int:
+        """How many rope positions it covers: its length, less where an image's patches share positions."""
+        rope = self.rope_offsets + torch.arange(self.start_position, self.start_position + len(self))[None]
+        return int(rope.max()) + 1 - self.rope_start
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def name(self) -> str:
+        """The block's main label (its most frequent segment)."""
+        return max(set(self.segments), key=self.segments.count)
+
+    def memory_bytes(self) -> int:
+        """Bytes of its K/V tensors."""
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+
+@dataclass(frozen=True)
+class Notebook:
+    """K/V of a context plus what each entry is; see the module docstring."""
+
+    lm: LoadedModel
+    computed_keys: tuple[torch.Tensor, ...]  # per layer (1, kv_heads, C, head_dim), post-RoPE, C = computed entries
+    computed_values: tuple[torch.Tensor, ...]
+    token_ids: torch.Tensor  # (N,) int64, CPU
+    positions: torch.Tensor  # (N,) int64, CPU
+    segments: tuple[str, ...]  # (N,)
+    visible: torch.Tensor  # (N,) bool, CPU
+    log: tuple[str, ...] = ()
+    pending: tuple[PendingStep, ...] = ()  # entries C..N-1, in order
+    rope_offsets: torch.Tensor | None = None  # (3, N) int64: rope position − position per M-RoPE axis (None: all 0)
+
+    def __post_init__(self) -> None:
+        count = len(self.positions)
+        if self.rope_offsets is None:
+            object.__setattr__(self, "rope_offsets", torch.zeros(3, count, dtype=torch.long))
+        elif tuple(self.rope_offsets.shape) != (3, count):
+            raise NotebookError(f"rope offsets of shape {tuple(self.rope_offsets.shape)} for {count} entries")
+
+    # ---------------------------------------------------------------- construction
+    @classmethod
+    def empty(cls, lm: LoadedModel) -> "Notebook":
+        """A notebook with no entries."""
+        none = torch.zeros(0, dtype=torch.long)
+        return cls(lm, (), (), none, none, (), torch.zeros(0, dtype=torch.bool))
+
+    @classmethod
+    def prefill(
+        cls,
+        lm: LoadedModel,
+        token_ids: Sequence[int],
+        segments: Sequence[str] | str = "context",
+        *,
+        chunk_size: int | None = None,
+        start_position: int = 0,
+        progress: StepProgress = None,
+    ) -> "Notebook":
+        """Prefill tokens (in chunks of ``chunk_size`` if given) starting at ``start_position``.
+
+        Every chunk but the last is computed at once; the last stays pending (a read fuses it with the
+        question) unless ``progress`` asks to report it.
+        """
+        ids = list(token_ids)
+        labels = [segments] * len(ids) if isinstance(segments, str) else list(segments)
+        if len(labels) != len(ids):
+            raise NotebookError(f"got {len(labels)} segment labels for {len(ids)} tokens")
+        notebook, step = cls.empty(lm), chunk_size or max(len(ids), 1)
+        offsets = notebook._offsets_for(ids, start_position, start_position)
+        for begin in range(0, len(ids), step):
+            end = min(begin + step, len(ids))
+            positions = list(range(start_position + begin, start_position + end))
+            notebook = notebook._compute(ids[begin:end], positions, labels[begin:end], rope_offsets=offsets[:, begin:end])
+            if end < len(ids) or progress:
+                notebook = notebook.materialized()
+            if progress:
+                progress(end, len(ids))
+        return dataclass_replace(notebook, log=(f"prefill {len(ids)} tokens" + (f" in chunks of {step}" if chunk_size else ""),))
+
+    @staticmethod
+    def prefill_layer(lm: LoadedModel, token_ids: Sequence[int], layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values a fresh prefill of ``token_ids`` (from position 0) stores at ``layer``, running only
+        the layers up to it; nothing is kept."""
+        ids = torch.tensor(list(token_ids), dtype=torch.long, device=lm.device)
+        rope = vision.rope_positions(lm, token_ids, 0).to(lm.device) if vision.uses_mrope(lm.model) else None
+        with compute_slot(len(token_ids)):
+            return adapter.prefill_layer_kv(lm.model, ids, torch.arange(len(token_ids), device=lm.device), layer, rope, vision.input_embeddings(lm, ids))
+
+    @classmethod
+    def from_prompt(cls, lm: LoadedModel, prompt: RenderedPrompt, **kwargs) -> "Notebook":
+        """Prefill a rendered scenario's cached context, with its segment labels."""
+        return cls.prefill(lm, prompt.context_ids, prompt.context_segments, **kwargs)
+
+    def read_prompt(self, prompt: RenderedPrompt, answer_texts: Mapping[str, Sequence[str]] | None = None, **kwargs) -> Decision:
+        """Read the decision for a rendered scenario's question and answers."""
+        return self.read(prompt.decode_ids, prompt.answer_ids, answer_texts=answer_texts, **kwargs)
+
+    # ---------------------------------------------------------------- views
+    def __len__(self) -> int:
+        """Number of visible entries (the context as the model sees it)."""
+        return int(self.visible.sum())
+
+    @property
+    def next_position(self) -> int:
+        """The position a token appended now would take."""
+        shown = self.positions[self.visible]
+        return int(shown.max()) + 1 if len(shown) else 0
+
+    @property
+    def rope_positions(self) -> torch.Tensor:
+        """(3, N) positions each entry's key was rotated for (temporal, height, width; equal for text)."""
+        return self.positions[None] + self.rope_offsets
+
+    @property
+    def next_rope_offset(self) -> int:
+        """Rope position − position of a token appended now (non-zero after an image, engine.cache.vision)."""
+        shown = self.visible
+        return int(self.rope_positions[:, shown].max()) + 1 - self.next_position if bool(shown.any()) else 0
+
+    def _offsets_for(self, token_ids: Sequence[int], position: int, rope_position: int) -> torch.Tensor:
+        """(3, T) rope offsets of tokens laid out from ``position`` whose first rope position is ``rope_position``."""
+        rope = vision.rope_positions(self.lm, token_ids, rope_position)
+        return rope - torch.arange(position, position + len(token_ids))[None]
+
+    @property
+    def order(self) -> torch.Tensor:
+        """Entry indices of visible entries sorted by position: the context in reading order."""
+        shown = torch.nonzero(self.visible).flatten()
+        return shown[torch.argsort(self.positions[shown])]
+
+    def visible_positions(self, segment: str | None = None) -> list[int]:
+        """Positions of visible entries, optionally only those of one segment, in order."""
+        return [int(self.positions[i]) for i in self.order if segment is None or self.segments[i] == segment]
+
+    def visible_token_ids(self) -> list[int]:
+        """Token ids of the visible context in reading order."""
+        return self.token_ids[self.order].tolist()
+
+    def visible_segments(self) -> list[str]:
+        """Segment labels of the visible context in reading order."""
+        return [self.segments[i] for i in self.order.tolist()]
+
+    def token_texts(self) -> list[str]:
+        """Readable text of each visible token, in reading order."""
+        tokenizer = self.lm.tokenizer
+        return [vision.token_label(self.lm, token) or tokenizer.decode([token]) for token in self.visible_token_ids()]
+
+    @property
+    def keys(self) -> tuple[torch.Tensor, ...]:
+        """Per-layer keys (1, kv_heads, N, head_dim) of every entry, pending ones computed first."""
+        return self.materialized().computed_keys
+
+    @property
+    def values(self) -> tuple[torch.Tensor, ...]:
+        """Per-layer values of every entry, pending ones computed first."""
+        return self.materialized().computed_values
+
+    @property
+    def pending_tokens(self) -> int:
+        """How many entries still wait for their K/V (computed by the next read or K/V access)."""
+        return sum(step.stop - step.start for step in self.pending)
+
+    def materialized(self) -> "Notebook":
+        """This notebook with every pending step computed (one forward, remembered)."""
+        if not self.pending:
+            return self
+        if "_computed" not in self.__dict__:
+            Notebook._run([self], [None])
+        return self.__dict__["_computed"]
+
+    def latest(self) -> "Notebook":
+        """The computed twin if a read already computed this notebook, else itself (never recompute twice)."""
+        return self.__dict__.get("_computed", self)
+
+    @staticmethod
+    def _run(notebooks: Sequence["Notebook"], continuations: Sequence[Continuation | None], **options) -> list[BranchRun]:
+        """Run notebooks with their continuations: forks of one computed base share a forward
+        (:func:`engine.cache.fused_forward.run_together`), each forward within the new-token limit (longer pending steps
+        computed in chunks first); each pending notebook then remembers its computed twin."""
+        limit = forward_token_limit()
+        ready = [computed_in_chunks(notebook.latest(), limit) for notebook in notebooks]
+        runs: dict[int, BranchRun] = {}
+        for group in forks_by_base(ready):
+            forks, extras = [ready[i] for i in group], [continuations[i] for i in group]
+            for batch in batches(forks, extras, limit):
+                chosen = [group[i] for i in batch]
+                for index, run in zip(chosen, run_together([ready[i] for i in chosen], [continuations[i] for i in chosen], **options)):
+                    runs[index] = run
+        for index, notebook in enumerate(notebooks):
+            notebook._remember(runs[index].notebook)
+        return [runs[index] for index in range(len(notebooks))]
+
+    def _remember(self, computed: "Notebook") -> None:
+        """Keep the computed twin of a pending notebook, so that nothing is computed twice."""
+        if self.pending and computed is not self:
+            self.__dict__["_computed"] = computed
+
+    def computation(self) -> tuple:
+        """What determines this notebook's K/V: its computed tensors, tokens, positions and what each pending
+        step sees. Forks with equal computations hold equal K/V, so a fused read computes them once."""
+        latest = self.latest()
+        return (
+            tuple(id(tensor) for tensor in latest.computed_keys),
+            tuple(latest.token_ids.tolist()),
+            tuple(latest.positions.tolist()),
+            latest.rope_offsets.numpy().tobytes(),
+            latest.visible.numpy().tobytes(),
+            tuple((step.start, step.stop, step.sees.numpy().tobytes()) for step in latest.pending),
+        )
+
+    def memory_bytes(self) -> int:
+        """Bytes held by K/V tensors (shared tensors counted once)."""
+        seen: dict[int, int] = {}
+        for tensor in (*self.keys, *self.values):
+            seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return sum(seen.values())
+
+    @cached_property
+    def rotary(self) -> Rotary:
+        """The model's rotary embedding (raises :class:`RopeUnsupported` where keys cannot move)."""
+        return Rotary.for_model(self.lm.model)
+
+    def entries_at(self, positions: Sequence[int]) -> torch.Tensor:
+        """Entry indices of the visible entries at ``positions``, with a clear error for a missing one."""
+        lookup = {int(self.positions[i]): int(i) for i in torch.nonzero(self.visible).flatten()}
+        missing = [p for p in positions if int(p) not in lookup]
+        if missing:
+            shown = sorted(lookup)
+            span = f"{shown[0]}–{shown[-1]}" if shown else "none"
+            raise NotebookError(f"position {missing[0]} is not in the notebook (visible positions: {span})")
+        return torch.tensor([lookup[int(p)] for p in positions], dtype=torch.long)
+
+    # ---------------------------------------------------------------- primitive
+    def _compute(self, token_ids, positions, segments, *, rope_offsets: torch.Tensor, hide: torch.Tensor | None = None, note: str = "") -> "Notebook":
+        """Record tokens at positions (their M-RoPE ``rope_offsets``, (3, T)) to compute over this cache (``hide``
+        entries excluded from now on)."""
+        base = self.latest()
+        visible = base.visible.clone()
+        if hide is not None:
+            visible[hide] = False
+        count, stored = len(token_ids), len(base.positions)
+        return Notebook(
+            lm=base.lm,
+            computed_keys=base.computed_keys,
+            computed_values=base.computed_values,
+            token_ids=torch.cat([base.token_ids, torch.tensor(list(token_ids), dtype=torch.long)]),
+            positions=torch.cat([base.positions, torch.tensor(list(positions), dtype=torch.long)]),
+            segments=base.segments + tuple(segments),
+            visible=torch.cat([visible, torch.ones(count, dtype=torch.bool)]),
+            log=base.log + (note,),
+            pending=base.pending + (PendingStep(stored, stored + count, visible),),
+            rope_offsets=torch.cat([base.rope_offsets, rope_offsets], dim=1),
+        )
+
+    def _with_continuation(self, run: BranchRun, continuation: Continuation, segment: str) -> "Notebook":
+        """The computed notebook with a continuation's tokens stored as entries (e.g. a generated token)."""
+        base = run.notebook
+        count = len(continuation.token_ids)
+        return Notebook(
+            lm=base.lm,
+            computed_keys=joined(base.computed_keys, run.keys, slice(None)),
+            computed_values=joined(base.computed_values, run.values, slice(None)),
+            token_ids=torch.cat([base.token_ids, torch.tensor(continuation.token_ids, dtype=torch.long)]),
+            positions=torch.cat([base.positions, torch.tensor(continuation.positions, dtype=torch.long)]),
+            segments=base.segments + (segment,) * count,
+            visible=torch.cat([base.visible, torch.ones(count, dtype=torch.bool)]),
+            log=base.log + (f"{segment} {count} tokens",),
+            rope_offsets=torch.cat([base.rope_offsets, torch.full((3, count), continuation.rope_offset)], dim=1),
+        )
+
+    def _shifted(self, from_position: int, delta: int, reason: str, rope_delta: int | None = None) -> "Notebook":
+        """Move every entry at ``from_position`` or later by ``delta`` positions, their keys re-rotated by
+        ``rope_delta`` (default ``delta``; they differ where an image's patches span fewer rope steps than tokens)."""
+        moving = self.positions >= from_position
+        rope_delta = delta if rope_delta is None else rope_delta
+        if delta == rope_delta == 0 or not bool(moving.any()):
+            return self
+        try:
+            rotary = self.rotary
+        except RopeUnsupported as error:
+            raise NotebookError(f"{reason} needs to move later tokens, but {error}") from error
+        index = torch.nonzero(moving).flatten().to(self.lm.device)
+        deltas = torch.full((len(index),), rope_delta, dtype=torch.long)
+        keys, values = rotary.move(self.keys, self.values, deltas, index)
+        offsets = torch.where(moving[None], self.rope_offsets + rope_delta - delta, self.rope_offsets)
+        return dataclass_replace(
+            self.materialized(), computed_keys=keys, computed_values=values, positions=torch.where(moving, self.positions + delta, self.positions), rope_offsets=offsets
+        )
+
+    # ---------------------------------------------------------------- operations
+    def append(self, token_ids: Sequence[int], segment: str | Sequence[str] = "context") -> "Notebook":
+        """Prefill tokens after the current context (e.g. an erratum line); one label or one per token."""
+        labels = [segment] * len(token_ids) if isinstance(segment, str) else list(segment)
+        if not token_ids:
+            raise NotebookError(f"nothing to append to segment {segment!r}: no tokens")
+        if len(labels) != len(token_ids):
+            raise NotebookError(f"got {len(labels)} segment labels for {len(token_ids)} tokens")
+        start = self.next_position
+        offsets = self._offsets_for(token_ids, start, start + self.next_rope_offset)
+        return self._compute(token_ids, range(start, start + len(token_ids)), labels, rope_offsets=offsets, note=f"append {len(token_ids)} tokens as {labels[0]}")
+
+    def append_text(self, text: str, segment: str = "erratum") -> "Notebook":
+        """Tokenize text (no special tokens) and append it."""
+        ids = self.lm.tokenizer(text, add_special_tokens=False).input_ids
+        if not ids:
+            raise NotebookError(f"text for segment {segment!r} tokenizes to nothing: {text!r}")
+        return self.append(ids, segment)
+
+    def replace(self, positions: Sequence[int], token_ids: Sequence[int], segment: str | Sequence[str] | None = None) -> "Notebook":
+        """Rewrite a contiguous span with new tokens, recomputing only their K/V against the prefix.
+
+        Later entries keep their (now stale) K/V; a length change moves them by re-rotating their keys.
+        ``segment`` labels the new tokens (one label or one per token; default: the span's first label).
+        """
+        if not positions or not token_ids:
+            raise NotebookError("replace needs a non-empty span and non-empty new tokens")
+        old = self.entries_at(positions)
+        start, length = int(self.positions[old].min()), len(positions)
+        if sorted(int(p) for p in positions) != list(range(start, start + length)):
+            raise NotebookError(f"replace needs contiguous positions, got {list(positions)}")
+        labels = [segment or self.segments[int(old[0])]] * len(token_ids) if segment is None or isinstance(segment, str) else list(segment)
+        if len(labels) != len(token_ids):
+            raise NotebookError(f"got {len(labels)} segment labels for {len(token_ids)} new tokens")
+        in_order = old[torch.argsort(self.positions[old])]
+        vision.rope_positions(self.lm, self.token_ids[in_order].tolist(), 0)  # refuses a span that cuts a picture
+        first = in_order[0]
+        rope_start = int(self.rope_positions[0, first])  # the temporal axis: where a picture or a text token begins
+        offsets = self._offsets_for(token_ids, start, rope_start)
+        old_span = int(self.rope_positions[:, old].max()) + 1 - rope_start
+        new_span = int((offsets + torch.arange(start, start + len(token_ids))).max()) + 1 - rope_start
+        moved = self._shifted(start + length, len(token_ids) - length, f"replacing {length} tokens by {len(token_ids)}", new_span - old_span)
+        return moved._compute(
+            token_ids,
+            range(start, start + len(token_ids)),
+            labels,
+            rope_offsets=offsets,
+            hide=old,
+            note=f"replace {labels[0]} at {start}..{start + length - 1} ({length}→{len(token_ids)} tokens)",
+        )
+
+    def recompute(self, positions: Sequence[int]) -> "Notebook":
+        """Selective recompute: fresh K/V for these positions against the current cache (CacheBlend-style)."""
+        if not len(positions):
+            return self
+        entries = self.entries_at(sorted(set(int(p) for p in positions)))
+        return self._compute(
+            self.token_ids[entries].tolist(),
+            self.positions[entries].tolist(),
+            [self.segments[i] for i in entries.tolist()],
+            rope_offsets=self.rope_offsets[:, entries],
+            hide=entries,
+            note=f"recompute {len(entries)} positions",
+        )
+
+    def patch(self, donor: "Notebook", positions: Sequence[int], layers: Sequence[int] | None = None) -> "Notebook":
+        """Copy the donor's K/V at these positions into this notebook, in the given layers (default all)."""
+        if donor.lm.fingerprint != self.lm.fingerprint:
+            raise NotebookError("patch donor comes from another model or dtype")
+        mine, theirs = self.entries_at(positions), donor.entries_at(positions)
+        if not torch.equal(self.rope_offsets[:, mine], donor.rope_offsets[:, theirs]):
+            raise NotebookError("the donor's keys at these positions were rotated for other rope positions (the pictures before "
+                                "them differ): patch only where both contexts place their pictures alike")
+        mine, theirs = mine.to(self.lm.device), theirs.to(self.lm.device)
+        chosen = set(range(len(self.keys)) if layers is None else layers)
+        bad = [layer for layer in chosen if not 0 <= layer < len(self.keys)]
+        if bad:
+            raise NotebookError(f"layer {bad[0]} does not exist (model has {len(self.keys)} layers)")
+
+        def patched(own: tuple[torch.Tensor, ...], other: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+            return tuple(
+                own[layer].index_copy(2, mine, other[layer].index_select(2, theirs)) if layer in chosen else own[layer]
+                for layer in range(len(own))
+            )
+
+        note = f"patch {len(positions)} positions in {len(chosen)} layers from donor"
+        return dataclass_replace(
+            self.materialized(), computed_keys=patched(self.keys, donor.keys), computed_values=patched(self.values, donor.values), log=self.log + (note,)
+        )
+
+    def block(self, segment: str | None = None, positions: Sequence[int] | None = None) -> KVBlock:
+        """Extract one contiguous segment's (or these positions') K/V as a reusable block."""
+        if positions is not None:
+            entries = self.entries_at(positions)
+        else:
+            entries = torch.tensor([i for i in self.order.tolist() if self.segments[i] == segment], dtype=torch.long)
+            if not len(entries):
+                raise NotebookError(f"segment {segment!r} is not in the notebook (segments: {sorted(set(self.segments))})")
+        starts = self.positions[entries]
+        if not torch.equal(starts, torch.arange(int(starts[0]), int(starts[0]) + len(entries))):
+            raise NotebookError("a block must cover consecutive positions")
+        vision.rope_positions(self.lm, self.token_ids[entries].tolist(), 0)  # refuses a block that cuts a picture
+        index = entries.to(self.lm.device)
+        return KVBlock(
+            token_ids=self.token_ids[entries].clone(),
+            keys=tuple(k.index_select(2, index) for k in self.keys),
+            values=tuple(v.index_select(2, index) for v in self.values),
+            start_position=int(starts[0]),
+            segments=tuple(self.segments[i] for i in entries.tolist()),
+            fingerprint=self.lm.fingerprint,
+            rope_offsets=self.rope_offsets[:, entries],
+        )
+
+    def splice(self, block: KVBlock, at: int | None = None, seam: int = 0) -> "Notebook":
+        """Insert a precomputed block at position ``at`` (default: the end), keys re-rotated, no forward.
+
+        Entries at or after ``at`` move right by the block's length. ``seam`` recomputes the block's first
+        tokens against the real prefix (seam repair); a seam as long as the block equals a prefill. Refused
+        (:class:`~engine.cache.loaded.SpliceLocked`) on a model whose cache self-test failed.
+        """
+        self.lm.splice_gate.require(self.lm)
+        if block.fingerprint != self.lm.fingerprint:
+            raise NotebookError(
+                f"block {block.name!r} was computed by {block.fingerprint.name} ({block.fingerprint.dtype}), "
+                f"not by the loaded {self.lm.fingerprint.name} ({self.lm.fingerprint.dtype})"
+            )
+        at = self.next_position if at is None else at
+        if not 0 <= at <= self.next_position:
+            raise NotebookError(f"splice position {at} is outside the context (0..{self.next_position})")
+        if not 0 <= seam <= len(block):
+            raise NotebookError(f"seam {seam} must be between 0 and the block length {len(block)}")
+        try:
+            rotary = self.rotary
+        except RopeUnsupported as error:
+            raise NotebookError(f"cannot splice {block.name!r}: {error}") from error
+        if at < self.next_position:
+            vision.check_boundary(self.lm, int(self.token_ids[self.entries_at([at])[0]]), at)
+        rope_at = at + (self.next_rope_offset if at == self.next_position else int(self.rope_offsets[0, self.entries_at([at])[0]]))
+        moved = self._shifted(at, len(block), f"splicing {block.name!r}", block.rope_span).latest()
+        count, done = len(block), computed_count(moved)  # the block joins the computed entries; pending ones follow it
+        deltas = torch.full((count,), rope_at - block.rope_start, dtype=torch.long)
+        block_keys, block_values = rotary.move(block.keys, block.values, deltas)
+        keys = tuple(torch.cat([k, b], dim=2) for k, b in zip(moved.computed_keys, block_keys)) if moved.computed_keys else block_keys
+        values = tuple(torch.cat([v, b], dim=2) for v, b in zip(moved.computed_values, block_values)) if moved.computed_values else block_values
+        unseen = torch.zeros(count, dtype=torch.bool)  # steps recorded before the splice never see the block
+        spliced = Notebook(
+            lm=self.lm,
+            computed_keys=keys,
+            computed_values=values,
+            token_ids=torch.cat([moved.token_ids[:done], block.token_ids, moved.token_ids[done:]]),
+            positions=torch.cat([moved.positions[:done], torch.arange(at, at + count), moved.positions[done:]]),
+            segments=moved.segments[:done] + block.segments + moved.segments[done:],
+            visible=torch.cat([moved.visible[:done], torch.ones(count, dtype=torch.bool), moved.visible[done:]]),
+            log=self.log + (f"splice {block.name} ({count} tokens) at {at}" + (f", seam {seam}" if seam else ""),),
+            pending=tuple(
+                PendingStep(step.start + count, step.stop + count, torch.cat([step.sees[:done], unseen, step.sees[done:]])) for step in moved.pending
+            ),
+            rope_offsets=torch.cat(
+                [moved.rope_offsets[:, :done], block.rope_offsets + (rope_at - block.rope_start) - (at - block.start_position), moved.rope_offsets[:, done:]], dim=1
+            ),
+        )
+        return spliced.recompute(range(at, at + seam))
+
+    def compact(self) -> "Notebook":
+        """Drop hidden entries (frees memory; reading order and results unchanged)."""
+        kept = self.order
+        index = kept.to(self.lm.device)
+        return Notebook(
+            lm=self.lm,
+            computed_keys=tuple(k.index_select(2, index) for k in self.keys),
+            computed_values=tuple(v.index_select(2, index) for v in self.values),
+            token_ids=self.token_ids[kept],
+            positions=self.positions[kept],
+            segments=tuple(self.segments[i] for i in kept.tolist()),
+            visible=torch.ones(len(kept), dtype=torch.bool),
+            log=self.log + (f"compact to {len(kept)} entries",),
+            rope_offsets=self.rope_offsets[:, kept],
+        )
+
+    # ---------------------------------------------------------------- decision
+    def blocked_masks(self, knockouts: Knockout | Sequence[Knockout] | None) -> dict[int, torch.Tensor]:
+        """Knockouts as per-layer (heads or 1, N) bool masks over this notebook's entries, OR-ed."""
+        if knockouts is None:
+            return {}
+        config = self.lm.model.config.get_text_config()
+        layer_count, head_count = config.num_hidden_layers, config.num_attention_heads
+        blocked: dict[int, torch.Tensor] = {}
+        for knockout in [knockouts] if isinstance(knockouts, Knockout) else knockouts:
+            if not knockout.positions:
+                continue
+            columns = torch.zeros(len(self.positions), dtype=torch.bool)
+            columns[self.entries_at(knockout.positions)] = True
+            rows = torch.ones(1, 1, dtype=torch.bool)
+            if knockout.heads is not None:
+                bad = [h for h in knockout.heads if not 0 <= h < head_count]
+                if bad:
+                    raise NotebookError(f"head {bad[0]} does not exist (model has {head_count} query heads)")
+                rows = torch.zeros(head_count, 1, dtype=torch.bool)
+                rows[list(knockout.heads)] = True
+            layers = range(layer_count) if knockout.layers is None else knockout.layers
+            bad_layers = [layer for layer in layers if not 0 <= layer < layer_count]
+            if bad_layers:
+                raise NotebookError(f"layer {bad_layers[0]} does not exist (model has {layer_count} layers)")
+            for layer in layers:
+                mask = rows & columns[None, :]
+                blocked[layer] = blocked[layer] | mask if layer in blocked else mask
+        return blocked
+
+    def _question(self, decode_ids: Sequence[int], answers: Mapping[str, Sequence[Sequence[int]]], knockout) -> tuple[Continuation, dict]:
+        """The question plus every multi-token answer's continuation as one branch each, and where each
+        answer token's log-prob is read: label -> [(answer ids, kept logit row per answer token)]."""
+        if not decode_ids:
+            raise NotebookError("a decision needs decode tokens (the question); got none")
+        start, count = self.next_position, len(decode_ids)
+        ids, positions, branches, kept = list(decode_ids), list(range(start, start + count)), [], [count - 1]
+        layout: dict[str, list[tuple[Sequence[int], list[int]]]] = {}
+        for label, sequences in answers.items():
+            layout[label] = []
+            for answer in sequences:
+                rows = [0]
+                if len(answer) > 1:
+                    first = len(ids)
+                    ids += list(answer[:-1])
+                    positions += range(start + count, start + count + len(answer) - 1)
+                    branches.append((first, len(ids)))
+                    rows += range(len(kept), len(kept) + len(answer) - 1)
+                    kept += range(first, len(ids))
+                layout[label].append((answer, rows))
+        sees = torch.zeros(len(ids), len(ids), dtype=torch.bool)
+        sees[:, :count] = True
+        for first, stop in branches:
+            sees[first:stop, first:stop] = True
+        return Continuation(ids, positions, sees, kept, knockout, list(range(count)), self.next_rope_offset), layout
+
+    @staticmethod
+    def _scores(run: BranchRun, layout: dict) -> dict[str, list[torch.Tensor]]:
+        """Per-string answer log-probs from a question's kept logits."""
+        return {label: [answer_logprob(run.logits, rows, answer) for answer, rows in strings] for label, strings in layout.items()}
+
+    @staticmethod
+    def read_many(
+        notebooks: Sequence["Notebook"],
+        decode_ids: Sequence[int],
+        answers: Mapping[str, Sequence[Sequence[int]]],
+        *,
+        knockout: Knockout | Sequence[Knockout] | None = None,
+        capture_attention: bool | Sequence[bool] = False,
+        answer_texts: Mapping[str, Sequence[str]] | None = None,
+    ) -> list[Decision]:
+        """Read the same question from several forks of one notebook in a single forward.
+
+        Each fork's pending steps and question run together (forks with the same :meth:`computation` once;
+        forks of different bases, or beyond the new-token limit of a forward, in several forwards); every fork
+        is left computed. With
+        ``capture_attention`` (for all forks, or one flag per fork) each decision carries the question tokens' attention as (layers, heads,
+        decode tokens, stored entries + decode tokens), stored entries in storage order.
+        """
+        questions = [notebook._question(decode_ids, answers, knockout) for notebook in notebooks]
+        captures = [capture_attention] * len(notebooks) if isinstance(capture_attention, bool) else list(capture_attention)
+        computations = [notebook.computation() for notebook in notebooks]
+        first_of: dict[tuple, int] = {}
+        for index, key in enumerate(computations):
+            first_of.setdefault(key, index)
+        unique = sorted(set(first_of.values()))
+        wanted = {i: any(captures[j] for j, key in enumerate(computations) if first_of[key] == i) for i in unique}
+        continuations = [questions[i][0] if wanted[i] else dataclass_replace(questions[i][0], captured_rows=[]) for i in unique]
+        unique_runs = Notebook._run([notebooks[i] for i in unique], continuations, capture=any(wanted.values()))
+        runs: dict[int, BranchRun] = dict(zip(unique, unique_runs))
+        for index, notebook in enumerate(notebooks):
+            twin = runs[first_of[computations[index]]]
+            if index not in runs:
+                done = dataclass_replace(notebook.latest(), computed_keys=twin.notebook.computed_keys,
+                                         computed_values=twin.notebook.computed_values, pending=())
+                notebook._remember(done)
+                runs[index] = dataclass_replace(twin, notebook=done)
+        texts = answer_texts or {label: [str(i) for i in range(len(seqs))] for label, seqs in answers.items()}
+        decisions = []
+        for run, (_, layout) in zip((runs[i] for i in range(len(notebooks))), questions):
+            scores = Notebook._scores(run, layout)
+            string_logprobs = {label: {text: float(score) for text, score in zip(texts[label], scores[label])} for label in scores}
+            decision = decide(string_logprobs, run.logits[0].detach().cpu().clone())  # not a view of every kept row
+            if captures[len(decisions)]:
+                entries, count = len(run.notebook.positions), len(decode_ids)
+                decision.attention = torch.stack([run.attentions[layer][:, :, : entries + count] for layer in sorted(run.attentions)]).cpu()
+            decisions.append(decision)
+        return decisions
+
+    def read(
+        self,
+        decode_ids: Sequence[int],
+        answers: Mapping[str, Sequence[Sequence[int]]],
+        *,
+        knockout: Knockout | Sequence[Knockout] | None = None,
+        capture_attention: bool = False,
+        answer_texts: Mapping[str, Sequence[str]] | None = None,
+    ) -> Decision:
+        """Score each answer's token sequence after ``decode_ids`` (question + assistant header).
+
+        The notebook is not changed (pending steps are computed in the same forward). With
+        ``capture_attention`` the decision tokens' attention is kept (see :meth:`read_many`).
+        """
+        return Notebook.read_many([self], decode_ids, answers, knockout=knockout, capture_attention=capture_attention, answer_texts=answer_texts)[0]
+
+    def decision_score(
+        self, decode_ids: Sequence[int], answers: Mapping[str, Sequence[Sequence[int]]], knockout: Knockout | Sequence[Knockout] | None = None
+    ) -> torch.Tensor:
+        """The decision margin as a differentiable scalar (gradients flow into K/V that require grad)."""
+        question, layout = self._question(decode_ids, answers, knockout)
+        run = Notebook._run([self], [question], grad=True)[0]
+        strings = Notebook._scores(run, layout).values()
+        return decision_margin(torch.stack([label_scores(torch.stack(values)) for values in strings]))
+
+    def with_grad(self) -> "Notebook":
+        """A copy whose K/V are fresh float leaves requiring grad (for attribution patching)."""
+        keys = tuple(k.detach().clone().requires_grad_(True) for k in self.keys)
+        values = tuple(v.detach().clone().requires_grad_(True) for v in self.values)
+        return dataclass_replace(self.materialized(), computed_keys=keys, computed_values=values)
+
+    def _step(self, token_ids: Sequence[int], segment: str) -> tuple["Notebook", torch.Tensor]:
+        """Run tokens after the context, store them, and return the last token's next-token logits."""
+        continuation = Continuation.causal(token_ids, self.next_position, [len(token_ids) - 1], self.next_rope_offset)
+        run = Notebook._run([self], [continuation])[0]
+        return self._with_continuation(run, continuation, segment), run.logits[-1]
+
+    def generate(self, decode_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()) -> tuple["Notebook", list[int]]:
+        """Greedy decoding after ``decode_ids``; returns the notebook with everything appended and the new ids."""
+        notebook, logits = self._step(decode_ids, "question")
+        generated: list[int] = []
+        for _ in range(max_new_tokens):
+            token = int(logits.argmax())
+            if token in stop_ids:
+                break
+            generated.append(token)
+            notebook, logits = notebook._step([token], "generated")
+        return notebook, generated
+
+    def hidden_states(self, token_ids: Sequence[int]) -> torch.Tensor:
+        """Residual stream (layers + 1, T, hidden) of tokens run after this context (nothing is stored)."""
+        run = Notebook._run([self], [Continuation.causal(token_ids, self.next_position, rope_offset=self.next_rope_offset)], hidden_states=True)[0]
+        return torch.stack(run.hidden_states).float()

@@ -1,0 +1,442 @@
+"""Composing contexts from precompiled skills, and how close splicing gets to a full recompute.
+
+A scenario places skills with ``{skill:ID}`` placeholders. The *recomputed* path prefills every token. The
+*spliced* path prefills only the text between skills and splices each skill's stored K/V (keys re-rotated to
+their new positions, values unchanged). A :class:`Remedy` says how the spliced skills are repaired: skills
+compiled after the target's own system prompt (``prefix``), the first ``seam`` tokens of each skill recomputed
+against the real prefix (seam repair), and a further selection of skill tokens recomputed — every aggregator
+token (punctuation and line breaks, where models write notes), or the top ``fraction`` of a ranking:
+``blend`` ranks by how far a token's spliced K/V at layer 1 sit from a fresh prefill run through that layer
+only (CacheBlend's selection: a server can run it), ``deviation`` by K/V deviation from the full recompute
+at every layer and ``causal`` by causal effect on the decision (attribution patching). These last two need
+the full recompute they are compared with: diagnostics of how much a perfect ranking buys, not remedies a
+server could run.
+Cost: splice is O(L) per skill instead of O(L·context) attention and MLP work, plus what the remedy recomputes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+import statistics
+import time
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.cache.decision import Decision, DecisionMatch, logit_agreement
+from engine.cache.loaded import LoadedModel
+from engine.cache.notebook import KVBlock, Notebook, NotebookError
+from engine.cache.patching import (
+    attribution_effects,
+    entry_distance,
+    kv_deviation,
+    kv_relative_deviation,
+)
+from engine.cache.rope import RopeUnsupported, Rotary
+from engine.edit.runs import render_for
+from engine.scenario import (
+    RenderedPrompt,
+    Scenario,
+    ScenarioError,
+    Skill,
+    Span,
+    bundled_skills,
+    is_aggregator,
+)
+
+ADHOC_QUESTION = "Is the information above internally consistent? Answer yes or no."
+
+
+def replace_context(scenario: Scenario, context: str, skill_ids: Sequence[str], library: Mapping | None = None) -> Scenario:
+    """The scenario with a new context that places ``skill_ids`` (loaded from the library); skill fields merged,
+    the scenario's own declarations winning."""
+    library = bundled_skills() if library is None else library
+    unknown = [s for s in skill_ids if s not in library]
+    if unknown:
+        raise ScenarioError(f"unknown skill {unknown[0]!r}; available: {', '.join(sorted(library))}")
+    skills = {**scenario.skills, **{s: Skill.load(library[s]) for s in skill_ids}}
+    fields = {**{n: f for s in skills.values() for n, f in s.fields.items()}, **scenario.fields}
+    return dataclasses.replace(scenario, context=context, skills=skills, fields=fields)
+
+
+def literal(text: str | None) -> str:
+    """User text placed in a context as written: braces escaped, so neither ``{field}`` nor ``{skill:ID}`` in it
+    is expanded."""
+    return (text or "").replace("{", "{{").replace("}", "}}").strip()
+
+
+def compose_scenario(skill_ids: Sequence[str], before: str = "", between: str = "", base: Scenario | None = None,
+                     library: Mapping | None = None) -> Scenario:
+    """A context of literal text ``before``, the skills (literal text ``between`` them), then ``base``'s context
+    (its question and answers too); without ``base``, the skills alone with a generic question. A ``base`` that
+    places skills itself may stand alone."""
+    placed_by_base = [s for s in skill_ids if base is not None and s in base.skills]
+    if placed_by_base:
+        raise ScenarioError(f"skill {placed_by_base[0]!r} is already placed by scenario {base.name!r}; remove it from the context")
+    if not skill_ids:
+        if base is not None and base.skills:
+            return replace_context(base, "\n\n".join(part for part in (literal(before), base.context) if part), [], library)
+        raise ScenarioError("place at least one skill in the context (drag one from the library), or choose a scenario that places skills")
+    joiner = f"\n\n{literal(between)}\n\n" if literal(between) else "\n\n"
+    placed = joiner.join(f"{{skill:{skill_id}}}" for skill_id in skill_ids)
+    scenario = base or adhoc_scenario(list(skill_ids), library)
+    tail = base.context if base else ""
+    return replace_context(scenario, "\n\n".join(part for part in (literal(before), placed, tail) if part), skill_ids, library)
+
+
+PLACEMENTS = ("start", "after_fields", "end")
+
+
+def with_skills(scenario: Scenario, skill_ids: Sequence[str], at: str = "start", library: Mapping | None = None) -> Scenario:
+    """The scenario with skills placed before its context (``start``), after the paragraph holding its last
+    field (``after_fields``: between the fields and the rules that read them) or after its context (``end``)."""
+    if at not in PLACEMENTS:
+        raise ScenarioError(f"--at must be one of {', '.join(PLACEMENTS)}, got {at!r}")
+    placed = "\n\n".join(f"{{skill:{s}}}" for s in skill_ids)
+    if at == "start":
+        context = f"{placed}\n\n{scenario.context}"
+    elif at == "end":
+        context = f"{scenario.context}\n\n{placed}"
+    else:
+        context = _after_fields(scenario, placed)
+    return replace_context(scenario, context, skill_ids, library)
+
+
+def _after_fields(scenario: Scenario, placed: str) -> str:
+    """The context with ``placed`` inserted at the first paragraph break after the last field placeholder."""
+    ends = [match.end() for name in scenario.fields for match in re.finditer(r"(?<!\{)\{" + re.escape(name) + r"\}(?!\})", scenario.context)]
+    if not ends:
+        raise ScenarioError(f"scenario {scenario.name!r} has no field in its context to place skills after")
+    cut = scenario.context.find("\n\n", max(ends))
+    if cut < 0:
+        raise ScenarioError(f"scenario {scenario.name!r} has no paragraph break (blank line) after its last field; "
+                            "place the skills at the start or the end")
+    return f"{scenario.context[:cut]}\n\n{placed}{scenario.context[cut:]}"
+
+
+def skill_of_length(lm: LoadedModel, skill: Skill, tokens: int) -> Skill:
+    """``skill`` repeated or cut (at a line break) to about ``tokens`` tokens, as a new skill ``<id>_<tokens>``."""
+    text = skill.text
+    while len(lm.tokenizer(text, add_special_tokens=False).input_ids) < tokens:
+        text += "\n\n" + skill.text
+    ids = lm.tokenizer(text, add_special_tokens=False).input_ids[:tokens]
+    cut = lm.tokenizer.decode(ids).rsplit("\n", 1)[0]
+    if skill.fields:
+        raise ScenarioError(f"skill {skill.id!r} has fields; only field-free skills can be resized")
+    return dataclasses.replace(skill, id=f"{skill.id}_{tokens}", text=cut.replace("{", "{{").replace("}", "}}"))
+
+
+def adhoc_scenario(skill_ids: Sequence[str], library: Mapping | None = None) -> Scenario:
+    """A scenario made only of skills, with a generic yes/no question."""
+    base = Scenario(
+        name="skills: " + ", ".join(skill_ids), description="Skills composed without a scenario.", system=None,
+        context="", question=ADHOC_QUESTION, fields={}, answers={"yes": ("yes", "Yes"), "no": ("no", "No")}, expect={},
+    )
+    if not skill_ids:
+        return base
+    composed = with_skills(base, skill_ids, "start", library)
+    return dataclasses.replace(composed, context=composed.context.strip())
+
+
+SELECTIONS = ("aggregators", "blend", "deviation", "causal")
+RANKED_SELECTIONS = ("blend", "deviation", "causal")  # the top fraction of a ranking
+REFERENCE_SELECTIONS = ("deviation", "causal")  # ranked against the recomputed cache
+BLEND_LAYER = 1  # CacheBlend's check layer: the first whose K/V depend on other tokens
+
+
+@dataclass(frozen=True)
+class Remedy:
+    """How spliced skills are repaired; see the module docstring. ``parse("prefix+seam:1+deviation:0.15")``."""
+
+    seam: int = 0
+    prefix: bool = False
+    select: str | None = None
+    fraction: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.seam < 0:
+            raise ScenarioError(f"seam must be ≥ 0, got {self.seam}")
+        if self.select is not None and self.select not in SELECTIONS:
+            raise ScenarioError(f"unknown selection {self.select!r}; choose one of: {', '.join(SELECTIONS)}")
+        if self.select in RANKED_SELECTIONS and not 0.0 < self.fraction <= 1.0:
+            raise ScenarioError(f"{self.select} selection needs a fraction within (0, 1], got {self.fraction}")
+        if self.select not in RANKED_SELECTIONS and self.fraction:
+            raise ScenarioError(f"a fraction ({self.fraction}) only applies to the ranked selections: {', '.join(RANKED_SELECTIONS)}")
+
+    @classmethod
+    def parse(cls, text: str) -> "Remedy":
+        """From ``part+part``: ``prefix``, ``seam:N``, ``aggregators``, ``blend:F``, ``deviation:F``, ``causal:F``
+        (or ``splice``)."""
+        options: dict = {}
+        for part in (p.strip() for p in text.split("+")):
+            name, _, argument = part.partition(":")
+            try:
+                if name == "splice" and not argument:
+                    continue
+                if name == "prefix" and not argument:
+                    options["prefix"] = True
+                elif name == "seam":
+                    options["seam"] = int(argument)
+                elif name == "aggregators" and not argument:
+                    options["select"] = name
+                elif name in RANKED_SELECTIONS:
+                    options["select"], options["fraction"] = name, float(argument)
+                else:
+                    raise ValueError(part)
+            except ValueError:
+                raise ScenarioError(f"remedy part {part!r} not understood; write e.g. prefix+seam:1, aggregators, blend:0.3, "
+                                    "deviation:0.15 or causal:0.1, joined by +") from None
+        return cls(**options)
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the selection is ranked against the recomputed cache (a diagnostic, not deployable)."""
+        return self.select in REFERENCE_SELECTIONS
+
+    def require_deployable(self, user: str) -> "Remedy":
+        """This remedy, refused when it ranks against a full recompute that ``user`` does not have."""
+        if self.needs_reference:
+            raise ScenarioError(f"remedy {self.name!r} ranks tokens against a full recompute; {user} needs a deployable one "
+                                "(prefix, seam:N, aggregators, blend:F)")
+        return self
+
+    @property
+    def name(self) -> str:
+        """The spec :meth:`parse` reads back."""
+        parts = (["prefix"] if self.prefix else []) + ([f"seam:{self.seam}"] if self.seam else [])
+        if self.select:
+            parts.append(f"{self.select}:{self.fraction:g}" if self.select in RANKED_SELECTIONS else self.select)
+        return "+".join(parts) or "splice"
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "seam": self.seam, "prefix": self.prefix, "select": self.select, "fraction": self.fraction,
+                "needs_reference": self.needs_reference}
+
+
+# The best deployable remedy of the N-skill study on the embedded model (benchmarks/results/compose_many-*.json):
+# the only one keeping every decisive decision (35/35), the smallest margin error; it recomputes 70% of skill tokens.
+DEFAULT_REMEDY = Remedy(seam=1, prefix=True, select="blend", fraction=0.7)
+
+
+def _skill_blocks(lm: LoadedModel, scenario: Scenario, prompt: RenderedPrompt, store, remedy: Remedy) -> list[tuple[str, Span, KVBlock]]:
+    """Every placed skill's compiled block, in context order, checked against the context's tokens."""
+    system = scenario.system if remedy.prefix else None
+    placed = []
+    for skill_id, span in sorted(prompt.skill_spans.items(), key=lambda item: item[1].start):
+        skill = scenario.skills[skill_id]
+        block = store.get(lm, skill, {name: prompt.values[name] for name in skill.fields}, system)
+        if block.token_ids.tolist() != list(prompt.context_ids[span.start : span.end]):
+            raise NotebookError(f"skill {skill_id!r} tokenizes differently in this context than when compiled")
+        placed.append((skill_id, span, block))
+    return placed
+
+
+def _assemble(lm: LoadedModel, prompt: RenderedPrompt, placed, seam: int, recompute: set[int]) -> Notebook:
+    """Prefill the text between skills, splice each block (seam repaired) and recompute the chosen skill
+    positions before anything after the skill is computed."""
+    ids, segments = list(prompt.context_ids), list(prompt.context_segments)
+    notebook, cursor = Notebook.empty(lm), 0
+    for _, span, block in placed:
+        if span.start > cursor:
+            notebook = notebook.append(ids[cursor : span.start], segments[cursor : span.start])
+        notebook = notebook.splice(block, seam=min(seam, len(block)))
+        notebook = notebook.recompute(sorted(p for p in recompute if span.start + seam <= p < span.end))
+        cursor = span.end
+    if cursor < len(ids):
+        notebook = notebook.append(ids[cursor:], segments[cursor:])
+    return notebook
+
+
+def _blend_ranking(lm: LoadedModel, prompt: RenderedPrompt, placed, candidates: Sequence[int]) -> list[int]:
+    """Candidate skill positions, largest first, by how far their spliced K/V at :data:`BLEND_LAYER` sit from a
+    fresh prefill's (:func:`entry_distance` summed over heads); the prefill runs only the layers up to that one."""
+    layer = min(BLEND_LAYER, len(placed[0][2].keys) - 1)
+    try:
+        rotary = Rotary.for_model(lm.model)
+    except RopeUnsupported as error:
+        raise NotebookError(f"cannot splice skills: {error}") from error
+    fresh_keys, fresh_values = Notebook.prefill_layer(lm, prompt.context_ids, layer)
+    score: dict[int, float] = {}
+    for _, span, block in placed:
+        deltas = torch.full((len(block),), span.start - block.start_position, dtype=torch.long)
+        keys, values = rotary.move(block.keys[: layer + 1], block.values[: layer + 1], deltas)
+        fresh = slice(span.start, span.end)
+        distance = entry_distance(keys[layer][0], values[layer][0], fresh_keys[0, :, fresh], fresh_values[0, :, fresh])
+        score.update(zip(range(span.start, span.end), distance.sum(0).tolist()))
+    return sorted(candidates, key=lambda position: -score[position])
+
+
+@dataclass(frozen=True)
+class Spliced:
+    """A context built with its skills spliced, and how many skill tokens the remedy recomputed."""
+
+    notebook: Notebook
+    remedy: Remedy
+    recomputed_tokens: int
+    skill_tokens: int
+
+
+def splice_prompt(
+    lm: LoadedModel,
+    scenario: Scenario,
+    prompt: RenderedPrompt,
+    store,
+    remedy: Remedy = DEFAULT_REMEDY,
+    reference: Notebook | None = None,
+) -> Spliced:
+    """Build the prompt's context with every skill spliced from ``store`` and the rest prefilled, repaired by
+    ``remedy`` (a ranked selection needs the recomputed ``reference``)."""
+    if remedy.needs_reference and reference is None:
+        raise NotebookError(f"the {remedy.select} selection ranks tokens against the recomputed cache: pass it as reference")
+    placed = _skill_blocks(lm, scenario, prompt, store, remedy)
+    seams = {p for _, span, _ in placed for p in range(span.start, min(span.start + remedy.seam, span.end))}
+    candidates = [p for _, span, _ in placed for p in range(span.start, span.end) if p not in seams]
+    chosen: set[int] = set()
+    if remedy.select == "aggregators":
+        texts = lm.tokenizer.batch_decode([[prompt.context_ids[p]] for p in candidates])
+        chosen = {p for p, text in zip(candidates, texts) if is_aggregator(text)}
+    elif remedy.select in RANKED_SELECTIONS and candidates:
+        count = min(len(candidates), max(1, round(remedy.fraction * len(candidates))))
+        if remedy.select == "blend":
+            chosen = set(_blend_ranking(lm, prompt, placed, candidates)[:count])
+        else:
+            first = _assemble(lm, prompt, placed, remedy.seam, set())
+            if remedy.select == "deviation":
+                chosen = set(kv_deviation(first, reference, candidates).top_positions(count))
+            else:
+                gap = reference.read_prompt(prompt, answer_texts=scenario.answers).margin - first.read_prompt(prompt, answer_texts=scenario.answers).margin
+                chosen = set(attribution_effects(first, reference, prompt, candidates).top_positions(count, gap))
+    notebook = _assemble(lm, prompt, placed, remedy.seam, chosen)
+    return Spliced(notebook, remedy, len(seams) + len(chosen), sum(len(span) for _, span, _ in placed))
+
+
+@dataclass(frozen=True)
+class Recomputed:
+    """The full-recompute side of a comparison, reusable while the composed prompt stays the same."""
+
+    notebook: Notebook
+    decision: Decision
+    ms: float
+
+
+@dataclass
+class Fidelity:
+    """Spliced vs recomputed: next-token logits, decision (tie-aware), K/V deviation and time to first token."""
+
+    scenario: str
+    skills: list[str]
+    remedy: Remedy
+    context_tokens: int
+    skill_tokens: int
+    recomputed_tokens: int  # skill tokens the remedy recomputed (seams included)
+    agreement: dict[str, float]
+    match: DecisionMatch
+    spliced: Decision
+    recomputed: Decision
+    deviation: torch.Tensor  # (layers, context tokens)
+    ttft_ms: dict[str, float]
+    compile_ms: float
+    reference_reused: bool = False  # the recomputed side (and its TTFT) came from an earlier comparison
+
+    @property
+    def decision_agree(self) -> bool | None:
+        """Same label as the recomputed decision; None when that decision is a tie."""
+        return self.match.agree
+
+    def as_dict(self) -> dict:
+        return {
+            "scenario": self.scenario,
+            "skills": self.skills,
+            "remedy": self.remedy.as_dict(),
+            "seam": self.remedy.seam,
+            "context_tokens": self.context_tokens,
+            "skill_tokens": self.skill_tokens,
+            "recomputed_tokens": self.recomputed_tokens,
+            "recomputed_fraction": round(self.recomputed_tokens / max(self.skill_tokens, 1), 4),
+            **{key: round(value, 6) for key, value in self.agreement.items()},
+            **self.match.as_dict(),
+            "spliced": self.spliced.as_dict(),
+            "recomputed": self.recomputed.as_dict(),
+            "max_kv_deviation": round(float(self.deviation.max()), 6),
+            "ttft_ms": {key: round(value, 1) for key, value in self.ttft_ms.items()},
+            "speedup": round(self.ttft_ms["full"] / self.ttft_ms["splice"], 2),
+            "compile_ms": round(self.compile_ms, 1),
+            "reference_reused": self.reference_reused,
+        }
+
+
+def timed_median(function: Callable[[], tuple[Notebook, Decision]], reps: int) -> tuple[tuple[Notebook, Decision], float]:
+    """The last result and the median wall time in ms; with several reps the first is a warm-up."""
+    times, result = [], None
+    for _ in range(reps):
+        started = time.perf_counter()
+        result = function()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - started) * 1000)
+    return result, statistics.median(times[1:] if reps > 1 else times)
+
+
+def compare(
+    lm: LoadedModel,
+    scenario: Scenario,
+    store,
+    *,
+    remedy: Remedy = DEFAULT_REMEDY,
+    values: Mapping[str, str] | None = None,
+    reps: int = 1,
+    references: MutableMapping[tuple, Recomputed] | None = None,
+) -> Fidelity:
+    """Splice (repaired by ``remedy``) vs full recompute of the scenario, side by side in one run (skills
+    compiled first).
+
+    ``references`` keeps recomputed sides by prompt (e.g. across remedy changes in the app): a prompt seen
+    before reuses its recomputed cache, decision and measured TTFT. A ranked remedy's splice time leaves out
+    the recomputed cache it ranks against.
+    """
+    if not scenario.skills:
+        raise ScenarioError(f"scenario {scenario.name!r} places no skills (use {{skill:ID}} or --skills)")
+    prompt = render_for(lm, scenario, values)
+    system = scenario.system if remedy.prefix else None
+    started = time.perf_counter()
+    for skill in scenario.skills.values():
+        store.get(lm, skill, {name: prompt.values[name] for name in skill.fields}, system)
+    compile_ms = (time.perf_counter() - started) * 1000
+    answers = scenario.answers
+
+    def recompute_and_read() -> tuple[Notebook, Decision]:
+        notebook = Notebook.from_prompt(lm, prompt)
+        return notebook, notebook.read_prompt(prompt, answer_texts=answers)
+
+    key = (lm.fingerprint, tuple(prompt.context_ids), tuple(prompt.decode_ids), tuple(prompt.answer_ids.items()))
+    cached = None if references is None else references.get(key)
+    reused = cached is not None
+    if cached is None:
+        (reference, recomputed), full_ms = timed_median(recompute_and_read, reps)
+        cached = Recomputed(reference.materialized(), recomputed, full_ms)
+        if references is not None:
+            references[key] = cached
+    reference, recomputed, full_ms = cached.notebook, cached.decision, cached.ms
+
+    def splice_and_read() -> tuple[Spliced, Decision]:
+        spliced = splice_prompt(lm, scenario, prompt, store, remedy, reference=reference)
+        return spliced, spliced.notebook.read_prompt(prompt, answer_texts=answers)
+
+    (built, spliced), splice_ms = timed_median(splice_and_read, reps)
+    return Fidelity(
+        scenario=scenario.name,
+        skills=list(scenario.skills),
+        remedy=remedy,
+        context_tokens=len(prompt.context_ids),
+        skill_tokens=built.skill_tokens,
+        recomputed_tokens=built.recomputed_tokens,
+        agreement=logit_agreement(spliced.next_token_logits, recomputed.next_token_logits),
+        match=DecisionMatch.of(spliced, recomputed),
+        spliced=spliced,
+        recomputed=recomputed,
+        deviation=kv_relative_deviation(built.notebook, reference),
+        ttft_ms={"splice": splice_ms, "full": full_ms},
+        compile_ms=compile_ms,
+        reference_reused=reused,
+    )

@@ -1,0 +1,1 @@
+"""The edit layer: one field change and its repairs (strategies), the reports they produce, calibration, weight edits."""

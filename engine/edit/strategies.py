@@ -1,0 +1,236 @@
+"""Edit strategies: repairing a prefilled cache after a field changes old → new, as a registry of small units.
+
+| strategy | what it does to the stale cache | cost | failure mode |
+|---|---|---|---|
+| ``stale`` | nothing (baseline) | 0 | reads the old notes |
+| ``field_only`` | recompute the field's K/V with the new value | |field| tokens | later notes still say "old": recovery ≈ 0 |
+| ``field_only_cot`` | field-only, then a short greedy chain of thought before answering | |field| + chain | needs decoding; the chain re-reads the field |
+| ``field_topk`` | field + the top-K downstream tokens (ranked by causal effect or K/V deviation) | |field| + K | K is model-dependent |
+| ``erratum`` | append ``[STATE UPDATE] field -> new; ...`` after the context | |erratum| | can revert when the field is buried early |
+| ``field_erratum`` | field-only plus the erratum (robust default) | |field| + |erratum| | — |
+| ``hoist`` | restate ``field: new`` at the end | |restatement| | prompt surgery in real systems |
+| ``full_downstream`` | recompute the field and everything after it | context − prefix | O(L) recompute |
+| ``oracle`` | clean prefill with the new value (reference) | whole context | — |
+| ``auto`` | cheapest of field_only / erratum / hoist / field_erratum agreeing with field_erratum | varies | — |
+
+In-place strategies need the new value to have the old value's token count; otherwise they report
+"not applicable" and why (use ``erratum``, ``field_erratum`` via errata, or ``full_downstream``).
+Recovery = (s − s_stale) / (s_oracle − s_stale) on the decision margin; chain-of-thought variants are
+compared with stale and oracle under the same chain-of-thought protocol.
+
+Each strategy is a :class:`Strategy`: a name, a one-line summary and either ``build(experiment) → (notebook,
+tokens computed, detail)`` — a cache read later, fused with the others — or ``run(experiment) →
+StrategyResult`` for those that decode on their own (``field_only_cot``, ``auto``). The CLI, the app and
+``auto`` read :data:`REGISTRY`; :func:`check_names` is the one validation of strategy names. The experiment
+that runs them (stale and oracle runs, positions, rankings) is :class:`engine.edit.experiment.EditExperiment`.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engine.cache.decision import RECOVERY_MIN_GAP, Decision, Recovery, recovery
+from engine.cache.notebook import Notebook
+from engine.errors import KVScopeError
+
+if TYPE_CHECKING:  # strategies receive the experiment; it imports this registry
+    from engine.edit.experiment import EditExperiment
+
+DEFAULT_ERRATUM = "[STATE UPDATE] {field} -> {new}; overrides any earlier value and conclusion"
+AUTO_CANDIDATES = ("field_only", "erratum", "hoist", "field_erratum")
+RANKINGS = ("causal", "deviation")
+RANKING_LABELS = {"causal": "causal (attribution patching)", "deviation": "deviation (CacheBlend-style)"}
+
+
+class StrategyError(KVScopeError):
+    """An unknown strategy or ranking, or strategy settings out of range."""
+
+
+class NotApplicable(Exception):
+    """A strategy that cannot apply to this edit; the message says why (reported, never raised to users)."""
+
+
+@dataclass(frozen=True)
+class EditSettings:
+    """Knobs of the strategies; the defaults follow the paper."""
+
+    erratum: str = DEFAULT_ERRATUM
+    hoist: str = "{field}: {new}"
+    top_k: int = 8
+    ranking: str = "causal"
+    cot_tokens: int = 24
+    cot_prefix: str = "Let me check the current {field} against the policy."
+    cot_answer_prefix: str = "\nSo the answer is:"
+    min_gap: float = RECOVERY_MIN_GAP
+
+    def __post_init__(self) -> None:
+        check_ranking(self.ranking)
+        if self.top_k < 1 or self.cot_tokens < 0:
+            raise StrategyError("top_k must be ≥ 1 and cot_tokens ≥ 0")
+
+
+def check_ranking(ranking: str) -> str:
+    """``ranking`` if it is one of :data:`RANKINGS`, else a :class:`StrategyError`."""
+    if ranking not in RANKINGS:
+        raise StrategyError(f"unknown ranking {ranking!r}; choose one of {', '.join(RANKINGS)}")
+    return ranking
+
+
+@dataclass
+class StrategyResult:
+    """One strategy's outcome with its evidence."""
+
+    name: str
+    applicable: bool
+    decision: Decision | None = None
+    recovery: Recovery | None = None
+    tokens_recomputed: int = 0
+    ms: float = 0.0
+    reason: str | None = None
+    detail: dict = field(default_factory=dict)
+    notebook: Notebook | None = field(default=None, repr=False)
+
+    @property
+    def ms_is_share(self) -> bool:
+        """Whether ``ms`` is a share of one fused forward rather than this strategy's own wall time."""
+        return "timing" in self.detail
+
+    def as_dict(self) -> dict:
+        """The CLI's per-strategy JSON."""
+        decision = self.decision.as_dict() if self.decision else {}
+        return {
+            "applicable": self.applicable,
+            "reason": self.reason,
+            "scores": decision.get("scores"),
+            "margin": decision.get("margin"),
+            "decision": decision.get("decision"),
+            "recovery": None if self.recovery is None else self.recovery.as_dict()["recovery"],
+            "recovery_note": None if self.recovery is None else self.recovery.reason,
+            "tokens_recomputed": self.tokens_recomputed,
+            "ms": round(self.ms, 1),
+            **({"detail": self.detail} if self.detail else {}),
+        }
+
+
+Built = tuple[Notebook, int, dict]  # the cache to read, tokens computed for it, detail for the result
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A named edit strategy: ``build`` makes a cache to read (fusable), or ``run`` does its own reads."""
+
+    name: str
+    summary: str
+    build: Callable[["EditExperiment"], Built] | None = None
+    run: Callable[["EditExperiment"], StrategyResult] | None = None
+
+    @property
+    def fusable(self) -> bool:
+        """Whether its cache can be read in one forward with the others."""
+        return self.build is not None
+
+
+# ---------------------------------------------------------------------------- caches (read later)
+def _stale(experiment: "EditExperiment") -> Built:
+    return experiment.stale.notebook, 0, {}
+
+
+def _oracle(experiment: "EditExperiment") -> Built:
+    prompt = experiment.new_prompt
+    return Notebook.from_prompt(experiment.lm, prompt), len(prompt.context_ids), {}
+
+
+def _field_only(experiment: "EditExperiment") -> Built:
+    return experiment.field_edited(), len(experiment.field_positions), {}
+
+
+def _line_text(experiment: "EditExperiment", template: str) -> str:
+    return template.format(field=experiment.field, new=experiment.new, old=experiment.old)
+
+
+def _erratum(experiment: "EditExperiment") -> Built:
+    line = experiment.line_ids(experiment.settings.erratum)
+    return experiment.stale.notebook.append(line, "erratum"), len(line), {"text": _line_text(experiment, experiment.settings.erratum)}
+
+
+def _field_erratum(experiment: "EditExperiment") -> Built:
+    line = experiment.line_ids(experiment.settings.erratum)
+    return experiment.field_edited().append(line, "erratum"), len(experiment.field_positions) + len(line), {}
+
+
+def _hoist(experiment: "EditExperiment") -> Built:
+    line = experiment.line_ids(experiment.settings.hoist)
+    return experiment.stale.notebook.append(line, "hoist"), len(line), {"text": _line_text(experiment, experiment.settings.hoist)}
+
+
+def _full_downstream(experiment: "EditExperiment") -> Built:
+    stale, downstream = experiment.stale.notebook, experiment.downstream_positions
+    positions = experiment.field_positions + downstream
+    tail = experiment.new_field_ids + [experiment.prompt.context_ids[p] for p in downstream]
+    labels = [stale.segments[int(stale.entries_at([experiment.field_positions[0]])[0])]] * len(experiment.new_field_ids)
+    labels += [stale.segments[int(i)] for i in stale.entries_at(downstream)]
+    return stale.replace(positions, tail, labels), len(tail), {}
+
+
+def _field_topk(experiment: "EditExperiment") -> Built:
+    k = experiment.settings.top_k
+    experiment.check_k(k)
+    edited = experiment.field_edited()
+    started = time.perf_counter()
+    top, detail = experiment.rank_downstream(edited, k)
+    detail |= {"k": k, "positions": top, "rank_ms": round((time.perf_counter() - started) * 1000, 1)}
+    return edited.recompute(top), len(experiment.field_positions) + len(top), detail
+
+
+# ---------------------------------------------------------------------------- strategies with their own reads
+def _field_only_cot(experiment: "EditExperiment") -> StrategyResult:
+    started = time.perf_counter()
+    try:
+        notebook = experiment.field_edited()
+    except NotApplicable as reason:
+        return StrategyResult("field_only_cot", applicable=False, reason=str(reason))
+    decision, chain = experiment.cot_decision(notebook)
+    ms = (time.perf_counter() - started) * 1000  # the baselines' chains are the experiment's, not this strategy's
+    stale, oracle = experiment.cot_baselines
+    detail = {"chain": chain, "stale_cot_margin": round(stale.margin, 4), "oracle_cot_margin": round(oracle.margin, 4)}
+    gain = recovery(decision.margin, stale.margin, oracle.margin, experiment.settings.min_gap)
+    return StrategyResult("field_only_cot", True, decision, gain, len(experiment.field_positions), ms, detail=detail, notebook=notebook)
+
+
+def _auto(experiment: "EditExperiment") -> StrategyResult:
+    candidates = {name: experiment.run(name) for name in AUTO_CANDIDATES}
+    reference = candidates["field_erratum"] if candidates["field_erratum"].applicable else candidates["erratum"]
+    agreeing = [c for c in candidates.values() if c.applicable and c.decision.label == reference.decision.label]
+    chosen = min(agreeing, key=lambda c: (c.tokens_recomputed, c.ms))
+    detail = {"chosen": chosen.name, "reference": reference.name}
+    return StrategyResult("auto", True, chosen.decision, chosen.recovery, chosen.tokens_recomputed, chosen.ms, detail=detail, notebook=chosen.notebook)
+
+
+REGISTRY: dict[str, Strategy] = {
+    strategy.name: strategy
+    for strategy in (
+        Strategy("stale", "nothing recomputed (baseline)", build=_stale),
+        Strategy("field_only", "recompute the field's K/V with the new value", build=_field_only),
+        Strategy("field_only_cot", "field-only, then a short chain of thought before answering", run=_field_only_cot),
+        Strategy("field_topk", "the field and the top-K downstream tokens by causal effect or K/V deviation", build=_field_topk),
+        Strategy("erratum", "append an erratum line after the context", build=_erratum),
+        Strategy("field_erratum", "field-only plus the erratum (robust default)", build=_field_erratum),
+        Strategy("hoist", "restate the field with its new value at the end", build=_hoist),
+        Strategy("full_downstream", "recompute the field and everything after it", build=_full_downstream),
+        Strategy("oracle", "a clean prefill with the new value (reference)", build=_oracle),
+        Strategy("auto", "cheapest of field_only / erratum / hoist / field_erratum agreeing with field_erratum", run=_auto),
+    )
+}
+STRATEGIES = tuple(REGISTRY)  # every strategy name, in the table's order
+FUSABLE = tuple(name for name, strategy in REGISTRY.items() if strategy.fusable)
+
+
+def check_names(names: Iterable[str]) -> list[str]:
+    """The names as a list, or a :class:`StrategyError` naming the first unknown one and the choices."""
+    names = list(names)
+    unknown = [name for name in names if name not in REGISTRY]
+    if unknown:
+        raise StrategyError(f"unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
+    return names

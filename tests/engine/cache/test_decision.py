@@ -1,0 +1,30 @@
+"""Decision readout arithmetic: label aggregation, margin, recovery, logit agreement."""
+import math
+
+import pytest
+import torch
+
+from engine.cache.decision import decide, logit_agreement, recovery
+
+
+def test_label_score_is_logsumexp_of_its_strings_and_margin_is_first_minus_best_other():
+    decision = decide({"yes": {"yes": math.log(0.2), "Yes": math.log(0.3)}, "no": {"no": math.log(0.1)}, "maybe": {"m": math.log(0.4)}}, torch.zeros(3))
+    assert decision.scores["yes"] == pytest.approx(math.log(0.5))
+    assert decision.margin == pytest.approx(math.log(0.5) - math.log(0.4))
+    assert decision.label == "yes"
+
+
+def test_recovery_arithmetic_and_small_gap():
+    assert recovery(state=1.0, stale=-1.0, oracle=3.0).value == pytest.approx(0.5)
+    assert recovery(state=-1.0, stale=-1.0, oracle=3.0).value == 0.0
+    assert recovery(state=3.0, stale=-1.0, oracle=3.0).value == 1.0
+    assert recovery(state=5.0, stale=1.0, oracle=-1.0).value == pytest.approx(-2.0)
+    small = recovery(state=0.1, stale=0.0, oracle=0.2)
+    assert small.value is None and "0.200" in small.reason
+
+
+def test_logit_agreement_identity_and_shift_invariance():
+    logits = torch.randn(50)
+    same = logit_agreement(logits, logits + 3.0)
+    assert same["kl"] == pytest.approx(0.0, abs=1e-6) and same["top1_agree"] == 1.0 and same["top5_agree"] == 1.0
+    assert logit_agreement(logits, -logits)["top1_agree"] == 0.0
