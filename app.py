@@ -5,6 +5,7 @@ Settings: --model/KVSCOPE_MODEL, --device/KVSCOPE_DEVICE, --dtype/KVSCOPE_DTYPE,
 --public (automatic on a Hugging Face Space, where SPACE_ID is set) for the public hosting profile; its
 limits and the host's overrides are in app/hosting.py and the README.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,8 +15,8 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import gradio as gr  # noqa: E402
 
-from app.hosting import from_env  # noqa: E402
-from app.state import ModelRegistry, limit_malloc_arenas, return_freed_memory_every  # noqa: E402
+from app.hosting import from_env, limit_malloc_arenas, return_freed_memory_every  # noqa: E402
+from app.state import ModelRegistry  # noqa: E402
 from app.ui import build_app  # noqa: E402
 
 
@@ -27,8 +28,12 @@ def main() -> None:
     parser.add_argument("--dtype", default=os.environ.get("KVSCOPE_DTYPE", "auto"))
     parser.add_argument("--host", default=os.environ.get("GRADIO_SERVER_NAME", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(os.environ.get("GRADIO_SERVER_PORT", "7860")))
-    parser.add_argument("--public", action="store_true", default=os.environ.get("KVSCOPE_PUBLIC", "") == "1",
-                        help="public hosting profile: allowlisted models, bounded context, work and memory (default on a Space)")
+    parser.add_argument(
+        "--public",
+        action="store_true",
+        default=os.environ.get("KVSCOPE_PUBLIC", "") == "1",
+        help="public hosting profile: allowlisted models, bounded context, work and memory (default on a Space)",
+    )
     args = parser.parse_args()
     limit_malloc_arenas()
     return_freed_memory_every()
@@ -37,7 +42,10 @@ def main() -> None:
     registry = ModelRegistry(args.model, profile=profile, device=args.device, dtype=args.dtype)
     registry.get(progress=lambda message: print(message, flush=True))  # the self-test runs on first page load
     build_app(registry).queue(default_concurrency_limit=1).launch(
-        server_name=args.host, server_port=args.port, theme=gr.themes.Soft(), show_error=False,
+        server_name=args.host,
+        server_port=args.port,
+        theme=gr.themes.Soft(),
+        show_error=False,
         max_file_size=f"{profile.export_max_bytes // 2**20} mb" if profile.allowed_models is not None else None,
     )
 

@@ -5,6 +5,7 @@ context and within it; ▲ ▼ ✕ buttons and a + on library chips do the same 
 escaped in Python (the template inserts raw HTML) and ``preprocess`` keeps only known ids, so nothing the
 browser sends is trusted.
 """
+
 from __future__ import annotations
 
 import html

@@ -4,9 +4,9 @@ Each handler takes the shared :class:`~app.state.ModelRegistry` / :class:`~app.s
 session id explicitly, so it can be unit-tested without a browser. Bad input raises :class:`AppError`
 with a message for the user; nothing is stored before a computation succeeds.
 """
+
 from __future__ import annotations
 
-import dataclasses
 import html
 import json
 from collections.abc import Sequence
@@ -19,11 +19,7 @@ from PIL import Image
 
 from app.hosting import HostingProfile
 from app.state import ExportFolder, ModelRegistry, SessionStore, process_rss_bytes
-from engine.cache.adapter import cache_layout, recurrent_layers
-from engine.cache.decision import DECISIVE_MARGIN
-from engine.cache.selftest import SelfTestReport
 from engine.cache.vision import check_vision_model
-from engine.checks.support import SupportRow
 from engine.compose.agent import run_agent
 from engine.compose.keystone import keystone
 from engine.compose.pictures import IMAGE_QUESTION, compare_image
@@ -36,25 +32,25 @@ from engine.compose.splice import (
     compare,
     compose_scenario,
     skill_of_length,
+    with_skills,
 )
-from engine.compose.study import run_study, skill_prefixes
+from engine.compose.study import deployable_by_speed, first_field_values, run_study, skill_prefixes
 from engine.edit.experiment import EditExperiment
 from engine.edit.hybrid import read_scenario
 from engine.edit.strategies import EditSettings
 from engine.edit.weight_edit import LoraSettings, RomeSettings, compare_edits
 from engine.errors import KVScopeError
-from engine.models import LoadedModel, available_offline
-from engine.models.gguf import ALIASES
-from engine.models.loading import TINY_PREFIX
+from engine.models import available_offline, is_offline_alias
 from engine.probes.analysis import analyse_edit
 from engine.probes.frontier import probe_frontier
-from engine.probes.registry import ALL_PROBES
+from engine.probes.registry import PROBES
 from engine.progress import MessageProgress, StepProgress
 from engine.scenario import Scenario, Skill, bundled_scenarios, bundled_skills
 from viz import benchmarks as benchmark_figures
 from viz import compose as compose_figures
 from viz import learn
 from viz import notes as notes_figures
+from viz import text as panels
 from viz.cards import strategy_cards_html
 from viz.common import markdown_literal, message_figure
 from viz.decision import decision_figure
@@ -98,42 +94,22 @@ def number(value, name: str, default: float, kind: type = int) -> float:
 
 
 # ---------------------------------------------------------------------------- model
-def model_card(lm: LoadedModel, selftest: SelfTestReport | None = None, support: SupportRow | None = None) -> str:
-    """The model card as Markdown (values escaped)."""
-    info = lm.info()
-    rope = info.get("rope") or "none (learned positions: splicing is off)"
-    rows = {
-        "Model": lm.fingerprint.name,
-        "Source": lm.source,
-        "Architecture": info.get("architecture"),
-        "Layers / heads / KV heads": f"{info.get('layers')} / {info.get('attention_heads')} / {info.get('kv_heads')}",
-        "Head dim": info.get("head_dim"),
-        "Cached per token and layer": cache_layout(lm.model.config),
-        "RoPE": json.dumps(rope) if isinstance(rope, dict) else rope,
-        "Device / dtype": f"{lm.device} / {lm.fingerprint.dtype}",
-        "Why this dtype": lm.dtype_reason,
-        "Parameters": f"{info.get('parameters', 0) / 1e6:.1f} M ({info.get('parameter_bytes', 0) / 2**30:.2f} GiB)",
-        "Fingerprint": lm.fingerprint.config_hash,
-    }
-    if selftest is not None:
-        rows["Cache self-test"] = selftest.summary()
-    if support is not None:
-        rows["Family"] = support.family
-        rows["Operations on this model"] = support.summary()
-    return "\n".join(f"- **{key}**: {markdown_literal(str(value))}" for key, value in rows.items())
-
-
 @guarded
-def load_model_card(registry: ModelRegistry, spec: str, progress: MessageProgress | None = None,
-                    dtype: str | None = None) -> tuple[str, dict]:
+def load_model_card(
+    registry: ModelRegistry, spec: str, progress: MessageProgress | None = None, dtype: str | None = None
+) -> tuple[str, dict]:
     """Load (or reuse) a model, in ``dtype`` when given (else as loaded, or auto), run its self-test once, and describe it."""
     spec = (spec or "").strip() or registry.default_spec
     lm = registry.get(spec, progress=progress, dtype=dtype or None)
     support = registry.support(spec)
     report = registry.selftest(spec) if support.verdict("self-test").supported else None
-    return model_card(lm, report, support), {"model": lm.info() | {"fingerprint": lm.fingerprint.as_dict()},
-                                             "selftest": report.as_dict() if report else None, "support": support.as_dict(),
-                                             "hosting": registry.profile.as_dict()}
+    info = lm.info()
+    return panels.model_card_markdown(info, lm.cache_layout(), report, support), {
+        "model": info | {"fingerprint": lm.fingerprint.as_dict()},
+        "selftest": report.as_dict() if report else None,
+        "support": support.as_dict(),
+        "hosting": registry.profile.as_dict(),
+    }
 
 
 def offered_models(registry: ModelRegistry) -> list[str]:
@@ -142,7 +118,7 @@ def offered_models(registry: ModelRegistry) -> list[str]:
     allowed, found = registry.profile.allowed_models, available_offline()
     if allowed is None:
         return found
-    return [spec for spec in allowed if spec in found or (spec not in ALIASES and not spec.startswith(TINY_PREFIX))]
+    return [spec for spec in allowed if spec in found or not is_offline_alias(spec)]
 
 
 # ---------------------------------------------------------------------------- scenarios
@@ -201,8 +177,15 @@ def _experiment(registry: ModelRegistry, spec: str | None, text: str, field: str
     """The edit on the editor's scenario, its stale run reused from the registry's baselines."""
     scenario = parse_scenario(text, registry.profile)
     stale = registry.baseline(spec, text, scenario)
-    return EditExperiment(registry.get(spec), scenario, field or None, (new or None), EditSettings(top_k=number(top_k, "K", 8)),
-                          capture_attention=True, stale=stale)
+    return EditExperiment(
+        registry.get(spec),
+        scenario,
+        field or None,
+        (new or None),
+        EditSettings(top_k=number(top_k, "K", 8)),
+        capture_attention=True,
+        stale=stale,
+    )
 
 
 @guarded
@@ -211,24 +194,29 @@ def prepare_baseline(registry: ModelRegistry, spec: str | None, text: str) -> st
     returns the current decision as Markdown."""
     scenario = parse_scenario(text, registry.profile)
     lm = registry.get(spec)
-    if recurrent_layers(lm.model):
+    if lm.recurrent_layers:
         read = read_scenario(lm, scenario)
-        values = ", ".join(f"{markdown_literal(name)} = {markdown_literal(value)}" for name, value in read.prompt.values.items())
-        return (f"Now ({values}): the model answers **{markdown_literal(read.decision.label)}** (margin {read.decision.margin:+.2f}), "
-                f"read on its own cache of {len(read.context)} tokens. It is a hybrid (recurrent layers {recurrent_layers(lm.model)}): "
-                "edits that rewrite cache entries are refused here; `python -m engine edit` reads the erratum against a clean prefill.")
+        return panels.hybrid_baseline_markdown(read.prompt.values, read.decision, len(read.context), lm.recurrent_layers)
     run = registry.baseline(spec, text, scenario)
     margin = run.gradients.margin  # the backward runs now, so the next edit's notes map is free
-    values = ", ".join(f"{markdown_literal(name)} = {markdown_literal(value)}" for name, value in run.prompt.values.items())
-    return (f"Now ({values}): the model answers **{markdown_literal(run.decision.label)}** (margin {margin:+.2f}); "
-            f"{len(run.prompt.context_ids)} context tokens cached.")
+    return panels.baseline_markdown(run.prompt.values, run.decision, margin, len(run.prompt.context_ids))
 
 
 @guarded
 def run_edit(
-    registry: ModelRegistry, sessions: SessionStore, session: str, spec: str | None, text: str, field: str | None,
-    new: str | None, strategies: Sequence[str], top_k: int = 8, head: int | None = None, progress: StepProgress = None,
-    separately: bool = False, all_positions: bool = False,
+    registry: ModelRegistry,
+    sessions: SessionStore,
+    session: str,
+    spec: str | None,
+    text: str,
+    field: str | None,
+    new: str | None,
+    strategies: Sequence[str],
+    top_k: int = 8,
+    head: int | None = None,
+    progress: StepProgress = None,
+    separately: bool = False,
+    all_positions: bool = False,
 ) -> NotesView:
     """Change a field, run the chosen strategies (read together in one forward unless ``separately``, which
     times each on its own), and build every Notes panel."""
@@ -241,7 +229,8 @@ def run_edit(
     return NotesView(
         cards_html=strategy_cards_html(analysis.report),
         strategy_figure=strategy_figure(analysis.report),
-        text_html=notes_figures.effect_text_html(effects, notebook.token_texts(), notebook.visible_segments()) if effects
+        text_html=notes_figures.effect_text_html(effects, notebook.token_texts(), notebook.visible_segments())
+        if effects
         else f"<p>{html.escape(SAME_LENGTH_NOTE)}</p>",
         attention_figure=notes_figures.attention_figure(analysis.attention.oracle, head=head),
         notes_figure=_notes_map(experiment, effects, all_positions),
@@ -292,31 +281,41 @@ def run_knockout(sessions: SessionStore, session: str, positions_text: str, top_
         raise AppError("give positions to knock out (the top-K ranking needs same-length values)")
     oracle = experiment.oracle
     knocked = experiment.knocked_out(positions)
-    texts = oracle.notebook.token_texts()
-    shown = ", ".join(f"{p}:{texts[p]!r}" for p in positions[:12] if p < len(texts))
-    verdict = (
-        f"Knocked out {len(positions)} positions ({markdown_literal(shown)}). Decision **{markdown_literal(knocked.label)}** "
-        f"(margin {knocked.margin:+.2f}); without knockout **{markdown_literal(oracle.decision.label)}** ({oracle.decision.margin:+.2f}), "
-        f"stale **{markdown_literal(experiment.stale.decision.label)}** ({experiment.stale.decision.margin:+.2f})."
-    )
+    verdict = panels.knockout_markdown(positions, oracle.notebook.token_texts(), knocked, oracle.decision, experiment.stale.decision)
     return verdict, decision_figure(knocked, title="after knockout"), {"positions": positions, **knocked.as_dict()}
 
 
 @guarded
-def run_probe(registry: ModelRegistry, spec: str | None, text: str, field: str | None, new: str | None, name: str,
-              options: dict | None = None, progress: StepProgress = None) -> tuple[go.Figure, dict]:
+def run_probe(
+    registry: ModelRegistry,
+    spec: str | None,
+    text: str,
+    field: str | None,
+    new: str | None,
+    name: str,
+    options: dict | None = None,
+    progress: StepProgress = None,
+) -> tuple[go.Figure, dict]:
     """One probe (causal, linear or attribution) on the Notes tab's edit, with its figure."""
-    if name not in ALL_PROBES:
-        raise AppError(f"unknown probe {name!r}; choose from {', '.join(ALL_PROBES)}")
+    if name not in PROBES:
+        raise AppError(f"unknown probe {name!r}; choose from {', '.join(PROBES)}")
     experiment = _experiment(registry, spec, text, field, new)
-    result = ALL_PROBES[name](experiment, progress=progress, **(options or {}))
+    result = PROBES[name](experiment, progress=progress, **(options or {}))
     return probe_figure(name, result), result.as_dict()
 
 
 @guarded
-def run_weight_edits(registry: ModelRegistry, spec: str | None, text: str, field: str | None, new: str | None,
-                     methods: Sequence[str], lora_steps: int, rome_layer: int | None,
-                     progress: StepProgress = None) -> tuple[go.Figure, str, dict]:
+def run_weight_edits(
+    registry: ModelRegistry,
+    spec: str | None,
+    text: str,
+    field: str | None,
+    new: str | None,
+    methods: Sequence[str],
+    lora_steps: int,
+    rome_layer: int | None,
+    progress: StepProgress = None,
+) -> tuple[go.Figure, str, dict]:
     """ROME and LoRA beside field_erratum on the Notes tab's edit, measured against the bundled scenarios
     (``rome_layer`` −1 or None: the layer the notes map points to)."""
     if not methods:
@@ -325,9 +324,17 @@ def run_weight_edits(registry: ModelRegistry, spec: str | None, text: str, field
     others = [Scenario.load(path) for path in bundled_scenarios().values()]
     layer = number(rome_layer, "ROME layer", -1)
     layer = None if layer < 0 else layer
-    report = compare_edits(registry.get(spec), scenario, others, field or None, new or None, list(methods),
-                           lora=LoraSettings(steps=number(lora_steps, "LoRA steps", LoraSettings.steps)), rome=RomeSettings(layer=layer),
-                           progress=progress)
+    report = compare_edits(
+        registry.get(spec),
+        scenario,
+        others,
+        field or None,
+        new or None,
+        list(methods),
+        lora=LoraSettings(steps=number(lora_steps, "LoRA steps", LoraSettings.steps)),
+        rome=RomeSettings(layer=layer),
+        progress=progress,
+    )
     return weight_edit_figure(report), trade_off_markdown(report), report.as_dict()
 
 
@@ -338,8 +345,9 @@ def skill_library() -> dict[str, str]:
 
 
 @guarded
-def composed_scenario(skill_ids: Sequence[str], before: str, between: str, after_scenario: str | None,
-                      profile: HostingProfile | None = None) -> Scenario:
+def composed_scenario(
+    skill_ids: Sequence[str], before: str, between: str, after_scenario: str | None, profile: HostingProfile | None = None
+) -> Scenario:
     """The composer's context: literal text before, the skills (literal text between them), then a bundled
     scenario or a generic question."""
     if profile is not None:
@@ -358,23 +366,12 @@ class ComposeView:
 
 def remedy_info() -> str:
     """What the default remedy costs and buys, from the stored N-skill study when there is one (plain text)."""
-    grammar = ("Parts joined by +: prefix (compile after the scenario's system prompt), seam:N, aggregators, blend:F (CacheBlend: the "
-               "fraction F of skill tokens whose layer-1 K/V deviate most from a fresh prefill run through layers 0–1 only), deviation:F, causal:F "
-               "(the last two rank against the full recompute: diagnostics).")
     stored = sorted(RESULTS_DIR.glob("compose_many-*.json"))
-    summary = json.loads(stored[0].read_text())["summary"] if stored else {}
-    row = summary.get(DEFAULT_REMEDY.name)
-    if not row:
-        return f"Default {DEFAULT_REMEDY.name}. {grammar}"
-
-    def costs(name: str, row: dict) -> str:
-        return (f"{name} agrees on {row['agree_decisive']} of {row['decisive']} decisive cases, recomputes {row['recomputed_fraction']:.1%} "
-                f"of skill tokens, TTFT ×{row['speedup']['median']:.2f} vs a full recompute (median)")
-
-    deployable = {name: other for name, other in summary.items() if not other["needs_reference"] and other["speedup"]}
-    fastest = max(deployable, default=DEFAULT_REMEDY.name, key=lambda name: deployable[name]["speedup"]["median"])
-    faster = f" Fastest: {costs(fastest, deployable[fastest])}." if fastest != DEFAULT_REMEDY.name else ""
-    return f"Default: in the stored N-skill study ({stored[0].stem}) {costs(DEFAULT_REMEDY.name, row)}.{faster} {grammar}"
+    if not stored:
+        return panels.remedy_info(DEFAULT_REMEDY.name)
+    summary = json.loads(stored[0].read_text())["summary"]
+    fastest = next(iter(deployable_by_speed(summary)), None)
+    return panels.remedy_info(DEFAULT_REMEDY.name, stored[0].stem, summary, fastest)
 
 
 def remedy_of(text: str | None) -> Remedy:
@@ -384,38 +381,26 @@ def remedy_of(text: str | None) -> Remedy:
     return Remedy.parse(text.strip()) if text and text.strip() else DEFAULT_REMEDY
 
 
-def decision_words(fidelity: Fidelity) -> str:
-    """Agreement of the spliced decision with the recomputed one, ties named as such (Markdown)."""
-    labels = f"{markdown_literal(fidelity.spliced.label)} vs {markdown_literal(fidelity.recomputed.label)}"
-    error = f"margin error {fidelity.match.margin_error:+.3f}"
-    if fidelity.match.agree is None:
-        return f"**decision** the recomputed margin {fidelity.recomputed.margin:+.3f} is a tie ({labels}, {error})"
-    return f"**decision** {'agrees' if fidelity.match.agree else 'differs'} ({labels}, {error})"
-
-
 @guarded
-def run_compose(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[str], before: str, between: str,
-                after_scenario: str | None, remedy: str | None = None) -> ComposeView:
+def run_compose(
+    registry: ModelRegistry,
+    spec: str | None,
+    skill_ids: Sequence[str],
+    before: str,
+    between: str,
+    after_scenario: str | None,
+    remedy: str | None = None,
+) -> ComposeView:
     """Splice the composed skills (repaired by ``remedy``) and compare with a full recompute."""
     lm = registry.get(spec)
     scenario = composed_scenario(skill_ids, before, between, after_scenario, registry.profile)
     fidelity: Fidelity = compare(lm, scenario, registry.skills(spec), remedy=remedy_of(remedy), references=registry.references(spec))
-    data = fidelity.as_dict()
-    ranked = "; ranked against the full recompute, so no TTFT saving in deployment" if fidelity.remedy.needs_reference else ""
-    metrics = (
-        f"**cosine** {data['cosine']:.4f} · **KL** {data['kl']:.4f} · **top-1** {'agree' if data['top1_agree'] else 'differ'} · "
-        f"**top-5 overlap** {data['top5_agree']:.0%} · {decision_words(fidelity)}  \n"
-        f"**TTFT** splice {data['ttft_ms']['splice']:.0f} ms vs full {data['ttft_ms']['full']:.0f} ms (×{data['speedup']}"
-        f"{'; full recompute reused from an earlier comparison of this context' if fidelity.reference_reused else ''}) · "
-        f"{data['skill_tokens']} of {data['context_tokens']} context tokens spliced; remedy {markdown_literal(fidelity.remedy.name)} "
-        f"recomputed {data['recomputed_tokens']} of them ({data['recomputed_fraction']:.1%}){ranked}"
-    )
     decode = lambda token: lm.tokenizer.decode([token])  # noqa: E731
     return ComposeView(
-        metrics_markdown=metrics,
+        metrics_markdown=panels.compose_metrics_markdown(fidelity),
         logits_figure=compose_figures.logit_bars_figure(fidelity.spliced, fidelity.recomputed, decode),
         deviation_figure=compose_figures.deviation_figure(fidelity),
-        summary={"model": lm.fingerprint.name, **data},
+        summary={"model": lm.fingerprint.name, **fidelity.as_dict()},
     )
 
 
@@ -430,32 +415,42 @@ def fitted_picture(picture: np.ndarray) -> np.ndarray:
 
 
 @guarded
-def run_image_compose(registry: ModelRegistry, spec: str | None, picture: np.ndarray | None, before: str, after: str, question: str,
-                      seam: int | None) -> tuple[str, go.Figure, dict]:
+def run_image_compose(
+    registry: ModelRegistry, spec: str | None, picture: np.ndarray | None, before: str, after: str, question: str, seam: int | None
+) -> tuple[str, go.Figure, dict]:
     """Splice a picture's stored K/V after ``before`` (seam repair ``seam``) vs a full recompute from its pixels."""
     if picture is None:
         raise AppError("add a picture first (the bundled shipping label is the default)")
     lm = registry.get(spec)
     check_vision_model(lm)
-    result = compare_image(lm, fitted_picture(picture), "picture", before=before or "", after=after or "",
-                           question=(question or "").strip() or IMAGE_QUESTION, seam=int(number(seam, "seam", 0)))
-    data = result.as_dict()
-    labels = f"{markdown_literal(result.spliced.label)} vs {markdown_literal(result.recomputed.label)}"
-    verdict = "a tie in the recomputed decision" if result.match.agree is None else "agrees" if result.match.agree else "differs"
-    metrics = (
-        f"**cosine** {data['cosine']:.4f} · **KL** {data['kl']:.4f} · **top-1** {'agree' if data['top1_agree'] else 'differ'} · "
-        f"**decision** {verdict} ({labels}, margin error {result.match.margin_error:+.3f})  \n"
-        f"**TTFT** splice {data['ttft_ms']['splice']:.0f} ms vs full {data['ttft_ms']['full']:.0f} ms with the vision tower (×{data['speedup']}) · "
-        f"picture {data['image_tokens']} tokens over {data['rope_span']} rope positions, moved {data['shift']} positions, "
-        f"first {data['seam']} recomputed"
+    result = compare_image(
+        lm,
+        fitted_picture(picture),
+        "picture",
+        before=before or "",
+        after=after or "",
+        question=(question or "").strip() or IMAGE_QUESTION,
+        seam=int(number(seam, "seam", 0)),
     )
     decode = lambda token: lm.tokenizer.decode([token])  # noqa: E731
-    return metrics, compose_figures.logit_bars_figure(result.spliced, result.recomputed, decode), {"model": lm.fingerprint.name, **data}
+    return (
+        panels.image_metrics_markdown(result),
+        compose_figures.logit_bars_figure(result.spliced, result.recomputed, decode),
+        {"model": lm.fingerprint.name, **result.as_dict()},
+    )
 
 
 @guarded
-def run_keystone(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[str], before: str, between: str,
-                 after_scenario: str | None, remedy: str | None = None, progress: StepProgress = None) -> tuple[go.Figure, dict]:
+def run_keystone(
+    registry: ModelRegistry,
+    spec: str | None,
+    skill_ids: Sequence[str],
+    before: str,
+    between: str,
+    after_scenario: str | None,
+    remedy: str | None = None,
+    progress: StepProgress = None,
+) -> tuple[go.Figure, dict]:
     """Edit the field inside a spliced skill: composed vs recomputed per strategy."""
     lm = registry.get(spec)
     scenario = composed_scenario(skill_ids, before, between, after_scenario, registry.profile)
@@ -464,8 +459,15 @@ def run_keystone(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[
 
 
 @guarded
-def run_composition_study(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[str], after_scenario: str | None,
-                          placements: Sequence[str], remedies: Sequence[str], progress: StepProgress = None) -> tuple[go.Figure, str, dict]:
+def run_composition_study(
+    registry: ModelRegistry,
+    spec: str | None,
+    skill_ids: Sequence[str],
+    after_scenario: str | None,
+    placements: Sequence[str],
+    remedies: Sequence[str],
+    progress: StepProgress = None,
+) -> tuple[go.Figure, str, dict]:
     """The N-skill study on this composition: the first 1..N skills (in the composer's order) at each placement
     in the scenario, both values of its first field, every remedy; tie-aware summary and the remedy frontier."""
     lm = registry.get(spec)
@@ -477,40 +479,51 @@ def run_composition_study(registry: ModelRegistry, spec: str | None, skill_ids: 
     if unknown or not placements:
         raise AppError(f"placements must be chosen among {', '.join(PLACEMENTS)}, got {list(placements or [])}")
     base = parse_scenario(bundled_scenario_text(after_scenario)) if after_scenario else adhoc_scenario([])
-    field = next(iter(base.fields.values()), None)
-    values = [{field.name: field.old}, {field.name: field.new}] if field else [{}]
-    study = run_study(lm, base, skill_prefixes(list(skill_ids)), registry.skills(spec), remedies=[remedy_of(r) for r in dict.fromkeys(remedies)],
-                      placements=list(dict.fromkeys(placements)), values=values, library=bundled_skills(), progress=progress)
+    study = run_study(
+        lm,
+        base,
+        skill_prefixes(list(skill_ids)),
+        registry.skills(spec),
+        remedies=[remedy_of(r) for r in dict.fromkeys(remedies)],
+        placements=list(dict.fromkeys(placements)),
+        values=first_field_values(base),
+        library=bundled_skills(),
+        progress=progress,
+    )
     data = {"model": lm.fingerprint.name, **study.as_dict()}
-    return compose_figures.study_figure(data), study_markdown(data), data
-
-
-def study_markdown(data: dict) -> str:
-    """One line per remedy: agreement on decisive cases, ties, margin error, recompute share, TTFT (Markdown)."""
-    count = len(data["cases"])
-    lines = [f"**{count} composed prompt{'' if count == 1 else 's'}**; agreement counts only cases whose recomputed |margin| ≥ {DECISIVE_MARGIN}."]
-    for name, row in data["summary"].items():
-        agreement = f"{row['agree_decisive']}/{row['decisive']} decisive agree" if row["decisive"] else "no decisive case"
-        lines.append(f"- {markdown_literal(name)}: {agreement}, {row['ties']} ties · mean |margin error| {row['mean_abs_margin_error']:.3f} · "
-                     f"median cosine {row['cosine']['median']:.4f} · recomputes {row['recomputed_fraction']:.1%} of skill tokens · "
-                     f"TTFT ×{row['speedup']['median']:.2f}" + (" (ranked against the full recompute: diagnostic)" if row["needs_reference"] else ""))
-    best = data.get("best")
-    lines.append(f"**Best deployable here:** {markdown_literal(best)}" if best else "**No deployable remedy agrees on every decisive case here.**")
-    return "\n".join(lines)
+    return compose_figures.study_figure(data), panels.study_markdown(data), data
 
 
 @guarded
-def run_agent_loop(registry: ModelRegistry, spec: str | None, skill_ids: Sequence[str], before: str, between: str,
-                   after_scenario: str | None, remedy: str | None, turns: int, toggle: bool, policy: str = "adaptive",
-                   progress: StepProgress = None) -> tuple[go.Figure, dict]:
+def run_agent_loop(
+    registry: ModelRegistry,
+    spec: str | None,
+    skill_ids: Sequence[str],
+    before: str,
+    between: str,
+    after_scenario: str | None,
+    remedy: str | None,
+    turns: int,
+    toggle: bool,
+    policy: str = "adaptive",
+    progress: StepProgress = None,
+) -> tuple[go.Figure, dict]:
     """Multi-turn episode with errata on a cached, composed context (compacted by ``policy``), against the
     clean-state prefill and the identical-token re-prefill every turn."""
     turns = number(turns, "turns", 4)
     registry.profile.check_turns(turns)
     lm = registry.get(spec)
     scenario = composed_scenario(skill_ids, before, between, after_scenario, registry.profile)
-    report = run_agent(lm, scenario, registry.skills(spec), turns=turns, toggle=bool(toggle), remedy=remedy_of(remedy),
-                       policy=policy or "never", progress=progress)
+    report = run_agent(
+        lm,
+        scenario,
+        registry.skills(spec),
+        turns=turns,
+        toggle=bool(toggle),
+        remedy=remedy_of(remedy),
+        policy=policy or "never",
+        progress=progress,
+    )
     return compose_figures.agent_figure(report), report.as_dict()
 
 
@@ -551,10 +564,17 @@ def quick_ttft(registry: ModelRegistry, spec: str | None, lengths: Sequence[int]
     rows = []
     for index, length in enumerate(lengths):
         skill = skill_of_length(lm, policy, length)
-        placed = dataclasses.replace(scenario, context=f"{{skill:{skill.id}}}\n\n{scenario.context}", skills={skill.id: skill})
+        placed = with_skills(scenario, [skill.id], "start", library={skill.id: skill})
         data = compare(lm, placed, registry.skills(spec)).as_dict()
-        rows.append({"skill_tokens": data["skill_tokens"], "full_ms": data["ttft_ms"]["full"], "splice_ms": data["ttft_ms"]["splice"],
-                     "speedup": data["speedup"], "cosine": data["cosine"]})
+        rows.append(
+            {
+                "skill_tokens": data["skill_tokens"],
+                "full_ms": data["ttft_ms"]["full"],
+                "splice_ms": data["ttft_ms"]["splice"],
+                "speedup": data["speedup"],
+                "cosine": data["cosine"],
+            }
+        )
         if progress:
             progress(index + 1, len(lengths))
     return {"model": lm.fingerprint.name, "device": str(lm.device), "rows": rows}
@@ -572,7 +592,11 @@ def learn_step(registry: ModelRegistry, index: int, spec: str | None) -> tuple[s
     lm = registry.get(spec)
     if index == 0:
         experiment = _experiment(registry, spec, text, None, None)
-        return learn.decisions_html(experiment, lm.fingerprint.name), decision_figure(experiment.oracle.decision, title=f"{experiment.field} = {experiment.new}")
+        new = experiment.oracle.decision  # the clean prefill at the new value (a forward on first use)
+        return (
+            learn.decisions_html(lm.fingerprint.name, experiment.old, experiment.new, experiment.stale.decision, new),
+            decision_figure(new, title=f"{experiment.field} = {experiment.new}"),
+        )
     if index in LEARN_STRATEGIES:
         experiment = _experiment(registry, spec, text, None, None)
         report = experiment.report(LEARN_STRATEGIES[index], fused=True)
@@ -583,7 +607,9 @@ def learn_step(registry: ModelRegistry, index: int, spec: str | None) -> tuple[s
 
 # ---------------------------------------------------------------------------- export
 @guarded
-def export_files(folder: ExportFolder, result: dict | None, figures: Sequence[go.Figure], stem: str, html_parts: Sequence[str] = ()) -> list[str]:
+def export_files(
+    folder: ExportFolder, result: dict | None, figures: Sequence[go.Figure], stem: str, html_parts: Sequence[str] = ()
+) -> list[str]:
     """Write the result JSON and one HTML file with every figure (and any HTML views); returns their paths."""
     if not result:
         raise AppError("nothing to export yet: run something first")
@@ -593,18 +619,4 @@ def export_files(folder: ExportFolder, result: dict | None, figures: Sequence[go
 # ---------------------------------------------------------------------------- server memory
 def memory_markdown(registry: ModelRegistry, sessions: SessionStore) -> str:
     """What this server keeps in memory against its budgets, as Markdown."""
-    profile, shared, kept = registry.profile, registry.memory(), sessions.stats()
-    mb = lambda count: f"{count / 2**20:,.1f} MB"  # noqa: E731
-    rows = [
-        f"**Profile** {profile.name} · models loaded: {', '.join(registry.loaded()) or 'none'} (at most {profile.model_capacity}"
-        f"{', default pinned' if profile.pin_default_model else ''}) · process RSS {mb(process_rss_bytes())}",
-        f"**Sessions** {kept['sessions']} holding {mb(kept['bytes'])} of {mb(kept['budget_bytes'])} (idle ones dropped after "
-        f"{kept['ttl_s'] / 60:.0f} min) · **baselines** {mb(shared['baselines'])} of {mb(profile.baseline_budget_bytes)} · "
-        f"**composer references** {mb(shared['references'])} of {mb(profile.reference_budget_bytes)} (per model) · "
-        f"**compiled skills** {mb(shared['skills'])}",
-    ]
-    limits = [f"context ≤ {profile.max_context_tokens:,} tokens" if profile.max_context_tokens else "any context length",
-              f"≤ {profile.request_seconds:g} s of model time per request" if profile.request_seconds else "no time limit",
-              f"≤ {profile.max_agent_turns} agent turns", f"exports ≤ {profile.export_max_bytes / 2**20:.0f} MB"]
-    rows.append("**Limits** " + " · ".join(limits))
-    return "  \n".join(rows)
+    return panels.memory_markdown(registry.profile.as_dict(), registry.loaded(), process_rss_bytes(), registry.memory(), sessions.stats())

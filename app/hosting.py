@@ -7,10 +7,16 @@ only (the offline aliases plus HF ids the host names in ``KVSCOPE_ALLOWED_MODELS
 bounded context, strategies, turns and model time per request. Both profiles bound memory the same way,
 with budgets scaled to the machine's RAM. Every limit can be overridden by the host (see ``from_env``).
 """
+
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
 import os
+import sys
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
@@ -19,8 +25,7 @@ import psutil
 from engine.cache.budget import WorkBudget
 from engine.edit.strategies import STRATEGIES
 from engine.errors import KVScopeError
-from engine.models.gguf import ALIASES
-from engine.models.tiny import HYBRID_ARCHS, TINY_ARCHS
+from engine.models import offline_aliases
 
 GiB = 2**30
 PUBLIC_MAX_CONTEXT_TOKENS = 1024
@@ -76,8 +81,9 @@ class HostingProfile:
     def check_scenario_text(self, text: str) -> None:
         """Refuse an over-long scenario before parsing it."""
         if self.max_scenario_chars is not None and len(text) > self.max_scenario_chars:
-            raise HostingError(f"the scenario has {len(text):,} characters; {self.label} accepts at most "
-                               f"{self.max_scenario_chars:,}: shorten its context")
+            raise HostingError(
+                f"the scenario has {len(text):,} characters; {self.label} accepts at most {self.max_scenario_chars:,}: shorten its context"
+            )
 
     def checked_strategies(self, names: Sequence[str]) -> list[str]:
         """The strategy names once each, in order, within the per-request maximum."""
@@ -111,21 +117,43 @@ def _budgets(memory_bytes: int) -> dict[str, int]:
 def local_profile(memory_bytes: int | None = None) -> HostingProfile:
     """One user on their own machine: everything allowed, memory still bounded."""
     return HostingProfile(
-        name="local", allowed_models=None, max_context_tokens=None, forward_tokens=None, request_seconds=None, max_scenario_chars=None,
-        max_strategies=len(STRATEGIES), max_agent_turns=64, session_ttl_s=6 * 3600.0, export_max_bytes=20 * 2**20,
-        export_keep=64, model_capacity=2, pin_default_model=False, concurrency=1, **_budgets(memory_bytes or machine_memory_bytes()),
+        name="local",
+        allowed_models=None,
+        max_context_tokens=None,
+        forward_tokens=None,
+        request_seconds=None,
+        max_scenario_chars=None,
+        max_strategies=len(STRATEGIES),
+        max_agent_turns=64,
+        session_ttl_s=6 * 3600.0,
+        export_max_bytes=20 * 2**20,
+        export_keep=64,
+        model_capacity=2,
+        pin_default_model=False,
+        concurrency=1,
+        **_budgets(memory_bytes or machine_memory_bytes()),
     )
 
 
 def public_profile(extra_models: Sequence[str] = (), memory_bytes: int | None = None) -> HostingProfile:
     """A public Space or a shared classroom server."""
-    allowed = (*ALIASES, *(f"tiny-{arch}" for arch in TINY_ARCHS + HYBRID_ARCHS), *extra_models)
+    allowed = (*offline_aliases(), *extra_models)
     return HostingProfile(
-        name="public", allowed_models=tuple(dict.fromkeys(allowed)), max_context_tokens=PUBLIC_MAX_CONTEXT_TOKENS,
-        forward_tokens=PUBLIC_FORWARD_TOKENS, request_seconds=PUBLIC_REQUEST_SECONDS, max_scenario_chars=PUBLIC_MAX_SCENARIO_CHARS,
+        name="public",
+        allowed_models=tuple(dict.fromkeys(allowed)),
+        max_context_tokens=PUBLIC_MAX_CONTEXT_TOKENS,
+        forward_tokens=PUBLIC_FORWARD_TOKENS,
+        request_seconds=PUBLIC_REQUEST_SECONDS,
+        max_scenario_chars=PUBLIC_MAX_SCENARIO_CHARS,
         max_strategies=len(STRATEGIES),
-        max_agent_turns=PUBLIC_MAX_AGENT_TURNS, session_ttl_s=15 * 60.0, export_max_bytes=2 * 2**20, export_keep=32,
-        model_capacity=2, pin_default_model=True, concurrency=4, **_budgets(memory_bytes or machine_memory_bytes()),
+        max_agent_turns=PUBLIC_MAX_AGENT_TURNS,
+        session_ttl_s=15 * 60.0,
+        export_max_bytes=2 * 2**20,
+        export_keep=32,
+        model_capacity=2,
+        pin_default_model=True,
+        concurrency=4,
+        **_budgets(memory_bytes or machine_memory_bytes()),
     )
 
 
@@ -153,3 +181,30 @@ def from_env(public: bool, environ: Mapping[str, str] | None = None) -> HostingP
             except ValueError as error:
                 raise HostingError(f"{variable}={environ[variable]!r} is not a valid {kind.__name__}") from error
     return replace(profile, **changes)
+
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if sys.platform.startswith("linux") and ctypes.util.find_library("c") else None
+_M_ARENA_MAX = -8  # glibc mallopt parameter
+
+
+def limit_malloc_arenas(arenas: int = 2) -> None:
+    """Cap glibc's malloc arenas: each of Gradio's worker threads would otherwise keep its own arena of freed
+    tensor memory, and the server's RSS would grow with every thread that ever ran a request (glibc only)."""
+    if _LIBC is not None:
+        _LIBC.mallopt(_M_ARENA_MAX, arenas)
+
+
+def return_freed_memory_every(seconds: float = 10.0) -> threading.Thread | None:
+    """A daemon thread handing memory freed by dropped results back to the system every ``seconds`` (glibc
+    only), so that no request waits for it."""
+    if _LIBC is None:
+        return None
+
+    def trim_forever() -> None:
+        while True:
+            time.sleep(seconds)
+            _LIBC.malloc_trim(0)
+
+    thread = threading.Thread(target=trim_forever, name="kvscope-malloc-trim", daemon=True)
+    thread.start()
+    return thread

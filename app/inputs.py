@@ -4,6 +4,7 @@ Gradio's own CheckboxGroup and Slider fail in preprocessing on ``None`` (before 
 server reports only as a generic error; here it reaches the handler, which applies its default or names
 what is missing.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -6,21 +6,19 @@ profile's budgets (least recently used first) and reclaimed: idle sessions expir
 drops every result computed with it, so no evicted copy stays alive. No session can reach another's
 entries: every read and write is keyed by the session's own id.
 """
+
 from __future__ import annotations
 
 import atexit
-import ctypes
-import ctypes.util
 import gc
 import json
 import shutil
-import sys
 import tempfile
 import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +29,7 @@ import torch
 from app.hosting import HostingError, HostingProfile, local_profile
 from engine.cache.budget import ComputeGate
 from engine.cache.footprint import tensor_bytes
+from engine.cache.lru import BudgetedLRU
 from engine.cache.selftest import SelfTestReport
 from engine.checks.support import SupportRow, check_model
 from engine.compose.skills import SkillStore
@@ -43,78 +42,18 @@ from engine.progress import MessageProgress
 from engine.scenario import Scenario
 
 
-class BudgetedLRU(MutableMapping):
-    """A thread-safe mapping within a byte budget (least recently used dropped first) and an idle TTL.
-
-    Entries are weighed with ``weigh`` when stored and again whenever they are used, since results grow
-    after they are kept (an oracle read on demand, gradients); the most recent entry always stays.
-    """
-
-    def __init__(self, budget_bytes: int, ttl_s: float | None = None, weigh: Callable[[Any], int] = tensor_bytes,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self.budget_bytes, self.ttl_s, self._weigh, self._clock = budget_bytes, ttl_s, weigh, clock
-        self._items: OrderedDict[Hashable, list] = OrderedDict()  # key -> [value, bytes, last used]
-        self._lock = threading.RLock()
-
-    def __getitem__(self, key):
-        with self._lock:
-            self._expire()
-            entry = self._items[key]
-            entry[1], entry[2] = self._weigh(entry[0]), self._clock()
-            self._items.move_to_end(key)
-            return entry[0]
-
-    def __setitem__(self, key, value) -> None:
-        with self._lock:
-            self._items[key] = [value, self._weigh(value), self._clock()]
-            self._items.move_to_end(key)
-            self._expire()
-            while len(self._items) > 1 and self.nbytes > self.budget_bytes:
-                self._items.popitem(last=False)
-
-    def __delitem__(self, key) -> None:
-        with self._lock:
-            del self._items[key]
-
-    def __iter__(self) -> Iterator:
-        with self._lock:
-            return iter(list(self._items))
-
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._items)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the entries as last weighed."""
-        with self._lock:
-            return sum(entry[1] for entry in self._items.values())
-
-    def drop_where(self, condition: Callable[[Hashable], bool]) -> None:
-        """Forget every entry whose key meets ``condition``."""
-        with self._lock:
-            for key in [key for key in self._items if condition(key)]:
-                del self._items[key]
-
-    def sweep(self) -> None:
-        """Drop expired entries now."""
-        with self._lock:
-            self._expire()
-
-    def _expire(self) -> None:
-        if self.ttl_s is None:
-            return
-        now = self._clock()
-        while self._items and now - next(iter(self._items.values()))[2] > self.ttl_s:
-            self._items.popitem(last=False)
-
-
 class ModelRegistry:
     """Models by spec, at most ``profile.model_capacity`` loaded at once (the default pinned on a public server);
     the one owner of loaded models and of everything shared that was computed with them."""
 
-    def __init__(self, default_spec: str = "embedded", profile: HostingProfile | None = None, device: str = "auto",
-                 dtype: str = "auto", loader: Callable[..., LoadedModel] = load_model) -> None:
+    def __init__(
+        self,
+        default_spec: str = "embedded",
+        profile: HostingProfile | None = None,
+        device: str = "auto",
+        dtype: str = "auto",
+        loader: Callable[..., LoadedModel] = load_model,
+    ) -> None:
         self.default_spec, self.device, self.dtype = default_spec, device, dtype
         self.profile = profile or local_profile()
         self.gate = ComputeGate()  # forwards of concurrent requests take turns, least model time first
@@ -123,7 +62,7 @@ class ModelRegistry:
         self._dtypes: dict[str, str] = {}  # the dtype each spec was loaded with ("auto" or a name)
         self._support: dict[str, SupportRow] = {}
         self._skills: dict[str, SkillStore] = {}
-        self._baselines = BudgetedLRU(self.profile.baseline_budget_bytes)  # (spec, scenario text) -> ScenarioRun
+        self._baselines = BudgetedLRU(self.profile.baseline_budget_bytes, weigh=tensor_bytes)  # (spec, scenario text) -> ScenarioRun
         self._references: dict[str, BudgetedLRU] = {}
         self._drop_listeners: list[Callable[[str], None]] = []
         self._lock = threading.RLock()
@@ -194,12 +133,17 @@ class ModelRegistry:
         """The scenario prefilled at its old values, with the decision's attention (kept for the next edits;
         shared by sessions: runs are immutable and keyed by the exact scenario text)."""
         key = (self.resolve(spec), scenario_text)
-        return self._once.cached(self._baselines, key, lambda: run_scenario(self.get(spec), scenario, capture_attention=True),
-                                 keep=lambda: key[0] in self._models)
+        return self._once.cached(
+            self._baselines,
+            key,
+            lambda: run_scenario(self.get(spec), scenario, capture_attention=True),
+            keep=lambda: key[0] in self._models,
+        )
 
     def references(self, spec: str | None = None) -> MutableMapping[tuple, Recomputed]:
-        """Recomputed sides of the composer's comparisons for a model (reused when only seam or blend change)."""
-        return self._references.setdefault(self.resolve(spec), BudgetedLRU(self.profile.reference_budget_bytes))
+        """Recomputed sides of the composer's comparisons for a model, keyed by the composed prompt (reused whenever only
+        the remedy changes), within the profile's reference budget."""
+        return self._references.setdefault(self.resolve(spec), BudgetedLRU(self.profile.reference_budget_bytes, weigh=tensor_bytes))
 
     def memory(self) -> dict[str, int]:
         """Bytes of shared results kept, by kind (model weights excluded)."""
@@ -247,7 +191,7 @@ class SessionStore:
         defaults = local_profile()
         self.budget_bytes = defaults.session_budget_bytes if budget_bytes is None else budget_bytes
         self.ttl_s = defaults.session_ttl_s if ttl_s is None else ttl_s
-        self._sessions = BudgetedLRU(self.budget_bytes, self.ttl_s, weigh=self._weigh, clock=clock)
+        self._sessions = BudgetedLRU(self.budget_bytes, weigh=self._weigh, ttl_s=self.ttl_s, clock=clock)
 
     @classmethod
     def for_profile(cls, profile: HostingProfile) -> "SessionStore":
@@ -306,7 +250,9 @@ class ExportFolder:
         page = "<html><body>" + "\n".join([*parts, *html_parts]) + "</body></html>"
         size = len(text.encode()) + len(page.encode())
         if size > self.max_bytes:
-            raise HostingError(f"this export would be {size / 2**20:.1f} MB; the server writes at most {self.max_bytes / 2**20:.0f} MB per export")
+            raise HostingError(
+                f"this export would be {size / 2**20:.1f} MB; the server writes at most {self.max_bytes / 2**20:.0f} MB per export"
+            )
         with self._lock:
             folder = Path(tempfile.mkdtemp(prefix="export-", dir=self.root))
             (folder / f"{stem}.json").write_text(text, encoding="utf-8")
@@ -326,30 +272,3 @@ class ExportFolder:
 def process_rss_bytes() -> int:
     """Resident memory of this server process."""
     return psutil.Process().memory_info().rss
-
-
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if sys.platform.startswith("linux") and ctypes.util.find_library("c") else None
-_M_ARENA_MAX = -8  # glibc mallopt parameter
-
-
-def limit_malloc_arenas(arenas: int = 2) -> None:
-    """Cap glibc's malloc arenas: each of Gradio's worker threads would otherwise keep its own arena of freed
-    tensor memory, and the server's RSS would grow with every thread that ever ran a request (glibc only)."""
-    if _LIBC is not None:
-        _LIBC.mallopt(_M_ARENA_MAX, arenas)
-
-
-def return_freed_memory_every(seconds: float = 10.0) -> threading.Thread | None:
-    """A daemon thread handing memory freed by dropped results back to the system every ``seconds`` (glibc
-    only), so that no request waits for it."""
-    if _LIBC is None:
-        return None
-
-    def trim_forever() -> None:
-        while True:
-            time.sleep(seconds)
-            _LIBC.malloc_trim(0)
-
-    thread = threading.Thread(target=trim_forever, name="kvscope-malloc-trim", daemon=True)
-    thread.start()
-    return thread

@@ -1,4 +1,5 @@
 """The KVScope page: tabs, components and event wiring (computation lives in app.handlers)."""
+
 from __future__ import annotations
 
 import functools
@@ -23,9 +24,10 @@ from engine.edit.strategies import STRATEGIES
 from engine.edit.weight_edit import METHODS as WEIGHT_METHODS
 from engine.edit.weight_edit import LoraSettings
 from engine.probes.analysis import DEFAULT_STRATEGIES
-from engine.probes.registry import ALL_PROBES
+from engine.probes.registry import PROBES
 from engine.scenario import bundled_scenarios
 from viz.common import markdown_literal
+from viz.text import remedy_words
 
 KEYSTONE_DEMO = "keystone_safety"  # a scenario whose deciding field lives inside a spliced skill
 MODEL_GROUP = "model"  # every model-bound handler shares one queue group
@@ -36,17 +38,29 @@ K/V — its *notes* — and the decision reads the notes, not the field. Edit a 
 not), see where the notes are, and splice precompiled skills into contexts."""
 
 LEARN_STEPS = (
-    ("1 · The notebook", "A prefilled context is a *notebook*: every token's keys and values, its position and its segment. "
-     "Reading a decision scores each answer after the question. Run the demo with the old and the new value of its field."),
-    ("2 · Does editing the field alone work?", "Recompute only the field's K/V (`field_only`) and compare with recomputing "
-     "everything after it (`full_downstream`). Where the model wrote its conclusion onto later tokens — its notes — the "
-     "field-only edit keeps reading the stale notes. The result below says how much of this decision the loaded model "
-     "keeps in its notes, beside the paper's figures for larger models."),
-    ("3 · The erratum", "Append one salient line — `[STATE UPDATE] field -> new; overrides any earlier value and conclusion` — "
-     "instead of touching the prefix. It is append-only, so a server's prefix cache stays valid."),
-    ("4 · Splicing skills", "Compute a skill's K/V once, rotate its keys to new positions (values carry no position), splice it "
-     "into a context and recompute one boundary token (seam); the skill is compiled after the scenario's own system prompt. "
-     "Compare with a full recompute."),
+    (
+        "1 · The notebook",
+        "A prefilled context is a *notebook*: every token's keys and values, its position and its segment. "
+        "Reading a decision scores each answer after the question. Run the demo with the old and the new value of its field.",
+    ),
+    (
+        "2 · Does editing the field alone work?",
+        "Recompute only the field's K/V (`field_only`) and compare with recomputing "
+        "everything after it (`full_downstream`). Where the model wrote its conclusion onto later tokens — its notes — the "
+        "field-only edit keeps reading the stale notes. The result below says how much of this decision the loaded model "
+        "keeps in its notes, beside the paper's figures for larger models.",
+    ),
+    (
+        "3 · The erratum",
+        "Append one salient line — `[STATE UPDATE] field -> new; overrides any earlier value and conclusion` — "
+        "instead of touching the prefix. It is append-only, so a server's prefix cache stays valid.",
+    ),
+    (
+        "4 · Splicing skills",
+        "Compute a skill's K/V once, rotate its keys to new positions (values carry no position) and splice it "
+        f"into a context, repaired by the composer's default remedy `{DEFAULT_REMEDY.name}`: {remedy_words(DEFAULT_REMEDY.as_dict())}. "
+        "The result says how many of the skill's tokens that recomputed. Compare with a full recompute.",
+    ),
 )
 
 
@@ -113,7 +127,9 @@ def _figure(plot, index: int) -> go.Figure | None:
     try:
         return plotly.io.from_json(plot.plot)
     except (ValueError, TypeError) as error:
-        raise AppError(f"plot {index + 1} of this export is not a valid plotly figure ({type(error).__name__}); re-run to redraw it") from error
+        raise AppError(
+            f"plot {index + 1} of this export is not a valid plotly figure ({type(error).__name__}); re-run to redraw it"
+        ) from error
 
 
 def _exporter(page: Page, stem: str, views: int = 0):
@@ -132,12 +148,18 @@ def _model_tab(page: Page):
     with gr.Tab("Model", id="model"):
         with gr.Row():
             model_input = gr.Dropdown(
-                choices=handlers.offered_models(page.registry), value=page.registry.default_spec, allow_custom_value=True,
-                label="Model (alias, Hugging Face id or local directory)" if page.registry.profile.allowed_models is None
-                else "Model (one of those this server offers)", elem_id="model-spec", scale=3,
+                choices=handlers.offered_models(page.registry),
+                value=page.registry.default_spec,
+                allow_custom_value=True,
+                label="Model (alias, Hugging Face id or local directory)"
+                if page.registry.profile.allowed_models is None
+                else "Model (one of those this server offers)",
+                elem_id="model-spec",
+                scale=3,
             )
-            model_dtype = gr.Radio(["auto", "float32", "bfloat16"], value=None, label="dtype (empty = as loaded)",
-                                   elem_id="model-dtype", scale=2)
+            model_dtype = gr.Radio(
+                ["auto", "float32", "bfloat16"], value=None, label="dtype (empty = as loaded)", elem_id="model-dtype", scale=2
+            )
             load_button = gr.Button("Load", variant="primary", elem_id="load-model", scale=1)
         model_card = gr.Markdown(elem_id="model-card")
         with gr.Row():
@@ -150,10 +172,17 @@ def _model_tab(page: Page):
         card, info = handlers.load_model_card(page.registry, model_spec, progress=lambda message: progress(None, desc=message), dtype=dtype)
         return card, info, model_spec, page.session_id(session_value), handlers.memory_markdown(page.registry, page.sessions)
 
-    memory_refresh.click(lambda: handlers.memory_markdown(page.registry, page.sessions), None, server_memory, api_name="server_memory",
-                         concurrency_limit=None)
+    memory_refresh.click(
+        lambda: handlers.memory_markdown(page.registry, page.sessions),
+        None,
+        server_memory,
+        api_name="server_memory",
+        concurrency_limit=None,
+    )
     outputs = [model_card, model_json, page.spec, page.session, server_memory]
-    loaded = load_button.click(on_load_model, [page.session, model_input, model_dtype], outputs, api_name="load_model", **page.model_bound())
+    loaded = load_button.click(
+        on_load_model, [page.session, model_input, model_dtype], outputs, api_name="load_model", **page.model_bound()
+    )
     return loaded, on_load_model, outputs
 
 
@@ -162,7 +191,7 @@ def _notes_tab(page: Page) -> NotesInputs:
     scenario_names = sorted(bundled_scenarios())
     first_text = handlers.bundled_scenario_text(handlers.NOTES_SCENARIO)
     first = handlers.scenario_choices(first_text)
-    heads = page.registry.get().model.config.get_text_config().num_attention_heads
+    heads = page.registry.get().info()["attention_heads"]
     with gr.Tab("Notes", id="notes"):
         with gr.Row():
             with gr.Column(scale=2):
@@ -174,12 +203,15 @@ def _notes_tab(page: Page) -> NotesInputs:
                 field = gr.Dropdown(first.fields, value=first.fields[0], label="Field", allow_custom_value=True, elem_id="field")
                 new_value = gr.Dropdown(first.values, value=first.new, label="New value", allow_custom_value=True, elem_id="new-value")
                 strategies = LenientCheckboxGroup(
-                    [s for s in STRATEGIES if s not in ("stale", "oracle")], value=list(DEFAULT_STRATEGIES),
-                    label="Strategies", elem_id="strategies",
+                    [s for s in STRATEGIES if s not in ("stale", "oracle")],
+                    value=list(DEFAULT_STRATEGIES),
+                    label="Strategies",
+                    elem_id="strategies",
                 )
                 top_k = LenientSlider(1, 64, value=8, step=1, label="K (field_topk, knockout)", elem_id="top-k")
-                separately = gr.Checkbox(False, label="Time each strategy on its own (slower; default reads all in one forward)",
-                                         elem_id="separately")
+                separately = gr.Checkbox(
+                    False, label="Time each strategy on its own (slower; default reads all in one forward)", elem_id="separately"
+                )
                 edit_button = gr.Button("Edit the field", variant="primary", elem_id="run-edit")
                 baseline = gr.Markdown(elem_id="baseline")
         cards = gr.HTML(elem_id="strategy-cards")
@@ -189,8 +221,9 @@ def _notes_tab(page: Page) -> NotesInputs:
         notes_text = gr.HTML(label="Context coloured by notes effect", elem_id="notes-text")
         with gr.Row():
             head = LenientSlider(-1, heads - 1, value=-1, step=1, label="Attention head (-1 = mean over heads)", elem_id="head")
-            all_positions = gr.Checkbox(False, label="Notes map: show every context position (default: the field and after)",
-                                        elem_id="notes-all-positions")
+            all_positions = gr.Checkbox(
+                False, label="Notes map: show every context position (default: the field and after)", elem_id="notes-all-positions"
+            )
         with gr.Row():
             attention_plot = gr.Plot(label="Attention from the decision token", elem_id="attention-plot")
             notes_plot = gr.Plot(label="Notes map (layer × position)", elem_id="notes-plot")
@@ -224,37 +257,74 @@ def _notes_tab(page: Page) -> NotesInputs:
             view = handlers.scenario_choices(text, chosen_field)
         except AppError as error:
             return f"⚠️ {markdown_literal(str(error))}", gr.update(), gr.update()
-        return (view.description, gr.update(choices=view.fields, value=chosen_field if chosen_field in view.fields else view.fields[0]),
-                gr.update(choices=view.values, value=view.new))
+        return (
+            view.description,
+            gr.update(choices=view.fields, value=chosen_field if chosen_field in view.fields else view.fields[0]),
+            gr.update(choices=view.values, value=view.new),
+        )
 
     inputs = NotesInputs(editor, field, new_value, baseline)
-    for event in (scenario_pick.change(on_scenario, scenario_pick, [editor, description, field, new_value], api_name="scenario", concurrency_limit=None),
-                  upload.upload(on_upload, upload, [editor, description, field, new_value], api_name="upload_scenario", concurrency_limit=None),
-                  editor.blur(lambda text: _choices(text), editor, [description, field, new_value], api_name=False, concurrency_limit=None)):
+    for event in (
+        scenario_pick.change(
+            on_scenario, scenario_pick, [editor, description, field, new_value], api_name="scenario", concurrency_limit=None
+        ),
+        upload.upload(on_upload, upload, [editor, description, field, new_value], api_name="upload_scenario", concurrency_limit=None),
+        editor.blur(lambda text: _choices(text), editor, [description, field, new_value], api_name=False, concurrency_limit=None),
+    ):
         _then_prepare(page, event, inputs)
     field.input(lambda text, f: _choices(text, f)[2], [editor, field], new_value, api_name=False, concurrency_limit=None)
 
     @page.action
-    def on_edit(session_value, model_spec, text, field_name, value, chosen, k, head_index, one_by_one=False, every_position=False,
-                progress=gr.Progress()):
+    def on_edit(
+        session_value,
+        model_spec,
+        text,
+        field_name,
+        value,
+        chosen,
+        k,
+        head_index,
+        one_by_one=False,
+        every_position=False,
+        progress=gr.Progress(),
+    ):
         sid = page.session_id(session_value)
         head_index = handlers.number(head_index, "attention head", -1)
-        view = handlers.run_edit(page.registry, page.sessions, sid, model_spec, text, field_name, value, chosen or [], k,
-                                 None if head_index < 0 else head_index, progress=_progress_callback(progress),
-                                 separately=bool(one_by_one), all_positions=bool(every_position))
-        return (view.cards_html, view.strategy_figure, view.text_html, view.attention_figure, view.notes_figure,
-                view.summary, sid)
+        view = handlers.run_edit(
+            page.registry,
+            page.sessions,
+            sid,
+            model_spec,
+            text,
+            field_name,
+            value,
+            chosen or [],
+            k,
+            None if head_index < 0 else head_index,
+            progress=_progress_callback(progress),
+            separately=bool(one_by_one),
+            all_positions=bool(every_position),
+        )
+        return (view.cards_html, view.strategy_figure, view.text_html, view.attention_figure, view.notes_figure, view.summary, sid)
 
     @page.action
     def on_frontier(session_value, progress=gr.Progress()):
         return handlers.run_frontier(page.sessions, page.session_id(session_value), progress=_progress_callback(progress))
 
     edit_button.click(
-        on_edit, [page.session, page.spec, editor, field, new_value, strategies, top_k, head, separately, all_positions],
-        [cards, strategy_plot, notes_text, attention_plot, notes_plot, edit_json, page.session], api_name="edit", **page.model_bound(),
+        on_edit,
+        [page.session, page.spec, editor, field, new_value, strategies, top_k, head, separately, all_positions],
+        [cards, strategy_plot, notes_text, attention_plot, notes_plot, edit_json, page.session],
+        api_name="edit",
+        **page.model_bound(),
     ).success(on_frontier, page.session, [frontier_plot, frontier_json], api_name="frontier", **page.model_bound())
-    all_positions.change(lambda session_value, every: handlers.notes_map_view(page.sessions, page.session_id(session_value), every),
-                         [page.session, all_positions], notes_plot, api_name=False, concurrency_limit=None)
+    all_positions.change(
+        lambda session_value, every: handlers.notes_map_view(page.sessions, page.session_id(session_value), every),
+        [page.session, all_positions],
+        notes_plot,
+        api_name=False,
+        concurrency_limit=None,
+    )
 
     @page.action
     def on_knockout(session_value, positions, k):
@@ -262,10 +332,20 @@ def _notes_tab(page: Page) -> NotesInputs:
         text, figure, data = handlers.run_knockout(page.sessions, sid, positions, k)
         return text, figure, data, sid
 
-    knockout_button.click(on_knockout, [page.session, knockout_positions, top_k], [knockout_text, knockout_plot, edit_json, page.session],
-                          api_name="knockout", **page.model_bound())
-    notes_export.click(_exporter(page, "kvscope-notes", views=1), [edit_json, strategy_plot, frontier_plot, attention_plot, notes_plot, notes_text],
-                       notes_files, api_name="export_notes", concurrency_limit=None)
+    knockout_button.click(
+        on_knockout,
+        [page.session, knockout_positions, top_k],
+        [knockout_text, knockout_plot, edit_json, page.session],
+        api_name="knockout",
+        **page.model_bound(),
+    )
+    notes_export.click(
+        _exporter(page, "kvscope-notes", views=1),
+        [edit_json, strategy_plot, frontier_plot, attention_plot, notes_plot, notes_text],
+        notes_files,
+        api_name="export_notes",
+        concurrency_limit=None,
+    )
     return inputs
 
 
@@ -280,8 +360,13 @@ def _prepare_message(page: Page, model_spec: str, text: str) -> str:
 
 def _then_prepare(page: Page, event, notes: NotesInputs) -> None:
     """After ``event``, prefill the editor's scenario at its old values and state the current decision."""
-    event.then(lambda model_spec, text: _prepare_message(page, model_spec, text), [page.spec, notes.editor], notes.baseline,
-               api_name=False, **page.model_bound())
+    event.then(
+        lambda model_spec, text: _prepare_message(page, model_spec, text),
+        [page.spec, notes.editor],
+        notes.baseline,
+        api_name=False,
+        **page.model_bound(),
+    )
 
 
 def _probes_tab(page: Page, notes: NotesInputs) -> None:
@@ -290,8 +375,10 @@ def _probes_tab(page: Page, notes: NotesInputs) -> None:
         gr.Markdown("Each probe runs on the scenario, field and new value chosen in the **Notes** tab.")
         with gr.Row():
             probe_name = gr.Dropdown(
-                [name for name in ALL_PROBES if name != "attention"],  # attention: the Notes tab
-                value="suffix", label="Probe", elem_id="probe-name",
+                [name for name in PROBES if name != "attention"],  # attention: the Notes tab
+                value="suffix",
+                label="Probe",
+                elem_id="probe-name",
             )
             trigger_find = gr.Textbox(label="trigger: rule text to flip", elem_id="trigger-find")
             trigger_replace = gr.Textbox(label="trigger: replacement (same token count)", elem_id="trigger-replace")
@@ -309,9 +396,16 @@ def _probes_tab(page: Page, notes: NotesInputs) -> None:
         options = {"find": find, "replace": replacement} if name == "trigger" else {"method": method} if name == "attribution" else {}
         return handlers.run_probe(page.registry, model_spec, text, field_name, value, name, options, progress=_progress_callback(progress))
 
-    probe_button.click(on_probe, [page.spec, notes.editor, notes.field, notes.new_value, probe_name, trigger_find, trigger_replace,
-                                  attribution_method], [probe_plot, probe_json], api_name="probe", **page.model_bound())
-    probe_export.click(_exporter(page, "kvscope-probe"), [probe_json, probe_plot], probe_files, api_name="export_probe", concurrency_limit=None)
+    probe_button.click(
+        on_probe,
+        [page.spec, notes.editor, notes.field, notes.new_value, probe_name, trigger_find, trigger_replace, attribution_method],
+        [probe_plot, probe_json],
+        api_name="probe",
+        **page.model_bound(),
+    )
+    probe_export.click(
+        _exporter(page, "kvscope-probe"), [probe_json, probe_plot], probe_files, api_name="export_probe", concurrency_limit=None
+    )
 
 
 def _weights_section(page: Page, notes: NotesInputs) -> None:
@@ -325,9 +419,13 @@ def _weights_section(page: Page, notes: NotesInputs) -> None:
         )
         with gr.Row():
             methods = LenientCheckboxGroup(list(WEIGHT_METHODS), value=list(WEIGHT_METHODS), label="methods", elem_id="weights-methods")
-            lora_steps = LenientSlider(1, 60, value=LoraSettings.steps, step=1, label="LoRA steps (stops once flipped)", elem_id="weights-lora-steps")
-            layers = page.registry.get().model.config.get_text_config().num_hidden_layers
-            rome_layer = LenientSlider(-1, layers - 1, value=-1, step=1, label="ROME layer (-1: from the notes map)", elem_id="weights-rome-layer")
+            lora_steps = LenientSlider(
+                1, 60, value=LoraSettings.steps, step=1, label="LoRA steps (stops once flipped)", elem_id="weights-lora-steps"
+            )
+            layers = page.registry.get().info()["layers"]
+            rome_layer = LenientSlider(
+                -1, layers - 1, value=-1, step=1, label="ROME layer (-1: from the notes map)", elem_id="weights-rome-layer"
+            )
             weights_button = gr.Button("Compare edits", variant="primary", elem_id="run-weights")
         weights_summary = gr.Markdown(elem_id="weights-summary")
         weights_plot = gr.Plot(label="Weight editing vs erratum", elem_id="weights-plot")
@@ -335,12 +433,18 @@ def _weights_section(page: Page, notes: NotesInputs) -> None:
 
     @page.action
     def on_weights(model_spec, text, field_name, value, chosen, steps, layer, progress=gr.Progress()):
-        figure, summary, data = handlers.run_weight_edits(page.registry, model_spec, text, field_name, value, chosen, steps, layer,
-                                                          progress=_progress_callback(progress))
+        figure, summary, data = handlers.run_weight_edits(
+            page.registry, model_spec, text, field_name, value, chosen, steps, layer, progress=_progress_callback(progress)
+        )
         return summary, figure, data
 
-    weights_button.click(on_weights, [page.spec, notes.editor, notes.field, notes.new_value, methods, lora_steps, rome_layer],
-                         [weights_summary, weights_plot, weights_json], api_name="weights", **page.model_bound())
+    weights_button.click(
+        on_weights,
+        [page.spec, notes.editor, notes.field, notes.new_value, methods, lora_steps, rome_layer],
+        [weights_summary, weights_plot, weights_json],
+        api_name="weights",
+        **page.model_bound(),
+    )
 
 
 def _composer_tab(page: Page) -> None:
@@ -353,8 +457,14 @@ def _composer_tab(page: Page) -> None:
             between = gr.Textbox(label="Text between skills", lines=2, elem_id="text-between")
             after = gr.Dropdown([""] + scenario_names, value="", label="Then a scenario (question and answers)", elem_id="after-scenario")
         with gr.Row():
-            remedy = gr.Dropdown(list(dict.fromkeys([DEFAULT_REMEDY.name, *STUDY_REMEDIES])), value=DEFAULT_REMEDY.name, allow_custom_value=True,
-                                 label="Repair of the spliced skills", info=handlers.remedy_info(), elem_id="remedy")
+            remedy = gr.Dropdown(
+                list(dict.fromkeys([DEFAULT_REMEDY.name, *STUDY_REMEDIES])),
+                value=DEFAULT_REMEDY.name,
+                allow_custom_value=True,
+                label="Repair of the spliced skills",
+                info=handlers.remedy_info(),
+                elem_id="remedy",
+            )
             compose_button = gr.Button("Splice vs recompute", variant="primary", elem_id="run-compose")
         compose_metrics = gr.Markdown(elem_id="compose-metrics")
         with gr.Row():
@@ -371,32 +481,44 @@ def _composer_tab(page: Page) -> None:
         loop_plot = gr.Plot(label="Keystone / agent", elem_id="loop-plot")
         compose_json = gr.JSON(label="Result", elem_id="compose-json")
         with gr.Accordion("Many skills at once: the N-skill study on this composition", open=False, elem_id="study-panel"):
-            gr.Markdown("The first 1, 2 … N skills of the context above (in its order) placed in the chosen scenario, at each "
-                        "placement, for both values of its first field; each recomputed once and spliced with every remedy. "
-                        f"Agreement counts only decisive cases (recomputed |margin| ≥ {DECISIVE_MARGIN}); ties are reported apart. "
-                        "Text before/between skills is not used here.")
+            gr.Markdown(
+                "The first 1, 2 … N skills of the context above (in its order) placed in the chosen scenario, at each "
+                "placement, for both values of its first field; each recomputed once and spliced with every remedy. "
+                f"Agreement counts only decisive cases (recomputed |margin| ≥ {DECISIVE_MARGIN}); ties are reported apart. "
+                "Text before/between skills is not used here."
+            )
             with gr.Row():
                 placements = LenientCheckboxGroup(list(PLACEMENTS), value=["start"], label="placements", elem_id="study-placements")
-                study_remedies = LenientCheckboxGroup(list(STUDY_REMEDIES), value=list(STUDY_REMEDIES[:3]), label="remedies",
-                                                      elem_id="study-remedies")
+                study_remedies = LenientCheckboxGroup(
+                    list(STUDY_REMEDIES), value=list(STUDY_REMEDIES[:3]), label="remedies", elem_id="study-remedies"
+                )
                 study_button = gr.Button("Run the study", elem_id="run-study")
             study_summary = gr.Markdown(elem_id="study-summary")
             study_plot = gr.Plot(label="Remedy frontier", elem_id="study-plot")
             study_json = gr.JSON(label="Study", elem_id="study-json")
         with gr.Accordion("A picture's K/V spliced into a context (vision-language models)", open=False, elem_id="image-panel"):
-            gr.Markdown("The picture is encoded once (vision tower) and prefilled after the chat template's head; its K/V then "
-                        "move behind the text before it — keys re-rotated on M-RoPE's three axes — and the question is read. The "
-                        "full recompute runs the vision tower and prefills everything. Needs an M-RoPE vision-language model: "
-                        "choose `tiny-qwen2_vl` (random weights: exactness, not meaning) or a Qwen2-VL / Qwen2.5-VL checkpoint.")
+            gr.Markdown(
+                "The picture is encoded once (vision tower) and prefilled after the chat template's head; its K/V then "
+                "move behind the text before it — keys re-rotated on M-RoPE's three axes — and the question is read. The "
+                "full recompute runs the vision tower and prefills everything. Needs an M-RoPE vision-language model: "
+                "choose `tiny-qwen2_vl` (random weights: exactness, not meaning) or a Qwen2-VL / Qwen2.5-VL checkpoint."
+            )
             with gr.Row():
-                picture = gr.Image(value=str(bundled_images()["shipping_label"]), type="numpy", label="Picture", height=220,
-                                   elem_id="image-picture")
+                picture = gr.Image(
+                    value=str(bundled_images()["shipping_label"]), type="numpy", label="Picture", height=220, elem_id="image-picture"
+                )
                 with gr.Column():
-                    picture_before = gr.Textbox(label="Text before the picture (the block moves by its length)", lines=2,
-                                                value="Order 48213 was placed on Monday by a gold customer.", elem_id="image-before")
+                    picture_before = gr.Textbox(
+                        label="Text before the picture (the block moves by its length)",
+                        lines=2,
+                        value="Order 48213 was placed on Monday by a gold customer.",
+                        elem_id="image-before",
+                    )
                     picture_after = gr.Textbox(label="Text after the picture", lines=1, elem_id="image-after")
                     picture_question = gr.Textbox(label="Question (yes / no)", value=IMAGE_QUESTION, elem_id="image-question")
-                    picture_seam = LenientSlider(0, 16, value=0, step=1, label="Seam: the picture's first tokens recomputed", elem_id="image-seam")
+                    picture_seam = LenientSlider(
+                        0, 16, value=0, step=1, label="Seam: the picture's first tokens recomputed", elem_id="image-seam"
+                    )
                     picture_button = gr.Button("Splice picture vs recompute", variant="primary", elem_id="run-image")
             picture_metrics = gr.Markdown(elem_id="image-metrics")
             picture_plot = gr.Plot(label="Top next tokens: spliced picture vs recomputed from pixels", elem_id="image-logits-plot")
@@ -418,36 +540,95 @@ def _composer_tab(page: Page) -> None:
 
     @page.action
     def on_keystone(model_spec, skill_ids, text_before, text_between, after_name, remedy_spec, progress=gr.Progress()):
-        return handlers.run_keystone(page.registry, model_spec, skill_ids, text_before, text_between, after_name or None, remedy_spec,
-                                     progress=_progress_callback(progress))
+        return handlers.run_keystone(
+            page.registry,
+            model_spec,
+            skill_ids,
+            text_before,
+            text_between,
+            after_name or None,
+            remedy_spec,
+            progress=_progress_callback(progress),
+        )
 
     keystone_demo.click(lambda: ([], KEYSTONE_DEMO), None, [composer, after], api_name=False)
-    keystone_button.click(on_keystone, [page.spec, *composition, remedy], [loop_plot, compose_json], api_name="keystone", **page.model_bound())
+    keystone_button.click(
+        on_keystone, [page.spec, *composition, remedy], [loop_plot, compose_json], api_name="keystone", **page.model_bound()
+    )
 
     @page.action
-    def on_agent(model_spec, skill_ids, text_before, text_between, after_name, remedy_spec, turn_count, toggled, compaction="adaptive",
-                 progress=gr.Progress()):
-        return handlers.run_agent_loop(page.registry, model_spec, skill_ids, text_before, text_between, after_name or None, remedy_spec,
-                                       turn_count, toggled, compaction, progress=_progress_callback(progress))
+    def on_agent(
+        model_spec,
+        skill_ids,
+        text_before,
+        text_between,
+        after_name,
+        remedy_spec,
+        turn_count,
+        toggled,
+        compaction="adaptive",
+        progress=gr.Progress(),
+    ):
+        return handlers.run_agent_loop(
+            page.registry,
+            model_spec,
+            skill_ids,
+            text_before,
+            text_between,
+            after_name or None,
+            remedy_spec,
+            turn_count,
+            toggled,
+            compaction,
+            progress=_progress_callback(progress),
+        )
 
-    agent_button.click(on_agent, [page.spec, *composition, remedy, turns, toggle, policy], [loop_plot, compose_json], api_name="agent",
-                       **page.model_bound())
+    agent_button.click(
+        on_agent,
+        [page.spec, *composition, remedy, turns, toggle, policy],
+        [loop_plot, compose_json],
+        api_name="agent",
+        **page.model_bound(),
+    )
 
     @page.action
     def on_study(model_spec, skill_ids, after_name, chosen_placements, chosen_remedies, progress=gr.Progress()):
-        return handlers.run_composition_study(page.registry, model_spec, skill_ids, after_name or None, chosen_placements, chosen_remedies,
-                                              progress=_progress_callback(progress))
+        return handlers.run_composition_study(
+            page.registry,
+            model_spec,
+            skill_ids,
+            after_name or None,
+            chosen_placements,
+            chosen_remedies,
+            progress=_progress_callback(progress),
+        )
 
-    study_button.click(on_study, [page.spec, composer, after, placements, study_remedies], [study_plot, study_summary, study_json],
-                       api_name="compose_study", **page.model_bound())
+    study_button.click(
+        on_study,
+        [page.spec, composer, after, placements, study_remedies],
+        [study_plot, study_summary, study_json],
+        api_name="compose_study",
+        **page.model_bound(),
+    )
+
     @page.action
     def on_image(model_spec, pixels, text_before, text_after, question, seam):
         return handlers.run_image_compose(page.registry, model_spec, pixels, text_before, text_after, question, seam)
 
-    picture_button.click(on_image, [page.spec, picture, picture_before, picture_after, picture_question, picture_seam],
-                         [picture_metrics, picture_plot, picture_json], api_name="compose_image", **page.model_bound())
-    compose_export.click(_exporter(page, "kvscope-composer"), [compose_json, logits_plot, deviation_plot, loop_plot], compose_files,
-                         api_name="export_composer", concurrency_limit=None)
+    picture_button.click(
+        on_image,
+        [page.spec, picture, picture_before, picture_after, picture_question, picture_seam],
+        [picture_metrics, picture_plot, picture_json],
+        api_name="compose_image",
+        **page.model_bound(),
+    )
+    compose_export.click(
+        _exporter(page, "kvscope-composer"),
+        [compose_json, logits_plot, deviation_plot, loop_plot],
+        compose_files,
+        api_name="export_composer",
+        concurrency_limit=None,
+    )
 
 
 def _benchmarks_tab(page: Page) -> None:
@@ -465,8 +646,13 @@ def _benchmarks_tab(page: Page) -> None:
         updates += [gr.update(visible=False)] * (len(bench_plots) - len(figures))
         return (*updates, results)
 
-    bench_refresh.click(lambda: show_benchmarks(handlers.benchmark_results()), None, [*bench_plots, bench_json],
-                        api_name="benchmarks", concurrency_limit=None)
+    bench_refresh.click(
+        lambda: show_benchmarks(handlers.benchmark_results()),
+        None,
+        [*bench_plots, bench_json],
+        api_name="benchmarks",
+        concurrency_limit=None,
+    )
 
     @page.action
     def on_quick(model_spec, progress=gr.Progress()):
@@ -482,10 +668,15 @@ def _learn_tab(page: Page) -> None:
             with gr.Group():
                 gr.Markdown(f"### {title}\n{text}")
                 button = gr.Button(f"Run step {index + 1}", elem_id=f"learn-{index + 1}")
-                result_md = gr.HTML()
-                result_plot = gr.Plot()
-            button.click(page.action(functools.partial(handlers.learn_step, page.registry, index)), page.spec, [result_md, result_plot],
-                         api_name=f"learn_{index + 1}", **page.model_bound())
+                result_md = gr.HTML(elem_id=f"learn-{index + 1}-result")
+                result_plot = gr.Plot(elem_id=f"learn-{index + 1}-plot")
+            button.click(
+                page.action(functools.partial(handlers.learn_step, page.registry, index)),
+                page.spec,
+                [result_md, result_plot],
+                api_name=f"learn_{index + 1}",
+                **page.model_bound(),
+            )
 
 
 def build_app(registry: ModelRegistry, sessions: SessionStore | None = None, exports: ExportFolder | None = None) -> gr.Blocks:
@@ -508,6 +699,11 @@ def build_app(registry: ModelRegistry, sessions: SessionStore | None = None, exp
             _learn_tab(page)
         _then_prepare(page, model_loaded, notes)
         blocks.load(on_load_model, [page.session, page.spec], model_outputs, api_name=False, **page.model_bound())
-        blocks.load(lambda model_spec, text: _prepare_message(page, model_spec, text), [page.spec, notes.editor], notes.baseline,
-                    api_name="prepare", **page.model_bound())
+        blocks.load(
+            lambda model_spec, text: _prepare_message(page, model_spec, text),
+            [page.spec, notes.editor],
+            notes.baseline,
+            api_name="prepare",
+            **page.model_bound(),
+        )
     return blocks

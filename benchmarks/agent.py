@@ -11,20 +11,30 @@ error, compactions and the cumulative TTFT speedup against clean prefills, all f
 erratum wordings on the first scenario (no compaction). Writes benchmarks/results/agent-<model>-<device>.json
 and an HTML figure.
 """
+
 from __future__ import annotations
 
 from tqdm import tqdm
 
 from benchmarks import common
 from benchmarks.common import RESULTS, write_result
-from engine.compose.agent import ERRATUM_WORDINGS, Compaction, run_agent
+from engine.compose.agent import Compaction, run_agent
 from engine.compose.skills import SkillStore
+from engine.edit.erratum import WORDINGS
 from engine.scenario import Scenario, bundled_scenarios
 from viz.benchmarks import agent_policy_figure
 
 SCENARIOS = "machine_safety,pharmacy_prescription,badge_access_yaml,refund_gate"
-SUMMARY_KEYS = ("clean_state_agreement", "identical_tokens_agreement", "margin_error_vs_clean_state", "min_cosine_vs_clean_state",
-                "compactions", "cumulative_ttft_ms", "cumulative_speedup_vs_clean_state", "state_sensitive")
+SUMMARY_KEYS = (
+    "clean_state_agreement",
+    "identical_tokens_agreement",
+    "margin_error_vs_clean_state",
+    "min_cosine_vs_clean_state",
+    "compactions",
+    "cumulative_ttft_ms",
+    "cumulative_speedup_vs_clean_state",
+    "state_sensitive",
+)
 
 
 def main() -> None:
@@ -42,15 +52,32 @@ def main() -> None:
     for name, scenario in tqdm([(n, s) for n, s in zip(names, scenarios)], desc="scenarios"):
         for policy in policies:
             data = run_agent(lm, scenario, store, turns=args.turns, toggle=True, policy=policy).as_dict()
-            rows.append({"scenario": name, "policy": policy.name, **{key: data[key] for key in SUMMARY_KEYS},
-                         "per_turn": [{"turn": t["turn"], "cached": t["cached"]["margin"], "clean": t["clean_state"]["margin"],
-                                       "compacted": t["compacted"]} for t in data["turns"]]})
-            print(f"{name:>24} {policy.name:>12}: clean-state agreement {data['clean_state_agreement']:.3f}, identical "
-                  f"{data['identical_tokens_agreement']:.3f}, {data['compactions']} compactions, TTFT ×{data['cumulative_speedup_vs_clean_state']}")
-    for wording in tqdm(ERRATUM_WORDINGS, desc="wordings"):
+            rows.append(
+                {
+                    "scenario": name,
+                    "policy": policy.name,
+                    **{key: data[key] for key in SUMMARY_KEYS},
+                    "per_turn": [
+                        {
+                            "turn": t["turn"],
+                            "cached": t["cached"]["margin"],
+                            "clean": t["clean_state"]["margin"],
+                            "compacted": t["compacted"],
+                        }
+                        for t in data["turns"]
+                    ],
+                }
+            )
+            print(
+                f"{name:>24} {policy.name:>12}: clean-state agreement {data['clean_state_agreement']:.3f}, identical "
+                f"{data['identical_tokens_agreement']:.3f}, {data['compactions']} compactions, "
+                f"TTFT ×{data['cumulative_speedup_vs_clean_state']}"
+            )
+    for wording in tqdm(WORDINGS, desc="wordings"):
         data = run_agent(lm, scenarios[0], store, turns=args.wording_turns, toggle=True, wording=wording).as_dict()
-        wordings.append({"scenario": names[0], "wording": wording, "example": ERRATUM_WORDINGS[wording],
-                         **{key: data[key] for key in SUMMARY_KEYS}})
+        wordings.append(
+            {"scenario": names[0], "wording": wording, "example": WORDINGS[wording], **{key: data[key] for key in SUMMARY_KEYS}}
+        )
         print(f"{wording:>10}: clean-state agreement {data['clean_state_agreement']:.3f}")
     result = {"turns": args.turns, "toggle": True, "rows": rows, "wordings": wordings, "wording_turns": args.wording_turns}
     out = write_result("agent", lm, result)

@@ -10,13 +10,13 @@ composer's comparison with and without a scenario after the skill, for a new con
 seam changes (the recomputed side is then reused). Writes
 benchmarks/results/app-<model>-cpu.json.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
 import os
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -27,6 +27,7 @@ from gradio_client import Client
 
 from benchmarks.common import RESULTS
 from engine.scenario import bundled_scenarios
+from engine.timing import Stopwatch, repeated
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,16 +51,6 @@ def wait_until_serving(url: str, timeout: float) -> None:
     raise TimeoutError(f"{url} did not answer within {timeout} s")
 
 
-def _timed(call, reps: int) -> tuple[dict, object]:
-    """Median, min and max wall time in ms over ``reps`` calls (``call(rep)``), and the last result."""
-    times, result = [], None
-    for rep in range(reps):
-        started = time.perf_counter()
-        result = call(rep)
-        times.append((time.perf_counter() - started) * 1000)
-    return {"median": round(statistics.median(times), 1), "min": round(min(times), 1), "max": round(max(times), 1)}, result
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="embedded")
@@ -69,13 +60,18 @@ def main() -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}/"
     env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"}
-    started = time.perf_counter()
-    server = subprocess.Popen([sys.executable, "app.py", "--model", args.model, "--port", str(port)], cwd=ROOT, env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    watch = Stopwatch()
+    server = subprocess.Popen(
+        [sys.executable, "app.py", "--model", args.model, "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     strategies = ["field_only", "erratum", "field_erratum", "full_downstream"]
     try:
         wait_until_serving(url, 600)
-        start_s = time.perf_counter() - started
+        start_s = watch.ms / 1000
         client = Client(url, verbose=False)
         text = bundled_scenarios()[args.scenario].read_text()
 
@@ -86,11 +82,11 @@ def main() -> None:
             return f"{text}\n# benchmark copy {rep}\n"  # a scenario text the app has not prepared yet
 
         edit(fresh(-1))  # warm-up
-        roundtrip_ms, _ = _timed(lambda rep: client.predict(args.scenario, api_name="/scenario"), args.reps)
-        prepare_ms, _ = _timed(lambda rep: client.predict(fresh(100 + rep), api_name="/prepare"), args.reps)
+        _, roundtrip_ms = repeated(lambda rep: client.predict(args.scenario, api_name="/scenario"), args.reps)
+        _, prepare_ms = repeated(lambda rep: client.predict(fresh(100 + rep), api_name="/prepare"), args.reps)
         client.predict(text, api_name="/prepare")
-        edit_ms, result = _timed(lambda rep: edit(text), args.reps)
-        cold_ms, _ = _timed(lambda rep: edit(fresh(rep)), args.reps)
+        result, edit_ms = repeated(lambda rep: edit(text), args.reps)
+        _, cold_ms = repeated(lambda rep: edit(fresh(rep)), args.reps)
         compose = {}
         for after in (args.scenario, ""):
 
@@ -99,10 +95,14 @@ def main() -> None:
                 return client.predict(["account_gate"], note, "", after, f"seam:{seam}", api_name="/compose")
 
             composed(-1)  # warm-up
-            ms, view = _timed(composed, args.reps)
-            seam_ms, _ = _timed(lambda rep: composed(args.reps - 1, seam=2 + rep), args.reps)
-            compose[after or "question only"] = {"new_context_ms": ms, "seam_change_ms": seam_ms,
-                                                 "context_tokens": view[3]["context_tokens"], "ttft_ms": view[3]["ttft_ms"]}
+            view, ms = repeated(composed, args.reps)
+            _, seam_ms = repeated(lambda rep: composed(args.reps - 1, seam=2 + rep), args.reps)
+            compose[after or "question only"] = {
+                "new_context_ms": ms.as_dict(),
+                "seam_change_ms": seam_ms.as_dict(),
+                "context_tokens": view[3]["context_tokens"],
+                "ttft_ms": view[3]["ttft_ms"],
+            }
     finally:
         server.terminate()
         server.wait(timeout=30)
@@ -112,10 +112,10 @@ def main() -> None:
         "scenario": args.scenario,
         "context_tokens": summary["context_tokens"],
         "app_start_s": round(start_s, 2),
-        "api_roundtrip_ms": roundtrip_ms,  # a call that computes nothing (/scenario): Gradio and client overhead
-        "prepare_scenario_ms": prepare_ms,
-        "edit_all_panels_ms": edit_ms,
-        "edit_unprepared_scenario_ms": cold_ms,
+        "api_roundtrip_ms": roundtrip_ms.as_dict(),  # a call that computes nothing (/scenario): Gradio and client overhead
+        "prepare_scenario_ms": prepare_ms.as_dict(),
+        "edit_all_panels_ms": edit_ms.as_dict(),
+        "edit_unprepared_scenario_ms": cold_ms.as_dict(),
         "compose": compose,
         "reps": args.reps,
     }

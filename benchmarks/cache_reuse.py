@@ -25,11 +25,11 @@ prompt tokens the engine evaluated, and its prompt time beside its clean prefill
 added for its arms. Writes benchmarks/results/cache_reuse-<model>-<device>.json. Single runs: the engines run
 one after the other on the same CPU, and each engine's times are compared only with its own.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +38,7 @@ import torch
 
 from benchmarks import common
 from benchmarks.common import RESULTS, write_result
-from benchmarks.serving import SERVER_BINARY, LlamaServer, embedded_gguf
+from benchmarks.serving_servers import SERVER_BINARY, LlamaServer, embedded_gguf
 from engine.cache.decision import DECISIVE_MARGIN, logit_agreement
 from engine.cache.loaded import LoadedModel
 from engine.cache.notebook import Notebook
@@ -53,6 +53,7 @@ from engine.scenario import (
     bundled_scenarios,
     bundled_skills,
 )
+from engine.timing import timed
 
 _LOGPROB_FLOOR = -50.0  # for a token whose probability the server rounds to 0
 
@@ -94,11 +95,19 @@ def fidelity(state: NextToken, clean: NextToken, answer_ids: dict, logits: tuple
     margin, reference = first_token_margin(state.logprobs, answer_ids), first_token_margin(clean.logprobs, answer_ids)
     decisive = abs(reference) >= DECISIVE_MARGIN
     row = {
-        "kl": round(agreement["kl"], 6), "top1_agree": agreement["top1_agree"], "top5_agree": agreement["top5_agree"],
-        "margin": round(margin, 4), "clean_margin": round(reference, 4), "margin_error": round(margin - reference, 4),
-        "decisive": decisive, "decision_agree": (margin > 0) == (reference > 0) if decisive else None,
-        "evaluated_tokens": state.evaluated, "clean_evaluated_tokens": clean.evaluated,
-        "ms": round(state.ms, 1), "clean_ms": round(clean.ms, 1), "speedup": round(clean.ms / max(state.ms, 1e-6), 2),
+        "kl": round(agreement["kl"], 6),
+        "top1_agree": agreement["top1_agree"],
+        "top5_agree": agreement["top5_agree"],
+        "margin": round(margin, 4),
+        "clean_margin": round(reference, 4),
+        "margin_error": round(margin - reference, 4),
+        "decisive": decisive,
+        "decision_agree": (margin > 0) == (reference > 0) if decisive else None,
+        "evaluated_tokens": state.evaluated,
+        "clean_evaluated_tokens": clean.evaluated,
+        "ms": round(state.ms, 1),
+        "clean_ms": round(clean.ms, 1),
+        "speedup": round(clean.ms / max(state.ms, 1e-6), 2),
     }
     if logits is not None:
         row["logit_cosine"] = round(logit_agreement(*logits)["cosine"], 6)
@@ -108,8 +117,15 @@ def fidelity(state: NextToken, clean: NextToken, answer_ids: dict, logits: tuple
 def next_token(server: LlamaServer, ids: list[int], *, cache: bool, reuse_chunk: int = 0, vocab: int = 0) -> NextToken:
     """Evaluate ``ids`` on ``server`` (after its slot's previous prompt when ``cache``; shifting chunks of at least
     ``reuse_chunk`` tokens when > 0) and return the first token's log-probs over ``vocab`` tokens."""
-    body = {"prompt": ids, "n_predict": 1, "temperature": 0.0, "cache_prompt": cache, "n_cache_reuse": reuse_chunk,
-            "n_probs": vocab, "post_sampling_probs": False}
+    body = {
+        "prompt": ids,
+        "n_predict": 1,
+        "temperature": 0.0,
+        "cache_prompt": cache,
+        "n_cache_reuse": reuse_chunk,
+        "n_probs": vocab,
+        "post_sampling_probs": False,
+    }
     with httpx.Client(trust_env=False, timeout=600.0) as client:
         response = client.post(f"{server.base_url}/completion", json=body)
         response.raise_for_status()
@@ -132,15 +148,9 @@ def _same_label(llama: NextToken, kvscope: NextToken, answers: dict) -> bool:
     return (first_token_margin(llama.logprobs, answers) > 0) == (first_token_margin(kvscope.logprobs, answers) > 0)
 
 
-def _kvscope(function) -> tuple[torch.Tensor, float]:
-    """Next-token logits of a KVScope state and the wall time of building and reading it."""
-    started = time.perf_counter()
-    logits = function()
-    return logits, (time.perf_counter() - started) * 1000
-
-
-def moved_case(lm: LoadedModel, server: LlamaServer, scenario: Scenario, values: dict, removed: Skill, seams: list[int],
-               chunk: int, store: SkillStore) -> dict:
+def moved_case(
+    lm: LoadedModel, server: LlamaServer, scenario: Scenario, values: dict, removed: Skill, seams: list[int], chunk: int, store: SkillStore
+) -> dict:
     """The skill (and all after it) moved left by dropping a document placed before it in the previous request."""
     prompt = at_decision_point(render_for(lm, scenario, values))
     skill_id = next(iter(prompt.skill_spans))
@@ -155,11 +165,13 @@ def moved_case(lm: LoadedModel, server: LlamaServer, scenario: Scenario, values:
     prefix_only = next_token(server, context + decode, cache=True, reuse_chunk=0, vocab=vocab)
     clean = next_token(server, context + decode, cache=False, vocab=vocab)
     answers = prompt.answer_ids
-    llama = {f"reuse (chunk ≥ {chunk}, shift only)": fidelity(reused, clean, answers),
-             "prefix match only": fidelity(prefix_only, clean, answers)}
+    llama = {
+        f"reuse (chunk ≥ {chunk}, shift only)": fidelity(reused, clean, answers),
+        "prefix match only": fidelity(prefix_only, clean, answers),
+    }
 
     segments = list(prompt.context_segments)
-    clean_logits, clean_ms = _kvscope(lambda: Notebook.from_prompt(lm, prompt).read_prompt(prompt).next_token_logits)
+    clean_logits, clean_ms = timed(lambda: Notebook.from_prompt(lm, prompt).read_prompt(prompt).next_token_logits)
     mine = NextToken.from_logits(clean_logits, len(context) + len(decode), clean_ms)
     previous = Notebook.prefill(lm, before, segments[:start] + ["document"] * len(document) + segments[start:]).materialized()
     tail = previous.block(positions=range(start + len(document), len(before)))
@@ -167,7 +179,7 @@ def moved_case(lm: LoadedModel, server: LlamaServer, scenario: Scenario, values:
     kvscope = {}
     for seam in seams:
         applied = min(seam, len(tail))
-        logits, ms = _kvscope(lambda: shared.splice(tail, seam=applied).read_prompt(prompt).next_token_logits)
+        logits, ms = timed(lambda: shared.splice(tail, seam=applied).read_prompt(prompt).next_token_logits)
         state = NextToken.from_logits(logits, applied + len(decode), ms)
         kvscope[f"move, seam {seam}"] = fidelity(state, mine, answers, (logits, clean_logits))
     for remedy in dict.fromkeys([Remedy(seam=seam) for seam in seams] + [DEFAULT_REMEDY]):
@@ -179,11 +191,22 @@ def moved_case(lm: LoadedModel, server: LlamaServer, scenario: Scenario, values:
             computed = len(context) - built.skill_tokens + built.recomputed_tokens + len(decode)
             return built.notebook.read_prompt(prompt).next_token_logits, computed
 
-        (logits, evaluated), ms = _kvscope(spliced)
-        kvscope[f"compiled skill, {remedy.name}"] = fidelity(NextToken.from_logits(logits, evaluated, ms), mine, answers, (logits, clean_logits))
-    return {"case": "moved", "scenario": scenario.name, "values": values, "skill": skill_id, "removed": removed.id,
-            "moved_by": len(document), "context_tokens": len(context), "llama_cpp": llama, "kvscope": kvscope,
-            "engines_agree_on_clean": _same_label(clean, mine, answers)}
+        (logits, evaluated), ms = timed(spliced)
+        kvscope[f"compiled skill, {remedy.name}"] = fidelity(
+            NextToken.from_logits(logits, evaluated, ms), mine, answers, (logits, clean_logits)
+        )
+    return {
+        "case": "moved",
+        "scenario": scenario.name,
+        "values": values,
+        "skill": skill_id,
+        "removed": removed.id,
+        "moved_by": len(document),
+        "context_tokens": len(context),
+        "llama_cpp": llama,
+        "kvscope": kvscope,
+        "engines_agree_on_clean": _same_label(clean, mine, answers),
+    }
 
 
 def edit_case(lm: LoadedModel, server: LlamaServer, scenario: Scenario, chunk: int) -> dict:
@@ -207,10 +230,19 @@ def edit_case(lm: LoadedModel, server: LlamaServer, scenario: Scenario, chunk: i
     for name, result in report.strategies.items():
         if name in ("field_only", "erratum", "full_downstream") and result.applicable:
             logits = result.notebook.read_prompt(old).next_token_logits
-            kvscope[name] = fidelity(NextToken.from_logits(logits, result.tokens_recomputed + len(decode), result.ms), mine, answers, (logits, oracle))
-    return {"case": "edit", "scenario": scenario.name, "field": experiment.field, "old": experiment.old, "new": experiment.new,
-            "context_tokens": len(after), "llama_cpp": llama, "kvscope": kvscope,
-            "engines_agree_on_clean": _same_label(clean, mine, answers)}
+            computed = NextToken.from_logits(logits, result.tokens_recomputed + len(decode), result.ms)
+            kvscope[name] = fidelity(computed, mine, answers, (logits, oracle))
+    return {
+        "case": "edit",
+        "scenario": scenario.name,
+        "field": experiment.field,
+        "old": experiment.old,
+        "new": experiment.new,
+        "context_tokens": len(after),
+        "llama_cpp": llama,
+        "kvscope": kvscope,
+        "engines_agree_on_clean": _same_label(clean, mine, answers),
+    }
 
 
 def run(lm: LoadedModel, server: LlamaServer, names: list[str], skill: Skill, removed: Skill, seams: list[int], chunk: int) -> list[dict]:
@@ -244,8 +276,15 @@ def main(argv: list[str] | None = None) -> dict:
     log = Path(tempfile.gettempdir()) / "kvscope-cache_reuse-llama-server.log"
     seams = [int(seam) for seam in args.seams.split(",")]
     with LlamaServer(Path(args.server), embedded_gguf(), 4096, args.threads, log, reuse_chunk=args.chunk) as server:
-        cases = run(lm, server, args.scenarios.split(","), Skill.load(bundled_skills()[args.skill]),
-                    Skill.load(bundled_skills()[args.removed]), seams, args.chunk)
+        cases = run(
+            lm,
+            server,
+            args.scenarios.split(","),
+            Skill.load(bundled_skills()[args.skill]),
+            Skill.load(bundled_skills()[args.removed]),
+            seams,
+            args.chunk,
+        )
         settings = server.settings()
     data = {"llama_server": settings, "chunk": args.chunk, "seams": seams, "cases": cases}
     print("→", write_result("cache_reuse", lm, data, Path(args.out)))

@@ -1,12 +1,10 @@
-"""Shared helpers of the benchmark scripts: neutral filler text, timing, result files."""
+"""Shared helpers of the benchmark scripts: neutral filler text, result files (timing: :mod:`engine.timing`)."""
+
 from __future__ import annotations
 
 import argparse
 import json
 import platform
-import statistics
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,20 +25,6 @@ def filler_text(lm: LoadedModel, tokens: int) -> str:
         text += ". ".join(sentences).strip() + " "
     ids = lm.tokenizer(text, add_special_tokens=False).input_ids[:tokens]
     return lm.tokenizer.decode(ids).rsplit(".", 1)[0] + "."
-
-
-def median_ms(function: Callable[[], object], reps: int, warmup: int = 1) -> float:
-    """Median wall time in ms over ``reps`` calls after ``warmup`` calls."""
-    for _ in range(warmup):
-        function()
-    times = []
-    for _ in range(reps):
-        started = time.perf_counter()
-        function()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - started) * 1000)
-    return statistics.median(times)
 
 
 def environment(lm: LoadedModel) -> dict:

@@ -12,6 +12,7 @@ benchmarks/results/compose_many-<model>-<device>.json and an HTML figure (remedy
 Timings are single runs side by side (the full recompute once per case); the ranked remedies (deviation,
 causal) rank against that recompute, so their TTFT leaves out a cost a server would pay.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,7 +23,7 @@ from benchmarks import common
 from benchmarks.common import RESULTS, write_result
 from engine.compose.skills import SkillStore
 from engine.compose.splice import Remedy
-from engine.compose.study import REMEDIES, Study, run_study, skill_prefixes
+from engine.compose.study import REMEDIES, Study, first_field_values, run_study, skill_prefixes
 from engine.scenario import Scenario, bundled_scenarios
 from viz.compose import study_figure
 
@@ -45,19 +46,21 @@ def main(argv: list[str] | None = None) -> dict:
     bar = tqdm(total=len(names) * 2 * sum(len(sets) * len(at) for sets, at in plans) * len(remedies), desc="splices")
     for name in names:
         scenario = Scenario.load(bundled_scenarios()[name])
-        field = next(iter(scenario.fields.values()))
-        values = [{field.name: field.old}, {field.name: field.new}]
+        values = first_field_values(scenario)
         for sets, at in plans:
             if sets:
-                cases += run_study(lm, scenario, sets, store, remedies=remedies, placements=at, values=values,
-                                   progress=lambda _done, _total: bar.update(1)).cases
+                cases += run_study(
+                    lm, scenario, sets, store, remedies=remedies, placements=at, values=values, progress=lambda _done, _total: bar.update(1)
+                ).cases
     study = Study(remedies, cases)
     data = study.as_dict()
     out = write_result("compose_many", lm, {"scenarios": names, "skills": skills, "placements": placements, **data}, Path(args.out))
     study_figure(data).write_html(out.with_suffix(".html"), include_plotlyjs="cdn")
     for name, row in data["summary"].items():
-        print(f"{name:32s} agree {row['agree_decisive']}/{row['decisive']} (ties {row['ties']})  |Δm| {row['mean_abs_margin_error']:.3f}  "
-              f"cos {row['cosine']['median']:.4f}  recomputed {row['recomputed_fraction']:.1%}  speedup ×{row['speedup']['median']:.2f}")
+        print(
+            f"{name:32s} agree {row['agree_decisive']}/{row['decisive']} (ties {row['ties']})  |Δm| {row['mean_abs_margin_error']:.3f}  "
+            f"cos {row['cosine']['median']:.4f}  recomputed {row['recomputed_fraction']:.1%}  speedup ×{row['speedup']['median']:.2f}"
+        )
     print("best deployable remedy:", data["best"], "→", out)
     return data
 

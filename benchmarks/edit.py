@@ -8,6 +8,7 @@ oracle's (a clean prefill with the new value + read). The notes-map part times a
 against exact per-position patching on a ~500-token context and reports top-8 agreement. Writes
 benchmarks/results/edit-<model>-<device>.json.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -54,11 +55,13 @@ def main() -> None:
                     times[name].append(outcome.ms)
         result = {name: round(statistics.median(values), 1) if values else None for name, values in times.items()}
         full = result["oracle"]
-        rows.append({
-            "context_tokens": len(experiment.prompt.context_ids),
-            "ms": result,
-            "speedup_vs_full_recompute": {name: round(full / ms, 2) if ms else None for name, ms in result.items() if name != "oracle"},
-        })
+        rows.append(
+            {
+                "context_tokens": len(experiment.prompt.context_ids),
+                "ms": result,
+                "speedup_vs_full_recompute": {name: round(full / ms, 2) if ms else None for name, ms in result.items() if name != "oracle"},
+            }
+        )
         print(rows[-1])
     experiment = EditExperiment(lm, padded(scenario, lm, args.notes_map_tokens))
     notes = probe_notes_map(experiment, exact=True).as_dict()

@@ -7,6 +7,7 @@ skill's keys really move) and spliced with each seam; logit cosine, KL and top-1
 recompute. Part 2: one skill spliced before every bundled scenario, with the old and the new field value;
 does the spliced decision agree with the recomputed one? Writes benchmarks/results/fidelity-<model>-<device>.json.
 """
+
 from __future__ import annotations
 
 from tqdm import tqdm
@@ -46,13 +47,23 @@ def main() -> None:
         field = scenario.field()
         for value in (field.old, field.new):
             data = compare(lm, placed, store, seam=1, values={field.name: value}).as_dict()
-            decisions.append({"scenario": name, "field": field.name, "value": value, "spliced": data["spliced"]["decision"],
-                              "recomputed": data["recomputed"]["decision"], "decision_agree": data["decision_agree"],
-                              "cosine": data["cosine"]})
-    summary = {
-        f"min_cosine_seam{seam}": min(row[f"seam{seam}"]["cosine"] for row in skills) for seam in seams
-    } | {"decision_agreement": sum(d["decision_agree"] for d in decisions) / max(len(decisions), 1)}
-    out = write_result("fidelity", lm, {"host": args.host, "skill": args.skill, "summary": summary, "skills": skills, "decisions": decisions})
+            decisions.append(
+                {
+                    "scenario": name,
+                    "field": field.name,
+                    "value": value,
+                    "spliced": data["spliced"]["decision"],
+                    "recomputed": data["recomputed"]["decision"],
+                    "decision_agree": data["decision_agree"],
+                    "cosine": data["cosine"],
+                }
+            )
+    summary = {f"min_cosine_seam{seam}": min(row[f"seam{seam}"]["cosine"] for row in skills) for seam in seams} | {
+        "decision_agreement": sum(d["decision_agree"] for d in decisions) / max(len(decisions), 1)
+    }
+    out = write_result(
+        "fidelity", lm, {"host": args.host, "skill": args.skill, "summary": summary, "skills": skills, "decisions": decisions}
+    )
     print(summary)
     print(f"wrote {out}")
 

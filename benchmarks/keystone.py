@@ -8,6 +8,7 @@ applicable strategy on both caches; the result lists |Δmargin| (oracle − stal
 recovery on both and their gap, and the largest gap (the issue's bar: within 0.15). Writes
 benchmarks/results/keystone-<model>-<device>.json.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,8 +22,18 @@ from engine.compose.skills import SkillStore
 from engine.compose.splice import Remedy
 from engine.scenario import Scenario, bundled_scenarios
 
-REMEDIES = ("seam:1", "seam:8", "seam:32", "aggregators", "seam:8+aggregators", "prefix+seam:1", "blend:0.3", "prefix+seam:1+blend:0.15",
-            "prefix+seam:1+blend:0.3", "prefix+seam:1+blend:0.7")
+REMEDIES = (
+    "seam:1",
+    "seam:8",
+    "seam:32",
+    "aggregators",
+    "seam:8+aggregators",
+    "prefix+seam:1",
+    "blend:0.3",
+    "prefix+seam:1+blend:0.15",
+    "prefix+seam:1+blend:0.3",
+    "prefix+seam:1+blend:0.7",
+)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -38,8 +49,10 @@ def main(argv: list[str] | None = None) -> dict:
         report = keystone(lm, scenario, store, remedy=Remedy.parse(text))
         rows[text] = report.as_dict()
         gaps = {name: gap for name, gap in report.recovery_gaps().items() if gap is not None}
-        print(f"{text:22s} Δmargin {report.delta_margin:+.3f}  max |gap| {rows[text]['max_recovery_gap']}  "
-              + "  ".join(f"{name} {gap:+.2f}" for name, gap in gaps.items()))
+        print(
+            f"{text:22s} Δmargin {report.delta_margin:+.3f}  max |gap| {rows[text]['max_recovery_gap']}  "
+            + "  ".join(f"{name} {gap:+.2f}" for name, gap in gaps.items())
+        )
     data = {"scenario": scenario.name, "remedies": rows}
     print("→", write_result("keystone", lm, data, Path(args.out)))
     return data

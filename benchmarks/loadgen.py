@@ -10,6 +10,7 @@ The engine's own prefix-cache statistics come from its Prometheus ``/metrics`` t
 ``parse_prometheus`` reads the exposition format and ``cache_counters`` / ``cache_hit_rate_gauge`` pick the
 known prefix-cache metrics from it.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -204,8 +205,18 @@ async def run_load(
             return RequestResult(index, at, sent, None, None, 0, "", error=f"timeout after {request_timeout_s} s")
         except (httpx.HTTPError, json.JSONDecodeError) as e:
             return RequestResult(index, at, sent, None, None, 0, "", error=f"{type(e).__name__}: {e}")
-        return RequestResult(index, at, sent, streamed.ttft_s, streamed.latency_s, streamed.completion_tokens,
-                             streamed.text, None, streamed.prompt_tokens, streamed.cached_tokens)
+        return RequestResult(
+            index,
+            at,
+            sent,
+            streamed.ttft_s,
+            streamed.latency_s,
+            streamed.completion_tokens,
+            streamed.text,
+            None,
+            streamed.prompt_tokens,
+            streamed.cached_tokens,
+        )
 
     async with loopback_client(request_timeout_s, connections=max(1, len(arrivals))) as client:
         start = time.perf_counter()  # after the client is built (its TLS context takes ~0.1 s)
@@ -322,11 +333,6 @@ class CacheCounters:
 
     hits: float
     queries: float
-
-    def rate_since(self, before: CacheCounters) -> float | None:
-        """Hit rate of the tokens looked up between ``before`` and now; None if none were."""
-        queries = self.queries - before.queries
-        return (self.hits - before.hits) / queries if queries > 0 else None
 
 
 def usage_counters(results: Sequence[RequestResult]) -> CacheCounters | None:

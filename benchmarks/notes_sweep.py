@@ -15,6 +15,7 @@ Writes benchmarks/results/notes_sweep-<model>-<dtype>.json and a figure: a PNG t
 when kaleido is installed, otherwise an HTML file (plotly) and a PNG drawn with matplotlib when that is
 installed. Progress goes to stderr. See docs/notes-sweep.md for the findings.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,6 @@ import json
 import platform
 import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +35,7 @@ from engine.edit.experiment import EditExperiment
 from engine.edit.strategies import EditSettings
 from engine.models import LoadedModel, dtype_name, load_model
 from engine.scenario import Scenario
+from engine.timing import Stopwatch
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -79,21 +80,54 @@ class Domain:
 DOMAINS: dict[str, Domain] = {
     domain.key: domain
     for domain in (
-        Domain("machine", "You are a factory safety assistant. You follow the safety rules exactly.", "MACHINE",
-               "safety_mode", "locked", "ready",
-               ("machine: hydraulic press P-4", "operator: L. Brandt", "request: start a batch of 200 brackets"),
-               "approve", "deny", "the start", "call the supervisor", "Production targets never override {field}.",
-               "press", "safety_ready"),
-        Domain("boarding", "You are an airline gate assistant. You follow the boarding rules exactly.", "PASSENGER",
-               "visa_status", "expired", "valid",
-               ("name: R. Haddad", "flight: AF 1180 to Toronto", "request: board the aircraft"),
-               "allow", "refuse", "boarding", "send the passenger to the desk", "Frequent flyer status never overrides {field}.",
-               "passenger", "visa_valid"),
-        Domain("vehicle", "You are a fleet assistant. You follow the fleet rules exactly.", "VEHICLE",
-               "inspection", "failed", "passed",
-               ("truck: T-19", "driver: S. Ruiz", "request: take the truck on the morning route"),
-               "approve", "deny", "the trip", "book a repair", "Delivery schedules never override {field}.",
-               "truck", "inspection_passed"),
+        Domain(
+            "machine",
+            "You are a factory safety assistant. You follow the safety rules exactly.",
+            "MACHINE",
+            "safety_mode",
+            "locked",
+            "ready",
+            ("machine: hydraulic press P-4", "operator: L. Brandt", "request: start a batch of 200 brackets"),
+            "approve",
+            "deny",
+            "the start",
+            "call the supervisor",
+            "Production targets never override {field}.",
+            "press",
+            "safety_ready",
+        ),
+        Domain(
+            "boarding",
+            "You are an airline gate assistant. You follow the boarding rules exactly.",
+            "PASSENGER",
+            "visa_status",
+            "expired",
+            "valid",
+            ("name: R. Haddad", "flight: AF 1180 to Toronto", "request: board the aircraft"),
+            "allow",
+            "refuse",
+            "boarding",
+            "send the passenger to the desk",
+            "Frequent flyer status never overrides {field}.",
+            "passenger",
+            "visa_valid",
+        ),
+        Domain(
+            "vehicle",
+            "You are a fleet assistant. You follow the fleet rules exactly.",
+            "VEHICLE",
+            "inspection",
+            "failed",
+            "passed",
+            ("truck: T-19", "driver: S. Ruiz", "request: take the truck on the morning route"),
+            "approve",
+            "deny",
+            "the trip",
+            "book a repair",
+            "Delivery schedules never override {field}.",
+            "truck",
+            "inspection_passed",
+        ),
     )
 }
 
@@ -159,8 +193,19 @@ VARIANTS: dict[str, Design] = {
     "best: record_after=0 + fmt=table": Design(record_after=0, fmt="table"),
 }
 # The value-pair probe (--pairs): the base design with the field's two values replaced, field name kept.
-PAIRS = (("failed", "passed"), ("expired", "valid"), ("locked", "ready"), ("revoked", "active"), ("blocked", "clear"),
-         ("denied", "approved"), ("closed", "open"), ("false", "true"), ("no", "yes"), ("off", "on"), ("0", "1"))
+PAIRS = (
+    ("failed", "passed"),
+    ("expired", "valid"),
+    ("locked", "ready"),
+    ("revoked", "active"),
+    ("blocked", "clear"),
+    ("denied", "approved"),
+    ("closed", "open"),
+    ("false", "true"),
+    ("no", "yes"),
+    ("off", "on"),
+    ("0", "1"),
+)
 PAIR_VARIANTS: dict[str, Design] = {f"pair={old}/{new}": Design(pair=(old, new)) for old, new in PAIRS}
 QUICK_DOMAINS = ("machine",)
 QUICK_VARIANTS = ("base", "record_after=0", "values=bool", "fmt=table")
@@ -211,23 +256,33 @@ def scenario_text(domain: Domain | str, design: Design = BASE) -> str:
     filler = list(FILLER[: design.filler])
 
     if design.fmt == "text":
-        examples = [(f"{domain.item} #{101 + i}, " if design.example_items else "") + f"{name}: {v} -> {label[v]}" for i, v in enumerate(shown)]
+        examples = [
+            (f"{domain.item} #{101 + i}, " if design.example_items else "") + f"{name}: {v} -> {label[v]}" for i, v in enumerate(shown)
+        ]
         record_block = "\n".join([domain.header, *record, *filler])
         rules_block = "\n".join(["RULES", *rules, *(["Examples:", *examples] if examples else [])])
     elif design.fmt == "table":
-        head = ([f"| {domain.item} | {name} | decision |", "|---|---|---|"] if design.example_items else [f"| {name} | decision |", "|---|---|"])
+        head = (
+            [f"| {domain.item} | {name} | decision |", "|---|---|---|"] if design.example_items else [f"| {name} | decision |", "|---|---|"]
+        )
         rows = [(f"| {domain.item} #{101 + i} " if design.example_items else "") + f"| {v} | {label[v]} |" for i, v in enumerate(shown)]
         record_block = "\n".join([domain.header, *record, *filler])
         rules_block = "\n".join(["RULES", *rules, *(["", *head, *rows] if rows else [])])
     elif design.fmt == "yaml":
         key = domain.header.lower().replace(" ", "_")
         record_block = "\n".join([f"{key}:", *[f"  {line}" for line in record], *[f"  # {line}" for line in filler]])
-        examples = [(f"  - {domain.item}: {101 + i}\n    " if design.example_items else "  - ") + f"{name}: {v}\n    decision: {label[v]}" for i, v in enumerate(shown)]
+        examples = [
+            (f"  - {domain.item}: {101 + i}\n    " if design.example_items else "  - ") + f"{name}: {v}\n    decision: {label[v]}"
+            for i, v in enumerate(shown)
+        ]
         rules_block = "\n".join(["rules:", *[f"  - {rule}" for rule in rules], *(["examples:", *examples] if examples else [])])
     elif design.fmt == "json":
         pairs = [f'"{name}": "{{{name}}}"'] + [f'"{k}": "{v}"' for k, v in (line.split(": ", 1) for line in record[1:])]
         pairs += [f'"note_{i + 1}": "{line}"' for i, line in enumerate(filler)]
-        examples = ["{{" + (f'"{domain.item}": {101 + i}, ' if design.example_items else "") + f'"{name}": "{v}", "decision": "{label[v]}"' + "}}" for i, v in enumerate(shown)]
+        examples = [
+            "{{" + (f'"{domain.item}": {101 + i}, ' if design.example_items else "") + f'"{name}": "{v}", "decision": "{label[v]}"' + "}}"
+            for i, v in enumerate(shown)
+        ]
         record_block = "\n".join(['  "record": {{', ",\n".join(f"    {p}" for p in pairs), "  }}"])
         members = ["\n".join(['  "rules": [', ",\n".join(f'    "{r}"' for r in rules), "  ]"])]
         if examples:
@@ -249,25 +304,27 @@ def scenario_text(domain: Domain | str, design: Design = BASE) -> str:
         question = "What do the rules decide for this request? " + question
     elif design.question != "decision":
         raise ValueError(f"unknown question kind {design.question!r}")
-    return "\n".join([
-        f"name = {_toml_string(variant_label(domain.key, design))}",
-        f"system = {_toml_string(domain.system)}",
-        f'context = """\n{context}\n"""',
-        f"question = {_toml_string(question)}",
-        "",
-        f"[fields.{name}]",
-        f"old = {_toml_string(old)}",
-        f"new = {_toml_string(new)}",
-        "",
-        "[answers]",
-        f'{domain.allow} = ["Decision: {domain.allow}"]',
-        f'{domain.deny} = ["Decision: {domain.deny}"]',
-        "",
-        "[expect]",
-        f"{_toml_string(old)} = {_toml_string(domain.deny)}",
-        f"{_toml_string(new)} = {_toml_string(domain.allow)}",
-        "",
-    ])
+    return "\n".join(
+        [
+            f"name = {_toml_string(variant_label(domain.key, design))}",
+            f"system = {_toml_string(domain.system)}",
+            f'context = """\n{context}\n"""',
+            f"question = {_toml_string(question)}",
+            "",
+            f"[fields.{name}]",
+            f"old = {_toml_string(old)}",
+            f"new = {_toml_string(new)}",
+            "",
+            "[answers]",
+            f'{domain.allow} = ["Decision: {domain.allow}"]',
+            f'{domain.deny} = ["Decision: {domain.deny}"]',
+            "",
+            "[expect]",
+            f"{_toml_string(old)} = {_toml_string(domain.deny)}",
+            f"{_toml_string(new)} = {_toml_string(domain.allow)}",
+            "",
+        ]
+    )
 
 
 def scenario(domain: Domain | str, design: Design = BASE) -> Scenario:
@@ -308,7 +365,7 @@ def _round(value: float | None, digits: int = 4) -> float | None:
 
 def measure(lm: LoadedModel, domain: str, name: str, design: Design, min_gap: float | None = None) -> dict:
     """One variant: stale, oracle and field-only read in one fused forward; margins, flip, recovery."""
-    started = time.perf_counter()
+    watch = Stopwatch()
     chosen = scenario(domain, design)
     settings = EditSettings() if min_gap is None else EditSettings(min_gap=min_gap)
     with rendering(lm, design.render):
@@ -341,7 +398,7 @@ def measure(lm: LoadedModel, domain: str, name: str, design: Design, min_gap: fl
         "notes_share": _round(None if recovery is None else 1 - recovery),
         "note": field_only.reason or (field_only.recovery.reason if field_only.recovery else None),
         "qualifies": bool(flips and fo_label == stale.decision.label and recovery is not None and recovery <= RECOVERY_MAX),
-        "ms": round((time.perf_counter() - started) * 1000, 1),
+        "ms": round(watch.ms, 1),
     }
 
 
@@ -353,20 +410,25 @@ def summarize(rows: list[dict]) -> list[dict]:
         group = [row for row in rows if row["variant"] == name]
         shares = [row["notes_share"] for row in group if row["notes_share"] is not None]
         strong = [row["notes_share"] for row in group if row["notes_share"] is not None and abs(row["delta_margin"]) >= FLIP_MIN]
-        changes = [row["notes_share"] - base[row["domain"]]["notes_share"] for row in group
-                   if row["notes_share"] is not None and row["domain"] in base and base[row["domain"]]["notes_share"] is not None]
-        summary.append({
-            "variant": name,
-            "domains": len(group),
-            "mean_notes_share": _round(statistics.fmean(shares)) if shares else None,
-            # only where the field moves the decision (|Δmargin| ≥ FLIP_MIN): a recovery over a small gap means little
-            "mean_notes_share_strong": _round(statistics.fmean(strong)) if strong else None,
-            "mean_change_vs_base": _round(statistics.fmean(changes)) if changes and name != "base" else None,
-            "mean_delta_margin": _round(statistics.fmean(row["delta_margin"] for row in group)),
-            "flips": sum(row["flips"] for row in group),
-            "qualifies": sum(row["qualifies"] for row in group),
-            "mean_context_tokens": round(statistics.fmean(row["context_tokens"] for row in group), 1),
-        })
+        changes = [
+            row["notes_share"] - base[row["domain"]]["notes_share"]
+            for row in group
+            if row["notes_share"] is not None and row["domain"] in base and base[row["domain"]]["notes_share"] is not None
+        ]
+        summary.append(
+            {
+                "variant": name,
+                "domains": len(group),
+                "mean_notes_share": _round(statistics.fmean(shares)) if shares else None,
+                # only where the field moves the decision (|Δmargin| ≥ FLIP_MIN): a recovery over a small gap means little
+                "mean_notes_share_strong": _round(statistics.fmean(strong)) if strong else None,
+                "mean_change_vs_base": _round(statistics.fmean(changes)) if changes and name != "base" else None,
+                "mean_delta_margin": _round(statistics.fmean(row["delta_margin"] for row in group)),
+                "flips": sum(row["flips"] for row in group),
+                "qualifies": sum(row["qualifies"] for row in group),
+                "mean_context_tokens": round(statistics.fmean(row["context_tokens"] for row in group), 1),
+            }
+        )
     return summary
 
 
@@ -389,12 +451,17 @@ def cpu_info() -> dict:
     return info
 
 
-def run_sweep(lm: LoadedModel, quick: bool = False, min_gap: float | None = None,
-              progress: Callable[[int, int, dict], None] | None = None,
-              domains: tuple[str, ...] | None = None, names: tuple[str, ...] | None = None) -> dict:
+def run_sweep(
+    lm: LoadedModel,
+    quick: bool = False,
+    min_gap: float | None = None,
+    progress: Callable[[int, int, dict], None] | None = None,
+    domains: tuple[str, ...] | None = None,
+    names: tuple[str, ...] | None = None,
+) -> dict:
     """Measure every variant (``quick``: one domain, four variants; or the ``domains`` × ``names`` given)
     and return the result document."""
-    started = time.perf_counter()
+    watch = Stopwatch()
     if quick:
         domains, names = domains or QUICK_DOMAINS, names or QUICK_VARIANTS
     unknown = [d for d in domains or () if d not in DOMAINS] + [n for n in names or () if n not in VARIANTS and n not in PAIR_VARIANTS]
@@ -418,12 +485,18 @@ def run_sweep(lm: LoadedModel, quick: bool = False, min_gap: float | None = None
         "torch_threads": torch.get_num_threads(),
         "cpu": cpu_info(),
         "quick": quick,
-        "wall_s": round(time.perf_counter() - started, 1),
-        "criteria": {"flip_min_abs_delta_margin": FLIP_MIN, "field_only_recovery_max": RECOVERY_MAX,
-                     "min_gap": EditSettings().min_gap if min_gap is None else min_gap},
+        "wall_s": round(watch.ms / 1000, 1),
+        "criteria": {
+            "flip_min_abs_delta_margin": FLIP_MIN,
+            "field_only_recovery_max": RECOVERY_MAX,
+            "min_gap": EditSettings().min_gap if min_gap is None else min_gap,
+        },
         "base_design": BASE.__dict__,
-        "domains": {key: {"field": d.field, "old": d.old, "new": d.new, "labels": [d.allow, d.deny]} for key, d in DOMAINS.items()
-                    if key in (domains or DOMAINS)},
+        "domains": {
+            key: {"field": d.field, "old": d.old, "new": d.new, "labels": [d.allow, d.deny]}
+            for key, d in DOMAINS.items()
+            if key in (domains or DOMAINS)
+        },
         "paper_field_only_recovery": PAPER_FIELD_ONLY,
         "variants": rows,
         "summary": summarize(rows),
@@ -444,24 +517,42 @@ def figure(data: dict):
 
     rows = data["variants"]
     order = list(dict.fromkeys(row["variant"] for row in rows))[::-1]
-    fig = make_subplots(rows=1, cols=2, shared_yaxes=True, horizontal_spacing=0.03,
-                        subplot_titles=("notes share = 1 − field-only recovery", "Δmargin (oracle − stale)"))
+    fig = make_subplots(
+        rows=1,
+        cols=2,
+        shared_yaxes=True,
+        horizontal_spacing=0.03,
+        subplot_titles=("notes share = 1 − field-only recovery", "Δmargin (oracle − stale)"),
+    )
     colours = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2"]
     for index, domain in enumerate(dict.fromkeys(row["domain"] for row in rows)):
         mine = [row for row in rows if row["domain"] == domain]
         symbols = ["circle" if row["flips"] else "circle-open" for row in mine]
         common = dict(mode="markers", marker=dict(color=colours[index % len(colours)], size=10, symbol=symbols), legendgroup=domain)
-        fig.add_trace(go.Scatter(x=[row["notes_share"] for row in mine], y=[row["variant"] for row in mine], name=domain,
-                                 text=[f"{row['stale_label']}→{row['oracle_label']}, field-only {row['field_only_label']}" for row in mine], **common), 1, 1)
-        fig.add_trace(go.Scatter(x=[row["delta_margin"] for row in mine], y=[row["variant"] for row in mine], name=domain, showlegend=False, **common), 1, 2)
+        hover = [f"{row['stale_label']}→{row['oracle_label']}, field-only {row['field_only_label']}" for row in mine]
+        fig.add_trace(
+            go.Scatter(x=[row["notes_share"] for row in mine], y=[row["variant"] for row in mine], name=domain, text=hover, **common), 1, 1
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=[row["delta_margin"] for row in mine], y=[row["variant"] for row in mine], name=domain, showlegend=False, **common
+            ),
+            1,
+            2,
+        )
     for model, value in data["paper_field_only_recovery"].items():
         fig.add_vline(x=1 - value, line=dict(dash="dot", color="grey", width=1), row=1, col=1)
     fig.add_annotation(x=1.0, y=1.02, xref="x", yref="paper", text="paper 7–9B", showarrow=False, font=dict(size=10, color="grey"))
     fig.add_vline(x=1 - RECOVERY_MAX, line=dict(dash="dash", color="black", width=1), row=1, col=1)
     fig.add_vline(x=FLIP_MIN, line=dict(dash="dash", color="black", width=1), row=1, col=2)
     fig.update_yaxes(categoryorder="array", categoryarray=order)
-    fig.update_layout(title=f"Notes sweep: {data['model']} ({data['dtype']}); filled = clean prefill flips the decision",
-                      height=200 + 26 * len(order), width=1100, margin=dict(l=230, r=20, t=80, b=40), template="plotly_white")
+    fig.update_layout(
+        title=f"Notes sweep: {data['model']} ({data['dtype']}); filled = clean prefill flips the decision",
+        height=200 + 26 * len(order),
+        width=1100,
+        margin=dict(l=230, r=20, t=80, b=40),
+        template="plotly_white",
+    )
     return fig
 
 
@@ -547,21 +638,31 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--domains", default="", help=f"comma-separated subset of: {', '.join(DOMAINS)}")
     parser.add_argument("--variants", default="", help="comma-separated subset of the variant names (see VARIANTS)")
-    parser.add_argument("--pairs", action="store_true", help="the value-pair probe instead: the base design with each of PAIRS "
-                        "as the field's values (writes notes_sweep-<model>-<dtype>-pairs.json)")
-    parser.add_argument("--min-gap", type=float, default=None, help="smallest |oracle − stale| margin gap with a recovery (engine default 0.25)")
+    parser.add_argument(
+        "--pairs",
+        action="store_true",
+        help="the value-pair probe instead: the base design with each of PAIRS "
+        "as the field's values (writes notes_sweep-<model>-<dtype>-pairs.json)",
+    )
+    parser.add_argument(
+        "--min-gap", type=float, default=None, help="smallest |oracle − stale| margin gap with a recovery (engine default 0.25)"
+    )
     parser.add_argument("--out", default=str(RESULTS), help="folder for the JSON and figure")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     lm = load_model(args.model, device=args.device, dtype=args.dtype, progress=lambda message: print(message, file=sys.stderr))
-    total_started = time.perf_counter()
+    elapsed = Stopwatch()
 
     def report(done: int, total: int, row: dict) -> None:
         share = "—" if row["notes_share"] is None else f"{row['notes_share']:.2f}"
-        print(f"[{done}/{total}] {row['domain']:<9} {row['variant']:<34} {row['stale_label']}→{row['oracle_label']} "
-              f"Δ{row['delta_margin']:+.2f} field-only {row['field_only_label']} notes {share} "
-              f"{'✓' if row['qualifies'] else ''} ({time.perf_counter() - total_started:.0f} s)", file=sys.stderr, flush=True)
+        print(
+            f"[{done}/{total}] {row['domain']:<9} {row['variant']:<34} {row['stale_label']}→{row['oracle_label']} "
+            f"Δ{row['delta_margin']:+.2f} field-only {row['field_only_label']} notes {share} "
+            f"{'✓' if row['qualifies'] else ''} ({elapsed.ms / 1000:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     pick = lambda text: tuple(part.strip() for part in text.split(",") if part.strip()) or None  # noqa: E731
     names = pick(args.variants) or (tuple(PAIR_VARIANTS) if args.pairs else None)
@@ -569,8 +670,11 @@ def main(argv: list[str] | None = None) -> dict:
     name = args.model if args.model in ("embedded", "smollm2") or args.model.startswith("tiny-") else lm.fingerprint.name
     paths = write_outputs(data, result_stem(name, data["dtype"]) + ("-pairs" if args.pairs else ""), Path(args.out))
     for line in data["summary"]:
-        print(f"{line['variant']:<34} notes {line['mean_notes_share']} (vs base {line['mean_change_vs_base']}) "
-              f"Δmargin {line['mean_delta_margin']} flips {line['flips']}/{line['domains']} qualify {line['qualifies']}", file=sys.stderr)
+        print(
+            f"{line['variant']:<34} notes {line['mean_notes_share']} (vs base {line['mean_change_vs_base']}) "
+            f"Δmargin {line['mean_delta_margin']} flips {line['flips']}/{line['domains']} qualify {line['qualifies']}",
+            file=sys.stderr,
+        )
     print(f"wall {data['wall_s']} s; wrote {', '.join(paths.values())}", file=sys.stderr)
     return data
 

@@ -17,6 +17,7 @@ latency percentiles under the visitors' load, alone, and while the worst-case re
 refusal must name its cause and never a server path or a traceback), and cross-talk. Writes benchmarks/results/soak-<profile>.json
 and an HTML figure.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,6 +40,7 @@ from benchmarks.common import RESULTS
 from engine.edit.strategies import STRATEGIES
 from engine.probes.analysis import DEFAULT_STRATEGIES
 from engine.scenario import bundled_scenarios
+from engine.timing import Stopwatch, timed
 from viz.benchmarks import soak_figure
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,7 +79,9 @@ def _refusal(log: Log, kind: str, call) -> None:
     except Exception as error:  # noqa: BLE001 - gradio_client raises AppError text as a plain Exception
         message = str(error)
         leak = any(marker in message for marker in LEAK_MARKERS)
-        generic = message.strip() in ("", "Error", "None") or "upstream Gradio app has raised an exception" in message and "\n" not in message
+        generic = (
+            message.strip() in ("", "Error", "None") or "upstream Gradio app has raised an exception" in message and "\n" not in message
+        )
         log_entry = {"kind": kind, "message": message[:300], "expected": not leak and not generic, "leak": leak}
     with log.lock:
         log.errors.append(log_entry)
@@ -108,9 +112,8 @@ def visitor(url: str, log: Log, index: int, text: str) -> None:
     """A normal visitor: its own edit, a knockout on it, sometimes the composer or an export."""
     client = Client(url, verbose=False)
     value = FIELD_VALUES[index % 2]
-    started = time.perf_counter()
-    result = client.predict(text, FIELD, value, list(DEFAULT_STRATEGIES), 4, -1, api_name="/edit")
-    seconds = time.perf_counter() - started
+    result, ms = timed(lambda: client.predict(text, FIELD, value, list(DEFAULT_STRATEGIES), 4, -1, api_name="/edit"))
+    seconds = ms / 1000
     summary = result[5]
     _, _, knocked = client.predict("", 4, api_name="/knockout")
     with log.lock:
@@ -131,13 +134,13 @@ def worst_case(url: str, log: Log, text: str, stop: threading.Event) -> None:
     names = [name for name in STRATEGIES if name not in ("stale", "oracle", "auto")]
     while not stop.is_set():
         log.worst_running = True
-        started = time.perf_counter()
+        watch = Stopwatch()
         try:
             client.predict(text, FIELD, "true", names, 8, -1, api_name="/edit")
             outcome = "completed"
         except Exception as error:  # noqa: BLE001
             outcome = f"refused: {str(error)[:160]}"
-        log.worst.append({"seconds": round(time.perf_counter() - started, 2), "outcome": outcome})
+        log.worst.append({"seconds": round(watch.ms / 1000, 2), "outcome": outcome})
     log.worst_running = False
 
 
@@ -158,8 +161,14 @@ def _percentiles(values: list[float]) -> dict[str, float] | None:
         return None
     ordered = sorted(values)
     pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    return {"n": len(values), "p50": round(pick(0.5), 2), "p90": round(pick(0.9), 2), "p99": round(pick(0.99), 2),
-            "max": round(ordered[-1], 2), "mean": round(statistics.mean(values), 2)}
+    return {
+        "n": len(values),
+        "p50": round(pick(0.5), 2),
+        "p90": round(pick(0.9), 2),
+        "p99": round(pick(0.99), 2),
+        "max": round(ordered[-1], 2),
+        "mean": round(statistics.mean(values), 2),
+    }
 
 
 def _plateau(rss: list[tuple[float, float, int]], sessions: int) -> dict:
@@ -167,8 +176,12 @@ def _plateau(rss: list[tuple[float, float, int]], sessions: int) -> dict:
     half = [mb for _, mb, done in rss if done >= sessions // 2]
     if len(half) < 2:
         return {"growth_mb": None}
-    first, last = statistics.mean(half[: max(1, len(half) // 5)]), statistics.mean(half[-max(1, len(half) // 5):])
-    return {"growth_mb": round(last - first, 1), "growth_pct": round(100 * (last - first) / first, 2), "peak_mb": max(mb for _, mb, _ in rss)}
+    first, last = statistics.mean(half[: max(1, len(half) // 5)]), statistics.mean(half[-max(1, len(half) // 5) :])
+    return {
+        "growth_mb": round(last - first, 1),
+        "growth_pct": round(100 * (last - first) / first, 2),
+        "peak_mb": max(mb for _, mb, _ in rss),
+    }
 
 
 def fairness(url: str, log: Log, text: str, worst_text: str, edits: int) -> dict:
@@ -189,9 +202,8 @@ def fairness(url: str, log: Log, text: str, worst_text: str, edits: int) -> dict
 def _timed_edit(url: str, text: str, index: int) -> float:
     """Seconds for one normal edit from a new session."""
     client = Client(url, verbose=False)
-    started = time.perf_counter()
-    client.predict(text, FIELD, FIELD_VALUES[index % 2], list(DEFAULT_STRATEGIES), 4, -1, api_name="/edit")
-    return time.perf_counter() - started
+    _, ms = timed(lambda: client.predict(text, FIELD, FIELD_VALUES[index % 2], list(DEFAULT_STRATEGIES), 4, -1, api_name="/edit"))
+    return ms / 1000
 
 
 def main() -> None:
@@ -249,13 +261,22 @@ def main() -> None:
     under_load = [edit["seconds"] for edit in log.edits]
     unexpected = [error for error in log.errors if not error["expected"]]
     result = {
-        "profile": args.profile, "model": args.model, "sessions": log.done, "clients": args.clients, "cpus": os.cpu_count(),
-        "visitors_seconds": round(visitors_s, 1), "worst_case_context_tokens": target,
+        "profile": args.profile,
+        "model": args.model,
+        "sessions": log.done,
+        "clients": args.clients,
+        "cpus": os.cpu_count(),
+        "visitors_seconds": round(visitors_s, 1),
+        "worst_case_context_tokens": target,
         "rss_plateau": _plateau([sample for sample in log.rss if sample[0] <= visitors_s], log.done),
         "edit_seconds_under_load": _percentiles(under_load),
-        "edit_seconds_alone": fair["alone"], "edit_seconds_during_worst_case": fair["during_worst_case"],
-        "worst_case_requests": log.worst, "cross_talk": log.cross_talk,
-        "refusals": log.errors, "unexpected_errors": len(unexpected), "server_memory_after_visitors": memory_after_visitors,
+        "edit_seconds_alone": fair["alone"],
+        "edit_seconds_during_worst_case": fair["during_worst_case"],
+        "worst_case_requests": log.worst,
+        "cross_talk": log.cross_talk,
+        "refusals": log.errors,
+        "unexpected_errors": len(unexpected),
+        "server_memory_after_visitors": memory_after_visitors,
         "rss_mb": log.rss,
     }
     RESULTS.mkdir(exist_ok=True)

@@ -9,16 +9,15 @@ splices the stored skill (compiled beforehand, as a server would) with seam repa
 speedup is full / splice. Logit cosine and decision agreement are recorded beside the times. Runs on CUDA
 when present (device/dtype auto); writes benchmarks/results/ttft-<model>-<device>.json and an HTML plot.
 """
-from __future__ import annotations
 
-import dataclasses
+from __future__ import annotations
 
 from tqdm import tqdm
 
 from benchmarks import common
 from benchmarks.common import RESULTS, write_result
 from engine.compose.skills import SkillStore
-from engine.compose.splice import adhoc_scenario, compare, skill_of_length
+from engine.compose.splice import Remedy, adhoc_scenario, compare, skill_of_length, with_skills
 from engine.scenario import Scenario, Skill, bundled_scenarios, bundled_skills
 from viz.benchmarks import ttft_figure
 
@@ -36,19 +35,30 @@ def main() -> None:
     policy = Skill.load(bundled_skills()["long_policy"])
     for length in tqdm([int(n) for n in args.lengths.split(",")], desc="skill lengths"):
         skill = skill_of_length(lm, policy, length)
-        context = f"{{skill:{skill.id}}}\n\n{scenario.context}".strip()
-        placed = dataclasses.replace(scenario, context=context, skills={skill.id: skill})
-        fidelity = compare(lm, placed, store, seam=args.seam, reps=args.reps)
+        placed = with_skills(scenario, [skill.id], "start", library={skill.id: skill})
+        fidelity = compare(lm, placed, store, remedy=Remedy(seam=args.seam), reps=args.reps)
         row = fidelity.as_dict()
-        rows.append({
-            "skill_tokens": row["skill_tokens"], "context_tokens": row["context_tokens"],
-            "full_ms": row["ttft_ms"]["full"], "splice_ms": row["ttft_ms"]["splice"], "speedup": row["speedup"],
-            "compile_ms": row["compile_ms"], "cosine": row["cosine"], "decision_agree": row["decision_agree"],
-        })
-        print(f"{row['skill_tokens']:>6} skill tokens: full {row['ttft_ms']['full']:>9.1f} ms  splice {row['ttft_ms']['splice']:>8.1f} ms  ×{row['speedup']:<6} cosine {row['cosine']:.4f}")
+        rows.append(
+            {
+                "skill_tokens": row["skill_tokens"],
+                "context_tokens": row["context_tokens"],
+                "full_ms": row["ttft_ms"]["full"],
+                "splice_ms": row["ttft_ms"]["splice"],
+                "speedup": row["speedup"],
+                "compile_ms": row["compile_ms"],
+                "cosine": row["cosine"],
+                "decision_agree": row["decision_agree"],
+            }
+        )
+        print(
+            f"{row['skill_tokens']:>6} skill tokens: full {row['ttft_ms']['full']:>9.1f} ms  splice "
+            f"{row['ttft_ms']['splice']:>8.1f} ms  ×{row['speedup']:<6} cosine {row['cosine']:.4f}"
+        )
     out = write_result(f"ttft-{args.scenario}", lm, {"scenario": scenario.name, "seam": args.seam, "reps": args.reps, "rows": rows})
     figure_path = RESULTS / out.name.replace(".json", ".html")
-    ttft_figure(rows, title=f"TTFT: splice vs full prefill ({lm.fingerprint.name}, {lm.device.type})").write_html(figure_path, include_plotlyjs="cdn")
+    ttft_figure(rows, title=f"TTFT: splice vs full prefill ({lm.fingerprint.name}, {lm.device.type})").write_html(
+        figure_path, include_plotlyjs="cdn"
+    )
     print(f"wrote {out} and {figure_path}")
 
 

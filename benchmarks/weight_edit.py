@@ -9,6 +9,7 @@ way), collateral over every other bundled scenario (decision changed; mean |Δma
 (ROME's key covariance, once per layer) and memory. Writes benchmarks/results/weight_edit-<model>-<device>.json
 with per-method means and an HTML figure of the first scenario.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -59,12 +60,26 @@ def main() -> None:
         report = compare_edits(lm, bundled[name], others[: args.collateral or None], methods=methods)
         first = first or report
         rows.append({"scenario": name, **report.as_dict()})
-        print(f"{name:>24}: " + "; ".join(f"{m} eff {o.efficacy} cont {o.contamination:.2f} coll {o.collateral:.2f} "
-                                          f"{o.edit_ms / 1000:.1f} s" for m, o in report.methods.items()))
-    result = {"methods": methods, "collateral_scenarios": args.collateral or "all", "summary": _summary(rows, methods), "rows": rows, "skipped": skipped,
-              "paper": {"model": "Llama-3.1-8B", "rome": {"edit_s": 5.6, "setup_s": 11.6, "contamination": 1.0, "collateral": 0.5},
-                        "lora": {"edit_s": 3.1, "contamination": 1.0, "collateral": 0.5},
-                        "field_erratum": {"edit_ms": 114, "contamination": 0.0}}}
+        print(
+            f"{name:>24}: "
+            + "; ".join(
+                f"{m} eff {o.efficacy} cont {o.contamination:.2f} coll {o.collateral:.2f} {o.edit_ms / 1000:.1f} s"
+                for m, o in report.methods.items()
+            )
+        )
+    result = {
+        "methods": methods,
+        "collateral_scenarios": args.collateral or "all",
+        "summary": _summary(rows, methods),
+        "rows": rows,
+        "skipped": skipped,
+        "paper": {
+            "model": "Llama-3.1-8B",
+            "rome": {"edit_s": 5.6, "setup_s": 11.6, "contamination": 1.0, "collateral": 0.5},
+            "lora": {"edit_s": 3.1, "contamination": 1.0, "collateral": 0.5},
+            "field_erratum": {"edit_ms": 114, "contamination": 0.0},
+        },
+    }
     out = write_result("weight_edit", lm, result)
     if first is not None:
         figure_path = RESULTS / out.name.replace(".json", ".html")

@@ -3,6 +3,7 @@
 With ``--json`` exactly one JSON object goes to stdout (an ``{"error": ...}`` object and exit code 2 on
 bad input); logs and progress go to stderr.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,7 +14,6 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from engine.cache.adapter import recurrent_layers
 from engine.cache.selftest import run_selftest
 from engine.checks.support import (
     OPERATIONS,
@@ -22,7 +22,7 @@ from engine.checks.support import (
     markdown_table,
     support_matrix,
 )
-from engine.compose.agent import ERRATUM_WORDINGS, Compaction, run_agent
+from engine.compose.agent import Compaction, run_agent
 from engine.compose.keystone import keystone
 from engine.compose.memory import memory_placement
 from engine.compose.pictures import (
@@ -45,6 +45,7 @@ from engine.edit.calibrate import (
     calibrate,
     scenario_files,
 )
+from engine.edit.erratum import WORDINGS as ERRATUM_WORDINGS
 from engine.edit.experiment import EditExperiment
 from engine.edit.hybrid import hybrid_edit, read_scenario
 from engine.edit.runs import run_scenario
@@ -54,7 +55,7 @@ from engine.edit.weight_edit import LoraSettings, RomeSettings, compare_edits
 from engine.errors import KVScopeError
 from engine.models import LoadedModel, ModelLoadError, cache_dir, load_model
 from engine.models.tiny import HYBRID_ARCHS, TINY_ARCHS
-from engine.probes.registry import ALL_PROBES
+from engine.probes.registry import PROBES
 from engine.progress import StepProgress
 from engine.scenario import Scenario, ScenarioError, bundled_scenarios
 
@@ -96,31 +97,34 @@ def cmd_support(args: argparse.Namespace) -> dict:
     }
 
 
-def _parse_assignments(pairs: list[str]) -> dict[str, str]:
+def _parse_pairs(pairs: list[str], flag: str, form: str, value: Callable[[str], object] = str) -> dict:
+    """The ``NAME=VALUE`` arguments of a repeatable ``flag`` by name, each value read by ``value``."""
     values = {}
     for pair in pairs:
-        name, sep, value = pair.partition("=")
-        if not sep or not name:
-            raise ScenarioError(f"--set expects FIELD=VALUE, got {pair!r}")
-        values[name.strip()] = value
+        name, sep, text = pair.partition("=")
+        if not sep or not name.strip():
+            raise ScenarioError(f"{flag} expects {form}, got {pair!r}")
+        values[name.strip()] = value(text)
     return values
 
 
 def cmd_decide(args: argparse.Namespace) -> dict:
     """Prefill a scenario with chosen field values and read the decision."""
     scenario = Scenario.load(args.scenario)
-    values = _parse_assignments(args.set)
+    values = _parse_pairs(args.set, "--set", "FIELD=VALUE")
     scenario.values_with(**values)  # validate field names before the (slow) model load
     lm = _load(args)
-    if recurrent_layers(lm.model):
+    if lm.recurrent_layers:
         return {"model": lm.fingerprint.name, **read_scenario(lm, scenario, values).as_dict(), "hybrid": True}
     return {"model": lm.fingerprint.name, **run_scenario(lm, scenario, values).as_dict()}
 
 
+SETTING_FLAGS = {"topk": "top_k", "ranking": "ranking", "cot_tokens": "cot_tokens", "erratum": "erratum"}
+"""Edit flags that set :class:`EditSettings` fields, dest → field; where one is absent or empty the field keeps its default."""
+
+
 def _settings(args: argparse.Namespace) -> EditSettings:
-    options = {"top_k": args.topk, "ranking": args.ranking, "cot_tokens": args.cot_tokens}
-    if args.erratum:
-        options["erratum"] = args.erratum
+    options = {name: getattr(args, dest) for dest, name in SETTING_FLAGS.items() if getattr(args, dest, None) not in (None, "")}
     return EditSettings(**options)
 
 
@@ -131,7 +135,7 @@ def cmd_edit(args: argparse.Namespace) -> dict:
     scenario.field(args.field)
     settings = _settings(args)
     lm = _load(args)
-    if recurrent_layers(lm.model):
+    if lm.recurrent_layers:
         return hybrid_edit(lm, scenario, args.field, args.new, names, settings.erratum).as_dict()
     experiment = EditExperiment(lm, scenario, args.field, args.new, settings)
     return experiment.report(names, progress=_progress("strategies"), fused=args.fused, downstream_patch=True).as_dict()
@@ -163,24 +167,27 @@ def _option_value(text: str):
 
 def cmd_probe(args: argparse.Namespace) -> dict:
     """Run one causal probe on a scenario's field change (see engine/probes/ for each probe's options)."""
-    if args.name not in ALL_PROBES:
-        raise ScenarioError(f"unknown probe {args.name!r}; choose from {', '.join(ALL_PROBES)}")
+    if args.name not in PROBES:
+        raise ScenarioError(f"unknown probe {args.name!r}; choose from {', '.join(PROBES)}")
     scenario = Scenario.load(args.scenario)
     scenario.field(args.field)
-    options = {}
-    for pair in args.opt:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise ScenarioError(f"--opt expects KEY=VALUE, got {pair!r}")
-        options[key.strip()] = _option_value(value)
-    accepted = [p for p in inspect.signature(ALL_PROBES[args.name]).parameters if p not in ("experiment", "source", "progress")]
+    options = _parse_pairs(args.opt, "--opt", "KEY=VALUE", _option_value)
+    accepted = [p for p in inspect.signature(PROBES[args.name]).parameters if p not in ("experiment", "source", "progress")]
     unknown = [key for key in options if key not in accepted]
     if unknown:
         raise ScenarioError(f"probe {args.name!r} has no option {unknown[0]!r}; options: {', '.join(accepted) or 'none'}")
     lm = _load(args)
     experiment = EditExperiment(lm, scenario, args.field, args.new)
-    result = ALL_PROBES[args.name](experiment, progress=_progress(args.name), **options)
-    return {"model": lm.fingerprint.name, "probe": args.name, "scenario": scenario.name, "field": experiment.field, "old": experiment.old, "new": experiment.new, **result.as_dict()}
+    result = PROBES[args.name](experiment, progress=_progress(args.name), **options)
+    return {
+        "model": lm.fingerprint.name,
+        "probe": args.name,
+        "scenario": scenario.name,
+        "field": experiment.field,
+        "old": experiment.old,
+        "new": experiment.new,
+        **result.as_dict(),
+    }
 
 
 def _composition(args: argparse.Namespace) -> Scenario:
@@ -209,7 +216,9 @@ def cmd_image(args: argparse.Namespace) -> dict:
     path = bundled_images().get(args.image, args.image)
     pixels = load_picture(path)
     lm = _load(args)
-    result = compare_image(lm, pixels, Path(path).stem, before=args.before, after=args.after, question=args.question, seam=args.seam, reps=args.reps)
+    result = compare_image(
+        lm, pixels, Path(path).stem, before=args.before, after=args.after, question=args.question, seam=args.seam, reps=args.reps
+    )
     return {"model": lm.fingerprint.name, **result.as_dict()}
 
 
@@ -222,8 +231,18 @@ def cmd_agent(args: argparse.Namespace) -> dict:
         scenario.field(name)
     policy = Compaction.parse(args.policy)
     lm = _load(args)
-    report = run_agent(lm, scenario, _store(), turns=args.turns, fields=fields, toggle=args.toggle, remedy=Remedy.parse(args.remedy),
-                       policy=policy, wording=args.wording, progress=_progress("turns"))
+    report = run_agent(
+        lm,
+        scenario,
+        _store(),
+        turns=args.turns,
+        fields=fields,
+        toggle=args.toggle,
+        remedy=Remedy.parse(args.remedy),
+        policy=policy,
+        wording=args.wording,
+        progress=_progress("turns"),
+    )
     return {"model": lm.fingerprint.name, **report.as_dict()}
 
 
@@ -231,7 +250,15 @@ def cmd_keystone(args: argparse.Namespace) -> dict:
     """Edit a field inside a spliced skill: every strategy on the composed vs the recomputed cache."""
     scenario = _composition(args)
     lm = _load(args)
-    report = keystone(lm, scenario, _store(), field_name=args.field, remedy=Remedy.parse(args.remedy), settings=_settings(args), progress=_progress("strategies"))
+    report = keystone(
+        lm,
+        scenario,
+        _store(),
+        field_name=args.field,
+        remedy=Remedy.parse(args.remedy),
+        settings=_settings(args),
+        progress=_progress("strategies"),
+    )
     return {"model": lm.fingerprint.name, **report.as_dict()}
 
 
@@ -247,11 +274,18 @@ def cmd_weights(args: argparse.Namespace) -> dict:
     scenario = Scenario.load(args.scenario)
     paths = [p.strip() for p in args.others.split(",") if p.strip()] if args.others else list(bundled_scenarios().values())
     others = [Scenario.load(path) for path in paths]
-    lora = LoraSettings(rank=args.lora_rank, steps=args.lora_steps, lr=args.lora_lr, modules=tuple(m.strip() for m in args.lora_modules.split(",") if m.strip()))
+    lora = LoraSettings(
+        rank=args.lora_rank,
+        steps=args.lora_steps,
+        lr=args.lora_lr,
+        modules=tuple(m.strip() for m in args.lora_modules.split(",") if m.strip()),
+    )
     rome = RomeSettings(layer=args.rome_layer, steps=args.rome_steps)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     lm = _load(args)
-    report = compare_edits(lm, scenario, others, field_name=args.field, new=args.new, methods=methods, lora=lora, rome=rome, progress=_progress("steps"))
+    report = compare_edits(
+        lm, scenario, others, field_name=args.field, new=args.new, methods=methods, lora=lora, rome=rome, progress=_progress("steps")
+    )
     return report.as_dict()
 
 
@@ -276,6 +310,99 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], dict]] = {
 }
 
 
+Argument = tuple[tuple[str, ...], dict]
+
+
+def _arg(*flags: str, **options) -> Argument:
+    return flags, options
+
+
+def _argument_groups() -> dict[str, tuple[tuple[Argument, ...], ...]]:
+    """Every subcommand's own flags, as the groups it takes in order (each group declared once)."""
+    scenario = (_arg("--scenario", required=True, help="scenario TOML file"),)
+    change = (_arg("--field", help="field to change (default: the first)"), _arg("--new", help="new value (default: the field's `new`)"))
+    composition = (
+        _arg("--scenario", help="scenario TOML file (may place skills with {skill:ID})"),
+        _arg("--skills", help="comma-separated skill ids from demos/skills"),
+        _arg("--at", default="start", help="where --skills go in a scenario: start, after_fields or end"),
+    )
+    remedy = (
+        _arg(
+            "--remedy",
+            default=DEFAULT_REMEDY.name,
+            help="repair of spliced skills, parts joined by +: prefix (compile after the scenario's system prompt), "
+            "seam:N (first N tokens of each skill), aggregators, blend:F (top fraction F by layer-1 K/V deviation "
+            "from a fresh prefill of layers 0–1, CacheBlend), deviation:F or causal:F (top fraction F ranked "
+            "against the full recompute; compose only)",
+        ),
+    )
+    edited_field = (_arg("--field", help="the field to change (default: the first)"),)
+    reps = (_arg("--reps", type=int, default=1, help="timing repetitions (median)"),)
+    support = (
+        _arg("--loaded", action="store_true", help="also check the model named by --model"),
+        _arg("--families", help="comma-separated tiny families (default: all)"),
+        _arg("--markdown", action="store_true", help="print the matrix as a Markdown table instead (ignored with --json)"),
+    )
+    assignments = (_arg("--set", action="append", default=[], metavar="FIELD=VALUE", help="field value (repeatable)"),)
+    edit = (
+        _arg("--strategies", help=f"comma-separated subset of: {', '.join(STRATEGIES)}"),
+        _arg("--topk", type=int, default=EditSettings.top_k, help="K for field_topk"),
+        _arg("--ranking", default=EditSettings.ranking, help="field_topk ranking: causal or deviation"),
+        _arg("--cot-tokens", type=int, default=EditSettings.cot_tokens, help="chain-of-thought length for field_only_cot"),
+        _arg("--fused", action="store_true", help="read every strategy and the oracle in one forward (ms become shares)"),
+        _arg("--erratum", help="erratum template with {field}, {new}, {old}"),
+    )
+    calibration = (
+        _arg("scenarios", nargs="*", help="scenario files or directories (default: the bundled demos)"),
+        _arg("--threshold", type=float, default=FLIP_THRESHOLD, help="minimum |Δmargin| that counts as a flip"),
+    )
+    probe_name = (_arg("name", help=f"one of: {', '.join(PROBES)}"),)
+    probe_options = (
+        _arg("--opt", action="append", default=[], metavar="KEY=VALUE", help="probe option, e.g. top=8, exact=true, find=..."),
+    )
+    image = (
+        _arg("--image", default="shipping_label", help=f"image file, or a bundled one: {', '.join(bundled_images())}"),
+        _arg("--before", default="", help="text before the picture (the block moves by its length)"),
+        _arg("--after", default="", help="text after the picture, before the question"),
+        _arg("--question", default=IMAGE_QUESTION, help="a yes/no question"),
+        _arg("--seam", type=int, default=0, help="recompute the picture's first N tokens against the real prefix"),
+    )
+    agent = (
+        _arg("--turns", type=int, default=12, help="state changes after the first turn"),
+        _arg("--toggle", action="store_true", help="toggle old/new every turn (drift stress test)"),
+        _arg("--fields", help="comma-separated fields changing in turn (default: --field)"),
+        _arg("--policy", default="never", help="erratum compaction: never, every:K or adaptive[:R]"),
+        _arg("--wording", default="override", choices=list(ERRATUM_WORDINGS), help="erratum wording"),
+    )
+    memory = (
+        _arg("--seam", type=int, default=1, help="seam repair: recompute the first K tokens of each skill"),
+        _arg("--memory-skill", default="user_memory", help="the memory skill id"),
+    )
+    weights = (
+        _arg("--methods", default=",".join(WEIGHT_METHODS), help=f"comma-separated subset of: {', '.join(WEIGHT_METHODS)}"),
+        _arg("--lora-rank", type=int, default=LoraSettings.rank, help="LoRA rank"),
+        _arg("--lora-steps", type=int, default=LoraSettings.steps, help="LoRA optimisation steps (stops early once flipped)"),
+        _arg("--lora-lr", type=float, default=LoraSettings.lr, help="LoRA learning rate"),
+        _arg("--lora-modules", default=",".join(LoraSettings.modules), help="linear modules LoRA wraps, by name"),
+        _arg("--rome-layer", type=int, help="MLP layer ROME edits (default: just before the notes map's strongest layer)"),
+        _arg("--rome-steps", type=int, default=RomeSettings.steps, help="ROME value optimisation steps"),
+        _arg("--others", help="comma-separated scenario files for collateral (default: every bundled scenario)"),
+    )
+    return {
+        "support": (support,),
+        "decide": (scenario, assignments),
+        "edit": (scenario, change, edit),
+        "calibrate": (calibration,),
+        "probe": (probe_name, scenario, change, probe_options),
+        "compose": (composition, remedy, reps),
+        "image": (reps, image),
+        "agent": (composition, remedy, edited_field, agent),
+        "keystone": (composition, remedy, edited_field),
+        "memory": (composition, memory),
+        "weights": (scenario, change, weights),
+    }
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
     common = argparse.ArgumentParser(add_help=False)
@@ -285,78 +412,12 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")
     parser = argparse.ArgumentParser(prog="python -m engine", description="KVScope engine: KV cache as a notebook.")
     commands = parser.add_subparsers(dest="command", required=True)
+    groups = _argument_groups()
     for name, handler in COMMANDS.items():
         sub = commands.add_parser(name, parents=[common], help=handler.__doc__)
-        if name == "support":
-            sub.add_argument("--loaded", action="store_true", help="also check the model named by --model")
-            sub.add_argument("--families", help="comma-separated tiny families (default: all)")
-            sub.add_argument("--markdown", action="store_true", help="print the matrix as a Markdown table instead (ignored with --json)")
-        if name == "decide":
-            sub.add_argument("--scenario", required=True, help="scenario TOML file")
-            sub.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE", help="field value (repeatable)")
-        if name == "edit":
-            sub.add_argument("--scenario", required=True, help="scenario TOML file")
-            sub.add_argument("--field", help="field to change (default: the first)")
-            sub.add_argument("--new", help="new value (default: the field's `new`)")
-            sub.add_argument("--strategies", help=f"comma-separated subset of: {', '.join(STRATEGIES)}")
-            sub.add_argument("--topk", type=int, default=8, help="K for field_topk")
-            sub.add_argument("--ranking", default="causal", help="field_topk ranking: causal or deviation")
-            sub.add_argument("--cot-tokens", type=int, default=24, help="chain-of-thought length for field_only_cot")
-            sub.add_argument("--fused", action="store_true", help="read every strategy and the oracle in one forward (ms become shares)")
-            sub.add_argument("--erratum", help="erratum template with {field}, {new}, {old}")
-        if name == "probe":
-            sub.add_argument("name", help=f"one of: {', '.join(ALL_PROBES)}")
-            sub.add_argument("--scenario", required=True, help="scenario TOML file")
-            sub.add_argument("--field", help="field to change (default: the first)")
-            sub.add_argument("--new", help="new value (default: the field's `new`)")
-            sub.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="probe option, e.g. top=8, exact=true, find=...")
-        if name in ("compose", "agent", "keystone", "memory"):
-            sub.add_argument("--scenario", help="scenario TOML file (may place skills with {skill:ID})")
-            sub.add_argument("--skills", help="comma-separated skill ids from demos/skills")
-            sub.add_argument("--at", default="start", help="where --skills go in a scenario: start, after_fields or end")
-        if name in ("compose", "keystone", "agent"):
-            sub.add_argument("--remedy", default=DEFAULT_REMEDY.name,
-                             help="repair of spliced skills, parts joined by +: prefix (compile after the scenario's system prompt), "
-                                  "seam:N (first N tokens of each skill), aggregators, blend:F (top fraction F by layer-1 K/V deviation "
-                                  "from a fresh prefill of layers 0–1, CacheBlend), deviation:F or causal:F (top fraction F ranked "
-                                  "against the full recompute; compose only)")
-        if name == "memory":
-            sub.add_argument("--seam", type=int, default=1, help="seam repair: recompute the first K tokens of each skill")
-        if name in ("compose", "image"):
-            sub.add_argument("--reps", type=int, default=1, help="timing repetitions (median)")
-        if name == "image":
-            sub.add_argument("--image", default="shipping_label", help=f"image file, or a bundled one: {', '.join(bundled_images())}")
-            sub.add_argument("--before", default="", help="text before the picture (the block moves by its length)")
-            sub.add_argument("--after", default="", help="text after the picture, before the question")
-            sub.add_argument("--question", default=IMAGE_QUESTION, help="a yes/no question")
-            sub.add_argument("--seam", type=int, default=0, help="recompute the picture's first N tokens against the real prefix")
-        if name in ("agent", "keystone"):
-            sub.add_argument("--field", help="the field to change (default: the first)")
-        if name == "agent":
-            sub.add_argument("--turns", type=int, default=12, help="state changes after the first turn")
-            sub.add_argument("--toggle", action="store_true", help="toggle old/new every turn (drift stress test)")
-            sub.add_argument("--fields", help="comma-separated fields changing in turn (default: --field)")
-            sub.add_argument("--policy", default="never", help="erratum compaction: never, every:K or adaptive[:R]")
-            sub.add_argument("--wording", default="override", choices=list(ERRATUM_WORDINGS), help="erratum wording")
-        if name == "keystone":
-            sub.set_defaults(topk=8, ranking="causal", cot_tokens=24, erratum=None)
-        if name == "memory":
-            sub.add_argument("--memory-skill", default="user_memory", help="the memory skill id")
-        if name == "weights":
-            sub.add_argument("--scenario", required=True, help="scenario TOML file")
-            sub.add_argument("--field", help="field to change (default: the first)")
-            sub.add_argument("--new", help="new value (default: the field's `new`)")
-            sub.add_argument("--methods", default=",".join(WEIGHT_METHODS), help=f"comma-separated subset of: {', '.join(WEIGHT_METHODS)}")
-            sub.add_argument("--lora-rank", type=int, default=LoraSettings.rank, help="LoRA rank")
-            sub.add_argument("--lora-steps", type=int, default=LoraSettings.steps, help="LoRA optimisation steps (stops early once flipped)")
-            sub.add_argument("--lora-lr", type=float, default=LoraSettings.lr, help="LoRA learning rate")
-            sub.add_argument("--lora-modules", default=",".join(LoraSettings.modules), help="linear modules LoRA wraps, by name")
-            sub.add_argument("--rome-layer", type=int, help="MLP layer ROME edits (default: just before the notes map's strongest layer)")
-            sub.add_argument("--rome-steps", type=int, default=RomeSettings.steps, help="ROME value optimisation steps")
-            sub.add_argument("--others", help="comma-separated scenario files for collateral (default: every bundled scenario)")
-        if name == "calibrate":
-            sub.add_argument("scenarios", nargs="*", help="scenario files or directories (default: the bundled demos)")
-            sub.add_argument("--threshold", type=float, default=FLIP_THRESHOLD, help="minimum |Δmargin| that counts as a flip")
+        for group in groups.get(name, ()):
+            for flags, options in group:
+                sub.add_argument(*flags, **options)
     return parser
 
 

@@ -5,6 +5,7 @@ Each module raises a specific subclass whose message names the input and the fix
 ``AttributionError``, ``StrategyError``); the CLI and the app catch :class:`KVScopeError` alone. It is a
 ``ValueError``: every refusal is about a value the caller passed.
 """
+
 from __future__ import annotations
 
 

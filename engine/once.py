@@ -3,6 +3,7 @@
 Like Go's ``singleflight``: the first caller of a key computes; callers arriving meanwhile block until it is
 done and get the same value, or the same exception. A failure is not kept, so a later call tries again.
 """
+
 from __future__ import annotations
 
 import threading
@@ -48,8 +49,7 @@ class SingleFlight(Generic[V]):
             raise flight.error
         return flight.value  # type: ignore[return-value]
 
-    def cached(self, store: MutableMapping, key: Hashable, compute: Callable[[], V],
-               keep: Callable[[], bool] = lambda: True) -> V:
+    def cached(self, store: MutableMapping, key: Hashable, compute: Callable[[], V], keep: Callable[[], bool] = lambda: True) -> V:
         """``store[key]``, computed once on a miss and stored whole (never half built) when ``keep()`` still holds."""
 
         def compute_and_store() -> V:

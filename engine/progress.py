@@ -3,6 +3,7 @@
 A front end passes its own callback (the CLI prints to stderr, the app moves a gr.Progress bar); engine code
 never prints.
 """
+
 from __future__ import annotations
 
 import logging

@@ -317,8 +317,7 @@ def _check_placeholders(names: list[str], fields: Mapping[str, Field], where: st
             )
         if names.count(placeholder) > 1:
             raise ScenarioError(
-                f"placeholder {{{placeholder}}} occurs {names.count(placeholder)} times in {where}; "
-                "each field may appear once"
+                f"placeholder {{{placeholder}}} occurs {names.count(placeholder)} times in {where}; each field may appear once"
             )
     for field_name in fields:
         if field_name not in names:
@@ -497,9 +496,7 @@ def _chat_frame(scenario: Scenario, tokenizer: PreTrainedTokenizerBase) -> tuple
     return head, separator, tail
 
 
-def _check_length(
-    context: int, fields: int, decode: int, answer_ids: dict[str, tuple[tuple[int, ...], ...]], limit: int
-) -> None:
+def _check_length(context: int, fields: int, decode: int, answer_ids: dict[str, tuple[tuple[int, ...], ...]], limit: int) -> None:
     """Raise when context + decode tokens + the longest answer exceed `limit`, naming the longest part."""
     answer = max(len(ids) for surfaces in answer_ids.values() for ids in surfaces)
     total = context + decode + answer

@@ -1,6 +1,10 @@
 """Test data shared across test packages."""
-from dataclasses import replace
 
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from engine.models.tiny import tiny_model
 from engine.scenario import Scenario, bundled_scenarios
 
 # A line the tiny tokenizer knows well (from its training corpus): about 20 tokens.
@@ -36,3 +40,21 @@ new = "pending"
 yes = ["yes", "Yes"]
 no = ["no", "No"]
 '''
+
+
+def make_tiny_model_dir(arch: str, path: str | Path, *, seed: int = 0) -> Path:
+    """Save a tiny model and its tokenizer to `path` with `save_pretrained` (safetensors); returns the path."""
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    loaded = tiny_model(arch, seed=seed)
+    loaded.model.save_pretrained(out, safe_serialization=True)
+    loaded.tokenizer.save_pretrained(out)
+    if loaded.image_processor is not None:
+        loaded.image_processor.save_pretrained(out)
+    # transformers reloads qwen2 directories through Qwen2Tokenizer, whose default unk_token "<|endoftext|>"
+    # would be added as token 600, past the embedding: record that there is no unk token.
+    config_file = out / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_file.read_text())
+    tokenizer_config["unk_token"] = None
+    config_file.write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")
+    return out

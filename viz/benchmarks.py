@@ -1,4 +1,5 @@
 """Figures of benchmark results (the JSON rows the scripts under benchmarks/ write)."""
+
 from __future__ import annotations
 
 import plotly.graph_objects as go
@@ -37,14 +38,17 @@ def edit_latency_figure(data: dict) -> go.Figure:
     for index, name in enumerate(names):
         full = name == "oracle"
         figure.add_scatter(
-            x=lengths, y=[row["ms"].get(name) for row in rows], mode="lines+markers",
+            x=lengths,
+            y=[row["ms"].get(name) for row in rows],
+            mode="lines+markers",
             name="full recompute (oracle)" if full else safe_label(name),
             line={"color": "black", "dash": "dash"} if full else {"color": PALETTE[index % len(PALETTE)]},
         )
     figure.update_xaxes(type="log", title="context tokens")
     figure.update_yaxes(type="log", title="latency (ms)")
-    figure.update_layout(title=f"Edit strategies: latency vs context length{_measured_on(data)}", height=400,
-                         legend={"orientation": "h", "y": -0.2})
+    figure.update_layout(
+        title=f"Edit strategies: latency vs context length{_measured_on(data)}", height=400, legend={"orientation": "h", "y": -0.2}
+    )
     return figure
 
 
@@ -60,8 +64,9 @@ def prefill_figure(data: dict) -> go.Figure:
     figure.update_xaxes(type="log", title="context tokens")
     figure.update_yaxes(type="log", title="time (ms)", secondary_y=False)
     figure.update_yaxes(title="prefill / read", secondary_y=True)
-    figure.update_layout(title=f"Prefill vs reading a decision from the cache{_measured_on(data)}", height=380,
-                         legend={"orientation": "h", "y": -0.2})
+    figure.update_layout(
+        title=f"Prefill vs reading a decision from the cache{_measured_on(data)}", height=380, legend={"orientation": "h", "y": -0.2}
+    )
     return figure
 
 
@@ -70,8 +75,12 @@ def serving_figure(data: dict) -> go.Figure:
     prefix-cache hit rate and accuracy against the clean-prefill answer; from ``serving-<engine>.json``: ``runs``
     of ``variant``, ``offered_rps``, ``completed``, ``ttft_p50_ms``, ``ttft_p90_ms``, ``throughput_rps``,
     ``prefix_hit_rate`` and ``accuracy`` (older results without it leave that panel empty)."""
-    figure = make_subplots(rows=1, cols=4, horizontal_spacing=0.07,
-                           subplot_titles=("time to first token", "throughput", "prefix-cache hit rate", "accuracy vs clean prefill"))
+    figure = make_subplots(
+        rows=1,
+        cols=4,
+        horizontal_spacing=0.07,
+        subplot_titles=("time to first token", "throughput", "prefix-cache hit rate", "accuracy vs clean prefill"),
+    )
     variants = list(dict.fromkeys(run["variant"] for run in data["runs"]))
     for index, variant in enumerate(variants):
         runs = sorted((run for run in data["runs"] if run["variant"] == variant), key=lambda run: run["offered_rps"])
@@ -79,15 +88,33 @@ def serving_figure(data: dict) -> go.Figure:
         counts = [run.get("completed") for run in runs]
         hover = "%{x} req/s: %{y} (n=%{customdata})<extra>%{fullData.name}</extra>"
         for key, quantile, dash in (("ttft_p50_ms", "p50", "solid"), ("ttft_p90_ms", "p90", "dash")):
-            figure.add_scatter(x=load, y=[run[key] for run in runs], name=f"{name} TTFT {quantile}", legendgroup=variant,
-                               customdata=counts, hovertemplate=hover, mode="lines+markers",
-                               line={"color": colour, "dash": dash}, row=1, col=1)
+            figure.add_scatter(
+                x=load,
+                y=[run[key] for run in runs],
+                name=f"{name} TTFT {quantile}",
+                legendgroup=variant,
+                customdata=counts,
+                hovertemplate=hover,
+                mode="lines+markers",
+                line={"color": colour, "dash": dash},
+                row=1,
+                col=1,
+            )
         for column, key, label in ((2, "throughput_rps", "throughput"), (3, "prefix_hit_rate", "hit rate"), (4, "accuracy", "accuracy")):
-            figure.add_scatter(x=load, y=[run.get(key) for run in runs], name=f"{name} {label}", legendgroup=variant,
-                               customdata=counts, hovertemplate=hover, showlegend=False, mode="lines+markers",
-                               line={"color": colour, "dash": ("solid", "dot", "dash")[index % 3]},
-                               marker={"symbol": ("circle", "square", "diamond")[index % 3], "size": 9 - 2 * (index % 3)},
-                               row=1, col=column)  # symbols and dashes keep equal lines (e.g. both accuracies 1.0) apart
+            figure.add_scatter(
+                x=load,
+                y=[run.get(key) for run in runs],
+                name=f"{name} {label}",
+                legendgroup=variant,
+                customdata=counts,
+                hovertemplate=hover,
+                showlegend=False,
+                mode="lines+markers",
+                line={"color": colour, "dash": ("solid", "dot", "dash")[index % 3]},
+                marker={"symbol": ("circle", "square", "diamond")[index % 3], "size": 9 - 2 * (index % 3)},
+                row=1,
+                col=column,
+            )  # symbols and dashes keep equal lines (e.g. both accuracies 1.0) apart
     loads = sorted({run["offered_rps"] for run in data["runs"]})
     figure.update_xaxes(title_text="offered load (requests/s)", type="log", tickvals=loads, ticktext=[f"{load:g}" for load in loads])
     figure.update_yaxes(title_text="TTFT (ms)", type="log", row=1, col=1)
@@ -108,49 +135,85 @@ def serving_figure(data: dict) -> go.Figure:
 def soak_figure(data: dict) -> go.Figure:
     """A soak run (``soak-*.json``): server RSS over sessions served, and normal edit latency percentiles while
     the worst-case request ran and otherwise."""
-    figure = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38],
-                           subplot_titles=("Server RSS (MB) by sessions served", "Normal edit latency (s)"))
+    figure = make_subplots(
+        rows=1, cols=2, column_widths=[0.62, 0.38], subplot_titles=("Server RSS (MB) by sessions served", "Normal edit latency (s)")
+    )
     samples = data.get("rss_mb", [])
     figure.add_scatter(x=[done for _, _, done in samples], y=[mb for _, mb, _ in samples], mode="lines", name="RSS (MB)", row=1, col=1)
-    cases = (("edit_seconds_alone", "alone"), ("edit_seconds_during_worst_case", "while the worst case runs"),
-             ("edit_seconds_under_load", f"{data.get('clients')} visitors at once"))
+    cases = (
+        ("edit_seconds_alone", "alone"),
+        ("edit_seconds_during_worst_case", "while the worst case runs"),
+        ("edit_seconds_under_load", f"{data.get('clients')} visitors at once"),
+    )
     for index, (key, name) in enumerate(cases):
         stats = data.get(key) or {}
         quantiles = [q for q in ("p50", "p90", "p99") if q in stats]
-        figure.add_bar(x=quantiles, y=[stats[q] for q in quantiles], name=f"{name} (n={stats.get('n', 0)})",
-                       marker_color=PALETTE[index % len(PALETTE)], row=1, col=2)
+        figure.add_bar(
+            x=quantiles,
+            y=[stats[q] for q in quantiles],
+            name=f"{name} (n={stats.get('n', 0)})",
+            marker_color=PALETTE[index % len(PALETTE)],
+            row=1,
+            col=2,
+        )
     figure.add_hline(y=5, line_dash="dash", line_color="black", annotation_text="target p90 5 s", row=1, col=2)
     figure.update_xaxes(title="sessions served", row=1, col=1)
     plateau = data.get("rss_plateau", {})
     growth = f"RSS growth over the last half {plateau.get('growth_mb')} MB" if plateau.get("growth_mb") is not None else "RSS"
-    figure.update_layout(title=f"Soak, {safe_label(str(data.get('profile')))} profile: {data.get('sessions')} sessions, "
-                               f"{data.get('clients')} clients; {growth}; cross-talk {len(data.get('cross_talk', []))}",
-                         template="plotly_white", height=420, barmode="group", legend={"orientation": "h", "y": -0.2})
+    figure.update_layout(
+        title=f"Soak, {safe_label(str(data.get('profile')))} profile: {data.get('sessions')} sessions, "
+        f"{data.get('clients')} clients; {growth}; cross-talk {len(data.get('cross_talk', []))}",
+        template="plotly_white",
+        height=420,
+        barmode="group",
+        legend={"orientation": "h", "y": -0.2},
+    )
     return figure
 
 
 def agent_policy_figure(data: dict) -> go.Figure:
     """``agent-*.json``: per scenario and compaction policy, agreement with the clean-state prefill against the
     cumulative TTFT speedup over clean prefills; beside it, agreement per erratum wording."""
-    figure = make_subplots(rows=1, cols=2, column_widths=[0.65, 0.35],
-                           subplot_titles=("Clean-state agreement vs cumulative TTFT speedup", "Erratum wording (no compaction)"))
+    figure = make_subplots(
+        rows=1,
+        cols=2,
+        column_widths=[0.65, 0.35],
+        subplot_titles=("Clean-state agreement vs cumulative TTFT speedup", "Erratum wording (no compaction)"),
+    )
     policies = list(dict.fromkeys(row["policy"] for row in data["rows"]))
     for index, policy in enumerate(policies):
         rows = [row for row in data["rows"] if row["policy"] == policy]
         figure.add_scatter(
-            x=[row["cumulative_speedup_vs_clean_state"] for row in rows], y=[row["clean_state_agreement"] for row in rows],
-            mode="markers+text", text=[safe_label(row["scenario"], 18) for row in rows], textposition="top center",
-            name=f"compaction {safe_label(policy)}", marker={"size": 11, "color": PALETTE[index % len(PALETTE)]}, row=1, col=1,
+            x=[row["cumulative_speedup_vs_clean_state"] for row in rows],
+            y=[row["clean_state_agreement"] for row in rows],
+            mode="markers+text",
+            text=[safe_label(row["scenario"], 18) for row in rows],
+            textposition="top center",
+            name=f"compaction {safe_label(policy)}",
+            marker={"size": 11, "color": PALETTE[index % len(PALETTE)]},
+            row=1,
+            col=1,
         )
     figure.add_hline(y=0.95, line_dash="dash", line_color="black", annotation_text="95%", row=1, col=1)
     wordings = data.get("wordings", [])
-    figure.add_bar(x=[safe_label(row["wording"]) for row in wordings], y=[row["clean_state_agreement"] for row in wordings],
-                   marker_color=PALETTE[4 % len(PALETTE)], name="wording", showlegend=False, row=1, col=2)
+    figure.add_bar(
+        x=[safe_label(row["wording"]) for row in wordings],
+        y=[row["clean_state_agreement"] for row in wordings],
+        marker_color=PALETTE[4 % len(PALETTE)],
+        name="wording",
+        showlegend=False,
+        row=1,
+        col=2,
+    )
     figure.update_xaxes(title_text="cumulative TTFT speedup vs clean prefills (×)", row=1, col=1)
     figure.update_yaxes(title_text="agreement with the clean-state prefill", range=[0, 1.15], row=1, col=1)  # room for labels
     figure.update_yaxes(range=[0, 1.05], row=1, col=2)
-    figure.update_layout(title=f"Agent loop, {data.get('turns')}-turn toggle{_measured_on(data)}", template="plotly_white",
-                         height=440, legend={"orientation": "h", "y": -0.2})
+    figure.update_layout(
+        title=f"Agent loop, {data.get('turns')}-turn toggle{_measured_on(data)}",
+        template="plotly_white",
+        height=440,
+        legend={"orientation": "h", "y": -0.2},
+    )
     return figure
 
 
@@ -158,8 +221,12 @@ def cache_reuse_figure(data: dict) -> go.Figure:
     """llama.cpp's shift-only reuse vs KVScope's arms (``cache_reuse-*.json``): per arm and case, KL from the
     engine's own clean prefill (log axis), |margin error| where the answers first differ and the share of the clean
     prefill's prompt tokens the engine evaluated; colour = engine, circles = moved cases, diamonds = edit cases."""
-    figure = make_subplots(rows=1, cols=3, horizontal_spacing=0.1,
-                           subplot_titles=("KL(clean ‖ state); 0 drawn at 1e-7", "|margin error| where the answers differ", "prompt tokens evaluated / clean"))
+    figure = make_subplots(
+        rows=1,
+        cols=3,
+        horizontal_spacing=0.1,
+        subplot_titles=("KL(clean ‖ state); 0 drawn at 1e-7", "|margin error| where the answers differ", "prompt tokens evaluated / clean"),
+    )
     engines = {"llama_cpp": ("llama.cpp", PALETTE[1]), "kvscope": ("KVScope", PALETTE[0])}
     arms = list(dict.fromkeys((engine, arm) for case in data["cases"] for engine in engines for arm in case[engine]))
     label = {(engine, arm): f"{engines[engine][0]}: {safe_label(arm)}" for engine, arm in arms}
@@ -169,18 +236,36 @@ def cache_reuse_figure(data: dict) -> go.Figure:
             if not rows:
                 continue
             hover = [safe_label(str(case["scenario"])) for _, case, _ in rows]
-            values = ([max(row["kl"], 1e-7) for _, _, row in rows], [abs(row["margin_error"]) for _, _, row in rows],
-                      [row["evaluated_tokens"] / max(row["clean_evaluated_tokens"], 1) for _, _, row in rows])
+            values = (
+                [max(row["kl"], 1e-7) for _, _, row in rows],
+                [abs(row["margin_error"]) for _, _, row in rows],
+                [row["evaluated_tokens"] / max(row["clean_evaluated_tokens"], 1) for _, _, row in rows],
+            )
             for column, x in enumerate(values, start=1):
-                figure.add_scatter(x=x, y=[arm for arm, _, _ in rows], mode="markers", text=hover, name=f"{name}, {kind} cases",
-                                   marker={"symbol": symbol, "size": 9, "color": colour, "opacity": 0.8}, legendgroup=f"{engine}{kind}",
-                                   showlegend=column == 1, hovertemplate="%{text}: %{x:.3g}<extra></extra>", row=1, col=column)
+                figure.add_scatter(
+                    x=x,
+                    y=[arm for arm, _, _ in rows],
+                    mode="markers",
+                    text=hover,
+                    name=f"{name}, {kind} cases",
+                    marker={"symbol": symbol, "size": 9, "color": colour, "opacity": 0.8},
+                    legendgroup=f"{engine}{kind}",
+                    showlegend=column == 1,
+                    hovertemplate="%{text}: %{x:.3g}<extra></extra>",
+                    row=1,
+                    col=column,
+                )
     order = [label[arm] for arm in arms][::-1]
     figure.update_xaxes(type="log", row=1, col=1)
     figure.update_yaxes(categoryorder="array", categoryarray=order, showticklabels=False)
     figure.update_yaxes(showticklabels=True, row=1, col=1)
-    figure.update_layout(title=f"Reusing moved or edited K/V: llama.cpp --cache-reuse vs KVScope{_measured_on(data)}", height=140 + 28 * len(arms),
-                         legend={"orientation": "h", "y": -0.12}, template="plotly_white", margin={"l": 260})
+    figure.update_layout(
+        title=f"Reusing moved or edited K/V: llama.cpp --cache-reuse vs KVScope{_measured_on(data)}",
+        height=140 + 28 * len(arms),
+        legend={"orientation": "h", "y": -0.12},
+        template="plotly_white",
+        margin={"l": 260},
+    )
     return figure
 
 
@@ -193,20 +278,48 @@ def image_splice_figure(data: dict) -> go.Figure:
         rows = sorted((row for row in data["rows"] if row["seam"] == seam), key=lambda row: row["shift"])
         shifts, colour = [row["shift"] for row in rows], PALETTE[index % len(PALETTE)]
         name = f"seam {seam}" + (" (every picture token)" if rows and seam >= rows[0]["image_tokens"] else "")
-        figure.add_scatter(x=shifts, y=[row["cosine"] for row in rows], mode="lines+markers", name=name, legendgroup=name,
-                           marker={"color": colour}, row=1, col=1)
+        figure.add_scatter(
+            x=shifts,
+            y=[row["cosine"] for row in rows],
+            mode="lines+markers",
+            name=name,
+            legendgroup=name,
+            marker={"color": colour},
+            row=1,
+            col=1,
+        )
         medians = [row["speedup"]["median"] for row in rows]
-        figure.add_scatter(x=shifts, y=medians, mode="lines+markers", name=name, legendgroup=name, showlegend=False, marker={"color": colour},
-                           error_y={"type": "data", "symmetric": False, "array": [row["speedup"]["max"] - m for row, m in zip(rows, medians)],
-                                    "arrayminus": [m - row["speedup"]["min"] for row, m in zip(rows, medians)]}, row=1, col=2)
+        figure.add_scatter(
+            x=shifts,
+            y=medians,
+            mode="lines+markers",
+            name=name,
+            legendgroup=name,
+            showlegend=False,
+            marker={"color": colour},
+            error_y={
+                "type": "data",
+                "symmetric": False,
+                "array": [row["speedup"]["max"] - m for row, m in zip(rows, medians)],
+                "arrayminus": [m - row["speedup"]["min"] for row, m in zip(rows, medians)],
+            },
+            row=1,
+            col=2,
+        )
     paper = data.get("paper", {})
     if "cosine_shift_161" in paper:
-        figure.add_hline(y=paper["cosine_shift_161"], line_dash="dash", line_color="black", annotation_text="paper: 0.99 at 161", row=1, col=1)
+        figure.add_hline(
+            y=paper["cosine_shift_161"], line_dash="dash", line_color="black", annotation_text="paper: 0.99 at 161", row=1, col=1
+        )
     for bound in paper.get("ttft_speedup", []):
         figure.add_hline(y=bound, line_dash="dash", line_color="black", annotation_text=f"paper ×{bound}", row=1, col=2)
     figure.update_xaxes(title_text="positions the picture moved (tokens of text before it)")
     highest = max([row["speedup"]["max"] for row in data["rows"]] + list(paper.get("ttft_speedup", [])) + [1.0])
     figure.update_yaxes(title_text="×", range=[0, highest * 1.1], row=1, col=2)
-    figure.update_layout(title=f"A picture's K/V spliced behind text, {data.get('reps')} timed reps{_measured_on(data)}", template="plotly_white",
-                         height=420, legend={"orientation": "h", "y": -0.25})
+    figure.update_layout(
+        title=f"A picture's K/V spliced behind text, {data.get('reps')} timed reps{_measured_on(data)}",
+        template="plotly_white",
+        height=420,
+        legend={"orientation": "h", "y": -0.25},
+    )
     return figure

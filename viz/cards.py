@@ -1,4 +1,5 @@
 """HTML cards for edit strategies (every piece of text escaped: scenario and model text is user data)."""
+
 from __future__ import annotations
 
 import html
@@ -29,14 +30,15 @@ def _ms(result: StrategyResult) -> str:
 def _card(result: StrategyResult, oracle_label: str, reference: bool = False) -> str:
     name = html.escape(result.name)
     if not result.applicable:
-        return f'<div class="kv-card na" data-strategy="{name}"><h4>{name}</h4>not applicable<br><small>{html.escape(result.reason or "")}</small></div>'
+        reason = html.escape(result.reason or "")
+        return f'<div class="kv-card na" data-strategy="{name}"><h4>{name}</h4>not applicable<br><small>{reason}</small></div>'
     decision = result.decision
     state = "flip" if decision.label == oracle_label else "stay"
     recovered = "—" if result.recovery is None or result.recovery.value is None else f"{result.recovery.value:.2f}"
     note = "" if result.recovery is None or result.recovery.reason is None else f"<br><small>{html.escape(result.recovery.reason)}</small>"
     return (
         f'<div class="kv-card {state}{" ref" if reference else ""}" data-strategy="{name}" data-decision="{html.escape(decision.label)}">'
-        f"<h4>{name}</h4><span class=\"big\">{html.escape(decision.label)}</span> margin {decision.margin:+.2f}<br>"
+        f'<h4>{name}</h4><span class="big">{html.escape(decision.label)}</span> margin {decision.margin:+.2f}<br>'
         f"recovery {recovered} · {result.tokens_recomputed} tok · {_ms(result)}{note}</div>"
     )
 
@@ -48,7 +50,11 @@ def strategy_cards_html(report: EditReport) -> str:
     cards += [_card(result, oracle_label) for name, result in report.strategies.items() if name not in ("stale", "oracle")]
     headline = (
         f"<p><b>{html.escape(report.field)}</b>: {html.escape(report.old)} → {html.escape(report.new)} · "
-        + ("a clean prefill <b>flips</b> the decision" if report.flips else "a clean prefill does <b>not</b> flip the decision on this model")
+        + (
+            "a clean prefill <b>flips</b> the decision"
+            if report.flips
+            else "a clean prefill does <b>not</b> flip the decision on this model"
+        )
         + "</p>"
     )
     return CARD_CSS + notes_headline_html(report.notes) + headline + '<div class="kv-cards">' + "".join(cards) + "</div>"

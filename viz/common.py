@@ -5,6 +5,7 @@ of HTML (``<br>``, ``<b>``, entities) in hover, ticks and cell text, so ``<``, `
 (plotly shows the escaped text as written), control and format characters are replaced, and newlines and
 edge spaces are made visible.
 """
+
 from __future__ import annotations
 
 import html
@@ -113,23 +114,19 @@ def mark_fields(figure: go.Figure, runs: Sequence[range], segments: Sequence[str
         for segment in dict.fromkeys(segments[i] for i in run if segments[i].startswith("field:")):
             columns.setdefault(segment, []).append(column)
     for segment, held in columns.items():
-        figure.add_vrect(x0=held[0] - 0.5, x1=held[-1] + 0.5, line={"color": FIELD_COLOUR, "width": 2}, fillcolor="rgba(0,0,0,0)",
-                         annotation={"text": safe_label(segment.removeprefix("field:"), 24), "font": {"color": FIELD_COLOUR, "size": 11}},
-                         annotation_position="outside top")
+        figure.add_vrect(
+            x0=held[0] - 0.5,
+            x1=held[-1] + 0.5,
+            line={"color": FIELD_COLOUR, "width": 2},
+            fillcolor="rgba(0,0,0,0)",
+            annotation={"text": safe_label(segment.removeprefix("field:"), 24), "font": {"color": FIELD_COLOUR, "size": 11}},
+            annotation_position="outside top",
+        )
 
 
 def column_of(runs: Sequence[range], index: int) -> int:
     """The pooled column holding source column ``index``."""
     return index // len(runs[0])
-
-
-def heat_colours(values: np.ndarray, diverging: bool | None = None) -> dict:
-    """Heatmap colour settings: diverging and centred at 0 when ``diverging`` (default: values of both signs)."""
-    finite = np.asarray(values, dtype=np.float64)
-    finite = finite[np.isfinite(finite)]
-    if diverging is None:
-        diverging = finite.size > 0 and finite.min() < 0 < finite.max()
-    return {"colorscale": DIVERGING, "zmid": 0.0} if diverging else {"colorscale": SEQUENTIAL}
 
 
 def robust_limit(values: np.ndarray, quantile: float = 0.98) -> float:

@@ -1,4 +1,5 @@
 """Figures of composition: spliced vs recomputed next-token probabilities and K/V deviation, agent episodes."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -14,11 +15,10 @@ from engine.compose.agent import AgentReport
 from engine.compose.keystone import KeystoneReport
 from engine.compose.splice import Fidelity
 from viz.common import PALETTE, map_height, pool_columns, safe_label, token_columns
+from viz.text import shown_kl
 
 
-def logit_bars_figure(
-    spliced: Decision, recomputed: Decision, tokenizer_decode: Callable[[int], str], k: int = 10
-) -> go.Figure:
+def logit_bars_figure(spliced: Decision, recomputed: Decision, tokenizer_decode: Callable[[int], str], k: int = 10) -> go.Figure:
     """Next-token probabilities of the union of both top-k sets, spliced vs recomputed side by side, ordered
     by the recomputed probability; cosine and KL of the logits in the subtitle."""
     if k < 1:
@@ -32,14 +32,25 @@ def logit_bars_figure(
     labels = [text if texts.count(text) == 1 else f"{text} #{i}" for text, i in zip(texts, ids)]  # categories must be unique
     figure = go.Figure()
     for name, probs, colour in (("spliced", p, PALETTE[1]), ("recomputed", q, PALETTE[0])):
-        figure.add_bar(x=labels, y=probs[ids].numpy().astype(np.float32), name=name, marker_color=colour, customdata=ids,
-                       hovertemplate=f"{name}<br>%{{x}} (id %{{customdata}})<br>P %{{y:.4f}}<extra></extra>")
+        figure.add_bar(
+            x=labels,
+            y=probs[ids].numpy().astype(np.float32),
+            name=name,
+            marker_color=colour,
+            customdata=ids,
+            hovertemplate=f"{name}<br>%{{x}} (id %{{customdata}})<br>P %{{y:.4f}}<extra></extra>",
+        )
     agreement = logit_agreement(a, b)
     figure.update_layout(
-        title={"text": f"Next-token probabilities: spliced vs recomputed (union of top-{k})",
-               "subtitle": {"text": f"logit cosine {agreement['cosine']:.6f}, KL(spliced‖recomputed) {agreement['kl']:.2e}"}},
-        barmode="group", xaxis={"title": "next token", "type": "category", "tickangle": -45},
-        yaxis_title="probability", height=400, legend={"orientation": "h", "y": 1.02, "x": 1, "xanchor": "right", "yanchor": "bottom"},
+        title={
+            "text": f"Next-token probabilities: spliced vs recomputed (union of top-{k})",
+            "subtitle": {"text": f"logit cosine {agreement['cosine']:.6f}, KL(spliced‖recomputed) {shown_kl(agreement['kl']):.2e}"},
+        },
+        barmode="group",
+        xaxis={"title": "next token", "type": "category", "tickangle": -45},
+        yaxis_title="probability",
+        height=400,
+        legend={"orientation": "h", "y": 1.02, "x": 1, "xanchor": "right", "yanchor": "bottom"},
         margin={"l": 60, "r": 20, "t": 90, "b": 80},
     )
     return figure
@@ -54,14 +65,27 @@ def deviation_figure(fidelity: Fidelity, texts: Sequence[str] | None = None) -> 
     z, runs = pool_columns(deviation)
     names, xaxis = token_columns(runs, texts)
     figure = go.Figure(
-        go.Heatmap(z=z, x=names, y=np.arange(len(z)), zmin=0.0, colorscale="Viridis", colorbar={"title": "relative Δ", "exponentformat": "e"},
-                   hovertemplate="layer %{y}<br>%{x}<br>relative deviation %{z:.3g}<extra></extra>")
+        go.Heatmap(
+            z=z,
+            x=names,
+            y=np.arange(len(z)),
+            zmin=0.0,
+            colorscale="Viridis",
+            colorbar={"title": "relative Δ", "exponentformat": "e"},
+            hovertemplate="layer %{y}<br>%{x}<br>relative deviation %{z:.3g}<extra></extra>",
+        )
     )
     repair = f"remedy {safe_label(fidelity.remedy.name)}"
     figure.update_layout(
-        title={"text": f"K/V deviation, spliced vs recomputed ({repair}): max {float(deviation.max()):.3g}",
-               "subtitle": {"text": f"{safe_label(fidelity.scenario)}: {fidelity.skill_tokens} of {fidelity.context_tokens} context tokens spliced"}},
-        xaxis={**xaxis, "title": "context token"}, yaxis_title="layer", height=map_height(len(z)),
+        title={
+            "text": f"K/V deviation, spliced vs recomputed ({repair}): max {float(deviation.max()):.3g}",
+            "subtitle": {
+                "text": f"{safe_label(fidelity.scenario)}: {fidelity.skill_tokens} of {fidelity.context_tokens} context tokens spliced"
+            },
+        },
+        xaxis={**xaxis, "title": "context token"},
+        yaxis_title="layer",
+        height=map_height(len(z)),
         margin={"l": 60, "r": 20, "t": 90, "b": 100},
     )
     return figure
@@ -74,38 +98,68 @@ def agent_figure(report: AgentReport) -> go.Figure:
     turns = report.turns
     x = [t.turn for t in turns]
     figure = make_subplots(rows=2, cols=1, shared_xaxes=True, row_heights=[0.68, 0.32], vertical_spacing=0.08)
-    paths = (("cached (errata)", "cached", PALETTE[0], "solid"), ("clean-state prefill", "clean", "black", "dash"),
-             ("identical-token re-prefill", "identical", PALETTE[2], "dot"))
+    paths = (
+        ("cached (errata)", "cached", PALETTE[0], "solid"),
+        ("clean-state prefill", "clean", "black", "dash"),
+        ("identical-token re-prefill", "identical", PALETTE[2], "dot"),
+    )
     for name, attribute, colour, dash in paths:
         decisions = [getattr(t, attribute) for t in turns]
         figure.add_scatter(
-            x=x, y=[d.margin for d in decisions], name=name, mode="lines+markers", line={"color": colour, "dash": dash},
+            x=x,
+            y=[d.margin for d in decisions],
+            name=name,
+            mode="lines+markers",
+            line={"color": colour, "dash": dash},
             marker={"size": 9 if attribute == "cached" else 6},
-            hovertext=[f"turn {t.turn}: {safe_label(d.label)} ({d.margin:+.3f})" for t, d in zip(turns, decisions)], hoverinfo="text",
-            row=1, col=1,
+            hovertext=[f"turn {t.turn}: {safe_label(d.label)} ({d.margin:+.3f})" for t, d in zip(turns, decisions)],
+            hoverinfo="text",
+            row=1,
+            col=1,
         )
     wrong = [t for t in turns if t.cached.label != t.clean.label]
-    figure.add_scatter(x=[t.turn for t in wrong], y=[t.cached.margin for t in wrong], mode="markers", name="cached ≠ clean state",
-                       marker={"color": "#d62828", "size": 14, "symbol": "x"}, row=1, col=1)
+    figure.add_scatter(
+        x=[t.turn for t in wrong],
+        y=[t.cached.margin for t in wrong],
+        mode="markers",
+        name="cached ≠ clean state",
+        marker={"color": "#d62828", "size": 14, "symbol": "x"},
+        row=1,
+        col=1,
+    )
     for t in turns:
         if t.compacted:
             figure.add_vline(x=t.turn, line={"color": PALETTE[3], "dash": "dot"}, row=1, col=1)
     figure.add_hline(y=0, line={"color": "#999", "width": 1}, row=1, col=1)
-    for (name, attribute, colour, dash) in paths:
-        figure.add_scatter(x=x, y=np.cumsum([getattr(t, f"{attribute}_ms") for t in turns]), name=f"{name}: cumulative TTFT",
-                           mode="lines", line={"color": colour, "dash": dash}, showlegend=False, row=2, col=1)
+    for name, attribute, colour, dash in paths:
+        figure.add_scatter(
+            x=x,
+            y=np.cumsum([getattr(t, f"{attribute}_ms") for t in turns]),
+            name=f"{name}: cumulative TTFT",
+            mode="lines",
+            line={"color": colour, "dash": dash},
+            showlegend=False,
+            row=2,
+            col=1,
+        )
     ticks = [f"{t.turn}<br>{safe_label(t.values[t.changed] if t.changed else ' / '.join(t.values.values()), 14)}" for t in turns]
     figure.update_xaxes(tickvals=x, ticktext=ticks, row=2, col=1, title_text="turn and the new value (dotted lines: compaction)")
     figure.update_yaxes(title_text="decision margin", row=1, col=1)
     figure.update_yaxes(title_text="cumulative TTFT (ms)", row=2, col=1)
     data = report.as_dict()
     figure.update_layout(
-        title={"text": f"Agent episode on {safe_label(report.scenario)}: errata on a cached context, compaction {safe_label(report.policy)}",
-               "subtitle": {"text": f"agrees with the clean state on {data['clean_state_agreement']:.0%} of turns "
-                                    f"(identical tokens {data['identical_tokens_agreement']:.0%}); {data['compactions']} compactions; "
-                                    f"cumulative TTFT ×{data['cumulative_speedup_vs_clean_state']} vs clean prefills"
-                                    + ("" if report.state_sensitive else "; the clean decision never changes: agreement says little")}},
-        height=560, legend={"orientation": "h", "y": -0.18}, margin={"l": 60, "r": 30, "t": 90, "b": 90},
+        title={
+            "text": f"Agent episode on {safe_label(report.scenario)}: errata on a cached context, compaction {safe_label(report.policy)}",
+            "subtitle": {
+                "text": f"agrees with the clean state on {data['clean_state_agreement']:.0%} of turns "
+                f"(identical tokens {data['identical_tokens_agreement']:.0%}); {data['compactions']} compactions; "
+                f"cumulative TTFT ×{data['cumulative_speedup_vs_clean_state']} vs clean prefills"
+                + ("" if report.state_sensitive else "; the clean decision never changes: agreement says little")
+            },
+        },
+        height=560,
+        legend={"orientation": "h", "y": -0.18},
+        margin={"l": 60, "r": 30, "t": 90, "b": 90},
     )
     return figure
 
@@ -119,11 +173,24 @@ def keystone_figure(report: KeystoneReport, band: float = 0.15) -> go.Figure:
     y = [report.composed.strategies[name].recovery.value for name in names]
     low, high = min([0.0, *x, *y]) - 0.1, max([1.0, *x, *y]) + 0.1
     figure = go.Figure()
-    figure.add_scatter(x=[low, high, high, low], y=[low + band, high + band, high - band, low - band], fill="toself", mode="lines",
-                       line={"width": 0}, fillcolor="rgba(120,120,120,0.15)", name=f"within ±{band}", hoverinfo="skip")
+    figure.add_scatter(
+        x=[low, high, high, low],
+        y=[low + band, high + band, high - band, low - band],
+        fill="toself",
+        mode="lines",
+        line={"width": 0},
+        fillcolor="rgba(120,120,120,0.15)",
+        name=f"within ±{band}",
+        hoverinfo="skip",
+    )
     figure.add_scatter(x=[low, high], y=[low, high], mode="lines", line={"dash": "dash", "color": "grey"}, name="composed = recomputed")
     figure.add_scatter(
-        x=x, y=y, mode="markers+text", text=[safe_label(name) for name in names], textposition="top center", name="strategies",
+        x=x,
+        y=y,
+        mode="markers+text",
+        text=[safe_label(name) for name in names],
+        textposition="top center",
+        name="strategies",
         marker={"size": 12, "color": [PALETTE[0] if abs(gaps[name]) <= band else "#d62828" for name in names]},
         hovertext=[f"{safe_label(name)}: recomputed {a:.3f}, composed {b:.3f} (gap {b - a:+.3f})" for name, a, b in zip(names, x, y)],
         hoverinfo="text",
@@ -131,12 +198,18 @@ def keystone_figure(report: KeystoneReport, band: float = 0.15) -> go.Figure:
     skipped = [name for name in gaps if name not in names]
     stale = report.composed.stale.decision.margin, report.recomputed.stale.decision.margin
     figure.update_layout(
-        title={"text": f"Keystone: editing {safe_label(report.field)} inside a spliced skill (remedy {safe_label(report.remedy.name)})",
-               "subtitle": {"text": f"oracle − stale margin {report.delta_margin:+.2f}; stale margin composed {stale[0]:+.2f} vs recomputed {stale[1]:+.2f}"
-                                    + (f"; no recovery for: {', '.join(safe_label(n) for n in skipped)}" if skipped else "")}},
+        title={
+            "text": f"Keystone: editing {safe_label(report.field)} inside a spliced skill (remedy {safe_label(report.remedy.name)})",
+            "subtitle": {
+                "text": f"oracle − stale margin {report.delta_margin:+.2f}; stale margin composed {stale[0]:+.2f} vs "
+                "recomputed {stale[1]:+.2f}" + (f"; no recovery for: {', '.join(safe_label(n) for n in skipped)}" if skipped else "")
+            },
+        },
         xaxis={"title": "recovery on the recomputed cache", "range": [low, high]},
         yaxis={"title": "recovery on the composed cache", "range": [low, high]},
-        height=460, margin={"l": 60, "r": 20, "t": 90, "b": 60}, legend={"orientation": "h", "y": -0.18},
+        height=460,
+        margin={"l": 60, "r": 20, "t": 90, "b": 60},
+        legend={"orientation": "h", "y": -0.18},
     )
     return figure
 
@@ -146,32 +219,68 @@ def study_figure(study: dict) -> go.Figure:
     fraction of skill tokens it recomputes (hollow markers rank against the full recompute: diagnostics); right,
     its mean |margin error| by number of skills."""
     summary = study["summary"]
-    figure = make_subplots(rows=1, cols=2, column_widths=[0.55, 0.45], horizontal_spacing=0.12,
-                           subplot_titles=("agreement on decisive cases vs recompute", "mean |margin error| by skills"))
+    figure = make_subplots(
+        rows=1,
+        cols=2,
+        column_widths=[0.55, 0.45],
+        horizontal_spacing=0.12,
+        subplot_titles=("agreement on decisive cases vs recompute", "mean |margin error| by skills"),
+    )
     colours = PALETTE if len(summary) <= len(PALETTE) else plotly.colors.qualitative.Dark24
     for index, (name, row) in enumerate(summary.items()):
         colour = colours[index % len(colours)]
         speed = row["speedup"]["median"] if row["speedup"] else float("nan")
         figure.add_scatter(
-            x=[100 * row["recomputed_fraction"]], y=[row["agreement"]], mode="markers", name=safe_label(name), legendgroup=name,
-            marker={"size": 13, "color": colour, "symbol": "circle-open" if row["needs_reference"] else "circle", "line": {"width": 2, "color": colour}},
-            hovertext=[f"{safe_label(name)}: {row['agree_decisive']}/{row['decisive']} decisive cases agree, {row['ties']} ties; "
-                       f"median cosine {row['cosine']['median']:.4f}; TTFT ×{speed:.2f} (median)"], hoverinfo="text", row=1, col=1,
+            x=[100 * row["recomputed_fraction"]],
+            y=[row["agreement"]],
+            mode="markers",
+            name=safe_label(name),
+            legendgroup=name,
+            marker={
+                "size": 13,
+                "color": colour,
+                "symbol": "circle-open" if row["needs_reference"] else "circle",
+                "line": {"width": 2, "color": colour},
+            },
+            hovertext=[
+                f"{safe_label(name)}: {row['agree_decisive']}/{row['decisive']} decisive cases agree, {row['ties']} ties; "
+                f"median cosine {row['cosine']['median']:.4f}; TTFT ×{speed:.2f} (median)"
+            ],
+            hoverinfo="text",
+            row=1,
+            col=1,
         )
         sizes = sorted(row["by_n"], key=int)
-        figure.add_scatter(x=[int(n) for n in sizes], y=[row["by_n"][n]["mean_abs_margin_error"] for n in sizes], mode="lines+markers",
-                           name=safe_label(name), legendgroup=name, showlegend=False, line={"color": colour}, row=1, col=2)
+        figure.add_scatter(
+            x=[int(n) for n in sizes],
+            y=[row["by_n"][n]["mean_abs_margin_error"] for n in sizes],
+            mode="lines+markers",
+            name=safe_label(name),
+            legendgroup=name,
+            showlegend=False,
+            line={"color": colour},
+            row=1,
+            col=2,
+        )
     best = study.get("best")
     figure.update_xaxes(title_text="skill tokens recomputed (%, mean)", row=1, col=1)
     agreements = [row["agreement"] for row in summary.values() if row["agreement"] is not None]
-    figure.update_yaxes(title_text="decision agreement (decisive cases)", range=[max(0.0, min(agreements, default=0.0) - 0.1), 1.02], row=1, col=1)
+    figure.update_yaxes(
+        title_text="decision agreement (decisive cases)", range=[max(0.0, min(agreements, default=0.0) - 0.1), 1.02], row=1, col=1
+    )
     figure.update_xaxes(title_text="skills in the context (N)", dtick=1, row=1, col=2)
     figure.update_yaxes(title_text="|spliced − recomputed margin|", rangemode="tozero", row=1, col=2)
     cases = len(study["cases"])
     figure.update_layout(
-        title={"text": "Many skills at once: which repair keeps the decision",
-               "subtitle": {"text": f"{cases} composed prompts; hollow markers rank tokens against the full recompute (not deployable); "
-                                    + (f"best deployable: {safe_label(best)}" if best else "no deployable remedy agrees on every decisive case")}},
-        height=460, legend={"orientation": "h", "y": -0.22}, margin={"l": 60, "r": 20, "t": 100, "b": 110},
+        title={
+            "text": "Many skills at once: which repair keeps the decision",
+            "subtitle": {
+                "text": f"{cases} composed prompts; hollow markers rank tokens against the full recompute (not deployable); "
+                + (f"best deployable: {safe_label(best)}" if best else "no deployable remedy agrees on every decisive case")
+            },
+        },
+        height=460,
+        legend={"orientation": "h", "y": -0.22},
+        margin={"l": 60, "r": 20, "t": 100, "b": 110},
     )
     return figure

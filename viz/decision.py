@@ -1,4 +1,5 @@
 """Figures of a decision read: answer log-probs per label and surface string, with the margin."""
+
 from __future__ import annotations
 
 import plotly.graph_objects as go

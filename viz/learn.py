@@ -3,22 +3,27 @@
 Paper figures (arXiv 2606.17107) are quoted as published, for 7–9B models; a small model can differ, and the
 text says so whenever its numbers do.
 """
+
 from __future__ import annotations
 
 import html
 
-from engine.edit.experiment import EditExperiment
+from engine.cache.decision import Decision
 from engine.edit.report import EditReport
+from viz.text import remedy_words, shown_kl
 
 PAPER_FIELD_ONLY = "field-only recovery ≈ 0 at 7–9B (−0.028 Llama-3.1-8B, 0.005 Gemma-2-9B, 0.137 Mistral-7B)"
 PAPER_ERRATUM = "field+erratum P(correct) 1.00, matching hoist-to-end; erratum alone can revert when the field is buried early"
 PAPER_SPLICE = "logit cosine 0.90–0.999 against full recompute over twelve models; decisions preserved for 1–4 skills"
-SCALE_CAVEAT = ("The paper measured 7–9B models; on a smaller model the field is still partly read directly, "
-                "so the notes effect is partial.")
+SCALE_CAVEAT = "The paper measured 7–9B models; on a smaller model the field is still partly read directly, so the notes effect is partial."
+SPLICE_CAVEAT = (
+    "Splice fidelity differs from model to model (that range spans twelve of them) and with the remedy; "
+    "what a deployment needs is the spliced decision to agree with the recomputed one."
+)
 
 
-def _paper(text: str) -> str:
-    return f'<p class="kv-paper"><small><b>Paper:</b> {html.escape(text)}. {html.escape(SCALE_CAVEAT)}</small></p>'
+def _paper(text: str, caveat: str = SCALE_CAVEAT) -> str:
+    return f'<p class="kv-paper"><small><b>Paper:</b> {html.escape(text)}. {html.escape(caveat)}</small></p>'
 
 
 def _recovery(report: EditReport, name: str) -> float | None:
@@ -28,13 +33,15 @@ def _recovery(report: EditReport, name: str) -> float | None:
     return result.recovery.value
 
 
-def decisions_html(experiment: EditExperiment, model: str) -> str:
-    """Step 1: the decision at the old and at the new value under clean prefills."""
-    old, new = experiment.stale.decision, experiment.oracle.decision
+def decisions_html(model: str, old_value: str, new_value: str, old: Decision, new: Decision) -> str:
+    """Step 1: the decision at the old value (``old``, the stale run) and at the new one (``new``, the oracle), both
+    clean prefills computed by the caller."""
     moved = "changes" if old.label != new.label else "does <b>not</b> change"
-    return (f"<p>{html.escape(model)}: with <b>{html.escape(experiment.old)}</b> the model answers <b>{html.escape(old.label)}</b> "
-            f"(margin {old.margin:+.2f}); with <b>{html.escape(experiment.new)}</b> it answers <b>{html.escape(new.label)}</b> "
-            f"(margin {new.margin:+.2f}): a clean prefill {moved} the decision.</p>")
+    return (
+        f"<p>{html.escape(model)}: with <b>{html.escape(old_value)}</b> the model answers <b>{html.escape(old.label)}</b> "
+        f"(margin {old.margin:+.2f}); with <b>{html.escape(new_value)}</b> it answers <b>{html.escape(new.label)}</b> "
+        f"(margin {new.margin:+.2f}): a clean prefill {moved} the decision.</p>"
+    )
 
 
 def strategies_html(report: EditReport, step: int) -> str:
@@ -45,28 +52,40 @@ def strategies_html(report: EditReport, step: int) -> str:
         if field is None:
             said = f"Recovery is undefined here: {notes.reason}."
         elif notes.field_alone_flips:
-            said = (f"On this model recomputing the field alone recovers {field:.2f} of the decision and already reaches "
-                    f"<b>{html.escape(notes.field_only_label)}</b>: it still reads much of the field directly "
-                    f"(notes carry {max(0.0, notes.share):.0%}).")
+            said = (
+                f"On this model recomputing the field alone recovers {field:.2f} of the decision and already reaches "
+                f"<b>{html.escape(notes.field_only_label)}</b>: it still reads much of the field directly "
+                f"(notes carry {max(0.0, notes.share):.0%})."
+            )
         else:
-            said = (f"On this model recomputing the field alone recovers only {field:.2f}: the decision stays "
-                    f"<b>{html.escape(notes.field_only_label)}</b> because {max(0.0, notes.share):.0%} of it sits in the stale notes; "
-                    f"recomputing everything after the field recovers {_format(_recovery(report, 'full_downstream'))}.")
+            said = (
+                f"On this model recomputing the field alone recovers only {field:.2f}: the decision stays "
+                f"<b>{html.escape(notes.field_only_label)}</b> because {max(0.0, notes.share):.0%} of it sits in the stale notes; "
+                f"recomputing everything after the field recovers {_format(_recovery(report, 'full_downstream'))}."
+            )
         return f"<p>{said}</p>" + _paper(PAPER_FIELD_ONLY)
     erratum, both = _recovery(report, "erratum"), _recovery(report, "field_erratum")
-    said = (f"On this model the erratum alone recovers {_format(erratum)} and field + erratum {_format(both)} "
-            f"(1 = a clean prefill with the new value), by appending {report.strategies['erratum'].tokens_recomputed} tokens "
-            f"to a {len(report.stale.notebook)}-token context.")
+    said = (
+        f"On this model the erratum alone recovers {_format(erratum)} and field + erratum {_format(both)} "
+        f"(1 = a clean prefill with the new value), by appending {report.strategies['erratum'].tokens_recomputed} tokens "
+        f"to a {report.context_tokens}-token context."
+    )
     return f"<p>{said}</p>" + _paper(PAPER_ERRATUM)
 
 
 def splice_html(summary: dict) -> str:
-    """Step 4: the splice's fidelity and time to first token against a full recompute."""
+    """Step 4: the splice's fidelity and time to first token against a full recompute (``Fidelity.as_dict()``), and
+    what its remedy recomputed."""
     agree = "agrees" if summary["decision_agree"] else "differs"
-    said = (f"Spliced vs recomputed: logit cosine {summary['cosine']:.4f}, KL {summary['kl']:.4f}, decision {agree}; "
-            f"time to first token {summary['ttft_ms']['splice']:.0f} ms vs {summary['ttft_ms']['full']:.0f} ms "
-            f"(×{summary['speedup']}) for {summary['skill_tokens']} spliced of {summary['context_tokens']} context tokens.")
-    return f"<p>{html.escape(said)}</p>" + _paper(PAPER_SPLICE)
+    remedy = summary["remedy"]
+    said = (
+        f"Spliced vs recomputed: logit cosine {summary['cosine']:.4f}, KL {shown_kl(summary['kl']):.4f}, decision {agree}; "
+        f"time to first token {summary['ttft_ms']['splice']:.0f} ms vs {summary['ttft_ms']['full']:.0f} ms "
+        f"(×{summary['speedup']}) for {summary['skill_tokens']} spliced of {summary['context_tokens']} context tokens. "
+        f"The remedy {remedy['name']} recomputed {summary['recomputed_tokens']} of the {summary['skill_tokens']} skill tokens "
+        f"({summary['recomputed_fraction']:.0%}): {remedy_words(remedy)}."
+    )
+    return f"<p>{html.escape(said)}</p>" + _paper(PAPER_SPLICE, SPLICE_CAVEAT)
 
 
 def _format(value: float | None) -> str:

@@ -1,4 +1,5 @@
 """Figures of where the notes are: a context as a coloured token strip, attention and patch-effect maps."""
+
 from __future__ import annotations
 
 import html
@@ -64,8 +65,10 @@ def _gap_html(hidden: range, values: np.ndarray, value_name: str) -> str:
 def _token_html(position: int, text: str, value: float, segment: str, value_name: str, limit: float, outlined: bool) -> str:
     """One token as a coloured span, its position, segment and value in the hover title."""
     tip = html.escape(f"#{position} {text!r} [{segment}] {value_name} {value:+.4g}", quote=True)
-    return (f'<span class="kv-tok{" kv-field" if outlined else ""}" title="{tip}" data-value="{value:.4g}" '
-            f'style="background:{diverging_colour(value, limit)}">{html.escape(text)}</span>')
+    return (
+        f'<span class="kv-tok{" kv-field" if outlined else ""}" title="{tip}" data-value="{value:.4g}" '
+        f'style="background:{diverging_colour(value, limit)}">{html.escape(text)}</span>'
+    )
 
 
 def token_text_html(
@@ -96,14 +99,21 @@ def token_text_html(
             continue
         pieces += [_token_html(p, texts[p], float(array[p]), segments[p], value_name, limit, bool(outlined[p])) for p in stretch]
     count = int(shown.sum())
-    window = "" if count == len(texts) else (f"; showing {count:,} of {len(texts):,} tokens: the field and the strongest "
-                                             f"values with up to {TEXT_WINDOW} neighbours each")
-    legend = (f'<div class="kv-legend">{html.escape(title)} · colour scale ±{limit:.3g} {html.escape(value_name)} '
-              '(<span style="background:rgba(214,39,40,.85)">&nbsp;+&nbsp;</span> towards the new decision, '
-              '<span style="background:rgba(31,119,180,.85)">&nbsp;−&nbsp;</span> away; outlined: the field; hover a token for its value'
-              f'{window})</div>')
-    return (TEXT_CSS + f'<div class="kv-text" data-tokens="{len(texts)}" data-shown="{count}" data-limit="{limit:.4g}">{legend}'
-            f'<div class="kv-body">{"".join(pieces)}</div></div>')
+    window = (
+        ""
+        if count == len(texts)
+        else (f"; showing {count:,} of {len(texts):,} tokens: the field and the strongest values with up to {TEXT_WINDOW} neighbours each")
+    )
+    legend = (
+        f'<div class="kv-legend">{html.escape(title)} · colour scale ±{limit:.3g} {html.escape(value_name)} '
+        '(<span style="background:rgba(214,39,40,.85)">&nbsp;+&nbsp;</span> towards the new decision, '
+        '<span style="background:rgba(31,119,180,.85)">&nbsp;−&nbsp;</span> away; outlined: the field; hover a token for its value'
+        f"{window})</div>"
+    )
+    return (
+        TEXT_CSS + f'<div class="kv-text" data-tokens="{len(texts)}" data-shown="{count}" data-limit="{limit:.4g}">{legend}'
+        f'<div class="kv-body">{"".join(pieces)}</div></div>'
+    )
 
 
 TEXT_CSS = """<style>
@@ -144,7 +154,12 @@ def attention_figure(
     which = "mean over heads" if head is None else f"head {head}"
     figure = go.Figure(
         go.Heatmap(
-            z=z, x=names, y=np.arange(layers), zmin=0.0, colorscale="Viridis", colorbar={"title": "attention"},
+            z=z,
+            x=names,
+            y=np.arange(layers),
+            zmin=0.0,
+            colorscale="Viridis",
+            colorbar={"title": "attention"},
             hovertemplate="layer %{y}<br>%{x}<br>attention %{z:.4f}<extra></extra>",
         )
     )
@@ -159,21 +174,30 @@ def attention_figure(
     return figure
 
 
-def _effect_heatmap(effects: np.ndarray, positions: Sequence[int], texts: Sequence[str], segments: Sequence[str]) -> tuple[go.Figure, list[str], list[range]]:
+def _effect_heatmap(
+    effects: np.ndarray, positions: Sequence[int], texts: Sequence[str], segments: Sequence[str]
+) -> tuple[go.Figure, list[str], list[range]]:
     """A diverging layer × position heatmap of Δmargin, pooled when wide; returns the figure, columns and runs."""
     z, runs = pool_columns(np.asarray(effects, dtype=np.float32))  # (layers, columns)
     names, xaxis = token_columns(runs, texts, positions, segments)
     limit = robust_limit(z)
     figure = go.Figure(
         go.Heatmap(
-            z=z, x=names, y=np.arange(len(z)), colorbar={"title": f"Δ margin<br>(±{limit:.2g}, 98th pct of |Δ|)"},
+            z=z,
+            x=names,
+            y=np.arange(len(z)),
+            colorbar={"title": f"Δ margin<br>(±{limit:.2g}, 98th pct of |Δ|)"},
             hovertemplate="layer %{y}<br>%{x}<br>attributed Δ margin %{z:+.4f}<extra></extra>",
-            colorscale=DIVERGING, zmin=-limit, zmax=limit,
+            colorscale=DIVERGING,
+            zmin=-limit,
+            zmax=limit,
         )
     )
     figure.update_layout(
-        xaxis={**xaxis, "title": "field and downstream token"}, yaxis_title="layer",
-        height=map_height(len(z)), margin={"l": 60, "r": 20, "t": 70, "b": 100},
+        xaxis={**xaxis, "title": "field and downstream token"},
+        yaxis_title="layer",
+        height=map_height(len(z)),
+        margin={"l": 60, "r": 20, "t": 70, "b": 100},
     )
     mark_fields(figure, runs, segments)
     return figure, names, runs
@@ -189,7 +213,9 @@ def effect_map_figure(effects: EffectMap, texts: Sequence[str], segments: Sequen
     z[:, [column[p] for p in effects.positions]] = effects.effects.numpy()
     figure, _, _ = _effect_heatmap(z, positions, [texts[p] for p in positions], [segments[p] for p in positions])
     shown = "every context position" if all_positions else "the field and the tokens after it"
-    figure.update_layout(title=f"Notes map ({effects.method})<br><sup>Δ margin from patching the new run's K/V per (layer, token), {shown}</sup>")
+    figure.update_layout(
+        title=f"Notes map ({effects.method})<br><sup>Δ margin from patching the new run's K/V per (layer, token), {shown}</sup>"
+    )
     return figure
 
 
@@ -240,24 +266,37 @@ def frontier_figure(result: FrontierResult) -> go.Figure:
             name=safe_label(method),
             line={"color": colours[method], "dash": "dot" if "deviation" in method else "solid"},
             marker={
-                "size": 9 if ladder else 13, "color": colours[method], "line": {"color": colours[method], "width": 2},
+                "size": 9 if ladder else 13,
+                "color": colours[method],
+                "line": {"color": colours[method], "width": 2},
                 "symbol": ["circle" if p.correct else "circle-open" for p in points],
             },
             hovertext=[
                 f"<b>{safe_label(method)}</b>{'' if p.k is None else f', K={p.k}'}<br>{p.tokens_computed} of {result.context_tokens} "
                 f"tokens computed ({100 * p.fraction:.1f}%)<br>margin {p.margin:+.3f} → {safe_label(p.label)}<br>"
-                f"recovery {'n/a' if p.recovery is None else f'{p.recovery:.2f}'}" for p in points
+                f"recovery {'n/a' if p.recovery is None else f'{p.recovery:.2f}'}"
+                for p in points
             ],
             hoverinfo="text",
         )
     for level, name in ((0.0, "stale"), (1.0, "oracle")):
         figure.add_hline(y=level, line={"color": GREY, "dash": "dash"}, annotation_text=name, annotation_position="right")
     gap = result.gap
-    figure.add_annotation(text=f"<i>{_PAPER_FRONTIER}</i>", xref="paper", yref="paper", x=0, y=-0.5, showarrow=False,
-                          xanchor="left", font={"size": 10, "color": "#555"})
+    figure.add_annotation(
+        text=f"<i>{_PAPER_FRONTIER}</i>",
+        xref="paper",
+        yref="paper",
+        x=0,
+        y=-0.5,
+        showarrow=False,
+        xanchor="left",
+        font={"size": 10, "color": "#555"},
+    )
     figure.update_layout(
-        title=(f"Cost–quality frontier of this edit<br><sup>{safe_label(result.notes.headline())}<br>stale {gap.stale:+.2f} → oracle "
-               f"{gap.oracle:+.2f} ({safe_label(gap.oracle_label)}); filled markers reach the oracle's decision</sup>"),
+        title=(
+            f"Cost–quality frontier of this edit<br><sup>{safe_label(result.notes.headline())}<br>stale {gap.stale:+.2f} → oracle "
+            f"{gap.oracle:+.2f} ({safe_label(gap.oracle_label)}); filled markers reach the oracle's decision</sup>"
+        ),
         xaxis={"title": "context tokens computed (%, log scale)", "type": "log", "ticksuffix": "%"},
         yaxis={"title": "decision recovery (0 = stale, 1 = oracle)"},
         height=540,

@@ -4,6 +4,7 @@ context attribution.
 Recovery needs a stale–oracle gap of at least ``min_gap``; when the gap is smaller (e.g. a control edit or
 a tiny random model) the figures plot the raw decision margin instead and say so in the subtitle.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -43,11 +44,19 @@ def _references(figure: go.Figure, gap: Gap, scale: Callable[[float], float]) ->
 
 def _draws(figure: go.Figure, x: list[int], controls: list[RandomControl], scale: Callable[[float], float]) -> None:
     """The random control's mean as a line and its draws as faint points."""
-    figure.add_scatter(x=x, y=[scale(c.margin) for c in controls], name="random positions (mean)", mode="lines+markers",
-                       line={"color": GREY, "dash": "dot"})
     figure.add_scatter(
-        x=[k for k, c in zip(x, controls) for _ in c.margins], y=[scale(m) for c in controls for m in c.margins],
-        name="random draws", mode="markers", marker={"color": GREY, "size": 5, "opacity": 0.6},
+        x=x,
+        y=[scale(c.margin) for c in controls],
+        name="random positions (mean)",
+        mode="lines+markers",
+        line={"color": GREY, "dash": "dot"},
+    )
+    figure.add_scatter(
+        x=[k for k, c in zip(x, controls) for _ in c.margins],
+        y=[scale(m) for c in controls for m in c.margins],
+        name="random draws",
+        mode="markers",
+        marker={"color": GREY, "size": 5, "opacity": 0.6},
     )
 
 
@@ -56,14 +65,21 @@ def dose_response_figure(result: KnockoutResult) -> go.Figure:
     gap, points = result.gap, result.points
     scale, axis = _scale(gap)
     figure = go.Figure()
-    figure.add_scatter(x=[p.k for p in points], y=[scale(p.top.margin) for p in points], name="top-K notes hidden",
-                       mode="lines+markers", line={"color": PALETTE[1], "width": 3})
+    figure.add_scatter(
+        x=[p.k for p in points],
+        y=[scale(p.top.margin) for p in points],
+        name="top-K notes hidden",
+        mode="lines+markers",
+        line={"color": PALETTE[1], "width": 3},
+    )
     controlled = [p for p in points if p.random is not None]
     _draws(figure, [p.k for p in controlled], [p.random for p in controlled], scale)
     _references(figure, gap, scale)
     figure.update_layout(
         title=_title("Knockout dose-response: hiding the top-K notes from the oracle's decision", gap),
-        xaxis_title="K (notes hidden)", yaxis_title=axis, height=400,
+        xaxis_title="K (notes hidden)",
+        yaxis_title=axis,
+        height=400,
         margin={"l": 60, "r": 60, "t": 80, "b": 50},
     )
     return figure
@@ -75,18 +91,31 @@ def suffix_figure(result: SuffixResult) -> go.Figure:
     scale, axis = _scale(gap)
     ks = [p.k for p in points]
     figure = go.Figure()
-    figure.add_scatter(x=ks, y=[scale(p.all_layers.margin) for p in points], name="top-K, all layers",
-                       mode="lines+markers", line={"color": PALETTE[0], "width": 3})
+    figure.add_scatter(
+        x=ks,
+        y=[scale(p.all_layers.margin) for p in points],
+        name="top-K, all layers",
+        mode="lines+markers",
+        line={"color": PALETTE[0], "width": 3},
+    )
     for index, (band, layers) in enumerate(result.bands.items()):
         span = "no layers" if not layers else f"layer {layers[0]}" if len(layers) == 1 else f"layers {layers[0]}–{layers[-1]}"
-        figure.add_scatter(x=ks, y=[scale(p.bands[band].margin) for p in points], name=f"top-K, {band} ({span})",
-                           mode="lines+markers", line={"color": PALETTE[2 + index], "dash": "dash"})
+        figure.add_scatter(
+            x=ks,
+            y=[scale(p.bands[band].margin) for p in points],
+            name=f"top-K, {band} ({span})",
+            mode="lines+markers",
+            line={"color": PALETTE[2 + index], "dash": "dash"},
+        )
     _draws(figure, ks, [p.random for p in points], scale)
     _references(figure, gap, scale)
     figure.update_layout(
         title=_title("Suffix concentration: patching the top-K notes into the stale cache", gap),
-        xaxis={"title": "K (notes patched, log scale)", "type": "log", "tickvals": ks}, yaxis_title=axis,
-        height=440, legend={"orientation": "h", "y": -0.25}, margin={"l": 60, "r": 60, "t": 80, "b": 50},
+        xaxis={"title": "K (notes patched, log scale)", "type": "log", "tickvals": ks},
+        yaxis_title=axis,
+        height=440,
+        legend={"orientation": "h", "y": -0.25},
+        margin={"l": 60, "r": 60, "t": 80, "b": 50},
     )
     return figure
 
@@ -96,31 +125,66 @@ def heads_figure(result: HeadsResult) -> go.Figure:
     drop when the top heads, as many random heads, or all heads lose access to the notes."""
     gap = result.gap
     scale, _ = _scale(gap)
-    figure = make_subplots(rows=1, cols=2, column_widths=[0.72, 0.28], horizontal_spacing=0.2,
-                           subplot_titles=("attention mass of the last decision token on the notes", "notes hidden from heads"))
+    figure = make_subplots(
+        rows=1,
+        cols=2,
+        column_widths=[0.72, 0.28],
+        horizontal_spacing=0.2,
+        subplot_titles=("attention mass of the last decision token on the notes", "notes hidden from heads"),
+    )
     mass = np.asarray(result.mass_last, dtype=np.float32)  # (layers, heads)
-    figure.add_heatmap(z=mass, x=np.arange(mass.shape[1]), y=np.arange(mass.shape[0]), zmin=0.0, colorscale="Viridis",
-                       colorbar={"title": "mass", "x": 0.59, "thickness": 12}, hovertemplate="layer %{y}, head %{x}<br>mass %{z:.4f}<extra></extra>",
-                       row=1, col=1)
-    figure.add_scatter(x=[h for _, h in result.top_heads], y=[layer for layer, _ in result.top_heads], mode="markers+text",
-                       text=[str(rank + 1) for rank in range(len(result.top_heads))], textfont={"color": "white", "size": 9},
-                       marker={"symbol": "square-open", "size": 14, "color": "white", "line": {"width": 2}},
-                       name="top heads (rank)", row=1, col=1)
+    figure.add_heatmap(
+        z=mass,
+        x=np.arange(mass.shape[1]),
+        y=np.arange(mass.shape[0]),
+        zmin=0.0,
+        colorscale="Viridis",
+        colorbar={"title": "mass", "x": 0.59, "thickness": 12},
+        hovertemplate="layer %{y}, head %{x}<br>mass %{z:.4f}<extra></extra>",
+        row=1,
+        col=1,
+    )
+    figure.add_scatter(
+        x=[h for _, h in result.top_heads],
+        y=[layer for layer, _ in result.top_heads],
+        mode="markers+text",
+        text=[str(rank + 1) for rank in range(len(result.top_heads))],
+        textfont={"color": "white", "size": 9},
+        marker={"symbol": "square-open", "size": 14, "color": "white", "line": {"width": 2}},
+        name="top heads (rank)",
+        row=1,
+        col=1,
+    )
 
     def drop(margin: float) -> float:
         return scale(gap.oracle) - scale(margin)
 
     names = ["top heads", "random heads", "all heads"]
-    figure.add_bar(x=names, y=[drop(result.top.margin), drop(result.random.margin), drop(result.all_heads.margin)],
-                   marker_color=[PALETTE[1], GREY, PALETTE[2]], name="drop", showlegend=False, row=1, col=2)
-    figure.add_scatter(x=["random heads"] * len(result.random.margins), y=[drop(m) for m in result.random.margins],
-                       mode="markers", marker={"color": "black", "size": 5}, name="random draws", row=1, col=2)
+    figure.add_bar(
+        x=names,
+        y=[drop(result.top.margin), drop(result.random.margin), drop(result.all_heads.margin)],
+        marker_color=[PALETTE[1], GREY, PALETTE[2]],
+        name="drop",
+        showlegend=False,
+        row=1,
+        col=2,
+    )
+    figure.add_scatter(
+        x=["random heads"] * len(result.random.margins),
+        y=[drop(m) for m in result.random.margins],
+        mode="markers",
+        marker={"color": "black", "size": 5},
+        name="random draws",
+        row=1,
+        col=2,
+    )
     figure.update_xaxes(title_text="head", dtick=max(1, round(mass.shape[1] / 16)), row=1, col=1)
     figure.update_yaxes(title_text="layer", dtick=max(1, round(mass.shape[0] / 16)), row=1, col=1)
     figure.update_yaxes(title_text="drop in " + ("recovery" if gap.note is None else "margin"), row=1, col=2)
     figure.update_layout(
         title=_title(f"Read heads: {len(result.top_heads)} heads with most attention on {len(result.notes)} notes", gap),
-        height=max(400, 160 + 14 * mass.shape[0]), legend={"orientation": "h", "y": -0.3},
+        height=max(400, 160 + 14 * mass.shape[0]),
+        legend={"orientation": "h", "y": -0.3},
         margin={"l": 60, "r": 20, "t": 100, "b": 60},
     )
     return figure
@@ -137,28 +201,52 @@ def linear_probe_figure(result: LinearProbeResult | dict) -> go.Figure:
     """
     data = result if isinstance(result, dict) else result.as_dict()
     targets = ("conclusion", "value")
-    figure = make_subplots(rows=1, cols=2, shared_yaxes=True, horizontal_spacing=0.06,
-                           subplot_titles=("decoding the conclusion", "decoding the value"))
+    figure = make_subplots(
+        rows=1, cols=2, shared_yaxes=True, horizontal_spacing=0.06, subplot_titles=("decoding the conclusion", "decoding the value")
+    )
     chance = {"conclusion": data["chance"], "value": max(data["value_counts"].values()) / data["n_samples"]}
     for col, target in enumerate(targets, start=1):
         for index, group in enumerate(GROUPS):
             row = data["accuracy"][target].get(group)
             if row is not None:
-                figure.add_scatter(x=list(range(len(row))), y=row, name=group, legendgroup=group, showlegend=col == 1,
-                                   mode="lines+markers", line={"color": PALETTE[index]}, row=1, col=col)
+                figure.add_scatter(
+                    x=list(range(len(row))),
+                    y=row,
+                    name=group,
+                    legendgroup=group,
+                    showlegend=col == 1,
+                    mode="lines+markers",
+                    line={"color": PALETTE[index]},
+                    row=1,
+                    col=col,
+                )
         figure.add_hline(y=chance[target], line={"dash": "dot", "color": GREY}, annotation_text="chance", row=1, col=col)
         for name, layer, colour in (("write", data["write_layer"], PALETTE[0]), ("commit", data["commit_layer"], PALETTE[4])):
             if layer is not None:
                 figure.add_vline(x=layer, line={"dash": "dash", "color": colour}, annotation_text=f"{name} {layer}", row=1, col=col)
     if not data["conclusion_decodable"]:
-        figure.add_annotation(text=safe_lines(data["reason"] or "not decodable", 40), xref="x domain", yref="y domain",
-                              x=0.5, y=0.5, showarrow=False, row=1, col=1)
-    figure.update_xaxes(title_text=f"hidden state (0 = embeddings, {data['num_layers']} = last layer)", range=[-0.5, data["num_layers"] + 0.5])
+        figure.add_annotation(
+            text=safe_lines(data["reason"] or "not decodable", 40),
+            xref="x domain",
+            yref="y domain",
+            x=0.5,
+            y=0.5,
+            showarrow=False,
+            row=1,
+            col=1,
+        )
+    figure.update_xaxes(
+        title_text=f"hidden state (0 = embeddings, {data['num_layers']} = last layer)", range=[-0.5, data["num_layers"] + 0.5]
+    )
     figure.update_yaxes(title_text="cross-validated accuracy", range=[0, 1.05], row=1, col=1)
     figure.update_layout(
-        title={"text": "Linear probe: where the conclusion is written vs where the decision commits",
-               "subtitle": {"text": f"{safe_label(data['scenario'])}, field {safe_label(data['field'])}, {data['n_samples']} samples"}},
-        height=420, legend={"orientation": "h", "y": -0.2}, margin={"l": 60, "r": 20, "t": 90, "b": 60},
+        title={
+            "text": "Linear probe: where the conclusion is written vs where the decision commits",
+            "subtitle": {"text": f"{safe_label(data['scenario'])}, field {safe_label(data['field'])}, {data['n_samples']} samples"},
+        },
+        height=420,
+        legend={"orientation": "h", "y": -0.2},
+        margin={"l": 60, "r": 20, "t": 90, "b": 60},
     )
     return figure
 
@@ -174,20 +262,33 @@ def attribution_figure(result: AttributionResult, top: int = 40) -> go.Figure:
     is_field = [f.kind.startswith("field:") for f in features]
     figure = go.Figure(
         go.Bar(
-            x=[f.score for f in features], y=labels, orientation="h",
-            marker={"color": [PALETTE[0] if f.score >= 0 else PALETTE[1] for f in features],
-                    "line": {"color": "black", "width": [2 if field else 0 for field in is_field]}},
-            hovertext=[f"tokens {f.start}–{f.end - 1} ({safe_label(f.kind)})<br>{safe_lines(f.text)}<br>score {f.score:+.4f}" for f in features],
+            x=[f.score for f in features],
+            y=labels,
+            orientation="h",
+            marker={
+                "color": [PALETTE[0] if f.score >= 0 else PALETTE[1] for f in features],
+                "line": {"color": "black", "width": [2 if field else 0 for field in is_field]},
+            },
+            hovertext=[
+                f"tokens {f.start}–{f.end - 1} ({safe_label(f.kind)})<br>{safe_lines(f.text)}<br>score {f.score:+.4f}" for f in features
+            ],
             hoverinfo="text",
         )
     )
-    shown = f"top {len(features)} of {len(result.features)} features" if len(features) < len(result.features) else f"{len(features)} features"
+    shown = (
+        f"top {len(features)} of {len(result.features)} features" if len(features) < len(result.features) else f"{len(features)} features"
+    )
     figure.update_layout(
-        title={"text": f"Attribution of {safe_label(result.target)} ({result.run} run, {result.method}, {result.granularity})",
-               "subtitle": {"text": f"Σ scores {result.total:+.3f} vs full − baseline {result.full_score - result.baseline_score:+.3f}; {shown}"}},
+        title={
+            "text": f"Attribution of {safe_label(result.target)} ({result.run} run, {result.method}, {result.granularity})",
+            "subtitle": {
+                "text": f"Σ scores {result.total:+.3f} vs full − baseline {result.full_score - result.baseline_score:+.3f}; {shown}"
+            },
+        },
         xaxis_title="attribution (target units)",
         yaxis={"autorange": "reversed", "type": "category"},
-        height=min(1400, 140 + 22 * len(features)), margin={"l": 260, "r": 20, "t": 90, "b": 50},
+        height=min(1400, 140 + 22 * len(features)),
+        margin={"l": 260, "r": 20, "t": 90, "b": 50},
     )
     return figure
 
@@ -195,11 +296,18 @@ def attribution_figure(result: AttributionResult, top: int = 40) -> go.Figure:
 def readings_figure(name: str, data: dict) -> go.Figure:
     """Bars of every decision reading in a probe's ``as_dict()`` (entries holding a ``margin``)."""
     readings = {key: value for key, value in data.items() if isinstance(value, dict) and isinstance(value.get("margin"), (int, float))}
-    figure = go.Figure(go.Bar(x=list(readings), y=[value["margin"] for value in readings.values()],
-                              text=[safe_label(str(value.get("label", ""))) for value in readings.values()]))
+    figure = go.Figure(
+        go.Bar(
+            x=list(readings),
+            y=[value["margin"] for value in readings.values()],
+            text=[safe_label(str(value.get("label", ""))) for value in readings.values()],
+        )
+    )
     for key, dash in (("stale_margin", "dot"), ("oracle_margin", "dash")):
         if isinstance(data.get(key), (int, float)):
-            figure.add_hline(y=data[key], line={"dash": dash, "color": GREY}, annotation_text=key.split("_")[0], annotation_position="right")
+            figure.add_hline(
+                y=data[key], line={"dash": dash, "color": GREY}, annotation_text=key.split("_")[0], annotation_position="right"
+            )
     figure.update_layout(title=f"Probe {safe_label(name)}: decision margins", yaxis_title="decision margin", height=360)
     return figure
 
@@ -207,8 +315,13 @@ def readings_figure(name: str, data: dict) -> go.Figure:
 def probe_figure(name: str, result) -> go.Figure:
     """The figure for any probe result by probe name."""
     builders = {
-        "suffix": suffix_figure, "knockout": dose_response_figure, "heads": heads_figure, "linear": linear_probe_figure,
-        "attribution": attribution_figure, "notes_map": notes_map_figure, "attention": lambda r: attention_figure(r.oracle),
+        "suffix": suffix_figure,
+        "knockout": dose_response_figure,
+        "heads": heads_figure,
+        "linear": linear_probe_figure,
+        "attribution": attribution_figure,
+        "notes_map": notes_map_figure,
+        "attention": lambda r: attention_figure(r.oracle),
         "frontier": frontier_figure,
     }
     return builders[name](result) if name in builders else readings_figure(name, result.as_dict())

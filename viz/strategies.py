@@ -1,4 +1,5 @@
 """Figure of an edit report: each strategy's decision margin against the stale and oracle references."""
+
 from __future__ import annotations
 
 import plotly.graph_objects as go
@@ -18,7 +19,8 @@ def _hover(result: StrategyResult) -> str:
         f"<b>{safe_label(result.name)}</b>",
         f"margin {result.decision.margin:+.3f} → {safe_label(result.decision.label)}",
         _recovery_text(result, "recovery"),
-        f"{result.tokens_recomputed} tokens recomputed, {result.ms:.1f} ms" + (" (share of one fused forward)" if result.ms_is_share else ""),
+        f"{result.tokens_recomputed} tokens recomputed, {result.ms:.1f} ms"
+        + (" (share of one fused forward)" if result.ms_is_share else ""),
     ]
     if result.recovery is not None and result.recovery.reason:
         lines.append(safe_lines(result.recovery.reason))

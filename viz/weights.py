@@ -1,4 +1,5 @@
 """Weight editing beside the erratum: the three methods side by side, and the trade-off in words."""
+
 from __future__ import annotations
 
 import plotly.graph_objects as go
@@ -8,7 +9,10 @@ from engine.edit.weight_edit import MethodOutcome, WeightEditReport
 from viz.common import PALETTE, safe_label
 
 # The paper's figures (Llama-3.1-8B), shown beside ours.
-PAPER = "Paper (Llama-3.1-8B): ROME 5.6 s/edit (+11.6 s covariance once), LoRA 3.1 s, both contamination 1.0 and collateral 0.5; field+erratum 114 ms, contamination 0."
+PAPER = (
+    "Paper (Llama-3.1-8B): ROME 5.6 s/edit (+11.6 s covariance once), LoRA 3.1 s, both contamination 1.0 and "
+    "collateral 0.5; field+erratum 114 ms, contamination 0."
+)
 
 
 def _efficacy(outcome: MethodOutcome) -> float:
@@ -18,8 +22,13 @@ def _efficacy(outcome: MethodOutcome) -> float:
 def weight_edit_figure(report: WeightEditReport) -> go.Figure:
     """Left: efficacy, contamination and collateral per method; right: edit time (one-time setup stacked)."""
     methods = list(report.methods)
-    figure = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38], horizontal_spacing=0.12,
-                           subplot_titles=("what the edit does", "what it costs (ms, log)"))
+    figure = make_subplots(
+        rows=1,
+        cols=2,
+        column_widths=[0.62, 0.38],
+        horizontal_spacing=0.12,
+        subplot_titles=("what the edit does", "what it costs (ms, log)"),
+    )
     measures = (
         ("efficacy (recovery)", _efficacy),
         ("contamination (other customers flipped)", lambda o: o.contamination),
@@ -27,14 +36,37 @@ def weight_edit_figure(report: WeightEditReport) -> go.Figure:
     )
     for index, (name, value) in enumerate(measures):
         values = [value(report.methods[m]) for m in methods]
-        figure.add_trace(go.Bar(name=name, x=methods, y=values, marker_color=PALETTE[index], text=[f"{v:.2f}" for v in values],
-                                textposition="outside", legendgroup="effect"), row=1, col=1)
+        figure.add_trace(
+            go.Bar(
+                name=name,
+                x=methods,
+                y=values,
+                marker_color=PALETTE[index],
+                text=[f"{v:.2f}" for v in values],
+                textposition="outside",
+                legendgroup="effect",
+            ),
+            row=1,
+            col=1,
+        )
     edit = [max(report.methods[m].edit_ms, 0.1) for m in methods]
     setup = [report.methods[m].setup_ms for m in methods]
-    figure.add_trace(go.Bar(name="edit", x=methods, y=edit, marker_color=PALETTE[3], text=[f"{v:,.0f}" for v in edit],
-                            textposition="inside", offsetgroup="cost"), row=1, col=2)
-    figure.add_trace(go.Bar(name="one-time setup (stacked)", x=methods, y=setup, base=edit, marker_color=PALETTE[4],
-                            offsetgroup="cost"), row=1, col=2)
+    figure.add_trace(
+        go.Bar(
+            name="edit",
+            x=methods,
+            y=edit,
+            marker_color=PALETTE[3],
+            text=[f"{v:,.0f}" for v in edit],
+            textposition="inside",
+            offsetgroup="cost",
+        ),
+        row=1,
+        col=2,
+    )
+    figure.add_trace(
+        go.Bar(name="one-time setup (stacked)", x=methods, y=setup, base=edit, marker_color=PALETTE[4], offsetgroup="cost"), row=1, col=2
+    )
     figure.update_layout(
         barmode="group",
         title=dict(text=safe_label(f"{report.scenario}: {report.field} {report.old} → {report.new} ({report.model})", 120)),
@@ -53,7 +85,8 @@ def _line(method: str, outcome: MethodOutcome, variants: int, others: int) -> st
     return (
         f"- **{method}**: recovery {efficacy} (decision {outcome.decision}); "
         f"{round(outcome.contamination * variants)}/{variants} other customers now get the new decision; "
-        f"{round(outcome.collateral * others)}/{others} unrelated decisions changed (mean |Δmargin| {outcome.collateral_mean_abs_delta:.2f}); "
+        f"{round(outcome.collateral * others)}/{others} unrelated decisions changed (mean |Δmargin| "
+        f"{outcome.collateral_mean_abs_delta:.2f}); "
         f"{outcome.edit_ms / 1000:.2f} s per edit{setup}; {outcome.memory_bytes / 2**20:.2f} MiB"
     )
 
@@ -71,9 +104,14 @@ def trade_off_markdown(report: WeightEditReport) -> str:
         erratum = report.methods["field_erratum"]
         leaks = [m for m in weight_methods if report.methods[m].contamination > 0 or report.methods[m].collateral > 0]
         lines.append(
-            f"\nThe erratum lives in this request's cache only (contamination {erratum.contamination:.0%}, collateral {erratum.collateral:.0%}); "
-            + (f"the weights edited by {', '.join(leaks)} also changed other requests' decisions: deployed, a weight edit reaches every request." if leaks
-               else "on this edit the weight methods did not change other requests' decisions either.")
+            f"\nThe erratum lives in this request's cache only (contamination {erratum.contamination:.0%}, collateral "
+            f"{erratum.collateral:.0%}); "
+            + (
+                f"the weights edited by {', '.join(leaks)} also changed other requests' decisions: deployed, a weight "
+                "edit reaches every request."
+                if leaks
+                else "on this edit the weight methods did not change other requests' decisions either."
+            )
         )
     lines.append(f"\n{PAPER}")
     return "\n".join(lines)

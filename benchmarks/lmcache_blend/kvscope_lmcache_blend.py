@@ -6,6 +6,7 @@ fails with "vllm model for vllm-instance not found". vLLM >= 0.11.1 starts the c
 ``Worker.initialize_from_config``, after ``Worker.load_model``; registering at the end of ``load_model`` is
 therefore early enough. Older vLLM starts the connector before loading the model and cannot use this plugin.
 """
+
 from __future__ import annotations
 
 import functools

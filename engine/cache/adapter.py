@@ -6,6 +6,7 @@ mask by the caller's query × key visibility (so unrelated branches can share on
 per-layer/per-head knockouts, and captures attention probabilities when asked. Sliding-window and
 chunked-attention layers get their window or chunk from positions too, so caches never drop entries.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -110,15 +111,21 @@ def _kvscope_attention(module, query, key, value, attention_mask, scaling=None, 
     output, weights = attend(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     if plan is not None and plan.capture_rows is not None:
         rows = plan.capture_rows  # probabilities for these queries only, by the model's own eager attention
-        _, kept = _eager_for(module)(module, query[:, :, rows], key, value, attention_mask[:, :, rows], scaling=scaling, dropout=0.0, **kwargs)
+        _, kept = _eager_for(module)(
+            module, query[:, :, rows], key, value, attention_mask[:, :, rows], scaling=scaling, dropout=0.0, **kwargs
+        )
         plan.attentions[module.layer_idx] = kept[0].float()
     return output, weights
 
 
-AttentionInterface.register(ATTENTION_NAME, _kvscope_attention)
-# Outside engine forwards (e.g. captum calling the model) the model builds its own masks: additive
-# float masks work for both the SDPA and the eager path of the function above.
-AttentionMaskInterface.register(ATTENTION_NAME, eager_mask)
+def _register_attention() -> None:
+    """Register KVScope's attention function with transformers (on the first install, not at import)."""
+    if ATTENTION_NAME in AttentionInterface._global_mapping:
+        return
+    AttentionInterface.register(ATTENTION_NAME, _kvscope_attention)
+    # Outside engine forwards (e.g. captum calling the model) the model builds its own masks: additive
+    # float masks work for both the SDPA and the eager path of the function above.
+    AttentionMaskInterface.register(ATTENTION_NAME, eager_mask)
 
 
 def cache_entry_shapes(config) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -139,6 +146,28 @@ def cache_layout(config) -> str:
     if getattr(config.get_text_config(), "kv_lora_rank", None):
         return f"latent {key_dim} (key slot, shared by every head) + rope key {value_dim} (value slot): multi-head latent attention"
     return f"key {key_heads}×{key_dim} + value {value_heads}×{value_dim}"
+
+
+FINAL_NORMS = ("norm", "final_layer_norm", "ln_f", "final_layernorm")  # Llama-like, NeoX, GPT-2, Phi
+
+
+def text_decoder(model: PreTrainedModel) -> torch.nn.Module:
+    """The language model's decoder (a vision-language model's vision tower is not part of the cache)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    return decoder if isinstance(decoder, torch.nn.Module) else model
+
+
+def decoder_layers_name(model: PreTrainedModel) -> str | None:
+    """The module name of the text decoder's layer list (e.g. ``model.layers``), or None."""
+    layers = getattr(text_decoder(model), "layers", None)
+    return next((name for name, module in model.named_modules() if module is layers), None) if layers is not None else None
+
+
+def final_norm(model: PreTrainedModel) -> torch.nn.Module | None:
+    """The base model's final norm before the LM head, or None."""
+    base = getattr(model, "base_model", model)
+    found = (getattr(base, name, None) for name in FINAL_NORMS)
+    return next((module for module in found if isinstance(module, torch.nn.Module)), None)
 
 
 class CacheUnsupported(KVScopeError):
@@ -182,6 +211,7 @@ def install(model: PreTrainedModel) -> None:
     if model.config._attn_implementation == ATTENTION_NAME:
         return
     check_per_token_cache(model)
+    _register_attention()
     original = model.config._attn_implementation or "eager"
     sub_configs = (getattr(model.config, name, None) for name in getattr(model.config, "sub_configs", {}))
     for config in (model.config, *(sub for sub in sub_configs if sub is not None)):
@@ -192,8 +222,9 @@ def install(model: PreTrainedModel) -> None:
         raise RuntimeError(f"{type(model).__name__} cannot route attention through a custom function")
 
 
-def _token_inputs(input_ids: torch.Tensor, positions: torch.Tensor, rope_positions: torch.Tensor | None,
-                  inputs_embeds: torch.Tensor | None) -> dict[str, torch.Tensor]:
+def _token_inputs(
+    input_ids: torch.Tensor, positions: torch.Tensor, rope_positions: torch.Tensor | None, inputs_embeds: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
     """The model's token and position keywords for one sequence: ids or embeddings (pictures), 1-D or M-RoPE positions."""
     tokens = {"input_ids": input_ids[None]} if inputs_embeds is None else {"inputs_embeds": inputs_embeds[None]}
     return tokens | {"position_ids": positions[None] if rope_positions is None else rope_positions[:, None]}
@@ -232,9 +263,10 @@ def forward(
 
     ``blocked[layer]`` is a (H or 1, Q, N + Q) bool tensor of extra keys hidden from the queries in that
     layer (knockouts); it never touches the stored tensors. Logits are kept for ``logit_rows`` only (none
-    when not given), attention probabilities for ``capture_rows``. Nothing passed in is modified. With ``grad`` the forward is differentiable (e.g. with
-    respect to stored K/V that require grad). M-RoPE models take (3, Q) ``rope_positions`` (the mask still
-    follows ``positions``); ``inputs_embeds`` (Q, hidden) replaces the token embeddings where images are fed.
+    when not given), attention probabilities for ``capture_rows``. Nothing passed in is modified. With ``grad``
+    the forward is differentiable (e.g. with respect to stored K/V that require grad). M-RoPE models take (3, Q)
+    ``rope_positions`` (the mask still follows ``positions``); ``inputs_embeds`` (Q, hidden) replaces the token
+    embeddings where images are fed.
     """
     install(model)
     device = input_ids.device
@@ -271,8 +303,14 @@ def forward(
     )
 
 
-def prefill_layer_kv(model: PreTrainedModel, input_ids: torch.Tensor, positions: torch.Tensor, layer: int,
-                     rope_positions: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def prefill_layer_kv(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    layer: int,
+    rope_positions: torch.Tensor | None = None,
+    inputs_embeds: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys (RoPE applied) and values that a causal prefill of ``input_ids`` at ``positions`` caches at
     ``layer``, (1, kv_heads, T, head_dim) each, running only the layers up to it (CacheBlend's cheap check of
     which reused entries deviate from a fresh prefill); ``rope_positions`` and ``inputs_embeds`` as in :func:`forward`."""
@@ -292,11 +330,15 @@ def prefill_layer_kv(model: PreTrainedModel, input_ids: torch.Tensor, positions:
     token = _ACTIVE_PLAN.set(plan)
     try:
         with torch.no_grad():
-            model(**_token_inputs(input_ids, positions, rope_positions, inputs_embeds), attention_mask=plan.mask_for(-1, None, model.dtype),
-                  cache=cache, use_cache=True, logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device))
+            model(
+                **_token_inputs(input_ids, positions, rope_positions, inputs_embeds),
+                attention_mask=plan.mask_for(-1, None, model.dtype),
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=torch.zeros(0, dtype=torch.long, device=input_ids.device),
+            )
     except _StoppedEarly:
         return cache.layers[layer].keys, cache.layers[layer].values
     finally:
         _ACTIVE_PLAN.reset(token)
     raise KVScopeError(f"{type(model).__name__} never reached layer {layer}'s attention")
-

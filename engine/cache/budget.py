@@ -8,6 +8,7 @@ is given, takes turns with the other requests: the request that has used the lea
 Outside :func:`bounded` nothing is limited (the CLI, tests, local scripts) but the new tokens of one forward
 (``MAX_FORWARD_TOKENS``).
 """
+
 from __future__ import annotations
 
 import threading
@@ -144,4 +145,3 @@ def compute_slot(tokens: int = 0) -> Iterator[None]:
         scope.forwards += 1
         if scope.gate:
             scope.gate.release(scope.ticket, scope.used_s)
-

@@ -4,6 +4,7 @@ A label's score is log Σ_s P(s | context, question) over its surface strings s,
 token sequence of a continuation. The margin compares the first label against the best other one, so it
 is the signed *decision score* the paper's recovery uses.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,9 +32,7 @@ class Decision:
         """JSON-ready summary (no tensors)."""
         return {
             "scores": {k: round(v, 4) for k, v in self.scores.items()},
-            "string_logprobs": {
-                label: {s: round(v, 4) for s, v in strings.items()} for label, strings in self.string_logprobs.items()
-            },
+            "string_logprobs": {label: {s: round(v, 4) for s, v in strings.items()} for label, strings in self.string_logprobs.items()},
             "margin": round(self.margin, 4),
             "decision": self.label,
         }
@@ -125,5 +124,9 @@ class DecisionMatch:
         return self.same_label if self.decisive else None
 
     def as_dict(self) -> dict:
-        return {"margin_error": round(self.margin_error, 4), "decisive": self.decisive, "decision_agree": self.agree,
-                "same_label": self.same_label}
+        return {
+            "margin_error": round(self.margin_error, 4),
+            "decisive": self.decisive,
+            "decision_agree": self.agree,
+            "same_label": self.same_label,
+        }

@@ -4,6 +4,7 @@ Walks engine result objects (dataclasses and plain objects of ``engine.*`` class
 properties included), dicts, lists and tuples. Model weights are never counted: the walk stops at a
 :class:`LoadedModel`, at ``torch.nn.Module``s and at objects from other libraries (tokenizers, figures).
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -6,21 +6,20 @@ generation step hands its forks and their continuations (a question, answer bran
 the shared computed entries its step saw, to its own fork's earlier new tokens, and to nothing of the other
 forks, so fusing is exact: a token's K/V depend only on the entries it attends to.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from dataclasses import replace as dataclass_replace
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from engine.cache import adapter, vision
 from engine.cache.budget import compute_slot
+from engine.cache.loaded import LoadedModel
 from engine.errors import NotebookError
-
-if TYPE_CHECKING:
-    from engine.cache.notebook import Knockout, Notebook
 
 
 @dataclass(frozen=True)
@@ -31,6 +30,35 @@ class PendingStep:
     start: int
     stop: int
     sees: torch.Tensor  # (start,) bool, CPU
+
+
+@dataclass(frozen=True)
+class Knockout:
+    """Hide cache positions from the decision tokens in some layers and query heads (None = all)."""
+
+    positions: tuple[int, ...]
+    layers: tuple[int, ...] | None = None
+    heads: tuple[int, ...] | None = None
+
+
+class NotebookState(Protocol):
+    """What the planner reads of a notebook (``engine.cache.notebook.Notebook``, a dataclass it copies with
+    ``dataclasses.replace``): this module is the notebook's private half and never imports it."""
+
+    lm: LoadedModel
+    computed_keys: tuple[torch.Tensor, ...]
+    computed_values: tuple[torch.Tensor, ...]
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    segments: tuple[str, ...]
+    visible: torch.Tensor
+    pending: tuple[PendingStep, ...]
+    rope_offsets: torch.Tensor
+
+    @property
+    def pending_tokens(self) -> int: ...
+    def latest(self) -> "NotebookState": ...
+    def blocked_masks(self, knockouts: Knockout | Sequence[Knockout] | None) -> dict[int, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
@@ -49,14 +77,20 @@ class Continuation:
     def causal(cls, token_ids: Sequence[int], start: int, logit_rows: Sequence[int] = (), rope_offset: int = 0) -> "Continuation":
         """Plain tokens at ``start``, ``start + 1``, ... each seeing the earlier ones."""
         count = len(token_ids)
-        return cls(list(token_ids), list(range(start, start + count)), torch.ones(count, count, dtype=torch.bool), list(logit_rows), rope_offset=rope_offset)
+        return cls(
+            list(token_ids),
+            list(range(start, start + count)),
+            torch.ones(count, count, dtype=torch.bool),
+            list(logit_rows),
+            rope_offset=rope_offset,
+        )
 
 
 @dataclass
 class BranchRun:
     """One notebook's share of a fused forward: itself computed, and what its continuation produced."""
 
-    notebook: Notebook  # no pending steps
+    notebook: NotebookState  # no pending steps
     keys: list[torch.Tensor]  # per layer (1, kv_heads, T, head_dim): the continuation's K/V
     values: list[torch.Tensor]
     logits: torch.Tensor  # (len(logit_rows), vocab) float32
@@ -64,8 +98,7 @@ class BranchRun:
     hidden_states: tuple[torch.Tensor, ...] | None  # per layer (T, hidden), when asked
 
 
-
-def computed_in_chunks(notebook: Notebook, limit: int) -> Notebook:
+def computed_in_chunks(notebook: NotebookState, limit: int) -> NotebookState:
     """The notebook with its pending tokens computed ``limit`` at a time until at most ``limit`` remain: exact,
     like a chunked prefill (a later chunk sees the earlier ones of its step as stored entries)."""
     while notebook.pending_tokens > limit:
@@ -79,14 +112,21 @@ def computed_in_chunks(notebook: Notebook, limit: int) -> Notebook:
                 rest.append(PendingStep(stop, step.stop, torch.cat([step.sees, torch.ones(stop - step.start, dtype=torch.bool)])))
             else:
                 rest.append(step)
-        head = dataclass_replace(notebook, token_ids=notebook.token_ids[:stop], positions=notebook.positions[:stop], segments=notebook.segments[:stop],
-                                 visible=notebook.visible[:stop], pending=tuple(first), rope_offsets=notebook.rope_offsets[:, :stop])
+        head = dataclass_replace(
+            notebook,
+            token_ids=notebook.token_ids[:stop],
+            positions=notebook.positions[:stop],
+            segments=notebook.segments[:stop],
+            visible=notebook.visible[:stop],
+            pending=tuple(first),
+            rope_offsets=notebook.rope_offsets[:, :stop],
+        )
         done = run_together([head], [None])[0].notebook
         notebook = dataclass_replace(notebook, computed_keys=done.computed_keys, computed_values=done.computed_values, pending=tuple(rest))
     return notebook
 
 
-def batches(forks: Sequence[Notebook], continuations: Sequence[Continuation | None], limit: int) -> list[list[int]]:
+def batches(forks: Sequence[NotebookState], continuations: Sequence[Continuation | None], limit: int) -> list[list[int]]:
     """Indices of forks of one base split into forwards of at most ``limit`` new tokens each (one fork at least)."""
     groups: list[list[int]] = [[]]
     used = 0
@@ -100,12 +140,12 @@ def batches(forks: Sequence[Notebook], continuations: Sequence[Continuation | No
     return groups
 
 
-def computed_count(notebook: Notebook) -> int:
+def computed_count(notebook: NotebookState) -> int:
     """How many of the notebook's entries have K/V already (the rest are pending)."""
     return len(notebook.positions) - notebook.pending_tokens
 
 
-def forks_by_base(notebooks: Sequence[Notebook]) -> list[list[int]]:
+def forks_by_base(notebooks: Sequence[NotebookState]) -> list[list[int]]:
     """Indices of the notebooks grouped by the computed K/V they share (each group runs in one forward)."""
     groups: dict[tuple, list[int]] = {}
     for index, notebook in enumerate(notebooks):
@@ -129,7 +169,7 @@ class _FusedInput:
     spans: list[tuple[int, int, int]]  # per fork: (first row, pending tokens, continuation tokens)
 
 
-def fused_input(forks: Sequence[Notebook], extras: Sequence[Continuation], computed: int) -> _FusedInput:
+def fused_input(forks: Sequence[NotebookState], extras: Sequence[Continuation], computed: int) -> _FusedInput:
     """Lay the forks' new tokens side by side: each row sees the shared computed entries its step saw, its own
     fork's earlier new tokens, and nothing of the other forks."""
     sizes = [(len(fork.positions) - computed, len(extra.token_ids)) for fork, extra in zip(forks, extras)]
@@ -165,7 +205,7 @@ def fused_input(forks: Sequence[Notebook], extras: Sequence[Continuation], compu
 
 
 def run_together(
-    notebooks: Sequence[Notebook],
+    notebooks: Sequence[NotebookState],
     continuations: Sequence[Continuation | None],
     *,
     capture: bool = False,
@@ -181,12 +221,16 @@ def run_together(
         raise NotebookError("notebooks run together must be forks of one computed notebook")
     forks = [notebook.latest() for notebook in notebooks]
     extras = [continuation or Continuation([], [], torch.zeros(0, 0, dtype=torch.bool), []) for continuation in continuations]
-    ends = [int(fork.positions.max()) + 1 for fork in forks if len(fork.positions)] + [max(extra.positions) + 1 for extra in extras if extra.positions]
+    ends = [int(fork.positions.max()) + 1 for fork in forks if len(fork.positions)] + [
+        max(extra.positions) + 1 for extra in extras if extra.positions
+    ]
     with compute_slot(max(ends, default=0)):  # the context's length; planning and joining take the turn too
         return _run_together(forks, extras, capture=capture, grad=grad, hidden_states=hidden_states)
 
 
-def _run_together(forks: list[Notebook], extras: list[Continuation], *, capture: bool, grad: bool, hidden_states: bool) -> list[BranchRun]:
+def _run_together(
+    forks: list[NotebookState], extras: list[Continuation], *, capture: bool, grad: bool, hidden_states: bool
+) -> list[BranchRun]:
     base, computed = forks[0], computed_count(forks[0])
     layout = fused_input(forks, extras, computed)
     device = base.lm.device
@@ -198,7 +242,10 @@ def _run_together(forks: list[Notebook], extras: list[Continuation], *, capture:
         index = seen.to(device)
         stored_keys, stored_values = [k.index_select(2, index) for k in stored_keys], [v.index_select(2, index) for v in stored_values]
         allowed, blocked = allowed[:, kept], {layer: mask[..., kept] for layer, mask in blocked.items()}
-    token_ids, positions = torch.tensor(layout.token_ids, dtype=torch.long, device=device), torch.tensor(layout.positions, dtype=torch.long, device=device)
+    token_ids, positions = (
+        torch.tensor(layout.token_ids, dtype=torch.long, device=device),
+        torch.tensor(layout.positions, dtype=torch.long, device=device),
+    )
     rope = positions[None] + torch.cat(layout.rope_offsets, dim=1).to(device) if vision.uses_mrope(base.lm.model) else None
     result = adapter.forward(
         base.lm.model,
@@ -226,14 +273,16 @@ def _run_together(forks: list[Notebook], extras: list[Continuation], *, capture:
             done = dataclass_replace(fork, computed_keys=keys, computed_values=values, pending=())
         columns = torch.cat([torch.arange(computed), torch.arange(computed + offset, computed + offset + new + more)]).to(device)
         captured = slice(captured_row, captured_row + len(extra.captured_rows))
-        runs.append(BranchRun(
-            notebook=done,
-            keys=[k[:, :, theirs] for k in result.new_keys],
-            values=[v[:, :, theirs] for v in result.new_values],
-            logits=result.logits[logit_row : logit_row + len(extra.logit_rows)],
-            attentions={layer: weights[:, captured].index_select(-1, columns) for layer, weights in attentions.items()},
-            hidden_states=tuple(h[theirs] for h in result.hidden_states) if hidden_states else None,
-        ))
+        runs.append(
+            BranchRun(
+                notebook=done,
+                keys=[k[:, :, theirs] for k in result.new_keys],
+                values=[v[:, :, theirs] for v in result.new_values],
+                logits=result.logits[logit_row : logit_row + len(extra.logit_rows)],
+                attentions={layer: weights[:, captured].index_select(-1, columns) for layer, weights in attentions.items()},
+                hidden_states=tuple(h[theirs] for h in result.hidden_states) if hidden_states else None,
+            )
+        )
         logit_row += len(extra.logit_rows)
         captured_row += len(extra.captured_rows)
     return runs

@@ -4,6 +4,7 @@
 `ModelLoadError`, `config_hash`, `rope_summary`, the dtype names (`DTYPES`, `dtype_name`). Nothing here loads
 anything, so the modules that build models import it without importing the loader.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -12,17 +13,16 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from functools import cached_property
+from typing import Any, Protocol
 
 import torch
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
+from engine.cache import adapter
+from engine.cache.image_table import ImageTable
 from engine.errors import KVScopeError
 from engine.once import SingleFlight
-
-if TYPE_CHECKING:
-    from engine.cache.vision import ImageTable
-
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -92,7 +92,9 @@ class SpliceGate:
         """The model's self-test report, run once."""
         if self._report is None:
             if self._verify is None:
-                raise SpliceLocked(f"{lm.name} was built without a cache self-test, so splicing stays locked; load it with engine.load_model")
+                raise SpliceLocked(
+                    f"{lm.name} was built without a cache self-test, so splicing stays locked; load it with engine.load_model"
+                )
             self._report = self._flight.run("selftest", lambda: self._run(lm))
         return self._report
 
@@ -132,8 +134,22 @@ class LoadedModel:
     fingerprint: ModelFingerprint
     dtype_reason: str = "requested"
     image_processor: Any = None  # a vision-language model's own image processor (None: text only)
-    images: ImageTable | None = None  # virtual ids of the images encoded so far (engine.cache.vision)
+    images: ImageTable | None = None  # a vision-language model's picture ids (made here when it has a processor)
     splice_gate: SpliceGate = field(default_factory=SpliceGate)  # splicing allowed once the self-test passes
+
+    def __post_init__(self) -> None:
+        if self.image_processor is not None and self.images is None:
+            vocabulary = max(self.model.config.get_text_config().vocab_size, len(self.tokenizer))
+            self.images = ImageTable(vocabulary)
+
+    @cached_property
+    def recurrent_layers(self) -> list[int]:
+        """Layers whose cache is a running state (Mamba, linear attention): non-empty on a hybrid."""
+        return adapter.recurrent_layers(self.model)
+
+    def cache_layout(self) -> str:
+        """What one token's cache entry holds per layer, in words."""
+        return adapter.cache_layout(self.model.config)
 
     def info(self) -> dict[str, Any]:
         """Architecture, attention geometry, RoPE, size and provenance, for display."""
@@ -163,7 +179,7 @@ class LoadedModel:
 
 
 def dtype_name(dtype: torch.dtype) -> str:
-    """"float32" for torch.float32, and so on."""
+    """ "float32" for torch.float32, and so on."""
     return str(dtype).removeprefix("torch.")
 
 

@@ -17,6 +17,7 @@ Costs (N stored entries, T tokens computed): prefill/append O(T·N) attention; r
 tokens; replace/recompute/seam repair O(T·N) for the T tokens rewritten; patch and knockout O(1) forwards
 beyond the read itself; splice O(L) re-rotation for an L-token block plus the seam.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
@@ -39,6 +40,7 @@ from engine.cache.decision import (
 from engine.cache.fused_forward import (
     BranchRun,
     Continuation,
+    Knockout,
     PendingStep,
     batches,
     computed_count,
@@ -54,15 +56,6 @@ from engine.progress import StepProgress
 
 if TYPE_CHECKING:
     from engine.scenario import RenderedPrompt
-
-
-@dataclass(frozen=True)
-class Knockout:
-    """Hide cache positions from the decision tokens in some layers and query heads (None = all)."""
-
-    positions: tuple[int, ...]
-    layers: tuple[int, ...] | None = None
-    heads: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -159,7 +152,7 @@ class Notebook:
         for begin in range(0, len(ids), step):
             end = min(begin + step, len(ids))
             positions = list(range(start_position + begin, start_position + end))
-            notebook = notebook._compute(ids[begin:end], positions, labels[begin:end], rope_offsets=offsets[:, begin:end])
+            notebook = notebook._record_pending(ids[begin:end], positions, labels[begin:end], rope_offsets=offsets[:, begin:end])
             if end < len(ids) or progress:
                 notebook = notebook.materialized()
             if progress:
@@ -173,7 +166,9 @@ class Notebook:
         ids = torch.tensor(list(token_ids), dtype=torch.long, device=lm.device)
         rope = vision.rope_positions(lm, token_ids, 0).to(lm.device) if vision.uses_mrope(lm.model) else None
         with compute_slot(len(token_ids)):
-            return adapter.prefill_layer_kv(lm.model, ids, torch.arange(len(token_ids), device=lm.device), layer, rope, vision.input_embeddings(lm, ids))
+            return adapter.prefill_layer_kv(
+                lm.model, ids, torch.arange(len(token_ids), device=lm.device), layer, rope, vision.input_embeddings(lm, ids)
+            )
 
     @classmethod
     def from_prompt(cls, lm: LoadedModel, prompt: RenderedPrompt, **kwargs) -> "Notebook":
@@ -320,7 +315,9 @@ class Notebook:
         return torch.tensor([lookup[int(p)] for p in positions], dtype=torch.long)
 
     # ---------------------------------------------------------------- primitive
-    def _compute(self, token_ids, positions, segments, *, rope_offsets: torch.Tensor, hide: torch.Tensor | None = None, note: str = "") -> "Notebook":
+    def _record_pending(
+        self, token_ids, positions, segments, *, rope_offsets: torch.Tensor, hide: torch.Tensor | None = None, note: str = ""
+    ) -> "Notebook":
         """Record tokens at positions (their M-RoPE ``rope_offsets``, (3, T)) to compute over this cache (``hide``
         entries excluded from now on)."""
         base = self.latest()
@@ -373,7 +370,11 @@ class Notebook:
         keys, values = rotary.move(self.keys, self.values, deltas, index)
         offsets = torch.where(moving[None], self.rope_offsets + rope_delta - delta, self.rope_offsets)
         return dataclass_replace(
-            self.materialized(), computed_keys=keys, computed_values=values, positions=torch.where(moving, self.positions + delta, self.positions), rope_offsets=offsets
+            self.materialized(),
+            computed_keys=keys,
+            computed_values=values,
+            positions=torch.where(moving, self.positions + delta, self.positions),
+            rope_offsets=offsets,
         )
 
     # ---------------------------------------------------------------- operations
@@ -386,14 +387,13 @@ class Notebook:
             raise NotebookError(f"got {len(labels)} segment labels for {len(token_ids)} tokens")
         start = self.next_position
         offsets = self._offsets_for(token_ids, start, start + self.next_rope_offset)
-        return self._compute(token_ids, range(start, start + len(token_ids)), labels, rope_offsets=offsets, note=f"append {len(token_ids)} tokens as {labels[0]}")
-
-    def append_text(self, text: str, segment: str = "erratum") -> "Notebook":
-        """Tokenize text (no special tokens) and append it."""
-        ids = self.lm.tokenizer(text, add_special_tokens=False).input_ids
-        if not ids:
-            raise NotebookError(f"text for segment {segment!r} tokenizes to nothing: {text!r}")
-        return self.append(ids, segment)
+        return self._record_pending(
+            token_ids,
+            range(start, start + len(token_ids)),
+            labels,
+            rope_offsets=offsets,
+            note=f"append {len(token_ids)} tokens as {labels[0]}",
+        )
 
     def replace(self, positions: Sequence[int], token_ids: Sequence[int], segment: str | Sequence[str] | None = None) -> "Notebook":
         """Rewrite a contiguous span with new tokens, recomputing only their K/V against the prefix.
@@ -417,8 +417,10 @@ class Notebook:
         offsets = self._offsets_for(token_ids, start, rope_start)
         old_span = int(self.rope_positions[:, old].max()) + 1 - rope_start
         new_span = int((offsets + torch.arange(start, start + len(token_ids))).max()) + 1 - rope_start
-        moved = self._shifted(start + length, len(token_ids) - length, f"replacing {length} tokens by {len(token_ids)}", new_span - old_span)
-        return moved._compute(
+        moved = self._shifted(
+            start + length, len(token_ids) - length, f"replacing {length} tokens by {len(token_ids)}", new_span - old_span
+        )
+        return moved._record_pending(
             token_ids,
             range(start, start + len(token_ids)),
             labels,
@@ -432,7 +434,7 @@ class Notebook:
         if not len(positions):
             return self
         entries = self.entries_at(sorted(set(int(p) for p in positions)))
-        return self._compute(
+        return self._record_pending(
             self.token_ids[entries].tolist(),
             self.positions[entries].tolist(),
             [self.segments[i] for i in entries.tolist()],
@@ -447,8 +449,10 @@ class Notebook:
             raise NotebookError("patch donor comes from another model or dtype")
         mine, theirs = self.entries_at(positions), donor.entries_at(positions)
         if not torch.equal(self.rope_offsets[:, mine], donor.rope_offsets[:, theirs]):
-            raise NotebookError("the donor's keys at these positions were rotated for other rope positions (the pictures before "
-                                "them differ): patch only where both contexts place their pictures alike")
+            raise NotebookError(
+                "the donor's keys at these positions were rotated for other rope positions (the pictures before "
+                "them differ): patch only where both contexts place their pictures alike"
+            )
         mine, theirs = mine.to(self.lm.device), theirs.to(self.lm.device)
         chosen = set(range(len(self.keys)) if layers is None else layers)
         bad = [layer for layer in chosen if not 0 <= layer < len(self.keys)]
@@ -463,7 +467,10 @@ class Notebook:
 
         note = f"patch {len(positions)} positions in {len(chosen)} layers from donor"
         return dataclass_replace(
-            self.materialized(), computed_keys=patched(self.keys, donor.keys), computed_values=patched(self.values, donor.values), log=self.log + (note,)
+            self.materialized(),
+            computed_keys=patched(self.keys, donor.keys),
+            computed_values=patched(self.values, donor.values),
+            log=self.log + (note,),
         )
 
     def block(self, segment: str | None = None, positions: Sequence[int] | None = None) -> KVBlock:
@@ -519,7 +526,9 @@ class Notebook:
         deltas = torch.full((count,), rope_at - block.rope_start, dtype=torch.long)
         block_keys, block_values = rotary.move(block.keys, block.values, deltas)
         keys = tuple(torch.cat([k, b], dim=2) for k, b in zip(moved.computed_keys, block_keys)) if moved.computed_keys else block_keys
-        values = tuple(torch.cat([v, b], dim=2) for v, b in zip(moved.computed_values, block_values)) if moved.computed_values else block_values
+        values = (
+            tuple(torch.cat([v, b], dim=2) for v, b in zip(moved.computed_values, block_values)) if moved.computed_values else block_values
+        )
         unseen = torch.zeros(count, dtype=torch.bool)  # steps recorded before the splice never see the block
         spliced = Notebook(
             lm=self.lm,
@@ -531,10 +540,16 @@ class Notebook:
             visible=torch.cat([moved.visible[:done], torch.ones(count, dtype=torch.bool), moved.visible[done:]]),
             log=self.log + (f"splice {block.name} ({count} tokens) at {at}" + (f", seam {seam}" if seam else ""),),
             pending=tuple(
-                PendingStep(step.start + count, step.stop + count, torch.cat([step.sees[:done], unseen, step.sees[done:]])) for step in moved.pending
+                PendingStep(step.start + count, step.stop + count, torch.cat([step.sees[:done], unseen, step.sees[done:]]))
+                for step in moved.pending
             ),
             rope_offsets=torch.cat(
-                [moved.rope_offsets[:, :done], block.rope_offsets + (rope_at - block.rope_start) - (at - block.start_position), moved.rope_offsets[:, done:]], dim=1
+                [
+                    moved.rope_offsets[:, :done],
+                    block.rope_offsets + (rope_at - block.rope_start) - (at - block.start_position),
+                    moved.rope_offsets[:, done:],
+                ],
+                dim=1,
             ),
         )
         return spliced.recompute(range(at, at + seam))
@@ -647,8 +662,9 @@ class Notebook:
         for index, notebook in enumerate(notebooks):
             twin = runs[first_of[computations[index]]]
             if index not in runs:
-                done = dataclass_replace(notebook.latest(), computed_keys=twin.notebook.computed_keys,
-                                         computed_values=twin.notebook.computed_values, pending=())
+                done = dataclass_replace(
+                    notebook.latest(), computed_keys=twin.notebook.computed_keys, computed_values=twin.notebook.computed_values, pending=()
+                )
                 notebook._remember(done)
                 runs[index] = dataclass_replace(twin, notebook=done)
         texts = answer_texts or {label: [str(i) for i in range(len(seqs))] for label, seqs in answers.items()}
@@ -677,10 +693,15 @@ class Notebook:
         The notebook is not changed (pending steps are computed in the same forward). With
         ``capture_attention`` the decision tokens' attention is kept (see :meth:`read_many`).
         """
-        return Notebook.read_many([self], decode_ids, answers, knockout=knockout, capture_attention=capture_attention, answer_texts=answer_texts)[0]
+        return Notebook.read_many(
+            [self], decode_ids, answers, knockout=knockout, capture_attention=capture_attention, answer_texts=answer_texts
+        )[0]
 
     def decision_score(
-        self, decode_ids: Sequence[int], answers: Mapping[str, Sequence[Sequence[int]]], knockout: Knockout | Sequence[Knockout] | None = None
+        self,
+        decode_ids: Sequence[int],
+        answers: Mapping[str, Sequence[Sequence[int]]],
+        knockout: Knockout | Sequence[Knockout] | None = None,
     ) -> torch.Tensor:
         """The decision margin as a differentiable scalar (gradients flow into K/V that require grad)."""
         question, layout = self._question(decode_ids, answers, knockout)
@@ -714,5 +735,7 @@ class Notebook:
 
     def hidden_states(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Residual stream (layers + 1, T, hidden) of tokens run after this context (nothing is stored)."""
-        run = Notebook._run([self], [Continuation.causal(token_ids, self.next_position, rope_offset=self.next_rope_offset)], hidden_states=True)[0]
+        run = Notebook._run(
+            [self], [Continuation.causal(token_ids, self.next_position, rope_offset=self.next_rope_offset)], hidden_states=True
+        )[0]
         return torch.stack(run.hidden_states).float()

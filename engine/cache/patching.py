@@ -6,6 +6,7 @@ backward pass — effect ≈ (kv_donor − kv_base) · ∂score/∂kv at the bas
 score is linear in the patched K/V and usually ranks the large entries right. CacheBlend-style *deviation*
 (‖kv_donor − kv_base‖) is the cheap alternative ranking that ignores what the decision reads.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -77,10 +78,14 @@ def attribution_effects(
     mine, theirs = _aligned(base, donor, positions)
     gradients = gradients or decision_gradients(base, prompt)
     if gradients.keys[0].shape[2] != len(base.positions):
-        raise NotebookError(f"the gradients cover {gradients.keys[0].shape[2]} entries, the base notebook {len(base.positions)}: "
-                            "they were computed for another notebook")
+        raise NotebookError(
+            f"the gradients cover {gradients.keys[0].shape[2]} entries, the base notebook {len(base.positions)}: "
+            "they were computed for another notebook"
+        )
     effects = []
-    for key, value, key_grad, value_grad, donor_key, donor_value in zip(base.keys, base.values, gradients.keys, gradients.values, donor.keys, donor.values):
+    for key, value, key_grad, value_grad, donor_key, donor_value in zip(
+        base.keys, base.values, gradients.keys, gradients.values, donor.keys, donor.values
+    ):
         delta_key = donor_key.index_select(2, theirs).float() - key.index_select(2, mine).float()
         delta_value = donor_value.index_select(2, theirs).float() - value.index_select(2, mine).float()
         effect = delta_key * key_grad.index_select(2, mine).float() + delta_value * value_grad.index_select(2, mine).float()

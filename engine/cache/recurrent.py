@@ -5,6 +5,7 @@ of a hybrid's cache can be replaced, hidden, patched or moved (the notebook refu
 What stays exact is what a left-to-right run computes: a prefill (in chunks or at once), appending, and reading a
 decision. :class:`RecurrentContext` is that context; ``engine.edit.hybrid`` builds the exact edit on it.
 """
+
 from __future__ import annotations
 
 import copy
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from engine.cache.adapter import recurrent_cache, recurrent_forward, recurrent_layers
+from engine.cache.adapter import recurrent_cache, recurrent_forward
 from engine.cache.budget import compute_slot, forward_token_limit
 from engine.cache.decision import Decision, answer_logprob, decide
 from engine.cache.loaded import LoadedModel
@@ -35,15 +36,18 @@ class RecurrentContext:
         return len(self.token_ids)
 
     @classmethod
-    def prefill(cls, lm: LoadedModel, token_ids: Sequence[int], segments: Sequence[str] | str = "context",
-                chunk_size: int | None = None) -> "RecurrentContext":
+    def prefill(
+        cls, lm: LoadedModel, token_ids: Sequence[int], segments: Sequence[str] | str = "context", chunk_size: int | None = None
+    ) -> "RecurrentContext":
         """Run the tokens left to right, ``chunk_size`` (default: the forward limit) at a time."""
-        if not recurrent_layers(lm.model):
+        if not lm.recurrent_layers:
             raise NotebookError(f"{lm.name} has no recurrent layers: use the notebook (engine.cache.notebook), which can also edit")
         empty = cls(lm, (), (), recurrent_cache(lm.model))
         return empty.append(token_ids, segments, chunk_size) if len(token_ids) else empty
 
-    def append(self, token_ids: Sequence[int], segments: Sequence[str] | str = "context", chunk_size: int | None = None) -> "RecurrentContext":
+    def append(
+        self, token_ids: Sequence[int], segments: Sequence[str] | str = "context", chunk_size: int | None = None
+    ) -> "RecurrentContext":
         """This context with tokens run after it (e.g. an erratum line); one label or one per token."""
         labels = [segments] * len(token_ids) if isinstance(segments, str) else list(segments)
         if not token_ids or len(labels) != len(token_ids):
@@ -58,8 +62,12 @@ class RecurrentContext:
         with compute_slot(start + len(token_ids)):
             return recurrent_forward(self.lm.model, cache, torch.tensor(list(token_ids), dtype=torch.long, device=self.lm.device), start)
 
-    def read(self, decode_ids: Sequence[int], answers: Mapping[str, Sequence[Sequence[int]]],
-             answer_texts: Mapping[str, Sequence[str]] | None = None) -> Decision:
+    def read(
+        self,
+        decode_ids: Sequence[int],
+        answers: Mapping[str, Sequence[Sequence[int]]],
+        answer_texts: Mapping[str, Sequence[str]] | None = None,
+    ) -> Decision:
         """Score each answer's tokens after ``decode_ids``: the question runs once, each multi-token answer on a copy
         of the state after it; the context itself is not changed."""
         if not decode_ids:

@@ -19,6 +19,7 @@ NTK, LongRoPE), several rotary modules, and absolute-position effects (chunked a
 tuning): there a block's K/V depend on where it sits, not only on relative distances.
 Whether it is right for a given model is checked numerically by ``engine.cache.selftest`` and ``engine.checks.support``.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
+from engine.cache.adapter import text_decoder
 from engine.errors import KVScopeError
 
 _LENGTH_DEPENDENT = {"dynamic", "longrope"}
@@ -44,28 +46,29 @@ def _rope_types(model: PreTrainedModel) -> set[str]:
     return {str(t.get("rope_type", t.get("type", "default"))) for t in tables if isinstance(t, dict)}
 
 
-def _text_decoder(model: PreTrainedModel) -> torch.nn.Module:
-    """The language model's decoder (a vision tower's own rotary and attention are not the cache's)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    return decoder if isinstance(decoder, torch.nn.Module) else model
-
-
 def _rotary_modules(model: PreTrainedModel) -> list[torch.nn.Module]:
     """Modules of the text decoder holding inverse frequencies (``inv_freq`` or per layer type ``<type>_inv_freq``)."""
     return [
         module
-        for module in _text_decoder(model).modules()
+        for module in text_decoder(model).modules()
         if callable(getattr(module, "forward", None))
-        and any(name == "inv_freq" or name.endswith("_inv_freq") and "original" not in name for name, _ in module.named_buffers(recurse=False))
+        and any(
+            name == "inv_freq" or name.endswith("_inv_freq") and "original" not in name for name, _ in module.named_buffers(recurse=False)
+        )
     ]
 
 
 def _attention_modules(model: PreTrainedModel) -> list[torch.nn.Module]:
     """One attention module per decoder layer, in layer order."""
     found = {}
-    for module in _text_decoder(model).modules():
+    for module in text_decoder(model).modules():
         index = getattr(module, "layer_idx", None)
-        if index is not None and hasattr(module, "config") and index not in found and any(hasattr(module, p) for p in ("q_proj", "q_a_proj", "query_key_value", "qkv_proj", "Wqkv")):
+        if (
+            index is not None
+            and hasattr(module, "config")
+            and index not in found
+            and any(hasattr(module, p) for p in ("q_proj", "q_a_proj", "query_key_value", "qkv_proj", "Wqkv"))
+        ):
             found[index] = module
     return [found[i] for i in sorted(found)]
 
@@ -201,7 +204,9 @@ class Rotary:
         def moved(tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
             if entries is None:
                 return tuple(self.rotate(t, deltas, layer) for layer, t in enumerate(tensors))
-            return tuple(t.index_copy(2, entries, self.rotate(t.index_select(2, entries), deltas, layer)) for layer, t in enumerate(tensors))
+            return tuple(
+                t.index_copy(2, entries, self.rotate(t.index_select(2, entries), deltas, layer)) for layer, t in enumerate(tensors)
+            )
 
         if self.slot == VALUES:
             return keys, moved(values)

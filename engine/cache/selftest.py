@@ -21,9 +21,9 @@ float32 whatever the storage dtype (``engine.cache.rope``). K/V errors are relat
 logit errors to the largest logit.
 If RoPE is unsupported (e.g. GPT-2), the rotation checks report the reason and splicing stays switched off.
 """
+
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
 
 import torch
@@ -31,6 +31,7 @@ import torch
 from engine.cache.loaded import LoadedModel
 from engine.cache.notebook import Notebook
 from engine.cache.rope import RopeUnsupported
+from engine.timing import Stopwatch
 
 NOISE_FACTOR = 8.0
 _EPS_UNITS = 1.0  # the smallest floor, in units of the dtype's machine epsilon
@@ -90,7 +91,9 @@ class SelfTestReport:
         verdict = "ok" if self.ok else "FAILED"
         if not self.rope_supported:
             return f"{verdict} in {self.dtype}: {self.rope_reason}"
-        parts = ", ".join(f"{c.name} {c.error:.2g} ≤ {c.limit:.2g}" if c.ok else f"{c.name} {c.error:.2g} > {c.limit:.2g}" for c in self.checks)
+        parts = ", ".join(
+            f"{c.name} {c.error:.2g} ≤ {c.limit:.2g}" if c.ok else f"{c.name} {c.error:.2g} > {c.limit:.2g}" for c in self.checks
+        )
         return f"{verdict} in {self.dtype} (error ≤ {self.noise_factor:g}× this dtype's measured noise floor: {parts})"
 
     def as_dict(self) -> dict:
@@ -135,7 +138,7 @@ def run_selftest(lm: LoadedModel, tokens: int = 48, shift: int = 37) -> SelfTest
 
 
 def _measure(lm: LoadedModel, tokens: int, shift: int) -> SelfTestReport:
-    started = time.perf_counter()
+    watch = Stopwatch()
     smallest = _EPS_UNITS * torch.finfo(lm.dtype).eps
     ids = _probe_ids(lm, tokens + 4)
     context, decode = ids[:tokens], ids[tokens:]
@@ -153,7 +156,9 @@ def _measure(lm: LoadedModel, tokens: int, shift: int) -> SelfTestReport:
         reason = str(error)
     else:
         shifted = Notebook.prefill(lm, context, segments, start_position=shift)
-        kv_floor = max(_max_relative(rotary.position_free(shifted.keys, shifted.values), rotary.position_free(full.keys, full.values)), smallest)
+        kv_floor = max(
+            _max_relative(rotary.position_free(shifted.keys, shifted.values), rotary.position_free(full.keys, full.values)), smallest
+        )
         reference = _next_logits(full, decode)
         logit_floor = max(_relative_logit_err(_next_logits(shifted, decode), reference), smallest)
         n = len(full.positions)
@@ -197,5 +202,5 @@ def _measure(lm: LoadedModel, tokens: int, shift: int) -> SelfTestReport:
         checks=checks,
         tokens=tokens,
         shift=shift,
-        ms=round((time.perf_counter() - started) * 1000, 1),
+        ms=round(watch.ms, 1),
     )

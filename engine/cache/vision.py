@@ -13,99 +13,25 @@ max(rows, columns). That is what the model's own ``get_rope_index`` computes, an
 reproduces it. Moving a block, image included, shifts all three axes by the same delta: one ordinary rotation
 of every channel, so ``engine.cache.rope`` needs nothing more.
 """
+
 from __future__ import annotations
 
 import hashlib
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from PIL import Image
 from transformers import PreTrainedModel
 
+from engine.cache.image_table import EncodedImage, ImageError
 from engine.cache.loaded import LoadedModel
-from engine.errors import NotebookError
-
-
-class ImageError(NotebookError):
-    """An image cannot be encoded or placed; the message says which image and why."""
-
-
-@dataclass(frozen=True)
-class EncodedImage:
-    """One picture as the decoder reads it: vision start, one virtual id per merged patch, vision end."""
-
-    name: str
-    token_ids: tuple[int, ...]
-    rows: int  # merged patches per column (the height axis)
-    cols: int  # merged patches per row (the width axis)
-
-    @property
-    def patches(self) -> int:
-        return self.rows * self.cols
-
-
-class ImageTable:
-    """The virtual patch ids of one loaded model (from past the vocabulary up), each with its embedding.
-
-    Ids are never reused; beyond ``budget_bytes`` of embeddings the oldest images are dropped, and a notebook
-    still holding their ids is refused by name at its next forward.
-    """
-
-    def __init__(self, first_id: int, budget_bytes: int = 256 * 2**20) -> None:
-        self.first_id = first_id
-        self.budget_bytes = budget_bytes
-        self._next_id = first_id
-        self._images: OrderedDict[int, tuple[EncodedImage, torch.Tensor]] = OrderedDict()  # first id -> image, (patches, hidden)
-        self._by_key: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def add(self, digest: str, name: str, embeddings: torch.Tensor, rows: int, cols: int, wrap: tuple[int, int]) -> EncodedImage:
-        """Register an image's patch embeddings (once per content and name); returns its tokens."""
-        with self._lock:
-            key = f"{digest}:{name}"
-            if self._by_key.get(key) in self._images:
-                return self._images[self._by_key[key]][0]
-            start, self._next_id = self._next_id, self._next_id + len(embeddings)
-            image = EncodedImage(name=name, token_ids=(wrap[0], *range(start, self._next_id), wrap[1]), rows=rows, cols=cols)
-            self._images[start] = (image, embeddings)
-            self._by_key[key] = start
-            while len(self._images) > 1 and sum(e.numel() * e.element_size() for _, e in self._images.values()) > self.budget_bytes:
-                self._images.popitem(last=False)
-            return image
-
-    def locate(self, token_id: int) -> tuple[EncodedImage, int] | None:
-        """The image a virtual id belongs to and its patch index (row-major), or None for a vocabulary token."""
-        if token_id < self.first_id:
-            return None
-        for start, (image, embeddings) in list(self._images.items()):
-            if start <= token_id < start + len(embeddings):
-                return image, token_id - start
-        raise ImageError(f"token id {token_id} is an image patch no longer held by this model (or never encoded with it): encode the image again")
-
-    def embedding_rows(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Embeddings (T, hidden) of virtual ids."""
-        rows = []
-        for token in token_ids.tolist():
-            image, patch = self.locate(token)
-            rows.append(self._images[image.token_ids[1]][1][patch])
-        return torch.stack(rows)
 
 
 def uses_mrope(model: PreTrainedModel) -> bool:
     """Whether the text decoder rotates keys by three position axes (Qwen2-VL's ``mrope_section``)."""
     params = getattr(model.config.get_text_config(), "rope_parameters", None) or {}
     return isinstance(params, dict) and "mrope_section" in params
-
-
-def _table(lm: LoadedModel) -> ImageTable:
-    if lm.images is None:
-        vocabulary = max(lm.model.config.get_text_config().vocab_size, len(lm.tokenizer))
-        lm.images = ImageTable(vocabulary)
-    return lm.images
 
 
 def check_vision_model(lm: LoadedModel) -> None:
@@ -140,7 +66,7 @@ def encode_image(lm: LoadedModel, image: Image.Image | np.ndarray, name: str) ->
     digest = hashlib.sha256(processed["pixel_values"].numpy().tobytes() + grid.numpy().tobytes()).hexdigest()[:16]
     config = lm.model.config
     wrap = (config.vision_start_token_id, config.vision_end_token_id)
-    return _table(lm).add(digest, name, embeddings.detach(), height // merge, width // merge, wrap)
+    return lm.images.add(digest, name, embeddings.detach(), height // merge, width // merge, wrap)
 
 
 def image_positions(lm: LoadedModel, token_ids: Sequence[int]) -> list[int]:
@@ -163,7 +89,9 @@ def rope_positions(lm: LoadedModel, token_ids: Sequence[int], first: int) -> tor
     for index, token in enumerate(token_ids):
         found = table.locate(token)
         if current is not None and (found is None or found[0] is not current[0] or found[1] != current[1]):
-            raise ImageError(f"image {current[0].name!r} is cut at token {index}: an image is placed with all its {current[0].patches} patches")
+            raise ImageError(
+                f"image {current[0].name!r} is cut at token {index}: an image is placed with all its {current[0].patches} patches"
+            )
         if found is None:
             columns.append((position, position, position))
             position += 1
@@ -172,7 +100,9 @@ def rope_positions(lm: LoadedModel, token_ids: Sequence[int], first: int) -> tor
         if patch == 0:
             current = (image, 0, position)
         elif current is None:
-            raise ImageError(f"token {index} is patch {patch} of image {image.name!r} without the patches before it: an image is placed whole")
+            raise ImageError(
+                f"token {index} is patch {patch} of image {image.name!r} without the patches before it: an image is placed whole"
+            )
         start = current[2]
         row, col = divmod(patch, image.cols)
         columns.append((start, start + row, start + col))
@@ -202,8 +132,10 @@ def check_boundary(lm: LoadedModel, token_id: int, position: int) -> None:
     found = lm.images.locate(token_id) if lm.images is not None else None
     if found is not None and found[1] > 0:
         image, patch = found
-        raise ImageError(f"position {position} is patch {patch} of picture {image.name!r} ({image.patches} patches): "
-                         "insert before its first patch or after its last")
+        raise ImageError(
+            f"position {position} is patch {patch} of picture {image.name!r} ({image.patches} patches): "
+            "insert before its first patch or after its last"
+        )
 
 
 def token_label(lm: LoadedModel, token_id: int) -> str | None:

@@ -22,9 +22,9 @@ An operation the engine refuses reports the refusal's own message (which family 
 max absolute differences in float32 (logits for reads, K/V otherwise). ``python -m engine support --json``
 prints the matrix; the README table is its ``--markdown`` output.
 """
+
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
@@ -32,7 +32,6 @@ import numpy as np
 import torch
 
 from engine.cache import vision
-from engine.cache.adapter import recurrent_layers
 from engine.cache.loaded import LoadedModel
 from engine.cache.notebook import Knockout, Notebook
 from engine.cache.recurrent import RecurrentContext
@@ -46,8 +45,20 @@ from engine.models.tiny import (
     tiny_model,
 )
 from engine.progress import MessageProgress
+from engine.timing import Stopwatch
 
-OPERATIONS: tuple[str, ...] = ("read", "chunked prefill", "replace", "patch", "knockout", "move keys", "splice", "seam repair", "self-test", "images")
+OPERATIONS: tuple[str, ...] = (
+    "read",
+    "chunked prefill",
+    "replace",
+    "patch",
+    "knockout",
+    "move keys",
+    "splice",
+    "seam repair",
+    "self-test",
+    "images",
+)
 TOLERANCE = 2e-5  # float32 on tiny models; the issue's bar for "exact"
 _DECODE = [5, 6, 7]
 _ANSWERS = {"a": [[8]], "b": [[9, 10, 11]]}
@@ -86,7 +97,9 @@ class SupportRow:
     def summary(self) -> str:
         """One line for a model card: the max error of each supported operation, then refusals by reason."""
         measured = ", ".join(
-            f"{v.operation} {v.max_error:.1g}" if v.max_error is not None else v.operation for v in self.verdicts if v.supported and v.applicable
+            f"{v.operation} {v.max_error:.1g}" if v.max_error is not None else v.operation
+            for v in self.verdicts
+            if v.supported and v.applicable
         )
         by_reason: dict[str, list[str]] = {}
         for operation, reason in self.refused.items():
@@ -123,7 +136,7 @@ def _operations(lm: LoadedModel, tokens: int) -> dict[str, Callable[[], float]]:
     """Each operation as a function returning its max error against the ground truth (module docstring)."""
     ids, new = _ids(lm, tokens, 0), _ids(lm, 3, 2)
     third = tokens // 3
-    recurrent = bool(recurrent_layers(lm.model))  # a hybrid reads through its own append-only cache (engine.edit.hybrid)
+    recurrent = bool(lm.recurrent_layers)  # a hybrid reads through its own append-only cache (engine.edit.hybrid)
 
     def read() -> float:
         context = RecurrentContext.prefill(lm, ids) if recurrent else Notebook.prefill(lm, ids)
@@ -244,7 +257,7 @@ def _selftest_verdict(lm: LoadedModel, report: SelfTestReport | None) -> Verdict
 def check_model(lm: LoadedModel, family: str | None = None, tokens: int = 30, selftest: SelfTestReport | None = None) -> SupportRow:
     """Run every operation on this model against its ground truth; refusals keep their messages
     (``selftest``: a report already computed for this model, reused)."""
-    started = time.perf_counter()
+    watch = Stopwatch()
     verdicts = []
     for operation, run in _operations(lm, tokens).items():
         try:
@@ -263,7 +276,7 @@ def check_model(lm: LoadedModel, family: str | None = None, tokens: int = 30, se
         model_type=config.model_type,
         dtype=lm.fingerprint.dtype,
         verdicts=tuple(verdicts),
-        ms=round((time.perf_counter() - started) * 1000, 1),
+        ms=round(watch.ms, 1),
     )
 
 

@@ -16,29 +16,24 @@ the compacted text. Policies: ``never``; ``every:K`` (compact instead of the K-t
 (after an erratum, compact when its effect on the margin falls below R × the effect the first erratum had
 since the last compaction).
 """
+
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.cache.decision import Decision, logit_agreement
 from engine.cache.loaded import LoadedModel
 from engine.cache.notebook import Notebook
+from engine.compose.skills import SkillStore
 from engine.compose.splice import DEFAULT_REMEDY, Remedy, splice_prompt
+from engine.edit.erratum import WORDINGS, erratum_ids
 from engine.edit.runs import render_for, shared_prefix
-from engine.edit.strategies import DEFAULT_ERRATUM
 from engine.progress import StepProgress
 from engine.scenario import RenderedPrompt, Scenario, ScenarioError
+from engine.timing import Stopwatch
 
-# The erratum wordings the paper compares (its "disregard" variant hurt: agreement 0.81).
-ERRATUM_WORDINGS = {
-    "bare": "{field}: {new}",
-    "tagged": "[STATE UPDATE] {field} -> {new}",
-    "override": DEFAULT_ERRATUM,
-    "disregard": "[STATE UPDATE] {field} -> {new}. Disregard your earlier conclusion.",
-}
 ADAPTIVE_RATIO = 0.5
 
 
@@ -105,7 +100,11 @@ class AgentTurn:
             "cosine_vs_identical_tokens": round(self.identical_agreement["cosine"], 6),
             "compacted": self.compacted,
             "errata": self.errata,
-            "ttft_ms": {"cached": round(self.cached_ms, 1), "clean_state": round(self.clean_ms, 1), "identical_tokens": round(self.identical_ms, 1)},
+            "ttft_ms": {
+                "cached": round(self.cached_ms, 1),
+                "clean_state": round(self.clean_ms, 1),
+                "identical_tokens": round(self.identical_ms, 1),
+            },
         }
 
 
@@ -184,7 +183,7 @@ def compacted(base: Notebook, base_prompt: RenderedPrompt, prompt: RenderedPromp
 def run_agent(
     lm: LoadedModel,
     scenario: Scenario,
-    store,
+    store: SkillStore,
     *,
     turns: int = 12,
     field_name: str | None = None,
@@ -200,30 +199,36 @@ def run_agent(
     if turns < 1:
         raise ScenarioError(f"an episode needs at least one turn, got {turns}")
     remedy.require_deployable("an agent episode")
-    if wording not in ERRATUM_WORDINGS:
-        raise ScenarioError(f"unknown erratum wording {wording!r}; choose one of {', '.join(ERRATUM_WORDINGS)}")
+    if wording not in WORDINGS:
+        raise ScenarioError(f"unknown erratum wording {wording!r}; choose one of {', '.join(WORDINGS)}")
     policy = policy if isinstance(policy, Compaction) else Compaction.parse(policy)
     names = list(fields) if fields else [scenario.field(field_name).name]
     schedule = state_schedule(scenario, names, turns, toggle)
-    template, answers = ERRATUM_WORDINGS[wording], scenario.answers
+    template, answers = WORDINGS[wording], scenario.answers
 
     def clean_read(values: dict[str, str]) -> tuple[Decision, RenderedPrompt]:
         prompt = render_for(lm, scenario, values)
         return Notebook.from_prompt(lm, prompt).read_prompt(prompt, answer_texts=answers), prompt
 
     base_prompt = render_for(lm, scenario, schedule[0][0])
+    if scenario.skills:
+        lm.splice_gate.require(lm)  # the self-test runs once, before any turn is timed
     cached = base = None
     prompt, sequence, errata, first_effect, history = base_prompt, [], 0, None, []
     for turn, (values, changed) in enumerate(schedule):
-        started = time.perf_counter()
+        watch = Stopwatch()
         compact_now = False
         if base is None:
-            base = cached = splice_prompt(lm, scenario, base_prompt, store, remedy).notebook if scenario.skills else Notebook.from_prompt(lm, base_prompt)
+            base = cached = (
+                splice_prompt(lm, scenario, base_prompt, store, remedy).notebook
+                if scenario.skills
+                else Notebook.from_prompt(lm, base_prompt)
+            )
             sequence = list(base_prompt.context_ids)
         elif policy.kind == "every" and errata + 1 >= policy.every:
             compact_now = True
         else:
-            line = lm.tokenizer(template.format(field=changed, new=values[changed]) + "\n\n", add_special_tokens=False).input_ids
+            line = erratum_ids(lm.tokenizer, changed, values[changed], template=template)
             cached, sequence, errata = cached.append(line, "erratum"), sequence + line, errata + 1
         decision = None if compact_now else cached.read_prompt(prompt, answer_texts=answers)
         if decision is not None and policy.kind == "adaptive" and changed is not None:
@@ -237,20 +242,32 @@ def run_agent(
             cached, _ = compacted(base, base_prompt, prompt)
             sequence, errata, first_effect = list(prompt.context_ids), 0, None
             decision = cached.read_prompt(prompt, answer_texts=answers)
-        cached_ms = (time.perf_counter() - started) * 1000
-        started = time.perf_counter()
+        cached_ms = watch.ms
+        watch = Stopwatch()
         clean, _ = clean_read(values)
-        clean_ms = (time.perf_counter() - started) * 1000
-        started = time.perf_counter()
+        clean_ms = watch.ms
+        watch = Stopwatch()
         identical = Notebook.prefill(lm, sequence).read_prompt(prompt, answer_texts=answers)
-        identical_ms = (time.perf_counter() - started) * 1000
+        identical_ms = watch.ms
         expected = scenario.expect.get(values[names[0]]) if len(names) == 1 else None
-        history.append(AgentTurn(
-            turn, dict(values), changed, expected, decision, clean, identical,
-            logit_agreement(decision.next_token_logits, clean.next_token_logits),
-            logit_agreement(decision.next_token_logits, identical.next_token_logits),
-            cached_ms, clean_ms, identical_ms, compact_now, errata,
-        ))
+        history.append(
+            AgentTurn(
+                turn,
+                dict(values),
+                changed,
+                expected,
+                decision,
+                clean,
+                identical,
+                logit_agreement(decision.next_token_logits, clean.next_token_logits),
+                logit_agreement(decision.next_token_logits, identical.next_token_logits),
+                cached_ms,
+                clean_ms,
+                identical_ms,
+                compact_now,
+                errata,
+            )
+        )
         if progress:
             progress(turn + 1, len(schedule))
     return AgentReport(scenario.name, names, remedy.name, policy.name, wording, history)

@@ -1,4 +1,5 @@
 """Keystone: edit a field *inside* a spliced skill; composed vs recomputed cache, strategy by strategy."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -6,6 +7,7 @@ from dataclasses import dataclass
 
 from engine.cache.decision import DecisionMatch
 from engine.cache.loaded import LoadedModel
+from engine.compose.skills import SkillStore
 from engine.compose.splice import DEFAULT_REMEDY, Remedy, splice_prompt
 from engine.edit.experiment import EditExperiment
 from engine.edit.report import EditReport
@@ -51,7 +53,11 @@ class KeystoneReport:
                 "composed": composed.as_dict(),
                 "recomputed": recomputed.as_dict(),
                 "recovery_gap": None if gaps.get(name) is None else round(gaps[name], 4),
-                **(DecisionMatch.of(composed.decision, recomputed.decision).as_dict() if composed.applicable and recomputed.applicable else {}),
+                **(
+                    DecisionMatch.of(composed.decision, recomputed.decision).as_dict()
+                    if composed.applicable and recomputed.applicable
+                    else {}
+                ),
             }
         defined = [abs(gap) for gap in gaps.values() if gap is not None]
         return {
@@ -59,7 +65,10 @@ class KeystoneReport:
             "remedy": self.remedy.name,
             "flips": self.recomputed.flips,
             "delta_margin": round(self.delta_margin, 4),
-            "stale_margin": {"composed": round(self.composed.stale.decision.margin, 4), "recomputed": round(self.recomputed.stale.decision.margin, 4)},
+            "stale_margin": {
+                "composed": round(self.composed.stale.decision.margin, 4),
+                "recomputed": round(self.recomputed.stale.decision.margin, 4),
+            },
             "oracle_margin": round(self.recomputed.oracle.decision.margin, 4),
             "max_recovery_gap": round(max(defined), 4) if defined else None,
             "strategies": rows,
@@ -69,7 +78,7 @@ class KeystoneReport:
 def keystone(
     lm: LoadedModel,
     scenario: Scenario,
-    store,
+    store: SkillStore,
     *,
     field_name: str | None = None,
     remedy: Remedy = DEFAULT_REMEDY,
@@ -82,11 +91,16 @@ def keystone(
     inside = [name for skill in scenario.skills.values() for name in skill.fields]
     field = scenario.field(field_name or next(iter(inside), None))
     if field.name not in inside:
-        raise ScenarioError(f"field {field.name!r} is not inside any skill of this scenario; the keystone needs a skill "
-                            "with a mutable field in the context (e.g. account_gate)")
+        raise ScenarioError(
+            f"field {field.name!r} is not inside any skill of this scenario; the keystone needs a skill "
+            "with a mutable field in the context (e.g. account_gate)"
+        )
     remedy.require_deployable("the keystone")
     spliced = EditExperiment(
-        lm, scenario, field.name, settings=settings,
+        lm,
+        scenario,
+        field.name,
+        settings=settings,
         build=lambda prompt: splice_prompt(lm, scenario, prompt, store, remedy).notebook,
     )
     recomputed = EditExperiment(lm, scenario, field.name, settings=settings)

@@ -4,6 +4,7 @@ Editing a memory field exactly means recomputing the field and everything after 
 cheap when the memory sits at the end, O(context) when it sits at the start. Transplanting means splicing the
 memory block compiled elsewhere; its fidelity is compared with a full recompute in both placements.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -11,6 +12,7 @@ import re
 from dataclasses import dataclass
 
 from engine.cache.loaded import LoadedModel
+from engine.compose.skills import SkillStore
 from engine.compose.splice import Fidelity, Remedy, compare, with_skills
 from engine.edit.experiment import EditExperiment
 from engine.edit.strategies import StrategyResult
@@ -72,7 +74,9 @@ def without_skill(scenario: Scenario, skill_id: str) -> Scenario:
     return dataclasses.replace(scenario, context=context, skills=skills)
 
 
-def memory_placement(lm: LoadedModel, scenario: Scenario, store, *, skill_id: str = "user_memory", seam: int = 1) -> MemoryPlacement:
+def memory_placement(
+    lm: LoadedModel, scenario: Scenario, store: SkillStore, *, skill_id: str = "user_memory", seam: int = 1
+) -> MemoryPlacement:
     """Edit and transplant cost of a memory skill placed at the start and at the end of the context."""
     if skill_id not in scenario.skills or not scenario.skills[skill_id].fields:
         raise ScenarioError(f"scenario {scenario.name!r} must place skill {skill_id!r} with a mutable field")

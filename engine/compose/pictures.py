@@ -7,9 +7,9 @@ re-rotated on all three M-RoPE axes by the text's length — with its first ``se
 ``after`` and the question. The full recompute runs the vision tower and prefills everything, as a server without
 image K/V reuse does.
 """
+
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +23,7 @@ from engine.cache.notebook import Notebook, NotebookError
 from engine.cache.vision import ImageError, encode_image
 from engine.compose.splice import literal, timed_median
 from engine.scenario import DEMOS, Scenario, render
+from engine.timing import Stopwatch
 
 IMAGE_QUESTION = "Answer yes or no. Has the order in the picture shipped?"
 YES_NO: dict[str, tuple[str, ...]] = {"yes": ("yes", "Yes"), "no": ("no", "No")}
@@ -91,21 +92,32 @@ def compare_image(
     reps: int = 1,
 ) -> ImageFidelity:
     """Splice the picture's stored block after ``before`` vs recompute everything from pixels (module docstring)."""
-    started = time.perf_counter()
+    lm.splice_gate.require(lm)  # the self-test runs once, before anything is timed
+    watch = Stopwatch()
     image = encode_image(lm, pixels, name)
     if not 0 <= seam <= len(image.token_ids):
         raise NotebookError(f"seam {seam} must be between 0 and the picture's {len(image.token_ids)} tokens")
     segment = f"image:{name}"
-    scenario = Scenario(name=segment, description="", system=None, context=literal(before), question=question, fields={},
-                        answers={label: tuple(surfaces) for label, surfaces in answers.items()}, expect={})
+    scenario = Scenario(
+        name=segment,
+        description="",
+        system=None,
+        context=literal(before),
+        question=question,
+        fields={},
+        answers={label: tuple(surfaces) for label, surfaces in answers.items()},
+        expect={},
+    )
     after_ids = lm.tokenizer(after, add_special_tokens=False).input_ids if after.strip() else []
     prompt = render(scenario, lm.tokenizer, appended=[(t, segment) for t in image.token_ids] + [(t, "context") for t in after_ids])
     at = prompt.context_segments.index(segment)
     head = next(i for i, label in enumerate(prompt.context_segments) if label != "template")  # the chat template's head
-    compiled = Notebook.prefill(lm, prompt.context_ids[:head] + image.token_ids, prompt.context_segments[:head] + (segment,) * len(image.token_ids))
+    compiled = Notebook.prefill(
+        lm, prompt.context_ids[:head] + image.token_ids, prompt.context_segments[:head] + (segment,) * len(image.token_ids)
+    )
     block = compiled.block(segment)
-    compile_ms = (time.perf_counter() - started) * 1000
-    rest = list(prompt.context_ids[at + len(image.token_ids):])
+    compile_ms = watch.ms
+    rest = list(prompt.context_ids[at + len(image.token_ids) :])
 
     def recompute_and_read() -> tuple[Notebook, Decision]:
         encode_image(lm, pixels, name)  # the vision tower runs again, as without image K/V reuse

@@ -2,15 +2,15 @@
 
 A skill is compiled after a *canonical prefix* — the chat template's header with no system prompt (or the
 BOS token for plain models), or with the target's own system prompt when the caller knows it (``system``) —
-and only the skill's own tokens are kept, with the positions their keys were rotated for. Files hold the tensors plus JSON metadata (model fingerprint, token ids, segments, source
-positions, dtype, a sha256 of the tensor bytes); loading checks all of it and never unpickles anything.
+and only the skill's own tokens are kept, with the positions their keys were rotated for. Files hold the
+tensors plus JSON metadata (model fingerprint, token ids, segments, source positions, dtype, a sha256 of the
+tensor bytes); loading checks all of it and never unpickles anything.
 """
+
 from __future__ import annotations
 
 import hashlib
 import json
-import threading
-from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -20,8 +20,10 @@ from safetensors.torch import save_file
 
 from engine.cache.adapter import cache_entry_shapes
 from engine.cache.loaded import LoadedModel, ModelFingerprint
+from engine.cache.lru import BudgetedLRU
 from engine.cache.notebook import KVBlock, Notebook
 from engine.errors import KVScopeError
+from engine.once import SingleFlight
 from engine.scenario import Scenario, Skill, render
 
 FORMAT_VERSION = 1
@@ -35,8 +37,15 @@ class SkillFileError(KVScopeError):
 def _compile_scenario(skill: Skill, system: str | None) -> Scenario:
     """A scenario holding only the skill after the canonical prefix (with ``system`` as its system prompt)."""
     return Scenario(
-        name=f"skill:{skill.id}", description="", system=system or None, context=f"{{skill:{skill.id}}}", question="?",
-        fields=dict(skill.fields), answers={"a": ("a",), "b": ("b",)}, expect={}, skills={skill.id: skill},
+        name=f"skill:{skill.id}",
+        description="",
+        system=system or None,
+        context=f"{{skill:{skill.id}}}",
+        question="?",
+        fields=dict(skill.fields),
+        answers={"a": ("a",), "b": ("b",)},
+        expect={},
+        skills={skill.id: skill},
     )
 
 
@@ -45,8 +54,9 @@ def _compile_prompt(lm: LoadedModel, skill: Skill, values: Mapping[str, str] | N
     return prompt, prompt.skill_spans[skill.id]
 
 
-def skill_tokens(lm: LoadedModel, skill: Skill, values: Mapping[str, str] | None = None,
-                 system: str | None = None) -> tuple[list[int], list[str]]:
+def skill_tokens(
+    lm: LoadedModel, skill: Skill, values: Mapping[str, str] | None = None, system: str | None = None
+) -> tuple[list[int], list[str]]:
     """The skill's token ids and segments as placed after the canonical prefix."""
     prompt, span = _compile_prompt(lm, skill, values, system)
     return list(prompt.context_ids[span.start : span.end]), list(prompt.context_segments[span.start : span.end])
@@ -125,7 +135,10 @@ def load_block(path: str | Path, lm: LoadedModel) -> KVBlock:
         if tuple(tensor.shape) != shape:
             raise SkillFileError(f"{path}: {name} has shape {tuple(tensor.shape)}, the model needs {shape}")
     if len(tensors) != 2 * layers or layers != lm.model.config.get_text_config().num_hidden_layers or len(meta["segments"]) != length:
-        raise SkillFileError(f"{path}: holds {layers} layers and {len(tensors)} tensors; the model has {lm.model.config.get_text_config().num_hidden_layers} layers")
+        raise SkillFileError(
+            f"{path}: holds {layers} layers and {len(tensors)} tensors; the model has "
+            f"{lm.model.config.get_text_config().num_hidden_layers} layers"
+        )
     device = lm.device
     return KVBlock(
         token_ids=torch.tensor(meta["token_ids"], dtype=torch.long),
@@ -143,8 +156,8 @@ class SkillStore:
     def __init__(self, directory: str | Path | None = None, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
         self.directory = Path(directory) if directory else None
         self.budget_bytes = budget_bytes
-        self._hot: OrderedDict[str, KVBlock] = OrderedDict()
-        self._lock = threading.Lock()
+        self._hot = BudgetedLRU(budget_bytes, weigh=KVBlock.memory_bytes)  # key -> block
+        self._flight: SingleFlight[KVBlock] = SingleFlight()  # concurrent requests for one block compile it once
         self.compiled = 0  # how many blocks this store had to compute
 
     @staticmethod
@@ -154,31 +167,22 @@ class SkillStore:
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
     def memory_bytes(self) -> int:
-        with self._lock:
-            return sum(block.memory_bytes() for block in self._hot.values())
+        return self._hot.nbytes
 
     def get(self, lm: LoadedModel, skill: Skill, values: Mapping[str, str] | None = None, system: str | None = None) -> KVBlock:
         """The skill's block for these field values (compiled after ``system`` when given), compiled at most once
         per store (and directory)."""
         ids, segments = skill_tokens(lm, skill, values, system)
         key = self.key(lm, ids, segments, system)
-        with self._lock:
-            if key in self._hot:
-                self._hot.move_to_end(key)
-                return self._hot[key]
         path = self.directory / f"{skill.id}-{key}.safetensors" if self.directory else None
-        if path is not None and path.exists():
-            block = load_block(path, lm)
-        else:
+
+        def load_or_compile() -> KVBlock:
+            if path is not None and path.exists():
+                return load_block(path, lm)
             block = compile_skill(lm, skill, values, system)
             self.compiled += 1
             if path is not None:
                 save_block(block, path, skill.id)
-        self._remember(key, block)
-        return block
+            return block
 
-    def _remember(self, key: str, block: KVBlock) -> None:
-        with self._lock:
-            self._hot[key] = block
-            while len(self._hot) > 1 and sum(b.memory_bytes() for b in self._hot.values()) > self.budget_bytes:
-                self._hot.popitem(last=False)
+        return self._flight.cached(self._hot, key, load_or_compile)

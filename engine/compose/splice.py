@@ -13,12 +13,11 @@ the full recompute they are compared with: diagnostics of how much a perfect ran
 server could run.
 Cost: splice is O(L) per skill instead of O(L·context) attention and MLP work, plus what the remedy recomputes.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import re
-import statistics
-import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 
@@ -34,6 +33,7 @@ from engine.cache.patching import (
     kv_relative_deviation,
 )
 from engine.cache.rope import RopeUnsupported, Rotary
+from engine.compose.skills import SkillStore
 from engine.edit.runs import render_for
 from engine.scenario import (
     RenderedPrompt,
@@ -44,18 +44,21 @@ from engine.scenario import (
     bundled_skills,
     is_aggregator,
 )
+from engine.timing import Stopwatch, repeated
 
 ADHOC_QUESTION = "Is the information above internally consistent? Answer yes or no."
 
 
 def replace_context(scenario: Scenario, context: str, skill_ids: Sequence[str], library: Mapping | None = None) -> Scenario:
-    """The scenario with a new context that places ``skill_ids`` (loaded from the library); skill fields merged,
-    the scenario's own declarations winning."""
+    """The scenario with a new context that places ``skill_ids`` (from the library: skill file paths by id, or
+    skills themselves, e.g. one made by :func:`skill_of_length`); skill fields merged, the scenario's own
+    declarations winning."""
     library = bundled_skills() if library is None else library
     unknown = [s for s in skill_ids if s not in library]
     if unknown:
         raise ScenarioError(f"unknown skill {unknown[0]!r}; available: {', '.join(sorted(library))}")
-    skills = {**scenario.skills, **{s: Skill.load(library[s]) for s in skill_ids}}
+    loaded = {s: library[s] if isinstance(library[s], Skill) else Skill.load(library[s]) for s in skill_ids}
+    skills = {**scenario.skills, **loaded}
     fields = {**{n: f for s in skills.values() for n, f in s.fields.items()}, **scenario.fields}
     return dataclasses.replace(scenario, context=context, skills=skills, fields=fields)
 
@@ -66,8 +69,9 @@ def literal(text: str | None) -> str:
     return (text or "").replace("{", "{{").replace("}", "}}").strip()
 
 
-def compose_scenario(skill_ids: Sequence[str], before: str = "", between: str = "", base: Scenario | None = None,
-                     library: Mapping | None = None) -> Scenario:
+def compose_scenario(
+    skill_ids: Sequence[str], before: str = "", between: str = "", base: Scenario | None = None, library: Mapping | None = None
+) -> Scenario:
     """A context of literal text ``before``, the skills (literal text ``between`` them), then ``base``'s context
     (its question and answers too); without ``base``, the skills alone with a generic question. A ``base`` that
     places skills itself may stand alone."""
@@ -105,13 +109,16 @@ def with_skills(scenario: Scenario, skill_ids: Sequence[str], at: str = "start",
 
 def _after_fields(scenario: Scenario, placed: str) -> str:
     """The context with ``placed`` inserted at the first paragraph break after the last field placeholder."""
-    ends = [match.end() for name in scenario.fields for match in re.finditer(r"(?<!\{)\{" + re.escape(name) + r"\}(?!\})", scenario.context)]
+    ends = [
+        match.end() for name in scenario.fields for match in re.finditer(r"(?<!\{)\{" + re.escape(name) + r"\}(?!\})", scenario.context)
+    ]
     if not ends:
         raise ScenarioError(f"scenario {scenario.name!r} has no field in its context to place skills after")
     cut = scenario.context.find("\n\n", max(ends))
     if cut < 0:
-        raise ScenarioError(f"scenario {scenario.name!r} has no paragraph break (blank line) after its last field; "
-                            "place the skills at the start or the end")
+        raise ScenarioError(
+            f"scenario {scenario.name!r} has no paragraph break (blank line) after its last field; place the skills at the start or the end"
+        )
     return f"{scenario.context[:cut]}\n\n{placed}{scenario.context[cut:]}"
 
 
@@ -130,8 +137,14 @@ def skill_of_length(lm: LoadedModel, skill: Skill, tokens: int) -> Skill:
 def adhoc_scenario(skill_ids: Sequence[str], library: Mapping | None = None) -> Scenario:
     """A scenario made only of skills, with a generic yes/no question."""
     base = Scenario(
-        name="skills: " + ", ".join(skill_ids), description="Skills composed without a scenario.", system=None,
-        context="", question=ADHOC_QUESTION, fields={}, answers={"yes": ("yes", "Yes"), "no": ("no", "No")}, expect={},
+        name="skills: " + ", ".join(skill_ids),
+        description="Skills composed without a scenario.",
+        system=None,
+        context="",
+        question=ADHOC_QUESTION,
+        fields={},
+        answers={"yes": ("yes", "Yes"), "no": ("no", "No")},
+        expect={},
     )
     if not skill_ids:
         return base
@@ -185,8 +198,10 @@ class Remedy:
                 else:
                     raise ValueError(part)
             except ValueError:
-                raise ScenarioError(f"remedy part {part!r} not understood; write e.g. prefix+seam:1, aggregators, blend:0.3, "
-                                    "deviation:0.15 or causal:0.1, joined by +") from None
+                raise ScenarioError(
+                    f"remedy part {part!r} not understood; write e.g. prefix+seam:1, aggregators, blend:0.3, "
+                    "deviation:0.15 or causal:0.1, joined by +"
+                ) from None
         return cls(**options)
 
     @property
@@ -197,8 +212,10 @@ class Remedy:
     def require_deployable(self, user: str) -> "Remedy":
         """This remedy, refused when it ranks against a full recompute that ``user`` does not have."""
         if self.needs_reference:
-            raise ScenarioError(f"remedy {self.name!r} ranks tokens against a full recompute; {user} needs a deployable one "
-                                "(prefix, seam:N, aggregators, blend:F)")
+            raise ScenarioError(
+                f"remedy {self.name!r} ranks tokens against a full recompute; {user} needs a deployable one "
+                "(prefix, seam:N, aggregators, blend:F)"
+            )
         return self
 
     @property
@@ -210,8 +227,14 @@ class Remedy:
         return "+".join(parts) or "splice"
 
     def as_dict(self) -> dict:
-        return {"name": self.name, "seam": self.seam, "prefix": self.prefix, "select": self.select, "fraction": self.fraction,
-                "needs_reference": self.needs_reference}
+        return {
+            "name": self.name,
+            "seam": self.seam,
+            "prefix": self.prefix,
+            "select": self.select,
+            "fraction": self.fraction,
+            "needs_reference": self.needs_reference,
+        }
 
 
 # The best deployable remedy of the N-skill study on the embedded model (benchmarks/results/compose_many-*.json):
@@ -219,7 +242,9 @@ class Remedy:
 DEFAULT_REMEDY = Remedy(seam=1, prefix=True, select="blend", fraction=0.7)
 
 
-def _skill_blocks(lm: LoadedModel, scenario: Scenario, prompt: RenderedPrompt, store, remedy: Remedy) -> list[tuple[str, Span, KVBlock]]:
+def _skill_blocks(
+    lm: LoadedModel, scenario: Scenario, prompt: RenderedPrompt, store: SkillStore, remedy: Remedy
+) -> list[tuple[str, Span, KVBlock]]:
     """Every placed skill's compiled block, in context order, checked against the context's tokens."""
     system = scenario.system if remedy.prefix else None
     placed = []
@@ -281,7 +306,7 @@ def splice_prompt(
     lm: LoadedModel,
     scenario: Scenario,
     prompt: RenderedPrompt,
-    store,
+    store: SkillStore,
     remedy: Remedy = DEFAULT_REMEDY,
     reference: Notebook | None = None,
 ) -> Spliced:
@@ -305,7 +330,10 @@ def splice_prompt(
             if remedy.select == "deviation":
                 chosen = set(kv_deviation(first, reference, candidates).top_positions(count))
             else:
-                gap = reference.read_prompt(prompt, answer_texts=scenario.answers).margin - first.read_prompt(prompt, answer_texts=scenario.answers).margin
+                gap = (
+                    reference.read_prompt(prompt, answer_texts=scenario.answers).margin
+                    - first.read_prompt(prompt, answer_texts=scenario.answers).margin
+                )
                 chosen = set(attribution_effects(first, reference, prompt, candidates).top_positions(count, gap))
     notebook = _assemble(lm, prompt, placed, remedy.seam, chosen)
     return Spliced(notebook, remedy, len(seams) + len(chosen), sum(len(span) for _, span, _ in placed))
@@ -368,20 +396,14 @@ class Fidelity:
 
 def timed_median(function: Callable[[], tuple[Notebook, Decision]], reps: int) -> tuple[tuple[Notebook, Decision], float]:
     """The last result and the median wall time in ms; with several reps the first is a warm-up."""
-    times, result = [], None
-    for _ in range(reps):
-        started = time.perf_counter()
-        result = function()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - started) * 1000)
-    return result, statistics.median(times[1:] if reps > 1 else times)
+    result, spread = repeated(lambda _: function(), reps=max(reps - 1, 1), warmup=1 if reps > 1 else 0)
+    return result, spread.median
 
 
 def compare(
     lm: LoadedModel,
     scenario: Scenario,
-    store,
+    store: SkillStore,
     *,
     remedy: Remedy = DEFAULT_REMEDY,
     values: Mapping[str, str] | None = None,
@@ -399,10 +421,11 @@ def compare(
         raise ScenarioError(f"scenario {scenario.name!r} places no skills (use {{skill:ID}} or --skills)")
     prompt = render_for(lm, scenario, values)
     system = scenario.system if remedy.prefix else None
-    started = time.perf_counter()
+    lm.splice_gate.require(lm)  # the self-test runs once, before anything is timed
+    watch = Stopwatch()
     for skill in scenario.skills.values():
         store.get(lm, skill, {name: prompt.values[name] for name in skill.fields}, system)
-    compile_ms = (time.perf_counter() - started) * 1000
+    compile_ms = watch.ms
     answers = scenario.answers
 
     def recompute_and_read() -> tuple[Notebook, Decision]:

@@ -5,6 +5,7 @@ with each :class:`~engine.compose.splice.Remedy`; the summary per remedy counts 
 recomputed decision is decisive (|margin| ≥ ``DECISIVE_MARGIN``) and reports ties apart, beside the margin
 error, logit cosine/KL, the fraction of skill tokens recomputed and the TTFT speedup over the full recompute.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -12,13 +13,26 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.cache.loaded import LoadedModel
+from engine.compose.skills import SkillStore
 from engine.compose.splice import Fidelity, Recomputed, Remedy, compare, with_skills
 from engine.errors import KVScopeError
 from engine.progress import StepProgress
 from engine.scenario import Scenario
 
-REMEDIES = ("splice", "seam:1", "prefix+seam:1", "seam:1+aggregators", "prefix+seam:1+aggregators", "blend:0.3", "prefix+seam:1+blend:0.15",
-            "prefix+seam:1+blend:0.3", "prefix+seam:1+blend:0.5", "prefix+seam:1+blend:0.7", "deviation:0.5", "causal:0.15")
+REMEDIES = (
+    "splice",
+    "seam:1",
+    "prefix+seam:1",
+    "seam:1+aggregators",
+    "prefix+seam:1+aggregators",
+    "blend:0.3",
+    "prefix+seam:1+blend:0.15",
+    "prefix+seam:1+blend:0.3",
+    "prefix+seam:1+blend:0.5",
+    "prefix+seam:1+blend:0.7",
+    "deviation:0.5",
+    "causal:0.15",
+)
 
 
 @dataclass(frozen=True)
@@ -34,8 +48,13 @@ class StudyCase:
     def as_dict(self) -> dict:
         any_result = next(iter(self.results.values()))
         return {
-            "scenario": self.scenario, "values": self.values, "skills": list(self.skills), "n": len(self.skills),
-            "placement": self.placement, "context_tokens": any_result.context_tokens, "skill_tokens": any_result.skill_tokens,
+            "scenario": self.scenario,
+            "values": self.values,
+            "skills": list(self.skills),
+            "n": len(self.skills),
+            "placement": self.placement,
+            "context_tokens": any_result.context_tokens,
+            "skill_tokens": any_result.skill_tokens,
             "recomputed": any_result.recomputed.as_dict(),
             "remedies": {name: _case_row(result) for name, result in self.results.items()},
         }
@@ -65,7 +84,9 @@ def summarize(cases: Sequence[StudyCase], remedy: str, n: int | None = None) -> 
         "mean_abs_margin_error": round(statistics.fmean(abs(row.match.margin_error) for row in rows), 4) if rows else None,
         "cosine": _spread([row.agreement["cosine"] for row in rows]),
         "kl": _spread([row.agreement["kl"] for row in rows]),
-        "recomputed_fraction": round(statistics.fmean(row.recomputed_tokens / max(row.skill_tokens, 1) for row in rows), 4) if rows else None,
+        "recomputed_fraction": round(statistics.fmean(row.recomputed_tokens / max(row.skill_tokens, 1) for row in rows), 4)
+        if rows
+        else None,
         "speedup": _spread([row.ttft_ms["full"] / row.ttft_ms["splice"] for row in rows]),
     }
 
@@ -81,8 +102,11 @@ class Study:
         """Per remedy: totals over every case and per number of skills."""
         sizes = sorted({len(case.skills) for case in self.cases})
         return {
-            remedy.name: {**summarize(self.cases, remedy.name), "needs_reference": remedy.needs_reference,
-                          "by_n": {str(n): summarize(self.cases, remedy.name, n) for n in sizes}}
+            remedy.name: {
+                **summarize(self.cases, remedy.name),
+                "needs_reference": remedy.needs_reference,
+                "by_n": {str(n): summarize(self.cases, remedy.name, n) for n in sizes},
+            }
             for remedy in self.remedies
         }
 
@@ -95,12 +119,34 @@ class Study:
         the fewest skill tokens recomputed; None without a deployable remedy or a decisive case."""
         summary = self.summary()
         deployable = [name for name, row in summary.items() if not row["needs_reference"] and row["decisive"]]
-        return min(deployable, default=None, key=lambda name: (-summary[name]["agreement"], summary[name]["mean_abs_margin_error"],
-                                                               summary[name]["recomputed_fraction"]))
+        return min(
+            deployable,
+            default=None,
+            key=lambda name: (-summary[name]["agreement"], summary[name]["mean_abs_margin_error"], summary[name]["recomputed_fraction"]),
+        )
 
     def as_dict(self) -> dict:
-        return {"remedies": [remedy.as_dict() for remedy in self.remedies], "summary": self.summary(), "best": self.best(),
-                "agree_on_every_decisive_case": self.perfect(), "cases": [case.as_dict() for case in self.cases]}
+        return {
+            "remedies": [remedy.as_dict() for remedy in self.remedies],
+            "summary": self.summary(),
+            "best": self.best(),
+            "agree_on_every_decisive_case": self.perfect(),
+            "cases": [case.as_dict() for case in self.cases],
+        }
+
+
+def deployable_by_speed(summary: Mapping[str, Mapping]) -> list[str]:
+    """Remedies of a study summary (``Study.summary()`` or a stored study's ``"summary"``) that a server could run and
+    whose speedup was measured, fastest first (median TTFT speedup over the full recompute; ties keep their order)."""
+    deployable = [name for name, row in summary.items() if not row["needs_reference"] and row["speedup"]]
+    return sorted(deployable, key=lambda name: summary[name]["speedup"]["median"], reverse=True)
+
+
+def first_field_values(scenario: Scenario) -> list[dict[str, str]]:
+    """The values a study reads a scenario at: both values (old, then new) of its first field; one case at the
+    scenario's own values when it declares no field."""
+    field = next(iter(scenario.fields.values()), None)
+    return [{field.name: field.old}, {field.name: field.new}] if field else [{}]
 
 
 def skill_prefixes(skill_ids: Sequence[str]) -> list[tuple[str, ...]]:
@@ -112,7 +158,7 @@ def run_study(
     lm: LoadedModel,
     scenario: Scenario,
     skill_sets: Sequence[Sequence[str]],
-    store,
+    store: SkillStore,
     *,
     remedies: Sequence[Remedy],
     placements: Sequence[str] = ("start",),

@@ -5,6 +5,7 @@ field_only edit's recovery, whose complement is the notes share. A *notes demo* 
 while the field-only edit leaves the decision where it was (recovery ≤ ``NOTES_DEMO_MAX_RECOVERY``): the
 paper's phenomenon, visible on this model.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -58,13 +59,26 @@ def calibrate_scenario(lm: LoadedModel, path: Path, threshold: float = FLIP_THRE
         flips = old.label != new.label and abs(delta) >= threshold
         expect = scenario.expect
         expected_flip = expect[field.old] != expect[field.new] if field.old in expect and field.new in expect else None
-        notes_demo = (flips and notes.field_only_label == old.label and notes.field_recovery is not None
-                      and notes.field_recovery <= NOTES_DEMO_MAX_RECOVERY)
+        notes_demo = (
+            flips
+            and notes.field_only_label == old.label
+            and notes.field_recovery is not None
+            and notes.field_recovery <= NOTES_DEMO_MAX_RECOVERY
+        )
         results.append(
             Calibration(
-                file=str(path), scenario=scenario.name, field=field.name, old=field.old, new=field.new,
-                old_label=old.label, new_label=new.label, old_margin=round(old.margin, 4), new_margin=round(new.margin, 4),
-                delta_margin=round(delta, 4), flips=flips, expected_flip=expected_flip,
+                file=str(path),
+                scenario=scenario.name,
+                field=field.name,
+                old=field.old,
+                new=field.new,
+                old_label=old.label,
+                new_label=new.label,
+                old_margin=round(old.margin, 4),
+                new_margin=round(new.margin, 4),
+                delta_margin=round(delta, 4),
+                flips=flips,
+                expected_flip=expected_flip,
                 ok=None if expected_flip is None else flips == expected_flip and (not flips or new.label == expect[field.new]),
                 field_only_recovery=None if notes.field_recovery is None else round(notes.field_recovery, 4),
                 field_only_label=notes.field_only_label,
@@ -88,7 +102,9 @@ def scenario_files(paths: Sequence[str | Path]) -> list[Path]:
     return files
 
 
-def calibrate(lm: LoadedModel, paths: Sequence[str | Path], threshold: float = FLIP_THRESHOLD, progress: StepProgress = None) -> list[Calibration]:
+def calibrate(
+    lm: LoadedModel, paths: Sequence[str | Path], threshold: float = FLIP_THRESHOLD, progress: StepProgress = None
+) -> list[Calibration]:
     """Calibrate every scenario file under ``paths``."""
     files = scenario_files(paths)
     results: list[Calibration] = []

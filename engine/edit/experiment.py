@@ -10,9 +10,9 @@ the frontier import it; the strategies themselves live in the registry of ``engi
 forward (``fused=True``; each strategy's ms is then its share of that forward by tokens, marked in its detail)
 or one strategy at a time with its own wall time.
 """
+
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from functools import cached_property
 
@@ -20,6 +20,7 @@ from engine.cache.decision import Decision, Recovery, recovery
 from engine.cache.loaded import LoadedModel
 from engine.cache.notebook import Knockout, Notebook, NotebookError
 from engine.cache.patching import EffectMap, attribution_effects, kv_deviation
+from engine.edit.erratum import erratum_ids
 from engine.edit.report import EditReport, NotesShare
 from engine.edit.runs import PreparedRun, ScenarioRun, prepare_scenario, run_scenario
 from engine.edit.strategies import (
@@ -36,6 +37,7 @@ from engine.edit.strategies import (
 )
 from engine.progress import StepProgress
 from engine.scenario import RenderedPrompt, Scenario, ScenarioError
+from engine.timing import Stopwatch
 
 
 class EditExperiment:
@@ -81,10 +83,12 @@ class EditExperiment:
     def oracle(self) -> ScenarioRun:
         """The reference: a clean prefill with the new value, and its decision (read on first use)."""
         if self._oracle_run is None:
-            started = time.perf_counter()
+            watch = Stopwatch()
             prepared = self._oracle_prepared
-            decision = prepared.notebook.read_prompt(prepared.prompt, answer_texts=self.scenario.answers, capture_attention=self.capture_attention)
-            self._oracle_run = prepared.finish(decision, (time.perf_counter() - started) * 1000)
+            decision = prepared.notebook.read_prompt(
+                prepared.prompt, answer_texts=self.scenario.answers, capture_attention=self.capture_attention
+            )
+            self._oracle_run = prepared.finish(decision, watch.ms)
         return self._oracle_run
 
     @property
@@ -136,8 +140,7 @@ class EditExperiment:
 
     def line_ids(self, template: str) -> list[int]:
         """Token ids of a line appended after the context (erratum, hoist), its blank line included."""
-        text = template.format(field=self.field, new=self.new, old=self.old) + "\n\n"
-        return self.lm.tokenizer(text, add_special_tokens=False).input_ids
+        return erratum_ids(self.lm.tokenizer, self.field, self.new, self.old, template)
 
     def read(self, notebook: Notebook) -> Decision:
         """The decision read from ``notebook`` with this scenario's question and answers."""
@@ -168,8 +171,13 @@ class EditExperiment:
         token, from the stale run's cached gradients; None when the values differ in token length."""
         if not self.same_length:
             return None
-        return attribution_effects(self.stale.notebook, self.oracle.notebook, self.prompt,
-                                   self.field_positions + self.downstream_positions, gradients=self.stale.gradients)
+        return attribution_effects(
+            self.stale.notebook,
+            self.oracle.notebook,
+            self.prompt,
+            self.field_positions + self.downstream_positions,
+            gradients=self.stale.gradients,
+        )
 
     def top_notes(self, effects: EffectMap, k: int) -> list[int]:
         """The k positions of :meth:`notes_effects` that move the stale decision most towards the oracle's."""
@@ -188,7 +196,10 @@ class EditExperiment:
         stops = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
         extended, generated = notebook.generate(list(self.prompt.decode_ids) + prefix, self.settings.cot_tokens, tuple(stops))
         answer_prefix = tokenizer(self.settings.cot_answer_prefix, add_special_tokens=False).input_ids
-        answers = {label: [tokenizer(" " + s, add_special_tokens=False).input_ids for s in strings] for label, strings in self.scenario.answers.items()}
+        answers = {
+            label: [tokenizer(" " + s, add_special_tokens=False).input_ids for s in strings]
+            for label, strings in self.scenario.answers.items()
+        }
         decision = extended.read(answer_prefix, answers, answer_texts=self.scenario.answers)
         return decision, tokenizer.decode(generated)
 
@@ -204,12 +215,12 @@ class EditExperiment:
 
     def _build(self, name: str) -> tuple[Notebook, int, dict, float] | StrategyResult:
         """A fusable strategy's cache, tokens, detail and build ms, or its not-applicable result."""
-        started = time.perf_counter()
+        watch = Stopwatch()
         try:
             notebook, tokens, detail = REGISTRY[name].build(self)
         except NotApplicable as reason:
             return StrategyResult(name, applicable=False, reason=str(reason))
-        return notebook, tokens, detail, (time.perf_counter() - started) * 1000
+        return notebook, tokens, detail, watch.ms
 
     def run(self, name: str) -> StrategyResult:
         """Run one strategy by name (see ``engine.edit.strategies``); reuses its fused result when it has one."""
@@ -222,9 +233,9 @@ class EditExperiment:
         if isinstance(built, StrategyResult):
             return built
         notebook, tokens, detail, build_ms = built
-        started = time.perf_counter()
+        watch = Stopwatch()
         decision = self.read(notebook)
-        ms = build_ms + (time.perf_counter() - started) * 1000
+        ms = build_ms + watch.ms
         return StrategyResult(name, True, decision, self.recovery_of(decision), tokens, ms, detail=detail, notebook=notebook)
 
     def read_together(self, names: Sequence[str]) -> float:
@@ -250,11 +261,12 @@ class EditExperiment:
             return 0.0
         computations = [notebook.computation() for notebook in notebooks]  # equal ones run once: share their time
         ran = {key: len(self.prompt.decode_ids) + notebook.pending_tokens for key, notebook in zip(computations, notebooks)}
-        started = time.perf_counter()
+        watch = Stopwatch()
         captures = [False] * len(prepared) + ([self.capture_attention] if oracle else [])  # only the oracle's attention is shown
-        decisions = Notebook.read_many(notebooks, self.prompt.decode_ids, self.prompt.answer_ids,
-                                       answer_texts=self.scenario.answers, capture_attention=captures)
-        fused_ms = (time.perf_counter() - started) * 1000
+        decisions = Notebook.read_many(
+            notebooks, self.prompt.decode_ids, self.prompt.answer_ids, answer_texts=self.scenario.answers, capture_attention=captures
+        )
+        fused_ms = watch.ms
         shares = [fused_ms * ran[key] / sum(ran.values()) for key in computations]
         timing = f"share of the fused forwards of {len(notebooks)} caches ({fused_ms:.0f} ms)"
         if oracle:
@@ -262,7 +274,9 @@ class EditExperiment:
             self._oracle_timing = timing
         for (name, (notebook, tokens, detail, build_ms)), decision, share in zip(prepared.items(), decisions, shares):
             detail = detail | {"timing": timing}
-            self._results[name] = StrategyResult(name, True, decision, self.recovery_of(decision), tokens, build_ms + share, detail=detail, notebook=notebook)
+            self._results[name] = StrategyResult(
+                name, True, decision, self.recovery_of(decision), tokens, build_ms + share, detail=detail, notebook=notebook
+            )
         return fused_ms
 
     def downstream_patch_recovery(self) -> Recovery | None:
@@ -274,11 +288,16 @@ class EditExperiment:
 
     def notes_share(self, downstream_patch: bool = False) -> NotesShare:
         """The notes share of this edit (field_only's recovery; ``downstream_patch`` adds one more read)."""
-        return NotesShare.of(self.run("field_only"), self.stale.decision, self.oracle.decision,
-                             self.downstream_patch_recovery() if downstream_patch else None)
+        return NotesShare.of(
+            self.run("field_only"),
+            self.stale.decision,
+            self.oracle.decision,
+            self.downstream_patch_recovery() if downstream_patch else None,
+        )
 
-    def report(self, names: Sequence[str] = STRATEGIES, progress: StepProgress = None, fused: bool = False,
-               downstream_patch: bool = False) -> EditReport:
+    def report(
+        self, names: Sequence[str] = STRATEGIES, progress: StepProgress = None, fused: bool = False, downstream_patch: bool = False
+    ) -> EditReport:
         """Run the named strategies and collect them with stale, oracle and the notes share (``fused``: see
         :meth:`read_together`; field_only is always read, for the notes share)."""
         names = check_names(names)
@@ -289,9 +308,28 @@ class EditExperiment:
             results[name] = self.run(name)
             if progress:
                 progress(index + 1, len(names))
-        stale = StrategyResult("stale", True, self.stale.decision, Recovery(0.0), self.stale.computed_tokens, self.stale.ms, notebook=self.stale.notebook)
+        stale = StrategyResult(
+            "stale", True, self.stale.decision, Recovery(0.0), self.stale.computed_tokens, self.stale.ms, notebook=self.stale.notebook
+        )
         reused = {"reused_prefix_tokens": len(self.oracle.prompt.context_ids) - self.oracle.computed_tokens}
-        oracle = StrategyResult("oracle", True, self.oracle.decision, Recovery(1.0), self.oracle.computed_tokens, self.oracle.ms, notebook=self.oracle.notebook,
-                                detail=reused | ({"timing": self._oracle_timing} if self._oracle_timing else {}))
-        return EditReport(self.lm.fingerprint.name, self.scenario.name, self.field, self.old, self.new, stale, oracle, results,
-                          self.notes_share(downstream_patch))
+        oracle = StrategyResult(
+            "oracle",
+            True,
+            self.oracle.decision,
+            Recovery(1.0),
+            self.oracle.computed_tokens,
+            self.oracle.ms,
+            notebook=self.oracle.notebook,
+            detail=reused | ({"timing": self._oracle_timing} if self._oracle_timing else {}),
+        )
+        return EditReport(
+            self.lm.fingerprint.name,
+            self.scenario.name,
+            self.field,
+            self.old,
+            self.new,
+            stale,
+            oracle,
+            results,
+            self.notes_share(downstream_patch),
+        )

@@ -5,20 +5,21 @@ only appends — the erratum — judged against references read the same way: :f
 the stale context, the oracle (a clean prefill with the new value) and the stale context with the erratum
 appended, and reports every strategy that rewrites entries as refused with the reason.
 """
+
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from engine.cache.adapter import recurrent_layers
 from engine.cache.decision import Decision, Recovery, recovery
 from engine.cache.loaded import LoadedModel
 from engine.cache.recurrent import RecurrentContext
+from engine.edit.erratum import DEFAULT_ERRATUM, erratum_ids
 from engine.edit.report import HybridEditReport
 from engine.edit.runs import render_for, run_summary
-from engine.edit.strategies import DEFAULT_ERRATUM, STRATEGIES, StrategyResult
+from engine.edit.strategies import STRATEGIES, StrategyResult
 from engine.scenario import RenderedPrompt, Scenario, ScenarioError
+from engine.timing import Stopwatch
 
 
 @dataclass(frozen=True)
@@ -37,21 +38,29 @@ class RecurrentRun:
 
 def read_scenario(lm: LoadedModel, scenario: Scenario, values: Mapping[str, str] | None = None) -> RecurrentRun:
     """Render the scenario with ``values``, prefill it on the hybrid's own cache and read the decision."""
-    started = time.perf_counter()
+    watch = Stopwatch()
     prompt = render_for(lm, scenario, values)
     context = RecurrentContext.prefill(lm, prompt.context_ids, prompt.context_segments)
     decision = context.read_prompt(prompt, scenario.answers)
-    return RecurrentRun(scenario, prompt, context, decision, (time.perf_counter() - started) * 1000)
+    return RecurrentRun(scenario, prompt, context, decision, watch.ms)
 
 
 def _in_place_reason(lm: LoadedModel) -> str:
-    layers = recurrent_layers(lm.model)
-    return (f"{type(lm.model).__name__} is a hybrid: layers {layers} keep a recurrent state that sums up every earlier token, "
-            "so an entry cannot be rewritten or hidden in place; only appending (erratum) is exact on it")
+    layers = lm.recurrent_layers
+    return (
+        f"{type(lm.model).__name__} is a hybrid: layers {layers} keep a recurrent state that sums up every earlier token, "
+        "so an entry cannot be rewritten or hidden in place; only appending (erratum) is exact on it"
+    )
 
 
-def hybrid_edit(lm: LoadedModel, scenario: Scenario, field_name: str | None = None, new: str | None = None,
-                names: Sequence[str] = STRATEGIES, erratum: str = DEFAULT_ERRATUM) -> HybridEditReport:
+def hybrid_edit(
+    lm: LoadedModel,
+    scenario: Scenario,
+    field_name: str | None = None,
+    new: str | None = None,
+    names: Sequence[str] = STRATEGIES,
+    erratum: str = DEFAULT_ERRATUM,
+) -> HybridEditReport:
     """Change a field old → new on a hybrid: the erratum against stale and oracle; other strategies refused by name."""
     chosen = scenario.field(field_name)
     value = chosen.new if new is None else new
@@ -71,13 +80,24 @@ def hybrid_edit(lm: LoadedModel, scenario: Scenario, field_name: str | None = No
         elif name != "erratum":
             strategies[name] = StrategyResult(name, applicable=False, reason=reason)
         else:
-            started = time.perf_counter()
-            line = lm.tokenizer(erratum.format(field=chosen.name, new=value, old=chosen.old) + "\n\n", add_special_tokens=False).input_ids
+            watch = Stopwatch()
+            line = erratum_ids(lm.tokenizer, chosen.name, value, chosen.old, erratum)
             decision = stale.context.append(line, "erratum").read_prompt(stale.prompt, scenario.answers)
-            strategies[name] = StrategyResult(name, True, decision, recovery(decision.margin, stale.decision.margin, oracle.decision.margin),
-                                              tokens_recomputed=len(line), ms=(time.perf_counter() - started) * 1000)
+            strategies[name] = StrategyResult(
+                name,
+                True,
+                decision,
+                recovery(decision.margin, stale.decision.margin, oracle.decision.margin),
+                tokens_recomputed=len(line),
+                ms=watch.ms,
+            )
     return HybridEditReport(
-        model=lm.fingerprint.name, scenario=scenario.name, field=chosen.name, old=chosen.old, new=value, stale_tokens=len(stale.context),
+        model=lm.fingerprint.name,
+        scenario=scenario.name,
+        field=chosen.name,
+        old=chosen.old,
+        new=value,
+        stale_tokens=len(stale.context),
         stale=references["stale"],
         oracle=references["oracle"],
         strategies=strategies,

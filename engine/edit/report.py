@@ -3,6 +3,7 @@
 :class:`FieldEditReport` is what every edit report shares (the notebook's :class:`EditReport` and the hybrid's
 :class:`HybridEditReport`), with the one JSON summary both write.
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -52,8 +53,10 @@ class NotesShare:
         if self.stale_label == self.oracle_label:
             return f"Notes carry {percent} of this margin change; a clean prefill keeps the decision at {self.oracle_label}"
         if self.field_alone_flips:
-            return (f"Notes carry {percent} of this decision; recomputing the field alone already reaches {self.field_only_label}: "
-                    "this model still reads much of the field directly")
+            return (
+                f"Notes carry {percent} of this decision; recomputing the field alone already reaches {self.field_only_label}: "
+                "this model still reads much of the field directly"
+            )
         return f"Notes carry {percent} of this decision; recomputing the field alone leaves it at {self.field_only_label}"
 
     def as_dict(self) -> dict:

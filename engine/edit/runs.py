@@ -1,7 +1,7 @@
 """Scenario runs: render a scenario with field values, prefill its notebook, read its decision."""
+
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -11,6 +11,7 @@ from engine.cache.loaded import LoadedModel
 from engine.cache.notebook import Notebook
 from engine.cache.patching import DecisionGradients, decision_gradients
 from engine.scenario import RenderedPrompt, Scenario, render
+from engine.timing import Stopwatch
 
 
 @dataclass(frozen=True)
@@ -74,7 +75,12 @@ class PreparedRun:
 def render_for(lm: LoadedModel, scenario: Scenario, values: Mapping[str, str] | None = None) -> RenderedPrompt:
     """The scenario rendered with this model's tokenizer, ``values`` over the old ones, refused past the
     model's context window."""
-    return render(scenario, lm.tokenizer, scenario.values_with(**dict(values or {})), max_tokens=lm.model.config.get_text_config().max_position_embeddings)
+    return render(
+        scenario,
+        lm.tokenizer,
+        scenario.values_with(**dict(values or {})),
+        max_tokens=lm.model.config.get_text_config().max_position_embeddings,
+    )
 
 
 def shared_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -128,7 +134,7 @@ def run_scenario(
     **read_options,
 ) -> ScenarioRun:
     """Build the scenario's context with ``values`` and read the decision (see :func:`prepare_scenario`)."""
-    started = time.perf_counter()
+    watch = Stopwatch()
     prepared = prepare_scenario(lm, scenario, values, build, reuse)
     decision = prepared.notebook.read_prompt(prepared.prompt, answer_texts=scenario.answers, **read_options)
-    return prepared.finish(decision, (time.perf_counter() - started) * 1000)
+    return prepared.finish(decision, watch.ms)

@@ -24,21 +24,22 @@ StrategyResult`` for those that decode on their own (``field_only_cot``, ``auto`
 ``auto`` read :data:`REGISTRY`; :func:`check_names` is the one validation of strategy names. The experiment
 that runs them (stale and oracle runs, positions, rankings) is :class:`engine.edit.experiment.EditExperiment`.
 """
+
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from engine.cache.decision import RECOVERY_MIN_GAP, Decision, Recovery, recovery
+from engine.cache.loaded import LoadedModel
 from engine.cache.notebook import Notebook
+from engine.edit.erratum import DEFAULT_ERRATUM, erratum_text
+from engine.edit.runs import ScenarioRun
 from engine.errors import KVScopeError
+from engine.scenario import RenderedPrompt
+from engine.timing import Stopwatch
 
-if TYPE_CHECKING:  # strategies receive the experiment; it imports this registry
-    from engine.edit.experiment import EditExperiment
-
-DEFAULT_ERRATUM = "[STATE UPDATE] {field} -> {new}; overrides any earlier value and conclusion"
 AUTO_CANDIDATES = ("field_only", "erratum", "hoist", "field_erratum")
 RANKINGS = ("causal", "deviation")
 RANKING_LABELS = {"causal": "causal (attribution patching)", "deviation": "deviation (CacheBlend-style)"}
@@ -123,8 +124,8 @@ class Strategy:
 
     name: str
     summary: str
-    build: Callable[["EditExperiment"], Built] | None = None
-    run: Callable[["EditExperiment"], StrategyResult] | None = None
+    build: Callable[["EditContext"], Built] | None = None
+    run: Callable[["EditContext"], StrategyResult] | None = None
 
     @property
     def fusable(self) -> bool:
@@ -133,39 +134,63 @@ class Strategy:
 
 
 # ---------------------------------------------------------------------------- caches (read later)
-def _stale(experiment: "EditExperiment") -> Built:
+class EditContext(Protocol):
+    """What a strategy reads of the edit it repairs (``engine.edit.experiment.EditExperiment`` provides it)."""
+
+    lm: LoadedModel
+    field: str
+    old: str
+    new: str
+    settings: EditSettings
+    stale: ScenarioRun
+    prompt: RenderedPrompt
+    new_prompt: RenderedPrompt
+    field_positions: list[int]
+    new_field_ids: list[int]
+    downstream_positions: list[int]
+
+    def check_k(self, k: int) -> None: ...
+    def field_edited(self) -> Notebook: ...
+    def line_ids(self, template: str) -> list[int]: ...
+    def rank_downstream(self, base: Notebook, k: int) -> tuple[list[int], dict]: ...
+    def cot_decision(self, notebook: Notebook) -> tuple[Decision, str]: ...
+    def cot_baselines(self) -> tuple[Decision, Decision]: ...
+    def run(self, name: str) -> StrategyResult: ...
+
+
+def _stale(experiment: "EditContext") -> Built:
     return experiment.stale.notebook, 0, {}
 
 
-def _oracle(experiment: "EditExperiment") -> Built:
+def _oracle(experiment: "EditContext") -> Built:
     prompt = experiment.new_prompt
     return Notebook.from_prompt(experiment.lm, prompt), len(prompt.context_ids), {}
 
 
-def _field_only(experiment: "EditExperiment") -> Built:
+def _field_only(experiment: "EditContext") -> Built:
     return experiment.field_edited(), len(experiment.field_positions), {}
 
 
-def _line_text(experiment: "EditExperiment", template: str) -> str:
-    return template.format(field=experiment.field, new=experiment.new, old=experiment.old)
+def _line_text(experiment: "EditContext", template: str) -> str:
+    return erratum_text(experiment.field, experiment.new, experiment.old, template)
 
 
-def _erratum(experiment: "EditExperiment") -> Built:
+def _erratum(experiment: "EditContext") -> Built:
     line = experiment.line_ids(experiment.settings.erratum)
     return experiment.stale.notebook.append(line, "erratum"), len(line), {"text": _line_text(experiment, experiment.settings.erratum)}
 
 
-def _field_erratum(experiment: "EditExperiment") -> Built:
+def _field_erratum(experiment: "EditContext") -> Built:
     line = experiment.line_ids(experiment.settings.erratum)
     return experiment.field_edited().append(line, "erratum"), len(experiment.field_positions) + len(line), {}
 
 
-def _hoist(experiment: "EditExperiment") -> Built:
+def _hoist(experiment: "EditContext") -> Built:
     line = experiment.line_ids(experiment.settings.hoist)
     return experiment.stale.notebook.append(line, "hoist"), len(line), {"text": _line_text(experiment, experiment.settings.hoist)}
 
 
-def _full_downstream(experiment: "EditExperiment") -> Built:
+def _full_downstream(experiment: "EditContext") -> Built:
     stale, downstream = experiment.stale.notebook, experiment.downstream_positions
     positions = experiment.field_positions + downstream
     tail = experiment.new_field_ids + [experiment.prompt.context_ids[p] for p in downstream]
@@ -174,38 +199,40 @@ def _full_downstream(experiment: "EditExperiment") -> Built:
     return stale.replace(positions, tail, labels), len(tail), {}
 
 
-def _field_topk(experiment: "EditExperiment") -> Built:
+def _field_topk(experiment: "EditContext") -> Built:
     k = experiment.settings.top_k
     experiment.check_k(k)
     edited = experiment.field_edited()
-    started = time.perf_counter()
+    watch = Stopwatch()
     top, detail = experiment.rank_downstream(edited, k)
-    detail |= {"k": k, "positions": top, "rank_ms": round((time.perf_counter() - started) * 1000, 1)}
+    detail |= {"k": k, "positions": top, "rank_ms": round(watch.ms, 1)}
     return edited.recompute(top), len(experiment.field_positions) + len(top), detail
 
 
 # ---------------------------------------------------------------------------- strategies with their own reads
-def _field_only_cot(experiment: "EditExperiment") -> StrategyResult:
-    started = time.perf_counter()
+def _field_only_cot(experiment: "EditContext") -> StrategyResult:
+    watch = Stopwatch()
     try:
         notebook = experiment.field_edited()
     except NotApplicable as reason:
         return StrategyResult("field_only_cot", applicable=False, reason=str(reason))
     decision, chain = experiment.cot_decision(notebook)
-    ms = (time.perf_counter() - started) * 1000  # the baselines' chains are the experiment's, not this strategy's
+    ms = watch.ms  # the baselines' chains are the experiment's, not this strategy's
     stale, oracle = experiment.cot_baselines
     detail = {"chain": chain, "stale_cot_margin": round(stale.margin, 4), "oracle_cot_margin": round(oracle.margin, 4)}
     gain = recovery(decision.margin, stale.margin, oracle.margin, experiment.settings.min_gap)
     return StrategyResult("field_only_cot", True, decision, gain, len(experiment.field_positions), ms, detail=detail, notebook=notebook)
 
 
-def _auto(experiment: "EditExperiment") -> StrategyResult:
+def _auto(experiment: "EditContext") -> StrategyResult:
     candidates = {name: experiment.run(name) for name in AUTO_CANDIDATES}
     reference = candidates["field_erratum"] if candidates["field_erratum"].applicable else candidates["erratum"]
     agreeing = [c for c in candidates.values() if c.applicable and c.decision.label == reference.decision.label]
     chosen = min(agreeing, key=lambda c: (c.tokens_recomputed, c.ms))
     detail = {"chosen": chosen.name, "reference": reference.name}
-    return StrategyResult("auto", True, chosen.decision, chosen.recovery, chosen.tokens_recomputed, chosen.ms, detail=detail, notebook=chosen.notebook)
+    return StrategyResult(
+        "auto", True, chosen.decision, chosen.recovery, chosen.tokens_recomputed, chosen.ms, detail=detail, notebook=chosen.notebook
+    )
 
 
 REGISTRY: dict[str, Strategy] = {

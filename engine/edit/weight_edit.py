@@ -20,10 +20,10 @@ case for other customers — now decided the new way), collateral (other bundled
 margin moves), latency and memory; ``field_erratum`` is measured the same way (its erratum lives only in the
 edited request's cache).
 """
+
 from __future__ import annotations
 
 import copy
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 from peft import LoraConfig, inject_adapter_in_model
 
-from engine.cache.adapter import cache_entry_shapes
+from engine.cache.adapter import cache_entry_shapes, decoder_layers_name
 from engine.cache.budget import compute_slot
 from engine.cache.decision import (
     answer_logprob,
@@ -45,6 +45,7 @@ from engine.edit.runs import run_scenario
 from engine.errors import KVScopeError
 from engine.progress import StepProgress, ticker
 from engine.scenario import DEMOS, RenderedPrompt, Scenario
+from engine.timing import Stopwatch
 
 CORPUS = DEMOS / "corpus" / "rome_keys.txt"
 METHODS: tuple[str, ...] = ("rome", "lora", "field_erratum")
@@ -142,7 +143,9 @@ def decision_margin_of(model: torch.nn.Module, prompt: RenderedPrompt) -> torch.
     with compute_slot(len(base) + longest):
         logits = model(input_ids=batch, logits_to_keep=longest + 1).logits  # rows: last question token onwards
     per_string = [answer_logprob(logits[row], range(len(ids)), ids) for row, (_, ids) in enumerate(strings)]
-    scores = [label_scores(torch.stack([per_string[i] for i, (label, _) in enumerate(strings) if label == name])) for name in prompt.answer_ids]
+    scores = [
+        label_scores(torch.stack([per_string[i] for i, (label, _) in enumerate(strings) if label == name])) for name in prompt.answer_ids
+    ]
     return decision_margin(torch.stack(scores))
 
 
@@ -153,8 +156,16 @@ def _direction(experiment: EditExperiment) -> float:
     return 1.0 if gap > 0 else -1.0
 
 
-def _train(parameters: list[torch.Tensor], loss_and_margin, steps: int, lr: float, target: float, direction: float,
-           progress: StepProgress, weight_decay: float = 0.0) -> dict:
+def _train(
+    parameters: list[torch.Tensor],
+    loss_and_margin,
+    steps: int,
+    lr: float,
+    target: float,
+    direction: float,
+    progress: StepProgress,
+    weight_decay: float = 0.0,
+) -> dict:
     """Adam on ``parameters`` until the margin reaches ``target`` (in ``direction``) or ``steps`` run out."""
     optimiser = torch.optim.Adam(parameters, lr=lr, weight_decay=weight_decay)
     tick = ticker(progress, steps)
@@ -173,12 +184,15 @@ def _train(parameters: list[torch.Tensor], loss_and_margin, steps: int, lr: floa
 
 
 # ------------------------------------------------------------------------------------------ LoRA
-def lora_edit(lm: LoadedModel, experiment: EditExperiment, settings: LoraSettings = LoraSettings(), progress: StepProgress = None) -> WeightEdit:
+def lora_edit(
+    lm: LoadedModel, experiment: EditExperiment, settings: LoraSettings = LoraSettings(), progress: StepProgress = None
+) -> WeightEdit:
     """Train a LoRA adapter on a private copy until the old-value context gets the new decision."""
-    started = time.perf_counter()
+    watch = Stopwatch()
     decoder_prefix = _decoder_prefix(lm.model)
     targets = [
-        name for name, module in lm.model.named_modules()
+        name
+        for name, module in lm.model.named_modules()
         if name.startswith(decoder_prefix) and name.rsplit(".", 1)[-1] in settings.modules and isinstance(module, torch.nn.Linear)
     ]
     if not targets:
@@ -203,7 +217,7 @@ def lora_edit(lm: LoadedModel, experiment: EditExperiment, settings: LoraSetting
     return WeightEdit(
         method="lora",
         lm=_edited_lm(lm, private, "lora"),
-        edit_ms=round((time.perf_counter() - started) * 1000, 1),
+        edit_ms=round(watch.ms, 1),
         setup_ms=0.0,
         memory_bytes=sum(p.numel() * p.element_size() for p in adapter),
         details={**asdict(settings), **trace, "wrapped_modules": len(targets)},
@@ -248,10 +262,9 @@ class _KeyRecorder(torch.nn.Module):
 
 def _decoder_prefix(model: torch.nn.Module) -> str:
     """The module name of the text decoder's layer list (e.g. ``model.layers``)."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    for name, module in model.named_modules():
-        if module is getattr(decoder, "layers", None):
-            return name
+    name = decoder_layers_name(model)
+    if name is not None:
+        return name
     raise WeightEditError(f"{type(model).__name__} has no decoder layer list to edit")
 
 
@@ -263,11 +276,14 @@ def down_projection(lm: LoadedModel, layer: int) -> str:
         raise WeightEditError(f"layer {layer} does not exist (the decoder has {count} layers)")
     hidden = lm.model.config.get_text_config().hidden_size
     candidates = [
-        name for name, module in lm.model.get_submodule(f"{prefix}.{layer}").named_modules()
+        name
+        for name, module in lm.model.get_submodule(f"{prefix}.{layer}").named_modules()
         if isinstance(module, torch.nn.Linear) and module.out_features == hidden and module.in_features > hidden and "mlp" in name
     ]
     if len(candidates) != 1:
-        raise WeightEditError(f"layer {layer} has no single dense MLP down-projection (found {candidates or 'none'}): ROME needs a dense MLP")
+        raise WeightEditError(
+            f"layer {layer} has no single dense MLP down-projection (found {candidates or 'none'}): ROME needs a dense MLP"
+        )
     return f"{prefix}.{layer}.{candidates[0]}"
 
 
@@ -294,7 +310,7 @@ def key_moment(lm: LoadedModel, name: str, tokens: int, progress: StepProgress =
     if key in _COVARIANCES:
         _COVARIANCES.move_to_end(key)
         return _COVARIANCES[key]
-    started = time.perf_counter()
+    watch = Stopwatch()
     ids = lm.tokenizer(CORPUS.read_text(), add_special_tokens=False).input_ids[:tokens]
     recorder = _KeyRecorder(lm.model.get_submodule(name))
     private = private_copy(lm.model, [name])
@@ -305,7 +321,7 @@ def key_moment(lm: LoadedModel, name: str, tokens: int, progress: StepProgress =
         with torch.no_grad(), compute_slot(len(chunk)):
             private(input_ids=torch.tensor([chunk], device=lm.device), logits_to_keep=1)
         tick()
-    result = (recorder.moment / max(recorder.count, 1), round((time.perf_counter() - started) * 1000, 1), recorder.count)
+    result = (recorder.moment / max(recorder.count, 1), round(watch.ms, 1), recorder.count)
     _COVARIANCES[key] = result
     while len(_COVARIANCES) > KEPT_COVARIANCES:
         _COVARIANCES.popitem(last=False)
@@ -320,14 +336,16 @@ def rank_one_insert(weight: torch.Tensor, key: torch.Tensor, shift: torch.Tensor
     return (weight.float() + torch.outer(shift.float(), solved / (key.float() @ solved))).to(weight.dtype)
 
 
-def rome_edit(lm: LoadedModel, experiment: EditExperiment, settings: RomeSettings = RomeSettings(), progress: StepProgress = None) -> WeightEdit:
+def rome_edit(
+    lm: LoadedModel, experiment: EditExperiment, settings: RomeSettings = RomeSettings(), progress: StepProgress = None
+) -> WeightEdit:
     """Insert a rank-one update into one MLP down-projection of a private copy (module docstring)."""
     layer = strongest_layer(experiment) if settings.layer is None else settings.layer
     name = down_projection(lm, layer)
     if settings.steps < 1 or settings.lr <= 0 or settings.ridge < 0:
         raise WeightEditError(f"ROME needs steps ≥ 1, lr > 0 and ridge ≥ 0 (got {settings.steps}, {settings.lr}, {settings.ridge})")
     moment, setup_ms, corpus_tokens = key_moment(lm, name, settings.corpus_tokens)
-    started = time.perf_counter()
+    watch = Stopwatch()
     original: torch.nn.Linear = lm.model.get_submodule(name)
     row = experiment.field_positions[-1]  # a clean prefill stores the context in order: position = row
     shifted = _ShiftedProjection(original, row)
@@ -339,13 +357,26 @@ def rome_edit(lm: LoadedModel, experiment: EditExperiment, settings: RomeSetting
         margin = decision_margin_of(private, prompt)
         return -direction * margin, margin.detach()
 
-    trace = _train([shifted.shift], objective, settings.steps, settings.lr, experiment.oracle.decision.margin, direction,
-                   progress, weight_decay=settings.weight_decay)
+    trace = _train(
+        [shifted.shift],
+        objective,
+        settings.steps,
+        settings.lr,
+        experiment.oracle.decision.margin,
+        direction,
+        progress,
+        weight_decay=settings.weight_decay,
+    )
     delta = shifted.shift.detach()
     weight = rank_one_insert(original.weight, shifted.key, delta, moment, settings.ridge)
     update = weight.float() - original.weight.float()
-    edited = torch.nn.Linear(original.in_features, original.out_features, bias=original.bias is not None,
-                             device=original.weight.device, dtype=original.weight.dtype)
+    edited = torch.nn.Linear(
+        original.in_features,
+        original.out_features,
+        bias=original.bias is not None,
+        device=original.weight.device,
+        dtype=original.weight.dtype,
+    )
     edited.weight = torch.nn.Parameter(weight, requires_grad=False)
     if original.bias is not None:
         edited.bias = original.bias
@@ -353,12 +384,19 @@ def rome_edit(lm: LoadedModel, experiment: EditExperiment, settings: RomeSetting
     return WeightEdit(
         method="rome",
         lm=_edited_lm(lm, private, f"rome@{layer}"),
-        edit_ms=round((time.perf_counter() - started) * 1000, 1),
+        edit_ms=round(watch.ms, 1),
         setup_ms=setup_ms,
         memory_bytes=edited.weight.numel() * edited.weight.element_size(),
-        details={**asdict(settings), **trace, "layer": layer, "module": name, "corpus_tokens": corpus_tokens,
-                 "shift_norm": round(float(delta.norm()), 4), "update_norm": round(float(update.norm()), 4),
-                 "covariance_bytes": moment.numel() * moment.element_size()},
+        details={
+            **asdict(settings),
+            **trace,
+            "layer": layer,
+            "module": name,
+            "corpus_tokens": corpus_tokens,
+            "shift_norm": round(float(delta.norm()), 4),
+            "update_norm": round(float(update.norm()), 4),
+            "covariance_bytes": moment.numel() * moment.element_size(),
+        },
     )
 
 
@@ -407,8 +445,14 @@ def _reads(lm: LoadedModel, scenarios: Sequence[Scenario]) -> list[tuple[str, fl
     return [(run.decision.label, run.decision.margin) for run in (run_scenario(lm, s) for s in scenarios)]
 
 
-def _measure(experiment: EditExperiment, lm: LoadedModel, variants: Sequence[Scenario], others: Sequence[Scenario],
-             baseline_variants: list, baseline_others: list) -> dict:
+def _measure(
+    experiment: EditExperiment,
+    lm: LoadedModel,
+    variants: Sequence[Scenario],
+    others: Sequence[Scenario],
+    baseline_variants: list,
+    baseline_others: list,
+) -> dict:
     """Efficacy, contamination and collateral of reading with ``lm`` (the shared model for the erratum)."""
     state = run_scenario(lm, experiment.scenario).decision if lm is not experiment.lm else None
     edited = _reads(lm, variants)
@@ -454,11 +498,19 @@ def compare_edits(
         if method == "field_erratum":
             result = experiment.run("field_erratum")
             measured = _measure(experiment, lm, variants, others, baseline_variants, baseline_others)
-            entry = sum(h * d for h, d in cache_entry_shapes(lm.model.config)) * lm.dtype.itemsize * lm.model.config.get_text_config().num_hidden_layers
+            entry = (
+                sum(h * d for h, d in cache_entry_shapes(lm.model.config))
+                * lm.dtype.itemsize
+                * lm.model.config.get_text_config().num_hidden_layers
+            )
             efficacy = result.recovery.value if result.recovery else None
             label = result.decision.label if result.decision else experiment.stale.decision.label
-            cost = {"edit_ms": round(result.ms, 1), "setup_ms": 0.0, "memory_bytes": result.tokens_recomputed * entry,
-                    "details": {"tokens_computed": result.tokens_recomputed}}
+            cost = {
+                "edit_ms": round(result.ms, 1),
+                "setup_ms": 0.0,
+                "memory_bytes": result.tokens_recomputed * entry,
+                "details": {"tokens_computed": result.tokens_recomputed},
+            }
         else:
             edit = (rome_edit if method == "rome" else lora_edit)(lm, experiment, rome if method == "rome" else lora, progress)
             measured = _measure(experiment, edit.lm, variants, others, baseline_variants, baseline_others)
@@ -484,6 +536,10 @@ def compare_edits(
         new=experiment.new,
         stale={"decision": experiment.stale.decision.label, "margin": round(stale, 4)},
         oracle={"decision": experiment.oracle.decision.label, "margin": round(oracle, 4)},
-        probes={"variants": [v.name for v in variants], "variants_before": [label for label, _ in baseline_variants], "others": [o.name for o in others]},
+        probes={
+            "variants": [v.name for v in variants],
+            "variants_before": [label for label, _ in baseline_variants],
+            "others": [o.name for o in others],
+        },
         methods=outcomes,
     )

@@ -7,9 +7,11 @@
 - `gguf`: the `embedded` and `smollm2` aliases: GGUF assembly, sha256, conversion to safetensors, provenance.
 - `dtype`: the "auto" dtype choice (measured float32 vs bfloat16 on CPU, gated by the cache self-test).
 - `loading`: `load_model`, spec resolution, `resolve_device`, `parse_dtype`, `available_offline`.
+- here: `offline_aliases` and `is_offline_alias`, the specs that name a packaged or tiny model (what a host offers).
 
 Monkeypatch a name in the submodule that uses it, not here.
 """
+
 from __future__ import annotations
 
 from engine.cache.loaded import (
@@ -21,16 +23,46 @@ from engine.cache.loaded import (
     dtype_name,
     rope_summary,
 )
+from engine.models import gguf
 from engine.models.gguf import EMBEDDED_PACKAGES, EMBEDDED_SHA256, embedded_gguf_path
 from engine.models.loading import (
+    TINY_PREFIX,
     available_offline,
     load_model,
     parse_dtype,
     resolve_device,
 )
 from engine.models.store import cache_dir
+from engine.models.tiny import HYBRID_ARCHS, TINY_ARCHS
 
 __all__ = [
-    "DTYPES", "EMBEDDED_PACKAGES", "EMBEDDED_SHA256", "LoadedModel", "ModelFingerprint", "ModelLoadError", "available_offline",
-    "cache_dir", "config_hash", "dtype_name", "embedded_gguf_path", "load_model", "parse_dtype", "resolve_device", "rope_summary",
+    "DTYPES",
+    "EMBEDDED_PACKAGES",
+    "EMBEDDED_SHA256",
+    "LoadedModel",
+    "ModelFingerprint",
+    "ModelLoadError",
+    "available_offline",
+    "cache_dir",
+    "config_hash",
+    "dtype_name",
+    "embedded_gguf_path",
+    "is_offline_alias",
+    "load_model",
+    "offline_aliases",
+    "parse_dtype",
+    "resolve_device",
+    "rope_summary",
 ]
+
+
+def offline_aliases() -> tuple[str, ...]:
+    """Every alias that names a model shipped with KVScope: the GGUF aliases, then ``tiny-<arch>`` for each tiny
+    architecture (hybrids included)."""
+    return (*gguf.ALIASES, *(f"{TINY_PREFIX}{arch}" for arch in TINY_ARCHS + HYBRID_ARCHS))
+
+
+def is_offline_alias(spec: str) -> bool:
+    """Whether ``spec`` is a GGUF alias or a ``tiny-`` spec (any architecture name) rather than a Hugging Face id or
+    a local directory."""
+    return spec in gguf.ALIASES or spec.startswith(TINY_PREFIX)

@@ -1,4 +1,5 @@
 """Process-level settings for the CPU math libraries, applied before torch first runs a kernel."""
+
 from __future__ import annotations
 
 import os

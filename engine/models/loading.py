@@ -4,6 +4,7 @@ Also the user-facing device and dtype options (`resolve_device`, `parse_dtype`),
 (`available_offline`), and the one place safetensors weights are loaded (`_load_pretrained`: decoder-only causal
 LMs only, never pickle weights, never `trust_remote_code`).
 """
+
 from __future__ import annotations
 
 import difflib
@@ -39,6 +40,7 @@ from engine.cache.loaded import (
 )
 from engine.cache.selftest import run_selftest
 from engine.models import gguf
+from engine.models.cpu_math import tune_cpu_math
 from engine.models.dtype import accelerator_dtype, load_with_cpu_dtype_choice
 from engine.models.store import cache_dir
 from engine.models.tiny import tiny_model
@@ -60,6 +62,7 @@ def load_model(
     progress: MessageProgress | None = None,
 ) -> LoadedModel:
     """Load a causal LM by alias ("embedded", "smollm2", "tiny-<arch>"), local directory or HF id."""
+    tune_cpu_math()  # before torch's first kernel where possible (MKL reads its setting once)
     report = reporter(progress, logger)
     target = resolve_device(device)
     requested = parse_dtype(dtype)
@@ -72,9 +75,7 @@ def load_model(
     path = Path(spec).expanduser()
     if path.exists():
         directory = _check_local_dir(path, spec)
-        return _load_pretrained(
-            str(directory), str(directory), f"local directory {directory}", target, requested, report
-        )
+        return _load_pretrained(str(directory), str(directory), f"local directory {directory}", target, requested, report)
     return _load_hub(spec, target, requested, report)
 
 
@@ -150,8 +151,7 @@ def _unknown_alias_message(spec: str) -> str:
     close = difflib.get_close_matches(spec, gguf.ALIASES, n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     return (
-        f"unknown model {spec!r}: not an alias, a local directory or a Hugging Face id ('owner/name'). "
-        f"Aliases: {', '.join(choices)}.{hint}"
+        f"unknown model {spec!r}: not an alias, a local directory or a Hugging Face id ('owner/name'). Aliases: {', '.join(choices)}.{hint}"
     )
 
 
@@ -226,7 +226,9 @@ def _load_pretrained(
     """Load config, tokenizer and safetensors weights; pick the dtype; return a frozen eval model."""
     config = _causal_config(location, local_only)
     auto_class, mapping = (
-        (AutoModelForCausalLM, MODEL_FOR_CAUSAL_LM_MAPPING) if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING else (AutoModelForImageTextToText, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING)
+        (AutoModelForCausalLM, MODEL_FOR_CAUSAL_LM_MAPPING)
+        if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING
+        else (AutoModelForImageTextToText, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING)
     )
     model_class = mapping[type(config)]
     attention = "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
@@ -252,8 +254,18 @@ def _load_pretrained(
     def loaded(model: PreTrainedModel, reason: str) -> LoadedModel:
         chosen = next(model.parameters()).dtype
         fingerprint = ModelFingerprint(name=name, config_hash=config_hash(model.config), dtype=dtype_name(chosen))
-        return LoadedModel(name, model, tokenizer, device, chosen, source, fingerprint, reason, image_processor=image_processor,
-                           splice_gate=SpliceGate(run_selftest))
+        return LoadedModel(
+            name,
+            model,
+            tokenizer,
+            device,
+            chosen,
+            source,
+            fingerprint,
+            reason,
+            image_processor=image_processor,
+            splice_gate=SpliceGate(run_selftest),
+        )
 
     if dtype is not None:
         result = loaded(load(dtype), f"{dtype_name(dtype)} as requested")
@@ -288,7 +300,9 @@ def _causal_config(location: str, local_only: bool) -> PretrainedConfig:
         and type(config) in MODEL_FOR_CAUSAL_LM_MAPPING
         and (not archs or any(_is_causal_class(arch) for arch in archs))
     )
-    vision_language = type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING and any(arch.endswith("ForConditionalGeneration") for arch in archs)
+    vision_language = type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING and any(
+        arch.endswith("ForConditionalGeneration") for arch in archs
+    )
     if config.is_encoder_decoder or not (causal or vision_language):
         described = f"model_type {config.model_type!r}" + (f" ({', '.join(archs)})" if archs else "")
         raise ModelLoadError(f"{location!r} is {described}, not a causal LM: KVScope needs a decoder-only causal LM")

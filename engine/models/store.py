@@ -1,4 +1,5 @@
 """The cache dir (converted model copies, the GGUF, measurements) and its small JSON stores."""
+
 from __future__ import annotations
 
 import json

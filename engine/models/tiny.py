@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from pathlib import Path
 
 import torch
 from tokenizers import (
@@ -52,6 +51,7 @@ from engine.cache.loaded import (
     dtype_name,
 )
 from engine.cache.selftest import run_selftest
+from engine.models.cpu_math import tune_cpu_math
 
 TINY_ARCHS: tuple[str, ...] = (
     "llama",
@@ -273,10 +273,18 @@ def _newer_family_config(arch: str, decoder: dict, rope: dict) -> PretrainedConf
     three_types = ["sliding_attention", "full_attention", "sliding_attention"]
     if arch in ("deepseek_v3", "deepseek_v2"):
         latent = {k: v for k, v in decoder.items() if k not in ("head_dim", "num_key_value_heads")}
-        experts = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1, "first_k_dense_replace": 1}
+        experts = {
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "n_shared_experts": 1,
+            "first_k_dense_replace": 1,
+        }
         mla = {"num_key_value_heads": 4, "kv_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16}
         if arch == "deepseek_v3":
-            return DeepseekV3Config(**latent, **experts, **mla, q_lora_rank=32, n_group=1, topk_group=1, rope_interleave=True, rope_parameters=rope)
+            return DeepseekV3Config(
+                **latent, **experts, **mla, q_lora_rank=32, n_group=1, topk_group=1, rope_interleave=True, rope_parameters=rope
+            )
         return DeepseekV2Config(**latent, **experts, **mla, q_lora_rank=None, rope_parameters=rope)
     if arch == "gemma3":
         local, full = {**rope}, {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}
@@ -290,8 +298,17 @@ def _newer_family_config(arch: str, decoder: dict, rope: dict) -> PretrainedConf
             rope_parameters={"sliding_attention": local, "full_attention": full},
         )
     if arch == "gpt_oss":
-        yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 32.0, "beta_slow": 1.0}
-        return GptOssConfig(**decoder, num_local_experts=4, num_experts_per_tok=2, sliding_window=16, layer_types=three_types, rope_parameters=yarn)
+        yarn = {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+        }
+        return GptOssConfig(
+            **decoder, num_local_experts=4, num_experts_per_tok=2, sliding_window=16, layer_types=three_types, rope_parameters=yarn
+        )
     if arch in ("llama4", "llama4_nope"):
         chunked = arch == "llama4"
         return Llama4TextConfig(
@@ -310,14 +327,31 @@ def _newer_family_config(arch: str, decoder: dict, rope: dict) -> PretrainedConf
         if arch == "dynamic_ntk":
             scaled = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
         else:
-            scaled = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "original_max_position_embeddings": 64}
+            scaled = {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0] * 8,
+                "long_factor": [2.0] * 8,
+                "original_max_position_embeddings": 64,
+            }
         return LlamaConfig(**decoder, rope_parameters=scaled)
     if arch in VISION_ARCHS:
         text = {k: v for k, v in decoder.items() if k not in ("initializer_range", "tie_word_embeddings", "head_dim")}
-        config_class, vision = (Qwen2VLConfig, {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2, "spatial_merge_size": 2})
+        config_class, vision = (
+            Qwen2VLConfig,
+            {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2, "spatial_merge_size": 2},
+        )
         if arch == "qwen2_5_vl":  # windowed vision attention with one full-attention block, as the real tower
-            vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "out_hidden_size": 64, "window_size": 56,
-                      "fullatt_block_indexes": [1], "spatial_merge_size": 2}
+            vision = {
+                "depth": 2,
+                "hidden_size": 32,
+                "intermediate_size": 64,
+                "num_heads": 2,
+                "out_hidden_size": 64,
+                "window_size": 56,
+                "fullatt_block_indexes": [1],
+                "spatial_merge_size": 2,
+            }
             config_class = Qwen2_5_VLConfig
         return config_class(
             text_config={**text, "rope_parameters": {**rope, "mrope_section": [2, 3, 3]}},
@@ -331,7 +365,9 @@ def _newer_family_config(arch: str, decoder: dict, rope: dict) -> PretrainedConf
         )
     if arch == "bamba":
         hybrid = {k: v for k, v in decoder.items() if k != "head_dim"}
-        return BambaConfig(**hybrid, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16)
+        return BambaConfig(
+            **hybrid, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16
+        )
     if arch == "qwen3_next":
         return Qwen3NextConfig(
             **decoder,
@@ -352,7 +388,10 @@ def _newer_family_config(arch: str, decoder: dict, rope: dict) -> PretrainedConf
 def tiny_family(model_type: str) -> str | None:
     """The family label of the first tiny stand-in whose text decoder has this ``model_type`` (None: unknown family)."""
     tokenizer = tiny_tokenizer()
-    return next((FAMILIES[arch] for arch in TINY_ARCHS + HYBRID_ARCHS if _tiny_config(arch, tokenizer).get_text_config().model_type == model_type), None)
+    return next(
+        (FAMILIES[arch] for arch in TINY_ARCHS + HYBRID_ARCHS if _tiny_config(arch, tokenizer).get_text_config().model_type == model_type),
+        None,
+    )
 
 
 def _config_hash(config: PretrainedConfig, seed: int) -> str:
@@ -361,10 +400,9 @@ def _config_hash(config: PretrainedConfig, seed: int) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-def tiny_model(
-    arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, chat_template: bool = True
-) -> LoadedModel:
+def tiny_model(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, chat_template: bool = True) -> LoadedModel:
     """Build a tiny random-weight causal LM of `arch` (one of TINY_ARCHS) on CPU, eval mode, no grad."""
+    tune_cpu_math()
     if arch not in TINY_ARCHS + HYBRID_ARCHS:
         raise ModelLoadError(f"unknown tiny architecture {arch!r}; choose one of: {', '.join(TINY_ARCHS + HYBRID_ARCHS)}")
     tokenizer = tiny_tokenizer(chat_template=chat_template)
@@ -389,21 +427,3 @@ def tiny_model(
         image_processor=processor,
         splice_gate=SpliceGate(run_selftest),
     )
-
-
-def make_tiny_model_dir(arch: str, path: str | Path, *, seed: int = 0) -> Path:
-    """Save a tiny model and its tokenizer to `path` with `save_pretrained` (safetensors); returns the path."""
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    loaded = tiny_model(arch, seed=seed)
-    loaded.model.save_pretrained(out, safe_serialization=True)
-    loaded.tokenizer.save_pretrained(out)
-    if loaded.image_processor is not None:
-        loaded.image_processor.save_pretrained(out)
-    # transformers reloads qwen2 directories through Qwen2Tokenizer, whose default unk_token "<|endoftext|>"
-    # would be added as token 600, past the embedding: record that there is no unk token.
-    config_file = out / "tokenizer_config.json"
-    tokenizer_config = json.loads(config_file.read_text())
-    tokenizer_config["unk_token"] = None
-    config_file.write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")
-    return out

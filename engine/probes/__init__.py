@@ -18,10 +18,11 @@ margin between two reference states: 0 = stale, 1 = oracle (trigger: original ru
 Notes are ranked by attribution patching (one backward, ``engine.cache.patching``); positions before the field
 hold identical K/V in both runs, so the maps cover the field and the downstream tokens only. The shared
 error, gap, readings and steps live in :mod:`engine.probes.common`; each probe in the module of its name.
+:data:`engine.probes.registry.PROBES` names every probe: these eight, then ``linear``, ``attribution`` and
+``frontier`` (not imported here: those modules import this package).
 """
-from __future__ import annotations
 
-from collections.abc import Callable
+from __future__ import annotations
 
 from engine.probes.attention import AttentionMap, AttentionResult, probe_attention
 from engine.probes.common import Gap, ProbeError, RandomControl, Reading, k_ladder
@@ -34,20 +35,26 @@ from engine.probes.suffix import SuffixResult, probe_suffix
 from engine.probes.trigger import TriggerResult, probe_trigger
 
 __all__ = [
-    "PROBES", "ProbeError", "Gap", "Reading", "RandomControl", "k_ladder",
-    "LocalityResult", "NotesMapResult", "SuffixResult", "KnockoutResult", "HeadsResult", "FalseNoteResult", "TriggerResult",
-    "AttentionMap", "AttentionResult",
-    "probe_locality", "probe_notes_map", "probe_suffix", "probe_knockout", "probe_heads", "probe_false_note", "probe_trigger",
+    "ProbeError",
+    "Gap",
+    "Reading",
+    "RandomControl",
+    "k_ladder",
+    "LocalityResult",
+    "NotesMapResult",
+    "SuffixResult",
+    "KnockoutResult",
+    "HeadsResult",
+    "FalseNoteResult",
+    "TriggerResult",
+    "AttentionMap",
+    "AttentionResult",
+    "probe_locality",
+    "probe_notes_map",
+    "probe_suffix",
+    "probe_knockout",
+    "probe_heads",
+    "probe_false_note",
+    "probe_trigger",
     "probe_attention",
 ]
-
-PROBES: dict[str, Callable] = {
-    "locality": probe_locality,
-    "notes_map": probe_notes_map,
-    "suffix": probe_suffix,
-    "knockout": probe_knockout,
-    "heads": probe_heads,
-    "false_note": probe_false_note,
-    "trigger": probe_trigger,
-    "attention": probe_attention,
-}

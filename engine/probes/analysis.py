@@ -3,6 +3,7 @@ decision tokens' attention in the stale and oracle caches, and the notes effects
 
 One call, :func:`analyse_edit`, so a front end turns UI values into one engine call and its result into figures.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 from engine.cache.patching import EffectMap
 from engine.edit.experiment import EditExperiment
 from engine.edit.report import EditReport
-from engine.probes import AttentionResult, probe_attention
+from engine.probes.attention import AttentionResult, probe_attention
 from engine.progress import StepProgress
 
 DEFAULT_STRATEGIES = ("field_only", "erratum", "field_erratum", "full_downstream")
@@ -31,8 +32,9 @@ class EditAnalysis:
         return self.report.as_dict() | {"same_length": self.experiment.same_length}
 
 
-def analyse_edit(experiment: EditExperiment, names: Sequence[str] = DEFAULT_STRATEGIES, *, fused: bool = True,
-                 progress: StepProgress = None) -> EditAnalysis:
+def analyse_edit(
+    experiment: EditExperiment, names: Sequence[str] = DEFAULT_STRATEGIES, *, fused: bool = True, progress: StepProgress = None
+) -> EditAnalysis:
     """Run the named strategies (read together in one forward when ``fused``), the attention maps and the
     notes effects (from the stale run's cached gradients) of one edit."""
     report = experiment.report(list(names) or list(DEFAULT_STRATEGIES), progress=progress, fused=fused)

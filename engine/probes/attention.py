@@ -5,6 +5,7 @@ downstream tokens and on the rest (prefix and question tokens) per layer, mean o
 every head up to ``MAX_JSON_VALUES`` numbers; past that (e.g. a 0.5B model's 24 × 14 heads over 4k tokens, 1.4M
 numbers) it keeps the mean over heads, and ``attention_heads`` says which.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -15,10 +15,10 @@ field its own feature; ``tokens`` is every context token. The chat template and 
 string (no margin between labels) and rebuilds its inputs from text, while KVScope renders ids piece by
 piece (chat template included), which need not round-trip through the tokenizer.
 """
+
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -32,6 +32,7 @@ from engine.edit.runs import ScenarioRun
 from engine.errors import KVScopeError
 from engine.progress import StepProgress, Tick
 from engine.scenario import RenderedPrompt
+from engine.timing import Stopwatch
 
 METHODS = ("ablation", "gradient")
 GRANULARITIES = ("segments", "tokens")
@@ -265,7 +266,7 @@ def captum_attribution(
     progress: StepProgress = None,
 ) -> AttributionResult:
     """Attribute a run's decision (an experiment's stale run by default, or ``run="oracle"``) to context features."""
-    started = time.perf_counter()
+    watch = Stopwatch()
     if method not in METHODS:
         raise AttributionError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if method == "gradient" and steps < 1:
@@ -325,6 +326,6 @@ def captum_attribution(
         full_score=full_score,
         baseline_score=baseline_score,
         features=features,
-        ms=(time.perf_counter() - started) * 1000,
+        ms=watch.ms,
         steps=steps if method == "gradient" else None,
     )

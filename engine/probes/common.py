@@ -5,6 +5,7 @@ compares them with a :class:`RandomControl` over reproducible random draws, and 
 an edit whose new value changes the token count (:func:`require_aligned`). Notes are the downstream positions
 ranked by attribution patching (:func:`ranked_notes`, one backward, ``engine.cache.patching``).
 """
+
 from __future__ import annotations
 
 import random

@@ -4,6 +4,7 @@ The field keeps its old value; if the decision follows the injected notes rather
 (paper: it does, recovery ≈ 1.0), the notes, not the field, carry the decision. Every downstream note
 injected at once is the reference.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

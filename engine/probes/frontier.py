@@ -12,9 +12,9 @@ field + erratum 1.00 at 12.6%. Here, on the loaded model and the user's own edit
 K runs 1, 2, 4, … up to every downstream token. The named strategies and the oracle are read in one fused
 forward, every top-K fork of both rankings in one more (plus one backward for the causal ranking).
 """
+
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -23,8 +23,9 @@ from engine.cache.notebook import Notebook
 from engine.edit.experiment import EditExperiment
 from engine.edit.report import NotesShare
 from engine.edit.strategies import RANKINGS, NotApplicable
-from engine.probes import Gap, k_ladder
+from engine.probes.common import Gap, k_ladder
 from engine.progress import StepProgress
+from engine.timing import Stopwatch
 
 FRONTIER_STRATEGIES = ("field_only", "erratum", "field_erratum", "hoist", "full_downstream")
 
@@ -44,9 +45,14 @@ class FrontierPoint:
 
     def as_dict(self) -> dict:
         return {
-            "method": self.method, "k": self.k, "tokens_computed": self.tokens_computed, "fraction": round(self.fraction, 4),
-            "margin": round(self.margin, 4), "decision": self.label,
-            "recovery": None if self.recovery is None else round(self.recovery, 4), "correct": self.correct,
+            "method": self.method,
+            "k": self.k,
+            "tokens_computed": self.tokens_computed,
+            "fraction": round(self.fraction, 4),
+            "margin": round(self.margin, 4),
+            "decision": self.label,
+            "recovery": None if self.recovery is None else round(self.recovery, 4),
+            "correct": self.correct,
         }
 
 
@@ -84,8 +90,16 @@ class FrontierResult:
 
 
 def _point(method: str, k: int | None, tokens: int, decision: Decision, gap: Gap, context_tokens: int) -> FrontierPoint:
-    return FrontierPoint(method, k, tokens, tokens / context_tokens, decision.margin, decision.label,
-                         gap.recovery(decision.margin), decision.label == gap.oracle_label)
+    return FrontierPoint(
+        method,
+        k,
+        tokens,
+        tokens / context_tokens,
+        decision.margin,
+        decision.label,
+        gap.recovery(decision.margin),
+        decision.label == gap.oracle_label,
+    )
 
 
 def _topk_points(experiment: EditExperiment, ks: Sequence[int] | None, gap: Gap, context_tokens: int) -> list[FrontierPoint]:
@@ -99,15 +113,16 @@ def _topk_points(experiment: EditExperiment, ks: Sequence[int] | None, gap: Gap,
         effects = experiment.downstream_effects(edited, ranking)
         forks += [(f"field_topk ({ranking})", k, edited.recompute(experiment.top_downstream(effects, k))) for k in ladder]
     prompt = experiment.prompt
-    decisions = Notebook.read_many([notebook for *_, notebook in forks], prompt.decode_ids, prompt.answer_ids,
-                                   answer_texts=experiment.scenario.answers)
+    decisions = Notebook.read_many(
+        [notebook for *_, notebook in forks], prompt.decode_ids, prompt.answer_ids, answer_texts=experiment.scenario.answers
+    )
     field_tokens = len(experiment.field_positions)
     return [_point(method, k, field_tokens + k, decision, gap, context_tokens) for (method, k, _), decision in zip(forks, decisions)]
 
 
 def probe_frontier(experiment: EditExperiment, *, progress: StepProgress = None, ks: Sequence[int] | None = None) -> FrontierResult:
     """Recovery against computed tokens for field_topk over K (both rankings) and the named strategies."""
-    started = time.perf_counter()
+    watch = Stopwatch()
     experiment.read_together(FRONTIER_STRATEGIES)
     gap, context_tokens = Gap.of(experiment), len(experiment.prompt.context_ids)
     points, skipped = [], {}
@@ -128,4 +143,4 @@ def probe_frontier(experiment: EditExperiment, *, progress: StepProgress = None,
     notes = experiment.notes_share(downstream_patch=True)
     if progress:
         progress(3, 3)
-    return FrontierResult(gap, context_tokens, points, notes, skipped, (time.perf_counter() - started) * 1000)
+    return FrontierResult(gap, context_tokens, points, notes, skipped, watch.ms)

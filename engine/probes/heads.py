@@ -4,6 +4,7 @@ Heads are ranked by the last decision token's attention mass on the top notes in
 heads' access to the notes is knocked out, against as many random heads (``seeds`` draws) and against every
 head (the position knockout, as reference).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence

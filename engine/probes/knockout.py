@@ -3,6 +3,7 @@
 Dose-response over K = 0, 1, 2, 4, ... all downstream tokens (ranked by attribution), each against K random
 downstream positions hidden (``seeds`` draws). Hiding goes through the attention mask; the cache is unchanged.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -35,7 +36,12 @@ class KnockoutPoint:
     random: RandomControl | None
 
     def as_dict(self) -> dict:
-        return {"k": self.k, "positions": self.positions, "top": self.top.as_dict(), "random": None if self.random is None else self.random.as_dict()}
+        return {
+            "k": self.k,
+            "positions": self.positions,
+            "top": self.top.as_dict(),
+            "random": None if self.random is None else self.random.as_dict(),
+        }
 
 
 @dataclass
@@ -49,7 +55,9 @@ class KnockoutResult:
         return {**self.gap.as_dict(), "points": [p.as_dict() for p in self.points]}
 
 
-def probe_knockout(experiment: EditExperiment, *, progress: StepProgress = None, ks: Sequence[int] | None = None, seeds: int = 3) -> KnockoutResult:
+def probe_knockout(
+    experiment: EditExperiment, *, progress: StepProgress = None, ks: Sequence[int] | None = None, seeds: int = 3
+) -> KnockoutResult:
     """Hide the top-K notes from the decision tokens in the oracle cache, K = 0, 1, 2, 4, ... all."""
     require_aligned(experiment, "knockout")
     gap, ranked, oracle = Gap.of(experiment), ranked_notes(experiment), experiment.oracle.notebook

@@ -21,9 +21,9 @@ Costs: per sample a prefill + read (its label) and one hidden-states forward; th
 (layers + 1) × 4 groups × 2 targets × folds small logistic fits. Failure mode: when every sample leads to
 the same conclusion there is nothing to decode; the result says so instead of reporting 100%.
 """
+
 from __future__ import annotations
 
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -31,20 +31,21 @@ from itertools import product
 
 import torch
 
+from engine.cache.adapter import FINAL_NORMS, final_norm
 from engine.cache.loaded import LoadedModel
 from engine.cache.notebook import Notebook
 from engine.edit.experiment import EditExperiment
 from engine.edit.runs import render_for
-from engine.probes import ProbeError
+from engine.probes.common import ProbeError
 from engine.progress import StepProgress, Tick
 from engine.scenario import RenderedPrompt, ScenarioError, Span, is_aggregator
+from engine.timing import Stopwatch
 
 GROUPS = ("field", "aggregators", "others", "decision")
 WRITE_THRESHOLD = 0.9
 _CASES: tuple[Callable[[str], str], ...] = (str, str.lower, str.capitalize, str.upper)
 _WRAPS = ("{}", '"{}"', "'{}'", "`{}`", "({})")
 _ENDINGS = ("", ".")
-_FINAL_NORMS = ("norm", "final_layer_norm", "ln_f", "final_layernorm")
 
 
 # ---------------------------------------------------------------------------- samples
@@ -135,14 +136,11 @@ def position_groups(token_texts: Sequence[str], field_span: Span) -> dict[str, l
 
 def _final_norm(model: torch.nn.Module) -> torch.nn.Module:
     """The base model's final norm (Llama-like ``norm``, NeoX ``final_layer_norm``, GPT-2 ``ln_f``, Phi ``final_layernorm``)."""
-    base = getattr(model, "base_model", model)
-    for name in _FINAL_NORMS:
-        module = getattr(base, name, None)
-        if isinstance(module, torch.nn.Module):
-            return module
+    norm = final_norm(model)
+    if norm is not None:
+        return norm
     raise ProbeError(
-        f"cannot find the final norm of {type(model).__name__} (looked for base_model.{', '.join(_FINAL_NORMS)}); "
-        "the logit lens needs it"
+        f"cannot find the final norm of {type(model).__name__} (looked for base_model.{', '.join(FINAL_NORMS)}); the logit lens needs it"
     )
 
 
@@ -351,7 +349,7 @@ def probe_linear(
     progress: StepProgress = None,
 ) -> LinearProbeResult:
     """Write before read: per-layer linear decodability of the conclusion at each position group, and the commit layer."""
-    started = time.perf_counter()
+    watch = Stopwatch()
     lm, name = experiment.lm, experiment.field
     inputs = probe_inputs(experiment, min_samples)
     if len(inputs) < folds:
@@ -398,6 +396,6 @@ def probe_linear(
         reason=reason,
         write_layer=write,
         lens=lenses,
-        ms=(time.perf_counter() - started) * 1000,
+        ms=watch.ms,
         notes=notes,
     )

@@ -3,6 +3,7 @@
 Runs the ``field_only`` and ``full_downstream`` strategies of the experiment (paper: ≈ 0 vs 1.0); a strategy
 that does not apply (field_only on a token-count change) is reported with its reason, not refused.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

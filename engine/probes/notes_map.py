@@ -4,9 +4,9 @@ Attribution patching (one backward) scores every (layer, position) of the field 
 its top entries and positions are then patched exactly, one read each, and the two rankings compared
 (overlap, Pearson and Spearman). ``exact=True`` also patches every candidate position (slow).
 """
+
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,6 +24,7 @@ from engine.probes.common import (
     rounded,
 )
 from engine.progress import StepProgress, Tick, ticker
+from engine.timing import Stopwatch
 
 
 @dataclass(frozen=True)
@@ -116,10 +117,6 @@ def _top(values: dict, k: int, direction: float) -> list:
     return sorted(values, key=lambda key: -direction * values[key])[:k]
 
 
-def _ms(started: float) -> float:
-    return (time.perf_counter() - started) * 1000
-
-
 def _labels(notebook: Notebook, positions: Sequence[int]) -> tuple[list[str], list[str]]:
     """Token texts and segment labels of these positions."""
     texts = dict(zip(notebook.visible_positions(), notebook.token_texts()))
@@ -156,9 +153,9 @@ def probe_notes_map(experiment: EditExperiment, *, progress: StepProgress = None
     candidates = experiment.field_positions + experiment.downstream_positions
     if not 1 <= top <= len(candidates):
         raise ProbeError(f"top={top} must be between 1 and the {len(candidates)} candidate positions")
-    gap, started = Gap.of(experiment), time.perf_counter()
+    gap, watch = Gap.of(experiment), Stopwatch()
     effects = attribution(experiment, candidates)
-    attribution_ms, started = _ms(started), time.perf_counter()
+    attribution_ms, watch = watch.ms, Stopwatch()
     summed = dict(zip(candidates, effects.per_position().tolist()))
     entries = effects.top_entries(top, gap.direction)
     verified = list(dict.fromkeys(_top(summed, 2 * top, gap.direction) + [p for _, p in entries]))
@@ -180,7 +177,7 @@ def probe_notes_map(experiment: EditExperiment, *, progress: StepProgress = None
         entry_correlation=_correlations([c.attribution for c in entry_checks], [c.exact for c in entry_checks]),
         position_correlation=_correlations([c.attribution for c in position_checks], [c.exact for c in position_checks]),
         attribution_ms=attribution_ms,
-        verification_ms=_ms(started),
+        verification_ms=watch.ms,
     )
     if exact:
         _add_exact_map(result, experiment, tick)
@@ -189,14 +186,15 @@ def probe_notes_map(experiment: EditExperiment, *, progress: StepProgress = None
 
 def _add_exact_map(result: NotesMapResult, experiment: EditExperiment, tick: Tick) -> None:
     """Exact all-layer patch of every candidate position, compared with the attribution map."""
-    started = time.perf_counter()
+    watch = Stopwatch()
     stale, oracle = experiment.stale.notebook, experiment.oracle.notebook
     full = exact_effects(stale, oracle, experiment.prompt, result.positions, progress=lambda done, total: tick())
     attributed, exact = result.per_position(), full.per_position().tolist()
     direction = result.gap.direction
     result.exact_effects = exact
     result.exact_overlap = _overlap(
-        _top(dict(zip(result.positions, attributed)), result.top, direction), _top(dict(zip(result.positions, exact)), result.top, direction)
+        _top(dict(zip(result.positions, attributed)), result.top, direction),
+        _top(dict(zip(result.positions, exact)), result.top, direction),
     )
     result.exact_correlation = _correlations(attributed, exact)
-    result.exact_ms = _ms(started)
+    result.exact_ms = watch.ms

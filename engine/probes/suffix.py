@@ -4,6 +4,7 @@ For K = 1, 2, 4, ... all downstream tokens (ranked by attribution), the oracle's
 patched in all layers, in each third of the layers (early, mid, late), and, as a control, at K random
 downstream positions (``seeds`` draws).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -74,7 +75,9 @@ def _suffix_point(experiment: EditExperiment, chosen: list[int], bands: dict[str
     )
 
 
-def probe_suffix(experiment: EditExperiment, *, progress: StepProgress = None, ks: Sequence[int] | None = None, seeds: int = 3) -> SuffixResult:
+def probe_suffix(
+    experiment: EditExperiment, *, progress: StepProgress = None, ks: Sequence[int] | None = None, seeds: int = 3
+) -> SuffixResult:
     """Suffix concentration: recovery vs K (1, 2, 4, ... all), per layer band, and a random-K control."""
     require_aligned(experiment, "suffix")
     gap, ranked = Gap.of(experiment), ranked_notes(experiment)

@@ -4,6 +4,7 @@ The flipped run's K/V of the notes after the trigger, patched into the original 
 (≈ 1); the trigger tokens alone should not (≈ 0). Recovery runs from the original rule (0) to the flipped
 rule (1). Options ``find`` and ``replace`` name the phrase and its flip (same token count, once in the context).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -68,20 +69,30 @@ def _flipped_run(experiment: EditExperiment, find: str | None, replace: str | No
         raise ProbeError(f"replacing {find!r} by {replace!r} changes no token")
     field_end = experiment.field_positions[-1]
     if changed[0] <= field_end:
-        raise ProbeError(f"trigger {find!r} must come after field {experiment.field!r} (it changes position {changed[0]}, the field ends at {field_end})")
+        raise ProbeError(
+            f"trigger {find!r} must come after field {experiment.field!r} (it changes position {changed[0]}, the field ends at {field_end})"
+        )
     notebook = Notebook.from_prompt(lm, prompt)
     return ScenarioRun(flipped, prompt, notebook, read(experiment, notebook)), changed
 
 
-def probe_trigger(experiment: EditExperiment, *, progress: StepProgress = None, find: str | None = None, replace: str | None = None) -> TriggerResult:
+def probe_trigger(
+    experiment: EditExperiment, *, progress: StepProgress = None, find: str | None = None, replace: str | None = None
+) -> TriggerResult:
     """Flip a rule word; patch the flipped run's notes after it (≈ 1) vs only the trigger tokens (≈ 0)."""
     flipped, changed = _flipped_run(experiment, find, replace)
     notes = [p for p in experiment.downstream_positions if p > changed[0] and p not in changed]
     if not notes:
         raise ProbeError(f"no tokens follow the trigger {find!r}: there are no notes to patch")
     original = experiment.stale.decision
-    gap = Gap(original.margin, flipped.decision.margin, original.label, flipped.decision.label,
-              experiment.settings.min_gap, ("original", "flipped"))
+    gap = Gap(
+        original.margin,
+        flipped.decision.margin,
+        original.label,
+        flipped.decision.label,
+        experiment.settings.min_gap,
+        ("original", "flipped"),
+    )
     tick = ticker(progress, 2)
     notes_patched = patched_reading(experiment, notes, donor=flipped.notebook, gap=gap)
     tick()

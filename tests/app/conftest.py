@@ -1,4 +1,5 @@
 """Shared fixtures: a registry holding a tiny model, and a launched app for API and browser tests."""
+
 import os
 
 import pytest

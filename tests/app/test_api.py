@@ -1,4 +1,5 @@
 """The launched app through gradio_client: named endpoints, errors, and concurrent sessions."""
+
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,7 +21,19 @@ def _edit(client: Client, text: str, field: str, value: str) -> dict:
 
 def test_named_endpoints_exist(app_url):
     names = set(Client(app_url, verbose=False).view_api(return_format="dict", print_info=False)["named_endpoints"])
-    assert {"/load_model", "/prepare", "/edit", "/knockout", "/probe", "/compose", "/keystone", "/agent", "/benchmarks", "/scenario", "/compose_image"} <= names
+    assert {
+        "/load_model",
+        "/prepare",
+        "/edit",
+        "/knockout",
+        "/probe",
+        "/compose",
+        "/keystone",
+        "/agent",
+        "/benchmarks",
+        "/scenario",
+        "/compose_image",
+    } <= names
 
 
 def test_prepare_states_the_current_decision(app_url, registry):
@@ -48,7 +61,11 @@ def test_bad_scenario_is_an_error_and_the_session_stays_usable(app_url):
 
 def test_compose_endpoint_reports_fidelity(app_url):
     metrics, _, _, data = Client(app_url, verbose=False).predict(["account_gate"], "", "", "", "seam:2", api_name="/compose")
-    assert data["seam"] == 2 and data["remedy"]["name"] == "seam:2" and {"cosine", "kl", "top1_agree", "decision_agree", "ttft_ms", "speedup"} <= set(data)
+    assert (
+        data["seam"] == 2
+        and data["remedy"]["name"] == "seam:2"
+        and {"cosine", "kl", "top1_agree", "decision_agree", "ttft_ms", "speedup"} <= set(data)
+    )
     assert "cosine" in metrics
 
 

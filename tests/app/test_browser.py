@@ -1,5 +1,6 @@
 """End to end in Debian's chromium through Playwright: what a person clicks and sees. Screenshots go to
 test-artifacts/."""
+
 import re
 import shutil
 from pathlib import Path
@@ -11,8 +12,15 @@ from tests.app.conftest import SCENARIO
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium is not installed (scripts/test.sh installs it)")
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-        "--disable-sync", "--no-first-run"]
+ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +106,8 @@ def test_default_notes_scenario_shows_notes_headline_frontier_and_map(page):
     _shot(page, "notes-default")
     page.locator("#notes-all-positions input").check()
     page.wait_for_function(
-        "n => document.querySelector('#notes-plot .js-plotly-plot')._fullData[0].z[0].length > n", arg=narrow, timeout=30_000)
+        "n => document.querySelector('#notes-plot .js-plotly-plot')._fullData[0].z[0].length > n", arg=narrow, timeout=30_000
+    )
     _shot(page, "notes-all-positions")
 
 
@@ -220,15 +229,29 @@ def test_a_picture_spliced_behind_text_on_a_vision_model(page):
 
 
 LEARN_STEPS = {  # step → what its result must say (inner text, numbers by pattern), the traces its figure draws, cards shown
-    1: (r"tiny-qwen2: with expired the model answers \w+ \(margin [+-]\d+\.\d\d\); with valid it answers \w+ "
-        r"\(margin [+-]\d+\.\d\d\): a clean prefill (changes|does not change) the decision", {"label (log Σ P)"}, ()),
-    2: (r"recomputing the field alone recovers (only )?-?\d\.\d\d .*Paper: field-only recovery ≈ 0 at 7–9B", None,
-        ("field_only", "full_downstream")),
-    3: (r"the erratum alone recovers -?\d\.\d\d and field \+ erratum -?\d\.\d\d .*appending \d+ tokens to a \d+-token context"
-        r".*Paper: field\+erratum P\(correct\) 1\.00", None, ("erratum", "field_erratum")),
-    4: (r"Spliced vs recomputed: logit cosine \d\.\d{4}, KL -?\d\.\d{4}, decision (agrees|differs); time to first token "
+    1: (
+        r"tiny-qwen2: with expired the model answers \w+ \(margin [+-]\d+\.\d\d\); with valid it answers \w+ "
+        r"\(margin [+-]\d+\.\d\d\): a clean prefill (changes|does not change) the decision",
+        {"label (log Σ P)"},
+        (),
+    ),
+    2: (
+        r"recomputing the field alone recovers (only )?-?\d\.\d\d .*Paper: field-only recovery ≈ 0 at 7–9B",
+        None,
+        ("field_only", "full_downstream"),
+    ),
+    3: (
+        r"the erratum alone recovers -?\d\.\d\d and field \+ erratum -?\d\.\d\d .*appending \d+ tokens to a \d+-token context"
+        r".*Paper: field\+erratum P\(correct\) 1\.00",
+        None,
+        ("erratum", "field_erratum"),
+    ),
+    4: (
+        r"Spliced vs recomputed: logit cosine \d\.\d{4}, KL -?\d\.\d{4}, decision (agrees|differs); time to first token "
         r"\d+ ms vs \d+ ms \(×[\d.]+\) for \d+ spliced of \d+ context tokens\..*Paper: logit cosine 0\.90–0\.999",
-        {"spliced", "recomputed"}, ()),
+        {"spliced", "recomputed"},
+        (),
+    ),
 }
 TOAST = "[data-testid='toast-body'], .toast-body"
 
@@ -239,19 +262,18 @@ def test_learn_step_shows_its_result_and_figure(page, step):
     pattern, traces, cards = LEARN_STEPS[step]
     page.get_by_role("tab", name="Learn").click()
     page.locator(f"#learn-{step}").click()
-    group = page.locator(f"#learn-{step}").locator("xpath=..")  # the step's gr.Group: its text, button, result and plot
-    result = group.locator(".html-container")
+    result = page.locator(f"#learn-{step}-result")
     result.locator("p").first.or_(page.locator(TOAST)).first.wait_for(timeout=60_000)
     assert page.locator(TOAST).count() == 0, page.locator(TOAST).all_inner_texts()
     text = result.inner_text()
     assert re.search(pattern, text, re.S), text
     for name in cards:
         assert result.locator(f'[data-strategy="{name}"]').count() == 1, name
-    plot = group.locator(".js-plotly-plot")
+    plot = page.locator(f"#learn-{step}-plot .js-plotly-plot")
     plot.locator(".main-svg").first.wait_for(timeout=30_000)
     drawn = plot.evaluate("node => Array.from(node._fullData, t => ({name: t.name, x: Array.from(t.x || []), y: Array.from(t.y || [])}))")
     assert drawn and all(len(trace["x"]) == len(trace["y"]) > 0 for trace in drawn), drawn
     if traces:
         assert traces <= {trace["name"] for trace in drawn}
-    group.scroll_into_view_if_needed()
+    result.scroll_into_view_if_needed()
     _shot(page, f"learn-step-{step}")

@@ -1,4 +1,5 @@
 """Handlers without a browser: results match the engine, bad input gives AppError, sessions stay apart."""
+
 import dataclasses
 import html
 import json
@@ -52,8 +53,9 @@ def test_prepared_scenario_is_reused_by_edits_and_matches_the_engine(registry, s
     assert "gradients" in baseline.__dict__  # the backward ran while preparing
     fused = handlers.run_edit(registry, sessions, "p", None, text, "order_status", "pending", ["field_only", "erratum", "full_downstream"])
     assert sessions.get("p", "edit").stale is baseline
-    separate = handlers.run_edit(registry, sessions, "q", None, text, "order_status", "pending", ["field_only", "erratum", "full_downstream"],
-                                 separately=True)
+    separate = handlers.run_edit(
+        registry, sessions, "q", None, text, "order_status", "pending", ["field_only", "erratum", "full_downstream"], separately=True
+    )
     for name in ("field_only", "erratum", "full_downstream"):
         assert fused.summary["strategies"][name]["margin"] == pytest.approx(separate.summary["strategies"][name]["margin"], abs=1e-4)
     assert "fused forward" in fused.summary["strategies"]["erratum"]["detail"]["timing"]
@@ -108,7 +110,13 @@ def test_remedy_info_states_the_default_and_the_fastest_from_the_stored_study(tm
     from engine.compose.splice import DEFAULT_REMEDY
 
     def row(agree, fraction, speedup, ranked=False):
-        return {"agree_decisive": agree, "decisive": 35, "recomputed_fraction": fraction, "speedup": {"median": speedup}, "needs_reference": ranked}
+        return {
+            "agree_decisive": agree,
+            "decisive": 35,
+            "recomputed_fraction": fraction,
+            "speedup": {"median": speedup},
+            "needs_reference": ranked,
+        }
 
     summary = {DEFAULT_REMEDY.name: row(35, 0.7, 1.2), "splice": row(32, 0.0, 5.8), "causal:0.15": row(34, 0.15, 9.0, ranked=True)}
     (tmp_path / "compose_many-x-cpu.json").write_text(json.dumps({"summary": summary}))
@@ -125,8 +133,9 @@ def test_keystone_and_study_panels(registry):
     assert data["remedy"] == "seam:1" and "max_recovery_gap" in data and "Keystone" in figure.layout.title.text
     with pytest.raises(AppError, match="deployable"):
         handlers.run_keystone(registry, None, ["account_gate"], "", "", None, "causal:0.2")
-    figure, markdown, study = handlers.run_composition_study(registry, None, ["account_gate", "user_memory"], "refund_gate",
-                                                            ["start", "end"], ["splice", "seam:10000"])
+    figure, markdown, study = handlers.run_composition_study(
+        registry, None, ["account_gate", "user_memory"], "refund_gate", ["start", "end"], ["splice", "seam:10000"]
+    )
     assert len(study["cases"]) == 2 * 2 * 2 and set(study["summary"]) == {"splice", "seam:10000"}
     assert "8 composed prompts" in markdown and "seam:10000" in markdown and len(figure.data) == 4
     with pytest.raises(AppError, match="placements must be chosen"):
@@ -172,7 +181,15 @@ def test_frontier_and_notes_map_views_use_the_sessions_edit(registry, sessions):
     handlers.run_edit(registry, sessions, "f", None, SCENARIO, "order_status", "pending", ["field_only"])
     figure, data = handlers.run_frontier(sessions, "f")
     methods = {point["method"] for point in data["points"]}
-    assert {"field_only", "erratum", "field_erratum", "hoist", "full_downstream", "field_topk (causal)", "field_topk (deviation)"} <= methods
+    assert {
+        "field_only",
+        "erratum",
+        "field_erratum",
+        "hoist",
+        "full_downstream",
+        "field_topk (causal)",
+        "field_topk (deviation)",
+    } <= methods
     field_only = next(p for p in data["points"] if p["method"] == "field_only")
     assert field_only["recovery"] == pytest.approx(data["notes"]["field_recovery"], abs=1e-4)
     assert len(figure.data) == len({p["method"] for p in data["points"]})
@@ -197,21 +214,30 @@ def test_learn_steps_describe_what_the_model_did_beside_the_paper(registry):
     experiment = EditExperiment(registry.get(), Scenario.load(handlers.bundled_scenarios()[handlers.NOTES_SCENARIO]))
     report = experiment.report(["field_only", "full_downstream"], fused=True)
     field = report.notes.field_recovery
-    assert ("Recovery is undefined" if field is None else f"recovers only {field:.2f}" if not report.notes.field_alone_flips
-            else f"recovers {field:.2f}") in text
+    assert (
+        "Recovery is undefined"
+        if field is None
+        else f"recovers only {field:.2f}"
+        if not report.notes.field_alone_flips
+        else f"recovers {field:.2f}"
+    ) in text
     assert "Paper:" in text and "−0.028 Llama-3.1-8B" in text
     text, _ = handlers.learn_step(registry, 2, None)
     assert "erratum alone recovers" in text and "Paper:" in text
 
 
 LEARN_TEXT = {  # step index → words its HTML must hold (the numbers are checked by pattern)
-    0: (r"tiny-qwen2: with <b>expired</b> the model answers <b>\w+</b> \(margin [+−-]\d+\.\d\d\); with <b>valid</b> it answers "
-        r"<b>\w+</b> \(margin [+−-]\d+\.\d\d\): a clean prefill (changes|does <b>not</b> change) the decision"),
+    0: (
+        r"tiny-qwen2: with <b>expired</b> the model answers <b>\w+</b> \(margin [+−-]\d+\.\d\d\); with <b>valid</b> it answers "
+        r"<b>\w+</b> \(margin [+−-]\d+\.\d\d\): a clean prefill (changes|does <b>not</b> change) the decision"
+    ),
     1: r"recomputing the field alone recovers (only )?-?\d\.\d\d.*−0\.028 Llama-3\.1-8B.*data-strategy=\"full_downstream\"",
     2: r"the erratum alone recovers -?\d\.\d\d and field \+ erratum -?\d\.\d\d .*appending \d+ tokens to a \d+-token context.*"
-       r"data-strategy=\"field_erratum\"",
-    3: (r"logit cosine \d\.\d{4}, KL -?\d\.\d{4}, decision (agrees|differs); time to first token \d+ ms vs \d+ ms "
-        r"\(×[\d.]+\) for \d+ spliced of \d+ context tokens.*logit cosine 0\.90–0\.999"),
+    r"data-strategy=\"field_erratum\"",
+    3: (
+        r"logit cosine \d\.\d{4}, KL -?\d\.\d{4}, decision (agrees|differs); time to first token \d+ ms vs \d+ ms "
+        r"\(×[\d.]+\) for \d+ spliced of \d+ context tokens.*logit cosine 0\.90–0\.999"
+    ),
 }
 
 
@@ -236,7 +262,18 @@ def test_model_card_shows_this_models_row_of_the_support_matrix(registry):
     assert f"**Family**: {markdown_literal('Qwen2 / Qwen2.5')}" in card and "Operations on this model" in card
     verdicts = info["support"]["verdicts"]
     assert all(v["supported"] and v["max_error"] <= 2e-5 for v in verdicts.values() if v["applicable"])
-    assert set(verdicts) == {"read", "chunked prefill", "replace", "patch", "knockout", "move keys", "splice", "seam repair", "self-test", "images"}
+    assert set(verdicts) == {
+        "read",
+        "chunked prefill",
+        "replace",
+        "patch",
+        "knockout",
+        "move keys",
+        "splice",
+        "seam repair",
+        "self-test",
+        "images",
+    }
     assert not verdicts["images"]["applicable"] and "images" not in card  # a text-only model: nothing to check, nothing said
 
 
@@ -295,7 +332,7 @@ def test_computed_once_entries_are_single_flight(monkeypatch):
     from concurrent.futures import ThreadPoolExecutor
 
     from app import state
-    from engine.selftest import run_selftest
+    from engine.cache.selftest import run_selftest
 
     calls = {"selftest": 0, "support": 0, "baseline": 0}
 
@@ -304,6 +341,7 @@ def test_computed_once_entries_are_single_flight(monkeypatch):
             calls[name] += 1
             time.sleep(0.3)  # every thread arrives while the first computes
             return function(*args, **kwargs)
+
         return slow
 
     monkeypatch.setattr(state, "check_model", counted("support", state.check_model))
@@ -332,7 +370,11 @@ def test_weight_edits_panel_states_the_trade_off_from_the_numbers(registry):
     others = len(data["probes"]["others"])
     assert f"0/3 other customers now get the new decision; 0/{others} unrelated decisions changed" in summary
     assert "Paper (Llama-3.1-8B)" in summary and "**rome**" in summary
-    assert [trace.name for trace in figure.data][:3] == ["efficacy (recovery)", "contamination (other customers flipped)", "collateral (unrelated decisions moved)"]
+    assert [trace.name for trace in figure.data][:3] == [
+        "efficacy (recovery)",
+        "contamination (other customers flipped)",
+        "collateral (unrelated decisions moved)",
+    ]
     assert list(figure.data[1].y) == [erratum["contamination"], data["methods"]["rome"]["contamination"]]
     with pytest.raises(AppError, match="choose at least one method"):
         handlers.run_weight_edits(registry, None, SCENARIO, "order_status", "pending", [], 3, None)

@@ -1,4 +1,5 @@
 """Safe to host: each defect found by the hostile review, reproduced and checked fixed (issue 12)."""
+
 from __future__ import annotations
 
 import gc
@@ -16,11 +17,12 @@ from gradio_client import Client
 from app import handlers
 from app.handlers import AppError
 from app.hosting import HostingError, from_env, local_profile, public_profile
-from app.state import BudgetedLRU, ExportFolder, ModelRegistry, SessionStore
+from app.state import ExportFolder, ModelRegistry, SessionStore
 from app.ui import _figure, user_error
 from benchmarks.app_latency import free_port, wait_until_serving
 from engine.cache.budget import WorkBudget, bounded
 from engine.cache.footprint import tensor_bytes
+from engine.cache.lru import BudgetedLRU
 from tests.app.conftest import SCENARIO, TINY
 
 ROOT = Path(__file__).parents[2]
@@ -100,7 +102,10 @@ def test_budgets_scale_with_memory_and_show_in_the_model_tab(registry, sessions)
 def test_over_long_context_is_refused_in_seconds_and_keeps_nothing():
     registry, sessions = _registry(from_env(True, {"KVSCOPE_MAX_CONTEXT_TOKENS": "200"}))
     started = time.perf_counter()
-    with bounded(registry.profile.work_budget), pytest.raises(AppError, match=r"tokens of context; this server \(public profile\) allows at most 200"):
+    with (
+        bounded(registry.profile.work_budget),
+        pytest.raises(AppError, match=r"tokens of context; this server \(public profile\) allows at most 200"),
+    ):
         handlers.run_edit(registry, sessions, "a", None, LONG_CONTEXT, "order_status", "pending", ["erratum"])
     assert time.perf_counter() - started < 5
     assert registry.memory()["baselines"] == 0 and sessions.get("a", "edit") is None
@@ -169,8 +174,9 @@ def test_offered_models_hold_no_paths_on_a_public_server():
 def test_toasts_and_descriptions_escape_user_markup():
     toast = user_error(AppError("field '<img src=x onerror=alert(1)>' is unknown"))
     assert "<img" not in toast.message and "&lt;img" in toast.message
-    hostile = SCENARIO.replace('description = "Order status decides the refund."',
-                               'description = "[click](http://evil.example) <b>bold</b>"')
+    hostile = SCENARIO.replace(
+        'description = "Order status decides the refund."', 'description = "[click](http://evil.example) <b>bold</b>"'
+    )
     description = handlers.scenario_choices(hostile).description
     assert "](" not in description and "<b>" not in description and r"\[click\]" in description
 
@@ -208,8 +214,13 @@ def test_exports_are_capped_and_pruned(tmp_path):
 def public_url():
     port = free_port()
     environment = {**os.environ, "KVSCOPE_MAX_CONTEXT_TOKENS": "200", "GRADIO_ANALYTICS_ENABLED": "False"}
-    server = subprocess.Popen([sys.executable, "app.py", "--public", "--model", TINY, "--port", str(port)], cwd=ROOT,
-                              env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    server = subprocess.Popen(
+        [sys.executable, "app.py", "--public", "--model", TINY, "--port", str(port)],
+        cwd=ROOT,
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}/"
     wait_until_serving(url, 90)
     yield url

@@ -1,4 +1,5 @@
 """The N-skill study and keystone benchmark scripts: the JSON a small run writes (tiny random-weight model)."""
+
 from __future__ import annotations
 
 import json
@@ -7,8 +8,22 @@ from benchmarks import compose_many, keystone
 
 
 def test_compose_many_writes_tie_aware_summaries_and_a_figure(tmp_path):
-    data = compose_many.main(["--model", "tiny-qwen2", "--scenarios", "refund_gate", "--skills", "account_gate,user_memory",
-                              "--placements", "start,end", "--remedies", "splice,seam:10000", "--out", str(tmp_path)])
+    data = compose_many.main(
+        [
+            "--model",
+            "tiny-qwen2",
+            "--scenarios",
+            "refund_gate",
+            "--skills",
+            "account_gate,user_memory",
+            "--placements",
+            "start,end",
+            "--remedies",
+            "splice,seam:10000",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     stored = json.loads((tmp_path / "compose_many-tiny-qwen2-cpu.json").read_text())
     assert (tmp_path / "compose_many-tiny-qwen2-cpu.html").exists()
     assert stored["summary"] == json.loads(json.dumps(data["summary"]))

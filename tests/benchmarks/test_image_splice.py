@@ -1,4 +1,5 @@
 """The picture-splice benchmark: the JSON a small run writes (tiny random-weight Qwen2-VL)."""
+
 from __future__ import annotations
 
 import json

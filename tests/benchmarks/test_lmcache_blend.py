@@ -1,4 +1,5 @@
 """The vLLM plugin of the LMCache CacheBlend arm, against stand-ins for vLLM's worker and LMCache's tracker."""
+
 from __future__ import annotations
 
 import importlib.util

@@ -1,4 +1,5 @@
 """The notes sweep: its variant generator, and the JSON a --quick run writes (tiny random-weight model)."""
+
 from __future__ import annotations
 
 import json
@@ -33,7 +34,12 @@ def test_grid_is_every_domain_times_every_variant():
     assert len(grid) == len(sweep.DOMAINS) * len(sweep.VARIANTS) == 3 * 22
     assert len({(domain, name) for domain, name, _ in grid}) == len(grid)
     quick = list(sweep.variants(sweep.QUICK_DOMAINS, sweep.QUICK_VARIANTS))
-    assert [(d, n) for d, n, _ in quick] == [("machine", "base"), ("machine", "record_after=0"), ("machine", "values=bool"), ("machine", "fmt=table")]
+    assert [(d, n) for d, n, _ in quick] == [
+        ("machine", "base"),
+        ("machine", "record_after=0"),
+        ("machine", "values=bool"),
+        ("machine", "fmt=table"),
+    ]
     # one factor at a time: every single-factor variant changes exactly one factor of the base design
     for name, design in sweep.VARIANTS.items():
         if name == "base":
@@ -50,7 +56,7 @@ def test_every_variant_parses_and_renders_with_exact_field_spans(tiny):
         assert scenario.expect[field.old] != scenario.expect[field.new], (domain, name)
         prompt = render(scenario, tiny.tokenizer)
         span = prompt.field_spans[field.name]
-        assert tiny.tokenizer.decode(prompt.context_ids[span.start:span.end]).strip() == field.old
+        assert tiny.tokenizer.decode(prompt.context_ids[span.start : span.end]).strip() == field.old
         if not design.rules_first:
             assert span.start < len(prompt.context_ids) // 2, (domain, name)
 
@@ -74,7 +80,9 @@ def test_factors_change_what_they_say():
     assert ctx(filler=3).count("\n") == ctx().count("\n") + 3
     assert "Examples:" not in ctx(examples=0) and ctx(examples=8).count("-> allow") == 4
     assert "passenger #101, visa_status: valid -> allow" in ctx(example_items=True)
-    assert ctx(rules_first=True).startswith("RULES") and ctx(rules_first=True).index("{visa_status}") > ctx(rules_first=True).index("Examples:")
+    assert ctx(rules_first=True).startswith("RULES") and ctx(rules_first=True).index("{visa_status}") > ctx(rules_first=True).index(
+        "Examples:"
+    )
     assert ctx(current="arrow").endswith("This passenger ->")
     assert "Frequent flyer" not in ctx(distractor=False)
     assert "Otherwise, refuse boarding" in ctx(deny_rule="otherwise") and "is expired" not in ctx(deny_rule="otherwise")
@@ -91,7 +99,11 @@ def test_factors_change_what_they_say():
     filled = ctx(fmt="json").replace("{visa_status}", "expired").replace("{{", "{").replace("}}", "}")
     document = json.loads(filled)
     assert document["record"]["visa_status"] == "expired" and len(document["examples"]) == 4
-    assert list(json.loads(ctx(fmt="json", rules_first=True).replace("{visa_status}", "x").replace("{{", "{").replace("}}", "}"))) == ["rules", "examples", "record"]
+    assert list(json.loads(ctx(fmt="json", rules_first=True).replace("{visa_status}", "x").replace("{{", "{").replace("}}", "}"))) == [
+        "rules",
+        "examples",
+        "record",
+    ]
     with pytest.raises(ValueError, match="unknown format"):
         sweep.scenario_text("boarding", sweep.Design(fmt="xml"))
 
@@ -111,9 +123,28 @@ def test_plain_rendering_hides_the_chat_template_and_restores_it(tiny):
 # A --quick run on a tiny model: the JSON schema and its numbers
 # --------------------------------------------------------------------------------------------
 ROW_KEYS = {
-    "domain", "variant", "design", "field", "old", "new", "context_tokens", "field_tokens", "stale_label", "stale_margin",
-    "oracle_label", "oracle_margin", "delta_margin", "flips", "field_only_applicable", "field_only_label",
-    "field_only_margin", "field_only_recovery", "notes_share", "note", "qualifies", "ms",
+    "domain",
+    "variant",
+    "design",
+    "field",
+    "old",
+    "new",
+    "context_tokens",
+    "field_tokens",
+    "stale_label",
+    "stale_margin",
+    "oracle_label",
+    "oracle_margin",
+    "delta_margin",
+    "flips",
+    "field_only_applicable",
+    "field_only_label",
+    "field_only_margin",
+    "field_only_recovery",
+    "notes_share",
+    "note",
+    "qualifies",
+    "ms",
 }
 
 
@@ -156,8 +187,12 @@ def test_quick_run_rows_are_consistent_numbers(quick_run, tiny):
             assert row["field_only_label"] in scenario.answers
         else:
             assert row["field_only_recovery"] is None and row["notes_share"] is None and "token" in row["note"]
-        assert row["qualifies"] is (row["flips"] and row["field_only_label"] == row["stale_label"]
-                                    and row["field_only_recovery"] is not None and row["field_only_recovery"] <= 0.4)
+        assert row["qualifies"] is (
+            row["flips"]
+            and row["field_only_label"] == row["stale_label"]
+            and row["field_only_recovery"] is not None
+            and row["field_only_recovery"] <= 0.4
+        )
     base = data["summary"][0]
     assert base["variant"] == "base" and base["mean_change_vs_base"] is None and base["domains"] == 1
     for line, row in zip(data["summary"], data["variants"]):

@@ -1,5 +1,6 @@
 """The serving benchmark: workload, clean-prefill answers and accuracy, agreement, the headline, and an
 end-to-end run on llama.cpp's C++ server."""
+
 from __future__ import annotations
 
 import http.server
@@ -8,25 +9,21 @@ import threading
 
 import pytest
 
-from benchmarks import serving
-from benchmarks.loadgen import CacheCounters, RequestResult
-from benchmarks.serving import (
-    ERRATUM,
-    LlamaServer,
-    OpenAIServer,
-    Settings,
+from benchmarks import serving, serving_workload
+from benchmarks.loadgen import CacheCounters, Load, RequestResult
+from benchmarks.serving import Settings, accuracy, agreement, headline, recorded_clean, saturation_rps
+from benchmarks.serving_servers import SERVER_BINARY, LlamaServer, OpenAIServer, free_loopback_port, resolve_gguf, wait_until_ready
+from benchmarks.serving_workload import (
     Variant,
     Workload,
     WorkloadError,
-    accuracy,
-    agreement,
     build_policy,
-    headline,
+    build_workload,
     load_scenario,
+    nth_permutation,
     policy_sources,
-    recorded_clean,
-    saturation_rps,
 )
+from engine.edit.erratum import erratum_text
 
 
 def words(text: str) -> int:
@@ -74,7 +71,7 @@ def test_erratum_keeps_the_prefix_byte_identical_and_in_prefix_edits_near_the_st
     shared = erratum[0][: erratum[0].index("REQUEST 1")]
     assert erratum[1].startswith(shared) and shared.endswith("line two\n\n")
     assert "refund_eligible: false\n" in shared  # the stale value stays in place
-    assert ERRATUM.format(field="refund_eligible", value="true") + "\n" in erratum[0]
+    assert erratum_text("refund_eligible", "true") + "\n" in erratum[0]
     first_difference = next(i for i, (a, b) in enumerate(zip(*in_prefix, strict=False)) if a != b)
     assert first_difference < in_prefix[0].index("HANDBOOK TEXT")  # the same value, yet every later token changes
     assert "[STATE UPDATE]" not in in_prefix[0] and "refund_eligible: true\n" in in_prefix[0]
@@ -104,7 +101,7 @@ def test_composed_prompts_give_every_request_its_own_block_order():
     assert workload.clean_key("false", 1) == "false @ 2-1-0" and refund_workload().clean_key("false", 4) == "false"
     assert workload.clean_prompt("true", 1) == first
     assert refund_workload().clean_prompt("true", 9) == refund_workload().prompt(Variant.IN_PREFIX, "true", 0)
-    assert serving.nth_permutation(3, 5) == (2, 1, 0) and serving.nth_permutation(4, 0) == (0, 1, 2, 3)
+    assert nth_permutation(3, 5) == (2, 1, 0) and nth_permutation(4, 0) == (0, 1, 2, 3)
 
 
 def test_engines_say_how_they_reuse_composed_blocks():
@@ -156,13 +153,15 @@ def test_a_run_empties_the_cache_warms_up_on_the_other_value_then_sends_its_plan
 
     async def fake_load(base_url, payloads, arrivals, timeout):
         calls.append("counted")
-        return [RequestResult(i, at, at, 0.1, 0.2, 1, "Yes" if "refund_eligible: true" in p["prompt"] else "No")
-                for i, (p, at) in enumerate(zip(payloads, arrivals))]
+        return [
+            RequestResult(i, at, at, 0.1, 0.2, 1, "Yes" if "refund_eligible: true" in p["prompt"] else "No")
+            for i, (p, at) in enumerate(zip(payloads, arrivals))
+        ]
 
     monkeypatch.setattr(serving, "send_one", lambda engine, prompt, settings, options: calls.append(("warm-up", prompt)))
     monkeypatch.setattr(serving, "run_load", fake_load)
     workload = refund_workload()
-    planned = serving.PlannedRun(serving.Load(1.0, 2, 10.0), [0.5, 1.5], ["true", "false"], first=1)
+    planned = serving.PlannedRun(Load(1.0, 2, 10.0), [0.5, 1.5], ["true", "false"], first=1)
     settings = Settings(loads=(1.0,), requests=2, max_duration_s=10.0, max_tokens=2, request_timeout_s=1.0, seed=0)
     row, answered = serving.run_variant(Stub("vllm", "http://127.0.0.1:1", "m"), workload, Variant.IN_PREFIX, planned, settings, CLEAN)
     assert calls[0] == "reset" and calls[1] == ("warm-up", workload.prompt(Variant.IN_PREFIX, "false", 0)) and calls[2] == "counted"
@@ -222,13 +221,15 @@ def test_accuracy_compares_each_answer_with_the_clean_answer_for_its_request():
 def test_agreement_per_variant_against_each_other_the_clean_answer_and_the_expected_answer():
     erratum = [("true", 1, _done("Yes")), ("false", 2, _done("Yes")), ("true", 3, _done(" yes")), ("false", 4, _done("No"))]
     in_prefix = [("true", 1, _done("Yes")), ("false", 2, _done("No.")), ("true", 3, _done("No")), ("false", 4, TIMEOUT)]
-    report = agreement(refund_workload(), {"false": "Yes", "true": "Yes"},
-                       {Variant.ERRATUM: erratum, Variant.IN_PREFIX: in_prefix}, sample=2)
+    report = agreement(
+        refund_workload(), {"false": "Yes", "true": "Yes"}, {Variant.ERRATUM: erratum, Variant.IN_PREFIX: in_prefix}, sample=2
+    )
     assert report["pairs"] == 3
     assert report["erratum_vs_in_prefix"] == pytest.approx(1 / 3, abs=1e-4)
     assert report["erratum_vs_clean"] == 1.0 and report["in_prefix_vs_clean"] == pytest.approx(1 / 3, abs=1e-4)
     assert report["clean_vs_expected"] == pytest.approx(2 / 3, abs=1e-4)  # the clean "Yes" for false is wrong
-    assert report["erratum_vs_expected"] == pytest.approx(2 / 3, abs=1e-4) and report["in_prefix_vs_expected"] == pytest.approx(2 / 3, abs=1e-4)
+    assert report["erratum_vs_expected"] == pytest.approx(2 / 3, abs=1e-4)
+    assert report["in_prefix_vs_expected"] == pytest.approx(2 / 3, abs=1e-4)
     assert report["sample"][1] == {"value": "false", "clean": "Yes", "erratum": "Yes", "in_prefix": "No."}
     single = agreement(refund_workload(), CLEAN, {Variant.CHUNK_REUSE: erratum}, sample=0)
     assert single["pairs"] == 4 and single["chunk_reuse_vs_clean"] == 0.75 and "erratum_vs_in_prefix" not in single
@@ -238,19 +239,32 @@ def test_agreement_per_variant_against_each_other_the_clean_answer_and_the_expec
 
 def test_agreement_with_the_expected_answer_leaves_out_values_the_scenario_states_none_for():
     workload = refund_workload()
-    report = agreement(workload, {"true": "Yes", "maybe": "No"},
-                       {Variant.CHUNK_REUSE: [("true", 1, _done("Yes")), ("maybe", 2, _done("No"))]}, sample=0)
+    report = agreement(
+        workload, {"true": "Yes", "maybe": "No"}, {Variant.CHUNK_REUSE: [("true", 1, _done("Yes")), ("maybe", 2, _done("No"))]}, sample=0
+    )
     assert report["chunk_reuse_vs_expected"] == 1.0 and report["clean_vs_expected"] == 1.0  # "maybe" has no expectation
 
 
 def _row(variant: str, rps: float, throughput: float, p90: float, accuracy: float = 1.0) -> dict:
-    return {"variant": variant, "offered_rps": rps, "arrival_rps": rps * 0.8, "throughput_rps": throughput, "ttft_p90_ms": p90,
-            "prefix_hit_rate": 0.9 if variant == "erratum" else 0.05, "accuracy": accuracy}
+    return {
+        "variant": variant,
+        "offered_rps": rps,
+        "arrival_rps": rps * 0.8,
+        "throughput_rps": throughput,
+        "ttft_p90_ms": p90,
+        "prefix_hit_rate": 0.9 if variant == "erratum" else 0.05,
+        "accuracy": accuracy,
+    }
 
 
 def test_headline_reports_ratios_at_the_top_load_and_where_each_variant_saturates():
-    runs = [_row("erratum", 0.05, 0.037, 900), _row("erratum", 1.5, 1.1, 1200), _row("in_prefix", 0.05, 0.038, 30_000),
-            _row("in_prefix", 0.2, 0.048, 200_000), _row("in_prefix", 1.5, 0.048, 600_000, accuracy=0.9)]
+    runs = [
+        _row("erratum", 0.05, 0.037, 900),
+        _row("erratum", 1.5, 1.1, 1200),
+        _row("in_prefix", 0.05, 0.038, 30_000),
+        _row("in_prefix", 0.2, 0.048, 200_000),
+        _row("in_prefix", 1.5, 0.048, 600_000, accuracy=0.9),
+    ]
     summary = headline(runs)
     assert summary["offered_rps"] == 1.5 and summary["in_prefix_accuracy"] == 0.9
     assert summary["p90_ttft_ratio_in_prefix_over_erratum"] == 500.0
@@ -275,7 +289,8 @@ def test_a_workload_whose_clean_answer_ignores_the_field_is_refused(monkeypatch)
     monkeypatch.setattr(serving, "send_one", lambda engine, prompt, settings, options: "No")
     monkeypatch.setattr(AlwaysNo, "reset_cache", lambda self: None)
     settings = Settings(loads=(1.0,), requests=1, max_duration_s=1.0, max_tokens=2, request_timeout_s=1.0, seed=0)
-    with pytest.raises(WorkloadError, match=r"does not change with refund_eligible on stub \(refund_eligible=true: 'No', refund_eligible=false: 'No'\)"):
+    refused = r"does not change with refund_eligible on stub \(refund_eligible=true: 'No', refund_eligible=false: 'No'\)"
+    with pytest.raises(WorkloadError, match=refused):
         serving.clean_answers(AlwaysNo(), refund_workload(), settings, [("true", 1), ("false", 2)])
 
 
@@ -322,7 +337,7 @@ def test_openai_server_refuses_non_loopback():
 # --------------------------------------------------------------------------------------------
 
 needs_llama_server = pytest.mark.skipif(
-    not serving.SERVER_BINARY.is_file(), reason="llama-server is not built: bash scripts/build_llama_server.sh (~10 min)"
+    not SERVER_BINARY.is_file(), reason="llama-server is not built: bash scripts/build_llama_server.sh (~10 min)"
 )
 
 
@@ -330,10 +345,10 @@ needs_llama_server = pytest.mark.skipif(
 def test_end_to_end_on_llama_server_with_the_embedded_model(tmp_path, monkeypatch):
     monkeypatch.setattr(serving, "RESULTS", tmp_path)
     settings = Settings(loads=(2.0,), requests=3, max_duration_s=10.0, max_tokens=2, request_timeout_s=120.0, seed=0)
-    gguf, model = serving.resolve_gguf("embedded")
+    gguf, model = resolve_gguf("embedded")
     scenario = load_scenario("refund_gate")
-    with LlamaServer(serving.SERVER_BINARY, gguf, n_ctx=1024, threads=2, log_path=tmp_path / "server.log", model=model) as server:
-        workload = serving.build_workload(server, scenario, "edit", policy_tokens=256, separator="\n\n")
+    with LlamaServer(SERVER_BINARY, gguf, n_ctx=1024, threads=2, log_path=tmp_path / "server.log", model=model) as server:
+        workload = build_workload(server, scenario, "edit", policy_tokens=256, separator="\n\n")
         data = serving.benchmark(server, workload, settings=settings, progress=print)
         as_openai = OpenAIServer("vllm", server.base_url, model)  # counts through usage.prompt_tokens
         assert as_openai.count_tokens("one two three") == server.count_tokens("one two three")
@@ -344,7 +359,7 @@ def test_end_to_end_on_llama_server_with_the_embedded_model(tmp_path, monkeypatc
     assert path.name == "serving-llama-cpp.json" and saved["engine"] == "llama-cpp" and path.with_suffix(".html").is_file()
     assert 200 <= saved["policy_tokens"] <= 256 and saved["field"] == "refund_eligible"
     clean = saved["agreement"]["clean_answers"]
-    assert {serving.Workload(scenario, "", 0).label(text) for text in clean.values()} == {"yes", "no"}  # follows the field
+    assert {Workload(scenario, "", 0).label(text) for text in clean.values()} == {"yes", "no"}  # follows the field
     runs = {row["variant"]: row for row in saved["runs"]}
     assert set(runs) == {"erratum", "in_prefix"}
     for row in runs.values():
@@ -363,11 +378,11 @@ def test_end_to_end_on_llama_server_with_the_embedded_model(tmp_path, monkeypatc
 def test_composed_blocks_on_llama_server_chunk_reuse_against_prefix_only(tmp_path, monkeypatch):
     monkeypatch.setattr(serving, "RESULTS", tmp_path)
     blocks = [f"FACT SHEET {name}\n" + " ".join(f"{name} item {i} ships in {i % 5 + 1} days." for i in range(8)) for name in "ABC"]
-    monkeypatch.setattr(serving, "policy_sources", lambda: ["long policy, left out", *blocks])
+    monkeypatch.setattr(serving_workload, "policy_sources", lambda: ["long policy, left out", *blocks])
     settings = Settings(loads=(2.0,), requests=3, max_duration_s=10.0, max_tokens=2, request_timeout_s=120.0, seed=0)
-    gguf, model = serving.resolve_gguf("embedded")
-    with LlamaServer(serving.SERVER_BINARY, gguf, n_ctx=2048, threads=2, log_path=tmp_path / "server.log", model=model) as server:
-        workload = serving.build_workload(server, load_scenario("refund_gate"), "composed", policy_tokens=0, separator="\n\n")
+    gguf, model = resolve_gguf("embedded")
+    with LlamaServer(SERVER_BINARY, gguf, n_ctx=2048, threads=2, log_path=tmp_path / "server.log", model=model) as server:
+        workload = build_workload(server, load_scenario("refund_gate"), "composed", policy_tokens=0, separator="\n\n")
         data = serving.benchmark(server, workload, settings=settings, progress=print)
     path = serving.write(data)
     assert path.name == "serving-llama-cpp-composed.json"
@@ -388,4 +403,4 @@ def test_a_server_that_exits_before_it_answers_is_reported_with_its_log(tmp_path
         process = subprocess.Popen([sys.executable, "-c", "print('model file missing'); raise SystemExit(3)"], stdout=out)
     process.wait()
     with pytest.raises(RuntimeError, match=r"(?s)test server exited \(3\):.*model file missing"):
-        serving.wait_until_ready(process, f"http://127.0.0.1:{serving.free_loopback_port()}/health", "test server", log, timeout_s=5)
+        wait_until_ready(process, f"http://127.0.0.1:{free_loopback_port()}/health", "test server", log, timeout_s=5)

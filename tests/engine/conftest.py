@@ -1,4 +1,5 @@
 """Fixtures shared by engine tests that do not define their own: a tiny Qwen2 model and a skill store."""
+
 import pytest
 
 from engine.compose.skills import SkillStore

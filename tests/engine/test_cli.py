@@ -1,4 +1,5 @@
 """The CLI prints exactly one JSON object on stdout; bad input gives an error object and exit code 2."""
+
 import contextlib
 import io
 import json
@@ -80,7 +81,11 @@ def test_probe_compose_and_agent_shapes():
     assert {"cosine", "kl", "top1_agree", "top5_agree", "decision_agree", "seam", "ttft_ms", "speedup"} <= set(compose)
     assert set(compose["ttft_ms"]) == {"splice", "full"} and compose["seam"] == 2
     code, agent = run_cli("agent", "--model", "tiny-qwen2", "--skills", "account_gate", "--turns", "2", "--policy", "every:2")
-    assert code == 0 and len(agent["turns"]) == 3 and {"cumulative_ttft_ms", "clean_state_agreement", "identical_tokens_agreement"} <= set(agent)
+    assert (
+        code == 0
+        and len(agent["turns"]) == 3
+        and {"cumulative_ttft_ms", "clean_state_agreement", "identical_tokens_agreement"} <= set(agent)
+    )
     assert agent["policy"] == "every:2" and agent["compactions"] == 1
 
 

@@ -1,4 +1,5 @@
 """The embedded default model (Qwen2.5-Coder-0.5B-Instruct): self-test and bundled-demo calibration."""
+
 import pytest
 
 from engine.cache.selftest import run_selftest

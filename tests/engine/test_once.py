@@ -1,4 +1,5 @@
 """Computed-once values: one computation per key however many threads ask, and a failure reaches every waiter."""
+
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor

@@ -87,9 +87,7 @@ def test_parse_example() -> None:
     assert s.system == "You are a careful support agent."
     assert s.context.startswith("SESSION\norder_status: {order_status}\n") and s.context.endswith("pending.")
     assert s.question == "Should the refund be approved? Answer yes or no."
-    assert s.fields == {
-        "order_status": Field("order_status", "shipped", "pending", ("shipped", "pending", "delivered"))
-    }
+    assert s.fields == {"order_status": Field("order_status", "shipped", "pending", ("shipped", "pending", "delivered"))}
     assert s.answers == {"yes": ("yes", "Yes"), "no": ("no", "No")}
     assert s.expect == {"shipped": "no", "pending": "yes"}
     assert s.source == "x.toml"

@@ -1,4 +1,5 @@
 """Shared engine results on a tiny model for the figure tests (built once per session)."""
+
 import pytest
 
 from engine.edit.experiment import EditExperiment

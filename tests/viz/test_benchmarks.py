@@ -1,4 +1,5 @@
 """Benchmark figures from result dictionaries shaped like the JSON files the scripts write."""
+
 import json
 
 import pytest
@@ -14,7 +15,8 @@ from viz.benchmarks import (
 
 def test_edit_latency_one_line_per_strategy_with_gaps_for_not_applicable():
     data = {
-        "model": "tiny", "device": "cpu",
+        "model": "tiny",
+        "device": "cpu",
         "rows": [
             {"context_tokens": 1024, "ms": {"field_only": None, "erratum": 20.0, "oracle": 400.0}},
             {"context_tokens": 256, "ms": {"field_only": 5.0, "erratum": 10.0, "oracle": 100.0}},
@@ -36,9 +38,18 @@ def test_prefill_times_and_ratio():
 
 def test_serving_per_variant_ttft_quantiles_throughput_hit_rate_and_accuracy():
     runs = [
-        {"variant": v, "offered_rps": rps, "completed": 30, "ttft_p50_ms": rps * 10 + i, "ttft_p90_ms": rps * 20 + i,
-         "throughput_rps": rps * 0.9, "prefix_hit_rate": 0.8 - i * 0.5, "accuracy": 1.0 - i * 0.25}
-        for i, v in enumerate(["erratum", "in_prefix"]) for rps in (4, 1, 2)
+        {
+            "variant": v,
+            "offered_rps": rps,
+            "completed": 30,
+            "ttft_p50_ms": rps * 10 + i,
+            "ttft_p90_ms": rps * 20 + i,
+            "throughput_rps": rps * 0.9,
+            "prefix_hit_rate": 0.8 - i * 0.5,
+            "accuracy": 1.0 - i * 0.25,
+        }
+        for i, v in enumerate(["erratum", "in_prefix"])
+        for rps in (4, 1, 2)
     ]
     figure = serving_figure({"engine": "vllm", "scenario": "Loan <b>", "policy_tokens": 2028, "runs": runs})
     assert len(figure.data) == 2 * 5
@@ -69,10 +80,19 @@ def test_cache_reuse_points_are_the_numbers_per_engine_arm_and_case():
     def row(kl, error, evaluated):
         return {"kl": kl, "margin_error": error, "evaluated_tokens": evaluated, "clean_evaluated_tokens": 400}
 
-    data = {"model": "tiny", "device": "cpu", "cases": [
-        {"case": "moved", "scenario": "A <b>", "llama_cpp": {"reuse": row(0.2, -0.5, 8)}, "kvscope": {"move, seam 4": row(0.01, 0.1, 12)}},
-        {"case": "edit", "scenario": "B", "llama_cpp": {"reuse": row(0.0, 0.0, 300)}, "kvscope": {"erratum": row(0.3, 0.4, 20)}},
-    ]}
+    data = {
+        "model": "tiny",
+        "device": "cpu",
+        "cases": [
+            {
+                "case": "moved",
+                "scenario": "A <b>",
+                "llama_cpp": {"reuse": row(0.2, -0.5, 8)},
+                "kvscope": {"move, seam 4": row(0.01, 0.1, 12)},
+            },
+            {"case": "edit", "scenario": "B", "llama_cpp": {"reuse": row(0.0, 0.0, 300)}, "kvscope": {"erratum": row(0.3, 0.4, 20)}},
+        ],
+    }
     figure = cache_reuse_figure(data)
     names = [trace.name for trace in figure.data if trace.showlegend]
     assert names == ["llama.cpp, moved cases", "llama.cpp, edit cases", "KVScope, moved cases", "KVScope, edit cases"]

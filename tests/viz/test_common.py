@@ -1,4 +1,5 @@
 """Safe labels, column pooling and token axes shared by the figures."""
+
 import numpy as np
 import pytest
 
@@ -6,7 +7,6 @@ from viz.common import (
     MAX_COLUMNS,
     MAX_TICKS,
     column_of,
-    heat_colours,
     pool_columns,
     safe_label,
     safe_lines,
@@ -61,9 +61,3 @@ def test_token_columns_are_unique_and_ticks_thinned():
     assert len(set(names)) == 100 and names[0] == "#0 ⏎ [context]"
     assert len(axis["tickvals"]) <= MAX_TICKS and set(axis["tickvals"]) <= set(names)
     assert axis["ticktext"][0] == "⏎"
-
-
-def test_heat_colours_diverge_only_for_both_signs():
-    assert heat_colours(np.array([-1.0, 2.0]))["zmid"] == 0.0
-    assert "zmid" not in heat_colours(np.array([0.0, 2.0, np.nan]))
-    assert heat_colours(np.array([0.0, 2.0]), diverging=True)["zmid"] == 0.0

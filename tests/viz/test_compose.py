@@ -1,4 +1,5 @@
 """Composition figures: logit bars, K/V deviation and the agent episode."""
+
 import json
 
 import numpy as np
@@ -83,8 +84,13 @@ def test_keystone_diagonal_places_each_strategy_at_its_two_recoveries(lm, store)
     from engine.scenario import Scenario, bundled_scenarios
     from viz.compose import keystone_figure
 
-    report = keystone(lm, Scenario.load(bundled_scenarios()["keystone_safety"]), store, remedy=Remedy(seam=1),
-                      strategies=("field_only", "erratum", "full_downstream"))
+    report = keystone(
+        lm,
+        Scenario.load(bundled_scenarios()["keystone_safety"]),
+        store,
+        remedy=Remedy(seam=1),
+        strategies=("field_only", "erratum", "full_downstream"),
+    )
     figure = keystone_figure(report, band=0.15)
     points = figure.data[2]
     gaps = {name: gap for name, gap in report.recovery_gaps().items() if gap is not None}
@@ -101,8 +107,14 @@ def test_study_figure_puts_each_remedy_at_its_recompute_share_and_agreement():
     from viz.compose import study_figure
 
     row = lambda fraction, agreement, ranked: {  # noqa: E731
-        "recomputed_fraction": fraction, "agreement": agreement, "agree_decisive": 3, "decisive": 4, "ties": 1, "needs_reference": ranked,
-        "cosine": {"median": 0.99}, "speedup": {"median": 2.0},
+        "recomputed_fraction": fraction,
+        "agreement": agreement,
+        "agree_decisive": 3,
+        "decisive": 4,
+        "ties": 1,
+        "needs_reference": ranked,
+        "cosine": {"median": 0.99},
+        "speedup": {"median": 2.0},
         "by_n": {"1": {"mean_abs_margin_error": 0.1}, "2": {"mean_abs_margin_error": 0.3}},
     }
     study = {"summary": {"splice": row(0.0, 0.75, False), "deviation:0.3": row(0.3, 1.0, True)}, "best": "splice", "cases": [{}] * 5}

@@ -1,4 +1,5 @@
 """The decision figure escapes labels, answer strings and the title (plotly renders HTML in text)."""
+
 from __future__ import annotations
 
 import torch

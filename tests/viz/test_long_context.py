@@ -1,6 +1,7 @@
 """Figures and text views of an 8k-token edit stay small and exact: per-token axes pooled below MAX_COLUMNS
 (each column the strongest value of its run), the text view drawn as windows around the field and the
 strongest notes, everything else summarised."""
+
 import html
 import json
 import re
@@ -134,7 +135,9 @@ def test_each_field_is_outlined_over_its_pooled_columns():
     figure = attention_figure(AttentionMap("no", list(range(3000)), ["t"] * 3000, segments, np.zeros((2, 1, 3000)).tolist(), {}))
     step = len(pool_columns(np.zeros((1, 3000)))[1][0])
     assert [(shape.x0, shape.x1) for shape in figure.layout.shapes] == [
-        (1000 // step - 0.5, 1002 // step + 0.5), (2990 // step - 0.5, 2994 // step + 0.5)]
+        (1000 // step - 0.5, 1002 // step + 0.5),
+        (2990 // step - 0.5, 2994 // step + 0.5),
+    ]
     assert [note.text for note in figure.layout.annotations] == ["a", "b&lt;"]
 
 

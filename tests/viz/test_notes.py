@@ -1,4 +1,5 @@
 """Context text, attention, notes-map and frontier figures: data equal the inputs, big maps pooled, labels safe."""
+
 import html
 import json
 import re
@@ -62,8 +63,12 @@ def test_token_text_escapes_markup_and_checks_lengths():
 
 def test_effect_map_defaults_to_field_and_downstream_and_can_show_every_position(experiment):
     texts, segments = experiment.stale.notebook.token_texts(), experiment.stale.notebook.visible_segments()
-    effects = attribution_effects(experiment.stale.notebook, experiment.oracle.notebook, experiment.prompt,
-                                  experiment.field_positions + experiment.downstream_positions)
+    effects = attribution_effects(
+        experiment.stale.notebook,
+        experiment.oracle.notebook,
+        experiment.prompt,
+        experiment.field_positions + experiment.downstream_positions,
+    )
     narrow, wide = (effect_map_figure(effects, texts, segments, all_positions=flag).data[0] for flag in (False, True))
     assert np.asarray(narrow.z).shape == (effects.effects.shape[0], len(effects.positions))
     assert np.asarray(wide.z).shape == (effects.effects.shape[0], len(texts))

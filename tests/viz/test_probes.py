@@ -1,4 +1,5 @@
 """Probe figures: dose-response, suffix, read heads, linear probe and attribution."""
+
 import json
 
 import numpy as np
@@ -72,12 +73,18 @@ def _linear_result(write=1, decodable=True) -> LinearProbeResult:
     layers = 4
     rise = [0.5, 0.6, 0.95, 1.0, 1.0]
     return LinearProbeResult(
-        model="tiny", scenario="s<cript>", field="status", num_layers=layers,
+        model="tiny",
+        scenario="s<cript>",
+        field="status",
+        num_layers=layers,
         samples=[Sample(f"v{i}", "a" if i % 2 else "b", "yes" if i < 4 else "no") for i in range(8)],
         conclusion={g: (rise if decodable and g != "others" else None) for g in GROUPS},
         value={g: [1.0] * (layers + 1) for g in GROUPS},
-        conclusion_decodable=decodable, reason=None if decodable else "all 8 samples lead to 'yes'",
-        write_layer=write, lens=[["no", "no", "yes", "yes", "yes"]] * 4 + [["no"] * 5] * 4, ms=1.0,
+        conclusion_decodable=decodable,
+        reason=None if decodable else "all 8 samples lead to 'yes'",
+        write_layer=write,
+        lens=[["no", "no", "yes", "yes", "yes"]] * 4 + [["no"] * 5] * 4,
+        ms=1.0,
     )
 
 

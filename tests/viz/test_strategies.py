@@ -1,4 +1,5 @@
 """The edit-report figure on real tiny-model reports."""
+
 import json
 
 import pytest

@@ -1,4 +1,5 @@
 """The request budget: context refused before any forward, model time stopped between forwards, fair turns."""
+
 from __future__ import annotations
 
 import threading

@@ -1,4 +1,5 @@
 """Decision readout arithmetic: label aggregation, margin, recovery, logit agreement."""
+
 import math
 
 import pytest
@@ -8,7 +9,9 @@ from engine.cache.decision import decide, logit_agreement, recovery
 
 
 def test_label_score_is_logsumexp_of_its_strings_and_margin_is_first_minus_best_other():
-    decision = decide({"yes": {"yes": math.log(0.2), "Yes": math.log(0.3)}, "no": {"no": math.log(0.1)}, "maybe": {"m": math.log(0.4)}}, torch.zeros(3))
+    decision = decide(
+        {"yes": {"yes": math.log(0.2), "Yes": math.log(0.3)}, "no": {"no": math.log(0.1)}, "maybe": {"m": math.log(0.4)}}, torch.zeros(3)
+    )
     assert decision.scores["yes"] == pytest.approx(math.log(0.5))
     assert decision.margin == pytest.approx(math.log(0.5) - math.log(0.4))
     assert decision.label == "yes"

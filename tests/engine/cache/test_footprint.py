@@ -1,4 +1,5 @@
 """tensor_bytes counts every kept tensor once and never the model's weights."""
+
 from __future__ import annotations
 
 import torch

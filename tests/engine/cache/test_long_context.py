@@ -3,6 +3,7 @@
 Masks are explicit, so a forward costs (new tokens) × (keys it is given): long work runs in chunks of at most
 MAX_FORWARD_TOKENS new tokens, and a forward leaves out stored entries none of its tokens sees.
 """
+
 import pytest
 import torch
 
@@ -79,7 +80,10 @@ def test_fused_read_of_long_forks_is_exact_and_leaves_unseen_entries_out(hf, ids
     2k and 2.2k keys), and the captured attention is 0 there."""
     start, changed = TOKENS - 2048, 6000
     new_ids = ids[:changed] + [ids[changed] + 1] + ids[changed + 1 :]
-    forks = [notebook.recompute(range(start, TOKENS)), notebook.replace([changed], [new_ids[changed]]).recompute(range(changed + 1, TOKENS))]
+    forks = [
+        notebook.recompute(range(start, TOKENS)),
+        notebook.replace([changed], [new_ids[changed]]).recompute(range(changed + 1, TOKENS)),
+    ]
     decisions = Notebook.read_many(forks, DECODE, ANSWERS, capture_attention=True)
     assert torch.allclose(decisions[0].next_token_logits, _hf_logits(hf, ids + DECODE), atol=ATOL)
     assert torch.allclose(decisions[1].next_token_logits, _hf_logits(hf, new_ids + DECODE), atol=ATOL)

@@ -1,4 +1,5 @@
 """Notebook operations against ground truth: HF forwards, clean prefills, exact identities."""
+
 from dataclasses import replace
 
 import pytest
@@ -156,7 +157,12 @@ def test_deferred_steps_read_in_one_forward_equal_step_by_step(lm):
     _, forks = _forks(lm)
     fused = forks["both"]
     assert len(fused.pending) == 2
-    stepwise = forks["stale"].replace(range(8, 11), fused.token_ids[30:33].tolist()).materialized().append(fused.token_ids[33:].tolist(), "erratum")
+    stepwise = (
+        forks["stale"]
+        .replace(range(8, 11), fused.token_ids[30:33].tolist())
+        .materialized()
+        .append(fused.token_ids[33:].tolist(), "erratum")
+    )
     reference = stepwise.materialized()
     decision = fused.read(DECODE, ANSWERS)
     assert torch.allclose(decision.next_token_logits, reference.read(DECODE, ANSWERS).next_token_logits, atol=ATOL)
@@ -166,7 +172,9 @@ def test_deferred_steps_read_in_one_forward_equal_step_by_step(lm):
 
 def test_read_many_equals_separate_reads_and_keeps_forks_apart(lm):
     _, forks = _forks(lm)
-    separate = {name: Notebook.read_many([notebook], DECODE, ANSWERS, capture_attention=True)[0] for name, notebook in _forks(lm)[1].items()}
+    separate = {
+        name: Notebook.read_many([notebook], DECODE, ANSWERS, capture_attention=True)[0] for name, notebook in _forks(lm)[1].items()
+    }
     together = dict(zip(forks, Notebook.read_many(list(forks.values()), DECODE, ANSWERS, capture_attention=True)))
     for name, decision in together.items():
         assert torch.allclose(decision.next_token_logits, separate[name].next_token_logits, atol=ATOL), name

@@ -1,4 +1,5 @@
 """RoPE re-rotation: layouts, partial rotary, scaling, refusals, and the per-model self-test."""
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -92,8 +93,13 @@ def test_length_dependent_scaling_is_refused(rope_type):
     if rope_type == "longrope":
         parameters.update(short_factor=[1.0] * 8, long_factor=[2.0] * 8, original_max_position_embeddings=64)
     config = LlamaConfig(
-        vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-        max_position_embeddings=256, rope_parameters=parameters,
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        rope_parameters=parameters,
     )
     with pytest.raises(RopeUnsupported, match=rope_type):
         Rotary.for_model(LlamaForCausalLM(config))

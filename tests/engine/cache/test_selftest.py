@@ -1,4 +1,5 @@
 """The self-test judges each error against the dtype's measured noise floor, and still catches wrong rotations."""
+
 import dataclasses
 
 import pytest
@@ -93,7 +94,9 @@ def test_the_splice_gate_refuses_every_splice_once_the_selftest_fails(rotation_o
 
     lm = tiny_model("qwen2")
     prefix, block = Notebook.prefill(lm, [5, 6, 7], "prefix"), Notebook.prefill(lm, [8, 9], "block").block("block")
-    with pytest.raises(SpliceLocked, match=r"splicing stays locked on tiny-qwen2: its cache self-test failed \(FAILED in float32.*reposition [0-9.e-]+ > "):
+    with pytest.raises(
+        SpliceLocked, match=r"splicing stays locked on tiny-qwen2: its cache self-test failed \(FAILED in float32.*reposition [0-9.e-]+ > "
+    ):
         prefix.splice(block)
     report = lm.splice_gate.report(lm)
     assert not report.ok and {check.name for check in report.failed} >= {"reposition", "splice", "splice moved"}

@@ -1,4 +1,5 @@
 """Images in the cache (M-RoPE): every operation on a context with pictures equals what the model computes from pixels."""
+
 import json
 from dataclasses import replace
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from engine.cache import vision
+from engine.cache.image_table import ImageTable
 from engine.cache.notebook import Knockout, Notebook
 from engine.checks.support import TOLERANCE, _picture, _pixel_logits
 from engine.cli import main
@@ -162,7 +164,7 @@ def test_text_after_a_picture_is_stored_as_a_skill_file_with_its_rope_positions(
 
 
 def test_the_image_table_drops_the_oldest_picture_beyond_its_budget_and_says_so(lm):
-    table = vision.ImageTable(first_id=1000, budget_bytes=8 * 64 * 4)  # one 8-patch picture of 64 floats
+    table = ImageTable(first_id=1000, budget_bytes=8 * 64 * 4)  # one 8-patch picture of 64 floats
     first = table.add("a", "first", torch.ones(8, 64), 2, 4, (1, 2))
     second = table.add("b", "second", torch.zeros(8, 64), 2, 4, (1, 2))
     assert second.token_ids[1] == first.token_ids[-2] + 1  # ids are never reused
@@ -176,7 +178,9 @@ def test_a_picture_spliced_at_its_own_position_reads_as_the_recompute_and_moved_
     own = compare_image(lm, pixels, "label")
     assert own.shift == 0 and own.agreement["cosine"] > 1 - 1e-6 and abs(own.match.margin_error) < 1e-4
     moved = compare_image(lm, pixels, "label", before="Order 48213 was placed on Monday.", after="Read the status line.")
-    repaired = compare_image(lm, pixels, "label", before="Order 48213 was placed on Monday.", after="Read the status line.", seam=own.image_tokens)
+    repaired = compare_image(
+        lm, pixels, "label", before="Order 48213 was placed on Monday.", after="Read the status line.", seam=own.image_tokens
+    )
     assert moved.shift > 0 and moved.agreement["cosine"] < 1 - 1e-6
     assert repaired.agreement["cosine"] > 1 - 1e-6 and abs(repaired.match.margin_error) < 1e-4
     assert (own.image_tokens, own.rope_span) == (14, 6)  # 3 × 4 merged patches between the markers

@@ -1,4 +1,5 @@
 """The support matrix: every family green against ground truth or refused by name, and the traits behind it."""
+
 import json
 import re
 
@@ -22,9 +23,9 @@ from engine.models.tiny import (
     HYBRID_ARCHS,
     TINY_ARCHS,
     VISION_ARCHS,
-    make_tiny_model_dir,
     tiny_model,
 )
+from tests.shared import make_tiny_model_dir
 
 MOVING = ("move keys", "splice", "seam repair")
 # A hybrid reads (and prefills in chunks) through its own append-only cache; everything else rewrites entries.
@@ -90,7 +91,9 @@ def test_latent_attention_knocks_out_per_query_head():
     """Every query head has its own expanded K/V under MLA: a knockout hides the entries from those heads only."""
     lm = tiny_model("deepseek_v3")
     notebook = Notebook.prefill(lm, _ids(20))
-    attention = notebook.read([5, 6], {"a": [[8]], "b": [[9]]}, knockout=Knockout((3, 11), layers=(1,), heads=(2,)), capture_attention=True).attention
+    attention = notebook.read(
+        [5, 6], {"a": [[8]], "b": [[9]]}, knockout=Knockout((3, 11), layers=(1,), heads=(2,)), capture_attention=True
+    ).attention
     assert float(attention[1, 2][..., [3, 11]].abs().max()) == 0.0
     assert float(attention[1, [0, 1, 3]][..., [3, 11]].min()) > 0.0
 

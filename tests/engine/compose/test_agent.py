@@ -1,4 +1,5 @@
 """The agent loop: both references per turn, erratum compaction, several fields, erratum wordings."""
+
 from __future__ import annotations
 
 import pytest
@@ -6,7 +7,6 @@ import torch
 
 from engine.cache.notebook import Notebook
 from engine.compose.agent import (
-    ERRATUM_WORDINGS,
     Compaction,
     compacted,
     run_agent,
@@ -14,6 +14,7 @@ from engine.compose.agent import (
     value_schedule,
 )
 from engine.compose.splice import Remedy, adhoc_scenario
+from engine.edit.erratum import WORDINGS as ERRATUM_WORDINGS
 from engine.edit.runs import render_for, run_scenario
 from engine.scenario import Scenario, ScenarioError
 

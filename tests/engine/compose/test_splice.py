@@ -1,4 +1,5 @@
 """Composition: splice vs prefill ground truth, skill files, the store, keystone, memory."""
+
 import json
 
 import pytest
@@ -66,7 +67,9 @@ def test_spliced_second_skill_keys_equal_keys_prefilled_at_the_target(lm, store)
     second = scenario.skills[SHORT[1]]
     block = compile_skill(lm, second)
     target = prompt.skill_spans[SHORT[1]].start
-    canonical = Notebook.prefill(lm, list(prompt.context_ids[: block.start_position]) + block.token_ids.tolist(), start_position=target - block.start_position)
+    canonical = Notebook.prefill(
+        lm, list(prompt.context_ids[: block.start_position]) + block.token_ids.tolist(), start_position=target - block.start_position
+    )
     expected = canonical.block(positions=range(target, target + len(block)))
     got = spliced.block(positions=range(target, target + len(block)))
     for mine, theirs in zip(got.keys + got.values, expected.keys + expected.values):
@@ -196,9 +199,14 @@ def test_remedy_specs_round_trip_and_refuse_nonsense():
         assert Remedy.parse(Remedy.parse(text).name) == Remedy.parse(text)
     assert Remedy.parse("prefix+seam:2") == Remedy(seam=2, prefix=True) and Remedy.parse("causal:0.3").needs_reference
     assert not Remedy.parse("blend:0.3").needs_reference and Remedy.parse("blend:0.3").require_deployable("the keystone")
-    for bad, match in (("seam:x", "'seam:x' not understood"), ("mix:0.2", "'mix:0.2' not understood"), ("seam:-1", "seam must be ≥ 0"),
-                       ("blend", "'blend' not understood.*blend:0.3"),
-                       ("deviation:0", r"fraction within \(0, 1\]"), ("deviation:1.5", r"fraction within \(0, 1\]")):
+    for bad, match in (
+        ("seam:x", "'seam:x' not understood"),
+        ("mix:0.2", "'mix:0.2' not understood"),
+        ("seam:-1", "seam must be ≥ 0"),
+        ("blend", "'blend' not understood.*blend:0.3"),
+        ("deviation:0", r"fraction within \(0, 1\]"),
+        ("deviation:1.5", r"fraction within \(0, 1\]"),
+    ):
         with pytest.raises(ScenarioError, match=match):
             Remedy.parse(bad)
     with pytest.raises(ScenarioError, match="only applies to the ranked"):
@@ -266,10 +274,18 @@ def test_blend_recomputes_the_moved_skill_before_the_one_already_in_place(lm, st
 def test_skills_placed_after_the_fields_sit_between_fields_and_rules():
     base = Scenario.load(bundled_scenarios()["refund_gate"])
     context = with_skills(base, SHORT, "after_fields").context
-    assert context.index("{refund_eligible}") < context.index("{skill:account_gate}") < context.index("{skill:user_memory}") < context.index("POLICY")
+    assert (
+        context.index("{refund_eligible}")
+        < context.index("{skill:account_gate}")
+        < context.index("{skill:user_memory}")
+        < context.index("POLICY")
+    )
     with pytest.raises(ScenarioError, match="no paragraph break"):
-        with_skills(Scenario.from_toml('name="x"\ncontext="a {f}"\nquestion="q"\n[fields.f]\nold="1"\nnew="2"\n[answers]\na="a"\nb="b"\n'),
-                    SHORT, "after_fields")
+        with_skills(
+            Scenario.from_toml('name="x"\ncontext="a {f}"\nquestion="q"\n[fields.f]\nold="1"\nnew="2"\n[answers]\na="a"\nb="b"\n'),
+            SHORT,
+            "after_fields",
+        )
     with pytest.raises(ScenarioError, match="no field in its context"):
         with_skills(adhoc_scenario([]), SHORT, "after_fields")
 

@@ -1,4 +1,5 @@
 """The N-skill study: cases, tie-aware summaries, the default remedy it picks."""
+
 import pytest
 
 from engine.compose.splice import Remedy, adhoc_scenario
@@ -17,8 +18,16 @@ def test_study_cases_and_summary_are_consistent(lm, store):
     scenario = Scenario.load(bundled_scenarios()["refund_gate"])
     remedies = [Remedy(), Remedy(seam=10_000)]
     seen = []
-    study = run_study(lm, scenario, skill_prefixes(SHORT), store, remedies=remedies, placements=("start", "after_fields"),
-                      values=({"refund_eligible": "false"}, {"refund_eligible": "true"}), progress=lambda done, total: seen.append((done, total)))
+    study = run_study(
+        lm,
+        scenario,
+        skill_prefixes(SHORT),
+        store,
+        remedies=remedies,
+        placements=("start", "after_fields"),
+        values=({"refund_eligible": "false"}, {"refund_eligible": "true"}),
+        progress=lambda done, total: seen.append((done, total)),
+    )
     assert len(study.cases) == 2 * 2 * 2 and seen[-1] == (16, 16)
     summary = study.summary()
     exact = summary["seam:10000"]

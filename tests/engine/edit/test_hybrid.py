@@ -1,5 +1,6 @@
 """Hybrids (recurrent layers beside attention): reads, chunked prefills and appends equal the model's own forward;
 everything that rewrites an entry is refused, naming the recurrent layers."""
+
 import json
 
 import pytest
@@ -48,7 +49,9 @@ def test_chunks_and_appends_equal_one_run_and_leave_the_context_as_it_was(lm):
     before = chunked.read(DECODE, ANSWERS).next_token_logits
     appended = chunked.append(erratum, "erratum")
     for other in (chunked.append(erratum, "erratum"), appended):
-        assert float((other.read(DECODE, ANSWERS).next_token_logits - once.read(DECODE, ANSWERS).next_token_logits).abs().max()) <= TOLERANCE
+        assert (
+            float((other.read(DECODE, ANSWERS).next_token_logits - once.read(DECODE, ANSWERS).next_token_logits).abs().max()) <= TOLERANCE
+        )
     assert torch.equal(chunked.read(DECODE, ANSWERS).next_token_logits, before)  # reads and appends never change a context
     assert appended.segments[-1] == "erratum" and len(appended) == 49
 
@@ -79,8 +82,21 @@ def test_cli_decide_and_edit_run_on_a_hybrid(capsys):
     assert main(["decide", "--model", "tiny-bamba", "--scenario", "demos/scenarios/refund_gate.toml", "--json"]) == 0
     decided = json.loads(capsys.readouterr().out)
     assert decided["hybrid"] and decided["decision"] in ("yes", "no") and decided["context_tokens"] > 100
-    assert main(["edit", "--model", "tiny-bamba", "--scenario", "demos/scenarios/refund_gate.toml", "--strategies", "field_only,erratum",
-                 "--json"]) == 0
+    assert (
+        main(
+            [
+                "edit",
+                "--model",
+                "tiny-bamba",
+                "--scenario",
+                "demos/scenarios/refund_gate.toml",
+                "--strategies",
+                "field_only,erratum",
+                "--json",
+            ]
+        )
+        == 0
+    )
     edited = json.loads(capsys.readouterr().out)
     assert edited["strategies"]["erratum"]["applicable"] and not edited["strategies"]["field_only"]["applicable"]
     assert edited["stale"]["margin"] == pytest.approx(decided["margin"], abs=1e-4)

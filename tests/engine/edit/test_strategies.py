@@ -1,4 +1,5 @@
 """Edit strategies on tiny models: identities against oracle and stale, errors, JSON shape."""
+
 import json
 
 import pytest
@@ -150,8 +151,9 @@ def test_cached_gradients_make_attribution_free_and_are_checked(lm, scenario):
     experiment = EditExperiment(lm, scenario)
     candidates = experiment.field_positions + experiment.downstream_positions
     fresh = attribution_effects(experiment.stale.notebook, experiment.oracle.notebook, experiment.prompt, candidates)
-    cached = attribution_effects(experiment.stale.notebook, experiment.oracle.notebook, experiment.prompt, candidates,
-                                 gradients=experiment.stale.gradients)
+    cached = attribution_effects(
+        experiment.stale.notebook, experiment.oracle.notebook, experiment.prompt, candidates, gradients=experiment.stale.gradients
+    )
     assert torch.allclose(fresh.effects, cached.effects, atol=1e-6) and fresh.base_margin == pytest.approx(cached.base_margin, abs=1e-6)
     longer = experiment.stale.notebook.append([5, 6])
     with pytest.raises(NotebookError, match="computed for another notebook"):

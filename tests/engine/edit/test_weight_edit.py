@@ -1,5 +1,6 @@
 """Weight editing beside the erratum: private copies leave the shared model untouched, the closed forms hold,
 and every method is measured the same way."""
+
 import hashlib
 import json
 
@@ -136,11 +137,29 @@ def test_cli_weights_json(tmp_path, capsys):
     path = tmp_path / "refund.toml"
     path.write_text(SAME_LENGTH_SCENARIO)
     others = ",".join(str(bundled_scenarios()[name]) for name in ("refund_gate", "access_control"))
-    code = main(["weights", "--json", "--model", "tiny-qwen2", "--scenario", str(path), "--methods", "field_erratum,rome",
-                 "--rome-layer", "1", "--rome-steps", "2", "--others", others])
+    code = main(
+        [
+            "weights",
+            "--json",
+            "--model",
+            "tiny-qwen2",
+            "--scenario",
+            str(path),
+            "--methods",
+            "field_erratum,rome",
+            "--rome-layer",
+            "1",
+            "--rome-steps",
+            "2",
+            "--others",
+            others,
+        ]
+    )
     result = json.loads(capsys.readouterr().out)
     assert code == 0 and set(result["methods"]) == {"field_erratum", "rome"}
-    assert {"efficacy", "contamination", "collateral", "collateral_mean_abs_delta", "edit_ms", "setup_ms", "memory_bytes"} <= set(result["methods"]["rome"])
+    assert {"efficacy", "contamination", "collateral", "collateral_mean_abs_delta", "edit_ms", "setup_ms", "memory_bytes"} <= set(
+        result["methods"]["rome"]
+    )
     assert {"model", "scenario", "field", "old", "new"} <= set(result) and len(result["probes"]["others"]) == 2
 
 

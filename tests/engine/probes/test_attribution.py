@@ -1,4 +1,5 @@
 """Captum attribution: features, the scored forward against hand-made forwards, both methods, errors."""
+
 from __future__ import annotations
 
 import json
@@ -48,7 +49,11 @@ def test_segments_are_lines_with_the_field_apart():
     segments = ["template"] * 2 + ["context"] * 3 + ["field:x"] + ["context"] * 4 + ["template"]
     texts = ["<s>", "user\n", "SESSION", "\n", "x:", " false", "\n", "Policy", " here", ".\n", "\n\n"]
     assert context_features(segments, texts, "segments") == [
-        (2, 4, "context"), (4, 5, "context"), (5, 6, "field:x"), (6, 7, "context"), (7, 10, "context"),
+        (2, 4, "context"),
+        (4, 5, "context"),
+        (5, 6, "field:x"),
+        (6, 7, "context"),
+        (7, 10, "context"),
     ]
     tokens = context_features(segments, texts, "tokens")
     assert [start for start, _, _ in tokens] == list(range(2, 10)) and all(end == start + 1 for start, end, _ in tokens)
@@ -96,7 +101,11 @@ def test_answer_target_and_oracle_run(experiment):
 def test_gradient_gives_one_finite_score_per_feature(experiment):
     calls = []
     segments = captum_attribution(experiment, method="gradient", steps=64, progress=lambda d, t: calls.append((d, t)))
-    lines = context_features(experiment.stale.prompt.context_segments, [experiment.lm.tokenizer.decode([t]) for t in experiment.stale.prompt.context_ids], "segments")
+    lines = context_features(
+        experiment.stale.prompt.context_segments,
+        [experiment.lm.tokenizer.decode([t]) for t in experiment.stale.prompt.context_ids],
+        "segments",
+    )
     assert [(f.start, f.end) for f in segments.features] == [(s, e) for s, e, _ in lines]
     assert all(math.isfinite(f.score) for f in segments.features)
     assert abs(segments.delta) < 0.05  # integrated gradients: scores sum to the full − baseline effect

@@ -1,4 +1,5 @@
 """Linear probe: the logistic regression, position groups, logit lens and the whole probe on tiny models."""
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """Probes on a tiny random model: exact identities and mechanics (tiny models do not flip decisions)."""
+
 import json
 from dataclasses import replace
 
@@ -9,7 +10,6 @@ from engine.cache.notebook import Knockout, Notebook
 from engine.edit.experiment import EditExperiment
 from engine.models.tiny import tiny_model
 from engine.probes import (
-    PROBES,
     ProbeError,
     probe_attention,
     probe_false_note,
@@ -20,6 +20,7 @@ from engine.probes import (
     probe_suffix,
     probe_trigger,
 )
+from engine.probes.registry import PROBES
 from engine.scenario import Scenario, bundled_scenarios, render
 
 ATOL = 1e-5
@@ -51,15 +52,19 @@ def _margin(experiment: EditExperiment, notebook: Notebook, knockout=None) -> fl
 def _with_donor(experiment: EditExperiment, notebook: Notebook) -> EditExperiment:
     """The same edit measured against another reference notebook (e.g. a small perturbation)."""
     donor = replace(experiment.oracle, notebook=notebook, decision=notebook.read_prompt(experiment.prompt))
-    return EditExperiment(experiment.lm, experiment.scenario, experiment.field, experiment.new, experiment.settings,
-                          stale=experiment.stale, oracle=donor)
+    return EditExperiment(
+        experiment.lm, experiment.scenario, experiment.field, experiment.new, experiment.settings, stale=experiment.stale, oracle=donor
+    )
 
 
-def test_registry_names_the_eight_probes():
-    assert list(PROBES) == ["locality", "notes_map", "suffix", "knockout", "heads", "false_note", "trigger", "attention"]
+CAUSAL_PROBES = ["locality", "notes_map", "suffix", "knockout", "heads", "false_note", "trigger", "attention"]
 
 
-@pytest.mark.parametrize("name", list(PROBES))
+def test_registry_names_every_probe():
+    assert list(PROBES) == [*CAUSAL_PROBES, "linear", "attribution", "frontier"]
+
+
+@pytest.mark.parametrize("name", CAUSAL_PROBES)
 def test_every_result_is_json_ready_and_reports_progress(experiment, name):
     calls = []
     options = TRIGGER if name == "trigger" else {}
@@ -110,7 +115,9 @@ def test_notes_map_attribution_matches_exact_for_a_small_perturbation(lm):
     def nudge(tensors):
         return tuple(t + 1e-3 * torch.randn(t.shape, generator=generator) for t in tensors)
 
-    experiment = _with_donor(experiment, replace(stale.materialized(), computed_keys=nudge(stale.keys), computed_values=nudge(stale.values)))
+    experiment = _with_donor(
+        experiment, replace(stale.materialized(), computed_keys=nudge(stale.keys), computed_values=nudge(stale.values))
+    )
     result = probe_notes_map(experiment, exact=True)
     pearson = torch.corrcoef(torch.tensor([result.per_position(), result.exact_effects]))[0, 1]
     assert float(pearson) > 0.99
@@ -190,7 +197,9 @@ def test_false_note_with_every_note_equals_patching_everything_downstream(experi
 def test_trigger_notes_and_trigger_split_the_flip(experiment, lm):
     result = probe_trigger(experiment, **TRIGGER)
     scenario = experiment.scenario
-    flipped_prompt = render(replace(scenario, context=scenario.context.replace("never", "only")), lm.tokenizer, experiment.stale.prompt.values)
+    flipped_prompt = render(
+        replace(scenario, context=scenario.context.replace("never", "only")), lm.tokenizer, experiment.stale.prompt.values
+    )
     flipped = Notebook.from_prompt(lm, flipped_prompt)
     assert result.trigger_texts == [(" never", " only")]
     assert result.gap.oracle == pytest.approx(_margin(experiment, flipped), abs=ATOL)
@@ -239,7 +248,9 @@ def test_attention_shapes_and_masses(experiment):
     assert torch.allclose(torch.tensor(result.stale.mass["field"]), expected, atol=1e-3)
     for run, mass in ((experiment.stale, result.stale.mass), (experiment.oracle, result.oracle.mass)):
         # "rest" read off the full attention row: the context before the field plus the question tokens themselves
-        captured = run.notebook.read_prompt(experiment.prompt, capture_attention=True).attention  # (layers, heads, decode, entries + decode)
+        captured = run.notebook.read_prompt(
+            experiment.prompt, capture_attention=True
+        ).attention  # (layers, heads, decode, entries + decode)
         row, decode = captured[:, :, -1], captured.shape[2]
         prefix = run.notebook.entries_at([p for p in run.notebook.visible_positions() if p < field[0]])
         rest = (row[..., prefix].sum(-1) + row[..., -decode:].sum(-1)).mean(1)

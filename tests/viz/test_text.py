@@ -1,0 +1,73 @@
+"""The app's text panels from engine results: values escaped, KL never shown below zero, the remedy named."""
+
+import torch
+
+from engine.cache.decision import Decision
+from engine.compose.splice import DEFAULT_REMEDY, Remedy
+from viz.learn import decisions_html, splice_html
+from viz.text import knockout_markdown, memory_markdown, remedy_info, remedy_words, shown_kl
+
+PROFILE = {
+    "name": "public",
+    "model_capacity": 2,
+    "pin_default_model": True,
+    "baseline_budget_bytes": 2**20,
+    "reference_budget_bytes": 2**20,
+    "max_context_tokens": 1024,
+    "request_seconds": 30.0,
+    "max_agent_turns": 8,
+    "export_max_bytes": 2 * 2**20,
+}
+
+
+def _decision(label: str, margin: float) -> Decision:
+    return Decision(scores={label: margin, "other": 0.0}, string_logprobs={}, margin=margin, label=label, next_token_logits=torch.zeros(4))
+
+
+def test_rounding_noise_below_zero_shows_as_zero_kl():
+    assert f"{shown_kl(-3e-7):.4f}" == "0.0000" and f"{shown_kl(-0.0):.4f}" == "0.0000" and shown_kl(0.25) == 0.25
+
+
+def test_remedy_words_say_what_each_part_recomputes():
+    words = remedy_words(DEFAULT_REMEDY.as_dict())
+    assert "system prompt" in words and "its first token" in words and "70% of its other tokens" in words and "CacheBlend" in words
+    assert remedy_words(Remedy.parse("seam:3").as_dict()) == "its first 3 tokens recomputed against the real prefix (seam)"
+    assert "nothing recomputed" in remedy_words(Remedy.parse("splice").as_dict())
+
+
+def test_splice_step_names_the_remedy_and_its_recomputed_share():
+    summary = {
+        "decision_agree": True,
+        "cosine": 0.99991,
+        "kl": -2e-6,
+        "ttft_ms": {"splice": 120.0, "full": 300.0},
+        "speedup": 2.5,
+        "skill_tokens": 200,
+        "context_tokens": 260,
+        "recomputed_tokens": 141,
+        "recomputed_fraction": 0.705,
+        "remedy": DEFAULT_REMEDY.as_dict(),
+    }
+    text = splice_html(summary)
+    assert "KL 0.0000," in text and "-0.0000" not in text
+    assert f"The remedy {DEFAULT_REMEDY.name} recomputed 141 of the 200 skill tokens (70%)" in text
+    assert "logit cosine 0.90–0.999" in text and "notes effect" not in text  # the caveat is about splicing
+
+
+def test_user_text_in_panels_is_escaped():
+    html_text = decisions_html("m<i>", "<b>old</b>", "new", _decision("yes", 1.0), _decision("no", -1.0))
+    assert "<b>old</b>" not in html_text and "&lt;b&gt;old&lt;/b&gt;" in html_text and "m&lt;i&gt;" in html_text
+    memory = memory_markdown(
+        PROFILE,
+        ["org/[x](http://e)"],
+        2**20,
+        {"baselines": 0, "references": 0, "skills": 0},
+        {"sessions": 1, "bytes": 0, "budget_bytes": 2**20, "ttl_s": 900.0},
+    )
+    assert r"org/\[x\]\(http://e\)" in memory and "context ≤ 1,024 tokens" in memory
+    knocked = knockout_markdown([1, 2], ["a", "*b*"], _decision("<no>", -0.5), _decision("yes", 1.0), _decision("no", -1.0))
+    assert "Knocked out 2 positions" in knocked and "&lt;no&gt;" in knocked and r"\*b\*" in knocked
+
+
+def test_remedy_info_without_a_stored_study_gives_the_grammar():
+    assert remedy_info("prefix+seam:1").startswith("Default prefix+seam:1. Parts joined by +")

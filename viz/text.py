@@ -1,0 +1,210 @@
+"""The app's text panels as Markdown: pure functions from engine results (no model call, no I/O).
+
+Every user or model string (a spec, a scenario value, a token, a label) goes through
+:func:`viz.common.markdown_literal`, so no Markdown or HTML can be injected through it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+
+from engine.cache.decision import DECISIVE_MARGIN, Decision
+from engine.cache.selftest import SelfTestReport
+from engine.checks.support import SupportRow
+from engine.compose.pictures import ImageFidelity
+from engine.compose.splice import Fidelity
+from viz.common import markdown_literal
+
+REMEDY_GRAMMAR = (
+    "Parts joined by +: prefix (compile after the scenario's system prompt), seam:N, aggregators, blend:F (CacheBlend: the "
+    "fraction F of skill tokens whose layer-1 K/V deviate most from a fresh prefill run through layers 0–1 only), deviation:F, causal:F "
+    "(the last two rank against the full recompute: diagnostics)."
+)
+RANKINGS = {  # a ranked selection: which skill tokens its fraction recomputes
+    "blend": "whose layer-1 K/V sit farthest from a fresh prefill (CacheBlend)",
+    "deviation": "whose K/V deviate most from the full recompute (a diagnostic)",
+    "causal": "with the largest causal effect on the decision (a diagnostic)",
+}
+
+
+def shown_kl(value: float) -> float:
+    """A KL divergence for display: rounding noise below zero shown as 0 (KL is never negative)."""
+    return max(0.0, value)
+
+
+def _values(values: Mapping[str, str]) -> str:
+    return ", ".join(f"{markdown_literal(name)} = {markdown_literal(value)}" for name, value in values.items())
+
+
+# ---------------------------------------------------------------------------- model tab
+def model_card_markdown(info: Mapping, cache_layout: str, selftest: SelfTestReport | None = None, support: SupportRow | None = None) -> str:
+    """The model card (``LoadedModel.info()``, its cache layout, self-test and support row), values escaped."""
+    fingerprint = info["fingerprint"]
+    rope = info.get("rope") or "none (learned positions: splicing is off)"
+    rows = {
+        "Model": fingerprint["name"],
+        "Source": info.get("source"),
+        "Architecture": info.get("architecture"),
+        "Layers / heads / KV heads": f"{info.get('layers')} / {info.get('attention_heads')} / {info.get('kv_heads')}",
+        "Head dim": info.get("head_dim"),
+        "Cached per token and layer": cache_layout,
+        "RoPE": json.dumps(rope) if isinstance(rope, dict) else rope,
+        "Device / dtype": f"{info.get('device')} / {fingerprint['dtype']}",
+        "Why this dtype": info.get("dtype_reason"),
+        "Parameters": f"{info.get('parameters', 0) / 1e6:.1f} M ({info.get('parameter_bytes', 0) / 2**30:.2f} GiB)",
+        "Fingerprint": fingerprint["config_hash"],
+    }
+    if selftest is not None:
+        rows["Cache self-test"] = selftest.summary()
+    if support is not None:
+        rows["Family"] = support.family
+        rows["Operations on this model"] = support.summary()
+    return "\n".join(f"- **{key}**: {markdown_literal(str(value))}" for key, value in rows.items())
+
+
+def memory_markdown(profile: Mapping, loaded: Sequence[str], rss_bytes: int, shared: Mapping[str, int], kept: Mapping[str, float]) -> str:
+    """What a server keeps in memory against its budgets: ``profile`` as ``HostingProfile.as_dict()``, the loaded
+    model specs, the process RSS, shared results by kind (``ModelRegistry.memory()``) and ``SessionStore.stats()``."""
+    mb = lambda count: f"{count / 2**20:,.1f} MB"  # noqa: E731
+    models = ", ".join(markdown_literal(spec) for spec in loaded) or "none"
+    rows = [
+        f"**Profile** {markdown_literal(profile['name'])} · models loaded: {models} (at most {profile['model_capacity']}"
+        f"{', default pinned' if profile['pin_default_model'] else ''}) · process RSS {mb(rss_bytes)}",
+        f"**Sessions** {kept['sessions']} holding {mb(kept['bytes'])} of {mb(kept['budget_bytes'])} (idle ones dropped after "
+        f"{kept['ttl_s'] / 60:.0f} min) · **baselines** {mb(shared['baselines'])} of {mb(profile['baseline_budget_bytes'])} · "
+        f"**composer references** {mb(shared['references'])} of {mb(profile['reference_budget_bytes'])} (per model) · "
+        f"**compiled skills** {mb(shared['skills'])}",
+    ]
+    limits = [
+        f"context ≤ {profile['max_context_tokens']:,} tokens" if profile["max_context_tokens"] else "any context length",
+        f"≤ {profile['request_seconds']:g} s of model time per request" if profile["request_seconds"] else "no time limit",
+        f"≤ {profile['max_agent_turns']} agent turns",
+        f"exports ≤ {profile['export_max_bytes'] / 2**20:.0f} MB",
+    ]
+    rows.append("**Limits** " + " · ".join(limits))
+    return "  \n".join(rows)
+
+
+# ---------------------------------------------------------------------------- notes tab
+def baseline_markdown(values: Mapping[str, str], decision: Decision, margin: float, context_tokens: int) -> str:
+    """The current decision of the prepared scenario (prefilled at its old ``values``)."""
+    return (
+        f"Now ({_values(values)}): the model answers **{markdown_literal(decision.label)}** (margin {margin:+.2f}); "
+        f"{context_tokens} context tokens cached."
+    )
+
+
+def hybrid_baseline_markdown(values: Mapping[str, str], decision: Decision, context_tokens: int, recurrent_layers: Sequence[int]) -> str:
+    """The current decision on a hybrid (read on its own append-only cache), and why in-place edits are refused."""
+    return (
+        f"Now ({_values(values)}): the model answers **{markdown_literal(decision.label)}** (margin {decision.margin:+.2f}), "
+        f"read on its own cache of {context_tokens} tokens. It is a hybrid (recurrent layers {list(recurrent_layers)}): "
+        "edits that rewrite cache entries are refused here; `python -m engine edit` reads the erratum against a clean prefill."
+    )
+
+
+def knockout_markdown(positions: Sequence[int], token_texts: Sequence[str], knocked: Decision, oracle: Decision, stale: Decision) -> str:
+    """The decision after hiding ``positions`` (the first 12 named with their tokens), beside the oracle and stale ones."""
+    shown = ", ".join(f"{p}:{token_texts[p]!r}" for p in positions[:12] if p < len(token_texts))
+    return (
+        f"Knocked out {len(positions)} positions ({markdown_literal(shown)}). Decision **{markdown_literal(knocked.label)}** "
+        f"(margin {knocked.margin:+.2f}); without knockout **{markdown_literal(oracle.label)}** ({oracle.margin:+.2f}), "
+        f"stale **{markdown_literal(stale.label)}** ({stale.margin:+.2f})."
+    )
+
+
+# ---------------------------------------------------------------------------- composer tab
+def remedy_words(remedy: Mapping) -> str:
+    """What a remedy (``Remedy.as_dict()``) recomputes, in words."""
+    parts = ["the skill compiled after the scenario's own system prompt"] if remedy["prefix"] else []
+    if remedy["seam"]:
+        first = "its first token" if remedy["seam"] == 1 else f"its first {remedy['seam']} tokens"
+        parts.append(f"{first} recomputed against the real prefix (seam)")
+    if remedy["select"] == "aggregators":
+        parts.append("every aggregator token (punctuation, line breaks) recomputed")
+    elif remedy["select"] in RANKINGS:
+        parts.append(f"{remedy['fraction']:.0%} of its other tokens recomputed: those {RANKINGS[remedy['select']]}")
+    return "; ".join(parts) or "the stored K/V spliced as they are, nothing recomputed"
+
+
+def remedy_info(default: str, stored: str | None = None, summary: Mapping[str, Mapping] | None = None, fastest: str | None = None) -> str:
+    """What the default remedy costs and buys in a stored N-skill study (its file ``stored`` and ``summary``), the
+    fastest deployable remedy there when it is another one, then the remedy grammar (plain text)."""
+    row = (summary or {}).get(default)
+    if not row:
+        return f"Default {default}. {REMEDY_GRAMMAR}"
+
+    def costs(name: str, row: Mapping) -> str:
+        return (
+            f"{name} agrees on {row['agree_decisive']} of {row['decisive']} decisive cases, "
+            f"recomputes {row['recomputed_fraction']:.1%} of skill tokens, "
+            f"TTFT ×{row['speedup']['median']:.2f} vs a full recompute (median)"
+        )
+
+    faster = f" Fastest: {costs(fastest, summary[fastest])}." if fastest and fastest != default else ""
+    return f"Default: in the stored N-skill study ({stored}) {costs(default, row)}.{faster} {REMEDY_GRAMMAR}"
+
+
+def decision_words(fidelity: Fidelity) -> str:
+    """Agreement of the spliced decision with the recomputed one, ties named as such."""
+    labels = f"{markdown_literal(fidelity.spliced.label)} vs {markdown_literal(fidelity.recomputed.label)}"
+    error = f"margin error {fidelity.match.margin_error:+.3f}"
+    if fidelity.match.agree is None:
+        return f"**decision** the recomputed margin {fidelity.recomputed.margin:+.3f} is a tie ({labels}, {error})"
+    return f"**decision** {'agrees' if fidelity.match.agree else 'differs'} ({labels}, {error})"
+
+
+def compose_metrics_markdown(fidelity: Fidelity) -> str:
+    """A splice against the full recompute: logits, decision, TTFT and what the remedy recomputed."""
+    data = fidelity.as_dict()
+    ranked = "; ranked against the full recompute, so no TTFT saving in deployment" if fidelity.remedy.needs_reference else ""
+    return (
+        f"**cosine** {data['cosine']:.4f} · **KL** {shown_kl(data['kl']):.4f} · "
+        f"**top-1** {'agree' if data['top1_agree'] else 'differ'} · **top-5 overlap** {data['top5_agree']:.0%} · "
+        f"{decision_words(fidelity)}  \n"
+        f"**TTFT** splice {data['ttft_ms']['splice']:.0f} ms vs full {data['ttft_ms']['full']:.0f} ms (×{data['speedup']}"
+        f"{'; full recompute reused from an earlier comparison of this context' if fidelity.reference_reused else ''}) · "
+        f"{data['skill_tokens']} of {data['context_tokens']} context tokens spliced; remedy {markdown_literal(fidelity.remedy.name)} "
+        f"recomputed {data['recomputed_tokens']} of them ({data['recomputed_fraction']:.1%}){ranked}"
+    )
+
+
+def image_metrics_markdown(result: ImageFidelity) -> str:
+    """A spliced picture against the recompute from its pixels: logits, decision, TTFT and the picture's geometry."""
+    data = result.as_dict()
+    labels = f"{markdown_literal(result.spliced.label)} vs {markdown_literal(result.recomputed.label)}"
+    verdict = "a tie in the recomputed decision" if result.match.agree is None else "agrees" if result.match.agree else "differs"
+    return (
+        f"**cosine** {data['cosine']:.4f} · **KL** {shown_kl(data['kl']):.4f} · "
+        f"**top-1** {'agree' if data['top1_agree'] else 'differ'} · "
+        f"**decision** {verdict} ({labels}, margin error {result.match.margin_error:+.3f})  \n"
+        f"**TTFT** splice {data['ttft_ms']['splice']:.0f} ms vs full {data['ttft_ms']['full']:.0f} ms with the vision tower "
+        f"(×{data['speedup']}) · "
+        f"picture {data['image_tokens']} tokens over {data['rope_span']} rope positions, moved {data['shift']} positions, "
+        f"first {data['seam']} recomputed"
+    )
+
+
+def study_markdown(data: Mapping) -> str:
+    """One line per remedy of an N-skill study (``Study.as_dict()``): agreement on decisive cases, ties, margin error,
+    recompute share, TTFT; then the best deployable remedy."""
+    count = len(data["cases"])
+    lines = [
+        f"**{count} composed prompt{'' if count == 1 else 's'}**; agreement counts only cases whose recomputed "
+        f"|margin| ≥ {DECISIVE_MARGIN}."
+    ]
+    for name, row in data["summary"].items():
+        agreement = f"{row['agree_decisive']}/{row['decisive']} decisive agree" if row["decisive"] else "no decisive case"
+        diagnostic = " (ranked against the full recompute: diagnostic)" if row["needs_reference"] else ""
+        lines.append(
+            f"- {markdown_literal(name)}: {agreement}, {row['ties']} ties · "
+            f"mean |margin error| {row['mean_abs_margin_error']:.3f} · median cosine {row['cosine']['median']:.4f} · "
+            f"recomputes {row['recomputed_fraction']:.1%} of skill tokens · "
+            f"TTFT ×{row['speedup']['median']:.2f}{diagnostic}"
+        )
+    best = data.get("best")
+    lines.append(
+        f"**Best deployable here:** {markdown_literal(best)}" if best else "**No deployable remedy agrees on every decisive case here.**"
+    )
+    return "\n".join(lines)
