@@ -14,6 +14,17 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from engine.audit.audit import (
+    DEFAULT_MIN_AGREEMENT,
+    DEFAULT_THRESHOLD,
+    DEFAULT_TOKENS,
+    audit_requests,
+    audit_value,
+    repaired_template,
+    scenario_toml,
+)
+from engine.audit.repairs import GRAINS, REPAIRS
+from engine.audit.requests import Request, RequestLogError, parse_log, parse_prompt
 from engine.cache.selftest import run_selftest
 from engine.checks.support import (
     OPERATIONS,
@@ -293,6 +304,52 @@ def _progress(unit: str) -> StepProgress:
     return lambda done, total: _log(f"{unit}: {done}/{total}")
 
 
+def cmd_audit(args: argparse.Namespace) -> dict:
+    """Audit a request log (or one prompt with --find/--new): prefix reuse, changed fields, every repair's cost and fidelity."""
+    text = _read_text(args.log)
+    options = {
+        "repairs": _names(args.repairs) or REPAIRS,
+        "tokens": args.tokens,
+        "threshold": args.threshold,
+        "min_agreement": args.min_agreement,
+        "grain": args.grain,
+    }
+    lm = _load(args)
+    if args.new is None:
+        report = audit_requests(lm, parse_log(text), progress=_progress("audit steps"), **options)
+    else:
+        request = parse_prompt(text)
+        message, chars = _find_span(request, args.find)
+        report = audit_value(lm, request, chars, args.new, message=message, progress=_progress("audit steps"), **options)
+    result = report.as_dict()
+    for path, build in ((args.scenario_out, lambda: scenario_toml(report)), (args.template_out, lambda: repaired_template(report))):
+        if path:
+            Path(path).write_text(build(), encoding="utf-8")
+    return result
+
+
+def _read_text(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise RequestLogError(f"cannot read {path}: {error}") from None
+
+
+def _names(text: str | None) -> list[str]:
+    return [name.strip() for name in (text or "").split(",") if name.strip()]
+
+
+def _find_span(request: Request, find: str | None) -> tuple[int, tuple[int, int]]:
+    """The message and characters of the first occurrence of ``find`` in a prompt's messages."""
+    if not find:
+        raise RequestLogError("--new needs --find TEXT: the value to change in the prompt")
+    for index, content in enumerate(request.contents):
+        at = content.find(find)
+        if at >= 0:
+            return index, (at, at + len(find))
+    raise RequestLogError(f"{find!r} does not occur in the prompt")
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], dict]] = {
     "info": cmd_info,
     "selftest": cmd_selftest,
@@ -307,6 +364,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], dict]] = {
     "keystone": cmd_keystone,
     "memory": cmd_memory,
     "weights": cmd_weights,
+    "audit": cmd_audit,
 }
 
 
@@ -388,7 +446,20 @@ def _argument_groups() -> dict[str, tuple[tuple[Argument, ...], ...]]:
         _arg("--rome-steps", type=int, default=RomeSettings.steps, help="ROME value optimisation steps"),
         _arg("--others", help="comma-separated scenario files for collateral (default: every bundled scenario)"),
     )
+    audit = (
+        _arg("log", help="request log (JSONL or a JSON array; OpenAI chat or completions requests), or one prompt with --new"),
+        _arg("--repairs", help=f"comma-separated subset of: {', '.join(REPAIRS)} (recompute always runs)"),
+        _arg("--tokens", type=int, default=DEFAULT_TOKENS, help="greedy tokens generated per state"),
+        _arg("--threshold", type=float, default=DEFAULT_THRESHOLD, help="largest next-token KL a recommended repair may have"),
+        _arg("--min-agreement", type=float, default=DEFAULT_MIN_AGREEMENT, help="smallest share of agreeing greedy tokens"),
+        _arg("--grain", choices=GRAINS, help="coarsen date-times to this grain (the coarsen repair)"),
+        _arg("--find", help="one prompt: the text of the value to change"),
+        _arg("--new", help="one prompt: its new value (the file is then one prompt, not a log)"),
+        _arg("--scenario-out", help="write the auto-built scenario TOML here (Notes tab, `edit`)"),
+        _arg("--template-out", help="write the repaired prompt template here"),
+    )
     return {
+        "audit": (audit,),
         "support": (support,),
         "decide": (scenario, assignments),
         "edit": (scenario, change, edit),

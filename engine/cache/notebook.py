@@ -715,23 +715,30 @@ class Notebook:
         values = tuple(v.detach().clone().requires_grad_(True) for v in self.values)
         return dataclass_replace(self.materialized(), computed_keys=keys, computed_values=values)
 
-    def _step(self, token_ids: Sequence[int], segment: str) -> tuple["Notebook", torch.Tensor]:
+    def step(self, token_ids: Sequence[int], segment: str = "question") -> tuple["Notebook", torch.Tensor]:
         """Run tokens after the context, store them, and return the last token's next-token logits."""
         continuation = Continuation.causal(token_ids, self.next_position, [len(token_ids) - 1], self.next_rope_offset)
         run = Notebook._run([self], [continuation])[0]
         return self._with_continuation(run, continuation, segment), run.logits[-1]
 
-    def generate(self, decode_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()) -> tuple["Notebook", list[int]]:
-        """Greedy decoding after ``decode_ids``; returns the notebook with everything appended and the new ids."""
-        notebook, logits = self._step(decode_ids, "question")
-        generated: list[int] = []
-        for _ in range(max_new_tokens):
+    def greedy(self, logits: torch.Tensor, max_new_tokens: int, stop_ids: Sequence[int] = ()) -> tuple["Notebook", list[int]]:
+        """Greedy tokens after this notebook, whose next-token ``logits`` are given (e.g. by :meth:`step`); returns
+        the notebook with them appended (the last one recorded, not run) and the new ids."""
+        notebook, generated = self, []
+        while len(generated) < max_new_tokens:
             token = int(logits.argmax())
             if token in stop_ids:
                 break
             generated.append(token)
-            notebook, logits = notebook._step([token], "generated")
+            if len(generated) == max_new_tokens:
+                return notebook.append([token], "generated"), generated
+            notebook, logits = notebook.step([token], "generated")
         return notebook, generated
+
+    def generate(self, decode_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()) -> tuple["Notebook", list[int]]:
+        """Greedy decoding after ``decode_ids``; returns the notebook with everything appended and the new ids."""
+        notebook, logits = self.step(decode_ids, "question")
+        return notebook.greedy(logits, max_new_tokens, stop_ids)
 
     def hidden_states(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Residual stream (layers + 1, T, hidden) of tokens run after this context (nothing is stored)."""

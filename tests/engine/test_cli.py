@@ -141,3 +141,56 @@ def test_splicing_commands_refuse_a_model_whose_selftest_fails(rotation_off_by_o
     assert code == 2 and result["type"] == "SpliceLocked", result
     assert "splicing stays locked on tiny-qwen2: its cache self-test failed (FAILED in float32" in result["error"]
     assert "reposition" in result["error"] and " > " in result["error"]  # the self-test's numbers against their limits
+
+
+def test_audit_prints_the_per_turn_schema(tmp_path):
+    system = "Agent.\nSession started: {}\nRules follow."
+    requests = [
+        {"messages": [{"role": "system", "content": system.format(time)}, {"role": "user", "content": "Go."}]}
+        for time in ("2026-12-01 09:14", "2026-12-01 09:15")
+    ]
+    log = tmp_path / "log.jsonl"
+    log.write_text("\n".join(json.dumps(request) for request in requests))
+    scenario = tmp_path / "scenario.toml"
+    code, audit = run_cli(
+        "audit",
+        str(log),
+        "--model",
+        "tiny-qwen2",
+        "--tokens",
+        "3",
+        "--repairs",
+        "in_place,erratum",
+        "--threshold",
+        "0.5",
+        "--scenario-out",
+        str(scenario),
+    )
+    assert code == 0 and len(audit["turns"]) == 2
+    turn = audit["turns"][1]
+    assert {"request", "tokens", "common_prefix_tokens", "block_prefix_tokens", "fields", "repairs", "recommendation"} <= set(turn)
+    assert turn["fields"] == [
+        {
+            "name": "session_started",
+            "old": "2026-12-01 09:14",
+            "new": "2026-12-01 09:15",
+            "start": turn["fields"][0]["start"],
+            "end": turn["fields"][0]["end"],
+        }
+    ]
+    assert set(turn["repairs"]) == {"recompute", "in_place", "erratum"}
+    for repair in turn["repairs"].values():
+        assert {
+            "reused_tokens",
+            "computed_tokens",
+            "ttft_ms",
+            "kl",
+            "top1_agree",
+            "generation_agreement",
+            "generated_common_prefix",
+        } <= set(repair)
+    assert turn["recommendation"]["repair"] in turn["repairs"] and audit["threshold"] == 0.5
+    code, edit = run_cli("edit", "--model", "tiny-qwen2", "--scenario", str(scenario), "--strategies", "field_only")
+    assert code == 0 and edit["field"] == "session_started" and edit["new"] == "2026-12-01 09:15"
+    code, error = run_cli("audit", str(log), "--model", "tiny-qwen2", "--repairs", "magic")
+    assert code == 2 and "unknown repair 'magic'" in error["error"]

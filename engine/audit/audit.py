@@ -1,0 +1,259 @@
+"""A request log (or one prompt with a new value) audited turn by turn: what a prefix cache reuses, which fields
+changed, what each repair costs and keeps, and the cheapest repair within a fidelity threshold, said in numbers.
+
+Also builds what lets every other analysis run on the user's own prompt: a scenario TOML with the field as a
+placeholder (the Notes tab and ``python -m engine edit`` read it) and the repaired prompt template.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.audit.fields import Candidate, FieldChange, TurnDiff, candidate_spans, diff_requests
+from engine.audit.repairs import REPAIRS, RepairResult, Turn, content_chars, reference, run_repair
+from engine.audit.requests import RenderedRequest, Request, RequestLogError, render_request
+from engine.cache.loaded import LoadedModel
+from engine.progress import StepProgress, ticker
+
+DEFAULT_THRESHOLD = 0.05  # nats of KL divergence of the next-token distribution
+DEFAULT_MIN_AGREEMENT = 0.9  # of the greedy tokens generated from the state and from the clean prefill
+DEFAULT_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """The cheapest repair whose fidelity stays within the threshold, and why, in words drawn from the numbers."""
+
+    repair: str
+    reason: str
+
+    def as_dict(self) -> dict:
+        return {"repair": self.repair, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class AuditTurn:
+    """One request of the log against its predecessor."""
+
+    request: int
+    tokens: int
+    diff: TurnDiff | None  # None for the first request
+    full_ttft_ms: float | None
+    repairs: dict[str, RepairResult]
+    recommendation: Recommendation | None
+
+    @property
+    def fields(self) -> tuple[FieldChange, ...]:
+        return self.diff.fields if self.diff else ()
+
+    def as_dict(self) -> dict:
+        diff = self.diff
+        return {
+            "request": self.request,
+            "tokens": self.tokens,
+            "common_prefix_tokens": diff.common_prefix_tokens if diff else 0,
+            "block_prefix_tokens": diff.block_prefix_tokens if diff else 0,
+            "appended_tokens": self.tokens - diff.growth_start if diff else 0,
+            "fields": [change.as_dict() for change in self.fields],
+            "full_ttft_ms": None if self.full_ttft_ms is None else round(self.full_ttft_ms, 2),
+            "repairs": {name: result.as_dict(self.full_ttft_ms or 0.0) for name, result in self.repairs.items()},
+            "recommendation": self.recommendation.as_dict() if self.recommendation else None,
+        }
+
+
+@dataclass(frozen=True)
+class AuditReport:
+    """Every turn of a log on one model, with the settings that produced it."""
+
+    model: str
+    dtype: str
+    threshold: float
+    min_agreement: float
+    generated_tokens: int
+    repairs: tuple[str, ...]
+    grain: str | None
+    turns: tuple[AuditTurn, ...]
+    rendered: tuple[RenderedRequest, ...]
+
+    def as_dict(self) -> dict:
+        return {
+            "model": self.model,
+            "dtype": self.dtype,
+            "threshold": self.threshold,
+            "min_agreement": self.min_agreement,
+            "generated_tokens": self.generated_tokens,
+            "repairs": list(self.repairs),
+            "grain": self.grain,
+            "turns": [turn.as_dict() for turn in self.turns],
+        }
+
+    def last_with_fields(self) -> AuditTurn | None:
+        return next((turn for turn in reversed(self.turns) if turn.fields), None)
+
+
+def check_repairs(names: Sequence[str]) -> tuple[str, ...]:
+    """The repairs asked for, validated (``recompute`` always runs: it is the reference every cost compares to)."""
+    unknown = [name for name in names if name not in REPAIRS]
+    if unknown:
+        raise RequestLogError(f"unknown repair {unknown[0]!r}; choose from {', '.join(REPAIRS)}")
+    return tuple(dict.fromkeys(["recompute", *names]))
+
+
+def audit_requests(
+    lm: LoadedModel,
+    requests: Sequence[Request],
+    *,
+    repairs: Sequence[str] = REPAIRS,
+    tokens: int = DEFAULT_TOKENS,
+    threshold: float = DEFAULT_THRESHOLD,
+    min_agreement: float = DEFAULT_MIN_AGREEMENT,
+    grain: str | None = None,
+    max_tokens: int | None = None,
+    progress: StepProgress = None,
+) -> AuditReport:
+    """Audit each request against the one before it (all rendered first, so a bad request fails before any forward)."""
+    names = check_repairs(repairs)
+    if tokens < 1:
+        raise RequestLogError(f"generate at least one token per state, got {tokens}")
+    rendered = [render_request(lm, request, max_tokens) for request in requests]
+    diffs = [diff_requests(old, new) for old, new in zip(rendered, rendered[1:])]
+    tick = ticker(progress, len(diffs) * (len(names) + 1))
+    turns = [AuditTurn(rendered[0].request.index, len(rendered[0]), None, None, {}, None)]
+    for old, new, diff in zip(rendered, rendered[1:], diffs):
+        turn = Turn(lm, old, new, diff, tokens, grain, max_tokens)
+        clean = reference(turn)
+        tick()
+        results = {}
+        for name in names:
+            results[name] = run_repair(name, turn, clean)
+            tick()
+        turns.append(AuditTurn(new.request.index, len(new), diff, clean.ttft_ms, results, recommend(results, threshold, min_agreement)))
+    return AuditReport(
+        lm.fingerprint.name, lm.fingerprint.dtype, threshold, min_agreement, tokens, names, grain, tuple(turns), tuple(rendered)
+    )
+
+
+def audit_value(
+    lm: LoadedModel, request: Request, chars: tuple[int, int], new_value: str, *, message: int | None = None, **options
+) -> AuditReport:
+    """One prompt with the span ``chars`` of a message's content (default: the first message holding it) set to
+    ``new_value``: the prompt as cached, then as it arrives with the new value."""
+    contents = list(request.contents)
+    index = message if message is not None else 0
+    start, end = chars
+    if not (0 <= start < end <= len(contents[index])):
+        raise RequestLogError(f"characters {start}..{end} are not inside message {index + 1} ({len(contents[index])} characters)")
+    if not new_value or new_value == contents[index][start:end]:
+        raise RequestLogError("type a new value that differs from the selected text")
+    contents[index] = contents[index][:start] + new_value + contents[index][end:]
+    updated = request.with_contents(contents)
+    return audit_requests(lm, [request, Request(2, request.line, updated.messages, updated.prompt)], **options)
+
+
+def candidates(lm: LoadedModel, request: Request) -> tuple[RenderedRequest, list[Candidate]]:
+    """One prompt's volatile-looking spans (dates and times, ids, hex strings, numbers, ``key: value`` values)."""
+    rendered = render_request(lm, request)
+    return rendered, candidate_spans(rendered)
+
+
+def recommend(results: dict[str, RepairResult], threshold: float, min_agreement: float = DEFAULT_MIN_AGREEMENT) -> Recommendation:
+    """The repair computing the fewest tokens (then the fastest) whose KL stays ≤ ``threshold`` with the same top token
+    and at least ``min_agreement`` of its greedy tokens agreeing (``recompute`` always qualifies: it is exact)."""
+    within = [r for r in results.values() if r.applicable and _within(r, threshold, min_agreement)] or [results["recompute"]]
+    best = min(within, key=lambda r: (r.computed_tokens, r.ttft_ms))
+    exact = results["recompute"]
+    own = best.reused_tokens + best.computed_tokens
+    words = (
+        f"{best.name} computes {best.computed_tokens:,} of {own:,} tokens ({best.computed_tokens / own:.1%}) at KL "
+        f"{best.fidelity.kl:.3g} ≤ {threshold:g} with the same top token and {best.fidelity.generation_agreement:.0%} of "
+        f"{_generated(best)} greedy tokens agreeing (≥ {min_agreement:.0%})"
+    )
+    if best.name == "recompute":
+        misses = [r for r in results.values() if r.applicable and r.name != "recompute"]
+        worst = "; ".join(
+            f"{r.name} KL {r.fidelity.kl:.3g}, {r.fidelity.generation_agreement:.0%} agreeing"
+            + ("" if r.fidelity.top1_agree else ", top token differs")
+            for r in misses
+        )
+        return Recommendation("recompute", words + (f"; every cheaper repair drifts past the threshold ({worst})" if misses else ""))
+    saved = exact.computed_tokens - best.computed_tokens
+    return Recommendation(best.name, words + f"; recompute would compute {exact.computed_tokens:,} ({saved:,} more)")
+
+
+def _within(result: RepairResult, threshold: float, min_agreement: float) -> bool:
+    return result.fidelity.kl <= threshold and result.fidelity.top1_agree and result.fidelity.generation_agreement >= min_agreement
+
+
+def _generated(result: RepairResult) -> int:
+    return max(len(result.generated), 1)
+
+
+def scenario_toml(report: AuditReport, labels: Sequence[str] | None = None) -> str:
+    """A scenario file for the Notes tab and ``python -m engine edit``: the last turn with a changed field, its
+    messages before the last as the context with the field as a placeholder, the last message as the question.
+
+    ``labels`` are the two answers to read (default: the first greedy words of the clean prefill and of the stalest
+    repair, else yes / no)."""
+    turn = report.last_with_fields()
+    if turn is None:
+        raise RequestLogError("no request of this log changes a field inside shared content, so there is no field to edit")
+    new = report.rendered[[t.request for t in report.turns].index(turn.request)]
+    change = turn.fields[0]
+    contents = [content.strip() for content in new.request.contents]
+    if change.message == len(contents) - 1:
+        raise RequestLogError("the changed value sits in the last message, which a scenario reads as its question")
+    start = new.text.find(contents[change.message], new.content_spans[change.message][0])
+    inner = change.char_span[0] - start, change.char_span[1] - start
+    holder = contents[change.message]
+    contents[change.message] = _escape(holder[: inner[0]]) + "{" + change.name + "}" + _escape(holder[inner[1] :])
+    context = "\n\n".join(text if i == change.message else _escape(text) for i, text in enumerate(contents[:-1]))
+    answers = list(labels or ["yes", "no"])
+    if len(answers) != 2 or answers[0] == answers[1]:
+        raise RequestLogError("name two different answer labels")
+    lines = [
+        f"name = {json.dumps(f'Request {turn.request} ({report.model})', ensure_ascii=False)}",
+        f"description = {json.dumps(f'Built from a request log: {change.name} {change.old!r} -> {change.new!r}', ensure_ascii=False)}",
+        f"context = {json.dumps(context, ensure_ascii=False)}",
+        f"question = {json.dumps(_escape(contents[-1]), ensure_ascii=False)}",
+        "",
+        f"[fields.{change.name}]",
+        f"old = {json.dumps(change.old, ensure_ascii=False)}",
+        f"new = {json.dumps(change.new, ensure_ascii=False)}",
+        "",
+        "[answers]",
+        *[f"{json.dumps(label, ensure_ascii=False)} = [{json.dumps(label, ensure_ascii=False)}]" for label in answers],
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _escape(text: str) -> str:
+    """Braces of literal text doubled, as scenario templates require."""
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+def repaired_template(report: AuditReport) -> str:
+    """The last request with every changed field as a ``{placeholder}``, each volatile line moved to the end of the
+    last message when hoisting was recommended: the prompt template to deploy."""
+    turn = report.last_with_fields()
+    if turn is None:
+        raise RequestLogError("no field changed in this log: the prompt template needs no repair")
+    new = report.rendered[[t.request for t in report.turns].index(turn.request)]
+    contents = list(new.request.contents)
+    moved = []
+    for change in sorted(turn.fields, key=lambda c: -c.char_span[0]):
+        start, end = content_chars(new, change)
+        holder = contents[change.message]
+        if turn.recommendation and turn.recommendation.repair == "hoist":
+            line_start, line_end = holder.rfind("\n", 0, start) + 1, holder.find("\n", end)
+            line_end = len(holder) if line_end < 0 else line_end
+            moved.append(holder[line_start:start] + "{" + change.name + "}" + holder[end:line_end])
+            contents[change.message] = holder[:line_start] + holder[min(line_end + 1, len(holder)) :]
+        else:
+            contents[change.message] = holder[:start] + "{" + change.name + "}" + holder[end:]
+    if moved:
+        contents[-1] = contents[-1].rstrip() + "\n\n" + "\n".join(reversed(moved))
+    if new.request.messages is None:
+        return contents[0]
+    return json.dumps([{"role": m.role, "content": text} for m, text in zip(new.request.messages, contents)], indent=2, ensure_ascii=False)

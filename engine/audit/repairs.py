@@ -1,0 +1,320 @@
+"""Repairs of a cached request whose fields changed, each measured against a clean prefill of the new request.
+
+The server holds the older request's K/V; the newer request arrives with some fields changed (and maybe new turns).
+Every repair builds the state it would serve from, computes only the tokens it must, and is read the same way:
+
+| repair | what is reused | what is computed | exact? |
+|---|---|---|---|
+| ``recompute`` | the common prefix (exact prefix caching) | everything from the first changed token | yes: the reference |
+| ``in_place`` | every cached entry but the fields' | the fields' new tokens, then the new turns | no: later tokens keep stale K/V |
+| ``erratum`` | the whole older request (fields unchanged) | ``[STATE UPDATE] field -> new`` after the last message, and new turns | no: the old value is still read |
+| ``field_erratum`` | as ``in_place`` | the fields' tokens and the erratum | no |
+| ``hoist`` | the prefix before the moved lines | the volatile lines moved to the end of the last message | prompt changes: judged against the original |
+| ``coarsen`` | the prefix, when the coarse value did not change | from the first changed token | prompt changes: judged against the original |
+
+Fidelity is measured against the clean prefill of the newer request, by the next-token distribution (KL divergence,
+top-1 agreement, top-5 overlap) and by greedy generation of N tokens from both (common prefix, fraction agreeing).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.audit.fields import FieldChange, TurnDiff, common_prefix
+from engine.audit.requests import RenderedRequest, Request, render_request
+from engine.cache.loaded import LoadedModel
+from engine.cache.notebook import Notebook
+from engine.edit.erratum import DEFAULT_ERRATUM, erratum_text
+from engine.errors import KVScopeError
+from engine.timing import Stopwatch
+
+REPAIRS = ("recompute", "in_place", "erratum", "field_erratum", "hoist", "coarsen")
+GRAINS = ("date", "hour", "minute")
+_DATETIME = re.compile(r"(\d{4}-\d{2}-\d{2})(?:[T ](\d{1,2}):(\d{2})(?::\d{2}(?:\.\d+)?)?)?(Z|[+-]\d{2}:?\d{2})?")
+
+
+class RepairNotApplicable(KVScopeError):
+    """A repair that cannot apply to this turn; the message says why (reported in the audit, not raised)."""
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The clean prefill of the newer request: its first next-token distribution, greedy tokens and TTFT."""
+
+    logprobs: torch.Tensor  # (vocab,) float32
+    generated: tuple[int, ...]
+    ttft_ms: float
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    """A state's output against the reference's."""
+
+    kl: float
+    top1_agree: bool
+    top5_overlap: float
+    generation_agreement: float
+    generated_common_prefix: int
+
+
+@dataclass(frozen=True)
+class RepairResult:
+    """One repair on one turn: its cost and its fidelity (``reason`` instead when it does not apply)."""
+
+    name: str
+    applicable: bool
+    reused_tokens: int = 0
+    computed_tokens: int = 0
+    ttft_ms: float = 0.0
+    fidelity: Fidelity | None = None
+    generated: tuple[int, ...] = ()
+    reason: str | None = None
+    detail: dict = field(default_factory=dict)
+
+    def as_dict(self, full_ttft_ms: float) -> dict:
+        if not self.applicable:
+            keys = (
+                "reused_tokens",
+                "computed_tokens",
+                "ttft_ms",
+                "ttft_ratio",
+                "kl",
+                "top1_agree",
+                "top5_overlap",
+                "generation_agreement",
+                "generated_common_prefix",
+            )
+            return {"applicable": False, "reason": self.reason, **dict.fromkeys(keys)}
+        return {
+            "applicable": True,
+            "reused_tokens": self.reused_tokens,
+            "computed_tokens": self.computed_tokens,
+            "ttft_ms": round(self.ttft_ms, 2),
+            "ttft_ratio": round(full_ttft_ms / self.ttft_ms, 3) if self.ttft_ms > 0 else None,
+            "kl": round(self.fidelity.kl, 8),
+            "top1_agree": self.fidelity.top1_agree,
+            "top5_overlap": round(self.fidelity.top5_overlap, 4),
+            "generation_agreement": round(self.fidelity.generation_agreement, 4),
+            "generated_common_prefix": self.fidelity.generated_common_prefix,
+            **self.detail,
+        }
+
+
+@dataclass(frozen=True)
+class Turn:
+    """What the repairs of one turn work from: the cached older request, the newer one and their diff."""
+
+    lm: LoadedModel
+    old: RenderedRequest
+    new: RenderedRequest
+    diff: TurnDiff
+    tokens: int  # greedy tokens generated per state
+    grain: str | None = None  # for ``coarsen``
+    max_tokens: int | None = None
+
+    def render(self, request: Request) -> RenderedRequest:
+        return render_request(self.lm, request, self.max_tokens)
+
+
+def read_state(lm: LoadedModel, prefix: Notebook, rest: Sequence[int], tokens: int) -> tuple[torch.Tensor, tuple[int, ...], float]:
+    """From ``prefix`` (its recorded steps not yet run), run ``rest`` (its last token is the one whose next token is
+    read): the next-token log-probs, ``tokens`` greedy tokens and the time to that first token in ms."""
+    watch = Stopwatch()
+    context = prefix.append(list(rest[:-1]), "request") if len(rest) > 1 else prefix
+    state, logits = context.step([rest[-1]], "request")
+    first = watch.ms
+    _, generated = state.greedy(logits, tokens, _stop_ids(lm))
+    return torch.log_softmax(logits.float(), -1), tuple(generated), first
+
+
+def reference(turn: Turn) -> Reference:
+    """The clean prefill of the newer request."""
+    ids = turn.new.token_ids
+    logprobs, generated, ms = read_state(turn.lm, Notebook.empty(turn.lm), ids, turn.tokens)
+    return Reference(logprobs, generated, ms)
+
+
+def fidelity(state: torch.Tensor, generated: Sequence[int], clean: Reference) -> Fidelity:
+    """KL(clean ‖ state) of the next token, top-1 / top-5 agreement, and the greedy generations compared."""
+    p, q = clean.logprobs, state
+    kl = float(torch.sum(p.exp() * (p - q)).clamp_min(0.0))
+    top_p, top_q = p.topk(5).indices.tolist(), q.topk(5).indices.tolist()
+    count = max(len(clean.generated), len(generated), 1)
+    agree = sum(a == b for a, b in zip(clean.generated, generated)) / count
+    return Fidelity(
+        kl, top_p[0] == top_q[0], len(set(top_p) & set(top_q)) / 5, agree, common_prefix(tuple(clean.generated), tuple(generated))
+    )
+
+
+def run_repair(name: str, turn: Turn, clean: Reference) -> RepairResult:
+    """One repair on ``turn``, measured against ``clean``; a repair that does not apply says why."""
+    try:
+        prefix, rest, detail = _BUILDERS[name](turn)
+    except RepairNotApplicable as error:
+        return RepairResult(name, False, reason=str(error))
+    computed = prefix.pending_tokens + len(rest)  # recorded, not yet run: what this repair computes
+    reused = len(prefix.visible_positions()) - prefix.pending_tokens
+    logprobs, generated, ms = read_state(turn.lm, prefix, rest, turn.tokens)
+    return RepairResult(name, True, reused, computed, ms, fidelity(logprobs, generated, clean), generated, detail=detail)
+
+
+# ---------------------------------------------------------------- builders: (computed prefix, tokens to run, detail)
+Built = tuple[Notebook, tuple[int, ...], dict]
+
+
+def _recompute(turn: Turn) -> Built:
+    return _prefix_cached(turn, turn.old.token_ids, turn.new.token_ids)
+
+
+def _prefix_cached(turn: Turn, cached: Sequence[int], target: Sequence[int]) -> Built:
+    """Exact prefix caching: the common prefix reused (at least the last token is run), the rest computed."""
+    keep = min(common_prefix(tuple(cached), tuple(target)), len(target) - 1)
+    return Notebook.prefill(turn.lm, list(target[:keep]), "request").materialized(), tuple(target[keep:]), {}
+
+
+def _in_place(turn: Turn) -> Built:
+    return _edited_in_place(turn, turn.new)
+
+
+def _edited_in_place(turn: Turn, target: RenderedRequest) -> Built:
+    """The older request's cache with each field's tokens replaced (later entries keep their stale K/V), then
+    whatever follows in ``target`` after the older request's shared part."""
+    if not turn.diff.fields:
+        raise RepairNotApplicable("no field changed inside shared content (only growth): nothing to edit in place")
+    old, fields = turn.old.token_ids, sorted(turn.diff.fields, key=lambda c: -c.old_start)
+    edited = list(old[: turn.diff.old_growth_start])
+    for change in fields:
+        edited[change.old_start : change.old_end] = turn.new.token_ids[change.start : change.end]
+    shared = min(common_prefix(tuple(edited), target.token_ids), len(target) - 1)  # the last token is always run
+    if any(change.end > shared for change in fields):
+        raise RepairNotApplicable(
+            f"the edited cache leaves the target at token {shared}, before a field's end: the fields' tokens do not line up in place"
+        )
+    keep = shared - sum((c.end - c.start) - (c.old_end - c.old_start) for c in fields)
+    cached = Notebook.prefill(turn.lm, list(old[:keep]), "request").materialized()
+    for change in fields:
+        cached = cached.replace(
+            range(change.old_start, change.old_end), list(turn.new.token_ids[change.start : change.end]), f"field:{change.name}"
+        )
+    return cached, target.token_ids[shared:], {}
+
+
+def _with_erratum(turn: Turn, values: str) -> Request:
+    """The newer request with every field at its ``values`` ("old" or "new") and an erratum after the last message."""
+    request = _with_field_values(turn, values)
+    lines = "\n".join(erratum_text(change.name, change.new, change.old, DEFAULT_ERRATUM) for change in turn.diff.fields)
+    contents = list(request.contents)
+    contents[-1] = f"{contents[-1]}\n\n{lines}"
+    return request.with_contents(contents)
+
+
+def _with_field_values(turn: Turn, values: str) -> Request:
+    """The newer request's messages with each field's text set to its old or new value."""
+    contents = list(turn.new.request.contents)
+    for change in sorted(turn.diff.fields, key=lambda c: -c.char_span[0]):
+        start, end = content_chars(turn.new, change)
+        text = contents[change.message]
+        contents[change.message] = text[:start] + (change.old if values == "old" else change.new) + text[end:]
+    return turn.new.request.with_contents(contents)
+
+
+def content_chars(rendered: RenderedRequest, change: FieldChange) -> tuple[int, int]:
+    """The field's characters inside its message's content string."""
+    content_start = rendered.content_spans[change.message][0]
+    message_text = rendered.request.contents[change.message]
+    lead = len(message_text) - len(message_text.lstrip())  # the template strips the content it was located by
+    return change.char_span[0] - content_start + lead, change.char_span[1] - content_start + lead
+
+
+def _erratum(turn: Turn) -> Built:
+    if not turn.diff.fields:
+        raise RepairNotApplicable("no field changed: there is nothing to state")
+    target = turn.render(_with_erratum(turn, "old"))
+    return _prefix_cached(turn, turn.old.token_ids, target.token_ids)
+
+
+def _field_erratum(turn: Turn) -> Built:
+    return _edited_in_place(turn, turn.render(_with_erratum(turn, "new")))
+
+
+def _hoisted(turn: Turn, rendered: RenderedRequest, value_of: Callable[[FieldChange], str]) -> Request:
+    """``rendered``'s request with each field's whole line moved to the end of the last message (at ``value_of``)."""
+    contents = list(rendered.request.contents)
+    moved = []
+    for change in sorted(turn.diff.fields, key=lambda c: -c.char_span[0]):
+        spans = change.char_span if rendered is turn.new else change.old_char_span
+        probe = FieldChange(change.name, change.message, change.old, change.new, 0, 0, 0, 0, spans, spans)
+        start, end = content_chars(rendered, probe)
+        text = contents[change.message]
+        line_start, line_end = text.rfind("\n", 0, start) + 1, text.find("\n", end)
+        line_end = len(text) if line_end < 0 else line_end
+        line = text[line_start:start] + value_of(change) + text[end:line_end]
+        contents[change.message] = text[:line_start] + text[line_end + 1 if line_end < len(text) else line_end :]
+        moved.append(line.strip())
+    contents[-1] = contents[-1].rstrip() + "\n\n" + "\n".join(reversed(moved))
+    return rendered.request.with_contents(contents)
+
+
+def _hoist(turn: Turn) -> Built:
+    if not turn.diff.fields:
+        raise RepairNotApplicable("no field changed: there is no volatile line to move")
+    if any(change.message == len(turn.new.request.contents) - 1 for change in turn.diff.fields):
+        raise RepairNotApplicable("the changed value is already in the last message")
+    cached = turn.render(_hoisted(turn, turn.old, lambda change: change.old))
+    target = turn.render(_hoisted(turn, turn.new, lambda change: change.new))
+    built = _prefix_cached(turn, cached.token_ids, target.token_ids)
+    return built[0], built[1], {"prompt_changed": True}
+
+
+def coarse(value: str, grain: str) -> str:
+    """A date-time value at a coarser grain (``date``, ``hour`` or ``minute``); refused for anything else."""
+    if grain not in GRAINS:
+        raise RepairNotApplicable(f"unknown grain {grain!r}; choose one of {', '.join(GRAINS)}")
+    match = _DATETIME.fullmatch(value.strip())
+    if not match:
+        raise RepairNotApplicable(f"{value!r} is not a date or date-time, so it has no {grain} grain")
+    date, hour, minute, _ = match.groups()
+    if grain == "date" or hour is None:
+        return date
+    return f"{date} {int(hour):02d}:00" if grain == "hour" else f"{date} {int(hour):02d}:{minute}"
+
+
+def _coarsen(turn: Turn) -> Built:
+    if turn.grain is None:
+        raise RepairNotApplicable("name a grain to coarsen to (date, hour or minute)")
+    if not turn.diff.fields:
+        raise RepairNotApplicable("no field changed: there is nothing to coarsen")
+    olds = {change.name: coarse(change.old, turn.grain) for change in turn.diff.fields}
+    news = {change.name: coarse(change.new, turn.grain) for change in turn.diff.fields}
+    contents_old, contents_new = list(turn.old.request.contents), list(turn.new.request.contents)
+    for change in sorted(turn.diff.fields, key=lambda c: -c.char_span[0]):
+        for contents, rendered, spans, value in (
+            (contents_new, turn.new, change.char_span, news[change.name]),
+            (contents_old, turn.old, change.old_char_span, olds[change.name]),
+        ):
+            probe = FieldChange(change.name, change.message, change.old, change.new, 0, 0, 0, 0, spans, spans)
+            start, end = content_chars(rendered, probe)
+            contents[change.message] = contents[change.message][:start] + value + contents[change.message][end:]
+    cached = turn.render(turn.old.request.with_contents(contents_old))
+    target = turn.render(turn.new.request.with_contents(contents_new))
+    built = _prefix_cached(turn, cached.token_ids, target.token_ids)
+    return built[0], built[1], {"prompt_changed": True, "grain": turn.grain, "coarse_values": news}
+
+
+_BUILDERS: dict[str, Callable[[Turn], Built]] = {
+    "recompute": _recompute,
+    "in_place": _in_place,
+    "erratum": _erratum,
+    "field_erratum": _field_erratum,
+    "hoist": _hoist,
+    "coarsen": _coarsen,
+}
+
+
+def _stop_ids(lm: LoadedModel) -> tuple[int, ...]:
+    eos = lm.tokenizer.eos_token_id
+    return () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)

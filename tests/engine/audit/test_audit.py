@@ -1,0 +1,211 @@
+"""Request-log audits on tiny models: reuse figures against an independent count, fields found exactly, the exact
+repair equal to a clean prefill, and a specific message for each kind of bad input."""
+
+import json
+
+import pytest
+
+from engine.audit.audit import audit_requests, audit_value, candidates, recommend, repaired_template, scenario_toml
+from engine.audit.fields import diff_requests
+from engine.audit.repairs import Turn, coarse, fidelity, reference
+from engine.audit.requests import RequestLogError, parse_log, parse_prompt, render_request
+from engine.edit.experiment import EditExperiment
+from engine.models.tiny import tiny_model
+from engine.scenario import Scenario
+
+SYSTEM = (
+    "You are the support agent of Northwind.\nSession started: {time}\nUser id: {user}\nAccount tier: {tier}\n"
+    "Answer in one short paragraph. Never promise refunds above the tier's limit."
+)
+
+
+def _request(time="2026-12-01 09:14", user="u-48213", tier="gold", turns=(("user", "Where is my parcel?"),)):
+    messages = [{"role": "system", "content": SYSTEM.format(time=time, user=user, tier=tier)}]
+    messages += [{"role": role, "content": content} for role, content in turns]
+    return {"messages": messages}
+
+
+def _log(*requests) -> str:
+    return "\n".join(json.dumps(request) for request in requests)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_model("qwen2")
+
+
+def _independent_prefix(a, b):
+    count = 0
+    while count < min(len(a), len(b)) and a[count] == b[count]:
+        count += 1
+    return count
+
+
+def test_common_prefix_and_block_hits_match_an_independent_count(lm):
+    log = _log(_request(), _request(time="2026-12-01 09:15"), _request(time="2026-12-01 09:15", tier="platinum"))
+    requests = parse_log(log)
+    report = audit_requests(lm, requests, repairs=["recompute"], tokens=2)
+    ids = [
+        lm.tokenizer.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True)
+        for r in map(json.loads, log.splitlines())
+    ]
+    ids = [lm.tokenizer(text, add_special_tokens=False).input_ids for text in ids]
+    for turn, (a, b) in zip(report.as_dict()["turns"][1:], zip(ids, ids[1:])):
+        shared = _independent_prefix(a, b)
+        assert turn["tokens"] == len(b) and turn["common_prefix_tokens"] == shared
+        assert turn["block_prefix_tokens"] == shared - shared % 16
+        assert turn["repairs"]["recompute"]["reused_tokens"] == min(shared, len(b) - 1)
+
+
+def test_the_diff_finds_exactly_the_changed_values_and_tells_growth_apart(lm):
+    old = render_request(lm, parse_log(_log(_request()))[0])
+    changed = _request(
+        time="2026-12-01 10:02",
+        user="u-9",
+        tier="platinum plus",
+        turns=(("user", "Where is my parcel?"), ("assistant", "It ships today."), ("user", "Thanks!")),
+    )
+    new = render_request(lm, parse_log(_log(changed))[0])
+    diff = diff_requests(old, new)
+    found = {change.name: (change.old, change.new) for change in diff.fields}
+    assert found == {
+        "session_started": ("2026-12-01 09:14", "2026-12-01 10:02"),
+        "user_id": ("u-48213", "u-9"),
+        "account_tier": ("gold", "platinum plus"),
+    }
+    for change in diff.fields:  # whole tokens, exactly the value's text
+        assert new.text[slice(*change.char_span)] == change.new
+        covered = lm.tokenizer.decode(list(new.token_ids[change.start : change.end]))
+        assert change.new in covered and len(covered) - len(change.new) < 8
+    assert diff.growth_start < len(new) and all(change.end <= diff.growth_start for change in diff.fields)
+
+
+def test_only_appended_turns_are_growth_not_fields(lm):
+    log = _log(_request(), _request(turns=(("user", "Where is my parcel?"), ("assistant", "Today."), ("user", "Thanks"))))
+    report = audit_requests(lm, parse_log(log), tokens=2)
+    turn = report.as_dict()["turns"][1]
+    assert turn["fields"] == [] and turn["appended_tokens"] > 0
+    assert turn["repairs"]["in_place"]["applicable"] is False and "only growth" in turn["repairs"]["in_place"]["reason"]
+    assert turn["repairs"]["in_place"]["kl"] is None  # the same keys for every repair
+    assert turn["recommendation"]["repair"] == "recompute"
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_recompute_equals_the_clean_prefill(arch):
+    model = tiny_model(arch)
+    log = _log(
+        _request(), _request(time="2026-12-01 09:15", turns=(("user", "Where is my parcel?"), ("assistant", "Soon."), ("user", "When?")))
+    )
+    report = audit_requests(model, parse_log(log), repairs=["recompute"], tokens=12)
+    exact = report.turns[1].repairs["recompute"]
+    assert exact.fidelity.kl < 1e-6 and exact.fidelity.top1_agree and exact.fidelity.top5_overlap == 1.0
+    assert exact.fidelity.generation_agreement == 1.0 and exact.fidelity.generated_common_prefix == 12
+
+
+def test_identical_states_agree_fully(lm):
+    requests = parse_log(_log(_request(), _request(time="2026-12-01 09:15")))
+    old, new = (render_request(lm, request) for request in requests)
+    clean = reference(Turn(lm, old, new, diff_requests(old, new), tokens=6))
+    same = fidelity(clean.logprobs, clean.generated, clean)
+    assert same.kl == 0.0 and same.generation_agreement == 1.0 and same.generated_common_prefix == len(clean.generated)
+
+
+def test_every_repair_reports_its_cost_and_the_cheapest_within_the_threshold_is_recommended(lm):
+    log = _log(_request(), _request(time="2026-12-01 09:15"))
+    report = audit_requests(lm, parse_log(log), tokens=6, grain="hour", threshold=10.0, min_agreement=0.0)
+    turn = report.as_dict()["turns"][1]
+    for name in ("recompute", "in_place", "erratum", "field_erratum", "hoist", "coarsen"):
+        result = turn["repairs"][name]
+        assert result["applicable"], (name, result)
+        assert {
+            "reused_tokens",
+            "computed_tokens",
+            "ttft_ms",
+            "kl",
+            "top1_agree",
+            "generation_agreement",
+            "generated_common_prefix",
+        } <= set(result)
+    repairs = turn["repairs"]
+    assert repairs["in_place"]["computed_tokens"] < repairs["recompute"]["computed_tokens"]
+    assert repairs["coarsen"]["coarse_values"] == {"session_started": "2026-12-01 09:00"}
+    top1 = [r for r in report.turns[1].repairs.values() if r.fidelity.top1_agree]
+    cheapest = min(top1, key=lambda r: (r.computed_tokens, r.ttft_ms))
+    assert (
+        turn["recommendation"]["repair"] == cheapest.name
+        and f"computes {cheapest.computed_tokens:,} of" in turn["recommendation"]["reason"]
+    )
+    strict = recommend(report.turns[1].repairs, threshold=0.0, min_agreement=1.0)
+    assert strict.repair == "recompute"
+
+
+def test_coarse_grains():
+    assert coarse("2026-12-01 09:14", "date") == "2026-12-01"
+    assert coarse("2026-12-01T09:14:33Z", "hour") == "2026-12-01 09:00"
+    assert coarse("2026-12-01 9:14", "minute") == "2026-12-01 09:14"
+
+
+def test_the_scenario_and_template_reproduce_the_edit(lm):
+    log = _log(_request(), _request(tier="platinum"))
+    report = audit_requests(lm, parse_log(log), repairs=["recompute"], tokens=2)
+    scenario = Scenario.from_toml(scenario_toml(report))
+    field = scenario.field()
+    assert (field.name, field.old, field.new) == ("account_tier", "gold", "platinum")
+    assert "Account tier: {account_tier}" in scenario.context and scenario.question == "Where is my parcel?"
+    assert EditExperiment(lm, scenario).report(["field_only", "erratum"]).as_dict()["new"] == "platinum"
+    template = json.loads(repaired_template(report))
+    assert "Account tier: {account_tier}" in template[0]["content"] and template[-1]["content"] == "Where is my parcel?"
+
+
+def test_one_prompt_offers_volatile_spans_and_audits_a_new_value(lm):
+    request = parse_prompt(json.dumps(_request()["messages"]))
+    _, found = candidates(lm, request)
+    kinds = {candidate.text: candidate.kind for candidate in found}
+    assert kinds["2026-12-01 09:14"] == "datetime" and kinds["u-48213"] == "id" and kinds["gold"] == "value"
+    content = request.contents[0]
+    start = content.index("gold")
+    report = audit_value(lm, request, (start, start + 4), "silver", message=0, repairs=["in_place"], tokens=2)
+    assert [change.as_dict()["new"] for change in report.turns[1].fields] == ["silver"]
+    assert parse_prompt("Plain text with 2026-12-01 in it").messages[0].role == "user"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ('{"messages": [{"role": "user", "content": "hi"}]}\n{not json', "line 2 is not JSON"),
+        ('{"model": "x"}', r"line 1 \(request 1\) has no 'messages'"),
+        (
+            '{"messages": [{"role": "user", "content": "a"}, {"role": "wizard", "content": "b"}]}',
+            "line 1 (request 1), message 2: unknown role 'wizard'",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}',
+            "message 1, part 1: a 'image_url' content part is not text",
+        ),
+        ("", "the log is empty"),
+    ],
+)
+def test_malformed_logs_get_a_specific_message(text, message):
+    with pytest.raises(RequestLogError, match=message if "\\" in message else message.replace("(", r"\(").replace(")", r"\)")):
+        parse_log(text)
+
+
+def test_requests_that_cannot_be_compared_are_refused_by_name(lm):
+    unrelated = _log({"prompt": "alpha"}, {"prompt": "zeta"})
+    with pytest.raises(RequestLogError, match=r"line 2 \(request 2\) shares no prefix with line 1 \(request 1\)"):
+        audit_requests(lm, parse_log(unrelated), tokens=1)
+    role_changed = _log(
+        _request(),
+        {
+            "messages": [
+                {"role": "developer", "content": SYSTEM.format(time="2026-12-01 09:14", user="u-48213", tier="gold")},
+                {"role": "user", "content": "Where is my parcel?"},
+            ]
+        },
+    )
+    with pytest.raises(RequestLogError, match="change the chat template's own tokens"):
+        audit_requests(lm, parse_log(role_changed), tokens=1)
+    with pytest.raises(RequestLogError, match=r"line 1 \(request 1\) is \d+ tokens, longer than the context limit of 20"):
+        audit_requests(lm, parse_log(_log(_request(), _request())), tokens=1, max_tokens=20)
+    with pytest.raises(RequestLogError, match="unknown repair 'magic'"):
+        audit_requests(lm, parse_log(_log(_request(), _request())), repairs=["magic"])
