@@ -204,7 +204,7 @@ def scenario_toml(report: AuditReport, labels: Sequence[str] | None = None) -> s
     contents = [content.strip() for content in new.request.contents]
     if change.message == len(contents) - 1:
         raise RequestLogError("the changed value sits in the last message, which a scenario reads as its question")
-    start = new.text.find(contents[change.message], new.content_spans[change.message][0])
+    start = new.content_spans[change.message][0]  # where the (stripped) content was found in the rendered text
     inner = change.char_span[0] - start, change.char_span[1] - start
     holder = contents[change.message]
     contents[change.message] = _escape(holder[: inner[0]]) + "{" + change.name + "}" + _escape(holder[inner[1] :])
@@ -243,7 +243,7 @@ def repaired_template(report: AuditReport) -> str:
     contents = list(new.request.contents)
     moved = []
     for change in sorted(turn.fields, key=lambda c: -c.char_span[0]):
-        start, end = content_chars(new, change)
+        start, end = content_chars(new, change.message, change.char_span)
         holder = contents[change.message]
         if turn.recommendation and turn.recommendation.repair == "hoist":
             line_start, line_end = holder.rfind("\n", 0, start) + 1, holder.find("\n", end)

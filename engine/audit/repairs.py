@@ -216,18 +216,18 @@ def _with_field_values(turn: Turn, values: str) -> Request:
     """The newer request's messages with each field's text set to its old or new value."""
     contents = list(turn.new.request.contents)
     for change in sorted(turn.diff.fields, key=lambda c: -c.char_span[0]):
-        start, end = content_chars(turn.new, change)
+        start, end = content_chars(turn.new, change.message, change.char_span)
         text = contents[change.message]
         contents[change.message] = text[:start] + (change.old if values == "old" else change.new) + text[end:]
     return turn.new.request.with_contents(contents)
 
 
-def content_chars(rendered: RenderedRequest, change: FieldChange) -> tuple[int, int]:
-    """The field's characters inside its message's content string."""
-    content_start = rendered.content_spans[change.message][0]
-    message_text = rendered.request.contents[change.message]
+def content_chars(rendered: RenderedRequest, message: int, chars: tuple[int, int]) -> tuple[int, int]:
+    """Characters ``chars`` of the rendered text as characters of message ``message``'s content string."""
+    content_start = rendered.content_spans[message][0]
+    message_text = rendered.request.contents[message]
     lead = len(message_text) - len(message_text.lstrip())  # the template strips the content it was located by
-    return change.char_span[0] - content_start + lead, change.char_span[1] - content_start + lead
+    return chars[0] - content_start + lead, chars[1] - content_start + lead
 
 
 def _erratum(turn: Turn) -> Built:
@@ -247,8 +247,7 @@ def _hoisted(turn: Turn, rendered: RenderedRequest, value_of: Callable[[FieldCha
     moved = []
     for change in sorted(turn.diff.fields, key=lambda c: -c.char_span[0]):
         spans = change.char_span if rendered is turn.new else change.old_char_span
-        probe = FieldChange(change.name, change.message, change.old, change.new, 0, 0, 0, 0, spans, spans)
-        start, end = content_chars(rendered, probe)
+        start, end = content_chars(rendered, change.message, spans)
         text = contents[change.message]
         line_start, line_end = text.rfind("\n", 0, start) + 1, text.find("\n", end)
         line_end = len(text) if line_end < 0 else line_end
@@ -296,8 +295,7 @@ def _coarsen(turn: Turn) -> Built:
             (contents_new, turn.new, change.char_span, news[change.name]),
             (contents_old, turn.old, change.old_char_span, olds[change.name]),
         ):
-            probe = FieldChange(change.name, change.message, change.old, change.new, 0, 0, 0, 0, spans, spans)
-            start, end = content_chars(rendered, probe)
+            start, end = content_chars(rendered, change.message, spans)
             contents[change.message] = contents[change.message][:start] + value + contents[change.message][end:]
     cached = turn.render(turn.old.request.with_contents(contents_old))
     target = turn.render(turn.new.request.with_contents(contents_new))
