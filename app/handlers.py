@@ -7,6 +7,7 @@ with a message for the user; nothing is stored before a computation succeeds.
 
 from __future__ import annotations
 
+import dataclasses
 import html
 import json
 from collections.abc import Sequence
@@ -19,7 +20,21 @@ from PIL import Image
 
 from app.hosting import HostingProfile
 from app.state import ExportFolder, ModelRegistry, SessionStore, process_rss_bytes
+from engine.audit.audit import (
+    DEFAULT_MIN_AGREEMENT,
+    DEFAULT_THRESHOLD,
+    DEFAULT_TOKENS,
+    AuditReport,
+    audit_requests,
+    audit_value,
+    repaired_template,
+    scenario_toml,
+)
+from engine.audit.fields import candidate_spans
+from engine.audit.repairs import GRAINS, REPAIRS, content_chars
+from engine.audit.requests import RenderedRequest, Request, parse_log, parse_prompt, render_request
 from engine.cache.vision import check_vision_model
+from engine.comparison import compare_models
 from engine.compose.agent import run_agent
 from engine.compose.keystone import keystone
 from engine.compose.pictures import IMAGE_QUESTION, compare_image
@@ -40,15 +55,18 @@ from engine.edit.hybrid import read_scenario
 from engine.edit.strategies import EditSettings
 from engine.edit.weight_edit import LoraSettings, RomeSettings, compare_edits
 from engine.errors import KVScopeError
-from engine.models import available_offline, is_offline_alias
-from engine.probes.analysis import analyse_edit
+from engine.models import available_offline, dtype_name, is_offline_alias
+from engine.probes.analysis import DEFAULT_STRATEGIES, analyse_edit
 from engine.probes.frontier import probe_frontier
 from engine.probes.registry import PROBES
 from engine.progress import MessageProgress, StepProgress
-from engine.scenario import Scenario, Skill, bundled_scenarios, bundled_skills
+from engine.reproduce import Recipe, matches, notebook, recipe_settings, script_text
+from engine.scenario import DEMOS, Scenario, Skill, bundled_scenarios, bundled_skills
+from viz import audit as audit_figures
 from viz import benchmarks as benchmark_figures
 from viz import compose as compose_figures
 from viz import learn
+from viz import models as model_figures
 from viz import notes as notes_figures
 from viz import text as panels
 from viz.cards import strategy_cards_html
@@ -100,11 +118,13 @@ def load_model_card(
 ) -> tuple[str, dict]:
     """Load (or reuse) a model, in ``dtype`` when given (else as loaded, or auto), run its self-test once, and describe it."""
     spec = (spec or "").strip() or registry.default_spec
+    mark = registry.drop_serial
     lm = registry.get(spec, progress=progress, dtype=dtype or None)
     support = registry.support(spec)
     report = registry.selftest(spec) if support.verdict("self-test").supported else None
     info = lm.info()
-    return panels.model_card_markdown(info, lm.cache_layout(), report, support), {
+    card = panels.model_card_markdown(info, lm.cache_layout(), report, support) + model_figures.dropped_markdown(registry.drops_since(mark))
+    return card, {
         "model": info | {"fingerprint": lm.fingerprint.as_dict()},
         "selftest": report.as_dict() if report else None,
         "support": support.as_dict(),
@@ -527,6 +547,300 @@ def run_agent_loop(
     return compose_figures.agent_figure(report), report.as_dict()
 
 
+# ---------------------------------------------------------------------------- models side by side
+@dataclass
+class ModelsView:
+    """The Models panel: the table (with what the registry dropped to make room), the two figures and the JSON."""
+
+    summary: str
+    share_figure: go.Figure
+    metrics_figure: go.Figure
+    result: dict
+
+
+@guarded
+def run_model_comparison(
+    registry: ModelRegistry,
+    specs: Sequence[str] | None,
+    text: str,
+    field: str | None,
+    new: str | None,
+    progress: StepProgress = None,
+    messages: MessageProgress | None = None,
+) -> ModelsView:
+    """The Notes tab's scenario and edit on up to three models, loaded through the registry (which drops what no
+    longer fits its budget, and says so)."""
+    chosen = [str(spec).strip() for spec in specs or [] if spec and str(spec).strip()]
+    scenario = parse_scenario(text, registry.profile)
+    for spec in chosen:
+        registry.resolve(spec)  # the profile's allowlist, before any model loads
+    mark = registry.drop_serial
+    comparison = compare_models(
+        chosen,
+        lambda spec: registry.get(spec, progress=messages),
+        scenario,
+        field or None,
+        new or None,
+        stores=registry.skills,
+        progress=messages,
+        steps=progress,
+    )
+    data = comparison.as_dict() | {"dropped": registry.drops_since(mark)}
+    summary = model_figures.comparison_markdown(data) + model_figures.dropped_markdown(data["dropped"])
+    return ModelsView(summary, model_figures.notes_share_figure(data), model_figures.model_metrics_figure(data), data)
+
+
+# ---------------------------------------------------------------------------- your prompt: request-log audit
+AUDIT_STEM = "kvscope-audit"
+AUDIT_REPAIRS = [name for name in REPAIRS if name != "recompute"]  # recompute always runs: the reference
+
+
+def bundled_logs() -> dict[str, Path]:
+    """The demo request logs shipped in demos/logs, by file stem."""
+    return {path.stem: path for path in sorted((DEMOS / "logs").glob("*.jsonl"))}
+
+
+def bundled_log_text(name: str) -> str:
+    """The text of a bundled request log."""
+    paths = bundled_logs()
+    if name not in paths:
+        raise AppError(f"unknown demo log {name!r}; bundled: {', '.join(paths)}")
+    return paths[name].read_text(encoding="utf-8")
+
+
+@dataclass
+class AuditView:
+    """Everything the Your prompt tab shows after an audit."""
+
+    recommendation_markdown: str
+    timeline_figure: go.Figure
+    fidelity_figure: go.Figure
+    prompt_html: str
+    summary: dict
+
+
+def audit_options(
+    profile: HostingProfile, requests: int, repairs: Sequence[str] | None, tokens, threshold, min_agreement, grain: str | None
+) -> dict:
+    """The audit's settings from UI values, checked (the profile bounds the requests and the greedy tokens)."""
+    tokens = number(tokens, "greedy tokens N", DEFAULT_TOKENS)
+    threshold = number(threshold, "KL threshold", DEFAULT_THRESHOLD, float)
+    min_agreement = number(min_agreement, "minimum agreement", DEFAULT_MIN_AGREEMENT, float)
+    if not 0 <= min_agreement <= 1:
+        raise AppError(f"the minimum agreement is a share between 0 and 1, got {min_agreement:g}")
+    if threshold < 0:
+        raise AppError(f"the KL threshold cannot be negative, got {threshold:g}")
+    grain = (grain or "").strip() or None
+    if grain is not None and grain not in GRAINS:
+        raise AppError(f"unknown grain {grain!r}; choose one of {', '.join(GRAINS)} (or none)")
+    profile.check_audit(requests, tokens)
+    return {"repairs": list(repairs or []), "tokens": tokens, "threshold": threshold, "min_agreement": min_agreement, "grain": grain}
+
+
+def _audit_text(text: str | None, what: str) -> str:
+    if not (text or "").strip():
+        raise AppError(f"paste {what} first, upload a file or pick a bundled demo log")
+    return text
+
+
+@guarded
+def run_audit(
+    registry: ModelRegistry,
+    sessions: SessionStore,
+    session: str,
+    spec: str | None,
+    text: str,
+    repairs: Sequence[str] | None,
+    tokens=DEFAULT_TOKENS,
+    threshold=DEFAULT_THRESHOLD,
+    min_agreement=DEFAULT_MIN_AGREEMENT,
+    grain: str | None = None,
+    x: str = "computed",
+    y: str = "kl",
+    progress: StepProgress = None,
+) -> AuditView:
+    """Audit a request log turn by turn (every request checked before any forward); the report is kept for this
+    session (Open in Notes, export, redrawn axes)."""
+    requests = parse_log(_audit_text(text, "a request log (one JSON request a line)"))
+    options = audit_options(registry.profile, len(requests), repairs, tokens, threshold, min_agreement, grain)
+    report = audit_requests(registry.get(spec), requests, max_tokens=registry.profile.max_context_tokens, progress=progress, **options)
+    sessions.put(session, "audit", report, registry.resolve(spec))
+    return audit_view(report, x, y)
+
+
+def _rendered_prompt(registry: ModelRegistry, spec: str | None, text: str) -> tuple[Request, RenderedRequest]:
+    request = parse_prompt(_audit_text(text, "a prompt (plain text or messages JSON)"))
+    return request, render_request(registry.get(spec), request, registry.profile.max_context_tokens)
+
+
+@guarded
+def prompt_candidates(registry: ModelRegistry, spec: str | None, text: str) -> tuple[str, list[str]]:
+    """One prompt rendered with the model's chat template, its volatile-looking spans highlighted and numbered, and
+    the choices naming them (``"3 · datetime · 2026-05-12 09:41"``)."""
+    _, rendered = _rendered_prompt(registry, spec, text)
+    found = candidate_spans(rendered)
+    marks = [
+        audit_figures.Mark(c.char_span[0], c.char_span[1], "candidate", f"{index} · {c.kind}: {c.text}", str(index))
+        for index, c in enumerate(found, 1)
+    ]
+    choices = [f"{index} · {c.kind} · {c.text if len(c.text) <= 40 else c.text[:39] + '…'}" for index, c in enumerate(found, 1)]
+    return audit_figures.candidates_html(rendered.text, marks), choices
+
+
+def _message_chars(rendered: RenderedRequest, span: tuple[int, int]) -> tuple[int, tuple[int, int]]:
+    """A span of the rendered text as (message, characters of that message's content)."""
+    for message, (start, end) in enumerate(rendered.content_spans):
+        if start <= span[0] and span[1] <= end:
+            return message, content_chars(rendered, message, span)
+    raise AppError("that span is not inside one message's text")
+
+
+def find_in_request(request: Request, find: str) -> tuple[int, tuple[int, int]]:
+    """The message and characters of the first occurrence of ``find`` in a prompt's messages."""
+    for message, content in enumerate(request.contents):
+        at = content.find(find)
+        if at >= 0:
+            return message, (at, at + len(find))
+    raise AppError(f"{find!r} does not occur in the prompt's text")
+
+
+@guarded
+def run_audit_value(
+    registry: ModelRegistry,
+    sessions: SessionStore,
+    session: str,
+    spec: str | None,
+    text: str,
+    choice: str | None,
+    find: str | None,
+    new_value: str | None,
+    repairs: Sequence[str] | None,
+    tokens=DEFAULT_TOKENS,
+    threshold=DEFAULT_THRESHOLD,
+    min_agreement=DEFAULT_MIN_AGREEMENT,
+    grain: str | None = None,
+    x: str = "computed",
+    y: str = "kl",
+    progress: StepProgress = None,
+) -> AuditView:
+    """One prompt as cached, then as it arrives with one value changed: the span a candidate ``choice`` names (its
+    number first), or the first occurrence of ``find`` (which wins when given), set to ``new_value``."""
+    request, rendered = _rendered_prompt(registry, spec, text)
+    options = audit_options(registry.profile, 2, repairs, tokens, threshold, min_agreement, grain)
+    if (find or "").strip():
+        message, chars = find_in_request(request, find)
+    elif (choice or "").strip():
+        found = candidate_spans(rendered)
+        head = choice.split("·")[0].strip()
+        if not head.isdigit() or not 1 <= int(head) <= len(found):
+            raise AppError(f"no candidate span {choice!r}: find the spans again, then pick one of the {len(found)} offered")
+        message, chars = _message_chars(rendered, found[int(head) - 1].char_span)
+    else:
+        raise AppError("pick a candidate span (Find volatile spans) or type the text to change")
+    if new_value is None or not str(new_value).strip():
+        raise AppError("type the new value the changed request carries")
+    report = audit_value(
+        registry.get(spec),
+        request,
+        chars,
+        str(new_value),
+        message=message,
+        max_tokens=registry.profile.max_context_tokens,
+        progress=progress,
+        **options,
+    )
+    sessions.put(session, "audit", report, registry.resolve(spec))
+    return audit_view(report, x, y)
+
+
+def _turn_marks(report: AuditReport, index: int) -> list[audit_figures.Mark]:
+    """The changed fields, where an exact prefix cache stops, and the appended turns, in request ``index``'s text."""
+    turn, rendered = report.turns[index], report.rendered[index]
+    diff, text = turn.diff, rendered.text
+    marks = [
+        audit_figures.Mark(*change.char_span, "field", f"{change.name}: {change.old!r} → {change.new!r}", change.name)
+        for change in turn.fields
+    ]
+    cut = rendered.offsets[diff.common_prefix_tokens][0] if diff.common_prefix_tokens < len(rendered) else len(text)
+    cut = min([cut, *(change.char_span[0] for change in turn.fields if change.char_span[0] <= cut < change.char_span[1])])
+    reused = f"an exact prefix cache reuses the {diff.common_prefix_tokens:,} tokens before this point"
+    marks.append(audit_figures.Mark(cut, cut, "cut", reused))
+    if diff.growth_start < len(rendered):
+        appended = len(rendered) - diff.growth_start
+        where = rendered.offsets[diff.growth_start][0]
+        marks.append(audit_figures.Mark(where, len(text), "growth", f"{appended:,} tokens appended since the previous request"))
+    return marks
+
+
+def audit_view(report: AuditReport, x: str = "computed", y: str = "kl") -> AuditView:
+    """The tab's panels of an audit: recommendations, the timeline, fidelity against cost and the marked prompts."""
+    data = report.as_dict()
+    turns = [(turn.request, report.rendered[i].text, _turn_marks(report, i)) for i, turn in enumerate(report.turns) if turn.diff]
+    shown = report.last_with_fields() or report.turns[-1]
+    return AuditView(
+        recommendation_markdown=audit_figures.recommendations_markdown(data),
+        timeline_figure=audit_figures.reuse_timeline_figure(data),
+        fidelity_figure=audit_figures.fidelity_cost_figure(data, *_axes(x, y)),
+        prompt_html=audit_figures.turns_html(turns, shown.request),
+        summary=data,
+    )
+
+
+def _axes(x: str | None, y: str | None) -> tuple[str, str]:
+    x, y = x or "computed", y or "kl"
+    if x not in audit_figures.X_AXES or y not in audit_figures.Y_AXES:
+        raise AppError(f"axes are x in {', '.join(audit_figures.X_AXES)} and y in {', '.join(audit_figures.Y_AXES)}")
+    return x, y
+
+
+def _audit_report(sessions: SessionStore, session: str) -> AuditReport:
+    report = sessions.get(session, "audit")
+    if report is None:
+        raise AppError("run an audit first: paste a log (or one prompt and a new value) and press Audit")
+    return report
+
+
+def audit_fidelity_view(sessions: SessionStore, session: str, x: str, y: str) -> go.Figure:
+    """The session's last audit drawn on other axes (no model call)."""
+    report = sessions.get(session, "audit")
+    if report is None:
+        return message_figure("run an audit first: the figure draws its repairs")
+    return audit_figures.fidelity_cost_figure(report.as_dict(), *_axes(x, y))
+
+
+def answer_labels(text: str | None) -> list[str] | None:
+    """Two answer labels from ``"yes, no"`` (None when empty: the scenario's default)."""
+    labels = [label.strip() for label in (text or "").split(",") if label.strip()]
+    if not labels:
+        return None
+    if len(labels) != 2:
+        raise AppError(f"name two answer labels separated by a comma (e.g. yes, no), got {len(labels)}")
+    return labels
+
+
+@guarded
+def audit_notes_scenario(sessions: SessionStore, session: str, labels: str | None = None) -> tuple[str, ScenarioChoices]:
+    """The scenario TOML built from the session's last audit (the last turn with a changed field, its value as the
+    field), and the Notes tab's field and value choices for it."""
+    text = scenario_toml(_audit_report(sessions, session), answer_labels(labels))
+    return text, scenario_choices(text)
+
+
+@guarded
+def export_audit(folder: ExportFolder, sessions: SessionStore, session: str, x: str = "computed", y: str = "kl") -> list[str]:
+    """The audit JSON, its figures and marked prompts (HTML), the auto-built scenario TOML and the repaired prompt
+    template (those two where a field changed); returns the files' paths."""
+    report = _audit_report(sessions, session)
+    view = audit_view(report, x, y)
+    extra = {}
+    if report.last_with_fields() is not None:
+        chat = report.rendered[-1].request.messages is not None
+        extra[f"{AUDIT_STEM}-scenario.toml"] = scenario_toml(report)
+        extra[f"{AUDIT_STEM}-template.{'json' if chat else 'txt'}"] = repaired_template(report)
+    paths = folder.write(view.summary, [view.timeline_figure, view.fidelity_figure], AUDIT_STEM, [view.prompt_html], extra)
+    return [str(path) for path in paths]
+
+
 # ---------------------------------------------------------------------------- benchmarks
 def benchmark_results() -> dict[str, dict]:
     """Every JSON under benchmarks/results, by file stem."""
@@ -546,6 +860,8 @@ def benchmark_figures_for(results: dict[str, dict]) -> list[go.Figure]:
         "compose_many": compose_figures.study_figure,
         "cache_reuse": benchmark_figures.cache_reuse_figure,
         "image": benchmark_figures.image_splice_figure,
+        "compare_models": benchmark_figures.compare_models_figure,
+        "audit": benchmark_figures.audit_benchmark_figure,
     }
     figures = []
     for stem, data in results.items():
@@ -608,15 +924,94 @@ def learn_step(registry: ModelRegistry, index: int, spec: str | None) -> tuple[s
 # ---------------------------------------------------------------------------- export
 @guarded
 def export_files(
-    folder: ExportFolder, result: dict | None, figures: Sequence[go.Figure], stem: str, html_parts: Sequence[str] = ()
+    folder: ExportFolder,
+    result: dict | None,
+    figures: Sequence[go.Figure],
+    stem: str,
+    html_parts: Sequence[str] = (),
+    recipe: Recipe | None = None,
 ) -> list[str]:
-    """Write the result JSON and one HTML file with every figure (and any HTML views); returns their paths."""
+    """Write the result JSON and one HTML file with every figure (and any HTML views); with the ``recipe`` that
+    computed this result, also ``STEM.py`` and ``STEM.ipynb``, which rerun it. Returns their paths."""
     if not result:
         raise AppError("nothing to export yet: run something first")
-    return [str(path) for path in folder.write(result, [figure for figure in figures if figure is not None], stem, html_parts)]
+    extra = reproduction_files(recipe, stem) if recipe is not None and matches(recipe, result) else {}
+    return [str(path) for path in folder.write(result, [figure for figure in figures if figure is not None], stem, html_parts, extra)]
+
+
+def reproduction_files(recipe: Recipe, stem: str) -> dict[str, str]:
+    """The recipe as a runnable script and a notebook (the engine's public API only), by file name."""
+    import nbformat  # exports alone need it
+
+    book = nbformat.from_dict(notebook(recipe, f"{stem}.json"))
+    nbformat.validate(book)
+    return {f"{stem}.py": script_text(recipe, f"{stem}.json"), f"{stem}.ipynb": nbformat.writes(book)}
+
+
+def edit_recipe(
+    registry: ModelRegistry,
+    sessions: SessionStore,
+    session: str,
+    spec: str | None,
+    text: str,
+    strategies: Sequence[str],
+    separately: bool = False,
+    head: int | None = None,
+    all_positions: bool = False,
+) -> Recipe | None:
+    """The recipe of the session's last edit, just run by :func:`run_edit` with these inputs (None once it is gone):
+    the model it ran on, the scenario text, the field and value it resolved, the strategies and every setting."""
+    experiment: EditExperiment | None = sessions.get(session, "edit")
+    if experiment is None:
+        return None
+    chosen = registry.profile.checked_strategies(strategies or [])
+    return Recipe(
+        kind="edit",
+        model=registry.resolve(spec),
+        dtype=dtype_name(experiment.lm.dtype),
+        device=str(experiment.lm.device),
+        scenario_toml=text,
+        field=experiment.field,
+        new=experiment.new,
+        settings=recipe_settings(experiment.settings),
+        strategies=tuple(chosen or DEFAULT_STRATEGIES),
+        fused=not separately,
+        head=head,
+        all_positions=bool(all_positions),
+        scenario_name=experiment.scenario.name,
+    )
+
+
+def knockout_recipe(recipe: Recipe | None, positions: Sequence[int]) -> Recipe | None:
+    """An edit's recipe followed by a knockout of ``positions`` (what the Notes tab's JSON then shows)."""
+    return None if recipe is None else dataclasses.replace(recipe, kind="knockout", knockout=tuple(int(p) for p in positions))
+
+
+@guarded
+def probe_recipe(
+    registry: ModelRegistry, spec: str | None, text: str, field: str | None, new: str | None, name: str, options: dict | None = None
+) -> Recipe:
+    """The recipe of :func:`run_probe` with these inputs."""
+    scenario = parse_scenario(text, registry.profile)
+    chosen = scenario.field(field or None)
+    lm = registry.get(spec)
+    return Recipe(
+        kind="probe",
+        model=registry.resolve(spec),
+        dtype=dtype_name(lm.dtype),
+        device=str(lm.device),
+        scenario_toml=text,
+        field=chosen.name,
+        new=new or chosen.new,
+        settings=recipe_settings(EditSettings(top_k=8)),  # the K of _experiment's default, which run_probe uses
+        probe=name,
+        probe_options=dict(options or {}),
+        scenario_name=scenario.name,
+    )
 
 
 # ---------------------------------------------------------------------------- server memory
 def memory_markdown(registry: ModelRegistry, sessions: SessionStore) -> str:
     """What this server keeps in memory against its budgets, as Markdown."""
-    return panels.memory_markdown(registry.profile.as_dict(), registry.loaded(), process_rss_bytes(), registry.memory(), sessions.stats())
+    text = panels.memory_markdown(registry.profile.as_dict(), registry.loaded(), process_rss_bytes(), registry.memory(), sessions.stats())
+    return text + model_figures.model_memory_markdown(registry.model_bytes(), registry.profile.model_budget_bytes)

@@ -3,7 +3,8 @@
 ``local`` (``python app.py``) keeps today's freedom: any alias, HF id or local directory, any context the
 model takes, no time limit. ``public`` (``python app.py --public``, and automatically on a Hugging Face
 Space, where ``SPACE_ID`` is set) is for a Space or a shared classroom machine: models from an allowlist
-only (the offline aliases plus HF ids the host names in ``KVSCOPE_ALLOWED_MODELS``), no local paths,
+only (the offline aliases, except the large ``qwen-1.5b``, plus the models the host names in
+``KVSCOPE_ALLOWED_MODELS``), no local paths,
 bounded context, strategies, turns and model time per request. Both profiles bound memory the same way,
 with budgets scaled to the machine's RAM. Every limit can be overridden by the host (see ``from_env``).
 """
@@ -25,7 +26,7 @@ import psutil
 from engine.cache.budget import WorkBudget
 from engine.edit.strategies import STRATEGIES
 from engine.errors import KVScopeError
-from engine.models import offline_aliases
+from engine.models import HOST_OPT_IN_ALIASES, offline_aliases
 
 GiB = 2**30
 PUBLIC_MAX_CONTEXT_TOKENS = 1024
@@ -33,8 +34,12 @@ PUBLIC_FORWARD_TOKENS = 128  # new tokens per forward: ~1 s for the embedded mod
 PUBLIC_REQUEST_SECONDS = 30.0
 PUBLIC_MAX_SCENARIO_CHARS = 12_000
 PUBLIC_MAX_AGENT_TURNS = 8
+PUBLIC_MAX_AUDIT_REQUESTS = 8  # requests of one audited log (the Your prompt tab)
+PUBLIC_MAX_AUDIT_TOKENS = 32  # greedy tokens generated per state in an audit
 # Shares of the machine's RAM kept for results, per kind (the rest is for models and the work itself).
 SESSION_SHARE, BASELINE_SHARE, REFERENCE_SHARE = 0.06, 0.03, 0.03
+# Parameter bytes of the models in memory: two Qwen2.5-Coder-1.5B copies in float32 (2 × 7.1 GB, lm_head untied) fit a 24 GB machine.
+MODEL_SHARE = 0.6
 
 
 class HostingError(KVScopeError):
@@ -56,12 +61,15 @@ class HostingProfile:
     session_budget_bytes: int
     baseline_budget_bytes: int
     reference_budget_bytes: int
+    model_budget_bytes: int  # parameter bytes of the models in memory (least recently used dropped first)
     session_ttl_s: float  # idle sessions are dropped after this long
     export_max_bytes: int
     export_keep: int  # export folders kept on disk (oldest removed first)
     model_capacity: int  # models loaded at once
     pin_default_model: bool  # never evict the default model (a public server's visitors all use it)
     concurrency: int  # model-bound requests in flight (their forwards take turns, least model time first)
+    max_audit_requests: int | None = None  # requests per audited log (None: any); each request's tokens: max_context_tokens
+    max_audit_tokens: int | None = None  # greedy tokens generated per state in an audit (None: any)
 
     @property
     def label(self) -> str:
@@ -92,6 +100,15 @@ class HostingProfile:
             raise HostingError(f"{len(unique)} strategies asked; {self.label} runs at most {self.max_strategies} per request")
         return unique
 
+    def check_audit(self, requests: int, tokens: int) -> None:
+        """Refuse an audit of more requests, or more greedy tokens per state, than this server runs."""
+        if self.max_audit_requests is not None and requests > self.max_audit_requests:
+            raise HostingError(
+                f"the log has {requests} requests; {self.label} audits at most {self.max_audit_requests}: keep the requests you care about"
+            )
+        if self.max_audit_tokens is not None and tokens > self.max_audit_tokens:
+            raise HostingError(f"{tokens} greedy tokens per state asked; {self.label} generates at most {self.max_audit_tokens}")
+
     def check_turns(self, turns: int) -> None:
         """Refuse an agent episode longer than the maximum."""
         if turns > self.max_agent_turns:
@@ -111,6 +128,7 @@ def _budgets(memory_bytes: int) -> dict[str, int]:
         "session_budget_bytes": int(memory_bytes * SESSION_SHARE),
         "baseline_budget_bytes": int(memory_bytes * BASELINE_SHARE),
         "reference_budget_bytes": int(memory_bytes * REFERENCE_SHARE),
+        "model_budget_bytes": int(memory_bytes * MODEL_SHARE),
     }
 
 
@@ -136,8 +154,9 @@ def local_profile(memory_bytes: int | None = None) -> HostingProfile:
 
 
 def public_profile(extra_models: Sequence[str] = (), memory_bytes: int | None = None) -> HostingProfile:
-    """A public Space or a shared classroom server."""
-    allowed = (*offline_aliases(), *extra_models)
+    """A public Space or a shared classroom server: the offline aliases except those a host opts into
+    (``HOST_OPT_IN_ALIASES``: the 1.5B model), plus ``extra_models``."""
+    allowed = (*(alias for alias in offline_aliases() if alias not in HOST_OPT_IN_ALIASES), *extra_models)
     return HostingProfile(
         name="public",
         allowed_models=tuple(dict.fromkeys(allowed)),
@@ -153,6 +172,8 @@ def public_profile(extra_models: Sequence[str] = (), memory_bytes: int | None = 
         model_capacity=2,
         pin_default_model=True,
         concurrency=4,
+        max_audit_requests=PUBLIC_MAX_AUDIT_REQUESTS,
+        max_audit_tokens=PUBLIC_MAX_AUDIT_TOKENS,
         **_budgets(memory_bytes or machine_memory_bytes()),
     )
 
@@ -165,6 +186,9 @@ OVERRIDES = {  # environment variable -> profile field (a host's settings)
     "KVSCOPE_MAX_AGENT_TURNS": ("max_agent_turns", int),
     "KVSCOPE_SESSION_TTL_S": ("session_ttl_s", float),
     "KVSCOPE_CONCURRENCY": ("concurrency", int),
+    "KVSCOPE_MODEL_BUDGET_BYTES": ("model_budget_bytes", int),
+    "KVSCOPE_MAX_AUDIT_REQUESTS": ("max_audit_requests", int),
+    "KVSCOPE_MAX_AUDIT_TOKENS": ("max_audit_tokens", int),
 }
 
 

@@ -17,8 +17,8 @@ import tempfile
 import threading
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import Callable, MutableMapping, Sequence
+from collections import OrderedDict, deque
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +36,23 @@ from engine.compose.skills import SkillStore
 from engine.compose.splice import Recomputed
 from engine.edit.runs import ScenarioRun, run_scenario
 from engine.errors import KVScopeError
-from engine.models import LoadedModel, load_model
+from engine.models import LoadedModel, expected_parameter_bytes, load_model
 from engine.once import SingleFlight
 from engine.progress import MessageProgress
 from engine.scenario import Scenario
 
 
+def _gb(count: int) -> str:
+    return f"{count / 1e9:.1f} GB"
+
+
 class ModelRegistry:
-    """Models by spec, at most ``profile.model_capacity`` loaded at once (the default pinned on a public server);
-    the one owner of loaded models and of everything shared that was computed with them."""
+    """Models by spec, at most ``profile.model_capacity`` loaded at once and their parameter bytes within
+    ``profile.model_budget_bytes`` (least recently used dropped first; the default pinned on a public server);
+    the one owner of loaded models and of everything shared that was computed with them. Every drop is stated
+    (:meth:`drops_since`)."""
+
+    KEPT_DROPS = 32  # drop messages remembered
 
     def __init__(
         self,
@@ -53,12 +61,19 @@ class ModelRegistry:
         device: str = "auto",
         dtype: str = "auto",
         loader: Callable[..., LoadedModel] = load_model,
+        estimate: Callable[[str, str], int | None] = expected_parameter_bytes,
     ) -> None:
+        """``estimate(spec, dtype)``: a model's parameter bytes before it loads (None when unknown), so room is made
+        first; once loaded, its own ``info()["parameter_bytes"]`` counts."""
         self.default_spec, self.device, self.dtype = default_spec, device, dtype
         self.profile = profile or local_profile()
         self.gate = ComputeGate()  # forwards of concurrent requests take turns, least model time first
         self._loader = loader
+        self._estimate = estimate
         self._models: OrderedDict[str, LoadedModel] = OrderedDict()
+        self._bytes: dict[str, int] = {}  # parameter bytes of each loaded model
+        self._drops: deque[tuple[int, str]] = deque(maxlen=self.KEPT_DROPS)  # (serial, message)
+        self.drop_serial = 0  # how many models were dropped so far
         self._dtypes: dict[str, str] = {}  # the dtype each spec was loaded with ("auto" or a name)
         self._support: dict[str, SupportRow] = {}
         self._skills: dict[str, SkillStore] = {}
@@ -84,7 +99,8 @@ class ModelRegistry:
         with self._lock:
             self._models[spec] = lm
             self._dtypes[spec] = self.dtype
-            self._evict()
+            self._bytes[spec] = _parameter_bytes(lm)
+            self._evict(spec)
 
     def get(self, spec: str | None = None, progress: MessageProgress | None = None, dtype: str | None = None) -> LoadedModel:
         """The model for ``spec`` (default spec when None), loading it on first use; a ``dtype`` other than the
@@ -92,13 +108,14 @@ class ModelRegistry:
         spec = self.resolve(spec)
         with self._lock:
             if dtype is not None and spec in self._models and self._dtypes[spec] != dtype:
-                self._drop(spec)
+                self._drop(spec, f"to reload it in {dtype}")
             if spec not in self._models:
                 chosen = dtype or self._dtypes.get(spec, self.dtype)
-                self._make_room()
+                self._make_room(spec, self._estimate(spec, chosen))
                 self._models[spec] = self._loader(spec, device=self.device, dtype=chosen, progress=progress)
                 self._dtypes[spec] = chosen
-                self._evict()
+                self._bytes[spec] = _parameter_bytes(self._models[spec])
+                self._evict(spec)
             self._models.move_to_end(spec)
             return self._models[spec]
 
@@ -106,6 +123,17 @@ class ModelRegistry:
         """Specs of the models in memory, least recently used first."""
         with self._lock:
             return list(self._models)
+
+    def model_bytes(self) -> dict[str, int]:
+        """Parameter bytes of each model in memory, least recently used first."""
+        with self._lock:
+            return {spec: self._bytes[spec] for spec in self._models}
+
+    def drops_since(self, serial: int) -> list[str]:
+        """What was dropped after ``drop_serial`` was ``serial``, oldest first, one sentence each (the latest
+        ``KEPT_DROPS`` kept)."""
+        with self._lock:
+            return [message for number, message in self._drops if number > serial]
 
     def selftest(self, spec: str | None = None) -> SelfTestReport:
         """The RoPE/splice self-test of a model: the one its splice gate runs once (``engine.cache.loaded.SpliceGate``)."""
@@ -157,17 +185,33 @@ class ModelRegistry:
     def _evictable(self) -> list[str]:
         return [spec for spec in self._models if not (self.profile.pin_default_model and spec == self.default_spec)]
 
-    def _make_room(self) -> None:
-        """Drop models before loading one more, so two copies never sit in memory beyond the capacity."""
+    def _budget_words(self) -> str:
+        return f"the {_gb(self.profile.model_budget_bytes)} model budget ({self.profile.name} profile)"
+
+    def _make_room(self, spec: str, estimate: int | None) -> None:
+        """Drop models before loading ``spec`` (about ``estimate`` bytes), so the copies in memory never go beyond
+        the capacity or, as far as the estimate tells, the byte budget."""
         while len(self._models) >= self.profile.model_capacity and self._evictable():
-            self._drop(self._evictable()[0])
+            self._drop(self._evictable()[0], f"to load {spec}: at most {self.profile.model_capacity} models are kept in memory")
+        size = estimate or 0
+        while size and sum(self._bytes.values()) + size > self.profile.model_budget_bytes and self._evictable():
+            self._drop(self._evictable()[0], f"to load {spec} ({_gb(size)}) within {self._budget_words()}")
 
-    def _evict(self) -> None:
-        while len(self._models) > self.profile.model_capacity and self._evictable():
-            self._drop(self._evictable()[0])
+    def _evict(self, newest: str) -> None:
+        """Drop the least recently used models (never ``newest``) beyond the capacity or the byte budget."""
+        others = lambda: [spec for spec in self._evictable() if spec != newest]  # noqa: E731
+        while len(self._models) > self.profile.model_capacity and others():
+            self._drop(others()[0], f"after loading {newest}: at most {self.profile.model_capacity} models are kept in memory")
+        while sum(self._bytes.values()) > self.profile.model_budget_bytes and others():
+            size = _gb(self._bytes[newest])
+            self._drop(others()[0], f"after loading {newest} ({size}) to stay within {self._budget_words()}")
 
-    def _drop(self, spec: str) -> None:
-        """Forget a model and everything computed with it, then return its memory."""
+    def _drop(self, spec: str, reason: str | None = None) -> None:
+        """Forget a model and everything computed with it, then return its memory; ``reason`` is stated."""
+        size = self._bytes.pop(spec, 0)
+        if reason is not None and spec in self._models:
+            self.drop_serial += 1
+            self._drops.append((self.drop_serial, f"dropped {spec} ({_gb(size)}) {reason}"))
         self._models.pop(spec, None)
         self._support.pop(spec, None)
         self._skills.pop(spec, None)
@@ -243,12 +287,18 @@ class ExportFolder:
         self.root = root
         self._lock = threading.Lock()
 
-    def write(self, result: dict, figures: Sequence[go.Figure], stem: str, html_parts: Sequence[str] = ()) -> list[Path]:
-        """The result as JSON and every figure (and HTML view) in one HTML file, in a new folder."""
+    def write(
+        self, result: dict, figures: Sequence[go.Figure], stem: str, html_parts: Sequence[str] = (), extra: Mapping[str, str] | None = None
+    ) -> list[Path]:
+        """The result as JSON and every figure (and HTML view) in one HTML file, in a new folder; ``extra`` files
+        (name -> text, e.g. the script and notebook that rerun the result) beside them."""
+        extra = dict(extra or {})
+        if any(Path(name).name != name or name in (f"{stem}.json", f"{stem}-figures.html") for name in extra):
+            raise ValueError(f"extra export files must be plain names other than the JSON's and the figures', got {sorted(extra)}")
         text = json.dumps(result, indent=2, ensure_ascii=False)
         parts = [figure.to_html(full_html=False, include_plotlyjs="cdn" if i == 0 else False) for i, figure in enumerate(figures)]
         page = "<html><body>" + "\n".join([*parts, *html_parts]) + "</body></html>"
-        size = len(text.encode()) + len(page.encode())
+        size = len(text.encode()) + len(page.encode()) + sum(len(body.encode()) for body in extra.values())
         if size > self.max_bytes:
             raise HostingError(
                 f"this export would be {size / 2**20:.1f} MB; the server writes at most {self.max_bytes / 2**20:.0f} MB per export"
@@ -257,8 +307,10 @@ class ExportFolder:
             folder = Path(tempfile.mkdtemp(prefix="export-", dir=self.root))
             (folder / f"{stem}.json").write_text(text, encoding="utf-8")
             (folder / f"{stem}-figures.html").write_text(page, encoding="utf-8")
+            for name, body in extra.items():
+                (folder / name).write_text(body, encoding="utf-8")
             self._prune()
-        return [folder / f"{stem}.json", folder / f"{stem}-figures.html"]
+        return [folder / f"{stem}.json", folder / f"{stem}-figures.html", *(folder / name for name in extra)]
 
     def folders(self) -> list[Path]:
         """Export folders on disk, oldest first."""
@@ -267,6 +319,11 @@ class ExportFolder:
     def _prune(self) -> None:
         for folder in self.folders()[: -self.keep]:
             shutil.rmtree(folder, ignore_errors=True)
+
+
+def _parameter_bytes(lm: LoadedModel) -> int:
+    """A loaded model's parameter bytes (``LoadedModel.info()``)."""
+    return int(lm.info()["parameter_bytes"])
 
 
 def process_rss_bytes() -> int:

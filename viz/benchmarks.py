@@ -5,6 +5,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from viz.audit import KL_FLOOR, reused_fraction, within
 from viz.common import PALETTE, safe_label
 
 
@@ -321,5 +322,86 @@ def image_splice_figure(data: dict) -> go.Figure:
         template="plotly_white",
         height=420,
         legend={"orientation": "h", "y": -0.25},
+    )
+    return figure
+
+
+def compare_models_figure(data: dict) -> go.Figure:
+    """Across models (``compare_models-*.json``): how many bundled scenarios flip under a clean prefill and how many are
+    notes demos, and the N-skill study's median splice cosine per remedy, one group per model."""
+    models = data["models"]
+    names = [safe_label(row["model"].split(":", 1)[-1], 30) for row in models]
+    figure = make_subplots(rows=1, cols=2, subplot_titles=("bundled scenarios (calibration)", "splice cosine, median (N-skill study)"))
+    figure.add_bar(x=names, y=[row["calibrate"]["flipping"] for row in models], name="flip under a clean prefill", row=1, col=1)
+    figure.add_bar(x=names, y=[row["calibrate"]["notes_demos"] for row in models], name="notes demos", row=1, col=1)
+    remedies = list(dict.fromkeys(name for row in models for name in row["study"]["summary"]))
+    for index, remedy in enumerate(remedies):
+        cosines = [((row["study"]["summary"].get(remedy) or {}).get("cosine") or {}).get("median") for row in models]
+        figure.add_bar(x=names, y=cosines, name=safe_label(remedy), marker_color=PALETTE[(index + 2) % len(PALETTE)], row=1, col=2)
+    totals = sorted({row["calibrate"]["total"] for row in models})
+    figure.update_yaxes(title=f"of {', '.join(map(str, totals))} scenario fields", row=1, col=1)
+    cpu = (data.get("cpu") or {}).get("model_name")
+    measured = ", ".join(safe_label(str(part)) for part in (data.get("dtype"), cpu) if part)
+    figure.update_layout(title=f"Across models ({measured})", barmode="group", height=400, legend={"orientation": "h", "y": -0.25})
+    return figure
+
+
+def audit_benchmark_figure(data: dict) -> go.Figure:
+    """One bundled request log audited (``audit-<log>-*.json``): per turn, each repair's reused fraction, its TTFT (the
+    clean prefill dashed) and its next-token KL; filled markers stay within the audit's threshold."""
+    turns = [turn for turn in data["turns"] if turn["repairs"]]
+    requests = [turn["request"] for turn in turns]
+    figure = make_subplots(
+        rows=1, cols=3, horizontal_spacing=0.07, subplot_titles=("reused fraction", "time to first token", "KL vs clean prefill")
+    )
+    figure.add_scatter(
+        x=requests,
+        y=[turn["full_ttft_ms"] for turn in turns],
+        name="clean prefill",
+        mode="lines",
+        line={"color": "black", "dash": "dash"},
+        row=1,
+        col=2,
+    )
+    for index, name in enumerate(data["repairs"]):
+        results = [turn["repairs"][name] for turn in turns]
+        colour = "black" if name == "recompute" else PALETTE[index % len(PALETTE)]
+        symbols = ["circle" if within(result, data) else "circle-open" for result in results]
+        for column, values in (
+            (1, [reused_fraction(result) for result in results]),
+            (2, [result["ttft_ms"] if result["applicable"] else None for result in results]),
+            (3, [max(result["kl"], KL_FLOOR) if result["applicable"] else None for result in results]),
+        ):
+            figure.add_scatter(
+                x=requests,
+                y=values,
+                name=safe_label(name),
+                legendgroup=name,
+                showlegend=column == 1,
+                mode="lines+markers",
+                line={"color": colour},
+                marker={"symbol": symbols, "size": 9, "line": {"width": 2, "color": colour}},
+                row=1,
+                col=column,
+            )
+    figure.update_xaxes(title_text="request", tickvals=requests)
+    figure.update_yaxes(range=[0, 1.05], tickformat=".0%", row=1, col=1)
+    figure.update_yaxes(type="log", title_text="ms", row=1, col=2)
+    figure.update_yaxes(type="log", exponentformat="power", title_text=f"KL (0 drawn at {KL_FLOOR:g})", row=1, col=3)
+    figure.add_hline(y=data["threshold"], line={"color": "#e76f51", "dash": "dot"}, row=1, col=3)
+    summary = data.get("summary") or {}
+    saved = (
+        f"; recommended repairs compute {summary['recommended_computed_tokens']:,} tokens vs recompute's "
+        f"{summary['recompute_computed_tokens']:,}"
+        if summary
+        else ""
+    )
+    figure.update_layout(
+        title=f"Audit of {safe_label(str(data.get('log', 'a log')))}: {data.get('generated_tokens')} greedy tokens, "
+        f"{data.get('reps')} rep(s){_measured_on(data)}<br><sup>filled: within KL ≤ {data['threshold']:g}, same top token, "
+        f"≥ {data['min_agreement']:.0%} agreeing{saved}</sup>",
+        height=420,
+        legend={"orientation": "h", "y": -0.25},
+        margin={"t": 90},
     )
     return figure

@@ -15,6 +15,7 @@ from engine.audit.fields import Candidate, FieldChange, TurnDiff, candidate_span
 from engine.audit.repairs import REPAIRS, RepairResult, Turn, content_chars, reference, run_repair
 from engine.audit.requests import RenderedRequest, Request, RequestLogError, render_request
 from engine.cache.loaded import LoadedModel
+from engine.cache.notebook import Notebook
 from engine.progress import StepProgress, ticker
 
 DEFAULT_THRESHOLD = 0.05  # nats of KL divergence of the next-token distribution
@@ -121,9 +122,11 @@ def audit_requests(
     diffs = [diff_requests(old, new) for old, new in zip(rendered, rendered[1:])]
     tick = ticker(progress, len(diffs) * (len(names) + 1))
     turns = [AuditTurn(rendered[0].request.index, len(rendered[0]), None, None, {}, None)]
+    cached = Notebook.prefill(lm, list(rendered[0].token_ids), "request").materialized() if diffs else None
     for old, new, diff in zip(rendered, rendered[1:], diffs):
-        turn = Turn(lm, old, new, diff, tokens, grain, max_tokens)
-        clean = reference(turn)
+        turn = Turn(lm, old, new, diff, cached, tokens, grain, max_tokens)
+        clean = reference(lm, new, tokens)
+        cached = clean.notebook  # the server now holds this request
         tick()
         results = {}
         for name in names:

@@ -48,6 +48,7 @@ class Reference:
     logprobs: torch.Tensor  # (vocab,) float32
     generated: tuple[int, ...]
     ttft_ms: float
+    notebook: Notebook  # every token of the request computed: the next turn's cached state
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,7 @@ class Turn:
     old: RenderedRequest
     new: RenderedRequest
     diff: TurnDiff
+    cached: Notebook  # the older request's K/V, as the server holds them
     tokens: int  # greedy tokens generated per state
     grain: str | None = None  # for ``coarsen``
     max_tokens: int | None = None
@@ -120,22 +122,24 @@ class Turn:
         return render_request(self.lm, request, self.max_tokens)
 
 
-def read_state(lm: LoadedModel, prefix: Notebook, rest: Sequence[int], tokens: int) -> tuple[torch.Tensor, tuple[int, ...], float]:
+def read_state(
+    lm: LoadedModel, prefix: Notebook, rest: Sequence[int], tokens: int
+) -> tuple[torch.Tensor, tuple[int, ...], float, Notebook]:
     """From ``prefix`` (its recorded steps not yet run), run ``rest`` (its last token is the one whose next token is
-    read): the next-token log-probs, ``tokens`` greedy tokens and the time to that first token in ms."""
+    read): the next-token log-probs, ``tokens`` greedy tokens, the time to that first token in ms, and the state
+    with every token of the request computed."""
     watch = Stopwatch()
     context = prefix.append(list(rest[:-1]), "request") if len(rest) > 1 else prefix
     state, logits = context.step([rest[-1]], "request")
     first = watch.ms
     _, generated = state.greedy(logits, tokens, _stop_ids(lm))
-    return torch.log_softmax(logits.float(), -1), tuple(generated), first
+    return torch.log_softmax(logits.float(), -1), tuple(generated), first, state
 
 
-def reference(turn: Turn) -> Reference:
-    """The clean prefill of the newer request."""
-    ids = turn.new.token_ids
-    logprobs, generated, ms = read_state(turn.lm, Notebook.empty(turn.lm), ids, turn.tokens)
-    return Reference(logprobs, generated, ms)
+def reference(lm: LoadedModel, request: RenderedRequest, tokens: int) -> Reference:
+    """The clean prefill of a request."""
+    logprobs, generated, ms, state = read_state(lm, Notebook.empty(lm), request.token_ids, tokens)
+    return Reference(logprobs, generated, ms, state)
 
 
 def fidelity(state: torch.Tensor, generated: Sequence[int], clean: Reference) -> Fidelity:
@@ -158,7 +162,7 @@ def run_repair(name: str, turn: Turn, clean: Reference) -> RepairResult:
         return RepairResult(name, False, reason=str(error))
     computed = prefix.pending_tokens + len(rest)  # recorded, not yet run: what this repair computes
     reused = len(prefix.visible_positions()) - prefix.pending_tokens
-    logprobs, generated, ms = read_state(turn.lm, prefix, rest, turn.tokens)
+    logprobs, generated, ms, _ = read_state(turn.lm, prefix, rest, turn.tokens)
     return RepairResult(name, True, reused, computed, ms, fidelity(logprobs, generated, clean), generated, detail=detail)
 
 
@@ -171,9 +175,11 @@ def _recompute(turn: Turn) -> Built:
 
 
 def _prefix_cached(turn: Turn, cached: Sequence[int], target: Sequence[int]) -> Built:
-    """Exact prefix caching: the common prefix reused (at least the last token is run), the rest computed."""
+    """Exact prefix caching: the common prefix reused (at least the last token is run), the rest computed. The
+    older request's own cache is cut to that prefix; a rewritten one (hoisted, coarsened) is prefilled first."""
     keep = min(common_prefix(tuple(cached), tuple(target)), len(target) - 1)
-    return Notebook.prefill(turn.lm, list(target[:keep]), "request").materialized(), tuple(target[keep:]), {}
+    source = turn.cached if tuple(cached) == turn.old.token_ids else Notebook.prefill(turn.lm, list(target[:keep]), "request")
+    return source.prefix(keep), tuple(target[keep:]), {}
 
 
 def _in_place(turn: Turn) -> Built:
@@ -195,7 +201,7 @@ def _edited_in_place(turn: Turn, target: RenderedRequest) -> Built:
             f"the edited cache leaves the target at token {shared}, before a field's end: the fields' tokens do not line up in place"
         )
     keep = shared - sum((c.end - c.start) - (c.old_end - c.old_start) for c in fields)
-    cached = Notebook.prefill(turn.lm, list(old[:keep]), "request").materialized()
+    cached = turn.cached.prefix(keep)
     for change in fields:
         cached = cached.replace(
             range(change.old_start, change.old_end), list(turn.new.token_ids[change.start : change.end]), f"field:{change.name}"

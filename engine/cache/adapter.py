@@ -230,6 +230,11 @@ def _token_inputs(
     return tokens | {"position_ids": positions[None] if rope_positions is None else rope_positions[:, None]}
 
 
+def dynamic_cache(keys: list[torch.Tensor], values: list[torch.Tensor]) -> DynamicCache:
+    """A ``DynamicCache`` holding per-layer keys and values (1, kv_heads, N, head_dim), entry i at position i."""
+    return DynamicCache(ddp_cache_data=list(zip(keys, values)))
+
+
 @dataclass
 class ForwardResult:
     """What one forward produced: logits kept, the new tokens' K/V per layer, captured attentions."""
@@ -278,7 +283,7 @@ def forward(
         capture_rows=capture_rows,
         use_sdpa=model.config._kvscope_use_sdpa,
     )
-    cache = DynamicCache(ddp_cache_data=list(zip(keys, values))) if len(key_positions) else DynamicCache()
+    cache = dynamic_cache(keys, values) if len(key_positions) else DynamicCache()
     kept = logit_rows if logit_rows is not None else torch.zeros(0, dtype=torch.long, device=device)
     token = _ACTIVE_PLAN.set(plan)
     try:

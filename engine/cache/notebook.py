@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.cache import adapter, vision
+from engine.cache import adapter, display, vision
 from engine.cache.budget import compute_slot, forward_token_limit
 from engine.cache.decision import (
     Decision,
@@ -49,7 +49,7 @@ from engine.cache.fused_forward import (
     joined,
     run_together,
 )
-from engine.cache.loaded import LoadedModel, ModelFingerprint
+from engine.cache.loaded import LoadedModel, ModelFingerprint, dtype_name
 from engine.cache.rope import RopeUnsupported, Rotary
 from engine.errors import NotebookError
 from engine.progress import StepProgress
@@ -298,6 +298,49 @@ class Notebook:
         for tensor in (*self.keys, *self.values):
             seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
         return sum(seen.values())
+
+    def _repr_html_(self) -> str:
+        """Jupyter's view: tokens, the segments' runs with their positions, layers, KV heads, memory and pending
+        steps (it runs no forward: memory counts the K/V computed so far)."""
+        config = self.lm.model.config.get_text_config()
+        (kv_heads, _), _ = adapter.cache_entry_shapes(config)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (*self.computed_keys, *self.computed_values)}
+        hidden = len(self.positions) - len(self)
+        pending = f"{len(self.pending)} ({self.pending_tokens} tokens, computed by the next read)" if self.pending else "none"
+        summary = display.fields(
+            [
+                ("model", f"{self.lm.name} ({dtype_name(self.lm.dtype)})"),
+                ("tokens", f"{len(self)} visible" + (f", {hidden} hidden (replaced or recomputed, kept for forks)" if hidden else "")),
+                ("layers", config.num_hidden_layers),
+                ("KV heads", kv_heads),
+                ("cache entry", self.lm.cache_layout()),
+                ("memory", f"{sum(storages.values()):,} bytes of computed K/V"),
+                ("pending steps", pending),
+            ]
+        )
+        runs: list[list] = []  # [label, entries] of consecutive equal labels in reading order
+        for entry in self.order.tolist():
+            if runs and runs[-1][0] == self.segments[entry]:
+                runs[-1][1].append(entry)
+            else:
+                runs.append([self.segments[entry], [entry]])
+        shown = 40
+        rows = [
+            (label, f"{int(self.positions[entries[0]])}–{int(self.positions[entries[-1]])}", len(entries), self._preview(entries))
+            for label, entries in runs[:shown]
+        ]
+        if len(runs) > shown:
+            rows.append(("…", f"{len(runs) - shown} more runs", sum(len(entries) for _, entries in runs[shown:]), ""))
+        segments = display.table(rows, header=("segment", "positions", "tokens", "text"))
+        log = display.paragraph("operations: " + "; ".join(self.log[-6:])) if self.log else ""
+        return display.block(f"Notebook: {len(self)} tokens", summary, display.paragraph("segments"), segments, log)
+
+    def _preview(self, entries: Sequence[int], limit: int = 24) -> str:
+        """The text of a run of entries (its first ``limit`` tokens)."""
+        ids = self.token_ids[list(entries[:limit])].tolist()
+        if self.lm.images is not None and any(token >= self.lm.images.first_id for token in ids):
+            return f"(picture patches, {len(entries)} tokens)"
+        return self.lm.tokenizer.decode(ids) + ("…" if len(entries) > limit else "")
 
     @cached_property
     def rotary(self) -> Rotary:
@@ -556,7 +599,19 @@ class Notebook:
 
     def compact(self) -> "Notebook":
         """Drop hidden entries (frees memory; reading order and results unchanged)."""
-        kept = self.order
+        return self._keeping(self.order, f"compact to {len(self.order)} entries")
+
+    def prefix(self, count: int) -> "Notebook":
+        """The first ``count`` positions of the context as their own notebook, their K/V shared, no forward: what an
+        exact prefix cache keeps of this context for a request that starts the same way."""
+        done = self.materialized()
+        kept = done.order[done.positions[done.order] < count]
+        if len(kept) != count:
+            raise NotebookError(f"the context holds {len(kept)} of the first {count} positions: a prefix needs every one")
+        return done._keeping(kept, f"prefix of {count} positions")
+
+    def _keeping(self, kept: torch.Tensor, note: str) -> "Notebook":
+        """Only the computed entries ``kept`` (in that order), all visible."""
         index = kept.to(self.lm.device)
         return Notebook(
             lm=self.lm,
@@ -566,7 +621,7 @@ class Notebook:
             positions=self.positions[kept],
             segments=tuple(self.segments[i] for i in kept.tolist()),
             visible=torch.ones(len(kept), dtype=torch.bool),
-            log=self.log + (f"compact to {len(kept)} entries",),
+            log=self.log + (note,),
             rope_offsets=self.rope_offsets[:, kept],
         )
 

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass, replace
 import numpy as np
 import torch
 
-from engine.cache import vision
+from engine.cache import display, vision
 from engine.cache.loaded import LoadedModel
 from engine.cache.notebook import Knockout, Notebook
 from engine.cache.recurrent import RecurrentContext
@@ -107,6 +107,12 @@ class SupportRow:
         refused = "; ".join(f"refused {', '.join(ops)}: {reason}" for reason, ops in by_reason.items())
         exact = f"max |error| vs the model's own forward ({self.dtype}): {measured}" if measured else ""
         return ". ".join(part for part in (exact, refused) if part)
+
+    def _repr_html_(self) -> str:
+        """Jupyter's view: every operation's verdict (max |error| against the model's own forward, or the refusal's reason)."""
+        rows = [(v.operation, _cell(v), v.reason or ("" if v.applicable else "not applicable to this model")) for v in self.verdicts]
+        subtitle = f"{self.family} ({self.model_type}), {self.dtype}: max |error| vs the model's own forward (tolerance {TOLERANCE:g})"
+        return display.block(f"Support: {self.model}", display.table(rows, header=("operation", "verdict", "reason")), subtitle=subtitle)
 
     def as_dict(self) -> dict:
         data = asdict(self)

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.cache.decision import Decision, DecisionMatch, logit_agreement
+from engine.cache import display
+from engine.cache.decision import DECISIVE_MARGIN, Decision, DecisionMatch, logit_agreement
 from engine.cache.loaded import LoadedModel
 from engine.cache.notebook import KVBlock, Notebook, NotebookError
 from engine.cache.patching import (
@@ -392,6 +393,49 @@ class Fidelity:
             "compile_ms": round(self.compile_ms, 1),
             "reference_reused": self.reference_reused,
         }
+
+    def _repr_html_(self) -> str:
+        """Jupyter's view: next-token agreement, the decisions (tie-aware) and time to first token, both sides."""
+        agreement = {
+            True: "agree",
+            False: "disagree",
+            None: f"the recomputed decision is a tie (|margin| < {DECISIVE_MARGIN}): compare the margins",
+        }[self.decision_agree]
+        numbers = display.fields(
+            [
+                ("cosine", display.number(self.agreement["cosine"], 6)),
+                ("KL (spliced ‖ recomputed)", display.number(self.agreement["kl"], 6)),
+                ("top-1 agree", "yes" if self.agreement["top1_agree"] else "no"),
+                *[
+                    (f"{key.removesuffix('_agree')} overlap", display.number(value, 2))
+                    for key, value in self.agreement.items()
+                    if key.startswith("top") and key != "top1_agree"
+                ],
+                ("decision", agreement),
+                ("max K/V deviation", display.number(float(self.deviation.max()), 6)),
+            ]
+        )
+        spliced_computed = self.context_tokens - self.skill_tokens + self.recomputed_tokens
+        sides = display.table(
+            [
+                ("decision", self.spliced.label, self.recomputed.label),
+                ("margin", display.number(self.spliced.margin, signed=True), display.number(self.recomputed.margin, signed=True)),
+                (
+                    "TTFT ms",
+                    f"{self.ttft_ms['splice']:.1f}",
+                    f"{self.ttft_ms['full']:.1f}" + (" (reused)" if self.reference_reused else ""),
+                ),
+                ("tokens computed", spliced_computed, self.context_tokens),
+                ("skill tokens recomputed", self.recomputed_tokens, self.skill_tokens),
+            ],
+            header=("", "spliced", "recomputed"),
+        )
+        speedup = self.ttft_ms["full"] / self.ttft_ms["splice"]
+        subtitle = (
+            f"skills {', '.join(self.skills)} · remedy {self.remedy.name} · {self.context_tokens} context tokens, "
+            f"{self.skill_tokens} in skills · speedup ×{speedup:.2f} · skills compiled in {self.compile_ms:.1f} ms"
+        )
+        return display.block(f"Composition: {self.scenario}", numbers, sides, subtitle=subtitle)
 
 
 def timed_median(function: Callable[[], tuple[Notebook, Decision]], reps: int) -> tuple[tuple[Notebook, Decision], float]:

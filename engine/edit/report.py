@@ -9,6 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from engine.cache import display
 from engine.cache.decision import Decision, Recovery
 from engine.edit.strategies import StrategyResult
 
@@ -111,6 +112,36 @@ class FieldEditReport(ABC):
             "strategies": {name: result.as_dict() for name, result in self.strategies.items()},
         }
 
+    def headline(self) -> str:
+        """One sentence computed from the numbers (plain text)."""
+        outcome = "flips" if self.flips else "keeps"
+        return f"A clean prefill with the new value {outcome} the decision: {self.stale.decision.label} → {self.oracle.decision.label}"
+
+    def _repr_html_(self) -> str:
+        """Jupyter's view: the headline, what changed, and a card per strategy (stale and oracle first)."""
+        delta = self.oracle.decision.margin - self.stale.decision.margin
+        change = f"{self.field}: {self.old} → {self.new} · {self.context_tokens} context tokens · Δ margin {delta:+.4f}"
+        cards = "".join(_strategy_card(result) for result in (self.stale, self.oracle, *self.strategies.values()))
+        title = f"Edit report: {self.scenario} on {self.model}"
+        return display.block(title, display.paragraph(self.headline()), display.Raw(f"<div>{cards}</div>"), subtitle=change)
+
+
+def _strategy_card(result: StrategyResult) -> str:
+    """One strategy as a card: decision, margin, recovery, tokens recomputed, time (or why it does not apply)."""
+    if not result.applicable or result.decision is None:
+        return display.card(result.name, display.paragraph(f"not applicable: {result.reason}"))
+    recovery = result.recovery
+    rows = [
+        ("decision", result.decision.label),
+        ("margin", display.number(result.decision.margin, signed=True)),
+        ("recovery", display.number(None if recovery is None else recovery.value, 3)),
+        ("tokens recomputed", result.tokens_recomputed),
+        ("ms", f"{result.ms:.1f}" + (" (share of one fused forward)" if result.ms_is_share else "")),
+    ]
+    if recovery is not None and recovery.value is None:
+        rows.append(("recovery note", recovery.reason))
+    return display.card(result.name, display.fields(rows))
+
 
 @dataclass
 class EditReport(FieldEditReport):
@@ -121,6 +152,10 @@ class EditReport(FieldEditReport):
     @property
     def context_tokens(self) -> int:
         return len(self.stale.notebook)
+
+    def headline(self) -> str:
+        """The notes share's headline."""
+        return self.notes.headline()
 
     def as_dict(self) -> dict:
         return super().as_dict() | {"notes": self.notes.as_dict()}

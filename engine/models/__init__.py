@@ -4,10 +4,13 @@
   `rope_summary`, `DTYPES`, `dtype_name`: what every loader, `engine.models.tiny` included, shares. It lives outside
   the package so that `engine.models.tiny` imports it without importing the loader, which imports `engine.models.tiny`.
 - `store`: the cache dir and its JSON stores.
-- `gguf`: the `embedded` and `smollm2` aliases: GGUF assembly, sha256, conversion to safetensors, provenance.
+- `gguf`: the `embedded`, `smollm2` and optional `qwen-1.5b` aliases: GGUF assembly, sha256, conversion to
+  safetensors, provenance.
 - `dtype`: the "auto" dtype choice (measured float32 vs bfloat16 on CPU, gated by the cache self-test).
 - `loading`: `load_model`, spec resolution, `resolve_device`, `parse_dtype`, `available_offline`.
-- here: `offline_aliases` and `is_offline_alias`, the specs that name a packaged or tiny model (what a host offers).
+- here: `offline_aliases` and `is_offline_alias`, the specs that name a packaged or tiny model (what a host offers);
+  `HOST_OPT_IN_ALIASES`, those a public host offers only when it names them; `expected_parameter_bytes`, a model's
+  size before it loads.
 
 Monkeypatch a name in the submodule that uses it, not here.
 """
@@ -24,7 +27,7 @@ from engine.cache.loaded import (
     rope_summary,
 )
 from engine.models import gguf
-from engine.models.gguf import EMBEDDED_PACKAGES, EMBEDDED_SHA256, embedded_gguf_path
+from engine.models.gguf import EMBEDDED_PACKAGES, EMBEDDED_SHA256, QWEN_1_5B, embedded_gguf_path
 from engine.models.loading import (
     TINY_PREFIX,
     available_offline,
@@ -39,6 +42,8 @@ __all__ = [
     "DTYPES",
     "EMBEDDED_PACKAGES",
     "EMBEDDED_SHA256",
+    "HOST_OPT_IN_ALIASES",
+    "QWEN_1_5B",
     "LoadedModel",
     "ModelFingerprint",
     "ModelLoadError",
@@ -47,6 +52,7 @@ __all__ = [
     "config_hash",
     "dtype_name",
     "embedded_gguf_path",
+    "expected_parameter_bytes",
     "is_offline_alias",
     "load_model",
     "offline_aliases",
@@ -54,6 +60,17 @@ __all__ = [
     "resolve_device",
     "rope_summary",
 ]
+
+HOST_OPT_IN_ALIASES = gguf.HOST_OPT_IN
+"""Offline aliases too large to offer on a public server unless its host names them (``KVSCOPE_ALLOWED_MODELS``)."""
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "auto": 4}  # auto: float32 is the most it can choose
+
+
+def expected_parameter_bytes(spec: str, dtype: str = "auto") -> int | None:
+    """A GGUF alias's parameter bytes in ``dtype`` before it loads (for making room first); None for any other spec."""
+    parameters = gguf.alias_parameters(spec)
+    return None if parameters is None else parameters * _DTYPE_BYTES.get(dtype, 4)
 
 
 def offline_aliases() -> tuple[str, ...]:

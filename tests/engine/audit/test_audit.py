@@ -7,7 +7,7 @@ import pytest
 
 from engine.audit.audit import audit_requests, audit_value, candidates, recommend, repaired_template, scenario_toml
 from engine.audit.fields import diff_requests
-from engine.audit.repairs import Turn, coarse, fidelity, reference
+from engine.audit.repairs import coarse, fidelity, reference
 from engine.audit.requests import RequestLogError, parse_log, parse_prompt, render_request
 from engine.edit.experiment import EditExperiment
 from engine.models.tiny import tiny_model
@@ -104,8 +104,8 @@ def test_recompute_equals_the_clean_prefill(arch):
 
 def test_identical_states_agree_fully(lm):
     requests = parse_log(_log(_request(), _request(time="2026-12-01 09:15")))
-    old, new = (render_request(lm, request) for request in requests)
-    clean = reference(Turn(lm, old, new, diff_requests(old, new), tokens=6))
+    new = render_request(lm, requests[1])
+    clean = reference(lm, new, 6)
     same = fidelity(clean.logprobs, clean.generated, clean)
     assert same.kl == 0.0 and same.generation_agreement == 1.0 and same.generated_common_prefix == len(clean.generated)
 

@@ -91,7 +91,7 @@ def test_unknown_alias_lists_aliases_and_suggests() -> None:
         load_model("embedded2")
     message = str(error.value)
     assert "unknown model 'embedded2'" in message
-    assert "embedded, smollm2, tiny-<arch>" in message
+    assert "embedded, smollm2, qwen-1.5b, tiny-<arch>" in message
     assert "Did you mean 'embedded'?" in message
 
 

@@ -1,0 +1,159 @@
+"""Calibration and splice fidelity across models: does the notes effect, and splicing, change with scale?
+
+    python -m benchmarks.compare_models [--models embedded,qwen-1.5b,smollm2] [--dtype float32]
+        [--scenarios all|refund_gate,...] [--study-scenario refund_gate] [--skills refund_policy,tone_guide]
+        [--remedies splice,prefix+seam:1+blend:0.7] [--out DIR]
+
+For each model, loaded one after another (each released before the next): the calibration of the bundled
+scenarios (``engine.edit.calibrate``: which decisions flip under a clean prefill, which are notes demos, every
+field-only recovery) and a small N-skill study (``engine.compose.study``: the first 1..N skills spliced before the
+study scenario at both values of its first field, each remedy against a full recompute) with its tie-aware
+fidelity summary. Writes benchmarks/results/compare_models-<dtype>-<device>.json with the dtype, the CPU's flags
+(/proc/cpuinfo: avx2, avx512_bf16, ...), the repetitions (every number is one run) and each stage's wall time;
+the Benchmarks tab draws it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import RESULTS
+from engine.compose.skills import SkillStore
+from engine.compose.splice import Remedy
+from engine.compose.study import first_field_values, run_study, skill_prefixes
+from engine.edit.calibrate import calibrate
+from engine.models import load_model
+from engine.scenario import Scenario, bundled_scenarios
+from engine.timing import Stopwatch
+
+DEFAULT_MODELS = "embedded,qwen-1.5b,smollm2"
+CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+REPS = 1  # every number below is one run (calibration and the study read decisions, not timings)
+
+
+def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict:
+    """The CPU's model name and whether it has each of ``CPU_FLAGS`` (empty where /proc/cpuinfo is absent)."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return {"model_name": platform.processor() or None, "flags": {}}
+    lines = text.splitlines()
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
+    return {"model_name": name, "cores": sum(line.startswith("processor") for line in lines), "flags": {f: f in flags for f in CPU_FLAGS}}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=DEFAULT_MODELS, help="comma-separated model specs (loaded one after another)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--scenarios", default="all", help="'all' bundled scenarios, or comma-separated names to calibrate")
+    parser.add_argument("--study-scenario", default="refund_gate", help="the scenario the N-skill study splices skills before")
+    parser.add_argument("--skills", default="refund_policy,tone_guide", help="the study's skills: N = 1..len, first N in order")
+    parser.add_argument("--remedies", default="splice,prefix+seam:1+blend:0.7", help="comma-separated remedies of the study")
+    parser.add_argument("--out", default=str(RESULTS), help="folder for the JSON")
+    return parser
+
+
+def run_model(spec: str, args: argparse.Namespace, files: list[Path], remedies: list[Remedy]) -> dict:
+    """Load one model, calibrate the scenarios and run the study; the model is released on return."""
+    watch = Stopwatch()
+    lm = load_model(spec, device=args.device, dtype=args.dtype, progress=lambda message: print(f"  {spec}: {message}", flush=True))
+    load_s = watch.ms / 1000
+    info = lm.info()
+    print(f"{spec}: loaded {lm.fingerprint.name} in {load_s:.1f} s ({info['parameters'] / 1e6:.0f} M parameters)", flush=True)
+    watch = Stopwatch()
+    calibrations = calibrate(lm, files, progress=lambda done, total: print(f"  {spec}: calibrated {done}/{total}", flush=True))
+    calibrate_s = watch.ms / 1000
+    scenario = Scenario.load(bundled_scenarios()[args.study_scenario])
+    skills = [skill.strip() for skill in args.skills.split(",") if skill.strip()]
+    watch = Stopwatch()
+    study = run_study(
+        lm,
+        scenario,
+        skill_prefixes(skills),
+        SkillStore(),
+        remedies=remedies,
+        values=first_field_values(scenario),
+        progress=lambda done, total: print(f"  {spec}: study {done}/{total}", flush=True),
+    )
+    study_s = watch.ms / 1000
+    recoveries = [c.field_only_recovery for c in calibrations if c.flips and c.field_only_recovery is not None]
+    row = {
+        "spec": spec,
+        "model": lm.fingerprint.name,
+        "source": lm.source,
+        "parameters": info["parameters"],
+        "parameter_bytes": info["parameter_bytes"],
+        "layers": info["layers"],
+        "dtype": info["dtype"],
+        "device": lm.device.type,
+        "load_s": round(load_s, 1),
+        "calibrate": {
+            "s": round(calibrate_s, 1),
+            "total": len(calibrations),
+            "flipping": sum(c.flips for c in calibrations),
+            "notes_demos": sum(c.notes_demo for c in calibrations),
+            "field_only_recovery_of_flipping": {"min": min(recoveries), "max": max(recoveries)} if recoveries else None,
+            "scenarios": [c.as_dict() for c in calibrations],
+        },
+        "study": {
+            "s": round(study_s, 1),
+            "scenario": scenario.name,
+            "skills": skills,
+            "cases": len(study.cases),
+            "summary": study.summary(),
+            "best": study.best(),
+        },
+    }
+    del lm, study
+    gc.collect()
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = _parser().parse_args(argv)
+    names = sorted(bundled_scenarios()) if args.scenarios == "all" else [name.strip() for name in args.scenarios.split(",")]
+    files = [bundled_scenarios()[name] for name in names]
+    remedies = [Remedy.parse(text.strip()) for text in args.remedies.split(",") if text.strip()]
+    specs = [spec.strip() for spec in args.models.split(",") if spec.strip()]
+    watch = Stopwatch()
+    rows = [run_model(spec, args, files, remedies) for spec in specs]
+    data = {
+        "dtype": args.dtype,
+        "device": rows[0]["device"],
+        "cpu": cpu_flags(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "reps": REPS,
+        "scenarios": names,
+        "remedies": [remedy.name for remedy in remedies],
+        "total_s": round(watch.ms / 1000, 1),
+        "models": rows,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"compare_models-{args.dtype}-{data['device']}.json"
+    path.write_text(json.dumps(data, indent=2))
+    for row in rows:
+        cal, summary = row["calibrate"], row["study"]["summary"]
+        fidelity = "  ".join(
+            f"{name}: agree {s['agree_decisive']}/{s['decisive']} cos {s['cosine']['median']:.4f}"
+            for name, s in summary.items()
+            if s["cosine"]
+        )
+        print(f"{row['model']:48s} flips {cal['flipping']}/{cal['total']}  notes demos {cal['notes_demos']}  {fidelity}")
+    print("→", path)
+    return data
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,219 @@
+"""The Your prompt tab's handlers on tiny-qwen2, with request logs written here: fields found, repairs measured, a
+recommendation per turn, the prompt marked (escaped), Open in Notes, exports, the public profile's bounds, and bad input
+refused with the engine's message while the session keeps its last audit."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from app import handlers
+from app.handlers import AppError
+from app.hosting import local_profile, public_profile
+from app.state import ExportFolder, ModelRegistry, SessionStore
+from engine.audit.fields import diff_requests
+from engine.audit.requests import parse_log, render_request
+from engine.scenario import Scenario
+from tests.app.conftest import TINY
+
+SYSTEM = "You are the help desk of a bike shop.\nSession started: 2026-05-12 09:{minute}\nCustomer tier: {tier}\nBe brief."
+
+
+def _request(minute: str, tier: str, *turns: tuple[str, str]) -> str:
+    messages = [{"role": "system", "content": SYSTEM.format(minute=minute, tier=tier)}]
+    messages += [{"role": role, "content": content} for role, content in turns]
+    return json.dumps({"model": "desk", "messages": messages})
+
+
+ASK = ("user", "Is the <b>repair</b> of my wheel covered?")
+ANSWER = ("assistant", "Yes, within the warranty.")
+FOLLOW_UP = ("user", "And the brakes?")
+LOG = "\n".join(
+    [
+        _request("41", "gold", ASK),
+        _request("42", "gold", ASK),  # the minute changes
+        _request("42", "gold", ASK, ANSWER, FOLLOW_UP),  # only growth
+    ]
+)
+OPTIONS = {"repairs": ["in_place", "erratum", "hoist"], "tokens": 3}
+
+
+@pytest.fixture
+def audited(registry, sessions):
+    view = handlers.run_audit(registry, sessions, "a", None, LOG, **OPTIONS)
+    return view, sessions
+
+
+def test_a_log_gets_its_fields_every_repair_and_a_recommendation_per_turn(audited):
+    view, sessions = audited
+    data = view.summary
+    assert [turn["request"] for turn in data["turns"]] == [1, 2, 3]
+    second, third = data["turns"][1], data["turns"][2]
+    assert [(f["name"], f["old"], f["new"]) for f in second["fields"]] == [("session_started", "2026-05-12 09:41", "2026-05-12 09:42")]
+    assert third["fields"] == [] and third["appended_tokens"] > 0
+    assert set(second["repairs"]) == {"recompute", "in_place", "erratum", "hoist"}
+    assert second["repairs"]["recompute"]["kl"] < 1e-6 and second["repairs"]["recompute"]["generation_agreement"] == 1.0
+    assert second["recommendation"]["repair"] in second["repairs"] and third["recommendation"]["repair"] == "recompute"
+    assert "Recommended: " in view.recommendation_markdown and r"*session\_started* “2026\-05\-12 09:41”" in view.recommendation_markdown
+    timeline = {trace.name for trace in view.timeline_figure.data}
+    assert {"recompute (exact prefix)", "in_place", "erratum", "hoist", "16-token blocks (vLLM)"} <= timeline
+    points = {trace.name: list(trace.text) for trace in view.fidelity_figure.data}
+    assert points["recompute"] == ["r2", "r3"] and points["in_place"] == ["r2"]  # in_place does not apply to growth
+    assert sessions.get("a", "audit").as_dict() == data
+
+
+def test_the_marked_prompt_escapes_user_text_and_marks_the_field_and_the_growth(audited):
+    view, _ = audited
+    html_text = view.prompt_html
+    assert "<b>repair</b>" not in html_text and "&lt;b&gt;repair&lt;/b&gt;" in html_text
+    assert "&lt;|im_start|&gt;" in html_text  # the chat template's tokens are shown as text
+    assert html_text.count('data-kind="field"') == 1 and html_text.count('data-kind="growth"') == 1
+    assert '<details class="kv-turn" data-request="2" open>' in html_text  # the last turn with a field is open
+    assert "session_started: &#x27;2026-05-12 09:41&#x27; → &#x27;2026-05-12 09:42&#x27;" in html_text
+
+
+def test_bad_logs_get_the_engines_message_and_leave_the_last_audit(audited, registry):
+    _, sessions = audited
+    kept = sessions.get("a", "audit")
+    cases = {
+        LOG + "\n{not json": "line 4 is not JSON",
+        '{"prompt": 3}': "no 'messages'",
+        '{"messages": [{"role": "robot", "content": "hi"}]}': "unknown role 'robot'",
+        '{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}': "is not text",
+        _request("41", "gold", ASK) + '\n{"prompt": "something else entirely"}': "shares no prefix",
+        "": "paste a request log",
+    }
+    for text, message in cases.items():
+        with pytest.raises(AppError, match=message):
+            handlers.run_audit(registry, sessions, "a", None, text, **OPTIONS)
+    with pytest.raises(AppError, match="unknown repair 'rebuild'"):
+        handlers.run_audit(registry, sessions, "a", None, LOG, repairs=["rebuild"], tokens=3)
+    with pytest.raises(AppError, match="unknown grain"):
+        handlers.run_audit(registry, sessions, "a", None, LOG, grain="week", **OPTIONS)
+    with pytest.raises(AppError, match="between 0 and 1"):
+        handlers.run_audit(registry, sessions, "a", None, LOG, min_agreement=1.5, **OPTIONS)
+    assert sessions.get("a", "audit") is kept
+
+
+def test_the_public_profile_bounds_requests_tokens_per_request_and_n(registry):
+    public = ModelRegistry(TINY, profile=dataclasses.replace(public_profile(), max_context_tokens=80))
+    public.add(TINY, registry.get())
+    sessions = SessionStore()
+    nine = "\n".join(_request(f"{40 + i}", "gold", ASK) for i in range(9))
+    with pytest.raises(AppError, match="the log has 9 requests; this server \\(public profile\\) audits at most 8"):
+        handlers.run_audit(public, sessions, "p", None, nine, repairs=[], tokens=1)
+    with pytest.raises(AppError, match="33 greedy tokens per state asked; this server \\(public profile\\) generates at most 32"):
+        handlers.run_audit(public, sessions, "p", None, LOG, repairs=[], tokens=33)
+    with pytest.raises(AppError, match="longer than the context limit of 80"):
+        handlers.run_audit(public, sessions, "p", None, LOG, repairs=[], tokens=1)
+    assert sessions.get("p", "audit") is None
+    local = local_profile()
+    assert local.max_audit_requests is None and local.max_audit_tokens is None
+    view = handlers.run_audit(registry, sessions, "l", None, nine, repairs=[], tokens=1)  # local: nine requests run
+    assert len(view.summary["turns"]) == 9
+
+
+def test_one_prompt_offers_candidates_and_audits_a_chosen_or_found_value(registry, sessions):
+    prompt = "Order A-48213 placed 2026-05-12 09:41 for <i>Ana</i>.\nStatus: shipped\nCan it still be cancelled?"
+    view, choices = handlers.prompt_candidates(registry, None, prompt)
+    assert choices[:2] == ["1 · id · A-48213", "2 · datetime · 2026-05-12 09:41"]
+    assert view.count('<mark class="candidate"') == len(choices) and "&lt;i&gt;Ana&lt;/i&gt;" in view and "<i>Ana" not in view
+    chosen = handlers.run_audit_value(registry, sessions, "v", None, prompt, choices[1], "", "2026-05-12 09:42", **OPTIONS)
+    (field,) = chosen.summary["turns"][1]["fields"]
+    assert (field["old"], field["new"]) == ("2026-05-12 09:41", "2026-05-12 09:42")
+    found = handlers.run_audit_value(registry, sessions, "v", None, prompt, choices[1], "shipped", "pending", **OPTIONS)
+    assert [(f["old"], f["new"]) for f in found.summary["turns"][1]["fields"]] == [("shipped", "pending")]  # find wins
+    kept = sessions.get("v", "audit")
+    for choice, find, value, message in (
+        (None, "", "x", "pick a candidate span"),
+        ("9 · id · nope", "", "x", "no candidate span"),
+        (choices[0], "", "", "type the new value"),
+        (None, "refunded", "x", "does not occur"),
+        (choices[0], "", "A-48213", "differs from the selected text"),
+    ):
+        with pytest.raises(AppError, match=message):
+            handlers.run_audit_value(registry, sessions, "v", None, prompt, choice, find, value, **OPTIONS)
+    assert sessions.get("v", "audit") is kept
+
+
+def test_open_in_notes_builds_a_scenario_the_notes_edit_and_knockout_run_on(audited, registry):
+    _, sessions = audited
+    with pytest.raises(AppError, match="run an audit first"):
+        handlers.audit_notes_scenario(sessions, "nobody", "yes, no")
+    with pytest.raises(AppError, match="two answer labels"):
+        handlers.audit_notes_scenario(sessions, "a", "yes")
+    text, choices = handlers.audit_notes_scenario(sessions, "a", "covered, not covered")
+    scenario = Scenario.from_toml(text)
+    assert choices.fields == ["session_started"] and choices.new == "2026-05-12 09:42"
+    assert list(scenario.answers) == ["covered", "not covered"] and "<b>repair</b>" in scenario.question
+    view = handlers.run_edit(registry, sessions, "a", None, text, "session_started", "2026-05-12 09:42", ["field_only", "erratum"])
+    assert 'data-strategy="field_only"' in view.cards_html and view.notes_figure.data
+    verdict, _, knocked = handlers.run_knockout(sessions, "a", "", 2)
+    assert len(knocked["positions"]) == 2 and "Knocked out 2 positions" in verdict
+
+
+def test_export_writes_the_json_figures_scenario_and_repaired_template(audited, tmp_path: Path):
+    _, sessions = audited
+    paths = [Path(p) for p in handlers.export_audit(ExportFolder(2**22, 4, root=tmp_path), sessions, "a", "ttft", "agreement")]
+    names = sorted(path.name for path in paths)
+    assert names == ["kvscope-audit-figures.html", "kvscope-audit-scenario.toml", "kvscope-audit-template.json", "kvscope-audit.json"]
+    files = {path.name: path.read_text(encoding="utf-8") for path in paths}
+    assert json.loads(files["kvscope-audit.json"]) == sessions.get("a", "audit").as_dict()
+    assert tomllib.loads(files["kvscope-audit-scenario.toml"])["fields"]["session_started"]["new"] == "2026-05-12 09:42"
+    template = json.loads(files["kvscope-audit-template.json"])
+    assert "{session_started}" in template[0]["content"] and template[-1]["content"] == ASK[1]
+    assert "plotly" in files["kvscope-audit-figures.html"] and "&lt;b&gt;repair" in files["kvscope-audit-figures.html"]
+    with pytest.raises(AppError, match="run an audit first"):
+        handlers.export_audit(ExportFolder(2**22, 4, root=tmp_path), sessions, "nobody")
+
+
+def test_axes_redraw_from_the_kept_audit(audited):
+    _, sessions = audited
+    figure = handlers.audit_fidelity_view(sessions, "a", "ttft", "agreement")
+    assert figure.layout.xaxis.title.text.startswith("TTFT speed-up") and figure.layout.yaxis.tickformat == ".0%"
+    assert "run an audit first" in handlers.audit_fidelity_view(sessions, "nobody", "computed", "kl").layout.annotations[0].text
+    with pytest.raises(AppError, match="axes are"):
+        handlers.audit_fidelity_view(sessions, "a", "cost", "kl")
+
+
+def test_bundled_logs_parse_render_and_change_the_fields_they_describe(registry):
+    logs = handlers.bundled_logs()
+    assert set(logs) == {"coding_agent", "support_agent", "rag"}
+    lm = registry.get()
+    found = {}
+    for name in logs:
+        rendered = [render_request(lm, request) for request in parse_log(handlers.bundled_log_text(name))]
+        found[name] = [[f.name for f in diff_requests(old, new).fields] for old, new in zip(rendered, rendered[1:])]
+    assert found["coding_agent"] == [["session_started"]] * 5  # the minute changes every request
+    assert found["support_agent"] == [[], ["account_tier"], []]
+    assert all(found["rag"])  # the retrieved passage changes every request
+    assert len(parse_log(handlers.bundled_log_text("coding_agent"))) == 6
+    with pytest.raises(AppError, match="unknown demo log"):
+        handlers.bundled_log_text("../secrets")
+
+
+def test_the_audit_endpoints_through_the_api(app_url):
+    from gradio_client import Client
+
+    client = Client(app_url, verbose=False)
+    names = set(client.view_api(return_format="dict", print_info=False)["named_endpoints"])
+    assert {"/audit", "/audit_value", "/audit_candidates", "/audit_demo", "/audit_open_in_notes", "/export_audit", "/audit_axes"} <= names
+    assert client.predict("support_agent", api_name="/audit_demo").startswith('{"model": "harbor-support"')
+    words, _, _, marked, data = client.predict(LOG, ["in_place"], 2, 0.05, 0.9, "none", "computed", "kl", api_name="/audit")
+    assert data["turns"][1]["fields"][0]["name"] == "session_started" and "Recommended: " in words and "data-kind" in marked
+    text, *_ = client.predict("yes, no", api_name="/audit_open_in_notes")  # the same client: the same session
+    assert "[fields.session_started]" in text
+    with pytest.raises(Exception, match="line 1 is not JSON"):
+        client.predict("{broken", [], 2, 0.05, 0.9, "none", "computed", "kl", api_name="/audit")
+
+
+def test_hosts_can_override_the_audit_bounds():
+    from app.hosting import from_env
+
+    profile = from_env(True, {"KVSCOPE_MAX_AUDIT_REQUESTS": "3", "KVSCOPE_MAX_AUDIT_TOKENS": "8"})
+    assert (profile.max_audit_requests, profile.max_audit_tokens) == (3, 8)
+    assert (public_profile().max_audit_requests, public_profile().max_audit_tokens) == (8, 32)

@@ -1,0 +1,328 @@
+"""Figures and views of a request-log audit (``engine.audit``): the reused fraction of every repair per turn, fidelity
+against cost, the recommendation per turn in words, and the rendered prompt with its changed or volatile spans marked.
+
+Figures take the audit's JSON (``AuditReport.as_dict()``, or a benchmark file with the same ``turns``), so a stored
+result draws without a model. Every user or model string is escaped: plotly text through :func:`safe_label`,
+HTML through :func:`html.escape`, Markdown through :func:`markdown_literal`.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import plotly.graph_objects as go
+
+from viz.common import GREY, PALETTE, markdown_literal, safe_label
+
+REPAIR_WORDS = {
+    "recompute": "exact prefix caching: everything from the first changed token recomputed (the reference)",
+    "in_place": "the fields' tokens recomputed in place, every later entry reused as cached",
+    "erratum": "the cached request kept as it was, a [STATE UPDATE] line appended",
+    "field_erratum": "the fields recomputed in place and the erratum appended",
+    "hoist": "the volatile lines moved to the end of the last message",
+    "coarsen": "the value at a coarser grain (changes less often)",
+}
+KL_FLOOR = 1e-9  # KL drawn on a log axis: exact states (KL 0) sit on this floor
+X_AXES = {"computed": "context tokens computed (% of the request, log scale)", "ttft": "TTFT speed-up vs a full prefill (×, log scale)"}
+Y_AXES = {"kl": "KL(clean ‖ repaired) of the next token (log scale)", "agreement": "greedy tokens agreeing with the clean prefill"}
+MAX_SHOWN_CHARS = 600  # an unmarked stretch longer than this is shown by its ends only
+CONTEXT_CHARS = 200
+DODGE = 0.05  # requests: each repair's points sit this far apart on the timeline's x axis
+
+
+def _colours(names: Sequence[str]) -> dict[str, str]:
+    return {name: ("black" if name == "recompute" else PALETTE[i % len(PALETTE)]) for i, name in enumerate(names)}
+
+
+def within(result: Mapping, data: Mapping) -> bool:
+    """A repair's fidelity within the audit's threshold, as ``engine.audit.audit.recommend`` judges it: KL ≤ the
+    threshold, the same top token and at least ``min_agreement`` of the greedy tokens agreeing."""
+    return bool(
+        result.get("applicable")
+        and result["kl"] <= data["threshold"]
+        and result["top1_agree"]
+        and result["generation_agreement"] >= data["min_agreement"]
+    )
+
+
+def reused_fraction(result: Mapping) -> float | None:
+    """The share of the state a repair serves from that was reused from the cache (None when it does not apply)."""
+    if not result.get("applicable"):
+        return None
+    total = result["reused_tokens"] + result["computed_tokens"]
+    return result["reused_tokens"] / total if total else 0.0
+
+
+def _audited(data: Mapping) -> list[Mapping]:
+    return [turn for turn in data["turns"] if turn["repairs"]]
+
+
+def _hover(name: str, turn: Mapping, result: Mapping, data: Mapping) -> str:
+    if not result.get("applicable"):
+        return f"<b>{safe_label(name)}</b>, request {turn['request']}: not applicable"
+    ratio = result.get("ttft_ratio")
+    return (
+        f"<b>{safe_label(name)}</b>, request {turn['request']} ({turn['tokens']:,} tokens)<br>"
+        f"reused {result['reused_tokens']:,}, computed {result['computed_tokens']:,}<br>"
+        f"TTFT {result['ttft_ms']:.0f} ms{'' if ratio is None else f' (×{ratio:.2f} vs full)'}<br>"
+        f"KL {result['kl']:.3g} · top-1 {'same' if result['top1_agree'] else 'differs'} · "
+        f"{result['generation_agreement']:.0%} of {data['generated_tokens']} greedy tokens agree<br>"
+        f"{'within' if within(result, data) else 'outside'} the threshold"
+    )
+
+
+def _symbols(results: Sequence[Mapping], data: Mapping) -> list[str]:
+    return ["circle" if within(result, data) else "circle-open" for result in results]
+
+
+def reuse_timeline_figure(data: Mapping) -> go.Figure:
+    """Per turn (request number), the reused fraction of each repair's state (the repairs dodged apart by DODGE), and
+    the 16-token block-aligned prefix a vLLM-style cache keeps; filled markers are within the fidelity threshold, open
+    ones outside it."""
+    turns, names = _audited(data), list(data["repairs"])
+    figure = go.Figure()
+    if not turns:
+        return _empty("one request only: there is no earlier request to reuse")
+    requests = [turn["request"] for turn in turns]
+    figure.add_scatter(
+        x=requests,
+        y=[turn["block_prefix_tokens"] / turn["tokens"] for turn in turns],
+        mode="lines",
+        name="16-token blocks (vLLM)",
+        line={"color": GREY, "dash": "dash"},
+        hovertext=[f"block-aligned prefix: {turn['block_prefix_tokens']:,} of {turn['tokens']:,} tokens" for turn in turns],
+        hoverinfo="text",
+    )
+    colours = _colours(names)
+    for index, name in enumerate(names):
+        results = [turn["repairs"].get(name, {"applicable": False}) for turn in turns]
+        dodge = DODGE * (index - (len(names) - 1) / 2)  # repairs reusing about as much stay apart
+        figure.add_scatter(
+            x=[request + dodge for request in requests],
+            y=[reused_fraction(result) for result in results],
+            mode="lines+markers",
+            name="recompute (exact prefix)" if name == "recompute" else safe_label(name),
+            line={"color": colours[name], "width": 3 if name == "recompute" else 2},
+            marker={"size": 10, "symbol": _symbols(results, data), "line": {"width": 2, "color": colours[name]}},
+            hovertext=[_hover(name, turn, result, data) for turn, result in zip(turns, results)],
+            hoverinfo="text",
+            connectgaps=False,
+        )
+    for turn in turns:
+        if turn["fields"]:
+            names_changed = ", ".join(field["name"] for field in turn["fields"][:2]) + (
+                f" +{len(turn['fields']) - 2}" if len(turn["fields"]) > 2 else ""
+            )
+            figure.add_annotation(
+                x=turn["request"], y=1.04, text=safe_label(names_changed, 28), showarrow=False, font={"size": 10, "color": "#6a4c93"}
+            )
+    figure.update_layout(
+        title="Reused fraction per turn<br><sup>filled: within the fidelity threshold · labels: the fields that changed</sup>",
+        xaxis={"title": "request", "tickmode": "array", "tickvals": requests},
+        yaxis={"title": "share of the state reused from the cache", "range": [0, 1.1], "tickformat": ".0%"},
+        height=420,
+        legend={"orientation": "h", "y": -0.25},
+        margin={"t": 80},
+    )
+    return figure
+
+
+def _x(result: Mapping, turn: Mapping, axis: str) -> float | None:
+    if axis == "ttft":
+        return result.get("ttft_ratio")
+    return 100 * result["computed_tokens"] / max(turn["tokens"], 1)
+
+
+def _y(result: Mapping, axis: str) -> float:
+    return result["generation_agreement"] if axis == "agreement" else max(result["kl"], KL_FLOOR)
+
+
+def fidelity_cost_figure(data: Mapping, x: str = "computed", y: str = "kl") -> go.Figure:
+    """Fidelity against cost, one point per repair per turn (labelled with its request): computed tokens (% of the
+    request) or the TTFT speed-up on x, the next-token KL or the greedy agreement on y; the threshold drawn, filled
+    markers within it."""
+    if x not in X_AXES or y not in Y_AXES:
+        raise ValueError(f"axes are x in {sorted(X_AXES)} and y in {sorted(Y_AXES)}, got {x!r}, {y!r}")
+    turns, names = _audited(data), list(data["repairs"])
+    if not turns:
+        return _empty("one request only: no repair to measure")
+    figure, colours = go.Figure(), _colours(names)
+    for name in names:
+        points = [(turn, turn["repairs"][name]) for turn in turns if turn["repairs"].get(name, {}).get("applicable")]
+        points = [(turn, result) for turn, result in points if _x(result, turn, x) is not None]
+        if not points:
+            continue
+        figure.add_scatter(
+            x=[_x(result, turn, x) for turn, result in points],
+            y=[_y(result, y) for _, result in points],
+            mode="markers+text",
+            name=safe_label(name),
+            text=[f"r{turn['request']}" for turn, _ in points],
+            textposition="top center",
+            textfont={"size": 9, "color": colours[name]},
+            marker={
+                "size": 12,
+                "color": colours[name],
+                "symbol": _symbols([result for _, result in points], data),
+                "line": {"width": 2, "color": colours[name]},
+            },
+            hovertext=[_hover(name, turn, result, data) for turn, result in points],
+            hoverinfo="text",
+        )
+    level = data["min_agreement"] if y == "agreement" else data["threshold"]
+    figure.add_hline(y=level, line={"color": "#e76f51", "dash": "dash"}, annotation_text="threshold", annotation_position="right")
+    if x == "ttft":
+        figure.add_vline(x=1.0, line={"color": GREY, "dash": "dot"}, annotation_text="as fast as a full prefill", annotation_position="top")
+    figure.update_layout(
+        title=(
+            "Fidelity against cost, per repair and turn<br><sup>"
+            + (f"KL 0 drawn at {KL_FLOOR:g} · " if y == "kl" else "")
+            + f"filled: KL ≤ {data['threshold']:g}, same top token, ≥ {data['min_agreement']:.0%} of greedy tokens agreeing</sup>"
+        ),
+        xaxis={"title": X_AXES[x], "type": "log", **({"ticksuffix": "%"} if x == "computed" else {})},
+        yaxis={
+            "title": Y_AXES[y],
+            **({"type": "log", "exponentformat": "power"} if y == "kl" else {"range": [-0.05, 1.1], "tickformat": ".0%"}),
+        },
+        height=460,
+        legend={"orientation": "h", "y": -0.25},
+        margin={"t": 80},
+    )
+    return figure
+
+
+def _empty(text: str) -> go.Figure:
+    figure = go.Figure()
+    figure.add_annotation(text=safe_label(text), showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper", font={"size": 14})
+    figure.update_layout(height=220, xaxis={"visible": False}, yaxis={"visible": False})
+    return figure
+
+
+def recommendations_markdown(data: Mapping) -> str:
+    """Per turn, in words: what a prefix cache reuses, the fields that changed (old → new), what was appended, and the
+    recommended repair with the engine's reason."""
+    lines = [
+        f"**{markdown_literal(data['model'])}** ({markdown_literal(data['dtype'])}) · threshold KL ≤ {data['threshold']:g}, "
+        f"≥ {data['min_agreement']:.0%} of {data['generated_tokens']} greedy tokens agreeing"
+        + (f" · coarsen grain {markdown_literal(data['grain'])}" if data.get("grain") else "")
+    ]
+    for turn in data["turns"]:
+        if not turn["repairs"]:
+            lines.append(f"- **Request {turn['request']}** ({turn['tokens']:,} tokens): the first request, prefilled and cached.")
+            continue
+        fields = (
+            "; ".join(
+                f"*{markdown_literal(field['name'])}* {_value(field['old'])} → {_value(field['new'])} "
+                f"(tokens {field['start']}–{field['end']})"
+                for field in turn["fields"]
+            )
+            or "none (only new turns appended)"
+        )
+        reuse = (
+            f"a prefix cache reuses {turn['common_prefix_tokens']:,} of {turn['tokens']:,} tokens "
+            f"({turn['common_prefix_tokens'] / turn['tokens']:.0%}; {turn['block_prefix_tokens']:,} in 16-token blocks)"
+        )
+        recommendation = turn["recommendation"]
+        lines.append(
+            f"- **Request {turn['request']}**: {reuse}; {turn['appended_tokens']:,} tokens appended; fields changed: {fields}.  \n"
+            f"  **Recommended: {markdown_literal(recommendation['repair'])}** — {markdown_literal(recommendation['reason'])}."
+        )
+    return "\n".join(lines)
+
+
+def _value(text: str, limit: int = 60) -> str:
+    shown = text if len(text) <= limit else text[: limit - 1] + "…"
+    return f"“{markdown_literal(shown)}”"
+
+
+# ---------------------------------------------------------------------------- the rendered prompt, marked
+@dataclass(frozen=True)
+class Mark:
+    """A character span of a rendered prompt to highlight: ``kind`` is ``field``, ``growth``, ``cut`` (an empty span:
+    where the prefix cache stops) or ``candidate``; ``title`` is the hover text, ``badge`` a short label shown."""
+
+    start: int
+    end: int
+    kind: str
+    title: str
+    badge: str = ""
+
+
+PROMPT_CSS = """
+<style>
+.kv-prompt{white-space:pre-wrap;font-family:ui-monospace,monospace;font-size:12px;line-height:1.45;max-height:480px;overflow:auto;
+ border:1px solid #d0d7de;border-radius:6px;padding:8px;background:#fbfbfc}
+.kv-prompt mark{border-radius:3px;padding:0 1px}
+.kv-prompt mark.field{background:#ffd6e7;outline:1px solid #e040fb}
+.kv-prompt mark.candidate{background:#fff1b8;outline:1px solid #e9c46a}
+.kv-prompt mark.growth{background:#e3f2e8}
+.kv-prompt .cut{color:#e76f51;font-weight:700}
+.kv-prompt .gap{color:#888;font-style:italic}
+.kv-prompt .badge{font-size:10px;vertical-align:super;color:#6a4c93;font-weight:600}
+.kv-turn summary{cursor:pointer;margin:4px 0}
+</style>
+"""
+
+
+def _plain(text: str) -> str:
+    """Unmarked text, escaped; a stretch longer than MAX_SHOWN_CHARS keeps CONTEXT_CHARS at each end."""
+    if len(text) <= MAX_SHOWN_CHARS:
+        return html.escape(text)
+    hidden = len(text) - 2 * CONTEXT_CHARS
+    gap = f'<span class="gap">… {hidden:,} characters not shown …</span>'
+    return html.escape(text[:CONTEXT_CHARS]) + gap + html.escape(text[-CONTEXT_CHARS:])
+
+
+def marked_prompt_html(text: str, marks: Sequence[Mark], element_id: str | None = None) -> str:
+    """The rendered prompt as escaped HTML with ``marks`` highlighted (overlapping marks: the earlier one wins);
+    long unmarked stretches are cut to their ends."""
+    chosen, cursor = [], 0
+    for mark in sorted(marks, key=lambda m: (m.start, m.end)):
+        if mark.start < cursor or not (0 <= mark.start <= mark.end <= len(text)):
+            continue
+        chosen.append(mark)
+        cursor = mark.end
+    parts, cursor = [], 0
+    for mark in chosen:
+        parts.append(_plain(text[cursor : mark.start]))
+        title = html.escape(mark.title, quote=True)
+        badge = f'<span class="badge">{html.escape(mark.badge)}</span>' if mark.badge else ""
+        if mark.kind == "cut":
+            parts.append(f'<span class="cut" title="{title}">▸</span>')
+        else:
+            kind, shown = html.escape(mark.kind, quote=True), html.escape(text[mark.start : mark.end])
+            parts.append(f'<mark class="{kind}" title="{title}" data-kind="{kind}">{shown}</mark>{badge}')
+        cursor = mark.end
+    parts.append(_plain(text[cursor:]))
+    ident = f' id="{html.escape(element_id, quote=True)}"' if element_id else ""
+    return f'<div class="kv-prompt"{ident}>{"".join(parts)}</div>'
+
+
+def turns_html(turns: Sequence[tuple[int, str, Sequence[Mark]]], open_request: int | None = None) -> str:
+    """Each audited request's rendered prompt, marked, in a collapsible section (``open_request`` open)."""
+    if not turns:
+        return PROMPT_CSS + "<p>One request only: nothing changed between requests.</p>"
+    legend = (
+        '<p><mark class="field" style="background:#ffd6e7">changed field</mark> (hover: old → new) · '
+        '<span style="background:#e3f2e8">appended since the previous request</span> · '
+        '<b style="color:#e76f51">▸</b> where an exact prefix cache stops reusing</p>'
+    )
+    sections = []
+    for request, text, marks in turns:
+        fields = sum(mark.kind == "field" for mark in marks)
+        summary = f"Request {request}: {fields} changed field{'s' if fields != 1 else ''}"
+        sections.append(
+            f'<details class="kv-turn" data-request="{request}"{" open" if request == open_request else ""}>'
+            f"<summary>{html.escape(summary)}</summary>{marked_prompt_html(text, marks, f'audit-prompt-{request}')}</details>"
+        )
+    return PROMPT_CSS + legend + "".join(sections)
+
+
+def candidates_html(text: str, marks: Sequence[Mark]) -> str:
+    """One prompt with its candidate volatile spans highlighted and numbered (the numbers of the choice menu)."""
+    if not marks:
+        return PROMPT_CSS + "<p>No date, time, id, number or <code>key: value</code> span found: type the text to change instead.</p>"
+    note = f"<p>{len(marks)} candidate span{'s' if len(marks) != 1 else ''}: pick one by its number, or type the text to change.</p>"
+    return PROMPT_CSS + note + marked_prompt_html(text, marks, "audit-candidates-prompt")

@@ -1,0 +1,164 @@
+"""Figures and the table of a model comparison (``ModelComparison.as_dict()``): notes share against parameter count,
+with the paper's 7–9B values beside the compared models, and each model's numbers side by side."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from viz.common import GREY, PALETTE, markdown_literal, message_figure, safe_label
+
+PAPER_COLOUR = "#264653"
+
+
+def _billions(parameters: int) -> str:
+    return f"{parameters / 1e9:.2f} B" if parameters >= 1e9 else f"{parameters / 1e6:.0f} M"
+
+
+def _short(model: str) -> str:
+    return model.split(":", 1)[-1]
+
+
+def notes_share_figure(comparison: Mapping) -> go.Figure:
+    """Notes share (1 − field-only recovery) against parameter count (log axis): the compared models as circles,
+    the paper's 7–9B models as diamonds; a model whose notes share is undefined is listed in the title."""
+    models = comparison.get("models") or []
+    if not models:
+        return message_figure("No model compared yet")
+    shown = [row for row in models if row.get("notes_share") is not None]
+    figure = go.Figure()
+    for index, row in enumerate(shown):
+        recovery = row["recoveries"].get("field_only")
+        figure.add_scatter(
+            x=[row["parameters"]],
+            y=[row["notes_share"]],
+            mode="markers+text",
+            marker={"size": 14, "color": PALETTE[index % len(PALETTE)]},
+            text=[safe_label(_short(row["model"]), 40)],
+            textposition="top center",
+            name=safe_label(_short(row["model"]), 40),
+            hovertext=[
+                f"{safe_label(row['model'], 60)}<br>{_billions(row['parameters'])} parameters<br>notes share {row['notes_share']:.3f}"
+                + ("" if recovery is None else f" (field-only recovery {recovery:.3f})")
+            ],
+            hoverinfo="text",
+        )
+    paper = comparison.get("paper") or []
+    if paper:
+        figure.add_scatter(
+            x=[point["parameters"] for point in paper],
+            y=[point["notes_share"] for point in paper],
+            mode="markers+text",
+            marker={"size": 12, "symbol": "diamond", "color": PAPER_COLOUR},
+            text=[safe_label(point["model"]) for point in paper],
+            textposition="bottom center",
+            name="paper (arXiv 2606.17107)",
+            hovertext=[
+                f"{safe_label(point['model'])} (paper)<br>field-only recovery {point['field_only_recovery']:+.3f}<br>"
+                f"notes share {point['notes_share']:.3f}"
+                for point in paper
+            ],
+            hoverinfo="text",
+        )
+    figure.add_hline(y=1.0, line={"color": GREY, "dash": "dot"}, annotation_text="notes carry everything", annotation_position="top left")
+    figure.add_hline(
+        y=0.0, line={"color": GREY, "dash": "dot"}, annotation_text="the field alone decides", annotation_position="bottom left"
+    )
+    undefined = [_short(row["model"]) for row in models if row.get("notes_share") is None]
+    note = f" · undefined for {', '.join(safe_label(name, 40) for name in undefined)}" if undefined else ""
+    figure.update_xaxes(type="log", title="parameters")
+    figure.update_yaxes(title="notes share (1 − field-only recovery)", range=[-0.2, 1.25])
+    figure.update_layout(
+        title=f"Notes share against model size: {safe_label(comparison.get('scenario', ''), 60)}, "
+        f"{safe_label(comparison.get('field', ''), 40)} → {safe_label(comparison.get('new', ''), 40)}{note}",
+        height=420,
+        legend={"orientation": "h", "y": -0.25},
+    )
+    return figure
+
+
+def model_metrics_figure(comparison: Mapping) -> go.Figure:
+    """Each compared model's recoveries (field_only, erratum, field_erratum), notes depth, read heads and splice
+    cosine, side by side (one panel each)."""
+    models = comparison.get("models") or []
+    if not models:
+        return message_figure("No model compared yet")
+    names = [safe_label(_short(row["model"]), 30) for row in models]
+    figure = make_subplots(rows=1, cols=4, subplot_titles=("recovery", "notes depth (layer / layers)", "read heads", "splice cosine"))
+    strategies = comparison.get("strategies") or list(models[0]["recoveries"])
+    for index, strategy in enumerate(strategies):
+        figure.add_bar(
+            x=names,
+            y=[row["recoveries"].get(strategy) for row in models],
+            name=safe_label(strategy),
+            marker_color=PALETTE[index % len(PALETTE)],
+            row=1,
+            col=1,
+        )
+    for col, key in ((2, "notes_depth"), (3, "read_heads"), (4, "splice_cosine")):
+        figure.add_bar(x=names, y=[row.get(key) for row in models], marker_color=GREY, showlegend=False, row=1, col=col)
+    figure.update_yaxes(range=[0, 1], row=1, col=2)
+    figure.update_layout(title="The compared models side by side", height=380, barmode="group", legend={"orientation": "h", "y": -0.3})
+    return figure
+
+
+def _cell(value, digits: int = 3) -> str:
+    if value is None:
+        return "–"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def comparison_markdown(comparison: Mapping) -> str:
+    """The comparison as a Markdown table, every model string escaped, with why a number is missing."""
+    models = comparison.get("models") or []
+    if not models:
+        return "No model compared yet."
+    strategies = comparison.get("strategies") or []
+    head = (
+        f"**{markdown_literal(comparison['scenario'])}**: {markdown_literal(comparison['field'])} "
+        f"{markdown_literal(comparison['old'])} → {markdown_literal(comparison['new'])}; splice: skill "
+        f"{markdown_literal(comparison['splice_skill'])} with {markdown_literal(comparison['remedy'])}"
+    )
+    columns = ["model", "parameters", "dtype", "decision", "notes share", *strategies, "notes depth", "read heads", "splice cosine"]
+    lines = [head, "", "| " + " | ".join(markdown_literal(c) for c in columns) + " |", "|" + "---|" * len(columns)]
+    for row in models:
+        details = row["details"]
+        decision = f"{details['stale_decision']} → {details['oracle_decision']}"
+        cells = [
+            markdown_literal(row["model"]),
+            _billions(row["parameters"]),
+            markdown_literal(details["dtype"]),
+            markdown_literal(decision),
+            _cell(row["notes_share"]),
+            *(_cell(row["recoveries"].get(name)) for name in strategies),
+            _cell(row["notes_depth"], 2),
+            f"{_cell(row['read_heads'])} of {details['heads']}",
+            _cell(row["splice_cosine"], 4),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    paper = comparison.get("paper") or []
+    if paper:
+        shares = ", ".join(f"{markdown_literal(p['model'])} {p['notes_share']:.3f}" for p in paper)
+        lines += ["", f"The paper's notes shares at 7–9B (1 − field-only recovery): {shares}."]
+    for row in models:
+        for number, reason in row["details"].get("missing", {}).items():
+            lines.append(f"- {markdown_literal(_short(row['model']))}: {markdown_literal(number)} is missing: {markdown_literal(reason)}")
+    return "\n".join(lines)
+
+
+def dropped_markdown(messages: list[str]) -> str:
+    """What the server's model registry dropped to make room (its own messages), as Markdown lines; empty when nothing."""
+    if not messages:
+        return ""
+    return "\n\n" + "\n".join(f"- **Dropped to make room**: {markdown_literal(message)}" for message in messages)
+
+
+def model_memory_markdown(model_bytes: Mapping[str, int], budget_bytes: int) -> str:
+    """The parameter bytes of the models in memory against the registry's model budget, as one Markdown line."""
+    held = ", ".join(f"{markdown_literal(spec)} {count / 1e9:.1f} GB" for spec, count in model_bytes.items()) or "none"
+    return (
+        f"\n\n**Model weights** {sum(model_bytes.values()) / 1e9:.1f} GB of {budget_bytes / 1e9:.1f} GB ({held}; least recently "
+        "used dropped first)"
+    )
