@@ -32,10 +32,11 @@ from engine.audit.audit import (
 )
 from engine.audit.fields import candidate_spans
 from engine.audit.repairs import GRAINS, REPAIRS, content_chars
-from engine.audit.requests import RenderedRequest, Request, parse_log, parse_prompt, render_request
+from engine.audit.requests import RenderedRequest, Request, RequestLogError, parse_log, parse_prompt, render_request
 from engine.cache.vision import check_vision_model
 from engine.comparison import compare_models
 from engine.compose.agent import run_agent
+from engine.compose.choice import AUTO, RemedyChoice, resolve_remedy, stored_choice
 from engine.compose.keystone import keystone
 from engine.compose.pictures import IMAGE_QUESTION, compare_image
 from engine.compose.splice import (
@@ -49,13 +50,13 @@ from engine.compose.splice import (
     skill_of_length,
     with_skills,
 )
-from engine.compose.study import deployable_by_speed, first_field_values, run_study, skill_prefixes
+from engine.compose.study import first_field_values, run_study, skill_prefixes
 from engine.edit.experiment import EditExperiment
 from engine.edit.hybrid import read_scenario
 from engine.edit.strategies import EditSettings
 from engine.edit.weight_edit import LoraSettings, RomeSettings, compare_edits
 from engine.errors import KVScopeError
-from engine.models import available_offline, dtype_name, is_offline_alias
+from engine.models import LoadedModel, available_offline, dtype_name, is_offline_alias
 from engine.probes.analysis import DEFAULT_STRATEGIES, analyse_edit
 from engine.probes.frontier import probe_frontier
 from engine.probes.registry import PROBES
@@ -384,21 +385,48 @@ class ComposeView:
     summary: dict
 
 
+def stored_study_choice() -> tuple[str, RemedyChoice] | None:
+    """The default-remedy choice a stored N-skill study names (the short study first), with the file's stem."""
+    for path in sorted(RESULTS_DIR.glob("compose_many-*.json"), key=lambda path: ("-long-" in path.stem, path.stem)):
+        data = json.loads(path.read_text())
+        if "choice" in data:
+            return path.stem, RemedyChoice.from_dict(data["choice"])
+    return None
+
+
 def remedy_info() -> str:
-    """What the default remedy costs and buys, from the stored N-skill study when there is one (plain text)."""
-    stored = sorted(RESULTS_DIR.glob("compose_many-*.json"))
-    if not stored:
-        return panels.remedy_info(DEFAULT_REMEDY.name)
-    summary = json.loads(stored[0].read_text())["summary"]
-    fastest = next(iter(deployable_by_speed(summary)), None)
-    return panels.remedy_info(DEFAULT_REMEDY.name, stored[0].stem, summary, fastest)
+    """What the default remedy costs and buys in the stored N-skill study, the fastest alternative beside it (plain text)."""
+    stored = stored_study_choice()
+    return panels.remedy_info(DEFAULT_REMEDY.name, *(stored or (None, None)))
+
+
+def remedy_menu(names: Sequence[str]) -> list[tuple[str, str]]:
+    """(label, spec) pairs for the Composer's menu: the default and ``auto`` first, each measured remedy labelled with
+    its agreement and speedup in the stored study."""
+    stored = stored_study_choice()
+    return panels.remedy_menu(DEFAULT_REMEDY.name, AUTO, [*dict.fromkeys([DEFAULT_REMEDY.name, *names])], stored[1] if stored else None)
 
 
 def remedy_of(text: str | None) -> Remedy:
-    """The composer's remedy choice (a spec such as ``prefix+seam:1``); empty means the default."""
+    """A remedy spec (such as ``prefix+seam:1``); empty means the default."""
     if text is not None and not isinstance(text, str):
         raise AppError(f"the remedy must be a spec such as prefix+seam:1 (parts joined by +), got {text!r}")
     return Remedy.parse(text.strip()) if text and text.strip() else DEFAULT_REMEDY
+
+
+def remedy_for(
+    registry: ModelRegistry, spec: str | None, lm: LoadedModel, text: str | None, report: MessageProgress | None = None
+) -> Remedy:
+    """The composer's remedy for this model: ``auto`` is its calibrated choice (measured once where the server allows
+    it), anything else a spec as :func:`remedy_of` reads it."""
+    if not isinstance(text, str) or text.strip() != AUTO:
+        return remedy_of(text)
+    if stored_choice(lm) is None and not registry.profile.calibrate_remedies:
+        raise AppError(
+            f"remedy auto needs {lm.fingerprint.name}'s calibration (minutes of model time), which {registry.profile.label} "
+            f"does not run for visitors; pick a remedy from the menu (default {DEFAULT_REMEDY.name})"
+        )
+    return resolve_remedy(lm, AUTO, registry.skills(spec), report)
 
 
 @guarded
@@ -410,11 +438,14 @@ def run_compose(
     between: str,
     after_scenario: str | None,
     remedy: str | None = None,
+    report: MessageProgress | None = None,
 ) -> ComposeView:
-    """Splice the composed skills (repaired by ``remedy``) and compare with a full recompute."""
+    """Splice the composed skills (repaired by ``remedy``; ``auto`` calibrates the model once, telling ``report``) and
+    compare with a full recompute."""
     lm = registry.get(spec)
     scenario = composed_scenario(skill_ids, before, between, after_scenario, registry.profile)
-    fidelity: Fidelity = compare(lm, scenario, registry.skills(spec), remedy=remedy_of(remedy), references=registry.references(spec))
+    chosen = remedy_for(registry, spec, lm, remedy, report)
+    fidelity: Fidelity = compare(lm, scenario, registry.skills(spec), remedy=chosen, references=registry.references(spec))
     decode = lambda token: lm.tokenizer.decode([token])  # noqa: E731
     return ComposeView(
         metrics_markdown=panels.compose_metrics_markdown(fidelity),
@@ -474,7 +505,7 @@ def run_keystone(
     """Edit the field inside a spliced skill: composed vs recomputed per strategy."""
     lm = registry.get(spec)
     scenario = composed_scenario(skill_ids, before, between, after_scenario, registry.profile)
-    report = keystone(lm, scenario, registry.skills(spec), remedy=remedy_of(remedy), progress=progress)
+    report = keystone(lm, scenario, registry.skills(spec), remedy=remedy_for(registry, spec, lm, remedy), progress=progress)
     return compose_figures.keystone_figure(report), report.as_dict()
 
 
@@ -540,7 +571,7 @@ def run_agent_loop(
         registry.skills(spec),
         turns=turns,
         toggle=bool(toggle),
-        remedy=remedy_of(remedy),
+        remedy=remedy_for(registry, spec, lm, remedy),
         policy=policy or "never",
         progress=progress,
     )
@@ -829,14 +860,19 @@ def audit_notes_scenario(sessions: SessionStore, session: str, labels: str | Non
 @guarded
 def export_audit(folder: ExportFolder, sessions: SessionStore, session: str, x: str = "computed", y: str = "kl") -> list[str]:
     """The audit JSON, its figures and marked prompts (HTML), the auto-built scenario TOML and the repaired prompt
-    template (those two where a field changed); returns the files' paths."""
+    template (each where the audit allows one); returns the files' paths."""
     report = _audit_report(sessions, session)
     view = audit_view(report, x, y)
+    chat = report.rendered[-1].request.messages is not None
     extra = {}
-    if report.last_with_fields() is not None:
-        chat = report.rendered[-1].request.messages is not None
-        extra[f"{AUDIT_STEM}-scenario.toml"] = scenario_toml(report)
-        extra[f"{AUDIT_STEM}-template.{'json' if chat else 'txt'}"] = repaired_template(report)
+    for name, build in (
+        (f"{AUDIT_STEM}-scenario.toml", scenario_toml),
+        (f"{AUDIT_STEM}-template.{'json' if chat else 'txt'}", repaired_template),
+    ):
+        try:
+            extra[name] = build(report)
+        except RequestLogError:
+            pass  # no field changed, or (the scenario) one in the last message, which a scenario reads as its question
     paths = folder.write(view.summary, [view.timeline_figure, view.fidelity_figure], AUDIT_STEM, [view.prompt_html], extra)
     return [str(path) for path in paths]
 
@@ -857,7 +893,7 @@ def benchmark_figures_for(results: dict[str, dict]) -> list[go.Figure]:
         "serving": benchmark_figures.serving_figure,
         "agent": benchmark_figures.agent_policy_figure,
         "soak": benchmark_figures.soak_figure,
-        "compose_many": compose_figures.study_figure,
+        "compose_many": compose_figures.remedy_choice_figure,
         "cache_reuse": benchmark_figures.cache_reuse_figure,
         "image": benchmark_figures.image_splice_figure,
         "compare_models": benchmark_figures.compare_models_figure,

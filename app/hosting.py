@@ -70,6 +70,7 @@ class HostingProfile:
     concurrency: int  # model-bound requests in flight (their forwards take turns, least model time first)
     max_audit_requests: int | None = None  # requests per audited log (None: any); each request's tokens: max_context_tokens
     max_audit_tokens: int | None = None  # greedy tokens generated per state in an audit (None: any)
+    calibrate_remedies: bool = True  # whether the composer's "auto" may calibrate a model (minutes of model time)
 
     @property
     def label(self) -> str:
@@ -174,6 +175,7 @@ def public_profile(extra_models: Sequence[str] = (), memory_bytes: int | None = 
         concurrency=4,
         max_audit_requests=PUBLIC_MAX_AUDIT_REQUESTS,
         max_audit_tokens=PUBLIC_MAX_AUDIT_TOKENS,
+        calibrate_remedies=False,
         **_budgets(memory_bytes or machine_memory_bytes()),
     )
 

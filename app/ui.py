@@ -616,7 +616,7 @@ def _composer_tab(page: Page) -> gr.Dropdown:
             after = gr.Dropdown([""] + scenario_names, value="", label="Then a scenario (question and answers)", elem_id="after-scenario")
         with gr.Row():
             remedy = gr.Dropdown(
-                list(dict.fromkeys([DEFAULT_REMEDY.name, *STUDY_REMEDIES])),
+                handlers.remedy_menu(STUDY_REMEDIES),
                 value=DEFAULT_REMEDY.name,
                 allow_custom_value=True,
                 label="Repair of the spliced skills",
@@ -688,8 +688,17 @@ def _composer_tab(page: Page) -> gr.Dropdown:
     composition = [composer, before, between, after]
 
     @page.action
-    def on_compose(model_spec, skill_ids, text_before, text_between, after_name, remedy_spec):
-        view = handlers.run_compose(page.registry, model_spec, skill_ids, text_before, text_between, after_name or None, remedy_spec)
+    def on_compose(model_spec, skill_ids, text_before, text_between, after_name, remedy_spec, progress=gr.Progress()):
+        view = handlers.run_compose(
+            page.registry,
+            model_spec,
+            skill_ids,
+            text_before,
+            text_between,
+            after_name or None,
+            remedy_spec,
+            report=lambda message: progress(None, desc=message),
+        )
         return view.metrics_markdown, view.logits_figure, view.deviation_figure, view.summary
 
     compared = [compose_metrics, logits_plot, deviation_plot, compose_json]

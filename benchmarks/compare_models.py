@@ -2,7 +2,7 @@
 
     python -m benchmarks.compare_models [--models embedded,qwen-1.5b,smollm2] [--dtype float32]
         [--scenarios all|refund_gate,...] [--study-scenario refund_gate] [--skills refund_policy,tone_guide]
-        [--remedies splice,prefix+seam:1+blend:0.7] [--out DIR]
+        [--remedies splice,prefix+seam:1+blend:0.7] [--out DIR] [--resume]
 
 For each model, loaded one after another (each released before the next): the calibration of the bundled
 scenarios (``engine.edit.calibrate``: which decisions flip under a clean prefill, which are notes demos, every
@@ -10,7 +10,8 @@ field-only recovery) and a small N-skill study (``engine.compose.study``: the fi
 study scenario at both values of its first field, each remedy against a full recompute) with its tie-aware
 fidelity summary. Writes benchmarks/results/compare_models-<dtype>-<device>.json with the dtype, the CPU's flags
 (/proc/cpuinfo: avx2, avx512_bf16, ...), the repetitions (every number is one run) and each stage's wall time;
-the Benchmarks tab draws it.
+the Benchmarks tab draws it. ``--resume`` keeps the rows of models a run with the same settings already wrote (the file
+is rewritten after each model), so an interrupted run goes on where it stopped; ``total_s`` counts this run only.
 """
 
 from __future__ import annotations
@@ -59,7 +60,32 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--skills", default="refund_policy,tone_guide", help="the study's skills: N = 1..len, first N in order")
     parser.add_argument("--remedies", default="splice,prefix+seam:1+blend:0.7", help="comma-separated remedies of the study")
     parser.add_argument("--out", default=str(RESULTS), help="folder for the JSON")
+    parser.add_argument(
+        "--resume", action="store_true", help="keep the rows of models already in the JSON when it was run with the same settings"
+    )
     return parser
+
+
+def _settings(args: argparse.Namespace, names: list[str], remedies: list[Remedy]) -> dict:
+    """What a stored row depends on besides its model: a resumed run reuses rows only when these match."""
+    return {
+        "dtype": args.dtype,
+        "scenarios": names,
+        "study_scenario": args.study_scenario,
+        "skills": args.skills,
+        "remedies": [remedy.name for remedy in remedies],
+    }
+
+
+def _resumed_rows(path: Path, settings: dict) -> dict[str, dict]:
+    """Rows of an earlier run with the same settings, by model spec (none when the file is absent or differs)."""
+    if not path.exists():
+        return {}
+    stored = json.loads(path.read_text())
+    if {key: stored.get("settings", {}).get(key) for key in settings} != settings:
+        print(f"{path}: written with other settings; not resumed", flush=True)
+        return {}
+    return {row["spec"]: row for row in stored["models"]}
 
 
 def run_model(spec: str, args: argparse.Namespace, files: list[Path], remedies: list[Remedy]) -> dict:
@@ -124,25 +150,34 @@ def main(argv: list[str] | None = None) -> dict:
     files = [bundled_scenarios()[name] for name in names]
     remedies = [Remedy.parse(text.strip()) for text in args.remedies.split(",") if text.strip()]
     specs = [spec.strip() for spec in args.models.split(",") if spec.strip()]
-    watch = Stopwatch()
-    rows = [run_model(spec, args, files, remedies) for spec in specs]
-    data = {
-        "dtype": args.dtype,
-        "device": rows[0]["device"],
-        "cpu": cpu_flags(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "machine": platform.machine(),
-        "reps": REPS,
-        "scenarios": names,
-        "remedies": [remedy.name for remedy in remedies],
-        "total_s": round(watch.ms / 1000, 1),
-        "models": rows,
-    }
+    watch, rows = Stopwatch(), []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"compare_models-{args.dtype}-{data['device']}.json"
-    path.write_text(json.dumps(data, indent=2))
+    settings = _settings(args, names, remedies)
+    device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu")
+    path = out / f"compare_models-{args.dtype}-{device}.json"
+    earlier = _resumed_rows(path, settings) if args.resume else {}
+    for spec in specs:  # the file is rewritten after each model, "complete" once every model is in
+        if spec in earlier:
+            print(f"{spec}: kept from {path}", flush=True)
+        rows.append(earlier.get(spec) or run_model(spec, args, files, remedies))
+        data = {
+            "settings": settings,
+            "dtype": args.dtype,
+            "device": rows[0]["device"],
+            "cpu": cpu_flags(),
+            "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "machine": platform.machine(),
+            "reps": REPS,
+            "scenarios": names,
+            "remedies": [remedy.name for remedy in remedies],
+            "total_s": round(watch.ms / 1000, 1),
+            "resumed": sorted(spec for spec in earlier if spec in specs),
+            "complete": len(rows) == len(specs),
+            "models": rows,
+        }
+        path.write_text(json.dumps(data, indent=2))
     for row in rows:
         cal, summary = row["calibrate"], row["study"]["summary"]
         fidelity = "  ".join(

@@ -15,6 +15,7 @@ The public API, what a notebook or script imports (``from engine import load_mod
 ``PROBES``             every probe by name (notes map, knockout, read heads, linear probe, attribution, ...)
 ``SkillStore``         compiled skill blocks (K/V computed once), in memory and optionally on disk
 ``compare``            splice skills into a context with a ``Remedy`` and compare with a full recompute
+``calibrated_remedy``  this model's default remedy, measured once (``RemedyChoice``: numbers, frontier, reason)
 ``run_selftest``       the model's numeric check of re-rotation and splicing against its dtype's noise floor
 ``check_model``        the model's row of the support matrix: every operation against its own forward
 ``save_cache``         a notebook's K/V (transformers' layout) with positions, segments, visibility to safetensors
@@ -48,6 +49,7 @@ _PUBLIC = {
     "SkillStore": "engine.compose.skills",
     "Remedy": "engine.compose.splice",
     "compare": "engine.compose.splice",
+    "calibrated_remedy": "engine.compose.choice",
     "run_selftest": "engine.cache.selftest",
     "check_model": "engine.checks.support",
     "save_cache": "engine.cache.interop",
@@ -68,6 +70,7 @@ __all__ = [
     "SkillStore",
     "analyse_edit",
     "bundled_scenarios",
+    "calibrated_remedy",
     "check_model",
     "compare",
     "load_cache",
@@ -84,6 +87,7 @@ if TYPE_CHECKING:
     from engine.cache.notebook import Knockout, Notebook
     from engine.cache.selftest import run_selftest
     from engine.checks.support import check_model
+    from engine.compose.choice import calibrated_remedy
     from engine.compose.skills import SkillStore
     from engine.compose.splice import Remedy, compare
     from engine.edit.experiment import EditExperiment

@@ -36,6 +36,7 @@ from engine.checks.support import (
 )
 from engine.comparison import SPLICE_SKILL, compare_models
 from engine.compose.agent import Compaction, run_agent
+from engine.compose.choice import AUTO, calibrated_remedy, resolve_remedy
 from engine.compose.keystone import keystone
 from engine.compose.memory import memory_placement
 from engine.compose.pictures import (
@@ -221,7 +222,12 @@ def cmd_compose(args: argparse.Namespace) -> dict:
     """Splice precompiled skills into a context and compare with a full recompute (fidelity, TTFT)."""
     scenario = _composition(args)
     lm = _load(args)
-    return {"model": lm.fingerprint.name, **compare(lm, scenario, _store(), remedy=Remedy.parse(args.remedy), reps=args.reps).as_dict()}
+    store = _store()
+    remedy = resolve_remedy(lm, args.remedy, store, _log)
+    result = {"model": lm.fingerprint.name, **compare(lm, scenario, store, remedy=remedy, reps=args.reps).as_dict()}
+    if args.remedy.strip() == AUTO:
+        result["remedy_choice"] = calibrated_remedy(lm, store).as_dict()
+    return result
 
 
 def cmd_image(args: argparse.Namespace) -> dict:
@@ -244,14 +250,15 @@ def cmd_agent(args: argparse.Namespace) -> dict:
         scenario.field(name)
     policy = Compaction.parse(args.policy)
     lm = _load(args)
+    store = _store()
     report = run_agent(
         lm,
         scenario,
-        _store(),
+        store,
         turns=args.turns,
         fields=fields,
         toggle=args.toggle,
-        remedy=Remedy.parse(args.remedy),
+        remedy=resolve_remedy(lm, args.remedy, store, _log),
         policy=policy,
         wording=args.wording,
         progress=_progress("turns"),
@@ -263,12 +270,13 @@ def cmd_keystone(args: argparse.Namespace) -> dict:
     """Edit a field inside a spliced skill: every strategy on the composed vs the recomputed cache."""
     scenario = _composition(args)
     lm = _load(args)
+    store = _store()
     report = keystone(
         lm,
         scenario,
-        _store(),
+        store,
         field_name=args.field,
-        remedy=Remedy.parse(args.remedy),
+        remedy=resolve_remedy(lm, args.remedy, store, _log),
         settings=_settings(args),
         progress=_progress("strategies"),
     )
@@ -409,9 +417,11 @@ def _argument_groups() -> dict[str, tuple[tuple[Argument, ...], ...]]:
             "--remedy",
             default=DEFAULT_REMEDY.name,
             help="repair of spliced skills, parts joined by +: prefix (compile after the scenario's system prompt), "
-            "seam:N (first N tokens of each skill), aggregators, blend:F (top fraction F by layer-1 K/V deviation "
-            "from a fresh prefill of layers 0–1, CacheBlend), deviation:F or causal:F (top fraction F ranked "
-            "against the full recompute; compose only)",
+            "seam:N (first N tokens of each skill), tail:N (its last N tokens), aggregators, blend:F (top fraction F by "
+            "layer-1 K/V deviation from a fresh prefill of layers 0–1, CacheBlend), query:F (top fraction F by the question's attention to "
+            "the plain splice), cover:M (with blend or query: stop once the share M of its ranking's score is covered), "
+            "deviation:F or causal:F (top fraction F ranked against the full recompute; compose only), "
+            "or auto: this model's calibrated choice (measured once, minutes; kept in the cache dir)",
         ),
     )
     edited_field = (_arg("--field", help="the field to change (default: the first)"),)

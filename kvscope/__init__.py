@@ -4,7 +4,7 @@
 API, the same names and objects as ``engine`` (``kvscope.load_model is engine.load_model``), documented in
 ``engine``'s docstring (``help(engine)``): ``load_model``, ``tiny_model``, ``Scenario``, ``bundled_scenarios``,
 ``run_scenario``, ``Notebook``, ``Knockout``, ``EditExperiment``, ``EditReport``, ``EditSettings``, ``analyse_edit``, ``PROBES``,
-``SkillStore``, ``Remedy``, ``compare``, ``run_selftest``, ``check_model``, ``save_cache``, ``load_cache``,
+``SkillStore``, ``Remedy``, ``compare``, ``calibrated_remedy``, ``run_selftest``, ``check_model``, ``save_cache``, ``load_cache``,
 ``to_dynamic_cache``, ``KVScopeError``. Figures are in ``viz`` (plotly; they display inline in Jupyter).
 
 Like ``engine``, importing ``kvscope`` loads nothing (no torch, no model) and changes no process state: each
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         SkillStore,
         analyse_edit,
         bundled_scenarios,
+        calibrated_remedy,
         check_model,
         compare,
         load_cache,

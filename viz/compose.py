@@ -284,3 +284,113 @@ def study_figure(study: dict) -> go.Figure:
         margin={"l": 60, "r": 20, "t": 100, "b": 110},
     )
     return figure
+
+
+def remedy_choice_figure(study: dict) -> go.Figure:
+    """From a stored composition study with its ``choice``: left, each remedy's decisive agreement against its median
+    TTFT speedup, the goal's corner shaded (≥ 97% agreement, ≥ 70% of splice's speedup) and the default starred; right,
+    the median speedup by total skill tokens (a long study) or the agreement by number of skills (a short one)."""
+    summary, choice = study["summary"], study.get("choice") or {}
+    long_study = any("by_length" in row for row in summary.values())
+    figure = make_subplots(
+        rows=1,
+        cols=2,
+        column_widths=[0.55, 0.45],
+        horizontal_spacing=0.12,
+        subplot_titles=(
+            "decisive agreement vs TTFT speedup",
+            "median TTFT speedup by skill tokens" if long_study else "decisive agreement by skills",
+        ),
+    )
+    goal = choice.get("goal", {})
+    splice_speed = choice.get("splice_speedup")
+    speeds = [row["speedup"]["median"] for row in summary.values() if row["speedup"]]
+    if goal and splice_speed:
+        figure.add_shape(
+            type="rect",
+            x0=goal["speed_share_of_splice"] * splice_speed,
+            x1=max(speeds + [splice_speed]) * 1.08,
+            y0=goal["agreement"],
+            y1=1.02,
+            fillcolor="rgba(44,160,44,0.12)",
+            line={"width": 0},
+            row=1,
+            col=1,
+        )
+    colours = PALETTE if len(summary) <= len(PALETTE) else plotly.colors.qualitative.Dark24
+    default = study.get("default")
+    for index, (name, row) in enumerate(summary.items()):
+        if not row["speedup"]:
+            continue
+        colour = colours[index % len(colours)]
+        label = safe_label(name) + (" (default)" if name == default else "")
+        figure.add_scatter(
+            x=[row["speedup"]["median"]],
+            y=[row["agreement"]],
+            mode="markers",
+            name=label,
+            legendgroup=name,
+            marker={
+                "size": 18 if name == default else 12,
+                "color": colour,
+                "symbol": "star" if name == default else ("circle-open" if row["needs_reference"] else "circle"),
+                "line": {"width": 2, "color": colour},
+            },
+            hovertext=[
+                f"{label}: {row['agree_decisive']}/{row['decisive']} decisive agree, {row['ties']} ties; TTFT ×"
+                f"{row['speedup']['min']:.2f}/{row['speedup']['median']:.2f}/{row['speedup']['max']:.2f} (min/median/max); "
+                f"{row['recomputed_fraction']:.0%} of skill tokens recomputed"
+            ],
+            hoverinfo="text",
+            row=1,
+            col=1,
+        )
+        groups = row["by_length"] if long_study else row["by_n"]
+        keys = sorted(groups, key=int)
+        values = [(groups[key]["speedup"] or {}).get("median") if long_study else groups[key]["agreement"] for key in keys]
+        figure.add_scatter(
+            x=[int(key) for key in keys],
+            y=values,
+            mode="lines+markers",
+            name=label,
+            legendgroup=name,
+            showlegend=False,
+            line={"color": colour, "width": 3 if name == default else 1.5},
+            row=1,
+            col=2,
+        )
+    agreements = [row["agreement"] for row in summary.values() if row["agreement"] is not None]
+    floor = max(0.0, min(agreements + [goal.get("agreement", 1.0)], default=0.0) - 0.05)
+    figure.update_xaxes(title_text="TTFT speedup over a full recompute (median)", row=1, col=1)
+    figure.update_yaxes(title_text="decision agreement (decisive cases)", range=[floor, 1.02], row=1, col=1)
+    if long_study:
+        ticks = sorted(int(length) for row in summary.values() for length in row.get("by_length", {}))
+        figure.update_xaxes(
+            title_text="skill tokens in the context", type="log", tickvals=ticks, ticktext=[f"{tick:,}" for tick in ticks], row=1, col=2
+        )
+        figure.update_yaxes(title_text="TTFT speedup (median)", rangemode="tozero", row=1, col=2)
+    else:
+        figure.update_xaxes(title_text="skills in the context (N)", dtick=1, row=1, col=2)
+        per_n = [group["agreement"] for row in summary.values() for group in row["by_n"].values() if group["agreement"] is not None]
+        figure.update_yaxes(
+            title_text="decision agreement (decisive cases)", range=[max(0.0, min(per_n + [floor]) - 0.05), 1.02], row=1, col=2
+        )
+    verdict = (
+        ("goal met" if choice.get("goal_met") else "goal not reached: best measured trade-off") + f"; default {safe_label(default)}"
+        if default
+        else "no default chosen in this file"
+    )
+    lengths = study.get("lengths") or []
+    kind = f"long compositions ({min(lengths)}–{max(lengths)} skill tokens)" if long_study and lengths else "the short N-skill study"
+    figure.update_layout(
+        title={
+            "text": f"Default remedy, {kind}: agreement vs speed ({study.get('model', '')}, {study.get('dtype', '')})",
+            "subtitle": {
+                "text": f"{len(study['cases'])} composed prompts; shaded: ≥ 97% decisive agreement at ≥ 70% of splice's speedup; {verdict}"
+            },
+        },
+        height=480,
+        legend={"orientation": "h", "y": -0.22},
+        margin={"l": 60, "r": 20, "t": 100, "b": 120},
+    )
+    return figure

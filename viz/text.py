@@ -12,17 +12,22 @@ from collections.abc import Mapping, Sequence
 from engine.cache.decision import DECISIVE_MARGIN, Decision
 from engine.cache.selftest import SelfTestReport
 from engine.checks.support import SupportRow
+from engine.compose.choice import RemedyChoice
 from engine.compose.pictures import ImageFidelity
 from engine.compose.splice import Fidelity
 from viz.common import markdown_literal
 
 REMEDY_GRAMMAR = (
-    "Parts joined by +: prefix (compile after the scenario's system prompt), seam:N, aggregators, blend:F (CacheBlend: the "
-    "fraction F of skill tokens whose layer-1 K/V deviate most from a fresh prefill run through layers 0–1 only), deviation:F, causal:F "
-    "(the last two rank against the full recompute: diagnostics)."
+    "Parts joined by +: prefix (compile after the scenario's system prompt), seam:N, aggregators, "
+    "blend:F (CacheBlend: the fraction F of skill tokens whose layer-1 K/V deviate most from a fresh prefill run "
+    "through layers 0–1 only), query:F (the fraction F the question attends to most when it reads the plain splice), "
+    "deviation:F, causal:F (the last two rank against the full recompute: diagnostics); tail:N (each skill's last N "
+    "tokens); cover:M (with blend or query: stop once the share M of the ranking's score is covered)."
 )
+AUTO_WORDS = "auto: this model's own calibration (measured once: about 8 minutes for the 0.5B model on a 2-core CPU)."
 RANKINGS = {  # a ranked selection: which skill tokens its fraction recomputes
     "blend": "whose layer-1 K/V sit farthest from a fresh prefill (CacheBlend)",
+    "query": "the question attends to most when it reads the plain splice",
     "deviation": "whose K/V deviate most from the full recompute (a diagnostic)",
     "causal": "with the largest causal effect on the decision (a diagnostic)",
 }
@@ -121,29 +126,45 @@ def remedy_words(remedy: Mapping) -> str:
     if remedy["seam"]:
         first = "its first token" if remedy["seam"] == 1 else f"its first {remedy['seam']} tokens"
         parts.append(f"{first} recomputed against the real prefix (seam)")
+    if remedy.get("tail"):
+        parts.append(f"its last {remedy['tail']} tokens recomputed against their real predecessors")
     if remedy["select"] == "aggregators":
         parts.append("every aggregator token (punctuation, line breaks) recomputed")
     elif remedy["select"] in RANKINGS:
-        parts.append(f"{remedy['fraction']:.0%} of its other tokens recomputed: those {RANKINGS[remedy['select']]}")
+        budget = f"at most {remedy['fraction']:.0%}" if remedy.get("cover") else f"{remedy['fraction']:.0%}"
+        cover = f", stopping once they hold {remedy['cover']:.0%} of the ranking's score" if remedy.get("cover") else ""
+        parts.append(f"{budget} of its other tokens recomputed: those {RANKINGS[remedy['select']]}{cover}")
     return "; ".join(parts) or "the stored K/V spliced as they are, nothing recomputed"
 
 
-def remedy_info(default: str, stored: str | None = None, summary: Mapping[str, Mapping] | None = None, fastest: str | None = None) -> str:
-    """What the default remedy costs and buys in a stored N-skill study (its file ``stored`` and ``summary``), the
-    fastest deployable remedy there when it is another one, then the remedy grammar (plain text)."""
-    row = (summary or {}).get(default)
-    if not row:
-        return f"Default {default}. {REMEDY_GRAMMAR}"
+def remedy_info(default: str, stored: str | None = None, choice: RemedyChoice | None = None) -> str:
+    """What the default remedy costs and buys in a stored N-skill study (its file ``stored`` and default ``choice``), why
+    it is the default, the fastest remedy beside it, then the remedy grammar (plain text)."""
+    if choice is None or default not in {point.name for point in choice.points}:
+        return f"Default {default}. {AUTO_WORDS} {REMEDY_GRAMMAR}"
+    fastest = choice.fastest
+    beside = f" Fastest: {fastest.words()}." if fastest.name != default else ""
+    why = "" if choice.remedy == default else f" (that study's rule now picks {choice.remedy})"
+    reason = f" Why: {choice.reason}." if choice.remedy == default else ""
+    return (
+        f"Default {choice.point(default).words()}, in the stored N-skill study ({stored}){why}.{reason}{beside} "
+        f"{AUTO_WORDS} {REMEDY_GRAMMAR}"
+    )
 
-    def costs(name: str, row: Mapping) -> str:
-        return (
-            f"{name} agrees on {row['agree_decisive']} of {row['decisive']} decisive cases, "
-            f"recomputes {row['recomputed_fraction']:.1%} of skill tokens, "
-            f"TTFT ×{row['speedup']['median']:.2f} vs a full recompute (median)"
-        )
 
-    faster = f" Fastest: {costs(fastest, summary[fastest])}." if fastest and fastest != default else ""
-    return f"Default: in the stored N-skill study ({stored}) {costs(default, row)}.{faster} {REMEDY_GRAMMAR}"
+def remedy_menu(default: str, auto: str, names: Sequence[str], choice: RemedyChoice | None = None) -> list[tuple[str, str]]:
+    """(label, spec) pairs: the default, ``auto``, then ``names``; a remedy the stored study measured shows its decisive
+    agreement and median speedup there."""
+    measured = {point.name: point for point in choice.points} if choice else {}
+
+    def label(name: str) -> str:
+        point = measured.get(name)
+        numbers = f" — {point.agree_decisive}/{point.decisive} agree, ×{point.speedup:.2f}" if point else ""
+        return f"{name}{numbers}{' (default)' if name == default else ''}"
+
+    return [(label(default), default), (f"{auto} — this model's calibrated choice (measured once)", auto)] + [
+        (label(name), name) for name in names if name != default
+    ]
 
 
 def decision_words(fidelity: Fidelity) -> str:

@@ -4,13 +4,18 @@ A scenario places skills with ``{skill:ID}`` placeholders. The *recomputed* path
 *spliced* path prefills only the text between skills and splices each skill's stored K/V (keys re-rotated to
 their new positions, values unchanged). A :class:`Remedy` says how the spliced skills are repaired: skills
 compiled after the target's own system prompt (``prefix``), the first ``seam`` tokens of each skill recomputed
-against the real prefix (seam repair), and a further selection of skill tokens recomputed — every aggregator
-token (punctuation and line breaks, where models write notes), or the top ``fraction`` of a ranking:
+against the real prefix (seam repair), its last ``tail`` tokens recomputed against their real predecessors (where
+the paper puts a block's notes; a training-free cousin of KVLink's link tokens), and a further selection of skill
+tokens recomputed — every aggregator token (punctuation and line breaks, where models write notes), or the top
+``fraction`` of a ranking:
 ``blend`` ranks by how far a token's spliced K/V at layer 1 sit from a fresh prefill run through that layer
-only (CacheBlend's selection: a server can run it), ``deviation`` by K/V deviation from the full recompute
-at every layer and ``causal`` by causal effect on the decision (attribution patching). These last two need
-the full recompute they are compared with: diagnostics of how much a perfect ranking buys, not remedies a
-server could run.
+only (CacheBlend's selection: a server can run it), ``query`` by the attention the question pays each spliced
+token when it reads the plain splice (query-aware selection in the manner of InfoFlow-KV; it needs only the
+splice, so a server can run it too), ``deviation`` by K/V deviation from the full recompute at every layer and
+``causal`` by causal effect on the decision (attribution patching). These last two need the full recompute they
+are compared with: diagnostics of how much a perfect ranking buys, not remedies a server could run. ``cover:M``
+makes a deployable ranking's budget adaptive: the fewest top-ranked tokens whose scores reach the share M of the
+ranking's total, at most its fraction.
 Cost: splice is O(L) per skill instead of O(L·context) attention and MLP work, plus what the remedy recomputes.
 """
 
@@ -153,8 +158,8 @@ def adhoc_scenario(skill_ids: Sequence[str], library: Mapping | None = None) -> 
     return dataclasses.replace(composed, context=composed.context.strip())
 
 
-SELECTIONS = ("aggregators", "blend", "deviation", "causal")
-RANKED_SELECTIONS = ("blend", "deviation", "causal")  # the top fraction of a ranking
+SELECTIONS = ("aggregators", "blend", "query", "deviation", "causal")
+RANKED_SELECTIONS = ("blend", "query", "deviation", "causal")  # the top fraction of a ranking
 REFERENCE_SELECTIONS = ("deviation", "causal")  # ranked against the recomputed cache
 BLEND_LAYER = 1  # CacheBlend's check layer: the first whose K/V depend on other tokens
 
@@ -165,12 +170,18 @@ class Remedy:
 
     seam: int = 0
     prefix: bool = False
+    tail: int = 0
+    cover: float = 0.0  # adaptive budget of a deployable ranking: stop once this share of its total score is covered
     select: str | None = None
     fraction: float = 0.0
 
     def __post_init__(self) -> None:
         if self.seam < 0:
             raise ScenarioError(f"seam must be ≥ 0, got {self.seam}")
+        if self.tail < 0:
+            raise ScenarioError(f"tail must be ≥ 0, got {self.tail}")
+        if self.cover and (self.select not in ("blend", "query") or not 0.0 < self.cover < 1.0):
+            raise ScenarioError(f"cover:{self.cover:g} needs blend:F or query:F (F caps it) and a share within (0, 1)")
         if self.select is not None and self.select not in SELECTIONS:
             raise ScenarioError(f"unknown selection {self.select!r}; choose one of: {', '.join(SELECTIONS)}")
         if self.select in RANKED_SELECTIONS and not 0.0 < self.fraction <= 1.0:
@@ -180,18 +191,25 @@ class Remedy:
 
     @classmethod
     def parse(cls, text: str) -> "Remedy":
-        """From ``part+part``: ``prefix``, ``seam:N``, ``aggregators``, ``blend:F``, ``deviation:F``, ``causal:F``
-        (or ``splice``)."""
+        """From ``part+part``: ``prefix``, ``seam:N``, ``tail:N``, ``aggregators``, ``blend:F``, ``query:F``, ``deviation:F``,
+        ``causal:F``, ``cover:M`` (or ``splice``)."""
         options: dict = {}
         for part in (p.strip() for p in text.split("+")):
             name, _, argument = part.partition(":")
+            if name == "auto" and not argument:
+                raise ScenarioError(
+                    "remedy 'auto' is this model's calibrated choice: resolve it with engine.compose.choice.resolve_remedy "
+                    "(the CLI's compose, agent and keystone and the Composer do)"
+                )
             try:
                 if name == "splice" and not argument:
                     continue
                 if name == "prefix" and not argument:
                     options["prefix"] = True
-                elif name == "seam":
-                    options["seam"] = int(argument)
+                elif name in ("seam", "tail"):
+                    options[name] = int(argument)
+                elif name == "cover":
+                    options["cover"] = float(argument)
                 elif name == "aggregators" and not argument:
                     options["select"] = name
                 elif name in RANKED_SELECTIONS:
@@ -200,7 +218,7 @@ class Remedy:
                     raise ValueError(part)
             except ValueError:
                 raise ScenarioError(
-                    f"remedy part {part!r} not understood; write e.g. prefix+seam:1, aggregators, blend:0.3, "
+                    f"remedy part {part!r} not understood; write e.g. prefix+seam:1, aggregators, blend:0.3, query:0.05, "
                     "deviation:0.15 or causal:0.1, joined by +"
                 ) from None
         return cls(**options)
@@ -215,16 +233,22 @@ class Remedy:
         if self.needs_reference:
             raise ScenarioError(
                 f"remedy {self.name!r} ranks tokens against a full recompute; {user} needs a deployable one "
-                "(prefix, seam:N, aggregators, blend:F)"
+                "(prefix, seam:N, tail:N, aggregators, blend:F, query:F)"
             )
         return self
 
     @property
     def name(self) -> str:
         """The spec :meth:`parse` reads back."""
-        parts = (["prefix"] if self.prefix else []) + ([f"seam:{self.seam}"] if self.seam else [])
+        parts = (
+            (["prefix"] if self.prefix else [])
+            + ([f"seam:{self.seam}"] if self.seam else [])
+            + ([f"tail:{self.tail}"] if self.tail else [])
+        )
         if self.select:
             parts.append(f"{self.select}:{self.fraction:g}" if self.select in RANKED_SELECTIONS else self.select)
+        if self.cover:
+            parts.append(f"cover:{self.cover:g}")
         return "+".join(parts) or "splice"
 
     def as_dict(self) -> dict:
@@ -232,15 +256,19 @@ class Remedy:
             "name": self.name,
             "seam": self.seam,
             "prefix": self.prefix,
+            "tail": self.tail,
+            "cover": self.cover,
             "select": self.select,
             "fraction": self.fraction,
             "needs_reference": self.needs_reference,
         }
 
 
-# The best deployable remedy of the N-skill study on the embedded model (benchmarks/results/compose_many-*.json):
-# the only one keeping every decisive decision (35/35), the smallest margin error; it recomputes 70% of skill tokens.
-DEFAULT_REMEDY = Remedy(seam=1, prefix=True, select="blend", fraction=0.7)
+# The static default, where no calibration of the loaded model is at hand (``engine.compose.choice``'s rule on the
+# embedded model's short N-skill study and keystone, benchmarks/results/compose_many-embedded-cpu.json): no deployable
+# remedy keeps ≥ 97% decisive agreement at ≥ 70% of splice's speedup; of those within the keystone bar this is the
+# best trade-off (33/35 decisive, ×2.6 median TTFT, 15% of skill tokens recomputed, keystone gap 0.06).
+DEFAULT_REMEDY = Remedy(seam=1, prefix=True, select="blend", fraction=0.15)
 
 
 def _skill_blocks(
@@ -274,8 +302,8 @@ def _assemble(lm: LoadedModel, prompt: RenderedPrompt, placed, seam: int, recomp
     return notebook
 
 
-def _blend_ranking(lm: LoadedModel, prompt: RenderedPrompt, placed, candidates: Sequence[int]) -> list[int]:
-    """Candidate skill positions, largest first, by how far their spliced K/V at :data:`BLEND_LAYER` sit from a
+def _blend_ranking(lm: LoadedModel, prompt: RenderedPrompt, placed, candidates: Sequence[int]) -> dict[int, float]:
+    """Candidate skill positions' scores: how far their spliced K/V at :data:`BLEND_LAYER` sit from a
     fresh prefill's (:func:`entry_distance` summed over heads); the prefill runs only the layers up to that one."""
     layer = min(BLEND_LAYER, len(placed[0][2].keys) - 1)
     try:
@@ -290,7 +318,33 @@ def _blend_ranking(lm: LoadedModel, prompt: RenderedPrompt, placed, candidates: 
         fresh = slice(span.start, span.end)
         distance = entry_distance(keys[layer][0], values[layer][0], fresh_keys[0, :, fresh], fresh_values[0, :, fresh])
         score.update(zip(range(span.start, span.end), distance.sum(0).tolist()))
-    return sorted(candidates, key=lambda position: -score[position])
+    return {position: score[position] for position in candidates}
+
+
+def _query_ranking(first: Notebook, prompt: RenderedPrompt, candidates: Sequence[int]) -> dict[int, float]:
+    """Candidate skill positions' scores: the attention the question pays them when it reads the plain
+    splice ``first`` (summed over layers, heads and question tokens): the tokens the decision reads from."""
+    attention = first.read_prompt(prompt, capture_attention=True).attention
+    computed = first.latest()
+    mass = attention[..., : len(computed.positions)].float().sum(dim=(0, 1, 2))
+    shown = computed.visible
+    by_position = dict(zip(computed.positions[shown].tolist(), mass[shown].tolist()))
+    return {position: by_position[position] for position in candidates}
+
+
+def top_of(scores: Mapping[int, float], count: int, cover: float = 0.0) -> set[int]:
+    """The ``count`` highest-scoring positions, or with ``cover`` > 0 the fewest from the top whose scores reach that
+    share of the total (at most ``count``): an adaptive budget."""
+    ranked = sorted(scores, key=lambda position: -scores[position])[:count]
+    if cover <= 0:
+        return set(ranked)
+    target, total, kept = cover * sum(max(value, 0.0) for value in scores.values()), 0.0, []
+    for position in ranked:
+        if total >= target:
+            break
+        kept.append(position)
+        total += max(scores[position], 0.0)
+    return set(kept)
 
 
 @dataclass(frozen=True)
@@ -317,25 +371,28 @@ def splice_prompt(
         raise NotebookError(f"the {remedy.select} selection ranks tokens against the recomputed cache: pass it as reference")
     placed = _skill_blocks(lm, scenario, prompt, store, remedy)
     seams = {p for _, span, _ in placed for p in range(span.start, min(span.start + remedy.seam, span.end))}
-    candidates = [p for _, span, _ in placed for p in range(span.start, span.end) if p not in seams]
-    chosen: set[int] = set()
+    tails = {p for _, span, _ in placed for p in range(max(span.end - remedy.tail, span.start), span.end)} - seams
+    candidates = [p for _, span, _ in placed for p in range(span.start, span.end) if p not in seams and p not in tails]
+    chosen: set[int] = set(tails)
     if remedy.select == "aggregators":
         texts = lm.tokenizer.batch_decode([[prompt.context_ids[p]] for p in candidates])
-        chosen = {p for p, text in zip(candidates, texts) if is_aggregator(text)}
+        chosen |= {p for p, text in zip(candidates, texts) if is_aggregator(text)}
     elif remedy.select in RANKED_SELECTIONS and candidates:
         count = min(len(candidates), max(1, round(remedy.fraction * len(candidates))))
         if remedy.select == "blend":
-            chosen = set(_blend_ranking(lm, prompt, placed, candidates)[:count])
+            chosen |= top_of(_blend_ranking(lm, prompt, placed, candidates), count, remedy.cover)
         else:
             first = _assemble(lm, prompt, placed, remedy.seam, set())
-            if remedy.select == "deviation":
-                chosen = set(kv_deviation(first, reference, candidates).top_positions(count))
+            if remedy.select == "query":
+                chosen |= top_of(_query_ranking(first, prompt, candidates), count, remedy.cover)
+            elif remedy.select == "deviation":
+                chosen |= set(kv_deviation(first, reference, candidates).top_positions(count))
             else:
                 gap = (
                     reference.read_prompt(prompt, answer_texts=scenario.answers).margin
                     - first.read_prompt(prompt, answer_texts=scenario.answers).margin
                 )
-                chosen = set(attribution_effects(first, reference, prompt, candidates).top_positions(count, gap))
+                chosen |= set(attribution_effects(first, reference, prompt, candidates).top_positions(count, gap))
     notebook = _assemble(lm, prompt, placed, remedy.seam, chosen)
     return Spliced(notebook, remedy, len(seams) + len(chosen), sum(len(span) for _, span, _ in placed))
 

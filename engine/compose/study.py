@@ -30,6 +30,7 @@ REMEDIES = (
     "prefix+seam:1+blend:0.3",
     "prefix+seam:1+blend:0.5",
     "prefix+seam:1+blend:0.7",
+    "prefix+seam:1+query:0.15",
     "deviation:0.5",
     "causal:0.15",
 )
@@ -133,13 +134,6 @@ class Study:
             "agree_on_every_decisive_case": self.perfect(),
             "cases": [case.as_dict() for case in self.cases],
         }
-
-
-def deployable_by_speed(summary: Mapping[str, Mapping]) -> list[str]:
-    """Remedies of a study summary (``Study.summary()`` or a stored study's ``"summary"``) that a server could run and
-    whose speedup was measured, fastest first (median TTFT speedup over the full recompute; ties keep their order)."""
-    deployable = [name for name, row in summary.items() if not row["needs_reference"] and row["speedup"]]
-    return sorted(deployable, key=lambda name: summary[name]["speedup"]["median"], reverse=True)
 
 
 def first_field_values(scenario: Scenario) -> list[dict[str, str]]:

@@ -117,7 +117,7 @@ def test_the_public_profile_bounds_requests_tokens_per_request_and_n(registry):
     assert len(view.summary["turns"]) == 9
 
 
-def test_one_prompt_offers_candidates_and_audits_a_chosen_or_found_value(registry, sessions):
+def test_one_prompt_offers_candidates_and_audits_a_chosen_or_found_value(registry, sessions, tmp_path: Path):
     prompt = "Order A-48213 placed 2026-05-12 09:41 for <i>Ana</i>.\nStatus: shipped\nCan it still be cancelled?"
     view, choices = handlers.prompt_candidates(registry, None, prompt)
     assert choices[:2] == ["1 · id · A-48213", "2 · datetime · 2026-05-12 09:41"]
@@ -127,6 +127,10 @@ def test_one_prompt_offers_candidates_and_audits_a_chosen_or_found_value(registr
     assert (field["old"], field["new"]) == ("2026-05-12 09:41", "2026-05-12 09:42")
     found = handlers.run_audit_value(registry, sessions, "v", None, prompt, choices[1], "shipped", "pending", **OPTIONS)
     assert [(f["old"], f["new"]) for f in found.summary["turns"][1]["fields"]] == [("shipped", "pending")]  # find wins
+    paths = handlers.export_audit(ExportFolder(2**22, 4, root=tmp_path), sessions, "v")
+    assert sorted(Path(path).name for path in paths) == ["kvscope-audit-figures.html", "kvscope-audit-template.json", "kvscope-audit.json"]
+    with pytest.raises(AppError, match="the changed value sits in the last message"):  # one user message: no question left
+        handlers.audit_notes_scenario(sessions, "v", "yes, no")
     kept = sessions.get("v", "audit")
     for choice, find, value, message in (
         (None, "", "x", "pick a candidate span"),

@@ -164,6 +164,30 @@ def test_agent_loop_shows_cached_clean_state_and_identical_decisions(page):
     _shot(page, "agent-loop")
 
 
+def test_the_remedy_menu_names_the_default_and_auto_calibrates_the_model(page, tmp_path, monkeypatch):
+    from engine.compose import choice
+    from engine.compose.splice import DEFAULT_REMEDY
+
+    monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path))
+    plan = choice.CalibrationPlan(
+        skills=("account_gate",), sizes=(1,), placements=("start",), remedies=("splice", "seam:1"), keystone_scenario=None
+    )
+    monkeypatch.setattr(choice, "CalibrationPlan", lambda: plan)
+    page.get_by_role("tab", name="Composer").click()
+    menu = page.locator("#remedy")
+    assert (
+        menu.locator("input").input_value().startswith(f"{DEFAULT_REMEDY.name} — ") and "(default)" in menu.locator("input").input_value()
+    )
+    assert "Fastest: splice" in menu.inner_text() and "auto: this model's own calibration" in menu.inner_text()
+    menu.locator("input").click()
+    page.get_by_role("option", name=re.compile(r"^auto — ")).click()
+    page.locator("#run-compose").click()
+    page.locator("#compose-metrics").get_by_text("cosine").wait_for(timeout=120_000)
+    (stored,) = json.loads((tmp_path / "remedy-choices.json").read_text()).values()
+    assert f"remedy {stored['remedy']} recomputed" in page.locator("#compose-metrics").inner_text()
+    _shot(page, "composer-remedy-auto")
+
+
 def test_composer_study_and_keystone_diagonal(page):
     page.get_by_role("tab", name="Composer").click()
     page.locator('#composer .kv-in[data-id="account_gate"]').wait_for(timeout=10_000)
@@ -356,7 +380,7 @@ def test_a_permalink_restores_the_notes_state_and_runs_the_edit(browser, app_url
     assert page.evaluate("navigator.clipboard.readText()") == copied
     _shot(page, "permalink-copied")
     page.get_by_role("tab", name="Composer").click()
-    assert page.locator("#remedy input").input_value() == "prefix+seam:1"
+    assert re.fullmatch(r"prefix\+seam:1( — .*)?", page.locator("#remedy input").input_value())
     context.close()
 
 

@@ -106,26 +106,65 @@ def test_compose_reports_fidelity(registry):
         handlers.run_compose(registry, None, ["account_gate"], "", "", None, "mix:1")
 
 
-def test_remedy_info_states_the_default_and_the_fastest_from_the_stored_study(tmp_path, monkeypatch):
+def test_remedy_info_and_menu_state_the_default_and_the_fastest_from_the_stored_study(tmp_path, monkeypatch):
+    from engine.compose.choice import choose_remedy
     from engine.compose.splice import DEFAULT_REMEDY
 
     def row(agree, fraction, speedup, ranked=False):
         return {
             "agree_decisive": agree,
             "decisive": 35,
+            "ties": 17,
+            "agreement": agree / 35,
+            "mean_abs_margin_error": 0.1,
             "recomputed_fraction": fraction,
-            "speedup": {"median": speedup},
+            "speedup": {"min": speedup, "median": speedup, "max": speedup},
             "needs_reference": ranked,
         }
 
-    summary = {DEFAULT_REMEDY.name: row(35, 0.7, 1.2), "splice": row(32, 0.0, 5.8), "causal:0.15": row(34, 0.15, 9.0, ranked=True)}
-    (tmp_path / "compose_many-x-cpu.json").write_text(json.dumps({"summary": summary}))
+    summary = {DEFAULT_REMEDY.name: row(34, 0.15, 2.6), "splice": row(32, 0.0, 5.8), "causal:0.15": row(34, 0.15, 9.0, ranked=True)}
+    gaps = {DEFAULT_REMEDY.name: 0.06, "splice": 0.6}
+    (tmp_path / "compose_many-x-cpu.json").write_text(json.dumps({"summary": summary, "choice": choose_remedy(summary, gaps).as_dict()}))
+    (tmp_path / "compose_many-long-x-cpu.json").write_text(json.dumps({"summary": summary}))  # no choice: not read
     monkeypatch.setattr(handlers, "RESULTS_DIR", tmp_path)
     info = handlers.remedy_info()
-    assert f"{DEFAULT_REMEDY.name} agrees on 35 of 35 decisive cases, recomputes 70.0% of skill tokens, TTFT ×1.20" in info
-    assert "Fastest: splice agrees on 32 of 35" in info and "causal:0.15 agrees" not in info and "blend:F" in info
+    assert info.startswith(f"Default {DEFAULT_REMEDY.name}: 34/35 decisive decisions agree (97%), TTFT ×2.60 (median)")
+    assert "(compose_many-x-cpu). Why: no remedy keeps ≥ 97%" in info and "within the keystone bar" in info
+    assert "Fastest: splice: 32/35 decisive decisions agree (91%), TTFT ×5.80" in info and "causal:0.15:" not in info
+    assert "auto: this model's own calibration" in info and "blend:F" in info
+    menu = handlers.remedy_menu(["splice", "seam:1"])
+    assert menu == [
+        (f"{DEFAULT_REMEDY.name} — 34/35 agree, ×2.60 (default)", DEFAULT_REMEDY.name),
+        ("auto — this model's calibrated choice (measured once)", "auto"),
+        ("splice — 32/35 agree, ×5.80", "splice"),
+        ("seam:1", "seam:1"),
+    ]
     monkeypatch.setattr(handlers, "RESULTS_DIR", tmp_path / "none")
-    assert handlers.remedy_info().startswith(f"Default {DEFAULT_REMEDY.name}. Parts joined by +")
+    assert handlers.remedy_info().startswith(f"Default {DEFAULT_REMEDY.name}. auto: this model's own calibration")
+    assert handlers.remedy_menu([])[0] == (f"{DEFAULT_REMEDY.name} (default)", DEFAULT_REMEDY.name)
+
+
+def test_auto_in_the_composer_calibrates_locally_and_is_refused_uncalibrated_in_public(registry, tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    from engine.compose import choice
+
+    monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path))
+    plan = choice.CalibrationPlan(
+        skills=("account_gate",), sizes=(1,), placements=("start",), remedies=("splice", "seam:1"), keystone_scenario=None
+    )
+    monkeypatch.setattr(choice, "CalibrationPlan", lambda: plan)
+    messages, local = [], registry.profile
+    public = replace(local, calibrate_remedies=False)
+    monkeypatch.setattr(registry, "profile", public)
+    with pytest.raises(AppError, match="remedy auto needs .* calibration .* does not run for visitors"):
+        handlers.run_compose(registry, None, ["account_gate"], "", "", None, "auto")
+    monkeypatch.setattr(registry, "profile", local)
+    view = handlers.run_compose(registry, None, ["account_gate"], "", "", None, "auto", report=messages.append)
+    (stored,) = json.loads((tmp_path / "remedy-choices.json").read_text()).values()
+    assert view.summary["remedy"]["name"] == stored["remedy"] and any("calibrating" in message for message in messages)
+    monkeypatch.setattr(registry, "profile", public)  # stored now: a public server reads it
+    assert handlers.run_compose(registry, None, ["account_gate"], "", "", None, "auto").summary["remedy"]["name"] == stored["remedy"]
 
 
 def test_keystone_and_study_panels(registry):
@@ -383,8 +422,12 @@ def test_weight_edits_panel_states_the_trade_off_from_the_numbers(registry):
 def test_every_stored_benchmark_result_of_a_known_kind_gets_a_figure():
     results = handlers.benchmark_results()
     figures = handlers.benchmark_figures_for(results)
-    kinds = {"ttft", "edit", "prefill", "serving", "agent", "soak", "compose_many", "cache_reuse", "image"}
-    assert len(figures) == sum(stem.split("-")[0] in kinds for stem in results) <= 12  # the Benchmarks tab's plot slots
+    kinds = {"ttft", "edit", "prefill", "serving", "agent", "soak", "compose_many", "cache_reuse", "image", "compare_models", "audit"}
+    assert len(figures) == sum(stem.split("-")[0] in kinds for stem in results) <= 24  # the Benchmarks tab's plot slots
     titles = [figure.layout.title.text for figure in figures]
-    assert any("--cache-reuse vs KVScope" in title for title in titles) and any("Many skills at once" in title for title in titles)
+    assert any("--cache-reuse vs KVScope" in title for title in titles) and any(
+        "Default remedy, the short N-skill study" in title for title in titles
+    )
     assert any("A picture's K/V spliced behind text" in title for title in titles)
+    audits = [stem for stem in results if stem.startswith("audit-")]
+    assert sum(title.startswith("Audit of ") for title in titles) == len(audits)

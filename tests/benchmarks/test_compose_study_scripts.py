@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from benchmarks import compose_many, keystone
+from benchmarks import compose_long, compose_many, keystone
 
 
 def test_compose_many_writes_tie_aware_summaries_and_a_figure(tmp_path):
@@ -33,6 +33,42 @@ def test_compose_many_writes_tie_aware_summaries_and_a_figure(tmp_path):
     assert exact["cases"] == 10 and exact["decisive"] + exact["ties"] == 10 and exact["mean_abs_margin_error"] < 1e-3
     assert set(exact["by_n"]) == {"1", "2"} and stored["summary"]["splice"]["recomputed_fraction"] == 0.0
     assert stored["best"] in ("splice", "seam:10000") and stored["dtype"] and stored["model"] == "tiny-qwen2"
+    assert (
+        stored["default"] == stored["choice"]["remedy"] in ("splice", "seam:10000") and stored["keystone"]["scenario"] == "keystone_safety"
+    )
+    assert set(stored["choice"]["goal"]) == {"agreement", "speed_share_of_splice", "keystone_max_gap"}
+    assert stored["reps"] == 1 and "avx512_bf16" in stored["cpu"]
+
+
+def test_the_long_study_writes_each_length_the_default_and_the_environment(tmp_path):
+    data = compose_long.main(
+        [
+            "--model",
+            "tiny-qwen2",
+            "--lengths",
+            "48,96",
+            "--compositions",
+            "1:start,2:end",
+            "--skills",
+            "tone_guide,tool_specs",
+            "--remedies",
+            "splice,seam:1,seam:10000",
+            "--keystone",
+            "",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    stored = json.loads((tmp_path / "compose_many-long-tiny-qwen2-cpu.json").read_text())
+    assert stored["lengths"] == [48, 96] and stored["compositions"] == ["1:start", "2:end"] and stored["reps"] == 1
+    assert len(stored["cases"]) == 2 * 2 * 2 and [case["length"] for case in stored["cases"]] == [48] * 4 + [96] * 4
+    assert [case["skills"] for case in stored["cases"][:3:2]] == [["tone_guide_48"], ["tone_guide_24", "tool_specs_24"]]
+    for name, row in stored["summary"].items():
+        assert set(row["by_length"]) == {"48", "96"} and sum(group["cases"] for group in row["by_length"].values()) == row["cases"] == 8
+    exact = stored["summary"]["seam:10000"]
+    assert exact["recomputed_fraction"] == 1.0 and exact["mean_abs_margin_error"] < 1e-3
+    assert stored["default"] == (stored["choice"] or {}).get("remedy") and {"avx2", "avx512_bf16"} <= set(stored["cpu"])
+    assert stored["keystone"] == {"scenario": None, "delta_margin": None, "gaps": {}} and data["summary"].keys() == stored["summary"].keys()
 
 
 def test_keystone_script_reports_gaps_per_remedy(tmp_path):

@@ -30,7 +30,10 @@ def test_rounding_noise_below_zero_shows_as_zero_kl():
 
 def test_remedy_words_say_what_each_part_recomputes():
     words = remedy_words(DEFAULT_REMEDY.as_dict())
-    assert "system prompt" in words and "its first token" in words and "70% of its other tokens" in words and "CacheBlend" in words
+    assert "system prompt" in words and "its first token" in words and "15% of its other tokens" in words and "CacheBlend" in words
+    adaptive = remedy_words(Remedy.parse("seam:1+tail:8+query:0.3+cover:0.5").as_dict())
+    assert "its last 8 tokens recomputed against their real predecessors" in adaptive
+    assert "at most 30% of its other tokens recomputed: those the question attends to most" in adaptive and "hold 50%" in adaptive
     assert remedy_words(Remedy.parse("seam:3").as_dict()) == "its first 3 tokens recomputed against the real prefix (seam)"
     assert "nothing recomputed" in remedy_words(Remedy.parse("splice").as_dict())
 
@@ -70,4 +73,5 @@ def test_user_text_in_panels_is_escaped():
 
 
 def test_remedy_info_without_a_stored_study_gives_the_grammar():
-    assert remedy_info("prefix+seam:1").startswith("Default prefix+seam:1. Parts joined by +")
+    info = remedy_info("prefix+seam:1")
+    assert info.startswith("Default prefix+seam:1. auto: this model's own calibration") and "Parts joined by +" in info

@@ -21,6 +21,7 @@ from engine.compose.splice import (
     adhoc_scenario,
     compare,
     splice_prompt,
+    top_of,
     with_skills,
 )
 from engine.errors import KVScopeError
@@ -81,7 +82,7 @@ def test_seam_repair_never_hurts_much_and_whole_selections_equal_prefill(lm, sto
     scenario = adhoc_scenario(SHORT)
     cosines = [compare(lm, scenario, store, remedy=Remedy(seam=seam)).agreement["cosine"] for seam in (0, 4, 10_000)]
     assert cosines[-1] == pytest.approx(1.0, abs=1e-6) and cosines[0] < 1.0
-    for select in ("blend", "deviation", "causal"):
+    for select in ("blend", "query", "deviation", "causal"):
         whole = compare(lm, scenario, store, remedy=Remedy(select=select, fraction=1.0))
         assert whole.recomputed_tokens == whole.skill_tokens and whole.agreement["cosine"] == pytest.approx(1.0, abs=1e-6)
         assert float(whole.deviation.max()) < 1e-4
@@ -213,6 +214,65 @@ def test_remedy_specs_round_trip_and_refuse_nonsense():
         Remedy(select="aggregators", fraction=0.2)
     with pytest.raises(ScenarioError, match="the keystone needs a deployable one"):
         Remedy.parse("deviation:0.2").require_deployable("the keystone")
+    with pytest.raises(ScenarioError, match="'auto' is this model's calibrated choice"):
+        Remedy.parse("auto")
+    assert Remedy.parse("prefix+seam:1+query:0.05") == Remedy(seam=1, prefix=True, select="query", fraction=0.05)
+    assert not Remedy.parse("query:0.05").needs_reference
+    assert Remedy.parse("prefix+seam:1+tail:8+query:0.05").name == "prefix+seam:1+tail:8+query:0.05"
+    with pytest.raises(ScenarioError, match="tail must be ≥ 0"):
+        Remedy.parse("tail:-2")
+    assert Remedy.parse("prefix+seam:1+blend:0.3+cover:0.5").name == "prefix+seam:1+blend:0.3+cover:0.5"
+    for bad in ("cover:0.5", "deviation:0.3+cover:0.5", "blend:0.3+cover:1.5"):
+        with pytest.raises(ScenarioError, match="needs blend:F or query:F"):
+            Remedy.parse(bad)
+
+
+def test_an_adaptive_budget_stops_once_the_share_of_the_ranking_is_covered():
+    scores = {10: 5.0, 11: 3.0, 12: 1.0, 13: 1.0}  # total 10
+    assert top_of(scores, 4) == {10, 11, 12, 13} and top_of(scores, 2) == {10, 11}
+    assert top_of(scores, 4, cover=0.5) == {10} and top_of(scores, 4, cover=0.51) == {10, 11}
+    assert top_of(scores, 1, cover=0.9) == {10}  # the fraction still caps it
+
+
+def test_blend_with_cover_recomputes_at_most_its_fraction_and_fewer_when_the_deviation_is_concentrated(lm, store):
+    scenario = adhoc_scenario(SHORT)
+    capped = compare(lm, scenario, store, remedy=Remedy.parse("seam:1+blend:0.5"))
+    covered = compare(lm, scenario, store, remedy=Remedy.parse("seam:1+blend:0.5+cover:0.3"))
+    assert 2 <= covered.recomputed_tokens < capped.recomputed_tokens
+
+
+def test_tail_recomputes_each_skills_last_tokens_and_a_whole_tail_equals_prefill(lm, store):
+    scenario = adhoc_scenario(SHORT)
+    prompt = render(scenario, lm.tokenizer)
+    built = splice_prompt(lm, scenario, prompt, store, Remedy(seam=1, tail=3))
+    notebook = built.notebook.latest()
+    spans = prompt.skill_spans.values()
+    expected = {span.start for span in spans} | {p for span in spans for p in range(span.end - 3, span.end)}
+    assert built.recomputed_tokens == len(expected) == 4 * len(SHORT)
+    assert set(notebook.positions[~notebook.visible].tolist()) == expected
+    whole = compare(lm, scenario, store, remedy=Remedy(seam=1, tail=10_000))
+    assert whole.recomputed_tokens == whole.skill_tokens and whole.agreement["cosine"] == pytest.approx(1.0, abs=1e-6)
+
+
+def test_query_selection_recomputes_the_skill_tokens_the_question_attends_to_most(lm, store):
+    """The ranking, computed here from the question's attention over the plain splice: the chosen positions are the
+    top of it, and recomputing them is what the remedy's notebook holds."""
+    scenario = adhoc_scenario(SHORT)
+    prompt = render(scenario, lm.tokenizer)
+    plain = splice_prompt(lm, scenario, prompt, store, Remedy(seam=1)).notebook
+    attention = plain.read_prompt(prompt, capture_attention=True).attention
+    computed = plain.latest()
+    mass = attention[..., : len(computed.positions)].sum(dim=(0, 1, 2))
+    seams = {span.start for span in prompt.skill_spans.values()}
+    candidates = {p for span in prompt.skill_spans.values() for p in range(span.start, span.end)} - seams
+    by_position = {int(p): float(m) for p, m, shown in zip(computed.positions, mass, computed.visible) if shown and int(p) in candidates}
+    count = round(0.1 * len(candidates))
+    expected = sorted(by_position, key=lambda p: -by_position[p])[:count]
+    built = splice_prompt(lm, scenario, prompt, store, Remedy(seam=1, select="query", fraction=0.1))
+    notebook = built.notebook.latest()
+    assert built.recomputed_tokens == count + len(seams)
+    assert set(notebook.positions[~notebook.visible].tolist()) == seams | set(expected)  # the entries recomputed over
+    assert abs(built.notebook.read_prompt(prompt).margin - plain.read_prompt(prompt).margin) > 1e-6
 
 
 def test_prefix_compile_makes_a_skill_after_the_system_prompt_exact(lm, store):
