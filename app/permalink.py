@@ -19,6 +19,7 @@ from urllib.parse import urlencode
 
 from app.handlers import AppError, bundled_scenario_text, parse_scenario, remedy_of
 from app.hosting import HostingProfile
+from engine.compose.choice import AUTO
 from engine.errors import KVScopeError
 from engine.scenario import bundled_scenarios
 
@@ -230,7 +231,7 @@ def parse_link(
     k = _integer(params, "k", default_k, *k_range, "K")
     head = _integer(params, "head", -1, -1, heads - 1, "the attention head (-1 = mean over heads)")
     remedy = params.get("remedy") or None
-    if remedy is not None:
+    if remedy is not None and remedy.strip() != AUTO:  # auto names the loaded model's calibrated choice
         try:
             remedy_of(remedy)
         except KVScopeError as error:

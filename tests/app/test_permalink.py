@@ -109,6 +109,7 @@ def test_no_link_parameters_means_no_restore_and_foreign_ones_are_named():
     link = _parse({"scenario": "refund_gate", "utm_source": "mail", "__theme": "dark"})
     assert link.ignored == ("utm_source",) and link.field == "refund_eligible" and link.value == "true"
     assert link.strategies == tuple(DEFAULT_STRATEGIES) and link.k == 8 and link.head == -1 and link.remedy is None
+    assert _parse({"scenario": "refund_gate", "remedy": "auto"}).remedy == "auto"  # the model's calibrated choice
 
 
 def test_the_public_profile_bounds_apply_to_links():
