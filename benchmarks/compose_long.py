@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> dict:
     skills = [bundled_skills()[name] for name in args.skills.split(",")]
     scenario = Scenario.load(bundled_scenarios()[args.scenario])
     values = first_field_values(scenario)
-    store, cases, by_length = SkillStore(), [], {}
+    store, cases, case_lengths, by_length = SkillStore(), [], [], {}
     load_before, watch = os.getloadavg(), Stopwatch()
     bar = tqdm(total=len(lengths) * len(compositions) * len(values) * len(remedies), desc="splices")
     for length in lengths:
@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
             )
             length_cases += study.cases
         cases += length_cases
+        case_lengths += [length] * len(length_cases)
         by_length[str(length)] = {remedy.name: summarize(length_cases, remedy.name) for remedy in remedies}
     bar.close()
     summary = Study(remedies, cases).summary()
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
         **record,
         "keystone": checked,
         "best": Study(remedies, cases).best(),
-        "cases": [case.as_dict() | {"length": length} for case, length in _with_lengths(cases, lengths, compositions, values)],
+        "cases": [case.as_dict() | {"length": length} for case, length in zip(cases, case_lengths)],
     }
     out = write_result("compose_many-long", lm, data, Path(args.out))
     for name, row in summary.items():
@@ -113,12 +114,6 @@ def main(argv: list[str] | None = None) -> dict:
         )
     print("default:", data["default"], "—", (data["choice"] or {}).get("reason", data.get("no_default")), "→", out)
     return data
-
-
-def _with_lengths(cases: list[StudyCase], lengths: list[int], compositions: list, values: list) -> list[tuple[StudyCase, int]]:
-    """Each case with the total length it was built for (cases come length by length, in plan order)."""
-    per_length = len(compositions) * len(values)
-    return [(case, lengths[index // per_length]) for index, case in enumerate(cases)]
 
 
 if __name__ == "__main__":

@@ -326,11 +326,16 @@ def image_splice_figure(data: dict) -> go.Figure:
     return figure
 
 
+def _parameters(count: float) -> str:
+    """A parameter count as 135 M or 1.78 B."""
+    return f"{count / 1e9:.2f} B" if count >= 1e9 else f"{count / 1e6:.0f} M"
+
+
 def compare_models_figure(data: dict) -> go.Figure:
     """Across models (``compare_models-*.json``): how many bundled scenarios flip under a clean prefill and how many are
     notes demos, and the N-skill study's median splice cosine per remedy, one group per model."""
     models = data["models"]
-    names = [safe_label(row["model"].split(":", 1)[-1], 30) for row in models]
+    names = [f"{safe_label(row.get('spec') or row['model'].split(':', 1)[-1], 24)} ({_parameters(row['parameters'])})" for row in models]
     figure = make_subplots(rows=1, cols=2, subplot_titles=("bundled scenarios (calibration)", "splice cosine, median (N-skill study)"))
     figure.add_bar(x=names, y=[row["calibrate"]["flipping"] for row in models], name="flip under a clean prefill", row=1, col=1)
     figure.add_bar(x=names, y=[row["calibrate"]["notes_demos"] for row in models], name="notes demos", row=1, col=1)
