@@ -31,12 +31,13 @@ from engine.audit.audit import (
     scenario_toml,
 )
 from engine.audit.fields import candidate_spans
+from engine.audit.notes import NotesScenario, notes_scenario
 from engine.audit.repairs import GRAINS, REPAIRS, content_chars
 from engine.audit.requests import RenderedRequest, Request, RequestLogError, parse_log, parse_prompt, render_request
 from engine.cache.vision import check_vision_model
 from engine.comparison import compare_models
 from engine.compose.agent import run_agent
-from engine.compose.choice import AUTO, RemedyChoice, resolve_remedy, stored_choice
+from engine.compose.choice import AUTO, RemedyChoice, cancel_calibration, resolve_remedy, stored_choice
 from engine.compose.keystone import keystone
 from engine.compose.pictures import IMAGE_QUESTION, compare_image
 from engine.compose.splice import (
@@ -123,7 +124,7 @@ def load_model_card(
     lm = registry.get(spec, progress=progress, dtype=dtype or None)
     support = registry.support(spec)
     report = registry.selftest(spec) if support.verdict("self-test").supported else None
-    info = lm.info()
+    info = registry.model_info(lm)
     card = panels.model_card_markdown(info, lm.cache_layout(), report, support) + model_figures.dropped_markdown(registry.drops_since(mark))
     return card, {
         "model": info | {"fingerprint": lm.fingerprint.as_dict()},
@@ -219,8 +220,8 @@ def prepare_baseline(registry: ModelRegistry, spec: str | None, text: str) -> st
         read = read_scenario(lm, scenario)
         return panels.hybrid_baseline_markdown(read.prompt.values, read.decision, len(read.context), lm.recurrent_layers)
     run = registry.baseline(spec, text, scenario)
-    margin = run.gradients.margin  # the backward runs now, so the next edit's notes map is free
-    return panels.baseline_markdown(run.prompt.values, run.decision, margin, len(run.prompt.context_ids))
+    run.gradients  # noqa: B018 — the backward runs now, so the next edit's notes map is free
+    return panels.baseline_markdown(run.prompt.values, run.decision, len(run.prompt.context_ids))
 
 
 @guarded
@@ -429,6 +430,25 @@ def remedy_for(
     return resolve_remedy(lm, AUTO, registry.skills(spec), report)
 
 
+def stop_calibration(registry: ModelRegistry, spec: str | None) -> str:
+    """Cancel the running ``auto`` calibration of the model ``spec`` names (it stops before its next forward and stores
+    nothing); says what was cancelled (Markdown). A model not in memory is not loaded for this."""
+    spec = registry.resolve(spec)
+    if spec not in registry.loaded():
+        return f"No calibration of {markdown_literal(spec)} is running (the model is not loaded)."
+    lm = registry.get(spec)
+    stopped = cancel_calibration(lm)
+    if stopped is None:
+        return f"No calibration of {markdown_literal(lm.fingerprint.name)} is running."
+    return (
+        f"Cancelled the calibration of {markdown_literal(lm.fingerprint.name)} at step {stopped.index} of {stopped.total} "
+        f"({markdown_literal(stopped.step.words())}): it stops before its next forward and stores nothing."
+    )
+
+
+COMPOSER_TIMED_ROUNDS = 2  # rounds of splice and full recompute, alternating, after one untimed warm-up round
+
+
 @guarded
 def run_compose(
     registry: ModelRegistry,
@@ -441,11 +461,11 @@ def run_compose(
     report: MessageProgress | None = None,
 ) -> ComposeView:
     """Splice the composed skills (repaired by ``remedy``; ``auto`` calibrates the model once, telling ``report``) and
-    compare with a full recompute."""
+    compare with a full recompute, both timed in this call."""
     lm = registry.get(spec)
     scenario = composed_scenario(skill_ids, before, between, after_scenario, registry.profile)
     chosen = remedy_for(registry, spec, lm, remedy, report)
-    fidelity: Fidelity = compare(lm, scenario, registry.skills(spec), remedy=chosen, references=registry.references(spec))
+    fidelity: Fidelity = compare(lm, scenario, registry.skills(spec), remedy=chosen, reps=COMPOSER_TIMED_ROUNDS, warmup=1)
     decode = lambda token: lm.tokenizer.decode([token])  # noqa: E731
     return ComposeView(
         metrics_markdown=panels.compose_metrics_markdown(fidelity),
@@ -648,6 +668,7 @@ class AuditView:
     fidelity_figure: go.Figure
     prompt_html: str
     summary: dict
+    notes_markdown: str = ""  # what Open in Notes would study, said before it is offered
 
 
 def audit_options(
@@ -694,9 +715,9 @@ def run_audit(
     session (Open in Notes, export, redrawn axes)."""
     requests = parse_log(_audit_text(text, "a request log (one JSON request a line)"))
     options = audit_options(registry.profile, len(requests), repairs, tokens, threshold, min_agreement, grain)
-    report = audit_requests(registry.get(spec), requests, max_tokens=registry.profile.max_context_tokens, progress=progress, **options)
-    sessions.put(session, "audit", report, registry.resolve(spec))
-    return audit_view(report, x, y)
+    lm = registry.get(spec)
+    report = audit_requests(lm, requests, max_tokens=registry.profile.max_context_tokens, progress=progress, **options)
+    return _kept_audit(registry, sessions, session, spec, lm, report, x, y, progress)
 
 
 def _rendered_prompt(registry: ModelRegistry, spec: str | None, text: str) -> tuple[Request, RenderedRequest]:
@@ -770,8 +791,9 @@ def run_audit_value(
         raise AppError("pick a candidate span (Find volatile spans) or type the text to change")
     if new_value is None or not str(new_value).strip():
         raise AppError("type the new value the changed request carries")
+    lm = registry.get(spec)
     report = audit_value(
-        registry.get(spec),
+        lm,
         request,
         chars,
         str(new_value),
@@ -780,8 +802,28 @@ def run_audit_value(
         progress=progress,
         **options,
     )
+    return _kept_audit(registry, sessions, session, spec, lm, report, x, y, progress)
+
+
+def _kept_audit(
+    registry: ModelRegistry,
+    sessions: SessionStore,
+    session: str,
+    spec: str | None,
+    lm: LoadedModel,
+    report: AuditReport,
+    x: str,
+    y: str,
+    progress: StepProgress,
+) -> AuditView:
+    """Keep the audit and its Notes scenario (the model's own answers: two more prefills) for this session; their view."""
+    try:
+        notes = notes_scenario(lm, report)
+    except KVScopeError as error:  # no field to edit: the tab says why, Open in Notes refuses with the same words
+        notes = str(error)
     sessions.put(session, "audit", report, registry.resolve(spec))
-    return audit_view(report, x, y)
+    sessions.put(session, "audit_notes", notes, registry.resolve(spec))
+    return audit_view(report, x, y, notes)
 
 
 def _turn_marks(report: AuditReport, index: int) -> list[audit_figures.Mark]:
@@ -803,8 +845,9 @@ def _turn_marks(report: AuditReport, index: int) -> list[audit_figures.Mark]:
     return marks
 
 
-def audit_view(report: AuditReport, x: str = "computed", y: str = "kl") -> AuditView:
-    """The tab's panels of an audit: recommendations, the timeline, fidelity against cost and the marked prompts."""
+def audit_view(report: AuditReport, x: str = "computed", y: str = "kl", notes: NotesScenario | str | None = None) -> AuditView:
+    """The tab's panels of an audit: recommendations, the timeline, fidelity against cost, the marked prompts and what
+    Open in Notes would study (``notes``: its scenario, or why there is none)."""
     data = report.as_dict()
     turns = [(turn.request, report.rendered[i].text, _turn_marks(report, i)) for i, turn in enumerate(report.turns) if turn.diff]
     shown = report.last_with_fields() or report.turns[-1]
@@ -814,6 +857,7 @@ def audit_view(report: AuditReport, x: str = "computed", y: str = "kl") -> Audit
         fidelity_figure=audit_figures.fidelity_cost_figure(data, *_axes(x, y)),
         prompt_html=audit_figures.turns_html(turns, shown.request),
         summary=data,
+        notes_markdown=panels.open_in_notes_markdown(notes),
     )
 
 
@@ -852,8 +896,15 @@ def answer_labels(text: str | None) -> list[str] | None:
 @guarded
 def audit_notes_scenario(sessions: SessionStore, session: str, labels: str | None = None) -> tuple[str, ScenarioChoices]:
     """The scenario TOML built from the session's last audit (the last turn with a changed field, its value as the
-    field), and the Notes tab's field and value choices for it."""
-    text = scenario_toml(_audit_report(sessions, session), answer_labels(labels))
+    field; its answers the model's own, unless ``labels`` names two), and the Notes tab's field and value choices."""
+    report, named = _audit_report(sessions, session), answer_labels(labels)
+    kept = sessions.get(session, "audit_notes")
+    if named:
+        text = scenario_toml(report, named)
+    elif isinstance(kept, NotesScenario):
+        text = kept.toml
+    else:
+        raise AppError(kept or "audit a log first")
     return text, scenario_choices(text)
 
 
@@ -864,9 +915,10 @@ def export_audit(folder: ExportFolder, sessions: SessionStore, session: str, x: 
     report = _audit_report(sessions, session)
     view = audit_view(report, x, y)
     chat = report.rendered[-1].request.messages is not None
+    notes = sessions.get(session, "audit_notes")
     extra = {}
     for name, build in (
-        (f"{AUDIT_STEM}-scenario.toml", scenario_toml),
+        (f"{AUDIT_STEM}-scenario.toml", (lambda _: notes.toml) if isinstance(notes, NotesScenario) else scenario_toml),
         (f"{AUDIT_STEM}-template.{'json' if chat else 'txt'}", repaired_template),
     ):
         try:
@@ -887,7 +939,7 @@ def benchmark_figures_for(results: dict[str, dict]) -> list[go.Figure]:
     """A figure per known result kind (TTFT, edit latency, prefill, serving, agent policies, soak, N-skill study,
     cache reuse, picture splice)."""
     builders = {
-        "ttft": lambda data: benchmark_figures.ttft_figure(data["rows"], title=f"TTFT: splice vs full ({data['model']}, {data['device']})"),
+        "ttft": benchmark_figures.ttft_figure,
         "edit": benchmark_figures.edit_latency_figure,
         "prefill": benchmark_figures.prefill_figure,
         "serving": benchmark_figures.serving_figure,
@@ -937,20 +989,31 @@ LEARN_STRATEGIES = {1: ("field_only", "full_downstream"), 2: ("erratum", "field_
 
 
 @guarded
-def learn_step(registry: ModelRegistry, index: int, spec: str | None) -> tuple[str, go.Figure]:
+def _learn_experiment(registry: ModelRegistry, sessions: SessionStore, session: str, spec: str | None) -> EditExperiment:
+    """The notes demo's edit, one per session and model: every Learn step reads the same computed strategies, so a
+    number (the notes share, a margin) is the same on every step that shows it."""
+    lm = registry.get(spec)
+    kept = sessions.get(session, "learn")
+    if kept is not None and kept.lm is lm:
+        return kept
+    experiment = _experiment(registry, spec, bundled_scenario_text(NOTES_SCENARIO), None, None)
+    sessions.put(session, "learn", experiment, registry.resolve(spec))
+    return experiment
+
+
+def learn_step(registry: ModelRegistry, sessions: SessionStore, session: str, index: int, spec: str | None) -> tuple[str, go.Figure]:
     """Run one classroom step on the notes demo: decisions, field-only vs downstream, erratum, splicing; the text
     says what the loaded model did, beside the paper's figures."""
-    text = bundled_scenario_text(NOTES_SCENARIO)
     lm = registry.get(spec)
     if index == 0:
-        experiment = _experiment(registry, spec, text, None, None)
+        experiment = _learn_experiment(registry, sessions, session, spec)
         new = experiment.oracle.decision  # the clean prefill at the new value (a forward on first use)
         return (
             learn.decisions_html(lm.fingerprint.name, experiment.old, experiment.new, experiment.stale.decision, new),
             decision_figure(new, title=f"{experiment.field} = {experiment.new}"),
         )
     if index in LEARN_STRATEGIES:
-        experiment = _experiment(registry, spec, text, None, None)
+        experiment = _learn_experiment(registry, sessions, session, spec)
         report = experiment.report(LEARN_STRATEGIES[index], fused=True)
         return learn.strategies_html(report, index) + strategy_cards_html(report), strategy_figure(report)
     view = run_compose(registry, spec, ["refund_policy"], "", "", NOTES_SCENARIO)  # the composer's default remedy

@@ -37,7 +37,7 @@ PUBLIC_MAX_AGENT_TURNS = 8
 PUBLIC_MAX_AUDIT_REQUESTS = 8  # requests of one audited log (the Your prompt tab)
 PUBLIC_MAX_AUDIT_TOKENS = 32  # greedy tokens generated per state in an audit
 # Shares of the machine's RAM kept for results, per kind (the rest is for models and the work itself).
-SESSION_SHARE, BASELINE_SHARE, REFERENCE_SHARE = 0.06, 0.03, 0.03
+SESSION_SHARE, BASELINE_SHARE = 0.06, 0.03
 # Parameter bytes of the models in memory: two Qwen2.5-Coder-1.5B copies in float32 (2 × 7.1 GB, lm_head untied) fit a 24 GB machine.
 MODEL_SHARE = 0.6
 
@@ -60,7 +60,6 @@ class HostingProfile:
     max_agent_turns: int
     session_budget_bytes: int
     baseline_budget_bytes: int
-    reference_budget_bytes: int
     model_budget_bytes: int  # parameter bytes of the models in memory (least recently used dropped first)
     session_ttl_s: float  # idle sessions are dropped after this long
     export_max_bytes: int
@@ -128,7 +127,6 @@ def _budgets(memory_bytes: int) -> dict[str, int]:
     return {
         "session_budget_bytes": int(memory_bytes * SESSION_SHARE),
         "baseline_budget_bytes": int(memory_bytes * BASELINE_SHARE),
-        "reference_budget_bytes": int(memory_bytes * REFERENCE_SHARE),
         "model_budget_bytes": int(memory_bytes * MODEL_SHARE),
     }
 
@@ -149,7 +147,7 @@ def local_profile(memory_bytes: int | None = None) -> HostingProfile:
         export_keep=64,
         model_capacity=2,
         pin_default_model=False,
-        concurrency=1,
+        concurrency=4,  # requests in flight: their forwards take turns at the gate, so a calibration never blocks an edit
         **_budgets(memory_bytes or machine_memory_bytes()),
     )
 

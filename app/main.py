@@ -1,7 +1,9 @@
 """KVScope's explorer entry point: ``kvscope-app`` (installed), ``python -m app`` or ``python app.py`` (also the
 Hugging Face Spaces entry point, a shim that calls :func:`main`).
 
-The default model loads before the page is served (the first start converts the embedded GGUF once).
+The default model loads before the page is served (the first start converts the embedded GGUF once). On a ZeroGPU
+Space (SPACES_ZERO_GPU set) it is staged instead, and every model-bound handler runs as a GPU task (app/gpu.py,
+docs/hosting-spaces.md).
 Settings: --model/KVSCOPE_MODEL, --device/KVSCOPE_DEVICE, --dtype/KVSCOPE_DTYPE, --host, --port, and
 --public (automatic on a Hugging Face Space, where SPACE_ID is set) for the public hosting profile; its
 limits and the host's overrides are in app/hosting.py and the README.
@@ -30,20 +32,33 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")  # before gradio is imported (--help imports none of it)
+    from app import gpu
+
+    zero_gpu = gpu.on_zero_gpu()
+    if zero_gpu:
+        gpu.import_spaces()  # before anything touches CUDA: it patches torch
+        gpu.check_cuda_build()
 
     import gradio as gr
 
     from app.hosting import from_env, limit_malloc_arenas, return_freed_memory_every
     from app.state import ModelRegistry
     from app.ui import build_app
+    from engine.models import resolve_device
 
     limit_malloc_arenas()
     return_freed_memory_every()
     profile = from_env(args.public)
     print(f"KVScope hosting profile: {profile.name}", flush=True)
     registry = ModelRegistry(args.model, profile=profile, device=args.device, dtype=args.dtype)
-    registry.get(progress=lambda message: print(message, flush=True))  # the self-test runs on first page load
-    build_app(registry).queue(default_concurrency_limit=1).launch(
+    announce = lambda message: print(message, flush=True)  # noqa: E731
+    if zero_gpu:
+        registry.stage(resolve_device(args.device), progress=announce)  # dtype and self-test: in the first GPU task
+    else:
+        registry.get(progress=announce)  # the self-test runs on first page load
+    blocks = build_app(registry)
+    gpu.gpu_tasks(blocks, registry)  # off ZeroGPU: nothing changes
+    blocks.queue(default_concurrency_limit=1).launch(
         server_name=args.host,
         server_port=args.port,
         theme=gr.themes.Soft(),

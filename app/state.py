@@ -18,7 +18,8 @@ import threading
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +34,9 @@ from engine.cache.lru import BudgetedLRU
 from engine.cache.selftest import SelfTestReport
 from engine.checks.support import SupportRow, check_model
 from engine.compose.skills import SkillStore
-from engine.compose.splice import Recomputed
 from engine.edit.runs import ScenarioRun, run_scenario
 from engine.errors import KVScopeError
-from engine.models import LoadedModel, expected_parameter_bytes, load_model
+from engine.models import DTYPES, LoadedModel, accelerator_dtype, dtype_name, expected_parameter_bytes, load_model
 from engine.once import SingleFlight
 from engine.progress import MessageProgress
 from engine.scenario import Scenario
@@ -44,6 +44,19 @@ from engine.scenario import Scenario
 
 def _gb(count: int) -> str:
     return f"{count / 1e9:.1f} GB"
+
+
+@dataclass(frozen=True)
+class DevicePreparation:
+    """What making a staged model (:meth:`ModelRegistry.stage`) ready on its device took, kept per model: a GPU
+    task's duration adds it."""
+
+    spec: str
+    dtype: str  # the dtype it computes in (on a staged model: once chosen in a GPU task)
+    reason: str  # why that dtype
+    load_s: float  # loading its weights (the first start includes the embedded model's conversion)
+    selftest_s: float | None = None  # its cache self-test in a GPU task (None: not measured yet)
+    selftest: SelfTestReport | None = None  # that self-test's report (None where not run, or refused)
 
 
 class ModelRegistry:
@@ -78,10 +91,12 @@ class ModelRegistry:
         self._support: dict[str, SupportRow] = {}
         self._skills: dict[str, SkillStore] = {}
         self._baselines = BudgetedLRU(self.profile.baseline_budget_bytes, weigh=tensor_bytes)  # (spec, scenario text) -> ScenarioRun
-        self._references: dict[str, BudgetedLRU] = {}
         self._drop_listeners: list[Callable[[str], None]] = []
         self._lock = threading.RLock()
         self._once = SingleFlight()  # computed-once entries: one computation, every concurrent caller waits for it
+        self._staged: set[str] = set()  # models in this process whose device setup waits for a GPU task
+        self._preparations: dict[str, DevicePreparation] = {}
+        self.device_label: str | None = None  # how the Model card names the device (None: the torch device)
 
     def resolve(self, spec: str | None) -> str:
         """The spec a request means (the default when empty), checked against the profile's allowlist."""
@@ -118,6 +133,73 @@ class ModelRegistry:
                 self._evict(spec)
             self._models.move_to_end(spec)
             return self._models[spec]
+
+    def stage(self, device: torch.device, progress: MessageProgress | None = None) -> LoadedModel:
+        """ZeroGPU start-up: the default model loaded on the CPU (float32 unless a dtype was asked, so that no CPU
+        measurement runs) and its weights moved to ``device`` outside any GPU task, the way ZeroGPU asks (it keeps
+        them and hands them to every task). Its dtype choice and self-test wait for the first GPU task
+        (:meth:`prepare_staged`)."""
+        spec = self.default_spec
+        with self._lock:
+            started = time.perf_counter()
+            lm = self._loader(spec, device="cpu", dtype="float32" if self.dtype == "auto" else self.dtype, progress=progress)
+            lm.model.to(device)
+            lm.device = device
+            load_s = time.perf_counter() - started
+            if self.dtype == "auto":
+                lm.dtype_reason = "auto: chosen on the device in the first GPU task"
+            self.add(spec, lm)
+            self._staged.add(spec)
+            self._preparations[spec] = DevicePreparation(spec, dtype_name(lm.dtype), lm.dtype_reason, load_s)
+            return lm
+
+    def prepare_staged(self) -> dict[str, DevicePreparation]:
+        """Inside a GPU task: finish the device setup of the staged models of this process (once per process),
+        and return every model's preparation. A model keeps its dtype choice and self-test report once made
+        (:meth:`record_preparations` hands them to a process forked before they were): otherwise its dtype is
+        chosen on the device ("auto": what the GPU computes natively; float32 on a CPU) and its self-test runs."""
+        with self._lock:
+            for spec in sorted(self._staged):
+                self._preparations[spec] = self._prepare(self._models[spec], self._preparations[spec])
+            self._staged.clear()
+            return dict(self._preparations)
+
+    def record_preparations(self, preparations: Mapping[str, DevicePreparation]) -> None:
+        """Keep preparations made in another process (a GPU task's worker)."""
+        with self._lock:
+            self._preparations.update(preparations)
+
+    def preparations(self) -> dict[str, DevicePreparation]:
+        """Each staged model's preparation, as far as this process knows it."""
+        with self._lock:
+            return dict(self._preparations)
+
+    def _prepare(self, lm: LoadedModel, kept: DevicePreparation) -> DevicePreparation:
+        """A staged model's dtype set (the kept choice, else chosen on its device) and its self-test run or recorded."""
+        if kept.selftest_s is not None or self.dtype != "auto":
+            dtype, reason = DTYPES[kept.dtype], kept.reason
+        else:
+            dtype = torch.float32 if lm.device.type == "cpu" else accelerator_dtype(lm.device)
+            reason = f"auto on {lm.device.type}: {dtype_name(dtype)}, chosen on the device in the first GPU task"
+        if dtype != lm.dtype:
+            lm.model.to(dtype)
+            lm.dtype, lm.fingerprint = dtype, replace(lm.fingerprint, dtype=dtype_name(dtype))
+        lm.dtype_reason = reason
+        self._bytes[kept.spec] = _parameter_bytes(lm)
+        if kept.selftest is not None:
+            lm.splice_gate.record(kept.selftest)
+            return replace(kept, dtype=dtype_name(dtype), reason=reason)
+        started = time.perf_counter()
+        try:
+            report = lm.splice_gate.report(lm)
+        except KVScopeError:
+            report = None  # a refusal (e.g. no RoPE): the support row names it
+        return replace(kept, dtype=dtype_name(dtype), reason=reason, selftest_s=time.perf_counter() - started, selftest=report)
+
+    def model_info(self, lm: LoadedModel) -> dict[str, Any]:
+        """``lm.info()``, its device named as this server hosts it (``device_label``)."""
+        info = lm.info()
+        return info | {"device": self.device_label} if self.device_label else info
 
     def loaded(self) -> list[str]:
         """Specs of the models in memory, least recently used first."""
@@ -168,17 +250,11 @@ class ModelRegistry:
             keep=lambda: key[0] in self._models,
         )
 
-    def references(self, spec: str | None = None) -> MutableMapping[tuple, Recomputed]:
-        """Recomputed sides of the composer's comparisons for a model, keyed by the composed prompt (reused whenever only
-        the remedy changes), within the profile's reference budget."""
-        return self._references.setdefault(self.resolve(spec), BudgetedLRU(self.profile.reference_budget_bytes, weigh=tensor_bytes))
-
     def memory(self) -> dict[str, int]:
         """Bytes of shared results kept, by kind (model weights excluded)."""
         with self._lock:
             return {
                 "baselines": self._baselines.nbytes,
-                "references": sum(store.nbytes for store in self._references.values()),
                 "skills": sum(store.memory_bytes() for store in self._skills.values()),
             }
 
@@ -213,9 +289,9 @@ class ModelRegistry:
             self.drop_serial += 1
             self._drops.append((self.drop_serial, f"dropped {spec} ({_gb(size)}) {reason}"))
         self._models.pop(spec, None)
+        self._staged.discard(spec)
         self._support.pop(spec, None)
         self._skills.pop(spec, None)
-        self._references.pop(spec, None)
         self._baselines.drop_where(lambda key: key[0] == spec)
         for listener in self._drop_listeners:
             listener(spec)

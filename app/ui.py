@@ -19,8 +19,10 @@ from engine.audit.audit import DEFAULT_MIN_AGREEMENT as AUDIT_MIN_AGREEMENT
 from engine.audit.audit import DEFAULT_THRESHOLD as AUDIT_THRESHOLD
 from engine.audit.audit import DEFAULT_TOKENS as AUDIT_DEFAULT_TOKENS
 from engine.audit.repairs import GRAINS as AUDIT_GRAINS
-from engine.cache.budget import bounded
+from engine.audit.repairs import REPAIR_SUMMARIES
+from engine.cache.budget import bounded, waits_reported
 from engine.cache.decision import DECISIVE_MARGIN
+from engine.compose.choice import AUTO
 from engine.compose.pictures import IMAGE_QUESTION, bundled_images
 from engine.compose.splice import DEFAULT_REMEDY, PLACEMENTS
 from engine.compose.study import REMEDIES as STUDY_REMEDIES
@@ -29,11 +31,14 @@ from engine.edit.weight_edit import METHODS as WEIGHT_METHODS
 from engine.edit.weight_edit import LoraSettings
 from engine.probes.analysis import DEFAULT_STRATEGIES
 from engine.probes.registry import PROBES
+from engine.progress import fraction
 from engine.scenario import bundled_scenarios
-from viz.common import markdown_literal
-from viz.text import remedy_words
+from viz.common import figure_label, markdown_literal
+from viz.learn import FIGURE_LABELS as LEARN_FIGURE_LABELS
+from viz.text import glossary, remedy_words, strategy_glossary
 
 KEYSTONE_DEMO = "keystone_safety"  # a scenario whose deciding field lives inside a spliced skill
+GENERIC_QUESTION_LABEL = "none: the skills alone, then a generic yes/no question"
 MODEL_GROUP = "model"  # every model-bound handler shares one queue group
 
 INTRO = """# KVScope
@@ -91,6 +96,12 @@ def _progress_callback(progress: gr.Progress):
     return lambda done, total: progress(done / max(total, 1))
 
 
+def _message_callback(progress: gr.Progress):
+    """A message callback drawn on the outputs. Gradio shows a description only beside a progress level: a message
+    that says how far its work is (``engine.progress.StepMessage``) moves the bar, any other shows at 0."""
+    return lambda message: progress(fraction(message) or 0.0, desc=str(message))
+
+
 def user_error(error: Exception) -> gr.Error:
     """A refusal as a Gradio toast: the message escaped (toasts render HTML), no server traceback."""
     return gr.Error(html.escape(str(error), quote=False), print_exception=False)
@@ -115,12 +126,14 @@ class Page:
         return bounded(self.registry.profile.work_budget, self.registry.gate)
 
     def action(self, function):
-        """A UI handler run within the request budget, with :class:`AppError` shown as a toast; the session stays usable."""
+        """A UI handler run within the request budget, with :class:`AppError` shown as a toast; the session stays usable.
+        A handler given a progress tracker shows on it what it waits for at the model's gate."""
 
         @functools.wraps(function)
         def wrapper(*args, **kwargs):
+            tracker = next((value for value in (*args, *kwargs.values()) if isinstance(value, gr.Progress)), None)
             try:
-                with self.bounded():
+                with self.bounded(), waits_reported(_message_callback(tracker) if tracker else None):
                     return function(*args, **kwargs)
             except AppError as error:
                 raise user_error(error) from error
@@ -142,6 +155,12 @@ class NotesInputs:
     new_value: gr.Dropdown
     baseline: gr.Markdown
     description: gr.Markdown | None = None  # the scenario's description (the Your prompt tab's Open in Notes sets it)
+    scenario_pick: gr.Dropdown | None = None  # the bundled scenario menu (cleared when another tab loads a scenario)
+    stale_outputs: tuple = ()  # results that belong to the previous scenario: cleared whenever another one is loaded
+
+    def cleared(self) -> list:
+        """Updates that empty the previous scenario's results and the bundled menu (for a scenario loaded from elsewhere)."""
+        return [gr.update(value=None), *[gr.update(value=None) for _ in self.stale_outputs]]
 
 
 def _figure(plot, index: int) -> go.Figure | None:
@@ -195,7 +214,7 @@ def _model_tab(page: Page):
 
     @page.action
     def on_load_model(session_value, model_spec, dtype=None, progress=gr.Progress(track_tqdm=True)):
-        card, info = handlers.load_model_card(page.registry, model_spec, progress=lambda message: progress(None, desc=message), dtype=dtype)
+        card, info = handlers.load_model_card(page.registry, model_spec, progress=_message_callback(progress), dtype=dtype)
         return card, info, model_spec, page.session_id(session_value), handlers.memory_markdown(page.registry, page.sessions)
 
     memory_refresh.click(
@@ -234,6 +253,7 @@ def _notes_tab(page: Page):
                     [s for s in STRATEGIES if s not in ("stale", "oracle")],
                     value=list(DEFAULT_STRATEGIES),
                     label="Strategies",
+                    info=strategy_glossary(STRATEGIES),
                     elem_id="strategies",
                 )
                 top_k = LenientSlider(1, 64, value=8, step=1, label="K (field_topk, knockout)", elem_id="top-k")
@@ -275,7 +295,7 @@ def _notes_tab(page: Page):
     @page.action
     def on_scenario(name):
         text = handlers.bundled_scenario_text(name)
-        return text, *_choices(text)
+        return text, *_choices(text), *inputs.cleared()[1:]
 
     @page.action
     def on_upload(path):
@@ -283,7 +303,7 @@ def _notes_tab(page: Page):
             raise AppError("no file uploaded")
         with open(path, encoding="utf-8", errors="replace") as handle:
             text = handle.read()
-        return text, *_choices(text)
+        return text, *_choices(text), *inputs.cleared()
 
     def _choices(text, chosen_field=None):
         try:
@@ -296,12 +316,20 @@ def _notes_tab(page: Page):
             gr.update(choices=view.values, value=view.new),
         )
 
-    inputs = NotesInputs(editor, field, new_value, baseline, description)
+    stale_outputs = (cards, strategy_plot, frontier_plot, notes_text, attention_plot, notes_plot, knockout_text, knockout_plot)
+    stale_outputs += (edit_json, link_box, link_status)
+    inputs = NotesInputs(editor, field, new_value, baseline, description, scenario_pick, stale_outputs)
     for event in (
         scenario_pick.input(  # a person's pick (a restored link sets the dropdown without resetting field and value)
-            on_scenario, scenario_pick, [editor, description, field, new_value], api_name="scenario", concurrency_limit=None
+            on_scenario, scenario_pick, [editor, description, field, new_value, *stale_outputs], api_name="scenario", concurrency_limit=None
         ),
-        upload.upload(on_upload, upload, [editor, description, field, new_value], api_name="upload_scenario", concurrency_limit=None),
+        upload.upload(
+            on_upload,
+            upload,
+            [editor, description, field, new_value, scenario_pick, *stale_outputs],
+            api_name="upload_scenario",
+            concurrency_limit=None,
+        ),
         editor.blur(lambda text: _choices(text), editor, [description, field, new_value], api_name=False, concurrency_limit=None),
     ):
         _then_prepare(page, event, inputs)
@@ -393,9 +421,9 @@ def _notes_tab(page: Page):
         concurrency_limit=None,
     )
 
-    def wire_permalink(page_loaded, remedy: gr.Dropdown) -> None:
+    def wire_permalink(page_loaded, remedy: gr.Dropdown, tabs: gr.Tabs) -> None:
         """Copy link writes this tab's state (and the composer's remedy) as a link; a page opened from one restores
-        it after its model load, prepares the scenario and runs the edit, so the results show."""
+        it after its model load on the Notes tab, prepares the scenario and runs the edit, so the results show."""
         offered = [s for s in STRATEGIES if s not in ("stale", "oracle")]
 
         def on_link(text, hint, field_name, value, chosen, k, head_index, remedy_spec, one_by_one, every_position):
@@ -417,7 +445,7 @@ def _notes_tab(page: Page):
 
         restored = gr.State(None)  # the link's state, once parsed
         restore_outputs = [scenario_pick, editor, description, field, new_value, strategies, top_k, head, separately, all_positions]
-        restore_outputs += [remedy, link_status, restored]
+        restore_outputs += [tabs, remedy, link_status, restored]
 
         def on_restore(request: gr.Request):
             unchanged = [gr.update()] * (len(restore_outputs) - 2)
@@ -447,6 +475,7 @@ def _notes_tab(page: Page):
                 link.head,
                 link.separately,
                 link.all_positions,
+                gr.Tabs(selected="notes"),  # the tab the link restores
                 gr.update(value=link.remedy) if link.remedy else gr.update(),
                 f"Restored from the link: {markdown_literal(link.summary() + ignored)}.",
                 link,
@@ -613,7 +642,12 @@ def _composer_tab(page: Page) -> gr.Dropdown:
         with gr.Row():
             before = gr.Textbox(label="Text before the skills", lines=2, elem_id="text-before")
             between = gr.Textbox(label="Text between skills", lines=2, elem_id="text-between")
-            after = gr.Dropdown([""] + scenario_names, value="", label="Then a scenario (question and answers)", elem_id="after-scenario")
+            after = gr.Dropdown(
+                [(GENERIC_QUESTION_LABEL, ""), *[(name, name) for name in scenario_names]],
+                value=handlers.NOTES_SCENARIO,
+                label="Then a scenario: its context, question and answers follow the skills",
+                elem_id="after-scenario",
+            )
         with gr.Row():
             remedy = gr.Dropdown(
                 handlers.remedy_menu(STUDY_REMEDIES),
@@ -624,6 +658,8 @@ def _composer_tab(page: Page) -> gr.Dropdown:
                 elem_id="remedy",
             )
             compose_button = gr.Button("Splice vs recompute", variant="primary", elem_id="run-compose")
+            cancel_button = gr.Button("Cancel calibration", variant="stop", visible=False, elem_id="cancel-calibration")
+        calibration_status = gr.Markdown(elem_id="calibration-status")
         compose_metrics = gr.Markdown(elem_id="compose-metrics")
         with gr.Row():
             logits_plot = gr.Plot(label="Top next tokens: spliced vs recomputed", elem_id="logits-plot")
@@ -697,12 +733,21 @@ def _composer_tab(page: Page) -> gr.Dropdown:
             text_between,
             after_name or None,
             remedy_spec,
-            report=lambda message: progress(None, desc=message),
+            report=_message_callback(progress),
         )
         return view.metrics_markdown, view.logits_figure, view.deviation_figure, view.summary
 
     compared = [compose_metrics, logits_plot, deviation_plot, compose_json]
     compose_button.click(on_compose, [page.spec, *composition, remedy], compared, api_name="compose", **page.model_bound())
+    # auto calibrates the model once (minutes): its progress shows on the results; Cancel stops it between two forwards
+    remedy.change(lambda spec: gr.update(visible=spec == AUTO), remedy, cancel_button, api_name=False, concurrency_limit=None)
+    cancel_button.click(
+        page.action(lambda model_spec: handlers.stop_calibration(page.registry, model_spec)),
+        [page.spec],
+        [calibration_status],
+        api_name="cancel_calibration",
+        concurrency_limit=None,
+    )
     composer.change(on_compose, [page.spec, *composition, remedy], compared, api_name=False, **page.model_bound())
 
     @page.action
@@ -821,8 +866,8 @@ def _models_tab(page: Page, notes: NotesInputs) -> None:
             )
             run = gr.Button("Compare models", variant="primary", elem_id="compare-run", scale=1)
         summary = gr.Markdown(elem_id="compare-summary")
-        share_plot = gr.Plot(elem_id="compare-share")
-        metrics_plot = gr.Plot(elem_id="compare-metrics")
+        share_plot = gr.Plot(label="Notes share against model size, beside the paper's 7–9B models", elem_id="compare-share")
+        metrics_plot = gr.Plot(label="Recoveries, notes depth, read heads and splice cosine per model", elem_id="compare-metrics")
         result_json = gr.JSON(label="Comparison", elem_id="compare-json")
 
     @page.action
@@ -886,6 +931,7 @@ def _your_prompt_tab(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
                     handlers.AUDIT_REPAIRS,
                     value=handlers.AUDIT_REPAIRS,
                     label="Repairs (recompute, the exact reference, always runs)",
+                    info=glossary(REPAIR_SUMMARIES),
                     elem_id="audit-repairs",
                 )
                 tokens = LenientSlider(
@@ -929,7 +975,12 @@ def _your_prompt_tab(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
             y_axis = gr.Radio([("KL divergence", "kl"), ("greedy agreement", "agreement")], value="kl", label="y", elem_id="audit-y")
         prompt_view = gr.HTML(elem_id="audit-prompt")
         with gr.Row():
-            labels = gr.Textbox("yes, no", label="Two answer labels the Notes tab reads (comma-separated)", elem_id="audit-labels", scale=2)
+            labels = gr.Textbox(
+                "",
+                label="Two answer labels the Notes tab reads (comma-separated; empty: the model's own answers, read when auditing)",
+                elem_id="audit-labels",
+                scale=2,
+            )
             open_notes = gr.Button("Open in Notes", elem_id="audit-open-notes", scale=1)
         open_status = gr.Markdown(elem_id="audit-open-status")
         audit_json = gr.JSON(label="Audit", elem_id="audit-json")
@@ -949,10 +1000,11 @@ def _your_prompt_tab(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
     upload.upload(on_upload, upload, log_text, api_name="audit_upload", concurrency_limit=None)
 
     settings = [repairs, tokens, threshold, min_agreement, grain, x_axis, y_axis]
-    shown = [recommendation, timeline_plot, fidelity_plot, prompt_view, audit_json, page.session]
+    shown = [recommendation, timeline_plot, fidelity_plot, prompt_view, audit_json, open_status, page.session]
 
     def _shown(view, sid):
-        return view.recommendation_markdown, view.timeline_figure, view.fidelity_figure, view.prompt_html, view.summary, sid
+        figures = view.timeline_figure, view.fidelity_figure
+        return view.recommendation_markdown, *figures, view.prompt_html, view.summary, view.notes_markdown, sid
 
     @page.action
     def on_audit(session_value, model_spec, text, chosen, n, kl, agreement, coarse, x, y, progress=gr.Progress()):
@@ -1038,9 +1090,11 @@ def _your_prompt_tab(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
             gr.update(choices=view.values, value=view.new),
             gr.Tabs(selected="notes"),
             status,
+            *notes.cleared(),
         )
 
     open_outputs = [notes.editor, notes.description, notes.field, notes.new_value, tabs, open_status]
+    open_outputs += [notes.scenario_pick, *notes.stale_outputs]
     open_notes.click(on_open, [page.session, labels], open_outputs, api_name="audit_open_in_notes", concurrency_limit=None).success(
         lambda model_spec, text: _prepare_message(page, model_spec, text),
         [page.spec, notes.editor],
@@ -1062,12 +1116,12 @@ def _benchmarks_tab(page: Page) -> None:
         gr.Markdown("Results written by the scripts under `benchmarks/` (JSON in `benchmarks/results/`).")
         bench_refresh = gr.Button("Show stored results", elem_id="bench-refresh")
         bench_quick = gr.Button("Run a quick TTFT check live (2 lengths)", elem_id="bench-quick")
-        bench_plots = [gr.Plot(visible=False) for _ in range(24)]
+        bench_plots = [gr.Plot(label="Stored result", visible=False, elem_id=f"bench-plot-{index}") for index in range(24)]
         bench_json = gr.JSON(label="Results")
 
     def show_benchmarks(results):
         figures = handlers.benchmark_figures_for(results)[: len(bench_plots)]
-        updates = [gr.update(value=f, visible=True) for f in figures]
+        updates = [gr.update(value=f, visible=True, label=figure_label(f)) for f in figures]
         updates += [gr.update(visible=False)] * (len(bench_plots) - len(figures))
         return (*updates, results)
 
@@ -1088,17 +1142,22 @@ def _benchmarks_tab(page: Page) -> None:
 
 def _learn_tab(page: Page) -> None:
     """Learn: the classroom walkthrough, one button per step."""
+
+    def on_step(index: int, session_value, model_spec):
+        sid = page.session_id(session_value)
+        return (*handlers.learn_step(page.registry, page.sessions, sid, index, model_spec), sid)
+
     with gr.Tab("Learn", id="learn"):
         for index, (title, text) in enumerate(LEARN_STEPS):
             with gr.Group():
                 gr.Markdown(f"### {title}\n{text}")
                 button = gr.Button(f"Run step {index + 1}", elem_id=f"learn-{index + 1}")
                 result_md = gr.HTML(elem_id=f"learn-{index + 1}-result")
-                result_plot = gr.Plot(elem_id=f"learn-{index + 1}-plot")
+                result_plot = gr.Plot(label=LEARN_FIGURE_LABELS[index], elem_id=f"learn-{index + 1}-plot")
             button.click(
-                page.action(functools.partial(handlers.learn_step, page.registry, index)),
-                page.spec,
-                [result_md, result_plot],
+                page.action(functools.partial(on_step, index)),
+                [page.session, page.spec],
+                [result_md, result_plot, page.session],
                 api_name=f"learn_{index + 1}",
                 **page.model_bound(),
             )
@@ -1115,7 +1174,7 @@ def build_app(registry: ModelRegistry, sessions: SessionStore | None = None, exp
     with gr.Blocks(title="KVScope", delete_cache=(600, 3600)) as blocks:
         page = Page(registry, sessions, exports, gr.State(None), gr.State(registry.default_spec))
         gr.Markdown(INTRO)
-        with gr.Tabs() as tabs:
+        with gr.Tabs(selected="notes") as tabs:  # a first visit opens on the Notes tab; the model card is one click away
             model_loaded, on_load_model, model_outputs = _model_tab(page)
             notes, wire_permalink = _notes_tab(page)
             _your_prompt_tab(page, notes, tabs)
@@ -1126,7 +1185,7 @@ def build_app(registry: ModelRegistry, sessions: SessionStore | None = None, exp
             _learn_tab(page)
         _then_prepare(page, model_loaded, notes)
         page_loaded = blocks.load(on_load_model, [page.session, page.spec], model_outputs, api_name=False, **page.model_bound())
-        wire_permalink(page_loaded, remedy)
+        wire_permalink(page_loaded, remedy, tabs)
 
         def prepare_on_load(model_spec, text, request: gr.Request):
             if request is not None and permalink.is_link(dict(request.query_params)):

@@ -54,11 +54,10 @@ def main() -> None:
             f"{row['skill_tokens']:>6} skill tokens: full {row['ttft_ms']['full']:>9.1f} ms  splice "
             f"{row['ttft_ms']['splice']:>8.1f} ms  ×{row['speedup']:<6} cosine {row['cosine']:.4f}"
         )
-    out = write_result(f"ttft-{args.scenario}", lm, {"scenario": scenario.name, "seam": args.seam, "reps": args.reps, "rows": rows})
+    data = {"scenario": scenario.name, "seam": args.seam, "reps": args.reps, "rows": rows}
+    out = write_result(f"ttft-{args.scenario}", lm, data)
     figure_path = RESULTS / out.name.replace(".json", ".html")
-    ttft_figure(rows, title=f"TTFT: splice vs full prefill ({lm.fingerprint.name}, {lm.device.type})").write_html(
-        figure_path, include_plotlyjs="cdn"
-    )
+    ttft_figure({"model": lm.fingerprint.name, "device": lm.device.type, **data}).write_html(figure_path, include_plotlyjs="cdn")
     print(f"wrote {out} and {figure_path}")
 
 

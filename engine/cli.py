@@ -19,13 +19,16 @@ from engine.audit.audit import (
     DEFAULT_MIN_AGREEMENT,
     DEFAULT_THRESHOLD,
     DEFAULT_TOKENS,
-    audit_requests,
     audit_value,
     repaired_template,
     scenario_toml,
 )
+from engine.audit.caches import CacheSettings
+from engine.audit.formats import AUTO as AUTO_FORMAT
+from engine.audit.formats import FORMATS
 from engine.audit.repairs import GRAINS, REPAIRS
-from engine.audit.requests import Request, RequestLogError, parse_log, parse_prompt
+from engine.audit.requests import Request, RequestLogError, parse_prompt, read_log
+from engine.audit.traffic import DEFAULT_SAMPLE, audit_traffic
 from engine.cache.selftest import run_selftest
 from engine.checks.support import (
     OPERATIONS,
@@ -224,7 +227,7 @@ def cmd_compose(args: argparse.Namespace) -> dict:
     lm = _load(args)
     store = _store()
     remedy = resolve_remedy(lm, args.remedy, store, _log)
-    result = {"model": lm.fingerprint.name, **compare(lm, scenario, store, remedy=remedy, reps=args.reps).as_dict()}
+    result = {"model": lm.fingerprint.name, **compare(lm, scenario, store, remedy=remedy, reps=args.reps, warmup=1).as_dict()}
     if args.remedy.strip() == AUTO:
         result["remedy_choice"] = calibrated_remedy(lm, store).as_dict()
     return result
@@ -236,7 +239,7 @@ def cmd_image(args: argparse.Namespace) -> dict:
     pixels = load_picture(path)
     lm = _load(args)
     result = compare_image(
-        lm, pixels, Path(path).stem, before=args.before, after=args.after, question=args.question, seam=args.seam, reps=args.reps
+        lm, pixels, Path(path).stem, before=args.before, after=args.after, question=args.question, seam=args.seam, reps=args.reps, warmup=1
     )
     return {"model": lm.fingerprint.name, **result.as_dict()}
 
@@ -332,7 +335,8 @@ def _progress(unit: str) -> StepProgress:
 
 
 def cmd_audit(args: argparse.Namespace) -> dict:
-    """Audit a request log (or one prompt with --find/--new): prefix reuse, changed fields, every repair's cost and fidelity."""
+    """Audit a request log (or one prompt with --find/--new): a token pass over every request (sessions, matches, causes,
+    simulated vLLM / SGLang / llama.cpp reuse), then every repair's cost and fidelity on --sample turns per change."""
     text = _read_text(args.log)
     options = {
         "repairs": _names(args.repairs) or REPAIRS,
@@ -343,12 +347,18 @@ def cmd_audit(args: argparse.Namespace) -> dict:
     }
     lm = _load(args)
     if args.new is None:
-        report = audit_requests(lm, parse_log(text), progress=_progress("audit steps"), **options)
+        settings = CacheSettings(args.block_size, args.kv_budget_blocks, args.kv_budget_tokens, args.slots, args.cache_reuse)
+        log = read_log(text, args.format)
+        for skipped in log.skipped:
+            _log(f"skipped {skipped.message}")
+        steps = {"scan_progress": _progress("token pass: requests"), "progress": _progress("measured steps")}
+        traffic = audit_traffic(lm, log, sample=args.sample, settings=settings, **steps, **options)
+        result, report = traffic.as_dict(), traffic.measured_report()
     else:
         request = parse_prompt(text)
         message, chars = _find_span(request, args.find)
         report = audit_value(lm, request, chars, args.new, message=message, progress=_progress("audit steps"), **options)
-    result = report.as_dict()
+        result = report.as_dict()
     for path, build in ((args.scenario_out, lambda: scenario_toml(report)), (args.template_out, lambda: repaired_template(report))):
         if path:
             Path(path).write_text(build(), encoding="utf-8")
@@ -425,7 +435,7 @@ def _argument_groups() -> dict[str, tuple[tuple[Argument, ...], ...]]:
         ),
     )
     edited_field = (_arg("--field", help="the field to change (default: the first)"),)
-    reps = (_arg("--reps", type=int, default=1, help="timing repetitions (median)"),)
+    reps = (_arg("--reps", type=int, default=1, help="timed repetitions of each side, after one untimed warm-up (min, median, max)"),)
     support = (
         _arg("--loaded", action="store_true", help="also check the model named by --model"),
         _arg("--families", help="comma-separated tiny families (default: all)"),
@@ -477,7 +487,14 @@ def _argument_groups() -> dict[str, tuple[tuple[Argument, ...], ...]]:
         _arg("--others", help="comma-separated scenario files for collateral (default: every bundled scenario)"),
     )
     audit = (
-        _arg("log", help="request log (JSONL or a JSON array; OpenAI chat or completions requests), or one prompt with --new"),
+        _arg("log", help="request log (JSONL or a JSON array, in any of --format's formats), or one prompt with --new"),
+        _arg("--format", default=AUTO_FORMAT, choices=[AUTO_FORMAT, *FORMATS], help="the log's request format (auto: detected per record)"),
+        _arg("--sample", type=int, default=DEFAULT_SAMPLE, help="turns measured with the model per change signature (0: token pass only)"),
+        _arg("--block-size", type=int, default=CacheSettings.block, help="vLLM KV block size in tokens"),
+        _arg("--kv-budget-blocks", type=int, help="vLLM KV budget in blocks (default: unbounded)"),
+        _arg("--kv-budget-tokens", type=int, help="SGLang radix-cache budget in tokens (default: unbounded)"),
+        _arg("--slots", type=int, help="llama.cpp server slots (default: one per session)"),
+        _arg("--cache-reuse", type=int, default=0, help="llama.cpp --cache-reuse N: shift cached chunks of at least N tokens (0: off)"),
         _arg("--repairs", help=f"comma-separated subset of: {', '.join(REPAIRS)} (recompute always runs)"),
         _arg("--tokens", type=int, default=DEFAULT_TOKENS, help="greedy tokens generated per state"),
         _arg("--threshold", type=float, default=DEFAULT_THRESHOLD, help="largest next-token KL a recommended repair may have"),

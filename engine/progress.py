@@ -14,6 +14,24 @@ StepProgress = Callable[[int, int], None] | None  # (done, total), or None for n
 Tick = Callable[[], None]  # one more step done
 
 
+class StepMessage(str):
+    """A progress message that also says how far the work is: a plain ``str`` to every message callback, with
+    ``done`` of ``total`` steps for a front end that draws a bar (:func:`fraction`)."""
+
+    done: int
+    total: int
+
+    def __new__(cls, text: str, done: int, total: int) -> StepMessage:
+        message = super().__new__(cls, text)
+        message.done, message.total = done, total
+        return message
+
+
+def fraction(message: str) -> float | None:
+    """How far the work of a message is, from 0 to 1; None for a message that does not say."""
+    return message.done / max(message.total, 1) if isinstance(message, StepMessage) else None
+
+
 def reporter(progress: MessageProgress | None, logger: logging.Logger) -> MessageProgress:
     """A message callback that also logs each message to ``logger``."""
 
@@ -36,3 +54,14 @@ def ticker(progress: StepProgress, total: int) -> Tick:
             progress(done, total)
 
     return tick
+
+
+def duration_words(seconds: float) -> str:
+    """A duration as a person reads it in a progress line: "40 s", "3 min 05 s", "1 h 12 min"."""
+    whole = max(round(seconds), 0)
+    if whole < 60:
+        return f"{whole} s"
+    minutes, rest = divmod(whole, 60)
+    if minutes < 60:
+        return f"{minutes} min {rest:02d} s"
+    return f"{minutes // 60} h {minutes % 60:02d} min"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -68,3 +68,21 @@ def repeated(function: Callable[[int], T], reps: int, warmup: int = 0) -> tuple[
         result, ms = timed(lambda: function(rep))
         times.append(ms)
     return result, Spread.of(times)
+
+
+def side_by_side(functions: Mapping[str, Callable[[], T]], reps: int, warmup: int = 1) -> tuple[dict[str, T], dict[str, Spread]]:
+    """Each function's last result and the spread of its wall times, measured in alternation in one call: ``warmup``
+    untimed rounds of every function (one-time work), then ``reps`` timed rounds, each running every function once,
+    so that load which comes and goes falls on every side alike."""
+    if reps < 1:
+        raise ValueError(f"reps must be at least 1, got {reps}")
+    results: dict[str, T] = {}
+    for _ in range(warmup):
+        for name, function in functions.items():
+            results[name] = function()
+    times: dict[str, list[float]] = {name: [] for name in functions}
+    for _ in range(reps):
+        for name, function in functions.items():
+            results[name], ms = timed(function)
+            times[name].append(ms)
+    return results, {name: Spread.of(values) for name, values in times.items()}

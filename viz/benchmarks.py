@@ -6,11 +6,13 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from viz.audit import KL_FLOOR, reused_fraction, within
-from viz.common import PALETTE, safe_label
+from viz.common import LEGEND_BELOW, PALETTE, safe_label, set_title
 
 
-def ttft_figure(rows: list[dict], title: str = "Time to first token") -> go.Figure:
-    """Full-prefill vs splice TTFT by skill length (log axes) with the speedup on a second axis."""
+def ttft_figure(data: dict) -> go.Figure:
+    """Full-prefill vs splice TTFT by skill length (log axes) with the speedup on a second axis; from ``ttft-*.json``
+    (``rows`` of ``skill_tokens``, ``full_ms``, ``splice_ms``, ``speedup``; the ``scenario`` after the skill, where named)."""
+    rows = data["rows"]
     lengths = [row["skill_tokens"] for row in rows]
     figure = make_subplots(specs=[[{"secondary_y": True}]])
     figure.add_scatter(x=lengths, y=[row["full_ms"] for row in rows], name="full prefill", mode="lines+markers")
@@ -19,14 +21,17 @@ def ttft_figure(rows: list[dict], title: str = "Time to first token") -> go.Figu
     figure.update_xaxes(type="log", title="skill tokens")
     figure.update_yaxes(type="log", title="TTFT (ms)", secondary_y=False)
     figure.update_yaxes(title="speedup (full / splice)", secondary_y=True)
-    figure.update_layout(title=title, template="plotly_white", height=380, legend={"orientation": "h", "y": -0.2})
+    scenario = str(data.get("scenario") or "")
+    before = "" if not scenario else " before a question alone" if scenario.startswith("skills:") else f" before {safe_label(scenario)}"
+    figure.update_layout(height=400, legend=LEGEND_BELOW)
+    set_title(figure, f"Time to first token: a skill spliced vs a full prefill{before}", _measured_on(data))
     return figure
 
 
 def _measured_on(data: dict) -> str:
-    """The title suffix " (model, device)" from a result file's environment keys, when present."""
+    """The title note "measured on model, device" from a result file's environment keys ("" when absent)."""
     parts = [safe_label(str(data[key])) for key in ("model", "device") if data.get(key)]
-    return f" ({', '.join(parts)})" if parts else ""
+    return f"measured on {', '.join(parts)}" if parts else ""
 
 
 def edit_latency_figure(data: dict) -> go.Figure:
@@ -47,9 +52,8 @@ def edit_latency_figure(data: dict) -> go.Figure:
         )
     figure.update_xaxes(type="log", title="context tokens")
     figure.update_yaxes(type="log", title="latency (ms)")
-    figure.update_layout(
-        title=f"Edit strategies: latency vs context length{_measured_on(data)}", height=400, legend={"orientation": "h", "y": -0.2}
-    )
+    figure.update_layout(height=420, legend=LEGEND_BELOW)
+    set_title(figure, "Edit strategies: latency vs context length", _measured_on(data))
     return figure
 
 
@@ -65,9 +69,8 @@ def prefill_figure(data: dict) -> go.Figure:
     figure.update_xaxes(type="log", title="context tokens")
     figure.update_yaxes(type="log", title="time (ms)", secondary_y=False)
     figure.update_yaxes(title="prefill / read", secondary_y=True)
-    figure.update_layout(
-        title=f"Prefill vs reading a decision from the cache{_measured_on(data)}", height=380, legend={"orientation": "h", "y": -0.2}
-    )
+    figure.update_layout(height=400, legend=LEGEND_BELOW)
+    set_title(figure, "Prefill vs reading a decision from the cache", _measured_on(data))
     return figure
 
 
@@ -80,7 +83,7 @@ def serving_figure(data: dict) -> go.Figure:
         rows=1,
         cols=4,
         horizontal_spacing=0.07,
-        subplot_titles=("time to first token", "throughput", "prefix-cache hit rate", "accuracy vs clean prefill"),
+        subplot_titles=("time to first token", "throughput", "prefix-cache hits", "accuracy"),
     )
     variants = list(dict.fromkeys(run["variant"] for run in data["runs"]))
     for index, variant in enumerate(variants):
@@ -117,7 +120,7 @@ def serving_figure(data: dict) -> go.Figure:
                 col=column,
             )  # symbols and dashes keep equal lines (e.g. both accuracies 1.0) apart
     loads = sorted({run["offered_rps"] for run in data["runs"]})
-    figure.update_xaxes(title_text="offered load (requests/s)", type="log", tickvals=loads, ticktext=[f"{load:g}" for load in loads])
+    figure.update_xaxes(title_text="offered load (req/s)", type="log", tickvals=loads, ticktext=[f"{load:g}" for load in loads])
     figure.update_yaxes(title_text="TTFT (ms)", type="log", row=1, col=1)
     figure.update_yaxes(title_text="completed requests/s", row=1, col=2)
     figure.update_yaxes(title_text="hit rate", range=[0, 1.05], row=1, col=3)
@@ -127,9 +130,10 @@ def serving_figure(data: dict) -> go.Figure:
     completed = sorted({run["completed"] for run in data["runs"] if run.get("completed") is not None})
     if completed:
         shared += f", {completed[0]}{'–' + str(completed[-1]) if len(completed) > 1 else ''} completed requests per point"
-    workload = f"<br><sup>{safe_label(str(data['scenario']))}{shared}</sup>" if data.get("scenario") else ""
+    workload = f"{safe_label(str(data['scenario']))}{shared}" if data.get("scenario") else ""
     compared = " vs ".join(safe_label(variant) for variant in variants)
-    figure.update_layout(title=f"Serving: {compared}{engine}{workload}", height=430, legend={"orientation": "h", "y": -0.25})
+    figure.update_layout(height=450, legend=LEGEND_BELOW)
+    set_title(figure, f"Serving: {compared}{engine}", workload, subplot_titles=1)
     return figure
 
 
@@ -161,13 +165,12 @@ def soak_figure(data: dict) -> go.Figure:
     figure.update_xaxes(title="sessions served", row=1, col=1)
     plateau = data.get("rss_plateau", {})
     growth = f"RSS growth over the last half {plateau.get('growth_mb')} MB" if plateau.get("growth_mb") is not None else "RSS"
-    figure.update_layout(
-        title=f"Soak, {safe_label(str(data.get('profile')))} profile: {data.get('sessions')} sessions, "
-        f"{data.get('clients')} clients; {growth}; cross-talk {len(data.get('cross_talk', []))}",
-        template="plotly_white",
-        height=420,
-        barmode="group",
-        legend={"orientation": "h", "y": -0.2},
+    figure.update_layout(height=440, barmode="group", legend=LEGEND_BELOW)
+    set_title(
+        figure,
+        f"Soak, {safe_label(str(data.get('profile')))} profile: {data.get('sessions')} sessions, {data.get('clients')} clients",
+        f"{growth}; cross-talk {len(data.get('cross_talk', []))}",
+        subplot_titles=1,
     )
     return figure
 
@@ -179,7 +182,7 @@ def agent_policy_figure(data: dict) -> go.Figure:
         rows=1,
         cols=2,
         column_widths=[0.65, 0.35],
-        subplot_titles=("Clean-state agreement vs cumulative TTFT speedup", "Erratum wording (no compaction)"),
+        subplot_titles=("agreement vs TTFT speedup", "erratum wording (no compaction)"),
     )
     policies = list(dict.fromkeys(row["policy"] for row in data["rows"]))
     for index, policy in enumerate(policies):
@@ -187,9 +190,9 @@ def agent_policy_figure(data: dict) -> go.Figure:
         figure.add_scatter(
             x=[row["cumulative_speedup_vs_clean_state"] for row in rows],
             y=[row["clean_state_agreement"] for row in rows],
-            mode="markers+text",
-            text=[safe_label(row["scenario"], 18) for row in rows],
-            textposition="top center",
+            mode="markers",  # scenarios in hover: labels of points this close would overlap
+            hovertext=[safe_label(row["scenario"]) for row in rows],
+            hoverinfo="text+x+y",
             name=f"compaction {safe_label(policy)}",
             marker={"size": 11, "color": PALETTE[index % len(PALETTE)]},
             row=1,
@@ -209,12 +212,8 @@ def agent_policy_figure(data: dict) -> go.Figure:
     figure.update_xaxes(title_text="cumulative TTFT speedup vs clean prefills (×)", row=1, col=1)
     figure.update_yaxes(title_text="agreement with the clean-state prefill", range=[0, 1.15], row=1, col=1)  # room for labels
     figure.update_yaxes(range=[0, 1.05], row=1, col=2)
-    figure.update_layout(
-        title=f"Agent loop, {data.get('turns')}-turn toggle{_measured_on(data)}",
-        template="plotly_white",
-        height=440,
-        legend={"orientation": "h", "y": -0.2},
-    )
+    figure.update_layout(height=460, legend=LEGEND_BELOW)
+    set_title(figure, f"Agent loop, {data.get('turns')}-turn toggle", _measured_on(data), subplot_titles=1)
     return figure
 
 
@@ -226,7 +225,11 @@ def cache_reuse_figure(data: dict) -> go.Figure:
         rows=1,
         cols=3,
         horizontal_spacing=0.1,
-        subplot_titles=("KL(clean ‖ state); 0 drawn at 1e-7", "|margin error| where the answers differ", "prompt tokens evaluated / clean"),
+        subplot_titles=(
+            "KL(clean ‖ state)<br>(0 drawn at 1e-7)",
+            "|margin error|<br>where answers differ",
+            "prompt tokens<br>evaluated / clean",
+        ),
     )
     engines = {"llama_cpp": ("llama.cpp", PALETTE[1]), "kvscope": ("KVScope", PALETTE[0])}
     arms = list(dict.fromkeys((engine, arm) for case in data["cases"] for engine in engines for arm in case[engine]))
@@ -257,16 +260,12 @@ def cache_reuse_figure(data: dict) -> go.Figure:
                     col=column,
                 )
     order = [label[arm] for arm in arms][::-1]
+    figure.update_annotations(font_size=12)  # the two-line subplot titles of three narrow panels
     figure.update_xaxes(type="log", row=1, col=1)
     figure.update_yaxes(categoryorder="array", categoryarray=order, showticklabels=False)
     figure.update_yaxes(showticklabels=True, row=1, col=1)
-    figure.update_layout(
-        title=f"Reusing moved or edited K/V: llama.cpp --cache-reuse vs KVScope{_measured_on(data)}",
-        height=140 + 28 * len(arms),
-        legend={"orientation": "h", "y": -0.12},
-        template="plotly_white",
-        margin={"l": 260},
-    )
+    figure.update_layout(height=200 + 28 * len(arms), legend={**LEGEND_BELOW, "y": -0.12}, margin={"l": 260})
+    set_title(figure, "Reusing moved or edited K/V: llama.cpp --cache-reuse vs KVScope", _measured_on(data), subplot_titles=2)
     return figure
 
 
@@ -314,15 +313,11 @@ def image_splice_figure(data: dict) -> go.Figure:
         )
     for bound in paper.get("ttft_speedup", []):
         figure.add_hline(y=bound, line_dash="dash", line_color="black", annotation_text=f"paper ×{bound}", row=1, col=2)
-    figure.update_xaxes(title_text="positions the picture moved (tokens of text before it)")
+    figure.update_xaxes(title_text="positions moved (text tokens before it)")
     highest = max([row["speedup"]["max"] for row in data["rows"]] + list(paper.get("ttft_speedup", [])) + [1.0])
     figure.update_yaxes(title_text="×", range=[0, highest * 1.1], row=1, col=2)
-    figure.update_layout(
-        title=f"A picture's K/V spliced behind text, {data.get('reps')} timed reps{_measured_on(data)}",
-        template="plotly_white",
-        height=420,
-        legend={"orientation": "h", "y": -0.25},
-    )
+    figure.update_layout(height=440, legend=LEGEND_BELOW)
+    set_title(figure, f"A picture's K/V spliced behind text, {data.get('reps')} timed reps", _measured_on(data), subplot_titles=1)
     return figure
 
 
@@ -347,7 +342,8 @@ def compare_models_figure(data: dict) -> go.Figure:
     figure.update_yaxes(title=f"of {', '.join(map(str, totals))} scenario fields", row=1, col=1)
     cpu = (data.get("cpu") or {}).get("model_name")
     measured = ", ".join(safe_label(str(part)) for part in (data.get("dtype"), cpu) if part)
-    figure.update_layout(title=f"Across models ({measured})", barmode="group", height=400, legend={"orientation": "h", "y": -0.25})
+    figure.update_layout(barmode="group", height=420, legend=LEGEND_BELOW)
+    set_title(figure, "Across models", f"measured in {measured}" if measured else "", subplot_titles=1)
     return figure
 
 
@@ -357,7 +353,7 @@ def audit_benchmark_figure(data: dict) -> go.Figure:
     turns = [turn for turn in data["turns"] if turn["repairs"]]
     requests = [turn["request"] for turn in turns]
     figure = make_subplots(
-        rows=1, cols=3, horizontal_spacing=0.07, subplot_titles=("reused fraction", "time to first token", "KL vs clean prefill")
+        rows=1, cols=3, horizontal_spacing=0.1, subplot_titles=("reused fraction", "time to first token", "KL vs clean prefill")
     )
     figure.add_scatter(
         x=requests,
@@ -401,12 +397,12 @@ def audit_benchmark_figure(data: dict) -> go.Figure:
         if summary
         else ""
     )
-    figure.update_layout(
-        title=f"Audit of {safe_label(str(data.get('log', 'a log')))}: {data.get('generated_tokens')} greedy tokens, "
-        f"{data.get('reps')} rep(s){_measured_on(data)}<br><sup>filled: within KL ≤ {data['threshold']:g}, same top token, "
-        f"≥ {data['min_agreement']:.0%} agreeing{saved}</sup>",
-        height=420,
-        legend={"orientation": "h", "y": -0.25},
-        margin={"t": 90},
+    figure.update_layout(height=460, legend=LEGEND_BELOW)
+    set_title(
+        figure,
+        f"Audit of {safe_label(str(data.get('log', 'a log')))}: {data.get('generated_tokens')} greedy tokens, {data.get('reps')} rep(s)",
+        _measured_on(data),
+        f"filled: within KL ≤ {data['threshold']:g}, same top token, ≥ {data['min_agreement']:.0%} agreeing{saved}",
+        subplot_titles=1,
     )
     return figure

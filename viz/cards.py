@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import html
 
+from engine.cache.decision import RECOVERY_WORDS
 from engine.edit.report import EditReport, NotesShare
-from engine.edit.strategies import StrategyResult
+from engine.edit.strategies import REGISTRY, StrategyResult
 
 CARD_CSS = """
 <style>
@@ -31,16 +32,23 @@ def _card(result: StrategyResult, oracle_label: str, reference: bool = False) ->
     name = html.escape(result.name)
     if not result.applicable:
         reason = html.escape(result.reason or "")
-        return f'<div class="kv-card na" data-strategy="{name}"><h4>{name}</h4>not applicable<br><small>{reason}</small></div>'
+        return f'<div class="kv-card na" data-strategy="{name}">{_title(result)}not applicable<br><small>{reason}</small></div>'
     decision = result.decision
     state = "flip" if decision.label == oracle_label else "stay"
     recovered = "—" if result.recovery is None or result.recovery.value is None else f"{result.recovery.value:.2f}"
     note = "" if result.recovery is None or result.recovery.reason is None else f"<br><small>{html.escape(result.recovery.reason)}</small>"
     return (
         f'<div class="kv-card {state}{" ref" if reference else ""}" data-strategy="{name}" data-decision="{html.escape(decision.label)}">'
-        f'<h4>{name}</h4><span class="big">{html.escape(decision.label)}</span> margin {decision.margin:+.2f}<br>'
-        f"recovery {recovered} · {result.tokens_recomputed} tok · {_ms(result)}{note}</div>"
+        f'{_title(result)}<span class="big">{html.escape(decision.label)}</span> margin {decision.margin:+.2f}<br>'
+        f'<span title="{html.escape(RECOVERY_WORDS)}">recovery {recovered}</span> · {result.tokens_recomputed} tok · {_ms(result)}'
+        f"{note}</div>"
     )
+
+
+def _title(result: StrategyResult) -> str:
+    """The card's heading: the strategy's name, its registry summary on hover."""
+    summary = REGISTRY[result.name].summary if result.name in REGISTRY else ""
+    return f'<h4 title="{html.escape(summary)}">{html.escape(result.name)}</h4>'
 
 
 def strategy_cards_html(report: EditReport) -> str:
@@ -57,7 +65,8 @@ def strategy_cards_html(report: EditReport) -> str:
         )
         + "</p>"
     )
-    return CARD_CSS + notes_headline_html(report.notes) + headline + '<div class="kv-cards">' + "".join(cards) + "</div>"
+    legend = f'<p class="kv-legend"><small>{html.escape(RECOVERY_WORDS)} Hover a name for what the strategy does.</small></p>'
+    return CARD_CSS + notes_headline_html(report.notes) + headline + '<div class="kv-cards">' + "".join(cards) + "</div>" + legend
 
 
 def notes_headline_html(notes: NotesShare) -> str:

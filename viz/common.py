@@ -157,6 +157,43 @@ def label_colours(labels: Sequence[str]) -> dict[str, str]:
     return {label: PALETTE[i % len(PALETTE)] for i, label in enumerate(labels)}
 
 
+TITLE_CHARS = 64  # a title line that fits a figure in a 1,000 px window (17 px type)
+NOTE_CHARS = 100  # a note line under it (12 px type)
+LEGEND_BELOW = {"orientation": "h", "yanchor": "top", "y": -0.28}  # below the x axis title, clear of it
+
+
+def set_title(figure: go.Figure, text: str, *notes: str, subplot_titles: int = 0, beside: int = 1) -> None:
+    """Title ``figure`` (its height already set) so that it fits a 1,000 px window: ``text`` wrapped at
+    :data:`TITLE_CHARS`, each note wrapped in small type below it, all above ``subplot_titles`` lines of subplot titles
+    and below the label Gradio draws over a figure's top-left corner; the top margin is sized to hold it. A figure
+    shown ``beside`` others in a row gets that share of the width. Text and notes are markup-free or
+    :func:`safe_label`-ed."""
+    heads = textwrap.wrap(text, TITLE_CHARS // beside) or [""]
+    lines = [line for note in notes if note for line in textwrap.wrap(note, NOTE_CHARS // beside)]
+    below = 12 + 24 * subplot_titles  # px between the title's last line and the plot area
+    first = 58  # px from the top to the first title line's foot: clear of Gradio's label (plotly lays later lines below it)
+    top = first + 24 * (len(heads) - 1) + 17 * len(lines) + below + 8  # the top margin
+    figure.update_layout(
+        title={
+            "text": "<br>".join(heads) + "".join(f"<br><sup>{line}</sup>" for line in lines),
+            "x": 0.03,
+            "xref": "container",
+            "xanchor": "left",
+            "y": 1 - first / (figure.layout.height or 450),
+            "yref": "container",
+            "yanchor": "bottom",
+        },
+        margin={"t": top},
+    )
+
+
+def figure_label(figure: go.Figure) -> str:
+    """A figure's title as plain text for a label above it: its heading lines, without notes or markup ("Figure" when
+    untitled)."""
+    heads = (figure.layout.title.text or "").split("<br><sup>")[0].split("<br>")
+    return html.unescape(" ".join(re.sub(r"<[^>]+>", "", line) for line in heads)).strip() or "Figure"
+
+
 def message_figure(text: str) -> go.Figure:
     """An empty figure that says why there is nothing to draw."""
     figure = go.Figure()

@@ -14,7 +14,7 @@ from engine.cache.decision import Decision, logit_agreement
 from engine.compose.agent import AgentReport
 from engine.compose.keystone import KeystoneReport
 from engine.compose.splice import Fidelity
-from viz.common import PALETTE, map_height, pool_columns, safe_label, token_columns
+from viz.common import LEGEND_BELOW, PALETTE, map_height, pool_columns, safe_label, set_title, token_columns
 from viz.text import shown_kl
 
 
@@ -42,16 +42,19 @@ def logit_bars_figure(spliced: Decision, recomputed: Decision, tokenizer_decode:
         )
     agreement = logit_agreement(a, b)
     figure.update_layout(
-        title={
-            "text": f"Next-token probabilities: spliced vs recomputed (union of top-{k})",
-            "subtitle": {"text": f"logit cosine {agreement['cosine']:.6f}, KL(spliced‖recomputed) {shown_kl(agreement['kl']):.2e}"},
-        },
         barmode="group",
         xaxis={"title": "next token", "type": "category", "tickangle": -45},
         yaxis_title="probability",
-        height=400,
+        height=420,
         legend={"orientation": "h", "y": 1.02, "x": 1, "xanchor": "right", "yanchor": "bottom"},
-        margin={"l": 60, "r": 20, "t": 90, "b": 80},
+        margin={"l": 60, "r": 20, "b": 80},
+    )
+    set_title(
+        figure,
+        f"Next-token probabilities, union of top-{k}",
+        f"logit cosine {agreement['cosine']:.6f}, KL(spliced‖recomputed) {shown_kl(agreement['kl']):.2e}",
+        subplot_titles=1,  # room for the legend's row
+        beside=2,
     )
     return figure
 
@@ -77,16 +80,14 @@ def deviation_figure(fidelity: Fidelity, texts: Sequence[str] | None = None) -> 
     )
     repair = f"remedy {safe_label(fidelity.remedy.name)}"
     figure.update_layout(
-        title={
-            "text": f"K/V deviation, spliced vs recomputed ({repair}): max {float(deviation.max()):.3g}",
-            "subtitle": {
-                "text": f"{safe_label(fidelity.scenario)}: {fidelity.skill_tokens} of {fidelity.context_tokens} context tokens spliced"
-            },
-        },
-        xaxis={**xaxis, "title": "context token"},
-        yaxis_title="layer",
-        height=map_height(len(z)),
-        margin={"l": 60, "r": 20, "t": 90, "b": 100},
+        xaxis={**xaxis, "title": "context token"}, yaxis_title="layer", height=map_height(len(z)), margin={"l": 60, "r": 20, "b": 100}
+    )
+    set_title(
+        figure,
+        "K/V deviation, spliced vs recomputed",
+        f"{repair}: max {float(deviation.max()):.3g}",
+        f"{safe_label(fidelity.scenario)}: {fidelity.skill_tokens} of {fidelity.context_tokens} context tokens spliced",
+        beside=2,
     )
     return figure
 
@@ -382,15 +383,13 @@ def remedy_choice_figure(study: dict) -> go.Figure:
     )
     lengths = study.get("lengths") or []
     kind = f"long compositions ({min(lengths)}–{max(lengths)} skill tokens)" if long_study and lengths else "the short N-skill study"
-    figure.update_layout(
-        title={
-            "text": f"Default remedy, {kind}: agreement vs speed ({study.get('model', '')}, {study.get('dtype', '')})",
-            "subtitle": {
-                "text": f"{len(study['cases'])} composed prompts; shaded: ≥ 97% decisive agreement at ≥ 70% of splice's speedup; {verdict}"
-            },
-        },
-        height=480,
-        legend={"orientation": "h", "y": -0.22},
-        margin={"l": 60, "r": 20, "t": 100, "b": 120},
+    figure.update_layout(height=500, legend=LEGEND_BELOW, margin={"l": 60, "r": 20, "b": 120})
+    measured = ", ".join(safe_label(str(study[key])) for key in ("model", "dtype") if study.get(key))
+    set_title(
+        figure,
+        f"Default remedy, {kind}: agreement vs speed",
+        f"measured on {measured}" if measured else "",
+        f"{len(study['cases'])} composed prompts; shaded: ≥ 97% decisive agreement at ≥ 70% of splice's speedup; {verdict}",
+        subplot_titles=1,
     )
     return figure

@@ -12,6 +12,12 @@ from engine.cache.decision import Decision
 from engine.edit.report import EditReport
 from viz.text import remedy_words, shown_kl
 
+FIGURE_LABELS = (  # what each step's figure shows (the Learn tab's figure labels)
+    "Answer scores at the new value (clean prefill)",
+    "Decision margin by strategy: field_only vs full_downstream",
+    "Decision margin by strategy: erratum vs field_erratum",
+    "Top next tokens: spliced vs recomputed",
+)
 PAPER_FIELD_ONLY = "field-only recovery ≈ 0 at 7–9B (−0.028 Llama-3.1-8B, 0.005 Gemma-2-9B, 0.137 Mistral-7B)"
 PAPER_ERRATUM = "field+erratum P(correct) 1.00, matching hoist-to-end; erratum alone can revert when the field is buried early"
 PAPER_SPLICE = "logit cosine 0.90–0.999 against full recompute over twelve models; decisions preserved for 1–4 skills"

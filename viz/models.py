@@ -3,7 +3,7 @@ with the paper's 7–9B values beside the compared models, and each model's numb
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -11,6 +11,7 @@ from plotly.subplots import make_subplots
 from viz.common import GREY, PALETTE, markdown_literal, message_figure, safe_label
 
 PAPER_COLOUR = "#264653"
+PAPER_SYMBOLS = ("diamond", "square", "triangle-up", "cross")
 
 
 def _billions(parameters: int) -> str:
@@ -23,7 +24,8 @@ def _short(model: str) -> str:
 
 def notes_share_figure(comparison: Mapping) -> go.Figure:
     """Notes share (1 − field-only recovery) against parameter count (log axis): the compared models as circles,
-    the paper's 7–9B models as diamonds; a model whose notes share is undefined is listed in the title."""
+    each of the paper's 7–9B models as its own dark symbol, named in the legend (labels beside markers this close
+    would overlap); a model whose notes share is undefined is listed in the subtitle."""
     models = comparison.get("models") or []
     if not models:
         return message_figure("No model compared yet")
@@ -34,33 +36,29 @@ def notes_share_figure(comparison: Mapping) -> go.Figure:
         figure.add_scatter(
             x=[row["parameters"]],
             y=[row["notes_share"]],
-            mode="markers+text",
+            mode="markers",
             marker={"size": 14, "color": PALETTE[index % len(PALETTE)]},
-            text=[safe_label(_short(row["model"]), 40)],
-            textposition="top center",
             name=safe_label(_short(row["model"]), 40),
             hovertext=[
                 f"{safe_label(row['model'], 60)}<br>{_billions(row['parameters'])} parameters<br>notes share {row['notes_share']:.3f}"
                 + ("" if recovery is None else f" (field-only recovery {recovery:.3f})")
             ],
             hoverinfo="text",
+            cliponaxis=False,
         )
-    paper = comparison.get("paper") or []
-    if paper:
+    for point, symbol in zip(comparison.get("paper") or [], PAPER_SYMBOLS * 3):
         figure.add_scatter(
-            x=[point["parameters"] for point in paper],
-            y=[point["notes_share"] for point in paper],
-            mode="markers+text",
-            marker={"size": 12, "symbol": "diamond", "color": PAPER_COLOUR},
-            text=[safe_label(point["model"]) for point in paper],
-            textposition="bottom center",
-            name="paper (arXiv 2606.17107)",
+            x=[point["parameters"]],
+            y=[point["notes_share"]],
+            mode="markers",
+            marker={"size": 12, "symbol": symbol, "color": PAPER_COLOUR},
+            name=f"{safe_label(point['model'])} (paper)",
             hovertext=[
-                f"{safe_label(point['model'])} (paper)<br>field-only recovery {point['field_only_recovery']:+.3f}<br>"
+                f"{safe_label(point['model'])} (paper, arXiv 2606.17107)<br>field-only recovery {point['field_only_recovery']:+.3f}<br>"
                 f"notes share {point['notes_share']:.3f}"
-                for point in paper
             ],
             hoverinfo="text",
+            cliponaxis=False,
         )
     figure.add_hline(y=1.0, line={"color": GREY, "dash": "dot"}, annotation_text="notes carry everything", annotation_position="top left")
     figure.add_hline(
@@ -69,24 +67,31 @@ def notes_share_figure(comparison: Mapping) -> go.Figure:
     undefined = [_short(row["model"]) for row in models if row.get("notes_share") is None]
     note = f" · undefined for {', '.join(safe_label(name, 40) for name in undefined)}" if undefined else ""
     figure.update_xaxes(type="log", title="parameters")
-    figure.update_yaxes(title="notes share (1 − field-only recovery)", range=[-0.2, 1.25])
+    shares = [row["notes_share"] for row in shown] + [point["notes_share"] for point in comparison.get("paper") or []]
+    figure.update_yaxes(title="notes share (1 − field-only recovery)", range=[min(-0.2, *shares) - 0.05, max(1.25, *shares) + 0.1])
     figure.update_layout(
-        title=f"Notes share against model size: {safe_label(comparison.get('scenario', ''), 60)}, "
-        f"{safe_label(comparison.get('field', ''), 40)} → {safe_label(comparison.get('new', ''), 40)}{note}",
-        height=420,
+        title={
+            "text": "Notes share against model size",
+            "subtitle": {
+                "text": f"{safe_label(comparison.get('scenario', ''), 60)}: {safe_label(comparison.get('field', ''), 40)} → "
+                f"{safe_label(comparison.get('new', ''), 40)}{note}"
+            },
+        },
+        height=440,
+        margin={"t": 90},
         legend={"orientation": "h", "y": -0.25},
     )
     return figure
 
 
 def model_metrics_figure(comparison: Mapping) -> go.Figure:
-    """Each compared model's recoveries (field_only, erratum, field_erratum), notes depth, read heads and splice
-    cosine, side by side (one panel each)."""
+    """Each compared model's recoveries (field_only, erratum, field_erratum), notes depth (as a share of its layers),
+    read heads and splice cosine, side by side (one panel each)."""
     models = comparison.get("models") or []
     if not models:
         return message_figure("No model compared yet")
     names = [safe_label(_short(row["model"]), 30) for row in models]
-    figure = make_subplots(rows=1, cols=4, subplot_titles=("recovery", "notes depth (layer / layers)", "read heads", "splice cosine"))
+    figure = make_subplots(rows=1, cols=4, subplot_titles=("recovery", "notes depth", "read heads", "splice cosine"))
     strategies = comparison.get("strategies") or list(models[0]["recoveries"])
     for index, strategy in enumerate(strategies):
         figure.add_bar(
@@ -99,7 +104,7 @@ def model_metrics_figure(comparison: Mapping) -> go.Figure:
         )
     for col, key in ((2, "notes_depth"), (3, "read_heads"), (4, "splice_cosine")):
         figure.add_bar(x=names, y=[row.get(key) for row in models], marker_color=GREY, showlegend=False, row=1, col=col)
-    figure.update_yaxes(range=[0, 1], row=1, col=2)
+    figure.update_yaxes(range=[0, 1], tickformat=".0%", row=1, col=2)  # the share of the model's layers
     figure.update_layout(title="The compared models side by side", height=380, barmode="group", legend={"orientation": "h", "y": -0.3})
     return figure
 
@@ -108,6 +113,20 @@ def _cell(value, digits: int = 3) -> str:
     if value is None:
         return "–"
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def _quantities(strategies: list[str]) -> dict[str, Callable[[Mapping], str]]:
+    """The table's rows: each quantity's name and how a model's row shows it (Markdown-safe)."""
+    return {
+        "parameters": lambda row: _billions(row["parameters"]),
+        "dtype": lambda row: markdown_literal(row["details"]["dtype"]),
+        "decision": lambda row: markdown_literal(f"{row['details']['stale_decision']} → {row['details']['oracle_decision']}"),
+        "notes share": lambda row: _cell(row["notes_share"]),
+        **{name: (lambda row, name=name: _cell(row["recoveries"].get(name))) for name in strategies},
+        "notes depth": lambda row: _cell(row["notes_depth"], 2),
+        "read heads": lambda row: f"{_cell(row['read_heads'])} of {row['details']['heads']}",
+        "splice cosine": lambda row: _cell(row["splice_cosine"], 4),
+    }
 
 
 def comparison_markdown(comparison: Mapping) -> str:
@@ -121,23 +140,11 @@ def comparison_markdown(comparison: Mapping) -> str:
         f"{markdown_literal(comparison['old'])} → {markdown_literal(comparison['new'])}; splice: skill "
         f"{markdown_literal(comparison['splice_skill'])} with {markdown_literal(comparison['remedy'])}"
     )
-    columns = ["model", "parameters", "dtype", "decision", "notes share", *strategies, "notes depth", "read heads", "splice cosine"]
-    lines = [head, "", "| " + " | ".join(markdown_literal(c) for c in columns) + " |", "|" + "---|" * len(columns)]
-    for row in models:
-        details = row["details"]
-        decision = f"{details['stale_decision']} → {details['oracle_decision']}"
-        cells = [
-            markdown_literal(row["model"]),
-            _billions(row["parameters"]),
-            markdown_literal(details["dtype"]),
-            markdown_literal(decision),
-            _cell(row["notes_share"]),
-            *(_cell(row["recoveries"].get(name)) for name in strategies),
-            _cell(row["notes_depth"], 2),
-            f"{_cell(row['read_heads'])} of {details['heads']}",
-            _cell(row["splice_cosine"], 4),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
+    # One column per model (at most three), one row per quantity: the table stays readable in a narrow window.
+    lines = [head, "", "| model | " + " | ".join(markdown_literal(row["model"]) for row in models) + " |", "|" + "---|" * (len(models) + 1)]
+    lines += [
+        f"| {markdown_literal(name)} | " + " | ".join(cell(row) for row in models) + " |" for name, cell in _quantities(strategies).items()
+    ]
     paper = comparison.get("paper") or []
     if paper:
         shares = ", ".join(f"{markdown_literal(p['model'])} {p['notes_share']:.3f}" for p in paper)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
+from engine.cache.decision import RECOVERY_WORDS
 from engine.edit.report import EditReport
 from engine.edit.strategies import StrategyResult
-from viz.common import GREY, label_colours, safe_label, safe_lines
+from viz.common import GREY, LEGEND_BELOW, label_colours, safe_label, safe_lines, set_title
 
 
 def _recovery_text(result: StrategyResult, prefix: str = "R") -> str:
@@ -19,6 +20,7 @@ def _hover(result: StrategyResult) -> str:
         f"<b>{safe_label(result.name)}</b>",
         f"margin {result.decision.margin:+.3f} → {safe_label(result.decision.label)}",
         _recovery_text(result, "recovery"),
+        safe_lines(RECOVERY_WORDS),
         f"{result.tokens_recomputed} tokens recomputed, {result.ms:.1f} ms"
         + (" (share of one fused forward)" if result.ms_is_share else ""),
     ]
@@ -46,6 +48,7 @@ def strategy_figure(report: EditReport) -> go.Figure:
                 marker_color=colour,
                 text=[_recovery_text(r) for r in chosen],
                 textposition="outside",
+                cliponaxis=False,  # a label above the tallest bar stays whole
                 hovertext=[_hover(r) for r in chosen],
                 hoverinfo="text",
             )
@@ -64,22 +67,26 @@ def strategy_figure(report: EditReport) -> go.Figure:
             hovertext=[f"<b>{safe_label(r.name)}</b>: not applicable<br>{safe_lines(r.reason or '')}" for r in missing],
             hoverinfo="text",
         )
+    higher = "oracle" if oracle.margin >= stale.margin else "stale"
     for name, decision, dash in (("stale", stale, "dot"), ("oracle", oracle, "dash")):
         figure.add_hline(
             y=decision.margin,
             line={"dash": dash, "color": colours.get(decision.label, GREY)},
             annotation_text=f"{name}: {decision.margin:+.2f} ({safe_label(decision.label)})",
-            annotation_position="right",
+            annotation_position="top right" if name == higher else "bottom right",  # apart when the margins are close
         )
     first = safe_label(list(stale.scores)[0])
     figure.update_layout(
-        title=f"Edit strategies: {safe_label(report.field)} {safe_label(report.old)} → {safe_label(report.new)} "
-        f"({safe_label(report.scenario)})",
         barmode="overlay",
         xaxis={"title": "strategy", "categoryorder": "array", "categoryarray": names},
-        yaxis_title=f"decision margin (log-prob of {first} − best other)",
-        height=420,
-        legend={"orientation": "h", "y": -0.25},
-        margin={"l": 60, "r": 150, "t": 60, "b": 80},
+        yaxis_title=f"margin ({first} − best other)",  # log-probs; short enough for the plot's height
+        height=440,
+        legend=LEGEND_BELOW,
+        margin={"l": 60, "r": 150, "b": 80},
+    )
+    set_title(
+        figure,
+        f"Edit strategies: {safe_label(report.field)} {safe_label(report.old)} → {safe_label(report.new)}",
+        f"{safe_label(report.scenario)}; bar labels R: recovery (hover a bar)",
     )
     return figure

@@ -9,28 +9,20 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 
+from engine.audit.notes import NotesScenario
 from engine.cache.decision import DECISIVE_MARGIN, Decision
 from engine.cache.selftest import SelfTestReport
 from engine.checks.support import SupportRow
-from engine.compose.choice import RemedyChoice
+from engine.compose.choice import CalibrationPlan, RemedyChoice
 from engine.compose.pictures import ImageFidelity
-from engine.compose.splice import Fidelity
+from engine.compose.splice import RANKING_WORDS, REMEDY_GRAMMAR, Fidelity
+from engine.edit.strategies import REGISTRY
 from viz.common import markdown_literal
 
-REMEDY_GRAMMAR = (
-    "Parts joined by +: prefix (compile after the scenario's system prompt), seam:N, aggregators, "
-    "blend:F (CacheBlend: the fraction F of skill tokens whose layer-1 K/V deviate most from a fresh prefill run "
-    "through layers 0–1 only), query:F (the fraction F the question attends to most when it reads the plain splice), "
-    "deviation:F, causal:F (the last two rank against the full recompute: diagnostics); tail:N (each skill's last N "
-    "tokens); cover:M (with blend or query: stop once the share M of the ranking's score is covered)."
+AUTO_WORDS = (
+    f"auto: this model's own calibration, measured once per model and device ({CalibrationPlan().words()}): it shows "
+    "each step with the time left as estimated from the steps measured so far, and Cancel stops it."
 )
-AUTO_WORDS = "auto: this model's own calibration (measured once: about 8 minutes for the 0.5B model on a 2-core CPU)."
-RANKINGS = {  # a ranked selection: which skill tokens its fraction recomputes
-    "blend": "whose layer-1 K/V sit farthest from a fresh prefill (CacheBlend)",
-    "query": "the question attends to most when it reads the plain splice",
-    "deviation": "whose K/V deviate most from the full recompute (a diagnostic)",
-    "causal": "with the largest causal effect on the decision (a diagnostic)",
-}
 
 
 def shown_kl(value: float) -> float:
@@ -78,7 +70,6 @@ def memory_markdown(profile: Mapping, loaded: Sequence[str], rss_bytes: int, sha
         f"{', default pinned' if profile['pin_default_model'] else ''}) · process RSS {mb(rss_bytes)}",
         f"**Sessions** {kept['sessions']} holding {mb(kept['bytes'])} of {mb(kept['budget_bytes'])} (idle ones dropped after "
         f"{kept['ttl_s'] / 60:.0f} min) · **baselines** {mb(shared['baselines'])} of {mb(profile['baseline_budget_bytes'])} · "
-        f"**composer references** {mb(shared['references'])} of {mb(profile['reference_budget_bytes'])} (per model) · "
         f"**compiled skills** {mb(shared['skills'])}",
     ]
     limits = [
@@ -92,10 +83,11 @@ def memory_markdown(profile: Mapping, loaded: Sequence[str], rss_bytes: int, sha
 
 
 # ---------------------------------------------------------------------------- notes tab
-def baseline_markdown(values: Mapping[str, str], decision: Decision, margin: float, context_tokens: int) -> str:
-    """The current decision of the prepared scenario (prefilled at its old ``values``)."""
+def baseline_markdown(values: Mapping[str, str], decision: Decision, context_tokens: int) -> str:
+    """The current decision of the prepared scenario (prefilled at its old ``values``): the run the edit reuses as its
+    stale state, so this margin is the stale card's."""
     return (
-        f"Now ({_values(values)}): the model answers **{markdown_literal(decision.label)}** (margin {margin:+.2f}); "
+        f"Now ({_values(values)}): the model answers **{markdown_literal(decision.label)}** (margin {decision.margin:+.2f}); "
         f"{context_tokens} context tokens cached."
     )
 
@@ -119,6 +111,16 @@ def knockout_markdown(positions: Sequence[int], token_texts: Sequence[str], knoc
     )
 
 
+def glossary(summaries: Mapping[str, str], names: Sequence[str] | None = None) -> str:
+    """Each name (of ``names``, default all) with its registry's one-line summary, as one plain-text info line."""
+    return " · ".join(f"{name}: {summaries[name]}" for name in (summaries if names is None else names))
+
+
+def strategy_glossary(names: Sequence[str]) -> str:
+    """The edit strategies ``names`` with their registry summaries (:func:`glossary`)."""
+    return glossary({name: REGISTRY[name].summary for name in names})
+
+
 # ---------------------------------------------------------------------------- composer tab
 def remedy_words(remedy: Mapping) -> str:
     """What a remedy (``Remedy.as_dict()``) recomputes, in words."""
@@ -130,10 +132,10 @@ def remedy_words(remedy: Mapping) -> str:
         parts.append(f"its last {remedy['tail']} tokens recomputed against their real predecessors")
     if remedy["select"] == "aggregators":
         parts.append("every aggregator token (punctuation, line breaks) recomputed")
-    elif remedy["select"] in RANKINGS:
+    elif remedy["select"] in RANKING_WORDS:
         budget = f"at most {remedy['fraction']:.0%}" if remedy.get("cover") else f"{remedy['fraction']:.0%}"
         cover = f", stopping once they hold {remedy['cover']:.0%} of the ranking's score" if remedy.get("cover") else ""
-        parts.append(f"{budget} of its other tokens recomputed: those {RANKINGS[remedy['select']]}{cover}")
+        parts.append(f"{budget} of its other tokens recomputed: those {RANKING_WORDS[remedy['select']]}{cover}")
     return "; ".join(parts) or "the stored K/V spliced as they are, nothing recomputed"
 
 
@@ -154,13 +156,13 @@ def remedy_info(default: str, stored: str | None = None, choice: RemedyChoice | 
 
 def remedy_menu(default: str, auto: str, names: Sequence[str], choice: RemedyChoice | None = None) -> list[tuple[str, str]]:
     """(label, spec) pairs: the default, ``auto``, then ``names``; a remedy the stored study measured shows its decisive
-    agreement and median speedup there."""
+    agreement and median speedup there against a full recompute, one it did not says so."""
     measured = {point.name: point for point in choice.points} if choice else {}
 
     def label(name: str) -> str:
         point = measured.get(name)
-        numbers = f" — {point.agree_decisive}/{point.decisive} agree, ×{point.speedup:.2f}" if point else ""
-        return f"{name}{numbers}{' (default)' if name == default else ''}"
+        numbers = point.numbers() if point else "not measured in the stored study yet"
+        return f"{name} — {numbers}{' (default)' if name == default else ''}"
 
     return [(label(default), default), (f"{auto} — this model's calibrated choice (measured once)", auto)] + [
         (label(name), name) for name in names if name != default
@@ -176,6 +178,20 @@ def decision_words(fidelity: Fidelity) -> str:
     return f"**decision** {'agrees' if fidelity.match.agree else 'differs'} ({labels}, {error})"
 
 
+def ttft_words(fidelity: Fidelity) -> str:
+    """Both times to first token, what each includes and how they were measured (one line of Markdown)."""
+    splice, full = fidelity.ttft["splice"], fidelity.ttft["full"]
+    rounds = f"median of {splice.reps} round{'s' if splice.reps > 1 else ''} (min {splice.min:.0f} / {full.min:.0f} ms)"
+    measured = (
+        "full recompute timed earlier in this study" if fidelity.reference_reused else f"both timed in this run, alternating, {rounds}"
+    )
+    return (
+        f"**TTFT** splice {splice.median:.0f} ms (prefill of the text around the skills + the remedy's recompute + "
+        f"reading the stored skill K/V) vs full {full.median:.0f} ms (prefill of all {fidelity.context_tokens} context tokens): "
+        f"speedup ×{fidelity.speedup:.2f} (full ÷ splice); {measured}; one-time work apart: skills compiled in {fidelity.compile_ms:.0f} ms"
+    )
+
+
 def compose_metrics_markdown(fidelity: Fidelity) -> str:
     """A splice against the full recompute: logits, decision, TTFT and what the remedy recomputed."""
     data = fidelity.as_dict()
@@ -184,10 +200,10 @@ def compose_metrics_markdown(fidelity: Fidelity) -> str:
         f"**cosine** {data['cosine']:.4f} · **KL** {shown_kl(data['kl']):.4f} · "
         f"**top-1** {'agree' if data['top1_agree'] else 'differ'} · **top-5 overlap** {data['top5_agree']:.0%} · "
         f"{decision_words(fidelity)}  \n"
-        f"**TTFT** splice {data['ttft_ms']['splice']:.0f} ms vs full {data['ttft_ms']['full']:.0f} ms (×{data['speedup']}"
-        f"{'; full recompute reused from an earlier comparison of this context' if fidelity.reference_reused else ''}) · "
+        f"{ttft_words(fidelity)} · "
         f"{data['skill_tokens']} of {data['context_tokens']} context tokens spliced; remedy {markdown_literal(fidelity.remedy.name)} "
-        f"recomputed {data['recomputed_tokens']} of them ({data['recomputed_fraction']:.1%}){ranked}"
+        f"recomputed {data['recomputed_tokens']} of them ({data['recomputed_fraction']:.1%}){ranked}  \n"
+        f"*{markdown_literal(fidelity.remedy.name)}:* {markdown_literal(remedy_words(data['remedy']))}"
     )
 
 
@@ -229,3 +245,13 @@ def study_markdown(data: Mapping) -> str:
         f"**Best deployable here:** {markdown_literal(best)}" if best else "**No deployable remedy agrees on every decisive case here.**"
     )
     return "\n".join(lines)
+
+
+def open_in_notes_markdown(notes: NotesScenario | str | None) -> str:
+    """What Open in Notes would study, said before it is offered: the model's own answers and whether the change moves
+    them, or why there is nothing to open (``notes`` is then that reason)."""
+    if notes is None:
+        return ""
+    if isinstance(notes, str):
+        return f"**Open in Notes:** nothing to open — {markdown_literal(notes)}."
+    return f"**Open in Notes:** {markdown_literal(notes.words())}"

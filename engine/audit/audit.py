@@ -12,11 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.audit.fields import Candidate, FieldChange, TurnDiff, candidate_spans, diff_requests
-from engine.audit.repairs import REPAIRS, RepairResult, Turn, content_chars, reference, run_repair
+from engine.audit.repairs import REPAIRS, Fidelity, Reference, RepairResult, Turn, content_chars, reference, run_repair
 from engine.audit.requests import RenderedRequest, Request, RequestLogError, render_request
 from engine.cache.loaded import LoadedModel
 from engine.cache.notebook import Notebook
-from engine.progress import StepProgress, ticker
+from engine.progress import StepProgress, Tick, ticker
 
 DEFAULT_THRESHOLD = 0.05  # nats of KL divergence of the next-token distribution
 DEFAULT_MIN_AGREEMENT = 0.9  # of the greedy tokens generated from the state and from the clean prefill
@@ -44,6 +44,7 @@ class AuditTurn:
     full_ttft_ms: float | None
     repairs: dict[str, RepairResult]
     recommendation: Recommendation | None
+    matched_request: int | None = None  # the earlier request it was compared with (None for the first)
 
     @property
     def fields(self) -> tuple[FieldChange, ...]:
@@ -53,6 +54,7 @@ class AuditTurn:
         diff = self.diff
         return {
             "request": self.request,
+            "matched_request": self.matched_request,
             "tokens": self.tokens,
             "common_prefix_tokens": diff.common_prefix_tokens if diff else 0,
             "block_prefix_tokens": diff.block_prefix_tokens if diff else 0,
@@ -122,20 +124,40 @@ def audit_requests(
     diffs = [diff_requests(old, new) for old, new in zip(rendered, rendered[1:])]
     tick = ticker(progress, len(diffs) * (len(names) + 1))
     turns = [AuditTurn(rendered[0].request.index, len(rendered[0]), None, None, {}, None)]
-    cached = Notebook.prefill(lm, list(rendered[0].token_ids), "request").materialized() if diffs else None
+    cached = Notebook.prefill(lm, list(rendered[0].ids), "request").materialized() if diffs else None
+    settings = MeasureSettings(names, tokens, threshold, min_agreement, grain, max_tokens)
     for old, new, diff in zip(rendered, rendered[1:], diffs):
-        turn = Turn(lm, old, new, diff, cached, tokens, grain, max_tokens)
-        clean = reference(lm, new, tokens)
+        turn, clean = measure_turn(Turn(lm, old, new, diff, cached, tokens, grain, max_tokens), settings, tick)
         cached = clean.notebook  # the server now holds this request
-        tick()
-        results = {}
-        for name in names:
-            results[name] = run_repair(name, turn, clean)
-            tick()
-        turns.append(AuditTurn(new.request.index, len(new), diff, clean.ttft_ms, results, recommend(results, threshold, min_agreement)))
+        turns.append(turn)
     return AuditReport(
         lm.fingerprint.name, lm.fingerprint.dtype, threshold, min_agreement, tokens, names, grain, tuple(turns), tuple(rendered)
     )
+
+
+@dataclass(frozen=True)
+class MeasureSettings:
+    """What every measured turn runs: the repairs (``check_repairs``), greedy tokens, and the recommendation's bars."""
+
+    repairs: tuple[str, ...]
+    tokens: int = DEFAULT_TOKENS
+    threshold: float = DEFAULT_THRESHOLD
+    min_agreement: float = DEFAULT_MIN_AGREEMENT
+    grain: str | None = None
+    max_tokens: int | None = None
+
+
+def measure_turn(turn: Turn, settings: MeasureSettings, tick: Tick = lambda: None) -> tuple[AuditTurn, Reference]:
+    """One turn measured: the clean prefill of the newer request, then every repair against it (one tick each)."""
+    clean = reference(turn.lm, turn.new, settings.tokens)
+    tick()
+    results = {}
+    for name in settings.repairs:
+        results[name] = run_repair(name, turn, clean)
+        tick()
+    recommendation = recommend(results, settings.threshold, settings.min_agreement)
+    index = turn.new.request.index
+    return AuditTurn(index, len(turn.new), turn.diff, clean.ttft_ms, results, recommendation, turn.old.request.index), clean
 
 
 def audit_value(
@@ -161,18 +183,46 @@ def candidates(lm: LoadedModel, request: Request) -> tuple[RenderedRequest, list
     return rendered, candidate_spans(rendered)
 
 
+@dataclass(frozen=True)
+class Bars:
+    """What a repair must hold to be recommended: the user's thresholds, widened to the noise floor where the exact
+    reference itself misses them (``recompute`` — the prefix from the cache, the rest computed — against the clean
+    prefill differs by rounding in a low-precision dtype)."""
+
+    kl: float
+    min_agreement: float
+    floor: Fidelity
+
+    @classmethod
+    def of(cls, results: dict[str, RepairResult], threshold: float, min_agreement: float) -> Bars:
+        floor = results["recompute"].fidelity
+        return cls(max(threshold, floor.kl), min(min_agreement, floor.generation_agreement), floor)
+
+    def holds(self, result: RepairResult) -> bool:
+        fidelity = result.fidelity
+        return fidelity.kl <= self.kl and fidelity.top1_agree and fidelity.generation_agreement >= self.min_agreement
+
+    def words(self, threshold: float, min_agreement: float) -> str:
+        """The noise floor, and the bars where it widened them."""
+        floor = f"noise floor (recompute vs the clean prefill): KL {self.floor.kl:.3g}, {self.floor.generation_agreement:.0%} agreeing"
+        widened = [
+            *([f"KL ≤ {self.kl:.3g} instead of {threshold:g}"] if self.kl > threshold else []),
+            *([f"≥ {self.min_agreement:.0%} agreeing instead of {min_agreement:.0%}"] if self.min_agreement < min_agreement else []),
+        ]
+        return floor + (f"; repairs are judged against it ({', '.join(widened)})" if widened else "")
+
+
 def recommend(results: dict[str, RepairResult], threshold: float, min_agreement: float = DEFAULT_MIN_AGREEMENT) -> Recommendation:
     """The repair computing the fewest tokens (then the fastest) whose KL stays ≤ ``threshold`` with the same top token
-    and at least ``min_agreement`` of its greedy tokens agreeing (``recompute`` always qualifies: it is exact)."""
-    within = [r for r in results.values() if r.applicable and _within(r, threshold, min_agreement)] or [results["recompute"]]
+    and at least ``min_agreement`` of its greedy tokens agreeing, both widened to the noise floor (:class:`Bars`);
+    ``recompute`` always qualifies: it is the exact reference."""
+    bars = Bars.of(results, threshold, min_agreement)
+    within = [r for r in results.values() if r.applicable and r.name != "recompute" and bars.holds(r)] or [results["recompute"]]
     best = min(within, key=lambda r: (r.computed_tokens, r.ttft_ms))
     exact = results["recompute"]
     own = best.reused_tokens + best.computed_tokens
-    words = (
-        f"{best.name} computes {best.computed_tokens:,} of {own:,} tokens ({best.computed_tokens / own:.1%}) at KL "
-        f"{best.fidelity.kl:.3g} ≤ {threshold:g} with the same top token and {best.fidelity.generation_agreement:.0%} of "
-        f"{_generated(best)} greedy tokens agreeing (≥ {min_agreement:.0%})"
-    )
+    cost = f"{best.name} computes {best.computed_tokens:,} of {own:,} tokens ({best.computed_tokens / own:.1%})"
+    floor = bars.words(threshold, min_agreement)
     if best.name == "recompute":
         misses = [r for r in results.values() if r.applicable and r.name != "recompute"]
         worst = "; ".join(
@@ -180,13 +230,14 @@ def recommend(results: dict[str, RepairResult], threshold: float, min_agreement:
             + ("" if r.fidelity.top1_agree else ", top token differs")
             for r in misses
         )
-        return Recommendation("recompute", words + (f"; every cheaper repair drifts past the threshold ({worst})" if misses else ""))
+        words = f"{cost}: the exact reference; {floor}"
+        return Recommendation("recompute", words + (f"; every cheaper repair drifts past the bars ({worst})" if misses else ""))
+    words = (
+        f"{cost} at KL {best.fidelity.kl:.3g} ≤ {bars.kl:.3g} with the same top token and {best.fidelity.generation_agreement:.0%} "
+        f"of {_generated(best)} greedy tokens agreeing (≥ {bars.min_agreement:.0%}); {floor}"
+    )
     saved = exact.computed_tokens - best.computed_tokens
     return Recommendation(best.name, words + f"; recompute would compute {exact.computed_tokens:,} ({saved:,} more)")
-
-
-def _within(result: RepairResult, threshold: float, min_agreement: float) -> bool:
-    return result.fidelity.kl <= threshold and result.fidelity.top1_agree and result.fidelity.generation_agreement >= min_agreement
 
 
 def _generated(result: RepairResult) -> int:

@@ -32,7 +32,15 @@ from engine.edit.erratum import DEFAULT_ERRATUM, erratum_text
 from engine.errors import KVScopeError
 from engine.timing import Stopwatch
 
-REPAIRS = ("recompute", "in_place", "erratum", "field_erratum", "hoist", "coarsen")
+REPAIR_SUMMARIES = {  # one plain line per repair (the table above; the app shows these beside the names)
+    "recompute": "recompute everything from the first changed token, reusing the common prefix (exact: the reference)",
+    "in_place": "recompute only the changed fields' tokens; later tokens keep their stale K/V",
+    "erratum": "keep the older request's cache and append a [STATE UPDATE] line with the new values",
+    "field_erratum": "recompute the fields' tokens in place and append the [STATE UPDATE] line",
+    "hoist": "move the changing lines to the end of the last message, so the prefix before them stays cached",
+    "coarsen": "round the date-time to a coarser grain, so the cached prefix survives while it does not change",
+}
+REPAIRS = tuple(REPAIR_SUMMARIES)
 GRAINS = ("date", "hour", "minute")
 _DATETIME = re.compile(r"(\d{4}-\d{2}-\d{2})(?:[T ](\d{1,2}):(\d{2})(?::\d{2}(?:\.\d+)?)?)?(Z|[+-]\d{2}:?\d{2})?")
 
@@ -132,13 +140,13 @@ def read_state(
     context = prefix.append(list(rest[:-1]), "request") if len(rest) > 1 else prefix
     state, logits = context.step([rest[-1]], "request")
     first = watch.ms
-    _, generated = state.greedy(logits, tokens, _stop_ids(lm))
+    _, generated = state.greedy(logits, tokens, lm.stop_ids)
     return torch.log_softmax(logits.float(), -1), tuple(generated), first, state
 
 
 def reference(lm: LoadedModel, request: RenderedRequest, tokens: int) -> Reference:
     """The clean prefill of a request."""
-    logprobs, generated, ms, state = read_state(lm, Notebook.empty(lm), request.token_ids, tokens)
+    logprobs, generated, ms, state = read_state(lm, Notebook.empty(lm), request.ids, tokens)
     return Reference(logprobs, generated, ms, state)
 
 
@@ -171,14 +179,14 @@ Built = tuple[Notebook, tuple[int, ...], dict]
 
 
 def _recompute(turn: Turn) -> Built:
-    return _prefix_cached(turn, turn.old.token_ids, turn.new.token_ids)
+    return _prefix_cached(turn, turn.old.ids, turn.new.ids)
 
 
 def _prefix_cached(turn: Turn, cached: Sequence[int], target: Sequence[int]) -> Built:
     """Exact prefix caching: the common prefix reused (at least the last token is run), the rest computed. The
     older request's own cache is cut to that prefix; a rewritten one (hoisted, coarsened) is prefilled first."""
     keep = min(common_prefix(tuple(cached), tuple(target)), len(target) - 1)
-    source = turn.cached if tuple(cached) == turn.old.token_ids else Notebook.prefill(turn.lm, list(target[:keep]), "request")
+    source = turn.cached if tuple(cached) == turn.old.ids else Notebook.prefill(turn.lm, list(target[:keep]), "request")
     return source.prefix(keep), tuple(target[keep:]), {}
 
 
@@ -191,11 +199,11 @@ def _edited_in_place(turn: Turn, target: RenderedRequest) -> Built:
     whatever follows in ``target`` after the older request's shared part."""
     if not turn.diff.fields:
         raise RepairNotApplicable("no field changed inside shared content (only growth): nothing to edit in place")
-    old, fields = turn.old.token_ids, sorted(turn.diff.fields, key=lambda c: -c.old_start)
+    old, fields = turn.old.ids, sorted(turn.diff.fields, key=lambda c: -c.old_start)
     edited = list(old[: turn.diff.old_growth_start])
     for change in fields:
-        edited[change.old_start : change.old_end] = turn.new.token_ids[change.start : change.end]
-    shared = min(common_prefix(tuple(edited), target.token_ids), len(target) - 1)  # the last token is always run
+        edited[change.old_start : change.old_end] = turn.new.ids[change.start : change.end]
+    shared = min(common_prefix(tuple(edited), target.ids), len(target) - 1)  # the last token is always run
     if any(change.end > shared for change in fields):
         raise RepairNotApplicable(
             f"the edited cache leaves the target at token {shared}, before a field's end: the fields' tokens do not line up in place"
@@ -204,9 +212,9 @@ def _edited_in_place(turn: Turn, target: RenderedRequest) -> Built:
     cached = turn.cached.prefix(keep)
     for change in fields:
         cached = cached.replace(
-            range(change.old_start, change.old_end), list(turn.new.token_ids[change.start : change.end]), f"field:{change.name}"
+            range(change.old_start, change.old_end), list(turn.new.ids[change.start : change.end]), f"field:{change.name}"
         )
-    return cached, target.token_ids[shared:], {}
+    return cached, target.ids[shared:], {}
 
 
 def _with_erratum(turn: Turn, values: str) -> Request:
@@ -240,7 +248,7 @@ def _erratum(turn: Turn) -> Built:
     if not turn.diff.fields:
         raise RepairNotApplicable("no field changed: there is nothing to state")
     target = turn.render(_with_erratum(turn, "old"))
-    return _prefix_cached(turn, turn.old.token_ids, target.token_ids)
+    return _prefix_cached(turn, turn.old.ids, target.ids)
 
 
 def _field_erratum(turn: Turn) -> Built:
@@ -271,7 +279,7 @@ def _hoist(turn: Turn) -> Built:
         raise RepairNotApplicable("the changed value is already in the last message")
     cached = turn.render(_hoisted(turn, turn.old, lambda change: change.old))
     target = turn.render(_hoisted(turn, turn.new, lambda change: change.new))
-    built = _prefix_cached(turn, cached.token_ids, target.token_ids)
+    built = _prefix_cached(turn, cached.ids, target.ids)
     return built[0], built[1], {"prompt_changed": True}
 
 
@@ -305,7 +313,7 @@ def _coarsen(turn: Turn) -> Built:
             contents[change.message] = contents[change.message][:start] + value + contents[change.message][end:]
     cached = turn.render(turn.old.request.with_contents(contents_old))
     target = turn.render(turn.new.request.with_contents(contents_new))
-    built = _prefix_cached(turn, cached.token_ids, target.token_ids)
+    built = _prefix_cached(turn, cached.ids, target.ids)
     return built[0], built[1], {"prompt_changed": True, "grain": turn.grain, "coarse_values": news}
 
 
@@ -317,8 +325,3 @@ _BUILDERS: dict[str, Callable[[Turn], Built]] = {
     "hoist": _hoist,
     "coarsen": _coarsen,
 }
-
-
-def _stop_ids(lm: LoadedModel) -> tuple[int, ...]:
-    eos = lm.tokenizer.eos_token_id
-    return () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)

@@ -1,23 +1,32 @@
-"""Requests as a server receives them: a request log (OpenAI chat or completions format) or one prompt, parsed
-strictly, and rendered with the loaded model's own chat template into the tokens a server would cache.
+"""Requests as a server receives them: a request log in any format gateways record (``formats``) or one prompt,
+read as OpenAI chat (or completions) requests, and rendered with the loaded model's own chat template (tools, tool
+calls and tool results included) into the tokens a server would cache. A log's texts are tokenized line by line,
+each distinct line once, where that gives the same tokens as the whole text (``TextEncoder``).
 
-Accepted: JSONL (one request a line) or a JSON array of requests; a request is ``{"messages": [{"role", "content"}]}``
-(``content`` a string or a list of ``{"type": "text", "text": ...}`` parts) or ``{"prompt": "..."}``
-(``/v1/completions``: no chat template). One prompt may be plain text (one user message) or messages JSON. Every
-error names the line, the request, the message and the reason, and nothing is kept from a log that fails.
+Accepted: JSONL (one record a line) or a JSON array of records. ``read_log`` skips a malformed record and names it
+(line, key, reason) while the rest is read; ``parse_log`` is strict: the first malformed record fails the whole log.
+One prompt may be plain text (one user message) or messages JSON. Every error names the line, the request, the key
+and the reason.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
+import numpy as np
+
+from engine.audit.formats import AUTO, RecordError, read_record, text_of
 from engine.cache.loaded import LoadedModel
 from engine.errors import KVScopeError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+RENDER_BATCH = 256  # texts tokenized together (their new lines in one call of the fast tokenizer)
 
 
 class RequestLogError(KVScopeError):
@@ -25,21 +34,67 @@ class RequestLogError(KVScopeError):
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """One tool call of an assistant message; ``arguments`` as logged (JSON text)."""
+
+    id: str | None
+    name: str
+    arguments: str
+
+    def template_dict(self) -> dict:
+        """The call as chat templates read it: arguments parsed to an object when they are JSON (as vLLM does)."""
+        try:
+            arguments = json.loads(self.arguments)
+        except json.JSONDecodeError:
+            arguments = self.arguments
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": arguments}}
+
+
+@dataclass(frozen=True)
 class Message:
-    """One chat message with text content."""
+    """One chat message: text content, and for agents its tool calls, the tool call it answers and a name."""
 
     role: str
     content: str
+    name: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+
+    def template_dict(self) -> dict:
+        """The message as ``apply_chat_template`` reads it (only the keys it carries)."""
+        message: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.template_dict() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+@dataclass(frozen=True)
+class CacheBreakpoint:
+    """Where a request asked the provider to cache (Anthropic ``cache_control``): after ``chars`` characters of
+    message ``message``'s content, or after the tool definitions (``message`` None)."""
+
+    label: str
+    message: int | None
+    chars: int
 
 
 @dataclass(frozen=True)
 class Request:
-    """One request of a log: chat ``messages``, or a completions ``prompt`` (exactly one of them)."""
+    """One request of a log: chat ``messages`` (with ``tools``, each as its logged JSON text), or a completions
+    ``prompt`` (exactly one of them), with the session key it carries and the format it was recorded in."""
 
     index: int  # 1-based, in log order
     line: int  # 1-based line of the log it starts on
     messages: tuple[Message, ...] | None = None
     prompt: str | None = None
+    tools: tuple[str, ...] = ()
+    session: str | None = None
+    format: str = "openai_chat"
+    breakpoints: tuple[CacheBreakpoint, ...] = ()
 
     @property
     def where(self) -> str:
@@ -48,36 +103,77 @@ class Request:
     def with_contents(self, contents: Sequence[str]) -> Request:
         """The same request with each message's (or the prompt's) text replaced."""
         if self.messages is None:
-            return Request(self.index, self.line, prompt=contents[0])
-        return Request(self.index, self.line, tuple(Message(m.role, text) for m, text in zip(self.messages, contents, strict=True)))
+            return dataclasses.replace(self, prompt=contents[0])
+        messages = tuple(dataclasses.replace(m, content=text) for m, text in zip(self.messages, contents, strict=True))
+        return dataclasses.replace(self, messages=messages)
 
     @property
     def contents(self) -> tuple[str, ...]:
         return (self.prompt,) if self.messages is None else tuple(m.content for m in self.messages)
 
+    def tool_definitions(self) -> list[dict]:
+        """The tools as objects, in their logged order."""
+        return [json.loads(tool) for tool in self.tools]
 
-def parse_log(text: str) -> list[Request]:
-    """Every request of a JSONL log or a JSON array of requests."""
-    stripped = text.strip()
-    if not stripped:
-        raise RequestLogError("the log is empty: paste one JSON request per line, or a JSON array of requests")
-    if stripped.startswith("["):
+
+@dataclass(frozen=True)
+class Skipped:
+    """A record left out of the audit, named by its line and key."""
+
+    line: int
+    key: str
+    reason: str
+
+    @property
+    def message(self) -> str:
+        return _named(f"line {self.line}", self.key, self.reason)
+
+    def as_dict(self) -> dict:
+        return {"line": self.line, "key": self.key, "reason": self.reason}
+
+
+@dataclass(frozen=True)
+class RequestLog:
+    """The requests read from a log, the records skipped (by name), and how many requests each format gave."""
+
+    requests: tuple[Request, ...]
+    skipped: tuple[Skipped, ...]
+    formats: dict[str, int]
+
+
+def read_log(text: str, fmt: str = AUTO) -> RequestLog:
+    """Every readable request of a JSONL log or a JSON array of records; each malformed record skipped by name."""
+    requests: list[Request] = []
+    skipped: list[Skipped] = []
+    for line, item in _records(text):
         try:
-            items = json.loads(stripped)
-        except json.JSONDecodeError as error:
-            raise RequestLogError(f"line {error.lineno} is not JSON: {error.msg} (column {error.colno})") from None
-        starts = _array_item_lines(stripped, len(items))
-        return [_request(item, index, line) for index, (item, line) in enumerate(zip(items, starts), 1)]
-    requests = []
-    for line_number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
+            if isinstance(item, json.JSONDecodeError):
+                raise RecordError("", f"is not JSON: {item.msg} (column {item.colno})")
+            read = read_record(item, fmt)
+            built = [_request(request, len(requests) + number, line) for number, request in enumerate(read, 1)]
+        except RecordError as error:
+            skipped.append(Skipped(line, error.key, error.reason))
             continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise RequestLogError(f"line {line_number} is not JSON: {error.msg} (column {error.colno})") from None
-        requests.append(_request(item, len(requests) + 1, line_number))
-    return requests
+        requests.extend(built)
+    formats: dict[str, int] = {}
+    for request in requests:
+        formats[request.format] = formats.get(request.format, 0) + 1
+    return RequestLog(tuple(requests), tuple(skipped), formats)
+
+
+def parse_log(text: str, fmt: str = AUTO) -> list[Request]:
+    """Every request of a log, strictly: the first malformed record fails it, named by line, request and key."""
+    log = read_log(text, fmt)
+    if log.skipped:
+        first = log.skipped[0]
+        index = sum(request.line < first.line for request in log.requests) + 1
+        where = f"line {first.line}" if first.reason.startswith("is not JSON") else f"line {first.line} (request {index})"
+        raise RequestLogError(_named(where, first.key, first.reason))
+    return list(log.requests)
+
+
+def _named(where: str, key: str, reason: str) -> str:
+    return f"{where}, {key}: {reason}" if key else f"{where} {reason}"
 
 
 def parse_prompt(text: str) -> Request:
@@ -90,11 +186,33 @@ def parse_prompt(text: str) -> Request:
             item = json.loads(stripped)
         except json.JSONDecodeError:
             item = None
-        if isinstance(item, list):
-            return _request({"messages": item}, 1, 1)
-        if isinstance(item, dict):
-            return _request(item, 1, 1)
+        if isinstance(item, list | dict):
+            try:
+                return _request(read_record({"messages": item} if isinstance(item, list) else item)[0], 1, 1)
+            except RecordError as error:
+                raise RequestLogError(_named("line 1 (request 1)", error.key, error.reason)) from None
     return Request(1, 1, (Message("user", text),))
+
+
+def _records(text: str) -> list[tuple[int, Any]]:
+    """(line, parsed record or its JSON error) for each record of a JSONL log or a JSON array."""
+    stripped = text.strip()
+    if not stripped:
+        raise RequestLogError("the log is empty: paste one JSON request per line, or a JSON array of requests")
+    if stripped.startswith("["):
+        try:
+            items = json.loads(stripped)
+        except json.JSONDecodeError as error:
+            raise RequestLogError(f"line {error.lineno} is not JSON: {error.msg} (column {error.colno})") from None
+        return list(zip(_array_item_lines(stripped, len(items)), items))
+    records = []
+    for line_number, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                records.append((line_number, json.loads(line)))
+            except json.JSONDecodeError as error:
+                records.append((line_number, error))
+    return records
 
 
 def _array_item_lines(text: str, count: int) -> list[int]:
@@ -108,88 +226,213 @@ def _array_item_lines(text: str, count: int) -> list[int]:
     return lines
 
 
-def _request(item: Any, index: int, line: int) -> Request:
-    where = f"line {line} (request {index})"
-    if not isinstance(item, dict):
-        raise RequestLogError(f"{where} is a JSON {type(item).__name__}, not a request object")
-    if "messages" in item:
-        messages = item["messages"]
-        if not isinstance(messages, list) or not messages:
-            raise RequestLogError(f"{where}: 'messages' must be a non-empty list")
-        return Request(index, line, tuple(_message(message, where, number) for number, message in enumerate(messages, 1)))
-    if isinstance(item.get("prompt"), str):
-        return Request(index, line, prompt=item["prompt"])
-    raise RequestLogError(f"{where} has no 'messages' (chat completions) and no 'prompt' string (completions)")
+def _request(item: dict, index: int, line: int) -> Request:
+    """A Request from one OpenAI-shaped request (``formats.read_record``'s output)."""
+    common = {"session": item.get("session"), "format": item.get("format", "openai_chat")}
+    if "prompt" in item:
+        return Request(index, line, prompt=item["prompt"], **common)
+    messages = item["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise RecordError("messages", "must be a non-empty list")
+    parsed = tuple(_message(message, number) for number, message in enumerate(messages, 1))
+    tools = item.get("tools") or []
+    if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+        raise RecordError("tools", "must be a list of tool objects")
+    breakpoints = tuple(CacheBreakpoint(*mark) for mark in item.get("breakpoints", ()))
+    encoded = tuple(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    return Request(index, line, parsed, tools=encoded, breakpoints=breakpoints, **common)
 
 
-def _message(message: Any, where: str, number: int) -> Message:
-    at = f"{where}, message {number}"
+def _message(message: Any, number: int) -> Message:
+    at = f"message {number}"
     if not isinstance(message, dict):
-        raise RequestLogError(f"{at} is not an object")
+        raise RecordError(at, "is not an object")
     role = message.get("role")
+    if role == "function":  # the legacy functions API: a tool result named by its function
+        role = "tool"
     if role not in ROLES:
-        raise RequestLogError(f"{at}: unknown role {role!r}; expected one of {', '.join(ROLES)}")
-    content = message.get("content")
-    if content is None:
-        return Message(role, "")
-    if isinstance(content, str):
-        return Message(role, content)
-    if not isinstance(content, list):
-        raise RequestLogError(f"{at}: content must be a string or a list of text parts, got {type(content).__name__}")
-    texts = []
-    for part_number, part in enumerate(content, 1):
-        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise RequestLogError(f"{at}, part {part_number}: a {kind!r} content part is not text; KVScope audits text only")
-        texts.append(part["text"])
-    return Message(role, "".join(texts))
+        raise RecordError(at, f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
+    content = text_of(message.get("content"), at)
+    calls = message.get("tool_calls") or ([{"function": message["function_call"]}] if message.get("function_call") else [])
+    if not isinstance(calls, list):
+        raise RecordError(f"{at} tool_calls", f"must be a list, got {type(calls).__name__}")
+    name = message.get("name")
+    call_id = message.get("tool_call_id")
+    return Message(
+        role,
+        content,
+        name if isinstance(name, str) else None,
+        tuple(_tool_call(call, f"{at} tool_calls {k}") for k, call in enumerate(calls, 1)),
+        call_id if isinstance(call_id, str) else None,
+    )
 
 
-@dataclass(frozen=True)
+def _tool_call(call: Any, at: str) -> ToolCall:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise RecordError(at, "a tool call needs a function with a 'name'")
+    arguments = function.get("arguments", "")
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(call.get("id") if isinstance(call.get("id"), str) else None, function["name"], arguments)
+
+
+@dataclass(frozen=True, eq=False)
 class RenderedRequest:
     """A request as tokens: the rendered text, its token ids, each token's character span, and which message's
-    content each token belongs to (-1: the chat template's own tokens)."""
+    content each token belongs to (-1: the chat template's own tokens: role markers, tool definitions, tool calls)."""
 
     request: Request
     text: str
-    token_ids: tuple[int, ...]
-    offsets: tuple[tuple[int, int], ...]
-    owners: tuple[int, ...]
+    token_ids: np.ndarray  # (tokens,) int32
+    offsets: np.ndarray  # (tokens, 2) int32: each token's characters [start, end) of ``text``
+    owners: np.ndarray  # (tokens,) int32
     content_spans: tuple[tuple[int, int], ...]  # each message's content, as characters of ``text``
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
+    @cached_property
+    def ids(self) -> tuple[int, ...]:
+        """The token ids as Python ints (what the notebook and any comparison take)."""
+        return tuple(self.token_ids.tolist())
+
     def tokens_in(self, start: int, end: int) -> range:
         """Tokens overlapping characters [start, end) (the token holding ``start`` for an empty span)."""
-        hits = [i for i, (a, b) in enumerate(self.offsets) if a < max(end, start + 1) and b > start]
-        if not hits:
+        first = int(np.searchsorted(self.offsets[:, 1], start, side="right"))  # the first token ending after start
+        stop = int(np.searchsorted(self.offsets[:, 0], max(end, start + 1), side="left"))
+        if first >= stop:
             raise RequestLogError(f"{self.request.where}: no token covers characters {start}..{end}")
-        return range(hits[0], hits[-1] + 1)
+        return range(first, stop)
 
 
 def render_request(lm: LoadedModel, request: Request, max_tokens: int | None = None) -> RenderedRequest:
     """The request through the model's chat template (a completions prompt as it is), tokenized as a server would."""
-    tokenizer = lm.tokenizer
+    rendered = render_batch(lm.tokenizer, [request], max_tokens or _context_limit(lm), lm.name)[0]
+    if isinstance(rendered, RequestLogError):
+        raise rendered
+    return rendered
+
+
+def render_batch(
+    tokenizer: Any, requests: Sequence[Request], limit: int, model: str = "this model"
+) -> list[RenderedRequest | RequestLogError]:
+    """Every request rendered, the texts tokenized together by the fast tokenizer; a request that cannot be rendered
+    (or exceeds ``limit`` tokens) gets its error in its place."""
+    texts: list[str | RequestLogError] = []
+    spans: list[tuple[tuple[int, int], ...]] = []
+    for request in requests:
+        try:
+            text = _template_text(tokenizer, request, model)
+            texts.append(text)
+            spans.append(((0, len(text)),) if request.messages is None else _locate_contents(text, request))
+        except RequestLogError as error:
+            texts.append(error)
+            spans.append(())
+    good = [i for i, text in enumerate(texts) if isinstance(text, str)]
+    out: list[RenderedRequest | RequestLogError] = [text for text in texts]  # errors stay in place
+    encoder = TextEncoder(tokenizer)
+    for begin in range(0, len(good), RENDER_BATCH):
+        chunk = good[begin : begin + RENDER_BATCH]
+        for i, (ids, offsets) in zip(chunk, encoder.encode([texts[i] for i in chunk])):
+            request = requests[i]
+            if len(ids) > limit:
+                out[i] = RequestLogError(f"{request.where} is {len(ids):,} tokens, longer than the context limit of {limit:,}")
+            else:
+                out[i] = RenderedRequest(request, texts[i], ids, offsets, _owners(offsets, spans[i]), spans[i])
+    return out
+
+
+def template_messages(request: Request) -> list[dict]:
+    """The messages as ``apply_chat_template`` takes them."""
+    return [message.template_dict() for message in request.messages]
+
+
+def _template_text(tokenizer: Any, request: Request, model: str) -> str:
     if request.messages is None:
-        text, spans = request.prompt, ((0, len(request.prompt)),)
-    else:
-        if not getattr(tokenizer, "chat_template", None):
-            raise RequestLogError(
-                f"{request.where}: {lm.name} has no chat template, so chat requests cannot be rendered; "
-                'use completions requests ({"prompt": ...})'
-            )
-        text = tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in request.messages], tokenize=False, add_generation_prompt=True
+        return request.prompt
+    if not getattr(tokenizer, "chat_template", None):
+        raise RequestLogError(
+            f"{request.where}: {model} has no chat template, so chat requests cannot be rendered; "
+            'use completions requests ({"prompt": ...})'
         )
-        spans = _locate_contents(text, request)
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    offsets = tuple((int(a), int(b)) for a, b in encoded["offset_mapping"])
-    owners = tuple(_owner(a, b, spans) for a, b in offsets)
-    limit = max_tokens or _context_limit(lm)
-    if len(encoded["input_ids"]) > limit:
-        raise RequestLogError(f"{request.where} is {len(encoded['input_ids']):,} tokens, longer than the context limit of {limit:,}")
-    return RenderedRequest(request, text, tuple(encoded["input_ids"]), offsets, owners, spans)
+    try:
+        return tokenizer.apply_chat_template(
+            template_messages(request), tools=request.tool_definitions() or None, tokenize=False, add_generation_prompt=True
+        )
+    except Exception as error:  # a template's own refusal (raise_exception), e.g. roles that do not alternate
+        raise RequestLogError(f"{request.where}: the chat template refuses this request: {error}") from None
+
+
+def _encode_whole(tokenizer: Any, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Token ids and character offsets of each text, without special tokens (the template wrote them)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        encodings = backend.encode_batch(texts, add_special_tokens=False)
+        pairs = [(encoding.ids, encoding.offsets) for encoding in encodings]
+    else:
+        encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+        pairs = list(zip(encoded["input_ids"], encoded["offset_mapping"]))
+    return [(np.asarray(ids, dtype=np.int32), np.asarray(offsets, dtype=np.int32).reshape(-1, 2)) for ids, offsets in pairs]
+
+
+class TextEncoder:
+    """Token ids and character offsets of rendered texts, each distinct line tokenized once.
+
+    A log's requests repeat most of their text: the system prompt, the tools, and every earlier turn of their
+    session. So each text is cut at its line starts (after a run of newlines, before a non-space character) and each
+    distinct line is tokenized once, however many requests hold it. That is exact only where no token spans a line
+    start: byte-level BPE tokenizers (GPT-2, Llama 3, Qwen) split there before any merge. It is checked on probes
+    when the encoder is built, and each batch's first text is also tokenized whole and compared; on any difference
+    (e.g. a SentencePiece tokenizer that prefixes a word with "▁" at the start of a text) the encoder tokenizes
+    whole texts from then on (``by_lines`` False)."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self.by_lines = backend is not None and _splits_at_line_starts(tokenizer)
+        self._lines: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # line -> its token ids and offsets
+
+    def encode(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        if not self.by_lines:
+            return _encode_whole(self.tokenizer, texts)
+        cuts = [_cut_at_line_starts(text) for text in texts]
+        new = list(dict.fromkeys(line for _, lines in cuts for line in lines if line not in self._lines))
+        self._lines.update(zip(new, _encode_whole(self.tokenizer, new)))
+        joined = [self._joined(starts, lines) for starts, lines in cuts]
+        if joined and not _same_encoding(joined[0], _encode_whole(self.tokenizer, texts[:1])[0]):
+            self.by_lines = False
+            return _encode_whole(self.tokenizer, texts)
+        return joined
+
+    def _joined(self, starts: list[int], lines: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        parts = [self._lines[line] for line in lines]
+        shift = np.repeat(np.asarray(starts, dtype=np.int32), [len(ids) for ids, _ in parts])
+        return np.concatenate([ids for ids, _ in parts]), np.concatenate([offsets for _, offsets in parts]) + shift[:, None]
+
+
+_LINE_START = re.compile(r"\n(?=\S)")
+# Probes of the line-start property: texts ending in newlines, then texts starting with each kind of character.
+_PROBE_HEADS = ("word\n", "a.\n", "x \n", "1\n\n", "}\n", " \n\n", "<|im_end|>\n", "\t\n")
+_PROBE_TAILS = ("Word", "word", '{"a": 1}', "<|im_start|>user", "12 3", "'s", "é", "-x", "# T", "中文", "_y")
+
+
+def _cut_at_line_starts(text: str) -> tuple[list[int], list[str]]:
+    """The text's lines (each ending with its newlines) and where each starts."""
+    starts = [0, *(match.end() for match in _LINE_START.finditer(text))]
+    return starts, [text[a:b] for a, b in zip(starts, [*starts[1:], len(text)])]
+
+
+def _same_encoding(a: tuple[np.ndarray, np.ndarray], b: tuple[np.ndarray, np.ndarray]) -> bool:
+    return np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1])
+
+
+def _splits_at_line_starts(tokenizer: Any) -> bool:
+    """Whether every probe tokenizes as its two halves do, cut at the line start."""
+    pairs = [(head, tail) for head in _PROBE_HEADS for tail in _PROBE_TAILS]
+    whole = _encode_whole(tokenizer, [head + tail for head, tail in pairs])
+    alone = dict(zip((*_PROBE_HEADS, *_PROBE_TAILS), _encode_whole(tokenizer, [*_PROBE_HEADS, *_PROBE_TAILS])))
+    return all(ids.tolist() == [*alone[head][0].tolist(), *alone[tail][0].tolist()] for (head, tail), (ids, _) in zip(pairs, whole))
 
 
 def _locate_contents(text: str, request: Request) -> tuple[tuple[int, int], ...]:
@@ -206,11 +449,15 @@ def _locate_contents(text: str, request: Request) -> tuple[tuple[int, int], ...]
     return tuple(spans)
 
 
-def _owner(start: int, end: int, spans: Sequence[tuple[int, int]]) -> int:
-    for index, (a, b) in enumerate(spans):
-        if start < b and end > a:
-            return index
-    return -1
+def _owners(offsets: np.ndarray, spans: Sequence[tuple[int, int]]) -> np.ndarray:
+    """Per token, the first message whose content span it overlaps (-1 for none); spans are in text order."""
+    if not spans or not len(offsets):
+        return np.full(len(offsets), -1, dtype=np.int32)
+    starts, ends = np.array([a for a, _ in spans]), np.array([b for _, b in spans])
+    index = np.searchsorted(ends, offsets[:, 0], side="right")  # the first span ending after the token starts
+    clipped = np.minimum(index, len(spans) - 1)
+    inside = (index < len(spans)) & (offsets[:, 1] > starts[clipped])
+    return np.where(inside, clipped, -1).astype(np.int32)
 
 
 def _context_limit(lm: LoadedModel) -> int:

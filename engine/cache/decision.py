@@ -67,9 +67,15 @@ def decide(string_logprobs: dict[str, dict[str, float]], next_token_logits: torc
     )
 
 
+RECOVERY_WORDS = (
+    "Recovery: how far an edit moves the decision margin from the stale cache's (0) to a clean prefill's with the new "
+    "value (1); above 1 it overshoots the clean prefill's margin, below 0 it moves the margin the other way."
+)
+
+
 @dataclass(frozen=True)
 class Recovery:
-    """(s − s_stale) / (s_oracle − s_stale), or None with the reason when the gap is too small."""
+    """(s − s_stale) / (s_oracle − s_stale), or None with the reason when the gap is too small (:data:`RECOVERY_WORDS`)."""
 
     value: float | None
     reason: str | None = None

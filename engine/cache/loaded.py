@@ -147,6 +147,14 @@ class LoadedModel:
         """Layers whose cache is a running state (Mamba, linear attention): non-empty on a hybrid."""
         return adapter.recurrent_layers(self.model)
 
+    @cached_property
+    def stop_ids(self) -> tuple[int, ...]:
+        """Token ids that end a generation: the tokenizer's EOS and every EOS id of the generation config (they can
+        differ, e.g. a chat model's end-of-turn token), once each."""
+        configured = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        ids = [self.tokenizer.eos_token_id, *(configured if isinstance(configured, list) else [configured])]
+        return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
     def cache_layout(self) -> str:
         """What one token's cache entry holds per layer, in words."""
         return adapter.cache_layout(self.model.config)

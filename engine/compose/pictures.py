@@ -21,9 +21,9 @@ from engine.cache.decision import Decision, DecisionMatch, logit_agreement
 from engine.cache.loaded import LoadedModel
 from engine.cache.notebook import Notebook, NotebookError
 from engine.cache.vision import ImageError, encode_image
-from engine.compose.splice import literal, timed_median
+from engine.compose.splice import literal
 from engine.scenario import DEMOS, Scenario, render
-from engine.timing import Stopwatch
+from engine.timing import Stopwatch, side_by_side
 
 IMAGE_QUESTION = "Answer yes or no. Has the order in the picture shipped?"
 YES_NO: dict[str, tuple[str, ...]] = {"yes": ("yes", "Yes"), "no": ("no", "No")}
@@ -90,8 +90,10 @@ def compare_image(
     answers: Mapping[str, Sequence[str]] = YES_NO,
     seam: int = 0,
     reps: int = 1,
+    warmup: int = 0,
 ) -> ImageFidelity:
-    """Splice the picture's stored block after ``before`` vs recompute everything from pixels (module docstring)."""
+    """Splice the picture's stored block after ``before`` vs recompute everything from pixels (module docstring), timed
+    side by side: ``warmup`` untimed rounds, then ``reps`` timed rounds alternating both sides."""
     lm.splice_gate.require(lm)  # the self-test runs once, before anything is timed
     watch = Stopwatch()
     image = encode_image(lm, pixels, name)
@@ -128,8 +130,8 @@ def compare_image(
         notebook = Notebook.prefill(lm, prompt.context_ids[:at], prompt.context_segments[:at]).splice(block, seam=seam).append(rest)
         return notebook, notebook.read_prompt(prompt, answer_texts=answers)
 
-    (_, recomputed), full_ms = timed_median(recompute_and_read, reps)
-    (_, spliced), splice_ms = timed_median(splice_and_read, reps)
+    results, spreads = side_by_side({"full": recompute_and_read, "splice": splice_and_read}, reps=reps, warmup=warmup)
+    (_, recomputed), (_, spliced) = results["full"], results["splice"]
     return ImageFidelity(
         image=name,
         image_tokens=len(image.token_ids),
@@ -141,6 +143,6 @@ def compare_image(
         match=DecisionMatch.of(spliced, recomputed),
         spliced=spliced,
         recomputed=recomputed,
-        ttft_ms={"splice": splice_ms, "full": full_ms},
+        ttft_ms={"splice": spreads["splice"].median, "full": spreads["full"].median},
         compile_ms=compile_ms,
     )

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +50,7 @@ from engine.scenario import (
     bundled_skills,
     is_aggregator,
 )
-from engine.timing import Stopwatch, repeated
+from engine.timing import Spread, Stopwatch, side_by_side
 
 ADHOC_QUESTION = "Is the information above internally consistent? Answer yes or no."
 
@@ -162,6 +162,20 @@ SELECTIONS = ("aggregators", "blend", "query", "deviation", "causal")
 RANKED_SELECTIONS = ("blend", "query", "deviation", "causal")  # the top fraction of a ranking
 REFERENCE_SELECTIONS = ("deviation", "causal")  # ranked against the recomputed cache
 BLEND_LAYER = 1  # CacheBlend's check layer: the first whose K/V depend on other tokens
+RANKING_WORDS = {  # a ranked selection in plain words: which skill tokens its fraction recomputes
+    "blend": "whose layer-1 K/V sit farthest from a fresh prefill (CacheBlend)",
+    "query": "the question attends to most when it reads the plain splice",
+    "deviation": "whose K/V deviate most from the full recompute (a diagnostic)",
+    "causal": "with the largest causal effect on the decision (a diagnostic)",
+}
+REMEDY_GRAMMAR = (  # the remedy language in plain words (the Composer's help shows it)
+    "A remedy says which spliced skill tokens are recomputed; parts joined by +: prefix (compile each skill after the "
+    "scenario's system prompt), seam:N (each skill's first N tokens), tail:N (its last N tokens), aggregators (its "
+    "punctuation and line breaks), blend:F (the fraction F of skill tokens whose layer-1 K/V deviate most from a fresh "
+    "prefill run through layers 0–1 only: CacheBlend), query:F (the fraction F the question attends to most in the plain "
+    "splice), deviation:F and causal:F (ranked against the full recompute: diagnostics), cover:M (with blend or query: "
+    "stop once the share M of the ranking's score is covered); splice alone recomputes nothing."
+)
 
 
 @dataclass(frozen=True)
@@ -403,7 +417,7 @@ class Recomputed:
 
     notebook: Notebook
     decision: Decision
-    ms: float
+    ttft: Spread  # its time to first token, measured when it was computed
 
 
 @dataclass
@@ -421,9 +435,19 @@ class Fidelity:
     spliced: Decision
     recomputed: Decision
     deviation: torch.Tensor  # (layers, context tokens)
-    ttft_ms: dict[str, float]
-    compile_ms: float
-    reference_reused: bool = False  # the recomputed side (and its TTFT) came from an earlier comparison
+    ttft: dict[str, Spread]  # "splice", "full": wall times of the timed rounds (warm-up and skill compilation excluded)
+    compile_ms: float  # one-time work: compiling the skills' K/V (shown apart, never in the splice's TTFT)
+    reference_reused: bool = False  # the recomputed side (and its TTFT) came from an earlier comparison in the same study
+
+    @property
+    def ttft_ms(self) -> dict[str, float]:
+        """Median time to first token per side, in ms."""
+        return {side: spread.median for side, spread in self.ttft.items()}
+
+    @property
+    def speedup(self) -> float:
+        """The full recompute's median TTFT over the splice's, both measured side by side."""
+        return self.ttft["full"].median / self.ttft["splice"].median
 
     @property
     def decision_agree(self) -> bool | None:
@@ -446,7 +470,8 @@ class Fidelity:
             "recomputed": self.recomputed.as_dict(),
             "max_kv_deviation": round(float(self.deviation.max()), 6),
             "ttft_ms": {key: round(value, 1) for key, value in self.ttft_ms.items()},
-            "speedup": round(self.ttft_ms["full"] / self.ttft_ms["splice"], 2),
+            "ttft_spread_ms": {key: spread.as_dict() for key, spread in self.ttft.items()},
+            "speedup": round(self.speedup, 2),
             "compile_ms": round(self.compile_ms, 1),
             "reference_reused": self.reference_reused,
         }
@@ -487,18 +512,11 @@ class Fidelity:
             ],
             header=("", "spliced", "recomputed"),
         )
-        speedup = self.ttft_ms["full"] / self.ttft_ms["splice"]
         subtitle = (
             f"skills {', '.join(self.skills)} · remedy {self.remedy.name} · {self.context_tokens} context tokens, "
-            f"{self.skill_tokens} in skills · speedup ×{speedup:.2f} · skills compiled in {self.compile_ms:.1f} ms"
+            f"{self.skill_tokens} in skills · speedup ×{self.speedup:.2f} · skills compiled in {self.compile_ms:.1f} ms"
         )
         return display.block(f"Composition: {self.scenario}", numbers, sides, subtitle=subtitle)
-
-
-def timed_median(function: Callable[[], tuple[Notebook, Decision]], reps: int) -> tuple[tuple[Notebook, Decision], float]:
-    """The last result and the median wall time in ms; with several reps the first is a warm-up."""
-    result, spread = repeated(lambda _: function(), reps=max(reps - 1, 1), warmup=1 if reps > 1 else 0)
-    return result, spread.median
 
 
 def compare(
@@ -509,14 +527,15 @@ def compare(
     remedy: Remedy = DEFAULT_REMEDY,
     values: Mapping[str, str] | None = None,
     reps: int = 1,
+    warmup: int = 0,
     references: MutableMapping[tuple, Recomputed] | None = None,
 ) -> Fidelity:
-    """Splice (repaired by ``remedy``) vs full recompute of the scenario, side by side in one run (skills
-    compiled first).
+    """Splice (repaired by ``remedy``) vs full recompute of the scenario, timed side by side in this call: the skills
+    compiled first (timed apart), ``warmup`` untimed rounds, then ``reps`` timed rounds alternating both sides.
 
-    ``references`` keeps recomputed sides by prompt (e.g. across remedy changes in the app): a prompt seen
-    before reuses its recomputed cache, decision and measured TTFT. A ranked remedy's splice time leaves out
-    the recomputed cache it ranks against.
+    ``references`` keeps recomputed sides by prompt within one run (a study's remedies on one prompt): a prompt
+    seen before reuses its recomputed cache, decision and TTFT, and says so. A ranked remedy's splice time leaves
+    out the recomputed cache it ranks against.
     """
     if not scenario.skills:
         raise ScenarioError(f"scenario {scenario.name!r} places no skills (use {{skill:ID}} or --skills)")
@@ -529,25 +548,28 @@ def compare(
     compile_ms = watch.ms
     answers = scenario.answers
 
-    def recompute_and_read() -> tuple[Notebook, Decision]:
-        notebook = Notebook.from_prompt(lm, prompt)
-        return notebook, notebook.read_prompt(prompt, answer_texts=answers)
-
     key = (lm.fingerprint, tuple(prompt.context_ids), tuple(prompt.decode_ids), tuple(prompt.answer_ids.items()))
     cached = None if references is None else references.get(key)
-    reused = cached is not None
-    if cached is None:
-        (reference, recomputed), full_ms = timed_median(recompute_and_read, reps)
-        cached = Recomputed(reference.materialized(), recomputed, full_ms)
-        if references is not None:
-            references[key] = cached
-    reference, recomputed, full_ms = cached.notebook, cached.decision, cached.ms
+    recomputed_side: list[tuple[Notebook, Decision]] = [] if cached is None else [(cached.notebook, cached.decision)]
+
+    def recompute() -> tuple[Notebook, Decision]:  # the latest recomputed side is the splice's reference
+        notebook = Notebook.from_prompt(lm, prompt)
+        recomputed_side[:] = [(notebook, notebook.read_prompt(prompt, answer_texts=answers))]
+        return recomputed_side[0]
 
     def splice_and_read() -> tuple[Spliced, Decision]:
-        spliced = splice_prompt(lm, scenario, prompt, store, remedy, reference=reference)
+        spliced = splice_prompt(lm, scenario, prompt, store, remedy, reference=recomputed_side[0][0])
         return spliced, spliced.notebook.read_prompt(prompt, answer_texts=answers)
 
-    (built, spliced), splice_ms = timed_median(splice_and_read, reps)
+    sides = {"splice": splice_and_read} if cached else {"full": recompute, "splice": splice_and_read}
+    results, spreads = side_by_side(sides, reps=reps, warmup=warmup)
+    if cached is None:
+        reference, recomputed = recomputed_side[0]
+        cached = Recomputed(reference.materialized(), recomputed, spreads["full"])
+        if references is not None:
+            references[key] = cached
+    reference, recomputed = cached.notebook, cached.decision
+    built, spliced = results["splice"]
     return Fidelity(
         scenario=scenario.name,
         skills=list(scenario.skills),
@@ -560,7 +582,7 @@ def compare(
         spliced=spliced,
         recomputed=recomputed,
         deviation=kv_relative_deviation(built.notebook, reference),
-        ttft_ms={"splice": splice_ms, "full": full_ms},
+        ttft={"splice": spreads["splice"], "full": cached.ttft},
         compile_ms=compile_ms,
-        reference_reused=reused,
+        reference_reused="full" not in spreads,
     )

@@ -148,6 +148,13 @@ def skill_prefixes(skill_ids: Sequence[str]) -> list[tuple[str, ...]]:
     return [tuple(skill_ids[:n]) for n in range(1, len(skill_ids) + 1)]
 
 
+def study_plan(
+    skill_sets: Sequence[Sequence[str]], placements: Sequence[str], values: Sequence[Mapping[str, str]]
+) -> list[tuple[tuple[str, ...], str, Mapping[str, str]]]:
+    """The composed prompts of a study in the order :func:`run_study` runs them: (skills, placement, field values)."""
+    return [(tuple(skills), at, chosen) for skills in skill_sets for at in placements for chosen in values]
+
+
 def run_study(
     lm: LoadedModel,
     scenario: Scenario,
@@ -166,7 +173,7 @@ def run_study(
     names = [remedy.name for remedy in remedies]
     if len(set(names)) != len(names):
         raise KVScopeError(f"remedies repeat: {', '.join(names)}")
-    plan = [(skills, at, chosen) for skills in skill_sets for at in placements for chosen in values]
+    plan = study_plan(skill_sets, placements, values)
     cases, total = [], len(plan) * len(remedies)
     for index, (skills, at, chosen) in enumerate(plan):
         placed = with_skills(scenario, list(skills), at, library)

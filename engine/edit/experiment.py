@@ -192,9 +192,7 @@ class EditExperiment:
         """Greedy chain of thought after the question, then the answer scored after an answer prefix."""
         tokenizer = self.lm.tokenizer
         prefix = tokenizer(self.settings.cot_prefix.format(field=self.field), add_special_tokens=False).input_ids
-        eos = self.lm.model.generation_config.eos_token_id
-        stops = {tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
-        extended, generated = notebook.generate(list(self.prompt.decode_ids) + prefix, self.settings.cot_tokens, tuple(stops))
+        extended, generated = notebook.generate(list(self.prompt.decode_ids) + prefix, self.settings.cot_tokens, self.lm.stop_ids)
         answer_prefix = tokenizer(self.settings.cot_answer_prefix, add_special_tokens=False).input_ids
         answers = {
             label: [tokenizer(" " + s, add_special_tokens=False).input_ids for s in strings]

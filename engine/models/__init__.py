@@ -6,7 +6,8 @@
 - `store`: the cache dir and its JSON stores.
 - `gguf`: the `embedded`, `smollm2` and optional `qwen-1.5b` aliases: GGUF assembly, sha256, conversion to
   safetensors, provenance.
-- `dtype`: the "auto" dtype choice (measured float32 vs bfloat16 on CPU, gated by the cache self-test).
+- `dtype`: the "auto" dtype choice (measured float32 vs bfloat16 on CPU, gated by the cache self-test; on a GPU,
+  `accelerator_dtype`).
 - `loading`: `load_model`, spec resolution, `resolve_device`, `parse_dtype`, `available_offline`.
 - here: `offline_aliases` and `is_offline_alias`, the specs that name a packaged or tiny model (what a host offers);
   `HOST_OPT_IN_ALIASES`, those a public host offers only when it names them; `expected_parameter_bytes`, a model's
@@ -27,6 +28,7 @@ from engine.cache.loaded import (
     rope_summary,
 )
 from engine.models import gguf
+from engine.models.dtype import accelerator_dtype
 from engine.models.gguf import EMBEDDED_PACKAGES, EMBEDDED_SHA256, QWEN_1_5B, embedded_gguf_path
 from engine.models.loading import (
     TINY_PREFIX,
@@ -47,6 +49,7 @@ __all__ = [
     "LoadedModel",
     "ModelFingerprint",
     "ModelLoadError",
+    "accelerator_dtype",
     "available_offline",
     "cache_dir",
     "config_hash",

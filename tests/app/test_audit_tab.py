@@ -19,6 +19,7 @@ from engine.audit.fields import diff_requests
 from engine.audit.requests import parse_log, render_request
 from engine.scenario import Scenario
 from tests.app.conftest import TINY
+from viz.common import markdown_literal
 
 SYSTEM = "You are the help desk of a bike shop.\nSession started: 2026-05-12 09:{minute}\nCustomer tier: {tier}\nBe brief."
 
@@ -160,6 +161,24 @@ def test_open_in_notes_builds_a_scenario_the_notes_edit_and_knockout_run_on(audi
     assert len(knocked["positions"]) == 2 and "Knocked out 2 positions" in verdict
 
 
+def test_open_in_notes_reads_the_models_own_answers_and_says_first_whether_they_move(audited, registry):
+    """The audit kept the scenario the model answers itself; the Notes edit on it reads the margins the tab stated."""
+    view, sessions = audited
+    notes = sessions.get("a", "audit_notes")
+    assert notes.source in ("divergence", "first-token alternatives") and len(set(notes.answers)) == 2
+    assert markdown_literal(f"margin {notes.old.decision.margin:+.2f} → {notes.new.decision.margin:+.2f}") in view.notes_markdown
+    if notes.source == "divergence":  # each value's own answer wins under it
+        assert notes.old.decision.margin > 0 > notes.new.decision.margin
+    text, choices = handlers.audit_notes_scenario(sessions, "a", "")
+    assert text == notes.toml and list(Scenario.from_toml(text).answers) == list(notes.answers)
+    handlers.run_edit(registry, sessions, "a", None, text, choices.fields[0], choices.new, ["field_only"])
+    experiment = sessions.get("a", "edit")
+    assert experiment.stale.decision.margin == pytest.approx(notes.old.decision.margin, abs=1e-3)
+    assert experiment.oracle.decision.margin == pytest.approx(notes.new.decision.margin, abs=1e-3)
+    if notes.source == "divergence":  # each answer is its own value's greedy continuation, up to where they part
+        assert notes.old.text.startswith(notes.answers[0]) and notes.new.text.startswith(notes.answers[1])
+
+
 def test_export_writes_the_json_figures_scenario_and_repaired_template(audited, tmp_path: Path):
     _, sessions = audited
     paths = [Path(p) for p in handlers.export_audit(ExportFolder(2**22, 4, root=tmp_path), sessions, "a", "ttft", "agreement")]
@@ -207,10 +226,11 @@ def test_the_audit_endpoints_through_the_api(app_url):
     names = set(client.view_api(return_format="dict", print_info=False)["named_endpoints"])
     assert {"/audit", "/audit_value", "/audit_candidates", "/audit_demo", "/audit_open_in_notes", "/export_audit", "/audit_axes"} <= names
     assert client.predict("support_agent", api_name="/audit_demo").startswith('{"model": "harbor-support"')
-    words, _, _, marked, data = client.predict(LOG, ["in_place"], 2, 0.05, 0.9, "none", "computed", "kl", api_name="/audit")
+    words, _, _, marked, data, notes = client.predict(LOG, ["in_place"], 2, 0.05, 0.9, "none", "computed", "kl", api_name="/audit")
     assert data["turns"][1]["fields"][0]["name"] == "session_started" and "Recommended: " in words and "data-kind" in marked
-    text, *_ = client.predict("yes, no", api_name="/audit_open_in_notes")  # the same client: the same session
-    assert "[fields.session_started]" in text
+    assert notes.startswith("**Open in Notes:**") and markdown_literal("next-token KL") in notes  # said before Open in Notes is offered
+    text, *_ = client.predict("", api_name="/audit_open_in_notes")  # the same client: the same session; the model's answers
+    assert "[fields.session_started]" in text and '"yes"' not in text
     with pytest.raises(Exception, match="line 1 is not JSON"):
         client.predict("{broken", [], 2, 0.05, 0.9, "none", "computed", "kl", api_name="/audit")
 

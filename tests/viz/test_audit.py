@@ -121,4 +121,4 @@ def test_audit_benchmark_figure_draws_reuse_ttft_and_kl_per_repair():
     assert names.count("in_place") == 3 and names.count("recompute") == 3 and "clean prefill" in names
     ttft = [trace for trace in figure.data if trace.name == "in_place" and trace.xaxis == "x2"][0]
     assert list(ttft.y) == [10.0, None]
-    assert "Audit of coding_agent" in figure.layout.title.text and "(embedded, cpu)" in figure.layout.title.text
+    assert "Audit of coding_agent" in figure.layout.title.text and "measured on embedded, cpu" in figure.layout.title.text

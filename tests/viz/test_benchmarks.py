@@ -11,6 +11,7 @@ from viz.benchmarks import (
     serving_figure,
     ttft_figure,
 )
+from viz.common import figure_label
 
 
 def test_edit_latency_one_line_per_strategy_with_gaps_for_not_applicable():
@@ -26,7 +27,7 @@ def test_edit_latency_one_line_per_strategy_with_gaps_for_not_applicable():
     assert [trace.name for trace in figure.data] == ["field_only", "erratum", "full recompute (oracle)"]
     assert list(figure.data[0].x) == [256, 1024] and list(figure.data[0].y) == [5.0, None]
     assert figure.layout.xaxis.type == figure.layout.yaxis.type == "log"
-    assert "(tiny, cpu)" in figure.layout.title.text
+    assert "measured on tiny, cpu" in figure.layout.title.text
 
 
 def test_prefill_times_and_ratio():
@@ -71,9 +72,14 @@ def test_serving_per_variant_ttft_quantiles_throughput_hit_rate_and_accuracy():
     assert all(y is None for trace in serving_figure({"runs": runs}).data if trace.xaxis == "x4" for y in trace.y)
 
 
-def test_ttft_figure_is_unchanged():
+def test_ttft_figures_of_two_scenarios_have_distinct_titles_naming_what_follows_the_skill():
     rows = [{"skill_tokens": 256, "full_ms": 10.0, "splice_ms": 2.0, "speedup": 5.0}]
-    assert len(ttft_figure(rows).data) == 3
+    before = ttft_figure({"rows": rows, "scenario": "Refund gate", "model": "m", "device": "cpu"})
+    alone = ttft_figure({"rows": rows, "scenario": "skills: ", "model": "m", "device": "cpu"})
+    assert len(before.data) == 3 and list(before.data[2].y) == [5.0]
+    assert figure_label(before) == "Time to first token: a skill spliced vs a full prefill before Refund gate"
+    assert figure_label(alone) == "Time to first token: a skill spliced vs a full prefill before a question alone"
+    assert "measured on m, cpu" in before.layout.title.text
 
 
 def test_cache_reuse_points_are_the_numbers_per_engine_arm_and_case():

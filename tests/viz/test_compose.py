@@ -42,7 +42,7 @@ def test_logit_bars_show_the_union_of_both_top_k_side_by_side():
 
 def test_logit_bars_on_real_decisions(fidelity, lm):
     figure = logit_bars_figure(fidelity.spliced, fidelity.recomputed, lambda i: lm.tokenizer.decode([i]), k=5)
-    assert 5 <= len(figure.data[0].x) <= 10 and "cosine" in figure.layout.title.subtitle.text
+    assert 5 <= len(figure.data[0].x) <= 10 and "cosine" in figure.layout.title.text
     json.loads(figure.to_json())
 
 

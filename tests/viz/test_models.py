@@ -41,9 +41,12 @@ COMPARISON = {
 def test_notes_share_figure_puts_the_paper_beside_the_models():
     figure = notes_share_figure(COMPARISON)
     names = [trace.name for trace in figure.data]
-    assert names[0] == "Qwen2.5-Coder-0.5B-Instruct" and names[-1].startswith("paper")
-    assert list(figure.data[-1].y) == [0.863, 1.028] and figure.layout.xaxis.type == "log"
-    assert "<b>" not in figure.layout.title.text and "undefined for SmolLM2-135M-Instruct" in figure.layout.title.text
+    assert names == ["Qwen2.5-Coder-0.5B-Instruct", "Mistral-7B (paper)", "Llama-3.1-8B (paper)"]
+    assert [list(trace.y) for trace in figure.data[1:]] == [[0.863], [1.028]] and figure.layout.xaxis.type == "log"
+    assert len({trace.marker.symbol for trace in figure.data[1:]}) == 2  # each paper model its own symbol
+    assert all(trace.mode == "markers" and trace.cliponaxis is False for trace in figure.data)  # names in the legend, none clipped
+    subtitle = figure.layout.title.subtitle.text
+    assert "<b>" not in subtitle and "undefined for SmolLM2-135M-Instruct" in subtitle
     assert notes_share_figure({"models": []}).layout.annotations
 
 

@@ -12,7 +12,6 @@ PROFILE = {
     "model_capacity": 2,
     "pin_default_model": True,
     "baseline_budget_bytes": 2**20,
-    "reference_budget_bytes": 2**20,
     "max_context_tokens": 1024,
     "request_seconds": 30.0,
     "max_agent_turns": 8,
@@ -64,7 +63,7 @@ def test_user_text_in_panels_is_escaped():
         PROFILE,
         ["org/[x](http://e)"],
         2**20,
-        {"baselines": 0, "references": 0, "skills": 0},
+        {"baselines": 0, "skills": 0},
         {"sessions": 1, "bytes": 0, "budget_bytes": 2**20, "ttl_s": 900.0},
     )
     assert r"org/\[x\]\(http://e\)" in memory and "context ≤ 1,024 tokens" in memory
@@ -74,4 +73,4 @@ def test_user_text_in_panels_is_escaped():
 
 def test_remedy_info_without_a_stored_study_gives_the_grammar():
     info = remedy_info("prefix+seam:1")
-    assert info.startswith("Default prefix+seam:1. auto: this model's own calibration") and "Parts joined by +" in info
+    assert info.startswith("Default prefix+seam:1. auto: this model's own calibration") and "parts joined by +" in info

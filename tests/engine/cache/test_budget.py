@@ -10,10 +10,15 @@ import torch
 
 from engine.cache.budget import (
     BudgetExceeded,
+    Cancelled,
+    CancelToken,
     ComputeGate,
     WorkBudget,
     bounded,
+    cancellable,
     compute_slot,
+    labelled,
+    waits_reported,
 )
 from engine.cache.notebook import Notebook
 from engine.models.tiny import tiny_model
@@ -131,3 +136,81 @@ def test_a_short_request_keeps_the_gate_between_its_passes():
     gate.release("short", 50.0)  # now more served than the waiter: no hold
     waiter.join(5)
     assert order == ["short", "long"]
+
+
+def _holding(gate: ComputeGate, label: str, seconds: float) -> threading.Thread:
+    """A thread computing one ``seconds``-long forward at ``gate`` under ``label``, started once it holds the gate."""
+    ready = threading.Event()
+
+    def hold() -> None:
+        with bounded(WorkBudget(), gate), labelled(label), compute_slot():
+            ready.set()
+            time.sleep(seconds)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    ready.wait(5)
+    return thread
+
+
+def test_a_waiting_request_is_told_what_it_waits_for():
+    gate, waits = ComputeGate(), []
+    holder = _holding(gate, "calibrating remedy auto for m: prompt 3/8, remedy blend:0.15", 0.3)
+    with bounded(WorkBudget(), gate), waits_reported(waits.append), compute_slot():
+        pass
+    holder.join(5)
+    assert waits == ["waiting for the model: calibrating remedy auto for m: prompt 3/8, remedy blend:0.15"]
+    with bounded(WorkBudget(), gate), waits_reported(waits.append), compute_slot():
+        pass  # nobody computes: no wait, nothing said
+    assert len(waits) == 1
+
+
+def test_a_label_is_restored_when_its_work_ends():
+    gate, waits = ComputeGate(), []
+    ready, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with bounded(WorkBudget(), gate):
+            with labelled("compiling a skill") as relabel:
+                relabel("compiling a skill: 2 of 3")
+            with compute_slot():  # outside the labelled work: the request's own default label
+                ready.set()
+                release.wait(5)
+
+    thread = threading.Thread(target=holder)
+    thread.start()
+    ready.wait(5)
+    waiter = threading.Thread(target=lambda: _wait_once(gate, waits))
+    waiter.start()
+    time.sleep(0.1)
+    release.set()
+    for each in (thread, waiter):
+        each.join(5)
+    assert waits == ["waiting for the model: another request"]
+
+
+def _wait_once(gate: ComputeGate, waits: list[str]) -> None:
+    with bounded(WorkBudget(), gate), waits_reported(waits.append), compute_slot():
+        pass
+
+
+def test_cancelled_work_stops_before_its_next_forward_and_while_it_waits(lm):
+    token = CancelToken()
+    with cancellable(token):
+        notebook = Notebook.prefill(lm, list(range(5, 25))).materialized()
+        token.cancel("stopped by the test; nothing was kept")
+        with pytest.raises(Cancelled, match="stopped by the test; nothing was kept"):
+            notebook.append([7, 8]).materialized()
+    assert notebook.append([7, 8]).materialized().keys[0].shape[2] == 22, "outside its scope the token stops nothing"
+    gate, waiting = ComputeGate(), CancelToken()
+    holder = _holding(gate, "a long forward", 0.5)
+    started = time.perf_counter()
+    threading.Timer(0.1, waiting.cancel, args=("cancelled while waiting",)).start()
+    with bounded(WorkBudget(), gate), cancellable(waiting), pytest.raises(Cancelled, match="cancelled while waiting"):
+        with compute_slot():
+            pass
+    assert time.perf_counter() - started < 0.4, "the wait stopped before the holder's forward ended"
+    assert gate.waiting == 0
+    holder.join(5)
+    with bounded(WorkBudget(), gate), compute_slot():  # the gate is free for the next request
+        pass

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 
@@ -10,6 +12,7 @@ from engine.compose import choice as choice_module
 from engine.compose.choice import AUTO, CalibrationPlan, calibrated_remedy, choose_remedy, gaps_of, resolve_remedy, stored_choice
 from engine.compose.splice import DEFAULT_REMEDY, Remedy
 from engine.errors import KVScopeError
+from engine.progress import fraction
 from tests.engine.test_cli import run_cli
 
 
@@ -127,3 +130,132 @@ def test_the_cli_compose_with_auto_uses_the_calibrated_remedy(lm, store, tmp_pat
     assert code == 0 and data["remedy"]["name"] == data["remedy_choice"]["remedy"]
     assert data["remedy_choice"]["measured"]["plan"]["skills"] == ["account_gate"]
     assert {"goal_met", "reason", "frontier", "fastest", "most_faithful"} <= set(data["remedy_choice"])
+
+
+def _first_field(scenario_name: str):
+    from engine.scenario import Scenario, bundled_scenarios
+
+    return next(iter(Scenario.load(bundled_scenarios()[scenario_name]).fields.values()))
+
+
+def test_calibration_progress_names_the_prompt_the_remedy_and_k_of_n(lm, store, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path))
+    messages: list[str] = []
+    calibrated_remedy(lm, store, PLAN, report=messages.append)
+    field = _first_field("refund_gate")
+    expected = [
+        f"prompt {k}/2 (refund_gate, 1 skill at start, {field.name} = {value}), remedy {remedy}; step {2 * (k - 1) + r + 1} of 4"
+        for k, value in ((1, field.old), (2, field.new))
+        for r, remedy in enumerate(("splice", "seam:1"))
+    ]
+    assert len(messages) == 4
+    for message, words in zip(messages, expected, strict=True):
+        assert message.startswith(f"calibrating remedy auto for {lm.fingerprint.name}: {words}, "), message
+    assert [fraction(message) for message in messages] == [0.0, 0.25, 0.5, 0.75], "steps finished of the total, for a bar"
+    assert messages[0].endswith("; 4 prompt steps left, timed once the first of each kind ends")
+    assert all(" left" in message and "about " in message for message in messages[1:])
+
+
+def test_the_time_left_is_estimated_phase_by_phase_from_the_steps_measured():
+    now = [0.0]
+    steps = [choice_module.CalibrationStep("prompt", k, 3, f"p{k}", "splice") for k in (1, 2, 3)]
+    steps += [choice_module.CalibrationStep("keystone", k, 2, "keystone_safety", name) for k, name in ((1, "splice"), (2, "seam:1"))]
+    run = choice_module.CalibrationRun("m", steps, clock=lambda: now[0])
+    assert run.begin(0).left_s is None
+    now[0] = 2.0
+    second = run.begin(1)  # one prompt step took 2 s: two prompt steps left, keystone not timed yet
+    assert second.left_s == pytest.approx(4.0) and second.unmeasured == {"keystone": 2}
+    assert second.words().endswith(
+        "prompt 2/3 (p2), remedy splice; step 2 of 5, 2 s so far, about 4 s left plus 2 keystone steps, timed once the first ends"
+    )
+    now[0] = 6.0
+    run.begin(2)  # prompt steps took 2 s and 4 s: a mean of 3 s
+    now[0] = 7.0
+    assert run.progress().left_s == pytest.approx(3.0 - 1.0), "the last prompt step has run 1 s of its 3"
+    now[0] = 9.0
+    keystone = run.begin(3)  # no keystone step measured: no estimate for what is left
+    assert keystone.left_s is None and keystone.words().endswith("; 2 keystone steps left, timed once the first of each kind ends")
+    now[0] = 39.0
+    last = run.begin(4)
+    assert last.left_s == pytest.approx(30.0) and last.unmeasured == {} and "about 30 s left" in last.words()
+
+
+def test_a_cancelled_calibration_stops_within_one_forward_stores_nothing_and_can_run_again(lm, store, tmp_path, monkeypatch):
+    from engine.cache import adapter
+    from engine.cache.budget import Cancelled
+
+    monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path))
+    path = tmp_path / "remedy-choices.json"
+    path.write_text(json.dumps({"another-model|0|float32|cpu": {"remedy": "splice"}}))
+    before = path.read_bytes()
+    original, forwards, cancelled_at = adapter.forward, [], []
+
+    def forward_then_cancel(*args, **kwargs):
+        forwards.append(1)
+        if len(forwards) == 5:
+            cancelled_at.append(choice_module.cancel_calibration(lm))  # during a forward
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(adapter, "forward", forward_then_cancel)
+    with pytest.raises(Cancelled, match=r"calibration of tiny-qwen2 was cancelled at step \d of 4 .* nothing was stored"):
+        calibrated_remedy(lm, store, PLAN)
+    assert len(forwards) == 5, "the forward running when it was cancelled finished; no other started"
+    assert cancelled_at[0] is not None and cancelled_at[0].total == 4
+    assert path.read_bytes() == before and stored_choice(lm) is None
+    assert choice_module.cancel_calibration(lm) is None, "nothing runs any more"
+    monkeypatch.setattr(adapter, "forward", original)
+    again = calibrated_remedy(lm, store, PLAN)
+    assert stored_choice(lm) == again and "another-model|0|float32|cpu" in json.loads(path.read_text())
+
+
+def _during_a_forward(monkeypatch, action):
+    """Run ``action`` in a thread from inside the first model forward, which then lasts 0.3 s more; returns the thread."""
+    from engine.cache import adapter
+
+    original, threads = adapter.forward, []
+
+    def forward(*args, **kwargs):
+        if not threads:
+            threads.append(threading.Thread(target=action))
+            threads[0].start()
+            time.sleep(0.3)  # the other thread arrives while this forward holds the gate
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(adapter, "forward", forward)
+    return threads
+
+
+def test_a_short_request_runs_between_the_calibrations_forwards_and_says_what_it_waited_for(lm, store, tmp_path, monkeypatch):
+    from engine.cache.budget import ComputeGate, WorkBudget, bounded, waits_reported
+    from engine.cache.notebook import Notebook
+
+    monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path))
+    gate, waits, finished = ComputeGate(), [], {}
+
+    def short_request() -> None:
+        with bounded(WorkBudget(), gate), waits_reported(waits.append):
+            keys = Notebook.prefill(lm, list(range(5, 25))).materialized().keys
+        finished["short"] = (time.perf_counter(), keys[0].shape[2])
+
+    threads = _during_a_forward(monkeypatch, short_request)
+    with bounded(WorkBudget(), gate):
+        calibrated_remedy(lm, store, PLAN)
+    finished["calibration"] = time.perf_counter()
+    threads[0].join(30)
+    assert finished["short"][1] == 20 and finished["short"][0] < finished["calibration"], "it did not wait for the whole calibration"
+    field = _first_field("refund_gate")
+    assert waits[0].startswith(
+        f"waiting for the model: calibrating remedy auto for tiny-qwen2: prompt 1/2 (refund_gate, 1 skill at start, {field.name} = "
+        f"{field.old}), remedy splice; step 1 of 4"
+    )
+
+
+def test_a_second_caller_shares_the_running_calibration_and_hears_its_progress(lm, store, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path))
+    heard, results = [], {}
+    threads = _during_a_forward(monkeypatch, lambda: results.setdefault("second", calibrated_remedy(lm, store, PLAN, report=heard.append)))
+    first = calibrated_remedy(lm, store, PLAN)
+    threads[0].join(30)
+    assert results["second"] == first
+    assert heard[0].startswith("waiting for the calibration another request started: calibrating remedy auto for tiny-qwen2: prompt 1/2")
+    assert [message.split("; step ")[1][:6] for message in heard[1:]] == ["2 of 4", "3 of 4", "4 of 4"]

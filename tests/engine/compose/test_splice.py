@@ -6,7 +6,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from engine import timing
 from engine.cache.notebook import Notebook, NotebookError
+from engine.compose import splice
 from engine.compose.keystone import keystone
 from engine.compose.memory import memory_placement
 from engine.compose.skills import (
@@ -86,6 +88,34 @@ def test_seam_repair_never_hurts_much_and_whole_selections_equal_prefill(lm, sto
         whole = compare(lm, scenario, store, remedy=Remedy(select=select, fraction=1.0))
         assert whole.recomputed_tokens == whole.skill_tokens and whole.agreement["cosine"] == pytest.approx(1.0, abs=1e-6)
         assert float(whole.deviation.max()) < 1e-4
+
+
+def test_speedup_is_the_ratio_of_the_two_sides_timed_in_the_same_call(lm, store, monkeypatch):
+    """With the clock stubbed, each full recompute costs 30 ms and each splice 12 ms: the ratio is exactly 2.5, and the
+    warm-up round and the skills' compilation are not in it."""
+    clock = [0.0]
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+
+    def costing(function, seconds):
+        def run(*args, **kwargs):
+            clock[0] += seconds
+            return function(*args, **kwargs)
+
+        return run
+
+    monkeypatch.setattr(splice.Notebook, "from_prompt", staticmethod(costing(splice.Notebook.from_prompt, 0.030)))
+    monkeypatch.setattr(splice, "splice_prompt", costing(splice.splice_prompt, 0.012))
+    fidelity = compare(lm, adhoc_scenario(["account_gate"]), SkillStore(), remedy=Remedy(seam=1), reps=3, warmup=1)
+    assert fidelity.ttft["full"].median == pytest.approx(30.0) and fidelity.ttft["splice"].median == pytest.approx(12.0)
+    assert fidelity.ttft["full"].reps == fidelity.ttft["splice"].reps == 3
+    assert fidelity.speedup == pytest.approx(2.5) and fidelity.as_dict()["speedup"] == 2.5
+    assert not fidelity.reference_reused
+
+
+def test_side_by_side_alternates_after_the_warm_up():
+    calls = []
+    results, spreads = timing.side_by_side({"a": lambda: calls.append("a") or 1, "b": lambda: calls.append("b") or 2}, reps=2, warmup=1)
+    assert calls == ["a", "b"] * 3 and results == {"a": 1, "b": 2} and spreads["a"].reps == spreads["b"].reps == 2
 
 
 def test_recomputed_side_is_reused_for_the_same_prompt_only(lm, store):

@@ -1,0 +1,165 @@
+"""An audited field change as a Notes-tab scenario whose two answers are what the model itself says.
+
+A request's last message is rarely a yes/no question (for a coding agent it is test output), so reading "yes" against
+"no" after it measures a decision the model does not make. Instead both clean prefills of the scenario (the field's
+old and new value) are decoded greedily: where the two continuations first differ, each one up to and including that
+token is an answer, so the margin is the model's own choice between them. Where they never differ within the tokens
+generated, the answers are the two likeliest first tokens, and :attr:`NotesScenario.moves` says whether the change
+moves their margin at all. Costs two prefills and at most ``2 × tokens`` decode steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.audit.audit import AuditReport, scenario_toml
+from engine.cache.decision import RECOVERY_MIN_GAP, Decision, logit_agreement
+from engine.cache.loaded import LoadedModel
+from engine.cache.notebook import Notebook
+from engine.progress import MessageProgress
+from engine.scenario import Scenario, render
+
+NOTES_TOKENS = 16  # greedy tokens decoded per value to find where the model's answers part
+DIVERGENCE = "divergence"  # answers: the two greedy continuations up to where they first differ
+ALTERNATIVES = "first-token alternatives"  # answers: the two likeliest first tokens (the continuations never differ)
+GIVEN = "labels given"  # answers: labels the user named
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """One value's clean prefill of the scenario: its greedy text and its decision between the two answers."""
+
+    value: str
+    text: str
+    decision: Decision
+
+
+@dataclass(frozen=True)
+class NotesScenario:
+    """The scenario TOML for the Notes tab, with the evidence for its answers."""
+
+    toml: str
+    field: str
+    answers: tuple[str, str]
+    source: str  # DIVERGENCE, ALTERNATIVES or GIVEN
+    divergence: int | None  # the generated token where the two continuations first differ (None: they never do)
+    next_token_kl: float  # KL(new ‖ old) of the first answer token's distribution
+    old: Continuation | None  # None when the labels were given (nothing was run)
+    new: Continuation | None
+
+    @property
+    def margin_change(self) -> float | None:
+        """The new value's margin minus the old one's (None when nothing was run)."""
+        return None if self.old is None or self.new is None else self.new.decision.margin - self.old.decision.margin
+
+    @property
+    def moves(self) -> bool | None:
+        """Whether the change moves the decision by at least the recovery gap (None when nothing was run)."""
+        change = self.margin_change
+        return None if change is None else abs(change) >= RECOVERY_MIN_GAP
+
+    def words(self) -> str:
+        """What the model does with the change, and what the Notes tab will read (plain text)."""
+        if self.old is None or self.new is None:
+            return f"The Notes tab reads your labels {self.answers[0]!r} against {self.answers[1]!r} (not checked against the model)."
+        margins = f"margin {self.old.decision.margin:+.2f} → {self.new.decision.margin:+.2f}"
+        if self.source == DIVERGENCE:
+            head = (
+                f"With {self.field} changed, the model's greedy answer changes at generated token {self.divergence + 1}: "
+                f"{self.answers[0]!r} (old value) vs {self.answers[1]!r} (new value); {margins}, next-token KL {self.next_token_kl:.3g}."
+            )
+        else:
+            head = (
+                f"The change of {self.field} does not move the greedy output in {NOTES_TOKENS} tokens (next-token KL "
+                f"{self.next_token_kl:.3g}); the Notes tab reads the two likeliest first tokens {self.answers[0]!r} vs "
+                f"{self.answers[1]!r}, {margins}."
+            )
+        if not self.moves:
+            return f"{head} The margin moves by less than {RECOVERY_MIN_GAP}: there is no decision here for the notes to carry."
+        return head
+
+
+def _continue(lm: LoadedModel, scenario: Scenario, field: str, value: str, tokens: int) -> tuple[Notebook, list[int], torch.Tensor]:
+    """The clean prefill with ``field`` set to ``value``, its greedy ids after the question and the first logits."""
+    prompt = render(scenario, lm.tokenizer, {field: value})
+    notebook = Notebook.from_prompt(lm, prompt)
+    _, logits = notebook.step(prompt.decode_ids, "question")
+    _, generated = notebook.greedy(logits, tokens, lm.stop_ids)
+    return notebook, generated, logits
+
+
+def _answers(
+    lm: LoadedModel, old_ids: Sequence[int], new_ids: Sequence[int], first_logits: torch.Tensor
+) -> tuple[tuple[str, str], int | None]:
+    """Two distinct answer surfaces and where they part: the continuations up to and including their first differing
+    token, else (None) the two likeliest first tokens."""
+    decode = lm.tokenizer.decode
+    index = next((i for i, (old, new) in enumerate(zip(old_ids, new_ids)) if old != new), None)
+    if index is not None:
+        pair = decode(list(old_ids[: index + 1])), decode(list(new_ids[: index + 1]))
+        exact = all(_encode(lm, text) == list(ids[: index + 1]) for text, ids in zip(pair, (old_ids, new_ids)))  # scored as generated
+        if exact and all(text.strip() for text in pair) and pair[0].strip() != pair[1].strip():
+            return pair, index
+    unique: dict[str, str] = {}  # stripped text -> surface, likeliest first
+    for token in first_logits.float().topk(16).indices.tolist():
+        text = decode([token])
+        if text.strip():
+            unique.setdefault(text.strip(), text)
+    surfaces = list(unique.values())
+    return (surfaces[0], surfaces[1]), None
+
+
+def _encode(lm: LoadedModel, text: str) -> list[int]:
+    return list(lm.tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def _with_answers(base: str, answers: tuple[str, str]) -> str:
+    """The scenario TOML with its [answers] table replaced by these two surfaces (each its own label)."""
+    head = base[: base.index("[answers]")]
+    table = [f"{_toml_string(label.strip())} = [{_toml_string(label)}]" for label in answers]
+    return head + "[answers]\n" + "\n".join(table) + "\n"
+
+
+def _toml_string(text: str) -> str:
+    """A TOML basic string: backslash, quote and every control character escaped."""
+    escaped = "".join(
+        {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t", "\r": "\\r"}.get(c, c if c >= " " and c != "\x7f" else f"\\u{ord(c):04x}")
+        for c in text
+    )
+    return f'"{escaped}"'
+
+
+def notes_scenario(
+    lm: LoadedModel,
+    report: AuditReport,
+    labels: Sequence[str] | None = None,
+    *,
+    tokens: int = NOTES_TOKENS,
+    progress: MessageProgress = None,
+) -> NotesScenario:
+    """The last turn with a changed field as a scenario (:func:`scenario_toml`), its answers read off the model (module
+    docstring) unless ``labels`` names them."""
+    base = scenario_toml(report, labels or ("yes", "no"))
+    scenario = Scenario.from_toml(base, source="audited request")
+    field, spec = next(iter(scenario.fields.items()))
+    if labels:
+        return NotesScenario(base, field, (labels[0], labels[1]), GIVEN, None, 0.0, None, None)
+    notebooks, generated, first = {}, {}, {}
+    for side, value in (("old", spec.old), ("new", spec.new)):
+        if progress:
+            progress(f"reading the model's own answers: clean prefill with the {side} value of {field} ({value!r})")
+        notebooks[side], generated[side], first[side] = _continue(lm, scenario, field, value, tokens)
+    answers, divergence = _answers(lm, generated["old"], generated["new"], first["old"])
+    text = _with_answers(base, answers)
+    final = Scenario.from_toml(text, source="audited request")
+    sides = {}
+    for side, value in (("old", spec.old), ("new", spec.new)):
+        prompt = render(final, lm.tokenizer, {field: value})  # the same context ids: only the answers changed
+        decision = notebooks[side].read_prompt(prompt, answer_texts=final.answers)
+        sides[side] = Continuation(value, lm.tokenizer.decode(generated[side]), decision)
+    source = ALTERNATIVES if divergence is None else DIVERGENCE
+    kl = logit_agreement(first["new"], first["old"])["kl"]
+    return NotesScenario(text, field, tuple(final.answers), source, divergence, kl, sides["old"], sides["new"])

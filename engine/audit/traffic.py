@@ -1,0 +1,423 @@
+"""A whole request log audited as traffic: a token pass over every request, the model on a sample only.
+
+The token pass (``scan_log``, no model forward) renders every request once (the fast tokenizer's batch path),
+matches each with the earlier request it shares the longest token prefix with (a radix tree, so no request is
+compared with every other), diffs the pair (fields, growth, structural changes), names the causes, and feeds the
+three simulated engines (``caches``). Turns are then grouped by change signature (the causes and fields that changed,
+and whether the request grew), and ``audit_traffic`` measures up to K turns of each group with every repair against
+a clean prefill (``measure_turn``, as the per-turn audit does), so the model's cost is K × groups, not the log's size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.audit.audit import AuditReport, AuditTurn, MeasureSettings, check_repairs, measure_turn
+from engine.audit.caches import ENGINES, BlockCache, CacheSettings, RadixCache, SlotCache
+from engine.audit.causes import Cause, another_prompt, causes_of
+from engine.audit.fields import TurnDiff, common_prefix, compare_requests
+from engine.audit.repairs import REPAIRS, Turn
+from engine.audit.requests import RenderedRequest, RequestLog, RequestLogError, Skipped, render_batch
+from engine.cache.loaded import LoadedModel
+from engine.cache.notebook import Notebook
+from engine.progress import StepProgress
+
+DEFAULT_SAMPLE = 3  # turns measured per group
+_PROGRESS_STEPS = 50  # progress reports per phase of the token pass
+
+
+@dataclass(frozen=True)
+class TrafficRequest:
+    """One request after the token pass: its match, what changed, why it misses, and what each engine reuses."""
+
+    request: int
+    line: int
+    session: str | None
+    tokens: int
+    matched_request: int | None
+    common_prefix_tokens: int
+    appended_tokens: int
+    fields: tuple[str, ...]
+    causes: tuple[Cause, ...]
+    reused_tokens: dict[str, int]  # per engine (``caches.ENGINES``)
+    signature: str
+    breakpoints: tuple[tuple[str, int | None], ...] = ()  # (label, token the user asked the provider to cache up to)
+
+    def as_dict(self) -> dict:
+        return {
+            "request": self.request,
+            "line": self.line,
+            "session": self.session,
+            "tokens": self.tokens,
+            "matched_request": self.matched_request,
+            "common_prefix_tokens": self.common_prefix_tokens,
+            "appended_tokens": self.appended_tokens,
+            "fields": list(self.fields),
+            "causes": [cause.as_dict() for cause in self.causes],
+            "reused_tokens": dict(self.reused_tokens),
+            "signature": self.signature,
+            "cache_breakpoints": [{"label": label, "token": token} for label, token in self.breakpoints],
+        }
+
+
+@dataclass(frozen=True)
+class SessionSummary:
+    """One session's requests, tokens and tokens reused per engine."""
+
+    session: str | None
+    requests: int
+    tokens: int
+    reused_tokens: dict[str, int]
+
+    def as_dict(self) -> dict:
+        return {"session": self.session, "requests": self.requests, "tokens": self.tokens, "reused_tokens": dict(self.reused_tokens)}
+
+
+@dataclass(frozen=True)
+class TrafficScan:
+    """The token pass over a log: every request, its sessions, the records skipped and the engines' settings.
+    ``rendered`` (request index -> tokens) and ``diffs`` are kept for measuring, not reported."""
+
+    requests: tuple[TrafficRequest, ...]
+    skipped: tuple[Skipped, ...]
+    formats: dict[str, int]
+    settings: CacheSettings
+    rendered: dict[int, RenderedRequest] = field(repr=False)
+    diffs: dict[int, TurnDiff] = field(repr=False)
+
+    def sessions(self) -> list[SessionSummary]:
+        """Per session (in order of first appearance): requests, tokens and reuse per engine."""
+        grouped: dict[str | None, list[TrafficRequest]] = {}
+        for row in self.requests:
+            grouped.setdefault(row.session, []).append(row)
+        return [
+            SessionSummary(key, len(rows), sum(r.tokens for r in rows), {e: sum(r.reused_tokens[e] for r in rows) for e in ENGINES})
+            for key, rows in grouped.items()
+        ]
+
+    def groups(self) -> dict[str, list[TrafficRequest]]:
+        """Requests by change signature, largest share of tokens first."""
+        grouped: dict[str, list[TrafficRequest]] = {}
+        for row in self.requests:
+            grouped.setdefault(row.signature, []).append(row)
+        return dict(sorted(grouped.items(), key=lambda item: -sum(r.tokens for r in item[1])))
+
+    def totals(self) -> dict:
+        tokens = sum(row.tokens for row in self.requests)
+        reused = {engine: sum(row.reused_tokens[engine] for row in self.requests) for engine in ENGINES}
+        return {
+            "requests": len(self.requests),
+            "tokens": tokens,
+            "reused_tokens": reused,
+            "hit_rate": {engine: round(count / tokens, 4) if tokens else 0.0 for engine, count in reused.items()},
+        }
+
+    def cause_counts(self) -> dict[str, dict]:
+        """Per cause: the requests it occurs in, its occurrences, and the tokens it costs."""
+        counts: dict[str, dict] = {}
+        for row in self.requests:
+            for cause in row.causes:
+                entry = counts.setdefault(cause.name, {"requests": 0, "occurrences": 0, "tokens": 0})
+                entry["occurrences"] += 1
+                entry["tokens"] += cause.tokens
+            for name in {cause.name for cause in row.causes}:
+                counts[name]["requests"] += 1
+        return counts
+
+
+def scan_log(
+    tokenizer: Any,
+    log: RequestLog,
+    settings: CacheSettings = CacheSettings(),
+    *,
+    limit: int = 32_768,
+    model: str = "this model",
+    progress: StepProgress = None,
+) -> TrafficScan:
+    """The token pass: render, match, diff, causes and every simulated engine, over every request of ``log``
+    (a request that cannot be rendered is skipped by name)."""
+    rendered = render_batch(tokenizer, log.requests, limit, model)
+    skipped = list(log.skipped)
+    good = []
+    for request, item in zip(log.requests, rendered):
+        if isinstance(item, RequestLogError):
+            skipped.append(Skipped(request.line, "rendering", str(item)))
+        else:
+            good.append(item)
+    radix, blocks, slots = (
+        RadixCache(settings.budget_tokens),
+        BlockCache(settings.block, settings.budget_blocks),
+        SlotCache(settings.slots, settings.cache_reuse),
+    )
+    kept: dict[int, RenderedRequest] = {}
+    diffs: dict[int, TurnDiff] = {}
+    rows = []
+    every = max(len(good) // _PROGRESS_STEPS, 1)
+    for time, new in enumerate(good, 1):
+        request, ids = new.request, new.token_ids
+        _, matched = radix.match(ids, request.session)
+        old = kept.get(matched)
+        shared, diff = _compared(old, new, settings.block)
+        causes = causes_of(old, new, diff, settings.block)
+        reused = {
+            "vllm": blocks.insert(ids, request.index),
+            "sglang": radix.insert(ids, request.index, request.session, time),
+            "llama_cpp": slots.insert(ids, request.session),
+        }
+        kept[request.index] = new
+        if diff is not None:
+            diffs[request.index] = diff
+        rows.append(_row(new, matched if shared else None, shared, diff, causes, reused))
+        if progress and (time % every == 0 or time == len(good)):
+            progress(time, len(good))
+    return TrafficScan(tuple(rows), tuple(skipped), dict(log.formats), settings, kept, diffs)
+
+
+def _compared(old: RenderedRequest | None, new: RenderedRequest, block: int) -> tuple[int, TurnDiff | None]:
+    """The tokens ``new`` shares with its match, and their diff: none without a match, nor when the match is
+    ``another_prompt`` (a diff would only list their differences; on interleaved logs, most of the diffing time)."""
+    if old is None:
+        return 0, None
+    if another_prompt(old.request, new.request):
+        return common_prefix(old.token_ids, new.token_ids), None
+    diff = compare_requests(old, new, block)
+    return diff.common_prefix_tokens, diff
+
+
+def _row(
+    new: RenderedRequest, matched: int | None, shared: int, diff: TurnDiff | None, causes: tuple[Cause, ...], reused: dict[str, int]
+) -> TrafficRequest:
+    fields = tuple(change.name for change in diff.fields) if diff else ()
+    appended = len(new) - diff.growth_start if diff and matched else 0
+    return TrafficRequest(
+        new.request.index,
+        new.request.line,
+        new.request.session,
+        len(new),
+        matched,
+        shared,
+        appended,
+        fields,
+        causes,
+        reused,
+        signature(causes, appended > 0),
+        tuple((mark.label, _breakpoint_token(new, mark.message, mark.chars)) for mark in new.request.breakpoints),
+    )
+
+
+def signature(causes: Sequence[Cause], grew: bool) -> str:
+    """A turn's change signature: its causes (with the field each concerns) and whether it grew."""
+    parts = sorted({f"{cause.name}:{cause.field}" if cause.field else cause.name for cause in causes})
+    parts += ["growth"] if grew else []
+    return " + ".join(parts) or "identical"
+
+
+def _breakpoint_token(rendered: RenderedRequest, message: int | None, chars: int) -> int | None:
+    """The token after which a ``cache_control`` breakpoint asks for caching (None: after the tool definitions,
+    which the chat template places itself)."""
+    if message is None or message >= len(rendered.content_spans):
+        return None
+    content = rendered.request.contents[message]
+    lead = len(content) - len(content.lstrip())
+    at = rendered.content_spans[message][0] + max(chars - lead, 0)
+    return rendered.tokens_in(max(at - 1, 0), at).stop
+
+
+@dataclass(frozen=True)
+class TrafficGroup:
+    """One change signature: its requests, their share of the log's tokens, and the turns measured (up to K)."""
+
+    signature: str
+    requests: tuple[int, ...]
+    tokens: int
+    share: float
+    measurable: int  # turns that share a prefix with their match and change only messages' text
+    measured: tuple[int, ...]
+    reason: str | None  # why none was measured, when none was
+
+    def as_dict(self, turns: dict[int, AuditTurn]) -> dict:
+        return {
+            "signature": self.signature,
+            "count": len(self.requests),
+            "tokens": self.tokens,
+            "token_share": round(self.share, 4),
+            "requests": list(self.requests),
+            "measurable": self.measurable,
+            "measured": list(self.measured),
+            "reason": self.reason,
+            "fidelity": group_fidelity([turns[index] for index in self.measured]),
+        }
+
+
+def group_fidelity(turns: Sequence[AuditTurn]) -> dict:
+    """Per repair over a group's measured turns: how many it applied to and stayed within the threshold on, its
+    worst KL and agreement, and its mean share of computed tokens; and how often each repair was recommended."""
+    summary: dict[str, Any] = {}
+    for name in dict.fromkeys(name for turn in turns for name in turn.repairs):
+        results = [(turn, turn.repairs[name]) for turn in turns if name in turn.repairs]
+        applied = [(turn, result) for turn, result in results if result.applicable]
+        summary[name] = {
+            "measured": len(results),
+            "applicable": len(applied),
+            "recommended": sum(turn.recommendation.repair == name for turn, _ in results),
+            "worst_kl": max((r.fidelity.kl for _, r in applied), default=None),
+            "min_agreement": min((r.fidelity.generation_agreement for _, r in applied), default=None),
+            "mean_computed_share": (sum(r.computed_tokens / t.tokens for t, r in applied) / len(applied)) if applied else None,
+        }
+    return summary
+
+
+def sample_groups(scan: TrafficScan, sample: int) -> list[TrafficGroup]:
+    """Every group, with up to ``sample`` of its measurable turns picked evenly across the log (first and last
+    included); a turn is measurable when it shares a prefix with its match and changes only messages' text."""
+    total = max(sum(row.tokens for row in scan.requests), 1)
+    groups = []
+    for key, rows in scan.groups().items():
+        measurable = [row.request for row in rows if _measurable(scan, row)]
+        picked = _spread(measurable, sample)
+        reason = None
+        if not picked:
+            reason = "not measured: --sample 0" if measurable else _unmeasurable(rows[0])
+        tokens = sum(row.tokens for row in rows)
+        groups.append(TrafficGroup(key, tuple(row.request for row in rows), tokens, tokens / total, len(measurable), tuple(picked), reason))
+    return groups
+
+
+def _measurable(scan: TrafficScan, row: TrafficRequest) -> bool:
+    diff = scan.diffs.get(row.request)
+    cold = any(cause.name == "new_prefix" for cause in row.causes)
+    return row.matched_request is not None and diff is not None and not diff.structural and not cold
+
+
+def _unmeasurable(row: TrafficRequest) -> str:
+    if row.matched_request is None or any(cause.name == "new_prefix" for cause in row.causes):
+        return "not measured: a cold prefill has nothing cached to repair"
+    return "not measured: the change is outside the messages' text (tools, roles, tool calls), so only recompute applies, exactly"
+
+
+def _spread(items: Sequence[int], count: int) -> list[int]:
+    if count <= 0 or not items:
+        return []
+    if len(items) <= count:
+        return list(items)
+    if count == 1:
+        return [items[0]]
+    return sorted({items[round(k * (len(items) - 1) / (count - 1))] for k in range(count)})
+
+
+@dataclass(frozen=True)
+class TrafficReport:
+    """A log's token pass, its groups, and the sampled turns measured with every repair."""
+
+    model: str
+    dtype: str
+    scan: TrafficScan
+    groups: tuple[TrafficGroup, ...]
+    turns: dict[int, AuditTurn]  # measured, by request
+    measure: MeasureSettings
+    sample: int
+
+    @property
+    def sampled(self) -> bool:
+        """Whether some measurable turn was left unmeasured (the model ran on a sample, not every turn)."""
+        return any(group.measurable > len(group.measured) for group in self.groups)
+
+    def as_dict(self) -> dict:
+        scan = self.scan
+        return {
+            "model": self.model,
+            "dtype": self.dtype,
+            "formats": scan.formats,
+            "skipped": [item.as_dict() for item in scan.skipped],
+            "skipped_count": len(scan.skipped),
+            "engines": {"settings": scan.settings.as_dict(), **scan.totals()},
+            "sessions": [summary.as_dict() for summary in scan.sessions()],
+            "causes": scan.cause_counts(),
+            "requests": [row.as_dict() for row in scan.requests],
+            "sample": self.sample,
+            "sampled": self.sampled,
+            "threshold": self.measure.threshold,
+            "min_agreement": self.measure.min_agreement,
+            "generated_tokens": self.measure.tokens,
+            "repairs": list(self.measure.repairs),
+            "grain": self.measure.grain,
+            "groups": [group.as_dict(self.turns) for group in self.groups],
+            "turns": [turn.as_dict() for turn in self.measured_report().turns],
+        }
+
+    def measured_report(self) -> AuditReport:
+        """The cold prefills and the measured turns, in request order, in the per-turn audit's shape (what the tab's
+        figures, the Notes scenario and the repaired template read)."""
+        cold = {
+            row.request: AuditTurn(row.request, row.tokens, None, None, {}, None)
+            for row in self.scan.requests
+            if row.matched_request is None
+        }
+        turns = sorted({**cold, **self.turns}.items())
+        measure = self.measure
+        return AuditReport(
+            self.model,
+            self.dtype,
+            measure.threshold,
+            measure.min_agreement,
+            measure.tokens,
+            measure.repairs,
+            measure.grain,
+            tuple(turn for _, turn in turns),
+            tuple(self.scan.rendered[index] for index, _ in turns),
+        )
+
+
+def audit_traffic(
+    lm: LoadedModel,
+    log: RequestLog,
+    *,
+    sample: int = DEFAULT_SAMPLE,
+    settings: CacheSettings = CacheSettings(),
+    repairs: Sequence[str] = REPAIRS,
+    tokens: int | None = None,
+    threshold: float | None = None,
+    min_agreement: float | None = None,
+    grain: str | None = None,
+    max_tokens: int | None = None,
+    scan_progress: StepProgress = None,
+    progress: StepProgress = None,
+) -> TrafficReport:
+    """The token pass over the whole log, then up to ``sample`` turns of each change signature measured with every
+    repair (``scan_progress``: requests of the token pass; ``progress``: the measured steps)."""
+    if sample < 0:
+        raise RequestLogError(f"--sample is the turns measured per group, at least 0, got {sample}")
+    defaults = MeasureSettings(check_repairs(repairs))
+    measure = MeasureSettings(
+        defaults.repairs,
+        defaults.tokens if tokens is None else tokens,
+        defaults.threshold if threshold is None else threshold,
+        defaults.min_agreement if min_agreement is None else min_agreement,
+        grain,
+        max_tokens,
+    )
+    if measure.tokens < 1:
+        raise RequestLogError(f"generate at least one token per state, got {measure.tokens}")
+    limit = max_tokens or int(lm.info().get("max_positions") or 32_768)
+    scan = scan_log(lm.tokenizer, log, settings, limit=limit, model=lm.name, progress=scan_progress)
+    if not scan.requests:
+        raise RequestLogError(f"no request of the log could be read: {len(scan.skipped)} skipped, the first: {scan.skipped[0].message}")
+    groups = sample_groups(scan, sample)
+    chosen = sorted(index for group in groups for index in group.measured)
+    total, done = len(chosen) * (len(measure.repairs) + 1), 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if progress:
+            progress(done, total)
+
+    matched = {row.request: row.matched_request for row in scan.requests}
+    turns = {}
+    for index in chosen:
+        new, diff, old = scan.rendered[index], scan.diffs[index], scan.rendered[matched[index]]
+        cached = Notebook.prefill(lm, list(old.ids), "request").materialized()
+        turns[index], _ = measure_turn(Turn(lm, old, new, diff, cached, measure.tokens, grain, max_tokens), measure, tick)
+    return TrafficReport(lm.fingerprint.name, lm.fingerprint.dtype, scan, tuple(groups), turns, measure, sample)
