@@ -25,15 +25,16 @@ from engine.audit.audit import (
     DEFAULT_THRESHOLD,
     DEFAULT_TOKENS,
     AuditReport,
-    audit_requests,
     audit_value,
     repaired_template,
     scenario_toml,
 )
-from engine.audit.fields import candidate_spans
+from engine.audit.caches import CacheSettings
+from engine.audit.fields import BLOCK_TOKENS, candidate_spans
 from engine.audit.notes import NotesScenario, notes_scenario
 from engine.audit.repairs import GRAINS, REPAIRS, content_chars
-from engine.audit.requests import RenderedRequest, Request, RequestLogError, parse_log, parse_prompt, render_request
+from engine.audit.requests import RenderedRequest, Request, RequestLog, RequestLogError, parse_prompt, read_log, render_request
+from engine.audit.traffic import DEFAULT_SAMPLE, audit_traffic, sample_groups, scan_log
 from engine.cache.vision import check_vision_model
 from engine.comparison import compare_models
 from engine.compose.agent import run_agent
@@ -61,7 +62,7 @@ from engine.models import LoadedModel, available_offline, dtype_name, is_offline
 from engine.probes.analysis import DEFAULT_STRATEGIES, analyse_edit
 from engine.probes.frontier import probe_frontier
 from engine.probes.registry import PROBES
-from engine.progress import MessageProgress, StepProgress
+from engine.progress import MessageProgress, StepMessage, StepProgress
 from engine.reproduce import Recipe, matches, notebook, recipe_settings, script_text
 from engine.scenario import DEMOS, Scenario, Skill, bundled_scenarios, bundled_skills
 from viz import audit as audit_figures
@@ -401,6 +402,12 @@ def remedy_info() -> str:
     return panels.remedy_info(DEFAULT_REMEDY.name, *(stored or (None, None)))
 
 
+def remedy_summary() -> str:
+    """The remedy menu's one-line info: the default and its numbers in the stored N-skill study."""
+    stored = stored_study_choice()
+    return panels.remedy_summary(DEFAULT_REMEDY.name, stored[1] if stored else None)
+
+
 def remedy_menu(names: Sequence[str]) -> list[tuple[str, str]]:
     """(label, spec) pairs for the Composer's menu: the default and ``auto`` first, each measured remedy labelled with
     its agreement and speedup in the stored study."""
@@ -647,8 +654,8 @@ AUDIT_REPAIRS = [name for name in REPAIRS if name != "recompute"]  # recompute a
 
 
 def bundled_logs() -> dict[str, Path]:
-    """The demo request logs shipped in demos/logs, by file stem."""
-    return {path.stem: path for path in sorted((DEMOS / "logs").glob("*.jsonl"))}
+    """The demo request logs shipped in demos/logs and its folders (``traffic/``: interleaved sessions), by file stem."""
+    return {path.stem: path for path in sorted((DEMOS / "logs").rglob("*.jsonl"))}
 
 
 def bundled_log_text(name: str) -> str:
@@ -669,6 +676,11 @@ class AuditView:
     prompt_html: str
     summary: dict
     notes_markdown: str = ""  # what Open in Notes would study, said before it is offered
+    # a log audited as traffic (none for one prompt with a new value): sessions, engines' reuse, causes, sampled groups
+    traffic_markdown: str = ""
+    groups_markdown: str = ""
+    sessions_figure: go.Figure | None = None
+    engines_figure: go.Figure | None = None
 
 
 def audit_options(
@@ -695,6 +707,47 @@ def _audit_text(text: str | None, what: str) -> str:
     return text
 
 
+def engine_settings(block=BLOCK_TOKENS, budget_blocks=None, budget_tokens=None, cache_reuse=0) -> CacheSettings:
+    """The simulated engines' settings from UI values (a budget of 0 or empty: unbounded)."""
+    block = number(block, "block size", BLOCK_TOKENS)
+    values = {
+        "vLLM block budget": number(budget_blocks, "vLLM block budget", 0),
+        "SGLang token budget": number(budget_tokens, "SGLang token budget", 0),
+        "llama.cpp --cache-reuse": number(cache_reuse, "llama.cpp --cache-reuse", 0),
+    }
+    if block < 1:
+        raise AppError(f"the block size is at least 1 token, got {block}")
+    negative = [name for name, value in values.items() if value < 0]
+    if negative:
+        raise AppError(f"the {negative[0]} cannot be negative (0: unbounded, or off)")
+    blocks, tokens, reuse = values.values()
+    return CacheSettings(block, blocks or None, tokens or None, None, reuse)
+
+
+def bounded_sample(
+    profile: HostingProfile, lm: LoadedModel, log: RequestLog, settings: CacheSettings, sample: int, progress: StepProgress = None
+) -> tuple[int, str | None]:
+    """The turns per change signature the model measures: ``sample``, lowered until every group's measured turns
+    together fit the profile's ``max_audit_requests`` (a token pass of its own, only where the profile bounds them);
+    and the words saying so (None when nothing was lowered)."""
+    most = profile.max_audit_requests
+    if most is None or sample <= 0:
+        return sample, None
+    limit = profile.max_context_tokens or int(lm.info().get("max_positions") or 32_768)  # as ``audit_traffic`` renders
+    scan = scan_log(lm.tokenizer, log, settings, limit=limit, model=lm.name, progress=progress)
+    fits = next(k for k in range(sample, -1, -1) if sum(len(g.measured) for g in sample_groups(scan, k)) <= most)
+    if fits == sample:
+        return sample, None
+    return fits, f"{profile.label} measures at most {most} turns of a log: --sample lowered from {sample} to {fits}"
+
+
+def _steps(progress: MessageProgress | None, unit: str) -> StepProgress:
+    """A step callback that reports ``unit: done/total`` as a message carrying its fraction (the tab's bar)."""
+    if progress is None:
+        return None
+    return lambda done, total: progress(StepMessage(f"{unit}: {done:,}/{total:,}", done, total))
+
+
 @guarded
 def run_audit(
     registry: ModelRegistry,
@@ -709,15 +762,33 @@ def run_audit(
     grain: str | None = None,
     x: str = "computed",
     y: str = "kl",
-    progress: StepProgress = None,
+    sample=DEFAULT_SAMPLE,
+    engines: CacheSettings = CacheSettings(),
+    progress: MessageProgress | None = None,
 ) -> AuditView:
-    """Audit a request log turn by turn (every request checked before any forward); the report is kept for this
-    session (Open in Notes, export, redrawn axes)."""
-    requests = parse_log(_audit_text(text, "a request log (one JSON request a line)"))
-    options = audit_options(registry.profile, len(requests), repairs, tokens, threshold, min_agreement, grain)
+    """Audit a request log as traffic: the token pass over every request (sessions, matches, causes, the simulated
+    engines), then every repair measured on up to ``sample`` turns of each change signature (malformed records are
+    skipped and named). The measured turns are kept for this session (Open in Notes, export, redrawn axes)."""
+    log = read_log(_audit_text(text, "a request log (one JSON request a line)"))
+    sample = number(sample, "--sample K", DEFAULT_SAMPLE)
+    profile = registry.profile
+    # at most this many turns are measured: every request, or the profile's bound that ``bounded_sample`` keeps to
+    measured = min(len(log.requests), profile.max_audit_requests or len(log.requests))
+    options = audit_options(profile, measured, repairs, tokens, threshold, min_agreement, grain)
     lm = registry.get(spec)
-    report = audit_requests(lm, requests, max_tokens=registry.profile.max_context_tokens, progress=progress, **options)
-    return _kept_audit(registry, sessions, session, spec, lm, report, x, y, progress)
+    sample, bound = bounded_sample(profile, lm, log, engines, sample, _steps(progress, "token pass (bounding the sample): requests"))
+    traffic = audit_traffic(
+        lm,
+        log,
+        sample=sample,
+        settings=engines,
+        max_tokens=profile.max_context_tokens,
+        scan_progress=_steps(progress, "token pass: requests"),
+        progress=_steps(progress, "measured steps"),
+        **options,
+    )
+    data = traffic.as_dict() | {"sample_bound": bound}
+    return _kept_audit(registry, sessions, session, spec, lm, traffic.measured_report(), x, y, None, data)
 
 
 def _rendered_prompt(registry: ModelRegistry, spec: str | None, text: str) -> tuple[Request, RenderedRequest]:
@@ -815,15 +886,18 @@ def _kept_audit(
     x: str,
     y: str,
     progress: StepProgress,
+    traffic: dict | None = None,
 ) -> AuditView:
-    """Keep the audit and its Notes scenario (the model's own answers: two more prefills) for this session; their view."""
+    """Keep the audit and its Notes scenario (the model's own answers: two more prefills) for this session; their view.
+    ``traffic``: the log's token pass (``TrafficReport.as_dict()``) when ``report`` holds its measured turns."""
     try:
         notes = notes_scenario(lm, report)
     except KVScopeError as error:  # no field to edit: the tab says why, Open in Notes refuses with the same words
         notes = str(error)
     sessions.put(session, "audit", report, registry.resolve(spec))
     sessions.put(session, "audit_notes", notes, registry.resolve(spec))
-    return audit_view(report, x, y, notes)
+    sessions.put(session, "audit_traffic", traffic, registry.resolve(spec))
+    return audit_view(report, x, y, notes, traffic)
 
 
 def _turn_marks(report: AuditReport, index: int) -> list[audit_figures.Mark]:
@@ -845,19 +919,33 @@ def _turn_marks(report: AuditReport, index: int) -> list[audit_figures.Mark]:
     return marks
 
 
-def audit_view(report: AuditReport, x: str = "computed", y: str = "kl", notes: NotesScenario | str | None = None) -> AuditView:
+def audit_view(
+    report: AuditReport, x: str = "computed", y: str = "kl", notes: NotesScenario | str | None = None, traffic: dict | None = None
+) -> AuditView:
     """The tab's panels of an audit: recommendations, the timeline, fidelity against cost, the marked prompts and what
-    Open in Notes would study (``notes``: its scenario, or why there is none)."""
+    Open in Notes would study (``notes``: its scenario, or why there is none); with ``traffic`` (the log's token pass,
+    whose measured turns ``report`` holds), its sessions, engines, causes, groups and timeline per session, and the
+    summary is the traffic's JSON."""
     data = report.as_dict()
     turns = [(turn.request, report.rendered[i].text, _turn_marks(report, i)) for i, turn in enumerate(report.turns) if turn.diff]
     shown = report.last_with_fields() or report.turns[-1]
-    return AuditView(
+    view = AuditView(
         recommendation_markdown=audit_figures.recommendations_markdown(data),
         timeline_figure=audit_figures.reuse_timeline_figure(data),
         fidelity_figure=audit_figures.fidelity_cost_figure(data, *_axes(x, y)),
         prompt_html=audit_figures.turns_html(turns, shown.request),
         summary=data,
         notes_markdown=panels.open_in_notes_markdown(notes),
+    )
+    if traffic is None:
+        return view
+    return dataclasses.replace(
+        view,
+        summary=traffic,
+        traffic_markdown=audit_figures.traffic_markdown(traffic),
+        groups_markdown=audit_figures.groups_markdown(traffic),
+        sessions_figure=audit_figures.session_timeline_figure(traffic),
+        engines_figure=audit_figures.engine_reuse_figure(traffic),
     )
 
 
@@ -913,7 +1001,7 @@ def export_audit(folder: ExportFolder, sessions: SessionStore, session: str, x: 
     """The audit JSON, its figures and marked prompts (HTML), the auto-built scenario TOML and the repaired prompt
     template (each where the audit allows one); returns the files' paths."""
     report = _audit_report(sessions, session)
-    view = audit_view(report, x, y)
+    view = audit_view(report, x, y, traffic=sessions.get(session, "audit_traffic"))
     chat = report.rendered[-1].request.messages is not None
     notes = sessions.get(session, "audit_notes")
     extra = {}
@@ -925,7 +1013,8 @@ def export_audit(folder: ExportFolder, sessions: SessionStore, session: str, x: 
             extra[name] = build(report)
         except RequestLogError:
             pass  # no field changed, or (the scenario) one in the last message, which a scenario reads as its question
-    paths = folder.write(view.summary, [view.timeline_figure, view.fidelity_figure], AUDIT_STEM, [view.prompt_html], extra)
+    figures = [view.sessions_figure, view.engines_figure, view.timeline_figure, view.fidelity_figure]
+    paths = folder.write(view.summary, [figure for figure in figures if figure is not None], AUDIT_STEM, [view.prompt_html], extra)
     return [str(path) for path in paths]
 
 

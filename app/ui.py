@@ -654,11 +654,13 @@ def _composer_tab(page: Page) -> gr.Dropdown:
                 value=DEFAULT_REMEDY.name,
                 allow_custom_value=True,
                 label="Repair of the spliced skills",
-                info=handlers.remedy_info(),
+                info=handlers.remedy_summary(),
                 elem_id="remedy",
             )
             compose_button = gr.Button("Splice vs recompute", variant="primary", elem_id="run-compose")
             cancel_button = gr.Button("Cancel calibration", variant="stop", visible=False, elem_id="cancel-calibration")
+        with gr.Accordion("What the remedies mean, and why this default", open=False, elem_id="remedy-details"):
+            gr.Markdown(markdown_literal(handlers.remedy_info()), elem_id="remedy-info")
         calibration_status = gr.Markdown(elem_id="calibration-status")
         compose_metrics = gr.Markdown(elem_id="compose-metrics")
         with gr.Row():

@@ -1,7 +1,7 @@
 """The audit's token pass at traffic scale: synthetic logs of agent requests (1.5–2k tokens, tools and tool calls, a clock
 line in the system prompt) from 50 interleaved sessions, 1,000 and 10,000 requests.
 
-    python -m benchmarks.audit_scale [--sizes 1000,10000] [--sessions 50] [--budget-tokens 4000] [--tokenizer DIR]
+    python -m benchmarks.audit_scale [--sizes 1000,10000] [--sessions 50] [--budget-tokens 1000] [--tokenizer DIR]
         [--out benchmarks/results]
 
 Each size is written to a JSONL log and, unbounded and again under a KV budget (SGLang ``--budget-tokens``, vLLM as
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sessions", type=int, default=50)
     parser.add_argument("--tokenizer", help="a local model dir with tokenizer.json (default: the embedded model's converted copy)")
     parser.add_argument("--out", default=str(common.RESULTS))
-    parser.add_argument("--budget-tokens", type=int, default=4_000, help="also run with this KV budget (0: skip)")
+    parser.add_argument("--budget-tokens", type=int, default=1_000, help="also run with this KV budget (0: skip)")
     parser.add_argument("--worker", nargs=3, metavar=("LOG", "TOKENIZER", "BUDGET"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:

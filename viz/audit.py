@@ -1,5 +1,7 @@
 """Figures and views of a request-log audit (``engine.audit``): the reused fraction of every repair per turn, fidelity
-against cost, the recommendation per turn in words, and the rendered prompt with its changed or volatile spans marked.
+against cost, the recommendation per turn in words, and the rendered prompt with its changed or volatile spans marked;
+for a log audited as traffic (``TrafficReport.as_dict()``), its sessions, the engines' reuse, the causes, the sampled
+groups, and a timeline per session.
 
 Figures take the audit's JSON (``AuditReport.as_dict()``, or a benchmark file with the same ``turns``), so a stored
 result draws without a model. Every user or model string is escaped: plotly text through :func:`safe_label`,
@@ -14,6 +16,8 @@ from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
+from engine.audit.causes import CAUSES
+from engine.audit.requests import Skipped
 from viz.common import GREY, PALETTE, markdown_literal, safe_label
 
 REPAIR_WORDS = {
@@ -326,3 +330,228 @@ def candidates_html(text: str, marks: Sequence[Mark]) -> str:
         return PROMPT_CSS + "<p>No date, time, id, number or <code>key: value</code> span found: type the text to change instead.</p>"
     note = f"<p>{len(marks)} candidate span{'s' if len(marks) != 1 else ''}: pick one by its number, or type the text to change.</p>"
     return PROMPT_CSS + note + marked_prompt_html(text, marks, "audit-candidates-prompt")
+
+
+# ---------------------------------------------------------------------------- a log as traffic (``TrafficReport.as_dict()``)
+ENGINE_LABELS = {"vllm": "vLLM", "sglang": "SGLang", "llama_cpp": "llama.cpp"}  # short names of ``caches.ENGINES``
+NO_SESSION = "(no session key)"
+MAX_TABLE_ROWS = 40  # sessions listed in the tab; every one is in the JSON
+REUSED = "reused"  # a request with no cause that appends nothing: the same tokens as its match
+_CAUSE_ORDER = (*CAUSES, "growth", REUSED)
+
+
+def session_name(session: str | None) -> str:
+    return NO_SESSION if session is None else session
+
+
+def main_cause(row: Mapping) -> str:
+    """What a request is drawn as: its first cause (a ``CAUSES`` name), else ``growth`` when it only appends to its match,
+    else ``reused`` (identical to it)."""
+    if row["causes"]:
+        return row["causes"][0]["name"]
+    return "growth" if row["appended_tokens"] > 0 else REUSED
+
+
+def cause_words(name: str) -> str:
+    """A cause's line as the engine registers it (``causes.CAUSES``); the two drawing-only names said here."""
+    extra = {"growth": "only new turns appended to the matched request", REUSED: "the same tokens as the matched request"}
+    return CAUSES.get(name) or extra.get(name, name)
+
+
+def _cause_colours(names: Sequence[str]) -> dict[str, str]:
+    ordered = sorted(set(names), key=_CAUSE_ORDER.index)
+    fixed = {"new_prefix": "#264653", "growth": "#2a9d8f", REUSED: GREY}
+    others = [colour for colour in PALETTE if colour not in fixed.values()]
+    rest = [name for name in ordered if name not in fixed]
+    return {name: fixed.get(name) or others[rest.index(name) % len(others)] for name in ordered}
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{part / whole:.0%}" if whole else "–"
+
+
+def _reuse_hover(row: Mapping) -> str:
+    reuse = " · ".join(f"{ENGINE_LABELS[e]} {n:,}" for e, n in row["reused_tokens"].items())
+    causes = "<br>".join(f"{safe_label(c['name'])}: {safe_label(c['detail'], 90)}" for c in row["causes"]) or safe_label(
+        cause_words(main_cause(row))
+    )
+    matched = "none" if row["matched_request"] is None else f"request {row['matched_request']}"
+    return (
+        f"<b>request {row['request']}</b> (line {row['line']}) · {safe_label(session_name(row['session']), 40)}<br>"
+        f"{row['tokens']:,} tokens · matched {matched} ({row['common_prefix_tokens']:,} shared)<br>"
+        f"reused: {reuse}<br>{causes}"
+    )
+
+
+def session_timeline_figure(data: Mapping) -> go.Figure:
+    """One row per session (in order of first appearance), its requests along the log (request number), each marker
+    coloured by its first cause of a miss (``growth``: only appended; ``reused``: identical), its size by its tokens;
+    a grey line joins a session's requests. Hover: the match, every engine's reuse and every cause in words."""
+    rows = data["requests"]
+    if not rows:
+        return _empty("no request was read: nothing to draw")
+    sessions = [session_name(s["session"]) for s in data["sessions"]]
+    labels = {name: safe_label(name, 24) for name in sessions}
+    figure = go.Figure()
+    for name in sessions:
+        own = [row for row in rows if session_name(row["session"]) == name]
+        figure.add_scatter(
+            x=[row["request"] for row in own],
+            y=[labels[name]] * len(own),
+            mode="lines",
+            line={"color": GREY, "width": 1},
+            hoverinfo="skip",
+            showlegend=False,
+        )
+    largest = max(row["tokens"] for row in rows)
+    by_cause: dict[str, list[Mapping]] = {}
+    for row in rows:
+        by_cause.setdefault(main_cause(row), []).append(row)
+    colours = _cause_colours(list(by_cause))
+    for cause in colours:
+        own = by_cause[cause]
+        figure.add_scatter(
+            x=[row["request"] for row in own],
+            y=[labels[session_name(row["session"])] for row in own],
+            mode="markers",
+            name=safe_label(cause),
+            marker={
+                "color": colours[cause],
+                "size": [8 + 12 * row["tokens"] / largest for row in own],
+                "line": {"width": 1, "color": "white"},
+            },
+            hovertext=[_reuse_hover(row) for row in own],
+            hoverinfo="text",
+        )
+    figure.update_layout(
+        title="Requests per session, coloured by the cause of their miss<br><sup>marker size: tokens · hover: the match, "
+        "each engine's reuse and every cause</sup>",
+        xaxis={"title": "request (log order)"},
+        yaxis={"title": "session", "type": "category", "categoryorder": "array", "categoryarray": [labels[n] for n in reversed(sessions)]},
+        height=min(180 + 34 * len(sessions), 900),
+        legend={"orientation": "h", "y": -0.3},
+        margin={"t": 80},
+    )
+    return figure
+
+
+def engine_reuse_figure(data: Mapping) -> go.Figure:
+    """Per request (log order), the share of its tokens each simulated engine serves from its cache; the totals in the
+    legend."""
+    rows = data["requests"]
+    if not rows:
+        return _empty("no request was read: nothing to draw")
+    engines = data["engines"]
+    figure = go.Figure()
+    for index, engine in enumerate(ENGINE_LABELS):
+        total = engines["reused_tokens"][engine]
+        figure.add_scatter(
+            x=[row["request"] for row in rows],
+            y=[row["reused_tokens"][engine] / row["tokens"] for row in rows],
+            mode="lines+markers",
+            name=f"{ENGINE_LABELS[engine]}: {total:,} of {engines['tokens']:,} ({_share(total, engines['tokens'])})",
+            line={"color": PALETTE[index], "width": 2, "dash": ("solid", "dash", "dot")[index]},
+            marker={"size": 6},
+            hovertext=[
+                f"request {row['request']}: {ENGINE_LABELS[engine]} reuses {row['reused_tokens'][engine]:,} of {row['tokens']:,}"
+                for row in rows
+            ],
+            hoverinfo="text",
+        )
+    settings = engines["settings"]
+    budgets = ", ".join(
+        f"{what} {settings[key]:,}" for key, what in (("budget_blocks", "vLLM blocks"), ("budget_tokens", "SGLang tokens")) if settings[key]
+    )
+    figure.update_layout(
+        title=f"Tokens each engine reuses, per request<br><sup>{settings['block']}-token blocks · budgets: {budgets or 'unbounded'}"
+        + (f" · llama.cpp --cache-reuse {settings['cache_reuse']}" if settings["cache_reuse"] else "")
+        + "</sup>",
+        xaxis={"title": "request (log order)"},
+        yaxis={"title": "share of the request's tokens reused", "range": [0, 1.05], "tickformat": ".0%"},
+        height=420,
+        legend={"orientation": "h", "y": -0.3},
+        margin={"t": 80},
+    )
+    return figure
+
+
+def traffic_markdown(data: Mapping) -> str:
+    """The log in words and tables: requests, sessions, formats and skipped records; each engine's reuse in total;
+    per session its requests, tokens and reuse; each cause named with its line, the requests and tokens it costs;
+    and whether the model ran on a sample."""
+    engines, sessions = data["engines"], data["sessions"]
+    tokens = engines["tokens"]
+    formats = ", ".join(f"{markdown_literal(name)} {count:,}" for name, count in data["formats"].items()) or "none"
+    lines = [
+        f"**{engines['requests']:,} requests** in **{len(sessions):,} session{'s' if len(sessions) != 1 else ''}**, "
+        f"{tokens:,} tokens · formats: {formats} · skipped records: {data['skipped_count']:,}",
+        *(f"- skipped: {markdown_literal(Skipped(**item).message)}" for item in data["skipped"][:MAX_TABLE_ROWS]),
+        "",
+        "**Tokens the engines reuse** (simulated, fed the log in order): "
+        + " · ".join(
+            f"{ENGINE_LABELS[e]} {engines['reused_tokens'][e]:,} ({_share(engines['reused_tokens'][e], tokens)})" for e in ENGINE_LABELS
+        ),
+        "",
+        "| session | requests | tokens | " + " | ".join(f"reused: {ENGINE_LABELS[e]}" for e in ENGINE_LABELS) + " |",
+        "|---|---:|---:|" + "---:|" * len(ENGINE_LABELS),
+    ]
+    for summary in sessions[:MAX_TABLE_ROWS]:
+        reused = " | ".join(
+            f"{summary['reused_tokens'][e]:,} ({_share(summary['reused_tokens'][e], summary['tokens'])})" for e in ENGINE_LABELS
+        )
+        lines.append(
+            f"| {markdown_literal(session_name(summary['session']))} | {summary['requests']:,} | {summary['tokens']:,} | {reused} |"
+        )
+    if len(sessions) > MAX_TABLE_ROWS:
+        lines.append(f"\n{len(sessions) - MAX_TABLE_ROWS:,} more sessions in the JSON.")
+    lines += [
+        "",
+        "**Causes of the misses**",
+        "",
+        "| cause | what it means | requests | occurrences | tokens recomputed |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for name, entry in sorted(data["causes"].items(), key=lambda item: -item[1]["tokens"]):
+        counts = f"{entry['requests']:,} | {entry['occurrences']:,} | {entry['tokens']:,}"
+        lines.append(f"| {markdown_literal(name)} | {markdown_literal(cause_words(name))} | {counts} |")
+    if not data["causes"]:
+        lines.append("| none | every request only grows the one it matches | | | |")
+    return "\n".join(lines)
+
+
+def _fidelity_words(fidelity: Mapping) -> str:
+    parts = []
+    for name, entry in fidelity.items():
+        if not entry["applicable"]:
+            parts.append(f"{name}: not applicable")
+            continue
+        parts.append(
+            f"{name}: worst KL {entry['worst_kl']:.3g}, ≥ {entry['min_agreement']:.0%} agreeing, "
+            f"{entry['mean_computed_share']:.0%} computed, recommended {entry['recommended']}/{entry['measured']}"
+        )
+    return markdown_literal("; ".join(parts))
+
+
+def groups_markdown(data: Mapping, note: str = "") -> str:
+    """The change signatures: each group's count, share of the log's tokens, the turns measured (or why none was) and
+    its repairs' fidelity over them; ``note`` (already Markdown) says how the server bounded the sample."""
+    groups = data["groups"]
+    measured = sum(len(group["measured"]) for group in groups)
+    head = (
+        f"**{len(groups):,} change signature{'s' if len(groups) != 1 else ''}**; the model measured up to {data['sample']} "
+        f"turn{'s' if data['sample'] != 1 else ''} of each ({measured:,} in all)"
+        + (": **sampled**, not every turn was measured." if data["sampled"] else ": every measurable turn.")
+    )
+    lines = [
+        head + (f" {note}" if note else ""),
+        "",
+        "| signature | requests | token share | measured | repairs' fidelity |",
+        "|---|---:|---:|---|---|",
+    ]
+    for group in groups:
+        measured_words = ", ".join(f"r{index}" for index in group["measured"]) or markdown_literal(group["reason"] or "")
+        lines.append(
+            f"| {markdown_literal(group['signature'])} | {group['count']:,} | {group['token_share']:.0%} | {measured_words} | "
+            f"{_fidelity_words(group['fidelity']) or '–'} |"
+        )
+    return "\n".join(lines)

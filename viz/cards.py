@@ -38,7 +38,8 @@ def _card(result: StrategyResult, oracle_label: str, reference: bool = False) ->
     recovered = "—" if result.recovery is None or result.recovery.value is None else f"{result.recovery.value:.2f}"
     note = "" if result.recovery is None or result.recovery.reason is None else f"<br><small>{html.escape(result.recovery.reason)}</small>"
     return (
-        f'<div class="kv-card {state}{" ref" if reference else ""}" data-strategy="{name}" data-decision="{html.escape(decision.label)}">'
+        f'<div class="kv-card {state}{" ref" if reference else ""}" data-strategy="{name}" data-decision="{html.escape(decision.label)}" '
+        f'data-margin="{decision.margin:+.2f}">'
         f'{_title(result)}<span class="big">{html.escape(decision.label)}</span> margin {decision.margin:+.2f}<br>'
         f'<span title="{html.escape(RECOVERY_WORDS)}">recovery {recovered}</span> · {result.tokens_recomputed} tok · {_ms(result)}'
         f"{note}</div>"

@@ -154,6 +154,13 @@ def remedy_info(default: str, stored: str | None = None, choice: RemedyChoice | 
     )
 
 
+def remedy_summary(default: str, choice: RemedyChoice | None = None) -> str:
+    """One line under the remedy menu: the default and what it buys in the stored study (the rest is in :func:`remedy_info`)."""
+    measured = {point.name: point for point in choice.points} if choice else {}
+    numbers = measured[default].numbers() if default in measured else "not measured in a stored study yet"
+    return f"Default {default}: {numbers}. What each part means, and why this default: below the menu."
+
+
 def remedy_menu(default: str, auto: str, names: Sequence[str], choice: RemedyChoice | None = None) -> list[tuple[str, str]]:
     """(label, spec) pairs: the default, ``auto``, then ``names``; a remedy the stored study measured shows its decisive
     agreement and median speedup there against a full recompute, one it did not says so."""

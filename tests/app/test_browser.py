@@ -44,7 +44,7 @@ def page(browser, app_url):
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
     page = context.new_page()
     page.goto(app_url)
-    page.wait_for_selector("#model-card", timeout=60_000)
+    page.locator("#baseline").get_by_text("Now").wait_for(timeout=60_000)  # the page opens on Notes, its scenario prepared
     yield page
     context.close()
 
@@ -138,7 +138,15 @@ def test_drag_a_skill_into_the_context_shows_fidelity(page):
     _shot(page, "composer-drag")
 
 
+def test_a_first_visit_opens_on_the_notes_tab_with_the_model_card_one_click_away(page):
+    assert page.get_by_role("tab", name="Notes").get_attribute("aria-selected") == "true"
+    assert page.locator("#run-edit").is_visible() and not page.locator("#model-card").is_visible()
+    page.get_by_role("tab", name="Model", exact=True).click()
+    page.locator("#model-card").get_by_text("Operations on this model").wait_for(timeout=30_000)
+
+
 def test_model_tab_shows_memory_against_budgets(page):
+    page.get_by_role("tab", name="Model", exact=True).click()
     memory = page.locator("#server-memory")
     memory.get_by_text("Sessions").wait_for(timeout=60_000)
     text = memory.inner_text()
@@ -147,6 +155,7 @@ def test_model_tab_shows_memory_against_budgets(page):
 
 
 def test_model_card_shows_the_models_support_row(page):
+    page.get_by_role("tab", name="Model", exact=True).click()
     card = page.locator("#model-card")
     card.get_by_text("Operations on this model").wait_for(timeout=60_000)
     text = card.inner_text()
@@ -317,8 +326,7 @@ def _open(browser, app_url: str, query: str):
     context.grant_permissions(["clipboard-read", "clipboard-write"], origin=app_url.rstrip("/"))
     page = context.new_page()
     page.goto(app_url + query)
-    page.wait_for_selector("#model-card", timeout=60_000)
-    page.get_by_role("tab", name="Notes").click()
+    page.wait_for_selector("#run-edit", timeout=60_000)  # a link opens on the Notes tab it restores: nothing to click
     return context, page
 
 
@@ -357,6 +365,7 @@ def test_a_permalink_restores_the_notes_state_and_runs_the_edit(browser, app_url
         }
     )
     context, page = _open(browser, app_url, query)
+    assert page.get_by_role("tab", name="Notes").get_attribute("aria-selected") == "true"  # the tab the link restores
     cards = _cards(page)
     assert {"field_only", "erratum", "stale", "oracle"} <= set(cards) and "field_erratum" not in cards
     assert _notes_state(page) == {

@@ -41,7 +41,7 @@ def wide_page(request, browser, app_url):  # noqa: F811
     context = browser.new_context(viewport={"width": request.param, "height": 900})
     page = context.new_page()
     page.goto(app_url)
-    page.wait_for_selector("#model-card", timeout=60_000)
+    page.locator("#baseline").get_by_text("Now").wait_for(timeout=60_000)
     yield page, request.param
     context.close()
 

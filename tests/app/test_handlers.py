@@ -146,7 +146,12 @@ def test_remedy_info_and_menu_state_the_default_and_the_fastest_from_the_stored_
         ("splice — keeps 32/35 decisions of a full recompute, ×5.80 faster first token (median)", "splice"),
         ("seam:1 — not measured in the stored study yet", "seam:1"),
     ]
+    assert handlers.remedy_summary() == (
+        f"Default {DEFAULT_REMEDY.name}: keeps 34/35 decisions of a full recompute, ×2.60 faster first token (median). "
+        "What each part means, and why this default: below the menu."
+    )
     monkeypatch.setattr(handlers, "RESULTS_DIR", tmp_path / "none")
+    assert "not measured in a stored study yet" in handlers.remedy_summary()
     assert handlers.remedy_info().startswith(f"Default {DEFAULT_REMEDY.name}. auto: this model's own calibration")
     assert handlers.remedy_menu([])[0] == (f"{DEFAULT_REMEDY.name} — not measured in the stored study yet (default)", DEFAULT_REMEDY.name)
 
