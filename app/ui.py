@@ -18,8 +18,10 @@ from app.state import ExportFolder, ModelRegistry, SessionStore
 from engine.audit.audit import DEFAULT_MIN_AGREEMENT as AUDIT_MIN_AGREEMENT
 from engine.audit.audit import DEFAULT_THRESHOLD as AUDIT_THRESHOLD
 from engine.audit.audit import DEFAULT_TOKENS as AUDIT_DEFAULT_TOKENS
+from engine.audit.fields import BLOCK_TOKENS as AUDIT_BLOCK
 from engine.audit.repairs import GRAINS as AUDIT_GRAINS
 from engine.audit.repairs import REPAIR_SUMMARIES
+from engine.audit.traffic import DEFAULT_SAMPLE as AUDIT_SAMPLE
 from engine.cache.budget import bounded, waits_reported
 from engine.cache.decision import DECISIVE_MARGIN
 from engine.compose.choice import AUTO
@@ -896,12 +898,14 @@ def _models_tab(page: Page, notes: NotesInputs) -> None:
     )
 
 
-AUDIT_INTRO = """Paste a request log as your server or gateway records it (OpenAI chat-completions or completions requests, one
-JSON object a line, or a JSON array), upload one, or pick a demo. Each request is rendered with the loaded model's own chat
-template; consecutive requests are compared token by token: what an exact prefix cache reuses (and a 16-token-block cache),
-which values changed inside shared text (the *mutable fields*, found, not declared) and what was only appended. Every repair
-of the cache is then measured against a clean prefill of the new request: next-token KL, top-1, and N greedy tokens. The
-recommendation is the cheapest repair within your threshold. For one prompt, open *One prompt* below and change a value."""
+AUDIT_INTRO = """Paste a request log as your server or gateway records it (OpenAI chat, completions or Responses requests,
+Anthropic Messages, ShareGPT, gateway records or batch lines; one JSON object a line, or a JSON array), upload one, or pick a
+demo. A token pass covers every request, rendered with the loaded model's own chat template (tools included): each is matched
+with the earlier request it shares the longest prefix with, sessions are kept apart, each miss gets its cause (a clock, an id,
+tools changed, a prefix ending mid-block…), and three engines' caches are simulated (vLLM blocks, SGLang's radix tree,
+llama.cpp's slots). Turns are grouped by what changed; the model then measures every repair on up to *K* turns of each group
+against a clean prefill of the new request (next-token KL, top-1, N greedy tokens) and recommends the cheapest within your
+threshold. Malformed records are skipped and named. For one prompt, open *One prompt* below and change a value."""
 OPEN_IN_NOTES_JS = "() => { const button = document.querySelector('#run-edit'); if (button) { button.click(); } }"
 
 
@@ -954,6 +958,19 @@ def _your_prompt_tab(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
                     elem_id="audit-min-agreement",
                 )
                 grain = gr.Dropdown(["none", *AUDIT_GRAINS], value="none", label="coarsen: the date-time grain", elem_id="audit-grain")
+                sample = LenientSlider(
+                    0,
+                    10,
+                    value=AUDIT_SAMPLE,
+                    step=1,
+                    label="--sample K: turns the model measures per change signature (0: the token pass only)",
+                    elem_id="audit-sample",
+                )
+                with gr.Accordion("Simulated engines", open=False, elem_id="audit-engine-settings"):
+                    block = gr.Number(AUDIT_BLOCK, precision=0, label="vLLM block size (tokens)", elem_id="audit-block")
+                    budget_blocks = gr.Number(0, precision=0, label="vLLM block budget (0: unbounded)", elem_id="audit-budget-blocks")
+                    budget_tokens = gr.Number(0, precision=0, label="SGLang token budget (0: unbounded)", elem_id="audit-budget-tokens")
+                    cache_reuse = gr.Number(0, precision=0, label="llama.cpp --cache-reuse N (0: off)", elem_id="audit-cache-reuse")
                 audit_button = gr.Button("Audit the log", variant="primary", elem_id="run-audit")
         with gr.Accordion("One prompt: change a value", open=False, elem_id="audit-one-prompt"):
             gr.Markdown(
@@ -968,6 +985,11 @@ def _your_prompt_tab(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
                 find = gr.Textbox(label="…or the text to change (its first occurrence)", elem_id="audit-find")
                 new_value = gr.Textbox(label="New value", elem_id="audit-new-value")
                 value_button = gr.Button("Audit this change", variant="primary", elem_id="run-audit-value")
+        traffic_view = gr.Markdown(elem_id="audit-traffic")
+        with gr.Row():
+            sessions_plot = gr.Plot(label="Requests per session", elem_id="audit-sessions")
+            engines_plot = gr.Plot(label="Tokens each engine reuses", elem_id="audit-engines")
+        groups_view = gr.Markdown(elem_id="audit-groups")
         recommendation = gr.Markdown(elem_id="audit-recommendation")
         with gr.Row():
             timeline_plot = gr.Plot(label="Reused fraction per turn", elem_id="audit-timeline")
@@ -1002,14 +1024,19 @@ def _your_prompt_tab(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
     upload.upload(on_upload, upload, log_text, api_name="audit_upload", concurrency_limit=None)
 
     settings = [repairs, tokens, threshold, min_agreement, grain, x_axis, y_axis]
-    shown = [recommendation, timeline_plot, fidelity_plot, prompt_view, audit_json, open_status, page.session]
+    traffic_settings = [sample, block, budget_blocks, budget_tokens, cache_reuse]
+    shown = [recommendation, timeline_plot, fidelity_plot, prompt_view, audit_json, open_status]
+    shown += [traffic_view, sessions_plot, engines_plot, groups_view, page.session]
 
     def _shown(view, sid):
         figures = view.timeline_figure, view.fidelity_figure
-        return view.recommendation_markdown, *figures, view.prompt_html, view.summary, view.notes_markdown, sid
+        traffic = view.traffic_markdown, view.sessions_figure, view.engines_figure, view.groups_markdown
+        return view.recommendation_markdown, *figures, view.prompt_html, view.summary, view.notes_markdown, *traffic, sid
 
     @page.action
-    def on_audit(session_value, model_spec, text, chosen, n, kl, agreement, coarse, x, y, progress=gr.Progress()):
+    def on_audit(
+        session_value, model_spec, text, chosen, n, kl, agreement, coarse, x, y, k, size, blocks, budget, reuse, progress=gr.Progress()
+    ):
         sid = page.session_id(session_value)
         view = handlers.run_audit(
             page.registry,
@@ -1024,11 +1051,14 @@ def _your_prompt_tab(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
             None if coarse == "none" else coarse,
             x,
             y,
-            progress=_progress_callback(progress),
+            k,
+            handlers.engine_settings(size, blocks, budget, reuse),
+            progress=_message_callback(progress),
         )
         return _shown(view, sid)
 
-    audit_button.click(on_audit, [page.session, page.spec, log_text, *settings], shown, api_name="audit", **page.model_bound())
+    audit_inputs = [page.session, page.spec, log_text, *settings, *traffic_settings]
+    audit_button.click(on_audit, audit_inputs, shown, api_name="audit", **page.model_bound())
 
     @page.action
     def on_candidates(model_spec, text):

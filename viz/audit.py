@@ -428,8 +428,8 @@ def session_timeline_figure(data: Mapping) -> go.Figure:
         "each engine's reuse and every cause</sup>",
         xaxis={"title": "request (log order)"},
         yaxis={"title": "session", "type": "category", "categoryorder": "array", "categoryarray": [labels[n] for n in reversed(sessions)]},
-        height=min(180 + 34 * len(sessions), 900),
-        legend={"orientation": "h", "y": -0.3},
+        height=min(220 + 34 * len(sessions), 900),
+        legend={"title": {"text": "cause"}},
         margin={"t": 80},
     )
     return figure
@@ -520,21 +520,23 @@ def traffic_markdown(data: Mapping) -> str:
 
 
 def _fidelity_words(fidelity: Mapping) -> str:
+    """Per repair over a group's measured turns: its computed share and how often it was recommended; for the others
+    than recompute (the exact reference), their worst KL and least agreement."""
     parts = []
     for name, entry in fidelity.items():
         if not entry["applicable"]:
             parts.append(f"{name}: not applicable")
             continue
-        parts.append(
-            f"{name}: worst KL {entry['worst_kl']:.3g}, ≥ {entry['min_agreement']:.0%} agreeing, "
-            f"{entry['mean_computed_share']:.0%} computed, recommended {entry['recommended']}/{entry['measured']}"
-        )
+        worst = "" if name == "recompute" else f"KL ≤ {entry['worst_kl']:.2g}, ≥ {entry['min_agreement']:.0%} agreeing, "
+        chosen = f"recommended {entry['recommended']}/{entry['measured']}" if entry["recommended"] else "never recommended"
+        parts.append(f"{name}: {worst}{entry['mean_computed_share']:.0%} computed, {chosen}")
     return markdown_literal("; ".join(parts))
 
 
-def groups_markdown(data: Mapping, note: str = "") -> str:
+def groups_markdown(data: Mapping) -> str:
     """The change signatures: each group's count, share of the log's tokens, the turns measured (or why none was) and
-    its repairs' fidelity over them; ``note`` (already Markdown) says how the server bounded the sample."""
+    its repairs' fidelity over them; whether the model ran on a sample, and ``sample_bound`` (where the app put it):
+    how the server lowered the sample."""
     groups = data["groups"]
     measured = sum(len(group["measured"]) for group in groups)
     head = (
@@ -542,14 +544,18 @@ def groups_markdown(data: Mapping, note: str = "") -> str:
         f"turn{'s' if data['sample'] != 1 else ''} of each ({measured:,} in all)"
         + (": **sampled**, not every turn was measured." if data["sampled"] else ": every measurable turn.")
     )
+    bound = data.get("sample_bound")
     lines = [
-        head + (f" {note}" if note else ""),
+        head + (f" **{markdown_literal(bound)}**." if bound else ""),
         "",
         "| signature | requests | token share | measured | repairs' fidelity |",
         "|---|---:|---:|---|---|",
     ]
     for group in groups:
-        measured_words = ", ".join(f"r{index}" for index in group["measured"]) or markdown_literal(group["reason"] or "")
+        picked = ", ".join(f"r{index}" for index in group["measured"])
+        measured_words = (
+            f"{picked} ({len(group['measured'])} of {group['measurable']})" if picked else markdown_literal(group["reason"] or "")
+        )
         lines.append(
             f"| {markdown_literal(group['signature'])} | {group['count']:,} | {group['token_share']:.0%} | {measured_words} | "
             f"{_fidelity_words(group['fidelity']) or '–'} |"

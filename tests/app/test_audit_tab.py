@@ -1,6 +1,8 @@
-"""The Your prompt tab's handlers on tiny-qwen2, with request logs written here: fields found, repairs measured, a
-recommendation per turn, the prompt marked (escaped), Open in Notes, exports, the public profile's bounds, and bad input
-refused with the engine's message while the session keeps its last audit."""
+"""The Your prompt tab's handlers on tiny-qwen2, with request logs written here and the bundled interleaved one: the
+token pass per session against an independent count, groups covering every turn, fields found, repairs measured on the
+sample, a recommendation per turn, the prompt marked (escaped), Open in Notes, exports, the public profile's bounds on
+the measured turns, malformed records skipped by name, and bad input refused with the engine's message while the
+session keeps its last audit."""
 
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ from app import handlers
 from app.handlers import AppError
 from app.hosting import local_profile, public_profile
 from app.state import ExportFolder, ModelRegistry, SessionStore
+from engine.audit.causes import CAUSES
 from engine.audit.fields import diff_requests
-from engine.audit.requests import parse_log, render_request
+from engine.audit.requests import parse_log, read_log, render_request
 from engine.scenario import Scenario
 from tests.app.conftest import TINY
 from viz.common import markdown_literal
@@ -64,7 +67,7 @@ def test_a_log_gets_its_fields_every_repair_and_a_recommendation_per_turn(audite
     assert {"recompute (exact prefix)", "in_place", "erratum", "hoist", "16-token blocks (vLLM)"} <= timeline
     points = {trace.name: list(trace.text) for trace in view.fidelity_figure.data}
     assert points["recompute"] == ["r2", "r3"] and points["in_place"] == ["r2"]  # in_place does not apply to growth
-    assert sessions.get("a", "audit").as_dict() == data
+    assert sessions.get("a", "audit").as_dict()["turns"] == data["turns"] and sessions.get("a", "audit_traffic") == data
 
 
 def test_the_marked_prompt_escapes_user_text_and_marks_the_field_and_the_growth(audited):
@@ -77,15 +80,24 @@ def test_the_marked_prompt_escapes_user_text_and_marks_the_field_and_the_growth(
     assert "session_started: &#x27;2026-05-12 09:41&#x27; → &#x27;2026-05-12 09:42&#x27;" in html_text
 
 
+def test_malformed_records_are_skipped_by_name_and_the_rest_audited(registry, sessions):
+    view = handlers.run_audit(
+        registry, sessions, "s", None, LOG + '\n{not json\n{"messages": [{"role": "robot", "content": "hi"}]}', **OPTIONS
+    )
+    assert [(item["line"], item["key"]) for item in view.summary["skipped"]] == [(4, ""), (5, "message 1")]
+    assert "skipped records: 2" in view.traffic_markdown and "line 4 is not JSON" in view.traffic_markdown
+    assert [turn["request"] for turn in view.summary["turns"]] == [1, 2, 3]  # the rest, audited as without them
+    unrelated = handlers.run_audit(registry, sessions, "s", None, _request("41", "gold", ASK) + '\n{"prompt": "else entirely"}', **OPTIONS)
+    assert [cause["name"] for cause in unrelated.summary["requests"][1]["causes"]] == ["new_prefix"]  # a cold prefill, said
+
+
 def test_bad_logs_get_the_engines_message_and_leave_the_last_audit(audited, registry):
     _, sessions = audited
     kept = sessions.get("a", "audit")
     cases = {
-        LOG + "\n{not json": "line 4 is not JSON",
-        '{"prompt": 3}': "no 'messages'",
+        '{"prompt": 3}': "no request of the log could be read: 1 skipped, the first: line 1 has no 'messages'",
         '{"messages": [{"role": "robot", "content": "hi"}]}': "unknown role 'robot'",
         '{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}': "is not text",
-        _request("41", "gold", ASK) + '\n{"prompt": "something else entirely"}': "shares no prefix",
         "": "paste a request log",
     }
     for text, message in cases.items():
@@ -100,22 +112,31 @@ def test_bad_logs_get_the_engines_message_and_leave_the_last_audit(audited, regi
     assert sessions.get("a", "audit") is kept
 
 
-def test_the_public_profile_bounds_requests_tokens_per_request_and_n(registry):
-    public = ModelRegistry(TINY, profile=dataclasses.replace(public_profile(), max_context_tokens=80))
-    public.add(TINY, registry.get())
+def test_the_public_profile_bounds_the_measured_turns_tokens_per_request_and_n(registry):
+    def public(**limits) -> ModelRegistry:
+        bounded = ModelRegistry(TINY, profile=dataclasses.replace(public_profile(), **limits))
+        bounded.add(TINY, registry.get())
+        return bounded
+
     sessions = SessionStore()
-    nine = "\n".join(_request(f"{40 + i}", "gold", ASK) for i in range(9))
-    with pytest.raises(AppError, match="the log has 9 requests; this server \\(public profile\\) audits at most 8"):
-        handlers.run_audit(public, sessions, "p", None, nine, repairs=[], tokens=1)
+    ten = "\n".join(_request(f"{40 + i}", "gold", ASK) for i in range(10))  # one change signature: 9 measurable turns
+    view = handlers.run_audit(public(), sessions, "p", None, ten, repairs=[], tokens=1, sample=9)
+    (group,) = [group for group in view.summary["groups"] if group["measurable"]]
+    assert (group["measurable"], len(group["measured"]), view.summary["sample"], view.summary["sampled"]) == (9, 8, 8, True)
+    bound = "this server (public profile) measures at most 8 turns of a log: --sample lowered from 9 to 8"
+    assert view.summary["sample_bound"] == bound and markdown_literal(bound) in view.groups_markdown
+    assert "**sampled**" in view.groups_markdown and len(view.summary["requests"]) == 10  # the token pass: every request
+    kept = handlers.run_audit(public(), sessions, "p", None, ten, repairs=[], tokens=1, sample=2)
+    assert kept.summary["sample_bound"] is None and [len(g["measured"]) for g in kept.summary["groups"] if g["measurable"]] == [2]
     with pytest.raises(AppError, match="33 greedy tokens per state asked; this server \\(public profile\\) generates at most 32"):
-        handlers.run_audit(public, sessions, "p", None, LOG, repairs=[], tokens=33)
+        handlers.run_audit(public(), sessions, "q", None, LOG, repairs=[], tokens=33)
     with pytest.raises(AppError, match="longer than the context limit of 80"):
-        handlers.run_audit(public, sessions, "p", None, LOG, repairs=[], tokens=1)
-    assert sessions.get("p", "audit") is None
+        handlers.run_audit(public(max_context_tokens=80), sessions, "q", None, LOG, repairs=[], tokens=1)
+    assert sessions.get("q", "audit") is None
     local = local_profile()
     assert local.max_audit_requests is None and local.max_audit_tokens is None
-    view = handlers.run_audit(registry, sessions, "l", None, nine, repairs=[], tokens=1)  # local: nine requests run
-    assert len(view.summary["turns"]) == 9
+    view = handlers.run_audit(registry, sessions, "l", None, ten, repairs=[], tokens=1, sample=9)  # local: every turn
+    assert len(view.summary["turns"]) == 10 and view.summary["sample_bound"] is None and not view.summary["sampled"]
 
 
 def test_one_prompt_offers_candidates_and_audits_a_chosen_or_found_value(registry, sessions, tmp_path: Path):
@@ -185,7 +206,8 @@ def test_export_writes_the_json_figures_scenario_and_repaired_template(audited, 
     names = sorted(path.name for path in paths)
     assert names == ["kvscope-audit-figures.html", "kvscope-audit-scenario.toml", "kvscope-audit-template.json", "kvscope-audit.json"]
     files = {path.name: path.read_text(encoding="utf-8") for path in paths}
-    assert json.loads(files["kvscope-audit.json"]) == sessions.get("a", "audit").as_dict()
+    assert json.loads(files["kvscope-audit.json"]) == sessions.get("a", "audit_traffic")
+    assert "Requests per session" in files["kvscope-audit-figures.html"]  # the traffic's figures beside the repairs'
     assert tomllib.loads(files["kvscope-audit-scenario.toml"])["fields"]["session_started"]["new"] == "2026-05-12 09:42"
     template = json.loads(files["kvscope-audit-template.json"])
     assert "{session_started}" in template[0]["content"] and template[-1]["content"] == ASK[1]
@@ -205,10 +227,10 @@ def test_axes_redraw_from_the_kept_audit(audited):
 
 def test_bundled_logs_parse_render_and_change_the_fields_they_describe(registry):
     logs = handlers.bundled_logs()
-    assert set(logs) == {"coding_agent", "support_agent", "rag"}
+    assert set(logs) == {"coding_agent", "support_agent", "rag", "interleaved_agents"}
     lm = registry.get()
     found = {}
-    for name in logs:
+    for name in ("coding_agent", "support_agent", "rag"):  # one session each: every request grows the one before
         rendered = [render_request(lm, request) for request in parse_log(handlers.bundled_log_text(name))]
         found[name] = [[f.name for f in diff_requests(old, new).fields] for old, new in zip(rendered, rendered[1:])]
     assert found["coding_agent"] == [["session_started"]] * 5  # the minute changes every request
@@ -219,6 +241,63 @@ def test_bundled_logs_parse_render_and_change_the_fields_they_describe(registry)
         handlers.bundled_log_text("../secrets")
 
 
+def _common(a: list[int], b: list[int]) -> int:
+    return next((n for n, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _expected_sessions(lm, text: str, block: int) -> list[dict]:
+    """Per session, counted here from the parsed requests: requests, tokens, and each engine's reuse unbounded (SGLang:
+    the longest common prefix with any earlier request; vLLM: its whole blocks; llama.cpp: the prefix shared with the
+    session's previous request), each before the request's last token."""
+    requests = read_log(text).requests
+    ids = [list(render_request(lm, request).token_ids) for request in requests]
+    sessions: dict[str | None, dict] = {}
+    last: dict[str | None, list[int]] = {}
+    for n, (request, own) in enumerate(zip(requests, ids)):
+        longest, usable = max((_common(own, earlier) for earlier in ids[:n]), default=0), len(own) - 1
+        reused = {
+            "vllm": min(longest // block, usable // block) * block,
+            "sglang": min(longest, usable),
+            "llama_cpp": min(_common(own, last.get(request.session, [])), usable),
+        }
+        last[request.session] = own
+        entry = sessions.setdefault(request.session, {"session": request.session, "requests": 0, "tokens": 0, "reused_tokens": {}})
+        entry["requests"] += 1
+        entry["tokens"] += len(own)
+        entry["reused_tokens"] = {engine: entry["reused_tokens"].get(engine, 0) + count for engine, count in reused.items()}
+    return list(sessions.values())
+
+
+def test_an_interleaved_log_is_reported_per_session_and_its_groups_cover_every_turn(registry, sessions):
+    text = handlers.bundled_log_text("interleaved_agents")
+    engines = handlers.engine_settings(block=8)
+    view = handlers.run_audit(registry, sessions, "t", None, text, repairs=["in_place"], tokens=2, sample=1, engines=engines)
+    data, requests = view.summary, read_log(text).requests
+    assert data["sessions"] == _expected_sessions(registry.get(), text, 8) and len(data["sessions"]) == 2
+    assert [row["session"] for row in data["requests"]] == [request.session for request in requests]
+    assert data["engines"]["settings"]["block"] == 8 and [item["line"] for item in data["skipped"]] == [5]  # named, not silent
+    groups = data["groups"]
+    assert sorted(index for group in groups for index in group["requests"]) == [request.index for request in requests]  # each once
+    signature = {row["request"]: row["signature"] for row in data["requests"]}
+    assert all(signature[index] == group["signature"] for group in groups for index in group["requests"])
+    assert all(set(group["measured"]) <= set(group["requests"]) and len(group["measured"]) <= 1 for group in groups)
+    assert sum(group["token_share"] for group in groups) == pytest.approx(1, abs=1e-3)
+    measured = sorted(index for group in groups for index in group["measured"])
+    cold = [row["request"] for row in data["requests"] if row["matched_request"] is None]
+    assert [turn["request"] for turn in data["turns"]] == sorted(cold + measured)  # what the recommendations and Notes read
+    for session in ("forge-1", "harbor-7"):
+        assert f"| {markdown_literal(session)} |" in view.traffic_markdown
+    names = {cause["name"] for row in data["requests"] for cause in row["causes"]}
+    assert {"new_prefix", "clock"} <= names and all(markdown_literal(CAUSES[name]) in view.traffic_markdown for name in names)
+    assert all(markdown_literal(group["signature"]) in view.groups_markdown for group in groups)
+    drawn = {(x, y) for trace in view.sessions_figure.data if trace.mode == "markers" for x, y in zip(trace.x, trace.y)}
+    assert drawn == {(row["request"], row["session"]) for row in data["requests"]}
+    with pytest.raises(AppError, match="block size is at least 1"):
+        handlers.engine_settings(block=0)
+    with pytest.raises(AppError, match="SGLang token budget cannot be negative"):
+        handlers.engine_settings(budget_tokens=-1)
+
+
 def test_the_audit_endpoints_through_the_api(app_url):
     from gradio_client import Client
 
@@ -226,13 +305,15 @@ def test_the_audit_endpoints_through_the_api(app_url):
     names = set(client.view_api(return_format="dict", print_info=False)["named_endpoints"])
     assert {"/audit", "/audit_value", "/audit_candidates", "/audit_demo", "/audit_open_in_notes", "/export_audit", "/audit_axes"} <= names
     assert client.predict("support_agent", api_name="/audit_demo").startswith('{"model": "harbor-support"')
-    words, _, _, marked, data, notes = client.predict(LOG, ["in_place"], 2, 0.05, 0.9, "none", "computed", "kl", api_name="/audit")
+    settings = ["none", "computed", "kl", 3, 16, 0, 0, 0]  # grain, axes, --sample, the engines' block, budgets, --cache-reuse
+    words, _, _, marked, data, notes, traffic, *_ = client.predict(LOG, ["in_place"], 2, 0.05, 0.9, *settings, api_name="/audit")
     assert data["turns"][1]["fields"][0]["name"] == "session_started" and "Recommended: " in words and "data-kind" in marked
+    assert "**3 requests** in **1 session**" in traffic and data["sessions"][0]["requests"] == 3
     assert notes.startswith("**Open in Notes:**") and markdown_literal("next-token KL") in notes  # said before Open in Notes is offered
     text, *_ = client.predict("", api_name="/audit_open_in_notes")  # the same client: the same session; the model's answers
     assert "[fields.session_started]" in text and '"yes"' not in text
     with pytest.raises(Exception, match="line 1 is not JSON"):
-        client.predict("{broken", [], 2, 0.05, 0.9, "none", "computed", "kl", api_name="/audit")
+        client.predict("{broken", [], 2, 0.05, 0.9, *settings, api_name="/audit")
 
 
 def test_hosts_can_override_the_audit_bounds():

@@ -187,7 +187,11 @@ def test_the_remedy_menu_names_the_default_and_auto_calibrates_the_model(page, t
     assert (
         menu.locator("input").input_value().startswith(f"{DEFAULT_REMEDY.name} — ") and "(default)" in menu.locator("input").input_value()
     )
-    assert "Fastest: splice" in menu.inner_text() and "auto: this model's own calibration" in menu.inner_text()
+    assert "What each part means, and why this default: below the menu." in menu.inner_text()
+    page.get_by_text("What the remedies mean, and why this default").click()  # the details, one click away
+    details = page.locator("#remedy-info")
+    details.get_by_text("Fastest: splice").wait_for(timeout=10_000)
+    assert "auto: this model's own calibration" in details.inner_text()
     menu.locator("input").click()
     page.get_by_role("option", name=re.compile(r"^auto — ")).click()
     page.locator("#run-compose").click()

@@ -7,15 +7,21 @@ import pytest
 
 from viz.audit import (
     KL_FLOOR,
+    NO_SESSION,
     Mark,
     candidates_html,
+    engine_reuse_figure,
     fidelity_cost_figure,
+    groups_markdown,
     marked_prompt_html,
     recommendations_markdown,
     reuse_timeline_figure,
+    session_timeline_figure,
+    traffic_markdown,
     turns_html,
 )
 from viz.benchmarks import audit_benchmark_figure
+from viz.common import markdown_literal
 
 
 def _repair(reused, computed, kl, agreement, ms, top1=True):
@@ -122,3 +128,119 @@ def test_audit_benchmark_figure_draws_reuse_ttft_and_kl_per_repair():
     ttft = [trace for trace in figure.data if trace.name == "in_place" and trace.xaxis == "x2"][0]
     assert list(ttft.y) == [10.0, None]
     assert "Audit of coding_agent" in figure.layout.title.text and "measured on embedded, cpu" in figure.layout.title.text
+
+
+def _row(request, session, tokens, causes=(), appended=0, reused=(0, 0, 0), matched=None):
+    return {
+        "request": request,
+        "line": request,
+        "session": session,
+        "tokens": tokens,
+        "matched_request": matched,
+        "common_prefix_tokens": reused[1],
+        "appended_tokens": appended,
+        "causes": [{"name": name, "field": None, "detail": f"{name} <detail>", "tokens": 5} for name in causes],
+        "reused_tokens": dict(zip(("vllm", "sglang", "llama_cpp"), reused)),
+    }
+
+
+ROWS = [
+    _row(1, "a<b>", 100, ["new_prefix"]),
+    _row(2, None, 50, ["new_prefix"]),
+    _row(3, "a<b>", 120, ["clock", "block_straddle"], 20, (64, 70, 70), 1),
+    _row(4, None, 60, [], 10, (48, 50, 50), 2),
+    _row(5, "a<b>", 120, [], 0, (112, 119, 119), 3),
+]
+TRAFFIC = {
+    "formats": {"openai_chat": 5},
+    "skipped": [{"line": 6, "key": "", "reason": "is not JSON: Expecting value (column 1)"}],
+    "skipped_count": 1,
+    "engines": {
+        "settings": {"block": 16, "budget_blocks": 4, "budget_tokens": None, "slots": None, "cache_reuse": 0},
+        "requests": 5,
+        "tokens": 450,
+        "reused_tokens": {"vllm": 224, "sglang": 239, "llama_cpp": 239},
+    },
+    "sessions": [
+        {"session": "a<b>", "requests": 3, "tokens": 340, "reused_tokens": {"vllm": 176, "sglang": 189, "llama_cpp": 189}},
+        {"session": None, "requests": 2, "tokens": 110, "reused_tokens": {"vllm": 48, "sglang": 50, "llama_cpp": 50}},
+    ],
+    "causes": {"new_prefix": {"requests": 2, "occurrences": 2, "tokens": 150}, "clock": {"requests": 1, "occurrences": 1, "tokens": 5}},
+    "requests": ROWS,
+    "sample": 1,
+    "sampled": True,
+    "sample_bound": "this server (public profile) measures at most 8 turns of a log: --sample lowered from 3 to 1",
+    "groups": [
+        {
+            "signature": "block_straddle + clock:current_time + growth",
+            "count": 1,
+            "token_share": 0.2667,
+            "requests": [3],
+            "measurable": 1,
+            "measured": [3],
+            "reason": None,
+            "fidelity": {
+                "in_place": {
+                    "measured": 1,
+                    "applicable": 1,
+                    "recommended": 1,
+                    "worst_kl": 0.002,
+                    "min_agreement": 0.75,
+                    "mean_computed_share": 0.1,
+                }
+            },
+        },
+        {
+            "signature": "new_prefix",
+            "count": 2,
+            "token_share": 0.3333,
+            "requests": [1, 2],
+            "measurable": 0,
+            "measured": [],
+            "reason": "not measured: a cold prefill has nothing cached to repair",
+            "fidelity": {},
+        },
+    ],
+}
+
+
+def test_session_timeline_draws_one_row_per_session_and_one_trace_per_cause():
+    figure = session_timeline_figure(TRAFFIC)
+    markers = {trace.name: trace for trace in figure.data if trace.mode == "markers"}
+    assert list(markers) == ["new_prefix", "clock", "growth", "reused"]  # the registry's order, then growth and reused
+    assert list(markers["new_prefix"].x) == [1, 2] and list(markers["new_prefix"].y) == ["a&lt;b&gt;", NO_SESSION]
+    assert list(markers["clock"].x) == [3] and list(markers["growth"].x) == [4] and list(markers["reused"].x) == [5]
+    assert list(markers["new_prefix"].marker.size) == [8 + 12 * 100 / 120, 8 + 12 * 50 / 120]  # sized by tokens
+    lines = [trace for trace in figure.data if trace.mode == "lines"]
+    assert [(list(t.x), t.y[0]) for t in lines] == [([1, 3, 5], "a&lt;b&gt;"), ([2, 4], NO_SESSION)]
+    assert list(figure.layout.yaxis.categoryarray) == [NO_SESSION, "a&lt;b&gt;"]  # the first session on top
+    hover = markers["clock"].hovertext[0]
+    assert "vLLM 64 · SGLang 70 · llama.cpp 70" in hover and "clock &lt;detail&gt;" in hover and "<detail>" not in hover
+    assert "nothing to draw" in session_timeline_figure({**TRAFFIC, "requests": []}).layout.annotations[0].text
+
+
+def test_engine_reuse_figure_draws_each_engines_share_per_request_and_its_total():
+    figure = engine_reuse_figure(TRAFFIC)
+    traces = {trace.name.split(":")[0]: trace for trace in figure.data}
+    assert list(traces) == ["vLLM", "SGLang", "llama.cpp"]
+    assert list(traces["vLLM"].y) == [0, 0, 64 / 120, 48 / 60, 112 / 120] and list(traces["SGLang"].x) == [1, 2, 3, 4, 5]
+    assert traces["SGLang"].name == "SGLang: 239 of 450 (53%)"
+    assert "budgets: vLLM blocks 4" in figure.layout.title.text
+
+
+def test_traffic_and_groups_markdown_name_sessions_causes_and_the_sample_escaped():
+    text = traffic_markdown(TRAFFIC)
+    assert "**5 requests** in **2 sessions**, 450 tokens" in text and "skipped records: 1" in text
+    assert (
+        "line 6 is not JSON" in text
+        and "| a&lt;b&gt; | 3 | 340 | 176 (52%) |" in text
+        and f"| {markdown_literal(NO_SESSION)} | 2 | 110 |" in text
+    )
+    assert "<b>" not in text
+    assert "| clock | a clock or date changed | 1 | 1 | 5 |" in text  # the engine's own words for the cause
+    assert text.index("new\\_prefix |") < text.index("| clock |")  # most tokens first
+    groups = groups_markdown(TRAFFIC)
+    assert "**2 change signatures**; the model measured up to 1 turn of each (1 in all): **sampled**" in groups
+    assert "\\-\\-sample lowered from 3 to 1" in groups and "| r3 (1 of 1) |" in groups
+    assert "in\\_place: KL ≤ 0\\.002, ≥ 75% agreeing, 10% computed, recommended 1/1" in groups
+    assert "not measured: a cold prefill has nothing cached to repair" in groups
