@@ -31,9 +31,11 @@ from engine.audit.audit import (
 )
 from engine.audit.caches import CacheSettings
 from engine.audit.fields import BLOCK_TOKENS, candidate_spans
+from engine.audit.gate import rewrite_markdown
 from engine.audit.notes import NotesScenario, notes_scenario
 from engine.audit.repairs import GRAINS, REPAIRS, content_chars
 from engine.audit.requests import RenderedRequest, Request, RequestLog, RequestLogError, parse_prompt, read_log, render_request
+from engine.audit.rewrite import apply_template, measure_rewrite
 from engine.audit.traffic import DEFAULT_SAMPLE, audit_traffic, sample_groups, scan_log
 from engine.cache.vision import check_vision_model
 from engine.comparison import compare_models
@@ -874,6 +876,24 @@ def run_audit_value(
         **options,
     )
     return _kept_audit(registry, sessions, session, spec, lm, report, x, y, progress)
+
+
+@guarded
+def run_rewrite(
+    registry: ModelRegistry, spec: str | None, text: str, rewritten_text: str, template: bool, tokens=DEFAULT_TOKENS, progress=None
+) -> tuple[str, dict]:
+    """A rewrite of the log (a linter's rewritten log, or a prompt template applied to the log's values) measured against
+    it: each engine's reuse before and after, and each rewritten prompt's output against the original's clean prefill."""
+    log = read_log(_audit_text(text, "the original request log"))
+    given = _audit_text(rewritten_text, "the rewritten log (or a prompt template)")
+    rewritten = apply_template(given, log) if template else read_log(given)
+    tokens = number(tokens, "greedy tokens N", DEFAULT_TOKENS)
+    registry.profile.check_audit(len(log.requests), tokens)
+    measured = measure_rewrite(
+        registry.get(spec), log, rewritten, tokens=tokens, max_tokens=registry.profile.max_context_tokens, progress=progress
+    )
+    rows = [row.as_dict() for row in measured.requests]
+    return rewrite_markdown(measured.verdict(), rows), {"rewrite": rows, "verdict": measured.verdict()}
 
 
 def _kept_audit(

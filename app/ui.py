@@ -987,8 +987,8 @@ def _your_prompt_tab(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
                 value_button = gr.Button("Audit this change", variant="primary", elem_id="run-audit-value")
         traffic_view = gr.Markdown(elem_id="audit-traffic")
         with gr.Row():
-            sessions_plot = gr.Plot(label="Requests per session", elem_id="audit-sessions")
-            engines_plot = gr.Plot(label="Tokens each engine reuses", elem_id="audit-engines")
+            sessions_plot = gr.Plot(label="Requests per session", elem_id="audit-sessions", min_width=560)
+            engines_plot = gr.Plot(label="Tokens each engine reuses", elem_id="audit-engines", min_width=560)
         groups_view = gr.Markdown(elem_id="audit-groups")
         recommendation = gr.Markdown(elem_id="audit-recommendation")
         with gr.Row():
@@ -1008,6 +1008,22 @@ def _your_prompt_tab(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
             open_notes = gr.Button("Open in Notes", elem_id="audit-open-notes", scale=1)
         open_status = gr.Markdown(elem_id="audit-open-status")
         audit_json = gr.JSON(label="Audit", elem_id="audit-json")
+        with gr.Accordion("Measure a rewrite of this log: a linter's rewritten log, or your new prompt template", open=False):
+            gr.Markdown(
+                "Same requests, same order. Each engine's reuse before and after, and each rewritten prompt's output against "
+                "the original's clean prefill (next-token KL, top-1, top-5, the N greedy tokens, the same text or not)."
+            )
+            with gr.Row():
+                rewritten_text = gr.Textbox(
+                    label="Rewritten log (JSONL), or a prompt template", lines=6, elem_id="audit-rewritten", scale=3
+                )
+                with gr.Column(scale=1):
+                    as_template = gr.Checkbox(
+                        False, label="It is a prompt template ({placeholders}, as Export writes)", elem_id="audit-as-template"
+                    )
+                    rewrite_button = gr.Button("Measure the rewrite", variant="primary", elem_id="run-rewrite")
+            rewrite_view = gr.Markdown(elem_id="audit-rewrite")
+            rewrite_json = gr.JSON(label="Rewrite", elem_id="audit-rewrite-json")
         with gr.Row():
             export_button = gr.Button("Export JSON, figures, scenario TOML + repaired template", elem_id="export-audit")
             export_files = gr.File(label="Exported files", file_count="multiple", elem_id="audit-files")
@@ -1134,6 +1150,18 @@ def _your_prompt_tab(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
         api_name=False,
         **page.model_bound(),
     ).success(None, None, None, js=OPEN_IN_NOTES_JS, api_name=False)
+
+    @page.action
+    def on_rewrite(model_spec, text, rewritten, template, n, progress=gr.Progress()):
+        return handlers.run_rewrite(page.registry, model_spec, text, rewritten, bool(template), n, progress=_progress_callback(progress))
+
+    rewrite_button.click(
+        on_rewrite,
+        [page.spec, log_text, rewritten_text, as_template, tokens],
+        [rewrite_view, rewrite_json],
+        api_name="audit_rewrite",
+        **page.model_bound(),
+    )
 
     @page.action
     def on_export(session_value, x, y):

@@ -26,8 +26,10 @@ from engine.audit.audit import (
 from engine.audit.caches import CacheSettings
 from engine.audit.formats import AUTO as AUTO_FORMAT
 from engine.audit.formats import FORMATS
+from engine.audit.gate import QUANTITIES, exit_code, gate, markdown, parse_conditions
 from engine.audit.repairs import GRAINS, REPAIRS
-from engine.audit.requests import Request, RequestLogError, parse_prompt, read_log
+from engine.audit.requests import Request, RequestLog, RequestLogError, parse_prompt, read_log
+from engine.audit.rewrite import apply_template, check_pairing, measure_rewrite
 from engine.audit.traffic import DEFAULT_SAMPLE, audit_traffic
 from engine.cache.selftest import run_selftest
 from engine.checks.support import (
@@ -336,8 +338,14 @@ def _progress(unit: str) -> StepProgress:
 
 def cmd_audit(args: argparse.Namespace) -> dict:
     """Audit a request log (or one prompt with --find/--new): a token pass over every request (sessions, matches, causes,
-    simulated vLLM / SGLang / llama.cpp reuse), then every repair's cost and fidelity on --sample turns per change."""
+    simulated vLLM / SGLang / llama.cpp reuse), then every repair's cost and fidelity on --sample turns per change;
+    with --rewritten / --template, the rewrite's reuse and output against the original's; --fail-on gates on it."""
     text = _read_text(args.log)
+    conditions = parse_conditions(args.fail_on)
+    if args.rewritten and args.template:
+        raise RequestLogError("--rewritten and --template are two rewrites: measure one at a time")
+    if (args.rewritten or args.template) and args.new is not None:
+        raise RequestLogError("--rewritten and --template measure a log's rewrite; they do not combine with --new")
     options = {
         "repairs": _names(args.repairs) or REPAIRS,
         "tokens": args.tokens,
@@ -352,8 +360,12 @@ def cmd_audit(args: argparse.Namespace) -> dict:
         for skipped in log.skipped:
             _log(f"skipped {skipped.message}")
         steps = {"scan_progress": _progress("token pass: requests"), "progress": _progress("measured steps")}
+        rewritten = _rewritten(args, log)
         traffic = audit_traffic(lm, log, sample=args.sample, settings=settings, **steps, **options)
         result, report = traffic.as_dict(), traffic.measured_report()
+        if rewritten is not None:
+            measured = measure_rewrite(lm, log, rewritten, settings=settings, tokens=args.tokens, progress=_progress("rewrite: requests"))
+            result |= {"rewrite": [row.as_dict() for row in measured.requests], "verdict": measured.verdict()}
     else:
         request = parse_prompt(text)
         message, chars = _find_span(request, args.find)
@@ -362,7 +374,23 @@ def cmd_audit(args: argparse.Namespace) -> dict:
     for path, build in ((args.scenario_out, lambda: scenario_toml(report)), (args.template_out, lambda: repaired_template(report))):
         if path:
             Path(path).write_text(build(), encoding="utf-8")
+    if conditions:
+        result["gate"] = gate(conditions, result)
+    if args.markdown and not args.json:
+        print(markdown(result), end="")
     return result
+
+
+def _rewritten(args: argparse.Namespace, log: RequestLog) -> RequestLog | None:
+    """The rewritten log of --rewritten, or --template applied to ``log`` (None without either), paired with ``log``."""
+    if args.rewritten:
+        rewritten = read_log(_read_text(args.rewritten), args.format)
+    elif args.template:
+        rewritten = apply_template(_read_text(args.template), log)
+    else:
+        return None
+    check_pairing(log.requests, rewritten.requests)
+    return rewritten
 
 
 def _read_text(path: str) -> str:
@@ -504,6 +532,16 @@ def _argument_groups() -> dict[str, tuple[tuple[Argument, ...], ...]]:
         _arg("--new", help="one prompt: its new value (the file is then one prompt, not a log)"),
         _arg("--scenario-out", help="write the auto-built scenario TOML here (Notes tab, `edit`)"),
         _arg("--template-out", help="write the repaired prompt template here"),
+        _arg("--rewritten", help="a rewrite of the log (same requests, same order): its reuse and output against the original's"),
+        _arg("--template", help="a prompt template (as --template-out writes) applied to the log's values: the rewrite to measure"),
+        _arg(
+            "--fail-on",
+            action="append",
+            default=[],
+            metavar="CONDITION",
+            help=f"exit 1 when a condition holds, e.g. reuse<0.5,kl>0.05 (over the rewrite if one is measured): {', '.join(QUANTITIES)}",
+        ),
+        _arg("--markdown", action="store_true", help="print a Markdown summary for a pull-request comment (ignored with --json)"),
     )
     comparison = (
         _arg("--models", required=True, help="comma-separated specs of 1 to 3 models (e.g. embedded,qwen-1.5b,smollm2), loaded in turn"),
@@ -564,5 +602,6 @@ def main(argv: list[str] | None = None) -> int:
         else:
             _log(f"error: {error}")
         return 2
-    _print(result, args.json)
-    return 0
+    if not (getattr(args, "markdown", False) and not args.json):
+        _print(result, args.json)
+    return exit_code(result)

@@ -477,8 +477,8 @@ def engine_reuse_figure(data: Mapping) -> go.Figure:
 
 def traffic_markdown(data: Mapping) -> str:
     """The log in words and tables: requests, sessions, formats and skipped records; each engine's reuse in total;
-    per session its requests, tokens and reuse; each cause named with its line, the requests and tokens it costs;
-    and whether the model ran on a sample."""
+    per session its requests, tokens and reuse; each cause named with its line, the requests and tokens it costs
+    (its occurrences are in the JSON)."""
     engines, sessions = data["engines"], data["sessions"]
     tokens = engines["tokens"]
     formats = ", ".join(f"{markdown_literal(name)} {count:,}" for name, count in data["formats"].items()) or "none"
@@ -492,11 +492,11 @@ def traffic_markdown(data: Mapping) -> str:
             f"{ENGINE_LABELS[e]} {engines['reused_tokens'][e]:,} ({_share(engines['reused_tokens'][e], tokens)})" for e in ENGINE_LABELS
         ),
         "",
-        "| session | requests | tokens | " + " | ".join(f"reused: {ENGINE_LABELS[e]}" for e in ENGINE_LABELS) + " |",
-        "|---|---:|---:|" + "---:|" * len(ENGINE_LABELS),
+        f"| session | requests | tokens | tokens reused: {' · '.join(ENGINE_LABELS.values())} |",
+        "|---|---:|---:|---|",
     ]
     for summary in sessions[:MAX_TABLE_ROWS]:
-        reused = " | ".join(
+        reused = " · ".join(
             f"{summary['reused_tokens'][e]:,} ({_share(summary['reused_tokens'][e], summary['tokens'])})" for e in ENGINE_LABELS
         )
         lines.append(
@@ -504,33 +504,27 @@ def traffic_markdown(data: Mapping) -> str:
         )
     if len(sessions) > MAX_TABLE_ROWS:
         lines.append(f"\n{len(sessions) - MAX_TABLE_ROWS:,} more sessions in the JSON.")
-    lines += [
-        "",
-        "**Causes of the misses**",
-        "",
-        "| cause | what it means | requests | occurrences | tokens recomputed |",
-        "|---|---|---:|---:|---:|",
-    ]
+    lines += ["", "**Causes of the misses**", "", "| cause | what it means | requests | tokens recomputed |", "|---|---|---:|---:|"]
     for name, entry in sorted(data["causes"].items(), key=lambda item: -item[1]["tokens"]):
-        counts = f"{entry['requests']:,} | {entry['occurrences']:,} | {entry['tokens']:,}"
+        counts = f"{entry['requests']:,} | {entry['tokens']:,}"
         lines.append(f"| {markdown_literal(name)} | {markdown_literal(cause_words(name))} | {counts} |")
     if not data["causes"]:
-        lines.append("| none | every request only grows the one it matches | | | |")
+        lines.append("| none | every request only grows the one it matches | | |")
     return "\n".join(lines)
 
 
 def _fidelity_words(fidelity: Mapping) -> str:
-    """Per repair over a group's measured turns: its computed share and how often it was recommended; for the others
-    than recompute (the exact reference), their worst KL and least agreement."""
-    parts = []
+    """Per repair over a group's measured turns: its computed share and how often it was recommended, and for the others
+    than recompute (the exact reference) their worst KL and least agreement; the repairs that never applied, named last."""
+    parts, never = [], []
     for name, entry in fidelity.items():
         if not entry["applicable"]:
-            parts.append(f"{name}: not applicable")
+            never.append(name)
             continue
         worst = "" if name == "recompute" else f"KL ≤ {entry['worst_kl']:.2g}, ≥ {entry['min_agreement']:.0%} agreeing, "
         chosen = f"recommended {entry['recommended']}/{entry['measured']}" if entry["recommended"] else "never recommended"
         parts.append(f"{name}: {worst}{entry['mean_computed_share']:.0%} computed, {chosen}")
-    return markdown_literal("; ".join(parts))
+    return markdown_literal("; ".join(parts + ([f"not applicable: {', '.join(never)}"] if never else [])))
 
 
 def groups_markdown(data: Mapping) -> str:
@@ -548,7 +542,7 @@ def groups_markdown(data: Mapping) -> str:
     lines = [
         head + (f" **{markdown_literal(bound)}**." if bound else ""),
         "",
-        "| signature | requests | token share | measured | repairs' fidelity |",
+        "| signature | n | tokens | measured | repairs' fidelity |",
         "|---|---:|---:|---|---|",
     ]
     for group in groups:

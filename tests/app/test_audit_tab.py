@@ -322,3 +322,13 @@ def test_hosts_can_override_the_audit_bounds():
     profile = from_env(True, {"KVSCOPE_MAX_AUDIT_REQUESTS": "3", "KVSCOPE_MAX_AUDIT_TOKENS": "8"})
     assert (profile.max_audit_requests, profile.max_audit_tokens) == (3, 8)
     assert (public_profile().max_audit_requests, public_profile().max_audit_tokens) == (8, 32)
+
+
+def test_a_rewrite_is_measured_against_the_log_and_a_mismatched_one_refused(registry):
+    same, data = handlers.run_rewrite(registry, None, LOG, LOG, False, 2)
+    assert all(row["kl"] == 0.0 and row["generation_agreement"] == 1.0 and row["same_text"] for row in data["rewrite"])
+    assert [row["request"] for row in data["rewrite"]] == [1, 2, 3] and data["verdict"] in same
+    with pytest.raises(AppError, match="3 requests.*2|2.*3 requests"):
+        handlers.run_rewrite(registry, None, LOG, "\n".join(LOG.splitlines()[:2]), False, 2)
+    with pytest.raises(AppError, match="rewritten log"):
+        handlers.run_rewrite(registry, None, LOG, "  ", False, 2)

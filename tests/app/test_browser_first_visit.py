@@ -61,6 +61,8 @@ def test_open_in_notes_says_first_what_it_reads_and_clears_the_older_scenarios_r
     status = page.locator("#audit-open-status")
     status.get_by_text("Open in Notes:").wait_for(timeout=180_000)  # said before the button is pressed
     said = status.inner_text()
+    recommendation = page.locator("#audit-recommendation").inner_text()  # judged against the audit's own noise floor
+    assert "noise floor (recompute vs the clean prefill): KL" in recommendation
     assert "next-token KL" in said and re.search(r"margin [+−-]\d\.\d\d → [+−-]\d\.\d\d", said)
     page.locator("#audit-open-notes").click()
     page.locator('#strategy-cards [data-strategy="oracle"]').wait_for(timeout=120_000)

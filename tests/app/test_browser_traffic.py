@@ -7,23 +7,13 @@ import pytest
 from app import handlers
 from engine.audit.causes import CAUSES
 from tests.app.test_browser import ARTIFACTS, CHROMIUM, TOAST, _plot_data, browser  # noqa: F401 (the module's browser fixture)
+from tests.app.test_browser_labels import wide_page  # noqa: F401 (a page at 1,000 and 1,400 px)
 
 pytestmark = pytest.mark.skipif(not CHROMIUM, reason="Debian chromium is not installed (scripts/test.sh installs it)")
 DEMO = "interleaved_agents"
 
 
-@pytest.fixture(params=(1000, 1400), ids=lambda width: f"{width}px")
-def wide_page(request, browser, app_url):  # noqa: F811
-    ARTIFACTS.mkdir(exist_ok=True)
-    context = browser.new_context(viewport={"width": request.param, "height": 900})
-    page = context.new_page()
-    page.goto(app_url)
-    page.locator("#baseline").get_by_text("Now").wait_for(timeout=60_000)
-    yield page, request.param
-    context.close()
-
-
-def test_an_interleaved_log_shows_its_sessions_causes_groups_and_timeline(wide_page):
+def test_an_interleaved_log_shows_its_sessions_causes_groups_and_timeline(wide_page):  # noqa: F811
     page, width = wide_page
     page.get_by_role("tab", name="Your prompt").click()
     page.locator("#audit-demo input").click()
@@ -52,5 +42,24 @@ def test_an_interleaved_log_shows_its_sessions_causes_groups_and_timeline(wide_p
     assert [name.split(":")[0] for name in engines] == ["vLLM", "SGLang", "llama.cpp"]
     page.locator("#audit-recommendation").get_by_text("Recommended:").first.wait_for(timeout=30_000)  # the measured turns
     top, bottom = page.locator("#audit-traffic").bounding_box(), page.locator("#audit-groups").bounding_box()
-    clip = {"x": 0, "y": top["y"] - 8, "width": width, "height": bottom["y"] + bottom["height"] - top["y"] + 16}
+    scrolled = page.evaluate("window.scrollY")  # boxes are in the viewport; a full-page clip is in the page
+    clip = {"x": 0, "y": top["y"] + scrolled - 8, "width": width, "height": bottom["y"] + bottom["height"] - top["y"] + 16}
     page.screenshot(path=str(ARTIFACTS / f"audit-traffic-{width}px.png"), full_page=True, clip=clip)  # the traffic's panels
+
+
+def test_a_rewrite_pasted_beside_the_log_is_measured_against_it(wide_page):  # noqa: F811
+    page, width = wide_page
+    if width != 1400:
+        pytest.skip("once is enough")
+    log = handlers.bundled_log_text("support_agent")
+    page.get_by_role("tab", name="Your prompt").click()
+    page.locator("#audit-input textarea").fill(log)
+    page.get_by_text("Measure a rewrite of this log").click()
+    page.locator("#audit-rewritten textarea").fill(log)  # identical: reuse and output unchanged
+    page.locator("#audit-tokens input[type=number]").fill("2")
+    page.locator("#run-rewrite").click()
+    view = page.locator("#audit-rewrite")
+    view.get_by_text("first token unchanged").first.wait_for(timeout=180_000)
+    text = view.inner_text()
+    assert "unchanged on 4/4" in text and "Answers that change" not in text, text
+    page.screenshot(path=str(ARTIFACTS / "audit-rewrite.png"), full_page=True)

@@ -233,14 +233,16 @@ def test_traffic_and_groups_markdown_name_sessions_causes_and_the_sample_escaped
     assert "**5 requests** in **2 sessions**, 450 tokens" in text and "skipped records: 1" in text
     assert (
         "line 6 is not JSON" in text
-        and "| a&lt;b&gt; | 3 | 340 | 176 (52%) |" in text
+        and "| a&lt;b&gt; | 3 | 340 | 176 (52%) · 189 (56%) · 189 (56%) |" in text
         and f"| {markdown_literal(NO_SESSION)} | 2 | 110 |" in text
     )
     assert "<b>" not in text
-    assert "| clock | a clock or date changed | 1 | 1 | 5 |" in text  # the engine's own words for the cause
+    assert "| clock | a clock or date changed | 1 | 5 |" in text  # the engine's own words for the cause
     assert text.index("new\\_prefix |") < text.index("| clock |")  # most tokens first
     groups = groups_markdown(TRAFFIC)
     assert "**2 change signatures**; the model measured up to 1 turn of each (1 in all): **sampled**" in groups
     assert "\\-\\-sample lowered from 3 to 1" in groups and "| r3 (1 of 1) |" in groups
     assert "in\\_place: KL ≤ 0\\.002, ≥ 75% agreeing, 10% computed, recommended 1/1" in groups
     assert "not measured: a cold prefill has nothing cached to repair" in groups
+    never = groups_markdown({**TRAFFIC, "groups": [{**TRAFFIC["groups"][0], "fidelity": {"hoist": {"applicable": 0}}}]})
+    assert "| not applicable: hoist |" in never

@@ -1,0 +1,144 @@
+"""A rewrite measured against the original on a tiny model: an identical rewrite changes nothing, a reworded question
+measures what two independent clean prefills measure, reuse equals an independent block count, a template applies
+to the log's own values, and a rewrite that drops or reorders requests is refused with the numbers."""
+
+import dataclasses
+import json
+import re
+
+import pytest
+import torch
+
+from engine.audit.requests import RequestLogError, read_log
+from engine.audit.rewrite import apply_template, check_pairing, measure_rewrite
+from engine.models.tiny import tiny_model
+
+RULES = "Account tier: gold\nAnswer in one short paragraph. Never promise a refund above the tier's limit; check the order first."
+SYSTEM = "You are the support agent of Northwind.\nThe current time is {time}.\n" + RULES
+HOISTED = "You are the support agent of Northwind.\n" + RULES
+TOKENS = 4
+
+
+def _request(time: str, question: str, session: str = "a") -> dict:
+    system = SYSTEM.format(time=time)
+    return {"user": session, "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}]}
+
+
+def _log(*requests: dict) -> str:
+    return "\n".join(json.dumps(request) for request in requests)
+
+
+ORIGINAL = _log(_request("2026-12-01 09:14", "Where is my parcel?"), _request("2026-12-01 09:15", "Can I return the boots?"))
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_model("qwen2")
+
+
+def _ids(lm, request: dict) -> list[int]:
+    text = lm.tokenizer.apply_chat_template(request["messages"], tokenize=False, add_generation_prompt=True)
+    return lm.tokenizer(text, add_special_tokens=False).input_ids
+
+
+def _clean(lm, ids: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """A clean prefill without the notebook: next-token log-probs and greedy tokens, each from a full forward."""
+    with torch.no_grad():
+        logprobs = torch.log_softmax(lm.model(torch.tensor([ids])).logits[0, -1].float(), -1)
+        generated, context = [], list(ids)
+        while len(generated) < TOKENS:
+            token = int(lm.model(torch.tensor([context])).logits[0, -1].argmax())
+            if token in lm.stop_ids:
+                break
+            generated.append(token)
+            context.append(token)
+    return logprobs, generated
+
+
+def test_an_identical_rewrite_measures_kl_0_and_agreement_1(lm):
+    report = measure_rewrite(lm, read_log(ORIGINAL), read_log(ORIGINAL), tokens=TOKENS)
+    for row in report.requests:
+        f = row.fidelity
+        assert f.kl == 0.0 and f.top1_agree and f.top5_overlap == 1.0 and f.generation_agreement == 1.0 and row.same_text
+        assert row.reused_before == row.reused_after and row.tokens_before == row.tokens_after
+    assert "the first token unchanged on 2/2" in report.verdict() and f"the first {TOKENS} tokens unchanged on 2/2" in report.verdict()
+
+
+def test_a_reworded_question_measures_what_two_clean_prefills_measure(lm):
+    requests = [json.loads(line) for line in ORIGINAL.splitlines()]
+    reworded = [requests[0], _request("2026-12-01 09:15", "Can I return the shoes?")]
+    report = measure_rewrite(lm, read_log(ORIGINAL), read_log(_log(*reworded)), tokens=TOKENS)
+    for row, old, new in zip(report.requests, requests, reworded):
+        p, clean = _clean(lm, _ids(lm, old))
+        q, moved = _clean(lm, _ids(lm, new))
+        kl = float(torch.sum(p.exp() * (p - q)).clamp_min(0.0))
+        agree = sum(a == b for a, b in zip(clean, moved)) / max(len(clean), len(moved), 1)
+        prefix = next((k for k, (a, b) in enumerate(zip(clean, moved)) if a != b), min(len(clean), len(moved)))
+        assert row.fidelity.kl == pytest.approx(kl, abs=1e-5)
+        assert row.fidelity.top1_agree == (int(p.argmax()) == int(q.argmax()))
+        assert row.fidelity.generation_agreement == pytest.approx(agree) and row.fidelity.generated_common_prefix == prefix
+        assert row.same_text == (lm.tokenizer.decode(clean) == lm.tokenizer.decode(moved))
+    assert report.requests[1].fidelity.kl > 0  # the question changed
+
+
+def _vllm_reuse(previous: list[int], ids: list[int]) -> int:
+    """Whole 16-token blocks shared with the one earlier request, within the tokens before the last."""
+    shared = next((k for k, (a, b) in enumerate(zip(previous, ids)) if a != b), min(len(previous), len(ids)))
+    return min(shared // 16, (len(ids) - 1) // 16) * 16
+
+
+TEMPLATE = json.dumps(
+    [
+        {"role": "system", "content": HOISTED},
+        {"role": "user", "content": "Can I return the boots?\n\nThe current time is {current_time}."},
+    ]
+)
+
+
+def test_a_template_applies_to_each_requests_own_values_and_its_reuse_is_counted(lm):
+    rewritten = apply_template(TEMPLATE, read_log(ORIGINAL))
+    assert [r.contents for r in rewritten.requests] == [
+        (HOISTED, "Where is my parcel?\n\nThe current time is 2026-12-01 09:14."),
+        (HOISTED, "Can I return the boots?\n\nThe current time is 2026-12-01 09:15."),
+    ]
+    report = measure_rewrite(lm, read_log(ORIGINAL), rewritten, tokens=1)
+    before = [_ids(lm, json.loads(line)) for line in ORIGINAL.splitlines()]
+    after = [_ids(lm, {"messages": [m.template_dict() for m in r.messages]}) for r in rewritten.requests]
+    second = report.requests[1]
+    assert second.reused_before["vllm"] == _vllm_reuse(before[0], before[1])
+    assert second.reused_after["vllm"] == _vllm_reuse(after[0], after[1]) > second.reused_before["vllm"]
+    assert (second.tokens_before, second.tokens_after) == (len(before[1]), len(after[1]))
+
+
+@pytest.mark.parametrize(
+    "template, message",
+    [
+        ("not json", "the template is not JSON"),
+        ('[{"role": "system"}]', "template message 1 needs a 'role' and a 'content' string"),
+        (
+            '[{"role": "system", "content": "x"}, {"role": "user", "content": "Order {order} now"}, {"role": "user", "content": "q"}]',
+            "template message 2 (user) holds a placeholder inside the conversation",
+        ),
+        ('[{"role": "system", "content": "{time}"}, {"role": "user", "content": "q"}]', "has no text beside its placeholder"),
+        ('[{"role": "system", "content": "Today is {day}."}, {"role": "user", "content": "q"}]', "line 1 (request 1): no line matches"),
+        (
+            '[{"role": "system", "content": "a"}, {"role": "system", "content": "b"}, {"role": "user", "content": "q"}]',
+            "starts with the roles",
+        ),
+    ],
+)
+def test_a_bad_template_is_refused_by_name(template, message):
+    with pytest.raises(RequestLogError, match=re.escape(message)):
+        apply_template(template, read_log(ORIGINAL))
+
+
+def test_a_rewrite_with_other_requests_or_another_order_is_refused_with_the_numbers():
+    original = read_log(ORIGINAL).requests
+    with pytest.raises(RequestLogError, match="the original log has 2 requests, the rewritten 1"):
+        check_pairing(original, original[:1])
+    sessions = (original[0], dataclasses.replace(original[1], session="b"))
+    with pytest.raises(RequestLogError, match="request 2: session 'a' in the original, 'b' in the rewrite"):
+        check_pairing(original, sessions)
+    swapped = read_log(_log(_request("2026-12-01 09:14", "Can I return the boots?"), _request("2026-12-01 09:15", "Where is my parcel?")))
+    with pytest.raises(RequestLogError, match="rewritten request 1 carries the last user turn of original request 2"):
+        check_pairing(original, swapped.requests)
