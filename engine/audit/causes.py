@@ -17,6 +17,7 @@ from engine.audit.requests import RenderedRequest, Request
 
 CAUSES = {
     "new_prefix": "no earlier request shares a prefix with this one: a cold prefill",
+    "other_conversation": "the longest cached prefix is another conversation's: only their shared head (system prompt, tools) is reused",
     "clock": "a clock or date changed",
     "id": "an id or UUID changed",
     "counter": "a counter or other number changed",
@@ -72,10 +73,10 @@ def causes_of(old: RenderedRequest | None, new: RenderedRequest, diff: TurnDiff 
         return (Cause("new_prefix", CAUSES["new_prefix"], len(new)),)
     if diff is None:
         detail = f"shares {shared} tokens with {old.request.where}, then differs in {differing_messages(old.request, new.request)} messages"
-        return (Cause("new_prefix", detail, len(new) - shared),)
+        return (Cause("other_conversation", detail, len(new) - shared),)
     if len(diff.fields) > UNRELATED_FIELDS:  # another prompt sharing boilerplate, not a prompt with changed values
         detail = f"shares {shared} tokens with {old.request.where}, then differs in {len(diff.fields)} places"
-        return (Cause("new_prefix", detail, len(new) - shared),)
+        return (Cause("other_conversation", detail, len(new) - shared),)
     served = diff.growth_start  # what the match could serve: everything before the growth
     found = _field_causes(old, new, diff.fields, served)
     if diff.structural:

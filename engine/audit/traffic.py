@@ -285,15 +285,20 @@ def sample_groups(scan: TrafficScan, sample: int) -> list[TrafficGroup]:
     return groups
 
 
+UNREPAIRABLE = ("new_prefix", "other_conversation")  # causes no field repair applies to: nothing of this prompt is cached
+
+
 def _measurable(scan: TrafficScan, row: TrafficRequest) -> bool:
     diff = scan.diffs.get(row.request)
-    cold = any(cause.name == "new_prefix" for cause in row.causes)
+    cold = any(cause.name in UNREPAIRABLE for cause in row.causes)
     return row.matched_request is not None and diff is not None and not diff.structural and not cold
 
 
 def _unmeasurable(row: TrafficRequest) -> str:
     if row.matched_request is None or any(cause.name == "new_prefix" for cause in row.causes):
         return "not measured: a cold prefill has nothing cached to repair"
+    if any(cause.name == "other_conversation" for cause in row.causes):
+        return "not measured: its match is another conversation, whose shared head is all a cache could serve"
     return "not measured: the change is outside the messages' text (tools, roles, tool calls), so only recompute applies, exactly"
 
 

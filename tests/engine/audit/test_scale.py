@@ -172,5 +172,5 @@ def test_a_match_that_is_another_prompt_is_a_new_prefix_without_a_diff(tokenizer
     shared = max(_lcp(ids[0], ids[2]), _lcp(ids[1], ids[2]))
     assert row.matched_request is not None and row.common_prefix_tokens == shared > 0
     ((cause,),) = [row.causes]
-    assert cause.name == "new_prefix" and cause.tokens == len(ids[2]) - shared and "differs in 5 messages" in cause.detail
+    assert cause.name == "other_conversation" and cause.tokens == len(ids[2]) - shared and "differs in 5 messages" in cause.detail
     assert row.fields == () and 3 not in scan.diffs
