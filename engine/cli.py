@@ -531,7 +531,7 @@ def _argument_groups() -> dict[str, tuple[tuple[Argument, ...], ...]]:
         _arg("--find", help="one prompt: the text of the value to change"),
         _arg("--new", help="one prompt: its new value (the file is then one prompt, not a log)"),
         _arg("--scenario-out", help="write the auto-built scenario TOML here (Notes tab, `edit`)"),
-        _arg("--template-out", help="write the repaired prompt template here"),
+        _arg("--template-out", help="write the recommended prompt-level repair here, as the prompt template it measured"),
         _arg("--rewritten", help="a rewrite of the log (same requests, same order): its reuse and output against the original's"),
         _arg("--template", help="a prompt template (as --template-out writes) applied to the log's values: the rewrite to measure"),
         _arg(

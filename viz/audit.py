@@ -41,8 +41,11 @@ def _colours(names: Sequence[str]) -> dict[str, str]:
 
 
 def within(result: Mapping, data: Mapping) -> bool:
-    """A repair's fidelity within the audit's threshold, as ``engine.audit.audit.recommend`` judges it: KL ≤ the
-    threshold, the same top token and at least ``min_agreement`` of the greedy tokens agreeing."""
+    """A repair's fidelity within the bars the audit judged it against (``within_bars``: the thresholds widened to the
+    noise floor); a stored result written before that key: KL ≤ the threshold, the same top token and at least
+    ``min_agreement`` of the greedy tokens agreeing."""
+    if "within_bars" in result:
+        return bool(result["within_bars"])
     return bool(
         result.get("applicable")
         and result["kl"] <= data["threshold"]

@@ -1,8 +1,9 @@
 """A request log (or one prompt with a new value) audited turn by turn: what a prefix cache reuses, which fields
-changed, what each repair costs and keeps, and the cheapest repair within a fidelity threshold, said in numbers.
+changed, what each repair costs and keeps, and the cheapest prompt-level repair within a fidelity threshold (with the
+KV-level one beside it), said in numbers.
 
 Also builds what lets every other analysis run on the user's own prompt: a scenario TOML with the field as a
-placeholder (the Notes tab and ``python -m engine edit`` read it) and the repaired prompt template.
+placeholder (the Notes tab and ``python -m engine edit`` read it) and the repaired prompt template (the measured prompt).
 """
 
 from __future__ import annotations
@@ -12,7 +13,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.audit.fields import Candidate, FieldChange, TurnDiff, candidate_spans, diff_requests
-from engine.audit.repairs import REPAIRS, Fidelity, Reference, RepairResult, Turn, content_chars, reference, run_repair
+from engine.audit.repairs import (
+    LEVEL_WORDS,
+    REPAIR_LEVELS,
+    REPAIRS,
+    Fidelity,
+    Level,
+    Reference,
+    RepairNotApplicable,
+    RepairResult,
+    Turn,
+    reference,
+    repaired_request,
+    run_repair,
+)
 from engine.audit.requests import RenderedRequest, Request, RequestLogError, render_request
 from engine.cache.loaded import LoadedModel
 from engine.cache.notebook import Notebook
@@ -24,14 +38,31 @@ DEFAULT_TOKENS = 32
 
 
 @dataclass(frozen=True)
+class KvAlternative:
+    """The cheapest KV-level repair within the bars, where it computes fewer tokens than the prompt-level choice: what a
+    cache-editing engine would save more (``saved_ttft_ms`` is negative where it measured slower)."""
+
+    repair: str
+    saved_tokens: int
+    saved_ttft_ms: float
+
+    def as_dict(self) -> dict:
+        return {"repair": self.repair, "saved_tokens": self.saved_tokens, "saved_ttft_ms": round(self.saved_ttft_ms, 2)}
+
+
+@dataclass(frozen=True)
 class Recommendation:
-    """The cheapest repair whose fidelity stays within the threshold, and why, in words drawn from the numbers."""
+    """The cheapest prompt-level repair whose fidelity stays within the bars (any prefix cache serves it), the cheaper
+    KV-level one beside it where one holds them too, and why, in words drawn from the numbers."""
 
     repair: str
     reason: str
+    kv_alternative: KvAlternative | None = None
+    bars: Bars | None = None  # what every repair of the turn was judged against
 
     def as_dict(self) -> dict:
-        return {"repair": self.repair, "reason": self.reason}
+        kv = self.kv_alternative.as_dict() if self.kv_alternative else None
+        return {"repair": self.repair, "level": REPAIR_LEVELS[self.repair].value, "reason": self.reason, "kv_alternative": kv}
 
 
 @dataclass(frozen=True)
@@ -50,6 +81,12 @@ class AuditTurn:
     def fields(self) -> tuple[FieldChange, ...]:
         return self.diff.fields if self.diff else ()
 
+    def _repair_dict(self, result: RepairResult) -> dict:
+        """A repair's JSON, with whether it holds the bars the recommendation judged it against."""
+        bars = self.recommendation.bars if self.recommendation else None
+        holds = bars.holds(result) if bars is not None and result.applicable else None
+        return result.as_dict(self.full_ttft_ms or 0.0) | {"within_bars": holds}
+
     def as_dict(self) -> dict:
         diff = self.diff
         return {
@@ -61,7 +98,7 @@ class AuditTurn:
             "appended_tokens": self.tokens - diff.growth_start if diff else 0,
             "fields": [change.as_dict() for change in self.fields],
             "full_ttft_ms": None if self.full_ttft_ms is None else round(self.full_ttft_ms, 2),
-            "repairs": {name: result.as_dict(self.full_ttft_ms or 0.0) for name, result in self.repairs.items()},
+            "repairs": {name: self._repair_dict(result) for name, result in self.repairs.items()},
             "recommendation": self.recommendation.as_dict() if self.recommendation else None,
         }
 
@@ -213,31 +250,56 @@ class Bars:
 
 
 def recommend(results: dict[str, RepairResult], threshold: float, min_agreement: float = DEFAULT_MIN_AGREEMENT) -> Recommendation:
-    """The repair computing the fewest tokens (then the fastest) whose KL stays ≤ ``threshold`` with the same top token
-    and at least ``min_agreement`` of its greedy tokens agreeing, both widened to the noise floor (:class:`Bars`);
-    ``recompute`` always qualifies: it is the exact reference."""
+    """The prompt-level repair computing the fewest tokens (then the fastest) whose KL stays ≤ ``threshold`` with the
+    same top token and at least ``min_agreement`` of its greedy tokens agreeing, both widened to the noise floor
+    (:class:`Bars`); ``recompute`` always qualifies: it is the exact reference. Beside it, the KV-level repair within
+    the same bars, where it computes fewer tokens still."""
     bars = Bars.of(results, threshold, min_agreement)
-    within = [r for r in results.values() if r.applicable and r.name != "recompute" and bars.holds(r)] or [results["recompute"]]
-    best = min(within, key=lambda r: (r.computed_tokens, r.ttft_ms))
     exact = results["recompute"]
+    best = _cheapest(results, bars, Level.PROMPT) or exact
+    kv = _cheapest(results, bars, Level.KV)
+    alternative = None
+    if kv is not None and kv.computed_tokens < best.computed_tokens:
+        alternative = KvAlternative(kv.name, best.computed_tokens - kv.computed_tokens, best.ttft_ms - kv.ttft_ms)
     own = best.reused_tokens + best.computed_tokens
-    cost = f"{best.name} computes {best.computed_tokens:,} of {own:,} tokens ({best.computed_tokens / own:.1%})"
+    cost = (
+        f"{best.name} ({LEVEL_WORDS[Level.PROMPT]}) computes {best.computed_tokens:,} of {own:,} tokens ({best.computed_tokens / own:.1%})"
+    )
     floor = bars.words(threshold, min_agreement)
-    if best.name == "recompute":
-        misses = [r for r in results.values() if r.applicable and r.name != "recompute"]
+    if best is exact:
+        misses = [r for r in results.values() if r.applicable and r.level is Level.PROMPT and r.name != "recompute"]
         worst = "; ".join(
             f"{r.name} KL {r.fidelity.kl:.3g}, {r.fidelity.generation_agreement:.0%} agreeing"
             + ("" if r.fidelity.top1_agree else ", top token differs")
             for r in misses
         )
-        words = f"{cost}: the exact reference; {floor}"
-        return Recommendation("recompute", words + (f"; every cheaper repair drifts past the bars ({worst})" if misses else ""))
-    words = (
-        f"{cost} at KL {best.fidelity.kl:.3g} ≤ {bars.kl:.3g} with the same top token and {best.fidelity.generation_agreement:.0%} "
-        f"of {_generated(best)} greedy tokens agreeing (≥ {bars.min_agreement:.0%}); {floor}"
+        words = f"{cost}: the exact reference; {floor}" + (
+            f"; every other prompt-level repair drifts past the bars ({worst})" if misses else ""
+        )
+    else:
+        saved = exact.computed_tokens - best.computed_tokens
+        words = (
+            f"{cost} at KL {best.fidelity.kl:.3g} ≤ {bars.kl:.3g} with the same top token and {best.fidelity.generation_agreement:.0%} "
+            f"of {_generated(best)} greedy tokens agreeing (≥ {bars.min_agreement:.0%}); {floor}"
+            f"; recompute would compute {exact.computed_tokens:,} ({saved:,} more)"
+        )
+    return Recommendation(best.name, words + _kv_words(alternative, kv, best), alternative, bars)
+
+
+def _cheapest(results: dict[str, RepairResult], bars: Bars, level: Level) -> RepairResult | None:
+    """The repair of ``level`` (other than the reference) computing the fewest tokens, then the fastest, within the bars."""
+    within = [r for r in results.values() if r.applicable and r.level is level and r.name != "recompute" and bars.holds(r)]
+    return min(within, key=lambda r: (r.computed_tokens, r.ttft_ms), default=None)
+
+
+def _kv_words(alternative: KvAlternative | None, kv: RepairResult | None, best: RepairResult) -> str:
+    """The KV-level repair beside the prompt-level choice, in words (nothing where none holds the bars)."""
+    if alternative is None:
+        return f"; {kv.name} ({LEVEL_WORDS[Level.KV]}) holds the bars too but would compute no fewer tokens" if kv else ""
+    return (
+        f"; a cache-editing engine could run {kv.name} ({LEVEL_WORDS[Level.KV]}) within the same bars: "
+        f"{alternative.saved_tokens:,} fewer tokens computed, TTFT {kv.ttft_ms:.1f} ms against {best.ttft_ms:.1f} ms"
     )
-    saved = exact.computed_tokens - best.computed_tokens
-    return Recommendation(best.name, words + f"; recompute would compute {exact.computed_tokens:,} ({saved:,} more)")
 
 
 def _generated(result: RepairResult) -> int:
@@ -287,27 +349,26 @@ def _escape(text: str) -> str:
     return text.replace("{", "{{").replace("}", "}}")
 
 
-def repaired_template(report: AuditReport) -> str:
-    """The last request with every changed field as a ``{placeholder}``, each volatile line moved to the end of the
-    last message when hoisting was recommended: the prompt template to deploy."""
+def repaired_template(report: AuditReport, repair: str | None = None) -> str:
+    """The last request with a changed field as prompt-level repair ``repair`` (default: the recommended one) sends
+    it, with each changed field's value as a ``{placeholder}``: the prompt template to deploy. It is built by the
+    function that built the prompt the audit measured (:func:`engine.audit.repairs.repaired_request`), so filled with
+    the values that repair served (the new ones; ``coarsen``'s coarse ones) it renders that prompt. Other braces are
+    literal text."""
     turn = report.last_with_fields()
     if turn is None:
         raise RequestLogError("no field changed in this log: the prompt template needs no repair")
+    name = repair or turn.recommendation.repair
+    measured = turn.repairs.get(name)
+    if measured is None or not measured.applicable:
+        why = f"it does not apply: {measured.reason}" if measured else "it was not measured (add it to the repairs)"
+        raise RequestLogError(f"no {name} template for request {turn.request}: {why}")
     new = report.rendered[[t.request for t in report.turns].index(turn.request)]
-    contents = list(new.request.contents)
-    moved = []
-    for change in sorted(turn.fields, key=lambda c: -c.char_span[0]):
-        start, end = content_chars(new, change.message, change.char_span)
-        holder = contents[change.message]
-        if turn.recommendation and turn.recommendation.repair == "hoist":
-            line_start, line_end = holder.rfind("\n", 0, start) + 1, holder.find("\n", end)
-            line_end = len(holder) if line_end < 0 else line_end
-            moved.append(holder[line_start:start] + "{" + change.name + "}" + holder[end:line_end])
-            contents[change.message] = holder[:line_start] + holder[min(line_end + 1, len(holder)) :]
-        else:
-            contents[change.message] = holder[:start] + "{" + change.name + "}" + holder[end:]
-    if moved:
-        contents[-1] = contents[-1].rstrip() + "\n\n" + "\n".join(reversed(moved))
-    if new.request.messages is None:
-        return contents[0]
-    return json.dumps([{"role": m.role, "content": text} for m, text in zip(new.request.messages, contents)], indent=2, ensure_ascii=False)
+    try:
+        request = repaired_request(name, new, turn.fields, lambda change: "{" + change.name + "}")
+    except RepairNotApplicable as error:
+        raise RequestLogError(str(error)) from None
+    if request.messages is None:
+        return request.prompt
+    messages = [{"role": message.role, "content": message.content} for message in request.messages]
+    return json.dumps(messages, indent=2, ensure_ascii=False)

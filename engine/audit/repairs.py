@@ -3,14 +3,18 @@
 The server holds the older request's K/V; the newer request arrives with some fields changed (and maybe new turns).
 Every repair builds the state it would serve from, computes only the tokens it must, and is read the same way:
 
-| repair | what is reused | what is computed | exact? |
-|---|---|---|---|
-| ``recompute`` | the common prefix (exact prefix caching) | everything from the first changed token | yes: the reference |
-| ``in_place`` | every cached entry but the fields' | the fields' new tokens, then the new turns | no: later tokens keep stale K/V |
-| ``erratum`` | the whole older request (fields unchanged) | ``[STATE UPDATE] field -> new`` after the last message, and new turns | no: the old value is still read |
-| ``field_erratum`` | as ``in_place`` | the fields' tokens and the erratum | no |
-| ``hoist`` | the prefix before the moved lines | the volatile lines moved to the end of the last message | prompt changes: judged against the original |
-| ``coarsen`` | the prefix, when the coarse value did not change | from the first changed token | prompt changes: judged against the original |
+| repair | runs on | what is reused | what is computed | exact? |
+|---|---|---|---|---|
+| ``recompute`` | prompt | the common prefix (exact prefix caching) | everything from the first changed token | yes: the reference |
+| ``in_place`` | KV | every cached entry but the fields' | the fields' new tokens, then the new turns | no: later tokens keep stale K/V |
+| ``erratum`` | prompt | the whole older request (fields unchanged) | ``[STATE UPDATE] field -> new`` after the last message, and new turns | no: the old value is still read |
+| ``field_erratum`` | KV | as ``in_place`` | the fields' tokens and the erratum | no |
+| ``hoist`` | prompt | the prefix before the moved lines | the volatile lines moved to the end of the last message | prompt changes: judged against the original |
+| ``coarsen`` | prompt | the prefix, when the coarse value did not change | from the first changed token | prompt changes: judged against the original |
+
+A **prompt-level** repair only rewrites the request, so any prefix cache (vLLM, SGLang, llama.cpp) serves it today;
+:func:`repaired_request` builds that request, for the measurement and for the template a user deploys alike. A
+**KV-level** repair edits cached entries, which needs a cache-editing engine.
 
 Fidelity is measured against the clean prefill of the newer request, by the next-token distribution (KL divergence,
 top-1 agreement, top-5 overlap) and by greedy generation of N tokens from both (common prefix, fraction agreeing).
@@ -21,6 +25,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import torch
 
@@ -32,15 +37,26 @@ from engine.edit.erratum import DEFAULT_ERRATUM, erratum_text
 from engine.errors import KVScopeError
 from engine.timing import Stopwatch
 
-REPAIR_SUMMARIES = {  # one plain line per repair (the table above; the app shows these beside the names)
-    "recompute": "recompute everything from the first changed token, reusing the common prefix (exact: the reference)",
-    "in_place": "recompute only the changed fields' tokens; later tokens keep their stale K/V",
-    "erratum": "keep the older request's cache and append a [STATE UPDATE] line with the new values",
-    "field_erratum": "recompute the fields' tokens in place and append the [STATE UPDATE] line",
-    "hoist": "move the changing lines to the end of the last message, so the prefix before them stays cached",
-    "coarsen": "round the date-time to a coarser grain, so the cached prefix survives while it does not change",
+
+class Level(StrEnum):
+    """Where a repair can run."""
+
+    PROMPT = "prompt"  # the request is rewritten and the cache only reused: any prefix cache serves it today
+    KV = "kv"  # cached entries are edited: it needs an engine that edits its cache (vLLM, SGLang, llama.cpp do not)
+
+
+LEVEL_WORDS = {Level.PROMPT: "prompt-level, any prefix cache serves it today", Level.KV: "KV-level, needs a cache-editing engine"}
+_REGISTRY: dict[str, tuple[Level, str]] = {  # each repair: where it runs and one plain line (the table above)
+    "recompute": (Level.PROMPT, "recompute everything from the first changed token, reusing the common prefix (exact: the reference)"),
+    "in_place": (Level.KV, "recompute only the changed fields' tokens; later tokens keep their stale K/V"),
+    "erratum": (Level.PROMPT, "keep the older request as it was and append a [STATE UPDATE] line with the new values"),
+    "field_erratum": (Level.KV, "recompute the fields' tokens in place and append the [STATE UPDATE] line"),
+    "hoist": (Level.PROMPT, "move the changing lines to the end of the last message, so the prefix before them stays cached"),
+    "coarsen": (Level.PROMPT, "round the date-time to a coarser grain, so the cached prefix survives while it does not change"),
 }
-REPAIRS = tuple(REPAIR_SUMMARIES)
+REPAIRS = tuple(_REGISTRY)
+REPAIR_LEVELS = {name: level for name, (level, _) in _REGISTRY.items()}
+REPAIR_SUMMARIES = {name: f"{line} ({LEVEL_WORDS[level]})" for name, (level, line) in _REGISTRY.items()}  # the app shows these
 GRAINS = ("date", "hour", "minute")
 _DATETIME = re.compile(r"(\d{4}-\d{2}-\d{2})(?:[T ](\d{1,2}):(\d{2})(?::\d{2}(?:\.\d+)?)?)?(Z|[+-]\d{2}:?\d{2})?")
 
@@ -83,6 +99,11 @@ class RepairResult:
     generated: tuple[int, ...] = ()
     reason: str | None = None
     detail: dict = field(default_factory=dict)
+    prompt_ids: tuple[int, ...] = ()  # the request it serves, as token ids (its cache may hold stale entries of them)
+
+    @property
+    def level(self) -> Level:
+        return REPAIR_LEVELS[self.name]
 
     def as_dict(self, full_ttft_ms: float) -> dict:
         if not self.applicable:
@@ -97,9 +118,10 @@ class RepairResult:
                 "generation_agreement",
                 "generated_common_prefix",
             )
-            return {"applicable": False, "reason": self.reason, **dict.fromkeys(keys)}
+            return {"applicable": False, "level": self.level.value, "reason": self.reason, **dict.fromkeys(keys)}
         return {
             "applicable": True,
+            "level": self.level.value,
             "reused_tokens": self.reused_tokens,
             "computed_tokens": self.computed_tokens,
             "ttft_ms": round(self.ttft_ms, 2),
@@ -165,36 +187,134 @@ def fidelity(state: torch.Tensor, generated: Sequence[int], clean: Reference) ->
 def run_repair(name: str, turn: Turn, clean: Reference) -> RepairResult:
     """One repair on ``turn``, measured against ``clean``; a repair that does not apply says why."""
     try:
-        prefix, rest, detail = _BUILDERS[name](turn)
+        built = _BUILDERS[name](turn)
     except RepairNotApplicable as error:
         return RepairResult(name, False, reason=str(error))
+    prefix, rest = built.prefix, built.rest
     computed = prefix.pending_tokens + len(rest)  # recorded, not yet run: what this repair computes
     reused = len(prefix.visible_positions()) - prefix.pending_tokens
     logprobs, generated, ms, _ = read_state(turn.lm, prefix, rest, turn.tokens)
-    return RepairResult(name, True, reused, computed, ms, fidelity(logprobs, generated, clean), generated, detail=detail)
+    result = fidelity(logprobs, generated, clean)
+    return RepairResult(name, True, reused, computed, ms, result, generated, detail=built.detail, prompt_ids=built.prompt)
 
 
-# ---------------------------------------------------------------- builders: (computed prefix, tokens to run, detail)
-Built = tuple[Notebook, tuple[int, ...], dict]
+# -------------------------------------- the request a repair sends, each changed field's text given by a ``Value``
+Value = Callable[[FieldChange], str]  # its old or new value, a coarser one, or the template's placeholder
 
 
-def _recompute(turn: Turn) -> Built:
-    return _prefix_cached(turn, turn.old.ids, turn.new.ids)
+def _old(change: FieldChange) -> str:
+    return change.old
 
 
-def _prefix_cached(turn: Turn, cached: Sequence[int], target: Sequence[int]) -> Built:
+def _new(change: FieldChange) -> str:
+    return change.new
+
+
+def content_chars(rendered: RenderedRequest, message: int, chars: tuple[int, int]) -> tuple[int, int]:
+    """Characters ``chars`` of the rendered text as characters of message ``message``'s content string."""
+    content_start = rendered.content_spans[message][0]
+    message_text = rendered.request.contents[message]
+    lead = len(message_text) - len(message_text.lstrip())  # the template strips the content it was located by
+    return chars[0] - content_start + lead, chars[1] - content_start + lead
+
+
+def _located(rendered: RenderedRequest, fields: Sequence[FieldChange], older: bool) -> list[tuple[FieldChange, int, int]]:
+    """Each field with its characters in its message's content string, in the older request (``older``) or the
+    newer one, last first so that editing one keeps the others' offsets."""
+    side: Callable[[FieldChange], tuple[int, int]] = (lambda c: c.old_char_span) if older else (lambda c: c.char_span)
+    return [(change, *content_chars(rendered, change.message, side(change))) for change in sorted(fields, key=lambda c: -side(c)[0])]
+
+
+def _with_values(rendered: RenderedRequest, fields: Sequence[FieldChange], value_of: Value, older: bool = False) -> Request:
+    """``rendered``'s request with each field's text set to ``value_of`` it."""
+    contents = list(rendered.request.contents)
+    for change, start, end in _located(rendered, fields, older):
+        text = contents[change.message]
+        contents[change.message] = text[:start] + value_of(change) + text[end:]
+    return rendered.request.with_contents(contents)
+
+
+def _with_erratum(new: RenderedRequest, fields: Sequence[FieldChange], kept: Value, stated: Value) -> Request:
+    """The newer request with each field's text at ``kept`` and a ``[STATE UPDATE]`` line stating ``stated`` after
+    the last message."""
+    request = _with_values(new, fields, kept)
+    lines = "\n".join(erratum_text(change.name, stated(change), change.old, DEFAULT_ERRATUM) for change in fields)
+    contents = list(request.contents)
+    contents[-1] = f"{contents[-1]}\n\n{lines}"
+    return request.with_contents(contents)
+
+
+def _erratum_kept(new: RenderedRequest, fields: Sequence[FieldChange], value_of: Value) -> Request:
+    """The older request kept (every field at its old value, new turns after it), the erratum stating ``value_of``."""
+    return _with_erratum(new, fields, _old, value_of)
+
+
+def _hoisted(rendered: RenderedRequest, fields: Sequence[FieldChange], value_of: Value, older: bool = False) -> Request:
+    """``rendered``'s request with each field's whole line (stripped, the field at ``value_of``) moved to the end of
+    the last message."""
+    contents = list(rendered.request.contents)
+    moved = []
+    for change, start, end in _located(rendered, fields, older):
+        text = contents[change.message]
+        line_start, line_end = text.rfind("\n", 0, start) + 1, text.find("\n", end)
+        line_end = len(text) if line_end < 0 else line_end
+        moved.append((text[line_start:start] + value_of(change) + text[end:line_end]).strip())
+        contents[change.message] = text[:line_start] + text[min(line_end + 1, len(text)) :]
+    contents[-1] = contents[-1].rstrip() + "\n\n" + "\n".join(reversed(moved))
+    return rendered.request.with_contents(contents)
+
+
+_REWRITES: dict[str, Callable[[RenderedRequest, Sequence[FieldChange], Value], Request]] = {  # the prompt-level repairs
+    "recompute": _with_values,
+    "erratum": _erratum_kept,
+    "hoist": _hoisted,
+    "coarsen": _with_values,  # at the coarse values
+}
+
+
+def repaired_request(name: str, new: RenderedRequest, fields: Sequence[FieldChange], value_of: Value = _new) -> Request:
+    """The newer request as prompt-level repair ``name`` sends it, each changed field's text at ``value_of``: the
+    audit measures it at the values it served (the new ones; ``coarsen``'s coarse ones), the deployable template has
+    a placeholder there. A KV-level repair is refused: no request carries it."""
+    if name not in _REWRITES:
+        raise RepairNotApplicable(f"{name} is {LEVEL_WORDS[REPAIR_LEVELS[name]]}: it edits cached entries, no request carries it")
+    return _REWRITES[name](new, fields, value_of)
+
+
+# ------------------------------------------------------------------------------------------------------- builders
+@dataclass(frozen=True)
+class _Built:
+    """What a repair serves from: a state computed up to where its reuse stops (its recorded steps not yet run), the
+    tokens still to run, and the whole request it serves."""
+
+    prefix: Notebook
+    rest: tuple[int, ...]
+    prompt: tuple[int, ...]
+    detail: dict = field(default_factory=dict)
+
+
+def _sent(turn: Turn, name: str, value_of: Value = _new) -> tuple[int, ...]:
+    """The token ids of the newer request as prompt-level repair ``name`` sends it."""
+    return turn.render(repaired_request(name, turn.new, turn.diff.fields, value_of)).ids
+
+
+def _prefix_cached(turn: Turn, cached: Sequence[int], target: Sequence[int], detail: dict | None = None) -> _Built:
     """Exact prefix caching: the common prefix reused (at least the last token is run), the rest computed. The
     older request's own cache is cut to that prefix; a rewritten one (hoisted, coarsened) is prefilled first."""
     keep = min(common_prefix(tuple(cached), tuple(target)), len(target) - 1)
     source = turn.cached if tuple(cached) == turn.old.ids else Notebook.prefill(turn.lm, list(target[:keep]), "request")
-    return source.prefix(keep), tuple(target[keep:]), {}
+    return _Built(source.prefix(keep), tuple(target[keep:]), tuple(target), detail or {})
 
 
-def _in_place(turn: Turn) -> Built:
+def _recompute(turn: Turn) -> _Built:
+    return _prefix_cached(turn, turn.old.ids, _sent(turn, "recompute"))
+
+
+def _in_place(turn: Turn) -> _Built:
     return _edited_in_place(turn, turn.new)
 
 
-def _edited_in_place(turn: Turn, target: RenderedRequest) -> Built:
+def _edited_in_place(turn: Turn, target: RenderedRequest) -> _Built:
     """The older request's cache with each field's tokens replaced (later entries keep their stale K/V), then
     whatever follows in ``target`` after the older request's shared part."""
     if not turn.diff.fields:
@@ -214,73 +334,26 @@ def _edited_in_place(turn: Turn, target: RenderedRequest) -> Built:
         cached = cached.replace(
             range(change.old_start, change.old_end), list(turn.new.ids[change.start : change.end]), f"field:{change.name}"
         )
-    return cached, target.ids[shared:], {}
+    return _Built(cached, target.ids[shared:], target.ids)
 
 
-def _with_erratum(turn: Turn, values: str) -> Request:
-    """The newer request with every field at its ``values`` ("old" or "new") and an erratum after the last message."""
-    request = _with_field_values(turn, values)
-    lines = "\n".join(erratum_text(change.name, change.new, change.old, DEFAULT_ERRATUM) for change in turn.diff.fields)
-    contents = list(request.contents)
-    contents[-1] = f"{contents[-1]}\n\n{lines}"
-    return request.with_contents(contents)
-
-
-def _with_field_values(turn: Turn, values: str) -> Request:
-    """The newer request's messages with each field's text set to its old or new value."""
-    contents = list(turn.new.request.contents)
-    for change in sorted(turn.diff.fields, key=lambda c: -c.char_span[0]):
-        start, end = content_chars(turn.new, change.message, change.char_span)
-        text = contents[change.message]
-        contents[change.message] = text[:start] + (change.old if values == "old" else change.new) + text[end:]
-    return turn.new.request.with_contents(contents)
-
-
-def content_chars(rendered: RenderedRequest, message: int, chars: tuple[int, int]) -> tuple[int, int]:
-    """Characters ``chars`` of the rendered text as characters of message ``message``'s content string."""
-    content_start = rendered.content_spans[message][0]
-    message_text = rendered.request.contents[message]
-    lead = len(message_text) - len(message_text.lstrip())  # the template strips the content it was located by
-    return chars[0] - content_start + lead, chars[1] - content_start + lead
-
-
-def _erratum(turn: Turn) -> Built:
+def _erratum(turn: Turn) -> _Built:
     if not turn.diff.fields:
         raise RepairNotApplicable("no field changed: there is nothing to state")
-    target = turn.render(_with_erratum(turn, "old"))
-    return _prefix_cached(turn, turn.old.ids, target.ids)
+    return _prefix_cached(turn, turn.old.ids, _sent(turn, "erratum"))
 
 
-def _field_erratum(turn: Turn) -> Built:
-    return _edited_in_place(turn, turn.render(_with_erratum(turn, "new")))
+def _field_erratum(turn: Turn) -> _Built:
+    return _edited_in_place(turn, turn.render(_with_erratum(turn.new, turn.diff.fields, _new, _new)))
 
 
-def _hoisted(turn: Turn, rendered: RenderedRequest, value_of: Callable[[FieldChange], str]) -> Request:
-    """``rendered``'s request with each field's whole line moved to the end of the last message (at ``value_of``)."""
-    contents = list(rendered.request.contents)
-    moved = []
-    for change in sorted(turn.diff.fields, key=lambda c: -c.char_span[0]):
-        spans = change.char_span if rendered is turn.new else change.old_char_span
-        start, end = content_chars(rendered, change.message, spans)
-        text = contents[change.message]
-        line_start, line_end = text.rfind("\n", 0, start) + 1, text.find("\n", end)
-        line_end = len(text) if line_end < 0 else line_end
-        line = text[line_start:start] + value_of(change) + text[end:line_end]
-        contents[change.message] = text[:line_start] + text[line_end + 1 if line_end < len(text) else line_end :]
-        moved.append(line.strip())
-    contents[-1] = contents[-1].rstrip() + "\n\n" + "\n".join(reversed(moved))
-    return rendered.request.with_contents(contents)
-
-
-def _hoist(turn: Turn) -> Built:
+def _hoist(turn: Turn) -> _Built:
     if not turn.diff.fields:
         raise RepairNotApplicable("no field changed: there is no volatile line to move")
     if any(change.message == len(turn.new.request.contents) - 1 for change in turn.diff.fields):
         raise RepairNotApplicable("the changed value is already in the last message")
-    cached = turn.render(_hoisted(turn, turn.old, lambda change: change.old))
-    target = turn.render(_hoisted(turn, turn.new, lambda change: change.new))
-    built = _prefix_cached(turn, cached.ids, target.ids)
-    return built[0], built[1], {"prompt_changed": True}
+    cached = turn.render(_hoisted(turn.old, turn.diff.fields, _old, older=True))
+    return _prefix_cached(turn, cached.ids, _sent(turn, "hoist"), {"prompt_changed": True})
 
 
 def coarse(value: str, grain: str) -> str:
@@ -296,28 +369,19 @@ def coarse(value: str, grain: str) -> str:
     return f"{date} {int(hour):02d}:00" if grain == "hour" else f"{date} {int(hour):02d}:{minute}"
 
 
-def _coarsen(turn: Turn) -> Built:
+def _coarsen(turn: Turn) -> _Built:
     if turn.grain is None:
         raise RepairNotApplicable("name a grain to coarsen to (date, hour or minute)")
     if not turn.diff.fields:
         raise RepairNotApplicable("no field changed: there is nothing to coarsen")
     olds = {change.name: coarse(change.old, turn.grain) for change in turn.diff.fields}
     news = {change.name: coarse(change.new, turn.grain) for change in turn.diff.fields}
-    contents_old, contents_new = list(turn.old.request.contents), list(turn.new.request.contents)
-    for change in sorted(turn.diff.fields, key=lambda c: -c.char_span[0]):
-        for contents, rendered, spans, value in (
-            (contents_new, turn.new, change.char_span, news[change.name]),
-            (contents_old, turn.old, change.old_char_span, olds[change.name]),
-        ):
-            start, end = content_chars(rendered, change.message, spans)
-            contents[change.message] = contents[change.message][:start] + value + contents[change.message][end:]
-    cached = turn.render(turn.old.request.with_contents(contents_old))
-    target = turn.render(turn.new.request.with_contents(contents_new))
-    built = _prefix_cached(turn, cached.ids, target.ids)
-    return built[0], built[1], {"prompt_changed": True, "grain": turn.grain, "coarse_values": news}
+    cached = turn.render(_with_values(turn.old, turn.diff.fields, lambda change: olds[change.name], older=True))
+    target = _sent(turn, "coarsen", lambda change: news[change.name])
+    return _prefix_cached(turn, cached.ids, target, {"prompt_changed": True, "grain": turn.grain, "coarse_values": news})
 
 
-_BUILDERS: dict[str, Callable[[Turn], Built]] = {
+_BUILDERS: dict[str, Callable[[Turn], _Built]] = {
     "recompute": _recompute,
     "in_place": _in_place,
     "erratum": _erratum,

@@ -1,5 +1,6 @@
 """Request-log audits on tiny models: reuse figures against an independent count, fields found exactly, the exact
-repair equal to a clean prefill, and a specific message for each kind of bad input."""
+repair equal to a clean prefill and the stale ones not, each prompt-level repair's template rendering the prompt that
+was measured, and a specific message for each kind of bad input."""
 
 import json
 
@@ -129,14 +130,37 @@ def test_every_repair_reports_its_cost_and_the_cheapest_within_the_threshold_is_
     repairs = turn["repairs"]
     assert repairs["in_place"]["computed_tokens"] < repairs["recompute"]["computed_tokens"]
     assert repairs["coarsen"]["coarse_values"] == {"session_started": "2026-12-01 09:00"}
-    top1 = [r for r in report.turns[1].repairs.values() if r.fidelity.top1_agree]
-    cheapest = min(top1, key=lambda r: (r.computed_tokens, r.ttft_ms))
-    assert (
-        turn["recommendation"]["repair"] == cheapest.name
-        and f"computes {cheapest.computed_tokens:,} of" in turn["recommendation"]["reason"]
-    )
+    assert {name: result["level"] for name, result in repairs.items()} == {
+        "recompute": "prompt",
+        "in_place": "kv",
+        "erratum": "prompt",
+        "field_erratum": "kv",
+        "hoist": "prompt",
+        "coarsen": "prompt",
+    }
+    # at KL ≤ 10 and no agreement bar, the bars hold exactly where the top token agrees
+    top1 = [r for r in report.turns[1].repairs.values() if r.fidelity.top1_agree and r.name != "recompute"]
+    prompt = min((r for r in top1 if r.name in ("erratum", "hoist", "coarsen")), key=lambda r: (r.computed_tokens, r.ttft_ms), default=None)
+    chosen = prompt or report.turns[1].repairs["recompute"]
+    kv = min((r for r in top1 if r.name in ("in_place", "field_erratum")), key=lambda r: (r.computed_tokens, r.ttft_ms), default=None)
+    recommendation = turn["recommendation"]
+    assert recommendation["repair"] == chosen.name and f"computes {chosen.computed_tokens:,} of" in recommendation["reason"]
+    if kv is not None and kv.computed_tokens < chosen.computed_tokens:
+        assert recommendation["kv_alternative"]["repair"] == kv.name
+        assert recommendation["kv_alternative"]["saved_tokens"] == chosen.computed_tokens - kv.computed_tokens
+    else:
+        assert recommendation["kv_alternative"] is None
     strict = recommend(report.turns[1].repairs, threshold=0.0, min_agreement=1.0)
     assert strict.repair == "recompute"
+
+
+def test_in_place_and_erratum_are_inexact_where_recompute_is_exact(lm):
+    """The stale repairs read the old value (in_place: later entries computed with it; erratum: still in the prompt),
+    so their next token's distribution differs from the clean prefill's, while the reference's does not."""
+    log = _log(_request(), _request(tier="platinum"))
+    repairs = audit_requests(lm, parse_log(log), repairs=["in_place", "erratum"], tokens=4).turns[1].repairs
+    assert repairs["recompute"].fidelity.kl < 1e-6
+    assert repairs["in_place"].fidelity.kl > 1e-4 and repairs["erratum"].fidelity.kl > 1e-4
 
 
 def test_coarse_grains():
@@ -155,6 +179,51 @@ def test_the_scenario_and_template_reproduce_the_edit(lm):
     assert EditExperiment(lm, scenario).report(["field_only", "erratum"]).as_dict()["new"] == "platinum"
     template = json.loads(repaired_template(report))
     assert "Account tier: {account_tier}" in template[0]["content"] and template[-1]["content"] == "Where is my parcel?"
+
+
+INDENTED = 'You are the agent.\n    Session started: {time}\nUser id: {user}\nAnswer briefly; reply as {{"answer": ...}}.'
+
+
+def _indented(time: str, user: str = "u-1") -> dict:
+    system = INDENTED.format(time=time, user=user)
+    return {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "Where is it?"}]}
+
+
+def _filled(template: str, values: dict[str, str]) -> list[dict]:
+    """A chat template's messages with each ``{placeholder}`` set to its value."""
+    messages = json.loads(template)
+    for message in messages:
+        for name, value in values.items():
+            message["content"] = message["content"].replace("{" + name + "}", value)
+    return messages
+
+
+@pytest.mark.parametrize(
+    "user, expected", [("u-1", {"recompute", "erratum", "hoist", "coarsen"}), ("u-22", {"recompute", "erratum", "hoist"})]
+)
+def test_each_prompt_level_template_filled_with_the_logs_values_renders_the_measured_prompt(lm, user, expected):
+    """The indented volatile line is moved stripped in the template as in the measured prompt (once built twice, they
+    differed); a second field is moved with it; the literal braces stay as they are."""
+    log = _log(_indented("2026-12-01 09:14"), _indented("2026-12-01 10:15", user))
+    report = audit_requests(lm, parse_log(log), tokens=1, grain="hour")
+    turn = report.turns[1]
+    checked = set()
+    for name in ("recompute", "erratum", "hoist", "coarsen"):
+        measured = turn.repairs[name]
+        if not measured.applicable:  # coarsen: a user id has no hour
+            continue
+        values = measured.detail.get("coarse_values") or {change.name: change.new for change in turn.fields}
+        filled = _filled(repaired_template(report, name), values)
+        assert render_request(lm, parse_prompt(json.dumps(filled))).ids == measured.prompt_ids, name
+        checked.add(name)
+    assert checked == expected
+    hoisted = json.loads(repaired_template(report, "hoist"))
+    assert "Session started" not in hoisted[0]["content"] and '{"answer": ...}' in hoisted[0]["content"]
+    moved = "Session started: {session_started}" + ("\nUser id: {user_id}" if user != "u-1" else "")
+    assert hoisted[-1]["content"] == "Where is it?\n\n" + moved
+    assert repaired_template(report) == repaired_template(report, turn.recommendation.repair)
+    with pytest.raises(RequestLogError, match="in_place is KV-level, needs a cache-editing engine"):
+        repaired_template(report, "in_place")
 
 
 def test_one_prompt_offers_volatile_spans_and_audits_a_new_value(lm):

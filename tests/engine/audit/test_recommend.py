@@ -1,6 +1,8 @@
-"""The recommendation's bars: the user's thresholds, widened to the noise floor the exact reference shows."""
+"""The recommendation: the cheapest prompt-level repair within the bars (the user's thresholds, widened to the noise
+floor the exact reference shows), and beside it the KV-level repair a cache-editing engine could run. Each case is
+built so that inverting one test of the bars (KL, top token, agreement, the widening, the level) changes the answer."""
 
-from engine.audit.audit import Bars, recommend
+from engine.audit.audit import Bars, KvAlternative, recommend
 from engine.audit.repairs import Fidelity, RepairResult
 
 
@@ -8,36 +10,74 @@ def _result(name: str, computed: int, kl: float, agreement: float, top1: bool = 
     return RepairResult(name, True, 100 - computed, computed, float(computed), Fidelity(kl, top1, 1.0, agreement, 0))
 
 
-def test_the_cheapest_repair_within_the_bars_wins_and_a_cheaper_one_outside_loses():
+def test_the_cheapest_prompt_level_repair_within_the_bars_wins_and_the_kv_level_one_stands_beside_it():
     results = {
         "recompute": _result("recompute", 90, 0.0, 1.0),
-        "in_place": _result("in_place", 5, 0.5, 1.0),  # cheapest, but KL past the 0.05 bar
-        "coarsen": _result("coarsen", 20, 0.01, 0.95),  # within
-        "erratum": _result("erratum", 10, 0.001, 0.5),  # KL fine, agreement below 0.9
+        "field_erratum": _result("field_erratum", 3, 0.5, 1.0),  # KV-level, cheapest, KL past the 0.05 bar
+        "in_place": _result("in_place", 5, 0.01, 1.0),  # KV-level, within: the alternative, never the choice
         "hoist": _result("hoist", 8, 0.001, 1.0, top1=False),  # top token differs
+        "erratum": _result("erratum", 10, 0.001, 0.5),  # KL fine, agreement below 0.9
+        "coarsen": _result("coarsen", 20, 0.01, 0.95),  # within
     }
     chosen = recommend(results, threshold=0.05, min_agreement=0.9)
-    assert chosen.repair == "coarsen" and "computes 20 of 100 tokens (20.0%)" in chosen.reason
+    assert chosen.repair == "coarsen" and chosen.kv_alternative == KvAlternative("in_place", 15, 15.0)
+    assert chosen.as_dict() == {
+        "repair": "coarsen",
+        "level": "prompt",
+        "reason": chosen.reason,
+        "kv_alternative": {"repair": "in_place", "saved_tokens": 15, "saved_ttft_ms": 15.0},
+    }
+    assert "coarsen (prompt-level, any prefix cache serves it today) computes 20 of 100 tokens (20.0%)" in chosen.reason
     assert "≤ 0.05" in chosen.reason and "(≥ 90%)" in chosen.reason and "recompute would compute 90 (70 more)" in chosen.reason
+    assert "could run in_place (KV-level, needs a cache-editing engine) within the same bars: 15 fewer tokens" in chosen.reason
+
+
+def test_a_kv_level_repair_is_named_only_where_it_computes_fewer_tokens():
+    results = {"recompute": _result("recompute", 90, 0.0, 1.0), "in_place": _result("in_place", 5, 0.0, 1.0)}
+    alone = recommend(results, threshold=0.05)
+    assert alone.repair == "recompute" and alone.kv_alternative == KvAlternative("in_place", 85, 85.0)
+    results |= {"field_erratum": _result("field_erratum", 30, 0.0, 1.0), "in_place": _result("in_place", 40, 0.0, 1.0)}
+    results["hoist"] = _result("hoist", 20, 0.0, 1.0)
+    chosen = recommend(results, threshold=0.05)
+    assert chosen.repair == "hoist" and chosen.kv_alternative is None
+    assert "field_erratum (KV-level, needs a cache-editing engine) holds the bars too but would compute no fewer" in chosen.reason
 
 
 def test_a_noisy_reference_widens_the_bars_and_says_so():
     """In bfloat16 the prefix-cached recompute agrees with the clean prefill on 66% of its greedy tokens: a repair at
     that floor passes, and the text states the floor instead of claiming the 90% the reference itself misses."""
-    results = {"recompute": _result("recompute", 90, 0.002, 0.66), "in_place": _result("in_place", 5, 0.004, 0.70)}
+    results = {"recompute": _result("recompute", 90, 0.002, 0.66), "hoist": _result("hoist", 5, 0.004, 0.70)}
     bars = Bars.of(results, threshold=0.001, min_agreement=0.9)
     assert bars.kl == 0.002 and bars.min_agreement == 0.66
     chosen = recommend(results, threshold=0.001, min_agreement=0.9)
-    assert chosen.repair == "recompute"  # KL 0.004 is past even the widened bar 0.002
+    assert chosen.repair == "recompute" and chosen.kv_alternative is None  # KL 0.004 is past even the widened bar 0.002
     assert "noise floor (recompute vs the clean prefill): KL 0.002, 66% agreeing" in chosen.reason
     assert "≥ 66% agreeing instead of 90%" in chosen.reason and "(≥ 90%)" not in chosen.reason
-    results["in_place"] = _result("in_place", 5, 0.0015, 0.70)
-    assert recommend(results, threshold=0.001, min_agreement=0.9).repair == "in_place"
+    assert "every other prompt-level repair drifts past the bars (hoist KL 0.004, 70% agreeing)" in chosen.reason
+    results["hoist"] = _result("hoist", 5, 0.0015, 0.70)
+    assert recommend(results, threshold=0.001, min_agreement=0.9).repair == "hoist"
 
 
 def test_bars_are_the_users_own_where_the_reference_holds_them():
-    results = {"recompute": _result("recompute", 90, 1e-7, 1.0), "in_place": _result("in_place", 5, 0.2, 1.0)}
+    results = {"recompute": _result("recompute", 90, 1e-7, 1.0), "hoist": _result("hoist", 5, 0.2, 1.0)}
     bars = Bars.of(results, threshold=0.1, min_agreement=0.9)
     assert (bars.kl, bars.min_agreement) == (0.1, 0.9)
     chosen = recommend(results, threshold=0.1, min_agreement=0.9)
-    assert chosen.repair == "recompute" and "judged against it" not in chosen.reason and "in_place KL 0.2" in chosen.reason
+    assert chosen.repair == "recompute" and "judged against it" not in chosen.reason and "hoist KL 0.2" in chosen.reason
+
+
+def test_the_json_and_the_figures_mark_a_repair_within_the_widened_bars():
+    """A repair at KL 0.0015 passes the bar widened to the 0.002 floor though it misses the user's 0.001: the turn's JSON
+    says so per repair, and the audit figures' filled markers follow it rather than the raw threshold."""
+    from engine.audit.audit import AuditTurn
+    from viz.audit import within
+
+    results = {"recompute": _result("recompute", 90, 0.002, 0.66), "hoist": _result("hoist", 5, 0.0015, 0.70)}
+    results["erratum"] = _result("erratum", 8, 0.01, 0.70)
+    turn = AuditTurn(2, 100, None, 10.0, results, recommend(results, threshold=0.001, min_agreement=0.9))
+    repairs = turn.as_dict()["repairs"]
+    assert [repairs[name]["within_bars"] for name in ("recompute", "hoist", "erratum")] == [True, True, False]
+    data = {"threshold": 0.001, "min_agreement": 0.9}
+    assert within(repairs["hoist"], data) and not within(repairs["erratum"], data)
+    stored = {key: value for key, value in repairs["hoist"].items() if key != "within_bars"}  # a result written before the key
+    assert not within(stored, data)
