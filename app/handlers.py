@@ -1046,7 +1046,7 @@ def benchmark_results() -> dict[str, dict]:
 
 def benchmark_figures_for(results: dict[str, dict]) -> list[go.Figure]:
     """A figure per known result kind (TTFT, edit latency, prefill, serving, agent policies, soak, N-skill study,
-    cache reuse, picture splice)."""
+    cache reuse, picture splice, request logs replayed on llama-server)."""
     builders = {
         "ttft": benchmark_figures.ttft_figure,
         "edit": benchmark_figures.edit_latency_figure,
@@ -1059,6 +1059,7 @@ def benchmark_figures_for(results: dict[str, dict]) -> list[go.Figure]:
         "image": benchmark_figures.image_splice_figure,
         "compare_models": benchmark_figures.compare_models_figure,
         "audit": benchmark_figures.audit_benchmark_figure,
+        "audit_replay": benchmark_figures.audit_replay_figure,
     }
     figures = []
     for stem, data in results.items():

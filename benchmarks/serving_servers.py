@@ -81,11 +81,13 @@ class LlamaServer:
 
     name = "llama-cpp"
 
-    def __init__(self, binary: Path, gguf: Path, n_ctx: int, threads: int, log_path: Path, model: str = "", reuse_chunk: int = 16) -> None:
+    def __init__(
+        self, binary: Path, gguf: Path, n_ctx: int, threads: int, log_path: Path, model: str = "", reuse_chunk: int = 16, slots: int = 1
+    ) -> None:
         if not binary.is_file():
             raise SystemExit(f"{binary} is missing: run `bash scripts/build_llama_server.sh` first")
         self.binary, self.gguf, self.n_ctx, self.threads, self.log_path = binary, gguf, n_ctx, threads, log_path
-        self.model, self.reuse_chunk = model or gguf.name, reuse_chunk
+        self.model, self.reuse_chunk, self.slots = model or gguf.name, reuse_chunk, slots  # slots: -np, n_ctx split among them
         self.base_url, self._process = "", None
 
     def composed_variants(self) -> tuple[Variant, ...]:
@@ -110,7 +112,7 @@ class LlamaServer:
             "gguf": self.gguf.name,
             "n_ctx": self.n_ctx,
             "threads": self.threads,
-            "slots": 1,
+            "slots": self.slots,
             "cache_ram_mib": 0,
             "chunk_reuse_min_tokens": self.reuse_chunk,
             "hit_rate_source": "usage.prompt_tokens_details.cached_tokens of each answer",
@@ -121,7 +123,7 @@ class LlamaServer:
         self.base_url = f"http://127.0.0.1:{port}"
         command = [str(self.binary), "-m", str(self.gguf), "--alias", self.model, "--host", "127.0.0.1",
                    "--port", str(port), "-c", str(self.n_ctx), "-t", str(self.threads), "-tb", str(self.threads),
-                   "-np", "1", "--cache-ram", "0", "--no-warmup"]  # fmt: skip
+                   "-np", str(self.slots), "--cache-ram", "0", "--no-warmup"]  # fmt: skip
         with self.log_path.open("wb") as log:
             self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         try:

@@ -406,3 +406,64 @@ def audit_benchmark_figure(data: dict) -> go.Figure:
         subplot_titles=1,
     )
     return figure
+
+
+def audit_replay_figure(data: dict) -> go.Figure:
+    """Request logs replayed on llama-server (``audit_replay-*.json``): per request, the server's measured prompt time
+    against the tokens its slot kept, one colour per replay (the original log, each repair's rewritten log) and one
+    marker per log; beside it, the tokens the server kept against the simulated llama.cpp cache's (on the diagonal:
+    equal)."""
+    labels = list(dict.fromkeys(label for log in data["logs"] for label in log["replays"]))
+    symbols = ("circle", "square", "diamond", "triangle-up", "x", "star")
+    figure = make_subplots(
+        rows=1,
+        cols=2,
+        horizontal_spacing=0.1,
+        subplot_titles=("prompt time vs the server's cached tokens", "server vs simulation: cached tokens"),
+    )
+    highest = 1
+    for index, label in enumerate(labels):
+        colour = "black" if label == "original" else PALETTE[index % len(PALETTE)]
+        for number, log in enumerate(data["logs"]):
+            rows = log["replays"].get(label, {}).get("requests", [])
+            if not rows:
+                continue
+            text = [f"{safe_label(log['log'])} #{row['request']}: {row['tokens']:,} tokens" for row in rows]
+            marker = {"color": colour, "symbol": symbols[number % len(symbols)], "size": 8}
+            shown = {"name": safe_label(label), "legendgroup": label, "mode": "markers", "marker": marker, "text": text}
+            figure.add_scatter(
+                x=[row["server_cached_tokens"] for row in rows],
+                y=[row["prompt_ms"] for row in rows],
+                showlegend=number == 0,
+                **shown,
+                row=1,
+                col=1,
+            )
+            figure.add_scatter(
+                x=[row["simulated_cached_tokens"] for row in rows],
+                y=[row["server_cached_tokens"] for row in rows],
+                showlegend=False,
+                **shown,
+                row=1,
+                col=2,
+            )
+            highest = max([highest, *(row["server_cached_tokens"] for row in rows), *(row["simulated_cached_tokens"] for row in rows)])
+    figure.add_scatter(
+        x=[0, highest], y=[0, highest], mode="lines", line={"color": "#999", "dash": "dot"}, name="equal", showlegend=False, row=1, col=2
+    )
+    figure.update_xaxes(title_text="tokens the server's slot kept", row=1, col=1)
+    figure.update_yaxes(title_text="prompt time (ms)", rangemode="tozero", row=1, col=1)
+    figure.update_xaxes(title_text="simulated llama.cpp cache (tokens)", row=1, col=2)
+    figure.update_yaxes(title_text="llama-server timings.cache_n (tokens)", row=1, col=2)
+    summary = data.get("summary") or {}
+    equal = f"{summary.get('equal')}/{summary.get('requests')} requests cache what the simulation predicts" if summary else ""
+    logs = ", ".join(f"{safe_label(log['log'])} ({symbols[n % len(symbols)]})" for n, log in enumerate(data["logs"]))
+    figure.update_layout(height=460, legend=LEGEND_BELOW)
+    set_title(
+        figure,
+        f"Request logs replayed on llama-server, one slot per session: {data.get('reps')} rep(s)",
+        _measured_on(data),
+        f"{equal}; logs: {logs}",
+        subplot_titles=1,
+    )
+    return figure

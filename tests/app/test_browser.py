@@ -466,7 +466,8 @@ def test_a_new_user_audits_their_own_request_log(page):
     recommendation.get_by_text("Recommended:").first.wait_for(timeout=120_000)
     text = recommendation.inner_text()
     assert "session_started “2026-05-12 09:41” → “2026-05-12 09:42”" in text, text
-    assert re.search(r"Request 2: a prefix cache reuses \d+ of \d+ tokens .*Recommended: \w+ — \w+ \(prompt-level, [^)]*\) computes", text, re.S), text
+    request_2 = r"Request 2: a prefix cache reuses \d+ of \d+ tokens .*Recommended: \w+ — \w+ \(prompt-level, [^)]*\) computes"
+    assert re.search(request_2, text, re.S), text
     assert re.search(r"Request 3: .*fields changed: none \(only new turns appended\).*Recommended: recompute", text, re.S), text
     timeline = {trace["name"]: trace for trace in _plot_data(page, "audit-timeline")}
     assert {"recompute (exact prefix)", "in_place", "erratum", "field_erratum", "hoist", "16-token blocks (vLLM)"} <= set(timeline)
