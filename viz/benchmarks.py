@@ -418,8 +418,8 @@ def audit_replay_figure(data: dict) -> go.Figure:
     figure = make_subplots(
         rows=1,
         cols=2,
-        horizontal_spacing=0.1,
-        subplot_titles=("prompt time vs the server's cached tokens", "server vs simulation: cached tokens"),
+        horizontal_spacing=0.16,
+        subplot_titles=("prompt time vs cached tokens", "server vs simulation"),
     )
     highest = 1
     for index, label in enumerate(labels):
@@ -454,7 +454,7 @@ def audit_replay_figure(data: dict) -> go.Figure:
     figure.update_xaxes(title_text="tokens the server's slot kept", row=1, col=1)
     figure.update_yaxes(title_text="prompt time (ms)", rangemode="tozero", row=1, col=1)
     figure.update_xaxes(title_text="simulated llama.cpp cache (tokens)", row=1, col=2)
-    figure.update_yaxes(title_text="llama-server timings.cache_n (tokens)", row=1, col=2)
+    figure.update_yaxes(title_text="server cache_n (tokens)", row=1, col=2)
     summary = data.get("summary") or {}
     equal = f"{summary.get('equal')}/{summary.get('requests')} requests cache what the simulation predicts" if summary else ""
     logs = ", ".join(f"{safe_label(log['log'])} ({symbols[n % len(symbols)]})" for n, log in enumerate(data["logs"]))

@@ -446,7 +446,20 @@ def test_weight_edits_panel_states_the_trade_off_from_the_numbers(registry):
 def test_every_stored_benchmark_result_of_a_known_kind_gets_a_figure():
     results = handlers.benchmark_results()
     figures = handlers.benchmark_figures_for(results)
-    kinds = {"ttft", "edit", "prefill", "serving", "agent", "soak", "compose_many", "cache_reuse", "image", "compare_models", "audit"}
+    kinds = {
+        "ttft",
+        "edit",
+        "prefill",
+        "serving",
+        "agent",
+        "soak",
+        "compose_many",
+        "cache_reuse",
+        "image",
+        "compare_models",
+        "audit",
+        "audit_replay",
+    }
     assert len(figures) == sum(stem.split("-")[0] in kinds for stem in results) <= 24  # the Benchmarks tab's plot slots
     titles = [figure.layout.title.text for figure in figures]
     assert any("--cache-reuse vs KVScope" in title for title in titles) and any(
