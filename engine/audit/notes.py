@@ -25,7 +25,6 @@ from engine.scenario import Scenario, render
 NOTES_TOKENS = 16  # greedy tokens decoded per value to find where the model's answers part
 DIVERGENCE = "divergence"  # answers: the two greedy continuations up to where they first differ
 ALTERNATIVES = "first-token alternatives"  # answers: the two likeliest first tokens (the continuations never differ)
-GIVEN = "labels given"  # answers: labels the user named
 
 
 @dataclass(frozen=True)
@@ -44,27 +43,24 @@ class NotesScenario:
     toml: str
     field: str
     answers: tuple[str, str]
-    source: str  # DIVERGENCE, ALTERNATIVES or GIVEN
+    source: str  # DIVERGENCE or ALTERNATIVES
     divergence: int | None  # the generated token where the two continuations first differ (None: they never do)
     next_token_kl: float  # KL(new ‖ old) of the first answer token's distribution
-    old: Continuation | None  # None when the labels were given (nothing was run)
-    new: Continuation | None
+    old: Continuation
+    new: Continuation
 
     @property
-    def margin_change(self) -> float | None:
-        """The new value's margin minus the old one's (None when nothing was run)."""
-        return None if self.old is None or self.new is None else self.new.decision.margin - self.old.decision.margin
+    def margin_change(self) -> float:
+        """The new value's margin minus the old one's."""
+        return self.new.decision.margin - self.old.decision.margin
 
     @property
-    def moves(self) -> bool | None:
-        """Whether the change moves the decision by at least the recovery gap (None when nothing was run)."""
-        change = self.margin_change
-        return None if change is None else abs(change) >= RECOVERY_MIN_GAP
+    def moves(self) -> bool:
+        """Whether the change moves the decision by at least the recovery gap."""
+        return abs(self.margin_change) >= RECOVERY_MIN_GAP
 
     def words(self) -> str:
         """What the model does with the change, and what the Notes tab will read (plain text)."""
-        if self.old is None or self.new is None:
-            return f"The Notes tab reads your labels {self.answers[0]!r} against {self.answers[1]!r} (not checked against the model)."
         margins = f"margin {self.old.decision.margin:+.2f} → {self.new.decision.margin:+.2f}"
         if self.source == DIVERGENCE:
             head = (
@@ -135,18 +131,15 @@ def _toml_string(text: str) -> str:
 def notes_scenario(
     lm: LoadedModel,
     report: AuditReport,
-    labels: Sequence[str] | None = None,
     *,
     tokens: int = NOTES_TOKENS,
     progress: MessageProgress = None,
 ) -> NotesScenario:
     """The last turn with a changed field as a scenario (:func:`scenario_toml`), its answers read off the model (module
-    docstring) unless ``labels`` names them."""
-    base = scenario_toml(report, labels or ("yes", "no"))
+    docstring); the user's own labels go through :func:`scenario_toml` directly."""
+    base = scenario_toml(report, ("yes", "no"))  # placeholders, replaced by the model's answers below
     scenario = Scenario.from_toml(base, source="audited request")
     field, spec = next(iter(scenario.fields.items()))
-    if labels:
-        return NotesScenario(base, field, (labels[0], labels[1]), GIVEN, None, 0.0, None, None)
     notebooks, generated, first = {}, {}, {}
     for side, value in (("old", spec.old), ("new", spec.new)):
         if progress:
