@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from engine.comparison.models import PAPER_MODELS
 from engine.edit.calibrate import FLIP_THRESHOLD, NOTES_DEMO_MAX_RECOVERY
 from engine.edit.experiment import EditExperiment
 from engine.edit.strategies import EditSettings
@@ -497,14 +498,10 @@ def run_sweep(
             for key, d in DOMAINS.items()
             if key in (domains or DOMAINS)
         },
-        "paper_field_only_recovery": PAPER_FIELD_ONLY,
+        "paper_field_only_recovery": {paper.model: paper.field_only_recovery for paper in PAPER_MODELS},
         "variants": rows,
         "summary": summarize(rows),
     }
-
-
-# The paper's field-only recovery at 7-9B (arXiv 2606.17107), for side-by-side reading.
-PAPER_FIELD_ONLY = {"Llama-3.1-8B": -0.028, "Gemma-2-9B": 0.005, "Mistral-7B": 0.137}
 
 
 # ---------------------------------------------------------------------------------------------------

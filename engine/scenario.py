@@ -95,6 +95,32 @@ class Scenario:
             values[name] = _check_value(name, value)
         return values
 
+    def to_toml(self) -> str:
+        """The scenario as a file :meth:`from_toml` reads back equal (skills stay ``{skill:ID}`` placeholders,
+        resolved against the library when read; every field is declared, a skill's own ones included)."""
+        lines = [f"{key} = {toml_string(value)}" for key, value in self._top_level() if value is not None]
+        for name, spec in self.fields.items():
+            lines += ["", f"[fields.{name}]", f"old = {toml_string(spec.old)}", f"new = {toml_string(spec.new)}"]
+            if spec.values[2:]:
+                lines.append(f"values = [{', '.join(toml_string(value) for value in spec.values[2:])}]")
+        lines += [
+            "",
+            "[answers]",
+            *(f"{toml_string(label)} = [{', '.join(map(toml_string, surfaces))}]" for label, surfaces in self.answers.items()),
+        ]
+        if self.expect:
+            lines += ["", "[expect]", *(f"{toml_string(value)} = {toml_string(label)}" for value, label in self.expect.items())]
+        return "\n".join(lines) + "\n"
+
+    def _top_level(self) -> list[tuple[str, str | None]]:
+        return [
+            ("name", self.name),
+            ("description", self.description or None),
+            ("system", self.system),
+            ("context", self.context),
+            ("question", self.question),
+        ]
+
 
 @dataclass(frozen=True)
 class Skill:
@@ -141,6 +167,25 @@ class RenderedPrompt:
     skill_spans: dict[str, Span] = dataclass_field(default_factory=dict)  # skill id -> its tokens (fields inside)
 
 
+def escape_braces(text: str) -> str:
+    """Literal text as a template holds it: braces doubled, so neither ``{field}`` nor ``{skill:ID}`` in it expands."""
+    return text.replace("{", "{{").replace("}", "}}")
+
+
+def unescape_braces(template: str) -> str:
+    """A template's literal text as written: doubled braces single again (the inverse of :func:`escape_braces`)."""
+    return template.replace("{{", "{").replace("}}", "}")
+
+
+_TOML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def toml_string(text: str) -> str:
+    """``text`` as a TOML basic string: quote, backslash and every control character (U+0000–U+001F, U+007F) escaped."""
+    escaped = "".join(_TOML_ESCAPES.get(char) or (f"\\u{ord(char):04X}" if char < " " or char == "\x7f" else char) for char in text)
+    return f'"{escaped}"'
+
+
 def bundled_scenarios() -> dict[str, Path]:
     """The demo scenarios shipped in demos/scenarios, by file stem."""
     folder = DEMOS / "scenarios"
@@ -151,6 +196,11 @@ def bundled_skills() -> dict[str, Path]:
     """The skill library shipped in demos/skills, by id (file stem)."""
     folder = DEMOS / "skills"
     return {path.stem: path for path in sorted(folder.glob("*.toml"))}
+
+
+def bundled_logs() -> dict[str, Path]:
+    """The demo request logs shipped in demos/logs and its folders (``traffic/``: interleaved sessions), by file stem."""
+    return {path.stem: path for path in sorted((DEMOS / "logs").rglob("*.jsonl"))}
 
 
 def context_text(scenario: Scenario, values: Mapping[str, str] | None = None) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine.cli import main
+from engine.models import load_model
 from tests.shared import SAME_LENGTH_SCENARIO
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -143,6 +144,16 @@ def test_splicing_commands_refuse_a_model_whose_selftest_fails(rotation_off_by_o
     assert "reposition" in result["error"] and " > " in result["error"]  # the self-test's numbers against their limits
 
 
+def _token_span(messages: list[dict], value: str) -> tuple[int, int]:
+    """The tokens of ``value`` in the chat-rendered request, found by the tokenizer's own character offsets."""
+    tokenizer = load_model("tiny-qwen2").tokenizer
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    first = text.index(value)
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True).offset_mapping
+    inside = [index for index, (begin, finish) in enumerate(offsets) if begin < first + len(value) and finish > first]
+    return inside[0], inside[-1] + 1
+
+
 def test_audit_prints_the_per_turn_schema(tmp_path):
     system = "Agent.\nSession started: {}\nRules follow."
     requests = [
@@ -168,14 +179,15 @@ def test_audit_prints_the_per_turn_schema(tmp_path):
     )
     assert code == 0 and len(audit["turns"]) == 2
     turn = audit["turns"][1]
+    start, end = _token_span(requests[1]["messages"], "2026-12-01 09:15")
     assert {"request", "tokens", "common_prefix_tokens", "block_prefix_tokens", "fields", "repairs", "recommendation"} <= set(turn)
     assert turn["fields"] == [
         {
             "name": "session_started",
             "old": "2026-12-01 09:14",
             "new": "2026-12-01 09:15",
-            "start": turn["fields"][0]["start"],
-            "end": turn["fields"][0]["end"],
+            "start": start,
+            "end": end,
         }
     ]
     assert set(turn["repairs"]) == {"recompute", "in_place", "erratum"}

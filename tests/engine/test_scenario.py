@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -15,7 +17,10 @@ from engine.scenario import (
     Span,
     bundled_scenarios,
     context_text,
+    escape_braces,
     render,
+    toml_string,
+    unescape_braces,
 )
 
 EXAMPLE = '''
@@ -342,3 +347,53 @@ def test_context_text_fills_values_and_skill_texts() -> None:
     filled = context_text(keystone, {"safety_mode": "ready"})
     assert "{skill:" not in filled and "safety_mode: ready" in filled
     assert keystone.skills["safety_gate"].text.split("{")[0] in filled  # the skill's own text, its placeholders filled
+
+
+HOSTILE = [
+    'quote " and backslash \\ and a trailing backslash \\',
+    'triple quotes """ and \'\'\' and a [fields.fake] table header\nold = "x"',
+    "control characters \x00\x01\x08\x0b\x0c\x1b\x1f and DEL \x7f, tab\tand CR\r\nline",
+    "unicode: é, 中文, emoji 🤖, combining e\u0301, RTL \u202e, BOM \ufeff, U+2028 \u2028",
+    "TOML look-alikes: key = 'value' # comment \\u0041 \\n",
+]
+
+
+@pytest.mark.parametrize("hostile", HOSTILE)
+def test_toml_string_reads_back_through_tomllib(hostile: str) -> None:
+    import tomllib
+
+    assert tomllib.loads(f"value = {toml_string(hostile)}")["value"] == hostile
+
+
+@pytest.mark.parametrize("hostile", HOSTILE)
+def test_scenario_to_toml_round_trips_hostile_text(hostile: str) -> None:
+    written = Scenario(
+        name=f"name {hostile}".strip(),
+        description=f"about {hostile}".strip(),
+        system=f"system {hostile}".strip(),
+        context=f"{escape_braces(hostile)} {{status}} then {{{{literal}}}} braces.\n\nRule after the field.",
+        question=f"{escape_braces(hostile)} Approve?".strip(),
+        fields={"status": Field("status", f"old {hostile}".replace("{", "(").replace("}", ")"), "new", ("old", "new", "other"))},
+        answers={"yes": ("yes", f"Yes {hostile}".strip()), "no": ("no",)},
+        expect={"new": "yes"},
+    )
+    written = Scenario.from_toml(written.to_toml())  # stripping and defaults as a file has them
+    read = Scenario.from_toml(written.to_toml())
+    assert read == written
+    assert read.fields["status"].old.startswith("old ") and hostile.strip() in read.answers["yes"][1]
+
+
+def test_bundled_scenarios_round_trip_through_to_toml() -> None:
+    for path in bundled_scenarios().values():
+        scenario = Scenario.load(path)
+        assert dataclasses.replace(Scenario.from_toml(scenario.to_toml()), source=scenario.source) == scenario, path.stem
+
+
+def test_escape_braces_is_undone_by_unescape_and_survives_rendering(tokenizer) -> None:
+    text = 'JSON {"a": {"b": 1}} and a {field} look-alike'
+    assert unescape_braces(escape_braces(text)) == text
+    scenario = Scenario.from_toml(
+        f'name = "x"\ncontext = {toml_string(escape_braces(text) + " {status}")}\nquestion = "q"\n'
+        '[fields.status]\nold = "a"\nnew = "b"\n[answers]\nyes = ["yes"]\nno = ["no"]\n'
+    )
+    assert context_text(scenario) == text + " a"
