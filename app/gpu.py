@@ -122,7 +122,7 @@ def gpu_tasks(blocks: gr.Blocks, registry: ModelRegistry, environ: Mapping[str, 
     card; elsewhere change nothing (None)."""
     if not on_zero_gpu(environ):
         return None
-    from app.ui import MODEL_GROUP
+    from app.page import MODEL_GROUP
 
     tasks = GpuTasks(registry, import_spaces().GPU)
     registry.device_label = ZEROGPU_DEVICE

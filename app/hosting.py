@@ -23,10 +23,7 @@ from dataclasses import dataclass, replace
 
 import psutil
 
-from engine.cache.budget import WorkBudget
-from engine.edit.strategies import STRATEGIES
-from engine.errors import KVScopeError
-from engine.models import HOST_OPT_IN_ALIASES, offline_aliases
+from engine import HOST_OPT_IN_ALIASES, STRATEGIES, KVScopeError, WorkBudget, offline_aliases
 
 GiB = 2**30
 PUBLIC_MAX_CONTEXT_TOKENS = 1024

@@ -44,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from app.hosting import from_env, limit_malloc_arenas, return_freed_memory_every
     from app.state import ModelRegistry
     from app.ui import build_app
-    from engine.models import resolve_device
+    from engine import resolve_device
 
     limit_malloc_arenas()
     return_freed_memory_every()

@@ -17,11 +17,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from urllib.parse import urlencode
 
-from app.handlers import AppError, bundled_scenario_text, parse_scenario, remedy_of
+from app.handlers.common import AppError, bundled_scenario_text, parse_scenario
+from app.handlers.notes import EditInputs
 from app.hosting import HostingProfile
-from engine.compose.choice import AUTO
-from engine.errors import KVScopeError
-from engine.scenario import bundled_scenarios
+from engine import AUTO_REMEDY, KVScopeError, Remedy, bundled_scenarios
 
 MAX_ENCODED_TOML = 8192  # characters of the toml parameter (8 KB): a URL stays well within what browsers and proxies take
 MAX_DECODED_BYTES = 512 * 1024  # a compressed scenario may not expand beyond this (no zip bombs)
@@ -55,6 +54,20 @@ class NotesLink:
     separately: bool
     all_positions: bool
     ignored: tuple[str, ...] = ()  # parameters that are not KVScope's
+
+    @property
+    def edit(self) -> EditInputs:
+        """The Notes tab's edit this link restores."""
+        return EditInputs(
+            self.text,
+            field=self.field,
+            new=self.value,
+            strategies=self.strategies,
+            top_k=self.k,
+            head=self.head,
+            separately=self.separately,
+            all_positions=self.all_positions,
+        )
 
     def summary(self) -> str:
         """What was restored, in a line (Markdown-safe parts are the caller's job)."""
@@ -105,21 +118,10 @@ def bundled_name(text: str, hint: str | None = None) -> str | None:
     return None
 
 
-def link_query(
-    text: str,
-    hint: str | None,
-    field: str | None,
-    value: str | None,
-    strategies: Sequence[str] | None,
-    k: float | None,
-    head: float | None,
-    remedy: str | None = None,
-    separately: bool = False,
-    all_positions: bool = False,
-) -> str:
-    """The query (``?scenario=…&field=…``) of a Notes-tab state; an unbundled scenario travels compressed, refused
-    beyond :data:`MAX_ENCODED_TOML`."""
-    text = text or ""
+def link_query(edit: EditInputs, *, hint: str | None = None, remedy: str | None = None) -> str:
+    """The query (``?scenario=…&field=…``) of a Notes-tab state (``hint``: the bundled scenario the menu names, tried
+    first; ``remedy``: the composer's); an unbundled scenario travels compressed, refused beyond :data:`MAX_ENCODED_TOML`."""
+    text = edit.text or ""
     if not text.strip():
         raise LinkError("the scenario editor is empty: there is nothing to link to")
     name = bundled_name(text, hint)
@@ -134,18 +136,18 @@ def link_query(
                 f"{MAX_ENCODED_TOML:,} ({MAX_ENCODED_TOML // 1024} KB): pick a bundled scenario, or share the exported files"
             )
         params["toml"] = token
-    if field:
-        params["field"] = field
-    if value:
-        params["value"] = value
-    params["strategies"] = ",".join(strategies or ())
-    for key, number in (("k", k), ("head", head)):
+    if edit.field:
+        params["field"] = edit.field
+    if edit.new:
+        params["value"] = edit.new
+    params["strategies"] = ",".join(edit.strategies or ())
+    for key, number in (("k", edit.top_k), ("head", edit.head)):
         if number is not None and number != "":
             params[key] = str(int(float(number)))
     if remedy and remedy.strip():
         params["remedy"] = remedy.strip()
-    params["separately"] = "1" if separately else "0"
-    params["all"] = "1" if all_positions else "0"
+    params["separately"] = "1" if edit.separately else "0"
+    params["all"] = "1" if edit.all_positions else "0"
     return "?" + urlencode(params)
 
 
@@ -231,9 +233,10 @@ def parse_link(
     k = _integer(params, "k", default_k, *k_range, "K")
     head = _integer(params, "head", -1, -1, heads - 1, "the attention head (-1 = mean over heads)")
     remedy = params.get("remedy") or None
-    if remedy is not None and remedy.strip() != AUTO:  # auto names the loaded model's calibrated choice
+    # empty is the default remedy; auto names the loaded model's calibrated choice
+    if remedy is not None and remedy.strip() not in ("", AUTO_REMEDY):
         try:
-            remedy_of(remedy)
+            Remedy.parse(remedy.strip())
         except KVScopeError as error:
             raise LinkError(f"remedy={remedy!r} in the link: {error}") from error
     return NotesLink(

@@ -1,7 +1,7 @@
 """Server-side state: loaded models shared by all sessions, per-session results kept by id, exports.
 
 A browser session holds only an opaque id in ``gr.State``; its notebooks and reports live here. Memory is
-accounted in bytes of every tensor kept (:func:`engine.cache.footprint.tensor_bytes`), bounded by the hosting
+accounted in bytes of every tensor kept (:func:`engine.tensor_bytes`), bounded by the hosting
 profile's budgets (least recently used first) and reclaimed: idle sessions expire, and dropping a model
 drops every result computed with it, so no evicted copy stays alive. No session can reach another's
 entries: every read and write is keyed by the session's own id.
@@ -28,18 +28,27 @@ import psutil
 import torch
 
 from app.hosting import HostingError, HostingProfile, local_profile
-from engine.cache.budget import ComputeGate
-from engine.cache.footprint import tensor_bytes
-from engine.cache.lru import BudgetedLRU
-from engine.cache.selftest import SelfTestReport
-from engine.checks.support import SupportRow, check_model
-from engine.compose.skills import SkillStore
-from engine.edit.runs import ScenarioRun, run_scenario
-from engine.errors import KVScopeError
-from engine.models import DTYPES, LoadedModel, accelerator_dtype, dtype_name, expected_parameter_bytes, load_model
-from engine.once import SingleFlight
-from engine.progress import MessageProgress
-from engine.scenario import Scenario
+from engine import (
+    DTYPES,
+    BudgetedLRU,
+    ComputeGate,
+    KVScopeError,
+    LoadedModel,
+    MessageProgress,
+    Scenario,
+    ScenarioRun,
+    SelfTestReport,
+    SingleFlight,
+    SkillStore,
+    SupportRow,
+    accelerator_dtype,
+    check_model,
+    dtype_name,
+    expected_parameter_bytes,
+    load_model,
+    run_scenario,
+    tensor_bytes,
+)
 
 
 def _gb(count: int) -> str:

@@ -17,8 +17,9 @@ from tqdm import tqdm
 from benchmarks import common
 from benchmarks.common import RESULTS, write_result
 from engine.compose.skills import SkillStore
-from engine.compose.splice import Remedy, adhoc_scenario, compare, skill_of_length, with_skills
-from engine.scenario import Scenario, Skill, bundled_scenarios, bundled_skills
+from engine.compose.splice import Remedy, adhoc_scenario
+from engine.compose.ttft import ttft_by_length
+from engine.scenario import Scenario, bundled_scenarios
 from viz.benchmarks import ttft_figure
 
 
@@ -31,28 +32,17 @@ def main() -> None:
     args = parser.parse_args()
     lm = common.load(args)
     scenario = adhoc_scenario([]) if args.scenario == "adhoc" else Scenario.load(bundled_scenarios()[args.scenario])
-    store, rows = SkillStore(), []
-    policy = Skill.load(bundled_skills()["long_policy"])
-    for length in tqdm([int(n) for n in args.lengths.split(",")], desc="skill lengths"):
-        skill = skill_of_length(lm, policy, length)
-        placed = with_skills(scenario, [skill.id], "start", library={skill.id: skill})
-        fidelity = compare(lm, placed, store, remedy=Remedy(seam=args.seam), reps=args.reps)
-        row = fidelity.as_dict()
-        rows.append(
-            {
-                "skill_tokens": row["skill_tokens"],
-                "context_tokens": row["context_tokens"],
-                "full_ms": row["ttft_ms"]["full"],
-                "splice_ms": row["ttft_ms"]["splice"],
-                "speedup": row["speedup"],
-                "compile_ms": row["compile_ms"],
-                "cosine": row["cosine"],
-                "decision_agree": row["decision_agree"],
-            }
-        )
+    lengths = [int(n) for n in args.lengths.split(",")]
+    rows = []
+    for row in tqdm(
+        ttft_by_length(lm, scenario, lengths, SkillStore(), remedy=Remedy(seam=args.seam), reps=args.reps),
+        total=len(lengths),
+        desc="skill lengths",
+    ):
+        rows.append(row.as_dict())
         print(
-            f"{row['skill_tokens']:>6} skill tokens: full {row['ttft_ms']['full']:>9.1f} ms  splice "
-            f"{row['ttft_ms']['splice']:>8.1f} ms  ×{row['speedup']:<6} cosine {row['cosine']:.4f}"
+            f"{row.skill_tokens:>6} skill tokens: full {row.full_ms:>9.1f} ms  splice "
+            f"{row.splice_ms:>8.1f} ms  ×{row.speedup:<6} cosine {row.cosine:.4f}"
         )
     data = {"scenario": scenario.name, "seam": args.seam, "reps": args.reps, "rows": rows}
     out = write_result(f"ttft-{args.scenario}", lm, data)

@@ -1,28 +1,104 @@
 """KVScope engine: a model's KV cache as an editable, composable notebook (torch + transformers only).
 
-The public API, what a notebook or script imports (``from engine import load_model, Scenario, ...``):
+The public API, what a notebook, a script or the app imports (``from engine import load_model, Scenario, ...``); the
+app imports nothing else of the engine (an import contract in pyproject.toml holds it):
 
-=====================  ==========================================================================================
-``load_model``         a model by alias (``embedded``, ``smollm2``, ``tiny-<arch>``), local directory or HF id
-``tiny_model``         a tiny random-weight model of one family, for exact cache-math checks
-``Scenario``           a scenario file (TOML): context, fields, question, answers; ``bundled_scenarios()`` lists ours
-``run_scenario``       prefill a scenario at given field values and read the decision (a ``ScenarioRun``)
-``Notebook``           a context's K/V plus per-token ids, positions, segments and visibility; every cache operation
-``Knockout``           positions (layers, heads) hidden from the decision
-``EditExperiment``     one field change: stale, oracle, every repair strategy by name, into an ``EditReport``
-``EditSettings``       the strategies' knobs (erratum wording, K and ranking of field_topk, chain-of-thought length)
-``analyse_edit``       what the Notes tab shows for an edit: the report, the decision's attention, notes effects
-``PROBES``             every probe by name (notes map, knockout, read heads, linear probe, attribution, ...)
-``SkillStore``         compiled skill blocks (K/V computed once), in memory and optionally on disk
-``compare``            splice skills into a context with a ``Remedy`` and compare with a full recompute
-``calibrated_remedy``  this model's default remedy, measured once (``RemedyChoice``: numbers, frontier, reason)
-``run_selftest``       the model's numeric check of re-rotation and splicing against its dtype's noise floor
-``check_model``        the model's row of the support matrix: every operation against its own forward
-``save_cache``         a notebook's K/V (transformers' layout) with positions, segments, visibility to safetensors
-``load_cache``         a saved cache back into an exact notebook on the model that computed it
-``to_dynamic_cache``   a notebook's visible entries as a transformers ``DynamicCache``, to continue generating
-``KVScopeError``       the base of every error meant for the user
-=====================  ==========================================================================================
+Models and scenarios
+
+=========================  ======================================================================================
+``load_model``             a model by alias (``embedded``, ``smollm2``, ``tiny-<arch>``), local directory or HF id
+``LoadedModel``            a loaded model: tokenizer, config, device, dtype, fingerprint, ``info()``, its splice gate
+``tiny_model``             a tiny random-weight model of one family, for exact cache-math checks
+``DTYPES``                 the dtypes a model loads in, by name; ``dtype_name`` names a torch dtype
+``accelerator_dtype``      the dtype "auto" picks on a GPU (bfloat16 where supported, else float16)
+``expected_parameter_bytes``  a model's parameter bytes before it loads (None when unknown)
+``available_offline``      the specs that load without the hub; ``offline_aliases``, ``is_offline_alias``: the aliases
+``HOST_OPT_IN_ALIASES``    aliases a public host offers only when it names them
+``resolve_device``         ``auto``, ``cpu`` or ``cuda[:n]`` as a torch device
+``Scenario``               a scenario file (TOML): context, fields, question, answers; ``bundled_scenarios()`` lists ours
+``Skill``                  a skill file (TOML): a reusable block of context; ``bundled_skills()`` lists ours
+``bundled_images``         the demo pictures; ``bundled_logs``: the demo request logs (by file stem)
+``run_scenario``           prefill a scenario at given field values and read the decision (a ``ScenarioRun``)
+``read_scenario``          a scenario's decision read on a hybrid (recurrent-layer) model's own cache
+``DECISIVE_MARGIN``        a reference margin closer to 0 than this is a tie
+=========================  ======================================================================================
+
+Notebooks, edits and probes
+
+=========================  ======================================================================================
+``Notebook``               a context's K/V plus per-token ids, positions, segments and visibility; every cache operation
+``Knockout``               positions (layers, heads) hidden from the decision
+``EditExperiment``         one field change: stale, oracle, every repair strategy by name, into an ``EditReport``
+``EditSettings``           the strategies' knobs (erratum wording, K and ranking of field_topk, chain-of-thought length)
+``STRATEGIES``             every edit strategy by name; ``DEFAULT_STRATEGIES``: those an edit runs by default
+``analyse_edit``           what the Notes tab shows for an edit: the report, the decision's attention, notes effects
+``PROBES``                 every probe by name (notes map, knockout, read heads, linear probe, attribution, ...)
+``probe_frontier``         recovery against computed tokens: field_topk over K and the strategies
+``compare_edits``          weight editing (``LoraSettings``, ``RomeSettings``; ``WEIGHT_METHODS``) beside the erratum
+``compare_models``         one edit on several models side by side, beside the paper's 7–9B values
+=========================  ======================================================================================
+
+Composing: skills spliced into contexts
+
+=========================  ======================================================================================
+``SkillStore``             compiled skill blocks (K/V computed once), in memory and optionally on disk
+``Remedy``                 a splice's repair, parsed from its spec (``prefix+seam:1``); ``DEFAULT_REMEDY``, ``AUTO_REMEDY``
+``compare``                splice skills into a context with a ``Remedy`` and compare with a full recompute
+``compose_scenario``       literal text, skills and a bundled scenario (or ``adhoc_scenario``: a generic question)
+``calibrated_remedy``      this model's default remedy, measured once (``RemedyChoice``: numbers, frontier, reason)
+``resolve_remedy``         a remedy spec for a model (empty: the default, ``auto``: calibrated); ``stored_choice``,
+                           ``cancel_calibration``: the calibration kept, and a running one stopped
+``run_study``              the N-skill study (``skill_prefixes``, ``PLACEMENTS``, ``first_field_values``,
+                           ``STUDY_REMEDIES``)
+``keystone``               edit the field inside a spliced skill: composed vs recomputed per strategy
+``run_agent``              a multi-turn episode with errata on a cached, composed context
+``compare_image``          a picture's K/V spliced behind text vs a recompute from pixels (``check_vision_model``,
+                           ``IMAGE_QUESTION``)
+``ttft_by_length``         time to first token, splice vs full prefill, by skill length (``TtftRow``)
+=========================  ======================================================================================
+
+Auditing request logs
+
+=========================  ======================================================================================
+``read_log``               a request log (JSONL or a JSON array, many formats); ``parse_prompt``: one prompt
+``Request``                one request; ``render_request`` renders it with the model's chat template (``RenderedRequest``)
+``audit_traffic``          a log as traffic: the token pass, then every repair on a sample (``DEFAULT_SAMPLE``)
+``bounded_sample``         the largest sample whose measured turns fit a host's bound
+``audit_value``            one prompt with one value changed (``candidate_spans``, ``candidate_menu``,
+                           ``candidate_span``, ``find_span``: where)
+``AuditReport``            the measured turns; ``MeasureSettings``: repairs, greedy tokens and the bars, with defaults
+``REPAIRS``                every audit repair by name (``REPAIR_SUMMARIES``: each in a line); ``GRAINS``: date-time grains
+``CacheSettings``          the simulated engines' settings (vLLM blocks, SGLang budget, llama.cpp slots)
+``prefix_cache_stop``      where an exact prefix cache stops in a turn's text; ``appended_chars``: what was appended
+``notes_scenario``         the scenario the Notes tab studies from an audit (``NotesScenario``); ``scenario_toml``
+``repaired_template``      the prompt template that keeps the cached prefix stable
+``measure_rewrite``        a rewritten log (or ``apply_template``) against the original; ``rewrite_markdown``
+``RequestLogError``        a log, prompt or audit refused, with the line and the reason
+=========================  ======================================================================================
+
+Checks, files and reproduction
+
+=========================  ======================================================================================
+``run_selftest``           the model's numeric check of re-rotation and splicing (``SelfTestReport``)
+``check_model``            the model's row of the support matrix (``SupportRow``): every operation against its forward
+``save_cache``             a notebook's K/V (transformers' layout) with positions, segments, visibility to safetensors
+``load_cache``             a saved cache back into an exact notebook on the model that computed it
+``to_dynamic_cache``       a notebook's visible entries as a transformers ``DynamicCache``, to continue generating
+``Recipe``                 what computed a result; ``script_text`` and ``recipe_notebook`` rerun it,
+                           ``recipe_matches`` says whether it computed a given result, ``recipe_settings``
+``KVScopeError``           the base of every error meant for the user
+=========================  ======================================================================================
+
+Serving: what a server shares between requests
+
+=========================  ======================================================================================
+``WorkBudget``             a request's bound on model work; ``bounded`` runs within it, taking turns at a ``ComputeGate``
+``waits_reported``         within: each wait at the gate reported as a message
+``BudgetedLRU``            entries kept within a byte budget, least recently used dropped first (``tensor_bytes``)
+``SingleFlight``           computed-once entries: one computation, concurrent callers wait for it
+``MessageProgress``        a progress callback taking messages; ``StepProgress``: (done, total); ``StepMessage``,
+                           ``fraction``: a message that says how far its work is
+=========================  ======================================================================================
 
 Importing ``engine`` loads nothing and changes no process state: names resolve on first use, the CPU math
 setting is applied by the first model load and the attention function is registered by the first forward.
@@ -33,79 +109,310 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+# name -> the module defining it, or "module:attribute" where the public name differs from the module's own
 _PUBLIC = {
-    "load_model": "engine.models",
-    "tiny_model": "engine.models.tiny",
-    "Scenario": "engine.scenario",
-    "bundled_scenarios": "engine.scenario",
-    "run_scenario": "engine.edit.runs",
-    "Notebook": "engine.cache.notebook",
-    "Knockout": "engine.cache.notebook",
+    "AUTO_REMEDY": "engine.compose.choice:AUTO",
+    "AuditReport": "engine.audit.audit",
+    "BudgetedLRU": "engine.cache.lru",
+    "CacheSettings": "engine.audit.caches",
+    "ComputeGate": "engine.cache.budget",
+    "DECISIVE_MARGIN": "engine.cache.decision",
+    "DEFAULT_REMEDY": "engine.compose.splice",
+    "DEFAULT_SAMPLE": "engine.audit.traffic",
+    "DEFAULT_STRATEGIES": "engine.probes.analysis",
+    "DTYPES": "engine.models",
     "EditExperiment": "engine.edit.experiment",
     "EditReport": "engine.edit.report",
     "EditSettings": "engine.edit.strategies",
-    "analyse_edit": "engine.probes.analysis",
-    "PROBES": "engine.probes.registry",
-    "SkillStore": "engine.compose.skills",
-    "Remedy": "engine.compose.splice",
-    "compare": "engine.compose.splice",
-    "calibrated_remedy": "engine.compose.choice",
-    "run_selftest": "engine.cache.selftest",
-    "check_model": "engine.checks.support",
-    "save_cache": "engine.cache.interop",
-    "load_cache": "engine.cache.interop",
-    "to_dynamic_cache": "engine.cache.interop",
+    "GRAINS": "engine.audit.repairs",
+    "HOST_OPT_IN_ALIASES": "engine.models",
+    "IMAGE_QUESTION": "engine.compose.pictures",
     "KVScopeError": "engine.errors",
+    "Knockout": "engine.cache.notebook",
+    "LoadedModel": "engine.models",
+    "LoraSettings": "engine.edit.weight_edit",
+    "MeasureSettings": "engine.audit.audit",
+    "MessageProgress": "engine.progress",
+    "Notebook": "engine.cache.notebook",
+    "NotesScenario": "engine.audit.notes",
+    "PLACEMENTS": "engine.compose.splice",
+    "PROBES": "engine.probes.registry",
+    "REPAIRS": "engine.audit.repairs",
+    "REPAIR_SUMMARIES": "engine.audit.repairs",
+    "Recipe": "engine.reproduce",
+    "Remedy": "engine.compose.splice",
+    "RemedyChoice": "engine.compose.choice",
+    "RenderedRequest": "engine.audit.requests",
+    "Request": "engine.audit.requests",
+    "RequestLogError": "engine.audit.requests",
+    "RomeSettings": "engine.edit.weight_edit",
+    "STRATEGIES": "engine.edit.strategies",
+    "STUDY_REMEDIES": "engine.compose.study:REMEDIES",
+    "Scenario": "engine.scenario",
+    "ScenarioRun": "engine.edit.runs",
+    "SelfTestReport": "engine.cache.selftest",
+    "SingleFlight": "engine.once",
+    "Skill": "engine.scenario",
+    "SkillStore": "engine.compose.skills",
+    "StepMessage": "engine.progress",
+    "StepProgress": "engine.progress",
+    "SupportRow": "engine.checks.support",
+    "TtftRow": "engine.compose.ttft",
+    "WEIGHT_METHODS": "engine.edit.weight_edit:METHODS",
+    "WorkBudget": "engine.cache.budget",
+    "accelerator_dtype": "engine.models",
+    "adhoc_scenario": "engine.compose.splice",
+    "analyse_edit": "engine.probes.analysis",
+    "appended_chars": "engine.audit.spans",
+    "apply_template": "engine.audit.rewrite",
+    "audit_traffic": "engine.audit.traffic",
+    "audit_value": "engine.audit.audit",
+    "available_offline": "engine.models",
+    "bounded": "engine.cache.budget",
+    "bounded_sample": "engine.audit.sampling",
+    "bundled_images": "engine.compose.pictures",
+    "bundled_logs": "engine.scenario",
+    "bundled_scenarios": "engine.scenario",
+    "bundled_skills": "engine.scenario",
+    "calibrated_remedy": "engine.compose.choice",
+    "cancel_calibration": "engine.compose.choice",
+    "candidate_menu": "engine.audit.spans",
+    "candidate_span": "engine.audit.spans",
+    "candidate_spans": "engine.audit.fields",
+    "check_model": "engine.checks.support",
+    "check_vision_model": "engine.cache.vision",
+    "compare": "engine.compose.splice",
+    "compare_edits": "engine.edit.weight_edit",
+    "compare_image": "engine.compose.pictures",
+    "compare_models": "engine.comparison",
+    "compose_scenario": "engine.compose.splice",
+    "dtype_name": "engine.models",
+    "expected_parameter_bytes": "engine.models",
+    "find_span": "engine.audit.spans",
+    "first_field_values": "engine.compose.study",
+    "fraction": "engine.progress",
+    "is_offline_alias": "engine.models",
+    "keystone": "engine.compose.keystone",
+    "load_cache": "engine.cache.interop",
+    "load_model": "engine.models",
+    "measure_rewrite": "engine.audit.rewrite",
+    "notes_scenario": "engine.audit.notes",
+    "offline_aliases": "engine.models",
+    "parse_prompt": "engine.audit.requests",
+    "prefix_cache_stop": "engine.audit.spans",
+    "probe_frontier": "engine.probes.frontier",
+    "read_log": "engine.audit.requests",
+    "read_scenario": "engine.edit.hybrid",
+    "recipe_matches": "engine.reproduce:matches",
+    "recipe_notebook": "engine.reproduce:notebook",
+    "recipe_settings": "engine.reproduce",
+    "render_request": "engine.audit.requests",
+    "repaired_template": "engine.audit.audit",
+    "resolve_device": "engine.models",
+    "resolve_remedy": "engine.compose.choice",
+    "rewrite_markdown": "engine.audit.gate",
+    "run_agent": "engine.compose.agent",
+    "run_scenario": "engine.edit.runs",
+    "run_selftest": "engine.cache.selftest",
+    "run_study": "engine.compose.study",
+    "save_cache": "engine.cache.interop",
+    "scenario_toml": "engine.audit.audit",
+    "script_text": "engine.reproduce",
+    "skill_prefixes": "engine.compose.study",
+    "stored_choice": "engine.compose.choice",
+    "tensor_bytes": "engine.cache.footprint",
+    "tiny_model": "engine.models.tiny",
+    "to_dynamic_cache": "engine.cache.interop",
+    "ttft_by_length": "engine.compose.ttft",
+    "waits_reported": "engine.cache.budget",
 }
 __all__ = [
+    "AUTO_REMEDY",
+    "AuditReport",
+    "BudgetedLRU",
+    "CacheSettings",
+    "ComputeGate",
+    "DECISIVE_MARGIN",
+    "DEFAULT_REMEDY",
+    "DEFAULT_SAMPLE",
+    "DEFAULT_STRATEGIES",
+    "DTYPES",
     "EditExperiment",
     "EditReport",
     "EditSettings",
+    "GRAINS",
+    "HOST_OPT_IN_ALIASES",
+    "IMAGE_QUESTION",
     "KVScopeError",
     "Knockout",
+    "LoadedModel",
+    "LoraSettings",
+    "MeasureSettings",
+    "MessageProgress",
     "Notebook",
+    "NotesScenario",
+    "PLACEMENTS",
     "PROBES",
+    "REPAIRS",
+    "REPAIR_SUMMARIES",
+    "Recipe",
     "Remedy",
+    "RemedyChoice",
+    "RenderedRequest",
+    "Request",
+    "RequestLogError",
+    "RomeSettings",
+    "STRATEGIES",
+    "STUDY_REMEDIES",
     "Scenario",
+    "ScenarioRun",
+    "SelfTestReport",
+    "SingleFlight",
+    "Skill",
     "SkillStore",
+    "StepMessage",
+    "StepProgress",
+    "SupportRow",
+    "TtftRow",
+    "WEIGHT_METHODS",
+    "WorkBudget",
+    "accelerator_dtype",
+    "adhoc_scenario",
     "analyse_edit",
+    "appended_chars",
+    "apply_template",
+    "audit_traffic",
+    "audit_value",
+    "available_offline",
+    "bounded",
+    "bounded_sample",
+    "bundled_images",
+    "bundled_logs",
     "bundled_scenarios",
+    "bundled_skills",
     "calibrated_remedy",
+    "cancel_calibration",
+    "candidate_menu",
+    "candidate_span",
+    "candidate_spans",
     "check_model",
+    "check_vision_model",
     "compare",
+    "compare_edits",
+    "compare_image",
+    "compare_models",
+    "compose_scenario",
+    "dtype_name",
+    "expected_parameter_bytes",
+    "find_span",
+    "first_field_values",
+    "fraction",
+    "is_offline_alias",
+    "keystone",
     "load_cache",
     "load_model",
+    "measure_rewrite",
+    "notes_scenario",
+    "offline_aliases",
+    "parse_prompt",
+    "prefix_cache_stop",
+    "probe_frontier",
+    "read_log",
+    "read_scenario",
+    "recipe_matches",
+    "recipe_notebook",
+    "recipe_settings",
+    "render_request",
+    "repaired_template",
+    "resolve_device",
+    "resolve_remedy",
+    "rewrite_markdown",
+    "run_agent",
     "run_scenario",
     "run_selftest",
+    "run_study",
     "save_cache",
+    "scenario_toml",
+    "script_text",
+    "skill_prefixes",
+    "stored_choice",
+    "tensor_bytes",
     "tiny_model",
     "to_dynamic_cache",
+    "ttft_by_length",
+    "waits_reported",
 ]
 
 if TYPE_CHECKING:
+    from engine.audit.audit import AuditReport, MeasureSettings, audit_value, repaired_template, scenario_toml
+    from engine.audit.caches import CacheSettings
+    from engine.audit.fields import candidate_spans
+    from engine.audit.gate import rewrite_markdown
+    from engine.audit.notes import NotesScenario, notes_scenario
+    from engine.audit.repairs import GRAINS, REPAIR_SUMMARIES, REPAIRS
+    from engine.audit.requests import RenderedRequest, Request, RequestLogError, parse_prompt, read_log, render_request
+    from engine.audit.rewrite import apply_template, measure_rewrite
+    from engine.audit.sampling import bounded_sample
+    from engine.audit.spans import appended_chars, candidate_menu, candidate_span, find_span, prefix_cache_stop
+    from engine.audit.traffic import DEFAULT_SAMPLE, audit_traffic
+    from engine.cache.budget import ComputeGate, WorkBudget, bounded, waits_reported
+    from engine.cache.decision import DECISIVE_MARGIN
+    from engine.cache.footprint import tensor_bytes
     from engine.cache.interop import load_cache, save_cache, to_dynamic_cache
+    from engine.cache.lru import BudgetedLRU
     from engine.cache.notebook import Knockout, Notebook
-    from engine.cache.selftest import run_selftest
-    from engine.checks.support import check_model
-    from engine.compose.choice import calibrated_remedy
+    from engine.cache.selftest import SelfTestReport, run_selftest
+    from engine.cache.vision import check_vision_model
+    from engine.checks.support import SupportRow, check_model
+    from engine.comparison import compare_models
+    from engine.compose.agent import run_agent
+    from engine.compose.choice import AUTO as AUTO_REMEDY
+    from engine.compose.choice import RemedyChoice, calibrated_remedy, cancel_calibration, resolve_remedy, stored_choice
+    from engine.compose.keystone import keystone
+    from engine.compose.pictures import IMAGE_QUESTION, bundled_images, compare_image
     from engine.compose.skills import SkillStore
-    from engine.compose.splice import Remedy, compare
+    from engine.compose.splice import DEFAULT_REMEDY, PLACEMENTS, Remedy, adhoc_scenario, compare, compose_scenario
+    from engine.compose.study import REMEDIES as STUDY_REMEDIES
+    from engine.compose.study import first_field_values, run_study, skill_prefixes
+    from engine.compose.ttft import TtftRow, ttft_by_length
     from engine.edit.experiment import EditExperiment
+    from engine.edit.hybrid import read_scenario
     from engine.edit.report import EditReport
-    from engine.edit.runs import run_scenario
-    from engine.edit.strategies import EditSettings
+    from engine.edit.runs import ScenarioRun, run_scenario
+    from engine.edit.strategies import STRATEGIES, EditSettings
+    from engine.edit.weight_edit import METHODS as WEIGHT_METHODS
+    from engine.edit.weight_edit import LoraSettings, RomeSettings, compare_edits
     from engine.errors import KVScopeError
-    from engine.models import load_model
+    from engine.models import (
+        DTYPES,
+        HOST_OPT_IN_ALIASES,
+        LoadedModel,
+        accelerator_dtype,
+        available_offline,
+        dtype_name,
+        expected_parameter_bytes,
+        is_offline_alias,
+        load_model,
+        offline_aliases,
+        resolve_device,
+    )
     from engine.models.tiny import tiny_model
-    from engine.probes.analysis import analyse_edit
+    from engine.once import SingleFlight
+    from engine.probes.analysis import DEFAULT_STRATEGIES, analyse_edit
+    from engine.probes.frontier import probe_frontier
     from engine.probes.registry import PROBES
-    from engine.scenario import Scenario, bundled_scenarios
+    from engine.progress import MessageProgress, StepMessage, StepProgress, fraction
+    from engine.reproduce import Recipe, recipe_settings, script_text
+    from engine.reproduce import matches as recipe_matches
+    from engine.reproduce import notebook as recipe_notebook
+    from engine.scenario import Scenario, Skill, bundled_logs, bundled_scenarios, bundled_skills
 
 
 def __getattr__(name: str) -> Any:
     if name not in _PUBLIC:
         raise AttributeError(f"module 'engine' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    module, _, attribute = _PUBLIC[name].partition(":")
+    value = getattr(importlib.import_module(module), attribute or name)
     globals()[name] = value
     return value
 

@@ -1,4 +1,5 @@
-"""The architecture as tests: import-linter's contracts (pyproject.toml) hold, and fail on an injected upward import;
+"""The architecture as tests: import-linter's contracts (pyproject.toml) hold, and fail on an injected upward import
+(or an app import of an engine submodule, past the engine's public API);
 no import circle inside the engine (type-checking imports included); importing the engine has no side effects;
 the tree is formatted and linted by ruff (settings in pyproject.toml)."""
 
@@ -46,6 +47,7 @@ def test_the_import_contracts_hold():
         ("engine/edit/runs.py", "import viz.common", "app -> viz -> engine"),
         ("viz/common.py", "import gradio", "only the app imports gradio"),
         ("engine/probes/common.py", "import transformers", "transformers is imported by the cache and model layers"),
+        ("app/tabs/composer.py", "from engine.compose.splice import X", "the app imports the engine's public API only"),
     ],
 )
 def test_an_injected_upward_import_breaks_a_contract(tmp_path, module, upward, contract):

@@ -13,14 +13,25 @@ from pathlib import Path
 
 import pytest
 
-from app import handlers
-from app.handlers import AppError
+from app.handlers.common import AppError
+from app.handlers.notes import EditInputs, run_edit, run_knockout
+from app.handlers.your_prompt import (
+    audit_fidelity_view,
+    audit_notes_scenario,
+    bundled_log_text,
+    engine_settings,
+    export_audit,
+    prompt_candidates,
+    run_audit,
+    run_audit_value,
+    run_rewrite,
+)
 from app.hosting import local_profile, public_profile
 from app.state import ExportFolder, ModelRegistry, SessionStore
 from engine.audit.causes import CAUSES
 from engine.audit.fields import diff_requests
 from engine.audit.requests import parse_log, read_log, render_request
-from engine.scenario import Scenario
+from engine.scenario import Scenario, bundled_logs
 from tests.app.conftest import TINY
 from viz.common import markdown_literal
 
@@ -48,7 +59,7 @@ OPTIONS = {"repairs": ["in_place", "erratum", "hoist"], "tokens": 3}
 
 @pytest.fixture
 def audited(registry, sessions):
-    view = handlers.run_audit(registry, sessions, "a", None, LOG, **OPTIONS)
+    view = run_audit(registry, sessions, LOG, session="a", **OPTIONS)
     return view, sessions
 
 
@@ -81,13 +92,11 @@ def test_the_marked_prompt_escapes_user_text_and_marks_the_field_and_the_growth(
 
 
 def test_malformed_records_are_skipped_by_name_and_the_rest_audited(registry, sessions):
-    view = handlers.run_audit(
-        registry, sessions, "s", None, LOG + '\n{not json\n{"messages": [{"role": "robot", "content": "hi"}]}', **OPTIONS
-    )
+    view = run_audit(registry, sessions, LOG + '\n{not json\n{"messages": [{"role": "robot", "content": "hi"}]}', session="s", **OPTIONS)
     assert [(item["line"], item["key"]) for item in view.summary["skipped"]] == [(4, ""), (5, "message 1")]
     assert "skipped records: 2" in view.traffic_markdown and "line 4 is not JSON" in view.traffic_markdown
     assert [turn["request"] for turn in view.summary["turns"]] == [1, 2, 3]  # the rest, audited as without them
-    unrelated = handlers.run_audit(registry, sessions, "s", None, _request("41", "gold", ASK) + '\n{"prompt": "else entirely"}', **OPTIONS)
+    unrelated = run_audit(registry, sessions, _request("41", "gold", ASK) + '\n{"prompt": "else entirely"}', session="s", **OPTIONS)
     assert [cause["name"] for cause in unrelated.summary["requests"][1]["causes"]] == ["new_prefix"]  # a cold prefill, said
 
 
@@ -102,13 +111,13 @@ def test_bad_logs_get_the_engines_message_and_leave_the_last_audit(audited, regi
     }
     for text, message in cases.items():
         with pytest.raises(AppError, match=message):
-            handlers.run_audit(registry, sessions, "a", None, text, **OPTIONS)
+            run_audit(registry, sessions, text, session="a", **OPTIONS)
     with pytest.raises(AppError, match="unknown repair 'rebuild'"):
-        handlers.run_audit(registry, sessions, "a", None, LOG, repairs=["rebuild"], tokens=3)
+        run_audit(registry, sessions, LOG, session="a", repairs=["rebuild"], tokens=3)
     with pytest.raises(AppError, match="unknown grain"):
-        handlers.run_audit(registry, sessions, "a", None, LOG, grain="week", **OPTIONS)
+        run_audit(registry, sessions, LOG, session="a", grain="week", **OPTIONS)
     with pytest.raises(AppError, match="between 0 and 1"):
-        handlers.run_audit(registry, sessions, "a", None, LOG, min_agreement=1.5, **OPTIONS)
+        run_audit(registry, sessions, LOG, session="a", min_agreement=1.5, **OPTIONS)
     assert sessions.get("a", "audit") is kept
 
 
@@ -120,65 +129,72 @@ def test_the_public_profile_bounds_the_measured_turns_tokens_per_request_and_n(r
 
     sessions = SessionStore()
     ten = "\n".join(_request(f"{40 + i}", "gold", ASK) for i in range(10))  # one change signature: 9 measurable turns
-    view = handlers.run_audit(public(), sessions, "p", None, ten, repairs=[], tokens=1, sample=9)
+    view = run_audit(public(), sessions, ten, session="p", repairs=[], tokens=1, sample=9)
     (group,) = [group for group in view.summary["groups"] if group["measurable"]]
     assert (group["measurable"], len(group["measured"]), view.summary["sample"], view.summary["sampled"]) == (9, 8, 8, True)
     bound = "this server (public profile) measures at most 8 turns of a log: --sample lowered from 9 to 8"
     assert view.summary["sample_bound"] == bound and markdown_literal(bound) in view.groups_markdown
     assert "**sampled**" in view.groups_markdown and len(view.summary["requests"]) == 10  # the token pass: every request
-    kept = handlers.run_audit(public(), sessions, "p", None, ten, repairs=[], tokens=1, sample=2)
+    kept = run_audit(public(), sessions, ten, session="p", repairs=[], tokens=1, sample=2)
     assert kept.summary["sample_bound"] is None and [len(g["measured"]) for g in kept.summary["groups"] if g["measurable"]] == [2]
     with pytest.raises(AppError, match="33 greedy tokens per state asked; this server \\(public profile\\) generates at most 32"):
-        handlers.run_audit(public(), sessions, "q", None, LOG, repairs=[], tokens=33)
+        run_audit(public(), sessions, LOG, session="q", repairs=[], tokens=33)
     with pytest.raises(AppError, match="longer than the context limit of 80"):
-        handlers.run_audit(public(max_context_tokens=80), sessions, "q", None, LOG, repairs=[], tokens=1)
+        run_audit(public(max_context_tokens=80), sessions, LOG, session="q", repairs=[], tokens=1)
     assert sessions.get("q", "audit") is None
     local = local_profile()
     assert local.max_audit_requests is None and local.max_audit_tokens is None
-    view = handlers.run_audit(registry, sessions, "l", None, ten, repairs=[], tokens=1, sample=9)  # local: every turn
+    view = run_audit(registry, sessions, ten, session="l", repairs=[], tokens=1, sample=9)  # local: every turn
     assert len(view.summary["turns"]) == 10 and view.summary["sample_bound"] is None and not view.summary["sampled"]
 
 
 def test_one_prompt_offers_candidates_and_audits_a_chosen_or_found_value(registry, sessions, tmp_path: Path):
     prompt = "Order A-48213 placed 2026-05-12 09:41 for <i>Ana</i>.\nStatus: shipped\nCan it still be cancelled?"
-    view, choices = handlers.prompt_candidates(registry, None, prompt)
-    assert choices[:2] == ["1 · id · A-48213", "2 · datetime · 2026-05-12 09:41"]
+    view, choices = prompt_candidates(registry, prompt)
+    assert choices[:2] == [("1 · id · A-48213", 1), ("2 · datetime · 2026-05-12 09:41", 2)]  # (label, value) pairs
     assert view.count('<mark class="candidate"') == len(choices) and "&lt;i&gt;Ana&lt;/i&gt;" in view and "<i>Ana" not in view
-    chosen = handlers.run_audit_value(registry, sessions, "v", None, prompt, choices[1], "", "2026-05-12 09:42", **OPTIONS)
+    chosen = run_audit_value(registry, sessions, prompt, session="v", candidate=choices[1][1], new_value="2026-05-12 09:42", **OPTIONS)
     (field,) = chosen.summary["turns"][1]["fields"]
     assert (field["old"], field["new"]) == ("2026-05-12 09:41", "2026-05-12 09:42")
-    found = handlers.run_audit_value(registry, sessions, "v", None, prompt, choices[1], "shipped", "pending", **OPTIONS)
+    found = run_audit_value(
+        registry, sessions, prompt, session="v", candidate=choices[1][1], find="shipped", new_value="pending", **OPTIONS
+    )
     assert [(f["old"], f["new"]) for f in found.summary["turns"][1]["fields"]] == [("shipped", "pending")]  # find wins
-    paths = handlers.export_audit(ExportFolder(2**22, 4, root=tmp_path), sessions, "v")
+    paths = export_audit(ExportFolder(2**22, 4, root=tmp_path), sessions, session="v")
     assert sorted(Path(path).name for path in paths) == ["kvscope-audit-figures.html", "kvscope-audit-template.json", "kvscope-audit.json"]
     with pytest.raises(AppError, match="the changed value sits in the last message"):  # one user message: no question left
-        handlers.audit_notes_scenario(sessions, "v", "yes, no")
+        audit_notes_scenario(sessions, session="v", labels="yes, no")
     kept = sessions.get("v", "audit")
     for choice, find, value, message in (
         (None, "", "x", "pick a candidate span"),
-        ("9 · id · nope", "", "x", "no candidate span"),
-        (choices[0], "", "", "type the new value"),
+        (9, "", "x", "no candidate span 9"),
+        (choices[0][1], "", "", "type the new value"),
         (None, "refunded", "x", "does not occur"),
-        (choices[0], "", "A-48213", "differs from the selected text"),
+        (choices[0][1], "", "A-48213", "differs from the selected text"),
     ):
         with pytest.raises(AppError, match=message):
-            handlers.run_audit_value(registry, sessions, "v", None, prompt, choice, find, value, **OPTIONS)
+            run_audit_value(registry, sessions, prompt, session="v", candidate=choice, find=find, new_value=value, **OPTIONS)
     assert sessions.get("v", "audit") is kept
 
 
 def test_open_in_notes_builds_a_scenario_the_notes_edit_and_knockout_run_on(audited, registry):
     _, sessions = audited
     with pytest.raises(AppError, match="run an audit first"):
-        handlers.audit_notes_scenario(sessions, "nobody", "yes, no")
+        audit_notes_scenario(sessions, session="nobody", labels="yes, no")
     with pytest.raises(AppError, match="two answer labels"):
-        handlers.audit_notes_scenario(sessions, "a", "yes")
-    text, choices = handlers.audit_notes_scenario(sessions, "a", "covered, not covered")
+        audit_notes_scenario(sessions, session="a", labels="yes")
+    text, choices = audit_notes_scenario(sessions, session="a", labels="covered, not covered")
     scenario = Scenario.from_toml(text)
     assert choices.fields == ["session_started"] and choices.new == "2026-05-12 09:42"
     assert list(scenario.answers) == ["covered", "not covered"] and "<b>repair</b>" in scenario.question
-    view = handlers.run_edit(registry, sessions, "a", None, text, "session_started", "2026-05-12 09:42", ["field_only", "erratum"])
+    view = run_edit(
+        registry,
+        sessions,
+        EditInputs(text, field="session_started", new="2026-05-12 09:42", strategies=["field_only", "erratum"]),
+        session="a",
+    )
     assert 'data-strategy="field_only"' in view.cards_html and view.notes_figure.data
-    verdict, _, knocked = handlers.run_knockout(sessions, "a", "", 2)
+    verdict, _, knocked = run_knockout(sessions, session="a", positions="", top_k=2)
     assert len(knocked["positions"]) == 2 and "Knocked out 2 positions" in verdict
 
 
@@ -190,9 +206,9 @@ def test_open_in_notes_reads_the_models_own_answers_and_says_first_whether_they_
     assert markdown_literal(f"margin {notes.old.decision.margin:+.2f} → {notes.new.decision.margin:+.2f}") in view.notes_markdown
     if notes.source == "divergence":  # each value's own answer wins under it
         assert notes.old.decision.margin > 0 > notes.new.decision.margin
-    text, choices = handlers.audit_notes_scenario(sessions, "a", "")
+    text, choices = audit_notes_scenario(sessions, session="a", labels="")
     assert text == notes.toml and list(Scenario.from_toml(text).answers) == list(notes.answers)
-    handlers.run_edit(registry, sessions, "a", None, text, choices.fields[0], choices.new, ["field_only"])
+    run_edit(registry, sessions, EditInputs(text, field=choices.fields[0], new=choices.new, strategies=["field_only"]), session="a")
     experiment = sessions.get("a", "edit")
     assert experiment.stale.decision.margin == pytest.approx(notes.old.decision.margin, abs=1e-3)
     assert experiment.oracle.decision.margin == pytest.approx(notes.new.decision.margin, abs=1e-3)
@@ -202,7 +218,7 @@ def test_open_in_notes_reads_the_models_own_answers_and_says_first_whether_they_
 
 def test_export_writes_the_json_figures_scenario_and_repaired_template(audited, tmp_path: Path):
     _, sessions = audited
-    paths = [Path(p) for p in handlers.export_audit(ExportFolder(2**22, 4, root=tmp_path), sessions, "a", "ttft", "agreement")]
+    paths = [Path(p) for p in export_audit(ExportFolder(2**22, 4, root=tmp_path), sessions, session="a", x="ttft", y="agreement")]
     names = sorted(path.name for path in paths)
     assert names == ["kvscope-audit-figures.html", "kvscope-audit-scenario.toml", "kvscope-audit-template.json", "kvscope-audit.json"]
     files = {path.name: path.read_text(encoding="utf-8") for path in paths}
@@ -213,32 +229,32 @@ def test_export_writes_the_json_figures_scenario_and_repaired_template(audited, 
     assert "{session_started}" in template[0]["content"] and template[-1]["content"] == ASK[1]
     assert "plotly" in files["kvscope-audit-figures.html"] and "&lt;b&gt;repair" in files["kvscope-audit-figures.html"]
     with pytest.raises(AppError, match="run an audit first"):
-        handlers.export_audit(ExportFolder(2**22, 4, root=tmp_path), sessions, "nobody")
+        export_audit(ExportFolder(2**22, 4, root=tmp_path), sessions, session="nobody")
 
 
 def test_axes_redraw_from_the_kept_audit(audited):
     _, sessions = audited
-    figure = handlers.audit_fidelity_view(sessions, "a", "ttft", "agreement")
+    figure = audit_fidelity_view(sessions, session="a", x="ttft", y="agreement")
     assert figure.layout.xaxis.title.text.startswith("TTFT speed-up") and figure.layout.yaxis.tickformat == ".0%"
-    assert "run an audit first" in handlers.audit_fidelity_view(sessions, "nobody", "computed", "kl").layout.annotations[0].text
+    assert "run an audit first" in audit_fidelity_view(sessions, session="nobody", x="computed", y="kl").layout.annotations[0].text
     with pytest.raises(AppError, match="axes are"):
-        handlers.audit_fidelity_view(sessions, "a", "cost", "kl")
+        audit_fidelity_view(sessions, session="a", x="cost", y="kl")
 
 
 def test_bundled_logs_parse_render_and_change_the_fields_they_describe(registry):
-    logs = handlers.bundled_logs()
+    logs = bundled_logs()
     assert set(logs) == {"coding_agent", "support_agent", "rag", "interleaved_agents"}
     lm = registry.get()
     found = {}
     for name in ("coding_agent", "support_agent", "rag"):  # one session each: every request grows the one before
-        rendered = [render_request(lm, request) for request in parse_log(handlers.bundled_log_text(name))]
+        rendered = [render_request(lm, request) for request in parse_log(bundled_log_text(name))]
         found[name] = [[f.name for f in diff_requests(old, new).fields] for old, new in zip(rendered, rendered[1:])]
     assert found["coding_agent"] == [["session_started"]] * 5  # the minute changes every request
     assert found["support_agent"] == [[], ["account_tier"], []]
     assert all(found["rag"])  # the retrieved passage changes every request
-    assert len(parse_log(handlers.bundled_log_text("coding_agent"))) == 6
+    assert len(parse_log(bundled_log_text("coding_agent"))) == 6
     with pytest.raises(AppError, match="unknown demo log"):
-        handlers.bundled_log_text("../secrets")
+        bundled_log_text("../secrets")
 
 
 def _common(a: list[int], b: list[int]) -> int:
@@ -269,9 +285,9 @@ def _expected_sessions(lm, text: str, block: int) -> list[dict]:
 
 
 def test_an_interleaved_log_is_reported_per_session_and_its_groups_cover_every_turn(registry, sessions):
-    text = handlers.bundled_log_text("interleaved_agents")
-    engines = handlers.engine_settings(block=8)
-    view = handlers.run_audit(registry, sessions, "t", None, text, repairs=["in_place"], tokens=2, sample=1, engines=engines)
+    text = bundled_log_text("interleaved_agents")
+    engines = engine_settings(block=8)
+    view = run_audit(registry, sessions, text, session="t", repairs=["in_place"], tokens=2, sample=1, engines=engines)
     data, requests = view.summary, read_log(text).requests
     assert data["sessions"] == _expected_sessions(registry.get(), text, 8) and len(data["sessions"]) == 2
     assert [row["session"] for row in data["requests"]] == [request.session for request in requests]
@@ -293,9 +309,9 @@ def test_an_interleaved_log_is_reported_per_session_and_its_groups_cover_every_t
     drawn = {(x, y) for trace in view.sessions_figure.data if trace.mode == "markers" for x, y in zip(trace.x, trace.y)}
     assert drawn == {(row["request"], row["session"]) for row in data["requests"]}
     with pytest.raises(AppError, match="block size is at least 1"):
-        handlers.engine_settings(block=0)
+        engine_settings(block=0)
     with pytest.raises(AppError, match="SGLang token budget cannot be negative"):
-        handlers.engine_settings(budget_tokens=-1)
+        engine_settings(budget_tokens=-1)
 
 
 def test_the_audit_endpoints_through_the_api(app_url):
@@ -325,10 +341,10 @@ def test_hosts_can_override_the_audit_bounds():
 
 
 def test_a_rewrite_is_measured_against_the_log_and_a_mismatched_one_refused(registry):
-    same, data = handlers.run_rewrite(registry, None, LOG, LOG, False, 2)
+    same, data = run_rewrite(registry, LOG, rewritten=LOG, template=False, tokens=2)
     assert all(row["kl"] == 0.0 and row["generation_agreement"] == 1.0 and row["same_text"] for row in data["rewrite"])
     assert [row["request"] for row in data["rewrite"]] == [1, 2, 3] and data["verdict"] in same
     with pytest.raises(AppError, match="3 requests.*2|2.*3 requests"):
-        handlers.run_rewrite(registry, None, LOG, "\n".join(LOG.splitlines()[:2]), False, 2)
+        run_rewrite(registry, LOG, rewritten="\n".join(LOG.splitlines()[:2]), template=False, tokens=2)
     with pytest.raises(AppError, match="rewritten log"):
-        handlers.run_rewrite(registry, None, LOG, "  ", False, 2)
+        run_rewrite(registry, LOG, rewritten="  ", template=False, tokens=2)

@@ -4,7 +4,7 @@ per-session timeline drawn with one row per session. Screenshots go to test-arti
 
 import pytest
 
-from app import handlers
+from app.handlers.your_prompt import bundled_log_text
 from engine.audit.causes import CAUSES
 from tests.app.test_browser import ARTIFACTS, CHROMIUM, TOAST, _plot_data, browser  # noqa: F401 (the module's browser fixture)
 from tests.app.test_browser_labels import wide_page  # noqa: F401 (a page at 1,000 and 1,400 px)
@@ -19,7 +19,7 @@ def test_an_interleaved_log_shows_its_sessions_causes_groups_and_timeline(wide_p
     page.locator("#audit-demo input").click()
     page.get_by_role("option", name=DEMO).click()
     page.wait_for_function("() => document.querySelector('#audit-input textarea').value.includes('forge-1')", timeout=30_000)
-    assert page.locator("#audit-input textarea").input_value() == handlers.bundled_log_text(DEMO)
+    assert page.locator("#audit-input textarea").input_value() == bundled_log_text(DEMO)
     page.locator("#audit-tokens input[type=number]").fill("2")
     page.locator("#audit-sample input[type=number]").fill("1")
     page.locator("#run-audit").click()
@@ -51,7 +51,7 @@ def test_a_rewrite_pasted_beside_the_log_is_measured_against_it(wide_page):  # n
     page, width = wide_page
     if width != 1400:
         pytest.skip("once is enough")
-    log = handlers.bundled_log_text("support_agent")
+    log = bundled_log_text("support_agent")
     page.get_by_role("tab", name="Your prompt").click()
     page.locator("#audit-input textarea").fill(log)
     page.get_by_text("Measure a rewrite of this log").click()

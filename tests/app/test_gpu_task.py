@@ -83,7 +83,8 @@ def _spaces_with(recorder: Recorder, patch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="module")
 def zero_gpu_app():
     """The explorer as a ZeroGPU Space serves it: the tiny model staged, every model-bound handler a GPU task."""
-    from app.ui import MODEL_GROUP, build_app
+    from app.page import MODEL_GROUP
+    from app.ui import build_app
 
     recorder = Recorder()
     with pytest.MonkeyPatch.context() as patch:

@@ -11,34 +11,57 @@ import plotly.graph_objects as go
 import pytest
 import torch
 
-from app import handlers
 from app.composer import SkillComposer
-from app.handlers import AppError
+from app.handlers import benchmarks as benchmarks_handlers
+from app.handlers import composer as composer_handlers
+from app.handlers.benchmarks import benchmark_results
+from app.handlers.common import NOTES_SCENARIO, AppError, export_files, scenario_choices
+from app.handlers.composer import (
+    MAX_PICTURE_SIDE,
+    Composition,
+    composed_scenario,
+    fitted_picture,
+    remedy_info,
+    remedy_menu,
+    remedy_summary,
+    run_compose,
+    run_composition_study,
+    run_image_compose,
+    run_keystone,
+)
+from app.handlers.learn import learn_step
+from app.handlers.model import load_model_card
+from app.handlers.notes import EditInputs, notes_map_view, prepare_baseline, run_edit, run_frontier, run_knockout
+from app.handlers.probes import run_weight_edits
 from app.state import ExportFolder, ModelRegistry, SessionStore
 from engine.cache.loaded import SpliceGate
 from engine.compose.pictures import bundled_images, load_picture
+from engine.compose.splice import DEFAULT_REMEDY
 from engine.edit.experiment import EditExperiment
-from engine.scenario import Scenario
+from engine.scenario import Scenario, bundled_scenarios
 from tests.app.conftest import SCENARIO
 from viz.common import markdown_literal
+from viz.results import result_figures
 
 
 def test_malformed_and_empty_scenarios_have_clear_errors():
     with pytest.raises(AppError, match="TOML syntax error"):
-        handlers.scenario_choices("name = [unclosed")
+        scenario_choices("name = [unclosed")
     with pytest.raises(AppError, match="editor is empty"):
-        handlers.scenario_choices("   ")
+        scenario_choices("   ")
     with pytest.raises(AppError, match="no field .status. is declared"):
-        handlers.scenario_choices(SCENARIO.replace("{order_status}", "{status}"))
+        scenario_choices(SCENARIO.replace("{order_status}", "{status}"))
 
 
 def test_scenario_choices_offer_fields_and_values():
-    view = handlers.scenario_choices(SCENARIO)
+    view = scenario_choices(SCENARIO)
     assert view.fields == ["order_status"] and view.values == ["shipped", "pending"] and view.new == "pending"
 
 
 def test_edit_matches_engine_and_is_kept_per_session(registry, sessions):
-    view = handlers.run_edit(registry, sessions, "a", None, SCENARIO, "order_status", "pending", ["field_only", "erratum"])
+    view = run_edit(
+        registry, sessions, EditInputs(SCENARIO, field="order_status", new="pending", strategies=["field_only", "erratum"]), session="a"
+    )
     direct = EditExperiment(registry.get(), Scenario.from_toml(SCENARIO)).report(["field_only", "erratum"])
     assert view.summary["strategies"]["erratum"]["margin"] == pytest.approx(direct.strategies["erratum"].decision.margin, abs=1e-4)
     assert 'data-strategy="erratum"' in view.cards_html and "data-decision=" in view.cards_html
@@ -47,14 +70,22 @@ def test_edit_matches_engine_and_is_kept_per_session(registry, sessions):
 
 def test_prepared_scenario_is_reused_by_edits_and_matches_the_engine(registry, sessions):
     text = SCENARIO + "\n# prepared copy\n"
-    message = handlers.prepare_baseline(registry, None, text)
+    message = prepare_baseline(registry, None, text)
     baseline = registry.baseline(None, text, Scenario.from_toml(text))
     assert f"**{baseline.decision.label}**" in message and r"order\_status = shipped" in message  # Markdown-escaped
     assert "gradients" in baseline.__dict__  # the backward ran while preparing
-    fused = handlers.run_edit(registry, sessions, "p", None, text, "order_status", "pending", ["field_only", "erratum", "full_downstream"])
+    fused = run_edit(
+        registry,
+        sessions,
+        EditInputs(text, field="order_status", new="pending", strategies=["field_only", "erratum", "full_downstream"]),
+        session="p",
+    )
     assert sessions.get("p", "edit").stale is baseline
-    separate = handlers.run_edit(
-        registry, sessions, "q", None, text, "order_status", "pending", ["field_only", "erratum", "full_downstream"], separately=True
+    separate = run_edit(
+        registry,
+        sessions,
+        EditInputs(text, field="order_status", new="pending", strategies=["field_only", "erratum", "full_downstream"], separately=True),
+        session="q",
     )
     for name in ("field_only", "erratum", "full_downstream"):
         assert fused.summary["strategies"][name]["margin"] == pytest.approx(separate.summary["strategies"][name]["margin"], abs=1e-4)
@@ -62,18 +93,18 @@ def test_prepared_scenario_is_reused_by_edits_and_matches_the_engine(registry, s
     assert "detail" not in separate.summary["strategies"]["field_only"]
     assert "≈" in fused.cards_html and "≈" not in separate.cards_html
     with pytest.raises(AppError, match="TOML syntax error"):
-        handlers.prepare_baseline(registry, None, "name = [unclosed")
+        prepare_baseline(registry, None, "name = [unclosed")
 
 
 def test_knockout_needs_an_edit_and_hides_positions(registry, sessions):
     with pytest.raises(AppError, match="run an edit first"):
-        handlers.run_knockout(sessions, "fresh", "", 4)
-    handlers.run_edit(registry, sessions, "s", None, SCENARIO, "order_status", "pending", ["field_only"])
-    text, _, data = handlers.run_knockout(sessions, "s", "3, 5", 4)
+        run_knockout(sessions, session="fresh", positions="", top_k=4)
+    run_edit(registry, sessions, EditInputs(SCENARIO, field="order_status", new="pending", strategies=["field_only"]), session="s")
+    text, _, data = run_knockout(sessions, session="s", positions="3, 5", top_k=4)
     assert data["positions"] == [3, 5] and "Knocked out 2 positions" in text
     with pytest.raises(AppError, match="integers"):
-        handlers.run_knockout(sessions, "s", "three", 4)
-    _, _, top = handlers.run_knockout(sessions, "s", "", 2)
+        run_knockout(sessions, session="s", positions="three", top_k=4)
+    _, _, top = run_knockout(sessions, session="s", positions="", top_k=2)
     assert len(top["positions"]) == 2
 
 
@@ -86,15 +117,15 @@ def test_composer_drops_unknown_and_unsafe_ids():
 
 
 def test_composed_scenario_keeps_user_braces_literal():
-    scenario = handlers.composed_scenario(["account_gate"], "before {x}", "", None)
+    scenario = composed_scenario(Composition(["account_gate"], before="before {x}"))
     assert "{{x}}" in scenario.context and "{skill:account_gate}" in scenario.context
     with pytest.raises(AppError, match="at least one skill"):
-        handlers.composed_scenario([], "", "", None)
+        composed_scenario(Composition([]))
 
 
 def test_compose_reports_fidelity(registry):
-    view = handlers.run_compose(registry, None, ["account_gate"], "", "", None, "seam:2")
-    moved = handlers.run_compose(registry, None, ["account_gate"], "", "", None, "prefix+seam:3")
+    view = run_compose(registry, Composition(["account_gate"], remedy="seam:2"))
+    moved = run_compose(registry, Composition(["account_gate"], remedy="prefix+seam:3"))
     # Each composition times both sides itself: no full-recompute time is carried over from an earlier request.
     for shown in (view, moved):
         assert not shown.summary["reference_reused"]
@@ -103,10 +134,10 @@ def test_compose_reports_fidelity(registry):
     assert view.summary["seam"] == 2 and 0 < view.summary["cosine"] <= 1 + 1e-6
     assert "TTFT" in view.metrics_markdown and "remedy seam:2 recomputed 2 of them" in view.metrics_markdown
     assert "margin error" in view.metrics_markdown and moved.summary["remedy"]["prefix"]
-    ranked = handlers.run_compose(registry, None, ["account_gate"], "", "", None, "deviation:0.5")
+    ranked = run_compose(registry, Composition(["account_gate"], remedy="deviation:0.5"))
     assert "no TTFT saving in deployment" in ranked.metrics_markdown
     with pytest.raises(AppError, match="'mix:1' not understood"):
-        handlers.run_compose(registry, None, ["account_gate"], "", "", None, "mix:1")
+        run_compose(registry, Composition(["account_gate"], remedy="mix:1"))
 
 
 def test_remedy_info_and_menu_state_the_default_and_the_fastest_from_the_stored_study(tmp_path, monkeypatch):
@@ -129,14 +160,14 @@ def test_remedy_info_and_menu_state_the_default_and_the_fastest_from_the_stored_
     gaps = {DEFAULT_REMEDY.name: 0.06, "splice": 0.6}
     (tmp_path / "compose_many-x-cpu.json").write_text(json.dumps({"summary": summary, "choice": choose_remedy(summary, gaps).as_dict()}))
     (tmp_path / "compose_many-long-x-cpu.json").write_text(json.dumps({"summary": summary}))  # no choice: not read
-    monkeypatch.setattr(handlers, "RESULTS_DIR", tmp_path)
-    info = handlers.remedy_info()
+    monkeypatch.setattr(benchmarks_handlers, "RESULTS_DIR", tmp_path)
+    info = remedy_info()
     assert info.startswith(f"Default {DEFAULT_REMEDY.name}: keeps 34/35 decisive decisions of a full recompute (97%), first token ×2.60")
     assert "(compose_many-x-cpu). Why: no remedy keeps ≥ 97%" in info and "within the keystone bar" in info
     assert "Fastest: splice: keeps 32/35 decisive decisions of a full recompute (91%), first token ×5.80" in info
     assert "causal:0.15:" not in info
     assert "auto: this model's own calibration" in info and "blend:F" in info
-    menu = handlers.remedy_menu(["splice", "seam:1"])
+    menu = remedy_menu(["splice", "seam:1"])
     assert menu == [
         (
             f"{DEFAULT_REMEDY.name} — keeps 34/35 decisions of a full recompute, ×2.60 faster first token (median) (default)",
@@ -146,14 +177,14 @@ def test_remedy_info_and_menu_state_the_default_and_the_fastest_from_the_stored_
         ("splice — keeps 32/35 decisions of a full recompute, ×5.80 faster first token (median)", "splice"),
         ("seam:1 — not measured in the stored study yet", "seam:1"),
     ]
-    assert handlers.remedy_summary() == (
+    assert remedy_summary() == (
         f"Default {DEFAULT_REMEDY.name}: keeps 34/35 decisions of a full recompute, ×2.60 faster first token (median). "
         "What each part means, and why this default: below the menu."
     )
-    monkeypatch.setattr(handlers, "RESULTS_DIR", tmp_path / "none")
-    assert "not measured in a stored study yet" in handlers.remedy_summary()
-    assert handlers.remedy_info().startswith(f"Default {DEFAULT_REMEDY.name}. auto: this model's own calibration")
-    assert handlers.remedy_menu([])[0] == (f"{DEFAULT_REMEDY.name} — not measured in the stored study yet (default)", DEFAULT_REMEDY.name)
+    monkeypatch.setattr(benchmarks_handlers, "RESULTS_DIR", tmp_path / "none")
+    assert "not measured in a stored study yet" in remedy_summary()
+    assert remedy_info().startswith(f"Default {DEFAULT_REMEDY.name}. auto: this model's own calibration")
+    assert remedy_menu([])[0] == (f"{DEFAULT_REMEDY.name} — not measured in the stored study yet (default)", DEFAULT_REMEDY.name)
 
 
 def test_auto_in_the_composer_calibrates_locally_and_is_refused_uncalibrated_in_public(registry, tmp_path, monkeypatch):
@@ -170,37 +201,41 @@ def test_auto_in_the_composer_calibrates_locally_and_is_refused_uncalibrated_in_
     public = replace(local, calibrate_remedies=False)
     monkeypatch.setattr(registry, "profile", public)
     with pytest.raises(AppError, match="remedy auto needs .* calibration .* does not run for visitors"):
-        handlers.run_compose(registry, None, ["account_gate"], "", "", None, "auto")
+        run_compose(registry, Composition(["account_gate"], remedy="auto"))
     monkeypatch.setattr(registry, "profile", local)
-    view = handlers.run_compose(registry, None, ["account_gate"], "", "", None, "auto", report=messages.append)
+    view = run_compose(registry, Composition(["account_gate"], remedy="auto"), report=messages.append)
     (stored,) = json.loads((tmp_path / "remedy-choices.json").read_text()).values()
     assert view.summary["remedy"]["name"] == stored["remedy"] and any("calibrating" in message for message in messages)
     monkeypatch.setattr(registry, "profile", public)  # stored now: a public server reads it
-    assert handlers.run_compose(registry, None, ["account_gate"], "", "", None, "auto").summary["remedy"]["name"] == stored["remedy"]
+    assert run_compose(registry, Composition(["account_gate"], remedy="auto")).summary["remedy"]["name"] == stored["remedy"]
 
 
 def test_keystone_and_study_panels(registry):
-    figure, data = handlers.run_keystone(registry, None, ["account_gate"], "", "", None, "seam:1")
+    figure, data = run_keystone(registry, Composition(["account_gate"], remedy="seam:1"))
     assert data["remedy"] == "seam:1" and "max_recovery_gap" in data and "Keystone" in figure.layout.title.text
     with pytest.raises(AppError, match="deployable"):
-        handlers.run_keystone(registry, None, ["account_gate"], "", "", None, "causal:0.2")
-    figure, markdown, study = handlers.run_composition_study(
-        registry, None, ["account_gate", "user_memory"], "refund_gate", ["start", "end"], ["splice", "seam:10000"]
+        run_keystone(registry, Composition(["account_gate"], remedy="causal:0.2"))
+    figure, markdown, study = run_composition_study(
+        registry,
+        skills=["account_gate", "user_memory"],
+        after="refund_gate",
+        placements=["start", "end"],
+        remedies=["splice", "seam:10000"],
     )
     assert len(study["cases"]) == 2 * 2 * 2 and set(study["summary"]) == {"splice", "seam:10000"}
     assert "8 composed prompts" in markdown and "seam:10000" in markdown and len(figure.data) == 4
     with pytest.raises(AppError, match="placements must be chosen"):
-        handlers.run_composition_study(registry, None, ["account_gate"], "refund_gate", ["middle"], ["splice"])
+        run_composition_study(registry, skills=["account_gate"], after="refund_gate", placements=["middle"], remedies=["splice"])
     with pytest.raises(AppError, match="at least one remedy"):
-        handlers.run_composition_study(registry, None, ["account_gate"], "refund_gate", ["start"], [])
+        run_composition_study(registry, skills=["account_gate"], after="refund_gate", placements=["start"], remedies=[])
 
 
 def test_export_writes_json_and_html(tmp_path):
     folder = ExportFolder(2**20, keep=4, root=tmp_path)
-    paths = handlers.export_files(folder, {"a": 1}, [go.Figure()], "x")
+    paths = export_files(folder, {"a": 1}, [go.Figure()], "x")
     assert json.loads(Path(paths[0]).read_text()) == {"a": 1} and Path(paths[1]).read_text().startswith("<html>")
     with pytest.raises(AppError, match="nothing to export"):
-        handlers.export_files(folder, None, [], "x")
+        export_files(folder, None, [], "x")
 
 
 def test_sessions_are_isolated_and_budgeted():
@@ -212,11 +247,11 @@ def test_sessions_are_isolated_and_budgeted():
 
 def test_bad_model_spec_is_reported(registry):
     with pytest.raises(AppError, match="no-such-alias"):
-        handlers.load_model_card(registry, "no-such-alias")
+        load_model_card(registry, "no-such-alias")
 
 
 def test_edit_headline_states_the_notes_share_from_field_only(registry, sessions):
-    view = handlers.run_edit(registry, sessions, "h", None, SCENARIO, "order_status", "pending", ["erratum"])
+    view = run_edit(registry, sessions, EditInputs(SCENARIO, field="order_status", new="pending", strategies=["erratum"]), session="h")
     notes = view.summary["notes"]
     field_only = EditExperiment(registry.get(), Scenario.from_toml(SCENARIO)).report(["field_only"]).strategies["field_only"]
     if field_only.recovery.value is None:  # the tiny model barely moves: recovery is undefined, and so is the share
@@ -228,9 +263,9 @@ def test_edit_headline_states_the_notes_share_from_field_only(registry, sessions
 
 def test_frontier_and_notes_map_views_use_the_sessions_edit(registry, sessions):
     with pytest.raises(AppError, match="run an edit first"):
-        handlers.run_frontier(sessions, "nobody")
-    handlers.run_edit(registry, sessions, "f", None, SCENARIO, "order_status", "pending", ["field_only"])
-    figure, data = handlers.run_frontier(sessions, "f")
+        run_frontier(sessions, session="nobody")
+    run_edit(registry, sessions, EditInputs(SCENARIO, field="order_status", new="pending", strategies=["field_only"]), session="f")
+    figure, data = run_frontier(sessions, session="f")
     methods = {point["method"] for point in data["points"]}
     assert {
         "field_only",
@@ -244,25 +279,25 @@ def test_frontier_and_notes_map_views_use_the_sessions_edit(registry, sessions):
     field_only = next(p for p in data["points"] if p["method"] == "field_only")
     assert field_only["recovery"] == pytest.approx(data["notes"]["field_recovery"], abs=1e-4)
     assert len(figure.data) == len({p["method"] for p in data["points"]})
-    narrow, wide = (handlers.notes_map_view(sessions, "f", flag).data[0] for flag in (False, True))
+    narrow, wide = (notes_map_view(sessions, session="f", all_positions=flag).data[0] for flag in (False, True))
     assert len(wide.z[0]) == len(sessions.get("f", "edit").stale.prompt.context_ids) > len(narrow.z[0])
 
 
 def test_model_card_says_why_this_dtype_and_can_switch_it(registry):
-    card, info = handlers.load_model_card(registry, "")
+    card, info = load_model_card(registry, "")
     assert "Why this dtype" in card and "Cache self-test" in card and "ok in float32" in card
     assert info["selftest"]["ok"] and info["selftest"]["checks"]
     other = type(registry)(registry.default_spec)
     before = other.get()
-    card, info = handlers.load_model_card(other, "", dtype="bfloat16")
+    card, info = load_model_card(other, "", dtype="bfloat16")
     assert other.get() is not before and other.get().dtype_reason == "bfloat16 as requested"
     assert info["selftest"]["dtype"] == "bfloat16" and "ok in bfloat16" in card
     assert other.get(dtype="bfloat16") is other.get(), "the same dtype keeps the loaded model"
 
 
 def test_learn_steps_describe_what_the_model_did_beside_the_paper(registry):
-    text, _ = handlers.learn_step(registry, SessionStore(), "s", 1, None)
-    experiment = EditExperiment(registry.get(), Scenario.load(handlers.bundled_scenarios()[handlers.NOTES_SCENARIO]))
+    text, _ = learn_step(registry, SessionStore(), 1, session="s")
+    experiment = EditExperiment(registry.get(), Scenario.load(bundled_scenarios()[NOTES_SCENARIO]))
     report = experiment.report(["field_only", "full_downstream"], fused=True)
     field = report.notes.field_recovery
     assert (
@@ -273,7 +308,7 @@ def test_learn_steps_describe_what_the_model_did_beside_the_paper(registry):
         else f"recovers {field:.2f}"
     ) in text
     assert "Paper:" in text and "−0.028 Llama-3.1-8B" in text
-    text, _ = handlers.learn_step(registry, SessionStore(), "s", 2, None)
+    text, _ = learn_step(registry, SessionStore(), 2, session="s")
     assert "erratum alone recovers" in text and "Paper:" in text
 
 
@@ -282,7 +317,7 @@ def test_learn_steps_of_one_session_show_one_notes_share(registry):
     sessions = SessionStore()
     shares = []
     for index in (1, 2):
-        text, _ = handlers.learn_step(registry, sessions, "s", index, None)
+        text, _ = learn_step(registry, sessions, index, session="s")
         shares.append(re.search(r'data-share="([-\d.]*)"', text).group(1))
     assert shares[0] == shares[1] != ""
     experiment = sessions.get("s", "learn")
@@ -307,21 +342,21 @@ LEARN_TEXT = {  # step index → words its HTML must hold (the numbers are check
 @pytest.mark.parametrize("index", range(4), ids=["decisions", "field-only", "erratum", "splicing"])
 def test_every_learn_step_returns_its_text_and_a_drawn_figure(registry, monkeypatch, index):
     remedies = []
-    compare = handlers.compare
-    monkeypatch.setattr(handlers, "compare", lambda *args, **kwargs: remedies.append(kwargs["remedy"]) or compare(*args, **kwargs))
-    text, figure = handlers.learn_step(registry, SessionStore(), "s", index, None)
+    compare = composer_handlers.compare
+    monkeypatch.setattr(composer_handlers, "compare", lambda *args, **kwargs: remedies.append(kwargs["remedy"]) or compare(*args, **kwargs))
+    text, figure = learn_step(registry, SessionStore(), index, session="s")
     assert re.search(LEARN_TEXT[index], text, re.S), text
     assert isinstance(figure, go.Figure) and figure.data
     assert all(trace.x is not None and len(trace.x) == len(trace.y) > 0 for trace in figure.data)
     if index == 3:  # the splice runs with the composer's default remedy, as the Composer tab does with its remedy left empty
-        assert remedies == [handlers.DEFAULT_REMEDY] and [trace.name for trace in figure.data] == ["spliced", "recomputed"]
-        summary = handlers.run_compose(registry, None, ["refund_policy"], "", "", handlers.NOTES_SCENARIO).summary
+        assert remedies == [DEFAULT_REMEDY] and [trace.name for trace in figure.data] == ["spliced", "recomputed"]
+        summary = run_compose(registry, Composition(["refund_policy"], after=NOTES_SCENARIO)).summary
         assert f"{summary['skill_tokens']} spliced of {summary['context_tokens']} context tokens" in text
-        assert f"logit cosine {summary['cosine']:.4f}" in text and summary["remedy"]["name"] == handlers.DEFAULT_REMEDY.name
+        assert f"logit cosine {summary['cosine']:.4f}" in text and summary["remedy"]["name"] == DEFAULT_REMEDY.name
 
 
 def test_model_card_shows_this_models_row_of_the_support_matrix(registry):
-    card, info = handlers.load_model_card(registry, "")
+    card, info = load_model_card(registry, "")
     assert f"**Family**: {markdown_literal('Qwen2 / Qwen2.5')}" in card and "Operations on this model" in card
     verdicts = info["support"]["verdicts"]
     assert all(v["supported"] and v["max_error"] <= 2e-5 for v in verdicts.values() if v["applicable"])
@@ -343,39 +378,39 @@ def test_model_card_shows_this_models_row_of_the_support_matrix(registry):
 def test_picture_splice_matches_the_recompute_from_pixels_with_a_full_seam():
     registry = ModelRegistry("tiny-qwen2_vl")
     pixels = load_picture(bundled_images()["shipping_label"])
-    card, info = handlers.load_model_card(registry, "")
+    card, info = load_model_card(registry, "")
     assert info["support"]["verdicts"]["images"]["max_error"] <= 2e-5 and "images" in card
-    moved = handlers.run_image_compose(registry, None, pixels, "Order 48213, placed on Monday.", "", "", 0)
-    repaired = handlers.run_image_compose(registry, None, pixels, "Order 48213, placed on Monday.", "", "", 14)
+    moved = run_image_compose(registry, picture=pixels, before="Order 48213, placed on Monday.", after="", question="", seam=0)
+    repaired = run_image_compose(registry, picture=pixels, before="Order 48213, placed on Monday.", after="", question="", seam=14)
     assert moved[2]["shift"] > 0 and moved[2]["cosine"] < 1 - 1e-6  # moved with no repair: close, not equal
     assert repaired[2]["cosine"] > 1 - 1e-6 and abs(repaired[2]["margin_error"]) < 1e-4  # all 14 tokens recomputed: a prefill
     assert "picture 14 tokens over 6 rope positions" in moved[0] and isinstance(moved[1], go.Figure)
     with pytest.raises(AppError, match="add a picture first"):
-        handlers.run_image_compose(registry, None, None, "", "", "", 0)
+        run_image_compose(registry, picture=None, before="", after="", question="", seam=0)
     with pytest.raises(AppError, match="seam 40 must be between 0 and the picture's 14 tokens"):
-        handlers.run_image_compose(registry, None, pixels, "", "", "", 40)
-    big = handlers.fitted_picture(np.zeros((2000, 1000, 3), dtype=np.uint8))
-    assert big.shape == (handlers.MAX_PICTURE_SIDE, handlers.MAX_PICTURE_SIDE // 2, 3)
+        run_image_compose(registry, picture=pixels, before="", after="", question="", seam=40)
+    big = fitted_picture(np.zeros((2000, 1000, 3), dtype=np.uint8))
+    assert big.shape == (MAX_PICTURE_SIDE, MAX_PICTURE_SIDE // 2, 3)
 
 
 def test_picture_splice_on_a_text_model_names_what_is_missing(registry):
     pixels = load_picture(bundled_images()["shipping_label"])
     with pytest.raises(AppError, match="has no vision tower"):
-        handlers.run_image_compose(registry, None, pixels, "", "", "", 0)
+        run_image_compose(registry, picture=pixels, before="", after="", question="", seam=0)
 
 
 @pytest.mark.parametrize("spec, reason", [("tiny-bamba", "hybrid"), ("tiny-llama4", "chunked attention")])
 def test_refused_families_load_with_their_reasons_and_the_composer_refuses(spec, reason):
     registry = ModelRegistry(spec)
-    card, info = handlers.load_model_card(registry, "")
+    card, info = load_model_card(registry, "")
     assert "refused" in card and reason in card
     assert not info["support"]["verdicts"]["splice"]["supported"]
     with pytest.raises(AppError, match=reason):
-        handlers.run_compose(registry, None, ["account_gate"], "", "", None)
+        run_compose(registry, Composition(["account_gate"]))
 
 
 def test_a_hybrid_states_its_decision_read_on_its_own_cache():
-    message = handlers.prepare_baseline(ModelRegistry("tiny-bamba"), None, SCENARIO)
+    message = prepare_baseline(ModelRegistry("tiny-bamba"), None, SCENARIO)
     assert "the model answers **" in message and "hybrid (recurrent layers [0, 2])" in message and "python -m engine edit" in message
 
 
@@ -385,7 +420,7 @@ def test_a_failed_selftest_locks_splicing(registry, monkeypatch):
     failed.record(dataclasses.replace(registry.selftest(), ok=False))
     monkeypatch.setattr(lm, "splice_gate", failed)  # the engine's gate refuses; the app only reports it
     with pytest.raises(AppError, match=f"splicing stays locked on {lm.name}: its cache self-test failed"):
-        handlers.run_compose(registry, None, ["account_gate"], "", "", None)
+        run_compose(registry, Composition(["account_gate"]))
 
 
 def test_computed_once_entries_are_single_flight(monkeypatch):
@@ -427,7 +462,9 @@ def test_computed_once_entries_are_single_flight(monkeypatch):
 
 
 def test_weight_edits_panel_states_the_trade_off_from_the_numbers(registry):
-    figure, summary, data = handlers.run_weight_edits(registry, None, SCENARIO, "order_status", "pending", ["field_erratum", "rome"], 3, 1)
+    figure, summary, data = run_weight_edits(
+        registry, text=SCENARIO, field="order_status", new="pending", methods=["field_erratum", "rome"], lora_steps=3, rome_layer=1
+    )
     assert set(data["methods"]) == {"field_erratum", "rome"}
     erratum = data["methods"]["field_erratum"]
     others = len(data["probes"]["others"])
@@ -440,12 +477,12 @@ def test_weight_edits_panel_states_the_trade_off_from_the_numbers(registry):
     ]
     assert list(figure.data[1].y) == [erratum["contamination"], data["methods"]["rome"]["contamination"]]
     with pytest.raises(AppError, match="choose at least one method"):
-        handlers.run_weight_edits(registry, None, SCENARIO, "order_status", "pending", [], 3, None)
+        run_weight_edits(registry, text=SCENARIO, field="order_status", new="pending", methods=[], lora_steps=3, rome_layer=None)
 
 
 def test_every_stored_benchmark_result_of_a_known_kind_gets_a_figure():
-    results = handlers.benchmark_results()
-    figures = handlers.benchmark_figures_for(results)
+    results = benchmark_results()
+    figures = result_figures(results)
     kinds = {
         "ttft",
         "edit",

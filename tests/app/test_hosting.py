@@ -14,11 +14,13 @@ import plotly.graph_objects as go
 import pytest
 from gradio_client import Client
 
-from app import handlers
-from app.handlers import AppError
+from app.handlers.common import AppError, scenario_choices
+from app.handlers.composer import Composition, run_agent_loop, run_compose
+from app.handlers.model import load_model_card, memory_markdown, offered_models
+from app.handlers.notes import EditInputs, run_edit
 from app.hosting import HostingError, from_env, local_profile, public_profile
+from app.page import plot_figure, user_error
 from app.state import ExportFolder, ModelRegistry, SessionStore
-from app.ui import _figure, user_error
 from benchmarks.app_latency import free_port, wait_until_serving
 from engine.cache.budget import WorkBudget, bounded
 from engine.cache.footprint import tensor_bytes
@@ -39,7 +41,7 @@ def _registry(profile=None) -> tuple[ModelRegistry, SessionStore]:
 # ---------------------------------------------------------------------------- 1. model copies
 def test_switching_models_frees_the_evicted_copy_and_the_sessions_that_used_it():
     registry, sessions = _registry()
-    handlers.run_edit(registry, sessions, "a", None, SCENARIO, "order_status", "pending", ["erratum"])
+    run_edit(registry, sessions, EditInputs(SCENARIO, field="order_status", new="pending", strategies=["erratum"]), session="a")
     default = weakref.ref(registry.get())
     registry.get("tiny-llama")
     registry.get("tiny-gpt2")  # capacity 2: the default model (least recently used) goes
@@ -51,7 +53,7 @@ def test_switching_models_frees_the_evicted_copy_and_the_sessions_that_used_it()
 def test_public_profile_pins_the_default_model():
     registry, sessions = _registry(public_profile())
     default = registry.get()
-    handlers.run_edit(registry, sessions, "a", None, SCENARIO, "order_status", "pending", ["erratum"])
+    run_edit(registry, sessions, EditInputs(SCENARIO, field="order_status", new="pending", strategies=["erratum"]), session="a")
     registry.get("tiny-llama")
     registry.get("tiny-gpt2")
     assert registry.get() is default and registry.loaded()[-1] == TINY and "tiny-llama" not in registry.loaded()
@@ -61,14 +63,21 @@ def test_public_profile_pins_the_default_model():
 # ---------------------------------------------------------------------------- 2. session memory
 def test_session_store_counts_every_tensor_an_edit_keeps(registry):
     sessions = SessionStore(budget_bytes=2**30, ttl_s=600)
-    handlers.run_edit(registry, sessions, "a", None, SCENARIO, "order_status", "pending", ["field_only", "erratum"])
+    run_edit(
+        registry, sessions, EditInputs(SCENARIO, field="order_status", new="pending", strategies=["field_only", "erratum"]), session="a"
+    )
     experiment = sessions.get("a", "edit")
     stats = sessions.stats()
     assert stats["bytes"] == tensor_bytes([experiment, sessions.get("a", "effects")])
     assert stats["bytes"] > 2 * experiment.stale.notebook.memory_bytes(), "more than the stale K/V the old store counted"
     tight = SessionStore(budget_bytes=stats["bytes"] + 1, ttl_s=600)
     for session in ("a", "b"):
-        handlers.run_edit(registry, tight, session, None, SCENARIO, "order_status", "pending", ["field_only", "erratum"])
+        run_edit(
+            registry,
+            tight,
+            EditInputs(SCENARIO, field="order_status", new="pending", strategies=["field_only", "erratum"]),
+            session=session,
+        )
     assert tight.get("a", "edit") is None and tight.get("b", "edit") is not None and tight.stats()["bytes"] <= stats["bytes"] + 1
 
 
@@ -94,7 +103,7 @@ def test_baselines_are_bounded_by_bytes_not_count():
 def test_budgets_scale_with_memory_and_show_in_the_model_tab(registry, sessions):
     small, large = public_profile(memory_bytes=8 * 2**30), public_profile(memory_bytes=64 * 2**30)
     assert large.session_budget_bytes == pytest.approx(8 * small.session_budget_bytes, rel=1e-6)
-    text = handlers.memory_markdown(registry, sessions)
+    text = memory_markdown(registry, sessions)
     assert "Sessions" in text and "baselines" in text and "RSS" in text and "Limits" in text
 
 
@@ -106,36 +115,51 @@ def test_over_long_context_is_refused_in_seconds_and_keeps_nothing():
         bounded(registry.profile.work_budget),
         pytest.raises(AppError, match=r"tokens of context; this server \(public profile\) allows at most 200"),
     ):
-        handlers.run_edit(registry, sessions, "a", None, LONG_CONTEXT, "order_status", "pending", ["erratum"])
+        run_edit(registry, sessions, EditInputs(LONG_CONTEXT, field="order_status", new="pending", strategies=["erratum"]), session="a")
     assert time.perf_counter() - started < 5
     assert registry.memory()["baselines"] == 0 and sessions.get("a", "edit") is None
     with pytest.raises(AppError, match="characters; this server .* accepts at most 12,000"):
-        handlers.run_edit(registry, sessions, "a", None, SCENARIO + "#" * 50_000, "order_status", "pending", ["erratum"])
+        run_edit(
+            registry,
+            sessions,
+            EditInputs(SCENARIO + "#" * 50_000, field="order_status", new="pending", strategies=["erratum"]),
+            session="a",
+        )
 
 
 def test_model_time_budget_stops_an_edit_cleanly(registry, sessions):
     with bounded(WorkBudget(seconds=0.0, profile="this server (public profile)")), pytest.raises(AppError, match="at most 0 s"):
-        handlers.run_edit(registry, sessions, "t", None, SCENARIO + "\n# budget\n", "order_status", "pending", ["erratum"])
+        run_edit(
+            registry,
+            sessions,
+            EditInputs(SCENARIO + "\n# budget\n", field="order_status", new="pending", strategies=["erratum"]),
+            session="t",
+        )
     assert sessions.get("t", "edit") is None
-    view = handlers.run_edit(registry, sessions, "t", None, SCENARIO, "order_status", "pending", ["erratum"])
+    view = run_edit(registry, sessions, EditInputs(SCENARIO, field="order_status", new="pending", strategies=["erratum"]), session="t")
     assert view.summary["new"] == "pending", "the server is usable after a stopped request"
 
 
 def test_duplicated_strategies_run_once_and_turns_are_capped(registry, sessions):
-    view = handlers.run_edit(registry, sessions, "d", None, SCENARIO, "order_status", "pending", ["erratum"] * 20, separately=True)
+    view = run_edit(
+        registry,
+        sessions,
+        EditInputs(SCENARIO, field="order_status", new="pending", strategies=["erratum"] * 20, separately=True),
+        session="d",
+    )
     assert list(view.summary["strategies"]) == ["erratum"]
     public = ModelRegistry(TINY, profile=public_profile())
     public.add(TINY, registry.get())
     with pytest.raises(AppError, match="9 agent turns asked; this server .* runs at most 8"):
-        handlers.run_agent_loop(public, None, ["account_gate"], "", "", None, "seam:1", 9, False)
+        run_agent_loop(public, Composition(["account_gate"], remedy="seam:1"), turns=9, toggle=False)
 
 
 # ---------------------------------------------------------------------------- 4. composer text
 def test_composer_text_naming_skills_is_literal(registry):
-    view = handlers.run_compose(registry, None, ["account_gate"], "see {skill:account_gate} and {skill:not_placed}", "", None, "seam:1")
-    plain = handlers.run_compose(registry, None, ["account_gate"], "see", "", None, "seam:1")
+    view = run_compose(registry, Composition(["account_gate"], before="see {skill:account_gate} and {skill:not_placed}", remedy="seam:1"))
+    plain = run_compose(registry, Composition(["account_gate"], before="see", remedy="seam:1"))
     with pytest.raises(AppError, match="the remedy must be a spec"):
-        handlers.run_compose(registry, None, ["account_gate"], "see", "", None, 1)
+        run_compose(registry, Composition(["account_gate"], before="see", remedy=1))
     assert view.summary["skill_tokens"] == plain.summary["skill_tokens"], "the skill is placed once"
     assert view.summary["context_tokens"] < 2 * plain.summary["context_tokens"]
 
@@ -145,7 +169,7 @@ def test_composer_text_naming_skills_is_literal(registry):
 def test_public_profile_refuses_local_paths_without_naming_server_paths(spec):
     registry, _ = _registry(public_profile())
     with pytest.raises(AppError) as refused:
-        handlers.load_model_card(registry, spec)
+        load_model_card(registry, spec)
     message = str(refused.value)
     assert message.startswith(f"model {spec!r} is not offered by this server (public profile); choose one of: embedded")
     assert str(Path.home()) not in message.replace(f"{spec!r}", "")
@@ -153,19 +177,19 @@ def test_public_profile_refuses_local_paths_without_naming_server_paths(spec):
 
 def test_local_paths_are_named_as_given_never_resolved(tmp_path, registry):
     with pytest.raises(AppError) as refused:
-        handlers.load_model_card(registry, "~")
+        load_model_card(registry, "~")
     assert "'~' has no config.json" in str(refused.value) and str(Path.home()) not in str(refused.value)
     (tmp_path / "weights.bin").write_text("x")
     with pytest.raises(AppError) as refused:
-        handlers.load_model_card(registry, str(tmp_path / "weights.bin"))
+        load_model_card(registry, str(tmp_path / "weights.bin"))
     assert "is a file" in str(refused.value)
 
 
 def test_offered_models_hold_no_paths_on_a_public_server():
     registry, _ = _registry(public_profile(extra_models=("org/model",)))
-    offered = handlers.offered_models(registry)
+    offered = offered_models(registry)
     assert all("/" not in spec or spec == "org/model" for spec in offered) and "org/model" in offered
-    card, info = handlers.load_model_card(registry, TINY)
+    card, info = load_model_card(registry, TINY)
     assert info["hosting"]["name"] == "public" and info["hosting"]["max_context_tokens"] == 1024
     assert os.environ.get("KVSCOPE_CACHE_DIR", "~/.cache/kvscope") not in card and str(Path.home()) not in card
 
@@ -177,24 +201,24 @@ def test_toasts_and_descriptions_escape_user_markup():
     hostile = SCENARIO.replace(
         'description = "Order status decides the refund."', 'description = "[click](http://evil.example) <b>bold</b>"'
     )
-    description = handlers.scenario_choices(hostile).description
+    description = scenario_choices(hostile).description
     assert "](" not in description and "<b>" not in description and r"\[click\]" in description
 
 
 # ---------------------------------------------------------------------------- 7. specific errors
 def test_specific_errors_for_bad_tiny_names_plots_and_empty_edits(registry, sessions):
     with pytest.raises(AppError, match="unknown tiny architecture 'nope'; choose one of: llama"):
-        handlers.load_model_card(registry, "tiny-nope")
+        load_model_card(registry, "tiny-nope")
 
     class Broken:
         type, plot = "plotly", "{not json"
 
     with pytest.raises(AppError, match="plot 2 of this export is not a valid plotly figure"):
-        _figure(Broken(), 1)
+        plot_figure(Broken(), 1)
     with pytest.raises(AppError, match="the scenario editor is empty"):
-        handlers.run_edit(registry, sessions, "e", None, None, None, None, [], None)
+        run_edit(registry, sessions, EditInputs(None, field=None, new=None, strategies=[], top_k=None), session="e")
     with pytest.raises(AppError, match="K must be a whole number, got 'many'"):
-        handlers.run_edit(registry, sessions, "e", None, SCENARIO, None, None, [], "many")
+        run_edit(registry, sessions, EditInputs(SCENARIO, field=None, new=None, strategies=[], top_k="many"), session="e")
 
 
 # ---------------------------------------------------------------------------- 8. exports

@@ -7,8 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from app import handlers
-from app.handlers import AppError
+from app.handlers.common import AppError
+from app.handlers.model import memory_markdown
+from app.handlers.models import run_model_comparison
 from app.hosting import MODEL_SHARE, from_env, local_profile, public_profile
 from app.state import ModelRegistry, SessionStore
 from engine.models import expected_parameter_bytes, load_model
@@ -55,7 +56,7 @@ def test_eviction_by_bytes_drops_the_least_recently_used_and_says_so():
     (message,) = registry.drops_since(mark)
     assert message.startswith("dropped a (4.0 GB)") and "to load c (5.0 GB)" in message and "10.0 GB" in message
     assert registry.drops_since(registry.drop_serial) == []
-    assert "**Model weights** 9.0 GB of 10.0 GB (b 4.0 GB, c 5.0 GB" in handlers.memory_markdown(registry, SessionStore())
+    assert "**Model weights** 9.0 GB of 10.0 GB (b 4.0 GB, c 5.0 GB" in memory_markdown(registry, SessionStore())
 
 
 def test_a_public_server_keeps_its_default_pinned_and_still_drops_others():
@@ -97,8 +98,14 @@ def test_the_models_panel_compares_tiny_models_and_reports_progress():
     registry = ModelRegistry(TINY, profile=local_profile())
     registry.add(TINY, load_model(TINY))
     steps, messages = [], []
-    view = handlers.run_model_comparison(
-        registry, [TINY, "tiny-llama"], SCENARIO, "order_status", "pending", progress=lambda *s: steps.append(s), messages=messages.append
+    view = run_model_comparison(
+        registry,
+        [TINY, "tiny-llama"],
+        text=SCENARIO,
+        field="order_status",
+        new="pending",
+        progress=lambda *s: steps.append(s),
+        messages=messages.append,
     )
     assert [row["model"] for row in view.result["models"]] == [TINY, "tiny-llama"]
     assert steps[-1][0] == steps[-1][1] and any("tiny-llama" in m for m in messages)
@@ -106,7 +113,7 @@ def test_the_models_panel_compares_tiny_models_and_reports_progress():
     assert view.share_figure.data and view.metrics_figure.data
     assert registry.loaded()[-1] == "tiny-llama"
     with pytest.raises(AppError, match="1 to 3"):
-        handlers.run_model_comparison(registry, [], SCENARIO, "order_status", "pending")
+        run_model_comparison(registry, [], text=SCENARIO, field="order_status", new="pending")
 
 
 def test_the_models_tab_answers_through_its_endpoint(app_url):

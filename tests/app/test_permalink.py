@@ -9,7 +9,8 @@ from urllib.parse import parse_qsl, urlsplit
 import pytest
 
 from app import permalink
-from app.handlers import bundled_scenario_text
+from app.handlers.common import bundled_scenario_text
+from app.handlers.notes import EditInputs
 from app.hosting import public_profile
 from app.permalink import MAX_ENCODED_TOML, LinkError, decode_toml, encode_toml, link_query, parse_link
 from engine.edit.strategies import STRATEGIES
@@ -26,7 +27,10 @@ def _parse(query: str | dict, **options):
 
 def test_a_bundled_scenario_travels_by_name_and_comes_back_whole():
     text = bundled_scenario_text("boarding_visa")
-    query = link_query(text, None, "visa_status", "valid", ["field_only", "erratum"], 4, 1, "prefix+seam:1", True, False)
+    query = link_query(
+        EditInputs(text, field="visa_status", new="valid", strategies=["field_only", "erratum"], top_k=4, head=1, separately=True),
+        remedy="prefix+seam:1",
+    )
     assert "scenario=boarding_visa" in query and "toml=" not in query
     link = _parse(query)
     assert (link.scenario, link.text, link.field, link.value) == ("boarding_visa", text.strip(), "visa_status", "valid")
@@ -42,7 +46,7 @@ def test_a_bundled_scenario_travels_by_name_and_comes_back_whole():
 
 def test_an_edited_scenario_travels_compressed_and_exactly():
     text = SCENARIO + "# an edit with ünïcödé, quotes ''' and \\ backslashes\n"
-    query = link_query(text, "refund_gate", "order_status", "pending", ["erratum"], 8, -1)
+    query = link_query(EditInputs(text, field="order_status", new="pending", strategies=["erratum"], top_k=8, head=-1), hint="refund_gate")
     assert "toml=" in query and "scenario=" not in query
     assert decode_toml(encode_toml(text)) == text
     link = _parse(query)
@@ -54,7 +58,7 @@ def test_the_links_bound_is_stated_and_enforced():
     noise = "".join(random.Random(0).choices(string.ascii_letters + string.digits, k=12_000))
     big = SCENARIO + f"# {noise}\n"
     with pytest.raises(LinkError, match=r"this scenario takes 1\d,\d{3} characters in a link \(compressed\); a link carries at most 8,192"):
-        link_query(big, None, "order_status", "pending", [], 8, -1)
+        link_query(EditInputs(big, field="order_status", new="pending", top_k=8, head=-1))
     with pytest.raises(LinkError, match="a link carries at most 8,192"):
         decode_toml("A" * (MAX_ENCODED_TOML + 1))
 

@@ -9,7 +9,9 @@ import plotly.graph_objects as go
 import pytest
 from nbclient import NotebookClient
 
-from app import handlers
+from app.handlers.common import bundled_scenario_text, export_files
+from app.handlers.notes import EditInputs, edit_recipe, knockout_recipe, run_edit, run_knockout
+from app.handlers.probes import probe_recipe, run_probe
 from app.state import ExportFolder
 from tests.engine.test_reproduce import ROOT, numbers_agree, run_script
 
@@ -20,16 +22,21 @@ FILES = ["kvscope-notes-figures.html", "kvscope-notes.ipynb", "kvscope-notes.jso
 
 @pytest.fixture
 def edited(registry, sessions):
-    text = handlers.bundled_scenario_text(SCENARIO_NAME)
-    view = handlers.run_edit(registry, sessions, "repro", None, text, FIELD, VALUE, CHOSEN, 4, 1)
-    recipe = handlers.edit_recipe(registry, sessions, "repro", None, text, CHOSEN, separately=False, head=1, all_positions=True)
+    text = bundled_scenario_text(SCENARIO_NAME)
+    view = run_edit(registry, sessions, EditInputs(text, field=FIELD, new=VALUE, strategies=CHOSEN, top_k=4, head=1), session="repro")
+    recipe = edit_recipe(
+        registry,
+        sessions,
+        EditInputs(text, field=FIELD, new=VALUE, strategies=CHOSEN, top_k=4, head=1, separately=False, all_positions=True),
+        session="repro",
+    )
     return view, recipe
 
 
 def _export(tmp_path: Path, result: dict, recipe, stem: str = "kvscope-notes") -> dict[str, Path]:
     (tmp_path / "exports").mkdir(exist_ok=True)
     folder = ExportFolder(2**23, keep=8, root=tmp_path / "exports")
-    paths = handlers.export_files(folder, result, [go.Figure()], stem, (), recipe)
+    paths = export_files(folder, result, [go.Figure()], stem, (), recipe)
     return {Path(path).name: Path(path) for path in paths}
 
 
@@ -63,17 +70,17 @@ def test_the_exported_notebook_runs_in_a_kernel_and_reproduces_the_json(edited, 
 
 def test_a_knockout_export_reproduces_the_knockout(edited, sessions, tmp_path):
     _, recipe = edited
-    _, _, data = handlers.run_knockout(sessions, "repro", "", 3)
-    knocked = handlers.knockout_recipe(recipe, data["positions"])
+    _, _, data = run_knockout(sessions, session="repro", positions="", top_k=3)
+    knocked = knockout_recipe(recipe, data["positions"])
     assert knocked.kind == "knockout" and list(knocked.knockout) == data["positions"] and len(data["positions"]) == 3
     files = _export(tmp_path, data, knocked)
     numbers_agree(data, run_script(files["kvscope-notes.py"], tmp_path / "reproduced.json"))
 
 
 def test_a_probe_export_reproduces_the_probe(registry, tmp_path):
-    text = handlers.bundled_scenario_text(SCENARIO_NAME)
-    _, data = handlers.run_probe(registry, None, text, FIELD, VALUE, "suffix")
-    recipe = handlers.probe_recipe(registry, None, text, FIELD, VALUE, "suffix", {})
+    text = bundled_scenario_text(SCENARIO_NAME)
+    _, data = run_probe(registry, text=text, field=FIELD, new=VALUE, name="suffix")
+    recipe = probe_recipe(registry, text=text, field=FIELD, new=VALUE, name="suffix", options={})
     files = _export(tmp_path, data, recipe, "kvscope-probe")
     assert sorted(files) == ["kvscope-probe-figures.html", "kvscope-probe.ipynb", "kvscope-probe.json", "kvscope-probe.py"]
     numbers_agree(json.loads(files["kvscope-probe.json"].read_text()), run_script(files["kvscope-probe.py"], tmp_path / "probe.json"))

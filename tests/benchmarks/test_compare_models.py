@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import json
 
-from app.handlers import benchmark_figures_for
 from benchmarks import compare_models
+from viz.results import result_figures
 
 
 def test_compare_models_writes_each_model_and_the_cpu_flags(tmp_path):
@@ -31,7 +31,7 @@ def test_compare_models_writes_each_model_and_the_cpu_flags(tmp_path):
     for row in stored["models"]:
         assert row["calibrate"]["total"] == 1 and row["study"]["cases"] == 2 and set(row["study"]["summary"]) == {"splice", "seam:1"}
         assert row["load_s"] >= 0 and row["calibrate"]["s"] >= 0 and row["parameters"] > 0
-    (figure,) = benchmark_figures_for({"compare_models-float32-cpu": stored})
+    (figure,) = result_figures({"compare_models-float32-cpu": stored})
     assert "Across models" in figure.layout.title.text
 
 

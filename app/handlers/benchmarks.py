@@ -1,0 +1,34 @@
+"""The Benchmarks tab's handlers: the stored results, and a quick live TTFT check on the loaded model."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from app.handlers.common import bundled_scenario_text, guarded, parse_scenario
+from app.state import ModelRegistry
+from engine import StepProgress, ttft_by_length
+
+RESULTS_DIR = Path(__file__).parents[2] / "benchmarks" / "results"
+TTFT_SCENARIO = "refund_gate"  # the quick TTFT check measures what benchmarks/ttft.py measured
+
+
+def benchmark_results(kind: str | None = None) -> dict[str, dict]:
+    """Every JSON under benchmarks/results (or those of one ``kind``: ``<kind>-….json``), by file stem."""
+    return {path.stem: json.loads(path.read_text()) for path in sorted(RESULTS_DIR.glob(f"{kind}-*.json" if kind else "*.json"))}
+
+
+@guarded
+def quick_ttft(
+    registry: ModelRegistry, spec: str | None = None, lengths: Sequence[int] = (128, 512), progress: StepProgress = None
+) -> dict:
+    """A small live TTFT table: the long policy cut to each length, spliced before the refund gate."""
+    lm = registry.get(spec)
+    scenario = parse_scenario(bundled_scenario_text(TTFT_SCENARIO))
+    rows = []
+    for row in ttft_by_length(lm, scenario, lengths, registry.skills(spec)):
+        rows.append(row.as_dict())
+        if progress:
+            progress(len(rows), len(lengths))
+    return {"model": lm.fingerprint.name, "device": str(lm.device), "rows": rows}

@@ -1,0 +1,109 @@
+"""The Probes tab's handlers: one probe on the Notes tab's edit (and its recipe), and weight editing beside the erratum."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import plotly.graph_objects as go
+
+from app.handlers.common import AppError, guarded, number, parse_scenario
+from app.handlers.notes import experiment
+from app.state import ModelRegistry
+from engine import (
+    PROBES,
+    EditSettings,
+    LoraSettings,
+    Recipe,
+    RomeSettings,
+    Scenario,
+    StepProgress,
+    bundled_scenarios,
+    compare_edits,
+    dtype_name,
+    recipe_settings,
+)
+from viz.probes import probe_figure
+from viz.weights import trade_off_markdown, weight_edit_figure
+
+
+@guarded
+def run_probe(
+    registry: ModelRegistry,
+    spec: str | None = None,
+    *,
+    text: str,
+    field: str | None,
+    new: str | None,
+    name: str,
+    options: dict | None = None,
+    progress: StepProgress = None,
+) -> tuple[go.Figure, dict]:
+    """One probe (causal, linear or attribution) on the Notes tab's edit, with its figure."""
+    if name not in PROBES:
+        raise AppError(f"unknown probe {name!r}; choose from {', '.join(PROBES)}")
+    result = PROBES[name](experiment(registry, spec, text, field, new), progress=progress, **(options or {}))
+    return probe_figure(name, result), result.as_dict()
+
+
+@guarded
+def probe_recipe(
+    registry: ModelRegistry,
+    spec: str | None = None,
+    *,
+    text: str,
+    field: str | None,
+    new: str | None,
+    name: str,
+    options: dict | None = None,
+) -> Recipe:
+    """The recipe of :func:`run_probe` with these inputs."""
+    scenario = parse_scenario(text, registry.profile)
+    chosen = scenario.field(field or None)
+    lm = registry.get(spec)
+    return Recipe(
+        kind="probe",
+        model=registry.resolve(spec),
+        dtype=dtype_name(lm.dtype),
+        device=str(lm.device),
+        scenario_toml=text,
+        field=chosen.name,
+        new=new or chosen.new,
+        settings=recipe_settings(EditSettings(top_k=8)),  # the K of experiment()'s default, which run_probe uses
+        probe=name,
+        probe_options=dict(options or {}),
+        scenario_name=scenario.name,
+    )
+
+
+@guarded
+def run_weight_edits(
+    registry: ModelRegistry,
+    spec: str | None = None,
+    *,
+    text: str,
+    field: str | None,
+    new: str | None,
+    methods: Sequence[str],
+    lora_steps,
+    rome_layer,
+    progress: StepProgress = None,
+) -> tuple[go.Figure, str, dict]:
+    """ROME and LoRA beside field_erratum on the Notes tab's edit, measured against the bundled scenarios
+    (``rome_layer`` −1 or None: the layer the notes map points to)."""
+    if not methods:
+        raise AppError("choose at least one method to compare")
+    scenario = parse_scenario(text, registry.profile)
+    others = [Scenario.load(path) for path in bundled_scenarios().values()]
+    layer = number(rome_layer, "ROME layer", -1)
+    report = compare_edits(
+        registry.get(spec),
+        scenario,
+        others,
+        field or None,
+        new or None,
+        list(methods),
+        lora=LoraSettings(steps=number(lora_steps, "LoRA steps", LoraSettings.steps)),
+        rome=RomeSettings(layer=None if layer < 0 else layer),
+        progress=progress,
+    )
+    return weight_edit_figure(report), trade_off_markdown(report), report.as_dict()

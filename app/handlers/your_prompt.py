@@ -1,0 +1,409 @@
+"""The Your prompt tab's handlers: a request log audited as traffic (or one prompt with a value changed), every repair
+measured; the marked prompts, Open in Notes, a rewrite measured against the log, and the exports."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import plotly.graph_objects as go
+
+from app.handlers.common import AppError, ScenarioChoices, guarded, number, scenario_choices
+from app.hosting import HostingProfile
+from app.state import ExportFolder, ModelRegistry, SessionStore
+from engine import (
+    DEFAULT_SAMPLE,
+    GRAINS,
+    REPAIRS,
+    AuditReport,
+    CacheSettings,
+    KVScopeError,
+    LoadedModel,
+    MeasureSettings,
+    MessageProgress,
+    NotesScenario,
+    RenderedRequest,
+    Request,
+    RequestLogError,
+    StepMessage,
+    StepProgress,
+    appended_chars,
+    apply_template,
+    audit_traffic,
+    audit_value,
+    bounded_sample,
+    bundled_logs,
+    candidate_menu,
+    candidate_span,
+    candidate_spans,
+    find_span,
+    measure_rewrite,
+    notes_scenario,
+    parse_prompt,
+    prefix_cache_stop,
+    read_log,
+    render_request,
+    repaired_template,
+    rewrite_markdown,
+    scenario_toml,
+)
+from viz import audit as audit_figures
+from viz import text as panels
+from viz.common import message_figure
+
+AUDIT_STEM = "kvscope-audit"
+AUDIT_REPAIRS = [name for name in REPAIRS if name != "recompute"]  # recompute always runs: the reference
+DEFAULTS = MeasureSettings(tuple(AUDIT_REPAIRS))  # the greedy tokens, KL threshold and minimum agreement by default
+NO_GRAIN = "none"  # the grain menu's entry for no coarsening
+
+
+def bundled_log_text(name: str) -> str:
+    """The text of a bundled request log."""
+    paths = bundled_logs()
+    if name not in paths:
+        raise AppError(f"unknown demo log {name!r}; bundled: {', '.join(paths)}")
+    return paths[name].read_text(encoding="utf-8")
+
+
+@dataclass
+class AuditView:
+    """Everything the Your prompt tab shows after an audit."""
+
+    recommendation_markdown: str
+    timeline_figure: go.Figure
+    fidelity_figure: go.Figure
+    prompt_html: str
+    summary: dict
+    notes_markdown: str = ""  # what Open in Notes would study, said before it is offered
+    # a log audited as traffic (none for one prompt with a new value): sessions, engines' reuse, causes, sampled groups
+    traffic_markdown: str = ""
+    groups_markdown: str = ""
+    sessions_figure: go.Figure | None = None
+    engines_figure: go.Figure | None = None
+
+
+def audit_options(profile: HostingProfile, requests: int, repairs: Sequence[str] | None, tokens, threshold, min_agreement, grain) -> dict:
+    """The audit's settings from UI values, checked (the profile bounds the requests and the greedy tokens)."""
+    tokens = number(tokens, "greedy tokens N", DEFAULTS.tokens)
+    threshold = number(threshold, "KL threshold", DEFAULTS.threshold, float)
+    min_agreement = number(min_agreement, "minimum agreement", DEFAULTS.min_agreement, float)
+    if not 0 <= min_agreement <= 1:
+        raise AppError(f"the minimum agreement is a share between 0 and 1, got {min_agreement:g}")
+    if threshold < 0:
+        raise AppError(f"the KL threshold cannot be negative, got {threshold:g}")
+    grain = (grain or "").strip()
+    grain = None if grain in ("", NO_GRAIN) else grain
+    if grain is not None and grain not in GRAINS:
+        raise AppError(f"unknown grain {grain!r}; choose one of {', '.join(GRAINS)} (or none)")
+    profile.check_audit(requests, tokens)
+    return {"repairs": list(repairs or []), "tokens": tokens, "threshold": threshold, "min_agreement": min_agreement, "grain": grain}
+
+
+def _audit_text(text: str | None, what: str) -> str:
+    if not (text or "").strip():
+        raise AppError(f"paste {what} first, upload a file or pick a bundled demo log")
+    return text
+
+
+def engine_settings(*, block=CacheSettings.block, budget_blocks=None, budget_tokens=None, cache_reuse=0) -> CacheSettings:
+    """The simulated engines' settings from UI values (a budget of 0 or empty: unbounded)."""
+    block = number(block, "block size", CacheSettings.block)
+    values = {
+        "vLLM block budget": number(budget_blocks, "vLLM block budget", 0),
+        "SGLang token budget": number(budget_tokens, "SGLang token budget", 0),
+        "llama.cpp --cache-reuse": number(cache_reuse, "llama.cpp --cache-reuse", 0),
+    }
+    if block < 1:
+        raise AppError(f"the block size is at least 1 token, got {block}")
+    negative = [name for name, value in values.items() if value < 0]
+    if negative:
+        raise AppError(f"the {negative[0]} cannot be negative (0: unbounded, or off)")
+    blocks, tokens, reuse = values.values()
+    return CacheSettings(block, blocks or None, tokens or None, None, reuse)
+
+
+def _steps(progress: MessageProgress | None, unit: str) -> StepProgress:
+    """A step callback that reports ``unit: done/total`` as a message carrying its fraction (the tab's bar)."""
+    if progress is None:
+        return None
+    return lambda done, total: progress(StepMessage(f"{unit}: {done:,}/{total:,}", done, total))
+
+
+@guarded
+def run_audit(
+    registry: ModelRegistry,
+    sessions: SessionStore,
+    text: str | None,
+    *,
+    session: str,
+    spec: str | None = None,
+    repairs: Sequence[str] | None = None,
+    tokens=DEFAULTS.tokens,
+    threshold=DEFAULTS.threshold,
+    min_agreement=DEFAULTS.min_agreement,
+    grain: str | None = None,
+    x: str = "computed",
+    y: str = "kl",
+    sample=DEFAULT_SAMPLE,
+    engines: CacheSettings = CacheSettings(),
+    progress: MessageProgress | None = None,
+) -> AuditView:
+    """Audit a request log as traffic: the token pass over every request (sessions, matches, causes, the simulated
+    engines), then every repair measured on up to ``sample`` turns of each change signature (malformed records are
+    skipped and named). The measured turns are kept for this session (Open in Notes, export, redrawn axes)."""
+    log = read_log(_audit_text(text, "a request log (one JSON request a line)"))
+    sample = number(sample, "--sample K", DEFAULT_SAMPLE)
+    profile = registry.profile
+    # at most this many turns are measured: every request, or the profile's bound that ``bounded_sample`` keeps to
+    measured = min(len(log.requests), profile.max_audit_requests or len(log.requests))
+    options = audit_options(profile, measured, repairs, tokens, threshold, min_agreement, grain)
+    lm = registry.get(spec)
+    most = profile.max_audit_requests
+    scan_steps = _steps(progress, "token pass (bounding the sample): requests")
+    fits = bounded_sample(lm, log, sample, most, settings=engines, max_tokens=profile.max_context_tokens, progress=scan_steps)
+    bound = None if fits == sample else f"{profile.label} measures at most {most} turns of a log: --sample lowered from {sample} to {fits}"
+    traffic = audit_traffic(
+        lm,
+        log,
+        sample=fits,
+        settings=engines,
+        max_tokens=profile.max_context_tokens,
+        scan_progress=_steps(progress, "token pass: requests"),
+        progress=_steps(progress, "measured steps"),
+        **options,
+    )
+    data = traffic.as_dict() | {"sample_bound": bound}
+    return _kept_audit(registry, sessions, session, spec, lm, traffic.measured_report(), x, y, data)
+
+
+def _rendered_prompt(registry: ModelRegistry, spec: str | None, text: str | None) -> tuple[Request, RenderedRequest]:
+    request = parse_prompt(_audit_text(text, "a prompt (plain text or messages JSON)"))
+    return request, render_request(registry.get(spec), request, registry.profile.max_context_tokens)
+
+
+@guarded
+def prompt_candidates(registry: ModelRegistry, text: str | None, *, spec: str | None = None) -> tuple[str, list[tuple[str, int]]]:
+    """One prompt rendered with the model's chat template, its volatile-looking spans highlighted and numbered, and
+    the menu naming them: (label, number) pairs such as ``("3 · datetime · 2026-05-12 09:41", 3)``."""
+    _, rendered = _rendered_prompt(registry, spec, text)
+    found = candidate_spans(rendered)
+    marks = [
+        audit_figures.Mark(c.char_span[0], c.char_span[1], "candidate", f"{index} · {c.kind}: {c.text}", str(index))
+        for index, c in enumerate(found, 1)
+    ]
+    return audit_figures.candidates_html(rendered.text, marks), candidate_menu(found)
+
+
+@guarded
+def run_audit_value(
+    registry: ModelRegistry,
+    sessions: SessionStore,
+    text: str | None,
+    *,
+    session: str,
+    spec: str | None = None,
+    candidate=None,
+    find: str | None = None,
+    new_value: str | None = None,
+    repairs: Sequence[str] | None = None,
+    tokens=DEFAULTS.tokens,
+    threshold=DEFAULTS.threshold,
+    min_agreement=DEFAULTS.min_agreement,
+    grain: str | None = None,
+    x: str = "computed",
+    y: str = "kl",
+    progress: StepProgress = None,
+) -> AuditView:
+    """One prompt as cached, then as it arrives with one value changed: candidate span number ``candidate`` (as
+    :func:`prompt_candidates` numbers them), or the first occurrence of ``find`` (which wins when given), set to
+    ``new_value``."""
+    request, rendered = _rendered_prompt(registry, spec, text)
+    options = audit_options(registry.profile, 2, repairs, tokens, threshold, min_agreement, grain)
+    if (find or "").strip():
+        site = find_span(request, find)
+    elif candidate is not None and str(candidate).strip():
+        site = candidate_span(rendered, candidate_spans(rendered), number(candidate, "the candidate span", 0))
+    else:
+        raise AppError("pick a candidate span (Find volatile spans) or type the text to change")
+    if new_value is None or not str(new_value).strip():
+        raise AppError("type the new value the changed request carries")
+    lm = registry.get(spec)
+    report = audit_value(
+        lm,
+        request,
+        site.chars,
+        str(new_value),
+        message=site.message,
+        max_tokens=registry.profile.max_context_tokens,
+        progress=progress,
+        **options,
+    )
+    return _kept_audit(registry, sessions, session, spec, lm, report, x, y)
+
+
+@guarded
+def run_rewrite(
+    registry: ModelRegistry,
+    text: str | None,
+    *,
+    spec: str | None = None,
+    rewritten: str | None,
+    template: bool = False,
+    tokens=DEFAULTS.tokens,
+    progress: StepProgress = None,
+) -> tuple[str, dict]:
+    """A rewrite of the log (a linter's rewritten log, or a prompt template applied to the log's values) measured against
+    it: each engine's reuse before and after, and each rewritten prompt's output against the original's clean prefill."""
+    log = read_log(_audit_text(text, "the original request log"))
+    given = _audit_text(rewritten, "the rewritten log (or a prompt template)")
+    changed = apply_template(given, log) if template else read_log(given)
+    tokens = number(tokens, "greedy tokens N", DEFAULTS.tokens)
+    registry.profile.check_audit(len(log.requests), tokens)
+    measured = measure_rewrite(
+        registry.get(spec), log, changed, tokens=tokens, max_tokens=registry.profile.max_context_tokens, progress=progress
+    )
+    rows = [row.as_dict() for row in measured.requests]
+    return rewrite_markdown(measured.verdict(), rows), {"rewrite": rows, "verdict": measured.verdict()}
+
+
+def _kept_audit(
+    registry: ModelRegistry,
+    sessions: SessionStore,
+    session: str,
+    spec: str | None,
+    lm: LoadedModel,
+    report: AuditReport,
+    x: str,
+    y: str,
+    traffic: dict | None = None,
+) -> AuditView:
+    """Keep the audit and its Notes scenario (the model's own answers: two more prefills) for this session; their view.
+    ``traffic``: the log's token pass (``TrafficReport.as_dict()``) when ``report`` holds its measured turns."""
+    try:
+        notes = notes_scenario(lm, report)
+    except KVScopeError as error:  # no field to edit: the tab says why, Open in Notes refuses with the same words
+        notes = str(error)
+    model = registry.resolve(spec)
+    sessions.put(session, "audit", report, model)
+    sessions.put(session, "audit_notes", notes, model)
+    sessions.put(session, "audit_traffic", traffic, model)
+    return audit_view(report, x, y, notes, traffic)
+
+
+def _turn_marks(report: AuditReport, index: int) -> list[audit_figures.Mark]:
+    """The changed fields, where an exact prefix cache stops, and the appended turns, in request ``index``'s text."""
+    turn, rendered = report.turns[index], report.rendered[index]
+    diff = turn.diff
+    marks = [
+        audit_figures.Mark(*change.char_span, "field", f"{change.name}: {change.old!r} → {change.new!r}", change.name)
+        for change in turn.fields
+    ]
+    cut = prefix_cache_stop(diff, rendered)
+    marks.append(
+        audit_figures.Mark(cut, cut, "cut", f"an exact prefix cache reuses the {diff.common_prefix_tokens:,} tokens before this point")
+    )
+    appended = appended_chars(diff, rendered)
+    if appended is not None:
+        words = f"{len(rendered) - diff.growth_start:,} tokens appended since the previous request"
+        marks.append(audit_figures.Mark(*appended, "growth", words))
+    return marks
+
+
+def audit_view(
+    report: AuditReport, x: str = "computed", y: str = "kl", notes: NotesScenario | str | None = None, traffic: dict | None = None
+) -> AuditView:
+    """The tab's panels of an audit: recommendations, the timeline, fidelity against cost, the marked prompts and what
+    Open in Notes would study (``notes``: its scenario, or why there is none); with ``traffic`` (the log's token pass,
+    whose measured turns ``report`` holds), its sessions, engines, causes, groups and timeline per session, and the
+    summary is the traffic's JSON."""
+    data = report.as_dict()
+    turns = [(turn.request, report.rendered[i].text, _turn_marks(report, i)) for i, turn in enumerate(report.turns) if turn.diff]
+    shown = report.last_with_fields() or report.turns[-1]
+    view = AuditView(
+        recommendation_markdown=audit_figures.recommendations_markdown(data),
+        timeline_figure=audit_figures.reuse_timeline_figure(data),
+        fidelity_figure=audit_figures.fidelity_cost_figure(data, *_axes(x, y)),
+        prompt_html=audit_figures.turns_html(turns, shown.request),
+        summary=data,
+        notes_markdown=panels.open_in_notes_markdown(notes),
+    )
+    if traffic is None:
+        return view
+    return dataclasses.replace(
+        view,
+        summary=traffic,
+        traffic_markdown=audit_figures.traffic_markdown(traffic),
+        groups_markdown=audit_figures.groups_markdown(traffic),
+        sessions_figure=audit_figures.session_timeline_figure(traffic),
+        engines_figure=audit_figures.engine_reuse_figure(traffic),
+    )
+
+
+def _axes(x: str | None, y: str | None) -> tuple[str, str]:
+    x, y = x or "computed", y or "kl"
+    if x not in audit_figures.X_AXES or y not in audit_figures.Y_AXES:
+        raise AppError(f"axes are x in {', '.join(audit_figures.X_AXES)} and y in {', '.join(audit_figures.Y_AXES)}")
+    return x, y
+
+
+def _audit_report(sessions: SessionStore, session: str) -> AuditReport:
+    report = sessions.get(session, "audit")
+    if report is None:
+        raise AppError("run an audit first: paste a log (or one prompt and a new value) and press Audit")
+    return report
+
+
+def audit_fidelity_view(sessions: SessionStore, *, session: str, x: str | None, y: str | None) -> go.Figure:
+    """The session's last audit drawn on other axes (no model call)."""
+    report = sessions.get(session, "audit")
+    if report is None:
+        return message_figure("run an audit first: the figure draws its repairs")
+    return audit_figures.fidelity_cost_figure(report.as_dict(), *_axes(x, y))
+
+
+def answer_labels(text: str | None) -> list[str] | None:
+    """Two answer labels from ``"yes, no"`` (None when empty: the scenario's default)."""
+    labels = [label.strip() for label in (text or "").split(",") if label.strip()]
+    if not labels:
+        return None
+    if len(labels) != 2:
+        raise AppError(f"name two answer labels separated by a comma (e.g. yes, no), got {len(labels)}")
+    return labels
+
+
+@guarded
+def audit_notes_scenario(sessions: SessionStore, *, session: str, labels: str | None = None) -> tuple[str, ScenarioChoices]:
+    """The scenario TOML built from the session's last audit (the last turn with a changed field, its value as the
+    field; its answers the model's own, unless ``labels`` names two), and the Notes tab's field and value choices."""
+    report, named = _audit_report(sessions, session), answer_labels(labels)
+    kept = sessions.get(session, "audit_notes")
+    if named:
+        text = scenario_toml(report, named)
+    elif isinstance(kept, NotesScenario):
+        text = kept.toml
+    else:
+        raise AppError(kept or "audit a log first")
+    return text, scenario_choices(text)
+
+
+@guarded
+def export_audit(folder: ExportFolder, sessions: SessionStore, *, session: str, x: str = "computed", y: str = "kl") -> list[str]:
+    """The audit JSON, its figures and marked prompts (HTML), the auto-built scenario TOML and the repaired prompt
+    template (each where the audit allows one); returns the files' paths."""
+    report = _audit_report(sessions, session)
+    view = audit_view(report, x, y, traffic=sessions.get(session, "audit_traffic"))
+    chat = report.rendered[-1].request.messages is not None
+    notes = sessions.get(session, "audit_notes")
+    extra = {}
+    for name, build in (
+        (f"{AUDIT_STEM}-scenario.toml", (lambda _: notes.toml) if isinstance(notes, NotesScenario) else scenario_toml),
+        (f"{AUDIT_STEM}-template.{'json' if chat else 'txt'}", repaired_template),
+    ):
+        try:
+            extra[name] = build(report)
+        except RequestLogError:
+            pass  # no field changed, or (the scenario) one in the last message, which a scenario reads as its question
+    figures = [view.sessions_figure, view.engines_figure, view.timeline_figure, view.fidelity_figure]
+    paths = folder.write(view.summary, [figure for figure in figures if figure is not None], AUDIT_STEM, [view.prompt_html], extra)
+    return [str(path) for path in paths]

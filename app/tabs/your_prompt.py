@@ -1,0 +1,297 @@
+"""Your prompt: a request log (or one prompt and a new value) audited for mutable fields in cached prefixes, every
+repair measured; Open in Notes runs the edit, the notes map and knockout on it; a rewrite measured against the log."""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from app.handlers.common import AppError
+from app.handlers.your_prompt import (
+    AUDIT_REPAIRS,
+    DEFAULTS,
+    NO_GRAIN,
+    AuditView,
+    audit_fidelity_view,
+    audit_notes_scenario,
+    bundled_log_text,
+    engine_settings,
+    export_audit,
+    prompt_candidates,
+    run_audit,
+    run_audit_value,
+    run_rewrite,
+)
+from app.inputs import LenientCheckboxGroup, LenientSlider
+from app.page import Page, message_progress, step_progress
+from app.tabs.notes import NotesInputs
+from engine import DEFAULT_SAMPLE, GRAINS, REPAIR_SUMMARIES, CacheSettings, bundled_logs
+from viz.common import markdown_literal
+from viz.text import glossary
+
+AUDIT_INTRO = """Paste a request log as your server or gateway records it (OpenAI chat, completions or Responses requests,
+Anthropic Messages, ShareGPT, gateway records or batch lines; one JSON object a line, or a JSON array), upload one, or pick a
+demo. A token pass covers every request, rendered with the loaded model's own chat template (tools included): each is matched
+with the earlier request it shares the longest prefix with, sessions are kept apart, each miss gets its cause (a clock, an id,
+tools changed, a prefix ending mid-block…), and three engines' caches are simulated (vLLM blocks, SGLang's radix tree,
+llama.cpp's slots). Turns are grouped by what changed; the model then measures every repair on up to *K* turns of each group
+against a clean prefill of the new request (next-token KL, top-1, N greedy tokens) and recommends the cheapest within your
+threshold. Malformed records are skipped and named. For one prompt, open *One prompt* below and change a value."""
+ONE_PROMPT_INTRO = (
+    "Paste one prompt above (plain text is one user message). *Find volatile spans* marks dates and times, ids, hex "
+    "strings, numbers and `key: value` values in the rendered prompt; pick one (or type the text to change), type "
+    "its new value and audit the prompt as cached against the prompt as it arrives."
+)
+REWRITE_INTRO = (
+    "Same requests, same order. Each engine's reuse before and after, and each rewritten prompt's output against "
+    "the original's clean prefill (next-token KL, top-1, top-5, the N greedy tokens, the same text or not)."
+)
+OPEN_IN_NOTES_JS = "() => { const button = document.querySelector('#run-edit'); if (button) { button.click(); } }"
+
+
+def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
+    """The Your prompt tab."""
+    most_tokens = page.registry.profile.max_audit_tokens or 128
+    with gr.Tab("Your prompt", id="your-prompt"):
+        gr.Markdown(AUDIT_INTRO)
+        with gr.Row():
+            with gr.Column(scale=2):
+                with gr.Row():
+                    demo = gr.Dropdown(list(bundled_logs()), value=None, label="Bundled demo log", elem_id="audit-demo")
+                    upload = gr.File(
+                        label="…or upload a log or a prompt",
+                        file_types=[".jsonl", ".json", ".txt"],
+                        type="filepath",
+                        elem_id="audit-upload",
+                    )
+                log_text = gr.Textbox(
+                    label="Request log (JSONL or a JSON array of requests), or one prompt (text or messages JSON)",
+                    lines=12,
+                    max_lines=24,
+                    elem_id="audit-input",
+                )
+            with gr.Column(scale=1):
+                repairs = LenientCheckboxGroup(
+                    AUDIT_REPAIRS,
+                    value=AUDIT_REPAIRS,
+                    label="Repairs (recompute, the exact reference, always runs)",
+                    info=glossary(REPAIR_SUMMARIES),
+                    elem_id="audit-repairs",
+                )
+                tokens = LenientSlider(
+                    1,
+                    most_tokens,
+                    value=min(DEFAULTS.tokens, most_tokens),
+                    step=1,
+                    label="N: greedy tokens per state",
+                    elem_id="audit-tokens",
+                )
+                threshold = gr.Number(DEFAULTS.threshold, label="KL threshold (nats, next token)", elem_id="audit-threshold")
+                min_agreement = LenientSlider(
+                    0,
+                    1,
+                    value=DEFAULTS.min_agreement,
+                    step=0.05,
+                    label="Minimum share of greedy tokens agreeing",
+                    elem_id="audit-min-agreement",
+                )
+                grain = gr.Dropdown([NO_GRAIN, *GRAINS], value=NO_GRAIN, label="coarsen: the date-time grain", elem_id="audit-grain")
+                sample = LenientSlider(
+                    0,
+                    10,
+                    value=DEFAULT_SAMPLE,
+                    step=1,
+                    label="--sample K: turns the model measures per change signature (0: the token pass only)",
+                    elem_id="audit-sample",
+                )
+                with gr.Accordion("Simulated engines", open=False, elem_id="audit-engine-settings"):
+                    block = gr.Number(CacheSettings.block, precision=0, label="vLLM block size (tokens)", elem_id="audit-block")
+                    budget_blocks = gr.Number(0, precision=0, label="vLLM block budget (0: unbounded)", elem_id="audit-budget-blocks")
+                    budget_tokens = gr.Number(0, precision=0, label="SGLang token budget (0: unbounded)", elem_id="audit-budget-tokens")
+                    cache_reuse = gr.Number(0, precision=0, label="llama.cpp --cache-reuse N (0: off)", elem_id="audit-cache-reuse")
+                audit_button = gr.Button("Audit the log", variant="primary", elem_id="run-audit")
+        with gr.Accordion("One prompt: change a value", open=False, elem_id="audit-one-prompt"):
+            gr.Markdown(ONE_PROMPT_INTRO)
+            find_button = gr.Button("Find volatile spans", elem_id="audit-find-spans")
+            candidates_view = gr.HTML(elem_id="audit-candidates")
+            with gr.Row():
+                candidate = gr.Dropdown([], value=None, label="Candidate span", elem_id="audit-choice")
+                find = gr.Textbox(label="…or the text to change (its first occurrence)", elem_id="audit-find")
+                new_value = gr.Textbox(label="New value", elem_id="audit-new-value")
+                value_button = gr.Button("Audit this change", variant="primary", elem_id="run-audit-value")
+        traffic_view = gr.Markdown(elem_id="audit-traffic")
+        with gr.Row():
+            sessions_plot = gr.Plot(label="Requests per session", elem_id="audit-sessions", min_width=560)
+            engines_plot = gr.Plot(label="Tokens each engine reuses", elem_id="audit-engines", min_width=560)
+        groups_view = gr.Markdown(elem_id="audit-groups")
+        recommendation = gr.Markdown(elem_id="audit-recommendation")
+        with gr.Row():
+            timeline_plot = gr.Plot(label="Reused fraction per turn", elem_id="audit-timeline")
+            fidelity_plot = gr.Plot(label="Fidelity against cost", elem_id="audit-fidelity")
+        with gr.Row():
+            x_axis = gr.Radio([("computed tokens", "computed"), ("TTFT speed-up", "ttft")], value="computed", label="x", elem_id="audit-x")
+            y_axis = gr.Radio([("KL divergence", "kl"), ("greedy agreement", "agreement")], value="kl", label="y", elem_id="audit-y")
+        prompt_view = gr.HTML(elem_id="audit-prompt")
+        with gr.Row():
+            labels = gr.Textbox(
+                "",
+                label="Two answer labels the Notes tab reads (comma-separated; empty: the model's own answers, read when auditing)",
+                elem_id="audit-labels",
+                scale=2,
+            )
+            open_notes = gr.Button("Open in Notes", elem_id="audit-open-notes", scale=1)
+        open_status = gr.Markdown(elem_id="audit-open-status")
+        audit_json = gr.JSON(label="Audit", elem_id="audit-json")
+        with gr.Accordion("Measure a rewrite of this log: a linter's rewritten log, or your new prompt template", open=False):
+            gr.Markdown(REWRITE_INTRO)
+            with gr.Row():
+                rewritten = gr.Textbox(label="Rewritten log (JSONL), or a prompt template", lines=6, elem_id="audit-rewritten", scale=3)
+                with gr.Column(scale=1):
+                    as_template = gr.Checkbox(
+                        False, label="It is a prompt template ({placeholders}, as Export writes)", elem_id="audit-as-template"
+                    )
+                    rewrite_button = gr.Button("Measure the rewrite", variant="primary", elem_id="run-rewrite")
+            rewrite_view = gr.Markdown(elem_id="audit-rewrite")
+            rewrite_json = gr.JSON(label="Rewrite", elem_id="audit-rewrite-json")
+        with gr.Row():
+            export_button = gr.Button("Export JSON, figures, scenario TOML + repaired template", elem_id="export-audit")
+            export_files = gr.File(label="Exported files", file_count="multiple", elem_id="audit-files")
+
+    demo.input(page.action(bundled_log_text), inputs_kwargs={"name": demo}, outputs=log_text, api_name="audit_demo", concurrency_limit=None)
+
+    @page.action
+    def on_upload(path):
+        if not path:
+            raise AppError("no file uploaded")
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            return handle.read()
+
+    upload.upload(on_upload, inputs_kwargs={"path": upload}, outputs=log_text, api_name="audit_upload", concurrency_limit=None)
+
+    measure = {"repairs": repairs, "tokens": tokens, "threshold": threshold, "min_agreement": min_agreement, "grain": grain}
+    measure |= {"x": x_axis, "y": y_axis}
+    engines = {"block": block, "budget_blocks": budget_blocks, "budget_tokens": budget_tokens, "cache_reuse": cache_reuse}
+    shown = [recommendation, timeline_plot, fidelity_plot, prompt_view, audit_json, open_status]
+    shown += [traffic_view, sessions_plot, engines_plot, groups_view, page.session]
+
+    def _shown(view: AuditView, sid: str) -> tuple:
+        figures = view.timeline_figure, view.fidelity_figure
+        traffic = view.traffic_markdown, view.sessions_figure, view.engines_figure, view.groups_markdown
+        return view.recommendation_markdown, *figures, view.prompt_html, view.summary, view.notes_markdown, *traffic, sid
+
+    @page.action
+    def on_audit(session, spec, text, block, budget_blocks, budget_tokens, cache_reuse, progress=gr.Progress(), **settings):
+        sid = page.session_id(session)
+        simulated = engine_settings(block=block, budget_blocks=budget_blocks, budget_tokens=budget_tokens, cache_reuse=cache_reuse)
+        view = run_audit(
+            page.registry, page.sessions, text, session=sid, spec=spec, engines=simulated, progress=message_progress(progress), **settings
+        )
+        return _shown(view, sid)
+
+    audit_button.click(
+        on_audit,
+        inputs_kwargs={"session": page.session, "spec": page.spec, "text": log_text, **measure, "sample": sample, **engines},
+        outputs=shown,
+        api_name="audit",
+        **page.model_bound(),
+    )
+
+    @page.action
+    def on_candidates(spec, text):
+        view, menu = prompt_candidates(page.registry, text, spec=spec)
+        return view, gr.update(choices=menu, value=menu[0][1] if menu else None)
+
+    find_button.click(
+        on_candidates,
+        inputs_kwargs={"spec": page.spec, "text": log_text},
+        outputs=[candidates_view, candidate],
+        api_name="audit_candidates",
+        **page.model_bound(),
+    )
+
+    @page.action
+    def on_audit_value(session, spec, text, progress=gr.Progress(), **settings):
+        sid = page.session_id(session)
+        view = run_audit_value(page.registry, page.sessions, text, session=sid, spec=spec, progress=step_progress(progress), **settings)
+        return _shown(view, sid)
+
+    value_button.click(
+        on_audit_value,
+        inputs_kwargs={
+            "session": page.session,
+            "spec": page.spec,
+            "text": log_text,
+            "candidate": candidate,
+            "find": find,
+            "new_value": new_value,
+            **measure,
+        },
+        outputs=shown,
+        api_name="audit_value",
+        **page.model_bound(),
+    )
+    for axis in (x_axis, y_axis):
+        axis.change(
+            lambda session, x, y: audit_fidelity_view(page.sessions, session=page.session_id(session), x=x, y=y),
+            inputs_kwargs={"session": page.session, "x": x_axis, "y": y_axis},
+            outputs=fidelity_plot,
+            api_name="audit_axes" if axis is x_axis else False,
+            concurrency_limit=None,
+        )
+
+    @page.action
+    def on_open(session, labels):
+        text, view = audit_notes_scenario(page.sessions, session=page.session_id(session), labels=labels)
+        status = (
+            f"Loaded into the Notes tab: field *{markdown_literal(view.fields[0])}* → {markdown_literal(view.new)}; "
+            "the scenario is prepared and the edit runs there (its cards, frontier and notes map; knockout acts on it)."
+        )
+        return (
+            text,
+            view.description,
+            gr.update(choices=view.fields, value=view.fields[0]),
+            gr.update(choices=view.values, value=view.new),
+            gr.Tabs(selected="notes"),
+            status,
+            *notes.cleared(),
+        )
+
+    open_outputs = [notes.editor, notes.description, notes.field, notes.new_value, tabs, open_status]
+    open_outputs += [notes.scenario_pick, *notes.stale_outputs]
+    opened = open_notes.click(
+        on_open,
+        inputs_kwargs={"session": page.session, "labels": labels},
+        outputs=open_outputs,
+        api_name="audit_open_in_notes",
+        concurrency_limit=None,
+    )
+    opened.success(
+        lambda spec, text: page.prepare_message(spec, text),
+        inputs_kwargs={"spec": page.spec, "text": notes.editor},
+        outputs=notes.baseline,
+        api_name=False,
+        **page.model_bound(),
+    ).success(None, None, None, js=OPEN_IN_NOTES_JS, api_name=False)
+
+    @page.action
+    def on_rewrite(spec, text, progress=gr.Progress(), **values):
+        return run_rewrite(page.registry, text, spec=spec, progress=step_progress(progress), **values)
+
+    rewrite_button.click(
+        on_rewrite,
+        inputs_kwargs={"spec": page.spec, "text": log_text, "rewritten": rewritten, "template": as_template, "tokens": tokens},
+        outputs=[rewrite_view, rewrite_json],
+        api_name="audit_rewrite",
+        **page.model_bound(),
+    )
+
+    @page.action
+    def on_export(session, x, y):
+        return export_audit(page.exports, page.sessions, session=page.session_id(session), x=x, y=y)
+
+    export_button.click(
+        on_export,
+        inputs_kwargs={"session": page.session, "x": x_axis, "y": y_axis},
+        outputs=export_files,
+        api_name="export_audit",
+        concurrency_limit=None,
+    )
