@@ -130,7 +130,7 @@ _PUBLIC = {
     "KVScopeError": "engine.errors",
     "Knockout": "engine.cache.notebook",
     "LoadedModel": "engine.models",
-    "LoraSettings": "engine.edit.weight_edit",
+    "LoraSettings": "engine.edit.lora",
     "MeasureSettings": "engine.audit.audit",
     "MessageProgress": "engine.progress",
     "Notebook": "engine.cache.notebook",
@@ -145,7 +145,7 @@ _PUBLIC = {
     "RenderedRequest": "engine.audit.requests",
     "Request": "engine.audit.requests",
     "RequestLogError": "engine.audit.requests",
-    "RomeSettings": "engine.edit.weight_edit",
+    "RomeSettings": "engine.edit.rome",
     "STRATEGIES": "engine.edit.strategies",
     "STUDY_REMEDIES": "engine.compose.study:REMEDIES",
     "Scenario": "engine.scenario",
@@ -377,11 +377,13 @@ if TYPE_CHECKING:
     from engine.compose.ttft import TtftRow, ttft_by_length
     from engine.edit.experiment import EditExperiment
     from engine.edit.hybrid import read_scenario
+    from engine.edit.lora import LoraSettings
     from engine.edit.report import EditReport
+    from engine.edit.rome import RomeSettings
     from engine.edit.runs import ScenarioRun, run_scenario
     from engine.edit.strategies import STRATEGIES, EditSettings
     from engine.edit.weight_edit import METHODS as WEIGHT_METHODS
-    from engine.edit.weight_edit import LoraSettings, RomeSettings, compare_edits
+    from engine.edit.weight_edit import compare_edits
     from engine.errors import KVScopeError
     from engine.models import (
         DTYPES,

@@ -8,21 +8,13 @@ import pytest
 import torch
 
 from engine.cli import main
-from engine.edit import weight_edit
+from engine.edit import rome
 from engine.edit.experiment import EditExperiment
+from engine.edit.lora import LoraSettings, lora_edit
+from engine.edit.rome import RomeSettings, down_projection, rank_one_insert, rome_edit
 from engine.edit.runs import run_scenario
-from engine.edit.weight_edit import (
-    LoraSettings,
-    RomeSettings,
-    WeightEditError,
-    compare_edits,
-    decision_margin_of,
-    down_projection,
-    lora_edit,
-    private_copy,
-    rank_one_insert,
-    rome_edit,
-)
+from engine.edit.weight_edit import compare_edits
+from engine.edit.weight_update import WeightEditError, decision_margin_of, private_copy
 from engine.models.tiny import tiny_model
 from engine.scenario import Scenario, bundled_scenarios
 from tests.shared import SAME_LENGTH_SCENARIO
@@ -164,6 +156,6 @@ def test_cli_weights_json(tmp_path, capsys):
 
 
 def test_key_covariances_are_bounded_and_symmetric(lm):
-    moments = [weight_edit.key_moment(lm, down_projection(lm, layer), 64)[0] for layer in range(3)]
-    assert len(weight_edit._COVARIANCES) <= weight_edit.KEPT_COVARIANCES
+    moments = [rome.key_moment(lm, down_projection(lm, layer), 64)[0] for layer in range(3)]
+    assert len(rome._COVARIANCES) <= rome.KEPT_COVARIANCES
     assert all(torch.allclose(m, m.T) and float(torch.linalg.eigvalsh(m).min()) > -1e-5 for m in moments)
