@@ -1,40 +1,22 @@
-"""Scenario files: a policy context with mutable fields, a question, and the answers to score (TOML).
-
-The format is documented in docs/scenarios.md. `render` turns a scenario into token ids whose field spans are
-exact by construction: every piece is tokenized on its own and the pieces are concatenated.
-"""
+"""Scenario and skill files (TOML): parsed, validated and written back. The format is documented in docs/scenarios.md."""
 
 from __future__ import annotations
 
 import re
 import tomllib
-import unicodedata
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 from pathlib import Path
 from typing import Any
 
-from transformers import PreTrainedTokenizerBase
+from engine.scenario.text import ScenarioError, bundled_skills, context_chunks, split_template, toml_string
 
-from engine.errors import KVScopeError
-
-DEMOS = Path(__file__).parents[1] / "demos"  # bundled scenarios, skills, images and corpora (data, not code)
-_PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
-_SKILL_PLACEHOLDER = re.compile(r"\{\{|\}\}|\{skill:([A-Za-z0-9_-]+)\}")  # {{ and }} are escapes, never skills
 _SKILL_KEYS = ("title", "description", "text", "fields")
 _IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _TOP_KEYS = ("name", "description", "system", "context", "question", "fields", "answers", "expect")
 _REQUIRED_KEYS = ("name", "context", "question", "answers")
 _FIELD_KEYS = ("old", "new", "values")
-_SEPARATOR = "\n\n"
-_PLAIN_ANSWER_CUE = "\nAnswer:"
-_CONTEXT_SENTINEL = "KVSCOPEcontextSENTINEL"
-_QUESTION_SENTINEL = "KVSCOPEquestionSENTINEL"
-
-
-class ScenarioError(KVScopeError):
-    """A scenario file or a rendering request is invalid; the message names the problem."""
 
 
 @dataclass(frozen=True)
@@ -143,166 +125,6 @@ class Skill:
             raise ScenarioError(f"{path}: {e}") from None
 
 
-@dataclass(frozen=True)
-class Span:
-    """Token indices [start, end) into `RenderedPrompt.context_ids`."""
-
-    start: int
-    end: int
-
-    def __len__(self) -> int:
-        return self.end - self.start
-
-
-@dataclass(frozen=True)
-class RenderedPrompt:
-    """A scenario as token ids: the cached context, the decode-time tokens and the answers to score."""
-
-    context_ids: tuple[int, ...]
-    context_segments: tuple[str, ...]
-    field_spans: dict[str, Span]
-    decode_ids: tuple[int, ...]
-    answer_ids: dict[str, tuple[tuple[int, ...], ...]]
-    values: dict[str, str]
-    skill_spans: dict[str, Span] = dataclass_field(default_factory=dict)  # skill id -> its tokens (fields inside)
-
-
-def escape_braces(text: str) -> str:
-    """Literal text as a template holds it: braces doubled, so neither ``{field}`` nor ``{skill:ID}`` in it expands."""
-    return text.replace("{", "{{").replace("}", "}}")
-
-
-def unescape_braces(template: str) -> str:
-    """A template's literal text as written: doubled braces single again (the inverse of :func:`escape_braces`)."""
-    return template.replace("{{", "{").replace("}}", "}")
-
-
-_TOML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
-
-
-def toml_string(text: str) -> str:
-    """``text`` as a TOML basic string: quote, backslash and every control character (U+0000–U+001F, U+007F) escaped."""
-    escaped = "".join(_TOML_ESCAPES.get(char) or (f"\\u{ord(char):04X}" if char < " " or char == "\x7f" else char) for char in text)
-    return f'"{escaped}"'
-
-
-def bundled_scenarios() -> dict[str, Path]:
-    """The demo scenarios shipped in demos/scenarios, by file stem."""
-    folder = DEMOS / "scenarios"
-    return {path.stem: path for path in sorted(folder.glob("*.toml"))}
-
-
-def bundled_skills() -> dict[str, Path]:
-    """The skill library shipped in demos/skills, by id (file stem)."""
-    folder = DEMOS / "skills"
-    return {path.stem: path for path in sorted(folder.glob("*.toml"))}
-
-
-def bundled_logs() -> dict[str, Path]:
-    """The demo request logs shipped in demos/logs and its folders (``traffic/``: interleaved sessions), by file stem."""
-    return {path.stem: path for path in sorted((DEMOS / "logs").rglob("*.jsonl"))}
-
-
-def context_text(scenario: Scenario, values: Mapping[str, str] | None = None) -> str:
-    """The scenario's context as plain text: field ``values`` (old values by default) and skill texts filled in."""
-    filled = scenario.values_with(**(values or {}))
-
-    def fill(template: str) -> str:
-        texts, names = _split_context(template)
-        return "".join(text + filled[name] for text, name in zip(texts, names)) + texts[-1]
-
-    return "".join(fill(scenario.skills[text].text if kind == "skill" else text) for kind, text in _context_chunks(scenario.context))
-
-
-def is_aggregator(text: str) -> bool:
-    """Whether a token's text is whitespace only or punctuation only (a newline, '.', ':', ')\\n\\n' …)."""
-    stripped = text.strip()
-    return all(unicodedata.category(char).startswith("P") for char in stripped)
-
-
-def render(
-    scenario: Scenario,
-    tokenizer: PreTrainedTokenizerBase,
-    values: Mapping[str, str] | None = None,
-    *,
-    max_tokens: int | None = None,
-    appended: Sequence[tuple[int, str]] = (),
-) -> RenderedPrompt:
-    """Tokenize `scenario` with field `values` (old values by default), through the chat template if any;
-    ``appended`` (token id, segment) pairs follow the context, before the question (e.g. an image's tokens)."""
-    filled = scenario.values_with(**(values or {}))
-    chat = bool(getattr(tokenizer, "chat_template", None))
-    if chat:
-        head, separator, tail = _chat_frame(scenario, tokenizer)
-        answer_prefix = ""
-    else:
-        head = scenario.system + _SEPARATOR if scenario.system else ""
-        separator, tail, answer_prefix = _SEPARATOR, _PLAIN_ANSWER_CUE, " "
-
-    ids: list[int] = []
-    segments: list[str] = []
-
-    def add(text: str, segment: str) -> None:
-        piece = _encode(tokenizer, text)
-        ids.extend(piece)
-        segments.extend([segment] * len(piece))
-
-    add(head, "template")
-    bos = tokenizer.bos_token_id
-    if _adds_bos(tokenizer) and ids[:1] != [bos]:
-        ids.insert(0, bos)
-        segments.insert(0, "template")
-
-    spans: dict[str, Span] = {}
-    skill_spans: dict[str, Span] = {}
-
-    def add_template(template: str, segment: str) -> None:
-        texts, names = _split_context(template)
-        for text, name in zip(texts[:-1], names, strict=True):
-            lead = " " if text.endswith(" ") else ""
-            add(text.removesuffix(" ") if lead else text, segment)
-            start = len(ids)
-            add(lead + filled[name], f"field:{name}")
-            if len(ids) == start:
-                raise ScenarioError(f"field {name!r}: value {filled[name]!r} tokenizes to nothing with this tokenizer")
-            spans[name] = Span(start, len(ids))
-        add(texts[-1], segment)
-
-    for kind, text in _context_chunks(scenario.context):
-        if kind == "skill":
-            start = len(ids)
-            add_template(scenario.skills[text].text, f"skill:{text}")
-            skill_spans[text] = Span(start, len(ids))
-        else:
-            add_template(text, "context")
-    ids.extend(token for token, _ in appended)
-    segments.extend(segment for _, segment in appended)
-    add(separator, "template")
-
-    decode_ids = tuple(_encode(tokenizer, scenario.question + tail))
-    answer_ids: dict[str, tuple[tuple[int, ...], ...]] = {}
-    for label, surfaces in scenario.answers.items():
-        encoded = []
-        for surface in surfaces:
-            answer = tuple(_encode(tokenizer, answer_prefix + surface))
-            if not answer:
-                raise ScenarioError(f"answer {surface!r} (label {label!r}) tokenizes to nothing with this tokenizer")
-            encoded.append(answer)
-        answer_ids[label] = tuple(encoded)
-
-    if max_tokens is not None:
-        _check_length(len(ids), sum(len(s) for s in spans.values()), len(decode_ids), answer_ids, max_tokens)
-    return RenderedPrompt(
-        context_ids=tuple(ids),
-        context_segments=tuple(segments),
-        field_spans=spans,
-        decode_ids=decode_ids,
-        answer_ids=answer_ids,
-        values=filled,
-        skill_spans=skill_spans,
-    )
-
-
 def _toml(text: str) -> dict[str, Any]:
     try:
         return tomllib.loads(text)
@@ -317,22 +139,9 @@ def _read(path: str | Path, kind: str) -> str:
         raise ScenarioError(f"cannot read {kind} file {path}: {e}") from e
 
 
-def _context_chunks(context: str) -> list[tuple[str, str]]:
-    """Split a context at `{skill:ID}` placeholders: ("text", text) and ("skill", id) chunks in order."""
-    chunks, position = [], 0
-    for match in _SKILL_PLACEHOLDER.finditer(context):
-        if match.group(1) is None:  # an escaped brace: literal text
-            continue
-        chunks.append(("text", context[position : match.start()]))
-        chunks.append(("skill", match.group(1)))
-        position = match.end()
-    chunks.append(("text", context[position:]))
-    return [(kind, text) for kind, text in chunks if kind == "skill" or text]
-
-
 def _resolve_skills(context: str, library: Mapping[str, Path]) -> dict[str, Skill]:
     """Load every skill the context names, once each."""
-    ids = [text for kind, text in _context_chunks(context) if kind == "skill"]
+    ids = [text for kind, text in context_chunks(context) if kind == "skill"]
     skills = {}
     for skill_id in ids:
         if ids.count(skill_id) > 1:
@@ -352,7 +161,7 @@ def _parse_skill(data: dict[str, Any], skill_id: str, source: str | None) -> Ski
     if text is None:
         raise ScenarioError("missing required key 'text'")
     fields = _parse_fields(data["fields"]) if "fields" in data else {}
-    names = _split_context(text)[1]
+    names = split_template(text)[1]
     _check_placeholders(names, fields, "the skill text")
     return Skill(skill_id, _text(data, "title") or skill_id, _text(data, "description") or "", text, fields, source)
 
@@ -394,10 +203,10 @@ def _parse(data: dict[str, Any], source: str | None, library: Mapping[str, Path]
         fields = {**skill.fields, **fields}  # the scenario's own declaration wins
     if not fields:
         raise ScenarioError("missing required key 'fields' (declare a [fields.NAME] table, or use a skill that declares one)")
-    names = [name for kind, text in _context_chunks(context) for name in _split_context(skills[text].text if kind == "skill" else text)[1]]
+    names = [name for kind, text in context_chunks(context) for name in split_template(skills[text].text if kind == "skill" else text)[1]]
     _check_placeholders(names, fields, "the context")
     for key, text in (("question", question), ("system", system or "")):
-        used = [n for n in _split_context(text)[1] if n in fields]
+        used = [n for n in split_template(text)[1] if n in fields]
         if used:
             raise ScenarioError(f"{{{used[0]}}} appears in {key!r}; fields may only appear in the context")
 
@@ -501,61 +310,3 @@ def _parse_expect(table: Any, fields: dict[str, Field], answers: dict[str, tuple
         if value not in known_values:
             raise ScenarioError(f"expect names value {value!r}, which no field lists")
     return dict(table)
-
-
-def _split_context(text: str) -> tuple[list[str], list[str]]:
-    """Split a template at `{name}` placeholders: literal texts (one more than names) and placeholder names."""
-    texts, names, current, pos = [], [], [], 0
-    for match in _PLACEHOLDER.finditer(text):
-        current.append(text[pos : match.start()])
-        pos = match.end()
-        if match.group(1) is None:
-            current.append(match.group(0)[0])
-        else:
-            texts.append("".join(current))
-            names.append(match.group(1))
-            current = []
-    current.append(text[pos:])
-    texts.append("".join(current))
-    return texts, names
-
-
-def _encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    """Token ids of `text` without special tokens added."""
-    return list(tokenizer(text, add_special_tokens=False).input_ids) if text else []
-
-
-def _adds_bos(tokenizer: PreTrainedTokenizerBase) -> bool:
-    """Whether the tokenizer prepends its BOS token when special tokens are added."""
-    bos = tokenizer.bos_token_id
-    return bos is not None and tokenizer("a").input_ids[:1] == [bos]
-
-
-def _chat_frame(scenario: Scenario, tokenizer: PreTrainedTokenizerBase) -> tuple[str, str, str]:
-    """The chat template's text before the context, between context and question, and after the question."""
-    messages = [{"role": "system", "content": scenario.system}] if scenario.system else []
-    messages.append({"role": "user", "content": _CONTEXT_SENTINEL + _SEPARATOR + _QUESTION_SENTINEL})
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except Exception as e:  # jinja errors of arbitrary templates, e.g. "system role not supported"
-        raise ScenarioError(f"the tokenizer's chat template failed on this scenario: {e}") from e
-    if text.count(_CONTEXT_SENTINEL) != 1 or text.count(_QUESTION_SENTINEL) != 1:
-        raise ScenarioError("the tokenizer's chat template does not render the user message exactly once")
-    head, rest = text.split(_CONTEXT_SENTINEL)
-    separator, tail = rest.split(_QUESTION_SENTINEL)
-    return head, separator, tail
-
-
-def _check_length(context: int, fields: int, decode: int, answer_ids: dict[str, tuple[tuple[int, ...], ...]], limit: int) -> None:
-    """Raise when context + decode tokens + the longest answer exceed `limit`, naming the longest part."""
-    answer = max(len(ids) for surfaces in answer_ids.values() for ids in surfaces)
-    total = context + decode + answer
-    if total <= limit:
-        return
-    parts = {"context": context, "question and assistant header": decode, "longest answer": answer}
-    longest = max(parts, key=parts.__getitem__)
-    raise ScenarioError(
-        f"rendered prompt is {total} tokens, over the limit of {limit}: context {context} "
-        f"(field values {fields}), question and assistant header {decode}, longest answer {answer}; "
-        f"the {longest} is the longest part"
-    )
