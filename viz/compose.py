@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import plotly.colors
@@ -10,17 +10,18 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from engine.cache.decision import Decision, logit_agreement
+from engine.cache.decision import Decision
 from engine.compose.agent import AgentReport
 from engine.compose.keystone import KeystoneReport
 from engine.compose.splice import Fidelity
 from viz.common import LEGEND_BELOW, PALETTE, map_height, pool_columns, safe_label, set_title, token_columns
-from viz.text import shown_kl
 
 
-def logit_bars_figure(spliced: Decision, recomputed: Decision, tokenizer_decode: Callable[[int], str], k: int = 10) -> go.Figure:
+def logit_bars_figure(
+    spliced: Decision, recomputed: Decision, agreement: Mapping[str, float], tokenizer_decode: Callable[[int], str], k: int = 10
+) -> go.Figure:
     """Next-token probabilities of the union of both top-k sets, spliced vs recomputed side by side, ordered
-    by the recomputed probability; cosine and KL of the logits in the subtitle."""
+    by the recomputed probability; the comparison's stored ``agreement`` (cosine and KL of the logits) in the subtitle."""
     if k < 1:
         raise ValueError(f"k must be ≥ 1, got {k}")
     a, b = spliced.next_token_logits.float().cpu(), recomputed.next_token_logits.float().cpu()
@@ -40,7 +41,6 @@ def logit_bars_figure(spliced: Decision, recomputed: Decision, tokenizer_decode:
             customdata=ids,
             hovertemplate=f"{name}<br>%{{x}} (id %{{customdata}})<br>P %{{y:.4f}}<extra></extra>",
         )
-    agreement = logit_agreement(a, b)
     figure.update_layout(
         barmode="group",
         xaxis={"title": "next token", "type": "category", "tickangle": -45},
@@ -52,7 +52,7 @@ def logit_bars_figure(spliced: Decision, recomputed: Decision, tokenizer_decode:
     set_title(
         figure,
         f"Next-token probabilities, union of top-{k}",
-        f"logit cosine {agreement['cosine']:.6f}, KL(spliced‖recomputed) {shown_kl(agreement['kl']):.2e}",
+        f"logit cosine {agreement['cosine']:.6f}, KL(spliced‖recomputed) {agreement['kl']:.2e}",
         subplot_titles=1,  # room for the legend's row
         beside=2,
     )
@@ -390,6 +390,92 @@ def remedy_choice_figure(study: dict) -> go.Figure:
         f"Default remedy, {kind}: agreement vs speed",
         f"measured on {measured}" if measured else "",
         f"{len(study['cases'])} composed prompts; shaded: ≥ 97% decisive agreement at ≥ 70% of splice's speedup; {verdict}",
+        subplot_titles=1,
+    )
+    return figure
+
+
+def frontiers_figure(studies: Sequence[dict]) -> go.Figure:
+    """From stored N-skill studies with their ``choice`` (one per model), side by side: each deployable remedy's decisive
+    agreement against its median TTFT speedup, the frontier (no other remedy both faster and more faithful) joined, the
+    goal's corner shaded (≥ 97% agreement at ≥ 70% of that model's splice speedup) and the default starred. A remedy keeps
+    its colour in every panel."""
+    if not studies:
+        raise ValueError("frontiers_figure needs at least one stored study")
+    titles = [
+        f"{safe_label(str(study.get('model', '?')).split(':')[-1])} ({safe_label(str(study.get('dtype', '?')))})" for study in studies
+    ]
+    figure = make_subplots(rows=1, cols=len(studies), subplot_titles=titles, horizontal_spacing=0.08)
+    names = list(dict.fromkeys(name for study in studies for name, row in study["summary"].items() if not row["needs_reference"]))
+    colours = PALETTE if len(names) <= len(PALETTE) else plotly.colors.qualitative.Dark24
+    colour_of = {name: colours[index % len(colours)] for index, name in enumerate(names)}
+    shown: set[str] = set()
+    for column, study in enumerate(studies, 1):
+        choice, default = study.get("choice") or {}, study.get("default")
+        points = {
+            name: (row["speedup"]["median"], row["agreement"])
+            for name, row in study["summary"].items()
+            if not row["needs_reference"] and row["speedup"] and row["agreement"] is not None
+        }
+        goal, splice_speed = choice.get("goal", {}), choice.get("splice_speedup")
+        if goal and splice_speed:
+            figure.add_shape(
+                type="rect",
+                x0=goal["speed_share_of_splice"] * splice_speed,
+                x1=max([speed for speed, _ in points.values()] + [splice_speed]) * 1.08,
+                y0=goal["agreement"],
+                y1=1.02,
+                fillcolor="rgba(44,160,44,0.12)",
+                line={"width": 0},
+                row=1,
+                col=column,
+            )
+        frontier = sorted((point for name, point in points.items() if name in set(choice.get("frontier", []))), key=lambda point: point[0])
+        if frontier:
+            figure.add_scatter(
+                x=[speed for speed, _ in frontier],
+                y=[agreement for _, agreement in frontier],
+                mode="lines",
+                line={"color": "#888", "dash": "dot"},
+                showlegend=False,
+                hoverinfo="skip",
+                row=1,
+                col=column,
+            )
+        for name, (speed, agreement) in points.items():
+            row = study["summary"][name]
+            figure.add_scatter(
+                x=[speed],
+                y=[agreement],
+                mode="markers",
+                name=safe_label(name),
+                legendgroup=name,
+                showlegend=name not in shown,
+                marker={"size": 18 if name == default else 11, "color": colour_of[name], "symbol": "star" if name == default else "circle"},
+                hovertext=[
+                    f"{safe_label(name)}{' (default)' if name == default else ''}: {row['agree_decisive']}/{row['decisive']} decisive "
+                    f"agree, {row['ties']} ties; TTFT ×{speed:.2f} (median); {row['recomputed_fraction']:.0%} of skill tokens recomputed"
+                ],
+                hoverinfo="text",
+                row=1,
+                col=column,
+            )
+            shown.add(name)
+        figure.update_xaxes(title_text="TTFT speedup over a full recompute (median)", row=1, col=column)
+    agreements = [row["agreement"] for study in studies for row in study["summary"].values() if row["agreement"] is not None]
+    figure.update_yaxes(range=[max(0.0, min(agreements + [0.97]) - 0.05), 1.02])
+    figure.update_yaxes(title_text="decision agreement (decisive cases)", row=1, col=1)
+    verdicts = []
+    for title, study in zip(titles, studies):
+        met = "goal met" if (study.get("choice") or {}).get("goal_met") else "goal not reached"
+        verdicts.append(f"{title}: {met}, default {safe_label(str(study.get('default')))}")
+    figure.update_layout(height=560, width=max(700, 560 * len(studies)), legend=LEGEND_BELOW, margin={"l": 60, "r": 20, "b": 160})
+    set_title(
+        figure,
+        "Composition remedies per model: agreement vs speed",
+        "short N-skill study; star: the default the rule picks; dotted: the frontier; "
+        "shaded: ≥ 97% decisive agreement at ≥ 70% of splice's speedup",
+        "; ".join(verdicts),
         subplot_titles=1,
     )
     return figure

@@ -10,7 +10,7 @@ import html
 
 from engine.cache.decision import Decision
 from engine.edit.report import EditReport
-from viz.text import remedy_words, shown_kl
+from viz.text import remedy_words
 
 FIGURE_LABELS = (  # what each step's figure shows (the Learn tab's figure labels)
     "Answer scores at the new value (clean prefill)",
@@ -85,7 +85,7 @@ def splice_html(summary: dict) -> str:
     agree = "agrees" if summary["decision_agree"] else "differs"
     remedy = summary["remedy"]
     said = (
-        f"Spliced vs recomputed: logit cosine {summary['cosine']:.4f}, KL {shown_kl(summary['kl']):.4f}, decision {agree}; "
+        f"Spliced vs recomputed: logit cosine {summary['cosine']:.4f}, KL {summary['kl']:.4f}, decision {agree}; "
         f"time to first token {summary['ttft_ms']['splice']:.0f} ms vs {summary['ttft_ms']['full']:.0f} ms "
         f"(×{summary['speedup']}) for {summary['skill_tokens']} spliced of {summary['context_tokens']} context tokens. "
         f"The remedy {remedy['name']} recomputed {summary['recomputed_tokens']} of the {summary['skill_tokens']} skill tokens "

@@ -25,11 +25,6 @@ AUTO_WORDS = (
 )
 
 
-def shown_kl(value: float) -> float:
-    """A KL divergence for display: rounding noise below zero shown as 0 (KL is never negative)."""
-    return max(0.0, value)
-
-
 def _values(values: Mapping[str, str]) -> str:
     return ", ".join(f"{markdown_literal(name)} = {markdown_literal(value)}" for name, value in values.items())
 
@@ -136,6 +131,11 @@ def remedy_words(remedy: Mapping) -> str:
         budget = f"at most {remedy['fraction']:.0%}" if remedy.get("cover") else f"{remedy['fraction']:.0%}"
         cover = f", stopping once they hold {remedy['cover']:.0%} of the ranking's score" if remedy.get("cover") else ""
         parts.append(f"{budget} of its other tokens recomputed: those {RANKING_WORDS[remedy['select']]}{cover}")
+    if remedy.get("ape"):
+        ape = remedy["ape"]
+        parts.append(
+            f"every later token reads it through APE's rescaled attention (temperature {ape['temperature']:g}, scale {ape['scale']:g})"
+        )
     return "; ".join(parts) or "the stored K/V spliced as they are, nothing recomputed"
 
 
@@ -204,7 +204,7 @@ def compose_metrics_markdown(fidelity: Fidelity) -> str:
     data = fidelity.as_dict()
     ranked = "; ranked against the full recompute, so no TTFT saving in deployment" if fidelity.remedy.needs_reference else ""
     return (
-        f"**cosine** {data['cosine']:.4f} · **KL** {shown_kl(data['kl']):.4f} · "
+        f"**cosine** {data['cosine']:.4f} · **KL** {data['kl']:.4f} · "
         f"**top-1** {'agree' if data['top1_agree'] else 'differ'} · **top-5 overlap** {data['top5_agree']:.0%} · "
         f"{decision_words(fidelity)}  \n"
         f"{ttft_words(fidelity)} · "
@@ -220,7 +220,7 @@ def image_metrics_markdown(result: ImageFidelity) -> str:
     labels = f"{markdown_literal(result.spliced.label)} vs {markdown_literal(result.recomputed.label)}"
     verdict = "a tie in the recomputed decision" if result.match.agree is None else "agrees" if result.match.agree else "differs"
     return (
-        f"**cosine** {data['cosine']:.4f} · **KL** {shown_kl(data['kl']):.4f} · "
+        f"**cosine** {data['cosine']:.4f} · **KL** {data['kl']:.4f} · "
         f"**top-1** {'agree' if data['top1_agree'] else 'differ'} · "
         f"**decision** {verdict} ({labels}, margin error {result.match.margin_error:+.3f})  \n"
         f"**TTFT** splice {data['ttft_ms']['splice']:.0f} ms vs full {data['ttft_ms']['full']:.0f} ms with the vision tower "

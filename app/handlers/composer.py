@@ -161,7 +161,7 @@ def run_compose(
     decode = lambda token: lm.tokenizer.decode([token])  # noqa: E731
     return ComposeView(
         metrics_markdown=panels.compose_metrics_markdown(fidelity),
-        logits_figure=compose_figures.logit_bars_figure(fidelity.spliced, fidelity.recomputed, decode),
+        logits_figure=compose_figures.logit_bars_figure(fidelity.spliced, fidelity.recomputed, fidelity.agreement, decode),
         deviation_figure=compose_figures.deviation_figure(fidelity),
         summary={"model": lm.fingerprint.name, **fidelity.as_dict()},
     )
@@ -202,7 +202,7 @@ def run_image_compose(
     decode = lambda token: lm.tokenizer.decode([token])  # noqa: E731
     return (
         panels.image_metrics_markdown(result),
-        compose_figures.logit_bars_figure(result.spliced, result.recomputed, decode),
+        compose_figures.logit_bars_figure(result.spliced, result.recomputed, result.agreement, decode),
         {"model": lm.fingerprint.name, **result.as_dict()},
     )
 

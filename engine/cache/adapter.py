@@ -3,13 +3,15 @@
 Every forward of the engine runs through :func:`forward`: the stored K/V (any order, with positions)
 becomes a ``DynamicCache``, and a registered attention function (``"kvscope"``) replaces the model's
 mask by the caller's query × key visibility (so unrelated branches can share one forward), adds
-per-layer/per-head knockouts, and captures attention probabilities when asked. Sliding-window and
-chunked-attention layers get their window or chunk from positions too, so caches never drop entries.
+per-layer/per-head knockouts, rescales the attention over spliced entries where asked (APE, :class:`AttentionRescale`),
+and captures attention probabilities when asked. Sliding-window and chunked-attention layers get their window or chunk
+from positions too, so caches never drop entries.
 """
 
 from __future__ import annotations
 
 import importlib
+import math
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 
@@ -22,9 +24,121 @@ from transformers.models.llama.modeling_llama import (
     eager_attention_forward as llama_eager_attention,
 )
 
-from engine.errors import KVScopeError
+from engine.errors import KVScopeError, NotebookError
 
 ATTENTION_NAME = "kvscope"
+
+
+@dataclass(frozen=True)
+class AttentionRescale:
+    """APE's attention over spliced (context) entries (arXiv 2502.05431): their logits at temperature ``temperature``
+    and their summed weight scaled by ``scale`` against the other keys, per query and head.
+
+    APE computes the context part as softmax(l/T) with log-sum-exp LSE_C and the rest (shared prefix, the query's
+    own tokens) as softmax(l) with LSE_O, then weighs the two partial outputs by softmax([S·T·LSE_C, LSE_O]). That
+    equals one softmax over every key with the bias l·(1/T − 1) + (S·T − 1)·LSE_C added to the context logits
+    (:meth:`RescalePlan.bias`); T = S = 1 adds exactly 0. Only the rows that see a context entry pay for it.
+    """
+
+    temperature: float
+    scale: float
+
+    def __post_init__(self) -> None:
+        for name, value in (("temperature T", self.temperature), ("scale S", self.scale)):
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise NotebookError(f"APE's {name} must be a finite number > 0, got {value!r}")
+
+    @property
+    def name(self) -> str:
+        """The remedy part that reads back as this rescale: ``ape:T,S``."""
+        return f"ape:{self.temperature:g},{self.scale:g}"
+
+
+@dataclass(frozen=True)
+class RescalePlan:
+    """The block of one forward's attention read through APE: its rescaled query rows, the stored entries they read
+    that way (spliced K/V never recomputed), and each row's setting. Every other row and column is plain."""
+
+    rows: torch.Tensor  # (R,) long: query rows whose notebook rescales
+    columns: torch.Tensor  # (C,) long: stored entries (key columns) read through the rescale
+    temperature: torch.Tensor  # (R,) float32
+    scale: torch.Tensor  # (R,) float32
+
+    def restricted(self, allowed: torch.Tensor) -> RescalePlan | None:
+        """Only the rows that see some of the columns in ``allowed`` (Q, K); None where no row does (e.g. a prefix)."""
+        device = allowed.device
+        rows, columns = self.rows.to(device), self.columns.to(device)
+        sees = allowed[rows][:, columns].any(-1) if len(rows) and len(columns) else torch.zeros(len(rows), dtype=torch.bool, device=device)
+        if not bool(sees.any()):
+            return None
+        return RescalePlan(rows[sees], columns, self.temperature.to(device)[sees], self.scale.to(device)[sees])
+
+    def bias(self, logits: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """The additive term (1, H, R, C) on the block's attention ``logits`` (1, H, R, C) float32 (after soft-capping),
+        ``visible`` (1, H or 1, R, C) saying which of its keys each row sees: l·(1/T − 1) + (S·T − 1)·LSE_C(T)."""
+        temperature = self.temperature.to(logits.dtype)[:, None]
+        scale = self.scale.to(logits.dtype)[:, None]
+        lse = torch.where(visible, logits / temperature, float("-inf")).logsumexp(dim=-1, keepdim=True)
+        lse = torch.where(visible.any(-1, keepdim=True), lse, 0.0)  # a row whose context keys are all windowed or knocked out
+        bias = logits * (1.0 / temperature - 1.0) + (scale * temperature - 1.0) * lse
+        return torch.where(visible, bias, 0.0)
+
+    def rows_mask(
+        self,
+        mask: torch.Tensor,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        visible: torch.Tensor,
+        scaling: float | None,
+        softcap: float | None,
+    ) -> torch.Tensor:
+        """The rescaled rows' additive mask (1, H, R, K): their rows of ``mask`` (1, H or 1, Q, K), per query head, with
+        the bias added on the block's columns."""
+        rows, columns = self.rows, self.columns
+        logits = attention_logits(query[:, :, rows], key[:, :, columns], scaling, softcap)
+        block = self.bias(logits, visible[:, :, rows][:, :, :, columns])
+        rescaled = mask[:, :, rows].expand(1, query.shape[1], len(rows), mask.shape[-1]).clone()
+        rescaled[:, :, :, columns] += block.to(mask.dtype)
+        return rescaled
+
+
+@dataclass(frozen=True)
+class RowMasks:
+    """One layer's additive masks by query row: the shared mask (1, H or 1, Q, K), and APE's per-head mask (1, H, R, K)
+    of its rescaled rows where a forward rescales (only those rows pay for a per-head mask)."""
+
+    shared: torch.Tensor
+    rows: torch.Tensor | None = None  # (R,) ascending
+    rescaled: torch.Tensor | None = None
+
+    def of(self, subset: torch.Tensor) -> torch.Tensor:
+        """The mask of the query rows ``subset`` (1, H or 1, len(subset), K)."""
+        if self.rows is None:
+            return self.shared[:, :, subset]
+        index = torch.full((self.shared.shape[2],), -1, dtype=torch.long, device=subset.device)
+        index[self.rows] = torch.arange(len(self.rows), device=subset.device)
+        chosen = index[subset]
+        inside = chosen >= 0
+        mask = self.shared[:, :, subset].expand(1, self.rescaled.shape[1], len(subset), self.shared.shape[-1]).clone()
+        mask[:, :, inside] = self.rescaled[:, :, chosen[inside]]
+        return mask
+
+    def attend(self, attend, module, query, key, value, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``attend`` (SDPA or an eager attention) over every row: plain rows with the shared mask, rescaled rows with
+        theirs, in two calls (no attention weights then); output (1, Q, H, head_dim)."""
+        if self.rows is None:
+            return attend(module, query, key, value, self.shared, **kwargs)
+        count = query.shape[2]
+        rescaled, _ = attend(module, query[:, :, self.rows], key, value, self.rescaled, **kwargs)
+        if len(self.rows) == count:
+            return rescaled, None
+        plain = torch.ones(count, dtype=torch.bool, device=query.device)
+        plain[self.rows] = False
+        plain = torch.nonzero(plain).flatten()
+        shared, _ = attend(module, query[:, :, plain], key, value, self.shared[:, :, plain], **kwargs)
+        output = rescaled.new_empty(rescaled.shape[0], count, *rescaled.shape[2:])
+        output[:, self.rows], output[:, plain] = rescaled, shared
+        return output, None
 
 
 @dataclass
@@ -39,9 +153,10 @@ class ForwardPlan:
     use_sdpa: bool = True
     attentions: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> (H, rows, K) probabilities
     stop_layer: int | None = None  # the forward ends once this layer has cached its K/V
+    rescale: RescalePlan | None = None  # APE's attention over spliced entries, where a notebook asks for it
 
-    def mask_for(self, layer: int, sliding_window: int | None, dtype: torch.dtype, chunk: int | None = None) -> torch.Tensor:
-        """Additive mask (1, H or 1, Q, K) for one layer: visibility, window or attention chunk, knockouts."""
+    def visible_for(self, layer: int, sliding_window: int | None, chunk: int | None = None) -> torch.Tensor:
+        """Which keys each query sees in one layer (1, H or 1, Q, K): visibility, window or attention chunk, knockouts."""
         allowed = self.allowed
         if sliding_window:
             distance = self.query_positions[:, None] - self.key_positions[None, :]
@@ -51,9 +166,13 @@ class ForwardPlan:
         allowed = allowed[None]  # (1, Q, K)
         if layer in self.blocked:
             allowed = allowed & ~self.blocked[layer]
+        return allowed[None]
+
+    def mask_for(self, layer: int, sliding_window: int | None, dtype: torch.dtype, chunk: int | None = None) -> torch.Tensor:
+        """Additive mask (1, H or 1, Q, K) for one layer: 0 where :meth:`visible_for` sees, the dtype's minimum elsewhere."""
+        allowed = self.visible_for(layer, sliding_window, chunk)
         mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-        return mask[None]
+        return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 _ACTIVE_PLAN: ContextVar[ForwardPlan | None] = ContextVar("kvscope_plan", default=None)
@@ -94,6 +213,16 @@ def _retuned_query(module: torch.nn.Module, query: torch.Tensor, plan: ForwardPl
     return (query.float() * ratio[:, None]).to(query.dtype)
 
 
+def attention_logits(query: torch.Tensor, key: torch.Tensor, scaling: float | None, softcap: float | None = None) -> torch.Tensor:
+    """The attention logits (1, H, Q, K) float32 the model's eager attention adds its mask to: q·k·scaling per query head
+    (each KV head repeated for its group, as ``repeat_kv`` does), soft-capped where the family caps them."""
+    (_, heads, rows, dim), key_heads = query.shape, key.shape[1]
+    grouped = query.float().reshape(1, key_heads, heads // key_heads * rows, dim)  # query heads of one KV head side by side
+    logits = torch.matmul(grouped, key.float().transpose(-1, -2)).reshape(1, heads, rows, key.shape[2])
+    logits *= query.shape[-1] ** -0.5 if scaling is None else scaling
+    return torch.tanh(logits / softcap) * softcap if softcap else logits
+
+
 class _StoppedEarly(Exception):
     """Ends a forward whose plan asks for the K/V of its first layers only."""
 
@@ -107,13 +236,16 @@ def _kvscope_attention(module, query, key, value, attention_mask, scaling=None, 
         query = _retuned_query(module, query, plan)
         sliding_window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
         attention_mask = plan.mask_for(module.layer_idx, sliding_window, query.dtype, _attention_chunk(module))
+    masks = RowMasks(attention_mask)
+    if plan is not None and plan.rescale is not None:
+        visible = plan.visible_for(module.layer_idx, sliding_window, _attention_chunk(module))
+        rescaled = plan.rescale.rows_mask(attention_mask, query, key, visible, scaling, kwargs.get("softcap"))
+        masks = RowMasks(attention_mask, plan.rescale.rows, rescaled)
     attend = sdpa_attention_forward if use_sdpa else _eager_for(module)
-    output, weights = attend(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    output, weights = masks.attend(attend, module, query, key, value, scaling=scaling, dropout=dropout, **kwargs)
     if plan is not None and plan.capture_rows is not None:
         rows = plan.capture_rows  # probabilities for these queries only, by the model's own eager attention
-        _, kept = _eager_for(module)(
-            module, query[:, :, rows], key, value, attention_mask[:, :, rows], scaling=scaling, dropout=0.0, **kwargs
-        )
+        _, kept = _eager_for(module)(module, query[:, :, rows], key, value, masks.of(rows), scaling=scaling, dropout=0.0, **kwargs)
         plan.attentions[module.layer_idx] = kept[0].float()
     return output, weights
 
@@ -262,6 +394,7 @@ def forward(
     grad: bool = False,
     rope_positions: torch.Tensor | None = None,
     inputs_embeds: torch.Tensor | None = None,
+    rescale: RescalePlan | None = None,
 ) -> ForwardResult:
     """Run ``input_ids`` at ``positions`` over stored K/V; ``allowed`` (Q, N + Q) says which stored entries
     and which of the new tokens each query sees (the caller makes it causal).
@@ -271,7 +404,7 @@ def forward(
     when not given), attention probabilities for ``capture_rows``. Nothing passed in is modified. With ``grad``
     the forward is differentiable (e.g. with respect to stored K/V that require grad). M-RoPE models take (3, Q)
     ``rope_positions`` (the mask still follows ``positions``); ``inputs_embeds`` (Q, hidden) replaces the token
-    embeddings where images are fed.
+    embeddings where images are fed. ``rescale`` reads its columns (stored entries) through APE's attention in its rows.
     """
     install(model)
     device = input_ids.device
@@ -282,6 +415,7 @@ def forward(
         blocked=dict(blocked or {}),
         capture_rows=capture_rows,
         use_sdpa=model.config._kvscope_use_sdpa,
+        rescale=rescale.restricted(allowed) if rescale is not None else None,
     )
     cache = dynamic_cache(keys, values) if len(key_positions) else DynamicCache()
     kept = logit_rows if logit_rows is not None else torch.zeros(0, dtype=torch.long, device=device)

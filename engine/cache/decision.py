@@ -92,14 +92,19 @@ def recovery(state: float, stale: float, oracle: float, min_gap: float = RECOVER
     return Recovery((state - stale) / gap)
 
 
+def kl_divergence(log_p: torch.Tensor, log_q: torch.Tensor) -> float:
+    """KL(p‖q) of two log-probability vectors, in nats; clamped at 0, where float rounding of two equal distributions
+    can land a hair below it (the one place a KL is computed)."""
+    return max(0.0, float((log_p.exp() * (log_p - log_q)).sum()))
+
+
 def logit_agreement(a: torch.Tensor, b: torch.Tensor, top_k: int = 5) -> dict[str, float]:
-    """Cosine, KL(a‖b) of softmaxes, top-1 and top-k overlap between two next-token logit vectors."""
+    """Cosine, KL(a‖b) of softmaxes (:func:`kl_divergence`), top-1 and top-k overlap between two next-token logit vectors."""
     a, b = a.float(), b.float()
-    log_p, log_q = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
     top_a, top_b = set(a.topk(top_k).indices.tolist()), set(b.topk(top_k).indices.tolist())
     return {
         "cosine": float(torch.nn.functional.cosine_similarity(a, b, dim=0)),
-        "kl": float((log_p.exp() * (log_p - log_q)).sum()),
+        "kl": kl_divergence(torch.log_softmax(a, -1), torch.log_softmax(b, -1)),
         "top1_agree": float(a.argmax() == b.argmax()),
         f"top{top_k}_agree": len(top_a & top_b) / top_k,
     }

@@ -4,7 +4,8 @@ A :class:`Notebook` records *pending steps* instead of computing K/V at once; a 
 generation step hands its forks and their continuations (a question, answer branches, generated tokens) to
 :func:`run_together`, which lays every fork's new tokens side by side in one forward. Each row attends to
 the shared computed entries its step saw, to its own fork's earlier new tokens, and to nothing of the other
-forks, so fusing is exact: a token's K/V depend only on the entries it attends to.
+forks, so fusing is exact: a token's K/V depend only on the entries it attends to. The rows of a fork that reads its
+spliced entries through APE's rescaled attention (``Notebook.rescaled``) are rescaled, the other forks' rows are not.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class NotebookState(Protocol):
     visible: torch.Tensor
     pending: tuple[PendingStep, ...]
     rope_offsets: torch.Tensor
+    spliced: torch.Tensor
+    rescale: adapter.AttentionRescale | None
 
     @property
     def pending_tokens(self) -> int: ...
@@ -120,6 +123,7 @@ def computed_in_chunks(notebook: NotebookState, limit: int) -> NotebookState:
             visible=notebook.visible[:stop],
             pending=tuple(first),
             rope_offsets=notebook.rope_offsets[:, :stop],
+            spliced=notebook.spliced[:stop],
         )
         done = run_together([head], [None])[0].notebook
         notebook = dataclass_replace(notebook, computed_keys=done.computed_keys, computed_values=done.computed_values, pending=tuple(rest))
@@ -167,6 +171,7 @@ class _FusedInput:
     captured_rows: list[int]
     blocked: dict[int, torch.Tensor]  # layer -> (heads or 1, Q, computed + Q)
     spans: list[tuple[int, int, int]]  # per fork: (first row, pending tokens, continuation tokens)
+    rescales: list[adapter.AttentionRescale | None]  # per row: its fork's APE setting
 
 
 def fused_input(forks: Sequence[NotebookState], extras: Sequence[Continuation], computed: int) -> _FusedInput:
@@ -174,7 +179,7 @@ def fused_input(forks: Sequence[NotebookState], extras: Sequence[Continuation], 
     fork's earlier new tokens, and nothing of the other forks."""
     sizes = [(len(fork.positions) - computed, len(extra.token_ids)) for fork, extra in zip(forks, extras)]
     total = sum(new + more for new, more in sizes)
-    layout = _FusedInput([], [], [], torch.zeros(total, computed + total, dtype=torch.bool), [], [], {}, [])
+    layout = _FusedInput([], [], [], torch.zeros(total, computed + total, dtype=torch.bool), [], [], {}, [], [])
     offset = 0
     for fork, extra, (new, more) in zip(forks, extras, sizes):
         layout.token_ids += fork.token_ids[computed:].tolist() + extra.token_ids
@@ -198,6 +203,7 @@ def fused_input(forks: Sequence[NotebookState], extras: Sequence[Continuation], 
             full[:, rows, own : own + new] = mask[:, None, computed:]
             layout.blocked[layer] = layout.blocked[layer] | full if layer in layout.blocked else full
         layout.spans.append((offset, new, more))
+        layout.rescales += [fork.rescale] * (new + more)
         offset += new + more
     positions = torch.cat([forks[0].positions[:computed], torch.tensor(layout.positions, dtype=torch.long)])
     layout.allowed &= positions[None, :] <= positions[computed:, None]
@@ -262,6 +268,7 @@ def _run_together(
         logit_rows=torch.tensor(layout.logit_rows, dtype=torch.long, device=device),
         hidden_states=hidden_states,
         grad=grad,
+        rescale=_rescale_plan(layout.rescales, base.spliced[seen]),
     )
     attentions = {layer: _widened(weights, kept.to(device), width) for layer, weights in result.attentions.items()}
     runs, logit_row, captured_row = [], 0, 0
@@ -286,6 +293,16 @@ def _run_together(
         logit_row += len(extra.logit_rows)
         captured_row += len(extra.captured_rows)
     return runs
+
+
+def _rescale_plan(rescales: Sequence[adapter.AttentionRescale | None], context: torch.Tensor) -> adapter.RescalePlan | None:
+    """The forward's APE block (None where no fork rescales): the rows of rescaling forks, their settings, and the
+    ``context`` entries (spliced, among the stored entries run) they read through it."""
+    rows = [row for row, rescale in enumerate(rescales) if rescale is not None]
+    if not rows:
+        return None
+    settings = torch.tensor([[rescales[row].temperature, rescales[row].scale] for row in rows], dtype=torch.float32)
+    return adapter.RescalePlan(torch.tensor(rows), torch.nonzero(context).flatten(), settings[:, 0], settings[:, 1])
 
 
 def _widened(weights: torch.Tensor, columns: torch.Tensor, width: int) -> torch.Tensor:

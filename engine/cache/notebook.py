@@ -13,6 +13,11 @@ needs them. A read then runs the pending tokens and the question in one forward,
 only its own entries; equal forks run once). Fusing is exact: a token's K/V depend only on the entries it
 attends to, exactly as in a chunked prefill. The planner of that forward lives in :mod:`engine.cache.fused_forward`.
 
+Every entry remembers whether its K/V came from a splice and were never recomputed (``spliced``). A notebook
+:meth:`Notebook.rescaled` with APE's setting (:class:`~engine.cache.adapter.AttentionRescale`) reads those entries
+through the rescaled attention in every forward it runs from then on (pending steps included): the text after
+and between spliced blocks, recomputed tokens, the question and generated tokens.
+
 Costs (N stored entries, T tokens computed): prefill/append O(T·N) attention; read O(D·N) for D decode
 tokens; replace/recompute/seam repair O(T·N) for the T tokens rewritten; patch and knockout O(1) forwards
 beyond the read itself; splice O(L) re-rotation for an L-token block plus the seam.
@@ -29,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.cache import adapter, display, vision
+from engine.cache.adapter import AttentionRescale
 from engine.cache.budget import compute_slot, forward_token_limit
 from engine.cache.decision import (
     Decision,
@@ -112,6 +118,8 @@ class Notebook:
     log: tuple[str, ...] = ()
     pending: tuple[PendingStep, ...] = ()  # entries C..N-1, in order
     rope_offsets: torch.Tensor | None = None  # (3, N) int64: rope position − position per M-RoPE axis (None: all 0)
+    spliced: torch.Tensor | None = None  # (N,) bool: K/V from a splice, never recomputed (None: none)
+    rescale: AttentionRescale | None = None  # APE's attention over the spliced entries in later forwards
 
     def __post_init__(self) -> None:
         count = len(self.positions)
@@ -119,6 +127,10 @@ class Notebook:
             object.__setattr__(self, "rope_offsets", torch.zeros(3, count, dtype=torch.long))
         elif tuple(self.rope_offsets.shape) != (3, count):
             raise NotebookError(f"rope offsets of shape {tuple(self.rope_offsets.shape)} for {count} entries")
+        if self.spliced is None:
+            object.__setattr__(self, "spliced", torch.zeros(count, dtype=torch.bool))
+        elif tuple(self.spliced.shape) != (count,):
+            raise NotebookError(f"splice flags of shape {tuple(self.spliced.shape)} for {count} entries")
 
     # ---------------------------------------------------------------- construction
     @classmethod
@@ -290,6 +302,8 @@ class Notebook:
             latest.rope_offsets.numpy().tobytes(),
             latest.visible.numpy().tobytes(),
             tuple((step.start, step.stop, step.sees.numpy().tobytes()) for step in latest.pending),
+            latest.spliced.numpy().tobytes(),
+            latest.rescale,
         )
 
     def memory_bytes(self) -> int:
@@ -316,6 +330,7 @@ class Notebook:
                 ("cache entry", self.lm.cache_layout()),
                 ("memory", f"{sum(storages.values()):,} bytes of computed K/V"),
                 ("pending steps", pending),
+                *([("attention", f"{self.rescale.name} (APE) over {int(self.spliced.sum())} spliced entries")] if self.rescale else []),
             ]
         )
         runs: list[list] = []  # [label, entries] of consecutive equal labels in reading order
@@ -379,6 +394,8 @@ class Notebook:
             log=base.log + (note,),
             pending=base.pending + (PendingStep(stored, stored + count, visible),),
             rope_offsets=torch.cat([base.rope_offsets, rope_offsets], dim=1),
+            spliced=torch.cat([base.spliced, torch.zeros(count, dtype=torch.bool)]),
+            rescale=base.rescale,
         )
 
     def _with_continuation(self, run: BranchRun, continuation: Continuation, segment: str) -> "Notebook":
@@ -395,6 +412,8 @@ class Notebook:
             visible=torch.cat([base.visible, torch.ones(count, dtype=torch.bool)]),
             log=base.log + (f"{segment} {count} tokens",),
             rope_offsets=torch.cat([base.rope_offsets, torch.full((3, count), continuation.rope_offset)], dim=1),
+            spliced=torch.cat([base.spliced, torch.zeros(count, dtype=torch.bool)]),
+            rescale=base.rescale,
         )
 
     def _shifted(self, from_position: int, delta: int, reason: str, rope_delta: int | None = None) -> "Notebook":
@@ -487,7 +506,8 @@ class Notebook:
         )
 
     def patch(self, donor: "Notebook", positions: Sequence[int], layers: Sequence[int] | None = None) -> "Notebook":
-        """Copy the donor's K/V at these positions into this notebook, in the given layers (default all)."""
+        """Copy the donor's K/V at these positions into this notebook, in the given layers (default all); a patched
+        entry stays spliced (read through APE's attention where asked) only where the donor's entry was spliced too."""
         if donor.lm.fingerprint != self.lm.fingerprint:
             raise NotebookError("patch donor comes from another model or dtype")
         mine, theirs = self.entries_at(positions), donor.entries_at(positions)
@@ -509,11 +529,15 @@ class Notebook:
             )
 
         note = f"patch {len(positions)} positions in {len(chosen)} layers from donor"
+        done = self.materialized()
+        spliced = done.spliced.clone()
+        spliced[mine.cpu()] &= donor.spliced[theirs.cpu()]
         return dataclass_replace(
-            self.materialized(),
+            done,
             computed_keys=patched(self.keys, donor.keys),
             computed_values=patched(self.values, donor.values),
             log=self.log + (note,),
+            spliced=spliced,
         )
 
     def block(self, segment: str | None = None, positions: Sequence[int] | None = None) -> KVBlock:
@@ -594,8 +618,21 @@ class Notebook:
                 ],
                 dim=1,
             ),
+            spliced=torch.cat([moved.spliced[:done], torch.ones(count, dtype=torch.bool), moved.spliced[done:]]),
+            rescale=moved.rescale,
         )
         return spliced.recompute(range(at, at + seam))
+
+    def rescaled(self, rescale: AttentionRescale | None) -> "Notebook":
+        """This notebook read with APE's attention over its spliced entries (None: plain attention) in every forward
+        it runs from now on, its pending steps included; refused where no visible entry was spliced."""
+        if rescale is not None and not bool((self.spliced & self.visible).any()):
+            raise NotebookError(
+                f"APE's rescaled attention ({rescale.name}) reads spliced entries, and this notebook has none: splice a "
+                "block first (recomputed or replaced entries are plain context)"
+            )
+        note = f"attention over spliced entries: {rescale.name}" if rescale else "plain attention over spliced entries"
+        return dataclass_replace(self, rescale=rescale, log=self.log + (note,))
 
     def compact(self) -> "Notebook":
         """Drop hidden entries (frees memory; reading order and results unchanged)."""
@@ -623,6 +660,8 @@ class Notebook:
             visible=torch.ones(len(kept), dtype=torch.bool),
             log=self.log + (note,),
             rope_offsets=self.rope_offsets[:, kept],
+            spliced=self.spliced[kept],
+            rescale=self.rescale,
         )
 
     # ---------------------------------------------------------------- decision

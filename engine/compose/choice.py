@@ -17,15 +17,20 @@ CLI's ``--remedy auto`` and the Composer's menu read it. A running calibration r
 remedy, an estimate of the time left from the steps measured so far) to every caller waiting for it, names itself at
 the compute gate (so a request waiting there says what it waits for), takes turns at the gate forward by forward, and
 stops before its next forward when :func:`cancel_calibration` is called, storing nothing.
+
+:func:`model_remedies` is the Composer's menu for one model: its own default and numbers, from its stored N-skill
+study, else its calibration, else the static default.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 from engine.cache.budget import CancelToken, cancellable, labelled
 from engine.cache.decision import DECISIVE_MARGIN
@@ -380,11 +385,12 @@ def keystone_gaps(
     with the edit's Δmargin; no gaps where the edit moves the decision less than ``KEYSTONE_MIN_DELTA`` (the keystone
     cannot tell remedies apart there). ``starting(k)`` is called before the k-th remedy's keystone (from 0)."""
     target = Scenario.load(bundled_scenarios()[scenario_name])
-    rows = {}
+    rows, recomputed = {}, None
     for index, remedy in enumerate(remedy for remedy in remedies if not remedy.needs_reference):
         if starting:
             starting(index)
-        rows[remedy.name] = keystone(lm, target, store, remedy=remedy).as_dict()
+        report = keystone(lm, target, store, remedy=remedy, recomputed=recomputed)
+        rows[remedy.name], recomputed = report.as_dict(), report.recomputed
     return {"scenario": scenario_name, **gaps_of(rows)}
 
 
@@ -507,6 +513,56 @@ def cancel_calibration(lm: LoadedModel) -> CalibrationProgress | None:
     with _RUNS_LOCK:
         run = _RUNS.get(_key(lm))
     return run.cancel() if run is not None else None
+
+
+STUDY_PATTERN = "compose_many-*.json"  # stored N-skill studies (benchmarks/results), the short one first
+
+
+def same_model(stored: str | None, model: str) -> bool:
+    """Whether a stored result's model (a fingerprint name such as ``qwen-1.5b:Qwen2.5-Coder-1.5B-Instruct``) is ``model``,
+    given as that name or as its alias (``qwen-1.5b``)."""
+    return stored is not None and (stored == model or stored.split(":")[0] == model.split(":")[0])
+
+
+def stored_study_choice(folder: Path, model: str) -> tuple[str, RemedyChoice] | None:
+    """The default-remedy choice that ``model``'s stored N-skill study in ``folder`` names (the short study before the long
+    one), with the file's stem; None where no stored study of that model names one."""
+    for path in sorted(folder.glob(STUDY_PATTERN), key=lambda path: ("-long-" in path.stem, path.stem)):
+        data = json.loads(path.read_text())
+        if data.get("choice") and same_model(data.get("model"), model):
+            return path.stem, RemedyChoice.from_dict(data["choice"])
+    return None
+
+
+@dataclass(frozen=True)
+class ModelRemedies:
+    """What the Composer offers one model: its default remedy, and the measured choice whose numbers label the menu."""
+
+    model: str
+    default: str
+    choice: RemedyChoice | None  # None: nothing measured for this model, the static default
+    source: str | None  # the stored study's file stem, "calibration", or None
+
+    def as_dict(self) -> dict:
+        return {
+            "model": self.model,
+            "default": self.default,
+            "source": self.source,
+            "choice": self.choice.as_dict() if self.choice else None,
+        }
+
+
+def model_remedies(model: str, folder: Path, lm: LoadedModel | None = None) -> ModelRemedies:
+    """``model``'s menu (an alias or fingerprint name): its stored N-skill study in ``folder`` (the rule's choice and every
+    remedy's numbers there), else the loaded ``lm``'s stored calibration, else the static
+    :data:`~engine.compose.splice.DEFAULT_REMEDY` with no numbers."""
+    stored = stored_study_choice(folder, model)
+    if stored is not None:
+        return ModelRemedies(model, stored[1].remedy, stored[1], stored[0])
+    calibrated = stored_choice(lm) if lm is not None else None
+    if calibrated is not None:
+        return ModelRemedies(model, calibrated.remedy, calibrated, "calibration")
+    return ModelRemedies(model, DEFAULT_REMEDY.name, None, None)
 
 
 def resolve_remedy(lm: LoadedModel, text: str | None, store: SkillStore, report: MessageProgress = None) -> Remedy:

@@ -15,7 +15,12 @@ splice, so a server can run it too), ``deviation`` by K/V deviation from the ful
 ``causal`` by causal effect on the decision (attribution patching). These last two need the full recompute they
 are compared with: diagnostics of how much a perfect ranking buys, not remedies a server could run. ``cover:M``
 makes a deployable ranking's budget adaptive: the fewest top-ranked tokens whose scores reach the share M of the
-ranking's total, at most its fraction.
+ranking's total, at most its fraction. ``ape:T,S`` recomputes nothing: every token computed after the skills (the text
+after and between them, recomputed tokens, the question) reads the spliced skill entries through APE's rescaled
+attention (arXiv 2502.05431, :class:`~engine.cache.adapter.AttentionRescale`): their logits at temperature T, their
+summed weight scaled by S against the rest. EPIC's LegoLink (``sink:K``, arXiv 2410.15332: recompute each chunk's
+first K tokens against their real predecessors) is ``seam:K``; ``prefix`` differs from it in that it changes what
+each skill was compiled after (the scenario's system prompt), recomputing nothing in place.
 Cost: splice is O(L) per skill instead of O(L·context) attention and MLP work, plus what the remedy recomputes.
 """
 
@@ -29,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.cache import display
+from engine.cache.adapter import AttentionRescale
 from engine.cache.decision import DECISIVE_MARGIN, Decision, DecisionMatch, logit_agreement
 from engine.cache.loaded import LoadedModel
 from engine.cache.notebook import KVBlock, Notebook, NotebookError
@@ -174,8 +180,17 @@ REMEDY_GRAMMAR = (  # the remedy language in plain words (the Composer's help sh
     "punctuation and line breaks), blend:F (the fraction F of skill tokens whose layer-1 K/V deviate most from a fresh "
     "prefill run through layers 0–1 only: CacheBlend), query:F (the fraction F the question attends to most in the plain "
     "splice), deviation:F and causal:F (ranked against the full recompute: diagnostics), cover:M (with blend or query: "
-    "stop once the share M of the ranking's score is covered); splice alone recomputes nothing."
+    "stop once the share M of the ranking's score is covered); splice alone recomputes nothing. ape:T,S recomputes nothing "
+    "either: every token computed after the skills reads them through APE's rescaled attention (their logits at "
+    "temperature T, their summed weight scaled by S; APE, arXiv 2502.05431). EPIC's sink:K (LegoLink) is seam:K; it "
+    "differs from prefix in that it recomputes each skill's first K tokens in place, against their real predecessors, "
+    "while prefix changes what the skill was compiled after and recomputes nothing."
 )
+
+
+def split_remedies(text: str) -> list[str]:
+    """A comma-separated list of remedy specs, where ``ape:T,S`` keeps its comma (a part never starts with a digit)."""
+    return [part.strip() for part in re.split(r",(?=\s*[A-Za-z])", text) if part.strip()]
 
 
 @dataclass(frozen=True)
@@ -188,6 +203,7 @@ class Remedy:
     cover: float = 0.0  # adaptive budget of a deployable ranking: stop once this share of its total score is covered
     select: str | None = None
     fraction: float = 0.0
+    ape: AttentionRescale | None = None  # read the spliced skills through APE's rescaled attention
 
     def __post_init__(self) -> None:
         if self.seam < 0:
@@ -206,7 +222,7 @@ class Remedy:
     @classmethod
     def parse(cls, text: str) -> "Remedy":
         """From ``part+part``: ``prefix``, ``seam:N``, ``tail:N``, ``aggregators``, ``blend:F``, ``query:F``, ``deviation:F``,
-        ``causal:F``, ``cover:M`` (or ``splice``)."""
+        ``causal:F``, ``cover:M``, ``ape:T,S`` (or ``splice``)."""
         options: dict = {}
         for part in (p.strip() for p in text.split("+")):
             name, _, argument = part.partition(":")
@@ -228,12 +244,16 @@ class Remedy:
                     options["select"] = name
                 elif name in RANKED_SELECTIONS:
                     options["select"], options["fraction"] = name, float(argument)
+                elif name == "ape":
+                    options["ape"] = _rescale_of(part, argument)
                 else:
                     raise ValueError(part)
+            except ScenarioError:
+                raise
             except ValueError:
                 raise ScenarioError(
                     f"remedy part {part!r} not understood; write e.g. prefix+seam:1, aggregators, blend:0.3, query:0.05, "
-                    "deviation:0.15 or causal:0.1, joined by +"
+                    "deviation:0.15, causal:0.1 or ape:0.9,0.9, joined by +"
                 ) from None
         return cls(**options)
 
@@ -247,7 +267,7 @@ class Remedy:
         if self.needs_reference:
             raise ScenarioError(
                 f"remedy {self.name!r} ranks tokens against a full recompute; {user} needs a deployable one "
-                "(prefix, seam:N, tail:N, aggregators, blend:F, query:F)"
+                "(prefix, seam:N, tail:N, aggregators, blend:F, query:F, ape:T,S)"
             )
         return self
 
@@ -263,6 +283,8 @@ class Remedy:
             parts.append(f"{self.select}:{self.fraction:g}" if self.select in RANKED_SELECTIONS else self.select)
         if self.cover:
             parts.append(f"cover:{self.cover:g}")
+        if self.ape:
+            parts.append(self.ape.name)
         return "+".join(parts) or "splice"
 
     def as_dict(self) -> dict:
@@ -274,8 +296,24 @@ class Remedy:
             "cover": self.cover,
             "select": self.select,
             "fraction": self.fraction,
+            "ape": {"temperature": self.ape.temperature, "scale": self.ape.scale} if self.ape else None,
             "needs_reference": self.needs_reference,
         }
+
+
+def _rescale_of(part: str, argument: str) -> AttentionRescale:
+    """``ape:T,S``'s setting, refused by name where T or S is missing, not a number, or not > 0."""
+    numbers = argument.split(",")
+    if len(numbers) != 2:
+        raise ScenarioError(f"remedy part {part!r}: ape needs a temperature and a scale, e.g. ape:0.9,0.9")
+    try:
+        temperature, scale = (float(number) for number in numbers)
+    except ValueError:
+        raise ScenarioError(f"remedy part {part!r}: ape's temperature and scale must be numbers, e.g. ape:0.9,0.9") from None
+    try:
+        return AttentionRescale(temperature, scale)
+    except NotebookError as error:
+        raise ScenarioError(f"remedy part {part!r}: {error}") from None
 
 
 # The static default, where no calibration of the loaded model is at hand (``engine.compose.choice``'s rule on the
@@ -300,15 +338,20 @@ def _skill_blocks(
     return placed
 
 
-def _assemble(lm: LoadedModel, prompt: RenderedPrompt, placed, seam: int, recompute: set[int]) -> Notebook:
+def _assemble(
+    lm: LoadedModel, prompt: RenderedPrompt, placed, seam: int, recompute: set[int], ape: AttentionRescale | None = None
+) -> Notebook:
     """Prefill the text between skills, splice each block (seam repaired) and recompute the chosen skill
-    positions before anything after the skill is computed."""
+    positions before anything after the skill is computed; with ``ape`` everything computed after the first splice
+    reads the spliced entries through APE's rescaled attention."""
     ids, segments = list(prompt.context_ids), list(prompt.context_segments)
     notebook, cursor = Notebook.empty(lm), 0
     for _, span, block in placed:
         if span.start > cursor:
             notebook = notebook.append(ids[cursor : span.start], segments[cursor : span.start])
         notebook = notebook.splice(block, seam=min(seam, len(block)))
+        if ape and notebook.rescale is None:
+            notebook = notebook.rescaled(ape)
         notebook = notebook.recompute(sorted(p for p in recompute if span.start + seam <= p < span.end))
         cursor = span.end
     if cursor < len(ids):
@@ -384,6 +427,11 @@ def splice_prompt(
     if remedy.needs_reference and reference is None:
         raise NotebookError(f"the {remedy.select} selection ranks tokens against the recomputed cache: pass it as reference")
     placed = _skill_blocks(lm, scenario, prompt, store, remedy)
+    if remedy.ape and not placed:
+        raise NotebookError(
+            f"remedy {remedy.name!r} reads spliced skills through APE's rescaled attention, and scenario {scenario.name!r} "
+            "places no skill to splice"
+        )
     seams = {p for _, span, _ in placed for p in range(span.start, min(span.start + remedy.seam, span.end))}
     tails = {p for _, span, _ in placed for p in range(max(span.end - remedy.tail, span.start), span.end)} - seams
     candidates = [p for _, span, _ in placed for p in range(span.start, span.end) if p not in seams and p not in tails]
@@ -396,7 +444,7 @@ def splice_prompt(
         if remedy.select == "blend":
             chosen |= top_of(_blend_ranking(lm, prompt, placed, candidates), count, remedy.cover)
         else:
-            first = _assemble(lm, prompt, placed, remedy.seam, set())
+            first = _assemble(lm, prompt, placed, remedy.seam, set(), remedy.ape)
             if remedy.select == "query":
                 chosen |= top_of(_query_ranking(first, prompt, candidates), count, remedy.cover)
             elif remedy.select == "deviation":
@@ -407,7 +455,7 @@ def splice_prompt(
                     - first.read_prompt(prompt, answer_texts=scenario.answers).margin
                 )
                 chosen |= set(attribution_effects(first, reference, prompt, candidates).top_positions(count, gap))
-    notebook = _assemble(lm, prompt, placed, remedy.seam, chosen)
+    notebook = _assemble(lm, prompt, placed, remedy.seam, chosen, remedy.ape)
     return Spliced(notebook, remedy, len(seams) + len(chosen), sum(len(span) for _, span, _ in placed))
 
 

@@ -30,18 +30,21 @@ def _decision(logits):
 
 def test_logit_bars_show_the_union_of_both_top_k_side_by_side():
     spliced, recomputed = _decision([5.0, 4.0, 0.0, 0.0, 3.0]), _decision([5.0, 0.0, 4.0, 0.0, 0.0])
-    figure = logit_bars_figure(spliced, recomputed, lambda i: ["a", " b", "\n", "<x>", "a"][i], k=2)
+    agreement = {"cosine": 0.5, "kl": 0.125}  # the comparison's stored numbers are shown, not recomputed
+    figure = logit_bars_figure(spliced, recomputed, agreement, lambda i: ["a", " b", "\n", "<x>", "a"][i], k=2)
     first, second = figure.data
     assert (first.name, second.name) == ("spliced", "recomputed") and figure.layout.barmode == "group"
     assert list(first.customdata) == [0, 2, 1]  # union {0, 1} ∪ {0, 2}, ordered by the recomputed probability
     assert list(second.x) == ["a", "⏎", "·b"]
     assert np.allclose(first.y, torch.softmax(torch.tensor([5.0, 4.0, 0.0, 0.0, 3.0]), -1)[[0, 2, 1]].numpy())
-    duplicated = logit_bars_figure(spliced, recomputed, lambda i: "a", k=2)
+    title = figure.layout.title.text.replace("</sup><br><sup>", " ")  # the subtitle wraps
+    assert "cosine 0.500000, KL(spliced‖recomputed) 1.25e-01" in title
+    duplicated = logit_bars_figure(spliced, recomputed, agreement, lambda i: "a", k=2)
     assert len(set(duplicated.data[0].x)) == 3  # equal texts stay apart
 
 
 def test_logit_bars_on_real_decisions(fidelity, lm):
-    figure = logit_bars_figure(fidelity.spliced, fidelity.recomputed, lambda i: lm.tokenizer.decode([i]), k=5)
+    figure = logit_bars_figure(fidelity.spliced, fidelity.recomputed, fidelity.agreement, lambda i: lm.tokenizer.decode([i]), k=5)
     assert 5 <= len(figure.data[0].x) <= 10 and "cosine" in figure.layout.title.text
     json.loads(figure.to_json())
 
@@ -125,3 +128,41 @@ def test_study_figure_puts_each_remedy_at_its_recompute_share_and_agreement():
     lines = [trace for trace in figure.data if trace.mode == "lines+markers"]
     assert list(lines[0].x) == [1, 2] and list(lines[0].y) == [0.1, 0.3]
     assert "best deployable: splice" in figure.layout.title.subtitle.text
+
+
+def test_frontiers_figure_draws_each_model_beside_the_other_with_its_own_default_and_goal():
+    from engine.compose.choice import choice_record
+    from viz.compose import frontiers_figure
+
+    def row(agree, speedup, fraction=0.0):
+        return {
+            "agree_decisive": agree,
+            "decisive": 10,
+            "ties": 2,
+            "agreement": agree / 10,
+            "speedup": {"min": speedup, "median": speedup, "max": speedup},
+            "recomputed_fraction": fraction,
+            "mean_abs_margin_error": 0.1,
+            "needs_reference": False,
+        }
+
+    small = {"splice": row(8, 6.0), "prefix+seam:1+blend:0.3": row(10, 3.5, 0.3)}
+    large = {"splice": row(10, 5.0), "prefix+ape:0.9,0.9": row(10, 4.8)}
+    studies = [
+        {"model": m, "dtype": d, "summary": s, **choice_record(s)}
+        for m, d, s in (("e:small", "float32", small), ("q:large", "bfloat16", large))
+    ]
+    figure = frontiers_figure(studies)
+    markers = [trace for trace in figure.data if trace.mode == "markers"]
+    assert [(m.name, m.xaxis, m.x[0], m.y[0]) for m in markers] == [
+        ("splice", "x", 6.0, 0.8),
+        ("prefix+seam:1+blend:0.3", "x", 3.5, 1.0),
+        ("splice", "x2", 5.0, 1.0),
+        ("prefix+ape:0.9,0.9", "x2", 4.8, 1.0),
+    ]
+    assert markers[0].marker.color == markers[2].marker.color and [m.showlegend for m in markers] == [True, True, False, True]
+    assert [m.marker.symbol for m in markers] == ["circle", "star", "star", "circle"]  # each panel stars its own default
+    assert [a.text for a in figure.layout.annotations][:2] == ["small (float32)", "large (bfloat16)"]
+    assert [shape.x0 for shape in figure.layout.shapes] == [pytest.approx(0.7 * 6.0), pytest.approx(0.7 * 5.0)]
+    with pytest.raises(ValueError, match="at least one stored study"):
+        frontiers_figure([])

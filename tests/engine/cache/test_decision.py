@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from engine.cache.decision import decide, logit_agreement, recovery
+from engine.cache.decision import decide, kl_divergence, logit_agreement, recovery
 
 
 def test_label_score_is_logsumexp_of_its_strings_and_margin_is_first_minus_best_other():
@@ -31,3 +31,12 @@ def test_logit_agreement_identity_and_shift_invariance():
     same = logit_agreement(logits, logits + 3.0)
     assert same["kl"] == pytest.approx(0.0, abs=1e-6) and same["top1_agree"] == 1.0 and same["top5_agree"] == 1.0
     assert logit_agreement(logits, -logits)["top1_agree"] == 0.0
+
+
+def test_kl_is_computed_once_clamped_at_zero_and_equals_its_definition():
+    log_p, log_q = torch.log_softmax(torch.tensor([2.0, 1.0, 0.0]), -1), torch.log_softmax(torch.tensor([0.0, 1.0, 2.0]), -1)
+    p, q = log_p.exp().tolist(), log_q.exp().tolist()
+    assert kl_divergence(log_p, log_q) == pytest.approx(sum(a * math.log(a / b) for a, b in zip(p, q)), rel=1e-6)
+    assert kl_divergence(log_p, log_p + 1e-7) == 0.0  # rounding below zero is no divergence
+    same = torch.tensor([0.1, 0.2, 0.3]).log()  # not normalised: the raw sum is negative, the KL is not
+    assert float((same.exp() * (same - (same + 1e-3))).sum()) < 0 and kl_divergence(same, same + 1e-3) == 0.0

@@ -9,7 +9,17 @@ import time
 import pytest
 
 from engine.compose import choice as choice_module
-from engine.compose.choice import AUTO, CalibrationPlan, calibrated_remedy, choose_remedy, gaps_of, resolve_remedy, stored_choice
+from engine.compose.choice import (
+    AUTO,
+    CalibrationPlan,
+    calibrated_remedy,
+    choice_record,
+    choose_remedy,
+    gaps_of,
+    model_remedies,
+    resolve_remedy,
+    stored_choice,
+)
 from engine.compose.splice import DEFAULT_REMEDY, Remedy
 from engine.errors import KVScopeError
 from engine.progress import fraction
@@ -259,3 +269,28 @@ def test_a_second_caller_shares_the_running_calibration_and_hears_its_progress(l
     assert results["second"] == first
     assert heard[0].startswith("waiting for the calibration another request started: calibrating remedy auto for tiny-qwen2: prompt 1/2")
     assert [message.split("; step ")[1][:6] for message in heard[1:]] == ["2 of 4", "3 of 4", "4 of 4"]
+
+
+def test_a_models_menu_reads_its_own_stored_study_else_its_calibration_else_the_static_default(lm, store, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path / "cache"))
+    fast = {**SUMMARY, "prefix+ape:0.9,0.9": row(35, 35, 5.8, 0.0)}
+    for stem, model, summary in (
+        ("compose_many-embedded-cpu", "embedded:Qwen2.5-Coder-0.5B-Instruct", SUMMARY),
+        ("compose_many-long-qwen-1.5b-cpu", "qwen-1.5b:Qwen2.5-Coder-1.5B-Instruct", SUMMARY),
+        ("compose_many-qwen-1.5b-cpu", "qwen-1.5b:Qwen2.5-Coder-1.5B-Instruct", fast),
+    ):
+        (tmp_path / f"{stem}.json").write_text(json.dumps({"model": model, "summary": summary, **choice_record(summary, source=stem)}))
+    for name in ("qwen-1.5b", "qwen-1.5b:Qwen2.5-Coder-1.5B-Instruct"):
+        menu = model_remedies(name, tmp_path)
+        assert (menu.default, menu.source) == ("prefix+ape:0.9,0.9", "compose_many-qwen-1.5b-cpu") and menu.choice.goal_met
+    embedded = model_remedies("embedded", tmp_path)
+    assert embedded.default == choose_remedy(SUMMARY).remedy != "prefix+ape:0.9,0.9" and embedded.source == "compose_many-embedded-cpu"
+    assert model_remedies(lm.fingerprint.name, tmp_path, lm).as_dict() == {
+        "model": lm.fingerprint.name,
+        "default": DEFAULT_REMEDY.name,
+        "source": None,
+        "choice": None,
+    }
+    calibrated = calibrated_remedy(lm, store, PLAN)
+    menu = model_remedies(lm.fingerprint.name, tmp_path, lm)
+    assert (menu.default, menu.source, menu.choice) == (calibrated.remedy, "calibration", calibrated)

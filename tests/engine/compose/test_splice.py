@@ -1,10 +1,13 @@
 """Composition: splice vs prefill ground truth, skill files, the store, keystone, memory."""
 
+import copy
+import dataclasses
 import json
 
 import pytest
 import torch
 from safetensors.torch import save_file
+from transformers import DynamicCache
 
 from engine import timing
 from engine.cache.notebook import Notebook, NotebookError
@@ -23,6 +26,7 @@ from engine.compose.splice import (
     adhoc_scenario,
     compare,
     splice_prompt,
+    split_remedies,
     top_of,
     with_skills,
 )
@@ -415,3 +419,109 @@ def test_a_scenario_that_places_skills_stands_alone_in_the_composer():
         compose_scenario(["safety_gate"], base=keystone_demo)
     with pytest.raises(ScenarioError, match="or choose a scenario that places skills"):
         compose_scenario([], base=Scenario.load(bundled_scenarios()["refund_gate"]))
+
+
+def test_ape_specs_round_trip_split_as_lists_and_refuse_bad_settings():
+    for text in ("ape:0.9,0.9", "prefix+ape:0.5,1.2", "prefix+seam:1+ape:0.9,0.9", "prefix+seam:1+blend:0.15+ape:1,1"):
+        assert Remedy.parse(Remedy.parse(text).name) == Remedy.parse(text) and Remedy.parse(text).name == text
+    ape = Remedy.parse("prefix+seam:1+ape:0.9,0.8")
+    assert (ape.ape.temperature, ape.ape.scale) == (0.9, 0.8) and not ape.needs_reference and ape.require_deployable("the keystone")
+    assert ape.as_dict()["ape"] == {"temperature": 0.9, "scale": 0.8}
+    assert split_remedies("splice, prefix+seam:1+ape:0.9,0.9,ape:1,1.2,blend:0.3") == [
+        "splice",
+        "prefix+seam:1+ape:0.9,0.9",
+        "ape:1,1.2",
+        "blend:0.3",
+    ]
+    for bad, match in (
+        ("ape:0,0.9", "'ape:0,0.9': APE's temperature T must be a finite number > 0"),
+        ("ape:0.9,-1", "'ape:0.9,-1': APE's scale S must be a finite number > 0"),
+        ("ape:inf,1", "temperature T must be a finite number"),
+        ("ape:0.9", "'ape:0.9': ape needs a temperature and a scale"),
+        ("ape", "ape needs a temperature and a scale"),
+        ("ape:0.9,0.9,1", "ape needs a temperature and a scale"),
+        ("ape:x,0.9", "'ape:x,0.9': ape's temperature and scale must be numbers"),
+    ):
+        with pytest.raises(ScenarioError, match=match):
+            Remedy.parse(bad)
+
+
+def test_ape_at_one_equals_the_plain_remedy_and_reads_every_later_token_through_the_rescale(lm, store):
+    scenario = adhoc_scenario(SHORT)
+    prompt = render(scenario, lm.tokenizer)
+    plain = splice_prompt(lm, scenario, prompt, store, Remedy.parse("prefix+seam:1")).notebook
+    unit = splice_prompt(lm, scenario, prompt, store, Remedy.parse("prefix+seam:1+ape:1,1")).notebook
+    assert torch.equal(unit.read_prompt(prompt).next_token_logits, plain.read_prompt(prompt).next_token_logits)
+    assert all(torch.equal(a, b) for a, b in zip(unit.keys + unit.values, plain.keys + plain.values))
+    rescaled = splice_prompt(lm, scenario, prompt, store, Remedy.parse("prefix+seam:1+ape:0.9,0.9")).notebook
+    assert rescaled.rescale.name == "ape:0.9,0.9"
+    spans = prompt.skill_spans.values()
+    expected = [any(span.start + 1 <= p < span.end for span in spans) for p in range(len(prompt.context_ids))]
+    assert rescaled.spliced[rescaled.order].tolist() == expected  # the skills, less their recomputed seams
+    moved = float((rescaled.read_prompt(prompt).next_token_logits - plain.read_prompt(prompt).next_token_logits).abs().max())
+    assert moved > 1e-3
+
+
+def test_ape_is_refused_by_name_where_nothing_is_spliced(lm, store):
+    scenario = adhoc_scenario([])
+    prompt = render(scenario, lm.tokenizer)
+    with pytest.raises(NotebookError, match=r"remedy 'ape:0.9,0.9' reads spliced skills.*places no skill"):
+        splice_prompt(lm, scenario, prompt, store, Remedy.parse("ape:0.9,0.9"))
+
+
+def test_keystone_runs_with_ape_on_the_composed_side_only_and_reuses_a_recomputed_side(lm, store):
+    scenario = Scenario.load(bundled_scenarios()["keystone_safety"])
+    strategies = ("field_only", "erratum")
+    plain = keystone(lm, scenario, store, remedy=Remedy.parse("prefix+seam:1"), strategies=strategies)
+    ape = keystone(lm, scenario, store, remedy=Remedy.parse("prefix+seam:1+ape:0.9,0.9"), strategies=strategies).as_dict()
+    reused = keystone(
+        lm, scenario, store, remedy=Remedy.parse("prefix+seam:1+ape:0.9,0.9"), strategies=strategies, recomputed=plain.recomputed
+    )
+    margins = lambda data: {name: (row["composed"]["margin"], row["recomputed"]["margin"]) for name, row in data["strategies"].items()}  # noqa: E731
+    assert ape["remedy"] == "prefix+seam:1+ape:0.9,0.9" and margins(reused.as_dict()) == margins(ape)
+    assert reused.as_dict()["max_recovery_gap"] == ape["max_recovery_gap"] and reused.delta_margin == pytest.approx(
+        ape["delta_margin"], abs=1e-4
+    )
+    assert ape["strategies"]["erratum"]["recomputed"]["margin"] == plain.as_dict()["strategies"]["erratum"]["recomputed"]["margin"]
+    assert ape["stale_margin"]["composed"] != pytest.approx(plain.as_dict()["stale_margin"]["composed"], abs=1e-4)
+    with pytest.raises(ScenarioError, match="edits 'other' of"):
+        keystone(lm, scenario, store, strategies=strategies, recomputed=dataclasses.replace(plain.recomputed, field="other"))
+
+
+def _own_forward_model(lm):
+    """A copy of the model with its own attention (not KVScope's registered function)."""
+    model = copy.deepcopy(lm.model)
+    model.set_attn_implementation(model.config._kvscope_original_attn_implementation)
+    return model
+
+
+def test_seam_is_epics_legolink_recomputed_by_the_models_own_forward(lm, store):
+    """EPIC's sink:K (LegoLink) by hand: the model's own forward runs the text and each skill's first K tokens over a
+    transformers cache that holds every earlier token, the rest of each skill appended as its spliced K/V; the K/V
+    and the question's logits equal ``seam:K``'s."""
+    sink, scenario = 3, adhoc_scenario(SHORT)
+    prompt = render(scenario, lm.tokenizer)
+    seamed = splice_prompt(lm, scenario, prompt, store, Remedy(seam=sink)).notebook
+    spliced = splice_prompt(lm, scenario, prompt, store, Remedy()).notebook.compact()  # reading order: entry i at position i
+    model, cache, ids = _own_forward_model(lm), DynamicCache(), list(prompt.context_ids)
+
+    def run(tokens, start):
+        with torch.no_grad():
+            positions = torch.arange(start, start + len(tokens))[None]
+            return model(input_ids=torch.tensor([tokens]), position_ids=positions, cache=cache, use_cache=True).logits[0, -1]
+
+    cursor = 0
+    for span in sorted(prompt.skill_spans.values(), key=lambda span: span.start):
+        if span.start > cursor:
+            run(ids[cursor : span.start], cursor)
+        run(ids[span.start : span.start + sink], span.start)
+        for layer, (keys, values) in enumerate(zip(spliced.keys, spliced.values)):
+            cache.update(keys[:, :, span.start + sink : span.end], values[:, :, span.start + sink : span.end], layer)
+        cursor = span.end
+    run(ids[cursor:], cursor)
+    logits = run(list(prompt.decode_ids), len(ids))
+    assert float((logits.float() - seamed.read_prompt(prompt).next_token_logits).abs().max()) < 2e-5  # seam:0 is 0.02 off
+    compact = seamed.compact()
+    context = slice(0, len(ids))  # the question's entries follow in the cache
+    theirs = [layer.keys[:, :, context] for layer in cache.layers] + [layer.values[:, :, context] for layer in cache.layers]
+    assert max(float((a - b).abs().max()) for a, b in zip(compact.keys + compact.values, theirs)) < 2e-5
