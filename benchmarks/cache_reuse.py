@@ -42,8 +42,10 @@ from benchmarks.serving_servers import SERVER_BINARY, LlamaServer, embedded_gguf
 from engine.cache.decision import DECISIVE_MARGIN, logit_agreement
 from engine.cache.loaded import LoadedModel
 from engine.cache.notebook import Notebook
+from engine.compose.placing import with_skills
+from engine.compose.remedy import DEFAULT_REMEDY, Remedy
 from engine.compose.skills import SkillStore
-from engine.compose.splice import DEFAULT_REMEDY, Remedy, splice_prompt, with_skills
+from engine.compose.splice import splice_prompt
 from engine.edit.experiment import EditExperiment
 from engine.edit.runs import render_for
 from engine.scenario import (

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import RESULTS
+from engine.compose.remedy import Remedy, split_remedies
 from engine.compose.skills import SkillStore
-from engine.compose.splice import Remedy
 from engine.compose.study import first_field_values, run_study, skill_prefixes
 from engine.edit.calibrate import calibrate
 from engine.models import load_model
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = _parser().parse_args(argv)
     names = sorted(bundled_scenarios()) if args.scenarios == "all" else [name.strip() for name in args.scenarios.split(",")]
     files = [bundled_scenarios()[name] for name in names]
-    remedies = [Remedy.parse(text.strip()) for text in args.remedies.split(",") if text.strip()]
+    remedies = [Remedy.parse(text) for text in split_remedies(args.remedies)]
     specs = [spec.strip() for spec in args.models.split(",") if spec.strip()]
     watch, rows = Stopwatch(), []
     out = Path(args.out)

@@ -2,11 +2,11 @@
 
     python -m benchmarks.compose_long [--model embedded] [--dtype float32] [--scenario refund_gate]
         [--lengths 1024,2048,4096,8192] [--compositions 1:start,4:end] [--skills long_policy,rag_shipping_facts,tool_specs,refund_policy]
-        [--remedies splice,prefix+seam:1,...] [--keystone keystone_safety] [--reps 1] [--out DIR]
+        [--remedies splice,prefix+seam:1,...] [--keystone keystone_safety | --keystone-result JSON] [--reps 1] [--out DIR]
 
 Real compositions are RAG passages, tool specs and policies of 1–8k tokens, where the question and scenario are a
 small part of the prompt. For each total length T and each composition ``N:placement`` the first N skills, each cut
-or repeated to T/N tokens (``engine.compose.splice.skill_of_length``), are placed in the scenario, which is read at
+or repeated to T/N tokens (``engine.compose.placing.skill_of_length``), are placed in the scenario, which is read at
 both values of its first field: recomputed once, spliced with every remedy (``engine.compose.study.run_study``).
 Decision agreement counts decisive cases only (ties apart). Then the keystone (an edit inside a spliced skill) per
 remedy, and the default by ``engine.compose.choice.choose_remedy`` from this run's numbers. Writes
@@ -23,15 +23,33 @@ from tqdm import tqdm
 
 from benchmarks import common
 from benchmarks.common import RESULTS, write_result
+from benchmarks.keystone import stored_gaps
 from benchmarks.notes_sweep import cpu_info
 from engine.compose.choice import choice_record, keystone_gaps
+from engine.compose.placing import skill_of_length
+from engine.compose.remedy import Remedy, split_remedies
 from engine.compose.skills import SkillStore
-from engine.compose.splice import Remedy, skill_of_length
 from engine.compose.study import Study, StudyCase, first_field_values, run_study, summarize
 from engine.scenario import Scenario, Skill, bundled_scenarios, bundled_skills
 from engine.timing import Stopwatch
 
-REMEDIES = "splice,prefix+seam:1,prefix+seam:1+query:0.05,prefix+seam:1+query:0.15,prefix+seam:1+blend:0.15,prefix+seam:1+blend:0.3"
+REMEDIES = ",".join(
+    (
+        "splice",
+        "prefix+seam:1",
+        "prefix+seam:1+query:0.05",
+        "prefix+seam:1+query:0.15",
+        "prefix+seam:1+blend:0.15",
+        "prefix+seam:1+blend:0.3",
+        "prefix+seam:16",
+        "prefix+ape:0.9,0.9",
+        "prefix+ape:1,0.8",
+        "prefix+ape:1,0.7",
+        "prefix+seam:1+ape:0.9,0.9",
+        "prefix+seam:1+ape:1,0.8",
+        "prefix+seam:1+ape:1,0.7",
+    )
+)
 
 
 def _compositions(text: str) -> list[tuple[int, str]]:
@@ -51,11 +69,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skills", default="long_policy,rag_shipping_facts,tool_specs,refund_policy")
     parser.add_argument("--remedies", default=REMEDIES)
     parser.add_argument("--keystone", default="keystone_safety", help="scenario of the keystone check ('' to skip)")
+    parser.add_argument(
+        "--keystone-result",
+        metavar="JSON",
+        help="take the keystone gaps from this stored benchmarks/keystone.py result instead of measuring",
+    )
     parser.add_argument("--reps", type=int, default=1, help="timing repetitions per splice and recompute (median)")
     parser.add_argument("--out", default=str(RESULTS), help="folder for the JSON")
     args = parser.parse_args(argv)
     lm = common.load(args)
-    remedies = [Remedy.parse(text) for text in args.remedies.split(",")]
+    remedies = [Remedy.parse(text) for text in split_remedies(args.remedies)]
     lengths = [int(n) for n in args.lengths.split(",")]
     compositions = _compositions(args.compositions)
     skills = [bundled_skills()[name] for name in args.skills.split(",")]
@@ -87,7 +110,13 @@ def main(argv: list[str] | None = None) -> dict:
     summary = Study(remedies, cases).summary()
     for name, row in summary.items():
         row["by_length"] = {length: rows[name] for length, rows in by_length.items()}
-    checked = keystone_gaps(lm, store, remedies, args.keystone) if args.keystone else {"scenario": None, "delta_margin": None, "gaps": {}}
+    checked = (
+        stored_gaps(Path(args.keystone_result))
+        if args.keystone_result
+        else keystone_gaps(lm, store, remedies, args.keystone)
+        if args.keystone
+        else {"scenario": None, "delta_margin": None, "gaps": {}}
+    )
     record = choice_record(summary, checked["gaps"], source=f"compose_long, {lm.fingerprint.name} ({lm.fingerprint.dtype})")
     data = {
         "cpu": cpu_info(),

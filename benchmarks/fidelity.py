@@ -14,8 +14,9 @@ from tqdm import tqdm
 
 from benchmarks import common
 from benchmarks.common import write_result
+from engine.compose.fidelity import compare
+from engine.compose.placing import with_skills
 from engine.compose.skills import SkillStore
-from engine.compose.splice import compare, with_skills
 from engine.scenario import Scenario, bundled_scenarios, bundled_skills
 
 

@@ -16,8 +16,9 @@ from tqdm import tqdm
 
 from benchmarks import common
 from benchmarks.common import RESULTS, write_result
+from engine.compose.placing import adhoc_scenario
+from engine.compose.remedy import Remedy
 from engine.compose.skills import SkillStore
-from engine.compose.splice import Remedy, adhoc_scenario
 from engine.compose.ttft import ttft_by_length
 from engine.scenario import Scenario, bundled_scenarios
 from viz.benchmarks import ttft_figure

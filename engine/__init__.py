@@ -117,7 +117,7 @@ _PUBLIC = {
     "CacheSettings": "engine.audit.caches",
     "ComputeGate": "engine.cache.budget",
     "DECISIVE_MARGIN": "engine.cache.decision",
-    "DEFAULT_REMEDY": "engine.compose.splice",
+    "DEFAULT_REMEDY": "engine.compose.remedy",
     "DEFAULT_SAMPLE": "engine.audit.traffic",
     "DEFAULT_STRATEGIES": "engine.probes.analysis",
     "DTYPES": "engine.models",
@@ -135,12 +135,12 @@ _PUBLIC = {
     "MessageProgress": "engine.progress",
     "Notebook": "engine.cache.notebook",
     "NotesScenario": "engine.audit.notes",
-    "PLACEMENTS": "engine.compose.splice",
+    "PLACEMENTS": "engine.compose.placing",
     "PROBES": "engine.probes.registry",
     "REPAIRS": "engine.audit.repairs",
     "REPAIR_SUMMARIES": "engine.audit.repairs",
     "Recipe": "engine.reproduce",
-    "Remedy": "engine.compose.splice",
+    "Remedy": "engine.compose.remedy",
     "RemedyChoice": "engine.compose.choice",
     "RenderedRequest": "engine.audit.requests",
     "Request": "engine.audit.requests",
@@ -161,7 +161,7 @@ _PUBLIC = {
     "WEIGHT_METHODS": "engine.edit.weight_edit:METHODS",
     "WorkBudget": "engine.cache.budget",
     "accelerator_dtype": "engine.models",
-    "adhoc_scenario": "engine.compose.splice",
+    "adhoc_scenario": "engine.compose.placing",
     "analyse_edit": "engine.probes.analysis",
     "appended_chars": "engine.audit.spans",
     "apply_template": "engine.audit.rewrite",
@@ -181,11 +181,11 @@ _PUBLIC = {
     "candidate_spans": "engine.audit.fields",
     "check_model": "engine.checks.support",
     "check_vision_model": "engine.cache.vision",
-    "compare": "engine.compose.splice",
+    "compare": "engine.compose.fidelity",
     "compare_edits": "engine.edit.weight_edit",
     "compare_image": "engine.compose.pictures",
     "compare_models": "engine.comparison",
-    "compose_scenario": "engine.compose.splice",
+    "compose_scenario": "engine.compose.placing",
     "dtype_name": "engine.models",
     "expected_parameter_bytes": "engine.models",
     "find_span": "engine.audit.spans",
@@ -368,10 +368,12 @@ if TYPE_CHECKING:
     from engine.compose.agent import run_agent
     from engine.compose.choice import AUTO as AUTO_REMEDY
     from engine.compose.choice import RemedyChoice, calibrated_remedy, cancel_calibration, resolve_remedy, stored_choice
+    from engine.compose.fidelity import compare
     from engine.compose.keystone import keystone
     from engine.compose.pictures import IMAGE_QUESTION, bundled_images, compare_image
+    from engine.compose.placing import PLACEMENTS, adhoc_scenario, compose_scenario
+    from engine.compose.remedy import DEFAULT_REMEDY, Remedy
     from engine.compose.skills import SkillStore
-    from engine.compose.splice import DEFAULT_REMEDY, PLACEMENTS, Remedy, adhoc_scenario, compare, compose_scenario
     from engine.compose.study import REMEDIES as STUDY_REMEDIES
     from engine.compose.study import first_field_values, run_study, skill_prefixes
     from engine.compose.ttft import TtftRow, ttft_by_length

@@ -12,8 +12,8 @@ from plotly.subplots import make_subplots
 
 from engine.cache.decision import Decision
 from engine.compose.agent import AgentReport
+from engine.compose.fidelity import SpliceFidelity
 from engine.compose.keystone import KeystoneReport
-from engine.compose.splice import Fidelity
 from viz.common import LEGEND_BELOW, PALETTE, map_height, pool_columns, safe_label, set_title, token_columns
 
 
@@ -59,7 +59,7 @@ def logit_bars_figure(
     return figure
 
 
-def deviation_figure(fidelity: Fidelity, texts: Sequence[str] | None = None) -> go.Figure:
+def deviation_figure(fidelity: SpliceFidelity, texts: Sequence[str] | None = None) -> go.Figure:
     """Layer × token relative K/V deviation of the spliced cache from the recomputed one
     ((‖ΔK‖ + ‖ΔV‖) / (‖K‖ + ‖V‖), mean over heads), token ``texts`` on the x axis when given."""
     deviation = fidelity.deviation.float().numpy()  # (layers, context tokens)

@@ -80,7 +80,7 @@ def strategies_html(report: EditReport, step: int) -> str:
 
 
 def splice_html(summary: dict) -> str:
-    """Step 4: the splice's fidelity and time to first token against a full recompute (``Fidelity.as_dict()``), and
+    """Step 4: the splice's fidelity and time to first token against a full recompute (``SpliceFidelity.as_dict()``), and
     what its remedy recomputed."""
     agree = "agrees" if summary["decision_agree"] else "differs"
     remedy = summary["remedy"]

@@ -14,8 +14,9 @@ from engine.cache.decision import DECISIVE_MARGIN, Decision
 from engine.cache.selftest import SelfTestReport
 from engine.checks.support import SupportRow
 from engine.compose.choice import CalibrationPlan, RemedyChoice
+from engine.compose.fidelity import SpliceFidelity
 from engine.compose.pictures import ImageFidelity
-from engine.compose.splice import RANKING_WORDS, REMEDY_GRAMMAR, Fidelity
+from engine.compose.remedy import RANKING_WORDS, REMEDY_GRAMMAR
 from engine.edit.strategies import REGISTRY
 from viz.common import markdown_literal
 
@@ -176,7 +177,7 @@ def remedy_menu(default: str, auto: str, names: Sequence[str], choice: RemedyCho
     ]
 
 
-def decision_words(fidelity: Fidelity) -> str:
+def decision_words(fidelity: SpliceFidelity) -> str:
     """Agreement of the spliced decision with the recomputed one, ties named as such."""
     labels = f"{markdown_literal(fidelity.spliced.label)} vs {markdown_literal(fidelity.recomputed.label)}"
     error = f"margin error {fidelity.match.margin_error:+.3f}"
@@ -185,7 +186,7 @@ def decision_words(fidelity: Fidelity) -> str:
     return f"**decision** {'agrees' if fidelity.match.agree else 'differs'} ({labels}, {error})"
 
 
-def ttft_words(fidelity: Fidelity) -> str:
+def ttft_words(fidelity: SpliceFidelity) -> str:
     """Both times to first token, what each includes and how they were measured (one line of Markdown)."""
     splice, full = fidelity.ttft["splice"], fidelity.ttft["full"]
     rounds = f"median of {splice.reps} round{'s' if splice.reps > 1 else ''} (min {splice.min:.0f} / {full.min:.0f} ms)"
@@ -199,7 +200,7 @@ def ttft_words(fidelity: Fidelity) -> str:
     )
 
 
-def compose_metrics_markdown(fidelity: Fidelity) -> str:
+def compose_metrics_markdown(fidelity: SpliceFidelity) -> str:
     """A splice against the full recompute: logits, decision, TTFT and what the remedy recomputed."""
     data = fidelity.as_dict()
     ranked = "; ranked against the full recompute, so no TTFT saving in deployment" if fidelity.remedy.needs_reference else ""

@@ -18,8 +18,9 @@ from typing import Protocol
 import torch
 
 from engine.cache import adapter, vision
-from engine.cache.budget import compute_slot
+from engine.cache.budget import compute_slot, forward_token_limit
 from engine.cache.loaded import LoadedModel
+from engine.cache.rope import Rotary
 from engine.errors import NotebookError
 
 
@@ -43,8 +44,10 @@ class Knockout:
 
 
 class NotebookState(Protocol):
-    """What the planner reads of a notebook (``engine.cache.notebook.Notebook``, a dataclass it copies with
-    ``dataclasses.replace``): this module is the notebook's private half and never imports it."""
+    """What the planner, reading (:mod:`engine.cache.reading`), generation (:mod:`engine.cache.generation`), blocks
+    (:mod:`engine.cache.blocks`) and the Jupyter view (:func:`engine.cache.display.notebook_view`) use of a notebook
+    (``engine.cache.notebook.Notebook``, a dataclass they copy with ``dataclasses.replace``): these modules are the
+    notebook's private half and never import it."""
 
     lm: LoadedModel
     computed_keys: tuple[torch.Tensor, ...]
@@ -57,10 +60,31 @@ class NotebookState(Protocol):
     rope_offsets: torch.Tensor
     spliced: torch.Tensor
     rescale: adapter.AttentionRescale | None
+    log: tuple[str, ...]
 
     @property
     def pending_tokens(self) -> int: ...
+    @property
+    def next_position(self) -> int: ...
+    @property
+    def next_rope_offset(self) -> int: ...
+    @property
+    def order(self) -> torch.Tensor: ...
+    @property
+    def keys(self) -> tuple[torch.Tensor, ...]: ...
+    @property
+    def values(self) -> tuple[torch.Tensor, ...]: ...
+    @property
+    def rotary(self) -> Rotary: ...
+    def __len__(self) -> int: ...
     def latest(self) -> "NotebookState": ...
+    def materialized(self) -> "NotebookState": ...
+    def _remember(self, computed: "NotebookState") -> None: ...
+    def computation(self) -> tuple: ...
+    def entries_at(self, positions: Sequence[int]) -> torch.Tensor: ...
+    def _shifted(self, from_position: int, delta: int, reason: str, rope_delta: int | None = None) -> "NotebookState": ...
+    def append(self, token_ids: Sequence[int], segment: str | Sequence[str] = "context") -> "NotebookState": ...
+    def recompute(self, positions: Sequence[int]) -> "NotebookState": ...
     def blocked_masks(self, knockouts: Knockout | Sequence[Knockout] | None) -> dict[int, torch.Tensor]: ...
 
 
@@ -208,6 +232,24 @@ def fused_input(forks: Sequence[NotebookState], extras: Sequence[Continuation], 
     positions = torch.cat([forks[0].positions[:computed], torch.tensor(layout.positions, dtype=torch.long)])
     layout.allowed &= positions[None, :] <= positions[computed:, None]
     return layout
+
+
+def run_notebooks(notebooks: Sequence[NotebookState], continuations: Sequence[Continuation | None], **options) -> list[BranchRun]:
+    """Run notebooks with their continuations: forks of one computed base share a forward
+    (:func:`engine.cache.fused_forward.run_together`), each forward within the new-token limit (longer pending steps
+    computed in chunks first); each pending notebook then remembers its computed twin."""
+    limit = forward_token_limit()
+    ready = [computed_in_chunks(notebook.latest(), limit) for notebook in notebooks]
+    runs: dict[int, BranchRun] = {}
+    for group in forks_by_base(ready):
+        forks, extras = [ready[i] for i in group], [continuations[i] for i in group]
+        for batch in batches(forks, extras, limit):
+            chosen = [group[i] for i in batch]
+            for index, run in zip(chosen, run_together([ready[i] for i in chosen], [continuations[i] for i in chosen], **options)):
+                runs[index] = run
+    for index, notebook in enumerate(notebooks):
+        notebook._remember(runs[index].notebook)
+    return [runs[index] for index in range(len(notebooks))]
 
 
 def run_together(

@@ -8,10 +8,11 @@ shares unchanged tensors, so forking is free.
 
 Computation is deferred: append, replace, recompute, seam repair and the last chunk of a prefill record a
 *pending step* (which tokens, and which earlier entries they see) and the K/V are computed when something
-needs them. A read then runs the pending tokens and the question in one forward, and
-:meth:`Notebook.read_many` reads several forks of one notebook in one forward (each fork's tokens see
-only its own entries; equal forks run once). Fusing is exact: a token's K/V depend only on the entries it
-attends to, exactly as in a chunked prefill. The planner of that forward lives in :mod:`engine.cache.fused_forward`.
+needs them: a read runs the pending tokens and the question in one forward (:mod:`engine.cache.reading`, several
+forks at once; the planner of that forward is :mod:`engine.cache.fused_forward`). Generation is
+:mod:`engine.cache.generation`, a block's K/V lifted out and spliced elsewhere :mod:`engine.cache.blocks`, and the
+Jupyter view :func:`engine.cache.display.notebook_view`; the notebook's ``read``, ``read_many``, ``read_prompt``,
+``step``, ``greedy``, ``generate``, ``block`` and ``splice`` are their functions.
 
 Every entry remembers whether its K/V came from a splice and were never recomputed (``spliced``). A notebook
 :meth:`Notebook.rescaled` with APE's setting (:class:`~engine.cache.adapter.AttentionRescale`) reads those entries
@@ -25,7 +26,7 @@ beyond the read itself; splice O(L) re-rotation for an L-token block plus the se
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from dataclasses import replace as dataclass_replace
 from functools import cached_property
@@ -33,75 +34,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.cache import adapter, display, vision
+from engine.cache import adapter, blocks, display, generation, reading, vision
 from engine.cache.adapter import AttentionRescale
-from engine.cache.budget import compute_slot, forward_token_limit
-from engine.cache.decision import (
-    Decision,
-    answer_logprob,
-    decide,
-    decision_margin,
-    label_scores,
-)
-from engine.cache.fused_forward import (
-    BranchRun,
-    Continuation,
-    Knockout,
-    PendingStep,
-    batches,
-    computed_count,
-    computed_in_chunks,
-    forks_by_base,
-    joined,
-    run_together,
-)
-from engine.cache.loaded import LoadedModel, ModelFingerprint, dtype_name
+from engine.cache.budget import compute_slot
+from engine.cache.fused_forward import Knockout, PendingStep, run_notebooks
+from engine.cache.loaded import LoadedModel
 from engine.cache.rope import RopeUnsupported, Rotary
 from engine.errors import NotebookError
 from engine.progress import StepProgress
 
 if TYPE_CHECKING:
     from engine.scenario import RenderedPrompt
-
-
-@dataclass(frozen=True)
-class KVBlock:
-    """A block's K/V computed once (e.g. a skill), with the positions its keys were rotated for."""
-
-    token_ids: torch.Tensor  # (L,)
-    keys: tuple[torch.Tensor, ...]  # per layer (1, kv_heads, L, head_dim)
-    values: tuple[torch.Tensor, ...]
-    start_position: int
-    segments: tuple[str, ...]  # (L,) labels, e.g. "skill:refund_policy" and "field:NAME" inside it
-    fingerprint: ModelFingerprint
-    rope_offsets: torch.Tensor | None = None  # (3, L) M-RoPE offsets from the positions (None: text, all 0)
-
-    def __post_init__(self) -> None:
-        if self.rope_offsets is None:
-            object.__setattr__(self, "rope_offsets", torch.zeros(3, len(self.token_ids), dtype=torch.long))
-
-    @property
-    def rope_start(self) -> int:
-        """The rope position of its first token (temporal axis)."""
-        return self.start_position + int(self.rope_offsets[0, 0])
-
-    @property
-    def rope_span(self) -> int:
-        """How many rope positions it covers: its length, less where an image's patches share positions."""
-        rope = self.rope_offsets + torch.arange(self.start_position, self.start_position + len(self))[None]
-        return int(rope.max()) + 1 - self.rope_start
-
-    def __len__(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def name(self) -> str:
-        """The block's main label (its most frequent segment)."""
-        return max(set(self.segments), key=self.segments.count)
-
-    def memory_bytes(self) -> int:
-        """Bytes of its K/V tensors."""
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
 
 @dataclass(frozen=True)
@@ -187,10 +130,6 @@ class Notebook:
         """Prefill a rendered scenario's cached context, with its segment labels."""
         return cls.prefill(lm, prompt.context_ids, prompt.context_segments, **kwargs)
 
-    def read_prompt(self, prompt: RenderedPrompt, answer_texts: Mapping[str, Sequence[str]] | None = None, **kwargs) -> Decision:
-        """Read the decision for a rendered scenario's question and answers."""
-        return self.read(prompt.decode_ids, prompt.answer_ids, answer_texts=answer_texts, **kwargs)
-
     # ---------------------------------------------------------------- views
     def __len__(self) -> int:
         """Number of visible entries (the context as the model sees it)."""
@@ -261,30 +200,12 @@ class Notebook:
         if not self.pending:
             return self
         if "_computed" not in self.__dict__:
-            Notebook._run([self], [None])
+            run_notebooks([self], [None])
         return self.__dict__["_computed"]
 
     def latest(self) -> "Notebook":
         """The computed twin if a read already computed this notebook, else itself (never recompute twice)."""
         return self.__dict__.get("_computed", self)
-
-    @staticmethod
-    def _run(notebooks: Sequence["Notebook"], continuations: Sequence[Continuation | None], **options) -> list[BranchRun]:
-        """Run notebooks with their continuations: forks of one computed base share a forward
-        (:func:`engine.cache.fused_forward.run_together`), each forward within the new-token limit (longer pending steps
-        computed in chunks first); each pending notebook then remembers its computed twin."""
-        limit = forward_token_limit()
-        ready = [computed_in_chunks(notebook.latest(), limit) for notebook in notebooks]
-        runs: dict[int, BranchRun] = {}
-        for group in forks_by_base(ready):
-            forks, extras = [ready[i] for i in group], [continuations[i] for i in group]
-            for batch in batches(forks, extras, limit):
-                chosen = [group[i] for i in batch]
-                for index, run in zip(chosen, run_together([ready[i] for i in chosen], [continuations[i] for i in chosen], **options)):
-                    runs[index] = run
-        for index, notebook in enumerate(notebooks):
-            notebook._remember(runs[index].notebook)
-        return [runs[index] for index in range(len(notebooks))]
 
     def _remember(self, computed: "Notebook") -> None:
         """Keep the computed twin of a pending notebook, so that nothing is computed twice."""
@@ -314,48 +235,8 @@ class Notebook:
         return sum(seen.values())
 
     def _repr_html_(self) -> str:
-        """Jupyter's view: tokens, the segments' runs with their positions, layers, KV heads, memory and pending
-        steps (it runs no forward: memory counts the K/V computed so far)."""
-        config = self.lm.model.config.get_text_config()
-        (kv_heads, _), _ = adapter.cache_entry_shapes(config)
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in (*self.computed_keys, *self.computed_values)}
-        hidden = len(self.positions) - len(self)
-        pending = f"{len(self.pending)} ({self.pending_tokens} tokens, computed by the next read)" if self.pending else "none"
-        summary = display.fields(
-            [
-                ("model", f"{self.lm.name} ({dtype_name(self.lm.dtype)})"),
-                ("tokens", f"{len(self)} visible" + (f", {hidden} hidden (replaced or recomputed, kept for forks)" if hidden else "")),
-                ("layers", config.num_hidden_layers),
-                ("KV heads", kv_heads),
-                ("cache entry", self.lm.cache_layout()),
-                ("memory", f"{sum(storages.values()):,} bytes of computed K/V"),
-                ("pending steps", pending),
-                *([("attention", f"{self.rescale.name} (APE) over {int(self.spliced.sum())} spliced entries")] if self.rescale else []),
-            ]
-        )
-        runs: list[list] = []  # [label, entries] of consecutive equal labels in reading order
-        for entry in self.order.tolist():
-            if runs and runs[-1][0] == self.segments[entry]:
-                runs[-1][1].append(entry)
-            else:
-                runs.append([self.segments[entry], [entry]])
-        shown = 40
-        rows = [
-            (label, f"{int(self.positions[entries[0]])}–{int(self.positions[entries[-1]])}", len(entries), self._preview(entries))
-            for label, entries in runs[:shown]
-        ]
-        if len(runs) > shown:
-            rows.append(("…", f"{len(runs) - shown} more runs", sum(len(entries) for _, entries in runs[shown:]), ""))
-        segments = display.table(rows, header=("segment", "positions", "tokens", "text"))
-        log = display.paragraph("operations: " + "; ".join(self.log[-6:])) if self.log else ""
-        return display.block(f"Notebook: {len(self)} tokens", summary, display.paragraph("segments"), segments, log)
-
-    def _preview(self, entries: Sequence[int], limit: int = 24) -> str:
-        """The text of a run of entries (its first ``limit`` tokens)."""
-        ids = self.token_ids[list(entries[:limit])].tolist()
-        if self.lm.images is not None and any(token >= self.lm.images.first_id for token in ids):
-            return f"(picture patches, {len(entries)} tokens)"
-        return self.lm.tokenizer.decode(ids) + ("…" if len(entries) > limit else "")
+        """Jupyter's view (:func:`engine.cache.display.notebook_view`)."""
+        return display.notebook_view(self)
 
     @cached_property
     def rotary(self) -> Rotary:
@@ -394,24 +275,6 @@ class Notebook:
             log=base.log + (note,),
             pending=base.pending + (PendingStep(stored, stored + count, visible),),
             rope_offsets=torch.cat([base.rope_offsets, rope_offsets], dim=1),
-            spliced=torch.cat([base.spliced, torch.zeros(count, dtype=torch.bool)]),
-            rescale=base.rescale,
-        )
-
-    def _with_continuation(self, run: BranchRun, continuation: Continuation, segment: str) -> "Notebook":
-        """The computed notebook with a continuation's tokens stored as entries (e.g. a generated token)."""
-        base = run.notebook
-        count = len(continuation.token_ids)
-        return Notebook(
-            lm=base.lm,
-            computed_keys=joined(base.computed_keys, run.keys, slice(None)),
-            computed_values=joined(base.computed_values, run.values, slice(None)),
-            token_ids=torch.cat([base.token_ids, torch.tensor(continuation.token_ids, dtype=torch.long)]),
-            positions=torch.cat([base.positions, torch.tensor(continuation.positions, dtype=torch.long)]),
-            segments=base.segments + (segment,) * count,
-            visible=torch.cat([base.visible, torch.ones(count, dtype=torch.bool)]),
-            log=base.log + (f"{segment} {count} tokens",),
-            rope_offsets=torch.cat([base.rope_offsets, torch.full((3, count), continuation.rope_offset)], dim=1),
             spliced=torch.cat([base.spliced, torch.zeros(count, dtype=torch.bool)]),
             rescale=base.rescale,
         )
@@ -540,89 +403,6 @@ class Notebook:
             spliced=spliced,
         )
 
-    def block(self, segment: str | None = None, positions: Sequence[int] | None = None) -> KVBlock:
-        """Extract one contiguous segment's (or these positions') K/V as a reusable block."""
-        if positions is not None:
-            entries = self.entries_at(positions)
-        else:
-            entries = torch.tensor([i for i in self.order.tolist() if self.segments[i] == segment], dtype=torch.long)
-            if not len(entries):
-                raise NotebookError(f"segment {segment!r} is not in the notebook (segments: {sorted(set(self.segments))})")
-        starts = self.positions[entries]
-        if not torch.equal(starts, torch.arange(int(starts[0]), int(starts[0]) + len(entries))):
-            raise NotebookError("a block must cover consecutive positions")
-        vision.rope_positions(self.lm, self.token_ids[entries].tolist(), 0)  # refuses a block that cuts a picture
-        index = entries.to(self.lm.device)
-        return KVBlock(
-            token_ids=self.token_ids[entries].clone(),
-            keys=tuple(k.index_select(2, index) for k in self.keys),
-            values=tuple(v.index_select(2, index) for v in self.values),
-            start_position=int(starts[0]),
-            segments=tuple(self.segments[i] for i in entries.tolist()),
-            fingerprint=self.lm.fingerprint,
-            rope_offsets=self.rope_offsets[:, entries],
-        )
-
-    def splice(self, block: KVBlock, at: int | None = None, seam: int = 0) -> "Notebook":
-        """Insert a precomputed block at position ``at`` (default: the end), keys re-rotated, no forward.
-
-        Entries at or after ``at`` move right by the block's length. ``seam`` recomputes the block's first
-        tokens against the real prefix (seam repair); a seam as long as the block equals a prefill. Refused
-        (:class:`~engine.cache.loaded.SpliceLocked`) on a model whose cache self-test failed.
-        """
-        self.lm.splice_gate.require(self.lm)
-        if block.fingerprint != self.lm.fingerprint:
-            raise NotebookError(
-                f"block {block.name!r} was computed by {block.fingerprint.name} ({block.fingerprint.dtype}), "
-                f"not by the loaded {self.lm.fingerprint.name} ({self.lm.fingerprint.dtype})"
-            )
-        at = self.next_position if at is None else at
-        if not 0 <= at <= self.next_position:
-            raise NotebookError(f"splice position {at} is outside the context (0..{self.next_position})")
-        if not 0 <= seam <= len(block):
-            raise NotebookError(f"seam {seam} must be between 0 and the block length {len(block)}")
-        try:
-            rotary = self.rotary
-        except RopeUnsupported as error:
-            raise NotebookError(f"cannot splice {block.name!r}: {error}") from error
-        if at < self.next_position:
-            vision.check_boundary(self.lm, int(self.token_ids[self.entries_at([at])[0]]), at)
-        rope_at = at + (self.next_rope_offset if at == self.next_position else int(self.rope_offsets[0, self.entries_at([at])[0]]))
-        moved = self._shifted(at, len(block), f"splicing {block.name!r}", block.rope_span).latest()
-        count, done = len(block), computed_count(moved)  # the block joins the computed entries; pending ones follow it
-        deltas = torch.full((count,), rope_at - block.rope_start, dtype=torch.long)
-        block_keys, block_values = rotary.move(block.keys, block.values, deltas)
-        keys = tuple(torch.cat([k, b], dim=2) for k, b in zip(moved.computed_keys, block_keys)) if moved.computed_keys else block_keys
-        values = (
-            tuple(torch.cat([v, b], dim=2) for v, b in zip(moved.computed_values, block_values)) if moved.computed_values else block_values
-        )
-        unseen = torch.zeros(count, dtype=torch.bool)  # steps recorded before the splice never see the block
-        spliced = Notebook(
-            lm=self.lm,
-            computed_keys=keys,
-            computed_values=values,
-            token_ids=torch.cat([moved.token_ids[:done], block.token_ids, moved.token_ids[done:]]),
-            positions=torch.cat([moved.positions[:done], torch.arange(at, at + count), moved.positions[done:]]),
-            segments=moved.segments[:done] + block.segments + moved.segments[done:],
-            visible=torch.cat([moved.visible[:done], torch.ones(count, dtype=torch.bool), moved.visible[done:]]),
-            log=self.log + (f"splice {block.name} ({count} tokens) at {at}" + (f", seam {seam}" if seam else ""),),
-            pending=tuple(
-                PendingStep(step.start + count, step.stop + count, torch.cat([step.sees[:done], unseen, step.sees[done:]]))
-                for step in moved.pending
-            ),
-            rope_offsets=torch.cat(
-                [
-                    moved.rope_offsets[:, :done],
-                    block.rope_offsets + (rope_at - block.rope_start) - (at - block.start_position),
-                    moved.rope_offsets[:, done:],
-                ],
-                dim=1,
-            ),
-            spliced=torch.cat([moved.spliced[:done], torch.ones(count, dtype=torch.bool), moved.spliced[done:]]),
-            rescale=moved.rescale,
-        )
-        return spliced.recompute(range(at, at + seam))
-
     def rescaled(self, rescale: AttentionRescale | None) -> "Notebook":
         """This notebook read with APE's attention over its spliced entries (None: plain attention) in every forward
         it runs from now on, its pending steps included; refused where no visible entry was spliced."""
@@ -664,7 +444,7 @@ class Notebook:
             rescale=self.rescale,
         )
 
-    # ---------------------------------------------------------------- decision
+    # ---------------------------------------------------------------- knockouts
     def blocked_masks(self, knockouts: Knockout | Sequence[Knockout] | None) -> dict[int, torch.Tensor]:
         """Knockouts as per-layer (heads or 1, N) bool masks over this notebook's entries, OR-ed."""
         if knockouts is None:
@@ -693,150 +473,12 @@ class Notebook:
                 blocked[layer] = blocked[layer] | mask if layer in blocked else mask
         return blocked
 
-    def _question(self, decode_ids: Sequence[int], answers: Mapping[str, Sequence[Sequence[int]]], knockout) -> tuple[Continuation, dict]:
-        """The question plus every multi-token answer's continuation as one branch each, and where each
-        answer token's log-prob is read: label -> [(answer ids, kept logit row per answer token)]."""
-        if not decode_ids:
-            raise NotebookError("a decision needs decode tokens (the question); got none")
-        start, count = self.next_position, len(decode_ids)
-        ids, positions, branches, kept = list(decode_ids), list(range(start, start + count)), [], [count - 1]
-        layout: dict[str, list[tuple[Sequence[int], list[int]]]] = {}
-        for label, sequences in answers.items():
-            layout[label] = []
-            for answer in sequences:
-                rows = [0]
-                if len(answer) > 1:
-                    first = len(ids)
-                    ids += list(answer[:-1])
-                    positions += range(start + count, start + count + len(answer) - 1)
-                    branches.append((first, len(ids)))
-                    rows += range(len(kept), len(kept) + len(answer) - 1)
-                    kept += range(first, len(ids))
-                layout[label].append((answer, rows))
-        sees = torch.zeros(len(ids), len(ids), dtype=torch.bool)
-        sees[:, :count] = True
-        for first, stop in branches:
-            sees[first:stop, first:stop] = True
-        return Continuation(ids, positions, sees, kept, knockout, list(range(count)), self.next_rope_offset), layout
-
-    @staticmethod
-    def _scores(run: BranchRun, layout: dict) -> dict[str, list[torch.Tensor]]:
-        """Per-string answer log-probs from a question's kept logits."""
-        return {label: [answer_logprob(run.logits, rows, answer) for answer, rows in strings] for label, strings in layout.items()}
-
-    @staticmethod
-    def read_many(
-        notebooks: Sequence["Notebook"],
-        decode_ids: Sequence[int],
-        answers: Mapping[str, Sequence[Sequence[int]]],
-        *,
-        knockout: Knockout | Sequence[Knockout] | None = None,
-        capture_attention: bool | Sequence[bool] = False,
-        answer_texts: Mapping[str, Sequence[str]] | None = None,
-    ) -> list[Decision]:
-        """Read the same question from several forks of one notebook in a single forward.
-
-        Each fork's pending steps and question run together (forks with the same :meth:`computation` once;
-        forks of different bases, or beyond the new-token limit of a forward, in several forwards); every fork
-        is left computed. With
-        ``capture_attention`` (for all forks, or one flag per fork) each decision carries the question tokens' attention as (layers, heads,
-        decode tokens, stored entries + decode tokens), stored entries in storage order.
-        """
-        questions = [notebook._question(decode_ids, answers, knockout) for notebook in notebooks]
-        captures = [capture_attention] * len(notebooks) if isinstance(capture_attention, bool) else list(capture_attention)
-        computations = [notebook.computation() for notebook in notebooks]
-        first_of: dict[tuple, int] = {}
-        for index, key in enumerate(computations):
-            first_of.setdefault(key, index)
-        unique = sorted(set(first_of.values()))
-        wanted = {i: any(captures[j] for j, key in enumerate(computations) if first_of[key] == i) for i in unique}
-        continuations = [questions[i][0] if wanted[i] else dataclass_replace(questions[i][0], captured_rows=[]) for i in unique]
-        unique_runs = Notebook._run([notebooks[i] for i in unique], continuations, capture=any(wanted.values()))
-        runs: dict[int, BranchRun] = dict(zip(unique, unique_runs))
-        for index, notebook in enumerate(notebooks):
-            twin = runs[first_of[computations[index]]]
-            if index not in runs:
-                done = dataclass_replace(
-                    notebook.latest(), computed_keys=twin.notebook.computed_keys, computed_values=twin.notebook.computed_values, pending=()
-                )
-                notebook._remember(done)
-                runs[index] = dataclass_replace(twin, notebook=done)
-        texts = answer_texts or {label: [str(i) for i in range(len(seqs))] for label, seqs in answers.items()}
-        decisions = []
-        for run, (_, layout) in zip((runs[i] for i in range(len(notebooks))), questions):
-            scores = Notebook._scores(run, layout)
-            string_logprobs = {label: {text: float(score) for text, score in zip(texts[label], scores[label])} for label in scores}
-            decision = decide(string_logprobs, run.logits[0].detach().cpu().clone())  # not a view of every kept row
-            if captures[len(decisions)]:
-                entries, count = len(run.notebook.positions), len(decode_ids)
-                decision.attention = torch.stack([run.attentions[layer][:, :, : entries + count] for layer in sorted(run.attentions)]).cpu()
-            decisions.append(decision)
-        return decisions
-
-    def read(
-        self,
-        decode_ids: Sequence[int],
-        answers: Mapping[str, Sequence[Sequence[int]]],
-        *,
-        knockout: Knockout | Sequence[Knockout] | None = None,
-        capture_attention: bool = False,
-        answer_texts: Mapping[str, Sequence[str]] | None = None,
-    ) -> Decision:
-        """Score each answer's token sequence after ``decode_ids`` (question + assistant header).
-
-        The notebook is not changed (pending steps are computed in the same forward). With
-        ``capture_attention`` the decision tokens' attention is kept (see :meth:`read_many`).
-        """
-        return Notebook.read_many(
-            [self], decode_ids, answers, knockout=knockout, capture_attention=capture_attention, answer_texts=answer_texts
-        )[0]
-
-    def decision_score(
-        self,
-        decode_ids: Sequence[int],
-        answers: Mapping[str, Sequence[Sequence[int]]],
-        knockout: Knockout | Sequence[Knockout] | None = None,
-    ) -> torch.Tensor:
-        """The decision margin as a differentiable scalar (gradients flow into K/V that require grad)."""
-        question, layout = self._question(decode_ids, answers, knockout)
-        run = Notebook._run([self], [question], grad=True)[0]
-        strings = Notebook._scores(run, layout).values()
-        return decision_margin(torch.stack([label_scores(torch.stack(values)) for values in strings]))
-
-    def with_grad(self) -> "Notebook":
-        """A copy whose K/V are fresh float leaves requiring grad (for attribution patching)."""
-        keys = tuple(k.detach().clone().requires_grad_(True) for k in self.keys)
-        values = tuple(v.detach().clone().requires_grad_(True) for v in self.values)
-        return dataclass_replace(self.materialized(), computed_keys=keys, computed_values=values)
-
-    def step(self, token_ids: Sequence[int], segment: str = "question") -> tuple["Notebook", torch.Tensor]:
-        """Run tokens after the context, store them, and return the last token's next-token logits."""
-        continuation = Continuation.causal(token_ids, self.next_position, [len(token_ids) - 1], self.next_rope_offset)
-        run = Notebook._run([self], [continuation])[0]
-        return self._with_continuation(run, continuation, segment), run.logits[-1]
-
-    def greedy(self, logits: torch.Tensor, max_new_tokens: int, stop_ids: Sequence[int] = ()) -> tuple["Notebook", list[int]]:
-        """Greedy tokens after this notebook, whose next-token ``logits`` are given (e.g. by :meth:`step`); returns
-        the notebook with them appended (the last one recorded, not run) and the new ids."""
-        notebook, generated = self, []
-        while len(generated) < max_new_tokens:
-            token = int(logits.argmax())
-            if token in stop_ids:
-                break
-            generated.append(token)
-            if len(generated) == max_new_tokens:
-                return notebook.append([token], "generated"), generated
-            notebook, logits = notebook.step([token], "generated")
-        return notebook, generated
-
-    def generate(self, decode_ids: Sequence[int], max_new_tokens: int, stop_ids: Sequence[int] = ()) -> tuple["Notebook", list[int]]:
-        """Greedy decoding after ``decode_ids``; returns the notebook with everything appended and the new ids."""
-        notebook, logits = self.step(decode_ids, "question")
-        return notebook.greedy(logits, max_new_tokens, stop_ids)
-
-    def hidden_states(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """Residual stream (layers + 1, T, hidden) of tokens run after this context (nothing is stored)."""
-        run = Notebook._run(
-            [self], [Continuation.causal(token_ids, self.next_position, rope_offset=self.next_rope_offset)], hidden_states=True
-        )[0]
-        return torch.stack(run.hidden_states).float()
+    # ---------------------------------------------------------------- reading, generating, blocks (their own modules)
+    read_many = staticmethod(reading.read_many)
+    read = reading.read
+    read_prompt = reading.read_prompt
+    step = generation.step
+    greedy = generation.greedy
+    generate = generation.generate
+    block = blocks.block
+    splice = blocks.splice

@@ -16,6 +16,7 @@ import torch
 
 from engine.cache.budget import compute_slot
 from engine.cache.notebook import Notebook, NotebookError
+from engine.cache.reading import decision_score, with_grad
 from engine.scenario import RenderedPrompt
 
 
@@ -63,8 +64,8 @@ class DecisionGradients:
 
 def decision_gradients(base: Notebook, prompt: RenderedPrompt) -> DecisionGradients:
     """Gradients of the decision margin with respect to the base notebook's K/V."""
-    leaf = base.with_grad()
-    score = leaf.decision_score(prompt.decode_ids, prompt.answer_ids)
+    leaf = with_grad(base)
+    score = decision_score(leaf, prompt.decode_ids, prompt.answer_ids)
     with compute_slot():
         score.backward()
     return DecisionGradients(float(score.detach()), tuple(k.grad for k in leaf.keys), tuple(v.grad for v in leaf.values))

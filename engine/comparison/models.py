@@ -11,7 +11,7 @@ Each number is the single-model analysis of that model, reduced to one value:
   ``READ_HEAD_MASS`` of the last decision token's attention mass on the top notes
   (:func:`~engine.probes.heads.probe_heads`; its knockout of its top heads is in the details).
 - ``splice_cosine``: next-token logit cosine of one skill (``SPLICE_SKILL``) spliced before the scenario with the
-  composer's default remedy against a full recompute (:func:`~engine.compose.splice.compare`).
+  composer's default remedy against a full recompute (:func:`~engine.compose.fidelity.compare`).
 
 Models are loaded one after another through the caller's loader and released before the next one, so only the
 loader decides how many stay in memory. The paper's values at 7–9B (field-only recovery of its notes demos) sit
@@ -25,8 +25,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from engine.cache.loaded import LoadedModel
+from engine.compose.fidelity import compare
+from engine.compose.placing import with_skills
+from engine.compose.remedy import DEFAULT_REMEDY, Remedy
 from engine.compose.skills import SkillStore
-from engine.compose.splice import DEFAULT_REMEDY, Remedy, compare, with_skills
 from engine.edit.experiment import EditExperiment
 from engine.edit.strategies import EditSettings
 from engine.errors import KVScopeError

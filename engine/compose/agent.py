@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from engine.cache.decision import Decision, logit_agreement
 from engine.cache.loaded import LoadedModel
 from engine.cache.notebook import Notebook
+from engine.compose.remedy import DEFAULT_REMEDY, Remedy
 from engine.compose.skills import SkillStore
-from engine.compose.splice import DEFAULT_REMEDY, Remedy, splice_prompt
+from engine.compose.splice import splice_prompt
 from engine.edit.erratum import WORDINGS, erratum_ids
 from engine.edit.runs import render_for, shared_prefix
 from engine.progress import StepProgress

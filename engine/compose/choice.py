@@ -36,8 +36,8 @@ from engine.cache.budget import CancelToken, cancellable, labelled
 from engine.cache.decision import DECISIVE_MARGIN
 from engine.cache.loaded import LoadedModel
 from engine.compose.keystone import keystone
+from engine.compose.remedy import DEFAULT_REMEDY, Remedy
 from engine.compose.skills import SkillStore
-from engine.compose.splice import DEFAULT_REMEDY, Remedy
 from engine.compose.study import Study, first_field_values, run_study, study_plan
 from engine.errors import KVScopeError
 from engine.models.store import cache_dir, read_json, write_json
@@ -555,7 +555,7 @@ class ModelRemedies:
 def model_remedies(model: str, folder: Path, lm: LoadedModel | None = None) -> ModelRemedies:
     """``model``'s menu (an alias or fingerprint name): its stored N-skill study in ``folder`` (the rule's choice and every
     remedy's numbers there), else the loaded ``lm``'s stored calibration, else the static
-    :data:`~engine.compose.splice.DEFAULT_REMEDY` with no numbers."""
+    :data:`~engine.compose.remedy.DEFAULT_REMEDY` with no numbers."""
     stored = stored_study_choice(folder, model)
     if stored is not None:
         return ModelRemedies(model, stored[1].remedy, stored[1], stored[0])
@@ -567,7 +567,7 @@ def model_remedies(model: str, folder: Path, lm: LoadedModel | None = None) -> M
 
 def resolve_remedy(lm: LoadedModel, text: str | None, store: SkillStore, report: MessageProgress = None) -> Remedy:
     """A remedy spec, where ``auto`` is this model's calibrated default (measured once when it was not) and empty is
-    the static :data:`~engine.compose.splice.DEFAULT_REMEDY`."""
+    the static :data:`~engine.compose.remedy.DEFAULT_REMEDY`."""
     spec = (text or "").strip()
     if spec == AUTO:
         return Remedy.parse(calibrated_remedy(lm, store, report=report).remedy)

@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 from engine.cache.decision import DecisionMatch
 from engine.cache.loaded import LoadedModel
+from engine.compose.remedy import DEFAULT_REMEDY, Remedy
 from engine.compose.skills import SkillStore
-from engine.compose.splice import DEFAULT_REMEDY, Remedy, splice_prompt
+from engine.compose.splice import splice_prompt
 from engine.edit.experiment import EditExperiment
 from engine.edit.report import EditReport
 from engine.edit.strategies import STRATEGIES, EditSettings
@@ -85,9 +86,11 @@ def keystone(
     strategies: Sequence[str] = tuple(s for s in STRATEGIES if s not in ("field_only_cot", "auto")),
     settings: EditSettings | None = None,
     progress: StepProgress = None,
+    recomputed: EditReport | None = None,
 ) -> KeystoneReport:
     """Run the edit strategies on a field that lives inside a skill (default: the first such field), spliced
-    and recomputed."""
+    and recomputed; ``recomputed`` is the recomputed side of an earlier keystone of the same scenario, field, settings
+    and strategies (it does not depend on the remedy), reused instead of run again."""
     inside = [name for skill in scenario.skills.values() for name in skill.fields]
     field = scenario.field(field_name or next(iter(inside), None))
     if field.name not in inside:
@@ -103,6 +106,12 @@ def keystone(
         settings=settings,
         build=lambda prompt: splice_prompt(lm, scenario, prompt, store, remedy).notebook,
     )
-    recomputed = EditExperiment(lm, scenario, field.name, settings=settings)
     composed_report = spliced.report(strategies, progress=progress)
-    return KeystoneReport(field.name, remedy, composed_report, recomputed.report(strategies))
+    if recomputed is None:
+        recomputed = EditExperiment(lm, scenario, field.name, settings=settings).report(strategies)
+    elif (recomputed.scenario, recomputed.field) != (scenario.name, field.name):
+        raise ScenarioError(
+            f"the recomputed keystone passed in edits {recomputed.field!r} of {recomputed.scenario!r}, "
+            f"not {field.name!r} of {scenario.name!r}"
+        )
+    return KeystoneReport(field.name, remedy, composed_report, recomputed)

@@ -12,8 +12,10 @@ import re
 from dataclasses import dataclass
 
 from engine.cache.loaded import LoadedModel
+from engine.compose.fidelity import SpliceFidelity, compare
+from engine.compose.placing import with_skills
+from engine.compose.remedy import Remedy
 from engine.compose.skills import SkillStore
-from engine.compose.splice import Fidelity, Remedy, compare, with_skills
 from engine.edit.experiment import EditExperiment
 from engine.edit.strategies import StrategyResult
 from engine.scenario import Scenario, ScenarioError
@@ -30,7 +32,7 @@ class Placement:
     oracle_margin: float
     oracle_decision: str
     edits: dict[str, StrategyResult]
-    transplant: Fidelity
+    transplant: SpliceFidelity
 
     def as_dict(self) -> dict:
         edits = {}

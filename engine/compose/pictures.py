@@ -21,7 +21,7 @@ from engine.cache.decision import Decision, DecisionMatch, logit_agreement
 from engine.cache.loaded import LoadedModel
 from engine.cache.notebook import Notebook, NotebookError
 from engine.cache.vision import ImageError, encode_image
-from engine.compose.splice import literal
+from engine.compose.placing import literal
 from engine.scenario import DEMOS, Scenario, render
 from engine.timing import Stopwatch, side_by_side
 

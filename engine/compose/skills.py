@@ -19,9 +19,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from engine.cache.adapter import cache_entry_shapes
+from engine.cache.blocks import KVBlock
 from engine.cache.loaded import LoadedModel, ModelFingerprint
 from engine.cache.lru import BudgetedLRU
-from engine.cache.notebook import KVBlock, Notebook
+from engine.cache.notebook import Notebook
 from engine.errors import KVScopeError
 from engine.once import SingleFlight
 from engine.scenario import Scenario, Skill, render

@@ -1,7 +1,7 @@
 """Many skills at once: splice fidelity and decisions for N skills, orders and placements, remedy by remedy.
 
 Every case (a scenario at one field value, an ordered skill set, a placement) is recomputed once and spliced
-with each :class:`~engine.compose.splice.Remedy`; the summary per remedy counts decision agreement only where the
+with each :class:`~engine.compose.remedy.Remedy`; the summary per remedy counts decision agreement only where the
 recomputed decision is decisive (|margin| ≥ ``DECISIVE_MARGIN``) and reports ties apart, beside the margin
 error, logit cosine/KL, the fraction of skill tokens recomputed and the TTFT speedup over the full recompute.
 """
@@ -13,8 +13,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.cache.loaded import LoadedModel
+from engine.compose.fidelity import Recomputed, SpliceFidelity, compare
+from engine.compose.placing import with_skills
+from engine.compose.remedy import Remedy
 from engine.compose.skills import SkillStore
-from engine.compose.splice import Fidelity, Recomputed, Remedy, compare, with_skills
 from engine.errors import KVScopeError
 from engine.progress import StepProgress
 from engine.scenario import Scenario
@@ -33,6 +35,14 @@ REMEDIES = (
     "prefix+seam:1+query:0.15",
     "deviation:0.5",
     "causal:0.15",
+    "seam:16",  # EPIC's sink:16 (LegoLink), skills compiled alone as EPIC compiles its chunks
+    "prefix+seam:16",
+    "prefix+ape:0.9,0.9",  # APE's paper default
+    "prefix+ape:1,0.8",  # a probe of 4 cases: S < 1 moves the margin towards the recompute, T matters less
+    "prefix+ape:1,0.7",
+    "prefix+seam:1+ape:0.9,0.9",
+    "prefix+seam:1+ape:1,0.8",
+    "prefix+seam:1+ape:1,0.7",
 )
 
 
@@ -44,7 +54,7 @@ class StudyCase:
     values: dict[str, str]
     skills: tuple[str, ...]
     placement: str
-    results: dict[str, Fidelity]  # remedy name -> fidelity
+    results: dict[str, SpliceFidelity]  # remedy name -> fidelity
 
     def as_dict(self) -> dict:
         any_result = next(iter(self.results.values()))
@@ -61,7 +71,7 @@ class StudyCase:
         }
 
 
-def _case_row(result: Fidelity) -> dict:
+def _case_row(result: SpliceFidelity) -> dict:
     data = result.as_dict()
     keep = ("cosine", "kl", "top1_agree", "margin_error", "decisive", "decision_agree", "recomputed_fraction", "speedup", "ttft_ms")
     return {key: data[key] for key in keep} | {"spliced_margin": data["spliced"]["margin"], "spliced_decision": data["spliced"]["decision"]}

@@ -10,8 +10,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from engine.cache.loaded import LoadedModel
+from engine.compose.fidelity import compare
+from engine.compose.placing import skill_of_length, with_skills
+from engine.compose.remedy import DEFAULT_REMEDY, Remedy
 from engine.compose.skills import SkillStore
-from engine.compose.splice import DEFAULT_REMEDY, Remedy, compare, skill_of_length, with_skills
 from engine.scenario import Scenario, Skill, bundled_skills
 
 TTFT_SKILL = "long_policy"  # field-free, long enough to repeat or cut to any length

@@ -32,6 +32,7 @@ from itertools import product
 import torch
 
 from engine.cache.adapter import FINAL_NORMS, final_norm
+from engine.cache.generation import hidden_states
 from engine.cache.loaded import LoadedModel
 from engine.cache.notebook import Notebook
 from engine.edit.experiment import EditExperiment
@@ -188,7 +189,7 @@ def balanced_commit_layer(lens: Sequence[Sequence[str]], classes: Sequence[str])
 
 def _sample_features(lm: LoadedModel, prompt: RenderedPrompt, field_name: str) -> tuple[dict[str, torch.Tensor | None], list[str]]:
     """Per group the mean residual stream (layers + 1, hidden), and the decision token's lens labels."""
-    states = Notebook.empty(lm).hidden_states([*prompt.context_ids, *prompt.decode_ids])  # (layers + 1, T, hidden)
+    states = hidden_states(Notebook.empty(lm), [*prompt.context_ids, *prompt.decode_ids])  # (layers + 1, T, hidden)
     texts = [lm.tokenizer.decode([token]) for token in prompt.context_ids]
     groups = position_groups(texts, prompt.field_spans[field_name])
     features: dict[str, torch.Tensor | None] = {

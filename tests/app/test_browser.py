@@ -175,7 +175,7 @@ def test_agent_loop_shows_cached_clean_state_and_identical_decisions(page):
 
 def test_the_remedy_menu_names_the_default_and_auto_calibrates_the_model(page, tmp_path, monkeypatch):
     from engine.compose import choice
-    from engine.compose.splice import DEFAULT_REMEDY
+    from engine.compose.remedy import DEFAULT_REMEDY
 
     monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path))
     plan = choice.CalibrationPlan(

@@ -36,7 +36,7 @@ from app.handlers.probes import run_weight_edits
 from app.state import ExportFolder, ModelRegistry, SessionStore
 from engine.cache.loaded import SpliceGate
 from engine.compose.pictures import bundled_images, load_picture
-from engine.compose.splice import DEFAULT_REMEDY
+from engine.compose.remedy import DEFAULT_REMEDY
 from engine.edit.experiment import EditExperiment
 from engine.scenario import Scenario, bundled_scenarios
 from tests.app.conftest import SCENARIO
@@ -142,7 +142,7 @@ def test_compose_reports_fidelity(registry):
 
 def test_remedy_info_and_menu_state_the_default_and_the_fastest_from_the_stored_study(tmp_path, monkeypatch):
     from engine.compose.choice import choose_remedy
-    from engine.compose.splice import DEFAULT_REMEDY
+    from engine.compose.remedy import DEFAULT_REMEDY
 
     def row(agree, fraction, speedup, ranked=False):
         return {

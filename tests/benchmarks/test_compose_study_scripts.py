@@ -19,12 +19,14 @@ def test_compose_many_writes_tie_aware_summaries_and_a_figure(tmp_path):
             "--placements",
             "start,end",
             "--remedies",
-            "splice,seam:10000",
+            "splice,seam:10000,prefix+ape:0.9,0.9",
             "--out",
             str(tmp_path),
         ]
     )
     stored = json.loads((tmp_path / "compose_many-tiny-qwen2-cpu.json").read_text())
+    assert list(stored["summary"]) == ["splice", "seam:10000", "prefix+ape:0.9,0.9"]  # ape:T,S keeps its comma
+    assert set(stored["keystone"]["gaps"]) <= set(stored["summary"]) and stored["total_s"] > 0 and stored["load_average"]["after"]
     assert (tmp_path / "compose_many-tiny-qwen2-cpu.html").exists()
     assert stored["summary"] == json.loads(json.dumps(data["summary"]))
     assert len(stored["cases"]) == 2 * (2 * 2 + 1)  # both values × (N = 1, 2 at two placements + the pair reversed)
@@ -33,11 +35,12 @@ def test_compose_many_writes_tie_aware_summaries_and_a_figure(tmp_path):
     assert exact["cases"] == 10 and exact["decisive"] + exact["ties"] == 10 and exact["mean_abs_margin_error"] < 1e-3
     assert set(exact["by_n"]) == {"1", "2"} and stored["summary"]["splice"]["recomputed_fraction"] == 0.0
     assert stored["best"] in ("splice", "seam:10000") and stored["dtype"] and stored["model"] == "tiny-qwen2"
-    assert (
-        stored["default"] == stored["choice"]["remedy"] in ("splice", "seam:10000") and stored["keystone"]["scenario"] == "keystone_safety"
-    )
+    assert stored["default"] == stored["choice"]["remedy"] in stored["summary"] and stored["keystone"]["scenario"] == "keystone_safety"
     assert set(stored["choice"]["goal"]) == {"agreement", "speed_share_of_splice", "keystone_max_gap"}
     assert stored["reps"] == 1 and "avx512_bf16" in stored["cpu"]
+    path = str(tmp_path / "compose_many-tiny-qwen2-cpu.json")
+    drawn = compose_many.main(["--frontiers", f"{path},{path}", "--out", str(tmp_path)])
+    assert drawn["studies"] == ["compose_many-tiny-qwen2-cpu.json"] * 2 and (tmp_path / "compose_frontiers.html").exists()
 
 
 def test_the_long_study_writes_each_length_the_default_and_the_environment(tmp_path):

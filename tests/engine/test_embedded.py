@@ -4,8 +4,8 @@ import pytest
 
 from engine.cache.selftest import run_selftest
 from engine.compose.keystone import keystone
+from engine.compose.remedy import DEFAULT_REMEDY
 from engine.compose.skills import SkillStore
-from engine.compose.splice import DEFAULT_REMEDY
 from engine.edit.calibrate import calibrate
 from engine.models import load_model
 from engine.scenario import Scenario, bundled_scenarios

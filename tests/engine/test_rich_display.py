@@ -8,7 +8,8 @@ import pytest
 
 from engine.cache import display
 from engine.checks.support import SupportRow, Verdict
-from engine.compose.splice import Remedy, compare
+from engine.compose.fidelity import compare
+from engine.compose.remedy import Remedy
 from engine.edit.experiment import EditExperiment
 from engine.scenario import Scenario, bundled_scenarios
 from tests.shared import SAME_LENGTH_SCENARIO

@@ -8,8 +8,10 @@ import torch
 
 from engine.cache.decision import decide
 from engine.compose.agent import run_agent
+from engine.compose.fidelity import compare
+from engine.compose.placing import adhoc_scenario
+from engine.compose.remedy import Remedy
 from engine.compose.skills import SkillStore
-from engine.compose.splice import Remedy, adhoc_scenario, compare
 from viz.common import MAX_COLUMNS
 from viz.compose import agent_figure, deviation_figure, logit_bars_figure
 

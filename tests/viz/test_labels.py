@@ -6,7 +6,7 @@ import plotly.graph_objects as go
 from engine.audit.repairs import REPAIR_SUMMARIES, REPAIRS
 from engine.cache.decision import RECOVERY_WORDS
 from engine.compose.choice import RemedyChoice, RemedyPoint
-from engine.compose.splice import RANKED_SELECTIONS, RANKING_WORDS, REMEDY_GRAMMAR
+from engine.compose.remedy import RANKED_SELECTIONS, RANKING_WORDS, REMEDY_GRAMMAR
 from engine.edit.strategies import REGISTRY
 from tests.viz.test_models import COMPARISON
 from viz.common import NOTE_CHARS, TITLE_CHARS, figure_label, set_title

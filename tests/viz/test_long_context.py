@@ -9,8 +9,9 @@ import re
 import numpy as np
 import pytest
 
+from engine.compose.fidelity import compare
+from engine.compose.placing import with_skills
 from engine.compose.skills import SkillStore
-from engine.compose.splice import compare, with_skills
 from engine.edit.experiment import EditExperiment
 from engine.edit.strategies import EditSettings
 from engine.models.tiny import tiny_model

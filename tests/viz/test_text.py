@@ -3,7 +3,7 @@
 import torch
 
 from engine.cache.decision import Decision
-from engine.compose.splice import DEFAULT_REMEDY, Remedy
+from engine.compose.remedy import DEFAULT_REMEDY, Remedy
 from viz.learn import decisions_html, splice_html
 from viz.text import knockout_markdown, memory_markdown, remedy_info, remedy_words
 

@@ -15,10 +15,11 @@ from tests.shared import SAME_LENGTH_SCENARIO
 def test_notebook_bytes_match_its_own_accounting_and_shared_storage_counts_once():
     lm = tiny_model("llama")
     notebook = Notebook.prefill(lm, list(range(5, 45))).materialized()
-    metadata = 40 * 8 * 2 + 40 + 3 * 40 * 8  # token ids and positions (int64), visibility (bool), M-RoPE offsets (3 × int64)
+    # token ids and positions (int64), visibility and spliced provenance (bool each), M-RoPE offsets (3 × int64)
+    metadata = 40 * 8 * 2 + 40 * 2 + 3 * 40 * 8
     assert tensor_bytes(notebook) == notebook.memory_bytes() + metadata
     fork = notebook.append([7])  # shares the computed tensors: only its per-entry metadata and its step's mask are new
-    assert tensor_bytes(notebook, fork) - tensor_bytes(notebook) == 41 * (8 + 8 + 1 + 3 * 8) + 40
+    assert tensor_bytes(notebook, fork) - tensor_bytes(notebook) == 41 * (8 + 8 + 1 + 1 + 3 * 8) + 40
     assert tensor_bytes(lm) == 0 and tensor_bytes({"model": lm, "notebook": notebook}) == tensor_bytes(notebook)
 
 

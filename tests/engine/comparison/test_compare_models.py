@@ -15,8 +15,10 @@ from engine.comparison import (
     compare_models,
 )
 from engine.comparison.models import NOTES_TOP
+from engine.compose.fidelity import compare
+from engine.compose.placing import with_skills
+from engine.compose.remedy import DEFAULT_REMEDY
 from engine.compose.skills import SkillStore
-from engine.compose.splice import DEFAULT_REMEDY, compare, with_skills
 from engine.edit.experiment import EditExperiment
 from engine.edit.strategies import EditSettings
 from engine.models import load_model

@@ -13,7 +13,8 @@ from engine.compose.agent import (
     state_schedule,
     value_schedule,
 )
-from engine.compose.splice import Remedy, adhoc_scenario
+from engine.compose.placing import adhoc_scenario
+from engine.compose.remedy import Remedy
 from engine.edit.erratum import WORDINGS as ERRATUM_WORDINGS
 from engine.edit.runs import render_for, run_scenario
 from engine.scenario import Scenario, ScenarioError

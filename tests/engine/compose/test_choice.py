@@ -20,7 +20,7 @@ from engine.compose.choice import (
     resolve_remedy,
     stored_choice,
 )
-from engine.compose.splice import DEFAULT_REMEDY, Remedy
+from engine.compose.remedy import DEFAULT_REMEDY, Remedy
 from engine.errors import KVScopeError
 from engine.progress import fraction
 from tests.engine.test_cli import run_cli

@@ -11,9 +11,12 @@ from transformers import DynamicCache
 
 from engine import timing
 from engine.cache.notebook import Notebook, NotebookError
-from engine.compose import splice
+from engine.compose import fidelity as fidelity_module
+from engine.compose.fidelity import compare
 from engine.compose.keystone import keystone
 from engine.compose.memory import memory_placement
+from engine.compose.placing import adhoc_scenario, with_skills
+from engine.compose.remedy import Remedy, split_remedies
 from engine.compose.skills import (
     SkillFileError,
     SkillStore,
@@ -21,15 +24,7 @@ from engine.compose.skills import (
     load_block,
     save_block,
 )
-from engine.compose.splice import (
-    Remedy,
-    adhoc_scenario,
-    compare,
-    splice_prompt,
-    split_remedies,
-    top_of,
-    with_skills,
-)
+from engine.compose.splice import splice_prompt, top_of
 from engine.errors import KVScopeError
 from engine.models.tiny import tiny_model
 from engine.scenario import (
@@ -107,8 +102,8 @@ def test_speedup_is_the_ratio_of_the_two_sides_timed_in_the_same_call(lm, store,
 
         return run
 
-    monkeypatch.setattr(splice.Notebook, "from_prompt", staticmethod(costing(splice.Notebook.from_prompt, 0.030)))
-    monkeypatch.setattr(splice, "splice_prompt", costing(splice.splice_prompt, 0.012))
+    monkeypatch.setattr(fidelity_module.Notebook, "from_prompt", staticmethod(costing(fidelity_module.Notebook.from_prompt, 0.030)))
+    monkeypatch.setattr(fidelity_module, "splice_prompt", costing(fidelity_module.splice_prompt, 0.012))
     fidelity = compare(lm, adhoc_scenario(["account_gate"]), SkillStore(), remedy=Remedy(seam=1), reps=3, warmup=1)
     assert fidelity.ttft["full"].median == pytest.approx(30.0) and fidelity.ttft["splice"].median == pytest.approx(12.0)
     assert fidelity.ttft["full"].reps == fidelity.ttft["splice"].reps == 3
@@ -214,7 +209,7 @@ def test_memory_placement_reports_both_layouts(lm, store):
 
 
 def test_composer_text_is_literal_even_when_it_names_a_skill():
-    from engine.compose.splice import compose_scenario
+    from engine.compose.placing import compose_scenario
     from engine.models.tiny import tiny_model
     from engine.scenario import render
 
@@ -410,7 +405,7 @@ def test_keystone_on_a_moved_skill_reports_recovery_gaps(lm, store):
 
 
 def test_a_scenario_that_places_skills_stands_alone_in_the_composer():
-    from engine.compose.splice import compose_scenario
+    from engine.compose.placing import compose_scenario
 
     keystone_demo = Scenario.load(bundled_scenarios()["keystone_safety"])
     alone = compose_scenario([], base=keystone_demo)

@@ -2,7 +2,8 @@
 
 import pytest
 
-from engine.compose.splice import Remedy, adhoc_scenario
+from engine.compose.placing import adhoc_scenario
+from engine.compose.remedy import Remedy
 from engine.compose.study import Study, run_study, skill_prefixes, summarize
 from engine.errors import KVScopeError
 from engine.scenario import Scenario, bundled_scenarios

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from engine.cache.generation import hidden_states
 from engine.cache.notebook import Notebook
 from engine.edit.experiment import EditExperiment
 from engine.models.tiny import tiny_model
@@ -112,7 +113,7 @@ def test_logit_lens_last_layer_is_the_models_answer(arch):
     lm = tiny_model(arch)
     context, decode = list(range(20, 50)), [5, 6, 7]
     answers = {"a": ((8,), (12, 13)), "b": ((9,),)}
-    states = Notebook.empty(lm).hidden_states(context + decode)[:, -1]
+    states = hidden_states(Notebook.empty(lm), context + decode)[:, -1]
     logits = Notebook.prefill(lm, context).read(decode, answers).next_token_logits
     expected = "a" if max(logits[8], logits[12]) > logits[9] else "b"
     labels = lens_labels(lm, states, answers)
