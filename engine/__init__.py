@@ -111,7 +111,7 @@ from typing import TYPE_CHECKING, Any
 
 # name -> the module defining it, or "module:attribute" where the public name differs from the module's own
 _PUBLIC = {
-    "AUTO_REMEDY": "engine.compose.choice:AUTO",
+    "AUTO_REMEDY": "engine.compose.calibration:AUTO",
     "AuditReport": "engine.audit.audit",
     "BudgetedLRU": "engine.cache.lru",
     "CacheSettings": "engine.audit.caches",
@@ -174,8 +174,8 @@ _PUBLIC = {
     "bundled_logs": "engine.scenario",
     "bundled_scenarios": "engine.scenario",
     "bundled_skills": "engine.scenario",
-    "calibrated_remedy": "engine.compose.choice",
-    "cancel_calibration": "engine.compose.choice",
+    "calibrated_remedy": "engine.compose.calibration",
+    "cancel_calibration": "engine.compose.calibration",
     "candidate_menu": "engine.audit.spans",
     "candidate_span": "engine.audit.spans",
     "candidate_spans": "engine.audit.fields",
@@ -209,7 +209,7 @@ _PUBLIC = {
     "render_request": "engine.audit.requests",
     "repaired_template": "engine.audit.audit",
     "resolve_device": "engine.models",
-    "resolve_remedy": "engine.compose.choice",
+    "resolve_remedy": "engine.compose.calibration",
     "rewrite_markdown": "engine.audit.gate",
     "run_agent": "engine.compose.agent",
     "run_scenario": "engine.edit.runs",
@@ -219,7 +219,7 @@ _PUBLIC = {
     "scenario_toml": "engine.audit.audit",
     "script_text": "engine.reproduce",
     "skill_prefixes": "engine.compose.study",
-    "stored_choice": "engine.compose.choice",
+    "stored_choice": "engine.compose.calibration",
     "tensor_bytes": "engine.cache.footprint",
     "tiny_model": "engine.models.tiny",
     "to_dynamic_cache": "engine.cache.interop",
@@ -366,8 +366,9 @@ if TYPE_CHECKING:
     from engine.checks.support import SupportRow, check_model
     from engine.comparison import compare_models
     from engine.compose.agent import run_agent
-    from engine.compose.choice import AUTO as AUTO_REMEDY
-    from engine.compose.choice import RemedyChoice, calibrated_remedy, cancel_calibration, resolve_remedy, stored_choice
+    from engine.compose.calibration import AUTO as AUTO_REMEDY
+    from engine.compose.calibration import calibrated_remedy, cancel_calibration, resolve_remedy, stored_choice
+    from engine.compose.choice import RemedyChoice
     from engine.compose.fidelity import compare
     from engine.compose.keystone import keystone
     from engine.compose.pictures import IMAGE_QUESTION, bundled_images, compare_image

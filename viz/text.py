@@ -13,7 +13,8 @@ from engine.audit.notes import NotesScenario
 from engine.cache.decision import DECISIVE_MARGIN, Decision
 from engine.cache.selftest import SelfTestReport
 from engine.checks.support import SupportRow
-from engine.compose.choice import CalibrationPlan, RemedyChoice
+from engine.compose.calibration import CalibrationPlan
+from engine.compose.choice import RemedyChoice
 from engine.compose.fidelity import SpliceFidelity
 from engine.compose.pictures import ImageFidelity
 from engine.compose.remedy import RANKING_WORDS, REMEDY_GRAMMAR

@@ -94,7 +94,7 @@ class Remedy:
             name, _, argument = part.partition(":")
             if name == "auto" and not argument:
                 raise ScenarioError(
-                    "remedy 'auto' is this model's calibrated choice: resolve it with engine.compose.choice.resolve_remedy "
+                    "remedy 'auto' is this model's calibrated choice: resolve it with engine.compose.calibration.resolve_remedy "
                     "(the CLI's compose, agent and keystone and the Composer do)"
                 )
             try:

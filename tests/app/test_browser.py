@@ -174,14 +174,14 @@ def test_agent_loop_shows_cached_clean_state_and_identical_decisions(page):
 
 
 def test_the_remedy_menu_names_the_default_and_auto_calibrates_the_model(page, tmp_path, monkeypatch):
-    from engine.compose import choice
+    from engine.compose import calibration
     from engine.compose.remedy import DEFAULT_REMEDY
 
     monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path))
-    plan = choice.CalibrationPlan(
+    plan = calibration.CalibrationPlan(
         skills=("account_gate",), sizes=(1,), placements=("start",), remedies=("splice", "seam:1"), keystone_scenario=None
     )
-    monkeypatch.setattr(choice, "CalibrationPlan", lambda: plan)
+    monkeypatch.setattr(calibration, "CalibrationPlan", lambda: plan)
     page.get_by_role("tab", name="Composer").click()
     menu = page.locator("#remedy")
     assert (

@@ -13,11 +13,11 @@ pytestmark = pytest.mark.skipif(not CHROMIUM, reason="Debian chromium is not ins
 
 def test_auto_shows_the_calibration_steps_and_cancel_stops_it(page, registry, tmp_path, monkeypatch):  # noqa: F811
     from engine.cache import adapter
-    from engine.compose import choice
+    from engine.compose import calibration
 
     monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path))
-    plan = choice.CalibrationPlan(skills=("account_gate",), sizes=(1,), placements=("start",), remedies=("splice", "seam:1"))
-    monkeypatch.setattr(choice, "CalibrationPlan", lambda: plan)  # 4 study steps, then 2 keystone runs
+    plan = calibration.CalibrationPlan(skills=("account_gate",), sizes=(1,), placements=("start",), remedies=("splice", "seam:1"))
+    monkeypatch.setattr(calibration, "CalibrationPlan", lambda: plan)  # 4 study steps, then 2 keystone runs
     forward = adapter.forward
 
     def slow_forward(*args, **kwargs):  # the tiny model calibrates in a second or two: slow it to a real model's pace
@@ -44,4 +44,4 @@ def test_auto_shows_the_calibration_steps_and_cancel_stops_it(page, registry, tm
     toast.first.wait_for(timeout=60_000)
     assert "nothing was stored" in toast.first.inner_text()
     _shot(page, "composer-auto-cancelled")
-    assert not (tmp_path / "remedy-choices.json").exists() and choice.cancel_calibration(registry.get()) is None
+    assert not (tmp_path / "remedy-choices.json").exists() and calibration.cancel_calibration(registry.get()) is None

@@ -190,13 +190,13 @@ def test_remedy_info_and_menu_state_the_default_and_the_fastest_from_the_stored_
 def test_auto_in_the_composer_calibrates_locally_and_is_refused_uncalibrated_in_public(registry, tmp_path, monkeypatch):
     from dataclasses import replace
 
-    from engine.compose import choice
+    from engine.compose import calibration
 
     monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path))
-    plan = choice.CalibrationPlan(
+    plan = calibration.CalibrationPlan(
         skills=("account_gate",), sizes=(1,), placements=("start",), remedies=("splice", "seam:1"), keystone_scenario=None
     )
-    monkeypatch.setattr(choice, "CalibrationPlan", lambda: plan)
+    monkeypatch.setattr(calibration, "CalibrationPlan", lambda: plan)
     messages, local = [], registry.profile
     public = replace(local, calibrate_remedies=False)
     monkeypatch.setattr(registry, "profile", public)

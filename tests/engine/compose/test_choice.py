@@ -8,18 +8,9 @@ import time
 
 import pytest
 
-from engine.compose import choice as choice_module
-from engine.compose.choice import (
-    AUTO,
-    CalibrationPlan,
-    calibrated_remedy,
-    choice_record,
-    choose_remedy,
-    gaps_of,
-    model_remedies,
-    resolve_remedy,
-    stored_choice,
-)
+from engine.compose import calibration
+from engine.compose.calibration import AUTO, CalibrationPlan, calibrated_remedy, model_remedies, resolve_remedy, stored_choice
+from engine.compose.choice import RemedyChoice, choice_record, choose_remedy, gaps_of
 from engine.compose.remedy import DEFAULT_REMEDY, Remedy
 from engine.errors import KVScopeError
 from engine.progress import fraction
@@ -90,7 +81,7 @@ def test_nothing_deployable_is_refused():
 
 def test_a_choice_round_trips_through_its_dict():
     choice = choose_remedy(SUMMARY, {"splice": 0.5}, source="study")
-    again = choice_module.RemedyChoice.from_dict(json.loads(json.dumps(choice.as_dict())))
+    again = RemedyChoice.from_dict(json.loads(json.dumps(choice.as_dict())))
     assert again == choice and again.as_dict()["frontier"] == ["splice", "prefix+seam:1+blend:0.15", "prefix+seam:1+blend:0.7"]
 
 
@@ -116,7 +107,7 @@ def test_calibration_runs_once_per_model_is_stored_and_auto_reads_it(lm, store, 
     def refuse(*_args, **_kwargs):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(choice_module, "measure_choice", refuse)
+    monkeypatch.setattr(calibration, "measure_choice", refuse)
     assert calibrated_remedy(lm, store) == measured == stored_choice(lm)
     assert resolve_remedy(lm, AUTO, store) == Remedy.parse(measured.remedy)
     assert resolve_remedy(lm, "", store) == DEFAULT_REMEDY and resolve_remedy(lm, "seam:3", store) == Remedy(seam=3)
@@ -124,9 +115,7 @@ def test_calibration_runs_once_per_model_is_stored_and_auto_reads_it(lm, store, 
 
 def test_a_calibration_without_a_decisive_case_falls_back_to_the_static_default(lm, store, tmp_path, monkeypatch):
     monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(
-        choice_module, "run_study", lambda _lm, _scenario, _sets, _store, *, remedies, **_: choice_module.Study(remedies, [])
-    )
+    monkeypatch.setattr(calibration, "run_study", lambda _lm, _scenario, _sets, _store, *, remedies, **_: calibration.Study(remedies, []))
     fallback = calibrated_remedy(lm, store, PLAN)
     assert fallback.remedy == DEFAULT_REMEDY.name and not fallback.goal_met and "no decisive" not in fallback.reason
     assert "had a decisive decision" in fallback.reason and fallback.chosen is None and fallback.as_dict()["fastest"] is None
@@ -135,7 +124,7 @@ def test_a_calibration_without_a_decisive_case_falls_back_to_the_static_default(
 
 def test_the_cli_compose_with_auto_uses_the_calibrated_remedy(lm, store, tmp_path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(choice_module, "CalibrationPlan", lambda: PLAN)
+    monkeypatch.setattr(calibration, "CalibrationPlan", lambda: PLAN)
     code, data = run_cli("compose", "--model", "tiny-qwen2", "--skills", "account_gate", "--remedy", "auto")
     assert code == 0 and data["remedy"]["name"] == data["remedy_choice"]["remedy"]
     assert data["remedy_choice"]["measured"]["plan"]["skills"] == ["account_gate"]
@@ -168,9 +157,9 @@ def test_calibration_progress_names_the_prompt_the_remedy_and_k_of_n(lm, store, 
 
 def test_the_time_left_is_estimated_phase_by_phase_from_the_steps_measured():
     now = [0.0]
-    steps = [choice_module.CalibrationStep("prompt", k, 3, f"p{k}", "splice") for k in (1, 2, 3)]
-    steps += [choice_module.CalibrationStep("keystone", k, 2, "keystone_safety", name) for k, name in ((1, "splice"), (2, "seam:1"))]
-    run = choice_module.CalibrationRun("m", steps, clock=lambda: now[0])
+    steps = [calibration.CalibrationStep("prompt", k, 3, f"p{k}", "splice") for k in (1, 2, 3)]
+    steps += [calibration.CalibrationStep("keystone", k, 2, "keystone_safety", name) for k, name in ((1, "splice"), (2, "seam:1"))]
+    run = calibration.CalibrationRun("m", steps, clock=lambda: now[0])
     assert run.begin(0).left_s is None
     now[0] = 2.0
     second = run.begin(1)  # one prompt step took 2 s: two prompt steps left, keystone not timed yet
@@ -203,7 +192,7 @@ def test_a_cancelled_calibration_stops_within_one_forward_stores_nothing_and_can
     def forward_then_cancel(*args, **kwargs):
         forwards.append(1)
         if len(forwards) == 5:
-            cancelled_at.append(choice_module.cancel_calibration(lm))  # during a forward
+            cancelled_at.append(calibration.cancel_calibration(lm))  # during a forward
         return original(*args, **kwargs)
 
     monkeypatch.setattr(adapter, "forward", forward_then_cancel)
@@ -212,7 +201,7 @@ def test_a_cancelled_calibration_stops_within_one_forward_stores_nothing_and_can
     assert len(forwards) == 5, "the forward running when it was cancelled finished; no other started"
     assert cancelled_at[0] is not None and cancelled_at[0].total == 4
     assert path.read_bytes() == before and stored_choice(lm) is None
-    assert choice_module.cancel_calibration(lm) is None, "nothing runs any more"
+    assert calibration.cancel_calibration(lm) is None, "nothing runs any more"
     monkeypatch.setattr(adapter, "forward", original)
     again = calibrated_remedy(lm, store, PLAN)
     assert stored_choice(lm) == again and "another-model|0|float32|cpu" in json.loads(path.read_text())
