@@ -3,7 +3,7 @@ simulated llama.cpp cache, request by request, for the original log and the rewr
 
     bash scripts/build_llama_server.sh      # once: llama-server built from the pinned llama.cpp source
     python -m benchmarks.audit_replay [--logs coding_agent,support_agent,rag,traffic/interleaved_agents]
-                                      [--repairs erratum,hoist,coarsen] [--grain date] [--reps 1] [--threads 2]
+                                      [--repairs erratum,hoist,coarsen] [--grain date] [--tokens 32] [--reps 1] [--threads 2]
 
 Each log goes through the audit's token pass (``engine.audit.traffic.scan_log``): every request rendered with the
 model's chat template, and fed to the simulated llama.cpp server (``caches.SlotCache``: one slot per session, here
@@ -16,14 +16,21 @@ Per request: ``server_cached_tokens`` (``timings.cache_n`` of llama-server's ``/
 kept; ``timings.prompt_n`` are the ones it evaluated, and the two add up to the prompt), ``simulated_cached_tokens``
 (the token pass's ``reused_tokens["llama_cpp"]``), their difference, and ``prompt_ms`` (the server's prompt time, the
 median of ``--reps`` rounds, each round replaying the original and every rewritten log in turn from emptied slots;
-every time kept). A difference would be named
-with its cause in ``mismatches``; both sides compute at least the last token (a prompt equal to its slot's reuses all
-but one), and the model adds no BOS token, so there is none to expect.
+every time kept). A difference would be named with its cause in ``mismatches``; both sides compute at least the last
+token (a prompt equal to its slot's reuses all but one), and the model adds no BOS token, so there is none to expect.
 
-The rewritten logs: each request that changed fields against its match (the token pass's diff) is replaced by
-``repairs.repaired_request`` for the repair (``coarsen`` at ``--grain``); a request the repair cannot apply to is
-kept as it was (counted in ``not_rewritten``); the older requests stay as logged, so a rewritten log is each changed
-request rewritten alone, not a template deployed over the whole log. ``recompute``'s rewritten log is the original.
+The rewritten logs are the templates the audit writes, deployed: the log is audited as ``kvscope audit LOG --grain
+G`` audits it (``engine.audit.traffic.audit_traffic``, the prompt-level repairs), each repair's template is written as
+``--template-out`` writes it (``audit.repaired_template``) and applied to every request of the log it is for as
+``--template`` applies it (``rewrite.apply_template``), so a deployed template changes every request, not only the
+ones whose fields changed. A repair the audit writes no template for (it does not apply, or no field changed) is named
+with why in ``templates``. ``original`` is the log as logged: ``recompute``, the exact reference.
+
+Per request, each replay also carries the audit's fidelity of its prompt against the original's clean prefill
+(``rewrite.measure_rewrites``, what ``--template`` measures: next-token KL, top-1, top-5 overlap, agreement of
+``--tokens`` greedy tokens, the same text), measured in torch on the ``--model`` (its dtype is the JSON's), while the
+server runs the GGUF.
+
 Writes benchmarks/results/audit_replay-<model>-<device>.json (and its figure, .html) with the CPU's flags, the
 repetitions and the load average; the times are single-machine wall times on a CPU other processes may share.
 """
@@ -35,6 +42,7 @@ import os
 import statistics
 import tempfile
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -42,11 +50,12 @@ import httpx
 from benchmarks import common
 from benchmarks.notes_sweep import cpu_info
 from benchmarks.serving_servers import SERVER_BINARY, LlamaServer, resolve_gguf
+from engine.audit.audit import DEFAULT_TOKENS, repaired_template
 from engine.audit.caches import CacheSettings
-from engine.audit.repairs import GRAINS, REPAIR_LEVELS, Level, coarse, repaired_request
-from engine.audit.requests import RequestLog, read_log
-from engine.audit.traffic import TrafficScan, scan_log
-from engine.errors import KVScopeError
+from engine.audit.repairs import GRAINS, PROMPT_REPAIRS
+from engine.audit.requests import RequestLog, RequestLogError, read_log
+from engine.audit.rewrite import RewriteReport, apply_template, measure_rewrites
+from engine.audit.traffic import TrafficScan, audit_traffic, scan_log
 from engine.models import LoadedModel
 from engine.scenario import DEMOS
 from viz.benchmarks import audit_replay_figure
@@ -54,25 +63,36 @@ from viz.benchmarks import audit_replay_figure
 LOGS = DEMOS / "logs"
 DEFAULT_LOGS = "coding_agent,support_agent,rag,traffic/interleaved_agents"
 ENGINE = "llama_cpp"  # the simulated engine the server is checked against
+FIDELITY = ("kl", "top1_agree", "top5_overlap", "generation_agreement", "generated_common_prefix", "same_text")  # per request
 _CTX_STEP = 256
 
 
-def rewritten_log(scan: TrafficScan, log: RequestLog, repair: str, grain: str) -> tuple[RequestLog, int]:
-    """``log`` with every request that changed fields replaced by ``repair``'s rewrite of it, and how many such
-    requests the repair could not rewrite (kept as they were)."""
-    value_of = (lambda change: coarse(change.new, grain)) if repair == "coarsen" else (lambda change: change.new)
-    requests, kept = [], 0
-    for request in log.requests:
-        diff = scan.diffs.get(request.index)
-        if diff is None or not diff.fields or repair == "recompute":
-            requests.append(request)
-            continue
+@dataclass(frozen=True)
+class Rewrites:
+    """A log's rewritten logs (``original`` first: the log itself), what the audit wrote for each repair, and the
+    fidelity of every rewritten request against the original's clean prefill."""
+
+    logs: dict[str, RequestLog]
+    templates: dict[str, dict]
+    fidelity: dict[str, RewriteReport]
+
+
+def rewrites_of(lm: LoadedModel, log: RequestLog, repairs: Sequence[str], grain: str, tokens: int, settings: CacheSettings) -> Rewrites:
+    """The log audited, each repair's template written and applied to the log, and every rewrite measured."""
+    report = audit_traffic(lm, log, repairs=repairs, grain=grain, tokens=tokens, settings=settings).measured_report()
+    turn = report.last_with_fields()
+    logs, templates = {"original": log}, {}
+    for repair in repairs:
         try:
-            requests.append(repaired_request(repair, scan.rendered[request.index], diff.fields, value_of))
-        except KVScopeError:
-            requests.append(request)
-            kept += 1
-    return RequestLog(tuple(requests), log.skipped, dict(log.formats)), kept
+            text = repaired_template(report, repair)
+        except RequestLogError as error:
+            templates[repair] = {"written": False, "reason": str(error)}
+            continue
+        logs[repair] = apply_template(text, log)
+        changed = [old.index for old, new in zip(log.requests, logs[repair].requests) if old.contents != new.contents]
+        form = "object" if isinstance(json.loads(text), dict) else "list"
+        templates[repair] = {"written": True, "from_request": turn.request, "form": form, "rewritten_requests": changed}
+    return Rewrites(logs, templates, measure_rewrites(lm, log, logs, settings=settings, tokens=tokens))
 
 
 def slots_of(scan: TrafficScan) -> dict[str | None, int]:
@@ -173,6 +193,23 @@ def _merged(runs: list[list[dict]]) -> dict:
     }
 
 
+def with_fidelity(replayed: dict, measured: RewriteReport) -> dict:
+    """A replay's rows with the audit's fidelity of each request (``FIDELITY``), and its verdict and totals."""
+    by_request = {row.request: row.as_dict() for row in measured.requests}
+    rows = [row | {key: by_request[row["request"]][key] for key in FIDELITY} for row in replayed["requests"]]
+    count = len(rows)
+    fidelity = {
+        "verdict": measured.verdict(),
+        "max_kl": max(row["kl"] for row in rows),
+        "mean_kl": round(sum(row["kl"] for row in rows) / count, 8),
+        "top1_agree": sum(row["top1_agree"] for row in rows),
+        "mean_generation_agreement": round(sum(row["generation_agreement"] for row in rows) / count, 4),
+        "same_text": sum(row["same_text"] for row in rows),
+        "of": count,
+    }
+    return replayed | {"requests": rows, "fidelity": fidelity}
+
+
 def context_for(scans: Sequence[TrafficScan], slots: int) -> int:
     """``-c`` for the server: the longest prompt plus one generated token, rounded up, for each slot (llama-server
     splits its context evenly among the slots)."""
@@ -184,11 +221,9 @@ def run_log(lm: LoadedModel, name: str, args, gguf: Path, model: str) -> dict:
     """One log and its repairs' rewritten logs, replayed on one server started for them."""
     log = read_log((Path(args.log_dir) / f"{name}.jsonl").read_text(encoding="utf-8"))
     settings = CacheSettings()  # one slot per session, no --cache-reuse: as the server is started and asked
-    original = scan_log(lm.tokenizer, log, settings, model=lm.name)
-    scans, not_rewritten = {"original": original}, {}
-    for repair in args.repairs:
-        rewritten, kept = rewritten_log(original, log, repair, args.grain)
-        scans[repair], not_rewritten[repair] = scan_log(lm.tokenizer, rewritten, settings, model=lm.name), kept
+    print(f"{name}: auditing, writing and measuring the templates of {', '.join(args.repairs)}", flush=True)
+    rewrites = rewrites_of(lm, log, args.repairs, args.grain, args.tokens, settings)
+    scans = {label: scan_log(lm.tokenizer, rewritten, settings, model=lm.name) for label, rewritten in rewrites.logs.items()}
     slots = max(len(slots_of(scan)) for scan in scans.values())
     server_log = Path(tempfile.gettempdir()) / f"kvscope-audit_replay-{name.replace('/', '-')}.log"
     load_before = os.getloadavg()
@@ -197,17 +232,19 @@ def run_log(lm: LoadedModel, name: str, args, gguf: Path, model: str) -> dict:
     ) as server:
         replays = replay_logs(server, scans, args.reps)
         server_settings = server.settings()
+    replays = {label: with_fidelity(data, rewrites.fidelity[label]) for label, data in replays.items()}
     for label, data in replays.items():
-        data["not_rewritten"] = not_rewritten.get(label, 0)
         print(
             f"{name} {label}: server cached {data['server_cached_tokens']:,} / simulated {data['simulated_cached_tokens']:,} of "
-            f"{data['tokens']:,} tokens; {data['matches']}/{len(data['requests'])} requests equal; prompt {data['prompt_ms']:,.0f} ms",
+            f"{data['tokens']:,} tokens; {data['matches']}/{len(data['requests'])} requests equal; prompt {data['prompt_ms']:,.0f} ms; "
+            f"{data['fidelity']['verdict']}",
             flush=True,
         )
     return {
         "log": name,
-        "sessions": len(slots_of(original)),
-        "skipped": len(original.skipped),
+        "sessions": len(slots_of(scans["original"])),
+        "skipped": len(scans["original"].skipped),
+        "templates": rewrites.templates,
         "llama_server": server_settings,
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
@@ -216,12 +253,12 @@ def run_log(lm: LoadedModel, name: str, args, gguf: Path, model: str) -> dict:
 
 
 def summary(logs: Sequence[dict]) -> dict:
-    """Over every log and replay: requests whose server count equals the simulation's, and the time against the
-    original's, side by side per log."""
+    """Over every log and replay: requests whose server count equals the simulation's; and per log, each rewrite
+    against the original (recompute): its prompt time as a ratio of the original's and its fidelity."""
     every = [row for log in logs for data in log["replays"].values() for row in data["requests"]]
-    ratios = {
+    against = {
         log["log"]: {
-            label: round(data["prompt_ms"] / max(log["replays"]["original"]["prompt_ms"], 1e-6), 3)
+            label: {"prompt_ms_ratio": round(data["prompt_ms"] / max(log["replays"]["original"]["prompt_ms"], 1e-6), 3), **data["fidelity"]}
             for label, data in log["replays"].items()
             if label != "original"
         }
@@ -231,7 +268,7 @@ def summary(logs: Sequence[dict]) -> dict:
         "requests": len(every),
         "equal": sum(row["difference"] == 0 and row["accounted"] for row in every),
         "max_abs_difference": max((abs(row["difference"]) for row in every), default=0),
-        "prompt_ms_ratio_to_original": ratios,
+        "against_original": against,
     }
 
 
@@ -241,6 +278,7 @@ def _parser():
     parser.add_argument("--log-dir", default=str(LOGS))
     parser.add_argument("--repairs", default="erratum,hoist,coarsen", help="prompt-level repairs whose rewritten logs are replayed")
     parser.add_argument("--grain", default="date", choices=GRAINS, help="coarsen's grain")
+    parser.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="greedy tokens compared per request (the fidelity)")
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--gguf", default="embedded", help="llama-server's model: 'embedded', 'smollm2' or a .gguf path")
@@ -253,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = _parser().parse_args(argv)
     args.repairs = [name.strip() for name in args.repairs.split(",") if name.strip()]
     for repair in args.repairs:
-        if REPAIR_LEVELS.get(repair) is not Level.PROMPT:
+        if repair not in PROMPT_REPAIRS:
             raise SystemExit(f"--repairs {repair!r}: replay takes prompt-level repairs only (a server cannot run a KV-level one)")
     if args.reps < 1:
         raise SystemExit(f"--reps must be at least 1, got {args.reps}")
@@ -265,6 +303,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "cpu": cpu_info(),
         "reps": args.reps,
         "grain": args.grain,
+        "generated_tokens": args.tokens,
         "repairs": args.repairs,
         "simulated_engine": ENGINE,
         "cache_settings": CacheSettings().as_dict(),

@@ -27,9 +27,10 @@ from engine.audit.caches import CacheSettings
 from engine.audit.formats import AUTO as AUTO_FORMAT
 from engine.audit.formats import FORMATS
 from engine.audit.gate import QUANTITIES, exit_code, gate, markdown, parse_conditions
-from engine.audit.repairs import GRAINS, REPAIRS
-from engine.audit.requests import Request, RequestLog, RequestLogError, parse_prompt, read_log
+from engine.audit.repairs import GRAINS, PROMPT_REPAIRS, REPAIRS
+from engine.audit.requests import RequestLog, RequestLogError, parse_prompt, read_log
 from engine.audit.rewrite import apply_template, check_pairing, measure_rewrite
+from engine.audit.spans import find_span
 from engine.audit.traffic import DEFAULT_SAMPLE, audit_traffic
 from engine.cache.selftest import run_selftest
 from engine.checks.support import (
@@ -41,7 +42,8 @@ from engine.checks.support import (
 )
 from engine.comparison import SPLICE_SKILL, compare_models
 from engine.compose.agent import Compaction, run_agent
-from engine.compose.choice import AUTO, calibrated_remedy, resolve_remedy
+from engine.compose.calibration import AUTO, calibrated_remedy, resolve_remedy
+from engine.compose.fidelity import compare
 from engine.compose.keystone import keystone
 from engine.compose.memory import memory_placement
 from engine.compose.pictures import (
@@ -50,14 +52,9 @@ from engine.compose.pictures import (
     compare_image,
     load_picture,
 )
+from engine.compose.placing import adhoc_scenario, with_skills
+from engine.compose.remedy import DEFAULT_REMEDY, Remedy
 from engine.compose.skills import SkillStore
-from engine.compose.splice import (
-    DEFAULT_REMEDY,
-    Remedy,
-    adhoc_scenario,
-    compare,
-    with_skills,
-)
 from engine.edit.calibrate import (
     FLIP_THRESHOLD,
     NOTES_DEMO_MAX_RECOVERY,
@@ -67,10 +64,12 @@ from engine.edit.calibrate import (
 from engine.edit.erratum import WORDINGS as ERRATUM_WORDINGS
 from engine.edit.experiment import EditExperiment
 from engine.edit.hybrid import hybrid_edit, read_scenario
+from engine.edit.lora import LoraSettings
+from engine.edit.rome import RomeSettings
 from engine.edit.runs import run_scenario
 from engine.edit.strategies import STRATEGIES, EditSettings, check_names
 from engine.edit.weight_edit import METHODS as WEIGHT_METHODS
-from engine.edit.weight_edit import LoraSettings, RomeSettings, compare_edits
+from engine.edit.weight_edit import compare_edits
 from engine.errors import KVScopeError
 from engine.models import LoadedModel, ModelLoadError, cache_dir, load_model
 from engine.models.tiny import HYBRID_ARCHS, TINY_ARCHS
@@ -344,6 +343,8 @@ def cmd_audit(args: argparse.Namespace) -> dict:
     conditions = parse_conditions(args.fail_on)
     if args.rewritten and args.template:
         raise RequestLogError("--rewritten and --template are two rewrites: measure one at a time")
+    if args.template_repair and not args.template_out:
+        raise RequestLogError("--template-repair names the repair whose template --template-out writes: add --template-out FILE")
     if (args.rewritten or args.template) and args.new is not None:
         raise RequestLogError("--rewritten and --template measure a log's rewrite; they do not combine with --new")
     options = {
@@ -368,10 +369,13 @@ def cmd_audit(args: argparse.Namespace) -> dict:
             result |= {"rewrite": [row.as_dict() for row in measured.requests], "verdict": measured.verdict()}
     else:
         request = parse_prompt(text)
-        message, chars = _find_span(request, args.find)
-        report = audit_value(lm, request, chars, args.new, message=message, progress=_progress("audit steps"), **options)
+        if not args.find:
+            raise RequestLogError("--new needs --find TEXT: the value to change in the prompt")
+        site = find_span(request, args.find)
+        report = audit_value(lm, request, site.chars, args.new, message=site.message, progress=_progress("audit steps"), **options)
         result = report.as_dict()
-    for path, build in ((args.scenario_out, lambda: scenario_toml(report)), (args.template_out, lambda: repaired_template(report))):
+    template = (args.template_out, lambda: repaired_template(report, args.template_repair))
+    for path, build in ((args.scenario_out, lambda: scenario_toml(report)), template):
         if path:
             Path(path).write_text(build(), encoding="utf-8")
     if conditions:
@@ -387,6 +391,9 @@ def _rewritten(args: argparse.Namespace, log: RequestLog) -> RequestLog | None:
         rewritten = read_log(_read_text(args.rewritten), args.format)
     elif args.template:
         rewritten = apply_template(_read_text(args.template), log)
+        changed = sum(old.contents != new.contents for old, new in zip(log.requests, rewritten.requests))
+        kept = " (the others' prompt lacks its read lines, or is the template's already)" if changed < len(log.requests) else ""
+        _log(f"template: {changed} of {len(log.requests)} requests rewritten{kept}")
     else:
         return None
     check_pairing(log.requests, rewritten.requests)
@@ -402,17 +409,6 @@ def _read_text(path: str) -> str:
 
 def _names(text: str | None) -> list[str]:
     return [name.strip() for name in (text or "").split(",") if name.strip()]
-
-
-def _find_span(request: Request, find: str | None) -> tuple[int, tuple[int, int]]:
-    """The message and characters of the first occurrence of ``find`` in a prompt's messages."""
-    if not find:
-        raise RequestLogError("--new needs --find TEXT: the value to change in the prompt")
-    for index, content in enumerate(request.contents):
-        at = content.find(find)
-        if at >= 0:
-            return index, (at, at + len(find))
-    raise RequestLogError(f"{find!r} does not occur in the prompt")
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], dict]] = {
@@ -532,6 +528,9 @@ def _argument_groups() -> dict[str, tuple[tuple[Argument, ...], ...]]:
         _arg("--new", help="one prompt: its new value (the file is then one prompt, not a log)"),
         _arg("--scenario-out", help="write the auto-built scenario TOML here (Notes tab, `edit`)"),
         _arg("--template-out", help="write the recommended prompt-level repair here, as the prompt template it measured"),
+        _arg(
+            "--template-repair", choices=PROMPT_REPAIRS, help="the prompt-level repair --template-out writes (default: the recommended one)"
+        ),
         _arg("--rewritten", help="a rewrite of the log (same requests, same order): its reuse and output against the original's"),
         _arg("--template", help="a prompt template (as --template-out writes) applied to the log's values: the rewrite to measure"),
         _arg(

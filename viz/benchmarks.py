@@ -410,16 +410,17 @@ def audit_benchmark_figure(data: dict) -> go.Figure:
 
 def audit_replay_figure(data: dict) -> go.Figure:
     """Request logs replayed on llama-server (``audit_replay-*.json``): per request, the server's measured prompt time
-    against the tokens its slot kept, one colour per replay (the original log, each repair's rewritten log) and one
-    marker per log; beside it, the tokens the server kept against the simulated llama.cpp cache's (on the diagonal:
-    equal)."""
+    against the audit's fidelity of that request's prompt (the share of greedy tokens agreeing with the original's
+    clean prefill, and the next-token KL), one colour per replay (the original log, each repair's deployed template)
+    and one marker per log, open where the top token changes; beside them, the tokens the server kept against the
+    simulated llama.cpp cache's (on the diagonal: equal)."""
     labels = list(dict.fromkeys(label for log in data["logs"] for label in log["replays"]))
-    symbols = ("circle", "square", "diamond", "triangle-up", "x", "star")
+    symbols = ("circle", "square", "diamond", "triangle-up", "star", "hexagon")
     figure = make_subplots(
         rows=1,
-        cols=2,
-        horizontal_spacing=0.16,
-        subplot_titles=("prompt time vs cached tokens", "server vs simulation"),
+        cols=3,
+        horizontal_spacing=0.09,
+        subplot_titles=("prompt time vs greedy agreement", "prompt time vs next-token KL", "server vs simulation"),
     )
     highest = 1
     for index, label in enumerate(labels):
@@ -428,42 +429,41 @@ def audit_replay_figure(data: dict) -> go.Figure:
             rows = log["replays"].get(label, {}).get("requests", [])
             if not rows:
                 continue
-            text = [f"{safe_label(log['log'])} #{row['request']}: {row['tokens']:,} tokens" for row in rows]
-            marker = {"color": colour, "symbol": symbols[number % len(symbols)], "size": 8}
+            text = [
+                f"{safe_label(log['log'])} #{row['request']}: {row['tokens']:,} tokens, {row['server_cached_tokens']:,} cached; "
+                f"KL {row['kl']:.3g}, {row['generation_agreement']:.0%} agreeing, {'the same' if row['same_text'] else 'other'} text"
+                for row in rows
+            ]
+            shape = symbols[number % len(symbols)]
+            marker = {"color": colour, "size": 9, "symbol": [shape if row["top1_agree"] else f"{shape}-open" for row in rows]}
             shown = {"name": safe_label(label), "legendgroup": label, "mode": "markers", "marker": marker, "text": text}
-            figure.add_scatter(
-                x=[row["server_cached_tokens"] for row in rows],
-                y=[row["prompt_ms"] for row in rows],
-                showlegend=number == 0,
-                **shown,
-                row=1,
-                col=1,
-            )
-            figure.add_scatter(
-                x=[row["simulated_cached_tokens"] for row in rows],
-                y=[row["server_cached_tokens"] for row in rows],
-                showlegend=False,
-                **shown,
-                row=1,
-                col=2,
-            )
+            times = [row["prompt_ms"] for row in rows]
+            for column, x in (
+                (1, [row["generation_agreement"] for row in rows]),
+                (2, [max(row["kl"], KL_FLOOR) for row in rows]),
+                (3, [row["simulated_cached_tokens"] for row in rows]),
+            ):
+                y = [row["server_cached_tokens"] for row in rows] if column == 3 else times
+                figure.add_scatter(x=x, y=y, showlegend=number == 0 and column == 1, **shown, row=1, col=column)
             highest = max([highest, *(row["server_cached_tokens"] for row in rows), *(row["simulated_cached_tokens"] for row in rows)])
     figure.add_scatter(
-        x=[0, highest], y=[0, highest], mode="lines", line={"color": "#999", "dash": "dot"}, name="equal", showlegend=False, row=1, col=2
+        x=[0, highest], y=[0, highest], mode="lines", line={"color": "#999", "dash": "dot"}, name="equal", showlegend=False, row=1, col=3
     )
-    figure.update_xaxes(title_text="tokens the server's slot kept", row=1, col=1)
-    figure.update_yaxes(title_text="prompt time (ms)", rangemode="tozero", row=1, col=1)
-    figure.update_xaxes(title_text="simulated llama.cpp cache (tokens)", row=1, col=2)
-    figure.update_yaxes(title_text="server cache_n (tokens)", row=1, col=2)
+    figure.update_xaxes(title_text="greedy tokens agreeing", range=[-0.05, 1.05], tickformat=".0%", row=1, col=1)
+    figure.update_xaxes(type="log", exponentformat="power", title_text=f"KL (0 drawn at {KL_FLOOR:g})", row=1, col=2)
+    figure.update_yaxes(type="log", title_text="prompt time (ms)", row=1, col=1)
+    figure.update_yaxes(type="log", row=1, col=2)
+    figure.update_xaxes(title_text="simulated llama.cpp cache (tokens)", row=1, col=3)
+    figure.update_yaxes(title_text="server cache_n (tokens)", row=1, col=3)
     summary = data.get("summary") or {}
-    equal = f"{summary.get('equal')}/{summary.get('requests')} requests cache what the simulation predicts" if summary else ""
+    equal = f"{summary.get('equal')}/{summary.get('requests')} requests cache what the simulation predicts; " if summary else ""
     logs = ", ".join(f"{safe_label(log['log'])} ({symbols[n % len(symbols)]})" for n, log in enumerate(data["logs"]))
-    figure.update_layout(height=460, legend=LEGEND_BELOW)
+    figure.update_layout(height=480, legend=LEGEND_BELOW)
     set_title(
         figure,
-        f"Request logs replayed on llama-server, one slot per session: {data.get('reps')} rep(s)",
+        f"Request logs replayed on llama-server, each repair's template deployed: {data.get('reps')} rep(s)",
         _measured_on(data),
-        f"{equal}; logs: {logs}",
+        f"{equal}open markers: the top token changes; logs: {logs}",
         subplot_titles=1,
     )
     return figure

@@ -24,10 +24,10 @@ from engine.audit.repairs import (
     RepairResult,
     Turn,
     reference,
-    repaired_request,
     run_repair,
 )
 from engine.audit.requests import RenderedRequest, Request, RequestLogError, render_request
+from engine.audit.template import written_template
 from engine.cache.loaded import LoadedModel
 from engine.cache.notebook import Notebook
 from engine.progress import StepProgress, Tick, ticker
@@ -350,11 +350,11 @@ def _escape(text: str) -> str:
 
 
 def repaired_template(report: AuditReport, repair: str | None = None) -> str:
-    """The last request with a changed field as prompt-level repair ``repair`` (default: the recommended one) sends
-    it, with each changed field's value as a ``{placeholder}``: the prompt template to deploy. It is built by the
-    function that built the prompt the audit measured (:func:`engine.audit.repairs.repaired_request`), so filled with
-    the values that repair served (the new ones; ``coarsen``'s coarse ones) it renders that prompt. Other braces are
-    literal text."""
+    """The prompt template (:mod:`engine.audit.template`) that sends every request as prompt-level repair ``repair``
+    (default: the recommended one) sent the last request with a changed field, each changed field a placeholder.
+    It is built by the function that built the prompt the audit measured
+    (:func:`engine.audit.repairs.repaired_request`), so applied to the log (``--template``) it sends that request as
+    the tokens measured."""
     turn = report.last_with_fields()
     if turn is None:
         raise RequestLogError("no field changed in this log: the prompt template needs no repair")
@@ -365,10 +365,6 @@ def repaired_template(report: AuditReport, repair: str | None = None) -> str:
         raise RequestLogError(f"no {name} template for request {turn.request}: {why}")
     new = report.rendered[[t.request for t in report.turns].index(turn.request)]
     try:
-        request = repaired_request(name, new, turn.fields, lambda change: "{" + change.name + "}")
+        return written_template(name, new, turn.fields, measured.detail.get("grain"))
     except RepairNotApplicable as error:
         raise RequestLogError(str(error)) from None
-    if request.messages is None:
-        return request.prompt
-    messages = [{"role": message.role, "content": message.content} for message in request.messages]
-    return json.dumps(messages, indent=2, ensure_ascii=False)

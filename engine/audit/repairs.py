@@ -56,6 +56,7 @@ _REGISTRY: dict[str, tuple[Level, str]] = {  # each repair: where it runs and on
 }
 REPAIRS = tuple(_REGISTRY)
 REPAIR_LEVELS = {name: level for name, (level, _) in _REGISTRY.items()}
+PROMPT_REPAIRS = tuple(name for name, level in REPAIR_LEVELS.items() if level is Level.PROMPT)  # a request carries them
 REPAIR_SUMMARIES = {name: f"{line} ({LEVEL_WORDS[level]})" for name, (level, line) in _REGISTRY.items()}  # the app shows these
 GRAINS = ("date", "hour", "minute")
 _DATETIME = re.compile(r"(\d{4}-\d{2}-\d{2})(?:[T ](\d{1,2}):(\d{2})(?::\d{2}(?:\.\d+)?)?)?(Z|[+-]\d{2}:?\d{2})?")
@@ -173,15 +174,16 @@ def reference(lm: LoadedModel, request: RenderedRequest, tokens: int) -> Referen
 
 
 def fidelity(state: torch.Tensor, generated: Sequence[int], clean: Reference) -> Fidelity:
-    """KL(clean ‖ state) of the next token, top-1 / top-5 agreement, and the greedy generations compared."""
+    """KL(clean ‖ state) of the next token, top-1 / top-5 agreement, and the greedy generations compared. The top token
+    is read as greedy decoding reads it (``argmax``: the first of tied logits, which bfloat16 produces), not by
+    ``topk``, whose order among ties is arbitrary."""
     p, q = clean.logprobs, state
     kl = float(torch.sum(p.exp() * (p - q)).clamp_min(0.0))
     top_p, top_q = p.topk(5).indices.tolist(), q.topk(5).indices.tolist()
     count = max(len(clean.generated), len(generated), 1)
     agree = sum(a == b for a, b in zip(clean.generated, generated)) / count
-    return Fidelity(
-        kl, top_p[0] == top_q[0], len(set(top_p) & set(top_q)) / 5, agree, common_prefix(tuple(clean.generated), tuple(generated))
-    )
+    top1 = int(p.argmax()) == int(q.argmax())
+    return Fidelity(kl, top1, len(set(top_p) & set(top_q)) / 5, agree, common_prefix(tuple(clean.generated), tuple(generated)))
 
 
 def run_repair(name: str, turn: Turn, clean: Reference) -> RepairResult:
@@ -234,13 +236,20 @@ def _with_values(rendered: RenderedRequest, fields: Sequence[FieldChange], value
     return rendered.request.with_contents(contents)
 
 
+def with_lines_appended(text: str, lines: Sequence[str]) -> str:
+    """``text`` (a request's last message) with ``lines`` after a blank line: where ``hoist`` moves its lines and
+    ``erratum`` states its values (and where a template puts them: :mod:`engine.audit.template`)."""
+    return text.rstrip() + "\n\n" + "\n".join(lines)
+
+
 def _with_erratum(new: RenderedRequest, fields: Sequence[FieldChange], kept: Value, stated: Value) -> Request:
     """The newer request with each field's text at ``kept`` and a ``[STATE UPDATE]`` line stating ``stated`` after
     the last message."""
     request = _with_values(new, fields, kept)
-    lines = "\n".join(erratum_text(change.name, stated(change), change.old, DEFAULT_ERRATUM) for change in fields)
     contents = list(request.contents)
-    contents[-1] = f"{contents[-1]}\n\n{lines}"
+    contents[-1] = with_lines_appended(
+        contents[-1], [erratum_text(change.name, stated(change), change.old, DEFAULT_ERRATUM) for change in fields]
+    )
     return request.with_contents(contents)
 
 
@@ -260,7 +269,7 @@ def _hoisted(rendered: RenderedRequest, fields: Sequence[FieldChange], value_of:
         line_end = len(text) if line_end < 0 else line_end
         moved.append((text[line_start:start] + value_of(change) + text[end:line_end]).strip())
         contents[change.message] = text[:line_start] + text[min(line_end + 1, len(text)) :]
-    contents[-1] = contents[-1].rstrip() + "\n\n" + "\n".join(reversed(moved))
+    contents[-1] = with_lines_appended(contents[-1], moved[::-1])
     return rendered.request.with_contents(contents)
 
 

@@ -13,21 +13,18 @@ same. Both logs go through the token pass (``traffic.scan_log``) with the same e
 
 from __future__ import annotations
 
-import json
-import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.audit.caches import CacheSettings
 from engine.audit.repairs import Fidelity, fidelity, reference
 from engine.audit.requests import Request, RequestLog, RequestLogError
+from engine.audit.template import Template
 from engine.audit.traffic import TrafficScan, scan_log
 from engine.cache.loaded import LoadedModel
 from engine.progress import StepProgress, ticker
 
 REUSE_ENGINE = "vllm"  # the engine the verdict's reuse is said for
-PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")  # other braces (JSON, code) are literal text
-PROMPT_ROLES = ("system", "developer")  # the template's own messages; the conversation after them is each request's
 
 
 @dataclass(frozen=True)
@@ -148,25 +145,49 @@ def measure_rewrite(
     progress: StepProgress = None,
 ) -> RewriteReport:
     """Both logs through the token pass, then each rewritten request's clean prefill against the original's."""
-    check_pairing(original.requests, rewritten.requests)
+    options = {"settings": settings, "tokens": tokens, "max_tokens": max_tokens, "progress": progress}
+    return measure_rewrites(lm, original, {"rewrite": rewritten}, **options)["rewrite"]
+
+
+def measure_rewrites(
+    lm: LoadedModel,
+    original: RequestLog,
+    rewrites: Mapping[str, RequestLog],
+    *,
+    settings: CacheSettings = CacheSettings(),
+    tokens: int = 32,
+    max_tokens: int | None = None,
+    progress: StepProgress = None,
+) -> dict[str, RewriteReport]:
+    """Several rewrites of one log measured as :func:`measure_rewrite` measures each, the original's clean prefill of
+    each request computed once for all of them (and reused where a rewritten request is the original's tokens)."""
+    for rewritten in rewrites.values():
+        check_pairing(original.requests, rewritten.requests)
     if tokens < 1:
         raise RequestLogError(f"generate at least one token per state, got {tokens}")
     limit = max_tokens or int(lm.info().get("max_positions") or 32_768)
-    before, after = (scan_log(lm.tokenizer, log, settings, limit=limit, model=lm.name) for log in (original, rewritten))
-    _check_rendered(before, after)
-    tick = ticker(progress, len(before.requests))
-    rows = []
-    for old, new in zip(before.requests, after.requests):
+    before = scan_log(lm.tokenizer, original, settings, limit=limit, model=lm.name)
+    afters = {label: scan_log(lm.tokenizer, log, settings, limit=limit, model=lm.name) for label, log in rewrites.items()}
+    for after in afters.values():
+        _check_rendered(before, after)
+    tick = ticker(progress, len(before.requests) * (len(afters) + 1))
+    rows: dict[str, list[RewrittenRequest]] = {label: [] for label in afters}
+    for position, old in enumerate(before.requests):
+        ids = before.rendered[old.request].ids
         clean = reference(lm, before.rendered[old.request], tokens)
-        moved = reference(lm, after.rendered[new.request], tokens)
-        measured = fidelity(moved.logprobs, moved.generated, clean)
-        texts = (lm.tokenizer.decode(list(clean.generated)), lm.tokenizer.decode(list(moved.generated)))
-        generated = max(len(clean.generated), len(moved.generated))
-        rows.append(
-            RewrittenRequest(old.request, old.tokens, new.tokens, old.reused_tokens, new.reused_tokens, measured, generated, *texts)
-        )
         tick()
-    return RewriteReport(tuple(rows), tokens)
+        for label, after in afters.items():
+            new = after.requests[position]
+            rendered = after.rendered[new.request]
+            moved = clean if rendered.ids == ids else reference(lm, rendered, tokens)
+            measured = fidelity(moved.logprobs, moved.generated, clean)
+            texts = (lm.tokenizer.decode(list(clean.generated)), lm.tokenizer.decode(list(moved.generated)))
+            generated = max(len(clean.generated), len(moved.generated))
+            rows[label].append(
+                RewrittenRequest(old.request, old.tokens, new.tokens, old.reused_tokens, new.reused_tokens, measured, generated, *texts)
+            )
+            tick()
+    return {label: RewriteReport(tuple(found), tokens) for label, found in rows.items()}
 
 
 def _check_rendered(before: TrafficScan, after: TrafficScan) -> None:
@@ -179,94 +200,14 @@ def _check_rendered(before: TrafficScan, after: TrafficScan) -> None:
             raise RequestLogError(f"request {missing[0]} of the {name} log cannot be rendered, so it cannot be compared: {reason}")
 
 
-# ---------------------------------------------------------------- a prompt template applied to the original's values
-@dataclass(frozen=True)
-class Template:
-    """A prompt template as ``--template-out`` writes it: the leading system / developer messages (the prompt, with
-    ``{placeholders}``) and the placeholder lines that end its last message (lines hoisted there)."""
-
-    prompt: tuple[tuple[str, str], ...]  # (role, content)
-    appended: tuple[str, ...]
-
-    @classmethod
-    def parse(cls, text: str) -> Template:
-        try:
-            items = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise RequestLogError(
-                f"the template is not JSON ({error.msg}, line {error.lineno}): a template is what --template-out writes, "
-                "a JSON list of {role, content} messages"
-            ) from None
-        if not isinstance(items, list) or not items:
-            raise RequestLogError("the template must be a non-empty JSON list of {role, content} messages")
-        messages = []
-        for number, item in enumerate(items, 1):
-            if not isinstance(item, dict) or not isinstance(item.get("role"), str) or not isinstance(item.get("content"), str):
-                raise RequestLogError(f"template message {number} needs a 'role' and a 'content' string")
-            messages.append((item["role"], item["content"]))
-        lead = next((k for k, (role, _) in enumerate(messages) if role not in PROMPT_ROLES), len(messages))
-        appended: list[str] = []
-        if lead < len(messages):
-            lines = messages[-1][1].split("\n")
-            while lines and PLACEHOLDER.search(lines[-1]):
-                appended.insert(0, lines.pop())
-            messages[-1] = (messages[-1][0], "\n".join(lines))
-        for number, (role, content) in enumerate(messages[lead:], lead + 1):
-            if PLACEHOLDER.search(content):
-                raise RequestLogError(
-                    f"template message {number} ({role}) holds a placeholder inside the conversation, which differs per request: "
-                    "place placeholders in the leading system messages or in the lines that end the last message"
-                )
-        template = cls(tuple(messages[:lead]), tuple(appended))
-        for line in template.lines():
-            if not PLACEHOLDER.sub("", line).strip():
-                raise RequestLogError(f"the template line {line!r} has no text beside its placeholder to find the value by")
-        return template
-
-    def lines(self) -> list[str]:
-        """Every line holding a placeholder."""
-        return [line for _, content in self.prompt for line in content.split("\n") if PLACEHOLDER.search(line)] + list(self.appended)
-
-    def values(self, request: Request) -> dict[str, str]:
-        """Each placeholder's value in ``request``: the text where the template's line has it, on a line of the
-        request that matches the template's line around it."""
-        values: dict[str, str] = {}
-        for line in self.lines():
-            names = PLACEHOLDER.findall(line)
-            if all(name in values for name in names):
-                continue
-            literal = PLACEHOLDER.split(line)[::2]
-            pattern = re.compile("^" + "(.*?)".join(map(re.escape, literal)) + "$", re.MULTILINE)
-            found = next((match for content in request.contents if (match := pattern.search(content))), None)
-            if found is None:
-                raise RequestLogError(f"{request.where}: no line matches the template's {line.strip()!r}, so it has no value for it")
-            for name, value in zip(names, found.groups()):
-                values.setdefault(name, value)
-        return values
-
-    def apply(self, request: Request) -> Request:
-        """``request`` with its leading prompt messages replaced by the template's (filled with its own values) and
-        the template's appended lines at the end of its last message."""
-        if request.messages is None:
-            raise RequestLogError(f"{request.where} is a completions prompt: a template applies to chat requests")
-        roles = tuple(m.role for m in request.messages[: len(self.prompt)])
-        if roles != tuple(role for role, _ in self.prompt) or len(request.messages) <= len(self.prompt):
-            raise RequestLogError(
-                f"{request.where} starts with the roles {', '.join(roles)}, the template with "
-                f"{', '.join(role for role, _ in self.prompt)} and then the conversation"
-            )
-        values = self.values(request)
-        contents = [_filled(content, values) for _, content in self.prompt] + list(request.contents[len(self.prompt) :])
-        if self.appended:
-            contents[-1] = contents[-1].rstrip() + "\n\n" + "\n".join(_filled(line, values) for line in self.appended)
-        return request.with_contents(contents)
-
-
-def _filled(text: str, values: dict[str, str]) -> str:
-    return PLACEHOLDER.sub(lambda match: values[match.group(1)], text)
-
-
 def apply_template(text: str, log: RequestLog) -> RequestLog:
-    """The log with the template applied to every request (the rewritten log ``--template`` measures)."""
+    """The rewritten log ``--template`` measures: the template (:mod:`engine.audit.template`, the format
+    ``--template-out`` writes) applied to each request it is for, the others kept as logged; refused when it is for
+    none of them."""
     template = Template.parse(text)
-    return RequestLog(tuple(template.apply(request) for request in log.requests), log.skipped, dict(log.formats))
+    if not any(template.applies_to(request) for request in log.requests):
+        first = next((request for request in log.requests if request.messages is not None), None)
+        why = f": no line of {first.where} matches its {template.values(first)[1]!r}" if first else ": the log holds no chat request"
+        raise RequestLogError(f"the template applies to no request of the log{why}")
+    requests = tuple(template.apply(request) if template.applies_to(request) else request for request in log.requests)
+    return RequestLog(requests, log.skipped, dict(log.formats))

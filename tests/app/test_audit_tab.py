@@ -30,7 +30,8 @@ from app.hosting import local_profile, public_profile
 from app.state import ExportFolder, ModelRegistry, SessionStore
 from engine.audit.causes import CAUSES
 from engine.audit.fields import diff_requests
-from engine.audit.requests import parse_log, read_log, render_request
+from engine.audit.audit import repaired_template
+from engine.audit.requests import RequestLogError, parse_log, read_log, render_request
 from engine.scenario import Scenario, bundled_logs
 from tests.app.conftest import TINY
 from viz.common import markdown_literal
@@ -161,7 +162,10 @@ def test_one_prompt_offers_candidates_and_audits_a_chosen_or_found_value(registr
     )
     assert [(f["old"], f["new"]) for f in found.summary["turns"][1]["fields"]] == [("shipped", "pending")]  # find wins
     paths = export_audit(ExportFolder(2**22, 4, root=tmp_path), sessions, session="v")
-    assert sorted(Path(path).name for path in paths) == ["kvscope-audit-figures.html", "kvscope-audit-template.json", "kvscope-audit.json"]
+    # the value sits in the one user message, each request's own conversation: no template replaces it
+    assert sorted(Path(path).name for path in paths) == ["kvscope-audit-figures.html", "kvscope-audit.json"]
+    with pytest.raises(RequestLogError, match=r"status changes in message 1 \(user\).*leading system / developer messages only"):
+        repaired_template(sessions.get("v", "audit"))
     with pytest.raises(AppError, match="the changed value sits in the last message"):  # one user message: no question left
         audit_notes_scenario(sessions, session="v", labels="yes, no")
     kept = sessions.get("v", "audit")

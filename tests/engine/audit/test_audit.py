@@ -5,14 +5,18 @@ was measured, and a specific message for each kind of bad input."""
 import json
 
 import pytest
+import torch
 
 from engine.audit.audit import audit_requests, audit_value, candidates, recommend, repaired_template, scenario_toml
 from engine.audit.fields import diff_requests
-from engine.audit.repairs import coarse, fidelity, reference
-from engine.audit.requests import RequestLogError, parse_log, parse_prompt, render_request
+from engine.audit.repairs import Reference, coarse, fidelity, reference
+from engine.audit.requests import RequestLogError, parse_log, parse_prompt, read_log, render_request
+from engine.audit.rewrite import apply_template
+from engine.audit.traffic import audit_traffic
+from engine.cache.notebook import Notebook
 from engine.edit.experiment import EditExperiment
 from engine.models.tiny import tiny_model
-from engine.scenario import Scenario
+from engine.scenario import DEMOS, Scenario
 
 SYSTEM = (
     "You are the support agent of Northwind.\nSession started: {time}\nUser id: {user}\nAccount tier: {tier}\n"
@@ -163,6 +167,21 @@ def test_in_place_and_erratum_are_inexact_where_recompute_is_exact(lm):
     assert repairs["in_place"].fidelity.kl > 1e-4 and repairs["erratum"].fidelity.kl > 1e-4
 
 
+def test_the_top_token_is_read_as_greedy_decoding_reads_it_when_two_tie():
+    """In bfloat16 two logits can tie exactly (measured: 'Yes' and 'No' at -1.0625 on the interleaved log): the state's
+    greedy tokens all agree with the clean prefill's, so its top token must not be said to change (``topk`` put the
+    later of the tied first)."""
+    logits = torch.randn(151_936, generator=torch.Generator().manual_seed(0))
+    logits[[2753, 9454]] = 9.0
+    assert torch.log_softmax(logits, -1).topk(5).indices[0].item() == 9454 and logits.argmax().item() == 2753  # topk: the later first
+    before = logits.clone()
+    before[9454] = 8.0
+    clean = Reference(torch.log_softmax(before, -1), (2753,), 0.0, Notebook.__new__(Notebook))
+    measured = fidelity(torch.log_softmax(logits, -1), (2753,), clean)
+    assert measured.top1_agree and measured.generation_agreement == 1.0 and measured.kl > 0
+    assert not fidelity(torch.log_softmax(before.roll(1), -1), (2752,), clean).top1_agree
+
+
 def test_coarse_grains():
     assert coarse("2026-12-01 09:14", "date") == "2026-12-01"
     assert coarse("2026-12-01T09:14:33Z", "hour") == "2026-12-01 09:00"
@@ -189,21 +208,14 @@ def _indented(time: str, user: str = "u-1") -> dict:
     return {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "Where is it?"}]}
 
 
-def _filled(template: str, values: dict[str, str]) -> list[dict]:
-    """A chat template's messages with each ``{placeholder}`` set to its value."""
-    messages = json.loads(template)
-    for message in messages:
-        for name, value in values.items():
-            message["content"] = message["content"].replace("{" + name + "}", value)
-    return messages
-
-
 @pytest.mark.parametrize(
     "user, expected", [("u-1", {"recompute", "erratum", "hoist", "coarsen"}), ("u-22", {"recompute", "erratum", "hoist"})]
 )
-def test_each_prompt_level_template_filled_with_the_logs_values_renders_the_measured_prompt(lm, user, expected):
-    """The indented volatile line is moved stripped in the template as in the measured prompt (once built twice, they
-    differed); a second field is moved with it; the literal braces stay as they are."""
+def test_each_prompt_level_template_applied_to_the_log_sends_the_measured_tokens(lm, user, expected):
+    """What is written is what was measured: each template, applied to the log as ``--template`` applies it, sends the
+    audited request as the very token ids the audit measured for that repair. The indented volatile line is read
+    where it stands and moved stripped; a second field is moved with it; the literal braces stay as they are; the
+    erratum's template keeps the older value and reads each request's own from its line."""
     log = _log(_indented("2026-12-01 09:14"), _indented("2026-12-01 10:15", user))
     report = audit_requests(lm, parse_log(log), tokens=1, grain="hour")
     turn = report.turns[1]
@@ -212,18 +224,41 @@ def test_each_prompt_level_template_filled_with_the_logs_values_renders_the_meas
         measured = turn.repairs[name]
         if not measured.applicable:  # coarsen: a user id has no hour
             continue
-        values = measured.detail.get("coarse_values") or {change.name: change.new for change in turn.fields}
-        filled = _filled(repaired_template(report, name), values)
-        assert render_request(lm, parse_prompt(json.dumps(filled))).ids == measured.prompt_ids, name
+        rewritten = apply_template(repaired_template(report, name), read_log(log)).requests
+        assert render_request(lm, rewritten[1]).ids == measured.prompt_ids, name
         checked.add(name)
     assert checked == expected
     hoisted = json.loads(repaired_template(report, "hoist"))
     assert "Session started" not in hoisted[0]["content"] and '{"answer": ...}' in hoisted[0]["content"]
     moved = "Session started: {session_started}" + ("\nUser id: {user_id}" if user != "u-1" else "")
     assert hoisted[-1]["content"] == "Where is it?\n\n" + moved
+    erratum = json.loads(repaired_template(report, "erratum"))
+    assert "    Session started: 2026-12-01 09:14" in erratum["messages"][0]["content"]  # the older value, kept
+    assert erratum["read"][0] == "Session started: {session_started}"
     assert repaired_template(report) == repaired_template(report, turn.recommendation.repair)
     with pytest.raises(RequestLogError, match="in_place is KV-level, needs a cache-editing engine"):
         repaired_template(report, "in_place")
+
+
+@pytest.mark.parametrize("name", ["support_agent", "traffic/interleaved_agents"])
+def test_the_bundled_logs_templates_applied_send_the_measured_tokens(lm, name):
+    """The traffic audit (what ``kvscope audit LOG --template-out`` writes from): each prompt-level repair's template,
+    applied to the whole log, sends the turn it was written from as the tokens measured; in the interleaved log the
+    template of one agent's prompt leaves the other agent's requests as logged."""
+    log = read_log((DEMOS / "logs" / f"{name}.jsonl").read_text(encoding="utf-8"))
+    report = audit_traffic(lm, log, repairs=["erratum", "hoist", "coarsen"], tokens=1, grain="date").measured_report()
+    turn = report.last_with_fields()
+    written = {}
+    for repair, measured in turn.repairs.items():
+        if not measured.applicable:  # coarsen: an account tier has no date
+            continue
+        rewritten = apply_template(repaired_template(report, repair), log).requests
+        (request,) = [r for r in rewritten if r.index == turn.request]
+        assert render_request(lm, request).ids == measured.prompt_ids, repair
+        written[repair] = [r.index for r, old in zip(rewritten, log.requests) if r != old]
+    assert set(written) == {"recompute", "erratum", "hoist"} and written["recompute"] == []
+    sessions = {request.index: request.session for request in log.requests}
+    assert written["hoist"] == written["erratum"] == [i for i in sessions if sessions[i] == sessions[turn.request]]
 
 
 def test_one_prompt_offers_volatile_spans_and_audits_a_new_value(lm):

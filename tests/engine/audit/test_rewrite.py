@@ -2,7 +2,9 @@
 measures what two independent clean prefills measure, reuse equals an independent block count, a template applies
 to the log's own values, and a rewrite that drops or reorders requests is refused with the numbers."""
 
+import contextlib
 import dataclasses
+import io
 import json
 import re
 
@@ -10,7 +12,8 @@ import pytest
 import torch
 
 from engine.audit.requests import RequestLogError, read_log
-from engine.audit.rewrite import apply_template, check_pairing, measure_rewrite
+from engine.audit.rewrite import apply_template, check_pairing, measure_rewrite, measure_rewrites
+from engine.cli import main
 from engine.models.tiny import tiny_model
 
 RULES = "Account tier: gold\nAnswer in one short paragraph. Never promise a refund above the tier's limit; check the order first."
@@ -120,7 +123,16 @@ def test_a_template_applies_to_each_requests_own_values_and_its_reuse_is_counted
             "template message 2 (user) holds a placeholder inside the conversation",
         ),
         ('[{"role": "system", "content": "{time}"}, {"role": "user", "content": "q"}]', "has no text beside its placeholder"),
-        ('[{"role": "system", "content": "Today is {day}."}, {"role": "user", "content": "q"}]', "line 1 (request 1): no line matches"),
+        (
+            '[{"role": "system", "content": "Today is {day}."}, {"role": "user", "content": "q"}]',
+            "the template applies to no request of the log: no line of line 1 (request 1) matches its 'Today is {day}.'",
+        ),
+        ('{"messages": [{"role": "system", "content": "x"}], "why": 1}', "a template object holds 'messages' and 'read' only"),
+        ('{"messages": [{"role": "system", "content": "x"}], "read": "time"}', "the template's 'read' must be a non-empty list"),
+        ('{"messages": [{"role": "system", "content": "x"}], "read": ["at {t:date}"]}', "reads a value as logged: write {name}"),
+        ('{"messages": [{"role": "system", "content": "x"}], "read": ["a\\nb {t}"]}', "must be one line holding a {placeholder}"),
+        ('{"messages": [{"role": "system", "content": "At {t}, {u}"}], "read": ["at {t}"]}', "the template places {u}, which no line"),
+        ('[{"role": "system", "content": "At {t:week}"}, {"role": "user", "content": "q"}]', "{t:week}: unknown grain 'week'"),
         (
             '[{"role": "system", "content": "a"}, {"role": "system", "content": "b"}, {"role": "user", "content": "q"}]',
             "starts with the roles",
@@ -142,3 +154,71 @@ def test_a_rewrite_with_other_requests_or_another_order_is_refused_with_the_numb
     swapped = read_log(_log(_request("2026-12-01 09:14", "Can I return the boots?"), _request("2026-12-01 09:15", "Where is my parcel?")))
     with pytest.raises(RequestLogError, match="rewritten request 1 carries the last user turn of original request 2"):
         check_pairing(original, swapped.requests)
+
+
+def test_a_template_reads_values_from_lines_it_does_not_hold_and_leaves_another_prompt_as_logged():
+    """The object form: the prompt keeps a frozen value, each request's own is read from its clock line (indented in
+    the log) and stated after its last message, at the hour; a request of another prompt (no clock line) is kept."""
+    other = {"user": "b", "messages": [{"role": "system", "content": "You are another agent."}, {"role": "user", "content": "Hi"}]}
+    log = read_log(_log(_request("2026-12-01 09:14", "Where is my parcel?"), other, _request("2026-12-01 10:15", "And the boots?")))
+    system = SYSTEM.format(time="2026-12-01 09:14").replace("\nThe current", "\n  The current")
+    indented = read_log(_log({"messages": [{"role": "system", "content": system}, {"role": "user", "content": "Where is my parcel?"}]}))
+    frozen = {"role": "system", "content": SYSTEM.format(time="2026-12-01 09:00") + ' {"json": {braces}}'}
+    template = json.dumps(
+        {
+            "messages": [frozen, {"role": "user", "content": "q\n\n[STATE UPDATE] time -> {time}; at {time:hour}"}],
+            "read": ["The current time is {time}."],
+        }
+    )
+    rewritten = apply_template(template, log).requests
+    assert rewritten[0].contents == (
+        frozen["content"],
+        "Where is my parcel?\n\n[STATE UPDATE] time -> 2026-12-01 09:14; at 2026-12-01 09:00",
+    )
+    assert rewritten[1] == log.requests[1]
+    assert rewritten[2].contents[1] == "And the boots?\n\n[STATE UPDATE] time -> 2026-12-01 10:15; at 2026-12-01 10:00"
+    assert apply_template(template, indented).requests[0].contents[1].endswith("time -> 2026-12-01 09:14; at 2026-12-01 09:00")
+    with pytest.raises(RequestLogError, match=re.escape("line 1 (request 1): {time:hour}: 'soon' is not a date")):
+        apply_template(template, read_log(_log(_request("soon", "q"))))
+
+
+def test_several_rewrites_measure_what_each_measures_alone(lm):
+    """The original's clean prefills are shared (and reused for a request the rewrite left as it was)."""
+    reworded = read_log(_log(_request("2026-12-01 09:14", "Where is my parcel?"), _request("2026-12-01 09:15", "Can I return the shoes?")))
+    hoisted = apply_template(TEMPLATE, read_log(ORIGINAL))
+    together = measure_rewrites(lm, read_log(ORIGINAL), {"reworded": reworded, "hoisted": hoisted}, tokens=TOKENS)
+    for label, rewritten in (("reworded", reworded), ("hoisted", hoisted)):
+        alone = measure_rewrite(lm, read_log(ORIGINAL), rewritten, tokens=TOKENS)
+        for a, b in zip(together[label].requests, alone.requests):
+            assert a.fidelity.kl == pytest.approx(b.fidelity.kl, abs=1e-7)
+            assert dataclasses.replace(a, fidelity=None) == dataclasses.replace(b, fidelity=None)
+            assert a.fidelity.generation_agreement == b.fidelity.generation_agreement and a.fidelity.top1_agree == b.fidelity.top1_agree
+    assert together["reworded"].requests[0].fidelity.kl == 0.0 and together["reworded"].requests[1].fidelity.kl > 0
+
+
+def _cli(*args: str) -> dict:
+    """``kvscope`` in this process: its one JSON line (exit 0)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main([*args, "--model", "tiny-qwen2", "--tokens", str(TOKENS), "--json"])
+    assert code == 0, out.getvalue()
+    return json.loads(out.getvalue().strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("repair", ["erratum", "hoist"])
+def test_the_cli_measures_the_template_it_wrote_as_the_audit_measured_that_repair(tmp_path, repair):
+    """``--template-out`` (with ``--template-repair``), then ``--template``: the turn it was written from is sent as the
+    tokens the audit measured, and answers as the audit's repair did (the cached prefix against a clean prefill of
+    the same tokens: rounding apart)."""
+    grown = {"role": "assistant", "content": "It ships today."}, {"role": "user", "content": "Can I return the boots?"}
+    first = _request("2026-12-01 09:14", "Where is my parcel?")
+    second = _request("2026-12-01 09:15", "Where is my parcel?")
+    second["messages"] += grown
+    log, template = tmp_path / "log.jsonl", tmp_path / "template.json"
+    log.write_text(_log(first, second))
+    audited = _cli("audit", str(log), "--repairs", repair, "--template-out", str(template), "--template-repair", repair)
+    measured = audited["turns"][1]["repairs"][repair]
+    rewrite = _cli("audit", str(log), "--template", str(template), "--sample", "0")["rewrite"][1]
+    assert rewrite["tokens_after"] == measured["reused_tokens"] + measured["computed_tokens"]
+    assert rewrite["kl"] == pytest.approx(measured["kl"], abs=1e-5) and rewrite["top1_agree"] == measured["top1_agree"]
+    assert rewrite["generation_agreement"] == measured["generation_agreement"]
