@@ -6,7 +6,7 @@ Space (SPACES_ZERO_GPU set) it is staged instead, and every model-bound handler 
 docs/hosting-spaces.md).
 Settings: --model/KVSCOPE_MODEL, --device/KVSCOPE_DEVICE, --dtype/KVSCOPE_DTYPE, --host, --port, and
 --public (automatic on a Hugging Face Space, where SPACE_ID is set) for the public hosting profile; its
-limits and the host's overrides are in app/hosting.py and the README.
+limits and the host's overrides are in app/hosting.py and docs/hosting-spaces.md.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from urllib.parse import urlencode
 from app.handlers.common import AppError, bundled_scenario_text, parse_scenario
 from app.handlers.notes import EditInputs
 from app.hosting import HostingProfile
-from engine import AUTO_REMEDY, KVScopeError, Remedy, bundled_scenarios
+from engine import AUTO_REMEDY, RENAMED_STRATEGIES, KVScopeError, Remedy, bundled_scenarios
 
 MAX_ENCODED_TOML = 8192  # characters of the toml parameter (8 KB): a URL stays well within what browsers and proxies take
 MAX_DECODED_BYTES = 512 * 1024  # a compressed scenario may not expand beyond this (no zip bombs)
@@ -218,7 +218,8 @@ def parse_link(
             f"{MAX_VALUE_CHARS} characters, without braces"
         )
     if "strategies" in params:
-        strategies = tuple(dict.fromkeys(s.strip() for s in params["strategies"].split(",") if s.strip()))
+        named = (s.strip() for s in params["strategies"].split(",") if s.strip())
+        strategies = tuple(dict.fromkeys(RENAMED_STRATEGIES.get(name, name) for name in named))  # a link made before a rename
     else:
         strategies = tuple(default_strategies)
     unknown = [name for name in strategies if name not in offered_strategies]

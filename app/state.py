@@ -210,6 +210,11 @@ class ModelRegistry:
         info = lm.info()
         return info | {"device": self.device_label} if self.device_label else info
 
+    def in_memory(self, spec: str) -> LoadedModel | None:
+        """The model ``spec`` names where it is in memory (nothing is loaded)."""
+        with self._lock:
+            return self._models.get(spec)
+
     def loaded(self) -> list[str]:
         """Specs of the models in memory, least recently used first."""
         with self._lock:

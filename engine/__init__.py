@@ -48,6 +48,8 @@ Composing: skills spliced into contexts
 ``calibrated_remedy``      this model's default remedy, measured once (``RemedyChoice``: numbers, frontier, reason)
 ``resolve_remedy``         a remedy spec for a model (empty: the default, ``auto``: calibrated); ``stored_choice``,
                            ``cancel_calibration``: the calibration kept, and a running one stopped
+``model_remedies``         a model's own menu (``ModelRemedies``): its stored study's default and numbers, else its
+                           calibration, else ``DEFAULT_REMEDY``
 ``run_study``              the N-skill study (``skill_prefixes``, ``PLACEMENTS``, ``first_field_values``,
                            ``STUDY_REMEDIES``)
 ``keystone``               edit the field inside a spliced skill: composed vs recomputed per strategy
@@ -142,11 +144,13 @@ _PUBLIC = {
     "Recipe": "engine.reproduce",
     "Remedy": "engine.compose.remedy",
     "RemedyChoice": "engine.compose.choice",
+    "ModelRemedies": "engine.compose.calibration",
     "RenderedRequest": "engine.audit.requests",
     "Request": "engine.audit.requests",
     "RequestLogError": "engine.audit.requests",
     "RomeSettings": "engine.edit.rome",
     "STRATEGIES": "engine.edit.strategies",
+    "RENAMED_STRATEGIES": "engine.edit.strategies:RENAMED",
     "STUDY_REMEDIES": "engine.compose.study:REMEDIES",
     "Scenario": "engine.scenario",
     "ScenarioRun": "engine.edit.runs",
@@ -210,6 +214,7 @@ _PUBLIC = {
     "repaired_template": "engine.audit.audit",
     "resolve_device": "engine.models",
     "resolve_remedy": "engine.compose.calibration",
+    "model_remedies": "engine.compose.calibration",
     "rewrite_markdown": "engine.audit.gate",
     "run_agent": "engine.compose.agent",
     "run_scenario": "engine.edit.runs",
@@ -249,10 +254,12 @@ __all__ = [
     "LoraSettings",
     "MeasureSettings",
     "MessageProgress",
+    "ModelRemedies",
     "Notebook",
     "NotesScenario",
     "PLACEMENTS",
     "PROBES",
+    "RENAMED_STRATEGIES",
     "REPAIRS",
     "REPAIR_SUMMARIES",
     "Recipe",
@@ -312,6 +319,7 @@ __all__ = [
     "load_cache",
     "load_model",
     "measure_rewrite",
+    "model_remedies",
     "notes_scenario",
     "offline_aliases",
     "parse_prompt",
@@ -367,7 +375,14 @@ if TYPE_CHECKING:
     from engine.comparison import compare_models
     from engine.compose.agent import run_agent
     from engine.compose.calibration import AUTO as AUTO_REMEDY
-    from engine.compose.calibration import calibrated_remedy, cancel_calibration, resolve_remedy, stored_choice
+    from engine.compose.calibration import (
+        ModelRemedies,
+        calibrated_remedy,
+        cancel_calibration,
+        model_remedies,
+        resolve_remedy,
+        stored_choice,
+    )
     from engine.compose.choice import RemedyChoice
     from engine.compose.fidelity import compare
     from engine.compose.keystone import keystone
@@ -384,6 +399,7 @@ if TYPE_CHECKING:
     from engine.edit.report import EditReport
     from engine.edit.rome import RomeSettings
     from engine.edit.runs import ScenarioRun, run_scenario
+    from engine.edit.strategies import RENAMED as RENAMED_STRATEGIES
     from engine.edit.strategies import STRATEGIES, EditSettings
     from engine.edit.weight_edit import METHODS as WEIGHT_METHODS
     from engine.edit.weight_edit import compare_edits

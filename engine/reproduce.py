@@ -2,7 +2,7 @@
 
 An export of the Notes tab (an edit, or a knockout after it) or of the Probes tab carries a :class:`Recipe`: the
 model spec, dtype and device it ran with, the scenario TOML itself, the field and new value, the strategies and how
-they were read, every strategy setting (``EditSettings``: K, ranking, erratum and hoist templates, chain of thought,
+they were read, every strategy setting (``EditSettings``: K, ranking, erratum and restate templates, chain of thought,
 minimum gap), the knockout positions, the probe and its options, and the figure options. :func:`script_text` and
 :func:`notebook` turn it into code that uses only the engine's public API (``from engine import ...``) and writes
 the export's JSON (same keys; measured timings aside) to ``reproduced.json``.
@@ -170,7 +170,7 @@ def _constants(recipe: Recipe) -> str:
         f"DEVICE = {python_literal(recipe.device)}  # where the export ran; another device agrees within its dtype's noise",
         f"FIELD = {python_literal(recipe.field)}",
         f"NEW = {python_literal(recipe.new)}",
-        "# the strategies' knobs (EditSettings): K, ranking, erratum and hoist templates, chain of thought, minimum gap",
+        "# the strategies' knobs (EditSettings): K, ranking, erratum and restate templates, chain of thought, minimum gap",
         f"SETTINGS = {python_literal(dict(recipe.settings))}",
     ]
     if recipe.kind == "probe":

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build llama.cpp's C++ server (llama-server) for benchmarks/serving.py and benchmarks/cache_reuse.py, from the
+# Build llama.cpp's C++ server (llama-server) for benchmarks/serving/serving.py and benchmarks/interop/cache_reuse.py, from the
 # llama.cpp tree vendored in llama-cpp-python 0.3.36's source distribution (a pinned llama.cpp). The sdist comes
 # from PyPI and is checked against its sha256; the build has no web UI and no network at run time.
 # Portable: no -march=native. On x86-64 a fixed vector set (SSE4.2, AVX, AVX2, BMI2, FMA, F16C) with every AVX-512

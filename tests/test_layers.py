@@ -1,6 +1,6 @@
 """The architecture as tests: import-linter's contracts (pyproject.toml) hold, and fail on an injected upward import
 (or an app import of an engine submodule, past the engine's public API);
-no import circle inside the engine (type-checking imports included); importing the engine has no side effects;
+no import circle inside the engine or the benchmarks (type-checking imports included); importing the engine has no side effects;
 the tree is formatted and linted by ruff (settings in pyproject.toml)."""
 
 import os
@@ -63,15 +63,16 @@ def test_an_injected_upward_import_breaks_a_contract(tmp_path, module, upward, c
     assert module.removesuffix(".py").replace("/", ".") in report  # it names the importing module
 
 
-def test_no_import_circle_in_the_engine():
-    graph = grimp.build_graph("engine", exclude_type_checking_imports=False)
-    modules = [module for module in graph.modules if module != "engine"]  # the root only names the public API
+@pytest.mark.parametrize("package", ["engine", "benchmarks"])
+def test_no_import_circle_in_the_engine_or_the_benchmarks(package):
+    graph = grimp.build_graph(package, exclude_type_checking_imports=False)
+    modules = [module for module in graph.modules if module != package]  # the engine's root only names the public API
     circles = sorted(
         {
             tuple(sorted((a, b)))
             for a in modules
             for b in graph.find_modules_directly_imported_by(a)
-            if b != "engine" and graph.chain_exists(importer=b, imported=a)
+            if b in modules and graph.chain_exists(importer=b, imported=a)
         }
     )
     assert circles == []

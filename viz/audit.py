@@ -20,14 +20,6 @@ from engine.audit.causes import CAUSES
 from engine.audit.requests import Skipped
 from viz.common import GREY, PALETTE, markdown_literal, safe_label
 
-REPAIR_WORDS = {
-    "recompute": "exact prefix caching: everything from the first changed token recomputed (the reference)",
-    "in_place": "the fields' tokens recomputed in place, every later entry reused as cached",
-    "erratum": "the cached request kept as it was, a [STATE UPDATE] line appended",
-    "field_erratum": "the fields recomputed in place and the erratum appended",
-    "hoist": "the volatile lines moved to the end of the last message",
-    "coarsen": "the value at a coarser grain (changes less often)",
-}
 KL_FLOOR = 1e-9  # KL drawn on a log axis: exact states (KL 0) sit on this floor
 X_AXES = {"computed": "context tokens computed (% of the request, log scale)", "ttft": "TTFT speed-up vs a full prefill (×, log scale)"}
 Y_AXES = {"kl": "KL(clean ‖ repaired) of the next token (log scale)", "agreement": "greedy tokens agreeing with the clean prefill"}

@@ -420,7 +420,7 @@ def audit_replay_figure(data: dict) -> go.Figure:
         rows=1,
         cols=3,
         horizontal_spacing=0.09,
-        subplot_titles=("prompt time vs greedy agreement", "prompt time vs next-token KL", "server vs simulation"),
+        subplot_titles=("time vs agreement", "time vs KL", "server vs simulated"),
     )
     highest = 1
     for index, label in enumerate(labels):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 
 from engine.cache.decision import Decision
+from engine.comparison.models import PAPER_MODELS
 from engine.edit.report import EditReport
 from viz.text import remedy_words
 
@@ -18,7 +19,12 @@ FIGURE_LABELS = (  # what each step's figure shows (the Learn tab's figure label
     "Decision margin by strategy: erratum vs field_erratum",
     "Top next tokens: spliced vs recomputed",
 )
-PAPER_FIELD_ONLY = "field-only recovery ≈ 0 at 7–9B (−0.028 Llama-3.1-8B, 0.005 Gemma-2-9B, 0.137 Mistral-7B)"
+PAPER_FIELD_ONLY = "field-only recovery ≈ 0 at 7–9B ({})".format(  # the paper's numbers, kept in one table
+    ", ".join(
+        f"{model.field_only_recovery:.3f}".replace("-", "−") + f" {model.model}"
+        for model in sorted(PAPER_MODELS, key=lambda model: model.field_only_recovery)
+    )
+)
 PAPER_ERRATUM = "field+erratum P(correct) 1.00, matching hoist-to-end; erratum alone can revert when the field is buried early"
 PAPER_SPLICE = "logit cosine 0.90–0.999 against full recompute over twelve models; decisions preserved for 1–4 skills"
 SCALE_CAVEAT = "The paper measured 7–9B models; on a smaller model the field is still partly read directly, so the notes effect is partial."

@@ -1,4 +1,4 @@
-"""Stored benchmark results drawn by kind: a file ``benchmarks/results/<kind>-….json`` gets its kind's figure."""
+"""Stored benchmark results drawn by kind: a file ``benchmarks/<folder>/results/<kind>-….json`` gets its kind's figure."""
 
 from __future__ import annotations
 

@@ -141,26 +141,28 @@ def remedy_words(remedy: Mapping) -> str:
     return "; ".join(parts) or "the stored K/V spliced as they are, nothing recomputed"
 
 
-def remedy_info(default: str, stored: str | None = None, choice: RemedyChoice | None = None) -> str:
-    """What the default remedy costs and buys in a stored N-skill study (its file ``stored`` and default ``choice``), why
-    it is the default, the fastest remedy beside it, then the remedy grammar (plain text)."""
+def remedy_info(default: str, stored: str | None = None, choice: RemedyChoice | None = None, *, model: str | None = None) -> str:
+    """What the default remedy costs and buys where it was measured (``stored``: a stored N-skill study's file, or
+    ``calibration``: the model's own), why it is the default, the fastest remedy beside it, then the remedy grammar
+    (plain text). ``model`` names whose default it is."""
+    whose = f" for {model}" if model else ""
     if choice is None or default not in {point.name for point in choice.points}:
-        return f"Default {default}. {AUTO_WORDS} {REMEDY_GRAMMAR}"
+        return f"Default{whose} {default}: not measured for this model yet. {AUTO_WORDS} {REMEDY_GRAMMAR}"
     fastest = choice.fastest
     beside = f" Fastest: {fastest.words()}." if fastest.name != default else ""
     why = "" if choice.remedy == default else f" (that study's rule now picks {choice.remedy})"
     reason = f" Why: {choice.reason}." if choice.remedy == default else ""
-    return (
-        f"Default {choice.point(default).words()}, in the stored N-skill study ({stored}){why}.{reason}{beside} "
-        f"{AUTO_WORDS} {REMEDY_GRAMMAR}"
-    )
+    where = "this model's stored calibration" if stored == "calibration" else f"the stored N-skill study ({stored})"
+    return f"Default{whose} {choice.point(default).words()}, in {where}{why}.{reason}{beside} {AUTO_WORDS} {REMEDY_GRAMMAR}"
 
 
-def remedy_summary(default: str, choice: RemedyChoice | None = None) -> str:
-    """One line under the remedy menu: the default and what it buys in the stored study (the rest is in :func:`remedy_info`)."""
+def remedy_summary(default: str, choice: RemedyChoice | None = None, *, model: str | None = None) -> str:
+    """One line under the remedy menu: the model's default and what it buys where it was measured (the rest is in
+    :func:`remedy_info`)."""
     measured = {point.name: point for point in choice.points} if choice else {}
-    numbers = measured[default].numbers() if default in measured else "not measured in a stored study yet"
-    return f"Default {default}: {numbers}. What each part means, and why this default: below the menu."
+    numbers = measured[default].numbers() if default in measured else "not measured for this model yet"
+    whose = f" for {model.split(':')[0]}" if model else ""
+    return f"Default{whose} {default}: {numbers}. What each part means, and why this default: below the menu."
 
 
 def remedy_menu(default: str, auto: str, names: Sequence[str], choice: RemedyChoice | None = None) -> list[tuple[str, str]]:
@@ -170,7 +172,7 @@ def remedy_menu(default: str, auto: str, names: Sequence[str], choice: RemedyCho
 
     def label(name: str) -> str:
         point = measured.get(name)
-        numbers = point.numbers() if point else "not measured in the stored study yet"
+        numbers = point.numbers() if point else "not measured for this model yet"
         return f"{name} — {numbers}{' (default)' if name == default else ''}"
 
     return [(label(default), default), (f"{auto} — this model's calibrated choice (measured once)", auto)] + [

@@ -10,13 +10,15 @@ from app.handlers.common import bundled_scenario_text, guarded, parse_scenario
 from app.state import ModelRegistry
 from engine import StepProgress, ttft_by_length
 
-RESULTS_DIR = Path(__file__).parents[2] / "benchmarks" / "results"
-TTFT_SCENARIO = "refund_gate"  # the quick TTFT check measures what benchmarks/ttft.py measured
+BENCHMARKS_DIR = Path(__file__).parents[2] / "benchmarks"  # each folder of scripts keeps its JSON in its own results/
+STUDY_RESULTS = BENCHMARKS_DIR / "studies" / "results"  # the stored N-skill studies the Composer's remedy menu reads
+TTFT_SCENARIO = "refund_gate"  # the quick TTFT check measures what benchmarks/studies/ttft.py measured
 
 
 def benchmark_results(kind: str | None = None) -> dict[str, dict]:
-    """Every JSON under benchmarks/results (or those of one ``kind``: ``<kind>-….json``), by file stem."""
-    return {path.stem: json.loads(path.read_text()) for path in sorted(RESULTS_DIR.glob(f"{kind}-*.json" if kind else "*.json"))}
+    """Every JSON under benchmarks/*/results (or those of one ``kind``: ``<kind>-….json``), by file stem, folder by folder."""
+    paths = sorted(BENCHMARKS_DIR.glob(f"*/results/{kind}-*.json" if kind else "*/results/*.json"))
+    return {path.stem: json.loads(path.read_text()) for path in paths}
 
 
 @guarded

@@ -10,19 +10,18 @@ import numpy as np
 import plotly.graph_objects as go
 from PIL import Image
 
-from app.handlers.benchmarks import benchmark_results
+from app.handlers import benchmarks as stored_results
 from app.handlers.common import AppError, bundled_scenario_text, guarded, number, parse_scenario
 from app.hosting import HostingProfile
 from app.state import ModelRegistry
 from engine import (
     AUTO_REMEDY,
-    DEFAULT_REMEDY,
     IMAGE_QUESTION,
     PLACEMENTS,
     LoadedModel,
     MessageProgress,
+    ModelRemedies,
     Remedy,
-    RemedyChoice,
     Scenario,
     Skill,
     StepProgress,
@@ -35,6 +34,7 @@ from engine import (
     compose_scenario,
     first_field_values,
     keystone,
+    model_remedies,
     resolve_remedy,
     run_agent,
     run_study,
@@ -88,47 +88,46 @@ def composed_scenario(composition: Composition, profile: HostingProfile | None =
 
 
 # ---------------------------------------------------------------------------- remedies
-def stored_study_choice() -> tuple[str, RemedyChoice] | None:
-    """The default-remedy choice a stored N-skill study names (the short study first), with the file's stem."""
-    studies = benchmark_results("compose_many")
-    for stem in sorted(studies, key=lambda stem: ("-long-" in stem, stem)):
-        if "choice" in studies[stem]:
-            return stem, RemedyChoice.from_dict(studies[stem]["choice"])
-    return None
+def model_menu(registry: ModelRegistry, spec: str | None) -> ModelRemedies:
+    """The remedy menu of the model ``spec`` names (:func:`engine.model_remedies`): the choice its own stored N-skill study
+    names, else its stored calibration where it is loaded, else the static default. Nothing is loaded."""
+    resolved = registry.resolve(spec)
+    lm = registry.in_memory(resolved)
+    return model_remedies(lm.fingerprint.name if lm else resolved, stored_results.STUDY_RESULTS, lm)
 
 
-def remedy_info() -> str:
-    """What the default remedy costs and buys in the stored N-skill study, the fastest alternative beside it (plain text)."""
-    stored = stored_study_choice()
-    return panels.remedy_info(DEFAULT_REMEDY.name, *(stored or (None, None)))
+def remedy_info(registry: ModelRegistry, spec: str | None) -> str:
+    """What the model's default remedy costs and buys where it was measured, the fastest alternative beside it (plain text)."""
+    menu = model_menu(registry, spec)
+    return panels.remedy_info(menu.default, menu.source, menu.choice, model=menu.model)
 
 
-def remedy_summary() -> str:
-    """The remedy menu's one-line info: the default and its numbers in the stored N-skill study."""
-    stored = stored_study_choice()
-    return panels.remedy_summary(DEFAULT_REMEDY.name, stored[1] if stored else None)
+def remedy_summary(registry: ModelRegistry, spec: str | None) -> str:
+    """The remedy menu's one-line info: the model's default and its numbers where it was measured."""
+    menu = model_menu(registry, spec)
+    return panels.remedy_summary(menu.default, menu.choice, model=menu.model)
 
 
-def remedy_menu(names: Sequence[str]) -> list[tuple[str, str]]:
-    """(label, spec) pairs for the Composer's menu: the default and ``auto`` first, each measured remedy labelled with
-    its agreement and speedup in the stored study."""
-    stored = stored_study_choice()
-    names = [*dict.fromkeys([DEFAULT_REMEDY.name, *names])]
-    return panels.remedy_menu(DEFAULT_REMEDY.name, AUTO_REMEDY, names, stored[1] if stored else None)
+def remedy_menu(registry: ModelRegistry, spec: str | None, names: Sequence[str]) -> list[tuple[str, str]]:
+    """(label, spec) pairs for the Composer's menu: the model's default and ``auto`` first, each remedy labelled with its
+    agreement and speedup where the model's default was measured."""
+    menu = model_menu(registry, spec)
+    return panels.remedy_menu(menu.default, AUTO_REMEDY, [*dict.fromkeys([menu.default, *names])], menu.choice)
 
 
 def remedy_for(registry: ModelRegistry, spec: str | None, lm: LoadedModel, text, report: MessageProgress | None = None) -> Remedy:
-    """The composer's remedy for this model (:func:`engine.resolve_remedy`: empty is the default, ``auto`` its calibrated
-    choice), refused where ``auto`` would calibrate on a server that does not run calibrations for visitors."""
+    """The composer's remedy for this model (:func:`engine.resolve_remedy`: empty is the model's default, ``auto`` its
+    calibrated choice), refused where ``auto`` would calibrate on a server that does not run calibrations for visitors."""
     if text is not None and not isinstance(text, str):
         raise AppError(f"the remedy must be a spec such as prefix+seam:1 (parts joined by +), got {text!r}")
+    default = model_menu(registry, spec).default
     calibrates = (text or "").strip() == AUTO_REMEDY and stored_choice(lm) is None
     if calibrates and not registry.profile.calibrate_remedies:
         raise AppError(
             f"remedy auto needs {lm.fingerprint.name}'s calibration (minutes of model time), which {registry.profile.label} "
-            f"does not run for visitors; pick a remedy from the menu (default {DEFAULT_REMEDY.name})"
+            f"does not run for visitors; pick a remedy from the menu (default {default})"
         )
-    return resolve_remedy(lm, text, registry.skills(spec), report)
+    return resolve_remedy(lm, text, registry.skills(spec), report, default=default)
 
 
 def stop_calibration(registry: ModelRegistry, spec: str | None) -> str:

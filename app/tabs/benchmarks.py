@@ -15,7 +15,7 @@ PLOT_SLOTS = 24  # stored results shown at most (hidden slots wait for more)
 def build(page: Page) -> None:
     """The Benchmarks tab."""
     with gr.Tab("Benchmarks", id="benchmarks"):
-        gr.Markdown("Results written by the scripts under `benchmarks/` (JSON in `benchmarks/results/`).")
+        gr.Markdown("Results written by the scripts under `benchmarks/` (JSON in each folder's `results/`).")
         bench_refresh = gr.Button("Show stored results", elem_id="bench-refresh")
         bench_quick = gr.Button("Run a quick TTFT check live (2 lengths)", elem_id="bench-quick")
         bench_plots = [gr.Plot(label="Stored result", visible=False, elem_id=f"bench-plot-{index}") for index in range(PLOT_SLOTS)]

@@ -9,6 +9,7 @@ from app.composer import SkillComposer
 from app.handlers.common import NOTES_SCENARIO
 from app.handlers.composer import (
     Composition,
+    model_menu,
     remedy_info,
     remedy_menu,
     remedy_summary,
@@ -25,7 +26,6 @@ from app.page import Page, message_progress, step_progress
 from engine import (
     AUTO_REMEDY,
     DECISIVE_MARGIN,
-    DEFAULT_REMEDY,
     IMAGE_QUESTION,
     PLACEMENTS,
     STUDY_REMEDIES,
@@ -64,18 +64,19 @@ def build(page: Page) -> gr.Dropdown:
                 elem_id="after-scenario",
             )
         with gr.Row():
+            first = page.registry.default_spec  # the menu follows the loaded model (its own default and numbers)
             remedy = gr.Dropdown(
-                remedy_menu(STUDY_REMEDIES),
-                value=DEFAULT_REMEDY.name,
+                remedy_menu(page.registry, first, STUDY_REMEDIES),
+                value=model_menu(page.registry, first).default,
                 allow_custom_value=True,
                 label="Repair of the spliced skills",
-                info=remedy_summary(),
+                info=remedy_summary(page.registry, first),
                 elem_id="remedy",
             )
             compose_button = gr.Button("Splice vs recompute", variant="primary", elem_id="run-compose")
             cancel_button = gr.Button("Cancel calibration", variant="stop", visible=False, elem_id="cancel-calibration")
         with gr.Accordion("What the remedies mean, and why this default", open=False, elem_id="remedy-details"):
-            gr.Markdown(markdown_literal(remedy_info()), elem_id="remedy-info")
+            details = gr.Markdown(markdown_literal(remedy_info(page.registry, first)), elem_id="remedy-info")
         calibration_status = gr.Markdown(elem_id="calibration-status")
         compose_metrics = gr.Markdown(elem_id="compose-metrics")
         with gr.Row():
@@ -145,6 +146,14 @@ def build(page: Page) -> gr.Dropdown:
         api_name=False,
         concurrency_limit=None,
     )
+
+    def on_model(spec):
+        menu = remedy_menu(page.registry, spec, STUDY_REMEDIES)
+        default = model_menu(page.registry, spec).default
+        info = remedy_summary(page.registry, spec)
+        return gr.update(choices=menu, value=default, info=info), markdown_literal(remedy_info(page.registry, spec))
+
+    page.spec.change(page.action(on_model), inputs_kwargs={"spec": page.spec}, outputs=[remedy, details], api_name=False)
     cancel_button.click(
         page.action(lambda spec: stop_calibration(page.registry, spec)),
         inputs_kwargs={"spec": page.spec},

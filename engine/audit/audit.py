@@ -8,7 +8,6 @@ placeholder (the Notes tab and ``python -m engine edit`` read it) and the repair
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,8 +16,8 @@ from engine.audit.repairs import (
     LEVEL_WORDS,
     REPAIR_LEVELS,
     REPAIRS,
-    Fidelity,
     Level,
+    OutputFidelity,
     Reference,
     RepairNotApplicable,
     RepairResult,
@@ -31,6 +30,7 @@ from engine.audit.template import written_template
 from engine.cache.loaded import LoadedModel
 from engine.cache.notebook import Notebook
 from engine.progress import StepProgress, Tick, ticker
+from engine.scenario import Field, Scenario, escape_braces
 
 DEFAULT_THRESHOLD = 0.05  # nats of KL divergence of the next-token distribution
 DEFAULT_MIN_AGREEMENT = 0.9  # of the greedy tokens generated from the state and from the clean prefill
@@ -228,7 +228,7 @@ class Bars:
 
     kl: float
     min_agreement: float
-    floor: Fidelity
+    floor: OutputFidelity
 
     @classmethod
     def of(cls, results: dict[str, RepairResult], threshold: float, min_agreement: float) -> Bars:
@@ -310,8 +310,8 @@ def scenario_toml(report: AuditReport, labels: Sequence[str] | None = None) -> s
     """A scenario file for the Notes tab and ``python -m engine edit``: the last turn with a changed field, its
     messages before the last as the context with the field as a placeholder, the last message as the question.
 
-    ``labels`` are the two answers to read (default: the first greedy words of the clean prefill and of the stalest
-    repair, else yes / no)."""
+    ``labels`` are the two answers to read, each its own surface (default: yes / no;
+    :func:`engine.audit.notes.notes_scenario` reads the model's own)."""
     turn = report.last_with_fields()
     if turn is None:
         raise RequestLogError("no request of this log changes a field inside shared content, so there is no field to edit")
@@ -323,30 +323,22 @@ def scenario_toml(report: AuditReport, labels: Sequence[str] | None = None) -> s
     start = new.content_spans[change.message][0]  # where the (stripped) content was found in the rendered text
     inner = change.char_span[0] - start, change.char_span[1] - start
     holder = contents[change.message]
-    contents[change.message] = _escape(holder[: inner[0]]) + "{" + change.name + "}" + _escape(holder[inner[1] :])
-    context = "\n\n".join(text if i == change.message else _escape(text) for i, text in enumerate(contents[:-1]))
+    contents[change.message] = escape_braces(holder[: inner[0]]) + "{" + change.name + "}" + escape_braces(holder[inner[1] :])
+    context = "\n\n".join(text if i == change.message else escape_braces(text) for i, text in enumerate(contents[:-1]))
     answers = list(labels or ["yes", "no"])
     if len(answers) != 2 or answers[0] == answers[1]:
         raise RequestLogError("name two different answer labels")
-    lines = [
-        f"name = {json.dumps(f'Request {turn.request} ({report.model})', ensure_ascii=False)}",
-        f"description = {json.dumps(f'Built from a request log: {change.name} {change.old!r} -> {change.new!r}', ensure_ascii=False)}",
-        f"context = {json.dumps(context, ensure_ascii=False)}",
-        f"question = {json.dumps(_escape(contents[-1]), ensure_ascii=False)}",
-        "",
-        f"[fields.{change.name}]",
-        f"old = {json.dumps(change.old, ensure_ascii=False)}",
-        f"new = {json.dumps(change.new, ensure_ascii=False)}",
-        "",
-        "[answers]",
-        *[f"{json.dumps(label, ensure_ascii=False)} = [{json.dumps(label, ensure_ascii=False)}]" for label in answers],
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def _escape(text: str) -> str:
-    """Braces of literal text doubled, as scenario templates require."""
-    return text.replace("{", "{{").replace("}", "}}")
+    scenario = Scenario(
+        name=f"Request {turn.request} ({report.model})",
+        description=f"Built from a request log: {change.name} {change.old!r} -> {change.new!r}",
+        system=None,
+        context=context,
+        question=escape_braces(contents[-1]),
+        fields={change.name: Field(change.name, change.old, change.new, (change.old, change.new))},
+        answers={label: (label,) for label in answers},
+        expect={},
+    )
+    return scenario.to_toml()
 
 
 def repaired_template(report: AuditReport, repair: str | None = None) -> str:

@@ -23,10 +23,15 @@ from engine.audit.requests import RenderedRequest, RequestLogError
 BLOCK_TOKENS = 16  # vLLM's default KV block size
 ANCHOR_TOKENS = 8  # equal tokens that resynchronise the diff after a change
 REFINE_TOKENS = 600  # changed regions up to this long are aligned exactly (difflib); longer ones are one change
+DATETIME = re.compile(
+    r"(?P<date>\d{4}-\d{2}-\d{2})(?:[T ](?P<hour>\d{1,2}):(?P<minute>\d{2})(?::\d{2}(?:\.\d+)?)?(?P<zone>Z|[+-]\d{2}:?\d{2})?)?"
+)
+"""An ISO date or date-time (``2026-12-01``, ``2026-12-01 9:14``, ``2026-12-01T09:14:33.25+02:00``): the one pattern that
+the diff widens a change to, the volatile-span finder marks and ``coarsen`` reads (groups: date, hour, minute, zone)."""
 # Natural units a changed character range widens to, longest first where they overlap.
 _UNITS = re.compile(
-    r"\d{4}-\d{2}-\d{2}(?:[T ]\d{1,2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?)?"  # ISO date[time]
-    r"|\d{1,2}:\d{2}(?::\d{2})?(?:\s?[AaPp][Mm])?"  # a time of day
+    DATETIME.pattern  # ISO date[time]
+    + r"|\d{1,2}:\d{2}(?::\d{2})?(?:\s?[AaPp][Mm])?"  # a time of day
     r"|[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"  # a UUID
     r"|[A-Za-z0-9_]+(?:[-./:][A-Za-z0-9_]+)*"  # ids, hex strings, numbers, words (with inner separators)
     r"|\S"
@@ -278,13 +283,13 @@ class Candidate:
 _VOLATILE = (
     (
         "datetime",
-        re.compile(r"\d{4}-\d{2}-\d{2}(?:[T ]\d{1,2}:\d{2}(?::\d{2}(?:\.\d+)?)?(?:Z|[+-]\d{2}:?\d{2})?)?|\b\d{1,2}:\d{2}(?::\d{2})?\b"),
+        re.compile(DATETIME.pattern + r"|\b\d{1,2}:\d{2}(?::\d{2})?\b"),
     ),
     ("uuid", re.compile(r"\b[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}\b")),
     ("hex", re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{8,}\b")),
     ("id", re.compile(r"\b[A-Za-z]{1,10}[-_#]?\d{3,}\b")),
     ("number", re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?\b")),
-    ("value", re.compile(r"(?m)^[ \t]*[A-Za-z][\w -]{0,40}:[ \t]*(\S[^\n]{0,80})$")),
+    ("value", re.compile(r"(?m)^[ \t]*[A-Za-z][\w -]{0,40}:[ \t]*(?P<value>\S[^\n]{0,80})$")),  # the value after its key
 )
 
 
@@ -295,7 +300,7 @@ def candidate_spans(rendered: RenderedRequest) -> list[Candidate]:
     for kind, pattern in _VOLATILE:
         for message, (start, end) in enumerate(rendered.content_spans):
             for match in pattern.finditer(rendered.text, start, end):
-                span = match.span(1) if match.groups() else match.span()
+                span = match.span("value") if "value" in pattern.groupindex else match.span()
                 if span[0] == span[1] or any(span[0] < b and span[1] > a for a, b in taken):
                     continue
                 taken.append(span)

@@ -10,6 +10,7 @@ moves their margin at all. Costs two prefills and at most ``2 × tokens`` decode
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ from engine.cache.decision import RECOVERY_MIN_GAP, Decision, logit_agreement
 from engine.cache.loaded import LoadedModel
 from engine.cache.notebook import Notebook
 from engine.progress import MessageProgress
-from engine.scenario import Scenario, render
+from engine.scenario import Scenario, encode, render
 
 NOTES_TOKENS = 16  # greedy tokens decoded per value to find where the model's answers part
 DIVERGENCE = "divergence"  # answers: the two greedy continuations up to where they first differ
@@ -96,7 +97,9 @@ def _answers(
     index = next((i for i, (old, new) in enumerate(zip(old_ids, new_ids)) if old != new), None)
     if index is not None:
         pair = decode(list(old_ids[: index + 1])), decode(list(new_ids[: index + 1]))
-        exact = all(_encode(lm, text) == list(ids[: index + 1]) for text, ids in zip(pair, (old_ids, new_ids)))  # scored as generated
+        exact = all(
+            encode(lm.tokenizer, text) == list(ids[: index + 1]) for text, ids in zip(pair, (old_ids, new_ids))
+        )  # scored as generated
         if exact and all(text.strip() for text in pair) and pair[0].strip() != pair[1].strip():
             return pair, index
     unique: dict[str, str] = {}  # stripped text -> surface, likeliest first
@@ -106,26 +109,6 @@ def _answers(
             unique.setdefault(text.strip(), text)
     surfaces = list(unique.values())
     return (surfaces[0], surfaces[1]), None
-
-
-def _encode(lm: LoadedModel, text: str) -> list[int]:
-    return list(lm.tokenizer(text, add_special_tokens=False).input_ids)
-
-
-def _with_answers(base: str, answers: tuple[str, str]) -> str:
-    """The scenario TOML with its [answers] table replaced by these two surfaces (each its own label)."""
-    head = base[: base.index("[answers]")]
-    table = [f"{_toml_string(label.strip())} = [{_toml_string(label)}]" for label in answers]
-    return head + "[answers]\n" + "\n".join(table) + "\n"
-
-
-def _toml_string(text: str) -> str:
-    """A TOML basic string: backslash, quote and every control character escaped."""
-    escaped = "".join(
-        {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t", "\r": "\\r"}.get(c, c if c >= " " and c != "\x7f" else f"\\u{ord(c):04x}")
-        for c in text
-    )
-    return f'"{escaped}"'
 
 
 def notes_scenario(
@@ -146,7 +129,7 @@ def notes_scenario(
             progress(f"reading the model's own answers: clean prefill with the {side} value of {field} ({value!r})")
         notebooks[side], generated[side], first[side] = _continue(lm, scenario, field, value, tokens)
     answers, divergence = _answers(lm, generated["old"], generated["new"], first["old"])
-    text = _with_answers(base, answers)
+    text = dataclasses.replace(scenario, answers={answer.strip(): (answer,) for answer in answers}).to_toml()  # each its own label
     final = Scenario.from_toml(text, source="audited request")
     sides = {}
     for side, value in (("old", spec.old), ("new", spec.new)):

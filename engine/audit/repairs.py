@@ -6,34 +6,41 @@ Every repair builds the state it would serve from, computes only the tokens it m
 | repair | runs on | what is reused | what is computed | exact? |
 |---|---|---|---|---|
 | ``recompute`` | prompt | the common prefix (exact prefix caching) | everything from the first changed token | yes: the reference |
-| ``in_place`` | KV | every cached entry but the fields' | the fields' new tokens, then the new turns | no: later tokens keep stale K/V |
+| ``field_only`` | KV | every cached entry but the fields' | the fields' new tokens, then the new turns | no: later tokens keep stale K/V |
 | ``erratum`` | prompt | the whole older request (fields unchanged) | ``[STATE UPDATE] field -> new`` after the last message, and new turns | no: the old value is still read |
-| ``field_erratum`` | KV | as ``in_place`` | the fields' tokens and the erratum | no |
+| ``field_erratum`` | KV | as ``field_only`` | the fields' tokens and the erratum | no |
 | ``hoist`` | prompt | the prefix before the moved lines | the volatile lines moved to the end of the last message | prompt changes: judged against the original |
 | ``coarsen`` | prompt | the prefix, when the coarse value did not change | from the first changed token | prompt changes: judged against the original |
+
+``field_only``, ``erratum`` and ``field_erratum`` are the edit strategies of :mod:`engine.edit.strategies` applied to
+a request: named and described by its ``REGISTRY``. ``recompute`` is what ``full_downstream`` computes, named for
+the prefix cache that runs it; ``hoist`` (the lines moved, not restated: that is the strategy ``restate``) and
+``coarsen`` rewrite the request's text, which no edit strategy does.
 
 A **prompt-level** repair only rewrites the request, so any prefix cache (vLLM, SGLang, llama.cpp) serves it today;
 :func:`repaired_request` builds that request, for the measurement and for the template a user deploys alike. A
 **KV-level** repair edits cached entries, which needs a cache-editing engine.
 
-Fidelity is measured against the clean prefill of the newer request, by the next-token distribution (KL divergence,
-top-1 agreement, top-5 overlap) and by greedy generation of N tokens from both (common prefix, fraction agreeing).
+Output fidelity (:class:`OutputFidelity`) is measured against the clean prefill of the newer request, by the
+next-token distribution (KL divergence, top-1 agreement, top-5 overlap) and by greedy generation of N tokens from
+both (common prefix, fraction agreeing).
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 import torch
 
-from engine.audit.fields import FieldChange, TurnDiff, common_prefix
+from engine.audit.fields import DATETIME, FieldChange, TurnDiff, common_prefix
 from engine.audit.requests import RenderedRequest, Request, render_request
+from engine.cache.decision import kl_divergence
 from engine.cache.loaded import LoadedModel
 from engine.cache.notebook import Notebook
 from engine.edit.erratum import DEFAULT_ERRATUM, erratum_text
+from engine.edit.strategies import REGISTRY as STRATEGY_REGISTRY
 from engine.errors import KVScopeError
 from engine.timing import Stopwatch
 
@@ -46,20 +53,36 @@ class Level(StrEnum):
 
 
 LEVEL_WORDS = {Level.PROMPT: "prompt-level, any prefix cache serves it today", Level.KV: "KV-level, needs a cache-editing engine"}
-_REGISTRY: dict[str, tuple[Level, str]] = {  # each repair: where it runs and one plain line (the table above)
-    "recompute": (Level.PROMPT, "recompute everything from the first changed token, reusing the common prefix (exact: the reference)"),
-    "in_place": (Level.KV, "recompute only the changed fields' tokens; later tokens keep their stale K/V"),
-    "erratum": (Level.PROMPT, "keep the older request as it was and append a [STATE UPDATE] line with the new values"),
-    "field_erratum": (Level.KV, "recompute the fields' tokens in place and append the [STATE UPDATE] line"),
-    "hoist": (Level.PROMPT, "move the changing lines to the end of the last message, so the prefix before them stays cached"),
-    "coarsen": (Level.PROMPT, "round the date-time to a coarser grain, so the cached prefix survives while it does not change"),
+
+
+@dataclass(frozen=True)
+class Repair:
+    """An audit repair: where it runs and what it does, in one plain line (the table above)."""
+
+    level: Level
+    summary: str
+
+
+def _strategy(name: str, level: Level) -> Repair:
+    """An edit strategy applied to a request, described by the strategy registry."""
+    return Repair(level, STRATEGY_REGISTRY[name].summary)
+
+
+_REGISTRY: dict[str, Repair] = {
+    "recompute": Repair(
+        Level.PROMPT, "recompute everything from the first changed token, reusing the common prefix (exact: the reference)"
+    ),
+    "field_only": _strategy("field_only", Level.KV),
+    "erratum": _strategy("erratum", Level.PROMPT),
+    "field_erratum": _strategy("field_erratum", Level.KV),
+    "hoist": Repair(Level.PROMPT, "move the changing lines to the end of the last message, so the prefix before them stays cached"),
+    "coarsen": Repair(Level.PROMPT, "round the date-time to a coarser grain, so the cached prefix survives while it does not change"),
 }
 REPAIRS = tuple(_REGISTRY)
-REPAIR_LEVELS = {name: level for name, (level, _) in _REGISTRY.items()}
+REPAIR_LEVELS = {name: repair.level for name, repair in _REGISTRY.items()}
 PROMPT_REPAIRS = tuple(name for name, level in REPAIR_LEVELS.items() if level is Level.PROMPT)  # a request carries them
-REPAIR_SUMMARIES = {name: f"{line} ({LEVEL_WORDS[level]})" for name, (level, line) in _REGISTRY.items()}  # the app shows these
+REPAIR_SUMMARIES = {name: f"{repair.summary} ({LEVEL_WORDS[repair.level]})" for name, repair in _REGISTRY.items()}  # the app shows these
 GRAINS = ("date", "hour", "minute")
-_DATETIME = re.compile(r"(\d{4}-\d{2}-\d{2})(?:[T ](\d{1,2}):(\d{2})(?::\d{2}(?:\.\d+)?)?)?(Z|[+-]\d{2}:?\d{2})?")
 
 
 class RepairNotApplicable(KVScopeError):
@@ -77,7 +100,7 @@ class Reference:
 
 
 @dataclass(frozen=True)
-class Fidelity:
+class OutputFidelity:
     """A state's output against the reference's."""
 
     kl: float
@@ -96,7 +119,7 @@ class RepairResult:
     reused_tokens: int = 0
     computed_tokens: int = 0
     ttft_ms: float = 0.0
-    fidelity: Fidelity | None = None
+    fidelity: OutputFidelity | None = None
     generated: tuple[int, ...] = ()
     reason: str | None = None
     detail: dict = field(default_factory=dict)
@@ -173,17 +196,17 @@ def reference(lm: LoadedModel, request: RenderedRequest, tokens: int) -> Referen
     return Reference(logprobs, generated, ms, state)
 
 
-def fidelity(state: torch.Tensor, generated: Sequence[int], clean: Reference) -> Fidelity:
+def fidelity(state: torch.Tensor, generated: Sequence[int], clean: Reference) -> OutputFidelity:
     """KL(clean ‖ state) of the next token, top-1 / top-5 agreement, and the greedy generations compared. The top token
     is read as greedy decoding reads it (``argmax``: the first of tied logits, which bfloat16 produces), not by
     ``topk``, whose order among ties is arbitrary."""
     p, q = clean.logprobs, state
-    kl = float(torch.sum(p.exp() * (p - q)).clamp_min(0.0))
+    kl = kl_divergence(p, q)
     top_p, top_q = p.topk(5).indices.tolist(), q.topk(5).indices.tolist()
     count = max(len(clean.generated), len(generated), 1)
     agree = sum(a == b for a, b in zip(clean.generated, generated)) / count
     top1 = int(p.argmax()) == int(q.argmax())
-    return Fidelity(kl, top1, len(set(top_p) & set(top_q)) / 5, agree, common_prefix(tuple(clean.generated), tuple(generated)))
+    return OutputFidelity(kl, top1, len(set(top_p) & set(top_q)) / 5, agree, common_prefix(tuple(clean.generated), tuple(generated)))
 
 
 def run_repair(name: str, turn: Turn, clean: Reference) -> RepairResult:
@@ -319,7 +342,7 @@ def _recompute(turn: Turn) -> _Built:
     return _prefix_cached(turn, turn.old.ids, _sent(turn, "recompute"))
 
 
-def _in_place(turn: Turn) -> _Built:
+def _field_only(turn: Turn) -> _Built:
     return _edited_in_place(turn, turn.new)
 
 
@@ -369,10 +392,10 @@ def coarse(value: str, grain: str) -> str:
     """A date-time value at a coarser grain (``date``, ``hour`` or ``minute``); refused for anything else."""
     if grain not in GRAINS:
         raise RepairNotApplicable(f"unknown grain {grain!r}; choose one of {', '.join(GRAINS)}")
-    match = _DATETIME.fullmatch(value.strip())
+    match = DATETIME.fullmatch(value.strip())
     if not match:
         raise RepairNotApplicable(f"{value!r} is not a date or date-time, so it has no {grain} grain")
-    date, hour, minute, _ = match.groups()
+    date, hour, minute = match.group("date", "hour", "minute")
     if grain == "date" or hour is None:
         return date
     return f"{date} {int(hour):02d}:00" if grain == "hour" else f"{date} {int(hour):02d}:{minute}"
@@ -392,7 +415,7 @@ def _coarsen(turn: Turn) -> _Built:
 
 _BUILDERS: dict[str, Callable[[Turn], _Built]] = {
     "recompute": _recompute,
-    "in_place": _in_place,
+    "field_only": _field_only,
     "erratum": _erratum,
     "field_erratum": _field_erratum,
     "hoist": _hoist,

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.audit.caches import CacheSettings
-from engine.audit.repairs import Fidelity, fidelity, reference
+from engine.audit.repairs import OutputFidelity, fidelity, reference
 from engine.audit.requests import Request, RequestLog, RequestLogError
 from engine.audit.template import Template
 from engine.audit.traffic import TrafficScan, scan_log
@@ -36,7 +36,7 @@ class RewrittenRequest:
     tokens_after: int
     reused_before: dict[str, int]
     reused_after: dict[str, int]
-    fidelity: Fidelity
+    fidelity: OutputFidelity
     generated: int  # greedy tokens compared (the longer of the two continuations)
     original_text: str
     rewritten_text: str

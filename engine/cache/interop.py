@@ -19,7 +19,7 @@ dtype; JSON), ``segments`` (JSON runs ``[[label, count], ...]`` in storage order
 ``layers`` and ``entries``.
 
 :func:`to_dynamic_cache` gives the visible entries in position order as a ``DynamicCache`` for ``model.generate``
-or a forward of the model (see the README's "Open a KVScope cache in transformers"); it refuses a notebook whose
+or a forward of the model (docs/engine.md, "Open a KVScope cache in transformers"); it refuses a notebook whose
 visible positions are not 0..N-1, or whose keys carry M-RoPE offsets, saying why.
 
 A picture's patches are stored as their virtual token ids, which only the model load that encoded the picture

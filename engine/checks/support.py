@@ -20,7 +20,7 @@ operation runs once and is compared with what the model itself computes:
 
 An operation the engine refuses reports the refusal's own message (which family trait and why). Errors are
 max absolute differences in float32 (logits for reads, K/V otherwise). ``python -m engine support --json``
-prints the matrix; the README table is its ``--markdown`` output.
+prints the matrix; the table in docs/support-matrix.md is its ``--markdown`` output.
 """
 
 from __future__ import annotations
@@ -287,7 +287,7 @@ def check_model(lm: LoadedModel, family: str | None = None, tokens: int = 30, se
 
 
 def support_matrix(archs: tuple[str, ...] = TINY_ARCHS + HYBRID_ARCHS, progress: MessageProgress | None = None) -> list[SupportRow]:
-    """One row per tiny family (float32, random weights): the matrix the README shows."""
+    """One row per tiny family (float32, random weights): the matrix docs/support-matrix.md shows."""
     rows = []
     for index, arch in enumerate(archs):
         if progress:

@@ -315,7 +315,7 @@ def cancel_calibration(lm: LoadedModel) -> CalibrationProgress | None:
     return run.cancel() if run is not None else None
 
 
-STUDY_PATTERN = "compose_many-*.json"  # stored N-skill studies (benchmarks/results), the short one first
+STUDY_PATTERN = "compose_many-*.json"  # stored N-skill studies (benchmarks/studies/results), the short one first
 
 
 def same_model(stored: str | None, model: str) -> bool:
@@ -365,10 +365,14 @@ def model_remedies(model: str, folder: Path, lm: LoadedModel | None = None) -> M
     return ModelRemedies(model, DEFAULT_REMEDY.name, None, None)
 
 
-def resolve_remedy(lm: LoadedModel, text: str | None, store: SkillStore, report: MessageProgress = None) -> Remedy:
+def resolve_remedy(
+    lm: LoadedModel, text: str | None, store: SkillStore, report: MessageProgress = None, *, default: str | None = None
+) -> Remedy:
     """A remedy spec, where ``auto`` is this model's calibrated default (measured once when it was not) and empty is
-    the static :data:`~engine.compose.remedy.DEFAULT_REMEDY`."""
+    ``default`` (the model's own, :func:`model_remedies`), else the static :data:`~engine.compose.remedy.DEFAULT_REMEDY`."""
     spec = (text or "").strip()
     if spec == AUTO:
         return Remedy.parse(calibrated_remedy(lm, store, report=report).remedy)
-    return Remedy.parse(spec) if spec else DEFAULT_REMEDY
+    if spec:
+        return Remedy.parse(spec)
+    return Remedy.parse(default) if default else DEFAULT_REMEDY

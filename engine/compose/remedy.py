@@ -183,7 +183,7 @@ def _rescale_of(part: str, argument: str) -> AttentionRescale:
 
 
 # The static default, where no calibration of the loaded model is at hand (``engine.compose.choice``'s rule on the
-# embedded model's short N-skill study and keystone, benchmarks/results/compose_many-embedded-cpu.json): no deployable
+# embedded model's short N-skill study and keystone, benchmarks/studies/results/compose_many-embedded-cpu.json): no deployable
 # remedy keeps ≥ 97% decisive agreement at ≥ 70% of splice's speedup; of those within the keystone bar this is the
 # best trade-off (33/35 decisive, ×2.6 median TTFT, 15% of skill tokens recomputed, keystone gap 0.06).
 DEFAULT_REMEDY = Remedy(seam=1, prefix=True, select="blend", fraction=0.15)

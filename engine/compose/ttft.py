@@ -1,5 +1,5 @@
 """Time to first token by skill length: the bundled long policy cut to each length, spliced before a scenario and
-timed side by side with a full prefill (``compare``). ``benchmarks/ttft.py`` records these rows; the Benchmarks tab's
+timed side by side with a full prefill (``compare``). ``benchmarks/studies/ttft.py`` records these rows; the Benchmarks tab's
 live check runs two of them.
 """
 

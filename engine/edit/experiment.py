@@ -139,7 +139,7 @@ class EditExperiment:
         return self.stale.notebook.replace(self.field_positions, self.new_field_ids)
 
     def line_ids(self, template: str) -> list[int]:
-        """Token ids of a line appended after the context (erratum, hoist), its blank line included."""
+        """Token ids of a line appended after the context (erratum, restate), its blank line included."""
         return erratum_ids(self.lm.tokenizer, self.field, self.new, self.old, template)
 
     def read(self, notebook: Notebook) -> Decision:

@@ -8,10 +8,10 @@
 | ``field_topk`` | field + the top-K downstream tokens (ranked by causal effect or K/V deviation) | |field| + K | K is model-dependent |
 | ``erratum`` | append ``[STATE UPDATE] field -> new; ...`` after the context | |erratum| | can revert when the field is buried early |
 | ``field_erratum`` | field-only plus the erratum (robust default) | |field| + |erratum| | — |
-| ``hoist`` | restate ``field: new`` at the end | |restatement| | prompt surgery in real systems |
+| ``restate`` | append ``field: new`` after the context (the old value stays where it was) | |restatement| | the old value is still read |
 | ``full_downstream`` | recompute the field and everything after it | context − prefix | O(L) recompute |
 | ``oracle`` | clean prefill with the new value (reference) | whole context | — |
-| ``auto`` | cheapest of field_only / erratum / hoist / field_erratum agreeing with field_erratum | varies | — |
+| ``auto`` | cheapest of field_only / erratum / restate / field_erratum agreeing with field_erratum | varies | — |
 
 In-place strategies need the new value to have the old value's token count; otherwise they report
 "not applicable" and why (use ``erratum``, ``field_erratum`` via errata, or ``full_downstream``).
@@ -40,7 +40,7 @@ from engine.errors import KVScopeError
 from engine.scenario import RenderedPrompt
 from engine.timing import Stopwatch
 
-AUTO_CANDIDATES = ("field_only", "erratum", "hoist", "field_erratum")
+AUTO_CANDIDATES = ("field_only", "erratum", "restate", "field_erratum")
 RANKINGS = ("causal", "deviation")
 RANKING_LABELS = {"causal": "causal (attribution patching)", "deviation": "deviation (CacheBlend-style)"}
 
@@ -58,7 +58,7 @@ class EditSettings:
     """Knobs of the strategies; the defaults follow the paper."""
 
     erratum: str = DEFAULT_ERRATUM
-    hoist: str = "{field}: {new}"
+    restate: str = "{field}: {new}"
     top_k: int = 8
     ranking: str = "causal"
     cot_tokens: int = 24
@@ -185,9 +185,9 @@ def _field_erratum(experiment: "EditContext") -> Built:
     return experiment.field_edited().append(line, "erratum"), len(experiment.field_positions) + len(line), {}
 
 
-def _hoist(experiment: "EditContext") -> Built:
-    line = experiment.line_ids(experiment.settings.hoist)
-    return experiment.stale.notebook.append(line, "hoist"), len(line), {"text": _line_text(experiment, experiment.settings.hoist)}
+def _restate(experiment: "EditContext") -> Built:
+    line = experiment.line_ids(experiment.settings.restate)
+    return experiment.stale.notebook.append(line, "restate"), len(line), {"text": _line_text(experiment, experiment.settings.restate)}
 
 
 def _full_downstream(experiment: "EditContext") -> Built:
@@ -239,19 +239,24 @@ REGISTRY: dict[str, Strategy] = {
     strategy.name: strategy
     for strategy in (
         Strategy("stale", "nothing recomputed (baseline)", build=_stale),
-        Strategy("field_only", "recompute the field's K/V with the new value", build=_field_only),
+        Strategy("field_only", "recompute the field's K/V with the new value; later entries keep their stale K/V", build=_field_only),
         Strategy("field_only_cot", "field_only, then a short chain of thought before answering", run=_field_only_cot),
         Strategy("field_topk", "recompute the field and the K later tokens that matter most (by effect or K/V change)", build=_field_topk),
         Strategy("erratum", "append [STATE UPDATE] field -> new after the context; nothing cached changes", build=_erratum),
         Strategy("field_erratum", "field_only plus the erratum (the robust default)", build=_field_erratum),
-        Strategy("hoist", "restate the field with its new value (field: new) at the end of the context", build=_hoist),
+        Strategy(
+            "restate", "append the field with its new value (field: new) after the context; the old value stays cached", build=_restate
+        ),
         Strategy("full_downstream", "recompute the field and everything after it", build=_full_downstream),
         Strategy("oracle", "a clean prefill with the new value (reference)", build=_oracle),
-        Strategy("auto", "cheapest of field_only / erratum / hoist / field_erratum agreeing with field_erratum", run=_auto),
+        Strategy("auto", "cheapest of field_only / erratum / restate / field_erratum agreeing with field_erratum", run=_auto),
     )
 }
 STRATEGIES = tuple(REGISTRY)  # every strategy name, in the table's order
 FUSABLE = tuple(name for name, strategy in REGISTRY.items() if strategy.fusable)
+
+
+RENAMED = {"hoist": "restate"}  # old strategy names (links, notebooks, stored results) and what they are called now
 
 
 def check_names(names: Iterable[str]) -> list[str]:
@@ -259,5 +264,6 @@ def check_names(names: Iterable[str]) -> list[str]:
     names = list(names)
     unknown = [name for name in names if name not in REGISTRY]
     if unknown:
-        raise StrategyError(f"unknown strategy {unknown[0]!r}; choose from {', '.join(STRATEGIES)}")
+        renamed = f" ({unknown[0]!r} is now {RENAMED[unknown[0]]!r})" if unknown[0] in RENAMED else ""
+        raise StrategyError(f"unknown strategy {unknown[0]!r}{renamed}; choose from {', '.join(STRATEGIES)}")
     return names

@@ -7,7 +7,7 @@ field + erratum 1.00 at 12.6%. Here, on the loaded model and the user's own edit
 |---|---|
 | ``field_topk`` × K, causal ranking (attribution patching on the field-edited cache) | field + K |
 | ``field_topk`` × K, deviation ranking (‖ΔK/V‖ against the oracle, CacheBlend-style) | field + K |
-| ``field_only``, ``erratum``, ``field_erratum``, ``hoist``, ``full_downstream`` | as in ``engine.edit.strategies`` |
+| ``field_only``, ``erratum``, ``field_erratum``, ``restate``, ``full_downstream`` | as in ``engine.edit.strategies`` |
 
 K runs 1, 2, 4, … up to every downstream token. The named strategies and the oracle are read in one fused
 forward, every top-K fork of both rankings in one more (plus one backward for the causal ranking).
@@ -27,7 +27,7 @@ from engine.probes.common import Gap, k_ladder
 from engine.progress import StepProgress
 from engine.timing import Stopwatch
 
-FRONTIER_STRATEGIES = ("field_only", "erratum", "field_erratum", "hoist", "full_downstream")
+FRONTIER_STRATEGIES = ("field_only", "erratum", "field_erratum", "restate", "full_downstream")
 
 
 @dataclass(frozen=True)

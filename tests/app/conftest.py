@@ -7,7 +7,7 @@ import pytest
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 from app.state import ModelRegistry, SessionStore  # noqa: E402
-from benchmarks.app_latency import free_port, wait_until_serving  # noqa: E402
+from benchmarks.common import free_port, wait_until_serving  # noqa: E402
 from tests.shared import SAME_LENGTH_SCENARIO  # noqa: E402
 
 TINY = "tiny-qwen2"

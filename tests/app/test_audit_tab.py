@@ -28,9 +28,9 @@ from app.handlers.your_prompt import (
 )
 from app.hosting import local_profile, public_profile
 from app.state import ExportFolder, ModelRegistry, SessionStore
+from engine.audit.audit import repaired_template
 from engine.audit.causes import CAUSES
 from engine.audit.fields import diff_requests
-from engine.audit.audit import repaired_template
 from engine.audit.requests import RequestLogError, parse_log, read_log, render_request
 from engine.scenario import Scenario, bundled_logs
 from tests.app.conftest import TINY
@@ -55,7 +55,7 @@ LOG = "\n".join(
         _request("42", "gold", ASK, ANSWER, FOLLOW_UP),  # only growth
     ]
 )
-OPTIONS = {"repairs": ["in_place", "erratum", "hoist"], "tokens": 3}
+OPTIONS = {"repairs": ["field_only", "erratum", "hoist"], "tokens": 3}
 
 
 @pytest.fixture
@@ -71,14 +71,25 @@ def test_a_log_gets_its_fields_every_repair_and_a_recommendation_per_turn(audite
     second, third = data["turns"][1], data["turns"][2]
     assert [(f["name"], f["old"], f["new"]) for f in second["fields"]] == [("session_started", "2026-05-12 09:41", "2026-05-12 09:42")]
     assert third["fields"] == [] and third["appended_tokens"] > 0
-    assert set(second["repairs"]) == {"recompute", "in_place", "erratum", "hoist"}
+    assert set(second["repairs"]) == {"recompute", "field_only", "erratum", "hoist"}
     assert second["repairs"]["recompute"]["kl"] < 1e-6 and second["repairs"]["recompute"]["generation_agreement"] == 1.0
-    assert second["recommendation"]["repair"] in second["repairs"] and third["recommendation"]["repair"] == "recompute"
+    # at the default bars (KL ≤ 0.05, 90% of 3 tokens agreeing): erratum agrees on one greedy token of 3 and hoist
+    # changes the top token, so the exact reference is recommended; field_only holds the bars beside it (KL ≈ 5e-4,
+    # 3 of 3 agreeing) and computes fewer tokens
+    repairs = second["repairs"]
+    assert repairs["erratum"]["generation_agreement"] < 0.9 and not repairs["hoist"]["top1_agree"]
+    assert repairs["field_only"]["kl"] < 0.05 and repairs["field_only"]["generation_agreement"] == 1.0
+    assert second["recommendation"]["repair"] == third["recommendation"]["repair"] == "recompute"
+    saved = repairs["recompute"]["computed_tokens"] - repairs["field_only"]["computed_tokens"]
+    assert (
+        second["recommendation"]["kv_alternative"]["repair"] == "field_only"
+        and second["recommendation"]["kv_alternative"]["saved_tokens"] == saved
+    )
     assert "Recommended: " in view.recommendation_markdown and r"*session\_started* “2026\-05\-12 09:41”" in view.recommendation_markdown
     timeline = {trace.name for trace in view.timeline_figure.data}
-    assert {"recompute (exact prefix)", "in_place", "erratum", "hoist", "16-token blocks (vLLM)"} <= timeline
+    assert {"recompute (exact prefix)", "field_only", "erratum", "hoist", "16-token blocks (vLLM)"} <= timeline
     points = {trace.name: list(trace.text) for trace in view.fidelity_figure.data}
-    assert points["recompute"] == ["r2", "r3"] and points["in_place"] == ["r2"]  # in_place does not apply to growth
+    assert points["recompute"] == ["r2", "r3"] and points["field_only"] == ["r2"]  # field_only does not apply to growth
     assert sessions.get("a", "audit").as_dict()["turns"] == data["turns"] and sessions.get("a", "audit_traffic") == data
 
 
@@ -291,7 +302,7 @@ def _expected_sessions(lm, text: str, block: int) -> list[dict]:
 def test_an_interleaved_log_is_reported_per_session_and_its_groups_cover_every_turn(registry, sessions):
     text = bundled_log_text("interleaved_agents")
     engines = engine_settings(block=8)
-    view = run_audit(registry, sessions, text, session="t", repairs=["in_place"], tokens=2, sample=1, engines=engines)
+    view = run_audit(registry, sessions, text, session="t", repairs=["field_only"], tokens=2, sample=1, engines=engines)
     data, requests = view.summary, read_log(text).requests
     assert data["sessions"] == _expected_sessions(registry.get(), text, 8) and len(data["sessions"]) == 2
     assert [row["session"] for row in data["requests"]] == [request.session for request in requests]
@@ -326,7 +337,7 @@ def test_the_audit_endpoints_through_the_api(app_url):
     assert {"/audit", "/audit_value", "/audit_candidates", "/audit_demo", "/audit_open_in_notes", "/export_audit", "/audit_axes"} <= names
     assert client.predict("support_agent", api_name="/audit_demo").startswith('{"model": "harbor-support"')
     settings = ["none", "computed", "kl", 3, 16, 0, 0, 0]  # grain, axes, --sample, the engines' block, budgets, --cache-reuse
-    words, _, _, marked, data, notes, traffic, *_ = client.predict(LOG, ["in_place"], 2, 0.05, 0.9, *settings, api_name="/audit")
+    words, _, _, marked, data, notes, traffic, *_ = client.predict(LOG, ["field_only"], 2, 0.05, 0.9, *settings, api_name="/audit")
     assert data["turns"][1]["fields"][0]["name"] == "session_started" and "Recommended: " in words and "data-kind" in marked
     assert "**3 requests** in **1 session**" in traffic and data["sessions"][0]["requests"] == 3
     assert notes.startswith("**Open in Notes:**") and markdown_literal("next-token KL") in notes  # said before Open in Notes is offered

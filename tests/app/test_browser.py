@@ -190,7 +190,7 @@ def test_the_remedy_menu_names_the_default_and_auto_calibrates_the_model(page, t
     assert "What each part means, and why this default: below the menu." in menu.inner_text()
     page.get_by_text("What the remedies mean, and why this default").click()  # the details, one click away
     details = page.locator("#remedy-info")
-    details.get_by_text("Fastest: splice").wait_for(timeout=10_000)
+    details.get_by_text("not measured for this model yet").wait_for(timeout=10_000)  # no stored study of the tiny model
     assert "auto: this model's own calibration" in details.inner_text()
     menu.locator("input").click()
     page.get_by_role("option", name=re.compile(r"^auto — ")).click()
@@ -199,6 +199,44 @@ def test_the_remedy_menu_names_the_default_and_auto_calibrates_the_model(page, t
     (stored,) = json.loads((tmp_path / "remedy-choices.json").read_text()).values()
     assert f"remedy {stored['remedy']} recomputed" in page.locator("#compose-metrics").inner_text()
     _shot(page, "composer-remedy-auto")
+
+
+def test_the_remedy_menu_follows_the_loaded_model_to_its_own_stored_study(page, tmp_path, monkeypatch):
+    from app.handlers import benchmarks as stored_results
+    from engine.compose.choice import choose_remedy
+    from engine.compose.remedy import DEFAULT_REMEDY
+
+    def row(agree, speedup):
+        share = {"min": speedup, "median": speedup, "max": speedup}
+        return {"agree_decisive": agree, "decisive": 20, "ties": 4, "agreement": agree / 20, "mean_abs_margin_error": 0.05,
+                "recomputed_fraction": 0.0, "speedup": share, "needs_reference": False}  # fmt: skip
+
+    summary = {"splice": row(20, 6.4), "prefix+ape:1,0.8": row(20, 5.2)}
+    study = {"model": "tiny-llama:random", "summary": summary, "choice": choose_remedy(summary, {}).as_dict()}
+    (tmp_path / "compose_many-tiny-llama-cpu.json").write_text(json.dumps(study))
+    monkeypatch.setattr(stored_results, "STUDY_RESULTS", tmp_path)
+    page.get_by_role("tab", name="Model", exact=True).click()
+    model = page.locator("#model-spec input")
+    model.fill("tiny-llama")
+    model.press("Enter")
+    page.locator("#load-model").click()
+    page.locator("#model-card").get_by_text("tiny-llama").first.wait_for(timeout=60_000)
+    page.get_by_role("tab", name="Composer").click()
+    menu = page.locator("#remedy")
+    menu.get_by_text("Default for tiny-llama splice: keeps 20/20").wait_for(timeout=10_000)
+    assert (
+        menu.locator("input").input_value()
+        == "splice — keeps 20/20 decisions of a full recompute, ×6.40 faster first token (median) (default)"
+    )
+    page.get_by_text("What the remedies mean, and why this default").click()
+    assert "Default for tiny-llama splice: keeps 20/20 decisive decisions" in page.locator("#remedy-info").inner_text()
+    _shot(page, "composer-remedy-per-model")
+    page.get_by_role("tab", name="Model", exact=True).click()
+    model.fill("tiny-qwen2")
+    model.press("Enter")
+    page.locator("#load-model").click()
+    page.get_by_role("tab", name="Composer").click()
+    menu.get_by_text(f"Default for tiny-qwen2 {DEFAULT_REMEDY.name}: not measured").wait_for(timeout=60_000)
 
 
 def test_composer_study_and_keystone_diagonal(page):
@@ -470,13 +508,13 @@ def test_a_new_user_audits_their_own_request_log(page):
     assert re.search(request_2, text, re.S), text
     assert re.search(r"Request 3: .*fields changed: none \(only new turns appended\).*Recommended: recompute", text, re.S), text
     timeline = {trace["name"]: trace for trace in _plot_data(page, "audit-timeline")}
-    assert {"recompute (exact prefix)", "in_place", "erratum", "field_erratum", "hoist", "16-token blocks (vLLM)"} <= set(timeline)
+    assert {"recompute (exact prefix)", "field_only", "erratum", "field_erratum", "hoist", "16-token blocks (vLLM)"} <= set(timeline)
     assert [round(x) for x in timeline["recompute (exact prefix)"]["x"]] == [2, 3] and all(
         0 <= y <= 1 for y in timeline["recompute (exact prefix)"]["y"]
     )
     fidelity = {trace["name"]: trace for trace in _plot_data(page, "audit-fidelity") if trace["name"]}
-    assert {"recompute", "in_place", "erratum", "field_erratum", "hoist"} <= set(fidelity)
-    assert len(fidelity["recompute"]["x"]) == 2 and len(fidelity["in_place"]["x"]) == 1  # in_place: the turn with a field
+    assert {"recompute", "field_only", "erratum", "field_erratum", "hoist"} <= set(fidelity)
+    assert len(fidelity["recompute"]["x"]) == 2 and len(fidelity["field_only"]["x"]) == 1  # field_only: the turn with a field
     field = page.locator('#audit-prompt mark[data-kind="field"]')
     assert field.count() == 1 and field.inner_text() == "2026-05-12 09:42"
     assert "session_started: '2026-05-12 09:41' → '2026-05-12 09:42'" == field.get_attribute("title")

@@ -123,7 +123,7 @@ def test_names_come_with_their_explanations(wide_page):
     page, width = wide_page
     page.get_by_role("tab", name="Notes").click()
     strategies = page.locator("#strategies").inner_text()
-    assert all(REGISTRY[name].summary in strategies for name in ("field_only", "field_topk", "hoist", "full_downstream"))
+    assert all(REGISTRY[name].summary in strategies for name in ("field_only", "field_topk", "restate", "full_downstream"))
     page.get_by_role("tab", name="Your prompt").click()
     repairs = page.locator("#audit-repairs").inner_text()
     assert all(summary in repairs for summary in REPAIR_SUMMARIES.values())

@@ -17,8 +17,8 @@ from gradio_client import Client
 from app import gpu
 from app.hosting import HostingError, from_env, public_profile
 from app.state import ModelRegistry
-from benchmarks.app_latency import free_port, wait_until_serving
-from benchmarks.space_cold_start import PeakRss, announced_profile
+from benchmarks.app.space_cold_start import PeakRss, announced_profile
+from benchmarks.common import free_port, wait_until_serving
 from engine.cache.loaded import SpliceGate
 from engine.cache.selftest import run_selftest
 from engine.models import load_model
@@ -39,7 +39,7 @@ MODEL_ENDPOINTS = {  # api name -> arguments: every kind of model-bound endpoint
     "compose": (["account_gate"], "", "", "", "seam:2"),
     "keystone": (["account_gate"], "", "", "", "seam:2"),
     "agent": (["account_gate"], "", "", "", "seam:2", 2, False, "adaptive"),
-    "audit": (LOG, ["in_place"], 2, 0.05, 0.9, "none", "computed", "kl"),
+    "audit": (LOG, ["field_only"], 2, 0.05, 0.9, "none", "computed", "kl"),
     "compare_models": ([TINY], SCENARIO, "order_status", "pending"),
     "learn_1": (),
     "benchmark_quick": (),

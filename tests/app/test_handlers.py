@@ -21,6 +21,7 @@ from app.handlers.composer import (
     Composition,
     composed_scenario,
     fitted_picture,
+    remedy_for,
     remedy_info,
     remedy_menu,
     remedy_summary,
@@ -36,7 +37,7 @@ from app.handlers.probes import run_weight_edits
 from app.state import ExportFolder, ModelRegistry, SessionStore
 from engine.cache.loaded import SpliceGate
 from engine.compose.pictures import bundled_images, load_picture
-from engine.compose.remedy import DEFAULT_REMEDY
+from engine.compose.remedy import DEFAULT_REMEDY, Remedy
 from engine.edit.experiment import EditExperiment
 from engine.scenario import Scenario, bundled_scenarios
 from tests.app.conftest import SCENARIO
@@ -140,7 +141,7 @@ def test_compose_reports_fidelity(registry):
         run_compose(registry, Composition(["account_gate"], remedy="mix:1"))
 
 
-def test_remedy_info_and_menu_state_the_default_and_the_fastest_from_the_stored_study(tmp_path, monkeypatch):
+def test_remedy_info_and_menu_state_each_models_own_default_and_the_fastest_from_its_stored_study(registry, tmp_path, monkeypatch):
     from engine.compose.choice import choose_remedy
     from engine.compose.remedy import DEFAULT_REMEDY
 
@@ -158,16 +159,24 @@ def test_remedy_info_and_menu_state_the_default_and_the_fastest_from_the_stored_
 
     summary = {DEFAULT_REMEDY.name: row(34, 0.15, 2.6), "splice": row(32, 0.0, 5.8), "causal:0.15": row(34, 0.15, 9.0, ranked=True)}
     gaps = {DEFAULT_REMEDY.name: 0.06, "splice": 0.6}
-    (tmp_path / "compose_many-x-cpu.json").write_text(json.dumps({"summary": summary, "choice": choose_remedy(summary, gaps).as_dict()}))
-    (tmp_path / "compose_many-long-x-cpu.json").write_text(json.dumps({"summary": summary}))  # no choice: not read
-    monkeypatch.setattr(benchmarks_handlers, "RESULTS_DIR", tmp_path)
-    info = remedy_info()
-    assert info.startswith(f"Default {DEFAULT_REMEDY.name}: keeps 34/35 decisive decisions of a full recompute (97%), first token ×2.60")
+    tiny = registry.get().fingerprint.name
+    study = {"model": tiny, "summary": summary, "choice": choose_remedy(summary, gaps).as_dict()}
+    (tmp_path / "compose_many-x-cpu.json").write_text(json.dumps(study))
+    (tmp_path / "compose_many-long-x-cpu.json").write_text(json.dumps({"model": tiny, "summary": summary}))  # no choice: not read
+    other = {"splice": row(35, 0.0, 6.1), DEFAULT_REMEDY.name: row(35, 0.15, 2.5)}  # another model: plain splice keeps all
+    (tmp_path / "compose_many-qwen-1.5b-cpu.json").write_text(
+        json.dumps({"model": "qwen-1.5b:Qwen2.5-Coder-1.5B-Instruct", "summary": other, "choice": choose_remedy(other, {}).as_dict()})
+    )
+    monkeypatch.setattr(benchmarks_handlers, "STUDY_RESULTS", tmp_path)
+    info = remedy_info(registry, None)
+    assert info.startswith(
+        f"Default for {tiny} {DEFAULT_REMEDY.name}: keeps 34/35 decisive decisions of a full recompute (97%), first token ×2.60"
+    )
     assert "(compose_many-x-cpu). Why: no remedy keeps ≥ 97%" in info and "within the keystone bar" in info
     assert "Fastest: splice: keeps 32/35 decisive decisions of a full recompute (91%), first token ×5.80" in info
     assert "causal:0.15:" not in info
     assert "auto: this model's own calibration" in info and "blend:F" in info
-    menu = remedy_menu(["splice", "seam:1"])
+    menu = remedy_menu(registry, None, ["splice", "seam:1"])
     assert menu == [
         (
             f"{DEFAULT_REMEDY.name} — keeps 34/35 decisions of a full recompute, ×2.60 faster first token (median) (default)",
@@ -175,16 +184,27 @@ def test_remedy_info_and_menu_state_the_default_and_the_fastest_from_the_stored_
         ),
         ("auto — this model's calibrated choice (measured once)", "auto"),
         ("splice — keeps 32/35 decisions of a full recompute, ×5.80 faster first token (median)", "splice"),
-        ("seam:1 — not measured in the stored study yet", "seam:1"),
+        ("seam:1 — not measured for this model yet", "seam:1"),
     ]
-    assert remedy_summary() == (
-        f"Default {DEFAULT_REMEDY.name}: keeps 34/35 decisions of a full recompute, ×2.60 faster first token (median). "
-        "What each part means, and why this default: below the menu."
+    assert remedy_summary(registry, None) == (
+        f"Default for {tiny.split(':')[0]} {DEFAULT_REMEDY.name}: keeps 34/35 decisions of a full recompute, ×2.60 faster first "
+        "token (median). What each part means, and why this default: below the menu."
     )
-    monkeypatch.setattr(benchmarks_handlers, "RESULTS_DIR", tmp_path / "none")
-    assert "not measured in a stored study yet" in remedy_summary()
-    assert remedy_info().startswith(f"Default {DEFAULT_REMEDY.name}. auto: this model's own calibration")
-    assert remedy_menu([])[0] == (f"{DEFAULT_REMEDY.name} — not measured in the stored study yet (default)", DEFAULT_REMEDY.name)
+    # the second model's own study: its own default (plain splice keeps every decision there) and numbers, nothing loaded
+    assert remedy_menu(registry, "qwen-1.5b", ["seam:1"])[0] == (
+        "splice — keeps 35/35 decisions of a full recompute, ×6.10 faster first token (median) (default)",
+        "splice",
+    )
+    assert (
+        remedy_summary(registry, "qwen-1.5b").startswith("Default for qwen-1.5b splice: keeps 35/35")
+        and "qwen-1.5b" not in registry.loaded()
+    )
+    assert remedy_for(registry, "qwen-1.5b", registry.get(), "") == Remedy.parse("splice")  # empty: the model's own default
+    assert remedy_for(registry, None, registry.get(), "") == DEFAULT_REMEDY
+    monkeypatch.setattr(benchmarks_handlers, "STUDY_RESULTS", tmp_path / "none")
+    assert "not measured for this model yet" in remedy_summary(registry, None)
+    assert remedy_info(registry, None).startswith(f"Default for {tiny} {DEFAULT_REMEDY.name}: not measured for this model yet. auto:")
+    assert remedy_menu(registry, None, [])[0] == (f"{DEFAULT_REMEDY.name} — not measured for this model yet (default)", DEFAULT_REMEDY.name)
 
 
 def test_auto_in_the_composer_calibrates_locally_and_is_refused_uncalibrated_in_public(registry, tmp_path, monkeypatch):
@@ -271,7 +291,7 @@ def test_frontier_and_notes_map_views_use_the_sessions_edit(registry, sessions):
         "field_only",
         "erratum",
         "field_erratum",
-        "hoist",
+        "restate",
         "full_downstream",
         "field_topk (causal)",
         "field_topk (deviation)",

@@ -21,7 +21,7 @@ from app.handlers.notes import EditInputs, run_edit
 from app.hosting import HostingError, from_env, local_profile, public_profile
 from app.page import plot_figure, user_error
 from app.state import ExportFolder, ModelRegistry, SessionStore
-from benchmarks.app_latency import free_port, wait_until_serving
+from benchmarks.common import free_port, wait_until_serving
 from engine.cache.budget import WorkBudget, bounded
 from engine.cache.footprint import tensor_bytes
 from engine.cache.lru import BudgetedLRU

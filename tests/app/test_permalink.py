@@ -125,3 +125,8 @@ def test_the_public_profile_bounds_apply_to_links():
         "erratum",
         "field_only",
     )
+
+
+def test_a_link_made_before_a_strategy_was_renamed_opens_with_its_new_name():
+    link = _parse({"scenario": "refund_gate", "strategies": "field_only,hoist"})  # hoist appended a line: now restate
+    assert link.strategies == ("field_only", "restate")

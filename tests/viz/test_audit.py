@@ -46,7 +46,7 @@ DATA = {
     "threshold": 0.05,
     "min_agreement": 0.9,
     "generated_tokens": 4,
-    "repairs": ["recompute", "in_place"],
+    "repairs": ["recompute", "field_only"],
     "grain": None,
     "turns": [
         {"request": 1, "tokens": 100, "fields": [], "repairs": {}, "recommendation": None},
@@ -58,8 +58,8 @@ DATA = {
             "appended_tokens": 0,
             "fields": [{"name": "time", "old": "09:41", "new": "<i>09:42</i>", "start": 20, "end": 23}],
             "full_ttft_ms": 100.0,
-            "repairs": {"recompute": _repair(20, 80, 0.0, 1.0, 80.0), "in_place": _repair(97, 3, 0.2, 0.5, 10.0)},
-            "recommendation": {"repair": "recompute", "reason": "in_place drifts <past>"},
+            "repairs": {"recompute": _repair(20, 80, 0.0, 1.0, 80.0), "field_only": _repair(97, 3, 0.2, 0.5, 10.0)},
+            "recommendation": {"repair": "recompute", "reason": "field_only drifts <past>"},
         },
         {
             "request": 3,
@@ -69,7 +69,7 @@ DATA = {
             "appended_tokens": 20,
             "fields": [],
             "full_ttft_ms": 110.0,
-            "repairs": {"recompute": _repair(100, 20, 1e-8, 1.0, 20.0), "in_place": NOT_APPLICABLE},
+            "repairs": {"recompute": _repair(100, 20, 1e-8, 1.0, 20.0), "field_only": NOT_APPLICABLE},
             "recommendation": {"repair": "recompute", "reason": "only growth"},
         },
     ],
@@ -80,8 +80,8 @@ def test_timeline_draws_each_repairs_reused_fraction_with_gaps_and_threshold_mar
     figure = reuse_timeline_figure(DATA)
     traces = {trace.name: trace for trace in figure.data}
     assert list(traces["recompute (exact prefix)"].y) == [0.2, 100 / 120] and list(traces["recompute (exact prefix)"].x) == [1.975, 2.975]
-    assert list(traces["in_place"].y) == [0.97, None]  # not applicable on a growth-only turn
-    assert list(traces["in_place"].marker.symbol) == ["circle-open", "circle-open"]  # KL 0.2 > 0.05
+    assert list(traces["field_only"].y) == [0.97, None]  # not applicable on a growth-only turn
+    assert list(traces["field_only"].marker.symbol) == ["circle-open", "circle-open"]  # KL 0.2 > 0.05
     assert list(traces["recompute (exact prefix)"].marker.symbol) == ["circle", "circle"]
     assert list(traces["16-token blocks (vLLM)"].y) == [0.16, 0.8]
     assert [a.text for a in figure.layout.annotations] == ["time"]
@@ -91,10 +91,10 @@ def test_fidelity_against_cost_on_either_axis():
     figure = fidelity_cost_figure(DATA)
     traces = {trace.name: trace for trace in figure.data}
     assert list(traces["recompute"].x) == [80.0, 100 * 20 / 120] and list(traces["recompute"].y) == [KL_FLOOR, 1e-8]
-    assert list(traces["in_place"].x) == [3.0] and list(traces["in_place"].text) == ["r2"]
+    assert list(traces["field_only"].x) == [3.0] and list(traces["field_only"].text) == ["r2"]
     assert figure.layout.shapes[0].y0 == 0.05
     by_speed = fidelity_cost_figure(DATA, "ttft", "agreement")
-    assert list({t.name: t for t in by_speed.data}["in_place"].x) == [10.0] and by_speed.layout.shapes[0].y0 == 0.9
+    assert list({t.name: t for t in by_speed.data}["field_only"].x) == [10.0] and by_speed.layout.shapes[0].y0 == 0.9
     with pytest.raises(ValueError, match="axes"):
         fidelity_cost_figure(DATA, "cost", "kl")
 
@@ -124,8 +124,8 @@ def test_audit_benchmark_figure_draws_reuse_ttft_and_kl_per_repair():
     data = {**DATA, "model": "embedded", "device": "cpu", "log": "coding_agent", "reps": 3, "summary": None}
     figure = audit_benchmark_figure(data)
     names = [trace.name for trace in figure.data]
-    assert names.count("in_place") == 3 and names.count("recompute") == 3 and "clean prefill" in names
-    ttft = [trace for trace in figure.data if trace.name == "in_place" and trace.xaxis == "x2"][0]
+    assert names.count("field_only") == 3 and names.count("recompute") == 3 and "clean prefill" in names
+    ttft = [trace for trace in figure.data if trace.name == "field_only" and trace.xaxis == "x2"][0]
     assert list(ttft.y) == [10.0, None]
     assert "Audit of coding_agent" in figure.layout.title.text and "measured on embedded, cpu" in figure.layout.title.text
 
@@ -180,7 +180,7 @@ TRAFFIC = {
             "measured": [3],
             "reason": None,
             "fidelity": {
-                "in_place": {
+                "field_only": {
                     "measured": 1,
                     "applicable": 1,
                     "recommended": 1,
@@ -242,7 +242,7 @@ def test_traffic_and_groups_markdown_name_sessions_causes_and_the_sample_escaped
     groups = groups_markdown(TRAFFIC)
     assert "**2 change signatures**; the model measured up to 1 turn of each (1 in all): **sampled**" in groups
     assert "\\-\\-sample lowered from 3 to 1" in groups and "| r3 (1 of 1) |" in groups
-    assert "in\\_place: KL ≤ 0\\.002, ≥ 75% agreeing, 10% computed, recommended 1/1" in groups
+    assert "field\\_only: KL ≤ 0\\.002, ≥ 75% agreeing, 10% computed, recommended 1/1" in groups
     assert "not measured: a cold prefill has nothing cached to repair" in groups
     never = groups_markdown({**TRAFFIC, "groups": [{**TRAFFIC["groups"][0], "fidelity": {"hoist": {"applicable": 0}}}]})
     assert "| not applicable: hoist |" in never

@@ -26,7 +26,7 @@ def test_every_strategy_repair_and_ranking_has_its_own_plain_line():
 def test_glossaries_name_each_entry_with_its_registry_line():
     assert glossary({"a": "does a", "b": "does b"}) == "a: does a · b: does b"
     assert glossary({"a": "does a", "b": "does b"}, ["b"]) == "b: does b"
-    assert strategy_glossary(["hoist"]) == f"hoist: {REGISTRY['hoist'].summary}"
+    assert strategy_glossary(["restate"]) == f"restate: {REGISTRY['restate'].summary}"
 
 
 def _point(name: str, agree: int, speedup: float) -> RemedyPoint:
@@ -38,7 +38,7 @@ def test_the_remedy_menu_says_what_its_numbers_compare_with_and_which_are_unmeas
     menu = remedy_menu("seam:1", "auto", ["seam:1", "splice", "tail:8"], choice)
     assert menu[0] == ("seam:1 — keeps 33/35 decisions of a full recompute, ×2.61 faster first token (median) (default)", "seam:1")
     assert menu[2] == ("splice — keeps 30/35 decisions of a full recompute, ×5.80 faster first token (median)", "splice")
-    assert menu[3] == ("tail:8 — not measured in the stored study yet", "tail:8")
+    assert menu[3] == ("tail:8 — not measured for this model yet", "tail:8")
     assert _point("seam:1", 33, 2.61).words().startswith("seam:1: keeps 33/35 decisive decisions of a full recompute (94%)")
 
 

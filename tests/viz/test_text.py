@@ -68,5 +68,6 @@ def test_user_text_in_panels_is_escaped():
 
 
 def test_remedy_info_without_a_stored_study_gives_the_grammar():
-    info = remedy_info("prefix+seam:1")
-    assert info.startswith("Default prefix+seam:1. auto: this model's own calibration") and "parts joined by +" in info
+    info = remedy_info("prefix+seam:1", model="tiny-llama")
+    assert info.startswith("Default for tiny-llama prefix+seam:1: not measured for this model yet. auto: this model's own calibration")
+    assert "parts joined by +" in info

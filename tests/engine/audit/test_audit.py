@@ -3,6 +3,7 @@ repair equal to a clean prefill and the stale ones not, each prompt-level repair
 was measured, and a specific message for each kind of bad input."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from engine.audit.traffic import audit_traffic
 from engine.cache.notebook import Notebook
 from engine.edit.experiment import EditExperiment
 from engine.models.tiny import tiny_model
-from engine.scenario import DEMOS, Scenario
+from engine.scenario import DEMOS, Scenario, escape_braces, unescape_braces
 
 SYSTEM = (
     "You are the support agent of Northwind.\nSession started: {time}\nUser id: {user}\nAccount tier: {tier}\n"
@@ -90,8 +91,8 @@ def test_only_appended_turns_are_growth_not_fields(lm):
     report = audit_requests(lm, parse_log(log), tokens=2)
     turn = report.as_dict()["turns"][1]
     assert turn["fields"] == [] and turn["appended_tokens"] > 0
-    assert turn["repairs"]["in_place"]["applicable"] is False and "only growth" in turn["repairs"]["in_place"]["reason"]
-    assert turn["repairs"]["in_place"]["kl"] is None  # the same keys for every repair
+    assert turn["repairs"]["field_only"]["applicable"] is False and "only growth" in turn["repairs"]["field_only"]["reason"]
+    assert turn["repairs"]["field_only"]["kl"] is None  # the same keys for every repair
     assert turn["recommendation"]["repair"] == "recompute"
 
 
@@ -107,19 +108,31 @@ def test_recompute_equals_the_clean_prefill(arch):
     assert exact.fidelity.generation_agreement == 1.0 and exact.fidelity.generated_common_prefix == 12
 
 
-def test_identical_states_agree_fully(lm):
-    requests = parse_log(_log(_request(), _request(time="2026-12-01 09:15")))
-    new = render_request(lm, requests[1])
-    clean = reference(lm, new, 6)
-    same = fidelity(clean.logprobs, clean.generated, clean)
-    assert same.kl == 0.0 and same.generation_agreement == 1.0 and same.generated_common_prefix == len(clean.generated)
+def test_fidelity_equals_the_values_computed_from_their_definitions():
+    """KL(clean ‖ state) in float64 from the definition, the top tokens, the top-5 overlap and the greedy comparison of
+    two small distributions, each counted here by hand."""
+    clean_logits = [3.0, 2.0, 1.0, 0.5, 0.0, -1.0, -2.0]
+    state_logits = [2.0, 3.0, 1.0, 0.5, -1.0, 0.0, -2.0]
+
+    def log_softmax(logits):
+        total = math.log(sum(math.exp(x) for x in logits))
+        return [x - total for x in logits]
+
+    p, q = log_softmax(clean_logits), log_softmax(state_logits)
+    expected_kl = sum(math.exp(a) * (a - b) for a, b in zip(p, q))
+    clean = Reference(torch.tensor(p), (1, 2, 3, 4), 0.0, Notebook.__new__(Notebook))
+    measured = fidelity(torch.tensor(q), (1, 2, 9), clean)
+    assert measured.kl == pytest.approx(expected_kl, rel=1e-5) and expected_kl > 0.1
+    assert not measured.top1_agree  # token 0 against token 1
+    assert measured.top5_overlap == 0.8  # {0, 1, 2, 3, 4} against {1, 0, 2, 3, 5}
+    assert measured.generation_agreement == 0.5 and measured.generated_common_prefix == 2  # 2 of max(4, 3) agree
 
 
-def test_every_repair_reports_its_cost_and_the_cheapest_within_the_threshold_is_recommended(lm):
+def test_every_repair_costs_what_the_token_ids_say_and_the_cheapest_within_the_bars_is_recommended(lm):
     log = _log(_request(), _request(time="2026-12-01 09:15"))
     report = audit_requests(lm, parse_log(log), tokens=6, grain="hour", threshold=10.0, min_agreement=0.0)
     turn = report.as_dict()["turns"][1]
-    for name in ("recompute", "in_place", "erratum", "field_erratum", "hoist", "coarsen"):
+    for name in ("recompute", "field_only", "erratum", "field_erratum", "hoist", "coarsen"):
         result = turn["repairs"][name]
         assert result["applicable"], (name, result)
         assert {
@@ -131,40 +144,60 @@ def test_every_repair_reports_its_cost_and_the_cheapest_within_the_threshold_is_
             "generation_agreement",
             "generated_common_prefix",
         } <= set(result)
-    repairs = turn["repairs"]
-    assert repairs["in_place"]["computed_tokens"] < repairs["recompute"]["computed_tokens"]
-    assert repairs["coarsen"]["coarse_values"] == {"session_started": "2026-12-01 09:00"}
-    assert {name: result["level"] for name, result in repairs.items()} == {
+    old, new = (
+        lm.tokenizer(
+            lm.tokenizer.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True), add_special_tokens=False
+        ).input_ids
+        for r in map(json.loads, log.splitlines())
+    )
+    value_tokens = len(lm.tokenizer("2026-12-01 09:15", add_special_tokens=False).input_ids)
+    repairs = report.turns[1].repairs
+    assert {name: repairs[name].computed_tokens for name in ("recompute", "field_only", "coarsen")} == {
+        "recompute": len(new) - _independent_prefix(old, new),  # everything from the first changed token
+        "field_only": value_tokens + 1,  # the whole timestamp, then the last token (always run to read the next one)
+        "coarsen": 1,  # 09:14 and 09:15 are both 09:00 at the hour: the whole request is cached but its last token
+    }
+    assert all(repairs[name].reused_tokens + repairs[name].computed_tokens == len(new) for name in ("recompute", "field_only", "coarsen"))
+    assert turn["repairs"]["coarsen"]["coarse_values"] == {"session_started": "2026-12-01 09:00"}
+    assert {name: result["level"] for name, result in turn["repairs"].items()} == {
         "recompute": "prompt",
-        "in_place": "kv",
+        "field_only": "kv",
         "erratum": "prompt",
         "field_erratum": "kv",
         "hoist": "prompt",
         "coarsen": "prompt",
     }
-    # at KL ≤ 10 and no agreement bar, the bars hold exactly where the top token agrees
-    top1 = [r for r in report.turns[1].repairs.values() if r.fidelity.top1_agree and r.name != "recompute"]
-    prompt = min((r for r in top1 if r.name in ("erratum", "hoist", "coarsen")), key=lambda r: (r.computed_tokens, r.ttft_ms), default=None)
-    chosen = prompt or report.turns[1].repairs["recompute"]
-    kv = min((r for r in top1 if r.name in ("in_place", "field_erratum")), key=lambda r: (r.computed_tokens, r.ttft_ms), default=None)
+    # KL ≤ 10 and no agreement bar: the bars hold wherever the top token agrees, as it does for coarsen, which computes
+    # the fewest tokens a repair can (one); no KV-level repair computes fewer, so none stands beside it
+    assert repairs["coarsen"].fidelity.top1_agree
     recommendation = turn["recommendation"]
-    assert recommendation["repair"] == chosen.name and f"computes {chosen.computed_tokens:,} of" in recommendation["reason"]
-    if kv is not None and kv.computed_tokens < chosen.computed_tokens:
-        assert recommendation["kv_alternative"]["repair"] == kv.name
-        assert recommendation["kv_alternative"]["saved_tokens"] == chosen.computed_tokens - kv.computed_tokens
-    else:
-        assert recommendation["kv_alternative"] is None
-    strict = recommend(report.turns[1].repairs, threshold=0.0, min_agreement=1.0)
-    assert strict.repair == "recompute"
+    assert recommendation["repair"] == "coarsen" and recommendation["kv_alternative"] is None
+    assert f"coarsen (prompt-level, any prefix cache serves it today) computes 1 of {len(new):,} tokens" in recommendation["reason"]
+    # at KL 0 and full agreement only the exact reference holds (field_only's KL is above 0: the next test)
+    strict = recommend(repairs, threshold=0.0, min_agreement=1.0)
+    assert strict.repair == "recompute" and strict.kv_alternative is None
 
 
-def test_in_place_and_erratum_are_inexact_where_recompute_is_exact(lm):
-    """The stale repairs read the old value (in_place: later entries computed with it; erratum: still in the prompt),
+def test_field_only_and_erratum_are_inexact_where_recompute_is_exact(lm):
+    """The stale repairs read the old value (field_only: later entries computed with it; erratum: still in the prompt),
     so their next token's distribution differs from the clean prefill's, while the reference's does not."""
     log = _log(_request(), _request(tier="platinum"))
-    repairs = audit_requests(lm, parse_log(log), repairs=["in_place", "erratum"], tokens=4).turns[1].repairs
+    repairs = audit_requests(lm, parse_log(log), repairs=["field_only", "erratum"], tokens=4).turns[1].repairs
     assert repairs["recompute"].fidelity.kl < 1e-6
-    assert repairs["in_place"].fidelity.kl > 1e-4 and repairs["erratum"].fidelity.kl > 1e-4
+    assert repairs["field_only"].fidelity.kl > 1e-4 and repairs["erratum"].fidelity.kl > 1e-4
+
+
+def test_field_only_and_erratum_flip_the_next_token_where_recompute_keeps_it(lm):
+    """A constructed case on tiny-qwen2 (seed 0): two fields change, one to a long value. The clean prefill's top
+    token is one that neither stale repair puts first (measured: the clean prefill leads by 0.09 nats, field_only and
+    erratum prefer others by 0.14 and 0.24, far above float rounding), so a decision read from them flips."""
+    log = _log(_request(), _request(user="u-11111", tier="frozen account pending review by the fraud team"))
+    turn = audit_requests(lm, parse_log(log), repairs=["field_only", "erratum"], tokens=1).turns[1]
+    assert [change.name for change in turn.fields] == ["user_id", "account_tier"]
+    repairs = turn.repairs
+    assert repairs["recompute"].fidelity.top1_agree and repairs["recompute"].fidelity.kl < 1e-6
+    for name in ("field_only", "erratum"):
+        assert not repairs[name].fidelity.top1_agree and repairs[name].fidelity.kl > 1e-3, name
 
 
 def test_the_top_token_is_read_as_greedy_decoding_reads_it_when_two_tie():
@@ -186,6 +219,69 @@ def test_coarse_grains():
     assert coarse("2026-12-01 09:14", "date") == "2026-12-01"
     assert coarse("2026-12-01T09:14:33Z", "hour") == "2026-12-01 09:00"
     assert coarse("2026-12-01 9:14", "minute") == "2026-12-01 09:14"
+
+
+@pytest.mark.parametrize(
+    "value, hour",
+    [
+        ("2026-12-01", "2026-12-01"),
+        ("2026-12-01 9:14", "2026-12-01 09:00"),
+        ("2026-12-01T09:14:33Z", "2026-12-01 09:00"),
+        ("2026-12-01T23:59:59.250+02:00", "2026-12-01 23:00"),
+        ("2026-12-01 09:14:33-0500", "2026-12-01 09:00"),
+    ],
+)
+def test_one_date_time_pattern_is_found_widened_and_coarsened_alike(lm, value, hour):
+    """The diff widens a change to the whole date-time, the volatile-span finder marks all of it, and ``coarsen``
+    reads it: one pattern (``engine.audit.fields.DATETIME``), so the three agree on every form."""
+    assert coarse(value, "hour") == hour
+    old = render_request(lm, parse_log(_log(_request(time="1999-01-01")))[0])
+    new = render_request(lm, parse_log(_log(_request(time=value)))[0])
+    (change,) = diff_requests(old, new).fields
+    assert (change.old, change.new) == ("1999-01-01", value)
+    kinds = {candidate.text: candidate.kind for candidate in candidates(lm, new.request)[1]}
+    assert kinds[value] == "datetime"
+
+
+def test_the_scenario_of_a_log_with_hostile_text_reads_back_as_written(lm):
+    """Quotes, backslashes, control characters (DEL is not allowed raw in a TOML string), braces and non-ASCII text in
+    the prompt and the labels: the scenario written from the audit parses back to the same text."""
+    hostile = 'say "hi" \\ back\tslash \x7f del \x07 bell {x} }} {{ é 中'
+    system = "Rules: " + hostile + "\nAccount tier: {tier}"
+    log = _log(
+        *(
+            {"messages": [{"role": "system", "content": system.replace("{tier}", tier)}, {"role": "user", "content": hostile}]}
+            for tier in ("gold", "platinum")
+        )
+    )
+    report = audit_requests(lm, parse_log(log), repairs=["recompute"], tokens=1)
+    labels = ('y"es\\', "n\x7fo {no}")
+    scenario = Scenario.from_toml(scenario_toml(report, labels))
+    assert scenario.context == escape_braces("Rules: " + hostile + "\nAccount tier: ") + "{account_tier}"
+    assert unescape_braces(scenario.question) == hostile.strip()
+    assert scenario.answers == {label: (label,) for label in labels}
+    assert (scenario.field().old, scenario.field().new) == ("gold", "platinum")
+    assert scenario.description == "Built from a request log: account_tier 'gold' -> 'platinum'"
+
+
+def test_the_audit_and_the_edit_stop_where_the_generation_config_ends_a_turn():
+    """A chat model's generation config can end a turn at tokens the tokenizer does not call EOS: the audit's greedy
+    tokens and the edit's chain of thought both stop there (one list for both, ``LoadedModel.stop_ids``)."""
+    plain = tiny_model("qwen2")
+    request = render_request(plain, parse_log(_log(_request()))[0])
+    free = reference(plain, request, 8).generated
+    stop = free[3]
+    assert stop not in free[:3] and stop != plain.tokenizer.eos_token_id and plain.tokenizer.eos_token_id not in free
+    ended = tiny_model("qwen2")
+    ended.model.generation_config.eos_token_id = [ended.tokenizer.eos_token_id, stop]
+    assert reference(ended, request, 8).generated == free[:3]
+    scenario = Scenario.load(DEMOS / "scenarios" / "refund_gate.toml")
+    experiment = EditExperiment(plain, scenario)
+    assert experiment.cot_decision(experiment.stale.notebook)[1] != ""
+    ended.model.generation_config.eos_token_id = list(range(len(ended.tokenizer)))  # every token ends the turn
+    del ended.stop_ids  # read again (a cached property)
+    ending = EditExperiment(ended, scenario)
+    assert ending.cot_decision(ending.stale.notebook)[1] == "" and reference(ended, request, 8).generated == ()
 
 
 def test_the_scenario_and_template_reproduce_the_edit(lm):
@@ -236,8 +332,8 @@ def test_each_prompt_level_template_applied_to_the_log_sends_the_measured_tokens
     assert "    Session started: 2026-12-01 09:14" in erratum["messages"][0]["content"]  # the older value, kept
     assert erratum["read"][0] == "Session started: {session_started}"
     assert repaired_template(report) == repaired_template(report, turn.recommendation.repair)
-    with pytest.raises(RequestLogError, match="in_place is KV-level, needs a cache-editing engine"):
-        repaired_template(report, "in_place")
+    with pytest.raises(RequestLogError, match="field_only is KV-level, needs a cache-editing engine"):
+        repaired_template(report, "field_only")
 
 
 @pytest.mark.parametrize("name", ["support_agent", "traffic/interleaved_agents"])
@@ -268,7 +364,7 @@ def test_one_prompt_offers_volatile_spans_and_audits_a_new_value(lm):
     assert kinds["2026-12-01 09:14"] == "datetime" and kinds["u-48213"] == "id" and kinds["gold"] == "value"
     content = request.contents[0]
     start = content.index("gold")
-    report = audit_value(lm, request, (start, start + 4), "silver", message=0, repairs=["in_place"], tokens=2)
+    report = audit_value(lm, request, (start, start + 4), "silver", message=0, repairs=["field_only"], tokens=2)
     assert [change.as_dict()["new"] for change in report.turns[1].fields] == ["silver"]
     assert parse_prompt("Plain text with 2026-12-01 in it").messages[0].role == "user"
 

@@ -3,40 +3,41 @@ floor the exact reference shows), and beside it the KV-level repair a cache-edit
 built so that inverting one test of the bars (KL, top token, agreement, the widening, the level) changes the answer."""
 
 from engine.audit.audit import Bars, KvAlternative, recommend
-from engine.audit.repairs import Fidelity, RepairResult
+from engine.audit.repairs import REPAIR_SUMMARIES, REPAIRS, OutputFidelity, RepairResult
+from engine.edit.strategies import REGISTRY
 
 
 def _result(name: str, computed: int, kl: float, agreement: float, top1: bool = True) -> RepairResult:
-    return RepairResult(name, True, 100 - computed, computed, float(computed), Fidelity(kl, top1, 1.0, agreement, 0))
+    return RepairResult(name, True, 100 - computed, computed, float(computed), OutputFidelity(kl, top1, 1.0, agreement, 0))
 
 
 def test_the_cheapest_prompt_level_repair_within_the_bars_wins_and_the_kv_level_one_stands_beside_it():
     results = {
         "recompute": _result("recompute", 90, 0.0, 1.0),
         "field_erratum": _result("field_erratum", 3, 0.5, 1.0),  # KV-level, cheapest, KL past the 0.05 bar
-        "in_place": _result("in_place", 5, 0.01, 1.0),  # KV-level, within: the alternative, never the choice
+        "field_only": _result("field_only", 5, 0.01, 1.0),  # KV-level, within: the alternative, never the choice
         "hoist": _result("hoist", 8, 0.001, 1.0, top1=False),  # top token differs
         "erratum": _result("erratum", 10, 0.001, 0.5),  # KL fine, agreement below 0.9
         "coarsen": _result("coarsen", 20, 0.01, 0.95),  # within
     }
     chosen = recommend(results, threshold=0.05, min_agreement=0.9)
-    assert chosen.repair == "coarsen" and chosen.kv_alternative == KvAlternative("in_place", 15, 15.0)
+    assert chosen.repair == "coarsen" and chosen.kv_alternative == KvAlternative("field_only", 15, 15.0)
     assert chosen.as_dict() == {
         "repair": "coarsen",
         "level": "prompt",
         "reason": chosen.reason,
-        "kv_alternative": {"repair": "in_place", "saved_tokens": 15, "saved_ttft_ms": 15.0},
+        "kv_alternative": {"repair": "field_only", "saved_tokens": 15, "saved_ttft_ms": 15.0},
     }
     assert "coarsen (prompt-level, any prefix cache serves it today) computes 20 of 100 tokens (20.0%)" in chosen.reason
     assert "≤ 0.05" in chosen.reason and "(≥ 90%)" in chosen.reason and "recompute would compute 90 (70 more)" in chosen.reason
-    assert "could run in_place (KV-level, needs a cache-editing engine) within the same bars: 15 fewer tokens" in chosen.reason
+    assert "could run field_only (KV-level, needs a cache-editing engine) within the same bars: 15 fewer tokens" in chosen.reason
 
 
 def test_a_kv_level_repair_is_named_only_where_it_computes_fewer_tokens():
-    results = {"recompute": _result("recompute", 90, 0.0, 1.0), "in_place": _result("in_place", 5, 0.0, 1.0)}
+    results = {"recompute": _result("recompute", 90, 0.0, 1.0), "field_only": _result("field_only", 5, 0.0, 1.0)}
     alone = recommend(results, threshold=0.05)
-    assert alone.repair == "recompute" and alone.kv_alternative == KvAlternative("in_place", 85, 85.0)
-    results |= {"field_erratum": _result("field_erratum", 30, 0.0, 1.0), "in_place": _result("in_place", 40, 0.0, 1.0)}
+    assert alone.repair == "recompute" and alone.kv_alternative == KvAlternative("field_only", 85, 85.0)
+    results |= {"field_erratum": _result("field_erratum", 30, 0.0, 1.0), "field_only": _result("field_only", 40, 0.0, 1.0)}
     results["hoist"] = _result("hoist", 20, 0.0, 1.0)
     chosen = recommend(results, threshold=0.05)
     assert chosen.repair == "hoist" and chosen.kv_alternative is None
@@ -81,3 +82,14 @@ def test_the_json_and_the_figures_mark_a_repair_within_the_widened_bars():
     assert within(repairs["hoist"], data) and not within(repairs["erratum"], data)
     stored = {key: value for key, value in repairs["hoist"].items() if key != "within_bars"}  # a result written before the key
     assert not within(stored, data)
+
+
+def test_a_repair_that_is_an_edit_strategy_is_named_and_described_by_the_strategy_registry():
+    """One vocabulary: the audit's field_only, erratum and field_erratum are the edit strategies of those names applied
+    to a request (their line is the registry's, the audit adds where they run); hoist moves a line, which no strategy
+    does, and the strategy that restates a field is restate, which is no audit repair."""
+    shared = [name for name in REPAIRS if name in REGISTRY]
+    assert shared == ["field_only", "erratum", "field_erratum"]
+    assert REPAIR_SUMMARIES["field_only"] == f"{REGISTRY['field_only'].summary} (KV-level, needs a cache-editing engine)"
+    assert all(REPAIR_SUMMARIES[name].startswith(REGISTRY[name].summary + " (") for name in shared)
+    assert "hoist" not in REGISTRY and "restate" not in REPAIRS and "in_place" not in REPAIRS

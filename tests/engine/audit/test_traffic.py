@@ -364,7 +364,7 @@ def test_sampling_covers_every_group_and_a_group_measured_in_full_equals_the_per
         _chat(system.format(m="43"), ("user", "Where is my parcel?"), ("assistant", "Soon."), ("user", "When?")),
     ]
     text = "\n".join(lines)
-    options = {"repairs": ["recompute", "in_place", "erratum"], "tokens": 4}
+    options = {"repairs": ["recompute", "field_only", "erratum"], "tokens": 4}
     full = audit_traffic(lm, read_log(text), sample=10, **options)
     today = audit_requests(lm, parse_log(text), **options)
     timing = ("ttft_ms", "ttft_ratio", "full_ttft_ms")

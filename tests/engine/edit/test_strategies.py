@@ -8,7 +8,7 @@ import torch
 from engine.cache.notebook import Notebook, NotebookError
 from engine.cache.patching import attribution_effects
 from engine.edit.experiment import EditExperiment
-from engine.edit.strategies import STRATEGIES, EditSettings
+from engine.edit.strategies import STRATEGIES, EditSettings, StrategyError, check_names
 from engine.models.tiny import tiny_model
 from engine.scenario import Scenario, ScenarioError
 from tests.shared import SAME_LENGTH_SCENARIO
@@ -56,7 +56,13 @@ def test_every_strategy_reports_its_cost(report):
     assert result.strategies["field_topk"].tokens_recomputed == field_tokens + 4
     assert result.strategies["full_downstream"].tokens_recomputed == field_tokens + len(experiment.downstream_positions)
     assert result.strategies["erratum"].notebook.visible_segments()[-1] == "erratum"
-    assert result.strategies["auto"].detail["chosen"] in ("field_only", "erratum", "hoist", "field_erratum")
+    restated = result.strategies["restate"]  # the field restated after the context, the stale cache kept before it
+    assert restated.notebook.visible_segments()[-1] == "restate" and restated.detail["text"] == "order_status: pending"
+    assert restated.tokens_recomputed == len(experiment.line_ids(EditSettings.restate))
+    # field_only computes the fewest tokens (the field's) and reads field_erratum's label: auto takes it
+    assert result.strategies["field_only"].decision.label == result.strategies["field_erratum"].decision.label
+    assert result.strategies["auto"].detail == {"chosen": "field_only", "reference": "field_erratum"}
+    assert result.strategies["auto"].tokens_recomputed == field_tokens
 
 
 def test_field_topk_recompute_of_everything_equals_full_downstream(lm, scenario):
@@ -107,7 +113,7 @@ def test_report_is_json_with_the_cli_shape(report):
 @pytest.mark.parametrize("longer", [False, True])
 def test_fused_report_equals_strategy_by_strategy(lm, scenario, longer):
     new = scenario.field().new + (" and also confirmed by the manager" if longer else "")
-    names = ["stale", "field_only", "erratum", "field_erratum", "hoist", "full_downstream", "field_topk", "auto"]
+    names = ["stale", "field_only", "erratum", "field_erratum", "restate", "full_downstream", "field_topk", "auto"]
     settings = EditSettings(top_k=4)
     sequential = EditExperiment(lm, scenario, new=new, settings=settings).report(names)
     fused_experiment = EditExperiment(lm, scenario, new=new, settings=settings)
@@ -203,3 +209,9 @@ def test_frontier_points_equal_each_strategy_read_on_its_own(lm, scenario):
     assert [p.k for p in result.points if p.method == "field_topk (causal)"] == [1, 3]
     cheapest = result.cheapest_correct()
     assert cheapest.correct and all(p.tokens_computed >= cheapest.tokens_computed for p in result.points if p.correct)
+
+
+def test_an_old_strategy_name_is_refused_with_its_new_one():
+    with pytest.raises(StrategyError, match=r"unknown strategy 'hoist' \('hoist' is now 'restate'\)"):
+        check_names(["erratum", "hoist"])
+    assert check_names(["restate"]) == ["restate"]

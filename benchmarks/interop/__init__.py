@@ -1,0 +1,1 @@
+"""KVScope's numbers beside llama.cpp's llama-server's own, on the same tokens."""

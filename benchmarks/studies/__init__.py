@@ -1,0 +1,1 @@
+"""KVScope's engine in this process on one model: fidelity, decisions and speed, against a full recompute."""

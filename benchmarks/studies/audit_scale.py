@@ -1,0 +1,284 @@
+"""The audit's token pass at traffic scale: synthetic logs of agent requests (1.5–2k tokens, tools and tool calls, a clock
+line in the system prompt) from 50 interleaved sessions, 1,000 and 10,000 requests.
+
+    python -m benchmarks.studies.audit_scale [--sizes 1000,10000] [--sessions 50] [--budget-tokens 2500] [--tokenizer DIR]
+        [--out benchmarks/studies/results]
+
+Each size is written to a JSONL log and, unbounded and again under a KV budget (SGLang ``--budget-tokens``, vLLM as
+many tokens in blocks), its token pass (``engine.audit.traffic.scan_log``: render, match, fields,
+causes and the three simulated engines; no model forward) runs in a fresh process, which reports its wall time and
+peak RSS. Where ``kvlint`` is installed its ``analyze`` runs on the same log with the same tokenizer, in its own
+process, timed the same way (optional: the reason is written when it is not run). Writes
+benchmarks/studies/results/audit_scale-cpu.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timedelta
+from pathlib import Path
+
+from benchmarks import common
+from benchmarks.common import cpu_info
+from engine.models import cache_dir
+
+POLICY = (
+    "Rule {n}: when a customer asks about order {n}, check the ledger entry, confirm the shipping status, and reply in "
+    "one short paragraph; never promise a refund above the account tier's limit, and escalate disputes to a human.\n"
+)
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": f"{name.replace('_', ' ')} in the shop's systems",
+            "parameters": {"type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}}},
+        },
+    }
+    for name in ("lookup_order", "search_ledger", "refund", "escalate")
+]
+
+
+START = datetime(2026, 5, 12, 9, 0)
+STEP = timedelta(seconds=20)  # between requests of the log: the clock line never repeats, about 3 requests a minute
+RULES = 21  # policy lines of the shared system prompt (about 1,200 tokens with the tools and the template)
+HISTORY_CHARS = 850  # a session's task restarts once its messages pass this (requests stay within 1.5–2k tokens)
+
+
+def synthetic_log(requests: int, sessions: int, seed: int = 0) -> list[dict]:
+    """Agent traffic: per session a system prompt (a clock line to the minute, and a policy shared by every
+    session), the tools, and turns with tool calls and results growing to ~2k tokens, then a fresh task (whose first
+    request carries a task brief, so no request is under ~1.5k tokens); sessions interleaved at random, one request
+    every ``STEP`` of a clock that only moves forward."""
+    rng = random.Random(seed)
+    policy = "".join(POLICY.format(n=n) for n in range(RULES))
+    turns: dict[int, list[dict]] = {s: [] for s in range(sessions)}
+    records = []
+    for number in range(requests):
+        s = rng.randrange(sessions)
+        history = turns[s]
+        if not history or sum(len(m.get("content") or "") for m in history) > HISTORY_CHARS:
+            order = rng.randrange(10**6)
+            notes = [f"Earlier note {k}: order {order} was packed at depot {rng.randrange(90)} and scanned once.\n" for k in range(6)]
+            brief = "".join(notes)
+            history[:] = [{"role": "user", "content": f"{brief}Order {order} has not arrived. What now?"}]
+        else:
+            call = f"call_{number}"
+            history += [
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [
+                        {
+                            "id": call,
+                            "type": "function",
+                            "function": {
+                                "name": rng.choice(TOOLS)["function"]["name"],
+                                "arguments": json.dumps({"query": f"order {number}", "limit": 5}),
+                            },
+                        }
+                    ],
+                },
+                {
+                    "role": "tool",
+                    "tool_call_id": call,
+                    "content": f"status: shipped on 2026-05-{1 + number % 28:02d}; carrier ref {rng.getrandbits(40):x}",
+                },
+                {"role": "assistant", "content": "It shipped; the carrier has it."},
+                {"role": "user", "content": rng.choice(["When will it arrive?", "Can I get a refund?", "Thanks, and the other order?"])},
+            ]
+        clock = f"The current time is {(START + number * STEP):%Y-%m-%d %H:%M}."
+        system = f"You are Harbor, the shop's support agent.\n{clock}\n\n{policy}"
+        records.append(
+            {"model": "harbor", "user": f"session-{s}", "tools": TOOLS, "messages": [{"role": "system", "content": system}, *history]}
+        )
+    return records
+
+
+def _embedded_tokenizer_dir() -> Path:
+    converted = cache_dir() / "converted"
+    found = sorted(p for p in converted.glob("*") if (p / "tokenizer.json").exists()) if converted.exists() else []
+    if not found:
+        raise SystemExit(f"no converted embedded model with a tokenizer under {converted}: load --model embedded once first")
+    return found[0]
+
+
+NOTES = {
+    "matching": "matching honours the SGLang budget: each request is matched in the same radix tree that evicts, so a "
+    "request evicted whole is no longer a match and one evicted down to its head is matched by its head (its "
+    "common_prefix_tokens is still the token-level common prefix with the whole matched request)",
+    "eviction": "SGLang eviction pops least recently used leaves from a heap kept as leaves appear (stale entries "
+    "skipped), not a walk of the tree; vLLM evicts from an LRU-ordered dict",
+    "tokenization": "rendered texts are cut at line starts and each distinct line is tokenized once; exact for "
+    "byte-level BPE tokenizers (probed when the encoder is built, each batch's first text checked whole, and "
+    "exact_check compares every 10th request whole after the timed pass)",
+    "hit_rate_vs_kvlint": "kvlint reuses almost exactly the same tokens but renders each message with its role and "
+    "content only (its Message model drops tool_calls and tool_call_id), so its requests are shorter by their tool "
+    "calls (the sum of its prompt_tokens equals apply_chat_template on the messages stripped of tool_calls, checked on "
+    "the 1,000-request log) and the same reuse gives it a higher hit rate",
+    "budget_vs_kvlint": "a budget that holds one request (2,500 tokens here) changes neither tool's reuse on this log, "
+    "whose hits come from the last request or two; under a budget smaller than one request (tried at 1,000 tokens) they "
+    "part: kvlint never evicts the request just served (as an engine's reference counts would not), we evict down to "
+    "the budget including it (SGLang then reuses nothing, vLLM keeps its head blocks)",
+}
+EXACT_EVERY = 10  # after the timed pass, every 10th request is tokenized whole and compared with the fast path's
+
+
+def _worker(log: str, tokenizer_dir: str, budget_tokens: int) -> None:
+    """One token pass in this process (``budget_tokens`` 0: unbounded; else that SGLang token budget and the vLLM
+    block budget holding as many tokens): its time, peak RSS and results as JSON on stdout, then an exactness check
+    of the line-cut tokenization on every ``EXACT_EVERY``-th request (untimed)."""
+    from transformers import AutoTokenizer
+
+    from engine.audit.caches import CacheSettings
+    from engine.audit.requests import TextEncoder, read_log
+    from engine.audit.traffic import scan_log
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    text = Path(log).read_text(encoding="utf-8")
+    settings = CacheSettings(budget_tokens=budget_tokens, budget_blocks=budget_tokens // 16) if budget_tokens else CacheSettings()
+    start = time.perf_counter()
+    scan = scan_log(tokenizer, read_log(text), settings)
+    seconds = time.perf_counter() - start
+    rows = scan.requests
+    checked = [scan.rendered[row.request] for row in rows[::EXACT_EVERY]]
+    whole = tokenizer.backend_tokenizer.encode_batch([item.text for item in checked], add_special_tokens=False)
+    print(
+        json.dumps(
+            {
+                "seconds": round(seconds, 2),
+                "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                "settings": settings.as_dict(),
+                "requests": len(rows),
+                "tokens": sum(r.tokens for r in rows),
+                "min_tokens": min(r.tokens for r in rows),
+                "max_tokens": max(r.tokens for r in rows),
+                "sessions": len(scan.sessions()),
+                "groups": len(scan.groups()),
+                "engines": scan.totals(),
+                "causes": scan.cause_counts(),
+                "line_cut_tokenization": TextEncoder(tokenizer).by_lines,
+                "exact_check": {
+                    "requests_checked": len(checked),
+                    "ids_and_offsets_equal": all(
+                        item.token_ids.tolist() == encoding.ids and item.offsets.tolist() == [list(p) for p in encoding.offsets]
+                        for item, encoding in zip(checked, whole)
+                    ),
+                },
+            }
+        )
+    )
+
+
+def _measured(command: list[str]) -> dict:
+    """Wall time and peak RSS of a command run in a child process."""
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024  # the largest child so far
+    return {
+        "seconds": round(seconds, 2),
+        "peak_rss_mb_upper_bound": round(peak, 1),
+        "code": done.returncode,
+        "stdout": done.stdout,
+        "stderr": done.stderr[-2000:],
+    }
+
+
+def _kvlint(log: Path, tokenizer_dir: Path, folder: Path, budget_tokens: int) -> dict:
+    """kvlint's ``analyze`` on the same log and tokenizer (with the same budgets), timed in its own process; its
+    per-engine hit rate, prompt tokens and cached tokens (per request, it counts what our engines call reused)."""
+    executable = shutil.which("kvlint")
+    if executable is None:
+        return {"run": False, "reason": "kvlint is not installed (pip install kvlint)"}
+    out = folder / f"{log.stem}-{budget_tokens}-kvlint.json"
+    budgets = ["--kv-budget-tokens", str(budget_tokens), "--kv-budget-blocks", str(budget_tokens // 16)] if budget_tokens else []
+    run = _measured([executable, "analyze", str(log), "--model", str(tokenizer_dir), "--json", str(out), *budgets])
+    if run["code"] != 0:
+        return {"run": False, "reason": f"kvlint analyze exited {run['code']}: {run['stderr'][-600:]}"}
+    report = json.loads(out.read_text())
+    engines = {
+        sim["engine"]: {
+            "hit_rate": round(sim["hit_rate"], 4),
+            "prompt_tokens": sum(r["prompt_tokens"] for r in sim["per_request"]),
+            "cached_tokens": sum(r["cached_tokens"] for r in sim["per_request"]),
+            "config": sim["config"],
+        }
+        for sim in report["sims"]
+    }
+    return {
+        "run": True,
+        "version": report.get("version"),
+        "seconds": run["seconds"],
+        "peak_rss_mb_upper_bound": run["peak_rss_mb_upper_bound"],
+        "engines": engines,
+        "findings": len(report.get("findings") or []),
+    }
+
+
+def _pass(log: Path, tokenizer_dir: Path, folder: Path, budget_tokens: int) -> dict:
+    """Our token pass and kvlint's analyze on one log, one after the other, each in a fresh process."""
+    run = _measured([sys.executable, "-m", "benchmarks.studies.audit_scale", "--worker", str(log), str(tokenizer_dir), str(budget_tokens)])
+    if run["code"] != 0:
+        raise SystemExit(f"the token pass failed on {log.name}: {run['stderr']}")
+    kvscope = json.loads(run["stdout"])
+    kvlint = _kvlint(log, tokenizer_dir, folder, budget_tokens)
+    print(
+        f"{log.name}, budget {budget_tokens or 'none'}: token pass {kvscope['seconds']} s, {kvscope['peak_rss_mb']} MB; kvlint "
+        + (f"{kvlint['seconds']} s" if kvlint.get("run") else kvlint["reason"]),
+        file=sys.stderr,
+    )
+    return {"kvscope_token_pass": kvscope, "kvlint_analyze": kvlint}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="1000,10000")
+    parser.add_argument("--sessions", type=int, default=50)
+    parser.add_argument("--tokenizer", help="a local model dir with tokenizer.json (default: the embedded model's converted copy)")
+    parser.add_argument("--out", default=str(common.results_dir(__file__)))
+    parser.add_argument("--budget-tokens", type=int, default=2_500, help="also run with this KV budget (0: skip)")
+    parser.add_argument("--worker", nargs=3, metavar=("LOG", "TOKENIZER", "BUDGET"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        _worker(args.worker[0], args.worker[1], int(args.worker[2]))
+        return
+    tokenizer_dir = Path(args.tokenizer) if args.tokenizer else _embedded_tokenizer_dir()
+    load_before, results = os.getloadavg(), []
+    budgets = [0, args.budget_tokens] if args.budget_tokens else [0]
+    with tempfile.TemporaryDirectory() as folder:
+        for size in [int(n) for n in args.sizes.split(",")]:
+            log = Path(folder) / f"agents-{size}.jsonl"
+            log.write_text("\n".join(json.dumps(r) for r in synthetic_log(size, args.sessions)), encoding="utf-8")
+            runs = {
+                "unbounded" if budget == 0 else f"budget_{budget}_tokens": _pass(log, tokenizer_dir, Path(folder), budget)
+                for budget in budgets
+            }
+            results.append({"requests": size, "sessions": args.sessions, **runs})
+    data = {
+        "benchmark": "audit_scale",
+        "tokenizer": tokenizer_dir.name,
+        "cpu": cpu_info(),
+        "cpus": os.cpu_count(),
+        "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
+        "goal": "token pass of 10,000 requests under 60 s on a 2-core CPU, no slower than kvlint",
+        "log": {"step_seconds": STEP.total_seconds(), "policy_rules": RULES, "history_chars": HISTORY_CHARS},
+        "notes": NOTES,
+        "results": results,
+    }
+    path = Path(args.out) / "audit_scale-cpu.json"
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

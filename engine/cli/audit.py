@@ -1,0 +1,118 @@
+"""``audit``: a request log (or one prompt with a new value) audited, a rewrite of it measured, a CI gate on it."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from engine.audit.audit import DEFAULT_MIN_AGREEMENT, DEFAULT_THRESHOLD, DEFAULT_TOKENS, audit_value, repaired_template, scenario_toml
+from engine.audit.caches import CacheSettings
+from engine.audit.formats import AUTO as AUTO_FORMAT
+from engine.audit.formats import FORMATS
+from engine.audit.gate import QUANTITIES, gate, markdown, parse_conditions
+from engine.audit.repairs import GRAINS, PROMPT_REPAIRS, REPAIRS
+from engine.audit.requests import RequestLog, RequestLogError, parse_prompt, read_log
+from engine.audit.rewrite import apply_template, check_pairing, measure_rewrite
+from engine.audit.spans import find_span
+from engine.audit.traffic import DEFAULT_SAMPLE, audit_traffic
+from engine.cli.common import Group, Handler, arg, load, log, names, progress, read_text
+
+
+def cmd_audit(args: argparse.Namespace) -> dict:
+    """Audit a request log (or one prompt with --find/--new): a token pass over every request (sessions, matches, causes,
+    simulated vLLM / SGLang / llama.cpp reuse), then every repair's cost and fidelity on --sample turns per change;
+    with --rewritten / --template, the rewrite's reuse and output against the original's; --fail-on gates on it."""
+    text = read_text(args.log)
+    conditions = parse_conditions(args.fail_on)
+    if args.rewritten and args.template:
+        raise RequestLogError("--rewritten and --template are two rewrites: measure one at a time")
+    if args.template_repair and not args.template_out:
+        raise RequestLogError("--template-repair names the repair whose template --template-out writes: add --template-out FILE")
+    if (args.rewritten or args.template) and args.new is not None:
+        raise RequestLogError("--rewritten and --template measure a log's rewrite; they do not combine with --new")
+    options = {
+        "repairs": names(args.repairs) or REPAIRS,
+        "tokens": args.tokens,
+        "threshold": args.threshold,
+        "min_agreement": args.min_agreement,
+        "grain": args.grain,
+    }
+    lm = load(args)
+    if args.new is None:
+        settings = CacheSettings(args.block_size, args.kv_budget_blocks, args.kv_budget_tokens, args.slots, args.cache_reuse)
+        request_log = read_log(text, args.format)
+        for skipped in request_log.skipped:
+            log(f"skipped {skipped.message}")
+        steps = {"scan_progress": progress("token pass: requests"), "progress": progress("measured steps")}
+        rewritten = _rewritten(args, request_log)
+        traffic = audit_traffic(lm, request_log, sample=args.sample, settings=settings, **steps, **options)
+        result, report = traffic.as_dict(), traffic.measured_report()
+        if rewritten is not None:
+            measured = measure_rewrite(
+                lm, request_log, rewritten, settings=settings, tokens=args.tokens, progress=progress("rewrite: requests")
+            )
+            result |= {"rewrite": [row.as_dict() for row in measured.requests], "verdict": measured.verdict()}
+    else:
+        request = parse_prompt(text)
+        if not args.find:
+            raise RequestLogError("--new needs --find TEXT: the value to change in the prompt")
+        site = find_span(request, args.find)
+        report = audit_value(lm, request, site.chars, args.new, message=site.message, progress=progress("audit steps"), **options)
+        result = report.as_dict()
+    template = (args.template_out, lambda: repaired_template(report, args.template_repair))
+    for path, build in ((args.scenario_out, lambda: scenario_toml(report)), template):
+        if path:
+            Path(path).write_text(build(), encoding="utf-8")
+    if conditions:
+        result["gate"] = gate(conditions, result)
+    if args.markdown and not args.json:
+        print(markdown(result), end="")
+    return result
+
+
+def _rewritten(args: argparse.Namespace, original: RequestLog) -> RequestLog | None:
+    """The rewritten log of --rewritten, or --template applied to ``original`` (None without either), paired with it."""
+    if args.rewritten:
+        rewritten = read_log(read_text(args.rewritten), args.format)
+    elif args.template:
+        rewritten = apply_template(read_text(args.template), original)
+        changed = sum(old.contents != new.contents for old, new in zip(original.requests, rewritten.requests))
+        kept = " (the others' prompt lacks its read lines, or is the template's already)" if changed < len(original.requests) else ""
+        log(f"template: {changed} of {len(original.requests)} requests rewritten{kept}")
+    else:
+        return None
+    check_pairing(original.requests, rewritten.requests)
+    return rewritten
+
+
+AUDIT: Group = (
+    arg("log", help="request log (JSONL or a JSON array, in any of --format's formats), or one prompt with --new"),
+    arg("--format", default=AUTO_FORMAT, choices=[AUTO_FORMAT, *FORMATS], help="the log's request format (auto: detected per record)"),
+    arg("--sample", type=int, default=DEFAULT_SAMPLE, help="turns measured with the model per change signature (0: token pass only)"),
+    arg("--block-size", type=int, default=CacheSettings.block, help="vLLM KV block size in tokens"),
+    arg("--kv-budget-blocks", type=int, help="vLLM KV budget in blocks (default: unbounded)"),
+    arg("--kv-budget-tokens", type=int, help="SGLang radix-cache budget in tokens (default: unbounded)"),
+    arg("--slots", type=int, help="llama.cpp server slots (default: one per session)"),
+    arg("--cache-reuse", type=int, default=0, help="llama.cpp --cache-reuse N: shift cached chunks of at least N tokens (0: off)"),
+    arg("--repairs", help=f"comma-separated subset of: {', '.join(REPAIRS)} (recompute always runs)"),
+    arg("--tokens", type=int, default=DEFAULT_TOKENS, help="greedy tokens generated per state"),
+    arg("--threshold", type=float, default=DEFAULT_THRESHOLD, help="largest next-token KL a recommended repair may have"),
+    arg("--min-agreement", type=float, default=DEFAULT_MIN_AGREEMENT, help="smallest share of agreeing greedy tokens"),
+    arg("--grain", choices=GRAINS, help="coarsen date-times to this grain (the coarsen repair)"),
+    arg("--find", help="one prompt: the text of the value to change"),
+    arg("--new", help="one prompt: its new value (the file is then one prompt, not a log)"),
+    arg("--scenario-out", help="write the auto-built scenario TOML here (Notes tab, `edit`)"),
+    arg("--template-out", help="write the recommended prompt-level repair here, as the prompt template it measured"),
+    arg("--template-repair", choices=PROMPT_REPAIRS, help="the prompt-level repair --template-out writes (default: the recommended one)"),
+    arg("--rewritten", help="a rewrite of the log (same requests, same order): its reuse and output against the original's"),
+    arg("--template", help="a prompt template (as --template-out writes) applied to the log's values: the rewrite to measure"),
+    arg(
+        "--fail-on",
+        action="append",
+        default=[],
+        metavar="CONDITION",
+        help=f"exit 1 when a condition holds, e.g. reuse<0.5,kl>0.05 (over the rewrite if one is measured): {', '.join(QUANTITIES)}",
+    ),
+    arg("--markdown", action="store_true", help="print a Markdown summary for a pull-request comment (ignored with --json)"),
+)
+COMMANDS: dict[str, tuple[Handler, tuple[Group, ...]]] = {"audit": (cmd_audit, (AUDIT,))}

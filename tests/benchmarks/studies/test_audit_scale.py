@@ -1,0 +1,29 @@
+"""The audit_scale benchmark's synthetic log is what the issue asks for (50 interleaved sessions, a clock that never
+repeats, agent turns with tools), and the token pass renders it exactly: every request's ids and offsets equal the
+tokenizer's on its whole rendered text."""
+
+import json
+import re
+
+from benchmarks.studies.audit_scale import synthetic_log
+from engine.audit.requests import read_log, render_batch
+from engine.models.tiny import tiny_tokenizer
+from tests.engine.audit.test_traffic import QWEN_TEMPLATE
+
+
+def test_the_log_interleaves_sessions_and_its_clock_never_repeats():
+    records = synthetic_log(1200, 50)
+    sessions = [record["user"] for record in records]
+    clocks = [re.search(r"The current time is ([\d: -]+)\.", record["messages"][0]["content"]).group(1) for record in records]
+    assert len(set(sessions)) == 50 and sum(a != b for a, b in zip(sessions, sessions[1:])) > 1000
+    assert clocks == sorted(clocks) and len(set(clocks)) == 1200 // 3  # one minute per three requests, never again
+    assert all(record["tools"] for record in records) and any(m.get("tool_calls") for m in records[-1]["messages"])
+
+
+def test_the_token_pass_renders_the_log_exactly():
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = QWEN_TEMPLATE
+    log = read_log("\n".join(json.dumps(record) for record in synthetic_log(150, 7)))
+    for item in render_batch(tokenizer, log.requests, 100_000):
+        encoding = tokenizer.backend_tokenizer.encode(item.text, add_special_tokens=False)
+        assert item.token_ids.tolist() == encoding.ids and item.offsets.tolist() == [list(p) for p in encoding.offsets]
