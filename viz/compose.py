@@ -409,7 +409,6 @@ def frontiers_figure(studies: Sequence[dict]) -> go.Figure:
     names = list(dict.fromkeys(name for study in studies for name, row in study["summary"].items() if not row["needs_reference"]))
     colours = PALETTE if len(names) <= len(PALETTE) else plotly.colors.qualitative.Dark24
     colour_of = {name: colours[index % len(colours)] for index, name in enumerate(names)}
-    shown: set[str] = set()
     for column, study in enumerate(studies, 1):
         choice, default = study.get("choice") or {}, study.get("default")
         points = {
@@ -442,26 +441,35 @@ def frontiers_figure(studies: Sequence[dict]) -> go.Figure:
                 row=1,
                 col=column,
             )
+        bar = choice.get("goal", {}).get("keystone_max_gap")
+        gaps = {point["name"]: point.get("keystone_gap") for point in choice.get("points", [])}
         for name, (speed, agreement) in points.items():
             row = study["summary"][name]
+            outside = bar is not None and gaps.get(name) is not None and gaps[name] > bar  # fails the keystone: drawn open
+            symbol = ("star" if name == default else "circle") + ("-open" if outside else "")
+            gap = f"; keystone gap {gaps[name]:.2f}" if gaps.get(name) is not None else ""
             figure.add_scatter(
                 x=[speed],
                 y=[agreement],
                 mode="markers",
                 name=safe_label(name),
                 legendgroup=name,
-                showlegend=name not in shown,
-                marker={"size": 18 if name == default else 11, "color": colour_of[name], "symbol": "star" if name == default else "circle"},
+                showlegend=False,
+                marker={"size": 18 if name == default else 11, "color": colour_of[name], "symbol": symbol, "line": {"width": 2}},
                 hovertext=[
                     f"{safe_label(name)}{' (default)' if name == default else ''}: {row['agree_decisive']}/{row['decisive']} decisive "
-                    f"agree, {row['ties']} ties; TTFT ×{speed:.2f} (median); {row['recomputed_fraction']:.0%} of skill tokens recomputed"
+                    f"agree, {row['ties']} ties; TTFT ×{speed:.2f} (median); {row['recomputed_fraction']:.0%} of skill tokens "
+                    f"recomputed{gap}"
                 ],
                 hoverinfo="text",
                 row=1,
                 col=column,
             )
-            shown.add(name)
         figure.update_xaxes(title_text="TTFT speedup over a full recompute (median)", row=1, col=column)
+    for name in names:  # the legend: each remedy as a plain dot (the panels star the default and open a keystone failure)
+        figure.add_scatter(
+            x=[None], y=[None], mode="markers", name=safe_label(name), legendgroup=name, marker={"size": 11, "color": colour_of[name]}
+        )
     agreements = [row["agreement"] for study in studies for row in study["summary"].values() if row["agreement"] is not None]
     figure.update_yaxes(range=[max(0.0, min(agreements + [0.97]) - 0.05), 1.02])
     figure.update_yaxes(title_text="decision agreement (decisive cases)", row=1, col=1)
@@ -474,7 +482,8 @@ def frontiers_figure(studies: Sequence[dict]) -> go.Figure:
         figure,
         "Composition remedies per model: agreement vs speed",
         "short N-skill study; star: the default the rule picks; dotted: the frontier; "
-        "shaded: ≥ 97% decisive agreement at ≥ 70% of splice's speedup",
+        "shaded: ≥ 97% decisive agreement at ≥ 70% of splice's speedup; open: fails the keystone bar (an edit inside a spliced "
+        "skill recovers unlike in a recompute)",
         "; ".join(verdicts),
         subplot_titles=1,
     )

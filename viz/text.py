@@ -145,7 +145,7 @@ def remedy_info(default: str, stored: str | None = None, choice: RemedyChoice | 
     """What the default remedy costs and buys where it was measured (``stored``: a stored N-skill study's file, or
     ``calibration``: the model's own), why it is the default, the fastest remedy beside it, then the remedy grammar
     (plain text). ``model`` names whose default it is."""
-    whose = f" for {model}" if model else ""
+    whose = f" for {model.split(':')[0]}" if model else ""  # the alias of a fingerprint name such as embedded:Qwen2.5-…
     if choice is None or default not in {point.name for point in choice.points}:
         return f"Default{whose} {default}: not measured for this model yet. {AUTO_WORDS} {REMEDY_GRAMMAR}"
     fastest = choice.fastest

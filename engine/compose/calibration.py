@@ -51,10 +51,10 @@ class CalibrationPlan:
     remedies: tuple[str, ...] = (
         "splice",
         "prefix+seam:1",
-        "prefix+seam:1+query:0.05",
-        "prefix+seam:1+query:0.15",
         "prefix+seam:1+blend:0.15",
         "prefix+seam:1+blend:0.3",
+        "prefix+ape:0.9,0.9",  # APE recomputes nothing: the default on qwen-1.5b's short study is an ape setting
+        "prefix+ape:1,0.7",
     )
     keystone_scenario: str | None = "keystone_safety"
 

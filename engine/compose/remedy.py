@@ -182,8 +182,10 @@ def _rescale_of(part: str, argument: str) -> AttentionRescale:
         raise ScenarioError(f"remedy part {part!r}: {error}") from None
 
 
-# The static default, where no calibration of the loaded model is at hand (``engine.compose.choice``'s rule on the
-# embedded model's short N-skill study and keystone, benchmarks/studies/results/compose_many-embedded-cpu.json): no deployable
-# remedy keeps ≥ 97% decisive agreement at ≥ 70% of splice's speedup; of those within the keystone bar this is the
-# best trade-off (33/35 decisive, ×2.6 median TTFT, 15% of skill tokens recomputed, keystone gap 0.06).
-DEFAULT_REMEDY = Remedy(seam=1, prefix=True, select="blend", fraction=0.15)
+# The static default, where neither a stored study nor a calibration of the loaded model is at hand
+# (``engine.compose.choice``'s rule on the embedded model's short N-skill study and keystone,
+# benchmarks/studies/results/compose_many-embedded-cpu.json): no deployable remedy keeps ≥ 97% decisive agreement at
+# ≥ 70% of splice's speedup within the keystone bar (APE keeps 35/35 at ×4.5 but misses the keystone by 0.7); of those
+# within it this is the best trade-off: EPIC's sink:16 after the scenario's system prompt (32/35 decisive, ×4.16 median
+# TTFT, 4.6% of skill tokens recomputed, keystone gap 0.09).
+DEFAULT_REMEDY = Remedy(seam=16, prefix=True)

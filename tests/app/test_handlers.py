@@ -170,7 +170,8 @@ def test_remedy_info_and_menu_state_each_models_own_default_and_the_fastest_from
     monkeypatch.setattr(benchmarks_handlers, "STUDY_RESULTS", tmp_path)
     info = remedy_info(registry, None)
     assert info.startswith(
-        f"Default for {tiny} {DEFAULT_REMEDY.name}: keeps 34/35 decisive decisions of a full recompute (97%), first token ×2.60"
+        f"Default for {tiny.split(':')[0]} {DEFAULT_REMEDY.name}: keeps 34/35 decisive decisions of a full recompute (97%), "
+        "first token ×2.60"
     )
     assert "(compose_many-x-cpu). Why: no remedy keeps ≥ 97%" in info and "within the keystone bar" in info
     assert "Fastest: splice: keeps 32/35 decisive decisions of a full recompute (91%), first token ×5.80" in info
@@ -203,7 +204,9 @@ def test_remedy_info_and_menu_state_each_models_own_default_and_the_fastest_from
     assert remedy_for(registry, None, registry.get(), "") == DEFAULT_REMEDY
     monkeypatch.setattr(benchmarks_handlers, "STUDY_RESULTS", tmp_path / "none")
     assert "not measured for this model yet" in remedy_summary(registry, None)
-    assert remedy_info(registry, None).startswith(f"Default for {tiny} {DEFAULT_REMEDY.name}: not measured for this model yet. auto:")
+    assert remedy_info(registry, None).startswith(
+        f"Default for {tiny.split(':')[0]} {DEFAULT_REMEDY.name}: not measured for this model yet. auto:"
+    )
     assert remedy_menu(registry, None, [])[0] == (f"{DEFAULT_REMEDY.name} — not measured for this model yet (default)", DEFAULT_REMEDY.name)
 
 

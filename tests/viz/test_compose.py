@@ -150,20 +150,25 @@ def test_frontiers_figure_draws_each_model_beside_the_other_with_its_own_default
 
     small = {"splice": row(8, 6.0), "prefix+seam:1+blend:0.3": row(10, 3.5, 0.3)}
     large = {"splice": row(10, 5.0), "prefix+ape:0.9,0.9": row(10, 4.8)}
+    gaps = ({"splice": 0.6, "prefix+seam:1+blend:0.3": 0.07}, {})  # the small model's keystone: splice fails its bar
     studies = [
-        {"model": m, "dtype": d, "summary": s, **choice_record(s)}
-        for m, d, s in (("e:small", "float32", small), ("q:large", "bfloat16", large))
+        {"model": m, "dtype": d, "summary": s, **choice_record(s, g)}
+        for (m, d, s), g in zip((("e:small", "float32", small), ("q:large", "bfloat16", large)), gaps)
     ]
     figure = frontiers_figure(studies)
-    markers = [trace for trace in figure.data if trace.mode == "markers"]
-    assert [(m.name, m.xaxis, m.x[0], m.y[0]) for m in markers] == [
+    drawn = [trace for trace in figure.data if trace.mode == "markers" and trace.x[0] is not None]
+    assert [(m.name, m.xaxis, m.x[0], m.y[0]) for m in drawn] == [
         ("splice", "x", 6.0, 0.8),
         ("prefix+seam:1+blend:0.3", "x", 3.5, 1.0),
         ("splice", "x2", 5.0, 1.0),
         ("prefix+ape:0.9,0.9", "x2", 4.8, 1.0),
     ]
-    assert markers[0].marker.color == markers[2].marker.color and [m.showlegend for m in markers] == [True, True, False, True]
-    assert [m.marker.symbol for m in markers] == ["circle", "star", "star", "circle"]  # each panel stars its own default
+    assert drawn[0].marker.color == drawn[2].marker.color and not any(m.showlegend for m in drawn)
+    # each panel stars its own default; a remedy past the keystone bar is open, one unmeasured there filled
+    assert [m.marker.symbol for m in drawn] == ["circle-open", "star", "star", "circle"]
+    legend = [trace for trace in figure.data if trace.mode == "markers" and trace.x[0] is None]
+    assert [m.name for m in legend] == ["splice", "prefix+seam:1+blend:0.3", "prefix+ape:0.9,0.9"]  # one plain dot each
+    assert all(m.marker.symbol is None and m.showlegend is not False for m in legend)
     assert [a.text for a in figure.layout.annotations][:2] == ["small (float32)", "large (bfloat16)"]
     assert [shape.x0 for shape in figure.layout.shapes] == [pytest.approx(0.7 * 6.0), pytest.approx(0.7 * 5.0)]
     with pytest.raises(ValueError, match="at least one stored study"):

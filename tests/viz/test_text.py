@@ -24,8 +24,12 @@ def _decision(label: str, margin: float) -> Decision:
 
 
 def test_remedy_words_say_what_each_part_recomputes():
-    words = remedy_words(DEFAULT_REMEDY.as_dict())
-    assert "system prompt" in words and "its first token" in words and "15% of its other tokens" in words and "CacheBlend" in words
+    blend = remedy_words(Remedy.parse("prefix+seam:1+blend:0.15").as_dict())
+    assert "system prompt" in blend and "its first token" in blend and "15% of its other tokens" in blend and "CacheBlend" in blend
+    assert remedy_words(DEFAULT_REMEDY.as_dict()) == (
+        "the skill compiled after the scenario's own system prompt; its first 16 tokens recomputed against the real prefix (seam)"
+    )
+    assert "APE's rescaled attention (temperature 1, scale 0.7)" in remedy_words(Remedy.parse("prefix+ape:1,0.7").as_dict())
     adaptive = remedy_words(Remedy.parse("seam:1+tail:8+query:0.3+cover:0.5").as_dict())
     assert "its last 8 tokens recomputed against their real predecessors" in adaptive
     assert "at most 30% of its other tokens recomputed: those the question attends to most" in adaptive and "hold 50%" in adaptive
