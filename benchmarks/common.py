@@ -81,9 +81,10 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def write_result(name: str, lm: LoadedModel, data: dict, folder: Path) -> Path:
-    """Write <folder>/<name>-<model>-<device>.json with the environment and return its path."""
+    """Write <folder>/<name>-<model>-<device>.json with the environment and return its path (a hub id's ``/`` as ``_``)."""
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{name}-{lm.fingerprint.name.split(':')[0]}-{lm.device.type}.json"
+    model = lm.fingerprint.name.split(":")[0].replace("/", "_")
+    path = folder / f"{name}-{model}-{lm.device.type}.json"
     path.write_text(json.dumps({**environment(lm), **data}, indent=2))
     return path
 

@@ -387,7 +387,7 @@ def remedy_choice_figure(study: dict) -> go.Figure:
     measured = ", ".join(safe_label(str(study[key])) for key in ("model", "dtype") if study.get(key))
     set_title(
         figure,
-        f"Default remedy, {kind}: agreement vs speed",
+        f"Default remedy on {safe_label(str(study.get('model', '?')).split(':')[0])}: {kind}, {len(summary)} remedies",
         f"measured on {measured}" if measured else "",
         f"{len(study['cases'])} composed prompts; shaded: ≥ 97% decisive agreement at ≥ 70% of splice's speedup; {verdict}",
         subplot_titles=1,

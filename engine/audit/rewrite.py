@@ -206,8 +206,6 @@ def apply_template(text: str, log: RequestLog) -> RequestLog:
     none of them."""
     template = Template.parse(text)
     if not any(template.applies_to(request) for request in log.requests):
-        first = next((request for request in log.requests if request.messages is not None), None)
-        why = f": no line of {first.where} matches its {template.values(first)[1]!r}" if first else ": the log holds no chat request"
-        raise RequestLogError(f"the template applies to no request of the log{why}")
+        raise RequestLogError(f"the template applies to no request of the log: {template.why_not(log.requests[0])}")
     requests = tuple(template.apply(request) if template.applies_to(request) else request for request in log.requests)
     return RequestLog(requests, log.skipped, dict(log.formats))

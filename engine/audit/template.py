@@ -82,9 +82,6 @@ class Template:
         for line in read:
             if not PLACEHOLDER.sub("", line).strip():
                 raise RequestLogError(f"the template line {line!r} has no text beside its placeholder to find the value by")
-        unread = sorted({name for line in placing for name, _ in _placeholders(line, None)} - names)
-        if unread:
-            raise RequestLogError(f"the template places {{{unread[0]}}}, which no line of 'read' reads")
         for line in placing:
             for name, grain in _placeholders(line, names):
                 if grain is not None and grain not in GRAINS:
@@ -108,24 +105,32 @@ class Template:
         return values, missing
 
     def applies_to(self, request: Request) -> bool:
-        """Whether ``request`` is one this template is for: its lines give every placeholder a value."""
-        values, _ = self.values(request)
-        return request.messages is not None and self.names <= set(values)
+        """Whether ``request`` is one this template is for (:meth:`why_not` has nothing to say)."""
+        return self.why_not(request) is None
 
-    def apply(self, request: Request) -> Request:
-        """``request`` with its leading prompt messages replaced by the template's and the template's appended lines
-        at the end of its last message, each placeholder filled with ``request``'s own value."""
+    def why_not(self, request: Request) -> str | None:
+        """Why ``request`` is not one this template is for, or None where it is: it must be a chat request starting with
+        the template's prompt roles and then a conversation, whose lines give every placeholder a value."""
         if request.messages is None:
-            raise RequestLogError(f"{request.where} is a completions prompt: a template applies to chat requests")
+            return f"{request.where} is a completions prompt: a template applies to chat requests"
         roles = tuple(m.role for m in request.messages[: len(self.prompt)])
         if roles != tuple(role for role, _ in self.prompt) or len(request.messages) <= len(self.prompt):
-            raise RequestLogError(
+            return (
                 f"{request.where} starts with the roles {', '.join(roles)}, the template with "
                 f"{', '.join(role for role, _ in self.prompt)} and then the conversation"
             )
         values, missing = self.values(request)
         if not self.names <= set(values):
-            raise RequestLogError(f"{request.where}: no line matches the template's {missing!r}, so it has no value for it")
+            return f"no line of {request.where} matches the template's {missing!r}, so it has no value for it"
+        return None
+
+    def apply(self, request: Request) -> Request:
+        """``request`` with its leading prompt messages replaced by the template's and the template's appended lines
+        at the end of its last message, each placeholder filled with ``request``'s own value."""
+        why = self.why_not(request)
+        if why is not None:
+            raise RequestLogError(why)
+        values, _ = self.values(request)
         contents = [self._filled(content, values, request) for _, content in self.prompt] + list(request.contents[len(self.prompt) :])
         if self.appended:
             contents[-1] = with_lines_appended(contents[-1], [self._filled(line, values, request) for line in self.appended])
@@ -177,8 +182,9 @@ def _read_lines(items: object) -> tuple[str, ...]:
 
 def written_template(repair: str, new: RenderedRequest, fields: Sequence[FieldChange], grain: str | None = None) -> str:
     """The template that sends every request as prompt-level ``repair`` sent ``new`` (each changed field a
-    placeholder; ``coarsen``'s at ``grain``), built by the function that built the measured request
-    (:func:`engine.audit.repairs.repaired_request`). A completions prompt gives its text with the placeholders."""
+        placeholder; ``coarsen``'s at ``grain``), built by the function that built the measured request
+        (:func:`engine.audit.repairs.repaired_request`). A completions prompt gives its text with the placeholders (to read;
+    ``--template`` applies chat templates only)."""
     spec = f":{grain}" if repair == "coarsen" else ""
     sent = repaired_request(repair, new, fields, lambda change: "{" + change.name + spec + "}")
     if sent.messages is None:
@@ -201,4 +207,8 @@ def written_template(repair: str, new: RenderedRequest, fields: Sequence[FieldCh
         same = Template.parse(listed) == Template.parse(json.dumps(explicit))
     except RequestLogError:  # a literal {word} of the prompt would read as a placeholder in the list form
         same = False
-    return listed if same else json.dumps(explicit, indent=2, ensure_ascii=False)
+    if same:
+        return listed
+    written = json.dumps(explicit, indent=2, ensure_ascii=False)
+    Template.parse(written)  # what --template-out writes, --template reads: refused here, by name, if it could not
+    return written

@@ -121,8 +121,10 @@ REMEDY: Group = (
         "seam:N (first N tokens of each skill), tail:N (its last N tokens), aggregators, blend:F (top fraction F by "
         "layer-1 K/V deviation from a fresh prefill of layers 0–1, CacheBlend), query:F (top fraction F by the question's attention to "
         "the plain splice), cover:M (with blend or query: stop once the share M of its ranking's score is covered), "
-        "deviation:F or causal:F (top fraction F ranked against the full recompute; compose only), "
-        "or auto: this model's calibrated choice (measured once, minutes; kept in the cache dir)",
+        "deviation:F or causal:F (top fraction F ranked against the full recompute; compose only), ape:T,S (nothing "
+        "recomputed: APE's rescaled attention at temperature T, scale S; EPIC's sink:K is seam:K), "
+        "or auto: this model's calibrated choice (measured once, minutes; kept in the cache dir). "
+        "Default: the static default (the Composer opens on the loaded model's own stored study instead)",
     ),
 )
 EDITED_FIELD: Group = (arg("--field", help="the field to change (default: the first)"),)

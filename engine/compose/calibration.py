@@ -230,7 +230,12 @@ def measure_choice(
     else:
         choice = choose_remedy(summary, gaps, source=source)
     plan_data = {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(plan).items()}
-    measured = {"plan": plan_data, "cases": len(cases), "seconds": round(run.progress().elapsed_s, 1), "keystone_measured": bool(gaps)}
+    measured = {
+        "plan": plan_data,
+        "cases": len(cases),
+        "seconds": round(run.progress().elapsed_s, 1),
+        "keystone_separates_remedies": bool(gaps),  # the keystone ran and its edit moved the decision enough to judge remedies
+    }
     return replace(choice, measured=measured)
 
 

@@ -48,7 +48,7 @@ REMEDY_GRAMMAR = (  # the remedy language in plain words (the Composer's help sh
     "splice), deviation:F and causal:F (ranked against the full recompute: diagnostics), cover:M (with blend or query: "
     "stop once the share M of the ranking's score is covered); splice alone recomputes nothing. ape:T,S recomputes nothing "
     "either: every token computed after the skills reads them through APE's rescaled attention (their logits at "
-    "temperature T, their summed weight scaled by S; APE, arXiv 2502.05431). EPIC's sink:K (LegoLink) is seam:K; it "
+    "temperature T, their summed weight scaled by S; APE, arXiv 2502.05431). EPIC's sink:K (LegoLink) is seam:K (write it so); it "
     "differs from prefix in that it recomputes each skill's first K tokens in place, against their real predecessors, "
     "while prefix changes what the skill was compiled after and recomputes nothing."
 )

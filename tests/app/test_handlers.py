@@ -522,9 +522,10 @@ def test_every_stored_benchmark_result_of_a_known_kind_gets_a_figure():
     }
     assert len(figures) == sum(stem.split("-")[0] in kinds for stem in results) <= 24  # the Benchmarks tab's plot slots
     titles = [figure.layout.title.text for figure in figures]
-    assert any("--cache-reuse vs KVScope" in title for title in titles) and any(
-        "Default remedy, the short N-skill study" in title for title in titles
-    )
+    assert any("--cache-reuse vs KVScope" in title for title in titles)
+    assert any("Default remedy on embedded: the short N-skill study, 8 remedies" in title for title in titles)
+    assert any("Default remedy on qwen-1.5b: the short N-skill study" in title for title in titles)
+    assert len(set(titles)) == len(titles)  # each stored study says which model and remedies it holds
     assert any("A picture's K/V spliced behind text" in title for title in titles)
     audits = [stem for stem in results if stem.startswith("audit-")]
     assert sum(title.startswith("Audit of ") for title in titles) == len(audits)

@@ -60,3 +60,18 @@ STORED = [
 def test_every_stored_serving_and_soak_result_names_its_percentile(path: Path):
     data = json.loads(path.read_text())
     assert data["percentile"] == PERCENTILE or data["percentile"].startswith("nearest rank"), path
+
+
+def test_a_result_of_a_hub_model_is_written_in_the_folder_named_not_below_its_slash(tmp_path):
+    from types import SimpleNamespace
+
+    import torch
+
+    from benchmarks.common import write_result
+
+    lm = SimpleNamespace(
+        fingerprint=SimpleNamespace(name="Qwen/Qwen2-VL-2B-Instruct:abc", dtype="float32"),
+        device=torch.device("cpu"),
+    )
+    path = write_result("study", lm, {"x": 1}, tmp_path)
+    assert path == tmp_path / "study-Qwen_Qwen2-VL-2B-Instruct-cpu.json" and path.exists()

@@ -125,17 +125,16 @@ def test_a_template_applies_to_each_requests_own_values_and_its_reuse_is_counted
         ('[{"role": "system", "content": "{time}"}, {"role": "user", "content": "q"}]', "has no text beside its placeholder"),
         (
             '[{"role": "system", "content": "Today is {day}."}, {"role": "user", "content": "q"}]',
-            "the template applies to no request of the log: no line of line 1 (request 1) matches its 'Today is {day}.'",
+            "the template applies to no request of the log: no line of line 1 (request 1) matches the template's 'Today is {day}.'",
         ),
         ('{"messages": [{"role": "system", "content": "x"}], "why": 1}', "a template object holds 'messages' and 'read' only"),
         ('{"messages": [{"role": "system", "content": "x"}], "read": "time"}', "the template's 'read' must be a non-empty list"),
         ('{"messages": [{"role": "system", "content": "x"}], "read": ["at {t:date}"]}', "reads a value as logged: write {name}"),
         ('{"messages": [{"role": "system", "content": "x"}], "read": ["a\\nb {t}"]}', "must be one line holding a {placeholder}"),
-        ('{"messages": [{"role": "system", "content": "At {t}, {u}"}], "read": ["at {t}"]}', "the template places {u}, which no line"),
         ('[{"role": "system", "content": "At {t:week}"}, {"role": "user", "content": "q"}]', "{t:week}: unknown grain 'week'"),
         (
             '[{"role": "system", "content": "a"}, {"role": "system", "content": "b"}, {"role": "user", "content": "q"}]',
-            "starts with the roles",
+            "applies to no request of the log: line 1 (request 1) starts with the roles system, user, the template with system, system",
         ),
     ],
 )
@@ -180,6 +179,22 @@ def test_a_template_reads_values_from_lines_it_does_not_hold_and_leaves_another_
     assert apply_template(template, indented).requests[0].contents[1].endswith("time -> 2026-12-01 09:14; at 2026-12-01 09:00")
     with pytest.raises(RequestLogError, match=re.escape("line 1 (request 1): {time:hour}: 'soon' is not a date")):
         apply_template(template, read_log(_log(_request("soon", "q"))))
+
+
+def test_a_request_with_other_roles_is_sent_as_logged_and_a_literal_word_beside_a_read_value_stays_literal():
+    """A request whose lines hold the value but whose roles are not the template's (no system message) is another
+    prompt: kept as logged, not a refusal of the log. In the object form, a {word} beside a read placeholder is text."""
+    bare = {"messages": [{"role": "user", "content": "The current time is 2026-12-01 09:14.\nWhere is my parcel?"}]}
+    log = read_log(_log(_request("2026-12-01 09:14", "Where is my parcel?"), bare))
+    template = json.dumps(
+        {
+            "messages": [{"role": "system", "content": "Rules {as_json}. The current time is {time}."}, {"role": "user", "content": "q"}],
+            "read": ["The current time is {time}."],
+        }
+    )
+    rewritten = apply_template(template, log).requests
+    assert rewritten[0].contents[0] == "Rules {as_json}. The current time is 2026-12-01 09:14."
+    assert rewritten[1] == log.requests[1]
 
 
 def test_several_rewrites_measure_what_each_measures_alone(lm):
