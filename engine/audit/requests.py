@@ -95,6 +95,10 @@ class Request:
     session: str | None = None
     format: str = "openai_chat"
     breakpoints: tuple[CacheBreakpoint, ...] = ()
+    timestamp: float | None = None  # seconds since the epoch, where the record says when it was sent
+    model: str | None = None  # the model the record names (``model``, ``request_model``, ``gen_ai.request.model``)
+    observed_cached_tokens: int | None = None  # prompt tokens the server or provider reported cached; None: not reported
+    observed_cache_write_tokens: int | None = None  # tokens it reported writing to its cache (Anthropic, OTel); None: not reported
 
     @property
     def where(self) -> str:
@@ -226,9 +230,14 @@ def _array_item_lines(text: str, count: int) -> list[int]:
     return lines
 
 
+# What a reader may add beside the request it read: when it was sent, the model named, and what the server cached.
+_OBSERVED_KEYS = ("timestamp", "model", "observed_cached_tokens", "observed_cache_write_tokens")
+
+
 def _request(item: dict, index: int, line: int) -> Request:
     """A Request from one OpenAI-shaped request (``formats.read_record``'s output)."""
     common = {"session": item.get("session"), "format": item.get("format", "openai_chat")}
+    common |= {key: item[key] for key in _OBSERVED_KEYS if item.get(key) is not None}
     if "prompt" in item:
         return Request(index, line, prompt=item["prompt"], **common)
     messages = item["messages"]
