@@ -173,7 +173,12 @@ class BlockCache:
         for start in range(0, len(data) // self.block * self.block, self.block):
             parent = hash((parent, data[start : start + self.block].tobytes()))
             hashes.append(parent)
-        usable = (len(data) - 1) // self.block  # blocks wholly before the last token
+        return self.insert_keys(hashes, len(data), request)
+
+    def insert_keys(self, hashes: list[int], tokens: int, request: int) -> int:
+        """``insert`` from the request's block keys (one per whole block, each naming the block and every block before
+        it) and its length in tokens: for callers that hash once and simulate many budgets."""
+        usable = (tokens - 1) // self.block  # blocks wholly before the last token
         hits = next((n for n, key in enumerate(hashes[:usable]) if key not in self.blocks), min(usable, len(hashes)))
         for number in range(len(hashes) - 1, -1, -1):  # tail first: the head ends most recently used
             key = hashes[number]

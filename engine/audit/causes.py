@@ -30,6 +30,9 @@ CAUSES = {
     "history_rewritten": "earlier messages changed outside their text (roles, tool calls, messages dropped or inserted)",
     "short_prefix": "the common prefix is shorter than one block, so a block cache reuses none of it",
     "block_straddle": "the common prefix ends mid-block: a block cache recomputes the partial block",
+    "observed_shortfall": "the server reported fewer cached tokens than the simulated engine reuses (eviction, a replica, a TTL, "
+    "another block size or tokenizer)",
+    "observed_excess": "the server reported more cached tokens than the simulated engine reuses: the simulation missed something",
 }
 UNRELATED_FIELDS = 4  # more changed values (or messages) than this: the match is another prompt, not this one with new values
 _KINDS = {"datetime": "clock", "uuid": "id", "id": "id", "hex": "nonce", "number": "counter"}

@@ -18,6 +18,7 @@ from engine.audit.audit import AuditReport, AuditTurn, MeasureSettings, check_re
 from engine.audit.caches import ENGINES, BlockCache, CacheSettings, RadixCache, SlotCache
 from engine.audit.causes import Cause, another_prompt, causes_of
 from engine.audit.fields import TurnDiff, common_prefix, compare_requests
+from engine.audit.observed import hosted_summary, observed_summary, with_observed
 from engine.audit.repairs import REPAIRS, Turn
 from engine.audit.requests import RenderedRequest, RequestLog, RequestLogError, Skipped, render_batch
 from engine.cache.loaded import LoadedModel
@@ -44,6 +45,8 @@ class TrafficRequest:
     reused_tokens: dict[str, int]  # per engine (``caches.ENGINES``)
     signature: str
     breakpoints: tuple[tuple[str, int | None], ...] = ()  # (label, token the user asked the provider to cache up to)
+    observed_cached_tokens: int | None = None  # what the server reported cached (None: not reported)
+    hosted_reused_tokens: dict[str, int] = field(default_factory=dict)  # its hosted provider's simulated reuse (``hosted``)
 
     def as_dict(self) -> dict:
         return {
@@ -59,6 +62,8 @@ class TrafficRequest:
             "reused_tokens": dict(self.reused_tokens),
             "signature": self.signature,
             "cache_breakpoints": [{"label": label, "token": token} for label, token in self.breakpoints],
+            "observed_cached_tokens": self.observed_cached_tokens,
+            "hosted_reused_tokens": dict(self.hosted_reused_tokens),
         }
 
 
@@ -86,6 +91,7 @@ class TrafficScan:
     settings: CacheSettings
     rendered: dict[int, RenderedRequest] = field(repr=False)
     diffs: dict[int, TurnDiff] = field(repr=False)
+    observed_engine: str = "vllm"  # the engine the observed counts are compared with
 
     def sessions(self) -> list[SessionSummary]:
         """Per session (in order of first appearance): requests, tokens and reuse per engine."""
@@ -135,9 +141,11 @@ def scan_log(
     limit: int = 32_768,
     model: str = "this model",
     progress: StepProgress = None,
+    observed_engine: str = "vllm",
 ) -> TrafficScan:
     """The token pass: render, match, diff, causes and every simulated engine, over every request of ``log``
-    (a request that cannot be rendered is skipped by name)."""
+    (a request that cannot be rendered is skipped by name); then the observed counts against ``observed_engine``
+    and the hosted providers' caches (``observed.with_observed``)."""
     rendered = render_batch(tokenizer, log.requests, limit, model)
     skipped = list(log.skipped)
     good = []
@@ -172,7 +180,8 @@ def scan_log(
         rows.append(_row(new, matched if shared else None, shared, diff, causes, reused))
         if progress and (time % every == 0 or time == len(good)):
             progress(time, len(good))
-    return TrafficScan(tuple(rows), tuple(skipped), dict(log.formats), settings, kept, diffs)
+    rows = with_observed(rows, good, observed_engine, settings.block, model)
+    return TrafficScan(tuple(rows), tuple(skipped), dict(log.formats), settings, kept, diffs, observed_engine)
 
 
 def _compared(old: RenderedRequest | None, new: RenderedRequest, block: int) -> tuple[int, TurnDiff | None]:
@@ -340,6 +349,8 @@ class TrafficReport:
             "engines": {"settings": scan.settings.as_dict(), **scan.totals()},
             "sessions": [summary.as_dict() for summary in scan.sessions()],
             "causes": scan.cause_counts(),
+            "observed": observed_summary(scan).as_dict(),
+            "hosted": hosted_summary(scan),
             "requests": [row.as_dict() for row in scan.requests],
             "sample": self.sample,
             "sampled": self.sampled,
@@ -389,6 +400,7 @@ def audit_traffic(
     max_tokens: int | None = None,
     scan_progress: StepProgress = None,
     progress: StepProgress = None,
+    observed_engine: str = "vllm",
 ) -> TrafficReport:
     """The token pass over the whole log, then up to ``sample`` turns of each change signature measured with every
     repair (``scan_progress``: requests of the token pass; ``progress``: the measured steps)."""
@@ -406,7 +418,7 @@ def audit_traffic(
     if measure.tokens < 1:
         raise RequestLogError(f"generate at least one token per state, got {measure.tokens}")
     limit = max_tokens or int(lm.info().get("max_positions") or 32_768)
-    scan = scan_log(lm.tokenizer, log, settings, limit=limit, model=lm.name, progress=scan_progress)
+    scan = scan_log(lm.tokenizer, log, settings, limit=limit, model=lm.name, progress=scan_progress, observed_engine=observed_engine)
     if not scan.requests:
         raise RequestLogError(f"no request of the log could be read: {len(scan.skipped)} skipped, the first: {scan.skipped[0].message}")
     groups = sample_groups(scan, sample)
