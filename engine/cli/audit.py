@@ -10,6 +10,7 @@ from engine.audit.caches import CacheSettings
 from engine.audit.formats import AUTO as AUTO_FORMAT
 from engine.audit.formats import FORMATS
 from engine.audit.gate import QUANTITIES, gate, markdown, parse_conditions
+from engine.audit.observed import OBSERVED_ENGINES, fit_observed
 from engine.audit.repairs import GRAINS, PROMPT_REPAIRS, REPAIRS
 from engine.audit.requests import RequestLog, RequestLogError, parse_prompt, read_log
 from engine.audit.rewrite import apply_template, check_pairing, measure_rewrite
@@ -45,8 +46,12 @@ def cmd_audit(args: argparse.Namespace) -> dict:
             log(f"skipped {skipped.message}")
         steps = {"scan_progress": progress("token pass: requests"), "progress": progress("measured steps")}
         rewritten = _rewritten(args, request_log)
-        traffic = audit_traffic(lm, request_log, sample=args.sample, settings=settings, **steps, **options)
+        traffic = audit_traffic(
+            lm, request_log, sample=args.sample, settings=settings, observed_engine=args.observed_engine, **steps, **options
+        )
         result, report = traffic.as_dict(), traffic.measured_report()
+        if args.fit_observed:
+            result["observed"]["fit"] = fit_observed(traffic.scan).as_dict()
         if rewritten is not None:
             measured = measure_rewrite(
                 lm, request_log, rewritten, settings=settings, tokens=args.tokens, progress=progress("rewrite: requests")
@@ -94,6 +99,17 @@ AUDIT: Group = (
     arg("--kv-budget-tokens", type=int, help="SGLang radix-cache budget in tokens (default: unbounded)"),
     arg("--slots", type=int, help="llama.cpp server slots (default: one per session)"),
     arg("--cache-reuse", type=int, default=0, help="llama.cpp --cache-reuse N: shift cached chunks of at least N tokens (0: off)"),
+    arg(
+        "--observed-engine",
+        default="vllm",
+        choices=OBSERVED_ENGINES,
+        help="the simulated engine the log's observed cached tokens are compared with (observed_shortfall / observed_excess)",
+    ),
+    arg(
+        "--fit-observed",
+        action="store_true",
+        help="search block sizes and KV budgets for the settings that reproduce the most observed cached counts exactly",
+    ),
     arg("--repairs", help=f"comma-separated subset of: {', '.join(REPAIRS)} (recompute always runs)"),
     arg("--tokens", type=int, default=DEFAULT_TOKENS, help="greedy tokens generated per state"),
     arg("--threshold", type=float, default=DEFAULT_THRESHOLD, help="largest next-token KL a recommended repair may have"),

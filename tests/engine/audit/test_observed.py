@@ -15,8 +15,10 @@ from engine.audit.hosted import AnthropicCache, OpenAICache, anthropic_minimum, 
 from engine.audit.observed import fit_observed, hosted_summary, observed_summary
 from engine.audit.requests import RequestLog, read_log
 from engine.audit.traffic import TrafficRequest, TrafficScan, scan_log
+from engine.models import load_model
 from engine.models.tiny import tiny_tokenizer
 from tests.engine.audit.test_traffic import QWEN_TEMPLATE, _chat, _interleaved
+from tests.engine.test_cli import run_cli
 
 
 @pytest.fixture(scope="module")
@@ -233,3 +235,43 @@ def test_fit_observed_recovers_the_block_size_and_budget_that_made_the_counts(to
         assert fit["best"] == {"block": block, "budget_tokens": budget, "matches": 79, "share": 1.0}
         assert fit["tied"] == [{"block": block, "budget_tokens": budget, "matches": 79}]
         assert len(fit["tried"]) == 6 * 6
+
+
+def _gateway_log(counts: list[int | None]) -> str:
+    """A gateway log (request, response with OpenAI usage, timestamp) of one session growing turn by turn."""
+    system = "You are the help desk.\nPolicy: refunds within 30 days, exchanges within 60 days.\nBe brief and exact."
+    lines, messages = [], [{"role": "system", "content": system}]
+    for number, cached in enumerate(counts, 1):
+        messages = [*messages, {"role": "user", "content": f"Question {number}: where is parcel {number}?"}]
+        usage = {"prompt_tokens": 500} | ({} if cached is None else {"prompt_tokens_details": {"cached_tokens": cached}})
+        request = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "messages": messages, "user": "s1"}
+        lines.append(json.dumps({"request": request, "response": {"usage": usage}, "timestamp": 1_764_000_000 + 60 * number}))
+        messages = [*messages, {"role": "assistant", "content": f"Parcel {number} is on its way."}]
+    return "\n".join(lines)
+
+
+def test_the_cli_compares_a_gateway_logs_observed_counts_and_fits_them(tmp_path):
+    counts = [0, 0, None, 0]
+    text = _gateway_log(counts)
+    if all(request.observed_cached_tokens is None for request in read_log(text).requests):
+        pytest.skip("read_log does not yet read a gateway record's response usage (the exports readers fill it)")
+    path = tmp_path / "gateway.jsonl"
+    path.write_text(text)
+    lm = load_model("tiny-qwen2")
+    simulated = {row.request: row.reused_tokens["sglang"] for row in scan_log(lm.tokenizer, read_log(text)).requests}
+    code, audit = run_cli("audit", str(path), "--model", "tiny-qwen2", "--sample", "0", "--observed-engine", "sglang", "--fit-observed")
+    assert code == 0
+    assert [row["observed_cached_tokens"] for row in audit["requests"]] == counts
+    short = {row["request"]: c["tokens"] for row in audit["requests"] for c in row["causes"] if c["name"] == "observed_shortfall"}
+    assert short == {index: simulated[index] for index in (1, 2, 4) if simulated[index] > 0} and len(short) == 2
+    observed = audit["observed"]
+    assert (observed["engine"], observed["requests_with_count"], observed["requests_without_count"]) == ("sglang", 3, 1)
+    assert observed["hit_rate"]["observed"] == 0.0 and observed["equal"] == 1  # the cold first request
+    assert observed["fit"]["requests_with_count"] == 3 and observed["fit"]["best"]["matches"] >= 1
+
+
+def test_fit_observed_refuses_a_log_without_observed_counts(tmp_path):
+    path = tmp_path / "plain.jsonl"
+    path.write_text(_chat("You are brief.", ("user", "Hi")))
+    code, result = run_cli("audit", str(path), "--model", "tiny-qwen2", "--sample", "0", "--fit-observed")
+    assert code == 2 and "no request of the log reports a cached count" in result["error"]
