@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import plotly.graph_objects as go
 
 from engine.audit.causes import CAUSES
+from engine.audit.hosted import TOKENS_NOTE
+from engine.audit.observed import OBSERVED_CAUSES
 from engine.audit.requests import Skipped
 from viz.common import GREY, PALETTE, markdown_literal, safe_label
 
@@ -340,10 +342,11 @@ def session_name(session: str | None) -> str:
 
 
 def main_cause(row: Mapping) -> str:
-    """What a request is drawn as: its first cause (a ``CAUSES`` name), else ``growth`` when it only appends to its match,
-    else ``reused`` (identical to it)."""
-    if row["causes"]:
-        return row["causes"][0]["name"]
+    """What a request is drawn as: its first cause of a miss in its prompt (a ``CAUSES`` name; the observed gaps are
+    marked apart), else ``growth`` when it only appends to its match, else ``reused`` (identical to it)."""
+    prompt = [cause for cause in row["causes"] if cause["name"] not in OBSERVED_CAUSES]
+    if prompt:
+        return prompt[0]["name"]
     return "growth" if row["appended_tokens"] > 0 else REUSED
 
 
@@ -381,7 +384,9 @@ def _reuse_hover(row: Mapping) -> str:
 def session_timeline_figure(data: Mapping) -> go.Figure:
     """One row per session (in order of first appearance), its requests along the log (request number), each marker
     coloured by its first cause of a miss (``growth``: only appended; ``reused``: identical), its size by its tokens;
-    a grey line joins a session's requests. Hover: the match, every engine's reuse and every cause in words."""
+    a grey line joins a session's requests; a red ring marks each request the server served worse than the compared
+    engine (``observed_shortfall``). Hover: the match, every engine's reuse and every cause in words; the title names
+    the formats read."""
     rows = data["requests"]
     if not rows:
         return _empty("no request was read: nothing to draw")
@@ -418,9 +423,20 @@ def session_timeline_figure(data: Mapping) -> go.Figure:
             hovertext=[_reuse_hover(row) for row in own],
             hoverinfo="text",
         )
+    short = [row for row in rows if observed_gap(row, "observed_shortfall")]
+    if short:
+        figure.add_scatter(
+            x=[row["request"] for row in short],
+            y=[labels[session_name(row["session"])] for row in short],
+            mode="markers",
+            name=f"observed shortfall ({len(short):,})",
+            marker={"color": SHORTFALL_COLOUR, "size": 22, "symbol": "circle-open", "line": {"width": 2}},
+            hovertext=[_reuse_hover(row) for row in short],
+            hoverinfo="text",
+        )
     figure.update_layout(
         title="Requests per session, coloured by the cause of their miss<br><sup>marker size: tokens · hover: the match, "
-        "each engine's reuse and every cause</sup>",
+        f"each engine's reuse and every cause · {formats_words(data)}</sup>",
         xaxis={"title": "request (log order)"},
         yaxis={"title": "session", "type": "category", "categoryorder": "array", "categoryarray": [labels[n] for n in reversed(sessions)]},
         height=min(220 + 34 * len(sessions), 900),
@@ -431,8 +447,10 @@ def session_timeline_figure(data: Mapping) -> go.Figure:
 
 
 def engine_reuse_figure(data: Mapping) -> go.Figure:
-    """Per request (log order), the share of its tokens each simulated engine serves from its cache; the totals in the
-    legend."""
+    """Per request (log order), the share of its tokens each simulated engine serves from its cache (and each hosted
+    provider's, on its own requests), beside the share the server reported cached (``observed``: a gap where a request
+    reports none), the requests it served worse than the compared engine marked; the totals in the legend, the formats
+    read in the title."""
     rows = data["requests"]
     if not rows:
         return _empty("no request was read: nothing to draw")
@@ -453,6 +471,8 @@ def engine_reuse_figure(data: Mapping) -> go.Figure:
             ],
             hoverinfo="text",
         )
+    _hosted_lines(figure, data)
+    _observed_line(figure, data)
     settings = engines["settings"]
     budgets = ", ".join(
         f"{what} {settings[key]:,}" for key, what in (("budget_blocks", "vLLM blocks"), ("budget_tokens", "SGLang tokens")) if settings[key]
@@ -460,7 +480,7 @@ def engine_reuse_figure(data: Mapping) -> go.Figure:
     figure.update_layout(
         title=f"Tokens each engine reuses, per request<br><sup>{settings['block']}-token blocks · budgets: {budgets or 'unbounded'}"
         + (f" · llama.cpp --cache-reuse {settings['cache_reuse']}" if settings["cache_reuse"] else "")
-        + "</sup>",
+        + f" · {formats_words(data)}</sup>",
         xaxis={"title": "request (log order)"},
         yaxis={"title": "share of the request's tokens reused", "range": [0, 1.05], "tickformat": ".0%"},
         height=420,
@@ -468,6 +488,127 @@ def engine_reuse_figure(data: Mapping) -> go.Figure:
         margin={"t": 80},
     )
     return figure
+
+
+SHORTFALL_COLOUR = "#d62828"
+OBSERVED_COLOUR = "#111111"
+PROVIDER_LABELS = {"openai": "OpenAI (simulated)", "anthropic": "Anthropic (simulated)"}  # short names of ``hosted.PROVIDERS``
+
+
+def formats_words(data: Mapping) -> str:
+    """The formats the log was read in, with their request counts (escaped for plotly)."""
+    read = ", ".join(f"{safe_label(name, 30)} {count:,}" for name, count in data["formats"].items())
+    return f"formats read: {read or 'none'}"
+
+
+def observed_gap(row: Mapping, name: str) -> int:
+    """The tokens of a request's ``observed_shortfall`` or ``observed_excess`` cause (0 without one)."""
+    return sum(cause["tokens"] for cause in row["causes"] if cause["name"] == name)
+
+
+def _observed_line(figure: go.Figure, data: Mapping) -> None:
+    """The share each request's server reported cached (a gap where it reported none), and the shortfalls marked."""
+    rows = data["requests"]
+    counted = [row for row in rows if row.get("observed_cached_tokens") is not None]
+    if not counted:
+        return
+    observed = data.get("observed") or {}
+    tokens, cached = sum(row["tokens"] for row in counted), sum(row["observed_cached_tokens"] for row in counted)
+    figure.add_scatter(
+        x=[row["request"] for row in rows],
+        y=[None if row.get("observed_cached_tokens") is None else row["observed_cached_tokens"] / row["tokens"] for row in rows],
+        mode="lines+markers",
+        connectgaps=False,
+        name=f"observed: {cached:,} of {tokens:,} ({_share(cached, tokens)}), {len(counted):,} of {len(rows):,} requests report it",
+        line={"color": OBSERVED_COLOUR, "width": 3},
+        marker={"size": 7},
+        hovertext=[
+            f"request {row['request']}: the server reported {row.get('observed_cached_tokens')} of {row['tokens']:,} cached" for row in rows
+        ],
+        hoverinfo="text",
+    )
+    short = [row for row in counted if observed_gap(row, "observed_shortfall")]
+    if short:
+        engine = ENGINE_LABELS.get(observed.get("engine", "vllm"), "the engine")
+        figure.add_scatter(
+            x=[row["request"] for row in short],
+            y=[row["observed_cached_tokens"] / row["tokens"] for row in short],
+            mode="markers",
+            name=f"observed shortfall against {engine}: {len(short):,} requests",
+            marker={"color": SHORTFALL_COLOUR, "size": 14, "symbol": "x"},
+            hovertext=[
+                "<br>".join(safe_label(c["detail"], 110) for c in row["causes"] if c["name"] == "observed_shortfall") for row in short
+            ],
+            hoverinfo="text",
+        )
+
+
+def _hosted_lines(figure: go.Figure, data: Mapping) -> None:
+    """Each hosted provider's simulated share on its own requests."""
+    for index, (provider, label) in enumerate(PROVIDER_LABELS.items()):
+        own = [row for row in data["requests"] if provider in (row.get("hosted_reused_tokens") or {})]
+        if not own:
+            continue
+        tokens, reused = sum(row["tokens"] for row in own), sum(row["hosted_reused_tokens"][provider] for row in own)
+        figure.add_scatter(
+            x=[row["request"] for row in own],
+            y=[row["hosted_reused_tokens"][provider] / row["tokens"] for row in own],
+            mode="lines+markers",
+            name=f"{label}: {_share(reused, tokens)} of {len(own):,} requests",
+            line={"color": PALETTE[3 + index], "width": 2, "dash": "dashdot"},
+            marker={"size": 6},
+            hoverinfo="skip",
+        )
+
+
+def observed_markdown(data: Mapping) -> str:
+    """The observed counts beside the simulation in words: how many requests report one, the hit rates, the share where
+    observed equals simulated, the shortfalls and excesses, the fitted cache (with --fit-observed) and the hosted
+    providers' engines (empty for a stored result without these keys)."""
+    observed, hosted = data.get("observed"), data.get("hosted") or {}
+    lines = []
+    if observed:
+        counted = observed["requests_with_count"]
+        total = counted + observed["requests_without_count"]
+        if not counted:
+            read = ", ".join(f"{markdown_literal(name)} {count:,}" for name, count in data["formats"].items()) or "none"
+            lines.append(f"**Observed cached tokens**: none of the {total:,} requests reports one (formats read: {read}).")
+        else:
+            rates = observed["hit_rate"]
+            shown = " · ".join(
+                f"{ENGINE_LABELS.get(name) or PROVIDER_LABELS.get(name) or name} {_percent(rate)}" for name, rate in rates.items()
+            )
+            engine = ENGINE_LABELS.get(observed["engine"], observed["engine"])
+            short, excess = observed["shortfalls"], observed["excesses"]
+            lines += [
+                f"**Observed beside simulated** ({counted:,} of {total:,} requests report a cached count; compared with {engine}): "
+                f"hit rate {shown}",
+                "",
+                f"Observed equals {engine} on {observed['equal']:,} of {counted:,} ({_percent(observed['equal_share'])}); "
+                f"**{short['requests']:,} shortfall{'s' if short['requests'] != 1 else ''}** ({short['tokens']:,} tokens) · "
+                f"{excess['requests']:,} excess{'es' if excess['requests'] != 1 else ''} "
+                f"({excess['tokens']:,} tokens).",
+            ]
+            fit = observed.get("fit")
+            if fit:
+                best = fit["best"]
+                budget = "unbounded" if best["budget_tokens"] is None else f"{best['budget_tokens']:,} tokens"
+                lines.append(
+                    f"Best fit: {best['block']}-token blocks, KV budget {budget}: {best['matches']:,} of "
+                    f"{fit['requests_with_count']:,} exactly ({len(fit['tied'])} tied)."
+                )
+    if hosted:
+        providers = " · ".join(
+            f"{PROVIDER_LABELS[name]}: {entry['requests']:,} requests, hit rate {_percent(entry['hit_rate'])}"
+            for name, entry in hosted.items()
+            if name in PROVIDER_LABELS
+        )
+        lines += ["", f"**Hosted APIs**: {providers} ({markdown_literal(TOKENS_NOTE)})."]
+    return "\n".join(lines)
+
+
+def _percent(rate: float | None) -> str:
+    return "–" if rate is None else f"{rate:.0%}"
 
 
 def traffic_markdown(data: Mapping) -> str:
@@ -505,7 +646,8 @@ def traffic_markdown(data: Mapping) -> str:
         lines.append(f"| {markdown_literal(name)} | {markdown_literal(cause_words(name))} | {counts} |")
     if not data["causes"]:
         lines.append("| none | every request only grows the one it matches | | |")
-    return "\n".join(lines)
+    observed = observed_markdown(data)
+    return "\n".join([*lines, *(["", observed] if observed else [])])
 
 
 def _fidelity_words(fidelity: Mapping) -> str:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from engine.audit.traffic import TrafficRequest, TrafficScan
 
 OBSERVED_ENGINES = tuple(ENGINES)  # the engines --observed-engine may compare with
+OBSERVED_CAUSES = ("observed_shortfall", "observed_excess")  # causes of a gap to what the server reported, not of a miss
 TTL_HINT_SECONDS = 300.0  # a match this long past points to a time-to-live (the shortest documented: Anthropic's 5 minutes)
 FIT_BLOCKS = (1, 16, 32, 64, 128, 256)
 FIT_BUDGET_DIVISORS = (2, 4, 8, 16, 32)  # budgets tried: the log's working set divided by these (and unbounded)

@@ -246,3 +246,65 @@ def test_traffic_and_groups_markdown_name_sessions_causes_and_the_sample_escaped
     assert "not measured: a cold prefill has nothing cached to repair" in groups
     never = groups_markdown({**TRAFFIC, "groups": [{**TRAFFIC["groups"][0], "fidelity": {"hoist": {"applicable": 0}}}]})
     assert "| not applicable: hoist |" in never
+
+
+def _observed_traffic() -> dict:
+    """TRAFFIC with observed counts (request 2 reports none; request 4 is a shortfall of 32 tokens against vLLM), a
+    fit, one request to OpenAI, and a format name to escape."""
+    counts = {1: 0, 2: None, 3: 64, 4: 16, 5: 112}
+    rows = []
+    for row in ROWS:
+        row = {**row, "observed_cached_tokens": counts[row["request"]], "hosted_reused_tokens": {}}
+        if row["request"] == 4:
+            row["causes"] = [{"name": "observed_shortfall", "field": None, "detail": "observed 16 <x>: 32 fewer", "tokens": 32}]
+        if row["request"] == 5:
+            row["hosted_reused_tokens"] = {"openai": 0}
+        rows.append(row)
+    observed = {
+        "engine": "vllm",
+        "requests_with_count": 4,
+        "requests_without_count": 1,
+        "tokens": 400,
+        "observed_tokens": 192,
+        "hit_rate": {"observed": 0.48, "vllm": 0.56, "sglang": 0.5975, "llama_cpp": 0.5975},
+        "equal": 3,
+        "equal_share": 0.75,
+        "shortfalls": {"requests": 1, "tokens": 32},
+        "excesses": {"requests": 0, "tokens": 0},
+        "fit": {
+            "requests_with_count": 4,
+            "working_set_tokens": 300,
+            "best": {"block": 32, "budget_tokens": 150, "matches": 4, "share": 1.0},
+            "tied": [{"block": 32, "budget_tokens": 150, "matches": 4}],
+            "tried": [],
+        },
+    }
+    hosted = {"openai": {"rule": "", "requests": 1, "tokens": 120, "reused_tokens": 0, "hit_rate": 0.0}, "note": "n"}
+    return {**TRAFFIC, "formats": {"litellm<x>": 5}, "requests": rows, "observed": observed, "hosted": hosted}
+
+
+def test_the_timelines_draw_the_observed_line_mark_the_shortfalls_and_name_the_formats():
+    data = _observed_traffic()
+    sessions = session_timeline_figure(data)
+    ring = [trace for trace in sessions.data if trace.name == "observed shortfall (1)"]
+    assert len(ring) == 1 and list(ring[0].x) == [4] and list(ring[0].y) == [NO_SESSION]
+    assert {trace.name for trace in sessions.data if trace.mode == "markers"} >= {"growth"}  # request 4 still drawn by its prompt
+    assert "formats read: litellm&lt;x&gt; 5" in sessions.layout.title.text
+    engines = engine_reuse_figure(data)
+    traces = {trace.name.split(":")[0]: trace for trace in engines.data}
+    observed = traces["observed"]
+    assert list(observed.y) == [0.0, None, 64 / 120, 16 / 60, 112 / 120] and observed.connectgaps is False
+    assert observed.name == "observed: 192 of 400 (48%), 4 of 5 requests report it"
+    assert (
+        list(traces["observed shortfall against vLLM"].x) == [4] and "&lt;x&gt;" in traces["observed shortfall against vLLM"].hovertext[0]
+    )
+    assert list(traces["OpenAI (simulated)"].x) == [5]
+    assert "formats read: litellm&lt;x&gt; 5" in engines.layout.title.text
+    text = traffic_markdown(data)
+    assert "(4 of 5 requests report a cached count; compared with vLLM): hit rate observed 48% · vLLM 56% · SGLang 60%" in text
+    assert "Observed equals vLLM on 3 of 4 (75%); **1 shortfall** (32 tokens) · 0 excesses (0 tokens)." in text
+    assert "Best fit: 32-token blocks, KV budget 150 tokens: 4 of 4 exactly (1 tied)." in text
+    assert "**Hosted APIs**: OpenAI (simulated): 1 requests, hit rate 0%" in text
+    none = traffic_markdown({**data, "observed": {**data["observed"], "requests_with_count": 0, "requests_without_count": 5}})
+    assert "none of the 5 requests reports one (formats read: litellm&lt;x&gt; 5)" in none
+    assert "observed" not in {trace.name.split(":")[0] for trace in engine_reuse_figure(TRAFFIC).data}  # a stored result without counts
