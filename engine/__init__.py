@@ -71,6 +71,8 @@ Auditing request logs
 ``AuditReport``            the measured turns; ``MeasureSettings``: repairs, greedy tokens and the bars, with defaults
 ``REPAIRS``                every audit repair by name (``REPAIR_SUMMARIES``: each in a line); ``GRAINS``: date-time grains
 ``CacheSettings``          the simulated engines' settings (vLLM blocks, SGLang budget, llama.cpp slots)
+``OBSERVED_ENGINES``       the engines a log's observed cached tokens are compared with; ``fit_observed``: the cache
+                           settings that reproduce them
 ``prefix_cache_stop``      where an exact prefix cache stops in a turn's text; ``appended_chars``: what was appended
 ``notes_scenario``         the scenario the Notes tab studies from an audit (``NotesScenario``); ``scenario_toml``
 ``repaired_template``      the prompt template that keeps the cached prefix stable
@@ -137,6 +139,7 @@ _PUBLIC = {
     "MessageProgress": "engine.progress",
     "Notebook": "engine.cache.notebook",
     "NotesScenario": "engine.audit.notes",
+    "OBSERVED_ENGINES": "engine.audit.observed",
     "PLACEMENTS": "engine.compose.placing",
     "PROBES": "engine.probes.registry",
     "REPAIRS": "engine.audit.repairs",
@@ -193,6 +196,7 @@ _PUBLIC = {
     "dtype_name": "engine.models",
     "expected_parameter_bytes": "engine.models",
     "find_span": "engine.audit.spans",
+    "fit_observed": "engine.audit.observed",
     "first_field_values": "engine.compose.study",
     "fraction": "engine.progress",
     "is_offline_alias": "engine.models",
@@ -257,6 +261,7 @@ __all__ = [
     "ModelRemedies",
     "Notebook",
     "NotesScenario",
+    "OBSERVED_ENGINES",
     "PLACEMENTS",
     "PROBES",
     "RENAMED_STRATEGIES",
@@ -312,6 +317,7 @@ __all__ = [
     "dtype_name",
     "expected_parameter_bytes",
     "find_span",
+    "fit_observed",
     "first_field_values",
     "fraction",
     "is_offline_alias",

@@ -641,10 +641,11 @@ def traffic_markdown(data: Mapping) -> str:
     if len(sessions) > MAX_TABLE_ROWS:
         lines.append(f"\n{len(sessions) - MAX_TABLE_ROWS:,} more sessions in the JSON.")
     lines += ["", "**Causes of the misses**", "", "| cause | what it means | requests | tokens recomputed |", "|---|---|---:|---:|"]
-    for name, entry in sorted(data["causes"].items(), key=lambda item: -item[1]["tokens"]):
+    misses = {name: entry for name, entry in data["causes"].items() if name not in OBSERVED_CAUSES}  # the gaps: their own section
+    for name, entry in sorted(misses.items(), key=lambda item: -item[1]["tokens"]):
         counts = f"{entry['requests']:,} | {entry['tokens']:,}"
         lines.append(f"| {markdown_literal(name)} | {markdown_literal(cause_words(name))} | {counts} |")
-    if not data["causes"]:
+    if not misses:
         lines.append("| none | every request only grows the one it matches | | |")
     observed = observed_markdown(data)
     return "\n".join([*lines, *(["", observed] if observed else [])])

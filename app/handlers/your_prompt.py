@@ -15,6 +15,7 @@ from app.state import ExportFolder, ModelRegistry, SessionStore
 from engine import (
     DEFAULT_SAMPLE,
     GRAINS,
+    OBSERVED_ENGINES,
     REPAIRS,
     AuditReport,
     CacheSettings,
@@ -147,11 +148,15 @@ def run_audit(
     y: str = "kl",
     sample=DEFAULT_SAMPLE,
     engines: CacheSettings = CacheSettings(),
+    observed_engine: str = "vllm",
     progress: MessageProgress | None = None,
 ) -> AuditView:
     """Audit a request log as traffic: the token pass over every request (sessions, matches, causes, the simulated
-    engines), then every repair measured on up to ``sample`` turns of each change signature (malformed records are
-    skipped and named). The measured turns are kept for this session (Open in Notes, export, redrawn axes)."""
+    engines, and the observed cached counts against ``observed_engine``), then every repair measured on up to ``sample``
+    turns of each change signature (malformed records are skipped and named). The measured turns are kept for this
+    session (Open in Notes, export, redrawn axes)."""
+    if observed_engine not in OBSERVED_ENGINES:
+        raise AppError(f"observed counts are compared with one of {', '.join(OBSERVED_ENGINES)}, got {observed_engine!r}")
     log = read_log(_audit_text(text, "a request log (one JSON request a line)"))
     sample = number(sample, "--sample K", DEFAULT_SAMPLE)
     profile = registry.profile
@@ -168,6 +173,7 @@ def run_audit(
         log,
         sample=fits,
         settings=engines,
+        observed_engine=observed_engine,
         max_tokens=profile.max_context_tokens,
         scan_progress=_steps(progress, "token pass: requests"),
         progress=_steps(progress, "measured steps"),

@@ -24,7 +24,7 @@ from app.handlers.your_prompt import (
 from app.inputs import LenientCheckboxGroup, LenientSlider
 from app.page import Page, message_progress, step_progress
 from app.tabs.notes import NotesInputs
-from engine import DEFAULT_SAMPLE, GRAINS, REPAIR_SUMMARIES, CacheSettings, bundled_logs
+from engine import DEFAULT_SAMPLE, GRAINS, OBSERVED_ENGINES, REPAIR_SUMMARIES, CacheSettings, bundled_logs
 from viz.common import markdown_literal
 from viz.text import glossary
 
@@ -35,7 +35,9 @@ with the earlier request it shares the longest prefix with, sessions are kept ap
 tools changed, a prefix ending mid-block…), and three engines' caches are simulated (vLLM blocks, SGLang's radix tree,
 llama.cpp's slots). Turns are grouped by what changed; the model then measures every repair on up to *K* turns of each group
 against a clean prefill of the new request (next-token KL, top-1, N greedy tokens) and recommends the cheapest within your
-threshold. Malformed records are skipped and named. For one prompt, open *One prompt* below and change a value."""
+threshold. Malformed records are skipped and named. Where a record says what the server cached, that count is drawn beside
+the simulated engines and each request it served worse is marked, with what could explain it; requests to OpenAI or
+Anthropic models also get that provider's caching simulated. For one prompt, open *One prompt* below and change a value."""
 ONE_PROMPT_INTRO = (
     "Paste one prompt above (plain text is one user message). *Find volatile spans* marks dates and times, ids, hex "
     "strings, numbers and `key: value` values in the rendered prompt; pick one (or type the text to change), type "
@@ -108,6 +110,12 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
                     budget_blocks = gr.Number(0, precision=0, label="vLLM block budget (0: unbounded)", elem_id="audit-budget-blocks")
                     budget_tokens = gr.Number(0, precision=0, label="SGLang token budget (0: unbounded)", elem_id="audit-budget-tokens")
                     cache_reuse = gr.Number(0, precision=0, label="llama.cpp --cache-reuse N (0: off)", elem_id="audit-cache-reuse")
+                    observed_engine = gr.Dropdown(
+                        list(OBSERVED_ENGINES),
+                        value="vllm",
+                        label="the engine the log's observed cached tokens are compared with",
+                        elem_id="audit-observed-engine",
+                    )
                 audit_button = gr.Button("Audit the log", variant="primary", elem_id="run-audit")
         with gr.Accordion("One prompt: change a value", open=False, elem_id="audit-one-prompt"):
             gr.Markdown(ONE_PROMPT_INTRO)
@@ -189,7 +197,15 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
 
     audit_button.click(
         on_audit,
-        inputs_kwargs={"session": page.session, "spec": page.spec, "text": log_text, **measure, "sample": sample, **engines},
+        inputs_kwargs={
+            "session": page.session,
+            "spec": page.spec,
+            "text": log_text,
+            **measure,
+            "sample": sample,
+            **engines,
+            "observed_engine": observed_engine,
+        },
         outputs=shown,
         api_name="audit",
         **page.model_bound(),

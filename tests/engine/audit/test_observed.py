@@ -237,22 +237,26 @@ def test_fit_observed_recovers_the_block_size_and_budget_that_made_the_counts(to
         assert len(fit["tried"]) == 6 * 6
 
 
-def _gateway_log(counts: list[int | None]) -> str:
-    """A gateway log (request, response with OpenAI usage, timestamp) of one session growing turn by turn."""
+def gateway_log(counts: list[int | None], sessions: int = 1) -> str:
+    """A gateway log (request, response with OpenAI usage, timestamp a minute apart) of ``sessions`` help-desk
+    sessions, interleaved, each growing turn by turn; request k reports ``counts[k - 1]`` cached tokens (None: no
+    count in its usage)."""
     system = "You are the help desk.\nPolicy: refunds within 30 days, exchanges within 60 days.\nBe brief and exact."
-    lines, messages = [], [{"role": "system", "content": system}]
+    lines, history = [], {}
     for number, cached in enumerate(counts, 1):
-        messages = [*messages, {"role": "user", "content": f"Question {number}: where is parcel {number}?"}]
+        session = f"s{(number - 1) % sessions + 1}"
+        messages = [*history.get(session, [{"role": "system", "content": system}])]
+        messages.append({"role": "user", "content": f"Question {number}: where is parcel {number}?"})
         usage = {"prompt_tokens": 500} | ({} if cached is None else {"prompt_tokens_details": {"cached_tokens": cached}})
-        request = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "messages": messages, "user": "s1"}
+        request = {"model": "Qwen/Qwen2.5-0.5B-Instruct", "messages": messages, "user": session}
         lines.append(json.dumps({"request": request, "response": {"usage": usage}, "timestamp": 1_764_000_000 + 60 * number}))
-        messages = [*messages, {"role": "assistant", "content": f"Parcel {number} is on its way."}]
+        history[session] = [*messages, {"role": "assistant", "content": f"Parcel {number} is on its way."}]
     return "\n".join(lines)
 
 
 def test_the_cli_compares_a_gateway_logs_observed_counts_and_fits_them(tmp_path):
     counts = [0, 0, None, 0]
-    text = _gateway_log(counts)
+    text = gateway_log(counts)
     if all(request.observed_cached_tokens is None for request in read_log(text).requests):
         pytest.skip("read_log does not yet read a gateway record's response usage (the exports readers fill it)")
     path = tmp_path / "gateway.jsonl"
