@@ -13,10 +13,9 @@ a grid of block sizes and KV budgets, and names the settings that reproduce the 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
@@ -24,9 +23,6 @@ from engine.audit.caches import ENGINES, BlockCache
 from engine.audit.causes import Cause
 from engine.audit.hosted import PROVIDERS, TOKENS_NOTE, hosted_reuse, provider_of
 from engine.audit.requests import RenderedRequest, Request, RequestLogError
-
-if TYPE_CHECKING:
-    from engine.audit.traffic import TrafficRequest, TrafficScan
 
 OBSERVED_ENGINES = tuple(ENGINES)  # the engines --observed-engine may compare with
 OBSERVED_CAUSES = ("observed_shortfall", "observed_excess")  # causes of a gap to what the server reported, not of a miss
@@ -36,11 +32,33 @@ FIT_BUDGET_DIVISORS = (2, 4, 8, 16, 32)  # budgets tried: the log's working set 
 EXPLANATIONS = "eviction under a budget, another replica, a time-to-live, another block size, or a tokenizer that is not the served model's"
 
 
-def with_observed(
-    rows: Sequence[TrafficRequest], rendered: Sequence[RenderedRequest], engine: str, block: int, model: str
-) -> list[TrafficRequest]:
-    """The token pass's rows (in log order, one per ``rendered``) with their observed counts, their observed causes
-    against ``engine`` and, for requests to a hosted API, their provider's simulated reuse."""
+class Row(Protocol):
+    """What this module reads of a token pass's row (``traffic.Row``)."""
+
+    request: int
+    session: str | None
+    tokens: int
+    matched_request: int | None
+    common_prefix_tokens: int
+    causes: tuple[Cause, ...]
+    reused_tokens: dict[str, int]
+    breakpoints: tuple[tuple[str, int | None], ...]
+    observed_cached_tokens: int | None
+    hosted_reused_tokens: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What one request adds to its row: the observed count, its gap cause (if any), its provider's simulated reuse."""
+
+    observed_cached_tokens: int | None
+    causes: tuple[Cause, ...]
+    hosted_reused_tokens: dict[str, int]
+
+
+def observe(rows: Sequence[Row], rendered: Sequence[RenderedRequest], engine: str, block: int, model: str) -> list[Observation]:
+    """Per row of the token pass (in log order, one per ``rendered``): its observed count, its observed cause against
+    ``engine`` and, for a request to a hosted API, its provider's simulated reuse."""
     if engine not in OBSERVED_ENGINES:
         raise RequestLogError(f"--observed-engine is one of {', '.join(OBSERVED_ENGINES)}, got {engine!r}")
     hosted = hosted_reuse(rendered, [[token for _, token in row.breakpoints] for row in rows])
@@ -48,15 +66,15 @@ def with_observed(
     out = []
     for row, item, provider in zip(rows, rendered, hosted):
         observed = item.request.observed_cached_tokens
-        extra = () if observed is None else evidence.causes(row, observed, row.reused_tokens[engine], engine)
-        out.append(dataclasses.replace(row, observed_cached_tokens=observed, hosted_reused_tokens=provider, causes=row.causes + extra))
+        causes = () if observed is None else evidence.causes(row, observed, row.reused_tokens[engine], engine)
+        out.append(Observation(observed, causes, provider))
     return out
 
 
 class _Evidence:
     """What the log says about a request's observed gap: times, sessions, tokens in between, the model named."""
 
-    def __init__(self, rows: Sequence[TrafficRequest], requests: Mapping[int, Request], block: int, model: str):
+    def __init__(self, rows: Sequence[Row], requests: Mapping[int, Request], block: int, model: str):
         self.requests = requests
         self.block = block
         self.model = model
@@ -64,7 +82,7 @@ class _Evidence:
         self.before = np.concatenate([[0], np.cumsum([row.tokens for row in rows])])  # tokens of the rows before each position
         self.sessions = {row.request: row.session for row in rows}
 
-    def causes(self, row: TrafficRequest, observed: int, simulated: int, engine: str) -> tuple[Cause, ...]:
+    def causes(self, row: Row, observed: int, simulated: int, engine: str) -> tuple[Cause, ...]:
         if observed == simulated:
             return ()
         gap = abs(observed - simulated)
@@ -76,7 +94,7 @@ class _Evidence:
         found = self.excess(row, observed, simulated, engine)
         return (Cause("observed_excess", f"{said}: {gap:,} more; the simulation missed {'; or '.join(found)}", gap),)
 
-    def shortfall(self, row: TrafficRequest, observed: int, simulated: int, engine: str) -> list[str]:
+    def shortfall(self, row: Row, observed: int, simulated: int, engine: str) -> list[str]:
         usable = min(row.common_prefix_tokens, row.tokens - 1)
         found = []
         size = _block_size(observed, usable, [b for b in FIT_BLOCKS if b > (self.block if engine == "vllm" else 1)])
@@ -99,7 +117,7 @@ class _Evidence:
             found.append(named)
         return found
 
-    def excess(self, row: TrafficRequest, observed: int, simulated: int, engine: str) -> list[str]:
+    def excess(self, row: Row, observed: int, simulated: int, engine: str) -> list[str]:
         usable = min(row.common_prefix_tokens, row.tokens - 1)
         found = []
         if observed > usable:
@@ -181,10 +199,10 @@ def _rate(part: int, whole: int) -> float | None:
     return round(part / whole, 4) if whole else None
 
 
-def observed_summary(scan: TrafficScan) -> ObservedSummary:
+def observed_summary(rows: Sequence[Row], engine: str) -> ObservedSummary:
     """The log's observed hit rate beside each engine's (the simulated ones and any hosted provider's, each over the
-    requests with a count that it covers), and how many requests match the compared engine exactly."""
-    counted = [row for row in scan.requests if row.observed_cached_tokens is not None]
+    requests with a count that it covers), and how many requests match the compared ``engine`` exactly."""
+    counted = [row for row in rows if row.observed_cached_tokens is not None]
     reused = {engine: (sum(r.reused_tokens[engine] for r in counted), sum(r.tokens for r in counted)) for engine in ENGINES}
     for provider in PROVIDERS:
         covered = [row for row in counted if provider in row.hosted_reused_tokens]
@@ -196,24 +214,24 @@ def observed_summary(scan: TrafficScan) -> ObservedSummary:
         return len(found), sum(found)
 
     return ObservedSummary(
-        scan.observed_engine,
+        engine,
         len(counted),
-        len(scan.requests) - len(counted),
+        len(rows) - len(counted),
         sum(row.tokens for row in counted),
         sum(row.observed_cached_tokens for row in counted),
         reused,
-        sum(row.observed_cached_tokens == row.reused_tokens[scan.observed_engine] for row in counted),
+        sum(row.observed_cached_tokens == row.reused_tokens[engine] for row in counted),
         gaps("observed_shortfall"),
         gaps("observed_excess"),
     )
 
 
-def hosted_summary(scan: TrafficScan) -> dict:
+def hosted_summary(rows: Sequence[Row]) -> dict:
     """Per hosted provider the log's requests name: its rule, the requests, tokens and tokens its simulation reuses, and
     the hit rate (empty for a log of no hosted model)."""
     out = {}
     for provider, rule in PROVIDERS.items():
-        covered = [row for row in scan.requests if provider in row.hosted_reused_tokens]
+        covered = [row for row in rows if provider in row.hosted_reused_tokens]
         if covered:
             tokens, reused = sum(r.tokens for r in covered), sum(r.hosted_reused_tokens[provider] for r in covered)
             out[provider] = {
@@ -277,15 +295,20 @@ def _powers(base: int, count: int) -> np.ndarray:
     return np.cumprod(np.full(count, base, dtype=np.uint64))
 
 
-def fit_observed(scan: TrafficScan, blocks: Sequence[int] = FIT_BLOCKS, budgets: Sequence[int | None] | None = None) -> ObservedFit:
+def fit_observed(
+    rows: Sequence[Row],
+    rendered: Mapping[int, RenderedRequest],
+    blocks: Sequence[int] = FIT_BLOCKS,
+    budgets: Sequence[int | None] | None = None,
+) -> ObservedFit:
     """The block size and KV budget (tokens) of a vLLM-style block cache that reproduce the most observed counts
-    exactly: the token pass's ids are hashed once, and only the cache is re-run per setting. ``budgets``: by default
-    unbounded, then the log's working set halved, quartered, ... (``FIT_BUDGET_DIVISORS``)."""
-    rows = scan.requests
+    exactly, over the token pass's ``rows`` and their tokens (``rendered``, by request): the ids are hashed once, and
+    only the cache is re-run per setting. ``budgets``: by default unbounded, then the log's working set halved,
+    quartered, ... (``FIT_BUDGET_DIVISORS``)."""
     counted = [(n, row.observed_cached_tokens) for n, row in enumerate(rows) if row.observed_cached_tokens is not None]
     if not counted:
         raise RequestLogError("--fit-observed needs observed cached tokens: no request of the log reports a cached count")
-    ids = [scan.rendered[row.request].token_ids for row in rows]
+    ids = [rendered[row.request].token_ids for row in rows]
     longest = max(len(item) for item in ids)
     powers, inverses = _powers(_P, longest), _powers(_P_INVERSE, longest)
     keys = [prefix_keys(item, powers, inverses) for item in ids]

@@ -10,6 +10,7 @@ a clean prefill (``measure_turn``, as the per-turn audit does), so the model's c
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +19,7 @@ from engine.audit.audit import AuditReport, AuditTurn, MeasureSettings, check_re
 from engine.audit.caches import ENGINES, BlockCache, CacheSettings, RadixCache, SlotCache
 from engine.audit.causes import Cause, another_prompt, causes_of
 from engine.audit.fields import TurnDiff, common_prefix, compare_requests
-from engine.audit.observed import hosted_summary, observed_summary, with_observed
+from engine.audit.observed import hosted_summary, observe, observed_summary
 from engine.audit.repairs import REPAIRS, Turn
 from engine.audit.requests import RenderedRequest, RequestLog, RequestLogError, Skipped, render_batch
 from engine.cache.loaded import LoadedModel
@@ -145,7 +146,7 @@ def scan_log(
 ) -> TrafficScan:
     """The token pass: render, match, diff, causes and every simulated engine, over every request of ``log``
     (a request that cannot be rendered is skipped by name); then the observed counts against ``observed_engine``
-    and the hosted providers' caches (``observed.with_observed``)."""
+    and the hosted providers' caches (``observed.observe``)."""
     rendered = render_batch(tokenizer, log.requests, limit, model)
     skipped = list(log.skipped)
     good = []
@@ -180,7 +181,13 @@ def scan_log(
         rows.append(_row(new, matched if shared else None, shared, diff, causes, reused))
         if progress and (time % every == 0 or time == len(good)):
             progress(time, len(good))
-    rows = with_observed(rows, good, observed_engine, settings.block, model)
+    seen = observe(rows, good, observed_engine, settings.block, model)
+    rows = [
+        dataclasses.replace(
+            row, observed_cached_tokens=o.observed_cached_tokens, causes=row.causes + o.causes, hosted_reused_tokens=o.hosted_reused_tokens
+        )
+        for row, o in zip(rows, seen)
+    ]
     return TrafficScan(tuple(rows), tuple(skipped), dict(log.formats), settings, kept, diffs, observed_engine)
 
 
@@ -349,8 +356,8 @@ class TrafficReport:
             "engines": {"settings": scan.settings.as_dict(), **scan.totals()},
             "sessions": [summary.as_dict() for summary in scan.sessions()],
             "causes": scan.cause_counts(),
-            "observed": observed_summary(scan).as_dict(),
-            "hosted": hosted_summary(scan),
+            "observed": observed_summary(scan.requests, scan.observed_engine).as_dict(),
+            "hosted": hosted_summary(scan.requests),
             "requests": [row.as_dict() for row in scan.requests],
             "sample": self.sample,
             "sampled": self.sampled,

@@ -51,7 +51,7 @@ def cmd_audit(args: argparse.Namespace) -> dict:
         )
         result, report = traffic.as_dict(), traffic.measured_report()
         if args.fit_observed:
-            result["observed"]["fit"] = fit_observed(traffic.scan).as_dict()
+            result["observed"]["fit"] = fit_observed(traffic.scan.requests, traffic.scan.rendered).as_dict()
         if rewritten is not None:
             measured = measure_rewrite(
                 lm, request_log, rewritten, settings=settings, tokens=args.tokens, progress=progress("rewrite: requests")

@@ -52,7 +52,7 @@ def test_shortfalls_and_excesses_are_found_exactly_where_put_and_nowhere_else(to
     assert _named(scan, "observed_shortfall") == {6: 16, 10: 48}
     assert _named(scan, "observed_excess") == {15: 5}
     assert [row.observed_cached_tokens for row in scan.requests if row.request in (3, 8)] == [None, None]
-    summary = observed_summary(scan).as_dict()
+    summary = observed_summary(scan.requests, "vllm").as_dict()
     assert (summary["requests_with_count"], summary["requests_without_count"], summary["equal"]) == (38, 2, 35)
     assert summary["equal_share"] == pytest.approx(35 / 38, abs=1e-4)
     assert summary["shortfalls"] == {"requests": 2, "tokens": 64} and summary["excesses"] == {"requests": 1, "tokens": 5}
@@ -61,7 +61,7 @@ def test_shortfalls_and_excesses_are_found_exactly_where_put_and_nowhere_else(to
         tokenizer, _observed(log, {row.request: row.reused_tokens["sglang"] for row in scan.requests}), observed_engine="sglang"
     )
     assert not _named(against, "observed_shortfall") and not _named(against, "observed_excess")
-    assert observed_summary(against).as_dict()["equal_share"] == 1.0
+    assert observed_summary(against.requests, "sglang").as_dict()["equal_share"] == 1.0
 
 
 def _row(index: int, tokens: int, reused: tuple[int, int, int], observed: int | None, causes=()) -> TrafficRequest:
@@ -77,14 +77,13 @@ def test_hit_rates_and_equal_share_against_counts_written_by_hand():
         _row(3, 300, (288, 290, 290), 288),
         _row(4, 400, (384, 399, 399), None),  # not reported: out of every rate, not a zero
     )
-    scan = TrafficScan(rows, (), {"openai_chat": 4}, None, {}, {})
-    summary = observed_summary(scan).as_dict()
+    summary = observed_summary(rows, "vllm").as_dict()
     # over requests 1-3 (600 tokens): observed 0 + 64 + 288 = 352; vLLM 384; SGLang 410; llama.cpp 390
     assert summary["hit_rate"] == {"observed": round(352 / 600, 4), "vllm": 0.64, "sglang": round(410 / 600, 4), "llama_cpp": 0.65}
     assert (summary["requests_with_count"], summary["requests_without_count"], summary["equal"]) == (3, 1, 2)
     assert summary["equal_share"] == round(2 / 3, 4)
     assert summary["shortfalls"] == {"requests": 1, "tokens": 32}
-    silent = observed_summary(TrafficScan(rows[3:], (), {}, None, {}, {})).as_dict()
+    silent = observed_summary(rows[3:], "vllm").as_dict()
     assert silent["hit_rate"]["observed"] is None and silent["equal_share"] is None and silent["requests_with_count"] == 0
 
 
@@ -204,7 +203,7 @@ def test_a_log_to_a_hosted_api_gets_its_providers_engine(tokenizer):
     assert mark >= 1024 and scan.requests[1].breakpoints[0][1] == mark
     assert [row.hosted_reused_tokens for row in scan.requests] == [{"anthropic": 0}, {"anthropic": mark}, {"openai": 0}]
     tokens = [row.tokens for row in scan.requests]
-    hosted = hosted_summary(scan)
+    hosted = hosted_summary(scan.requests)
     assert hosted["anthropic"] | {"rule": ""} == {
         "rule": "",
         "requests": 2,
@@ -230,7 +229,8 @@ def test_fit_observed_recovers_the_block_size_and_budget_that_made_the_counts(to
         server = BlockCache(block, budget // block)
         counts = {row.request: server.insert(scan.rendered[row.request].token_ids, row.request) for row in scan.requests}
         counts[5] = None  # one request without a count
-        fit = fit_observed(scan_log(tokenizer, _observed(log, counts))).as_dict()
+        observed = scan_log(tokenizer, _observed(log, counts))
+        fit = fit_observed(observed.requests, observed.rendered).as_dict()
         assert fit["working_set_tokens"] == working
         assert fit["best"] == {"block": block, "budget_tokens": budget, "matches": 79, "share": 1.0}
         assert fit["tied"] == [{"block": block, "budget_tokens": budget, "matches": 79}]
