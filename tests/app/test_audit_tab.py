@@ -130,6 +130,8 @@ def test_bad_logs_get_the_engines_message_and_leave_the_last_audit(audited, regi
         run_audit(registry, sessions, LOG, session="a", grain="week", **OPTIONS)
     with pytest.raises(AppError, match="between 0 and 1"):
         run_audit(registry, sessions, LOG, session="a", min_agreement=1.5, **OPTIONS)
+    with pytest.raises(AppError, match="observed counts are compared with one of vllm, sglang, llama_cpp, got 'tgi'"):
+        run_audit(registry, sessions, LOG, session="a", observed_engine="tgi", **OPTIONS)
     assert sessions.get("a", "audit") is kept
 
 
