@@ -6,8 +6,8 @@
   least the model's minimum cacheable length); a later request reads at a breakpoint the longest written prefix that
   ends there or at one of the 20 block boundaries before it (the lookback), if it was used within the time-to-live (5
   minutes, refreshed by each hit or write, from the requests' timestamps; without timestamps nothing expires). A
-  message is one block here (its content blocks were joined when it was read); a breakpoint on the tools counts where
-  the loaded model's template ends the system turn that holds them.
+  message is one block here (its content blocks were joined when it was read); a breakpoint on the tools counts at the
+  first message after the system messages (the loaded model's template renders the tools in its system turn).
 
 The tokens are the loaded model's, not the provider's: compare the providers' hit rates (shares), never their tokens.
 OpenAI's idle expiry (5 to 10 minutes, up to an hour off-peak) is not simulated.

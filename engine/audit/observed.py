@@ -28,6 +28,7 @@ OBSERVED_ENGINES = tuple(ENGINES)  # the engines --observed-engine may compare w
 OBSERVED_CAUSES = ("observed_shortfall", "observed_excess")  # causes of a gap to what the server reported, not of a miss
 TTL_HINT_SECONDS = 300.0  # a match this long past points to a time-to-live (the shortest documented: Anthropic's 5 minutes)
 FIT_BLOCKS = (1, 16, 32, 64, 128, 256)
+NO_OBSERVED_COUNTS = "--fit-observed needs observed cached tokens: no request of the log reports a cached count"
 FIT_BUDGET_DIVISORS = (2, 4, 8, 16, 32)  # budgets tried: the log's working set divided by these (and unbounded)
 EXPLANATIONS = "eviction under a budget, another replica, a time-to-live, another block size, or a tokenizer that is not the served model's"
 
@@ -307,7 +308,7 @@ def fit_observed(
     quartered, ... (``FIT_BUDGET_DIVISORS``)."""
     counted = [(n, row.observed_cached_tokens) for n, row in enumerate(rows) if row.observed_cached_tokens is not None]
     if not counted:
-        raise RequestLogError("--fit-observed needs observed cached tokens: no request of the log reports a cached count")
+        raise RequestLogError(NO_OBSERVED_COUNTS)
     ids = [rendered[row.request].token_ids for row in rows]
     longest = max(len(item) for item in ids)
     powers, inverses = _powers(_P, longest), _powers(_P_INVERSE, longest)

@@ -10,7 +10,7 @@ from engine.audit.caches import CacheSettings
 from engine.audit.formats import AUTO as AUTO_FORMAT
 from engine.audit.formats import FORMATS
 from engine.audit.gate import QUANTITIES, gate, markdown, parse_conditions
-from engine.audit.observed import OBSERVED_ENGINES, fit_observed
+from engine.audit.observed import NO_OBSERVED_COUNTS, OBSERVED_ENGINES, fit_observed
 from engine.audit.repairs import GRAINS, PROMPT_REPAIRS, REPAIRS
 from engine.audit.requests import RequestLog, RequestLogError, parse_prompt, read_log
 from engine.audit.rewrite import apply_template, check_pairing, measure_rewrite
@@ -42,6 +42,8 @@ def cmd_audit(args: argparse.Namespace) -> dict:
     if args.new is None:
         settings = CacheSettings(args.block_size, args.kv_budget_blocks, args.kv_budget_tokens, args.slots, args.cache_reuse)
         request_log = read_log(text, args.format)
+        if args.fit_observed and all(request.observed_cached_tokens is None for request in request_log.requests):
+            raise RequestLogError(NO_OBSERVED_COUNTS)  # before the model measures anything
         for skipped in request_log.skipped:
             log(f"skipped {skipped.message}")
         steps = {"scan_progress": progress("token pass: requests"), "progress": progress("measured steps")}
