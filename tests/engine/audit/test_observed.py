@@ -13,7 +13,7 @@ from engine.audit.caches import BlockCache, RadixCache
 from engine.audit.causes import Cause
 from engine.audit.hosted import AnthropicCache, OpenAICache, anthropic_minimum, openai_steps, provider_of
 from engine.audit.observed import fit_observed, hosted_summary, observed_summary
-from engine.audit.requests import RequestLog, read_log
+from engine.audit.requests import RequestLog, RequestLogError, read_log
 from engine.audit.traffic import TrafficRequest, TrafficScan, scan_log
 from engine.models import load_model
 from engine.models.tiny import tiny_tokenizer
@@ -119,6 +119,12 @@ def test_each_gap_names_the_evidence_the_log_holds(tokenizer):
     assert "another replica: the matched request" in causes[3][0].detail and "time-to-live" not in causes[3][0].detail
     assert [c.name for c in causes[4]] == ["observed_excess"] and causes[4][0].tokens == 3
     assert f"a smaller block: {counts[4]:,} of the {usable:,} shared tokens" in causes[4][0].detail
+    # more cached than any earlier request of the log shares: another tokenizer, or requests the log does not hold
+    cold = scan_log(tokenizer, _observed(log, {1: 10})).requests[0]
+    assert [(c.name, c.tokens) for c in cold.causes] == [("new_prefix", cold.tokens), ("observed_excess", 10)]
+    assert "another tokenizer (more than the 0 tokens any earlier request of the log shares with it" in cold.causes[1].detail
+    with pytest.raises(RequestLogError, match="--observed-engine is one of vllm, sglang, llama_cpp, got 'tgi'"):
+        scan_log(tokenizer, log, observed_engine="tgi")
     # a shortfall that is the shared prefix in whole 64-token blocks (and 32-token ones: the smallest is named), on a log
     # naming a hosted model
     whole = first[4].reused_tokens["vllm"] // 64 * 64
