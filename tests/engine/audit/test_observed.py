@@ -66,7 +66,20 @@ def test_shortfalls_and_excesses_are_found_exactly_where_put_and_nowhere_else(to
 
 def _row(index: int, tokens: int, reused: tuple[int, int, int], observed: int | None, causes=()) -> TrafficRequest:
     engines = dict(zip(("vllm", "sglang", "llama_cpp"), reused))
-    return TrafficRequest(index, index, "s", tokens, None, 0, 0, (), causes, engines, "", (), observed)
+    return TrafficRequest(
+        request=index,
+        line=index,
+        session="s",
+        tokens=tokens,
+        matched_request=None,
+        common_prefix_tokens=0,
+        appended_tokens=0,
+        fields=(),
+        causes=causes,
+        reused_tokens=engines,
+        signature="",
+        observed_cached_tokens=observed,
+    )
 
 
 def test_hit_rates_and_equal_share_against_counts_written_by_hand():
