@@ -86,6 +86,7 @@ class TrafficScan:
     settings: CacheSettings
     rendered: dict[int, RenderedRequest] = field(repr=False)
     diffs: dict[int, TurnDiff] = field(repr=False)
+    reading: dict = field(default_factory=dict)  # how the log was read: RequestLog.reading()
 
     def sessions(self) -> list[SessionSummary]:
         """Per session (in order of first appearance): requests, tokens and reuse per engine."""
@@ -172,7 +173,7 @@ def scan_log(
         rows.append(_row(new, matched if shared else None, shared, diff, causes, reused))
         if progress and (time % every == 0 or time == len(good)):
             progress(time, len(good))
-    return TrafficScan(tuple(rows), tuple(skipped), dict(log.formats), settings, kept, diffs)
+    return TrafficScan(tuple(rows), tuple(skipped), dict(log.formats), settings, kept, diffs, log.reading())
 
 
 def _compared(old: RenderedRequest | None, new: RenderedRequest, block: int) -> tuple[int, TurnDiff | None]:
@@ -335,6 +336,7 @@ class TrafficReport:
             "model": self.model,
             "dtype": self.dtype,
             "formats": scan.formats,
+            **scan.reading,
             "skipped": [item.as_dict() for item in scan.skipped],
             "skipped_count": len(scan.skipped),
             "engines": {"settings": scan.settings.as_dict(), **scan.totals()},
