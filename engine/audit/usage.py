@@ -42,13 +42,13 @@ class ObservedUsage:
 
 def observed_usage(usage: Any, shape: str, key: str = "usage") -> ObservedUsage:
     """The cached and written prompt tokens of one usage object in ``shape`` (``SHAPES``); ``key`` names where the
-    object sits in the record, for the flags."""
+    object sits in the record, for the flags ("": the record itself)."""
     if not isinstance(usage, dict):
         return ObservedUsage()
     read_key, write_key, read, written, prompt = _raw(usage, shape)
     valid_prompt = prompt if _is_count(prompt) else None
-    cached, cached_flag = _checked(read, f"{key}.{read_key}", valid_prompt)
-    write, write_flag = _checked(written, f"{key}.{write_key}", valid_prompt)
+    cached, cached_flag = _checked(read, f"{key}.{read_key}" if key else read_key, valid_prompt)
+    write, write_flag = _checked(written, f"{key}.{write_key}" if key else write_key, valid_prompt)
     return ObservedUsage(cached, write, tuple(flag for flag in (cached_flag, write_flag) if flag))
 
 

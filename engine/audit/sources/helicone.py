@@ -33,6 +33,6 @@ def read_row(record: dict) -> SourceRead:
             session=properties.get(SESSION_PROPERTY),
             timestamp=epoch_seconds(record.get("request_created_at"), "request_created_at"),
             model=record.get("request_model") or record.get("response_model"),
-            usage=observed_usage(record, "helicone", "row"),
+            usage=observed_usage(record, "helicone", ""),
         )
     )

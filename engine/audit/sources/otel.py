@@ -98,7 +98,7 @@ def _span(span: dict, attributes: dict, key: str) -> list[dict]:
         session=attributes.get("gen_ai.conversation.id"),
         timestamp=epoch_seconds(span.get("startTimeUnixNano"), f"{key} startTimeUnixNano"),
         model=attributes.get("gen_ai.request.model") or attributes.get("gen_ai.response.model"),
-        usage=observed_usage(attributes, "otel", key),
+        usage=observed_usage(attributes, "otel", f"{key} attributes"),
     )
 
 
