@@ -22,15 +22,15 @@ def read_gateway(record: dict) -> SourceRead:
     items = read_request(record["request"], "request")
     response = parsed_json(record.get("response"), "response")
     usage, shape = response_usage(response)
-    request = record["request"] if isinstance(record["request"], dict) else {}
-    model = request.get("model") or (response.get("model") if isinstance(response, dict) else None)
+    asked = next((item["model"] for item in items if item.get("model")), None)
+    served = response.get("model") if isinstance(response, dict) else None
     return SourceRead(
         requests_of(
             items,
             "gateway",
             session=session_key(record),
             timestamp=epoch_seconds(record.get("timestamp"), "timestamp"),
-            model=model,
+            model=asked or served,
             usage=observed_usage(usage, shape, "response.usage" if shape != "openrouter" else "response"),
         )
     )
