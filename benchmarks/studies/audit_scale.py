@@ -8,8 +8,15 @@ Each size is written to a JSONL log and, unbounded and again under a KV budget (
 many tokens in blocks), its token pass (``engine.audit.traffic.scan_log``: render, match, fields,
 causes and the three simulated engines; no model forward) runs in a fresh process, which reports its wall time and
 peak RSS. Where ``kvlint`` is installed its ``analyze`` runs on the same log with the same tokenizer, in its own
-process, timed the same way (optional: the reason is written when it is not run). Writes
-benchmarks/studies/results/audit_scale-cpu.json.
+process, timed the same way (optional: the reason is written when it is not run).
+
+Exports: the 10,000-request log is also written as a Langfuse trace export (one trace per session, holding the
+whole session) and as an OpenTelemetry collector's OTLP/JSON file (GenAI spans in batches of 512, shuffled), and
+the token pass (read_log included: parsing, time order) runs on each and on the plain OpenAI JSONL, interleaved,
+``--export-repeats`` times each in fresh processes; min/median/max wall and CPU seconds per format, each export's
+median over the JSONL's, and whether every format gave the same requests, tokens and reuse. Goal: at most 1.5x.
+
+Writes benchmarks/studies/results/audit_scale-cpu.json.
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from datetime import datetime, timedelta
 from pathlib import Path
 
 from benchmarks import common
-from benchmarks.common import cpu_info
+from benchmarks.common import cpu_info, percentile
 from engine.models import cache_dir
 
 POLICY = (
@@ -104,6 +111,131 @@ def synthetic_log(requests: int, sessions: int, seed: int = 0) -> list[dict]:
     return records
 
 
+EXPORT_SIZE = 10_000
+EXPORT_GOAL = 1.5  # an export's token pass at most this many times the OpenAI JSONL's
+OTLP_BATCH = 512  # spans per OTLP/JSON line, as a collector's batch processor sends them
+
+
+def _iso(number: int) -> str:
+    return f"{(START + number * STEP):%Y-%m-%dT%H:%M:%S}.000Z"
+
+
+def as_langfuse_traces(records: list[dict]) -> str:
+    """The log as Langfuse traces, one a line: one trace per session holding all its GENERATION observations (input
+    ``{"messages", "tools"}``, as Langfuse's OpenAI integration records it)."""
+    traces: dict[str, dict] = {}
+    for number, record in enumerate(records):
+        session = record["user"]
+        trace = traces.setdefault(session, {"id": f"trace-{session}", "sessionId": session, "timestamp": _iso(number), "observations": []})
+        trace["observations"].append(
+            {
+                "id": f"obs-{number}",
+                "traceId": trace["id"],
+                "type": "GENERATION",
+                "startTime": _iso(number),
+                "model": record["model"],
+                "input": {"messages": record["messages"], "tools": record["tools"]},
+                "usageDetails": {"input": 1500, "output": 20},
+            }
+        )
+    return "\n".join(json.dumps(trace) for trace in traces.values())
+
+
+def _parts(message: dict) -> dict:
+    """An OpenAI chat message in the GenAI semantic conventions' role + parts schema."""
+    if message["role"] == "tool":
+        return {"role": "tool", "parts": [{"type": "tool_call_response", "id": message["tool_call_id"], "response": message["content"]}]}
+    parts = [{"type": "text", "content": message["content"]}] if message.get("content") else []
+    for call in message.get("tool_calls") or []:
+        arguments = json.loads(call["function"]["arguments"])
+        parts.append({"type": "tool_call", "id": call["id"], "name": call["function"]["name"], "arguments": arguments})
+    return {"role": message["role"], "parts": parts}
+
+
+def as_otlp(records: list[dict], seed: int = 0) -> str:
+    """The log as a collector's OTLP/JSON file: one chat span per request (system instructions, input messages and
+    tool definitions as JSON text, 64-bit ints as text), shuffled into batches of ``OTLP_BATCH``, one a line."""
+
+    def attribute(key: str, value: str | int) -> dict:
+        return {"key": key, "value": {"intValue": str(value)} if isinstance(value, int) else {"stringValue": value}}
+
+    spans = []
+    for number, record in enumerate(records):
+        system, *messages = record["messages"]
+        start = int((START + number * STEP).timestamp()) * 10**9
+        attributes = [
+            attribute("gen_ai.operation.name", "chat"),
+            attribute("gen_ai.request.model", record["model"]),
+            attribute("gen_ai.conversation.id", record["user"]),
+            attribute("gen_ai.usage.input_tokens", 1500),
+            attribute("gen_ai.system_instructions", json.dumps([{"type": "text", "content": system["content"]}])),
+            attribute("gen_ai.input.messages", json.dumps([_parts(message) for message in messages])),
+            attribute("gen_ai.tool.definitions", json.dumps([{"type": "function", **tool["function"]} for tool in record["tools"]])),
+        ]
+        spans.append(
+            {
+                "traceId": f"{number:032x}",
+                "spanId": f"{number:016x}",
+                "name": "chat",
+                "startTimeUnixNano": str(start),
+                "attributes": attributes,
+            }
+        )
+    random.Random(seed).shuffle(spans)
+    scope = {"scope": {"name": "benchmark"}}
+    batches = [
+        {"resourceSpans": [{"resource": {}, "scopeSpans": [{**scope, "spans": spans[i : i + OTLP_BATCH]}]}]}
+        for i in range(0, len(spans), OTLP_BATCH)
+    ]
+    return "\n".join(json.dumps(batch) for batch in batches)
+
+
+EXPORT_WRITERS = {
+    "openai_jsonl": lambda records: "\n".join(json.dumps(record) for record in records),
+    "langfuse_trace": as_langfuse_traces,
+    "otel": as_otlp,
+}
+
+
+def _exports(folder: Path, tokenizer_dir: Path, sessions: int, repeats: int) -> dict:
+    """Each format's token pass on the same generated requests, ``repeats`` times, the formats interleaved (so a
+    change of load hits them alike): min/median/max wall and CPU seconds, each median over the JSONL's, and whether every
+    format gave the same requests, tokens, sessions and reuse."""
+    records = synthetic_log(EXPORT_SIZE, sessions)
+    paths = {}
+    for name, writer in EXPORT_WRITERS.items():
+        paths[name] = folder / f"agents-{EXPORT_SIZE}-{name}.jsonl"
+        paths[name].write_text(writer(records), encoding="utf-8")
+    runs: dict[str, list[dict]] = {name: [] for name in paths}
+    for _ in range(repeats):
+        for name, path in paths.items():
+            run = _measured([sys.executable, "-m", "benchmarks.studies.audit_scale", "--worker", str(path), str(tokenizer_dir), "0"])
+            if run["code"] != 0:
+                raise SystemExit(f"the token pass failed on the {name} export: {run['stderr']}")
+            runs[name].append(json.loads(run["stdout"]))
+            print(f"{name}: {runs[name][-1]['seconds']} s", file=sys.stderr)
+    keys = ("requests", "tokens", "sessions", "groups", "engines", "causes")
+    summary = {}
+    for clock in ("seconds", "cpu_seconds"):  # wall time, and the process's CPU time (less moved by others' load)
+        values = {name: [run[clock] for run in found] for name, found in runs.items()}
+        medians = {name: percentile(v, 50) for name, v in values.items()}
+        summary[clock] = {name: {"min": min(v), "median": round(medians[name], 2), "max": max(v), "runs": v} for name, v in values.items()}
+        summary[f"{clock}_median_over_openai_jsonl"] = {name: round(medians[name] / medians["openai_jsonl"], 3) for name in paths}
+        summary[f"{clock}_goal_met"] = all(medians[name] <= EXPORT_GOAL * medians["openai_jsonl"] for name in paths)
+    return {
+        "requests": EXPORT_SIZE,
+        "repeats": repeats,
+        "bytes": {name: path.stat().st_size for name, path in paths.items()},
+        **summary,
+        "goal": f"each export at most {EXPORT_GOAL}x the OpenAI JSONL's token pass",
+        "same_results": all(
+            {k: run[k] for k in keys} == {k: runs["openai_jsonl"][0][k] for k in keys} for found in runs.values() for run in found
+        ),
+        "order": {name: found[0]["order"] for name, found in runs.items()},
+        "formats": {name: found[0]["formats"] for name, found in runs.items()},
+    }
+
+
 def _embedded_tokenizer_dir() -> Path:
     converted = cache_dir() / "converted"
     found = sorted(p for p in converted.glob("*") if (p / "tokenizer.json").exists()) if converted.exists() else []
@@ -146,9 +278,10 @@ def _worker(log: str, tokenizer_dir: str, budget_tokens: int) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     text = Path(log).read_text(encoding="utf-8")
     settings = CacheSettings(budget_tokens=budget_tokens, budget_blocks=budget_tokens // 16) if budget_tokens else CacheSettings()
-    start = time.perf_counter()
-    scan = scan_log(tokenizer, read_log(text), settings)
-    seconds = time.perf_counter() - start
+    start, cpu_start = time.perf_counter(), time.process_time()
+    log = read_log(text)
+    scan = scan_log(tokenizer, log, settings)
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     rows = scan.requests
     checked = [scan.rendered[row.request] for row in rows[::EXACT_EVERY]]
     whole = tokenizer.backend_tokenizer.encode_batch([item.text for item in checked], add_special_tokens=False)
@@ -156,6 +289,7 @@ def _worker(log: str, tokenizer_dir: str, budget_tokens: int) -> None:
         json.dumps(
             {
                 "seconds": round(seconds, 2),
+                "cpu_seconds": round(cpu_seconds, 2),
                 "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                 "settings": settings.as_dict(),
                 "requests": len(rows),
@@ -166,6 +300,8 @@ def _worker(log: str, tokenizer_dir: str, budget_tokens: int) -> None:
                 "groups": len(scan.groups()),
                 "engines": scan.totals(),
                 "causes": scan.cause_counts(),
+                "formats": log.formats,
+                "order": log.order,
                 "line_cut_tokenization": TextEncoder(tokenizer).by_lines,
                 "exact_check": {
                     "requests_checked": len(checked),
@@ -247,6 +383,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokenizer", help="a local model dir with tokenizer.json (default: the embedded model's converted copy)")
     parser.add_argument("--out", default=str(common.results_dir(__file__)))
     parser.add_argument("--budget-tokens", type=int, default=2_500, help="also run with this KV budget (0: skip)")
+    parser.add_argument("--export-repeats", type=int, default=3, help="token passes per format on the 10,000-request exports (0: skip)")
     parser.add_argument("--worker", nargs=3, metavar=("LOG", "TOKENIZER", "BUDGET"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -264,6 +401,7 @@ def main(argv: list[str] | None = None) -> None:
                 for budget in budgets
             }
             results.append({"requests": size, "sessions": args.sessions, **runs})
+        exports = _exports(Path(folder), tokenizer_dir, args.sessions, args.export_repeats) if args.export_repeats else None
     data = {
         "benchmark": "audit_scale",
         "tokenizer": tokenizer_dir.name,
@@ -274,6 +412,7 @@ def main(argv: list[str] | None = None) -> None:
         "log": {"step_seconds": STEP.total_seconds(), "policy_rules": RULES, "history_chars": HISTORY_CHARS},
         "notes": NOTES,
         "results": results,
+        "exports": exports,
     }
     path = Path(args.out) / "audit_scale-cpu.json"
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

@@ -3,8 +3,13 @@ read as OpenAI chat (or completions) requests, and rendered with the loaded mode
 calls and tool results included) into the tokens a server would cache. A log's texts are tokenized line by line,
 each distinct line once, where that gives the same tokens as the whole text (``TextEncoder``).
 
-Accepted: JSONL (one record a line) or a JSON array of records. ``read_log`` skips a malformed record and names it
-(line, key, reason) while the rest is read; ``parse_log`` is strict: the first malformed record fails the whole log.
+Accepted: JSONL (one record a line) or a JSON array of records, of plain requests or of observability exports
+(``engine.audit.sources``: LiteLLM, Langfuse, Helicone, OpenTelemetry, gateway records), which also say when each
+request was sent and what the server cached. Requests are put in time order where every one has a timestamp (the
+log's order breaking ties), else kept in the log's order; ``RequestLog.order`` says which, and ``Request.index``
+follows it. ``read_log`` skips a malformed record (or one span or observation of it) and names it (line, key,
+reason) while the rest is read, and flags a kept request's unreadable cached count or time (``Flagged``);
+``parse_log`` is strict: the first malformed record fails the whole log.
 One prompt may be plain text (one user message) or messages JSON. Every error names the line, the request, the key
 and the reason.
 """
@@ -22,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from engine.audit.formats import AUTO, RecordError, read_record, text_of
+from engine.audit.sources import read_any
 from engine.cache.loaded import LoadedModel
 from engine.errors import KVScopeError
 
@@ -137,32 +143,84 @@ class Skipped:
 
 
 @dataclass(frozen=True)
+class Flagged:
+    """Something a kept request's record says that could not be read (a cached count, a time): dropped, and why."""
+
+    request: int
+    line: int
+    key: str
+    reason: str
+
+    def as_dict(self) -> dict:
+        return {"request": self.request, "line": self.line, "key": self.key, "reason": self.reason}
+
+
+ORDERS = {
+    "timestamps": "by each request's own timestamp, the log's order breaking ties",
+    "log": "as logged: not every request has a timestamp",
+}
+
+
+@dataclass(frozen=True)
 class RequestLog:
-    """The requests read from a log, the records skipped (by name), and how many requests each format gave."""
+    """The requests read from a log, in the order used (``ORDERS``; ``Request.index`` follows it), the records
+    skipped (by name), how many requests each format or export gave, and what was flagged in kept requests."""
 
     requests: tuple[Request, ...]
     skipped: tuple[Skipped, ...]
     formats: dict[str, int]
+    order: str = "log"
+    flagged: tuple[Flagged, ...] = ()
+
+    def reading(self) -> dict:
+        """How the log was read, for reports: the order used and why, the requests without a timestamp, the flags."""
+        untimed = sum(request.timestamp is None for request in self.requests)
+        return {
+            "order": self.order,
+            "order_reason": ORDERS[self.order],
+            "untimed_requests": untimed,
+            "flagged": [item.as_dict() for item in self.flagged],
+        }
 
 
 def read_log(text: str, fmt: str = AUTO) -> RequestLog:
-    """Every readable request of a JSONL log or a JSON array of records; each malformed record skipped by name."""
-    requests: list[Request] = []
+    """Every readable request of a JSONL log or a JSON array of records (plain requests in any format, or exports:
+    ``engine.audit.sources``), in time order where every request has a timestamp; each malformed record, or part of
+    one, skipped by name."""
+    read: list[tuple[int, dict]] = []
     skipped: list[Skipped] = []
+    sessions: dict[str, str] = {}
     for line, item in _records(text):
         try:
             if isinstance(item, json.JSONDecodeError):
                 raise RecordError("", f"is not JSON: {item.msg} (column {item.colno})")
-            read = read_record(item, fmt)
-            built = [_request(request, len(requests) + number, line) for number, request in enumerate(read, 1)]
+            part = read_any(item, fmt)
         except RecordError as error:
             skipped.append(Skipped(line, error.key, error.reason))
             continue
-        requests.extend(built)
+        skipped += [Skipped(line, error.key, error.reason) for error in part.skipped]
+        sessions |= part.sessions
+        read += [(line, request) for request in part.requests]
+    order = "timestamps" if read and all(request.get("timestamp") is not None for _, request in read) else "log"
+    if order == "timestamps":
+        read.sort(key=lambda pair: pair[1]["timestamp"])  # stable: the log's order breaks ties
+    requests: list[Request] = []
+    flagged: list[Flagged] = []
+    for line, item in read:
+        if item.get("trace") is not None:  # a Langfuse observation: its trace's session, else the trace itself
+            item = {**item, "session": sessions.get(item["trace"]) or item.get("session") or item["trace"]}
+        try:
+            request = _request(item, len(requests) + 1, line)
+        except RecordError as error:
+            skipped.append(Skipped(line, error.key, error.reason))
+            continue
+        requests.append(request)
+        flagged += [Flagged(request.index, line, key, reason) for key, reason in item.get("flags", ())]
     formats: dict[str, int] = {}
     for request in requests:
         formats[request.format] = formats.get(request.format, 0) + 1
-    return RequestLog(tuple(requests), tuple(skipped), formats)
+    skipped.sort(key=lambda item: item.line)
+    return RequestLog(tuple(requests), tuple(skipped), formats, order, tuple(flagged))
 
 
 def parse_log(text: str, fmt: str = AUTO) -> list[Request]:
@@ -199,7 +257,7 @@ def parse_prompt(text: str) -> Request:
 
 
 def _records(text: str) -> list[tuple[int, Any]]:
-    """(line, parsed record or its JSON error) for each record of a JSONL log or a JSON array."""
+    """(line, parsed record or its JSON error) for each record of a JSONL log, a JSON array, or one JSON object."""
     stripped = text.strip()
     if not stripped:
         raise RequestLogError("the log is empty: paste one JSON request per line, or a JSON array of requests")
@@ -209,6 +267,11 @@ def _records(text: str) -> list[tuple[int, Any]]:
         except json.JSONDecodeError as error:
             raise RequestLogError(f"line {error.lineno} is not JSON: {error.msg} (column {error.colno})") from None
         return list(zip(_array_item_lines(stripped, len(items)), items))
+    if stripped.startswith("{") and "\n" in stripped:  # one JSON object written over many lines (an API's page)
+        try:
+            return [(text[: text.index("{")].count("\n") + 1, json.loads(stripped))]
+        except json.JSONDecodeError:
+            pass  # JSONL: one record a line
     records = []
     for line_number, line in enumerate(text.splitlines(), 1):
         if line.strip():

@@ -13,6 +13,7 @@ same. Both logs go through the token pass (``traffic.scan_log``) with the same e
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -208,4 +209,4 @@ def apply_template(text: str, log: RequestLog) -> RequestLog:
     if not any(template.applies_to(request) for request in log.requests):
         raise RequestLogError(f"the template applies to no request of the log: {template.why_not(log.requests[0])}")
     requests = tuple(template.apply(request) if template.applies_to(request) else request for request in log.requests)
-    return RequestLog(requests, log.skipped, dict(log.formats))
+    return dataclasses.replace(log, requests=requests)

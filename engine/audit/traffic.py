@@ -93,6 +93,7 @@ class TrafficScan:
     rendered: dict[int, RenderedRequest] = field(repr=False)
     diffs: dict[int, TurnDiff] = field(repr=False)
     observed_engine: str = "vllm"  # the engine the observed counts are compared with
+    reading: dict = field(default_factory=dict)  # how the log was read: RequestLog.reading()
 
     def sessions(self) -> list[SessionSummary]:
         """Per session (in order of first appearance): requests, tokens and reuse per engine."""
@@ -188,7 +189,9 @@ def scan_log(
         )
         for row, o in zip(rows, seen)
     ]
-    return TrafficScan(tuple(rows), tuple(skipped), dict(log.formats), settings, kept, diffs, observed_engine)
+    return TrafficScan(
+        tuple(rows), tuple(skipped), dict(log.formats), settings, kept, diffs, observed_engine=observed_engine, reading=log.reading()
+    )
 
 
 def _compared(old: RenderedRequest | None, new: RenderedRequest, block: int) -> tuple[int, TurnDiff | None]:
@@ -351,6 +354,7 @@ class TrafficReport:
             "model": self.model,
             "dtype": self.dtype,
             "formats": scan.formats,
+            **scan.reading,
             "skipped": [item.as_dict() for item in scan.skipped],
             "skipped_count": len(scan.skipped),
             "engines": {"settings": scan.settings.as_dict(), **scan.totals()},

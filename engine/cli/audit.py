@@ -14,6 +14,7 @@ from engine.audit.observed import NO_OBSERVED_COUNTS, OBSERVED_ENGINES, fit_obse
 from engine.audit.repairs import GRAINS, PROMPT_REPAIRS, REPAIRS
 from engine.audit.requests import RequestLog, RequestLogError, parse_prompt, read_log
 from engine.audit.rewrite import apply_template, check_pairing, measure_rewrite
+from engine.audit.sources import SOURCES
 from engine.audit.spans import find_span
 from engine.audit.traffic import DEFAULT_SAMPLE, audit_traffic
 from engine.cli.common import Group, Handler, arg, load, log, names, progress, read_text
@@ -94,7 +95,12 @@ def _rewritten(args: argparse.Namespace, original: RequestLog) -> RequestLog | N
 
 AUDIT: Group = (
     arg("log", help="request log (JSONL or a JSON array, in any of --format's formats), or one prompt with --new"),
-    arg("--format", default=AUTO_FORMAT, choices=[AUTO_FORMAT, *FORMATS], help="the log's request format (auto: detected per record)"),
+    arg(
+        "--format",
+        default=AUTO_FORMAT,
+        choices=[AUTO_FORMAT, *FORMATS, *SOURCES],
+        help="the log's request format or export (auto: detected per record)",
+    ),
     arg("--sample", type=int, default=DEFAULT_SAMPLE, help="turns measured with the model per change signature (0: token pass only)"),
     arg("--block-size", type=int, default=CacheSettings.block, help="vLLM KV block size in tokens"),
     arg("--kv-budget-blocks", type=int, help="vLLM KV budget in blocks (default: unbounded)"),

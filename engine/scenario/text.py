@@ -50,8 +50,10 @@ def bundled_skills() -> dict[str, Path]:
 
 
 def bundled_logs() -> dict[str, Path]:
-    """The demo request logs shipped in demos/logs and its folders (``traffic/``: interleaved sessions), by file stem."""
-    return {path.stem: path for path in sorted((DEMOS / "logs").rglob("*.jsonl"))}
+    """The demo request logs shipped in demos/logs and its folders (``traffic/``: interleaved sessions), by file stem;
+    not ``exports/`` (one log in each observability tool's export format, which the export readers' tests read)."""
+    folder = DEMOS / "logs"
+    return {path.stem: path for path in sorted(folder.rglob("*.jsonl")) if path.relative_to(folder).parts[0] != "exports"}
 
 
 def is_aggregator(text: str) -> bool:

@@ -5,7 +5,7 @@ tokenizer's on its whole rendered text."""
 import json
 import re
 
-from benchmarks.studies.audit_scale import synthetic_log
+from benchmarks.studies.audit_scale import as_langfuse_traces, as_otlp, synthetic_log
 from engine.audit.requests import read_log, render_batch
 from engine.models.tiny import tiny_tokenizer
 from tests.engine.audit.test_traffic import QWEN_TEMPLATE
@@ -27,3 +27,15 @@ def test_the_token_pass_renders_the_log_exactly():
     for item in render_batch(tokenizer, log.requests, 100_000):
         encoding = tokenizer.backend_tokenizer.encode(item.text, add_special_tokens=False)
         assert item.token_ids.tolist() == encoding.ids and item.offsets.tolist() == [list(p) for p in encoding.offsets]
+
+
+def test_the_exports_hold_the_same_requests_as_the_jsonl():
+    """The benchmark's Langfuse and OTLP exports of a log read back as the JSONL's requests, in its order, with their
+    timestamps (so the speed comparison is of the same work)."""
+    records = synthetic_log(300, 7)
+    plain = read_log("\n".join(json.dumps(record) for record in records))
+    for writer, name in ((as_langfuse_traces, "langfuse_trace"), (as_otlp, "otel")):
+        log = read_log(writer(records))
+        assert log.formats == {name: 300} and log.order == "timestamps" and not log.skipped
+        assert [(r.messages, r.tools, r.session) for r in log.requests] == [(r.messages, r.tools, r.session) for r in plain.requests]
+    assert len(as_otlp(records).splitlines()) == 1  # 300 spans: one batch of up to 512

@@ -1,0 +1,74 @@
+"""LiteLLM: the proxy's ``LiteLLM_SpendLogs`` rows (``schema.prisma``) and its callbacks' ``StandardLoggingPayload``.
+
+A SpendLogs row keeps the prompt in ``messages`` only with ``store_prompts_in_spend_logs``, and the client's whole
+body (tools included) in ``proxy_server_request``; ``session_id`` comes from ``litellm_session_id``; the provider's
+usage sits in ``metadata.usage_object`` (``metadata`` may be JSON text). A callback payload holds ``messages``, the
+tools in ``model_parameters``, the session in ``trace_id`` and a float ``startTime``.
+
+``cache_hit`` is LiteLLM's own response cache, not a prefix cache: it is never read as cached tokens. A request it
+answered never reached the server, so its usage (the original response's) is not an observation: flagged, None.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from engine.audit.formats import RecordError
+from engine.audit.sources.common import SourceRead, epoch_seconds, parsed_json, read_request, requests_of
+from engine.audit.usage import ObservedUsage, observed_usage
+
+
+def is_spend_log(record: dict) -> bool:
+    """A ``LiteLLM_SpendLogs`` row."""
+    return "request_id" in record and "startTime" in record and ("proxy_server_request" in record or "call_type" in record)
+
+
+def read_spend_log(record: dict) -> SourceRead:
+    body = parsed_json(record.get("proxy_server_request"), "proxy_server_request")
+    messages = parsed_json(record.get("messages"), "messages")
+    if isinstance(body, dict) and body.get("messages"):
+        items = read_request(body, "proxy_server_request")
+    elif isinstance(messages, list) and messages:
+        items = read_request({"messages": messages}, "messages")
+    else:
+        raise RecordError("messages", "no prompt stored: the proxy keeps it with general_settings.store_prompts_in_spend_logs: true")
+    metadata = parsed_json(record.get("metadata"), "metadata")
+    usage = metadata.get("usage_object") if isinstance(metadata, dict) else None
+    return SourceRead(_requests(items, "litellm_spend_logs", record, record.get("session_id"), usage, "metadata.usage_object"))
+
+
+def is_callback_payload(record: dict) -> bool:
+    """A ``StandardLoggingPayload``, as a callback (or a logging integration's file) receives it."""
+    return "call_type" in record and "trace_id" in record and "startTime" in record and "messages" in record
+
+
+def read_callback_payload(record: dict) -> SourceRead:
+    messages = parsed_json(record.get("messages"), "messages")
+    if isinstance(messages, dict):  # some call types log the request object itself
+        items = read_request(messages, "messages")
+    elif isinstance(messages, list) and messages:
+        parameters = record.get("model_parameters") if isinstance(record.get("model_parameters"), dict) else {}
+        items = read_request({"messages": messages, "tools": parameters.get("tools") or []}, "messages")
+    else:
+        raise RecordError("messages", "no messages logged (turn off turn_off_message_logging to keep them)")
+    metadata = record.get("metadata") if isinstance(record.get("metadata"), dict) else {}
+    usage, key = metadata.get("usage_object"), "metadata.usage_object"
+    if usage is None and isinstance(record.get("response"), dict):
+        usage, key = record["response"].get("usage"), "response.usage"
+    return SourceRead(_requests(items, "litellm_callback", record, record.get("trace_id"), usage, key))
+
+
+def _requests(items: list[dict], source: str, record: dict, session: Any, usage: Any, key: str) -> list[dict]:
+    observed = observed_usage(usage, "openai", key)
+    if str(record.get("cache_hit")).lower() == "true":
+        reason = "LiteLLM's response cache answered this request, so no server saw it; its usage is not an observation"
+        if observed.cached is not None or observed.written is not None:
+            observed = ObservedUsage(flags=(("cache_hit", reason),))
+    return requests_of(
+        items,
+        source,
+        session=session,
+        timestamp=epoch_seconds(record.get("startTime"), "startTime"),
+        model=record.get("model"),
+        usage=observed,
+    )

@@ -1,0 +1,250 @@
+"""Observability exports read as the requests they record: one bundled export per source (demos/logs/exports, the same
+10 requests of 3 sessions written from each source's public schema), all giving the same tokens, sessions, simulated
+reuse and observed cached tokens as the plain OpenAI JSONL; time order from the requests' own timestamps; bad input
+skipped or flagged by line, key and reason, never stopping the log."""
+
+import copy
+import json
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+
+from engine.audit.requests import read_log
+from engine.audit.sources import SOURCES
+from engine.audit.sources.otel import NOT_CAPTURED
+from engine.audit.traffic import scan_log
+from engine.audit.usage import observed_usage, response_usage
+from engine.models.tiny import tiny_tokenizer
+from tests.engine.audit.test_traffic import QWEN_TEMPLATE
+
+EXPORTS = Path(__file__).resolve().parents[3] / "demos" / "logs" / "exports"
+START = datetime(2026, 5, 12, 9, 0, tzinfo=timezone.utc).timestamp()
+# The bundled log, written by hand: each request's session, seconds after START, and the cached tokens its server
+# reported (None: the record holds no count).
+SESSIONS = ["s-alpha", "s-gamma", "s-alpha", "s-beta", "s-gamma", "s-alpha", "s-beta", "s-gamma", "s-alpha", "s-beta"]
+SECONDS = [0, 5, 9, 12, 20, 26, 31, 40, 44, 50]
+CACHED = [None, 0, 384, 384, 256, 448, 0, 448, 512, None]
+FILES = {
+    "gateway": "gateway.jsonl",
+    "litellm_spend_logs": "litellm_spend_logs.jsonl",
+    "litellm_callback": "litellm_callback.jsonl",
+    "langfuse_trace": "langfuse_traces.json",
+    "langfuse_observations": "langfuse_observations.jsonl",
+    "helicone": "helicone.json",
+    "otel": "otel.jsonl",
+}
+
+
+def _text(name: str) -> str:
+    return (EXPORTS / name).read_text(encoding="utf-8")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tok = tiny_tokenizer()
+    tok.chat_template = QWEN_TEMPLATE
+    return tok
+
+
+def test_every_source_has_a_bundled_export():
+    assert set(FILES) == set(SOURCES)
+
+
+@pytest.mark.parametrize("source", sorted(FILES))
+def test_each_source_reads_its_bundled_export_in_time_order(source):
+    log = read_log(_text(FILES[source]))
+    assert log.formats == {source: 10} and not log.skipped and not log.flagged
+    assert log.order == "timestamps"
+    assert [r.index for r in log.requests] == list(range(1, 11))
+    assert [r.session for r in log.requests] == SESSIONS
+    assert [r.timestamp - START for r in log.requests] == pytest.approx(SECONDS, abs=1e-3)
+    assert [r.observed_cached_tokens for r in log.requests] == CACHED
+    assert [r.observed_cache_write_tokens for r in log.requests] == [None] * 10
+    assert {r.model for r in log.requests} == {"gpt-4o-mini"}
+    assert [len(r.messages) for r in log.requests] == [2, 2, 4, 2, 4, 6, 4, 6, 8, 6]
+    assert [len(r.tools) for r in log.requests] == [1] * 10
+
+
+def test_the_exports_are_out_of_order_as_their_tools_write_them():
+    """Helicone lists the newest first, the OTLP batches are shuffled, one Langfuse trace holds a whole session and
+    the SpendLogs rows are written as calls end: each file's own order is not the time order."""
+    helicone = json.loads(_text("helicone.json"))["data"]
+    assert [row["request_created_at"] for row in helicone] == sorted((row["request_created_at"] for row in helicone), reverse=True)
+    spans = [span for line in _text("otel.jsonl").splitlines() for span in json.loads(line)["resourceSpans"][0]["scopeSpans"][0]["spans"]]
+    starts = [int(span["startTimeUnixNano"]) for span in spans]
+    assert starts != sorted(starts) and len(spans) == 11  # ten chat spans and one execute_tool span
+    traces = json.loads(_text("langfuse_traces.json"))
+    assert [t["sessionId"] for t in traces] == ["s-gamma", "s-alpha", "s-beta"]
+    spend = [json.loads(line)["startTime"] for line in _text("litellm_spend_logs.jsonl").splitlines()]
+    assert spend != sorted(spend)
+    log = read_log(_text("helicone.json"))
+    assert [r.line for r in log.requests] == [1] * 10  # one JSON page, written over many lines
+
+
+def test_every_export_gives_the_same_tokens_sessions_reuse_and_observed_numbers(tokenizer):
+    plain = scan_log(tokenizer, read_log(_text("openai.jsonl")))
+    expected_ids = [ids.token_ids.tolist() for ids in plain.rendered.values()]
+    keys = ("session", "tokens", "matched_request", "common_prefix_tokens", "reused_tokens", "signature")
+    expected = [[row.as_dict()[k] for k in keys] for row in plain.requests]
+    assert plain.totals()["reused_tokens"]["vllm"] > 0 and len({row.session for row in plain.requests}) == 3
+    for source, name in FILES.items():
+        log = read_log(_text(name))
+        scan = scan_log(tokenizer, log)
+        assert [item.token_ids.tolist() for item in scan.rendered.values()] == expected_ids, source
+        assert [[row.as_dict()[k] for k in keys] for row in scan.requests] == expected, source
+        assert scan.totals() == plain.totals(), source
+        assert [r.observed_cached_tokens for r in log.requests] == CACHED, source
+        assert scan.reading["order"] == "timestamps" and scan.reading["untimed_requests"] == 0
+
+
+def test_a_plain_log_keeps_its_order_and_says_so():
+    log = read_log(_text("openai.jsonl"))
+    assert log.order == "log" and log.reading()["untimed_requests"] == 10
+    assert log.formats == {"openai_chat": 10} and [r.session for r in log.requests] == SESSIONS
+
+
+def _gateway_lines() -> list[dict]:
+    return [json.loads(line) for line in _text("gateway.jsonl").splitlines()]
+
+
+def test_ties_keep_the_log_order_and_a_partly_timed_log_is_read_as_logged():
+    records = _gateway_lines()[:4]
+    for record in records:
+        record["timestamp"] = START  # all at once: the log's order decides
+    reversed_log = read_log("\n".join(json.dumps(r) for r in reversed(records)))
+    assert reversed_log.order == "timestamps" and [r.line for r in reversed_log.requests] == [1, 2, 3, 4]
+    assert [r.session for r in reversed_log.requests] == SESSIONS[:4][::-1]
+    partly = _gateway_lines()[:4][::-1]
+    del partly[1]["timestamp"]
+    log = read_log("\n".join(json.dumps(r) for r in partly))
+    assert log.order == "log" and log.reading()["untimed_requests"] == 1
+    assert [r.line for r in log.requests] == [1, 2, 3, 4] and [r.index for r in log.requests] == [1, 2, 3, 4]
+
+
+def test_index_follows_the_time_order_and_matches_name_the_earlier_request(tokenizer):
+    lines = _text("gateway.jsonl").splitlines()[::-1]  # newest first
+    scan = scan_log(tokenizer, read_log("\n".join(lines)))
+    assert [row.line for row in scan.requests] == list(range(10, 0, -1))
+    assert [row.request for row in scan.requests] == list(range(1, 11))
+    matched = [row.matched_request for row in scan.requests]
+    assert all(m is None or m < row.request for m, row in zip(matched, scan.requests))
+    assert matched[2] == 1 and matched[5] == 3  # s-alpha's turns extend its previous request
+
+
+def _otel_batch() -> dict:
+    return json.loads(_text("otel.jsonl").splitlines()[0])
+
+
+def _set(span: dict, key: str, value: dict | None) -> None:
+    span["attributes"] = [a for a in span["attributes"] if a["key"] != key] + ([{"key": key, "value": value}] if value else [])
+
+
+def test_a_span_that_cannot_be_read_is_skipped_by_name_and_its_batch_read():
+    batch = _otel_batch()
+    spans = batch["resourceSpans"][0]["scopeSpans"][0]["spans"]
+    chats = [k for k, span in enumerate(spans, 1) if span["name"].startswith("chat")]
+    _set(spans[chats[0] - 1], "gen_ai.input.messages", {"stringValue": "[{'role': 'user'"})
+    _set(spans[chats[1] - 1], "gen_ai.input.messages", None)  # content capture off
+    log = read_log(json.dumps({"note": "x", "messages": [{"role": "user", "content": "hi"}]}) + "\n" + json.dumps(batch))
+    assert len(log.requests) == 1 + len(chats) - 2 and log.formats["otel"] == len(chats) - 2
+    first, second = log.skipped
+    assert (first.line, first.key) == (2, f"resourceSpans 1 scopeSpans 1 spans {chats[0]} gen_ai.input.messages")
+    assert "holds text that is not JSON" in first.reason
+    where = f"resourceSpans 1 scopeSpans 1 spans {chats[1]} gen_ai.input.messages"
+    assert (second.line, second.key, second.reason) == (2, where, NOT_CAPTURED)
+
+
+def test_a_helicone_row_without_its_body_is_skipped_and_the_page_read():
+    page = json.loads(_text("helicone.json"))
+    page["data"][3]["request_body"] = None
+    del page["data"][5]["request_body"]
+    page["data"][5]["signed_body_url"] = "https://example.invalid/body"
+    log = read_log(json.dumps(page))
+    assert len(log.requests) == 8 and [(s.key, s.line) for s in log.skipped] == [("data 4 request_body", 1), ("data 6 request_body", 1)]
+    assert "missing" in log.skipped[0].reason and "signed_body_url" in log.skipped[1].reason
+
+
+@pytest.mark.parametrize(
+    ("cached", "why"),
+    [
+        (-3, "is negative (-3)"),
+        ("384", "is '384', not an integer"),
+        (384.5, "is 384.5, not an integer"),
+        (999, "more than the record's own prompt of 470"),
+    ],
+)
+def test_a_cached_count_that_cannot_be_one_is_flagged_and_the_request_kept(cached, why):
+    records = _gateway_lines()
+    records[2]["response"]["usage"]["prompt_tokens_details"]["cached_tokens"] = cached
+    log = read_log("\n".join(json.dumps(r) for r in records))
+    assert len(log.requests) == 10 and not log.skipped
+    assert [r.observed_cached_tokens for r in log.requests] == [*CACHED[:2], None, *CACHED[3:]]
+    (flag,) = log.flagged
+    assert (flag.request, flag.line, flag.key) == (3, 3, "response.usage.prompt_tokens_details.cached_tokens") and why in flag.reason
+
+
+def test_an_otel_count_written_as_text_that_is_not_a_number_is_flagged():
+    batch = _otel_batch()
+    span = next(s for s in batch["resourceSpans"][0]["scopeSpans"][0]["spans"] if s["name"].startswith("chat"))
+    _set(span, "gen_ai.usage.cache_read.input_tokens", {"intValue": "many"})
+    log = read_log(json.dumps(batch))
+    (flag,) = log.flagged
+    assert flag.key == "resourceSpans 1 scopeSpans 1 spans 1 attributes.gen_ai.usage.cache_read.input_tokens" and "'many'" in flag.reason
+    assert log.requests[flag.request - 1].observed_cached_tokens is None and len(log.requests) == 3  # the batch's chat spans
+
+
+def test_a_time_that_cannot_be_read_is_flagged_and_the_log_kept_in_its_order():
+    records = _gateway_lines()
+    records[4]["timestamp"] = "yesterday"
+    log = read_log("\n".join(json.dumps(r) for r in records))
+    assert log.order == "log" and len(log.requests) == 10
+    (flag,) = log.flagged
+    assert (flag.request, flag.key) == (5, "timestamp") and "'yesterday' is not an ISO 8601 time" in flag.reason
+
+
+def test_litellm_cache_hit_is_its_response_cache_not_cached_tokens():
+    rows = [json.loads(line) for line in _text("litellm_spend_logs.jsonl").splitlines()]
+    served = next(row for row in rows if row["metadata"]["usage_object"].get("prompt_tokens_details"))
+    hit = copy.deepcopy(served) | {"cache_hit": "True"}
+    log = read_log(json.dumps(hit))
+    assert log.requests[0].observed_cached_tokens is None
+    ((_, _, key, reason),) = [(f.request, f.line, f.key, f.reason) for f in log.flagged]
+    assert key == "cache_hit" and "response cache" in reason
+    missed = copy.deepcopy(served) | {"cache_hit": "True", "metadata": {"usage_object": {"prompt_tokens": 10}}}
+    assert not read_log(json.dumps(missed)).flagged  # nothing to discount
+
+
+def test_usage_shapes_count_once_and_keep_null_apart_from_zero():
+    counts = {"input_tokens": 20, "cache_read_input_tokens": 300, "cache_creation_input_tokens": 50}
+    assert observed_usage(counts, "anthropic").cached == 300
+    anthropic, shape = response_usage({"usage": counts})
+    assert shape == "anthropic" and observed_usage(anthropic, shape).written == 50
+    assert response_usage({"id": "gen-1", "native_tokens_prompt": 900, "native_tokens_cached": 768})[1] == "openrouter"
+    assert observed_usage(*response_usage({"native_tokens_prompt": 900, "native_tokens_cached": 768})).cached == 768
+    langfuse = observed_usage({"input": 36, "input_cached_tokens": 384, "output": 5}, "langfuse")
+    assert (langfuse.cached, langfuse.flags) == (384, ())  # its input excludes the cached tokens: 420 in all, not 36
+    assert observed_usage({"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": None}}, "openai").cached is None
+    assert observed_usage({"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 0}}, "openai").cached == 0
+    litellm_anthropic = {"prompt_tokens": 400, "cache_read_input_tokens": 256, "cache_creation_input_tokens": 64}
+    assert observed_usage(litellm_anthropic, "openai") == observed_usage(litellm_anthropic, "openai").__class__(256, 64, ())
+    helicone = {"provider": "ANTHROPIC", "prompt_tokens": 20, "prompt_cache_read_tokens": 300, "prompt_cache_write_tokens": 50}
+    assert (observed_usage(helicone, "helicone").cached, observed_usage(helicone, "helicone").flags) == (300, ())
+
+
+def test_a_source_can_be_named_and_a_record_of_another_is_refused_by_name():
+    log = read_log(_text("helicone.json"), "helicone")
+    assert log.formats == {"helicone": 10}
+    wrong = read_log(_text("gateway.jsonl").splitlines()[0], "helicone")
+    assert not wrong.requests and wrong.skipped[0].key == "request_body"
+    unknown = read_log(_text("gateway.jsonl"), "splunk")
+    assert not unknown.requests and len(unknown.skipped) == 10 and "unknown format 'splunk'" in unknown.skipped[0].reason
+
+
+def test_the_report_json_says_the_order_and_the_flags(tokenizer):
+    records = _gateway_lines()
+    records[0]["response"]["usage"]["prompt_tokens_details"] = {"cached_tokens": -1}
+    scan = scan_log(tokenizer, read_log("\n".join(json.dumps(r) for r in records)))
+    assert scan.reading["order"] == "timestamps" and scan.reading["order_reason"].startswith("by each request's own timestamp")
+    key, reason = "response.usage.prompt_tokens_details.cached_tokens", "is negative (-1); read as not reported"
+    assert scan.reading["flagged"] == [{"request": 1, "line": 1, "key": key, "reason": reason}]
