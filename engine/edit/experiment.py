@@ -6,9 +6,15 @@ prefill: a prefix-cache hit, the same K/V as a clean prefill), the field's and d
 downstream rankings (causal and K/V deviation) and the notes share. Probes, attribution, the linear probe and
 the frontier import it; the strategies themselves live in the registry of ``engine.edit.strategies``.
 
-:meth:`EditExperiment.report` builds every strategy's cache and reads them all, with the oracle, in one fused
-forward (``fused=True``; each strategy's ms is then its share of that forward by tokens, marked in its detail)
-or one strategy at a time with its own wall time.
+:meth:`EditExperiment.report` builds every strategy's cache and reads them all in one fused forward (``fused=True``;
+each strategy's ms is then its share of that forward by tokens, marked in its detail) or one strategy at a time with
+its own wall time.
+
+The references of every recovery and of the notes share (the oracle, and ``field_only``, whose recovery the notes
+share is) are read first, in one forward of their own (:meth:`EditExperiment.read_references`), whatever else is
+asked: every caller (the Notes tab, the Learn tab, the locality probe, the CLI, an export) then reads the same two
+margins. Exact arithmetic does not care what shares a forward, but a bfloat16 forward does (its margins move by
+about 0.1 logit with the other forks beside them, enough to show 0.09 in one place and 0.12 in another).
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from engine.edit.strategies import (
 from engine.progress import StepProgress
 from engine.scenario import RenderedPrompt, Scenario, ScenarioError
 from engine.timing import Stopwatch
+
+NOTES_REFERENCE = "field_only"  # the strategy whose recovery the notes share is, read with the oracle
 
 
 class EditExperiment:
@@ -81,14 +89,10 @@ class EditExperiment:
 
     @property
     def oracle(self) -> ScenarioRun:
-        """The reference: a clean prefill with the new value, and its decision (read on first use)."""
+        """The reference: a clean prefill with the new value, and its decision (read on first use, with field_only:
+        see :meth:`read_references`)."""
         if self._oracle_run is None:
-            watch = Stopwatch()
-            prepared = self._oracle_prepared
-            decision = prepared.notebook.read_prompt(
-                prepared.prompt, answer_texts=self.scenario.answers, capture_attention=self.capture_attention
-            )
-            self._oracle_run = prepared.finish(decision, watch.ms)
+            self.read_references()
         return self._oracle_run
 
     @property
@@ -223,6 +227,8 @@ class EditExperiment:
     def run(self, name: str) -> StrategyResult:
         """Run one strategy by name (see ``engine.edit.strategies``); reuses its fused result when it has one."""
         strategy = REGISTRY[check_names([name])[0]]
+        if name == NOTES_REFERENCE:
+            self.read_references()
         if name in self._results:
             return self._results[name]
         if not strategy.fusable:
@@ -236,13 +242,25 @@ class EditExperiment:
         ms = build_ms + watch.ms
         return StrategyResult(name, True, decision, self.recovery_of(decision), tokens, ms, detail=detail, notebook=notebook)
 
+    def read_references(self) -> float:
+        """Read the oracle (unless given) and field_only together, in a forward of their own, once: the margins every
+        recovery and the notes share rest on, the same whichever strategies a caller reads after them. Returns that
+        forward's wall time in ms (0 once read)."""
+        if NOTES_REFERENCE in self._results and self._oracle_run is not None:
+            return 0.0
+        return self._read_fused([NOTES_REFERENCE], with_oracle=self._oracle_run is None)
+
     def read_together(self, names: Sequence[str]) -> float:
-        """Build the named strategies' caches and read them, with the oracle if not read yet, in one fused forward
-        (several for work beyond ``MAX_FORWARD_TOKENS``).
+        """Build the named strategies' caches and read them in one fused forward (several for work beyond
+        ``MAX_FORWARD_TOKENS``), after the references (:meth:`read_references`).
 
         Results are kept for :meth:`run`; each strategy's ms is its build time plus its share of the
-        forward by the tokens it ran there. Returns the fused forward's wall time in ms.
+        forward by the tokens it ran there. Returns the fused forwards' wall time in ms.
         """
+        return self.read_references() + self._read_fused(names, with_oracle=False)
+
+    def _read_fused(self, names: Sequence[str], with_oracle: bool) -> float:
+        """The named strategies not read yet (and the oracle, ``with_oracle``) in one fused forward."""
         wanted = dict.fromkeys(n for name in check_names(names) for n in (AUTO_CANDIDATES if name == "auto" else [name]))
         prepared: dict[str, tuple[Notebook, int, dict, float]] = {}
         for name in wanted:
@@ -253,7 +271,7 @@ class EditExperiment:
                 self._results[name] = built
             else:
                 prepared[name] = built
-        oracle = self._oracle_prepared if self._oracle_run is None else None
+        oracle = self._oracle_prepared if with_oracle else None
         notebooks = [notebook for notebook, *_ in prepared.values()] + ([oracle.notebook] if oracle else [])
         if not notebooks:
             return 0.0
@@ -297,10 +315,10 @@ class EditExperiment:
         self, names: Sequence[str] = STRATEGIES, progress: StepProgress = None, fused: bool = False, downstream_patch: bool = False
     ) -> EditReport:
         """Run the named strategies and collect them with stale, oracle and the notes share (``fused``: see
-        :meth:`read_together`; field_only is always read, for the notes share)."""
+        :meth:`read_together`; the oracle and field_only are always read first, by :meth:`read_references`)."""
         names = check_names(names)
         if fused:
-            self.read_together([*names, "field_only"])
+            self.read_together(names)
         results = {}
         for index, name in enumerate(names):
             results[name] = self.run(name)
