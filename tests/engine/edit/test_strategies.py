@@ -125,8 +125,9 @@ def test_fused_report_equals_strategy_by_strategy(lm, scenario, longer):
         if one.applicable:
             assert together.decision.margin == pytest.approx(one.decision.margin, abs=1e-4), name
             assert together.tokens_recomputed == one.tokens_recomputed, name
-    fused_only = [r for n, r in fused.strategies.items() if r.applicable and n not in ("auto",)]
+    fused_only = [r for n, r in fused.strategies.items() if r.applicable and n not in ("auto", "field_only")]
     assert all("fused forward" in r.detail["timing"] for r in fused_only)
+    assert "timing" not in fused.strategies["field_only"].detail  # a reference: read and timed on its own
 
 
 @pytest.mark.parametrize("suffix", ["", " and also confirmed by the manager"])
