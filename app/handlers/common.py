@@ -21,8 +21,21 @@ class AppError(Exception):
     """A message for the user (bad input or an engine refusal); the session stays usable."""
 
 
-class AppCancelled(AppError):
-    """Work the person stopped (e.g. a calibration they cancelled): information to show, not a failure."""
+class AppNotice(AppError):
+    """Not a failure but information for the person: shown as a toast and in the panel the result would fill, with no
+    error badges (see ``app.page.notice``)."""
+
+    warning = False  # a warning toast (something to do) rather than an info toast
+
+
+class AppCancelled(AppNotice):
+    """Work the person stopped (e.g. a calibration they cancelled)."""
+
+
+class AppMissingInput(AppNotice):
+    """Input the person has not given yet (the message names the field, by its label on the page)."""
+
+    warning = True
 
 
 def guarded(function):

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import plotly.graph_objects as go
 
-from app.handlers.common import AppError, guarded, number, parse_scenario
+from app.handlers.common import AppError, AppMissingInput, guarded, number, parse_scenario
 from app.handlers.notes import experiment
 from app.state import ModelRegistry
 from engine import (
@@ -36,7 +36,7 @@ def check_trigger_options(options: dict) -> None:
     """Refuse a trigger probe without both texts, naming the tab's own fields."""
     missing = [TRIGGER_LABELS[key] for key in ("find", "replace") if not (options.get(key) or "").strip()]
     if missing:
-        raise AppError(
+        raise AppMissingInput(
             f"the trigger probe needs {' and '.join(repr(label) for label in missing)}: a rule phrase after the field that occurs "
             "once (e.g. 'only if') and its flip with the same token count (e.g. 'unless')"
         )

@@ -23,7 +23,7 @@ from app.handlers.composer import (
     stop_calibration,
 )
 from app.inputs import LenientCheckboxGroup, LenientSlider
-from app.page import Page, cancelled_notice, message_progress, step_progress
+from app.page import Page, message_progress, notice, step_progress
 from engine import (
     DECISIVE_MARGIN,
     IMAGE_QUESTION,
@@ -136,7 +136,7 @@ def build(page: Page) -> gr.Dropdown:
         try:
             view = run_compose(page.registry, Composition(**values), spec=spec, report=message_progress(progress))
         except AppCancelled as stopped:  # the person cancelled the calibration: say so, as information
-            return cancelled_notice(stopped), None, None, None
+            return notice(stopped), None, None, None
         return view.metrics_markdown, view.logits_figure, view.deviation_figure, view.summary
 
     # auto calibrates the model once (minutes): its progress shows on the results; Cancel stops it between two forwards,
@@ -176,7 +176,7 @@ def build(page: Page) -> gr.Dropdown:
         try:
             return run_keystone(page.registry, Composition(**values), spec=spec, progress=step_progress(progress))
         except AppCancelled as stopped:
-            cancelled_notice(stopped)
+            notice(stopped)
             return None, None
 
     keystone_demo.click(lambda: ([], KEYSTONE_DEMO), outputs=[composer, after], api_name=False)
@@ -192,7 +192,7 @@ def build(page: Page) -> gr.Dropdown:
         try:
             return run_agent_loop(page.registry, Composition(**values), spec=spec, **loop)
         except AppCancelled as stopped:
-            cancelled_notice(stopped)
+            notice(stopped)
             return None, None
 
     agent_event = agent_button.click(

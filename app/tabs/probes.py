@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import gradio as gr
 
+from app.handlers.common import AppMissingInput
 from app.handlers.probes import TRIGGER_LABELS, probe_recipe, probe_sentence, run_probe, run_weight_edits
 from app.inputs import LenientCheckboxGroup, LenientSlider
-from app.page import Page, step_progress
+from app.page import Page, notice, step_progress
 from app.tabs.notes import NotesInputs
 from engine import PROBES, WEIGHT_METHODS, LoraSettings
 
@@ -54,7 +55,10 @@ def build(page: Page, notes: NotesInputs) -> None:
     def on_probe(spec, text, field, new, name, find, replacement, method, progress=gr.Progress()):
         options = probe_options(name, find, replacement, method)
         case = {"text": text, "field": field, "new": new, "name": name, "options": options}
-        figure, data = run_probe(page.registry, spec, **case, progress=step_progress(progress))
+        try:
+            figure, data = run_probe(page.registry, spec, **case, progress=step_progress(progress))
+        except AppMissingInput as missing:  # e.g. the trigger's texts not given yet: say which, as a warning
+            return None, notice(missing), None, None
         return figure, probe_sentence(data), data, probe_recipe(page.registry, spec, **case)
 
     shown = [probe_plot, probe_words, probe_json, recipe]

@@ -64,7 +64,11 @@ class KnockoutResult:
         moved = point.top.margin - gap.oracle
         share = gap.fraction(-moved)
         effect = "" if share is None else f", {share:.0%} of the edit's effect"
-        said = f"Knocking out the top {counted(point.k, 'note')} moves the new-value margin by {moved:+.2f}{effect} ({point.top.label})"
+        kept = "stays" if point.top.label == gap.oracle_label else "becomes"
+        said = (
+            f"Knocking out the top {counted(point.k, 'note')} moves the new-value margin by {moved:+.2f}{effect} "
+            f"(the decision {kept} {point.top.label})"
+        )
         if point.random is not None:
             said += f"; {counted(point.k, 'random position')} move it by {point.random.margin - gap.oracle:+.2f}"
         return said + "."

@@ -10,7 +10,16 @@ import pytest
 from nbclient import NotebookClient
 
 from app.handlers.common import bundled_scenario_text, export_files
-from app.handlers.notes import EditInputs, edit_recipe, frontier_recipe, knockout_recipe, run_edit, run_frontier, run_knockout, session_result
+from app.handlers.notes import (
+    EditInputs,
+    edit_recipe,
+    frontier_recipe,
+    knockout_recipe,
+    run_edit,
+    run_frontier,
+    run_knockout,
+    session_result,
+)
 from app.handlers.probes import probe_recipe, run_probe
 from app.state import ExportFolder
 from tests.engine.test_reproduce import ROOT, numbers_agree, run_script

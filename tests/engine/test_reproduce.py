@@ -130,8 +130,8 @@ def test_script_and_notebook_use_only_the_public_api_and_carry_everything(kind):
 @pytest.mark.parametrize("kind", ["edit", "knockout", "probe"])
 def test_the_script_is_clean_python(kind, tmp_path):
     """ruff finds nothing to fix or reformat (long lines aside: the scenario TOML travels verbatim)."""
-    extra = {"knockout": {"knockout": (3,), "frontier": True}, "probe": {"probe": "trigger", "probe_options": {"find": "a", "replace": None}}}
-    extra = extra.get(kind, {})
+    trigger = {"probe": "trigger", "probe_options": {"find": "a", "replace": None}}
+    extra = {"knockout": {"knockout": (3,), "frontier": True}, "probe": trigger}.get(kind, {})
     script = tmp_path / "exported.py"
     script.write_text(script_text(_recipe(kind=kind, **extra)), encoding="utf-8")
     for command in (["check", "--isolated", "--select", "E,F,W,I", "--ignore", "E501"], ["format", "--isolated", "--check"]):
@@ -147,7 +147,8 @@ def test_matches_knows_which_result_a_recipe_computes():
     assert not matches(knocked, edit) and not matches(recipe, edit | {"knockout": {"positions": [3, 4]}})
     assert not matches(knocked, {"positions": [3, 4]})  # a knockout alone is not the session's result
     both = _recipe(kind="knockout", knockout=(3, 4), frontier=True)
-    assert matches(both, edit | {"frontier": {}, "knockout": {"positions": [3, 4]}}) and not matches(both, edit | {"knockout": {"positions": [3, 4]}})
+    knocked_only = edit | {"knockout": {"positions": [3, 4]}}
+    assert matches(both, knocked_only | {"frontier": {}}) and not matches(both, knocked_only)
 
 
 def numbers_agree(expected, actual, path="") -> None:
