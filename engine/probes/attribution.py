@@ -92,9 +92,11 @@ class AttributionResult:
         if not self.features:
             return f"No context feature to attribute ({self.method}, {self.run} run)."
         top = max(self.features, key=lambda feature: abs(feature.score))
+        text = top.text.strip()
+        text = text if len(text) <= 60 else text[:59] + "…"
         whole = self.full_score - self.baseline_score
         return (
-            f"In the {self.run} run, {self.method} attribution of {self.target} puts the most on {top.text.strip()!r} "
+            f"In the {self.run} run, {self.method} attribution of {self.target} puts the most on {text!r} "
             f"({top.kind}): {top.score:+.2f} of the {whole:+.2f} that replacing every feature with {self.baseline_token!r} moves it."
         )
 

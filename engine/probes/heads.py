@@ -47,7 +47,7 @@ class HeadsResult:
         return (
             f"Hiding the top {counted(len(self.notes), 'note')} from the {counted(len(self.top_heads), 'head')} that attend to them "
             f"most gives {self.top.words()}; from as many random heads, {self.random.words()}; from every head, "
-            f"{self.all_heads.words()} (the new value alone: {self.gap.oracle_label} {self.gap.oracle:+.2f})."
+            f"{self.all_heads.words()}; nothing hidden, the new value gives {self.gap.oracle_label} {self.gap.oracle:+.2f}."
         )
 
     def as_dict(self) -> dict:

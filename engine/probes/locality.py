@@ -30,7 +30,8 @@ class LocalityResult:
         else:
             field = f"recomputing the field alone gives {self.field_only.words()}"
             if self.field_only.recovery is not None:
-                field += f": the notes after it carry {max(0.0, 1 - self.field_only.recovery):.0%} of the decision"
+                change = "margin change" if self.gap.stale_label == self.gap.oracle_label else "decision"
+                field += f": the notes after it carry {max(0.0, 1 - self.field_only.recovery):.0%} of the {change}"
         after = "" if self.full_downstream is None else f"; the field and everything after it give {self.full_downstream.words()}"
         return f"Between {self.gap.words()}, {field}{after}."
 

@@ -65,7 +65,7 @@ class SuffixResult:
             f"{counted(point.k, 'random position')} {point.random.words()}"
         )
         best = max(point.bands, key=lambda name: point.bands[name].margin * self.gap.direction)
-        said += f"; of the layer bands alone, the {best} layers give the most ({point.bands[best].words()})"
+        said += f"; of the layer bands alone, the {best} layers give the most: {point.bands[best].words()}"
         if not flipping and self.gap.stale_label != self.gap.oracle_label:
             said += f"; no K up to {point.k} reaches {self.gap.oracle_label}"
         return said + "."
