@@ -16,7 +16,7 @@ import gradio as gr
 import plotly.graph_objects as go
 import plotly.io
 
-from app.handlers.common import AppError, export_files
+from app.handlers.common import AppError, AppNotice, export_files
 from app.handlers.notes import prepare_baseline
 from app.state import ExportFolder, ModelRegistry, SessionStore
 from engine import MessageProgress, StepProgress, bounded, fraction, waits_reported
@@ -39,6 +39,15 @@ def message_progress(progress: gr.Progress) -> MessageProgress:
 def user_error(error: Exception) -> gr.Error:
     """A refusal as a Gradio toast: the message escaped (toasts render HTML), no server traceback."""
     return gr.Error(html.escape(str(error), quote=False), print_exception=False)
+
+
+def notice(given: AppNotice) -> str:
+    """Cancelled work or input not given yet, as information rather than a failure: a toast (info, or warning where there
+    is something to do), and the sentence (Markdown) for the panel its result would have filled."""
+    said = str(given)
+    said = said[:1].upper() + said[1:]
+    (gr.Warning if given.warning else gr.Info)(html.escape(said, quote=False))
+    return f"{'⚠️' if given.warning else 'ℹ️'} {markdown_literal(said)}"
 
 
 def plot_figure(plot, index: int) -> go.Figure | None:

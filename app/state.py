@@ -352,6 +352,12 @@ class SessionStore:
         entry = entries.get(key) if entries else None
         return None if entry is None else entry[0]
 
+    def model_of(self, session: str, key: str) -> str | None:
+        """The model spec this session's value for ``key`` was computed with (None: none, or no value)."""
+        entries = self._sessions.get(session)
+        entry = entries.get(key) if entries else None
+        return None if entry is None else entry[1]
+
     def forget_model(self, spec: str) -> None:
         """Drop every session entry computed with model ``spec``."""
         for session in list(self._sessions):

@@ -97,6 +97,7 @@ Serving: what a server shares between requests
 
 =========================  ======================================================================================
 ``WorkBudget``             a request's bound on model work; ``bounded`` runs within it, taking turns at a ``ComputeGate``
+``Cancelled``              work a person stopped between two forwards (a ``KVScopeError``: its message says what was kept)
 ``waits_reported``         within: each wait at the gate reported as a message
 ``BudgetedLRU``            entries kept within a byte budget, least recently used dropped first (``tensor_bytes``)
 ``SingleFlight``           computed-once entries: one computation, concurrent callers wait for it
@@ -119,6 +120,7 @@ _PUBLIC = {
     "AuditReport": "engine.audit.audit",
     "BudgetedLRU": "engine.cache.lru",
     "CacheSettings": "engine.audit.caches",
+    "Cancelled": "engine.cache.budget",
     "ComputeGate": "engine.cache.budget",
     "DECISIVE_MARGIN": "engine.cache.decision",
     "DEFAULT_REMEDY": "engine.compose.remedy",
@@ -240,6 +242,7 @@ __all__ = [
     "AuditReport",
     "BudgetedLRU",
     "CacheSettings",
+    "Cancelled",
     "ComputeGate",
     "DECISIVE_MARGIN",
     "DEFAULT_REMEDY",
@@ -369,7 +372,7 @@ if TYPE_CHECKING:
     from engine.audit.sampling import bounded_sample
     from engine.audit.spans import appended_chars, candidate_menu, candidate_span, find_span, prefix_cache_stop
     from engine.audit.traffic import DEFAULT_SAMPLE, audit_traffic
-    from engine.cache.budget import ComputeGate, WorkBudget, bounded, waits_reported
+    from engine.cache.budget import Cancelled, ComputeGate, WorkBudget, bounded, waits_reported
     from engine.cache.decision import DECISIVE_MARGIN
     from engine.cache.footprint import tensor_bytes
     from engine.cache.interop import load_cache, save_cache, to_dynamic_cache

@@ -1,6 +1,7 @@
 """Reproducible exports: a recipe (what one result depends on) as a runnable Python script or a Jupyter notebook.
 
-An export of the Notes tab (an edit, or a knockout after it) or of the Probes tab carries a :class:`Recipe`: the
+An export of the Notes tab (an edit, with the frontier and a knockout run on it) or of the Probes tab carries a
+:class:`Recipe`: the
 model spec, dtype and device it ran with, the scenario TOML itself, the field and new value, the strategies and how
 they were read, every strategy setting (``EditSettings``: K, ranking, erratum and restate templates, chain of thought,
 minimum gap), the knockout positions, the probe and its options, and the figure options. :func:`script_text` and
@@ -21,6 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.words import counted
+
 KINDS = ("edit", "knockout", "probe")
 OUTPUT = "reproduced.json"
 NOTEBOOK_FORMAT = (4, 5)  # nbformat 4.5: cells carry ids
@@ -31,7 +34,9 @@ class Recipe:
     """Everything one exported result depends on, enough to rerun it from the engine's public API.
 
     ``kind``: ``edit`` (the Notes tab's strategy report), ``knockout`` (that edit, then ``knockout`` positions
-    hidden from the new-value decision) or ``probe`` (``probe`` with ``probe_options`` on the edit).
+    hidden from the new-value decision, under the JSON's ``knockout`` key beside the edit's) or ``probe`` (``probe``
+    with ``probe_options`` on the edit). ``frontier``: an edit's cost–quality frontier was run on it too (the JSON's
+    ``frontier`` key).
     ``settings`` are the strategies' knobs (the fields of ``EditSettings``); ``head`` and ``all_positions`` choose
     what the figures show and do not change any number.
     """
@@ -47,6 +52,7 @@ class Recipe:
     strategies: tuple[str, ...] = ()
     fused: bool = True
     knockout: tuple[int, ...] = ()
+    frontier: bool = False
     probe: str | None = None
     probe_options: Mapping[str, Any] = field(default_factory=dict)
     head: int | None = None
@@ -69,9 +75,10 @@ class Recipe:
         where = f"{self.scenario_name or 'scenario'}: {self.field} -> {self.new}"
         if self.kind == "probe":
             return f"probe {self.probe} on {where}"
+        frontier = ", its frontier" if self.frontier else ""
         if self.kind == "knockout":
-            return f"knockout of {len(self.knockout)} positions after the edit {where}"
-        return f"edit {where}"
+            return f"edit {where}{frontier} and a knockout of {counted(len(self.knockout), 'position')}"
+        return f"edit {where}{frontier}"
 
 
 # ---------------------------------------------------------------------------- literals
@@ -157,6 +164,7 @@ class Cell:
 
 def _imports(recipe: Recipe, script: bool) -> str:
     names = ["EditExperiment", "EditSettings", "Scenario", "load_model", *(["PROBES"] if recipe.kind == "probe" else ["analyse_edit"])]
+    names += ["probe_frontier"] if recipe.frontier and recipe.kind != "probe" else []
     modules = ["json", *(["sys"] if script else [])]
     names.sort(key=lambda name: (0 if name.isupper() else 1 if name[0].isupper() else 2, name))  # as isort orders them
     lines = [*(f"import {module}" for module in modules), "from pathlib import Path", "", "from engine import " + ", ".join(names)]
@@ -206,17 +214,20 @@ def _run(recipe: Recipe) -> str:
             "result = analysis.as_dict()",
             "print(analysis.report.notes.headline())",
         ]
+        if recipe.frontier:
+            lines.append('result["frontier"] = probe_frontier(experiment).as_dict()')
     if recipe.kind == "knockout":
-        lines.append('result = {"positions": KNOCKOUT, **experiment.knocked_out(KNOCKOUT).as_dict()}')
+        lines.append('result["knockout"] = {"positions": KNOCKOUT, **experiment.knocked_out(KNOCKOUT).as_dict()}')
     return "\n".join(lines)
 
 
 def _what_runs(recipe: Recipe) -> str:
     if recipe.kind == "probe":
         return f"run the probe {recipe.probe} on the edit"
+    frontier = ", its frontier" if recipe.frontier else ""
     if recipe.kind == "knockout":
-        return "run the edit, then the knockout"
-    return "run the edit"
+        return f"run the edit{frontier}, then the knockout"
+    return f"run the edit{frontier}"
 
 
 def _write(script: bool) -> str:
@@ -285,13 +296,18 @@ def recipe_settings(settings: Any) -> dict[str, Any]:
 
 
 def matches(recipe: Recipe, result: Mapping[str, Any]) -> bool:
-    """Whether ``result`` (an export's JSON) is what ``recipe`` computes: an edit's field and new value, a knockout's
-    positions (a probe result carries neither, so any is taken)."""
-    if recipe.kind == "edit":
-        return result.get("field") == recipe.field and result.get("new") == recipe.new
-    if recipe.kind == "knockout":
-        return list(result.get("positions") or ()) == list(recipe.knockout)
-    return True
+    """Whether ``result`` (an export's JSON) is what ``recipe`` computes: an edit's field and new value, with a frontier
+    where the recipe runs one and the knockout's positions where it has one (a probe result carries none of them, so any
+    is taken)."""
+    if recipe.kind == "probe":
+        return True
+    knocked = (result.get("knockout") or {}).get("positions")
+    return (
+        result.get("field") == recipe.field
+        and result.get("new") == recipe.new
+        and ("frontier" in result) == recipe.frontier
+        and (list(knocked) if knocked is not None else None) == (list(recipe.knockout) if recipe.kind == "knockout" else None)
+    )
 
 
 __all__ = ["Recipe", "matches", "notebook", "python_literal", "python_string", "recipe_settings", "script_text"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from engine.words import counted
 from viz.audit import KL_FLOOR, reused_fraction, within
 from viz.common import LEGEND_BELOW, PALETTE, safe_label, set_title
 
@@ -148,7 +149,7 @@ def soak_figure(data: dict) -> go.Figure:
     cases = (
         ("edit_seconds_alone", "alone"),
         ("edit_seconds_during_worst_case", "while the worst case runs"),
-        ("edit_seconds_under_load", f"{data.get('clients')} visitors at once"),
+        ("edit_seconds_under_load", f"{counted(data.get('clients') or 0, 'visitor')} at once"),
     )
     for index, (key, name) in enumerate(cases):
         stats = data.get(key) or {}
@@ -168,7 +169,8 @@ def soak_figure(data: dict) -> go.Figure:
     figure.update_layout(height=440, barmode="group", legend=LEGEND_BELOW)
     set_title(
         figure,
-        f"Soak, {safe_label(str(data.get('profile')))} profile: {data.get('sessions')} sessions, {data.get('clients')} clients",
+        f"Soak, {safe_label(str(data.get('profile')))} profile: "
+        f"{counted(data.get('sessions') or 0, 'session')}, {counted(data.get('clients') or 0, 'client')}",
         f"{growth}; cross-talk {len(data.get('cross_talk', []))}",
         subplot_titles=1,
     )
@@ -456,7 +458,9 @@ def audit_replay_figure(data: dict) -> go.Figure:
     figure.update_xaxes(title_text="simulated llama.cpp cache (tokens)", row=1, col=3)
     figure.update_yaxes(title_text="server cache_n (tokens)", row=1, col=3)
     summary = data.get("summary") or {}
-    equal = f"{summary.get('equal')}/{summary.get('requests')} requests cache what the simulation predicts; " if summary else ""
+    equal = (
+        f"{summary.get('equal')}/{counted(summary.get('requests') or 0, 'request')} cache what the simulation predicts; " if summary else ""
+    )
     logs = ", ".join(f"{safe_label(log['log'])} ({symbols[n % len(symbols)]})" for n, log in enumerate(data["logs"]))
     figure.update_layout(height=480, legend=LEGEND_BELOW)
     set_title(

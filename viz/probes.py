@@ -16,6 +16,7 @@ from plotly.subplots import make_subplots
 from engine.probes import Gap, HeadsResult, KnockoutResult, RandomControl, SuffixResult
 from engine.probes.attribution import AttributionResult
 from engine.probes.linear import GROUPS, LinearProbeResult
+from engine.words import counted
 from viz.common import GREY, PALETTE, safe_label, safe_lines
 from viz.notes import attention_figure, frontier_figure, notes_map_figure
 
@@ -182,7 +183,9 @@ def heads_figure(result: HeadsResult) -> go.Figure:
     figure.update_yaxes(title_text="layer", dtick=max(1, round(mass.shape[0] / 16)), row=1, col=1)
     figure.update_yaxes(title_text="drop in " + ("recovery" if gap.note is None else "margin"), row=1, col=2)
     figure.update_layout(
-        title=_title(f"Read heads: {len(result.top_heads)} heads with most attention on {len(result.notes)} notes", gap),
+        title=_title(
+            f"Read heads: {counted(len(result.top_heads), 'head')} with most attention on {counted(len(result.notes), 'note')}", gap
+        ),
         height=max(400, 160 + 14 * mass.shape[0]),
         legend={"orientation": "h", "y": -0.3},
         margin={"l": 60, "r": 20, "t": 100, "b": 60},

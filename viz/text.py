@@ -19,6 +19,7 @@ from engine.compose.fidelity import SpliceFidelity
 from engine.compose.pictures import ImageFidelity
 from engine.compose.remedy import RANKING_WORDS, REMEDY_GRAMMAR
 from engine.edit.strategies import REGISTRY
+from engine.words import counted
 from viz.common import markdown_literal
 
 AUTO_WORDS = (
@@ -102,7 +103,7 @@ def knockout_markdown(positions: Sequence[int], token_texts: Sequence[str], knoc
     """The decision after hiding ``positions`` (the first 12 named with their tokens), beside the oracle and stale ones."""
     shown = ", ".join(f"{p}:{token_texts[p]!r}" for p in positions[:12] if p < len(token_texts))
     return (
-        f"Knocked out {len(positions)} positions ({markdown_literal(shown)}). Decision **{markdown_literal(knocked.label)}** "
+        f"Knocked out {counted(len(positions), 'position')} ({markdown_literal(shown)}). Decision **{markdown_literal(knocked.label)}** "
         f"(margin {knocked.margin:+.2f}); without knockout **{markdown_literal(oracle.label)}** ({oracle.margin:+.2f}), "
         f"stale **{markdown_literal(stale.label)}** ({stale.margin:+.2f})."
     )
@@ -229,7 +230,7 @@ def image_metrics_markdown(result: ImageFidelity) -> str:
         f"**decision** {verdict} ({labels}, margin error {result.match.margin_error:+.3f})  \n"
         f"**TTFT** splice {data['ttft_ms']['splice']:.0f} ms vs full {data['ttft_ms']['full']:.0f} ms with the vision tower "
         f"(×{data['speedup']}) · "
-        f"picture {data['image_tokens']} tokens over {data['rope_span']} rope positions, moved {data['shift']} positions, "
+        f"picture {data['image_tokens']} tokens over {data['rope_span']} rope positions, moved {counted(data['shift'], 'position')}, "
         f"first {data['seam']} recomputed"
     )
 

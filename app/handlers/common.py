@@ -9,7 +9,7 @@ import plotly.graph_objects as go
 
 from app.hosting import HostingProfile
 from app.state import ExportFolder
-from engine import KVScopeError, Recipe, Scenario, bundled_scenarios, recipe_matches, recipe_notebook, script_text
+from engine import Cancelled, KVScopeError, Recipe, Scenario, bundled_scenarios, recipe_matches, recipe_notebook, script_text
 from viz.common import markdown_literal
 
 # The bundled demo where the embedded model's notes carry the most of the decision (lowest field-only recovery
@@ -21,12 +21,32 @@ class AppError(Exception):
     """A message for the user (bad input or an engine refusal); the session stays usable."""
 
 
+class AppNotice(AppError):
+    """Not a failure but information for the person: shown as a toast and in the panel the result would fill, with no
+    error badges (see ``app.page.notice``)."""
+
+    warning = False  # a warning toast (something to do) rather than an info toast
+
+
+class AppCancelled(AppNotice):
+    """Work the person stopped (e.g. a calibration they cancelled)."""
+
+
+class AppMissingInput(AppNotice):
+    """Input the person has not given yet (the message names the field, by its label on the page)."""
+
+    warning = True
+
+
 def guarded(function):
-    """Turn engine refusals into :class:`AppError` with the engine's own message."""
+    """Turn engine refusals into :class:`AppError` with the engine's own message (:class:`AppCancelled` where the work was
+    cancelled)."""
 
     def wrapper(*args, **kwargs):
         try:
             return function(*args, **kwargs)
+        except Cancelled as error:
+            raise AppCancelled(str(error)) from error
         except KVScopeError as error:
             raise AppError(str(error)) from error
 

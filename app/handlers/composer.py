@@ -130,6 +130,15 @@ def remedy_for(registry: ModelRegistry, spec: str | None, lm: LoadedModel, text,
     return resolve_remedy(lm, text, registry.skills(spec), report, default=default)
 
 
+def calibration_pending(registry: ModelRegistry, spec: str | None, remedy: str | None) -> bool:
+    """Whether splicing with ``remedy`` would first calibrate the model (``auto`` without a stored choice, on a server that
+    runs calibrations): what a Cancel button is for. A model not in memory is not loaded for this (it would calibrate)."""
+    if (remedy or "").strip() != AUTO_REMEDY or not registry.profile.calibrate_remedies:
+        return False
+    spec = registry.resolve(spec)
+    return spec not in registry.loaded() or stored_choice(registry.get(spec)) is None
+
+
 def stop_calibration(registry: ModelRegistry, spec: str | None) -> str:
     """Cancel the running ``auto`` calibration of the model ``spec`` names (it stops before its next forward and stores
     nothing); says what was cancelled (Markdown). A model not in memory is not loaded for this."""

@@ -1,5 +1,6 @@
 """The Notes tab's handlers: prepare the scenario, edit a field (the strategy cards, context text, attention and notes
-map), the frontier, the knockout, and the recipes an export reruns."""
+map), the frontier, the knockout, the session's whole result (the edit with the frontier and knockout run on it) and
+the recipe an export reruns."""
 
 from __future__ import annotations
 
@@ -55,6 +56,32 @@ class EditInputs:
         """The head shown, None for the mean over heads."""
         head = number(self.head, "attention head", -1)
         return None if head < 0 else head
+
+
+@dataclass(frozen=True)
+class SessionResult:
+    """What the Notes tab computed on the session's edit: the edit's summary, then the frontier and the knockout run on
+    it (None until run). Its JSON is what the tab shows and exports, and what the export's script reproduces."""
+
+    edit: dict
+    frontier: dict | None = None
+    knockout: dict | None = None
+
+    def as_dict(self) -> dict:
+        later = {"frontier": self.frontier, "knockout": self.knockout}
+        return self.edit | {key: value for key, value in later.items() if value is not None}
+
+
+def session_result(sessions: SessionStore, *, session: str) -> dict | None:
+    """The session's whole Notes result as JSON (None before its first edit)."""
+    kept: SessionResult | None = sessions.get(session, "result")
+    return None if kept is None else kept.as_dict()
+
+
+def _add_to_result(sessions: SessionStore, session: str, **parts: dict) -> None:
+    kept: SessionResult | None = sessions.get(session, "result")
+    if kept is not None:
+        sessions.put(session, "result", dataclasses.replace(kept, **parts), sessions.model_of(session, "result"))
 
 
 @dataclass
@@ -117,6 +144,7 @@ def run_edit(
     model = registry.resolve(spec)
     sessions.put(session, "edit", edited, model)
     sessions.put(session, "effects", effects, model)
+    sessions.put(session, "result", SessionResult(analysis.as_dict()), model)
     return NotesView(
         cards_html=strategy_cards_html(analysis.report),
         strategy_figure=strategy_figure(analysis.report),
@@ -151,6 +179,7 @@ def run_frontier(sessions: SessionStore, *, session: str, progress: StepProgress
     if edited is None:
         raise AppError("run an edit first: the frontier measures that edit")
     result = probe_frontier(edited, progress=progress)
+    _add_to_result(sessions, session, frontier=result.as_dict())
     return notes_figures.frontier_figure(result), result.as_dict()
 
 
@@ -173,7 +202,9 @@ def run_knockout(sessions: SessionStore, *, session: str, positions: str | None,
     oracle = edited.oracle
     knocked = edited.knocked_out(chosen)
     verdict = panels.knockout_markdown(chosen, oracle.notebook.token_texts(), knocked, oracle.decision, edited.stale.decision)
-    return verdict, decision_figure(knocked, title="after knockout"), {"positions": chosen, **knocked.as_dict()}
+    data = {"positions": chosen, **knocked.as_dict()}
+    _add_to_result(sessions, session, knockout=data)
+    return verdict, decision_figure(knocked, title="after knockout"), data
 
 
 def edit_recipe(
@@ -203,5 +234,10 @@ def edit_recipe(
 
 
 def knockout_recipe(recipe: Recipe | None, positions: Sequence[int]) -> Recipe | None:
-    """An edit's recipe followed by a knockout of ``positions`` (what the Notes tab's JSON then shows)."""
+    """An edit's recipe followed by a knockout of ``positions`` (what the Notes tab's JSON then shows beside the edit)."""
     return None if recipe is None else dataclasses.replace(recipe, kind="knockout", knockout=tuple(int(p) for p in positions))
+
+
+def frontier_recipe(recipe: Recipe | None) -> Recipe | None:
+    """An edit's recipe with its frontier run too (the Notes tab runs it after every edit)."""
+    return None if recipe is None else dataclasses.replace(recipe, frontier=True)

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import plotly.graph_objects as go
 
-from app.handlers.common import AppError, guarded, number, parse_scenario
+from app.handlers.common import AppError, AppMissingInput, guarded, number, parse_scenario
 from app.handlers.notes import experiment
 from app.state import ModelRegistry
 from engine import (
@@ -22,8 +22,29 @@ from engine import (
     dtype_name,
     recipe_settings,
 )
+from viz.common import markdown_literal
 from viz.probes import probe_figure
 from viz.weights import trade_off_markdown, weight_edit_figure
+
+TRIGGER_LABELS = {  # the trigger probe's options as the Probes tab labels them (its messages name these, not find= / replace=)
+    "find": "trigger: rule text to flip",
+    "replace": "trigger: replacement (same token count)",
+}
+
+
+def check_trigger_options(options: dict) -> None:
+    """Refuse a trigger probe without both texts, naming the tab's own fields."""
+    missing = [TRIGGER_LABELS[key] for key in ("find", "replace") if not (options.get(key) or "").strip()]
+    if missing:
+        raise AppMissingInput(
+            f"the trigger probe needs {' and '.join(repr(label) for label in missing)}: a rule phrase after the field that occurs "
+            "once (e.g. 'only if') and its flip with the same token count (e.g. 'unless')"
+        )
+
+
+def probe_sentence(data: dict) -> str:
+    """The probe result's one-sentence reading (its ``headline``) as Markdown."""
+    return markdown_literal(data.get("headline") or "")
 
 
 @guarded
@@ -41,6 +62,8 @@ def run_probe(
     """One probe (causal, linear or attribution) on the Notes tab's edit, with its figure."""
     if name not in PROBES:
         raise AppError(f"unknown probe {name!r}; choose from {', '.join(PROBES)}")
+    if name == "trigger":
+        check_trigger_options(options or {})
     result = PROBES[name](experiment(registry, spec, text, field, new), progress=progress, **(options or {}))
     return probe_figure(name, result), result.as_dict()
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 import gradio as gr
 
 from app.composer import SkillComposer
-from app.handlers.common import NOTES_SCENARIO
+from app.handlers.common import NOTES_SCENARIO, AppCancelled
 from app.handlers.composer import (
     Composition,
+    calibration_pending,
     model_menu,
     remedy_info,
     remedy_menu,
@@ -22,9 +23,8 @@ from app.handlers.composer import (
     stop_calibration,
 )
 from app.inputs import LenientCheckboxGroup, LenientSlider
-from app.page import Page, message_progress, step_progress
+from app.page import Page, message_progress, notice, step_progress
 from engine import (
-    AUTO_REMEDY,
     DECISIVE_MARGIN,
     IMAGE_QUESTION,
     PLACEMENTS,
@@ -133,19 +133,27 @@ def build(page: Page) -> gr.Dropdown:
 
     @page.action
     def on_compose(spec, progress=gr.Progress(), **values):
-        view = run_compose(page.registry, Composition(**values), spec=spec, report=message_progress(progress))
+        try:
+            view = run_compose(page.registry, Composition(**values), spec=spec, report=message_progress(progress))
+        except AppCancelled as stopped:  # the person cancelled the calibration: say so, as information
+            return notice(stopped), None, None, None
         return view.metrics_markdown, view.logits_figure, view.deviation_figure, view.summary
 
+    # auto calibrates the model once (minutes): its progress shows on the results; Cancel stops it between two forwards,
+    # and shows only while a calibration may run (from the choice of auto, or a splice that starts one, to its end)
+    def show_cancel(spec, remedy):
+        return gr.update(visible=calibration_pending(page.registry, spec, remedy))
+
+    def calibrating(event) -> None:
+        """Wire Cancel around a handler that may calibrate: shown as it starts (where it will), hidden once it ends."""
+        event.then(lambda: gr.update(visible=False), outputs=cancel_button, api_name=False, concurrency_limit=None)
+
     compared = [compose_metrics, logits_plot, deviation_plot, compose_json]
-    compose_button.click(on_compose, inputs_kwargs=composition, outputs=compared, api_name="compose", **page.model_bound())
-    # auto calibrates the model once (minutes): its progress shows on the results; Cancel stops it between two forwards
-    remedy.change(
-        lambda chosen: gr.update(visible=chosen == AUTO_REMEDY),
-        inputs_kwargs={"chosen": remedy},
-        outputs=cancel_button,
-        api_name=False,
-        concurrency_limit=None,
-    )
+    for trigger in (remedy.change, compose_button.click, composer.change, keystone_button.click, agent_button.click):
+        trigger(
+            show_cancel, inputs_kwargs={"spec": page.spec, "remedy": remedy}, outputs=cancel_button, api_name=False, concurrency_limit=None
+        )
+    calibrating(compose_button.click(on_compose, inputs_kwargs=composition, outputs=compared, api_name="compose", **page.model_bound()))
 
     def on_model(spec):
         menu = remedy_menu(page.registry, spec, STUDY_REMEDIES)
@@ -161,29 +169,40 @@ def build(page: Page) -> gr.Dropdown:
         api_name="cancel_calibration",
         concurrency_limit=None,
     )
-    composer.change(on_compose, inputs_kwargs=composition, outputs=compared, api_name=False, **page.model_bound())
+    calibrating(composer.change(on_compose, inputs_kwargs=composition, outputs=compared, api_name=False, **page.model_bound()))
 
     @page.action
     def on_keystone(spec, progress=gr.Progress(), **values):
-        return run_keystone(page.registry, Composition(**values), spec=spec, progress=step_progress(progress))
+        try:
+            return run_keystone(page.registry, Composition(**values), spec=spec, progress=step_progress(progress))
+        except AppCancelled as stopped:
+            notice(stopped)
+            return None, None
 
     keystone_demo.click(lambda: ([], KEYSTONE_DEMO), outputs=[composer, after], api_name=False)
-    keystone_button.click(
-        on_keystone, inputs_kwargs=composition, outputs=[loop_plot, compose_json], api_name="keystone", **page.model_bound()
+    calibrating(
+        keystone_button.click(
+            on_keystone, inputs_kwargs=composition, outputs=[loop_plot, compose_json], api_name="keystone", **page.model_bound()
+        )
     )
 
     @page.action
     def on_agent(spec, turns, toggle, policy="adaptive", progress=gr.Progress(), **values):
         loop = {"turns": turns, "toggle": toggle, "policy": policy, "progress": step_progress(progress)}
-        return run_agent_loop(page.registry, Composition(**values), spec=spec, **loop)
+        try:
+            return run_agent_loop(page.registry, Composition(**values), spec=spec, **loop)
+        except AppCancelled as stopped:
+            notice(stopped)
+            return None, None
 
-    agent_button.click(
+    agent_event = agent_button.click(
         on_agent,
         inputs_kwargs={**composition, "turns": turns, "toggle": toggle, "policy": policy},
         outputs=[loop_plot, compose_json],
         api_name="agent",
         **page.model_bound(),
     )
+    calibrating(agent_event)
 
     @page.action
     def on_study(spec, progress=gr.Progress(), **values):

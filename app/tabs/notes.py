@@ -14,11 +14,13 @@ from app.handlers.notes import (
     OFFERED_STRATEGIES,
     EditInputs,
     edit_recipe,
+    frontier_recipe,
     knockout_recipe,
     notes_map_view,
     run_edit,
     run_frontier,
     run_knockout,
+    session_result,
 )
 from app.inputs import LenientCheckboxGroup, LenientSlider
 from app.page import Page, step_progress
@@ -141,7 +143,7 @@ class NotesTab:
                     knockout_positions = gr.Textbox(label="Positions (e.g. 40, 41, 57); empty = top-K notes", elem_id="knockout-positions")
                     knockout_button = gr.Button("Knock out and re-read", elem_id="run-knockout")
                 knockout_text = gr.Markdown(elem_id="knockout-result")
-                knockout_plot = gr.Plot(label="Decision after knockout")
+                knockout_plot = gr.Plot(label="Decision after knockout", elem_id="knockout-plot")
             edit_json = gr.JSON(label="Result", elem_id="edit-json")
             self.frontier_json = gr.JSON(label="Frontier", elem_id="frontier-json", visible=False)
             with gr.Row():
@@ -157,6 +159,7 @@ class NotesTab:
         stale += (edit_json, self.link_box, self.link_status)
         self.inputs = NotesInputs(editor, field, new_value, baseline, description, pick, stale)
         self.edit_outputs = [cards, strategy_plot, notes_text, attention_plot, notes_plot, edit_json, page.session, recipe]
+        self.edit_json, self.recipe = edit_json, recipe  # the session's whole result, and the recipe that reruns it
         self._wire_scenario(upload)
         self._wire_edit(edit_button, notes_plot)
         knockout_button.click(
@@ -171,6 +174,7 @@ class NotesTab:
             "frontier_plot": self.frontier_plot,
             "attention_plot": attention_plot,
             "notes_plot": notes_plot,
+            "knockout_plot": knockout_plot,
         }
         page.export_on(
             notes_export,
@@ -182,6 +186,11 @@ class NotesTab:
             files=notes_files,
             api_name="export_notes",
         )
+
+    @property
+    def frontier_outputs(self) -> list:
+        """The frontier's figure and JSON, the session's result with it, and the recipe."""
+        return [self.frontier_plot, self.frontier_json, self.edit_json, self.recipe]
 
     def edit_inputs(self) -> dict:
         """Every input of an edit, by :class:`EditInputs` field name."""
@@ -257,13 +266,16 @@ class NotesTab:
         made = edit_recipe(page.registry, page.sessions, edit, session=sid, spec=spec)
         return (view.cards_html, view.strategy_figure, view.text_html, view.attention_figure, view.notes_figure, view.summary, sid, made)
 
-    def frontier(self, session: str | None, progress: gr.Progress) -> tuple:
-        return run_frontier(self.page.sessions, session=self.page.session_id(session), progress=step_progress(progress))
+    def frontier(self, session: str | None, made, progress: gr.Progress) -> tuple:
+        """The frontier of the session's edit, the session's result with it and the recipe that reruns both."""
+        sid = self.page.session_id(session)
+        figure, data = run_frontier(self.page.sessions, session=sid, progress=step_progress(progress))
+        return figure, data, session_result(self.page.sessions, session=sid), frontier_recipe(made)
 
     def on_knockout(self, session, positions, top_k, made=None):
         sid = self.page.session_id(session)
         text, figure, data = run_knockout(self.page.sessions, session=sid, positions=positions, top_k=top_k)
-        return text, figure, data, sid, knockout_recipe(made, data["positions"])
+        return text, figure, session_result(self.page.sessions, session=sid), sid, knockout_recipe(made, data["positions"])
 
     def _wire_edit(self, edit_button: gr.Button, notes_plot: gr.Plot) -> None:
         page = self.page
@@ -273,8 +285,8 @@ class NotesTab:
             return self.edit(session, spec, EditInputs(**values), progress)
 
         @page.action
-        def on_frontier(session, progress=gr.Progress()):
-            return self.frontier(session, progress)
+        def on_frontier(session, made=None, progress=gr.Progress()):
+            return self.frontier(session, made, progress)
 
         edit_button.click(
             on_edit,
@@ -284,8 +296,8 @@ class NotesTab:
             **page.model_bound(),
         ).success(
             on_frontier,
-            inputs_kwargs={"session": page.session},
-            outputs=[self.frontier_plot, self.frontier_json],
+            inputs_kwargs={"session": page.session, "made": self.recipe},
+            outputs=self.frontier_outputs,
             api_name="frontier",
             **page.model_bound(),
         )
@@ -375,14 +387,15 @@ class NotesTab:
                 return (*unchanged, f"⚠️ The link's edit did not run: {markdown_literal(str(error))}")
             return (*shown, gr.update())
 
-        def on_restored_frontier(link, session, progress=gr.Progress()):
+        def on_restored_frontier(link, session, made, progress=gr.Progress()):
+            unchanged = (gr.update(),) * len(self.frontier_outputs)
             if link is None:
-                return gr.update(), gr.update()
+                return unchanged
             try:
                 with page.bounded():
-                    return self.frontier(session, progress)
+                    return self.frontier(session, made, progress)
             except AppError:
-                return gr.update(), gr.update()  # the edit's own message says why
+                return unchanged  # the edit's own message says why
 
         page_loaded.then(on_restore, outputs=restore_outputs, api_name=False, concurrency_limit=None).then(
             on_restored_prepare,
@@ -398,8 +411,8 @@ class NotesTab:
             **page.model_bound(),
         ).then(
             on_restored_frontier,
-            inputs_kwargs={"link": restored, "session": page.session},
-            outputs=[self.frontier_plot, self.frontier_json],
+            inputs_kwargs={"link": restored, "session": page.session, "made": self.recipe},
+            outputs=self.frontier_outputs,
             api_name=False,
             **page.model_bound(),
         )

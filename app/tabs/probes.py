@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import gradio as gr
 
-from app.handlers.probes import probe_recipe, run_probe, run_weight_edits
+from app.handlers.common import AppMissingInput
+from app.handlers.probes import TRIGGER_LABELS, probe_recipe, probe_sentence, run_probe, run_weight_edits
 from app.inputs import LenientCheckboxGroup, LenientSlider
-from app.page import Page, step_progress
+from app.page import Page, notice, step_progress
 from app.tabs.notes import NotesInputs
 from engine import PROBES, WEIGHT_METHODS, LoraSettings
 
@@ -37,11 +38,12 @@ def build(page: Page, notes: NotesInputs) -> None:
                 label="Probe",
                 elem_id="probe-name",
             )
-            trigger_find = gr.Textbox(label="trigger: rule text to flip", elem_id="trigger-find")
-            trigger_replace = gr.Textbox(label="trigger: replacement (same token count)", elem_id="trigger-replace")
+            trigger_find = gr.Textbox(label=TRIGGER_LABELS["find"], elem_id="trigger-find")
+            trigger_replace = gr.Textbox(label=TRIGGER_LABELS["replace"], elem_id="trigger-replace")
             attribution_method = gr.Radio(["ablation", "gradient"], value="ablation", label="attribution method")
             probe_button = gr.Button("Run probe", variant="primary", elem_id="run-probe")
         probe_plot = gr.Plot(label="Probe", elem_id="probe-plot")
+        probe_words = gr.Markdown(elem_id="probe-sentence")  # what the result means, in one sentence from its numbers
         probe_json = gr.JSON(label="Probe result", elem_id="probe-json")
         recipe = gr.State(None)  # what computed the probe shown (the export writes a script and a notebook)
         with gr.Row():
@@ -53,9 +55,16 @@ def build(page: Page, notes: NotesInputs) -> None:
     def on_probe(spec, text, field, new, name, find, replacement, method, progress=gr.Progress()):
         options = probe_options(name, find, replacement, method)
         case = {"text": text, "field": field, "new": new, "name": name, "options": options}
-        figure, data = run_probe(page.registry, spec, **case, progress=step_progress(progress))
-        return figure, data, probe_recipe(page.registry, spec, **case)
+        try:
+            figure, data = run_probe(page.registry, spec, **case, progress=step_progress(progress))
+        except AppMissingInput as missing:  # e.g. the trigger's texts not given yet: say which, as a warning
+            return None, notice(missing), None, None
+        return figure, probe_sentence(data), data, probe_recipe(page.registry, spec, **case)
 
+    shown = [probe_plot, probe_words, probe_json, recipe]
+    probe_name.change(  # another probe: the previous one's result no longer answers what is asked
+        lambda: (None, "", None, None), outputs=shown, api_name=False, concurrency_limit=None
+    )
     probe_button.click(
         on_probe,
         inputs_kwargs={
@@ -66,7 +75,7 @@ def build(page: Page, notes: NotesInputs) -> None:
             "replacement": trigger_replace,
             "method": attribution_method,
         },
-        outputs=[probe_plot, probe_json, recipe],
+        outputs=shown,
         api_name="probe",
         **page.model_bound(),
     )

@@ -33,6 +33,7 @@ from engine.models.store import cache_dir, read_json, write_json
 from engine.once import SingleFlight
 from engine.progress import MessageProgress, StepMessage, duration_words
 from engine.scenario import Scenario, bundled_scenarios
+from engine.words import counted
 
 AUTO = "auto"
 CHOICES_FILE = "remedy-choices.json"
@@ -63,7 +64,9 @@ class CalibrationPlan:
         steps = calibration_steps(self)
         prompts = sum(step.phase == PROMPT for step in steps) // max(len(self.remedies), 1)
         keystones = sum(step.phase == KEYSTONE for step in steps)
-        return f"{prompts} prompts × {len(self.remedies)} remedies" + (f", then {keystones} keystone runs" if keystones else "")
+        return f"{counted(prompts, 'prompt')} × {counted(len(self.remedies), 'remedy', 'remedies')}" + (
+            f", then {counted(keystones, 'keystone run')}" if keystones else ""
+        )
 
 
 PROMPT, KEYSTONE = "prompt", "keystone"  # the two phases of a calibration

@@ -6,9 +6,15 @@ prefill: a prefix-cache hit, the same K/V as a clean prefill), the field's and d
 downstream rankings (causal and K/V deviation) and the notes share. Probes, attribution, the linear probe and
 the frontier import it; the strategies themselves live in the registry of ``engine.edit.strategies``.
 
-:meth:`EditExperiment.report` builds every strategy's cache and reads them all, with the oracle, in one fused
-forward (``fused=True``; each strategy's ms is then its share of that forward by tokens, marked in its detail)
-or one strategy at a time with its own wall time.
+:meth:`EditExperiment.report` builds every strategy's cache and reads them all in one fused forward (``fused=True``;
+each strategy's ms is then its share of that forward by tokens, marked in its detail) or one strategy at a time with
+its own wall time.
+
+The references of every recovery and of the notes share (the oracle, and ``field_only``, whose recovery the notes
+share is) are read first, each in a forward of its own (:meth:`EditExperiment.read_references`), whatever else is
+asked: every caller (the Notes tab, the Learn tab, the locality probe, the CLI, an export) then reads the same two
+margins. Exact arithmetic does not care what shares a forward, but a bfloat16 forward does (its margins move by
+about 0.1 logit with the other forks beside them, enough to show 0.09 in one place and 0.12 in another).
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from engine.edit.strategies import (
 from engine.progress import StepProgress
 from engine.scenario import RenderedPrompt, Scenario, ScenarioError
 from engine.timing import Stopwatch
+
+NOTES_REFERENCE = "field_only"  # the strategy whose recovery the notes share is, read with the oracle
 
 
 class EditExperiment:
@@ -71,7 +79,6 @@ class EditExperiment:
         self.stale = stale or run_scenario(lm, scenario, {self.field: self.old}, build, capture_attention=capture_attention)
         self._results: dict[str, StrategyResult] = {}  # strategies read in a fused forward, by name
         self._oracle_run: ScenarioRun | None = oracle
-        self._oracle_timing: str | None = None  # set when the oracle was read in a fused forward
 
     # ------------------------------------------------------------------ the two reference runs
     @cached_property
@@ -81,14 +88,10 @@ class EditExperiment:
 
     @property
     def oracle(self) -> ScenarioRun:
-        """The reference: a clean prefill with the new value, and its decision (read on first use)."""
+        """The reference: a clean prefill with the new value, and its decision (read on first use, with field_only:
+        see :meth:`read_references`)."""
         if self._oracle_run is None:
-            watch = Stopwatch()
-            prepared = self._oracle_prepared
-            decision = prepared.notebook.read_prompt(
-                prepared.prompt, answer_texts=self.scenario.answers, capture_attention=self.capture_attention
-            )
-            self._oracle_run = prepared.finish(decision, watch.ms)
+            self.read_references()
         return self._oracle_run
 
     @property
@@ -223,10 +226,16 @@ class EditExperiment:
     def run(self, name: str) -> StrategyResult:
         """Run one strategy by name (see ``engine.edit.strategies``); reuses its fused result when it has one."""
         strategy = REGISTRY[check_names([name])[0]]
+        if name == NOTES_REFERENCE:
+            self.read_references()
         if name in self._results:
             return self._results[name]
         if not strategy.fusable:
             return strategy.run(self)
+        return self._read_alone(name)
+
+    def _read_alone(self, name: str) -> StrategyResult:
+        """A fusable strategy built and read in a forward of its own, timed."""
         built = self._build(name)
         if isinstance(built, StrategyResult):
             return built
@@ -236,13 +245,28 @@ class EditExperiment:
         ms = build_ms + watch.ms
         return StrategyResult(name, True, decision, self.recovery_of(decision), tokens, ms, detail=detail, notebook=notebook)
 
+    def read_references(self) -> None:
+        """Read the oracle (unless given), then field_only, each in a forward of its own and once: the margins every
+        recovery and the notes share rest on, the same whichever strategies a caller reads beside or after them (and
+        each timed on its own)."""
+        if self._oracle_run is None:
+            watch = Stopwatch()
+            prepared = self._oracle_prepared
+            decision = prepared.notebook.read_prompt(
+                prepared.prompt, answer_texts=self.scenario.answers, capture_attention=self.capture_attention
+            )
+            self._oracle_run = prepared.finish(decision, watch.ms)
+        if NOTES_REFERENCE not in self._results:
+            self._results[NOTES_REFERENCE] = self._read_alone(NOTES_REFERENCE)
+
     def read_together(self, names: Sequence[str]) -> float:
-        """Build the named strategies' caches and read them, with the oracle if not read yet, in one fused forward
-        (several for work beyond ``MAX_FORWARD_TOKENS``).
+        """Build the named strategies' caches and read them in one fused forward (several for work beyond
+        ``MAX_FORWARD_TOKENS``), after the references (:meth:`read_references`, not fused).
 
         Results are kept for :meth:`run`; each strategy's ms is its build time plus its share of the
         forward by the tokens it ran there. Returns the fused forward's wall time in ms.
         """
+        self.read_references()
         wanted = dict.fromkeys(n for name in check_names(names) for n in (AUTO_CANDIDATES if name == "auto" else [name]))
         prepared: dict[str, tuple[Notebook, int, dict, float]] = {}
         for name in wanted:
@@ -253,23 +277,16 @@ class EditExperiment:
                 self._results[name] = built
             else:
                 prepared[name] = built
-        oracle = self._oracle_prepared if self._oracle_run is None else None
-        notebooks = [notebook for notebook, *_ in prepared.values()] + ([oracle.notebook] if oracle else [])
+        notebooks = [notebook for notebook, *_ in prepared.values()]
         if not notebooks:
             return 0.0
         computations = [notebook.computation() for notebook in notebooks]  # equal ones run once: share their time
         ran = {key: len(self.prompt.decode_ids) + notebook.pending_tokens for key, notebook in zip(computations, notebooks)}
         watch = Stopwatch()
-        captures = [False] * len(prepared) + ([self.capture_attention] if oracle else [])  # only the oracle's attention is shown
-        decisions = Notebook.read_many(
-            notebooks, self.prompt.decode_ids, self.prompt.answer_ids, answer_texts=self.scenario.answers, capture_attention=captures
-        )
+        decisions = Notebook.read_many(notebooks, self.prompt.decode_ids, self.prompt.answer_ids, answer_texts=self.scenario.answers)
         fused_ms = watch.ms
         shares = [fused_ms * ran[key] / sum(ran.values()) for key in computations]
         timing = f"share of the fused forwards of {len(notebooks)} caches ({fused_ms:.0f} ms)"
-        if oracle:
-            self._oracle_run = oracle.finish(decisions[-1], shares[-1])
-            self._oracle_timing = timing
         for (name, (notebook, tokens, detail, build_ms)), decision, share in zip(prepared.items(), decisions, shares):
             detail = detail | {"timing": timing}
             self._results[name] = StrategyResult(
@@ -297,10 +314,10 @@ class EditExperiment:
         self, names: Sequence[str] = STRATEGIES, progress: StepProgress = None, fused: bool = False, downstream_patch: bool = False
     ) -> EditReport:
         """Run the named strategies and collect them with stale, oracle and the notes share (``fused``: see
-        :meth:`read_together`; field_only is always read, for the notes share)."""
+        :meth:`read_together`; the oracle and field_only are always read first, by :meth:`read_references`)."""
         names = check_names(names)
         if fused:
-            self.read_together([*names, "field_only"])
+            self.read_together(names)
         results = {}
         for index, name in enumerate(names):
             results[name] = self.run(name)
@@ -318,7 +335,7 @@ class EditExperiment:
             self.oracle.computed_tokens,
             self.oracle.ms,
             notebook=self.oracle.notebook,
-            detail=reused | ({"timing": self._oracle_timing} if self._oracle_timing else {}),
+            detail=reused,
         )
         return EditReport(
             self.lm.fingerprint.name,

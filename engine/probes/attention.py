@@ -54,8 +54,21 @@ class AttentionResult:
     stale: AttentionMap
     oracle: AttentionMap
 
+    def headline(self) -> str:
+        """Where the decision looks, in one sentence: its attention on the field and on the tokens after it."""
+
+        def share(run: AttentionMap, name: str) -> str:
+            values = run.mass.get(name) or [0.0]
+            return f"{sum(values) / len(values):.0%}"
+
+        return (
+            f"Averaged over layers, the last decision token puts {share(self.stale, 'field')} of its attention on the field and "
+            f"{share(self.stale, 'downstream')} on the tokens after it in the stale cache, {share(self.oracle, 'field')} and "
+            f"{share(self.oracle, 'downstream')} with the new value."
+        )
+
     def as_dict(self) -> dict:
-        return {**self.gap.as_dict(), "stale": self.stale.as_dict(), "oracle": self.oracle.as_dict()}
+        return {**self.gap.as_dict(), "headline": self.headline(), "stale": self.stale.as_dict(), "oracle": self.oracle.as_dict()}
 
 
 def _nested(tensor: torch.Tensor, digits: int = 4) -> list:

@@ -87,10 +87,24 @@ class AttributionResult:
         """Sum of scores minus the all-ablated effect: interactions (ablation) or the completeness gap (gradient)."""
         return self.total - (self.full_score - self.baseline_score)
 
+    def headline(self) -> str:
+        """What the attribution found, in one sentence: the feature with the largest score, against the whole effect."""
+        if not self.features:
+            return f"No context feature to attribute ({self.method}, {self.run} run)."
+        top = max(self.features, key=lambda feature: abs(feature.score))
+        text = top.text.strip()
+        text = text if len(text) <= 60 else text[:59] + "…"
+        whole = self.full_score - self.baseline_score
+        return (
+            f"In the {self.run} run, {self.method} attribution of {self.target} puts the most on {text!r} "
+            f"({top.kind}): {top.score:+.2f} of the {whole:+.2f} that replacing every feature with {self.baseline_token!r} moves it."
+        )
+
     def as_dict(self) -> dict:
         return {
             "model": self.model,
             "scenario": self.scenario,
+            "headline": self.headline(),
             "run": self.run,
             "method": self.method,
             "granularity": self.granularity,

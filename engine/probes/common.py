@@ -64,6 +64,12 @@ class Gap:
         """A margin change as a fraction of the gap (None when the gap is too small)."""
         return None if self.note else delta / (self.oracle - self.stale)
 
+    def words(self) -> str:
+        """The two references in words: "stale refuse (−2.00) → oracle dispense (+2.75)", and why recovery is undefined."""
+        first, second = self.names
+        said = f"{first} {self.stale_label} ({self.stale:+.2f}) → {second} {self.oracle_label} ({self.oracle:+.2f})"
+        return said if self.note is None else f"{said}; recovery is undefined ({self.note}), so margins are given"
+
     def as_dict(self) -> dict:
         first, second = self.names
         return {
@@ -86,6 +92,11 @@ class Reading:
     def as_dict(self) -> dict:
         return {"margin": rounded(self.margin), "label": self.label, "recovery": rounded(self.recovery)}
 
+    def words(self) -> str:
+        """The reading in a sentence's words: "recovery 0.85 (dispense)", or its margin where recovery is undefined."""
+        amount = f"margin {self.margin:+.2f}" if self.recovery is None else f"recovery {self.recovery:.2f}"
+        return f"{amount} ({self.label})"
+
 
 @dataclass(frozen=True)
 class RandomControl:
@@ -97,6 +108,10 @@ class RandomControl:
 
     def as_dict(self) -> dict:
         return {"margin": rounded(self.margin), "recovery": rounded(self.recovery), "margins": [rounded(m) for m in self.margins]}
+
+    def words(self) -> str:
+        """The mean in a sentence's words: "recovery 0.12", or its margin where recovery is undefined."""
+        return f"margin {self.margin:+.2f}" if self.recovery is None else f"recovery {self.recovery:.2f}"
 
 
 # ---------------------------------------------------------------------------- shared steps

@@ -19,6 +19,7 @@ from engine.probes.common import (
     require_aligned,
 )
 from engine.progress import StepProgress, ticker
+from engine.words import counted
 
 
 @dataclass
@@ -36,9 +37,20 @@ class FalseNoteResult:
         """Whether a reading takes the note's (oracle) label; None when stale and oracle agree anyway."""
         return None if self.gap.stale_label == self.gap.oracle_label else reading.label == self.gap.oracle_label
 
+    def headline(self) -> str:
+        """What the probe found, in one sentence: does the decision follow the injected notes or the live field?"""
+        follows = self.follows(self.injected)
+        verdict = {True: "the decision follows the notes, not the field", False: "the decision follows the field"}
+        said = (
+            f"With the field still {self.field_value!r}, injecting the K/V of the top {counted(len(self.positions), 'note')} "
+            f"computed with {self.note_value!r} gives {self.injected.words()}; every downstream note, {self.all_downstream.words()}"
+        )
+        return said + (f": {verdict[follows]}." if follows is not None else " (stale and new value agree on the decision anyway).")
+
     def as_dict(self) -> dict:
         return {
             **self.gap.as_dict(),
+            "headline": self.headline(),
             "field_value": self.field_value,
             "note_value": self.note_value,
             "k": len(self.positions),

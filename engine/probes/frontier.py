@@ -26,6 +26,7 @@ from engine.edit.strategies import RANKINGS, NotApplicable
 from engine.probes.common import Gap, k_ladder
 from engine.progress import StepProgress
 from engine.timing import Stopwatch
+from engine.words import counted
 
 FRONTIER_STRATEGIES = ("field_only", "erratum", "field_erratum", "restate", "full_downstream")
 
@@ -76,10 +77,23 @@ class FrontierResult:
         correct = [point for point in self.points if point.correct]
         return min(correct, key=lambda point: point.tokens_computed) if correct else None
 
+    def headline(self) -> str:
+        """What the frontier found, in one sentence: the cheapest cache that reaches the new-value decision."""
+        cheapest = self.cheapest_correct()
+        if cheapest is None:
+            return f"No cache on the frontier reaches {self.gap.oracle_label} ({self.gap.words()})."
+        recovered = "" if cheapest.recovery is None else f", recovery {cheapest.recovery:.2f}"
+        return (
+            f"The cheapest cache that reaches {cheapest.label} is {cheapest.method}"
+            + ("" if cheapest.k is None else f" with K={cheapest.k}")
+            + f": {counted(cheapest.tokens_computed, 'token')} computed, {cheapest.fraction:.0%} of the context{recovered}."
+        )
+
     def as_dict(self) -> dict:
         cheapest = self.cheapest_correct()
         return {
             **self.gap.as_dict(),
+            "headline": self.headline(),
             "context_tokens": self.context_tokens,
             "notes": self.notes.as_dict(),
             "cheapest_correct": None if cheapest is None else cheapest.as_dict(),

@@ -26,6 +26,7 @@ from engine.probes.common import (
     rounded,
 )
 from engine.progress import StepProgress, ticker
+from engine.words import counted
 
 
 @dataclass
@@ -41,12 +42,21 @@ class HeadsResult:
     random: RandomControl  # as many random heads
     all_heads: Reading  # every head's access to the notes knocked out (reference)
 
+    def headline(self) -> str:
+        """What the probe found, in one sentence: the top heads' knockout against random heads and every head."""
+        return (
+            f"Hiding the top {counted(len(self.notes), 'note')} from the {counted(len(self.top_heads), 'head')} that attend to them "
+            f"most gives {self.top.words()}; from as many random heads, {self.random.words()}; from every head, "
+            f"{self.all_heads.words()}; nothing hidden, the new value gives {self.gap.oracle_label} {self.gap.oracle:+.2f}."
+        )
+
     def as_dict(self) -> dict:
         def drop(knocked: Reading | RandomControl) -> float | None:
             return None if knocked.recovery is None else rounded(1 - knocked.recovery)
 
         return {
             **self.gap.as_dict(),
+            "headline": self.headline(),
             "notes": self.notes,
             "mass_last": [[rounded(v) for v in row] for row in self.mass_last],
             "mass_mean": [[rounded(v) for v in row] for row in self.mass_mean],

@@ -24,6 +24,9 @@ from engine.probes.common import (
     require_aligned,
 )
 from engine.progress import StepProgress, ticker
+from engine.words import counted
+
+HEADLINE_K = 8  # the headline's K: the largest measured K up to this one (the Notes tab's default top-K)
 
 
 @dataclass
@@ -51,8 +54,27 @@ class KnockoutResult:
     gap: Gap
     points: list[KnockoutPoint]
 
+    def headline(self) -> str:
+        """What the probe found, in one sentence: the top-K notes knocked out (the largest K ≤ 8 measured) against K
+        random downstream positions."""
+        shown = [point for point in self.points if 0 < point.k <= HEADLINE_K] or [point for point in self.points if point.k]
+        if not shown:
+            return f"Nothing was knocked out ({self.gap.words()})."
+        point, gap = shown[-1], self.gap
+        moved = point.top.margin - gap.oracle
+        share = gap.fraction(-moved)
+        effect = "" if share is None else f", {share:.0%} of the edit's effect"
+        kept = "stays" if point.top.label == gap.oracle_label else "becomes"
+        said = (
+            f"Knocking out the top {counted(point.k, 'note')} moves the new-value margin by {moved:+.2f}{effect} "
+            f"(the decision {kept} {point.top.label})"
+        )
+        if point.random is not None:
+            said += f"; {counted(point.k, 'random position')} move it by {point.random.margin - gap.oracle:+.2f}"
+        return said + "."
+
     def as_dict(self) -> dict:
-        return {**self.gap.as_dict(), "points": [p.as_dict() for p in self.points]}
+        return {**self.gap.as_dict(), "headline": self.headline(), "points": [p.as_dict() for p in self.points]}
 
 
 def probe_knockout(

@@ -41,6 +41,7 @@ from engine.probes.common import ProbeError
 from engine.progress import StepProgress, Tick
 from engine.scenario import RenderedPrompt, ScenarioError, Span, is_aggregator
 from engine.timing import Stopwatch
+from engine.words import counted
 
 GROUPS = ("field", "aggregators", "others", "decision")
 WRITE_THRESHOLD = 0.9
@@ -298,6 +299,22 @@ class LinearProbeResult:
     def written_before_read(self) -> bool | None:
         return None if self.write_layer is None else self.write_layer < self.commit_layer
 
+    def headline(self) -> str:
+        """What the probe found, in one sentence: where the conclusion is written, and where the decision commits."""
+        commit = f"the decision token commits (logit lens) at layer {self.commit_layer} of {self.num_layers}"
+        if not self.conclusion_decodable:
+            return f"Nothing to decode: {self.reason}; {commit}."
+        if self.write_layer is None:
+            return (
+                f"No layer of the punctuation and newlines after the field decodes the conclusion to {WRITE_THRESHOLD:.0%} accuracy "
+                f"({counted(self.n_samples, 'sample')}); {commit}."
+            )
+        order = "before" if self.written_before_read else "not before"
+        return (
+            f"A linear probe reads the conclusion from the punctuation and newlines after the field from layer {self.write_layer} "
+            f"({WRITE_THRESHOLD:.0%} accuracy, {counted(self.n_samples, 'sample')}); {commit}: written {order} it is read."
+        )
+
     def as_dict(self) -> dict:
         def rounded(table: dict[str, list[float] | None]) -> dict[str, list[float] | None]:
             return {group: None if row is None else [round(v, 3) for v in row] for group, row in table.items()}
@@ -307,6 +324,7 @@ class LinearProbeResult:
             "model": self.model,
             "scenario": self.scenario,
             "field": self.field,
+            "headline": self.headline(),
             "num_layers": self.num_layers,
             "n_samples": self.n_samples,
             "class_counts": self.class_counts,

@@ -23,9 +23,22 @@ class LocalityResult:
     reasons: dict[str, str]
     ms: dict[str, float]
 
+    def headline(self) -> str:
+        """What the probe found, in one sentence computed from its numbers."""
+        if self.field_only is None:
+            field = f"field_only does not apply ({self.reasons.get('field_only')})"
+        else:
+            field = f"recomputing the field alone gives {self.field_only.words()}"
+            if self.field_only.recovery is not None:
+                change = "margin change" if self.gap.stale_label == self.gap.oracle_label else "decision"
+                field += f": the notes after it carry {max(0.0, 1 - self.field_only.recovery):.0%} of the {change}"
+        after = "" if self.full_downstream is None else f"; the field and everything after it give {self.full_downstream.words()}"
+        return f"Between {self.gap.words()}, {field}{after}."
+
     def as_dict(self) -> dict:
         return {
             **self.gap.as_dict(),
+            "headline": self.headline(),
             "field_only": None if self.field_only is None else self.field_only.as_dict(),
             "full_downstream": None if self.full_downstream is None else self.full_downstream.as_dict(),
             "reasons": self.reasons,

@@ -66,12 +66,28 @@ class NotesMapResult:
         """Attributed effect of patching all layers of each position."""
         return [sum(column) for column in zip(*self.effects)]
 
+    def headline(self) -> str:
+        """What the probe found, in one sentence: the position whose exact patch moves the decision most, and how
+        well the one-backward attribution ranked the verified positions."""
+        if not self.position_checks:
+            return f"No position was verified ({self.gap.words()})."
+        best = max(self.position_checks, key=lambda check: check.exact * self.gap.direction)
+        index = self.positions.index(best.position)
+        share = self.gap.fraction(best.exact)
+        effect = f"Δmargin {best.exact:+.2f}" + ("" if share is None else f", {share:.0%} of the edit's effect")
+        return (
+            f"Patching one position's new-value K/V (all layers) moves the stale decision most at position {best.position} "
+            f"({self.token_texts[index]!r}, {self.segments[index]}): {effect}; attribution and exact patching agree on "
+            f"{self.top_overlap:.0%} of the top {self.top} verified positions."
+        )
+
     def as_dict(self) -> dict:
         def fraction(value: float) -> float | None:
             return rounded(self.gap.fraction(value))
 
         return {
             **self.gap.as_dict(),
+            "headline": self.headline(),
             "positions": self.positions,
             "token_texts": self.token_texts,
             "segments": self.segments,

@@ -23,6 +23,7 @@ from engine.probes.common import (
     require_aligned,
 )
 from engine.progress import StepProgress, ticker
+from engine.words import counted
 
 
 @dataclass
@@ -53,8 +54,24 @@ class SuffixResult:
     bands: dict[str, list[int]]
     points: list[SuffixPoint]
 
+    def headline(self) -> str:
+        """What the probe found, in one sentence: the fewest top notes whose patch reaches the new-value decision."""
+        if not self.points:
+            return f"No notes were patched ({self.gap.words()})."
+        flipping = [p for p in self.points if p.all_layers.label == self.gap.oracle_label != self.gap.stale_label]
+        point = flipping[0] if flipping else self.points[-1]
+        said = (
+            f"Patching the new value's K/V of the top {counted(point.k, 'note')} into the stale cache gives {point.all_layers.words()}, "
+            f"{counted(point.k, 'random position')} {point.random.words()}"
+        )
+        best = max(point.bands, key=lambda name: point.bands[name].margin * self.gap.direction)
+        said += f"; of the layer bands alone, the {best} layers give the most: {point.bands[best].words()}"
+        if not flipping and self.gap.stale_label != self.gap.oracle_label:
+            said += f"; no K up to {point.k} reaches {self.gap.oracle_label}"
+        return said + "."
+
     def as_dict(self) -> dict:
-        return {**self.gap.as_dict(), "bands": self.bands, "points": [p.as_dict() for p in self.points]}
+        return {**self.gap.as_dict(), "headline": self.headline(), "bands": self.bands, "points": [p.as_dict() for p in self.points]}
 
 
 def _layer_bands(layers: int) -> dict[str, list[int]]:

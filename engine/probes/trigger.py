@@ -15,6 +15,7 @@ from engine.edit.experiment import EditExperiment
 from engine.edit.runs import ScenarioRun, render_for
 from engine.probes.common import Gap, ProbeError, Reading, patched_reading, read
 from engine.progress import StepProgress, ticker
+from engine.words import counted
 
 
 @dataclass
@@ -30,9 +31,18 @@ class TriggerResult:
     notes_patched: Reading  # the flipped run's K/V after the trigger (trigger excluded): ≈ 1 expected
     trigger_patched: Reading  # only the trigger tokens' K/V: ≈ 0 expected
 
+    def headline(self) -> str:
+        """What the probe found, in one sentence: the notes after the flipped words against the words alone."""
+        return (
+            f"Flipping {self.find!r} to {self.replace!r} (the field unchanged) takes the decision {self.gap.words()}; the "
+            f"flipped run's {counted(len(self.note_positions), 'token')} after it, patched in, give {self.notes_patched.words()}, "
+            f"the flipped words alone {self.trigger_patched.words()}."
+        )
+
     def as_dict(self) -> dict:
         return {
             **self.gap.as_dict(),
+            "headline": self.headline(),
             "find": self.find,
             "replace": self.replace,
             "trigger_positions": self.trigger_positions,

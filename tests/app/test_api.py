@@ -49,7 +49,8 @@ def test_edit_and_knockout_through_the_api(app_url, registry):
     direct = EditExperiment(registry.get(), Scenario.from_toml(SCENARIO)).report(STRATEGY_SET).as_dict()
     assert summary["strategies"]["erratum"]["margin"] == pytest.approx(direct["strategies"]["erratum"]["margin"], abs=1e-4)
     text, _, data = client.predict("4", 4, api_name="/knockout")
-    assert data["positions"] == [4] and "Knocked out 1 positions" in text
+    assert data["knockout"]["positions"] == [4] and "Knocked out 1 position (" in text
+    assert data["strategies"] == summary["strategies"]  # the session's whole result: the edit and its knockout
 
 
 def test_bad_scenario_is_an_error_and_the_session_stays_usable(app_url):
@@ -92,14 +93,14 @@ def test_concurrent_clients_get_their_own_results(app_url, registry):
     for value, result in results:
         assert result["summary"]["new"] == value
         assert result["summary"]["oracle"]["margin"] == pytest.approx(expected[value]["oracle"]["margin"], abs=1e-4)
-        assert result["knocked"]["positions"]  # the knockout found this session's edit
+        assert result["knocked"]["knockout"]["positions"] and result["knocked"]["new"] == value  # this session's own edit
 
 
 def test_export_after_an_edit_returns_json_and_html(app_url):
     client = Client(app_url, verbose=False)
     result = client.predict(SCENARIO, "order_status", "pending", STRATEGY_SET, 4, -1, api_name="/edit")
     assert result[5]["new"] == "pending"
-    files = client.predict(result[5], None, None, None, None, None, api_name="/export_notes")
+    files = client.predict(result[5], None, None, None, None, None, None, api_name="/export_notes")
     assert sorted(Path(f).suffix for f in files) == [".html", ".ipynb", ".json", ".py"]  # the script and notebook rerun it
     script = Path(next(f for f in files if f.endswith(".py"))).read_text(encoding="utf-8")
     assert "SCENARIO_TOML = " in script and 'FIELD = "order_status"' in script and 'NEW = "pending"' in script

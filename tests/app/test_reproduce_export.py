@@ -10,7 +10,16 @@ import pytest
 from nbclient import NotebookClient
 
 from app.handlers.common import bundled_scenario_text, export_files
-from app.handlers.notes import EditInputs, edit_recipe, knockout_recipe, run_edit, run_knockout
+from app.handlers.notes import (
+    EditInputs,
+    edit_recipe,
+    frontier_recipe,
+    knockout_recipe,
+    run_edit,
+    run_frontier,
+    run_knockout,
+    session_result,
+)
 from app.handlers.probes import probe_recipe, run_probe
 from app.state import ExportFolder
 from tests.engine.test_reproduce import ROOT, numbers_agree, run_script
@@ -68,13 +77,21 @@ def test_the_exported_notebook_runs_in_a_kernel_and_reproduces_the_json(edited, 
     assert view.summary["notes"]["headline"] in printed
 
 
-def test_a_knockout_export_reproduces_the_knockout(edited, sessions, tmp_path):
-    _, recipe = edited
+def test_an_export_after_edit_frontier_and_knockout_holds_them_all_and_its_script_reproduces_them(edited, sessions, tmp_path):
+    view, recipe = edited
+    run_frontier(sessions, session="repro")
     _, _, data = run_knockout(sessions, session="repro", positions="", top_k=3)
-    knocked = knockout_recipe(recipe, data["positions"])
-    assert knocked.kind == "knockout" and list(knocked.knockout) == data["positions"] and len(data["positions"]) == 3
-    files = _export(tmp_path, data, knocked)
-    numbers_agree(data, run_script(files["kvscope-notes.py"], tmp_path / "reproduced.json"))
+    knocked = knockout_recipe(frontier_recipe(recipe), data["positions"])
+    assert knocked.kind == "knockout" and knocked.frontier and list(knocked.knockout) == data["positions"] and len(data["positions"]) == 3
+    result = session_result(sessions, session="repro")
+    assert result["knockout"] == data and result["strategies"] == view.summary["strategies"]  # the edit's cards are kept
+    assert {point["method"] for point in result["frontier"]["points"]} >= {"field_only", "erratum", "field_topk (causal)"}
+    files = _export(tmp_path, result, knocked)
+    exported = json.loads(files["kvscope-notes.json"].read_text(encoding="utf-8"))
+    assert set(exported) >= {"strategies", "notes", "frontier", "knockout"}
+    reproduced = run_script(files["kvscope-notes.py"], tmp_path / "reproduced.json")
+    numbers_agree(exported, reproduced)  # the edit, the frontier and the knockout, every number
+    assert reproduced["knockout"]["positions"] == data["positions"] and reproduced["strategies"]["erratum"]["recovery"] is not None
 
 
 def test_a_probe_export_reproduces_the_probe(registry, tmp_path):

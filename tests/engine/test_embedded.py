@@ -57,3 +57,21 @@ def test_keystone_demo_flips_and_composed_recovery_tracks_recomputed(qwen):
     gaps = report.recovery_gaps()
     assert gaps and None not in gaps.values(), gaps
     assert max(abs(gap) for gap in gaps.values()) <= 0.15, gaps
+
+
+def test_the_notes_demo_shows_one_notes_share_in_bfloat16():
+    """pharmacy_prescription in bfloat16: the Notes tab's four fused strategies, Learn's two and the locality probe read
+    one field_only recovery (it was 0.09 / 0.13 / 0.12 when the references shared their forward with other forks)."""
+    from engine.edit.experiment import EditExperiment
+    from engine.edit.runs import run_scenario
+    from engine.probes.locality import probe_locality
+
+    lm = load_model("embedded", dtype="bfloat16")
+    scenario = Scenario.load(bundled_scenarios()["pharmacy_prescription"])
+    stale = run_scenario(lm, scenario, capture_attention=True)
+    made = lambda: EditExperiment(lm, scenario, capture_attention=True, stale=stale)  # noqa: E731
+    notes = made().report(["field_only", "erratum", "field_erratum", "full_downstream"], fused=True).notes
+    learn = made().report(["field_only", "full_downstream"], fused=True).notes
+    locality = probe_locality(made())
+    assert notes.field_recovery is not None and 0.0 <= notes.field_recovery <= 0.3 and notes.field_only_label == "refuse"
+    assert learn.field_recovery == notes.field_recovery == locality.field_only.recovery

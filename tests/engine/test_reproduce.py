@@ -96,7 +96,7 @@ def test_literals_are_json_like_values_only():
 def test_script_and_notebook_use_only_the_public_api_and_carry_everything(kind):
     import engine
 
-    extra = {"knockout": {"knockout": (3, 4)}, "probe": {"probe": "suffix", "probe_options": {"k": 2}}}.get(kind, {})
+    extra = {"knockout": {"knockout": (3, 4), "frontier": True}, "probe": {"probe": "suffix", "probe_options": {"k": 2}}}.get(kind, {})
     recipe = _recipe(kind=kind, **extra, scenario_toml="name = 'odd'''\nx = \"\\\\\"\r\n")
     text = script_text(recipe, "kvscope-notes.json")
     tree = ast.parse(text)
@@ -130,7 +130,8 @@ def test_script_and_notebook_use_only_the_public_api_and_carry_everything(kind):
 @pytest.mark.parametrize("kind", ["edit", "knockout", "probe"])
 def test_the_script_is_clean_python(kind, tmp_path):
     """ruff finds nothing to fix or reformat (long lines aside: the scenario TOML travels verbatim)."""
-    extra = {"knockout": {"knockout": (3,)}, "probe": {"probe": "trigger", "probe_options": {"find": "a", "replace": None}}}.get(kind, {})
+    trigger = {"probe": "trigger", "probe_options": {"find": "a", "replace": None}}
+    extra = {"knockout": {"knockout": (3,), "frontier": True}, "probe": trigger}.get(kind, {})
     script = tmp_path / "exported.py"
     script.write_text(script_text(_recipe(kind=kind, **extra)), encoding="utf-8")
     for command in (["check", "--isolated", "--select", "E,F,W,I", "--ignore", "E501"], ["format", "--isolated", "--check"]):
@@ -139,10 +140,15 @@ def test_the_script_is_clean_python(kind, tmp_path):
 
 
 def test_matches_knows_which_result_a_recipe_computes():
-    recipe = _recipe()
-    assert matches(recipe, {"field": "prescription", "new": "valid"}) and not matches(recipe, {"field": "prescription", "new": "x"})
+    recipe, edit = _recipe(), {"field": "prescription", "new": "valid"}
+    assert matches(recipe, edit) and not matches(recipe, edit | {"new": "x"})
     knocked = _recipe(kind="knockout", knockout=(3, 4))
-    assert matches(knocked, {"positions": [3, 4]}) and not matches(knocked, {"positions": [3]})
+    assert matches(knocked, edit | {"knockout": {"positions": [3, 4]}}) and not matches(knocked, edit | {"knockout": {"positions": [3]}})
+    assert not matches(knocked, edit) and not matches(recipe, edit | {"knockout": {"positions": [3, 4]}})
+    assert not matches(knocked, {"positions": [3, 4]})  # a knockout alone is not the session's result
+    both = _recipe(kind="knockout", knockout=(3, 4), frontier=True)
+    knocked_only = edit | {"knockout": {"positions": [3, 4]}}
+    assert matches(both, knocked_only | {"frontier": {}}) and not matches(both, knocked_only)
 
 
 def numbers_agree(expected, actual, path="") -> None:

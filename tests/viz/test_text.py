@@ -69,6 +69,17 @@ def test_user_text_in_panels_is_escaped():
     assert r"org/\[x\]\(http://e\)" in memory and "context ≤ 1,024 tokens" in memory
     knocked = knockout_markdown([1, 2], ["a", "*b*"], _decision("<no>", -0.5), _decision("yes", 1.0), _decision("no", -1.0))
     assert "Knocked out 2 positions" in knocked and "&lt;no&gt;" in knocked and r"\*b\*" in knocked
+    one = knockout_markdown([1], ["a", "b"], _decision("no", -0.5), _decision("yes", 1.0), _decision("no", -1.0))
+    assert "Knocked out 1 position (" in one
+
+
+def test_a_soak_of_one_visitor_and_one_session_says_so_in_the_singular():
+    from viz.benchmarks import soak_figure
+
+    figure = soak_figure({"profile": "public", "sessions": 1, "clients": 1, "edit_seconds_under_load": {"p50": 1.0, "n": 1}})
+    title = figure.layout.title.text
+    assert "1 session, 1 client" in title and "1 clients" not in title and "1 sessions" not in title
+    assert "1 visitor at once (n=1)" in [trace.name for trace in figure.data]
 
 
 def test_remedy_info_without_a_stored_study_gives_the_grammar():

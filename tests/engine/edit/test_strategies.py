@@ -125,8 +125,9 @@ def test_fused_report_equals_strategy_by_strategy(lm, scenario, longer):
         if one.applicable:
             assert together.decision.margin == pytest.approx(one.decision.margin, abs=1e-4), name
             assert together.tokens_recomputed == one.tokens_recomputed, name
-    fused_only = [r for n, r in fused.strategies.items() if r.applicable and n not in ("auto",)]
+    fused_only = [r for n, r in fused.strategies.items() if r.applicable and n not in ("auto", "field_only")]
     assert all("fused forward" in r.detail["timing"] for r in fused_only)
+    assert "timing" not in fused.strategies["field_only"].detail  # a reference: read and timed on its own
 
 
 @pytest.mark.parametrize("suffix", ["", " and also confirmed by the manager"])
@@ -215,3 +216,26 @@ def test_an_old_strategy_name_is_refused_with_its_new_one():
     with pytest.raises(StrategyError, match=r"unknown strategy 'hoist' \('hoist' is now 'restate'\)"):
         check_names(["erratum", "hoist"])
     assert check_names(["restate"]) == ["restate"]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_the_notes_share_is_one_number_whatever_is_read_beside_it(scenario, arch):
+    """The Notes tab (four strategies fused), Learn (two fused), the locality probe and a strategy-by-strategy report read
+    the same oracle and field_only margins, bit for bit, in bfloat16 too (where what shares a forward moves a margin)."""
+    from engine.probes.locality import probe_locality
+
+    lm = tiny_model(arch, dtype=torch.bfloat16)  # tiny-llama's oracle moved by 0.006 with its forward's company before
+    settings = EditSettings(min_gap=0.01)
+    stale = EditExperiment(lm, scenario, settings=settings, capture_attention=True).stale
+    made = lambda: EditExperiment(lm, scenario, settings=settings, capture_attention=True, stale=stale)  # noqa: E731
+    notes = made().report(["field_only", "erratum", "field_erratum", "full_downstream"], fused=True)
+    learn = made().report(["field_only", "full_downstream"], fused=True)
+    apart = made().report(["erratum", "field_only"])
+    locality = probe_locality(made())
+    assert notes.notes.field_recovery is not None
+    for other in (learn, apart):
+        assert other.oracle.decision.margin == notes.oracle.decision.margin
+        assert other.notes.as_dict() == notes.notes.as_dict()
+    assert locality.gap.oracle == notes.oracle.decision.margin
+    assert locality.field_only.margin == notes.strategies["field_only"].decision.margin
+    assert locality.field_only.recovery == notes.notes.field_recovery

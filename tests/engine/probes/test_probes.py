@@ -8,6 +8,7 @@ import torch
 
 from engine.cache.notebook import Knockout, Notebook
 from engine.edit.experiment import EditExperiment
+from engine.edit.strategies import EditSettings
 from engine.models.tiny import tiny_model
 from engine.probes import (
     ProbeError,
@@ -267,3 +268,30 @@ def test_attention_json_keeps_every_head_while_small_and_the_mean_over_heads_pas
     large = result.stale.as_dict()
     mean = torch.tensor(result.stale.attention, dtype=torch.float64).mean(1)
     assert large["attention_heads"] == "mean" and torch.allclose(torch.tensor(large["attention"], dtype=torch.float64), mean, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", [*CAUSAL_PROBES, "frontier"])
+def test_every_result_says_what_it_means_in_one_sentence(experiment, name):
+    result = PROBES[name](experiment, **(TRIGGER if name == "trigger" else {}))
+    sentence = result.as_dict()["headline"]
+    assert sentence == result.headline() and sentence.endswith(".") and "{" not in sentence and "None" not in sentence
+    assert sentence.count(". ") == 0, sentence  # one sentence
+
+
+def test_the_knockout_sentence_is_computed_from_its_numbers(experiment):
+    result = probe_knockout(experiment, ks=[0, 1, 2, 4], seeds=2)
+    point, gap = result.points[-1], result.gap  # K=4: the largest K up to 8
+    moved = point.top.margin - gap.oracle
+    assert result.headline().startswith(f"Knocking out the top 4 notes moves the new-value margin by {moved:+.2f}")
+    assert f"4 random positions move it by {point.random.margin - gap.oracle:+.2f}" in result.headline()
+    one = probe_knockout(experiment, ks=[0, 1], seeds=1)
+    assert one.headline().startswith("Knocking out the top 1 note moves") and "1 random position move" in one.headline()
+
+
+def test_the_locality_sentence_gives_the_notes_share_of_the_edit(lm):
+    experiment = _experiment(lm, settings=EditSettings(min_gap=0.01))
+    result = probe_locality(experiment)
+    share = 1 - result.field_only.recovery
+    assert f"recomputing the field alone gives recovery {result.field_only.recovery:.2f}" in result.headline()
+    assert f"the notes after it carry {max(0.0, share):.0%} of the " in result.headline()
+    assert experiment.notes_share().share == pytest.approx(share, abs=1e-9)  # the notes share the Notes tab shows
