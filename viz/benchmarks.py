@@ -82,7 +82,7 @@ def serving_figure(data: dict) -> go.Figure:
     figure = make_subplots(
         rows=1,
         cols=4,
-        horizontal_spacing=0.07,
+        horizontal_spacing=0.1,
         subplot_titles=("time to first token", "throughput", "prefix-cache hits", "accuracy"),
     )
     variants = list(dict.fromkeys(run["variant"] for run in data["runs"]))

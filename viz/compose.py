@@ -258,9 +258,7 @@ def study_figure(study: dict) -> go.Figure:
     best = study.get("best")
     figure.update_xaxes(title_text="skill tokens recomputed (%, mean)", row=1, col=1)
     agreements = [row["agreement"] for row in summary.values() if row["agreement"] is not None]
-    figure.update_yaxes(
-        title_text="decisive agreement", range=[max(0.0, min(agreements, default=0.0) - 0.1), 1.02], row=1, col=1
-    )
+    figure.update_yaxes(title_text="decisive agreement", range=[max(0.0, min(agreements, default=0.0) - 0.1), 1.02], row=1, col=1)
     figure.update_xaxes(title_text="skills in the context (N)", dtick=1, row=1, col=2)
     figure.update_yaxes(title_text="|spliced − recomputed margin|", rangemode="tozero", row=1, col=2)
     cases = len(study["cases"])
@@ -361,9 +359,7 @@ def remedy_choice_figure(study: dict) -> go.Figure:
     else:
         figure.update_xaxes(title_text="skills in the context (N)", dtick=1, row=1, col=2)
         per_n = [group["agreement"] for row in summary.values() for group in row["by_n"].values() if group["agreement"] is not None]
-        figure.update_yaxes(
-            title_text="decisive agreement", range=[max(0.0, min(per_n + [floor]) - 0.05), 1.02], row=1, col=2
-        )
+        figure.update_yaxes(title_text="decisive agreement", range=[max(0.0, min(per_n + [floor]) - 0.05), 1.02], row=1, col=2)
     verdict = (
         ("goal met" if choice.get("goal_met") else "goal not reached: best measured trade-off") + f"; default {safe_label(default)}"
         if default

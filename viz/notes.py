@@ -14,6 +14,7 @@ from engine.probes.frontier import FrontierResult
 from viz.common import (
     DIVERGING,
     GREY,
+    LEGEND_BELOW,
     PALETTE,
     column_of,
     diverging_colour,
@@ -21,7 +22,6 @@ from viz.common import (
     mark_fields,
     pool_columns,
     robust_limit,
-    LEGEND_BELOW,
     safe_label,
     set_title,
     token_columns,
@@ -182,7 +182,7 @@ def _field_labels(segments: Sequence[str] | None) -> int:
 
 
 def _effect_heatmap(
-    effects: np.ndarray, positions: Sequence[int], texts: Sequence[str], segments: Sequence[str]
+    effects: np.ndarray, positions: Sequence[int], texts: Sequence[str], segments: Sequence[str], axis: str = "field and downstream token"
 ) -> tuple[go.Figure, list[str], list[range]]:
     """A diverging layer × position heatmap of Δmargin, pooled when wide; returns the figure, columns and runs."""
     z, runs = pool_columns(np.asarray(effects, dtype=np.float32))  # (layers, columns)
@@ -201,7 +201,7 @@ def _effect_heatmap(
         )
     )
     figure.update_layout(
-        xaxis={**xaxis, "title": "field and downstream token"},
+        xaxis={**xaxis, "title": axis},
         yaxis_title="layer",
         height=map_height(len(z)),
         margin={"l": 60, "r": 20, "b": 100},
@@ -218,7 +218,8 @@ def effect_map_figure(effects: EffectMap, texts: Sequence[str], segments: Sequen
     z = np.zeros((effects.effects.shape[0], len(positions)), dtype=np.float32)
     column = {position: i for i, position in enumerate(positions)}
     z[:, [column[p] for p in effects.positions]] = effects.effects.numpy()
-    figure, _, _ = _effect_heatmap(z, positions, [texts[p] for p in positions], [segments[p] for p in positions])
+    axis = "context token" if all_positions else "field and downstream token"
+    figure, _, _ = _effect_heatmap(z, positions, [texts[p] for p in positions], [segments[p] for p in positions], axis)
     shown = "every context position" if all_positions else "the field and the tokens after it"
     set_title(
         figure,

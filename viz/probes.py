@@ -75,7 +75,9 @@ def dose_response_figure(result: KnockoutResult) -> go.Figure:
     controlled = [p for p in points if p.random is not None]
     _draws(figure, [p.k for p in controlled], [p.random for p in controlled], scale)
     _references(figure, gap, scale)
-    figure.update_layout(xaxis_title="K (notes hidden)", yaxis_title=axis, height=420, legend=LEGEND_BELOW, margin={"l": 60, "r": 60, "b": 90})
+    figure.update_layout(
+        xaxis_title="K (notes hidden)", yaxis_title=axis, height=420, legend=LEGEND_BELOW, margin={"l": 60, "r": 60, "b": 90}
+    )
     _title(figure, "Knockout dose-response: hiding the top-K notes from the oracle's decision", gap)
     return figure
 
@@ -224,15 +226,13 @@ def linear_probe_figure(result: LinearProbeResult | dict) -> go.Figure:
                     col=col,
                 )
     if not data["conclusion_decodable"]:
-        figure.add_annotation(
+        figure.add_annotation(  # in the middle of the empty left panel
             text=safe_lines(data["reason"] or "not decodable", 40),
-            xref="x domain",
-            yref="y domain",
-            x=0.5,
+            xref="paper",
+            yref="paper",
+            x=sum(figure.layout.xaxis.domain) / 2,
             y=0.5,
             showarrow=False,
-            row=1,
-            col=1,
         )
     figure.update_xaxes(
         title_text=f"hidden state (0 = embeddings, {data['num_layers']} = last layer)", range=[-0.5, data["num_layers"] + 0.5]

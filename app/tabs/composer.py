@@ -22,7 +22,7 @@ from app.handlers.composer import (
     stop_calibration,
 )
 from app.inputs import LenientCheckboxGroup, LenientSlider
-from app.page import Page, message_progress, step_progress
+from app.page import PAIRED_PLOT_MIN_WIDTH, Page, message_progress, step_progress
 from engine import (
     AUTO_REMEDY,
     DECISIVE_MARGIN,
@@ -80,8 +80,8 @@ def build(page: Page) -> gr.Dropdown:
         calibration_status = gr.Markdown(elem_id="calibration-status")
         compose_metrics = gr.Markdown(elem_id="compose-metrics")
         with gr.Row():
-            logits_plot = gr.Plot(label="Top next tokens: spliced vs recomputed", elem_id="logits-plot")
-            deviation_plot = gr.Plot(label="K/V deviation (layer × token)", elem_id="deviation-plot")
+            logits_plot = gr.Plot(label="Top next tokens: spliced vs recomputed", elem_id="logits-plot", min_width=PAIRED_PLOT_MIN_WIDTH)
+            deviation_plot = gr.Plot(label="K/V deviation (layer × token)", elem_id="deviation-plot", min_width=PAIRED_PLOT_MIN_WIDTH)
         with gr.Row():
             most = page.registry.profile.max_agent_turns
             turns = LenientSlider(1, most, value=min(10, most), step=1, label="Agent turns")

@@ -28,7 +28,7 @@ from engine.scenario import Scenario, bundled_scenarios
 from tests.viz.test_audit import DATA, TRAFFIC
 from tests.viz.test_models import COMPARISON
 from tests.viz.test_probes import _linear_result
-from viz import audit, benchmarks, common, compose, decision, models, notes, probes, results, strategies, weights
+from viz import audit, common, compose, decision, models, notes, probes, results, strategies, weights
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = {path.stem: json.loads(path.read_text()) for path in sorted(ROOT.glob("benchmarks/*/results/*.json"))}
@@ -71,7 +71,9 @@ def _scaled(report, stale: float, oracle: float):
             return result
         margin = stale + (result.decision.margin - low) / span * (oracle - stale)
         value = recovery(margin, stale, oracle)
-        return replace(result, decision=replace(result.decision, margin=margin), recovery=value if value.value is not None else Recovery(1.0))
+        return replace(
+            result, decision=replace(result.decision, margin=margin), recovery=value if value.value is not None else Recovery(1.0)
+        )
 
     return replace(
         report,
@@ -157,11 +159,21 @@ def every_case(lm, experiment, length_change) -> list[Case]:
         Case("linear_probe_figure", probes.linear_probe_figure(_linear_probe_data())),
         Case("linear_probe_figure", probes.linear_probe_figure(_linear_result(write=None, decodable=False))),
         Case("attribution_figure", probes.attribution_figure(captum_attribution(length_change, method="ablation", granularity="segments"))),
-        Case("readings_figure", probes.readings_figure("trigger", {"stale_margin": -1.2, "oracle_margin": 2.8, "found": {"margin": 2.1, "label": "yes"}})),
+        Case(
+            "readings_figure",
+            probes.readings_figure("trigger", {"stale_margin": -1.2, "oracle_margin": 2.8, "found": {"margin": 2.1, "label": "yes"}}),
+        ),
         Case("probe_figure", probes.probe_figure("knockout", knockout)),
-        Case("logit_bars_figure", compose.logit_bars_figure(fidelity.spliced, fidelity.recomputed, fidelity.agreement, lambda i: lm.tokenizer.decode([i]), k=5), "half"),
+        Case(
+            "logit_bars_figure",
+            compose.logit_bars_figure(fidelity.spliced, fidelity.recomputed, fidelity.agreement, lambda i: lm.tokenizer.decode([i]), k=5),
+            "half",
+        ),
         Case("deviation_figure", compose.deviation_figure(fidelity), "half"),
-        Case("agent_figure", compose.agent_figure(run_agent(lm, adhoc_scenario(["account_gate"]), store, turns=4, toggle=True, policy="every:2"))),
+        Case(
+            "agent_figure",
+            compose.agent_figure(run_agent(lm, adhoc_scenario(["account_gate"]), store, turns=4, toggle=True, policy="every:2")),
+        ),
         Case("keystone_figure", compose.keystone_figure(keystone_report)),
         Case("study_figure", compose.study_figure(study)),
         Case("remedy_choice_figure", compose.remedy_choice_figure(RESULTS["compose_many-embedded-cpu"])),
