@@ -34,6 +34,8 @@ from engine import (
 )
 from viz.common import markdown_literal
 
+# A long menu entry ends in … before the dropdown's arrow (it ran under it): the input leaves the arrow its width.
+MENU_CSS = "<style>#remedy input{padding-right:2.25em;text-overflow:ellipsis}</style>"
 KEYSTONE_DEMO = "keystone_safety"  # a scenario whose deciding field lives inside a spliced skill
 GENERIC_QUESTION_LABEL = "none: the skills alone, then a generic yes/no question"
 STUDY_INTRO = (
@@ -63,6 +65,7 @@ def build(page: Page) -> gr.Dropdown:
                 label="Then a scenario: its context, question and answers follow the skills",
                 elem_id="after-scenario",
             )
+        gr.HTML(MENU_CSS, visible="hidden", elem_id="composer-style")
         with gr.Row():
             first = page.registry.default_spec  # the menu follows the loaded model (its own default and numbers)
             remedy = gr.Dropdown(
