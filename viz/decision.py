@@ -9,8 +9,8 @@ from viz.common import safe_label, set_title
 
 
 def decision_figure(decision: Decision, title: str = "Decision") -> go.Figure:
-    """Bars of each label's log-prob (and its surface strings), the chosen label highlighted; every label, string
-    and the title are escaped (plotly renders HTML in text)."""
+    """Bars of each label's log-prob (the value under the bar, beside its label) and its surface strings, the chosen label
+    highlighted; every label, string and the title are escaped (plotly renders HTML in text)."""
     labels = list(decision.scores)
     shown = [f"{safe_label(label, 40)} ({decision.scores[label]:.2f})" for label in labels]  # the score under its bar
     figure = go.Figure()

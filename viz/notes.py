@@ -184,7 +184,8 @@ def _field_labels(segments: Sequence[str] | None) -> int:
 def _effect_heatmap(
     effects: np.ndarray, positions: Sequence[int], texts: Sequence[str], segments: Sequence[str], axis: str = "field and downstream token"
 ) -> tuple[go.Figure, list[str], list[range]]:
-    """A diverging layer × position heatmap of Δmargin, pooled when wide; returns the figure, columns and runs."""
+    """A diverging layer × position heatmap of Δmargin, pooled when wide, its x axis titled ``axis``; returns the figure,
+    columns and runs."""
     z, runs = pool_columns(np.asarray(effects, dtype=np.float32))  # (layers, columns)
     names, xaxis = token_columns(runs, texts, positions, segments)
     limit = robust_limit(z)
