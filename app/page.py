@@ -23,6 +23,9 @@ from engine import MessageProgress, StepProgress, bounded, fraction, waits_repor
 from viz.common import markdown_literal
 
 MODEL_GROUP = "model"  # every model-bound handler shares one queue group
+# Two plots in a row each get half the page from a 1,400 px window (600 px); below that width they wrap to one plot per
+# row (704 px at a 1,000 px window) instead of shrinking to 344 px, where no title, tick or legend fits.
+PAIRED_PLOT_MIN_WIDTH = 560
 
 
 def step_progress(progress: gr.Progress) -> StepProgress:

@@ -49,6 +49,7 @@ from engine import (
     run_scenario,
     tensor_bytes,
 )
+from viz.common import figures_html, plotly_js
 
 
 def _gb(count: int) -> str:
@@ -373,7 +374,8 @@ class SessionStore:
 
 
 class ExportFolder:
-    """Exports written under one folder owned by this server: size-capped, only the newest ``keep`` kept."""
+    """Exports written under one folder owned by this server: size-capped (what the session wrote: the plotly.js embedded
+    in every figure page is not counted), only the newest ``keep`` kept."""
 
     def __init__(self, max_bytes: int, keep: int, root: Path | None = None) -> None:
         self.max_bytes, self.keep = max_bytes, keep
@@ -392,9 +394,9 @@ class ExportFolder:
         if any(Path(name).name != name or name in (f"{stem}.json", f"{stem}-figures.html") for name in extra):
             raise ValueError(f"extra export files must be plain names other than the JSON's and the figures', got {sorted(extra)}")
         text = json.dumps(result, indent=2, ensure_ascii=False)
-        parts = [figure.to_html(full_html=False, include_plotlyjs="cdn" if i == 0 else False) for i, figure in enumerate(figures)]
-        page = "<html><body>" + "\n".join([*parts, *html_parts]) + "</body></html>"
-        size = len(text.encode()) + len(page.encode()) + sum(len(body.encode()) for body in extra.values())
+        page = figures_html(figures, html_parts)  # plotly.js embedded: it opens offline
+        library = len(plotly_js().encode()) if figures else 0  # the same 4.6 MB in every export: not counted against the cap
+        size = len(text.encode()) + len(page.encode()) - library + sum(len(body.encode()) for body in extra.values())
         if size > self.max_bytes:
             raise HostingError(
                 f"this export would be {size / 2**20:.1f} MB; the server writes at most {self.max_bytes / 2**20:.0f} MB per export"

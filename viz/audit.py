@@ -20,11 +20,11 @@ from engine.audit.causes import CAUSES
 from engine.audit.hosted import TOKENS_NOTE
 from engine.audit.observed import OBSERVED_CAUSES
 from engine.audit.requests import Skipped
-from viz.common import GREY, PALETTE, markdown_literal, safe_label
+from viz.common import GREY, LEGEND_BELOW, PALETTE, markdown_literal, safe_label, set_title
 
 KL_FLOOR = 1e-9  # KL drawn on a log axis: exact states (KL 0) sit on this floor
 X_AXES = {"computed": "context tokens computed (% of the request, log scale)", "ttft": "TTFT speed-up vs a full prefill (×, log scale)"}
-Y_AXES = {"kl": "KL(clean ‖ repaired) of the next token (log scale)", "agreement": "greedy tokens agreeing with the clean prefill"}
+Y_AXES = {"kl": "next-token KL(clean ‖ repaired), log", "agreement": "greedy tokens agreeing with the clean prefill"}
 MAX_SHOWN_CHARS = 600  # an unmarked stretch longer than this is shown by its ends only
 CONTEXT_CHARS = 200
 DODGE = 0.05  # requests: each repair's points sit this far apart on the timeline's x axis
@@ -120,13 +120,13 @@ def reuse_timeline_figure(data: Mapping) -> go.Figure:
                 x=turn["request"], y=1.04, text=safe_label(names_changed, 28), showarrow=False, font={"size": 10, "color": "#6a4c93"}
             )
     figure.update_layout(
-        title="Reused fraction per turn<br><sup>filled: within the fidelity threshold · labels: the fields that changed</sup>",
         xaxis={"title": "request", "tickmode": "array", "tickvals": requests},
         yaxis={"title": "share of the state reused from the cache", "range": [0, 1.1], "tickformat": ".0%"},
-        height=420,
-        legend={"orientation": "h", "y": -0.25},
-        margin={"t": 80},
+        height=460,
+        legend=LEGEND_BELOW,
+        margin={"b": 110},
     )
+    set_title(figure, "Reused fraction per turn", "filled: within the fidelity threshold · labels: the fields that changed")
     return figure
 
 
@@ -177,19 +177,20 @@ def fidelity_cost_figure(data: Mapping, x: str = "computed", y: str = "kl") -> g
     if x == "ttft":
         figure.add_vline(x=1.0, line={"color": GREY, "dash": "dot"}, annotation_text="as fast as a full prefill", annotation_position="top")
     figure.update_layout(
-        title=(
-            "Fidelity against cost, per repair and turn<br><sup>"
-            + (f"KL 0 drawn at {KL_FLOOR:g} · " if y == "kl" else "")
-            + f"filled: KL ≤ {data['threshold']:g}, same top token, ≥ {data['min_agreement']:.0%} of greedy tokens agreeing</sup>"
-        ),
-        xaxis={"title": X_AXES[x], "type": "log", **({"ticksuffix": "%"} if x == "computed" else {})},
+        xaxis={"title": X_AXES[x], "type": "log", "dtick": 1, **({"ticksuffix": "%"} if x == "computed" else {})},
         yaxis={
             "title": Y_AXES[y],
             **({"type": "log", "exponentformat": "power"} if y == "kl" else {"range": [-0.05, 1.1], "tickformat": ".0%"}),
         },
-        height=460,
-        legend={"orientation": "h", "y": -0.25},
-        margin={"t": 80},
+        height=520,
+        legend=LEGEND_BELOW,
+        margin={"b": 110, "r": 70},
+    )
+    set_title(
+        figure,
+        "Fidelity against cost, per repair and turn",
+        (f"KL 0 drawn at {KL_FLOOR:g} · " if y == "kl" else "")
+        + f"filled: KL ≤ {data['threshold']:g}, same top token, ≥ {data['min_agreement']:.0%} of greedy tokens agreeing",
     )
     return figure
 
@@ -435,13 +436,16 @@ def session_timeline_figure(data: Mapping) -> go.Figure:
             hoverinfo="text",
         )
     figure.update_layout(
-        title="Requests per session, coloured by the cause of their miss<br><sup>marker size: tokens · hover: the match, "
-        f"each engine's reuse and every cause · {formats_words(data)}</sup>",
         xaxis={"title": "request (log order)"},
         yaxis={"title": "session", "type": "category", "categoryorder": "array", "categoryarray": [labels[n] for n in reversed(sessions)]},
-        height=min(220 + 34 * len(sessions), 900),
+        height=min(300 + 34 * len(sessions), 900),
         legend={"title": {"text": "cause"}},
-        margin={"t": 80},
+    )
+    set_title(
+        figure,
+        "Requests per session, coloured by the cause of their miss",
+        "marker size: tokens · hover: the match, each engine's reuse and every cause",
+        formats_words(data),
     )
     return figure
 
@@ -478,14 +482,18 @@ def engine_reuse_figure(data: Mapping) -> go.Figure:
         f"{what} {settings[key]:,}" for key, what in (("budget_blocks", "vLLM blocks"), ("budget_tokens", "SGLang tokens")) if settings[key]
     )
     figure.update_layout(
-        title=f"Tokens each engine reuses, per request<br><sup>{settings['block']}-token blocks · budgets: {budgets or 'unbounded'}"
-        + (f" · llama.cpp --cache-reuse {settings['cache_reuse']}" if settings["cache_reuse"] else "")
-        + f" · {formats_words(data)}</sup>",
         xaxis={"title": "request (log order)"},
         yaxis={"title": "share of the request's tokens reused", "range": [0, 1.05], "tickformat": ".0%"},
-        height=420,
-        legend={"orientation": "h", "y": -0.3},
-        margin={"t": 80},
+        height=460,
+        legend=LEGEND_BELOW,
+        margin={"b": 120},
+    )
+    set_title(
+        figure,
+        "Tokens each engine reuses, per request",
+        f"{settings['block']}-token blocks · budgets: {budgets or 'unbounded'}"
+        + (f" · llama.cpp --cache-reuse {settings['cache_reuse']}" if settings["cache_reuse"] else ""),
+        formats_words(data),
     )
     return figure
 

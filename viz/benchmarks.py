@@ -83,7 +83,7 @@ def serving_figure(data: dict) -> go.Figure:
     figure = make_subplots(
         rows=1,
         cols=4,
-        horizontal_spacing=0.07,
+        horizontal_spacing=0.1,
         subplot_titles=("time to first token", "throughput", "prefix-cache hits", "accuracy"),
     )
     variants = list(dict.fromkeys(run["variant"] for run in data["runs"]))
@@ -344,7 +344,7 @@ def compare_models_figure(data: dict) -> go.Figure:
     figure.update_yaxes(title=f"of {', '.join(map(str, totals))} scenario fields", row=1, col=1)
     cpu = (data.get("cpu") or {}).get("model_name")
     measured = ", ".join(safe_label(str(part)) for part in (data.get("dtype"), cpu) if part)
-    figure.update_layout(barmode="group", height=420, legend=LEGEND_BELOW)
+    figure.update_layout(barmode="group", height=460, legend={**LEGEND_BELOW, "y": -0.4}, margin={"b": 140})  # below tilted names
     set_title(figure, "Across models", f"measured in {measured}" if measured else "", subplot_titles=1)
     return figure
 

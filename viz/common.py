@@ -18,9 +18,10 @@ from collections.abc import Sequence
 import numpy as np
 import plotly.graph_objects as go
 import plotly.io as pio
+import plotly.offline
 
 MAX_COLUMNS = 512  # heatmap columns sent to the browser (a 512-wide map draws in under a second)
-MAX_TICKS = 40  # token labels on an axis; more are thinned
+MAX_TICKS = 28  # token labels on an axis (tilted, they stay apart on a 600 px figure); more are thinned
 DIVERGING = "RdBu_r"  # negative blue, positive red, centred at 0
 SEQUENTIAL = "Viridis"
 PALETTE = ("#2a9d8f", "#e76f51", "#264653", "#e9c46a", "#8e7dbe", "#f4a261", "#457b9d")
@@ -148,8 +149,9 @@ def diverging_colour(value: float, limit: float) -> str:
 
 
 def map_height(layers: int) -> int:
-    """A layer × token map's height: about 16 px per layer, within 320–800."""
-    return min(800, max(320, 140 + 16 * layers))
+    """A layer × token map's height: about 16 px per layer below its title and above its tilted token labels, within
+    440–900."""
+    return min(900, max(440, 260 + 16 * layers))
 
 
 def label_colours(labels: Sequence[str]) -> dict[str, str]:
@@ -157,22 +159,25 @@ def label_colours(labels: Sequence[str]) -> dict[str, str]:
     return {label: PALETTE[i % len(PALETTE)] for i, label in enumerate(labels)}
 
 
-TITLE_CHARS = 64  # a title line that fits a figure in a 1,000 px window (17 px type)
+# The narrowest plot the app shows is 600 px wide (a plot in a row of two at a 1,400 px window; below that, rows wrap and
+# each plot gets the whole 704 px of a 1,000 px window): titles and notes are wrapped to fit it.
+TITLE_CHARS = 64  # a title line (17 px type) that fits a 600 px figure
 NOTE_CHARS = 100  # a note line under it (12 px type)
 LEGEND_BELOW = {"orientation": "h", "yanchor": "top", "y": -0.28}  # below the x axis title, clear of it
+GRADIO_LABEL_PX = 30  # Gradio draws a plot's label over its top-left corner: this high, padding included
 
 
-def set_title(figure: go.Figure, text: str, *notes: str, subplot_titles: int = 0, beside: int = 1) -> None:
-    """Title ``figure`` (its height already set) so that it fits a 1,000 px window: ``text`` wrapped at
-    :data:`TITLE_CHARS`, each note wrapped in small type below it, all above ``subplot_titles`` lines of subplot titles
-    and below the label Gradio draws over a figure's top-left corner; the top margin is sized to hold it. A figure
-    shown ``beside`` others in a row gets that share of the width. Text and notes are markup-free or
+def set_title(figure: go.Figure, text: str, *notes: str, subplot_titles: int = 0) -> None:
+    """Title ``figure`` (its height already set) so that it fits a 600 px plot: ``text`` wrapped at :data:`TITLE_CHARS`,
+    each note wrapped in small type below it, all above ``subplot_titles`` lines of subplot titles and below the label
+    Gradio draws over a figure's top-left corner; the top margin is sized to hold it. Text and notes are markup-free or
     :func:`safe_label`-ed."""
-    heads = textwrap.wrap(text, TITLE_CHARS // beside) or [""]
-    lines = [line for note in notes if note for line in textwrap.wrap(note, NOTE_CHARS // beside)]
+    heads = textwrap.wrap(text, TITLE_CHARS) or [""]
+    lines = [line for note in notes if note for line in textwrap.wrap(note, NOTE_CHARS)]
     below = 12 + 24 * subplot_titles  # px between the title's last line and the plot area
-    first = 58  # px from the top to the first title line's foot: clear of Gradio's label (plotly lays later lines below it)
-    top = first + 24 * (len(heads) - 1) + 17 * len(lines) + below + 8  # the top margin
+    first = GRADIO_LABEL_PX + 28  # px from the top to the first title line's foot (plotly lays later lines below it)
+    notes_px = 16 + 22 * (len(lines) - 1) if lines else 0  # plotly spaces every line after the first 22 px, a note's first 16
+    top = first + 22 * (len(heads) - 1) + notes_px + below + 8  # the top margin
     figure.update_layout(
         title={
             "text": "<br>".join(heads) + "".join(f"<br><sup>{line}</sup>" for line in lines),
@@ -192,6 +197,19 @@ def figure_label(figure: go.Figure) -> str:
     untitled)."""
     heads = (figure.layout.title.text or "").split("<br><sup>")[0].split("<br>")
     return html.unescape(" ".join(re.sub(r"<[^>]+>", "", line) for line in heads)).strip() or "Figure"
+
+
+def plotly_js() -> str:
+    """plotly.js's source as bundled with the installed plotly (4.6 MB), for pages that must draw offline."""
+    return plotly.offline.get_plotlyjs()
+
+
+def figures_html(figures: Sequence[go.Figure], html_parts: Sequence[str] = ()) -> str:
+    """Figures and HTML views in one page that draws offline (no CDN: in a classroom without internet, in a notebook
+    saved for later): plotly.js embedded once in its head when there is a figure, then each figure and each part."""
+    library = f'<script type="text/javascript">{plotly_js()}</script>' if figures else ""
+    parts = [figure.to_html(full_html=False, include_plotlyjs=False) for figure in figures]
+    return f'<html><head><meta charset="utf-8">{library}</head><body>' + "\n".join([*parts, *html_parts]) + "</body></html>"
 
 
 def message_figure(text: str) -> go.Figure:

@@ -54,7 +54,6 @@ def logit_bars_figure(
         f"Next-token probabilities, union of top-{k}",
         f"logit cosine {agreement['cosine']:.6f}, KL(spliced‖recomputed) {agreement['kl']:.2e}",
         subplot_titles=1,  # room for the legend's row
-        beside=2,
     )
     return figure
 
@@ -87,7 +86,6 @@ def deviation_figure(fidelity: SpliceFidelity, texts: Sequence[str] | None = Non
         "K/V deviation, spliced vs recomputed",
         f"{repair}: max {float(deviation.max()):.3g}",
         f"{safe_label(fidelity.scenario)}: {fidelity.skill_tokens} of {fidelity.context_tokens} context tokens spliced",
-        beside=2,
     )
     return figure
 
@@ -148,19 +146,14 @@ def agent_figure(report: AgentReport) -> go.Figure:
     figure.update_yaxes(title_text="decision margin", row=1, col=1)
     figure.update_yaxes(title_text="cumulative TTFT (ms)", row=2, col=1)
     data = report.as_dict()
-    figure.update_layout(
-        title={
-            "text": f"Agent episode on {safe_label(report.scenario)}: errata on a cached context, compaction {safe_label(report.policy)}",
-            "subtitle": {
-                "text": f"agrees with the clean state on {data['clean_state_agreement']:.0%} of turns "
-                f"(identical tokens {data['identical_tokens_agreement']:.0%}); {data['compactions']} compactions; "
-                f"cumulative TTFT ×{data['cumulative_speedup_vs_clean_state']} vs clean prefills"
-                + ("" if report.state_sensitive else "; the clean decision never changes: agreement says little")
-            },
-        },
-        height=560,
-        legend={"orientation": "h", "y": -0.18},
-        margin={"l": 60, "r": 30, "t": 90, "b": 90},
+    figure.update_layout(height=600, legend=LEGEND_BELOW, margin={"l": 60, "r": 30, "b": 130})
+    set_title(
+        figure,
+        f"Agent episode on {safe_label(report.scenario)}: errata on a cached context, compaction {safe_label(report.policy)}",
+        f"agrees with the clean state on {data['clean_state_agreement']:.0%} of turns "
+        f"(identical tokens {data['identical_tokens_agreement']:.0%}); {data['compactions']} compactions; "
+        f"cumulative TTFT ×{data['cumulative_speedup_vs_clean_state']} vs clean prefills"
+        + ("" if report.state_sensitive else "; the clean decision never changes: agreement says little"),
     )
     return figure
 
@@ -199,18 +192,17 @@ def keystone_figure(report: KeystoneReport, band: float = 0.15) -> go.Figure:
     skipped = [name for name in gaps if name not in names]
     stale = report.composed.stale.decision.margin, report.recomputed.stale.decision.margin
     figure.update_layout(
-        title={
-            "text": f"Keystone: editing {safe_label(report.field)} inside a spliced skill (remedy {safe_label(report.remedy.name)})",
-            "subtitle": {
-                "text": f"oracle − stale margin {report.delta_margin:+.2f}; stale margin composed {stale[0]:+.2f} vs "
-                "recomputed {stale[1]:+.2f}" + (f"; no recovery for: {', '.join(safe_label(n) for n in skipped)}" if skipped else "")
-            },
-        },
         xaxis={"title": "recovery on the recomputed cache", "range": [low, high]},
         yaxis={"title": "recovery on the composed cache", "range": [low, high]},
-        height=460,
-        margin={"l": 60, "r": 20, "t": 90, "b": 60},
-        legend={"orientation": "h", "y": -0.18},
+        height=500,
+        margin={"l": 60, "r": 20, "b": 110},
+        legend=LEGEND_BELOW,
+    )
+    set_title(
+        figure,
+        f"Keystone: editing {safe_label(report.field)} inside a spliced skill (remedy {safe_label(report.remedy.name)})",
+        f"oracle − stale margin {report.delta_margin:+.2f}; stale margin composed {stale[0]:+.2f} vs recomputed {stale[1]:+.2f}"
+        + (f"; no recovery for: {', '.join(safe_label(n) for n in skipped)}" if skipped else ""),
     )
     return figure
 
@@ -266,23 +258,17 @@ def study_figure(study: dict) -> go.Figure:
     best = study.get("best")
     figure.update_xaxes(title_text="skill tokens recomputed (%, mean)", row=1, col=1)
     agreements = [row["agreement"] for row in summary.values() if row["agreement"] is not None]
-    figure.update_yaxes(
-        title_text="decision agreement (decisive cases)", range=[max(0.0, min(agreements, default=0.0) - 0.1), 1.02], row=1, col=1
-    )
+    figure.update_yaxes(title_text="decisive agreement", range=[max(0.0, min(agreements, default=0.0) - 0.1), 1.02], row=1, col=1)
     figure.update_xaxes(title_text="skills in the context (N)", dtick=1, row=1, col=2)
     figure.update_yaxes(title_text="|spliced − recomputed margin|", rangemode="tozero", row=1, col=2)
     cases = len(study["cases"])
-    figure.update_layout(
-        title={
-            "text": "Many skills at once: which repair keeps the decision",
-            "subtitle": {
-                "text": f"{cases} composed prompts; hollow markers rank tokens against the full recompute (not deployable); "
-                + (f"best deployable: {safe_label(best)}" if best else "no deployable remedy agrees on every decisive case")
-            },
-        },
-        height=460,
-        legend={"orientation": "h", "y": -0.22},
-        margin={"l": 60, "r": 20, "t": 100, "b": 110},
+    figure.update_layout(height=500, legend=LEGEND_BELOW, margin={"l": 60, "r": 20, "b": 120})
+    set_title(
+        figure,
+        "Many skills at once: which repair keeps the decision",
+        f"{cases} composed prompts; hollow markers rank tokens against the full recompute (not deployable); "
+        + (f"best deployable: {safe_label(best)}" if best else "no deployable remedy agrees on every decisive case"),
+        subplot_titles=1,
     )
     return figure
 
@@ -363,7 +349,7 @@ def remedy_choice_figure(study: dict) -> go.Figure:
     agreements = [row["agreement"] for row in summary.values() if row["agreement"] is not None]
     floor = max(0.0, min(agreements + [goal.get("agreement", 1.0)], default=0.0) - 0.05)
     figure.update_xaxes(title_text="TTFT speedup over a full recompute (median)", row=1, col=1)
-    figure.update_yaxes(title_text="decision agreement (decisive cases)", range=[floor, 1.02], row=1, col=1)
+    figure.update_yaxes(title_text="decisive agreement", range=[floor, 1.02], row=1, col=1)
     if long_study:
         ticks = sorted(int(length) for row in summary.values() for length in row.get("by_length", {}))
         figure.update_xaxes(
@@ -373,9 +359,7 @@ def remedy_choice_figure(study: dict) -> go.Figure:
     else:
         figure.update_xaxes(title_text="skills in the context (N)", dtick=1, row=1, col=2)
         per_n = [group["agreement"] for row in summary.values() for group in row["by_n"].values() if group["agreement"] is not None]
-        figure.update_yaxes(
-            title_text="decision agreement (decisive cases)", range=[max(0.0, min(per_n + [floor]) - 0.05), 1.02], row=1, col=2
-        )
+        figure.update_yaxes(title_text="decisive agreement", range=[max(0.0, min(per_n + [floor]) - 0.05), 1.02], row=1, col=2)
     verdict = (
         ("goal met" if choice.get("goal_met") else "goal not reached: best measured trade-off") + f"; default {safe_label(default)}"
         if default
@@ -472,12 +456,12 @@ def frontiers_figure(studies: Sequence[dict]) -> go.Figure:
         )
     agreements = [row["agreement"] for study in studies for row in study["summary"].values() if row["agreement"] is not None]
     figure.update_yaxes(range=[max(0.0, min(agreements + [0.97]) - 0.05), 1.02])
-    figure.update_yaxes(title_text="decision agreement (decisive cases)", row=1, col=1)
+    figure.update_yaxes(title_text="decisive agreement", row=1, col=1)
     verdicts = []
     for title, study in zip(titles, studies):
         met = "goal met" if (study.get("choice") or {}).get("goal_met") else "goal not reached"
         verdicts.append(f"{title}: {met}, default {safe_label(str(study.get('default')))}")
-    figure.update_layout(height=560, width=max(700, 560 * len(studies)), legend=LEGEND_BELOW, margin={"l": 60, "r": 20, "b": 160})
+    figure.update_layout(height=600, legend=LEGEND_BELOW, margin={"l": 60, "r": 20, "b": 160})
     set_title(
         figure,
         "Composition remedies per model: agreement vs speed",

@@ -5,22 +5,20 @@ from __future__ import annotations
 import plotly.graph_objects as go
 
 from engine.cache.decision import Decision
-from viz.common import safe_label
+from viz.common import safe_label, set_title
 
 
 def decision_figure(decision: Decision, title: str = "Decision") -> go.Figure:
-    """Bars of each label's log-prob (and its surface strings), the chosen label highlighted; every label, string
-    and the title are escaped (plotly renders HTML in text)."""
+    """Bars of each label's log-prob (the value under the bar, beside its label) and its surface strings, the chosen label
+    highlighted; every label, string and the title are escaped (plotly renders HTML in text)."""
     labels = list(decision.scores)
-    shown = [safe_label(label, 40) for label in labels]
+    shown = [f"{safe_label(label, 40)} ({decision.scores[label]:.2f})" for label in labels]  # the score under its bar
     figure = go.Figure()
     figure.add_bar(
         x=shown,
         y=[decision.scores[label] for label in labels],
         name="label (log Σ P)",
         marker_color=["#2a9d8f" if label == decision.label else "#b0bec5" for label in labels],
-        text=[f"{decision.scores[label]:.2f}" for label in labels],
-        textposition="outside",
     )
     for label, name in zip(labels, shown):
         strings = decision.string_logprobs[label]
@@ -35,10 +33,10 @@ def decision_figure(decision: Decision, title: str = "Decision") -> go.Figure:
             showlegend=False,
         )
     figure.update_layout(
-        title=f"{safe_label(title, 80)}: {safe_label(decision.label, 40)} (margin {decision.margin:+.2f})",
         yaxis_title="log-prob of the answer",
         height=340,
-        margin={"l": 50, "r": 20, "t": 50, "b": 40},
+        margin={"l": 50, "r": 20, "b": 40},
         showlegend=False,
     )
+    set_title(figure, f"{safe_label(title, 80)}: {safe_label(decision.label, 40)} (margin {decision.margin:+.2f})")
     return figure

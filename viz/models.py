@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from viz.common import GREY, PALETTE, markdown_literal, message_figure, safe_label
+from viz.common import GREY, LEGEND_BELOW, PALETTE, markdown_literal, message_figure, safe_label, set_title
 
 PAPER_COLOUR = "#264653"
 PAPER_SYMBOLS = ("diamond", "square", "triangle-up", "cross")
@@ -69,17 +69,12 @@ def notes_share_figure(comparison: Mapping) -> go.Figure:
     figure.update_xaxes(type="log", title="parameters")
     shares = [row["notes_share"] for row in shown] + [point["notes_share"] for point in comparison.get("paper") or []]
     figure.update_yaxes(title="notes share (1 − field-only recovery)", range=[min(-0.2, *shares) - 0.05, max(1.25, *shares) + 0.1])
-    figure.update_layout(
-        title={
-            "text": "Notes share against model size",
-            "subtitle": {
-                "text": f"{safe_label(comparison.get('scenario', ''), 60)}: {safe_label(comparison.get('field', ''), 40)} → "
-                f"{safe_label(comparison.get('new', ''), 40)}{note}"
-            },
-        },
-        height=440,
-        margin={"t": 90},
-        legend={"orientation": "h", "y": -0.25},
+    figure.update_layout(height=460, legend=LEGEND_BELOW, margin={"b": 110})
+    set_title(
+        figure,
+        "Notes share against model size",
+        f"{safe_label(comparison.get('scenario', ''), 60)}: {safe_label(comparison.get('field', ''), 40)} → "
+        f"{safe_label(comparison.get('new', ''), 40)}{note}",
     )
     return figure
 
@@ -105,7 +100,9 @@ def model_metrics_figure(comparison: Mapping) -> go.Figure:
     for col, key in ((2, "notes_depth"), (3, "read_heads"), (4, "splice_cosine")):
         figure.add_bar(x=names, y=[row.get(key) for row in models], marker_color=GREY, showlegend=False, row=1, col=col)
     figure.update_yaxes(range=[0, 1], tickformat=".0%", row=1, col=2)  # the share of the model's layers
-    figure.update_layout(title="The compared models side by side", height=380, barmode="group", legend={"orientation": "h", "y": -0.3})
+    figure.update_xaxes(tickangle=-30)  # model names stay readable in four narrow panels
+    figure.update_layout(height=460, barmode="group", legend={**LEGEND_BELOW, "y": -0.5}, margin={"b": 150})
+    set_title(figure, "The compared models side by side", subplot_titles=1)
     return figure
 
 

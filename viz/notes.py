@@ -14,6 +14,7 @@ from engine.probes.frontier import FrontierResult
 from viz.common import (
     DIVERGING,
     GREY,
+    LEGEND_BELOW,
     PALETTE,
     column_of,
     diverging_colour,
@@ -22,6 +23,7 @@ from viz.common import (
     pool_columns,
     robust_limit,
     safe_label,
+    set_title,
     token_columns,
 )
 
@@ -159,25 +161,31 @@ def attention_figure(
             y=np.arange(layers),
             zmin=0.0,
             colorscale="Viridis",
-            colorbar={"title": "attention"},
+            colorbar={"title": "attention", "thickness": 14},
             hovertemplate="layer %{y}<br>%{x}<br>attention %{z:.4f}<extra></extra>",
         )
     )
     figure.update_layout(
-        title=f"{heading}: {which}",
         xaxis={**xaxis, "title": "context token"},
         yaxis_title="layer",
         height=map_height(layers),
-        margin={"l": 60, "r": 20, "t": 50, "b": 100},
+        margin={"l": 60, "r": 20, "b": 100},
     )
+    set_title(figure, f"{heading}: {which}", subplot_titles=_field_labels(segments))
     mark_fields(figure, runs, segments)
     return figure
 
 
+def _field_labels(segments: Sequence[str] | None) -> int:
+    """Rows of field names :func:`mark_fields` writes above the plot (room set_title leaves for them): 1 with a field."""
+    return int(any(segment.startswith("field:") for segment in segments or ()))
+
+
 def _effect_heatmap(
-    effects: np.ndarray, positions: Sequence[int], texts: Sequence[str], segments: Sequence[str]
+    effects: np.ndarray, positions: Sequence[int], texts: Sequence[str], segments: Sequence[str], axis: str = "field and downstream token"
 ) -> tuple[go.Figure, list[str], list[range]]:
-    """A diverging layer × position heatmap of Δmargin, pooled when wide; returns the figure, columns and runs."""
+    """A diverging layer × position heatmap of Δmargin, pooled when wide, its x axis titled ``axis``; returns the figure,
+    columns and runs."""
     z, runs = pool_columns(np.asarray(effects, dtype=np.float32))  # (layers, columns)
     names, xaxis = token_columns(runs, texts, positions, segments)
     limit = robust_limit(z)
@@ -186,7 +194,7 @@ def _effect_heatmap(
             z=z,
             x=names,
             y=np.arange(len(z)),
-            colorbar={"title": f"Δ margin<br>(±{limit:.2g}, 98th pct of |Δ|)"},
+            colorbar={"title": f"Δ margin<br>±{limit:.2g}", "thickness": 14},  # the scale's end: 98th percentile of |Δ|
             hovertemplate="layer %{y}<br>%{x}<br>attributed Δ margin %{z:+.4f}<extra></extra>",
             colorscale=DIVERGING,
             zmin=-limit,
@@ -194,10 +202,10 @@ def _effect_heatmap(
         )
     )
     figure.update_layout(
-        xaxis={**xaxis, "title": "field and downstream token"},
+        xaxis={**xaxis, "title": axis},
         yaxis_title="layer",
         height=map_height(len(z)),
-        margin={"l": 60, "r": 20, "t": 70, "b": 100},
+        margin={"l": 60, "r": 20, "b": 100},
     )
     mark_fields(figure, runs, segments)
     return figure, names, runs
@@ -211,10 +219,14 @@ def effect_map_figure(effects: EffectMap, texts: Sequence[str], segments: Sequen
     z = np.zeros((effects.effects.shape[0], len(positions)), dtype=np.float32)
     column = {position: i for i, position in enumerate(positions)}
     z[:, [column[p] for p in effects.positions]] = effects.effects.numpy()
-    figure, _, _ = _effect_heatmap(z, positions, [texts[p] for p in positions], [segments[p] for p in positions])
+    axis = "context token" if all_positions else "field and downstream token"
+    figure, _, _ = _effect_heatmap(z, positions, [texts[p] for p in positions], [segments[p] for p in positions], axis)
     shown = "every context position" if all_positions else "the field and the tokens after it"
-    figure.update_layout(
-        title=f"Notes map ({effects.method})<br><sup>Δ margin from patching the new run's K/V per (layer, token), {shown}</sup>"
+    set_title(
+        figure,
+        f"Notes map ({effects.method})",
+        f"Δ margin from patching the new run's K/V per (layer, token), {shown}; colours end at the 98th percentile of |Δ|",
+        subplot_titles=_field_labels(segments),
     )
     return figure
 
@@ -237,13 +249,17 @@ def notes_map_figure(result: NotesMapResult) -> go.Figure:
         mode="markers",
         marker={"symbol": "square-open", "size": 12, "color": "black", "line": {"width": 2}},
         name="verified by exact patch",
+        showlegend=True,
         hovertext=[f"layer {c.layer}, #{c.position}<br>exact Δ {c.exact:+.4f}<br>attributed Δ {c.attribution:+.4f}" for c in checks],
         hoverinfo="text",
     )
     gap = result.gap
-    figure.update_layout(
-        title=f"Notes map: Δ margin from patching oracle K/V per (layer, token); stale {gap.stale:+.2f} → oracle {gap.oracle:+.2f}",
-        legend={"orientation": "h", "y": 1.02, "x": 1, "xanchor": "right", "yanchor": "bottom"},
+    figure.update_layout(legend={**LEGEND_BELOW, "y": -0.45}, margin={"b": 150})  # below the tilted token labels
+    set_title(
+        figure,
+        "Notes map: Δ margin from patching oracle K/V",
+        f"per (layer, token); stale {gap.stale:+.2f} → oracle {gap.oracle:+.2f}; colours end at the 98th percentile of |Δ|",
+        subplot_titles=_field_labels(result.segments),
     )
     return figure
 
@@ -282,25 +298,18 @@ def frontier_figure(result: FrontierResult) -> go.Figure:
     for level, name in ((0.0, "stale"), (1.0, "oracle")):
         figure.add_hline(y=level, line={"color": GREY, "dash": "dash"}, annotation_text=name, annotation_position="right")
     gap = result.gap
-    figure.add_annotation(
-        text=f"<i>{_PAPER_FRONTIER}</i>",
-        xref="paper",
-        yref="paper",
-        x=0,
-        y=-0.5,
-        showarrow=False,
-        xanchor="left",
-        font={"size": 10, "color": "#555"},
-    )
     figure.update_layout(
-        title=(
-            f"Cost–quality frontier of this edit<br><sup>{safe_label(result.notes.headline())}<br>stale {gap.stale:+.2f} → oracle "
-            f"{gap.oracle:+.2f} ({safe_label(gap.oracle_label)}); filled markers reach the oracle's decision</sup>"
-        ),
-        xaxis={"title": "context tokens computed (%, log scale)", "type": "log", "ticksuffix": "%"},
+        xaxis={"title": "context tokens computed (%, log scale)", "type": "log", "dtick": 1, "ticksuffix": "%"},
         yaxis={"title": "decision recovery (0 = stale, 1 = oracle)"},
-        height=540,
-        margin={"l": 60, "r": 50, "t": 100, "b": 140},
-        legend={"orientation": "h", "y": -0.22},
+        height=560,
+        margin={"l": 60, "r": 60, "b": 130},
+        legend={**LEGEND_BELOW, "y": -0.2},
+    )
+    set_title(
+        figure,
+        "Cost–quality frontier of this edit",
+        safe_label(result.notes.headline()),
+        f"stale {gap.stale:+.2f} → oracle {gap.oracle:+.2f} ({safe_label(gap.oracle_label)}); filled markers reach the oracle's decision",
+        _PAPER_FRONTIER,
     )
     return figure

@@ -17,7 +17,7 @@ from engine.probes import Gap, HeadsResult, KnockoutResult, RandomControl, Suffi
 from engine.probes.attribution import AttributionResult
 from engine.probes.linear import GROUPS, LinearProbeResult
 from engine.words import counted
-from viz.common import GREY, PALETTE, safe_label, safe_lines
+from viz.common import GREY, LEGEND_BELOW, PALETTE, safe_label, safe_lines, set_title
 from viz.notes import attention_figure, frontier_figure, notes_map_figure
 
 
@@ -28,13 +28,13 @@ def _scale(gap: Gap) -> tuple[Callable[[float], float], str]:
     return float, "decision margin"
 
 
-def _title(text: str, gap: Gap) -> dict:
-    """A title with the gap (and why recovery is undefined, if it is) as subtitle."""
+def _title(figure: go.Figure, text: str, gap: Gap, subplot_titles: int = 0) -> None:
+    """Title ``figure`` with the gap (and why recovery is undefined, if it is) as its note."""
     first, second = gap.names
-    subtitle = f"{first} {gap.stale:+.2f} ({safe_label(gap.stale_label)}) → {second} {gap.oracle:+.2f} ({safe_label(gap.oracle_label)})"
+    note = f"{first} {gap.stale:+.2f} ({safe_label(gap.stale_label)}) → {second} {gap.oracle:+.2f} ({safe_label(gap.oracle_label)})"
     if gap.note:
-        subtitle += f"; margins shown: {safe_label(gap.note)}"
-    return {"text": text, "subtitle": {"text": subtitle}}
+        note += f"; margins shown: {safe_label(gap.note)}"
+    set_title(figure, text, note, subplot_titles=subplot_titles)
 
 
 def _references(figure: go.Figure, gap: Gap, scale: Callable[[float], float]) -> None:
@@ -77,12 +77,9 @@ def dose_response_figure(result: KnockoutResult) -> go.Figure:
     _draws(figure, [p.k for p in controlled], [p.random for p in controlled], scale)
     _references(figure, gap, scale)
     figure.update_layout(
-        title=_title("Knockout dose-response: hiding the top-K notes from the oracle's decision", gap),
-        xaxis_title="K (notes hidden)",
-        yaxis_title=axis,
-        height=400,
-        margin={"l": 60, "r": 60, "t": 80, "b": 50},
+        xaxis_title="K (notes hidden)", yaxis_title=axis, height=420, legend=LEGEND_BELOW, margin={"l": 60, "r": 60, "b": 90}
     )
+    _title(figure, "Knockout dose-response: hiding the top-K notes from the oracle's decision", gap)
     return figure
 
 
@@ -111,13 +108,13 @@ def suffix_figure(result: SuffixResult) -> go.Figure:
     _draws(figure, ks, [p.random for p in points], scale)
     _references(figure, gap, scale)
     figure.update_layout(
-        title=_title("Suffix concentration: patching the top-K notes into the stale cache", gap),
         xaxis={"title": "K (notes patched, log scale)", "type": "log", "tickvals": ks},
         yaxis_title=axis,
-        height=440,
-        legend={"orientation": "h", "y": -0.25},
-        margin={"l": 60, "r": 60, "t": 80, "b": 50},
+        height=460,
+        legend=LEGEND_BELOW,
+        margin={"l": 60, "r": 60, "b": 110},
     )
+    _title(figure, "Suffix concentration: patching the top-K notes into the stale cache", gap)
     return figure
 
 
@@ -126,12 +123,13 @@ def heads_figure(result: HeadsResult) -> go.Figure:
     drop when the top heads, as many random heads, or all heads lose access to the notes."""
     gap = result.gap
     scale, _ = _scale(gap)
+    dropped = "recovery" if gap.note is None else "margin"
     figure = make_subplots(
         rows=1,
         cols=2,
         column_widths=[0.72, 0.28],
         horizontal_spacing=0.2,
-        subplot_titles=("attention mass of the last decision token on the notes", "notes hidden from heads"),
+        subplot_titles=("attention mass of the last decision token on the notes", f"drop in {dropped}<br>with notes hidden"),
     )
     mass = np.asarray(result.mass_last, dtype=np.float32)  # (layers, heads)
     figure.add_heatmap(
@@ -181,14 +179,12 @@ def heads_figure(result: HeadsResult) -> go.Figure:
     )
     figure.update_xaxes(title_text="head", dtick=max(1, round(mass.shape[1] / 16)), row=1, col=1)
     figure.update_yaxes(title_text="layer", dtick=max(1, round(mass.shape[0] / 16)), row=1, col=1)
-    figure.update_yaxes(title_text="drop in " + ("recovery" if gap.note is None else "margin"), row=1, col=2)
-    figure.update_layout(
-        title=_title(
-            f"Read heads: {counted(len(result.top_heads), 'head')} with most attention on {counted(len(result.notes), 'note')}", gap
-        ),
-        height=max(400, 160 + 14 * mass.shape[0]),
-        legend={"orientation": "h", "y": -0.3},
-        margin={"l": 60, "r": 20, "t": 100, "b": 60},
+    figure.update_layout(height=max(420, 200 + 14 * mass.shape[0]), legend=LEGEND_BELOW, margin={"l": 60, "r": 20, "b": 90})
+    _title(
+        figure,
+        f"Read heads: {counted(len(result.top_heads), 'head')} with most attention on {counted(len(result.notes), 'note')}",
+        gap,
+        subplot_titles=2,
     )
     return figure
 
@@ -224,32 +220,36 @@ def linear_probe_figure(result: LinearProbeResult | dict) -> go.Figure:
                     col=col,
                 )
         figure.add_hline(y=chance[target], line={"dash": "dot", "color": GREY}, annotation_text="chance", row=1, col=col)
-        for name, layer, colour in (("write", data["write_layer"], PALETTE[0]), ("commit", data["commit_layer"], PALETTE[4])):
+        lines = (("write", data["write_layer"], PALETTE[0], "left"), ("commit", data["commit_layer"], PALETTE[4], "right"))
+        for name, layer, colour, side in lines:  # write labelled left of its line, commit right: apart on adjacent layers
             if layer is not None:
-                figure.add_vline(x=layer, line={"dash": "dash", "color": colour}, annotation_text=f"{name} {layer}", row=1, col=col)
+                figure.add_vline(
+                    x=layer,
+                    line={"dash": "dash", "color": colour},
+                    annotation={"text": f"{name} {layer}", "font": {"color": colour}},
+                    annotation_position=f"bottom {side}",
+                    row=1,
+                    col=col,
+                )
     if not data["conclusion_decodable"]:
-        figure.add_annotation(
+        figure.add_annotation(  # in the middle of the empty left panel
             text=safe_lines(data["reason"] or "not decodable", 40),
-            xref="x domain",
-            yref="y domain",
-            x=0.5,
+            xref="paper",
+            yref="paper",
+            x=sum(figure.layout.xaxis.domain) / 2,
             y=0.5,
             showarrow=False,
-            row=1,
-            col=1,
         )
     figure.update_xaxes(
         title_text=f"hidden state (0 = embeddings, {data['num_layers']} = last layer)", range=[-0.5, data["num_layers"] + 0.5]
     )
     figure.update_yaxes(title_text="cross-validated accuracy", range=[0, 1.05], row=1, col=1)
-    figure.update_layout(
-        title={
-            "text": "Linear probe: where the conclusion is written vs where the decision commits",
-            "subtitle": {"text": f"{safe_label(data['scenario'])}, field {safe_label(data['field'])}, {data['n_samples']} samples"},
-        },
-        height=420,
-        legend={"orientation": "h", "y": -0.2},
-        margin={"l": 60, "r": 20, "t": 90, "b": 60},
+    figure.update_layout(height=460, legend=LEGEND_BELOW, margin={"l": 60, "r": 20, "b": 110})
+    set_title(
+        figure,
+        "Linear probe: where the conclusion is written vs where the decision commits",
+        f"{safe_label(data['scenario'])}, field {safe_label(data['field'])}, {data['n_samples']} samples",
+        subplot_titles=1,
     )
     return figure
 
@@ -282,16 +282,15 @@ def attribution_figure(result: AttributionResult, top: int = 40) -> go.Figure:
         f"top {len(features)} of {len(result.features)} features" if len(features) < len(result.features) else f"{len(features)} features"
     )
     figure.update_layout(
-        title={
-            "text": f"Attribution of {safe_label(result.target)} ({result.run} run, {result.method}, {result.granularity})",
-            "subtitle": {
-                "text": f"Σ scores {result.total:+.3f} vs full − baseline {result.full_score - result.baseline_score:+.3f}; {shown}"
-            },
-        },
         xaxis_title="attribution (target units)",
         yaxis={"autorange": "reversed", "type": "category"},
-        height=min(1400, 140 + 22 * len(features)),
-        margin={"l": 260, "r": 20, "t": 90, "b": 50},
+        height=min(1400, 180 + 22 * len(features)),
+        margin={"l": 260, "r": 20, "b": 50},
+    )
+    set_title(
+        figure,
+        f"Attribution of {safe_label(result.target)} ({result.run} run, {result.method}, {result.granularity})",
+        f"Σ scores {result.total:+.3f} vs full − baseline {result.full_score - result.baseline_score:+.3f}; {shown}",
     )
     return figure
 
@@ -311,7 +310,8 @@ def readings_figure(name: str, data: dict) -> go.Figure:
             figure.add_hline(
                 y=data[key], line={"dash": dash, "color": GREY}, annotation_text=key.split("_")[0], annotation_position="right"
             )
-    figure.update_layout(title=f"Probe {safe_label(name)}: decision margins", yaxis_title="decision margin", height=360)
+    figure.update_layout(yaxis_title="decision margin", height=380, margin={"r": 60})
+    set_title(figure, f"Probe {safe_label(name)}: decision margins")
     return figure
 
 

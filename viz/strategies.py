@@ -72,8 +72,11 @@ def strategy_figure(report: EditReport) -> go.Figure:
         figure.add_hline(
             y=decision.margin,
             line={"dash": dash, "color": colours.get(decision.label, GREY)},
-            annotation_text=f"{name}: {decision.margin:+.2f} ({safe_label(decision.label)})",
+            annotation_text=f"{name} {decision.margin:+.2f}<br>{safe_label(decision.label, 14)}",
             annotation_position="top right" if name == higher else "bottom right",  # apart when the margins are close
+            annotation_xanchor="left",  # right of the plot, clear of the bar labels
+            annotation_x=1.01,
+            annotation_align="left",
         )
     first = safe_label(list(stale.scores)[0])
     figure.update_layout(
@@ -82,7 +85,7 @@ def strategy_figure(report: EditReport) -> go.Figure:
         yaxis_title=f"margin ({first} − best other)",  # log-probs; short enough for the plot's height
         height=440,
         legend=LEGEND_BELOW,
-        margin={"l": 60, "r": 150, "b": 80},
+        margin={"l": 60, "r": 100, "b": 80},
     )
     set_title(
         figure,

@@ -6,7 +6,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from engine.edit.weight_edit import MethodOutcome, WeightEditReport
-from viz.common import PALETTE, safe_label
+from viz.common import LEGEND_BELOW, PALETTE, safe_label, set_title
 
 # The paper's figures (Llama-3.1-8B), shown beside ours.
 PAPER = (
@@ -67,14 +67,15 @@ def weight_edit_figure(report: WeightEditReport) -> go.Figure:
     figure.add_trace(
         go.Bar(name="one-time setup (stacked)", x=methods, y=setup, base=edit, marker_color=PALETTE[4], offsetgroup="cost"), row=1, col=2
     )
-    figure.update_layout(
-        barmode="group",
-        title=dict(text=safe_label(f"{report.scenario}: {report.field} {report.old} → {report.new} ({report.model})", 120)),
-        legend=dict(orientation="h", y=-0.2),
-        height=460,
-        margin=dict(t=80, b=110),
+    figure.update_layout(barmode="group", legend=LEGEND_BELOW, height=480, margin={"b": 110}, uniformtext={"minsize": 9, "mode": "hide"})
+    set_title(
+        figure,
+        safe_label(f"Weight editing vs the erratum: {report.field} {report.old} → {report.new}", 120),
+        safe_label(f"{report.scenario} on {report.model}", 120),
+        subplot_titles=1,
     )
-    figure.update_yaxes(title_text="fraction (efficacy: recovery, 1 = clean prefill)", row=1, col=1)
+    highest = max([1.0, *(value(report.methods[m]) for _, value in measures for m in methods)])
+    figure.update_yaxes(title_text="fraction (efficacy: recovery, 1 = clean prefill)", range=[0, highest * 1.15], row=1, col=1)
     figure.update_yaxes(type="log", title_text="ms", row=1, col=2)
     return figure
 

@@ -23,7 +23,7 @@ from app.handlers.composer import (
     stop_calibration,
 )
 from app.inputs import LenientCheckboxGroup, LenientSlider
-from app.page import Page, message_progress, notice, step_progress
+from app.page import PAIRED_PLOT_MIN_WIDTH, Page, message_progress, notice, step_progress
 from engine import (
     DECISIVE_MARGIN,
     IMAGE_QUESTION,
@@ -34,6 +34,8 @@ from engine import (
 )
 from viz.common import markdown_literal
 
+# A long menu entry ends in … before the dropdown's arrow (it ran under it): the input leaves the arrow its width.
+MENU_CSS = "<style>#remedy input{padding-right:2.25em;text-overflow:ellipsis}</style>"
 KEYSTONE_DEMO = "keystone_safety"  # a scenario whose deciding field lives inside a spliced skill
 GENERIC_QUESTION_LABEL = "none: the skills alone, then a generic yes/no question"
 STUDY_INTRO = (
@@ -63,6 +65,7 @@ def build(page: Page) -> gr.Dropdown:
                 label="Then a scenario: its context, question and answers follow the skills",
                 elem_id="after-scenario",
             )
+        gr.HTML(MENU_CSS, visible="hidden", elem_id="composer-style")
         with gr.Row():
             first = page.registry.default_spec  # the menu follows the loaded model (its own default and numbers)
             remedy = gr.Dropdown(
@@ -80,8 +83,8 @@ def build(page: Page) -> gr.Dropdown:
         calibration_status = gr.Markdown(elem_id="calibration-status")
         compose_metrics = gr.Markdown(elem_id="compose-metrics")
         with gr.Row():
-            logits_plot = gr.Plot(label="Top next tokens: spliced vs recomputed", elem_id="logits-plot")
-            deviation_plot = gr.Plot(label="K/V deviation (layer × token)", elem_id="deviation-plot")
+            logits_plot = gr.Plot(label="Top next tokens: spliced vs recomputed", elem_id="logits-plot", min_width=PAIRED_PLOT_MIN_WIDTH)
+            deviation_plot = gr.Plot(label="K/V deviation (layer × token)", elem_id="deviation-plot", min_width=PAIRED_PLOT_MIN_WIDTH)
         with gr.Row():
             most = page.registry.profile.max_agent_turns
             turns = LenientSlider(1, most, value=min(10, most), step=1, label="Agent turns")

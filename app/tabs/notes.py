@@ -23,7 +23,7 @@ from app.handlers.notes import (
     session_result,
 )
 from app.inputs import LenientCheckboxGroup, LenientSlider
-from app.page import Page, step_progress
+from app.page import PAIRED_PLOT_MIN_WIDTH, Page, step_progress
 from engine import DEFAULT_STRATEGIES, STRATEGIES, bundled_scenarios
 from viz.common import markdown_literal
 from viz.text import strategy_glossary
@@ -125,8 +125,10 @@ class NotesTab:
                     baseline = gr.Markdown(elem_id="baseline")
             cards = gr.HTML(elem_id="strategy-cards")
             with gr.Row():
-                strategy_plot = gr.Plot(label="Margins by strategy", elem_id="strategy-plot")
-                self.frontier_plot = gr.Plot(label="Cost–quality frontier (runs after the edit)", elem_id="frontier-plot")
+                strategy_plot = gr.Plot(label="Margins by strategy", elem_id="strategy-plot", min_width=PAIRED_PLOT_MIN_WIDTH)
+                self.frontier_plot = gr.Plot(
+                    label="Cost–quality frontier (runs after the edit)", elem_id="frontier-plot", min_width=PAIRED_PLOT_MIN_WIDTH
+                )
             notes_text = gr.HTML(label="Context coloured by notes effect", elem_id="notes-text")
             with gr.Row():
                 self.head = LenientSlider(
@@ -136,8 +138,10 @@ class NotesTab:
                     False, label="Notes map: show every context position (default: the field and after)", elem_id="notes-all-positions"
                 )
             with gr.Row():
-                attention_plot = gr.Plot(label="Attention from the decision token", elem_id="attention-plot")
-                notes_plot = gr.Plot(label="Notes map (layer × position)", elem_id="notes-plot")
+                attention_plot = gr.Plot(
+                    label="Attention from the decision token", elem_id="attention-plot", min_width=PAIRED_PLOT_MIN_WIDTH
+                )
+                notes_plot = gr.Plot(label="Notes map (layer × position)", elem_id="notes-plot", min_width=PAIRED_PLOT_MIN_WIDTH)
             with gr.Accordion("Knockout: hide tokens from the decision", open=False):
                 with gr.Row():
                     knockout_positions = gr.Textbox(label="Positions (e.g. 40, 41, 57); empty = top-K notes", elem_id="knockout-positions")

@@ -22,7 +22,7 @@ from app.handlers.your_prompt import (
     run_rewrite,
 )
 from app.inputs import LenientCheckboxGroup, LenientSlider
-from app.page import Page, message_progress, step_progress
+from app.page import PAIRED_PLOT_MIN_WIDTH, Page, message_progress, step_progress
 from app.tabs.notes import NotesInputs
 from engine import DEFAULT_SAMPLE, GRAINS, OBSERVED_ENGINES, REPAIR_SUMMARIES, CacheSettings, bundled_logs
 from viz.common import markdown_literal
@@ -133,8 +133,8 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
         groups_view = gr.Markdown(elem_id="audit-groups")
         recommendation = gr.Markdown(elem_id="audit-recommendation")
         with gr.Row():
-            timeline_plot = gr.Plot(label="Reused fraction per turn", elem_id="audit-timeline")
-            fidelity_plot = gr.Plot(label="Fidelity against cost", elem_id="audit-fidelity")
+            timeline_plot = gr.Plot(label="Reused fraction per turn", elem_id="audit-timeline", min_width=PAIRED_PLOT_MIN_WIDTH)
+            fidelity_plot = gr.Plot(label="Fidelity against cost", elem_id="audit-fidelity", min_width=PAIRED_PLOT_MIN_WIDTH)
         with gr.Row():
             x_axis = gr.Radio([("computed tokens", "computed"), ("TTFT speed-up", "ttft")], value="computed", label="x", elem_id="audit-x")
             y_axis = gr.Radio([("KL divergence", "kl"), ("greedy agreement", "agreement")], value="kl", label="y", elem_id="audit-y")

@@ -104,7 +104,7 @@ def test_keystone_diagonal_places_each_strategy_at_its_two_recoveries(lm, store)
     assert list(points.y) == pytest.approx([report.composed.strategies[n].recovery.value for n in gaps])
     red = [colour == "#d62828" for colour in points.marker.color]
     assert red == [abs(gap) > 0.15 for gap in gaps.values()]
-    assert f"{report.delta_margin:+.2f}" in figure.layout.title.subtitle.text
+    assert f"{report.delta_margin:+.2f}" in figure.layout.title.text.replace("</sup><br><sup>", " ")
     json.loads(figure.to_json())
 
 
@@ -129,7 +129,7 @@ def test_study_figure_puts_each_remedy_at_its_recompute_share_and_agreement():
     assert [m.marker.symbol for m in markers] == ["circle", "circle-open"]
     lines = [trace for trace in figure.data if trace.mode == "lines+markers"]
     assert list(lines[0].x) == [1, 2] and list(lines[0].y) == [0.1, 0.3]
-    assert "best deployable: splice" in figure.layout.title.subtitle.text
+    assert "best deployable: splice" in figure.layout.title.text.replace("</sup><br><sup>", " ")
 
 
 def test_frontiers_figure_draws_each_model_beside_the_other_with_its_own_default_and_goal():

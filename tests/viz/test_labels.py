@@ -51,7 +51,7 @@ def test_titles_wrap_to_fit_and_the_label_is_their_heading():
     assert [len(line) for line in heads.split("<br>")] == [TITLE_CHARS, 99 - TITLE_CHARS - 1]  # 13 words, then 7
     assert all(len(line.removesuffix("</sup>")) <= NOTE_CHARS for line in notes) and len(notes) == 2
     assert figure_label(figure) == heading.strip()
-    assert figure.layout.margin.t == 58 + 24 + 2 * 17 + 12 + 24 + 8  # label, two title lines, two notes, a subplot title row
+    assert figure.layout.margin.t == 58 + 22 + 16 + 22 + 12 + 24 + 8  # label, two title lines, two notes, a subplot title row
     assert figure_label(go.Figure()) == "Figure"
 
 

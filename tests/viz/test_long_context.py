@@ -162,5 +162,5 @@ def test_attribution_of_8k_token_features_shows_the_strongest_forty():
     assert list(bars.x) == pytest.approx(scores[top].tolist())
     assert list(bars.y) == [f"#{i} t{i}&lt;" for i in top]
     assert len(figure.to_json()) < 50_000 and figure.layout.height <= 1400
-    assert f"top 40 of {TOKENS} features" in html.unescape(figure.layout.title.subtitle.text)
+    assert f"top 40 of {TOKENS} features" in html.unescape(figure.layout.title.text.replace("</sup><br><sup>", " "))
     json.loads(figure.to_json())

@@ -45,7 +45,7 @@ def test_notes_share_figure_puts_the_paper_beside_the_models():
     assert [list(trace.y) for trace in figure.data[1:]] == [[0.863], [1.028]] and figure.layout.xaxis.type == "log"
     assert len({trace.marker.symbol for trace in figure.data[1:]}) == 2  # each paper model its own symbol
     assert all(trace.mode == "markers" and trace.cliponaxis is False for trace in figure.data)  # names in the legend, none clipped
-    subtitle = figure.layout.title.subtitle.text
+    subtitle = figure.layout.title.text.replace("</sup><br><sup>", " ")
     assert "<b>" not in subtitle and "undefined for SmolLM2-135M-Instruct" in subtitle
     assert notes_share_figure({"models": []}).layout.annotations
 
