@@ -17,13 +17,15 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from engine.audit.formats import AUTO, RecordError, read_record, text_of
-from engine.cache.loaded import LoadedModel
 from engine.errors import KVScopeError
+
+if TYPE_CHECKING:  # the model is only read here; the token pass's workers need no torch
+    from engine.cache.loaded import LoadedModel
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 RENDER_BATCH = 256  # texts tokenized together (their new lines in one call of the fast tokenizer)
@@ -163,6 +165,14 @@ def read_log(text: str, fmt: str = AUTO) -> RequestLog:
     for request in requests:
         formats[request.format] = formats.get(request.format, 0) + 1
     return RequestLog(tuple(requests), tuple(skipped), formats)
+
+
+def record_requests(item: Any, fmt: str, first_index: int, line: int) -> list[Request]:
+    """The requests one record of a log holds (``item``: the parsed JSON, or its decoding error), numbered from
+    ``first_index``, as ``read_log`` reads them; raises ``RecordError`` (key, reason) for a malformed record."""
+    if isinstance(item, json.JSONDecodeError):
+        raise RecordError("", f"is not JSON: {item.msg} (column {item.colno})")
+    return [_request(request, first_index + number, line) for number, request in enumerate(read_record(item, fmt))]
 
 
 def parse_log(text: str, fmt: str = AUTO) -> list[Request]:
