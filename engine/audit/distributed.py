@@ -7,15 +7,15 @@ and engines' reuse); only where the work runs differs:
   ``workers`` actors, each holding the tokenizer). A first pass counts each shard's requests (read and unwrap only,
   so every request gets its number in the whole log) and names the records skipped. The second reads, unwraps,
   renders and tokenizes each request, hashes its blocks (``caches.block_hashes``) and computes its row twice: as a
-  cold request, and against the previous request of its session in the same shard (``traffic.compared_row``: the
-  diff and the causes, which need the texts).
+  cold request, and against its match among the shard's earlier requests (a radix tree of the shard alone;
+  ``traffic.compared_row``: the diff and the causes, which need the texts).
 - **Stage 2, on the driver**, in log order, over compact records: per request its token ids (int32, for the radix
   tree and the slots), its block hashes (int64) and its two candidate rows. The radix tree matches the request; when
-  the match is none or that previous request (nearly every request of a conversation), the row computed on the worker
-  is the row; otherwise the pair is left for stage 2b. The engines (and any ``fleet``) are fed here. The driver keeps
+  the match is none or the shard's own guess (nearly every request), the row computed on the worker is the row;
+  otherwise the pair is left for stage 2b. The engines (and any ``fleet``) are fed here. The driver keeps
   each request's row, its diff (the changed values only) and where it is in the log, never a text.
-- **Stage 2b, on the driver**: the pairs whose match was another request (a session's first request in a shard, a
-  match in another session; a few percent of a log with shards of thousands of lines): both requests re-read by file
+- **Stage 2b, on the driver**: the pairs whose match was another request (a match in an earlier shard, or one the
+  budget evicted; a few percent of a log with shards of thousands of lines): both requests re-read by file
   and line, rendered, and diffed by the same ``compared_row``. (On the driver, not as Ray tasks: a task process's
   start, importing the tokenizer's library, costs more than these few pairs on a small cluster.)
 - **Stage 3, the model pass** (``traffic.audit_traffic``) runs in the driver's process on the few sampled turns: the
@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.audit.caches import CacheSettings, Engines, block_hashes
+from engine.audit.caches import CacheSettings, Engines, RadixCache, block_hashes
 from engine.audit.fields import TurnDiff
 from engine.audit.fleet import Fleet
 from engine.audit.formats import AUTO
@@ -80,8 +80,8 @@ class TokenRecord:
     ids: np.ndarray  # (tokens,) int32
     hashes: np.ndarray  # (blocks,) int64, chained
     cold: TrafficRequest  # its row without a match
-    previous: int | None  # the previous request of its session in the shard
-    against_previous: tuple[TrafficRequest, TurnDiff | None] | None  # its row and diff against that request
+    guess: int | None  # its match among the shard's earlier requests (a radix tree of the shard)
+    against_guess: tuple[TrafficRequest, TurnDiff | None] | None  # its row and diff against that request
 
 
 @dataclass(frozen=True)
@@ -108,15 +108,16 @@ class _ShardTokenPass:
     def tokens(self, number: int, shard: Shard, first_index: int) -> ShardTokens:
         requests = read_shard(shard, self.fmt, first_index).requests
         rendered = render_batch(self.tokenizer, requests, self.limit, self.model)
-        records, skipped, latest = [], [], {}  # latest: session -> its previous rendered request in this shard
+        records, skipped, local, kept = [], [], RadixCache(), {}  # the shard's own radix tree, its rendered requests
         place = _places(requests)
         for request, item in zip(requests, rendered):
             if isinstance(item, RequestLogError):
                 skipped.append(Skipped(request.line, "rendering", str(item)))
                 continue
-            previous = latest.get(request.session)
+            _, guess = local.match(item.token_ids, request.session)
+            local.insert(item.token_ids, request.index, request.session, len(kept) + 1)
             cold, _ = compared_row(None, item, None, self.block)
-            against = compared_row(previous, item, previous.request.index, self.block) if previous is not None else None
+            against = compared_row(kept[guess], item, guess, self.block) if guess is not None else None
             records.append(
                 TokenRecord(
                     request.index,
@@ -125,11 +126,11 @@ class _ShardTokenPass:
                     item.token_ids,
                     block_hashes(item.token_ids, self.block),
                     cold,
-                    previous.request.index if previous is not None else None,
+                    guess,
                     against,
                 )
             )
-            latest[request.session] = item
+            kept[request.index] = item
         return ShardTokens(number, records, skipped)
 
 
@@ -157,10 +158,13 @@ def read_requests(shards: Sequence[Shard], where: dict[int, tuple[int, int, int]
             for line, items in lines.items():
                 found |= {index: dataclasses.replace(by_line[line][pos], index=index) for index, pos in items}
             continue
+        last = max(lines)
         for line, raw in shard_lines(shard):
             if line in lines:
                 for index, position in lines[line]:
                     found[index] = record_requests(json.loads(raw), fmt, index - position, line)[position]
+            if line == last:
+                break
     return found
 
 
@@ -270,8 +274,8 @@ class _Driver:
             self.where[record.index] = record.where
             if matched is None:
                 row, diff = record.cold, None
-            elif matched == record.previous:
-                row, diff = record.against_previous
+            elif matched == record.guess:
+                row, diff = record.against_guess
             else:
                 self.unmatched[record.index] = (matched, len(self.rows), reused)
                 self.rows.append(record.cold)  # a placeholder until stage 2b

@@ -27,6 +27,7 @@ from engine.audit.requests import Request, RequestLog, RequestLogError, Skipped,
 LOG_SUFFIXES = (".jsonl", ".json", ".gz")
 SHARD_LINES = 2_000  # lines per shard of the distributed token pass
 _BLOCK = 1 << 20  # bytes read at a time while counting lines
+_UNTIL_IT_FAILS = 1 << 62  # the lines of a corrupt file's last shard: read until the error
 
 
 @dataclass(frozen=True)
@@ -67,11 +68,14 @@ def _open(path: str | Path) -> IO[bytes]:
 
 def _is_array(path: Path) -> bool:
     """Whether the file's first non-space character opens a JSON array."""
-    with _open(path) as stream:
-        while chunk := stream.read(4096):
-            stripped = chunk.lstrip()
-            if stripped:
-                return stripped[:1] == b"["
+    try:
+        with _open(path) as stream:
+            while chunk := stream.readline():
+                stripped = chunk.lstrip()
+                if stripped:
+                    return stripped[:1] == b"["
+    except (OSError, EOFError, zlib.error):  # unreadable from its start: read as lines, to be named where it fails
+        return False
     return False
 
 
@@ -84,21 +88,25 @@ def plan_shards(files: Sequence[Path], lines_per_shard: int = SHARD_LINES) -> li
             shards.append(Shard(str(path), 1, 0, None, array=True, named=named))
             continue
         plain = not str(path).endswith(".gz")
-        starts, lines, position, last = [0], 0, 0, b"\n"  # byte offsets of each shard's first line
-        with _open(path) as stream:
-            while block := stream.read(_BLOCK):
-                at = -1
-                while (at := block.find(b"\n", at + 1)) >= 0:
-                    lines += 1
-                    if lines % lines_per_shard == 0:
-                        starts.append(position + at + 1)
-                position += len(block)
-                last = block[-1:]
+        starts, lines, position, last, broken = [0], 0, 0, b"\n", False  # byte offsets of each shard's first line
+        try:
+            with _open(path) as stream:
+                while block := stream.read(_BLOCK):
+                    at = -1
+                    while (at := block.find(b"\n", at + 1)) >= 0:
+                        lines += 1
+                        if lines % lines_per_shard == 0:
+                            starts.append(position + at + 1)
+                    position += len(block)
+                    last = block[-1:]
+        except (OSError, EOFError, zlib.error):  # corrupt or truncated: the last shard reads on until it fails, and says where
+            broken = True
         lines += last != b"\n"  # a last line without its newline
         for number, start in enumerate(starts):
             first = number * lines_per_shard + 1
-            if first <= lines:
-                shards.append(Shard(str(path), first, min(lines_per_shard, lines - first + 1), start if plain else None, named=named))
+            if first <= lines or (broken and number == len(starts) - 1):
+                count = _UNTIL_IT_FAILS if broken and number == len(starts) - 1 else min(lines_per_shard, lines - first + 1)
+                shards.append(Shard(str(path), first, count, start if plain else None, named=named))
     return shards
 
 
@@ -153,8 +161,7 @@ def read_shard(shard: Shard, fmt: str = AUTO, first_index: int = 1) -> ShardRead
             except RecordError as error:
                 skipped.append(_in_file(shard, Skipped(line, error.key, error.reason)))
     except (OSError, EOFError, zlib.error) as error:  # a truncated or corrupt file: the lines read so far stand
-        last = shard.first_line + shard.lines - 1
-        reason = f"cannot be read ({type(error).__name__}: {error}); lines {line + 1}-{last} skipped (in {Path(shard.path).name})"
+        reason = f"cannot be read from here on ({type(error).__name__}: {error}) (in {Path(shard.path).name})"
         skipped.append(Skipped(line + 1, "", reason))
     return ShardRead(requests, skipped)
 
