@@ -38,6 +38,7 @@ from engine import (
     candidate_span,
     candidate_spans,
     find_span,
+    fleet_grid,
     measure_rewrite,
     notes_scenario,
     parse_prompt,
@@ -49,6 +50,7 @@ from engine import (
     scenario_toml,
 )
 from viz import audit as audit_figures
+from viz import fleet as fleet_figures
 from viz import text as panels
 from viz.common import message_figure
 
@@ -81,6 +83,8 @@ class AuditView:
     groups_markdown: str = ""
     sessions_figure: go.Figure | None = None
     engines_figure: go.Figure | None = None
+    fleet_markdown: str = ""  # fleets of replicas behind each router, when replicas were given
+    fleet_figure: go.Figure | None = None
 
 
 def audit_options(profile: HostingProfile, requests: int, repairs: Sequence[str] | None, tokens, threshold, min_agreement, grain) -> dict:
@@ -147,11 +151,13 @@ def run_audit(
     y: str = "kl",
     sample=DEFAULT_SAMPLE,
     engines: CacheSettings = CacheSettings(),
+    replicas: str | None = None,
     progress: MessageProgress | None = None,
 ) -> AuditView:
     """Audit a request log as traffic: the token pass over every request (sessions, matches, causes, the simulated
-    engines), then every repair measured on up to ``sample`` turns of each change signature (malformed records are
-    skipped and named). The measured turns are kept for this session (Open in Notes, export, redrawn axes)."""
+    engines, and fleets of ``replicas``, comma-separated, behind each router), then every repair measured on up to
+    ``sample`` turns of each change signature (malformed records are skipped and named). The measured turns are kept
+    for this session (Open in Notes, export, redrawn axes)."""
     log = read_log(_audit_text(text, "a request log (one JSON request a line)"))
     sample = number(sample, "--sample K", DEFAULT_SAMPLE)
     profile = registry.profile
@@ -171,6 +177,7 @@ def run_audit(
         max_tokens=profile.max_context_tokens,
         scan_progress=_steps(progress, "token pass: requests"),
         progress=_steps(progress, "measured steps"),
+        fleet=fleets(replicas),
         **options,
     )
     data = traffic.as_dict() | {"sample_bound": bound}
@@ -337,7 +344,15 @@ def audit_view(
         groups_markdown=audit_figures.groups_markdown(traffic),
         sessions_figure=audit_figures.session_timeline_figure(traffic),
         engines_figure=audit_figures.engine_reuse_figure(traffic),
+        fleet_markdown=fleet_figures.fleet_markdown(traffic),
+        fleet_figure=fleet_figures.fleet_figure(traffic) if traffic.get("fleet") else None,
     )
+
+
+def fleets(replicas: str | None) -> list[tuple[int, str]]:
+    """The fleets to simulate from the tab's replica counts (empty: none), every router at each (a bad count is
+    refused by name, as the CLI refuses it)."""
+    return fleet_grid(replicas, None) if (replicas or "").strip() else []
 
 
 def _axes(x: str | None, y: str | None) -> tuple[str, str]:

@@ -108,6 +108,9 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
                     budget_blocks = gr.Number(0, precision=0, label="vLLM block budget (0: unbounded)", elem_id="audit-budget-blocks")
                     budget_tokens = gr.Number(0, precision=0, label="SGLang token budget (0: unbounded)", elem_id="audit-budget-tokens")
                     cache_reuse = gr.Number(0, precision=0, label="llama.cpp --cache-reuse N (0: off)", elem_id="audit-cache-reuse")
+                    replicas = gr.Textbox(
+                        "", label="Fleets: replica counts behind each router, e.g. 2,4,8 (empty: one server)", elem_id="audit-replicas"
+                    )
                 audit_button = gr.Button("Audit the log", variant="primary", elem_id="run-audit")
         with gr.Accordion("One prompt: change a value", open=False, elem_id="audit-one-prompt"):
             gr.Markdown(ONE_PROMPT_INTRO)
@@ -123,6 +126,8 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
             sessions_plot = gr.Plot(label="Requests per session", elem_id="audit-sessions", min_width=560)
             engines_plot = gr.Plot(label="Tokens each engine reuses", elem_id="audit-engines", min_width=560)
         groups_view = gr.Markdown(elem_id="audit-groups")
+        fleet_view = gr.Markdown(elem_id="audit-fleet-table")
+        fleet_plot = gr.Plot(label="Hit rate by router and replicas", elem_id="audit-fleet")
         recommendation = gr.Markdown(elem_id="audit-recommendation")
         with gr.Row():
             timeline_plot = gr.Plot(label="Reused fraction per turn", elem_id="audit-timeline")
@@ -171,25 +176,42 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
     measure |= {"x": x_axis, "y": y_axis}
     engines = {"block": block, "budget_blocks": budget_blocks, "budget_tokens": budget_tokens, "cache_reuse": cache_reuse}
     shown = [recommendation, timeline_plot, fidelity_plot, prompt_view, audit_json, open_status]
-    shown += [traffic_view, sessions_plot, engines_plot, groups_view, page.session]
+    shown += [traffic_view, sessions_plot, engines_plot, groups_view, fleet_view, fleet_plot, page.session]
 
     def _shown(view: AuditView, sid: str) -> tuple:
         figures = view.timeline_figure, view.fidelity_figure
         traffic = view.traffic_markdown, view.sessions_figure, view.engines_figure, view.groups_markdown
+        traffic += (view.fleet_markdown, view.fleet_figure)
         return view.recommendation_markdown, *figures, view.prompt_html, view.summary, view.notes_markdown, *traffic, sid
 
     @page.action
-    def on_audit(session, spec, text, block, budget_blocks, budget_tokens, cache_reuse, progress=gr.Progress(), **settings):
+    def on_audit(session, spec, text, block, budget_blocks, budget_tokens, cache_reuse, replicas, progress=gr.Progress(), **settings):
         sid = page.session_id(session)
         simulated = engine_settings(block=block, budget_blocks=budget_blocks, budget_tokens=budget_tokens, cache_reuse=cache_reuse)
         view = run_audit(
-            page.registry, page.sessions, text, session=sid, spec=spec, engines=simulated, progress=message_progress(progress), **settings
+            page.registry,
+            page.sessions,
+            text,
+            session=sid,
+            spec=spec,
+            engines=simulated,
+            replicas=replicas,
+            progress=message_progress(progress),
+            **settings,
         )
         return _shown(view, sid)
 
     audit_button.click(
         on_audit,
-        inputs_kwargs={"session": page.session, "spec": page.spec, "text": log_text, **measure, "sample": sample, **engines},
+        inputs_kwargs={
+            "session": page.session,
+            "spec": page.spec,
+            "text": log_text,
+            **measure,
+            "sample": sample,
+            **engines,
+            "replicas": replicas,
+        },
         outputs=shown,
         api_name="audit",
         **page.model_bound(),
