@@ -4,6 +4,8 @@
 
 in the order A1, B1, B2, A2 (42 tokens). Each engine reuses at most all but the last token; vLLM whole blocks of 4."""
 
+import gzip
+
 import numpy as np
 import pytest
 
@@ -69,3 +71,27 @@ def test_bad_fleets_are_refused_by_name():
     with pytest.raises(FleetError, match="replica counts"):
         fleet_grid("two", None)
     assert fleet_grid("2,4", "prefix") == [(2, "prefix"), (4, "prefix")]
+
+
+def test_the_cli_reads_many_files_and_reports_the_fleets(tmp_path):
+    from tests.engine.test_cli import run_cli
+
+    lines = open("demos/logs/traffic/interleaved_agents.jsonl", encoding="utf-8").read().splitlines()
+    (tmp_path / "a.jsonl").write_text("\n".join(lines[:3]) + "\n", encoding="utf-8")
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt", encoding="utf-8") as stream:
+        stream.write("\n".join(lines[3:]) + "\n")
+    args = ("--model", "tiny-qwen2", "--sample", "0")
+    code, whole = run_cli("audit", "demos/logs/traffic/interleaved_agents.jsonl", *args, "--replicas", "1,2", "--routing", "session,prefix")
+    assert code == 0 and [(f["replicas"], f["routing"]) for f in whole["fleet"]] == [
+        (1, "session"),
+        (1, "prefix"),
+        (2, "session"),
+        (2, "prefix"),
+    ]
+    assert whole["fleet"][0]["reused_tokens"] == whole["engines"]["reused_tokens"]
+    code, shards = run_cli("audit", str(tmp_path), *args)
+    assert code == 0 and "fleet" not in shards
+    assert [row["tokens"] for row in shards["requests"]] == [row["tokens"] for row in whole["requests"]]
+    assert shards["engines"] == whole["engines"]
+    code, error = run_cli("audit", str(tmp_path), *args, "--routing", "prefix")
+    assert code == 2 and "add --replicas" in error["error"]
