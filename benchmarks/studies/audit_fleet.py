@@ -2,7 +2,7 @@
 generated agent log (``audit_scale.synthetic_log``: 50 sessions, a shared system prompt with a clock line), with the
 embedded model's tokenizer, each router at 2, 4 and 8 replicas.
 
-    python -m benchmarks.studies.audit_fleet [--requests 2000] [--replicas 2,4,8] [--out benchmarks/studies/results]
+    python -m benchmarks.studies.audit_fleet [--requests 1000] [--replicas 2,4,8] [--out benchmarks/studies/results]
 
 Writes benchmarks/studies/results/audit_fleet-cpu.json and prints the tables (Markdown, as the tab shows them).
 """
@@ -30,7 +30,7 @@ def fleet_study(text: str, tokenizer, replicas: str) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--requests", type=int, default=2_000)
+    parser.add_argument("--requests", type=int, default=1_000)
     parser.add_argument("--sessions", type=int, default=50)
     parser.add_argument("--replicas", default="2,4,8")
     parser.add_argument("--out", default=str(common.results_dir(__file__)))
