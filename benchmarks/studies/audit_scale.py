@@ -334,6 +334,68 @@ def ray_comparison(size: int, sessions: int, workers: int, tokenizer_dir: Path, 
     }
 
 
+def stage2_memory(size: int, sessions: int, tokenizer_dir: Path, budget_tokens: int = 0) -> dict:
+    """What the Ray pass's driver keeps per request (stage 2: rows, diffs, places, the engines' caches), measured with
+    tracemalloc in one process: stage 1's shards made here (no Ray) and fed to the driver one at a time, as in the run,
+    each shard's records dropped once fed (``budget_tokens``: the SGLang budget, and as many tokens in vLLM blocks)."""
+    import tracemalloc
+
+    from transformers import AutoTokenizer
+
+    from engine.audit.caches import CacheSettings
+    from engine.audit.distributed import _Driver, _ShardTokenPass
+    from engine.audit.shards import plan_shards
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    settings = CacheSettings(budget_tokens=budget_tokens, budget_blocks=budget_tokens // 16) if budget_tokens else CacheSettings()
+    with tempfile.TemporaryDirectory() as folder:
+        log = Path(folder) / "agents.jsonl"
+        log.write_text("\n".join(json.dumps(record) for record in synthetic_log(size, sessions)) + "\n", encoding="utf-8")
+        worker = _ShardTokenPass(tokenizer, "auto", 32_768, "embedded", settings.block)
+        tracemalloc.start()
+        driver, first, tokens = _Driver(settings, ()), 1, 0
+        for number, shard in enumerate(plan_shards([log])):
+            part = worker.tokens(number, shard, first)
+            first += len(part.records)
+            tokens += sum(len(record.ids) for record in part.records)
+            driver.feed(part.records)
+            del part
+        kept, _ = tracemalloc.get_traced_memory()
+        caches = _deep_bytes(driver.engines)
+        tracemalloc.stop()
+    return {
+        "requests": size,
+        "mean_tokens": round(tokens / size),
+        "settings": settings.as_dict(),
+        "driver_bytes_per_request": round(kept / size),
+        "caches_bytes_per_request": round(caches / size),
+    }
+
+
+def _deep_bytes(root: object) -> int:
+    """Bytes of an object graph (each object once): containers, slotted objects, numpy arrays' buffers."""
+    import numpy as np
+
+    seen, stack, total = set(), [root], 0
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        total += sys.getsizeof(item)
+        if isinstance(item, np.ndarray):
+            total += item.nbytes if item.base is None else 0
+        elif isinstance(item, dict):
+            stack += [*item.keys(), *item.values()]
+        elif isinstance(item, list | tuple | set | frozenset):
+            stack += list(item)
+        elif hasattr(item, "__dict__"):
+            stack.append(vars(item))
+        elif hasattr(type(item), "__slots__"):
+            stack += [getattr(item, name) for name in type(item).__slots__ if hasattr(item, name)]
+    return total
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1000,10000")
@@ -344,6 +406,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--worker", nargs=3, metavar=("LOG", "TOKENIZER", "BUDGET"), help=argparse.SUPPRESS)
     parser.add_argument("--ray-compare", type=int, help="instead: one process against --ray local on this many requests")
     parser.add_argument("--workers", type=int, default=2, help="with --ray-compare: the local Ray's CPUs and tokenizer actors")
+    parser.add_argument("--stage2-memory", type=int, help="instead: the Ray driver's bytes per request on this many requests")
     parser.add_argument("--scale-worker", nargs=4, metavar=("MODE", "LOG", "TOKENIZER", "WORKERS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -355,6 +418,13 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer_dir = Path(args.tokenizer) if args.tokenizer else _embedded_tokenizer_dir()
     if args.ray_compare:
         _ray_main(args, tokenizer_dir)
+        return
+    if args.stage2_memory:
+        budgets = [0, args.budget_tokens] if args.budget_tokens else [0]
+        runs = [stage2_memory(args.stage2_memory, args.sessions, tokenizer_dir, budget) for budget in budgets]
+        path = Path(args.out) / "audit_scale_stage2_memory-cpu.json"
+        path.write_text(json.dumps({"benchmark": "audit_scale_stage2_memory", "runs": runs}, indent=2) + "\n", encoding="utf-8")
+        print(path)
         return
     load_before, results = os.getloadavg(), []
     budgets = [0, args.budget_tokens] if args.budget_tokens else [0]

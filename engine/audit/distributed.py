@@ -54,8 +54,8 @@ LOCAL = "local"
 
 
 def start_ray(address: str = LOCAL, workers: int = 2) -> None:
-    """Join the Ray cluster at ``address``, or start a local one of ``workers`` CPUs bound to 127.0.0.1 (no dashboard,
-    no usage statistics)."""
+    """Join the Ray cluster at ``address``, or start a local one of ``workers`` CPUs (no dashboard, no usage
+    statistics, its workers at the driver's priority)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
@@ -65,6 +65,9 @@ def start_ray(address: str = LOCAL, workers: int = 2) -> None:
         raise RequestLogError(f"--workers must be at least 1, got {workers}")
     quiet = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
     if address == LOCAL:
+        # Ray starts its workers at nice 15 (for an interactive driver's sake); here they are the job's work, and on a
+        # loaded machine a niced pool barely runs
+        os.environ.setdefault("RAY_worker_niceness", "0")
         ray.init(num_cpus=workers, _node_ip_address="127.0.0.1", **quiet)
     else:
         ray.init(address=address, **quiet)
