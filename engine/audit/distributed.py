@@ -68,7 +68,7 @@ def start_ray(address: str = LOCAL, workers: int = 2) -> None:
         # Ray starts its workers at nice 15 (for an interactive driver's sake); here they are the job's work, and on a
         # loaded machine a niced pool barely runs
         os.environ.setdefault("RAY_worker_niceness", "0")
-        ray.init(num_cpus=workers, _node_ip_address="127.0.0.1", **quiet)
+        ray.init(num_cpus=workers, **quiet)
     else:
         ray.init(address=address, **quiet)
 
