@@ -65,6 +65,7 @@ Auditing request logs
 ``read_log``               a request log (JSONL or a JSON array, many formats); ``parse_prompt``: one prompt
 ``Request``                one request; ``render_request`` renders it with the model's chat template (``RenderedRequest``)
 ``audit_traffic``          a log as traffic: the token pass, then every repair on a sample (``DEFAULT_SAMPLE``)
+``fleet_grid``             the fleets (replicas, routing) a log is also simulated on, behind each router
 ``bounded_sample``         the largest sample whose measured turns fit a host's bound
 ``audit_value``            one prompt with one value changed (``candidate_spans``, ``candidate_menu``,
                            ``candidate_span``, ``find_span``: where)
@@ -200,6 +201,7 @@ _PUBLIC = {
     "find_span": "engine.audit.spans",
     "fit_observed": "engine.audit.observed",
     "first_field_values": "engine.compose.study",
+    "fleet_grid": "engine.audit.fleet",
     "fraction": "engine.progress",
     "is_offline_alias": "engine.models",
     "keystone": "engine.compose.keystone",
@@ -322,6 +324,7 @@ __all__ = [
     "find_span",
     "first_field_values",
     "fit_observed",
+    "fleet_grid",
     "fraction",
     "is_offline_alias",
     "keystone",
@@ -364,6 +367,7 @@ if TYPE_CHECKING:
     from engine.audit.audit import AuditReport, MeasureSettings, audit_value, repaired_template, scenario_toml
     from engine.audit.caches import CacheSettings
     from engine.audit.fields import candidate_spans
+    from engine.audit.fleet import fleet_grid
     from engine.audit.gate import rewrite_markdown
     from engine.audit.notes import NotesScenario, notes_scenario
     from engine.audit.repairs import GRAINS, REPAIR_SUMMARIES, REPAIRS

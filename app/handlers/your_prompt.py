@@ -39,6 +39,7 @@ from engine import (
     candidate_span,
     candidate_spans,
     find_span,
+    fleet_grid,
     measure_rewrite,
     notes_scenario,
     parse_prompt,
@@ -50,6 +51,7 @@ from engine import (
     scenario_toml,
 )
 from viz import audit as audit_figures
+from viz import fleet as fleet_figures
 from viz import text as panels
 from viz.common import message_figure
 
@@ -82,6 +84,8 @@ class AuditView:
     groups_markdown: str = ""
     sessions_figure: go.Figure | None = None
     engines_figure: go.Figure | None = None
+    fleet_markdown: str = ""  # fleets of replicas behind each router, when replicas were given
+    fleet_figure: go.Figure | None = None
 
 
 def audit_options(profile: HostingProfile, requests: int, repairs: Sequence[str] | None, tokens, threshold, min_agreement, grain) -> dict:
@@ -149,12 +153,13 @@ def run_audit(
     sample=DEFAULT_SAMPLE,
     engines: CacheSettings = CacheSettings(),
     observed_engine: str = "vllm",
+    replicas: str | None = None,
     progress: MessageProgress | None = None,
 ) -> AuditView:
     """Audit a request log as traffic: the token pass over every request (sessions, matches, causes, the simulated
-    engines, and the observed cached counts against ``observed_engine``), then every repair measured on up to ``sample``
-    turns of each change signature (malformed records are skipped and named). The measured turns are kept for this
-    session (Open in Notes, export, redrawn axes)."""
+    engines, the observed cached counts against ``observed_engine``, and fleets of ``replicas``, comma-separated,
+    behind each router), then every repair measured on up to ``sample`` turns of each change signature (malformed
+    records are skipped and named). The measured turns are kept for this session (Open in Notes, export, redrawn axes)."""
     if observed_engine not in OBSERVED_ENGINES:
         raise AppError(f"observed counts are compared with one of {', '.join(OBSERVED_ENGINES)}, got {observed_engine!r}")
     log = read_log(_audit_text(text, "a request log (one JSON request a line)"))
@@ -177,6 +182,7 @@ def run_audit(
         max_tokens=profile.max_context_tokens,
         scan_progress=_steps(progress, "token pass: requests"),
         progress=_steps(progress, "measured steps"),
+        fleet=fleets(replicas),
         **options,
     )
     data = traffic.as_dict() | {"sample_bound": bound}
@@ -343,7 +349,15 @@ def audit_view(
         groups_markdown=audit_figures.groups_markdown(traffic),
         sessions_figure=audit_figures.session_timeline_figure(traffic),
         engines_figure=audit_figures.engine_reuse_figure(traffic),
+        fleet_markdown=fleet_figures.fleet_markdown(traffic),
+        fleet_figure=fleet_figures.fleet_figure(traffic) if traffic.get("fleet") else None,
     )
+
+
+def fleets(replicas: str | None) -> list[tuple[int, str]]:
+    """The fleets to simulate from the tab's replica counts (empty: none), every router at each (a bad count is
+    refused by name, as the CLI refuses it)."""
+    return fleet_grid(replicas, None) if (replicas or "").strip() else []
 
 
 def _axes(x: str | None, y: str | None) -> tuple[str, str]:

@@ -116,6 +116,9 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
                         label="the engine the log's observed cached tokens are compared with",
                         elem_id="audit-observed-engine",
                     )
+                    replicas = gr.Textbox(
+                        "", label="Fleets: replica counts behind each router, e.g. 2,4,8 (empty: one server)", elem_id="audit-replicas"
+                    )
                 audit_button = gr.Button("Audit the log", variant="primary", elem_id="run-audit")
         with gr.Accordion("One prompt: change a value", open=False, elem_id="audit-one-prompt"):
             gr.Markdown(ONE_PROMPT_INTRO)
@@ -131,6 +134,8 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
             sessions_plot = gr.Plot(label="Requests per session", elem_id="audit-sessions", min_width=560)
             engines_plot = gr.Plot(label="Tokens each engine reuses", elem_id="audit-engines", min_width=560)
         groups_view = gr.Markdown(elem_id="audit-groups")
+        fleet_view = gr.Markdown(elem_id="audit-fleet-table")
+        fleet_plot = gr.Plot(label="Hit rate by router and replicas", elem_id="audit-fleet")
         recommendation = gr.Markdown(elem_id="audit-recommendation")
         with gr.Row():
             timeline_plot = gr.Plot(label="Reused fraction per turn", elem_id="audit-timeline", min_width=PAIRED_PLOT_MIN_WIDTH)
@@ -179,19 +184,28 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
     measure |= {"x": x_axis, "y": y_axis}
     engines = {"block": block, "budget_blocks": budget_blocks, "budget_tokens": budget_tokens, "cache_reuse": cache_reuse}
     shown = [recommendation, timeline_plot, fidelity_plot, prompt_view, audit_json, open_status]
-    shown += [traffic_view, sessions_plot, engines_plot, groups_view, page.session]
+    shown += [traffic_view, sessions_plot, engines_plot, groups_view, fleet_view, fleet_plot, page.session]
 
     def _shown(view: AuditView, sid: str) -> tuple:
         figures = view.timeline_figure, view.fidelity_figure
         traffic = view.traffic_markdown, view.sessions_figure, view.engines_figure, view.groups_markdown
+        traffic += (view.fleet_markdown, view.fleet_figure)
         return view.recommendation_markdown, *figures, view.prompt_html, view.summary, view.notes_markdown, *traffic, sid
 
     @page.action
-    def on_audit(session, spec, text, block, budget_blocks, budget_tokens, cache_reuse, progress=gr.Progress(), **settings):
+    def on_audit(session, spec, text, block, budget_blocks, budget_tokens, cache_reuse, replicas, progress=gr.Progress(), **settings):
         sid = page.session_id(session)
         simulated = engine_settings(block=block, budget_blocks=budget_blocks, budget_tokens=budget_tokens, cache_reuse=cache_reuse)
         view = run_audit(
-            page.registry, page.sessions, text, session=sid, spec=spec, engines=simulated, progress=message_progress(progress), **settings
+            page.registry,
+            page.sessions,
+            text,
+            session=sid,
+            spec=spec,
+            engines=simulated,
+            replicas=replicas,
+            progress=message_progress(progress),
+            **settings,
         )
         return _shown(view, sid)
 
@@ -205,6 +219,7 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
             "sample": sample,
             **engines,
             "observed_engine": observed_engine,
+            "replicas": replicas,
         },
         outputs=shown,
         api_name="audit",

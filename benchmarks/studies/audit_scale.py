@@ -376,6 +376,162 @@ def _pass(log: Path, tokenizer_dir: Path, folder: Path, budget_tokens: int) -> d
     return {"kvscope_token_pass": kvscope, "kvlint_analyze": kvlint}
 
 
+RAY_NOTES = {
+    "baseline": "one process with the tokenizer's own parallelism on (TOKENIZERS_PARALLELISM=true; the fast tokenizer "
+    "encodes each batch of new lines with its Rust thread pool): read_logs + scan_log",
+    "ray": "ray_scan on a local Ray (num_cpus = workers, that many tokenizer actors), the driver in the same process; "
+    "seconds include the log's sharding and both Ray Data passes, not ray.init (reported apart)",
+    "peak_rss": "the driver's peak RSS (stage 2's records, rows and caches) and the single process's; the Ray workers' "
+    "memory is their own (not counted)",
+}
+
+
+def _scale_worker(mode: str, log: str, tokenizer_dir: str, workers: int) -> None:
+    """One token pass of the Ray comparison in this process (``mode``: single or ray): its seconds, peak RSS, the RSS
+    before the pass, and its totals (to check that both gave the same) as JSON on stdout."""
+    from transformers import AutoTokenizer
+
+    from engine.audit.shards import read_logs
+    from engine.audit.traffic import scan_log
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    started = 0.0
+    if mode == "ray":
+        from engine.audit.distributed import ray_scan, start_ray
+
+        begin = time.perf_counter()
+        start_ray("local", workers)
+        started = time.perf_counter() - begin
+    before = _rss_mb()
+    start = time.perf_counter()
+    scan = ray_scan(tokenizer, [log], workers=workers) if mode == "ray" else scan_log(tokenizer, read_logs([log]))
+    seconds = time.perf_counter() - start
+    print(
+        json.dumps(
+            {
+                "seconds": round(seconds, 2),
+                "ray_init_seconds": round(started, 2),
+                "rss_before_mb": round(before, 1),
+                "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                "requests": len(scan.requests),
+                "totals": scan.totals(),
+                "causes": scan.cause_counts(),
+                "groups": len(scan.groups()),
+            }
+        )
+    )
+
+
+def _rss_mb() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def ray_comparison(size: int, sessions: int, workers: int, tokenizer_dir: Path, folder: Path) -> dict:
+    """One process (the tokenizer's own parallelism on) against ``--ray local --workers N`` on one generated log of
+    ``size`` requests, one after the other in this run: seconds, speedup, peak RSS, and whether they agree."""
+    log = folder / f"agents-{size}.jsonl"
+    with log.open("w", encoding="utf-8") as stream:
+        for record in synthetic_log(size, sessions):
+            stream.write(json.dumps(record) + "\n")
+    runs = {}
+    for mode in ("single", "ray"):
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "true", "RAY_USAGE_STATS_ENABLED": "0"}
+        command = [
+            sys.executable,
+            "-m",
+            "benchmarks.studies.audit_scale",
+            "--scale-worker",
+            mode,
+            str(log),
+            str(tokenizer_dir),
+            str(workers),
+        ]
+        load = os.getloadavg()
+        done = subprocess.run(command, capture_output=True, text=True, env=env)
+        if done.returncode != 0:
+            raise SystemExit(f"the {mode} pass failed: {done.stderr[-3000:]}")
+        runs[mode] = json.loads(done.stdout.strip().splitlines()[-1]) | {"load_average_before": [round(x, 2) for x in load]}
+        print(f"{size:,} requests, {mode}: {runs[mode]['seconds']} s, peak {runs[mode]['peak_rss_mb']} MB", file=sys.stderr)
+    single, ray = runs["single"], runs["ray"]
+    stage2 = ray["peak_rss_mb"] - ray["rss_before_mb"]
+    return {
+        "requests": size,
+        "sessions": sessions,
+        "workers": workers,
+        "log_bytes": log.stat().st_size,
+        "single_process": single,
+        "ray": ray,
+        "speedup": round(single["seconds"] / ray["seconds"], 2),
+        "same_totals_and_causes": single["totals"] == ray["totals"] and single["causes"] == ray["causes"],
+        "driver_bytes_per_request": round(stage2 * 2**20 / size),
+        "single_process_bytes_per_request": round((single["peak_rss_mb"] - single["rss_before_mb"]) * 2**20 / size),
+    }
+
+
+def stage2_memory(size: int, sessions: int, tokenizer_dir: Path, budget_tokens: int = 0) -> dict:
+    """What the Ray pass's driver keeps per request (stage 2: rows, diffs, places, the engines' caches), measured with
+    tracemalloc in one process: stage 1's shards made here (no Ray) and fed to the driver one at a time, as in the run,
+    each shard's records dropped once fed (``budget_tokens``: the SGLang budget, and as many tokens in vLLM blocks)."""
+    import tracemalloc
+
+    from transformers import AutoTokenizer
+
+    from engine.audit.caches import CacheSettings
+    from engine.audit.distributed import _Driver, _ShardTokenPass
+    from engine.audit.shards import plan_shards
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    settings = CacheSettings(budget_tokens=budget_tokens, budget_blocks=budget_tokens // 16) if budget_tokens else CacheSettings()
+    with tempfile.TemporaryDirectory() as folder:
+        log = Path(folder) / "agents.jsonl"
+        log.write_text("\n".join(json.dumps(record) for record in synthetic_log(size, sessions)) + "\n", encoding="utf-8")
+        worker = _ShardTokenPass(tokenizer, "auto", 32_768, "embedded", settings.block)
+        tracemalloc.start()
+        driver, first, tokens = _Driver(settings, ()), 1, 0
+        for number, shard in enumerate(plan_shards([log])):
+            part = worker.tokens(number, shard, first)
+            first += len(part.records)
+            tokens += sum(len(record.ids) for record in part.records)
+            driver.feed(part.records)
+            del part
+        kept, _ = tracemalloc.get_traced_memory()
+        caches = _deep_bytes(driver.engines)
+        tracemalloc.stop()
+    return {
+        "requests": size,
+        "mean_tokens": round(tokens / size),
+        "settings": settings.as_dict(),
+        "driver_bytes_per_request": round(kept / size),
+        "caches_bytes_per_request": round(caches / size),
+    }
+
+
+def _deep_bytes(root: object) -> int:
+    """Bytes of an object graph (each object once): containers, slotted objects, numpy arrays' buffers."""
+    import numpy as np
+
+    seen, stack, total = set(), [root], 0
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        total += sys.getsizeof(item)
+        if isinstance(item, np.ndarray):
+            total += item.nbytes if item.base is None else 0
+        elif isinstance(item, dict):
+            stack += [*item.keys(), *item.values()]
+        elif isinstance(item, list | tuple | set | frozenset):
+            stack += list(item)
+        elif hasattr(item, "__dict__"):
+            stack.append(vars(item))
+        elif hasattr(type(item), "__slots__"):
+            stack += [getattr(item, name) for name in type(item).__slots__ if hasattr(item, name)]
+    return total
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1000,10000")
@@ -385,11 +541,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget-tokens", type=int, default=2_500, help="also run with this KV budget (0: skip)")
     parser.add_argument("--export-repeats", type=int, default=3, help="token passes per format on the 10,000-request exports (0: skip)")
     parser.add_argument("--worker", nargs=3, metavar=("LOG", "TOKENIZER", "BUDGET"), help=argparse.SUPPRESS)
+    parser.add_argument("--ray-compare", type=int, help="instead: one process against --ray local on this many requests")
+    parser.add_argument("--workers", type=int, default=2, help="with --ray-compare: the local Ray's CPUs and tokenizer actors")
+    parser.add_argument("--stage2-memory", type=int, help="instead: the Ray driver's bytes per request on this many requests")
+    parser.add_argument("--scale-worker", nargs=4, metavar=("MODE", "LOG", "TOKENIZER", "WORKERS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         _worker(args.worker[0], args.worker[1], int(args.worker[2]))
         return
+    if args.scale_worker:
+        _scale_worker(args.scale_worker[0], args.scale_worker[1], args.scale_worker[2], int(args.scale_worker[3]))
+        return
     tokenizer_dir = Path(args.tokenizer) if args.tokenizer else _embedded_tokenizer_dir()
+    if args.ray_compare:
+        _ray_main(args, tokenizer_dir)
+        return
+    if args.stage2_memory:
+        budgets = [0, args.budget_tokens] if args.budget_tokens else [0]
+        runs = [stage2_memory(args.stage2_memory, args.sessions, tokenizer_dir, budget) for budget in budgets]
+        path = Path(args.out) / "audit_scale_stage2_memory-cpu.json"
+        path.write_text(json.dumps({"benchmark": "audit_scale_stage2_memory", "runs": runs}, indent=2) + "\n", encoding="utf-8")
+        print(path)
+        return
     load_before, results = os.getloadavg(), []
     budgets = [0, args.budget_tokens] if args.budget_tokens else [0]
     with tempfile.TemporaryDirectory() as folder:
@@ -415,6 +588,26 @@ def main(argv: list[str] | None = None) -> None:
         "exports": exports,
     }
     path = Path(args.out) / "audit_scale-cpu.json"
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    print(path)
+
+
+def _ray_main(args: argparse.Namespace, tokenizer_dir: Path) -> None:
+    """Writes benchmarks/studies/results/audit_scale_ray-cpu.json."""
+    load_before = os.getloadavg()
+    with tempfile.TemporaryDirectory() as folder:
+        result = ray_comparison(args.ray_compare, args.sessions, args.workers, tokenizer_dir, Path(folder))
+    data = {
+        "benchmark": "audit_scale_ray",
+        "tokenizer": tokenizer_dir.name,
+        "cpu": cpu_info(),
+        "cpus": os.cpu_count(),
+        "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
+        "goal": "--ray local --workers 2 at least 1.5x faster than one process on a 2-core machine, the same totals",
+        "notes": RAY_NOTES,
+        "result": result,
+    }
+    path = Path(args.out) / "audit_scale_ray-cpu.json"
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     print(path)
 

@@ -19,9 +19,11 @@ preferring the same session's latest request among equally long prefixes.
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import itertools
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,7 +108,7 @@ class RadixCache:
             token = int(ids[depth])
             child = node.children.get(token)
             if child is None:
-                node = _Node(ids[depth:], node)
+                node = _Node(np.array(ids[depth:], dtype=np.int32), node)  # a copy: the tree holds new tokens only
                 node.parent.children[token] = node
                 self.tokens += len(node.key)
                 self._touch(node, request, session, time)
@@ -165,15 +167,17 @@ class BlockCache:
         self.evicted: list[tuple[int, int]] = []  # (request that last used it, block number in that request)
         self._position: dict[int, int] = {}
 
-    def insert(self, ids: np.ndarray, request: int) -> int:
+    def insert(self, ids: np.ndarray, request: int, hashes: Sequence[int] | None = None) -> int:
         """Cache ``ids``'s whole blocks for ``request``; returns the tokens reused (leading blocks already held,
-        within the tokens before the last), then evicts down to the budget."""
-        hashes, parent = [], 0
+        within the tokens before the last), then evicts down to the budget. ``hashes``: the blocks' chained hashes
+        where they were computed elsewhere (``block_hashes``, on the token pass's workers)."""
         data = np.ascontiguousarray(ids, dtype=np.int32)
-        for start in range(0, len(data) // self.block * self.block, self.block):
-            parent = hash((parent, data[start : start + self.block].tobytes()))
-            hashes.append(parent)
-        return self.insert_keys(hashes, len(data), request)
+        if hashes is None:
+            hashes, parent = [], 0
+            for start in range(0, len(data) // self.block * self.block, self.block):
+                parent = hash((parent, data[start : start + self.block].tobytes()))
+                hashes.append(parent)
+        return self.insert_keys(list(hashes), len(data), request)
 
     def insert_keys(self, hashes: list[int], tokens: int, request: int) -> int:
         """``insert`` from the request's block keys (one per whole block, each naming the block and every block before
@@ -230,3 +234,31 @@ def _shifted_chunks(cached: np.ndarray, ids: np.ndarray, start: int, minimum: in
         else:
             head_c += 1
     return reused
+
+
+def block_hashes(ids: np.ndarray, block: int) -> np.ndarray:
+    """The chained hashes of ``ids``'s whole blocks (each of its tokens and the hash before it), the same in every
+    process (BLAKE2b, 8 bytes; Python's ``hash`` of bytes is salted per process): what the token pass's workers send."""
+    data = np.ascontiguousarray(ids, dtype=np.int32)
+    out, parent = np.zeros(len(data) // block, dtype=np.int64), b""
+    for number in range(len(out)):
+        parent = hashlib.blake2b(parent + data[number * block : (number + 1) * block].tobytes(), digest_size=8).digest()
+        out[number] = int.from_bytes(parent, "little", signed=True)
+    return out
+
+
+class Engines:
+    """The three simulated engines side by side, fed one request at a time: one serving replica's caches."""
+
+    def __init__(self, settings: CacheSettings):
+        self.radix = RadixCache(settings.budget_tokens)
+        self.blocks = BlockCache(settings.block, settings.budget_blocks)
+        self.slots = SlotCache(settings.slots, settings.cache_reuse)
+
+    def insert(self, ids: np.ndarray, request: int, session: str | None, time: int, hashes: Sequence[int] | None = None) -> dict[str, int]:
+        """Each engine caches ``ids``; the tokens each reused (``ENGINES`` order)."""
+        return {
+            "vllm": self.blocks.insert(ids, request, hashes),
+            "sglang": self.radix.insert(ids, request, session, time),
+            "llama_cpp": self.slots.insert(ids, session),
+        }

@@ -22,14 +22,16 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from engine.audit.formats import AUTO, RecordError, read_record, text_of
 from engine.audit.sources import read_any
-from engine.cache.loaded import LoadedModel
 from engine.errors import KVScopeError
+
+if TYPE_CHECKING:  # the model is only read here; the token pass's workers need no torch
+    from engine.cache.loaded import LoadedModel
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 RENDER_BATCH = 256  # texts tokenized together (their new lines in one call of the fast tokenizer)
@@ -201,9 +203,6 @@ def read_log(text: str, fmt: str = AUTO) -> RequestLog:
         skipped += [Skipped(line, error.key, error.reason) for error in part.skipped]
         sessions |= part.sessions
         read += [(line, request) for request in part.requests]
-    order = "timestamps" if read and all(request.get("timestamp") is not None for _, request in read) else "log"
-    if order == "timestamps":
-        read.sort(key=lambda pair: pair[1]["timestamp"])  # stable: the log's order breaks ties
     requests: list[Request] = []
     flagged: list[Flagged] = []
     for line, item in read:
@@ -216,11 +215,41 @@ def read_log(text: str, fmt: str = AUTO) -> RequestLog:
             continue
         requests.append(request)
         flagged += [Flagged(request.index, line, key, reason) for key, reason in item.get("flags", ())]
+    requests, order, renumbered = time_ordered(requests)
+    flagged = [dataclasses.replace(item, request=renumbered[item.request]) for item in flagged]
     formats: dict[str, int] = {}
     for request in requests:
         formats[request.format] = formats.get(request.format, 0) + 1
     skipped.sort(key=lambda item: item.line)
     return RequestLog(tuple(requests), tuple(skipped), formats, order, tuple(flagged))
+
+
+def time_ordered(requests: Sequence[Request]) -> tuple[list[Request], str, dict[int, int]]:
+    """The requests in the order a report uses (``ORDERS``): by their own timestamps where every request has one
+    (stable: the log's order breaks ties), else as logged; renumbered 1.. in that order, with old index -> new."""
+    order = "timestamps" if requests and all(request.timestamp is not None for request in requests) else "log"
+    ordered = sorted(requests, key=lambda request: request.timestamp) if order == "timestamps" else list(requests)
+    renumbered = {request.index: number for number, request in enumerate(ordered, 1)}
+    return [dataclasses.replace(request, index=renumbered[request.index]) for request in ordered], order, renumbered
+
+
+def record_requests(item: Any, fmt: str, first_index: int, line: int) -> tuple[list[Request], list[Skipped]]:
+    """The requests one record of a log holds (``item``: the parsed JSON, or its decoding error), numbered from
+    ``first_index`` in the record's order, as ``read_log`` reads them (exports too, each record on its own), and the
+    parts of it skipped; raises ``RecordError`` (key, reason) for a malformed record."""
+    if isinstance(item, json.JSONDecodeError):
+        raise RecordError("", f"is not JSON: {item.msg} (column {item.colno})")
+    part = read_any(item, fmt)
+    skipped = [Skipped(line, error.key, error.reason) for error in part.skipped]
+    requests = []
+    for request in part.requests:
+        if request.get("trace") is not None:  # a Langfuse observation read alone: its trace is its session
+            request = {**request, "session": request.get("session") or request["trace"]}
+        try:
+            requests.append(_request(request, first_index + len(requests), line))
+        except RecordError as error:
+            skipped.append(Skipped(line, error.key, error.reason))
+    return requests, skipped
 
 
 def parse_log(text: str, fmt: str = AUTO) -> list[Request]:

@@ -11,14 +11,15 @@ a clean prefill (``measure_turn``, as the per-turn audit does), so the model's c
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.audit.audit import AuditReport, AuditTurn, MeasureSettings, check_repairs, measure_turn
-from engine.audit.caches import ENGINES, BlockCache, CacheSettings, RadixCache, SlotCache
+from engine.audit.caches import ENGINES, CacheSettings, Engines
 from engine.audit.causes import Cause, another_prompt, causes_of
 from engine.audit.fields import TurnDiff, common_prefix, compare_requests
+from engine.audit.fleet import Fleet, FleetResult
 from engine.audit.observed import hosted_summary, observe, observed_summary
 from engine.audit.repairs import REPAIRS, Turn
 from engine.audit.requests import RenderedRequest, RequestLog, RequestLogError, Skipped, render_batch
@@ -94,6 +95,7 @@ class TrafficScan:
     diffs: dict[int, TurnDiff] = field(repr=False)
     observed_engine: str = "vllm"  # the engine the observed counts are compared with
     reading: dict = field(default_factory=dict)  # how the log was read: RequestLog.reading()
+    fleet: tuple[FleetResult, ...] = ()  # the fleets simulated (``fleet.Fleet``), when asked for
 
     def sessions(self) -> list[SessionSummary]:
         """Per session (in order of first appearance): requests, tokens and reuse per engine."""
@@ -144,10 +146,11 @@ def scan_log(
     model: str = "this model",
     progress: StepProgress = None,
     observed_engine: str = "vllm",
+    fleet: Sequence[tuple[int, str]] = (),
 ) -> TrafficScan:
     """The token pass: render, match, diff, causes and every simulated engine, over every request of ``log``
     (a request that cannot be rendered is skipped by name); then the observed counts against ``observed_engine``
-    and the hosted providers' caches (``observed.observe``)."""
+    and the hosted providers' caches (``observed.observe``); ``fleet``: (replicas, routing) fleets also simulated."""
     rendered = render_batch(tokenizer, log.requests, limit, model)
     skipped = list(log.skipped)
     good = []
@@ -156,30 +159,22 @@ def scan_log(
             skipped.append(Skipped(request.line, "rendering", str(item)))
         else:
             good.append(item)
-    radix, blocks, slots = (
-        RadixCache(settings.budget_tokens),
-        BlockCache(settings.block, settings.budget_blocks),
-        SlotCache(settings.slots, settings.cache_reuse),
-    )
+    engines = Engines(settings)
+    fleets = [Fleet(replicas, routing, settings) for replicas, routing in fleet]
     kept: dict[int, RenderedRequest] = {}
     diffs: dict[int, TurnDiff] = {}
     rows = []
     every = max(len(good) // _PROGRESS_STEPS, 1)
     for time, new in enumerate(good, 1):
         request, ids = new.request, new.token_ids
-        _, matched = radix.match(ids, request.session)
-        old = kept.get(matched)
-        shared, diff = _compared(old, new, settings.block)
-        causes = causes_of(old, new, diff, settings.block)
-        reused = {
-            "vllm": blocks.insert(ids, request.index),
-            "sglang": radix.insert(ids, request.index, request.session, time),
-            "llama_cpp": slots.insert(ids, request.session),
-        }
+        _, matched = engines.radix.match(ids, request.session)
+        row, diff = compared_row(kept.get(matched), new, matched, settings.block)
+        for simulated in fleets:
+            simulated.insert(ids, request.index, request.session)
         kept[request.index] = new
         if diff is not None:
             diffs[request.index] = diff
-        rows.append(_row(new, matched if shared else None, shared, diff, causes, reused))
+        rows.append(dataclasses.replace(row, reused_tokens=engines.insert(ids, request.index, request.session, time)))
         if progress and (time % every == 0 or time == len(good)):
             progress(time, len(good))
     seen = observe(rows, good, observed_engine, settings.block, model)
@@ -189,9 +184,28 @@ def scan_log(
         )
         for row, o in zip(rows, seen)
     ]
+    fleet_results = tuple(simulated.result() for simulated in fleets)
     return TrafficScan(
-        tuple(rows), tuple(skipped), dict(log.formats), settings, kept, diffs, observed_engine=observed_engine, reading=log.reading()
+        tuple(rows),
+        tuple(skipped),
+        dict(log.formats),
+        settings,
+        kept,
+        diffs,
+        observed_engine=observed_engine,
+        reading=log.reading(),
+        fleet=fleet_results,
     )
+
+
+def compared_row(
+    old: RenderedRequest | None, new: RenderedRequest, matched: int | None, block: int
+) -> tuple[TrafficRequest, TurnDiff | None]:
+    """``new``'s row against ``old``, the request ``matched`` it was matched with (None: no match), with its reuse
+    left empty (the engines fill it), and their diff: one function for the single-process and the distributed pass."""
+    shared, diff = _compared(old, new, block)
+    causes = causes_of(old, new, diff, block)
+    return _row(new, matched if shared else None, shared, diff, causes, {}), diff
 
 
 def _compared(old: RenderedRequest | None, new: RenderedRequest, block: int) -> tuple[int, TurnDiff | None]:
@@ -372,7 +386,7 @@ class TrafficReport:
             "grain": self.measure.grain,
             "groups": [group.as_dict(self.turns) for group in self.groups],
             "turns": [turn.as_dict() for turn in self.measured_report().turns],
-        }
+        } | ({"fleet": [result.as_dict() for result in scan.fleet]} if scan.fleet else {})
 
     def measured_report(self) -> AuditReport:
         """The cold prefills and the measured turns, in request order, in the per-turn audit's shape (what the tab's
@@ -412,9 +426,12 @@ def audit_traffic(
     scan_progress: StepProgress = None,
     progress: StepProgress = None,
     observed_engine: str = "vllm",
+    fleet: Sequence[tuple[int, str]] = (),
+    token_pass: Callable[[int], TrafficScan] | None = None,
 ) -> TrafficReport:
     """The token pass over the whole log, then up to ``sample`` turns of each change signature measured with every
-    repair (``scan_progress``: requests of the token pass; ``progress``: the measured steps)."""
+    repair (``scan_progress``: requests of the token pass; ``progress``: the measured steps; ``fleet``: the fleets
+    simulated beside; ``token_pass``: another token pass, given the context limit, e.g. ``distributed.ray_scan``)."""
     if sample < 0:
         raise RequestLogError(f"--sample is the turns measured per group, at least 0, got {sample}")
     defaults = MeasureSettings(check_repairs(repairs))
@@ -429,7 +446,19 @@ def audit_traffic(
     if measure.tokens < 1:
         raise RequestLogError(f"generate at least one token per state, got {measure.tokens}")
     limit = max_tokens or int(lm.info().get("max_positions") or 32_768)
-    scan = scan_log(lm.tokenizer, log, settings, limit=limit, model=lm.name, progress=scan_progress, observed_engine=observed_engine)
+    if token_pass is not None:
+        scan = token_pass(limit)
+    else:
+        scan = scan_log(
+            lm.tokenizer,
+            log,
+            settings,
+            limit=limit,
+            model=lm.name,
+            progress=scan_progress,
+            observed_engine=observed_engine,
+            fleet=fleet,
+        )
     if not scan.requests:
         raise RequestLogError(f"no request of the log could be read: {len(scan.skipped)} skipped, the first: {scan.skipped[0].message}")
     groups = sample_groups(scan, sample)

@@ -18,13 +18,14 @@ from engine.audit.sources import SOURCES
 from engine.audit.spans import find_span
 from engine.audit.traffic import DEFAULT_SAMPLE, audit_traffic
 from engine.cli.common import Group, Handler, arg, load, log, names, progress, read_text
+from engine.cli.scale import SCALE, fleet_of, one_text, read_request_log, token_pass
 
 
 def cmd_audit(args: argparse.Namespace) -> dict:
     """Audit a request log (or one prompt with --find/--new): a token pass over every request (sessions, matches, causes,
     simulated vLLM / SGLang / llama.cpp reuse), then every repair's cost and fidelity on --sample turns per change;
     with --rewritten / --template, the rewrite's reuse and output against the original's; --fail-on gates on it."""
-    text = read_text(args.log)
+    text = read_text(args.log[0]) if one_text(args) else None
     conditions = parse_conditions(args.fail_on)
     if args.rewritten and args.template:
         raise RequestLogError("--rewritten and --template are two rewrites: measure one at a time")
@@ -42,15 +43,16 @@ def cmd_audit(args: argparse.Namespace) -> dict:
     lm = load(args)
     if args.new is None:
         settings = CacheSettings(args.block_size, args.kv_budget_blocks, args.kv_budget_tokens, args.slots, args.cache_reuse)
-        request_log = read_log(text, args.format)
+        request_log = read_request_log(args)
         if args.fit_observed and all(request.observed_cached_tokens is None for request in request_log.requests):
             raise RequestLogError(NO_OBSERVED_COUNTS)  # before the model measures anything
         for skipped in request_log.skipped:
             log(f"skipped {skipped.message}")
         steps = {"scan_progress": progress("token pass: requests"), "progress": progress("measured steps")}
         rewritten = _rewritten(args, request_log)
+        scale = {"fleet": fleet_of(args), "token_pass": token_pass(args, lm, settings)}
         traffic = audit_traffic(
-            lm, request_log, sample=args.sample, settings=settings, observed_engine=args.observed_engine, **steps, **options
+            lm, request_log, sample=args.sample, settings=settings, observed_engine=args.observed_engine, **steps, **options, **scale
         )
         result, report = traffic.as_dict(), traffic.measured_report()
         if args.fit_observed:
@@ -61,6 +63,8 @@ def cmd_audit(args: argparse.Namespace) -> dict:
             )
             result |= {"rewrite": [row.as_dict() for row in measured.requests], "verdict": measured.verdict()}
     else:
+        if text is None:
+            raise RequestLogError("--new audits one prompt: give one plain file")
         request = parse_prompt(text)
         if not args.find:
             raise RequestLogError("--new needs --find TEXT: the value to change in the prompt")
@@ -94,7 +98,12 @@ def _rewritten(args: argparse.Namespace, original: RequestLog) -> RequestLog | N
 
 
 AUDIT: Group = (
-    arg("log", help="request log (JSONL or a JSON array, in any of --format's formats), or one prompt with --new"),
+    arg(
+        "log",
+        nargs="+",
+        help="request log (JSONL or a JSON array, in any of --format's formats; several files, directories of shards, "
+        "gzip'd JSONL), or one prompt with --new",
+    ),
     arg(
         "--format",
         default=AUTO_FORMAT,
@@ -139,4 +148,4 @@ AUDIT: Group = (
     ),
     arg("--markdown", action="store_true", help="print a Markdown summary for a pull-request comment (ignored with --json)"),
 )
-COMMANDS: dict[str, tuple[Handler, tuple[Group, ...]]] = {"audit": (cmd_audit, (AUDIT,))}
+COMMANDS: dict[str, tuple[Handler, tuple[Group, ...]]] = {"audit": (cmd_audit, (AUDIT, SCALE))}

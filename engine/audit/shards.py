@@ -1,0 +1,213 @@
+"""One reader for request logs given as many files, a directory of shards, or gzip'd JSONL, streamed line by line.
+
+A JSONL file (plain or gzip'd) is never loaded whole: it is read a line at a time, and cut into shards of
+``SHARD_LINES`` lines (a file, its first line and, for a plain file, the byte offset of that line, found by counting
+newlines in 1 MiB blocks), which the distributed token pass reads on its workers. A JSON array (a file holding
+``[...]``) cannot be streamed: it is read whole, as one shard. Files are read in the order given, a directory's
+files (``LOG_SUFFIXES``) in name order; requests are numbered across them, lines within each file. With more than
+one file, a record skipped is named by its file as well as its line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import numpy as np
+
+from engine.audit.formats import AUTO, RecordError
+from engine.audit.requests import Request, RequestLog, RequestLogError, Skipped, read_log, record_requests, time_ordered
+
+LOG_SUFFIXES = (".jsonl", ".json", ".gz")
+SHARD_LINES = 2_000  # lines per shard of the distributed token pass
+_BLOCK = 1 << 20  # bytes read at a time while counting lines
+_UNTIL_IT_FAILS = 1 << 62  # the lines of a corrupt file's last shard: read until the error
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A run of ``lines`` lines of one log file from ``first_line`` (1-based); ``offset``: where that line starts
+    (bytes, plain files; None: a gzip'd file, read from its start); ``array``: a JSON array file, read whole."""
+
+    path: str
+    first_line: int
+    lines: int
+    offset: int | None
+    array: bool = False
+    named: bool = False  # records skipped here are named by the file too (the log has several files)
+
+
+def log_files(paths: Sequence[str | Path]) -> list[Path]:
+    """The files of a log: each path a file, or a directory whose ``LOG_SUFFIXES`` files are read in name order."""
+    files: list[Path] = []
+    for given in paths:
+        path = Path(given)
+        if path.is_dir():
+            found = sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith(LOG_SUFFIXES))
+            if not found:
+                raise RequestLogError(f"{path} holds no log file (names ending in {', '.join(LOG_SUFFIXES)})")
+            files += found
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise RequestLogError(f"{path}: no such file or directory")
+    if not files:
+        raise RequestLogError("no log file given")
+    return files
+
+
+def _open(path: str | Path) -> IO[bytes]:
+    return gzip.open(path, "rb") if str(path).endswith(".gz") else open(path, "rb")
+
+
+def _is_array(path: Path) -> bool:
+    """Whether the file's first non-space character opens a JSON array."""
+    try:
+        with _open(path) as stream:
+            while chunk := stream.readline():
+                stripped = chunk.lstrip()
+                if stripped:
+                    return stripped[:1] == b"["
+    except (OSError, EOFError, zlib.error):  # unreadable from its start: read as lines, to be named where it fails
+        return False
+    return False
+
+
+def plan_shards(files: Sequence[Path], lines_per_shard: int = SHARD_LINES) -> list[Shard]:
+    """Every file cut into shards of ``lines_per_shard`` lines (a JSON array file: one shard), in order."""
+    named = len(files) > 1
+    shards: list[Shard] = []
+    for path in files:
+        if _is_array(path):
+            shards.append(Shard(str(path), 1, 0, None, array=True, named=named))
+            continue
+        plain = not str(path).endswith(".gz")
+        starts, lines, position, last, broken = [0], 0, 0, b"\n", False  # byte offsets of each shard's first line
+        try:
+            with _open(path) as stream:
+                while block := stream.read(_BLOCK):
+                    at = -1
+                    while (at := block.find(b"\n", at + 1)) >= 0:
+                        lines += 1
+                        if lines % lines_per_shard == 0:
+                            starts.append(position + at + 1)
+                    position += len(block)
+                    last = block[-1:]
+        except (OSError, EOFError, zlib.error):  # corrupt or truncated: the last shard reads on until it fails, and says where
+            broken = True
+        lines += last != b"\n"  # a last line without its newline
+        for number, start in enumerate(starts):
+            first = number * lines_per_shard + 1
+            if first <= lines or (broken and number == len(starts) - 1):
+                count = _UNTIL_IT_FAILS if broken and number == len(starts) - 1 else min(lines_per_shard, lines - first + 1)
+                shards.append(Shard(str(path), first, count, start if plain else None, named=named))
+    return shards
+
+
+def shard_lines(shard: Shard) -> Iterator[tuple[int, bytes]]:
+    """(line number, raw bytes) of each line of a JSONL shard, streamed."""
+    with _open(shard.path) as stream:
+        if shard.offset is not None:
+            stream.seek(shard.offset)
+        else:
+            for _ in range(shard.first_line - 1):
+                stream.readline()
+        for number in range(shard.first_line, shard.first_line + shard.lines):
+            raw = stream.readline()
+            if not raw:
+                return
+            yield number, raw
+
+
+@dataclass(frozen=True)
+class ShardRead:
+    """A shard's requests (numbered from ``first_index``) and the records skipped, by line and key."""
+
+    requests: list[Request]
+    skipped: list[Skipped]
+
+
+def read_shard(shard: Shard, fmt: str = AUTO, first_index: int = 1) -> ShardRead:
+    """The requests of one shard, numbered from ``first_index``; a malformed record is skipped by line and key."""
+    if shard.array:
+        with _open(shard.path) as stream:
+            log = read_log(stream.read().decode("utf-8"), fmt)
+        requests = [dataclasses.replace(request, index=request.index + first_index - 1) for request in log.requests]
+        return ShardRead(requests, [_in_file(shard, item) for item in log.skipped])
+    requests: list[Request] = []
+    skipped: list[Skipped] = []
+    line = shard.first_line - 1
+    try:
+        for line, raw in shard_lines(shard):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                skipped.append(_in_file(shard, Skipped(line, "", f"is not UTF-8 text (byte {error.start})")))
+                continue
+            if not text.strip():
+                continue
+            try:
+                item = json.loads(text)
+            except json.JSONDecodeError as error:
+                item = error
+            try:
+                read, parts = record_requests(item, fmt, first_index + len(requests), line)
+                requests += read
+                skipped += [_in_file(shard, part) for part in parts]
+            except RecordError as error:
+                skipped.append(_in_file(shard, Skipped(line, error.key, error.reason)))
+    except (OSError, EOFError, zlib.error) as error:  # a truncated or corrupt file: the lines read so far stand
+        reason = f"cannot be read from here on ({type(error).__name__}: {error}) (in {Path(shard.path).name})"
+        skipped.append(Skipped(line + 1, "", reason))
+    return ShardRead(requests, skipped)
+
+
+@dataclass(frozen=True)
+class ShardCount:
+    """A shard's requests counted (read and unwrapped, not rendered), its skipped records, its formats' counts."""
+
+    number: int
+    requests: int
+    skipped: list[Skipped]
+    formats: dict[str, int]
+
+
+def count_shards(batch: dict[str, np.ndarray], fmt: str = AUTO) -> dict[str, np.ndarray]:
+    """The distributed pass's first step on a batch of shards (columns ``number`` and ``shard``, its JSON): each
+    shard's requests counted, so that every request gets its number in the whole log before it is rendered."""
+    out = []
+    for number, text in zip(batch["number"], batch["shard"]):
+        read = read_shard(Shard(**json.loads(text)), fmt)
+        formats: dict[str, int] = {}
+        for request in read.requests:
+            formats[request.format] = formats.get(request.format, 0) + 1
+        out.append(ShardCount(int(number), len(read.requests), read.skipped, formats))
+    return {"count": np.array(out, dtype=object)}
+
+
+def _in_file(shard: Shard, item: Skipped) -> Skipped:
+    return dataclasses.replace(item, reason=f"{item.reason} (in {Path(shard.path).name})") if shard.named else item
+
+
+def read_logs(paths: Sequence[str | Path], fmt: str = AUTO) -> RequestLog:
+    """Every readable request of a log given as files, directories of shards or gzip'd JSONL, read in one process
+    (one file: the same requests and skipped records as ``read_log`` on its text)."""
+    requests: list[Request] = []
+    skipped: list[Skipped] = []
+    for shard in plan_shards(log_files(paths)):
+        read = read_shard(shard, fmt, len(requests) + 1)
+        requests += read.requests
+        skipped += read.skipped
+    if not requests and not skipped:
+        raise RequestLogError("the log is empty: paste one JSON request per line, or a JSON array of requests")
+    requests, order, _ = time_ordered(requests)
+    formats: dict[str, int] = {}
+    for request in requests:
+        formats[request.format] = formats.get(request.format, 0) + 1
+    return RequestLog(tuple(requests), tuple(skipped), formats, order)

@@ -1,0 +1,81 @@
+"""``audit``'s flags for logs at scale: many files, a directory of shards or gzip'd JSONL (one reader, ``shards``),
+the token pass on Ray (``--ray``, ``--workers``), and fleets of replicas behind a router (``--replicas``, ``--routing``)."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+from engine.audit.caches import CacheSettings
+from engine.audit.fleet import ROUTINGS, fleet_grid
+from engine.audit.requests import RequestLog, RequestLogError, read_log
+from engine.audit.shards import read_logs
+from engine.audit.traffic import TrafficScan
+from engine.cache.loaded import LoadedModel
+from engine.cli.common import Group, arg, progress, read_text
+
+SCALE: Group = (
+    arg(
+        "--ray",
+        nargs="?",
+        const="local",
+        metavar="ADDRESS",
+        help="run the token pass on Ray: 'local' (the default) starts one of --workers CPUs, an address joins a cluster",
+    ),
+    arg("--workers", type=int, default=2, help="with --ray: tokenizer actors (and, for --ray local, the CPUs it starts with)"),
+    arg("--replicas", help="also simulate fleets of this many replicas (comma-separated, e.g. 2,4), each engine per replica"),
+    arg("--routing", help=f"the fleets' routers (comma-separated; default all): {', '.join(ROUTINGS)}"),
+)
+
+
+def one_text(args: argparse.Namespace) -> bool:
+    """Whether the log is one plain file read as text (else: many files, a directory, gzip, or --ray)."""
+    paths = args.log
+    return len(paths) == 1 and not args.ray and Path(paths[0]).is_file() and not paths[0].endswith(".gz")
+
+
+def read_request_log(args: argparse.Namespace) -> RequestLog:
+    """The log as one process reads it (with --ray the driver never holds it: an empty log stands in)."""
+    if args.ray:
+        if args.rewritten or args.template:
+            raise RequestLogError("--rewritten and --template measure a rewrite in one process: drop --ray")
+        return RequestLog((), (), {})
+    return read_log(read_text(args.log[0]), args.format) if one_text(args) else read_logs(args.log, args.format)
+
+
+def fleet_of(args: argparse.Namespace) -> list[tuple[int, str]]:
+    """The (replicas, routing) fleets asked for (none without --replicas)."""
+    if args.replicas is None:
+        if args.routing:
+            raise RequestLogError("--routing names the fleets' routers: add --replicas N")
+        return []
+    return fleet_grid(args.replicas, args.routing)
+
+
+def token_pass(args: argparse.Namespace, lm: LoadedModel, settings: CacheSettings) -> Callable[[int], TrafficScan] | None:
+    """With --ray, the distributed token pass (given the context limit) for ``audit_traffic``; else None."""
+    if not args.ray:
+        return None
+    try:
+        from engine.audit.distributed import ray_scan, start_ray
+    except ImportError:
+        raise RequestLogError('--ray needs Ray: pip install -e ".[scale]"') from None
+    start_ray(args.ray, args.workers)
+    fleet = fleet_of(args)
+
+    def run(limit: int) -> TrafficScan:
+        return ray_scan(
+            lm.tokenizer,
+            args.log,
+            settings,
+            fmt=args.format,
+            limit=limit,
+            model=lm.name,
+            workers=args.workers,
+            sample=args.sample,
+            fleet=fleet,
+            progress=progress("token pass: requests"),
+        )
+
+    return run
