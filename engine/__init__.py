@@ -73,6 +73,7 @@ Auditing request logs
 ``CacheSettings``          the simulated engines' settings (vLLM blocks, SGLang budget, llama.cpp slots)
 ``prefix_cache_stop``      where an exact prefix cache stops in a turn's text; ``appended_chars``: what was appended
 ``notes_scenario``         the scenario the Notes tab studies from an audit (``NotesScenario``); ``scenario_toml``
+``notes_choices``          every changed field with its pre-check (``NotesChoice``); ``preferred_choice``: the default
 ``repaired_template``      the prompt template that keeps the cached prefix stable
 ``measure_rewrite``        a rewritten log (or ``apply_template``) against the original; ``rewrite_markdown``
 ``RequestLogError``        a log, prompt or audit refused, with the line and the reason
@@ -137,6 +138,7 @@ _PUBLIC = {
     "MessageProgress": "engine.progress",
     "Notebook": "engine.cache.notebook",
     "NotesScenario": "engine.audit.notes",
+    "NotesChoice": "engine.audit.notes",
     "PLACEMENTS": "engine.compose.placing",
     "PROBES": "engine.probes.registry",
     "REPAIRS": "engine.audit.repairs",
@@ -201,6 +203,8 @@ _PUBLIC = {
     "load_model": "engine.models",
     "measure_rewrite": "engine.audit.rewrite",
     "notes_scenario": "engine.audit.notes",
+    "notes_choices": "engine.audit.notes",
+    "preferred_choice": "engine.audit.notes",
     "offline_aliases": "engine.models",
     "parse_prompt": "engine.audit.requests",
     "prefix_cache_stop": "engine.audit.spans",
@@ -256,6 +260,7 @@ __all__ = [
     "MessageProgress",
     "ModelRemedies",
     "Notebook",
+    "NotesChoice",
     "NotesScenario",
     "PLACEMENTS",
     "PROBES",
@@ -320,9 +325,11 @@ __all__ = [
     "load_model",
     "measure_rewrite",
     "model_remedies",
+    "notes_choices",
     "notes_scenario",
     "offline_aliases",
     "parse_prompt",
+    "preferred_choice",
     "prefix_cache_stop",
     "probe_frontier",
     "read_log",
@@ -356,7 +363,7 @@ if TYPE_CHECKING:
     from engine.audit.caches import CacheSettings
     from engine.audit.fields import candidate_spans
     from engine.audit.gate import rewrite_markdown
-    from engine.audit.notes import NotesScenario, notes_scenario
+    from engine.audit.notes import NotesChoice, NotesScenario, notes_choices, notes_scenario, preferred_choice
     from engine.audit.repairs import GRAINS, REPAIR_SUMMARIES, REPAIRS
     from engine.audit.requests import RenderedRequest, Request, RequestLogError, parse_prompt, read_log, render_request
     from engine.audit.rewrite import apply_template, measure_rewrite
