@@ -278,7 +278,6 @@ def notes_choice_markdown(choices: Sequence[NotesChoice], key: str) -> str:
         return head
     moving = [choice for choice in choices if choice.moves]
     others = ", ".join(f"*{markdown_literal(choice.field)}* (request {choice.request})" for choice in moving)
-    if picked.scenario is not None:
-        head += "  \n**Its change does not move the model's answer**, so the Notes tab would find no decision for the notes to carry."
-    offer = f"Pick one that does: {others}." if moving else "No changed field of this audit moves the model's answer."
-    return f"{head}  \n{offer}"
+    lead = "**This change does not move the model's answer.**" if picked.scenario is not None else "**This field cannot be opened.**"
+    offer = f"Pick one whose change does: {others}." if moving else "No changed field of this audit moves the model's answer."
+    return f"{head}  \n{lead} {offer}"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import tomllib
 from pathlib import Path
 
@@ -177,7 +178,12 @@ def test_one_prompt_offers_candidates_and_audits_a_chosen_or_found_value(registr
     assert sorted(Path(path).name for path in paths) == ["kvscope-audit-figures.html", "kvscope-audit.json"]
     with pytest.raises(RequestLogError, match=r"status changes in message 1 \(user\).*leading system / developer messages only"):
         repaired_template(sessions.get("v", "audit"))
-    with pytest.raises(AppError, match="the changed value sits in the last message"):  # one user message: no question left
+    # one user message: no question left; the refusal names the message and what to do, before and on Open in Notes
+    last = r"status changed in message 1 of request 2 \(the last, the user's\), which a scenario reads as its question"
+    said = found.notes_markdown.replace("\\", "")  # as written, without Markdown's escapes
+    assert re.search(last, said) and found.notes_menu == [(found.notes_menu[0][0], "2:status")]
+    assert "cannot be opened" in found.notes_menu[0][0] and "put the value in a message before the question" in said
+    with pytest.raises(AppError, match=last):
         audit_notes_scenario(sessions, session="v", labels="yes, no")
     kept = sessions.get("v", "audit")
     for choice, find, value, message in (
@@ -216,7 +222,9 @@ def test_open_in_notes_builds_a_scenario_the_notes_edit_and_knockout_run_on(audi
 def test_open_in_notes_reads_the_models_own_answers_and_says_first_whether_they_move(audited, registry):
     """The audit kept the scenario the model answers itself; the Notes edit on it reads the margins the tab stated."""
     view, sessions = audited
-    notes = sessions.get("a", "audit_notes")
+    (choice,) = sessions.get("a", "audit_notes")  # one changed field: its pre-check is the scenario Open in Notes opens
+    notes = choice.scenario
+    assert view.notes_menu == [(choice.label(), "2:session_started")] and view.notes_pick == "2:session_started"
     assert notes.source in ("divergence", "first-token alternatives") and len(set(notes.answers)) == 2
     assert markdown_literal(f"margin {notes.old.decision.margin:+.2f} → {notes.new.decision.margin:+.2f}") in view.notes_markdown
     if notes.source == "divergence":  # each value's own answer wins under it
