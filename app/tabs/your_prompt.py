@@ -47,9 +47,8 @@ REWRITE_INTRO = (
     "Same requests, same order. Each engine's reuse before and after, and each rewritten prompt's output against "
     "the original's clean prefill (next-token KL, top-1, top-5, the N greedy tokens, the same text or not)."
 )
-# Markdown tables of the audit: headers never break inside a word; a table wider than the panel scrolls sideways.
+# Markdown tables of the audit: a header never breaks inside a word (Gradio's prose breaks words anywhere: "to/ke/ns").
 AUDIT_TABLE_CSS = """<style>
-.kv-audit-tables table{display:block;max-width:100%;overflow-x:auto}
 .kv-audit-tables th{white-space:nowrap;word-break:keep-all;overflow-wrap:normal}
 .kv-audit-tables td{word-break:normal;overflow-wrap:break-word}
 </style>"""
@@ -140,14 +139,13 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
             x_axis = gr.Radio([("computed tokens", "computed"), ("TTFT speed-up", "ttft")], value="computed", label="x", elem_id="audit-x")
             y_axis = gr.Radio([("KL divergence", "kl"), ("greedy agreement", "agreement")], value="kl", label="y", elem_id="audit-y")
         prompt_view = gr.HTML(elem_id="audit-prompt")
+        notes_field = gr.Dropdown(
+            [],
+            value=None,
+            label="Changed field to open in Notes (each with the model's pre-check: does its change move the answer?)",
+            elem_id="audit-notes-field",
+        )
         with gr.Row():
-            notes_field = gr.Dropdown(
-                [],
-                value=None,
-                label="Changed field to open (each with the model's pre-check: does its change move the answer?)",
-                elem_id="audit-notes-field",
-                scale=2,
-            )
             labels = gr.Textbox(
                 "",
                 label="Two answer labels the Notes tab reads (comma-separated; empty: the model's own answers, read when auditing)",

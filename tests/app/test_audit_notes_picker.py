@@ -25,7 +25,7 @@ from engine.cache.decision import RECOVERY_MIN_GAP
 CHANGES = [
     (2, "study_rooms_free_now", "3", "1"),
     (3, "retrieved", "2026-05-12 09:44", "2026-05-12 09:52"),
-    (3, "laptops_to_lend", "5", "2"),
+    (3, "printers", "working", "out of order"),
 ]
 
 
@@ -48,7 +48,7 @@ def test_every_changed_field_is_offered_with_its_precheck(rag):
         assert choice.scenario.field == choice.field and label.endswith(choice.verdict())
         assert ("does not move" in label) == (choice.scenario.source != "divergence" and not choice.moves)
     moving = [choice.key for choice in choices if choice.moves]
-    assert view.notes_pick == (moving[-1] if moving else "3:laptops_to_lend")  # the latest that moves, else the latest
+    assert view.notes_pick == (moving[-1] if moving else "3:printers")  # the latest that moves, else the latest
 
 
 def test_the_picked_field_is_the_scenario_opened(rag):
@@ -80,15 +80,15 @@ def _still(choice: NotesChoice) -> NotesChoice:
 
 def test_a_field_that_does_not_move_the_answer_says_so_before_running_and_offers_those_that_do(rag, registry):
     _, sessions = rag
-    rooms, clock, laptops = sessions.get("r", "audit_notes")
+    rooms, clock, printers = sessions.get("r", "audit_notes")
     sessions.put("p", "audit", sessions.get("r", "audit"), registry.resolve(None))
-    sessions.put("p", "audit_notes", (_moving(rooms), _still(clock), _still(laptops)), registry.resolve(None))
+    sessions.put("p", "audit_notes", (_moving(rooms), _still(clock), _still(printers)), registry.resolve(None))
     said = audit_notes_choice(sessions, session="p", field="3:retrieved")
     assert "**This change does not move the model's answer.**" in said
     assert "Pick one whose change does: *study\\_rooms\\_free\\_now* (request 2)." in said
     assert "This change does not move" not in audit_notes_choice(sessions, session="p", field="2:study_rooms_free_now")
     assert audit_notes_choice(sessions, session="p", field="") == audit_notes_choice(sessions, session="p", field="2:study_rooms_free_now")
-    sessions.put("p", "audit_notes", (_still(rooms), _still(clock), _still(laptops)), registry.resolve(None))
+    sessions.put("p", "audit_notes", (_still(rooms), _still(clock), _still(printers)), registry.resolve(None))
     assert "No changed field of this audit moves the model's answer." in audit_notes_choice(sessions, session="p", field="3:retrieved")
 
 

@@ -39,11 +39,11 @@ def test_the_rag_log_offers_each_changed_field_and_opens_the_one_picked(wide_pag
     headers = page.evaluate(HEADER_LINES)
     assert headers and all(lines == 1 for _, lines in headers), headers  # "tokens", never "to/ke/ns"
     page.locator("#audit-notes-field input").click()
-    options = page.get_by_role("option").all_inner_texts()
+    options = [option.replace("✓", "").strip() for option in page.get_by_role("option").all_inner_texts()]  # ✓: the picked one
     assert [re.sub(r" · [^·]*$", "", option) for option in options] == [
         "request 2 · study_rooms_free_now: '3' → '1'",
         "request 3 · retrieved: '2026-05-12 09:44' → '2026-05-12 09:52'",
-        "request 3 · laptops_to_lend: '5' → '2'",
+        "request 3 · printers: 'working' → 'out of order'",
     ], options
     assert all(re.search(r" · (moves the|does not move|changes the answer)", option) for option in options), options
     page.get_by_role("option", name=re.compile(re.escape(PICKED))).click()

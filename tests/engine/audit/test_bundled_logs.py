@@ -77,7 +77,7 @@ def test_the_rag_passage_changes_between_requests_of_one_session_and_every_turn_
     assert all(row["appended_tokens"] > 0 for row in rows[1:])
     assert _changes(scan) == [
         [("retrieved", "2026-05-12 09:41", "2026-05-12 09:44"), ("study_rooms_free_now", "3", "1")],
-        [("retrieved", "2026-05-12 09:44", "2026-05-12 09:52"), ("laptops_to_lend", "5", "2")],
+        [("retrieved", "2026-05-12 09:44", "2026-05-12 09:52"), ("printers", "working", "out of order")],
     ]
     for row in scan.requests[1:]:  # every change sits inside the retrieved passage of the system prompt
         rendered, passage = scan.rendered[row.request], scan.rendered[row.request].request.contents[0]
@@ -87,7 +87,7 @@ def test_the_rag_passage_changes_between_requests_of_one_session_and_every_turn_
     causes = [[(c["name"], c["field"]) for c in row["causes"]] for row in rows[1:]]
     assert causes == [
         [("clock", "retrieved"), ("counter", "study_rooms_free_now"), ("block_straddle", None)],
-        [("clock", "retrieved"), ("counter", "laptops_to_lend"), ("block_straddle", None)],
+        [("clock", "retrieved"), ("value", "printers"), ("block_straddle", None)],
     ]
     measured = sorted(index for group in sample_groups(scan, 3) for index in group.measured)
     assert measured == [2, 3]  # no other_conversation: the model pass measures both turns
