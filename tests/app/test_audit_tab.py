@@ -82,10 +82,11 @@ def test_a_log_gets_its_fields_every_repair_and_a_recommendation_per_turn(audite
     assert repairs["field_only"]["kl"] < 0.05 and repairs["field_only"]["generation_agreement"] == 1.0
     assert second["recommendation"]["repair"] == third["recommendation"]["repair"] == "recompute"
     saved = repairs["recompute"]["computed_tokens"] - repairs["field_only"]["computed_tokens"]
-    assert (
-        second["recommendation"]["kv_alternative"]["repair"] == "field_only"
-        and second["recommendation"]["kv_alternative"]["saved_tokens"] == saved
-    )
+    kv, faster = second["recommendation"]["kv_alternative"], repairs["field_only"]["ttft_ms"] < repairs["recompute"]["ttft_ms"]
+    if faster:  # offered only where it is cheaper: fewer tokens and a shorter measured TTFT
+        assert kv["repair"] == "field_only" and kv["saved_tokens"] == saved
+    else:
+        assert kv is None and "but measured slower here" in second["recommendation"]["reason"]
     assert "Recommended: " in view.recommendation_markdown and r"*session\_started* “2026\-05\-12 09:41”" in view.recommendation_markdown
     timeline = {trace.name for trace in view.timeline_figure.data}
     assert {"recompute (exact prefix)", "field_only", "erratum", "hoist", "16-token blocks (vLLM)"} <= timeline
