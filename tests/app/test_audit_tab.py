@@ -17,6 +17,7 @@ import pytest
 from app.handlers.common import AppError
 from app.handlers.notes import EditInputs, run_edit, run_knockout
 from app.handlers.your_prompt import (
+    NOTHING_TO_AUDIT,
     audit_fidelity_view,
     audit_notes_scenario,
     bundled_log_text,
@@ -350,8 +351,12 @@ def test_the_audit_endpoints_through_the_api(app_url):
     assert data["turns"][1]["fields"][0]["name"] == "session_started" and "Recommended: " in words and "data-kind" in marked
     assert "**3 requests** in **1 session**" in traffic and data["sessions"][0]["requests"] == 3
     assert notes.startswith("**Open in Notes:**") and markdown_literal("next-token KL") in notes  # said before Open in Notes is offered
-    text, *_ = client.predict("", api_name="/audit_open_in_notes")  # the same client: the same session; the model's answers
+    said = client.predict("2:session_started", api_name="/audit_notes_field")  # the picked field's pre-check, nothing run
+    assert said == notes
+    text, *_ = client.predict("", "2:session_started", api_name="/audit_open_in_notes")  # the same session; the model's answers
     assert "[fields.session_started]" in text and '"yes"' not in text
+    empty = client.predict("\n  \n", ["field_only"], 2, 0.05, 0.9, *settings, api_name="/audit")  # information, no error
+    assert empty[6] == NOTHING_TO_AUDIT
     with pytest.raises(Exception, match="line 1 is not JSON"):
         client.predict("{broken", [], 2, 0.05, 0.9, *settings, api_name="/audit")
 
