@@ -76,6 +76,7 @@ Auditing request logs
                            settings that reproduce them
 ``prefix_cache_stop``      where an exact prefix cache stops in a turn's text; ``appended_chars``: what was appended
 ``notes_scenario``         the scenario the Notes tab studies from an audit (``NotesScenario``); ``scenario_toml``
+``notes_choices``          every changed field with its pre-check (``NotesChoice``); ``preferred_choice``: the default
 ``repaired_template``      the prompt template that keeps the cached prefix stable
 ``measure_rewrite``        a rewritten log (or ``apply_template``) against the original; ``rewrite_markdown``
 ``RequestLogError``        a log, prompt or audit refused, with the line and the reason
@@ -143,6 +144,7 @@ _PUBLIC = {
     "Notebook": "engine.cache.notebook",
     "NotesScenario": "engine.audit.notes",
     "OBSERVED_ENGINES": "engine.audit.observed",
+    "NotesChoice": "engine.audit.notes",
     "PLACEMENTS": "engine.compose.placing",
     "PROBES": "engine.probes.registry",
     "REPAIRS": "engine.audit.repairs",
@@ -209,6 +211,8 @@ _PUBLIC = {
     "load_model": "engine.models",
     "measure_rewrite": "engine.audit.rewrite",
     "notes_scenario": "engine.audit.notes",
+    "notes_choices": "engine.audit.notes",
+    "preferred_choice": "engine.audit.notes",
     "offline_aliases": "engine.models",
     "parse_prompt": "engine.audit.requests",
     "prefix_cache_stop": "engine.audit.spans",
@@ -265,6 +269,7 @@ __all__ = [
     "MessageProgress",
     "ModelRemedies",
     "Notebook",
+    "NotesChoice",
     "NotesScenario",
     "OBSERVED_ENGINES",
     "PLACEMENTS",
@@ -332,9 +337,11 @@ __all__ = [
     "load_model",
     "measure_rewrite",
     "model_remedies",
+    "notes_choices",
     "notes_scenario",
     "offline_aliases",
     "parse_prompt",
+    "preferred_choice",
     "prefix_cache_stop",
     "probe_frontier",
     "read_log",
@@ -369,7 +376,7 @@ if TYPE_CHECKING:
     from engine.audit.fields import candidate_spans
     from engine.audit.fleet import fleet_grid
     from engine.audit.gate import rewrite_markdown
-    from engine.audit.notes import NotesScenario, notes_scenario
+    from engine.audit.notes import NotesChoice, NotesScenario, notes_choices, notes_scenario, preferred_choice
     from engine.audit.repairs import GRAINS, REPAIR_SUMMARIES, REPAIRS
     from engine.audit.requests import RenderedRequest, Request, RequestLogError, parse_prompt, read_log, render_request
     from engine.audit.rewrite import apply_template, measure_rewrite

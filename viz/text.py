@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 
-from engine.audit.notes import NotesScenario
+from engine.audit.notes import NotesChoice, NotesScenario
 from engine.cache.decision import DECISIVE_MARGIN, Decision
 from engine.cache.selftest import SelfTestReport
 from engine.checks.support import SupportRow
@@ -267,3 +267,18 @@ def open_in_notes_markdown(notes: NotesScenario | str | None) -> str:
     if isinstance(notes, str):
         return f"**Open in Notes:** nothing to open — {markdown_literal(notes)}."
     return f"**Open in Notes:** {markdown_literal(notes.words())}"
+
+
+def notes_choice_markdown(choices: Sequence[NotesChoice], key: str) -> str:
+    """The picked changed field's pre-check, said before Open in Notes runs it: what the model does with the change, and
+    where the change does not move the answer (or cannot be opened), the fields whose change does."""
+    picked = next(choice for choice in choices if choice.key == key)
+    where = f"*{markdown_literal(picked.field)}* (request {picked.request})"
+    head = f"**Open in Notes:** {where} — {markdown_literal(picked.words())}"
+    if picked.moves:
+        return head
+    moving = [choice for choice in choices if choice.moves]
+    others = ", ".join(f"*{markdown_literal(choice.field)}* (request {choice.request})" for choice in moving)
+    lead = "**This change does not move the model's answer.**" if picked.scenario is not None else "**This field cannot be opened.**"
+    offer = f"Pick one whose change does: {others}." if moving else "No changed field of this audit moves the model's answer."
+    return f"{head}  \n{lead} {offer}"

@@ -23,7 +23,7 @@ from engine import (
     LoadedModel,
     MeasureSettings,
     MessageProgress,
-    NotesScenario,
+    NotesChoice,
     RenderedRequest,
     Request,
     RequestLogError,
@@ -41,8 +41,9 @@ from engine import (
     find_span,
     fleet_grid,
     measure_rewrite,
-    notes_scenario,
+    notes_choices,
     parse_prompt,
+    preferred_choice,
     prefix_cache_stop,
     read_log,
     render_request,
@@ -79,6 +80,8 @@ class AuditView:
     prompt_html: str
     summary: dict
     notes_markdown: str = ""  # what Open in Notes would study, said before it is offered
+    notes_menu: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (label, key): every changed field, pre-checked
+    notes_pick: str | None = None  # the key Open in Notes opens unless the user picks another
     # a log audited as traffic (none for one prompt with a new value): sessions, engines' reuse, causes, sampled groups
     traffic_markdown: str = ""
     groups_markdown: str = ""
@@ -103,6 +106,17 @@ def audit_options(profile: HostingProfile, requests: int, repairs: Sequence[str]
         raise AppError(f"unknown grain {grain!r}; choose one of {', '.join(GRAINS)} (or none)")
     profile.check_audit(requests, tokens)
     return {"repairs": list(repairs or []), "tokens": tokens, "threshold": threshold, "min_agreement": min_agreement, "grain": grain}
+
+
+NOTHING_TO_AUDIT = (
+    "**Nothing to audit yet:** the log is empty. Paste a request log (one JSON request a line), upload one or pick a "
+    "bundled demo log, then press *Audit the log*."
+)
+
+
+def nothing_to_audit(text: str | None) -> str | None:
+    """The tab's information where the log is empty or only blank lines (shown in one place, not as an error), else None."""
+    return NOTHING_TO_AUDIT if not (text or "").strip() else None
 
 
 def _audit_text(text: str | None, what: str) -> str:
@@ -293,9 +307,10 @@ def _kept_audit(
     """Keep the audit and its Notes scenario (the model's own answers: two more prefills) for this session; their view.
     ``traffic``: the log's token pass (``TrafficReport.as_dict()``) when ``report`` holds its measured turns."""
     try:
-        notes = notes_scenario(lm, report)
+        notes = notes_choices(lm, report)
     except KVScopeError as error:  # no field to edit: the tab says why, Open in Notes refuses with the same words
         notes = str(error)
+    notes = notes or "no measured turn changes a field inside shared content, so there is no field to edit"
     model = registry.resolve(spec)
     sessions.put(session, "audit", report, model)
     sessions.put(session, "audit_notes", notes, model)
@@ -323,22 +338,30 @@ def _turn_marks(report: AuditReport, index: int) -> list[audit_figures.Mark]:
 
 
 def audit_view(
-    report: AuditReport, x: str = "computed", y: str = "kl", notes: NotesScenario | str | None = None, traffic: dict | None = None
+    report: AuditReport,
+    x: str = "computed",
+    y: str = "kl",
+    notes: Sequence[NotesChoice] | str | None = None,
+    traffic: dict | None = None,
 ) -> AuditView:
     """The tab's panels of an audit: recommendations, the timeline, fidelity against cost, the marked prompts and what
-    Open in Notes would study (``notes``: its scenario, or why there is none); with ``traffic`` (the log's token pass,
+    Open in Notes would study (``notes``: every changed field pre-checked, or why there is none); with ``traffic`` (the log's token pass,
     whose measured turns ``report`` holds), its sessions, engines, causes, groups and timeline per session, and the
     summary is the traffic's JSON."""
     data = report.as_dict()
     turns = [(turn.request, report.rendered[i].text, _turn_marks(report, i)) for i, turn in enumerate(report.turns) if turn.diff]
     shown = report.last_with_fields() or report.turns[-1]
+    choices = [] if isinstance(notes, str) or notes is None else list(notes)
+    pick = preferred_choice(choices)
     view = AuditView(
         recommendation_markdown=audit_figures.recommendations_markdown(data),
         timeline_figure=audit_figures.reuse_timeline_figure(data),
         fidelity_figure=audit_figures.fidelity_cost_figure(data, *_axes(x, y)),
         prompt_html=audit_figures.turns_html(turns, shown.request),
         summary=data,
-        notes_markdown=panels.open_in_notes_markdown(notes),
+        notes_markdown=panels.notes_choice_markdown(choices, pick.key) if pick else panels.open_in_notes_markdown(notes),
+        notes_menu=[(choice.label(), choice.key) for choice in choices],
+        notes_pick=pick.key if pick else None,
     )
     if traffic is None:
         return view
@@ -392,18 +415,45 @@ def answer_labels(text: str | None) -> list[str] | None:
     return labels
 
 
-@guarded
-def audit_notes_scenario(sessions: SessionStore, *, session: str, labels: str | None = None) -> tuple[str, ScenarioChoices]:
-    """The scenario TOML built from the session's last audit (the last turn with a changed field, its value as the
-    field; its answers the model's own, unless ``labels`` names two), and the Notes tab's field and value choices."""
-    report, named = _audit_report(sessions, session), answer_labels(labels)
+def _notes_choices(sessions: SessionStore, session: str) -> Sequence[NotesChoice]:
+    """The session's pre-checked fields (Open in Notes refuses with the audit's reason where there is none)."""
+    _audit_report(sessions, session)
     kept = sessions.get(session, "audit_notes")
-    if named:
-        text = scenario_toml(report, named)
-    elif isinstance(kept, NotesScenario):
-        text = kept.toml
-    else:
+    if isinstance(kept, str) or not kept:
         raise AppError(kept or "audit a log first")
+    return kept
+
+
+def _chosen(choices: Sequence[NotesChoice], key: str | None) -> NotesChoice:
+    """The field picked in the menu (``request:field``; empty: the preferred one)."""
+    if not (key or "").strip():
+        return preferred_choice(choices)
+    found = next((choice for choice in choices if choice.key == key), None)
+    if found is None:
+        raise AppError(f"no changed field {key!r} in this audit; it found {', '.join(choice.key for choice in choices)}")
+    return found
+
+
+@guarded
+def audit_notes_choice(sessions: SessionStore, *, session: str, field: str | None = None) -> str:
+    """What the picked field's pre-check says, before anything runs: whether its change moves the model's answer, and
+    where it does not, which fields do."""
+    choices = _notes_choices(sessions, session)
+    return panels.notes_choice_markdown(choices, _chosen(choices, field).key)
+
+
+@guarded
+def audit_notes_scenario(
+    sessions: SessionStore, *, session: str, labels: str | None = None, field: str | None = None
+) -> tuple[str, ScenarioChoices]:
+    """The scenario TOML of changed field ``field`` (``request:field`` from the menu; empty: the latest change that moves
+    the model's answer) of the session's last audit, its answers the model's own unless ``labels`` names two, and the
+    Notes tab's field and value choices."""
+    report, named = _audit_report(sessions, session), answer_labels(labels)
+    choice = _chosen(_notes_choices(sessions, session), field)
+    if choice.scenario is None:
+        raise AppError(choice.refusal)
+    text = scenario_toml(report, named, request=choice.request, field=choice.field) if named else choice.scenario.toml
     return text, scenario_choices(text)
 
 
@@ -414,10 +464,11 @@ def export_audit(folder: ExportFolder, sessions: SessionStore, *, session: str, 
     report = _audit_report(sessions, session)
     view = audit_view(report, x, y, traffic=sessions.get(session, "audit_traffic"))
     chat = report.rendered[-1].request.messages is not None
-    notes = sessions.get(session, "audit_notes")
+    kept = sessions.get(session, "audit_notes")
+    pick = None if isinstance(kept, str) or not kept else preferred_choice(kept)
     extra = {}
     for name, build in (
-        (f"{AUDIT_STEM}-scenario.toml", (lambda _: notes.toml) if isinstance(notes, NotesScenario) else scenario_toml),
+        (f"{AUDIT_STEM}-scenario.toml", (lambda _: pick.scenario.toml) if pick and pick.scenario else scenario_toml),
         (f"{AUDIT_STEM}-template.{'json' if chat else 'txt'}", repaired_template),
     ):
         try:

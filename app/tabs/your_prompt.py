@@ -12,10 +12,12 @@ from app.handlers.your_prompt import (
     NO_GRAIN,
     AuditView,
     audit_fidelity_view,
+    audit_notes_choice,
     audit_notes_scenario,
     bundled_log_text,
     engine_settings,
     export_audit,
+    nothing_to_audit,
     prompt_candidates,
     run_audit,
     run_audit_value,
@@ -47,6 +49,11 @@ REWRITE_INTRO = (
     "Same requests, same order. Each engine's reuse before and after, and each rewritten prompt's output against "
     "the original's clean prefill (next-token KL, top-1, top-5, the N greedy tokens, the same text or not)."
 )
+# Markdown tables of the audit: a header never breaks inside a word (Gradio's prose breaks words anywhere: "to/ke/ns").
+AUDIT_TABLE_CSS = """<style>
+.kv-audit-tables th{white-space:nowrap;word-break:keep-all;overflow-wrap:normal}
+.kv-audit-tables td{word-break:normal;overflow-wrap:break-word}
+</style>"""
 OPEN_IN_NOTES_JS = "() => { const button = document.querySelector('#run-edit'); if (button) { button.click(); } }"
 
 
@@ -129,12 +136,13 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
                 find = gr.Textbox(label="…or the text to change (its first occurrence)", elem_id="audit-find")
                 new_value = gr.Textbox(label="New value", elem_id="audit-new-value")
                 value_button = gr.Button("Audit this change", variant="primary", elem_id="run-audit-value")
-        traffic_view = gr.Markdown(elem_id="audit-traffic")
+        gr.HTML(AUDIT_TABLE_CSS, padding=False, elem_id="audit-table-css")
+        traffic_view = gr.Markdown(elem_id="audit-traffic", elem_classes=["kv-audit-tables"])
         with gr.Row():
             sessions_plot = gr.Plot(label="Requests per session", elem_id="audit-sessions", min_width=560)
             engines_plot = gr.Plot(label="Tokens each engine reuses", elem_id="audit-engines", min_width=560)
-        groups_view = gr.Markdown(elem_id="audit-groups")
-        fleet_view = gr.Markdown(elem_id="audit-fleet-table")
+        groups_view = gr.Markdown(elem_id="audit-groups", elem_classes=["kv-audit-tables"])
+        fleet_view = gr.Markdown(elem_id="audit-fleet-table", elem_classes=["kv-audit-tables"])
         fleet_plot = gr.Plot(label="Hit rate by router and replicas", elem_id="audit-fleet")
         recommendation = gr.Markdown(elem_id="audit-recommendation")
         with gr.Row():
@@ -144,6 +152,12 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
             x_axis = gr.Radio([("computed tokens", "computed"), ("TTFT speed-up", "ttft")], value="computed", label="x", elem_id="audit-x")
             y_axis = gr.Radio([("KL divergence", "kl"), ("greedy agreement", "agreement")], value="kl", label="y", elem_id="audit-y")
         prompt_view = gr.HTML(elem_id="audit-prompt")
+        notes_field = gr.Dropdown(
+            [],
+            value=None,
+            label="Changed field to open in Notes (each with the model's pre-check: does its change move the answer?)",
+            elem_id="audit-notes-field",
+        )
         with gr.Row():
             labels = gr.Textbox(
                 "",
@@ -163,7 +177,7 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
                         False, label="It is a prompt template ({placeholders}, as Export writes)", elem_id="audit-as-template"
                     )
                     rewrite_button = gr.Button("Measure the rewrite", variant="primary", elem_id="run-rewrite")
-            rewrite_view = gr.Markdown(elem_id="audit-rewrite")
+            rewrite_view = gr.Markdown(elem_id="audit-rewrite", elem_classes=["kv-audit-tables"])
             rewrite_json = gr.JSON(label="Rewrite", elem_id="audit-rewrite-json")
         with gr.Row():
             export_button = gr.Button("Export JSON, figures, scenario TOML + repaired template", elem_id="export-audit")
@@ -184,17 +198,24 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
     measure |= {"x": x_axis, "y": y_axis}
     engines = {"block": block, "budget_blocks": budget_blocks, "budget_tokens": budget_tokens, "cache_reuse": cache_reuse}
     shown = [recommendation, timeline_plot, fidelity_plot, prompt_view, audit_json, open_status]
-    shown += [traffic_view, sessions_plot, engines_plot, groups_view, fleet_view, fleet_plot, page.session]
+    shown += [traffic_view, sessions_plot, engines_plot, groups_view, fleet_view, fleet_plot, page.session, notes_field]
 
     def _shown(view: AuditView, sid: str) -> tuple:
         figures = view.timeline_figure, view.fidelity_figure
         traffic = view.traffic_markdown, view.sessions_figure, view.engines_figure, view.groups_markdown
         traffic += (view.fleet_markdown, view.fleet_figure)
-        return view.recommendation_markdown, *figures, view.prompt_html, view.summary, view.notes_markdown, *traffic, sid
+        menu = gr.update(choices=view.notes_menu, value=view.notes_pick)
+        return view.recommendation_markdown, *figures, view.prompt_html, view.summary, view.notes_markdown, *traffic, sid, menu
+
+    def _nothing(words: str, sid: str) -> tuple:
+        """An empty log: the words in the traffic panel, every other panel as it was (no error badges)."""
+        return tuple(words if component is traffic_view else sid if component is page.session else gr.update() for component in shown)
 
     @page.action
     def on_audit(session, spec, text, block, budget_blocks, budget_tokens, cache_reuse, replicas, progress=gr.Progress(), **settings):
         sid = page.session_id(session)
+        if words := nothing_to_audit(text):
+            return _nothing(words, sid)
         simulated = engine_settings(block=block, budget_blocks=budget_blocks, budget_tokens=budget_tokens, cache_reuse=cache_reuse)
         view = run_audit(
             page.registry,
@@ -242,6 +263,8 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
     @page.action
     def on_audit_value(session, spec, text, progress=gr.Progress(), **settings):
         sid = page.session_id(session)
+        if words := nothing_to_audit(text):
+            return _nothing(words, sid)
         view = run_audit_value(page.registry, page.sessions, text, session=sid, spec=spec, progress=step_progress(progress), **settings)
         return _shown(view, sid)
 
@@ -269,9 +292,17 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
             concurrency_limit=None,
         )
 
+    notes_field.input(
+        page.action(lambda session, field: audit_notes_choice(page.sessions, session=page.session_id(session), field=field)),
+        inputs_kwargs={"session": page.session, "field": notes_field},
+        outputs=open_status,
+        api_name="audit_notes_field",
+        concurrency_limit=None,
+    )
+
     @page.action
-    def on_open(session, labels):
-        text, view = audit_notes_scenario(page.sessions, session=page.session_id(session), labels=labels)
+    def on_open(session, labels, field):
+        text, view = audit_notes_scenario(page.sessions, session=page.session_id(session), labels=labels, field=field)
         status = (
             f"Loaded into the Notes tab: field *{markdown_literal(view.fields[0])}* → {markdown_literal(view.new)}; "
             "the scenario is prepared and the edit runs there (its cards, frontier and notes map; knockout acts on it)."
@@ -290,7 +321,7 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
     open_outputs += [notes.scenario_pick, *notes.stale_outputs]
     opened = open_notes.click(
         on_open,
-        inputs_kwargs={"session": page.session, "labels": labels},
+        inputs_kwargs={"session": page.session, "labels": labels, "field": notes_field},
         outputs=open_outputs,
         api_name="audit_open_in_notes",
         concurrency_limit=None,

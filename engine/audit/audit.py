@@ -39,8 +39,8 @@ DEFAULT_TOKENS = 32
 
 @dataclass(frozen=True)
 class KvAlternative:
-    """The cheapest KV-level repair within the bars, where it computes fewer tokens than the prompt-level choice: what a
-    cache-editing engine would save more (``saved_ttft_ms`` is negative where it measured slower)."""
+    """The cheapest KV-level repair within the bars, where it is cheaper than the prompt-level choice (fewer tokens
+    computed and a shorter measured TTFT): what a cache-editing engine would save more."""
 
     repair: str
     saved_tokens: int
@@ -53,7 +53,7 @@ class KvAlternative:
 @dataclass(frozen=True)
 class Recommendation:
     """The cheapest prompt-level repair whose fidelity stays within the bars (any prefix cache serves it), the cheaper
-    KV-level one beside it where one holds them too, and why, in words drawn from the numbers."""
+    KV-level one beside it where one holds them too and is cheaper, and why, in words drawn from the numbers."""
 
     repair: str
     reason: str
@@ -253,13 +253,13 @@ def recommend(results: dict[str, RepairResult], threshold: float, min_agreement:
     """The prompt-level repair computing the fewest tokens (then the fastest) whose KL stays ≤ ``threshold`` with the
     same top token and at least ``min_agreement`` of its greedy tokens agreeing, both widened to the noise floor
     (:class:`Bars`); ``recompute`` always qualifies: it is the exact reference. Beside it, the KV-level repair within
-    the same bars, where it computes fewer tokens still."""
+    the same bars, only where it is cheaper: fewer tokens computed and a shorter measured TTFT."""
     bars = Bars.of(results, threshold, min_agreement)
     exact = results["recompute"]
     best = _cheapest(results, bars, Level.PROMPT) or exact
     kv = _cheapest(results, bars, Level.KV)
     alternative = None
-    if kv is not None and kv.computed_tokens < best.computed_tokens:
+    if kv is not None and kv.computed_tokens < best.computed_tokens and kv.ttft_ms < best.ttft_ms:
         alternative = KvAlternative(kv.name, best.computed_tokens - kv.computed_tokens, best.ttft_ms - kv.ttft_ms)
     own = best.reused_tokens + best.computed_tokens
     cost = (
@@ -293,11 +293,20 @@ def _cheapest(results: dict[str, RepairResult], bars: Bars, level: Level) -> Rep
 
 
 def _kv_words(alternative: KvAlternative | None, kv: RepairResult | None, best: RepairResult) -> str:
-    """The KV-level repair beside the prompt-level choice, in words (nothing where none holds the bars)."""
+    """The KV-level repair beside the prompt-level choice, in words: offered where it is cheaper, else why not (nothing
+    where none holds the bars)."""
+    if kv is None:
+        return ""
+    level = LEVEL_WORDS[Level.KV]
+    if alternative is None and kv.computed_tokens >= best.computed_tokens:
+        return f"; {kv.name} ({level}) holds the bars too but would compute no fewer tokens"
     if alternative is None:
-        return f"; {kv.name} ({LEVEL_WORDS[Level.KV]}) holds the bars too but would compute no fewer tokens" if kv else ""
+        return (
+            f"; {kv.name} ({level}) holds the bars too and computes {best.computed_tokens - kv.computed_tokens:,} fewer tokens, "
+            f"but measured slower here (TTFT {kv.ttft_ms:.1f} ms against {best.ttft_ms:.1f} ms), so it is not offered"
+        )
     return (
-        f"; a cache-editing engine could run {kv.name} ({LEVEL_WORDS[Level.KV]}) within the same bars: "
+        f"; a cache-editing engine could run {kv.name} ({level}) within the same bars: "
         f"{alternative.saved_tokens:,} fewer tokens computed, TTFT {kv.ttft_ms:.1f} ms against {best.ttft_ms:.1f} ms"
     )
 
@@ -306,20 +315,18 @@ def _generated(result: RepairResult) -> int:
     return max(len(result.generated), 1)
 
 
-def scenario_toml(report: AuditReport, labels: Sequence[str] | None = None) -> str:
-    """A scenario file for the Notes tab and ``python -m engine edit``: the last turn with a changed field, its
-    messages before the last as the context with the field as a placeholder, the last message as the question.
+def scenario_toml(report: AuditReport, labels: Sequence[str] | None = None, *, request: int | None = None, field: str | None = None) -> str:
+    """A scenario file for the Notes tab and ``python -m engine edit``: one changed field of one turn (default: the
+    first field of the last turn with a changed field; :func:`changed_field` picks another), its messages before the last
+    as the context with the field as a placeholder, the last message as the question.
 
     ``labels`` are the two answers to read, each its own surface (default: yes / no;
     :func:`engine.audit.notes.notes_scenario` reads the model's own)."""
-    turn = report.last_with_fields()
-    if turn is None:
-        raise RequestLogError("no request of this log changes a field inside shared content, so there is no field to edit")
+    turn, change = changed_field(report, request, field)
     new = report.rendered[[t.request for t in report.turns].index(turn.request)]
-    change = turn.fields[0]
     contents = [content.strip() for content in new.request.contents]
     if change.message == len(contents) - 1:
-        raise RequestLogError("the changed value sits in the last message, which a scenario reads as its question")
+        raise RequestLogError(last_message_words(change, turn.request, new))
     start = new.content_spans[change.message][0]  # where the (stripped) content was found in the rendered text
     inner = change.char_span[0] - start, change.char_span[1] - start
     holder = contents[change.message]
@@ -339,6 +346,37 @@ def scenario_toml(report: AuditReport, labels: Sequence[str] | None = None) -> s
         expect={},
     )
     return scenario.to_toml()
+
+
+def changed_field(report: AuditReport, request: int | None = None, field: str | None = None) -> tuple[AuditTurn, FieldChange]:
+    """The turn of request ``request`` (default: the last turn with a changed field) and its changed field ``field``
+    (default: its first), refused by name where the audit holds no such change."""
+    if request is None:
+        turn = report.last_with_fields()
+        if turn is None:
+            raise RequestLogError("no request of this log changes a field inside shared content, so there is no field to edit")
+    else:
+        turn = next((t for t in report.turns if t.request == request and t.fields), None)
+        if turn is None:
+            changed = [t.request for t in report.turns if t.fields]
+            raise RequestLogError(f"request {request} changes no field in the measured turns; those that do: {changed or 'none'}")
+    if field is None:
+        return turn, turn.fields[0]
+    change = next((c for c in turn.fields if c.name == field), None)
+    if change is None:
+        raise RequestLogError(f"request {turn.request} changes no field {field!r}; it changes {', '.join(c.name for c in turn.fields)}")
+    return turn, change
+
+
+def last_message_words(change: FieldChange, request: int, rendered: RenderedRequest) -> str:
+    """Why a value changed in the last message cannot be a scenario's field, and what to do instead."""
+    count = len(rendered.request.contents)
+    role = f", the {rendered.request.messages[-1].role}'s" if rendered.request.messages else ""
+    return (
+        f"{change.name} changed in message {count} of request {request} (the last{role}), which a scenario reads as its "
+        "question, so it cannot hold the field: pick a field of an earlier message, or put the value in a message before "
+        "the question (e.g. the system prompt) and audit again"
+    )
 
 
 def repaired_template(report: AuditReport, repair: str | None = None) -> str:

@@ -6,6 +6,9 @@ old and new value) are decoded greedily: where the two continuations first diffe
 token is an answer, so the margin is the model's own choice between them. Where they never differ within the tokens
 generated, the answers are the two likeliest first tokens, and :attr:`NotesScenario.moves` says whether the change
 moves their margin at all. Costs two prefills and at most ``2 × tokens`` decode steps.
+
+:func:`notes_choices` runs that pre-check on every field the measured turns changed (the latest turn of each name), so
+the user picks which change to open knowing beforehand whether it moves the model's answer.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.audit.audit import AuditReport, scenario_toml
+from engine.audit.audit import AuditReport, changed_field, scenario_toml
+from engine.audit.requests import RequestLogError
 from engine.cache.decision import RECOVERY_MIN_GAP, Decision, logit_agreement
 from engine.cache.loaded import LoadedModel
 from engine.cache.notebook import Notebook
@@ -24,6 +28,7 @@ from engine.progress import MessageProgress
 from engine.scenario import Scenario, encode, render
 
 NOTES_TOKENS = 16  # greedy tokens decoded per value to find where the model's answers part
+MOST_CHOICES = 6  # changed fields pre-checked per audit (the latest ones): each costs two prefills
 DIVERGENCE = "divergence"  # answers: the two greedy continuations up to where they first differ
 ALTERNATIVES = "first-token alternatives"  # answers: the two likeliest first tokens (the continuations never differ)
 
@@ -115,12 +120,15 @@ def notes_scenario(
     lm: LoadedModel,
     report: AuditReport,
     *,
+    request: int | None = None,
+    field: str | None = None,
     tokens: int = NOTES_TOKENS,
     progress: MessageProgress = None,
 ) -> NotesScenario:
-    """The last turn with a changed field as a scenario (:func:`scenario_toml`), its answers read off the model (module
-    docstring); the user's own labels go through :func:`scenario_toml` directly."""
-    base = scenario_toml(report, ("yes", "no"))  # placeholders, replaced by the model's answers below
+    """Changed field ``field`` of request ``request`` (default: the last turn with a changed field, its first) as a
+    scenario (:func:`scenario_toml`), its answers read off the model (module docstring); the user's own labels go
+    through :func:`scenario_toml` directly."""
+    base = scenario_toml(report, ("yes", "no"), request=request, field=field)  # placeholders, replaced by the model's answers below
     scenario = Scenario.from_toml(base, source="audited request")
     field, spec = next(iter(scenario.fields.items()))
     notebooks, generated, first = {}, {}, {}
@@ -139,3 +147,79 @@ def notes_scenario(
     source = ALTERNATIVES if divergence is None else DIVERGENCE
     kl = logit_agreement(first["new"], first["old"])["kl"]
     return NotesScenario(text, field, tuple(final.answers), source, divergence, kl, sides["old"], sides["new"])
+
+
+@dataclass(frozen=True)
+class NotesChoice:
+    """One changed field Open in Notes can open: where it changed, and its pre-check (``scenario``), or why it cannot be
+    a scenario (``refusal``: e.g. the value sits in the last message, the scenario's question)."""
+
+    request: int
+    field: str
+    old: str
+    new: str
+    scenario: NotesScenario | None
+    refusal: str | None = None
+
+    @property
+    def key(self) -> str:
+        """The menu's value: ``request:field``."""
+        return f"{self.request}:{self.field}"
+
+    @property
+    def moves(self) -> bool:
+        """Whether the pre-check found that the change moves the model's answer."""
+        return self.scenario is not None and self.scenario.moves
+
+    def verdict(self) -> str:
+        """The pre-check in a few words (the menu shows it beside the field)."""
+        if self.scenario is None:
+            return "cannot be opened: it sits in the question"
+        if self.scenario.source == DIVERGENCE:
+            return f"moves the answer (margin {self.scenario.margin_change:+.2f})" if self.moves else "changes the answer, barely"
+        return f"moves the first token (margin {self.scenario.margin_change:+.2f})" if self.moves else "does not move the output"
+
+    def label(self) -> str:
+        """The menu's label: request, field, old → new, and the pre-check's verdict."""
+        return f"request {self.request} · {self.field}: {_short(self.old)} → {_short(self.new)} · {self.verdict()}"
+
+    def words(self) -> str:
+        """The pre-check in a sentence (plain text)."""
+        return self.scenario.words() if self.scenario is not None else self.refusal or ""
+
+
+def _short(text: str, limit: int = 24) -> str:
+    return repr(text if len(text) <= limit else text[: limit - 1] + "…")
+
+
+def notes_choices(
+    lm: LoadedModel, report: AuditReport, *, most: int = MOST_CHOICES, tokens: int = NOTES_TOKENS, progress: MessageProgress = None
+) -> tuple[NotesChoice, ...]:
+    """Every field the measured turns changed, each at the latest turn that changed it (at most ``most``, the latest),
+    in request order, each with its pre-check (:func:`notes_scenario`) or why it cannot be a scenario."""
+    latest: dict[str, int] = {}
+    for turn in report.turns:
+        for change in turn.fields:
+            latest[change.name] = turn.request
+    picked = sorted(latest.items(), key=lambda item: item[1])[-most:] if most > 0 else []
+    choices = []
+    for field, request in sorted(picked, key=lambda item: (item[1], _position(report, item[1], item[0]))):
+        _, change = changed_field(report, request, field)
+        try:
+            scenario, refusal = notes_scenario(lm, report, request=request, field=field, tokens=tokens, progress=progress), None
+        except RequestLogError as error:
+            scenario, refusal = None, str(error)
+        choices.append(NotesChoice(request, field, change.old, change.new, scenario, refusal))
+    return tuple(choices)
+
+
+def _position(report: AuditReport, request: int, field: str) -> int:
+    return changed_field(report, request, field)[1].start
+
+
+def preferred_choice(choices: Sequence[NotesChoice]) -> NotesChoice | None:
+    """What Open in Notes opens unless the user picks another: the latest change that moves the answer, else the latest
+    that can be opened, else the latest."""
+    moving = [choice for choice in choices if choice.moves]
+    openable = [choice for choice in choices if choice.scenario is not None]
+    return next((found[-1] for found in (moving, openable, list(choices)) if found), None)

@@ -30,6 +30,7 @@ class NotesShare:
     oracle_label: str
     downstream_recovery: float | None = None
     reason: str | None = None
+    unmoved_by: float | None = None  # the oracle − stale margin change, where it is too small to measure a recovery against
 
     @classmethod
     def of(cls, field_only: StrategyResult, stale: Decision, oracle: Decision, downstream: Recovery | None = None) -> "NotesShare":
@@ -39,7 +40,8 @@ class NotesShare:
             return cls(None, None, None, stale.label, oracle.label, down, f"field_only is not applicable: {field_only.reason}")
         value = field_only.recovery.value
         share = None if value is None else 1.0 - value
-        return cls(share, value, field_only.decision.label, stale.label, oracle.label, down, field_only.recovery.reason)
+        unmoved = oracle.margin - stale.margin if value is None else None  # applicable: only a too-small change leaves no recovery
+        return cls(share, value, field_only.decision.label, stale.label, oracle.label, down, field_only.recovery.reason, unmoved)
 
     @property
     def field_alone_flips(self) -> bool | None:
@@ -48,6 +50,12 @@ class NotesShare:
 
     def headline(self) -> str:
         """One sentence computed from the numbers (plain text)."""
+        if self.unmoved_by is not None:
+            return (
+                f"This change does not move the decision: a clean prefill with the new value moves the margin by only "
+                f"{self.unmoved_by:+.3f} ({self.stale_label} before, {self.oracle_label} after), too little to measure what the "
+                "notes carry; pick a field or value whose change moves the answer"
+            )
         if self.share is None:
             return f"Notes share undefined: {self.reason}"
         percent = f"{max(0.0, min(1.0, self.share)):.0%}"

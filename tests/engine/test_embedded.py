@@ -2,13 +2,16 @@
 
 import pytest
 
+from engine.audit.notes import notes_scenario
+from engine.audit.requests import read_log
+from engine.audit.traffic import audit_traffic
 from engine.cache.selftest import run_selftest
 from engine.compose.keystone import keystone
 from engine.compose.remedy import DEFAULT_REMEDY
 from engine.compose.skills import SkillStore
 from engine.edit.calibrate import calibrate
 from engine.models import load_model
-from engine.scenario import Scenario, bundled_scenarios
+from engine.scenario import Scenario, bundled_logs, bundled_scenarios
 
 
 @pytest.fixture(scope="module")
@@ -75,3 +78,15 @@ def test_the_notes_demo_shows_one_notes_share_in_bfloat16():
     locality = probe_locality(made())
     assert notes.field_recovery is not None and 0.0 <= notes.field_recovery <= 0.3 and notes.field_only_label == "refuse"
     assert learn.field_recovery == notes.field_recovery == locality.field_only.recovery
+
+
+def test_the_rag_demo_passage_change_moves_the_models_answer(qwen):
+    """The bundled RAG log's last turn: the printers line of the retrieved passage changes (working → out of order) and
+    the model's own answer follows it (measured in bfloat16: '5 printers are working' vs '5 printers are out', margin
+    +9.75 → +0.50): Open in Notes' pre-check finds the greedy continuations parting on that word."""
+    log = read_log(bundled_logs()["rag"].read_text(encoding="utf-8"))
+    report = audit_traffic(qwen, log, sample=3, tokens=1, repairs=[]).measured_report()
+    assert [turn.request for turn in report.turns if turn.fields] == [2, 3]  # the model pass measured both turns
+    scenario = notes_scenario(qwen, report, request=3, field="printers")
+    assert scenario.source == "divergence" and scenario.moves and scenario.margin_change < -2.0
+    assert scenario.answers[0].endswith("working") and scenario.answers[1].endswith("out")

@@ -44,6 +44,28 @@ def test_a_kv_level_repair_is_named_only_where_it_computes_fewer_tokens():
     assert "field_erratum (KV-level, needs a cache-editing engine) holds the bars too but would compute no fewer" in chosen.reason
 
 
+def test_a_kv_level_repair_is_offered_only_where_it_is_also_faster():
+    """The issue's case: field_only computed 12 fewer tokens than hoist but measured 1798.4 ms against 270.0 ms: it is
+    named and said to be slower, not offered. At equal TTFT it is not faster, so not offered; 0.1 ms faster, it is."""
+
+    def timed(name: str, computed: int, ttft_ms: float) -> RepairResult:
+        return RepairResult(name, True, 100 - computed, computed, ttft_ms, OutputFidelity(0.0, True, 1.0, 1.0, 0))
+
+    results = {"recompute": timed("recompute", 90, 300.0), "hoist": timed("hoist", 20, 270.0), "field_only": timed("field_only", 8, 1798.4)}
+    slower = recommend(results, threshold=0.05)
+    assert slower.repair == "hoist" and slower.kv_alternative is None and slower.as_dict()["kv_alternative"] is None
+    assert "field_only (KV-level, needs a cache-editing engine) holds the bars too and computes 12 fewer tokens" in slower.reason
+    assert "but measured slower here (TTFT 1798.4 ms against 270.0 ms), so it is not offered" in slower.reason
+    assert "could run" not in slower.reason
+    results["field_only"] = timed("field_only", 8, 270.0)  # as fast, not faster
+    assert recommend(results, threshold=0.05).kv_alternative is None
+    results["field_only"] = timed("field_only", 8, 269.9)
+    faster = recommend(results, threshold=0.05)
+    assert faster.kv_alternative.repair == "field_only" and faster.kv_alternative.saved_tokens == 12
+    assert abs(faster.kv_alternative.saved_ttft_ms - 0.1) < 1e-9 and "could run field_only" in faster.reason
+    assert "12 fewer tokens computed, TTFT 269.9 ms against 270.0 ms" in faster.reason
+
+
 def test_a_noisy_reference_widens_the_bars_and_says_so():
     """In bfloat16 the prefix-cached recompute agrees with the clean prefill on 66% of its greedy tokens: a repair at
     that floor passes, and the text states the floor instead of claiming the 90% the reference itself misses."""

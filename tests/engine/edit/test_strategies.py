@@ -194,6 +194,19 @@ def test_notes_share_is_undefined_for_a_length_change(lm):
     assert notes.headline().startswith("Notes share undefined")
 
 
+def test_a_change_too_small_to_recover_says_so_in_a_sentence(lm, scenario):
+    """Where the clean prefill barely moves the margin (below min_gap), the headline says the change does not move the
+    decision, with the margin change; never "Notes share undefined … nothing to recover"."""
+    experiment = EditExperiment(lm, scenario, settings=EditSettings(min_gap=1e6))
+    report = experiment.report(["field_only"])
+    notes, change = report.notes, report.oracle.decision.margin - report.stale.decision.margin
+    assert notes.share is None and notes.unmoved_by == pytest.approx(change, abs=1e-6)
+    headline = notes.headline()
+    assert headline.startswith("This change does not move the decision: a clean prefill with the new value moves the margin by only")
+    assert f"{change:+.3f}" in headline and "undefined" not in headline and "nothing to recover" not in headline
+    assert report.as_dict()["notes"]["headline"] == headline
+
+
 def test_frontier_points_equal_each_strategy_read_on_its_own(lm, scenario):
     from engine.probes.frontier import probe_frontier
 
