@@ -16,6 +16,7 @@ from engine.audit.rewrite import apply_template, check_pairing, measure_rewrite
 from engine.audit.spans import find_span
 from engine.audit.traffic import DEFAULT_SAMPLE, audit_traffic
 from engine.cli.common import Group, Handler, arg, load, log, names, progress, read_text
+from engine.cli.endpoint import ENDPOINT, measure_on_endpoint
 
 
 def cmd_audit(args: argparse.Namespace) -> dict:
@@ -45,6 +46,8 @@ def cmd_audit(args: argparse.Namespace) -> dict:
             log(f"skipped {skipped.message}")
         steps = {"scan_progress": progress("token pass: requests"), "progress": progress("measured steps")}
         rewritten = _rewritten(args, request_log)
+        if args.endpoint:
+            return _finish(args, conditions, measure_on_endpoint(args, lm, request_log, rewritten, settings, options))
         traffic = audit_traffic(lm, request_log, sample=args.sample, settings=settings, **steps, **options)
         result, report = traffic.as_dict(), traffic.measured_report()
         if rewritten is not None:
@@ -53,6 +56,8 @@ def cmd_audit(args: argparse.Namespace) -> dict:
             )
             result |= {"rewrite": [row.as_dict() for row in measured.requests], "verdict": measured.verdict()}
     else:
+        if args.endpoint:
+            raise RequestLogError("--endpoint measures a log's sampled turns or its rewrite; it does not combine with --new")
         request = parse_prompt(text)
         if not args.find:
             raise RequestLogError("--new needs --find TEXT: the value to change in the prompt")
@@ -63,6 +68,11 @@ def cmd_audit(args: argparse.Namespace) -> dict:
     for path, build in ((args.scenario_out, lambda: scenario_toml(report)), template):
         if path:
             Path(path).write_text(build(), encoding="utf-8")
+    return _finish(args, conditions, result)
+
+
+def _finish(args: argparse.Namespace, conditions: list, result: dict) -> dict:
+    """The gate over the result, and its Markdown summary where asked for."""
     if conditions:
         result["gate"] = gate(conditions, result)
     if args.markdown and not args.json:
@@ -114,5 +124,6 @@ AUDIT: Group = (
         help=f"exit 1 when a condition holds, e.g. reuse<0.5,kl>0.05 (over the rewrite if one is measured): {', '.join(QUANTITIES)}",
     ),
     arg("--markdown", action="store_true", help="print a Markdown summary for a pull-request comment (ignored with --json)"),
+    *ENDPOINT,
 )
 COMMANDS: dict[str, tuple[Handler, tuple[Group, ...]]] = {"audit": (cmd_audit, (AUDIT,))}
