@@ -45,7 +45,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,7 +67,7 @@ SESSION_HEADER = "X-Session-ID"
 SEND_MODES = ("auto", "tokens", "chat")
 TOKEN_SERVERS = ("llamacpp", "vllm", "sglang")  # ``owned_by`` of servers whose /v1/completions takes token ids
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-TAIL_FLOOR = 1e-12  # a tail mass the server's rounding put at or below 0
+TAIL_FLOOR = 1e-6  # a tail mass at or below it is the float32 rounding of the listed log-probs, not a tail
 _MAX_WAIT_S = 60.0
 
 Token = int | str  # a token id where the server gives it, else its text
@@ -309,6 +309,7 @@ class EndpointClient:
     environ: Mapping[str, str] = field(default_factory=lambda: os.environ)
     sent: int = 0  # requests sent (answers taken from the cache are not)
     server: Server | None = None
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep  # the wait between tries
 
     def __post_init__(self) -> None:
         self.cache = AnswerCache(self.settings.cache_path)
@@ -439,7 +440,7 @@ class EndpointClient:
                     except json.JSONDecodeError:
                         raise EndpointError(f"{settings.base}{route} answered something other than JSON: {response.text[:200]!r}") from None
             if attempt < settings.retries:
-                await asyncio.sleep(min(wait, _MAX_WAIT_S))
+                await self.sleep(min(wait, _MAX_WAIT_S))
         raise EndpointError(f"{settings.base}{route} failed {settings.retries + 1} times; the last: {problem}")
 
 
