@@ -85,11 +85,16 @@ def torch_greedy(lm: LoadedModel, ids: Sequence[int], tokens: int) -> Greedy:
 
 
 def full_distributions(client: EndpointClient, lm: LoadedModel, prompts: dict[tuple, tuple[int, ...]]) -> dict[tuple, dict]:
-    """The server's whole next-token distribution (``logprobs`` = the vocabulary, one token) of each prompt."""
+    """The server's whole next-token distribution (``logprobs`` = the vocabulary, one token) of each prompt, each turn's
+    prompts on the slot its audit used (lanes as ``audit_on_endpoint`` names them), so a prompt still there is reused."""
     vocab = int(lm.model.config.vocab_size)
     full = EndpointClient(EndpointSettings(client.settings.url, client.settings.model, top_k=vocab, concurrency=1, timeout_s=600.0))
-    keys = list(prompts)
-    probes = [Probe(COMPLETIONS, {"prompt": list(prompts[key]), "max_tokens": 1, "temperature": 0.0, "logprobs": vocab}) for key in keys]
+    keys = list(prompts)[::-1]  # each turn's last prompt first: it is still in its slot
+    keys.sort(key=lambda key: key[0])  # turns in the audit's order, so each lane gets the slot it had there
+    probes = [
+        Probe(COMPLETIONS, {"prompt": list(prompts[key]), "max_tokens": 1, "temperature": 0.0, "logprobs": vocab}, f"turn-{key[0]}")
+        for key in keys
+    ]
     return {key: answer.top for key, answer in zip(keys, full.answer(probes))}
 
 
@@ -205,7 +210,7 @@ def run(lm: LoadedModel, names: Sequence[str], args, gguf: Path, model: str) -> 
         log = read_log((Path(args.log_dir) / f"{name}.jsonl").read_text(encoding="utf-8"))
         server_log = Path(tempfile.gettempdir()) / f"kvscope-audit_endpoint-{name.replace('/', '-')}.log"
         load_before = os.getloadavg()
-        with LlamaServer(Path(args.server), gguf, 8192, args.threads, server_log, model, slots=1) as server:
+        with LlamaServer(Path(args.server), gguf, 4 * 2048, args.threads, server_log, model, slots=4) as server:
             client = EndpointClient(EndpointSettings(server.base_url, model, top_k=TOP_K, concurrency=1, timeout_s=600.0))
             row = {"log": name, **compare_log(lm, client, log, args.sample, args.tokens, args.grain)}
             row["llama_server"] = server.settings()
