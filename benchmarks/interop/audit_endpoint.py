@@ -15,7 +15,8 @@ sent, top 20 log-probs), each timed. Beside them:
   ``--tokens`` greedy tokens the same) from both sides; a verdict is *decidable* when torch's top-2 log-prob gap
   exceeds twice the noise at every position it rests on (the first position of both prompts for top-1; every greedy
   step of both generations for the greedy verdict), since each of the two log-probs can move by the noise; both sides
-  must agree on every decidable one;
+  must agree on every decidable one. Short of that, the greedy tokens both paths fix (the leading steps whose gap
+  exceeds twice the noise) must agree as far as they go (``common_prefix_within_decided_tokens``);
 - **the KL estimate**: the endpoint's KL̂ (top 20, the tail as one bucket) against the exact KL between the server's
   own two full distributions (asked for with ``logprobs`` = the vocabulary), which must lie in [KL̂, KL̂ + kl_bound]
   (up to the server's rounding: its full distributions sum to 1 within ``rounding``); and against torch's KL.
@@ -142,6 +143,7 @@ def compare_log(lm: LoadedModel, client: EndpointClient, log: RequestLog, sample
         ref, rep = greedy[(turn.request, "reference")], greedy[(turn.request, name)]
         first_gap = min(ref.gaps[0], rep.gaps[0])
         path_gap = min(ref.gaps + rep.gaps)
+        decided = min(_decided(ref.gaps, most_noise), _decided(rep.gaps, most_noise))  # leading tokens both paths fix
         exact = _full_kl(full[(turn.request, "reference")], full[(turn.request, name)])
         f, t = measured.fidelity, result.fidelity
         rows.append(
@@ -156,6 +158,8 @@ def compare_log(lm: LoadedModel, client: EndpointClient, log: RequestLog, sample
                 "endpoint_generation_agreement": round(f.generation_agreement, 4),
                 "first_gap": round(first_gap, 4),
                 "path_gap": round(path_gap, 4),
+                "decided_tokens": decided,
+                "prefix_agrees_where_decided": min(t.generated_common_prefix, decided) == min(f.generated_common_prefix, decided),
                 "top1_decidable": first_gap > 2 * most_noise,
                 "greedy_decidable": path_gap > 2 * most_noise,
                 "endpoint_kl": round(f.kl, 6),
@@ -186,6 +190,11 @@ def compare_log(lm: LoadedModel, client: EndpointClient, log: RequestLog, sample
     }
 
 
+def _decided(gaps: Sequence[float], noise: float) -> int:
+    """The leading greedy steps whose top-2 gap exceeds twice the noise: tokens the server must pick as torch does."""
+    return next((i for i, gap in enumerate(gaps) if gap <= 2 * noise), len(gaps))
+
+
 def _full_kl(reference: dict, other: dict) -> float:
     """KL between two whole distributions as the server listed them, each renormalized over its vocabulary."""
     tokens = sorted(reference)
@@ -201,6 +210,11 @@ def _verdicts(rows: Sequence[dict]) -> dict:
         same = [row[f"torch_{verdict}"] == row[f"endpoint_{verdict}"] for row in rows]
         chosen = [s for s, row in zip(same, rows) if row[decidable]]
         out[verdict] = {"decidable": len(chosen), "agree_where_decidable": sum(chosen), "agree_overall": sum(same), "of": len(rows)}
+    out["common_prefix_within_decided_tokens"] = {
+        "agree": sum(row["prefix_agrees_where_decided"] for row in rows),
+        "of": len(rows),
+        "decided_tokens": sum(row["decided_tokens"] for row in rows),
+    }
     return out
 
 
@@ -246,19 +260,21 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = _parser().parse_args(argv)
     lm = common.load(args)
     gguf, model = resolve_gguf(args.gguf)
-    logs = run(lm, [name.strip() for name in args.logs.split(",") if name.strip()], args, gguf, model)
-    data = {
-        "gguf": gguf.name,
-        "cpu": cpu_info(),
-        "sample": args.sample,
-        "generated_tokens": args.tokens,
-        "top_k": TOP_K,
-        "grain": args.grain,
-        "cache_settings": CacheSettings().as_dict(),
-        "decidable_rule": "torch's top-2 log-prob gap > 2 x the noise at every position the verdict rests on",
-        "logs": logs,
-    }
-    path = common.write_result("audit_endpoint", lm, data, Path(args.out))
+    logs: list[dict] = []
+    for name in [name.strip() for name in args.logs.split(",") if name.strip()]:  # written after each log: a long run keeps its part
+        logs += run(lm, [name], args, gguf, model)
+        data = {
+            "gguf": gguf.name,
+            "cpu": cpu_info(),
+            "sample": args.sample,
+            "generated_tokens": args.tokens,
+            "top_k": TOP_K,
+            "grain": args.grain,
+            "cache_settings": CacheSettings().as_dict(),
+            "decidable_rule": "torch's top-2 log-prob gap > 2 x the noise at every position the verdict rests on",
+            "logs": logs,
+        }
+        path = common.write_result("audit_endpoint", lm, data, Path(args.out))
     print("→", path)
     return data
 
