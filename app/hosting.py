@@ -67,6 +67,15 @@ class HostingProfile:
     max_audit_requests: int | None = None  # requests per audited log (None: any); each request's tokens: max_context_tokens
     max_audit_tokens: int | None = None  # greedy tokens generated per state in an audit (None: any)
     calibrate_remedies: bool = True  # whether the composer's "auto" may calibrate a model (minutes of model time)
+    measure_on_server: bool = True  # whether an audit may be measured on a server URL the visitor types
+
+    def check_measure_on_server(self) -> None:
+        """Refuse measuring on a visitor's URL where the server is shared: it would make requests on their behalf."""
+        if not self.measure_on_server:
+            raise HostingError(
+                f"{self.label} makes no request to a URL a visitor typed: run KVScope on your own machine "
+                "(python -m app, or kvscope audit LOG --endpoint URL) to measure on your server"
+            )
 
     @property
     def label(self) -> str:
@@ -171,6 +180,7 @@ def public_profile(extra_models: Sequence[str] = (), memory_bytes: int | None = 
         max_audit_requests=PUBLIC_MAX_AUDIT_REQUESTS,
         max_audit_tokens=PUBLIC_MAX_AUDIT_TOKENS,
         calibrate_remedies=False,
+        measure_on_server=False,
         **_budgets(memory_bytes or machine_memory_bytes()),
     )
 

@@ -79,6 +79,7 @@ Auditing request logs
 ``notes_choices``          every changed field with its pre-check (``NotesChoice``); ``preferred_choice``: the default
 ``repaired_template``      the prompt template that keeps the cached prefix stable
 ``measure_rewrite``        a rewritten log (or ``apply_template``) against the original; ``rewrite_markdown``
+``measure_rewrite_on_endpoint``  the same on an OpenAI-compatible endpoint (``EndpointClient``, ``EndpointSettings``)
 ``RequestLogError``        a log, prompt or audit refused, with the line and the reason
 =========================  ======================================================================================
 
@@ -132,6 +133,8 @@ _PUBLIC = {
     "EditExperiment": "engine.edit.experiment",
     "EditReport": "engine.edit.report",
     "EditSettings": "engine.edit.strategies",
+    "EndpointClient": "engine.audit.endpoint",
+    "EndpointSettings": "engine.audit.endpoint",
     "GRAINS": "engine.audit.repairs",
     "HOST_OPT_IN_ALIASES": "engine.models",
     "IMAGE_QUESTION": "engine.compose.pictures",
@@ -210,6 +213,7 @@ _PUBLIC = {
     "load_cache": "engine.cache.interop",
     "load_model": "engine.models",
     "measure_rewrite": "engine.audit.rewrite",
+    "measure_rewrite_on_endpoint": "engine.audit.endpoint_audit",
     "notes_scenario": "engine.audit.notes",
     "notes_choices": "engine.audit.notes",
     "preferred_choice": "engine.audit.notes",
@@ -258,6 +262,8 @@ __all__ = [
     "EditExperiment",
     "EditReport",
     "EditSettings",
+    "EndpointClient",
+    "EndpointSettings",
     "GRAINS",
     "HOST_OPT_IN_ALIASES",
     "IMAGE_QUESTION",
@@ -336,6 +342,7 @@ __all__ = [
     "load_cache",
     "load_model",
     "measure_rewrite",
+    "measure_rewrite_on_endpoint",
     "model_remedies",
     "notes_choices",
     "notes_scenario",
@@ -373,6 +380,8 @@ __all__ = [
 if TYPE_CHECKING:
     from engine.audit.audit import AuditReport, MeasureSettings, audit_value, repaired_template, scenario_toml
     from engine.audit.caches import CacheSettings
+    from engine.audit.endpoint import EndpointClient, EndpointSettings
+    from engine.audit.endpoint_audit import measure_rewrite_on_endpoint
     from engine.audit.fields import candidate_spans
     from engine.audit.fleet import fleet_grid
     from engine.audit.gate import rewrite_markdown

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gradio as gr
 
 from app.handlers.common import AppError
+from app.handlers.endpoint import run_rewrite_on_server
 from app.handlers.your_prompt import (
     AUDIT_REPAIRS,
     DEFAULTS,
@@ -177,6 +178,15 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
                         False, label="It is a prompt template ({placeholders}, as Export writes)", elem_id="audit-as-template"
                     )
                     rewrite_button = gr.Button("Measure the rewrite", variant="primary", elem_id="run-rewrite")
+            with gr.Row():
+                server_url = gr.Textbox(
+                    label="Measure on a server: its OpenAI-compatible base URL (vLLM, SGLang, llama-server; API key from the environment)",
+                    placeholder="http://127.0.0.1:8000",
+                    elem_id="audit-server-url",
+                    scale=2,
+                )
+                server_model = gr.Textbox(label="Served model (empty: the one it serves)", elem_id="audit-server-model", scale=1)
+                server_button = gr.Button("Measure on a server", elem_id="run-rewrite-server", scale=1)
             rewrite_view = gr.Markdown(elem_id="audit-rewrite", elem_classes=["kv-audit-tables"])
             rewrite_json = gr.JSON(label="Rewrite", elem_id="audit-rewrite-json")
         with gr.Row():
@@ -343,6 +353,19 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
         inputs_kwargs={"spec": page.spec, "text": log_text, "rewritten": rewritten, "template": as_template, "tokens": tokens},
         outputs=[rewrite_view, rewrite_json],
         api_name="audit_rewrite",
+        **page.model_bound(),
+    )
+
+    @page.action
+    def on_rewrite_on_server(spec, text, progress=gr.Progress(), **values):
+        return run_rewrite_on_server(page.registry, text, spec=spec, progress=step_progress(progress), **values)
+
+    server_inputs = {"spec": page.spec, "text": log_text, "rewritten": rewritten, "template": as_template, "tokens": tokens}
+    server_button.click(
+        on_rewrite_on_server,
+        inputs_kwargs=server_inputs | {"url": server_url, "model": server_model},
+        outputs=[rewrite_view, rewrite_json],
+        api_name="audit_rewrite_on_server",
         **page.model_bound(),
     )
 

@@ -203,10 +203,15 @@ def fidelity(state: torch.Tensor, generated: Sequence[int], clean: Reference) ->
     p, q = clean.logprobs, state
     kl = kl_divergence(p, q)
     top_p, top_q = p.topk(5).indices.tolist(), q.topk(5).indices.tolist()
-    count = max(len(clean.generated), len(generated), 1)
-    agree = sum(a == b for a, b in zip(clean.generated, generated)) / count
     top1 = int(p.argmax()) == int(q.argmax())
-    return OutputFidelity(kl, top1, len(set(top_p) & set(top_q)) / 5, agree, common_prefix(tuple(clean.generated), tuple(generated)))
+    return OutputFidelity(kl, top1, len(set(top_p) & set(top_q)) / 5, *greedy_agreement(clean.generated, generated))
+
+
+def greedy_agreement(reference: Sequence, other: Sequence) -> tuple[float, int]:
+    """Two greedy generations compared: the share of positions (of the longer) holding the same token, and how many
+    agree in a row from the first."""
+    count = max(len(reference), len(other), 1)
+    return sum(a == b for a, b in zip(reference, other)) / count, common_prefix(tuple(reference), tuple(other))
 
 
 def run_repair(name: str, turn: Turn, clean: Reference) -> RepairResult:
@@ -370,8 +375,7 @@ def _edited_in_place(turn: Turn, target: RenderedRequest) -> _Built:
 
 
 def _erratum(turn: Turn) -> _Built:
-    if not turn.diff.fields:
-        raise RepairNotApplicable("no field changed: there is nothing to state")
+    check_applies("erratum", turn.new, turn.diff, turn.grain)
     return _prefix_cached(turn, turn.old.ids, _sent(turn, "erratum"))
 
 
@@ -380,10 +384,7 @@ def _field_erratum(turn: Turn) -> _Built:
 
 
 def _hoist(turn: Turn) -> _Built:
-    if not turn.diff.fields:
-        raise RepairNotApplicable("no field changed: there is no volatile line to move")
-    if any(change.message == len(turn.new.request.contents) - 1 for change in turn.diff.fields):
-        raise RepairNotApplicable("the changed value is already in the last message")
+    check_applies("hoist", turn.new, turn.diff, turn.grain)
     cached = turn.render(_hoisted(turn.old, turn.diff.fields, _old, older=True))
     return _prefix_cached(turn, cached.ids, _sent(turn, "hoist"), {"prompt_changed": True})
 
@@ -402,15 +403,37 @@ def coarse(value: str, grain: str) -> str:
 
 
 def _coarsen(turn: Turn) -> _Built:
-    if turn.grain is None:
-        raise RepairNotApplicable("name a grain to coarsen to (date, hour or minute)")
-    if not turn.diff.fields:
-        raise RepairNotApplicable("no field changed: there is nothing to coarsen")
+    check_applies("coarsen", turn.new, turn.diff, turn.grain)
     olds = {change.name: coarse(change.old, turn.grain) for change in turn.diff.fields}
     news = {change.name: coarse(change.new, turn.grain) for change in turn.diff.fields}
     cached = turn.render(_with_values(turn.old, turn.diff.fields, lambda change: olds[change.name], older=True))
     target = _sent(turn, "coarsen", lambda change: news[change.name])
     return _prefix_cached(turn, cached.ids, target, {"prompt_changed": True, "grain": turn.grain, "coarse_values": news})
+
+
+def check_applies(name: str, new: RenderedRequest, diff: TurnDiff, grain: str | None) -> None:
+    """Refuse (``RepairNotApplicable``, saying why) a prompt-level repair that cannot apply to this turn."""
+    if name == "coarsen" and grain is None:
+        raise RepairNotApplicable("name a grain to coarsen to (date, hour or minute)")
+    if name != "recompute" and not diff.fields:
+        nothing = {
+            "erratum": "there is nothing to state",
+            "hoist": "there is no volatile line to move",
+            "coarsen": "there is nothing to coarsen",
+        }
+        raise RepairNotApplicable(f"no field changed: {nothing[name]}")
+    if name == "hoist" and any(change.message == len(new.request.contents) - 1 for change in diff.fields):
+        raise RepairNotApplicable("the changed value is already in the last message")
+
+
+def prompt_repair_request(name: str, new: RenderedRequest, diff: TurnDiff, grain: str | None = None) -> Request:
+    """The request prompt-level repair ``name`` sends for the newer request of a turn, at the values it serves (the new
+    ones; ``coarsen``'s coarse ones), refused as its builder refuses: what a server is asked to measure it."""
+    if REPAIR_LEVELS[name] is not Level.PROMPT:
+        raise RepairNotApplicable(f"{name} is {LEVEL_WORDS[REPAIR_LEVELS[name]]}: it edits cached entries, no request carries it")
+    check_applies(name, new, diff, grain)
+    value_of = (lambda change: coarse(change.new, grain)) if name == "coarsen" else _new
+    return repaired_request(name, new, diff.fields, value_of)
 
 
 _BUILDERS: dict[str, Callable[[Turn], _Built]] = {

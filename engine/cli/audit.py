@@ -18,6 +18,7 @@ from engine.audit.sources import SOURCES
 from engine.audit.spans import find_span
 from engine.audit.traffic import DEFAULT_SAMPLE, audit_traffic
 from engine.cli.common import Group, Handler, arg, load, log, names, progress, read_text
+from engine.cli.endpoint import ENDPOINT, measure_on_endpoint
 from engine.cli.scale import SCALE, fleet_of, one_text, read_request_log, token_pass
 
 
@@ -50,6 +51,8 @@ def cmd_audit(args: argparse.Namespace) -> dict:
             log(f"skipped {skipped.message}")
         steps = {"scan_progress": progress("token pass: requests"), "progress": progress("measured steps")}
         rewritten = _rewritten(args, request_log)
+        if args.endpoint:
+            return _finish(args, conditions, measure_on_endpoint(args, lm, request_log, rewritten, settings, options))
         scale = {"fleet": fleet_of(args), "token_pass": token_pass(args, lm, settings)}
         traffic = audit_traffic(
             lm, request_log, sample=args.sample, settings=settings, observed_engine=args.observed_engine, **steps, **options, **scale
@@ -65,6 +68,8 @@ def cmd_audit(args: argparse.Namespace) -> dict:
     else:
         if text is None:
             raise RequestLogError("--new audits one prompt: give one plain file")
+        if args.endpoint:
+            raise RequestLogError("--endpoint measures a log's sampled turns or its rewrite; it does not combine with --new")
         request = parse_prompt(text)
         if not args.find:
             raise RequestLogError("--new needs --find TEXT: the value to change in the prompt")
@@ -75,6 +80,11 @@ def cmd_audit(args: argparse.Namespace) -> dict:
     for path, build in ((args.scenario_out, lambda: scenario_toml(report)), template):
         if path:
             Path(path).write_text(build(), encoding="utf-8")
+    return _finish(args, conditions, result)
+
+
+def _finish(args: argparse.Namespace, conditions: list, result: dict) -> dict:
+    """The gate over the result, and its Markdown summary where asked for."""
     if conditions:
         result["gate"] = gate(conditions, result)
     if args.markdown and not args.json:
@@ -147,5 +157,6 @@ AUDIT: Group = (
         help=f"exit 1 when a condition holds, e.g. reuse<0.5,kl>0.05 (over the rewrite if one is measured): {', '.join(QUANTITIES)}",
     ),
     arg("--markdown", action="store_true", help="print a Markdown summary for a pull-request comment (ignored with --json)"),
+    *ENDPOINT,
 )
 COMMANDS: dict[str, tuple[Handler, tuple[Group, ...]]] = {"audit": (cmd_audit, (AUDIT, SCALE))}

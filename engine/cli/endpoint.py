@@ -1,0 +1,88 @@
+"""``audit --endpoint URL``: the audit's model pass (sampled groups, ``--rewritten``, ``--template``) measured on an
+OpenAI-compatible endpoint (:mod:`engine.audit.endpoint_audit`); the local ``--model`` gives only the tokenizer's
+token pass. The API key comes from the environment (``KVSCOPE_ENDPOINT_KEY``), never from a flag."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from engine.audit.audit import check_repairs
+from engine.audit.caches import CacheSettings
+from engine.audit.endpoint import (
+    DEFAULT_CONCURRENCY,
+    DEFAULT_TIMEOUT_S,
+    DEFAULT_TOP_K,
+    KEY_ENV,
+    SEND_MODES,
+    EndpointClient,
+    EndpointSettings,
+)
+from engine.audit.endpoint_audit import audit_on_endpoint, endpoint_result, measure_rewrite_on_endpoint
+from engine.audit.requests import RequestLog, _context_limit
+from engine.audit.traffic import audit_traffic, sample_groups
+from engine.cli.common import Group, arg, progress
+from engine.models import LoadedModel
+
+ENDPOINT: Group = (
+    arg("--endpoint", help=f"an OpenAI-compatible base URL: measure on the served model (API key from ${KEY_ENV})"),
+    arg("--endpoint-model", help="the served model's name (default: the one model the server lists)"),
+    arg("--endpoint-top-k", type=int, default=DEFAULT_TOP_K, help="top log-probs asked per token (as many as the server allows)"),
+    arg("--endpoint-concurrency", type=int, default=DEFAULT_CONCURRENCY, help="requests in flight at most"),
+    arg("--endpoint-timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds per request before it is retried"),
+    arg("--endpoint-cache", help="JSONL of answers kept by request hash: a rerun resumes and sends no request twice"),
+    arg("--endpoint-send", choices=SEND_MODES, default="auto", help="tokens: the audited ids; chat: messages (auto: ids where taken)"),
+)
+
+
+def endpoint_client(args: argparse.Namespace) -> EndpointClient:
+    settings = EndpointSettings(
+        args.endpoint,
+        args.endpoint_model,
+        top_k=args.endpoint_top_k,
+        concurrency=args.endpoint_concurrency,
+        timeout_s=args.endpoint_timeout,
+        cache_path=Path(args.endpoint_cache) if args.endpoint_cache else None,
+        send=args.endpoint_send,
+    )
+    return EndpointClient(settings)
+
+
+def measure_on_endpoint(
+    args: argparse.Namespace, lm: LoadedModel, log: RequestLog, rewritten: RequestLog | None, settings: CacheSettings, options: dict
+) -> dict:
+    """The token pass with the local tokenizer, then the sampled turns and the rewrite (with one) measured on the endpoint."""
+    client = endpoint_client(args)
+    text = {"tokenizer": lm.tokenizer, "limit": _context_limit(lm), "model": lm.name}
+    traffic = audit_traffic(
+        lm,
+        log,
+        sample=0,
+        settings=settings,
+        observed_engine=args.observed_engine,
+        scan_progress=progress("token pass: requests"),
+        **options,
+    )
+    result = traffic.as_dict()
+    groups = sample_groups(traffic.scan, args.sample)
+    measured = audit_on_endpoint(
+        client,
+        traffic.scan,
+        groups,
+        repairs=check_repairs(options["repairs"]),
+        tokens=args.tokens,
+        threshold=args.threshold,
+        min_agreement=args.min_agreement,
+        grain=args.grain,
+        progress=progress("endpoint: sampled prompts"),
+        **text,
+    )
+    for row, group in zip(result["groups"], groups):
+        row |= {"measured": list(group.measured), "reason": group.reason, "fidelity": measured.group_fidelity(group.measured)}
+    result |= {"sample": args.sample, "endpoint": measured.as_dict()}
+    if rewritten is not None:
+        rewrite = measure_rewrite_on_endpoint(
+            client, log, rewritten, settings=settings, tokens=args.tokens, progress=progress("endpoint: rewrite requests"), **text
+        )
+        result |= endpoint_result(rewrite) | {"endpoint": measured.as_dict() | rewrite.endpoint}
+    return result

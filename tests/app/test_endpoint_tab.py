@@ -1,0 +1,56 @@
+"""The Your prompt tab's "Measure on a server", on tiny-qwen2 against a fake OpenAI-compatible server answering with
+the same model's torch log-probs: the same rows and verdict as the in-process measurement, the endpoint named (escaped),
+and the public profile refusing it before any request reaches the URL."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app.handlers.common import AppError
+from app.handlers.endpoint import run_rewrite_on_server
+from app.handlers.your_prompt import run_rewrite
+from app.hosting import public_profile
+from app.state import ModelRegistry
+from tests.app.conftest import TINY
+from tests.fake_endpoint import FakeServer, serving
+
+SYSTEM = "You are the help desk of a bike shop.\nSession started: 2026-05-12 09:{minute}\nBe brief."
+
+
+def _request(minute: str, question: str) -> str:
+    return json.dumps({"messages": [{"role": "system", "content": SYSTEM.format(minute=minute)}, {"role": "user", "content": question}]})
+
+
+LOG = "\n".join([_request("41", "Is my wheel covered?"), _request("42", "Is my wheel covered?")])
+HOISTED = "\n".join(
+    json.dumps({"messages": [{"role": "system", "content": "You are the help desk of a bike shop.\nBe brief."},
+                             {"role": "user", "content": f"Is my wheel covered?\n\nSession started: 2026-05-12 09:{minute}"}]})
+    for minute in ("41", "42")
+)  # fmt: skip
+
+
+def test_a_rewrite_measured_on_a_server_gives_the_in_process_rows_and_names_the_endpoint(registry):
+    fake = FakeServer(registry.get(), model="desk<b>")
+    with serving(fake) as url:
+        words, data = run_rewrite_on_server(registry, LOG, rewritten=HOISTED, url=url, model="desk<b>", tokens=3)
+    _, local = run_rewrite(registry, LOG, rewritten=HOISTED, template=False, tokens=3)
+    assert len(fake.completions) == 4  # two originals, two rewrites, each once
+    assert data["verdict"] == local["verdict"] and data["endpoint"]["model"] == "desk<b>" and data["endpoint"]["top_k"] == 20
+    for mine, theirs in zip(data["rewrite"], local["rewrite"]):
+        for key in ("top1_agree", "generation_agreement", "generated_common_prefix", "same_text", "original_text", "rewritten_text"):
+            assert mine[key] == theirs[key], key
+        assert mine["kl"] <= theirs["kl"] + 1e-5 <= mine["kl"] + mine["kl_bound"] + 2e-5
+    assert "desk&lt;b&gt;" in words and "desk<b>" not in words and data["verdict"] in words
+    with pytest.raises(AppError, match="base URL"):
+        run_rewrite_on_server(registry, LOG, rewritten=HOISTED, url="  ", tokens=3)
+
+
+def test_the_public_profile_makes_no_request_to_a_url_a_visitor_typed(registry):
+    public = ModelRegistry(TINY, profile=public_profile())
+    fake = FakeServer(registry.get())
+    with serving(fake) as url:
+        with pytest.raises(AppError, match="makes no request to a URL a visitor typed"):
+            run_rewrite_on_server(public, LOG, rewritten=HOISTED, url=url, tokens=3)
+    assert fake.headers == [] and fake.completions == []  # not even the model list was asked for
