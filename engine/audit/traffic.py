@@ -20,8 +20,8 @@ from engine.audit.causes import Cause, another_prompt, causes_of
 from engine.audit.fields import TurnDiff, common_prefix, compare_requests
 from engine.audit.repairs import REPAIRS, Turn
 from engine.audit.requests import RenderedRequest, RequestLog, RequestLogError, Skipped, render_batch
+from engine.audit.states import ComputedStates
 from engine.cache.loaded import LoadedModel
-from engine.cache.notebook import Notebook
 from engine.progress import StepProgress
 
 DEFAULT_SAMPLE = 3  # turns measured per group
@@ -421,8 +421,9 @@ def audit_traffic(
 
     matched = {row.request: row.matched_request for row in scan.requests}
     turns = {}
+    store = ComputedStates(lm, measure.tokens)  # each prompt computed once, a prefix shared with an earlier one reused
     for index in chosen:
         new, diff, old = scan.rendered[index], scan.diffs[index], scan.rendered[matched[index]]
-        cached = Notebook.prefill(lm, list(old.ids), "request").materialized()
-        turns[index], _ = measure_turn(Turn(lm, old, new, diff, cached, measure.tokens, grain, max_tokens), measure, tick)
+        turn = Turn(lm, old, new, diff, store.state(old.ids), store, grain, max_tokens)
+        turns[index] = measure_turn(turn, measure, tick)
     return TrafficReport(lm.fingerprint.name, lm.fingerprint.dtype, scan, tuple(groups), turns, measure, sample)
