@@ -21,7 +21,7 @@ from engine.audit.fields import TurnDiff, common_prefix, compare_requests
 from engine.audit.repairs import REPAIRS, Turn
 from engine.audit.requests import RenderedRequest, RequestLog, RequestLogError, Skipped, render_batch
 from engine.audit.states import ComputedStates
-from engine.cache.loaded import LoadedModel
+from engine.cache.loaded import LoadedModel, LoadedTokenizer
 from engine.progress import StepProgress
 
 DEFAULT_SAMPLE = 3  # turns measured per group
@@ -376,7 +376,7 @@ class TrafficReport:
 
 
 def audit_traffic(
-    lm: LoadedModel,
+    lm: LoadedModel | LoadedTokenizer,
     log: RequestLog,
     *,
     sample: int = DEFAULT_SAMPLE,
@@ -391,9 +391,12 @@ def audit_traffic(
     progress: StepProgress = None,
 ) -> TrafficReport:
     """The token pass over the whole log, then up to ``sample`` turns of each change signature measured with every
-    repair (``scan_progress``: requests of the token pass; ``progress``: the measured steps)."""
+    repair (``scan_progress``: requests of the token pass; ``progress``: the measured steps). With ``sample`` 0 only the
+    tokenizer is read, so ``lm`` may be a :class:`~engine.cache.loaded.LoadedTokenizer` (no weights loaded)."""
     if sample < 0:
         raise RequestLogError(f"--sample is the turns measured per group, at least 0, got {sample}")
+    if sample > 0 and isinstance(lm, LoadedTokenizer):
+        raise RequestLogError(f"--sample {sample} measures turns with the model, and only the tokenizer of {lm.name} was loaded")
     defaults = MeasureSettings(check_repairs(repairs))
     measure = MeasureSettings(
         defaults.repairs,

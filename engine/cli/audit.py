@@ -16,6 +16,7 @@ from engine.audit.rewrite import apply_template, check_pairing, measure_rewrite
 from engine.audit.spans import find_span
 from engine.audit.traffic import DEFAULT_SAMPLE, audit_traffic
 from engine.cli.common import Group, Handler, arg, load, log, names, progress, read_text
+from engine.models import load_tokenizer
 
 
 def cmd_audit(args: argparse.Namespace) -> dict:
@@ -37,7 +38,8 @@ def cmd_audit(args: argparse.Namespace) -> dict:
         "min_agreement": args.min_agreement,
         "grain": args.grain,
     }
-    lm = load(args)
+    token_pass_only = args.sample == 0 and args.new is None and not (args.rewritten or args.template)
+    lm = load_tokenizer(args.model, progress=log) if token_pass_only else load(args)  # no weights for the token pass
     if args.new is None:
         settings = CacheSettings(args.block_size, args.kv_budget_blocks, args.kv_budget_tokens, args.slots, args.cache_reuse)
         request_log = read_log(text, args.format)
