@@ -8,6 +8,7 @@ Models and scenarios
 =========================  ======================================================================================
 ``load_model``             a model by alias (``embedded``, ``smollm2``, ``tiny-<arch>``), local directory or HF id
 ``LoadedModel``            a loaded model: tokenizer, config, device, dtype, fingerprint, ``info()``, its splice gate
+``load_tokenizer``         a model's tokenizer and config without its weights (``LoadedTokenizer``: a token pass)
 ``tiny_model``             a tiny random-weight model of one family, for exact cache-math checks
 ``DTYPES``                 the dtypes a model loads in, by name; ``dtype_name`` names a torch dtype
 ``accelerator_dtype``      the dtype "auto" picks on a GPU (bfloat16 where supported, else float16)
@@ -96,6 +97,7 @@ Serving: what a server shares between requests
 =========================  ======================================================================================
 ``WorkBudget``             a request's bound on model work; ``bounded`` runs within it, taking turns at a ``ComputeGate``
 ``waits_reported``         within: each wait at the gate reported as a message
+``cancellable``            within: every forward first checks a ``CancelToken``, raising ``Cancelled`` once it is cancelled
 ``BudgetedLRU``            entries kept within a byte budget, least recently used dropped first (``tensor_bytes``)
 ``SingleFlight``           computed-once entries: one computation, concurrent callers wait for it
 ``MessageProgress``        a progress callback taking messages; ``StepProgress``: (done, total); ``StepMessage``,
@@ -117,6 +119,8 @@ _PUBLIC = {
     "AuditReport": "engine.audit.audit",
     "BudgetedLRU": "engine.cache.lru",
     "CacheSettings": "engine.audit.caches",
+    "CancelToken": "engine.cache.budget",
+    "Cancelled": "engine.cache.budget",
     "ComputeGate": "engine.cache.budget",
     "DECISIVE_MARGIN": "engine.cache.decision",
     "DEFAULT_REMEDY": "engine.compose.remedy",
@@ -132,6 +136,7 @@ _PUBLIC = {
     "KVScopeError": "engine.errors",
     "Knockout": "engine.cache.notebook",
     "LoadedModel": "engine.models",
+    "LoadedTokenizer": "engine.cache.loaded",
     "LoraSettings": "engine.edit.lora",
     "MeasureSettings": "engine.audit.audit",
     "MessageProgress": "engine.progress",
@@ -173,6 +178,7 @@ _PUBLIC = {
     "audit_value": "engine.audit.audit",
     "available_offline": "engine.models",
     "bounded": "engine.cache.budget",
+    "cancellable": "engine.cache.budget",
     "bounded_sample": "engine.audit.sampling",
     "bundled_images": "engine.compose.pictures",
     "bundled_logs": "engine.scenario",
@@ -181,6 +187,7 @@ _PUBLIC = {
     "calibrated_remedy": "engine.compose.calibration",
     "cancel_calibration": "engine.compose.calibration",
     "candidate_menu": "engine.audit.spans",
+    "check_repairs": "engine.audit.audit",
     "candidate_span": "engine.audit.spans",
     "candidate_spans": "engine.audit.fields",
     "check_model": "engine.checks.support",
@@ -199,6 +206,7 @@ _PUBLIC = {
     "keystone": "engine.compose.keystone",
     "load_cache": "engine.cache.interop",
     "load_model": "engine.models",
+    "load_tokenizer": "engine.models",
     "measure_rewrite": "engine.audit.rewrite",
     "notes_scenario": "engine.audit.notes",
     "offline_aliases": "engine.models",
@@ -236,6 +244,8 @@ __all__ = [
     "AuditReport",
     "BudgetedLRU",
     "CacheSettings",
+    "CancelToken",
+    "Cancelled",
     "ComputeGate",
     "DECISIVE_MARGIN",
     "DEFAULT_REMEDY",
@@ -251,6 +261,7 @@ __all__ = [
     "KVScopeError",
     "Knockout",
     "LoadedModel",
+    "LoadedTokenizer",
     "LoraSettings",
     "MeasureSettings",
     "MessageProgress",
@@ -299,10 +310,12 @@ __all__ = [
     "bundled_skills",
     "calibrated_remedy",
     "cancel_calibration",
+    "cancellable",
     "candidate_menu",
     "candidate_span",
     "candidate_spans",
     "check_model",
+    "check_repairs",
     "check_vision_model",
     "compare",
     "compare_edits",
@@ -318,6 +331,7 @@ __all__ = [
     "keystone",
     "load_cache",
     "load_model",
+    "load_tokenizer",
     "measure_rewrite",
     "model_remedies",
     "notes_scenario",
@@ -352,7 +366,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from engine.audit.audit import AuditReport, MeasureSettings, audit_value, repaired_template, scenario_toml
+    from engine.audit.audit import AuditReport, MeasureSettings, audit_value, check_repairs, repaired_template, scenario_toml
     from engine.audit.caches import CacheSettings
     from engine.audit.fields import candidate_spans
     from engine.audit.gate import rewrite_markdown
@@ -363,7 +377,7 @@ if TYPE_CHECKING:
     from engine.audit.sampling import bounded_sample
     from engine.audit.spans import appended_chars, candidate_menu, candidate_span, find_span, prefix_cache_stop
     from engine.audit.traffic import DEFAULT_SAMPLE, audit_traffic
-    from engine.cache.budget import ComputeGate, WorkBudget, bounded, waits_reported
+    from engine.cache.budget import CancelToken, Cancelled, ComputeGate, WorkBudget, bounded, cancellable, waits_reported
     from engine.cache.decision import DECISIVE_MARGIN
     from engine.cache.footprint import tensor_bytes
     from engine.cache.interop import load_cache, save_cache, to_dynamic_cache
@@ -414,9 +428,11 @@ if TYPE_CHECKING:
         expected_parameter_bytes,
         is_offline_alias,
         load_model,
+        load_tokenizer,
         offline_aliases,
         resolve_device,
     )
+    from engine.cache.loaded import LoadedTokenizer
     from engine.models.tiny import tiny_model
     from engine.once import SingleFlight
     from engine.probes.analysis import DEFAULT_STRATEGIES, analyse_edit

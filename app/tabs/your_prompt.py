@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gradio as gr
 
+from app.handlers.audit_progress import AuditRuns
 from app.handlers.common import AppError
 from app.handlers.your_prompt import (
     AUDIT_REPAIRS,
@@ -108,7 +109,10 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
                     budget_blocks = gr.Number(0, precision=0, label="vLLM block budget (0: unbounded)", elem_id="audit-budget-blocks")
                     budget_tokens = gr.Number(0, precision=0, label="SGLang token budget (0: unbounded)", elem_id="audit-budget-tokens")
                     cache_reuse = gr.Number(0, precision=0, label="llama.cpp --cache-reuse N (0: off)", elem_id="audit-cache-reuse")
-                audit_button = gr.Button("Audit the log", variant="primary", elem_id="run-audit")
+                with gr.Row():
+                    audit_button = gr.Button("Audit the log", variant="primary", elem_id="run-audit", scale=2)
+                    cancel_button = gr.Button("Cancel", variant="stop", elem_id="cancel-audit", scale=1)
+                audit_status = gr.Markdown(elem_id="audit-status")
         with gr.Accordion("One prompt: change a value", open=False, elem_id="audit-one-prompt"):
             gr.Markdown(ONE_PROMPT_INTRO)
             find_button = gr.Button("Find volatile spans", elem_id="audit-find-spans")
@@ -178,22 +182,46 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
         traffic = view.traffic_markdown, view.sessions_figure, view.engines_figure, view.groups_markdown
         return view.recommendation_markdown, *figures, view.prompt_html, view.summary, view.notes_markdown, *traffic, sid
 
+    runs = AuditRuns()  # each browser tab's running audit, for its Cancel
+
     @page.action
-    def on_audit(session, spec, text, block, budget_blocks, budget_tokens, cache_reuse, progress=gr.Progress(), **settings):
+    def on_audit(
+        session, spec, text, block, budget_blocks, budget_tokens, cache_reuse, request: gr.Request, progress=gr.Progress(), **settings
+    ):
         sid = page.session_id(session)
         simulated = engine_settings(block=block, budget_blocks=budget_blocks, budget_tokens=budget_tokens, cache_reuse=cache_reuse)
-        view = run_audit(
-            page.registry, page.sessions, text, session=sid, spec=spec, engines=simulated, progress=message_progress(progress), **settings
-        )
+        with runs.running(request.session_hash) as token:
+            try:
+                view = run_audit(
+                    page.registry,
+                    page.sessions,
+                    text,
+                    session=sid,
+                    spec=spec,
+                    engines=simulated,
+                    progress=message_progress(progress),
+                    **settings,
+                )
+            except AppError:
+                if not token.cancelled:
+                    raise
+                return tuple(gr.skip() for _ in shown)  # cancelled: information (the Cancel said so), not an error
         return _shown(view, sid)
 
-    audit_button.click(
+    audit_event = audit_button.click(
         on_audit,
         inputs_kwargs={"session": page.session, "spec": page.spec, "text": log_text, **measure, "sample": sample, **engines},
         outputs=shown,
         api_name="audit",
         **page.model_bound(),
     )
+
+    def on_cancel(request: gr.Request):
+        said = runs.cancel(request.session_hash)
+        gr.Info(said)
+        return said
+
+    cancel_button.click(on_cancel, outputs=audit_status, cancels=[audit_event], api_name="cancel_audit", concurrency_limit=None)
 
     @page.action
     def on_candidates(spec, text):

@@ -18,7 +18,6 @@ The store is bounded by bytes (``budget_bytes`` of K/V): the least recently used
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,6 +25,7 @@ import torch
 
 from engine.audit.fields import common_prefix
 from engine.cache.loaded import LoadedModel
+from engine.cache.lru import BudgetedLRU
 from engine.cache.notebook import Notebook
 from engine.timing import Stopwatch
 
@@ -57,15 +57,14 @@ class ComputedStates:
     """Every state one audit run computed, keyed by token ids (see the module docstring)."""
 
     def __init__(self, lm: LoadedModel, tokens: int, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
-        self.lm, self.tokens, self.budget_bytes = lm, tokens, budget_bytes
-        self._stored: OrderedDict[tuple[int, ...], _Stored] = OrderedDict()
+        self.lm, self.tokens = lm, tokens
+        self._stored = BudgetedLRU(budget_bytes, weigh=lambda stored: stored.bytes)  # token ids -> _Stored
 
     def state(self, ids: Sequence[int]) -> Notebook:
         """Every token of ``ids`` computed: the longest prefix shared with a stored state reused, the rest run in one
         forward (nothing run where a stored state starts with all of them); kept."""
         key = tuple(ids)
         if key in self._stored:
-            self._stored.move_to_end(key)
             return self._stored[key].state
         base, shared, share_ms = self._longest(key, len(key))
         watch = Stopwatch()
@@ -96,7 +95,6 @@ class ComputedStates:
         stored = self._stored.get(key) if exact else None
         known = stored.reading if stored is not None else None
         if known is not None and known.reused_tokens == reused:
-            self._stored.move_to_end(key)
             return known
         watch = Stopwatch()
         context = prefix.append(list(rest[:-1]), "request") if len(rest) > 1 else prefix
@@ -113,13 +111,12 @@ class ComputedStates:
         """The stored state sharing the longest prefix with ``key`` (at most ``most`` tokens): that prefix as its own
         notebook (no forward), its length, and its share of the source's prefill time."""
         best, shared = None, 0
-        for ids, stored in self._stored.items():
+        for ids in self._stored:
             count = min(common_prefix(ids, key), most)
             if count > shared:
                 best, shared = ids, count
         if best is None:
             return Notebook.empty(self.lm), 0, 0.0
-        self._stored.move_to_end(best)
         source = self._stored[best]
         base = source.state if shared == len(best) else source.state.prefix(shared)
         return base, shared, source.prefill_ms * shared / len(best)
@@ -134,8 +131,5 @@ class ComputedStates:
         return share_ms if shared == reused else 0.0
 
     def _keep(self, key: tuple[int, ...], state: Notebook, prefill_ms: float, reading: Reference | None = None) -> None:
-        """Keep a state (and its reading), dropping the least recently used others past the byte budget."""
+        """Keep a state (and its reading), the least recently used others dropped past the byte budget."""
         self._stored[key] = _Stored(state, prefill_ms, state.memory_bytes(), reading)
-        self._stored.move_to_end(key)
-        while len(self._stored) > 1 and sum(stored.bytes for stored in self._stored.values()) > self.budget_bytes:
-            self._stored.popitem(last=False)

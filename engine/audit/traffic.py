@@ -422,6 +422,9 @@ def audit_traffic(
         if progress:
             progress(done, total)
 
+    if progress and total:
+        progress(0, total)  # the model's work begins: said before its first step ends
+
     matched = {row.request: row.matched_request for row in scan.requests}
     turns = {}
     store = ComputedStates(lm, measure.tokens)  # each prompt computed once, a prefix shared with an earlier one reused
