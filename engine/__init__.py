@@ -377,10 +377,11 @@ if TYPE_CHECKING:
     from engine.audit.sampling import bounded_sample
     from engine.audit.spans import appended_chars, candidate_menu, candidate_span, find_span, prefix_cache_stop
     from engine.audit.traffic import DEFAULT_SAMPLE, audit_traffic
-    from engine.cache.budget import CancelToken, Cancelled, ComputeGate, WorkBudget, bounded, cancellable, waits_reported
+    from engine.cache.budget import Cancelled, CancelToken, ComputeGate, WorkBudget, bounded, cancellable, waits_reported
     from engine.cache.decision import DECISIVE_MARGIN
     from engine.cache.footprint import tensor_bytes
     from engine.cache.interop import load_cache, save_cache, to_dynamic_cache
+    from engine.cache.loaded import LoadedTokenizer
     from engine.cache.lru import BudgetedLRU
     from engine.cache.notebook import Knockout, Notebook
     from engine.cache.selftest import SelfTestReport, run_selftest
@@ -432,7 +433,6 @@ if TYPE_CHECKING:
         offline_aliases,
         resolve_device,
     )
-    from engine.cache.loaded import LoadedTokenizer
     from engine.models.tiny import tiny_model
     from engine.once import SingleFlight
     from engine.probes.analysis import DEFAULT_STRATEGIES, analyse_edit

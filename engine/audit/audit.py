@@ -25,9 +25,9 @@ from engine.audit.repairs import (
     run_repair,
 )
 from engine.audit.requests import RenderedRequest, Request, RequestLogError, render_request
+from engine.audit.states import ComputedStates
 from engine.audit.template import written_template
 from engine.cache.loaded import LoadedModel
-from engine.audit.states import ComputedStates
 from engine.progress import StepProgress, Tick, ticker
 from engine.scenario import Field, Scenario, escape_braces
 

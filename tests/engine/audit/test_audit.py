@@ -12,8 +12,8 @@ from engine.audit.audit import audit_requests, audit_value, candidates, recommen
 from engine.audit.fields import diff_requests
 from engine.audit.repairs import Reference, coarse, fidelity
 from engine.audit.requests import RequestLogError, parse_log, parse_prompt, read_log, render_request
-from engine.audit.states import ComputedStates
 from engine.audit.rewrite import apply_template
+from engine.audit.states import ComputedStates
 from engine.audit.traffic import audit_traffic
 from engine.cache.notebook import Notebook
 from engine.edit.experiment import EditExperiment

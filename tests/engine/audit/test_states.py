@@ -22,7 +22,9 @@ REPAIRS = ["recompute", "field_only", "erratum"]
 
 
 def _chat(time, *turns):
-    return json.dumps({"messages": [{"role": "system", "content": SYSTEM.format(time=time)}, *[{"role": r, "content": c} for r, c in turns]]})
+    return json.dumps(
+        {"messages": [{"role": "system", "content": SYSTEM.format(time=time)}, *[{"role": r, "content": c} for r, c in turns]]}
+    )
 
 
 LOG = "\n".join(
@@ -117,7 +119,11 @@ def test_the_results_equal_the_old_paths_computed_from_scratch(lm):
     for name, state in (("recompute", recompute), ("field_only", field_only), ("erratum", erratum)):
         want, got = fidelity(state.logprobs, state.generated, clean), turn.repairs[name].fidelity
         assert got.kl == pytest.approx(want.kl, abs=1e-5), name
-        assert (got.top1_agree, got.top5_overlap, got.generation_agreement) == (want.top1_agree, want.top5_overlap, want.generation_agreement)
+        assert (got.top1_agree, got.top5_overlap, got.generation_agreement) == (
+            want.top1_agree,
+            want.top5_overlap,
+            want.generation_agreement,
+        )
         assert turn.repairs[name].generated == state.generated, name
     assert turn.repairs["recompute"].fidelity.kl == 0.0  # the reference is recompute's own state
 

@@ -8,10 +8,10 @@ import json
 import pytest
 import transformers
 
-from engine.cli import main
 from engine.audit.requests import RequestLogError, read_log
 from engine.audit.traffic import audit_traffic
 from engine.cache.loaded import NO_WEIGHTS
+from engine.cli import main
 from engine.models import load_tokenizer, tiny
 from engine.models.tiny import tiny_model
 
