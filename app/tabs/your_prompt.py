@@ -216,6 +216,8 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
         **page.model_bound(),
     )
 
+    audit_button.click(lambda: "", outputs=audit_status, api_name=False, concurrency_limit=None)  # a new run: no old status
+
     def on_cancel(request: gr.Request):
         said = runs.cancel(request.session_hash)
         gr.Info(said)
