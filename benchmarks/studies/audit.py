@@ -65,6 +65,7 @@ def _parser():
     parser.add_argument("--out", default=str(common.results_dir(__file__)), help="folder for the JSON")
     parser.add_argument("--speed", action="store_true", help="the model pass against plain transformers, and the app's time")
     parser.add_argument("--dtypes", default="bfloat16,float32", help="--speed: the dtypes the model pass runs in")
+    parser.add_argument("--speed-logs", default=",".join(SPEED_LOGS), help="--speed: the bundled logs (stems under demos/logs)")
     parser.add_argument("--sample", type=int, default=DEFAULT_SAMPLE, help="--speed: turns measured per change signature")
     parser.add_argument("--app-tokens", type=int, default=DEFAULT_TOKENS, help="--speed: the app's greedy tokens (its default)")
     parser.add_argument("--app-reps", type=int, default=1, help="--speed: audits per log through the app (0: none)")
@@ -224,6 +225,10 @@ def _master_cache(lm: LoadedModel, length: int) -> DynamicCache:
     return cache
 
 
+def _stems(text: str) -> list[str]:
+    return [stem.strip() for stem in text.split(",") if stem.strip()]
+
+
 def _spread(values: Sequence[float]) -> dict:
     return {"min": round(min(values), 3), "median": round(statistics.median(values), 3), "max": round(max(values), 3), "runs": values}
 
@@ -263,7 +268,7 @@ def app_times(spec: str, args) -> list[dict]:
     registry, sessions = ModelRegistry(spec, dtype="bfloat16"), SessionStore()
     registry.get()
     rows = []
-    for name in SPEED_LOGS:
+    for name in _stems(args.speed_logs):
         text = (LOGS / f"{name}.jsonl").read_text(encoding="utf-8")
         load_before, runs = os.getloadavg(), []
         for rep in range(args.app_reps):
@@ -284,7 +289,7 @@ def speed(args) -> dict:
     for dtype in [d.strip() for d in args.dtypes.split(",") if d.strip()]:
         lm = load_model(args.model, device=args.device, dtype=dtype, progress=print)
         rows = []
-        for name in SPEED_LOGS:
+        for name in _stems(args.speed_logs):
             rows.append(model_pass_ratio(lm, name, args))
             print(f"  {dtype} {name}: {rows[-1]['forwards']} forwards, ratio {rows[-1]['ratio_of_medians']}", flush=True)
         data["model_pass"][dtype] = rows
