@@ -227,8 +227,9 @@ def candidates(lm: LoadedModel, request: Request) -> tuple[RenderedRequest, list
 @dataclass(frozen=True)
 class Bars:
     """What a repair must hold to be recommended: the user's thresholds, widened to the noise floor where the exact
-    reference itself misses them (``recompute`` — the prefix from the cache, the rest computed — against the clean
-    prefill differs by rounding in a low-precision dtype)."""
+    reference itself misses them (``recompute`` against the clean prefill: 0 where the reference is recompute's own
+    state, as :func:`measure_turn` computes it; a reference prefilled apart differs by rounding in a low-precision
+    dtype)."""
 
     kl: float
     min_agreement: float

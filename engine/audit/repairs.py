@@ -23,7 +23,9 @@ A **prompt-level** repair only rewrites the request, so any prefix cache (vLLM, 
 
 Output fidelity (:class:`OutputFidelity`) is measured against the clean prefill of the newer request, by the
 next-token distribution (KL divergence, top-1 agreement, top-5 overlap) and by greedy generation of N tokens from
-both (common prefix, fraction agreeing).
+both (common prefix, fraction agreeing). That reference is computed as an exact prefix cache serves the request
+(:func:`reference`: recompute's own state), and every state comes from the run's store
+(:mod:`engine.audit.states`), so no prompt is computed or read twice.
 """
 
 from __future__ import annotations
