@@ -34,6 +34,7 @@ from engine import (
     ComputeGate,
     KVScopeError,
     LoadedModel,
+    LoadedTokenizer,
     MessageProgress,
     Scenario,
     ScenarioRun,
@@ -46,6 +47,7 @@ from engine import (
     dtype_name,
     expected_parameter_bytes,
     load_model,
+    load_tokenizer,
     run_scenario,
     tensor_bytes,
 )
@@ -94,6 +96,7 @@ class ModelRegistry:
         self._loader = loader
         self._estimate = estimate
         self._models: OrderedDict[str, LoadedModel] = OrderedDict()
+        self._tokenizers: dict[str, LoadedTokenizer] = {}  # tokenizer-only loads (a token pass), by spec
         self._bytes: dict[str, int] = {}  # parameter bytes of each loaded model
         self._drops: deque[tuple[int, str]] = deque(maxlen=self.KEPT_DROPS)  # (serial, message)
         self.drop_serial = 0  # how many models were dropped so far
@@ -215,6 +218,18 @@ class ModelRegistry:
         """The model ``spec`` names where it is in memory (nothing is loaded)."""
         with self._lock:
             return self._models.get(spec)
+
+    def token_model(self, spec: str | None = None, progress: MessageProgress | None = None) -> LoadedModel | LoadedTokenizer:
+        """What a token pass reads (no forward): the model where it is in memory, else its tokenizer alone, loaded
+        once without the weights."""
+        spec = self.resolve(spec)
+        with self._lock:
+            if spec in self._models:
+                self._models.move_to_end(spec)
+                return self._models[spec]
+            if spec not in self._tokenizers:
+                self._tokenizers[spec] = load_tokenizer(spec, progress=progress)
+            return self._tokenizers[spec]
 
     def loaded(self) -> list[str]:
         """Specs of the models in memory, least recently used first."""

@@ -8,6 +8,7 @@ Models and scenarios
 =========================  ======================================================================================
 ``load_model``             a model by alias (``embedded``, ``smollm2``, ``tiny-<arch>``), local directory or HF id
 ``LoadedModel``            a loaded model: tokenizer, config, device, dtype, fingerprint, ``info()``, its splice gate
+``load_tokenizer``         a model's tokenizer and config without its weights (``LoadedTokenizer``: a token pass)
 ``tiny_model``             a tiny random-weight model of one family, for exact cache-math checks
 ``DTYPES``                 the dtypes a model loads in, by name; ``dtype_name`` names a torch dtype
 ``accelerator_dtype``      the dtype "auto" picks on a GPU (bfloat16 where supported, else float16)
@@ -102,6 +103,7 @@ Serving: what a server shares between requests
 ``WorkBudget``             a request's bound on model work; ``bounded`` runs within it, taking turns at a ``ComputeGate``
 ``Cancelled``              work a person stopped between two forwards (a ``KVScopeError``: its message says what was kept)
 ``waits_reported``         within: each wait at the gate reported as a message
+``cancellable``            within: every forward first checks a ``CancelToken``, raising ``Cancelled`` once it is cancelled
 ``BudgetedLRU``            entries kept within a byte budget, least recently used dropped first (``tensor_bytes``)
 ``SingleFlight``           computed-once entries: one computation, concurrent callers wait for it
 ``MessageProgress``        a progress callback taking messages; ``StepProgress``: (done, total); ``StepMessage``,
@@ -123,6 +125,7 @@ _PUBLIC = {
     "AuditReport": "engine.audit.audit",
     "BudgetedLRU": "engine.cache.lru",
     "CacheSettings": "engine.audit.caches",
+    "CancelToken": "engine.cache.budget",
     "Cancelled": "engine.cache.budget",
     "ComputeGate": "engine.cache.budget",
     "DECISIVE_MARGIN": "engine.cache.decision",
@@ -141,6 +144,7 @@ _PUBLIC = {
     "KVScopeError": "engine.errors",
     "Knockout": "engine.cache.notebook",
     "LoadedModel": "engine.models",
+    "LoadedTokenizer": "engine.cache.loaded",
     "LoraSettings": "engine.edit.lora",
     "MeasureSettings": "engine.audit.audit",
     "MessageProgress": "engine.progress",
@@ -184,6 +188,7 @@ _PUBLIC = {
     "audit_value": "engine.audit.audit",
     "available_offline": "engine.models",
     "bounded": "engine.cache.budget",
+    "cancellable": "engine.cache.budget",
     "bounded_sample": "engine.audit.sampling",
     "bundled_images": "engine.compose.pictures",
     "bundled_logs": "engine.scenario",
@@ -192,6 +197,7 @@ _PUBLIC = {
     "calibrated_remedy": "engine.compose.calibration",
     "cancel_calibration": "engine.compose.calibration",
     "candidate_menu": "engine.audit.spans",
+    "check_repairs": "engine.audit.audit",
     "candidate_span": "engine.audit.spans",
     "candidate_spans": "engine.audit.fields",
     "check_model": "engine.checks.support",
@@ -212,6 +218,7 @@ _PUBLIC = {
     "keystone": "engine.compose.keystone",
     "load_cache": "engine.cache.interop",
     "load_model": "engine.models",
+    "load_tokenizer": "engine.models",
     "measure_rewrite": "engine.audit.rewrite",
     "measure_rewrite_on_endpoint": "engine.audit.endpoint_audit",
     "notes_scenario": "engine.audit.notes",
@@ -252,6 +259,7 @@ __all__ = [
     "AuditReport",
     "BudgetedLRU",
     "CacheSettings",
+    "CancelToken",
     "Cancelled",
     "ComputeGate",
     "DECISIVE_MARGIN",
@@ -270,6 +278,7 @@ __all__ = [
     "KVScopeError",
     "Knockout",
     "LoadedModel",
+    "LoadedTokenizer",
     "LoraSettings",
     "MeasureSettings",
     "MessageProgress",
@@ -320,10 +329,12 @@ __all__ = [
     "bundled_skills",
     "calibrated_remedy",
     "cancel_calibration",
+    "cancellable",
     "candidate_menu",
     "candidate_span",
     "candidate_spans",
     "check_model",
+    "check_repairs",
     "check_vision_model",
     "compare",
     "compare_edits",
@@ -341,6 +352,7 @@ __all__ = [
     "keystone",
     "load_cache",
     "load_model",
+    "load_tokenizer",
     "measure_rewrite",
     "measure_rewrite_on_endpoint",
     "model_remedies",
@@ -378,7 +390,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from engine.audit.audit import AuditReport, MeasureSettings, audit_value, repaired_template, scenario_toml
+    from engine.audit.audit import AuditReport, MeasureSettings, audit_value, check_repairs, repaired_template, scenario_toml
     from engine.audit.caches import CacheSettings
     from engine.audit.endpoint import EndpointClient, EndpointSettings
     from engine.audit.endpoint_audit import measure_rewrite_on_endpoint
@@ -392,10 +404,11 @@ if TYPE_CHECKING:
     from engine.audit.sampling import bounded_sample
     from engine.audit.spans import appended_chars, candidate_menu, candidate_span, find_span, prefix_cache_stop
     from engine.audit.traffic import DEFAULT_SAMPLE, audit_traffic
-    from engine.cache.budget import Cancelled, ComputeGate, WorkBudget, bounded, waits_reported
+    from engine.cache.budget import Cancelled, CancelToken, ComputeGate, WorkBudget, bounded, cancellable, waits_reported
     from engine.cache.decision import DECISIVE_MARGIN
     from engine.cache.footprint import tensor_bytes
     from engine.cache.interop import load_cache, save_cache, to_dynamic_cache
+    from engine.cache.loaded import LoadedTokenizer
     from engine.cache.lru import BudgetedLRU
     from engine.cache.notebook import Knockout, Notebook
     from engine.cache.selftest import SelfTestReport, run_selftest
@@ -443,6 +456,7 @@ if TYPE_CHECKING:
         expected_parameter_bytes,
         is_offline_alias,
         load_model,
+        load_tokenizer,
         offline_aliases,
         resolve_device,
     )

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
+from app.handlers.audit_progress import AuditPhases
 from app.handlers.common import AppError, ScenarioChoices, guarded, number, scenario_choices
 from app.hosting import HostingProfile
 from app.state import ExportFolder, ModelRegistry, SessionStore
@@ -21,13 +22,13 @@ from engine import (
     CacheSettings,
     KVScopeError,
     LoadedModel,
+    LoadedTokenizer,
     MeasureSettings,
     MessageProgress,
     NotesChoice,
     RenderedRequest,
     Request,
     RequestLogError,
-    StepMessage,
     StepProgress,
     appended_chars,
     apply_template,
@@ -38,6 +39,7 @@ from engine import (
     candidate_menu,
     candidate_span,
     candidate_spans,
+    check_repairs,
     find_span,
     fleet_grid,
     measure_rewrite,
@@ -142,13 +144,6 @@ def engine_settings(*, block=CacheSettings.block, budget_blocks=None, budget_tok
     return CacheSettings(block, blocks or None, tokens or None, None, reuse)
 
 
-def _steps(progress: MessageProgress | None, unit: str) -> StepProgress:
-    """A step callback that reports ``unit: done/total`` as a message carrying its fraction (the tab's bar)."""
-    if progress is None:
-        return None
-    return lambda done, total: progress(StepMessage(f"{unit}: {done:,}/{total:,}", done, total))
-
-
 @guarded
 def run_audit(
     registry: ModelRegistry,
@@ -173,18 +168,23 @@ def run_audit(
     """Audit a request log as traffic: the token pass over every request (sessions, matches, causes, the simulated
     engines, the observed cached counts against ``observed_engine``, and fleets of ``replicas``, comma-separated,
     behind each router), then every repair measured on up to ``sample`` turns of each change signature (malformed
-    records are skipped and named). The measured turns are kept for this session (Open in Notes, export, redrawn axes)."""
+    records are skipped and named). The measured turns are kept for this session (Open in Notes, export, redrawn axes).
+    ``progress`` hears every phase on one bar (:class:`AuditPhases`); with ``sample`` 0 only the tokenizer is loaded."""
     if observed_engine not in OBSERVED_ENGINES:
         raise AppError(f"observed counts are compared with one of {', '.join(OBSERVED_ENGINES)}, got {observed_engine!r}")
+    phases = AuditPhases(progress)
+    phases.report("reading", "reading the log")
     log = read_log(_audit_text(text, "a request log (one JSON request a line)"))
     sample = number(sample, "--sample K", DEFAULT_SAMPLE)
     profile = registry.profile
     # at most this many turns are measured: every request, or the profile's bound that ``bounded_sample`` keeps to
     measured = min(len(log.requests), profile.max_audit_requests or len(log.requests))
     options = audit_options(profile, measured, repairs, tokens, threshold, min_agreement, grain)
-    lm = registry.get(spec)
+    phases.report("loading", "loading the model" if sample > 0 else "loading the tokenizer (the token pass needs no weights)")
+    loading = phases.messages("loading")
+    lm = registry.get(spec, progress=loading) if sample > 0 else registry.token_model(spec, progress=loading)
     most = profile.max_audit_requests
-    scan_steps = _steps(progress, "token pass (bounding the sample): requests")
+    scan_steps = phases.steps("token pass", "token pass (bounding the sample): requests")
     fits = bounded_sample(lm, log, sample, most, settings=engines, max_tokens=profile.max_context_tokens, progress=scan_steps)
     bound = None if fits == sample else f"{profile.label} measures at most {most} turns of a log: --sample lowered from {sample} to {fits}"
     traffic = audit_traffic(
@@ -194,13 +194,13 @@ def run_audit(
         settings=engines,
         observed_engine=observed_engine,
         max_tokens=profile.max_context_tokens,
-        scan_progress=_steps(progress, "token pass: requests"),
-        progress=_steps(progress, "measured steps"),
+        scan_progress=phases.steps("token pass", "token pass: requests"),
+        progress=phases.turns(len(check_repairs(options["repairs"])) + 1),
         fleet=fleets(replicas),
         **options,
     )
     data = traffic.as_dict() | {"sample_bound": bound}
-    return _kept_audit(registry, sessions, session, spec, lm, traffic.measured_report(), x, y, data)
+    return _kept_audit(registry, sessions, session, spec, lm, traffic.measured_report(), x, y, data, phases)
 
 
 def _rendered_prompt(registry: ModelRegistry, spec: str | None, text: str | None) -> tuple[Request, RenderedRequest]:
@@ -298,15 +298,19 @@ def _kept_audit(
     sessions: SessionStore,
     session: str,
     spec: str | None,
-    lm: LoadedModel,
+    lm: LoadedModel | LoadedTokenizer,
     report: AuditReport,
     x: str,
     y: str,
     traffic: dict | None = None,
+    phases: AuditPhases = AuditPhases(None),
 ) -> AuditView:
     """Keep the audit and its Notes scenario (the model's own answers: two more prefills) for this session; their view.
     ``traffic``: the log's token pass (``TrafficReport.as_dict()``) when ``report`` holds its measured turns."""
+    phases.report("notes", "Open in Notes: reading the model's own answers (two prefills)")
     try:
+        if isinstance(lm, LoadedTokenizer):
+            raise RequestLogError("the token pass (--sample 0) measured no turn: audit with K ≥ 1 to open a change in Notes")
         notes = notes_choices(lm, report)
     except KVScopeError as error:  # no field to edit: the tab says why, Open in Notes refuses with the same words
         notes = str(error)
@@ -315,7 +319,10 @@ def _kept_audit(
     sessions.put(session, "audit", report, model)
     sessions.put(session, "audit_notes", notes, model)
     sessions.put(session, "audit_traffic", traffic, model)
-    return audit_view(report, x, y, notes, traffic)
+    phases.report("figures", "drawing the figures")
+    view = audit_view(report, x, y, notes, traffic)
+    phases.report("figures", "done", 1, 1)
+    return view
 
 
 def _turn_marks(report: AuditReport, index: int) -> list[audit_figures.Mark]:

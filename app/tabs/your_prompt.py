@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gradio as gr
 
+from app.handlers.audit_progress import AuditRuns
 from app.handlers.common import AppError
 from app.handlers.endpoint import run_rewrite_on_server
 from app.handlers.your_prompt import (
@@ -127,7 +128,10 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
                     replicas = gr.Textbox(
                         "", label="Fleets: replica counts behind each router, e.g. 2,4,8 (empty: one server)", elem_id="audit-replicas"
                     )
-                audit_button = gr.Button("Audit the log", variant="primary", elem_id="run-audit")
+                with gr.Row():
+                    audit_button = gr.Button("Audit the log", variant="primary", elem_id="run-audit", scale=2)
+                    cancel_button = gr.Button("Cancel", variant="stop", elem_id="cancel-audit", scale=1)
+                audit_status = gr.Markdown(elem_id="audit-status")
         with gr.Accordion("One prompt: change a value", open=False, elem_id="audit-one-prompt"):
             gr.Markdown(ONE_PROMPT_INTRO)
             find_button = gr.Button("Find volatile spans", elem_id="audit-find-spans")
@@ -221,26 +225,46 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
         """An empty log: the words in the traffic panel, every other panel as it was (no error badges)."""
         return tuple(words if component is traffic_view else sid if component is page.session else gr.update() for component in shown)
 
+    runs = AuditRuns()  # each browser tab's running audit, for its Cancel
+
     @page.action
-    def on_audit(session, spec, text, block, budget_blocks, budget_tokens, cache_reuse, replicas, progress=gr.Progress(), **settings):
+    def on_audit(
+        session,
+        spec,
+        text,
+        block,
+        budget_blocks,
+        budget_tokens,
+        cache_reuse,
+        replicas,
+        request: gr.Request,
+        progress=gr.Progress(),
+        **settings,
+    ):
         sid = page.session_id(session)
         if words := nothing_to_audit(text):
             return _nothing(words, sid)
         simulated = engine_settings(block=block, budget_blocks=budget_blocks, budget_tokens=budget_tokens, cache_reuse=cache_reuse)
-        view = run_audit(
-            page.registry,
-            page.sessions,
-            text,
-            session=sid,
-            spec=spec,
-            engines=simulated,
-            replicas=replicas,
-            progress=message_progress(progress),
-            **settings,
-        )
+        with runs.running(request.session_hash) as token:
+            try:
+                view = run_audit(
+                    page.registry,
+                    page.sessions,
+                    text,
+                    session=sid,
+                    spec=spec,
+                    engines=simulated,
+                    replicas=replicas,
+                    progress=message_progress(progress),
+                    **settings,
+                )
+            except AppError:
+                if not token.cancelled:
+                    raise
+                return tuple(gr.skip() for _ in shown)  # cancelled: information (the Cancel said so), not an error
         return _shown(view, sid)
 
-    audit_button.click(
+    audit_event = audit_button.click(
         on_audit,
         inputs_kwargs={
             "session": page.session,
@@ -256,6 +280,15 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
         api_name="audit",
         **page.model_bound(),
     )
+
+    audit_button.click(lambda: "", outputs=audit_status, api_name=False, concurrency_limit=None)  # a new run: no old status
+
+    def on_cancel(request: gr.Request):
+        said = runs.cancel(request.session_hash)
+        gr.Info(said)
+        return said
+
+    cancel_button.click(on_cancel, outputs=audit_status, cancels=[audit_event], api_name="cancel_audit", concurrency_limit=None)
 
     @page.action
     def on_candidates(spec, text):

@@ -18,7 +18,6 @@ from engine.audit.repairs import (
     REPAIRS,
     Level,
     OutputFidelity,
-    Reference,
     RepairNotApplicable,
     RepairResult,
     Turn,
@@ -26,9 +25,9 @@ from engine.audit.repairs import (
     run_repair,
 )
 from engine.audit.requests import RenderedRequest, Request, RequestLogError, render_request
+from engine.audit.states import ComputedStates
 from engine.audit.template import written_template
 from engine.cache.loaded import LoadedModel
-from engine.cache.notebook import Notebook
 from engine.progress import StepProgress, Tick, ticker
 from engine.scenario import Field, Scenario, escape_braces
 
@@ -161,11 +160,11 @@ def audit_requests(
     diffs = [diff_requests(old, new) for old, new in zip(rendered, rendered[1:])]
     tick = ticker(progress, len(diffs) * (len(names) + 1))
     turns = [AuditTurn(rendered[0].request.index, len(rendered[0]), None, None, {}, None)]
-    cached = Notebook.prefill(lm, list(rendered[0].ids), "request").materialized() if diffs else None
     settings = MeasureSettings(names, tokens, threshold, min_agreement, grain, max_tokens)
+    store = ComputedStates(lm, tokens)
     for old, new, diff in zip(rendered, rendered[1:], diffs):
-        turn, clean = measure_turn(Turn(lm, old, new, diff, cached, tokens, grain, max_tokens), settings, tick)
-        cached = clean.notebook  # the server now holds this request
+        # the older request's state: the previous turn's newer one (the server now holds it), or the first, prefilled
+        turn = measure_turn(Turn(lm, old, new, diff, store.state(old.ids), store, grain, max_tokens), settings, tick)
         turns.append(turn)
     return AuditReport(
         lm.fingerprint.name, lm.fingerprint.dtype, threshold, min_agreement, tokens, names, grain, tuple(turns), tuple(rendered)
@@ -184,9 +183,13 @@ class MeasureSettings:
     max_tokens: int | None = None
 
 
-def measure_turn(turn: Turn, settings: MeasureSettings, tick: Tick = lambda: None) -> tuple[AuditTurn, Reference]:
-    """One turn measured: the clean prefill of the newer request, then every repair against it (one tick each)."""
-    clean = reference(turn.lm, turn.new, settings.tokens)
+def measure_turn(turn: Turn, settings: MeasureSettings, tick: Tick = lambda: None) -> AuditTurn:
+    """One turn measured: the newer request as an exact prefix cache serves it (the reference, which is recompute's
+    state), then every repair against it (one tick each). Every state comes from the run's store (``turn.store``), so
+    nothing another turn or repair computed is computed again; each repair's TTFT is its own forward
+    (:mod:`engine.audit.states`), the clean prefill's the time every token of the request took along the forwards that
+    computed it."""
+    clean = reference(turn)
     tick()
     results = {}
     for name in settings.repairs:
@@ -194,7 +197,8 @@ def measure_turn(turn: Turn, settings: MeasureSettings, tick: Tick = lambda: Non
         tick()
     recommendation = recommend(results, settings.threshold, settings.min_agreement)
     index = turn.new.request.index
-    return AuditTurn(index, len(turn.new), turn.diff, clean.ttft_ms, results, recommendation, turn.old.request.index), clean
+    full_ms = turn.store.prefill_ms(turn.new.ids)
+    return AuditTurn(index, len(turn.new), turn.diff, full_ms, results, recommendation, turn.old.request.index)
 
 
 def audit_value(
@@ -223,8 +227,9 @@ def candidates(lm: LoadedModel, request: Request) -> tuple[RenderedRequest, list
 @dataclass(frozen=True)
 class Bars:
     """What a repair must hold to be recommended: the user's thresholds, widened to the noise floor where the exact
-    reference itself misses them (``recompute`` — the prefix from the cache, the rest computed — against the clean
-    prefill differs by rounding in a low-precision dtype)."""
+    reference itself misses them (``recompute`` against the clean prefill: 0 where the reference is recompute's own
+    state, as :func:`measure_turn` computes it; a reference prefilled apart differs by rounding in a low-precision
+    dtype)."""
 
     kl: float
     min_agreement: float

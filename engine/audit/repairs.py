@@ -23,7 +23,9 @@ A **prompt-level** repair only rewrites the request, so any prefix cache (vLLM, 
 
 Output fidelity (:class:`OutputFidelity`) is measured against the clean prefill of the newer request, by the
 next-token distribution (KL divergence, top-1 agreement, top-5 overlap) and by greedy generation of N tokens from
-both (common prefix, fraction agreeing).
+both (common prefix, fraction agreeing). That reference is computed as an exact prefix cache serves the request
+(:func:`reference`: recompute's own state), and every state comes from the run's store
+(:mod:`engine.audit.states`), so no prompt is computed or read twice.
 """
 
 from __future__ import annotations
@@ -36,13 +38,13 @@ import torch
 
 from engine.audit.fields import DATETIME, FieldChange, TurnDiff, common_prefix
 from engine.audit.requests import RenderedRequest, Request, render_request
+from engine.audit.states import ComputedStates, Reference
 from engine.cache.decision import kl_divergence
 from engine.cache.loaded import LoadedModel
 from engine.cache.notebook import Notebook
 from engine.edit.erratum import DEFAULT_ERRATUM, erratum_text
 from engine.edit.strategies import REGISTRY as STRATEGY_REGISTRY
 from engine.errors import KVScopeError
-from engine.timing import Stopwatch
 
 
 class Level(StrEnum):
@@ -87,16 +89,6 @@ GRAINS = ("date", "hour", "minute")
 
 class RepairNotApplicable(KVScopeError):
     """A repair that cannot apply to this turn; the message says why (reported in the audit, not raised)."""
-
-
-@dataclass(frozen=True)
-class Reference:
-    """The clean prefill of the newer request: its first next-token distribution, greedy tokens and TTFT."""
-
-    logprobs: torch.Tensor  # (vocab,) float32
-    generated: tuple[int, ...]
-    ttft_ms: float
-    notebook: Notebook  # every token of the request computed: the next turn's cached state
 
 
 @dataclass(frozen=True)
@@ -168,7 +160,7 @@ class Turn:
     new: RenderedRequest
     diff: TurnDiff
     cached: Notebook  # the older request's K/V, as the server holds them
-    tokens: int  # greedy tokens generated per state
+    store: ComputedStates  # every state this audit run computed (the greedy tokens per state are its ``tokens``)
     grain: str | None = None  # for ``coarsen``
     max_tokens: int | None = None
 
@@ -176,24 +168,12 @@ class Turn:
         return render_request(self.lm, request, self.max_tokens)
 
 
-def read_state(
-    lm: LoadedModel, prefix: Notebook, rest: Sequence[int], tokens: int
-) -> tuple[torch.Tensor, tuple[int, ...], float, Notebook]:
-    """From ``prefix`` (its recorded steps not yet run), run ``rest`` (its last token is the one whose next token is
-    read): the next-token log-probs, ``tokens`` greedy tokens, the time to that first token in ms, and the state
-    with every token of the request computed."""
-    watch = Stopwatch()
-    context = prefix.append(list(rest[:-1]), "request") if len(rest) > 1 else prefix
-    state, logits = context.step([rest[-1]], "request")
-    first = watch.ms
-    _, generated = state.greedy(logits, tokens, lm.stop_ids)
-    return torch.log_softmax(logits.float(), -1), tuple(generated), first, state
-
-
-def reference(lm: LoadedModel, request: RenderedRequest, tokens: int) -> Reference:
-    """The clean prefill of a request."""
-    logprobs, generated, ms, state = read_state(lm, Notebook.empty(lm), request.ids, tokens)
-    return Reference(logprobs, generated, ms, state)
+def reference(turn: Turn) -> Reference:
+    """The newer request as an exact prefix cache serves it: the prefix it shares with the older request taken from
+    that request's cache, the rest computed. It is recompute's state, so one computation serves both (its time is
+    recompute's TTFT; the clean prefill's, ``turn.store.prefill_ms``, adds the prefix's share of its own prefill)."""
+    keep = min(common_prefix(turn.old.ids, turn.new.ids), len(turn.new) - 1)
+    return turn.store.read(turn.cached.prefix(keep), turn.new.ids[keep:], turn.new.ids)
 
 
 def fidelity(state: torch.Tensor, generated: Sequence[int], clean: Reference) -> OutputFidelity:
@@ -222,10 +202,11 @@ def run_repair(name: str, turn: Turn, clean: Reference) -> RepairResult:
         return RepairResult(name, False, reason=str(error))
     prefix, rest = built.prefix, built.rest
     computed = prefix.pending_tokens + len(rest)  # recorded, not yet run: what this repair computes
-    reused = len(prefix.visible_positions()) - prefix.pending_tokens
-    logprobs, generated, ms, _ = read_state(turn.lm, prefix, rest, turn.tokens)
-    result = fidelity(logprobs, generated, clean)
-    return RepairResult(name, True, reused, computed, ms, result, generated, detail=built.detail, prompt_ids=built.prompt)
+    read = turn.store.read(prefix, rest, built.prompt, exact=REPAIR_LEVELS[name] is Level.PROMPT)
+    result = fidelity(read.logprobs, read.generated, clean)
+    return RepairResult(
+        name, True, read.reused_tokens, computed, read.ttft_ms, result, read.generated, detail=built.detail, prompt_ids=built.prompt
+    )
 
 
 # -------------------------------------- the request a repair sends, each changed field's text given by a ``Value``
@@ -337,10 +318,11 @@ def _sent(turn: Turn, name: str, value_of: Value = _new) -> tuple[int, ...]:
 
 def _prefix_cached(turn: Turn, cached: Sequence[int], target: Sequence[int], detail: dict | None = None) -> _Built:
     """Exact prefix caching: the common prefix reused (at least the last token is run), the rest computed. The
-    older request's own cache is cut to that prefix; a rewritten one (hoisted, coarsened) is prefilled first."""
+    older request's own cache is cut to that prefix; a rewritten one's (hoisted, coarsened) is computed first, from
+    whatever the run's store shares with it (the server held it: not this repair's time)."""
     keep = min(common_prefix(tuple(cached), tuple(target)), len(target) - 1)
-    source = turn.cached if tuple(cached) == turn.old.ids else Notebook.prefill(turn.lm, list(target[:keep]), "request")
-    return _Built(source.prefix(keep), tuple(target[keep:]), tuple(target), detail or {})
+    prefix = turn.cached.prefix(keep) if tuple(cached) == turn.old.ids else turn.store.state(target[:keep])
+    return _Built(prefix, tuple(target[keep:]), tuple(target), detail or {})
 
 
 def _recompute(turn: Turn) -> _Built:

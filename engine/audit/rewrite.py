@@ -18,8 +18,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from engine.audit.caches import CacheSettings
-from engine.audit.repairs import OutputFidelity, fidelity, reference
+from engine.audit.repairs import OutputFidelity, fidelity
 from engine.audit.requests import Request, RequestLog, RequestLogError
+from engine.audit.states import ComputedStates
 from engine.audit.template import Template
 from engine.audit.traffic import TrafficScan, scan_log
 from engine.cache.loaded import LoadedModel
@@ -160,8 +161,9 @@ def measure_rewrites(
     max_tokens: int | None = None,
     progress: StepProgress = None,
 ) -> dict[str, RewriteReport]:
-    """Several rewrites of one log measured as :func:`measure_rewrite` measures each, the original's clean prefill of
-    each request computed once for all of them (and reused where a rewritten request is the original's tokens)."""
+    """Several rewrites of one log measured as :func:`measure_rewrite` measures each: every distinct prompt read once
+    (:class:`~engine.audit.states.ComputedStates`: the original's for all rewrites, a rewritten request that is the
+    original's tokens is that reading), each computed from the longest prefix it shares with one read before."""
     for rewritten in rewrites.values():
         check_pairing(original.requests, rewritten.requests)
     if tokens < 1:
@@ -173,14 +175,13 @@ def measure_rewrites(
         _check_rendered(before, after)
     tick = ticker(progress, len(before.requests) * (len(afters) + 1))
     rows: dict[str, list[RewrittenRequest]] = {label: [] for label in afters}
+    store = ComputedStates(lm, tokens)  # each distinct prompt read once, a prefix shared with an earlier one reused
     for position, old in enumerate(before.requests):
-        ids = before.rendered[old.request].ids
-        clean = reference(lm, before.rendered[old.request], tokens)
+        clean = store.read_prompt(before.rendered[old.request].ids)
         tick()
         for label, after in afters.items():
             new = after.requests[position]
-            rendered = after.rendered[new.request]
-            moved = clean if rendered.ids == ids else reference(lm, rendered, tokens)
+            moved = store.read_prompt(after.rendered[new.request].ids)
             measured = fidelity(moved.logprobs, moved.generated, clean)
             texts = (lm.tokenizer.decode(list(clean.generated)), lm.tokenizer.decode(list(moved.generated)))
             generated = max(len(clean.generated), len(moved.generated))

@@ -23,8 +23,8 @@ from engine.audit.fleet import Fleet, FleetResult
 from engine.audit.observed import hosted_summary, observe, observed_summary
 from engine.audit.repairs import REPAIRS, Turn
 from engine.audit.requests import RenderedRequest, RequestLog, RequestLogError, Skipped, render_batch
-from engine.cache.loaded import LoadedModel
-from engine.cache.notebook import Notebook
+from engine.audit.states import ComputedStates
+from engine.cache.loaded import LoadedModel, LoadedTokenizer
 from engine.progress import StepProgress
 
 DEFAULT_SAMPLE = 3  # turns measured per group
@@ -412,7 +412,7 @@ class TrafficReport:
 
 
 def audit_traffic(
-    lm: LoadedModel,
+    lm: LoadedModel | LoadedTokenizer,
     log: RequestLog,
     *,
     sample: int = DEFAULT_SAMPLE,
@@ -431,9 +431,12 @@ def audit_traffic(
 ) -> TrafficReport:
     """The token pass over the whole log, then up to ``sample`` turns of each change signature measured with every
     repair (``scan_progress``: requests of the token pass; ``progress``: the measured steps; ``fleet``: the fleets
-    simulated beside; ``token_pass``: another token pass, given the context limit, e.g. ``distributed.ray_scan``)."""
+    simulated beside; ``token_pass``: another token pass, given the context limit, e.g. ``distributed.ray_scan``). With
+    ``sample`` 0 only the tokenizer is read, so ``lm`` may be a :class:`~engine.cache.loaded.LoadedTokenizer`."""
     if sample < 0:
         raise RequestLogError(f"--sample is the turns measured per group, at least 0, got {sample}")
+    if sample > 0 and isinstance(lm, LoadedTokenizer):
+        raise RequestLogError(f"--sample {sample} measures turns with the model, and only the tokenizer of {lm.name} was loaded")
     defaults = MeasureSettings(check_repairs(repairs))
     measure = MeasureSettings(
         defaults.repairs,
@@ -471,10 +474,14 @@ def audit_traffic(
         if progress:
             progress(done, total)
 
+    if progress and total:
+        progress(0, total)  # the model's work begins: said before its first step ends
+
     matched = {row.request: row.matched_request for row in scan.requests}
     turns = {}
+    store = ComputedStates(lm, measure.tokens)  # each prompt computed once, a prefix shared with an earlier one reused
     for index in chosen:
         new, diff, old = scan.rendered[index], scan.diffs[index], scan.rendered[matched[index]]
-        cached = Notebook.prefill(lm, list(old.ids), "request").materialized()
-        turns[index], _ = measure_turn(Turn(lm, old, new, diff, cached, measure.tokens, grain, max_tokens), measure, tick)
+        turn = Turn(lm, old, new, diff, store.state(old.ids), store, grain, max_tokens)
+        turns[index] = measure_turn(turn, measure, tick)
     return TrafficReport(lm.fingerprint.name, lm.fingerprint.dtype, scan, tuple(groups), turns, measure, sample)

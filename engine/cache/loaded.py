@@ -186,6 +186,29 @@ class LoadedModel:
         }
 
 
+NO_WEIGHTS = "none (tokenizer only)"  # the dtype a tokenizer-only load reports
+
+
+@dataclass(frozen=True)
+class LoadedTokenizer:
+    """A model's tokenizer and config without its weights: all a token pass needs (``audit --sample 0``). It has no
+    ``model``, so nothing that runs one accepts it."""
+
+    name: str
+    tokenizer: PreTrainedTokenizerBase
+    config: PretrainedConfig
+    source: str
+
+    @property
+    def fingerprint(self) -> ModelFingerprint:
+        return ModelFingerprint(self.name, config_hash(self.config), NO_WEIGHTS)
+
+    def info(self) -> dict[str, Any]:
+        """What a token pass reads: the context length and where the tokenizer came from."""
+        cfg = self.config.get_text_config()
+        return {"max_positions": getattr(cfg, "max_position_embeddings", None), "source": self.source, "dtype": NO_WEIGHTS}
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """ "float32" for torch.float32, and so on."""
     return str(dtype).removeprefix("torch.")

@@ -20,6 +20,7 @@ from engine.audit.traffic import DEFAULT_SAMPLE, audit_traffic
 from engine.cli.common import Group, Handler, arg, load, log, names, progress, read_text
 from engine.cli.endpoint import ENDPOINT, measure_on_endpoint
 from engine.cli.scale import SCALE, fleet_of, one_text, read_request_log, token_pass
+from engine.models import load_tokenizer
 
 
 def cmd_audit(args: argparse.Namespace) -> dict:
@@ -41,7 +42,9 @@ def cmd_audit(args: argparse.Namespace) -> dict:
         "min_agreement": args.min_agreement,
         "grain": args.grain,
     }
-    lm = load(args)
+    # no weights where no forward runs here: the token pass alone, or every measurement on an endpoint
+    tokens_only = args.new is None and (bool(args.endpoint) or (args.sample == 0 and not (args.rewritten or args.template)))
+    lm = load_tokenizer(args.model, progress=log) if tokens_only else load(args)
     if args.new is None:
         settings = CacheSettings(args.block_size, args.kv_budget_blocks, args.kv_budget_tokens, args.slots, args.cache_reuse)
         request_log = read_request_log(args)

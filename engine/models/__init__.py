@@ -8,7 +8,8 @@
   safetensors, provenance.
 - `dtype`: the "auto" dtype choice (measured float32 vs bfloat16 on CPU, gated by the cache self-test; on a GPU,
   `accelerator_dtype`).
-- `loading`: `load_model`, spec resolution, `resolve_device`, `parse_dtype`, `available_offline`.
+- `loading`: `load_model`, `load_tokenizer` (no weights: a token pass), spec resolution, `resolve_device`,
+  `parse_dtype`, `available_offline`.
 - here: `offline_aliases` and `is_offline_alias`, the specs that name a packaged or tiny model (what a host offers);
   `HOST_OPT_IN_ALIASES`, those a public host offers only when it names them; `expected_parameter_bytes`, a model's
   size before it loads.
@@ -34,6 +35,7 @@ from engine.models.loading import (
     TINY_PREFIX,
     available_offline,
     load_model,
+    load_tokenizer,
     parse_dtype,
     resolve_device,
 )
@@ -58,6 +60,7 @@ __all__ = [
     "expected_parameter_bytes",
     "is_offline_alias",
     "load_model",
+    "load_tokenizer",
     "offline_aliases",
     "parse_dtype",
     "resolve_device",

@@ -32,6 +32,7 @@ from transformers.models.auto.modeling_auto import (
 from engine.cache.loaded import (
     DTYPES,
     LoadedModel,
+    LoadedTokenizer,
     ModelFingerprint,
     ModelLoadError,
     SpliceGate,
@@ -43,7 +44,7 @@ from engine.models import gguf
 from engine.models.cpu_math import tune_cpu_math
 from engine.models.dtype import accelerator_dtype, load_with_cpu_dtype_choice
 from engine.models.store import cache_dir
-from engine.models.tiny import tiny_model
+from engine.models.tiny import tiny_model, tiny_tokenizer_only
 from engine.progress import MessageProgress, reporter
 
 logger = logging.getLogger(__name__)
@@ -77,6 +78,29 @@ def load_model(
         directory = _check_local_dir(path, spec)
         return _load_pretrained(str(directory), str(directory), f"local directory {directory}", target, requested, report)
     return _load_hub(spec, target, requested, report)
+
+
+def load_tokenizer(spec: str = "embedded", progress: MessageProgress | None = None) -> LoadedTokenizer:
+    """The tokenizer and config of a model named as :func:`load_model` names it, without its weights (a token pass,
+    ``audit --sample 0``); a hub id is read from the local HF cache only."""
+    report = reporter(progress, logger)
+    spec = spec.strip()
+    if spec.startswith(TINY_PREFIX):
+        return tiny_tokenizer_only(spec[len(TINY_PREFIX) :])
+    if spec in gguf.ALIASES:
+        copy, name, source = gguf.converted_alias(spec, report)
+        location, local_only = str(copy), True
+    elif Path(spec).expanduser().exists():
+        location = str(_check_local_dir(Path(spec).expanduser(), spec))
+        name, source, local_only = location, f"local directory {location}", True
+    elif _in_hf_cache(spec):
+        location, name, source, local_only = spec, spec, f"Hugging Face {spec} (local HF cache)", True
+    else:
+        raise ModelLoadError(f"{spec!r}: a tokenizer-only load reads an alias, a tiny model, a local directory or the local HF cache")
+    report(f"loading the tokenizer of {name} (no weights: token pass only)")
+    config = _causal_config(location, local_only)
+    tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=False, local_files_only=local_only)
+    return LoadedTokenizer(name, tokenizer, config, source)
 
 
 def available_offline() -> list[str]:

@@ -45,6 +45,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
 
 from engine.cache.loaded import (
     LoadedModel,
+    LoadedTokenizer,
     ModelFingerprint,
     ModelLoadError,
     SpliceGate,
@@ -398,6 +399,14 @@ def _config_hash(config: PretrainedConfig, seed: int) -> str:
     """First 16 hex digits of sha256 over the config JSON (sorted keys) and the seed."""
     payload = json.dumps(config.to_dict(), sort_keys=True, default=str) + f"\nseed={seed}"
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def tiny_tokenizer_only(arch: str, *, chat_template: bool = True) -> LoadedTokenizer:
+    """The tokenizer and config of ``tiny-<arch>``, without building its weights."""
+    if arch not in TINY_ARCHS + HYBRID_ARCHS:
+        raise ModelLoadError(f"unknown tiny architecture {arch!r}; choose one of: {', '.join(TINY_ARCHS + HYBRID_ARCHS)}")
+    tokenizer = tiny_tokenizer(chat_template=chat_template)
+    return LoadedTokenizer(f"tiny-{arch}", tokenizer, _tiny_config(arch, tokenizer), "random weights (engine.models.tiny), not built")
 
 
 def tiny_model(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, chat_template: bool = True) -> LoadedModel:

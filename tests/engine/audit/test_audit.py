@@ -10,9 +10,10 @@ import torch
 
 from engine.audit.audit import audit_requests, audit_value, candidates, recommend, repaired_template, scenario_toml
 from engine.audit.fields import diff_requests
-from engine.audit.repairs import Reference, coarse, fidelity, reference
+from engine.audit.repairs import Reference, coarse, fidelity
 from engine.audit.requests import RequestLogError, parse_log, parse_prompt, read_log, render_request
 from engine.audit.rewrite import apply_template
+from engine.audit.states import ComputedStates
 from engine.audit.traffic import audit_traffic
 from engine.cache.notebook import Notebook
 from engine.edit.experiment import EditExperiment
@@ -264,24 +265,28 @@ def test_the_scenario_of_a_log_with_hostile_text_reads_back_as_written(lm):
     assert scenario.description == "Built from a request log: account_tier 'gold' -> 'platinum'"
 
 
+def _greedy(lm, request, tokens):
+    return ComputedStates(lm, tokens).read_prompt(request.ids).generated
+
+
 def test_the_audit_and_the_edit_stop_where_the_generation_config_ends_a_turn():
     """A chat model's generation config can end a turn at tokens the tokenizer does not call EOS: the audit's greedy
     tokens and the edit's chain of thought both stop there (one list for both, ``LoadedModel.stop_ids``)."""
     plain = tiny_model("qwen2")
     request = render_request(plain, parse_log(_log(_request()))[0])
-    free = reference(plain, request, 8).generated
+    free = _greedy(plain, request, 8)
     stop = free[3]
     assert stop not in free[:3] and stop != plain.tokenizer.eos_token_id and plain.tokenizer.eos_token_id not in free
     ended = tiny_model("qwen2")
     ended.model.generation_config.eos_token_id = [ended.tokenizer.eos_token_id, stop]
-    assert reference(ended, request, 8).generated == free[:3]
+    assert _greedy(ended, request, 8) == free[:3]
     scenario = Scenario.load(DEMOS / "scenarios" / "refund_gate.toml")
     experiment = EditExperiment(plain, scenario)
     assert experiment.cot_decision(experiment.stale.notebook)[1] != ""
     ended.model.generation_config.eos_token_id = list(range(len(ended.tokenizer)))  # every token ends the turn
     del ended.stop_ids  # read again (a cached property)
     ending = EditExperiment(ended, scenario)
-    assert ending.cot_decision(ending.stale.notebook)[1] == "" and reference(ended, request, 8).generated == ()
+    assert ending.cot_decision(ending.stale.notebook)[1] == "" and _greedy(ended, request, 8) == ()
 
 
 def test_the_scenario_and_template_reproduce_the_edit(lm):

@@ -1,0 +1,70 @@
+"""The audit's progress on tiny-qwen2: one bar that never goes back, through every phase in order (reading the log,
+loading, the token pass, measuring turn k of n, the Notes scenario, the figures), ending at 100%; a token pass
+(``sample`` 0) loads no weights; a Cancel stops the run before its next forward and says so as information."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from app.handlers.audit_progress import PHASES, AuditRuns
+from app.handlers.common import AppError
+from app.handlers.your_prompt import run_audit
+from app.state import ModelRegistry
+from engine import LoadedTokenizer, StepMessage
+from engine.cache.budget import compute_slot
+from tests.app.conftest import TINY
+from tests.app.test_audit_tab import LOG, OPTIONS
+
+
+def _heard(registry, sessions, **options):
+    heard: list[StepMessage] = []
+    run_audit(registry, sessions, LOG, session="p", progress=heard.append, **OPTIONS, **options)
+    return heard
+
+
+def test_the_bar_moves_through_every_phase_in_order_and_names_each_turn(registry, sessions):
+    heard = _heard(registry, sessions, sample=3)
+    fractions = [message.done / message.total for message in heard]
+    assert fractions == sorted(fractions) and fractions[0] == 0.0 and fractions[-1] == 1.0
+    texts = [str(message) for message in heard]
+    order = ["reading the log", "loading the model", "token pass: requests", "measuring turn", "Open in Notes", "drawing the figures"]
+    firsts = [next(i for i, text in enumerate(texts) if text.startswith(prefix)) for prefix in order]
+    assert firsts == sorted(firsts)
+    # the log's 2 turns are measured (recompute and 3 repairs: 4 steps, with the reference 5 each), each named
+    measuring = [text for text in texts if text.startswith("measuring turn")]
+    assert measuring[0] == "measuring turn 1 of 2 (step 0 of 10)" and measuring[-1] == "measuring turn 2 of 2 (step 10 of 10)"
+    assert {re.match(r"measuring turn (\d) of 2", text).group(1) for text in measuring} == {"1", "2"}
+    start, end = PHASES["measuring"]
+    assert [round(f, 3) for t, f in zip(texts, fractions) if t.startswith("measuring turn")] == [
+        round(start + (end - start) * step / 10, 3) for step in range(11)
+    ]
+
+
+def test_a_token_pass_loads_the_tokenizer_only(sessions):
+    fresh = ModelRegistry(TINY)  # nothing loaded: the token pass must not load the weights
+    heard = _heard(fresh, sessions, sample=0)
+    assert fresh.loaded() == [] and isinstance(fresh.token_model(), LoadedTokenizer)
+    assert "loading the tokenizer (the token pass needs no weights)" in [str(m) for m in heard]
+    assert not any(str(m).startswith("measuring turn") for m in heard) and heard[-1].done == heard[-1].total
+
+
+def test_a_cancel_stops_the_audit_before_its_next_forward_and_says_so(registry, sessions):
+    runs = AuditRuns()
+    assert runs.cancel("tab") == "No audit is running: nothing to cancel."
+    with runs.running("tab"):
+        said = []
+
+        def cancel_at_the_first_turn(message):
+            if str(message).startswith("measuring turn"):
+                said.append(runs.cancel("tab"))
+
+        with pytest.raises(AppError, match="the audit was cancelled: nothing of it was kept"):
+            run_audit(registry, sessions, LOG, session="c", progress=cancel_at_the_first_turn, **OPTIONS)
+        with pytest.raises(Exception, match="cancelled"):
+            with compute_slot(1):  # any further forward of this run is refused
+                pass
+    assert said[0].startswith("Audit cancelled: it stops before its next forward")
+    with compute_slot(1):  # outside the run, forwards go on
+        pass

@@ -1,0 +1,52 @@
+"""The audit's progress and Cancel in Debian's chromium: the bar names the turn it measures, Cancel stops the run and
+says so as information (no "Error" toast or badge anywhere), and the tab audits again at once. Screenshots of the tab
+during and after go to test-artifacts/ (and /tmp/perf-audit-*.png)."""
+
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.app.test_audit_tab import LOG
+from tests.app.test_browser import ARTIFACTS, CHROMIUM, TOAST, browser, page  # noqa: F401 (the module's fixtures)
+
+pytestmark = pytest.mark.skipif(not CHROMIUM, reason="Debian chromium is not installed (scripts/test.sh installs it)")
+
+
+def _shot(page, name: str) -> None:  # noqa: F811
+    for folder in (ARTIFACTS, Path("/tmp")):
+        page.screenshot(path=str(folder / f"perf-audit-{name}.png"), full_page=True)
+
+
+def test_cancel_stops_the_audit_as_information_and_the_tab_audits_again(page, monkeypatch):  # noqa: F811
+    from engine.cache import adapter
+
+    forward, pace = adapter.forward, {"s": 0.4}
+
+    def slow_forward(*args, **kwargs):  # the tiny model audits in a second: slow it to a real model's pace
+        time.sleep(pace["s"])
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(adapter, "forward", slow_forward)
+    page.get_by_role("tab", name="Your prompt").click()
+    page.locator("#audit-input textarea").fill(LOG)
+    page.locator("#audit-tokens input[type=number]").fill("3")
+    page.locator("#run-audit").click()
+    measuring = page.get_by_text(re.compile(r"measuring turn 1 of 2")).first
+    measuring.wait_for(timeout=60_000)
+    _shot(page, "during")
+    page.locator("#cancel-audit").click()
+    page.locator("#audit-status").get_by_text("Audit cancelled").wait_for(timeout=10_000)
+    page.locator(TOAST).filter(has_text="Audit cancelled").first.wait_for(timeout=10_000)
+    page.wait_for_timeout(1500)  # a late error would show by now
+    _shot(page, "after")
+    toasts = page.locator(TOAST).all_inner_texts()
+    assert all("Audit cancelled" in text for text in toasts), toasts
+    assert page.get_by_text("Error", exact=True).count() == 0
+    assert page.locator("#audit-recommendation").inner_text().strip() == ""  # nothing of the cancelled run shown
+    pace["s"] = 0.0
+    page.locator("#run-audit").click()  # the app stays responsive: the next audit runs to its end
+    page.locator("#audit-recommendation").get_by_text("Recommended:").first.wait_for(timeout=120_000)
+    assert page.get_by_text("Error", exact=True).count() == 0
+    _shot(page, "again")
