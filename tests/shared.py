@@ -1,11 +1,24 @@
 """Test data shared across test packages."""
 
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 
 from engine.models.tiny import tiny_model
 from engine.scenario import Scenario, bundled_scenarios
+
+# Debian's chromium, driven by Playwright in every browser test (never a downloaded browser), and its flags.
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
 
 # A line the tiny tokenizer knows well (from its training corpus): about 20 tokens.
 FILLER = "Ticket 7 says the package is late. Ticket 8 says the item arrived damaged and asks for a refund.\n"

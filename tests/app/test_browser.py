@@ -4,7 +4,6 @@ test-artifacts/."""
 import json
 import random
 import re
-import shutil
 import string
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit
@@ -13,19 +12,11 @@ import pytest
 
 from app.permalink import decode_toml, encode_toml
 from tests.app.conftest import SCENARIO
+from tests.shared import CHROMIUM, CHROMIUM_ARGS
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium is not installed (scripts/test.sh installs it)")
-ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
+ARGS = CHROMIUM_ARGS
 
 
 @pytest.fixture(scope="module")

@@ -1,14 +1,13 @@
 """The app's plots and menus at a 1,000 and a 1,400 px window in Debian's chromium: plots in a row of two wrap to one
 per row rather than shrink below 560 px, and the remedy menu's text stops before its arrow."""
 
-import shutil
 from pathlib import Path
 
 import pytest
 
 from app.page import PAIRED_PLOT_MIN_WIDTH
+from tests.shared import CHROMIUM, CHROMIUM_ARGS
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium is not installed (scripts/test.sh installs it)")
 PAIRS = {"Notes": [("strategy-plot", "frontier-plot"), ("attention-plot", "notes-plot")], "Composer": [("logits-plot", "deviation-plot")]}
 
@@ -17,10 +16,8 @@ PAIRS = {"Notes": [("strategy-plot", "frontier-plot"), ("attention-plot", "notes
 def browser():
     from playwright.sync_api import sync_playwright
 
-    from tests.viz.test_figures_fit import ARGS
-
     with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         yield chromium
         chromium.close()
 

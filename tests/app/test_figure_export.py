@@ -2,16 +2,15 @@
 every figure with every http(s) request refused."""
 
 import re
-import shutil
 from pathlib import Path
 
 import plotly.graph_objects as go
 import pytest
 
 from app.state import ExportFolder
+from tests.shared import CHROMIUM, CHROMIUM_ARGS
 from viz.common import figures_html, plotly_js
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 REMOTE_SCRIPT = re.compile(r"<script[^>]*\bsrc\s*=\s*[\"']?(https?:)?//", re.IGNORECASE)
 
 
@@ -38,12 +37,10 @@ def test_an_export_embeds_plotly_js_and_its_cap_counts_only_what_the_session_wro
 def test_chromium_draws_an_exported_page_with_the_network_refused(tmp_path):
     from playwright.sync_api import sync_playwright
 
-    from tests.viz.test_figures_fit import ARGS
-
     _, html_path = ExportFolder(2**20, keep=2, root=tmp_path).write({"a": 1}, _figures(), "x")
     refused = []
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page()
         page.route(re.compile(r"^https?://"), lambda route: (refused.append(route.request.url), route.abort()))
         page.goto(html_path.as_uri())

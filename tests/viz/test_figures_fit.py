@@ -6,26 +6,17 @@ figure at both widths go to /tmp/figures/ (to look at)."""
 from __future__ import annotations
 
 import re
-import shutil
 from pathlib import Path
 
 import plotly.offline
 import pytest
 
+from tests.shared import CHROMIUM, CHROMIUM_ARGS
 from tests.viz.figure_cases import WIDTHS, every_case, figure_builders
 from viz.common import GRADIO_LABEL_PX
 
 SHOTS = Path("/tmp/figures")
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
+ARGS = CHROMIUM_ARGS
 
 
 @pytest.fixture(scope="module")
