@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from viz.audit import ENGINE_LABELS
-from viz.common import PALETTE
+from viz.common import LEGEND_BELOW, PALETTE, set_title
 
 ROUTING_LABELS = {"round_robin": "round robin", "session": "session affinity", "prefix": "prefix-aware", "least_loaded": "least loaded"}
 
@@ -63,11 +63,12 @@ def fleet_figure(data: Mapping) -> go.Figure:
             )
         figure.update_xaxes(title_text="replicas", type="category", row=1, col=column)
     figure.update_yaxes(title_text="hit rate (tokens reused)", tickformat=".0%", rangemode="tozero", row=1, col=1)
-    figure.update_layout(
-        title="What each router keeps of the cache, by replica count",
-        height=420,
-        legend={"orientation": "h", "y": -0.25},
-        margin={"t": 80},
+    figure.update_layout(height=460, legend=LEGEND_BELOW, margin={"b": 120})
+    set_title(
+        figure,
+        "What each router keeps of the cache, by replica count",
+        "each replica holds its own cache; the dotted line is one server holding them all",
+        subplot_titles=1,
     )
     return figure
 

@@ -23,7 +23,7 @@ forwards are recorded once (the new token ids, and how many cached entries each 
 replays the same forwards (``model(...)`` over a ``DynamicCache`` of that many entries, SDPA, the same dtype; greedy
 steps one token each), side by side with the audit in every repetition: the ratio is audit / plain (goal ≤ 1.3×). Then
 each log goes through the app's audit handler (``app.handlers.your_prompt.run_audit``, the tab's defaults, the model
-already loaded) in bfloat16 (goal ≤ 60 s). Writes results/audit-speed-<model>-cpu.json, with the load average (other
+already loaded) in bfloat16 (goal ≤ 60 s). Writes results/audit_speed-<dtypes>-<model>-cpu.json, with the load average (other
 processes share the CPU) and min / median / max of every time.
 """
 
@@ -295,7 +295,7 @@ def speed(args) -> dict:
         data["model_pass"][dtype] = rows
     data["app"] = app_times(args.model, args) if args.app_reps else []
     data["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
-    path = common.write_result("audit-speed-" + "-".join(data["model_pass"]), lm, data, Path(args.out))
+    path = common.write_result("audit_speed-" + "-".join(data["model_pass"]), lm, data, Path(args.out))
     print(f"-> {path}", flush=True)
     return data
 

@@ -52,9 +52,9 @@ class NotesShare:
         """One sentence computed from the numbers (plain text)."""
         if self.unmoved_by is not None:
             return (
-                f"This change does not move the decision: a clean prefill with the new value moves the margin by only "
-                f"{self.unmoved_by:+.3f} ({self.stale_label} before, {self.oracle_label} after), too little to measure what the "
-                "notes carry; pick a field or value whose change moves the answer"
+                f"Notes not measurable here: this change does not move the decision. A clean prefill with the new value moves "
+                f"the margin by only {self.unmoved_by:+.3f} ({self.stale_label} before, {self.oracle_label} after), too little "
+                "to measure what the notes carry; pick a field or value whose change moves the answer"
             )
         if self.share is None:
             return f"Notes share undefined: {self.reason}"

@@ -36,6 +36,7 @@ def test_the_rag_log_offers_each_changed_field_and_opens_the_one_picked(wide_pag
     page.locator("#run-audit").click()
     page.locator("#audit-open-status").get_by_text("Open in Notes:").wait_for(timeout=300_000)
     assert page.locator(TOAST).count() == 0, page.locator(TOAST).all_inner_texts()
+    page.locator("#audit-traffic th").first.wait_for(timeout=30_000)  # the tables render after the status line
     headers = page.evaluate(HEADER_LINES)
     assert headers and all(lines == 1 for _, lines in headers), headers  # "tokens", never "to/ke/ns"
     page.locator("#audit-notes-field input").click()

@@ -152,7 +152,7 @@ def test_matches_knows_which_result_a_recipe_computes():
 
 
 def numbers_agree(expected, actual, path="") -> None:
-    """Every value of the export's JSON in the reproduction: numbers within 1e-5, labels and the rest equal;
+    """Every value of the export's JSON in the reproduction: numbers within one step of their 4 stored decimals, labels and the rest equal;
     measured timings (ms, timing, rank_ms) aside."""
     if isinstance(expected, dict):
         assert set(expected) == set(actual), path
@@ -164,7 +164,7 @@ def numbers_agree(expected, actual, path="") -> None:
         for index, (a, b) in enumerate(zip(expected, actual)):
             numbers_agree(a, b, f"{path}[{index}]")
     elif isinstance(expected, float) and not isinstance(expected, bool):
-        assert actual == pytest.approx(expected, abs=1e-5), path
+        assert actual == pytest.approx(expected, abs=1.5e-4), path  # JSON keeps 4 decimals: a last-digit flip at a rounding boundary
     else:
         assert actual == expected, path
 

@@ -28,7 +28,7 @@ from engine.scenario import Scenario, bundled_scenarios
 from tests.viz.test_audit import DATA, TRAFFIC
 from tests.viz.test_models import COMPARISON
 from tests.viz.test_probes import _linear_result
-from viz import audit, common, compose, decision, models, notes, probes, results, strategies, weights
+from viz import audit, common, compose, decision, fleet, models, notes, probes, results, strategies, weights
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = {path.stem: json.loads(path.read_text()) for path in sorted(ROOT.glob("benchmarks/*/results/*.json"))}
@@ -36,6 +36,22 @@ RESULTS = {path.stem: json.loads(path.read_text()) for path in sorted(ROOT.glob(
 # 768 px wide below 1,024 px and 1,280 px below 1,536 px (32 px padding each side); a plot in a row of two is set to wrap
 # below 560 px, so it has the whole width at 1,000 px and half of it at 1,400 px.
 WIDTHS = {"full": {1000: 704, 1400: 1216}, "half": {1000: 704, 1400: 600}}
+
+
+ROUTINGS = ("round_robin", "session", "prefix", "least_loaded")
+FLEET = {  # one server's hit rates and four routers at 2 and 8 replicas (the audit's JSON keys)
+    "engines": {"hit_rate": {"vllm": 0.52, "sglang": 0.54, "llama_cpp": 0.49}},
+    "fleet": [
+        {
+            "replicas": replicas,
+            "routing": routing,
+            "reused_tokens": {engine: 1000 * rank for engine in ("vllm", "sglang", "llama_cpp")},
+            "hit_rate": {engine: 0.54 * rank / 4 / (replicas / 2) ** (rank < 3) for engine in ("vllm", "sglang", "llama_cpp")},
+        }
+        for replicas in (2, 8)
+        for rank, routing in enumerate(ROUTINGS, 1)
+    ],
+}
 
 
 @dataclass(frozen=True)
@@ -187,6 +203,7 @@ def every_case(lm, experiment, length_change) -> list[Case]:
         Case("fidelity_cost_figure", audit.fidelity_cost_figure(DATA, "ttft", "agreement"), "half"),
         Case("session_timeline_figure", audit.session_timeline_figure(TRAFFIC), "half"),
         Case("engine_reuse_figure", audit.engine_reuse_figure(TRAFFIC), "half"),
+        Case("fleet_figure", fleet.fleet_figure(FLEET)),
         Case("message_figure", common.message_figure("run an edit first: the notes map belongs to an edit")),
     ]
     stored = {stem: data for stem, data in RESULTS.items() if results.result_kind(stem) in results.FIGURES}

@@ -202,7 +202,7 @@ def test_a_change_too_small_to_recover_says_so_in_a_sentence(lm, scenario):
     notes, change = report.notes, report.oracle.decision.margin - report.stale.decision.margin
     assert notes.share is None and notes.unmoved_by == pytest.approx(change, abs=1e-6)
     headline = notes.headline()
-    assert headline.startswith("This change does not move the decision: a clean prefill with the new value moves the margin by only")
+    assert headline.startswith("Notes not measurable here: this change does not move the decision. A clean prefill with the new value")
     assert f"{change:+.3f}" in headline and "undefined" not in headline and "nothing to recover" not in headline
     assert report.as_dict()["notes"]["headline"] == headline
 
