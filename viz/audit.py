@@ -483,7 +483,7 @@ def engine_reuse_figure(data: Mapping) -> go.Figure:
     )
     figure.update_layout(
         xaxis={"title": "request (log order)"},
-        yaxis={"title": "share of the request's tokens reused", "range": [0, 1.05], "tickformat": ".0%"},
+        yaxis={"title": "tokens reused (share of each request)", "range": [0, 1.05], "tickformat": ".0%"},
         height=460,
         legend=LEGEND_BELOW,
         margin={"b": 120},
