@@ -148,7 +148,7 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
             engines_plot = gr.Plot(label="Tokens each engine reuses", elem_id="audit-engines", min_width=560)
         groups_view = gr.Markdown(elem_id="audit-groups", elem_classes=["kv-audit-tables"])
         fleet_view = gr.Markdown(elem_id="audit-fleet-table", elem_classes=["kv-audit-tables"])
-        fleet_plot = gr.Plot(label="Hit rate by router and replicas", elem_id="audit-fleet")
+        fleet_plot = gr.Plot(label="Hit rate by router and replicas", elem_id="audit-fleet", visible=False)  # shown with replicas
         recommendation = gr.Markdown(elem_id="audit-recommendation")
         with gr.Row():
             timeline_plot = gr.Plot(label="Reused fraction per turn", elem_id="audit-timeline", min_width=PAIRED_PLOT_MIN_WIDTH)
@@ -217,7 +217,7 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
     def _shown(view: AuditView, sid: str) -> tuple:
         figures = view.timeline_figure, view.fidelity_figure
         traffic = view.traffic_markdown, view.sessions_figure, view.engines_figure, view.groups_markdown
-        traffic += (view.fleet_markdown, view.fleet_figure)
+        traffic += (view.fleet_markdown, gr.update(value=view.fleet_figure, visible=view.fleet_figure is not None))
         menu = gr.update(choices=view.notes_menu, value=view.notes_pick)
         return view.recommendation_markdown, *figures, view.prompt_html, view.summary, view.notes_markdown, *traffic, sid, menu
 
