@@ -4,16 +4,21 @@ The result is the single-process ``traffic.scan_log``'s, request for request (th
 and engines' reuse); only where the work runs differs:
 
 - **Stage 1, on Ray Data** (``map_batches`` over the log's shards, ``shards.plan_shards``, with an actor pool of
-  ``workers`` actors, each holding the tokenizer). A first pass counts each shard's requests (read and unwrap only,
-  so every request gets its number in the whole log) and names the records skipped. The second reads, unwraps,
-  renders and tokenizes each request, hashes its blocks (``caches.block_hashes``) and computes its row twice: as a
-  cold request, and against its match among the shard's earlier requests (a radix tree of the shard alone;
-  ``traffic.compared_row``: the diff and the causes, which need the texts).
-- **Stage 2, on the driver**, in log order, over compact records: per request its token ids (int32, for the radix
-  tree and the slots), its block hashes (int64) and its two candidate rows. The radix tree matches the request; when
-  the match is none or the shard's own guess (nearly every request), the row computed on the worker is the row;
-  otherwise the pair is left for stage 2b. The engines (and any ``fleet``) are fed here. The driver keeps
-  each request's row, its diff (the changed values only) and where it is in the log, never a text.
+  ``workers`` actors, each holding the tokenizer). A first pass counts each shard's requests (read and unwrap only),
+  and returns their timestamps, the records skipped, the flags and the sessions Langfuse traces name (``LogCount``):
+  so every request gets its number in the whole log, in time order where every request has a timestamp (as one
+  process orders it, ``requests.time_ordered``), and each observation its trace's session from any shard. The second
+  reads, unwraps, renders and tokenizes each request, hashes its blocks (``caches.block_hashes``) and computes its
+  row twice: as a cold request, and against its match among the shard's earlier requests (a radix tree of the shard
+  alone; ``traffic.compared_row``: the diff and the causes, which need the texts).
+- **Stage 2, on the driver**, in time order, over compact records: per request its token ids (int32, for the radix
+  tree and the slots), its block hashes (int64), its two candidate rows and what its record reports (``Reported``,
+  and for a hosted model what its provider's cache reads). The radix tree matches the request; when the match is
+  none or the shard's own guess (nearly every request), the row computed on the worker is the row; otherwise the pair
+  is left for stage 2b. The engines, the hosted providers' caches (and any ``fleet``) are fed here; the observed
+  counts are compared at the end (``traffic.observed_rows``, as in one process). The driver keeps each request's row,
+  its diff (the changed values only) and where it is in the log, never a text. Files in time order stream through;
+  a log whose files are not (an export written in another order) is held whole, then sorted.
 - **Stage 2b, on the driver**: the pairs whose match was another request (a match in an earlier shard, or one the
   budget evicted; a few percent of a log with shards of thousands of lines): both requests re-read by file
   and line, rendered, and diffed by the same ``compared_row``. (On the driver, not as Ray tasks: a task process's
@@ -25,7 +30,7 @@ and engines' reuse); only where the work runs differs:
 Faults: a shard that cannot be read (a truncated gzip, an unreadable file) is skipped from the line it failed at,
 named by file and line, and the other shards go on; a worker that dies is restarted by Ray and its shard retried
 (``RETRIES``: the actors' ``max_restarts`` and ``max_task_retries``). A log is streamed: each worker reads its
-shard's lines, and the driver holds one shard's records at a time.
+shard's lines, and the driver holds one shard's records at a time (all of them, for a log out of time order).
 """
 
 from __future__ import annotations
@@ -44,9 +49,21 @@ from engine.audit.caches import CacheSettings, Engines, RadixCache, block_hashes
 from engine.audit.fields import TurnDiff
 from engine.audit.fleet import Fleet
 from engine.audit.formats import AUTO
-from engine.audit.requests import ORDERS, RenderedRequest, Request, RequestLogError, Skipped, record_requests, render_batch
-from engine.audit.shards import SHARD_LINES, Shard, count_shards, log_files, plan_shards, read_shard, shard_lines
-from engine.audit.traffic import TrafficRequest, TrafficScan, compared_row, sample_groups
+from engine.audit.hosted import HostedCaches, HostedRequest, hosted_request
+from engine.audit.observed import Reported
+from engine.audit.requests import (
+    ORDERS,
+    Flagged,
+    RenderedRequest,
+    Request,
+    RequestLogError,
+    Skipped,
+    join_traces,
+    record_requests,
+    render_batch,
+)
+from engine.audit.shards import SHARD_LINES, Shard, ShardCount, count_shards, log_files, plan_shards, read_shard, shard_lines
+from engine.audit.traffic import TrafficRequest, TrafficScan, compared_row, observed_rows, sample_groups
 from engine.progress import StepProgress
 
 RETRIES = 3  # restarts of a lost actor, retries of a lost task
@@ -75,7 +92,8 @@ def start_ray(address: str = LOCAL, workers: int = 2) -> None:
 
 @dataclass(frozen=True)
 class TokenRecord:
-    """What stage 2 holds of one request: integers, and the two rows computed for it on a worker."""
+    """What stage 2 holds of one request: integers, the two rows computed for it on a worker, and what its record
+    reports (the observed count, when and to which model it was sent, what a hosted provider's cache reads)."""
 
     index: int
     session: str | None
@@ -85,7 +103,8 @@ class TokenRecord:
     cold: TrafficRequest  # its row without a match
     guess: int | None  # its match among the shard's earlier requests (a radix tree of the shard)
     against_guess: tuple[TrafficRequest, TurnDiff | None] | None  # its row and diff against that request
-    timestamp: float | None = None  # when it was sent, where its record says
+    reported: Reported
+    hosted: HostedRequest | None = None
 
 
 @dataclass(frozen=True)
@@ -98,23 +117,28 @@ class ShardTokens:
 
 
 class _ShardTokenPass:
-    """Stage 1's actor: holds the tokenizer; per shard, its requests read, rendered, hashed and diffed."""
+    """Stage 1's actor: holds the tokenizer; per shard, its requests read, numbered in the log's order, rendered,
+    hashed and diffed. ``sessions``: the Langfuse traces' sessions named anywhere in the log."""
 
-    def __init__(self, tokenizer: Any, fmt: str, limit: int, model: str, block: int):
+    def __init__(self, tokenizer: Any, fmt: str, limit: int, model: str, block: int, sessions: dict[str, str]):
         self.tokenizer, self.fmt, self.limit, self.model, self.block = tokenizer, fmt, limit, model, block
+        self.sessions = sessions
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         out = []
-        for number, text, first in zip(batch["number"], batch["shard"], batch["first_index"]):
-            out.append(self.tokens(int(number), Shard(**json.loads(text)), int(first)))
+        for number, text, first, indexes in zip(batch["number"], batch["shard"], batch["first_index"], batch["indexes"]):
+            out.append(self.tokens(int(number), Shard(**json.loads(text)), int(first), json.loads(indexes)))
         return {"tokens": np.array(out, dtype=object)}
 
-    def tokens(self, number: int, shard: Shard, first_index: int) -> ShardTokens:
-        requests = read_shard(shard, self.fmt, first_index).requests
+    def tokens(self, number: int, shard: Shard, first_index: int, indexes: list[int] | None) -> ShardTokens:
+        """The shard's records; ``indexes``: each request's number in the log's time order (None: the files' order)."""
+        requests = join_traces(read_shard(shard, self.fmt, first_index).requests, self.sessions)
+        place = _places(requests)  # by the files' numbering, which ``where`` re-reads by
+        if indexes is not None:
+            requests = [dataclasses.replace(request, index=index) for request, index in zip(requests, indexes, strict=True)]
         rendered = render_batch(self.tokenizer, requests, self.limit, self.model)
         records, skipped, local, kept = [], [], RadixCache(), {}  # the shard's own radix tree, its rendered requests
-        place = _places(requests)
-        for request, item in zip(requests, rendered):
+        for request, item, at in zip(requests, rendered, place):
             if isinstance(item, RequestLogError):
                 skipped.append(Skipped(request.line, "rendering", str(item)))
                 continue
@@ -126,69 +150,127 @@ class _ShardTokenPass:
                 TokenRecord(
                     request.index,
                     request.session,
-                    (number, *place[request.index]),
+                    (number, *at),
                     item.token_ids,
                     block_hashes(item.token_ids, self.block),
                     cold,
                     guess,
                     against,
-                    request.timestamp,
+                    Reported.of(request),
+                    hosted_request(item, [token for _, token in cold.breakpoints]),
                 )
             )
             kept[request.index] = item
         return ShardTokens(number, records, skipped)
 
 
-def _places(requests: Sequence[Request]) -> dict[int, tuple[int, int]]:
+def _places(requests: Sequence[Request]) -> list[tuple[int, int]]:
     """Per request: its line and its position among the requests its record holds."""
-    place, seen = {}, {}
+    places, seen = [], {}
     for request in requests:
         position = seen.get(request.line, 0)
         seen[request.line] = position + 1
-        place[request.index] = (request.line, position)
-    return place
+        places.append((request.line, position))
+    return places
 
 
-def read_requests(shards: Sequence[Shard], where: dict[int, tuple[int, int, int]], fmt: str = AUTO) -> dict[int, Request]:
-    """The requests at the given places (request -> shard, line, position), re-read without parsing other lines."""
-    wanted: dict[int, dict[int, list[tuple[int, int]]]] = {}  # shard -> line -> [(request, position)]
-    for index, (number, line, position) in where.items():
-        wanted.setdefault(number, {}).setdefault(line, []).append((index, position))
-    found: dict[int, Request] = {}
-    for number, lines in wanted.items():
-        shard = shards[number]
-        if shard.array:
-            requests = {r.index: r for r in read_shard(shard, fmt).requests}
-            by_line = {line: [r for r in requests.values() if r.line == line] for line in lines}
-            for line, items in lines.items():
-                found |= {index: dataclasses.replace(by_line[line][pos], index=index) for index, pos in items}
-            continue
-        last = max(lines)
-        for line, raw in shard_lines(shard):
-            if line in lines:
-                for index, position in lines[line]:
-                    found[index] = record_requests(json.loads(raw), fmt, index - position, line)[0][position]
-            if line == last:
-                break
-    return found
+@dataclass(frozen=True)
+class Rereader:
+    """Requests re-read from their shards by place (request -> shard, line, position among its record's requests)
+    without parsing other lines, and rendered as stage 1 rendered them."""
+
+    tokenizer: Any
+    shards: Sequence[Shard]
+    fmt: str
+    limit: int
+    model: str
+    sessions: dict[str, str]  # the Langfuse traces' sessions
+
+    def requests(self, where: dict[int, tuple[int, int, int]]) -> dict[int, Request]:
+        wanted: dict[int, dict[int, list[tuple[int, int]]]] = {}  # shard -> line -> [(request, position)]
+        for index, (number, line, position) in where.items():
+            wanted.setdefault(number, {}).setdefault(line, []).append((index, position))
+        found: dict[int, Request] = {}
+        for number, lines in wanted.items():
+            shard = self.shards[number]
+            if shard.whole:
+                by_line: dict[int, list[Request]] = {}
+                for request in read_shard(shard, self.fmt).requests:
+                    by_line.setdefault(request.line, []).append(request)
+                for line, items in lines.items():
+                    found |= {index: dataclasses.replace(by_line[line][position], index=index) for index, position in items}
+                continue
+            last = max(lines)
+            for line, raw in shard_lines(shard):
+                if line in lines:
+                    for index, position in lines[line]:
+                        found[index] = record_requests(json.loads(raw), self.fmt, index - position, line).requests[position]
+                if line == last:
+                    break
+        return dict(zip(found, join_traces(list(found.values()), self.sessions)))
+
+    def rendered(self, where: dict[int, tuple[int, int, int]]) -> dict[int, RenderedRequest]:
+        requests = self.requests(where)
+        order = sorted(requests)
+        rendered = zip(order, render_batch(self.tokenizer, [requests[i] for i in order], self.limit, self.model))
+        return {i: item for i, item in rendered if isinstance(item, RenderedRequest)}
+
+    def compared(
+        self, where: dict[int, tuple[int, int, int]], pairs: list[tuple[int, int]], block: int
+    ) -> list[tuple[int, TrafficRequest, TurnDiff | None]]:
+        """Stage 2b: each (request, its match) re-read, rendered and compared, as ``scan_log`` compares them."""
+        rendered = self.rendered({i: where[i] for pair in pairs for i in pair})
+        return [(new, *compared_row(rendered[old], rendered[new], old, block)) for new, old in pairs]
 
 
-def compare_pairs(
-    tokenizer: Any, shards: list[Shard], where: dict, pairs: list[tuple[int, int]], fmt: str, limit: int, model: str, block: int
-) -> list[tuple[int, TrafficRequest, TurnDiff | None]]:
-    """Stage 2b: each (request, its match) re-read, rendered and compared, as ``scan_log`` compares them."""
-    rendered = render_requests(tokenizer, shards, where, {i for pair in pairs for i in pair}, fmt, limit, model)
-    return [(new, *compared_row(rendered[old], rendered[new], old, block)) for new, old in pairs]
+@dataclass(frozen=True)
+class LogCount:
+    """Stage 1's first step over the whole log: each shard's first request number, the records skipped, the formats,
+    the Langfuse traces' sessions, the order the report uses (``requests.ORDERS``) and what kept requests' records
+    flag, numbered in that order."""
+
+    first: list[int]
+    total: int
+    skipped: list[Skipped]
+    formats: dict[str, int]
+    sessions: dict[str, str]
+    order: str
+    indexes: np.ndarray | None  # each request's number in time order, by its number in the files' order (None: the same)
+    untimed: int
+    flagged: list[Flagged]
+
+    @classmethod
+    def of(cls, counts: Sequence[ShardCount]) -> LogCount:
+        counts = sorted(counts, key=lambda count: count.number)
+        first, total, formats, sessions, flagged = [], 0, {}, {}, []
+        for count in counts:
+            first.append(total + 1)
+            flagged += [dataclasses.replace(item, request=item.request + total) for item in count.flagged]
+            total += count.requests
+            sessions |= count.sessions
+            for name, n in count.formats.items():
+                formats[name] = formats.get(name, 0) + n
+        times = np.concatenate([count.timestamps for count in counts]) if counts else np.zeros(0)
+        untimed = int(np.isnan(times).sum())
+        order = "timestamps" if total and not untimed else "log"
+        indexes = None
+        if order == "timestamps" and bool((np.diff(times) < 0).any()):  # sorted as ``requests.time_ordered`` sorts
+            indexes = np.empty(total, dtype=np.int64)
+            indexes[np.argsort(times, kind="stable")] = np.arange(1, total + 1)
+            flagged = sorted((dataclasses.replace(item, request=int(indexes[item.request - 1])) for item in flagged), key=_by_request)
+        skipped = [item for count in counts for item in count.skipped]
+        return cls(first, total, skipped, formats, sessions, order, indexes, untimed, flagged)
+
+    def shard_indexes(self, number: int, requests: int) -> str:
+        """The JSON of shard ``number``'s requests' numbers in time order (``null``: the files' order is the order)."""
+        if self.indexes is None:
+            return "null"
+        start = self.first[number] - 1
+        return json.dumps(self.indexes[start : start + requests].tolist())
 
 
-def render_requests(
-    tokenizer: Any, shards: list[Shard], where: dict, indexes: set[int], fmt: str, limit: int, model: str
-) -> dict[int, RenderedRequest]:
-    """The requests ``indexes`` re-read from their shards and rendered."""
-    requests = read_requests(shards, {i: where[i] for i in indexes}, fmt)
-    order = sorted(requests)
-    rendered = zip(order, render_batch(tokenizer, [requests[i] for i in order], limit, model))
-    return {i: item for i, item in rendered if isinstance(item, RenderedRequest)}
+def _by_request(item: Flagged) -> int:
+    return item.request
 
 
 def ray_scan(
@@ -202,6 +284,7 @@ def ray_scan(
     workers: int = 2,
     sample: int = 0,
     fleet: Sequence[tuple[int, str]] = (),
+    observed_engine: str = "vllm",
     shard_lines_: int = SHARD_LINES,
     progress: StepProgress = None,
 ) -> TrafficScan:
@@ -218,76 +301,99 @@ def ray_scan(
     items = [{"number": n, "shard": json.dumps(dataclasses.asdict(shard))} for n, shard in enumerate(shards)]
     counted = ray.data.from_items(items).map_batches(count_shards, batch_size=1, fn_kwargs={"fmt": fmt})
     counts = [row["count"] for row in counted.iter_rows()]
-    counts.sort(key=lambda count: count.number)
-    skipped = [item for count in counts for item in count.skipped]
-    formats: dict[str, int] = {}
-    first, total = [], 0
-    for count in counts:
-        first.append(total + 1)
-        total += count.requests
-        for name, n in count.formats.items():
-            formats[name] = formats.get(name, 0) + n
-    if total == 0 and not skipped:
+    count = LogCount.of(counts)
+    if count.total == 0 and not count.skipped:
         raise RequestLogError("the log is empty: paste one JSON request per line, or a JSON array of requests")
-    for item, start in zip(items, first):
-        item["first_index"] = start
+    requests = {shard.number: shard.requests for shard in counts}
+    for item in items:
+        item |= {"first_index": count.first[item["number"]], "indexes": count.shard_indexes(item["number"], requests[item["number"]])}
     dataset = ray.data.from_items(items).map_batches(
         _ShardTokenPass,
         batch_size=1,
-        fn_constructor_kwargs={"tokenizer": tokenizer, "fmt": fmt, "limit": limit, "model": model, "block": settings.block},
+        fn_constructor_kwargs={
+            "tokenizer": tokenizer,
+            "fmt": fmt,
+            "limit": limit,
+            "model": model,
+            "block": settings.block,
+            "sessions": count.sessions,
+        },
         compute=ray.data.ActorPoolStrategy(size=workers),
         num_cpus=1,
         max_restarts=RETRIES,
         max_task_retries=RETRIES,
     )
-    driver = _Driver(settings, fleet)
+    driver = _Driver(settings, fleet, reorder=count.indexes is not None)
     rendering: list[Skipped] = []
+    received = 0
     for row in dataset.iter_rows():
         part: ShardTokens = row["tokens"]
         rendering += part.skipped
         driver.feed(part.records)
+        received += len(part.records)
         if progress:
-            progress(driver.time, total)
+            progress(received, count.total)
+    driver.finish()
+    reread = Rereader(tokenizer, shards, fmt, limit, model, count.sessions)
     pending = driver.pending()
     if pending:
-        driver.fill(compare_pairs(tokenizer, shards, driver.where, pending, fmt, limit, model, settings.block))
-    scan = driver.scan(skipped + rendering, formats)
-    rendered = render_requests(tokenizer, shards, driver.where, _needed(scan, sample), fmt, limit, model)
+        driver.fill(reread.compared(driver.where, pending, settings.block))
+    scan = driver.scan(count.skipped + rendering, count, observed_engine, model)
+    rendered = reread.rendered({i: driver.where[i] for i in _needed(scan, sample)})
     return dataclasses.replace(scan, rendered=rendered)
 
 
 class _Driver:
-    """Stage 2: the radix match, the engines and the fleets, in log order, over compact records."""
+    """Stage 2: the radix match, the engines, the hosted providers' caches and the fleets, in time order, over compact
+    records (``reorder``: the files are not in time order, so every record is held until the last, then sorted)."""
 
-    def __init__(self, settings: CacheSettings, fleet: Sequence[tuple[int, str]]):
+    def __init__(self, settings: CacheSettings, fleet: Sequence[tuple[int, str]], reorder: bool = False):
         self.settings = settings
         self.engines = Engines(settings)
+        self.hosted = HostedCaches()
         self.fleets = [Fleet(replicas, routing, settings) for replicas, routing in fleet]
         self.rows: list[TrafficRequest] = []
         self.diffs: dict[int, TurnDiff] = {}
         self.where: dict[int, tuple[int, int, int]] = {}
         self.unmatched: dict[int, tuple[int, int, dict[str, int]]] = {}  # request -> (its match, its row's place, reuse)
+        self.reported: list[Reported] = []
+        self.served: list[dict[str, int]] = []  # per request, its hosted provider's reuse
         self.time = 0
-        self.timestamps: list[float | None] = []
+        self.held: list[TokenRecord] | None = [] if reorder else None
 
     def feed(self, records: Iterator[TokenRecord] | list[TokenRecord]) -> None:
+        """The records of the next shard: simulated now, or held until ``finish`` where the log is reordered."""
+        if self.held is not None:
+            self.held += records
+            return
         for record in records:
-            self.time += 1
-            self.timestamps.append(record.timestamp)
-            _, matched = self.engines.radix.match(record.ids, record.session)
-            for simulated in self.fleets:
-                simulated.insert(record.ids, record.index, record.session, record.hashes)
-            reused = self.engines.insert(record.ids, record.index, record.session, self.time, record.hashes)
-            self.where[record.index] = record.where
-            if matched is None:
-                row, diff = record.cold, None
-            elif matched == record.guess:
-                row, diff = record.against_guess
-            else:
-                self.unmatched[record.index] = (matched, len(self.rows), reused)
-                self.rows.append(record.cold)  # a placeholder until stage 2b
-                continue
-            self._keep(len(self.rows), row, diff, reused, append=True)
+            self._simulate(record)
+
+    def finish(self) -> None:
+        """The held records simulated in time order (nothing to do where the files were in time order)."""
+        if self.held:
+            for record in sorted(self.held, key=lambda record: record.index):
+                self._simulate(record)
+        self.held = None
+
+    def _simulate(self, record: TokenRecord) -> None:
+        self.time += 1
+        _, matched = self.engines.radix.match(record.ids, record.session)
+        for simulated in self.fleets:
+            simulated.insert(record.ids, record.index, record.session, record.hashes)
+        reused = self.engines.insert(record.ids, record.index, record.session, self.time, record.hashes)
+        self.served.append(self.hosted.insert(record.ids, record.hosted))
+        self.reported.append(record.reported)
+        self.where[record.index] = record.where
+        if matched is None:
+            row, diff = record.cold, None
+        elif matched == record.guess:
+            row, diff = record.against_guess
+        else:
+            self.unmatched[record.index] = (matched, len(self.rows), reused)
+            self.rows.append(record.cold)  # a placeholder until stage 2b
+            return
+        self._keep(len(self.rows), row, diff, reused, append=True)
 
     def _keep(self, at: int, row: TrafficRequest, diff: TurnDiff | None, reused: dict[str, int], append: bool = False) -> None:
         row = dataclasses.replace(row, reused_tokens=reused)
@@ -307,26 +413,18 @@ class _Driver:
             _, at, reused = self.unmatched[index]
             self._keep(at, row, diff, reused)
 
-    def scan(self, skipped: list[Skipped], formats: dict[str, int]) -> TrafficScan:
+    def scan(self, skipped: list[Skipped], count: LogCount, observed_engine: str, model: str) -> TrafficScan:
+        """The token pass's result, the log's reports read against the simulation (``traffic.observed_rows``)."""
+        rows = observed_rows(self.rows, self.reported, self.served, observed_engine, self.settings.block, model)
         results = tuple(simulated.result() for simulated in self.fleets)
         diffs = dict(sorted(self.diffs.items()))
-        scan = TrafficScan(tuple(self.rows), tuple(skipped), formats, self.settings, {}, diffs, fleet=results)
-        return dataclasses.replace(scan, reading=self.reading())
-
-    def reading(self) -> dict:
-        """How the log was read (``RequestLog.reading``'s keys). The pass keeps the files' order, which is the order
-        one process uses unless the timestamps say otherwise: a log out of time order is refused, not reordered."""
-        times = self.timestamps
-        timed = bool(times) and all(time is not None for time in times)
-        if timed and any(later < earlier for earlier, later in zip(times, times[1:])):
-            first = next(n for n, (a, b) in enumerate(zip(times, times[1:]), 2) if b < a)
-            raise RequestLogError(
-                f"request {first} was sent before the one logged ahead of it: --ray reads the files in their order; "
-                "sort the log by time first, or audit it without --ray"
-            )
-        order = "timestamps" if timed else "log"
-        untimed = sum(time is None for time in times)
-        return {"order": order, "order_reason": ORDERS[order], "untimed_requests": untimed, "flagged": []}
+        reading = {
+            "order": count.order,
+            "order_reason": ORDERS[count.order],
+            "untimed_requests": count.untimed,
+            "flagged": [item.as_dict() for item in count.flagged],
+        }
+        return TrafficScan(tuple(rows), tuple(skipped), count.formats, self.settings, {}, diffs, observed_engine, reading, fleet=results)
 
 
 def _needed(scan: TrafficScan, sample: int) -> set[int]:

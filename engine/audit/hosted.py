@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -137,21 +138,44 @@ def tools_end(rendered: RenderedRequest) -> int:
     return len(rendered)
 
 
-def hosted_reuse(rendered: Sequence[RenderedRequest], breakpoints: Sequence[Sequence[int | None]]) -> list[dict[str, int]]:
-    """Per request (in log order), the tokens its provider's simulated cache serves, keyed by provider (empty for a
-    request whose model is not a hosted one); ``breakpoints``: each request's breakpoint tokens (None: after the tools).
-    Each provider's cache sees its own requests only."""
-    openai, anthropic = OpenAICache(), AnthropicCache()
-    out: list[dict[str, int]] = []
-    for item, marks in zip(rendered, breakpoints):
-        request = item.request
-        provider = provider_of(request.model)
-        if provider == "openai":
-            out.append({"openai": openai.insert(item.token_ids, request.index)})
-        elif provider == "anthropic":
-            tokens = [tools_end(item) if mark is None else mark for mark in marks]
-            read = anthropic.insert(item.token_ids, tokens, block_ends(item), anthropic_minimum(request.model), request.timestamp)
-            out.append({"anthropic": read})
-        else:
-            out.append({})
-    return out
+@dataclass(frozen=True)
+class HostedRequest:
+    """What a hosted provider's simulated cache reads of one request besides its token ids: its provider and index,
+    and for Anthropic its breakpoint tokens, its block boundaries, the model's minimum and when it was sent."""
+
+    provider: str
+    index: int
+    breakpoints: tuple[int, ...] = ()
+    boundaries: tuple[int, ...] = ()
+    minimum: int = 0
+    timestamp: float | None = None
+
+
+def hosted_request(rendered: RenderedRequest, breakpoints: Sequence[int | None]) -> HostedRequest | None:
+    """``rendered`` as its provider's cache reads it (None: its model is not a hosted one); ``breakpoints``: its
+    breakpoint tokens (None: after the tools)."""
+    request = rendered.request
+    provider = provider_of(request.model)
+    if provider == "openai":
+        return HostedRequest(provider, request.index)
+    if provider == "anthropic":
+        tokens = tuple(tools_end(rendered) if mark is None else mark for mark in breakpoints)
+        minimum = anthropic_minimum(request.model)
+        return HostedRequest(provider, request.index, tokens, tuple(block_ends(rendered)), minimum, request.timestamp)
+    return None
+
+
+class HostedCaches:
+    """The providers' simulated caches, fed in time order; each sees its own provider's requests only."""
+
+    def __init__(self):
+        self.openai, self.anthropic = OpenAICache(), AnthropicCache()
+
+    def insert(self, ids: np.ndarray, hosted: HostedRequest | None) -> dict[str, int]:
+        """The tokens the request's provider serves from its cache, keyed by provider (empty: not a hosted model)."""
+        if hosted is None:
+            return {}
+        if hosted.provider == "openai":
+            return {"openai": self.openai.insert(ids, hosted.index)}
+        read = self.anthropic.insert(ids, hosted.breakpoints, hosted.boundaries, hosted.minimum, hosted.timestamp)
+        return {"anthropic": read}

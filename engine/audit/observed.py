@@ -21,7 +21,7 @@ import numpy as np
 
 from engine.audit.caches import ENGINES, BlockCache
 from engine.audit.causes import Cause
-from engine.audit.hosted import PROVIDERS, TOKENS_NOTE, hosted_reuse, provider_of
+from engine.audit.hosted import PROVIDERS, TOKENS_NOTE, provider_of
 from engine.audit.requests import RenderedRequest, Request, RequestLogError
 
 OBSERVED_ENGINES = tuple(ENGINES)  # the engines --observed-engine may compare with
@@ -49,6 +49,20 @@ class Row(Protocol):
 
 
 @dataclass(frozen=True)
+class Reported:
+    """What a request's record says besides its text, as the comparison reads it."""
+
+    index: int
+    timestamp: float | None
+    model: str | None
+    observed_cached_tokens: int | None
+
+    @classmethod
+    def of(cls, request: Request) -> Reported:
+        return cls(request.index, request.timestamp, request.model, request.observed_cached_tokens)
+
+
+@dataclass(frozen=True)
 class Observation:
     """What one request adds to its row: the observed count, its gap cause (if any), its provider's simulated reuse."""
 
@@ -57,16 +71,17 @@ class Observation:
     hosted_reused_tokens: dict[str, int]
 
 
-def observe(rows: Sequence[Row], rendered: Sequence[RenderedRequest], engine: str, block: int, model: str) -> list[Observation]:
-    """Per row of the token pass (in log order, one per ``rendered``): its observed count, its observed cause against
-    ``engine`` and, for a request to a hosted API, its provider's simulated reuse."""
+def observe(
+    rows: Sequence[Row], reported: Sequence[Reported], hosted: Sequence[dict[str, int]], engine: str, block: int, model: str
+) -> list[Observation]:
+    """Per row of the token pass (in time order, one per ``reported``): its observed count, its observed cause against
+    ``engine``, and ``hosted``: its hosted provider's simulated reuse (``hosted.HostedCaches``)."""
     if engine not in OBSERVED_ENGINES:
         raise RequestLogError(f"--observed-engine is one of {', '.join(OBSERVED_ENGINES)}, got {engine!r}")
-    hosted = hosted_reuse(rendered, [[token for _, token in row.breakpoints] for row in rows])
-    evidence = _Evidence(rows, {item.request.index: item.request for item in rendered}, block, model)
+    evidence = _Evidence(rows, {item.index: item for item in reported}, block, model)
     out = []
-    for row, item, provider in zip(rows, rendered, hosted):
-        observed = item.request.observed_cached_tokens
+    for row, item, provider in zip(rows, reported, hosted, strict=True):
+        observed = item.observed_cached_tokens
         causes = () if observed is None else evidence.causes(row, observed, row.reused_tokens[engine], engine)
         out.append(Observation(observed, causes, provider))
     return out
@@ -75,7 +90,7 @@ def observe(rows: Sequence[Row], rendered: Sequence[RenderedRequest], engine: st
 class _Evidence:
     """What the log says about a request's observed gap: times, sessions, tokens in between, the model named."""
 
-    def __init__(self, rows: Sequence[Row], requests: Mapping[int, Request], block: int, model: str):
+    def __init__(self, rows: Sequence[Row], requests: Mapping[int, Reported], block: int, model: str):
         self.requests = requests
         self.block = block
         self.model = model

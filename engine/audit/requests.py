@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -107,6 +107,8 @@ class Request:
     model: str | None = None  # the model the record names (``model``, ``request_model``, ``gen_ai.request.model``)
     observed_cached_tokens: int | None = None  # prompt tokens the server or provider reported cached; None: not reported
     observed_cache_write_tokens: int | None = None  # tokens it reported writing to its cache (Anthropic, OTel); None: not reported
+    trace: str | None = None  # a Langfuse observation's trace: its session is the one the trace's record names (``join_traces``)
+    flags: tuple[tuple[str, str], ...] = ()  # (key, why) of what its record says that could not be read (``Flagged``)
 
     @property
     def where(self) -> str:
@@ -189,39 +191,38 @@ def read_log(text: str, fmt: str = AUTO) -> RequestLog:
     """Every readable request of a JSONL log or a JSON array of records (plain requests in any format, or exports:
     ``engine.audit.sources``), in time order where every request has a timestamp; each malformed record, or part of
     one, skipped by name."""
-    read: list[tuple[int, dict]] = []
+    requests: list[Request] = []
     skipped: list[Skipped] = []
     sessions: dict[str, str] = {}
-    for line, item in _records(text):
+    for line, item in log_records(text):
         try:
-            if isinstance(item, json.JSONDecodeError):
-                raise RecordError("", f"is not JSON: {item.msg} (column {item.colno})")
-            part = read_any(item, fmt)
+            read = record_requests(item, fmt, len(requests) + 1, line)
         except RecordError as error:
             skipped.append(Skipped(line, error.key, error.reason))
             continue
-        skipped += [Skipped(line, error.key, error.reason) for error in part.skipped]
-        sessions |= part.sessions
-        read += [(line, request) for request in part.requests]
-    requests: list[Request] = []
-    flagged: list[Flagged] = []
-    for line, item in read:
-        if item.get("trace") is not None:  # a Langfuse observation: its trace's session, else the trace itself
-            item = {**item, "session": sessions.get(item["trace"]) or item.get("session") or item["trace"]}
-        try:
-            request = _request(item, len(requests) + 1, line)
-        except RecordError as error:
-            skipped.append(Skipped(line, error.key, error.reason))
-            continue
-        requests.append(request)
-        flagged += [Flagged(request.index, line, key, reason) for key, reason in item.get("flags", ())]
-    requests, order, renumbered = time_ordered(requests)
-    flagged = [dataclasses.replace(item, request=renumbered[item.request]) for item in flagged]
+        requests += read.requests
+        skipped += read.skipped
+        sessions |= read.sessions
+    return finished_log(requests, skipped, sessions)
+
+
+def finished_log(requests: Sequence[Request], skipped: Sequence[Skipped], sessions: Mapping[str, str]) -> RequestLog:
+    """The requests read record by record made a log: each Langfuse observation given its trace's session
+    (``join_traces``), put in time order (``time_ordered``), its flags listed, its formats counted."""
+    ordered, order, _ = time_ordered(join_traces(requests, sessions))
+    flagged = tuple(Flagged(request.index, request.line, key, reason) for request in ordered for key, reason in request.flags)
     formats: dict[str, int] = {}
-    for request in requests:
+    for request in ordered:
         formats[request.format] = formats.get(request.format, 0) + 1
-    skipped.sort(key=lambda item: item.line)
-    return RequestLog(tuple(requests), tuple(skipped), formats, order, tuple(flagged))
+    return RequestLog(tuple(ordered), tuple(sorted(skipped, key=lambda item: item.line)), formats, order, flagged)
+
+
+def join_traces(requests: Sequence[Request], sessions: Mapping[str, str]) -> list[Request]:
+    """Each Langfuse observation given the session its trace's record names (``sessions``: trace -> session, from
+    every record of the log), where one does; else it keeps its own session, or its trace."""
+    if not sessions:
+        return list(requests)
+    return [dataclasses.replace(request, session=sessions[request.trace]) if request.trace in sessions else request for request in requests]
 
 
 def time_ordered(requests: Sequence[Request]) -> tuple[list[Request], str, dict[int, int]]:
@@ -233,23 +234,33 @@ def time_ordered(requests: Sequence[Request]) -> tuple[list[Request], str, dict[
     return [dataclasses.replace(request, index=renumbered[request.index]) for request in ordered], order, renumbered
 
 
-def record_requests(item: Any, fmt: str, first_index: int, line: int) -> tuple[list[Request], list[Skipped]]:
-    """The requests one record of a log holds (``item``: the parsed JSON, or its decoding error), numbered from
-    ``first_index`` in the record's order, as ``read_log`` reads them (exports too, each record on its own), and the
-    parts of it skipped; raises ``RecordError`` (key, reason) for a malformed record."""
+@dataclass(frozen=True)
+class RecordRead:
+    """The requests one record of a log holds, the parts of it skipped, and the sessions it names for Langfuse traces."""
+
+    requests: list[Request]
+    skipped: list[Skipped]
+    sessions: dict[str, str]  # trace -> session
+
+
+def record_requests(item: Any, fmt: str, first_index: int, line: int) -> RecordRead:
+    """The requests one record of a log holds (``item``: the parsed JSON, or why it could not be read), numbered from
+    ``first_index`` in the record's order (exports too, each record on its own: a Langfuse observation's session is
+    its trace until ``join_traces``), and the parts of it skipped; raises ``RecordError`` (key, reason) for a
+    malformed record."""
+    if isinstance(item, RecordError):
+        raise item
     if isinstance(item, json.JSONDecodeError):
         raise RecordError("", f"is not JSON: {item.msg} (column {item.colno})")
     part = read_any(item, fmt)
     skipped = [Skipped(line, error.key, error.reason) for error in part.skipped]
     requests = []
     for request in part.requests:
-        if request.get("trace") is not None:  # a Langfuse observation read alone: its trace is its session
-            request = {**request, "session": request.get("session") or request["trace"]}
         try:
             requests.append(_request(request, first_index + len(requests), line))
         except RecordError as error:
             skipped.append(Skipped(line, error.key, error.reason))
-    return requests, skipped
+    return RecordRead(requests, skipped, dict(part.sessions))
 
 
 def parse_log(text: str, fmt: str = AUTO) -> list[Request]:
@@ -285,7 +296,7 @@ def parse_prompt(text: str) -> Request:
     return Request(1, 1, (Message("user", text),))
 
 
-def _records(text: str) -> list[tuple[int, Any]]:
+def log_records(text: str) -> list[tuple[int, Any]]:
     """(line, parsed record or its JSON error) for each record of a JSONL log, a JSON array, or one JSON object."""
     stripped = text.strip()
     if not stripped:
@@ -328,8 +339,10 @@ _OBSERVED_KEYS = ("timestamp", "model", "observed_cached_tokens", "observed_cach
 
 def _request(item: dict, index: int, line: int) -> Request:
     """A Request from one OpenAI-shaped request (``formats.read_record``'s output)."""
-    common = {"session": item.get("session"), "format": item.get("format", "openai_chat")}
+    trace = item.get("trace")
+    common = {"session": item.get("session") or trace, "format": item.get("format", "openai_chat"), "trace": trace}
     common |= {key: item[key] for key in _OBSERVED_KEYS if item.get(key) is not None}
+    common["flags"] = tuple((key, reason) for key, reason in item.get("flags", ()))
     if "prompt" in item:
         return Request(index, line, prompt=item["prompt"], **common)
     messages = item["messages"]

@@ -2,10 +2,11 @@
 
 A JSONL file (plain or gzip'd) is never loaded whole: it is read a line at a time, and cut into shards of
 ``SHARD_LINES`` lines (a file, its first line and, for a plain file, the byte offset of that line, found by counting
-newlines in 1 MiB blocks), which the distributed token pass reads on its workers. A JSON array (a file holding
-``[...]``) cannot be streamed: it is read whole, as one shard. Files are read in the order given, a directory's
-files (``LOG_SUFFIXES``) in name order; requests are numbered across them, lines within each file. With more than
-one file, a record skipped is named by its file as well as its line.
+newlines in 1 MiB blocks), which the distributed token pass reads on its workers. A file of one JSON document (an
+array, or an API's page written over many lines) cannot be streamed: it is read whole, as one shard. Files are read in
+the order given, a directory's files (``LOG_SUFFIXES``) in name order; requests are numbered across them in that order
+(``requests.finished_log`` then puts them in time order where every one has a timestamp), lines within each file.
+With more than one file, a record skipped is named by its file as well as its line.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import numpy as np
 
 from engine.audit.formats import AUTO, RecordError
-from engine.audit.requests import Request, RequestLog, RequestLogError, Skipped, read_log, record_requests, time_ordered
+from engine.audit.requests import Flagged, Request, RequestLog, RequestLogError, Skipped, finished_log, log_records, record_requests
 
 LOG_SUFFIXES = (".jsonl", ".json", ".gz")
 SHARD_LINES = 2_000  # lines per shard of the distributed token pass
@@ -33,13 +34,14 @@ _UNTIL_IT_FAILS = 1 << 62  # the lines of a corrupt file's last shard: read unti
 @dataclass(frozen=True)
 class Shard:
     """A run of ``lines`` lines of one log file from ``first_line`` (1-based); ``offset``: where that line starts
-    (bytes, plain files; None: a gzip'd file, read from its start); ``array``: a JSON array file, read whole."""
+    (bytes, plain files; None: a gzip'd file, read from its start); ``whole``: a file of one JSON document (an array,
+    or an API's page written over many lines), read whole."""
 
     path: str
     first_line: int
     lines: int
     offset: int | None
-    array: bool = False
+    whole: bool = False
     named: bool = False  # records skipped here are named by the file too (the log has several files)
 
 
@@ -66,26 +68,35 @@ def _open(path: str | Path) -> IO[bytes]:
     return gzip.open(path, "rb") if str(path).endswith(".gz") else open(path, "rb")
 
 
-def _is_array(path: Path) -> bool:
-    """Whether the file's first non-space character opens a JSON array."""
+def _is_whole(path: Path) -> bool:
+    """Whether the file is one JSON document rather than JSONL: its first record opens a JSON array, or an object
+    that its first line does not close (an API's page written over many lines)."""
     try:
         with _open(path) as stream:
             while chunk := stream.readline():
-                stripped = chunk.lstrip()
+                stripped = chunk.strip()
                 if stripped:
-                    return stripped[:1] == b"["
+                    return stripped[:1] == b"[" or (stripped[:1] == b"{" and not _parses(stripped))
     except (OSError, EOFError, zlib.error):  # unreadable from its start: read as lines, to be named where it fails
         return False
     return False
 
 
+def _parses(line: bytes) -> bool:
+    try:
+        json.loads(line)
+    except ValueError:
+        return False
+    return True
+
+
 def plan_shards(files: Sequence[Path], lines_per_shard: int = SHARD_LINES) -> list[Shard]:
-    """Every file cut into shards of ``lines_per_shard`` lines (a JSON array file: one shard), in order."""
+    """Every file cut into shards of ``lines_per_shard`` lines (a file of one JSON document: one shard), in order."""
     named = len(files) > 1
     shards: list[Shard] = []
     for path in files:
-        if _is_array(path):
-            shards.append(Shard(str(path), 1, 0, None, array=True, named=named))
+        if _is_whole(path):
+            shards.append(Shard(str(path), 1, 0, None, whole=True, named=named))
             continue
         plain = not str(path).endswith(".gz")
         starts, lines, position, last, broken = [0], 0, 0, b"\n", False  # byte offsets of each shard's first line
@@ -127,55 +138,68 @@ def shard_lines(shard: Shard) -> Iterator[tuple[int, bytes]]:
 
 @dataclass(frozen=True)
 class ShardRead:
-    """A shard's requests (numbered from ``first_index``) and the records skipped, by line and key."""
+    """A shard's requests (numbered from ``first_index``), the records skipped, by line and key, and the sessions its
+    records name for Langfuse traces (``requests.join_traces``: a trace's observations may lie in other shards)."""
 
     requests: list[Request]
     skipped: list[Skipped]
+    sessions: dict[str, str]
 
 
 def read_shard(shard: Shard, fmt: str = AUTO, first_index: int = 1) -> ShardRead:
-    """The requests of one shard, numbered from ``first_index``; a malformed record is skipped by line and key."""
-    if shard.array:
-        with _open(shard.path) as stream:
-            log = read_log(stream.read().decode("utf-8"), fmt)
-        requests = [dataclasses.replace(request, index=request.index + first_index - 1) for request in log.requests]
-        return ShardRead(requests, [_in_file(shard, item) for item in log.skipped])
+    """The requests of one shard, numbered from ``first_index`` in the file's order; a malformed record is skipped by
+    line and key."""
     requests: list[Request] = []
     skipped: list[Skipped] = []
+    sessions: dict[str, str] = {}
     line = shard.first_line - 1
     try:
-        for line, raw in shard_lines(shard):
+        for line, item in _shard_records(shard):
             try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                skipped.append(_in_file(shard, Skipped(line, "", f"is not UTF-8 text (byte {error.start})")))
-                continue
-            if not text.strip():
-                continue
-            try:
-                item = json.loads(text)
-            except json.JSONDecodeError as error:
-                item = error
-            try:
-                read, parts = record_requests(item, fmt, first_index + len(requests), line)
-                requests += read
-                skipped += [_in_file(shard, part) for part in parts]
+                read = record_requests(item, fmt, first_index + len(requests), line)
             except RecordError as error:
                 skipped.append(_in_file(shard, Skipped(line, error.key, error.reason)))
+                continue
+            requests += read.requests
+            skipped += [_in_file(shard, part) for part in read.skipped]
+            sessions |= read.sessions
     except (OSError, EOFError, zlib.error) as error:  # a truncated or corrupt file: the lines read so far stand
         reason = f"cannot be read from here on ({type(error).__name__}: {error}) (in {Path(shard.path).name})"
         skipped.append(Skipped(line + 1, "", reason))
-    return ShardRead(requests, skipped)
+    return ShardRead(requests, skipped, sessions)
+
+
+def _shard_records(shard: Shard) -> Iterator[tuple[int, Any]]:
+    """(line, parsed record or why it is not one) of each record of a shard: a whole document's, or its lines'."""
+    if shard.whole:
+        with _open(shard.path) as stream:
+            yield from log_records(stream.read().decode("utf-8"))
+        return
+    for line, raw in shard_lines(shard):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            yield line, RecordError("", f"is not UTF-8 text (byte {error.start})")
+            continue
+        if text.strip():
+            try:
+                yield line, json.loads(text)
+            except json.JSONDecodeError as error:
+                yield line, error
 
 
 @dataclass(frozen=True)
 class ShardCount:
-    """A shard's requests counted (read and unwrapped, not rendered), its skipped records, its formats' counts."""
+    """A shard's requests counted (read and unwrapped, not rendered), its skipped records, its formats' counts, the
+    sessions it names for Langfuse traces, each request's timestamp (NaN: none), for the log's order, and its flags."""
 
     number: int
     requests: int
     skipped: list[Skipped]
     formats: dict[str, int]
+    sessions: dict[str, str]
+    timestamps: np.ndarray  # (requests,) float64
+    flagged: list[Flagged]  # numbered within the shard, from 1
 
 
 def count_shards(batch: dict[str, np.ndarray], fmt: str = AUTO) -> dict[str, np.ndarray]:
@@ -187,7 +211,9 @@ def count_shards(batch: dict[str, np.ndarray], fmt: str = AUTO) -> dict[str, np.
         formats: dict[str, int] = {}
         for request in read.requests:
             formats[request.format] = formats.get(request.format, 0) + 1
-        out.append(ShardCount(int(number), len(read.requests), read.skipped, formats))
+        times = np.array([np.nan if r.timestamp is None else r.timestamp for r in read.requests], dtype=np.float64)
+        flagged = [Flagged(r.index, r.line, key, reason) for r in read.requests for key, reason in r.flags]
+        out.append(ShardCount(int(number), len(read.requests), read.skipped, formats, read.sessions, times, flagged))
     return {"count": np.array(out, dtype=object)}
 
 
@@ -200,14 +226,12 @@ def read_logs(paths: Sequence[str | Path], fmt: str = AUTO) -> RequestLog:
     (one file: the same requests and skipped records as ``read_log`` on its text)."""
     requests: list[Request] = []
     skipped: list[Skipped] = []
+    sessions: dict[str, str] = {}
     for shard in plan_shards(log_files(paths)):
         read = read_shard(shard, fmt, len(requests) + 1)
         requests += read.requests
         skipped += read.skipped
+        sessions |= read.sessions
     if not requests and not skipped:
         raise RequestLogError("the log is empty: paste one JSON request per line, or a JSON array of requests")
-    requests, order, _ = time_ordered(requests)
-    formats: dict[str, int] = {}
-    for request in requests:
-        formats[request.format] = formats.get(request.format, 0) + 1
-    return RequestLog(tuple(requests), tuple(skipped), formats, order)
+    return finished_log(requests, skipped, sessions)

@@ -20,7 +20,8 @@ from engine.audit.caches import ENGINES, CacheSettings, Engines
 from engine.audit.causes import Cause, another_prompt, causes_of
 from engine.audit.fields import TurnDiff, common_prefix, compare_requests
 from engine.audit.fleet import Fleet, FleetResult
-from engine.audit.observed import hosted_summary, observe, observed_summary
+from engine.audit.hosted import HostedCaches, hosted_request
+from engine.audit.observed import Reported, hosted_summary, observe, observed_summary
 from engine.audit.repairs import REPAIRS, Turn
 from engine.audit.requests import RenderedRequest, RequestLog, RequestLogError, Skipped, render_batch
 from engine.audit.states import ComputedStates
@@ -161,9 +162,10 @@ def scan_log(
             good.append(item)
     engines = Engines(settings)
     fleets = [Fleet(replicas, routing, settings) for replicas, routing in fleet]
+    hosted = HostedCaches()
     kept: dict[int, RenderedRequest] = {}
     diffs: dict[int, TurnDiff] = {}
-    rows = []
+    rows, served = [], []
     every = max(len(good) // _PROGRESS_STEPS, 1)
     for time, new in enumerate(good, 1):
         request, ids = new.request, new.token_ids
@@ -171,19 +173,14 @@ def scan_log(
         row, diff = compared_row(kept.get(matched), new, matched, settings.block)
         for simulated in fleets:
             simulated.insert(ids, request.index, request.session)
+        served.append(hosted.insert(ids, hosted_request(new, [token for _, token in row.breakpoints])))
         kept[request.index] = new
         if diff is not None:
             diffs[request.index] = diff
         rows.append(dataclasses.replace(row, reused_tokens=engines.insert(ids, request.index, request.session, time)))
         if progress and (time % every == 0 or time == len(good)):
             progress(time, len(good))
-    seen = observe(rows, good, observed_engine, settings.block, model)
-    rows = [
-        dataclasses.replace(
-            row, observed_cached_tokens=o.observed_cached_tokens, causes=row.causes + o.causes, hosted_reused_tokens=o.hosted_reused_tokens
-        )
-        for row, o in zip(rows, seen)
-    ]
+    rows = observed_rows(rows, [Reported.of(item.request) for item in good], served, observed_engine, settings.block, model)
     fleet_results = tuple(simulated.result() for simulated in fleets)
     return TrafficScan(
         tuple(rows),
@@ -196,6 +193,20 @@ def scan_log(
         reading=log.reading(),
         fleet=fleet_results,
     )
+
+
+def observed_rows(
+    rows: Sequence[TrafficRequest], reported: Sequence[Reported], hosted: Sequence[dict[str, int]], engine: str, block: int, model: str
+) -> list[TrafficRequest]:
+    """The rows with what the log reports (``observed.observe``): the observed counts, their gap causes, the hosted
+    providers' reuse; one function for the single-process and the distributed pass."""
+    seen = observe(rows, reported, hosted, engine, block, model)
+    return [
+        dataclasses.replace(
+            row, observed_cached_tokens=o.observed_cached_tokens, causes=row.causes + o.causes, hosted_reused_tokens=o.hosted_reused_tokens
+        )
+        for row, o in zip(rows, seen)
+    ]
 
 
 def compared_row(

@@ -40,6 +40,8 @@ def read_request_log(args: argparse.Namespace) -> RequestLog:
     if args.ray:
         if args.rewritten or args.template:
             raise RequestLogError("--rewritten and --template measure a rewrite in one process: drop --ray")
+        if args.fit_observed:
+            raise RequestLogError("--fit-observed re-runs the block cache over every request's tokens, not kept by --ray: drop --ray")
         return RequestLog((), (), {})
     return read_log(read_text(args.log[0]), args.format) if one_text(args) else read_logs(args.log, args.format)
 
@@ -75,6 +77,7 @@ def token_pass(args: argparse.Namespace, lm: LoadedModel, settings: CacheSetting
             workers=args.workers,
             sample=args.sample,
             fleet=fleet,
+            observed_engine=args.observed_engine,
             progress=progress("token pass: requests"),
         )
 
