@@ -23,9 +23,9 @@ and engines' reuse); only where the work runs differs:
   budget evicted; a few percent of a log with shards of thousands of lines): both requests re-read by file
   and line, rendered, and diffed by the same ``compared_row``. (On the driver, not as Ray tasks: a task process's
   start, importing the tokenizer's library, costs more than these few pairs on a small cluster.)
-- **Stage 3, the model pass** (``traffic.audit_traffic``) runs in the driver's process on the few sampled turns: the
-  requests it reads (the sampled turns, their matches, the cold requests) are re-read and rendered there. It does not
-  yet run as Ray actors, nor on a serving endpoint.
+- **Stage 3, the model pass** (``traffic.audit_traffic``) on the few sampled turns: the requests it reads (the sampled
+  turns, their matches, the cold requests) are re-read and rendered on the driver, and the turns measured by Ray actors
+  that each hold the model (``ray_turns``), or on a serving endpoint (``endpoint_audit``) where one is given.
 
 Faults: a shard that cannot be read (a truncated gzip, an unreadable file) is skipped from the line it failed at,
 named by file and line, and the other shards go on; a worker that dies is restarted by Ray and its shard retried

@@ -6,11 +6,14 @@ compared with every other), diffs the pair (fields, growth, structural changes),
 three simulated engines (``caches``). Turns are then grouped by change signature (the causes and fields that changed,
 and whether the request grew), and ``audit_traffic`` measures up to K turns of each group with every repair against
 a clean prefill (``measure_turn``, as the per-turn audit does), so the model's cost is K × groups, not the log's size.
+The turns are measured in this process (``measure_in_process``) or wherever a ``MeasureTurns`` sends them (Ray actors:
+``ray_turns``), each with its lane (``TurnWork.lane``) so the turns that share a prefix stay together.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +29,7 @@ from engine.audit.repairs import REPAIRS, Turn
 from engine.audit.requests import RenderedRequest, RequestLog, RequestLogError, Skipped, render_batch
 from engine.audit.states import ComputedStates
 from engine.cache.loaded import LoadedModel, LoadedTokenizer
-from engine.progress import StepProgress
+from engine.progress import StepProgress, Tick
 
 DEFAULT_SAMPLE = 3  # turns measured per group
 _PROGRESS_STEPS = 50  # progress reports per phase of the token pass
@@ -334,8 +337,12 @@ UNREPAIRABLE = ("new_prefix", "other_conversation")  # causes no field repair ap
 
 def _measurable(scan: TrafficScan, row: TrafficRequest) -> bool:
     diff = scan.diffs.get(row.request)
-    cold = any(cause.name in UNREPAIRABLE for cause in row.causes)
-    return row.matched_request is not None and diff is not None and not diff.structural and not cold
+    return row.matched_request is not None and diff is not None and not diff.structural and not _cold(row)
+
+
+def _cold(row: TrafficRequest) -> bool:
+    """Whether nothing of the request's own conversation is cached: a new prefix, or a match in another conversation."""
+    return any(cause.name in UNREPAIRABLE for cause in row.causes)
 
 
 def _unmeasurable(row: TrafficRequest) -> str:
@@ -439,11 +446,14 @@ def audit_traffic(
     observed_engine: str = "vllm",
     fleet: Sequence[tuple[int, str]] = (),
     token_pass: Callable[[int], TrafficScan] | None = None,
+    measure_turns: MeasureTurns | None = None,
 ) -> TrafficReport:
     """The token pass over the whole log, then up to ``sample`` turns of each change signature measured with every
     repair (``scan_progress``: requests of the token pass; ``progress``: the measured steps; ``fleet``: the fleets
-    simulated beside; ``token_pass``: another token pass, given the context limit, e.g. ``distributed.ray_scan``). With
-    ``sample`` 0 only the tokenizer is read, so ``lm`` may be a :class:`~engine.cache.loaded.LoadedTokenizer`."""
+    simulated beside; ``token_pass``: another token pass, given the context limit, e.g. ``distributed.ray_scan``;
+    ``measure_turns``: where the sampled turns are measured, default ``measure_in_process`` with ``lm``, e.g.
+    ``ray_turns.ray_measure_turns``). With ``sample`` 0 only the tokenizer is read, so ``lm`` may be a
+    :class:`~engine.cache.loaded.LoadedTokenizer`."""
     if sample < 0:
         raise RequestLogError(f"--sample is the turns measured per group, at least 0, got {sample}")
     if sample > 0 and isinstance(lm, LoadedTokenizer):
@@ -488,11 +498,57 @@ def audit_traffic(
     if progress and total:
         progress(0, total)  # the model's work begins: said before its first step ends
 
-    matched = {row.request: row.matched_request for row in scan.requests}
-    turns = {}
-    store = ComputedStates(lm, measure.tokens)  # each prompt computed once, a prefix shared with an earlier one reused
-    for index in chosen:
-        new, diff, old = scan.rendered[index], scan.diffs[index], scan.rendered[matched[index]]
-        turn = Turn(lm, old, new, diff, store.state(old.ids), store, grain, max_tokens)
-        turns[index] = measure_turn(turn, measure, tick)
+    work = turn_work(scan, chosen)
+    turns = (measure_turns or functools.partial(measure_in_process, lm))(work, measure, tick)
     return TrafficReport(lm.fingerprint.name, lm.fingerprint.dtype, scan, tuple(groups), turns, measure, sample)
+
+
+@dataclass(frozen=True)
+class TurnWork:
+    """One sampled turn for the model pass: the older request (the cached one), the newer one, their diff, and its
+    lane: its session, else the first request of its conversation (the turns of one lane share prefixes)."""
+
+    old: RenderedRequest
+    new: RenderedRequest
+    diff: TurnDiff
+    lane: str | int
+
+    @property
+    def request(self) -> int:
+        return self.new.request.index
+
+
+MeasureTurns = Callable[[Sequence[TurnWork], MeasureSettings, Tick], dict[int, AuditTurn]]  # turns in, by request out
+
+
+def turn_work(scan: TrafficScan, chosen: Sequence[int]) -> list[TurnWork]:
+    """The ``chosen`` turns of ``scan`` (each with a match and a diff), in order, with their lanes."""
+    rows = {row.request: row for row in scan.requests}
+    work = []
+    for index in chosen:
+        new, session = scan.rendered[index], rows[index].session
+        lane = _conversation(rows, index) if session is None else session
+        work.append(TurnWork(scan.rendered[rows[index].matched_request], new, scan.diffs[index], lane))
+    return work
+
+
+def _conversation(rows: dict[int, TrafficRequest], index: int) -> int:
+    """The first request of ``index``'s conversation: up its matches to the one that started cold (``_cold``)."""
+    row = rows[index]
+    while row.matched_request is not None and not _cold(row):
+        row = rows[row.matched_request]
+    return row.request
+
+
+def measure_in_process(
+    lm: LoadedModel, work: Sequence[TurnWork], measure: MeasureSettings, tick: Tick = lambda: None, store: ComputedStates | None = None
+) -> dict[int, AuditTurn]:
+    """The turns measured here, in order, with every repair (one ``tick`` per step), on one store of computed states
+    (``store``, default a new one): each prompt computed once, a prefix shared with an earlier one reused."""
+    if store is None:
+        store = ComputedStates(lm, measure.tokens)
+    turns = {}
+    for item in work:
+        turn = Turn(lm, item.old, item.new, item.diff, store.state(item.old.ids), store, measure.grain, measure.max_tokens)
+        turns[item.request] = measure_turn(turn, measure, tick)
+    return turns

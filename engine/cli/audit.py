@@ -19,7 +19,7 @@ from engine.audit.spans import find_span
 from engine.audit.traffic import DEFAULT_SAMPLE, audit_traffic
 from engine.cli.common import Group, Handler, arg, load, log, names, progress, read_text
 from engine.cli.endpoint import ENDPOINT, measure_on_endpoint
-from engine.cli.scale import SCALE, fleet_of, one_text, read_request_log, token_pass
+from engine.cli.scale import SCALE, fleet_of, one_text, read_request_log, token_pass, turn_pass
 from engine.models import load_tokenizer
 
 
@@ -56,7 +56,7 @@ def cmd_audit(args: argparse.Namespace) -> dict:
         rewritten = _rewritten(args, request_log)
         if args.endpoint:
             return _finish(args, conditions, measure_on_endpoint(args, lm, request_log, rewritten, settings, options))
-        scale = {"fleet": fleet_of(args), "token_pass": token_pass(args, lm, settings)}
+        scale = {"fleet": fleet_of(args), "token_pass": token_pass(args, lm, settings), "measure_turns": turn_pass(args, lm)}
         traffic = audit_traffic(
             lm, request_log, sample=args.sample, settings=settings, observed_engine=args.observed_engine, **steps, **options, **scale
         )

@@ -22,6 +22,7 @@ from engine.audit.endpoint_audit import audit_on_endpoint, endpoint_result, meas
 from engine.audit.requests import RequestLog, _context_limit
 from engine.audit.traffic import audit_traffic, sample_groups
 from engine.cli.common import Group, arg, progress
+from engine.cli.scale import fleet_of, token_pass
 from engine.models import LoadedModel
 
 ENDPOINT: Group = (
@@ -51,7 +52,8 @@ def endpoint_client(args: argparse.Namespace) -> EndpointClient:
 def measure_on_endpoint(
     args: argparse.Namespace, lm: LoadedModel, log: RequestLog, rewritten: RequestLog | None, settings: CacheSettings, options: dict
 ) -> dict:
-    """The token pass with the local tokenizer, then the sampled turns and the rewrite (with one) measured on the endpoint."""
+    """The token pass with the local tokenizer (on Ray with --ray, with the fleets of --replicas), then the sampled turns
+    and the rewrite (with one) measured on the endpoint."""
     client = endpoint_client(args)
     text = {"tokenizer": lm.tokenizer, "limit": _context_limit(lm), "model": lm.name}
     traffic = audit_traffic(
@@ -61,6 +63,8 @@ def measure_on_endpoint(
         settings=settings,
         observed_engine=args.observed_engine,
         scan_progress=progress("token pass: requests"),
+        fleet=fleet_of(args),
+        token_pass=token_pass(args, lm, settings),
         **options,
     )
     result = traffic.as_dict()

@@ -1,9 +1,11 @@
 """``audit``'s flags for logs at scale: many files, a directory of shards or gzip'd JSONL (one reader, ``shards``),
-the token pass on Ray (``--ray``, ``--workers``), and fleets of replicas behind a router (``--replicas``, ``--routing``)."""
+the token pass and the model pass on Ray (``--ray``, ``--workers``), and fleets of replicas behind a router
+(``--replicas``, ``--routing``)."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,7 +13,7 @@ from engine.audit.caches import CacheSettings
 from engine.audit.fleet import ROUTINGS, fleet_grid
 from engine.audit.requests import RequestLog, RequestLogError, read_log
 from engine.audit.shards import read_logs
-from engine.audit.traffic import TrafficScan
+from engine.audit.traffic import MeasureTurns, TrafficScan
 from engine.cache.loaded import LoadedModel
 from engine.cli.common import Group, arg, progress, read_text
 
@@ -21,9 +23,15 @@ SCALE: Group = (
         nargs="?",
         const="local",
         metavar="ADDRESS",
-        help="run the token pass on Ray: 'local' (the default) starts one of --workers CPUs, an address joins a cluster",
+        help="run the token pass and the sampled turns on Ray: 'local' (the default) starts one of --workers CPUs, "
+        "an address joins a cluster (whose nodes load --model by its name)",
     ),
-    arg("--workers", type=int, default=2, help="with --ray: tokenizer actors (and, for --ray local, the CPUs it starts with)"),
+    arg(
+        "--workers",
+        type=int,
+        default=2,
+        help="with --ray: tokenizer actors, then model actors (and, for --ray local, the CPUs it starts with)",
+    ),
     arg("--replicas", help="also simulate fleets of this many replicas (comma-separated, e.g. 2,4), each engine per replica"),
     arg("--routing", help=f"the fleets' routers (comma-separated; default all): {', '.join(ROUTINGS)}"),
 )
@@ -55,15 +63,21 @@ def fleet_of(args: argparse.Namespace) -> list[tuple[int, str]]:
     return fleet_grid(args.replicas, args.routing)
 
 
+def _start_ray(args: argparse.Namespace) -> None:
+    try:
+        from engine.audit.distributed import start_ray
+    except ImportError:
+        raise RequestLogError('--ray needs Ray: pip install -e ".[scale]"') from None
+    start_ray(args.ray, args.workers)
+
+
 def token_pass(args: argparse.Namespace, lm: LoadedModel, settings: CacheSettings) -> Callable[[int], TrafficScan] | None:
     """With --ray, the distributed token pass (given the context limit) for ``audit_traffic``; else None."""
     if not args.ray:
         return None
-    try:
-        from engine.audit.distributed import ray_scan, start_ray
-    except ImportError:
-        raise RequestLogError('--ray needs Ray: pip install -e ".[scale]"') from None
-    start_ray(args.ray, args.workers)
+    _start_ray(args)
+    from engine.audit.distributed import ray_scan
+
     fleet = fleet_of(args)
 
     def run(limit: int) -> TrafficScan:
@@ -82,3 +96,14 @@ def token_pass(args: argparse.Namespace, lm: LoadedModel, settings: CacheSetting
         )
 
     return run
+
+
+def turn_pass(args: argparse.Namespace, lm: LoadedModel) -> MeasureTurns | None:
+    """With --ray and --sample above 0, the sampled turns measured by --workers Ray actors, each loading --model as
+    ``lm`` was loaded (``ray_turns``), for ``audit_traffic``; else None (in this process)."""
+    if not args.ray or args.sample <= 0:
+        return None
+    _start_ray(args)
+    from engine.audit.ray_turns import ModelSpec, ray_measure_turns
+
+    return functools.partial(ray_measure_turns, ModelSpec.of(args.model, lm), args.workers)

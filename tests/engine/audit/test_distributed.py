@@ -1,10 +1,16 @@
-"""The token pass on Ray (a local cluster of 2 CPUs, the tokenizer only) gives the single-process pass's JSON, request
-for request: on the bundled logs read as one log of four files, on a generated 50-session log in shards (plain,
-gzip'd, and one corrupt file that both passes skip by name), with fleets and the requests the model pass reads; on
-every bundled export (observed counts, Langfuse traces in other shards), and on a shuffled log with a flag."""
+"""The audit on Ray (a local cluster of 2 CPUs). The token pass (the tokenizer only) gives the single-process pass's
+JSON, request for request: on the bundled logs read as one log of four files, on a generated 50-session log in shards
+(plain, gzip'd, and one corrupt file that both passes skip by name), with fleets and the requests the model pass reads;
+on every bundled export (observed counts, Langfuse traces in other shards), and on a shuffled log with a flag. The
+model pass on Ray actors (a tiny model each) gives the in-process turns, its lanes keep a conversation on one actor,
+and a model built in memory is refused; with --endpoint, --ray and --replicas give the one-process JSON."""
 
+import contextlib
+import functools
 import gzip
+import io
 import json
+import unittest.mock
 from pathlib import Path
 
 import pytest
@@ -14,17 +20,27 @@ from engine.audit.audit import MeasureSettings, check_repairs
 from engine.audit.caches import CacheSettings
 from engine.audit.fleet import fleet_grid
 from engine.audit.repairs import REPAIRS
+from engine.audit.requests import read_log
 from engine.audit.shards import read_logs
-from engine.audit.traffic import TrafficReport, sample_groups, scan_log
-from engine.models.tiny import tiny_tokenizer
+from engine.audit.traffic import TrafficReport, audit_traffic, sample_groups, scan_log, turn_work
+from engine.cli import main
+from engine.cli.parser import build_parser
+from engine.cli.scale import turn_pass
+from engine.models import ModelLoadError
+from engine.models.tiny import tiny_model, tiny_tokenizer
+from tests.engine.audit.test_endpoint import ORIGINAL
 from tests.engine.audit.test_traffic import QWEN_TEMPLATE
+from tests.fake_endpoint import FakeServer, serving
 
 ray = pytest.importorskip("ray")
 distributed = pytest.importorskip("engine.audit.distributed")
+ray_turns = pytest.importorskip("engine.audit.ray_turns")
 
 # the bundled exports' sessions, in time order (tests/engine/audit/test_exports.py)
 SESSIONS = ["s-alpha", "s-gamma", "s-alpha", "s-beta", "s-gamma", "s-alpha", "s-beta", "s-gamma", "s-alpha", "s-beta"]
-BUNDLED = sorted(Path("demos/logs").glob("*.jsonl")) + [Path("demos/logs/traffic/interleaved_agents.jsonl")]
+INTERLEAVED = Path("demos/logs/traffic/interleaved_agents.jsonl")  # two sessions, their system prompts sharing a head
+BUNDLED = sorted(Path("demos/logs").glob("*.jsonl")) + [INTERLEAVED]
+TIMED = {"ttft_ms", "full_ttft_ms", "ttft_ratio"}  # each process's own clock
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +130,97 @@ def test_ray_reorders_a_shuffled_log_and_keeps_its_flags(cluster, tokenizer, tmp
     assert [row.line for row in spread.requests] == [4, 6, 2, 8, 5, 10, 9, 1, 7, 3]  # each line's place in time
     (flag,) = _report(spread)["flagged"]
     assert (flag["request"], flag["line"]) == (3, 2) and "negative" in flag["reason"]
+
+
+def _audit(argv: list[str]) -> dict:
+    """``audit ARGV --json``'s result, run in this process."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert main(["audit", *argv, "--json"]) == 0
+    return json.loads(out.getvalue())
+
+
+def _close(mine, theirs, where: str = "") -> None:
+    """The same JSON, floats within 1e-4, timings skipped (and of a recommendation, whose words and KV alternative
+    read the timings, its repair only)."""
+    if isinstance(mine, dict):
+        assert mine.keys() == theirs.keys(), where
+        if "repair" in mine and "kv_alternative" in mine:
+            assert mine["repair"] == theirs["repair"], where
+            return
+        for key in mine.keys() - TIMED:
+            _close(mine[key], theirs[key], f"{where}.{key}")
+    elif isinstance(mine, list):
+        assert len(mine) == len(theirs), where
+        for n, (a, b) in enumerate(zip(mine, theirs)):
+            _close(a, b, f"{where}[{n}]")
+    elif isinstance(mine, float):
+        assert mine == pytest.approx(theirs, abs=1e-4), where
+    else:
+        assert mine == theirs, where
+
+
+def test_the_sampled_turns_measured_by_ray_actors_are_the_in_process_ones(cluster, lm):
+    log = read_log(INTERLEAVED.read_text())
+    single = audit_traffic(lm, log, sample=2, tokens=4)
+    ticks = []
+    spec = ray_turns.ModelSpec.of("tiny-qwen2", lm)  # what the actors load: the conftest's tiny model, float32, CPU
+    spread = audit_traffic(
+        lm,
+        log,
+        sample=2,
+        tokens=4,
+        progress=lambda *step: ticks.append(step),
+        measure_turns=functools.partial(ray_turns.ray_measure_turns, spec, 2),
+    )
+    assert sorted(single.turns) == sorted(spread.turns) == [3, 4, 5, 6]
+    assert ticks[-1] == (4 * 7, 4 * 7) and len(ticks) == 4 * 7 + 1  # recompute's reference and six repairs per turn
+    _close(spread.as_dict(), single.as_dict())
+
+
+def test_the_command_gives_the_actors_the_model_as_it_loaded_it(lm):
+    args = build_parser().parse_args(["audit", "log.jsonl", "--model", "tiny-qwen2", "--ray", "--workers", "3"])
+    with unittest.mock.patch("engine.audit.distributed.start_ray") as start:
+        measure = turn_pass(args, lm)
+    start.assert_called_once_with("local", 3)
+    assert measure.func is ray_turns.ray_measure_turns
+    assert measure.args == (ray_turns.ModelSpec("tiny-qwen2", "cpu", "float32", lm.fingerprint), 3)
+    assert turn_pass(build_parser().parse_args(["audit", "log.jsonl", "--ray", "--sample", "0"]), lm) is None
+
+
+def test_lanes_keep_a_conversation_on_one_actor_and_balance_the_tokens(lm):
+    records = [json.loads(line) for line in INTERLEAVED.read_text().splitlines()]
+    with_sessions = read_log("\n".join(map(json.dumps, records)))
+    without = read_log("\n".join(json.dumps({k: v for k, v in r.items() if k != "session_id"}) for r in records))
+    for text, lanes in ((with_sessions, ["forge-1", "harbor-7", "forge-1", "harbor-7"]), (without, [1, 2, 1, 2])):
+        scan = scan_log(lm.tokenizer, text)
+        chosen = sorted(index for group in sample_groups(scan, 2) for index in group.measured)
+        work = turn_work(scan, chosen)
+        assert [item.request for item in work] == [3, 4, 5, 6] and [item.lane for item in work] == lanes
+        (first,), (second,) = ray_turns.assign_lanes(work, 2)  # one conversation per actor, its turns in order
+        assert {tuple(t.request for t in first), tuple(t.request for t in second)} == {(3, 5), (4, 6)}
+        heavier = max((3, 5), (4, 6), key=lambda pair: sum(len(scan.rendered[i]) for i in pair))
+        assert tuple(t.request for t in first) == heavier  # the most tokens go first, to actor 0
+        assert [len(share) for share in ray_turns.assign_lanes(work, 3)] == [1, 1, 0]
+        assert [[t.request for t in lane] for lane in ray_turns.assign_lanes(work, 1)[0]] == [[3, 5], [4, 6]]
+
+
+def test_a_model_built_in_memory_or_one_the_actors_cannot_load_is_refused_by_name(cluster, tmp_path):
+    other = tiny_model("qwen2", seed=1)  # what the actors load as "tiny-qwen2" has seed 0: other weights
+    measure = functools.partial(ray_turns.ray_measure_turns, ray_turns.ModelSpec.of("tiny-qwen2", other), 1)
+    log = read_log(INTERLEAVED.read_text())
+    with pytest.raises(ModelLoadError, match="a model built in memory cannot be re-loaded by name"):
+        audit_traffic(other, log, sample=1, tokens=2, measure_turns=measure)
+    spec = ray_turns.ModelSpec(str(tmp_path / "gone"), "cpu", "float32", other.fingerprint)  # a directory the node lacks
+    measure = functools.partial(ray_turns.ray_measure_turns, spec, 1)
+    with pytest.raises(ModelLoadError, match=r"a Ray actor could not load '.*gone'.*no such directory"):
+        audit_traffic(other, log, sample=1, tokens=2, measure_turns=measure)
+
+
+def test_ray_and_replicas_with_an_endpoint_give_the_one_process_json(cluster, lm, tmp_path):
+    (tmp_path / "log.jsonl").write_text(ORIGINAL)
+    with serving(FakeServer(lm)) as url:
+        argv = [str(tmp_path / "log.jsonl"), "--model", "tiny-qwen2", "--endpoint", url, "--tokens", "4", "--replicas", "2"]
+        single, spread = _audit(argv), _audit([*argv, "--ray", "local", "--workers", "2"])
+    assert spread == single
+    assert [turn["request"] for turn in single["endpoint"]["turns"]] == [2, 3] and len(single["fleet"]) == 4
