@@ -5,7 +5,7 @@ simulated llama.cpp cache, request by request, for the original log and the rewr
     python -m benchmarks.interop.audit_replay [--logs coding_agent,support_agent,rag,traffic/interleaved_agents]
                                       [--repairs erratum,hoist,coarsen] [--grain date] [--tokens 32] [--reps 1] [--threads 2]
 
-Each log goes through the audit's token pass (``engine.audit.traffic.scan_log``): every request rendered with the
+Each log goes through the audit's token pass (``engine.audit.scan.scan_log``): every request rendered with the
 model's chat template, and fed to the simulated llama.cpp server (``caches.SlotCache``: one slot per session, here
 without ``--cache-reuse``, so only the common prefix with the slot counts). The same token ids are then sent, in log
 order, to one llama-server per log started as the serving benchmark starts it (``serving_servers.LlamaServer``: RAM
@@ -55,7 +55,8 @@ from engine.audit.caches import CacheSettings
 from engine.audit.repairs import GRAINS, PROMPT_REPAIRS
 from engine.audit.requests import RequestLog, RequestLogError, read_log
 from engine.audit.rewrite import RewriteReport, apply_template, measure_rewrites
-from engine.audit.traffic import TrafficScan, audit_traffic, scan_log
+from engine.audit.scan import TrafficScan, scan_log
+from engine.audit.traffic import audit_traffic
 from engine.models import LoadedModel
 from engine.scenario import DEMOS
 from viz.benchmarks import audit_replay_figure

@@ -18,7 +18,7 @@ from benchmarks import common
 from benchmarks.studies.audit_scale import _embedded_tokenizer_dir, synthetic_log
 from engine.audit.fleet import fleet_grid
 from engine.audit.requests import read_log
-from engine.audit.traffic import scan_log
+from engine.audit.scan import scan_log
 from viz.fleet import fleet_markdown
 
 

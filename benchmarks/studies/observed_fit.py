@@ -27,7 +27,7 @@ from benchmarks.studies.audit_scale import _embedded_tokenizer_dir, synthetic_lo
 from engine.audit.caches import BlockCache, RadixCache
 from engine.audit.observed import FIT_BLOCKS, fit_observed
 from engine.audit.requests import read_log
-from engine.audit.traffic import scan_log
+from engine.audit.scan import scan_log
 
 
 def _spread(times: list[float]) -> dict:

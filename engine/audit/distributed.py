@@ -1,6 +1,6 @@
 """The token pass on Ray: the per-request work on many processes or machines, the cache simulation in one ordered pass.
 
-The result is the single-process ``traffic.scan_log``'s, request for request (the same rows, causes, diffs, groups
+The result is the single-process ``scan.scan_log``'s, request for request (the same rows, causes, diffs, groups
 and engines' reuse); only where the work runs differs:
 
 - **Stage 1, on Ray Data** (``map_batches`` over the log's shards, ``shards.plan_shards``, with an actor pool of
@@ -10,13 +10,13 @@ and engines' reuse); only where the work runs differs:
   process orders it, ``requests.time_ordered``), and each observation its trace's session from any shard. The second
   reads, unwraps, renders and tokenizes each request, hashes its blocks (``caches.block_hashes``) and computes its
   row twice: as a cold request, and against its match among the shard's earlier requests (a radix tree of the shard
-  alone; ``traffic.compared_row``: the diff and the causes, which need the texts).
+  alone; ``scan.compared_row``: the diff and the causes, which need the texts).
 - **Stage 2, on the driver**, in time order, over compact records: per request its token ids (int32, for the radix
   tree and the slots), its block hashes (int64), its two candidate rows and what its record reports (``Reported``,
   and for a hosted model what its provider's cache reads). The radix tree matches the request; when the match is
   none or the shard's own guess (nearly every request), the row computed on the worker is the row; otherwise the pair
   is left for stage 2b. The engines, the hosted providers' caches (and any ``fleet``) are fed here; the observed
-  counts are compared at the end (``traffic.observed_rows``, as in one process). The driver keeps each request's row,
+  counts are compared at the end (``scan.observed_rows``, as in one process). The driver keeps each request's row,
   its diff (the changed values only) and where it is in the log, never a text. Files in time order stream through;
   a log whose files are not (an export written in another order) is held whole, then sorted.
 - **Stage 2b, on the driver**: the pairs whose match was another request (a match in an earlier shard, or one the
@@ -62,8 +62,8 @@ from engine.audit.requests import (
     record_requests,
     render_batch,
 )
+from engine.audit.scan import TrafficRequest, TrafficScan, compared_row, observed_rows, sample_groups
 from engine.audit.shards import SHARD_LINES, Shard, ShardCount, count_shards, log_files, plan_shards, read_shard, shard_lines
-from engine.audit.traffic import TrafficRequest, TrafficScan, compared_row, observed_rows, sample_groups
 from engine.progress import StepProgress
 
 RETRIES = 3  # restarts of a lost actor, retries of a lost task
@@ -414,7 +414,7 @@ class _Driver:
             self._keep(at, row, diff, reused)
 
     def scan(self, skipped: list[Skipped], count: LogCount, observed_engine: str, model: str) -> TrafficScan:
-        """The token pass's result, the log's reports read against the simulation (``traffic.observed_rows``)."""
+        """The token pass's result, the log's reports read against the simulation (``scan.observed_rows``)."""
         rows = observed_rows(self.rows, self.reported, self.served, observed_engine, self.settings.block, model)
         results = tuple(simulated.result() for simulated in self.fleets)
         diffs = dict(sorted(self.diffs.items()))

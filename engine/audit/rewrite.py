@@ -8,7 +8,7 @@ request's own question; it may not reorder them).
 
 Per request, the rewritten prompt's clean prefill is compared with the original's (``repairs.fidelity``: next-token
 KL, top-1, top-5 overlap, N greedy tokens), and both greedy continuations are decoded to say whether the text is the
-same. Both logs go through the token pass (``traffic.scan_log``) with the same engine settings for the reuse.
+same. Both logs go through the token pass (``scan.scan_log``) with the same engine settings for the reuse.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from engine.audit.caches import CacheSettings
 from engine.audit.repairs import OutputFidelity, fidelity
 from engine.audit.requests import Request, RequestLog, RequestLogError
+from engine.audit.scan import TrafficScan, scan_log
 from engine.audit.states import ComputedStates
 from engine.audit.template import Template
-from engine.audit.traffic import TrafficScan, scan_log
 from engine.cache.loaded import LoadedModel
 from engine.progress import StepProgress, ticker
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from engine.audit.caches import CacheSettings
 from engine.audit.requests import RequestLog, _context_limit
-from engine.audit.traffic import sample_groups, scan_log
+from engine.audit.scan import sample_groups, scan_log
 from engine.cache.loaded import LoadedModel
 from engine.progress import StepProgress
 

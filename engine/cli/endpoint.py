@@ -20,7 +20,8 @@ from engine.audit.endpoint import (
 )
 from engine.audit.endpoint_audit import audit_on_endpoint, endpoint_result, measure_rewrite_on_endpoint
 from engine.audit.requests import RequestLog, _context_limit
-from engine.audit.traffic import audit_traffic, sample_groups
+from engine.audit.scan import sample_groups
+from engine.audit.traffic import audit_traffic
 from engine.cli.common import Group, arg, progress
 from engine.cli.scale import fleet_of, token_pass
 from engine.models import LoadedModel

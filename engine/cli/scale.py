@@ -12,8 +12,9 @@ from pathlib import Path
 from engine.audit.caches import CacheSettings
 from engine.audit.fleet import ROUTINGS, fleet_grid
 from engine.audit.requests import RequestLog, RequestLogError, read_log
+from engine.audit.scan import TrafficScan
 from engine.audit.shards import read_logs
-from engine.audit.traffic import MeasureTurns, TrafficScan
+from engine.audit.traffic import MeasureTurns
 from engine.cache.loaded import LoadedModel
 from engine.cli.common import Group, arg, progress, read_text
 

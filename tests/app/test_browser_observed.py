@@ -5,7 +5,7 @@ formats read named, and the observed hit rate in words. Screenshots go to test-a
 import pytest
 
 from engine.audit.requests import read_log
-from engine.audit.traffic import scan_log
+from engine.audit.scan import scan_log
 from engine.models import load_model
 from tests.app.conftest import TINY
 from tests.app.test_browser import ARTIFACTS, CHROMIUM, TOAST, _plot_data, browser  # noqa: F401 (the module's browser fixture)

@@ -10,6 +10,8 @@ import functools
 import gzip
 import io
 import json
+import subprocess
+import sys
 import unittest.mock
 from pathlib import Path
 
@@ -21,8 +23,9 @@ from engine.audit.caches import CacheSettings
 from engine.audit.fleet import fleet_grid
 from engine.audit.repairs import REPAIRS
 from engine.audit.requests import read_log
+from engine.audit.scan import sample_groups, scan_log
 from engine.audit.shards import read_logs
-from engine.audit.traffic import TrafficReport, audit_traffic, sample_groups, scan_log, turn_work
+from engine.audit.traffic import TrafficReport, audit_traffic, turn_work
 from engine.cli import main
 from engine.cli.parser import build_parser
 from engine.cli.scale import turn_pass
@@ -224,3 +227,10 @@ def test_ray_and_replicas_with_an_endpoint_give_the_one_process_json(cluster, lm
         single, spread = _audit(argv), _audit([*argv, "--ray", "local", "--workers", "2"])
     assert spread == single
     assert [turn["request"] for turn in single["endpoint"]["turns"]] == [2, 3] and len(single["fleet"]) == 4
+
+
+def test_the_token_pass_workers_import_no_torch():
+    # each Ray worker imports the module its work lives in: the token pass stays on the tokenizer's imports
+    code = "import sys, engine.audit.distributed, engine.audit.shards; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from engine.audit.requests import read_log
+from engine.audit.scan import scan_log
 from engine.audit.sources import SOURCES
 from engine.audit.sources.otel import NOT_CAPTURED
-from engine.audit.traffic import scan_log
 from engine.audit.usage import observed_usage, response_usage
 from engine.models.tiny import tiny_tokenizer
 from tests.engine.audit.test_traffic import QWEN_TEMPLATE

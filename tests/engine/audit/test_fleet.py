@@ -12,7 +12,7 @@ import pytest
 from engine.audit.caches import CacheSettings
 from engine.audit.fleet import Fleet, FleetError, fleet_grid
 from engine.audit.requests import read_log
-from engine.audit.traffic import scan_log
+from engine.audit.scan import scan_log
 from engine.models.tiny import tiny_tokenizer
 
 A1 = list(range(1, 10))

@@ -14,7 +14,7 @@ from engine.audit.causes import Cause
 from engine.audit.hosted import AnthropicCache, OpenAICache, anthropic_minimum, openai_steps, provider_of
 from engine.audit.observed import fit_observed, hosted_summary, observed_summary
 from engine.audit.requests import RequestLog, RequestLogError, read_log
-from engine.audit.traffic import TrafficRequest, TrafficScan, scan_log
+from engine.audit.scan import TrafficRequest, TrafficScan, scan_log
 from engine.models import load_model
 from engine.models.tiny import tiny_tokenizer
 from tests.engine.audit.test_traffic import QWEN_TEMPLATE, _chat, _interleaved

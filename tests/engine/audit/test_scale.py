@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerFast
 import engine.audit.requests as requests_module
 from engine.audit.caches import CacheSettings, RadixCache
 from engine.audit.requests import TextEncoder, read_log, render_batch
-from engine.audit.traffic import scan_log
+from engine.audit.scan import scan_log
 from engine.models.tiny import tiny_tokenizer
 from tests.engine.audit.test_traffic import AGENT_MESSAGES, QWEN_TEMPLATE, TOOLS, _chat, _lcp
 

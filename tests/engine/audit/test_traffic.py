@@ -12,7 +12,8 @@ import pytest
 from engine.audit.audit import audit_requests
 from engine.audit.caches import BlockCache, RadixCache, SlotCache
 from engine.audit.requests import parse_log, read_log, render_batch
-from engine.audit.traffic import audit_traffic, scan_log
+from engine.audit.scan import scan_log
+from engine.audit.traffic import audit_traffic
 from engine.models.tiny import tiny_model, tiny_tokenizer
 
 # Qwen2.5-Instruct's chat template (Apache-2.0): tools in the system turn, <tool_call> blocks, tool responses.
