@@ -72,7 +72,7 @@ LOCAL = "local"
 
 def start_ray(address: str = LOCAL, workers: int = 2) -> None:
     """Join the Ray cluster at ``address``, or start a local one of ``workers`` CPUs (no dashboard, no usage
-    statistics, its workers at the driver's priority)."""
+    statistics, its workers at the driver's priority, every server of it listening on 127.0.0.1 only)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
@@ -85,9 +85,29 @@ def start_ray(address: str = LOCAL, workers: int = 2) -> None:
         # Ray starts its workers at nice 15 (for an interactive driver's sake); here they are the job's work, and on a
         # loaded machine a niced pool barely runs
         os.environ.setdefault("RAY_worker_niceness", "0")
-        ray.init(num_cpus=workers, **quiet)
+        _init_on_loopback(num_cpus=workers, **quiet)
     else:
         ray.init(address=address, **quiet)
+
+
+def _init_on_loopback(**options: Any) -> None:
+    """``ray.init`` of a local cluster whose node address is 127.0.0.1, so that each of its servers binds there.
+
+    In Ray 2.60 a server binds to loopback only when the node's address is loopback (the GCS, the raylet's node and
+    object managers, every worker's and the driver's gRPC server, the runtime-env agent; with ray[default], the
+    dashboard agent and its metrics exporter too), and to all interfaces otherwise. ``ray.init`` replaces a loopback
+    ``_node_ip_address`` with the machine's routable address unless ``ray_constants.ENABLE_RAY_CLUSTER`` is off
+    (``services.resolve_ip_for_localhost``): Ray's own setting on macOS and Windows, read from
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` when ray is first imported. It is turned off for this call only."""
+    import ray
+    from ray._private import ray_constants
+
+    cluster = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(**options)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = cluster
 
 
 @dataclass(frozen=True)

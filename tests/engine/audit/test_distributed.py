@@ -3,18 +3,23 @@ JSON, request for request: on the bundled logs read as one log of four files, on
 (plain, gzip'd, and one corrupt file that both passes skip by name), with fleets and the requests the model pass reads;
 on every bundled export (observed counts, Langfuse traces in other shards), and on a shuffled log with a flag. The
 model pass on Ray actors (a tiny model each) gives the in-process turns, its lanes keep a conversation on one actor,
-and a model built in memory is refused; with --endpoint, --ray and --replicas give the one-process JSON."""
+and a model built in memory is refused; with --endpoint, --ray and --replicas give the one-process JSON. Every
+server of the local cluster listens on loopback only."""
 
 import contextlib
 import functools
 import gzip
 import io
+import ipaddress
 import json
+import os
 import subprocess
 import sys
 import unittest.mock
+from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import pytest
 
 from benchmarks.studies.audit_scale import synthetic_log
@@ -234,3 +239,59 @@ def test_the_token_pass_workers_import_no_torch():
     code = "import sys, engine.audit.distributed, engine.audit.shards; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
+
+
+@dataclass(frozen=True)
+class Listener:
+    """A process listening on a TCP port, and the address it bound."""
+
+    pid: int
+    name: str
+    ip: str
+    port: int
+
+    @property
+    def loopback(self) -> bool:
+        address = ipaddress.ip_address(self.ip)
+        return (getattr(address, "ipv4_mapped", None) or address).is_loopback  # gRPC's ::ffff:127.0.0.1 too
+
+
+def _listening(pids: set[int]) -> list[Listener]:
+    """The TCP sockets the processes ``pids`` listen on (a port may have several: one per address bound)."""
+    found = []
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            sockets = [c.laddr for c in process.net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
+            found += [Listener(pid, process.name(), ip, port) for ip, port in sockets]
+        except psutil.NoSuchProcess:  # a worker that ended meanwhile
+            continue
+    return found
+
+
+@ray.remote
+def _pid() -> int:
+    return os.getpid()
+
+
+def test_local_ray_listens_on_loopback_only(cluster):
+    # the local cluster's processes: the driver, what ray.init started (GCS, raylet, monitor, dashboard head) and their
+    # children (workers, the agents); a task first, so that a worker's own gRPC server is among them
+    worker = ray.get(_pid.remote())
+    node = ray._private.worker._global_node
+    started = {info.process.pid for infos in node.all_processes.values() for info in infos}
+    pids = {os.getpid()} | started | {child.pid for pid in started for child in psutil.Process(pid).children(recursive=True)}
+    listening = _listening(pids)
+    assert [listener for listener in listening if not listener.loopback] == []
+
+    # the ports Ray names are among them: GCS, node manager, object manager, runtime-env agent; and with ray[default]
+    # (not installed by .[scale]: there they are -1) the dashboard agent's gRPC and HTTP ports and its metrics exporter
+    (info,) = ray.nodes()
+    assert info["NodeManagerAddress"] == "127.0.0.1"
+    named = {"GCS": int(node.gcs_address.rsplit(":", 1)[1])}
+    named |= {key: info[key] for key in ("NodeManagerPort", "ObjectManagerPort", "RuntimeEnvAgentPort")}
+    named |= {key: info[key] for key in ("MetricsExportPort", "MetricsAgentPort", "DashboardAgentListenPort") if info[key] > 0}
+    by_port = {listener.port: listener.name for listener in listening}
+    assert {key: port for key, port in named.items() if port not in by_port} == {}
+    assert by_port[named["GCS"]] == "gcs_server" and by_port[info["NodeManagerPort"]] == "raylet"
+    assert {os.getpid(), worker} <= {listener.pid for listener in listening}  # the driver's and a worker's gRPC servers
