@@ -95,7 +95,8 @@ def _init_on_loopback(**options: Any) -> None:
 
     In Ray 2.60 a server binds to loopback only when the node's address is loopback (the GCS, the raylet's node and
     object managers, every worker's and the driver's gRPC server, the runtime-env agent; with ray[default], the
-    dashboard agent and its metrics exporter too), and to all interfaces otherwise. ``ray.init`` replaces a loopback
+    dashboard agent, its metrics exporter and the monitor's and dashboard's metrics ports too), and to all interfaces
+    otherwise. ``ray.init`` replaces a loopback
     ``_node_ip_address`` with the machine's routable address unless ``ray_constants.ENABLE_RAY_CLUSTER`` is off
     (``services.resolve_ip_for_localhost``): Ray's own setting on macOS and Windows, read from
     ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` when ray is first imported. It is turned off for this call only."""
