@@ -130,7 +130,7 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
                     )
                 with gr.Row():
                     audit_button = gr.Button("Audit the log", variant="primary", elem_id="run-audit", scale=2)
-                    cancel_button = gr.Button("Cancel", variant="stop", elem_id="cancel-audit", scale=1)
+                    cancel_button = gr.Button("Cancel", variant="stop", visible=False, elem_id="cancel-audit", scale=1)
                 audit_status = gr.Markdown(elem_id="audit-status")
         with gr.Accordion("One prompt: change a value", open=False, elem_id="audit-one-prompt"):
             gr.Markdown(ONE_PROMPT_INTRO)
@@ -264,7 +264,12 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
                 return tuple(gr.skip() for _ in shown)  # cancelled: information (the Cancel said so), not an error
         return _shown(view, sid)
 
-    audit_event = audit_button.click(
+    # Cancel shows only while an audit runs: from the click (which also clears the last run's status) to the audit's end,
+    # done, failed or cancelled
+    started = audit_button.click(
+        lambda: ("", gr.update(visible=True)), outputs=[audit_status, cancel_button], api_name=False, concurrency_limit=None
+    )
+    audit_event = started.then(
         on_audit,
         inputs_kwargs={
             "session": page.session,
@@ -281,7 +286,9 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
         **page.model_bound(),
     )
 
-    audit_button.click(lambda: "", outputs=audit_status, api_name=False, concurrency_limit=None)  # a new run: no old status
+    # the page runs .then steps once the audit is done or cancelled, and after an error only .failure steps (gradio 6.31)
+    for ended in (audit_event.then, audit_event.failure):
+        ended(lambda: gr.update(visible=False), outputs=cancel_button, api_name=False, concurrency_limit=None)
 
     def on_cancel(request: gr.Request):
         said = runs.cancel(request.session_hash)

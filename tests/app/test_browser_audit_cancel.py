@@ -1,5 +1,6 @@
-"""The audit's progress and Cancel in Debian's chromium: the bar names the turn it measures, Cancel stops the run and
-says so as information (no "Error" toast or badge anywhere), and the tab audits again at once. Screenshots of the tab
+"""The audit's progress and Cancel in Debian's chromium: Cancel shows only while an audit runs (hidden before, and
+again once the run is done, failed or cancelled); the bar names the turn it measures, Cancel stops the run and says so
+as information (no "Error" toast or badge anywhere), and the tab audits again at once. Screenshots of the tab before,
 during and after go to test-artifacts/ (and /tmp/perf-audit-*.png)."""
 
 import re
@@ -32,12 +33,18 @@ def test_cancel_stops_the_audit_as_information_and_the_tab_audits_again(page, mo
     page.get_by_role("tab", name="Your prompt").click()
     page.locator("#audit-input textarea").fill(LOG)
     page.locator("#audit-tokens input[type=number]").fill("3")
+    cancel = page.locator("#cancel-audit")
+    page.locator("#run-audit").wait_for()
+    assert not cancel.is_visible()  # nothing runs: nothing to cancel
+    _shot(page, "before")
     page.locator("#run-audit").click()
     measuring = page.get_by_text(re.compile(r"measuring turn 1 of 2")).first
     measuring.wait_for(timeout=60_000)
+    assert cancel.is_visible()
     _shot(page, "during")
-    page.locator("#cancel-audit").click()
+    cancel.click()
     page.locator("#audit-status").get_by_text("Audit cancelled").wait_for(timeout=10_000)
+    cancel.wait_for(state="hidden", timeout=10_000)
     page.locator(TOAST).filter(has_text="Audit cancelled").first.wait_for(timeout=10_000)
     page.wait_for_timeout(1500)  # a late error would show by now
     _shot(page, "after")
@@ -49,4 +56,9 @@ def test_cancel_stops_the_audit_as_information_and_the_tab_audits_again(page, mo
     page.locator("#run-audit").click()  # the app stays responsive: the next audit runs to its end
     page.locator("#audit-recommendation").get_by_text("Recommended:").first.wait_for(timeout=120_000)
     assert page.get_by_text("Error", exact=True).count() == 0
+    cancel.wait_for(state="hidden", timeout=10_000)  # done
     _shot(page, "again")
+    page.locator("#audit-input textarea").fill("{broken")
+    page.locator("#run-audit").click()
+    page.locator(TOAST).filter(has_text="line 1 is not JSON").first.wait_for(timeout=30_000)
+    cancel.wait_for(state="hidden", timeout=10_000)  # failed
