@@ -295,7 +295,9 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
         gr.Info(said)
         return said
 
-    cancel_button.click(on_cancel, outputs=audit_status, cancels=[audit_event], api_name="cancel_audit", concurrency_limit=None)
+    # the token stops the audit before its next forward, and the audit returns as cancelled (information); no cancels=:
+    # gradio's own cancel of a running event sometimes left every output with an Error badge
+    cancel_button.click(on_cancel, outputs=audit_status, api_name="cancel_audit", concurrency_limit=None)
 
     @page.action
     def on_candidates(spec, text):

@@ -9,17 +9,17 @@ and engines' reuse); only where the work runs differs:
   so every request gets its number in the whole log, in time order where every request has a timestamp (as one
   process orders it, ``requests.time_ordered``), and each observation its trace's session from any shard. The second
   reads, unwraps, renders and tokenizes each request, hashes its blocks (``caches.block_hashes``) and computes its
-  row twice: as a cold request, and against its match among the shard's earlier requests (a radix tree of the shard
-  alone; ``scan.compared_row``: the diff and the causes, which need the texts).
+  row against its match among the shard's earlier requests (a radix tree of the shard alone; cold without one;
+  ``scan.compared_row``: the diff and the causes, which need the texts). A shard's records come back pickled, as bytes.
 - **Stage 2, on the driver**, in time order, over compact records: per request its token ids (int32, for the radix
-  tree and the slots), its block hashes (int64), its two candidate rows and what its record reports (``Reported``,
-  and for a hosted model what its provider's cache reads). The radix tree matches the request; when the match is
-  none or the shard's own guess (nearly every request), the row computed on the worker is the row; otherwise the pair
-  is left for stage 2b. The engines, the hosted providers' caches (and any ``fleet``) are fed here; the observed
+  tree and the slots), its block hashes (int64), its row and what its record reports (``Reported``, and for a hosted
+  model what its provider's cache reads). The radix tree matches the request; when the match is the shard's own guess
+  (nearly every request, none included), the row computed on the worker is the row; otherwise the pair is left for
+  stage 2b. The engines, the hosted providers' caches (and any ``fleet``) are fed here; the observed
   counts are compared at the end (``scan.observed_rows``, as in one process). The driver keeps each request's row,
   its diff (the changed values only) and where it is in the log, never a text. Files in time order stream through;
   a log whose files are not (an export written in another order) is held whole, then sorted.
-- **Stage 2b, on the driver**: the pairs whose match was another request (a match in an earlier shard, or one the
+- **Stage 2b, on the driver**: the pairs whose match was another request or none (a match in an earlier shard, or one the
   budget evicted; a few percent of a log with shards of thousands of lines): both requests re-read by file
   and line, rendered, and diffed by the same ``compared_row``. (On the driver, not as Ray tasks: a task process's
   start, importing the tokenizer's library, costs more than these few pairs on a small cluster.)
@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -121,9 +122,9 @@ class TokenRecord:
     where: tuple[int, int, int]  # shard number, line, position among its record's requests
     ids: np.ndarray  # (tokens,) int32
     hashes: np.ndarray  # (blocks,) int64, chained
-    cold: TrafficRequest  # its row without a match
-    guess: int | None  # its match among the shard's earlier requests (a radix tree of the shard)
-    against_guess: tuple[TrafficRequest, TurnDiff | None] | None  # its row and diff against that request
+    guess: int | None  # its match among the shard's earlier requests (a radix tree of the shard; None: none there)
+    row: TrafficRequest  # its row against that match (cold without one)
+    diff: TurnDiff | None
     reported: Reported
     hosted: HostedRequest | None = None
 
@@ -148,7 +149,10 @@ class _ShardTokenPass:
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         out = []
         for number, text, first, indexes in zip(batch["number"], batch["shard"], batch["first_index"], batch["indexes"]):
-            out.append(self.tokens(int(number), Shard(**json.loads(text)), int(first), json.loads(indexes)))
+            part = self.tokens(int(number), Shard(**json.loads(text)), int(first), json.loads(indexes))
+            # bytes, pickled here for the driver of this job (as Ray pickles any result): a column of Python objects
+            # would be converted per object to Arrow's extension type, a third of a shard's time more
+            out.append(pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL))
         return {"tokens": np.array(out, dtype=object)}
 
     def tokens(self, number: int, shard: Shard, first_index: int, indexes: list[int] | None) -> ShardTokens:
@@ -165,8 +169,7 @@ class _ShardTokenPass:
                 continue
             _, guess = local.match(item.token_ids, request.session)
             local.insert(item.token_ids, request.index, request.session, len(kept) + 1)
-            cold, _ = compared_row(None, item, None, self.block)
-            against = compared_row(kept[guess], item, guess, self.block) if guess is not None else None
+            row, diff = compared_row(kept.get(guess), item, guess, self.block)
             records.append(
                 TokenRecord(
                     request.index,
@@ -174,11 +177,11 @@ class _ShardTokenPass:
                     (number, *at),
                     item.token_ids,
                     block_hashes(item.token_ids, self.block),
-                    cold,
                     guess,
-                    against,
+                    row,
+                    diff,
                     Reported.of(request),
-                    hosted_request(item, [token for _, token in cold.breakpoints]),
+                    hosted_request(item, [token for _, token in row.breakpoints]),
                 )
             )
             kept[request.index] = item
@@ -237,11 +240,11 @@ class Rereader:
         return {i: item for i, item in rendered if isinstance(item, RenderedRequest)}
 
     def compared(
-        self, where: dict[int, tuple[int, int, int]], pairs: list[tuple[int, int]], block: int
+        self, where: dict[int, tuple[int, int, int]], pairs: list[tuple[int, int | None]], block: int
     ) -> list[tuple[int, TrafficRequest, TurnDiff | None]]:
-        """Stage 2b: each (request, its match) re-read, rendered and compared, as ``scan_log`` compares them."""
-        rendered = self.rendered({i: where[i] for pair in pairs for i in pair})
-        return [(new, *compared_row(rendered[old], rendered[new], old, block)) for new, old in pairs]
+        """Stage 2b: each (request, its match; None: cold) re-read, rendered and compared, as ``scan_log`` compares them."""
+        rendered = self.rendered({i: where[i] for pair in pairs for i in pair if i is not None})
+        return [(new, *compared_row(rendered.get(old), rendered[new], old, block)) for new, old in pairs]
 
 
 @dataclass(frozen=True)
@@ -348,7 +351,7 @@ def ray_scan(
     rendering: list[Skipped] = []
     received = 0
     for row in dataset.iter_rows():
-        part: ShardTokens = row["tokens"]
+        part: ShardTokens = pickle.loads(row["tokens"])  # what this job's own workers pickled (``_ShardTokenPass``)
         rendering += part.skipped
         driver.feed(part.records)
         received += len(part.records)
@@ -376,7 +379,7 @@ class _Driver:
         self.rows: list[TrafficRequest] = []
         self.diffs: dict[int, TurnDiff] = {}
         self.where: dict[int, tuple[int, int, int]] = {}
-        self.unmatched: dict[int, tuple[int, int, dict[str, int]]] = {}  # request -> (its match, its row's place, reuse)
+        self.unmatched: dict[int, tuple[int | None, int, dict[str, int]]] = {}  # request -> (its match, its row's place, reuse)
         self.reported: list[Reported] = []
         self.served: list[dict[str, int]] = []  # per request, its hosted provider's reuse
         self.time = 0
@@ -406,15 +409,11 @@ class _Driver:
         self.served.append(self.hosted.insert(record.ids, record.hosted))
         self.reported.append(record.reported)
         self.where[record.index] = record.where
-        if matched is None:
-            row, diff = record.cold, None
-        elif matched == record.guess:
-            row, diff = record.against_guess
-        else:
+        if matched != record.guess:  # its match lies in an earlier shard, or a budget evicted the shard's guess
             self.unmatched[record.index] = (matched, len(self.rows), reused)
-            self.rows.append(record.cold)  # a placeholder until stage 2b
+            self.rows.append(record.row)  # a placeholder until stage 2b
             return
-        self._keep(len(self.rows), row, diff, reused, append=True)
+        self._keep(len(self.rows), record.row, record.diff, reused, append=True)
 
     def _keep(self, at: int, row: TrafficRequest, diff: TurnDiff | None, reused: dict[str, int], append: bool = False) -> None:
         row = dataclasses.replace(row, reused_tokens=reused)
@@ -425,7 +424,7 @@ class _Driver:
         if diff is not None:
             self.diffs[row.request] = diff
 
-    def pending(self) -> list[tuple[int, int]]:
+    def pending(self) -> list[tuple[int, int | None]]:
         """(request, its match) pairs stage 2b compares."""
         return [(index, matched) for index, (matched, _, _) in self.unmatched.items()]
 
