@@ -63,7 +63,7 @@ from engine.audit.requests import (
     record_requests,
     render_batch,
 )
-from engine.audit.scan import TrafficRequest, TrafficScan, compared_row, observed_rows, sample_groups
+from engine.audit.scan import TrafficRequest, TrafficScan, compared_row, observed_rows, sample_groups, settling_heap
 from engine.audit.shards import SHARD_LINES, Shard, ShardCount, count_shards, log_files, plan_shards, read_shard, shard_lines
 from engine.progress import StepProgress
 
@@ -350,14 +350,16 @@ def ray_scan(
     driver = _Driver(settings, fleet, reorder=count.indexes is not None)
     rendering: list[Skipped] = []
     received = 0
-    for row in dataset.iter_rows():
-        part: ShardTokens = pickle.loads(row["tokens"])  # what this job's own workers pickled (``_ShardTokenPass``)
-        rendering += part.skipped
-        driver.feed(part.records)
-        received += len(part.records)
-        if progress:
-            progress(received, count.total)
-    driver.finish()
+    with settling_heap() as settle:
+        for row in dataset.iter_rows():
+            part: ShardTokens = pickle.loads(row["tokens"])  # what this job's own workers pickled (``_ShardTokenPass``)
+            rendering += part.skipped
+            driver.feed(part.records)
+            settle()
+            received += len(part.records)
+            if progress:
+                progress(received, count.total)
+        driver.finish()
     reread = Rereader(tokenizer, shards, fmt, limit, model, count.sessions)
     pending = driver.pending()
     if pending:

@@ -11,7 +11,9 @@ Nothing here imports torch: the distributed pass's workers (``distributed``) run
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import gc
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,47 +149,63 @@ def scan_log(
     """The token pass: render, match, diff, causes and every simulated engine, over every request of ``log``
     (a request that cannot be rendered is skipped by name); then the observed counts against ``observed_engine``
     and the hosted providers' caches (``observed.observe``); ``fleet``: (replicas, routing) fleets also simulated."""
-    rendered = render_batch(tokenizer, log.requests, limit, model)
-    skipped = list(log.skipped)
-    good = []
-    for request, item in zip(log.requests, rendered):
-        if isinstance(item, RequestLogError):
-            skipped.append(Skipped(request.line, "rendering", str(item)))
-        else:
-            good.append(item)
-    engines = Engines(settings)
-    fleets = [Fleet(replicas, routing, settings) for replicas, routing in fleet]
-    hosted = HostedCaches()
-    kept: dict[int, RenderedRequest] = {}
-    diffs: dict[int, TurnDiff] = {}
-    rows, served = [], []
-    every = max(len(good) // _PROGRESS_STEPS, 1)
-    for time, new in enumerate(good, 1):
-        request, ids = new.request, new.token_ids
-        _, matched = engines.radix.match(ids, request.session)
-        row, diff = compared_row(kept.get(matched), new, matched, settings.block)
-        for simulated in fleets:
-            simulated.insert(ids, request.index, request.session)
-        served.append(hosted.insert(ids, hosted_request(new, [token for _, token in row.breakpoints])))
-        kept[request.index] = new
-        if diff is not None:
-            diffs[request.index] = diff
-        rows.append(dataclasses.replace(row, reused_tokens=engines.insert(ids, request.index, request.session, time)))
-        if progress and (time % every == 0 or time == len(good)):
-            progress(time, len(good))
-    rows = observed_rows(rows, [Reported.of(item.request) for item in good], served, observed_engine, settings.block, model)
-    fleet_results = tuple(simulated.result() for simulated in fleets)
-    return TrafficScan(
-        tuple(rows),
-        tuple(skipped),
-        dict(log.formats),
-        settings,
-        kept,
-        diffs,
-        observed_engine=observed_engine,
-        reading=log.reading(),
-        fleet=fleet_results,
-    )
+    with settling_heap() as settle:
+        rendered = render_batch(tokenizer, log.requests, limit, model)
+        settle()
+        skipped = list(log.skipped)
+        good = []
+        for request, item in zip(log.requests, rendered):
+            if isinstance(item, RequestLogError):
+                skipped.append(Skipped(request.line, "rendering", str(item)))
+            else:
+                good.append(item)
+        engines = Engines(settings)
+        fleets = [Fleet(replicas, routing, settings) for replicas, routing in fleet]
+        hosted = HostedCaches()
+        kept: dict[int, RenderedRequest] = {}
+        diffs: dict[int, TurnDiff] = {}
+        rows, served = [], []
+        every = max(len(good) // _PROGRESS_STEPS, 1)
+        for time, new in enumerate(good, 1):
+            request, ids = new.request, new.token_ids
+            _, matched = engines.radix.match(ids, request.session)
+            row, diff = compared_row(kept.get(matched), new, matched, settings.block)
+            for simulated in fleets:
+                simulated.insert(ids, request.index, request.session)
+            served.append(hosted.insert(ids, hosted_request(new, [token for _, token in row.breakpoints])))
+            kept[request.index] = new
+            if diff is not None:
+                diffs[request.index] = diff
+            rows.append(dataclasses.replace(row, reused_tokens=engines.insert(ids, request.index, request.session, time)))
+            if time % every == 0:
+                settle()
+            if progress and (time % every == 0 or time == len(good)):
+                progress(time, len(good))
+        rows = observed_rows(rows, [Reported.of(item.request) for item in good], served, observed_engine, settings.block, model)
+        fleet_results = tuple(simulated.result() for simulated in fleets)
+        return TrafficScan(
+            tuple(rows),
+            tuple(skipped),
+            dict(log.formats),
+            settings,
+            kept,
+            diffs,
+            observed_engine=observed_engine,
+            reading=log.reading(),
+            fleet=fleet_results,
+        )
+
+
+@contextmanager
+def settling_heap() -> Iterator[Callable[[], None]]:
+    """Within: ``settle()`` moves every object alive into the collector's permanent generation (``gc.freeze``), so that
+    its collections scan only what was made since. A token pass keeps millions of small objects (rows, diffs, radix
+    nodes, rendered requests) that each full collection would otherwise scan again: on a 2,000-request shard's records,
+    unpickled beside ten others, 0.51 s with them against 0.05 s without. On exit they are collectable again."""
+    try:
+        yield gc.freeze
+    finally:
+        gc.unfreeze()
 
 
 def observed_rows(

@@ -3,6 +3,7 @@ the OpenAI request it is equivalent to, tools rendered as apply_chat_template re
 by name, matches and engine reuse against brute-force counts, causes named, and sampled groups measured exactly as the
 per-turn audit measures them."""
 
+import gc
 import json
 import random
 
@@ -280,6 +281,15 @@ def test_matches_and_engine_reuse_equal_brute_force_counts(tokenizer):
     per_session = {s.session: s for s in scan.sessions()}
     assert sum(s.requests for s in per_session.values()) == 40
     assert per_session["s0"].tokens == sum(len(ids[i]) for i in range(40) if sessions[i] == "s0")
+
+
+def test_the_token_pass_leaves_the_collector_as_it_found_it(tokenizer):
+    # scan_log freezes what it keeps (``settling_heap``) while it runs, and unfreezes it: nothing stays out of reach
+    gc.collect()
+    frozen = gc.get_freeze_count()
+    seen = []
+    scan_log(tokenizer, read_log(_interleaved()), progress=lambda done, total: seen.append(gc.get_freeze_count()))
+    assert max(seen) > frozen and gc.get_freeze_count() == 0
 
 
 def test_radix_budget_evicts_least_recently_used_leaves():
