@@ -293,8 +293,11 @@ def test_the_cli_compares_a_gateway_logs_observed_counts_and_fits_them(tmp_path)
     assert observed["fit"]["requests_with_count"] == 3 and observed["fit"]["best"]["matches"] >= 1
 
 
-def test_fit_observed_refuses_a_log_without_observed_counts(tmp_path):
+def test_fit_observed_refuses_a_log_without_observed_counts_and_ray(tmp_path):
     path = tmp_path / "plain.jsonl"
     path.write_text(_chat("You are brief.", ("user", "Hi")))
     code, result = run_cli("audit", str(path), "--model", "tiny-qwen2", "--sample", "0", "--fit-observed")
     assert code == 2 and "no request of the log reports a cached count" in result["error"]
+    # under --ray the driver never holds the log's tokens: refused by name, before any Ray starts
+    code, result = run_cli("audit", str(path), "--model", "tiny-qwen2", "--sample", "0", "--fit-observed", "--ray")
+    assert code == 2 and "--fit-observed" in result["error"] and "drop --ray" in result["error"]
