@@ -208,13 +208,14 @@ def read_log(text: str, fmt: str = AUTO) -> RequestLog:
 
 def finished_log(requests: Sequence[Request], skipped: Sequence[Skipped], sessions: Mapping[str, str]) -> RequestLog:
     """The requests read record by record made a log: each Langfuse observation given its trace's session
-    (``join_traces``), put in time order (``time_ordered``), its flags listed, its formats counted."""
+    (``join_traces``), put in time order (``time_ordered``), its flags listed, its formats counted; the records
+    skipped kept in the order read (file by file, line by line), as the distributed pass keeps them."""
     ordered, order, _ = time_ordered(join_traces(requests, sessions))
     flagged = tuple(Flagged(request.index, request.line, key, reason) for request in ordered for key, reason in request.flags)
     formats: dict[str, int] = {}
     for request in ordered:
         formats[request.format] = formats.get(request.format, 0) + 1
-    return RequestLog(tuple(ordered), tuple(sorted(skipped, key=lambda item: item.line)), formats, order, flagged)
+    return RequestLog(tuple(ordered), tuple(skipped), formats, order, flagged)
 
 
 def join_traces(requests: Sequence[Request], sessions: Mapping[str, str]) -> list[Request]:

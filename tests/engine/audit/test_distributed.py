@@ -94,7 +94,7 @@ def test_ray_gives_the_single_process_json(cluster, tokenizer, tmp_path):
     # a generated 50-session log in shards of 40 lines (so sessions cross shards), under a KV budget
     generated = synthetic_log(160, 50)
     records = [json.dumps(record) for record in generated]
-    (tmp_path / "1.jsonl").write_text("\n".join(records[:100]) + "\n", encoding="utf-8")
+    (tmp_path / "1.jsonl").write_text("\n".join([*records[:60], "{broken", *records[60:100]]) + "\n", encoding="utf-8")
     with gzip.open(tmp_path / "2.jsonl.gz", "wt", encoding="utf-8") as stream:
         stream.write("\n".join(records[100:]) + "\n")
     broken = gzip.compress(("\n".join(records[:20]) + "\n").encode())
@@ -106,8 +106,9 @@ def test_ray_gives_the_single_process_json(cluster, tokenizer, tmp_path):
     assert len(spread.requests) > 160 and spread.totals()["reused_tokens"]["sglang"] > 0
     assert len({row.session for row in spread.requests}) == len({record["user"] for record in generated})
     assert any(row.matched_request is not None and row.matched_request < row.request - 1 for row in spread.requests)
-    (skipped,) = spread.skipped
-    assert "(in 3.jsonl.gz)" in skipped.reason and "cannot be read" in skipped.reason and skipped.line >= 1
+    unparsed, corrupt = spread.skipped  # in the order read: file by file, line by line
+    assert unparsed.line == 61 and "is not JSON" in unparsed.reason and "(in 1.jsonl)" in unparsed.reason
+    assert "(in 3.jsonl.gz)" in corrupt.reason and "cannot be read" in corrupt.reason and corrupt.line >= 1
 
 
 EXPORTS = sorted(Path("demos/logs/exports").iterdir())
