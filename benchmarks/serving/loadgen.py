@@ -6,9 +6,8 @@ and every request has a deadline. Each request is a ``POST /v1/completions`` wit
 time to first token (TTFT) is the time from sending to the first streamed chunk that carries a choice.
 Only loopback URLs are accepted and proxies from the environment are ignored, so no load leaves the machine.
 
-The engine's own prefix-cache statistics come from its Prometheus ``/metrics`` text (vLLM, SGLang):
-``parse_prometheus`` reads the exposition format and ``cache_counters`` / ``cache_hit_rate_gauge`` pick the
-known prefix-cache metrics from it.
+The engine's own prefix-cache statistics come from its Prometheus ``/metrics`` text (vLLM, SGLang), read by
+``engine.audit.metrics`` (the audit reads a scrape the same way).
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import ipaddress
 import json
 import math
 import random
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,19 +25,9 @@ from typing import Any
 import httpx
 
 from benchmarks.common import percentile
+from engine.audit.metrics import CacheCounters
 
 _LOOPBACK_NAMES = frozenset({"localhost"})
-# (hits, queries) counter pairs, in prompt tokens, newest naming first. Prometheus clients append
-# "_total" to counters, so both spellings are looked up.
-_COUNTER_PAIRS = (
-    ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries"),  # vLLM V1 (>= 0.9)
-    ("vllm:gpu_prefix_cache_hits", "vllm:gpu_prefix_cache_queries"),  # vLLM V1 (0.7-0.8)
-    ("sglang:cached_tokens", "sglang:prompt_tokens"),  # SGLang
-)
-# Running hit-rate gauges for engines without counters (vLLM V0, SGLang): not per run, reported as is.
-_RATE_GAUGES = ("vllm:gpu_prefix_cache_hit_rate", "sglang:cache_hit_rate")
-_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)(?:\s+-?\d+)?$")
-_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"')
 
 
 class LoadgenError(ValueError):
@@ -273,57 +261,6 @@ def summarize(results: Sequence[RequestResult]) -> RunStats:
     )
 
 
-# --------------------------------------------------------------------------------------------
-# Engine metrics (Prometheus text exposition format)
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One Prometheus sample: metric name, labels, value."""
-
-    name: str
-    labels: dict[str, str]
-    value: float
-
-
-def parse_prometheus(text: str) -> list[Sample]:
-    """Parse Prometheus text format (comments skipped, labels unescaped, an optional timestamp dropped)."""
-    samples = []
-    for number, raw in enumerate(text.splitlines(), start=1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        match = _SAMPLE.match(line)
-        if match is None:
-            raise LoadgenError(f"metrics line {number} is not a Prometheus sample: {line[:120]!r}")
-        name, label_text, value = match.groups()
-        labels = {key: _unescape(val) for key, val in _LABEL.findall(label_text or "")}
-        try:
-            samples.append(Sample(name, labels, float(value)))
-        except ValueError:
-            raise LoadgenError(f"metrics line {number} has a non-numeric value {value!r}") from None
-    return samples
-
-
-def _unescape(value: str) -> str:
-    return re.sub(r"\\(.)", lambda m: "\n" if m.group(1) == "n" else m.group(1), value)
-
-
-def metric_sum(samples: Sequence[Sample], name: str) -> float | None:
-    """Sum of a metric over all its label sets (``name`` or ``name_total``); None if absent."""
-    values = [s.value for s in samples if s.name in (name, f"{name}_total")]
-    return sum(values) if values else None
-
-
-@dataclass(frozen=True)
-class CacheCounters:
-    """Cumulative prefix-cache counters in prompt tokens: how many were looked up and how many hit."""
-
-    hits: float
-    queries: float
-
-
 def usage_counters(results: Sequence[RequestResult]) -> CacheCounters | None:
     """Prefix-cache hits summed over the completed requests' own usage reports; None unless every one
     reported its cached tokens."""
@@ -331,21 +268,3 @@ def usage_counters(results: Sequence[RequestResult]) -> CacheCounters | None:
     if not done or any(r.cached_tokens is None or r.prompt_tokens is None for r in done):
         return None
     return CacheCounters(float(sum(r.cached_tokens for r in done)), float(sum(r.prompt_tokens for r in done)))
-
-
-def cache_counters(samples: Sequence[Sample]) -> CacheCounters | None:
-    """The engine's prefix-cache hit/query counters, from the first known metric pair present."""
-    for hits_name, queries_name in _COUNTER_PAIRS:
-        hits, queries = metric_sum(samples, hits_name), metric_sum(samples, queries_name)
-        if hits is not None and queries is not None:
-            return CacheCounters(hits, queries)
-    return None
-
-
-def cache_hit_rate_gauge(samples: Sequence[Sample]) -> float | None:
-    """A running hit-rate gauge, for engines that export no counters (mean over label sets)."""
-    for name in _RATE_GAUGES:
-        values = [s.value for s in samples if s.name == name]
-        if values:
-            return sum(values) / len(values)
-    return None

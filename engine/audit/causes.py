@@ -28,6 +28,8 @@ CAUSES = {
     "tools_changed": "the tool list changed (a tool added, removed or edited)",
     "tools_reordered": "the same tools in another order",
     "history_rewritten": "earlier messages changed outside their text (roles, tool calls, messages dropped or inserted)",
+    "reply_rerendered": "the chat template resends the previous reply with other tokens than the server generated (reasoning "
+    "stripped, whitespace, tool-call formatting): the server's cached reply is lost from there on",
     "short_prefix": "the common prefix is shorter than one block, so a block cache reuses none of it",
     "block_straddle": "the common prefix ends mid-block: a block cache recomputes the partial block",
     "observed_shortfall": "the server reported fewer cached tokens than the simulated engine reuses (eviction, a replica, a TTL, "
@@ -85,7 +87,7 @@ def causes_of(old: RenderedRequest | None, new: RenderedRequest, diff: TurnDiff 
     if diff.structural:
         found.append(_structural_cause(old, new, diff, served))
     if not found and diff.common_prefix_tokens >= diff.old_growth_start:
-        return ()
+        return tuple(_reply_cause(old, new))
     if not found:  # the older request's tail was dropped: the newer one is shorter
         found.append(Cause("history_rewritten", f"the request stops where {old.request.where} went on", 0))
     if shared < block:
@@ -93,6 +95,25 @@ def causes_of(old: RenderedRequest | None, new: RenderedRequest, diff: TurnDiff 
     elif shared % block:
         found.append(Cause("block_straddle", f"the prefix ends {shared % block} tokens into a {block}-token block", shared % block))
     return tuple(found)
+
+
+def _reply_cause(old: RenderedRequest, new: RenderedRequest) -> list[Cause]:
+    """``reply_rerendered`` where ``new`` goes on from ``old``'s conversation with its reply, whose logged tokens the
+    server cached, yet the template writes that reply otherwise: the tokens of the cached reply lost."""
+    before, after = old.request.messages, new.request.messages
+    if not len(old.reply_ids) or before is None or after is None or len(after) <= len(before):
+        return []
+    if after[: len(before)] != before or after[len(before)].role != "assistant":
+        return []
+    held = old.held
+    kept = common_prefix(held, new.token_ids)
+    if kept >= len(held) or kept < len(old):
+        return []
+    detail = (
+        f"the server cached {len(old.reply_ids)} reply tokens of {old.request.where}; this turn resends the reply as the "
+        f"template writes it, which differs after {kept - len(old)} of them"
+    )
+    return [Cause("reply_rerendered", detail, len(held) - kept)]
 
 
 def _field_causes(old: RenderedRequest, new: RenderedRequest, fields: tuple[FieldChange, ...], served: int) -> list[Cause]:

@@ -46,11 +46,10 @@ from typing import Any
 
 import numpy as np
 
-from engine.audit.caches import CacheSettings, Engines, RadixCache, block_hashes
+from engine.audit.caches import CacheSettings, RadixCache, block_hashes
 from engine.audit.fields import TurnDiff
-from engine.audit.fleet import Fleet
 from engine.audit.formats import AUTO
-from engine.audit.hosted import HostedCaches, HostedRequest, hosted_request
+from engine.audit.hosted import HostedRequest, hosted_request
 from engine.audit.observed import Reported
 from engine.audit.requests import (
     ORDERS,
@@ -59,12 +58,14 @@ from engine.audit.requests import (
     Request,
     RequestLogError,
     Skipped,
+    end_of_turn_ids,
     join_traces,
     record_requests,
     render_batch,
 )
 from engine.audit.scan import TrafficRequest, TrafficScan, compared_row, observed_rows, sample_groups, settling_heap
 from engine.audit.shards import SHARD_LINES, Shard, ShardCount, count_shards, log_files, plan_shards, read_shard, shard_lines
+from engine.audit.simulation import Simulation, Step, StepResult
 from engine.progress import StepProgress
 
 RETRIES = 3  # restarts of a lost actor, retries of a lost task
@@ -127,6 +128,13 @@ class TokenRecord:
     diff: TurnDiff | None
     reported: Reported
     hosted: HostedRequest | None = None
+    reply: np.ndarray | None = None  # (tokens,) int32: the logged reply's tokens the server computed (None: no reply logged)
+
+    def step(self) -> Step:
+        """The record as the simulated caches take it (``hashes``: of its tokens and its reply's)."""
+        logged = self.reply is not None
+        reply = self.reply if logged else np.zeros(0, dtype=np.int32)
+        return Step(self.ids, reply, self.index, self.session, logged, self.hosted, self.hashes)
 
 
 @dataclass(frozen=True)
@@ -168,7 +176,7 @@ class _ShardTokenPass:
                 skipped.append(Skipped(request.line, "rendering", str(item)))
                 continue
             _, guess = local.match(item.token_ids, request.session)
-            local.insert(item.token_ids, request.index, request.session, len(kept) + 1)
+            local.insert(item.token_ids, request.index, request.session, len(kept) + 1, item.held)
             row, diff = compared_row(kept.get(guess), item, guess, self.block)
             records.append(
                 TokenRecord(
@@ -176,12 +184,13 @@ class _ShardTokenPass:
                     request.session,
                     (number, *at),
                     item.token_ids,
-                    block_hashes(item.token_ids, self.block),
+                    block_hashes(item.held, self.block),
                     guess,
                     row,
                     diff,
                     Reported.of(request),
                     hosted_request(item, [token for _, token in row.breakpoints]),
+                    item.reply_ids if request.reply is not None else None,
                 )
             )
             kept[request.index] = item
@@ -347,7 +356,7 @@ def ray_scan(
         max_restarts=RETRIES,
         max_task_retries=RETRIES,
     )
-    driver = _Driver(settings, fleet, reorder=count.indexes is not None)
+    driver = _Driver(settings, fleet, end_of_turn_ids(tokenizer), reorder=count.indexes is not None)
     rendering: list[Skipped] = []
     received = 0
     with settling_heap() as settle:
@@ -373,18 +382,15 @@ class _Driver:
     """Stage 2: the radix match, the engines, the hosted providers' caches and the fleets, in time order, over compact
     records (``reorder``: the files are not in time order, so every record is held until the last, then sorted)."""
 
-    def __init__(self, settings: CacheSettings, fleet: Sequence[tuple[int, str]], reorder: bool = False):
+    def __init__(self, settings: CacheSettings, fleet: Sequence[tuple[int, str]], end_ids: frozenset[int], reorder: bool = False):
         self.settings = settings
-        self.engines = Engines(settings)
-        self.hosted = HostedCaches()
-        self.fleets = [Fleet(replicas, routing, settings) for replicas, routing in fleet]
+        self.simulation = Simulation(settings, fleet, end_ids)
         self.rows: list[TrafficRequest] = []
         self.diffs: dict[int, TurnDiff] = {}
         self.where: dict[int, tuple[int, int, int]] = {}
-        self.unmatched: dict[int, tuple[int | None, int, dict[str, int]]] = {}  # request -> (its match, its row's place, reuse)
+        self.unmatched: dict[int, tuple[int | None, int, StepResult]] = {}  # request -> (its match, its row's place, its step)
         self.reported: list[Reported] = []
         self.served: list[dict[str, int]] = []  # per request, its hosted provider's reuse
-        self.time = 0
         self.held: list[TokenRecord] | None = [] if reorder else None
 
     def feed(self, records: Iterator[TokenRecord] | list[TokenRecord]) -> None:
@@ -401,24 +407,21 @@ class _Driver:
             for record in sorted(self.held, key=lambda record: record.index):
                 self._simulate(record)
         self.held = None
+        self.simulation.finish()
 
     def _simulate(self, record: TokenRecord) -> None:
-        self.time += 1
-        _, matched = self.engines.radix.match(record.ids, record.session)
-        for simulated in self.fleets:
-            simulated.insert(record.ids, record.index, record.session, record.hashes)
-        reused = self.engines.insert(record.ids, record.index, record.session, self.time, record.hashes)
-        self.served.append(self.hosted.insert(record.ids, record.hosted))
+        result = self.simulation.step(record.step())
+        self.served.append(result.hosted)
         self.reported.append(record.reported)
         self.where[record.index] = record.where
-        if matched != record.guess:  # its match lies in an earlier shard, or a budget evicted the shard's guess
-            self.unmatched[record.index] = (matched, len(self.rows), reused)
+        if result.matched != record.guess:  # its match lies in an earlier shard, or a budget evicted the shard's guess
+            self.unmatched[record.index] = (result.matched, len(self.rows), result)
             self.rows.append(record.row)  # a placeholder until stage 2b
             return
-        self._keep(len(self.rows), record.row, record.diff, reused, append=True)
+        self._keep(len(self.rows), record.row, record.diff, result, append=True)
 
-    def _keep(self, at: int, row: TrafficRequest, diff: TurnDiff | None, reused: dict[str, int], append: bool = False) -> None:
-        row = dataclasses.replace(row, reused_tokens=reused)
+    def _keep(self, at: int, row: TrafficRequest, diff: TurnDiff | None, result: StepResult, append: bool = False) -> None:
+        row = dataclasses.replace(row, reused_tokens=result.reused, prompts_only_reused_tokens=result.prompts_only)
         if append:
             self.rows.append(row)
         else:
@@ -432,13 +435,13 @@ class _Driver:
 
     def fill(self, results: list[tuple[int, TrafficRequest, TurnDiff | None]]) -> None:
         for index, row, diff in results:
-            _, at, reused = self.unmatched[index]
-            self._keep(at, row, diff, reused)
+            _, at, result = self.unmatched[index]
+            self._keep(at, row, diff, result)
 
     def scan(self, skipped: list[Skipped], count: LogCount, observed_engine: str, model: str) -> TrafficScan:
         """The token pass's result, the log's reports read against the simulation (``scan.observed_rows``)."""
         rows = observed_rows(self.rows, self.reported, self.served, observed_engine, self.settings.block, model)
-        results = tuple(simulated.result() for simulated in self.fleets)
+        results = tuple(simulated.result() for simulated in self.simulation.fleets)
         diffs = dict(sorted(self.diffs.items()))
         reading = {
             "order": count.order,
@@ -446,7 +449,20 @@ class _Driver:
             "untimed_requests": count.untimed,
             "flagged": [item.as_dict() for item in count.flagged],
         }
-        return TrafficScan(tuple(rows), tuple(skipped), count.formats, self.settings, {}, diffs, observed_engine, reading, fleet=results)
+        simulation = self.simulation
+        return TrafficScan(
+            tuple(rows),
+            tuple(skipped),
+            count.formats,
+            self.settings,
+            {},
+            diffs,
+            observed_engine,
+            reading,
+            fleet=results,
+            replies=dict(simulation.replies),
+            reply_from=dict(simulation.reply_from),
+        )
 
 
 def _needed(scan: TrafficScan, sample: int) -> set[int]:

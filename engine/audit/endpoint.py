@@ -266,6 +266,8 @@ def read_answer(data: Mapping[str, Any], where: str) -> Answer:
     cached = details.get("cached_tokens")
     if cached is None and isinstance(data.get("timings"), dict):
         cached = data["timings"].get("cache_n")
+    if data.get("prompt_logprobs") is not None:
+        cached = None  # vLLM reads no cache for a request that asks for prompt log-probs: its 0 is not the server's reuse
     prompt = usage.get("prompt_tokens")
     return Answer(top, generated, text, int(prompt) if prompt is not None else None, int(cached) if cached is not None else None)
 

@@ -93,11 +93,13 @@ class Fleet:
             return min(range(count), key=lambda r: (-depths[r], self.load[r], r))
         return min(range(count), key=lambda r: (self.load[r], r))
 
-    def insert(self, ids: np.ndarray, request: int, session: str | None, hashes: Sequence[int] | None = None) -> int:
-        """Route the request and cache it on its replica; returns the replica."""
+    def insert(
+        self, ids: np.ndarray, request: int, session: str | None, hashes: Sequence[int] | None = None, held: np.ndarray | None = None
+    ) -> int:
+        """Route the request and cache it (then ``held``: it and its reply) on its replica; returns the replica."""
         replica = self.route(ids, session)
         self._time += 1
-        reused = self.engines[replica].insert(ids, request, session, self._time, hashes)
+        reused = self.engines[replica].insert(ids, request, session, self._time, hashes, held)
         for engine, count in reused.items():
             self.reused[engine] += count
         self.tokens += len(ids)

@@ -10,7 +10,8 @@ or an OpenAI batch input line ``{"custom_id", "body"}``), then read by its forma
 | ``openai_responses`` | ``instructions``, ``input`` items, ``tools`` | a system message, the items as messages, tool calls and results |
 | ``anthropic`` | ``system`` (string or blocks), content blocks, ``tools`` | ``tool_use`` as tool calls, ``tool_result`` as |
 | | | tool messages; ``cache_control`` kept as breakpoints |
-| ``sharegpt`` | ``conversations`` of ``from`` / ``value`` | one request per assistant turn (what a server received) |
+| ``sharegpt`` | ``conversations`` of ``from`` / ``value`` | one request per assistant turn (what a server received), |
+| | | that turn its reply |
 
 The result is a plain ``dict`` in the OpenAI chat shape, plus ``session`` (the session key a record carries, if any)
 and ``breakpoints`` (``(label, message, characters into its content)``, where the user asked the provider to cache).
@@ -22,6 +23,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from engine.audit.replies import Reply
 from engine.errors import KVScopeError
 
 FORMATS = {
@@ -304,7 +306,7 @@ def _sharegpt(request: dict) -> list[dict]:
             raise RecordError(f"conversations {number}", f"needs 'from' (one of {', '.join(_SHAREGPT_ROLES)}) and a 'value' string")
         role = _SHAREGPT_ROLES[speaker]
         if role == "assistant" and messages:
-            requests.append({"messages": list(messages), "tools": []})
+            requests.append({"messages": list(messages), "tools": [], "reply": Reply(turn["value"])})
         messages.append({"role": role, "content": turn["value"]})
     if not requests:
         requests.append({"messages": messages, "tools": []})

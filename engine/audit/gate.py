@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.audit.caches import ENGINES
+from engine.audit.simulation import replies_sentence
 from engine.errors import KVScopeError
 
 EXIT_FAILED = 1  # a --fail-on condition holds (2 stays bad input)
@@ -132,6 +133,8 @@ def markdown(report: dict) -> str:
         "",
         f"{engines['requests']} requests, {engines['tokens']:,} prompt tokens; simulated reuse: {rates}; "
         f"{report['skipped_count']} records skipped.",
+        "",
+        replies_sentence(engines, _ENGINE_NAMES),
         "",
         _turns_table(report),
     ]

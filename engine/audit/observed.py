@@ -13,7 +13,7 @@ a grid of block sizes and KV budgets, and names the settings that reproduce the 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -22,7 +22,7 @@ import numpy as np
 from engine.audit.caches import ENGINES, BlockCache
 from engine.audit.causes import Cause
 from engine.audit.hosted import PROVIDERS, TOKENS_NOTE, provider_of
-from engine.audit.requests import RenderedRequest, Request, RequestLogError
+from engine.audit.requests import Request, RequestLogError
 
 OBSERVED_ENGINES = tuple(ENGINES)  # the engines --observed-engine may compare with
 OBSERVED_CAUSES = ("observed_shortfall", "observed_excess")  # causes of a gap to what the server reported, not of a miss
@@ -138,8 +138,9 @@ class _Evidence:
         found = []
         if observed > usable:
             found.append(
-                f"another tokenizer (more than the {usable:,} tokens any earlier request of the log shares with it, in the "
-                "loaded model's tokens), or a cache warmed by requests not in the log"
+                f"more than the {usable:,} tokens any earlier prompt of the log shares with it (in the loaded model's tokens): "
+                "an earlier reply the log does not record and no later turn resends (servers cache what they generate), "
+                "another tokenizer, or a cache warmed by requests not in the log"
             )
         elif engine == "vllm":
             size = _block_size(observed, usable, [b for b in FIT_BLOCKS if b < self.block])
@@ -313,18 +314,18 @@ def _powers(base: int, count: int) -> np.ndarray:
 
 def fit_observed(
     rows: Sequence[Row],
-    rendered: Mapping[int, RenderedRequest],
+    held: Callable[[int], np.ndarray],
     blocks: Sequence[int] = FIT_BLOCKS,
     budgets: Sequence[int | None] | None = None,
 ) -> ObservedFit:
     """The block size and KV budget (tokens) of a vLLM-style block cache that reproduce the most observed counts
-    exactly, over the token pass's ``rows`` and their tokens (``rendered``, by request): the ids are hashed once, and
-    only the cache is re-run per setting. ``budgets``: by default unbounded, then the log's working set halved,
-    quartered, ... (``FIT_BUDGET_DIVISORS``)."""
+    exactly, over the token pass's ``rows`` and what the server held after each (``held``: request -> its tokens and
+    its reply's, ``TrafficScan.held``): the ids are hashed once, and only the cache is re-run per setting.
+    ``budgets``: by default unbounded, then the log's working set halved, quartered, ... (``FIT_BUDGET_DIVISORS``)."""
     counted = [(n, row.observed_cached_tokens) for n, row in enumerate(rows) if row.observed_cached_tokens is not None]
     if not counted:
         raise RequestLogError(NO_OBSERVED_COUNTS)
-    ids = [rendered[row.request].token_ids for row in rows]
+    ids = [held(row.request) for row in rows]
     longest = max(len(item) for item in ids)
     powers, inverses = _powers(_P, longest), _powers(_P_INVERSE, longest)
     keys = [prefix_keys(item, powers, inverses) for item in ids]
@@ -338,7 +339,7 @@ def fit_observed(
         chains = [key[block - 1 :: block].tolist() for key in keys]
         for budget in budgets:
             cache = BlockCache(block, None if budget is None else max(budget // block, 1))
-            reused = [cache.insert_keys(chain, len(item), row.request) for chain, item, row in zip(chains, ids, rows)]
+            reused = [cache.insert_keys(chain, row.tokens, row.request) for chain, row in zip(chains, rows)]
             tried.append(FitSetting(block, budget, sum(reused[n] == observed for n, observed in counted)))
     ranked = sorted(range(len(tried)), key=lambda k: (-tried[k].matches, k))
     return ObservedFit(len(counted), working, tuple(tried[k] for k in ranked))

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from engine.audit.formats import AUTO, RecordError, read_record, text_of
+from engine.audit.replies import Reply, computed_tokens
 from engine.audit.sources import read_any
 from engine.errors import KVScopeError
 
@@ -109,6 +110,7 @@ class Request:
     observed_cache_write_tokens: int | None = None  # tokens it reported writing to its cache (Anthropic, OTel); None: not reported
     trace: str | None = None  # a Langfuse observation's trace: its session is the one the trace's record names (``join_traces``)
     flags: tuple[tuple[str, str], ...] = ()  # (key, why) of what its record says that could not be read (``Flagged``)
+    reply: Reply | None = None  # what the server generated, where the log records it (``replies``)
 
     @property
     def where(self) -> str:
@@ -344,6 +346,8 @@ def _request(item: dict, index: int, line: int) -> Request:
     common = {"session": item.get("session") or trace, "format": item.get("format", "openai_chat"), "trace": trace}
     common |= {key: item[key] for key in _OBSERVED_KEYS if item.get(key) is not None}
     common["flags"] = tuple((key, reason) for key, reason in item.get("flags", ()))
+    if isinstance(item.get("reply"), Reply):
+        common["reply"] = item["reply"]
     if "prompt" in item:
         return Request(index, line, prompt=item["prompt"], **common)
     messages = item["messages"]
@@ -403,6 +407,12 @@ class RenderedRequest:
     offsets: np.ndarray  # (tokens, 2) int32: each token's characters [start, end) of ``text``
     owners: np.ndarray  # (tokens,) int32
     content_spans: tuple[tuple[int, int], ...]  # each message's content, as characters of ``text``
+    reply_ids: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, dtype=np.int32))  # the logged reply's computed tokens
+
+    @property
+    def held(self) -> np.ndarray:
+        """What a server holds after this request: its tokens and the reply tokens it computed (``replies``)."""
+        return self.token_ids if not len(self.reply_ids) else np.concatenate([self.token_ids, self.reply_ids])
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -447,6 +457,7 @@ def render_batch(
     good = [i for i, text in enumerate(texts) if isinstance(text, str)]
     out: list[RenderedRequest | RequestLogError] = [text for text in texts]  # errors stay in place
     encoder = TextEncoder(tokenizer)
+    ends = end_of_turn_ids(tokenizer) if any(request.reply is not None for request in requests) else frozenset()
     for begin in range(0, len(good), RENDER_BATCH):
         chunk = good[begin : begin + RENDER_BATCH]
         for i, (ids, offsets) in zip(chunk, encoder.encode([texts[i] for i in chunk])):
@@ -454,8 +465,57 @@ def render_batch(
             if len(ids) > limit:
                 out[i] = RequestLogError(f"{request.where} is {len(ids):,} tokens, longer than the context limit of {limit:,}")
             else:
-                out[i] = RenderedRequest(request, texts[i], ids, offsets, _owners(offsets, spans[i]), spans[i])
+                reply = _reply_tokens(tokenizer, request, texts[i], ends) if request.reply is not None else np.zeros(0, dtype=np.int32)
+                out[i] = RenderedRequest(request, texts[i], ids, offsets, _owners(offsets, spans[i]), spans[i], reply)
     return out
+
+
+_END_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|end_of_text|>")
+
+
+def end_of_turn_ids(tokenizer: Any) -> frozenset[int]:
+    """The tokens that end a generation: the tokenizer's EOS and each end-of-turn marker its vocabulary holds."""
+    ends = set()
+    eos = getattr(tokenizer, "eos_token_id", None)
+    ends.update(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
+    vocabulary = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    ends.update(vocabulary[marker] for marker in _END_MARKERS if marker in vocabulary)
+    return frozenset(ends)
+
+
+def _reply_tokens(tokenizer: Any, request: Request, prompt_text: str, ends: frozenset[int]) -> np.ndarray:
+    """The tokens of ``request``'s reply its server computed: the ids it returned, else the reply's text tokenized
+    (a reply of tool calls as the chat template writes them after the prompt), less the last sampled token."""
+    reply = request.reply
+    if reply.token_ids is not None:
+        generated = list(reply.token_ids)
+        kept = computed_tokens(generated, reply.finish, generated[-1] in ends)
+    else:
+        text = _reply_text(tokenizer, request, prompt_text)
+        kept = computed_tokens(_encode_whole(tokenizer, [text])[0][0].tolist() if text else [], reply.finish, False)
+    return np.asarray(kept, dtype=np.int32)
+
+
+def _reply_text(tokenizer: Any, request: Request, prompt_text: str) -> str:
+    """The text a model generated for ``request``: the logged reply, or, for tool calls, the chat template's rendering
+    of the reply after the prompt, up to its end-of-turn marker (the server parsed the calls out of that text)."""
+    reply = request.reply
+    if not reply.tool_calls or request.messages is None:
+        return reply.text
+    try:
+        whole = tokenizer.apply_chat_template(
+            [*template_messages(request), _message(reply.as_message(), 0).template_dict()],
+            tools=request.tool_definitions() or None,
+            tokenize=False,
+        )
+    except Exception:  # a template (or a call) that refuses the reply: its text alone
+        return reply.text
+    if not whole.startswith(prompt_text):
+        return reply.text
+    rest = whole[len(prompt_text) :]
+    eos = getattr(tokenizer, "eos_token", None)
+    markers = [marker for marker in (eos, *_END_MARKERS) if isinstance(marker, str) and marker and marker in rest]
+    return rest[: min(rest.index(marker) for marker in markers)] if markers else rest
 
 
 def template_messages(request: Request) -> list[dict]:

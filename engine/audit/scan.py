@@ -17,13 +17,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.audit.caches import ENGINES, CacheSettings, Engines
+import numpy as np
+
+from engine.audit.caches import ENGINES, CacheSettings
 from engine.audit.causes import Cause, another_prompt, causes_of
 from engine.audit.fields import TurnDiff, common_prefix, compare_requests
-from engine.audit.fleet import Fleet, FleetResult
-from engine.audit.hosted import HostedCaches, hosted_request
+from engine.audit.fleet import FleetResult
+from engine.audit.hosted import hosted_request
 from engine.audit.observed import Reported, observe
-from engine.audit.requests import RenderedRequest, RequestLog, RequestLogError, Skipped, render_batch
+from engine.audit.requests import RenderedRequest, RequestLog, RequestLogError, Skipped, end_of_turn_ids, render_batch
+from engine.audit.simulation import REPLY_COUNTS, Simulation, Step
 from engine.progress import StepProgress
 
 _PROGRESS_STEPS = 50  # progress reports per phase of the token pass
@@ -47,6 +50,7 @@ class TrafficRequest:
     breakpoints: tuple[tuple[str, int | None], ...] = ()  # (label, token the user asked the provider to cache up to)
     observed_cached_tokens: int | None = None  # what the server reported cached (None: not reported)
     hosted_reused_tokens: dict[str, int] = field(default_factory=dict)  # its hosted provider's simulated reuse (``hosted``)
+    prompts_only_reused_tokens: dict[str, int] = field(default_factory=dict)  # per engine, were no reply ever cached
 
     def as_dict(self) -> dict:
         return {
@@ -94,6 +98,17 @@ class TrafficScan:
     observed_engine: str = "vllm"  # the engine the observed counts are compared with
     reading: dict = field(default_factory=dict)  # how the log was read: RequestLog.reading()
     fleet: tuple[FleetResult, ...] = ()  # the fleets simulated (``fleet.Fleet``), when asked for
+    replies: dict[str, int] = field(default_factory=dict)  # requests per ``simulation.REPLY_COUNTS`` key
+    reply_from: dict[int, tuple[int, int]] = field(default_factory=dict, repr=False)  # request -> (next turn, reply tokens it resent)
+
+    def held(self, request: int) -> np.ndarray:
+        """What the simulated servers held after ``request``: its tokens and its reply's (logged, or resent by the
+        next turn of its session)."""
+        rendered = self.rendered[request]
+        if request not in self.reply_from:
+            return rendered.held
+        following, tokens = self.reply_from[request]
+        return self.rendered[following].token_ids[: len(rendered) + tokens]
 
     def sessions(self) -> list[SessionSummary]:
         """Per session (in order of first appearance): requests, tokens and reuse per engine."""
@@ -113,13 +128,21 @@ class TrafficScan:
         return dict(sorted(grouped.items(), key=lambda item: -sum(r.tokens for r in item[1])))
 
     def totals(self) -> dict:
+        """The log's tokens and each engine's reuse, with replies cached as servers cache them and with prompts only,
+        and where the replies came from (``simulation.REPLY_COUNTS``)."""
         tokens = sum(row.tokens for row in self.requests)
         reused = {engine: sum(row.reused_tokens[engine] for row in self.requests) for engine in ENGINES}
+        plain = {engine: sum(row.prompts_only_reused_tokens.get(engine, 0) for row in self.requests) for engine in ENGINES}
         return {
             "requests": len(self.requests),
             "tokens": tokens,
             "reused_tokens": reused,
             "hit_rate": {engine: round(count / tokens, 4) if tokens else 0.0 for engine, count in reused.items()},
+            "prompts_only": {
+                "reused_tokens": plain,
+                "hit_rate": {engine: round(count / tokens, 4) if tokens else 0.0 for engine, count in plain.items()},
+            },
+            "replies": {key: self.replies.get(key, 0) for key in REPLY_COUNTS},
         }
 
     def cause_counts(self) -> dict[str, dict]:
@@ -159,30 +182,29 @@ def scan_log(
                 skipped.append(Skipped(request.line, "rendering", str(item)))
             else:
                 good.append(item)
-        engines = Engines(settings)
-        fleets = [Fleet(replicas, routing, settings) for replicas, routing in fleet]
-        hosted = HostedCaches()
+        simulation = Simulation(settings, fleet, end_of_turn_ids(tokenizer))
         kept: dict[int, RenderedRequest] = {}
         diffs: dict[int, TurnDiff] = {}
         rows, served = [], []
         every = max(len(good) // _PROGRESS_STEPS, 1)
         for time, new in enumerate(good, 1):
-            request, ids = new.request, new.token_ids
-            _, matched = engines.radix.match(ids, request.session)
-            row, diff = compared_row(kept.get(matched), new, matched, settings.block)
-            for simulated in fleets:
-                simulated.insert(ids, request.index, request.session)
-            served.append(hosted.insert(ids, hosted_request(new, [token for _, token in row.breakpoints])))
+            request = new.request
+            hosted = hosted_request(new, breakpoint_tokens(new))
+            step = Step(new.token_ids, new.reply_ids, request.index, request.session, request.reply is not None, hosted)
+            result = simulation.step(step)
+            row, diff = compared_row(kept.get(result.matched), new, result.matched, settings.block)
+            served.append(result.hosted)
             kept[request.index] = new
             if diff is not None:
                 diffs[request.index] = diff
-            rows.append(dataclasses.replace(row, reused_tokens=engines.insert(ids, request.index, request.session, time)))
+            rows.append(dataclasses.replace(row, reused_tokens=result.reused, prompts_only_reused_tokens=result.prompts_only))
             if time % every == 0:
                 settle()
             if progress and (time % every == 0 or time == len(good)):
                 progress(time, len(good))
+        simulation.finish()
         rows = observed_rows(rows, [Reported.of(item.request) for item in good], served, observed_engine, settings.block, model)
-        fleet_results = tuple(simulated.result() for simulated in fleets)
+        fleet_results = tuple(simulated.result() for simulated in simulation.fleets)
         return TrafficScan(
             tuple(rows),
             tuple(skipped),
@@ -193,6 +215,8 @@ def scan_log(
             observed_engine=observed_engine,
             reading=log.reading(),
             fleet=fleet_results,
+            replies=dict(simulation.replies),
+            reply_from=dict(simulation.reply_from),
         )
 
 
@@ -260,8 +284,13 @@ def _row(
         causes,
         reused,
         signature(causes, appended > 0),
-        tuple((mark.label, _breakpoint_token(new, mark.message, mark.chars)) for mark in new.request.breakpoints),
+        tuple(zip((mark.label for mark in new.request.breakpoints), breakpoint_tokens(new))),
     )
+
+
+def breakpoint_tokens(rendered: RenderedRequest) -> list[int | None]:
+    """Per ``cache_control`` breakpoint of the request, the token it asks caching up to (None: after the tools)."""
+    return [_breakpoint_token(rendered, mark.message, mark.chars) for mark in rendered.request.breakpoints]
 
 
 def signature(causes: Sequence[Cause], grew: bool) -> str:

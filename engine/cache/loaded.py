@@ -231,8 +231,10 @@ def rope_summary(config: PretrainedConfig) -> dict[str, Any] | None:
 
 
 def _drop_volatile(data: Any) -> Any:
+    """The config without what varies between loads of the same weights: versions, dtypes, the attention routing, and
+    KVScope's own marks (``adapter.install`` sets ``_kvscope_*`` keys, so a model hashes the same before and after)."""
     if isinstance(data, dict):
-        return {k: _drop_volatile(v) for k, v in data.items() if k not in _VOLATILE_CONFIG_KEYS}
+        return {k: _drop_volatile(v) for k, v in data.items() if k not in _VOLATILE_CONFIG_KEYS and not k.startswith("_kvscope")}
     if isinstance(data, list):
         return [_drop_volatile(v) for v in data]
     return data

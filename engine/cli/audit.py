@@ -10,6 +10,7 @@ from engine.audit.caches import CacheSettings
 from engine.audit.formats import AUTO as AUTO_FORMAT
 from engine.audit.formats import FORMATS
 from engine.audit.gate import QUANTITIES, gate, markdown, parse_conditions
+from engine.audit.metrics import observed_aggregate
 from engine.audit.observed import NO_OBSERVED_COUNTS, OBSERVED_ENGINES, fit_observed
 from engine.audit.repairs import GRAINS, PROMPT_REPAIRS, REPAIRS
 from engine.audit.requests import RequestLog, RequestLogError, parse_prompt, read_log
@@ -46,10 +47,17 @@ def cmd_audit(args: argparse.Namespace) -> dict:
     tokens_only = args.new is None and (bool(args.endpoint) or (args.sample == 0 and not (args.rewritten or args.template)))
     lm = load_tokenizer(args.model, progress=log) if tokens_only else load(args)
     if args.new is None:
-        settings = CacheSettings(args.block_size, args.kv_budget_blocks, args.kv_budget_tokens, args.slots, args.cache_reuse)
+        if args.prompt_cache and args.cache_reuse:
+            raise RequestLogError("--prompt-cache simulates the server's default slot choice; --cache-reuse is not simulated with it")
+        settings = CacheSettings(
+            args.block_size, args.kv_budget_blocks, args.kv_budget_tokens, args.slots, args.cache_reuse, args.prompt_cache
+        )
         request_log = read_request_log(args)
         if args.fit_observed and all(request.observed_cached_tokens is None for request in request_log.requests):
             raise RequestLogError(NO_OBSERVED_COUNTS)  # before the model measures anything
+        scrapes = [read_text(path) for path in args.metrics]
+        if scrapes:
+            observed_aggregate(scrapes, {})  # a scrape that cannot be read fails before the model measures anything
         for skipped in request_log.skipped:
             log(f"skipped {skipped.message}")
         steps = {"scan_progress": progress("token pass: requests"), "progress": progress("measured steps")}
@@ -62,7 +70,9 @@ def cmd_audit(args: argparse.Namespace) -> dict:
         )
         result, report = traffic.as_dict(), traffic.measured_report()
         if args.fit_observed:
-            result["observed"]["fit"] = fit_observed(traffic.scan.requests, traffic.scan.rendered).as_dict()
+            result["observed"]["fit"] = fit_observed(traffic.scan.requests, traffic.scan.held).as_dict()
+        if scrapes:
+            result["observed"]["metrics"] = observed_aggregate(scrapes, traffic.scan.totals()["hit_rate"])
         if rewritten is not None:
             measured = measure_rewrite(
                 lm, request_log, rewritten, settings=settings, tokens=args.tokens, progress=progress("rewrite: requests")
@@ -130,6 +140,12 @@ AUDIT: Group = (
     arg("--slots", type=int, help="llama.cpp server slots (default: one per session)"),
     arg("--cache-reuse", type=int, default=0, help="llama.cpp --cache-reuse N: shift cached chunks of at least N tokens (0: off)"),
     arg(
+        "--prompt-cache",
+        action="store_true",
+        help="llama.cpp as a client that pins no slot meets it: slots chosen by prompt similarity and its RAM prompt cache "
+        "(--cache-ram, on by default); --slots N: the server's -np (default: 4 slots, one KV cache)",
+    ),
+    arg(
         "--observed-engine",
         default="vllm",
         choices=OBSERVED_ENGINES,
@@ -139,6 +155,14 @@ AUDIT: Group = (
         "--fit-observed",
         action="store_true",
         help="search block sizes and KV budgets for the settings that reproduce the most observed cached counts exactly",
+    ),
+    arg(
+        "--metrics",
+        action="append",
+        default=[],
+        metavar="SCRAPE",
+        help="a Prometheus /metrics scrape of the server (vLLM, SGLang): its prefix-cache counters beside the simulation, "
+        "for logs without usage; twice: before and after the log, for the log's window",
     ),
     arg("--repairs", help=f"comma-separated subset of: {', '.join(REPAIRS)} (recompute always runs)"),
     arg("--tokens", type=int, default=DEFAULT_TOKENS, help="greedy tokens generated per state"),

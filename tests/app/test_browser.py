@@ -11,6 +11,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 import pytest
 
 from app.permalink import decode_toml, encode_toml
+from tests.app.browser_waits import wait_for_app
 from tests.app.conftest import SCENARIO
 from tests.shared import CHROMIUM, CHROMIUM_ARGS
 
@@ -35,7 +36,7 @@ def page(browser, app_url):
     context = browser.new_context(viewport={"width": 1400, "height": 1000})
     page = context.new_page()
     page.goto(app_url)
-    page.locator("#baseline").get_by_text("Now").wait_for(timeout=60_000)  # the page opens on Notes, its scenario prepared
+    wait_for_app(page, page.locator("#baseline").get_by_text("Now"))  # the page opens on Notes, its scenario prepared
     yield page
     context.close()
 
@@ -58,7 +59,7 @@ def test_edit_a_field_updates_strategy_cards(page):
     _set_editor(page, SCENARIO)
     page.locator("#run-edit").click()
     card = page.locator('#strategy-cards [data-strategy="erratum"]')
-    card.wait_for(timeout=60_000)
+    wait_for_app(page, card)
     assert card.get_attribute("data-decision") in ("yes", "no")
     assert page.locator('#strategy-cards [data-strategy="oracle"]').count() == 1
     page.locator("#notes-plot .js-plotly-plot").wait_for(timeout=30_000)
@@ -66,10 +67,10 @@ def test_edit_a_field_updates_strategy_cards(page):
     page.get_by_text("Knockout: hide tokens from the decision").click()
     page.locator("#knockout-positions").locator("textarea, input").first.fill("3, 4, 5")
     page.locator("#run-knockout").click()
-    page.locator("#knockout-result").get_by_text("Knocked out 3 positions").wait_for(timeout=60_000)
+    wait_for_app(page, page.locator("#knockout-result").get_by_text("Knocked out 3 positions"))
     _shot(page, "notes-knockout")
     page.locator("#export-notes").click()
-    page.locator("#notes-files").get_by_text("kvscope-notes-figures").wait_for(timeout=60_000)
+    wait_for_app(page, page.locator("#notes-files").get_by_text("kvscope-notes-figures"))
     page.locator("#notes-files").get_by_text(".ipynb").wait_for(timeout=10_000)
     listed = page.locator("#notes-files").inner_text().replace("\n", "")  # names show as stem + suffix
     assert all(name in listed for name in ("kvscope-notes.json", "kvscope-notes.py", "kvscope-notes.ipynb")), listed
@@ -78,7 +79,7 @@ def test_edit_a_field_updates_strategy_cards(page):
 
 def _plot_data(page, element_id: str) -> list[dict]:
     """The traces plotly drew in a gr.Plot, as plotly decoded them (x, y and z as plain lists)."""
-    page.locator(f"#{element_id} .js-plotly-plot").wait_for(timeout=60_000)
+    wait_for_app(page, page.locator(f"#{element_id} .js-plotly-plot"))
     return page.evaluate(
         """id => Array.from(document.querySelector(`#${id} .js-plotly-plot`)._fullData, t => ({
                name: t.name || null, type: t.type, x: Array.from(t.x || []), y: Array.from(t.y || []),
@@ -92,7 +93,7 @@ def test_default_notes_scenario_shows_notes_headline_frontier_and_map(page):
     assert "PRESCRIPTION" in page.locator("#scenario-editor").inner_text()  # the default: the strongest notes demo
     page.locator("#run-edit").click()
     headline = page.locator("#notes-headline")
-    headline.wait_for(timeout=60_000)
+    wait_for_app(page, headline)
     assert headline.inner_text().startswith("Notes ")
     assert page.locator("#notes-text .kv-tok").count() > 50
     frontier = [trace for trace in _plot_data(page, "frontier-plot") if trace["type"] == "scatter" and trace["name"]]
@@ -124,7 +125,7 @@ def test_drag_a_skill_into_the_context_shows_fidelity(page):
     target = page.locator("#composer .kv-context")
     source.drag_to(target)
     page.locator('#composer .kv-in[data-id="user_memory"]').wait_for(timeout=10_000)
-    page.locator("#compose-metrics").get_by_text("cosine").wait_for(timeout=60_000)
+    wait_for_app(page, page.locator("#compose-metrics").get_by_text("cosine"))
     page.locator("#logits-plot .js-plotly-plot").wait_for(timeout=30_000)
     _shot(page, "composer-drag")
 
@@ -139,7 +140,7 @@ def test_a_first_visit_opens_on_the_notes_tab_with_the_model_card_one_click_away
 def test_model_tab_shows_memory_against_budgets(page):
     page.get_by_role("tab", name="Model", exact=True).click()
     memory = page.locator("#server-memory")
-    memory.get_by_text("Sessions").wait_for(timeout=60_000)
+    wait_for_app(page, memory.get_by_text("Sessions"))
     text = memory.inner_text()
     assert "Profile local" in text and "process RSS" in text and "Limits any context length" in text
     _shot(page, "model-memory")
@@ -148,7 +149,7 @@ def test_model_tab_shows_memory_against_budgets(page):
 def test_model_card_shows_the_models_support_row(page):
     page.get_by_role("tab", name="Model", exact=True).click()
     card = page.locator("#model-card")
-    card.get_by_text("Operations on this model").wait_for(timeout=60_000)
+    wait_for_app(page, card.get_by_text("Operations on this model"))
     text = card.inner_text()
     assert "Family: Qwen2 / Qwen2.5" in text and "Cached per token and layer: key 2×16 + value 2×16" in text
     assert "max |error| vs the model's own forward (float32)" in text and "seam repair" in text
@@ -211,7 +212,7 @@ def test_the_remedy_menu_follows_the_loaded_model_to_its_own_stored_study(page, 
     model.fill("tiny-llama")
     model.press("Enter")
     page.locator("#load-model").click()
-    page.locator("#model-card").get_by_text("tiny-llama").first.wait_for(timeout=60_000)
+    wait_for_app(page, page.locator("#model-card").get_by_text("tiny-llama").first)
     page.get_by_role("tab", name="Composer").click()
     menu = page.locator("#remedy")
     menu.get_by_text("Default for tiny-llama splice: keeps 20/20").wait_for(timeout=10_000)
@@ -227,7 +228,7 @@ def test_the_remedy_menu_follows_the_loaded_model_to_its_own_stored_study(page, 
     model.press("Enter")
     page.locator("#load-model").click()
     page.get_by_role("tab", name="Composer").click()
-    menu.get_by_text(f"Default for tiny-qwen2 {DEFAULT_REMEDY.name}: not measured").wait_for(timeout=60_000)
+    wait_for_app(page, menu.get_by_text(f"Default for tiny-qwen2 {DEFAULT_REMEDY.name}: not measured"))
 
 
 def test_composer_study_and_keystone_diagonal(page):
@@ -260,11 +261,11 @@ def test_error_toasts_show_markup_as_text(page):
 def test_lenient_inputs_render_with_their_parents_frontends(page):
     """Subclassed Gradio inputs draw with CheckboxGroup's and Slider's own frontends (not an empty slot)."""
     page.get_by_role("tab", name="Notes").click()
-    page.locator("#top-k input[type=range]").wait_for(timeout=60_000)
+    wait_for_app(page, page.locator("#top-k input[type=range]"))
     assert page.locator("#strategies input[type=checkbox]").count() > 3
     page.get_by_role("tab", name="Composer").click()
     page.get_by_text("Many skills at once").click()
-    page.locator("#study-remedies input[type=checkbox]").first.wait_for(timeout=60_000)
+    wait_for_app(page, page.locator("#study-remedies input[type=checkbox]").first)
     assert page.locator("#study-placements input[type=checkbox]").count() == 3
 
 
@@ -276,7 +277,7 @@ def test_weights_panel_compares_rome_and_the_erratum(page):
     summary.get_by_text("other customers now get the new decision").first.wait_for(timeout=180_000)
     text = summary.inner_text()
     assert "field_erratum" in text and "rome" in text and "Paper (Llama-3.1-8B)" in text
-    page.locator("#weights-plot .main-svg").first.wait_for(timeout=60_000)
+    wait_for_app(page, page.locator("#weights-plot .main-svg").first)
     _shot(page, "weights-panel")
 
 
@@ -296,7 +297,7 @@ def test_a_picture_spliced_behind_text_on_a_vision_model(page):
     assert "images" in page.locator("#model-card").inner_text()
     page.get_by_role("tab", name="Composer").click()
     page.locator("#run-image").click()
-    page.locator("#image-metrics").get_by_text("rope positions").wait_for(timeout=60_000)
+    wait_for_app(page, page.locator("#image-metrics").get_by_text("rope positions"))
     assert "picture 14 tokens over 6 rope positions" in page.locator("#image-metrics").inner_text()
     assert {trace["name"] for trace in _plot_data(page, "image-logits-plot")} == {"spliced", "recomputed"}
     _shot(page, "composer-picture")
@@ -337,7 +338,7 @@ def test_learn_step_shows_its_result_and_figure(page, step):
     page.get_by_role("tab", name="Learn").click()
     page.locator(f"#learn-{step}").click()
     result = page.locator(f"#learn-{step}-result")
-    result.locator("p").first.or_(page.locator(TOAST)).first.wait_for(timeout=60_000)
+    wait_for_app(page, result.locator("p").first.or_(page.locator(TOAST)).first)
     assert page.locator(TOAST).count() == 0, page.locator(TOAST).all_inner_texts()
     text = result.inner_text()
     assert re.search(pattern, text, re.S), text
@@ -411,8 +412,8 @@ def test_a_permalink_restores_the_notes_state_and_runs_the_edit(browser, app_url
     }
     assert "visa_status: {visa_status}" in page.locator("#scenario-editor").inner_text()
     assert page.locator("#permalink-status").inner_text().startswith("Restored from the link: bundled scenario boarding_visa")
-    page.locator("#baseline").get_by_text("visa_status").wait_for(timeout=60_000)  # the link's scenario was prepared
-    page.locator("#frontier-plot .js-plotly-plot").wait_for(timeout=60_000)  # the frontier follows the edit
+    wait_for_app(page, page.locator("#baseline").get_by_text("visa_status"))  # the link's scenario was prepared
+    wait_for_app(page, page.locator("#frontier-plot .js-plotly-plot"))  # the frontier follows the edit
     _shot(page, "permalink-bundled")
     page.locator("#copy-link").click()
     link = page.locator("#permalink textarea")
@@ -454,7 +455,7 @@ def test_a_permalink_carries_an_edited_scenario_inline(browser, app_url):
 def test_a_bad_permalink_says_why_and_leaves_the_page_usable(browser, app_url):
     context, page = _open(browser, app_url, "?scenario=boarding_visa&strategies=erratum,telepathy")
     status = page.locator("#permalink-status")
-    status.get_by_text("unknown strategy 'telepathy' in the link").wait_for(timeout=60_000)
+    wait_for_app(page, status.get_by_text("unknown strategy 'telepathy' in the link"))
     assert "PRESCRIPTION" in page.locator("#scenario-editor").inner_text()  # the defaults stay
     page.locator("#run-edit").click()
     assert "erratum" in _cards(page)
@@ -516,7 +517,7 @@ def test_a_new_user_audits_their_own_request_log(page):
         "() => document.querySelector('#audit-fidelity .js-plotly-plot').layout.yaxis.tickformat === '.0%'", timeout=30_000
     )
     page.locator("#export-audit").click()
-    page.locator("#audit-files").get_by_text("kvscope-audit-scenario").wait_for(timeout=60_000)
+    wait_for_app(page, page.locator("#audit-files").get_by_text("kvscope-audit-scenario"))
     assert page.locator("#audit-files").get_by_text("kvscope-audit-template").count() == 1
     page.locator("#audit-input textarea").fill(AUDIT_LOG + "\n{not json")
     page.locator("#run-audit").click()
@@ -542,7 +543,7 @@ def test_open_in_notes_runs_the_edit_and_the_notes_map_on_the_users_prompt(page)
     _shot(page, "audit-open-in-notes")
     page.get_by_text("Knockout: hide tokens from the decision").click()
     page.locator("#run-knockout").click()
-    page.locator("#knockout-result").get_by_text("Knocked out").wait_for(timeout=60_000)
+    wait_for_app(page, page.locator("#knockout-result").get_by_text("Knocked out"))
 
 
 def test_one_prompt_offers_volatile_spans_and_audits_a_new_value(page):
@@ -553,7 +554,7 @@ def test_one_prompt_offers_volatile_spans_and_audits_a_new_value(page):
     page.get_by_text("One prompt: change a value").click()
     page.locator("#audit-find-spans").click()
     marks = page.locator('#audit-candidates mark[data-kind="candidate"]')
-    marks.first.wait_for(timeout=60_000)
+    wait_for_app(page, marks.first)
     assert marks.count() >= 3 and page.locator("#audit-candidates i").count() == 0
     page.locator("#audit-find textarea, #audit-find input").first.fill("shipped")
     page.locator("#audit-new-value textarea, #audit-new-value input").first.fill("pending")

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.app.browser_waits import wait_for_app
 from tests.app.test_audit_tab import LOG
 from tests.app.test_browser import ARTIFACTS, CHROMIUM, TOAST, browser, page  # noqa: F401 (the module's fixtures)
 
@@ -39,7 +40,7 @@ def test_cancel_stops_the_audit_as_information_and_the_tab_audits_again(page, mo
     _shot(page, "before")
     page.locator("#run-audit").click()
     measuring = page.get_by_text(re.compile(r"measuring turn 1 of 2")).first
-    measuring.wait_for(timeout=60_000)
+    wait_for_app(page, measuring)
     assert cancel.is_visible()
     _shot(page, "during")
     cancel.click()

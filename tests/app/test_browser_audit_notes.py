@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from tests.app.browser_waits import wait_for_app
 from tests.app.test_browser import CHROMIUM, TOAST, browser  # noqa: F401 (the module's browser fixture)
 from tests.app.test_browser_labels import wide_page  # noqa: F401 (a page at 1,000 and 1,400 px)
 
@@ -67,7 +68,7 @@ def test_an_empty_log_is_information_in_one_place_not_an_error(wide_page):  # no
     page.get_by_role("tab", name="Your prompt").click()
     page.locator("#audit-input textarea").fill("\n\n   \n")
     page.locator("#run-audit").click()
-    page.locator("#audit-traffic").get_by_text("Nothing to audit yet").wait_for(timeout=60_000)
+    wait_for_app(page, page.locator("#audit-traffic").get_by_text("Nothing to audit yet"))
     assert page.locator(TOAST).count() == 0, page.locator(TOAST).all_inner_texts()
     assert _error_badges(page) == []
     assert page.get_by_text("Nothing to audit yet").count() == 1  # in one place

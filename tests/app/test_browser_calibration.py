@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from tests.app.browser_waits import wait_for_app
 from tests.app.test_browser import CHROMIUM, TOAST, _shot, browser, page  # noqa: F401 (the module's fixtures)
 
 pytestmark = pytest.mark.skipif(not CHROMIUM, reason="Debian chromium is not installed (scripts/test.sh installs it)")
@@ -33,7 +34,7 @@ def test_auto_shows_the_calibration_steps_and_cancel_stops_it(page, registry, tm
     cancel.wait_for(state="visible", timeout=10_000)
     page.locator("#run-compose").click()
     progress = page.get_by_text(re.compile(r"calibrating remedy auto for tiny-qwen2: prompt \d/2 \(refund_gate, 1 skill at start")).first
-    progress.wait_for(timeout=60_000)
+    wait_for_app(page, progress)
     assert re.search(r"step \d of 6", progress.inner_text())
     _shot(page, "composer-auto-calibrating")
     cancel.click()
@@ -41,7 +42,7 @@ def test_auto_shows_the_calibration_steps_and_cancel_stops_it(page, registry, tm
         timeout=10_000
     )
     toast = page.locator(TOAST).filter(has_text="was cancelled at step")
-    toast.first.wait_for(timeout=60_000)
+    wait_for_app(page, toast.first)
     assert "nothing was stored" in toast.first.inner_text()
     _shot(page, "composer-auto-cancelled")
     assert not (tmp_path / "remedy-choices.json").exists() and calibration.cancel_calibration(registry.get()) is None

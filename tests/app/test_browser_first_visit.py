@@ -6,6 +6,7 @@ import re
 
 import pytest
 
+from tests.app.browser_waits import wait_for_app
 from tests.app.test_browser import ARTIFACTS, _audit, _shot, browser, page  # noqa: F401 (the module's fixtures)
 
 TABS = ("Notes", "Your prompt", "Probes", "Models", "Composer", "Benchmarks", "Learn", "Model")
@@ -19,7 +20,7 @@ def test_the_prepared_margin_is_the_stale_cards_margin(page):  # noqa: F811
     baseline = page.locator("#baseline").inner_text()
     page.locator("#run-edit").click()
     stale = page.locator('#strategy-cards [data-strategy="stale"]')
-    stale.wait_for(timeout=60_000)
+    wait_for_app(page, stale)
     assert stale.get_attribute("data-margin") == _margin(baseline)
     _shot(page, "first-visit-notes-margins")
 
@@ -54,9 +55,9 @@ def test_the_composer_names_its_scenario_and_times_both_sides_in_one_run(page): 
 def test_open_in_notes_says_first_what_it_reads_and_clears_the_older_scenarios_results(page):  # noqa: F811
     page.get_by_text("Knockout: hide tokens from the decision").click()
     page.locator("#run-edit").click()
-    page.locator('#strategy-cards [data-strategy="oracle"]').wait_for(timeout=60_000)
+    wait_for_app(page, page.locator('#strategy-cards [data-strategy="oracle"]'))
     page.locator("#run-knockout").click()
-    page.locator("#knockout-result").get_by_text("Knocked out").wait_for(timeout=60_000)
+    wait_for_app(page, page.locator("#knockout-result").get_by_text("Knocked out"))
     page.locator("#copy-link").click()
     page.wait_for_function("() => document.querySelector('#permalink textarea').value.startsWith('http')", timeout=30_000)
     _audit(page)
@@ -68,7 +69,7 @@ def test_open_in_notes_says_first_what_it_reads_and_clears_the_older_scenarios_r
     assert "next-token KL" in said and re.search(r"margin [+−-]\d\.\d\d → [+−-]\d\.\d\d", said)
     page.locator("#audit-open-notes").click()
     page.locator('#strategy-cards [data-strategy="oracle"]').wait_for(timeout=120_000)
-    page.locator("#baseline").get_by_text("session_started").wait_for(timeout=60_000)
+    wait_for_app(page, page.locator("#baseline").get_by_text("session_started"))
     assert page.get_by_role("tab", name="Notes").get_attribute("aria-selected") == "true"
     assert page.locator("#scenario input").input_value() == ""  # no bundled scenario claims the audited prompt
     assert page.locator("#knockout-result").inner_text().strip() == ""
@@ -95,7 +96,7 @@ def test_every_tab_at_classroom_widths(browser, app_url, width):  # noqa: F811
     context = browser.new_context(viewport={"width": width, "height": 900})
     shot = context.new_page()
     shot.goto(app_url)
-    shot.locator("#baseline").get_by_text("Now").wait_for(timeout=60_000)
+    wait_for_app(page, shot.locator("#baseline").get_by_text("Now"))
     for name in TABS:
         shot.get_by_role("tab", name=name, exact=True).click()
         shot.wait_for_timeout(400)

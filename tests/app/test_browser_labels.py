@@ -9,6 +9,7 @@ import pytest
 from engine.audit.repairs import REPAIR_SUMMARIES
 from engine.cache.decision import RECOVERY_WORDS
 from engine.edit.strategies import REGISTRY
+from tests.app.browser_waits import wait_for_app
 from tests.app.test_browser import ARTIFACTS, CHROMIUM, TOAST, browser  # noqa: F401 (the module's browser fixture)
 
 pytestmark = pytest.mark.skipif(not CHROMIUM, reason="Debian chromium is not installed (scripts/test.sh installs it)")
@@ -41,7 +42,7 @@ def wide_page(request, browser, app_url):  # noqa: F811
     context = browser.new_context(viewport={"width": request.param, "height": 900})
     page = context.new_page()
     page.goto(app_url)
-    page.locator("#baseline").get_by_text("Now").wait_for(timeout=60_000)
+    wait_for_app(page, page.locator("#baseline").get_by_text("Now"))
     yield page, request.param
     context.close()
 
@@ -49,7 +50,7 @@ def wide_page(request, browser, app_url):  # noqa: F811
 def _plots(page, container: str) -> list:
     """The drawn figures (plotly roots) inside ``container``, each waited for."""
     roots = page.locator(f"{container} .js-plotly-plot")
-    roots.first.locator(".main-svg").first.wait_for(timeout=60_000)
+    wait_for_app(page, roots.first.locator(".main-svg").first)
     return [roots.nth(index) for index in range(roots.count())]
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from app.page import PAIRED_PLOT_MIN_WIDTH
+from tests.app.browser_waits import wait_for_app
 from tests.shared import CHROMIUM, CHROMIUM_ARGS
 
 pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium is not installed (scripts/test.sh installs it)")
@@ -31,7 +32,7 @@ def _box(page, elem_id: str) -> dict:
 def test_paired_plots_wrap_rather_than_shrink_and_the_remedy_menu_stops_before_its_arrow(browser, app_url, window):
     page = browser.new_page(viewport={"width": window, "height": 1000})
     page.goto(app_url)
-    page.locator("#baseline").get_by_text("Now").wait_for(timeout=60_000)
+    wait_for_app(page, page.locator("#baseline").get_by_text("Now"))
     for tab, pairs in PAIRS.items():
         page.get_by_role("tab", name=tab).click()
         for left, right in pairs:

@@ -9,6 +9,7 @@ from urllib.parse import urljoin
 
 import pytest
 
+from tests.app.browser_waits import wait_for_app
 from tests.app.conftest import SCENARIO
 from tests.app.test_browser import ARGS, CHROMIUM, TOAST, _set_editor, browser  # noqa: F401 (the module's fixtures)
 
@@ -21,7 +22,7 @@ def narrow(browser, app_url):  # noqa: F811
     context = browser.new_context(viewport={"width": 1000, "height": 900})
     page = context.new_page()
     page.goto(app_url)
-    page.locator("#baseline").get_by_text("Now").wait_for(timeout=60_000)
+    wait_for_app(page, page.locator("#baseline").get_by_text("Now"))
     yield page
     context.close()
 
@@ -39,7 +40,7 @@ def _edit(page) -> None:
     page.get_by_role("tab", name="Notes").click()
     _set_editor(page, SCENARIO)
     page.locator("#run-edit").click()
-    page.locator('#strategy-cards [data-strategy="erratum"]').wait_for(timeout=60_000)
+    wait_for_app(page, page.locator('#strategy-cards [data-strategy="erratum"]'))
 
 
 def test_probe_results_carry_a_sentence_and_the_trigger_asks_for_the_tabs_fields(narrow):
@@ -49,7 +50,7 @@ def test_probe_results_carry_a_sentence_and_the_trigger_asks_for_the_tabs_fields
     _pick(page, "probe-name", "knockout")
     page.locator("#run-probe").click()
     sentence = page.locator("#probe-sentence").get_by_text(re.compile(r"^Knocking out the top \d+ notes? moves the new-value margin by"))
-    sentence.wait_for(timeout=60_000)
+    wait_for_app(page, sentence)
     page.locator("#probe-plot .js-plotly-plot").wait_for(timeout=30_000)
     assert sentence.inner_text().strip().endswith(".")
     page.locator("#probe-sentence").scroll_into_view_if_needed()
@@ -69,15 +70,15 @@ def test_probe_results_carry_a_sentence_and_the_trigger_asks_for_the_tabs_fields
 def test_the_notes_result_and_export_hold_the_edit_and_its_knockout(narrow):
     page = narrow
     _edit(page)
-    page.locator("#frontier-plot .js-plotly-plot").wait_for(timeout=60_000)  # the frontier follows the edit
+    wait_for_app(page, page.locator("#frontier-plot .js-plotly-plot"))  # the frontier follows the edit
     page.get_by_text("Knockout: hide tokens from the decision").click()
     page.locator("#knockout-positions").locator("textarea, input").first.fill("4")
     page.locator("#run-knockout").click()
-    page.locator("#knockout-result").get_by_text("Knocked out 1 position (").wait_for(timeout=60_000)
+    wait_for_app(page, page.locator("#knockout-result").get_by_text("Knocked out 1 position ("))
     result = page.locator("#edit-json").inner_text()
     assert "knockout" in result and "strategies" in result and "frontier" in result
     page.locator("#export-notes").click()
-    page.locator("#notes-files").get_by_text(".ipynb").wait_for(timeout=60_000)
+    wait_for_app(page, page.locator("#notes-files").get_by_text(".ipynb"))
     links = page.locator("#notes-files a")
     href = next(link.get_attribute("href") for link in links.all() if (link.get_attribute("href") or "").endswith(".json"))
     exported = page.request.get(urljoin(page.url, href)).json()
@@ -108,10 +109,10 @@ def test_a_cancelled_calibration_is_information_and_cancel_hides(narrow, registr
     page.get_by_role("option", name=re.compile(r"^auto — ")).click()
     cancel.wait_for(state="visible", timeout=10_000)
     page.locator("#run-compose").click()
-    page.get_by_text(re.compile(r"calibrating remedy auto for tiny-qwen2")).first.wait_for(timeout=60_000)
+    wait_for_app(page, page.get_by_text(re.compile(r"calibrating remedy auto for tiny-qwen2")).first)
     cancel.click()
     notice = page.locator("#compose-metrics").get_by_text(re.compile(r"The calibration of tiny-qwen2 was cancelled at step \d of 6"))
-    notice.wait_for(timeout=60_000)
+    wait_for_app(page, notice)
     cancel.wait_for(state="hidden", timeout=10_000)
     toasts = page.locator(TOAST)
     assert "nothing was stored" in toasts.filter(has_text="was cancelled at step").first.inner_text()

@@ -6,7 +6,6 @@ import gc
 import os
 import subprocess
 import sys
-import time
 import weakref
 from pathlib import Path
 
@@ -110,13 +109,11 @@ def test_budgets_scale_with_memory_and_show_in_the_model_tab(registry, sessions)
 # ---------------------------------------------------------------------------- 3. bounded work
 def test_over_long_context_is_refused_in_seconds_and_keeps_nothing():
     registry, sessions = _registry(from_env(True, {"KVSCOPE_MAX_CONTEXT_TOKENS": "200"}))
-    started = time.perf_counter()
     with (
         bounded(registry.profile.work_budget),
         pytest.raises(AppError, match=r"tokens of context; this server \(public profile\) allows at most 200"),
     ):
         run_edit(registry, sessions, EditInputs(LONG_CONTEXT, field="order_status", new="pending", strategies=["erratum"]), session="a")
-    assert time.perf_counter() - started < 5
     assert registry.memory()["baselines"] == 0 and sessions.get("a", "edit") is None
     with pytest.raises(AppError, match="characters; this server .* accepts at most 12,000"):
         run_edit(
@@ -257,10 +254,8 @@ def test_public_server_refuses_paths_and_long_contexts(public_url):
     with pytest.raises(Exception) as refused:
         client.predict("~", None, api_name="/load_model")
     assert "is not offered by this server (public profile)" in str(refused.value) and str(Path.home()) not in str(refused.value)
-    started = time.perf_counter()
     with pytest.raises(Exception, match="allows at most 200"):
         client.predict(LONG_CONTEXT, "order_status", "pending", ["erratum"], 4, -1, api_name="/edit")
-    assert time.perf_counter() - started < 10
     with pytest.raises(Exception, match="the scenario editor is empty"):  # every input missing: a specific refusal
         client.predict(None, None, None, None, None, None, api_name="/edit")
     summary = client.predict(SCENARIO, "order_status", "pending", ["erratum"], 4, -1, api_name="/edit")[5]

@@ -9,6 +9,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from engine.audit.formats import RecordError, read_record
+from engine.audit.replies import Reply
 from engine.audit.usage import ObservedUsage
 
 
@@ -74,9 +75,10 @@ def requests_of(
     timestamp: tuple[float | None, list[tuple[str, str]]] = (None, []),
     model: Any = None,
     usage: ObservedUsage = ObservedUsage(),
+    reply: Reply | None = None,
 ) -> list[dict]:
     """``read_request``'s items as the source's requests: its name as their format, and what the record says beside
-    the request (a session it names wins over one in the request body)."""
+    the request (a session it names wins over one in the request body; the reply the server generated)."""
     when, time_flags = timestamp
     observed = usage.fields()
     extra = {
@@ -85,6 +87,7 @@ def requests_of(
         "model": model if isinstance(model, str) and model else None,
         **observed,
         "flags": [*time_flags, *observed["flags"]],
+        **({"reply": reply} if reply is not None else {}),
     }
     named = str(session) if isinstance(session, str | int) and not isinstance(session, bool) and str(session) else None
     return [{**item, **extra, "session": named or item.get("session"), "model": extra["model"] or item.get("model")} for item in items]

@@ -1,12 +1,14 @@
 """A gateway's record of one call: the ``request`` it forwarded with the ``response`` beside it (and a
 ``timestamp``), as proxies and home-grown middleware log them. The usage is read from the response: OpenAI's
 ``usage.prompt_tokens_details.cached_tokens``, Anthropic's ``usage.cache_read_input_tokens`` /
-``cache_creation_input_tokens``, OpenRouter's ``native_tokens_cached``.
+``cache_creation_input_tokens``, OpenRouter's ``native_tokens_cached``. The reply is the response's first
+generation (``replies.reply_of``).
 """
 
 from __future__ import annotations
 
 from engine.audit.formats import session_key
+from engine.audit.replies import reply_of
 from engine.audit.sources.common import SourceRead, epoch_seconds, parsed_json, read_request, requests_of
 from engine.audit.usage import observed_usage, response_usage
 
@@ -32,5 +34,6 @@ def read_gateway(record: dict) -> SourceRead:
             timestamp=epoch_seconds(record.get("timestamp"), "timestamp"),
             model=asked or served,
             usage=observed_usage(usage, shape, "response.usage" if shape != "openrouter" else "response"),
+            reply=reply_of(response),
         )
     )

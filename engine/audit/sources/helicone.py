@@ -3,12 +3,13 @@
 ``request_body`` holds the request as sent to the provider (OpenAI or Anthropic); a large one may sit behind
 ``signed_body_url`` instead, and a row without a body is skipped by name. ``request_created_at``; the session is
 ``request_properties["Helicone-Session-Id"]``; ``request_model``; the provider's cache counts in
-``prompt_cache_read_tokens`` / ``prompt_cache_write_tokens`` beside ``prompt_tokens``.
+``prompt_cache_read_tokens`` / ``prompt_cache_write_tokens`` beside ``prompt_tokens``; the reply in ``response_body``.
 """
 
 from __future__ import annotations
 
 from engine.audit.formats import RecordError
+from engine.audit.replies import reply_of
 from engine.audit.sources.common import SourceRead, epoch_seconds, read_request, requests_of
 from engine.audit.usage import observed_usage
 
@@ -34,5 +35,6 @@ def read_row(record: dict) -> SourceRead:
             timestamp=epoch_seconds(record.get("request_created_at"), "request_created_at"),
             model=record.get("request_model") or record.get("response_model"),
             usage=observed_usage(record, "helicone", ""),
+            reply=reply_of(record.get("response_body")),
         )
     )

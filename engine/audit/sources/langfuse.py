@@ -3,9 +3,9 @@
 
 A request is a ``GENERATION`` observation: its ``input`` is the message list, or ``{"messages", "tools"}`` when tools
 were passed (Langfuse's OpenAI integration); ``startTime``, ``model``; ``usageDetails.input_cached_tokens`` (its
-``input`` already excludes them). Other observation types (spans, events, tools) are not requests. The session is
-the trace's ``sessionId``: on the trace itself, or from a trace row elsewhere in the log for a flat observation;
-a trace without one is its own session (its id).
+``input`` already excludes them); the reply in ``output`` (an assistant message, or its text). Other observation
+types (spans, events, tools) are not requests. The session is the trace's ``sessionId``: on the trace itself, or from
+a trace row elsewhere in the log for a flat observation; a trace without one is its own session (its id).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.audit.formats import RecordError
+from engine.audit.replies import reply_of
 from engine.audit.sources.common import SourceRead, epoch_seconds, read_request, requests_of
 from engine.audit.usage import observed_usage
 
@@ -70,4 +71,5 @@ def _generation(observation: dict, source: str, key: str, session: Any) -> list[
         timestamp=epoch_seconds(observation.get("startTime"), f"{at}startTime"),
         model=observation.get("model"),
         usage=observed_usage(observation.get("usageDetails"), "langfuse", f"{at}usageDetails"),
+        reply=reply_of(observation.get("output")),
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.audit.formats import RecordError
+from engine.audit.replies import reply_of
 from engine.audit.sources.common import SourceRead, epoch_seconds, parsed_json, read_request, requests_of
 from engine.audit.usage import ObservedUsage, observed_usage
 
@@ -71,4 +72,5 @@ def _requests(items: list[dict], source: str, record: dict, session: Any, usage:
         timestamp=epoch_seconds(record.get("startTime"), "startTime"),
         model=record.get("model"),
         usage=observed,
+        reply=reply_of(record.get("response")),
     )

@@ -6,8 +6,9 @@ integers written as strings. A request is an inference span (``gen_ai.operation.
 ``text_completion`` or ``generate_content``): ``gen_ai.system_instructions`` and ``gen_ai.input.messages`` (JSON
 text, role + ``parts``: ``text``, ``tool_call``, ``tool_call_response``), ``gen_ai.tool.definitions``,
 ``gen_ai.conversation.id`` (the session), ``gen_ai.request.model``, ``startTimeUnixNano``, and
-``gen_ai.usage.cache_read.input_tokens`` / ``cache_creation.input_tokens``. Content capture is off by default: a span
-without input messages is skipped with that reason, never guessed. Other spans (tools, agents, HTTP) are not requests.
+``gen_ai.usage.cache_read.input_tokens`` / ``cache_creation.input_tokens``; the reply in ``gen_ai.output.messages``.
+Content capture is off by default: a span without input messages is skipped with that reason, never guessed. Other
+spans (tools, agents, HTTP) are not requests.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ import json
 from typing import Any
 
 from engine.audit.formats import RecordError
+from engine.audit.replies import Reply, finish_of
 from engine.audit.sources.common import SourceRead, epoch_seconds, parsed_json, read_request, requests_of
 from engine.audit.usage import observed_usage
 
 INFERENCE = ("chat", "text_completion", "generate_content")
 INPUT = "gen_ai.input.messages"
+OUTPUT = "gen_ai.output.messages"
 NOT_CAPTURED = (
     "not captured: content capture is off by default (turn it on in the instrumentation, e.g. "
     "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true), so this span's prompt is unknown"
@@ -99,7 +102,24 @@ def _span(span: dict, attributes: dict, key: str) -> list[dict]:
         timestamp=epoch_seconds(span.get("startTimeUnixNano"), f"{key} startTimeUnixNano"),
         model=attributes.get("gen_ai.request.model") or attributes.get("gen_ai.response.model"),
         usage=observed_usage(attributes, "otel", f"{key} attributes"),
+        reply=_reply(attributes, key),
     )
+
+
+def _reply(attributes: dict, key: str) -> Reply | None:
+    """The span's first output message (``gen_ai.output.messages``), its finish from the message or from
+    ``gen_ai.response.finish_reasons``; None where the span holds no output (or one that cannot be read)."""
+    try:
+        output = parsed_json(attributes.get(OUTPUT), f"{key} {OUTPUT}")
+        messages = _messages(output, f"{key} {OUTPUT}") if output else []
+    except RecordError:
+        return None
+    if not messages or messages[0].get("role") != "assistant":
+        return None
+    reasons = attributes.get("gen_ai.response.finish_reasons")
+    first = output[0].get("finish_reason") if isinstance(output[0], dict) else None
+    finish = finish_of(first or (reasons[0] if isinstance(reasons, list) and reasons else reasons))
+    return Reply(messages[0]["content"], tuple(messages[0].get("tool_calls", ())), None, finish)
 
 
 def _messages(messages: Any, key: str) -> list[dict]:

@@ -12,21 +12,17 @@ import numpy as np
 import pytest
 
 from benchmarks.serving.loadgen import (
-    CacheCounters,
     Load,
     LoadgenError,
     RequestResult,
     arrival_times,
-    cache_counters,
-    cache_hit_rate_gauge,
-    metric_sum,
-    parse_prometheus,
     require_loopback,
     run_load,
     stream_completion,
     summarize,
     usage_counters,
 )
+from engine.audit.metrics import CacheCounters, MetricsError, cache_counters, cache_hit_rate_gauge, metric_sum, parse_prometheus
 
 # --------------------------------------------------------------------------------------------
 # Arrivals
@@ -198,7 +194,7 @@ def test_older_vllm_and_sglang_metric_names():
 
 
 def test_parse_prometheus_rejects_garbage():
-    with pytest.raises(LoadgenError, match="line 2"):
+    with pytest.raises(MetricsError, match="line 2"):
         parse_prometheus("ok_metric 1\nthis is not a sample\n")
 
 

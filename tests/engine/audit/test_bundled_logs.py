@@ -99,7 +99,7 @@ def test_the_interleaved_log_is_the_table_docs_audit_md_shows(tokenizer):
         (1, "forge-1", None, 266, 0, 0, 0, ["new_prefix"]),
         (2, "harbor-7", 1, 68, 0, 5, 0, ["other_conversation"]),
         (3, "forge-1", 1, 324, 32, 38, 38, ["clock:current_time", "block_straddle"]),
-        (4, "harbor-7", 2, 90, 64, 68, 68, []),
+        (4, "harbor-7", 2, 90, 64, 76, 76, []),  # with request 2's 8-token reply, which this turn resends
         (5, "forge-1", 3, 384, 32, 38, 38, ["clock:current_time", "tools_reordered", "block_straddle"]),
         (6, "harbor-7", 4, 90, 32, 39, 39, ["value:customer_tier", "block_straddle"]),
     ]
@@ -117,3 +117,5 @@ def test_the_interleaved_log_is_the_table_docs_audit_md_shows(tokenizer):
     assert found == table
     assert "shares 5 tokens" in scan.requests[1].causes[0].detail  # "(5 tokens of template shared)"
     assert [(item.line, item.message) for item in scan.skipped] == [(5, "line 5, messages: must be a non-empty list")]
+    assert scan.totals()["replies"] == {"logged": 0, "next_turn": 1, "none": 5}
+    assert scan.requests[3].prompts_only_reused_tokens == {"vllm": 64, "sglang": 68, "llama_cpp": 68}

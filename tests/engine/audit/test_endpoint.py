@@ -130,6 +130,9 @@ def test_both_logprob_shapes_are_read_with_the_servers_cache_report():
     no_report = read_answer({"choices": [{"text": "", "logprobs": {"content": [{"token": "a", "logprob": 0.0, "top_logprobs": [
         {"token": "a", "logprob": 0.0}]}]}}]}, "openai")  # fmt: skip
     assert no_report.cached_tokens is None and no_report.generated == ("a",)
+    # vLLM skips its prefix cache for a request asking prompt log-probs: its count of 0 is not the server's reuse
+    with_prompt_logprobs = {**legacy, "prompt_logprobs": [None, {"5": {"logprob": -1.0}}]}
+    assert read_answer(with_prompt_logprobs, "probe").cached_tokens is None
 
 
 def test_the_comparison_counts_agreement_as_the_in_process_audit_does():

@@ -135,7 +135,7 @@ def test_each_gap_names_the_evidence_the_log_holds(tokenizer):
     # more cached than any earlier request of the log shares: another tokenizer, or requests the log does not hold
     cold = scan_log(tokenizer, _observed(log, {1: 10})).requests[0]
     assert [(c.name, c.tokens) for c in cold.causes] == [("new_prefix", cold.tokens), ("observed_excess", 10)]
-    assert "another tokenizer (more than the 0 tokens any earlier request of the log shares with it" in cold.causes[1].detail
+    assert "more than the 0 tokens any earlier prompt of the log shares with it" in cold.causes[1].detail
     with pytest.raises(RequestLogError, match="--observed-engine is one of vllm, sglang, llama_cpp, got 'tgi'"):
         scan_log(tokenizer, log, observed_engine="tgi")
     # a shortfall that is the shared prefix in whole 64-token blocks (and 32-token ones: the smallest is named), on a log
@@ -242,14 +242,17 @@ def test_fit_observed_recovers_the_block_size_and_budget_that_made_the_counts(to
     scan = scan_log(tokenizer, log)
     radix = RadixCache()
     for time, row in enumerate(scan.requests, 1):
-        radix.insert(scan.rendered[row.request].token_ids, row.request, None, time)
+        radix.insert(scan.held(row.request), row.request, None, time)
     working = radix.tokens  # an unbounded token cache's size after the log: the distinct prefixes
     for block, budget in ((32, working // 4), (64, working // 2)):
         server = BlockCache(block, budget // block)
-        counts = {row.request: server.insert(scan.rendered[row.request].token_ids, row.request) for row in scan.requests}
+        counts = {
+            row.request: server.insert(scan.rendered[row.request].token_ids, row.request, held=scan.held(row.request))
+            for row in scan.requests
+        }
         counts[5] = None  # one request without a count
         observed = scan_log(tokenizer, _observed(log, counts))
-        fit = fit_observed(observed.requests, observed.rendered).as_dict()
+        fit = fit_observed(observed.requests, observed.held).as_dict()
         assert fit["working_set_tokens"] == working
         assert fit["best"] == {"block": block, "budget_tokens": budget, "matches": 79, "share": 1.0}
         assert fit["tied"] == [{"block": block, "budget_tokens": budget, "matches": 79}]

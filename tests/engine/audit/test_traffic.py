@@ -276,7 +276,8 @@ def test_matches_and_engine_reuse_equal_brute_force_counts(tokenizer):
         assert (row.matched_request, row.common_prefix_tokens) == (expected, best), i
         usable = min(best, len(ids[i]) - 1)
         previous = next((ids[j] for j in range(i - 1, -1, -1) if sessions[j] == sessions[i]), [])
-        assert row.reused_tokens == {"vllm": usable // 16 * 16, "sglang": usable, "llama_cpp": min(_lcp(previous, ids[i]), len(ids[i]) - 1)}
+        expected = {"vllm": usable // 16 * 16, "sglang": usable, "llama_cpp": min(_lcp(previous, ids[i]), len(ids[i]) - 1)}
+        assert row.prompts_only_reused_tokens == expected  # with replies: tests/engine/audit/test_replies.py
     assert len({row.session for row in scan.requests}) == 6
     per_session = {s.session: s for s in scan.sessions()}
     assert sum(s.requests for s in per_session.values()) == 40

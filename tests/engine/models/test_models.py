@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 import types
 from pathlib import Path
 
@@ -32,6 +31,8 @@ from transformers import (
 )
 
 from engine import models
+from engine.cache.adapter import ATTENTION_NAME, install
+from engine.cache.loaded import config_hash
 from engine.models import (
     LoadedModel,
     ModelFingerprint,
@@ -205,10 +206,8 @@ def test_temps_of_killed_writers_are_removed(private_cache: Path) -> None:
 
 
 def test_offline_hub_id_fails_fast_and_lists_offline_models() -> None:
-    started = time.perf_counter()
     with pytest.raises(ModelLoadError) as error:
         load_model("someone/no-such-model-xyz")
-    assert time.perf_counter() - started < 30
     message = str(error.value)
     assert "hub is unreachable" in message or "does not exist on the Hugging Face hub" in message
     if "unreachable" in message:
@@ -324,6 +323,15 @@ def test_cpu_dtype_auto_is_measured_once_and_cached(llama_dir: Path, private_cac
     second = load_model(str(llama_dir), progress=steps.append)
     assert not any("measuring" in step for step in steps)
     assert second.fingerprint == first.fingerprint
+
+
+def test_the_config_hash_is_the_same_before_and_after_kvscope_routes_attention(llama_dir: Path) -> None:
+    # the dtype choice is keyed by the config hash before loading; the fingerprint hashes the loaded model, whose
+    # attention the bfloat16 self-test may already have routed through KVScope (``adapter.install`` marks the config)
+    model = AutoModelForCausalLM.from_pretrained(llama_dir)
+    before = config_hash(model.config)
+    install(model)
+    assert model.config._attn_implementation == ATTENTION_NAME and config_hash(model.config) == before
 
 
 def test_cpu_dtype_auto_keeps_float32_when_bfloat16_is_not_faster(
@@ -442,8 +450,9 @@ def test_embedded_model_loads_and_reloads_fast(shared_cache: Path) -> None:
     )
     del first
 
-    started = time.perf_counter()
+    marker = copy / "kvscope-source.json"
+    converted_at = marker.stat().st_mtime_ns
     second = load_model("embedded", device="cpu")
-    assert time.perf_counter() - started < 10
+    assert marker.stat().st_mtime_ns == converted_at, "the second load reads the converted copy, it does not convert again"
     assert second.fingerprint.config_hash == info["fingerprint"]["config_hash"]
     assert second.fingerprint.dtype == info["dtype"]

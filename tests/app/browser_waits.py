@@ -1,0 +1,31 @@
+"""Browser waits that follow the app's own progress: a result is awaited as long as the page shows Gradio working on
+it (a progress bar, its text, the pending timer), so a loaded machine only makes a test slower, never red; a test
+fails when the app has shown no progress for ``quiet_s`` seconds and the result is not there."""
+
+from __future__ import annotations
+
+import time
+
+from playwright.sync_api import Locator, Page
+from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
+
+# What Gradio 6 shows while an event runs: the progress bar and its text, and the pending timer ("processing | 3.1s").
+WORKING = ".progress-text, .progress-level, .eta-bar, .meta-text, .meta-text-center, .generating, .pending"
+LIMIT_S = 900.0  # a bound on any one wait, however long the app keeps working
+
+
+def wait_for_app(page: Page, locator: Locator, quiet_s: float = 60.0) -> None:
+    """Wait until ``locator`` is visible while the app keeps showing progress; raise Playwright's timeout once the app
+    has shown none for ``quiet_s`` seconds (or after ``LIMIT_S``)."""
+    started = last_working = time.monotonic()
+    while True:
+        try:
+            locator.wait_for(timeout=1_000)
+            return
+        except PlaywrightTimeoutError:
+            pass
+        now = time.monotonic()
+        if page.locator(WORKING).count():
+            last_working = now
+        if now - last_working > quiet_s or now - started > LIMIT_S:
+            locator.wait_for(timeout=1)  # raises, naming the locator

