@@ -592,6 +592,7 @@ def observed_markdown(data: Mapping) -> str:
             lines += [
                 f"**Observed beside simulated** ({counted:,} of {total:,} requests report a cached count; compared with {engine}): "
                 f"hit rate {shown}",
+                *([f"The observed rate is over {markdown_literal(observed['observed_rate_over'])}."] if "observed_rate_over" in observed else []),
                 "",
                 f"Observed equals {engine} on {observed['equal']:,} of {counted:,} ({_percent(observed['equal_share'])}); "
                 f"**{short['requests']:,} shortfall{'s' if short['requests'] != 1 else ''}** ({short['tokens']:,} tokens) · "

@@ -159,7 +159,8 @@ def _structural_cause(old: RenderedRequest, new: RenderedRequest, diff: TurnDiff
 
 
 def _names(tools: list[dict]) -> list[str]:
-    return [str((tool.get("function") or tool).get("name")) for tool in tools]
+    functions = [tool.get("function") if isinstance(tool.get("function"), dict) else tool for tool in tools]
+    return [str(function.get("name")) for function in functions]
 
 
 def _same_json(a: str, b: str) -> bool:

@@ -111,7 +111,8 @@ def detect(request: dict) -> str:
 def _looks_anthropic(request: dict) -> bool:
     if isinstance(request.get("system"), str | list) or "anthropic_version" in request:
         return True
-    if any(isinstance(tool, dict) and "input_schema" in tool for tool in request.get("tools") or []):
+    tools = request.get("tools") if isinstance(request.get("tools"), list) else []
+    if any(isinstance(tool, dict) and "input_schema" in tool for tool in tools):
         return True
     messages = request.get("messages") if isinstance(request.get("messages"), list) else []
     blocks = [part for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list) for part in m["content"]]

@@ -46,6 +46,8 @@ class Row(Protocol):
     breakpoints: tuple[tuple[str, int | None], ...]
     observed_cached_tokens: int | None
     hosted_reused_tokens: dict[str, int]
+    observed_prompt_tokens: int | None
+    model: str | None
 
 
 @dataclass(frozen=True)
@@ -56,10 +58,11 @@ class Reported:
     timestamp: float | None
     model: str | None
     observed_cached_tokens: int | None
+    observed_prompt_tokens: int | None = None
 
     @classmethod
     def of(cls, request: Request) -> Reported:
-        return cls(request.index, request.timestamp, request.model, request.observed_cached_tokens)
+        return cls(request.index, request.timestamp, request.model, request.observed_cached_tokens, request.observed_prompt_tokens)
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,7 @@ class Observation:
     observed_cached_tokens: int | None
     causes: tuple[Cause, ...]
     hosted_reused_tokens: dict[str, int]
+    observed_prompt_tokens: int | None = None
 
 
 def observe(
@@ -83,7 +87,7 @@ def observe(
     for row, item, provider in zip(rows, reported, hosted, strict=True):
         observed = item.observed_cached_tokens
         causes = () if observed is None else evidence.causes(row, observed, row.reused_tokens[engine], engine)
-        out.append(Observation(observed, causes, provider))
+        out.append(Observation(observed, causes, provider, item.observed_prompt_tokens))
     return out
 
 
@@ -192,10 +196,24 @@ class ObservedSummary:
     equal: int
     shortfalls: tuple[int, int]  # (requests, tokens)
     excesses: tuple[int, int]
+    server_counted: tuple[int, int] = (0, 0)  # (cached, prompt tokens) as the server counted both, where it logged both
+    other_tokenizer: str | None = None  # the model the log names where its tokenizer is not the loaded one
 
     def hit_rates(self) -> dict[str, float | None]:
-        rates = {"observed": _rate(self.observed_tokens, self.tokens)}
-        return rates | {name: _rate(reused, tokens) for name, (reused, tokens) in self.reused.items()}
+        """The observed rate over the server's own prompt counts where the log carries them (a rate over the same tokens
+        that were counted), else over the loaded tokenizer's; each engine's over the loaded tokenizer's."""
+        cached, prompt = self.server_counted
+        observed = _rate(cached, prompt) if prompt else _rate(self.observed_tokens, self.tokens)
+        return {"observed": observed} | {name: _rate(reused, tokens) for name, (reused, tokens) in self.reused.items()}
+
+    def observed_over(self) -> str:
+        """What the observed rate is over, in words."""
+        if not self.server_counted[1]:
+            return "the loaded tokenizer's prompt tokens (the log carries no prompt count of its own)"
+        words = f"the {self.server_counted[1]:,} prompt tokens the server counted (usage.prompt_tokens and its kin)"
+        if self.other_tokenizer:
+            words += f"; the log names {self.other_tokenizer}, not the loaded model: its tokens are not the engines'"
+        return words
 
     def as_dict(self) -> dict:
         return {
@@ -205,6 +223,8 @@ class ObservedSummary:
             "tokens": self.tokens,
             "observed_tokens": self.observed_tokens,
             "hit_rate": self.hit_rates(),
+            "observed_rate_over": self.observed_over(),
+            "server_counted": {"cached_tokens": self.server_counted[0], "prompt_tokens": self.server_counted[1]},
             "equal": self.equal,
             "equal_share": _rate(self.equal, self.requests),
             "shortfalls": {"requests": self.shortfalls[0], "tokens": self.shortfalls[1]},
@@ -216,10 +236,16 @@ def _rate(part: int, whole: int) -> float | None:
     return round(part / whole, 4) if whole else None
 
 
-def observed_summary(rows: Sequence[Row], engine: str) -> ObservedSummary:
+def observed_summary(rows: Sequence[Row], engine: str, model: str = "") -> ObservedSummary:
     """The log's observed hit rate beside each engine's (the simulated ones and any hosted provider's, each over the
-    requests with a count that it covers), and how many requests match the compared ``engine`` exactly."""
+    requests with a count that it covers), and how many requests match the compared ``engine`` exactly. The observed
+    rate is over the server's own prompt counts where every counted request logs one; ``model``: the loaded model, to
+    say when the log's model is another."""
     counted = [row for row in rows if row.observed_cached_tokens is not None]
+    both = [row for row in counted if row.observed_prompt_tokens]
+    server = (0, 0)
+    if len(both) == len(counted):
+        server = (sum(r.observed_cached_tokens for r in both), sum(r.observed_prompt_tokens for r in both))
     reused = {engine: (sum(r.reused_tokens[engine] for r in counted), sum(r.tokens for r in counted)) for engine in ENGINES}
     for provider in PROVIDERS:
         covered = [row for row in counted if provider in row.hosted_reused_tokens]
@@ -240,7 +266,18 @@ def observed_summary(rows: Sequence[Row], engine: str) -> ObservedSummary:
         sum(row.observed_cached_tokens == row.reused_tokens[engine] for row in counted),
         gaps("observed_shortfall"),
         gaps("observed_excess"),
+        server,
+        _named_model(rows, model),
     )
+
+
+def _named_model(rows: Sequence[Row], model: str) -> str | None:
+    """The model a counted request names where it is a hosted one or not the loaded ``model`` (None: none such)."""
+    for row in rows:
+        named = row.model
+        if named and (provider_of(named) or (model and not _same_model(named, model))):
+            return named
+    return None
 
 
 def hosted_summary(rows: Sequence[Row]) -> dict:

@@ -108,6 +108,7 @@ class Request:
     model: str | None = None  # the model the record names (``model``, ``request_model``, ``gen_ai.request.model``)
     observed_cached_tokens: int | None = None  # prompt tokens the server or provider reported cached; None: not reported
     observed_cache_write_tokens: int | None = None  # tokens it reported writing to its cache (Anthropic, OTel); None: not reported
+    observed_prompt_tokens: int | None = None  # the prompt as the server counted it (its tokenizer's); None: not reported
     trace: str | None = None  # a Langfuse observation's trace: its session is the one the trace's record names (``join_traces``)
     flags: tuple[tuple[str, str], ...] = ()  # (key, why) of what its record says that could not be read (``Flagged``)
     reply: Reply | None = None  # what the server generated, where the log records it (``replies``)
@@ -337,7 +338,7 @@ def _array_item_lines(text: str, count: int) -> list[int]:
 
 
 # What a reader may add beside the request it read: when it was sent, the model named, and what the server cached.
-_OBSERVED_KEYS = ("timestamp", "model", "observed_cached_tokens", "observed_cache_write_tokens")
+_OBSERVED_KEYS = ("timestamp", "model", "observed_cached_tokens", "observed_cache_write_tokens", "observed_prompt_tokens")
 
 
 def _request(item: dict, index: int, line: int) -> Request:

@@ -51,6 +51,8 @@ class TrafficRequest:
     observed_cached_tokens: int | None = None  # what the server reported cached (None: not reported)
     hosted_reused_tokens: dict[str, int] = field(default_factory=dict)  # its hosted provider's simulated reuse (``hosted``)
     prompts_only_reused_tokens: dict[str, int] = field(default_factory=dict)  # per engine, were no reply ever cached
+    observed_prompt_tokens: int | None = None  # the prompt as the server counted it (None: not reported)
+    model: str | None = None  # the model its record names
 
     def as_dict(self) -> dict:
         return {
@@ -67,6 +69,7 @@ class TrafficRequest:
             "signature": self.signature,
             "cache_breakpoints": [{"label": label, "token": token} for label, token in self.breakpoints],
             "observed_cached_tokens": self.observed_cached_tokens,
+            "observed_prompt_tokens": self.observed_prompt_tokens,
             "hosted_reused_tokens": dict(self.hosted_reused_tokens),
         }
 
@@ -240,9 +243,14 @@ def observed_rows(
     seen = observe(rows, reported, hosted, engine, block, model)
     return [
         dataclasses.replace(
-            row, observed_cached_tokens=o.observed_cached_tokens, causes=row.causes + o.causes, hosted_reused_tokens=o.hosted_reused_tokens
+            row,
+            observed_cached_tokens=o.observed_cached_tokens,
+            causes=row.causes + o.causes,
+            hosted_reused_tokens=o.hosted_reused_tokens,
+            observed_prompt_tokens=o.observed_prompt_tokens,
+            model=item.model,
         )
-        for row, o in zip(rows, seen)
+        for row, o, item in zip(rows, seen, reported)
     ]
 
 

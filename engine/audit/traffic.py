@@ -75,7 +75,7 @@ class TrafficReport:
             "engines": {"settings": scan.settings.as_dict(), **scan.totals()},
             "sessions": [summary.as_dict() for summary in scan.sessions()],
             "causes": scan.cause_counts(),
-            "observed": observed_summary(scan.requests, scan.observed_engine).as_dict(),
+            "observed": observed_summary(scan.requests, scan.observed_engine, self.model).as_dict(),
             "hosted": hosted_summary(scan.requests),
             "requests": [row.as_dict() for row in scan.requests],
             "sample": self.sample,

@@ -34,10 +34,16 @@ class ObservedUsage:
     cached: int | None = None
     written: int | None = None
     flags: tuple[tuple[str, str], ...] = ()
+    prompt: int | None = None  # the record's own prompt count, in the server's or provider's tokens (None: not logged)
 
     def fields(self) -> dict:
         """The keys a reader adds to its request (``Request``'s observed fields, and the flags to report)."""
-        return {"observed_cached_tokens": self.cached, "observed_cache_write_tokens": self.written, "flags": list(self.flags)}
+        return {
+            "observed_cached_tokens": self.cached,
+            "observed_cache_write_tokens": self.written,
+            "observed_prompt_tokens": self.prompt,
+            "flags": list(self.flags),
+        }
 
 
 def observed_usage(usage: Any, shape: str, key: str = "usage") -> ObservedUsage:
@@ -49,7 +55,7 @@ def observed_usage(usage: Any, shape: str, key: str = "usage") -> ObservedUsage:
     valid_prompt = prompt if _is_count(prompt) else None
     cached, cached_flag = _checked(read, f"{key}.{read_key}" if key else read_key, valid_prompt)
     write, write_flag = _checked(written, f"{key}.{write_key}" if key else write_key, valid_prompt)
-    return ObservedUsage(cached, write, tuple(flag for flag in (cached_flag, write_flag) if flag))
+    return ObservedUsage(cached, write, tuple(flag for flag in (cached_flag, write_flag) if flag), valid_prompt)
 
 
 def response_usage(response: Any) -> tuple[Any, str]:

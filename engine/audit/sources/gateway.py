@@ -7,7 +7,7 @@ generation (``replies.reply_of``).
 
 from __future__ import annotations
 
-from engine.audit.formats import session_key
+from engine.audit.formats import RecordError, session_key
 from engine.audit.replies import reply_of
 from engine.audit.sources.common import SourceRead, epoch_seconds, parsed_json, read_request, requests_of
 from engine.audit.usage import observed_usage, response_usage
@@ -21,6 +21,8 @@ def is_record(record: dict) -> bool:
 
 
 def read_gateway(record: dict) -> SourceRead:
+    if "request" not in record:
+        raise RecordError("request", "missing: a gateway record holds the request it forwarded")
     items = read_request(record["request"], "request")
     response = parsed_json(record.get("response"), "response")
     usage, shape = response_usage(response)

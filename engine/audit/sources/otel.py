@@ -30,19 +30,28 @@ NOT_CAPTURED = (
 )
 
 
+BATCHES = ("resourceSpans", "resourceLogs", "resourceMetrics")  # what a collector's file exporter writes, a batch a line
+
+
 def is_batch(record: dict) -> bool:
-    """An OTLP/JSON traces batch."""
-    return "resourceSpans" in record
+    """An OTLP/JSON batch of traces, logs or metrics (one collector file may hold all three)."""
+    return any(key in record for key in BATCHES)
 
 
 def read_batch(record: dict) -> SourceRead:
     read = SourceRead()
+    if "resourceSpans" not in record:
+        kind = next((key for key in BATCHES if key in record), None)
+        if kind is None:
+            reason = "missing: this record is not an OTLP/JSON batch (resourceSpans, resourceLogs or resourceMetrics)"
+            raise RecordError("resourceSpans", reason)
+        raise RecordError(kind, f"a {kind[len('resource') :].lower()} batch holds no chat request (the spans do)")
     resources = record["resourceSpans"]
     if not isinstance(resources, list):
         raise RecordError("resourceSpans", f"must be a list, got {type(resources).__name__}")
     for i, resource in enumerate(resources, 1):
         scopes = (resource.get("scopeSpans") or resource.get("instrumentationLibrarySpans") or []) if isinstance(resource, dict) else []
-        for j, scope in enumerate(scopes, 1):
+        for j, scope in enumerate(scopes if isinstance(scopes, list) else [], 1):
             spans = scope.get("spans") if isinstance(scope, dict) else None
             for k, span in enumerate(spans if isinstance(spans, list) else [], 1):
                 key = f"resourceSpans {i} scopeSpans {j} spans {k}"

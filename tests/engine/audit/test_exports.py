@@ -229,7 +229,8 @@ def test_usage_shapes_count_once_and_keep_null_apart_from_zero():
     assert observed_usage({"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": None}}, "openai").cached is None
     assert observed_usage({"prompt_tokens": 10, "prompt_tokens_details": {"cached_tokens": 0}}, "openai").cached == 0
     litellm_anthropic = {"prompt_tokens": 400, "cache_read_input_tokens": 256, "cache_creation_input_tokens": 64}
-    assert observed_usage(litellm_anthropic, "openai") == observed_usage(litellm_anthropic, "openai").__class__(256, 64, ())
+    assert observed_usage(litellm_anthropic, "openai") == observed_usage(litellm_anthropic, "openai").__class__(256, 64, (), 400)
+    assert langfuse.prompt == 420 and observed_usage({"prompt_tokens": "x"}, "openai").prompt is None  # the record's own count
     helicone = {"provider": "ANTHROPIC", "prompt_tokens": 20, "prompt_cache_read_tokens": 300, "prompt_cache_write_tokens": 50}
     assert (observed_usage(helicone, "helicone").cached, observed_usage(helicone, "helicone").flags) == (300, ())
 
