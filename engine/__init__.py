@@ -95,6 +95,7 @@ Checks, files and reproduction
 ``Recipe``                 what computed a result; ``script_text`` and ``recipe_notebook`` rerun it,
                            ``recipe_matches`` says whether it computed a given result, ``recipe_settings``
 ``KVScopeError``           the base of every error meant for the user
+``Unreachable``            a service the user named answers nothing (a ``KVScopeError``): final, reported at once
 =========================  ======================================================================================
 
 Serving: what a server shares between requests
@@ -142,6 +143,7 @@ _PUBLIC = {
     "HOST_OPT_IN_ALIASES": "engine.models",
     "IMAGE_QUESTION": "engine.compose.pictures",
     "KVScopeError": "engine.errors",
+    "Unreachable": "engine.errors",
     "Knockout": "engine.cache.notebook",
     "LoadedModel": "engine.models",
     "LoadedTokenizer": "engine.cache.loaded",
@@ -311,6 +313,7 @@ __all__ = [
     "StepProgress",
     "SupportRow",
     "TtftRow",
+    "Unreachable",
     "WEIGHT_METHODS",
     "WorkBudget",
     "accelerator_dtype",
@@ -445,7 +448,7 @@ if TYPE_CHECKING:
     from engine.edit.strategies import STRATEGIES, EditSettings
     from engine.edit.weight_edit import METHODS as WEIGHT_METHODS
     from engine.edit.weight_edit import compare_edits
-    from engine.errors import KVScopeError
+    from engine.errors import KVScopeError, Unreachable
     from engine.models import (
         DTYPES,
         HOST_OPT_IN_ALIASES,

@@ -13,5 +13,10 @@ class KVScopeError(ValueError):
     """Bad input or a refusal, with a message for the user; nothing was changed."""
 
 
+class Unreachable(KVScopeError):
+    """A service the user named does not answer at all (nothing listens there): final at once, not retried, and a
+    situation to report rather than a failure of the input's form."""
+
+
 class NotebookError(KVScopeError):
     """An operation that cannot apply to a notebook; the message says which input and why."""

@@ -86,7 +86,7 @@ def reuse_timeline_figure(data: Mapping) -> go.Figure:
     turns, names = _audited(data), list(data["repairs"])
     figure = go.Figure()
     if not turns:
-        return _empty("one request only: there is no earlier request to reuse")
+        return _empty(_no_turns(data, "nothing to draw of a repair's reuse"))
     requests = [turn["request"] for turn in turns]
     figure.add_scatter(
         x=requests,
@@ -149,7 +149,7 @@ def fidelity_cost_figure(data: Mapping, x: str = "computed", y: str = "kl") -> g
         raise ValueError(f"axes are x in {sorted(X_AXES)} and y in {sorted(Y_AXES)}, got {x!r}, {y!r}")
     turns, names = _audited(data), list(data["repairs"])
     if not turns:
-        return _empty("one request only: no repair to measure")
+        return _empty(_no_turns(data, "no repair to measure"))
     figure, colours = go.Figure(), _colours(names)
     for name in names:
         points = [(turn, turn["repairs"][name]) for turn in turns if turn["repairs"].get(name, {}).get("applicable")]
@@ -592,7 +592,11 @@ def observed_markdown(data: Mapping) -> str:
             lines += [
                 f"**Observed beside simulated** ({counted:,} of {total:,} requests report a cached count; compared with {engine}): "
                 f"hit rate {shown}",
-                *([f"The observed rate is over {markdown_literal(observed['observed_rate_over'])}."] if "observed_rate_over" in observed else []),
+                *(
+                    [f"The observed rate is over {markdown_literal(observed['observed_rate_over'])}."]
+                    if "observed_rate_over" in observed
+                    else []
+                ),
                 "",
                 f"Observed equals {engine} on {observed['equal']:,} of {counted:,} ({_percent(observed['equal_share'])}); "
                 f"**{short['requests']:,} shortfall{'s' if short['requests'] != 1 else ''}** ({short['tokens']:,} tokens) · "
@@ -677,17 +681,31 @@ def _fidelity_words(fidelity: Mapping) -> str:
     return markdown_literal("; ".join(parts + ([f"not applicable: {', '.join(never)}"] if never else [])))
 
 
+def _no_turns(data: Mapping, what: str) -> str:
+    """Why a figure of the measured turns is empty: the token pass alone was asked for, one request only, or no turn
+    could be measured."""
+    requests = len(data.get("requests") or ())
+    if data.get("sample") == 0 and requests > 1:
+        return f"the token pass only (--sample 0): no turn was measured with the model, so {what}"
+    if requests <= 1:
+        return f"one request only: there is no earlier request to reuse, so {what}"
+    return f"no turn could be measured (each group's reason is in the table), so {what}"
+
+
 def groups_markdown(data: Mapping) -> str:
     """The change signatures: each group's count, share of the log's tokens, the turns measured (or why none was) and
     its repairs' fidelity over them; whether the model ran on a sample, and ``sample_bound`` (where the app put it):
     how the server lowered the sample."""
     groups = data["groups"]
     measured = sum(len(group["measured"]) for group in groups)
-    head = (
-        f"**{len(groups):,} change signature{'s' if len(groups) != 1 else ''}**; the model measured up to {data['sample']} "
-        f"turn{'s' if data['sample'] != 1 else ''} of each ({measured:,} in all)"
-        + (": **sampled**, not every turn was measured." if data["sampled"] else ": every measurable turn.")
-    )
+    signatures = f"**{len(groups):,} change signature{'s' if len(groups) != 1 else ''}**"
+    if data["sample"] == 0:
+        head = f"{signatures}; the token pass only (--sample 0): no turn was measured with the model."
+    else:
+        head = (
+            f"{signatures}; the model measured up to {data['sample']} turn{'s' if data['sample'] != 1 else ''} of each "
+            f"({measured:,} in all)" + (": **sampled**, not every turn was measured." if data["sampled"] else ": every measurable turn.")
+        )
     bound = data.get("sample_bound")
     lines = [
         head + (f" **{markdown_literal(bound)}**." if bound else ""),

@@ -9,7 +9,7 @@ import plotly.graph_objects as go
 
 from app.hosting import HostingProfile
 from app.state import ExportFolder
-from engine import Cancelled, KVScopeError, Recipe, Scenario, bundled_scenarios, recipe_matches, recipe_notebook, script_text
+from engine import Cancelled, KVScopeError, Recipe, Scenario, Unreachable, bundled_scenarios, recipe_matches, recipe_notebook, script_text
 from viz.common import markdown_literal
 
 # The bundled demo where the embedded model's notes carry the most of the decision (lowest field-only recovery
@@ -32,6 +32,12 @@ class AppCancelled(AppNotice):
     """Work the person stopped (e.g. a calibration they cancelled)."""
 
 
+class AppUnreachable(AppNotice):
+    """A server the person named does not answer: their situation to fix, reported at once (a warning toast)."""
+
+    warning = True
+
+
 class AppMissingInput(AppNotice):
     """Input the person has not given yet (the message names the field, by its label on the page)."""
 
@@ -47,6 +53,8 @@ def guarded(function):
             return function(*args, **kwargs)
         except Cancelled as error:
             raise AppCancelled(str(error)) from error
+        except Unreachable as error:
+            raise AppUnreachable(str(error)) from error
         except KVScopeError as error:
             raise AppError(str(error)) from error
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import gradio as gr
 
 from app.handlers.audit_progress import AuditRuns
-from app.handlers.common import AppError
+from app.handlers.common import AppError, AppUnreachable
 from app.handlers.endpoint import run_rewrite_on_server
 from app.handlers.your_prompt import (
     AUDIT_REPAIRS,
@@ -26,7 +26,7 @@ from app.handlers.your_prompt import (
     run_rewrite,
 )
 from app.inputs import LenientCheckboxGroup, LenientSlider
-from app.page import PAIRED_PLOT_MIN_WIDTH, Page, message_progress, step_progress
+from app.page import PAIRED_PLOT_MIN_WIDTH, Page, message_progress, notice, step_progress
 from app.tabs.notes import NotesInputs
 from engine import DEFAULT_SAMPLE, GRAINS, OBSERVED_ENGINES, REPAIR_SUMMARIES, CacheSettings, bundled_logs
 from viz.common import markdown_literal
@@ -59,6 +59,12 @@ AUDIT_TABLE_CSS = """<style>
 OPEN_IN_NOTES_JS = "() => { const button = document.querySelector('#run-edit'); if (button) { button.click(); } }"
 
 
+def with_coarsen(grain: str, chosen: list[str] | None) -> list[str]:
+    """The repairs ticked once a grain is picked: coarsen among them (it measures nothing without one)."""
+    chosen = list(chosen or [])
+    return chosen + ["coarsen"] if grain != NO_GRAIN and "coarsen" not in chosen else chosen
+
+
 def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
     """The Your prompt tab."""
     most_tokens = page.registry.profile.max_audit_tokens or 128
@@ -83,7 +89,7 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
             with gr.Column(scale=1):
                 repairs = LenientCheckboxGroup(
                     AUDIT_REPAIRS,
-                    value=AUDIT_REPAIRS,
+                    value=[name for name in AUDIT_REPAIRS if name != "coarsen"],  # coarsen needs a grain (picking one ticks it)
                     label="Repairs (recompute, the exact reference, always runs)",
                     info=glossary(REPAIR_SUMMARIES),
                     elem_id="audit-repairs",
@@ -106,6 +112,9 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
                     elem_id="audit-min-agreement",
                 )
                 grain = gr.Dropdown([NO_GRAIN, *GRAINS], value=NO_GRAIN, label="coarsen: the date-time grain", elem_id="audit-grain")
+                grain.input(
+                    with_coarsen, inputs=[grain, repairs], outputs=repairs, api_name=False, concurrency_limit=None, show_progress="hidden"
+                )
                 sample = LenientSlider(
                     0,
                     10,
@@ -400,7 +409,10 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
 
     @page.action
     def on_rewrite_on_server(spec, text, progress=gr.Progress(), **values):
-        return run_rewrite_on_server(page.registry, text, spec=spec, progress=step_progress(progress), **values)
+        try:
+            return run_rewrite_on_server(page.registry, text, spec=spec, progress=step_progress(progress), **values)
+        except AppUnreachable as unreachable:  # the person's server is down: information in the panel, no error badge
+            return notice(unreachable), None
 
     server_inputs = {"spec": page.spec, "text": log_text, "rewritten": rewritten, "template": as_template, "tokens": tokens}
     server_button.click(

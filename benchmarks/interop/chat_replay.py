@@ -21,7 +21,8 @@ request the server's ``usage.prompt_tokens_details.cached_tokens`` is set beside
   cache off, against the simulated ``llama_cpp`` engine (a slot per session).
 - ``llama-default``: the same server with its defaults (4 slots with one KV cache, the RAM prompt cache), the client
   naming no slot (as LiteLLM and most clients send), against ``--prompt-cache`` (``caches.ServerSlots``).
-  llama-server returns no ids: the reply is read from its text.
+  Its chat endpoint returns no ids, so each llama way runs twice on a fresh server: through the chat endpoint (the
+  reply read from its text) and through ``/completion`` with the prompt's ids and the generated ids returned.
 
 Writes benchmarks/interop/results/chat_replay-<model>-cpu.json: per server, every request (the server's count, the
 simulation's, their difference) and the share equal.
@@ -91,6 +92,41 @@ def replay_sessions(base_url: str, model: str, sessions: int, turns: int, max_to
     return records
 
 
+def replay_sessions_as_ids(base_url: str, tokenizer: Any, sessions: int, turns: int, max_tokens: Sequence[int], pinned: bool) -> list[dict]:
+    """The sessions sent to llama-server's native ``/completion`` as token ids (the chat template rendered here, as the
+    audit renders it; ``pinned``: a slot per session), the generated ids returned (``return_tokens``): the gateway
+    records hold the chat request and the server's answer, ids, ``stop_type`` and ``timings.cache_n``."""
+    chats = [[{"role": "system", "content": SESSIONS[k % len(SESSIONS)][0]}] for k in range(sessions)]
+    records = []
+    with httpx.Client(trust_env=False, timeout=600.0) as client:
+        for k in range(sessions):  # each slot left holding one token no prompt starts with: nothing of a replay before
+            client.post(
+                f"{base_url}/completion", json={"prompt": [0], "n_predict": 1, "id_slot": k, "cache_prompt": False}
+            ).raise_for_status()
+        for turn in range(turns):
+            for k, messages in enumerate(chats):
+                users = SESSIONS[k % len(SESSIONS)][1]
+                messages.append({"role": "user", "content": users[turn % len(users)]})
+                ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+                n_predict = max_tokens[k % len(max_tokens)]
+                body = {
+                    "prompt": list(ids),
+                    "n_predict": n_predict,
+                    "temperature": 0.0,
+                    "id_slot": k,
+                    "cache_prompt": True,
+                    "return_tokens": True,
+                }
+                sent = time.time()
+                response = client.post(f"{base_url}/completion", json=body)
+                response.raise_for_status()
+                answer = response.json()
+                request = {"model": "embedded", "messages": list(messages), "max_tokens": n_predict}
+                records.append({"request": request, "response": answer, "timestamp": sent, "session_id": f"session-{k + 1}"})
+                messages.append({"role": "assistant", "content": answer["content"]})
+    return records
+
+
 def without_token_ids(records: Sequence[dict]) -> list[dict]:
     """The records as a gateway that logs text only keeps them: every ``token_ids`` dropped from the responses."""
     out = []
@@ -99,6 +135,7 @@ def without_token_ids(records: Sequence[dict]) -> list[dict]:
         for choice in response.get("choices", []):
             choice.pop("token_ids", None)
         response.pop("prompt_token_ids", None)
+        response.pop("tokens", None)  # llama-server's /completion
         out.append({**record, "response": response})
     return out
 
@@ -151,24 +188,33 @@ def run_vllm(model_dir: Path, tokenizer: Any, block: int, args: argparse.Namespa
         "settings": settings,
         "token_ids": compared(tokenizer, records, "vllm", CacheSettings(block=block)),
         "text_only": compared(tokenizer, without_token_ids(records), "vllm", CacheSettings(block=block)),
-        "log": records,
+        "log_token_ids": records,
     }
 
 
 def run_llama(tokenizer: Any, args: argparse.Namespace, pinned: bool) -> dict:
-    """The sessions on llama-server, compared with the replies' text: ``pinned``, one slot per session (``id_slot``,
-    RAM prompt cache off) against the simulated slot per session; else the server's defaults (4 slots, one KV cache,
-    its RAM prompt cache) with no slot named, against the simulated ``ServerSlots`` (``--prompt-cache``)."""
+    """The sessions on llama-server: ``pinned``, one slot per session (``id_slot``, RAM prompt cache off) against the
+    simulated slot per session; else the server's defaults (4 slots, one KV cache, its RAM prompt cache) with no slot
+    named, against the simulated ``ServerSlots`` (``--prompt-cache``). Each way twice, each on a fresh server: through
+    the chat endpoint (the reply read from its text, as most gateways log it) and through ``/completion`` with the
+    generated ids returned (what the slot holds is then known)."""
     slots, cache_ram = (args.sessions, 0) if pinned else (None, None)
-    log = RESULTS / f"llama-{'pinned' if pinned else 'default'}-chat-server.log"
-    server = LlamaServer(SERVER_BINARY, embedded_gguf(), 4096 * args.sessions, args.threads, log, model="embedded", slots=slots,
-                         cache_ram_mib=cache_ram)  # fmt: skip
-    extra = {"id_slot": lambda k: k} if pinned else {}
-    with server:
-        records = replay_sessions(server.base_url, server.model, args.sessions, args.turns, args.max_tokens, extra)
-        settings = server.settings()
-    settings_sim = CacheSettings(block=1, prompt_cache=not pinned)
-    return {"settings": settings, "text_only": compared(tokenizer, records, "llama_cpp", settings_sim), "log": records}
+    simulated = CacheSettings(block=1, prompt_cache=not pinned)
+    result: dict[str, Any] = {}
+    for way in ("text_only", "token_ids"):
+        log = RESULTS / f"llama-{'pinned' if pinned else 'default'}-{way}-server.log"
+        server = LlamaServer(SERVER_BINARY, embedded_gguf(), 4096 * args.sessions, args.threads, log, model="embedded", slots=slots,
+                             cache_ram_mib=cache_ram)  # fmt: skip
+        with server:
+            if way == "text_only":
+                extra = {"id_slot": lambda k: k} if pinned else {}
+                records = replay_sessions(server.base_url, server.model, args.sessions, args.turns, args.max_tokens, extra)
+            else:
+                records = replay_sessions_as_ids(server.base_url, tokenizer, args.sessions, args.turns, args.max_tokens, pinned)
+            result["settings"] = server.settings()
+        result[way] = compared(tokenizer, records, "llama_cpp", simulated)
+        result[f"log_{way}"] = records
+    return result
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -41,6 +42,34 @@ def wait_until_ready(process: subprocess.Popen, url: str, name: str, log_path: P
     tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
     state = f"exited ({process.returncode})" if process.poll() is not None else f"not ready after {timeout_s:g} s"
     raise RuntimeError(f"{name} {state}:\n{tail}")
+
+
+def started(
+    command: list[str], log_path: Path, name: str, health_url: str, env: dict[str, str] | None = None, timeout_s: float = _STARTUP_TIMEOUT_S
+) -> subprocess.Popen:
+    """A server started in its own process group (its output to ``log_path``), once ``health_url`` answers 200;
+    stopped again, with a RuntimeError naming its last log lines, if it exits or is not ready in ``timeout_s``."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        wait_until_ready(process, health_url, name, log_path, timeout_s)
+    except RuntimeError:
+        stopped(process)
+        raise
+    return process
+
+
+def stopped(process: subprocess.Popen | None) -> None:
+    """A server and every process it started (its group) stopped: SIGTERM, then SIGKILL after 30 s."""
+    if process is None or process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 class LlamaServer:
@@ -107,23 +136,11 @@ class LlamaServer:
                    "--no-warmup"]  # fmt: skip
         command += ["-np", str(self.slots)] if self.slots is not None else []
         command += ["--cache-ram", str(self.cache_ram_mib)] if self.cache_ram_mib is not None else []
-        with self.log_path.open("wb") as log:
-            self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_until_ready(self._process, f"{self.base_url}/health", "llama-server", self.log_path)
-        except RuntimeError:
-            self.__exit__()
-            raise
+        self._process = started(command, self.log_path, "llama-server", f"{self.base_url}/health")
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._process is not None and self._process.poll() is None:
-            self._process.terminate()
-            try:
-                self._process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
+        stopped(self._process)
         self._process = None
 
     def count_tokens(self, text: str) -> int:
@@ -257,24 +274,11 @@ class VllmServer(OpenAIServer):
                    "--served-model-name", self.model, "--host", "127.0.0.1", "--port", str(port),
                    "--enable-prefix-caching", "--enable-prompt-tokens-details", "--block-size", str(self.block),
                    "--max-model-len", str(self.max_model_len), "--dtype", self.dtype]  # fmt: skip
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("wb") as log:
-            self._process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=environment, start_new_session=True)
-        try:
-            wait_until_ready(self._process, f"{self.base_url}/health", "vLLM", self.log_path, _VLLM_STARTUP_TIMEOUT_S)
-        except RuntimeError:
-            self.__exit__()
-            raise
+        self._process = started(command, self.log_path, "vLLM", f"{self.base_url}/health", environment, _VLLM_STARTUP_TIMEOUT_S)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._process is not None and self._process.poll() is None:
-            os.killpg(self._process.pid, 15)  # the API server and its engine core process
-            try:
-                self._process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self._process.pid, 9)
-                self._process.wait()
+        stopped(self._process)  # the API server and its engine core process
         self._process = None
 
     def version(self) -> str:

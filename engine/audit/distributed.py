@@ -448,6 +448,7 @@ class _Driver:
             "order_reason": ORDERS[count.order],
             "untimed_requests": count.untimed,
             "flagged": [item.as_dict() for item in count.flagged],
+            "session_keys": session_keys(self.reported),
         }
         simulation = self.simulation
         return TrafficScan(
@@ -463,6 +464,15 @@ class _Driver:
             replies=dict(simulation.replies),
             reply_from=dict(simulation.reply_from),
         )
+
+
+def session_keys(reported: Sequence[Reported]) -> dict[str, int]:
+    """Requests per record key their session was read from, in the order first met (as ``RequestLog.reading``)."""
+    keys: dict[str, int] = {}
+    for item in sorted(reported, key=lambda item: item.index):
+        if item.session_key:
+            keys[item.session_key] = keys.get(item.session_key, 0) + 1
+    return keys
 
 
 def _needed(scan: TrafficScan, sample: int) -> set[int]:

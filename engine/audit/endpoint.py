@@ -55,7 +55,7 @@ import torch
 
 from engine.audit.repairs import OutputFidelity, greedy_agreement
 from engine.cache.decision import kl_divergence
-from engine.errors import KVScopeError
+from engine.errors import KVScopeError, Unreachable
 from engine.progress import StepProgress
 
 KEY_ENV = "KVSCOPE_ENDPOINT_KEY"  # the environment variable the API key is read from
@@ -75,6 +75,10 @@ Token = int | str  # a token id where the server gives it, else its text
 
 class EndpointError(KVScopeError):
     """An endpoint that cannot be measured on: it is unreachable, serves another model, or gives no log-probabilities."""
+
+
+class EndpointUnreachable(EndpointError, Unreachable):
+    """Nothing listens at the endpoint: refused at once, never retried."""
 
 
 @dataclass(frozen=True)
@@ -428,6 +432,10 @@ class EndpointClient:
             wait = settings.backoff_s * 2**attempt
             try:
                 response = await client.request(method, route, json=body, headers=headers)
+            except httpx.ConnectError as error:  # refused, or no such host: final, nothing to wait for
+                raise EndpointUnreachable(
+                    f"nothing answers at {settings.base} ({error or 'connection refused'}): start the server there, or correct --endpoint"
+                ) from None
             except httpx.TransportError as error:
                 problem = f"{type(error).__name__}: {error}"
             else:

@@ -59,10 +59,18 @@ class Reported:
     model: str | None
     observed_cached_tokens: int | None
     observed_prompt_tokens: int | None = None
+    session_key: str | None = None  # the record's key its session was read from (``RequestLog.reading``)
 
     @classmethod
     def of(cls, request: Request) -> Reported:
-        return cls(request.index, request.timestamp, request.model, request.observed_cached_tokens, request.observed_prompt_tokens)
+        return cls(
+            request.index,
+            request.timestamp,
+            request.model,
+            request.observed_cached_tokens,
+            request.observed_prompt_tokens,
+            request.session_key,
+        )
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,7 @@ class Request:
     trace: str | None = None  # a Langfuse observation's trace: its session is the one the trace's record names (``join_traces``)
     flags: tuple[tuple[str, str], ...] = ()  # (key, why) of what its record says that could not be read (``Flagged``)
     reply: Reply | None = None  # what the server generated, where the log records it (``replies``)
+    session_key: str | None = None  # the record's key its session was read from, where a reader chooses among several
 
     @property
     def where(self) -> str:
@@ -182,11 +183,16 @@ class RequestLog:
     def reading(self) -> dict:
         """How the log was read, for reports: the order used and why, the requests without a timestamp, the flags."""
         untimed = sum(request.timestamp is None for request in self.requests)
+        keys: dict[str, int] = {}
+        for request in self.requests:
+            if request.session_key:
+                keys[request.session_key] = keys.get(request.session_key, 0) + 1
         return {
             "order": self.order,
             "order_reason": ORDERS[self.order],
             "untimed_requests": untimed,
             "flagged": [item.as_dict() for item in self.flagged],
+            "session_keys": keys,
         }
 
 
@@ -338,7 +344,7 @@ def _array_item_lines(text: str, count: int) -> list[int]:
 
 
 # What a reader may add beside the request it read: when it was sent, the model named, and what the server cached.
-_OBSERVED_KEYS = ("timestamp", "model", "observed_cached_tokens", "observed_cache_write_tokens", "observed_prompt_tokens")
+_OBSERVED_KEYS = ("timestamp", "model", "observed_cached_tokens", "observed_cache_write_tokens", "observed_prompt_tokens", "session_key")
 
 
 def _request(item: dict, index: int, line: int) -> Request:

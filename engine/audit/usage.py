@@ -10,6 +10,7 @@ Every export reader (``engine.audit.sources``) hands its usage object here with 
 | ``langfuse`` | ``input_cached_tokens`` (or ``input_cache_read``) | ``input_cache_creation`` | ``input`` + read + written |
 | ``helicone`` | ``prompt_cache_read_tokens`` | ``prompt_cache_write_tokens`` | ``prompt_tokens`` (+ read + written for Anthropic) |
 | ``otel`` | ``gen_ai.usage.cache_read.input_tokens`` | ``gen_ai.usage.cache_creation.input_tokens`` | ``gen_ai.usage.input_tokens`` |
+| ``llama_server`` | ``timings.cache_n`` (its native ``/completion``) | — | ``cache_n`` + ``prompt_n`` |
 
 ¹ LiteLLM's usage adds Anthropic's ``cache_read_input_tokens`` and ``cache_creation_input_tokens`` to OpenAI's shape.
 Anthropic's ``input_tokens`` and Langfuse's ``input`` exclude the cached tokens; the others' prompt counts include them.
@@ -23,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-SHAPES = ("openai", "anthropic", "openrouter", "langfuse", "helicone", "otel")
+SHAPES = ("openai", "anthropic", "openrouter", "langfuse", "helicone", "otel", "llama_server")
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,9 @@ def response_usage(response: Any) -> tuple[Any, str]:
     (``native_tokens_cached``), Anthropic's (``input_tokens`` and ``cache_*_input_tokens``), else OpenAI's."""
     if not isinstance(response, dict):
         return None, "openai"
+    timings = response.get("timings")
+    if "usage" not in response and isinstance(timings, dict) and "cache_n" in timings:
+        return timings, "llama_server"
     for holder in (response, response.get("data"), response.get("usage")):
         if isinstance(holder, dict) and "native_tokens_cached" in holder:
             return holder, "openrouter"
@@ -99,6 +103,8 @@ def _raw(usage: dict, shape: str) -> tuple[str, str, Any, Any, Any]:
     if shape == "otel":
         read_key, write_key = "gen_ai.usage.cache_read.input_tokens", "gen_ai.usage.cache_creation.input_tokens"
         return read_key, write_key, usage.get(read_key), usage.get(write_key), usage.get("gen_ai.usage.input_tokens")
+    if shape == "llama_server":
+        return "cache_n", "", usage.get("cache_n"), None, _sum(usage.get("prompt_n"), usage.get("cache_n"))
     raise ValueError(f"unknown usage shape {shape!r}; one of {', '.join(SHAPES)}")
 
 

@@ -30,6 +30,7 @@ from app.handlers.your_prompt import (
 )
 from app.hosting import local_profile, public_profile
 from app.state import ExportFolder, ModelRegistry, SessionStore
+from app.tabs.your_prompt import with_coarsen
 from engine.audit.audit import repaired_template
 from engine.audit.causes import CAUSES
 from engine.audit.fields import diff_requests
@@ -379,3 +380,9 @@ def test_a_rewrite_is_measured_against_the_log_and_a_mismatched_one_refused(regi
         run_rewrite(registry, LOG, rewritten="\n".join(LOG.splitlines()[:2]), template=False, tokens=2)
     with pytest.raises(AppError, match="rewritten log"):
         run_rewrite(registry, LOG, rewritten="  ", template=False, tokens=2)
+
+
+def test_coarsen_is_ticked_once_a_grain_is_picked_and_not_before():
+    assert with_coarsen("none", ["erratum", "hoist"]) == ["erratum", "hoist"]
+    assert with_coarsen("date", ["erratum"]) == ["erratum", "coarsen"]
+    assert with_coarsen("date", ["coarsen"]) == ["coarsen"] and with_coarsen("hour", None) == ["coarsen"]

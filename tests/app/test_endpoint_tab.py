@@ -5,10 +5,11 @@ and the public profile refusing it before any request reaches the URL."""
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 
-from app.handlers.common import AppError
+from app.handlers.common import AppError, AppNotice
 from app.handlers.endpoint import run_rewrite_on_server
 from app.handlers.your_prompt import run_rewrite
 from app.hosting import public_profile
@@ -54,3 +55,12 @@ def test_the_public_profile_makes_no_request_to_a_url_a_visitor_typed(registry):
         with pytest.raises(AppError, match="makes no request to a URL a visitor typed"):
             run_rewrite_on_server(public, LOG, rewritten=HOISTED, url=url, tokens=3)
     assert fake.headers == [] and fake.completions == []  # not even the model list was asked for
+
+
+def test_a_server_that_does_not_answer_is_reported_at_once_as_information_naming_the_url(registry):
+    with socket.socket() as probe:  # a loopback port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(AppNotice, match=rf"nothing answers at http://127.0.0.1:{port}") as raised:
+        run_rewrite_on_server(registry, LOG, rewritten=HOISTED, url=f"http://127.0.0.1:{port}", tokens=3)
+    assert raised.value.warning  # a warning toast: something for the person to do, not an error badge

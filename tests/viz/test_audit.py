@@ -248,6 +248,17 @@ def test_traffic_and_groups_markdown_name_sessions_causes_and_the_sample_escaped
     assert "| not applicable: hoist |" in never
 
 
+def test_a_token_pass_only_audit_says_so_rather_than_one_request_only():
+    token_pass = {**DATA, **TRAFFIC, "sample": 0, "sampled": False, "turns": []}
+    assert "the token pass only (--sample 0): no turn was measured with the model." in groups_markdown(token_pass)
+    assert "measured up to 0" not in groups_markdown(token_pass)
+    for figure in (reuse_timeline_figure(token_pass), fidelity_cost_figure(token_pass)):
+        words = figure.layout.annotations[0].text
+        assert "token pass only" in words and "one request only" not in words
+    alone = {**token_pass, "requests": TRAFFIC["requests"][:1]}
+    assert "one request only" in reuse_timeline_figure(alone).layout.annotations[0].text
+
+
 def _observed_traffic() -> dict:
     """TRAFFIC with observed counts (request 2 reports none; request 4 is a shortfall of 32 tokens against vLLM), a
     fit, one request to OpenAI, and a format name to escape."""

@@ -76,6 +76,7 @@ def requests_of(
     model: Any = None,
     usage: ObservedUsage = ObservedUsage(),
     reply: Reply | None = None,
+    session_key: str | None = None,
 ) -> list[dict]:
     """``read_request``'s items as the source's requests: its name as their format, and what the record says beside
     the request (a session it names wins over one in the request body; the reply the server generated)."""
@@ -88,6 +89,7 @@ def requests_of(
         **observed,
         "flags": [*time_flags, *observed["flags"]],
         **({"reply": reply} if reply is not None else {}),
+        **({"session_key": session_key} if session_key and session is not None else {}),
     }
     named = str(session) if isinstance(session, str | int) and not isinstance(session, bool) and str(session) else None
     return [{**item, **extra, "session": named or item.get("session"), "model": extra["model"] or item.get("model")} for item in items]

@@ -35,7 +35,7 @@ def read_gateway(record: dict) -> SourceRead:
             session=session_key(record),
             timestamp=epoch_seconds(record.get("timestamp"), "timestamp"),
             model=asked or served,
-            usage=observed_usage(usage, shape, "response.usage" if shape != "openrouter" else "response"),
+            usage=observed_usage(usage, shape, {"openrouter": "response", "llama_server": "response.timings"}.get(shape, "response.usage")),
             reply=reply_of(response),
         )
     )

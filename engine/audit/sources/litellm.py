@@ -3,7 +3,8 @@
 A SpendLogs row keeps the prompt in ``messages`` only with ``store_prompts_in_spend_logs``, and the client's whole
 body (tools included) in ``proxy_server_request``; ``session_id`` comes from ``litellm_session_id``; the provider's
 usage sits in ``metadata.usage_object`` (``metadata`` may be JSON text). A callback payload holds ``messages``, the
-tools in ``model_parameters``, the session in ``trace_id`` and a float ``startTime``.
+tools in ``model_parameters``, the session in its own ``session_id``, else ``trace_id``, else its metadata
+(``CALLBACK_SESSION_KEYS``; the key used is stated per request), and a float ``startTime``.
 
 ``cache_hit`` is LiteLLM's own response cache, not a prefix cache: it is never read as cached tokens. A request it
 answered never reached the server, so its usage (the original response's) is not an observation: flagged, None.
@@ -35,7 +36,9 @@ def read_spend_log(record: dict) -> SourceRead:
         raise RecordError("messages", "no prompt stored: the proxy keeps it with general_settings.store_prompts_in_spend_logs: true")
     metadata = parsed_json(record.get("metadata"), "metadata")
     usage = metadata.get("usage_object") if isinstance(metadata, dict) else None
-    return SourceRead(_requests(items, "litellm_spend_logs", record, record.get("session_id"), usage, "metadata.usage_object"))
+    session = record.get("session_id")
+    named = (session, "session_id" if session else None)
+    return SourceRead(_requests(items, "litellm_spend_logs", record, named, usage, "metadata.usage_object"))
 
 
 def is_callback_payload(record: dict) -> bool:
@@ -56,10 +59,26 @@ def read_callback_payload(record: dict) -> SourceRead:
     usage, key = metadata.get("usage_object"), "metadata.usage_object"
     if usage is None and isinstance(record.get("response"), dict):
         usage, key = record["response"].get("usage"), "response.usage"
-    return SourceRead(_requests(items, "litellm_callback", record, record.get("trace_id"), usage, key))
+    return SourceRead(_requests(items, "litellm_callback", record, _callback_session(record, metadata), usage, key))
 
 
-def _requests(items: list[dict], source: str, record: dict, session: Any, usage: Any, key: str) -> list[dict]:
+# Where a callback payload names its session, most trusted first: the payload's own session_id (the caller's
+# litellm_session_id, or the caller's litellm_trace_id under request correlation), LiteLLM's trace_id (one per
+# session unless the caller set its own), then the metadata's keys.
+CALLBACK_SESSION_KEYS = ("session_id", "trace_id", "metadata.session_id", "metadata.litellm_session_id", "metadata.trace_id")
+
+
+def _callback_session(record: dict, metadata: dict) -> tuple[Any, str | None]:
+    """The payload's session and the key it was read from (``CALLBACK_SESSION_KEYS`` order)."""
+    for key in CALLBACK_SESSION_KEYS:
+        holder, name = (metadata, key.split(".", 1)[1]) if key.startswith("metadata.") else (record, key)
+        value = holder.get(name)
+        if isinstance(value, str | int) and not isinstance(value, bool) and str(value):
+            return value, key
+    return None, None
+
+
+def _requests(items: list[dict], source: str, record: dict, session: tuple[Any, str | None], usage: Any, key: str) -> list[dict]:
     observed = observed_usage(usage, "openai", key)
     if str(record.get("cache_hit")).lower() == "true":
         reason = "LiteLLM's response cache answered this request, so no server saw it; its usage is not an observation"
@@ -68,7 +87,8 @@ def _requests(items: list[dict], source: str, record: dict, session: Any, usage:
     return requests_of(
         items,
         source,
-        session=session,
+        session=session[0],
+        session_key=session[1],
         timestamp=epoch_seconds(record.get("startTime"), "startTime"),
         model=record.get("model"),
         usage=observed,

@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import math
+import socket
 
 import httpx
 import pytest
@@ -20,6 +21,7 @@ from engine.audit.endpoint import (
     EndpointClient,
     EndpointError,
     EndpointSettings,
+    EndpointUnreachable,
     Probe,
     compare,
     estimate_kl,
@@ -31,6 +33,7 @@ from engine.audit.requests import read_log
 from engine.audit.rewrite import measure_rewrite
 from engine.cache.decision import kl_divergence
 from engine.cli import main
+from engine.errors import Unreachable
 from tests.fake_endpoint import FakeServer, serving
 
 RULES = "Account tier: gold\nAnswer in one short paragraph. Never promise a refund above the tier's limit."
@@ -164,6 +167,23 @@ def test_429_and_5xx_are_retried_with_backoff_honouring_retry_after(lm):
     with pytest.raises(EndpointError, match="HTTP 400"):  # a client error is not retried
         client.answer([_probe([5, 6, 9])])
     assert retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0 and retry_after("1.5") == 1.5 and retry_after("soon") is None
+
+
+def test_a_refused_connection_is_final_at_once_and_names_the_url():
+    waits: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        waits.append(seconds)
+
+    with socket.socket() as probe:  # a loopback port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    client = EndpointClient(EndpointSettings(f"http://127.0.0.1:{port}/v1"), environ={})
+    client.sleep = sleep
+    with pytest.raises(EndpointUnreachable, match=rf"nothing answers at http://127.0.0.1:{port} .*start the server there"):
+        client.connect()
+    assert waits == []  # not retried
+    assert isinstance(EndpointUnreachable("x"), Unreachable)  # the app shows it as information, not an error
 
 
 def test_a_server_without_logprobs_or_serving_another_model_is_refused_by_name(lm):

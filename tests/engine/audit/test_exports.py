@@ -251,3 +251,15 @@ def test_the_report_json_says_the_order_and_the_flags(tokenizer):
     assert scan.reading["order"] == "timestamps" and scan.reading["order_reason"].startswith("by each request's own timestamp")
     key, reason = "response.usage.prompt_tokens_details.cached_tokens", "is negative (-1); read as not reported"
     assert scan.reading["flagged"] == [{"request": 1, "line": 1, "key": key, "reason": reason}]
+
+
+def test_a_litellm_payload_names_its_session_by_its_own_session_id_then_trace_id_then_metadata():
+    payload = json.loads(_text("litellm_callback.jsonl").splitlines()[0])
+    own = payload | {"session_id": "caller-session", "trace_id": "caller-trace-id"}  # request correlation on
+    log = read_log(json.dumps(own))
+    assert log.requests[0].session == "caller-session" and log.reading()["session_keys"] == {"session_id": 1}
+    traced = {key: value for key, value in own.items() if key != "session_id"}
+    assert read_log(json.dumps(traced)).requests[0].session == "caller-trace-id"
+    tagged = {key: value for key, value in traced.items() if key != "trace_id"} | {"metadata": {"session_id": "from-metadata"}}
+    tagged_log = read_log(json.dumps(tagged), "litellm_callback")
+    assert tagged_log.requests[0].session == "from-metadata" and tagged_log.reading()["session_keys"] == {"metadata.session_id": 1}

@@ -300,3 +300,12 @@ def test_the_prompt_cache_setting_feeds_the_llama_cpp_engine():
     settings = CacheSettings(prompt_cache=True)
     engines = Simulation(settings).engines
     assert isinstance(engines.slots, ServerSlots) and settings.as_dict()["prompt_cache"] is True
+
+
+def test_a_llama_server_completion_gives_its_reply_ids_and_its_cached_count(tokenizer):
+    answer = {"content": "abc", "tokens": [40, 41, 42], "stop_type": "limit", "timings": {"cache_n": 5, "prompt_n": 7}}
+    log = read_log(json.dumps({"request": {"messages": [{"role": "user", "content": "Hi"}]}, "response": answer, "timestamp": 1}))
+    request = log.requests[0]
+    assert (request.observed_cached_tokens, request.observed_prompt_tokens) == (5, 12)
+    assert request.reply.token_ids == (40, 41, 42) and request.reply.finish == "length"
+    assert scan_log(tokenizer, log).rendered[1].reply_ids.tolist() == [40, 41]  # the last sampled token is not in the slot
