@@ -593,7 +593,7 @@ def observed_markdown(data: Mapping) -> str:
                 f"**Observed beside simulated** ({counted:,} of {total:,} requests report a cached count; compared with {engine}): "
                 f"hit rate {shown}",
                 *(
-                    [f"The observed rate is over {markdown_literal(observed['observed_rate_over'])}."]
+                    ["", f"The observed rate is over {markdown_literal(observed['observed_rate_over'])}."]
                     if "observed_rate_over" in observed
                     else []
                 ),

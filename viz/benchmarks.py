@@ -471,3 +471,43 @@ def audit_replay_figure(data: dict) -> go.Figure:
         subplot_titles=1,
     )
     return figure
+
+
+CHAT_REPLAY_WAYS = {  # the ways a chat replay's log was audited (``chat_replay-*.json``), and their legend
+    "token_ids": "replies from the server's token ids",
+    "text_only": "replies from their text alone",
+    "prompts_only": "prompts only (no reply cached)",
+}
+
+
+def chat_replay_figure(data: dict) -> go.Figure:
+    """Chat sessions replayed on real servers with their replies fed back (``chat_replay-*.json``): per server and setting,
+    the requests where the audit's simulated cache equals the server's own count, with the replies read from token ids,
+    from text alone, and with no reply cached (the simulation before replies were cached)."""
+    servers = data["servers"]
+    figure = go.Figure()
+    for index, (way, label) in enumerate(CHAT_REPLAY_WAYS.items()):
+        names, equal, text = [], [], []
+        for name, result in servers.items():
+            source = result.get("token_ids") or result.get("text_only")
+            part = result.get(way) if way != "prompts_only" else source
+            if part is None:
+                continue
+            count = part["equal_prompts_only"] if way == "prompts_only" else part["equal"]
+            names.append(safe_label(name))
+            equal.append(count)
+            text.append(f"{count}/{part['requests']}")
+        figure.add_bar(x=names, y=equal, name=label, text=text, textposition="outside", marker_color=PALETTE[index % len(PALETTE)])
+    requests = max(
+        (part["requests"] for result in servers.values() for part in (result.get("token_ids"), result.get("text_only")) if part), default=0
+    )
+    figure.update_layout(barmode="group", height=420, legend=LEGEND_BELOW)
+    figure.update_yaxes(title_text="requests: simulation = server", range=[0, requests * 1.15 or 1], dtick=5)
+    set_title(
+        figure,
+        f"The audit's simulated cache against real servers' own counts: {data.get('sessions')} chat sessions × {data.get('turns')} turns",
+        "each reply fed back as the next turn's assistant message; replies of at most "
+        + ", ".join(str(tokens) for tokens in data.get("max_tokens") or ())
+        + " tokens",
+    )
+    return figure

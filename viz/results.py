@@ -21,6 +21,7 @@ FIGURES: dict[str, Callable[[dict], go.Figure]] = {  # result kind (the file ste
     "compare_models": benchmarks.compare_models_figure,
     "audit": benchmarks.audit_benchmark_figure,
     "audit_replay": benchmarks.audit_replay_figure,
+    "chat_replay": benchmarks.chat_replay_figure,
 }
 
 
@@ -31,5 +32,6 @@ def result_kind(stem: str) -> str:
 
 def result_figures(results: Mapping[str, dict]) -> list[go.Figure]:
     """A figure per result of a known kind (TTFT, edit latency, prefill, serving, agent policies, soak, N-skill study,
-    cache reuse, picture splice, models side by side, request-log audits and their llama-server replays), in order."""
+    cache reuse, picture splice, models side by side, request-log audits, their llama-server replays, chat sessions
+    replayed on real servers), in order."""
     return [FIGURES[result_kind(stem)](data) for stem, data in results.items() if result_kind(stem) in FIGURES]

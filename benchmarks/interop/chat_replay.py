@@ -99,24 +99,14 @@ def replay_sessions_as_ids(base_url: str, tokenizer: Any, sessions: int, turns: 
     chats = [[{"role": "system", "content": SESSIONS[k % len(SESSIONS)][0]}] for k in range(sessions)]
     records = []
     with httpx.Client(trust_env=False, timeout=600.0) as client:
-        for k in range(sessions):  # each slot left holding one token no prompt starts with: nothing of a replay before
-            client.post(
-                f"{base_url}/completion", json={"prompt": [0], "n_predict": 1, "id_slot": k, "cache_prompt": False}
-            ).raise_for_status()
         for turn in range(turns):
             for k, messages in enumerate(chats):
                 users = SESSIONS[k % len(SESSIONS)][1]
                 messages.append({"role": "user", "content": users[turn % len(users)]})
                 ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
                 n_predict = max_tokens[k % len(max_tokens)]
-                body = {
-                    "prompt": list(ids),
-                    "n_predict": n_predict,
-                    "temperature": 0.0,
-                    "id_slot": k,
-                    "cache_prompt": True,
-                    "return_tokens": True,
-                }
+                body = {"prompt": list(ids), "n_predict": n_predict, "temperature": 0.0, "cache_prompt": True, "return_tokens": True}
+                body |= {"id_slot": k} if pinned else {}
                 sent = time.time()
                 response = client.post(f"{base_url}/completion", json=body)
                 response.raise_for_status()
@@ -262,7 +252,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "servers": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    args.out.write_text(json.dumps(out, separators=(",", ":")) + "\n")  # compact: it keeps every raw answer
     print(f"wrote {args.out}")
     return out
 

@@ -433,8 +433,9 @@ class EndpointClient:
             try:
                 response = await client.request(method, route, json=body, headers=headers)
             except httpx.ConnectError as error:  # refused, or no such host: final, nothing to wait for
+                why = error or "connection refused"
                 raise EndpointUnreachable(
-                    f"nothing answers at {settings.base} ({error or 'connection refused'}): start the server there, or correct --endpoint"
+                    f"nothing answers at {settings.base} ({why}): start the server there, or correct the URL (--endpoint)"
                 ) from None
             except httpx.TransportError as error:
                 problem = f"{type(error).__name__}: {error}"

@@ -519,6 +519,7 @@ def test_every_stored_benchmark_result_of_a_known_kind_gets_a_figure():
         "compare_models",
         "audit",
         "audit_replay",
+        "chat_replay",
     }
     assert len(figures) == sum(stem.split("-")[0] in kinds for stem in results) <= 24  # the Benchmarks tab's plot slots
     titles = [figure.layout.title.text for figure in figures]
@@ -529,6 +530,7 @@ def test_every_stored_benchmark_result_of_a_known_kind_gets_a_figure():
     assert any("A picture's K/V spliced behind text" in title for title in titles)
     audits = [stem for stem in results if stem.startswith("audit-")]
     assert sum(title.startswith("Audit of ") for title in titles) == len(audits)
+    assert any(title.startswith("The audit's simulated cache against real servers' own counts") for title in titles)
 
 
 def test_notes_learn_and_the_locality_probe_show_one_notes_share(sessions):

@@ -6,6 +6,7 @@ import pytest
 
 from viz.benchmarks import (
     cache_reuse_figure,
+    chat_replay_figure,
     edit_latency_figure,
     prefill_figure,
     serving_figure,
@@ -111,3 +112,20 @@ def test_cache_reuse_points_are_the_numbers_per_engine_arm_and_case():
     assert list(figure.layout.yaxis.categoryarray) == ["KVScope: erratum", "KVScope: move, seam 4", "llama.cpp: reuse"]
     assert "&lt;b&gt;" in llama_moved_kl.text[0] and figure.layout.xaxis.type == "log"
     json.loads(figure.to_json())
+
+
+def test_a_chat_replay_draws_simulation_equal_to_server_per_server_and_way():
+    part = {"requests": 20, "equal": 19, "equal_prompts_only": 4}
+    data = {
+        "sessions": 4,
+        "turns": 5,
+        "max_tokens": [8, 24, 64],
+        "servers": {"vllm-32": {"token_ids": part | {"equal": 20}, "text_only": part | {"equal": 20}}, "llama<b>": {"text_only": part}},
+    }
+    figure = chat_replay_figure(data)
+    bars = {trace.name: (list(trace.x), list(trace.y)) for trace in figure.data}
+    assert bars["replies from the server's token ids"] == (["vllm-32"], [20])
+    assert bars["replies from their text alone"] == (["vllm-32", "llama&lt;b&gt;"], [20, 19])
+    assert bars["prompts only (no reply cached)"] == (["vllm-32", "llama&lt;b&gt;"], [4, 4])
+    title = figure.layout.title.text.replace("<br>", " ")
+    assert "4 chat sessions × 5 turns" in title and "8, 24, 64 tokens" in title
