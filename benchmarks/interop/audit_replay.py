@@ -31,6 +31,9 @@ Per request, each replay also carries the audit's fidelity of its prompt against
 ``--tokens`` greedy tokens, the same text), measured in torch on the ``--model`` (its dtype is the JSON's), while the
 server runs the GGUF.
 
+Chat sessions whose replies are fed back (the server then caches each reply too), on llama-server and on vLLM's CPU
+build: ``benchmarks/interop/chat_replay.py``.
+
 Writes benchmarks/interop/results/audit_replay-<model>-<device>.json (and its figure, .html) with the CPU's flags, the
 repetitions and the load average; the times are single-machine wall times on a CPU other processes may share.
 """

@@ -210,3 +210,22 @@ def test_audit_prints_the_per_turn_schema(tmp_path):
     assert code == 0 and edit["field"] == "session_started" and edit["new"] == "2026-12-01 09:15"
     code, error = run_cli("audit", str(log), "--model", "tiny-qwen2", "--repairs", "magic")
     assert code == 2 and "unknown repair 'magic'" in error["error"]
+
+
+def test_audit_reads_a_servers_metrics_scrapes_and_the_llama_server_prompt_cache_setting(tmp_path):
+    log = tmp_path / "log.jsonl"
+    turns = [{"messages": [{"role": "user", "content": "Hi"}]}, {"messages": [{"role": "user", "content": "Hi there"}]}]
+    log.write_text("\n".join(json.dumps(turn) for turn in turns))
+    before, after = tmp_path / "before.prom", tmp_path / "after.prom"
+    before.write_text("# TYPE vllm:prefix_cache_hits_total counter\nvllm:prefix_cache_hits_total 100\nvllm:prefix_cache_queries_total 400\n")
+    after.write_text('vllm:prefix_cache_hits_total{model_name="m"} 164\nvllm:prefix_cache_queries_total{model_name="m"} 480\n')
+    base = ("audit", str(log), "--model", "tiny-qwen2", "--sample", "0")
+    code, audit = run_cli(*base, "--metrics", str(before), "--metrics", str(after), "--prompt-cache")
+    metrics = audit["observed"]["metrics"]
+    assert code == 0 and (metrics["hits"], metrics["queries"], metrics["hit_rate"]) == (64, 80, 0.8)
+    assert "two scrapes" in metrics["source"] and set(metrics["simulated_hit_rate"]) == {"vllm", "sglang", "llama_cpp"}
+    assert audit["engines"]["settings"]["prompt_cache"] is True
+    code, error = run_cli(*base, "--metrics", str(after), "--metrics", str(before))
+    assert code == 2 and "counts less than the first" in error["error"]
+    code, error = run_cli(*base, "--metrics", str(log))
+    assert code == 2 and "metrics line 1 is not a Prometheus sample" in error["error"]
