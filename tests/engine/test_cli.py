@@ -217,7 +217,9 @@ def test_audit_reads_a_servers_metrics_scrapes_and_the_llama_server_prompt_cache
     turns = [{"messages": [{"role": "user", "content": "Hi"}]}, {"messages": [{"role": "user", "content": "Hi there"}]}]
     log.write_text("\n".join(json.dumps(turn) for turn in turns))
     before, after = tmp_path / "before.prom", tmp_path / "after.prom"
-    before.write_text("# TYPE vllm:prefix_cache_hits_total counter\nvllm:prefix_cache_hits_total 100\nvllm:prefix_cache_queries_total 400\n")
+    before.write_text(
+        "# TYPE vllm:prefix_cache_hits_total counter\nvllm:prefix_cache_hits_total 100\nvllm:prefix_cache_queries_total 400\n"
+    )
     after.write_text('vllm:prefix_cache_hits_total{model_name="m"} 164\nvllm:prefix_cache_queries_total{model_name="m"} 480\n')
     base = ("audit", str(log), "--model", "tiny-qwen2", "--sample", "0")
     code, audit = run_cli(*base, "--metrics", str(before), "--metrics", str(after), "--prompt-cache")

@@ -24,10 +24,22 @@ from engine.audit.usage import observed_usage
 INFERENCE = ("chat", "text_completion", "generate_content")
 INPUT = "gen_ai.input.messages"
 OUTPUT = "gen_ai.output.messages"
-NOT_CAPTURED = (
-    "not captured: content capture is off by default (turn it on in the instrumentation, e.g. "
-    "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true), so this span's prompt is unknown"
-)
+# Why a span carries no prompt, by the semantic conventions its instrumentation follows: the newer ones (spans name
+# gen_ai.provider.name) put content on the span only with a capture mode, and refuse ``true``; the older ones
+# (gen_ai.system) never put it on the span but emit each message as a log record, which this reader does not join.
+NOT_CAPTURED = {
+    "newer": (
+        "not captured: content capture is off by default; these spans follow the newer GenAI conventions, whose setting "
+        "takes a mode (OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=SPAN_ONLY or SPAN_AND_EVENT; true is refused "
+        "and falls back to no content), so this span's prompt is unknown"
+    ),
+    "older": (
+        "no messages on this span: it follows the older GenAI conventions, which write each message as a log record "
+        "(gen_ai.user.message, in resourceLogs) even with OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true; "
+        "KVScope reads prompts from spans, so set OTEL_SEMCONV_STABILITY_OPT_IN=gen_ai_latest_experimental with "
+        "...CAPTURE_MESSAGE_CONTENT=SPAN_ONLY, and this span's prompt is unknown"
+    ),
+}
 
 
 BATCHES = ("resourceSpans", "resourceLogs", "resourceMetrics")  # what a collector's file exporter writes, a batch a line
@@ -95,7 +107,7 @@ def _is_inference(attributes: dict) -> bool:
 
 def _span(span: dict, attributes: dict, key: str) -> list[dict]:
     if attributes.get(INPUT) is None:
-        raise RecordError(f"{key} {INPUT}", NOT_CAPTURED)
+        raise RecordError(f"{key} {INPUT}", NOT_CAPTURED[convention(attributes)])
     messages = _messages(parsed_json(attributes[INPUT], f"{key} {INPUT}"), f"{key} {INPUT}")
     system = parsed_json(attributes.get("gen_ai.system_instructions"), f"{key} gen_ai.system_instructions")
     if system:
@@ -129,6 +141,12 @@ def _reply(attributes: dict, key: str) -> Reply | None:
     first = output[0].get("finish_reason") if isinstance(output[0], dict) else None
     finish = finish_of(first or (reasons[0] if isinstance(reasons, list) and reasons else reasons))
     return Reply(messages[0]["content"], tuple(messages[0].get("tool_calls", ())), None, finish)
+
+
+def convention(attributes: dict) -> str:
+    """The GenAI semantic conventions a span follows (``NOT_CAPTURED``'s keys): the older ones name ``gen_ai.system``,
+    the newer ones ``gen_ai.provider.name``."""
+    return "older" if "gen_ai.system" in attributes and "gen_ai.provider.name" not in attributes else "newer"
 
 
 def _messages(messages: Any, key: str) -> list[dict]:

@@ -154,7 +154,12 @@ def test_a_span_that_cannot_be_read_is_skipped_by_name_and_its_batch_read():
     assert (first.line, first.key) == (2, f"resourceSpans 1 scopeSpans 1 spans {chats[0]} gen_ai.input.messages")
     assert "holds text that is not JSON" in first.reason
     where = f"resourceSpans 1 scopeSpans 1 spans {chats[1]} gen_ai.input.messages"
-    assert (second.line, second.key, second.reason) == (2, where, NOT_CAPTURED)
+    assert (second.line, second.key, second.reason) == (2, where, NOT_CAPTURED["newer"])
+    assert "SPAN_ONLY" in second.reason and "=true" not in second.reason.replace("; true is refused", "")
+    _set(spans[chats[1] - 1], "gen_ai.system", {"stringValue": "openai"})  # the older conventions: messages in log records
+    _set(spans[chats[1] - 1], "gen_ai.provider.name", None)
+    older = read_log(json.dumps(batch)).skipped[-1]
+    assert older.reason == NOT_CAPTURED["older"] and "log record" in older.reason
 
 
 def test_a_helicone_row_without_its_body_is_skipped_and_the_page_read():
