@@ -1,8 +1,8 @@
 """The token pass over a whole request log (no model forward): every request rendered once (the fast tokenizer's batch
 path), matched with the earlier request it shares the longest token prefix with (a radix tree, so no request is
-compared with every other), the pair diffed (fields, growth, structural changes), the causes named, the simulated
-engines (``caches``), the hosted providers' caches and any fleets fed, and the log's observed counts compared
-(``observed``). Turns are then grouped by change signature (the causes and fields that changed, and whether the
+compared with every other), the pair diffed (fields, growth, structural changes), the causes named, every simulated
+cache fed through one step (``simulation``: the engines, with the replies servers cache, the hosted providers' caches
+and any fleets), and the log's observed counts compared (``observed``). Turns are then grouped by change signature (the causes and fields that changed, and whether the
 request grew), and up to K of each group picked for the model pass (``traffic.audit_traffic``).
 
 Nothing here imports torch: the distributed pass's workers (``distributed``) run it with the tokenizer alone.
