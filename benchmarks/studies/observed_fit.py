@@ -5,7 +5,7 @@
 
 The log's observed cached tokens are made by a "server": a vLLM-style block cache with ``--block``-token blocks and a
 budget of the log's working set divided by ``--divisor`` (the tokens an unbounded cache holds at the end), fed the
-log in order. The token pass (``scan_log``) and the fit (``fit_observed``: 6 block sizes × 6 budgets, the ids hashed
+log in order, holding each prompt and its reply as the next turn resends it. The token pass (``scan_log``) and the fit (``fit_observed``: 6 block sizes × 6 budgets, the ids hashed
 once) are then timed side by side in this process, ``--reps`` times each (min / median / max), with the settings tied
 best and whether the server's is among them (a budget that never binds on the log ties with unbounded, which comes
 first). Writes benchmarks/studies/results/observed_fit-cpu.json.
@@ -51,12 +51,15 @@ def main(argv: list[str] | None = None) -> None:
     load_before = os.getloadavg()
     log = read_log("\n".join(json.dumps(record) for record in synthetic_log(args.requests, args.sessions)))
     plain = scan_log(tokenizer, log)
-    radix = RadixCache()
+    radix = RadixCache()  # the working set: every token the server held (prompts, and replies the next turns resend)
     for step, row in enumerate(plain.requests, 1):
-        radix.insert(plain.rendered[row.request].token_ids, row.request, None, step)
+        radix.insert(plain.rendered[row.request].token_ids, row.request, None, step, held=plain.held(row.request))
     budget = radix.tokens // args.divisor
     server = BlockCache(args.block, budget // args.block)
-    counts = {row.request: server.insert(plain.rendered[row.request].token_ids, row.request) for row in plain.requests}
+    counts = {
+        row.request: server.insert(plain.rendered[row.request].token_ids, row.request, held=plain.held(row.request))
+        for row in plain.requests
+    }
     observed = dataclasses.replace(
         log, requests=tuple(dataclasses.replace(r, observed_cached_tokens=counts[r.index]) for r in log.requests)
     )

@@ -96,7 +96,7 @@ def test_every_tab_at_classroom_widths(browser, app_url, width):  # noqa: F811
     context = browser.new_context(viewport={"width": width, "height": 900})
     shot = context.new_page()
     shot.goto(app_url)
-    wait_for_app(page, shot.locator("#baseline").get_by_text("Now"))
+    wait_for_app(shot, shot.locator("#baseline").get_by_text("Now"))
     for name in TABS:
         shot.get_by_role("tab", name=name, exact=True).click()
         shot.wait_for_timeout(400)

@@ -118,6 +118,9 @@ def test_benchmark_figures_are_labelled_distinct_and_fit(wide_page):
     page.locator("#bench-refresh").click()
     labels = _check_figures(page, "[id^=bench-plot-]", width, "benchmarks")
     assert len(labels) > 10 and len(set(labels)) == len(labels), labels
+    page.locator("#bench-pick input").click()  # one stored result's JSON, picked by its file name
+    page.get_by_role("option", name="observed_fit-cpu").click()
+    wait_for_app(page, page.get_by_text('"server_setting_among_the_best"'))
 
 
 def test_names_come_with_their_explanations(wide_page):
