@@ -30,7 +30,8 @@ and engines' reuse); only where the work runs differs:
 Faults: a shard that cannot be read (a truncated gzip, an unreadable file) is skipped from the line it failed at,
 named by file and line, and the other shards go on; a worker that dies is restarted by Ray and its shard retried
 (``RETRIES``: the actors' ``max_restarts`` and ``max_task_retries``). A log is streamed: each worker reads its
-shard's lines, and the driver holds one shard's records at a time (all of them, for a log out of time order).
+shard's lines, and the driver holds one shard's records at a time (all of them, for a log out of time order). An
+OpenTelemetry export is one shard (``shards.LINKED``: its spans' messages and sessions lie on other lines).
 """
 
 from __future__ import annotations
@@ -226,7 +227,7 @@ class Rereader:
         found: dict[int, Request] = {}
         for number, lines in wanted.items():
             shard = self.shards[number]
-            if shard.whole:
+            if shard.whole or shard.linked:  # records that complete each other: the shard read again, joined
                 by_line: dict[int, list[Request]] = {}
                 for request in read_shard(shard, self.fmt).requests:
                     by_line.setdefault(request.line, []).append(request)

@@ -28,7 +28,7 @@ import numpy as np
 
 from engine.audit.formats import AUTO, RecordError, read_record, text_of
 from engine.audit.replies import Reply, computed_tokens
-from engine.audit.sources import read_any
+from engine.audit.sources import joined_records, read_any
 from engine.errors import KVScopeError
 
 if TYPE_CHECKING:  # the model is only read here; the token pass's workers need no torch
@@ -203,7 +203,7 @@ def read_log(text: str, fmt: str = AUTO) -> RequestLog:
     requests: list[Request] = []
     skipped: list[Skipped] = []
     sessions: dict[str, str] = {}
-    for line, item in log_records(text):
+    for line, item in joined_records(log_records(text)):
         try:
             read = record_requests(item, fmt, len(requests) + 1, line)
         except RecordError as error:

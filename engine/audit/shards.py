@@ -24,11 +24,15 @@ import numpy as np
 
 from engine.audit.formats import AUTO, RecordError
 from engine.audit.requests import Flagged, Request, RequestLog, RequestLogError, Skipped, finished_log, log_records, record_requests
+from engine.audit.sources import joined_records
 
 LOG_SUFFIXES = (".jsonl", ".json", ".gz")
 SHARD_LINES = 2_000  # lines per shard of the distributed token pass
 _BLOCK = 1 << 20  # bytes read at a time while counting lines
 _UNTIL_IT_FAILS = 1 << 62  # the lines of a corrupt file's last shard: read until the error
+# What marks an export whose records complete each other across lines (OpenTelemetry: a span's messages in log
+# records, its conversation id on an ancestor span; ``sources.joined_records``): such a file is one shard, read whole.
+LINKED = (b'"resourceSpans"', b'"resourceLogs"')
 
 
 @dataclass(frozen=True)
@@ -43,6 +47,7 @@ class Shard:
     offset: int | None
     whole: bool = False
     named: bool = False  # records skipped here are named by the file too (the log has several files)
+    linked: bool = False  # an export whose records complete each other across lines (``LINKED``): its file in one shard
 
 
 def log_files(paths: Sequence[str | Path]) -> list[Path]:
@@ -91,7 +96,8 @@ def _parses(line: bytes) -> bool:
 
 
 def plan_shards(files: Sequence[Path], lines_per_shard: int = SHARD_LINES) -> list[Shard]:
-    """Every file cut into shards of ``lines_per_shard`` lines (a file of one JSON document: one shard), in order."""
+    """Every file cut into shards of ``lines_per_shard`` lines (a file of one JSON document, or of an export whose
+    records complete each other across lines (``LINKED``): one shard), in order."""
     named = len(files) > 1
     shards: list[Shard] = []
     for path in files:
@@ -100,9 +106,12 @@ def plan_shards(files: Sequence[Path], lines_per_shard: int = SHARD_LINES) -> li
             continue
         plain = not str(path).endswith(".gz")
         starts, lines, position, last, broken = [0], 0, 0, b"\n", False  # byte offsets of each shard's first line
+        linked, tail = False, b""
         try:
             with _open(path) as stream:
                 while block := stream.read(_BLOCK):
+                    linked = linked or any(marker in tail + block for marker in LINKED)
+                    tail = block[-32:]
                     at = -1
                     while (at := block.find(b"\n", at + 1)) >= 0:
                         lines += 1
@@ -113,6 +122,9 @@ def plan_shards(files: Sequence[Path], lines_per_shard: int = SHARD_LINES) -> li
         except (OSError, EOFError, zlib.error):  # corrupt or truncated: the last shard reads on until it fails, and says where
             broken = True
         lines += last != b"\n"  # a last line without its newline
+        if linked:
+            shards.append(Shard(str(path), 1, _UNTIL_IT_FAILS if broken else lines, 0 if plain else None, named=named, linked=True))
+            continue
         for number, start in enumerate(starts):
             first = number * lines_per_shard + 1
             if first <= lines or (broken and number == len(starts) - 1):
@@ -170,11 +182,19 @@ def read_shard(shard: Shard, fmt: str = AUTO, first_index: int = 1) -> ShardRead
 
 
 def _shard_records(shard: Shard) -> Iterator[tuple[int, Any]]:
-    """(line, parsed record or why it is not one) of each record of a shard: a whole document's, or its lines'."""
+    """(line, parsed record or why it is not one) of each record of a shard: a whole document's, or its lines'
+    (joined to each other, ``sources.joined_records``, where the shard is a whole file)."""
     if shard.whole:
         with _open(shard.path) as stream:
-            yield from log_records(stream.read().decode("utf-8"))
+            yield from joined_records(log_records(stream.read().decode("utf-8")))
         return
+    if shard.linked:
+        yield from joined_records(list(_line_records(shard)))
+        return
+    yield from _line_records(shard)
+
+
+def _line_records(shard: Shard) -> Iterator[tuple[int, Any]]:
     for line, raw in shard_lines(shard):
         try:
             text = raw.decode("utf-8")

@@ -291,20 +291,28 @@ def _common(a: list[int], b: list[int]) -> int:
 
 def _expected_sessions(lm, text: str, block: int) -> list[dict]:
     """Per session, counted here from the parsed requests: requests, tokens, and each engine's reuse unbounded (SGLang:
-    the longest common prefix with any earlier request; vLLM: its whole blocks; llama.cpp: the prefix shared with the
-    session's previous request), each before the request's last token."""
+    the longest common prefix with anything held before; vLLM: its whole blocks; llama.cpp: the prefix shared with what
+    the session's slot holds), each before the request's last token. After a request a server holds its tokens and its
+    reply's: the reply's text as the session's next request resends it, up to its end-of-turn token (the last token
+    sampled, never computed)."""
     requests = read_log(text).requests
     ids = [list(render_request(lm, request).token_ids) for request in requests]
+    end_of_turn = lm.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    held = []
+    for n, (request, own) in enumerate(zip(requests, ids)):
+        following = next((ids[m] for m in range(n + 1, len(requests)) if requests[m].session == request.session), [])
+        resent = following[: len(own)] == own and end_of_turn in following[len(own) :]
+        held.append(following[: following.index(end_of_turn, len(own))] if resent else own)
     sessions: dict[str | None, dict] = {}
     last: dict[str | None, list[int]] = {}
     for n, (request, own) in enumerate(zip(requests, ids)):
-        longest, usable = max((_common(own, earlier) for earlier in ids[:n]), default=0), len(own) - 1
+        longest, usable = max((_common(own, earlier) for earlier in held[:n]), default=0), len(own) - 1
         reused = {
             "vllm": min(longest // block, usable // block) * block,
             "sglang": min(longest, usable),
             "llama_cpp": min(_common(own, last.get(request.session, [])), usable),
         }
-        last[request.session] = own
+        last[request.session] = held[n]
         entry = sessions.setdefault(request.session, {"session": request.session, "requests": 0, "tokens": 0, "reused_tokens": {}})
         entry["requests"] += 1
         entry["tokens"] += len(own)

@@ -10,7 +10,7 @@ and Langfuse's APIs return them) is read row by row.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +59,12 @@ def read_any(record: Any, fmt: str = AUTO) -> SourceRead:
     if not isinstance(record, dict):
         raise RecordError("", f"is a JSON {type(record).__name__}, not a {source.description} record")
     return source.read(record)
+
+
+def joined_records(records: Iterable[tuple[int, Any]]) -> list[tuple[int, Any]]:
+    """A log's (line, record) pairs with what other lines say about each record joined to it: OpenTelemetry spans
+    given the messages of their log records and the conversation id of an ancestor span (``otel.joined``)."""
+    return otel.joined(records)
 
 
 def detected(record: Any) -> Source | None:

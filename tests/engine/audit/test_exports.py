@@ -12,6 +12,7 @@ import pytest
 
 from engine.audit.requests import read_log
 from engine.audit.scan import scan_log
+from engine.audit.shards import plan_shards, read_logs
 from engine.audit.sources import SOURCES
 from engine.audit.sources.otel import NOT_CAPTURED
 from engine.audit.usage import observed_usage, response_usage
@@ -268,3 +269,110 @@ def test_a_litellm_payload_names_its_session_by_its_own_session_id_then_trace_id
     tagged = {key: value for key, value in traced.items() if key != "trace_id"} | {"metadata": {"session_id": "from-metadata"}}
     tagged_log = read_log(json.dumps(tagged), "litellm_callback")
     assert tagged_log.requests[0].session == "from-metadata" and tagged_log.reading()["session_keys"] == {"metadata.session_id": 1}
+
+
+def _attribute(key: str, value) -> dict:
+    kind = "intValue" if isinstance(value, int) else "stringValue"
+    return {"key": key, "value": {kind: str(value) if kind == "intValue" else value}}
+
+
+def _kvlist(body: dict) -> dict:
+    """A log record body as OTLP/JSON writes it (a kvlistValue; lists as arrayValue)."""
+
+    def value(item):
+        if isinstance(item, dict):
+            return {"kvlistValue": {"values": [{"key": k, "value": value(v)} for k, v in item.items()]}}
+        if isinstance(item, list):
+            return {"arrayValue": {"values": [value(v) for v in item]}}
+        return {"stringValue": item}
+
+    return value(body)
+
+
+def _older_conventions(lines: list[str]) -> list[str]:
+    """The bundled OTel export as the older GenAI conventions write it (openai-v2 up to 2.3b0): each chat span names
+    ``gen_ai.system`` and holds no messages; each message is a log record of its span, in resourceLogs lines of their
+    own (two batches, after the spans), the reply a ``gen_ai.choice``; a metrics line beside them."""
+    spans_lines, records = [], []
+    for line in lines:
+        batch = json.loads(line)
+        for span in batch["resourceSpans"][0]["scopeSpans"][0]["spans"]:
+            if not span["name"].startswith("chat"):
+                continue
+            values = {a["key"]: a["value"] for a in span["attributes"]}
+            request = read_log(json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [span]}]}]})).requests[0]
+            for message in request.messages:
+                body = {"content": message.content}
+                if message.tool_calls:
+                    body["tool_calls"] = [call.as_dict() if hasattr(call, "as_dict") else call for call in message.template_dict()["tool_calls"]]
+                if message.tool_call_id:
+                    body["id"] = message.tool_call_id
+                event = {"user": "gen_ai.user.message", "system": "gen_ai.system.message", "assistant": "gen_ai.assistant.message"}
+                name = event.get(message.role, "gen_ai.tool.message")
+                records.append({"eventName": name, "traceId": span["traceId"], "spanId": span["spanId"], "body": _kvlist(body)})
+            if request.reply is not None:
+                choice = {"index": "0", "finish_reason": request.reply.finish, "message": {"role": "assistant", "content": request.reply.text}}
+                records.append({"eventName": "gen_ai.choice", "traceId": span["traceId"], "spanId": span["spanId"], "body": _kvlist(choice)})
+            kept = ("gen_ai.input.messages", "gen_ai.system_instructions", "gen_ai.output.messages", "gen_ai.provider.name")
+            span["attributes"] = [a for a in span["attributes"] if a["key"] not in kept] + [_attribute("gen_ai.system", "openai")]
+            assert "gen_ai.usage.input_tokens" in values
+        spans_lines.append(json.dumps(batch))
+    half = len(records) // 2
+    logs = [{"resourceLogs": [{"scopeLogs": [{"scope": {"name": "opentelemetry.instrumentation.openai_v2"}, "logRecords": part}]}]} for part in (records[:half], records[half:])]
+    metrics = {"resourceMetrics": [{"scopeMetrics": [{"metrics": [{"name": "gen_ai.client.token.usage"}]}]}]}
+    return [*spans_lines, *(json.dumps(batch) for batch in logs), json.dumps(metrics)]
+
+
+def _expected(log) -> list:
+    return [(r.session, [m.template_dict() for m in r.messages], r.reply and r.reply.text, r.observed_cached_tokens) for r in log.requests]
+
+
+def test_the_older_conventions_messages_are_joined_from_their_log_records(tmp_path):
+    lines = _text("otel.jsonl").splitlines()
+    newer = read_log("\n".join(lines))
+    older_lines = _older_conventions(lines)
+    older = read_log("\n".join(older_lines))
+    assert older.formats == {"otel": 10} and _expected(older) == _expected(newer)
+    assert [(s.line, s.key) for s in older.skipped] == [(4, "resourceLogs"), (5, "resourceLogs"), (6, "resourceMetrics")]
+    assert "GenAI message records were read with their spans" in older.skipped[0].reason
+    # across shards (the distributed pass's reading): the file is one shard, read whole, and reads the same
+    path = tmp_path / "collector.jsonl"
+    path.write_text("\n".join(older_lines) + "\n")
+    (shard,) = plan_shards([path], lines_per_shard=1)
+    assert shard.linked and shard.lines == 6
+    assert _expected(read_logs([path])) == _expected(newer)
+
+
+def test_older_conventions_without_content_say_to_turn_capture_on():
+    lines = _older_conventions(_text("otel.jsonl").splitlines())
+    for at in (3, 4):
+        batch = json.loads(lines[at])
+        for record in batch["resourceLogs"][0]["scopeLogs"][0]["logRecords"]:
+            if record["eventName"] != "gen_ai.choice":
+                record["body"] = _kvlist({})  # what the instrumentation logs with content capture off
+        lines[at] = json.dumps(batch)
+    log = read_log("\n".join(lines))
+    assert not log.requests and len(log.skipped) == 10 + 3
+    assert all(s.reason == NOT_CAPTURED["older-without-content"] for s in log.skipped[:10])
+
+
+def test_a_conversation_id_on_an_ancestor_span_is_the_session():
+    """The newer conventions as openai-v2 2.4b0 writes them under an agent: the chat span names no conversation; its
+    parent ``invoke_agent`` span (another line, same trace) does, and its grandparent names another that loses."""
+    batch = _otel_batch()
+    spans = batch["resourceSpans"][0]["scopeSpans"][0]["spans"]
+    chat = next(s for s in spans if s["name"].startswith("chat"))
+    session = next(a["value"]["stringValue"] for a in chat["attributes"] if a["key"] == "gen_ai.conversation.id")
+    _set(chat, "gen_ai.conversation.id", None)
+    chat["parentSpanId"] = "a1a1a1a1a1a1a1a1"
+    agent = {"traceId": chat["traceId"], "spanId": "a1a1a1a1a1a1a1a1", "parentSpanId": "b2b2b2b2b2b2b2b2", "name": "invoke_agent harbor",
+             "attributes": [_attribute("gen_ai.operation.name", "invoke_agent"), _attribute("gen_ai.conversation.id", session)]}
+    root = {"traceId": chat["traceId"], "spanId": "b2b2b2b2b2b2b2b2", "name": "workflow", "attributes": [_attribute("gen_ai.conversation.id", "other")]}
+    lines = [json.dumps(batch), json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [agent, root]}]}]})]
+    log = read_log("\n".join(lines))
+    (request,) = [r for r in log.requests if r.session_key == "gen_ai.conversation.id of an ancestor span"]
+    assert request.session == session and request.timestamp == int(chat["startTimeUnixNano"]) / 1e9
+    assert log.reading()["session_keys"] == {"gen_ai.conversation.id": len(log.requests) - 1, "gen_ai.conversation.id of an ancestor span": 1}
+    chat["parentSpanId"] = "c3c3c3c3c3c3c3c3"  # a parent not in the export: no session, none guessed
+    unlinked = read_log("\n".join([json.dumps(batch), lines[1]]))
+    assert sum(r.session is None for r in unlinked.requests) == 1
