@@ -437,7 +437,7 @@ def session_timeline_figure(data: Mapping) -> go.Figure:
             hoverinfo="text",
         )
     figure.update_layout(
-        xaxis={"title": "request (log order)"},
+        xaxis=request_axis(rows),
         yaxis={"title": "session", "type": "category", "categoryorder": "array", "categoryarray": [labels[n] for n in reversed(sessions)]},
         height=min(300 + 34 * len(sessions), 900),
         legend={"title": {"text": "cause"}},
@@ -451,47 +451,77 @@ def session_timeline_figure(data: Mapping) -> go.Figure:
     return figure
 
 
+PER_REQUEST_UP_TO = 100  # requests drawn one point each; a longer log is drawn in ``BINS`` runs of consecutive requests
+BINS = 50
+
+
+def request_runs(rows: Sequence[Mapping]) -> list[list[Mapping]]:
+    """The rows one per point (up to ``PER_REQUEST_UP_TO``), else in ``BINS`` runs of consecutive requests."""
+    if len(rows) <= PER_REQUEST_UP_TO:
+        return [[row] for row in rows]
+    size = -(-len(rows) // BINS)
+    return [list(rows[start : start + size]) for start in range(0, len(rows), size)]
+
+
+def _run_x(run: Sequence[Mapping]) -> float:
+    """Where a run is drawn: its middle request."""
+    return (run[0]["request"] + run[-1]["request"]) / 2
+
+
+def _run_name(run: Sequence[Mapping]) -> str:
+    return f"request {run[0]['request']}" if len(run) == 1 else f"requests {run[0]['request']}–{run[-1]['request']}"
+
+
+def request_axis(rows: Sequence[Mapping]) -> dict:
+    """An x axis of request numbers: whole numbers only (every one up to 20 requests)."""
+    return {"title": "request (log order)", "tickformat": "d", **({"dtick": 1} if len(rows) <= 20 else {})}
+
+
 def engine_reuse_figure(data: Mapping) -> go.Figure:
     """Per request (log order), the share of its tokens each simulated engine serves from its cache (and each hosted
     provider's, on its own requests), beside the share the server reported cached (``observed``: a gap where a request
     reports none), the requests it served worse than the compared engine marked; the totals in the legend, the formats
-    read in the title."""
+    read in the title. Above ``PER_REQUEST_UP_TO`` requests each point is a run of consecutive requests (the share of
+    their tokens), so that a long log stays readable."""
     rows = data["requests"]
     if not rows:
         return _empty("no request was read: nothing to draw")
-    engines = data["engines"]
+    engines, runs = data["engines"], request_runs(rows)
     figure = go.Figure()
     for index, engine in enumerate(ENGINE_LABELS):
         total = engines["reused_tokens"][engine]
+        shares = [sum(row["reused_tokens"][engine] for row in run) / sum(row["tokens"] for row in run) for run in runs]
         figure.add_scatter(
-            x=[row["request"] for row in rows],
-            y=[row["reused_tokens"][engine] / row["tokens"] for row in rows],
+            x=[_run_x(run) for run in runs],
+            y=shares,
             mode="lines+markers",
             name=f"{ENGINE_LABELS[engine]}: {total:,} of {engines['tokens']:,} ({_share(total, engines['tokens'])})",
             line={"color": PALETTE[index], "width": 2, "dash": ("solid", "dash", "dot")[index]},
-            marker={"size": 6},
+            marker={"size": 6 if len(runs) == len(rows) else 4},
             hovertext=[
-                f"request {row['request']}: {ENGINE_LABELS[engine]} reuses {row['reused_tokens'][engine]:,} of {row['tokens']:,}"
-                for row in rows
+                f"{_run_name(run)}: {ENGINE_LABELS[engine]} reuses {sum(r['reused_tokens'][engine] for r in run):,} of "
+                f"{sum(r['tokens'] for r in run):,} ({share:.0%})"
+                for run, share in zip(runs, shares)
             ],
             hoverinfo="text",
         )
     _hosted_lines(figure, data)
-    _observed_line(figure, data)
+    _observed_line(figure, data, runs)
     settings = engines["settings"]
     budgets = ", ".join(
         f"{what} {settings[key]:,}" for key, what in (("budget_blocks", "vLLM blocks"), ("budget_tokens", "SGLang tokens")) if settings[key]
     )
+    per = "per request" if len(runs) == len(rows) else f"per run of {len(runs[0]):,} requests ({len(rows):,} in all)"
     figure.update_layout(
-        xaxis={"title": "request (log order)"},
-        yaxis={"title": "tokens reused (share of each request)", "range": [0, 1.05], "tickformat": ".0%"},
+        xaxis=request_axis(rows),
+        yaxis={"title": "tokens reused (share)", "range": [0, 1.05], "tickformat": ".0%"},
         height=460,
         legend=LEGEND_BELOW,
         margin={"b": 120},
     )
     set_title(
         figure,
-        "Tokens each engine reuses, per request",
+        f"Tokens each engine reuses, {per}",
         f"{settings['block']}-token blocks · budgets: {budgets or 'unbounded'}"
         + (f" · llama.cpp --cache-reuse {settings['cache_reuse']}" if settings["cache_reuse"] else ""),
         formats_words(data),
@@ -515,24 +545,30 @@ def observed_gap(row: Mapping, name: str) -> int:
     return sum(cause["tokens"] for cause in row["causes"] if cause["name"] == name)
 
 
-def _observed_line(figure: go.Figure, data: Mapping) -> None:
-    """The share each request's server reported cached (a gap where it reported none), and the shortfalls marked."""
+def _observed_line(figure: go.Figure, data: Mapping, runs: Sequence[Sequence[Mapping]]) -> None:
+    """The share each request's (or run's) server reported cached (a gap where none reported one), and the shortfalls
+    marked one by one."""
     rows = data["requests"]
     counted = [row for row in rows if row.get("observed_cached_tokens") is not None]
     if not counted:
         return
     observed = data.get("observed") or {}
     tokens, cached = sum(row["tokens"] for row in counted), sum(row["observed_cached_tokens"] for row in counted)
+    reported = [[row for row in run if row.get("observed_cached_tokens") is not None] for run in runs]
+    shares = [sum(r["observed_cached_tokens"] for r in own) / sum(r["tokens"] for r in own) if own else None for own in reported]
     figure.add_scatter(
-        x=[row["request"] for row in rows],
-        y=[None if row.get("observed_cached_tokens") is None else row["observed_cached_tokens"] / row["tokens"] for row in rows],
+        x=[_run_x(run) for run in runs],
+        y=shares,
         mode="lines+markers",
         connectgaps=False,
         name=f"observed: {cached:,} of {tokens:,} ({_share(cached, tokens)}), {len(counted):,} of {len(rows):,} requests report it",
         line={"color": OBSERVED_COLOUR, "width": 3},
-        marker={"size": 7},
+        marker={"size": 7 if len(runs) == len(rows) else 4},
         hovertext=[
-            f"request {row['request']}: the server reported {row.get('observed_cached_tokens')} of {row['tokens']:,} cached" for row in rows
+            f"{_run_name(run)}: the server reported {sum(r['observed_cached_tokens'] for r in own) if own else None} of "
+            f"{sum(r['tokens'] for r in run):,} cached"
+            + ("" if len(own) == len(run) else f" ({len(own):,} of {len(run):,} report a count)")
+            for run, own in zip(runs, reported)
         ],
         hoverinfo="text",
     )
@@ -553,15 +589,16 @@ def _observed_line(figure: go.Figure, data: Mapping) -> None:
 
 
 def _hosted_lines(figure: go.Figure, data: Mapping) -> None:
-    """Each hosted provider's simulated share on its own requests."""
+    """Each hosted provider's simulated share on its own requests (in runs, as ``request_runs`` draws a long log)."""
     for index, (provider, label) in enumerate(PROVIDER_LABELS.items()):
         own = [row for row in data["requests"] if provider in (row.get("hosted_reused_tokens") or {})]
         if not own:
             continue
         tokens, reused = sum(row["tokens"] for row in own), sum(row["hosted_reused_tokens"][provider] for row in own)
+        runs = request_runs(own)
         figure.add_scatter(
-            x=[row["request"] for row in own],
-            y=[row["hosted_reused_tokens"][provider] / row["tokens"] for row in own],
+            x=[_run_x(run) for run in runs],
+            y=[sum(r["hosted_reused_tokens"][provider] for r in run) / sum(r["tokens"] for r in run) for run in runs],
             mode="lines+markers",
             name=f"{label}: {_share(reused, tokens)} of {len(own):,} requests",
             line={"color": PALETTE[3 + index], "width": 2, "dash": "dashdot"},

@@ -18,7 +18,7 @@ ROUTING_LABELS = {"round_robin": "round robin", "session": "session affinity", "
 
 def fleet_figure(data: Mapping) -> go.Figure:
     """Per engine (a panel each), the fleet's hit rate against its replica count, one line per routing policy; one
-    server's hit rate as a grey line."""
+    server's hit rate as a dotted grey line drawn over them (first in the legend)."""
     fleet = data.get("fleet") or []
     figure = make_subplots(rows=1, cols=len(ENGINE_LABELS), shared_yaxes=True, subplot_titles=list(ENGINE_LABELS.values()))
     if not fleet:
@@ -28,19 +28,6 @@ def fleet_figure(data: Mapping) -> go.Figure:
     routings = [name for name in ROUTING_LABELS if any(entry["routing"] == name for entry in fleet)]
     for column, engine in enumerate(ENGINE_LABELS, 1):
         one = data["engines"]["hit_rate"][engine]
-        figure.add_scatter(
-            x=[str(c) for c in counts],
-            y=[one] * len(counts),
-            mode="lines",
-            name="one server",
-            line={"color": "#999999", "dash": "dot"},
-            showlegend=column == 1,
-            legendgroup="one",
-            hovertext=f"one server: {one:.1%}",
-            hoverinfo="text",
-            row=1,
-            col=column,
-        )
         for index, routing in enumerate(routings):
             entries = sorted((e for e in fleet if e["routing"] == routing), key=lambda e: e["replicas"])
             figure.add_scatter(
@@ -61,6 +48,20 @@ def fleet_figure(data: Mapping) -> go.Figure:
                 row=1,
                 col=column,
             )
+        figure.add_scatter(  # last, so that it shows over a router that equals it
+            x=[str(c) for c in counts],
+            y=[one] * len(counts),
+            mode="lines",
+            name="one server",
+            line={"color": "#555555", "dash": "dot", "width": 2},
+            showlegend=column == 1,
+            legendgroup="one",
+            legendrank=1,
+            hovertext=f"one server: {one:.1%}",
+            hoverinfo="text",
+            row=1,
+            col=column,
+        )
         figure.update_xaxes(title_text="replicas", type="category", row=1, col=column)
     figure.update_yaxes(title_text="hit rate (tokens reused)", tickformat=".0%", rangemode="tozero", row=1, col=1)
     figure.update_layout(height=460, legend=LEGEND_BELOW, margin={"b": 120})

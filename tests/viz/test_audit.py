@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from viz.audit import (
+    ENGINE_LABELS,
     KL_FLOOR,
     NO_SESSION,
     Mark,
@@ -319,3 +320,24 @@ def test_the_timelines_draw_the_observed_line_mark_the_shortfalls_and_name_the_f
     none = traffic_markdown({**data, "observed": {**data["observed"], "requests_with_count": 0, "requests_without_count": 5}})
     assert "none of the 5 requests reports one (formats read: litellm&lt;x&gt; 5)" in none
     assert "observed" not in {trace.name.split(":")[0] for trace in engine_reuse_figure(TRAFFIC).data}  # a stored result without counts
+
+
+def _long_traffic(requests: int) -> dict:
+    """TRAFFIC stretched to ``requests`` rows: each reuses half of its 100 tokens on every engine, the server a quarter."""
+    rows = [
+        {**TRAFFIC["requests"][0], "request": n, "tokens": 100, "reused_tokens": {e: 50 for e in ENGINE_LABELS}, "observed_cached_tokens": 25}
+        for n in range(1, requests + 1)
+    ]
+    engines = {**TRAFFIC["engines"], "requests": requests, "tokens": 100 * requests, "reused_tokens": {e: 50 * requests for e in ENGINE_LABELS}}
+    return {**TRAFFIC, "requests": rows, "engines": engines, "observed": None}
+
+
+def test_a_long_log_is_drawn_in_runs_of_requests_and_a_short_one_per_request_on_whole_numbers():
+    figure = engine_reuse_figure(_long_traffic(300))
+    traces = {trace.name.split(":")[0]: trace for trace in figure.data}
+    assert len(traces["vLLM"].x) == 50 and list(traces["vLLM"].y) == [0.5] * 50 and list(traces["observed"].y) == [0.25] * 50
+    assert traces["vLLM"].x[0] == 3.5 and traces["vLLM"].hovertext[0] == "requests 1–6: vLLM reuses 300 of 600 (50%)"
+    assert "per run of 6 requests (300 in all)" in figure.layout.title.text and figure.layout.xaxis.tickformat == "d"
+    short = engine_reuse_figure(TRAFFIC)
+    assert short.layout.xaxis.dtick == 1 and "per request" in short.layout.title.text
+    assert session_timeline_figure(TRAFFIC).layout.xaxis.dtick == 1
