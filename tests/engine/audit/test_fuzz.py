@@ -22,9 +22,10 @@ ODD = [None, 0, -1, 1.5, True, "", "x", [], {}, [None], {"a": None}, "{", "[1]",
 
 
 def _seeds() -> list:
-    """The first records of every bundled export and request log."""
+    """The first records of every bundled export (those written by the client libraries too) and request log."""
     records = []
-    for path in sorted((DEMOS / "logs" / "exports").iterdir()) + sorted((DEMOS / "logs").glob("*.jsonl")):
+    exports = sorted(p for p in (DEMOS / "logs" / "exports").rglob("*.json*") if not p.name.endswith(".answers.json"))
+    for path in exports + sorted((DEMOS / "logs").glob("*.jsonl")):
         text = path.read_text()
         if path.suffix == ".json":
             whole = json.loads(text)
