@@ -5,10 +5,11 @@
 
 The log's observed cached tokens are made by a "server": a vLLM-style block cache with ``--block``-token blocks and a
 budget of the log's working set divided by ``--divisor`` (the tokens an unbounded cache holds at the end), fed the
-log in order, holding each prompt and its reply as the next turn resends it. The token pass (``scan_log``) and the fit (``fit_observed``: 6 block sizes × 6 budgets, the ids hashed
-once) are then timed side by side in this process, ``--reps`` times each (min / median / max), with the settings tied
-best and whether the server's is among them (a budget that never binds on the log ties with unbounded, which comes
-first). Writes benchmarks/studies/results/observed_fit-cpu.json.
+log in order, holding each prompt and its reply as the next turn resends it. The token pass (``scan_log``) and the
+fit (``fit_observed``: 6 block sizes × 6 budgets, the ids hashed once) are then timed side by side in this process,
+``--reps`` times each (min / median / max), with the settings tied best and whether the server's is among them (a
+budget that never binds on the log ties with unbounded, which comes first). Writes
+benchmarks/studies/results/observed_fit-cpu.json.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 path), matched with the earlier request it shares the longest token prefix with (a radix tree, so no request is
 compared with every other), the pair diffed (fields, growth, structural changes), the causes named, every simulated
 cache fed through one step (``simulation``: the engines, with the replies servers cache, the hosted providers' caches
-and any fleets), and the log's observed counts compared (``observed``). Turns are then grouped by change signature (the causes and fields that changed, and whether the
-request grew), and up to K of each group picked for the model pass (``traffic.audit_traffic``).
+and any fleets), and the log's observed counts compared (``observed``). Turns are then grouped by change signature
+(the causes and fields that changed, and whether the request grew), and up to K of each group picked for the model
+pass (``traffic.audit_traffic``).
 
 Nothing here imports torch: the distributed pass's workers (``distributed``) run it with the tokenizer alone.
 """

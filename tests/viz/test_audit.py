@@ -325,10 +325,21 @@ def test_the_timelines_draw_the_observed_line_mark_the_shortfalls_and_name_the_f
 def _long_traffic(requests: int) -> dict:
     """TRAFFIC stretched to ``requests`` rows: each reuses half of its 100 tokens on every engine, the server a quarter."""
     rows = [
-        {**TRAFFIC["requests"][0], "request": n, "tokens": 100, "reused_tokens": {e: 50 for e in ENGINE_LABELS}, "observed_cached_tokens": 25}
+        {
+            **TRAFFIC["requests"][0],
+            "request": n,
+            "tokens": 100,
+            "reused_tokens": {e: 50 for e in ENGINE_LABELS},
+            "observed_cached_tokens": 25,
+        }
         for n in range(1, requests + 1)
     ]
-    engines = {**TRAFFIC["engines"], "requests": requests, "tokens": 100 * requests, "reused_tokens": {e: 50 * requests for e in ENGINE_LABELS}}
+    engines = {
+        **TRAFFIC["engines"],
+        "requests": requests,
+        "tokens": 100 * requests,
+        "reused_tokens": {e: 50 * requests for e in ENGINE_LABELS},
+    }
     return {**TRAFFIC, "requests": rows, "engines": engines, "observed": None}
 
 

@@ -200,6 +200,8 @@ def _joined(record: dict, links: _Links) -> dict:
         if extra:
             span[JOINED] = extra
     return record
+
+
 def _from_events(events: list[tuple[str, Any]]) -> dict[str, Any]:
     """A span's logged message events as OpenAI chat messages (``None`` content where capture was off) and its first
     choice as the reply."""

@@ -304,21 +304,32 @@ def _older_conventions(lines: list[str]) -> list[str]:
             for message in request.messages:
                 body = {"content": message.content}
                 if message.tool_calls:
-                    body["tool_calls"] = [call.as_dict() if hasattr(call, "as_dict") else call for call in message.template_dict()["tool_calls"]]
+                    body["tool_calls"] = [
+                        call.as_dict() if hasattr(call, "as_dict") else call for call in message.template_dict()["tool_calls"]
+                    ]
                 if message.tool_call_id:
                     body["id"] = message.tool_call_id
                 event = {"user": "gen_ai.user.message", "system": "gen_ai.system.message", "assistant": "gen_ai.assistant.message"}
                 name = event.get(message.role, "gen_ai.tool.message")
                 records.append({"eventName": name, "traceId": span["traceId"], "spanId": span["spanId"], "body": _kvlist(body)})
             if request.reply is not None:
-                choice = {"index": "0", "finish_reason": request.reply.finish, "message": {"role": "assistant", "content": request.reply.text}}
-                records.append({"eventName": "gen_ai.choice", "traceId": span["traceId"], "spanId": span["spanId"], "body": _kvlist(choice)})
+                choice = {
+                    "index": "0",
+                    "finish_reason": request.reply.finish,
+                    "message": {"role": "assistant", "content": request.reply.text},
+                }
+                records.append(
+                    {"eventName": "gen_ai.choice", "traceId": span["traceId"], "spanId": span["spanId"], "body": _kvlist(choice)}
+                )
             kept = ("gen_ai.input.messages", "gen_ai.system_instructions", "gen_ai.output.messages", "gen_ai.provider.name")
             span["attributes"] = [a for a in span["attributes"] if a["key"] not in kept] + [_attribute("gen_ai.system", "openai")]
             assert "gen_ai.usage.input_tokens" in values
         spans_lines.append(json.dumps(batch))
     half = len(records) // 2
-    logs = [{"resourceLogs": [{"scopeLogs": [{"scope": {"name": "opentelemetry.instrumentation.openai_v2"}, "logRecords": part}]}]} for part in (records[:half], records[half:])]
+    logs = [
+        {"resourceLogs": [{"scopeLogs": [{"scope": {"name": "opentelemetry.instrumentation.openai_v2"}, "logRecords": part}]}]}
+        for part in (records[:half], records[half:])
+    ]
     metrics = {"resourceMetrics": [{"scopeMetrics": [{"metrics": [{"name": "gen_ai.client.token.usage"}]}]}]}
     return [*spans_lines, *(json.dumps(batch) for batch in logs), json.dumps(metrics)]
 
@@ -365,14 +376,27 @@ def test_a_conversation_id_on_an_ancestor_span_is_the_session():
     session = next(a["value"]["stringValue"] for a in chat["attributes"] if a["key"] == "gen_ai.conversation.id")
     _set(chat, "gen_ai.conversation.id", None)
     chat["parentSpanId"] = "a1a1a1a1a1a1a1a1"
-    agent = {"traceId": chat["traceId"], "spanId": "a1a1a1a1a1a1a1a1", "parentSpanId": "b2b2b2b2b2b2b2b2", "name": "invoke_agent harbor",
-             "attributes": [_attribute("gen_ai.operation.name", "invoke_agent"), _attribute("gen_ai.conversation.id", session)]}
-    root = {"traceId": chat["traceId"], "spanId": "b2b2b2b2b2b2b2b2", "name": "workflow", "attributes": [_attribute("gen_ai.conversation.id", "other")]}
+    agent = {
+        "traceId": chat["traceId"],
+        "spanId": "a1a1a1a1a1a1a1a1",
+        "parentSpanId": "b2b2b2b2b2b2b2b2",
+        "name": "invoke_agent harbor",
+        "attributes": [_attribute("gen_ai.operation.name", "invoke_agent"), _attribute("gen_ai.conversation.id", session)],
+    }
+    root = {
+        "traceId": chat["traceId"],
+        "spanId": "b2b2b2b2b2b2b2b2",
+        "name": "workflow",
+        "attributes": [_attribute("gen_ai.conversation.id", "other")],
+    }
     lines = [json.dumps(batch), json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [agent, root]}]}]})]
     log = read_log("\n".join(lines))
     (request,) = [r for r in log.requests if r.session_key == "gen_ai.conversation.id of an ancestor span"]
     assert request.session == session and request.timestamp == int(chat["startTimeUnixNano"]) / 1e9
-    assert log.reading()["session_keys"] == {"gen_ai.conversation.id": len(log.requests) - 1, "gen_ai.conversation.id of an ancestor span": 1}
+    assert log.reading()["session_keys"] == {
+        "gen_ai.conversation.id": len(log.requests) - 1,
+        "gen_ai.conversation.id of an ancestor span": 1,
+    }
     chat["parentSpanId"] = "c3c3c3c3c3c3c3c3"  # a parent not in the export: no session, none guessed
     unlinked = read_log("\n".join([json.dumps(batch), lines[1]]))
     assert sum(r.session is None for r in unlinked.requests) == 1
