@@ -669,7 +669,8 @@ def traffic_markdown(data: Mapping) -> str:
     engines, sessions = data["engines"], data["sessions"]
     tokens = engines["tokens"]
     formats = ", ".join(f"{markdown_literal(name)} {count:,}" for name, count in data["formats"].items()) or "none"
-    lines = [
+    lines = [f"**Cancelled**: {markdown_literal(data['cancelled'])}.", ""] if data.get("cancelled") else []
+    lines += [
         f"**{engines['requests']:,} requests** in **{len(sessions):,} session{'s' if len(sessions) != 1 else ''}**, "
         f"{tokens:,} tokens · formats: {formats} · skipped records: {data['skipped_count']:,}",
         *(f"- skipped: {markdown_literal(Skipped(**item).message)}" for item in data["skipped"][:MAX_TABLE_ROWS]),

@@ -84,5 +84,8 @@ class AuditRuns:
             token = self._tokens.get(session)
         if token is None:
             return "No audit is running: nothing to cancel."
-        token.cancel("the audit was cancelled: nothing of it was kept")
-        return "Audit cancelled: it stops before its next forward and keeps nothing; the tab is ready for another run."
+        token.cancel("the audit was cancelled before its token pass ended: nothing of it was kept")
+        return (
+            "Audit cancelled: it stops before its next forward; a finished token pass is shown (every request, the engines, "
+            "observed against simulated), without measured turns. The tab is ready for another run."
+        )

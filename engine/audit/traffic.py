@@ -22,6 +22,7 @@ from engine.audit.repairs import REPAIRS, Turn
 from engine.audit.requests import RenderedRequest, RequestLog, RequestLogError
 from engine.audit.scan import TrafficGroup, TrafficRequest, TrafficScan, is_cold, sample_groups, scan_log
 from engine.audit.states import ComputedStates
+from engine.cache.budget import Cancelled
 from engine.cache.loaded import LoadedModel, LoadedTokenizer
 from engine.progress import StepProgress, Tick
 
@@ -57,6 +58,7 @@ class TrafficReport:
     turns: dict[int, AuditTurn]  # measured, by request
     measure: MeasureSettings
     sample: int
+    cancelled: str | None = None  # why no turn was measured: the model pass was cancelled (the token pass is whole)
 
     @property
     def sampled(self) -> bool:
@@ -65,29 +67,35 @@ class TrafficReport:
 
     def as_dict(self) -> dict:
         scan = self.scan
-        return {
-            "model": self.model,
-            "dtype": self.dtype,
-            "formats": scan.formats,
-            **scan.reading,
-            "skipped": [item.as_dict() for item in scan.skipped],
-            "skipped_count": len(scan.skipped),
-            "engines": {"settings": scan.settings.as_dict(), **scan.totals()},
-            "sessions": [summary.as_dict() for summary in scan.sessions()],
-            "causes": scan.cause_counts(),
-            "observed": observed_summary(scan.requests, scan.observed_engine, self.model).as_dict(),
-            "hosted": hosted_summary(scan.requests),
-            "requests": [row.as_dict() for row in scan.requests],
-            "sample": self.sample,
-            "sampled": self.sampled,
-            "threshold": self.measure.threshold,
-            "min_agreement": self.measure.min_agreement,
-            "generated_tokens": self.measure.tokens,
-            "repairs": list(self.measure.repairs),
-            "grain": self.measure.grain,
-            "groups": [group.as_dict() | {"fidelity": group_fidelity([self.turns[i] for i in group.measured])} for group in self.groups],
-            "turns": [turn.as_dict() for turn in self.measured_report().turns],
-        } | ({"fleet": [result.as_dict() for result in scan.fleet]} if scan.fleet else {})
+        return (
+            {
+                "model": self.model,
+                "dtype": self.dtype,
+                "formats": scan.formats,
+                **scan.reading,
+                "skipped": [item.as_dict() for item in scan.skipped],
+                "skipped_count": len(scan.skipped),
+                "engines": {"settings": scan.settings.as_dict(), **scan.totals()},
+                "sessions": [summary.as_dict() for summary in scan.sessions()],
+                "causes": scan.cause_counts(),
+                "observed": observed_summary(scan.requests, scan.observed_engine, self.model).as_dict(),
+                "hosted": hosted_summary(scan.requests),
+                "requests": [row.as_dict() for row in scan.requests],
+                "sample": self.sample,
+                "sampled": self.sampled,
+                "threshold": self.measure.threshold,
+                "min_agreement": self.measure.min_agreement,
+                "generated_tokens": self.measure.tokens,
+                "repairs": list(self.measure.repairs),
+                "grain": self.measure.grain,
+                "groups": [
+                    group.as_dict() | {"fidelity": group_fidelity([self.turns[i] for i in group.measured])} for group in self.groups
+                ],
+                "turns": [turn.as_dict() for turn in self.measured_report().turns],
+            }
+            | ({"fleet": [result.as_dict() for result in scan.fleet]} if scan.fleet else {})
+            | ({"cancelled": self.cancelled} if self.cancelled else {})
+        )
 
     def measured_report(self) -> AuditReport:
         """The cold prefills and the measured turns, in request order, in the per-turn audit's shape (what the tab's
@@ -136,7 +144,8 @@ def audit_traffic(
     simulated beside; ``token_pass``: another token pass, given the context limit, e.g. ``distributed.ray_scan``;
     ``measure_turns``: where the sampled turns are measured, default ``measure_in_process`` with ``lm``, e.g.
     ``ray_turns.ray_measure_turns``). With ``sample`` 0 only the tokenizer is read, so ``lm`` may be a
-    :class:`~engine.cache.loaded.LoadedTokenizer`."""
+    :class:`~engine.cache.loaded.LoadedTokenizer`. A model pass cancelled (``Cancelled``) keeps the token pass: the
+    report has no measured turn and says so (``cancelled``)."""
     if sample < 0:
         raise RequestLogError(f"--sample is the turns measured per group, at least 0, got {sample}")
     if sample > 0 and isinstance(lm, LoadedTokenizer):
@@ -182,7 +191,11 @@ def audit_traffic(
         progress(0, total)  # the model's work begins: said before its first step ends
 
     work = turn_work(scan, chosen)
-    turns = (measure_turns or functools.partial(measure_in_process, lm))(work, measure, tick)
+    try:
+        turns = (measure_turns or functools.partial(measure_in_process, lm))(work, measure, tick)
+    except Cancelled:  # what was finished stands: the token pass, with no turn measured
+        why = f"the model pass was cancelled after {done:,} of {total:,} steps: the token pass is whole, no turn was measured"
+        return TrafficReport(lm.fingerprint.name, lm.fingerprint.dtype, scan, tuple(sample_groups(scan, 0)), {}, measure, 0, why)
     return TrafficReport(lm.fingerprint.name, lm.fingerprint.dtype, scan, tuple(groups), turns, measure, sample)
 
 

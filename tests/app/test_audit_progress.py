@@ -60,11 +60,12 @@ def test_a_cancel_stops_the_audit_before_its_next_forward_and_says_so(registry, 
             if str(message).startswith("measuring turn"):
                 said.append(runs.cancel("tab"))
 
-        with pytest.raises(AppError, match="the audit was cancelled: nothing of it was kept"):
-            run_audit(registry, sessions, LOG, session="c", progress=cancel_at_the_first_turn, **OPTIONS)
+        view = run_audit(registry, sessions, LOG, session="c", progress=cancel_at_the_first_turn, **OPTIONS)
+        assert view.summary["cancelled"].startswith("the model pass was cancelled after 0 of ")  # the token pass is kept
+        assert view.traffic_markdown.startswith("**Cancelled**: the model pass was cancelled") and view.summary["requests"]
         with pytest.raises(Exception, match="cancelled"):
             with compute_slot(1):  # any further forward of this run is refused
                 pass
-    assert said[0].startswith("Audit cancelled: it stops before its next forward")
+    assert said[0].startswith("Audit cancelled: it stops before its next forward; a finished token pass is shown")
     with compute_slot(1):  # outside the run, forwards go on
         pass

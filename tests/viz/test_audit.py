@@ -352,3 +352,9 @@ def test_a_long_log_is_drawn_in_runs_of_requests_and_a_short_one_per_request_on_
     short = engine_reuse_figure(TRAFFIC)
     assert short.layout.xaxis.dtick == 1 and "per request" in short.layout.title.text
     assert session_timeline_figure(TRAFFIC).layout.xaxis.dtick == 1
+
+
+def test_a_cancelled_audit_says_first_what_it_kept():
+    text = traffic_markdown({**TRAFFIC, "cancelled": "the model pass was cancelled after 1 of 8 steps"})
+    assert text.startswith("**Cancelled**: the model pass was cancelled after 1 of 8 steps.\n\n**5 requests**")
+    assert "Cancelled" not in traffic_markdown(TRAFFIC)

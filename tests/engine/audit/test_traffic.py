@@ -15,6 +15,7 @@ from engine.audit.caches import BlockCache, RadixCache, SlotCache
 from engine.audit.requests import parse_log, read_log, render_batch
 from engine.audit.scan import scan_log
 from engine.audit.traffic import audit_traffic
+from engine.cache.budget import Cancelled
 from engine.models.tiny import tiny_model, tiny_tokenizer
 
 # Qwen2.5-Instruct's chat template (Apache-2.0): tools in the system turn, <tool_call> blocks, tool responses.
@@ -399,3 +400,22 @@ def test_sampling_covers_every_group_and_a_group_measured_in_full_equals_the_per
     assert sum(g["count"] for g in groups.values()) == 4 and data["sampled"] is True
     clock = next(g for g in groups.values() if "clock:session_started" in g["signature"])
     assert clock["count"] == 2 and clock["fidelity"]["recompute"]["worst_kl"] < 1e-5
+
+
+def test_a_cancelled_model_pass_keeps_the_whole_token_pass_and_says_so():
+    lm = tiny_model("qwen2")
+    system = "You are the help desk.\nSession started: 2026-05-12 09:{m}\nBe brief."
+    text = "\n".join(_chat(system.format(m=m), ("user", "Where is my parcel?")) for m in ("41", "42", "43"))
+    whole = audit_traffic(lm, read_log(text), sample=0)
+
+    def cancelled(work, measure, tick):
+        tick()  # one step done, then the person cancels
+        raise Cancelled("audit cancelled")
+
+    report = audit_traffic(lm, read_log(text), sample=2, measure_turns=cancelled)
+    data, expected = report.as_dict(), whole.as_dict()
+    assert report.turns == {} and data["turns"] == expected["turns"] and data["requests"] == expected["requests"]
+    assert data["engines"] == expected["engines"] and data["groups"] == expected["groups"]
+    steps = 2 * (len(report.measure.repairs) + 1)  # two turns to measure, each unrepaired and with every repair
+    assert data["cancelled"] == f"the model pass was cancelled after 1 of {steps} steps: the token pass is whole, no turn was measured"
+    assert "cancelled" not in expected
