@@ -9,7 +9,6 @@ import re
 import pytest
 
 from app.handlers.audit_progress import PHASES, AuditRuns
-from app.handlers.common import AppError
 from app.handlers.your_prompt import run_audit
 from app.state import ModelRegistry
 from engine import LoadedTokenizer, StepMessage
