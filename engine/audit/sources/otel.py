@@ -188,15 +188,19 @@ def _joined(record: dict, links: _Links) -> dict:
         return {**record, JOINED: count} if count else record
     if "resourceSpans" not in record:
         return record
-    record = json.loads(json.dumps(record))  # a copy: the caller's records stay as read
+    extras = []  # per span, in ``_spans`` order: what other lines add to it
     for _, span in _spans(record):
-        key = _span_key(span)
-        attributes = attribute_values(span.get("attributes"))
+        key, attributes = _span_key(span), attribute_values(span.get("attributes"))
         extra: dict[str, Any] = {}
         if attributes.get(INPUT) is None and key in links.events:
             extra |= _from_events(links.events[key])
         if attributes.get(CONVERSATION) is None and (found := links.conversation(key)):
             extra["conversation"] = found[0]
+        extras.append(extra)
+    if not any(extras):
+        return record
+    record = json.loads(json.dumps(record))  # a copy: the caller's records stay as read
+    for (_, span), extra in zip(_spans(record), extras):
         if extra:
             span[JOINED] = extra
     return record
@@ -302,7 +306,8 @@ def _event_reply(choice: dict | None) -> Reply | None:
     """The reply of a logged ``gen_ai.choice`` event (joined to its span), if it holds any content."""
     if not choice or (choice.get("content") is None and not choice.get("tool_calls")):
         return None
-    calls = tuple(_event_call(call) for call in choice.get("tool_calls") or () if isinstance(choice.get("tool_calls"), list))
+    calls = choice.get("tool_calls")
+    calls = tuple(_event_call(call) for call in calls) if isinstance(calls, list) else ()
     return Reply(_event_text(choice.get("content")) or "", calls, None, finish_of(choice.get("finish_reason")))
 
 
