@@ -205,8 +205,9 @@ def _empty(text: str) -> go.Figure:
 
 def recommendations_markdown(data: Mapping) -> str:
     """Per turn, in words: what a prefix cache reuses, the fields that changed (old → new), what was appended, and the
-    recommended repair with the engine's reason."""
-    lines = [
+    recommended repair with the engine's reason; a ``cancelled`` model pass is said first (no repair was measured)."""
+    lines = [f"**Cancelled**: {markdown_literal(data['cancelled'])}.", ""] if data.get("cancelled") else []
+    lines += [
         f"**{markdown_literal(data['model'])}** ({markdown_literal(data['dtype'])}) · threshold KL ≤ {data['threshold']:g}, "
         f"≥ {data['min_agreement']:.0%} of {data['generated_tokens']} greedy tokens agreeing"
         + (f" · coarsen grain {markdown_literal(data['grain'])}" if data.get("grain") else "")
@@ -723,6 +724,8 @@ def _no_turns(data: Mapping, what: str) -> str:
     """Why a figure of the measured turns is empty: the token pass alone was asked for, one request only, or no turn
     could be measured."""
     requests = len(data.get("requests") or ())
+    if data.get("cancelled"):
+        return f"the model pass was cancelled before a turn was measured, so {what}"
     if data.get("sample") == 0 and requests > 1:
         return f"the token pass only (--sample 0): no turn was measured with the model, so {what}"
     if requests <= 1:
@@ -737,7 +740,9 @@ def groups_markdown(data: Mapping) -> str:
     groups = data["groups"]
     measured = sum(len(group["measured"]) for group in groups)
     signatures = f"**{len(groups):,} change signature{'s' if len(groups) != 1 else ''}**"
-    if data["sample"] == 0:
+    if data.get("cancelled"):
+        head = f"{signatures}; the model pass was cancelled: no turn was measured with the model."
+    elif data["sample"] == 0:
         head = f"{signatures}; the token pass only (--sample 0): no turn was measured with the model."
     else:
         head = (

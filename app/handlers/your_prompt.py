@@ -355,7 +355,8 @@ def audit_view(
     Open in Notes would study (``notes``: every changed field pre-checked, or why there is none); with ``traffic`` (the log's token pass,
     whose measured turns ``report`` holds), its sessions, engines, causes, groups and timeline per session, and the
     summary is the traffic's JSON."""
-    data = report.as_dict()
+    cancelled = (traffic or {}).get("cancelled")  # the model pass was cancelled: the panels say so, not "one request"
+    data = report.as_dict() | ({"cancelled": cancelled} if cancelled else {})
     turns = [(turn.request, report.rendered[i].text, _turn_marks(report, i)) for i, turn in enumerate(report.turns) if turn.diff]
     shown = report.last_with_fields() or report.turns[-1]
     choices = [] if isinstance(notes, str) or notes is None else list(notes)

@@ -345,9 +345,10 @@ class TrafficGroup:
         }
 
 
-def sample_groups(scan: TrafficScan, sample: int) -> list[TrafficGroup]:
+def sample_groups(scan: TrafficScan, sample: int, unmeasured: str = "not measured: --sample 0") -> list[TrafficGroup]:
     """Every group, with up to ``sample`` of its measurable turns picked evenly across the log (first and last
-    included); a turn is measurable when it shares a prefix with its match and changes only messages' text."""
+    included); a turn is measurable when it shares a prefix with its match and changes only messages' text. A group
+    with measurable turns but none picked gives ``unmeasured`` as its reason."""
     total = max(sum(row.tokens for row in scan.requests), 1)
     groups = []
     for key, rows in scan.groups().items():
@@ -355,7 +356,7 @@ def sample_groups(scan: TrafficScan, sample: int) -> list[TrafficGroup]:
         picked = _spread(measurable, sample)
         reason = None
         if not picked:
-            reason = "not measured: --sample 0" if measurable else _unmeasurable(rows[0])
+            reason = unmeasured if measurable else _unmeasurable(rows[0])
         tokens = sum(row.tokens for row in rows)
         groups.append(TrafficGroup(key, tuple(row.request for row in rows), tokens, tokens / total, len(measurable), tuple(picked), reason))
     return groups

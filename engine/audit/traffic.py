@@ -195,7 +195,8 @@ def audit_traffic(
         turns = (measure_turns or functools.partial(measure_in_process, lm))(work, measure, tick)
     except Cancelled:  # what was finished stands: the token pass, with no turn measured
         why = f"the model pass was cancelled after {done:,} of {total:,} steps: the token pass is whole, no turn was measured"
-        return TrafficReport(lm.fingerprint.name, lm.fingerprint.dtype, scan, tuple(sample_groups(scan, 0)), {}, measure, 0, why)
+        unmeasured = tuple(sample_groups(scan, 0, "not measured: the model pass was cancelled"))
+        return TrafficReport(lm.fingerprint.name, lm.fingerprint.dtype, scan, unmeasured, {}, measure, 0, why)
     return TrafficReport(lm.fingerprint.name, lm.fingerprint.dtype, scan, tuple(groups), turns, measure, sample)
 
 

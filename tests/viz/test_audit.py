@@ -354,7 +354,20 @@ def test_a_long_log_is_drawn_in_runs_of_requests_and_a_short_one_per_request_on_
     assert session_timeline_figure(TRAFFIC).layout.xaxis.dtick == 1
 
 
+def test_a_cancelled_model_pass_heads_the_groups():
+    head = groups_markdown({**TRAFFIC, "cancelled": "the model pass was cancelled after 1 of 8 steps"}).split("\n")[0]
+    assert head.startswith("**2 change signatures**; the model pass was cancelled: no turn was measured with the model.")
+
+
 def test_a_cancelled_audit_says_first_what_it_kept():
     text = traffic_markdown({**TRAFFIC, "cancelled": "the model pass was cancelled after 1 of 8 steps"})
     assert text.startswith("**Cancelled**: the model pass was cancelled after 1 of 8 steps.\n\n**5 requests**")
     assert "Cancelled" not in traffic_markdown(TRAFFIC)
+
+
+def test_a_cancelled_model_pass_is_said_before_the_recommendations():
+    cancelled = {**DATA, "cancelled": "the model pass was cancelled after 1 of 8 steps"}
+    text = recommendations_markdown(cancelled)
+    assert text.startswith("**Cancelled**: the model pass was cancelled after 1 of 8 steps.\n\n**")
+    assert text.split("\n\n", 1)[1] == recommendations_markdown(DATA)
+    assert "the model pass was cancelled before a turn was measured" in str(fidelity_cost_figure({**cancelled, "turns": DATA["turns"][:1]}).layout)
