@@ -370,4 +370,5 @@ def test_a_cancelled_model_pass_is_said_before_the_recommendations():
     text = recommendations_markdown(cancelled)
     assert text.startswith("**Cancelled**: the model pass was cancelled after 1 of 8 steps.\n\n**")
     assert text.split("\n\n", 1)[1] == recommendations_markdown(DATA)
-    assert "the model pass was cancelled before a turn was measured" in str(fidelity_cost_figure({**cancelled, "turns": DATA["turns"][:1]}).layout)
+    empty = fidelity_cost_figure({**cancelled, "turns": DATA["turns"][:1]})
+    assert "the model pass was cancelled before a turn was measured" in str(empty.layout)
