@@ -187,7 +187,7 @@ def test_the_remedy_menu_names_the_default_and_auto_calibrates_the_model(page, t
     menu.locator("input").click()
     page.get_by_role("option", name=re.compile(r"^auto — ")).click()
     page.locator("#run-compose").click()
-    page.locator("#compose-metrics").get_by_text("cosine").wait_for(timeout=120_000)
+    wait_for_app(page, page.locator("#compose-metrics").get_by_text("cosine"))
     (stored,) = json.loads((tmp_path / "remedy-choices.json").read_text()).values()
     assert f"remedy {stored['remedy']} recomputed" in page.locator("#compose-metrics").inner_text()
     _shot(page, "composer-remedy-auto")
@@ -236,7 +236,7 @@ def test_composer_study_and_keystone_diagonal(page):
     page.locator('#composer .kv-in[data-id="account_gate"]').wait_for(timeout=10_000)
     page.get_by_text("Many skills at once").click()
     page.locator("#run-study").click()
-    page.locator("#study-summary").get_by_text("composed prompt").wait_for(timeout=120_000)
+    wait_for_app(page, page.locator("#study-summary").get_by_text("composed prompt"))
     names = [trace["name"] for trace in _plot_data(page, "study-plot")]
     assert {"splice", "seam:1", "prefix+seam:1"} <= set(names)
     _shot(page, "composer-study")
@@ -274,7 +274,7 @@ def test_weights_panel_compares_rome_and_the_erratum(page):
     page.locator("#weights-methods").get_by_label("lora", exact=True).uncheck()
     page.locator("#run-weights").click()
     summary = page.locator("#weights-summary")
-    summary.get_by_text("other customers now get the new decision").first.wait_for(timeout=180_000)
+    wait_for_app(page, summary.get_by_text("other customers now get the new decision").first)
     text = summary.inner_text()
     assert "field_erratum" in text and "rome" in text and "Paper (Llama-3.1-8B)" in text
     wait_for_app(page, page.locator("#weights-plot .main-svg").first)
@@ -293,7 +293,7 @@ def test_a_picture_spliced_behind_text_on_a_vision_model(page):
     model.fill("tiny-qwen2_vl")
     model.press("Enter")
     page.locator("#load-model").click()
-    page.locator("#model-card").get_by_text("Qwen2-VL").first.wait_for(timeout=120_000)
+    wait_for_app(page, page.locator("#model-card").get_by_text("Qwen2-VL").first)
     assert "images" in page.locator("#model-card").inner_text()
     page.get_by_role("tab", name="Composer").click()
     page.locator("#run-image").click()
@@ -493,7 +493,7 @@ def _audit(page, text: str = AUDIT_LOG) -> None:
 def test_a_new_user_audits_their_own_request_log(page):
     _audit(page)
     recommendation = page.locator("#audit-recommendation")
-    recommendation.get_by_text("Recommended:").first.wait_for(timeout=120_000)
+    wait_for_app(page, recommendation.get_by_text("Recommended:").first)
     text = recommendation.inner_text()
     assert "session_started “2026-05-12 09:41” → “2026-05-12 09:42”" in text, text
     request_2 = r"Request 2: a prefix cache reuses \d+ of \d+ tokens .*Recommended: \w+ — \w+ \(prompt-level, [^)]*\) computes"
@@ -528,10 +528,10 @@ def test_a_new_user_audits_their_own_request_log(page):
 
 def test_open_in_notes_runs_the_edit_and_the_notes_map_on_the_users_prompt(page):
     _audit(page)
-    page.locator("#audit-recommendation").get_by_text("Recommended:").first.wait_for(timeout=120_000)
+    wait_for_app(page, page.locator("#audit-recommendation").get_by_text("Recommended:").first)
     page.locator("#audit-labels textarea, #audit-labels input").first.fill("covered, not covered")
     page.locator("#audit-open-notes").click()
-    page.locator('#strategy-cards [data-strategy="oracle"]').wait_for(timeout=120_000)
+    wait_for_app(page, page.locator('#strategy-cards [data-strategy="oracle"]'))
     assert page.get_by_role("tab", name="Notes").get_attribute("aria-selected") == "true"
     editor = page.locator("#scenario-editor").inner_text()
     assert "{session_started}" in editor and '"covered" = ["covered"]' in editor
@@ -560,7 +560,7 @@ def test_one_prompt_offers_volatile_spans_and_audits_a_new_value(page):
     page.locator("#audit-new-value textarea, #audit-new-value input").first.fill("pending")
     page.locator("#audit-tokens input[type=number]").fill("4")
     page.locator("#run-audit-value").click()
-    page.locator("#audit-recommendation").get_by_text("Recommended:").first.wait_for(timeout=120_000)
+    wait_for_app(page, page.locator("#audit-recommendation").get_by_text("Recommended:").first)
     assert "“shipped” → “pending”" in page.locator("#audit-recommendation").inner_text()
     page.locator("#audit-candidates").scroll_into_view_if_needed()
     _shot(page, "audit-one-prompt")

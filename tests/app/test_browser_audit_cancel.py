@@ -58,7 +58,7 @@ def test_cancel_stops_the_audit_as_information_and_the_tab_audits_again(page, mo
     assert "no turn was measured" in recommendation and "Recommended:" not in recommendation
     pace["s"] = 0.0
     page.locator("#run-audit").click()  # the app stays responsive: the next audit runs to its end
-    page.locator("#audit-recommendation").get_by_text("Recommended:").first.wait_for(timeout=120_000)
+    wait_for_app(page, page.locator("#audit-recommendation").get_by_text("Recommended:").first)
     assert page.get_by_text("Error", exact=True).count() == 0
     cancel.wait_for(state="hidden", timeout=10_000)  # done
     _shot(page, "again")

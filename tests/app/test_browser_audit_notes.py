@@ -35,7 +35,7 @@ def test_the_rag_log_offers_each_changed_field_and_opens_the_one_picked(wide_pag
     page.locator("#audit-tokens input[type=number]").fill("2")
     page.locator("#audit-sample input[type=number]").fill("1")
     page.locator("#run-audit").click()
-    page.locator("#audit-open-status").get_by_text("Open in Notes:").wait_for(timeout=300_000)
+    wait_for_app(page, page.locator("#audit-open-status").get_by_text("Open in Notes:"))
     assert page.locator(TOAST).count() == 0, page.locator(TOAST).all_inner_texts()
     page.locator("#audit-traffic th").first.wait_for(timeout=30_000)  # the tables render after the status line
     headers = page.evaluate(HEADER_LINES)
@@ -54,7 +54,7 @@ def test_the_rag_log_offers_each_changed_field_and_opens_the_one_picked(wide_pag
     assert "(request 2)" in status.inner_text()
     page.screenshot(path=f"/tmp/ragnotes-audit-{width}px.png", full_page=True)
     page.locator("#audit-open-notes").click()
-    page.locator("#notes-headline").wait_for(timeout=300_000)  # Open in Notes ran the edit in the Notes tab
+    wait_for_app(page, page.locator("#notes-headline"))  # Open in Notes ran the edit in the Notes tab
     assert page.locator("#field input").input_value() == "study_rooms_free_now"
     assert page.locator("#new-value input").input_value() == "1"
     headline = page.locator("#notes-headline").inner_text()

@@ -4,6 +4,7 @@ router in each engine's panel. Screenshots of the figure go to test-artifacts/ (
 
 import pytest
 
+from tests.app.browser_waits import wait_for_app
 from tests.app.test_browser import ARTIFACTS, CHROMIUM, TOAST, _plot_data, browser  # noqa: F401 (the module's browser fixture)
 from tests.app.test_browser_labels import wide_page  # noqa: F401 (a page at 1,000 and 1,400 px)
 from viz.fleet import ROUTING_LABELS
@@ -22,7 +23,7 @@ def test_fleets_show_a_table_and_a_line_per_router(wide_page):  # noqa: F811
     page.locator("#audit-replicas textarea").fill("2,3")
     page.locator("#run-audit").click()
     table = page.locator("#audit-fleet-table")
-    table.get_by_text("the hit rate behind each router").wait_for(timeout=120_000)
+    wait_for_app(page, table.get_by_text("the hit rate behind each router"))
     assert page.locator(TOAST).count() == 0, page.locator(TOAST).all_inner_texts()
     rows = table.locator("table").inner_text().splitlines()[1:]
     assert len(rows) == 1 + 2 * 4 and all(label in table.inner_text() for label in ROUTING_LABELS.values()), rows

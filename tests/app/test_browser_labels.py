@@ -85,7 +85,7 @@ def test_models_figures_are_labelled_and_fit(wide_page):
     page, width = wide_page
     page.get_by_role("tab", name="Models").click()
     page.locator("#compare-run").click()
-    page.locator("#compare-summary table").or_(page.locator(TOAST)).first.wait_for(timeout=120_000)
+    wait_for_app(page, page.locator("#compare-summary table").or_(page.locator(TOAST)).first)
     assert page.locator(TOAST).count() == 0, page.locator(TOAST).all_inner_texts()
     labels = _check_figures(page, "#compare-share, #compare-metrics", width, "models")
     assert len(set(labels)) == 2
@@ -102,7 +102,7 @@ def test_learn_figures_are_labelled_and_fit(wide_page):
     page.get_by_role("tab", name="Learn").click()
     for step in (2, 4):
         page.locator(f"#learn-{step}").click()
-        page.locator(f"#learn-{step}-result p").first.or_(page.locator(TOAST)).first.wait_for(timeout=120_000)
+        wait_for_app(page, page.locator(f"#learn-{step}-result p").first.or_(page.locator(TOAST)).first)
         assert page.locator(TOAST).count() == 0, page.locator(TOAST).all_inner_texts()
     labels = _check_figures(page, "#learn-2-plot, #learn-4-plot", width, "learn")
     assert len(set(labels)) == 2
@@ -139,6 +139,6 @@ def test_names_come_with_their_explanations(wide_page):
     page.keyboard.press("Escape")
     page.locator("#run-compose").click()
     metrics = page.locator("#compose-metrics")
-    metrics.get_by_text("cosine").or_(page.locator(TOAST)).first.wait_for(timeout=120_000)
+    wait_for_app(page, metrics.get_by_text("cosine").or_(page.locator(TOAST)).first)
     assert "recomputed against the real prefix" in metrics.inner_text()
     _check_figures(page, "#logits-plot, #deviation-plot", width, "composer")

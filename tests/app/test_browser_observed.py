@@ -7,6 +7,7 @@ import pytest
 from engine.audit.requests import read_log
 from engine.audit.scan import scan_log
 from engine.models import load_model
+from tests.app.browser_waits import wait_for_app
 from tests.app.conftest import TINY
 from tests.app.test_browser import ARTIFACTS, CHROMIUM, TOAST, _plot_data, browser  # noqa: F401 (the module's browser fixture)
 from tests.app.test_browser_labels import wide_page  # noqa: F401 (a page at 1,000 and 1,400 px)
@@ -30,7 +31,7 @@ def test_observed_counts_are_drawn_beside_the_engines_with_the_shortfalls_marked
     page.locator("#audit-sample input[type=number]").fill("0")
     page.locator("#run-audit").click()
     traffic = page.locator("#audit-traffic")
-    traffic.get_by_text("Observed beside simulated").wait_for(timeout=120_000)
+    wait_for_app(page, traffic.get_by_text("Observed beside simulated"))
     assert page.locator(TOAST).count() == 0, page.locator(TOAST).all_inner_texts()
     words = traffic.inner_text()
     assert "7 of 8 requests report a cached count; compared with vLLM" in words, words

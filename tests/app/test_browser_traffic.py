@@ -6,6 +6,7 @@ import pytest
 
 from app.handlers.your_prompt import bundled_log_text
 from engine.audit.causes import CAUSES
+from tests.app.browser_waits import wait_for_app
 from tests.app.test_browser import ARTIFACTS, CHROMIUM, TOAST, _plot_data, browser  # noqa: F401 (the module's browser fixture)
 from tests.app.test_browser_labels import wide_page  # noqa: F401 (a page at 1,000 and 1,400 px)
 
@@ -24,7 +25,7 @@ def test_an_interleaved_log_shows_its_sessions_causes_groups_and_timeline(wide_p
     page.locator("#audit-sample input[type=number]").fill("1")
     page.locator("#run-audit").click()
     traffic = page.locator("#audit-traffic")
-    traffic.get_by_text("Causes of the misses").wait_for(timeout=120_000)
+    wait_for_app(page, traffic.get_by_text("Causes of the misses"))
     assert page.locator(TOAST).count() == 0, page.locator(TOAST).all_inner_texts()
     text = traffic.inner_text()
     assert "6 requests in 2 sessions" in text and "skipped records: 1" in text and "line 5, messages" in text, text
@@ -59,7 +60,7 @@ def test_a_rewrite_pasted_beside_the_log_is_measured_against_it(wide_page):  # n
     page.locator("#audit-tokens input[type=number]").fill("2")
     page.locator("#run-rewrite").click()
     view = page.locator("#audit-rewrite")
-    view.get_by_text("first token unchanged").first.wait_for(timeout=180_000)
+    wait_for_app(page, view.get_by_text("first token unchanged").first)
     text = view.inner_text()
     assert "unchanged on 4/4" in text and "Answers that change" not in text, text
     page.screenshot(path=str(ARTIFACTS / "audit-rewrite.png"), full_page=True)
