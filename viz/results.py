@@ -33,5 +33,12 @@ def result_kind(stem: str) -> str:
 def result_figures(results: Mapping[str, dict]) -> list[go.Figure]:
     """A figure per result of a known kind (TTFT, edit latency, prefill, serving, agent policies, soak, N-skill study,
     cache reuse, picture splice, models side by side, request-log audits, their llama-server replays, chat sessions
-    replayed on real servers), in order."""
-    return [FIGURES[result_kind(stem)](data) for stem, data in results.items() if result_kind(stem) in FIGURES]
+    replayed on real servers), in order; with two or more serving results, the engines side by side before them."""
+    figures = []
+    serving = {stem: data for stem, data in results.items() if result_kind(stem) == "serving" and data.get("workload", "edit") == "edit"}
+    for stem, data in results.items():
+        if len(serving) > 1 and stem == next(iter(serving)):  # the engines side by side, before their own figures
+            figures.append(benchmarks.serving_engines_figure(serving))
+        if result_kind(stem) in FIGURES:
+            figures.append(FIGURES[result_kind(stem)](data))
+    return figures

@@ -9,7 +9,7 @@ from app.page import Page, step_progress
 from viz.common import figure_label
 from viz.results import result_figures
 
-PLOT_SLOTS = 24  # stored results shown at most (hidden slots wait for more)
+PLOT_SLOTS = 32  # stored results shown at most (hidden slots wait for more)
 
 
 def build(page: Page) -> None:

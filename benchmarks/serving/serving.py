@@ -4,6 +4,7 @@
     python -m benchmarks.serving.serving [--scenario demos/scenarios/refund_gate.toml] [--model embedded|smollm2|FILE.gguf]
                                  [--policy-tokens 2048] [--loads 0.04,0.2,1.5] [--requests 30] [--threads 2]
     python -m benchmarks.serving.serving --workload composed [--loads 0.2]       # llama.cpp chunk reuse vs prefix only
+    python -m benchmarks.serving.serving --engine vllm [--block-size 32] [--tag block32]   # vLLM's CPU build, started here
     python -m benchmarks.serving.serving --engine vllm --url http://127.0.0.1:8000 --model Qwen/Qwen2.5-7B-Instruct ...
     python -m benchmarks.serving.serving --engine lmcache --url ... --workload composed --clean-from serving-vllm-composed.json
 
@@ -30,11 +31,14 @@ and vs the scenario's expected answer) covers every load.
 the scenario: ``chunk_reuse`` (the engine reuses cached blocks wherever they now sit) vs ``prefix_only``.
 
 Engines: ``llama-cpp`` (default) starts the C++ ``llama-server`` (one slot, its RAM prompt cache off) on a free
-127.0.0.1 port; ``vllm``, ``sglang`` and ``lmcache`` (vLLM with LMCache's CacheBlend) drive a server already
-running on loopback (benchmarks/serving/vllm_serving.sh), whose prefix cache is emptied before every run.
-The hit rate is the requests' own ``usage.prompt_tokens_details.cached_tokens`` when every request reports it,
-else the engine's Prometheus ``/metrics`` counters. Prompts use the ChatML frame (Qwen2.5, SmolLM2).
-Writes benchmarks/serving/results/serving-<engine>[-composed].json and .html (plot).
+127.0.0.1 port; ``vllm`` without ``--url`` starts vLLM's CPU build (``scripts/vllm_cpu.sh``) the same way, with
+``--block-size`` and a local model (``embedded`` or a model directory; benchmarks/serving/vllm_cpu_serving.sh runs
+its sweep); ``vllm``, ``sglang`` and ``lmcache`` (vLLM with LMCache's CacheBlend) with ``--url`` drive a server
+already running on loopback (benchmarks/serving/vllm_serving.sh, a GPU). Every run starts on an emptied prefix
+cache. The hit rate is the requests' own ``usage.prompt_tokens_details.cached_tokens`` when every request reports
+it, else the engine's Prometheus ``/metrics`` counters; where the engine has both, the counters' difference over the
+run is kept beside it (``metrics_prefix_hit_rate``) as a cross-check. Prompts use the ChatML frame (Qwen2.5, SmolLM2).
+Writes benchmarks/serving/results/serving-<engine>[-<tag>][-composed].json and .html (plot).
 
 The parts: benchmarks/serving/serving_workload.py (the prompts), benchmarks/serving/serving_servers.py (the engines and GGUF files),
 this module (the runs, the sweep, agreement, the headline and the command line).
@@ -66,7 +70,7 @@ from benchmarks.serving.loadgen import (
     summarize,
     usage_counters,
 )
-from benchmarks.serving.serving_servers import SERVER_BINARY, LlamaServer, OpenAIServer, payload, resolve_gguf
+from benchmarks.serving.serving_servers import SERVER_BINARY, LlamaServer, OpenAIServer, VllmServer, local_model, payload, resolve_gguf
 from benchmarks.serving.serving_workload import Engine, Variant, Workload, WorkloadError, build_workload, load_scenario
 from engine.timing import Stopwatch
 from viz.benchmarks import serving_figure
@@ -188,10 +192,9 @@ def run_variant(
     watch = Stopwatch()
     results = asyncio.run(run_load(engine.base_url, payloads, planned.arrivals, settings.request_timeout_s))
     wall_ms = watch.ms
-    counters = usage_counters(results)
-    if counters is None and before is not None and (after := engine.cache_counters()) is not None:
-        counters = CacheCounters(after.hits - before.hits, after.queries - before.queries)
-    hit_rate = counters.hits / counters.queries if counters is not None and counters.queries > 0 else None
+    scraped = None if before is None or (after := engine.cache_counters()) is None else after.since(before)
+    counters = usage_counters(results) or scraped
+    hit_rate = _rate(counters)
     answered = [(value, request, result) for (value, request), result in zip(planned.requests, results, strict=True)]
     row = {
         "variant": variant.value,
@@ -205,9 +208,16 @@ def run_variant(
         "prompt_tokens": None if counters is None else counters.queries,
         "wall_s": round(wall_ms / 1000, 1),
     }
+    if scraped is not None:  # the cross-check: the engine's own /metrics counters over the same run
+        row["metrics_prefix_hit_rate"] = None if (rate := _rate(scraped)) is None else round(rate, 4)
+        row["metrics_prefix_hit_tokens"] = scraped.hits
     if hit_rate is None:
         row["prefix_hit_rate_gauge"] = engine.cache_hit_rate_gauge()
     return row, answered
+
+
+def _rate(counters: CacheCounters | None) -> float | None:
+    return counters.hits / counters.queries if counters is not None and counters.queries > 0 else None
 
 
 def agreement(
@@ -359,8 +369,9 @@ def benchmark(
 def write(data: dict[str, Any]) -> Path:
     """benchmarks/serving/results/serving-<engine>[-composed].json and its plot (.html)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
+    tag = f"-{data['tag']}" if data.get("tag") else ""
     suffix = "" if data.get("workload", "edit") == "edit" else f"-{data['workload']}"
-    path = RESULTS / f"serving-{data['engine']}{suffix}.json"
+    path = RESULTS / f"serving-{data['engine']}{tag}{suffix}.json"
     path.write_text(json.dumps(data, indent=2) + "\n")
     serving_figure(data).write_html(path.with_suffix(".html"), include_plotlyjs="cdn")
     return path
@@ -389,10 +400,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--reuse-chunk", type=int, default=16, help="llama-cpp chunk_reuse: shortest chunk it shifts")
     parser.add_argument("--separator", default="\n\n", help="composed: text between blocks (LMCache: its blend_special_str)")
     parser.add_argument("--clean-from", type=Path, help="clean-prefill answers recorded by an exact engine's run")
+    parser.add_argument("--block-size", type=int, default=32, help="vllm without --url: the block size it is started with")
+    parser.add_argument("--tag", default="", help="added to the result's file name: serving-<engine>[-<tag>][-composed].json")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.engine != "llama-cpp" and not args.url:
+    if args.engine not in ("llama-cpp", "vllm") and not args.url:
         parser.error(f"--engine {args.engine} needs --url of the running server (and --model, its served name)")
+    if args.block_size % 32 and args.engine == "vllm" and not args.url:
+        parser.error(f"--block-size {args.block_size}: vLLM's CPU backend takes a multiple of 32")
     if args.engine == "lmcache" and (args.workload != "composed" or args.clean_from is None):
         parser.error("--engine lmcache runs --workload composed with --clean-from (CacheBlend's own answers are not clean)")
     return args
@@ -418,12 +433,20 @@ def main(argv: Sequence[str] | None = None) -> Path:
             with LlamaServer(Path(args.server), gguf, n_ctx, args.threads, log, model, args.reuse_chunk) as server:
                 workload = build_workload(server, scenario, args.workload, args.policy_tokens, args.separator)
                 data = benchmark(server, workload, settings, _progress, args.clean_from)
+        elif args.engine == "vllm" and not args.url:
+            model_dir, model = local_model(args.model)
+            log = RESULTS / f"vllm-{args.block_size}-server.log"
+            max_model_len = (args.policy_tokens + 2048 + 1023) // 1024 * 1024  # the handbook, the scenario and the answer
+            with VllmServer(model_dir, log, block=args.block_size, name=model, max_model_len=max_model_len) as server:
+                workload = build_workload(server, scenario, args.workload, args.policy_tokens, args.separator)
+                data = benchmark(server, workload, settings, _progress, args.clean_from)
         else:
             engine = OpenAIServer(args.engine, args.url, args.model)
             workload = build_workload(engine, scenario, args.workload, args.policy_tokens, args.separator)
             data = benchmark(engine, workload, settings, _progress, args.clean_from)
     except WorkloadError as error:
         raise SystemExit(f"serving benchmark: {error}") from None
+    data["tag"] = args.tag
     path = write(data)
     _progress(f"wrote {path}: {json.dumps(data['summary'])}")
     return path

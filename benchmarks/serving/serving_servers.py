@@ -281,6 +281,13 @@ class VllmServer(OpenAIServer):
         stopped(self._process)  # the API server and its engine core process
         self._process = None
 
+    def count_tokens(self, text: str) -> int:
+        """vLLM's ``/tokenize``: a text longer than the model's context is counted too (a completion is refused)."""
+        with httpx.Client(trust_env=False, timeout=120.0) as client:
+            response = client.post(f"{self.base_url}/tokenize", json={"model": self.model, "prompt": text})
+            response.raise_for_status()
+            return int(response.json()["count"])
+
     def version(self) -> str:
         with httpx.Client(trust_env=False, timeout=30.0) as client:
             return str(client.get(f"{self.base_url}/version").json().get("version"))
@@ -324,6 +331,19 @@ def resolve_gguf(model: str) -> tuple[Path, str]:
     path = Path(model).expanduser()
     if not path.is_file():
         raise SystemExit(f"--model {model!r}: use 'embedded', 'smollm2' or a path to a .gguf file")
+    return path, path.name
+
+
+def local_model(model: str) -> tuple[Path, str]:
+    """(directory, served name) of a model vLLM loads here: "embedded" (its safetensors copy, converted once from
+    the embedded GGUF) or a local Hugging Face model directory."""
+    if model == "embedded":
+        from engine.models.gguf import converted_alias
+
+        return converted_alias("embedded", print)[0], "embedded"
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"--model {model!r}: use 'embedded' or a local model directory with config.json")
     return path, path.name
 
 

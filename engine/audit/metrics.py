@@ -53,6 +53,10 @@ class CacheCounters:
     hits: float
     queries: float
 
+    def since(self, before: CacheCounters) -> CacheCounters:
+        """What was counted between the scrape ``before`` and this one."""
+        return CacheCounters(self.hits - before.hits, self.queries - before.queries)
+
 
 def parse_prometheus(text: str) -> list[Sample]:
     """Parse Prometheus text format (comments skipped, labels unescaped, an optional timestamp dropped)."""

