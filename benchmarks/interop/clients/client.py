@@ -4,6 +4,8 @@ the standard library and the client only, never KVScope.
 
     python client.py otel PLAN.json EXPORT.jsonl       # openai + opentelemetry-instrumentation-openai-v2
     python client.py litellm PLAN.json EXPORT.jsonl    # litellm + a CustomLogger callback
+    python client.py langfuse PLAN.json EXPORT.jsonl   # langfuse.openai, its OTLP export received on loopback
+    python client.py helicone PLAN.json EXPORT.jsonl   # openai + helicone-helpers' HeliconeManualLogger
 
 PLAN.json: ``base_url`` (the server's, ``/v1`` appended here), ``model``, and ``sessions``: each an ``id``, the
 ``systems`` prompt of each turn (a field may change between turns), the ``users`` turns and ``max_tokens``. The turns
@@ -17,20 +19,34 @@ are sent interleaved (turn 1 of every session, then turn 2, ...) at temperature 
   ``gen_ai.conversation.id`` is the session, as agent frameworks write it; the older has no session at all.
 - ``litellm``: the ``standard_logging_object`` of each successful call, one JSON line each, as a LiteLLM callback
   writes it; the session is sent as ``litellm_session_id``.
+- ``langfuse``: Langfuse's SDK (3.x, built on OpenTelemetry) with its OpenAI integration (``langfuse.openai``), each
+  turn inside ``propagate_attributes(session_id=...)``. Its base URL is a loopback endpoint standing in for Langfuse's
+  OTLP ingestion (``/api/public/otel/v1/traces``, OTLP/HTTP protobuf): each export request it receives is written as
+  one OTLP/JSON line (ids in hex), as a collector's file exporter would write the same spans.
+- ``helicone``: Helicone's manual logger (``helicone-helpers``) around the openai client, as its documentation shows it
+  (``log_request(provider="openai", ...)``, the session as the ``Helicone-Session-Id`` additional header). Its logging
+  endpoint is a loopback stand-in for Helicone's worker: each posted body (``providerRequest``, ``providerResponse``,
+  ``timing``) is written as one JSON line. The logger sends ``providerRequest.meta`` empty and the Helicone headers on
+  the log request itself; Helicone's worker merges the two, and so does this endpoint: the log request's
+  ``Helicone-*`` headers are written into ``meta``.
 """
 
 from __future__ import annotations
 
 import base64
+import gzip
 import json
 import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 Send = Callable[[str, list, int], str]  # (session id, messages, max_tokens) -> the reply's text
+Receive = Callable[[str, dict, bytes], None]  # (path, headers, body) of one POST to a stand-in ingestion endpoint
 
 
 def run_sessions(plan: dict, send: Send) -> None:
@@ -185,7 +201,94 @@ def run_litellm(plan: dict, path: Path) -> None:
     raise SystemExit(f"LiteLLM logged {len(path.read_text().splitlines())} of {sent} calls within 60 s")
 
 
+@contextmanager
+def _ingestion(receive: Receive) -> Iterator[str]:
+    """A loopback HTTP endpoint standing in for a service's ingestion API: each POST handed to ``receive`` (its
+    path, headers and body, gzip undone), answered 200; yields its base URL."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if self.headers.get("Content-Encoding") == "gzip":
+                body = gzip.decompress(body)
+            receive(self.path, dict(self.headers), body)
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def run_langfuse(plan: dict, path: Path) -> None:
+    """Langfuse's OpenAI integration, each session's turns under its session id; the SDK's OTLP export requests
+    written as OTLP/JSON lines."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    lines = _Lines(path)
+
+    def receive(route: str, headers: dict, body: bytes) -> None:
+        lines.append(ExportTraceServiceRequest.FromString(body))
+
+    with _ingestion(receive) as base_url:
+        from langfuse import Langfuse, propagate_attributes
+        from langfuse.openai import OpenAI
+
+        langfuse = Langfuse(public_key="pk-lf-kvscope", secret_key="sk-lf-kvscope", base_url=base_url)
+        client = OpenAI(base_url=plan["base_url"] + "/v1", api_key="not-needed", max_retries=0)
+
+        def send(session: str, messages: list, max_tokens: int) -> str:
+            with propagate_attributes(session_id=session):
+                answer = client.chat.completions.create(model=plan["model"], messages=messages, max_tokens=max_tokens, temperature=0.0)
+            return answer.choices[0].message.content or ""
+
+        run_sessions(plan, send)
+        langfuse.shutdown()  # flushes every span to the endpoint
+
+
+def run_helicone(plan: dict, path: Path) -> None:
+    """Helicone's manual logger around the openai client, each posted log written as one JSON line with the log
+    request's Helicone headers in ``providerRequest.meta``."""
+    import openai
+    from helicone_helpers import HeliconeManualLogger
+
+    path.write_text("")
+    lock = threading.Lock()
+
+    def receive(route: str, headers: dict, body: bytes) -> None:
+        payload = json.loads(body)
+        sent = {name: value for name, value in headers.items() if name.lower().startswith("helicone-")}
+        payload["providerRequest"]["meta"] = {**payload["providerRequest"].get("meta", {}), **sent}
+        with lock, path.open("a") as out:
+            out.write(json.dumps(payload, separators=(",", ":")) + "\n")
+
+    with _ingestion(receive) as base_url:
+        logger = HeliconeManualLogger(api_key="sk-helicone-kvscope", logging_endpoint=base_url)
+        client = openai.OpenAI(base_url=plan["base_url"] + "/v1", api_key="not-needed", max_retries=0)
+
+        def operation(recorder):
+            answer = client.chat.completions.create(**recorder.request)
+            recorder.append_results(json.loads(answer.to_json()))
+            return answer
+
+        def send(session: str, messages: list, max_tokens: int) -> str:
+            request = {"model": plan["model"], "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
+            headers = {"Helicone-Session-Id": session}
+            answer = logger.log_request(provider="openai", request=request, operation=operation, additional_headers=headers)
+            return answer.choices[0].message.content or ""
+
+        run_sessions(plan, send)
+
+
 if __name__ == "__main__":
     kind, plan_path, export_path = sys.argv[1:4]
-    run = {"otel": run_otel, "litellm": run_litellm}[kind]
+    run = {"otel": run_otel, "litellm": run_litellm, "langfuse": run_langfuse, "helicone": run_helicone}[kind]
     run(json.loads(Path(plan_path).read_text()), Path(export_path))

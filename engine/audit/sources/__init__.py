@@ -33,10 +33,10 @@ class Source:
 SOURCES = {
     source.name: source
     for source in (
-        Source("otel", "OpenTelemetry GenAI spans, OTLP/JSON from a collector's file exporter", otel.is_batch, otel.read_batch),
+        Source("otel", "OpenTelemetry GenAI or Langfuse SDK spans, OTLP/JSON as a file exporter writes it", otel.is_batch, otel.read_batch),
         Source("langfuse_trace", "Langfuse traces with their observations nested", langfuse.is_trace, langfuse.read_trace),
         Source("langfuse_observations", "Langfuse observations, a row each", langfuse.is_observation, langfuse.read_observation),
-        Source("helicone", "Helicone request rows (its query API)", helicone.is_row, helicone.read_row),
+        Source("helicone", "Helicone request rows (its query API), or the logs its SDKs post", helicone.is_record, helicone.read_record),
         Source("litellm_spend_logs", "LiteLLM proxy LiteLLM_SpendLogs rows", litellm.is_spend_log, litellm.read_spend_log),
         Source("litellm_callback", "LiteLLM StandardLoggingPayload", litellm.is_callback_payload, litellm.read_callback_payload),
         Source("gateway", "a request with its response (and time) beside it", gateway.is_record, gateway.read_gateway),

@@ -8,7 +8,9 @@ text, role + ``parts``: ``text``, ``tool_call``, ``tool_call_response``), ``gen_
 ``gen_ai.conversation.id`` (the session), ``gen_ai.request.model``, ``startTimeUnixNano``, and
 ``gen_ai.usage.cache_read.input_tokens`` / ``cache_creation.input_tokens``; the reply in ``gen_ai.output.messages``.
 Content capture is off by default: a span without input messages is skipped with that reason, never guessed. Other
-spans (tools, agents, HTTP) are not requests.
+spans (tools, agents, HTTP) are not requests. Langfuse's SDK (3.x and later) exports its own attributes instead: a
+span whose ``langfuse.observation.type`` is ``generation`` is a request too, read by ``sources.langfuse``
+(``langfuse.observation.input`` / ``.output`` / ``.usage_details``, the session in ``session.id``).
 
 What other lines of the export say about a span is joined to it first (``joined``, over the whole file): the older
 conventions' message log records (``resourceLogs`` -> ``scopeLogs`` -> ``logRecords``, an event a message:
@@ -26,6 +28,7 @@ from typing import Any
 
 from engine.audit.formats import RecordError
 from engine.audit.replies import Reply, finish_of
+from engine.audit.sources import langfuse
 from engine.audit.sources.common import SourceRead, epoch_seconds, parsed_json, read_request, requests_of
 from engine.audit.usage import observed_usage
 
@@ -88,10 +91,14 @@ def read_batch(record: dict) -> SourceRead:
         raise RecordError("resourceSpans", f"must be a list, got {type(record['resourceSpans']).__name__}")
     for key, span in _spans(record):
         attributes = attribute_values(span.get("attributes"))
-        if not _is_inference(attributes):
+        if langfuse.is_generation_span(attributes):
+            reader = langfuse.read_generation_span
+        elif _is_inference(attributes):
+            reader = _span
+        else:
             continue
         try:
-            read.requests += _span(span, attributes, key)
+            read.requests += reader(span, attributes, key)
         except RecordError as error:
             read.skipped.append(error)
     return read

@@ -1,8 +1,9 @@
 """The exports the real client libraries wrote (``benchmarks/interop/client_exports.py``: openai instrumented by
-opentelemetry-instrumentation-openai-v2 2.3b0 and 2.4b0, and LiteLLM's callback, against llama-server) read as a user
-uploads them, each request checked against what the server itself received and answered: the order, the messages,
-the session, the reply, the token counts (the embedded model's tokenizer is the served GGUF's), the cached count
-where the export carries one, and the tier change the support session makes at its third turn."""
+opentelemetry-instrumentation-openai-v2 2.3b0 and 2.4b0, LiteLLM's callback, Langfuse's SDK (its OTLP spans) and
+Helicone's manual logger (its posted logs), against llama-server) read as a user uploads them, each request checked
+against what the server itself received and answered: the order, the messages, the session, the reply, the token
+counts (the embedded model's tokenizer is the served GGUF's), the cached count where the export carries one, and the
+tier change the support session makes at its third turn."""
 
 import json
 
@@ -10,16 +11,29 @@ import pytest
 
 from benchmarks.interop.client_exports import CLIENTS, EXPORTS, SESSIONS
 from engine.audit.caches import CacheSettings
+from engine.audit.replies import finish_of
 from engine.audit.requests import read_log
 from engine.audit.scan import scan_log
 from engine.audit.shards import read_logs
 from engine.models.loading import load_tokenizer
 
 # The session key each export carries: none in the older conventions (the instrumentation writes no conversation id),
-# the conversation id of the invoke_agent span around each chat span in the newer, and LiteLLM's ``trace_id`` (LiteLLM
-# 1.110 writes the caller's litellm_session_id there and leaves ``session_id`` empty).
-SESSION_KEYS = {"otel-2.3b0": {}, "otel-2.4b0": {"gen_ai.conversation.id of an ancestor span": 12}, "litellm": {"trace_id": 12}}
-FORMATS = {"otel-2.3b0": "otel", "otel-2.4b0": "otel", "litellm": "litellm_callback"}
+# the conversation id of the invoke_agent span around each chat span in the newer, LiteLLM's ``trace_id`` (LiteLLM
+# 1.110 writes the caller's litellm_session_id there and leaves ``session_id`` empty), the ``session.id`` Langfuse's
+# propagate_attributes writes on each generation span, and the Helicone-Session-Id header of each posted log.
+SESSION_KEYS = {
+    "otel-2.3b0": {},
+    "otel-2.4b0": {"gen_ai.conversation.id of an ancestor span": 12},
+    "litellm": {"trace_id": 12},
+    "langfuse": {"session.id": 12},
+    "helicone": {"Helicone-Session-Id": 12},
+}
+# Langfuse's spans arrive as an OTLP/JSON batch, read by the OpenTelemetry source
+FORMATS = {"otel-2.3b0": "otel", "otel-2.4b0": "otel", "litellm": "litellm_callback", "langfuse": "otel", "helicone": "helicone"}
+# The exports that keep the answer's usage whole, the cached count included: LiteLLM's usage_object, Langfuse's
+# usage_details (the OpenAI usage its integration received) and Helicone's providerResponse. openai-v2's chat spans
+# carry only the input and output counts, so their cached count is None (not reported).
+CACHED_COUNT_LOGGED = {"litellm", "langfuse", "helicone"}
 TURNS = len(SESSIONS[0]["users"])
 # the server's defaults met by a client that names no slot: 4 slots with one KV cache and the RAM prompt cache
 LLAMA_DEFAULTS = CacheSettings(block=1, prompt_cache=True)
@@ -63,9 +77,51 @@ def test_each_request_reads_as_the_server_received_and_answered_it(client):
         assert request.reply.text == call["response"]["choices"][0]["message"]["content"]
         usage = call["response"]["usage"]
         assert request.observed_prompt_tokens == usage["prompt_tokens"]
-        # LiteLLM logs the answer's usage whole; openai-v2's chat spans carry no cached count (only input and output)
-        expected_cached = usage["prompt_tokens_details"]["cached_tokens"] if client == "litellm" else None
+        expected_cached = usage["prompt_tokens_details"]["cached_tokens"] if client in CACHED_COUNT_LOGGED else None
         assert request.observed_cached_tokens == expected_cached
+
+
+@pytest.mark.parametrize("client", ["langfuse", "helicone"])
+def test_the_sdk_payloads_read_by_their_named_format_with_each_reply_ending_as_the_server_said(client):
+    """Helicone keeps the server's finish reason. Langfuse keeps none: a reply whose completion count reached max_tokens
+    reads as cut there, the others as unknown (taken as ended on the end-of-turn token)."""
+    text, calls = (EXPORTS / f"{client}.jsonl").read_text(), _answers(client)["calls"]
+    named = read_log(text, FORMATS[client])
+    assert [(r.session, r.messages, r.reply) for r in named.requests] == [(r.session, r.messages, r.reply) for r in read_log(text).requests]
+    finishes = [finish_of(call["response"]["choices"][0]["finish_reason"]) for call in calls]
+    if client == "langfuse":
+        finishes = [finish if finish == "length" else "unknown" for finish in finishes]
+    assert [r.reply.finish for r in named.requests] == finishes and "length" in finishes
+
+
+def _first_record(client: str) -> dict:
+    return json.loads((EXPORTS / f"{client}.jsonl").read_text().splitlines()[0])
+
+
+def test_a_langfuse_span_whose_usage_is_not_json_keeps_its_request_and_flags_the_counts():
+    batch = _first_record("langfuse")
+    (span,) = batch["resourceSpans"][0]["scopeSpans"][0]["spans"]
+    for attribute in span["attributes"]:
+        if attribute["key"] == "langfuse.observation.usage_details":
+            attribute["value"] = {"stringValue": "{prompt_tokens: 45"}
+    (request,) = read_log(json.dumps(batch)).requests
+    assert request.session == "support-4417" and request.observed_cached_tokens is None and request.observed_prompt_tokens is None
+    ((key, why),) = request.flags
+    assert key.endswith("langfuse.observation.usage_details") and "not JSON" in why
+
+
+def test_a_helicone_log_names_its_session_in_any_case_flags_a_start_it_cannot_read_and_keeps_a_text_answer():
+    record = _first_record("helicone")
+    record["providerRequest"]["meta"] = {"helicone-session-id": "support-4417"}
+    record["timing"]["startTime"] = "soon"
+    (request,) = read_log(json.dumps(record)).requests
+    assert request.session == "support-4417" and request.timestamp is None
+    assert [key for key, _ in request.flags] == ["timing.startTime"]
+    record["providerRequest"]["meta"] = {}  # as the Python logger sends it, the session on the log request's headers
+    assert read_log(json.dumps(record)).requests[0].session is None
+    record["providerResponse"] |= {"json": {}, "textBody": "upstream timed out"}  # the logger's shape for a text answer
+    (request,) = read_log(json.dumps(record)).requests
+    assert request.reply is None and request.observed_cached_tokens is None and len(request.messages) == 2
 
 
 @pytest.mark.parametrize("client", sorted(CLIENTS))
