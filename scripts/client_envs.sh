@@ -3,7 +3,7 @@
 # dir (they pin conflicting versions of openai, wrapt and OpenTelemetry), once, and print each environment's python,
 # one line per client, in the order asked. Progress and errors go to stderr.
 #
-#   bash scripts/client_envs.sh [otel-2.3b0 otel-2.4b0 litellm langfuse helicone]      # the default: every client
+#   bash scripts/client_envs.sh [otel-2.3b0 otel-2.4b0 litellm langfuse langfuse-5 helicone]  # the default: every client
 #
 # A client's pins are benchmarks/interop/clients/<client>.txt; a marker (REQUIREMENTS) keys the environment to that
 # file's content and the python version, so an edited pin rebuilds it. benchmarks/interop/client_exports.py runs the
@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root="${KVSCOPE_CACHE_DIR:-$HOME/.cache/kvscope}/clients"
 clients=("$@")
-[ ${#clients[@]} -gt 0 ] || clients=(otel-2.3b0 otel-2.4b0 litellm langfuse helicone)
+[ ${#clients[@]} -gt 0 ] || clients=(otel-2.3b0 otel-2.4b0 litellm langfuse langfuse-5 helicone)
 for client in "${clients[@]}"; do
   pins="benchmarks/interop/clients/$client.txt"
   [ -f "$pins" ] || { echo "no client $client: $pins is missing" >&2; exit 2; }

@@ -3,7 +3,7 @@
 is stored beside the server's raw answers, for the tests to read as a user would upload them.
 
     bash scripts/build_llama_server.sh && bash scripts/client_envs.sh       # once
-    python -m benchmarks.interop.client_exports [--clients otel-2.3b0,otel-2.4b0,litellm,langfuse,helicone]
+    python -m benchmarks.interop.client_exports [--clients otel-2.3b0,otel-2.4b0,litellm,langfuse,langfuse-5,helicone]
 
 ``SESSIONS``: three chats of four turns, sent interleaved at temperature 0, each reply fed back; in the first the
 customer's tier changes (gold → silver) from turn 3, a field edit the audit must find. Every client gets a fresh
@@ -30,7 +30,14 @@ from benchmarks.serving.serving_servers import SERVER_BINARY, LlamaServer, embed
 
 ROOT = Path(__file__).resolve().parents[2]
 # the environment: the client.py kind
-CLIENTS = {"otel-2.3b0": "otel", "otel-2.4b0": "otel", "litellm": "litellm", "langfuse": "langfuse", "helicone": "helicone"}
+CLIENTS = {
+    "otel-2.3b0": "otel",
+    "otel-2.4b0": "otel",
+    "litellm": "litellm",
+    "langfuse": "langfuse",
+    "langfuse-5": "langfuse",
+    "helicone": "helicone",
+}
 EXPORTS = ROOT / "demos" / "logs" / "exports" / "clients"
 SUPPORT = "You are the help desk of Northwind Traders.\nCustomer tier: {tier}\nAnswer in one short paragraph."
 SESSIONS = (

@@ -19,10 +19,10 @@ are sent interleaved (turn 1 of every session, then turn 2, ...) at temperature 
   ``gen_ai.conversation.id`` is the session, as agent frameworks write it; the older has no session at all.
 - ``litellm``: the ``standard_logging_object`` of each successful call, one JSON line each, as a LiteLLM callback
   writes it; the session is sent as ``litellm_session_id``.
-- ``langfuse``: Langfuse's SDK (3.x, built on OpenTelemetry) with its OpenAI integration (``langfuse.openai``), each
-  turn inside ``propagate_attributes(session_id=...)``. Its base URL is a loopback endpoint standing in for Langfuse's
-  OTLP ingestion (``/api/public/otel/v1/traces``, OTLP/HTTP protobuf): each export request it receives is written as
-  one OTLP/JSON line (ids in hex), as a collector's file exporter would write the same spans.
+- ``langfuse``: Langfuse's SDK (3.x and 5.x alike, built on OpenTelemetry) with its OpenAI integration
+  (``langfuse.openai``), each turn inside ``propagate_attributes(session_id=...)``. Its base URL is a loopback endpoint
+  standing in for Langfuse's OTLP ingestion (``/api/public/otel/v1/traces``, OTLP/HTTP protobuf): each export request
+  it receives is written as one OTLP/JSON line (ids in hex), as a collector's file exporter would write the same spans.
 - ``helicone``: Helicone's manual logger (``helicone-helpers``) around the openai client, as its documentation shows it
   (``log_request(provider="openai", ...)``, the session as the ``Helicone-Session-Id`` additional header). Its logging
   endpoint is a loopback stand-in for Helicone's worker: each posted body (``providerRequest``, ``providerResponse``,

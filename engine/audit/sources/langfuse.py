@@ -14,6 +14,7 @@ On the SDK's spans the same observation is a span whose ``langfuse.observation.t
 ``prompt_tokens_details.cached_tokens`` included; Langfuse's server flattens it into ``input_*`` keys later),
 ``langfuse.observation.model.parameters`` and ``startTimeUnixNano``. The session is the span's ``session.id``
 (``propagate_attributes(session_id=...)`` writes it on every span it covers; ``langfuse.session.id`` is read too).
+The SDK 3.15 and 5.2 write these alike; 5.x adds ``langfuse.internal.is_app_root`` (a bool), which is not read.
 
 Neither shape keeps the reply's finish reason: a reply whose output tokens reached the request's ``max_tokens`` (in the
 model parameters) is read as cut there, the others as ended on the end-of-turn token (``replies.FINISHES``).

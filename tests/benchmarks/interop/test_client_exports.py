@@ -1,6 +1,6 @@
 """The exports the real client libraries wrote (``benchmarks/interop/client_exports.py``: openai instrumented by
-opentelemetry-instrumentation-openai-v2 2.3b0 and 2.4b0, LiteLLM's callback, Langfuse's SDK (its OTLP spans) and
-Helicone's manual logger (its posted logs), against llama-server) read as a user uploads them, each request checked
+opentelemetry-instrumentation-openai-v2 2.3b0 and 2.4b0, LiteLLM's callback, Langfuse's SDK 3.x and 5.x (its OTLP
+spans) and Helicone's manual logger (its posted logs), against llama-server) read as a user uploads them, each request checked
 against what the server itself received and answered: the order, the messages, the session, the reply, the token
 counts (the embedded model's tokenizer is the served GGUF's), the cached count where the export carries one, and the
 tier change the support session makes at its third turn."""
@@ -26,14 +26,23 @@ SESSION_KEYS = {
     "otel-2.4b0": {"gen_ai.conversation.id of an ancestor span": 12},
     "litellm": {"trace_id": 12},
     "langfuse": {"session.id": 12},
+    "langfuse-5": {"session.id": 12},
     "helicone": {"Helicone-Session-Id": 12},
 }
 # Langfuse's spans arrive as an OTLP/JSON batch, read by the OpenTelemetry source
-FORMATS = {"otel-2.3b0": "otel", "otel-2.4b0": "otel", "litellm": "litellm_callback", "langfuse": "otel", "helicone": "helicone"}
+FORMATS = {
+    "otel-2.3b0": "otel",
+    "otel-2.4b0": "otel",
+    "litellm": "litellm_callback",
+    "langfuse": "otel",
+    "langfuse-5": "otel",
+    "helicone": "helicone",
+}
+LANGFUSE = ("langfuse", "langfuse-5")  # the SDK 3.15 and 5.x: the same attributes (5.x adds langfuse.internal.is_app_root)
 # The exports that keep the answer's usage whole, the cached count included: LiteLLM's usage_object, Langfuse's
 # usage_details (the OpenAI usage its integration received) and Helicone's providerResponse. openai-v2's chat spans
 # carry only the input and output counts, so their cached count is None (not reported).
-CACHED_COUNT_LOGGED = {"litellm", "langfuse", "helicone"}
+CACHED_COUNT_LOGGED = {"litellm", *LANGFUSE, "helicone"}
 TURNS = len(SESSIONS[0]["users"])
 # the server's defaults met by a client that names no slot: 4 slots with one KV cache and the RAM prompt cache
 LLAMA_DEFAULTS = CacheSettings(block=1, prompt_cache=True)
@@ -81,7 +90,7 @@ def test_each_request_reads_as_the_server_received_and_answered_it(client):
         assert request.observed_cached_tokens == expected_cached
 
 
-@pytest.mark.parametrize("client", ["langfuse", "helicone"])
+@pytest.mark.parametrize("client", [*LANGFUSE, "helicone"])
 def test_the_sdk_payloads_read_by_their_named_format_with_each_reply_ending_as_the_server_said(client):
     """Helicone keeps the server's finish reason. Langfuse keeps none: a reply whose completion count reached max_tokens
     reads as cut there, the others as unknown (taken as ended on the end-of-turn token)."""
@@ -89,7 +98,7 @@ def test_the_sdk_payloads_read_by_their_named_format_with_each_reply_ending_as_t
     named = read_log(text, FORMATS[client])
     assert [(r.session, r.messages, r.reply) for r in named.requests] == [(r.session, r.messages, r.reply) for r in read_log(text).requests]
     finishes = [finish_of(call["response"]["choices"][0]["finish_reason"]) for call in calls]
-    if client == "langfuse":
+    if client in LANGFUSE:
         finishes = [finish if finish == "length" else "unknown" for finish in finishes]
     assert [r.reply.finish for r in named.requests] == finishes and "length" in finishes
 
@@ -98,8 +107,9 @@ def _first_record(client: str) -> dict:
     return json.loads((EXPORTS / f"{client}.jsonl").read_text().splitlines()[0])
 
 
-def test_a_langfuse_span_whose_usage_is_not_json_keeps_its_request_and_flags_the_counts():
-    batch = _first_record("langfuse")
+@pytest.mark.parametrize("client", LANGFUSE)
+def test_a_langfuse_span_whose_usage_is_not_json_keeps_its_request_and_flags_the_counts(client):
+    batch = _first_record(client)
     (span,) = batch["resourceSpans"][0]["scopeSpans"][0]["spans"]
     for attribute in span["attributes"]:
         if attribute["key"] == "langfuse.observation.usage_details":
