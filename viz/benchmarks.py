@@ -162,9 +162,14 @@ def serving_engines_figure(results: dict[str, dict]) -> go.Figure:
         col=2,
     )
     figure.update_yaxes(title_text="hit rate", range=[0, 1.05], row=1, col=1)
-    figure.update_yaxes(title_text="×", type="log", row=1, col=2)
+    figure.update_yaxes(title_text="×", rangemode="tozero", row=1, col=2)  # bars from zero: a log axis hides the smaller one
     figure.update_layout(height=450, barmode="group", legend=LEGEND_BELOW)
-    set_title(figure, "Serving engines side by side: erratum vs in-prefix edit", "paper (vLLM, GPU): 98.5% vs 1.0% hits, p90 ×53–398")
+    set_title(
+        figure,
+        "Serving engines side by side: erratum vs in-prefix edit",
+        "paper (vLLM, GPU): 98.5% vs 1.0% hits, p90 ×53–398",
+        subplot_titles=1,
+    )
     return figure
 
 
@@ -173,7 +178,7 @@ def _serving_name(stem: str, data: dict) -> str:
     block = (data.get("engine_settings") or {}).get("block_size")
     parts = [safe_label(stem.removeprefix("serving-"))]
     parts += [f"block {block}"] if block else []
-    parts += [f"{data['policy_tokens']:,} tokens"] if data.get("policy_tokens") else []
+    parts += [f"{data['policy_tokens']:,}-token handbook"] if data.get("policy_tokens") else []
     return "<br>".join(parts)
 
 
