@@ -39,11 +39,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         gpu.import_spaces()  # before anything touches CUDA: it patches torch
         gpu.check_cuda_build()
 
-    import gradio as gr
-
     from app.hosting import from_env, limit_malloc_arenas, return_freed_memory_every
     from app.state import ModelRegistry
-    from app.ui import build_app
+    from app.ui import build_app, theme
     from engine import resolve_device
 
     limit_malloc_arenas()
@@ -61,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     blocks.queue(default_concurrency_limit=1).launch(
         server_name=args.host,
         server_port=args.port,
-        theme=gr.themes.Soft(),
+        theme=theme(),
         show_error=False,
         max_file_size=f"{profile.export_max_bytes // 2**20} mb" if profile.allowed_models is not None else None,
     )

@@ -15,6 +15,12 @@ K/V — its *notes* — and the decision reads the notes, not the field. Edit a 
 not), see where the notes are, and splice precompiled skills into contexts."""
 
 
+def theme() -> gr.themes.Base:
+    """The page's theme (``launch(theme=...)`` in Gradio 6): its type is wider than the default's, so at a 1,000 px window
+    the tabs take two rows."""
+    return gr.themes.Soft()
+
+
 def build_app(registry: ModelRegistry, sessions: SessionStore | None = None, exports: ExportFolder | None = None) -> gr.Blocks:
     """The whole explorer over a model registry (the default model should already be loaded); sessions and
     exports are bounded by the registry's hosting profile."""
@@ -26,7 +32,9 @@ def build_app(registry: ModelRegistry, sessions: SessionStore | None = None, exp
     with gr.Blocks(title="KVScope", delete_cache=(600, 3600)) as blocks:
         page = Page(registry, sessions, exports, gr.State(None), gr.State(registry.default_spec))
         gr.Markdown(INTRO)
-        with gr.Tabs(selected="notes") as tabs:  # a first visit opens on the Notes tab; the model card is one click away
+        # a first visit opens on the Notes tab, the model card one click away; tabs wider than the page wrap onto a second
+        # row (at a 1,000 px window the last two hid under Gradio's "⋯" menu)
+        with gr.Tabs(selected="notes", overflow_behavior="wrap") as tabs:
             loaded = model.build(page)
             notes_tab = notes.build(page)
             shared = notes_tab.inputs  # the Notes tab's scenario, field and value: other tabs run on them or load them

@@ -126,7 +126,9 @@ def serving_figure(data: dict) -> go.Figure:
     figure.update_yaxes(title_text="completed requests/s", row=1, col=2)
     figure.update_yaxes(title_text="hit rate", range=[0, 1.05], row=1, col=3)
     figure.update_yaxes(title_text="answers = clean prefill's", range=[0, 1.05], row=1, col=4)
+    block = (data.get("engine_settings") or {}).get("block_size")
     engine = f" on {safe_label(str(data['engine']))}" if data.get("engine") else ""
+    engine += f" (block size {block})" if engine and block else ""
     shared = f", {data['policy_tokens']} shared tokens" if data.get("policy_tokens") else ""
     completed = sorted({run["completed"] for run in data["runs"] if run.get("completed") is not None})
     if completed:
@@ -163,7 +165,7 @@ def serving_engines_figure(results: dict[str, dict]) -> go.Figure:
     )
     figure.update_yaxes(title_text="hit rate", range=[0, 1.05], row=1, col=1)
     figure.update_yaxes(title_text="×", rangemode="tozero", row=1, col=2)  # bars from zero: a log axis hides the smaller one
-    figure.update_layout(height=450, barmode="group", legend=LEGEND_BELOW)
+    figure.update_layout(height=480, barmode="group", legend=LEGEND_BELOW | {"y": -0.3})  # below two-line names
     set_title(
         figure,
         "Serving engines side by side: erratum vs in-prefix edit",
@@ -176,10 +178,9 @@ def serving_engines_figure(results: dict[str, dict]) -> go.Figure:
 def _serving_name(stem: str, data: dict) -> str:
     """A serving result's bar label: its engine and tag, block size where stated, and handbook length."""
     block = (data.get("engine_settings") or {}).get("block_size")
-    parts = [safe_label(stem.removeprefix("serving-"))]
-    parts += [f"block {block}"] if block else []
-    parts += [f"{data['policy_tokens']:,}-token handbook"] if data.get("policy_tokens") else []
-    return "<br>".join(parts)
+    details = [f"block {block}"] if block else []
+    details += [f"{data['policy_tokens']:,} tok"] if data.get("policy_tokens") else []
+    return "<br>".join([safe_label(stem.removeprefix("serving-")), *([" · ".join(details)] if details else [])])
 
 
 def soak_figure(data: dict) -> go.Figure:

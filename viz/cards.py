@@ -52,8 +52,9 @@ def _title(result: StrategyResult) -> str:
     return f'<h4 title="{html.escape(summary)}">{html.escape(result.name)}</h4>'
 
 
-def strategy_cards_html(report: EditReport) -> str:
-    """One card per strategy (green = reaches the oracle's decision), stale and oracle as dashed references."""
+def strategy_cards_html(report: EditReport, dtype: str | None = None) -> str:
+    """One card per strategy (green = reaches the oracle's decision), stale and oracle as dashed references, under the
+    notes share's headline (naming ``dtype``, the one the numbers were computed in, when given)."""
     oracle_label = report.oracle.decision.label
     cards = [_card(report.stale, oracle_label, reference=True), _card(report.oracle, oracle_label, reference=True)]
     cards += [_card(result, oracle_label) for name, result in report.strategies.items() if name not in ("stale", "oracle")]
@@ -67,14 +68,17 @@ def strategy_cards_html(report: EditReport) -> str:
         + "</p>"
     )
     legend = f'<p class="kv-legend"><small>{html.escape(RECOVERY_WORDS)} Hover a name for what the strategy does.</small></p>'
-    return CARD_CSS + notes_headline_html(report.notes) + headline + '<div class="kv-cards">' + "".join(cards) + "</div>" + legend
+    return CARD_CSS + notes_headline_html(report.notes, dtype) + headline + '<div class="kv-cards">' + "".join(cards) + "</div>" + legend
 
 
-def notes_headline_html(notes: NotesShare) -> str:
-    """The notes share as a headline sentence, with the numbers it comes from."""
+def notes_headline_html(notes: NotesShare, dtype: str | None = None) -> str:
+    """The notes share as a headline sentence, with the numbers it comes from and the dtype they were computed in (the
+    share moves by a few points between float32 and bfloat16: the README quotes float32)."""
     share = "" if notes.share is None else f"{notes.share:.4f}"
     evidence = "" if notes.field_recovery is None else f" <small>(field_only recovery {notes.field_recovery:.2f}"
     if evidence and notes.downstream_recovery is not None:
         evidence += f"; the downstream notes patched in alone recover {notes.downstream_recovery:.2f}"
+    if evidence and dtype:
+        evidence += f"; computed in {html.escape(dtype)}"
     evidence += ")</small>" if evidence else ""
     return f'<p class="kv-notes" id="notes-headline" data-share="{share}">{html.escape(notes.headline())}{evidence}</p>'

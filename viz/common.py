@@ -14,6 +14,7 @@ import re
 import textwrap
 import unicodedata
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import plotly.graph_objects as go
@@ -190,6 +191,97 @@ def set_title(figure: go.Figure, text: str, *notes: str, subplot_titles: int = 0
         },
         margin={"t": top},
     )
+
+
+NARROWEST_PLOT_PX = 600  # the narrowest plot the app shows (see above): label placement is planned at this width
+LABEL_CHAR_PX, LABEL_LINE_PX = 6.8, 16  # a 12 px label's width per character (generous) and its line's height
+# Where plotly puts a point's text for each ``textposition``: the label box's (left, right, bottom, top) in px from the
+# point, for a label ``w`` px wide beside a marker of radius ``r`` (plus a gap); in the order they are tried.
+_LABEL_PLACES = {
+    "top center": lambda w, r: (-w / 2, w / 2, r, r + LABEL_LINE_PX),
+    "bottom center": lambda w, r: (-w / 2, w / 2, -r - LABEL_LINE_PX, -r),
+    "middle right": lambda w, r: (r, r + w, -LABEL_LINE_PX / 2, LABEL_LINE_PX / 2),
+    "middle left": lambda w, r: (-r - w, -r, -LABEL_LINE_PX / 2, LABEL_LINE_PX / 2),
+    "top right": lambda w, r: (r * 0.6, r * 0.6 + w, r * 0.6, r * 0.6 + LABEL_LINE_PX),
+    "top left": lambda w, r: (-r * 0.6 - w, -r * 0.6, r * 0.6, r * 0.6 + LABEL_LINE_PX),
+    "bottom right": lambda w, r: (r * 0.6, r * 0.6 + w, -r * 0.6 - LABEL_LINE_PX, -r * 0.6),
+    "bottom left": lambda w, r: (-r * 0.6 - w, -r * 0.6, -r * 0.6 - LABEL_LINE_PX, -r * 0.6),
+}
+
+
+@dataclass(frozen=True)
+class PlacedLabels:
+    """Point labels placed apart: each point's ``textposition``, the axis ranges that hold every label inside the plot
+    area, and each label's box in px from the plot area's bottom left at the width planned for."""
+
+    positions: list[str]
+    x_range: tuple[float, float]
+    y_range: tuple[float, float]
+    boxes: list[tuple[float, float, float, float]]  # (left, right, bottom, top)
+
+
+def label_box(x_px: float, y_px: float, text: str, position: str, marker_px: float) -> tuple[float, float, float, float]:
+    """The box (left, right, bottom, top, px) plotly's ``position`` gives ``text`` beside a point at (``x_px``, ``y_px``)."""
+    width = LABEL_CHAR_PX * len(html.unescape(text)) + 4
+    left, right, bottom, top = _LABEL_PLACES[position](width, marker_px / 2 + 3)
+    return x_px + left, x_px + right, y_px + bottom, y_px + top
+
+
+def _overlap(a: Sequence[float], b: Sequence[float]) -> bool:
+    return min(a[1], b[1]) > max(a[0], b[0]) and min(a[3], b[3]) > max(a[2], b[2])
+
+
+def place_labels(
+    x: Sequence[float],
+    y: Sequence[float],
+    texts: Sequence[str],
+    x_range: Sequence[float],
+    y_range: Sequence[float],
+    plot_px: tuple[float, float],
+    marker_px: float = 12,
+) -> PlacedLabels:
+    """Labels of scatter points that neither overlap each other nor cover another point, each nearer its own point than
+    any other, and inside the plot area: each label takes the first place (above, below, right, left, then the corners)
+    that is clear, preferring one inside the axis ranges; the ranges then grow to hold any label past their edge.
+    ``plot_px``: the plot area's (width, height) at the narrowest width the figure is shown at; a wider figure spreads
+    the points further apart."""
+    width, height = plot_px
+    x_range, y_range = (float(x_range[0]), float(x_range[1])), (float(y_range[0]), float(y_range[1]))
+    positions: list[str] = []
+    boxes: list[tuple[float, float, float, float]] = []
+    for _ in range(8 if len(texts) else 0):  # a wider range moves the points closer in px: place again until every label fits
+        sx, sy = width / (x_range[1] - x_range[0]), height / (y_range[1] - y_range[0])
+        points = [((a - x_range[0]) * sx, (b - y_range[0]) * sy) for a, b in zip(x, y)]
+        half = marker_px / 2 + 1
+        markers = [(a - half, a + half, b - half, b + half) for a, b in points]
+        positions, boxes = [], []
+        for index, ((a, b), text) in enumerate(zip(points, texts)):
+
+            def cost(position: str) -> tuple[int, float]:
+                box = label_box(a, b, text, position, marker_px)
+                others = [*boxes, *(marker for other, marker in enumerate(markers) if other != index)]
+                outside = max(0.0, -box[0], box[1] - width, -box[2], box[3] - height)
+                # a label whose middle is nearer another point than its own reads as that point's
+                middle = (box[0] + box[1]) / 2, (box[2] + box[3]) / 2
+                own = math.dist(middle, (a, b))
+                misread = sum(math.dist(middle, point) < own for other, point in enumerate(points) if other != index)
+                return sum(_overlap(box, other) for other in others) + misread, outside
+
+            position = min(_LABEL_PLACES, key=lambda place: (*cost(place), list(_LABEL_PLACES).index(place)))
+            positions.append(position)
+            boxes.append(label_box(a, b, text, position, marker_px))
+        past = (
+            max(0.0, -min(box[0] for box in boxes)),
+            max(0.0, max(box[1] for box in boxes) - width),
+            max(0.0, -min(box[2] for box in boxes)),
+            max(0.0, max(box[3] for box in boxes) - height),
+        )
+        if not any(past):
+            return PlacedLabels(positions, x_range, y_range, boxes)
+        pad = 4  # px, so that a label ends clear of the edge
+        x_range = (x_range[0] - (past[0] and past[0] + pad) / sx, x_range[1] + (past[1] and past[1] + pad) / sx)
+        y_range = (y_range[0] - (past[2] and past[2] + pad) / sy, y_range[1] + (past[3] and past[3] + pad) / sy)
+    return PlacedLabels(positions, x_range, y_range, boxes)
 
 
 def figure_label(figure: go.Figure) -> str:

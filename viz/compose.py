@@ -14,7 +14,17 @@ from engine.cache.decision import Decision
 from engine.compose.agent import AgentReport
 from engine.compose.fidelity import SpliceFidelity
 from engine.compose.keystone import KeystoneReport
-from viz.common import LEGEND_BELOW, PALETTE, map_height, pool_columns, safe_label, set_title, token_columns
+from viz.common import (
+    LEGEND_BELOW,
+    NARROWEST_PLOT_PX,
+    PALETTE,
+    map_height,
+    place_labels,
+    pool_columns,
+    safe_label,
+    set_title,
+    token_columns,
+)
 
 
 def logit_bars_figure(
@@ -160,16 +170,33 @@ def agent_figure(report: AgentReport) -> go.Figure:
 
 def keystone_figure(report: KeystoneReport, band: float = 0.15) -> go.Figure:
     """The paper's diagonal: each applicable strategy's recovery on the composed (spliced) cache against the same
-    strategy on the recomputed cache; points on the diagonal mean composing changes nothing, the band is ±``band``."""
+    strategy on the recomputed cache; points on the diagonal mean composing changes nothing, the band is ±``band``.
+    Each point's name sits where it covers no other name or point, inside the plot area at the app's narrowest width."""
     gaps = report.recovery_gaps()
     names = [name for name, gap in gaps.items() if gap is not None]
     x = [report.recomputed.strategies[name].recovery.value for name in names]
     y = [report.composed.strategies[name].recovery.value for name in names]
     low, high = min([0.0, *x, *y]) - 0.1, max([1.0, *x, *y]) + 0.1
+    skipped = [name for name in gaps if name not in names]
+    stale = report.composed.stale.decision.margin, report.recomputed.stale.decision.margin
     figure = go.Figure()
+    margin = {"l": 60, "r": 20, "b": 110}
+    figure.update_layout(height=500, margin=margin, legend=LEGEND_BELOW)
+    set_title(
+        figure,
+        f"Keystone: editing {safe_label(report.field)} inside a spliced skill (remedy {safe_label(report.remedy.name)})",
+        f"oracle − stale margin {report.delta_margin:+.2f}; stale margin composed {stale[0]:+.2f} vs recomputed {stale[1]:+.2f}"
+        + (f"; no recovery for: {', '.join(safe_label(n) for n in skipped)}" if skipped else ""),
+    )
+    texts = [safe_label(name) for name in names]
+    # the plot area at the narrowest width (plotly's automargin takes a few px more below for the legend)
+    plot_px = NARROWEST_PLOT_PX - margin["l"] - margin["r"], figure.layout.height - figure.layout.margin.t - margin["b"] - 8
+    labels = place_labels(x, y, texts, (low, high), (low, high), plot_px, marker_px=12)
+    # the band and the diagonal span both axes' ranges (grown to hold the labels)
+    start, end = min(labels.x_range[0], labels.y_range[0]), max(labels.x_range[1], labels.y_range[1])
     figure.add_scatter(
-        x=[low, high, high, low],
-        y=[low + band, high + band, high - band, low - band],
+        x=[start, end, end, start],
+        y=[start + band, end + band, end - band, start - band],
         fill="toself",
         mode="lines",
         line={"width": 0},
@@ -177,32 +204,21 @@ def keystone_figure(report: KeystoneReport, band: float = 0.15) -> go.Figure:
         name=f"within ±{band}",
         hoverinfo="skip",
     )
-    figure.add_scatter(x=[low, high], y=[low, high], mode="lines", line={"dash": "dash", "color": "grey"}, name="composed = recomputed")
+    figure.add_scatter(x=[start, end], y=[start, end], mode="lines", line={"dash": "dash", "color": "grey"}, name="composed = recomputed")
     figure.add_scatter(
         x=x,
         y=y,
         mode="markers+text",
-        text=[safe_label(name) for name in names],
-        textposition="top center",
+        text=texts,
+        textposition=labels.positions,
         name="strategies",
         marker={"size": 12, "color": [PALETTE[0] if abs(gaps[name]) <= band else "#d62828" for name in names]},
         hovertext=[f"{safe_label(name)}: recomputed {a:.3f}, composed {b:.3f} (gap {b - a:+.3f})" for name, a, b in zip(names, x, y)],
         hoverinfo="text",
     )
-    skipped = [name for name in gaps if name not in names]
-    stale = report.composed.stale.decision.margin, report.recomputed.stale.decision.margin
     figure.update_layout(
-        xaxis={"title": "recovery on the recomputed cache", "range": [low, high]},
-        yaxis={"title": "recovery on the composed cache", "range": [low, high]},
-        height=500,
-        margin={"l": 60, "r": 20, "b": 110},
-        legend=LEGEND_BELOW,
-    )
-    set_title(
-        figure,
-        f"Keystone: editing {safe_label(report.field)} inside a spliced skill (remedy {safe_label(report.remedy.name)})",
-        f"oracle − stale margin {report.delta_margin:+.2f}; stale margin composed {stale[0]:+.2f} vs recomputed {stale[1]:+.2f}"
-        + (f"; no recovery for: {', '.join(safe_label(n) for n in skipped)}" if skipped else ""),
+        xaxis={"title": "recovery on the recomputed cache", "range": list(labels.x_range)},
+        yaxis={"title": "recovery on the composed cache", "range": list(labels.y_range)},
     )
     return figure
 

@@ -10,7 +10,7 @@ import html
 
 from engine.cache.decision import Decision
 from engine.comparison.models import PAPER_MODELS
-from engine.edit.report import EditReport
+from engine.edit.report import EditReport, NotesShare
 from viz.text import remedy_words
 
 FIGURE_LABELS = (  # what each step's figure shows (the Learn tab's figure labels)
@@ -56,6 +56,11 @@ def decisions_html(model: str, old_value: str, new_value: str, old: Decision, ne
     )
 
 
+def share_percent(notes: NotesShare) -> str:
+    """The notes share as the Notes tab's headline rounds it (within 0–100%)."""
+    return f"{max(0.0, min(1.0, notes.share or 0.0)):.0%}"
+
+
 def strategies_html(report: EditReport, step: int) -> str:
     """Steps 2 and 3: what field_only / full_downstream, or erratum / field_erratum, did on this model."""
     notes = report.notes
@@ -67,12 +72,12 @@ def strategies_html(report: EditReport, step: int) -> str:
             said = (
                 f"On this model recomputing the field alone recovers {field:.2f} of the decision and already reaches "
                 f"<b>{html.escape(notes.field_only_label)}</b>: it still reads much of the field directly "
-                f"(notes carry {max(0.0, notes.share):.0%})."
+                f"(notes carry {share_percent(notes)})."
             )
         else:
             said = (
                 f"On this model recomputing the field alone recovers only {field:.2f}: the decision stays "
-                f"<b>{html.escape(notes.field_only_label)}</b> because {max(0.0, notes.share):.0%} of it sits in the stale notes; "
+                f"<b>{html.escape(notes.field_only_label)}</b> because {share_percent(notes)} of it sits in the stale notes; "
                 f"recomputing everything after the field recovers {_format(_recovery(report, 'full_downstream'))}."
             )
         return f"<p>{said}</p>" + _paper(PAPER_FIELD_ONLY)

@@ -146,7 +146,7 @@ def run_edit(
     sessions.put(session, "effects", effects, model)
     sessions.put(session, "result", SessionResult(analysis.as_dict()), model)
     return NotesView(
-        cards_html=strategy_cards_html(analysis.report),
+        cards_html=strategy_cards_html(analysis.report, dtype_name(edited.lm.dtype)),
         strategy_figure=strategy_figure(analysis.report),
         text_html=notes_figures.effect_text_html(effects, notebook.token_texts(), notebook.visible_segments())
         if effects

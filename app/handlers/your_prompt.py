@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import plotly.graph_objects as go
 
@@ -56,7 +57,7 @@ from engine import (
 from viz import audit as audit_figures
 from viz import fleet as fleet_figures
 from viz import text as panels
-from viz.common import message_figure
+from viz.common import markdown_literal, message_figure
 
 AUDIT_STEM = "kvscope-audit"
 AUDIT_REPAIRS = [name for name in REPAIRS if name != "recompute"]  # recompute always runs: the reference
@@ -70,6 +71,38 @@ def bundled_log_text(name: str) -> str:
     if name not in paths:
         raise AppError(f"unknown demo log {name!r}; bundled: {', '.join(paths)}")
     return paths[name].read_text(encoding="utf-8")
+
+
+def size_words(count: int) -> str:
+    """A file's size as people read it: bytes, KB or MB (of 1,024)."""
+    if count < 2**10:
+        return f"{count:,} bytes"
+    return f"{count / 2**10:,.1f} KB" if count < 2**20 else f"{count / 2**20:,.1f} MB"
+
+
+def upload_markdown(path: str | None) -> str:
+    """What the tab says of an uploaded log: the file's name and size, and when the audit reads it (empty: none)."""
+    if not path:
+        return ""
+    file = Path(path)
+    return (
+        f"Uploaded: **{markdown_literal(file.name)}** · {size_words(file.stat().st_size)}. The audit reads this file while the "
+        "box below is empty (text typed or pasted there is read instead); upload another file to replace it."
+    )
+
+
+def given_log(text: str | None, upload: str | None) -> str | None:
+    """The log (or prompt) the tab audits: the text box's text where it holds any (typed, pasted or a demo's), else the
+    uploaded file, read from its path (an upload empties the box). The upload is read here, once, rather than pasted into
+    the text box (a 20 MB log took 23 s to show there)."""
+    if (text or "").strip() or not upload:
+        return text
+    try:
+        return Path(upload).read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError as error:
+        raise AppError(
+            f"the uploaded file {Path(upload).name} is no longer on the server (uploads are kept an hour): upload it again"
+        ) from error
 
 
 @dataclass

@@ -19,11 +19,13 @@ from app.handlers.your_prompt import (
     bundled_log_text,
     engine_settings,
     export_audit,
+    given_log,
     nothing_to_audit,
     prompt_candidates,
     run_audit,
     run_audit_value,
     run_rewrite,
+    upload_markdown,
 )
 from app.inputs import LenientCheckboxGroup, LenientSlider
 from app.page import PAIRED_PLOT_MIN_WIDTH, Page, message_progress, notice, step_progress
@@ -72,14 +74,18 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
         gr.Markdown(AUDIT_INTRO)
         with gr.Row():
             with gr.Column(scale=2):
-                with gr.Row():
-                    demo = gr.Dropdown(list(bundled_logs()), value=None, label="Bundled demo log", elem_id="audit-demo")
-                    upload = gr.File(
-                        label="…or upload a log or a prompt",
+                with gr.Row(equal_height=True):
+                    demo = gr.Dropdown(list(bundled_logs()), value=None, label="Bundled demo log", elem_id="audit-demo", scale=1)
+                    # a button, not a file box: a second upload replaces the first without clearing it first
+                    upload = gr.UploadButton(
+                        "…or upload a log or a prompt",
                         file_types=[".jsonl", ".json", ".txt"],
                         type="filepath",
                         elem_id="audit-upload",
+                        scale=1,
                     )
+                upload_info = gr.Markdown(elem_id="audit-upload-info")
+                uploaded = gr.State(None)  # the uploaded file's path: the audit reads it while the text box is empty
                 log_text = gr.Textbox(
                     label="Request log (JSONL or a JSON array of requests), or one prompt (text or messages JSON)",
                     lines=12,
@@ -212,10 +218,15 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
     def on_upload(path):
         if not path:
             raise AppError("no file uploaded")
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            return handle.read()
+        return path, upload_markdown(path), ""
 
-    upload.upload(on_upload, inputs_kwargs={"path": upload}, outputs=log_text, api_name="audit_upload", concurrency_limit=None)
+    upload.upload(
+        on_upload,
+        inputs_kwargs={"path": upload},
+        outputs=[uploaded, upload_info, log_text],
+        api_name="audit_upload",
+        concurrency_limit=None,
+    )
 
     measure = {"repairs": repairs, "tokens": tokens, "threshold": threshold, "min_agreement": min_agreement, "grain": grain}
     measure |= {"x": x_axis, "y": y_axis}
@@ -236,11 +247,16 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
 
     runs = AuditRuns()  # each browser tab's running audit, for its Cancel
 
+    def ended() -> dict:
+        """Cancel hidden, with the audit's last outputs (a step after them hid it seconds after the result showed)."""
+        return gr.update(visible=False)
+
     @page.action
     def on_audit(
         session,
         spec,
         text,
+        upload,
         block,
         budget_blocks,
         budget_tokens,
@@ -251,8 +267,9 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
         **settings,
     ):
         sid = page.session_id(session)
+        text = given_log(text, upload)
         if words := nothing_to_audit(text):
-            return _nothing(words, sid)
+            return *_nothing(words, sid), ended()
         simulated = engine_settings(block=block, budget_blocks=budget_blocks, budget_tokens=budget_tokens, cache_reuse=cache_reuse)
         with runs.running(request.session_hash) as token:
             try:
@@ -270,11 +287,11 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
             except AppError:
                 if not token.cancelled:
                     raise
-                return tuple(gr.skip() for _ in shown)  # cancelled: information (the Cancel said so), not an error
-        return _shown(view, sid)
+                return *(gr.skip() for _ in shown), ended()  # cancelled: information (the Cancel said so), not an error
+        return *_shown(view, sid), ended()
 
     # Cancel shows only while an audit runs: from the click (which also clears the last run's status) to the audit's end,
-    # done, failed or cancelled
+    # done or cancelled (hidden by the audit's own outputs), or failed
     started = audit_button.click(
         lambda: ("", gr.update(visible=True)), outputs=[audit_status, cancel_button], api_name=False, concurrency_limit=None
     )
@@ -284,20 +301,19 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
             "session": page.session,
             "spec": page.spec,
             "text": log_text,
+            "upload": uploaded,
             **measure,
             "sample": sample,
             **engines,
             "observed_engine": observed_engine,
             "replicas": replicas,
         },
-        outputs=shown,
+        outputs=[*shown, cancel_button],
         api_name="audit",
         **page.model_bound(),
     )
-
-    # the page runs .then steps once the audit is done or cancelled, and after an error only .failure steps (gradio 6.31)
-    for ended in (audit_event.then, audit_event.failure):
-        ended(lambda: gr.update(visible=False), outputs=cancel_button, api_name=False, concurrency_limit=None)
+    # after an error the page runs only .failure steps (gradio 6.31)
+    audit_event.failure(ended, outputs=cancel_button, api_name=False, concurrency_limit=None)
 
     def on_cancel(request: gr.Request):
         said = runs.cancel(request.session_hash)
@@ -309,21 +325,22 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
     cancel_button.click(on_cancel, outputs=audit_status, api_name="cancel_audit", concurrency_limit=None)
 
     @page.action
-    def on_candidates(spec, text):
-        view, menu = prompt_candidates(page.registry, text, spec=spec)
+    def on_candidates(spec, text, upload):
+        view, menu = prompt_candidates(page.registry, given_log(text, upload), spec=spec)
         return view, gr.update(choices=menu, value=menu[0][1] if menu else None)
 
     find_button.click(
         on_candidates,
-        inputs_kwargs={"spec": page.spec, "text": log_text},
+        inputs_kwargs={"spec": page.spec, "text": log_text, "upload": uploaded},
         outputs=[candidates_view, candidate],
         api_name="audit_candidates",
         **page.model_bound(),
     )
 
     @page.action
-    def on_audit_value(session, spec, text, progress=gr.Progress(), **settings):
+    def on_audit_value(session, spec, text, upload, progress=gr.Progress(), **settings):
         sid = page.session_id(session)
+        text = given_log(text, upload)
         if words := nothing_to_audit(text):
             return _nothing(words, sid)
         view = run_audit_value(page.registry, page.sessions, text, session=sid, spec=spec, progress=step_progress(progress), **settings)
@@ -335,6 +352,7 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
             "session": page.session,
             "spec": page.spec,
             "text": log_text,
+            "upload": uploaded,
             "candidate": candidate,
             "find": find,
             "new_value": new_value,
@@ -396,28 +414,29 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
     ).success(None, None, None, js=OPEN_IN_NOTES_JS, api_name=False)
 
     @page.action
-    def on_rewrite(spec, text, progress=gr.Progress(), **values):
-        return run_rewrite(page.registry, text, spec=spec, progress=step_progress(progress), **values)
+    def on_rewrite(spec, text, upload, progress=gr.Progress(), **values):
+        return run_rewrite(page.registry, given_log(text, upload), spec=spec, progress=step_progress(progress), **values)
 
+    rewrite_inputs = {"spec": page.spec, "text": log_text, "upload": uploaded, "rewritten": rewritten, "template": as_template}
+    rewrite_inputs |= {"tokens": tokens}
     rewrite_button.click(
         on_rewrite,
-        inputs_kwargs={"spec": page.spec, "text": log_text, "rewritten": rewritten, "template": as_template, "tokens": tokens},
+        inputs_kwargs=rewrite_inputs,
         outputs=[rewrite_view, rewrite_json],
         api_name="audit_rewrite",
         **page.model_bound(),
     )
 
     @page.action
-    def on_rewrite_on_server(spec, text, progress=gr.Progress(), **values):
+    def on_rewrite_on_server(spec, text, upload, progress=gr.Progress(), **values):
         try:
-            return run_rewrite_on_server(page.registry, text, spec=spec, progress=step_progress(progress), **values)
+            return run_rewrite_on_server(page.registry, given_log(text, upload), spec=spec, progress=step_progress(progress), **values)
         except AppUnreachable as unreachable:  # the person's server is down: information in the panel, no error badge
             return notice(unreachable), None
 
-    server_inputs = {"spec": page.spec, "text": log_text, "rewritten": rewritten, "template": as_template, "tokens": tokens}
     server_button.click(
         on_rewrite_on_server,
-        inputs_kwargs=server_inputs | {"url": server_url, "model": server_model},
+        inputs_kwargs=rewrite_inputs | {"url": server_url, "model": server_model},
         outputs=[rewrite_view, rewrite_json],
         api_name="audit_rewrite_on_server",
         **page.model_bound(),

@@ -23,10 +23,13 @@ from app.handlers.your_prompt import (
     bundled_log_text,
     engine_settings,
     export_audit,
+    given_log,
     prompt_candidates,
     run_audit,
     run_audit_value,
     run_rewrite,
+    size_words,
+    upload_markdown,
 )
 from app.hosting import local_profile, public_profile
 from app.state import ExportFolder, ModelRegistry, SessionStore
@@ -394,3 +397,43 @@ def test_coarsen_is_ticked_once_a_grain_is_picked_and_not_before():
     assert with_coarsen("none", ["erratum", "hoist"]) == ["erratum", "hoist"]
     assert with_coarsen("date", ["erratum"]) == ["erratum", "coarsen"]
     assert with_coarsen("date", ["coarsen"]) == ["coarsen"] and with_coarsen("hour", None) == ["coarsen"]
+
+
+def test_an_uploaded_log_is_read_from_its_file_named_with_its_size_and_text_in_the_box_wins(registry, sessions, tmp_path: Path):
+    upload = tmp_path / "bike_[desk].jsonl"
+    upload.write_text(LOG, encoding="utf-8")
+    said = upload_markdown(str(upload))
+    assert said.startswith(f"Uploaded: **{markdown_literal(upload.name)}** · {len(LOG.encode()):,} bytes.") and "replace it" in said
+    assert upload_markdown(None) == "" and upload_markdown("") == ""
+    assert given_log("", str(upload)) == LOG and given_log(None, str(upload)) == LOG and given_log(" \n", str(upload)) == LOG
+    assert given_log("pasted", str(upload)) == "pasted"  # text typed or pasted into the box is read instead
+    assert given_log("pasted", None) == "pasted" and given_log("", None) == ""
+    view = run_audit(registry, sessions, given_log("", str(upload)), session="u", **OPTIONS)  # the file's three requests
+    assert view.summary["engines"]["requests"] == 3
+    upload.unlink()
+    with pytest.raises(AppError, match=r"bike_\[desk\].jsonl is no longer on the server.*upload it again"):
+        given_log("", str(upload))
+
+
+def test_file_sizes_read_as_bytes_kb_or_mb():
+    assert [size_words(n) for n in (0, 845, 1023)] == ["0 bytes", "845 bytes", "1,023 bytes"]
+    assert [size_words(n) for n in (1024, 47_416, 20 * 2**20 + 2**19)] == ["1.0 KB", "46.3 KB", "20.5 MB"]
+
+
+def test_the_audit_hides_cancel_with_its_own_outputs_and_reads_the_upload(registry):
+    """Cancel is hidden by the audit's own last outputs (a later .then step showed it seconds after the result), and only
+    a failure has a step of its own; the audit, the one-prompt audit, its spans and the rewrites read the upload."""
+    from app.ui import build_app
+
+    blocks = build_app(registry)
+    by_id = {getattr(block, "elem_id", None): block for block in blocks.blocks.values()}
+    cancel = by_id["cancel-audit"]
+    fns = list(blocks.fns.values())
+    (audit,) = [fn for fn in fns if fn.api_name == "audit"]
+    assert audit.outputs[-1] is cancel
+    (upload_fn,) = [fn for fn in fns if fn.api_name == "audit_upload"]
+    uploaded = upload_fn.outputs[0]
+    readers = {"audit", "audit_value", "audit_candidates", "audit_rewrite", "audit_rewrite_on_server"}
+    assert all(uploaded in fn.inputs for fn in fns if fn.api_name in readers)
+    after = [fn for fn in fns if cancel in fn.outputs and fn.trigger_after == audit._id]
+    assert [fn.trigger_only_on_failure for fn in after] == [True]  # no step after a finished audit: its outputs hid Cancel

@@ -12,14 +12,16 @@ from pathlib import Path
 import plotly.graph_objects as go
 import torch
 
-from engine.cache.decision import Recovery, decide, recovery
+from engine.cache.decision import Decision, Recovery, decide, recovery
 from engine.cache.patching import attribution_effects
 from engine.compose.agent import run_agent
 from engine.compose.fidelity import compare
-from engine.compose.keystone import keystone
+from engine.compose.keystone import KeystoneReport, keystone
 from engine.compose.placing import adhoc_scenario
-from engine.compose.remedy import Remedy
+from engine.compose.remedy import DEFAULT_REMEDY, Remedy
 from engine.compose.skills import SkillStore
+from engine.edit.report import EditReport, NotesShare
+from engine.edit.strategies import StrategyResult
 from engine.edit.weight_edit import MethodOutcome, WeightEditReport
 from engine.probes import probe_attention, probe_heads, probe_knockout, probe_notes_map, probe_suffix
 from engine.probes.attribution import captum_attribution
@@ -28,7 +30,7 @@ from engine.scenario import Scenario, bundled_scenarios
 from tests.viz.test_audit import DATA, TRAFFIC
 from tests.viz.test_models import COMPARISON
 from tests.viz.test_probes import _linear_result
-from viz import audit, common, compose, decision, fleet, models, notes, probes, results, strategies, weights
+from viz import audit, benchmarks, common, compose, decision, fleet, models, notes, probes, results, strategies, weights
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = {path.stem: json.loads(path.read_text()) for path in sorted(ROOT.glob("benchmarks/*/results/*.json"))}
@@ -97,6 +99,24 @@ def _scaled(report, stale: float, oracle: float):
         oracle=moved(report.oracle),
         strategies={name: moved(result) for name, result in report.strategies.items()},
     )
+
+
+def stored_keystone(remedy: str = DEFAULT_REMEDY.name, stem: str = "keystone-embedded-cpu") -> KeystoneReport:
+    """The keystone the app draws on the embedded model (its stored run, ``benchmarks/studies/results``), with ``remedy``:
+    six strategies, erratum and field_erratum a few hundredths apart near the top right corner."""
+    stored = RESULTS[stem]["remedies"][remedy]
+
+    def result(name: str, row: dict) -> StrategyResult:
+        decision = Decision(row["scores"], {}, row["margin"], row["decision"], torch.zeros(1))
+        return StrategyResult(name, row["applicable"], decision, Recovery(row["recovery"]), row["tokens_recomputed"], row["ms"])
+
+    def side(key: str) -> EditReport:
+        rows = {name: result(name, row[key]) for name, row in stored["strategies"].items()}
+        stale, oracle = rows.pop("stale"), rows.pop("oracle")
+        notes = NotesShare(None, None, None, stale.decision.label, oracle.decision.label)
+        return EditReport("embedded", RESULTS[stem]["scenario"], stored["field"], "old", "new", stale, oracle, rows, notes)
+
+    return KeystoneReport(stored["field"], Remedy.parse(remedy), side("composed"), side("recomputed"))
 
 
 def _weight_report(row: dict) -> WeightEditReport:
@@ -191,6 +211,8 @@ def every_case(lm, experiment, length_change) -> list[Case]:
             compose.agent_figure(run_agent(lm, adhoc_scenario(["account_gate"]), store, turns=4, toggle=True, policy="every:2")),
         ),
         Case("keystone_figure", compose.keystone_figure(keystone_report)),
+        Case("keystone_figure", compose.keystone_figure(stored_keystone())),  # the app's: labels crowd the top right
+        Case("keystone_figure", compose.keystone_figure(stored_keystone("splice"))),
         Case("study_figure", compose.study_figure(study)),
         Case("remedy_choice_figure", compose.remedy_choice_figure(RESULTS["compose_many-embedded-cpu"])),
         Case("remedy_choice_figure", compose.remedy_choice_figure(RESULTS["compose_many-long-embedded-cpu"])),
@@ -207,7 +229,10 @@ def every_case(lm, experiment, length_change) -> list[Case]:
         Case("message_figure", common.message_figure("run an edit first: the notes map belongs to an edit")),
     ]
     stored = {stem: data for stem, data in RESULTS.items() if results.result_kind(stem) in results.FIGURES}
-    for (stem, data), figure in zip(stored.items(), results.result_figures(stored)):
-        cases.append(Case(results.FIGURES[results.result_kind(stem)].__name__, figure))
+    for stem, data in stored.items():
+        builder = results.FIGURES[results.result_kind(stem)]
+        cases.append(Case(builder.__name__, builder(data)))
+    serving = {stem: data for stem, data in stored.items() if results.result_kind(stem) == "serving"}
+    cases.append(Case("serving_engines_figure", benchmarks.serving_engines_figure(serving)))
     cases.append(Case("result_figures", results.result_figures({"ttft-x": RESULTS["ttft-refund_gate-embedded-cpu"]})[0]))
     return cases

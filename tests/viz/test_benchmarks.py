@@ -97,7 +97,7 @@ def test_serving_engines_side_by_side_give_each_results_hit_rates_and_p90_ratio_
     assert len(figures) == 5 and titles[1].startswith("Serving engines side by side")
     assert [title.startswith("Serving:") for title in titles[2:]] == [True] * 3
     erratum, in_prefix, ratio = figures[1].data
-    assert list(erratum.x) == ["llama-cpp<br>2,028-token handbook", "vllm<br>block 32<br>2,028-token handbook"]
+    assert list(erratum.x) == ["llama-cpp<br>2,028 tok", "vllm<br>block 32 · 2,028 tok"]
     assert list(erratum.y) == [0.985, 0.96] and list(in_prefix.y) == [0.016, 0.07]
     assert list(ratio.y) == [53.6, 12.0] and list(ratio.text) == ["×53.6 at 1.5 req/s", "×12 at 1.5 req/s"]
     assert len(result_figures({"serving-llama-cpp": results["serving-llama-cpp"]})) == 1  # one engine: no comparison

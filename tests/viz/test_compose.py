@@ -1,6 +1,7 @@
 """Composition figures: logit bars, K/V deviation and the agent episode."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -12,7 +13,8 @@ from engine.compose.fidelity import compare
 from engine.compose.placing import adhoc_scenario
 from engine.compose.remedy import Remedy
 from engine.compose.skills import SkillStore
-from viz.common import MAX_COLUMNS
+from tests.viz.figure_cases import WIDTHS
+from viz.common import MAX_COLUMNS, NARROWEST_PLOT_PX, label_box
 from viz.compose import agent_figure, deviation_figure, logit_bars_figure
 
 
@@ -106,6 +108,57 @@ def test_keystone_diagonal_places_each_strategy_at_its_two_recoveries(lm, store)
     assert red == [abs(gap) > 0.15 for gap in gaps.values()]
     assert f"{report.delta_margin:+.2f}" in figure.layout.title.text.replace("</sup><br><sup>", " ")
     json.loads(figure.to_json())
+
+
+def _label_boxes(figure, width: int) -> tuple[list, list, tuple[float, float]]:
+    """The strategies' label boxes and marker boxes (px from the plot area's bottom left) where a ``width`` px figure draws
+    them, and the plot area's size."""
+    layout, points = figure.layout, figure.data[2]
+    plot = width - layout.margin.l - layout.margin.r, layout.height - layout.margin.t - layout.margin.b
+    (x0, x1), (y0, y1) = layout.xaxis.range, layout.yaxis.range
+    at = [((a - x0) / (x1 - x0) * plot[0], (b - y0) / (y1 - y0) * plot[1]) for a, b in zip(points.x, points.y)]
+    labels = [label_box(a, b, text, place, points.marker.size) for (a, b), text, place in zip(at, points.text, points.textposition)]
+    markers = [(a - 6, a + 6, b - 6, b + 6) for a, b in at]
+    return labels, markers, plot
+
+
+@pytest.mark.parametrize("remedy", ["prefix+seam:16", "splice", "seam:1", "prefix+ape:1,0.7", "prefix+seam:1+blend:0.7"])
+@pytest.mark.parametrize("width", [NARROWEST_PLOT_PX, *WIDTHS["full"].values()])
+def test_keystone_labels_cover_no_other_label_or_point_and_stay_inside_the_axes(remedy, width):
+    """The embedded model's stored keystone (six strategies, erratum and field_erratum 0.08 apart in the top right
+    corner): each name is placed clear of the others and of every other point, nearer its own point than any other, and
+    within the axis ranges, at the app's narrowest width and wider."""
+    from tests.viz.figure_cases import stored_keystone
+    from viz.compose import keystone_figure
+
+    report = stored_keystone(remedy)
+    figure = keystone_figure(report)
+    points = figure.data[2]
+    assert list(points.text) == [name for name, gap in report.recovery_gaps().items() if gap is not None]
+    labels, markers, (right, top) = _label_boxes(figure, width)
+    clash = lambda a, b: min(a[1], b[1]) > max(a[0], b[0]) and min(a[3], b[3]) > max(a[2], b[2])  # noqa: E731
+    centre = lambda box: ((box[0] + box[1]) / 2, (box[2] + box[3]) / 2)  # noqa: E731
+    for i, box in enumerate(labels):
+        assert 0 <= box[0] and box[1] <= right and 0 <= box[2] and box[3] <= top, (points.text[i], box, (right, top))
+        assert not any(clash(box, other) for j, other in enumerate(labels) if j != i), points.text[i]
+        assert not any(clash(box, marker) for j, marker in enumerate(markers) if j != i), points.text[i]
+        nearest = min(range(len(markers)), key=lambda j: math.dist(centre(box), centre(markers[j])))
+        assert nearest == i, f"{points.text[i]} reads as {points.text[nearest]}'s label"
+    # the band and the diagonal span the grown axes
+    band, diagonal = figure.data[0], figure.data[1]
+    assert min(diagonal.x) <= figure.layout.xaxis.range[0] and max(diagonal.x) >= figure.layout.xaxis.range[1]
+    assert min(band.x) <= figure.layout.xaxis.range[0] and max(band.y) >= figure.layout.yaxis.range[1]
+
+
+def test_place_labels_moves_a_crowded_label_and_widens_the_range_for_one_at_the_edge():
+    from viz.common import place_labels
+
+    # two points 10 px apart: the second label cannot sit above its point too; a point at the right edge
+    placed = place_labels([0.0, 0.02, 1.0], [0.5, 0.5, 0.5], ["first", "second", "a_long_name_at_the_edge"], (0, 1), (0, 1), (500, 300))
+    assert placed.positions[0] == "top center" and placed.positions[1] != "top center"
+    assert placed.x_range[0] < 0 or placed.positions[0] != "middle left"
+    assert placed.x_range[1] > 1 or placed.positions[2] in ("middle left", "top left", "bottom left")
+    assert place_labels([], [], [], (0, 1), (0, 1), (500, 300)).positions == []
 
 
 def test_study_figure_puts_each_remedy_at_its_recompute_share_and_agreement():

@@ -48,9 +48,11 @@ def test_no_template_braces_are_left_in_any_figure(cases):
 
 
 def test_the_keystone_subtitle_reads_both_stale_margins(cases):
-    (figure,) = [case.figure for case in cases if case.builder == "keystone_figure"]
-    title = re.sub(r"</sup><br><sup>", " ", figure.layout.title.text)  # its note, unwrapped
-    assert re.search(r"stale margin composed [+-]\d+\.\d\d vs recomputed [+-]\d+\.\d\d", title), title
+    figures = [case.figure for case in cases if case.builder == "keystone_figure"]
+    assert len(figures) == 3  # the tiny model's, and the embedded model's stored run with two remedies
+    for figure in figures:
+        title = re.sub(r"</sup><br><sup>", " ", figure.layout.title.text)  # its note, unwrapped
+        assert re.search(r"stale margin composed [+-]\d+\.\d\d vs recomputed [+-]\d+\.\d\d", title), title
 
 
 # Boxes of every text label plotly drew, by kind; a tick label is compared with the other ticks of its own axis only,
@@ -143,4 +145,55 @@ def test_every_figure_fits_its_width_in_the_app_without_overlapping_labels(cases
         found = page.evaluate(MEASURE, [case.figure.to_json(), case.width(window)])
         page.locator("#figure").screenshot(path=str(SHOTS / f"{index:02d}-{case.builder}-{window}.png"))
         problems += [f"{index:02d} {case.builder} at {case.width(window)} px: {problem}" for problem in found]
+    assert problems == [], "\n".join(problems)
+
+
+# The keystone's point labels as chromium draws them: each inside the plot area (plotly clips text past it), clear of
+# every marker but its own, and nearer its own than any other (or it reads as another point's label).
+KEYSTONE_LABELS = """
+async ([json, width]) => {
+  const div = document.getElementById('figure');
+  div.style.width = width + 'px';
+  Plotly.purge(div);
+  const figure = JSON.parse(json);
+  await Plotly.newPlot(div, figure.data, figure.layout, {responsive: false});
+  const svg = div.querySelector('.main-svg').getBoundingClientRect(), size = div._fullLayout._size;
+  const area = {l: svg.left + size.l, r: svg.left + size.l + size.w, t: svg.top + size.t, b: svg.top + size.t + size.h};
+  const box = e => { const b = e.getBoundingClientRect(); return {l: b.left, r: b.right, t: b.top, b: b.bottom}; };
+  const traces = div.querySelectorAll('.scatterlayer .trace');
+  const strategies = traces[traces.length - 1];
+  const texts = Array.from(strategies.querySelectorAll('.textpoint text'), e => ({text: e.textContent, box: box(e)}));
+  const points = Array.from(strategies.querySelectorAll('.points path.point'), box);
+  const clash = (a, c) => Math.min(a.r, c.r) - Math.max(a.l, c.l) > 1 && Math.min(a.b, c.b) - Math.max(a.t, c.t) > 1;
+  const problems = [];
+  texts.forEach((label, i) => {
+    const b = label.box;
+    if (b.l < area.l - 1 || b.r > area.r + 1 || b.t < area.t - 1 || b.b > area.b + 1)
+      problems.push(`"${label.text}" leaves the plot area (${Math.round(b.l - area.l)}..${Math.round(b.r - area.l)} x `
+        + `${Math.round(b.t - area.t)}..${Math.round(b.b - area.t)} in ${Math.round(size.w)} x ${Math.round(size.h)})`);
+    points.forEach((point, j) => { if (j !== i && clash(b, point)) problems.push(`"${label.text}" covers point ${j}`); });
+    const middle = box => [(box.l + box.r) / 2, (box.t + box.b) / 2];
+    const away = point => Math.hypot(middle(b)[0] - middle(point)[0], middle(b)[1] - middle(point)[1]);
+    const nearest = points.reduce((best, point, j) => away(point) < away(points[best]) ? j : best, 0);
+    if (nearest !== i) problems.push(`"${label.text}" sits nearer point ${nearest} than its own`);
+    texts.forEach((other, j) => { if (j > i && clash(b, other.box)) problems.push(`"${label.text}" overlaps "${other.text}"`); });
+  });
+  return {count: texts.length, problems};
+}
+"""
+
+
+@pytest.mark.parametrize("window", sorted(WIDTHS["full"]))
+def test_the_keystone_labels_stay_inside_the_plot_area_apart_from_each_other_and_the_points(page, window):
+    from tests.viz.figure_cases import stored_keystone
+    from viz.compose import keystone_figure
+
+    SHOTS.mkdir(exist_ok=True)
+    problems = []
+    for remedy in ("prefix+seam:16", "splice", "seam:1", "prefix+ape:1,0.7", "prefix+seam:1+blend:0.7"):
+        figure = keystone_figure(stored_keystone(remedy))
+        found = page.evaluate(KEYSTONE_LABELS, [figure.to_json(), WIDTHS["full"][window]])
+        assert found["count"] == len(figure.data[2].x)
+        page.locator("#figure").screenshot(path=str(SHOTS / f"keystone-{re.sub(r'[^a-z0-9]+', '_', remedy)}-{window}.png"))
+        problems += [f"{remedy} at {window} px: {problem}" for problem in found["problems"]]
     assert problems == [], "\n".join(problems)
