@@ -62,7 +62,7 @@ def test_edit_a_field_updates_strategy_cards(page):
     wait_for_app(page, card)
     assert card.get_attribute("data-decision") in ("yes", "no")
     assert page.locator('#strategy-cards [data-strategy="oracle"]').count() == 1
-    page.locator("#notes-plot .js-plotly-plot").wait_for(timeout=30_000)
+    wait_for_app(page, page.locator("#notes-plot .js-plotly-plot"))
     _shot(page, "notes-edit")
     page.get_by_text("Knockout: hide tokens from the decision").click()
     page.locator("#knockout-positions").locator("textarea, input").first.fill("3, 4, 5")
@@ -71,7 +71,7 @@ def test_edit_a_field_updates_strategy_cards(page):
     _shot(page, "notes-knockout")
     page.locator("#export-notes").click()
     wait_for_app(page, page.locator("#notes-files").get_by_text("kvscope-notes-figures"))
-    page.locator("#notes-files").get_by_text(".ipynb").wait_for(timeout=10_000)
+    wait_for_app(page, page.locator("#notes-files").get_by_text(".ipynb"))
     listed = page.locator("#notes-files").inner_text().replace("\n", "")  # names show as stem + suffix
     assert all(name in listed for name in ("kvscope-notes.json", "kvscope-notes.py", "kvscope-notes.ipynb")), listed
     _shot(page, "notes-export")
@@ -115,7 +115,7 @@ def test_malformed_scenario_shows_its_error(page):
     page.get_by_role("tab", name="Notes").click()
     _set_editor(page, "name = [broken")
     page.locator("#run-edit").click()
-    page.get_by_text("TOML syntax error").first.wait_for(timeout=30_000)
+    wait_for_app(page, page.get_by_text("TOML syntax error").first)
     _shot(page, "notes-error")
 
 
@@ -124,9 +124,9 @@ def test_drag_a_skill_into_the_context_shows_fidelity(page):
     source = page.locator('#composer .kv-chip[data-from="library"][data-id="user_memory"]')
     target = page.locator("#composer .kv-context")
     source.drag_to(target)
-    page.locator('#composer .kv-in[data-id="user_memory"]').wait_for(timeout=10_000)
+    wait_for_app(page, page.locator('#composer .kv-in[data-id="user_memory"]'))
     wait_for_app(page, page.locator("#compose-metrics").get_by_text("cosine"))
-    page.locator("#logits-plot .js-plotly-plot").wait_for(timeout=30_000)
+    wait_for_app(page, page.locator("#logits-plot .js-plotly-plot"))
     _shot(page, "composer-drag")
 
 
@@ -134,7 +134,7 @@ def test_a_first_visit_opens_on_the_notes_tab_with_the_model_card_one_click_away
     assert page.get_by_role("tab", name="Notes").get_attribute("aria-selected") == "true"
     assert page.locator("#run-edit").is_visible() and not page.locator("#model-card").is_visible()
     page.get_by_role("tab", name="Model", exact=True).click()
-    page.locator("#model-card").get_by_text("Operations on this model").wait_for(timeout=30_000)
+    wait_for_app(page, page.locator("#model-card").get_by_text("Operations on this model"))
 
 
 def test_model_tab_shows_memory_against_budgets(page):
@@ -158,7 +158,7 @@ def test_model_card_shows_the_models_support_row(page):
 
 def test_agent_loop_shows_cached_clean_state_and_identical_decisions(page):
     page.get_by_role("tab", name="Composer").click()
-    page.locator('#composer .kv-in[data-id="account_gate"]').wait_for(timeout=10_000)  # the composer's default context
+    wait_for_app(page, page.locator('#composer .kv-in[data-id="account_gate"]'))  # the composer's default context
     page.locator("#run-agent").click()
     names = [trace["name"] for trace in _plot_data(page, "loop-plot")]
     assert names[:3] == ["cached (errata)", "clean-state prefill", "identical-token re-prefill"]
@@ -182,7 +182,7 @@ def test_the_remedy_menu_names_the_default_and_auto_calibrates_the_model(page, t
     assert "What each part means, and why this default: below the menu." in menu.inner_text()
     page.get_by_text("What the remedies mean, and why this default").click()  # the details, one click away
     details = page.locator("#remedy-info")
-    details.get_by_text("not measured for this model yet").wait_for(timeout=10_000)  # no stored study of the tiny model
+    wait_for_app(page, details.get_by_text("not measured for this model yet"))  # no stored study of the tiny model
     assert "auto: this model's own calibration" in details.inner_text()
     menu.locator("input").click()
     page.get_by_role("option", name=re.compile(r"^auto — ")).click()
@@ -215,7 +215,7 @@ def test_the_remedy_menu_follows_the_loaded_model_to_its_own_stored_study(page, 
     wait_for_app(page, page.locator("#model-card").get_by_text("tiny-llama").first)
     page.get_by_role("tab", name="Composer").click()
     menu = page.locator("#remedy")
-    menu.get_by_text("Default for tiny-llama splice: keeps 20/20").wait_for(timeout=10_000)
+    wait_for_app(page, menu.get_by_text("Default for tiny-llama splice: keeps 20/20"))
     assert (
         menu.locator("input").input_value()
         == "splice — keeps 20/20 decisions of a full recompute, ×6.40 faster first token (median) (default)"
@@ -233,7 +233,7 @@ def test_the_remedy_menu_follows_the_loaded_model_to_its_own_stored_study(page, 
 
 def test_composer_study_and_keystone_diagonal(page):
     page.get_by_role("tab", name="Composer").click()
-    page.locator('#composer .kv-in[data-id="account_gate"]').wait_for(timeout=10_000)
+    wait_for_app(page, page.locator('#composer .kv-in[data-id="account_gate"]'))
     page.get_by_text("Many skills at once").click()
     page.locator("#run-study").click()
     wait_for_app(page, page.locator("#study-summary").get_by_text("composed prompt"))
@@ -252,7 +252,7 @@ def test_error_toasts_show_markup_as_text(page):
     page.get_by_role("tab", name="Notes").click()
     _set_editor(page, SCENARIO + '\n[expect]\n"shipped" = "<b>bold</b>"\n')
     page.locator("#run-edit").click()
-    page.get_by_text("<b>bold</b>").first.wait_for(timeout=30_000)
+    wait_for_app(page, page.get_by_text("<b>bold</b>").first)
     assert page.locator(".toast-body b, [data-testid='toast-body'] b").count() == 0
     assert page.locator("#scenario-description b").count() == 0, "the description's warning shows the markup as text"
     _shot(page, "toast-escaped")
@@ -285,9 +285,9 @@ def test_a_picture_spliced_behind_text_on_a_vision_model(page):
     """The default text model says what is missing; after loading tiny-qwen2_vl the picture splice runs."""
     page.get_by_role("tab", name="Composer").click()
     page.get_by_text("A picture's K/V spliced into a context").click()
-    page.locator("#image-picture img").wait_for(timeout=10_000)
+    wait_for_app(page, page.locator("#image-picture img"))
     page.locator("#run-image").click()
-    page.get_by_text("has no vision tower").first.wait_for(timeout=30_000)
+    wait_for_app(page, page.get_by_text("has no vision tower").first)
     page.get_by_role("tab", name="Model", exact=True).click()
     model = page.locator("#model-spec input")
     model.fill("tiny-qwen2_vl")
@@ -345,7 +345,7 @@ def test_learn_step_shows_its_result_and_figure(page, step):
     for name in cards:
         assert result.locator(f'[data-strategy="{name}"]').count() == 1, name
     plot = page.locator(f"#learn-{step}-plot .js-plotly-plot")
-    plot.locator(".main-svg").first.wait_for(timeout=30_000)
+    wait_for_app(page, plot.locator(".main-svg").first)
     drawn = plot.evaluate("node => Array.from(node._fullData, t => ({name: t.name, x: Array.from(t.x || []), y: Array.from(t.y || [])}))")
     assert drawn and all(len(trace["x"]) == len(trace["y"]) > 0 for trace in drawn), drawn
     if traces:
@@ -378,7 +378,7 @@ def _notes_state(page) -> dict:
 
 
 def _cards(page) -> list[str]:
-    page.locator('#strategy-cards [data-strategy="oracle"]').wait_for(timeout=90_000)
+    wait_for_app(page, page.locator('#strategy-cards [data-strategy="oracle"]'))
     return page.locator("#strategy-cards [data-strategy]").evaluate_all("cards => cards.map(card => card.dataset.strategy)")
 
 
@@ -446,7 +446,7 @@ def test_a_permalink_carries_an_edited_scenario_inline(browser, app_url):
     noise = "".join(random.Random(1).choices(string.ascii_letters + string.digits, k=12_000))
     _set_editor(page, edited + f"# {noise}\n")
     page.locator("#copy-link").click()
-    page.locator("#permalink-status").get_by_text("a link carries at most 8,192").wait_for(timeout=30_000)
+    wait_for_app(page, page.locator("#permalink-status").get_by_text("a link carries at most 8,192"))
     assert page.locator("#permalink textarea").input_value() == ""
     _shot(page, "permalink-too-long")
     context.close()
@@ -521,7 +521,7 @@ def test_a_new_user_audits_their_own_request_log(page):
     assert page.locator("#audit-files").get_by_text("kvscope-audit-template").count() == 1
     page.locator("#audit-input textarea").fill(AUDIT_LOG + "\n{not json")
     page.locator("#run-audit").click()
-    page.get_by_text("line 4 is not JSON").first.wait_for(timeout=30_000)
+    wait_for_app(page, page.get_by_text("line 4 is not JSON").first)
     assert "session_started" in recommendation.inner_text()  # the last audit stays shown
     _shot(page, "audit-bad-line")
 

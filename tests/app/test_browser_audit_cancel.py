@@ -44,9 +44,9 @@ def test_cancel_stops_the_audit_as_information_and_the_tab_audits_again(page, mo
     assert cancel.is_visible()
     _shot(page, "during")
     cancel.click()
-    page.locator("#audit-status").get_by_text("Audit cancelled").wait_for(timeout=10_000)
+    wait_for_app(page, page.locator("#audit-status").get_by_text("Audit cancelled"))
     cancel.wait_for(state="hidden", timeout=10_000)
-    page.locator(TOAST).filter(has_text="Audit cancelled").first.wait_for(timeout=10_000)
+    wait_for_app(page, page.locator(TOAST).filter(has_text="Audit cancelled").first)
     page.wait_for_timeout(1500)  # a late error would show by now
     _shot(page, "after")
     toasts = page.locator(TOAST).all_inner_texts()
@@ -64,5 +64,5 @@ def test_cancel_stops_the_audit_as_information_and_the_tab_audits_again(page, mo
     _shot(page, "again")
     page.locator("#audit-input textarea").fill("{broken")
     page.locator("#run-audit").click()
-    page.locator(TOAST).filter(has_text="line 1 is not JSON").first.wait_for(timeout=30_000)
+    wait_for_app(page, page.locator(TOAST).filter(has_text="line 1 is not JSON").first)
     cancel.wait_for(state="hidden", timeout=10_000)  # failed

@@ -37,7 +37,7 @@ def test_the_rag_log_offers_each_changed_field_and_opens_the_one_picked(wide_pag
     page.locator("#run-audit").click()
     wait_for_app(page, page.locator("#audit-open-status").get_by_text("Open in Notes:"))
     assert page.locator(TOAST).count() == 0, page.locator(TOAST).all_inner_texts()
-    page.locator("#audit-traffic th").first.wait_for(timeout=30_000)  # the tables render after the status line
+    wait_for_app(page, page.locator("#audit-traffic th").first)  # the tables render after the status line
     headers = page.evaluate(HEADER_LINES)
     assert headers and all(lines == 1 for _, lines in headers), headers  # "tokens", never "to/ke/ns"
     page.locator("#audit-notes-field input").click()
@@ -50,7 +50,7 @@ def test_the_rag_log_offers_each_changed_field_and_opens_the_one_picked(wide_pag
     assert all(re.search(r" · (moves the|does not move|changes the answer)", option) for option in options), options
     page.get_by_role("option", name=re.compile(re.escape(PICKED))).click()
     status = page.locator("#audit-open-status")
-    status.get_by_text("study_rooms_free_now").first.wait_for(timeout=30_000)  # the pre-check said before anything runs
+    wait_for_app(page, status.get_by_text("study_rooms_free_now").first)  # the pre-check said before anything runs
     assert "(request 2)" in status.inner_text()
     page.screenshot(path=f"/tmp/ragnotes-audit-{width}px.png", full_page=True)
     page.locator("#audit-open-notes").click()

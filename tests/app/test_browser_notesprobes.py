@@ -51,7 +51,7 @@ def test_probe_results_carry_a_sentence_and_the_trigger_asks_for_the_tabs_fields
     page.locator("#run-probe").click()
     sentence = page.locator("#probe-sentence").get_by_text(re.compile(r"^Knocking out the top \d+ notes? moves the new-value margin by"))
     wait_for_app(page, sentence)
-    page.locator("#probe-plot .js-plotly-plot").wait_for(timeout=30_000)
+    wait_for_app(page, page.locator("#probe-plot .js-plotly-plot"))
     assert sentence.inner_text().strip().endswith(".")
     page.locator("#probe-sentence").scroll_into_view_if_needed()
     _shot(page, "probe-sentence")
@@ -60,7 +60,7 @@ def test_probe_results_carry_a_sentence_and_the_trigger_asks_for_the_tabs_fields
     assert page.locator("#probe-sentence").inner_text().strip() == ""
     page.locator("#run-probe").click()
     said = page.locator("#probe-sentence").get_by_text("The trigger probe needs")
-    said.wait_for(timeout=30_000)  # a warning where the result would be (and as a toast), not an error
+    wait_for_app(page, said)  # a warning where the result would be (and as a toast), not an error
     for text in (said.inner_text(), page.locator(TOAST).filter(has_text="The trigger probe needs").first.inner_text()):
         assert "'trigger: rule text to flip'" in text and "'trigger: replacement (same token count)'" in text and "find=" not in text
     assert page.get_by_text("Error", exact=True).count() == 0, "input not given yet is not a failure: no error badges"

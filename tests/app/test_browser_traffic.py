@@ -41,7 +41,7 @@ def test_an_interleaved_log_shows_its_sessions_causes_groups_and_timeline(wide_p
     assert {y for trace in drawn for y in trace["y"]} == {"forge-1", "harbor-7"}  # one row per session
     engines = [trace["name"] for trace in _plot_data(page, "audit-engines")]
     assert [name.split(":")[0] for name in engines] == ["vLLM", "SGLang", "llama.cpp"]
-    page.locator("#audit-recommendation").get_by_text("Recommended:").first.wait_for(timeout=30_000)  # the measured turns
+    wait_for_app(page, page.locator("#audit-recommendation").get_by_text("Recommended:").first)  # the measured turns
     top, bottom = page.locator("#audit-traffic").bounding_box(), page.locator("#audit-groups").bounding_box()
     scrolled = page.evaluate("window.scrollY")  # boxes are in the viewport; a full-page clip is in the page
     clip = {"x": 0, "y": top["y"] + scrolled - 8, "width": width, "height": bottom["y"] + bottom["height"] - top["y"] + 16}
