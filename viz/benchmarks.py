@@ -165,7 +165,7 @@ def serving_engines_figure(results: dict[str, dict]) -> go.Figure:
     )
     figure.update_yaxes(title_text="hit rate", range=[0, 1.05], row=1, col=1)
     figure.update_yaxes(title_text="×", rangemode="tozero", row=1, col=2)  # bars from zero: a log axis hides the smaller one
-    figure.update_layout(height=480, barmode="group", legend=LEGEND_BELOW | {"y": -0.3})  # below two-line names
+    figure.update_layout(height=500, barmode="group", legend=LEGEND_BELOW | {"y": -0.4})  # below names that wrap at 700 px
     set_title(
         figure,
         "Serving engines side by side: erratum vs in-prefix edit",
