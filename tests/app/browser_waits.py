@@ -14,7 +14,7 @@ WORKING = ".progress-text, .progress-level, .eta-bar, .meta-text, .meta-text-cen
 LIMIT_S = 900.0  # a bound on any one wait, however long the app keeps working
 
 
-def wait_for_app(page: Page, locator: Locator, quiet_s: float = 60.0) -> None:
+def wait_for_app(page: Page, locator: Locator, quiet_s: float = 180.0) -> None:
     """Wait until ``locator`` is visible while the app keeps showing progress; raise Playwright's timeout once the app
     has shown none for ``quiet_s`` seconds (or after ``LIMIT_S``)."""
     started = last_working = time.monotonic()
