@@ -123,20 +123,20 @@ def serving_figure(data: dict) -> go.Figure:
     loads = sorted({run["offered_rps"] for run in data["runs"]})
     figure.update_xaxes(title_text="offered load (req/s)", type="log", tickvals=loads, ticktext=[f"{load:g}" for load in loads])
     figure.update_yaxes(title_text="TTFT (ms)", type="log", row=1, col=1)
-    figure.update_yaxes(title_text="completed requests/s", row=1, col=2)
+    figure.update_yaxes(title_text="completed requests/s", rangemode="tozero", row=1, col=2)
     figure.update_yaxes(title_text="hit rate", range=[0, 1.05], row=1, col=3)
     figure.update_yaxes(title_text="answers = clean prefill's", range=[0, 1.05], row=1, col=4)
     block = (data.get("engine_settings") or {}).get("block_size")
+    settings = [f"block {block}"] if block else []
+    settings += [f"{data['policy_tokens']:,} tokens"] if data.get("policy_tokens") else []  # the shared prefix: tells runs apart
     engine = f" on {safe_label(str(data['engine']))}" if data.get("engine") else ""
-    engine += f" (block size {block})" if engine and block else ""
-    shared = f", {data['policy_tokens']} shared tokens" if data.get("policy_tokens") else ""
+    engine += f" ({', '.join(settings)})" if settings else ""
     completed = sorted({run["completed"] for run in data["runs"] if run.get("completed") is not None})
-    if completed:
-        shared += f", {completed[0]}{'–' + str(completed[-1]) if len(completed) > 1 else ''} completed requests per point"
-    workload = f"{safe_label(str(data['scenario']))}{shared}" if data.get("scenario") else ""
+    workload = [safe_label(str(data["scenario"]))] if data.get("scenario") else []
+    workload += [f"{completed[0]}{'–' + str(completed[-1]) if len(completed) > 1 else ''} completed requests per point"] if completed else []
     compared = " vs ".join(safe_label(variant) for variant in variants)
     figure.update_layout(height=450, legend=LEGEND_BELOW)
-    set_title(figure, f"Serving: {compared}{engine}", workload, subplot_titles=1)
+    set_title(figure, f"Serving: {compared}{engine}", ", ".join(workload), subplot_titles=1)
     return figure
 
 

@@ -65,7 +65,7 @@ def test_serving_per_variant_ttft_quantiles_throughput_hit_rate_and_accuracy():
     assert [list(t.y) for t in accuracy] == [[1.0] * 3, [0.75] * 3]
     assert figure.layout.xaxis.type == "log" and figure.layout.yaxis.type == "log"
     title = figure.layout.title.text
-    assert title.startswith("Serving: erratum vs in_prefix on vllm") and "Loan &lt;b&gt;, 2028 shared tokens" in title
+    assert title.startswith("Serving: erratum vs in_prefix on vllm (2,028 tokens)") and "Loan &lt;b&gt;, 30 completed" in title
     json.loads(figure.to_json())
     runs[0].update(prefix_hit_rate=None, ttft_p90_ms=None)  # the script writes None where the server reports nothing
     assert None in serving_figure({"runs": runs}).data[1].y
