@@ -51,10 +51,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import torch
 
-from engine.audit.repairs import OutputFidelity, greedy_agreement
-from engine.cache.decision import kl_divergence
+from engine.audit.repair_requests import OutputFidelity, greedy_agreement
 from engine.errors import KVScopeError, Unreachable
 from engine.progress import StepProgress
 
@@ -180,7 +178,7 @@ def estimate_kl(reference: Mapping[Token, float], other: Mapping[Token, float]) 
     if p_tail > TAIL_FLOOR:
         buckets_p.append(math.log(p_tail))
         buckets_q.append(math.log(max(q_tail, TAIL_FLOOR)))
-    kl = kl_divergence(torch.tensor(buckets_p, dtype=torch.float64), torch.tensor(buckets_q, dtype=torch.float64)) if shared else 0.0
+    kl = _kl_divergence(buckets_p, buckets_q) if shared else 0.0
     if p_tail <= TAIL_FLOOR:
         return KlEstimate(kl, 0.0, p_tail)
     ratios = [reference[t] - other[t] for t in shared]
@@ -190,6 +188,12 @@ def estimate_kl(reference: Mapping[Token, float], other: Mapping[Token, float]) 
     most = max([0.0, *ratios])
     bound = p_tail * max(0.0, most + math.log(max(q_tail, TAIL_FLOOR) / p_tail))
     return KlEstimate(kl, bound, p_tail)
+
+
+def _kl_divergence(log_p: Sequence[float], log_q: Sequence[float]) -> float:
+    """KL(p‖q) of two short log-probability lists, in nats, clamped at 0: ``engine.cache.decision.kl_divergence``'s
+    sum in float64 without torch (an endpoint's audit loads no model)."""
+    return max(0.0, math.fsum(math.exp(a) * (a - b) for a, b in zip(log_p, log_q)))
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ model's for token ids to mean the same). Each prompt is sent once, greedy, with 
 
 - **sampled turns** (``audit --endpoint``): per turn the newer request as logged is the reference (``recompute`` is
   that same request: a prefix cache serves it exactly), and erratum, hoist and coarsen send the request
-  :func:`engine.audit.repairs.prompt_repair_request` builds, as the in-process audit measures it. A KV-level repair
+  :func:`engine.audit.repair_requests.prompt_repair_request` builds, as the in-process audit measures it. A KV-level repair
   (``field_only``, ``field_erratum``) edits cached entries, which no endpoint exposes: it is listed with that reason.
   Turns go side by side (one lane each), each turn's prompts one after another.
 - **a rewrite** (``--rewritten`` / ``--template``): the original log, then the rewritten log, each in log order, each
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.audit.endpoint import CHAT, COMPLETIONS, Answer, EndpointClient, EndpointFidelity, Probe, Server, compare
-from engine.audit.repairs import LEVEL_WORDS, REPAIR_LEVELS, Level, RepairNotApplicable, prompt_repair_request
+from engine.audit.repair_requests import LEVEL_WORDS, REPAIR_LEVELS, Level, RepairNotApplicable, prompt_repair_request
 from engine.audit.requests import RenderedRequest, Request, RequestLog, RequestLogError, render_batch, template_messages
 from engine.audit.rewrite import RewriteReport, RewrittenRequest, _check_rendered, check_pairing
 from engine.audit.scan import TrafficGroup, TrafficScan, scan_log

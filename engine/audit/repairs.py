@@ -19,7 +19,9 @@ the prefix cache that runs it; ``hoist`` (the lines moved, not restated: that is
 
 A **prompt-level** repair only rewrites the request, so any prefix cache (vLLM, SGLang, llama.cpp) serves it today;
 :func:`repaired_request` builds that request, for the measurement and for the template a user deploys alike. A
-**KV-level** repair edits cached entries, which needs a cache-editing engine.
+**KV-level** repair edits cached entries, which needs a cache-editing engine. The repairs' names and levels, the
+requests they send and :class:`OutputFidelity` are the text half (:mod:`engine.audit.repair_requests`, no torch),
+importable from here too; this module builds each repair on a cache and measures it.
 
 Output fidelity (:class:`OutputFidelity`) is measured against the clean prefill of the newer request, by the
 next-token distribution (KL divergence, top-1 agreement, top-5 overlap) and by greedy generation of N tokens from
@@ -32,29 +34,39 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 import torch
 
-from engine.audit.fields import DATETIME, FieldChange, TurnDiff, common_prefix
+from engine.audit.fields import TurnDiff, common_prefix
+from engine.audit.repair_requests import (  # the text half, kept importable from here
+    GRAINS,
+    LEVEL_WORDS,
+    PROMPT_REPAIRS,
+    REPAIR_LEVELS,
+    REPAIRS,
+    Level,
+    OutputFidelity,
+    RepairNotApplicable,
+    Value,
+    check_applies,
+    coarse,
+    content_chars,
+    greedy_agreement,
+    hoisted,
+    new_value,
+    old_value,
+    prompt_repair_request,
+    repaired_request,
+    with_erratum,
+    with_lines_appended,
+    with_values,
+)
 from engine.audit.requests import RenderedRequest, Request, render_request
 from engine.audit.states import ComputedStates, Reference
 from engine.cache.decision import kl_divergence
 from engine.cache.loaded import LoadedModel
 from engine.cache.notebook import Notebook
-from engine.edit.erratum import DEFAULT_ERRATUM, erratum_text
 from engine.edit.strategies import REGISTRY as STRATEGY_REGISTRY
-from engine.errors import KVScopeError
-
-
-class Level(StrEnum):
-    """Where a repair can run."""
-
-    PROMPT = "prompt"  # the request is rewritten and the cache only reused: any prefix cache serves it today
-    KV = "kv"  # cached entries are edited: it needs an engine that edits its cache (vLLM, SGLang, llama.cpp do not)
-
-
-LEVEL_WORDS = {Level.PROMPT: "prompt-level, any prefix cache serves it today", Level.KV: "KV-level, needs a cache-editing engine"}
 
 
 @dataclass(frozen=True)
@@ -65,41 +77,16 @@ class Repair:
     summary: str
 
 
-def _strategy(name: str, level: Level) -> Repair:
-    """An edit strategy applied to a request, described by the strategy registry."""
-    return Repair(level, STRATEGY_REGISTRY[name].summary)
-
-
-_REGISTRY: dict[str, Repair] = {
-    "recompute": Repair(
-        Level.PROMPT, "recompute everything from the first changed token, reusing the common prefix (exact: the reference)"
-    ),
-    "field_only": _strategy("field_only", Level.KV),
-    "erratum": _strategy("erratum", Level.PROMPT),
-    "field_erratum": _strategy("field_erratum", Level.KV),
-    "hoist": Repair(Level.PROMPT, "move the changing lines to the end of the last message, so the prefix before them stays cached"),
-    "coarsen": Repair(Level.PROMPT, "round the date-time to a coarser grain, so the cached prefix survives while it does not change"),
-}
-REPAIRS = tuple(_REGISTRY)
-REPAIR_LEVELS = {name: repair.level for name, repair in _REGISTRY.items()}
-PROMPT_REPAIRS = tuple(name for name, level in REPAIR_LEVELS.items() if level is Level.PROMPT)  # a request carries them
+_SUMMARIES = {
+    "recompute": "recompute everything from the first changed token, reusing the common prefix (exact: the reference)",
+    "field_only": STRATEGY_REGISTRY["field_only"].summary,
+    "erratum": STRATEGY_REGISTRY["erratum"].summary,
+    "field_erratum": STRATEGY_REGISTRY["field_erratum"].summary,
+    "hoist": "move the changing lines to the end of the last message, so the prefix before them stays cached",
+    "coarsen": "round the date-time to a coarser grain, so the cached prefix survives while it does not change",
+}  # an edit strategy applied to a request is described by the strategy registry
+_REGISTRY = {name: Repair(level, _SUMMARIES[name]) for name, level in REPAIR_LEVELS.items()}  # the names: repair_requests
 REPAIR_SUMMARIES = {name: f"{repair.summary} ({LEVEL_WORDS[repair.level]})" for name, repair in _REGISTRY.items()}  # the app shows these
-GRAINS = ("date", "hour", "minute")
-
-
-class RepairNotApplicable(KVScopeError):
-    """A repair that cannot apply to this turn; the message says why (reported in the audit, not raised)."""
-
-
-@dataclass(frozen=True)
-class OutputFidelity:
-    """A state's output against the reference's."""
-
-    kl: float
-    top1_agree: bool
-    top5_overlap: float
-    generation_agreement: float
-    generated_common_prefix: int
 
 
 @dataclass(frozen=True)
@@ -173,7 +160,7 @@ def reference(turn: Turn) -> Reference:
     that request's cache, the rest computed. It is recompute's state, so one computation serves both (its time is
     recompute's TTFT; the clean prefill's, ``turn.store.prefill_ms``, adds the prefix's share of its own prefill)."""
     keep = min(common_prefix(turn.old.ids, turn.new.ids), len(turn.new) - 1)
-    return turn.store.read(turn.cached.prefix(keep), turn.new.ids[keep:], turn.new.ids)
+    return turn.store.read(turn.store.prefix(turn.cached, keep), turn.new.ids[keep:], turn.new.ids)
 
 
 def fidelity(state: torch.Tensor, generated: Sequence[int], clean: Reference) -> OutputFidelity:
@@ -185,13 +172,6 @@ def fidelity(state: torch.Tensor, generated: Sequence[int], clean: Reference) ->
     top_p, top_q = p.topk(5).indices.tolist(), q.topk(5).indices.tolist()
     top1 = int(p.argmax()) == int(q.argmax())
     return OutputFidelity(kl, top1, len(set(top_p) & set(top_q)) / 5, *greedy_agreement(clean.generated, generated))
-
-
-def greedy_agreement(reference: Sequence, other: Sequence) -> tuple[float, int]:
-    """Two greedy generations compared: the share of positions (of the longer) holding the same token, and how many
-    agree in a row from the first."""
-    count = max(len(reference), len(other), 1)
-    return sum(a == b for a, b in zip(reference, other)) / count, common_prefix(tuple(reference), tuple(other))
 
 
 def run_repair(name: str, turn: Turn, clean: Reference) -> RepairResult:
@@ -209,96 +189,6 @@ def run_repair(name: str, turn: Turn, clean: Reference) -> RepairResult:
     )
 
 
-# -------------------------------------- the request a repair sends, each changed field's text given by a ``Value``
-Value = Callable[[FieldChange], str]  # its old or new value, a coarser one, or the template's placeholder
-
-
-def _old(change: FieldChange) -> str:
-    return change.old
-
-
-def _new(change: FieldChange) -> str:
-    return change.new
-
-
-def content_chars(rendered: RenderedRequest, message: int, chars: tuple[int, int]) -> tuple[int, int]:
-    """Characters ``chars`` of the rendered text as characters of message ``message``'s content string."""
-    content_start = rendered.content_spans[message][0]
-    message_text = rendered.request.contents[message]
-    lead = len(message_text) - len(message_text.lstrip())  # the template strips the content it was located by
-    return chars[0] - content_start + lead, chars[1] - content_start + lead
-
-
-def _located(rendered: RenderedRequest, fields: Sequence[FieldChange], older: bool) -> list[tuple[FieldChange, int, int]]:
-    """Each field with its characters in its message's content string, in the older request (``older``) or the
-    newer one, last first so that editing one keeps the others' offsets."""
-    side: Callable[[FieldChange], tuple[int, int]] = (lambda c: c.old_char_span) if older else (lambda c: c.char_span)
-    return [(change, *content_chars(rendered, change.message, side(change))) for change in sorted(fields, key=lambda c: -side(c)[0])]
-
-
-def _with_values(rendered: RenderedRequest, fields: Sequence[FieldChange], value_of: Value, older: bool = False) -> Request:
-    """``rendered``'s request with each field's text set to ``value_of`` it."""
-    contents = list(rendered.request.contents)
-    for change, start, end in _located(rendered, fields, older):
-        text = contents[change.message]
-        contents[change.message] = text[:start] + value_of(change) + text[end:]
-    return rendered.request.with_contents(contents)
-
-
-def with_lines_appended(text: str, lines: Sequence[str]) -> str:
-    """``text`` (a request's last message) with ``lines`` after a blank line: where ``hoist`` moves its lines and
-    ``erratum`` states its values (and where a template puts them: :mod:`engine.audit.template`)."""
-    return text.rstrip() + "\n\n" + "\n".join(lines)
-
-
-def _with_erratum(new: RenderedRequest, fields: Sequence[FieldChange], kept: Value, stated: Value) -> Request:
-    """The newer request with each field's text at ``kept`` and a ``[STATE UPDATE]`` line stating ``stated`` after
-    the last message."""
-    request = _with_values(new, fields, kept)
-    contents = list(request.contents)
-    contents[-1] = with_lines_appended(
-        contents[-1], [erratum_text(change.name, stated(change), change.old, DEFAULT_ERRATUM) for change in fields]
-    )
-    return request.with_contents(contents)
-
-
-def _erratum_kept(new: RenderedRequest, fields: Sequence[FieldChange], value_of: Value) -> Request:
-    """The older request kept (every field at its old value, new turns after it), the erratum stating ``value_of``."""
-    return _with_erratum(new, fields, _old, value_of)
-
-
-def _hoisted(rendered: RenderedRequest, fields: Sequence[FieldChange], value_of: Value, older: bool = False) -> Request:
-    """``rendered``'s request with each field's whole line (stripped, the field at ``value_of``) moved to the end of
-    the last message."""
-    contents = list(rendered.request.contents)
-    moved = []
-    for change, start, end in _located(rendered, fields, older):
-        text = contents[change.message]
-        line_start, line_end = text.rfind("\n", 0, start) + 1, text.find("\n", end)
-        line_end = len(text) if line_end < 0 else line_end
-        moved.append((text[line_start:start] + value_of(change) + text[end:line_end]).strip())
-        contents[change.message] = text[:line_start] + text[min(line_end + 1, len(text)) :]
-    contents[-1] = with_lines_appended(contents[-1], moved[::-1])
-    return rendered.request.with_contents(contents)
-
-
-_REWRITES: dict[str, Callable[[RenderedRequest, Sequence[FieldChange], Value], Request]] = {  # the prompt-level repairs
-    "recompute": _with_values,
-    "erratum": _erratum_kept,
-    "hoist": _hoisted,
-    "coarsen": _with_values,  # at the coarse values
-}
-
-
-def repaired_request(name: str, new: RenderedRequest, fields: Sequence[FieldChange], value_of: Value = _new) -> Request:
-    """The newer request as prompt-level repair ``name`` sends it, each changed field's text at ``value_of``: the
-    audit measures it at the values it served (the new ones; ``coarsen``'s coarse ones), the deployable template has
-    a placeholder there. A KV-level repair is refused: no request carries it."""
-    if name not in _REWRITES:
-        raise RepairNotApplicable(f"{name} is {LEVEL_WORDS[REPAIR_LEVELS[name]]}: it edits cached entries, no request carries it")
-    return _REWRITES[name](new, fields, value_of)
-
-
 # ------------------------------------------------------------------------------------------------------- builders
 @dataclass(frozen=True)
 class _Built:
@@ -311,7 +201,7 @@ class _Built:
     detail: dict = field(default_factory=dict)
 
 
-def _sent(turn: Turn, name: str, value_of: Value = _new) -> tuple[int, ...]:
+def _sent(turn: Turn, name: str, value_of: Value = new_value) -> tuple[int, ...]:
     """The token ids of the newer request as prompt-level repair ``name`` sends it."""
     return turn.render(repaired_request(name, turn.new, turn.diff.fields, value_of)).ids
 
@@ -321,7 +211,7 @@ def _prefix_cached(turn: Turn, cached: Sequence[int], target: Sequence[int], det
     older request's own cache is cut to that prefix; a rewritten one's (hoisted, coarsened) is computed first, from
     whatever the run's store shares with it (the server held it: not this repair's time)."""
     keep = min(common_prefix(tuple(cached), tuple(target)), len(target) - 1)
-    prefix = turn.cached.prefix(keep) if tuple(cached) == turn.old.ids else turn.store.state(target[:keep])
+    prefix = turn.store.prefix(turn.cached, keep) if tuple(cached) == turn.old.ids else turn.store.state(target[:keep])
     return _Built(prefix, tuple(target[keep:]), tuple(target), detail or {})
 
 
@@ -362,60 +252,22 @@ def _erratum(turn: Turn) -> _Built:
 
 
 def _field_erratum(turn: Turn) -> _Built:
-    return _edited_in_place(turn, turn.render(_with_erratum(turn.new, turn.diff.fields, _new, _new)))
+    return _edited_in_place(turn, turn.render(with_erratum(turn.new, turn.diff.fields, new_value, new_value)))
 
 
 def _hoist(turn: Turn) -> _Built:
     check_applies("hoist", turn.new, turn.diff, turn.grain)
-    cached = turn.render(_hoisted(turn.old, turn.diff.fields, _old, older=True))
+    cached = turn.render(hoisted(turn.old, turn.diff.fields, old_value, older=True))
     return _prefix_cached(turn, cached.ids, _sent(turn, "hoist"), {"prompt_changed": True})
-
-
-def coarse(value: str, grain: str) -> str:
-    """A date-time value at a coarser grain (``date``, ``hour`` or ``minute``); refused for anything else."""
-    if grain not in GRAINS:
-        raise RepairNotApplicable(f"unknown grain {grain!r}; choose one of {', '.join(GRAINS)}")
-    match = DATETIME.fullmatch(value.strip())
-    if not match:
-        raise RepairNotApplicable(f"{value!r} is not a date or date-time, so it has no {grain} grain")
-    date, hour, minute = match.group("date", "hour", "minute")
-    if grain == "date" or hour is None:
-        return date
-    return f"{date} {int(hour):02d}:00" if grain == "hour" else f"{date} {int(hour):02d}:{minute}"
 
 
 def _coarsen(turn: Turn) -> _Built:
     check_applies("coarsen", turn.new, turn.diff, turn.grain)
     olds = {change.name: coarse(change.old, turn.grain) for change in turn.diff.fields}
     news = {change.name: coarse(change.new, turn.grain) for change in turn.diff.fields}
-    cached = turn.render(_with_values(turn.old, turn.diff.fields, lambda change: olds[change.name], older=True))
+    cached = turn.render(with_values(turn.old, turn.diff.fields, lambda change: olds[change.name], older=True))
     target = _sent(turn, "coarsen", lambda change: news[change.name])
     return _prefix_cached(turn, cached.ids, target, {"prompt_changed": True, "grain": turn.grain, "coarse_values": news})
-
-
-def check_applies(name: str, new: RenderedRequest, diff: TurnDiff, grain: str | None) -> None:
-    """Refuse (``RepairNotApplicable``, saying why) a prompt-level repair that cannot apply to this turn."""
-    if name == "coarsen" and grain is None:
-        raise RepairNotApplicable("name a grain to coarsen to (date, hour or minute)")
-    if name != "recompute" and not diff.fields:
-        nothing = {
-            "erratum": "there is nothing to state",
-            "hoist": "there is no volatile line to move",
-            "coarsen": "there is nothing to coarsen",
-        }
-        raise RepairNotApplicable(f"no field changed: {nothing[name]}")
-    if name == "hoist" and any(change.message == len(new.request.contents) - 1 for change in diff.fields):
-        raise RepairNotApplicable("the changed value is already in the last message")
-
-
-def prompt_repair_request(name: str, new: RenderedRequest, diff: TurnDiff, grain: str | None = None) -> Request:
-    """The request prompt-level repair ``name`` sends for the newer request of a turn, at the values it serves (the new
-    ones; ``coarsen``'s coarse ones), refused as its builder refuses: what a server is asked to measure it."""
-    if REPAIR_LEVELS[name] is not Level.PROMPT:
-        raise RepairNotApplicable(f"{name} is {LEVEL_WORDS[REPAIR_LEVELS[name]]}: it edits cached entries, no request carries it")
-    check_applies(name, new, diff, grain)
-    value_of = (lambda change: coarse(change.new, grain)) if name == "coarsen" else _new
-    return repaired_request(name, new, diff.fields, value_of)
 
 
 _BUILDERS: dict[str, Callable[[Turn], _Built]] = {
@@ -426,3 +278,30 @@ _BUILDERS: dict[str, Callable[[Turn], _Built]] = {
     "hoist": _hoist,
     "coarsen": _coarsen,
 }
+
+
+__all__ = [  # with the text half (engine.audit.repair_requests), which the modules that read no model import directly
+    "GRAINS",
+    "LEVEL_WORDS",
+    "PROMPT_REPAIRS",
+    "REPAIRS",
+    "REPAIR_LEVELS",
+    "REPAIR_SUMMARIES",
+    "Level",
+    "OutputFidelity",
+    "Reference",
+    "Repair",
+    "RepairNotApplicable",
+    "RepairResult",
+    "Turn",
+    "check_applies",
+    "coarse",
+    "content_chars",
+    "fidelity",
+    "greedy_agreement",
+    "prompt_repair_request",
+    "reference",
+    "repaired_request",
+    "run_repair",
+    "with_lines_appended",
+]

@@ -16,15 +16,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.audit.caches import CacheSettings
-from engine.audit.repairs import OutputFidelity, fidelity
+from engine.audit.repair_requests import OutputFidelity
 from engine.audit.requests import Request, RequestLog, RequestLogError
 from engine.audit.scan import TrafficScan, scan_log
-from engine.audit.states import ComputedStates
 from engine.audit.template import Template
-from engine.cache.loaded import LoadedModel
 from engine.progress import StepProgress, ticker
+
+if TYPE_CHECKING:  # the model is read by the measurement alone: pairing, templates and reports import no torch
+    from engine.audit.states import ComputedStates
+    from engine.cache.loaded import LoadedModel
 
 REUSE_ENGINE = "vllm"  # the engine the verdict's reuse is said for
 
@@ -145,9 +148,12 @@ def measure_rewrite(
     tokens: int = 32,
     max_tokens: int | None = None,
     progress: StepProgress = None,
+    before: TrafficScan | None = None,
+    reuse: ComputedStates | None = None,
 ) -> RewriteReport:
-    """Both logs through the token pass, then each rewritten request's clean prefill against the original's."""
-    options = {"settings": settings, "tokens": tokens, "max_tokens": max_tokens, "progress": progress}
+    """Both logs through the token pass, then each rewritten request's clean prefill against the original's
+    (``before``, ``reuse``: as :func:`measure_rewrites` takes them)."""
+    options = {"settings": settings, "tokens": tokens, "max_tokens": max_tokens, "progress": progress, "before": before, "reuse": reuse}
     return measure_rewrites(lm, original, {"rewrite": rewritten}, **options)["rewrite"]
 
 
@@ -160,22 +166,33 @@ def measure_rewrites(
     tokens: int = 32,
     max_tokens: int | None = None,
     progress: StepProgress = None,
+    before: TrafficScan | None = None,
+    reuse: ComputedStates | None = None,
 ) -> dict[str, RewriteReport]:
     """Several rewrites of one log measured as :func:`measure_rewrite` measures each: every distinct prompt read once
     (:class:`~engine.audit.states.ComputedStates`: the original's for all rewrites, a rewritten request that is the
-    original's tokens is that reading), each computed from the longest prefix it shares with one read before."""
+    original's tokens is that reading), each computed from the longest prefix it shares with one read before.
+
+    ``before``: the original's token pass where one was run already with these settings (the audit's, ``audit_traffic``'s
+    ``scan``), not run again. ``reuse``: the store the audit's sampled turns were measured in; a prompt it read exactly
+    as this measurement reads it (the same reuse, the same forwards: ``ComputedStates``) is taken from it, bit for bit
+    the reading this measurement would compute, so the report is the same with or without it."""
+    from engine.audit.repairs import fidelity  # the model's half (torch), imported where a model runs
+    from engine.audit.states import ComputedStates
+
     for rewritten in rewrites.values():
         check_pairing(original.requests, rewritten.requests)
     if tokens < 1:
         raise RequestLogError(f"generate at least one token per state, got {tokens}")
     limit = max_tokens or int(lm.info().get("max_positions") or 32_768)
-    before = scan_log(lm.tokenizer, original, settings, limit=limit, model=lm.name)
+    if before is None:
+        before = scan_log(lm.tokenizer, original, settings, limit=limit, model=lm.name)
     afters = {label: scan_log(lm.tokenizer, log, settings, limit=limit, model=lm.name) for label, log in rewrites.items()}
     for after in afters.values():
         _check_rendered(before, after)
     tick = ticker(progress, len(before.requests) * (len(afters) + 1))
     rows: dict[str, list[RewrittenRequest]] = {label: [] for label in afters}
-    store = ComputedStates(lm, tokens)  # each distinct prompt read once, a prefix shared with an earlier one reused
+    store = ComputedStates(lm, tokens, reuse=reuse)  # each distinct prompt read once, a prefix shared with an earlier one reused
     for position, old in enumerate(before.requests):
         clean = store.read_prompt(before.rendered[old.request].ids)
         tick()

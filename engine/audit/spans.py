@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.audit.fields import Candidate, TurnDiff
-from engine.audit.repairs import content_chars
+from engine.audit.repair_requests import content_chars
 from engine.audit.requests import RenderedRequest, Request, RequestLogError
 
 LABEL_CHARS = 40  # a candidate's text in its menu label, cut with an ellipsis beyond this

@@ -14,20 +14,34 @@ took along the forwards that computed them, as a chunked prefill would take it: 
 source's ``prefill_ms`` (prorated by tokens), plus its own forward.
 
 The store is bounded by bytes (``budget_bytes`` of K/V): the least recently used states go first.
+
+Which forwards computed a state is kept beside it (its *chunks*: the tokens [first, end) of each forward, the
+engine's chunks of ``forward_token_limit`` tokens included). A token's K/V are a function of the tokens and of the
+forwards that computed it and the entries it attends to (the same tokens in a forward of other extent may round
+otherwise: its matrix products have another shape), so two states of the same tokens computed by the same chunks hold
+the same numbers, bit for bit. That lets another run's store
+(``reuse``: the rewrite's store reading what the audit's sampled turns read) take a reading from this one exactly
+where it would have computed the same one, and no other. Every forward is told to ``on_forward`` (its new tokens),
+for progress.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from engine.audit.fields import common_prefix
+from engine.cache.budget import forward_token_limit
 from engine.cache.loaded import LoadedModel
 from engine.cache.lru import BudgetedLRU
 from engine.cache.notebook import Notebook
 from engine.timing import Stopwatch
+
+Chunks = tuple[tuple[int, int], ...]  # the forwards that computed a state's entries: each one's tokens [first, end)
 
 DEFAULT_BUDGET_BYTES = 2 << 30  # K/V kept per audit run
 
@@ -51,14 +65,33 @@ class _Stored:
     prefill_ms: float
     bytes: int
     reading: Reference | None = None
+    chunks: Chunks | None = None  # how it was computed (the module's docstring); None where not known
+
+
+def forward_chunks(start: int, stop: int, limit: int, last: int | None = None) -> Chunks:
+    """The forwards that compute tokens [start, stop) after ``start`` computed entries: the engine runs ``limit``
+    tokens at a time while more than ``limit`` of them are pending (``fused_forward.computed_in_chunks``), then the
+    rest; a reading's last token is no pending token (``last``: the pending ones end there) but runs with that rest."""
+    pending_end = stop if last is None else last
+    firsts = [start, *range(start + limit, pending_end, limit)] if stop > start else []
+    return tuple(zip(firsts, [*firsts[1:], stop]))
 
 
 class ComputedStates:
     """Every state one audit run computed, keyed by token ids (see the module docstring)."""
 
-    def __init__(self, lm: LoadedModel, tokens: int, budget_bytes: int = DEFAULT_BUDGET_BYTES) -> None:
-        self.lm, self.tokens = lm, tokens
+    def __init__(
+        self,
+        lm: LoadedModel,
+        tokens: int,
+        budget_bytes: int = DEFAULT_BUDGET_BYTES,
+        *,
+        reuse: ComputedStates | None = None,
+        on_forward: Callable[[int], None] | None = None,
+    ) -> None:
+        self.lm, self.tokens, self.reuse, self.on_forward = lm, tokens, reuse, on_forward
         self._stored = BudgetedLRU(budget_bytes, weigh=lambda stored: stored.bytes)  # token ids -> _Stored
+        self._chunks: dict[int, tuple[weakref.ref, Chunks]] = {}  # id(notebook) -> (the notebook, its chunks)
 
     def state(self, ids: Sequence[int]) -> Notebook:
         """Every token of ``ids`` computed: the longest prefix shared with a stored state reused, the rest run in one
@@ -69,8 +102,32 @@ class ComputedStates:
         base, shared, share_ms = self._longest(key, len(key))
         watch = Stopwatch()
         state = base.append(list(key[shared:]), "request").materialized() if shared < len(key) else base
-        self._keep(key, state, share_ms + (watch.ms if shared < len(key) else 0.0))
+        ms = watch.ms if shared < len(key) else 0.0
+        if shared < len(key):
+            self._forwards(shared, len(key))
+        chunks = self._joined(base, shared, forward_chunks(shared, len(key), forward_token_limit()))
+        self._keep(key, state, share_ms + ms, chunks=chunks)
         return state
+
+    @contextlib.contextmanager
+    def forwards_told(self, on_forward: Callable[[int], None] | None) -> Iterator[None]:
+        """Within: every forward this store runs is told to ``on_forward`` (its new tokens)."""
+        previous, self.on_forward = self.on_forward, on_forward
+        try:
+            yield
+        finally:
+            self.on_forward = previous
+
+    def prefix(self, state: Notebook, count: int) -> Notebook:
+        """The first ``count`` entries of ``state`` as their own notebook (``Notebook.prefix``), their chunks known."""
+        base = state.prefix(count)
+        self._note(base, _cut(self.chunks_of(state), count))
+        return base
+
+    def chunks_of(self, state: Notebook) -> Chunks | None:
+        """The forwards that computed ``state`` (a notebook this store made or cut), else None."""
+        known = self._chunks.get(id(state))
+        return known[1] if known is not None and known[0]() is state else None
 
     def prefill_ms(self, ids: Sequence[int]) -> float:
         """The time every token of a stored state took along the forwards that computed them (module docstring)."""
@@ -96,14 +153,48 @@ class ComputedStates:
         known = stored.reading if stored is not None else None
         if known is not None and known.reused_tokens == reused:
             return known
+        chunks = None
+        if exact and not prefix.pending_tokens:
+            chunks = self._joined(prefix, reused, forward_chunks(reused, len(key), forward_token_limit(), last=len(key) - 1))
+        if known is None and chunks is not None and (taken := self._reused_reading(key, reused, chunks)) is not None:
+            self._keep(key, taken.notebook, self._share_ms(prefix, reused) + taken.ttft_ms, taken, chunks)
+            return taken
         watch = Stopwatch()
         context = prefix.append(list(rest[:-1]), "request") if len(rest) > 1 else prefix
         state, logits = context.step([rest[-1]], "request")
         ms = watch.ms
-        generated = known.generated if known is not None else tuple(state.greedy(logits, self.tokens, self.lm.stop_ids)[1])
+        self._forwards(0, prefix.pending_tokens + len(rest))
+        generated = known.generated if known is not None else self._greedy(state, logits)
         reading = Reference(torch.log_softmax(logits.float(), -1), generated, ms, state, reused)
         if exact and known is None:
-            self._keep(key, state, self._share_ms(prefix, reused) + ms, reading)
+            self._keep(key, state, self._share_ms(prefix, reused) + ms, reading, chunks)
+        return reading
+
+    def _greedy(self, state: Notebook, logits: torch.Tensor) -> tuple[int, ...]:
+        """``Notebook.greedy``'s tokens (the same steps), each forward told to ``on_forward``; the last token is not run."""
+        current, generated, stop = state, [], self.lm.stop_ids
+        while len(generated) < self.tokens:
+            token = int(logits.argmax())
+            if token in stop:
+                break
+            generated.append(token)
+            if len(generated) == self.tokens:
+                break
+            current, logits = current.step([token], "generated")
+            if self.on_forward is not None:
+                self.on_forward(1)
+        return tuple(generated)
+
+    def _reused_reading(self, key: tuple[int, ...], reused: int, chunks: Chunks) -> Reference | None:
+        """The ``reuse`` store's reading of ``key`` where it was computed exactly as this one would be: the same
+        reuse, the same forwards (chunks), the same greedy tokens asked for."""
+        other = self.reuse
+        if other is None or other.tokens != self.tokens or other.lm is not self.lm:
+            return None
+        stored = other._stored.get(key)
+        reading = stored.reading if stored is not None else None
+        if reading is None or reading.reused_tokens != reused or stored.chunks != chunks:
+            return None
         return reading
 
     # ------------------------------------------------------------------------------------------------ bookkeeping
@@ -116,9 +207,12 @@ class ComputedStates:
             if count > shared:
                 best, shared = ids, count
         if best is None:
-            return Notebook.empty(self.lm), 0, 0.0
+            empty = Notebook.empty(self.lm)
+            self._note(empty, ())
+            return empty, 0, 0.0
         source = self._stored[best]
         base = source.state if shared == len(best) else source.state.prefix(shared)
+        self._note(base, _cut(source.chunks, shared))
         return base, shared, source.prefill_ms * shared / len(best)
 
     def _share_ms(self, prefix: Notebook, reused: int) -> float:
@@ -130,6 +224,31 @@ class ComputedStates:
         _, shared, share_ms = self._longest(ids, reused)
         return share_ms if shared == reused else 0.0
 
-    def _keep(self, key: tuple[int, ...], state: Notebook, prefill_ms: float, reading: Reference | None = None) -> None:
+    def _keep(
+        self, key: tuple[int, ...], state: Notebook, prefill_ms: float, reading: Reference | None = None, chunks: Chunks | None = None
+    ) -> None:
         """Keep a state (and its reading), the least recently used others dropped past the byte budget."""
-        self._stored[key] = _Stored(state, prefill_ms, state.memory_bytes(), reading)
+        self._stored[key] = _Stored(state, prefill_ms, state.memory_bytes(), reading, chunks)
+        self._note(state, chunks)
+
+    def _note(self, state: Notebook, chunks: Chunks | None) -> None:
+        """Remember how ``state`` was computed (for as long as it lives)."""
+        self._chunks = {at: known for at, known in self._chunks.items() if known[0]() is not None}
+        if chunks is not None:
+            self._chunks[id(state)] = (weakref.ref(state), chunks)
+
+    def _joined(self, prefix: Notebook, reused: int, own: Chunks) -> Chunks | None:
+        """The chunks of a state computed as ``own`` after the first ``reused`` entries of ``prefix`` (None: not known)."""
+        return None if (before := _cut(self.chunks_of(prefix), reused)) is None else before + own
+
+    def _forwards(self, start: int, stop: int) -> None:
+        """Tell ``on_forward`` of the tokens [start, stop) just computed, a forward at a time (the engine's chunks)."""
+        if self.on_forward is not None:
+            for first, end in forward_chunks(start, stop, forward_token_limit()):
+                self.on_forward(end - first)
+
+
+def _cut(chunks: Chunks | None, count: int) -> Chunks | None:
+    """The forwards behind a state's first ``count`` entries: those that computed any of them, each whole (a forward
+    that ran further computed its first tokens otherwise than one that stopped at ``count``)."""
+    return None if chunks is None else tuple(chunk for chunk in chunks if chunk[0] < count)

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.audit.fields import FieldChange
-from engine.audit.repairs import GRAINS, RepairNotApplicable, coarse, repaired_request, with_lines_appended
+from engine.audit.repair_requests import GRAINS, RepairNotApplicable, coarse, repaired_request, with_lines_appended
 from engine.audit.requests import RenderedRequest, Request, RequestLogError
 
 PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)(?::([A-Za-z]+))?\}")  # {name} or {name:grain}
@@ -183,7 +183,7 @@ def _read_lines(items: object) -> tuple[str, ...]:
 def written_template(repair: str, new: RenderedRequest, fields: Sequence[FieldChange], grain: str | None = None) -> str:
     """The template that sends every request as prompt-level ``repair`` sent ``new`` (each changed field a
         placeholder; ``coarsen``'s at ``grain``), built by the function that built the measured request
-        (:func:`engine.audit.repairs.repaired_request`). A completions prompt gives its text with the placeholders (to read;
+        (:func:`engine.audit.repair_requests.repaired_request`). A completions prompt gives its text with the placeholders (to read;
     ``--template`` applies chat templates only)."""
     spec = f":{grain}" if repair == "coarsen" else ""
     sent = repaired_request(repair, new, fields, lambda change: "{" + change.name + spec + "}")

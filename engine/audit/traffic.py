@@ -9,6 +9,7 @@ The turns are measured in this process (``measure_in_process``) or wherever a ``
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import Any
 from engine.audit.audit import AuditReport, AuditTurn, MeasureSettings, check_repairs, measure_turn
 from engine.audit.caches import CacheSettings
 from engine.audit.fields import TurnDiff
+from engine.audit.meter import ModelPassMeter
 from engine.audit.observed import hosted_summary, observed_summary
 from engine.audit.repairs import REPAIRS, Turn
 from engine.audit.requests import RenderedRequest, RequestLog, RequestLogError
@@ -24,7 +26,7 @@ from engine.audit.scan import TrafficGroup, TrafficRequest, TrafficScan, is_cold
 from engine.audit.states import ComputedStates
 from engine.cache.budget import Cancelled
 from engine.cache.loaded import LoadedModel, LoadedTokenizer
-from engine.progress import StepProgress, Tick
+from engine.progress import MessageProgress, StepProgress, Tick
 
 DEFAULT_SAMPLE = 3  # turns measured per group
 
@@ -138,12 +140,17 @@ def audit_traffic(
     fleet: Sequence[tuple[int, str]] = (),
     token_pass: Callable[[int], TrafficScan] | None = None,
     measure_turns: MeasureTurns | None = None,
+    messages: MessageProgress | None = None,
+    states: ComputedStates | None = None,
 ) -> TrafficReport:
     """The token pass over the whole log, then up to ``sample`` turns of each change signature measured with every
     repair (``scan_progress``: requests of the token pass; ``progress``: the measured steps; ``fleet``: the fleets
     simulated beside; ``token_pass``: another token pass, given the context limit, e.g. ``distributed.ray_scan``;
     ``measure_turns``: where the sampled turns are measured, default ``measure_in_process`` with ``lm``, e.g.
-    ``ray_turns.ray_measure_turns``). With ``sample`` 0 only the tokenizer is read, so ``lm`` may be a
+    ``ray_turns.ray_measure_turns``; ``messages``: the model pass a forward at a time with its time left, as
+    :class:`~engine.audit.meter.ModelPassMeter` says it; ``states``: the store of computed states the turns measured
+    here are computed in, default a new one: pass one to read the log's requests again from it, e.g. a rewrite's
+    originals). With ``sample`` 0 only the tokenizer is read, so ``lm`` may be a
     :class:`~engine.cache.loaded.LoadedTokenizer`. A model pass cancelled (``Cancelled``) keeps the token pass: the
     report has no measured turn and says so (``cancelled``)."""
     if sample < 0:
@@ -180,19 +187,29 @@ def audit_traffic(
     groups = sample_groups(scan, sample)
     chosen = sorted(index for group in groups for index in group.measured)
     total, done = len(chosen) * (len(measure.repairs) + 1), 0
+    meter = ModelPassMeter(len(chosen), measure.repairs, measure.tokens, messages) if messages and total else None
 
     def tick() -> None:
         nonlocal done
         done += 1
         if progress:
             progress(done, total)
+        if meter is not None:
+            meter.step_done()
 
     if progress and total:
         progress(0, total)  # the model's work begins: said before its first step ends
+    if meter is not None:
+        meter.begin()
 
     work = turn_work(scan, chosen)
+    if measure_turns is None:
+        states = states if states is not None or not total else ComputedStates(lm, measure.tokens)
+        measure_turns = functools.partial(measure_in_process, lm, store=states)
+    told = states.forwards_told(meter.forward) if states is not None and meter is not None else contextlib.nullcontext()
     try:
-        turns = (measure_turns or functools.partial(measure_in_process, lm))(work, measure, tick)
+        with told:  # every forward moves the bar
+            turns = measure_turns(work, measure, tick)
     except Cancelled:  # what was finished stands: the token pass, with no turn measured
         why = f"the model pass was cancelled after {done:,} of {total:,} steps: the token pass is whole, no turn was measured"
         unmeasured = tuple(sample_groups(scan, 0, "not measured: the model pass was cancelled"))

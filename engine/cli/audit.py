@@ -17,6 +17,7 @@ from engine.audit.requests import RequestLog, RequestLogError, parse_prompt, rea
 from engine.audit.rewrite import apply_template, check_pairing, measure_rewrite
 from engine.audit.sources import SOURCES
 from engine.audit.spans import find_span
+from engine.audit.states import ComputedStates
 from engine.audit.traffic import DEFAULT_SAMPLE, audit_traffic
 from engine.cli.common import Group, Handler, arg, load, log, names, progress, read_text
 from engine.cli.endpoint import ENDPOINT, measure_on_endpoint
@@ -60,13 +61,24 @@ def cmd_audit(args: argparse.Namespace) -> dict:
             observed_aggregate(scrapes, {})  # a scrape that cannot be read fails before the model measures anything
         for skipped in request_log.skipped:
             log(f"skipped {skipped.message}")
-        steps = {"scan_progress": progress("token pass: requests"), "progress": progress("measured steps")}
+        steps = {"scan_progress": progress("token pass: requests"), "messages": log}  # the model pass a forward at a time
         rewritten = _rewritten(args, request_log)
         if args.endpoint:
             return _finish(args, conditions, measure_on_endpoint(args, lm, request_log, rewritten, settings, options))
         scale = {"fleet": fleet_of(args), "token_pass": token_pass(args, lm, settings), "measure_turns": turn_pass(args, lm)}
+        # a rewrite reads the log's requests again: from the audit's own store, and after its own token pass (one process)
+        shared = rewritten is not None and not args.ray
+        states = ComputedStates(lm, args.tokens) if shared else None
         traffic = audit_traffic(
-            lm, request_log, sample=args.sample, settings=settings, observed_engine=args.observed_engine, **steps, **options, **scale
+            lm,
+            request_log,
+            sample=args.sample,
+            settings=settings,
+            observed_engine=args.observed_engine,
+            states=states,
+            **steps,
+            **options,
+            **scale,
         )
         result, report = traffic.as_dict(), traffic.measured_report()
         if args.fit_observed:
@@ -75,7 +87,14 @@ def cmd_audit(args: argparse.Namespace) -> dict:
             result["observed"]["metrics"] = observed_aggregate(scrapes, traffic.scan.totals()["hit_rate"])
         if rewritten is not None:
             measured = measure_rewrite(
-                lm, request_log, rewritten, settings=settings, tokens=args.tokens, progress=progress("rewrite: requests")
+                lm,
+                request_log,
+                rewritten,
+                settings=settings,
+                tokens=args.tokens,
+                progress=progress("rewrite: requests"),
+                before=traffic.scan if shared else None,
+                reuse=states,
             )
             result |= {"rewrite": [row.as_dict() for row in measured.requests], "verdict": measured.verdict()}
     else:

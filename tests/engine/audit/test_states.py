@@ -12,7 +12,7 @@ from engine.audit.audit import audit_requests
 from engine.audit.repairs import fidelity
 from engine.audit.requests import parse_log
 from engine.audit.states import ComputedStates, Reference
-from engine.cache import adapter, generation
+from engine.cache import adapter
 from engine.cache.notebook import Notebook
 from engine.models.tiny import tiny_model
 
@@ -60,14 +60,14 @@ class _Counted:
             self.tokens += int(ids.shape[1]) if ids is not None else int(kwargs["inputs_embeds"].shape[1])
             return forward(*args, **kwargs)
 
-        greedy = generation.greedy
+        greedy = ComputedStates._greedy
 
         def counted_greedy(*args, **kwargs):
             self.greedy += 1
             return greedy(*args, **kwargs)
 
         monkeypatch.setattr(lm.model, "forward", counted)
-        monkeypatch.setattr(Notebook, "greedy", counted_greedy)
+        monkeypatch.setattr(ComputedStates, "_greedy", counted_greedy)
 
 
 def _steps(generated) -> int:

@@ -1,0 +1,280 @@
+"""The CLI audit timed as a user runs it, process start included: each bundled log's default audit, and ``--rewritten``
+against plain transformers doing the same prefills and generations, as ratios.
+
+    python -m benchmarks.studies.audit_cli [--logs coding_agent,support_agent,rag] [--reps 3] [--baseline DIR]
+                                           [--rewrite hoist] [--tokens 32] [--model embedded] [--dtype auto]
+
+Per repetition and log, one after the other (so the two times of every ratio share the machine's load):
+
+1. ``python -m engine audit LOG --json``, the default audit (``--sample 3``, every repair, ``--tokens`` greedy tokens),
+   from process start to exit; with ``--baseline DIR`` (another checkout, e.g. the commit before a change) the same
+   command there first: ``speedup`` is its time over this checkout's, and ``same_json`` says whether both printed the
+   same JSON, times aside (every ``*ttft*`` value, and the recommendation's words and KV-level alternative, which quote
+   them);
+2. ``python -m engine audit LOG --rewritten REWRITTEN --json``: the rewrite is the log with its volatile line moved as
+   ``--rewrite`` moves it (the template ``--template-out --template-repair hoist`` writes, built here from the token
+   pass and applied to the log as ``--template`` applies it; ``erratum`` where hoist does not apply);
+3. plain transformers (:mod:`benchmarks.studies.plain_generation`, a process of its own: torch and transformers
+   imported, the same weights loaded) running, for every distinct prompt the rewrite's measurement reads (each original
+   and rewritten request, rendered as the audit renders it), a clean prefill and ``--tokens`` greedy tokens.
+
+``rewrite_ratio`` = (2) / (3), the goal ≤ 1.3; ``--baseline`` times (2) there too. Every time is kept with its min /
+median / max, the children's CPU seconds (user + sys) beside the wall seconds, and the load average before and after
+each log (other processes share the CPU: compare ratios, not seconds). Writes results/audit_cli-<model>-cpu.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from benchmarks import common
+from engine.audit.audit import DEFAULT_TOKENS
+from engine.audit.repair_requests import RepairNotApplicable
+from engine.audit.requests import RequestLog, RequestLogError, read_log
+from engine.audit.rewrite import apply_template
+from engine.audit.scan import scan_log
+from engine.audit.template import written_template
+from engine.models import gguf, load_tokenizer
+from engine.scenario import DEMOS
+
+LOGS = DEMOS / "logs"
+DEFAULT_LOGS = "coding_agent,support_agent,rag"
+REWRITES = ("hoist", "erratum")  # the first that applies to a log's last changed field
+GOAL_RATIO = 1.3
+GOAL_AUDIT_S = 60
+TIMED_KEYS = ("reason", "kv_alternative")  # a recommendation's words and its KV-level alternative quote measured times
+
+
+def _parser():
+    parser = common.parser(__doc__)
+    parser.add_argument("--logs", default=DEFAULT_LOGS, help="comma-separated stems of demos/logs/*.jsonl")
+    parser.add_argument("--reps", type=int, default=3, help="repetitions of every timed command")
+    parser.add_argument("--baseline", help="another checkout whose CLI is timed beside this one (same commands)")
+    parser.add_argument("--rewrite", choices=REWRITES, default=REWRITES[0], help="the prompt-level repair the rewrite applies")
+    parser.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help="greedy tokens per prompt (the CLI's default)")
+    parser.add_argument("--no-rewritten", action="store_true", help="time the default audit only")
+    parser.add_argument("--out", default=str(common.results_dir(__file__)), help="folder for the JSON")
+    return parser
+
+
+def untimed(data: object) -> object:
+    """An audit's JSON without what a run's timing decides: every ``*ttft*`` value, and the words and alternative of a
+    recommendation (they quote the times). What is left must be the same run to run and before and after a speed-up."""
+    if isinstance(data, dict):
+        return {key: untimed(value) for key, value in data.items() if "ttft" not in key and key not in TIMED_KEYS}
+    if isinstance(data, list):
+        return [untimed(value) for value in data]
+    return data
+
+
+def rewritten_log(log: RequestLog, tokenizer, repair: str) -> tuple[str, str] | None:
+    """The log rewritten as ``repair`` sends its last changed field (``--template-out --template-repair``, built from
+    the token pass, applied as ``--template`` applies it), as JSONL, and the repair applied; None where neither of
+    :data:`REWRITES` applies."""
+    scan = scan_log(tokenizer.tokenizer, log, limit=int(tokenizer.info().get("max_positions") or 32_768), model=tokenizer.name)
+    changed = [index for index, diff in scan.diffs.items() if diff is not None and diff.fields]
+    if not changed:
+        return None
+    last = max(changed)
+    for name in dict.fromkeys([repair, *REWRITES]):
+        try:
+            template = written_template(name, scan.rendered[last], scan.diffs[last].fields)
+            rewritten = apply_template(template, log)
+        except (RequestLogError, RepairNotApplicable):
+            continue
+        lines = [json.dumps(_record(request)) for request in rewritten.requests]
+        return "\n".join(lines) + "\n", name
+    return None
+
+
+def _record(request) -> dict:
+    record: dict = {"messages": [message.template_dict() for message in request.messages]}
+    if request.tools:
+        record["tools"] = request.tool_definitions()
+    if request.session is not None:
+        record["user"] = request.session
+    return record
+
+
+def distinct_prompts(tokenizer, *logs: RequestLog) -> list[list[int]]:
+    """Every distinct prompt of the logs, rendered as the audit renders them (the rewrite reads each once)."""
+    limit = int(tokenizer.info().get("max_positions") or 32_768)
+    prompts = {}
+    for log in logs:
+        scan = scan_log(tokenizer.tokenizer, log, limit=limit, model=tokenizer.name)
+        for rendered in scan.rendered.values():
+            prompts.setdefault(tuple(rendered.ids), None)
+    return [list(ids) for ids in prompts]
+
+
+def timed(command: Sequence[str], cwd: Path) -> dict:
+    """One command run to its end: wall and CPU seconds (the child's user + sys), and its stdout."""
+    before, started = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    done = subprocess.run(list(command), cwd=cwd, capture_output=True, text=True)
+    wall, after = time.perf_counter() - started, resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} in {cwd} exited {done.returncode}: {done.stderr[-2000:]}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"s": wall, "cpu_s": cpu, "stdout": done.stdout}
+
+
+def spread(values: Sequence[float]) -> dict:
+    return {"min": round(min(values), 2), "median": round(statistics.median(values), 2), "max": round(max(values), 2), "runs": values}
+
+
+def model_dir(spec: str) -> str:
+    """Where the weights the engine loads for ``spec`` are (the embedded model: its safetensors copy)."""
+    return str(gguf.converted_alias(spec, print)[0]) if spec in gguf.ALIASES else spec
+
+
+def run(args) -> dict:
+    tokenizer = load_tokenizer(args.model, progress=print)
+    dtype = "float32" if args.dtype == "auto" else args.dtype  # what "auto" loads on a CPU
+    audit = [sys.executable, "-m", "engine", "audit", "--json", "--model", args.model, "--dtype", args.dtype, "--tokens", str(args.tokens)]
+    trees = {"this": common.ROOT, **({"baseline": Path(args.baseline).resolve()} if args.baseline else {})}
+    work = Path(tempfile.mkdtemp(prefix="audit_cli-"))
+    logs, rows = [stem.strip() for stem in args.logs.split(",") if stem.strip()], {}
+    for name in logs:
+        path = LOGS / f"{name}.jsonl"
+        log = read_log(path.read_text(encoding="utf-8"))
+        row: dict = {"log": name, "requests": len(log.requests), "runs": {key: [] for key in ("default", "rewritten", "plain")}}
+        rewrite = None if args.no_rewritten else rewritten_log(log, tokenizer, args.rewrite)
+        if rewrite is not None:
+            text, row["rewrite"] = rewrite
+            (work / f"{name}.rewritten.jsonl").write_text(text, encoding="utf-8")
+            prompts = distinct_prompts(tokenizer, log, read_log(text))
+            weights = model_dir(args.model)
+            job = {
+                "model_dir": weights,
+                "dtype": dtype,
+                "tokens": args.tokens,
+                "stop_ids": _stop_ids(tokenizer, weights),
+                "prompts": prompts,
+            }
+            (work / f"{name}.plain.json").write_text(json.dumps(job), encoding="utf-8")
+            row["prompts"], row["prompt_tokens"] = len(prompts), sum(len(ids) for ids in prompts)
+        rows[name] = row
+    load_before = os.getloadavg()
+    for rep in range(args.reps):
+        for name in logs:
+            row, path = rows[name], str(LOGS / f"{name}.jsonl")
+            outputs = {}
+            for tree, where in trees.items():
+                result = timed([*audit, path], where)
+                row["runs"]["default"].append({"tree": tree, "s": result["s"], "cpu_s": result["cpu_s"]})
+                outputs[tree] = untimed(json.loads(result["stdout"]))
+            if "baseline" in outputs:
+                row.setdefault("same_json", []).append(outputs["this"] == outputs["baseline"])
+            if "rewrite" in row:
+                for tree, where in trees.items():
+                    result = timed([*audit, path, "--rewritten", str(work / f"{name}.rewritten.jsonl")], where)
+                    row["runs"]["rewritten"].append({"tree": tree, "s": result["s"], "cpu_s": result["cpu_s"]})
+                result = timed([sys.executable, "-m", "benchmarks.studies.plain_generation", str(work / f"{name}.plain.json")], common.ROOT)
+                row["runs"]["plain"].append({"s": result["s"], "cpu_s": result["cpu_s"], **json.loads(result["stdout"])})
+            print(f"rep {rep + 1}/{args.reps} {name}: {_line(row)}", flush=True)
+    data = {
+        "model": args.model,
+        "device": "cpu",
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cpu": common.cpu_info(),
+        "reps": args.reps,
+        "tokens": args.tokens,
+        "dtype": dtype,
+        "baseline": str(trees["baseline"]) if args.baseline else None,
+        "goal_ratio": GOAL_RATIO,
+        "goal_audit_s": GOAL_AUDIT_S,
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "logs": [_summary(rows[name]) for name in logs],
+    }
+    return data
+
+
+def _stop_ids(tokenizer, weights: str) -> list[int]:
+    """The ids that end a generation, as ``LoadedModel.stop_ids`` reads them: the tokenizer's EOS, then the generation
+    config's (read from the weights' folder)."""
+    config = (
+        json.loads((Path(weights) / "generation_config.json").read_text()) if (Path(weights) / "generation_config.json").exists() else {}
+    )
+    configured = config.get("eos_token_id")
+    ids = [tokenizer.tokenizer.eos_token_id, *(configured if isinstance(configured, list) else [configured])]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def _times(row: dict, kind: str, tree: str | None = None, key: str = "s") -> list[float]:
+    return [run[key] for run in row["runs"][kind] if tree is None or run.get("tree") == tree]
+
+
+def _summary(row: dict) -> dict:
+    """A log's times (min / median / max, every run kept) and the ratios of runs side by side."""
+    out = {key: value for key, value in row.items() if key != "runs"}
+    this, baseline = _times(row, "default", "this"), _times(row, "default", "baseline")
+    out["default_s"], out["default_cpu_s"] = spread(this), spread(_times(row, "default", "this", "cpu_s"))
+    if baseline:
+        out["baseline_default_s"], out["baseline_default_cpu_s"] = spread(baseline), spread(_times(row, "default", "baseline", "cpu_s"))
+        out["speedup"] = spread([b / t for b, t in zip(baseline, this)])
+    if row["runs"]["plain"]:
+        plain, rewritten = _times(row, "plain"), _times(row, "rewritten", "this")
+        out["plain_s"], out["plain_cpu_s"] = spread(plain), spread(_times(row, "plain", key="cpu_s"))
+        out["plain_parts"] = row["runs"]["plain"]
+        out["rewritten_s"], out["rewritten_cpu_s"] = spread(rewritten), spread(_times(row, "rewritten", "this", "cpu_s"))
+        out["rewrite_ratio"] = spread([r / p for r, p in zip(rewritten, plain)])
+        out["rewrite_cpu_ratio"] = spread(
+            [r / p for r, p in zip(_times(row, "rewritten", "this", "cpu_s"), _times(row, "plain", key="cpu_s"))]
+        )
+        old = _times(row, "rewritten", "baseline")
+        if old:
+            out["baseline_rewritten_s"] = spread(old)
+            out["baseline_rewrite_ratio"] = spread([r / p for r, p in zip(old, plain)])
+    return out
+
+
+def _line(row: dict) -> str:
+    """The latest repetition's times and ratios, in one line."""
+    latest = lambda kind, tree=None: _times(row, kind, tree)[-1]  # noqa: E731
+    words = [f"default {latest('default', 'this'):.1f} s"]
+    if _times(row, "default", "baseline"):
+        words.append(f"(baseline {latest('default', 'baseline'):.1f} s)")
+    if row["runs"]["plain"]:
+        plain = latest("plain")
+        words.append(f"rewritten {latest('rewritten', 'this'):.1f} s / plain {plain:.1f} s = x{latest('rewritten', 'this') / plain:.2f}")
+        if _times(row, "rewritten", "baseline"):
+            words.append(f"(baseline x{latest('rewritten', 'baseline') / plain:.2f})")
+    return " ".join(words)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = _parser().parse_args(argv)
+    data = run(args)
+    folder = Path(args.out)
+    folder.mkdir(parents=True, exist_ok=True)
+    model = args.model.split(":")[0].replace("/", "_")
+    path = folder / f"audit_cli-{model}-cpu.json"
+    path.write_text(json.dumps(data, indent=2))
+    for row in data["logs"]:
+        ratio = row.get("rewrite_ratio", {}).get("median")
+        speedup = row.get("speedup", {}).get("median")
+        print(
+            f"{row['log']}: default audit {row['default_s']['median']} s (goal {GOAL_AUDIT_S} s)"
+            + (f", x{speedup} faster than the baseline, same JSON {all(row['same_json'])}" if speedup else "")
+            + (f"; --rewritten / plain transformers x{ratio} (goal x{GOAL_RATIO})" if ratio else ""),
+            flush=True,
+        )
+    print(f"-> {path}", flush=True)
+    return data
+
+
+if __name__ == "__main__":
+    main()
