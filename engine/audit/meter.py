@@ -9,9 +9,9 @@ The time left is estimated from the steps finished, each kind apart (a reference
 a repair computes a few tokens after the cached ones, recompute reads the reference's state, a repair that does not
 apply costs nothing): the mean time of each kind (the reference, or one repair), times the steps of that kind still to
 run, plus what the running step has left of its kind's mean. A repair not timed yet takes the mean of the repairs
-timed, a reference before the first has ended the mean of every step; before any step has ended, nothing is
-estimated and the bar moves by forwards within the step. Once an estimate stands, the bar is the time spent over the
-time spent and left, so it moves at the speed the work goes; it never moves back.
+timed; until a reference and a repair have ended, nothing is estimated and the bar moves by steps and by forwards
+within the step. Once an estimate stands, the bar is the time spent over the time spent and left, so it moves at the
+speed the work goes; it never moves back.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ class ModelPassMeter:
         """Seconds the model pass has left (None before any step has ended)."""
         if self.done >= self.total:
             return 0.0
-        if not self._times:
-            return None
+        if REFERENCE not in self._times or (self.repairs and len(self._times) == 1):
+            return None  # a reference prefills most of a request, a repair a few tokens: one of each is timed first
         running = max(self._mean(self._kind(self.done)) - (self.clock() - self._step_started), 0.0)
         return running + sum(self._mean(self._kind(step)) for step in range(self.done + 1, self.total))
 
@@ -98,7 +98,7 @@ class ModelPassMeter:
             spent = duration_words(self.clock() - self._started)
             return f"measured {self.turns} turn{'s' * (self.turns != 1)} ({self.total} steps) in {spent}"
         turn, name, left = self.done // (len(self.repairs) + 1), self._kind(self.done), self.left_s()
-        estimate = "time left estimated once a step ends" if left is None else f"about {duration_words(left)} left"
+        estimate = "time left estimated once a reference and a repair have ended" if left is None else f"about {duration_words(left)} left"
         return (
             f"measuring turn {turn + 1} of {self.turns}: {name} (step {self.done + 1} of {self.total}); "
             f"{self.fraction():.0%} of the model pass, {duration_words(self.clock() - self._started)} so far, {estimate}"
@@ -111,10 +111,7 @@ class ModelPassMeter:
 
     def _mean(self, kind: str) -> float:
         """The mean time of a kind's finished steps (see the module docstring for a kind not timed yet)."""
-        timed = self._times.get(kind)
-        if not timed and kind != REFERENCE:
-            timed = [seconds for other, times in self._times.items() if other != REFERENCE for seconds in times]
-        timed = timed or [seconds for times in self._times.values() for seconds in times]
+        timed = self._times.get(kind) or [seconds for other, times in self._times.items() if other != REFERENCE for seconds in times]
         return sum(timed) / len(timed)
 
     def _say(self, force: bool = False) -> None:

@@ -182,7 +182,7 @@ def run_repair(name: str, turn: Turn, clean: Reference) -> RepairResult:
         return RepairResult(name, False, reason=str(error))
     prefix, rest = built.prefix, built.rest
     computed = prefix.pending_tokens + len(rest)  # recorded, not yet run: what this repair computes
-    read = turn.store.read(prefix, rest, built.prompt, exact=REPAIR_LEVELS[name] is Level.PROMPT)
+    read = turn.store.read(prefix, rest, built.prompt, exact=REPAIR_LEVELS[name] is Level.PROMPT, draft=clean.generated)
     result = fidelity(read.logprobs, read.generated, clean)
     return RepairResult(
         name, True, read.reused_tokens, computed, read.ttft_ms, result, read.generated, detail=built.detail, prompt_ids=built.prompt

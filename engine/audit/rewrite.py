@@ -198,7 +198,7 @@ def measure_rewrites(
         tick()
         for label, after in afters.items():
             new = after.requests[position]
-            moved = store.read_prompt(after.rendered[new.request].ids)
+            moved = store.read_prompt(after.rendered[new.request].ids, draft=clean.generated)
             measured = fidelity(moved.logprobs, moved.generated, clean)
             texts = (lm.tokenizer.decode(list(clean.generated)), lm.tokenizer.decode(list(moved.generated)))
             generated = max(len(clean.generated), len(moved.generated))

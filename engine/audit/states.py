@@ -133,20 +133,24 @@ class ComputedStates:
         """The time every token of a stored state took along the forwards that computed them (module docstring)."""
         return self._stored[tuple(ids)].prefill_ms
 
-    def read_prompt(self, ids: Sequence[int]) -> Reference:
-        """A whole prompt read: its longest prefix shared with a stored state reused (its last token always runs)."""
+    def read_prompt(self, ids: Sequence[int], draft: Sequence[int] = ()) -> Reference:
+        """A whole prompt read: its longest prefix shared with a stored state reused (its last token always runs);
+        ``draft`` as :meth:`read` takes it."""
         key = tuple(ids)
         known = self._stored.get(key)
         if known is not None and known.reading is not None:
             return known.reading
         base, shared, _ = self._longest(key, len(key) - 1)
-        return self.read(base, key[shared:], key)
+        return self.read(base, key[shared:], key, draft=draft)
 
-    def read(self, prefix: Notebook, rest: Sequence[int], prompt: Sequence[int], exact: bool = True) -> Reference:
+    def read(
+        self, prefix: Notebook, rest: Sequence[int], prompt: Sequence[int], exact: bool = True, draft: Sequence[int] = ()
+    ) -> Reference:
         """``prompt`` read from ``prefix`` (its recorded steps not yet run) with ``rest`` run after it (its last token is
         the one whose next token is read). ``exact``: the state holds only the prompt's own tokens, computed from
         them, so a prompt read before with the same reuse is that reading, and one read with other reuse keeps its
-        greedy tokens (only the forward runs, for its own time); not ``exact`` (a KV-level repair), everything runs."""
+        greedy tokens (only the forward runs, for its own time); not ``exact`` (a KV-level repair), everything runs.
+        ``draft``: the greedy tokens expected (the clean reading's), checked in one forward (``Notebook.greedy``)."""
         key = tuple(prompt)
         reused = len(prefix.visible_positions()) - prefix.pending_tokens
         stored = self._stored.get(key) if exact else None
@@ -164,26 +168,14 @@ class ComputedStates:
         state, logits = context.step([rest[-1]], "request")
         ms = watch.ms
         self._forwards(0, prefix.pending_tokens + len(rest))
-        generated = known.generated if known is not None else self._greedy(state, logits)
+        if known is not None:
+            generated = known.generated
+        else:
+            generated = tuple(state.greedy(logits, self.tokens, self.lm.stop_ids, draft=draft, on_forward=self.on_forward)[1])
         reading = Reference(torch.log_softmax(logits.float(), -1), generated, ms, state, reused)
         if exact and known is None:
             self._keep(key, state, self._share_ms(prefix, reused) + ms, reading, chunks)
         return reading
-
-    def _greedy(self, state: Notebook, logits: torch.Tensor) -> tuple[int, ...]:
-        """``Notebook.greedy``'s tokens (the same steps), each forward told to ``on_forward``; the last token is not run."""
-        current, generated, stop = state, [], self.lm.stop_ids
-        while len(generated) < self.tokens:
-            token = int(logits.argmax())
-            if token in stop:
-                break
-            generated.append(token)
-            if len(generated) == self.tokens:
-                break
-            current, logits = current.step([token], "generated")
-            if self.on_forward is not None:
-                self.on_forward(1)
-        return tuple(generated)
 
     def _reused_reading(self, key: tuple[int, ...], reused: int, chunks: Chunks) -> Reference | None:
         """The ``reuse`` store's reading of ``key`` where it was computed exactly as this one would be: the same
