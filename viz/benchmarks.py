@@ -133,7 +133,8 @@ def serving_figure(data: dict) -> go.Figure:
     engine += f" ({', '.join(settings)})" if settings else ""
     completed = sorted({run["completed"] for run in data["runs"] if run.get("completed") is not None})
     workload = [safe_label(str(data["scenario"]))] if data.get("scenario") else []
-    workload += [f"{completed[0]}{'–' + str(completed[-1]) if len(completed) > 1 else ''} completed requests per point"] if completed else []
+    if completed:
+        workload.append(f"{completed[0]}{'–' + str(completed[-1]) if len(completed) > 1 else ''} completed requests per point")
     compared = " vs ".join(safe_label(variant) for variant in variants)
     figure.update_layout(height=450, legend=LEGEND_BELOW)
     set_title(figure, f"Serving: {compared}{engine}", ", ".join(workload), subplot_titles=1)
