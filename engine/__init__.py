@@ -123,23 +123,23 @@ from typing import TYPE_CHECKING, Any
 # name -> the module defining it, or "module:attribute" where the public name differs from the module's own
 _PUBLIC = {
     "AUTO_REMEDY": "engine.compose.calibration:AUTO",
-    "AuditReport": "engine.audit.audit",
+    "AuditReport": "engine.audit.measure.turn",
     "BudgetedLRU": "engine.cache.lru",
-    "CacheSettings": "engine.audit.caches",
+    "CacheSettings": "engine.audit.simulate.caches",
     "CancelToken": "engine.cache.budget",
     "Cancelled": "engine.cache.budget",
     "ComputeGate": "engine.cache.budget",
     "DECISIVE_MARGIN": "engine.cache.decision",
     "DEFAULT_REMEDY": "engine.compose.remedy",
-    "DEFAULT_SAMPLE": "engine.audit.traffic",
+    "DEFAULT_SAMPLE": "engine.audit.measure.traffic",
     "DEFAULT_STRATEGIES": "engine.probes.analysis",
     "DTYPES": "engine.models",
     "EditExperiment": "engine.edit.experiment",
     "EditReport": "engine.edit.report",
     "EditSettings": "engine.edit.strategies",
-    "EndpointClient": "engine.audit.endpoint",
-    "EndpointSettings": "engine.audit.endpoint",
-    "GRAINS": "engine.audit.repairs",
+    "EndpointClient": "engine.audit.endpoint.client",
+    "EndpointSettings": "engine.audit.endpoint.client",
+    "GRAINS": "engine.audit.measure.repairs",
     "HOST_OPT_IN_ALIASES": "engine.models",
     "IMAGE_QUESTION": "engine.compose.pictures",
     "KVScopeError": "engine.errors",
@@ -148,23 +148,23 @@ _PUBLIC = {
     "LoadedModel": "engine.models",
     "LoadedTokenizer": "engine.cache.loaded",
     "LoraSettings": "engine.edit.lora",
-    "MeasureSettings": "engine.audit.audit",
+    "MeasureSettings": "engine.audit.measure.turn",
     "MessageProgress": "engine.progress",
     "Notebook": "engine.cache.notebook",
-    "NotesScenario": "engine.audit.notes",
-    "OBSERVED_ENGINES": "engine.audit.observed",
-    "NotesChoice": "engine.audit.notes",
+    "NotesScenario": "engine.audit.measure.notes",
+    "OBSERVED_ENGINES": "engine.audit.simulate.observed",
+    "NotesChoice": "engine.audit.measure.notes",
     "PLACEMENTS": "engine.compose.placing",
     "PROBES": "engine.probes.registry",
-    "REPAIRS": "engine.audit.repairs",
-    "REPAIR_SUMMARIES": "engine.audit.repairs",
+    "REPAIRS": "engine.audit.measure.repairs",
+    "REPAIR_SUMMARIES": "engine.audit.measure.repairs",
     "Recipe": "engine.reproduce",
     "Remedy": "engine.compose.remedy",
     "RemedyChoice": "engine.compose.choice",
     "ModelRemedies": "engine.compose.calibration",
-    "RenderedRequest": "engine.audit.requests",
-    "Request": "engine.audit.requests",
-    "RequestLogError": "engine.audit.requests",
+    "RenderedRequest": "engine.audit.logs.requests",
+    "Request": "engine.audit.logs.requests",
+    "RequestLogError": "engine.audit.logs.requests",
     "RomeSettings": "engine.edit.rome",
     "STRATEGIES": "engine.edit.strategies",
     "RENAMED_STRATEGIES": "engine.edit.strategies:RENAMED",
@@ -184,24 +184,24 @@ _PUBLIC = {
     "accelerator_dtype": "engine.models",
     "adhoc_scenario": "engine.compose.placing",
     "analyse_edit": "engine.probes.analysis",
-    "appended_chars": "engine.audit.spans",
-    "apply_template": "engine.audit.rewrite",
-    "audit_traffic": "engine.audit.traffic",
-    "audit_value": "engine.audit.audit",
+    "appended_chars": "engine.audit.prompts.text_spans",
+    "apply_template": "engine.audit.rewrite.measure",
+    "audit_traffic": "engine.audit.measure.traffic",
+    "audit_value": "engine.audit.measure.turn",
     "available_offline": "engine.models",
     "bounded": "engine.cache.budget",
     "cancellable": "engine.cache.budget",
-    "bounded_sample": "engine.audit.sampling",
+    "bounded_sample": "engine.audit.scan.sampling",
     "bundled_images": "engine.compose.pictures",
     "bundled_logs": "engine.scenario",
     "bundled_scenarios": "engine.scenario",
     "bundled_skills": "engine.scenario",
     "calibrated_remedy": "engine.compose.calibration",
     "cancel_calibration": "engine.compose.calibration",
-    "candidate_menu": "engine.audit.spans",
-    "check_repairs": "engine.audit.audit",
-    "candidate_span": "engine.audit.spans",
-    "candidate_spans": "engine.audit.fields",
+    "candidate_menu": "engine.audit.prompts.text_spans",
+    "check_repairs": "engine.audit.measure.turn",
+    "candidate_span": "engine.audit.prompts.text_spans",
+    "candidate_spans": "engine.audit.changes.fields",
     "check_model": "engine.checks.support",
     "check_vision_model": "engine.cache.vision",
     "compare": "engine.compose.fidelity",
@@ -211,42 +211,42 @@ _PUBLIC = {
     "compose_scenario": "engine.compose.placing",
     "dtype_name": "engine.models",
     "expected_parameter_bytes": "engine.models",
-    "find_span": "engine.audit.spans",
-    "fit_observed": "engine.audit.observed",
+    "find_span": "engine.audit.prompts.text_spans",
+    "fit_observed": "engine.audit.simulate.observed",
     "first_field_values": "engine.compose.study",
-    "fleet_grid": "engine.audit.fleet",
+    "fleet_grid": "engine.audit.simulate.fleet",
     "fraction": "engine.progress",
     "is_offline_alias": "engine.models",
     "keystone": "engine.compose.keystone",
     "load_cache": "engine.cache.interop",
     "load_model": "engine.models",
     "load_tokenizer": "engine.models",
-    "measure_rewrite": "engine.audit.rewrite",
-    "measure_rewrite_on_endpoint": "engine.audit.endpoint_audit",
-    "notes_scenario": "engine.audit.notes",
-    "notes_choices": "engine.audit.notes",
-    "preferred_choice": "engine.audit.notes",
+    "measure_rewrite": "engine.audit.rewrite.measure",
+    "measure_rewrite_on_endpoint": "engine.audit.endpoint.model_pass",
+    "notes_scenario": "engine.audit.measure.notes",
+    "notes_choices": "engine.audit.measure.notes",
+    "preferred_choice": "engine.audit.measure.notes",
     "offline_aliases": "engine.models",
-    "parse_prompt": "engine.audit.requests",
-    "prefix_cache_stop": "engine.audit.spans",
+    "parse_prompt": "engine.audit.logs.requests",
+    "prefix_cache_stop": "engine.audit.prompts.text_spans",
     "probe_frontier": "engine.probes.frontier",
-    "read_log": "engine.audit.requests",
+    "read_log": "engine.audit.logs.requests",
     "read_scenario": "engine.edit.hybrid",
     "recipe_matches": "engine.reproduce:matches",
     "recipe_notebook": "engine.reproduce:notebook",
     "recipe_settings": "engine.reproduce",
-    "render_request": "engine.audit.requests",
-    "repaired_template": "engine.audit.audit",
+    "render_request": "engine.audit.logs.requests",
+    "repaired_template": "engine.audit.measure.turn",
     "resolve_device": "engine.models",
     "resolve_remedy": "engine.compose.calibration",
     "model_remedies": "engine.compose.calibration",
-    "rewrite_markdown": "engine.audit.gate",
+    "rewrite_markdown": "engine.audit.report.gate",
     "run_agent": "engine.compose.agent",
     "run_scenario": "engine.edit.runs",
     "run_selftest": "engine.cache.selftest",
     "run_study": "engine.compose.study",
     "save_cache": "engine.cache.interop",
-    "scenario_toml": "engine.audit.audit",
+    "scenario_toml": "engine.audit.measure.turn",
     "script_text": "engine.reproduce",
     "skill_prefixes": "engine.compose.study",
     "stored_choice": "engine.compose.calibration",
@@ -393,20 +393,20 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from engine.audit.audit import AuditReport, MeasureSettings, audit_value, check_repairs, repaired_template, scenario_toml
-    from engine.audit.caches import CacheSettings
-    from engine.audit.endpoint import EndpointClient, EndpointSettings
-    from engine.audit.endpoint_audit import measure_rewrite_on_endpoint
-    from engine.audit.fields import candidate_spans
-    from engine.audit.fleet import fleet_grid
-    from engine.audit.gate import rewrite_markdown
-    from engine.audit.notes import NotesChoice, NotesScenario, notes_choices, notes_scenario, preferred_choice
-    from engine.audit.repairs import GRAINS, REPAIR_SUMMARIES, REPAIRS
-    from engine.audit.requests import RenderedRequest, Request, RequestLogError, parse_prompt, read_log, render_request
-    from engine.audit.rewrite import apply_template, measure_rewrite
-    from engine.audit.sampling import bounded_sample
-    from engine.audit.spans import appended_chars, candidate_menu, candidate_span, find_span, prefix_cache_stop
-    from engine.audit.traffic import DEFAULT_SAMPLE, audit_traffic
+    from engine.audit.changes.fields import candidate_spans
+    from engine.audit.endpoint.client import EndpointClient, EndpointSettings
+    from engine.audit.endpoint.model_pass import measure_rewrite_on_endpoint
+    from engine.audit.logs.requests import RenderedRequest, Request, RequestLogError, parse_prompt, read_log, render_request
+    from engine.audit.measure.notes import NotesChoice, NotesScenario, notes_choices, notes_scenario, preferred_choice
+    from engine.audit.measure.repairs import GRAINS, REPAIR_SUMMARIES, REPAIRS
+    from engine.audit.measure.traffic import DEFAULT_SAMPLE, audit_traffic
+    from engine.audit.measure.turn import AuditReport, MeasureSettings, audit_value, check_repairs, repaired_template, scenario_toml
+    from engine.audit.prompts.text_spans import appended_chars, candidate_menu, candidate_span, find_span, prefix_cache_stop
+    from engine.audit.report.gate import rewrite_markdown
+    from engine.audit.rewrite.measure import apply_template, measure_rewrite
+    from engine.audit.scan.sampling import bounded_sample
+    from engine.audit.simulate.caches import CacheSettings
+    from engine.audit.simulate.fleet import fleet_grid
     from engine.cache.budget import Cancelled, CancelToken, ComputeGate, WorkBudget, bounded, cancellable, waits_reported
     from engine.cache.decision import DECISIVE_MARGIN
     from engine.cache.footprint import tensor_bytes

@@ -48,6 +48,8 @@ def test_the_import_contracts_hold():
         ("viz/common.py", "import gradio", "only the app imports gradio"),
         ("engine/probes/common.py", "import transformers", "transformers is imported by the cache and model layers"),
         ("app/tabs/composer.py", "from engine.compose.splice import X", "the app imports the engine's public API only"),
+        ("engine/audit/logs/requests.py", "import engine.audit.measure.turn", "the audit's stages in layers"),
+        ("engine/audit/simulate/caches.py", "import engine.audit.scan.token_pass", "the audit's stages in layers"),
     ],
 )
 def test_an_injected_upward_import_breaks_a_contract(tmp_path, module, upward, contract):

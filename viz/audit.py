@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
-from engine.audit.causes import CAUSES
-from engine.audit.hosted import TOKENS_NOTE
-from engine.audit.observed import OBSERVED_CAUSES
-from engine.audit.requests import Skipped
-from engine.audit.simulation import replies_sentence
+from engine.audit.changes.causes import CAUSES
+from engine.audit.logs.requests import Skipped
+from engine.audit.simulate.hosted import TOKENS_NOTE
+from engine.audit.simulate.observed import OBSERVED_CAUSES
+from engine.audit.simulate.step import replies_sentence
 from viz.common import GREY, LEGEND_BELOW, PALETTE, markdown_literal, safe_label, set_title
 
 KL_FLOOR = 1e-9  # KL drawn on a log axis: exact states (KL 0) sit on this floor

@@ -1,4 +1,4 @@
-"""A fleet's hit rate by router and replica count: what routing keeps of one server's cache (``engine.audit.fleet``).
+"""A fleet's hit rate by router and replica count: what routing keeps of one server's cache (``engine.audit.simulate.fleet``).
 
 Reads the audit's JSON: ``fleet`` (a list of ``{replicas, routing, reused_tokens, hit_rate}``) and ``engines`` (one
 server's totals, drawn as the ceiling a router can approach)."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 
-from engine.audit.notes import NotesChoice, NotesScenario
+from engine.audit.measure.notes import NotesChoice, NotesScenario
 from engine.cache.decision import DECISIVE_MARGIN, Decision
 from engine.cache.selftest import SelfTestReport
 from engine.checks.support import SupportRow

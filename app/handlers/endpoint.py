@@ -6,7 +6,7 @@ from __future__ import annotations
 import html
 
 from app.handlers.common import AppError, guarded, number
-from app.handlers.your_prompt import DEFAULTS, _audit_text
+from app.handlers.your_prompt import DEFAULTS, audit_text
 from app.state import ModelRegistry
 from engine import (
     CacheSettings,
@@ -38,8 +38,8 @@ def run_rewrite_on_server(
     registry.profile.check_measure_on_server()
     if not (url or "").strip():
         raise AppError("type the server's base URL, e.g. http://127.0.0.1:8000 (vLLM, SGLang, llama-server)")
-    log = read_log(_audit_text(text, "the original request log"))
-    given = _audit_text(rewritten, "the rewritten log (or a prompt template)")
+    log = read_log(audit_text(text, "the original request log"))
+    given = audit_text(rewritten, "the rewritten log (or a prompt template)")
     changed = apply_template(given, log) if template else read_log(given)
     tokens = number(tokens, "greedy tokens N", DEFAULTS.tokens)
     registry.profile.check_audit(len(log.requests), tokens)

@@ -154,7 +154,7 @@ def nothing_to_audit(text: str | None) -> str | None:
     return NOTHING_TO_AUDIT if not (text or "").strip() else None
 
 
-def _audit_text(text: str | None, what: str) -> str:
+def audit_text(text: str | None, what: str) -> str:
     if not (text or "").strip():
         raise AppError(f"paste {what} first, upload a file or pick a bundled demo log")
     return text
@@ -207,7 +207,7 @@ def run_audit(
         raise AppError(f"observed counts are compared with one of {', '.join(OBSERVED_ENGINES)}, got {observed_engine!r}")
     phases = AuditPhases(progress)
     phases.report("reading", "reading the log")
-    log = read_log(_audit_text(text, "a request log (one JSON request a line)"))
+    log = read_log(audit_text(text, "a request log (one JSON request a line)"))
     sample = number(sample, "--sample K", DEFAULT_SAMPLE)
     profile = registry.profile
     # at most this many turns are measured: every request, or the profile's bound that ``bounded_sample`` keeps to
@@ -237,7 +237,7 @@ def run_audit(
 
 
 def _rendered_prompt(registry: ModelRegistry, spec: str | None, text: str | None) -> tuple[Request, RenderedRequest]:
-    request = parse_prompt(_audit_text(text, "a prompt (plain text or messages JSON)"))
+    request = parse_prompt(audit_text(text, "a prompt (plain text or messages JSON)"))
     return request, render_request(registry.get(spec), request, registry.profile.max_context_tokens)
 
 
@@ -314,8 +314,8 @@ def run_rewrite(
 ) -> tuple[str, dict]:
     """A rewrite of the log (a linter's rewritten log, or a prompt template applied to the log's values) measured against
     it: each engine's reuse before and after, and each rewritten prompt's output against the original's clean prefill."""
-    log = read_log(_audit_text(text, "the original request log"))
-    given = _audit_text(rewritten, "the rewritten log (or a prompt template)")
+    log = read_log(audit_text(text, "the original request log"))
+    given = audit_text(rewritten, "the rewritten log (or a prompt template)")
     changed = apply_template(given, log) if template else read_log(given)
     tokens = number(tokens, "greedy tokens N", DEFAULTS.tokens)
     registry.profile.check_audit(len(log.requests), tokens)

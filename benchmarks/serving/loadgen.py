@@ -7,7 +7,7 @@ time to first token (TTFT) is the time from sending to the first streamed chunk 
 Only loopback URLs are accepted and proxies from the environment are ignored, so no load leaves the machine.
 
 The engine's own prefix-cache statistics come from its Prometheus ``/metrics`` text (vLLM, SGLang), read by
-``engine.audit.metrics`` (the audit reads a scrape the same way).
+``engine.audit.simulate.metrics`` (the audit reads a scrape the same way).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 
 from benchmarks.common import percentile
-from engine.audit.metrics import CacheCounters
+from engine.audit.simulate.metrics import CacheCounters
 
 _LOOPBACK_NAMES = frozenset({"localhost"})
 

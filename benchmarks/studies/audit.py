@@ -5,7 +5,7 @@
                                [--threshold 0.05] [--min-agreement 0.9] [--model embedded] [--dtype auto]
     python -m benchmarks.studies.audit --speed [--dtypes bfloat16,float32] [--tokens 8] [--reps 3] [--app-tokens 32]
 
-Each log in demos/logs is audited with ``engine.audit.audit_requests`` (every repair against a clean prefill of the new
+Each log in demos/logs is audited with ``engine.audit.measure.turn.audit_requests`` (every repair against a clean prefill of the new
 request; ``coarsen`` at ``--grain``, date-only by default: the fix hermes-agent shipped). Writes
 benchmarks/studies/results/audit-<log>-<model>-<device>.json: the dtype, the CPU's flags (/proc/cpuinfo: avx2, avx512_bf16, …),
 the repetitions and the load average before and after (TTFT is wall time on a machine other processes may share), and
@@ -40,10 +40,10 @@ from transformers import DynamicCache
 
 from benchmarks import common
 from benchmarks.common import cpu_info
-from engine.audit.audit import DEFAULT_MIN_AGREEMENT, DEFAULT_THRESHOLD, DEFAULT_TOKENS, AuditReport, audit_requests
-from engine.audit.repairs import GRAINS, REPAIRS
-from engine.audit.requests import parse_log, read_log
-from engine.audit.traffic import DEFAULT_SAMPLE, audit_traffic
+from engine.audit.logs.requests import parse_log, read_log
+from engine.audit.measure.repairs import GRAINS, REPAIRS
+from engine.audit.measure.traffic import DEFAULT_SAMPLE, audit_traffic
+from engine.audit.measure.turn import DEFAULT_MIN_AGREEMENT, DEFAULT_THRESHOLD, DEFAULT_TOKENS, AuditReport, audit_requests
 from engine.cache import adapter
 from engine.models import LoadedModel, load_model
 from engine.scenario import DEMOS
@@ -113,7 +113,7 @@ def summarise(turns: Sequence[dict], repairs: Sequence[str], threshold: float, m
         applied = [turn["repairs"][name] for turn in audited if turn["repairs"][name]["applicable"]]
         within = [
             r for r in applied if r["kl"] <= threshold and r["top1_agree"] and r["generation_agreement"] >= min_agreement
-        ]  # as engine.audit.audit.recommend judges
+        ]  # as engine.audit.measure.turn.recommend judges
         ratios = [r["ttft_ratio"] for r in applied if r["ttft_ratio"] is not None]
         per_repair[name] = {
             "turns_applicable": len(applied),

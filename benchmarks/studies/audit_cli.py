@@ -39,12 +39,12 @@ from pathlib import Path
 import torch
 
 from benchmarks import common
-from engine.audit.audit import DEFAULT_TOKENS
-from engine.audit.repair_requests import RepairNotApplicable
-from engine.audit.requests import RequestLog, RequestLogError, read_log
-from engine.audit.rewrite import apply_template
-from engine.audit.scan import scan_log
-from engine.audit.template import written_template
+from engine.audit.logs.requests import RequestLog, RequestLogError, read_log
+from engine.audit.measure.turn import DEFAULT_TOKENS
+from engine.audit.prompts.repair_requests import RepairNotApplicable
+from engine.audit.prompts.template import written_template
+from engine.audit.rewrite.measure import apply_template
+from engine.audit.scan.token_pass import scan_log
 from engine.models import gguf, load_tokenizer
 from engine.scenario import DEMOS
 

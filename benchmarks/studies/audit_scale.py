@@ -5,7 +5,7 @@ line in the system prompt) from 50 interleaved sessions, 1,000 and 10,000 reques
         [--out benchmarks/studies/results]
 
 Each size is written to a JSONL log and, unbounded and again under a KV budget (SGLang ``--budget-tokens``, vLLM as
-many tokens in blocks), its token pass (``engine.audit.scan.scan_log``: render, match, fields,
+many tokens in blocks), its token pass (``engine.audit.scan.token_pass.scan_log``: render, match, fields,
 causes and the three simulated engines; no model forward) runs in a fresh process, which reports its wall time and
 peak RSS. Where ``kvlint`` is installed its ``analyze`` runs on the same log with the same tokenizer, in its own
 process, timed the same way (optional: the reason is written when it is not run).
@@ -271,9 +271,9 @@ def _worker(log: str, tokenizer_dir: str, budget_tokens: int) -> None:
     of the line-cut tokenization on every ``EXACT_EVERY``-th request (untimed)."""
     from transformers import AutoTokenizer
 
-    from engine.audit.caches import CacheSettings
-    from engine.audit.requests import TextEncoder, read_log
-    from engine.audit.scan import scan_log
+    from engine.audit.logs.requests import TextEncoder, read_log
+    from engine.audit.scan.token_pass import scan_log
+    from engine.audit.simulate.caches import CacheSettings
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     text = Path(log).read_text(encoding="utf-8")
@@ -391,13 +391,13 @@ def _scale_worker(mode: str, log: str, tokenizer_dir: str, workers: int) -> None
     before the pass, and its totals (to check that both gave the same) as JSON on stdout."""
     from transformers import AutoTokenizer
 
-    from engine.audit.scan import scan_log
-    from engine.audit.shards import read_logs
+    from engine.audit.logs.shards import read_logs
+    from engine.audit.scan.token_pass import scan_log
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     started = 0.0
     if mode == "ray":
-        from engine.audit.distributed import ray_scan, start_ray
+        from engine.audit.distributed.token_pass import ray_scan, start_ray
 
         begin = time.perf_counter()
         start_ray("local", workers)
@@ -478,9 +478,9 @@ def stage2_memory(size: int, sessions: int, tokenizer_dir: Path, budget_tokens: 
 
     from transformers import AutoTokenizer
 
-    from engine.audit.caches import CacheSettings
-    from engine.audit.distributed import _Driver, _ShardTokenPass
-    from engine.audit.shards import plan_shards
+    from engine.audit.distributed.token_pass import _Driver, _ShardTokenPass
+    from engine.audit.logs.shards import plan_shards
+    from engine.audit.simulate.caches import CacheSettings
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     settings = CacheSettings(budget_tokens=budget_tokens, budget_blocks=budget_tokens // 16) if budget_tokens else CacheSettings()

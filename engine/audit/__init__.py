@@ -1,3 +1,14 @@
-"""Your prompt, your traffic: a request log or one prompt audited for mutable fields in cached prefixes, every
-repair measured against a clean prefill (``audit``), from requests parsed and rendered as a server sees them
-(``requests``), with the fields found by a token diff (``fields``) and the repairs built on the notebook (``repairs``)."""
+"""Your prompt, your traffic: a request log (or one prompt) audited for mutable fields in cached prefixes, in stages,
+each a subpackage (docs/architecture.md maps them; an import-linter contract keeps each stage above the ones it reads):
+
+- ``logs``: read a log, in any recorded format, as the requests a server received, with usage and replies;
+- ``changes``: what changed between two requests (the fields) and why a request misses;
+- ``simulate``: the prefix caches of serving engines, hosted providers and fleets, fed request by request;
+- ``scan``: the token pass over the whole log through the simulated caches, and the sample for the model;
+- ``prompts``: the request each prompt-level repair sends, templates and text spans (text only, no torch);
+- ``measure``: the model pass, each sampled turn measured with every repair against a clean prefill;
+- ``rewrite``: a rewritten log measured against the original;
+- ``endpoint``: the model pass on a served model instead of in torch;
+- ``report``: the CI gate and Markdown over the report;
+- ``distributed``: the token pass and the model pass on Ray.
+"""

@@ -5,20 +5,27 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from engine.audit.audit import DEFAULT_MIN_AGREEMENT, DEFAULT_THRESHOLD, DEFAULT_TOKENS, audit_value, repaired_template, scenario_toml
-from engine.audit.caches import CacheSettings
-from engine.audit.formats import AUTO as AUTO_FORMAT
-from engine.audit.formats import FORMATS
-from engine.audit.gate import QUANTITIES, gate, markdown, parse_conditions
-from engine.audit.metrics import observed_aggregate
-from engine.audit.observed import NO_OBSERVED_COUNTS, OBSERVED_ENGINES, fit_observed
-from engine.audit.repairs import GRAINS, PROMPT_REPAIRS, REPAIRS
-from engine.audit.requests import RequestLog, RequestLogError, parse_prompt, read_log
-from engine.audit.rewrite import apply_template, check_pairing, measure_rewrite
-from engine.audit.sources import SOURCES
-from engine.audit.spans import find_span
-from engine.audit.states import ComputedStates
-from engine.audit.traffic import DEFAULT_SAMPLE, audit_traffic
+from engine.audit.logs.formats import AUTO as AUTO_FORMAT
+from engine.audit.logs.formats import FORMATS
+from engine.audit.logs.requests import RequestLog, RequestLogError, parse_prompt, read_log
+from engine.audit.logs.sources import SOURCES
+from engine.audit.measure.kv_store import ComputedStates
+from engine.audit.measure.repairs import GRAINS, PROMPT_REPAIRS, REPAIRS
+from engine.audit.measure.traffic import DEFAULT_SAMPLE, audit_traffic
+from engine.audit.measure.turn import (
+    DEFAULT_MIN_AGREEMENT,
+    DEFAULT_THRESHOLD,
+    DEFAULT_TOKENS,
+    audit_value,
+    repaired_template,
+    scenario_toml,
+)
+from engine.audit.prompts.text_spans import find_span
+from engine.audit.report.gate import QUANTITIES, gate, markdown, parse_conditions
+from engine.audit.rewrite.measure import apply_template, check_pairing, measure_rewrite
+from engine.audit.simulate.caches import CacheSettings
+from engine.audit.simulate.metrics import observed_aggregate
+from engine.audit.simulate.observed import NO_OBSERVED_COUNTS, OBSERVED_ENGINES, fit_observed
 from engine.cli.common import Group, Handler, arg, load, log, names, progress, read_text
 from engine.cli.endpoint import ENDPOINT, measure_on_endpoint
 from engine.cli.scale import SCALE, fleet_of, one_text, read_request_log, token_pass, turn_pass

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from engine.audit.requests import RequestLogError
+from engine.audit.logs.requests import RequestLogError
 from engine.models import LoadedModel, load_model
 from engine.progress import StepProgress
 from engine.scenario import ScenarioError

@@ -1,5 +1,5 @@
 """``audit --endpoint URL``: the audit's model pass (sampled groups, ``--rewritten``, ``--template``) measured on an
-OpenAI-compatible endpoint (:mod:`engine.audit.endpoint_audit`); the local ``--model`` gives only the tokenizer's
+OpenAI-compatible endpoint (:mod:`engine.audit.endpoint.model_pass`); the local ``--model`` gives only the tokenizer's
 token pass. The API key comes from the environment (``KVSCOPE_ENDPOINT_KEY``), never from a flag."""
 
 from __future__ import annotations
@@ -7,9 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from engine.audit.audit import check_repairs
-from engine.audit.caches import CacheSettings
-from engine.audit.endpoint import (
+from engine.audit.endpoint.client import (
     DEFAULT_CONCURRENCY,
     DEFAULT_TIMEOUT_S,
     DEFAULT_TOP_K,
@@ -18,10 +16,12 @@ from engine.audit.endpoint import (
     EndpointClient,
     EndpointSettings,
 )
-from engine.audit.endpoint_audit import audit_on_endpoint, endpoint_result, measure_rewrite_on_endpoint
-from engine.audit.requests import RequestLog, _context_limit
-from engine.audit.scan import sample_groups
-from engine.audit.traffic import audit_traffic
+from engine.audit.endpoint.model_pass import audit_on_endpoint, endpoint_result, measure_rewrite_on_endpoint
+from engine.audit.logs.requests import RequestLog, context_limit
+from engine.audit.measure.traffic import audit_traffic
+from engine.audit.measure.turn import check_repairs
+from engine.audit.scan.token_pass import sample_groups
+from engine.audit.simulate.caches import CacheSettings
 from engine.cli.common import Group, arg, progress
 from engine.cli.scale import fleet_of, token_pass
 from engine.models import LoadedModel
@@ -56,7 +56,7 @@ def measure_on_endpoint(
     """The token pass with the local tokenizer (on Ray with --ray, with the fleets of --replicas), then the sampled turns
     and the rewrite (with one) measured on the endpoint."""
     client = endpoint_client(args)
-    text = {"tokenizer": lm.tokenizer, "limit": _context_limit(lm), "model": lm.name}
+    text = {"tokenizer": lm.tokenizer, "limit": context_limit(lm), "model": lm.name}
     traffic = audit_traffic(
         lm,
         log,

@@ -8,7 +8,7 @@ import json
 import logging
 import sys
 
-from engine.audit.gate import exit_code
+from engine.audit.report.gate import exit_code
 from engine.cli import audit, checks, compare, compose, edit
 from engine.cli.common import Group, Handler, log
 from engine.errors import KVScopeError

@@ -9,12 +9,12 @@ import functools
 from collections.abc import Callable
 from pathlib import Path
 
-from engine.audit.caches import CacheSettings
-from engine.audit.fleet import ROUTINGS, fleet_grid
-from engine.audit.requests import RequestLog, RequestLogError, read_log
-from engine.audit.scan import TrafficScan
-from engine.audit.shards import read_logs
-from engine.audit.traffic import MeasureTurns
+from engine.audit.logs.requests import RequestLog, RequestLogError, read_log
+from engine.audit.logs.shards import read_logs
+from engine.audit.measure.traffic import MeasureTurns
+from engine.audit.scan.token_pass import TrafficScan
+from engine.audit.simulate.caches import CacheSettings
+from engine.audit.simulate.fleet import ROUTINGS, fleet_grid
 from engine.cache.loaded import LoadedModel
 from engine.cli.common import Group, arg, progress, read_text
 
@@ -66,7 +66,7 @@ def fleet_of(args: argparse.Namespace) -> list[tuple[int, str]]:
 
 def _start_ray(args: argparse.Namespace) -> None:
     try:
-        from engine.audit.distributed import start_ray
+        from engine.audit.distributed.token_pass import start_ray
     except ImportError:
         raise RequestLogError('--ray needs Ray: pip install -e ".[scale]"') from None
     start_ray(args.ray, args.workers)
@@ -77,7 +77,7 @@ def token_pass(args: argparse.Namespace, lm: LoadedModel, settings: CacheSetting
     if not args.ray:
         return None
     _start_ray(args)
-    from engine.audit.distributed import ray_scan
+    from engine.audit.distributed.token_pass import ray_scan
 
     fleet = fleet_of(args)
 
@@ -105,6 +105,6 @@ def turn_pass(args: argparse.Namespace, lm: LoadedModel) -> MeasureTurns | None:
     if not args.ray or args.sample <= 0:
         return None
     _start_ray(args)
-    from engine.audit.ray_turns import ModelSpec, ray_measure_turns
+    from engine.audit.distributed.turns import ModelSpec, ray_measure_turns
 
     return functools.partial(ray_measure_turns, ModelSpec.of(args.model, lm), args.workers)

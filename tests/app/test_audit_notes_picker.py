@@ -18,7 +18,7 @@ from app.handlers.your_prompt import (
     nothing_to_audit,
     run_audit,
 )
-from engine.audit.notes import NotesChoice
+from engine.audit.measure.notes import NotesChoice
 from engine.cache.decision import RECOVERY_MIN_GAP
 
 # the RAG log's changes, written out by hand from demos/logs/rag.jsonl: (request, field, old, new), the latest of each name

@@ -34,10 +34,10 @@ from app.handlers.your_prompt import (
 from app.hosting import local_profile, public_profile
 from app.state import ExportFolder, ModelRegistry, SessionStore
 from app.tabs.your_prompt import with_coarsen
-from engine.audit.audit import repaired_template
-from engine.audit.causes import CAUSES
-from engine.audit.fields import diff_requests
-from engine.audit.requests import RequestLogError, parse_log, read_log, render_request
+from engine.audit.changes.causes import CAUSES
+from engine.audit.changes.fields import diff_requests
+from engine.audit.logs.requests import RequestLogError, parse_log, read_log, render_request
+from engine.audit.measure.turn import repaired_template
 from engine.scenario import Scenario, bundled_logs
 from tests.app.conftest import TINY
 from viz.common import markdown_literal

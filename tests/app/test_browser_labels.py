@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from engine.audit.repairs import REPAIR_SUMMARIES
+from engine.audit.measure.repairs import REPAIR_SUMMARIES
 from engine.cache.decision import RECOVERY_WORDS
 from engine.edit.strategies import REGISTRY
 from tests.app.browser_waits import wait_for_app

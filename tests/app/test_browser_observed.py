@@ -4,14 +4,14 @@ formats read named, and the observed hit rate in words. Screenshots go to test-a
 
 import pytest
 
-from engine.audit.requests import read_log
-from engine.audit.scan import scan_log
+from engine.audit.logs.requests import read_log
+from engine.audit.scan.token_pass import scan_log
 from engine.models import load_model
 from tests.app.browser_waits import wait_for_app
 from tests.app.conftest import TINY
 from tests.app.test_browser import ARTIFACTS, CHROMIUM, TOAST, _plot_data, browser  # noqa: F401 (the module's browser fixture)
 from tests.app.test_browser_labels import wide_page  # noqa: F401 (a page at 1,000 and 1,400 px)
-from tests.engine.audit.test_observed import gateway_log
+from tests.engine.audit.simulate.test_observed import gateway_log
 
 pytestmark = pytest.mark.skipif(not CHROMIUM, reason="Debian chromium is not installed (scripts/test.sh installs it)")
 COUNTS = [0, 0, 16, 0, None, 16, 0, 32]  # two sessions, interleaved; request 5 reports no count

@@ -2,9 +2,9 @@
 
 import pytest
 
-from engine.audit.notes import notes_scenario
-from engine.audit.requests import read_log
-from engine.audit.traffic import audit_traffic
+from engine.audit.logs.requests import read_log
+from engine.audit.measure.notes import notes_scenario
+from engine.audit.measure.traffic import audit_traffic
 from engine.cache.selftest import run_selftest
 from engine.compose.keystone import keystone
 from engine.compose.remedy import DEFAULT_REMEDY

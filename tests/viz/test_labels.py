@@ -3,7 +3,7 @@ titles fit a 1,000 px window and tell the figures apart."""
 
 import plotly.graph_objects as go
 
-from engine.audit.repairs import REPAIR_SUMMARIES, REPAIRS
+from engine.audit.measure.repairs import REPAIR_SUMMARIES, REPAIRS
 from engine.cache.decision import RECOVERY_WORDS
 from engine.compose.choice import RemedyChoice, RemedyPoint
 from engine.compose.remedy import RANKED_SELECTIONS, RANKING_WORDS, REMEDY_GRAMMAR

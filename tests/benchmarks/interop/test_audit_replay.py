@@ -9,11 +9,11 @@ import pytest
 
 from benchmarks.interop import audit_replay
 from benchmarks.serving.serving_servers import SERVER_BINARY
-from engine.audit.audit import repaired_template
-from engine.audit.caches import CacheSettings
-from engine.audit.requests import read_log
-from engine.audit.rewrite import apply_template, measure_rewrite
-from engine.audit.traffic import audit_traffic
+from engine.audit.logs.requests import read_log
+from engine.audit.measure.traffic import audit_traffic
+from engine.audit.measure.turn import repaired_template
+from engine.audit.rewrite.measure import apply_template, measure_rewrite
+from engine.audit.simulate.caches import CacheSettings
 from engine.models.tiny import tiny_model
 from viz.audit import KL_FLOOR
 from viz.benchmarks import audit_replay_figure

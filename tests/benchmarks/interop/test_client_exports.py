@@ -10,11 +10,11 @@ import json
 import pytest
 
 from benchmarks.interop.client_exports import CLIENTS, EXPORTS, SESSIONS
-from engine.audit.caches import CacheSettings
-from engine.audit.replies import finish_of
-from engine.audit.requests import read_log
-from engine.audit.scan import scan_log
-from engine.audit.shards import read_logs
+from engine.audit.logs.replies import finish_of
+from engine.audit.logs.requests import read_log
+from engine.audit.logs.shards import read_logs
+from engine.audit.scan.token_pass import scan_log
+from engine.audit.simulate.caches import CacheSettings
 from engine.models.loading import load_tokenizer
 
 # The session key each export carries: none in the older conventions (the instrumentation writes no conversation id),

@@ -6,9 +6,9 @@ import json
 import re
 
 from benchmarks.studies.audit_scale import as_langfuse_traces, as_otlp, synthetic_log
-from engine.audit.requests import read_log, render_batch
+from engine.audit.logs.requests import read_log, render_batch
 from engine.models.tiny import tiny_tokenizer
-from tests.engine.audit.test_traffic import QWEN_TEMPLATE
+from tests.engine.audit.measure.test_traffic import QWEN_TEMPLATE
 
 
 def test_the_log_interleaves_sessions_and_its_clock_never_repeats():

@@ -5,7 +5,7 @@ import json
 
 from benchmarks.studies.observed_fit import main
 from engine.models.tiny import tiny_tokenizer
-from tests.engine.audit.test_traffic import QWEN_TEMPLATE
+from tests.engine.audit.measure.test_traffic import QWEN_TEMPLATE
 
 
 def test_the_benchmark_recovers_its_servers_setting_and_writes_its_times(tmp_path):

@@ -16,8 +16,8 @@ import re
 import pytest
 from transformers import AutoTokenizer
 
-from engine.audit.requests import read_log
-from engine.audit.scan import TrafficScan, sample_groups, scan_log
+from engine.audit.logs.requests import read_log
+from engine.audit.scan.token_pass import TrafficScan, sample_groups, scan_log
 from engine.models import load_model
 from engine.models.gguf import EMBEDDED_SHA256
 from engine.models.store import cache_dir

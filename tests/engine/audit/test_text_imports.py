@@ -1,28 +1,32 @@
-"""The audit's text-only modules read requests with the tokenizer alone: importing them loads neither torch nor
-transformers (a token pass, a template, an endpoint's audit start in about a second, not the model stack's eight)."""
+"""The audit's stages that read text only (docs/architecture.md) read requests with the tokenizer alone: importing any
+of their modules loads neither torch nor transformers (a token pass, a template, an endpoint's audit start in about a
+second, not the model stack's eight); the model's half of the repairs keeps the text half's names."""
 
+import pkgutil
 import subprocess
 import sys
 
-TEXT_MODULES = (
-    "engine.audit.repair_requests",
-    "engine.audit.template",
-    "engine.audit.spans",
-    "engine.audit.rewrite",
-    "engine.audit.endpoint",
-    "engine.audit.endpoint_audit",
-    "engine.audit.scan",
-)
+import engine.audit
+
+TEXT_STAGES = ("logs", "changes", "simulate", "scan", "prompts", "rewrite", "endpoint", "report")
 
 
-def test_the_text_only_audit_modules_import_no_torch():
-    code = f"import sys, {', '.join(TEXT_MODULES)}; print(sorted({{'torch', 'transformers'}} & set(sys.modules)))"
+def _modules(stage: str) -> list[str]:
+    package = __import__(f"engine.audit.{stage}", fromlist=["__path__"])
+    return [module.name for module in pkgutil.walk_packages(package.__path__, f"engine.audit.{stage}.")]
+
+
+def test_every_text_stage_module_imports_no_torch():
+    modules = [module for stage in TEXT_STAGES for module in _modules(stage)]
+    assert len(modules) > 25 and all(module.split(".")[2] in engine.audit.__doc__ for module in modules)
+    code = f"import sys, {', '.join(modules)}; print(sorted({{'torch', 'transformers'}} & set(sys.modules)))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
 
 
 def test_the_model_half_keeps_the_text_half_s_names():
-    from engine.audit import repair_requests, repairs
+    from engine.audit.measure import repairs
+    from engine.audit.prompts import repair_requests
 
     for name in ("GRAINS", "REPAIRS", "PROMPT_REPAIRS", "REPAIR_LEVELS", "Level", "OutputFidelity", "coarse", "repaired_request"):
         assert getattr(repairs, name) is getattr(repair_requests, name)

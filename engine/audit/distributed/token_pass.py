@@ -1,0 +1,483 @@
+"""The token pass on Ray: the per-request work on many processes or machines, the cache simulation in one ordered pass.
+
+The result is the single-process ``scan.scan_log``'s, request for request (the same rows, causes, diffs, groups
+and engines' reuse); only where the work runs differs:
+
+- **Stage 1, on Ray Data** (``map_batches`` over the log's shards, ``shards.plan_shards``, with an actor pool of
+  ``workers`` actors, each holding the tokenizer). A first pass counts each shard's requests (read and unwrap only),
+  and returns their timestamps, the records skipped, the flags and the sessions Langfuse traces name (``LogCount``):
+  so every request gets its number in the whole log, in time order where every request has a timestamp (as one
+  process orders it, ``requests.time_ordered``), and each observation its trace's session from any shard. The second
+  reads, unwraps, renders and tokenizes each request, hashes its blocks (``caches.block_hashes``) and computes its
+  row against its match among the shard's earlier requests (a radix tree of the shard alone; cold without one;
+  ``scan.compared_row``: the diff and the causes, which need the texts). A shard's records come back pickled, as bytes.
+- **Stage 2, on the driver**, in time order, over compact records: per request its token ids (int32, for the radix
+  tree and the slots), its block hashes (int64), its row and what its record reports (``Reported``, and for a hosted
+  model what its provider's cache reads). The radix tree matches the request; when the match is the shard's own guess
+  (nearly every request, none included), the row computed on the worker is the row; otherwise the pair is left for
+  stage 2b. The engines, the hosted providers' caches (and any ``fleet``) are fed here; the observed
+  counts are compared at the end (``scan.observed_rows``, as in one process). The driver keeps each request's row,
+  its diff (the changed values only) and where it is in the log, never a text. Files in time order stream through;
+  a log whose files are not (an export written in another order) is held whole, then sorted.
+- **Stage 2b, on the driver**: the pairs whose match was another request or none (a match in an earlier shard, or one the
+  budget evicted; a few percent of a log with shards of thousands of lines): both requests re-read by file
+  and line, rendered, and diffed by the same ``compared_row``. (On the driver, not as Ray tasks: a task process's
+  start, importing the tokenizer's library, costs more than these few pairs on a small cluster.)
+- **Stage 3, the model pass** (``traffic.audit_traffic``) on the few sampled turns: the requests it reads (the sampled
+  turns, their matches, the cold requests) are re-read and rendered on the driver, and the turns measured by Ray actors
+  that each hold the model (``ray_turns``), or on a serving endpoint (``endpoint_audit``) where one is given.
+
+Faults: a shard that cannot be read (a truncated gzip, an unreadable file) is skipped from the line it failed at,
+named by file and line, and the other shards go on; a worker that dies is restarted by Ray and its shard retried
+(``RETRIES``: the actors' ``max_restarts`` and ``max_task_retries``). A log is streamed: each worker reads its
+shard's lines, and the driver holds one shard's records at a time (all of them, for a log out of time order). An
+OpenTelemetry export is one shard (``shards.LINKED``: its spans' messages and sessions lie on other lines).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.audit.changes.fields import TurnDiff
+from engine.audit.logs.formats import AUTO
+from engine.audit.logs.requests import (
+    ORDERS,
+    Flagged,
+    RenderedRequest,
+    Request,
+    RequestLogError,
+    Skipped,
+    end_of_turn_ids,
+    join_traces,
+    record_requests,
+    render_batch,
+)
+from engine.audit.logs.shards import SHARD_LINES, Shard, ShardCount, count_shards, log_files, plan_shards, read_shard, shard_lines
+from engine.audit.scan.token_pass import TrafficRequest, TrafficScan, compared_row, observed_rows, sample_groups, settling_heap
+from engine.audit.simulate.caches import CacheSettings, RadixCache, block_hashes
+from engine.audit.simulate.hosted import HostedRequest, hosted_request
+from engine.audit.simulate.observed import Reported
+from engine.audit.simulate.step import Simulation, Step, StepResult
+from engine.progress import StepProgress
+
+RETRIES = 3  # restarts of a lost actor, retries of a lost task
+LOCAL = "local"
+
+
+def start_ray(address: str = LOCAL, workers: int = 2) -> None:
+    """Join the Ray cluster at ``address``, or start a local one of ``workers`` CPUs (no dashboard, no usage
+    statistics, its workers at the driver's priority, every server of it listening on 127.0.0.1 only)."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    import ray
+
+    if ray.is_initialized():
+        return
+    if workers < 1:
+        raise RequestLogError(f"--workers must be at least 1, got {workers}")
+    quiet = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
+    if address == LOCAL:
+        # Ray starts its workers at nice 15 (for an interactive driver's sake); here they are the job's work, and on a
+        # loaded machine a niced pool barely runs
+        os.environ.setdefault("RAY_worker_niceness", "0")
+        _init_on_loopback(num_cpus=workers, **quiet)
+    else:
+        ray.init(address=address, **quiet)
+
+
+def _init_on_loopback(**options: Any) -> None:
+    """``ray.init`` of a local cluster whose node address is 127.0.0.1, so that each of its servers binds there.
+
+    In Ray 2.60 a server binds to loopback only when the node's address is loopback (the GCS, the raylet's node and
+    object managers, every worker's and the driver's gRPC server, the runtime-env agent; with ray[default], the
+    dashboard agent, its metrics exporter and the monitor's and dashboard's metrics ports too), and to all interfaces
+    otherwise. ``ray.init`` replaces a loopback
+    ``_node_ip_address`` with the machine's routable address unless ``ray_constants.ENABLE_RAY_CLUSTER`` is off
+    (``services.resolve_ip_for_localhost``): Ray's own setting on macOS and Windows, read from
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` when ray is first imported. It is turned off for this call only."""
+    import ray
+    from ray._private import ray_constants
+
+    cluster = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(**options)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = cluster
+
+
+@dataclass(frozen=True)
+class TokenRecord:
+    """What stage 2 holds of one request: integers, the two rows computed for it on a worker, and what its record
+    reports (the observed count, when and to which model it was sent, what a hosted provider's cache reads)."""
+
+    index: int
+    session: str | None
+    where: tuple[int, int, int]  # shard number, line, position among its record's requests
+    ids: np.ndarray  # (tokens,) int32
+    hashes: np.ndarray  # (blocks,) int64, chained
+    guess: int | None  # its match among the shard's earlier requests (a radix tree of the shard; None: none there)
+    row: TrafficRequest  # its row against that match (cold without one)
+    diff: TurnDiff | None
+    reported: Reported
+    hosted: HostedRequest | None = None
+    reply: np.ndarray | None = None  # (tokens,) int32: the logged reply's tokens the server computed (None: no reply logged)
+
+    def step(self) -> Step:
+        """The record as the simulated caches take it (``hashes``: of its tokens and its reply's)."""
+        logged = self.reply is not None
+        reply = self.reply if logged else np.zeros(0, dtype=np.int32)
+        return Step(self.ids, reply, self.index, self.session, logged, self.hosted, self.hashes)
+
+
+@dataclass(frozen=True)
+class ShardTokens:
+    """Stage 1's output for one shard: its records in order, the requests it could not render, or why it failed."""
+
+    number: int
+    records: list[TokenRecord]
+    skipped: list[Skipped]
+
+
+class _ShardTokenPass:
+    """Stage 1's actor: holds the tokenizer; per shard, its requests read, numbered in the log's order, rendered,
+    hashed and diffed. ``sessions``: the Langfuse traces' sessions named anywhere in the log."""
+
+    def __init__(self, tokenizer: Any, fmt: str, limit: int, model: str, block: int, sessions: dict[str, str]):
+        self.tokenizer, self.fmt, self.limit, self.model, self.block = tokenizer, fmt, limit, model, block
+        self.sessions = sessions
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out = []
+        for number, text, first, indexes in zip(batch["number"], batch["shard"], batch["first_index"], batch["indexes"]):
+            part = self.tokens(int(number), Shard(**json.loads(text)), int(first), json.loads(indexes))
+            # bytes, pickled here for the driver of this job (as Ray pickles any result): a column of Python objects
+            # would be converted per object to Arrow's extension type, a third of a shard's time more
+            out.append(pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL))
+        return {"tokens": np.array(out, dtype=object)}
+
+    def tokens(self, number: int, shard: Shard, first_index: int, indexes: list[int] | None) -> ShardTokens:
+        """The shard's records; ``indexes``: each request's number in the log's time order (None: the files' order)."""
+        requests = join_traces(read_shard(shard, self.fmt, first_index).requests, self.sessions)
+        place = _places(requests)  # by the files' numbering, which ``where`` re-reads by
+        if indexes is not None:
+            requests = [dataclasses.replace(request, index=index) for request, index in zip(requests, indexes, strict=True)]
+        rendered = render_batch(self.tokenizer, requests, self.limit, self.model)
+        records, skipped, local, kept = [], [], RadixCache(), {}  # the shard's own radix tree, its rendered requests
+        for request, item, at in zip(requests, rendered, place):
+            if isinstance(item, RequestLogError):
+                skipped.append(Skipped(request.line, "rendering", str(item)))
+                continue
+            _, guess = local.match(item.token_ids, request.session)
+            local.insert(item.token_ids, request.index, request.session, len(kept) + 1, item.held)
+            row, diff = compared_row(kept.get(guess), item, guess, self.block)
+            records.append(
+                TokenRecord(
+                    request.index,
+                    request.session,
+                    (number, *at),
+                    item.token_ids,
+                    block_hashes(item.held, self.block),
+                    guess,
+                    row,
+                    diff,
+                    Reported.of(request),
+                    hosted_request(item, [token for _, token in row.breakpoints]),
+                    item.reply_ids if request.reply is not None else None,
+                )
+            )
+            kept[request.index] = item
+        return ShardTokens(number, records, skipped)
+
+
+def _places(requests: Sequence[Request]) -> list[tuple[int, int]]:
+    """Per request: its line and its position among the requests its record holds."""
+    places, seen = [], {}
+    for request in requests:
+        position = seen.get(request.line, 0)
+        seen[request.line] = position + 1
+        places.append((request.line, position))
+    return places
+
+
+@dataclass(frozen=True)
+class Rereader:
+    """Requests re-read from their shards by place (request -> shard, line, position among its record's requests)
+    without parsing other lines, and rendered as stage 1 rendered them."""
+
+    tokenizer: Any
+    shards: Sequence[Shard]
+    fmt: str
+    limit: int
+    model: str
+    sessions: dict[str, str]  # the Langfuse traces' sessions
+
+    def requests(self, where: dict[int, tuple[int, int, int]]) -> dict[int, Request]:
+        wanted: dict[int, dict[int, list[tuple[int, int]]]] = {}  # shard -> line -> [(request, position)]
+        for index, (number, line, position) in where.items():
+            wanted.setdefault(number, {}).setdefault(line, []).append((index, position))
+        found: dict[int, Request] = {}
+        for number, lines in wanted.items():
+            shard = self.shards[number]
+            if shard.whole or shard.linked:  # records that complete each other: the shard read again, joined
+                by_line: dict[int, list[Request]] = {}
+                for request in read_shard(shard, self.fmt).requests:
+                    by_line.setdefault(request.line, []).append(request)
+                for line, items in lines.items():
+                    found |= {index: dataclasses.replace(by_line[line][position], index=index) for index, position in items}
+                continue
+            last = max(lines)
+            for line, raw in shard_lines(shard):
+                if line in lines:
+                    for index, position in lines[line]:
+                        found[index] = record_requests(json.loads(raw), self.fmt, index - position, line).requests[position]
+                if line == last:
+                    break
+        return dict(zip(found, join_traces(list(found.values()), self.sessions)))
+
+    def rendered(self, where: dict[int, tuple[int, int, int]]) -> dict[int, RenderedRequest]:
+        requests = self.requests(where)
+        order = sorted(requests)
+        rendered = zip(order, render_batch(self.tokenizer, [requests[i] for i in order], self.limit, self.model))
+        return {i: item for i, item in rendered if isinstance(item, RenderedRequest)}
+
+    def compared(
+        self, where: dict[int, tuple[int, int, int]], pairs: list[tuple[int, int | None]], block: int
+    ) -> list[tuple[int, TrafficRequest, TurnDiff | None]]:
+        """Stage 2b: each (request, its match; None: cold) re-read, rendered and compared, as ``scan_log`` compares them."""
+        rendered = self.rendered({i: where[i] for pair in pairs for i in pair if i is not None})
+        return [(new, *compared_row(rendered.get(old), rendered[new], old, block)) for new, old in pairs]
+
+
+@dataclass(frozen=True)
+class LogCount:
+    """Stage 1's first step over the whole log: each shard's first request number, the records skipped, the formats,
+    the Langfuse traces' sessions, the order the report uses (``requests.ORDERS``) and what kept requests' records
+    flag, numbered in that order."""
+
+    first: list[int]
+    total: int
+    skipped: list[Skipped]
+    formats: dict[str, int]
+    sessions: dict[str, str]
+    order: str
+    indexes: np.ndarray | None  # each request's number in time order, by its number in the files' order (None: the same)
+    untimed: int
+    flagged: list[Flagged]
+
+    @classmethod
+    def of(cls, counts: Sequence[ShardCount]) -> LogCount:
+        counts = sorted(counts, key=lambda count: count.number)
+        first, total, formats, sessions, flagged = [], 0, {}, {}, []
+        for count in counts:
+            first.append(total + 1)
+            flagged += [dataclasses.replace(item, request=item.request + total) for item in count.flagged]
+            total += count.requests
+            sessions |= count.sessions
+            for name, n in count.formats.items():
+                formats[name] = formats.get(name, 0) + n
+        times = np.concatenate([count.timestamps for count in counts]) if counts else np.zeros(0)
+        untimed = int(np.isnan(times).sum())
+        order = "timestamps" if total and not untimed else "log"
+        indexes = None
+        if order == "timestamps" and bool((np.diff(times) < 0).any()):  # sorted as ``requests.time_ordered`` sorts
+            indexes = np.empty(total, dtype=np.int64)
+            indexes[np.argsort(times, kind="stable")] = np.arange(1, total + 1)
+            flagged = sorted((dataclasses.replace(item, request=int(indexes[item.request - 1])) for item in flagged), key=_by_request)
+        skipped = [item for count in counts for item in count.skipped]
+        return cls(first, total, skipped, formats, sessions, order, indexes, untimed, flagged)
+
+    def shard_indexes(self, number: int, requests: int) -> str:
+        """The JSON of shard ``number``'s requests' numbers in time order (``null``: the files' order is the order)."""
+        if self.indexes is None:
+            return "null"
+        start = self.first[number] - 1
+        return json.dumps(self.indexes[start : start + requests].tolist())
+
+
+def _by_request(item: Flagged) -> int:
+    return item.request
+
+
+def ray_scan(
+    tokenizer: Any,
+    paths: Sequence[str | Path],
+    settings: CacheSettings = CacheSettings(),
+    *,
+    fmt: str = AUTO,
+    limit: int = 32_768,
+    model: str = "this model",
+    workers: int = 2,
+    sample: int = 0,
+    fleet: Sequence[tuple[int, str]] = (),
+    observed_engine: str = "vllm",
+    shard_lines_: int = SHARD_LINES,
+    progress: StepProgress = None,
+) -> TrafficScan:
+    """``scan_log`` of the log in ``paths`` (files, directories of shards, gzip'd JSONL) on the Ray cluster already
+    started (``start_ray``), with ``workers`` tokenizer actors; the requests the model pass reads for ``sample`` turns
+    per group (and the cold ones) are rendered on the driver afterwards."""
+    import ray
+    import ray.data
+
+    shards = plan_shards(log_files(paths), shard_lines_)
+    context = ray.data.DataContext.get_current()
+    context.execution_options.preserve_order = True
+    context.enable_progress_bars = False
+    items = [{"number": n, "shard": json.dumps(dataclasses.asdict(shard))} for n, shard in enumerate(shards)]
+    counted = ray.data.from_items(items).map_batches(count_shards, batch_size=1, fn_kwargs={"fmt": fmt})
+    counts = [row["count"] for row in counted.iter_rows()]
+    count = LogCount.of(counts)
+    if count.total == 0 and not count.skipped:
+        raise RequestLogError("the log is empty: paste one JSON request per line, or a JSON array of requests")
+    requests = {shard.number: shard.requests for shard in counts}
+    for item in items:
+        item |= {"first_index": count.first[item["number"]], "indexes": count.shard_indexes(item["number"], requests[item["number"]])}
+    dataset = ray.data.from_items(items).map_batches(
+        _ShardTokenPass,
+        batch_size=1,
+        fn_constructor_kwargs={
+            "tokenizer": tokenizer,
+            "fmt": fmt,
+            "limit": limit,
+            "model": model,
+            "block": settings.block,
+            "sessions": count.sessions,
+        },
+        compute=ray.data.ActorPoolStrategy(size=workers),
+        num_cpus=1,
+        max_restarts=RETRIES,
+        max_task_retries=RETRIES,
+    )
+    driver = _Driver(settings, fleet, end_of_turn_ids(tokenizer), reorder=count.indexes is not None)
+    rendering: list[Skipped] = []
+    received = 0
+    with settling_heap() as settle:
+        for row in dataset.iter_rows():
+            part: ShardTokens = pickle.loads(row["tokens"])  # what this job's own workers pickled (``_ShardTokenPass``)
+            rendering += part.skipped
+            driver.feed(part.records)
+            settle()
+            received += len(part.records)
+            if progress:
+                progress(received, count.total)
+        driver.finish()
+    reread = Rereader(tokenizer, shards, fmt, limit, model, count.sessions)
+    pending = driver.pending()
+    if pending:
+        driver.fill(reread.compared(driver.where, pending, settings.block))
+    scan = driver.scan(count.skipped + rendering, count, observed_engine, model)
+    rendered = reread.rendered({i: driver.where[i] for i in _needed(scan, sample)})
+    return dataclasses.replace(scan, rendered=rendered)
+
+
+class _Driver:
+    """Stage 2: the radix match, the engines, the hosted providers' caches and the fleets, in time order, over compact
+    records (``reorder``: the files are not in time order, so every record is held until the last, then sorted)."""
+
+    def __init__(self, settings: CacheSettings, fleet: Sequence[tuple[int, str]], end_ids: frozenset[int], reorder: bool = False):
+        self.settings = settings
+        self.simulation = Simulation(settings, fleet, end_ids)
+        self.rows: list[TrafficRequest] = []
+        self.diffs: dict[int, TurnDiff] = {}
+        self.where: dict[int, tuple[int, int, int]] = {}
+        self.unmatched: dict[int, tuple[int | None, int, StepResult]] = {}  # request -> (its match, its row's place, its step)
+        self.reported: list[Reported] = []
+        self.served: list[dict[str, int]] = []  # per request, its hosted provider's reuse
+        self.held: list[TokenRecord] | None = [] if reorder else None
+
+    def feed(self, records: Iterator[TokenRecord] | list[TokenRecord]) -> None:
+        """The records of the next shard: simulated now, or held until ``finish`` where the log is reordered."""
+        if self.held is not None:
+            self.held += records
+            return
+        for record in records:
+            self._simulate(record)
+
+    def finish(self) -> None:
+        """The held records simulated in time order (nothing to do where the files were in time order)."""
+        if self.held:
+            for record in sorted(self.held, key=lambda record: record.index):
+                self._simulate(record)
+        self.held = None
+        self.simulation.finish()
+
+    def _simulate(self, record: TokenRecord) -> None:
+        result = self.simulation.step(record.step())
+        self.served.append(result.hosted)
+        self.reported.append(record.reported)
+        self.where[record.index] = record.where
+        if result.matched != record.guess:  # its match lies in an earlier shard, or a budget evicted the shard's guess
+            self.unmatched[record.index] = (result.matched, len(self.rows), result)
+            self.rows.append(record.row)  # a placeholder until stage 2b
+            return
+        self._keep(len(self.rows), record.row, record.diff, result, append=True)
+
+    def _keep(self, at: int, row: TrafficRequest, diff: TurnDiff | None, result: StepResult, append: bool = False) -> None:
+        row = dataclasses.replace(row, reused_tokens=result.reused, prompts_only_reused_tokens=result.prompts_only)
+        if append:
+            self.rows.append(row)
+        else:
+            self.rows[at] = row
+        if diff is not None:
+            self.diffs[row.request] = diff
+
+    def pending(self) -> list[tuple[int, int | None]]:
+        """(request, its match) pairs stage 2b compares."""
+        return [(index, matched) for index, (matched, _, _) in self.unmatched.items()]
+
+    def fill(self, results: list[tuple[int, TrafficRequest, TurnDiff | None]]) -> None:
+        for index, row, diff in results:
+            _, at, result = self.unmatched[index]
+            self._keep(at, row, diff, result)
+
+    def scan(self, skipped: list[Skipped], count: LogCount, observed_engine: str, model: str) -> TrafficScan:
+        """The token pass's result, the log's reports read against the simulation (``scan.observed_rows``)."""
+        rows = observed_rows(self.rows, self.reported, self.served, observed_engine, self.settings.block, model)
+        results = tuple(simulated.result() for simulated in self.simulation.fleets)
+        diffs = dict(sorted(self.diffs.items()))
+        reading = {
+            "order": count.order,
+            "order_reason": ORDERS[count.order],
+            "untimed_requests": count.untimed,
+            "flagged": [item.as_dict() for item in count.flagged],
+            "session_keys": session_keys(self.reported),
+        }
+        simulation = self.simulation
+        return TrafficScan(
+            tuple(rows),
+            tuple(skipped),
+            count.formats,
+            self.settings,
+            {},
+            diffs,
+            observed_engine,
+            reading,
+            fleet=results,
+            replies=dict(simulation.replies),
+            reply_from=dict(simulation.reply_from),
+        )
+
+
+def session_keys(reported: Sequence[Reported]) -> dict[str, int]:
+    """Requests per record key their session was read from, in the order first met (as ``RequestLog.reading``)."""
+    keys: dict[str, int] = {}
+    for item in sorted(reported, key=lambda item: item.index):
+        if item.session_key:
+            keys[item.session_key] = keys.get(item.session_key, 0) + 1
+    return keys
+
+
+def _needed(scan: TrafficScan, sample: int) -> set[int]:
+    """The requests the model pass and its report read: the sampled turns and their matches, and the cold requests."""
+    matched = {row.request: row.matched_request for row in scan.requests}
+    chosen = {index for group in sample_groups(scan, sample) for index in group.measured}
+    return chosen | {matched[i] for i in chosen} | {row.request for row in scan.requests if row.matched_request is None}

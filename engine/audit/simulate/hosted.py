@@ -1,0 +1,181 @@
+"""Hosted APIs' prompt caching simulated as two more engines, for logs whose requests name an OpenAI or Anthropic model.
+
+- ``openai``: automatic on every prompt; a prompt of at least 1,024 tokens reuses the longest prefix an earlier
+  prompt shares with it, counted in 128-token steps above 1,024 (1,024 + k·128, rounded down).
+- ``anthropic``: explicit ``cache_control`` breakpoints. Each breakpoint writes the prefix up to it (when it holds at
+  least the model's minimum cacheable length); a later request reads at a breakpoint the longest written prefix that
+  ends there or at one of the 20 block boundaries before it (the lookback), if it was used within the time-to-live (5
+  minutes, refreshed by each hit or write, from the requests' timestamps; without timestamps nothing expires). A
+  message is one block here (its content blocks were joined when it was read); a breakpoint on the tools counts at the
+  first message after the system messages (the loaded model's template renders the tools in its system turn).
+
+The tokens are the loaded model's, not the provider's: compare the providers' hit rates (shares), never their tokens.
+OpenAI's idle expiry (5 to 10 minutes, up to an hour off-peak) is not simulated.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.audit.logs.requests import RenderedRequest
+from engine.audit.simulate.caches import RadixCache
+
+PROVIDERS = {
+    "openai": "OpenAI automatic prompt caching: prompts of at least 1,024 tokens, the cached prefix in 128-token steps",
+    "anthropic": "Anthropic cache_control breakpoints: a minimum length per model, a 20-block lookback, a 5-minute time-to-live",
+}
+TOKENS_NOTE = "the loaded model's tokens, not the provider's: compare hit rates (shares), not tokens"
+OPENAI_MINIMUM = 1024
+OPENAI_STEP = 128
+ANTHROPIC_TTL_SECONDS = 300.0
+ANTHROPIC_LOOKBACK = 20  # block boundaries checked before a breakpoint
+# The minimum cacheable prompt per model (Anthropic's prompt-caching docs, 2026): the first pattern found wins.
+ANTHROPIC_MINIMUM = (
+    ("opus-4-6", 4096),
+    ("opus-4-5", 4096),
+    ("haiku-4-5", 4096),
+    ("haiku", 2048),  # Claude Haiku 3 and 3.5
+)
+ANTHROPIC_DEFAULT_MINIMUM = 1024  # Sonnet and Opus
+_OPENAI_MODEL = re.compile(r"^(?:openai/)?(?:gpt-|o1|o3|o4|chatgpt-)", re.IGNORECASE)
+_ANTHROPIC_MODEL = re.compile(r"^(?:anthropic/)?claude-", re.IGNORECASE)
+
+
+def provider_of(model: str | None) -> str | None:
+    """The hosted API a model name belongs to (``openai`` for gpt-*, o1/o3/o4, chatgpt-*; ``anthropic`` for claude-*),
+    None for any other name."""
+    if not model:
+        return None
+    if _OPENAI_MODEL.match(model):
+        return "openai"
+    if _ANTHROPIC_MODEL.match(model):
+        return "anthropic"
+    return None
+
+
+def anthropic_minimum(model: str) -> int:
+    """The shortest prefix the Anthropic model caches, in tokens."""
+    name = model.lower()
+    return next((tokens for pattern, tokens in ANTHROPIC_MINIMUM if pattern in name), ANTHROPIC_DEFAULT_MINIMUM)
+
+
+class OpenAICache:
+    """OpenAI's automatic caching: the longest prefix held (a token radix tree, never evicted), rounded down to
+    1,024 + k·128 tokens; nothing below 1,024."""
+
+    def __init__(self):
+        self.tree = RadixCache()
+        self._time = 0
+
+    def insert(self, ids: np.ndarray, request: int) -> int:
+        """The tokens ``ids`` reads from the cache (the prefix held before its last token, in steps); then it is held."""
+        self._time += 1
+        return openai_steps(self.tree.insert(ids, request, None, self._time))
+
+
+def openai_steps(shared: int) -> int:
+    """A shared prefix as OpenAI counts it cached: 0 under 1,024 tokens, else 1,024 + k·128 rounded down."""
+    if shared < OPENAI_MINIMUM:
+        return 0
+    return OPENAI_MINIMUM + (shared - OPENAI_MINIMUM) // OPENAI_STEP * OPENAI_STEP
+
+
+class AnthropicCache:
+    """Anthropic's ``cache_control`` caching: prefixes written at breakpoints, read at a breakpoint or up to
+    ``lookback`` block boundaries before it, alive for ``ttl`` seconds since their last use."""
+
+    def __init__(self, ttl: float = ANTHROPIC_TTL_SECONDS, lookback: int = ANTHROPIC_LOOKBACK):
+        self.ttl = ttl
+        self.lookback = lookback
+        self.entries: dict[tuple[int, bytes], float | None] = {}  # (length, prefix bytes) -> last use (None: no clock)
+
+    def insert(self, ids: np.ndarray, breakpoints: Sequence[int], boundaries: Sequence[int], minimum: int, timestamp: float | None) -> int:
+        """The tokens a request reads (the longest live prefix found from any breakpoint); then each breakpoint's prefix
+        of at least ``minimum`` tokens is written (or refreshed). ``boundaries``: token positions where blocks end."""
+        data = np.ascontiguousarray(ids, dtype=np.int32)
+        marks = sorted({int(p) for p in breakpoints if 0 < p <= len(data)})
+        ends = sorted({*(int(b) for b in boundaries if 0 < b <= len(data)), *marks})
+        read = 0
+        for mark in marks:
+            at = ends.index(mark)
+            for end in reversed(ends[max(at - self.lookback, 0) : at + 1]):
+                if end <= read:
+                    break
+                key = (end, data[:end].tobytes())
+                if end >= minimum and self._alive(key, timestamp):
+                    self.entries[key] = timestamp
+                    read = end
+                    break
+        for mark in marks:
+            if mark >= minimum:
+                self.entries[(mark, data[:mark].tobytes())] = timestamp
+        return read
+
+    def _alive(self, key: tuple[int, bytes], now: float | None) -> bool:
+        if key not in self.entries:
+            return False
+        last = self.entries[key]
+        return now is None or last is None or now - last <= self.ttl
+
+
+def block_ends(rendered: RenderedRequest) -> list[int]:
+    """The token after each message's content: the block boundaries the Anthropic lookback checks."""
+    return [rendered.tokens_in(end - 1, end).stop for start, end in rendered.content_spans if end > start]
+
+
+def tools_end(rendered: RenderedRequest) -> int:
+    """Where a breakpoint on the tools counts: the first token of the first message's content after the system messages
+    (the loaded model's template renders the tools in its system turn), or the end of the prompt."""
+    messages = rendered.request.messages or ()
+    for number, message in enumerate(messages):
+        if message.role not in ("system", "developer"):
+            start = rendered.content_spans[number][0]
+            return rendered.tokens_in(start, start).start
+    return len(rendered)
+
+
+@dataclass(frozen=True)
+class HostedRequest:
+    """What a hosted provider's simulated cache reads of one request besides its token ids: its provider and index,
+    and for Anthropic its breakpoint tokens, its block boundaries, the model's minimum and when it was sent."""
+
+    provider: str
+    index: int
+    breakpoints: tuple[int, ...] = ()
+    boundaries: tuple[int, ...] = ()
+    minimum: int = 0
+    timestamp: float | None = None
+
+
+def hosted_request(rendered: RenderedRequest, breakpoints: Sequence[int | None]) -> HostedRequest | None:
+    """``rendered`` as its provider's cache reads it (None: its model is not a hosted one); ``breakpoints``: its
+    breakpoint tokens (None: after the tools)."""
+    request = rendered.request
+    provider = provider_of(request.model)
+    if provider == "openai":
+        return HostedRequest(provider, request.index)
+    if provider == "anthropic":
+        tokens = tuple(tools_end(rendered) if mark is None else mark for mark in breakpoints)
+        minimum = anthropic_minimum(request.model)
+        return HostedRequest(provider, request.index, tokens, tuple(block_ends(rendered)), minimum, request.timestamp)
+    return None
+
+
+class HostedCaches:
+    """The providers' simulated caches, fed in time order; each sees its own provider's requests only."""
+
+    def __init__(self):
+        self.openai, self.anthropic = OpenAICache(), AnthropicCache()
+
+    def insert(self, ids: np.ndarray, hosted: HostedRequest | None) -> dict[str, int]:
+        """The tokens the request's provider serves from its cache, keyed by provider (empty: not a hosted model)."""
+        if hosted is None:
+            return {}
+        if hosted.provider == "openai":
+            return {"openai": self.openai.insert(ids, hosted.index)}
+        read = self.anthropic.insert(ids, hosted.breakpoints, hosted.boundaries, hosted.minimum, hosted.timestamp)
+        return {"anthropic": read}
