@@ -162,7 +162,7 @@ _PUBLIC = {
     "Remedy": "engine.compose.remedy",
     "RemedyChoice": "engine.compose.choice",
     "ModelRemedies": "engine.compose.calibration",
-    "RenderedRequest": "engine.audit.logs.requests",
+    "RenderedRequest": "engine.audit.logs.render",
     "Request": "engine.audit.logs.requests",
     "RequestLogError": "engine.audit.logs.requests",
     "RomeSettings": "engine.edit.rome",
@@ -227,15 +227,15 @@ _PUBLIC = {
     "notes_choices": "engine.audit.measure.notes",
     "preferred_choice": "engine.audit.measure.notes",
     "offline_aliases": "engine.models",
-    "parse_prompt": "engine.audit.logs.requests",
+    "parse_prompt": "engine.audit.logs.reading",
     "prefix_cache_stop": "engine.audit.prompts.text_spans",
     "probe_frontier": "engine.probes.frontier",
-    "read_log": "engine.audit.logs.requests",
+    "read_log": "engine.audit.logs.reading",
     "read_scenario": "engine.edit.hybrid",
     "recipe_matches": "engine.reproduce:matches",
     "recipe_notebook": "engine.reproduce:notebook",
     "recipe_settings": "engine.reproduce",
-    "render_request": "engine.audit.logs.requests",
+    "render_request": "engine.audit.logs.render",
     "repaired_template": "engine.audit.measure.turn",
     "resolve_device": "engine.models",
     "resolve_remedy": "engine.compose.calibration",
@@ -396,7 +396,9 @@ if TYPE_CHECKING:
     from engine.audit.changes.fields import candidate_spans
     from engine.audit.endpoint.client import EndpointClient, EndpointSettings
     from engine.audit.endpoint.model_pass import measure_rewrite_on_endpoint
-    from engine.audit.logs.requests import RenderedRequest, Request, RequestLogError, parse_prompt, read_log, render_request
+    from engine.audit.logs.reading import parse_prompt, read_log
+    from engine.audit.logs.render import RenderedRequest, render_request
+    from engine.audit.logs.requests import Request, RequestLogError
     from engine.audit.measure.notes import NotesChoice, NotesScenario, notes_choices, notes_scenario, preferred_choice
     from engine.audit.measure.repairs import GRAINS, REPAIR_SUMMARIES, REPAIRS
     from engine.audit.measure.traffic import DEFAULT_SAMPLE, audit_traffic

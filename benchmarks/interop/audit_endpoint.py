@@ -41,7 +41,9 @@ from benchmarks.common import cpu_info
 from benchmarks.serving.serving_servers import SERVER_BINARY, LlamaServer, resolve_gguf
 from engine.audit.endpoint.client import COMPLETIONS, EndpointClient, EndpointSettings, Probe
 from engine.audit.endpoint.model_pass import EndpointAudit, audit_on_endpoint
-from engine.audit.logs.requests import RequestLog, context_limit, read_log
+from engine.audit.logs.reading import read_log
+from engine.audit.logs.render import context_limit
+from engine.audit.logs.requests import RequestLog
 from engine.audit.measure.repairs import GRAINS, PROMPT_REPAIRS, Level
 from engine.audit.measure.traffic import TrafficReport, audit_traffic
 from engine.audit.simulate.caches import CacheSettings

@@ -53,7 +53,8 @@ import httpx
 from benchmarks import common
 from benchmarks.common import cpu_info
 from benchmarks.serving.serving_servers import SERVER_BINARY, LlamaServer, resolve_gguf
-from engine.audit.logs.requests import RequestLog, RequestLogError, read_log
+from engine.audit.logs.reading import read_log
+from engine.audit.logs.requests import RequestLog, RequestLogError
 from engine.audit.measure.repairs import GRAINS, PROMPT_REPAIRS
 from engine.audit.measure.traffic import audit_traffic
 from engine.audit.measure.turn import DEFAULT_TOKENS, repaired_template

@@ -41,7 +41,7 @@ import httpx
 
 from benchmarks.common import cpu_info
 from benchmarks.serving.serving_servers import SERVER_BINARY, LlamaServer, VllmServer, embedded_gguf
-from engine.audit.logs.requests import read_log
+from engine.audit.logs.reading import read_log
 from engine.audit.scan.token_pass import scan_log
 from engine.audit.simulate.caches import CacheSettings
 

@@ -39,7 +39,8 @@ from pathlib import Path
 import torch
 
 from benchmarks import common
-from engine.audit.logs.requests import RequestLog, RequestLogError, read_log
+from engine.audit.logs.reading import read_log
+from engine.audit.logs.requests import RequestLog, RequestLogError
 from engine.audit.measure.turn import DEFAULT_TOKENS
 from engine.audit.prompts.repair_requests import RepairNotApplicable
 from engine.audit.prompts.template import written_template

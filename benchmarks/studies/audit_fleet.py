@@ -16,7 +16,7 @@ from pathlib import Path
 
 from benchmarks import common
 from benchmarks.studies.audit_scale import _embedded_tokenizer_dir, synthetic_log
-from engine.audit.logs.requests import read_log
+from engine.audit.logs.reading import read_log
 from engine.audit.scan.token_pass import scan_log
 from engine.audit.simulate.fleet import fleet_grid
 from viz.fleet import fleet_markdown

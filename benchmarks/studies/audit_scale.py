@@ -271,7 +271,8 @@ def _worker(log: str, tokenizer_dir: str, budget_tokens: int) -> None:
     of the line-cut tokenization on every ``EXACT_EVERY``-th request (untimed)."""
     from transformers import AutoTokenizer
 
-    from engine.audit.logs.requests import TextEncoder, read_log
+    from engine.audit.logs.reading import read_log
+    from engine.audit.logs.render import TextEncoder
     from engine.audit.scan.token_pass import scan_log
     from engine.audit.simulate.caches import CacheSettings
 

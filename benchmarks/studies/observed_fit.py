@@ -25,7 +25,7 @@ from pathlib import Path
 from benchmarks import common
 from benchmarks.common import cpu_info
 from benchmarks.studies.audit_scale import _embedded_tokenizer_dir, synthetic_log
-from engine.audit.logs.requests import read_log
+from engine.audit.logs.reading import read_log
 from engine.audit.scan.token_pass import scan_log
 from engine.audit.simulate.caches import BlockCache, RadixCache
 from engine.audit.simulate.observed import FIT_BLOCKS, fit_observed

@@ -7,7 +7,8 @@ from pathlib import Path
 
 from engine.audit.logs.formats import AUTO as AUTO_FORMAT
 from engine.audit.logs.formats import FORMATS
-from engine.audit.logs.requests import RequestLog, RequestLogError, parse_prompt, read_log
+from engine.audit.logs.reading import parse_prompt, read_log
+from engine.audit.logs.requests import RequestLog, RequestLogError
 from engine.audit.logs.sources import SOURCES
 from engine.audit.measure.kv_store import ComputedStates
 from engine.audit.measure.repairs import GRAINS, PROMPT_REPAIRS, REPAIRS

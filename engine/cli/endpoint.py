@@ -17,7 +17,8 @@ from engine.audit.endpoint.client import (
     EndpointSettings,
 )
 from engine.audit.endpoint.model_pass import audit_on_endpoint, endpoint_result, measure_rewrite_on_endpoint
-from engine.audit.logs.requests import RequestLog, context_limit
+from engine.audit.logs.render import context_limit
+from engine.audit.logs.requests import RequestLog
 from engine.audit.measure.traffic import audit_traffic
 from engine.audit.measure.turn import check_repairs
 from engine.audit.scan.token_pass import sample_groups

@@ -9,7 +9,8 @@ import functools
 from collections.abc import Callable
 from pathlib import Path
 
-from engine.audit.logs.requests import RequestLog, RequestLogError, read_log
+from engine.audit.logs.reading import read_log
+from engine.audit.logs.requests import RequestLog, RequestLogError
 from engine.audit.logs.shards import read_logs
 from engine.audit.measure.traffic import MeasureTurns
 from engine.audit.scan.token_pass import TrafficScan

@@ -36,7 +36,9 @@ from app.state import ExportFolder, ModelRegistry, SessionStore
 from app.tabs.your_prompt import with_coarsen
 from engine.audit.changes.causes import CAUSES
 from engine.audit.changes.fields import diff_requests
-from engine.audit.logs.requests import RequestLogError, parse_log, read_log, render_request
+from engine.audit.logs.reading import parse_log, read_log
+from engine.audit.logs.render import render_request
+from engine.audit.logs.requests import RequestLogError
 from engine.audit.measure.turn import repaired_template
 from engine.scenario import Scenario, bundled_logs
 from tests.app.conftest import TINY

@@ -4,7 +4,7 @@ formats read named, and the observed hit rate in words. Screenshots go to test-a
 
 import pytest
 
-from engine.audit.logs.requests import read_log
+from engine.audit.logs.reading import read_log
 from engine.audit.scan.token_pass import scan_log
 from engine.models import load_model
 from tests.app.browser_waits import wait_for_app

@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.audit.logs.requests import read_log
+from engine.audit.logs.reading import read_log
 from engine.audit.measure.notes import notes_scenario
 from engine.audit.measure.traffic import audit_traffic
 from engine.cache.selftest import run_selftest

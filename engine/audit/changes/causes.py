@@ -13,7 +13,8 @@ import re
 from dataclasses import dataclass
 
 from engine.audit.changes.fields import BLOCK_TOKENS, FieldChange, TurnDiff, common_prefix, value_kind
-from engine.audit.logs.requests import RenderedRequest, Request
+from engine.audit.logs.render import RenderedRequest
+from engine.audit.logs.requests import Request
 
 CAUSES = {
     "new_prefix": "no earlier request shares a prefix with this one: a cold prefill",

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.audit.logs.requests import RenderedRequest, RequestLogError
+from engine.audit.logs.render import RenderedRequest
+from engine.audit.logs.requests import RequestLogError
 
 BLOCK_TOKENS = 16  # vLLM's default KV block size
 ANCHOR_TOKENS = 8  # equal tokens that resynchronise the diff after a change

@@ -49,18 +49,9 @@ import numpy as np
 
 from engine.audit.changes.fields import TurnDiff
 from engine.audit.logs.formats import AUTO
-from engine.audit.logs.requests import (
-    ORDERS,
-    Flagged,
-    RenderedRequest,
-    Request,
-    RequestLogError,
-    Skipped,
-    end_of_turn_ids,
-    join_traces,
-    record_requests,
-    render_batch,
-)
+from engine.audit.logs.reading import join_traces, record_requests
+from engine.audit.logs.render import RenderedRequest, end_of_turn_ids, render_batch
+from engine.audit.logs.requests import ORDERS, Flagged, Request, RequestLogError, Skipped
 from engine.audit.logs.shards import SHARD_LINES, Shard, ShardCount, count_shards, log_files, plan_shards, read_shard, shard_lines
 from engine.audit.scan.token_pass import TrafficRequest, TrafficScan, compared_row, observed_rows, sample_groups, settling_heap
 from engine.audit.simulate.caches import CacheSettings, RadixCache, block_hashes

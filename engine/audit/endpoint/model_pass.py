@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.audit.endpoint.client import CHAT, COMPLETIONS, Answer, EndpointClient, EndpointFidelity, Probe, Server, compare
-from engine.audit.logs.requests import RenderedRequest, Request, RequestLog, RequestLogError, render_batch, template_messages
+from engine.audit.logs.render import RenderedRequest, render_batch, template_messages
+from engine.audit.logs.requests import Request, RequestLog, RequestLogError
 from engine.audit.prompts.repair_requests import LEVEL_WORDS, REPAIR_LEVELS, Level, RepairNotApplicable, prompt_repair_request
 from engine.audit.rewrite.measure import RewriteReport, RewrittenRequest, check_pairing, check_rendered
 from engine.audit.scan.token_pass import TrafficGroup, TrafficScan, scan_log

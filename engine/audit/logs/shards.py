@@ -23,7 +23,8 @@ from typing import IO, Any
 import numpy as np
 
 from engine.audit.logs.formats import AUTO, RecordError
-from engine.audit.logs.requests import Flagged, Request, RequestLog, RequestLogError, Skipped, finished_log, log_records, record_requests
+from engine.audit.logs.reading import finished_log, log_records, record_requests
+from engine.audit.logs.requests import Flagged, Request, RequestLog, RequestLogError, Skipped
 from engine.audit.logs.sources import joined_records
 
 LOG_SUFFIXES = (".jsonl", ".json", ".gz")

@@ -38,7 +38,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.audit.changes.fields import TurnDiff, common_prefix
-from engine.audit.logs.requests import RenderedRequest, Request, render_request
+from engine.audit.logs.render import RenderedRequest, render_request
+from engine.audit.logs.requests import Request
 from engine.audit.measure.kv_store import ComputedStates, Reference
 from engine.audit.prompts.repair_requests import (  # the text half, kept importable from here
     GRAINS,

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.audit.changes.fields import TurnDiff
-from engine.audit.logs.requests import RenderedRequest, RequestLog, RequestLogError
+from engine.audit.logs.render import RenderedRequest
+from engine.audit.logs.requests import RequestLog, RequestLogError
 from engine.audit.measure.kv_store import ComputedStates
 from engine.audit.measure.meter import ModelPassMeter
 from engine.audit.measure.repairs import REPAIRS, Turn

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.audit.changes.fields import Candidate, FieldChange, TurnDiff, candidate_spans, diff_requests
-from engine.audit.logs.requests import RenderedRequest, Request, RequestLogError, render_request
+from engine.audit.logs.render import RenderedRequest, render_request
+from engine.audit.logs.requests import Request, RequestLogError
 from engine.audit.measure.kv_store import ComputedStates
 from engine.audit.measure.repairs import (
     LEVEL_WORDS,

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from engine.audit.changes.fields import DATETIME, FieldChange, TurnDiff, common_prefix
-from engine.audit.logs.requests import RenderedRequest, Request
+from engine.audit.logs.render import RenderedRequest
+from engine.audit.logs.requests import Request
 from engine.edit.erratum import DEFAULT_ERRATUM, erratum_text
 from engine.errors import KVScopeError
 

@@ -27,7 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.audit.changes.fields import FieldChange
-from engine.audit.logs.requests import RenderedRequest, Request, RequestLogError
+from engine.audit.logs.render import RenderedRequest
+from engine.audit.logs.requests import Request, RequestLogError
 from engine.audit.prompts.repair_requests import GRAINS, RepairNotApplicable, coarse, repaired_request, with_lines_appended
 
 PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)(?::([A-Za-z]+))?\}")  # {name} or {name:grain}

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from engine.audit.changes.fields import Candidate, TurnDiff
-from engine.audit.logs.requests import RenderedRequest, Request, RequestLogError
+from engine.audit.logs.render import RenderedRequest
+from engine.audit.logs.requests import Request, RequestLogError
 from engine.audit.prompts.repair_requests import content_chars
 
 LABEL_CHARS = 40  # a candidate's text in its menu label, cut with an ellipsis beyond this

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from engine.audit.logs.requests import RequestLog, context_limit
+from engine.audit.logs.render import context_limit
+from engine.audit.logs.requests import RequestLog
 from engine.audit.scan.token_pass import sample_groups, scan_log
 from engine.audit.simulate.caches import CacheSettings
 from engine.progress import StepProgress

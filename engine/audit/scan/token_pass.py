@@ -22,7 +22,8 @@ import numpy as np
 
 from engine.audit.changes.causes import Cause, another_prompt, causes_of
 from engine.audit.changes.fields import TurnDiff, common_prefix, compare_requests
-from engine.audit.logs.requests import RenderedRequest, RequestLog, RequestLogError, Skipped, end_of_turn_ids, render_batch
+from engine.audit.logs.render import RenderedRequest, end_of_turn_ids, render_batch
+from engine.audit.logs.requests import RequestLog, RequestLogError, Skipped
 from engine.audit.simulate.caches import ENGINES, CacheSettings
 from engine.audit.simulate.fleet import FleetResult
 from engine.audit.simulate.hosted import hosted_request

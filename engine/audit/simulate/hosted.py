@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.audit.logs.requests import RenderedRequest
+from engine.audit.logs.render import RenderedRequest
 from engine.audit.simulate.caches import RadixCache
 
 PROVIDERS = {

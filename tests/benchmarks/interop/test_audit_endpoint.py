@@ -14,7 +14,7 @@ import pytest
 from benchmarks.interop.audit_endpoint import compare_log
 from benchmarks.serving.serving_servers import SERVER_BINARY, LlamaServer, embedded_gguf
 from engine.audit.endpoint.client import EndpointClient, EndpointSettings
-from engine.audit.logs.requests import read_log
+from engine.audit.logs.reading import read_log
 from engine.models import load_model
 
 needs_llama_server = pytest.mark.skipif(

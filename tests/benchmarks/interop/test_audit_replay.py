@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks.interop import audit_replay
 from benchmarks.serving.serving_servers import SERVER_BINARY
-from engine.audit.logs.requests import read_log
+from engine.audit.logs.reading import read_log
 from engine.audit.measure.traffic import audit_traffic
 from engine.audit.measure.turn import repaired_template
 from engine.audit.rewrite.measure import apply_template, measure_rewrite

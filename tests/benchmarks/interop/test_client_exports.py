@@ -10,8 +10,8 @@ import json
 import pytest
 
 from benchmarks.interop.client_exports import CLIENTS, EXPORTS, SESSIONS
+from engine.audit.logs.reading import read_log
 from engine.audit.logs.replies import finish_of
-from engine.audit.logs.requests import read_log
 from engine.audit.logs.shards import read_logs
 from engine.audit.scan.token_pass import scan_log
 from engine.audit.simulate.caches import CacheSettings

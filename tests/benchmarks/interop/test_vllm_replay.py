@@ -21,7 +21,7 @@ from benchmarks.interop.chat_replay import compared, replay_sessions, without_to
 from benchmarks.serving import serving
 from benchmarks.serving.serving_servers import VllmServer
 from benchmarks.serving.serving_workload import Variant, build_workload, load_scenario
-from engine.audit.logs.requests import read_log
+from engine.audit.logs.reading import read_log
 from engine.audit.scan.token_pass import scan_log
 from engine.audit.simulate.caches import CacheSettings
 from engine.audit.simulate.metrics import observed_aggregate

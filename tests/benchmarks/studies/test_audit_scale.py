@@ -6,7 +6,8 @@ import json
 import re
 
 from benchmarks.studies.audit_scale import as_langfuse_traces, as_otlp, synthetic_log
-from engine.audit.logs.requests import read_log, render_batch
+from engine.audit.logs.reading import read_log
+from engine.audit.logs.render import render_batch
 from engine.models.tiny import tiny_tokenizer
 from tests.engine.audit.measure.test_traffic import QWEN_TEMPLATE
 

@@ -16,7 +16,7 @@ import re
 import pytest
 from transformers import AutoTokenizer
 
-from engine.audit.logs.requests import read_log
+from engine.audit.logs.reading import read_log
 from engine.audit.scan.token_pass import TrafficScan, sample_groups, scan_log
 from engine.models import load_model
 from engine.models.gguf import EMBEDDED_SHA256

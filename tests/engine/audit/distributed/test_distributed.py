@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from benchmarks.studies.audit_scale import synthetic_log
-from engine.audit.logs.requests import read_log
+from engine.audit.logs.reading import read_log
 from engine.audit.logs.shards import read_logs
 from engine.audit.measure.repairs import REPAIRS
 from engine.audit.measure.traffic import TrafficReport, audit_traffic, turn_work

@@ -28,7 +28,7 @@ from engine.audit.endpoint.client import (
     retry_after,
 )
 from engine.audit.endpoint.model_pass import measure_rewrite_on_endpoint
-from engine.audit.logs.requests import read_log
+from engine.audit.logs.reading import read_log
 from engine.audit.rewrite.measure import measure_rewrite
 from engine.audit.simulate.caches import CacheSettings
 from engine.cache.decision import kl_divergence

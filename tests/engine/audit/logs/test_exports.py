@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.audit.logs.requests import read_log
+from engine.audit.logs.reading import read_log
 from engine.audit.logs.shards import plan_shards, read_logs
 from engine.audit.logs.sources import SOURCES
 from engine.audit.logs.sources.otel import NOT_CAPTURED

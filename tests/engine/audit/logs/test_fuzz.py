@@ -10,7 +10,7 @@ import random
 import pytest
 
 from engine.audit.logs.formats import AUTO, FORMATS
-from engine.audit.logs.requests import read_log
+from engine.audit.logs.reading import read_log
 from engine.audit.logs.sources import SOURCES
 from engine.audit.scan.token_pass import scan_log
 from engine.models.tiny import tiny_tokenizer

@@ -8,8 +8,9 @@ import random
 import numpy as np
 import pytest
 
+from engine.audit.logs.reading import read_log
+from engine.audit.logs.render import end_of_turn_ids
 from engine.audit.logs.replies import Reply, computed_tokens, finish_of, reply_of
-from engine.audit.logs.requests import end_of_turn_ids, read_log
 from engine.audit.scan.token_pass import scan_log
 from engine.audit.simulate.caches import BlockCache, CacheSettings, RadixCache, ServerSlots, SlotCache
 from engine.audit.simulate.step import Simulation, Step, resent_reply_end

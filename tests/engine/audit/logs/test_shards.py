@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.audit.logs.requests import RequestLogError, read_log
+from engine.audit.logs.reading import read_log
+from engine.audit.logs.requests import RequestLogError
 from engine.audit.logs.shards import log_files, plan_shards, read_logs, read_shard
 
 BUNDLED = sorted(Path("demos/logs").glob("*.jsonl")) + [Path("demos/logs/traffic/interleaved_agents.jsonl")]

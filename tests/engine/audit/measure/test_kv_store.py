@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from engine.audit.logs.requests import parse_log
+from engine.audit.logs.reading import parse_log
 from engine.audit.measure.kv_store import ComputedStates, Reference
 from engine.audit.measure.repairs import fidelity
 from engine.audit.measure.turn import audit_requests

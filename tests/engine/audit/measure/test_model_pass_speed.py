@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from engine.audit.logs.requests import read_log
+from engine.audit.logs.reading import read_log
 from engine.audit.measure import meter as meter_module
 from engine.audit.measure.kv_store import ComputedStates, forward_chunks
 from engine.audit.measure.meter import RESOLUTION, ModelPassMeter

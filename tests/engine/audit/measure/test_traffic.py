@@ -10,7 +10,8 @@ import random
 import numpy as np
 import pytest
 
-from engine.audit.logs.requests import parse_log, read_log, render_batch
+from engine.audit.logs.reading import parse_log, read_log
+from engine.audit.logs.render import render_batch
 from engine.audit.measure.traffic import audit_traffic
 from engine.audit.measure.turn import audit_requests
 from engine.audit.scan.token_pass import scan_log

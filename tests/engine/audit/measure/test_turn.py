@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from engine.audit.changes.fields import diff_requests
-from engine.audit.logs.requests import RequestLogError, parse_log, parse_prompt, read_log, render_request
+from engine.audit.logs.reading import parse_log, parse_prompt, read_log
+from engine.audit.logs.render import render_request
+from engine.audit.logs.requests import RequestLogError
 from engine.audit.measure.kv_store import ComputedStates
 from engine.audit.measure.repairs import Reference, coarse, fidelity
 from engine.audit.measure.traffic import audit_traffic

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from engine.audit.changes.fields import candidate_spans, diff_requests
-from engine.audit.logs.requests import RequestLogError, parse_prompt, render_request
+from engine.audit.logs.reading import parse_prompt
+from engine.audit.logs.render import render_request
+from engine.audit.logs.requests import RequestLogError
 from engine.audit.prompts.text_spans import LABEL_CHARS, appended_chars, candidate_menu, candidate_span, find_span, prefix_cache_stop
 from engine.models.tiny import tiny_model
 

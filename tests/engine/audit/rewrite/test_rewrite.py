@@ -11,7 +11,8 @@ import re
 import pytest
 import torch
 
-from engine.audit.logs.requests import RequestLogError, read_log
+from engine.audit.logs.reading import read_log
+from engine.audit.logs.requests import RequestLogError
 from engine.audit.rewrite.measure import apply_template, check_pairing, measure_rewrite, measure_rewrites
 from engine.cli import main
 from engine.models.tiny import tiny_model

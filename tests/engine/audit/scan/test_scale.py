@@ -11,8 +11,9 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-import engine.audit.logs.requests as requests_module
-from engine.audit.logs.requests import TextEncoder, read_log, render_batch
+import engine.audit.logs.render as render_module
+from engine.audit.logs.reading import read_log
+from engine.audit.logs.render import TextEncoder, render_batch
 from engine.audit.scan.token_pass import scan_log
 from engine.audit.simulate.caches import CacheSettings, RadixCache
 from engine.models.tiny import tiny_tokenizer
@@ -89,7 +90,7 @@ def test_a_tokenizer_that_merges_across_line_starts_is_tokenized_whole(monkeypat
     encoder = TextEncoder(tokenizer)
     assert not encoder.by_lines  # refused by the probes
     assert [(ids.tolist(), offsets.tolist()) for ids, offsets in encoder.encode(texts)] == expected
-    monkeypatch.setattr(requests_module, "_splits_at_line_starts", lambda tokenizer: True)  # probes fooled
+    monkeypatch.setattr(render_module, "_splits_at_line_starts", lambda tokenizer: True)  # probes fooled
     fooled = TextEncoder(tokenizer)
     assert fooled.by_lines
     assert [(ids.tolist(), offsets.tolist()) for ids, offsets in fooled.encode(texts)] == expected

@@ -8,7 +8,8 @@ import json
 import pytest
 import transformers
 
-from engine.audit.logs.requests import RequestLogError, read_log
+from engine.audit.logs.reading import read_log
+from engine.audit.logs.requests import RequestLogError
 from engine.audit.measure.traffic import audit_traffic
 from engine.cache.loaded import NO_WEIGHTS
 from engine.cli import main

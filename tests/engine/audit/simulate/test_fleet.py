@@ -9,7 +9,7 @@ import gzip
 import numpy as np
 import pytest
 
-from engine.audit.logs.requests import read_log
+from engine.audit.logs.reading import read_log
 from engine.audit.scan.token_pass import scan_log
 from engine.audit.simulate.caches import CacheSettings
 from engine.audit.simulate.fleet import Fleet, FleetError, fleet_grid

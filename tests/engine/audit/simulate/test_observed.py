@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from engine.audit.changes.causes import Cause
-from engine.audit.logs.requests import RequestLog, RequestLogError, read_log
+from engine.audit.logs.reading import read_log
+from engine.audit.logs.requests import RequestLog, RequestLogError
 from engine.audit.scan.token_pass import TrafficRequest, TrafficScan, scan_log
 from engine.audit.simulate.caches import BlockCache, RadixCache
 from engine.audit.simulate.hosted import AnthropicCache, OpenAICache, anthropic_minimum, openai_steps, provider_of
