@@ -41,9 +41,10 @@ from transformers import DynamicCache
 from benchmarks import common
 from benchmarks.common import cpu_info
 from engine.audit.logs.reading import parse_log, read_log
+from engine.audit.measure.recommend import DEFAULT_MIN_AGREEMENT, DEFAULT_THRESHOLD
 from engine.audit.measure.repairs import GRAINS, REPAIRS
 from engine.audit.measure.traffic import DEFAULT_SAMPLE, audit_traffic
-from engine.audit.measure.turn import DEFAULT_MIN_AGREEMENT, DEFAULT_THRESHOLD, DEFAULT_TOKENS, AuditReport, audit_requests
+from engine.audit.measure.turn import DEFAULT_TOKENS, AuditReport, audit_requests
 from engine.cache import adapter
 from engine.models import LoadedModel, load_model
 from engine.scenario import DEMOS

@@ -11,16 +11,10 @@ from engine.audit.logs.reading import parse_prompt, read_log
 from engine.audit.logs.requests import RequestLog, RequestLogError
 from engine.audit.logs.sources import SOURCES
 from engine.audit.measure.kv_store import ComputedStates
+from engine.audit.measure.recommend import DEFAULT_MIN_AGREEMENT, DEFAULT_THRESHOLD
 from engine.audit.measure.repairs import GRAINS, PROMPT_REPAIRS, REPAIRS
 from engine.audit.measure.traffic import DEFAULT_SAMPLE, audit_traffic
-from engine.audit.measure.turn import (
-    DEFAULT_MIN_AGREEMENT,
-    DEFAULT_THRESHOLD,
-    DEFAULT_TOKENS,
-    audit_value,
-    repaired_template,
-    scenario_toml,
-)
+from engine.audit.measure.turn import DEFAULT_TOKENS, audit_value, repaired_template, scenario_toml
 from engine.audit.prompts.text_spans import find_span
 from engine.audit.report.gate import QUANTITIES, gate, markdown, parse_conditions
 from engine.audit.rewrite.measure import apply_template, check_pairing, measure_rewrite

@@ -2,8 +2,8 @@
 floor the exact reference shows), and beside it the KV-level repair a cache-editing engine could run. Each case is
 built so that inverting one test of the bars (KL, top token, agreement, the widening, the level) changes the answer."""
 
+from engine.audit.measure.recommend import Bars, KvAlternative, recommend
 from engine.audit.measure.repairs import REPAIR_SUMMARIES, REPAIRS, OutputFidelity, RepairResult
-from engine.audit.measure.turn import Bars, KvAlternative, recommend
 from engine.edit.strategies import REGISTRY
 
 

@@ -13,9 +13,10 @@ from engine.audit.logs.reading import parse_log, parse_prompt, read_log
 from engine.audit.logs.render import render_request
 from engine.audit.logs.requests import RequestLogError
 from engine.audit.measure.kv_store import ComputedStates
+from engine.audit.measure.recommend import recommend
 from engine.audit.measure.repairs import Reference, coarse, fidelity
 from engine.audit.measure.traffic import audit_traffic
-from engine.audit.measure.turn import audit_requests, audit_value, candidates, recommend, repaired_template, scenario_toml
+from engine.audit.measure.turn import audit_requests, audit_value, candidates, repaired_template, scenario_toml
 from engine.audit.rewrite.measure import apply_template
 from engine.cache.notebook import Notebook
 from engine.edit.experiment import EditExperiment
