@@ -39,7 +39,8 @@ import torch
 from benchmarks import common
 from benchmarks.common import cpu_info
 from benchmarks.serving.serving_servers import SERVER_BINARY, LlamaServer, resolve_gguf
-from engine.audit.endpoint.client import COMPLETIONS, EndpointClient, EndpointSettings, Probe
+from engine.audit.endpoint.answers import Probe
+from engine.audit.endpoint.client import COMPLETIONS, EndpointClient, EndpointSettings
 from engine.audit.endpoint.model_pass import EndpointAudit, audit_on_endpoint
 from engine.audit.logs.reading import read_log
 from engine.audit.logs.render import context_limit

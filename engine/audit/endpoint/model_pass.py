@@ -20,7 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.audit.endpoint.client import CHAT, COMPLETIONS, Answer, EndpointClient, EndpointFidelity, Probe, Server, compare
+from engine.audit.endpoint.answers import Answer, Probe
+from engine.audit.endpoint.client import CHAT, COMPLETIONS, EndpointClient, Server
+from engine.audit.endpoint.fidelity import EndpointFidelity, compare
 from engine.audit.logs.render import RenderedRequest, render_batch, template_messages
 from engine.audit.logs.requests import Request, RequestLog, RequestLogError
 from engine.audit.prompts.repair_requests import LEVEL_WORDS, REPAIR_LEVELS, Level, RepairNotApplicable, prompt_repair_request

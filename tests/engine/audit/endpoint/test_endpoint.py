@@ -15,18 +15,9 @@ import httpx
 import pytest
 import torch
 
-from engine.audit.endpoint.client import (
-    Answer,
-    EndpointClient,
-    EndpointError,
-    EndpointSettings,
-    EndpointUnreachable,
-    Probe,
-    compare,
-    estimate_kl,
-    read_answer,
-    retry_after,
-)
+from engine.audit.endpoint.answers import Answer, EndpointError, Probe, read_answer
+from engine.audit.endpoint.client import EndpointClient, EndpointSettings, EndpointUnreachable, retry_after
+from engine.audit.endpoint.fidelity import compare, estimate_kl
 from engine.audit.endpoint.model_pass import measure_rewrite_on_endpoint
 from engine.audit.logs.reading import read_log
 from engine.audit.rewrite.measure import measure_rewrite
