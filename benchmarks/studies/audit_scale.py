@@ -398,7 +398,8 @@ def _scale_worker(mode: str, log: str, tokenizer_dir: str, workers: int) -> None
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     started = 0.0
     if mode == "ray":
-        from engine.audit.distributed.token_pass import ray_scan, start_ray
+        from engine.audit.distributed.ray_setup import start_ray
+        from engine.audit.distributed.token_pass import ray_scan
 
         begin = time.perf_counter()
         start_ray("local", workers)
@@ -479,7 +480,8 @@ def stage2_memory(size: int, sessions: int, tokenizer_dir: Path, budget_tokens: 
 
     from transformers import AutoTokenizer
 
-    from engine.audit.distributed.token_pass import _Driver, _ShardTokenPass
+    from engine.audit.distributed.shard_tokens import ShardTokenPass
+    from engine.audit.distributed.token_pass import _Driver
     from engine.audit.logs.shards import plan_shards
     from engine.audit.simulate.caches import CacheSettings
 
@@ -488,7 +490,7 @@ def stage2_memory(size: int, sessions: int, tokenizer_dir: Path, budget_tokens: 
     with tempfile.TemporaryDirectory() as folder:
         log = Path(folder) / "agents.jsonl"
         log.write_text("\n".join(json.dumps(record) for record in synthetic_log(size, sessions)) + "\n", encoding="utf-8")
-        worker = _ShardTokenPass(tokenizer, "auto", 32_768, "embedded", settings.block)
+        worker = ShardTokenPass(tokenizer, "auto", 32_768, "embedded", settings.block)
         tracemalloc.start()
         driver, first, tokens = _Driver(settings, ()), 1, 0
         for number, shard in enumerate(plan_shards([log])):

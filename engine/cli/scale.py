@@ -67,7 +67,7 @@ def fleet_of(args: argparse.Namespace) -> list[tuple[int, str]]:
 
 def _start_ray(args: argparse.Namespace) -> None:
     try:
-        from engine.audit.distributed.token_pass import start_ray
+        from engine.audit.distributed.ray_setup import start_ray
     except ImportError:
         raise RequestLogError('--ray needs Ray: pip install -e ".[scale]"') from None
     start_ray(args.ray, args.workers)

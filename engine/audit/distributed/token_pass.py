@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import pickle
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -48,155 +47,18 @@ from typing import Any
 import numpy as np
 
 from engine.audit.changes.fields import TurnDiff
+from engine.audit.distributed.ray_setup import RETRIES
+from engine.audit.distributed.shard_tokens import ShardTokenPass, ShardTokens, TokenRecord
 from engine.audit.logs.formats import AUTO
 from engine.audit.logs.reading import join_traces, record_requests
 from engine.audit.logs.render import RenderedRequest, end_of_turn_ids, render_batch
 from engine.audit.logs.requests import ORDERS, Flagged, Request, RequestLogError, Skipped
 from engine.audit.logs.shards import SHARD_LINES, Shard, ShardCount, count_shards, log_files, plan_shards, read_shard, shard_lines
 from engine.audit.scan.token_pass import TrafficRequest, TrafficScan, compared_row, observed_rows, sample_groups, settling_heap
-from engine.audit.simulate.caches import CacheSettings, RadixCache, block_hashes
-from engine.audit.simulate.hosted import HostedRequest, hosted_request
+from engine.audit.simulate.caches import CacheSettings
 from engine.audit.simulate.observed import Reported
-from engine.audit.simulate.step import Simulation, Step, StepResult
+from engine.audit.simulate.step import Simulation, StepResult
 from engine.progress import StepProgress
-
-RETRIES = 3  # restarts of a lost actor, retries of a lost task
-LOCAL = "local"
-
-
-def start_ray(address: str = LOCAL, workers: int = 2) -> None:
-    """Join the Ray cluster at ``address``, or start a local one of ``workers`` CPUs (no dashboard, no usage
-    statistics, its workers at the driver's priority, every server of it listening on 127.0.0.1 only)."""
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    import ray
-
-    if ray.is_initialized():
-        return
-    if workers < 1:
-        raise RequestLogError(f"--workers must be at least 1, got {workers}")
-    quiet = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
-    if address == LOCAL:
-        # Ray starts its workers at nice 15 (for an interactive driver's sake); here they are the job's work, and on a
-        # loaded machine a niced pool barely runs
-        os.environ.setdefault("RAY_worker_niceness", "0")
-        _init_on_loopback(num_cpus=workers, **quiet)
-    else:
-        ray.init(address=address, **quiet)
-
-
-def _init_on_loopback(**options: Any) -> None:
-    """``ray.init`` of a local cluster whose node address is 127.0.0.1, so that each of its servers binds there.
-
-    In Ray 2.60 a server binds to loopback only when the node's address is loopback (the GCS, the raylet's node and
-    object managers, every worker's and the driver's gRPC server, the runtime-env agent; with ray[default], the
-    dashboard agent, its metrics exporter and the monitor's and dashboard's metrics ports too), and to all interfaces
-    otherwise. ``ray.init`` replaces a loopback
-    ``_node_ip_address`` with the machine's routable address unless ``ray_constants.ENABLE_RAY_CLUSTER`` is off
-    (``services.resolve_ip_for_localhost``): Ray's own setting on macOS and Windows, read from
-    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`` when ray is first imported. It is turned off for this call only."""
-    import ray
-    from ray._private import ray_constants
-
-    cluster = ray_constants.ENABLE_RAY_CLUSTER
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        ray.init(**options)
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = cluster
-
-
-@dataclass(frozen=True)
-class TokenRecord:
-    """What stage 2 holds of one request: integers, the two rows computed for it on a worker, and what its record
-    reports (the observed count, when and to which model it was sent, what a hosted provider's cache reads)."""
-
-    index: int
-    session: str | None
-    where: tuple[int, int, int]  # shard number, line, position among its record's requests
-    ids: np.ndarray  # (tokens,) int32
-    hashes: np.ndarray  # (blocks,) int64, chained
-    guess: int | None  # its match among the shard's earlier requests (a radix tree of the shard; None: none there)
-    row: TrafficRequest  # its row against that match (cold without one)
-    diff: TurnDiff | None
-    reported: Reported
-    hosted: HostedRequest | None = None
-    reply: np.ndarray | None = None  # (tokens,) int32: the logged reply's tokens the server computed (None: no reply logged)
-
-    def step(self) -> Step:
-        """The record as the simulated caches take it (``hashes``: of its tokens and its reply's)."""
-        logged = self.reply is not None
-        reply = self.reply if logged else np.zeros(0, dtype=np.int32)
-        return Step(self.ids, reply, self.index, self.session, logged, self.hosted, self.hashes)
-
-
-@dataclass(frozen=True)
-class ShardTokens:
-    """Stage 1's output for one shard: its records in order, the requests it could not render, or why it failed."""
-
-    number: int
-    records: list[TokenRecord]
-    skipped: list[Skipped]
-
-
-class _ShardTokenPass:
-    """Stage 1's actor: holds the tokenizer; per shard, its requests read, numbered in the log's order, rendered,
-    hashed and diffed. ``sessions``: the Langfuse traces' sessions named anywhere in the log."""
-
-    def __init__(self, tokenizer: Any, fmt: str, limit: int, model: str, block: int, sessions: dict[str, str]):
-        self.tokenizer, self.fmt, self.limit, self.model, self.block = tokenizer, fmt, limit, model, block
-        self.sessions = sessions
-
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        out = []
-        for number, text, first, indexes in zip(batch["number"], batch["shard"], batch["first_index"], batch["indexes"]):
-            part = self.tokens(int(number), Shard(**json.loads(text)), int(first), json.loads(indexes))
-            # bytes, pickled here for the driver of this job (as Ray pickles any result): a column of Python objects
-            # would be converted per object to Arrow's extension type, a third of a shard's time more
-            out.append(pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL))
-        return {"tokens": np.array(out, dtype=object)}
-
-    def tokens(self, number: int, shard: Shard, first_index: int, indexes: list[int] | None) -> ShardTokens:
-        """The shard's records; ``indexes``: each request's number in the log's time order (None: the files' order)."""
-        requests = join_traces(read_shard(shard, self.fmt, first_index).requests, self.sessions)
-        place = _places(requests)  # by the files' numbering, which ``where`` re-reads by
-        if indexes is not None:
-            requests = [dataclasses.replace(request, index=index) for request, index in zip(requests, indexes, strict=True)]
-        rendered = render_batch(self.tokenizer, requests, self.limit, self.model)
-        records, skipped, local, kept = [], [], RadixCache(), {}  # the shard's own radix tree, its rendered requests
-        for request, item, at in zip(requests, rendered, place):
-            if isinstance(item, RequestLogError):
-                skipped.append(Skipped(request.line, "rendering", str(item)))
-                continue
-            _, guess = local.match(item.token_ids, request.session)
-            local.insert(item.token_ids, request.index, request.session, len(kept) + 1, item.held)
-            row, diff = compared_row(kept.get(guess), item, guess, self.block)
-            records.append(
-                TokenRecord(
-                    request.index,
-                    request.session,
-                    (number, *at),
-                    item.token_ids,
-                    block_hashes(item.held, self.block),
-                    guess,
-                    row,
-                    diff,
-                    Reported.of(request),
-                    hosted_request(item, [token for _, token in row.breakpoints]),
-                    item.reply_ids if request.reply is not None else None,
-                )
-            )
-            kept[request.index] = item
-        return ShardTokens(number, records, skipped)
-
-
-def _places(requests: Sequence[Request]) -> list[tuple[int, int]]:
-    """Per request: its line and its position among the requests its record holds."""
-    places, seen = [], {}
-    for request in requests:
-        position = seen.get(request.line, 0)
-        seen[request.line] = position + 1
-        places.append((request.line, position))
-    return places
 
 
 @dataclass(frozen=True)
@@ -333,7 +195,7 @@ def ray_scan(
     for item in items:
         item |= {"first_index": count.first[item["number"]], "indexes": count.shard_indexes(item["number"], requests[item["number"]])}
     dataset = ray.data.from_items(items).map_batches(
-        _ShardTokenPass,
+        ShardTokenPass,
         batch_size=1,
         fn_constructor_kwargs={
             "tokenizer": tokenizer,
@@ -353,7 +215,7 @@ def ray_scan(
     received = 0
     with settling_heap() as settle:
         for row in dataset.iter_rows():
-            part: ShardTokens = pickle.loads(row["tokens"])  # what this job's own workers pickled (``_ShardTokenPass``)
+            part: ShardTokens = pickle.loads(row["tokens"])  # what this job's own workers pickled (``ShardTokenPass``)
             rendering += part.skipped
             driver.feed(part.records)
             settle()

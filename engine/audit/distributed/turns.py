@@ -28,7 +28,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.audit.distributed.token_pass import RETRIES
+from engine.audit.distributed.ray_setup import RETRIES
 from engine.audit.logs.requests import RequestLogError
 from engine.audit.measure.kv_store import ComputedStates
 from engine.audit.measure.traffic import TurnWork, measure_in_process
@@ -90,7 +90,7 @@ def assign_lanes(work: Sequence[TurnWork], workers: int) -> list[list[list[TurnW
 def ray_measure_turns(
     spec: ModelSpec, workers: int, work: Sequence[TurnWork], measure: MeasureSettings, tick: Tick
 ) -> dict[int, AuditTurn]:
-    """The turns measured by up to ``workers`` actors on the Ray cluster already started (``distributed.start_ray``),
+    """The turns measured by up to ``workers`` actors on the Ray cluster already started (``ray_setup.start_ray``),
     one tick per step as each lane comes back; bind ``spec`` and ``workers`` (``functools.partial``) for
     ``audit_traffic``'s ``measure_turns``."""
     if workers < 1:

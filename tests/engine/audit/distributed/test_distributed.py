@@ -42,6 +42,7 @@ from tests.fake_endpoint import FakeServer, serving
 
 ray = pytest.importorskip("ray")
 distributed = pytest.importorskip("engine.audit.distributed.token_pass")
+ray_setup = pytest.importorskip("engine.audit.distributed.ray_setup")
 ray_turns = pytest.importorskip("engine.audit.distributed.turns")
 
 # the bundled exports' sessions, in time order (tests/engine/audit/logs/test_exports.py)
@@ -53,7 +54,7 @@ TIMED = {"ttft_ms", "full_ttft_ms", "ttft_ratio"}  # each process's own clock
 
 @pytest.fixture(scope="module")
 def cluster():
-    distributed.start_ray("local", 2)
+    ray_setup.start_ray("local", 2)
     yield
     ray.shutdown()
 
@@ -189,7 +190,7 @@ def test_the_sampled_turns_measured_by_ray_actors_are_the_in_process_ones(cluste
 
 def test_the_command_gives_the_actors_the_model_as_it_loaded_it(lm):
     args = build_parser().parse_args(["audit", "log.jsonl", "--model", "tiny-qwen2", "--ray", "--workers", "3"])
-    with unittest.mock.patch("engine.audit.distributed.token_pass.start_ray") as start:
+    with unittest.mock.patch("engine.audit.distributed.ray_setup.start_ray") as start:
         measure = turn_pass(args, lm)
     start.assert_called_once_with("local", 3)
     assert measure.func is ray_turns.ray_measure_turns
