@@ -6,7 +6,7 @@ GGUF) and through an OpenAI-compatible endpoint (llama-server serving that GGUF)
                                         [--sample 1] [--tokens 16] [--grain date] [--dtype float32] [--threads 2]
 
 Per log: the token pass, then the sampled turns (``--sample`` per change signature) measured with every prompt-level
-repair in torch (``traffic.audit_traffic``) and on the endpoint (``endpoint_audit.audit_on_endpoint``, token ids
+repair in torch (``traffic.audit_traffic``) and on the endpoint (``model_pass.audit_on_endpoint``, token ids
 sent, top 20 log-probs), each timed. Beside them:
 
 - **quantization noise**: on every reference prompt, the largest |log-prob difference| between the server and torch

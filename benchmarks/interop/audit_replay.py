@@ -21,13 +21,13 @@ token (a prompt equal to its slot's reuses all but one), and the model adds no B
 
 The rewritten logs are the templates the audit writes, deployed: the log is audited as ``kvscope audit LOG --grain
 G`` audits it (``engine.audit.measure.traffic.audit_traffic``, the prompt-level repairs), each repair's template is written as
-``--template-out`` writes it (``audit.repaired_template``) and applied to every request of the log it is for as
-``--template`` applies it (``rewrite.apply_template``), so a deployed template changes every request, not only the
+``--template-out`` writes it (``turn.repaired_template``) and applied to every request of the log it is for as
+``--template`` applies it (``rewrite.measure.apply_template``), so a deployed template changes every request, not only the
 ones whose fields changed. A repair the audit writes no template for (it does not apply, or no field changed) is named
 with why in ``templates``. ``original`` is the log as logged: ``recompute``, the exact reference.
 
 Per request, each replay also carries the audit's fidelity of its prompt against the original's clean prefill
-(``rewrite.measure_rewrites``, what ``--template`` measures: next-token KL, top-1, top-5 overlap, agreement of
+(``rewrite.measure.measure_rewrites``, what ``--template`` measures: next-token KL, top-1, top-5 overlap, agreement of
 ``--tokens`` greedy tokens, the same text), measured in torch on the ``--model`` (its dtype is the JSON's), while the
 server runs the GGUF.
 

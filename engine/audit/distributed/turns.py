@@ -12,7 +12,7 @@ from what it returns, as for one process (``traffic.measure_in_process``, which 
   would hold a copy of the driver's weights anyway); a spec an actor cannot load (a directory its node lacks) is
   refused by name too. Weights changed in place under the same config are not detected: give such a model no ``--ray``.
 - **The split**: turns by lane (``TurnWork.lane``: a session, else a conversation's first request), so the turns
-  that share a prefix go to one actor, whose store of computed states (``states.ComputedStates``, one per actor for the
+  that share a prefix go to one actor, whose store of computed states (``kv_store.ComputedStates``, one per actor for the
   run) reuses them as one process does; lanes go to the least loaded actor by tokens, largest first. One call per
   lane, so progress moves as lanes finish.
 - **Faults**: a lost actor is restarted (it loads the model again, its store empty) and its call retried (``RETRIES``,

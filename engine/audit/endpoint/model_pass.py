@@ -1,7 +1,7 @@
 """The audit's model pass on an endpoint: a log's sampled turns with each prompt-level repair, and a rewrite of the log,
 measured on the served model (:mod:`engine.audit.endpoint.client`) instead of in torch.
 
-The token pass is the same as in-process (``scan.scan_log`` with the local tokenizer, which must be the served
+The token pass is the same as in-process (``token_pass.scan_log`` with the local tokenizer, which must be the served
 model's for token ids to mean the same). Each prompt is sent once, greedy, with the top-k log-probs of its tokens:
 
 - **sampled turns** (``audit --endpoint``): per turn the newer request as logged is the reference (``recompute`` is
@@ -146,7 +146,7 @@ def audit_on_endpoint(
     model: str = "this model",
     progress: StepProgress = None,
 ) -> EndpointAudit:
-    """The groups' sampled turns (``scan.sample_groups``) measured on the endpoint with every prompt-level repair."""
+    """The groups' sampled turns (``token_pass.sample_groups``) measured on the endpoint with every prompt-level repair."""
     server = client.connect()
     matched = {row.request: row for row in scan.requests}
     chosen = sorted(index for group in groups for index in group.measured)

@@ -5,7 +5,7 @@ A JSONL file (plain or gzip'd) is never loaded whole: it is read a line at a tim
 newlines in 1 MiB blocks), which the distributed token pass reads on its workers. A file of one JSON document (an
 array, or an API's page written over many lines) cannot be streamed: it is read whole, as one shard. Files are read in
 the order given, a directory's files (``LOG_SUFFIXES``) in name order; requests are numbered across them in that order
-(``requests.finished_log`` then puts them in time order where every one has a timestamp), lines within each file.
+(``reading.finished_log`` then puts them in time order where every one has a timestamp), lines within each file.
 With more than one file, a record skipped is named by its file as well as its line.
 """
 
@@ -152,7 +152,7 @@ def shard_lines(shard: Shard) -> Iterator[tuple[int, bytes]]:
 @dataclass(frozen=True)
 class ShardRead:
     """A shard's requests (numbered from ``first_index``), the records skipped, by line and key, and the sessions its
-    records name for Langfuse traces (``requests.join_traces``: a trace's observations may lie in other shards)."""
+    records name for Langfuse traces (``reading.join_traces``: a trace's observations may lie in other shards)."""
 
     requests: list[Request]
     skipped: list[Skipped]

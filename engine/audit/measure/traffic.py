@@ -1,7 +1,7 @@
 """A whole request log audited as traffic: a token pass over every request (``scan``), the model on a sample only.
 
-``audit_traffic`` runs the token pass (``scan.scan_log``, or another pass given, e.g. ``distributed.ray_scan``), then
-measures up to K turns of each change signature's group (``scan.sample_groups``) with every repair against a clean
+``audit_traffic`` runs the token pass (``token_pass.scan_log``, or another pass given, e.g. ``token_pass.ray_scan``), then
+measures up to K turns of each change signature's group (``token_pass.sample_groups``) with every repair against a clean
 prefill (``measure_turn``, as the per-turn audit does), so the model's cost is K × groups, not the log's size.
 The turns are measured in this process (``measure_in_process``) or wherever a ``MeasureTurns`` sends them (Ray actors:
 ``ray_turns``), each with its lane (``TurnWork.lane``) so the turns that share a prefix stay together.
@@ -146,9 +146,9 @@ def audit_traffic(
 ) -> TrafficReport:
     """The token pass over the whole log, then up to ``sample`` turns of each change signature measured with every
     repair (``scan_progress``: requests of the token pass; ``progress``: the measured steps; ``fleet``: the fleets
-    simulated beside; ``token_pass``: another token pass, given the context limit, e.g. ``distributed.ray_scan``;
+    simulated beside; ``token_pass``: another token pass, given the context limit, e.g. ``token_pass.ray_scan``;
     ``measure_turns``: where the sampled turns are measured, default ``measure_in_process`` with ``lm``, e.g.
-    ``ray_turns.ray_measure_turns``; ``messages``: the model pass a forward at a time with its time left, as
+    ``turns.ray_measure_turns``; ``messages``: the model pass a forward at a time with its time left, as
     :class:`~engine.audit.measure.meter.ModelPassMeter` says it; ``states``: the store of computed states the turns measured
     here are computed in, default a new one: pass one to read the log's requests again from it, e.g. a rewrite's
     originals). With ``sample`` 0 only the tokenizer is read, so ``lm`` may be a
@@ -248,7 +248,7 @@ def turn_work(scan: TrafficScan, chosen: Sequence[int]) -> list[TurnWork]:
 
 
 def _conversation(rows: dict[int, TrafficRequest], index: int) -> int:
-    """The first request of ``index``'s conversation: up its matches to the one that started cold (``scan.is_cold``)."""
+    """The first request of ``index``'s conversation: up its matches to the one that started cold (``token_pass.is_cold``)."""
     row = rows[index]
     while row.matched_request is not None and not is_cold(row):
         row = rows[row.matched_request]

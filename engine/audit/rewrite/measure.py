@@ -8,7 +8,7 @@ request's own question; it may not reorder them).
 
 Per request, the rewritten prompt's clean prefill is compared with the original's (``repairs.fidelity``: next-token
 KL, top-1, top-5 overlap, N greedy tokens), and both greedy continuations are decoded to say whether the text is the
-same. Both logs go through the token pass (``scan.scan_log``) with the same engine settings for the reuse.
+same. Both logs go through the token pass (``token_pass.scan_log``) with the same engine settings for the reuse.
 """
 
 from __future__ import annotations

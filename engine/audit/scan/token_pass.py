@@ -103,7 +103,7 @@ class TrafficScan:
     observed_engine: str = "vllm"  # the engine the observed counts are compared with
     reading: dict = field(default_factory=dict)  # how the log was read: RequestLog.reading()
     fleet: tuple[FleetResult, ...] = ()  # the fleets simulated (``fleet.Fleet``), when asked for
-    replies: dict[str, int] = field(default_factory=dict)  # requests per ``simulation.REPLY_COUNTS`` key
+    replies: dict[str, int] = field(default_factory=dict)  # requests per ``step.REPLY_COUNTS`` key
     reply_from: dict[int, tuple[int, int]] = field(default_factory=dict, repr=False)  # request -> (next turn, reply tokens it resent)
 
     def held(self, request: int) -> np.ndarray:
@@ -134,7 +134,7 @@ class TrafficScan:
 
     def totals(self) -> dict:
         """The log's tokens and each engine's reuse, with replies cached as servers cache them and with prompts only,
-        and where the replies came from (``simulation.REPLY_COUNTS``)."""
+        and where the replies came from (``step.REPLY_COUNTS``)."""
         tokens = sum(row.tokens for row in self.requests)
         reused = {engine: sum(row.reused_tokens[engine] for row in self.requests) for engine in ENGINES}
         plain = {engine: sum(row.prompts_only_reused_tokens.get(engine, 0) for row in self.requests) for engine in ENGINES}

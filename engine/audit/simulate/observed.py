@@ -34,7 +34,7 @@ EXPLANATIONS = "eviction under a budget, another replica, a time-to-live, anothe
 
 
 class Row(Protocol):
-    """What this module reads of a token pass's row (``scan.TrafficRequest``)."""
+    """What this module reads of a token pass's row (``token_pass.TrafficRequest``)."""
 
     request: int
     session: str | None
