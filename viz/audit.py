@@ -20,6 +20,7 @@ from engine.audit.changes.causes import CAUSES
 from engine.audit.logs.requests import Skipped
 from engine.audit.simulate.hosted import TOKENS_NOTE
 from engine.audit.simulate.observed import OBSERVED_CAUSES
+from engine.audit.simulate.registry import ENGINES, LABELS, PROVIDERS
 from engine.audit.simulate.step import replies_sentence
 from viz.common import GREY, LEGEND_BELOW, PALETTE, markdown_literal, safe_label, set_title
 
@@ -333,7 +334,7 @@ def candidates_html(text: str, marks: Sequence[Mark]) -> str:
 
 
 # ---------------------------------------------------------------------------- a log as traffic (``TrafficReport.as_dict()``)
-ENGINE_LABELS = {"vllm": "vLLM", "sglang": "SGLang", "llama_cpp": "llama.cpp"}  # short names of ``caches.ENGINES``
+ENGINE_LABELS = {name: LABELS[name] for name in ENGINES}  # the serving engines' short names
 NO_SESSION = "(no session key)"
 MAX_TABLE_ROWS = 40  # sessions listed in the tab; every one is in the JSON
 REUSED = "reused"  # a request with no cause that appends nothing: the same tokens as its match
@@ -532,7 +533,7 @@ def engine_reuse_figure(data: Mapping) -> go.Figure:
 
 SHORTFALL_COLOUR = "#d62828"
 OBSERVED_COLOUR = "#111111"
-PROVIDER_LABELS = {"openai": "OpenAI (simulated)", "anthropic": "Anthropic (simulated)"}  # short names of ``hosted.PROVIDERS``
+PROVIDER_LABELS = {name: LABELS[name] for name in PROVIDERS}  # the hosted providers' short names
 
 
 def formats_words(data: Mapping) -> str:
@@ -681,7 +682,7 @@ def traffic_markdown(data: Mapping) -> str:
             f"{ENGINE_LABELS[e]} {engines['reused_tokens'][e]:,} ({_share(engines['reused_tokens'][e], tokens)})" for e in ENGINE_LABELS
         ),
         "",
-        markdown_literal(replies_sentence(engines, ENGINE_LABELS)),
+        markdown_literal(replies_sentence(engines)),
         "",
         f"| session | requests | tokens | tokens reused: {' · '.join(ENGINE_LABELS.values())} |",
         "|---|---:|---:|---|",

@@ -98,7 +98,7 @@ class Server:
 
     @property
     def simulated_engine(self) -> str:
-        """The simulated cache (``caches.ENGINES``) the server's own cache is set beside."""
+        """The simulated cache (``registry.ENGINES``) the server's own cache is set beside."""
         return {"llamacpp": "llama_cpp", "sglang": "sglang"}.get(self.owned_by, "vllm")
 
 

@@ -15,15 +15,14 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine.audit.simulate.caches import ENGINES
+from engine.audit.simulate.registry import ENGINES, LABELS
 from engine.audit.simulate.step import replies_sentence
 from engine.errors import KVScopeError
 
 EXIT_FAILED = 1  # a --fail-on condition holds (2 stays bad input)
-_ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "llama_cpp": "llama.cpp"}
 QUANTITIES = {
     "reuse": "the simulated vLLM hit rate: prompt tokens reused / prompt tokens, over every request (of the rewritten log with a rewrite)",
-    **{f"reuse.{engine}": f"the same hit rate under the simulated {_ENGINE_NAMES[engine]}" for engine in ENGINES},
+    **{f"reuse.{engine}": f"the same hit rate under the simulated {LABELS[engine]}" for engine in ENGINES},
     "kl": "the largest next-token KL over the measured requests: each rewritten prompt against the original's clean "
     "prefill, or without a rewrite each measured turn's recommended repair against its clean prefill",
     "agreement": "the smallest share of greedy tokens agreeing, over the same requests",
@@ -127,14 +126,14 @@ def markdown(report: dict) -> str:
     """The report as Markdown: the engines' reuse, the table of turns with their causes, the rewrite's verdict and
     each changed answer side by side, and the gate's outcome."""
     engines = report["engines"]
-    rates = ", ".join(f"{_ENGINE_NAMES[e]} {rate:.1%}" for e, rate in engines["hit_rate"].items())
+    rates = ", ".join(f"{LABELS[e]} {rate:.1%}" for e, rate in engines["hit_rate"].items())
     parts = [
         f"## KVScope audit ({report['model']})",
         "",
         f"{engines['requests']} requests, {engines['tokens']:,} prompt tokens; simulated reuse: {rates}; "
         f"{report['skipped_count']} records skipped.",
         "",
-        replies_sentence(engines, _ENGINE_NAMES),
+        replies_sentence(engines),
         "",
         _turns_table(report),
     ]
@@ -162,10 +161,8 @@ def rewrite_markdown(verdict: str, rows: list[dict]) -> str:
 
 def _turns_table(report: dict) -> str:
     recommended = {turn["request"]: turn["recommendation"]["repair"] for turn in report.get("turns", ()) if turn.get("recommendation")}
-    lines = [
-        "| request | session | matched | tokens | vLLM | SGLang | llama.cpp | causes | recommended |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    heads = ["request", "session", "matched", "tokens", *(LABELS[engine] for engine in ENGINES), "causes", "recommended"]
+    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
     for row in report["requests"]:
         reused = row["reused_tokens"]
         causes = ", ".join(f"{c['name']}:{c['field']}" if c["field"] else c["name"] for c in row["causes"]) or "–"
@@ -174,9 +171,7 @@ def _turns_table(report: dict) -> str:
             _cell(row["session"] or "–"),
             row["matched_request"] or "–",
             row["tokens"],
-            reused["vllm"],
-            reused["sglang"],
-            reused["llama_cpp"],
+            *(reused[engine] for engine in ENGINES),
             _cell(causes),
             recommended.get(row["request"], "–"),
         ]

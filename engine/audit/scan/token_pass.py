@@ -24,10 +24,11 @@ from engine.audit.changes.causes import Cause, another_prompt, causes_of
 from engine.audit.changes.fields import TurnDiff, common_prefix, compare_requests
 from engine.audit.logs.render import RenderedRequest, end_of_turn_ids, render_batch
 from engine.audit.logs.requests import RequestLog, RequestLogError, Skipped
-from engine.audit.simulate.caches import ENGINES, CacheSettings
+from engine.audit.simulate.caches import CacheSettings
 from engine.audit.simulate.fleet import FleetResult
 from engine.audit.simulate.hosted import hosted_request
 from engine.audit.simulate.observed import Reported, observe
+from engine.audit.simulate.registry import ENGINES
 from engine.audit.simulate.step import REPLY_COUNTS, Simulation, Step
 from engine.progress import StepProgress
 
@@ -47,7 +48,7 @@ class TrafficRequest:
     appended_tokens: int
     fields: tuple[str, ...]
     causes: tuple[Cause, ...]
-    reused_tokens: dict[str, int]  # per engine (``caches.ENGINES``)
+    reused_tokens: dict[str, int]  # per engine (``registry.ENGINES``)
     signature: str
     breakpoints: tuple[tuple[str, int | None], ...] = ()  # (label, token the user asked the provider to cache up to)
     observed_cached_tokens: int | None = None  # what the server reported cached (None: not reported)

@@ -34,12 +34,6 @@ import numpy as np
 
 from engine.audit.changes.fields import BLOCK_TOKENS, common_prefix
 
-ENGINES = {
-    "vllm": "vLLM automatic prefix caching: whole blocks, LRU under a block budget",
-    "sglang": "SGLang RadixAttention: a token radix tree, LRU leaves under a token budget",
-    "llama_cpp": "llama.cpp server: one slot per session, --cache-reuse chunk shifting",
-}
-
 
 @dataclass(frozen=True)
 class CacheSettings:

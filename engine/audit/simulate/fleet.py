@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.audit.simulate.caches import ENGINES, CacheSettings, Engines
+from engine.audit.simulate.caches import CacheSettings, Engines
+from engine.audit.simulate.registry import ENGINES
 from engine.errors import KVScopeError
 
 ROUTINGS = {

@@ -24,10 +24,6 @@ import numpy as np
 from engine.audit.logs.render import RenderedRequest
 from engine.audit.simulate.caches import RadixCache
 
-PROVIDERS = {
-    "openai": "OpenAI automatic prompt caching: prompts of at least 1,024 tokens, the cached prefix in 128-token steps",
-    "anthropic": "Anthropic cache_control breakpoints: a minimum length per model, a 20-block lookback, a 5-minute time-to-live",
-}
 TOKENS_NOTE = "the loaded model's tokens, not the provider's: compare hit rates (shares), not tokens"
 OPENAI_MINIMUM = 1024
 OPENAI_STEP = 128

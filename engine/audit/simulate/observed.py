@@ -21,8 +21,9 @@ import numpy as np
 
 from engine.audit.changes.causes import Cause
 from engine.audit.logs.requests import Request, RequestLogError
-from engine.audit.simulate.caches import ENGINES, BlockCache
-from engine.audit.simulate.hosted import PROVIDERS, TOKENS_NOTE, provider_of
+from engine.audit.simulate.caches import BlockCache
+from engine.audit.simulate.hosted import TOKENS_NOTE, provider_of
+from engine.audit.simulate.registry import ENGINES, PROVIDERS
 
 OBSERVED_ENGINES = tuple(ENGINES)  # the engines --observed-engine may compare with
 OBSERVED_CAUSES = ("observed_shortfall", "observed_excess")  # causes of a gap to what the server reported, not of a miss

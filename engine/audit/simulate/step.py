@@ -25,6 +25,7 @@ import numpy as np
 from engine.audit.simulate.caches import CacheSettings, Engines
 from engine.audit.simulate.fleet import Fleet
 from engine.audit.simulate.hosted import HostedCaches, HostedRequest
+from engine.audit.simulate.registry import ENGINES, LABELS
 
 REPLY_COUNTS = {
     "logged": "the log records the reply",
@@ -137,7 +138,7 @@ class Simulation:
             simulated.engines[replica].hold(held, waiting.request, step.session, self.time, hashes)
 
 
-def replies_sentence(totals: dict, engine_names: dict[str, str]) -> str:
+def replies_sentence(totals: dict) -> str:
     """Where the replies in a log's simulation came from, in words, with each engine's reuse with them and with prompts
     only (``TrafficScan.totals()``; empty for a stored result without replies)."""
     replies, plain = totals.get("replies"), totals.get("prompts_only")
@@ -146,7 +147,7 @@ def replies_sentence(totals: dict, engine_names: dict[str, str]) -> str:
     count = sum(replies.values())
     ways = [f"{replies['logged']:,} logged", f"{replies['next_turn']:,} read off the next turn", f"{replies['none']:,} unknown"]
     rates = " · ".join(
-        f"{label} {totals['hit_rate'][engine]:.0%} (prompts only {plain['hit_rate'][engine]:.0%})" for engine, label in engine_names.items()
+        f"{LABELS[engine]} {totals['hit_rate'][engine]:.0%} (prompts only {plain['hit_rate'][engine]:.0%})" for engine in ENGINES
     )
     lead = "The log records no replies" if not replies["logged"] else f"Replies of {count:,} requests"
     return f"{lead}: {', '.join(ways)}; servers cache their replies, so reuse with them: {rates}."
