@@ -1,8 +1,9 @@
 """The audit's progress as one bar through the whole run, each message naming its phase, and its Cancel.
 
 The phases, in order, with their share of the bar: reading the log, loading the model (or its tokenizer alone), the
-token pass, measuring turn k of n (the model's work, most of the bar), the Notes scenario (two prefills of the model's
-own answers), and the figures. A Cancel stops the run before its next forward (:class:`engine.CancelToken`).
+token pass, the model pass (most of the bar, said a forward at a time with its time left by the audit's own meter:
+"measuring turn k of n: ..."), the Notes scenario (two prefills of the model's own answers), and the figures. A Cancel
+stops the run before its next forward (:class:`engine.CancelToken`).
 """
 
 from __future__ import annotations
@@ -14,10 +15,10 @@ from contextlib import contextmanager
 from engine import CancelToken, MessageProgress, StepMessage, StepProgress, cancellable
 
 PHASES = {  # phase -> (start, end) of the bar
-    "reading": (0.0, 0.02),
-    "loading": (0.02, 0.05),
-    "token pass": (0.05, 0.12),
-    "measuring": (0.12, 0.9),
+    "reading": (0.0, 0.01),
+    "loading": (0.01, 0.03),
+    "token pass": (0.03, 0.05),  # the bar stands at 5% when the model's work begins
+    "measuring": (0.05, 0.9),
     "notes": (0.9, 0.97),
     "figures": (0.97, 1.0),
 }
@@ -46,15 +47,15 @@ class AuditPhases:
         """``unit: done/total`` through ``phase``."""
         return lambda done, total: self.report(phase, f"{unit}: {done:,}/{total:,}", done, total)
 
-    def turns(self, per_turn: int) -> StepProgress:
-        """The measured steps (``per_turn`` a turn: the reference and each repair) as "measuring turn k of n"."""
+    def model_pass(self) -> MessageProgress:
+        """The model pass's own lines (``audit_traffic``'s ``messages``: a forward at a time, with the time left), each
+        placed through the measuring phase by how far it says the pass is."""
 
-        def measured(done: int, total: int) -> None:
-            count = max(total // per_turn, 1)
-            turn = min(done // per_turn + 1, count)
-            self.report("measuring", f"measuring turn {turn} of {count} (step {done:,} of {total:,})", done, total)
+        def said(message: str) -> None:
+            done, total = (message.done, message.total) if isinstance(message, StepMessage) else (0, 1)
+            self.report("measuring", str(message), done, total)
 
-        return measured
+        return said
 
 
 class AuditRuns:

@@ -40,7 +40,6 @@ from engine import (
     candidate_menu,
     candidate_span,
     candidate_spans,
-    check_repairs,
     find_span,
     fleet_grid,
     measure_rewrite,
@@ -228,7 +227,7 @@ def run_audit(
         observed_engine=observed_engine,
         max_tokens=profile.max_context_tokens,
         scan_progress=phases.steps("token pass", "token pass: requests"),
-        progress=phases.turns(len(check_repairs(options["repairs"])) + 1),
+        messages=phases.model_pass(),
         fleet=fleets(replicas),
         **options,
     )

@@ -31,14 +31,15 @@ def test_the_bar_moves_through_every_phase_in_order_and_names_each_turn(registry
     order = ["reading the log", "loading the model", "token pass: requests", "measuring turn", "Open in Notes", "drawing the figures"]
     firsts = [next(i for i, text in enumerate(texts) if text.startswith(prefix)) for prefix in order]
     assert firsts == sorted(firsts)
-    # the log's 2 turns are measured (recompute and 3 repairs: 4 steps, with the reference 5 each), each named
-    measuring = [text for text in texts if text.startswith("measuring turn")]
-    assert measuring[0] == "measuring turn 1 of 2 (step 0 of 10)" and measuring[-1] == "measuring turn 2 of 2 (step 10 of 10)"
-    assert {re.match(r"measuring turn (\d) of 2", text).group(1) for text in measuring} == {"1", "2"}
+    # the log's 2 turns are measured (recompute and 3 repairs: 4 steps, with the reference 5 each), said by the model
+    # pass's meter from its 0 to its end, each turn named, the time left once a reference and a repair have ended
+    model = [(t, f) for t, f in zip(texts, fractions) if t.startswith(("measuring turn", "measured 2 turns"))]
     start, end = PHASES["measuring"]
-    assert [round(f, 3) for t, f in zip(texts, fractions) if t.startswith("measuring turn")] == [
-        round(start + (end - start) * step / 10, 3) for step in range(11)
-    ]
+    assert model[0][0].startswith("measuring turn 1 of 2: the reference (step 1 of 10); 0% of the model pass")
+    assert model[0][1] == pytest.approx(start) and model[-1][1] == pytest.approx(end)
+    assert model[-1][0].startswith("measured 2 turns (10 steps) in ")
+    assert {re.match(r"measuring turn (\d) of 2", text).group(1) for text, _ in model[:-1]} == {"1", "2"}
+    assert any("left" in text for text, _ in model[:-1])
 
 
 def test_a_token_pass_loads_the_tokenizer_only(sessions):
@@ -46,7 +47,7 @@ def test_a_token_pass_loads_the_tokenizer_only(sessions):
     heard = _heard(fresh, sessions, sample=0)
     assert fresh.loaded() == [] and isinstance(fresh.token_model(), LoadedTokenizer)
     assert "loading the tokenizer (the token pass needs no weights)" in [str(m) for m in heard]
-    assert not any(str(m).startswith("measuring turn") for m in heard) and heard[-1].done == heard[-1].total
+    assert not any(str(m).startswith(("measuring turn", "measured")) for m in heard) and heard[-1].done == heard[-1].total
 
 
 def test_a_cancel_stops_the_audit_before_its_next_forward_and_says_so(registry, sessions):
