@@ -14,11 +14,15 @@ Per repetition and log, one after the other (so the two times of every ratio sha
 2. ``python -m engine audit LOG --rewritten REWRITTEN --json``: the rewrite is the log with its volatile line moved as
    ``--rewrite`` moves it (the template ``--template-out --template-repair hoist`` writes, built here from the token
    pass and applied to the log as ``--template`` applies it; ``erratum`` where hoist does not apply);
-3. plain transformers (:mod:`benchmarks.studies.plain_generation`, a process of its own: torch and transformers
+3. ``python -m engine audit LOG --sample 0 --rewritten REWRITTEN --json``: the rewrite alone (the token pass, no
+   sampled turn measured);
+4. plain transformers (:mod:`benchmarks.studies.plain_generation`, a process of its own: torch and transformers
    imported, the same weights loaded) running, for every distinct prompt the rewrite's measurement reads (each original
    and rewritten request, rendered as the audit renders it), a clean prefill and ``--tokens`` greedy tokens.
 
-``rewrite_ratio`` = (2) / (3), the goal ≤ 1.3; ``--baseline`` times (2) there too. Every time is kept with its min /
+``rewrite_ratio`` = (2) / (4), the goal ≤ 1.3 (2 also measures the audit's sampled turns, which (4) does not);
+``rewrite_only_ratio`` = (3) / (4), the same prefills and generations on both sides; ``--baseline`` times (2) and (3)
+there too. Every time is kept with its min /
 median / max, the children's CPU seconds (user + sys) beside the wall seconds, and the load average before and after
 each log (other processes share the CPU: compare ratios, not seconds). Writes results/audit_cli-<model>-cpu.json.
 """
@@ -149,7 +153,8 @@ def run(args) -> dict:
     for name in logs:
         path = LOGS / f"{name}.jsonl"
         log = read_log(path.read_text(encoding="utf-8"))
-        row: dict = {"log": name, "requests": len(log.requests), "runs": {key: [] for key in ("default", "rewritten", "plain")}}
+        kinds = ("default", "rewritten", "rewrite_only", "plain")
+        row: dict = {"log": name, "requests": len(log.requests), "runs": {key: [] for key in kinds}}
         rewrite = None if args.no_rewritten else rewritten_log(log, tokenizer, args.rewrite)
         if rewrite is not None:
             text, row["rewrite"] = rewrite
@@ -178,9 +183,10 @@ def run(args) -> dict:
             if "baseline" in outputs:
                 row.setdefault("same_json", []).append(outputs["this"] == outputs["baseline"])
             if "rewrite" in row:
-                for tree, where in trees.items():
-                    result = timed([*audit, path, "--rewritten", str(work / f"{name}.rewritten.jsonl")], where)
-                    row["runs"]["rewritten"].append({"tree": tree, "s": result["s"], "cpu_s": result["cpu_s"]})
+                for kind, sample in (("rewritten", []), ("rewrite_only", ["--sample", "0"])):
+                    for tree, where in trees.items():
+                        result = timed([*audit, path, *sample, "--rewritten", str(work / f"{name}.rewritten.jsonl")], where)
+                        row["runs"][kind].append({"tree": tree, "s": result["s"], "cpu_s": result["cpu_s"]})
                 result = timed([sys.executable, "-m", "benchmarks.studies.plain_generation", str(work / f"{name}.plain.json")], common.ROOT)
                 row["runs"]["plain"].append({"s": result["s"], "cpu_s": result["cpu_s"], **json.loads(result["stdout"])})
             print(f"rep {rep + 1}/{args.reps} {name}: {_line(row)}", flush=True)
@@ -235,10 +241,13 @@ def _summary(row: dict) -> dict:
         out["rewrite_cpu_ratio"] = spread(
             [r / p for r, p in zip(_times(row, "rewritten", "this", "cpu_s"), _times(row, "plain", key="cpu_s"))]
         )
-        old = _times(row, "rewritten", "baseline")
-        if old:
-            out["baseline_rewritten_s"] = spread(old)
-            out["baseline_rewrite_ratio"] = spread([r / p for r, p in zip(old, plain)])
+        alone = _times(row, "rewrite_only", "this")
+        out["rewrite_only_s"], out["rewrite_only_ratio"] = spread(alone), spread([r / p for r, p in zip(alone, plain)])
+        for kind, key in (("rewritten", "rewrite_ratio"), ("rewrite_only", "rewrite_only_ratio")):
+            old = _times(row, kind, "baseline")
+            if old:
+                out[f"baseline_{kind}_s"] = spread(old)
+                out[f"baseline_{key}"] = spread([r / p for r, p in zip(old, plain)])
     return out
 
 
@@ -250,9 +259,10 @@ def _line(row: dict) -> str:
         words.append(f"(baseline {latest('default', 'baseline'):.1f} s)")
     if row["runs"]["plain"]:
         plain = latest("plain")
-        words.append(f"rewritten {latest('rewritten', 'this'):.1f} s / plain {plain:.1f} s = x{latest('rewritten', 'this') / plain:.2f}")
-        if _times(row, "rewritten", "baseline"):
-            words.append(f"(baseline x{latest('rewritten', 'baseline') / plain:.2f})")
+        for kind in ("rewritten", "rewrite_only"):
+            words.append(f"{kind} {latest(kind, 'this'):.1f} s / plain {plain:.1f} s = x{latest(kind, 'this') / plain:.2f}")
+            if _times(row, kind, "baseline"):
+                words.append(f"(baseline x{latest(kind, 'baseline') / plain:.2f})")
     return " ".join(words)
 
 
@@ -265,12 +275,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     path = folder / f"audit_cli-{model}-cpu.json"
     path.write_text(json.dumps(data, indent=2))
     for row in data["logs"]:
-        ratio = row.get("rewrite_ratio", {}).get("median")
+        ratio, alone = row.get("rewrite_ratio", {}).get("median"), row.get("rewrite_only_ratio", {}).get("median")
         speedup = row.get("speedup", {}).get("median")
         print(
             f"{row['log']}: default audit {row['default_s']['median']} s (goal {GOAL_AUDIT_S} s)"
             + (f", x{speedup} faster than the baseline, same JSON {all(row['same_json'])}" if speedup else "")
-            + (f"; --rewritten / plain transformers x{ratio} (goal x{GOAL_RATIO})" if ratio else ""),
+            + (f"; --rewritten / plain transformers x{ratio}, --sample 0 --rewritten x{alone} (goal x{GOAL_RATIO})" if ratio else ""),
             flush=True,
         )
     print(f"-> {path}", flush=True)
