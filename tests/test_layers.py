@@ -50,6 +50,7 @@ def test_the_import_contracts_hold():
         ("app/tabs/composer.py", "from engine.compose.splice import X", "the app imports the engine's public API only"),
         ("engine/audit/logs/requests.py", "import engine.audit.measure.turn", "the audit's stages in layers"),
         ("engine/audit/simulate/caches.py", "import engine.audit.scan.token_pass", "the audit's stages in layers"),
+        ("viz/audit.py", "import engine.models.gguf", "reach models through LoadedModel"),
     ],
 )
 def test_an_injected_upward_import_breaks_a_contract(tmp_path, module, upward, contract):
