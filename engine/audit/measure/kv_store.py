@@ -7,7 +7,7 @@ prompt as a prefix cache would: the longest prefix it shares with a stored state
 the rest runs. A prompt is read (next-token log-probs, greedy tokens) once; a KV-level repair's state serves the same
 ids from a different cache (stale entries kept), so its reading is its own and is not stored.
 
-How it is timed (:class:`Reading`): ``ttft_ms`` is the wall time of the one forward that computes what the reader
+How it is timed (:class:`Reference`): ``ttft_ms`` is the wall time of the one forward that computes what the reader
 does not reuse (its recorded steps and the rest of its prompt, up to the first next-token logits), never the greedy
 tokens after it and never a state another reader computed. A state's ``prefill_ms`` is the time every token of it
 took along the forwards that computed them, as a chunked prefill would take it: the reused prefix's share of its
@@ -21,8 +21,8 @@ forwards that computed it and the entries it attends to (the same tokens in a fo
 otherwise: its matrix products have another shape), so two states of the same tokens computed by the same chunks hold
 the same numbers, bit for bit. That lets another run's store
 (``reuse``: the rewrite's store reading what the audit's sampled turns read) take a reading from this one exactly
-where it would have computed the same one, and no other. Every forward is told to ``on_forward`` (its new tokens),
-for progress.
+where it would have computed the same one, and no other. Within ``forwards_told``, every forward is told to a callback
+(its new tokens), for progress.
 """
 
 from __future__ import annotations
@@ -87,9 +87,9 @@ class ComputedStates:
         budget_bytes: int = DEFAULT_BUDGET_BYTES,
         *,
         reuse: ComputedStates | None = None,
-        on_forward: Callable[[int], None] | None = None,
     ) -> None:
-        self.lm, self.tokens, self.reuse, self.on_forward = lm, tokens, reuse, on_forward
+        self.lm, self.tokens, self.reuse = lm, tokens, reuse
+        self.on_forward: Callable[[int], None] | None = None  # told each forward's new tokens (``forwards_told``)
         self._stored = BudgetedLRU(budget_bytes, weigh=lambda stored: stored.bytes)  # token ids -> _Stored
         self._chunks: dict[int, tuple[weakref.ref, Chunks]] = {}  # id(notebook) -> (the notebook, its chunks)
 
