@@ -7,8 +7,10 @@ no call depends on the order of its inputs, and the API endpoint's parameters ca
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import html
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -85,18 +87,40 @@ class Page:
 
     def action(self, function: Callable) -> Callable:
         """A UI handler run within the request budget, with :class:`AppError` shown as a toast; the session stays usable.
-        A handler given a progress tracker shows on it what it waits for at the model's gate."""
+        A handler given a progress tracker shows on it what it waits for at the model's gate; a generator handler (a
+        result shown while work goes on) runs each of its steps so."""
+
+        def within(args: tuple, kwargs: dict) -> contextlib.ExitStack:
+            tracker = next((value for value in (*args, *kwargs.values()) if isinstance(value, gr.Progress)), None)
+            stack = contextlib.ExitStack()
+            stack.enter_context(self.bounded())
+            stack.enter_context(waits_reported(message_progress(tracker) if tracker else None))
+            return stack
 
         @functools.wraps(function)
         def wrapper(*args, **kwargs):
-            tracker = next((value for value in (*args, *kwargs.values()) if isinstance(value, gr.Progress)), None)
             try:
-                with self.bounded(), waits_reported(message_progress(tracker) if tracker else None):
+                with within(args, kwargs):
                     return function(*args, **kwargs)
             except AppError as error:
                 raise user_error(error) from error
 
-        return wrapper
+        @functools.wraps(function)
+        def steps(*args, **kwargs):
+            """A generator handler: each step to its next yield within the budget (gradio may run each step on another
+            thread, so no context spans a yield)."""
+            running = function(*args, **kwargs)
+            while True:
+                try:
+                    with within(args, kwargs):
+                        shown = next(running)
+                except StopIteration:
+                    return
+                except AppError as error:
+                    raise user_error(error) from error
+                yield shown
+
+        return steps if inspect.isgeneratorfunction(function) else wrapper
 
     def model_bound(self, **options) -> dict:
         """Event options of a handler that uses a shared model: one queue group, as many in flight as the profile

@@ -67,6 +67,8 @@ Auditing request logs
 ``Request``                one request; ``render_request`` renders it with the model's chat template (``RenderedRequest``)
 ``audit_traffic``          a log as traffic: the token pass, then every repair on a sample (``DEFAULT_SAMPLE``)
 ``fleet_grid``             the fleets (replicas, routing) a log is also simulated on, behind each router
+``traffic_scan``           the token pass alone, as ``audit_traffic`` makes it (``pending_report``: shown while the
+                           model pass runs on ``measure_settings``)
 ``bounded_sample``         the largest sample whose measured turns fit a host's bound
 ``audit_value``            one prompt with one value changed (``candidate_spans``, ``candidate_menu``,
                            ``candidate_span``, ``find_span``: where)
@@ -192,6 +194,9 @@ _PUBLIC = {
     "bounded": "engine.cache.budget",
     "cancellable": "engine.cache.budget",
     "bounded_sample": "engine.audit.scan.sampling",
+    "traffic_scan": "engine.audit.scan.sampling",
+    "pending_report": "engine.audit.measure.traffic",
+    "measure_settings": "engine.audit.measure.traffic",
     "bundled_images": "engine.compose.pictures",
     "bundled_logs": "engine.scenario",
     "bundled_scenarios": "engine.scenario",
@@ -358,11 +363,13 @@ __all__ = [
     "load_tokenizer",
     "measure_rewrite",
     "measure_rewrite_on_endpoint",
+    "measure_settings",
     "model_remedies",
     "notes_choices",
     "notes_scenario",
     "offline_aliases",
     "parse_prompt",
+    "pending_report",
     "preferred_choice",
     "prefix_cache_stop",
     "probe_frontier",
@@ -388,6 +395,7 @@ __all__ = [
     "tensor_bytes",
     "tiny_model",
     "to_dynamic_cache",
+    "traffic_scan",
     "ttft_by_length",
     "waits_reported",
 ]
@@ -401,12 +409,12 @@ if TYPE_CHECKING:
     from engine.audit.logs.requests import Request, RequestLogError
     from engine.audit.measure.notes import NotesChoice, NotesScenario, notes_choices, notes_scenario, preferred_choice
     from engine.audit.measure.repairs import GRAINS, REPAIR_SUMMARIES, REPAIRS
-    from engine.audit.measure.traffic import DEFAULT_SAMPLE, audit_traffic
+    from engine.audit.measure.traffic import DEFAULT_SAMPLE, audit_traffic, measure_settings, pending_report
     from engine.audit.measure.turn import AuditReport, MeasureSettings, audit_value, check_repairs, repaired_template, scenario_toml
     from engine.audit.prompts.text_spans import appended_chars, candidate_menu, candidate_span, find_span, prefix_cache_stop
     from engine.audit.report.gate import rewrite_markdown
     from engine.audit.rewrite.measure import apply_template, measure_rewrite
-    from engine.audit.scan.sampling import bounded_sample
+    from engine.audit.scan.sampling import bounded_sample, traffic_scan
     from engine.audit.simulate.caches import CacheSettings
     from engine.audit.simulate.fleet import fleet_grid
     from engine.cache.budget import Cancelled, CancelToken, ComputeGate, WorkBudget, bounded, cancellable, waits_reported

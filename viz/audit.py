@@ -207,7 +207,7 @@ def _empty(text: str) -> go.Figure:
 def recommendations_markdown(data: Mapping) -> str:
     """Per turn, in words: what a prefix cache reuses, the fields that changed (old → new), what was appended, and the
     recommended repair with the engine's reason; a ``cancelled`` model pass is said first (no repair was measured)."""
-    lines = [f"**Cancelled**: {markdown_literal(data['cancelled'])}.", ""] if data.get("cancelled") else []
+    lines = unmeasured_lines(data)
     lines += [
         f"**{markdown_literal(data['model'])}** ({markdown_literal(data['dtype'])}) · threshold KL ≤ {data['threshold']:g}, "
         f"≥ {data['min_agreement']:.0%} of {data['generated_tokens']} greedy tokens agreeing"
@@ -671,7 +671,7 @@ def traffic_markdown(data: Mapping) -> str:
     engines, sessions = data["engines"], data["sessions"]
     tokens = engines["tokens"]
     formats = ", ".join(f"{markdown_literal(name)} {count:,}" for name, count in data["formats"].items()) or "none"
-    lines = [f"**Cancelled**: {markdown_literal(data['cancelled'])}.", ""] if data.get("cancelled") else []
+    lines = unmeasured_lines(data)
     lines += [
         f"**{engines['requests']:,} requests** in **{len(sessions):,} session{'s' if len(sessions) != 1 else ''}**, "
         f"{tokens:,} tokens · formats: {formats} · skipped records: {data['skipped_count']:,}",
@@ -721,12 +721,24 @@ def _fidelity_words(fidelity: Mapping) -> str:
     return markdown_literal("; ".join(parts + ([f"not applicable: {', '.join(never)}"] if never else [])))
 
 
+def unmeasured_lines(data: Mapping) -> list[str]:
+    """Why no turn is measured, said first: the model pass was cancelled, or is still measuring (the token pass shown
+    meanwhile)."""
+    if data.get("cancelled"):
+        return [f"**Cancelled**: {markdown_literal(data['cancelled'])}.", ""]
+    if data.get("pending"):
+        return [f"**Measuring**: {markdown_literal(data['pending'])}.", ""]
+    return []
+
+
 def _no_turns(data: Mapping, what: str) -> str:
     """Why a figure of the measured turns is empty: the token pass alone was asked for, one request only, or no turn
     could be measured."""
     requests = len(data.get("requests") or ())
     if data.get("cancelled"):
         return f"the model pass was cancelled before a turn was measured, so {what}"
+    if data.get("pending"):
+        return f"the model pass is measuring the sampled turns, so {what} yet"
     if data.get("sample") == 0 and requests > 1:
         return f"the token pass only (--sample 0): no turn was measured with the model, so {what}"
     if requests <= 1:
@@ -743,6 +755,8 @@ def groups_markdown(data: Mapping) -> str:
     signatures = f"**{len(groups):,} change signature{'s' if len(groups) != 1 else ''}**"
     if data.get("cancelled"):
         head = f"{signatures}; the model pass was cancelled: no turn was measured with the model."
+    elif data.get("pending"):
+        head = f"{signatures}; the model pass is measuring the sampled turns now: their fidelity follows when it ends."
     elif data["sample"] == 0:
         head = f"{signatures}; the token pass only (--sample 0): no turn was measured with the model."
     else:

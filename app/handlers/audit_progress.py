@@ -12,7 +12,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from engine import CancelToken, MessageProgress, StepMessage, StepProgress, cancellable
+from engine import CancelToken, MessageProgress, StepMessage, StepProgress
 
 PHASES = {  # phase -> (start, end) of the bar
     "reading": (0.0, 0.01),
@@ -67,13 +67,13 @@ class AuditRuns:
 
     @contextmanager
     def running(self, session: str) -> Iterator[CancelToken]:
-        """Within: the session's audit, stopped before its next forward once :meth:`cancel` is called."""
+        """Within: the session's audit, whose token :meth:`cancel` cancels; each step of the audit runs within
+        ``cancellable(token)`` (a context that spans no yield of the tab's handler), so it stops before its next forward."""
         token = CancelToken()
         with self._lock:
             self._tokens[session] = token
         try:
-            with cancellable(token):
-                yield token
+            yield token
         finally:
             with self._lock:
                 if self._tokens.get(session) is token:

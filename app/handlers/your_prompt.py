@@ -4,7 +4,7 @@ measured; the marked prompts, Open in Notes, a rewrite measured against the log,
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,8 +43,10 @@ from engine import (
     find_span,
     fleet_grid,
     measure_rewrite,
+    measure_settings,
     notes_choices,
     parse_prompt,
+    pending_report,
     preferred_choice,
     prefix_cache_stop,
     read_log,
@@ -52,6 +54,7 @@ from engine import (
     repaired_template,
     rewrite_markdown,
     scenario_toml,
+    traffic_scan,
 )
 from viz import audit as audit_figures
 from viz import fleet as fleet_figures
@@ -176,8 +179,17 @@ def engine_settings(*, block=CacheSettings.block, budget_blocks=None, budget_tok
     return CacheSettings(block, blocks or None, tokens or None, None, reuse)
 
 
+@dataclass(frozen=True)
+class StartedAudit:
+    """An audit whose token pass is done: its view while the model pass runs (None when no turn is measured), and the
+    model pass that gives the audit's view."""
+
+    pending: AuditView | None
+    finish: Callable[[], AuditView]
+
+
 @guarded
-def run_audit(
+def start_audit(
     registry: ModelRegistry,
     sessions: SessionStore,
     text: str | None,
@@ -196,12 +208,13 @@ def run_audit(
     observed_engine: str = "vllm",
     replicas: str | None = None,
     progress: MessageProgress | None = None,
-) -> AuditView:
-    """Audit a request log as traffic: the token pass over every request (sessions, matches, causes, the simulated
+) -> StartedAudit:
+    """Audit a request log as traffic, its token pass first: every request (sessions, matches, causes, the simulated
     engines, the observed cached counts against ``observed_engine``, and fleets of ``replicas``, comma-separated,
-    behind each router), then every repair measured on up to ``sample`` turns of each change signature (malformed
-    records are skipped and named). The measured turns are kept for this session (Open in Notes, export, redrawn axes).
-    ``progress`` hears every phase on one bar (:class:`AuditPhases`); with ``sample`` 0 only the tokenizer is loaded."""
+    behind each router), shown while the model pass (``finish``) measures every repair on up to ``sample`` turns of each
+    change signature (malformed records are skipped and named). The measured turns are kept for this session (Open in
+    Notes, export, redrawn axes). ``progress`` hears every phase on one bar (:class:`AuditPhases`); with ``sample`` 0
+    only the tokenizer is loaded."""
     if observed_engine not in OBSERVED_ENGINES:
         raise AppError(f"observed counts are compared with one of {', '.join(OBSERVED_ENGINES)}, got {observed_engine!r}")
     phases = AuditPhases(progress)
@@ -212,27 +225,47 @@ def run_audit(
     # at most this many turns are measured: every request, or the profile's bound that ``bounded_sample`` keeps to
     measured = min(len(log.requests), profile.max_audit_requests or len(log.requests))
     options = audit_options(profile, measured, repairs, tokens, threshold, min_agreement, grain)
+    measure = measure_settings(**options, max_tokens=profile.max_context_tokens)
     phases.report("loading", "loading the model" if sample > 0 else "loading the tokenizer (the token pass needs no weights)")
     loading = phases.messages("loading")
     lm = registry.get(spec, progress=loading) if sample > 0 else registry.token_model(spec, progress=loading)
-    most = profile.max_audit_requests
-    scan_steps = phases.steps("token pass", "token pass (bounding the sample): requests")
-    fits = bounded_sample(lm, log, sample, most, settings=engines, max_tokens=profile.max_context_tokens, progress=scan_steps)
-    bound = None if fits == sample else f"{profile.label} measures at most {most} turns of a log: --sample lowered from {sample} to {fits}"
-    traffic = audit_traffic(
+    scan = traffic_scan(
         lm,
         log,
-        sample=fits,
-        settings=engines,
-        observed_engine=observed_engine,
+        engines,
         max_tokens=profile.max_context_tokens,
-        scan_progress=phases.steps("token pass", "token pass: requests"),
-        messages=phases.model_pass(),
+        progress=phases.steps("token pass", "token pass: requests"),
+        observed_engine=observed_engine,
         fleet=fleets(replicas),
-        **options,
     )
-    data = traffic.as_dict() | {"sample_bound": bound}
-    return _kept_audit(registry, sessions, session, spec, lm, traffic.measured_report(), x, y, data, phases)
+    most = profile.max_audit_requests
+    fits = bounded_sample(scan, sample, most)
+    bound = None if fits == sample else f"{profile.label} measures at most {most} turns of a log: --sample lowered from {sample} to {fits}"
+    pending = None
+    if fits > 0 and scan.requests:
+        waiting = pending_report(lm, scan, fits, measure)
+        why = "the model pass is running: Open in Notes is offered once it has measured the turns"
+        pending = audit_view(waiting.measured_report(), x, y, why, waiting.as_dict() | {"sample_bound": bound})
+
+    @guarded
+    def finish() -> AuditView:
+        traffic = audit_traffic(
+            lm,
+            log,
+            scan=scan,
+            sample=fits,
+            **dataclasses.asdict(measure),
+            messages=phases.model_pass(),
+        )
+        data = traffic.as_dict() | {"sample_bound": bound}
+        return _kept_audit(registry, sessions, session, spec, lm, traffic.measured_report(), x, y, data, phases)
+
+    return StartedAudit(pending, finish)
+
+
+def run_audit(registry: ModelRegistry, sessions: SessionStore, text: str | None, **options) -> AuditView:
+    """The audit :func:`start_audit` starts, run to its end: its view."""
+    return start_audit(registry, sessions, text, **options).finish()
 
 
 def _rendered_prompt(registry: ModelRegistry, spec: str | None, text: str | None) -> tuple[Request, RenderedRequest]:
@@ -387,8 +420,8 @@ def audit_view(
     Open in Notes would study (``notes``: every changed field pre-checked, or why there is none); with ``traffic`` (the log's token pass,
     whose measured turns ``report`` holds), its sessions, engines, causes, groups and timeline per session, and the
     summary is the traffic's JSON."""
-    cancelled = (traffic or {}).get("cancelled")  # the model pass was cancelled: the panels say so, not "one request"
-    data = report.as_dict() | ({"cancelled": cancelled} if cancelled else {})
+    # the model pass was cancelled or is still running: the panels say so, not "one request"
+    data = report.as_dict() | {key: value for key, value in (traffic or {}).items() if key in ("cancelled", "pending") and value}
     turns = [(turn.request, report.rendered[i].text, _turn_marks(report, i)) for i, turn in enumerate(report.turns) if turn.diff]
     shown = report.last_with_fields() or report.turns[-1]
     choices = [] if isinstance(notes, str) or notes is None else list(notes)

@@ -22,15 +22,15 @@ from app.handlers.your_prompt import (
     given_log,
     nothing_to_audit,
     prompt_candidates,
-    run_audit,
     run_audit_value,
     run_rewrite,
+    start_audit,
     upload_markdown,
 )
 from app.inputs import LenientCheckboxGroup, LenientSlider
 from app.page import PAIRED_PLOT_MIN_WIDTH, Page, message_progress, notice, step_progress
 from app.tabs.notes import NotesInputs
-from engine import DEFAULT_SAMPLE, GRAINS, OBSERVED_ENGINES, REPAIR_SUMMARIES, CacheSettings, bundled_logs
+from engine import DEFAULT_SAMPLE, GRAINS, OBSERVED_ENGINES, REPAIR_SUMMARIES, CacheSettings, bundled_logs, cancellable
 from viz.common import markdown_literal
 from viz.text import glossary
 
@@ -269,26 +269,33 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
         sid = page.session_id(session)
         text = given_log(text, upload)
         if words := nothing_to_audit(text):
-            return *_nothing(words, sid), ended()
+            yield *_nothing(words, sid), ended()
+            return
         simulated = engine_settings(block=block, budget_blocks=budget_blocks, budget_tokens=budget_tokens, cache_reuse=cache_reuse)
         with runs.running(request.session_hash) as token:
             try:
-                view = run_audit(
-                    page.registry,
-                    page.sessions,
-                    text,
-                    session=sid,
-                    spec=spec,
-                    engines=simulated,
-                    replicas=replicas,
-                    progress=message_progress(progress),
-                    **settings,
-                )
+                with cancellable(token):
+                    started = start_audit(
+                        page.registry,
+                        page.sessions,
+                        text,
+                        session=sid,
+                        spec=spec,
+                        engines=simulated,
+                        replicas=replicas,
+                        progress=message_progress(progress),
+                        **settings,
+                    )
+                if started.pending is not None:  # the token pass, shown while the model pass runs (Cancel stays)
+                    yield *_shown(started.pending, sid), gr.update()
+                with cancellable(token):
+                    view = started.finish()
             except AppError:
                 if not token.cancelled:
                     raise
-                return *(gr.skip() for _ in shown), ended()  # cancelled: information (the Cancel said so), not an error
-        return *_shown(view, sid), ended()
+                yield *(gr.skip() for _ in shown), ended()  # cancelled: information (the Cancel said so), not an error
+                return
+        yield *_shown(view, sid), ended()
 
     # Cancel shows only while an audit runs: from the click (which also clears the last run's status) to the audit's end,
     # done or cancelled (hidden by the audit's own outputs), or failed

@@ -9,9 +9,9 @@ import re
 import pytest
 
 from app.handlers.audit_progress import PHASES, AuditRuns
-from app.handlers.your_prompt import run_audit
+from app.handlers.your_prompt import run_audit, start_audit
 from app.state import ModelRegistry
-from engine import LoadedTokenizer, StepMessage
+from engine import LoadedTokenizer, StepMessage, cancellable
 from engine.cache.budget import compute_slot
 from tests.app.conftest import TINY
 from tests.app.test_audit_tab import LOG, OPTIONS
@@ -53,7 +53,7 @@ def test_a_token_pass_loads_the_tokenizer_only(sessions):
 def test_a_cancel_stops_the_audit_before_its_next_forward_and_says_so(registry, sessions):
     runs = AuditRuns()
     assert runs.cancel("tab") == "No audit is running: nothing to cancel."
-    with runs.running("tab"):
+    with runs.running("tab") as token, cancellable(token):  # as the tab runs each step of the audit
         said = []
 
         def cancel_at_the_first_turn(message):
@@ -69,3 +69,19 @@ def test_a_cancel_stops_the_audit_before_its_next_forward_and_says_so(registry, 
     assert said[0].startswith("Audit cancelled: it stops before its next forward; a finished token pass is shown")
     with compute_slot(1):  # outside the run, forwards go on
         pass
+
+
+def test_the_token_pass_is_shown_while_the_model_pass_runs_and_nothing_is_kept_until_it_ends(registry, sessions):
+    started = start_audit(registry, sessions, LOG, session="w", **OPTIONS)
+    pending = started.pending.summary
+    assert pending["pending"] == "the token pass is whole; the model pass is measuring 2 turns of 3 change signatures with 4 repairs each"
+    assert started.pending.traffic_markdown.startswith("**Measuring**: the token pass is whole")
+    recommendation = started.pending.recommendation_markdown
+    assert recommendation.startswith("**Measuring**:") and "Recommended:" not in recommendation
+    assert "the model pass is measuring the sampled turns now" in started.pending.groups_markdown
+    assert started.pending.notes_menu == [] and sessions.get("w", "audit") is None  # Open in Notes waits for the measured turns
+    view = started.finish()
+    assert view.summary["requests"] == pending["requests"] and view.summary["engines"] == pending["engines"]
+    assert "pending" not in view.summary and "Recommended:" in view.recommendation_markdown
+    assert sessions.get("w", "audit") is not None
+    assert start_audit(registry, sessions, LOG, session="w", sample=0, **OPTIONS).pending is None  # no model pass to wait for

@@ -1,7 +1,8 @@
 """The audit's progress and Cancel in Debian's chromium: Cancel shows only while an audit runs (hidden before, and
-again once the run is done, failed or cancelled); the bar names the turn it measures, Cancel stops the run and says so
-as information (no "Error" toast or badge anywhere), and the tab audits again at once. Screenshots of the tab before,
-during and after go to test-artifacts/ (and /tmp/perf-audit-*.png)."""
+again once the run is done, failed or cancelled); the token pass shows while the model pass runs, the bar names the
+turn it measures, Cancel stops the run and says so as information (no "Error" toast or badge anywhere), and the tab
+audits again at once. Screenshots of the tab before, during and after go to test-artifacts/ (and
+/tmp/perf-audit-*.png)."""
 
 import re
 import time
@@ -42,6 +43,10 @@ def test_cancel_stops_the_audit_as_information_and_the_tab_audits_again(page, mo
     measuring = page.get_by_text(re.compile(r"measuring turn 1 of 2")).first
     wait_for_app(page, measuring)
     assert cancel.is_visible()
+    # the token pass is shown while the model pass runs: every request and engine, and what is being measured
+    wait_for_app(page, page.locator("#audit-traffic").get_by_text("Measuring: the token pass is whole").first)
+    assert "3 requests" in page.locator("#audit-traffic").inner_text()
+    assert page.locator("#audit-recommendation").inner_text().startswith("Measuring:")
     _shot(page, "during")
     cancel.click()
     wait_for_app(page, page.locator("#audit-status").get_by_text("Audit cancelled"))

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import plotly.graph_objects as go
@@ -262,3 +263,27 @@ def test_public_server_refuses_paths_and_long_contexts(public_url):
     assert summary["new"] == "pending"
     memory = client.predict(api_name="/server_memory")
     assert "public" in memory and "context ≤ 200 tokens" in memory
+
+
+def test_a_generator_handler_runs_every_step_within_the_budget_whichever_thread_runs_it(tmp_path):
+    import gradio as gr
+
+    from app.page import Page
+    from engine.cache.budget import MAX_FORWARD_TOKENS, forward_token_limit
+
+    profile = public_profile()
+    page = Page(ModelRegistry(TINY, profile=profile), SessionStore(), ExportFolder(1 << 20, 2, tmp_path), gr.State(), gr.State())
+
+    @page.action
+    def shown_while_working():
+        yield forward_token_limit()  # the token pass, shown
+        yield forward_token_limit()  # the model pass's result
+        raise AppError("the log has no request")
+
+    steps = shown_while_working()
+    with ThreadPoolExecutor(1) as first, ThreadPoolExecutor(1) as second:  # gradio may run each step on another thread
+        said = [first.submit(next, steps).result(), second.submit(next, steps).result()]
+        with pytest.raises(gr.Error, match="the log has no request"):
+            first.submit(next, steps).result()
+    assert said == [profile.forward_tokens, profile.forward_tokens] and profile.forward_tokens < MAX_FORWARD_TOKENS
+    assert forward_token_limit() == MAX_FORWARD_TOKENS  # no budget outlives a step

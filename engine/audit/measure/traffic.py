@@ -16,13 +16,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.audit.changes.fields import TurnDiff
-from engine.audit.logs.render import RenderedRequest
+from engine.audit.logs.render import RenderedRequest, context_limit
 from engine.audit.logs.requests import RequestLog, RequestLogError
 from engine.audit.measure.kv_store import ComputedStates
 from engine.audit.measure.meter import ModelPassMeter
 from engine.audit.measure.repairs import REPAIRS, Turn
 from engine.audit.measure.turn import AuditReport, AuditTurn, MeasureSettings, check_repairs, measure_turn
-from engine.audit.scan.token_pass import TrafficGroup, TrafficRequest, TrafficScan, is_cold, sample_groups, scan_log
+from engine.audit.scan.sampling import traffic_scan
+from engine.audit.scan.token_pass import TrafficGroup, TrafficRequest, TrafficScan, is_cold, sample_groups
 from engine.audit.simulate.caches import CacheSettings
 from engine.audit.simulate.observed import hosted_summary, observed_summary
 from engine.cache.budget import Cancelled
@@ -62,6 +63,7 @@ class TrafficReport:
     measure: MeasureSettings
     sample: int
     cancelled: str | None = None  # why no turn was measured: the model pass was cancelled (the token pass is whole)
+    pending: str | None = None  # the token pass alone, shown while the model pass measures: what it is measuring
 
     @property
     def sampled(self) -> bool:
@@ -98,6 +100,7 @@ class TrafficReport:
             }
             | ({"fleet": [result.as_dict() for result in scan.fleet]} if scan.fleet else {})
             | ({"cancelled": self.cancelled} if self.cancelled else {})
+            | ({"pending": self.pending} if self.pending else {})
         )
 
     def measured_report(self) -> AuditReport:
@@ -140,6 +143,7 @@ def audit_traffic(
     observed_engine: str = "vllm",
     fleet: Sequence[tuple[int, str]] = (),
     token_pass: Callable[[int], TrafficScan] | None = None,
+    scan: TrafficScan | None = None,
     measure_turns: MeasureTurns | None = None,
     messages: MessageProgress | None = None,
     states: ComputedStates | None = None,
@@ -148,7 +152,8 @@ def audit_traffic(
     repair (``scan_progress``: requests of the token pass; ``progress``: the measured steps; ``fleet``: the fleets
     simulated beside; ``token_pass``: another token pass, given the context limit, e.g. ``token_pass.ray_scan``;
     ``measure_turns``: where the sampled turns are measured, default ``measure_in_process`` with ``lm``, e.g.
-    ``turns.ray_measure_turns``; ``messages``: the model pass a forward at a time with its time left, as
+    ``turns.ray_measure_turns``; ``scan``: the token pass already made, e.g. shown while the model pass runs
+    (:func:`pending_report`); ``messages``: the model pass a forward at a time with its time left, as
     :class:`~engine.audit.measure.meter.ModelPassMeter` says it; ``states``: the store of computed states the turns measured
     here are computed in, default a new one: pass one to read the log's requests again from it, e.g. a rewrite's
     originals). With ``sample`` 0 only the tokenizer is read, so ``lm`` may be a
@@ -158,31 +163,11 @@ def audit_traffic(
         raise RequestLogError(f"--sample is the turns measured per group, at least 0, got {sample}")
     if sample > 0 and isinstance(lm, LoadedTokenizer):
         raise RequestLogError(f"--sample {sample} measures turns with the model, and only the tokenizer of {lm.name} was loaded")
-    defaults = MeasureSettings(check_repairs(repairs))
-    measure = MeasureSettings(
-        defaults.repairs,
-        defaults.tokens if tokens is None else tokens,
-        defaults.threshold if threshold is None else threshold,
-        defaults.min_agreement if min_agreement is None else min_agreement,
-        grain,
-        max_tokens,
-    )
-    if measure.tokens < 1:
-        raise RequestLogError(f"generate at least one token per state, got {measure.tokens}")
-    limit = max_tokens or int(lm.info().get("max_positions") or 32_768)
-    if token_pass is not None:
-        scan = token_pass(limit)
-    else:
-        scan = scan_log(
-            lm.tokenizer,
-            log,
-            settings,
-            limit=limit,
-            model=lm.name,
-            progress=scan_progress,
-            observed_engine=observed_engine,
-            fleet=fleet,
-        )
+    measure = measure_settings(repairs, tokens, threshold, min_agreement, grain, max_tokens)
+    if scan is None and token_pass is not None:
+        scan = token_pass(max_tokens or context_limit(lm))
+    elif scan is None:
+        scan = traffic_scan(lm, log, settings, max_tokens=max_tokens, progress=scan_progress, observed_engine=observed_engine, fleet=fleet)
     if not scan.requests:
         raise RequestLogError(f"no request of the log could be read: {len(scan.skipped)} skipped, the first: {scan.skipped[0].message}")
     groups = sample_groups(scan, sample)
@@ -216,6 +201,40 @@ def audit_traffic(
         unmeasured = tuple(sample_groups(scan, 0, "not measured: the model pass was cancelled"))
         return TrafficReport(lm.fingerprint.name, lm.fingerprint.dtype, scan, unmeasured, {}, measure, 0, why)
     return TrafficReport(lm.fingerprint.name, lm.fingerprint.dtype, scan, tuple(groups), turns, measure, sample)
+
+
+def measure_settings(
+    repairs: Sequence[str] = REPAIRS,
+    tokens: int | None = None,
+    threshold: float | None = None,
+    min_agreement: float | None = None,
+    grain: str | None = None,
+    max_tokens: int | None = None,
+) -> MeasureSettings:
+    """What each sampled turn is measured with: the repairs checked, and the defaults where a value is ``None``."""
+    defaults = MeasureSettings(check_repairs(repairs))
+    measure = MeasureSettings(
+        defaults.repairs,
+        defaults.tokens if tokens is None else tokens,
+        defaults.threshold if threshold is None else threshold,
+        defaults.min_agreement if min_agreement is None else min_agreement,
+        grain,
+        max_tokens,
+    )
+    if measure.tokens < 1:
+        raise RequestLogError(f"generate at least one token per state, got {measure.tokens}")
+    return measure
+
+
+def pending_report(lm: LoadedModel | LoadedTokenizer, scan: TrafficScan, sample: int, measure: MeasureSettings) -> TrafficReport:
+    """The token pass alone while the model pass measures up to ``sample`` turns of each group: every request, engine,
+    cause and group, no turn measured yet, and what is being measured (``pending``)."""
+    groups = sample_groups(scan, sample)
+    chosen = sum(len(group.measured) for group in groups)
+    work = f"{chosen:,} turn{'s' if chosen != 1 else ''} of {len(groups):,} change signature{'s' if len(groups) != 1 else ''}"
+    why = f"the token pass is whole; the model pass is measuring {work} with {len(measure.repairs)} repairs each"
+    unmeasured = tuple(sample_groups(scan, 0, "being measured: the model pass is running"))
+    return TrafficReport(lm.fingerprint.name, lm.fingerprint.dtype, scan, unmeasured, {}, measure, 0, pending=why)
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,9 @@ import pytest
 
 from engine.audit.logs.reading import parse_log, read_log
 from engine.audit.logs.render import render_batch
-from engine.audit.measure.traffic import audit_traffic
+from engine.audit.measure.traffic import audit_traffic, measure_settings, pending_report
 from engine.audit.measure.turn import audit_requests
+from engine.audit.scan.sampling import bounded_sample, traffic_scan
 from engine.audit.scan.token_pass import scan_log
 from engine.audit.simulate.caches import BlockCache, RadixCache, SlotCache
 from engine.cache.budget import Cancelled
@@ -427,3 +428,33 @@ def test_a_cancelled_model_pass_keeps_the_whole_token_pass_and_says_so():
     steps = 2 * (len(report.measure.repairs) + 1)  # two turns to measure, each unrepaired and with every repair
     assert data["cancelled"] == f"the model pass was cancelled after 1 of {steps} steps: the token pass is whole, no turn was measured"
     assert "cancelled" not in expected
+
+
+def test_the_token_pass_shown_while_the_model_pass_runs_is_the_audits_own():
+    lm = tiny_model("qwen2")
+    system = "You are the help desk.\nSession started: 2026-05-12 09:{m}\nBe brief."
+    text = "\n".join(_chat(system.format(m=m), ("user", "Where is my parcel?")) for m in ("41", "42", "43", "44"))
+    options = {"repairs": ["recompute", "field_only"], "tokens": 2}
+    scan = traffic_scan(lm, read_log(text))
+    assert [row.as_dict() for row in scan.requests] == [row.as_dict() for row in scan_log(lm.tokenizer, read_log(text)).requests]
+    measure = measure_settings(**options)
+    pending = pending_report(lm, scan, 2, measure).as_dict()
+    given = audit_traffic(lm, read_log(text), sample=2, scan=scan, **options).as_dict()
+    made = audit_traffic(lm, read_log(text), sample=2, **options).as_dict()
+    timing = ("ttft_ms", "ttft_ratio", "full_ttft_ms", "recommendation", "recommended")  # measured times, and what they decide
+
+    def untimed(value):
+        if isinstance(value, dict):
+            return {k: untimed(v) for k, v in value.items() if k not in timing}
+        return [untimed(v) for v in value] if isinstance(value, list) else value
+
+    assert untimed(given) == untimed(made)  # a token pass given is the one the audit would make
+    assert pending["requests"] == made["requests"] and pending["engines"] == made["engines"] and pending["causes"] == made["causes"]
+    measured = sum(len(group["measured"]) for group in made["groups"])
+    assert measured == 2 and pending["pending"] == (
+        f"the token pass is whole; the model pass is measuring 2 turns of {len(made['groups'])} change signature"
+        f"{'s' if len(made['groups']) != 1 else ''} with 2 repairs each"
+    )
+    assert all(group["measured"] == [] for group in pending["groups"]) and "pending" not in made
+    assert "being measured: the model pass is running" in [group["reason"] for group in pending["groups"]]
+    assert [bounded_sample(scan, 3, most) for most in (None, 3, 2, 1, 0)] == [3, 3, 2, 1, 0]
