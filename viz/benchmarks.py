@@ -456,6 +456,59 @@ def audit_benchmark_figure(data: dict) -> go.Figure:
     return figure
 
 
+def audit_cli_figure(data: dict) -> go.Figure:
+    """The CLI audit timed as a user runs it (``audit_cli-*.json``): per bundled log, the default audit's seconds (this
+    checkout, and the baseline checkout where one was timed) against the goal, and ``--rewritten`` and the rewrite alone
+    as ratios to plain transformers doing the same prefills and generations; bars are medians, whiskers min to max."""
+    logs = [safe_label(row["log"]) for row in data["logs"]]
+    figure = make_subplots(
+        rows=1, cols=2, horizontal_spacing=0.14, subplot_titles=("default audit: seconds", "time over plain transformers")
+    )
+    baseline = "the baseline checkout"
+    seconds = (("baseline_default_s", baseline), ("default_s", "default audit"))
+    ratios = (("baseline_rewrite_ratio", baseline), ("rewrite_ratio", "--rewritten"), ("rewrite_only_ratio", "rewrite alone"))
+    colours = {baseline: "#adb5bd", "default audit": PALETTE[0], "--rewritten": PALETTE[1], "rewrite alone": PALETTE[2]}
+    shown = set()
+    for column, series in ((1, seconds), (2, ratios)):
+        for key, name in series:
+            if not any(key in row for row in data["logs"]):
+                continue
+            stats = [row.get(key) or {} for row in data["logs"]]
+            medians = [stat.get("median") for stat in stats]
+            figure.add_bar(
+                x=logs,
+                y=medians,
+                name=name,
+                legendgroup=name,
+                showlegend=name not in shown,
+                marker_color=colours[name],
+                error_y={
+                    "type": "data",
+                    "symmetric": False,
+                    "array": [(stat["max"] - stat["median"]) if stat else None for stat in stats],
+                    "arrayminus": [(stat["median"] - stat["min"]) if stat else None for stat in stats],
+                },
+                text=[("" if value is None else f"{value:.0f} s" if column == 1 else f"×{value:.2f}") for value in medians],
+                textposition="outside",
+                row=1,
+                col=column,
+            )
+            shown.add(name)
+    figure.add_hline(y=data["goal_audit_s"], line={"color": "#e76f51", "dash": "dot"}, row=1, col=1)
+    figure.add_hline(y=data["goal_ratio"], line={"color": "#e76f51", "dash": "dot"}, row=1, col=2)
+    figure.update_yaxes(title_text="seconds", rangemode="tozero", row=1, col=1)
+    figure.update_yaxes(title_text="× plain transformers", rangemode="tozero", row=1, col=2)
+    figure.update_layout(height=460, barmode="group", legend=LEGEND_BELOW)
+    set_title(
+        figure,
+        f"The CLI audit's time: {data['dtype']}, {data['tokens']} greedy tokens, {data['reps']} rep(s)",
+        _measured_on(data),
+        f"dotted: the goals, {data['goal_audit_s']} s a log and ×{data['goal_ratio']:g} plain transformers",
+        subplot_titles=1,
+    )
+    return figure
+
+
 def audit_replay_figure(data: dict) -> go.Figure:
     """Request logs replayed on llama-server (``audit_replay-*.json``): per request, the server's measured prompt time
     against the audit's fidelity of that request's prompt (the share of greedy tokens agreeing with the original's

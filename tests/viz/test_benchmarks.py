@@ -1,10 +1,12 @@
 """Benchmark figures from result dictionaries shaped like the JSON files the scripts write."""
 
 import json
+from pathlib import Path
 
 import pytest
 
 from viz.benchmarks import (
+    audit_cli_figure,
     cache_reuse_figure,
     chat_replay_figure,
     edit_latency_figure,
@@ -159,3 +161,27 @@ def test_a_chat_replay_draws_simulation_equal_to_server_per_server_and_way():
     assert bars["prompts only (no reply cached)"] == (["vllm-32", "llama&lt;b&gt;"], [4, 4])
     title = figure.layout.title.text.replace("<br>", " ")
     assert "4 chat sessions × 5 turns" in title and "8, 24, 64 tokens" in title
+
+
+def _spread(*runs: float) -> dict:
+    ordered = sorted(runs)
+    return {"min": ordered[0], "median": ordered[len(ordered) // 2], "max": ordered[-1], "runs": list(runs)}
+
+
+def test_the_cli_audits_time_draws_medians_with_their_spread_beside_the_goals():
+    row = {"log": "rag<b>", "default_s": _spread(28.0, 30.0, 33.0), "rewrite_ratio": _spread(1.6, 1.7, 1.8)}
+    row |= {"rewrite_only_ratio": _spread(0.9, 0.95, 1.0)}
+    data = {"model": "embedded", "device": "cpu", "dtype": "float32", "tokens": 32, "reps": 3, "goal_ratio": 1.3, "goal_audit_s": 60}
+    figure = audit_cli_figure(data | {"logs": [row]})
+    bars = {trace.name: (list(trace.x), list(trace.y), list(trace.error_y.array), list(trace.error_y.arrayminus)) for trace in figure.data}
+    assert bars == {  # no baseline timed: no baseline bars
+        "default audit": (["rag&lt;b&gt;"], [30.0], [3.0], [2.0]),
+        "--rewritten": (["rag&lt;b&gt;"], [1.7], [pytest.approx(0.1)], [pytest.approx(0.1)]),
+        "rewrite alone": (["rag&lt;b&gt;"], [0.95], [pytest.approx(0.05)], [pytest.approx(0.05)]),
+    }
+    assert [shape.y0 for shape in figure.layout.shapes] == [60, 1.3]  # the goals, dotted
+    with_baseline = audit_cli_figure(data | {"logs": [row | {"baseline_default_s": _spread(40.0), "baseline_rewrite_ratio": _spread(2.0)}]})
+    names = [(trace.name, trace.showlegend) for trace in with_baseline.data]
+    assert names[:2] == [("the baseline checkout", True), ("default audit", True)] and names[2] == ("the baseline checkout", False)
+    stored = json.loads(Path("benchmarks/studies/results/audit_cli-embedded-cpu.json").read_text())
+    assert "The CLI audit's time" in result_figures({"audit_cli-embedded-cpu": stored})[0].layout.title.text
