@@ -71,3 +71,13 @@ def make_tiny_model_dir(arch: str, path: str | Path, *, seed: int = 0) -> Path:
     tokenizer_config["unk_token"] = None
     config_file.write_text(json.dumps(tokenizer_config, indent=2, sort_keys=True) + "\n")
     return out
+
+
+def assert_valid_report(report: dict) -> None:
+    """An audit's JSON holds to the published schema (docs/audit-report.schema.json, generated from
+    ``engine.audit.report.types``): every required key, no unnamed one, each value of its type."""
+    import jsonschema
+
+    from engine.audit.report.schema import report_schema
+
+    jsonschema.validate(report, report_schema(), cls=jsonschema.Draft202012Validator)

@@ -3,21 +3,23 @@ against cost, the recommendation per turn in words, and the rendered prompt with
 for a log audited as traffic (``TrafficReport.as_dict()``), its sessions, the engines' reuse, the causes, the sampled
 groups, and a timeline per session.
 
-Figures take the audit's JSON (``AuditReport.as_dict()``, or a benchmark file with the same ``turns``), so a stored
-result draws without a model. Every user or model string is escaped: plotly text through :func:`safe_label`,
-HTML through :func:`html.escape`, Markdown through :func:`markdown_literal`.
+Figures take the audit's JSON, read by its types (``engine.audit.report.types``: ``PromptAudit``, ``LogAudit``, or a
+benchmark file with the same ``turns``), so a stored result draws without a model. Every user or model string is
+escaped: plotly text through :func:`safe_label`, HTML through :func:`html.escape`, Markdown through
+:func:`markdown_literal`.
 """
 
 from __future__ import annotations
 
 import html
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
 from engine.audit.changes.causes import CAUSES
 from engine.audit.logs.requests import Skipped
+from engine.audit.report.types import AuditJSON, AuditTurnDict, LogAudit, RepairDict, RepairFidelityDict, TrafficRequestDict
 from engine.audit.simulate.hosted import TOKENS_NOTE
 from engine.audit.simulate.observed import OBSERVED_CAUSES
 from engine.audit.simulate.registry import ENGINES, LABELS, PROVIDERS
@@ -36,7 +38,7 @@ def _colours(names: Sequence[str]) -> dict[str, str]:
     return {name: ("black" if name == "recompute" else PALETTE[i % len(PALETTE)]) for i, name in enumerate(names)}
 
 
-def within(result: Mapping, data: Mapping) -> bool:
+def within(result: RepairDict, data: AuditJSON) -> bool:
     """A repair's fidelity within the bars the audit judged it against (``within_bars``: the thresholds widened to the
     noise floor); a stored result written before that key: KL ≤ the threshold, the same top token and at least
     ``min_agreement`` of the greedy tokens agreeing."""
@@ -50,7 +52,7 @@ def within(result: Mapping, data: Mapping) -> bool:
     )
 
 
-def reused_fraction(result: Mapping) -> float | None:
+def reused_fraction(result: RepairDict) -> float | None:
     """The share of the state a repair serves from that was reused from the cache (None when it does not apply)."""
     if not result.get("applicable"):
         return None
@@ -58,11 +60,11 @@ def reused_fraction(result: Mapping) -> float | None:
     return result["reused_tokens"] / total if total else 0.0
 
 
-def _audited(data: Mapping) -> list[Mapping]:
+def _audited(data: AuditJSON) -> list[AuditTurnDict]:
     return [turn for turn in data["turns"] if turn["repairs"]]
 
 
-def _hover(name: str, turn: Mapping, result: Mapping, data: Mapping) -> str:
+def _hover(name: str, turn: AuditTurnDict, result: RepairDict, data: AuditJSON) -> str:
     if not result.get("applicable"):
         return f"<b>{safe_label(name)}</b>, request {turn['request']}: not applicable"
     ratio = result.get("ttft_ratio")
@@ -76,11 +78,11 @@ def _hover(name: str, turn: Mapping, result: Mapping, data: Mapping) -> str:
     )
 
 
-def _symbols(results: Sequence[Mapping], data: Mapping) -> list[str]:
+def _symbols(results: Sequence[RepairDict], data: AuditJSON) -> list[str]:
     return ["circle" if within(result, data) else "circle-open" for result in results]
 
 
-def reuse_timeline_figure(data: Mapping) -> go.Figure:
+def reuse_timeline_figure(data: AuditJSON) -> go.Figure:
     """Per turn (request number), the reused fraction of each repair's state (the repairs dodged apart by DODGE), and
     the 16-token block-aligned prefix a vLLM-style cache keeps; filled markers are within the fidelity threshold, open
     ones outside it."""
@@ -132,17 +134,17 @@ def reuse_timeline_figure(data: Mapping) -> go.Figure:
     return figure
 
 
-def _x(result: Mapping, turn: Mapping, axis: str) -> float | None:
+def _x(result: RepairDict, turn: AuditTurnDict, axis: str) -> float | None:
     if axis == "ttft":
         return result.get("ttft_ratio")
     return 100 * result["computed_tokens"] / max(turn["tokens"], 1)
 
 
-def _y(result: Mapping, axis: str) -> float:
+def _y(result: RepairDict, axis: str) -> float:
     return result["generation_agreement"] if axis == "agreement" else max(result["kl"], KL_FLOOR)
 
 
-def fidelity_cost_figure(data: Mapping, x: str = "computed", y: str = "kl") -> go.Figure:
+def fidelity_cost_figure(data: AuditJSON, x: str = "computed", y: str = "kl") -> go.Figure:
     """Fidelity against cost, one point per repair per turn (labelled with its request): computed tokens (% of the
     request) or the TTFT speed-up on x, the next-token KL or the greedy agreement on y; the threshold drawn, filled
     markers within it."""
@@ -204,7 +206,7 @@ def _empty(text: str) -> go.Figure:
     return figure
 
 
-def recommendations_markdown(data: Mapping) -> str:
+def recommendations_markdown(data: AuditJSON) -> str:
     """Per turn, in words: what a prefix cache reuses, the fields that changed (old → new), what was appended, and the
     recommended repair with the engine's reason; a ``cancelled`` model pass is said first (no repair was measured)."""
     lines = unmeasured_lines(data)
@@ -345,7 +347,7 @@ def session_name(session: str | None) -> str:
     return NO_SESSION if session is None else session
 
 
-def main_cause(row: Mapping) -> str:
+def main_cause(row: TrafficRequestDict) -> str:
     """What a request is drawn as: its first cause of a miss in its prompt (a ``CAUSES`` name; the observed gaps are
     marked apart), else ``growth`` when it only appends to its match, else ``reused`` (identical to it)."""
     prompt = [cause for cause in row["causes"] if cause["name"] not in OBSERVED_CAUSES]
@@ -372,7 +374,7 @@ def _share(part: int, whole: int) -> str:
     return f"{part / whole:.0%}" if whole else "–"
 
 
-def _reuse_hover(row: Mapping) -> str:
+def _reuse_hover(row: TrafficRequestDict) -> str:
     reuse = " · ".join(f"{ENGINE_LABELS[e]} {n:,}" for e, n in row["reused_tokens"].items())
     causes = "<br>".join(f"{safe_label(c['name'])}: {safe_label(c['detail'], 90)}" for c in row["causes"]) or safe_label(
         cause_words(main_cause(row))
@@ -385,7 +387,7 @@ def _reuse_hover(row: Mapping) -> str:
     )
 
 
-def session_timeline_figure(data: Mapping) -> go.Figure:
+def session_timeline_figure(data: LogAudit) -> go.Figure:
     """One row per session (in order of first appearance), its requests along the log (request number), each marker
     coloured by its first cause of a miss (``growth``: only appended; ``reused``: identical), its size by its tokens;
     a grey line joins a session's requests; a red ring marks each request the server served worse than the compared
@@ -408,7 +410,7 @@ def session_timeline_figure(data: Mapping) -> go.Figure:
             showlegend=False,
         )
     largest = max(row["tokens"] for row in rows)
-    by_cause: dict[str, list[Mapping]] = {}
+    by_cause: dict[str, list[TrafficRequestDict]] = {}
     for row in rows:
         by_cause.setdefault(main_cause(row), []).append(row)
     colours = _cause_colours(list(by_cause))
@@ -457,7 +459,7 @@ PER_REQUEST_UP_TO = 100  # requests drawn one point each; a longer log is drawn 
 BINS = 50
 
 
-def request_runs(rows: Sequence[Mapping]) -> list[list[Mapping]]:
+def request_runs(rows: Sequence[TrafficRequestDict]) -> list[list[TrafficRequestDict]]:
     """The rows one per point (up to ``PER_REQUEST_UP_TO``), else in ``BINS`` runs of consecutive requests."""
     if len(rows) <= PER_REQUEST_UP_TO:
         return [[row] for row in rows]
@@ -465,21 +467,21 @@ def request_runs(rows: Sequence[Mapping]) -> list[list[Mapping]]:
     return [list(rows[start : start + size]) for start in range(0, len(rows), size)]
 
 
-def _run_x(run: Sequence[Mapping]) -> float:
+def _run_x(run: Sequence[TrafficRequestDict]) -> float:
     """Where a run is drawn: its middle request."""
     return (run[0]["request"] + run[-1]["request"]) / 2
 
 
-def _run_name(run: Sequence[Mapping]) -> str:
+def _run_name(run: Sequence[TrafficRequestDict]) -> str:
     return f"request {run[0]['request']}" if len(run) == 1 else f"requests {run[0]['request']}–{run[-1]['request']}"
 
 
-def request_axis(rows: Sequence[Mapping]) -> dict:
+def request_axis(rows: Sequence[TrafficRequestDict]) -> dict:
     """An x axis of request numbers: whole numbers only (every one up to 20 requests)."""
     return {"title": "request (log order)", "tickformat": "d", **({"dtick": 1} if len(rows) <= 20 else {})}
 
 
-def engine_reuse_figure(data: Mapping) -> go.Figure:
+def engine_reuse_figure(data: LogAudit) -> go.Figure:
     """Per request (log order), the share of its tokens each simulated engine serves from its cache (and each hosted
     provider's, on its own requests), beside the share the server reported cached (``observed``: a gap where a request
     reports none), the requests it served worse than the compared engine marked; the totals in the legend, the formats
@@ -536,18 +538,18 @@ OBSERVED_COLOUR = "#111111"
 PROVIDER_LABELS = {name: LABELS[name] for name in PROVIDERS}  # the hosted providers' short names
 
 
-def formats_words(data: Mapping) -> str:
+def formats_words(data: LogAudit) -> str:
     """The formats the log was read in, with their request counts (escaped for plotly)."""
     read = ", ".join(f"{safe_label(name, 30)} {count:,}" for name, count in data["formats"].items())
     return f"formats read: {read or 'none'}"
 
 
-def observed_gap(row: Mapping, name: str) -> int:
+def observed_gap(row: TrafficRequestDict, name: str) -> int:
     """The tokens of a request's ``observed_shortfall`` or ``observed_excess`` cause (0 without one)."""
     return sum(cause["tokens"] for cause in row["causes"] if cause["name"] == name)
 
 
-def _observed_line(figure: go.Figure, data: Mapping, runs: Sequence[Sequence[Mapping]]) -> None:
+def _observed_line(figure: go.Figure, data: LogAudit, runs: Sequence[Sequence[TrafficRequestDict]]) -> None:
     """The share each request's (or run's) server reported cached (a gap where none reported one), and the shortfalls
     marked one by one."""
     rows = data["requests"]
@@ -590,7 +592,7 @@ def _observed_line(figure: go.Figure, data: Mapping, runs: Sequence[Sequence[Map
         )
 
 
-def _hosted_lines(figure: go.Figure, data: Mapping) -> None:
+def _hosted_lines(figure: go.Figure, data: LogAudit) -> None:
     """Each hosted provider's simulated share on its own requests (in runs, as ``request_runs`` draws a long log)."""
     for index, (provider, label) in enumerate(PROVIDER_LABELS.items()):
         own = [row for row in data["requests"] if provider in (row.get("hosted_reused_tokens") or {})]
@@ -609,7 +611,7 @@ def _hosted_lines(figure: go.Figure, data: Mapping) -> None:
         )
 
 
-def observed_markdown(data: Mapping) -> str:
+def observed_markdown(data: LogAudit) -> str:
     """The observed counts beside the simulation in words: how many requests report one, the hit rates, the share where
     observed equals simulated, the shortfalls and excesses, the fitted cache (with --fit-observed) and the hosted
     providers' engines (empty for a stored result without these keys)."""
@@ -664,7 +666,7 @@ def _percent(rate: float | None) -> str:
     return "–" if rate is None else f"{rate:.0%}"
 
 
-def traffic_markdown(data: Mapping) -> str:
+def traffic_markdown(data: LogAudit) -> str:
     """The log in words and tables: requests, sessions, formats and skipped records; each engine's reuse in total;
     per session its requests, tokens and reuse; each cause named with its line, the requests and tokens it costs
     (its occurrences are in the JSON)."""
@@ -707,7 +709,7 @@ def traffic_markdown(data: Mapping) -> str:
     return "\n".join([*lines, *(["", observed] if observed else [])])
 
 
-def _fidelity_words(fidelity: Mapping) -> str:
+def _fidelity_words(fidelity: dict[str, RepairFidelityDict]) -> str:
     """Per repair over a group's measured turns: its computed share and how often it was recommended, and for the others
     than recompute (the exact reference) their worst KL and least agreement; the repairs that never applied, named last."""
     parts, never = [], []
@@ -721,7 +723,7 @@ def _fidelity_words(fidelity: Mapping) -> str:
     return markdown_literal("; ".join(parts + ([f"not applicable: {', '.join(never)}"] if never else [])))
 
 
-def unmeasured_lines(data: Mapping) -> list[str]:
+def unmeasured_lines(data: AuditJSON) -> list[str]:
     """Why no turn is measured, said first: the model pass was cancelled, or is still measuring (the token pass shown
     meanwhile)."""
     if data.get("cancelled"):
@@ -731,7 +733,7 @@ def unmeasured_lines(data: Mapping) -> list[str]:
     return []
 
 
-def _no_turns(data: Mapping, what: str) -> str:
+def _no_turns(data: AuditJSON, what: str) -> str:
     """Why a figure of the measured turns is empty: the token pass alone was asked for, one request only, or no turn
     could be measured."""
     requests = len(data.get("requests") or ())
@@ -746,7 +748,7 @@ def _no_turns(data: Mapping, what: str) -> str:
     return f"no turn could be measured (each group's reason is in the table), so {what}"
 
 
-def groups_markdown(data: Mapping) -> str:
+def groups_markdown(data: LogAudit) -> str:
     """The change signatures: each group's count, share of the log's tokens, the turns measured (or why none was) and
     its repairs' fidelity over them; whether the model ran on a sample, and ``sample_bound`` (where the app put it):
     how the server lowered the sample."""

@@ -1,11 +1,11 @@
 """Headless CLI: ``python -m engine
-info|selftest|support|decide|edit|calibrate|probe|weights|compose|image|agent|keystone|memory|compare-models|audit``
+info|selftest|support|decide|edit|calibrate|probe|weights|compose|image|agent|keystone|memory|compare-models|audit|audit-schema``
 (``kvscope …`` and ``python -m engine.cli …`` are the same).
 
 With ``--json`` exactly one JSON object goes to stdout (an ``{"error": ...}`` object and exit code 2 on
 bad input); logs and progress go to stderr. The package by job: ``common`` (logging, loading, shared flags),
 ``checks`` (info, selftest, support), ``edit`` (decide, edit, calibrate, probe, weights), ``compose`` (compose,
-image, agent, keystone, memory), ``compare`` (compare-models), ``audit`` (audit) and ``parser`` (the parser, the
+image, agent, keystone, memory), ``compare`` (compare-models), ``audit`` (audit, audit-schema) and ``parser`` (the parser, the
 entry point).
 """
 

@@ -1,4 +1,5 @@
-"""``audit``: a request log (or one prompt with a new value) audited, a rewrite of it measured, a CI gate on it."""
+"""``audit``: a request log (or one prompt with a new value) audited, a rewrite of it measured, a CI gate on it;
+``audit-schema``: the JSON Schema its report follows (docs/audit-report.schema.json)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from engine.audit.measure.traffic import DEFAULT_SAMPLE, audit_traffic
 from engine.audit.measure.turn import DEFAULT_TOKENS, audit_value, repaired_template, scenario_toml
 from engine.audit.prompts.text_spans import find_span
 from engine.audit.report.gate import QUANTITIES, gate, markdown, parse_conditions
+from engine.audit.report.schema import report_schema
+from engine.audit.report.types import AuditJSON
 from engine.audit.rewrite.measure import apply_template, check_pairing, measure_rewrite
 from engine.audit.simulate.caches import CacheSettings
 from engine.audit.simulate.metrics import observed_aggregate
@@ -117,7 +120,7 @@ def cmd_audit(args: argparse.Namespace) -> dict:
     return _finish(args, conditions, result)
 
 
-def _finish(args: argparse.Namespace, conditions: list, result: dict) -> dict:
+def _finish(args: argparse.Namespace, conditions: list, result: AuditJSON) -> AuditJSON:
     """The gate over the result, and its Markdown summary where asked for."""
     if conditions:
         result["gate"] = gate(conditions, result)
@@ -207,4 +210,11 @@ AUDIT: Group = (
     arg("--markdown", action="store_true", help="print a Markdown summary for a pull-request comment (ignored with --json)"),
     *ENDPOINT,
 )
-COMMANDS: dict[str, tuple[Handler, tuple[Group, ...]]] = {"audit": (cmd_audit, (AUDIT, SCALE))}
+
+
+def cmd_audit_schema(args: argparse.Namespace) -> dict:
+    """Print the JSON Schema of audit's --json report (docs/audit-report.schema.json holds the same), for CI to validate."""
+    return report_schema()
+
+
+COMMANDS: dict[str, tuple[Handler, tuple[Group, ...]]] = {"audit": (cmd_audit, (AUDIT, SCALE)), "audit-schema": (cmd_audit_schema, ())}

@@ -11,10 +11,14 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.audit.changes.fields import BLOCK_TOKENS, FieldChange, TurnDiff, common_prefix, value_kind
 from engine.audit.logs.render import RenderedRequest
 from engine.audit.logs.requests import Request
+
+if TYPE_CHECKING:
+    from engine.audit.report.types import CauseDict
 
 CAUSES = {
     "new_prefix": "no earlier request shares a prefix with this one: a cold prefill",
@@ -53,7 +57,7 @@ class Cause:
     tokens: int
     field: str | None = None
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> CauseDict:
         return {"name": self.name, "field": self.field, "detail": self.detail, "tokens": self.tokens}
 
 

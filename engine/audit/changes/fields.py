@@ -15,11 +15,15 @@ import difflib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from engine.audit.logs.render import RenderedRequest
 from engine.audit.logs.requests import RequestLogError
+
+if TYPE_CHECKING:
+    from engine.audit.report.types import CandidateDict, FieldChangeDict
 
 BLOCK_TOKENS = 16  # vLLM's default KV block size
 ANCHOR_TOKENS = 8  # equal tokens that resynchronise the diff after a change
@@ -116,7 +120,7 @@ class FieldChange:
     char_span: tuple[int, int]  # the new value in the newer request's text
     old_char_span: tuple[int, int]
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> FieldChangeDict:
         return {"name": self.name, "old": self.old, "new": self.new, "start": self.start, "end": self.end}
 
 
@@ -277,7 +281,7 @@ class Candidate:
     start: int  # tokens
     end: int
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> CandidateDict:
         return {"kind": self.kind, "text": self.text, "start": self.start, "end": self.end, "chars": list(self.char_span)}
 
 

@@ -28,12 +28,16 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
 from engine.audit.endpoint.answers import Answer, EndpointError, Probe, read_answer
 from engine.errors import Unreachable
 from engine.progress import StepProgress
+
+if TYPE_CHECKING:
+    from engine.audit.report.types import EndpointDescriptionDict
 
 KEY_ENV = "KVSCOPE_ENDPOINT_KEY"  # the environment variable the API key is read from
 DEFAULT_TOP_K = 20  # the OpenAI API's most; vLLM's --max-logprobs default
@@ -157,7 +161,7 @@ class EndpointClient:
             base_url=self.settings.base, headers=self._headers(), timeout=timeout, limits=limits, transport=self.transport, trust_env=False
         )
 
-    def describe(self) -> dict:
+    def describe(self) -> EndpointDescriptionDict:
         """The endpoint as the JSON names it (never the key)."""
         server = self.server
         return {

@@ -25,9 +25,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.audit.endpoint.answers import Answer, Token
 from engine.audit.prompts.repair_requests import OutputFidelity, greedy_agreement
+
+if TYPE_CHECKING:
+    from engine.audit.report.types import EndpointFidelityDict
 
 TAIL_FLOOR = 1e-6  # a tail mass at or below it is the float32 rounding of the listed log-probs, not a tail
 
@@ -80,7 +84,7 @@ class EndpointFidelity:
     top_k: int  # the shorter of the two lists
     same_text: bool
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> EndpointFidelityDict:
         f = self.fidelity
         return {
             "kl": round(f.kl, 8),

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.audit.endpoint.answers import Answer, Probe
 from engine.audit.endpoint.client import CHAT, COMPLETIONS, EndpointClient, Server
@@ -29,6 +29,17 @@ from engine.audit.prompts.repair_requests import LEVEL_WORDS, REPAIR_LEVELS, Lev
 from engine.audit.rewrite.measure import RewriteReport, RewrittenRequest, check_pairing, check_rendered
 from engine.audit.scan.token_pass import TrafficGroup, TrafficScan, scan_log
 from engine.progress import StepProgress
+
+if TYPE_CHECKING:
+    from engine.audit.report.types import (
+        EndpointAuditDict,
+        EndpointDescriptionDict,
+        EndpointRepairDict,
+        EndpointRepairFidelityDict,
+        EndpointRewrittenRequestDict,
+        EndpointTurnDict,
+        NotApplicableDict,
+    )
 
 
 def probe_for(server: Server, rendered: RenderedRequest, tokens: int, top_k: int, lane: str | None) -> Probe:
@@ -67,8 +78,8 @@ class EndpointTurn:
     repairs: dict[str, EndpointFidelity | str]  # the comparison, or why the repair does not apply
     cached_tokens: dict[str, int | None]  # per repair, the server's reported cached tokens
 
-    def as_dict(self, threshold: float, min_agreement: float) -> dict:
-        repairs: dict[str, dict] = {}
+    def as_dict(self, threshold: float, min_agreement: float) -> EndpointTurnDict:
+        repairs: dict[str, EndpointRepairDict | NotApplicableDict] = {}
         for name, measured in self.repairs.items():
             if isinstance(measured, str):
                 repairs[name] = {"applicable": False, "reason": measured}
@@ -99,17 +110,17 @@ def _holds(measured: EndpointFidelity, threshold: float, min_agreement: float) -
 class EndpointAudit:
     """The sampled turns of a log measured on an endpoint."""
 
-    endpoint: dict
+    endpoint: EndpointDescriptionDict
     turns: tuple[EndpointTurn, ...]
     not_measurable: dict[str, str]
     threshold: float
     min_agreement: float
 
-    def group_fidelity(self, requests: Sequence[int]) -> dict:
+    def group_fidelity(self, requests: Sequence[int]) -> dict[str, EndpointRepairFidelityDict]:
         """Per prompt-level repair over a group's measured turns: how many it applied to and held the bars on, its worst
         KL (with its bound) and its least agreement."""
         turns = [turn for turn in self.turns if turn.request in requests]
-        summary = {}
+        summary: dict[str, EndpointRepairFidelityDict] = {}
         for name in dict.fromkeys(name for turn in turns for name in turn.repairs if name != "recompute"):
             applied = [turn.repairs[name] for turn in turns if isinstance(turn.repairs.get(name), EndpointFidelity)]
             worst = max(applied, key=lambda m: m.fidelity.kl, default=None)
@@ -123,7 +134,7 @@ class EndpointAudit:
             }
         return summary
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> EndpointAuditDict:
         return {
             **self.endpoint,
             "not_measurable": dict(self.not_measurable),
@@ -207,10 +218,10 @@ class EndpointRewrite:
     measured: tuple[EndpointFidelity, ...]
     cached_before: tuple[int | None, ...]
     cached_after: tuple[int | None, ...]
-    endpoint: dict
+    endpoint: EndpointDescriptionDict
     simulated_engine: str
 
-    def rows(self) -> list[dict]:
+    def rows(self) -> list[EndpointRewrittenRequestDict]:
         engine = self.simulated_engine
         return [
             row.as_dict()

@@ -15,6 +15,7 @@ from engine.errors import KVScopeError
 
 if TYPE_CHECKING:  # the model is only read here; the token pass's workers need no torch
     pass
+    from engine.audit.report.types import FlaggedDict, ReadingDict, SkippedDict
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -127,7 +128,7 @@ class Skipped:
     def message(self) -> str:
         return named_problem(f"line {self.line}", self.key, self.reason)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> SkippedDict:
         return {"line": self.line, "key": self.key, "reason": self.reason}
 
 
@@ -140,7 +141,7 @@ class Flagged:
     key: str
     reason: str
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> FlaggedDict:
         return {"request": self.request, "line": self.line, "key": self.key, "reason": self.reason}
 
 
@@ -161,7 +162,7 @@ class RequestLog:
     order: str = "log"
     flagged: tuple[Flagged, ...] = ()
 
-    def reading(self) -> dict:
+    def reading(self) -> ReadingDict:
         """How the log was read, for reports: the order used and why, the requests without a timestamp, the flags."""
         untimed = sum(request.timestamp is None for request in self.requests)
         keys: dict[str, int] = {}

@@ -5,6 +5,7 @@ it where one holds them too, and why, in words drawn from the numbers."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.audit.measure.repairs import (
     LEVEL_WORDS,
@@ -13,6 +14,9 @@ from engine.audit.measure.repairs import (
     OutputFidelity,
     RepairResult,
 )
+
+if TYPE_CHECKING:
+    from engine.audit.report.types import KvAlternativeDict, RecommendationDict
 
 DEFAULT_THRESHOLD = 0.05  # nats of KL divergence of the next-token distribution
 DEFAULT_MIN_AGREEMENT = 0.9  # of the greedy tokens generated from the state and from the clean prefill
@@ -27,7 +31,7 @@ class KvAlternative:
     saved_tokens: int
     saved_ttft_ms: float
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> KvAlternativeDict:
         return {"repair": self.repair, "saved_tokens": self.saved_tokens, "saved_ttft_ms": round(self.saved_ttft_ms, 2)}
 
 
@@ -41,7 +45,7 @@ class Recommendation:
     kv_alternative: KvAlternative | None = None
     bars: Bars | None = None  # what every repair of the turn was judged against
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> RecommendationDict:
         kv = self.kv_alternative.as_dict() if self.kv_alternative else None
         return {"repair": self.repair, "level": REPAIR_LEVELS[self.repair].value, "reason": self.reason, "kv_alternative": kv}
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -68,6 +69,9 @@ from engine.cache.decision import kl_divergence
 from engine.cache.loaded import LoadedModel
 from engine.cache.notebook import Notebook
 from engine.edit.strategies import REGISTRY as STRATEGY_REGISTRY
+
+if TYPE_CHECKING:
+    from engine.audit.report.types import RepairResultDict
 
 
 @dataclass(frozen=True)
@@ -109,7 +113,7 @@ class RepairResult:
     def level(self) -> Level:
         return REPAIR_LEVELS[self.name]
 
-    def as_dict(self, full_ttft_ms: float) -> dict:
+    def as_dict(self, full_ttft_ms: float) -> RepairResultDict:
         if not self.applicable:
             keys = (
                 "reused_tokens",

@@ -13,7 +13,7 @@ import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from engine.audit.changes.fields import TurnDiff
 from engine.audit.logs.render import RenderedRequest, context_limit
@@ -30,13 +30,16 @@ from engine.cache.budget import Cancelled
 from engine.cache.loaded import LoadedModel, LoadedTokenizer
 from engine.progress import MessageProgress, StepProgress, Tick
 
+if TYPE_CHECKING:
+    from engine.audit.report.types import LogAudit, RepairFidelityDict
+
 DEFAULT_SAMPLE = 3  # turns measured per group
 
 
-def group_fidelity(turns: Sequence[AuditTurn]) -> dict:
+def group_fidelity(turns: Sequence[AuditTurn]) -> dict[str, RepairFidelityDict]:
     """Per repair over a group's measured turns: how many it applied to and stayed within the threshold on, its
     worst KL and agreement, and its mean share of computed tokens; and how often each repair was recommended."""
-    summary: dict[str, Any] = {}
+    summary: dict[str, RepairFidelityDict] = {}
     for name in dict.fromkeys(name for turn in turns for name in turn.repairs):
         results = [(turn, turn.repairs[name]) for turn in turns if name in turn.repairs]
         applied = [(turn, result) for turn, result in results if result.applicable]
@@ -70,7 +73,7 @@ class TrafficReport:
         """Whether some measurable turn was left unmeasured (the model ran on a sample, not every turn)."""
         return any(group.measurable > len(group.measured) for group in self.groups)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> LogAudit:
         scan = self.scan
         return (
             {

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from engine.audit.changes.fields import Candidate, FieldChange, TurnDiff, candidate_spans, diff_requests
 from engine.audit.logs.render import RenderedRequest, render_request
@@ -28,6 +29,9 @@ from engine.audit.prompts.template import written_template
 from engine.cache.loaded import LoadedModel
 from engine.progress import StepProgress, Tick, ticker
 from engine.scenario import Field, Scenario, escape_braces
+
+if TYPE_CHECKING:
+    from engine.audit.report.types import AuditTurnDict, PromptAudit, RepairDict
 
 DEFAULT_TOKENS = 32
 
@@ -48,13 +52,13 @@ class AuditTurn:
     def fields(self) -> tuple[FieldChange, ...]:
         return self.diff.fields if self.diff else ()
 
-    def _repair_dict(self, result: RepairResult) -> dict:
+    def _repair_dict(self, result: RepairResult) -> RepairDict:
         """A repair's JSON, with whether it holds the bars the recommendation judged it against."""
         bars = self.recommendation.bars if self.recommendation else None
         holds = bars.holds(result) if bars is not None and result.applicable else None
         return result.as_dict(self.full_ttft_ms or 0.0) | {"within_bars": holds}
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> AuditTurnDict:
         diff = self.diff
         return {
             "request": self.request,
@@ -84,7 +88,7 @@ class AuditReport:
     turns: tuple[AuditTurn, ...]
     rendered: tuple[RenderedRequest, ...]
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> PromptAudit:
         return {
             "model": self.model,
             "dtype": self.dtype,

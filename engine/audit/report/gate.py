@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from engine.audit.report.types import AuditJSON, GateConditionDict, GateDict, LogAudit, RepairDict, RewrittenRequestDict
 from engine.audit.simulate.registry import ENGINES, LABELS
 from engine.audit.simulate.step import replies_sentence
 from engine.errors import KVScopeError
@@ -81,18 +82,20 @@ def _condition(text: str, flag: str) -> Condition:
     return Condition(text, name, op, bound)
 
 
-def quantity(name: str, report: dict) -> float:
-    """A quantity of ``QUANTITIES`` read from an audit report (the JSON dict)."""
+def quantity(name: str, report: AuditJSON) -> float:
+    """A quantity of ``QUANTITIES`` read from an audit report (its JSON, ``types.AuditJSON``)."""
     rewrite = report.get("rewrite")
     if name.startswith("reuse"):
         engine = name.partition(".")[2] or "vllm"
         if rewrite is not None:
             tokens = sum(row["tokens_after"] for row in rewrite)
             reused = sum(row["reused_tokens_after"][engine] for row in rewrite)
-        else:
+        elif "engines" in report:
             tokens, reused = report["engines"]["tokens"], report["engines"]["reused_tokens"][engine]
+        else:
+            raise GateError(f"--fail-on {name}: one prompt's audit (--new) simulates no serving engine; gate it on kl, agreement or top1")
         return reused / tokens if tokens else 0.0
-    rows = rewrite if rewrite is not None else _recommended(report)
+    rows: list[RewrittenRequestDict] | list[RepairDict] = rewrite if rewrite is not None else _recommended(report)
     if not rows:
         raise GateError(f"--fail-on {name}: no request was measured with the model (--sample 0?), so there is no {name} to gate on")
     if name == "kl":
@@ -102,14 +105,14 @@ def quantity(name: str, report: dict) -> float:
     return sum(bool(row["top1_agree"]) for row in rows) / len(rows)
 
 
-def _recommended(report: dict) -> list[dict]:
+def _recommended(report: AuditJSON) -> list[RepairDict]:
     """Each measured turn's recommended repair, as its JSON row."""
     return [turn["repairs"][turn["recommendation"]["repair"]] for turn in report.get("turns", ()) if turn.get("recommendation")]
 
 
-def gate(conditions: Sequence[Condition], report: dict) -> dict:
+def gate(conditions: Sequence[Condition], report: AuditJSON) -> GateDict:
     """Each condition with its value and whether it holds; ``failed`` when any holds."""
-    rows = []
+    rows: list[GateConditionDict] = []
     for condition in conditions:
         value = quantity(condition.quantity, report)
         rows.append({"condition": condition.text, "quantity": condition.quantity, "value": value, "holds": condition.holds(value)})
@@ -122,7 +125,7 @@ def exit_code(report: dict) -> int:
 
 
 # ---------------------------------------------------------------- the Markdown summary for a pull-request comment
-def markdown(report: dict) -> str:
+def markdown(report: LogAudit) -> str:
     """The report as Markdown: the engines' reuse, the table of turns with their causes, the rewrite's verdict and
     each changed answer side by side, and the gate's outcome."""
     engines = report["engines"]
@@ -148,7 +151,7 @@ def markdown(report: dict) -> str:
     return "\n".join(parts) + "\n"
 
 
-def rewrite_markdown(verdict: str, rows: list[dict]) -> str:
+def rewrite_markdown(verdict: str, rows: list[RewrittenRequestDict]) -> str:
     """A measured rewrite (``RewrittenRequest.as_dict()`` rows): its verdict, the table per request and each answer that
     changes beside the original's."""
     parts = [f"**{verdict}**", "", _rewrite_table(rows)]
@@ -159,7 +162,7 @@ def rewrite_markdown(verdict: str, rows: list[dict]) -> str:
     return "\n".join(parts)
 
 
-def _turns_table(report: dict) -> str:
+def _turns_table(report: LogAudit) -> str:
     recommended = {turn["request"]: turn["recommendation"]["repair"] for turn in report.get("turns", ()) if turn.get("recommendation")}
     heads = ["request", "session", "matched", "tokens", *(LABELS[engine] for engine in ENGINES), "causes", "recommended"]
     lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
@@ -179,7 +182,7 @@ def _turns_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _rewrite_table(rows: list[dict]) -> str:
+def _rewrite_table(rows: list[RewrittenRequestDict]) -> str:
     lines = [
         "| request | vLLM reuse before → after | KL | top-1 | top-5 | agreement | common prefix | same text |",
         "|---|---|---|---|---|---|---|---|",

@@ -27,6 +27,7 @@ from engine.progress import StepProgress, ticker
 
 if TYPE_CHECKING:  # the model is read by the measurement alone: pairing, templates and reports import no torch
     from engine.audit.measure.kv_store import ComputedStates
+    from engine.audit.report.types import RewrittenRequestDict
     from engine.cache.loaded import LoadedModel
 
 REUSE_ENGINE = "vllm"  # the engine the verdict's reuse is said for
@@ -62,7 +63,7 @@ class RewrittenRequest:
         greedy = f"{f.generation_agreement:.0%} of {self.generated} greedy tokens agree, the first {f.generated_common_prefix} in a row"
         return f"{reuse}; {first}; {greedy}; {'the same text' if self.same_text else 'the text changes'}"
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> RewrittenRequestDict:
         f = self.fidelity
         return {
             "request": self.request,

@@ -16,7 +16,7 @@ import gc
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from engine.audit.simulate.observed import Reported, observe
 from engine.audit.simulate.registry import ENGINES
 from engine.audit.simulate.step import REPLY_COUNTS, Simulation, Step
 from engine.progress import StepProgress
+
+if TYPE_CHECKING:
+    from engine.audit.report.types import CauseCountDict, ReadingDict, SessionDict, TotalsDict, TrafficGroupDict, TrafficRequestDict
 
 _PROGRESS_STEPS = 50  # progress reports per phase of the token pass
 
@@ -57,7 +60,7 @@ class TrafficRequest:
     observed_prompt_tokens: int | None = None  # the prompt as the server counted it (None: not reported)
     model: str | None = None  # the model its record names
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> TrafficRequestDict:
         return {
             "request": self.request,
             "line": self.line,
@@ -86,7 +89,7 @@ class SessionSummary:
     tokens: int
     reused_tokens: dict[str, int]
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> SessionDict:
         return {"session": self.session, "requests": self.requests, "tokens": self.tokens, "reused_tokens": dict(self.reused_tokens)}
 
 
@@ -102,7 +105,7 @@ class TrafficScan:
     rendered: dict[int, RenderedRequest] = field(repr=False)
     diffs: dict[int, TurnDiff] = field(repr=False)
     observed_engine: str = "vllm"  # the engine the observed counts are compared with
-    reading: dict = field(default_factory=dict)  # how the log was read: RequestLog.reading()
+    reading: ReadingDict = field(default_factory=dict)  # how the log was read: RequestLog.reading()
     fleet: tuple[FleetResult, ...] = ()  # the fleets simulated (``fleet.Fleet``), when asked for
     replies: dict[str, int] = field(default_factory=dict)  # requests per ``step.REPLY_COUNTS`` key
     reply_from: dict[int, tuple[int, int]] = field(default_factory=dict, repr=False)  # request -> (next turn, reply tokens it resent)
@@ -133,7 +136,7 @@ class TrafficScan:
             grouped.setdefault(row.signature, []).append(row)
         return dict(sorted(grouped.items(), key=lambda item: -sum(r.tokens for r in item[1])))
 
-    def totals(self) -> dict:
+    def totals(self) -> TotalsDict:
         """The log's tokens and each engine's reuse, with replies cached as servers cache them and with prompts only,
         and where the replies came from (``step.REPLY_COUNTS``)."""
         tokens = sum(row.tokens for row in self.requests)
@@ -151,9 +154,9 @@ class TrafficScan:
             "replies": {key: self.replies.get(key, 0) for key in REPLY_COUNTS},
         }
 
-    def cause_counts(self) -> dict[str, dict]:
+    def cause_counts(self) -> dict[str, CauseCountDict]:
         """Per cause: the requests it occurs in, its occurrences, and the tokens it costs."""
-        counts: dict[str, dict] = {}
+        counts: dict[str, CauseCountDict] = {}
         for row in self.requests:
             for cause in row.causes:
                 entry = counts.setdefault(cause.name, {"requests": 0, "occurrences": 0, "tokens": 0})
@@ -334,7 +337,7 @@ class TrafficGroup:
     measured: tuple[int, ...]
     reason: str | None  # why none was measured, when none was
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> TrafficGroupDict:
         return {
             "signature": self.signature,
             "count": len(self.requests),

@@ -29,10 +29,14 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from engine.audit.changes.fields import BLOCK_TOKENS, common_prefix
+
+if TYPE_CHECKING:
+    from engine.audit.report.types import CacheSettingsDict
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,7 @@ class CacheSettings:
     cache_reuse: int = 0  # llama.cpp --cache-reuse N (0: off, its default)
     prompt_cache: bool = False  # llama.cpp: clients pin no slot; slots by similarity and the RAM prompt cache (``ServerSlots``)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> CacheSettingsDict:
         return {
             "block": self.block,
             "budget_blocks": self.budget_blocks,

@@ -21,12 +21,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from engine.audit.simulate.caches import CacheSettings, Engines
 from engine.audit.simulate.registry import ENGINES
 from engine.errors import KVScopeError
+
+if TYPE_CHECKING:
+    from engine.audit.report.types import FleetDict
 
 ROUTINGS = {
     "round_robin": "the i-th request to replica i mod N",
@@ -54,7 +58,7 @@ class FleetResult:
     def hit_rate(self) -> dict[str, float]:
         return {engine: round(count / self.tokens, 4) if self.tokens else 0.0 for engine, count in self.reused_tokens.items()}
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> FleetDict:
         return {
             "replicas": self.replicas,
             "routing": self.routing,

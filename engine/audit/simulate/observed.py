@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -24,6 +24,9 @@ from engine.audit.logs.requests import Request, RequestLogError
 from engine.audit.simulate.caches import BlockCache
 from engine.audit.simulate.hosted import TOKENS_NOTE, provider_of
 from engine.audit.simulate.registry import ENGINES, PROVIDERS
+
+if TYPE_CHECKING:
+    from engine.audit.report.types import FitSettingDict, ObservedDict, ObservedFitDict
 
 OBSERVED_ENGINES = tuple(ENGINES)  # the engines --observed-engine may compare with
 OBSERVED_CAUSES = ("observed_shortfall", "observed_excess")  # causes of a gap to what the server reported, not of a miss
@@ -224,7 +227,7 @@ class ObservedSummary:
             words += f"; the log names {self.other_tokenizer}, not the loaded model: its tokens are not the engines'"
         return words
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> ObservedDict:
         return {
             "engine": self.engine,
             "requests_with_count": self.requests,
@@ -315,7 +318,7 @@ class FitSetting:
     budget_tokens: int | None  # None: unbounded
     matches: int
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> FitSettingDict:
         return {"block": self.block, "budget_tokens": self.budget_tokens, "matches": self.matches}
 
 
@@ -331,7 +334,7 @@ class ObservedFit:
     def best(self) -> FitSetting:
         return self.tried[0]
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> ObservedFitDict:
         best = self.best
         return {
             "requests_with_count": self.requests,

@@ -20,12 +20,14 @@ from engine.audit.endpoint.client import EndpointClient, EndpointSettings, Endpo
 from engine.audit.endpoint.fidelity import compare, estimate_kl
 from engine.audit.endpoint.model_pass import measure_rewrite_on_endpoint
 from engine.audit.logs.reading import read_log
+from engine.audit.report import types
 from engine.audit.rewrite.measure import measure_rewrite
 from engine.audit.simulate.caches import CacheSettings
 from engine.cache.decision import kl_divergence
 from engine.cli import main
 from engine.errors import Unreachable
 from tests.fake_endpoint import FakeServer, serving
+from tests.shared import assert_valid_report
 
 RULES = "Account tier: gold\nAnswer in one short paragraph. Never promise a refund above the tier's limit."
 SYSTEM = "You are the support agent of Northwind.\nThe current time is {time}.\n" + RULES
@@ -253,19 +255,19 @@ def test_the_command_gives_the_fidelity_keys_the_endpoint_top_k_and_the_bound_an
         assert main(argv) == 0
     text = out.getvalue()
     result = json.loads(text)
+    assert_valid_report(result)  # every key of the endpoint's turns and rewritten rows, of its type
     assert result["endpoint"]["model"] == "served" and result["endpoint"]["top_k"] == 20 and "kl_bound" in result["endpoint"]
     assert result["endpoint"]["sent_as"].startswith("token ids") and set(result["endpoint"]["not_measurable"]) == {
         "field_only",
         "field_erratum",
     }
     rows = result["rewrite"]
-    assert len(rows) == 3 and all(
-        {"kl", "kl_bound", "top1_agree", "generation_agreement", "generated_common_prefix"} <= set(row) for row in rows
-    )
+    assert len(rows) == 3 and all(set(row) == set(types.EndpointRewrittenRequestDict.__annotations__) for row in rows)
     assert rows[0]["server_cached_tokens_before"] == 0 and rows[0]["simulated_engine"] == "vllm"
     turns = {turn["request"]: turn for turn in result["endpoint"]["turns"]}
     assert sorted(turns) == [2, 3] and turns[3]["matched_request"] == 1  # request 3: session a's clock changed
-    assert turns[3]["repairs"]["erratum"]["applicable"] and {"kl", "kl_bound", "top1_agree"} <= set(turns[3]["repairs"]["erratum"])
+    erratum = turns[3]["repairs"]["erratum"]
+    assert erratum["applicable"] and set(erratum) == types.EndpointRepairDict.__required_keys__
     assert "already in the last message" in turns[3]["repairs"]["hoist"]["reason"]  # the question changed too
     assert all(header.get("authorization") == "Bearer sk-never-written-7f3a" for header in fake.headers)
     assert "sk-never-written" not in text and "sk-never-written" not in cache.read_text()

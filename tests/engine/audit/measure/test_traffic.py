@@ -19,6 +19,7 @@ from engine.audit.scan.token_pass import scan_log
 from engine.audit.simulate.caches import BlockCache, RadixCache, SlotCache
 from engine.cache.budget import Cancelled
 from engine.models.tiny import tiny_model, tiny_tokenizer
+from tests.shared import assert_valid_report
 
 # Qwen2.5-Instruct's chat template (Apache-2.0): tools in the system turn, <tool_call> blocks, tool responses.
 QWEN_TEMPLATE = (
@@ -457,4 +458,5 @@ def test_the_token_pass_shown_while_the_model_pass_runs_is_the_audits_own():
     )
     assert all(group["measured"] == [] for group in pending["groups"]) and "pending" not in made
     assert "being measured: the model pass is running" in [group["reason"] for group in pending["groups"]]
+    assert_valid_report(pending)  # the published schema names it
     assert [bounded_sample(scan, 3, most) for most in (None, 3, 2, 1, 0)] == [3, 3, 2, 1, 0]

@@ -46,6 +46,10 @@ def test_each_quantity_is_over_what_it_names():
     assert quantity("kl", rewrite) == 0.05 and quantity("agreement", rewrite) == 0.75 and quantity("top1", rewrite) == 0.5
     assert quantity("reuse", LOG) == 0.25 and quantity("reuse.llama_cpp", LOG) == 0.0
     assert quantity("kl", LOG) == 0.2 and quantity("agreement", LOG) == 0.5 and quantity("top1", LOG) == 1.0
+    prompt = {"turns": LOG["turns"]}  # one prompt's audit (--new): no engines simulated
+    assert quantity("kl", prompt) == 0.2
+    with pytest.raises(GateError, match="one prompt's audit \\(--new\\) simulates no serving engine"):
+        quantity("reuse", prompt)
 
 
 @pytest.mark.parametrize(

@@ -75,6 +75,7 @@ def test_bad_fleets_are_refused_by_name():
 
 def test_the_cli_reads_many_files_and_reports_the_fleets(tmp_path):
     from tests.engine.test_cli import run_cli
+    from tests.shared import assert_valid_report
 
     lines = open("demos/logs/traffic/interleaved_agents.jsonl", encoding="utf-8").read().splitlines()
     (tmp_path / "a.jsonl").write_text("\n".join(lines[:3]) + "\n", encoding="utf-8")
@@ -82,6 +83,7 @@ def test_the_cli_reads_many_files_and_reports_the_fleets(tmp_path):
         stream.write("\n".join(lines[3:]) + "\n")
     args = ("--model", "tiny-qwen2", "--sample", "0")
     code, whole = run_cli("audit", "demos/logs/traffic/interleaved_agents.jsonl", *args, "--replicas", "1,2", "--routing", "session,prefix")
+    assert_valid_report(whole)
     assert code == 0 and [(f["replicas"], f["routing"]) for f in whole["fleet"]] == [
         (1, "session"),
         (1, "prefix"),

@@ -20,6 +20,7 @@ from engine.models import load_model
 from engine.models.tiny import tiny_tokenizer
 from tests.engine.audit.measure.test_traffic import QWEN_TEMPLATE, _chat, _interleaved
 from tests.engine.test_cli import run_cli
+from tests.shared import assert_valid_report
 
 
 @pytest.fixture(scope="module")
@@ -287,6 +288,7 @@ def test_the_cli_compares_a_gateway_logs_observed_counts_and_fits_them(tmp_path)
     lm = load_model("tiny-qwen2")
     simulated = {row.request: row.reused_tokens["sglang"] for row in scan_log(lm.tokenizer, read_log(text)).requests}
     code, audit = run_cli("audit", str(path), "--model", "tiny-qwen2", "--sample", "0", "--observed-engine", "sglang", "--fit-observed")
+    assert_valid_report(audit)
     assert code == 0
     assert [row["observed_cached_tokens"] for row in audit["requests"]] == counts
     short = {row["request"]: c["tokens"] for row in audit["requests"] for c in row["causes"] if c["name"] == "observed_shortfall"}

@@ -1,0 +1,259 @@
+"""The token pass's parts of the report: how the log was read (``logs``), what changed and why a request misses
+(``changes``), the simulated caches' reuse and the observed counts (``simulate``), every request, session and change group
+(``scan``)."""
+
+from typing import NotRequired, TypedDict
+
+# ------------------------------------------------------------------------------------------------------------- logs
+
+
+class SkippedDict(TypedDict):
+    """A record left out of the audit: its line, the key and why."""
+
+    line: int
+    key: str
+    reason: str
+
+
+class FlaggedDict(TypedDict):
+    """Something a kept request's record says that could not be read (a cached count, a time), dropped, and why."""
+
+    request: int
+    line: int
+    key: str
+    reason: str
+
+
+class ReadingDict(TypedDict):
+    """How the log was read: the order used and why, the requests without a timestamp, what was flagged, and the
+    record keys the sessions were read from (with how many requests each)."""
+
+    order: str
+    order_reason: str
+    untimed_requests: int
+    flagged: list[FlaggedDict]
+    session_keys: dict[str, int]
+
+
+# ---------------------------------------------------------------------------------------------------------- changes
+
+
+class CauseDict(TypedDict):
+    """One reason a request misses the cache (``changes.causes.CAUSES``), the field it concerns, and the tokens it costs."""
+
+    name: str
+    field: str | None
+    detail: str
+    tokens: int
+
+
+class FieldChangeDict(TypedDict):
+    """A value that changed inside shared content: its name, old and new text, and its tokens [start, end)."""
+
+    name: str
+    old: str
+    new: str
+    start: int
+    end: int
+
+
+class CandidateDict(TypedDict):
+    """A span of one prompt that looks volatile (``--new``'s candidates; not in the report): its kind, text, tokens
+    [start, end) and characters."""
+
+    kind: str
+    text: str
+    start: int
+    end: int
+    chars: list[int]
+
+
+# --------------------------------------------------------------------------------------------------------- simulate
+
+
+class CacheSettingsDict(TypedDict):
+    """The simulated engines' settings (null: unbounded, or one slot per session)."""
+
+    block: int
+    budget_blocks: int | None
+    budget_tokens: int | None
+    slots: int | None
+    cache_reuse: int
+    prompt_cache: bool
+
+
+class PromptsOnlyDict(TypedDict):
+    """Each engine's reuse were no reply ever cached."""
+
+    reused_tokens: dict[str, int]
+    hit_rate: dict[str, float]
+
+
+class TotalsDict(TypedDict):
+    """The log's requests and prompt tokens, each engine's reuse and hit rate (with replies cached, and prompts only),
+    and where the replies came from (``simulate.step.REPLY_COUNTS``)."""
+
+    requests: int
+    tokens: int
+    reused_tokens: dict[str, int]
+    hit_rate: dict[str, float]
+    prompts_only: PromptsOnlyDict
+    replies: dict[str, int]
+
+
+class EnginesDict(TotalsDict):
+    """The totals, with the settings simulated."""
+
+    settings: CacheSettingsDict
+
+
+class FleetDict(TypedDict):
+    """One fleet's reuse: N replicas behind one routing policy, per engine."""
+
+    replicas: int
+    routing: str
+    tokens: int
+    reused_tokens: dict[str, int]
+    hit_rate: dict[str, float]
+    requests_per_replica: list[int]
+
+
+class ServerCountedDict(TypedDict):
+    """The cached and prompt tokens as the server counted both, where it logged both."""
+
+    cached_tokens: int
+    prompt_tokens: int
+
+
+class GapDict(TypedDict):
+    """Requests whose observed count falls short of (or exceeds) the simulation, and the tokens."""
+
+    requests: int
+    tokens: int
+
+
+class FitSettingDict(TypedDict):
+    """One block-cache setting tried by ``--fit-observed``, and the requests whose observed count it reproduces."""
+
+    block: int
+    budget_tokens: int | None
+    matches: int
+
+
+class FitBestDict(FitSettingDict):
+    """The best setting, with its share of the requests with a count."""
+
+    share: float | None
+
+
+class ObservedFitDict(TypedDict):
+    """``--fit-observed``: the settings tried over the requests with an observed count, best first."""
+
+    requests_with_count: int
+    working_set_tokens: int
+    best: FitBestDict
+    tied: list[FitSettingDict]
+    tried: list[FitSettingDict]
+
+
+class MetricsDict(TypedDict):
+    """``--metrics``: what the server's Prometheus scrapes say beside each engine's simulated hit rate (``hits`` and
+    ``queries`` from counters; a hit-rate gauge gives the rate alone)."""
+
+    source: str
+    hits: NotRequired[int]
+    queries: NotRequired[int]
+    hit_rate: float | None
+    simulated_hit_rate: dict[str, float]
+
+
+class ObservedDict(TypedDict):
+    """The cached tokens the log reports against the simulation, over the requests that carry a count."""
+
+    engine: str
+    requests_with_count: int
+    requests_without_count: int
+    tokens: int
+    observed_tokens: int
+    hit_rate: dict[str, float | None]
+    observed_rate_over: str
+    server_counted: ServerCountedDict
+    equal: int
+    equal_share: float | None
+    shortfalls: GapDict
+    excesses: GapDict
+    fit: NotRequired[ObservedFitDict]
+    metrics: NotRequired[MetricsDict]
+
+
+class HostedProviderDict(TypedDict):
+    """A hosted provider's simulated cache over the requests naming its models: its rule, requests, tokens, reuse."""
+
+    rule: str
+    requests: int
+    tokens: int
+    reused_tokens: int
+    hit_rate: float | None
+
+
+HostedDict = dict[str, HostedProviderDict | str]  # per provider the log names, and "note" (a string) when any
+
+
+# ------------------------------------------------------------------------------------------------------------- scan
+
+
+class BreakpointDict(TypedDict):
+    """A ``cache_control`` breakpoint: its label and the token it caches up to (null: not found)."""
+
+    label: str
+    token: int | None
+
+
+class TrafficRequestDict(TypedDict):
+    """One request after the token pass: its match, what changed, why it misses, and what each engine reuses."""
+
+    request: int
+    line: int
+    session: str | None
+    tokens: int
+    matched_request: int | None
+    common_prefix_tokens: int
+    appended_tokens: int
+    fields: list[str]
+    causes: list[CauseDict]
+    reused_tokens: dict[str, int]
+    signature: str
+    cache_breakpoints: list[BreakpointDict]
+    observed_cached_tokens: int | None
+    observed_prompt_tokens: int | None
+    hosted_reused_tokens: dict[str, int]
+
+
+class SessionDict(TypedDict):
+    """One session's requests, tokens and tokens reused per engine."""
+
+    session: str | None
+    requests: int
+    tokens: int
+    reused_tokens: dict[str, int]
+
+
+class CauseCountDict(TypedDict):
+    """One cause over the log: the requests it occurs in, its occurrences, and the tokens it costs."""
+
+    requests: int
+    occurrences: int
+    tokens: int
+
+
+class TrafficGroupDict(TypedDict):
+    """One change signature: its requests, their share of the tokens, and the turns measured (or why none)."""
+
+    signature: str
+    count: int
+    tokens: int
+    token_share: float
+    requests: list[int]
+    measurable: int
+    measured: list[int]
+    reason: str | None

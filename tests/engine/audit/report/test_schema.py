@@ -1,0 +1,114 @@
+"""The report is the schema: every ``as_dict`` of the audit returns one of ``engine.audit.report.types``, the published
+JSON Schema (docs/audit-report.schema.json) is the one generated from them and is what ``audit-schema`` prints, each
+bundled log's report validates against it, and a report missing a required key or holding an unnamed one does not."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import inspect
+import io
+import json
+import pkgutil
+import typing
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+import engine.audit
+from engine.audit.report import types
+from engine.audit.report.schema import PUBLISHED, report_schema, schema_text
+from engine.cli import main
+from tests.shared import assert_valid_report
+
+ROOT = Path(__file__).resolve().parents[4]
+LOGS = sorted((ROOT / "demos" / "logs").glob("*.jsonl"))
+OPTIONAL_STAGES = ("distributed",)  # Ray is an extra: its modules are walked where it is installed
+
+
+def _cli(*args: str) -> tuple[int, dict]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        code = main([*args, "--json"])
+    return code, json.loads(out.getvalue())
+
+
+def _audit_modules() -> list:
+    modules = []
+    for info in pkgutil.walk_packages(engine.audit.__path__, "engine.audit."):
+        try:
+            modules.append(importlib.import_module(info.name))
+        except ImportError:
+            assert info.name.split(".")[2] in OPTIONAL_STAGES, info.name
+    return modules
+
+
+def test_every_as_dict_of_the_audit_returns_a_part_of_the_report():
+    typed = {value for value in vars(types).values() if typing.is_typeddict(value)}
+    found = []
+    for module in _audit_modules():
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ == module.__name__ and "as_dict" in vars(cls):
+                returned = typing.get_type_hints(cls.as_dict, vars(module), vars(types))["return"]
+                assert returned in typed, f"{cls.__qualname__}.as_dict returns {returned!r}, not a type of engine.audit.report.types"
+                found.append(cls.__qualname__)
+    assert len(found) >= 23, found
+
+
+def test_the_published_schema_is_the_generated_one_and_the_cli_prints_it():
+    assert (ROOT / PUBLISHED).read_text(encoding="utf-8") == schema_text(), "regenerate it: python -m engine audit-schema"
+    jsonschema.Draft202012Validator.check_schema(report_schema())
+    code, printed = _cli("audit-schema")
+    assert code == 0 and printed == report_schema()
+    defs = report_schema()["$defs"]
+    assert {"LogAudit", "PromptAudit"} <= set(defs) and all(typing.is_typeddict(getattr(types, name)) for name in defs)
+    assert defs["RepairDict"]["description"].startswith("One repair on one turn")  # each part described by its docstring
+
+
+@pytest.fixture(scope="module")
+def reports() -> dict[str, dict]:
+    """Each bundled log's token-pass report (``--sample 0``: the embedded model's tokenizer, no weights)."""
+    found = {}
+    for log in LOGS:
+        code, found[log.stem] = _cli("audit", str(log), "--sample", "0")
+        assert code == 0, found[log.stem]
+    return found
+
+
+@pytest.mark.parametrize("name", [log.stem for log in LOGS])
+def test_each_bundled_log_s_report_validates(reports, name):
+    assert_valid_report(reports[name])
+    assert set(reports[name]) <= set(typing.get_type_hints(types.LogAudit))
+
+
+def test_a_report_missing_a_key_or_holding_an_unnamed_one_fails(reports):
+    report = reports["support_agent"]
+    assert types.LogAudit.__required_keys__ <= set(report)
+    for path in (("engines",), ("engines", "tokens"), ("requests", 0, "causes"), ("groups", 0, "fidelity"), ("observed", "equal")):
+        broken = copy.deepcopy(report)
+        *parents, key = path
+        holder = broken
+        for step in parents:
+            holder = holder[step]
+        del holder[key]
+        with pytest.raises(jsonschema.ValidationError):
+            assert_valid_report(broken)
+    with pytest.raises(jsonschema.ValidationError):
+        assert_valid_report(report | {"unnamed": 1})
+    with pytest.raises(jsonschema.ValidationError):
+        assert_valid_report(report | {"skipped_count": "none"})
+    assert_valid_report(report | {"cancelled": "asked"})  # an optional key, of its type
+
+
+def test_one_prompt_s_report_validates_and_its_gate_refuses_reuse_by_name(tmp_path):
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("Session started: 2026-12-01 09:14\nWhat time did the session start?", encoding="utf-8")
+    args = ("audit", str(prompt), "--model", "tiny-qwen2", "--find", "09:14", "--new", "09:15", "--tokens", "2", "--repairs", "field_only")
+    code, report = _cli(*args, "--fail-on", "kl>100")
+    assert code == 0 and report["gate"]["failed"] is False, report
+    assert_valid_report(report)
+    assert set(report) == set(typing.get_type_hints(types.PromptAudit))  # one prompt's report, with its gate
+    code, error = _cli(*args, "--fail-on", "reuse<0.5")
+    assert code == 2 and "one prompt's audit (--new) simulates no serving engine" in error["error"]
