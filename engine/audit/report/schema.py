@@ -28,7 +28,7 @@ def report_schema() -> dict:
     return {
         "$schema": DIALECT,
         "title": "KVScope audit report",
-        "description": "What `python -m engine audit … --json` prints (engine/audit/report/types.py; docs/audit.md).",
+        "description": "What `python -m engine audit … --json` prints (engine/audit/report/types/; docs/audit.md).",
         **top,
         "$defs": dict(sorted(defs.items())),
     }
