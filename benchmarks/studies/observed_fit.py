@@ -27,8 +27,10 @@ from benchmarks.common import cpu_info
 from benchmarks.studies.audit_scale import _embedded_tokenizer_dir, synthetic_log
 from engine.audit.logs.reading import read_log
 from engine.audit.scan.token_pass import scan_log
-from engine.audit.simulate.caches import BlockCache, RadixCache
+from engine.audit.simulate.caches import BlockCache
 from engine.audit.simulate.observed import FIT_BLOCKS, fit_observed
+from engine.audit.simulate.prefix_cache import CacheRequest
+from engine.audit.simulate.radix import RadixTree
 
 
 def _spread(times: list[float]) -> dict:
@@ -52,13 +54,13 @@ def main(argv: list[str] | None = None) -> None:
     load_before = os.getloadavg()
     log = read_log("\n".join(json.dumps(record) for record in synthetic_log(args.requests, args.sessions)))
     plain = scan_log(tokenizer, log)
-    radix = RadixCache()  # the working set: every token the server held (prompts, and replies the next turns resend)
+    radix = RadixTree()  # the working set: every token the server held (prompts, and replies the next turns resend)
     for step, row in enumerate(plain.requests, 1):
         radix.insert(plain.rendered[row.request].token_ids, row.request, None, step, held=plain.held(row.request))
     budget = radix.tokens // args.divisor
     server = BlockCache(args.block, budget // args.block)
     counts = {
-        row.request: server.insert(plain.rendered[row.request].token_ids, row.request, held=plain.held(row.request))
+        row.request: server.insert(CacheRequest(plain.rendered[row.request].token_ids, row.request, held=plain.held(row.request)))
         for row in plain.requests
     }
     observed = dataclasses.replace(

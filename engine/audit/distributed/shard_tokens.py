@@ -19,9 +19,10 @@ from engine.audit.logs.render import render_batch
 from engine.audit.logs.requests import Request, RequestLogError, Skipped
 from engine.audit.logs.shards import Shard, read_shard
 from engine.audit.scan.token_pass import TrafficRequest, compared_row
-from engine.audit.simulate.caches import RadixCache, block_hashes
+from engine.audit.simulate.caches import block_hashes
 from engine.audit.simulate.hosted import HostedRequest, hosted_request
 from engine.audit.simulate.observed import Reported
+from engine.audit.simulate.radix import RadixTree
 from engine.audit.simulate.step import Step
 
 
@@ -82,7 +83,7 @@ class ShardTokenPass:
         if indexes is not None:
             requests = [dataclasses.replace(request, index=index) for request, index in zip(requests, indexes, strict=True)]
         rendered = render_batch(self.tokenizer, requests, self.limit, self.model)
-        records, skipped, local, kept = [], [], RadixCache(), {}  # the shard's own radix tree, its rendered requests
+        records, skipped, local, kept = [], [], RadixTree(), {}  # the shard's own radix tree, its rendered requests
         for request, item, at in zip(requests, rendered, place):
             if isinstance(item, RequestLogError):
                 skipped.append(Skipped(request.line, "rendering", str(item)))

@@ -3,9 +3,10 @@
 A log's prompts share long prefixes: the older request of turn i+1 is the newer one of turn i, recompute's prompt is
 the clean reference's, and the erratum, hoist and coarsen prompts start as the older request does. The store keeps
 every state the pass computes (each token of a prompt computed from that prompt's own tokens) and computes a new
-prompt as a prefix cache would: the longest prefix it shares with a stored state is taken from that state, and only
-the rest runs. A prompt is read (next-token log-probs, greedy tokens) once; a KV-level repair's state serves the same
-ids from a different cache (stale entries kept), so its reading is its own and is not stored.
+prompt as a prefix cache would: the longest prefix it shares with a stored state (found by the radix tree the
+simulated caches use, ``radix.longest_shared``) is taken from that state, and only the rest runs. A prompt is read
+(next-token log-probs, greedy tokens) once; a KV-level repair's state serves the same ids from a different cache
+(stale entries kept), so its reading is its own and is not stored.
 
 How it is timed (:class:`Reference`): ``ttft_ms`` is the wall time of the one forward that computes what the reader
 does not reuse (its recorded steps and the rest of its prompt, up to the first next-token logits), never the greedy
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.audit.changes.fields import common_prefix
+from engine.audit.simulate.radix import longest_shared
 from engine.cache.budget import forward_token_limit
 from engine.cache.loaded import LoadedModel
 from engine.cache.lru import BudgetedLRU
@@ -193,11 +194,9 @@ class ComputedStates:
     def _longest(self, key: tuple[int, ...], most: int) -> tuple[Notebook, int, float]:
         """The stored state sharing the longest prefix with ``key`` (at most ``most`` tokens): that prefix as its own
         notebook (no forward), its length, and its share of the source's prefill time."""
-        best, shared = None, 0
-        for ids in self._stored:
-            count = min(common_prefix(ids, key), most)
-            if count > shared:
-                best, shared = ids, count
+        stored = list(self._stored)
+        number, shared = longest_shared(stored, key, most)  # the first stored among equally long prefixes
+        best = None if number is None else stored[number]
         if best is None:
             empty = Notebook.empty(self.lm)
             self._note(empty, ())

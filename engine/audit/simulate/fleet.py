@@ -1,4 +1,4 @@
-"""A fleet: N serving replicas behind a router, each with its own caches (``caches.Engines``), fed a log in order.
+"""A fleet: N serving replicas behind a router, each with its own caches (``registry.Caches``), fed a log in order.
 
 A user's hit rate is the fleet's, not one server's: a request reuses only what its own replica holds. Each routing
 policy (``ROUTINGS``) decides the replica from what it has seen so far:
@@ -13,20 +13,19 @@ policy (``ROUTINGS``) decides the replica from what it has seen so far:
   it has computed so far: each request's tokens less what its SGLang cache reused. (By requests alone, least loaded
   would be round robin exactly; a log has no durations, so requests in flight cannot be counted.)
 
-Every replica runs all three engines with the audit's settings (a budget is per replica, as each server has its own
-memory), so one fleet gives each engine's reuse under the same routing.
+Every replica runs every registered serving engine with the audit's settings (a budget is per replica, as each
+server has its own memory), so one fleet gives each engine's reuse under the same routing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from engine.audit.simulate.caches import CacheSettings, Engines
-from engine.audit.simulate.registry import ENGINES
+from engine.audit.simulate.caches import CacheSettings
+from engine.audit.simulate.prefix_cache import CacheRequest
+from engine.audit.simulate.registry import ENGINES, MATCHING, Caches
 from engine.errors import KVScopeError
 
 if TYPE_CHECKING:
@@ -78,7 +77,7 @@ class Fleet:
         if routing not in ROUTINGS:
             raise FleetError(f"--routing {routing!r} is not a policy; expected one of {', '.join(ROUTINGS)}")
         self.routing = routing
-        self.engines = [Engines(settings) for _ in range(replicas)]
+        self.engines = [Caches(settings) for _ in range(replicas)]
         self.requests = [0] * replicas
         self.load = [0] * replicas  # prompt tokens computed (tokens less the SGLang engine's reuse)
         self.reused = dict.fromkeys(ENGINES, 0)
@@ -86,30 +85,29 @@ class Fleet:
         self._sessions: dict[str, int] = {}  # session -> its replica
         self._time = 0
 
-    def route(self, ids: np.ndarray, session: str | None) -> int:
+    def route(self, request: CacheRequest) -> int:
         """The replica the policy sends this request to (nothing is cached yet)."""
         count = len(self.engines)
-        if self.routing == "session" and session is not None:
-            return self._sessions.setdefault(session, len(self._sessions) % count)
+        if self.routing == "session" and request.session is not None:
+            return self._sessions.setdefault(request.session, len(self._sessions) % count)
         if self.routing in ("round_robin", "session"):
             return self._time % count
         if self.routing == "prefix":
-            depths = [engines.radix.match(ids, session)[0] for engines in self.engines]
+            depths = [engines[MATCHING].match(request) for engines in self.engines]
             return min(range(count), key=lambda r: (-depths[r], self.load[r], r))
         return min(range(count), key=lambda r: (self.load[r], r))
 
-    def insert(
-        self, ids: np.ndarray, request: int, session: str | None, hashes: Sequence[int] | None = None, held: np.ndarray | None = None
-    ) -> int:
-        """Route the request and cache it (then ``held``: it and its reply) on its replica; returns the replica."""
-        replica = self.route(ids, session)
+    def insert(self, request: CacheRequest) -> int:
+        """Route the request and cache it (then ``request.tokens``: it and its reply) on its replica, at the fleet's
+        own time (its count of requests); returns the replica."""
+        replica = self.route(request)
         self._time += 1
-        reused = self.engines[replica].insert(ids, request, session, self._time, hashes, held)
+        reused = self.engines[replica].insert(dataclasses.replace(request, time=self._time))
         for engine, count in reused.items():
             self.reused[engine] += count
-        self.tokens += len(ids)
+        self.tokens += len(request.ids)
         self.requests[replica] += 1
-        self.load[replica] += len(ids) - reused["sglang"]
+        self.load[replica] += len(request.ids) - reused[MATCHING]
         return replica
 
     def result(self) -> FleetResult:

@@ -1,4 +1,5 @@
-"""Hosted APIs' prompt caching simulated as two more engines, for logs whose requests name an OpenAI or Anthropic model.
+"""Hosted APIs' prompt caching simulated as two more ``PrefixCache``s, for logs whose requests name an OpenAI or
+Anthropic model (each fed only its own provider's requests, ``PrefixCache.serves``).
 
 - ``openai``: automatic on every prompt; a prompt of at least 1,024 tokens reuses the longest prefix an earlier
   prompt shares with it, counted in 128-token steps above 1,024 (1,024 + k·128, rounded down).
@@ -17,12 +18,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 
 from engine.audit.logs.render import RenderedRequest
-from engine.audit.simulate.caches import RadixCache
+from engine.audit.simulate.prefix_cache import CacheRequest, CacheSettings, HostedRequest, PrefixCache
+from engine.audit.simulate.radix import RadixTree
 
 TOKENS_NOTE = "the loaded model's tokens, not the provider's: compare hit rates (shares), not tokens"
 OPENAI_MINIMUM = 1024
@@ -59,18 +60,30 @@ def anthropic_minimum(model: str) -> int:
     return next((tokens for pattern, tokens in ANTHROPIC_MINIMUM if pattern in name), ANTHROPIC_DEFAULT_MINIMUM)
 
 
-class OpenAICache:
+class OpenAICache(PrefixCache):
     """OpenAI's automatic caching: the longest prefix held (a token radix tree, never evicted), rounded down to
     1,024 + k·128 tokens; nothing below 1,024."""
 
-    def __init__(self):
-        self.tree = RadixCache()
-        self._time = 0
+    name = "openai"
+    hosted = True
 
-    def insert(self, ids: np.ndarray, request: int) -> int:
-        """The tokens ``ids`` reads from the cache (the prefix held before its last token, in steps); then it is held."""
-        self._time += 1
-        return openai_steps(self.tree.insert(ids, request, None, self._time))
+    def __init__(self):
+        self.tree = RadixTree()
+
+    @classmethod
+    def from_settings(cls, settings: CacheSettings) -> OpenAICache:
+        return cls()
+
+    def match(self, request: CacheRequest) -> int:
+        """The longest prefix held, in steps."""
+        return openai_steps(self.tree.match(request.ids, None)[0])
+
+    def insert(self, request: CacheRequest) -> int:
+        """The tokens the prompt reads from the cache (the prefix held before its last token, in steps); then it is held."""
+        return openai_steps(self.tree.insert(request.ids, request.request, None, request.time))
+
+    def hold(self, request: CacheRequest) -> None:
+        """Nothing: OpenAI documents caching prompts only."""
 
 
 def openai_steps(shared: int) -> int:
@@ -80,36 +93,59 @@ def openai_steps(shared: int) -> int:
     return OPENAI_MINIMUM + (shared - OPENAI_MINIMUM) // OPENAI_STEP * OPENAI_STEP
 
 
-class AnthropicCache:
+class AnthropicCache(PrefixCache):
     """Anthropic's ``cache_control`` caching: prefixes written at breakpoints, read at a breakpoint or up to
-    ``lookback`` block boundaries before it, alive for ``ttl`` seconds since their last use."""
+    ``lookback`` block boundaries before it, alive for ``ttl`` seconds since their last use. A request's breakpoints,
+    block boundaries (token positions where blocks end), model minimum and timestamp come in ``request.hosted``."""
+
+    name = "anthropic"
+    hosted = True
 
     def __init__(self, ttl: float = ANTHROPIC_TTL_SECONDS, lookback: int = ANTHROPIC_LOOKBACK):
         self.ttl = ttl
         self.lookback = lookback
         self.entries: dict[tuple[int, bytes], float | None] = {}  # (length, prefix bytes) -> last use (None: no clock)
 
-    def insert(self, ids: np.ndarray, breakpoints: Sequence[int], boundaries: Sequence[int], minimum: int, timestamp: float | None) -> int:
-        """The tokens a request reads (the longest live prefix found from any breakpoint); then each breakpoint's prefix
-        of at least ``minimum`` tokens is written (or refreshed). ``boundaries``: token positions where blocks end."""
-        data = np.ascontiguousarray(ids, dtype=np.int32)
-        marks = sorted({int(p) for p in breakpoints if 0 < p <= len(data)})
-        ends = sorted({*(int(b) for b in boundaries if 0 < b <= len(data)), *marks})
-        read = 0
+    @classmethod
+    def from_settings(cls, settings: CacheSettings) -> AnthropicCache:
+        return cls()
+
+    def match(self, request: CacheRequest) -> int:
+        """The tokens the request would read: the longest live prefix found from any breakpoint."""
+        return self._read(request)[0]
+
+    def insert(self, request: CacheRequest) -> int:
+        """The tokens the request reads (``match``; each prefix read is refreshed); then each breakpoint's prefix of at
+        least the model's minimum is written (or refreshed)."""
+        read, hits = self._read(request)
+        hosted, data = request.hosted, np.ascontiguousarray(request.ids, dtype=np.int32)
+        for key in hits:
+            self.entries[key] = hosted.timestamp
+        for mark in sorted({int(p) for p in hosted.breakpoints if 0 < p <= len(data)}):
+            if mark >= hosted.minimum:
+                self.entries[(mark, data[:mark].tobytes())] = hosted.timestamp
+        return read
+
+    def hold(self, request: CacheRequest) -> None:
+        """Nothing: Anthropic caches at ``cache_control`` breakpoints alone."""
+
+    def _read(self, request: CacheRequest) -> tuple[int, list[tuple[int, bytes]]]:
+        """The tokens read, and the entries read on the way (one per breakpoint that found a longer prefix)."""
+        hosted, data = request.hosted, np.ascontiguousarray(request.ids, dtype=np.int32)
+        marks = sorted({int(p) for p in hosted.breakpoints if 0 < p <= len(data)})
+        ends = sorted({*(int(b) for b in hosted.boundaries if 0 < b <= len(data)), *marks})
+        read, hits = 0, []
         for mark in marks:
             at = ends.index(mark)
             for end in reversed(ends[max(at - self.lookback, 0) : at + 1]):
                 if end <= read:
                     break
                 key = (end, data[:end].tobytes())
-                if end >= minimum and self._alive(key, timestamp):
-                    self.entries[key] = timestamp
+                if end >= hosted.minimum and self._alive(key, hosted.timestamp):
+                    hits.append(key)
                     read = end
                     break
-        for mark in marks:
-            if mark >= minimum:
-                self.entries[(mark, data[:mark].tobytes())] = timestamp
-        return read
+        return read, hits
 
     def _alive(self, key: tuple[int, bytes], now: float | None) -> bool:
         if key not in self.entries:
@@ -134,19 +170,6 @@ def tools_end(rendered: RenderedRequest) -> int:
     return len(rendered)
 
 
-@dataclass(frozen=True)
-class HostedRequest:
-    """What a hosted provider's simulated cache reads of one request besides its token ids: its provider and index,
-    and for Anthropic its breakpoint tokens, its block boundaries, the model's minimum and when it was sent."""
-
-    provider: str
-    index: int
-    breakpoints: tuple[int, ...] = ()
-    boundaries: tuple[int, ...] = ()
-    minimum: int = 0
-    timestamp: float | None = None
-
-
 def hosted_request(rendered: RenderedRequest, breakpoints: Sequence[int | None]) -> HostedRequest | None:
     """``rendered`` as its provider's cache reads it (None: its model is not a hosted one); ``breakpoints``: its
     breakpoint tokens (None: after the tools)."""
@@ -159,19 +182,3 @@ def hosted_request(rendered: RenderedRequest, breakpoints: Sequence[int | None])
         minimum = anthropic_minimum(request.model)
         return HostedRequest(provider, request.index, tokens, tuple(block_ends(rendered)), minimum, request.timestamp)
     return None
-
-
-class HostedCaches:
-    """The providers' simulated caches, fed in time order; each sees its own provider's requests only."""
-
-    def __init__(self):
-        self.openai, self.anthropic = OpenAICache(), AnthropicCache()
-
-    def insert(self, ids: np.ndarray, hosted: HostedRequest | None) -> dict[str, int]:
-        """The tokens the request's provider serves from its cache, keyed by provider (empty: not a hosted model)."""
-        if hosted is None:
-            return {}
-        if hosted.provider == "openai":
-            return {"openai": self.openai.insert(ids, hosted.index)}
-        read = self.anthropic.insert(ids, hosted.breakpoints, hosted.boundaries, hosted.minimum, hosted.timestamp)
-        return {"anthropic": read}

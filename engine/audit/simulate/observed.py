@@ -91,7 +91,7 @@ def observe(
     rows: Sequence[Row], reported: Sequence[Reported], hosted: Sequence[dict[str, int]], engine: str, block: int, model: str
 ) -> list[Observation]:
     """Per row of the token pass (in time order, one per ``reported``): its observed count, its observed cause against
-    ``engine``, and ``hosted``: its hosted provider's simulated reuse (``hosted.HostedCaches``)."""
+    ``engine``, and ``hosted``: its hosted provider's simulated reuse (``hosted``, fed by ``step``)."""
     if engine not in OBSERVED_ENGINES:
         raise RequestLogError(f"--observed-engine is one of {', '.join(OBSERVED_ENGINES)}, got {engine!r}")
     evidence = _Evidence(rows, {item.index: item for item in reported}, block, model)

@@ -1,7 +1,8 @@
-"""One simulation step, the one place a request (and its reply) goes into every simulated cache: the three serving
-engines (``caches.Engines``), the same engines fed prompts only, any fleets (``fleet.Fleet``) and the hosted
-providers' caches (``hosted.HostedCaches``). The single-process token pass (``scan``) and the distributed driver
-(``distributed``) both feed a ``Simulation``, request by request in time order.
+"""One simulation step, the one place a request (and its reply) goes into every simulated cache: the registry's
+serving engines (``registry.Caches``), the same engines fed prompts only, any fleets (``fleet.Fleet``) and the hosted
+providers' caches (``registry.Caches(hosted=True)``), each as a ``CacheRequest``. The single-process token pass
+(``scan.token_pass``) and the distributed driver (``distributed.token_pass``) both feed a ``Simulation``, request by
+request in time order.
 
 Servers cache their replies (``replies``): after a request, each engine holds its prompt and the reply tokens the
 server computed. Where the log records the reply (``Step.reply``), it goes in with the request. Where it does not,
@@ -17,15 +18,17 @@ next request resends it (and Anthropic caches at ``cache_control`` breakpoints a
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.audit.simulate.caches import CacheSettings, Engines
+from engine.audit.simulate.caches import CacheSettings
 from engine.audit.simulate.fleet import Fleet
-from engine.audit.simulate.hosted import HostedCaches, HostedRequest
-from engine.audit.simulate.registry import ENGINES, LABELS
+from engine.audit.simulate.hosted import HostedRequest
+from engine.audit.simulate.prefix_cache import CacheRequest
+from engine.audit.simulate.registry import ENGINES, LABELS, MATCHING, Caches
 
 REPLY_COUNTS = {
     "logged": "the log records the reply",
@@ -82,18 +85,18 @@ class Simulation:
     settings: CacheSettings
     fleet: Sequence[tuple[int, str]] = ()
     end_ids: Collection[int] = ()
-    engines: Engines = field(init=False)
-    prompts_only: Engines = field(init=False)
+    engines: Caches = field(init=False)
+    prompts_only: Caches = field(init=False)
     fleets: list[Fleet] = field(init=False)
-    hosted: HostedCaches = field(init=False)
+    hosted: Caches = field(init=False)
     replies: dict[str, int] = field(init=False)
     reply_from: dict[int, tuple[int, int]] = field(init=False)  # request -> (its session's next turn, the reply tokens it resent)
     time: int = 0
 
     def __post_init__(self) -> None:
-        self.engines, self.prompts_only = Engines(self.settings), Engines(self.settings)
+        self.engines, self.prompts_only = Caches(self.settings), Caches(self.settings)
         self.fleets = [Fleet(replicas, routing, self.settings) for replicas, routing in self.fleet]
-        self.hosted = HostedCaches()
+        self.hosted = Caches(self.settings, hosted=True)
         self.replies = dict.fromkeys(REPLY_COUNTS, 0)
         self.reply_from = {}
         self._waiting: dict[str | None, _Waiting] = {}
@@ -103,18 +106,18 @@ class Simulation:
         """``step``'s request served by every cache (after the reply its session's previous turn resends, if any)."""
         self._resent_reply(step)
         self.time += 1
-        _, matched = self.engines.radix.match(step.ids, step.session)
-        held = step.held
-        replicas = [simulated.insert(step.ids, step.request, step.session, step.hashes, held) for simulated in self.fleets]
-        reused = self.engines.insert(step.ids, step.request, step.session, self.time, step.hashes, held)
+        request = CacheRequest(step.ids, step.request, step.session, self.time, step.held, step.hashes, step.hosted)
+        matched = self.engines[MATCHING].matched(request)  # the radix tree's (``RadixCache.matched``)
+        replicas = [simulated.insert(request) for simulated in self.fleets]
+        reused = self.engines.insert(request)
         prompt_hashes = None if step.hashes is None else step.hashes[: len(step.ids) // self.settings.block]
-        prompts_only = self.prompts_only.insert(step.ids, step.request, step.session, self.time, prompt_hashes)
+        prompts_only = self.prompts_only.insert(dataclasses.replace(request, held=None, hashes=prompt_hashes))
         if step.logged_reply:
             self.replies["logged"] += 1
             self._waiting.pop(step.session, None)
         else:
             self._waiting[step.session] = _Waiting(step.request, step.ids, step.hashes, replicas)
-        return StepResult(matched, reused, prompts_only, self.hosted.insert(step.ids, step.hosted))
+        return StepResult(matched, reused, prompts_only, self.hosted.insert(request))
 
     def finish(self) -> None:
         """Counts the requests whose reply stayed unknown (no later turn of their session resent it)."""
@@ -131,11 +134,11 @@ class Simulation:
             return
         self.replies["next_turn"] += 1
         self.reply_from[waiting.request] = (step.request, end - len(waiting.ids))
-        held = step.ids[:end]
         hashes = None if step.hashes is None else step.hashes[: end // self.settings.block]
-        self.engines.hold(held, waiting.request, step.session, self.time, hashes)
+        held = CacheRequest(step.ids[:end], waiting.request, step.session, self.time, hashes=hashes)
+        self.engines.hold(held)
         for simulated, replica in zip(self.fleets, waiting.replicas):
-            simulated.engines[replica].hold(held, waiting.request, step.session, self.time, hashes)
+            simulated.engines[replica].hold(held)
 
 
 def replies_sentence(totals: dict) -> str:

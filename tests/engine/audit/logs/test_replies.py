@@ -12,7 +12,9 @@ from engine.audit.logs.reading import read_log
 from engine.audit.logs.render import end_of_turn_ids
 from engine.audit.logs.replies import Reply, computed_tokens, finish_of, reply_of
 from engine.audit.scan.token_pass import scan_log
-from engine.audit.simulate.caches import BlockCache, CacheSettings, RadixCache, ServerSlots, SlotCache
+from engine.audit.simulate.caches import BlockCache, CacheSettings, ServerSlots, SlotCache
+from engine.audit.simulate.prefix_cache import CacheRequest
+from engine.audit.simulate.radix import RadixCache
 from engine.audit.simulate.step import Simulation, Step, resent_reply_end
 from engine.models.tiny import tiny_tokenizer
 from tests.engine.audit.measure.test_traffic import QWEN_TEMPLATE
@@ -128,13 +130,13 @@ def test_the_last_sampled_token_is_never_computed():
 def test_a_block_cache_keeps_whole_blocks_of_prompt_and_reply():
     prompt, reply = np.arange(10, 40, dtype=np.int32), np.arange(100, 107, dtype=np.int32)  # 30 + 7 = 37 tokens held
     cache = BlockCache(block=8)
-    assert cache.insert(prompt, 1, held=np.concatenate([prompt, reply])) == 0
+    assert cache.insert(CacheRequest(prompt, 1, held=np.concatenate([prompt, reply]))) == 0
     assert len(cache.blocks) == 4  # 37 // 8: the partial fifth block is never cached
     follow_up = np.concatenate([prompt, reply, [7, 7, 7, 7, 7, 7, 7, 7]]).astype(np.int32)  # 45 tokens
-    assert cache.insert(follow_up, 2) == 32  # four whole blocks, 37 shared
+    assert cache.insert(CacheRequest(follow_up, 2)) == 32  # four whole blocks, 37 shared
     plain = BlockCache(block=8)
-    plain.insert(prompt, 1)
-    assert plain.insert(follow_up, 2) == 24  # prompts only: 30 shared, three whole blocks
+    plain.insert(CacheRequest(prompt, 1))
+    assert plain.insert(CacheRequest(follow_up, 2)) == 24  # prompts only: 30 shared, three whole blocks
 
 
 def test_a_radix_tree_and_a_slot_reuse_the_reply_to_the_token():
@@ -142,11 +144,12 @@ def test_a_radix_tree_and_a_slot_reuse_the_reply_to_the_token():
     held = np.concatenate([prompt, reply])
     follow_up = np.concatenate([held, [1, 2, 3]]).astype(np.int32)
     radix, slots = RadixCache(), SlotCache()
-    assert radix.insert(prompt, 1, "s", 1, held) == 0 and slots.insert(prompt, "s", held) == 0
-    assert radix.insert(follow_up, 2, "s", 2) == 37 and slots.insert(follow_up, "s") == 37
-    assert radix.match(follow_up, "s") == (40, 2)
+    first, second = CacheRequest(prompt, 1, "s", 1, held), CacheRequest(follow_up, 2, "s", 2)
+    assert radix.insert(first) == 0 and slots.insert(first) == 0
+    assert radix.insert(second) == 37 and slots.insert(second) == 37
+    assert radix.match(second) == 40 and radix.matched(second) == 2
     # a prompt equal to what is held reuses all but its last token
-    assert RadixCache().insert(held, 1, None, 1, held) == 0
+    assert RadixCache().insert(CacheRequest(held, 1, None, 1, held)) == 0
 
 
 # ---------------------------------------------------------------- logs, against brute force
@@ -279,28 +282,28 @@ def test_llama_servers_ram_cache_restores_a_session_another_took_the_slot_from()
     a = np.concatenate([system, np.arange(200, 240)]).astype(np.int32)  # 50 tokens
     b = np.concatenate([system, np.arange(300, 340)]).astype(np.int32)
     slots = ServerSlots()
-    assert slots.insert(a, None, np.concatenate([a, [7, 7]]).astype(np.int32)) == 0
-    assert slots.insert(b, None) == 10  # 10 of 50 shared, above a tenth: a's slot, which would lose 42 of its 52
+    assert slots.insert(CacheRequest(a, 1, held=np.concatenate([a, [7, 7]]).astype(np.int32))) == 0
+    assert slots.insert(CacheRequest(b, 2)) == 10  # 10 of 50 shared, above a tenth: a's slot, which would lose 42 of its 52
     assert [len(entry) for entry in slots.saved] == [52]  # a and its reply were saved before the slot was reused
     a2 = np.concatenate([a, [7, 7, 9, 9, 9]]).astype(np.int32)
-    assert slots.insert(a2, None) == 52  # restored: a2 shares all 52 of the saved entry
+    assert slots.insert(CacheRequest(a2, 3)) == 52  # restored: a2 shares all 52 of the saved entry
     assert [len(entry) for entry in slots.saved] == [50]  # b was saved in its turn, a's entry left the cache
 
 
 def test_llama_servers_slot_choice_needs_more_than_a_tenth_shared():
     slots = ServerSlots(slots=2)  # -np 2: two slots, not unified, so idle slots are saved but kept
     a, b = np.arange(10, 60, dtype=np.int32), np.arange(500, 550, dtype=np.int32)
-    slots.insert(a, None)  # both never used: the later slot wins the tie (slot 1)
-    assert slots.insert(b, None) == 0  # nothing shared: the least recently used slot, the never-used slot 0
+    slots.insert(CacheRequest(a, 1))  # both never used: the later slot wins the tie (slot 1)
+    assert slots.insert(CacheRequest(b, 2)) == 0  # nothing shared: the least recently used slot, the never-used slot 0
     assert [len(tokens) for tokens in slots.tokens] == [50, 50]
     a2 = np.concatenate([a, [1, 2]]).astype(np.int32)
-    assert slots.insert(a2, None) == 50 and slots.used == [2, 3]  # its own slot 1, chosen by similarity
+    assert slots.insert(CacheRequest(a2, 3)) == 50 and slots.used == [2, 3]  # its own slot 1, chosen by similarity
 
 
 def test_the_prompt_cache_setting_feeds_the_llama_cpp_engine():
     settings = CacheSettings(prompt_cache=True)
     engines = Simulation(settings).engines
-    assert isinstance(engines.slots, ServerSlots) and settings.as_dict()["prompt_cache"] is True
+    assert isinstance(engines["llama_cpp"], ServerSlots) and settings.as_dict()["prompt_cache"] is True
 
 
 def test_a_llama_server_completion_gives_its_reply_ids_and_its_cached_count(tokenizer):

@@ -16,7 +16,9 @@ from engine.audit.measure.traffic import audit_traffic, measure_settings, pendin
 from engine.audit.measure.turn import audit_requests
 from engine.audit.scan.sampling import bounded_sample, traffic_scan
 from engine.audit.scan.token_pass import scan_log
-from engine.audit.simulate.caches import BlockCache, RadixCache, SlotCache
+from engine.audit.simulate.caches import BlockCache, SlotCache
+from engine.audit.simulate.prefix_cache import CacheRequest
+from engine.audit.simulate.radix import RadixTree
 from engine.cache.budget import Cancelled
 from engine.models.tiny import tiny_model, tiny_tokenizer
 from tests.shared import assert_valid_report
@@ -298,7 +300,7 @@ def test_the_token_pass_leaves_the_collector_as_it_found_it(tokenizer):
 
 
 def test_radix_budget_evicts_least_recently_used_leaves():
-    cache = RadixCache(budget_tokens=10)
+    cache = RadixTree(budget_tokens=10)
     sequences = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8, 9], [10, 11, 12], [1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8, 9]]
     reused = [cache.insert(np.array(seq, dtype=np.int32), n, None, n) for n, seq in enumerate(sequences, 1)]
     assert reused == [0, 3, 0, 3, 3]  # [4,5,6] went first (request 1), then [7,8,9] (2), then [10,11,12] (3)
@@ -308,21 +310,21 @@ def test_radix_budget_evicts_least_recently_used_leaves():
 def test_block_budget_evicts_least_recently_used_blocks_tail_first():
     cache = BlockCache(block=4, budget_blocks=3)
     sequences = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9, 1], [20, 21, 22, 23, 24], [1, 2, 3, 4, 5, 6, 7, 8, 0]]
-    reused = [cache.insert(np.array(seq, dtype=np.int32), n) for n, seq in enumerate(sequences, 1)]
+    reused = [cache.insert(CacheRequest(np.array(seq, dtype=np.int32), n)) for n, seq in enumerate(sequences, 1)]
     assert reused == [0, 4, 0, 4]  # request 4 finds its first block but not its second (evicted by request 3)
     assert cache.evicted == [(1, 1), (2, 1)]  # request 1's tail block, then request 2's
-    assert BlockCache(block=4).insert(np.arange(8, dtype=np.int32), 1) == 0
+    assert BlockCache(block=4).insert(CacheRequest(np.arange(8, dtype=np.int32), 1)) == 0
 
 
 def test_llama_cpp_slots_reuse_the_prefix_and_shifted_chunks():
     for minimum, expected in ((3, 6), (5, 2)):
         slots = SlotCache(cache_reuse=minimum)
-        slots.insert(np.array([1, 2, 3, 4, 5, 6, 7, 8], dtype=np.int32), "a")
-        assert slots.insert(np.array([1, 2, 5, 6, 7, 8, 10], dtype=np.int32), "a") == expected
+        slots.insert(CacheRequest(np.array([1, 2, 3, 4, 5, 6, 7, 8], dtype=np.int32), 1, "a"))
+        assert slots.insert(CacheRequest(np.array([1, 2, 5, 6, 7, 8, 10], dtype=np.int32), 2, "a")) == expected
     shared = SlotCache(slots=1)
-    shared.insert(np.array([1, 2, 3], dtype=np.int32), "a")
-    assert shared.insert(np.array([1, 2, 4], dtype=np.int32), "b") == 2  # b takes over a's slot and its tokens
-    assert shared.insert(np.array([1, 2, 3], dtype=np.int32), "a") == 2
+    shared.insert(CacheRequest(np.array([1, 2, 3], dtype=np.int32), 1, "a"))
+    assert shared.insert(CacheRequest(np.array([1, 2, 4], dtype=np.int32), 2, "b")) == 2  # b takes over a's slot and its tokens
+    assert shared.insert(CacheRequest(np.array([1, 2, 3], dtype=np.int32), 3, "a")) == 2
 
 
 CLOCK = (

@@ -15,7 +15,8 @@ import engine.audit.logs.render as render_module
 from engine.audit.logs.reading import read_log
 from engine.audit.logs.render import TextEncoder, render_batch
 from engine.audit.scan.token_pass import scan_log
-from engine.audit.simulate.caches import CacheSettings, RadixCache
+from engine.audit.simulate.caches import CacheSettings
+from engine.audit.simulate.radix import RadixTree
 from engine.models.tiny import tiny_tokenizer
 from tests.engine.audit.measure.test_traffic import AGENT_MESSAGES, QWEN_TEMPLATE, TOOLS, _chat, _lcp
 
@@ -97,7 +98,7 @@ def test_a_tokenizer_that_merges_across_line_starts_is_tokenized_whole(monkeypat
     assert not fooled.by_lines  # the batch's whole-text check switched it off
 
 
-class _WalkingRadix(RadixCache):
+class _WalkingRadix(RadixTree):
     """The reference eviction: every leaf of the tree collected and ordered by last access at each eviction."""
 
     def _evict(self):
@@ -136,7 +137,7 @@ def _workload(seed, count):
 
 @pytest.mark.parametrize("budget", [8, 25, 60])
 def test_the_radix_heap_evicts_as_a_walk_of_every_leaf(budget):
-    fast, walking = RadixCache(budget), _WalkingRadix(budget)
+    fast, walking = RadixTree(budget), _WalkingRadix(budget)
     for time, seq in enumerate(_workload(budget, 300), 1):
         ids = np.array(seq, dtype=np.int32)
         assert fast.match(ids, None) == walking.match(ids, None), time
@@ -146,7 +147,7 @@ def test_the_radix_heap_evicts_as_a_walk_of_every_leaf(budget):
 
 
 def test_matching_under_a_budget_finds_only_what_the_tree_holds(tokenizer):
-    cache = RadixCache(budget_tokens=5)
+    cache = RadixTree(budget_tokens=5)
     first, second = np.array([1, 2, 3, 4], dtype=np.int32), np.array([1, 2, 9, 9], dtype=np.int32)
     cache.insert(first, 1, "a", 1)
     cache.insert(second, 2, "b", 2)  # 6 tokens > 5: request 1's tail [3, 4] goes, its head [1, 2] stays

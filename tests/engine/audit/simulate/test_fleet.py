@@ -13,6 +13,7 @@ from engine.audit.logs.reading import read_log
 from engine.audit.scan.token_pass import scan_log
 from engine.audit.simulate.caches import CacheSettings
 from engine.audit.simulate.fleet import Fleet, FleetError, fleet_grid
+from engine.audit.simulate.prefix_cache import CacheRequest
 from engine.models.tiny import tiny_tokenizer
 
 A1 = list(range(1, 10))
@@ -36,7 +37,7 @@ EXPECTED = {
 @pytest.mark.parametrize("routing", list(EXPECTED))
 def test_each_routing_matches_the_hand_count(routing):
     fleet = Fleet(2, routing, SETTINGS)
-    replicas = [fleet.insert(np.array(ids, dtype=np.int32), number, session) for number, (ids, session) in enumerate(LOG, 1)]
+    replicas = [fleet.insert(CacheRequest(np.array(ids, dtype=np.int32), number, session)) for number, (ids, session) in enumerate(LOG, 1)]
     order, sglang, vllm, llama = EXPECTED[routing]
     result = fleet.result().as_dict()
     assert tuple(replicas) == order

@@ -13,9 +13,11 @@ from engine.audit.changes.causes import Cause
 from engine.audit.logs.reading import read_log
 from engine.audit.logs.requests import RequestLog, RequestLogError
 from engine.audit.scan.token_pass import TrafficRequest, TrafficScan, scan_log
-from engine.audit.simulate.caches import BlockCache, RadixCache
-from engine.audit.simulate.hosted import AnthropicCache, OpenAICache, anthropic_minimum, openai_steps, provider_of
+from engine.audit.simulate.caches import BlockCache
+from engine.audit.simulate.hosted import AnthropicCache, HostedRequest, OpenAICache, anthropic_minimum, openai_steps, provider_of
 from engine.audit.simulate.observed import fit_observed, hosted_summary, observed_summary
+from engine.audit.simulate.prefix_cache import CacheRequest
+from engine.audit.simulate.radix import RadixTree
 from engine.models import load_model
 from engine.models.tiny import tiny_tokenizer
 from tests.engine.audit.measure.test_traffic import QWEN_TEMPLATE, _chat, _interleaved
@@ -183,29 +185,35 @@ def test_openai_caches_prompts_of_1024_tokens_and_more_in_128_token_steps():
         _ids(base[:1000], other[:100] + 7),  # shares 1,000: under 1,024, nothing
         base[:1300],  # identical: all but its last token (1,299): 1,280
     ]
-    assert [cache.insert(ids, n) for n, ids in enumerate(prompts, 1)] == [0, 1024, 1024, 1152, 0, 1280]
+    requests = [CacheRequest(ids, n, hosted=HostedRequest("openai", n)) for n, ids in enumerate(prompts, 1)]
+    assert [cache.insert(request) for request in requests] == [0, 1024, 1024, 1152, 0, 1280]
+
+
+def _anthropic(cache, ids, mark, ends, minimum, timestamp):
+    """The tokens ``cache`` reads of ``ids`` with one breakpoint at ``mark`` (``ends``: the block boundaries)."""
+    return cache.insert(CacheRequest(ids, 0, hosted=HostedRequest("anthropic", 0, (mark,), tuple(ends), minimum, timestamp)))
 
 
 def test_anthropic_reads_at_breakpoints_with_a_20_block_lookback_and_a_5_minute_ttl():
     ids, ends = np.arange(3_000), [500, 1000, 1500, 2000, 2500]
     cache = AnthropicCache()
-    assert cache.insert(ids, [1500], ends, 1024, 0.0) == 0  # written up to 1,500
-    assert cache.insert(ids, [2000], ends, 1024, 100.0) == 1500  # found one block back; 2,000 written
-    assert cache.insert(ids, [2000], ends, 1024, 400.0) == 2000  # exactly 5 minutes after its last use: alive, refreshed
-    assert cache.insert(ids, [2000], ends, 1024, 701.0) == 0  # 5 minutes and 1 second: both expired
+    assert _anthropic(cache, ids, 1500, ends, 1024, 0.0) == 0  # written up to 1,500
+    assert _anthropic(cache, ids, 2000, ends, 1024, 100.0) == 1500  # found one block back; 2,000 written
+    assert _anthropic(cache, ids, 2000, ends, 1024, 400.0) == 2000  # exactly 5 minutes after its last use: alive, refreshed
+    assert _anthropic(cache, ids, 2000, ends, 1024, 701.0) == 0  # 5 minutes and 1 second: both expired
     changed = ids.copy()
     changed[10] = -1
-    assert cache.insert(changed, [2000], ends, 1024, 702.0) == 0  # another prefix
+    assert _anthropic(cache, changed, 2000, ends, 1024, 702.0) == 0  # another prefix
     short = AnthropicCache()
-    assert [short.insert(ids, [1000], ends, 1024, t) for t in (0.0, 1.0)] == [0, 0]  # under the minimum: never cached
-    assert [short.insert(ids, [1000], ends, 512, t) for t in (2.0, 3.0)] == [0, 1000]
+    assert [_anthropic(short, ids, 1000, ends, 1024, t) for t in (0.0, 1.0)] == [0, 0]  # under the minimum: never cached
+    assert [_anthropic(short, ids, 1000, ends, 512, t) for t in (2.0, 3.0)] == [0, 1000]
     fine = list(range(1100, 1400, 10))  # a block every 10 tokens
     lookback = AnthropicCache()
-    assert lookback.insert(ids, [1100], fine, 1024, None) == 0
-    assert lookback.insert(ids, [1300], fine, 1024, None) == 1100  # 20 blocks back reaches 1,100
+    assert _anthropic(lookback, ids, 1100, fine, 1024, None) == 0
+    assert _anthropic(lookback, ids, 1300, fine, 1024, None) == 1100  # 20 blocks back reaches 1,100
     far = AnthropicCache()
-    far.insert(ids, [1100], fine, 1024, None)
-    assert far.insert(ids, [1310], fine, 1024, None) == 0  # 21 blocks back: out of the lookback
+    _anthropic(far, ids, 1100, fine, 1024, None)
+    assert _anthropic(far, ids, 1310, fine, 1024, None) == 0  # 21 blocks back: out of the lookback
 
 
 def test_a_log_to_a_hosted_api_gets_its_providers_engine(tokenizer):
@@ -242,14 +250,14 @@ def test_a_log_to_a_hosted_api_gets_its_providers_engine(tokenizer):
 def test_fit_observed_recovers_the_block_size_and_budget_that_made_the_counts(tokenizer):
     log = read_log(_interleaved(seed=3, sessions=8, requests=80))
     scan = scan_log(tokenizer, log)
-    radix = RadixCache()
+    radix = RadixTree()
     for time, row in enumerate(scan.requests, 1):
         radix.insert(scan.held(row.request), row.request, None, time)
     working = radix.tokens  # an unbounded token cache's size after the log: the distinct prefixes
     for block, budget in ((32, working // 4), (64, working // 2)):
         server = BlockCache(block, budget // block)
         counts = {
-            row.request: server.insert(scan.rendered[row.request].token_ids, row.request, held=scan.held(row.request))
+            row.request: server.insert(CacheRequest(scan.rendered[row.request].token_ids, row.request, held=scan.held(row.request)))
             for row in scan.requests
         }
         counts[5] = None  # one request without a count

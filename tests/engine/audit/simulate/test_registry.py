@@ -1,27 +1,49 @@
-"""One registry names every simulated cache: the engines fed each request are exactly its serving engines, in its
-order; the hosted providers' are exactly its providers; and the gate, the Markdown and the figures label them from it."""
+"""One registry names every simulated cache: each entry is a ``PrefixCache`` class with its name, label and
+description; the caches fed each request are exactly its serving engines, in its order; the hosted providers' are
+exactly its providers; and the gate, the Markdown and the figures label them from it."""
 
 import numpy as np
 
 from engine.audit.report.gate import QUANTITIES, markdown
-from engine.audit.simulate.caches import CacheSettings, Engines
-from engine.audit.simulate.hosted import HostedCaches, HostedRequest
-from engine.audit.simulate.registry import CACHES, ENGINES, LABELS, PROVIDERS
+from engine.audit.simulate.caches import CacheSettings, ServerSlots, SlotCache
+from engine.audit.simulate.hosted import HostedRequest
+from engine.audit.simulate.prefix_cache import CacheRequest, PrefixCache
+from engine.audit.simulate.registry import CACHES, ENGINES, LABELS, MATCHING, PROVIDERS, Caches
+from engine.audit.simulate.step import Simulation
 from viz.audit import ENGINE_LABELS, PROVIDER_LABELS
 
 
-def test_the_engines_fed_are_the_registry_s_in_its_order():
-    reused = Engines(CacheSettings()).insert(np.arange(40), 0, "s", 0)
-    assert list(reused) == list(ENGINES) == ["vllm", "sglang", "llama_cpp"]
+def _subclasses(cls):
+    return {sub for direct in cls.__subclasses__() for sub in {direct, *_subclasses(direct)}}
+
+
+def test_the_registry_holds_every_cache_once_by_its_class_s_name():
+    assert list(CACHES) == ["vllm", "sglang", "llama_cpp", "openai", "anthropic"]
+    assert all(name == entry.name == entry.cache.name and entry.label and entry.description for name, entry in CACHES.items())
+    assert len({entry.cache for entry in CACHES.values()}) == len(CACHES)
+    # every simulated cache is registered, or is the llama.cpp entry's other mode (``--prompt-cache``)
+    found = {cls for cls in _subclasses(PrefixCache) if cls.__module__.startswith("engine.")}
+    assert found == {entry.cache for entry in CACHES.values()} | {ServerSlots}
+    assert type(SlotCache.from_settings(CacheSettings(prompt_cache=True))) is ServerSlots
     assert set(ENGINES) | set(PROVIDERS) == set(CACHES) and not set(ENGINES) & set(PROVIDERS)
+    assert list(PROVIDERS) == ["openai", "anthropic"] and MATCHING in ENGINES
 
 
-def test_each_provider_fed_is_a_registered_one():
-    caches, ids = HostedCaches(), np.arange(2048)
+def test_the_engines_fed_are_the_registry_s_in_its_order():
+    reused = Caches(CacheSettings()).insert(CacheRequest(np.arange(40), 0, "s", 1))
+    assert reused == {"vllm": 0, "sglang": 0, "llama_cpp": 0}
+    assert list(Simulation(CacheSettings()).engines.caches) == list(ENGINES)
+    assert list(Caches(CacheSettings(), hosted=True).caches) == list(PROVIDERS)
+
+
+def test_each_provider_fed_is_a_registered_one_and_only_its_own_requests():
+    caches, ids = Caches(CacheSettings(), hosted=True), np.arange(2048)
     read = {}
     for provider in PROVIDERS:
-        read |= caches.insert(ids, HostedRequest(provider, 0, (2047,), (1024, 2047), 1024, 0.0))
-    assert set(read) == set(PROVIDERS)
+        hosted = HostedRequest(provider, 0, (2047,), (1024, 2047), 1024, 0.0)
+        read |= caches.insert(CacheRequest(ids, 0, hosted=hosted))
+    assert read == dict.fromkeys(PROVIDERS, 0)
+    assert caches.insert(CacheRequest(ids, 1)) == {}  # not a hosted model: no provider's cache sees it
 
 
 def test_the_gate_the_markdown_and_the_figures_label_from_the_registry():
