@@ -500,7 +500,7 @@ def stage2_memory(size: int, sessions: int, tokenizer_dir: Path, budget_tokens: 
             driver.feed(part.records)
             del part
         kept, _ = tracemalloc.get_traced_memory()
-        caches = _deep_bytes(driver.engines)
+        caches = _deep_bytes(driver.simulation.engines)  # the simulated caches the driver holds
         tracemalloc.stop()
     return {
         "requests": size,
