@@ -482,6 +482,7 @@ def stage2_memory(size: int, sessions: int, tokenizer_dir: Path, budget_tokens: 
 
     from engine.audit.distributed.shard_tokens import ShardTokenPass
     from engine.audit.distributed.token_pass import _Driver
+    from engine.audit.logs.render import end_of_turn_ids
     from engine.audit.logs.shards import plan_shards
     from engine.audit.simulate.caches import CacheSettings
 
@@ -490,11 +491,11 @@ def stage2_memory(size: int, sessions: int, tokenizer_dir: Path, budget_tokens: 
     with tempfile.TemporaryDirectory() as folder:
         log = Path(folder) / "agents.jsonl"
         log.write_text("\n".join(json.dumps(record) for record in synthetic_log(size, sessions)) + "\n", encoding="utf-8")
-        worker = ShardTokenPass(tokenizer, "auto", 32_768, "embedded", settings.block)
+        worker = ShardTokenPass(tokenizer, "auto", 32_768, "embedded", settings.block, {})  # no Langfuse traces to join
         tracemalloc.start()
-        driver, first, tokens = _Driver(settings, ()), 1, 0
+        driver, first, tokens = _Driver(settings, (), end_of_turn_ids(tokenizer)), 1, 0
         for number, shard in enumerate(plan_shards([log])):
-            part = worker.tokens(number, shard, first)
+            part = worker.tokens(number, shard, first, None)  # the synthetic log is in time order
             first += len(part.records)
             tokens += sum(len(record.ids) for record in part.records)
             driver.feed(part.records)

@@ -5,7 +5,7 @@ tokenizer's on its whole rendered text."""
 import json
 import re
 
-from benchmarks.studies.audit_scale import as_langfuse_traces, as_otlp, synthetic_log
+from benchmarks.studies.audit_scale import as_langfuse_traces, as_otlp, stage2_memory, synthetic_log
 from engine.audit.logs.reading import read_log
 from engine.audit.logs.render import render_batch
 from engine.models.tiny import tiny_tokenizer
@@ -40,3 +40,13 @@ def test_the_exports_hold_the_same_requests_as_the_jsonl():
         assert log.formats == {name: 300} and log.order == "timestamps" and not log.skipped
         assert [(r.messages, r.tools, r.session) for r in log.requests] == [(r.messages, r.tools, r.session) for r in plain.requests]
     assert len(as_otlp(records).splitlines()) == 1  # 300 spans: one batch of up to 512
+
+
+def test_the_drivers_memory_is_measured_with_and_without_a_budget(tmp_path):
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = QWEN_TEMPLATE
+    tokenizer.save_pretrained(tmp_path)
+    unbounded, bounded = stage2_memory(60, 6, tmp_path), stage2_memory(60, 6, tmp_path, budget_tokens=512)
+    assert unbounded["requests"] == bounded["requests"] == 60 and unbounded["mean_tokens"] == bounded["mean_tokens"] > 0
+    assert bounded["settings"]["budget_tokens"] == 512 and bounded["settings"]["budget_blocks"] == 32
+    assert 0 < bounded["caches_bytes_per_request"] < unbounded["caches_bytes_per_request"] < unbounded["driver_bytes_per_request"]
