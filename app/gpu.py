@@ -19,9 +19,10 @@ Off ZeroGPU nothing is wrapped and ``spaces`` is never imported. docs/hosting-sp
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the hosting layer imports no torch before spaces has patched it
@@ -90,26 +91,40 @@ class GpuTasks:
         return task_seconds(self.registry.profile.request_seconds, self.registry.preparations())
 
     def wrap(self, name: str, handler: Callable) -> Callable:
-        """``handler`` run as the GPU task ``name`` (its signature kept, so Gradio still injects progress)."""
+        """``handler`` run as the GPU task ``name`` (its signature kept, so Gradio still injects progress); a generator
+        handler (a result shown while work goes on) stays one, each of its results streamed from the task."""
         if name in self._handlers:
             raise ValueError(f"GPU task {name!r} is already registered")
         self._handlers[name] = handler
 
+        def results(args: tuple, kwargs: dict) -> Iterator[Any]:
+            for value, preparations in self._run(name, args, kwargs):
+                self.registry.record_preparations(preparations)
+                yield value
+
         @functools.wraps(handler)
         def in_gpu_task(*args, **kwargs):
-            value, preparations = self._run(name, args, kwargs)
-            self.registry.record_preparations(preparations)
+            *_, value = results(args, kwargs)
             return value
 
-        return in_gpu_task
+        @functools.wraps(handler)
+        def steps_in_gpu_task(*args, **kwargs):
+            yield from results(args, kwargs)
+
+        return steps_in_gpu_task if inspect.isgeneratorfunction(handler) else in_gpu_task
 
     def names(self) -> list[str]:
         """The registered task names, in registration order."""
         return list(self._handlers)
 
-    def _task(self, name: str, args: tuple, kwargs: dict) -> tuple[Any, dict[str, DevicePreparation]]:
+    def _task(self, name: str, args: tuple, kwargs: dict) -> Iterator[tuple[Any, dict[str, DevicePreparation]]]:
+        """The one decorated function, a generator (spaces streams what it yields): a generator handler's every
+        result, any other handler's one, each with the models' preparations."""
         preparations = self.registry.prepare_staged()
-        return self._handlers[name](*args, **kwargs), preparations
+        handler = self._handlers[name]
+        values = handler(*args, **kwargs) if inspect.isgeneratorfunction(handler) else (handler(*args, **kwargs),)
+        for value in values:
+            yield value, preparations
 
 
 def task_name(fn_index: int, fn: Callable) -> str:
