@@ -89,7 +89,7 @@ def reuse_timeline_figure(data: AuditJSON) -> go.Figure:
     turns, names = _audited(data), list(data["repairs"])
     figure = go.Figure()
     if not turns:
-        return _empty(_no_turns(data, "nothing to draw of a repair's reuse"))
+        return _empty(no_turns(data, "nothing to draw of a repair's reuse"))
     requests = [turn["request"] for turn in turns]
     figure.add_scatter(
         x=requests,
@@ -152,7 +152,7 @@ def fidelity_cost_figure(data: AuditJSON, x: str = "computed", y: str = "kl") ->
         raise ValueError(f"axes are x in {sorted(X_AXES)} and y in {sorted(Y_AXES)}, got {x!r}, {y!r}")
     turns, names = _audited(data), list(data["repairs"])
     if not turns:
-        return _empty(_no_turns(data, "no repair to measure"))
+        return _empty(no_turns(data, "no repair to measure"))
     figure, colours = go.Figure(), _colours(names)
     for name in names:
         points = [(turn, turn["repairs"][name]) for turn in turns if turn["repairs"].get(name, {}).get("applicable")]
@@ -307,10 +307,15 @@ def marked_prompt_html(text: str, marks: Sequence[Mark], element_id: str | None 
     return f'<div class="kv-prompt"{ident}>{"".join(parts)}</div>'
 
 
-def turns_html(turns: Sequence[tuple[int, str, Sequence[Mark]]], open_request: int | None = None) -> str:
-    """Each audited request's rendered prompt, marked, in a collapsible section (``open_request`` open)."""
+def turns_html(
+    turns: Sequence[tuple[int, str, Sequence[Mark]]],
+    open_request: int | None = None,
+    empty: str = "one request only: nothing changed between requests",
+) -> str:
+    """Each audited request's rendered prompt, marked, in a collapsible section (``open_request`` open); ``empty``:
+    why there is none (e.g. :func:`no_turns`)."""
     if not turns:
-        return PROMPT_CSS + "<p>One request only: nothing changed between requests.</p>"
+        return PROMPT_CSS + f"<p>{html.escape(empty[:1].upper() + empty[1:])}.</p>"
     legend = (
         '<p><mark class="field" style="background:#ffd6e7">changed field</mark> (hover: old → new) · '
         '<span style="background:#e3f2e8">appended since the previous request</span> · '
@@ -733,7 +738,7 @@ def unmeasured_lines(data: AuditJSON) -> list[str]:
     return []
 
 
-def _no_turns(data: AuditJSON, what: str) -> str:
+def no_turns(data: AuditJSON, what: str) -> str:
     """Why a figure of the measured turns is empty: the token pass alone was asked for, one request only, or no turn
     could be measured."""
     requests = len(data.get("requests") or ())

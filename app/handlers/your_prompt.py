@@ -420,8 +420,9 @@ def audit_view(
     Open in Notes would study (``notes``: every changed field pre-checked, or why there is none); with ``traffic`` (the log's token pass,
     whose measured turns ``report`` holds), its sessions, engines, causes, groups and timeline per session, and the
     summary is the traffic's JSON."""
-    # the model pass was cancelled or is still running: the panels say so, not "one request"
-    data = report.as_dict() | {key: value for key, value in (traffic or {}).items() if key in ("cancelled", "pending") and value}
+    # why no turn is measured (cancelled, still running, the token pass only, or one request): the panels say which
+    why = ("cancelled", "pending", "sample", "requests")
+    data = report.as_dict() | {key: value for key, value in (traffic or {}).items() if key in why}
     turns = [(turn.request, report.rendered[i].text, _turn_marks(report, i)) for i, turn in enumerate(report.turns) if turn.diff]
     shown = report.last_with_fields() or report.turns[-1]
     choices = [] if isinstance(notes, str) or notes is None else list(notes)
@@ -430,7 +431,7 @@ def audit_view(
         recommendation_markdown=audit_figures.recommendations_markdown(data),
         timeline_figure=audit_figures.reuse_timeline_figure(data),
         fidelity_figure=audit_figures.fidelity_cost_figure(data, *_axes(x, y)),
-        prompt_html=audit_figures.turns_html(turns, shown.request),
+        prompt_html=audit_figures.turns_html(turns, shown.request, audit_figures.no_turns(data, "no prompt is marked")),
         summary=data,
         notes_markdown=panels.notes_choice_markdown(choices, pick.key) if pick else panels.open_in_notes_markdown(notes),
         notes_menu=[(choice.label(), choice.key) for choice in choices],

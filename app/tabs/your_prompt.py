@@ -316,6 +316,8 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
             "replicas": replicas,
         },
         outputs=[*shown, cancel_button],
+        # the bar under the buttons and on the panels the model pass fills: the token pass, shown first, stays readable
+        show_progress_on=[audit_status, recommendation, timeline_plot, fidelity_plot],
         api_name="audit",
         **page.model_bound(),
     )

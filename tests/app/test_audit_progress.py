@@ -84,4 +84,9 @@ def test_the_token_pass_is_shown_while_the_model_pass_runs_and_nothing_is_kept_u
     assert view.summary["requests"] == pending["requests"] and view.summary["engines"] == pending["engines"]
     assert "pending" not in view.summary and "Recommended:" in view.recommendation_markdown
     assert sessions.get("w", "audit") is not None
-    assert start_audit(registry, sessions, LOG, session="w", sample=0, **OPTIONS).pending is None  # no model pass to wait for
+    assert "The model pass is measuring the sampled turns, so no prompt is marked yet." in started.pending.prompt_html
+    tokens_only = start_audit(registry, sessions, LOG, session="w", sample=0, **OPTIONS)
+    assert tokens_only.pending is None  # no model pass to wait for
+    view = tokens_only.finish()  # every panel of the measured turns says why it is empty: not "one request only"
+    words = [view.prompt_html, *(figure.layout.annotations[0].text for figure in (view.timeline_figure, view.fidelity_figure))]
+    assert all("the token pass only (--sample 0)" in text.lower() and "one request only" not in text.lower() for text in words), words
