@@ -150,7 +150,7 @@ _PUBLIC = {
     "LoadedModel": "engine.models",
     "LoadedTokenizer": "engine.cache.loaded",
     "LoraSettings": "engine.edit.lora",
-    "MeasureSettings": "engine.audit.measure.turn",
+    "MeasureSettings": "engine.audit.measure.settings",
     "MessageProgress": "engine.progress",
     "Notebook": "engine.cache.notebook",
     "NotesScenario": "engine.audit.measure.notes",
@@ -196,7 +196,7 @@ _PUBLIC = {
     "bounded_sample": "engine.audit.scan.sampling",
     "traffic_scan": "engine.audit.scan.sampling",
     "pending_report": "engine.audit.measure.traffic",
-    "measure_settings": "engine.audit.measure.traffic",
+    "measure_settings": "engine.audit.measure.settings",
     "bundled_images": "engine.compose.pictures",
     "bundled_logs": "engine.scenario",
     "bundled_scenarios": "engine.scenario",
@@ -204,7 +204,7 @@ _PUBLIC = {
     "calibrated_remedy": "engine.compose.calibration",
     "cancel_calibration": "engine.compose.calibration",
     "candidate_menu": "engine.audit.prompts.text_spans",
-    "check_repairs": "engine.audit.measure.turn",
+    "check_repairs": "engine.audit.measure.settings",
     "candidate_span": "engine.audit.prompts.text_spans",
     "candidate_spans": "engine.audit.changes.fields",
     "check_model": "engine.checks.support",
@@ -409,8 +409,9 @@ if TYPE_CHECKING:
     from engine.audit.logs.requests import Request, RequestLogError
     from engine.audit.measure.notes import NotesChoice, NotesScenario, notes_choices, notes_scenario, preferred_choice
     from engine.audit.measure.repairs import GRAINS, REPAIR_SUMMARIES, REPAIRS
-    from engine.audit.measure.traffic import DEFAULT_SAMPLE, audit_traffic, measure_settings, pending_report
-    from engine.audit.measure.turn import AuditReport, MeasureSettings, audit_value, check_repairs, repaired_template, scenario_toml
+    from engine.audit.measure.settings import MeasureSettings, check_repairs, measure_settings
+    from engine.audit.measure.traffic import DEFAULT_SAMPLE, audit_traffic, pending_report
+    from engine.audit.measure.turn import AuditReport, audit_value, repaired_template, scenario_toml
     from engine.audit.prompts.text_spans import appended_chars, candidate_menu, candidate_span, find_span, prefix_cache_stop
     from engine.audit.report.gate import rewrite_markdown
     from engine.audit.rewrite.measure import apply_template, measure_rewrite

@@ -128,8 +128,10 @@ class AuditView:
     fleet_figure: go.Figure | None = None
 
 
-def audit_options(profile: HostingProfile, requests: int, repairs: Sequence[str] | None, tokens, threshold, min_agreement, grain) -> dict:
-    """The audit's settings from UI values, checked (the profile bounds the requests and the greedy tokens)."""
+def audit_options(
+    profile: HostingProfile, requests: int, repairs: Sequence[str] | None, tokens, threshold, min_agreement, grain
+) -> MeasureSettings:
+    """The audit's settings from UI values, checked (the profile bounds the requests, the greedy tokens and the context)."""
     tokens = number(tokens, "greedy tokens N", DEFAULTS.tokens)
     threshold = number(threshold, "KL threshold", DEFAULTS.threshold, float)
     min_agreement = number(min_agreement, "minimum agreement", DEFAULTS.min_agreement, float)
@@ -142,7 +144,7 @@ def audit_options(profile: HostingProfile, requests: int, repairs: Sequence[str]
     if grain is not None and grain not in GRAINS:
         raise AppError(f"unknown grain {grain!r}; choose one of {', '.join(GRAINS)} (or none)")
     profile.check_audit(requests, tokens)
-    return {"repairs": list(repairs or []), "tokens": tokens, "threshold": threshold, "min_agreement": min_agreement, "grain": grain}
+    return measure_settings(list(repairs or []), tokens, threshold, min_agreement, grain, profile.max_context_tokens)
 
 
 NOTHING_TO_AUDIT = (
@@ -224,8 +226,7 @@ def start_audit(
     profile = registry.profile
     # at most this many turns are measured: every request, or the profile's bound that ``bounded_sample`` keeps to
     measured = min(len(log.requests), profile.max_audit_requests or len(log.requests))
-    options = audit_options(profile, measured, repairs, tokens, threshold, min_agreement, grain)
-    measure = measure_settings(**options, max_tokens=profile.max_context_tokens)
+    measure = audit_options(profile, measured, repairs, tokens, threshold, min_agreement, grain)
     phases.report("loading", "loading the model" if sample > 0 else "loading the tokenizer (the token pass needs no weights)")
     loading = phases.messages("loading")
     lm = registry.get(spec, progress=loading) if sample > 0 else registry.token_model(spec, progress=loading)
@@ -254,7 +255,7 @@ def start_audit(
             log,
             scan=scan,
             sample=fits,
-            **dataclasses.asdict(measure),
+            measure=measure,
             messages=phases.model_pass(),
         )
         data = traffic.as_dict() | {"sample_bound": bound}
@@ -310,7 +311,7 @@ def run_audit_value(
     :func:`prompt_candidates` numbers them), or the first occurrence of ``find`` (which wins when given), set to
     ``new_value``."""
     request, rendered = _rendered_prompt(registry, spec, text)
-    options = audit_options(registry.profile, 2, repairs, tokens, threshold, min_agreement, grain)
+    measure = audit_options(registry.profile, 2, repairs, tokens, threshold, min_agreement, grain)
     if (find or "").strip():
         site = find_span(request, find)
     elif candidate is not None and str(candidate).strip():
@@ -326,9 +327,8 @@ def run_audit_value(
         site.chars,
         str(new_value),
         message=site.message,
-        max_tokens=registry.profile.max_context_tokens,
+        measure=measure,
         progress=progress,
-        **options,
     )
     return _kept_audit(registry, sessions, session, spec, lm, report, x, y)
 

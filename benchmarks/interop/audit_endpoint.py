@@ -46,6 +46,7 @@ from engine.audit.logs.reading import read_log
 from engine.audit.logs.render import context_limit
 from engine.audit.logs.requests import RequestLog
 from engine.audit.measure.repairs import GRAINS, PROMPT_REPAIRS, Level
+from engine.audit.measure.settings import measure_settings
 from engine.audit.measure.traffic import TrafficReport, audit_traffic
 from engine.audit.simulate.caches import CacheSettings
 from engine.cache.decision import kl_divergence
@@ -105,7 +106,9 @@ def full_distributions(client: EndpointClient, lm: LoadedModel, prompts: dict[tu
 def compare_log(lm: LoadedModel, client: EndpointClient, log: RequestLog, sample: int, tokens: int, grain: str) -> dict:
     """One log audited both ways: times, noise, verdicts and the KL estimate's error (the module's docstring)."""
     watch = Stopwatch()
-    local: TrafficReport = audit_traffic(lm, log, sample=sample, repairs=PROMPT_REPAIRS, grain=grain, tokens=tokens)
+    local: TrafficReport = audit_traffic(
+        lm, log, sample=sample, measure=measure_settings(repairs=PROMPT_REPAIRS, tokens=tokens, grain=grain)
+    )
     torch_s = watch.ms / 1000
     watch = Stopwatch()
     remote: EndpointAudit = audit_on_endpoint(
@@ -113,11 +116,7 @@ def compare_log(lm: LoadedModel, client: EndpointClient, log: RequestLog, sample
         local.scan,
         local.groups,
         tokenizer=lm.tokenizer,
-        repairs=local.measure.repairs,
-        tokens=tokens,
-        threshold=local.measure.threshold,
-        min_agreement=local.measure.min_agreement,
-        grain=grain,
+        measure=local.measure,
         limit=context_limit(lm),
         model=lm.name,
     )

@@ -56,8 +56,9 @@ from benchmarks.serving.serving_servers import SERVER_BINARY, LlamaServer, resol
 from engine.audit.logs.reading import read_log
 from engine.audit.logs.requests import RequestLog, RequestLogError
 from engine.audit.measure.repairs import GRAINS, PROMPT_REPAIRS
+from engine.audit.measure.settings import DEFAULT_TOKENS, measure_settings
 from engine.audit.measure.traffic import audit_traffic
-from engine.audit.measure.turn import DEFAULT_TOKENS, repaired_template
+from engine.audit.measure.turn import repaired_template
 from engine.audit.rewrite.measure import RewriteReport, apply_template, measure_rewrites
 from engine.audit.scan.token_pass import TrafficScan, scan_log
 from engine.audit.simulate.caches import CacheSettings
@@ -84,7 +85,9 @@ class Rewrites:
 
 def rewrites_of(lm: LoadedModel, log: RequestLog, repairs: Sequence[str], grain: str, tokens: int, settings: CacheSettings) -> Rewrites:
     """The log audited, each repair's template written and applied to the log, and every rewrite measured."""
-    report = audit_traffic(lm, log, repairs=repairs, grain=grain, tokens=tokens, settings=settings).measured_report()
+    report = audit_traffic(
+        lm, log, measure=measure_settings(repairs=repairs, tokens=tokens, grain=grain), settings=settings
+    ).measured_report()
     turn = report.last_with_fields()
     logs, templates = {"original": log}, {}
     for repair in repairs:

@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 
 from benchmarks.common import percentile
+from engine.audit.logs.usage import answer_usage
 from engine.audit.simulate.metrics import CacheCounters
 
 _LOOPBACK_NAMES = frozenset({"localhost"})
@@ -135,7 +136,7 @@ async def stream_completion(client: httpx.AsyncClient, base_url: str, payload: d
 
     Tokens are the streamed chunks with a choice, unless the server reports ``usage.completion_tokens``;
     ``usage.prompt_tokens_details.cached_tokens`` (llama-server, vLLM with prompt-token details, SGLang) is the
-    request's own prefix-cache hit.
+    request's own prefix-cache hit, read as the audit reads usage (``engine.audit.logs.usage.answer_usage``).
     """
     url = f"{require_loopback(base_url)}/v1/completions"
     started = time.perf_counter()
@@ -160,14 +161,14 @@ async def stream_completion(client: httpx.AsyncClient, base_url: str, payload: d
                 pieces.append(chunk["choices"][0].get("text") or "")
             if chunk.get("usage"):
                 usage = chunk["usage"]
-    details = usage.get("prompt_tokens_details") or {}
+    reported = answer_usage({"usage": usage})  # the usage object alone, as the audit reads a log's or an answer's
     return Streamed(
         ttft_s=ttft,
         latency_s=time.perf_counter() - started,
         completion_tokens=usage.get("completion_tokens", chunks),
         text="".join(pieces),
-        prompt_tokens=usage.get("prompt_tokens"),
-        cached_tokens=details.get("cached_tokens"),
+        prompt_tokens=reported.prompt,
+        cached_tokens=reported.cached,
     )
 
 

@@ -41,10 +41,10 @@ from transformers import DynamicCache
 from benchmarks import common
 from benchmarks.common import cpu_info
 from engine.audit.logs.reading import parse_log, read_log
-from engine.audit.measure.recommend import DEFAULT_MIN_AGREEMENT, DEFAULT_THRESHOLD
 from engine.audit.measure.repairs import GRAINS, REPAIRS
+from engine.audit.measure.settings import DEFAULT_MIN_AGREEMENT, DEFAULT_THRESHOLD, DEFAULT_TOKENS, measure_settings
 from engine.audit.measure.traffic import DEFAULT_SAMPLE, audit_traffic
-from engine.audit.measure.turn import DEFAULT_TOKENS, AuditReport, audit_requests
+from engine.audit.measure.turn import AuditReport, audit_requests
 from engine.cache import adapter
 from engine.models import LoadedModel, load_model
 from engine.scenario import DEMOS
@@ -142,10 +142,10 @@ def run_log(lm: LoadedModel, name: str, args) -> dict:
     """Audit one bundled log ``args.reps`` times; its result file's content."""
     requests = parse_log((Path(args.log_dir) / f"{name}.jsonl").read_text(encoding="utf-8"))
     load_before, watch, reports = os.getloadavg(), Stopwatch(), []
-    options = {"tokens": args.tokens, "threshold": args.threshold, "min_agreement": args.min_agreement, "grain": args.grain}
+    measure = measure_settings(REPAIRS, args.tokens, args.threshold, args.min_agreement, args.grain)
     for rep in range(args.reps):
         progress = lambda done, total, rep=rep: print(f"  {name} rep {rep + 1}/{args.reps}: {done}/{total}", flush=True)  # noqa: E731
-        reports.append(audit_requests(lm, requests, repairs=REPAIRS, progress=progress, **options))
+        reports.append(audit_requests(lm, requests, measure=measure, progress=progress))
     turns = merged_turns(reports)
     first = reports[0]
     return {
@@ -237,7 +237,7 @@ def _spread(values: Sequence[float]) -> dict:
 def model_pass_ratio(lm: LoadedModel, name: str, args) -> dict:
     """One log: the audit's model pass and plain transformers doing its forwards, alternating, ``args.reps`` times."""
     log = read_log((LOGS / f"{name}.jsonl").read_text(encoding="utf-8"))
-    options = {"tokens": args.tokens, "sample": args.sample, "repairs": REPAIRS}
+    options = {"measure": measure_settings(REPAIRS, args.tokens), "sample": args.sample}
     load_before = os.getloadavg()
     _, forwards = _recorded_pass(lm, log, options)  # also the warm-up
     if not forwards:  # no turn of this log is measurable: the audit runs no model pass

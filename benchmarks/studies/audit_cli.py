@@ -45,7 +45,7 @@ import torch
 from benchmarks import common
 from engine.audit.logs.reading import read_log
 from engine.audit.logs.requests import RequestLog, RequestLogError
-from engine.audit.measure.turn import DEFAULT_TOKENS
+from engine.audit.measure.settings import DEFAULT_TOKENS
 from engine.audit.prompts.repair_requests import RepairNotApplicable
 from engine.audit.prompts.template import written_template
 from engine.audit.rewrite.measure import apply_template

@@ -392,7 +392,7 @@ def _scale_worker(mode: str, log: str, tokenizer_dir: str, workers: int) -> None
     before the pass, and its totals (to check that both gave the same) as JSON on stdout."""
     from transformers import AutoTokenizer
 
-    from engine.audit.logs.shards import read_logs
+    from engine.audit.logs.shards import LogFiles, read_logs
     from engine.audit.scan.token_pass import scan_log
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -406,7 +406,7 @@ def _scale_worker(mode: str, log: str, tokenizer_dir: str, workers: int) -> None
         started = time.perf_counter() - begin
     before = _rss_mb()
     start = time.perf_counter()
-    scan = ray_scan(tokenizer, [log], workers=workers) if mode == "ray" else scan_log(tokenizer, read_logs([log]))
+    scan = ray_scan(tokenizer, LogFiles.of([log]), workers=workers) if mode == "ray" else scan_log(tokenizer, read_logs([log]))
     seconds = time.perf_counter() - start
     print(
         json.dumps(

@@ -10,12 +10,13 @@ from engine.audit.logs.formats import AUTO as AUTO_FORMAT
 from engine.audit.logs.formats import FORMATS
 from engine.audit.logs.reading import parse_prompt, read_log
 from engine.audit.logs.requests import RequestLog, RequestLogError
+from engine.audit.logs.shards import LogFiles
 from engine.audit.logs.sources import SOURCES
 from engine.audit.measure.kv_store import ComputedStates
-from engine.audit.measure.recommend import DEFAULT_MIN_AGREEMENT, DEFAULT_THRESHOLD
 from engine.audit.measure.repairs import GRAINS, PROMPT_REPAIRS, REPAIRS
+from engine.audit.measure.settings import DEFAULT_MIN_AGREEMENT, DEFAULT_THRESHOLD, DEFAULT_TOKENS, MeasureSettings
 from engine.audit.measure.traffic import DEFAULT_SAMPLE, audit_traffic
-from engine.audit.measure.turn import DEFAULT_TOKENS, audit_value, repaired_template, scenario_toml
+from engine.audit.measure.turn import audit_value, repaired_template, scenario_toml
 from engine.audit.prompts.text_spans import find_span
 from engine.audit.report.gate import QUANTITIES, gate, markdown, parse_conditions
 from engine.audit.report.schema import report_schema
@@ -26,7 +27,7 @@ from engine.audit.simulate.metrics import observed_aggregate
 from engine.audit.simulate.observed import NO_OBSERVED_COUNTS, OBSERVED_ENGINES, fit_observed
 from engine.cli.common import Group, Handler, arg, load, log, names, progress, read_text
 from engine.cli.endpoint import ENDPOINT, measure_on_endpoint
-from engine.cli.scale import SCALE, fleet_of, one_text, read_request_log, token_pass, turn_pass
+from engine.cli.scale import SCALE, fleet_of, log_files, token_pass, turn_pass
 from engine.models import load_tokenizer
 
 
@@ -34,7 +35,8 @@ def cmd_audit(args: argparse.Namespace) -> dict:
     """Audit a request log (or one prompt with --find/--new): a token pass over every request (sessions, matches, causes,
     simulated vLLM / SGLang / llama.cpp reuse), then every repair's cost and fidelity on --sample turns per change;
     with --rewritten / --template, the rewrite's reuse and output against the original's; --fail-on gates on it."""
-    text = read_text(args.log[0]) if one_text(args) else None
+    files = log_files(args)
+    text = files.text() if files.one_text and not args.ray else None  # one prompt, with --new
     conditions = parse_conditions(args.fail_on)
     if args.rewritten and args.template:
         raise RequestLogError("--rewritten and --template are two rewrites: measure one at a time")
@@ -42,13 +44,7 @@ def cmd_audit(args: argparse.Namespace) -> dict:
         raise RequestLogError("--template-repair names the repair whose template --template-out writes: add --template-out FILE")
     if (args.rewritten or args.template) and args.new is not None:
         raise RequestLogError("--rewritten and --template measure a log's rewrite; they do not combine with --new")
-    options = {
-        "repairs": names(args.repairs) or REPAIRS,
-        "tokens": args.tokens,
-        "threshold": args.threshold,
-        "min_agreement": args.min_agreement,
-        "grain": args.grain,
-    }
+    measure = MeasureSettings(tuple(names(args.repairs) or REPAIRS), args.tokens, args.threshold, args.min_agreement, args.grain)
     # no weights where no forward runs here: the token pass alone, or every measurement on an endpoint
     tokens_only = args.new is None and (bool(args.endpoint) or (args.sample == 0 and not (args.rewritten or args.template)))
     lm = load_tokenizer(args.model, progress=log) if tokens_only else load(args)
@@ -58,31 +54,33 @@ def cmd_audit(args: argparse.Namespace) -> dict:
         settings = CacheSettings(
             args.block_size, args.kv_budget_blocks, args.kv_budget_tokens, args.slots, args.cache_reuse, args.prompt_cache
         )
-        request_log = read_request_log(args)
-        if args.fit_observed and all(request.observed_cached_tokens is None for request in request_log.requests):
-            raise RequestLogError(NO_OBSERVED_COUNTS)  # before the model measures anything
+        if not args.ray:  # read here, once (with --ray the workers read the files, and the driver never holds the log)
+            request_log = files.log
+            if args.fit_observed and all(request.observed_cached_tokens is None for request in request_log.requests):
+                raise RequestLogError(NO_OBSERVED_COUNTS)  # before the model measures anything
         scrapes = [read_text(path) for path in args.metrics]
         if scrapes:
             observed_aggregate(scrapes, {})  # a scrape that cannot be read fails before the model measures anything
-        for skipped in request_log.skipped:
-            log(f"skipped {skipped.message}")
+        if not args.ray:
+            for skipped in files.log.skipped:
+                log(f"skipped {skipped.message}")
         steps = {"scan_progress": progress("token pass: requests"), "messages": log}  # the model pass a forward at a time
-        rewritten = _rewritten(args, request_log)
+        rewritten = _rewritten(args, files)
         if args.endpoint:
-            return _finish(args, conditions, measure_on_endpoint(args, lm, request_log, rewritten, settings, options))
+            return _finish(args, conditions, measure_on_endpoint(args, lm, files, rewritten, settings, measure))
         scale = {"fleet": fleet_of(args), "token_pass": token_pass(args, lm, settings), "measure_turns": turn_pass(args, lm)}
         # a rewrite reads the log's requests again: from the audit's own store, and after its own token pass (one process)
         shared = rewritten is not None and not args.ray
         states = ComputedStates(lm, args.tokens) if shared else None
         traffic = audit_traffic(
             lm,
-            request_log,
+            files,
             sample=args.sample,
             settings=settings,
+            measure=measure,
             observed_engine=args.observed_engine,
             states=states,
             **steps,
-            **options,
             **scale,
         )
         result, report = traffic.as_dict(), traffic.measured_report()
@@ -93,7 +91,7 @@ def cmd_audit(args: argparse.Namespace) -> dict:
         if rewritten is not None:
             measured = measure_rewrite(
                 lm,
-                request_log,
+                files.log,
                 rewritten,
                 settings=settings,
                 tokens=args.tokens,
@@ -111,7 +109,7 @@ def cmd_audit(args: argparse.Namespace) -> dict:
         if not args.find:
             raise RequestLogError("--new needs --find TEXT: the value to change in the prompt")
         site = find_span(request, args.find)
-        report = audit_value(lm, request, site.chars, args.new, message=site.message, progress=progress("audit steps"), **options)
+        report = audit_value(lm, request, site.chars, args.new, message=site.message, measure=measure, progress=progress("audit steps"))
         result = report.as_dict()
     template = (args.template_out, lambda: repaired_template(report, args.template_repair))
     for path, build in ((args.scenario_out, lambda: scenario_toml(report)), template):
@@ -129,8 +127,12 @@ def _finish(args: argparse.Namespace, conditions: list, result: AuditJSON) -> Au
     return result
 
 
-def _rewritten(args: argparse.Namespace, original: RequestLog) -> RequestLog | None:
-    """The rewritten log of --rewritten, or --template applied to ``original`` (None without either), paired with it."""
+def _rewritten(args: argparse.Namespace, files: LogFiles) -> RequestLog | None:
+    """The rewritten log of --rewritten, or --template applied to the original (``files``, read here; None without
+    either), paired with it."""
+    if not (args.rewritten or args.template):
+        return None
+    original = files.log
     if args.rewritten:
         rewritten = read_log(read_text(args.rewritten), args.format)
     elif args.template:
@@ -138,8 +140,6 @@ def _rewritten(args: argparse.Namespace, original: RequestLog) -> RequestLog | N
         changed = sum(old.contents != new.contents for old, new in zip(original.requests, rewritten.requests))
         kept = " (the others' prompt lacks its read lines, or is the template's already)" if changed < len(original.requests) else ""
         log(f"template: {changed} of {len(original.requests)} requests rewritten{kept}")
-    else:
-        return None
     check_pairing(original.requests, rewritten.requests)
     return rewritten
 

@@ -19,8 +19,9 @@ from engine.audit.endpoint.client import (
 from engine.audit.endpoint.model_pass import audit_on_endpoint, endpoint_result, measure_rewrite_on_endpoint
 from engine.audit.logs.render import context_limit
 from engine.audit.logs.requests import RequestLog
+from engine.audit.logs.shards import LogFiles
+from engine.audit.measure.settings import MeasureSettings
 from engine.audit.measure.traffic import audit_traffic
-from engine.audit.measure.turn import check_repairs
 from engine.audit.scan.token_pass import sample_groups
 from engine.audit.simulate.caches import CacheSettings
 from engine.cli.common import Group, arg, progress
@@ -52,7 +53,12 @@ def endpoint_client(args: argparse.Namespace) -> EndpointClient:
 
 
 def measure_on_endpoint(
-    args: argparse.Namespace, lm: LoadedModel, log: RequestLog, rewritten: RequestLog | None, settings: CacheSettings, options: dict
+    args: argparse.Namespace,
+    lm: LoadedModel,
+    log: LogFiles,
+    rewritten: RequestLog | None,
+    settings: CacheSettings,
+    measure: MeasureSettings,
 ) -> dict:
     """The token pass with the local tokenizer (on Ray with --ray, with the fleets of --replicas), then the sampled turns
     and the rewrite (with one) measured on the endpoint."""
@@ -63,32 +69,21 @@ def measure_on_endpoint(
         log,
         sample=0,
         settings=settings,
+        measure=measure,
         observed_engine=args.observed_engine,
         scan_progress=progress("token pass: requests"),
         fleet=fleet_of(args),
         token_pass=token_pass(args, lm, settings),
-        **options,
     )
     result = traffic.as_dict()
     groups = sample_groups(traffic.scan, args.sample)
-    measured = audit_on_endpoint(
-        client,
-        traffic.scan,
-        groups,
-        repairs=check_repairs(options["repairs"]),
-        tokens=args.tokens,
-        threshold=args.threshold,
-        min_agreement=args.min_agreement,
-        grain=args.grain,
-        progress=progress("endpoint: sampled prompts"),
-        **text,
-    )
+    measured = audit_on_endpoint(client, traffic.scan, groups, measure=measure, progress=progress("endpoint: sampled prompts"), **text)
     for row, group in zip(result["groups"], groups):
         row |= {"measured": list(group.measured), "reason": group.reason, "fidelity": measured.group_fidelity(group.measured)}
     result |= {"sample": args.sample, "endpoint": measured.as_dict()}
     if rewritten is not None:
         rewrite = measure_rewrite_on_endpoint(
-            client, log, rewritten, settings=settings, tokens=args.tokens, progress=progress("endpoint: rewrite requests"), **text
+            client, log.log, rewritten, settings=settings, tokens=measure.tokens, progress=progress("endpoint: rewrite requests"), **text
         )
         result |= endpoint_result(rewrite) | {"endpoint": measured.as_dict() | rewrite.endpoint}
     return result

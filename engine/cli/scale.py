@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import argparse
 import functools
-from collections.abc import Callable
-from pathlib import Path
 
-from engine.audit.logs.reading import read_log
-from engine.audit.logs.requests import RequestLog, RequestLogError
-from engine.audit.logs.shards import read_logs
-from engine.audit.measure.traffic import MeasureTurns
+from engine.audit.logs.requests import RequestLogError
+from engine.audit.logs.shards import LogFiles
+from engine.audit.measure.traffic import MeasureTurns, TokenPass
 from engine.audit.scan.token_pass import TrafficScan
 from engine.audit.simulate.caches import CacheSettings
 from engine.audit.simulate.fleet import ROUTINGS, fleet_grid
 from engine.cache.loaded import LoadedModel
-from engine.cli.common import Group, arg, progress, read_text
+from engine.cli.common import Group, arg, progress
 
 SCALE: Group = (
     arg(
@@ -39,21 +36,15 @@ SCALE: Group = (
 )
 
 
-def one_text(args: argparse.Namespace) -> bool:
-    """Whether the log is one plain file read as text (else: many files, a directory, gzip, or --ray)."""
-    paths = args.log
-    return len(paths) == 1 and not args.ray and Path(paths[0]).is_file() and not paths[0].endswith(".gz")
-
-
-def read_request_log(args: argparse.Namespace) -> RequestLog:
-    """The log as one process reads it (with --ray the driver never holds it: an empty log stands in)."""
+def log_files(args: argparse.Namespace) -> LogFiles:
+    """The log's files as given, which the token pass reads: in this process, or on Ray (--ray), where what one
+    process alone measures is refused by name."""
     if args.ray:
         if args.rewritten or args.template:
             raise RequestLogError("--rewritten and --template measure a rewrite in one process: drop --ray")
         if args.fit_observed:
             raise RequestLogError("--fit-observed re-runs the block cache over every request's tokens, not kept by --ray: drop --ray")
-        return RequestLog((), (), {})
-    return read_log(read_text(args.log[0]), args.format) if one_text(args) else read_logs(args.log, args.format)
+    return LogFiles.of(args.log, args.format)
 
 
 def fleet_of(args: argparse.Namespace) -> list[tuple[int, str]]:
@@ -73,8 +64,9 @@ def _start_ray(args: argparse.Namespace) -> None:
     start_ray(args.ray, args.workers)
 
 
-def token_pass(args: argparse.Namespace, lm: LoadedModel, settings: CacheSettings) -> Callable[[int], TrafficScan] | None:
-    """With --ray, the distributed token pass (given the context limit) for ``audit_traffic``; else None."""
+def token_pass(args: argparse.Namespace, lm: LoadedModel, settings: CacheSettings) -> TokenPass | None:
+    """With --ray, the distributed token pass (given the log's files and the context limit) for ``audit_traffic``;
+    else None."""
     if not args.ray:
         return None
     _start_ray(args)
@@ -82,12 +74,11 @@ def token_pass(args: argparse.Namespace, lm: LoadedModel, settings: CacheSetting
 
     fleet = fleet_of(args)
 
-    def run(limit: int) -> TrafficScan:
+    def run(log: LogFiles, limit: int) -> TrafficScan:
         return ray_scan(
             lm.tokenizer,
-            args.log,
+            log,
             settings,
-            fmt=args.format,
             limit=limit,
             model=lm.name,
             workers=args.workers,

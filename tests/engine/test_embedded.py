@@ -4,6 +4,7 @@ import pytest
 
 from engine.audit.logs.reading import read_log
 from engine.audit.measure.notes import notes_scenario
+from engine.audit.measure.settings import measure_settings
 from engine.audit.measure.traffic import audit_traffic
 from engine.cache.selftest import run_selftest
 from engine.compose.keystone import keystone
@@ -85,7 +86,7 @@ def test_the_rag_demo_passage_change_moves_the_models_answer(qwen):
     the model's own answer follows it (measured in bfloat16: '5 printers are working' vs '5 printers are out', margin
     +9.75 → +0.50): Open in Notes' pre-check finds the greedy continuations parting on that word."""
     log = read_log(bundled_logs()["rag"].read_text(encoding="utf-8"))
-    report = audit_traffic(qwen, log, sample=3, tokens=1, repairs=[]).measured_report()
+    report = audit_traffic(qwen, log, sample=3, measure=measure_settings(repairs=[], tokens=1)).measured_report()
     assert [turn.request for turn in report.turns if turn.fields] == [2, 3]  # the model pass measured both turns
     scenario = notes_scenario(qwen, report, request=3, field="printers")
     assert scenario.source == "divergence" and scenario.moves and scenario.margin_change < -2.0

@@ -41,7 +41,6 @@ import json
 import pickle
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -49,11 +48,10 @@ import numpy as np
 from engine.audit.changes.fields import TurnDiff
 from engine.audit.distributed.ray_setup import RETRIES
 from engine.audit.distributed.shard_tokens import ShardTokenPass, ShardTokens, TokenRecord
-from engine.audit.logs.formats import AUTO
-from engine.audit.logs.reading import join_traces, record_requests
+from engine.audit.logs.reading import join_traces, record_requests, time_order
 from engine.audit.logs.render import RenderedRequest, end_of_turn_ids, render_batch
 from engine.audit.logs.requests import ORDERS, Flagged, Request, RequestLogError, Skipped
-from engine.audit.logs.shards import SHARD_LINES, Shard, ShardCount, count_shards, log_files, plan_shards, read_shard, shard_lines
+from engine.audit.logs.shards import SHARD_LINES, LogFiles, Shard, ShardCount, count_shards, read_shard, shard_lines
 from engine.audit.scan.token_pass import TrafficRequest, TrafficScan, compared_row, observed_rows, sample_groups, settling_heap
 from engine.audit.simulate.caches import CacheSettings
 from engine.audit.simulate.observed import Reported
@@ -138,15 +136,12 @@ class LogCount:
             for name, n in count.formats.items():
                 formats[name] = formats.get(name, 0) + n
         times = np.concatenate([count.timestamps for count in counts]) if counts else np.zeros(0)
-        untimed = int(np.isnan(times).sum())
-        order = "timestamps" if total and not untimed else "log"
-        indexes = None
-        if order == "timestamps" and bool((np.diff(times) < 0).any()):  # sorted as ``reading.time_ordered`` sorts
-            indexes = np.empty(total, dtype=np.int64)
-            indexes[np.argsort(times, kind="stable")] = np.arange(1, total + 1)
+        order = time_order(times)  # as one process orders the log (``reading.time_ordered``)
+        indexes = order.numbers
+        if indexes is not None:
             flagged = sorted((dataclasses.replace(item, request=int(indexes[item.request - 1])) for item in flagged), key=_by_request)
         skipped = [item for count in counts for item in count.skipped]
-        return cls(first, total, skipped, formats, sessions, order, indexes, untimed, flagged)
+        return cls(first, total, skipped, formats, sessions, order.order, indexes, order.untimed, flagged)
 
     def shard_indexes(self, number: int, requests: int) -> str:
         """The JSON of shard ``number``'s requests' numbers in time order (``null``: the files' order is the order)."""
@@ -162,10 +157,9 @@ def _by_request(item: Flagged) -> int:
 
 def ray_scan(
     tokenizer: Any,
-    paths: Sequence[str | Path],
+    log: LogFiles,
     settings: CacheSettings = CacheSettings(),
     *,
-    fmt: str = AUTO,
     limit: int = 32_768,
     model: str = "this model",
     workers: int = 2,
@@ -175,13 +169,13 @@ def ray_scan(
     shard_lines_: int = SHARD_LINES,
     progress: StepProgress = None,
 ) -> TrafficScan:
-    """``scan_log`` of the log in ``paths`` (files, directories of shards, gzip'd JSONL) on the Ray cluster already
-    started (``start_ray``), with ``workers`` tokenizer actors; the requests the model pass reads for ``sample`` turns
-    per group (and the cold ones) are rendered on the driver afterwards."""
+    """``scan_log`` of ``log`` (its files: files, directories of shards, gzip'd JSONL; ``log.log`` is what one process
+    reads of them) on the Ray cluster already started (``start_ray``), with ``workers`` tokenizer actors; the requests
+    the model pass reads for ``sample`` turns per group (and the cold ones) are rendered on the driver afterwards."""
     import ray
     import ray.data
 
-    shards = plan_shards(log_files(paths), shard_lines_)
+    shards, fmt = log.shards(shard_lines_), log.fmt
     context = ray.data.DataContext.get_current()
     context.execution_options.preserve_order = True
     context.enable_progress_bars = False

@@ -31,8 +31,9 @@ from dataclasses import dataclass
 from engine.audit.distributed.ray_setup import RETRIES
 from engine.audit.logs.requests import RequestLogError
 from engine.audit.measure.kv_store import ComputedStates
+from engine.audit.measure.settings import MeasureSettings
 from engine.audit.measure.traffic import TurnWork, measure_in_process
-from engine.audit.measure.turn import AuditTurn, MeasureSettings
+from engine.audit.measure.turn import AuditTurn
 from engine.cache.loaded import LoadedModel, ModelFingerprint, ModelLoadError, dtype_name
 from engine.progress import Tick
 

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from engine.audit.logs.usage import answer_usage
 from engine.errors import KVScopeError
 
 Token = int | str  # a token id where the server gives it, else its text
@@ -36,7 +37,7 @@ class Answer:
     generated: tuple[Token, ...]
     text: str
     prompt_tokens: int | None
-    cached_tokens: int | None  # usage.prompt_tokens_details.cached_tokens, or llama-server's timings.cache_n; None: not reported
+    cached_tokens: int | None  # ``usage.answer_usage``: usage's cached tokens, or llama-server's timings.cache_n; None: not reported
 
     @property
     def top1(self) -> Token:
@@ -83,12 +84,8 @@ def read_answer(data: Mapping[str, Any], where: str) -> Answer:
             f"{where} returned no log-probabilities, so it cannot measure a repair's next-token distribution "
             "(vLLM: raise --max-logprobs; a hosted API: pick a model that returns logprobs)"
         )
-    usage = data.get("usage") or {}
-    details = usage.get("prompt_tokens_details") or {}
-    cached = details.get("cached_tokens")
-    if cached is None and isinstance(data.get("timings"), dict):
-        cached = data["timings"].get("cache_n")
+    usage = answer_usage(data)  # as the logs' usage is read: usage's cached tokens, else llama-server's timings
+    cached = usage.cached
     if data.get("prompt_logprobs") is not None:
         cached = None  # vLLM reads no cache for a request that asks for prompt log-probs: its 0 is not the server's reuse
-    prompt = usage.get("prompt_tokens")
-    return Answer(top, generated, text, int(prompt) if prompt is not None else None, int(cached) if cached is not None else None)
+    return Answer(top, generated, text, usage.prompt, cached)

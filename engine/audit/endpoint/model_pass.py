@@ -25,6 +25,7 @@ from engine.audit.endpoint.client import CHAT, COMPLETIONS, EndpointClient, Serv
 from engine.audit.endpoint.fidelity import EndpointFidelity, compare
 from engine.audit.logs.render import RenderedRequest, render_batch, template_messages
 from engine.audit.logs.requests import Request, RequestLog, RequestLogError
+from engine.audit.measure.settings import MeasureSettings
 from engine.audit.prompts.repair_requests import LEVEL_WORDS, REPAIR_LEVELS, Level, RepairNotApplicable, prompt_repair_request
 from engine.audit.rewrite.measure import RewriteReport, RewrittenRequest, check_pairing, check_rendered
 from engine.audit.scan.token_pass import TrafficGroup, TrafficScan, scan_log
@@ -148,16 +149,15 @@ def audit_on_endpoint(
     groups: Sequence[TrafficGroup],
     *,
     tokenizer: Any,
-    repairs: Sequence[str],
-    tokens: int,
-    threshold: float,
-    min_agreement: float,
-    grain: str | None = None,
+    measure: MeasureSettings,
     limit: int = 32_768,
     model: str = "this model",
     progress: StepProgress = None,
 ) -> EndpointAudit:
-    """The groups' sampled turns (``token_pass.sample_groups``) measured on the endpoint with every prompt-level repair."""
+    """The groups' sampled turns (``token_pass.sample_groups``) measured on the endpoint with every prompt-level repair
+    of ``measure`` (its greedy tokens, grain and bars)."""
+    measure = measure.checked()
+    repairs, tokens = measure.repairs, measure.tokens
     server = client.connect()
     matched = {row.request: row for row in scan.requests}
     chosen = sorted(index for group in groups for index in group.measured)
@@ -169,7 +169,7 @@ def audit_on_endpoint(
             if name == "recompute" or REPAIR_LEVELS[name] is Level.KV:
                 continue
             try:
-                built[name] = prompt_repair_request(name, new, diff, grain)
+                built[name] = prompt_repair_request(name, new, diff, measure.grain)
             except RepairNotApplicable as error:
                 built[name] = str(error)
         requests = [item for item in built.values() if isinstance(item, Request)]
@@ -199,7 +199,7 @@ def audit_on_endpoint(
             cached[name] = None if isinstance(item, str) else answers[(index, name)].cached_tokens
         row = matched[index]
         turns.append(EndpointTurn(index, row.matched_request, reference, dict(row.reused_tokens), measured, cached))
-    return EndpointAudit(client.describe(), tuple(turns), _not_measurable(repairs), threshold, min_agreement)
+    return EndpointAudit(client.describe(), tuple(turns), _not_measurable(repairs), measure.threshold, measure.min_agreement)
 
 
 def _rendered(item: RenderedRequest | RequestLogError) -> RenderedRequest:

@@ -11,6 +11,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from engine.audit.logs.formats import AUTO, RecordError, read_record, text_of
 from engine.audit.logs.replies import Reply
 from engine.audit.logs.requests import (
@@ -67,13 +69,43 @@ def join_traces(requests: Sequence[Request], sessions: Mapping[str, str]) -> lis
     return [dataclasses.replace(request, session=sessions[request.trace]) if request.trace in sessions else request for request in requests]
 
 
+@dataclass(frozen=True)
+class TimeOrder:
+    """The order a report uses (``ORDERS``) for requests given in the log's order: ``order`` names it, ``untimed``
+    counts the requests without a timestamp, and ``numbers`` gives each request's number (1..) in time order by its
+    place in the log's order (None: the log's order is the time order)."""
+
+    order: str
+    untimed: int
+    numbers: np.ndarray | None  # (requests,) int64
+
+    def number(self, place: int) -> int:
+        """The number in time order of the request at ``place`` (0-based) of the log's order."""
+        return place + 1 if self.numbers is None else int(self.numbers[place])
+
+
+def time_order(timestamps: Sequence[float | None] | np.ndarray) -> TimeOrder:
+    """The one time order of a log, from its requests' timestamps in the log's order (seconds; None or NaN: none):
+    by timestamp where every request has one, stable (the log's order breaks ties), else the log's order. Both the
+    in-process reading (``time_ordered``) and the distributed pass (``distributed.token_pass.LogCount``) use it."""
+    times = np.array([np.nan if time is None else time for time in timestamps], dtype=np.float64)
+    untimed = int(np.isnan(times).sum())
+    if not len(times) or untimed:
+        return TimeOrder("log", untimed, None)
+    if not bool((np.diff(times) < 0).any()):  # already in time order (ties kept as logged)
+        return TimeOrder("timestamps", 0, None)
+    numbers = np.empty(len(times), dtype=np.int64)
+    numbers[np.argsort(times, kind="stable")] = np.arange(1, len(times) + 1)
+    return TimeOrder("timestamps", 0, numbers)
+
+
 def time_ordered(requests: Sequence[Request]) -> tuple[list[Request], str, dict[int, int]]:
-    """The requests in the order a report uses (``ORDERS``): by their own timestamps where every request has one
-    (stable: the log's order breaks ties), else as logged; renumbered 1.. in that order, with old index -> new."""
-    order = "timestamps" if requests and all(request.timestamp is not None for request in requests) else "log"
-    ordered = sorted(requests, key=lambda request: request.timestamp) if order == "timestamps" else list(requests)
-    renumbered = {request.index: number for number, request in enumerate(ordered, 1)}
-    return [dataclasses.replace(request, index=renumbered[request.index]) for request in ordered], order, renumbered
+    """The requests in the order a report uses (``time_order``: by their own timestamps where every request has one,
+    stable, else as logged); renumbered 1.. in that order, with old index -> new."""
+    order = time_order([request.timestamp for request in requests])
+    renumbered = {request.index: order.number(place) for place, request in enumerate(requests)}
+    ordered = sorted(requests, key=lambda request: renumbered[request.index])
+    return [dataclasses.replace(request, index=renumbered[request.index]) for request in ordered], order.order, renumbered
 
 
 @dataclass(frozen=True)

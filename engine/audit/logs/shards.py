@@ -7,11 +7,14 @@ array, or an API's page written over many lines) cannot be streamed: it is read 
 the order given, a directory's files (``LOG_SUFFIXES``) in name order; requests are numbered across them in that order
 (``reading.finished_log`` then puts them in time order where every one has a timestamp), lines within each file.
 With more than one file, a record skipped is named by its file as well as its line.
+``LogFiles`` is a log as given (paths and format), the one thing both token passes take: read whole in one process
+(``LogFiles.log``), or planned into shards for the distributed pass (``LogFiles.shards``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gzip
 import json
 import zlib
@@ -23,7 +26,7 @@ from typing import IO, Any
 import numpy as np
 
 from engine.audit.logs.formats import AUTO, RecordError
-from engine.audit.logs.reading import finished_log, log_records, record_requests
+from engine.audit.logs.reading import finished_log, log_records, read_log, record_requests
 from engine.audit.logs.requests import Flagged, Request, RequestLog, RequestLogError, Skipped
 from engine.audit.logs.sources import joined_records
 
@@ -256,3 +259,39 @@ def read_logs(paths: Sequence[str | Path], fmt: str = AUTO) -> RequestLog:
     if not requests and not skipped:
         raise RequestLogError("the log is empty: paste one JSON request per line, or a JSON array of requests")
     return finished_log(requests, skipped, sessions)
+
+
+@dataclass(frozen=True)
+class LogFiles:
+    """A request log as given, the one thing both token passes take: its paths (files, directories of shards, gzip'd
+    JSONL) and the format to read them in. One process reads it whole (``log``: one plain file as its text, as
+    ``reading.read_log`` reads it; else ``read_logs``); the distributed pass plans it into shards (``shards``) that its
+    workers read (``read_shard``). Both give the same requests, in the same order, with the same records skipped."""
+
+    paths: tuple[str, ...]
+    fmt: str = AUTO
+
+    @classmethod
+    def of(cls, paths: Sequence[str | Path], fmt: str = AUTO) -> LogFiles:
+        return cls(tuple(str(path) for path in paths), fmt)
+
+    @property
+    def one_text(self) -> bool:
+        """Whether the log is one plain file, read as text (else: many files, a directory, or gzip)."""
+        return len(self.paths) == 1 and Path(self.paths[0]).is_file() and not self.paths[0].endswith(".gz")
+
+    def text(self) -> str:
+        """The text of a log of one plain file (``one_text``)."""
+        try:
+            return Path(self.paths[0]).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise RequestLogError(f"cannot read {self.paths[0]}: {error}") from None
+
+    @functools.cached_property
+    def log(self) -> RequestLog:
+        """The log read in this process (once: kept for every later reader)."""
+        return read_log(self.text(), self.fmt) if self.one_text else read_logs(self.paths, self.fmt)
+
+    def shards(self, lines_per_shard: int = SHARD_LINES) -> list[Shard]:
+        """The log's files cut into the shards the distributed pass reads (``plan_shards``)."""
+        return plan_shards(log_files(self.paths), lines_per_shard)

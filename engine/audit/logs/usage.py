@@ -21,6 +21,7 @@ kept. Whether a count exceeds the rendered prompt is only known after tokenizing
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +75,20 @@ def response_usage(response: Any) -> tuple[Any, str]:
     if isinstance(usage, dict) and "prompt_tokens" not in usage and ("input_tokens" in usage or "cache_read_input_tokens" in usage):
         return usage, "anthropic"
     return usage, "openai"
+
+
+def answer_usage(response: Any) -> ObservedUsage:
+    """What a live answer reports of the server's cache (a completions or chat completions response, or a stream's
+    chunk that carries the usage): its usage in the shape ``response_usage`` finds, and where that names no cached
+    count, llama-server's ``timings.cache_n``. The endpoint's answers (``endpoint.answers``) and the serving
+    benchmarks' load generator read their counts here, as the logs' readers do."""
+    usage, shape = response_usage(response)
+    observed = observed_usage(usage, shape)
+    timings = response.get("timings") if isinstance(response, dict) else None
+    if observed.cached is None and shape != "llama_server" and isinstance(timings, dict):
+        served = observed_usage(timings, "llama_server", "timings")
+        observed = dataclasses.replace(observed, cached=served.cached, flags=observed.flags + served.flags)
+    return observed
 
 
 def _raw(usage: dict, shape: str) -> tuple[str, str, Any, Any, Any]:

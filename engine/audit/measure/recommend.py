@@ -14,12 +14,10 @@ from engine.audit.measure.repairs import (
     OutputFidelity,
     RepairResult,
 )
+from engine.audit.measure.settings import DEFAULT_MIN_AGREEMENT
 
 if TYPE_CHECKING:
     from engine.audit.report.types import KvAlternativeDict, RecommendationDict
-
-DEFAULT_THRESHOLD = 0.05  # nats of KL divergence of the next-token distribution
-DEFAULT_MIN_AGREEMENT = 0.9  # of the greedy tokens generated from the state and from the clean prefill
 
 
 @dataclass(frozen=True)

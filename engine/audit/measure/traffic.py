@@ -18,10 +18,12 @@ from typing import TYPE_CHECKING
 from engine.audit.changes.fields import TurnDiff
 from engine.audit.logs.render import RenderedRequest, context_limit
 from engine.audit.logs.requests import RequestLog, RequestLogError
+from engine.audit.logs.shards import LogFiles
 from engine.audit.measure.kv_store import ComputedStates
 from engine.audit.measure.meter import ModelPassMeter
-from engine.audit.measure.repairs import REPAIRS, Turn
-from engine.audit.measure.turn import AuditReport, AuditTurn, MeasureSettings, check_repairs, measure_turn
+from engine.audit.measure.repairs import Turn
+from engine.audit.measure.settings import MeasureSettings
+from engine.audit.measure.turn import AuditReport, AuditTurn, measure_turn
 from engine.audit.scan.sampling import traffic_scan
 from engine.audit.scan.token_pass import TrafficGroup, TrafficRequest, TrafficScan, is_cold, sample_groups
 from engine.audit.simulate.caches import CacheSettings
@@ -34,6 +36,7 @@ if TYPE_CHECKING:
     from engine.audit.report.types import LogAudit, RepairFidelityDict
 
 DEFAULT_SAMPLE = 3  # turns measured per group
+TokenPass = Callable[[LogFiles, int], TrafficScan]  # a token pass run elsewhere: the log's files and the context limit in
 
 
 def group_fidelity(turns: Sequence[AuditTurn]) -> dict[str, RepairFidelityDict]:
@@ -131,32 +134,29 @@ class TrafficReport:
 
 def audit_traffic(
     lm: LoadedModel | LoadedTokenizer,
-    log: RequestLog,
+    log: RequestLog | LogFiles,
     *,
     sample: int = DEFAULT_SAMPLE,
     settings: CacheSettings = CacheSettings(),
-    repairs: Sequence[str] = REPAIRS,
-    tokens: int | None = None,
-    threshold: float | None = None,
-    min_agreement: float | None = None,
-    grain: str | None = None,
-    max_tokens: int | None = None,
+    measure: MeasureSettings = MeasureSettings(),
     scan_progress: StepProgress = None,
     progress: StepProgress = None,
     observed_engine: str = "vllm",
     fleet: Sequence[tuple[int, str]] = (),
-    token_pass: Callable[[int], TrafficScan] | None = None,
+    token_pass: TokenPass | None = None,
     scan: TrafficScan | None = None,
     measure_turns: MeasureTurns | None = None,
     messages: MessageProgress | None = None,
     states: ComputedStates | None = None,
 ) -> TrafficReport:
     """The token pass over the whole log, then up to ``sample`` turns of each change signature measured with every
-    repair (``scan_progress``: requests of the token pass; ``progress``: the measured steps; ``fleet``: the fleets
-    simulated beside; ``token_pass``: another token pass, given the context limit, e.g. ``token_pass.ray_scan``;
-    ``measure_turns``: where the sampled turns are measured, default ``measure_in_process`` with ``lm``, e.g.
-    ``turns.ray_measure_turns``; ``scan``: the token pass already made, e.g. shown while the model pass runs
-    (:func:`pending_report`); ``messages``: the model pass a forward at a time with its time left, as
+    repair of ``measure`` (its context limit, ``max_tokens``, the token pass's too). ``log``: the log read, or its
+    files (``shards.LogFiles``), which this process reads (``LogFiles.log``) unless ``token_pass`` reads them
+    elsewhere (``scan_progress``: requests of the token pass; ``progress``: the measured steps; ``fleet``: the fleets
+    simulated beside; ``token_pass``: another token pass, given the log's files and the context limit, e.g.
+    ``token_pass.ray_scan``; ``measure_turns``: where the sampled turns are measured, default ``measure_in_process``
+    with ``lm``, e.g. ``turns.ray_measure_turns``; ``scan``: the token pass already made, e.g. shown while the model
+    pass runs (:func:`pending_report`); ``messages``: the model pass a forward at a time with its time left, as
     :class:`~engine.audit.measure.meter.ModelPassMeter` says it; ``states``: the store of computed states the turns measured
     here are computed in, default a new one: pass one to read the log's requests again from it, e.g. a rewrite's
     originals). With ``sample`` 0 only the tokenizer is read, so ``lm`` may be a
@@ -166,11 +166,15 @@ def audit_traffic(
         raise RequestLogError(f"--sample is the turns measured per group, at least 0, got {sample}")
     if sample > 0 and isinstance(lm, LoadedTokenizer):
         raise RequestLogError(f"--sample {sample} measures turns with the model, and only the tokenizer of {lm.name} was loaded")
-    measure = measure_settings(repairs, tokens, threshold, min_agreement, grain, max_tokens)
+    measure = measure.checked()
+    max_tokens = measure.max_tokens
     if scan is None and token_pass is not None:
-        scan = token_pass(max_tokens or context_limit(lm))
+        if not isinstance(log, LogFiles):
+            raise RequestLogError("a token pass run elsewhere reads the log's files: give them (LogFiles), not the log read")
+        scan = token_pass(log, max_tokens or context_limit(lm))
     elif scan is None:
-        scan = traffic_scan(lm, log, settings, max_tokens=max_tokens, progress=scan_progress, observed_engine=observed_engine, fleet=fleet)
+        read = log.log if isinstance(log, LogFiles) else log
+        scan = traffic_scan(lm, read, settings, max_tokens=max_tokens, progress=scan_progress, observed_engine=observed_engine, fleet=fleet)
     if not scan.requests:
         raise RequestLogError(f"no request of the log could be read: {len(scan.skipped)} skipped, the first: {scan.skipped[0].message}")
     groups = sample_groups(scan, sample)
@@ -204,29 +208,6 @@ def audit_traffic(
         unmeasured = tuple(sample_groups(scan, 0, "not measured: the model pass was cancelled"))
         return TrafficReport(lm.fingerprint.name, lm.fingerprint.dtype, scan, unmeasured, {}, measure, 0, why)
     return TrafficReport(lm.fingerprint.name, lm.fingerprint.dtype, scan, tuple(groups), turns, measure, sample)
-
-
-def measure_settings(
-    repairs: Sequence[str] = REPAIRS,
-    tokens: int | None = None,
-    threshold: float | None = None,
-    min_agreement: float | None = None,
-    grain: str | None = None,
-    max_tokens: int | None = None,
-) -> MeasureSettings:
-    """What each sampled turn is measured with: the repairs checked, and the defaults where a value is ``None``."""
-    defaults = MeasureSettings(check_repairs(repairs))
-    measure = MeasureSettings(
-        defaults.repairs,
-        defaults.tokens if tokens is None else tokens,
-        defaults.threshold if threshold is None else threshold,
-        defaults.min_agreement if min_agreement is None else min_agreement,
-        grain,
-        max_tokens,
-    )
-    if measure.tokens < 1:
-        raise RequestLogError(f"generate at least one token per state, got {measure.tokens}")
-    return measure
 
 
 def pending_report(lm: LoadedModel | LoadedTokenizer, scan: TrafficScan, sample: int, measure: MeasureSettings) -> TrafficReport:

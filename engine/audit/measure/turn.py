@@ -16,15 +16,15 @@ from engine.audit.changes.fields import Candidate, FieldChange, TurnDiff, candid
 from engine.audit.logs.render import RenderedRequest, render_request
 from engine.audit.logs.requests import Request, RequestLogError
 from engine.audit.measure.kv_store import ComputedStates
-from engine.audit.measure.recommend import DEFAULT_MIN_AGREEMENT, DEFAULT_THRESHOLD, Recommendation, recommend
+from engine.audit.measure.recommend import Recommendation, recommend
 from engine.audit.measure.repairs import (
-    REPAIRS,
     RepairNotApplicable,
     RepairResult,
     Turn,
     reference,
     run_repair,
 )
+from engine.audit.measure.settings import MeasureSettings
 from engine.audit.prompts.template import written_template
 from engine.cache.loaded import LoadedModel
 from engine.progress import StepProgress, Tick, ticker
@@ -32,8 +32,6 @@ from engine.scenario import Field, Scenario, escape_braces
 
 if TYPE_CHECKING:
     from engine.audit.report.types import AuditTurnDict, PromptAudit, RepairDict
-
-DEFAULT_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -104,55 +102,32 @@ class AuditReport:
         return next((turn for turn in reversed(self.turns) if turn.fields), None)
 
 
-def check_repairs(names: Sequence[str]) -> tuple[str, ...]:
-    """The repairs asked for, validated (``recompute`` always runs: it is the reference every cost compares to)."""
-    unknown = [name for name in names if name not in REPAIRS]
-    if unknown:
-        raise RequestLogError(f"unknown repair {unknown[0]!r}; choose from {', '.join(REPAIRS)}")
-    return tuple(dict.fromkeys(["recompute", *names]))
-
-
 def audit_requests(
-    lm: LoadedModel,
-    requests: Sequence[Request],
-    *,
-    repairs: Sequence[str] = REPAIRS,
-    tokens: int = DEFAULT_TOKENS,
-    threshold: float = DEFAULT_THRESHOLD,
-    min_agreement: float = DEFAULT_MIN_AGREEMENT,
-    grain: str | None = None,
-    max_tokens: int | None = None,
-    progress: StepProgress = None,
+    lm: LoadedModel, requests: Sequence[Request], *, measure: MeasureSettings = MeasureSettings(), progress: StepProgress = None
 ) -> AuditReport:
     """Audit each request against the one before it (all rendered first, so a bad request fails before any forward)."""
-    names = check_repairs(repairs)
-    if tokens < 1:
-        raise RequestLogError(f"generate at least one token per state, got {tokens}")
+    settings = measure.checked()
+    names, grain, max_tokens = settings.repairs, settings.grain, settings.max_tokens
     rendered = [render_request(lm, request, max_tokens) for request in requests]
     diffs = [diff_requests(old, new) for old, new in zip(rendered, rendered[1:])]
     tick = ticker(progress, len(diffs) * (len(names) + 1))
     turns = [AuditTurn(rendered[0].request.index, len(rendered[0]), None, None, {}, None)]
-    settings = MeasureSettings(names, tokens, threshold, min_agreement, grain, max_tokens)
-    store = ComputedStates(lm, tokens)
+    store = ComputedStates(lm, settings.tokens)
     for old, new, diff in zip(rendered, rendered[1:], diffs):
         # the older request's state: the previous turn's newer one (the server now holds it), or the first, prefilled
         turn = measure_turn(Turn(lm, old, new, diff, store.state(old.ids), store, grain, max_tokens), settings, tick)
         turns.append(turn)
     return AuditReport(
-        lm.fingerprint.name, lm.fingerprint.dtype, threshold, min_agreement, tokens, names, grain, tuple(turns), tuple(rendered)
+        lm.fingerprint.name,
+        lm.fingerprint.dtype,
+        settings.threshold,
+        settings.min_agreement,
+        settings.tokens,
+        names,
+        grain,
+        tuple(turns),
+        tuple(rendered),
     )
-
-
-@dataclass(frozen=True)
-class MeasureSettings:
-    """What every measured turn runs: the repairs (``check_repairs``), greedy tokens, and the recommendation's bars."""
-
-    repairs: tuple[str, ...]
-    tokens: int = DEFAULT_TOKENS
-    threshold: float = DEFAULT_THRESHOLD
-    min_agreement: float = DEFAULT_MIN_AGREEMENT
-    grain: str | None = None
-    max_tokens: int | None = None
 
 
 def measure_turn(turn: Turn, settings: MeasureSettings, tick: Tick = lambda: None) -> AuditTurn:
@@ -174,10 +149,17 @@ def measure_turn(turn: Turn, settings: MeasureSettings, tick: Tick = lambda: Non
 
 
 def audit_value(
-    lm: LoadedModel, request: Request, chars: tuple[int, int], new_value: str, *, message: int | None = None, **options
+    lm: LoadedModel,
+    request: Request,
+    chars: tuple[int, int],
+    new_value: str,
+    *,
+    message: int | None = None,
+    measure: MeasureSettings = MeasureSettings(),
+    progress: StepProgress = None,
 ) -> AuditReport:
     """One prompt with the span ``chars`` of a message's content (default: the first message holding it) set to
-    ``new_value``: the prompt as cached, then as it arrives with the new value."""
+    ``new_value``: the prompt as cached, then as it arrives with the new value, measured with ``measure``."""
     contents = list(request.contents)
     index = message if message is not None else 0
     start, end = chars
@@ -187,7 +169,7 @@ def audit_value(
         raise RequestLogError("type a new value that differs from the selected text")
     contents[index] = contents[index][:start] + new_value + contents[index][end:]
     updated = request.with_contents(contents)
-    return audit_requests(lm, [request, Request(2, request.line, updated.messages, updated.prompt)], **options)
+    return audit_requests(lm, [request, Request(2, request.line, updated.messages, updated.prompt)], measure=measure, progress=progress)
 
 
 def candidates(lm: LoadedModel, request: Request) -> tuple[RenderedRequest, list[Candidate]]:

@@ -10,6 +10,7 @@ import pytest
 from benchmarks.interop import audit_replay
 from benchmarks.serving.serving_servers import SERVER_BINARY
 from engine.audit.logs.reading import read_log
+from engine.audit.measure.settings import measure_settings
 from engine.audit.measure.traffic import audit_traffic
 from engine.audit.measure.turn import repaired_template
 from engine.audit.rewrite.measure import apply_template, measure_rewrite
@@ -45,7 +46,7 @@ def test_the_replayed_rewrites_are_the_templates_the_audit_writes_measured_as_te
     lm, log = tiny_model("qwen2"), read_log("\n".join(DESK))
     repairs = ["erratum", "hoist", "coarsen"]
     rewrites = audit_replay.rewrites_of(lm, log, repairs, "hour", 2, CacheSettings())
-    report = audit_traffic(lm, log, repairs=repairs, grain="hour", tokens=2).measured_report()
+    report = audit_traffic(lm, log, measure=measure_settings(repairs=repairs, tokens=2, grain="hour")).measured_report()
     assert list(rewrites.logs) == ["original", "erratum", "hoist", "coarsen"] and rewrites.logs["original"] == log
     for repair in repairs:  # every request rewritten, not only the one whose clock changed
         assert rewrites.logs[repair] == apply_template(repaired_template(report, repair), log)

@@ -31,3 +31,10 @@ def test_the_model_half_keeps_the_text_half_s_names():
     for name in ("GRAINS", "REPAIRS", "PROMPT_REPAIRS", "REPAIR_LEVELS", "Level", "OutputFidelity", "coarse", "repaired_request"):
         assert getattr(repairs, name) is getattr(repair_requests, name)
     assert list(repairs.REPAIR_SUMMARIES) == list(repair_requests.REPAIRS)
+
+
+def test_what_the_model_pass_runs_imports_no_torch():
+    # one MeasureSettings travels to the endpoint's audit too, which reads text only
+    code = "import sys, engine.audit.measure.settings; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "[]"

@@ -24,10 +24,10 @@ import pytest
 
 from benchmarks.studies.audit_scale import synthetic_log
 from engine.audit.logs.reading import read_log
-from engine.audit.logs.shards import read_logs
+from engine.audit.logs.shards import LogFiles
 from engine.audit.measure.repairs import REPAIRS
+from engine.audit.measure.settings import MeasureSettings, check_repairs, measure_settings
 from engine.audit.measure.traffic import TrafficReport, audit_traffic, turn_work
-from engine.audit.measure.turn import MeasureSettings, check_repairs
 from engine.audit.scan.token_pass import sample_groups, scan_log
 from engine.audit.simulate.caches import CacheSettings
 from engine.audit.simulate.fleet import fleet_grid
@@ -87,8 +87,9 @@ def _same(single, spread, sample: int) -> None:
 def test_ray_gives_the_single_process_json(cluster, tokenizer, tmp_path):
     # the bundled logs, as one log of four files, with fleets
     grid = fleet_grid("2", None)
-    single = scan_log(tokenizer, read_logs(BUNDLED), fleet=grid)
-    spread = distributed.ray_scan(tokenizer, BUNDLED, fleet=grid, sample=2, workers=2, shard_lines_=3)
+    files = LogFiles.of(BUNDLED)  # the one log both passes take: read here, or planned into shards for Ray
+    single = scan_log(tokenizer, files.log, fleet=grid)
+    spread = distributed.ray_scan(tokenizer, files, fleet=grid, sample=2, workers=2, shard_lines_=3)
     _same(single, spread, 2)
     assert len(spread.fleet) == 4 and spread.fleet == single.fleet
 
@@ -101,8 +102,9 @@ def test_ray_gives_the_single_process_json(cluster, tokenizer, tmp_path):
     broken = gzip.compress(("\n".join(records[:20]) + "\n").encode())
     (tmp_path / "3.jsonl.gz").write_bytes(broken[: len(broken) // 3])
     settings = CacheSettings(budget_tokens=6_000, budget_blocks=300)
-    single = scan_log(tokenizer, read_logs([tmp_path]), settings)
-    spread = distributed.ray_scan(tokenizer, [tmp_path], settings, sample=3, workers=2, shard_lines_=40)
+    files = LogFiles.of([tmp_path])
+    single = scan_log(tokenizer, files.log, settings)
+    spread = distributed.ray_scan(tokenizer, files, settings, sample=3, workers=2, shard_lines_=40)
     _same(single, spread, 3)
     assert len(spread.requests) > 160 and spread.totals()["reused_tokens"]["sglang"] > 0
     assert len({row.session for row in spread.requests}) == len({record["user"] for record in generated})
@@ -119,8 +121,9 @@ def test_ray_reads_the_exports_as_one_process_does(cluster, tokenizer):
     # the 8 bundled exports as one log, one record per shard: a Langfuse observation's trace lies in another shard, the
     # observed counts and their causes and the hosted caches are compared on the driver (openai.jsonl has no times, so
     # the log keeps its files' order; the shuffled log below is put in time order)
-    single = scan_log(tokenizer, read_logs(EXPORTS), observed_engine="sglang")
-    spread = distributed.ray_scan(tokenizer, EXPORTS, sample=1, workers=2, shard_lines_=1, observed_engine="sglang")
+    files = LogFiles.of(EXPORTS)
+    single = scan_log(tokenizer, files.log, observed_engine="sglang")
+    spread = distributed.ray_scan(tokenizer, files, sample=1, workers=2, shard_lines_=1, observed_engine="sglang")
     _same(single, spread, 1)
     report = _report(spread)
     assert report["observed"]["requests_with_count"] == 7 * 8 and len(spread.requests) == 8 * 10
@@ -134,8 +137,9 @@ def test_ray_reorders_a_shuffled_log_and_keeps_its_flags(cluster, tokenizer, tmp
     shuffled = [records[k] for k in (7, 2, 9, 0, 4, 1, 8, 3, 6, 5)]
     path = tmp_path / "shuffled.jsonl"
     path.write_text("\n".join(json.dumps(record) for record in shuffled) + "\n", encoding="utf-8")
-    single = scan_log(tokenizer, read_logs([path]))
-    spread = distributed.ray_scan(tokenizer, [path], sample=2, workers=2, shard_lines_=3)
+    files = LogFiles.of([path])  # one plain file: read here as its text
+    single = scan_log(tokenizer, files.log)
+    spread = distributed.ray_scan(tokenizer, files, sample=2, workers=2, shard_lines_=3)
     _same(single, spread, 2)
     assert [row.line for row in spread.requests] == [4, 6, 2, 8, 5, 10, 9, 1, 7, 3]  # each line's place in time
     (flag,) = _report(spread)["flagged"]
@@ -172,14 +176,14 @@ def _close(mine, theirs, where: str = "") -> None:
 
 def test_the_sampled_turns_measured_by_ray_actors_are_the_in_process_ones(cluster, lm):
     log = read_log(INTERLEAVED.read_text())
-    single = audit_traffic(lm, log, sample=2, tokens=4)
+    single = audit_traffic(lm, log, sample=2, measure=measure_settings(tokens=4))
     ticks = []
     spec = ray_turns.ModelSpec.of("tiny-qwen2", lm)  # what the actors load: the conftest's tiny model, float32, CPU
     spread = audit_traffic(
         lm,
         log,
         sample=2,
-        tokens=4,
+        measure=measure_settings(tokens=4),
         progress=lambda *step: ticks.append(step),
         measure_turns=functools.partial(ray_turns.ray_measure_turns, spec, 2),
     )
@@ -220,11 +224,11 @@ def test_a_model_built_in_memory_or_one_the_actors_cannot_load_is_refused_by_nam
     measure = functools.partial(ray_turns.ray_measure_turns, ray_turns.ModelSpec.of("tiny-qwen2", other), 1)
     log = read_log(INTERLEAVED.read_text())
     with pytest.raises(ModelLoadError, match="a model built in memory cannot be re-loaded by name"):
-        audit_traffic(other, log, sample=1, tokens=2, measure_turns=measure)
+        audit_traffic(other, log, sample=1, measure=measure_settings(tokens=2), measure_turns=measure)
     spec = ray_turns.ModelSpec(str(tmp_path / "gone"), "cpu", "float32", other.fingerprint)  # a directory the node lacks
     measure = functools.partial(ray_turns.ray_measure_turns, spec, 1)
     with pytest.raises(ModelLoadError, match=r"a Ray actor could not load '.*gone'.*no such directory"):
-        audit_traffic(other, log, sample=1, tokens=2, measure_turns=measure)
+        audit_traffic(other, log, sample=1, measure=measure_settings(tokens=2), measure_turns=measure)
 
 
 def test_ray_and_replicas_with_an_endpoint_give_the_one_process_json(cluster, lm, tmp_path):

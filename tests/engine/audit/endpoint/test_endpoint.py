@@ -20,6 +20,7 @@ from engine.audit.endpoint.client import EndpointClient, EndpointSettings, Endpo
 from engine.audit.endpoint.fidelity import compare, estimate_kl
 from engine.audit.endpoint.model_pass import measure_rewrite_on_endpoint
 from engine.audit.logs.reading import read_log
+from engine.audit.logs.usage import answer_usage, observed_usage
 from engine.audit.report import types
 from engine.audit.rewrite.measure import measure_rewrite
 from engine.audit.simulate.caches import CacheSettings
@@ -129,6 +130,26 @@ def test_both_logprob_shapes_are_read_with_the_servers_cache_report():
     # vLLM skips its prefix cache for a request asking prompt log-probs: its count of 0 is not the server's reuse
     with_prompt_logprobs = {**legacy, "prompt_logprobs": [None, {"5": {"logprob": -1.0}}]}
     assert read_answer(with_prompt_logprobs, "probe").cached_tokens is None
+
+
+def test_answers_and_logs_read_usage_in_one_place():
+    # the answer shapes above, through ``usage.answer_usage``: the counters read_answer keeps, and what a log's
+    # reader reads of the same usage object (``observed_usage``)
+    shapes = [
+        ({"usage": {"prompt_tokens": 12, "prompt_tokens_details": {"cached_tokens": 8}}}, (8, 12)),
+        ({"usage": {"prompt_tokens": 5}, "timings": {"cache_n": 4, "prompt_n": 1}}, (4, 5)),  # llama-server's chat
+        ({}, (None, None)),
+        ({"timings": {"cache_n": 3, "prompt_n": 2}}, (3, 5)),  # llama-server's native route: no usage at all
+    ]
+    logprobs = {"content": [{"token": "a", "logprob": 0.0, "top_logprobs": [{"token": "a", "logprob": 0.0}]}]}
+    for data, counts in shapes:
+        usage = answer_usage(data)
+        assert (usage.cached, usage.prompt) == counts and usage.flags == ()
+        answer = read_answer({"choices": [{"text": "", "logprobs": logprobs}], **data}, "probe")
+        assert (answer.cached_tokens, answer.prompt_tokens) == counts
+        if "usage" in data:
+            logged = observed_usage(data["usage"], "openai")
+            assert (logged.cached, logged.prompt) == (counts[0] if "prompt_tokens_details" in data["usage"] else None, counts[1])
 
 
 def test_the_comparison_counts_agreement_as_the_in_process_audit_does():

@@ -61,3 +61,41 @@ def test_missing_paths_and_empty_directories_are_refused(tmp_path):
         log_files([tmp_path / "absent.jsonl"])
     with pytest.raises(RequestLogError, match="holds no log file"):
         log_files([tmp_path])
+
+
+@pytest.mark.parametrize("lines", [1, 3])
+def test_the_log_files_give_one_process_the_log_the_distributed_pass_sees(tmp_path, lines):
+    # the one log both passes take: what one process reads (``LogFiles.log``) is what the shards the distributed pass
+    # plans hold (read shard by shard, counted, then finished as one log), skipped records and time order included
+    from engine.audit.distributed.token_pass import LogCount
+    from engine.audit.logs.reading import finished_log, join_traces
+    from engine.audit.logs.shards import LogFiles, count_shards
+
+    records = [json.loads(line) for line in Path("demos/logs/exports/gateway.jsonl").read_text().splitlines()]
+    shuffled = [json.dumps(records[k]) for k in (7, 2, 9, 0, 4, 1, 8, 3, 6, 5)]
+    (tmp_path / "a.jsonl").write_text("\n".join([*shuffled[:5], "{broken"]) + "\n", encoding="utf-8")
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt", encoding="utf-8") as stream:
+        stream.write("\n".join(shuffled[5:]) + "\n")
+    for files in (
+        LogFiles.of([tmp_path]),
+        LogFiles.of(["demos/logs/support_agent.jsonl"]),
+        LogFiles.of(sorted(Path("demos/logs/exports").glob("*.json*"))),
+    ):
+        shards = files.shards(lines)
+        reads, first = [], 1
+        for shard in shards:
+            reads.append(read_shard(shard, files.fmt, first))
+            first += len(reads[-1].requests)
+        sessions = {key: value for read in reads for key, value in read.sessions.items()}
+        requests = join_traces([request for read in reads for request in read.requests], sessions)
+        seen = finished_log(requests, [item for read in reads for item in read.skipped], sessions)
+        assert files.log == seen and files.log is files.log  # read once
+        items = [{"number": n, "shard": json.dumps(shard.__dict__)} for n, shard in enumerate(shards)]
+        count = LogCount.of([row for item in items for row in count_shards({k: [v] for k, v in item.items()}, files.fmt)["count"]])
+        assert (count.total, count.order, count.skipped, count.formats) == (
+            len(seen.requests),
+            seen.order,
+            list(seen.skipped),
+            seen.formats,
+        )
+    assert LogFiles.of([tmp_path]).log.order == "timestamps" and len(LogFiles.of([tmp_path]).log.skipped) == 1

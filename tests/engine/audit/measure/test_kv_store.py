@@ -11,6 +11,7 @@ import torch
 from engine.audit.logs.reading import parse_log
 from engine.audit.measure.kv_store import ComputedStates, Reference
 from engine.audit.measure.repairs import fidelity
+from engine.audit.measure.settings import measure_settings
 from engine.audit.measure.turn import audit_requests
 from engine.cache import adapter
 from engine.cache.notebook import Notebook
@@ -82,7 +83,7 @@ def _steps(generated) -> int:
 
 def test_the_forwards_run_the_distinct_work_and_greedy_runs_once_per_distinct_prompt(lm, monkeypatch):
     counted = _Counted(lm, monkeypatch)
-    report = audit_requests(lm, parse_log(LOG), repairs=REPAIRS, tokens=TOKENS)
+    report = audit_requests(lm, parse_log(LOG), measure=measure_settings(repairs=REPAIRS, tokens=TOKENS))
     r1, r2, r3 = (rendered.ids for rendered in report.rendered)
     first, second = report.turns[1].repairs, report.turns[2].repairs
     erratum = first["erratum"].prompt_ids
@@ -110,7 +111,7 @@ def _old_read(prefix: Notebook, rest, tokens: int) -> Reference:
 
 
 def test_the_results_equal_the_old_paths_computed_from_scratch(lm):
-    report = audit_requests(lm, parse_log(LOG), repairs=REPAIRS, tokens=TOKENS)
+    report = audit_requests(lm, parse_log(LOG), measure=measure_settings(repairs=REPAIRS, tokens=TOKENS))
     old, new = report.rendered[0].ids, report.rendered[1].ids
     turn = report.turns[1]
     clean = _old_read(Notebook.empty(lm), new, TOKENS)  # the clean prefill, from scratch
@@ -162,5 +163,5 @@ def test_the_audit_runs_no_eager_attention(lm, monkeypatch):
         raise AssertionError("eager attention ran, though nothing reads attentions")
 
     monkeypatch.setattr(adapter, "_eager_for", refused)
-    report = audit_requests(lm, parse_log(LOG), repairs=REPAIRS, tokens=TOKENS)
+    report = audit_requests(lm, parse_log(LOG), measure=measure_settings(repairs=REPAIRS, tokens=TOKENS))
     assert report.turns[1].repairs["recompute"].applicable and lm.model.config._kvscope_use_sdpa

@@ -11,6 +11,7 @@ from engine.audit.logs.reading import read_log
 from engine.audit.measure import meter as meter_module
 from engine.audit.measure.kv_store import ComputedStates, forward_chunks
 from engine.audit.measure.meter import RESOLUTION, ModelPassMeter
+from engine.audit.measure.settings import measure_settings
 from engine.audit.measure.traffic import audit_traffic
 from engine.audit.rewrite.measure import measure_rewrite
 from engine.cache import budget
@@ -95,8 +96,15 @@ def test_the_meter_says_at_most_one_line_a_second_between_steps():
 def test_the_audit_says_the_model_pass_a_forward_at_a_time_and_its_report_is_unchanged(lm, monkeypatch):
     monkeypatch.setattr(meter_module, "REPORT_EVERY_S", 0.0)
     said, steps = [], []
-    plain = audit_traffic(lm, read_log(LOG), sample=2, tokens=TOKENS).as_dict()
-    told = audit_traffic(lm, read_log(LOG), sample=2, tokens=TOKENS, messages=said.append, progress=lambda d, t: steps.append((d, t)))
+    plain = audit_traffic(lm, read_log(LOG), sample=2, measure=measure_settings(tokens=TOKENS)).as_dict()
+    told = audit_traffic(
+        lm,
+        read_log(LOG),
+        sample=2,
+        measure=measure_settings(tokens=TOKENS),
+        messages=said.append,
+        progress=lambda d, t: steps.append((d, t)),
+    )
     assert told.as_dict() == _untimed(plain, told.as_dict())
     fractions = [fraction(message) for message in said]
     assert fractions[0] == 0 and fractions[-1] == 1 and len(said) > len(steps) + 1  # forwards, not only steps
@@ -120,7 +128,7 @@ def test_a_rewrite_after_the_audit_takes_its_readings_and_reports_the_same(lm, m
     log, rewritten = read_log(LOG), read_log(REWRITTEN)
     alone = measure_rewrite(lm, log, rewritten, tokens=TOKENS)
     states = ComputedStates(lm, TOKENS)
-    traffic = audit_traffic(lm, log, sample=2, tokens=TOKENS, states=states)
+    traffic = audit_traffic(lm, log, sample=2, measure=measure_settings(tokens=TOKENS), states=states)
     assert sorted(traffic.turns) == [2, 3]  # the audit read requests 2 and 3 as a prefix cache serves them
     ran = []
     forward = lm.model.forward

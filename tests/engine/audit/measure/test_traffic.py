@@ -12,7 +12,8 @@ import pytest
 
 from engine.audit.logs.reading import parse_log, read_log
 from engine.audit.logs.render import render_batch
-from engine.audit.measure.traffic import audit_traffic, measure_settings, pending_report
+from engine.audit.measure.settings import measure_settings
+from engine.audit.measure.traffic import audit_traffic, pending_report
 from engine.audit.measure.turn import audit_requests
 from engine.audit.scan.sampling import bounded_sample, traffic_scan
 from engine.audit.scan.token_pass import scan_log
@@ -382,9 +383,9 @@ def test_sampling_covers_every_group_and_a_group_measured_in_full_equals_the_per
         _chat(system.format(m="43"), ("user", "Where is my parcel?"), ("assistant", "Soon."), ("user", "When?")),
     ]
     text = "\n".join(lines)
-    options = {"repairs": ["recompute", "field_only", "erratum"], "tokens": 4}
-    full = audit_traffic(lm, read_log(text), sample=10, **options)
-    today = audit_requests(lm, parse_log(text), **options)
+    measure = measure_settings(["recompute", "field_only", "erratum"], tokens=4)
+    full = audit_traffic(lm, read_log(text), sample=10, measure=measure)
+    today = audit_requests(lm, parse_log(text), measure=measure)
     timing = ("ttft_ms", "ttft_ratio", "full_ttft_ms")
     for turn, expected in zip([full.turns[i] for i in sorted(full.turns)], today.turns[1:]):
         got, want = turn.as_dict(), expected.as_dict()
@@ -395,7 +396,7 @@ def test_sampling_covers_every_group_and_a_group_measured_in_full_equals_the_per
                 k: v for k, v in other.items() if k not in (*timing, "kl")
             }
             assert result["kl"] == pytest.approx(other["kl"], abs=1e-5)
-    sampled = audit_traffic(lm, read_log(text), sample=1, **options)
+    sampled = audit_traffic(lm, read_log(text), sample=1, measure=measure)
     data = sampled.as_dict()
     groups = {g["signature"]: g for g in data["groups"]}
     assert set(groups) == {"new_prefix", "block_straddle + clock:session_started", "growth"} or all(
@@ -437,13 +438,12 @@ def test_the_token_pass_shown_while_the_model_pass_runs_is_the_audits_own():
     lm = tiny_model("qwen2")
     system = "You are the help desk.\nSession started: 2026-05-12 09:{m}\nBe brief."
     text = "\n".join(_chat(system.format(m=m), ("user", "Where is my parcel?")) for m in ("41", "42", "43", "44"))
-    options = {"repairs": ["recompute", "field_only"], "tokens": 2}
+    measure = measure_settings(["recompute", "field_only"], tokens=2)
     scan = traffic_scan(lm, read_log(text))
     assert [row.as_dict() for row in scan.requests] == [row.as_dict() for row in scan_log(lm.tokenizer, read_log(text)).requests]
-    measure = measure_settings(**options)
     pending = pending_report(lm, scan, 2, measure).as_dict()
-    given = audit_traffic(lm, read_log(text), sample=2, scan=scan, **options).as_dict()
-    made = audit_traffic(lm, read_log(text), sample=2, **options).as_dict()
+    given = audit_traffic(lm, read_log(text), sample=2, scan=scan, measure=measure).as_dict()
+    made = audit_traffic(lm, read_log(text), sample=2, measure=measure).as_dict()
     timing = ("ttft_ms", "ttft_ratio", "full_ttft_ms", "recommendation", "recommended")  # measured times, and what they decide
 
     def untimed(value):

@@ -15,6 +15,7 @@ from engine.audit.logs.requests import RequestLogError
 from engine.audit.measure.kv_store import ComputedStates
 from engine.audit.measure.recommend import recommend
 from engine.audit.measure.repairs import Reference, coarse, fidelity
+from engine.audit.measure.settings import measure_settings
 from engine.audit.measure.traffic import audit_traffic
 from engine.audit.measure.turn import audit_requests, audit_value, candidates, repaired_template, scenario_toml
 from engine.audit.rewrite.measure import apply_template
@@ -54,7 +55,7 @@ def _independent_prefix(a, b):
 def test_common_prefix_and_block_hits_match_an_independent_count(lm):
     log = _log(_request(), _request(time="2026-12-01 09:15"), _request(time="2026-12-01 09:15", tier="platinum"))
     requests = parse_log(log)
-    report = audit_requests(lm, requests, repairs=["recompute"], tokens=2)
+    report = audit_requests(lm, requests, measure=measure_settings(repairs=["recompute"], tokens=2))
     ids = [
         lm.tokenizer.apply_chat_template(r["messages"], tokenize=False, add_generation_prompt=True)
         for r in map(json.loads, log.splitlines())
@@ -92,7 +93,7 @@ def test_the_diff_finds_exactly_the_changed_values_and_tells_growth_apart(lm):
 
 def test_only_appended_turns_are_growth_not_fields(lm):
     log = _log(_request(), _request(turns=(("user", "Where is my parcel?"), ("assistant", "Today."), ("user", "Thanks"))))
-    report = audit_requests(lm, parse_log(log), tokens=2)
+    report = audit_requests(lm, parse_log(log), measure=measure_settings(tokens=2))
     turn = report.as_dict()["turns"][1]
     assert turn["fields"] == [] and turn["appended_tokens"] > 0
     assert turn["repairs"]["field_only"]["applicable"] is False and "only growth" in turn["repairs"]["field_only"]["reason"]
@@ -106,7 +107,7 @@ def test_recompute_equals_the_clean_prefill(arch):
     log = _log(
         _request(), _request(time="2026-12-01 09:15", turns=(("user", "Where is my parcel?"), ("assistant", "Soon."), ("user", "When?")))
     )
-    report = audit_requests(model, parse_log(log), repairs=["recompute"], tokens=12)
+    report = audit_requests(model, parse_log(log), measure=measure_settings(repairs=["recompute"], tokens=12))
     exact = report.turns[1].repairs["recompute"]
     assert exact.fidelity.kl < 1e-6 and exact.fidelity.top1_agree and exact.fidelity.top5_overlap == 1.0
     assert exact.fidelity.generation_agreement == 1.0 and exact.fidelity.generated_common_prefix == 12
@@ -134,7 +135,7 @@ def test_fidelity_equals_the_values_computed_from_their_definitions():
 
 def test_every_repair_costs_what_the_token_ids_say_and_the_cheapest_within_the_bars_is_recommended(lm):
     log = _log(_request(), _request(time="2026-12-01 09:15"))
-    report = audit_requests(lm, parse_log(log), tokens=6, grain="hour", threshold=10.0, min_agreement=0.0)
+    report = audit_requests(lm, parse_log(log), measure=measure_settings(tokens=6, threshold=10.0, min_agreement=0.0, grain="hour"))
     turn = report.as_dict()["turns"][1]
     for name in ("recompute", "field_only", "erratum", "field_erratum", "hoist", "coarsen"):
         result = turn["repairs"][name]
@@ -186,7 +187,7 @@ def test_field_only_and_erratum_are_inexact_where_recompute_is_exact(lm):
     """The stale repairs read the old value (field_only: later entries computed with it; erratum: still in the prompt),
     so their next token's distribution differs from the clean prefill's, while the reference's does not."""
     log = _log(_request(), _request(tier="platinum"))
-    repairs = audit_requests(lm, parse_log(log), repairs=["field_only", "erratum"], tokens=4).turns[1].repairs
+    repairs = audit_requests(lm, parse_log(log), measure=measure_settings(repairs=["field_only", "erratum"], tokens=4)).turns[1].repairs
     assert repairs["recompute"].fidelity.kl < 1e-6
     assert repairs["field_only"].fidelity.kl > 1e-4 and repairs["erratum"].fidelity.kl > 1e-4
 
@@ -196,7 +197,7 @@ def test_field_only_and_erratum_flip_the_next_token_where_recompute_keeps_it(lm)
     token is one that neither stale repair puts first (measured: the clean prefill leads by 0.09 nats, field_only and
     erratum prefer others by 0.14 and 0.24, far above float rounding), so a decision read from them flips."""
     log = _log(_request(), _request(user="u-11111", tier="frozen account pending review by the fraud team"))
-    turn = audit_requests(lm, parse_log(log), repairs=["field_only", "erratum"], tokens=1).turns[1]
+    turn = audit_requests(lm, parse_log(log), measure=measure_settings(repairs=["field_only", "erratum"], tokens=1)).turns[1]
     assert [change.name for change in turn.fields] == ["user_id", "account_tier"]
     repairs = turn.repairs
     assert repairs["recompute"].fidelity.top1_agree and repairs["recompute"].fidelity.kl < 1e-6
@@ -258,7 +259,7 @@ def test_the_scenario_of_a_log_with_hostile_text_reads_back_as_written(lm):
             for tier in ("gold", "platinum")
         )
     )
-    report = audit_requests(lm, parse_log(log), repairs=["recompute"], tokens=1)
+    report = audit_requests(lm, parse_log(log), measure=measure_settings(repairs=["recompute"], tokens=1))
     labels = ('y"es\\', "n\x7fo {no}")
     scenario = Scenario.from_toml(scenario_toml(report, labels))
     assert scenario.context == escape_braces("Rules: " + hostile + "\nAccount tier: ") + "{account_tier}"
@@ -294,7 +295,7 @@ def test_the_audit_and_the_edit_stop_where_the_generation_config_ends_a_turn():
 
 def test_the_scenario_and_template_reproduce_the_edit(lm):
     log = _log(_request(), _request(tier="platinum"))
-    report = audit_requests(lm, parse_log(log), repairs=["recompute"], tokens=2)
+    report = audit_requests(lm, parse_log(log), measure=measure_settings(repairs=["recompute"], tokens=2))
     scenario = Scenario.from_toml(scenario_toml(report))
     field = scenario.field()
     assert (field.name, field.old, field.new) == ("account_tier", "gold", "platinum")
@@ -321,7 +322,7 @@ def test_each_prompt_level_template_applied_to_the_log_sends_the_measured_tokens
     where it stands and moved stripped; a second field is moved with it; the literal braces stay as they are; the
     erratum's template keeps the older value and reads each request's own from its line."""
     log = _log(_indented("2026-12-01 09:14"), _indented("2026-12-01 10:15", user))
-    report = audit_requests(lm, parse_log(log), tokens=1, grain="hour")
+    report = audit_requests(lm, parse_log(log), measure=measure_settings(tokens=1, grain="hour"))
     turn = report.turns[1]
     checked = set()
     for name in ("recompute", "erratum", "hoist", "coarsen"):
@@ -350,7 +351,9 @@ def test_the_bundled_logs_templates_applied_send_the_measured_tokens(lm, name):
     applied to the whole log, sends the turn it was written from as the tokens measured; in the interleaved log the
     template of one agent's prompt leaves the other agent's requests as logged."""
     log = read_log((DEMOS / "logs" / f"{name}.jsonl").read_text(encoding="utf-8"))
-    report = audit_traffic(lm, log, repairs=["erratum", "hoist", "coarsen"], tokens=1, grain="date").measured_report()
+    report = audit_traffic(
+        lm, log, measure=measure_settings(repairs=["erratum", "hoist", "coarsen"], tokens=1, grain="date")
+    ).measured_report()
     turn = report.last_with_fields()
     written = {}
     for repair, measured in turn.repairs.items():
@@ -372,7 +375,7 @@ def test_one_prompt_offers_volatile_spans_and_audits_a_new_value(lm):
     assert kinds["2026-12-01 09:14"] == "datetime" and kinds["u-48213"] == "id" and kinds["gold"] == "value"
     content = request.contents[0]
     start = content.index("gold")
-    report = audit_value(lm, request, (start, start + 4), "silver", message=0, repairs=["field_only"], tokens=2)
+    report = audit_value(lm, request, (start, start + 4), "silver", message=0, measure=measure_settings(repairs=["field_only"], tokens=2))
     assert [change.as_dict()["new"] for change in report.turns[1].fields] == ["silver"]
     assert parse_prompt("Plain text with 2026-12-01 in it").messages[0].role == "user"
 
@@ -401,7 +404,7 @@ def test_malformed_logs_get_a_specific_message(text, message):
 def test_requests_that_cannot_be_compared_are_refused_by_name(lm):
     unrelated = _log({"prompt": "alpha"}, {"prompt": "zeta"})
     with pytest.raises(RequestLogError, match=r"line 2 \(request 2\) shares no prefix with line 1 \(request 1\)"):
-        audit_requests(lm, parse_log(unrelated), tokens=1)
+        audit_requests(lm, parse_log(unrelated), measure=measure_settings(tokens=1))
     role_changed = _log(
         _request(),
         {
@@ -412,8 +415,8 @@ def test_requests_that_cannot_be_compared_are_refused_by_name(lm):
         },
     )
     with pytest.raises(RequestLogError, match="change the chat template's own tokens"):
-        audit_requests(lm, parse_log(role_changed), tokens=1)
+        audit_requests(lm, parse_log(role_changed), measure=measure_settings(tokens=1))
     with pytest.raises(RequestLogError, match=r"line 1 \(request 1\) is \d+ tokens, longer than the context limit of 20"):
-        audit_requests(lm, parse_log(_log(_request(), _request())), tokens=1, max_tokens=20)
+        audit_requests(lm, parse_log(_log(_request(), _request())), measure=measure_settings(tokens=1, max_tokens=20))
     with pytest.raises(RequestLogError, match="unknown repair 'magic'"):
-        audit_requests(lm, parse_log(_log(_request(), _request())), repairs=["magic"])
+        audit_requests(lm, parse_log(_log(_request(), _request())), measure=measure_settings(repairs=["magic"]))
