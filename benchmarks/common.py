@@ -1,5 +1,5 @@
 """Shared helpers of the benchmark scripts: each folder's results, the environment and the CPU a number was measured
-on, neutral filler text, the one percentile definition, and a loopback server's port (timing: :mod:`engine.timing`)."""
+on, neutral filler text, the one percentile definition, and a loopback server's port (timing: :mod:`kvscope.engine.timing`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from engine.models import LoadedModel, load_model
+from kvscope.engine.models import LoadedModel, load_model
 
 ROOT = Path(__file__).resolve().parents[1]  # the repository
 FILLER = (

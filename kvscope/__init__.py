@@ -1,12 +1,15 @@
-"""KVScope for notebooks and scripts: ``from kvscope import load_model, Scenario, EditExperiment, ...``.
+"""KVScope, one installed package: ``from kvscope import load_model, Scenario, EditExperiment, ...``.
 
-``kvscope`` is the import name of an installed KVScope (``pip install -e .``): it re-exports the engine's public
-API, the same names and objects as ``engine`` (``kvscope.load_model is engine.load_model``), documented by topic in
-``engine``'s docstring (``help(engine)``): models and scenarios, notebooks, edits and probes, composing skills,
+Its layers are subpackages: ``kvscope.engine`` (torch and transformers, no UI), ``kvscope.viz`` (plotly figures)
+and ``kvscope.app`` (the Gradio explorer); ``python -m kvscope`` is the CLI (``kvscope`` once installed).
+
+``kvscope`` re-exports the engine's public API, the same names and objects as ``kvscope.engine``
+(``kvscope.load_model is kvscope.engine.load_model``), documented by topic in ``kvscope.engine``'s docstring
+(``help(kvscope.engine)``): models and scenarios, notebooks, edits and probes, composing skills,
 auditing request logs, checks, files and reproduction, and what a server shares between requests. Figures are in
-``viz`` (plotly; they display inline in Jupyter).
+``kvscope.viz`` (plotly; they display inline in Jupyter).
 
-Like ``engine``, importing ``kvscope`` loads nothing (no torch, no model) and changes no process state: each
+Like ``kvscope.engine``, importing ``kvscope`` loads nothing (no torch, no model) and changes no process state: each
 name resolves on first use.
 """
 
@@ -14,12 +17,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import engine
+import kvscope.engine as engine
 
 __all__ = list(engine.__all__)
 
 if TYPE_CHECKING:
-    from engine import *  # noqa: F403 (the engine's public API, as engine.__all__ lists it)
+    from kvscope.engine import *  # noqa: F403 (the engine's public API, as kvscope.engine.__all__ lists it)
 
 
 def __getattr__(name: str) -> Any:

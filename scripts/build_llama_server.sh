@@ -37,7 +37,7 @@ cmake -S "$work/llama_cpp_python-$version/vendor/llama.cpp" -B "$work/build" -G 
 cmake --build "$work/build" --target llama-server -j "$(nproc)" >/dev/null
 
 # Smoke run: the built server must load the embedded GGUF and complete one token over HTTP, or nothing is installed.
-gguf=${KVSCOPE_SMOKE_GGUF:-$(cd "$repo" && python -c 'from engine.models.gguf import embedded_gguf_path; print(embedded_gguf_path())' | tail -n 1)} ||
+gguf=${KVSCOPE_SMOKE_GGUF:-$(cd "$repo" && python -c 'from kvscope.engine.models.gguf import embedded_gguf_path; print(embedded_gguf_path())' | tail -n 1)} ||
   { echo "smoke run failed: no embedded GGUF (see above; or set KVSCOPE_SMOKE_GGUF to a .gguf); the binary was not installed" >&2; exit 1; }
 echo "smoke run: llama-server on $gguf" >&2
 python - "$work/build/bin/llama-server" "$gguf" "$work/smoke.log" <<'PY'

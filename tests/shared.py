@@ -5,8 +5,8 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-from engine.models.tiny import tiny_model
-from engine.scenario import Scenario, bundled_scenarios
+from kvscope.engine.models.tiny import tiny_model
+from kvscope.engine.scenario import Scenario, bundled_scenarios
 
 # Debian's chromium, driven by Playwright in every browser test (never a downloaded browser), and its flags.
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -75,9 +75,9 @@ def make_tiny_model_dir(arch: str, path: str | Path, *, seed: int = 0) -> Path:
 
 def assert_valid_report(report: dict) -> None:
     """An audit's JSON holds to the published schema (docs/audit-report.schema.json, generated from
-    ``engine.audit.report.types``): every required key, no unnamed one, each value of its type."""
+    ``kvscope.engine.audit.report.types``): every required key, no unnamed one, each value of its type."""
     import jsonschema
 
-    from engine.audit.report.schema import report_schema
+    from kvscope.engine.audit.report.schema import report_schema
 
     jsonschema.validate(report, report_schema(), cls=jsonschema.Draft202012Validator)

@@ -1,5 +1,6 @@
 """``pip install -e .`` in a fresh virtualenv gives the console scripts ``kvscope`` and ``kvscope-app`` and the
-``kvscope`` import name, working from outside the checkout.
+``kvscope`` import name (the only top-level one: its layers are ``kvscope.engine``, ``kvscope.viz`` and
+``kvscope.app``), working from outside the checkout.
 
 The virtualenv sees this machine's site-packages (``--system-site-packages``), so the declared dependency ranges
 must admit the pinned, installed set: pip resolves them without downloading anything, and fails if one does not fit.
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-import engine
+import kvscope.engine as engine
 
 ROOT = Path(__file__).resolve().parents[1]
 REFUND = ROOT / "demos" / "scenarios" / "refund_gate.toml"
@@ -77,14 +78,17 @@ def test_the_cli_edits_a_scenario_from_outside_the_checkout(venv, tmp_path):
 
 def test_the_kvscope_import_name_and_the_app_script(venv, tmp_path):
     code = (
-        "import sys, kvscope, engine; assert 'torch' not in sys.modules, 'importing kvscope loads torch'; "
+        "import sys, kvscope; import kvscope.engine as engine; assert 'torch' not in sys.modules, 'importing kvscope loads torch'; "
         "from kvscope import load_model, Scenario; "
-        "assert kvscope.__all__ == engine.__all__ and load_model is engine.load_model; "
+        "assert kvscope.__all__ == kvscope.engine.__all__ and load_model is kvscope.engine.load_model; "
         "print(kvscope.__file__); print(Scenario.load.__qualname__)"
     )
     done = _run(venv, "python", "-c", code, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == [str(ROOT / "kvscope" / "__init__.py"), "Scenario.load"]
+    found = "import importlib.util as u; print([n for n in ('engine', 'viz', 'app') if u.find_spec(n)])"
+    generic = _run(venv, "python", "-c", found, cwd=tmp_path)
+    assert generic.stdout.strip() == "[]", generic.stdout + generic.stderr  # one top-level name installed: kvscope
     app = _run(venv, "kvscope-app", "--help", cwd=tmp_path)
     assert app.returncode == 0 and "--public" in app.stdout and "kvscope-app" in app.stdout, app.stderr
 
@@ -111,7 +115,7 @@ def test_the_declared_dependencies_admit_the_pinned_set():
                         pinned,
                         declared[pinned.name.lower()],
                     )
-    assert project["scripts"] == {"kvscope": "engine.cli:main", "kvscope-app": "app.main:main"}
+    assert project["scripts"] == {"kvscope": "kvscope.engine.cli:main", "kvscope-app": "kvscope.app.main:main"}
     import kvscope
 
     assert kvscope.__all__ == engine.__all__ and all(

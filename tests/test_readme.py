@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-import engine
-from engine.cli import build_parser
+import kvscope.engine as engine
+from kvscope.engine.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -70,8 +70,8 @@ def _commands(text: str) -> list[list[str]]:
 
 
 def _engine_argv(words: list[str]) -> list[str] | None:
-    """The CLI arguments of `python -m engine ...` or `kvscope ...`, else None."""
-    if words[:3] == ["python", "-m", "engine"]:
+    """The CLI arguments of `python -m kvscope ...` or `kvscope ...`, else None."""
+    if words[:3] == ["python", "-m", "kvscope"]:
         return words[3:]
     if words[0] == "kvscope":
         return words[1:]
@@ -144,7 +144,7 @@ def test_the_readme_scripts_and_files_exist():
 
 
 def test_the_app_options_shown_exist(capsys):
-    from app.main import main
+    from kvscope.app.main import main
 
     flags = {word for words in _commands(_text(README)) if words[0] == "kvscope-app" for word in words[1:]}
     assert flags, "the README shows kvscope-app"
@@ -160,11 +160,13 @@ def _python_examples() -> list[tuple[Path, str]]:
 
 
 def test_examples_import_only_the_public_api():
-    imports = [line for _, block in _python_examples() for line in block.splitlines() if line.startswith(("from engine", "import engine"))]
+    imports = [
+        line for _, block in _python_examples() for line in block.splitlines() if line.startswith(("from kvscope", "import kvscope"))
+    ]
     assert imports, "the engine page has a Python example"
     for line in imports:
-        assert line.startswith("from engine import "), line
-        names = {name.strip() for name in line.removeprefix("from engine import ").split(",")}
+        assert line.startswith("from kvscope import "), line
+        names = {name.strip() for name in line.removeprefix("from kvscope import ").split(",")}
         assert names <= set(engine.__all__), line
 
 

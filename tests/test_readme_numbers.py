@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from app.handlers.common import NOTES_SCENARIO
-from engine.edit.report import NotesShare
-from viz.cards import notes_headline_html
-from viz.learn import share_percent
+from kvscope.app.handlers.common import NOTES_SCENARIO
+from kvscope.engine.edit.report import NotesShare
+from kvscope.viz.cards import notes_headline_html
+from kvscope.viz.learn import share_percent
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -60,7 +60,7 @@ def test_the_readme_quotes_the_stored_comparison_of_the_demo_the_app_opens_on():
 
 @pytest.fixture(scope="module")
 def embedded():
-    from app.state import ModelRegistry
+    from kvscope.app.state import ModelRegistry
 
     registry = ModelRegistry("embedded", dtype=_said()["dtype"])
     registry.get()
@@ -68,10 +68,10 @@ def embedded():
 
 
 def test_the_notes_and_learn_tabs_show_the_readmes_numbers_on_the_embedded_model(embedded):
-    from app.handlers.common import bundled_scenario_text
-    from app.handlers.learn import learn_step
-    from app.handlers.notes import EditInputs, run_edit
-    from app.state import SessionStore
+    from kvscope.app.handlers.common import bundled_scenario_text
+    from kvscope.app.handlers.learn import learn_step
+    from kvscope.app.handlers.notes import EditInputs, run_edit
+    from kvscope.app.state import SessionStore
 
     said, sessions = _said(), SessionStore()
     view = run_edit(embedded, sessions, EditInputs(bundled_scenario_text(NOTES_SCENARIO)), session="s")

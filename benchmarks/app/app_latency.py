@@ -22,8 +22,8 @@ import sys
 from gradio_client import Client
 
 from benchmarks.common import ROOT, free_port, results_dir, wait_until_serving
-from engine.scenario import bundled_scenarios
-from engine.timing import Stopwatch, repeated
+from kvscope.engine.scenario import bundled_scenarios
+from kvscope.engine.timing import Stopwatch, repeated
 
 RESULTS = results_dir(__file__)
 

@@ -36,11 +36,11 @@ import psutil
 from gradio_client import Client
 
 from benchmarks.common import PERCENTILE, ROOT, free_port, percentile, results_dir, wait_until_serving
-from engine.edit.strategies import STRATEGIES
-from engine.probes.analysis import DEFAULT_STRATEGIES
-from engine.scenario import bundled_scenarios
-from engine.timing import Stopwatch, timed
-from viz.benchmarks import soak_figure
+from kvscope.engine.edit.strategies import STRATEGIES
+from kvscope.engine.probes.analysis import DEFAULT_STRATEGIES
+from kvscope.engine.scenario import bundled_scenarios
+from kvscope.engine.timing import Stopwatch, timed
+from kvscope.viz.benchmarks import soak_figure
 
 RESULTS = results_dir(__file__)
 SCENARIO = "refund_gate"

@@ -29,7 +29,7 @@ import psutil
 from gradio_client import Client
 
 from benchmarks.common import ROOT, cpu_info, free_port, results_dir, wait_until_serving
-from engine.scenario import bundled_scenarios
+from kvscope.engine.scenario import bundled_scenarios
 
 RESULTS = results_dir(__file__)
 SCENARIO = "refund_gate"

@@ -39,21 +39,21 @@ import torch
 from benchmarks import common
 from benchmarks.common import cpu_info
 from benchmarks.serving.serving_servers import SERVER_BINARY, LlamaServer, resolve_gguf
-from engine.audit.endpoint.answers import Probe
-from engine.audit.endpoint.client import COMPLETIONS, EndpointClient, EndpointSettings
-from engine.audit.endpoint.model_pass import EndpointAudit, audit_on_endpoint
-from engine.audit.logs.reading import read_log
-from engine.audit.logs.render import context_limit
-from engine.audit.logs.requests import RequestLog
-from engine.audit.measure.repairs import GRAINS, PROMPT_REPAIRS, Level
-from engine.audit.measure.settings import measure_settings
-from engine.audit.measure.traffic import TrafficReport, audit_traffic
-from engine.audit.simulate.caches import CacheSettings
-from engine.cache.decision import kl_divergence
-from engine.cache.notebook import Notebook
-from engine.models import LoadedModel
-from engine.scenario import DEMOS
-from engine.timing import Stopwatch
+from kvscope.engine.audit.endpoint.answers import Probe
+from kvscope.engine.audit.endpoint.client import COMPLETIONS, EndpointClient, EndpointSettings
+from kvscope.engine.audit.endpoint.model_pass import EndpointAudit, audit_on_endpoint
+from kvscope.engine.audit.logs.reading import read_log
+from kvscope.engine.audit.logs.render import context_limit
+from kvscope.engine.audit.logs.requests import RequestLog
+from kvscope.engine.audit.measure.repairs import GRAINS, PROMPT_REPAIRS, Level
+from kvscope.engine.audit.measure.settings import measure_settings
+from kvscope.engine.audit.measure.traffic import TrafficReport, audit_traffic
+from kvscope.engine.audit.simulate.caches import CacheSettings
+from kvscope.engine.cache.decision import kl_divergence
+from kvscope.engine.cache.notebook import Notebook
+from kvscope.engine.models import LoadedModel
+from kvscope.engine.scenario import DEMOS
+from kvscope.engine.timing import Stopwatch
 
 LOGS = DEMOS / "logs"
 DEFAULT_LOGS = "coding_agent,support_agent,rag,traffic/interleaved_agents"

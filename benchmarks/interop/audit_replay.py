@@ -5,7 +5,7 @@ simulated llama.cpp cache, request by request, for the original log and the rewr
     python -m benchmarks.interop.audit_replay [--logs coding_agent,support_agent,rag,traffic/interleaved_agents]
                                       [--repairs erratum,hoist,coarsen] [--grain date] [--tokens 32] [--reps 1] [--threads 2]
 
-Each log goes through the audit's token pass (``engine.audit.scan.token_pass.scan_log``): every request rendered with the
+Each log goes through the audit's token pass (``kvscope.engine.audit.scan.token_pass.scan_log``): every request rendered with the
 model's chat template, and fed to the simulated llama.cpp server (``caches.SlotCache``: one slot per session, here
 without ``--cache-reuse``, so only the common prefix with the slot counts). The same token ids are then sent, in log
 order, to one llama-server per log started as the serving benchmark starts it (``serving_servers.LlamaServer``: RAM
@@ -20,7 +20,7 @@ every time kept). A difference would be named with its cause in ``mismatches``; 
 token (a prompt equal to its slot's reuses all but one), and the model adds no BOS token, so there is none to expect.
 
 The rewritten logs are the templates the audit writes, deployed: the log is audited as ``kvscope audit LOG --grain
-G`` audits it (``engine.audit.measure.traffic.audit_traffic``, the prompt-level repairs), each repair's template is written as
+G`` audits it (``kvscope.engine.audit.measure.traffic.audit_traffic``, the prompt-level repairs), each repair's template is written as
 ``--template-out`` writes it (``turn.repaired_template``) and applied to every request of the log it is for as
 ``--template`` applies it (``rewrite.measure.apply_template``), so a deployed template changes every request, not only the
 ones whose fields changed. A repair the audit writes no template for (it does not apply, or no field changed) is named
@@ -53,18 +53,18 @@ import httpx
 from benchmarks import common
 from benchmarks.common import cpu_info
 from benchmarks.serving.serving_servers import SERVER_BINARY, LlamaServer, resolve_gguf
-from engine.audit.logs.reading import read_log
-from engine.audit.logs.requests import RequestLog, RequestLogError
-from engine.audit.measure.repairs import GRAINS, PROMPT_REPAIRS
-from engine.audit.measure.settings import DEFAULT_TOKENS, measure_settings
-from engine.audit.measure.traffic import audit_traffic
-from engine.audit.measure.turn import repaired_template
-from engine.audit.rewrite.measure import RewriteReport, apply_template, measure_rewrites
-from engine.audit.scan.token_pass import TrafficScan, scan_log
-from engine.audit.simulate.caches import CacheSettings
-from engine.models import LoadedModel
-from engine.scenario import DEMOS
-from viz.benchmarks import audit_replay_figure
+from kvscope.engine.audit.logs.reading import read_log
+from kvscope.engine.audit.logs.requests import RequestLog, RequestLogError
+from kvscope.engine.audit.measure.repairs import GRAINS, PROMPT_REPAIRS
+from kvscope.engine.audit.measure.settings import DEFAULT_TOKENS, measure_settings
+from kvscope.engine.audit.measure.traffic import audit_traffic
+from kvscope.engine.audit.measure.turn import repaired_template
+from kvscope.engine.audit.rewrite.measure import RewriteReport, apply_template, measure_rewrites
+from kvscope.engine.audit.scan.token_pass import TrafficScan, scan_log
+from kvscope.engine.audit.simulate.caches import CacheSettings
+from kvscope.engine.models import LoadedModel
+from kvscope.engine.scenario import DEMOS
+from kvscope.viz.benchmarks import audit_replay_figure
 
 LOGS = DEMOS / "logs"
 DEFAULT_LOGS = "coding_agent,support_agent,rag,traffic/interleaved_agents"

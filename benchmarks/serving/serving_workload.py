@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from benchmarks.serving.loadgen import CacheCounters
-from engine.edit.erratum import erratum_text
-from engine.scenario import Scenario, bundled_scenarios, bundled_skills, context_text, unescape_braces
+from kvscope.engine.edit.erratum import erratum_text
+from kvscope.engine.scenario import Scenario, bundled_scenarios, bundled_skills, context_text, unescape_braces
 
 
 class Variant(str, enum.Enum):

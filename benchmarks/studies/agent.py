@@ -18,11 +18,11 @@ from tqdm import tqdm
 
 from benchmarks import common
 from benchmarks.common import results_dir, write_result
-from engine.compose.agent import Compaction, run_agent
-from engine.compose.skills import SkillStore
-from engine.edit.erratum import WORDINGS
-from engine.scenario import Scenario, bundled_scenarios
-from viz.benchmarks import agent_policy_figure
+from kvscope.engine.compose.agent import Compaction, run_agent
+from kvscope.engine.compose.skills import SkillStore
+from kvscope.engine.edit.erratum import WORDINGS
+from kvscope.engine.scenario import Scenario, bundled_scenarios
+from kvscope.viz.benchmarks import agent_policy_figure
 
 SCENARIOS = "machine_safety,pharmacy_prescription,badge_access_yaml,refund_gate"
 SUMMARY_KEYS = (

@@ -5,7 +5,7 @@
                                [--threshold 0.05] [--min-agreement 0.9] [--model embedded] [--dtype auto]
     python -m benchmarks.studies.audit --speed [--dtypes bfloat16,float32] [--tokens 8] [--reps 3] [--app-tokens 32]
 
-Each log in demos/logs is audited with ``engine.audit.measure.turn.audit_requests`` (every repair against a clean prefill of the new
+Each log in demos/logs is audited with ``kvscope.engine.audit.measure.turn.audit_requests`` (every repair against a clean prefill of the new
 request; ``coarsen`` at ``--grain``, date-only by default: the fix hermes-agent shipped). Writes
 benchmarks/studies/results/audit-<log>-<model>-<device>.json: the dtype, the CPU's flags (/proc/cpuinfo: avx2, avx512_bf16, …),
 the repetitions and the load average before and after (TTFT is wall time on a machine other processes may share), and
@@ -22,7 +22,7 @@ greedy tokens) in each of ``--dtypes``. The model pass is timed from the audit's
 forwards are recorded once (the new token ids, and how many cached entries each attends to), and plain transformers
 replays the same forwards (``model(...)`` over a ``DynamicCache`` of that many entries, SDPA, the same dtype; greedy
 steps one token each), side by side with the audit in every repetition: the ratio is audit / plain (goal ≤ 1.3×). Then
-each log goes through the app's audit handler (``app.handlers.your_prompt.run_audit``, the tab's defaults, the model
+each log goes through the app's audit handler (``kvscope.app.handlers.your_prompt.run_audit``, the tab's defaults, the model
 already loaded) in bfloat16 (goal ≤ 60 s). Writes results/audit_speed-<dtypes>-<model>-cpu.json, with the load average (other
 processes share the CPU) and min / median / max of every time.
 """
@@ -40,15 +40,15 @@ from transformers import DynamicCache
 
 from benchmarks import common
 from benchmarks.common import cpu_info
-from engine.audit.logs.reading import parse_log, read_log
-from engine.audit.measure.repairs import GRAINS, REPAIRS
-from engine.audit.measure.settings import DEFAULT_MIN_AGREEMENT, DEFAULT_THRESHOLD, DEFAULT_TOKENS, measure_settings
-from engine.audit.measure.traffic import DEFAULT_SAMPLE, audit_traffic
-from engine.audit.measure.turn import AuditReport, audit_requests
-from engine.cache import adapter
-from engine.models import LoadedModel, load_model
-from engine.scenario import DEMOS
-from engine.timing import Stopwatch
+from kvscope.engine.audit.logs.reading import parse_log, read_log
+from kvscope.engine.audit.measure.repairs import GRAINS, REPAIRS
+from kvscope.engine.audit.measure.settings import DEFAULT_MIN_AGREEMENT, DEFAULT_THRESHOLD, DEFAULT_TOKENS, measure_settings
+from kvscope.engine.audit.measure.traffic import DEFAULT_SAMPLE, audit_traffic
+from kvscope.engine.audit.measure.turn import AuditReport, audit_requests
+from kvscope.engine.cache import adapter
+from kvscope.engine.models import LoadedModel, load_model
+from kvscope.engine.scenario import DEMOS
+from kvscope.engine.timing import Stopwatch
 
 LOGS = DEMOS / "logs"
 DEFAULT_LOGS = "coding_agent,support_agent,rag"
@@ -114,7 +114,7 @@ def summarise(turns: Sequence[dict], repairs: Sequence[str], threshold: float, m
         applied = [turn["repairs"][name] for turn in audited if turn["repairs"][name]["applicable"]]
         within = [
             r for r in applied if r["kl"] <= threshold and r["top1_agree"] and r["generation_agreement"] >= min_agreement
-        ]  # as engine.audit.measure.turn.recommend judges
+        ]  # as kvscope.engine.audit.measure.turn.recommend judges
         ratios = [r["ttft_ratio"] for r in applied if r["ttft_ratio"] is not None]
         per_repair[name] = {
             "turns_applicable": len(applied),
@@ -263,8 +263,8 @@ def model_pass_ratio(lm: LoadedModel, name: str, args) -> dict:
 
 def app_times(spec: str, args) -> list[dict]:
     """Each bundled log through the app's audit handler (the tab's defaults; the model loaded first), in bfloat16."""
-    from app.handlers.your_prompt import run_audit
-    from app.state import ModelRegistry, SessionStore
+    from kvscope.app.handlers.your_prompt import run_audit
+    from kvscope.app.state import ModelRegistry, SessionStore
 
     registry, sessions = ModelRegistry(spec, dtype="bfloat16"), SessionStore()
     registry.get()

@@ -6,15 +6,15 @@ against plain transformers doing the same prefills and generations, as ratios.
 
 Per repetition and log, one after the other (so the two times of every ratio share the machine's load):
 
-1. ``python -m engine audit LOG --json``, the default audit (``--sample 3``, every repair, ``--tokens`` greedy tokens),
+1. ``python -m kvscope audit LOG --json``, the default audit (``--sample 3``, every repair, ``--tokens`` greedy tokens),
    from process start to exit; with ``--baseline DIR`` (another checkout, e.g. the commit before a change) the same
    command there first: ``speedup`` is its time over this checkout's, and ``same_json`` says whether both printed the
    same JSON, times aside (every ``*ttft*`` value, and the recommendation's words and KV-level alternative, which quote
    them);
-2. ``python -m engine audit LOG --rewritten REWRITTEN --json``: the rewrite is the log with its volatile line moved as
+2. ``python -m kvscope audit LOG --rewritten REWRITTEN --json``: the rewrite is the log with its volatile line moved as
    ``--rewrite`` moves it (the template ``--template-out --template-repair hoist`` writes, built here from the token
    pass and applied to the log as ``--template`` applies it; ``erratum`` where hoist does not apply);
-3. ``python -m engine audit LOG --sample 0 --rewritten REWRITTEN --json``: the rewrite alone (the token pass, no
+3. ``python -m kvscope audit LOG --sample 0 --rewritten REWRITTEN --json``: the rewrite alone (the token pass, no
    sampled turn measured);
 4. plain transformers (:mod:`benchmarks.studies.plain_generation`, a process of its own: torch and transformers
    imported, the same weights loaded) running, for every distinct prompt the rewrite's measurement reads (each original
@@ -43,15 +43,15 @@ from pathlib import Path
 import torch
 
 from benchmarks import common
-from engine.audit.logs.reading import read_log
-from engine.audit.logs.requests import RequestLog, RequestLogError
-from engine.audit.measure.settings import DEFAULT_TOKENS
-from engine.audit.prompts.repair_requests import RepairNotApplicable
-from engine.audit.prompts.template import written_template
-from engine.audit.rewrite.measure import apply_template
-from engine.audit.scan.token_pass import scan_log
-from engine.models import gguf, load_tokenizer
-from engine.scenario import DEMOS
+from kvscope.engine.audit.logs.reading import read_log
+from kvscope.engine.audit.logs.requests import RequestLog, RequestLogError
+from kvscope.engine.audit.measure.settings import DEFAULT_TOKENS
+from kvscope.engine.audit.prompts.repair_requests import RepairNotApplicable
+from kvscope.engine.audit.prompts.template import written_template
+from kvscope.engine.audit.rewrite.measure import apply_template
+from kvscope.engine.audit.scan.token_pass import scan_log
+from kvscope.engine.models import gguf, load_tokenizer
+from kvscope.engine.scenario import DEMOS
 
 LOGS = DEMOS / "logs"
 DEFAULT_LOGS = "coding_agent,support_agent,rag"
@@ -146,7 +146,7 @@ def model_dir(spec: str) -> str:
 def run(args) -> dict:
     tokenizer = load_tokenizer(args.model, progress=print)
     dtype = "float32" if args.dtype == "auto" else args.dtype  # what "auto" loads on a CPU
-    audit = [sys.executable, "-m", "engine", "audit", "--json", "--model", args.model, "--dtype", args.dtype, "--tokens", str(args.tokens)]
+    audit = [sys.executable, "-m", "kvscope", "audit", "--json", "--model", args.model, "--dtype", args.dtype, "--tokens", str(args.tokens)]
     trees = {"this": common.ROOT, **({"baseline": Path(args.baseline).resolve()} if args.baseline else {})}
     work = Path(tempfile.mkdtemp(prefix="audit_cli-"))
     logs, rows = [stem.strip() for stem in args.logs.split(",") if stem.strip()], {}

@@ -1,4 +1,4 @@
-"""What routing keeps of the cache: the audit's fleets (``engine.audit.simulate.fleet``) on the bundled interleaved log and a
+"""What routing keeps of the cache: the audit's fleets (``kvscope.engine.audit.simulate.fleet``) on the bundled interleaved log and a
 generated agent log (``audit_scale.synthetic_log``: 50 sessions, a shared system prompt with a clock line), with the
 embedded model's tokenizer, each router at 2, 4 and 8 replicas.
 
@@ -16,10 +16,10 @@ from pathlib import Path
 
 from benchmarks import common
 from benchmarks.studies.audit_scale import _embedded_tokenizer_dir, synthetic_log
-from engine.audit.logs.reading import read_log
-from engine.audit.scan.token_pass import scan_log
-from engine.audit.simulate.fleet import fleet_grid
-from viz.fleet import fleet_markdown
+from kvscope.engine.audit.logs.reading import read_log
+from kvscope.engine.audit.scan.token_pass import scan_log
+from kvscope.engine.audit.simulate.fleet import fleet_grid
+from kvscope.viz.fleet import fleet_markdown
 
 
 def fleet_study(text: str, tokenizer, replicas: str) -> dict:

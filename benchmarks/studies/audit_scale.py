@@ -5,7 +5,7 @@ line in the system prompt) from 50 interleaved sessions, 1,000 and 10,000 reques
         [--out benchmarks/studies/results]
 
 Each size is written to a JSONL log and, unbounded and again under a KV budget (SGLang ``--budget-tokens``, vLLM as
-many tokens in blocks), its token pass (``engine.audit.scan.token_pass.scan_log``: render, match, fields,
+many tokens in blocks), its token pass (``kvscope.engine.audit.scan.token_pass.scan_log``: render, match, fields,
 causes and the three simulated engines; no model forward) runs in a fresh process, which reports its wall time and
 peak RSS. Where ``kvlint`` is installed its ``analyze`` runs on the same log with the same tokenizer, in its own
 process, timed the same way (optional: the reason is written when it is not run).
@@ -36,7 +36,7 @@ from pathlib import Path
 
 from benchmarks import common
 from benchmarks.common import cpu_info, percentile
-from engine.models import cache_dir
+from kvscope.engine.models import cache_dir
 
 POLICY = (
     "Rule {n}: when a customer asks about order {n}, check the ledger entry, confirm the shipping status, and reply in "
@@ -271,10 +271,10 @@ def _worker(log: str, tokenizer_dir: str, budget_tokens: int) -> None:
     of the line-cut tokenization on every ``EXACT_EVERY``-th request (untimed)."""
     from transformers import AutoTokenizer
 
-    from engine.audit.logs.reading import read_log
-    from engine.audit.logs.render import TextEncoder
-    from engine.audit.scan.token_pass import scan_log
-    from engine.audit.simulate.caches import CacheSettings
+    from kvscope.engine.audit.logs.reading import read_log
+    from kvscope.engine.audit.logs.render import TextEncoder
+    from kvscope.engine.audit.scan.token_pass import scan_log
+    from kvscope.engine.audit.simulate.caches import CacheSettings
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     text = Path(log).read_text(encoding="utf-8")
@@ -392,14 +392,14 @@ def _scale_worker(mode: str, log: str, tokenizer_dir: str, workers: int) -> None
     before the pass, and its totals (to check that both gave the same) as JSON on stdout."""
     from transformers import AutoTokenizer
 
-    from engine.audit.logs.shards import LogFiles, read_logs
-    from engine.audit.scan.token_pass import scan_log
+    from kvscope.engine.audit.logs.shards import LogFiles, read_logs
+    from kvscope.engine.audit.scan.token_pass import scan_log
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     started = 0.0
     if mode == "ray":
-        from engine.audit.distributed.ray_setup import start_ray
-        from engine.audit.distributed.token_pass import ray_scan
+        from kvscope.engine.audit.distributed.ray_setup import start_ray
+        from kvscope.engine.audit.distributed.token_pass import ray_scan
 
         begin = time.perf_counter()
         start_ray("local", workers)
@@ -480,11 +480,11 @@ def stage2_memory(size: int, sessions: int, tokenizer_dir: Path, budget_tokens: 
 
     from transformers import AutoTokenizer
 
-    from engine.audit.distributed.shard_tokens import ShardTokenPass
-    from engine.audit.distributed.token_pass import _Driver
-    from engine.audit.logs.render import end_of_turn_ids
-    from engine.audit.logs.shards import plan_shards
-    from engine.audit.simulate.caches import CacheSettings
+    from kvscope.engine.audit.distributed.shard_tokens import ShardTokenPass
+    from kvscope.engine.audit.distributed.token_pass import _Driver
+    from kvscope.engine.audit.logs.render import end_of_turn_ids
+    from kvscope.engine.audit.logs.shards import plan_shards
+    from kvscope.engine.audit.simulate.caches import CacheSettings
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     settings = CacheSettings(budget_tokens=budget_tokens, budget_blocks=budget_tokens // 16) if budget_tokens else CacheSettings()

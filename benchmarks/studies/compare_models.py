@@ -5,8 +5,8 @@
         [--remedies splice,prefix+seam:1+blend:0.7] [--out DIR] [--resume]
 
 For each model, loaded one after another (each released before the next): the calibration of the bundled
-scenarios (``engine.edit.calibrate``: which decisions flip under a clean prefill, which are notes demos, every
-field-only recovery) and a small N-skill study (``engine.compose.study``: the first 1..N skills spliced before the
+scenarios (``kvscope.engine.edit.calibrate``: which decisions flip under a clean prefill, which are notes demos, every
+field-only recovery) and a small N-skill study (``kvscope.engine.compose.study``: the first 1..N skills spliced before the
 study scenario at both values of its first field, each remedy against a full recompute) with its tie-aware
 fidelity summary. Writes benchmarks/studies/results/compare_models-<dtype>-<device>.json with the dtype, the CPU's flags
 (/proc/cpuinfo: avx2, avx512_bf16, ...), the repetitions (every number is one run) and each stage's wall time;
@@ -25,13 +25,13 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import cpu_info, results_dir
-from engine.compose.remedy import Remedy, split_remedies
-from engine.compose.skills import SkillStore
-from engine.compose.study import first_field_values, run_study, skill_prefixes
-from engine.edit.calibrate import calibrate
-from engine.models import load_model
-from engine.scenario import Scenario, bundled_scenarios
-from engine.timing import Stopwatch
+from kvscope.engine.compose.remedy import Remedy, split_remedies
+from kvscope.engine.compose.skills import SkillStore
+from kvscope.engine.compose.study import first_field_values, run_study, skill_prefixes
+from kvscope.engine.edit.calibrate import calibrate
+from kvscope.engine.models import load_model
+from kvscope.engine.scenario import Scenario, bundled_scenarios
+from kvscope.engine.timing import Stopwatch
 
 DEFAULT_MODELS = "embedded,qwen-1.5b,smollm2"
 REPS = 1  # every number below is one run (calibration and the study read decisions, not timings)

@@ -6,10 +6,10 @@
 
 Real compositions are RAG passages, tool specs and policies of 1–8k tokens, where the question and scenario are a
 small part of the prompt. For each total length T and each composition ``N:placement`` the first N skills, each cut
-or repeated to T/N tokens (``engine.compose.placing.skill_of_length``), are placed in the scenario, which is read at
-both values of its first field: recomputed once, spliced with every remedy (``engine.compose.study.run_study``).
+or repeated to T/N tokens (``kvscope.engine.compose.placing.skill_of_length``), are placed in the scenario, which is read at
+both values of its first field: recomputed once, spliced with every remedy (``kvscope.engine.compose.study.run_study``).
 Decision agreement counts decisive cases only (ties apart). Then the keystone (an edit inside a spliced skill) per
-remedy, and the default by ``engine.compose.choice.choose_remedy`` from this run's numbers. Writes
+remedy, and the default by ``kvscope.engine.compose.choice.choose_remedy`` from this run's numbers. Writes
 benchmarks/studies/results/compose_many-long-<model>-<device>.json: the environment, CPU flags, repetitions and load average,
 ``summary`` (all lengths) with ``by_length`` per remedy, ``default`` and ``choice`` beside it, and every case.
 """
@@ -24,13 +24,13 @@ from tqdm import tqdm
 from benchmarks import common
 from benchmarks.common import cpu_info, results_dir, write_result
 from benchmarks.studies.keystone import stored_gaps
-from engine.compose.choice import choice_record, keystone_gaps
-from engine.compose.placing import skill_of_length
-from engine.compose.remedy import Remedy, split_remedies
-from engine.compose.skills import SkillStore
-from engine.compose.study import Study, StudyCase, first_field_values, run_study, summarize
-from engine.scenario import Scenario, Skill, bundled_scenarios, bundled_skills
-from engine.timing import Stopwatch
+from kvscope.engine.compose.choice import choice_record, keystone_gaps
+from kvscope.engine.compose.placing import skill_of_length
+from kvscope.engine.compose.remedy import Remedy, split_remedies
+from kvscope.engine.compose.skills import SkillStore
+from kvscope.engine.compose.study import Study, StudyCase, first_field_values, run_study, summarize
+from kvscope.engine.scenario import Scenario, Skill, bundled_scenarios, bundled_skills
+from kvscope.engine.timing import Stopwatch
 
 REMEDIES = ",".join(
     (

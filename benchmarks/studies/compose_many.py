@@ -8,16 +8,16 @@
 
 For every scenario and both values of its first field, the first N skills (N = 1..4, and all of them
 reversed, at the start) are placed at each placement, each skill compiled in isolation. The composed prompt is
-recomputed once and spliced with every remedy (``engine.compose.remedy.Remedy``). Decision agreement counts only
+recomputed once and spliced with every remedy (``kvscope.engine.compose.remedy.Remedy``). Decision agreement counts only
 cases whose recomputed margin is decisive (|margin| ≥ 0.25); ties are reported apart. Writes
 benchmarks/studies/results/compose_many-<model>-<device>.json and an HTML figure (remedy frontier and margin error by N).
 Timings are single runs side by side (the full recompute once per case); the ranked remedies (deviation,
 causal) rank against that recompute, so their TTFT leaves out a cost a server would pay. Then the keystone (an edit
 inside a spliced skill) per deployable remedy (or its gaps from a stored keystone benchmark, ``--keystone-result``),
-and ``default`` / ``choice``: the remedy ``engine.compose.choice.choose_remedy`` picks from this run's numbers.
+and ``default`` / ``choice``: the remedy ``kvscope.engine.compose.choice.choose_remedy`` picks from this run's numbers.
 ``--rechoose`` measures nothing: it re-applies that rule to a stored study (with a stored keystone benchmark's gaps)
 and writes the same keys into it. ``--frontiers`` measures nothing either: it draws stored studies of several models
-side by side (``viz.compose.frontiers_figure``) into compose_frontiers.html in ``--out``.
+side by side (``kvscope.viz.compose.frontiers_figure``) into compose_frontiers.html in ``--out``.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ from tqdm import tqdm
 from benchmarks import common
 from benchmarks.common import cpu_info, results_dir, write_result
 from benchmarks.studies.keystone import stored_gaps
-from engine.compose.choice import choice_record, keystone_gaps
-from engine.compose.remedy import Remedy, split_remedies
-from engine.compose.skills import SkillStore
-from engine.compose.study import REMEDIES, Study, first_field_values, run_study, skill_prefixes
-from engine.scenario import Scenario, bundled_scenarios
-from engine.timing import Stopwatch
-from viz.compose import frontiers_figure, study_figure
+from kvscope.engine.compose.choice import choice_record, keystone_gaps
+from kvscope.engine.compose.remedy import Remedy, split_remedies
+from kvscope.engine.compose.skills import SkillStore
+from kvscope.engine.compose.study import REMEDIES, Study, first_field_values, run_study, skill_prefixes
+from kvscope.engine.scenario import Scenario, bundled_scenarios
+from kvscope.engine.timing import Stopwatch
+from kvscope.viz.compose import frontiers_figure, study_figure
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -18,10 +18,10 @@ from tqdm import tqdm
 
 from benchmarks import common
 from benchmarks.common import filler_text, results_dir, write_result
-from engine.edit.experiment import EditExperiment
-from engine.edit.strategies import EditSettings
-from engine.probes import probe_notes_map
-from engine.scenario import Scenario, bundled_scenarios, escape_braces, render
+from kvscope.engine.edit.experiment import EditExperiment
+from kvscope.engine.edit.strategies import EditSettings
+from kvscope.engine.probes import probe_notes_map
+from kvscope.engine.scenario import Scenario, bundled_scenarios, escape_braces, render
 
 TIMED = ("field_only", "field_topk", "erratum", "field_erratum", "restate", "full_downstream", "oracle")
 

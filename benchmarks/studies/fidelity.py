@@ -14,10 +14,10 @@ from tqdm import tqdm
 
 from benchmarks import common
 from benchmarks.common import results_dir, write_result
-from engine.compose.fidelity import compare
-from engine.compose.placing import with_skills
-from engine.compose.skills import SkillStore
-from engine.scenario import Scenario, bundled_scenarios, bundled_skills
+from kvscope.engine.compose.fidelity import compare
+from kvscope.engine.compose.placing import with_skills
+from kvscope.engine.compose.skills import SkillStore
+from kvscope.engine.scenario import Scenario, bundled_scenarios, bundled_skills
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
     python -m benchmarks.studies.image_splice [--model tiny-qwen2_vl] [--shifts 0,40,161] [--seams 0,2] [--reps 5]
 
 For each shift (tokens of neutral text before the picture: the block moves that far) and seam, one run of
-:func:`engine.compose.pictures.compare_image` with ``--reps`` timed repetitions of each side, measured side by side:
+:func:`kvscope.engine.compose.pictures.compare_image` with ``--reps`` timed repetitions of each side, measured side by side:
 logit cosine, KL, top-1 and the decision against the recompute, and the TTFT ratio (recompute, which runs the vision
 tower, over splice) with min/median/max over the timed repetitions. The paper (Qwen-VL): cosine 0.99 for a picture
 moved 161 positions, TTFT 2.4–8.4× shorter. Writes benchmarks/studies/results/image-splice-<model>-<device>.json.
@@ -18,8 +18,8 @@ from tqdm import tqdm
 
 from benchmarks import common
 from benchmarks.common import filler_text, results_dir, write_result
-from engine.compose.pictures import bundled_images, compare_image, load_picture
-from engine.timing import Stopwatch
+from kvscope.engine.compose.pictures import bundled_images, compare_image, load_picture
+from kvscope.engine.timing import Stopwatch
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -20,12 +20,12 @@ from tqdm import tqdm
 
 from benchmarks import common
 from benchmarks.common import cpu_info, results_dir, write_result
-from engine.compose.choice import gaps_of
-from engine.compose.keystone import keystone
-from engine.compose.remedy import Remedy, split_remedies
-from engine.compose.skills import SkillStore
-from engine.scenario import Scenario, bundled_scenarios
-from engine.timing import Stopwatch
+from kvscope.engine.compose.choice import gaps_of
+from kvscope.engine.compose.keystone import keystone
+from kvscope.engine.compose.remedy import Remedy, split_remedies
+from kvscope.engine.compose.skills import SkillStore
+from kvscope.engine.scenario import Scenario, bundled_scenarios
+from kvscope.engine.timing import Stopwatch
 
 REMEDIES = (  # every deployable remedy of the N-skill studies (their --keystone-result), and longer seams
     "splice",

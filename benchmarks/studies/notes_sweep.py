@@ -30,19 +30,19 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import cpu_info, results_dir
-from engine.comparison.models import PAPER_MODELS
-from engine.edit.calibrate import FLIP_THRESHOLD, NOTES_DEMO_MAX_RECOVERY
-from engine.edit.experiment import EditExperiment
-from engine.edit.strategies import EditSettings
-from engine.models import LoadedModel, dtype_name, load_model
-from engine.scenario import Scenario
-from engine.timing import Stopwatch
+from kvscope.engine.comparison.models import PAPER_MODELS
+from kvscope.engine.edit.calibrate import FLIP_THRESHOLD, NOTES_DEMO_MAX_RECOVERY
+from kvscope.engine.edit.experiment import EditExperiment
+from kvscope.engine.edit.strategies import EditSettings
+from kvscope.engine.models import LoadedModel, dtype_name, load_model
+from kvscope.engine.scenario import Scenario
+from kvscope.engine.timing import Stopwatch
 
 RESULTS = results_dir(__file__)
 
 # A demo qualifies (the paper's phenomenon on this model) when a clean prefill flips the decision by at
 # least FLIP_MIN and the field-only edit keeps the stale label with recovery at most RECOVERY_MAX: the
-# criteria of `python -m engine calibrate`'s notes demos.
+# criteria of `python -m kvscope calibrate`'s notes demos.
 FLIP_MIN = FLIP_THRESHOLD
 RECOVERY_MAX = NOTES_DEMO_MAX_RECOVERY
 

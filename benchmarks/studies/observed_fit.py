@@ -25,12 +25,12 @@ from pathlib import Path
 from benchmarks import common
 from benchmarks.common import cpu_info
 from benchmarks.studies.audit_scale import _embedded_tokenizer_dir, synthetic_log
-from engine.audit.logs.reading import read_log
-from engine.audit.scan.token_pass import scan_log
-from engine.audit.simulate.caches import BlockCache
-from engine.audit.simulate.observed import FIT_BLOCKS, fit_observed
-from engine.audit.simulate.prefix_cache import CacheRequest
-from engine.audit.simulate.radix import RadixTree
+from kvscope.engine.audit.logs.reading import read_log
+from kvscope.engine.audit.scan.token_pass import scan_log
+from kvscope.engine.audit.simulate.caches import BlockCache
+from kvscope.engine.audit.simulate.observed import FIT_BLOCKS, fit_observed
+from kvscope.engine.audit.simulate.prefix_cache import CacheRequest
+from kvscope.engine.audit.simulate.radix import RadixTree
 
 
 def _spread(times: list[float]) -> dict:

@@ -12,10 +12,10 @@ from tqdm import tqdm
 
 from benchmarks import common
 from benchmarks.common import filler_text, results_dir, write_result
-from engine.cache.notebook import Notebook
-from engine.edit.runs import run_scenario
-from engine.scenario import Scenario, bundled_scenarios, render
-from engine.timing import repeated
+from kvscope.engine.cache.notebook import Notebook
+from kvscope.engine.edit.runs import run_scenario
+from kvscope.engine.scenario import Scenario, bundled_scenarios, render
+from kvscope.engine.timing import repeated
 
 
 def main() -> None:

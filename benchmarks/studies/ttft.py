@@ -16,12 +16,12 @@ from tqdm import tqdm
 
 from benchmarks import common
 from benchmarks.common import results_dir, write_result
-from engine.compose.placing import adhoc_scenario
-from engine.compose.remedy import Remedy
-from engine.compose.skills import SkillStore
-from engine.compose.ttft import ttft_by_length
-from engine.scenario import Scenario, bundled_scenarios
-from viz.benchmarks import ttft_figure
+from kvscope.engine.compose.placing import adhoc_scenario
+from kvscope.engine.compose.remedy import Remedy
+from kvscope.engine.compose.skills import SkillStore
+from kvscope.engine.compose.ttft import ttft_by_length
+from kvscope.engine.scenario import Scenario, bundled_scenarios
+from kvscope.viz.benchmarks import ttft_figure
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
     python -m benchmarks.studies.weight_edit [--model embedded] [--scenarios a,b,...] [--methods rome,lora,field_erratum] [--collateral 6]
 
 For every scenario whose clean prefill changes the decision (stale label ≠ oracle label; the others are listed
-as skipped), ``engine.edit.weight_edit.compare_edits`` runs each method on the same edit: efficacy (recovery on the
+as skipped), ``kvscope.engine.edit.weight_edit.compare_edits`` runs each method on the same edit: efficacy (recovery on the
 edited request), contamination (the same case for three other customers, old value kept, now decided the new
 way), collateral over every other bundled scenario (decision changed; mean |Δmargin|), edit time, one-time setup
 (ROME's key covariance, once per layer) and memory. Writes benchmarks/studies/results/weight_edit-<model>-<device>.json
@@ -18,10 +18,10 @@ from tqdm import tqdm
 
 from benchmarks import common
 from benchmarks.common import results_dir, write_result
-from engine.edit.experiment import EditExperiment
-from engine.edit.weight_edit import METHODS, compare_edits
-from engine.scenario import Scenario, bundled_scenarios
-from viz.weights import weight_edit_figure
+from kvscope.engine.edit.experiment import EditExperiment
+from kvscope.engine.edit.weight_edit import METHODS, compare_edits
+from kvscope.engine.scenario import Scenario, bundled_scenarios
+from kvscope.viz.weights import weight_edit_figure
 
 CONTROLS = ("request_id_control", "ticket_id_control", "timestamp_control")  # built not to flip
 SUMMARY = ("efficacy", "contamination", "collateral", "collateral_mean_abs_delta", "edit_ms", "setup_ms", "memory_bytes")

@@ -6,8 +6,8 @@ import pytest
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
-from app.state import ModelRegistry, SessionStore  # noqa: E402
 from benchmarks.common import free_port, wait_until_serving  # noqa: E402
+from kvscope.app.state import ModelRegistry, SessionStore  # noqa: E402
 from tests.shared import SAME_LENGTH_SCENARIO  # noqa: E402
 
 TINY = "tiny-qwen2"
@@ -28,7 +28,7 @@ def sessions():
 
 @pytest.fixture(scope="session")
 def app_url(registry):
-    from app.ui import build_app
+    from kvscope.app.ui import build_app
 
     page = build_app(registry)
     port = free_port()

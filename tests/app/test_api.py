@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 from gradio_client import Client, handle_file
 
-from engine.compose.pictures import bundled_images
-from engine.edit.experiment import EditExperiment
-from engine.scenario import Scenario
+from kvscope.engine.compose.pictures import bundled_images
+from kvscope.engine.edit.experiment import EditExperiment
+from kvscope.engine.scenario import Scenario
 from tests.app.conftest import SCENARIO
 
 STRATEGY_SET = ["field_only", "erratum"]

@@ -9,8 +9,8 @@ import tomllib
 
 import pytest
 
-from app.handlers.common import AppError
-from app.handlers.your_prompt import (
+from kvscope.app.handlers.common import AppError
+from kvscope.app.handlers.your_prompt import (
     NOTHING_TO_AUDIT,
     audit_notes_choice,
     audit_notes_scenario,
@@ -18,8 +18,8 @@ from app.handlers.your_prompt import (
     nothing_to_audit,
     run_audit,
 )
-from engine.audit.measure.notes import NotesChoice
-from engine.cache.decision import RECOVERY_MIN_GAP
+from kvscope.engine.audit.measure.notes import NotesChoice
+from kvscope.engine.cache.decision import RECOVERY_MIN_GAP
 
 # the RAG log's changes, written out by hand from demos/logs/rag.jsonl: (request, field, old, new), the latest of each name
 CHANGES = [
@@ -31,7 +31,7 @@ CHANGES = [
 
 @pytest.fixture(scope="module")
 def rag(registry):
-    from app.state import SessionStore
+    from kvscope.app.state import SessionStore
 
     sessions = SessionStore()
     view = run_audit(registry, sessions, bundled_log_text("rag"), session="r", repairs=["field_only"], tokens=2)

@@ -8,11 +8,11 @@ import re
 
 import pytest
 
-from app.handlers.audit_progress import PHASES, AuditRuns
-from app.handlers.your_prompt import run_audit, start_audit
-from app.state import ModelRegistry
-from engine import LoadedTokenizer, StepMessage, cancellable
-from engine.cache.budget import compute_slot
+from kvscope.app.handlers.audit_progress import PHASES, AuditRuns
+from kvscope.app.handlers.your_prompt import run_audit, start_audit
+from kvscope.app.state import ModelRegistry
+from kvscope.engine import LoadedTokenizer, StepMessage, cancellable
+from kvscope.engine.cache.budget import compute_slot
 from tests.app.conftest import TINY
 from tests.app.test_audit_tab import LOG, OPTIONS
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from app.handlers.common import AppError
-from app.handlers.notes import EditInputs, run_edit, run_knockout
-from app.handlers.your_prompt import (
+from kvscope.app.handlers.common import AppError
+from kvscope.app.handlers.notes import EditInputs, run_edit, run_knockout
+from kvscope.app.handlers.your_prompt import (
     NOTHING_TO_AUDIT,
     audit_fidelity_view,
     audit_notes_scenario,
@@ -31,18 +31,18 @@ from app.handlers.your_prompt import (
     size_words,
     upload_markdown,
 )
-from app.hosting import local_profile, public_profile
-from app.state import ExportFolder, ModelRegistry, SessionStore
-from app.tabs.your_prompt import with_coarsen
-from engine.audit.changes.causes import CAUSES
-from engine.audit.changes.fields import diff_requests
-from engine.audit.logs.reading import parse_log, read_log
-from engine.audit.logs.render import render_request
-from engine.audit.logs.requests import RequestLogError
-from engine.audit.measure.turn import repaired_template
-from engine.scenario import Scenario, bundled_logs
+from kvscope.app.hosting import local_profile, public_profile
+from kvscope.app.state import ExportFolder, ModelRegistry, SessionStore
+from kvscope.app.tabs.your_prompt import with_coarsen
+from kvscope.engine.audit.changes.causes import CAUSES
+from kvscope.engine.audit.changes.fields import diff_requests
+from kvscope.engine.audit.logs.reading import parse_log, read_log
+from kvscope.engine.audit.logs.render import render_request
+from kvscope.engine.audit.logs.requests import RequestLogError
+from kvscope.engine.audit.measure.turn import repaired_template
+from kvscope.engine.scenario import Scenario, bundled_logs
+from kvscope.viz.common import markdown_literal
 from tests.app.conftest import TINY
-from viz.common import markdown_literal
 
 SYSTEM = "You are the help desk of a bike shop.\nSession started: 2026-05-12 09:{minute}\nCustomer tier: {tier}\nBe brief."
 
@@ -378,7 +378,7 @@ def test_the_audit_endpoints_through_the_api(app_url):
 
 
 def test_hosts_can_override_the_audit_bounds():
-    from app.hosting import from_env
+    from kvscope.app.hosting import from_env
 
     profile = from_env(True, {"KVSCOPE_MAX_AUDIT_REQUESTS": "3", "KVSCOPE_MAX_AUDIT_TOKENS": "8"})
     assert (profile.max_audit_requests, profile.max_audit_tokens) == (3, 8)
@@ -425,7 +425,7 @@ def test_file_sizes_read_as_bytes_kb_or_mb():
 def test_the_audit_hides_cancel_with_its_own_outputs_and_reads_the_upload(registry):
     """Cancel is hidden by the audit's own last outputs (a later .then step showed it seconds after the result), and only
     a failure has a step of its own; the audit, the one-prompt audit, its spans and the rewrites read the upload."""
-    from app.ui import build_app
+    from kvscope.app.ui import build_app
 
     blocks = build_app(registry)
     by_id = {getattr(block, "elem_id", None): block for block in blocks.blocks.values()}

@@ -10,7 +10,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import pytest
 
-from app.permalink import decode_toml, encode_toml
+from kvscope.app.permalink import decode_toml, encode_toml
 from tests.app.browser_waits import wait_for_app
 from tests.app.conftest import SCENARIO
 from tests.shared import CHROMIUM, CHROMIUM_ARGS
@@ -166,8 +166,8 @@ def test_agent_loop_shows_cached_clean_state_and_identical_decisions(page):
 
 
 def test_the_remedy_menu_names_the_default_and_auto_calibrates_the_model(page, tmp_path, monkeypatch):
-    from engine.compose import calibration
-    from engine.compose.remedy import DEFAULT_REMEDY
+    from kvscope.engine.compose import calibration
+    from kvscope.engine.compose.remedy import DEFAULT_REMEDY
 
     monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path))
     plan = calibration.CalibrationPlan(
@@ -194,9 +194,9 @@ def test_the_remedy_menu_names_the_default_and_auto_calibrates_the_model(page, t
 
 
 def test_the_remedy_menu_follows_the_loaded_model_to_its_own_stored_study(page, tmp_path, monkeypatch):
-    from app.handlers import benchmarks as stored_results
-    from engine.compose.choice import choose_remedy
-    from engine.compose.remedy import DEFAULT_REMEDY
+    from kvscope.app.handlers import benchmarks as stored_results
+    from kvscope.engine.compose.choice import choose_remedy
+    from kvscope.engine.compose.remedy import DEFAULT_REMEDY
 
     def row(agree, speedup):
         share = {"min": speedup, "median": speedup, "max": speedup}

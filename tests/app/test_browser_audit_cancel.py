@@ -23,7 +23,7 @@ def _shot(page, name: str) -> None:  # noqa: F811
 
 
 def test_cancel_stops_the_audit_as_information_and_the_tab_audits_again(page, monkeypatch):  # noqa: F811
-    from engine.cache import adapter
+    from kvscope.engine.cache import adapter
 
     forward, pace = adapter.forward, {"s": 0.4}
 

@@ -13,8 +13,8 @@ pytestmark = pytest.mark.skipif(not CHROMIUM, reason="Debian chromium is not ins
 
 
 def test_auto_shows_the_calibration_steps_and_cancel_stops_it(page, registry, tmp_path, monkeypatch):  # noqa: F811
-    from engine.cache import adapter
-    from engine.compose import calibration
+    from kvscope.engine.cache import adapter
+    from kvscope.engine.compose import calibration
 
     monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path))
     plan = calibration.CalibrationPlan(skills=("account_gate",), sizes=(1,), placements=("start",), remedies=("splice", "seam:1"))

@@ -4,10 +4,10 @@ router in each engine's panel. Screenshots of the figure go to test-artifacts/ (
 
 import pytest
 
+from kvscope.viz.fleet import ROUTING_LABELS
 from tests.app.browser_waits import wait_for_app
 from tests.app.test_browser import ARTIFACTS, CHROMIUM, TOAST, _plot_data, browser  # noqa: F401 (the module's browser fixture)
 from tests.app.test_browser_labels import wide_page  # noqa: F401 (a page at 1,000 and 1,400 px)
-from viz.fleet import ROUTING_LABELS
 
 pytestmark = pytest.mark.skipif(not CHROMIUM, reason="Debian chromium is not installed (scripts/test.sh installs it)")
 

@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from engine.audit.measure.repairs import REPAIR_SUMMARIES
-from engine.cache.decision import RECOVERY_WORDS
-from engine.edit.strategies import REGISTRY
+from kvscope.engine.audit.measure.repairs import REPAIR_SUMMARIES
+from kvscope.engine.cache.decision import RECOVERY_WORDS
+from kvscope.engine.edit.strategies import REGISTRY
 from tests.app.browser_waits import wait_for_app
 from tests.app.test_browser import ARTIFACTS, CHROMIUM, TOAST, browser  # noqa: F401 (the module's browser fixture)
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from app.page import PAIRED_PLOT_MIN_WIDTH
+from kvscope.app.page import PAIRED_PLOT_MIN_WIDTH
 from tests.app.browser_waits import wait_for_app
 from tests.app.test_browser import ARTIFACTS
 from tests.shared import CHROMIUM, CHROMIUM_ARGS
@@ -60,8 +60,8 @@ TABS = ["Model", "Notes", "Your prompt", "Probes", "Models", "Composer", "Benchm
 def themed_url(registry):
     """The app as ``kvscope-app`` serves it, in its own theme (the other tests' app has Gradio's default theme, whose
     narrower type fits the tabs in one row)."""
-    from app.ui import build_app, theme
     from benchmarks.common import free_port, wait_until_serving
+    from kvscope.app.ui import build_app, theme
 
     blocks = build_app(registry)
     port = free_port()

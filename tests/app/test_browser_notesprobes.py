@@ -89,8 +89,8 @@ def test_the_notes_result_and_export_hold_the_edit_and_its_knockout(narrow):
 
 
 def test_a_cancelled_calibration_is_information_and_cancel_hides(narrow, registry, tmp_path, monkeypatch):
-    from engine.cache import adapter
-    from engine.compose import calibration
+    from kvscope.engine.cache import adapter
+    from kvscope.engine.compose import calibration
 
     page = narrow
     monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path))

@@ -4,9 +4,9 @@ formats read named, and the observed hit rate in words. Screenshots go to test-a
 
 import pytest
 
-from engine.audit.logs.reading import read_log
-from engine.audit.scan.token_pass import scan_log
-from engine.models import load_model
+from kvscope.engine.audit.logs.reading import read_log
+from kvscope.engine.audit.scan.token_pass import scan_log
+from kvscope.engine.models import load_model
 from tests.app.browser_waits import wait_for_app
 from tests.app.conftest import TINY
 from tests.app.test_browser import ARTIFACTS, CHROMIUM, TOAST, _plot_data, browser  # noqa: F401 (the module's browser fixture)

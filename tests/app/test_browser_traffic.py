@@ -4,8 +4,8 @@ per-session timeline drawn with one row per session. Screenshots go to test-arti
 
 import pytest
 
-from app.handlers.your_prompt import bundled_log_text
-from engine.audit.changes.causes import CAUSES
+from kvscope.app.handlers.your_prompt import bundled_log_text
+from kvscope.engine.audit.changes.causes import CAUSES
 from tests.app.browser_waits import wait_for_app
 from tests.app.test_browser import ARTIFACTS, CHROMIUM, TOAST, _plot_data, browser  # noqa: F401 (the module's browser fixture)
 from tests.app.test_browser_labels import wide_page  # noqa: F401 (a page at 1,000 and 1,400 px)

@@ -9,11 +9,11 @@ import socket
 
 import pytest
 
-from app.handlers.common import AppError, AppNotice
-from app.handlers.endpoint import run_rewrite_on_server
-from app.handlers.your_prompt import run_rewrite
-from app.hosting import public_profile
-from app.state import ModelRegistry
+from kvscope.app.handlers.common import AppError, AppNotice
+from kvscope.app.handlers.endpoint import run_rewrite_on_server
+from kvscope.app.handlers.your_prompt import run_rewrite
+from kvscope.app.hosting import public_profile
+from kvscope.app.state import ModelRegistry
 from tests.app.conftest import TINY
 from tests.fake_endpoint import FakeServer, serving
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import plotly.graph_objects as go
 import pytest
 
-from app.state import ExportFolder
+from kvscope.app.state import ExportFolder
+from kvscope.viz.common import figures_html, plotly_js
 from tests.shared import CHROMIUM, CHROMIUM_ARGS
-from viz.common import figures_html, plotly_js
 
 REMOTE_SCRIPT = re.compile(r"<script[^>]*\bsrc\s*=\s*[\"']?(https?:)?//", re.IGNORECASE)
 

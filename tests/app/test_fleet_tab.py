@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from app.handlers.common import AppError
-from app.handlers.your_prompt import bundled_log_text, run_audit
-from viz.fleet import ROUTING_LABELS
+from kvscope.app.handlers.common import AppError
+from kvscope.app.handlers.your_prompt import bundled_log_text, run_audit
+from kvscope.viz.fleet import ROUTING_LABELS
 
 
 def test_fleets_are_simulated_tabled_and_drawn(registry, sessions):

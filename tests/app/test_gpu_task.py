@@ -1,4 +1,4 @@
-"""The GPU-task wrapper of a ZeroGPU Space (app/gpu.py), tested without a GPU: ``spaces.GPU`` replaced by a
+"""The GPU-task wrapper of a ZeroGPU Space (kvscope/app/gpu.py), tested without a GPU: ``spaces.GPU`` replaced by a
 recorder, the app launched on a tiny model staged the way a ZeroGPU start-up stages it (issue 40)."""
 
 from __future__ import annotations
@@ -14,17 +14,17 @@ import pytest
 import torch
 from gradio_client import Client
 
-from app import gpu
-from app.hosting import HostingError, from_env, public_profile
-from app.state import ModelRegistry
 from benchmarks.app.space_cold_start import PeakRss, announced_profile
 from benchmarks.common import free_port, wait_until_serving
-from engine.cache.loaded import SpliceGate
-from engine.cache.selftest import run_selftest
-from engine.models import load_model
+from kvscope.app import gpu
+from kvscope.app.hosting import HostingError, from_env, public_profile
+from kvscope.app.state import ModelRegistry
+from kvscope.engine.cache.loaded import SpliceGate
+from kvscope.engine.cache.selftest import run_selftest
+from kvscope.engine.models import load_model
+from kvscope.viz.common import markdown_literal
 from tests.app.conftest import SCENARIO, TINY
 from tests.app.test_audit_tab import LOG
-from viz.common import markdown_literal
 
 ROOT = Path(__file__).resolve().parents[2]
 ZERO_GPU = {"SPACES_ZERO_GPU": "true"}
@@ -83,8 +83,8 @@ def _spaces_with(recorder: Recorder, patch: pytest.MonkeyPatch) -> None:
 @pytest.fixture(scope="module")
 def zero_gpu_app():
     """The explorer as a ZeroGPU Space serves it: the tiny model staged, every model-bound handler a GPU task."""
-    from app.page import MODEL_GROUP
-    from app.ui import build_app
+    from kvscope.app.page import MODEL_GROUP
+    from kvscope.app.ui import build_app
 
     recorder = Recorder()
     with pytest.MonkeyPatch.context() as patch:
@@ -179,7 +179,7 @@ def test_staging_defers_the_dtype_choice_and_self_test_to_the_first_task():
 
 
 def test_the_duration_is_the_request_time_plus_the_slowest_staged_preparation():
-    from app.state import DevicePreparation
+    from kvscope.app.state import DevicePreparation
 
     kept = {
         "a": DevicePreparation("a", "bfloat16", "r", load_s=4.2, selftest_s=1.1),
@@ -191,7 +191,7 @@ def test_the_duration_is_the_request_time_plus_the_slowest_staged_preparation():
 
 
 def test_off_zero_gpu_nothing_is_wrapped_and_spaces_is_not_needed(registry, monkeypatch):
-    from app.ui import build_app
+    from kvscope.app.ui import build_app
 
     monkeypatch.setitem(sys.modules, "spaces", None)  # importing it would fail
     blocks = build_app(registry)

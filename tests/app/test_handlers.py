@@ -11,12 +11,12 @@ import plotly.graph_objects as go
 import pytest
 import torch
 
-from app.composer import SkillComposer
-from app.handlers import benchmarks as benchmarks_handlers
-from app.handlers import composer as composer_handlers
-from app.handlers.benchmarks import benchmark_results
-from app.handlers.common import NOTES_SCENARIO, AppError, bundled_scenario_text, export_files, scenario_choices
-from app.handlers.composer import (
+from kvscope.app.composer import SkillComposer
+from kvscope.app.handlers import benchmarks as benchmarks_handlers
+from kvscope.app.handlers import composer as composer_handlers
+from kvscope.app.handlers.benchmarks import benchmark_results
+from kvscope.app.handlers.common import NOTES_SCENARIO, AppError, bundled_scenario_text, export_files, scenario_choices
+from kvscope.app.handlers.composer import (
     MAX_PICTURE_SIDE,
     Composition,
     composed_scenario,
@@ -30,20 +30,20 @@ from app.handlers.composer import (
     run_image_compose,
     run_keystone,
 )
-from app.handlers.learn import learn_step
-from app.handlers.model import load_model_card
-from app.handlers.notes import EditInputs, notes_map_view, prepare_baseline, run_edit, run_frontier, run_knockout
-from app.handlers.probes import run_weight_edits
-from app.state import ExportFolder, ModelRegistry, SessionStore
-from app.tabs.benchmarks import PLOT_SLOTS
-from engine.cache.loaded import SpliceGate
-from engine.compose.pictures import bundled_images, load_picture
-from engine.compose.remedy import DEFAULT_REMEDY, Remedy
-from engine.edit.experiment import EditExperiment
-from engine.scenario import Scenario, bundled_scenarios
+from kvscope.app.handlers.learn import learn_step
+from kvscope.app.handlers.model import load_model_card
+from kvscope.app.handlers.notes import EditInputs, notes_map_view, prepare_baseline, run_edit, run_frontier, run_knockout
+from kvscope.app.handlers.probes import run_weight_edits
+from kvscope.app.state import ExportFolder, ModelRegistry, SessionStore
+from kvscope.app.tabs.benchmarks import PLOT_SLOTS
+from kvscope.engine.cache.loaded import SpliceGate
+from kvscope.engine.compose.pictures import bundled_images, load_picture
+from kvscope.engine.compose.remedy import DEFAULT_REMEDY, Remedy
+from kvscope.engine.edit.experiment import EditExperiment
+from kvscope.engine.scenario import Scenario, bundled_scenarios
+from kvscope.viz.common import markdown_literal
+from kvscope.viz.results import result_figures
 from tests.app.conftest import SCENARIO
-from viz.common import markdown_literal
-from viz.results import result_figures
 
 
 def test_malformed_and_empty_scenarios_have_clear_errors():
@@ -143,8 +143,8 @@ def test_compose_reports_fidelity(registry):
 
 
 def test_remedy_info_and_menu_state_each_models_own_default_and_the_fastest_from_its_stored_study(registry, tmp_path, monkeypatch):
-    from engine.compose.choice import choose_remedy
-    from engine.compose.remedy import DEFAULT_REMEDY
+    from kvscope.engine.compose.choice import choose_remedy
+    from kvscope.engine.compose.remedy import DEFAULT_REMEDY
 
     def row(agree, fraction, speedup, ranked=False):
         return {
@@ -214,7 +214,7 @@ def test_remedy_info_and_menu_state_each_models_own_default_and_the_fastest_from
 def test_auto_in_the_composer_calibrates_locally_and_is_refused_uncalibrated_in_public(registry, tmp_path, monkeypatch):
     from dataclasses import replace
 
-    from engine.compose import calibration
+    from kvscope.engine.compose import calibration
 
     monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path))
     plan = calibration.CalibrationPlan(
@@ -352,8 +352,8 @@ def test_learn_reads_the_demos_strategies_as_the_notes_tab_does_so_both_show_one
     """In bfloat16 a strategy read in a forward shared with other caches gets a slightly different margin (on the embedded
     model full_downstream read 0.97 on the Notes tab and 1.00 on Learn): Learn reads the demo's strategies as the Notes
     tab's default edit does, so every strategy both show has one margin and one recovery, and the cards say the same."""
-    from app.handlers.learn import LEARN_STRATEGIES
-    from engine import DEFAULT_STRATEGIES
+    from kvscope.app.handlers.learn import LEARN_STRATEGIES
+    from kvscope.engine import DEFAULT_STRATEGIES
 
     assert {name for names in LEARN_STRATEGIES.values() for name in names} <= set(DEFAULT_STRATEGIES)
     registry, sessions = ModelRegistry("tiny-qwen2", dtype="bfloat16"), SessionStore()
@@ -458,7 +458,7 @@ def test_refused_families_load_with_their_reasons_and_the_composer_refuses(spec,
 
 def test_a_hybrid_states_its_decision_read_on_its_own_cache():
     message = prepare_baseline(ModelRegistry("tiny-bamba"), None, SCENARIO)
-    assert "the model answers **" in message and "hybrid (recurrent layers [0, 2])" in message and "python -m engine edit" in message
+    assert "the model answers **" in message and "hybrid (recurrent layers [0, 2])" in message and "python -m kvscope edit" in message
 
 
 def test_a_failed_selftest_locks_splicing(registry, monkeypatch):
@@ -476,8 +476,8 @@ def test_computed_once_entries_are_single_flight(monkeypatch):
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from app import state
-    from engine.cache.selftest import run_selftest
+    from kvscope.app import state
+    from kvscope.engine.cache.selftest import run_selftest
 
     calls = {"selftest": 0, "support": 0, "baseline": 0}
 
@@ -563,8 +563,8 @@ def test_every_stored_benchmark_result_of_a_known_kind_gets_a_figure():
 def test_notes_learn_and_the_locality_probe_show_one_notes_share(sessions):
     """The three places that state the notes demo's notes share read the same field_only and oracle margins: the Notes
     cards, Learn step 2 and the locality probe (tiny-llama in bfloat16, where what shares a forward used to move them)."""
-    from app.handlers.common import bundled_scenario_text
-    from app.handlers.probes import run_probe
+    from kvscope.app.handlers.common import bundled_scenario_text
+    from kvscope.app.handlers.probes import run_probe
 
     tiny = ModelRegistry("tiny-llama", dtype="bfloat16")
     text = bundled_scenario_text(NOTES_SCENARIO)
@@ -581,7 +581,7 @@ def test_notes_learn_and_the_locality_probe_show_one_notes_share(sessions):
 
 
 def test_the_session_result_holds_the_edit_its_frontier_and_its_knockout(registry, sessions):
-    from app.handlers.notes import session_result
+    from kvscope.app.handlers.notes import session_result
 
     assert session_result(sessions, session="whole") is None
     view = run_edit(registry, sessions, EditInputs(SCENARIO, field="order_status", new="pending", strategies=["erratum"]), session="whole")
@@ -595,7 +595,7 @@ def test_the_session_result_holds_the_edit_its_frontier_and_its_knockout(registr
 
 
 def test_the_trigger_probe_asks_for_the_tabs_own_fields(registry):
-    from app.handlers.probes import TRIGGER_LABELS, probe_sentence, run_probe
+    from kvscope.app.handlers.probes import TRIGGER_LABELS, probe_sentence, run_probe
 
     case = {"text": SCENARIO, "field": "order_status", "new": "pending", "name": "trigger"}
     with pytest.raises(AppError) as refused:
@@ -609,9 +609,9 @@ def test_the_trigger_probe_asks_for_the_tabs_own_fields(registry):
 
 
 def test_a_cancelled_calibration_is_information_and_cancel_shows_only_while_one_may_run(registry, tmp_path, monkeypatch):
-    from app.handlers.common import AppCancelled, guarded
-    from app.handlers.composer import calibration_pending
-    from engine import Cancelled
+    from kvscope.app.handlers.common import AppCancelled, guarded
+    from kvscope.app.handlers.composer import calibration_pending
+    from kvscope.engine import Cancelled
 
     monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path))  # no stored calibration
     assert calibration_pending(registry, None, "auto") and calibration_pending(registry, None, " auto ")

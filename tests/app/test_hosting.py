@@ -14,17 +14,17 @@ import plotly.graph_objects as go
 import pytest
 from gradio_client import Client
 
-from app.handlers.common import AppError, scenario_choices
-from app.handlers.composer import Composition, run_agent_loop, run_compose
-from app.handlers.model import load_model_card, memory_markdown, offered_models
-from app.handlers.notes import EditInputs, run_edit
-from app.hosting import HostingError, from_env, local_profile, public_profile
-from app.page import plot_figure, user_error
-from app.state import ExportFolder, ModelRegistry, SessionStore
 from benchmarks.common import free_port, wait_until_serving
-from engine.cache.budget import WorkBudget, bounded
-from engine.cache.footprint import tensor_bytes
-from engine.cache.lru import BudgetedLRU
+from kvscope.app.handlers.common import AppError, scenario_choices
+from kvscope.app.handlers.composer import Composition, run_agent_loop, run_compose
+from kvscope.app.handlers.model import load_model_card, memory_markdown, offered_models
+from kvscope.app.handlers.notes import EditInputs, run_edit
+from kvscope.app.hosting import HostingError, from_env, local_profile, public_profile
+from kvscope.app.page import plot_figure, user_error
+from kvscope.app.state import ExportFolder, ModelRegistry, SessionStore
+from kvscope.engine.cache.budget import WorkBudget, bounded
+from kvscope.engine.cache.footprint import tensor_bytes
+from kvscope.engine.cache.lru import BudgetedLRU
 from tests.app.conftest import SCENARIO, TINY
 
 ROOT = Path(__file__).parents[2]
@@ -268,8 +268,8 @@ def test_public_server_refuses_paths_and_long_contexts(public_url):
 def test_a_generator_handler_runs_every_step_within_the_budget_whichever_thread_runs_it(tmp_path):
     import gradio as gr
 
-    from app.page import Page
-    from engine.cache.budget import MAX_FORWARD_TOKENS, forward_token_limit
+    from kvscope.app.page import Page
+    from kvscope.engine.cache.budget import MAX_FORWARD_TOKENS, forward_token_limit
 
     profile = public_profile()
     page = Page(ModelRegistry(TINY, profile=profile), SessionStore(), ExportFolder(1 << 20, 2, tmp_path), gr.State(), gr.State())

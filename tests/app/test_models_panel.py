@@ -7,12 +7,12 @@ from dataclasses import replace
 
 import pytest
 
-from app.handlers.common import AppError
-from app.handlers.model import memory_markdown
-from app.handlers.models import run_model_comparison
-from app.hosting import MODEL_SHARE, from_env, local_profile, public_profile
-from app.state import ModelRegistry, SessionStore
-from engine.models import expected_parameter_bytes, load_model
+from kvscope.app.handlers.common import AppError
+from kvscope.app.handlers.model import memory_markdown
+from kvscope.app.handlers.models import run_model_comparison
+from kvscope.app.hosting import MODEL_SHARE, from_env, local_profile, public_profile
+from kvscope.app.state import ModelRegistry, SessionStore
+from kvscope.engine.models import expected_parameter_bytes, load_model
 from tests.app.conftest import SCENARIO, TINY
 
 GB = 10**9

@@ -8,13 +8,13 @@ from urllib.parse import parse_qsl, urlsplit
 
 import pytest
 
-from app import permalink
-from app.handlers.common import bundled_scenario_text
-from app.handlers.notes import EditInputs
-from app.hosting import public_profile
-from app.permalink import MAX_ENCODED_TOML, LinkError, decode_toml, encode_toml, link_query, parse_link
-from engine.edit.strategies import STRATEGIES
-from engine.probes.analysis import DEFAULT_STRATEGIES
+from kvscope.app import permalink
+from kvscope.app.handlers.common import bundled_scenario_text
+from kvscope.app.handlers.notes import EditInputs
+from kvscope.app.hosting import public_profile
+from kvscope.app.permalink import MAX_ENCODED_TOML, LinkError, decode_toml, encode_toml, link_query, parse_link
+from kvscope.engine.edit.strategies import STRATEGIES
+from kvscope.engine.probes.analysis import DEFAULT_STRATEGIES
 from tests.app.conftest import SCENARIO
 
 OFFERED = [name for name in STRATEGIES if name not in ("stale", "oracle")]

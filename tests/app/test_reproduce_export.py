@@ -9,8 +9,8 @@ import plotly.graph_objects as go
 import pytest
 from nbclient import NotebookClient
 
-from app.handlers.common import bundled_scenario_text, export_files
-from app.handlers.notes import (
+from kvscope.app.handlers.common import bundled_scenario_text, export_files
+from kvscope.app.handlers.notes import (
     EditInputs,
     edit_recipe,
     frontier_recipe,
@@ -20,8 +20,8 @@ from app.handlers.notes import (
     run_knockout,
     session_result,
 )
-from app.handlers.probes import probe_recipe, run_probe
-from app.state import ExportFolder
+from kvscope.app.handlers.probes import probe_recipe, run_probe
+from kvscope.app.state import ExportFolder
 from tests.engine.test_reproduce import ROOT, numbers_agree, run_script
 
 SCENARIO_NAME, FIELD, VALUE = "pharmacy_prescription", "prescription", "valid"  # recoveries are defined on tiny-qwen2

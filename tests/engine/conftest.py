@@ -2,8 +2,8 @@
 
 import pytest
 
-from engine.compose.skills import SkillStore
-from engine.models.tiny import tiny_model
+from kvscope.engine.compose.skills import SkillStore
+from kvscope.engine.models.tiny import tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli import main
-from engine.models import load_model
+from kvscope.engine.cli import main
+from kvscope.engine.models import load_model
 from tests.shared import SAME_LENGTH_SCENARIO, assert_valid_report
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,8 +29,8 @@ def run_cli(*args: str) -> tuple[int, dict]:
 
 
 def run_process(*args: str) -> tuple[int, dict]:
-    """``python -m engine`` as its own process: exit code and the one JSON line on stdout."""
-    done = subprocess.run([sys.executable, "-m", "engine", *args, "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    """``python -m kvscope`` as its own process: exit code and the one JSON line on stdout."""
+    done = subprocess.run([sys.executable, "-m", "kvscope", *args, "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     lines = [line for line in done.stdout.splitlines() if line.strip()]
     assert len(lines) == 1, done.stdout + done.stderr
     return done.returncode, json.loads(lines[0])
@@ -122,7 +122,7 @@ def test_edit_json_reports_the_notes_share_and_probe_frontier_runs():
 @pytest.fixture
 def rotation_off_by_one(monkeypatch):
     """Re-rotation one position off: the cache self-test fails, as it would on a model whose RoPE KVScope gets wrong."""
-    from engine.cache.rope import Rotary
+    from kvscope.engine.cache.rope import Rotary
 
     move = Rotary.move
     monkeypatch.setattr(Rotary, "move", lambda self, keys, values, deltas, entries=None: move(self, keys, values, deltas + 1, entries))

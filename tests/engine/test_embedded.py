@@ -2,17 +2,17 @@
 
 import pytest
 
-from engine.audit.logs.reading import read_log
-from engine.audit.measure.notes import notes_scenario
-from engine.audit.measure.settings import measure_settings
-from engine.audit.measure.traffic import audit_traffic
-from engine.cache.selftest import run_selftest
-from engine.compose.keystone import keystone
-from engine.compose.remedy import DEFAULT_REMEDY
-from engine.compose.skills import SkillStore
-from engine.edit.calibrate import calibrate
-from engine.models import load_model
-from engine.scenario import Scenario, bundled_logs, bundled_scenarios
+from kvscope.engine.audit.logs.reading import read_log
+from kvscope.engine.audit.measure.notes import notes_scenario
+from kvscope.engine.audit.measure.settings import measure_settings
+from kvscope.engine.audit.measure.traffic import audit_traffic
+from kvscope.engine.cache.selftest import run_selftest
+from kvscope.engine.compose.keystone import keystone
+from kvscope.engine.compose.remedy import DEFAULT_REMEDY
+from kvscope.engine.compose.skills import SkillStore
+from kvscope.engine.edit.calibrate import calibrate
+from kvscope.engine.models import load_model
+from kvscope.engine.scenario import Scenario, bundled_logs, bundled_scenarios
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +66,9 @@ def test_keystone_demo_flips_and_composed_recovery_tracks_recomputed(qwen):
 def test_the_notes_demo_shows_one_notes_share_in_bfloat16():
     """pharmacy_prescription in bfloat16: the Notes tab's four fused strategies, Learn's two and the locality probe read
     one field_only recovery (it was 0.09 / 0.13 / 0.12 when the references shared their forward with other forks)."""
-    from engine.edit.experiment import EditExperiment
-    from engine.edit.runs import run_scenario
-    from engine.probes.locality import probe_locality
+    from kvscope.engine.edit.experiment import EditExperiment
+    from kvscope.engine.edit.runs import run_scenario
+    from kvscope.engine.probes.locality import probe_locality
 
     lm = load_model("embedded", dtype="bfloat16")
     scenario = Scenario.load(bundled_scenarios()["pharmacy_prescription"])

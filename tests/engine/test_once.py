@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from engine.once import SingleFlight
+from kvscope.engine.once import SingleFlight
 
 THREADS = 8
 

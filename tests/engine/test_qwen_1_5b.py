@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.cache.selftest import run_selftest
-from engine.models import gguf as gguf_pipeline
-from engine.models import load_model
+from kvscope.engine.cache.selftest import run_selftest
+from kvscope.engine.models import gguf as gguf_pipeline
+from kvscope.engine.models import load_model
 
 INSTALLED = all(gguf_pipeline._package_dir(package) for package in gguf_pipeline.QWEN_1_5B.packages)
 

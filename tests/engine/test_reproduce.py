@@ -15,12 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.edit.experiment import EditExperiment
-from engine.edit.runs import run_scenario
-from engine.edit.strategies import EditSettings
-from engine.probes.analysis import analyse_edit
-from engine.reproduce import Recipe, matches, notebook, python_literal, python_string, quoted, recipe_settings, script_text
-from engine.scenario import Scenario, bundled_scenarios
+from kvscope.engine.edit.experiment import EditExperiment
+from kvscope.engine.edit.runs import run_scenario
+from kvscope.engine.edit.strategies import EditSettings
+from kvscope.engine.probes.analysis import analyse_edit
+from kvscope.engine.reproduce import Recipe, matches, notebook, python_literal, python_string, quoted, recipe_settings, script_text
+from kvscope.engine.scenario import Scenario, bundled_scenarios
 
 ROOT = Path(__file__).resolve().parents[2]
 NASTY = [
@@ -94,15 +94,15 @@ def test_literals_are_json_like_values_only():
 
 @pytest.mark.parametrize("kind", ["edit", "knockout", "probe"])
 def test_script_and_notebook_use_only_the_public_api_and_carry_everything(kind):
-    import engine
+    import kvscope.engine as engine
 
     extra = {"knockout": {"knockout": (3, 4), "frontier": True}, "probe": {"probe": "suffix", "probe_options": {"k": 2}}}.get(kind, {})
     recipe = _recipe(kind=kind, **extra, scenario_toml="name = 'odd'''\nx = \"\\\\\"\r\n")
     text = script_text(recipe, "kvscope-notes.json")
     tree = ast.parse(text)
     imports = [node for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
-    assert {node.module for node in imports} == {"engine", "pathlib"}
-    assert {alias.name for node in imports if node.module == "engine" for alias in node.names} <= set(engine.__all__)
+    assert {node.module for node in imports} == {"kvscope", "pathlib"}
+    assert {alias.name for node in imports if node.module == "kvscope" for alias in node.names} <= set(engine.__all__)
     constants = {
         node.targets[0].id: ast.literal_eval(node.value)
         for node in tree.body

@@ -6,12 +6,12 @@ from dataclasses import replace
 
 import pytest
 
-from engine.cache import display
-from engine.checks.support import SupportRow, Verdict
-from engine.compose.fidelity import compare
-from engine.compose.remedy import Remedy
-from engine.edit.experiment import EditExperiment
-from engine.scenario import Scenario, bundled_scenarios
+from kvscope.engine.cache import display
+from kvscope.engine.checks.support import SupportRow, Verdict
+from kvscope.engine.compose.fidelity import compare
+from kvscope.engine.compose.remedy import Remedy
+from kvscope.engine.edit.experiment import EditExperiment
+from kvscope.engine.scenario import Scenario, bundled_scenarios
 from tests.shared import SAME_LENGTH_SCENARIO
 
 

@@ -8,8 +8,8 @@ import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from engine.models.tiny import tiny_tokenizer
-from engine.scenario import (
+from kvscope.engine.models.tiny import tiny_tokenizer
+from kvscope.engine.scenario import (
     Field,
     RenderedPrompt,
     Scenario,

@@ -1,6 +1,6 @@
 """Counts in words: one form for one, another for the rest."""
 
-from engine.words import counted
+from kvscope.engine.words import counted
 
 
 def test_counts_take_the_singular_only_for_one():

@@ -2,10 +2,10 @@
 
 import pytest
 
-from engine.edit.experiment import EditExperiment
-from engine.edit.strategies import EditSettings
-from engine.models.tiny import tiny_model
-from engine.scenario import Scenario, bundled_scenarios
+from kvscope.engine.edit.experiment import EditExperiment
+from kvscope.engine.edit.strategies import EditSettings
+from kvscope.engine.models.tiny import tiny_model
+from kvscope.engine.scenario import Scenario, bundled_scenarios
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""Every figure builder of viz/, each drawn from small inputs (tiny-model engine results, the stored benchmark JSON, the
+"""Every figure builder of kvscope/viz/, each drawn from small inputs (tiny-model engine results, the stored benchmark JSON, the
 figure tests' own dictionaries), with the width the app gives it: the figure tests that look at all figures at once
 (legibility in a browser, no template braces left) take them from here."""
 
@@ -12,25 +12,25 @@ from pathlib import Path
 import plotly.graph_objects as go
 import torch
 
-from engine.cache.decision import Decision, Recovery, decide, recovery
-from engine.cache.patching import attribution_effects
-from engine.compose.agent import run_agent
-from engine.compose.fidelity import compare
-from engine.compose.keystone import KeystoneReport, keystone
-from engine.compose.placing import adhoc_scenario
-from engine.compose.remedy import DEFAULT_REMEDY, Remedy
-from engine.compose.skills import SkillStore
-from engine.edit.report import EditReport, NotesShare
-from engine.edit.strategies import StrategyResult
-from engine.edit.weight_edit import MethodOutcome, WeightEditReport
-from engine.probes import probe_attention, probe_heads, probe_knockout, probe_notes_map, probe_suffix
-from engine.probes.attribution import captum_attribution
-from engine.probes.frontier import probe_frontier
-from engine.scenario import Scenario, bundled_scenarios
+from kvscope.engine.cache.decision import Decision, Recovery, decide, recovery
+from kvscope.engine.cache.patching import attribution_effects
+from kvscope.engine.compose.agent import run_agent
+from kvscope.engine.compose.fidelity import compare
+from kvscope.engine.compose.keystone import KeystoneReport, keystone
+from kvscope.engine.compose.placing import adhoc_scenario
+from kvscope.engine.compose.remedy import DEFAULT_REMEDY, Remedy
+from kvscope.engine.compose.skills import SkillStore
+from kvscope.engine.edit.report import EditReport, NotesShare
+from kvscope.engine.edit.strategies import StrategyResult
+from kvscope.engine.edit.weight_edit import MethodOutcome, WeightEditReport
+from kvscope.engine.probes import probe_attention, probe_heads, probe_knockout, probe_notes_map, probe_suffix
+from kvscope.engine.probes.attribution import captum_attribution
+from kvscope.engine.probes.frontier import probe_frontier
+from kvscope.engine.scenario import Scenario, bundled_scenarios
+from kvscope.viz import audit, benchmarks, common, compose, decision, fleet, models, notes, probes, results, strategies, weights
 from tests.viz.test_audit import DATA, TRAFFIC
 from tests.viz.test_models import COMPARISON
 from tests.viz.test_probes import _linear_result
-from viz import audit, benchmarks, common, compose, decision, fleet, models, notes, probes, results, strategies, weights
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = {path.stem: json.loads(path.read_text()) for path in sorted(ROOT.glob("benchmarks/*/results/*.json"))}
@@ -69,9 +69,9 @@ class Case:
 
 
 def figure_builders() -> set[str]:
-    """Every public function of viz/ annotated to return a figure (``go.Figure`` or a list of them)."""
+    """Every public function of kvscope/viz/ annotated to return a figure (``go.Figure`` or a list of them)."""
     names = set()
-    for path in sorted((ROOT / "viz").glob("*.py")):
+    for path in sorted((ROOT / "kvscope" / "viz").glob("*.py")):
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.FunctionDef) and not node.name.startswith("_") and "Figure" in ast.unparse(node.returns or ""):
                 names.add(node.name)

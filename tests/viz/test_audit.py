@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from viz.audit import (
+from kvscope.viz.audit import (
     ENGINE_LABELS,
     KL_FLOOR,
     NO_SESSION,
@@ -21,8 +21,8 @@ from viz.audit import (
     traffic_markdown,
     turns_html,
 )
-from viz.benchmarks import audit_benchmark_figure
-from viz.common import markdown_literal
+from kvscope.viz.benchmarks import audit_benchmark_figure
+from kvscope.viz.common import markdown_literal
 
 
 def _repair(reused, computed, kl, agreement, ms, top1=True):

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from viz.benchmarks import (
+from kvscope.viz.benchmarks import (
     audit_cli_figure,
     cache_reuse_figure,
     chat_replay_figure,
@@ -14,8 +14,8 @@ from viz.benchmarks import (
     serving_figure,
     ttft_figure,
 )
-from viz.common import figure_label
-from viz.results import result_figures
+from kvscope.viz.common import figure_label
+from kvscope.viz.results import result_figures
 
 
 def test_edit_latency_one_line_per_strategy_with_gaps_for_not_applicable():

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from viz.common import (
+from kvscope.viz.common import (
     MAX_COLUMNS,
     MAX_TICKS,
     column_of,

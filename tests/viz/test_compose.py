@@ -7,15 +7,15 @@ import numpy as np
 import pytest
 import torch
 
-from engine.cache.decision import decide
-from engine.compose.agent import run_agent
-from engine.compose.fidelity import compare
-from engine.compose.placing import adhoc_scenario
-from engine.compose.remedy import Remedy
-from engine.compose.skills import SkillStore
+from kvscope.engine.cache.decision import decide
+from kvscope.engine.compose.agent import run_agent
+from kvscope.engine.compose.fidelity import compare
+from kvscope.engine.compose.placing import adhoc_scenario
+from kvscope.engine.compose.remedy import Remedy
+from kvscope.engine.compose.skills import SkillStore
+from kvscope.viz.common import MAX_COLUMNS, NARROWEST_PLOT_PX, label_box
+from kvscope.viz.compose import agent_figure, deviation_figure, logit_bars_figure
 from tests.viz.figure_cases import WIDTHS
-from viz.common import MAX_COLUMNS, NARROWEST_PLOT_PX, label_box
-from viz.compose import agent_figure, deviation_figure, logit_bars_figure
 
 
 @pytest.fixture(scope="module")
@@ -87,9 +87,9 @@ def test_agent_episode_shows_three_decisions_per_turn_and_cumulative_ttft(lm, st
 
 
 def test_keystone_diagonal_places_each_strategy_at_its_two_recoveries(lm, store):
-    from engine.compose.keystone import keystone
-    from engine.scenario import Scenario, bundled_scenarios
-    from viz.compose import keystone_figure
+    from kvscope.engine.compose.keystone import keystone
+    from kvscope.engine.scenario import Scenario, bundled_scenarios
+    from kvscope.viz.compose import keystone_figure
 
     report = keystone(
         lm,
@@ -128,8 +128,8 @@ def test_keystone_labels_cover_no_other_label_or_point_and_stay_inside_the_axes(
     """The embedded model's stored keystone (six strategies, erratum and field_erratum 0.08 apart in the top right
     corner): each name is placed clear of the others and of every other point, nearer its own point than any other, and
     within the axis ranges, at the app's narrowest width and wider."""
+    from kvscope.viz.compose import keystone_figure
     from tests.viz.figure_cases import stored_keystone
-    from viz.compose import keystone_figure
 
     report = stored_keystone(remedy)
     figure = keystone_figure(report)
@@ -151,7 +151,7 @@ def test_keystone_labels_cover_no_other_label_or_point_and_stay_inside_the_axes(
 
 
 def test_place_labels_moves_a_crowded_label_and_widens_the_range_for_one_at_the_edge():
-    from viz.common import place_labels
+    from kvscope.viz.common import place_labels
 
     # two points 10 px apart: the second label cannot sit above its point too; a point at the right edge
     placed = place_labels([0.0, 0.02, 1.0], [0.5, 0.5, 0.5], ["first", "second", "a_long_name_at_the_edge"], (0, 1), (0, 1), (500, 300))
@@ -162,7 +162,7 @@ def test_place_labels_moves_a_crowded_label_and_widens_the_range_for_one_at_the_
 
 
 def test_study_figure_puts_each_remedy_at_its_recompute_share_and_agreement():
-    from viz.compose import study_figure
+    from kvscope.viz.compose import study_figure
 
     row = lambda fraction, agreement, ranked: {  # noqa: E731
         "recomputed_fraction": fraction,
@@ -186,8 +186,8 @@ def test_study_figure_puts_each_remedy_at_its_recompute_share_and_agreement():
 
 
 def test_frontiers_figure_draws_each_model_beside_the_other_with_its_own_default_and_goal():
-    from engine.compose.choice import choice_record
-    from viz.compose import frontiers_figure
+    from kvscope.engine.compose.choice import choice_record
+    from kvscope.viz.compose import frontiers_figure
 
     def row(agree, speedup, fraction=0.0):
         return {

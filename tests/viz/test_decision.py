@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.cache.decision import decide
-from viz.decision import decision_figure
+from kvscope.engine.cache.decision import decide
+from kvscope.viz.decision import decision_figure
 
 
 def test_labels_strings_and_title_are_escaped():

@@ -1,4 +1,4 @@
-"""Every figure of viz/ fits the width the app gives it at a 1,000 and a 1,400 px window: drawn by plotly.js in Debian's
+"""Every figure of kvscope/viz/ fits the width the app gives it at a 1,000 and a 1,400 px window: drawn by plotly.js in Debian's
 chromium, no text label's box overlaps another's or leaves the figure, nothing sits under the label Gradio draws over
 a plot's top-left corner, and no title, note, annotation or name keeps a template's ``{`` or ``}``. Screenshots of every
 figure at both widths go to /tmp/figures/ (to look at)."""
@@ -11,9 +11,9 @@ from pathlib import Path
 import plotly.offline
 import pytest
 
+from kvscope.viz.common import GRADIO_LABEL_PX
 from tests.shared import CHROMIUM, CHROMIUM_ARGS
 from tests.viz.figure_cases import WIDTHS, every_case, figure_builders
-from viz.common import GRADIO_LABEL_PX
 
 SHOTS = Path("/tmp/figures")
 ARGS = CHROMIUM_ARGS
@@ -185,8 +185,8 @@ async ([json, width]) => {
 
 @pytest.mark.parametrize("window", sorted(WIDTHS["full"]))
 def test_the_keystone_labels_stay_inside_the_plot_area_apart_from_each_other_and_the_points(page, window):
+    from kvscope.viz.compose import keystone_figure
     from tests.viz.figure_cases import stored_keystone
-    from viz.compose import keystone_figure
 
     SHOTS.mkdir(exist_ok=True)
     problems = []

@@ -3,15 +3,15 @@ titles fit a 1,000 px window and tell the figures apart."""
 
 import plotly.graph_objects as go
 
-from engine.audit.measure.repairs import REPAIR_SUMMARIES, REPAIRS
-from engine.cache.decision import RECOVERY_WORDS
-from engine.compose.choice import RemedyChoice, RemedyPoint
-from engine.compose.remedy import RANKED_SELECTIONS, RANKING_WORDS, REMEDY_GRAMMAR
-from engine.edit.strategies import REGISTRY
+from kvscope.engine.audit.measure.repairs import REPAIR_SUMMARIES, REPAIRS
+from kvscope.engine.cache.decision import RECOVERY_WORDS
+from kvscope.engine.compose.choice import RemedyChoice, RemedyPoint
+from kvscope.engine.compose.remedy import RANKED_SELECTIONS, RANKING_WORDS, REMEDY_GRAMMAR
+from kvscope.engine.edit.strategies import REGISTRY
+from kvscope.viz.common import NOTE_CHARS, TITLE_CHARS, figure_label, set_title
+from kvscope.viz.models import comparison_markdown
+from kvscope.viz.text import glossary, remedy_menu, strategy_glossary
 from tests.viz.test_models import COMPARISON
-from viz.common import NOTE_CHARS, TITLE_CHARS, figure_label, set_title
-from viz.models import comparison_markdown
-from viz.text import glossary, remedy_menu, strategy_glossary
 
 
 def test_every_strategy_repair_and_ranking_has_its_own_plain_line():

@@ -9,26 +9,26 @@ import re
 import numpy as np
 import pytest
 
-from engine.compose.fidelity import compare
-from engine.compose.placing import with_skills
-from engine.compose.skills import SkillStore
-from engine.edit.experiment import EditExperiment
-from engine.edit.strategies import EditSettings
-from engine.models.tiny import tiny_model
-from engine.probes import AttentionMap
-from engine.probes.analysis import analyse_edit
-from engine.probes.attribution import AttributionResult, Feature
-from tests.shared import long_scenario
-from viz.common import MAX_COLUMNS, pool_columns
-from viz.compose import deviation_figure
-from viz.notes import (
+from kvscope.engine.compose.fidelity import compare
+from kvscope.engine.compose.placing import with_skills
+from kvscope.engine.compose.skills import SkillStore
+from kvscope.engine.edit.experiment import EditExperiment
+from kvscope.engine.edit.strategies import EditSettings
+from kvscope.engine.models.tiny import tiny_model
+from kvscope.engine.probes import AttentionMap
+from kvscope.engine.probes.analysis import analyse_edit
+from kvscope.engine.probes.attribution import AttributionResult, Feature
+from kvscope.viz.common import MAX_COLUMNS, pool_columns
+from kvscope.viz.compose import deviation_figure
+from kvscope.viz.notes import (
     MAX_TEXT_TOKENS,
     attention_figure,
     effect_map_figure,
     effect_text_html,
     shown_tokens,
 )
-from viz.probes import attribution_figure
+from kvscope.viz.probes import attribution_figure
+from tests.shared import long_scenario
 
 TOKENS = 8192
 MAX_FIGURE_BYTES = 200_000  # a pooled 8k-token map measures ~46 kB; unpooled it would be ~1 MB per layer row set

@@ -1,7 +1,7 @@
 """The model comparison's figures and table: the paper's points beside the compared models, strings escaped."""
 
-from viz.benchmarks import compare_models_figure
-from viz.models import comparison_markdown, dropped_markdown, model_metrics_figure, notes_share_figure
+from kvscope.viz.benchmarks import compare_models_figure
+from kvscope.viz.models import comparison_markdown, dropped_markdown, model_metrics_figure, notes_share_figure
 
 PAPER = [
     {"model": "Mistral-7B", "parameters": 7_240_000_000, "field_only_recovery": 0.137, "notes_share": 0.863},

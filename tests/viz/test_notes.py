@@ -7,11 +7,11 @@ import re
 import numpy as np
 import pytest
 
-from engine.cache.patching import attribution_effects
-from engine.probes import probe_attention, probe_notes_map
-from engine.probes.frontier import probe_frontier
-from viz.common import MAX_COLUMNS, robust_limit
-from viz.notes import (
+from kvscope.engine.cache.patching import attribution_effects
+from kvscope.engine.probes import probe_attention, probe_notes_map
+from kvscope.engine.probes.frontier import probe_frontier
+from kvscope.viz.common import MAX_COLUMNS, robust_limit
+from kvscope.viz.notes import (
     attention_figure,
     effect_map_figure,
     frontier_figure,

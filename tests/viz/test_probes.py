@@ -5,10 +5,10 @@ import json
 import numpy as np
 import pytest
 
-from engine.probes import Gap, probe_heads, probe_knockout, probe_suffix
-from engine.probes.attribution import AttributionResult, Feature, captum_attribution
-from engine.probes.linear import GROUPS, LinearProbeResult, Sample
-from viz.probes import (
+from kvscope.engine.probes import Gap, probe_heads, probe_knockout, probe_suffix
+from kvscope.engine.probes.attribution import AttributionResult, Feature, captum_attribution
+from kvscope.engine.probes.linear import GROUPS, LinearProbeResult, Sample
+from kvscope.viz.probes import (
     attribution_figure,
     dose_response_figure,
     heads_figure,

@@ -4,10 +4,10 @@ import json
 
 import pytest
 
-from engine.cache.decision import Recovery
-from engine.edit.strategies import StrategyResult
-from viz.common import GREY
-from viz.strategies import strategy_figure
+from kvscope.engine.cache.decision import Recovery
+from kvscope.engine.edit.strategies import StrategyResult
+from kvscope.viz.common import GREY
+from kvscope.viz.strategies import strategy_figure
 
 
 @pytest.fixture(scope="module")

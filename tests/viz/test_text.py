@@ -1,11 +1,11 @@
-"""The app's text panels from engine results: values escaped, KL never shown below zero, the remedy named."""
+"""The app's text panels from the engine's results: values escaped, KL never shown below zero, the remedy named."""
 
 import torch
 
-from engine.cache.decision import Decision
-from engine.compose.remedy import DEFAULT_REMEDY, Remedy
-from viz.learn import decisions_html, splice_html
-from viz.text import knockout_markdown, memory_markdown, remedy_info, remedy_words
+from kvscope.engine.cache.decision import Decision
+from kvscope.engine.compose.remedy import DEFAULT_REMEDY, Remedy
+from kvscope.viz.learn import decisions_html, splice_html
+from kvscope.viz.text import knockout_markdown, memory_markdown, remedy_info, remedy_words
 
 PROFILE = {
     "name": "public",
@@ -41,7 +41,7 @@ def test_splice_step_names_the_remedy_and_its_recomputed_share():
     summary = {
         "decision_agree": True,
         "cosine": 0.99991,
-        "kl": 0.0,  # the engine clamps rounding noise below zero (engine.cache.decision.kl_divergence)
+        "kl": 0.0,  # the engine clamps rounding noise below zero (kvscope.engine.cache.decision.kl_divergence)
         "ttft_ms": {"splice": 120.0, "full": 300.0},
         "speedup": 2.5,
         "skill_tokens": 200,
@@ -74,7 +74,7 @@ def test_user_text_in_panels_is_escaped():
 
 
 def test_a_soak_of_one_visitor_and_one_session_says_so_in_the_singular():
-    from viz.benchmarks import soak_figure
+    from kvscope.viz.benchmarks import soak_figure
 
     figure = soak_figure({"profile": "public", "sessions": 1, "clients": 1, "edit_seconds_under_load": {"p50": 1.0, "n": 1}})
     title = figure.layout.title.text

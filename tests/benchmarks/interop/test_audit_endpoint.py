@@ -13,9 +13,9 @@ import pytest
 
 from benchmarks.interop.audit_endpoint import compare_log
 from benchmarks.serving.serving_servers import SERVER_BINARY, LlamaServer, embedded_gguf
-from engine.audit.endpoint.client import EndpointClient, EndpointSettings
-from engine.audit.logs.reading import read_log
-from engine.models import load_model
+from kvscope.engine.audit.endpoint.client import EndpointClient, EndpointSettings
+from kvscope.engine.audit.logs.reading import read_log
+from kvscope.engine.models import load_model
 
 needs_llama_server = pytest.mark.skipif(
     not SERVER_BINARY.is_file(), reason="llama-server is not built: bash scripts/build_llama_server.sh (~10 min)"

@@ -9,15 +9,15 @@ import pytest
 
 from benchmarks.interop import audit_replay
 from benchmarks.serving.serving_servers import SERVER_BINARY
-from engine.audit.logs.reading import read_log
-from engine.audit.measure.settings import measure_settings
-from engine.audit.measure.traffic import audit_traffic
-from engine.audit.measure.turn import repaired_template
-from engine.audit.rewrite.measure import apply_template, measure_rewrite
-from engine.audit.simulate.caches import CacheSettings
-from engine.models.tiny import tiny_model
-from viz.audit import KL_FLOOR
-from viz.benchmarks import audit_replay_figure
+from kvscope.engine.audit.logs.reading import read_log
+from kvscope.engine.audit.measure.settings import measure_settings
+from kvscope.engine.audit.measure.traffic import audit_traffic
+from kvscope.engine.audit.measure.turn import repaired_template
+from kvscope.engine.audit.rewrite.measure import apply_template, measure_rewrite
+from kvscope.engine.audit.simulate.caches import CacheSettings
+from kvscope.engine.models.tiny import tiny_model
+from kvscope.viz.audit import KL_FLOOR
+from kvscope.viz.benchmarks import audit_replay_figure
 
 SYSTEM = "You are the help desk of a bike shop.\nSession started: 2026-05-12 {time}\nAnswer in one short sentence, with the opening hours."
 

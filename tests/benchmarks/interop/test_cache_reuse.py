@@ -14,8 +14,8 @@ from benchmarks.interop.cache_reuse import (
     parse_completion,
     run,
 )
-from engine.models.tiny import tiny_model
-from engine.scenario import Skill, bundled_skills
+from kvscope.engine.models.tiny import tiny_model
+from kvscope.engine.scenario import Skill, bundled_skills
 
 
 class ExactServer:
@@ -53,7 +53,7 @@ def test_a_completion_becomes_log_probs_over_the_vocabulary():
 
 
 def test_answers_are_read_where_they_first_differ():
-    from engine.scenario import RenderedPrompt
+    from kvscope.engine.scenario import RenderedPrompt
 
     prompt = RenderedPrompt((1, 2), ("context",) * 2, {}, (3,), {"approve": ((9, 7, 5),), "deny": ((9, 7, 6, 8), (9, 4))}, {})
     read = at_decision_point(prompt)

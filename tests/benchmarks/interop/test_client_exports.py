@@ -10,12 +10,12 @@ import json
 import pytest
 
 from benchmarks.interop.client_exports import CLIENTS, EXPORTS, SESSIONS
-from engine.audit.logs.reading import read_log
-from engine.audit.logs.replies import finish_of
-from engine.audit.logs.shards import read_logs
-from engine.audit.scan.token_pass import scan_log
-from engine.audit.simulate.caches import CacheSettings
-from engine.models.loading import load_tokenizer
+from kvscope.engine.audit.logs.reading import read_log
+from kvscope.engine.audit.logs.replies import finish_of
+from kvscope.engine.audit.logs.shards import read_logs
+from kvscope.engine.audit.scan.token_pass import scan_log
+from kvscope.engine.audit.simulate.caches import CacheSettings
+from kvscope.engine.models.loading import load_tokenizer
 
 # The session key each export carries: none in the older conventions (the instrumentation writes no conversation id),
 # the conversation id of the invoke_agent span around each chat span in the newer, LiteLLM's ``trace_id`` (LiteLLM

@@ -21,13 +21,13 @@ from benchmarks.interop.chat_replay import compared, replay_sessions, without_to
 from benchmarks.serving import serving
 from benchmarks.serving.serving_servers import VllmServer
 from benchmarks.serving.serving_workload import Variant, build_workload, load_scenario
-from engine.audit.logs.reading import read_log
-from engine.audit.scan.token_pass import scan_log
-from engine.audit.simulate.caches import CacheSettings
-from engine.audit.simulate.metrics import observed_aggregate
-from engine.audit.simulate.observed import fit_observed
-from engine.cli import main
-from engine.models.gguf import converted_alias
+from kvscope.engine.audit.logs.reading import read_log
+from kvscope.engine.audit.scan.token_pass import scan_log
+from kvscope.engine.audit.simulate.caches import CacheSettings
+from kvscope.engine.audit.simulate.metrics import observed_aggregate
+from kvscope.engine.audit.simulate.observed import fit_observed
+from kvscope.engine.cli import main
+from kvscope.engine.models.gguf import converted_alias
 
 BLOCK = 32
 

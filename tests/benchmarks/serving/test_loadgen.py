@@ -22,7 +22,14 @@ from benchmarks.serving.loadgen import (
     summarize,
     usage_counters,
 )
-from engine.audit.simulate.metrics import CacheCounters, MetricsError, cache_counters, cache_hit_rate_gauge, metric_sum, parse_prometheus
+from kvscope.engine.audit.simulate.metrics import (
+    CacheCounters,
+    MetricsError,
+    cache_counters,
+    cache_hit_rate_gauge,
+    metric_sum,
+    parse_prometheus,
+)
 
 # --------------------------------------------------------------------------------------------
 # Arrivals

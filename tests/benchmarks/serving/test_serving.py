@@ -24,7 +24,7 @@ from benchmarks.serving.serving_workload import (
     nth_permutation,
     policy_sources,
 )
-from engine.edit.erratum import erratum_text
+from kvscope.engine.edit.erratum import erratum_text
 
 
 def words(text: str) -> int:

@@ -6,9 +6,9 @@ import json
 import re
 
 from benchmarks.studies.audit_scale import as_langfuse_traces, as_otlp, stage2_memory, synthetic_log
-from engine.audit.logs.reading import read_log
-from engine.audit.logs.render import render_batch
-from engine.models.tiny import tiny_tokenizer
+from kvscope.engine.audit.logs.reading import read_log
+from kvscope.engine.audit.logs.render import render_batch
+from kvscope.engine.models.tiny import tiny_tokenizer
 from tests.engine.audit.measure.test_traffic import QWEN_TEMPLATE
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from benchmarks.studies import compare_models
-from viz.results import result_figures
+from kvscope.viz.results import result_figures
 
 
 def test_compare_models_writes_each_model_and_the_cpu_flags(tmp_path):

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from benchmarks.studies import notes_sweep as sweep
-from engine.comparison.models import PAPER_MODELS
-from engine.edit.runs import run_scenario
-from engine.models import load_model
-from engine.scenario import render
+from kvscope.engine.comparison.models import PAPER_MODELS
+from kvscope.engine.edit.runs import run_scenario
+from kvscope.engine.models import load_model
+from kvscope.engine.scenario import render
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ its server, the server's setting is among the best, and the times are written as
 import json
 
 from benchmarks.studies.observed_fit import main
-from engine.models.tiny import tiny_tokenizer
+from kvscope.engine.models.tiny import tiny_tokenizer
 from tests.engine.audit.measure.test_traffic import QWEN_TEMPLATE
 
 

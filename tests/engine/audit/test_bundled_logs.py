@@ -16,12 +16,12 @@ import re
 import pytest
 from transformers import AutoTokenizer
 
-from engine.audit.logs.reading import read_log
-from engine.audit.scan.token_pass import TrafficScan, sample_groups, scan_log
-from engine.models import load_model
-from engine.models.gguf import EMBEDDED_SHA256
-from engine.models.store import cache_dir
-from engine.scenario import bundled_logs
+from kvscope.engine.audit.logs.reading import read_log
+from kvscope.engine.audit.scan.token_pass import TrafficScan, sample_groups, scan_log
+from kvscope.engine.models import load_model
+from kvscope.engine.models.gguf import EMBEDDED_SHA256
+from kvscope.engine.models.store import cache_dir
+from kvscope.engine.scenario import bundled_logs
 
 
 @pytest.fixture(scope="module")

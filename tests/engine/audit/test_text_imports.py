@@ -6,27 +6,27 @@ import pkgutil
 import subprocess
 import sys
 
-import engine.audit
+import kvscope.engine.audit
 
 TEXT_STAGES = ("logs", "changes", "simulate", "scan", "prompts", "rewrite", "endpoint", "report")
 
 
 def _modules(stage: str) -> list[str]:
-    package = __import__(f"engine.audit.{stage}", fromlist=["__path__"])
-    return [module.name for module in pkgutil.walk_packages(package.__path__, f"engine.audit.{stage}.")]
+    package = __import__(f"kvscope.engine.audit.{stage}", fromlist=["__path__"])
+    return [module.name for module in pkgutil.walk_packages(package.__path__, f"kvscope.engine.audit.{stage}.")]
 
 
 def test_every_text_stage_module_imports_no_torch():
     modules = [module for stage in TEXT_STAGES for module in _modules(stage)]
-    assert len(modules) > 25 and all(module.split(".")[2] in engine.audit.__doc__ for module in modules)
+    assert len(modules) > 25 and all(module.split(".")[3] in kvscope.engine.audit.__doc__ for module in modules)
     code = f"import sys, {', '.join(modules)}; print(sorted({{'torch', 'transformers'}} & set(sys.modules)))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"
 
 
 def test_the_model_half_keeps_the_text_half_s_names():
-    from engine.audit.measure import repairs
-    from engine.audit.prompts import repair_requests
+    from kvscope.engine.audit.measure import repairs
+    from kvscope.engine.audit.prompts import repair_requests
 
     for name in ("GRAINS", "REPAIRS", "PROMPT_REPAIRS", "REPAIR_LEVELS", "Level", "OutputFidelity", "coarse", "repaired_request"):
         assert getattr(repairs, name) is getattr(repair_requests, name)
@@ -35,6 +35,6 @@ def test_the_model_half_keeps_the_text_half_s_names():
 
 def test_what_the_model_pass_runs_imports_no_torch():
     # one MeasureSettings travels to the endpoint's audit too, which reads text only
-    code = "import sys, engine.audit.measure.settings; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    code = "import sys, kvscope.engine.audit.measure.settings; print(sorted({'torch', 'transformers'} & set(sys.modules)))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]"

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from engine.cache.budget import (
+from kvscope.engine.cache.budget import (
     BudgetExceeded,
     Cancelled,
     CancelToken,
@@ -20,8 +20,8 @@ from engine.cache.budget import (
     labelled,
     waits_reported,
 )
-from engine.cache.notebook import Notebook
-from engine.models.tiny import tiny_model
+from kvscope.engine.cache.notebook import Notebook
+from kvscope.engine.models.tiny import tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +85,8 @@ def test_gate_serves_the_request_with_least_model_time_first():
 
 def test_a_forward_token_limit_changes_no_number(lm):
     """Under a new-token limit, pending work runs in chunks and fused reads in batches: the same K/V and decisions."""
-    from engine.edit.experiment import EditExperiment
-    from engine.scenario import Scenario
+    from kvscope.engine.edit.experiment import EditExperiment
+    from kvscope.engine.scenario import Scenario
     from tests.shared import SAME_LENGTH_SCENARIO
 
     names = ["field_only", "erratum", "field_erratum", "full_downstream"]
@@ -104,7 +104,7 @@ def test_a_forward_token_limit_changes_no_number(lm):
 
 
 def test_forward_token_limit_bounds_every_forward(lm, monkeypatch):
-    from engine.cache import adapter
+    from kvscope.engine.cache import adapter
 
     sizes = []
     original = adapter.forward

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from engine.cache.decision import decide, kl_divergence, logit_agreement, recovery
+from kvscope.engine.cache.decision import decide, kl_divergence, logit_agreement, recovery
 
 
 def test_label_score_is_logsumexp_of_its_strings_and_margin_is_first_minus_best_other():

@@ -2,8 +2,8 @@
 
 import torch
 
-from engine.cache import display
-from engine.cache.notebook import Notebook
+from kvscope.engine.cache import display
+from kvscope.engine.cache.notebook import Notebook
 
 
 def _ids(count: int, seed: int = 0) -> list[int]:

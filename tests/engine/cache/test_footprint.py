@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.cache.footprint import tensor_bytes
-from engine.cache.notebook import Notebook
-from engine.edit.experiment import EditExperiment
-from engine.models.tiny import tiny_model
-from engine.scenario import Scenario
+from kvscope.engine.cache.footprint import tensor_bytes
+from kvscope.engine.cache.notebook import Notebook
+from kvscope.engine.edit.experiment import EditExperiment
+from kvscope.engine.models.tiny import tiny_model
+from kvscope.engine.scenario import Scenario
 from tests.shared import SAME_LENGTH_SCENARIO
 
 

@@ -1,11 +1,11 @@
-"""Greedy decoding with a draft (engine.cache.generation.greedy): the draft checked in one forward gives greedy
+"""Greedy decoding with a draft (kvscope.engine.cache.generation.greedy): the draft checked in one forward gives greedy
 decoding's tokens, whether the draft is right throughout, wrong from a token on, wrong at once, or ends where a stop
 token ends greedy decoding; and a right draft costs one forward instead of one per token."""
 
 import pytest
 
-from engine.cache.notebook import Notebook
-from engine.models.tiny import tiny_model
+from kvscope.engine.cache.notebook import Notebook
+from kvscope.engine.models.tiny import tiny_model
 
 TOKENS = 12
 

@@ -8,13 +8,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine import Scenario, bundled_scenarios, load_cache, run_scenario, save_cache, to_dynamic_cache
-from engine.cache import vision
-from engine.cache.interop import CacheFileError, SavedCache
-from engine.cache.notebook import Notebook
-from engine.checks.support import _picture
-from engine.errors import NotebookError
-from engine.models.tiny import tiny_model
+from kvscope.engine import Scenario, bundled_scenarios, load_cache, run_scenario, save_cache, to_dynamic_cache
+from kvscope.engine.cache import vision
+from kvscope.engine.cache.interop import CacheFileError, SavedCache
+from kvscope.engine.cache.notebook import Notebook
+from kvscope.engine.checks.support import _picture
+from kvscope.engine.errors import NotebookError
+from kvscope.engine.models.tiny import tiny_model
 
 ATOL = 2e-5
 

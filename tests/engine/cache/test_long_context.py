@@ -7,12 +7,12 @@ MAX_FORWARD_TOKENS new tokens, and a forward leaves out stored entries none of i
 import pytest
 import torch
 
-from engine.cache import adapter
-from engine.cache.budget import MAX_FORWARD_TOKENS
-from engine.cache.notebook import Notebook
-from engine.edit.experiment import EditExperiment
-from engine.edit.strategies import EditSettings
-from engine.models.tiny import tiny_model
+from kvscope.engine.cache import adapter
+from kvscope.engine.cache.budget import MAX_FORWARD_TOKENS
+from kvscope.engine.cache.notebook import Notebook
+from kvscope.engine.edit.experiment import EditExperiment
+from kvscope.engine.edit.strategies import EditSettings
+from kvscope.engine.models.tiny import tiny_model
 from tests.shared import long_scenario
 
 TOKENS = 8192

@@ -5,8 +5,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.cache.notebook import Knockout, Notebook, NotebookError
-from engine.models.tiny import tiny_model
+from kvscope.engine.cache.notebook import Knockout, Notebook, NotebookError
+from kvscope.engine.models.tiny import tiny_model
 
 # The full operation suite runs on these; the newer families (latent attention, per-layer rope, sinks, NoPE,
 # hybrids) are proved by the ground-truth matrix in test_support.py, which covers the same identities.

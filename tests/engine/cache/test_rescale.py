@@ -8,9 +8,9 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-from engine.cache.adapter import AttentionRescale, RescalePlan, attention_logits
-from engine.cache.notebook import Notebook, NotebookError
-from engine.models.tiny import TINY_ARCHS, tiny_model
+from kvscope.engine.cache.adapter import AttentionRescale, RescalePlan, attention_logits
+from kvscope.engine.cache.notebook import Notebook, NotebookError
+from kvscope.engine.models.tiny import TINY_ARCHS, tiny_model
 
 # Every tiny family that splices (docs/support-matrix.md): GPT-2 has no rope, Llama-4 chunks its attention, dynamic NTK
 # and LongRoPE frequencies depend on the length.

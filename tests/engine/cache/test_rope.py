@@ -4,9 +4,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.cache.rope import RopeUnsupported, Rotary, RotaryTable
-from engine.cache.selftest import run_selftest
-from engine.models.tiny import tiny_model
+from kvscope.engine.cache.rope import RopeUnsupported, Rotary, RotaryTable
+from kvscope.engine.cache.selftest import run_selftest
+from kvscope.engine.models.tiny import tiny_model
 from tests.engine.cache.test_notebook import NOTEBOOK_ARCHS
 
 

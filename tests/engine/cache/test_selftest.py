@@ -5,11 +5,11 @@ import dataclasses
 import pytest
 import torch
 
-from engine.cache import rope
-from engine.cache.notebook import Notebook
-from engine.cache.rope import RotaryTable
-from engine.cache.selftest import NOISE_FACTOR, run_selftest
-from engine.models.tiny import tiny_model
+from kvscope.engine.cache import rope
+from kvscope.engine.cache.notebook import Notebook
+from kvscope.engine.cache.rope import RotaryTable
+from kvscope.engine.cache.selftest import NOISE_FACTOR, run_selftest
+from kvscope.engine.models.tiny import tiny_model
 
 DTYPES = (torch.float32, torch.bfloat16)
 # half-split, qk-norm, soft-capping with a window, partial rotary, YaRN (fp32 on every arch: test_rope.py)
@@ -90,7 +90,7 @@ def rotation_off_by_one(monkeypatch):
 
 
 def test_the_splice_gate_refuses_every_splice_once_the_selftest_fails(rotation_off_by_one):
-    from engine.cache.loaded import SpliceLocked
+    from kvscope.engine.cache.loaded import SpliceLocked
 
     lm = tiny_model("qwen2")
     prefix, block = Notebook.prefill(lm, [5, 6, 7], "prefix"), Notebook.prefill(lm, [8, 9], "block").block("block")
@@ -107,7 +107,7 @@ def test_the_splice_gate_runs_the_selftest_once_for_concurrent_first_splices(mon
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    from engine.cache import loaded
+    from kvscope.engine.cache import loaded
 
     calls = []
 
@@ -131,7 +131,7 @@ def test_the_splice_gate_runs_the_selftest_once_for_concurrent_first_splices(mon
 
 
 def test_a_model_built_without_a_selftest_keeps_splicing_locked():
-    from engine.cache.loaded import SpliceGate, SpliceLocked
+    from kvscope.engine.cache.loaded import SpliceGate, SpliceLocked
 
     lm = tiny_model("llama")
     lm.splice_gate = SpliceGate()

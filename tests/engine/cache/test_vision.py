@@ -7,15 +7,15 @@ import numpy as np
 import pytest
 import torch
 
-from engine.cache import vision
-from engine.cache.image_table import ImageTable
-from engine.cache.notebook import Knockout, Notebook
-from engine.checks.support import TOLERANCE, _picture, _pixel_logits
-from engine.cli import main
-from engine.compose.pictures import bundled_images, compare_image, load_picture
-from engine.compose.skills import SkillFileError, load_block, save_block
-from engine.errors import KVScopeError, NotebookError
-from engine.models.tiny import VISION_ARCHS, tiny_model
+from kvscope.engine.cache import vision
+from kvscope.engine.cache.image_table import ImageTable
+from kvscope.engine.cache.notebook import Knockout, Notebook
+from kvscope.engine.checks.support import TOLERANCE, _picture, _pixel_logits
+from kvscope.engine.cli import main
+from kvscope.engine.compose.pictures import bundled_images, compare_image, load_picture
+from kvscope.engine.compose.skills import SkillFileError, load_block, save_block
+from kvscope.engine.errors import KVScopeError, NotebookError
+from kvscope.engine.models.tiny import VISION_ARCHS, tiny_model
 
 QUESTION, ANSWERS = [5, 6, 7], {"a": [[8]], "b": [[9, 10]]}
 

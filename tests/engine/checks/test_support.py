@@ -6,19 +6,19 @@ import re
 import pytest
 import torch
 
-from engine.cache.adapter import CacheUnsupported
-from engine.cache.notebook import Knockout, Notebook
-from engine.cache.rope import KEYS, VALUES, Rotary
-from engine.checks.support import (
+from kvscope.engine.cache.adapter import CacheUnsupported
+from kvscope.engine.cache.notebook import Knockout, Notebook
+from kvscope.engine.cache.rope import KEYS, VALUES, Rotary
+from kvscope.engine.checks.support import (
     OPERATIONS,
     TOLERANCE,
     check_model,
     markdown_table,
     support_matrix,
 )
-from engine.cli import main
-from engine.models import load_model
-from engine.models.tiny import (
+from kvscope.engine.cli import main
+from kvscope.engine.models import load_model
+from kvscope.engine.models.tiny import (
     FAMILIES,
     HYBRID_ARCHS,
     TINY_ARCHS,

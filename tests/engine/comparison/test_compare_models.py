@@ -6,25 +6,25 @@ import json
 
 import pytest
 
-from engine.cli import main
-from engine.comparison import (
+from kvscope.engine.cli import main
+from kvscope.engine.comparison import (
     COMPARED_STRATEGIES,
     MAX_MODELS,
     READ_HEAD_MASS,
     ComparisonError,
     compare_models,
 )
-from engine.comparison.models import NOTES_TOP
-from engine.compose.fidelity import compare
-from engine.compose.placing import with_skills
-from engine.compose.remedy import DEFAULT_REMEDY
-from engine.compose.skills import SkillStore
-from engine.edit.experiment import EditExperiment
-from engine.edit.strategies import EditSettings
-from engine.models import load_model
-from engine.probes.heads import probe_heads
-from engine.probes.notes_map import probe_notes_map
-from engine.scenario import Scenario
+from kvscope.engine.comparison.models import NOTES_TOP
+from kvscope.engine.compose.fidelity import compare
+from kvscope.engine.compose.placing import with_skills
+from kvscope.engine.compose.remedy import DEFAULT_REMEDY
+from kvscope.engine.compose.skills import SkillStore
+from kvscope.engine.edit.experiment import EditExperiment
+from kvscope.engine.edit.strategies import EditSettings
+from kvscope.engine.models import load_model
+from kvscope.engine.probes.heads import probe_heads
+from kvscope.engine.probes.notes_map import probe_notes_map
+from kvscope.engine.scenario import Scenario
 from tests.shared import SAME_LENGTH_SCENARIO
 
 MODELS = ("tiny-llama", "tiny-gpt2")  # GPT-2 has learned positions: its splice is refused, and the row says why

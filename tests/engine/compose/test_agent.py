@@ -5,19 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.cache.notebook import Notebook
-from engine.compose.agent import (
+from kvscope.engine.cache.notebook import Notebook
+from kvscope.engine.compose.agent import (
     Compaction,
     compacted,
     run_agent,
     state_schedule,
     value_schedule,
 )
-from engine.compose.placing import adhoc_scenario
-from engine.compose.remedy import Remedy
-from engine.edit.erratum import WORDINGS as ERRATUM_WORDINGS
-from engine.edit.runs import render_for, run_scenario
-from engine.scenario import Scenario, ScenarioError
+from kvscope.engine.compose.placing import adhoc_scenario
+from kvscope.engine.compose.remedy import Remedy
+from kvscope.engine.edit.erratum import WORDINGS as ERRATUM_WORDINGS
+from kvscope.engine.edit.runs import render_for, run_scenario
+from kvscope.engine.scenario import Scenario, ScenarioError
 
 TWO_FIELDS = '''
 name = "Two fields"

@@ -8,12 +8,12 @@ import time
 
 import pytest
 
-from engine.compose import calibration
-from engine.compose.calibration import AUTO, CalibrationPlan, calibrated_remedy, model_remedies, resolve_remedy, stored_choice
-from engine.compose.choice import RemedyChoice, choice_record, choose_remedy, gaps_of
-from engine.compose.remedy import DEFAULT_REMEDY, Remedy
-from engine.errors import KVScopeError
-from engine.progress import fraction
+from kvscope.engine.compose import calibration
+from kvscope.engine.compose.calibration import AUTO, CalibrationPlan, calibrated_remedy, model_remedies, resolve_remedy, stored_choice
+from kvscope.engine.compose.choice import RemedyChoice, choice_record, choose_remedy, gaps_of
+from kvscope.engine.compose.remedy import DEFAULT_REMEDY, Remedy
+from kvscope.engine.errors import KVScopeError
+from kvscope.engine.progress import fraction
 from tests.engine.test_cli import run_cli
 
 
@@ -132,7 +132,7 @@ def test_the_cli_compose_with_auto_uses_the_calibrated_remedy(lm, store, tmp_pat
 
 
 def _first_field(scenario_name: str):
-    from engine.scenario import Scenario, bundled_scenarios
+    from kvscope.engine.scenario import Scenario, bundled_scenarios
 
     return next(iter(Scenario.load(bundled_scenarios()[scenario_name]).fields.values()))
 
@@ -180,8 +180,8 @@ def test_the_time_left_is_estimated_phase_by_phase_from_the_steps_measured():
 
 
 def test_a_cancelled_calibration_stops_within_one_forward_stores_nothing_and_can_run_again(lm, store, tmp_path, monkeypatch):
-    from engine.cache import adapter
-    from engine.cache.budget import Cancelled
+    from kvscope.engine.cache import adapter
+    from kvscope.engine.cache.budget import Cancelled
 
     monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path))
     path = tmp_path / "remedy-choices.json"
@@ -209,7 +209,7 @@ def test_a_cancelled_calibration_stops_within_one_forward_stores_nothing_and_can
 
 def _during_a_forward(monkeypatch, action):
     """Run ``action`` in a thread from inside the first model forward, which then lasts 0.3 s more; returns the thread."""
-    from engine.cache import adapter
+    from kvscope.engine.cache import adapter
 
     original, threads = adapter.forward, []
 
@@ -225,8 +225,8 @@ def _during_a_forward(monkeypatch, action):
 
 
 def test_a_short_request_runs_between_the_calibrations_forwards_and_says_what_it_waited_for(lm, store, tmp_path, monkeypatch):
-    from engine.cache.budget import ComputeGate, WorkBudget, bounded, waits_reported
-    from engine.cache.notebook import Notebook
+    from kvscope.engine.cache.budget import ComputeGate, WorkBudget, bounded, waits_reported
+    from kvscope.engine.cache.notebook import Notebook
 
     monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path))
     gate, waits, finished = ComputeGate(), [], {}

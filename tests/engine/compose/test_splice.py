@@ -9,25 +9,25 @@ import torch
 from safetensors.torch import save_file
 from transformers import DynamicCache
 
-from engine import timing
-from engine.cache.notebook import Notebook, NotebookError
-from engine.compose import fidelity as fidelity_module
-from engine.compose.fidelity import compare
-from engine.compose.keystone import keystone
-from engine.compose.memory import memory_placement
-from engine.compose.placing import adhoc_scenario, with_skills
-from engine.compose.remedy import Remedy, split_remedies
-from engine.compose.skills import (
+from kvscope.engine import timing
+from kvscope.engine.cache.notebook import Notebook, NotebookError
+from kvscope.engine.compose import fidelity as fidelity_module
+from kvscope.engine.compose.fidelity import compare
+from kvscope.engine.compose.keystone import keystone
+from kvscope.engine.compose.memory import memory_placement
+from kvscope.engine.compose.placing import adhoc_scenario, with_skills
+from kvscope.engine.compose.remedy import Remedy, split_remedies
+from kvscope.engine.compose.skills import (
     SkillFileError,
     SkillStore,
     compile_skill,
     load_block,
     save_block,
 )
-from engine.compose.splice import splice_prompt, top_of
-from engine.errors import KVScopeError
-from engine.models.tiny import tiny_model
-from engine.scenario import (
+from kvscope.engine.compose.splice import splice_prompt, top_of
+from kvscope.engine.errors import KVScopeError
+from kvscope.engine.models.tiny import tiny_model
+from kvscope.engine.scenario import (
     Scenario,
     ScenarioError,
     Skill,
@@ -159,7 +159,7 @@ def test_stored_skill_refusals(lm, tmp_path):
         load_block(tampered, lm)
     meta = json.loads(__import__("safetensors").safe_open(str(path), framework="pt").metadata()["kvscope"])
     wrong = {f"{kind}.{i}": torch.zeros(2, 3, 16) for kind in ("keys", "values") for i in range(3)}
-    from engine.compose.skills import _tensor_digest
+    from kvscope.engine.compose.skills import _tensor_digest
 
     meta["sha256"] = _tensor_digest(wrong)
     save_file(wrong, str(tmp_path / "shape.safetensors"), metadata={"kvscope": json.dumps(meta)})
@@ -218,9 +218,9 @@ def test_memory_placement_reports_both_layouts(lm, store):
 
 
 def test_composer_text_is_literal_even_when_it_names_a_skill():
-    from engine.compose.placing import compose_scenario
-    from engine.models.tiny import tiny_model
-    from engine.scenario import render
+    from kvscope.engine.compose.placing import compose_scenario
+    from kvscope.engine.models.tiny import tiny_model
+    from kvscope.engine.scenario import render
 
     tokenizer = tiny_model("qwen2").tokenizer
     plain = render(compose_scenario(["account_gate"]), tokenizer)
@@ -325,7 +325,7 @@ def test_prefix_compile_makes_a_skill_after_the_system_prompt_exact(lm, store):
 
 
 def test_aggregator_selection_recomputes_exactly_the_skills_punctuation(lm, store):
-    from engine.scenario import is_aggregator
+    from kvscope.engine.scenario import is_aggregator
 
     scenario = adhoc_scenario(SHORT)
     prompt = render(scenario, lm.tokenizer)
@@ -389,7 +389,7 @@ def test_skills_placed_after_the_fields_sit_between_fields_and_rules():
 
 
 def test_decision_match_counts_agreement_only_when_decisive():
-    from engine.cache.decision import DECISIVE_MARGIN, DecisionMatch
+    from kvscope.engine.cache.decision import DECISIVE_MARGIN, DecisionMatch
 
     def decision(margin):
         return type("D", (), {"margin": margin, "label": "a" if margin > 0 else "b"})()
@@ -414,7 +414,7 @@ def test_keystone_on_a_moved_skill_reports_recovery_gaps(lm, store):
 
 
 def test_a_scenario_that_places_skills_stands_alone_in_the_composer():
-    from engine.compose.placing import compose_scenario
+    from kvscope.engine.compose.placing import compose_scenario
 
     keystone_demo = Scenario.load(bundled_scenarios()["keystone_safety"])
     alone = compose_scenario([], base=keystone_demo)

@@ -2,11 +2,11 @@
 
 import pytest
 
-from engine.compose.placing import adhoc_scenario
-from engine.compose.remedy import Remedy
-from engine.compose.study import Study, run_study, skill_prefixes, summarize
-from engine.errors import KVScopeError
-from engine.scenario import Scenario, bundled_scenarios
+from kvscope.engine.compose.placing import adhoc_scenario
+from kvscope.engine.compose.remedy import Remedy
+from kvscope.engine.compose.study import Study, run_study, skill_prefixes, summarize
+from kvscope.engine.errors import KVScopeError
+from kvscope.engine.scenario import Scenario, bundled_scenarios
 
 SHORT = ["account_gate", "user_memory"]
 

@@ -6,13 +6,13 @@ import json
 import pytest
 import torch
 
-from engine.cache.recurrent import RecurrentContext
-from engine.checks.support import TOLERANCE
-from engine.cli import main
-from engine.edit.hybrid import hybrid_edit, read_scenario
-from engine.errors import NotebookError
-from engine.models.tiny import tiny_model
-from engine.scenario import Scenario
+from kvscope.engine.cache.recurrent import RecurrentContext
+from kvscope.engine.checks.support import TOLERANCE
+from kvscope.engine.cli import main
+from kvscope.engine.edit.hybrid import hybrid_edit, read_scenario
+from kvscope.engine.errors import NotebookError
+from kvscope.engine.models.tiny import tiny_model
+from kvscope.engine.scenario import Scenario
 from tests.shared import SAME_LENGTH_SCENARIO
 
 DECODE, ANSWERS = [5, 6, 7], {"a": [[8]], "b": [[9, 10, 11]]}

@@ -5,12 +5,12 @@ import json
 import pytest
 import torch
 
-from engine.cache.notebook import Notebook, NotebookError
-from engine.cache.patching import attribution_effects
-from engine.edit.experiment import EditExperiment
-from engine.edit.strategies import STRATEGIES, EditSettings, StrategyError, check_names
-from engine.models.tiny import tiny_model
-from engine.scenario import Scenario, ScenarioError
+from kvscope.engine.cache.notebook import Notebook, NotebookError
+from kvscope.engine.cache.patching import attribution_effects
+from kvscope.engine.edit.experiment import EditExperiment
+from kvscope.engine.edit.strategies import STRATEGIES, EditSettings, StrategyError, check_names
+from kvscope.engine.models.tiny import tiny_model
+from kvscope.engine.scenario import Scenario, ScenarioError
 from tests.shared import SAME_LENGTH_SCENARIO
 
 
@@ -186,7 +186,7 @@ def test_notes_share_is_one_minus_field_only_and_the_downstream_patch_is_exact(l
 
 
 def test_notes_share_is_undefined_for_a_length_change(lm):
-    from engine.scenario import bundled_scenarios
+    from kvscope.engine.scenario import bundled_scenarios
 
     experiment = EditExperiment(lm, Scenario.load(bundled_scenarios()["refund_gate"]))
     notes = experiment.report(["erratum"], fused=True, downstream_patch=True).notes
@@ -208,7 +208,7 @@ def test_a_change_too_small_to_recover_says_so_in_a_sentence(lm, scenario):
 
 
 def test_frontier_points_equal_each_strategy_read_on_its_own(lm, scenario):
-    from engine.probes.frontier import probe_frontier
+    from kvscope.engine.probes.frontier import probe_frontier
 
     settings = EditSettings(min_gap=0.01)
     result = probe_frontier(EditExperiment(lm, scenario, settings=settings), ks=[1, 3])
@@ -235,7 +235,7 @@ def test_an_old_strategy_name_is_refused_with_its_new_one():
 def test_the_notes_share_is_one_number_whatever_is_read_beside_it(scenario, arch):
     """The Notes tab (four strategies fused), Learn (two fused), the locality probe and a strategy-by-strategy report read
     the same oracle and field_only margins, bit for bit, in bfloat16 too (where what shares a forward moves a margin)."""
-    from engine.probes.locality import probe_locality
+    from kvscope.engine.probes.locality import probe_locality
 
     lm = tiny_model(arch, dtype=torch.bfloat16)  # tiny-llama's oracle moved by 0.006 with its forward's company before
     settings = EditSettings(min_gap=0.01)

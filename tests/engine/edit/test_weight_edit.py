@@ -7,16 +7,16 @@ import json
 import pytest
 import torch
 
-from engine.cli import main
-from engine.edit import rome
-from engine.edit.experiment import EditExperiment
-from engine.edit.lora import LoraSettings, lora_edit
-from engine.edit.rome import RomeSettings, down_projection, rank_one_insert, rome_edit
-from engine.edit.runs import run_scenario
-from engine.edit.weight_edit import compare_edits
-from engine.edit.weight_update import WeightEditError, decision_margin_of, private_copy
-from engine.models.tiny import tiny_model
-from engine.scenario import Scenario, bundled_scenarios
+from kvscope.engine.cli import main
+from kvscope.engine.edit import rome
+from kvscope.engine.edit.experiment import EditExperiment
+from kvscope.engine.edit.lora import LoraSettings, lora_edit
+from kvscope.engine.edit.rome import RomeSettings, down_projection, rank_one_insert, rome_edit
+from kvscope.engine.edit.runs import run_scenario
+from kvscope.engine.edit.weight_edit import compare_edits
+from kvscope.engine.edit.weight_update import WeightEditError, decision_margin_of, private_copy
+from kvscope.engine.models.tiny import tiny_model
+from kvscope.engine.scenario import Scenario, bundled_scenarios
 from tests.shared import SAME_LENGTH_SCENARIO
 
 FAST_LORA = LoraSettings(rank=2, steps=3)

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from engine.models.cpu_math import tune_cpu_math
+from kvscope.engine.models.cpu_math import tune_cpu_math
 
 AMD = "vendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx avx2 fma\n"
 INTEL = "vendor_id\t: GenuineIntel\nflags\t\t: fpu sse2 avx avx2 avx512f\n"

@@ -1,4 +1,4 @@
-"""engine.models: aliases, local dirs, hub ids, errors, device/dtype choice, fingerprints and info()."""
+"""kvscope.engine.models: aliases, local dirs, hub ids, errors, device/dtype choice, fingerprints and info()."""
 
 from __future__ import annotations
 
@@ -30,18 +30,18 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from engine import models
-from engine.cache.adapter import ATTENTION_NAME, install
-from engine.cache.loaded import config_hash
-from engine.models import (
+from kvscope.engine import models
+from kvscope.engine.cache.adapter import ATTENTION_NAME, install
+from kvscope.engine.cache.loaded import config_hash
+from kvscope.engine.models import (
     LoadedModel,
     ModelFingerprint,
     ModelLoadError,
     load_model,
     loading,
 )
-from engine.models import dtype as dtype_choice
-from engine.models import gguf as gguf_pipeline
+from kvscope.engine.models import dtype as dtype_choice
+from kvscope.engine.models import gguf as gguf_pipeline
 
 SMALL = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "vocab_size": 64}
 
@@ -360,7 +360,7 @@ def test_cpu_dtype_auto_keeps_float32_when_bfloat16_is_not_faster(
 def test_cpu_dtype_auto_keeps_float32_when_the_bfloat16_selftest_fails(
     llama_dir: Path, private_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import engine.cache.selftest
+    import kvscope.engine.cache.selftest
 
     monkeypatch.setattr(loading, "resolve_device", lambda device: torch.device("cpu"))
     monkeypatch.setattr(dtype_choice, "_time_prefills", lambda *models_and_ids: ((3.0, torch.ones(4)), (1.0, torch.ones(4))))
@@ -370,7 +370,7 @@ def test_cpu_dtype_auto_keeps_float32_when_the_bfloat16_selftest_fails(
         tested.append(lm.dtype)
         return types.SimpleNamespace(ok=False)
 
-    monkeypatch.setattr(engine.cache.selftest, "run_selftest", failing_selftest)
+    monkeypatch.setattr(kvscope.engine.cache.selftest, "run_selftest", failing_selftest)
     chosen = load_model(str(llama_dir))
     assert tested == [torch.bfloat16]
     assert chosen.dtype is torch.float32 and "failed the cache self-test" in chosen.dtype_reason

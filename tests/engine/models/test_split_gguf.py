@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from engine import models
-from engine.models import ModelLoadError, expected_parameter_bytes, offline_aliases
-from engine.models import gguf as gguf_pipeline
+from kvscope.engine import models
+from kvscope.engine.models import ModelLoadError, expected_parameter_bytes, offline_aliases
+from kvscope.engine.models import gguf as gguf_pipeline
 
 ROOT = Path(__file__).resolve().parents[3]
 QWEN = gguf_pipeline.QWEN_1_5B

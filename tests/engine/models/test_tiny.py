@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.models import LoadedModel, tiny
-from engine.models.tiny import (
+from kvscope.engine.models import LoadedModel, tiny
+from kvscope.engine.models.tiny import (
     HYBRID_ARCHS,
     TINY_ARCHS,
     tiny_model,

@@ -8,15 +8,15 @@ import math
 import pytest
 import torch
 
-from engine.edit.experiment import EditExperiment
-from engine.models.tiny import tiny_model
-from engine.probes import attribution
-from engine.probes.attribution import (
+from kvscope.engine.edit.experiment import EditExperiment
+from kvscope.engine.models.tiny import tiny_model
+from kvscope.engine.probes import attribution
+from kvscope.engine.probes.attribution import (
     AttributionError,
     captum_attribution,
     context_features,
 )
-from engine.scenario import Scenario, bundled_scenarios
+from kvscope.engine.scenario import Scenario, bundled_scenarios
 
 
 @pytest.fixture(scope="module")

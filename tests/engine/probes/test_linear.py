@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from engine.cache.generation import hidden_states
-from engine.cache.notebook import Notebook
-from engine.edit.experiment import EditExperiment
-from engine.models.tiny import tiny_model
-from engine.probes import linear as linear_probe
-from engine.probes.linear import (
+from kvscope.engine.cache.generation import hidden_states
+from kvscope.engine.cache.notebook import Notebook
+from kvscope.engine.edit.experiment import EditExperiment
+from kvscope.engine.models.tiny import tiny_model
+from kvscope.engine.probes import linear as linear_probe
+from kvscope.engine.probes.linear import (
     GROUPS,
     ProbeError,
     balanced_commit_layer,
@@ -25,7 +25,7 @@ from engine.probes.linear import (
     stratified_folds,
     surface_variants,
 )
-from engine.scenario import Scenario, Span, bundled_scenarios, is_aggregator
+from kvscope.engine.scenario import Scenario, Span, bundled_scenarios, is_aggregator
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.cache.notebook import Knockout, Notebook
-from engine.edit.experiment import EditExperiment
-from engine.edit.strategies import EditSettings
-from engine.models.tiny import tiny_model
-from engine.probes import (
+from kvscope.engine.cache.notebook import Knockout, Notebook
+from kvscope.engine.edit.experiment import EditExperiment
+from kvscope.engine.edit.strategies import EditSettings
+from kvscope.engine.models.tiny import tiny_model
+from kvscope.engine.probes import (
     ProbeError,
     probe_attention,
     probe_false_note,
@@ -21,8 +21,8 @@ from engine.probes import (
     probe_suffix,
     probe_trigger,
 )
-from engine.probes.registry import PROBES
-from engine.scenario import Scenario, bundled_scenarios, render
+from kvscope.engine.probes.registry import PROBES
+from kvscope.engine.scenario import Scenario, bundled_scenarios, render
 
 ATOL = 1e-5
 # The request-id scenario keeps the context length under the tiny tokenizer (REQ-1042 → REQ-7719);
@@ -259,7 +259,7 @@ def test_attention_shapes_and_masses(experiment):
 
 
 def test_attention_json_keeps_every_head_while_small_and_the_mean_over_heads_past_the_cap(experiment, monkeypatch):
-    from engine.probes import attention as attention_module
+    from kvscope.engine.probes import attention as attention_module
 
     result = probe_attention(experiment)
     small = result.stale.as_dict()

@@ -23,27 +23,27 @@ import psutil
 import pytest
 
 from benchmarks.studies.audit_scale import synthetic_log
-from engine.audit.logs.reading import read_log
-from engine.audit.logs.shards import LogFiles
-from engine.audit.measure.repairs import REPAIRS
-from engine.audit.measure.settings import MeasureSettings, check_repairs, measure_settings
-from engine.audit.measure.traffic import TrafficReport, audit_traffic, turn_work
-from engine.audit.scan.token_pass import sample_groups, scan_log
-from engine.audit.simulate.caches import CacheSettings
-from engine.audit.simulate.fleet import fleet_grid
-from engine.cli import main
-from engine.cli.parser import build_parser
-from engine.cli.scale import turn_pass
-from engine.models import ModelLoadError
-from engine.models.tiny import tiny_model, tiny_tokenizer
+from kvscope.engine.audit.logs.reading import read_log
+from kvscope.engine.audit.logs.shards import LogFiles
+from kvscope.engine.audit.measure.repairs import REPAIRS
+from kvscope.engine.audit.measure.settings import MeasureSettings, check_repairs, measure_settings
+from kvscope.engine.audit.measure.traffic import TrafficReport, audit_traffic, turn_work
+from kvscope.engine.audit.scan.token_pass import sample_groups, scan_log
+from kvscope.engine.audit.simulate.caches import CacheSettings
+from kvscope.engine.audit.simulate.fleet import fleet_grid
+from kvscope.engine.cli import main
+from kvscope.engine.cli.parser import build_parser
+from kvscope.engine.cli.scale import turn_pass
+from kvscope.engine.models import ModelLoadError
+from kvscope.engine.models.tiny import tiny_model, tiny_tokenizer
 from tests.engine.audit.endpoint.test_endpoint import ORIGINAL
 from tests.engine.audit.measure.test_traffic import QWEN_TEMPLATE
 from tests.fake_endpoint import FakeServer, serving
 
 ray = pytest.importorskip("ray")
-distributed = pytest.importorskip("engine.audit.distributed.token_pass")
-ray_setup = pytest.importorskip("engine.audit.distributed.ray_setup")
-ray_turns = pytest.importorskip("engine.audit.distributed.turns")
+distributed = pytest.importorskip("kvscope.engine.audit.distributed.token_pass")
+ray_setup = pytest.importorskip("kvscope.engine.audit.distributed.ray_setup")
+ray_turns = pytest.importorskip("kvscope.engine.audit.distributed.turns")
 
 # the bundled exports' sessions, in time order (tests/engine/audit/logs/test_exports.py)
 SESSIONS = ["s-alpha", "s-gamma", "s-alpha", "s-beta", "s-gamma", "s-alpha", "s-beta", "s-gamma", "s-alpha", "s-beta"]
@@ -194,7 +194,7 @@ def test_the_sampled_turns_measured_by_ray_actors_are_the_in_process_ones(cluste
 
 def test_the_command_gives_the_actors_the_model_as_it_loaded_it(lm):
     args = build_parser().parse_args(["audit", "log.jsonl", "--model", "tiny-qwen2", "--ray", "--workers", "3"])
-    with unittest.mock.patch("engine.audit.distributed.ray_setup.start_ray") as start:
+    with unittest.mock.patch("kvscope.engine.audit.distributed.ray_setup.start_ray") as start:
         measure = turn_pass(args, lm)
     start.assert_called_once_with("local", 3)
     assert measure.func is ray_turns.ray_measure_turns
@@ -242,7 +242,7 @@ def test_ray_and_replicas_with_an_endpoint_give_the_one_process_json(cluster, lm
 
 def test_the_token_pass_workers_import_no_torch():
     # each Ray worker imports the module its work lives in: the token pass stays on the tokenizer's imports
-    code = "import sys, engine.audit.distributed.token_pass, engine.audit.logs.shards; print('torch' in sys.modules)"
+    code = "import sys, kvscope.engine.audit.distributed.token_pass, kvscope.engine.audit.logs.shards; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
 

@@ -15,18 +15,18 @@ import httpx
 import pytest
 import torch
 
-from engine.audit.endpoint.answers import Answer, EndpointError, Probe, read_answer
-from engine.audit.endpoint.client import EndpointClient, EndpointSettings, EndpointUnreachable, retry_after
-from engine.audit.endpoint.fidelity import compare, estimate_kl
-from engine.audit.endpoint.model_pass import measure_rewrite_on_endpoint
-from engine.audit.logs.reading import read_log
-from engine.audit.logs.usage import answer_usage, observed_usage
-from engine.audit.report import types
-from engine.audit.rewrite.measure import measure_rewrite
-from engine.audit.simulate.caches import CacheSettings
-from engine.cache.decision import kl_divergence
-from engine.cli import main
-from engine.errors import Unreachable
+from kvscope.engine.audit.endpoint.answers import Answer, EndpointError, Probe, read_answer
+from kvscope.engine.audit.endpoint.client import EndpointClient, EndpointSettings, EndpointUnreachable, retry_after
+from kvscope.engine.audit.endpoint.fidelity import compare, estimate_kl
+from kvscope.engine.audit.endpoint.model_pass import measure_rewrite_on_endpoint
+from kvscope.engine.audit.logs.reading import read_log
+from kvscope.engine.audit.logs.usage import answer_usage, observed_usage
+from kvscope.engine.audit.report import types
+from kvscope.engine.audit.rewrite.measure import measure_rewrite
+from kvscope.engine.audit.simulate.caches import CacheSettings
+from kvscope.engine.cache.decision import kl_divergence
+from kvscope.engine.cli import main
+from kvscope.engine.errors import Unreachable
 from tests.fake_endpoint import FakeServer, serving
 from tests.shared import assert_valid_report
 

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from engine.audit.logs.reading import read_log
-from engine.audit.logs.shards import plan_shards, read_logs
-from engine.audit.logs.sources import SOURCES
-from engine.audit.logs.sources.otel import NOT_CAPTURED
-from engine.audit.logs.usage import observed_usage, response_usage
-from engine.audit.scan.token_pass import scan_log
-from engine.models.tiny import tiny_tokenizer
+from kvscope.engine.audit.logs.reading import read_log
+from kvscope.engine.audit.logs.shards import plan_shards, read_logs
+from kvscope.engine.audit.logs.sources import SOURCES
+from kvscope.engine.audit.logs.sources.otel import NOT_CAPTURED
+from kvscope.engine.audit.logs.usage import observed_usage, response_usage
+from kvscope.engine.audit.scan.token_pass import scan_log
+from kvscope.engine.models.tiny import tiny_tokenizer
 from tests.engine.audit.measure.test_traffic import QWEN_TEMPLATE
 
 EXPORTS = Path(__file__).resolve().parents[4] / "demos" / "logs" / "exports"

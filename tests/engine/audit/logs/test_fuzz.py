@@ -9,12 +9,12 @@ import random
 
 import pytest
 
-from engine.audit.logs.formats import AUTO, FORMATS
-from engine.audit.logs.reading import read_log
-from engine.audit.logs.sources import SOURCES
-from engine.audit.scan.token_pass import scan_log
-from engine.models.tiny import tiny_tokenizer
-from engine.scenario import DEMOS
+from kvscope.engine.audit.logs.formats import AUTO, FORMATS
+from kvscope.engine.audit.logs.reading import read_log
+from kvscope.engine.audit.logs.sources import SOURCES
+from kvscope.engine.audit.scan.token_pass import scan_log
+from kvscope.engine.models.tiny import tiny_tokenizer
+from kvscope.engine.scenario import DEMOS
 from tests.engine.audit.measure.test_traffic import QWEN_TEMPLATE
 
 MUTATED = 10_000

@@ -8,15 +8,15 @@ import random
 import numpy as np
 import pytest
 
-from engine.audit.logs.reading import read_log
-from engine.audit.logs.render import end_of_turn_ids
-from engine.audit.logs.replies import Reply, computed_tokens, finish_of, reply_of
-from engine.audit.scan.token_pass import scan_log
-from engine.audit.simulate.caches import BlockCache, CacheSettings, ServerSlots, SlotCache
-from engine.audit.simulate.prefix_cache import CacheRequest
-from engine.audit.simulate.radix import RadixCache
-from engine.audit.simulate.step import Simulation, Step, resent_reply_end
-from engine.models.tiny import tiny_tokenizer
+from kvscope.engine.audit.logs.reading import read_log
+from kvscope.engine.audit.logs.render import end_of_turn_ids
+from kvscope.engine.audit.logs.replies import Reply, computed_tokens, finish_of, reply_of
+from kvscope.engine.audit.scan.token_pass import scan_log
+from kvscope.engine.audit.simulate.caches import BlockCache, CacheSettings, ServerSlots, SlotCache
+from kvscope.engine.audit.simulate.prefix_cache import CacheRequest
+from kvscope.engine.audit.simulate.radix import RadixCache
+from kvscope.engine.audit.simulate.step import Simulation, Step, resent_reply_end
+from kvscope.engine.models.tiny import tiny_tokenizer
 from tests.engine.audit.measure.test_traffic import QWEN_TEMPLATE
 
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.audit.logs.reading import read_log
-from engine.audit.logs.requests import RequestLogError
-from engine.audit.logs.shards import log_files, plan_shards, read_logs, read_shard
+from kvscope.engine.audit.logs.reading import read_log
+from kvscope.engine.audit.logs.requests import RequestLogError
+from kvscope.engine.audit.logs.shards import log_files, plan_shards, read_logs, read_shard
 
 BUNDLED = sorted(Path("demos/logs").glob("*.jsonl")) + [Path("demos/logs/traffic/interleaved_agents.jsonl")]
 
@@ -67,9 +67,9 @@ def test_missing_paths_and_empty_directories_are_refused(tmp_path):
 def test_the_log_files_give_one_process_the_log_the_distributed_pass_sees(tmp_path, lines):
     # the one log both passes take: what one process reads (``LogFiles.log``) is what the shards the distributed pass
     # plans hold (read shard by shard, counted, then finished as one log), skipped records and time order included
-    from engine.audit.distributed.token_pass import LogCount
-    from engine.audit.logs.reading import finished_log, join_traces
-    from engine.audit.logs.shards import LogFiles, count_shards
+    from kvscope.engine.audit.distributed.token_pass import LogCount
+    from kvscope.engine.audit.logs.reading import finished_log, join_traces
+    from kvscope.engine.audit.logs.shards import LogFiles, count_shards
 
     records = [json.loads(line) for line in Path("demos/logs/exports/gateway.jsonl").read_text().splitlines()]
     shuffled = [json.dumps(records[k]) for k in (7, 2, 9, 0, 4, 1, 8, 3, 6, 5)]

@@ -5,8 +5,8 @@ import math
 
 import numpy as np
 
-from engine.audit.logs.reading import time_order, time_ordered
-from engine.audit.logs.requests import Request
+from kvscope.engine.audit.logs.reading import time_order, time_ordered
+from kvscope.engine.audit.logs.requests import Request
 
 
 def test_ties_keep_the_log_s_order_and_numbers_are_given_by_place():
@@ -35,8 +35,8 @@ def test_the_reading_puts_requests_in_that_order():
 
 
 def test_the_distributed_count_orders_by_the_same_function():
-    from engine.audit.distributed.token_pass import LogCount
-    from engine.audit.logs.shards import ShardCount
+    from kvscope.engine.audit.distributed.token_pass import LogCount
+    from kvscope.engine.audit.logs.shards import ShardCount
 
     times = [np.array([5.0, 1.0]), np.array([5.0, 1.0, 3.0])]
     counts = [ShardCount(n, len(t), [], {"openai_chat": len(t)}, {}, t, []) for n, t in enumerate(times)]

@@ -1,4 +1,4 @@
-"""The audit's model pass does only the work it needs (engine.audit.measure.kv_store): on a hand-made 3-request log, the tokens
+"""The audit's model pass does only the work it needs (kvscope.engine.audit.measure.kv_store): on a hand-made 3-request log, the tokens
 the model's forwards run equal the distinct work counted here from the token ids, greedy tokens are generated once per
 distinct prompt, the results equal the old path's (every state prefilled from scratch with plain Notebook calls), and
 attention runs through SDPA (no eager attention: nothing reads attentions)."""
@@ -8,14 +8,14 @@ import json
 import pytest
 import torch
 
-from engine.audit.logs.reading import parse_log
-from engine.audit.measure.kv_store import ComputedStates, Reference
-from engine.audit.measure.repairs import fidelity
-from engine.audit.measure.settings import measure_settings
-from engine.audit.measure.turn import audit_requests
-from engine.cache import adapter
-from engine.cache.notebook import Notebook
-from engine.models.tiny import tiny_model
+from kvscope.engine.audit.logs.reading import parse_log
+from kvscope.engine.audit.measure.kv_store import ComputedStates, Reference
+from kvscope.engine.audit.measure.repairs import fidelity
+from kvscope.engine.audit.measure.settings import measure_settings
+from kvscope.engine.audit.measure.turn import audit_requests
+from kvscope.engine.cache import adapter
+from kvscope.engine.cache.notebook import Notebook
+from kvscope.engine.models.tiny import tiny_model
 
 SYSTEM = "You are the help desk of Northwind.\nSession started: {time}\nAccount tier: gold\nBe brief and exact."
 TOKENS = 3

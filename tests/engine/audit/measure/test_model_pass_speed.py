@@ -7,16 +7,16 @@ import json
 
 import pytest
 
-from engine.audit.logs.reading import read_log
-from engine.audit.measure import meter as meter_module
-from engine.audit.measure.kv_store import ComputedStates, forward_chunks
-from engine.audit.measure.meter import RESOLUTION, ModelPassMeter
-from engine.audit.measure.settings import measure_settings
-from engine.audit.measure.traffic import audit_traffic
-from engine.audit.rewrite.measure import measure_rewrite
-from engine.cache import budget
-from engine.models.tiny import tiny_model
-from engine.progress import fraction
+from kvscope.engine.audit.logs.reading import read_log
+from kvscope.engine.audit.measure import meter as meter_module
+from kvscope.engine.audit.measure.kv_store import ComputedStates, forward_chunks
+from kvscope.engine.audit.measure.meter import RESOLUTION, ModelPassMeter
+from kvscope.engine.audit.measure.settings import measure_settings
+from kvscope.engine.audit.measure.traffic import audit_traffic
+from kvscope.engine.audit.rewrite.measure import measure_rewrite
+from kvscope.engine.cache import budget
+from kvscope.engine.models.tiny import tiny_model
+from kvscope.engine.progress import fraction
 
 SYSTEM = "You are the help desk of Northwind.\nSession started: {time}\nAccount tier: gold\nBe brief and exact."
 HOISTED = "You are the help desk of Northwind.\nAccount tier: gold\nBe brief and exact."

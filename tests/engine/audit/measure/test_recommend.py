@@ -2,9 +2,9 @@
 floor the exact reference shows), and beside it the KV-level repair a cache-editing engine could run. Each case is
 built so that inverting one test of the bars (KL, top token, agreement, the widening, the level) changes the answer."""
 
-from engine.audit.measure.recommend import Bars, KvAlternative, recommend
-from engine.audit.measure.repairs import REPAIR_SUMMARIES, REPAIRS, OutputFidelity, RepairResult
-from engine.edit.strategies import REGISTRY
+from kvscope.engine.audit.measure.recommend import Bars, KvAlternative, recommend
+from kvscope.engine.audit.measure.repairs import REPAIR_SUMMARIES, REPAIRS, OutputFidelity, RepairResult
+from kvscope.engine.edit.strategies import REGISTRY
 
 
 def _result(name: str, computed: int, kl: float, agreement: float, top1: bool = True) -> RepairResult:
@@ -92,8 +92,8 @@ def test_bars_are_the_users_own_where_the_reference_holds_them():
 def test_the_json_and_the_figures_mark_a_repair_within_the_widened_bars():
     """A repair at KL 0.0015 passes the bar widened to the 0.002 floor though it misses the user's 0.001: the turn's JSON
     says so per repair, and the audit figures' filled markers follow it rather than the raw threshold."""
-    from engine.audit.measure.turn import AuditTurn
-    from viz.audit import within
+    from kvscope.engine.audit.measure.turn import AuditTurn
+    from kvscope.viz.audit import within
 
     results = {"recompute": _result("recompute", 90, 0.002, 0.66), "hoist": _result("hoist", 5, 0.0015, 0.70)}
     results["erratum"] = _result("erratum", 8, 0.01, 0.70)

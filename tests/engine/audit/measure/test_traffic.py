@@ -10,18 +10,18 @@ import random
 import numpy as np
 import pytest
 
-from engine.audit.logs.reading import parse_log, read_log
-from engine.audit.logs.render import render_batch
-from engine.audit.measure.settings import measure_settings
-from engine.audit.measure.traffic import audit_traffic, pending_report
-from engine.audit.measure.turn import audit_requests
-from engine.audit.scan.sampling import bounded_sample, traffic_scan
-from engine.audit.scan.token_pass import scan_log
-from engine.audit.simulate.caches import BlockCache, SlotCache
-from engine.audit.simulate.prefix_cache import CacheRequest
-from engine.audit.simulate.radix import RadixTree
-from engine.cache.budget import Cancelled
-from engine.models.tiny import tiny_model, tiny_tokenizer
+from kvscope.engine.audit.logs.reading import parse_log, read_log
+from kvscope.engine.audit.logs.render import render_batch
+from kvscope.engine.audit.measure.settings import measure_settings
+from kvscope.engine.audit.measure.traffic import audit_traffic, pending_report
+from kvscope.engine.audit.measure.turn import audit_requests
+from kvscope.engine.audit.scan.sampling import bounded_sample, traffic_scan
+from kvscope.engine.audit.scan.token_pass import scan_log
+from kvscope.engine.audit.simulate.caches import BlockCache, SlotCache
+from kvscope.engine.audit.simulate.prefix_cache import CacheRequest
+from kvscope.engine.audit.simulate.radix import RadixTree
+from kvscope.engine.cache.budget import Cancelled
+from kvscope.engine.models.tiny import tiny_model, tiny_tokenizer
 from tests.shared import assert_valid_report
 
 # Qwen2.5-Instruct's chat template (Apache-2.0): tools in the system turn, <tool_call> blocks, tool responses.
@@ -113,7 +113,7 @@ AGENT_MESSAGES = [
         "content": "",
         "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "search", "arguments": '{"pattern": "def parse"}'}}],
     },
-    {"role": "tool", "tool_call_id": "call_1", "content": "engine/parse.py:12: def parse(text):"},
+    {"role": "tool", "tool_call_id": "call_1", "content": "kvscope/engine/parse.py:12: def parse(text):"},
 ]
 
 
@@ -164,7 +164,7 @@ def test_every_format_renders_as_its_openai_request(tokenizer):
             {"role": "assistant", "content": [{"type": "tool_use", "id": "call_1", "name": "search", "input": {"pattern": "def parse"}}]},
             {
                 "role": "user",
-                "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": "engine/parse.py:12: def parse(text):"}],
+                "content": [{"type": "tool_result", "tool_use_id": "call_1", "content": "kvscope/engine/parse.py:12: def parse(text):"}],
             },
         ],
     }
@@ -174,7 +174,7 @@ def test_every_format_renders_as_its_openai_request(tokenizer):
         "input": [
             {"role": "user", "content": [{"type": "input_text", "text": "Where is the parser?"}]},
             {"type": "function_call", "call_id": "call_1", "name": "search", "arguments": '{"pattern": "def parse"}'},
-            {"type": "function_call_output", "call_id": "call_1", "output": "engine/parse.py:12: def parse(text):"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "kvscope/engine/parse.py:12: def parse(text):"},
         ],
     }
     assert _one(tokenizer, anthropic)[0] == openai

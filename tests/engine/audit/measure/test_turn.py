@@ -8,21 +8,21 @@ import math
 import pytest
 import torch
 
-from engine.audit.changes.fields import diff_requests
-from engine.audit.logs.reading import parse_log, parse_prompt, read_log
-from engine.audit.logs.render import render_request
-from engine.audit.logs.requests import RequestLogError
-from engine.audit.measure.kv_store import ComputedStates
-from engine.audit.measure.recommend import recommend
-from engine.audit.measure.repairs import Reference, coarse, fidelity
-from engine.audit.measure.settings import measure_settings
-from engine.audit.measure.traffic import audit_traffic
-from engine.audit.measure.turn import audit_requests, audit_value, candidates, repaired_template, scenario_toml
-from engine.audit.rewrite.measure import apply_template
-from engine.cache.notebook import Notebook
-from engine.edit.experiment import EditExperiment
-from engine.models.tiny import tiny_model
-from engine.scenario import DEMOS, Scenario, escape_braces, unescape_braces
+from kvscope.engine.audit.changes.fields import diff_requests
+from kvscope.engine.audit.logs.reading import parse_log, parse_prompt, read_log
+from kvscope.engine.audit.logs.render import render_request
+from kvscope.engine.audit.logs.requests import RequestLogError
+from kvscope.engine.audit.measure.kv_store import ComputedStates
+from kvscope.engine.audit.measure.recommend import recommend
+from kvscope.engine.audit.measure.repairs import Reference, coarse, fidelity
+from kvscope.engine.audit.measure.settings import measure_settings
+from kvscope.engine.audit.measure.traffic import audit_traffic
+from kvscope.engine.audit.measure.turn import audit_requests, audit_value, candidates, repaired_template, scenario_toml
+from kvscope.engine.audit.rewrite.measure import apply_template
+from kvscope.engine.cache.notebook import Notebook
+from kvscope.engine.edit.experiment import EditExperiment
+from kvscope.engine.models.tiny import tiny_model
+from kvscope.engine.scenario import DEMOS, Scenario, escape_braces, unescape_braces
 
 SYSTEM = (
     "You are the support agent of Northwind.\nSession started: {time}\nUser id: {user}\nAccount tier: {tier}\n"
@@ -238,7 +238,7 @@ def test_coarse_grains():
 )
 def test_one_date_time_pattern_is_found_widened_and_coarsened_alike(lm, value, hour):
     """The diff widens a change to the whole date-time, the volatile-span finder marks all of it, and ``coarsen``
-    reads it: one pattern (``engine.audit.changes.fields.DATETIME``), so the three agree on every form."""
+    reads it: one pattern (``kvscope.engine.audit.changes.fields.DATETIME``), so the three agree on every form."""
     assert coarse(value, "hour") == hour
     old = render_request(lm, parse_log(_log(_request(time="1999-01-01")))[0])
     new = render_request(lm, parse_log(_log(_request(time=value)))[0])

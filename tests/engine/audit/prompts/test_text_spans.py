@@ -1,4 +1,4 @@
-"""Where in a prompt (engine/audit/prompts/text_spans.py), on tiny-qwen2's chat template: a found text and a picked candidate come
+"""Where in a prompt (kvscope/engine/audit/prompts/text_spans.py), on tiny-qwen2's chat template: a found text and a picked candidate come
 back as characters of one message's content holding exactly that text; the menu pairs labels with numbers; an exact
 prefix cache stops where the two rendered texts part (never inside a changed field) and the appended span holds the
 new turn."""
@@ -8,12 +8,19 @@ import json
 import numpy as np
 import pytest
 
-from engine.audit.changes.fields import candidate_spans, diff_requests
-from engine.audit.logs.reading import parse_prompt
-from engine.audit.logs.render import render_request
-from engine.audit.logs.requests import RequestLogError
-from engine.audit.prompts.text_spans import LABEL_CHARS, appended_chars, candidate_menu, candidate_span, find_span, prefix_cache_stop
-from engine.models.tiny import tiny_model
+from kvscope.engine.audit.changes.fields import candidate_spans, diff_requests
+from kvscope.engine.audit.logs.reading import parse_prompt
+from kvscope.engine.audit.logs.render import render_request
+from kvscope.engine.audit.logs.requests import RequestLogError
+from kvscope.engine.audit.prompts.text_spans import (
+    LABEL_CHARS,
+    appended_chars,
+    candidate_menu,
+    candidate_span,
+    find_span,
+    prefix_cache_stop,
+)
+from kvscope.engine.models.tiny import tiny_model
 
 SYSTEM = "You are the help desk of a bike shop.\nSession started: 2026-05-12 09:{minute}\nTicket: {ticket}\nBe brief."
 ASK = "Is the repair of my wheel covered? Order A-48213."

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.audit.report.gate import EXIT_FAILED, GateError, exit_code, gate, markdown, parse_conditions, quantity
-from engine.cli import main
+from kvscope.engine.audit.report.gate import EXIT_FAILED, GateError, exit_code, gate, markdown, parse_conditions, quantity
+from kvscope.engine.cli import main
 
 ROWS = [  # two measured requests of a rewrite
     {

@@ -1,4 +1,4 @@
-"""The report is the schema: every ``as_dict`` of the audit returns one of ``engine.audit.report.types``, the published
+"""The report is the schema: every ``as_dict`` of the audit returns one of ``kvscope.engine.audit.report.types``, the published
 JSON Schema (docs/audit-report.schema.json) is the one generated from them and is what ``audit-schema`` prints, each
 bundled log's report validates against it, and a report missing a required key or holding an unnamed one does not."""
 
@@ -17,10 +17,10 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-import engine.audit
-from engine.audit.report import types
-from engine.audit.report.schema import PUBLISHED, report_schema, schema_text
-from engine.cli import main
+import kvscope.engine.audit
+from kvscope.engine.audit.report import types
+from kvscope.engine.audit.report.schema import PUBLISHED, report_schema, schema_text
+from kvscope.engine.cli import main
 from tests.shared import assert_valid_report
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -37,7 +37,7 @@ def _cli(*args: str) -> tuple[int, dict]:
 
 def _audit_modules() -> list:
     modules = []
-    for info in pkgutil.walk_packages(engine.audit.__path__, "engine.audit."):
+    for info in pkgutil.walk_packages(kvscope.engine.audit.__path__, "kvscope.engine.audit."):
         try:
             modules.append(importlib.import_module(info.name))
         except ImportError:
@@ -52,13 +52,15 @@ def test_every_as_dict_of_the_audit_returns_a_part_of_the_report():
         for _, cls in inspect.getmembers(module, inspect.isclass):
             if cls.__module__ == module.__name__ and "as_dict" in vars(cls):
                 returned = typing.get_type_hints(cls.as_dict, vars(module), vars(types))["return"]
-                assert returned in typed, f"{cls.__qualname__}.as_dict returns {returned!r}, not a type of engine.audit.report.types"
+                assert returned in typed, (
+                    f"{cls.__qualname__}.as_dict returns {returned!r}, not a type of kvscope.engine.audit.report.types"
+                )
                 found.append(cls.__qualname__)
     assert len(found) >= 23, found
 
 
 def test_the_published_schema_is_the_generated_one_and_the_cli_prints_it():
-    assert (ROOT / PUBLISHED).read_text(encoding="utf-8") == schema_text(), "regenerate it: python -m engine audit-schema"
+    assert (ROOT / PUBLISHED).read_text(encoding="utf-8") == schema_text(), "regenerate it: python -m kvscope audit-schema"
     jsonschema.Draft202012Validator.check_schema(report_schema())
     code, printed = _cli("audit-schema")
     assert code == 0 and printed == report_schema()

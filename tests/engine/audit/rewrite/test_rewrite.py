@@ -11,11 +11,11 @@ import re
 import pytest
 import torch
 
-from engine.audit.logs.reading import read_log
-from engine.audit.logs.requests import RequestLogError
-from engine.audit.rewrite.measure import apply_template, check_pairing, measure_rewrite, measure_rewrites
-from engine.cli import main
-from engine.models.tiny import tiny_model
+from kvscope.engine.audit.logs.reading import read_log
+from kvscope.engine.audit.logs.requests import RequestLogError
+from kvscope.engine.audit.rewrite.measure import apply_template, check_pairing, measure_rewrite, measure_rewrites
+from kvscope.engine.cli import main
+from kvscope.engine.models.tiny import tiny_model
 
 RULES = "Account tier: gold\nAnswer in one short paragraph. Never promise a refund above the tier's limit; check the order first."
 SYSTEM = "You are the support agent of Northwind.\nThe current time is {time}.\n" + RULES

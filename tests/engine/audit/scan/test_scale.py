@@ -11,13 +11,13 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-import engine.audit.logs.render as render_module
-from engine.audit.logs.reading import read_log
-from engine.audit.logs.render import TextEncoder, render_batch
-from engine.audit.scan.token_pass import scan_log
-from engine.audit.simulate.caches import CacheSettings
-from engine.audit.simulate.radix import RadixTree
-from engine.models.tiny import tiny_tokenizer
+import kvscope.engine.audit.logs.render as render_module
+from kvscope.engine.audit.logs.reading import read_log
+from kvscope.engine.audit.logs.render import TextEncoder, render_batch
+from kvscope.engine.audit.scan.token_pass import scan_log
+from kvscope.engine.audit.simulate.caches import CacheSettings
+from kvscope.engine.audit.simulate.radix import RadixTree
+from kvscope.engine.models.tiny import tiny_tokenizer
 from tests.engine.audit.measure.test_traffic import AGENT_MESSAGES, QWEN_TEMPLATE, TOOLS, _chat, _lcp
 
 

@@ -8,13 +8,13 @@ import json
 import pytest
 import transformers
 
-from engine.audit.logs.reading import read_log
-from engine.audit.logs.requests import RequestLogError
-from engine.audit.measure.traffic import audit_traffic
-from engine.cache.loaded import NO_WEIGHTS
-from engine.cli import main
-from engine.models import load_tokenizer, tiny
-from engine.models.tiny import tiny_model
+from kvscope.engine.audit.logs.reading import read_log
+from kvscope.engine.audit.logs.requests import RequestLogError
+from kvscope.engine.audit.measure.traffic import audit_traffic
+from kvscope.engine.cache.loaded import NO_WEIGHTS
+from kvscope.engine.cli import main
+from kvscope.engine.models import load_tokenizer, tiny
+from kvscope.engine.models.tiny import tiny_model
 
 SYSTEM = "You are the help desk.\nSession started: 2026-05-12 09:{m}\nBe brief."
 LOG = "\n".join(

@@ -9,12 +9,12 @@ import gzip
 import numpy as np
 import pytest
 
-from engine.audit.logs.reading import read_log
-from engine.audit.scan.token_pass import scan_log
-from engine.audit.simulate.caches import CacheSettings
-from engine.audit.simulate.fleet import Fleet, FleetError, fleet_grid
-from engine.audit.simulate.prefix_cache import CacheRequest
-from engine.models.tiny import tiny_tokenizer
+from kvscope.engine.audit.logs.reading import read_log
+from kvscope.engine.audit.scan.token_pass import scan_log
+from kvscope.engine.audit.simulate.caches import CacheSettings
+from kvscope.engine.audit.simulate.fleet import Fleet, FleetError, fleet_grid
+from kvscope.engine.audit.simulate.prefix_cache import CacheRequest
+from kvscope.engine.models.tiny import tiny_tokenizer
 
 A1 = list(range(1, 10))
 B1 = [1, 2, 3, 4, 10, 11, 12, 13, 14]

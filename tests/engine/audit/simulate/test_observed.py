@@ -9,17 +9,17 @@ import json
 import numpy as np
 import pytest
 
-from engine.audit.changes.causes import Cause
-from engine.audit.logs.reading import read_log
-from engine.audit.logs.requests import RequestLog, RequestLogError
-from engine.audit.scan.token_pass import TrafficRequest, TrafficScan, scan_log
-from engine.audit.simulate.caches import BlockCache
-from engine.audit.simulate.hosted import AnthropicCache, HostedRequest, OpenAICache, anthropic_minimum, openai_steps, provider_of
-from engine.audit.simulate.observed import fit_observed, hosted_summary, observed_summary
-from engine.audit.simulate.prefix_cache import CacheRequest
-from engine.audit.simulate.radix import RadixTree
-from engine.models import load_model
-from engine.models.tiny import tiny_tokenizer
+from kvscope.engine.audit.changes.causes import Cause
+from kvscope.engine.audit.logs.reading import read_log
+from kvscope.engine.audit.logs.requests import RequestLog, RequestLogError
+from kvscope.engine.audit.scan.token_pass import TrafficRequest, TrafficScan, scan_log
+from kvscope.engine.audit.simulate.caches import BlockCache
+from kvscope.engine.audit.simulate.hosted import AnthropicCache, HostedRequest, OpenAICache, anthropic_minimum, openai_steps, provider_of
+from kvscope.engine.audit.simulate.observed import fit_observed, hosted_summary, observed_summary
+from kvscope.engine.audit.simulate.prefix_cache import CacheRequest
+from kvscope.engine.audit.simulate.radix import RadixTree
+from kvscope.engine.models import load_model
+from kvscope.engine.models.tiny import tiny_tokenizer
 from tests.engine.audit.measure.test_traffic import QWEN_TEMPLATE, _chat, _interleaved
 from tests.engine.test_cli import run_cli
 from tests.shared import assert_valid_report

@@ -9,12 +9,12 @@ import random
 import numpy as np
 import pytest
 
-from engine.audit.changes.fields import common_prefix
-from engine.audit.simulate.caches import CacheSettings
-from engine.audit.simulate.hosted import HostedRequest
-from engine.audit.simulate.prefix_cache import CacheRequest, PrefixCache
-from engine.audit.simulate.radix import longest_shared
-from engine.audit.simulate.registry import CACHES, ENGINES
+from kvscope.engine.audit.changes.fields import common_prefix
+from kvscope.engine.audit.simulate.caches import CacheSettings
+from kvscope.engine.audit.simulate.hosted import HostedRequest
+from kvscope.engine.audit.simulate.prefix_cache import CacheRequest, PrefixCache
+from kvscope.engine.audit.simulate.radix import longest_shared
+from kvscope.engine.audit.simulate.registry import CACHES, ENGINES
 
 SETTINGS = CacheSettings(block=4)
 MODES = {**{name: SETTINGS for name in CACHES}, "llama_cpp --prompt-cache": CacheSettings(block=4, prompt_cache=True)}

@@ -4,13 +4,13 @@ exactly its providers; and the gate, the Markdown and the figures label them fro
 
 import numpy as np
 
-from engine.audit.report.gate import QUANTITIES, markdown
-from engine.audit.simulate.caches import CacheSettings, ServerSlots, SlotCache
-from engine.audit.simulate.hosted import HostedRequest
-from engine.audit.simulate.prefix_cache import CacheRequest, PrefixCache
-from engine.audit.simulate.registry import CACHES, ENGINES, LABELS, MATCHING, PROVIDERS, Caches
-from engine.audit.simulate.step import Simulation
-from viz.audit import ENGINE_LABELS, PROVIDER_LABELS
+from kvscope.engine.audit.report.gate import QUANTITIES, markdown
+from kvscope.engine.audit.simulate.caches import CacheSettings, ServerSlots, SlotCache
+from kvscope.engine.audit.simulate.hosted import HostedRequest
+from kvscope.engine.audit.simulate.prefix_cache import CacheRequest, PrefixCache
+from kvscope.engine.audit.simulate.registry import CACHES, ENGINES, LABELS, MATCHING, PROVIDERS, Caches
+from kvscope.engine.audit.simulate.step import Simulation
+from kvscope.viz.audit import ENGINE_LABELS, PROVIDER_LABELS
 
 
 def _subclasses(cls):
@@ -22,7 +22,7 @@ def test_the_registry_holds_every_cache_once_by_its_class_s_name():
     assert all(name == entry.name == entry.cache.name and entry.label and entry.description for name, entry in CACHES.items())
     assert len({entry.cache for entry in CACHES.values()}) == len(CACHES)
     # every simulated cache is registered, or is the llama.cpp entry's other mode (``--prompt-cache``)
-    found = {cls for cls in _subclasses(PrefixCache) if cls.__module__.startswith("engine.")}
+    found = {cls for cls in _subclasses(PrefixCache) if cls.__module__.startswith("kvscope.engine.")}
     assert found == {entry.cache for entry in CACHES.values()} | {ServerSlots}
     assert type(SlotCache.from_settings(CacheSettings(prompt_cache=True))) is ServerSlots
     assert set(ENGINES) | set(PROVIDERS) == set(CACHES) and not set(ENGINES) & set(PROVIDERS)

@@ -1,1 +1,0 @@
-"""Gradio wiring for KVScope (no computation lives here: handlers call engine/ and viz/)."""

@@ -1,5 +1,0 @@
-"""``python -m app``: the explorer (see app.main)."""
-
-from app.main import main
-
-main()

@@ -1,7 +1,0 @@
-"""``python -m engine``: see engine.cli."""
-
-import sys
-
-from engine.cli import main
-
-sys.exit(main())

@@ -1,0 +1,293 @@
+"""The Composer tab's handlers: skills spliced into a context vs a full recompute, the remedy menu and ``auto``'s
+calibration, a picture's K/V, the keystone, the agent loop and the N-skill study."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import plotly.graph_objects as go
+from PIL import Image
+
+from kvscope.app.handlers import benchmarks as stored_results
+from kvscope.app.handlers.common import AppError, bundled_scenario_text, guarded, number, parse_scenario
+from kvscope.app.hosting import HostingProfile
+from kvscope.app.state import ModelRegistry
+from kvscope.engine import (
+    AUTO_REMEDY,
+    IMAGE_QUESTION,
+    PLACEMENTS,
+    LoadedModel,
+    MessageProgress,
+    ModelRemedies,
+    Remedy,
+    Scenario,
+    Skill,
+    StepProgress,
+    adhoc_scenario,
+    bundled_skills,
+    cancel_calibration,
+    check_vision_model,
+    compare,
+    compare_image,
+    compose_scenario,
+    first_field_values,
+    keystone,
+    model_remedies,
+    resolve_remedy,
+    run_agent,
+    run_study,
+    skill_prefixes,
+    stored_choice,
+)
+from kvscope.viz import compose as compose_figures
+from kvscope.viz import text as panels
+from kvscope.viz.common import markdown_literal
+
+COMPOSER_TIMED_ROUNDS = 2  # rounds of splice and full recompute, alternating, after one untimed warm-up round
+MAX_PICTURE_SIDE = 448  # pixels: an uploaded picture is scaled down to fit (a few hundred image tokens at most)
+
+
+@dataclass(frozen=True)
+class Composition:
+    """The composer's context: literal text before the skills, the skills in order (literal text between them), then a
+    bundled scenario (None or empty: a generic yes/no question); ``remedy`` repairs the spliced skills (empty: the
+    default, ``auto``: this model's calibrated choice)."""
+
+    skills: Sequence[str]
+    before: str | None = ""
+    between: str | None = ""
+    after: str | None = None
+    remedy: str | None = None
+
+
+@dataclass
+class ComposeView:
+    """What the Composer shows after splice vs recompute."""
+
+    metrics_markdown: str
+    logits_figure: go.Figure
+    deviation_figure: go.Figure
+    summary: dict
+
+
+def skill_library() -> dict[str, str]:
+    """Skill id -> title, for the composer."""
+    return {skill_id: Skill.load(path).title for skill_id, path in bundled_skills().items()}
+
+
+@guarded
+def composed_scenario(composition: Composition, profile: HostingProfile | None = None) -> Scenario:
+    """The composer's context as a scenario (the user's text kept literal)."""
+    before, between = composition.before or "", composition.between or ""
+    if profile is not None:
+        profile.check_scenario_text(f"{before}{between}")
+    base = parse_scenario(bundled_scenario_text(composition.after)) if composition.after else None
+    return compose_scenario(composition.skills, before, between, base)
+
+
+# ---------------------------------------------------------------------------- remedies
+def model_menu(registry: ModelRegistry, spec: str | None) -> ModelRemedies:
+    """The remedy menu of the model ``spec`` names (:func:`kvscope.engine.model_remedies`): the choice its own stored N-skill study
+    names, else its stored calibration where it is loaded, else the static default. Nothing is loaded."""
+    resolved = registry.resolve(spec)
+    lm = registry.in_memory(resolved)
+    return model_remedies(lm.fingerprint.name if lm else resolved, stored_results.STUDY_RESULTS, lm)
+
+
+def remedy_info(registry: ModelRegistry, spec: str | None) -> str:
+    """What the model's default remedy costs and buys where it was measured, the fastest alternative beside it (plain text)."""
+    menu = model_menu(registry, spec)
+    return panels.remedy_info(menu.default, menu.source, menu.choice, model=menu.model)
+
+
+def remedy_summary(registry: ModelRegistry, spec: str | None) -> str:
+    """The remedy menu's one-line info: the model's default and its numbers where it was measured."""
+    menu = model_menu(registry, spec)
+    return panels.remedy_summary(menu.default, menu.choice, model=menu.model)
+
+
+def remedy_menu(registry: ModelRegistry, spec: str | None, names: Sequence[str]) -> list[tuple[str, str]]:
+    """(label, spec) pairs for the Composer's menu: the model's default and ``auto`` first, each remedy labelled with its
+    agreement and speedup where the model's default was measured."""
+    menu = model_menu(registry, spec)
+    return panels.remedy_menu(menu.default, AUTO_REMEDY, [*dict.fromkeys([menu.default, *names])], menu.choice)
+
+
+def remedy_for(registry: ModelRegistry, spec: str | None, lm: LoadedModel, text, report: MessageProgress | None = None) -> Remedy:
+    """The composer's remedy for this model (:func:`kvscope.engine.resolve_remedy`: empty is the model's default, ``auto`` its
+    calibrated choice), refused where ``auto`` would calibrate on a server that does not run calibrations for visitors."""
+    if text is not None and not isinstance(text, str):
+        raise AppError(f"the remedy must be a spec such as prefix+seam:1 (parts joined by +), got {text!r}")
+    default = model_menu(registry, spec).default
+    calibrates = (text or "").strip() == AUTO_REMEDY and stored_choice(lm) is None
+    if calibrates and not registry.profile.calibrate_remedies:
+        raise AppError(
+            f"remedy auto needs {lm.fingerprint.name}'s calibration (minutes of model time), which {registry.profile.label} "
+            f"does not run for visitors; pick a remedy from the menu (default {default})"
+        )
+    return resolve_remedy(lm, text, registry.skills(spec), report, default=default)
+
+
+def calibration_pending(registry: ModelRegistry, spec: str | None, remedy: str | None) -> bool:
+    """Whether splicing with ``remedy`` would first calibrate the model (``auto`` without a stored choice, on a server that
+    runs calibrations): what a Cancel button is for. A model not in memory is not loaded for this (it would calibrate)."""
+    if (remedy or "").strip() != AUTO_REMEDY or not registry.profile.calibrate_remedies:
+        return False
+    spec = registry.resolve(spec)
+    return spec not in registry.loaded() or stored_choice(registry.get(spec)) is None
+
+
+def stop_calibration(registry: ModelRegistry, spec: str | None) -> str:
+    """Cancel the running ``auto`` calibration of the model ``spec`` names (it stops before its next forward and stores
+    nothing); says what was cancelled (Markdown). A model not in memory is not loaded for this."""
+    spec = registry.resolve(spec)
+    if spec not in registry.loaded():
+        return f"No calibration of {markdown_literal(spec)} is running (the model is not loaded)."
+    lm = registry.get(spec)
+    stopped = cancel_calibration(lm)
+    if stopped is None:
+        return f"No calibration of {markdown_literal(lm.fingerprint.name)} is running."
+    return (
+        f"Cancelled the calibration of {markdown_literal(lm.fingerprint.name)} at step {stopped.index} of {stopped.total} "
+        f"({markdown_literal(stopped.step.words())}): it stops before its next forward and stores nothing."
+    )
+
+
+# ---------------------------------------------------------------------------- splice, picture, keystone, agent, study
+@guarded
+def run_compose(
+    registry: ModelRegistry, composition: Composition, *, spec: str | None = None, report: MessageProgress | None = None
+) -> ComposeView:
+    """Splice the composed skills (repaired by the composition's remedy; ``auto`` calibrates the model once, telling
+    ``report``) and compare with a full recompute, both timed in this call."""
+    lm = registry.get(spec)
+    scenario = composed_scenario(composition, registry.profile)
+    chosen = remedy_for(registry, spec, lm, composition.remedy, report)
+    fidelity = compare(lm, scenario, registry.skills(spec), remedy=chosen, reps=COMPOSER_TIMED_ROUNDS, warmup=1)
+    decode = lambda token: lm.tokenizer.decode([token])  # noqa: E731
+    return ComposeView(
+        metrics_markdown=panels.compose_metrics_markdown(fidelity),
+        logits_figure=compose_figures.logit_bars_figure(fidelity.spliced, fidelity.recomputed, fidelity.agreement, decode),
+        deviation_figure=compose_figures.deviation_figure(fidelity),
+        summary={"model": lm.fingerprint.name, **fidelity.as_dict()},
+    )
+
+
+def fitted_picture(picture: np.ndarray) -> np.ndarray:
+    """An uploaded picture as RGB, scaled down (aspect kept) so that neither side exceeds MAX_PICTURE_SIDE."""
+    image = Image.fromarray(np.asarray(picture, dtype=np.uint8)).convert("RGB")
+    image.thumbnail((MAX_PICTURE_SIDE, MAX_PICTURE_SIDE))
+    return np.asarray(image)
+
+
+@guarded
+def run_image_compose(
+    registry: ModelRegistry,
+    spec: str | None = None,
+    *,
+    picture: np.ndarray | None,
+    before: str | None = "",
+    after: str | None = "",
+    question: str | None = "",
+    seam=0,
+) -> tuple[str, go.Figure, dict]:
+    """Splice a picture's stored K/V after ``before`` (seam repair ``seam``) vs a full recompute from its pixels."""
+    if picture is None:
+        raise AppError("add a picture first (the bundled shipping label is the default)")
+    lm = registry.get(spec)
+    check_vision_model(lm)
+    result = compare_image(
+        lm,
+        fitted_picture(picture),
+        "picture",
+        before=before or "",
+        after=after or "",
+        question=(question or "").strip() or IMAGE_QUESTION,
+        seam=int(number(seam, "seam", 0)),
+    )
+    decode = lambda token: lm.tokenizer.decode([token])  # noqa: E731
+    return (
+        panels.image_metrics_markdown(result),
+        compose_figures.logit_bars_figure(result.spliced, result.recomputed, result.agreement, decode),
+        {"model": lm.fingerprint.name, **result.as_dict()},
+    )
+
+
+@guarded
+def run_keystone(
+    registry: ModelRegistry, composition: Composition, *, spec: str | None = None, progress: StepProgress = None
+) -> tuple[go.Figure, dict]:
+    """Edit the field inside a spliced skill: composed vs recomputed per strategy."""
+    lm = registry.get(spec)
+    scenario = composed_scenario(composition, registry.profile)
+    report = keystone(lm, scenario, registry.skills(spec), remedy=remedy_for(registry, spec, lm, composition.remedy), progress=progress)
+    return compose_figures.keystone_figure(report), report.as_dict()
+
+
+@guarded
+def run_agent_loop(
+    registry: ModelRegistry,
+    composition: Composition,
+    *,
+    spec: str | None = None,
+    turns,
+    toggle: bool,
+    policy: str | None = "adaptive",
+    progress: StepProgress = None,
+) -> tuple[go.Figure, dict]:
+    """Multi-turn episode with errata on a cached, composed context (compacted by ``policy``), against the
+    clean-state prefill and the identical-token re-prefill every turn."""
+    turns = number(turns, "turns", 4)
+    registry.profile.check_turns(turns)
+    lm = registry.get(spec)
+    scenario = composed_scenario(composition, registry.profile)
+    report = run_agent(
+        lm,
+        scenario,
+        registry.skills(spec),
+        turns=turns,
+        toggle=bool(toggle),
+        remedy=remedy_for(registry, spec, lm, composition.remedy),
+        policy=policy or "never",
+        progress=progress,
+    )
+    return compose_figures.agent_figure(report), report.as_dict()
+
+
+@guarded
+def run_composition_study(
+    registry: ModelRegistry,
+    spec: str | None = None,
+    *,
+    skills: Sequence[str],
+    after: str | None,
+    placements: Sequence[str],
+    remedies: Sequence[str],
+    progress: StepProgress = None,
+) -> tuple[go.Figure, str, dict]:
+    """The N-skill study on this composition: the first 1..N skills (in the composer's order) at each placement
+    in the scenario, both values of its first field, every remedy; tie-aware summary and the remedy frontier."""
+    lm = registry.get(spec)
+    if not skills:
+        raise AppError("place at least one skill in the context (drag one from the library)")
+    if not remedies:
+        raise AppError("choose at least one remedy to compare")
+    unknown = [p for p in placements or () if p not in PLACEMENTS]
+    if unknown or not placements:
+        raise AppError(f"placements must be chosen among {', '.join(PLACEMENTS)}, got {list(placements or [])}")
+    base = parse_scenario(bundled_scenario_text(after)) if after else adhoc_scenario([])
+    study = run_study(
+        lm,
+        base,
+        skill_prefixes(list(skills)),
+        registry.skills(spec),
+        remedies=[Remedy.parse(name) for name in dict.fromkeys(remedies)],
+        placements=list(dict.fromkeys(placements)),
+        values=first_field_values(base),
+        library=bundled_skills(),
+        progress=progress,
+    )
+    data = {"model": lm.fingerprint.name, **study.as_dict()}
+    return compose_figures.study_figure(data), panels.study_markdown(data), data

@@ -1,0 +1,120 @@
+"""Stage 1 of the token pass on Ray (``token_pass`` says the whole plan): an actor that holds the tokenizer reads,
+unwraps, renders and tokenizes a shard's requests, hashes their blocks and computes each row against its match among
+the shard's earlier requests (``ShardTokenPass``), returning compact records (``TokenRecord``, ``ShardTokens``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvscope.engine.audit.changes.fields import TurnDiff
+from kvscope.engine.audit.logs.reading import join_traces
+from kvscope.engine.audit.logs.render import render_batch
+from kvscope.engine.audit.logs.requests import Request, RequestLogError, Skipped
+from kvscope.engine.audit.logs.shards import Shard, read_shard
+from kvscope.engine.audit.scan.token_pass import TrafficRequest, compared_row
+from kvscope.engine.audit.simulate.caches import block_hashes
+from kvscope.engine.audit.simulate.hosted import HostedRequest, hosted_request
+from kvscope.engine.audit.simulate.observed import Reported
+from kvscope.engine.audit.simulate.radix import RadixTree
+from kvscope.engine.audit.simulate.step import Step
+
+
+@dataclass(frozen=True)
+class TokenRecord:
+    """What stage 2 holds of one request: integers, the two rows computed for it on a worker, and what its record
+    reports (the observed count, when and to which model it was sent, what a hosted provider's cache reads)."""
+
+    index: int
+    session: str | None
+    where: tuple[int, int, int]  # shard number, line, position among its record's requests
+    ids: np.ndarray  # (tokens,) int32
+    hashes: np.ndarray  # (blocks,) int64, chained
+    guess: int | None  # its match among the shard's earlier requests (a radix tree of the shard; None: none there)
+    row: TrafficRequest  # its row against that match (cold without one)
+    diff: TurnDiff | None
+    reported: Reported
+    hosted: HostedRequest | None = None
+    reply: np.ndarray | None = None  # (tokens,) int32: the logged reply's tokens the server computed (None: no reply logged)
+
+    def step(self) -> Step:
+        """The record as the simulated caches take it (``hashes``: of its tokens and its reply's)."""
+        logged = self.reply is not None
+        reply = self.reply if logged else np.zeros(0, dtype=np.int32)
+        return Step(self.ids, reply, self.index, self.session, logged, self.hosted, self.hashes)
+
+
+@dataclass(frozen=True)
+class ShardTokens:
+    """Stage 1's output for one shard: its records in order, the requests it could not render, or why it failed."""
+
+    number: int
+    records: list[TokenRecord]
+    skipped: list[Skipped]
+
+
+class ShardTokenPass:
+    """Stage 1's actor: holds the tokenizer; per shard, its requests read, numbered in the log's order, rendered,
+    hashed and diffed. ``sessions``: the Langfuse traces' sessions named anywhere in the log."""
+
+    def __init__(self, tokenizer: Any, fmt: str, limit: int, model: str, block: int, sessions: dict[str, str]):
+        self.tokenizer, self.fmt, self.limit, self.model, self.block = tokenizer, fmt, limit, model, block
+        self.sessions = sessions
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        out = []
+        for number, text, first, indexes in zip(batch["number"], batch["shard"], batch["first_index"], batch["indexes"]):
+            part = self.tokens(int(number), Shard(**json.loads(text)), int(first), json.loads(indexes))
+            # bytes, pickled here for the driver of this job (as Ray pickles any result): a column of Python objects
+            # would be converted per object to Arrow's extension type, a third of a shard's time more
+            out.append(pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL))
+        return {"tokens": np.array(out, dtype=object)}
+
+    def tokens(self, number: int, shard: Shard, first_index: int, indexes: list[int] | None) -> ShardTokens:
+        """The shard's records; ``indexes``: each request's number in the log's time order (None: the files' order)."""
+        requests = join_traces(read_shard(shard, self.fmt, first_index).requests, self.sessions)
+        place = _places(requests)  # by the files' numbering, which ``where`` re-reads by
+        if indexes is not None:
+            requests = [dataclasses.replace(request, index=index) for request, index in zip(requests, indexes, strict=True)]
+        rendered = render_batch(self.tokenizer, requests, self.limit, self.model)
+        records, skipped, local, kept = [], [], RadixTree(), {}  # the shard's own radix tree, its rendered requests
+        for request, item, at in zip(requests, rendered, place):
+            if isinstance(item, RequestLogError):
+                skipped.append(Skipped(request.line, "rendering", str(item)))
+                continue
+            _, guess = local.match(item.token_ids, request.session)
+            local.insert(item.token_ids, request.index, request.session, len(kept) + 1, item.held)
+            row, diff = compared_row(kept.get(guess), item, guess, self.block)
+            records.append(
+                TokenRecord(
+                    request.index,
+                    request.session,
+                    (number, *at),
+                    item.token_ids,
+                    block_hashes(item.held, self.block),
+                    guess,
+                    row,
+                    diff,
+                    Reported.of(request),
+                    hosted_request(item, [token for _, token in row.breakpoints]),
+                    item.reply_ids if request.reply is not None else None,
+                )
+            )
+            kept[request.index] = item
+        return ShardTokens(number, records, skipped)
+
+
+def _places(requests: Sequence[Request]) -> list[tuple[int, int]]:
+    """Per request: its line and its position among the requests its record holds."""
+    places, seen = [], {}
+    for request in requests:
+        position = seen.get(request.line, 0)
+        seen[request.line] = position + 1
+        places.append((request.line, position))
+    return places

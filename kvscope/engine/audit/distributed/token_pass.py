@@ -1,0 +1,330 @@
+"""The token pass on Ray: the per-request work on many processes or machines, the cache simulation in one ordered pass.
+
+The result is the single-process ``token_pass.scan_log``'s, request for request (the same rows, causes, diffs, groups
+and engines' reuse); only where the work runs differs:
+
+- **Stage 1, on Ray Data** (``map_batches`` over the log's shards, ``shards.plan_shards``, with an actor pool of
+  ``workers`` actors, each holding the tokenizer). A first pass counts each shard's requests (read and unwrap only),
+  and returns their timestamps, the records skipped, the flags and the sessions Langfuse traces name (``LogCount``):
+  so every request gets its number in the whole log, in time order where every request has a timestamp (as one
+  process orders it, ``reading.time_ordered``), and each observation its trace's session from any shard. The second
+  reads, unwraps, renders and tokenizes each request, hashes its blocks (``caches.block_hashes``) and computes its
+  row against its match among the shard's earlier requests (a radix tree of the shard alone; cold without one;
+  ``token_pass.compared_row``: the diff and the causes, which need the texts). A shard's records come back pickled, as bytes.
+- **Stage 2, on the driver**, in time order, over compact records: per request its token ids (int32, for the radix
+  tree and the slots), its block hashes (int64), its row and what its record reports (``Reported``, and for a hosted
+  model what its provider's cache reads). The radix tree matches the request; when the match is the shard's own guess
+  (nearly every request, none included), the row computed on the worker is the row; otherwise the pair is left for
+  stage 2b. The engines, the hosted providers' caches (and any ``fleet``) are fed here; the observed
+  counts are compared at the end (``token_pass.observed_rows``, as in one process). The driver keeps each request's row,
+  its diff (the changed values only) and where it is in the log, never a text. Files in time order stream through;
+  a log whose files are not (an export written in another order) is held whole, then sorted.
+- **Stage 2b, on the driver**: the pairs whose match was another request or none (a match in an earlier shard, or one the
+  budget evicted; a few percent of a log with shards of thousands of lines): both requests re-read by file
+  and line, rendered, and diffed by the same ``compared_row``. (On the driver, not as Ray tasks: a task process's
+  start, importing the tokenizer's library, costs more than these few pairs on a small cluster.)
+- **Stage 3, the model pass** (``traffic.audit_traffic``) on the few sampled turns: the requests it reads (the sampled
+  turns, their matches, the cold requests) are re-read and rendered on the driver, and the turns measured by Ray actors
+  that each hold the model (``ray_turns``), or on a serving endpoint (``endpoint_audit``) where one is given.
+
+Faults: a shard that cannot be read (a truncated gzip, an unreadable file) is skipped from the line it failed at,
+named by file and line, and the other shards go on; a worker that dies is restarted by Ray and its shard retried
+(``RETRIES``: the actors' ``max_restarts`` and ``max_task_retries``). A log is streamed: each worker reads its
+shard's lines, and the driver holds one shard's records at a time (all of them, for a log out of time order). An
+OpenTelemetry export is one shard (``shards.LINKED``: its spans' messages and sessions lie on other lines).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvscope.engine.audit.changes.fields import TurnDiff
+from kvscope.engine.audit.distributed.ray_setup import RETRIES
+from kvscope.engine.audit.distributed.shard_tokens import ShardTokenPass, ShardTokens, TokenRecord
+from kvscope.engine.audit.logs.reading import join_traces, record_requests, time_order
+from kvscope.engine.audit.logs.render import RenderedRequest, end_of_turn_ids, render_batch
+from kvscope.engine.audit.logs.requests import ORDERS, Flagged, Request, RequestLogError, Skipped
+from kvscope.engine.audit.logs.shards import SHARD_LINES, LogFiles, Shard, ShardCount, count_shards, read_shard, shard_lines
+from kvscope.engine.audit.scan.token_pass import TrafficRequest, TrafficScan, compared_row, observed_rows, sample_groups, settling_heap
+from kvscope.engine.audit.simulate.caches import CacheSettings
+from kvscope.engine.audit.simulate.observed import Reported
+from kvscope.engine.audit.simulate.step import Simulation, StepResult
+from kvscope.engine.progress import StepProgress
+
+
+@dataclass(frozen=True)
+class Rereader:
+    """Requests re-read from their shards by place (request -> shard, line, position among its record's requests)
+    without parsing other lines, and rendered as stage 1 rendered them."""
+
+    tokenizer: Any
+    shards: Sequence[Shard]
+    fmt: str
+    limit: int
+    model: str
+    sessions: dict[str, str]  # the Langfuse traces' sessions
+
+    def requests(self, where: dict[int, tuple[int, int, int]]) -> dict[int, Request]:
+        wanted: dict[int, dict[int, list[tuple[int, int]]]] = {}  # shard -> line -> [(request, position)]
+        for index, (number, line, position) in where.items():
+            wanted.setdefault(number, {}).setdefault(line, []).append((index, position))
+        found: dict[int, Request] = {}
+        for number, lines in wanted.items():
+            shard = self.shards[number]
+            if shard.whole or shard.linked:  # records that complete each other: the shard read again, joined
+                by_line: dict[int, list[Request]] = {}
+                for request in read_shard(shard, self.fmt).requests:
+                    by_line.setdefault(request.line, []).append(request)
+                for line, items in lines.items():
+                    found |= {index: dataclasses.replace(by_line[line][position], index=index) for index, position in items}
+                continue
+            last = max(lines)
+            for line, raw in shard_lines(shard):
+                if line in lines:
+                    for index, position in lines[line]:
+                        found[index] = record_requests(json.loads(raw), self.fmt, index - position, line).requests[position]
+                if line == last:
+                    break
+        return dict(zip(found, join_traces(list(found.values()), self.sessions)))
+
+    def rendered(self, where: dict[int, tuple[int, int, int]]) -> dict[int, RenderedRequest]:
+        requests = self.requests(where)
+        order = sorted(requests)
+        rendered = zip(order, render_batch(self.tokenizer, [requests[i] for i in order], self.limit, self.model))
+        return {i: item for i, item in rendered if isinstance(item, RenderedRequest)}
+
+    def compared(
+        self, where: dict[int, tuple[int, int, int]], pairs: list[tuple[int, int | None]], block: int
+    ) -> list[tuple[int, TrafficRequest, TurnDiff | None]]:
+        """Stage 2b: each (request, its match; None: cold) re-read, rendered and compared, as ``scan_log`` compares them."""
+        rendered = self.rendered({i: where[i] for pair in pairs for i in pair if i is not None})
+        return [(new, *compared_row(rendered.get(old), rendered[new], old, block)) for new, old in pairs]
+
+
+@dataclass(frozen=True)
+class LogCount:
+    """Stage 1's first step over the whole log: each shard's first request number, the records skipped, the formats,
+    the Langfuse traces' sessions, the order the report uses (``requests.ORDERS``) and what kept requests' records
+    flag, numbered in that order."""
+
+    first: list[int]
+    total: int
+    skipped: list[Skipped]
+    formats: dict[str, int]
+    sessions: dict[str, str]
+    order: str
+    indexes: np.ndarray | None  # each request's number in time order, by its number in the files' order (None: the same)
+    untimed: int
+    flagged: list[Flagged]
+
+    @classmethod
+    def of(cls, counts: Sequence[ShardCount]) -> LogCount:
+        counts = sorted(counts, key=lambda count: count.number)
+        first, total, formats, sessions, flagged = [], 0, {}, {}, []
+        for count in counts:
+            first.append(total + 1)
+            flagged += [dataclasses.replace(item, request=item.request + total) for item in count.flagged]
+            total += count.requests
+            sessions |= count.sessions
+            for name, n in count.formats.items():
+                formats[name] = formats.get(name, 0) + n
+        times = np.concatenate([count.timestamps for count in counts]) if counts else np.zeros(0)
+        order = time_order(times)  # as one process orders the log (``reading.time_ordered``)
+        indexes = order.numbers
+        if indexes is not None:
+            flagged = sorted((dataclasses.replace(item, request=int(indexes[item.request - 1])) for item in flagged), key=_by_request)
+        skipped = [item for count in counts for item in count.skipped]
+        return cls(first, total, skipped, formats, sessions, order.order, indexes, order.untimed, flagged)
+
+    def shard_indexes(self, number: int, requests: int) -> str:
+        """The JSON of shard ``number``'s requests' numbers in time order (``null``: the files' order is the order)."""
+        if self.indexes is None:
+            return "null"
+        start = self.first[number] - 1
+        return json.dumps(self.indexes[start : start + requests].tolist())
+
+
+def _by_request(item: Flagged) -> int:
+    return item.request
+
+
+def ray_scan(
+    tokenizer: Any,
+    log: LogFiles,
+    settings: CacheSettings = CacheSettings(),
+    *,
+    limit: int = 32_768,
+    model: str = "this model",
+    workers: int = 2,
+    sample: int = 0,
+    fleet: Sequence[tuple[int, str]] = (),
+    observed_engine: str = "vllm",
+    shard_lines_: int = SHARD_LINES,
+    progress: StepProgress = None,
+) -> TrafficScan:
+    """``scan_log`` of ``log`` (its files: files, directories of shards, gzip'd JSONL; ``log.log`` is what one process
+    reads of them) on the Ray cluster already started (``start_ray``), with ``workers`` tokenizer actors; the requests
+    the model pass reads for ``sample`` turns per group (and the cold ones) are rendered on the driver afterwards."""
+    import ray
+    import ray.data
+
+    shards, fmt = log.shards(shard_lines_), log.fmt
+    context = ray.data.DataContext.get_current()
+    context.execution_options.preserve_order = True
+    context.enable_progress_bars = False
+    items = [{"number": n, "shard": json.dumps(dataclasses.asdict(shard))} for n, shard in enumerate(shards)]
+    counted = ray.data.from_items(items).map_batches(count_shards, batch_size=1, fn_kwargs={"fmt": fmt})
+    counts = [row["count"] for row in counted.iter_rows()]
+    count = LogCount.of(counts)
+    if count.total == 0 and not count.skipped:
+        raise RequestLogError("the log is empty: paste one JSON request per line, or a JSON array of requests")
+    requests = {shard.number: shard.requests for shard in counts}
+    for item in items:
+        item |= {"first_index": count.first[item["number"]], "indexes": count.shard_indexes(item["number"], requests[item["number"]])}
+    dataset = ray.data.from_items(items).map_batches(
+        ShardTokenPass,
+        batch_size=1,
+        fn_constructor_kwargs={
+            "tokenizer": tokenizer,
+            "fmt": fmt,
+            "limit": limit,
+            "model": model,
+            "block": settings.block,
+            "sessions": count.sessions,
+        },
+        compute=ray.data.ActorPoolStrategy(size=workers),
+        num_cpus=1,
+        max_restarts=RETRIES,
+        max_task_retries=RETRIES,
+    )
+    driver = _Driver(settings, fleet, end_of_turn_ids(tokenizer), reorder=count.indexes is not None)
+    rendering: list[Skipped] = []
+    received = 0
+    with settling_heap() as settle:
+        for row in dataset.iter_rows():
+            part: ShardTokens = pickle.loads(row["tokens"])  # what this job's own workers pickled (``ShardTokenPass``)
+            rendering += part.skipped
+            driver.feed(part.records)
+            settle()
+            received += len(part.records)
+            if progress:
+                progress(received, count.total)
+        driver.finish()
+    reread = Rereader(tokenizer, shards, fmt, limit, model, count.sessions)
+    pending = driver.pending()
+    if pending:
+        driver.fill(reread.compared(driver.where, pending, settings.block))
+    scan = driver.scan(count.skipped + rendering, count, observed_engine, model)
+    rendered = reread.rendered({i: driver.where[i] for i in _needed(scan, sample)})
+    return dataclasses.replace(scan, rendered=rendered)
+
+
+class _Driver:
+    """Stage 2: the radix match, the engines, the hosted providers' caches and the fleets, in time order, over compact
+    records (``reorder``: the files are not in time order, so every record is held until the last, then sorted)."""
+
+    def __init__(self, settings: CacheSettings, fleet: Sequence[tuple[int, str]], end_ids: frozenset[int], reorder: bool = False):
+        self.settings = settings
+        self.simulation = Simulation(settings, fleet, end_ids)
+        self.rows: list[TrafficRequest] = []
+        self.diffs: dict[int, TurnDiff] = {}
+        self.where: dict[int, tuple[int, int, int]] = {}
+        self.unmatched: dict[int, tuple[int | None, int, StepResult]] = {}  # request -> (its match, its row's place, its step)
+        self.reported: list[Reported] = []
+        self.served: list[dict[str, int]] = []  # per request, its hosted provider's reuse
+        self.held: list[TokenRecord] | None = [] if reorder else None
+
+    def feed(self, records: Iterator[TokenRecord] | list[TokenRecord]) -> None:
+        """The records of the next shard: simulated now, or held until ``finish`` where the log is reordered."""
+        if self.held is not None:
+            self.held += records
+            return
+        for record in records:
+            self._simulate(record)
+
+    def finish(self) -> None:
+        """The held records simulated in time order (nothing to do where the files were in time order)."""
+        if self.held:
+            for record in sorted(self.held, key=lambda record: record.index):
+                self._simulate(record)
+        self.held = None
+        self.simulation.finish()
+
+    def _simulate(self, record: TokenRecord) -> None:
+        result = self.simulation.step(record.step())
+        self.served.append(result.hosted)
+        self.reported.append(record.reported)
+        self.where[record.index] = record.where
+        if result.matched != record.guess:  # its match lies in an earlier shard, or a budget evicted the shard's guess
+            self.unmatched[record.index] = (result.matched, len(self.rows), result)
+            self.rows.append(record.row)  # a placeholder until stage 2b
+            return
+        self._keep(len(self.rows), record.row, record.diff, result, append=True)
+
+    def _keep(self, at: int, row: TrafficRequest, diff: TurnDiff | None, result: StepResult, append: bool = False) -> None:
+        row = dataclasses.replace(row, reused_tokens=result.reused, prompts_only_reused_tokens=result.prompts_only)
+        if append:
+            self.rows.append(row)
+        else:
+            self.rows[at] = row
+        if diff is not None:
+            self.diffs[row.request] = diff
+
+    def pending(self) -> list[tuple[int, int | None]]:
+        """(request, its match) pairs stage 2b compares."""
+        return [(index, matched) for index, (matched, _, _) in self.unmatched.items()]
+
+    def fill(self, results: list[tuple[int, TrafficRequest, TurnDiff | None]]) -> None:
+        for index, row, diff in results:
+            _, at, result = self.unmatched[index]
+            self._keep(at, row, diff, result)
+
+    def scan(self, skipped: list[Skipped], count: LogCount, observed_engine: str, model: str) -> TrafficScan:
+        """The token pass's result, the log's reports read against the simulation (``token_pass.observed_rows``)."""
+        rows = observed_rows(self.rows, self.reported, self.served, observed_engine, self.settings.block, model)
+        results = tuple(simulated.result() for simulated in self.simulation.fleets)
+        diffs = dict(sorted(self.diffs.items()))
+        reading = {
+            "order": count.order,
+            "order_reason": ORDERS[count.order],
+            "untimed_requests": count.untimed,
+            "flagged": [item.as_dict() for item in count.flagged],
+            "session_keys": session_keys(self.reported),
+        }
+        simulation = self.simulation
+        return TrafficScan(
+            tuple(rows),
+            tuple(skipped),
+            count.formats,
+            self.settings,
+            {},
+            diffs,
+            observed_engine,
+            reading,
+            fleet=results,
+            replies=dict(simulation.replies),
+            reply_from=dict(simulation.reply_from),
+        )
+
+
+def session_keys(reported: Sequence[Reported]) -> dict[str, int]:
+    """Requests per record key their session was read from, in the order first met (as ``RequestLog.reading``)."""
+    keys: dict[str, int] = {}
+    for item in sorted(reported, key=lambda item: item.index):
+        if item.session_key:
+            keys[item.session_key] = keys.get(item.session_key, 0) + 1
+    return keys
+
+
+def _needed(scan: TrafficScan, sample: int) -> set[int]:
+    """The requests the model pass and its report read: the sampled turns and their matches, and the cold requests."""
+    matched = {row.request: row.matched_request for row in scan.requests}
+    chosen = {index for group in sample_groups(scan, sample) for index in group.measured}
+    return chosen | {matched[i] for i in chosen} | {row.request for row in scan.requests if row.matched_request is None}

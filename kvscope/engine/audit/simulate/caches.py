@@ -1,0 +1,279 @@
+"""Prefix caches simulated as three serving engines hold them, fed the log's requests in order; each a ``PrefixCache``
+(``prefix_cache``: ``match``, ``insert``, ``hold``), named in ``registry``.
+
+- ``vllm`` (``BlockCache``): whole blocks (16 tokens, ``block``), each keyed by its tokens and every block before it. A
+  request reuses the leading blocks found. Under ``budget_blocks`` the least recently used block goes first (a
+  request's blocks are touched tail first, so its tail goes before its head). The keys alone, the same in every
+  process, are ``block_hashes``: pure hashing, apart from the pool that holds them.
+- ``sglang`` (``radix.RadixCache``): a token radix tree. A request reuses the longest prefix in the tree. Under
+  ``budget_tokens`` the least recently used leaf goes first, a whole node at a time, until the tokens fit.
+- ``llama_cpp`` (``SlotCache``): one slot per session holding its last prompt (a client that pins each session to a
+  slot). A request reuses the common prefix with its slot, plus, with ``cache_reuse`` N > 0, later chunks of at least N
+  equal tokens shifted into place. When the sessions outnumber ``slots``, the least recently used slot is taken over.
+  With ``prompt_cache``, the server as a client that pins no slot meets it: slots chosen by prompt similarity, and the
+  RAM prompt cache that saves and restores slots (``ServerSlots``).
+
+Every engine computes at least the last token of a request (its logits are the answer), so a request identical to a
+cached one reuses all but one token. After a request, each engine holds what its server holds: the prompt and the
+reply tokens it computed (``CacheRequest.held``; ``replies`` gives the rules, ``step`` feeds them): vLLM its whole
+blocks, SGLang and the llama.cpp slot every token. Budgets default to unbounded. The radix tree also answers which
+earlier request a new one shares its longest prefix with (``RadixCache.matched``), among those still in the cache (so
+matching honours the SGLang budget: a request evicted whole is no longer a match, one evicted down to its head is
+matched by its head), preferring the same session's latest request among equally long prefixes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
+
+from kvscope.engine.audit.changes.fields import BLOCK_TOKENS, common_prefix
+from kvscope.engine.audit.simulate.prefix_cache import CacheRequest, CacheSettings, PrefixCache
+
+
+class BlockCache(PrefixCache):
+    """vLLM's automatic prefix caching: blocks keyed by the hash of their tokens and of every block before them,
+    a block budget, LRU eviction (a request's blocks are touched tail first, so its head stays longest)."""
+
+    name = "vllm"
+
+    def __init__(self, block: int = BLOCK_TOKENS, budget_blocks: int | None = None):
+        if block < 1:
+            raise ValueError(f"the block size must be at least 1 token, got {block}")
+        self.block = block
+        self.budget = budget_blocks
+        self.blocks: OrderedDict[int, int] = OrderedDict()  # block hash -> the request that last used it, LRU first
+        self.evicted: list[tuple[int, int]] = []  # (request that last used it, block number in that request)
+        self._position: dict[int, int] = {}
+
+    @classmethod
+    def from_settings(cls, settings: CacheSettings) -> BlockCache:
+        return cls(settings.block, settings.budget_blocks)
+
+    def match(self, request: CacheRequest) -> int:
+        """The prompt's leading whole blocks held, in tokens."""
+        whole = len(request.ids) // self.block
+        keys = self.keys(request.ids) if request.hashes is None else list(request.hashes[:whole])
+        return next((n for n, key in enumerate(keys) if key not in self.blocks), len(keys)) * self.block
+
+    def insert(self, request: CacheRequest) -> int:
+        """The leading blocks already held, within the tokens before the prompt's last; then the whole blocks of
+        ``request.tokens`` are held (keyed by ``request.hashes`` where a worker computed them), and the LRU evicted."""
+        return self.insert_keys(self._held_keys(request), len(request.ids), request.request)
+
+    def hold(self, request: CacheRequest) -> None:
+        self.hold_keys(self._held_keys(request), request.request)
+
+    def _held_keys(self, request: CacheRequest) -> list[int]:
+        return list(self.keys(request.tokens) if request.hashes is None else request.hashes)
+
+    def keys(self, ids: np.ndarray) -> list[int]:
+        """The chained keys of ``ids``'s whole blocks (Python's ``hash``: one process's keys)."""
+        data = np.ascontiguousarray(ids, dtype=np.int32)
+        keys, parent = [], 0
+        for start in range(0, len(data) // self.block * self.block, self.block):
+            parent = hash((parent, data[start : start + self.block].tobytes()))
+            keys.append(parent)
+        return keys
+
+    def insert_keys(self, hashes: list[int], tokens: int, request: int) -> int:
+        """``insert`` from the block keys of what is held (one per whole block, each naming the block and every block
+        before it) and the prompt's length in tokens: for callers that hash once and simulate many budgets."""
+        usable = (tokens - 1) // self.block  # blocks wholly before the prompt's last token
+        hits = next((n for n, key in enumerate(hashes[:usable]) if key not in self.blocks), min(usable, len(hashes)))
+        self.hold_keys(hashes, request)
+        return hits * self.block
+
+    def hold_keys(self, hashes: list[int], request: int) -> None:
+        """Keep these whole blocks for ``request`` (tail first: the head ends most recently used), then evict."""
+        for number in range(len(hashes) - 1, -1, -1):
+            key = hashes[number]
+            self.blocks[key] = request
+            self.blocks.move_to_end(key)
+            self._position[key] = number
+        while self.budget is not None and len(self.blocks) > self.budget:
+            key, owner = self.blocks.popitem(last=False)
+            self.evicted.append((owner, self._position.pop(key)))
+
+
+class SlotCache(PrefixCache):
+    """llama.cpp's server: a slot per session holding its last prompt; a new request reuses the common prefix with
+    its session's slot and, with ``cache_reuse`` N > 0, later chunks of at least N equal tokens shifted into place."""
+
+    name = "llama_cpp"
+
+    def __init__(self, slots: int | None = None, cache_reuse: int = 0):
+        self.slots = slots
+        self.cache_reuse = cache_reuse
+        self.held: OrderedDict[str | None, np.ndarray] = OrderedDict()  # session -> its slot's tokens, LRU first
+
+    @classmethod
+    def from_settings(cls, settings: CacheSettings) -> PrefixCache:
+        """A slot per session, or with ``prompt_cache`` the server as a client that pins no slot meets it
+        (``ServerSlots``): the registry's one llama.cpp entry, in either mode."""
+        return ServerSlots.from_settings(settings) if settings.prompt_cache else cls(settings.slots, settings.cache_reuse)
+
+    def match(self, request: CacheRequest) -> int:
+        """The tokens the request shares with the slot it would take: its session's, else the least recently used
+        one where every slot is taken (with ``cache_reuse``, the chunks shifted into place too)."""
+        if request.session in self.held:
+            cached = self.held[request.session]
+        elif self.slots is not None and len(self.held) >= self.slots:
+            cached = next(iter(self.held.values()))
+        else:
+            cached = np.zeros(0, dtype=np.int32)
+        reused = common_prefix(cached, request.ids)
+        if self.cache_reuse > 0:
+            reused += _shifted_chunks(cached, request.ids, reused, self.cache_reuse)
+        return reused
+
+    def insert(self, request: CacheRequest) -> int:
+        """The tokens reused from the slot (``match``, less the last token); the slot then holds ``request.tokens``."""
+        reused = self.match(request)
+        if request.session in self.held:
+            del self.held[request.session]
+        elif self.slots is not None and len(self.held) >= self.slots:
+            self.held.popitem(last=False)
+        self.held[request.session] = request.tokens
+        return min(reused, len(request.ids) - 1)
+
+    def hold(self, request: CacheRequest) -> None:
+        """The session's slot, where it still has one, now holds ``request.tokens`` (its prompt and reply)."""
+        if request.session in self.held:
+            self.held[request.session] = request.tokens
+
+
+class ServerSlots(PrefixCache):
+    """llama.cpp's server as a client that pins no slot meets it, with its defaults: ``slots`` slots (4 with one unified
+    KV cache where ``-np`` is not given), each request to the idle slot whose tokens share more than ``similarity`` of
+    its prompt (the most), else to the least recently used slot; and a RAM prompt cache (``--cache-ram``) that the slot
+    saves to when it is about to lose half its tokens or more (or was taken by LRU) and restores from when an entry
+    keeps at least a quarter of itself and beats the slot on both shares; every other idle slot is saved when a request
+    starts (and cleared, with the unified cache). From the pinned build's ``server-context.cpp``
+    (``get_available_slot``, ``cache_idle_slots``) and ``server-task.cpp`` (``server_prompt_cache::alloc`` / ``load``);
+    the cache's 8 GiB size limit is not simulated (an audit's logs stay far below it)."""
+
+    name = "llama_cpp"
+
+    def __init__(self, slots: int | None = None, similarity: float = 0.1):
+        self.unified = slots is None  # the server's -np auto: 4 slots, one KV cache
+        self.tokens = [np.zeros(0, dtype=np.int32) for _ in range(slots or 4)]
+        self.used = [-1] * len(self.tokens)
+        self.similarity = similarity
+        self.saved: list[np.ndarray] = []  # the RAM prompt cache, oldest first
+        self.time = 0
+
+    @classmethod
+    def from_settings(cls, settings: CacheSettings) -> ServerSlots:
+        return cls(settings.slots)
+
+    def match(self, request: CacheRequest) -> int:
+        """The tokens the request shares with the slot chosen for it (or the saved entry that slot would restore)."""
+        slot, update = self._choose(request.ids)
+        tokens = self.tokens[slot]
+        if update:
+            saved = _saved(self.saved, tokens)
+            chosen = _restoring(tokens, saved, request.ids)
+            tokens = tokens if chosen is None else saved[chosen]
+        return common_prefix(tokens, request.ids)
+
+    def insert(self, request: CacheRequest) -> int:
+        """The tokens reused (the slot chosen, restored from the RAM cache where that wins); the slot then holds
+        ``request.tokens``, and the other slots are saved (and cleared, with the unified cache)."""
+        ids = request.ids
+        self.time += 1
+        slot, update = self._choose(ids)
+        if update:
+            self.saved = _saved(self.saved, self.tokens[slot])
+            chosen = _restoring(self.tokens[slot], self.saved, ids)
+            if chosen is not None:
+                self.tokens[slot] = self.saved.pop(chosen)
+        reused = min(common_prefix(self.tokens[slot], ids), len(ids) - 1)
+        for other in range(len(self.tokens)):
+            if other != slot:
+                self.saved = _saved(self.saved, self.tokens[other])
+                if self.unified:
+                    self.tokens[other] = np.zeros(0, dtype=np.int32)
+        self.tokens[slot], self.used[slot] = request.tokens, self.time
+        return reused
+
+    def hold(self, request: CacheRequest) -> None:
+        """What holds the longest prompt that ``request.tokens`` goes on from (a slot, or its saved copy) now holds it."""
+        held = request.tokens
+        places = [*self.tokens, *self.saved]
+        fits = [n for n, tokens in enumerate(places) if 0 < len(tokens) < len(held) and np.array_equal(held[: len(tokens)], tokens)]
+        if fits:
+            best = max(fits, key=lambda n: len(places[n]))
+            if best < len(self.tokens):
+                self.tokens[best] = held
+            else:
+                self.saved[best - len(self.tokens)] = held
+
+    def _choose(self, ids: np.ndarray) -> tuple[int, bool]:
+        """The slot for ``ids`` and whether the prompt cache is updated first (``get_available_slot``)."""
+        best, best_share = None, 0.0
+        for slot, tokens in enumerate(self.tokens):
+            if len(tokens):
+                share = common_prefix(tokens, ids) / len(ids)
+                if share > best_share and share > self.similarity:
+                    best, best_share = slot, share
+        if best is not None:
+            return best, best_share * len(ids) / len(self.tokens[best]) < 0.5
+        oldest = 0
+        for slot in range(len(self.tokens)):
+            if self.used[slot] <= self.used[oldest]:
+                oldest = slot
+        return oldest, True
+
+
+def _saved(saved: list[np.ndarray], tokens: np.ndarray) -> list[np.ndarray]:
+    """The RAM prompt cache after a slot's ``tokens`` are saved (``server_prompt_cache::alloc``): unchanged for an empty
+    slot or one a saved entry already holds whole; else without the entries the slot's tokens hold whole, and with them."""
+    if not len(tokens) or any(common_prefix(entry, tokens) == len(tokens) for entry in saved):
+        return saved
+    return [*(entry for entry in saved if common_prefix(entry, tokens) < len(entry)), tokens]
+
+
+def _restoring(current: np.ndarray, saved: list[np.ndarray], ids: np.ndarray) -> int | None:
+    """``server_prompt_cache::load``: the saved entry that keeps at least a quarter of itself and beats the slot's
+    own tokens (``current``) on both shares (kept of the entry, and of the new prompt), which replaces them and leaves
+    the cache; None: the slot keeps its own."""
+    shared = common_prefix(current, ids)
+    keep, share = (shared / len(current) if len(current) else -1.0), shared / len(ids)
+    chosen = None
+    for number, entry in enumerate(saved):
+        shared = common_prefix(entry, ids)
+        if shared / len(entry) < 0.25:
+            continue
+        if keep < shared / len(entry) and share < shared / len(ids):
+            keep, share, chosen = shared / len(entry), shared / len(ids), number
+    return chosen
+
+
+def _shifted_chunks(cached: np.ndarray, ids: np.ndarray, start: int, minimum: int) -> int:
+    """llama.cpp's ``--cache-reuse``: after the common prefix, runs of at least ``minimum`` tokens equal in the cache
+    and the prompt are shifted into place (the cache is scanned forward; a shorter run is skipped a token at a time)."""
+    head_c = head_p = start
+    reused = 0
+    while head_c < len(cached) and head_p < len(ids):
+        run = common_prefix(cached[head_c:], ids[head_p:])
+        if run >= minimum:
+            reused += run
+            head_c += run
+            head_p += run
+        else:
+            head_c += 1
+    return reused
+
+
+def block_hashes(ids: np.ndarray, block: int) -> np.ndarray:
+    """The chained hashes of ``ids``'s whole blocks (each of its tokens and the hash before it), the same in every
+    process (BLAKE2b, 8 bytes; Python's ``hash`` of bytes is salted per process): what the token pass's workers send."""
+    data = np.ascontiguousarray(ids, dtype=np.int32)
+    out, parent = np.zeros(len(data) // block, dtype=np.int64), b""
+    for number in range(len(out)):
+        parent = hashlib.blake2b(parent + data[number * block : (number + 1) * block].tobytes(), digest_size=8).digest()
+        out[number] = int.from_bytes(parent, "little", signed=True)
+    return out

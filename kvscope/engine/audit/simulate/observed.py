@@ -1,0 +1,394 @@
+"""What the server or provider reported cached (``Request.observed_cached_tokens``) held against the simulated engines.
+
+Per request, against the compared engine (``--observed-engine``, vLLM by default): observed below the simulation is an
+``observed_shortfall`` cause, above it an ``observed_excess``; each names the token gap and, in words, what the log's
+own evidence points to (another block size when the observed count is the shared prefix in whole blocks of another
+size; a time-to-live when the matched request is long past; another replica when the match is another session's;
+eviction when other requests were cached in between; another tokenizer when the log names a model the loaded one is
+not). A request without an observed count (None: not reported) is never read as zero: it is left out of every
+comparison and counted apart. Per log: the observed hit rate beside each engine's over the same requests, and the
+share where observed equals simulated. ``fit_observed`` re-runs only the block cache over the token pass's ids for
+a grid of block sizes and KV budgets, and names the settings that reproduce the most observed counts exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from kvscope.engine.audit.changes.causes import Cause
+from kvscope.engine.audit.logs.requests import Request, RequestLogError
+from kvscope.engine.audit.simulate.caches import BlockCache
+from kvscope.engine.audit.simulate.hosted import TOKENS_NOTE, provider_of
+from kvscope.engine.audit.simulate.registry import ENGINES, PROVIDERS
+
+if TYPE_CHECKING:
+    from kvscope.engine.audit.report.types import FitSettingDict, ObservedDict, ObservedFitDict
+
+OBSERVED_ENGINES = tuple(ENGINES)  # the engines --observed-engine may compare with
+OBSERVED_CAUSES = ("observed_shortfall", "observed_excess")  # causes of a gap to what the server reported, not of a miss
+TTL_HINT_SECONDS = 300.0  # a match this long past points to a time-to-live (the shortest documented: Anthropic's 5 minutes)
+FIT_BLOCKS = (1, 16, 32, 64, 128, 256)
+NO_OBSERVED_COUNTS = "--fit-observed needs observed cached tokens: no request of the log reports a cached count"
+FIT_BUDGET_DIVISORS = (2, 4, 8, 16, 32)  # budgets tried: the log's working set divided by these (and unbounded)
+EXPLANATIONS = "eviction under a budget, another replica, a time-to-live, another block size, or a tokenizer that is not the served model's"
+
+
+class Row(Protocol):
+    """What this module reads of a token pass's row (``token_pass.TrafficRequest``)."""
+
+    request: int
+    session: str | None
+    tokens: int
+    matched_request: int | None
+    common_prefix_tokens: int
+    causes: tuple[Cause, ...]
+    reused_tokens: dict[str, int]
+    breakpoints: tuple[tuple[str, int | None], ...]
+    observed_cached_tokens: int | None
+    hosted_reused_tokens: dict[str, int]
+    observed_prompt_tokens: int | None
+    model: str | None
+
+
+@dataclass(frozen=True)
+class Reported:
+    """What a request's record says besides its text, as the comparison reads it."""
+
+    index: int
+    timestamp: float | None
+    model: str | None
+    observed_cached_tokens: int | None
+    observed_prompt_tokens: int | None = None
+    session_key: str | None = None  # the record's key its session was read from (``RequestLog.reading``)
+
+    @classmethod
+    def of(cls, request: Request) -> Reported:
+        return cls(
+            request.index,
+            request.timestamp,
+            request.model,
+            request.observed_cached_tokens,
+            request.observed_prompt_tokens,
+            request.session_key,
+        )
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What one request adds to its row: the observed count, its gap cause (if any), its provider's simulated reuse."""
+
+    observed_cached_tokens: int | None
+    causes: tuple[Cause, ...]
+    hosted_reused_tokens: dict[str, int]
+    observed_prompt_tokens: int | None = None
+
+
+def observe(
+    rows: Sequence[Row], reported: Sequence[Reported], hosted: Sequence[dict[str, int]], engine: str, block: int, model: str
+) -> list[Observation]:
+    """Per row of the token pass (in time order, one per ``reported``): its observed count, its observed cause against
+    ``engine``, and ``hosted``: its hosted provider's simulated reuse (``hosted``, fed by ``step``)."""
+    if engine not in OBSERVED_ENGINES:
+        raise RequestLogError(f"--observed-engine is one of {', '.join(OBSERVED_ENGINES)}, got {engine!r}")
+    evidence = _Evidence(rows, {item.index: item for item in reported}, block, model)
+    out = []
+    for row, item, provider in zip(rows, reported, hosted, strict=True):
+        observed = item.observed_cached_tokens
+        causes = () if observed is None else evidence.causes(row, observed, row.reused_tokens[engine], engine)
+        out.append(Observation(observed, causes, provider, item.observed_prompt_tokens))
+    return out
+
+
+class _Evidence:
+    """What the log says about a request's observed gap: times, sessions, tokens in between, the model named."""
+
+    def __init__(self, rows: Sequence[Row], requests: Mapping[int, Reported], block: int, model: str):
+        self.requests = requests
+        self.block = block
+        self.model = model
+        self.position = {row.request: n for n, row in enumerate(rows)}
+        self.before = np.concatenate([[0], np.cumsum([row.tokens for row in rows])])  # tokens of the rows before each position
+        self.sessions = {row.request: row.session for row in rows}
+
+    def causes(self, row: Row, observed: int, simulated: int, engine: str) -> tuple[Cause, ...]:
+        if observed == simulated:
+            return ()
+        gap = abs(observed - simulated)
+        said = f"observed {observed:,} cached tokens, simulated {engine} {simulated:,}"
+        if observed < simulated:
+            found = self.shortfall(row, observed, simulated, engine)
+            words = f"likely {'; '.join(found)}" if found else f"the log alone does not say which of: {EXPLANATIONS}"
+            return (Cause("observed_shortfall", f"{said}: {gap:,} fewer; {words}", gap),)
+        found = self.excess(row, observed, simulated, engine)
+        return (Cause("observed_excess", f"{said}: {gap:,} more; the simulation missed {'; or '.join(found)}", gap),)
+
+    def shortfall(self, row: Row, observed: int, simulated: int, engine: str) -> list[str]:
+        usable = min(row.common_prefix_tokens, row.tokens - 1)
+        found = []
+        size = _block_size(observed, usable, [b for b in FIT_BLOCKS if b > (self.block if engine == "vllm" else 1)])
+        if size is not None:
+            found.append(f"another block size: {observed:,} is the {usable:,} shared tokens in whole {size}-token blocks")
+        elif simulated - observed < self.block:
+            found.append(f"another block size: the gap is under one {self.block}-token block")
+        matched = row.matched_request
+        if matched is not None:
+            elapsed = self._elapsed(row.request, matched)
+            if elapsed is not None and elapsed >= TTL_HINT_SECONDS:
+                found.append(f"a time-to-live: {elapsed:,.0f} s since the matched request {matched}")
+            if self.sessions.get(matched) != row.session:
+                found.append(f"another replica: the matched request {matched} is another session's")
+            between = int(self.before[self.position[row.request]] - self.before[self.position[matched] + 1])
+            if between > 0:
+                found.append(f"eviction under a budget: {between:,} tokens of other requests were cached since request {matched}")
+        named = self._other_tokenizer(row.request)
+        if named:
+            found.append(named)
+        return found
+
+    def excess(self, row: Row, observed: int, simulated: int, engine: str) -> list[str]:
+        usable = min(row.common_prefix_tokens, row.tokens - 1)
+        found = []
+        if observed > usable:
+            found.append(
+                f"more than the {usable:,} tokens any earlier prompt of the log shares with it (in the loaded model's tokens): "
+                "an earlier reply the log does not record and no later turn resends (servers cache what they generate), "
+                "another tokenizer, or a cache warmed by requests not in the log"
+            )
+        elif engine == "vllm":
+            size = _block_size(observed, usable, [b for b in FIT_BLOCKS if b < self.block])
+            blocks = f"{size}-token blocks" if size else "blocks"
+            found.append(f"a smaller block: {observed:,} of the {usable:,} shared tokens fit in {blocks}, not {self.block}-token ones")
+        elif engine == "llama_cpp":
+            found.append("a cache shared across sessions: a llama.cpp slot holds only its own session's last prompt")
+        if simulated < usable and observed <= usable:
+            found.append("a larger KV budget than simulated: the simulation evicted what the server still held")
+        named = self._other_tokenizer(row.request)
+        if named and observed <= usable:
+            found.append(named)
+        return found or ["something: the server reused more than this simulation can"]
+
+    def _elapsed(self, request: int, matched: int) -> float | None:
+        now, then = self.requests[request].timestamp, self.requests[matched].timestamp
+        return None if now is None or then is None else now - then
+
+    def _other_tokenizer(self, request: int) -> str | None:
+        named = self.requests[request].model
+        if not named:
+            return None
+        if provider_of(named) or not _same_model(named, self.model):
+            return f"a tokenizer that is not the served model's: the log names {named}, the audit counts {self.model}'s tokens"
+        return None
+
+
+def _block_size(observed: int, usable: int, sizes: Sequence[int]) -> int | None:
+    """The first block size whose whole blocks of the ``usable`` shared tokens are exactly ``observed``."""
+    return next((size for size in sizes if usable // size * size == observed), None)
+
+
+def _same_model(named: str, loaded: str) -> bool:
+    """Whether a model name in the log can be the loaded model (one name holds the other's last part)."""
+    a, b = named.lower().rsplit("/", 1)[-1], loaded.lower().rsplit("/", 1)[-1]
+    return a in b or b in a
+
+
+@dataclass(frozen=True)
+class ObservedSummary:
+    """The observed counts against the simulation over the requests that carry one; ``unreported``: those without."""
+
+    engine: str
+    requests: int
+    unreported: int
+    tokens: int
+    observed_tokens: int
+    reused: dict[str, tuple[int, int]]  # per engine (and provider): (tokens reused, tokens of the requests it covers)
+    equal: int
+    shortfalls: tuple[int, int]  # (requests, tokens)
+    excesses: tuple[int, int]
+    server_counted: tuple[int, int] = (0, 0)  # (cached, prompt tokens) as the server counted both, where it logged both
+    other_tokenizer: str | None = None  # the model the log names where its tokenizer is not the loaded one
+
+    def hit_rates(self) -> dict[str, float | None]:
+        """The observed rate over the server's own prompt counts where the log carries them (a rate over the same tokens
+        that were counted), else over the loaded tokenizer's; each engine's over the loaded tokenizer's."""
+        cached, prompt = self.server_counted
+        observed = _rate(cached, prompt) if prompt else _rate(self.observed_tokens, self.tokens)
+        return {"observed": observed} | {name: _rate(reused, tokens) for name, (reused, tokens) in self.reused.items()}
+
+    def observed_over(self) -> str:
+        """What the observed rate is over, in words."""
+        if not self.server_counted[1]:
+            return "the loaded tokenizer's prompt tokens (the log carries no prompt count of its own)"
+        words = f"the {self.server_counted[1]:,} prompt tokens the server counted (usage.prompt_tokens and its kin)"
+        if self.other_tokenizer:
+            words += f"; the log names {self.other_tokenizer}, not the loaded model: its tokens are not the engines'"
+        return words
+
+    def as_dict(self) -> ObservedDict:
+        return {
+            "engine": self.engine,
+            "requests_with_count": self.requests,
+            "requests_without_count": self.unreported,
+            "tokens": self.tokens,
+            "observed_tokens": self.observed_tokens,
+            "hit_rate": self.hit_rates(),
+            "observed_rate_over": self.observed_over(),
+            "server_counted": {"cached_tokens": self.server_counted[0], "prompt_tokens": self.server_counted[1]},
+            "equal": self.equal,
+            "equal_share": _rate(self.equal, self.requests),
+            "shortfalls": {"requests": self.shortfalls[0], "tokens": self.shortfalls[1]},
+            "excesses": {"requests": self.excesses[0], "tokens": self.excesses[1]},
+        }
+
+
+def _rate(part: int, whole: int) -> float | None:
+    return round(part / whole, 4) if whole else None
+
+
+def observed_summary(rows: Sequence[Row], engine: str, model: str = "") -> ObservedSummary:
+    """The log's observed hit rate beside each engine's (the simulated ones and any hosted provider's, each over the
+    requests with a count that it covers), and how many requests match the compared ``engine`` exactly. The observed
+    rate is over the server's own prompt counts where every counted request logs one; ``model``: the loaded model, to
+    say when the log's model is another."""
+    counted = [row for row in rows if row.observed_cached_tokens is not None]
+    both = [row for row in counted if row.observed_prompt_tokens]
+    server = (0, 0)
+    if len(both) == len(counted):
+        server = (sum(r.observed_cached_tokens for r in both), sum(r.observed_prompt_tokens for r in both))
+    reused = {engine: (sum(r.reused_tokens[engine] for r in counted), sum(r.tokens for r in counted)) for engine in ENGINES}
+    for provider in PROVIDERS:
+        covered = [row for row in counted if provider in row.hosted_reused_tokens]
+        if covered:
+            reused[provider] = (sum(r.hosted_reused_tokens[provider] for r in covered), sum(r.tokens for r in covered))
+
+    def gaps(name: str) -> tuple[int, int]:
+        found = [cause.tokens for row in counted for cause in row.causes if cause.name == name]
+        return len(found), sum(found)
+
+    return ObservedSummary(
+        engine,
+        len(counted),
+        len(rows) - len(counted),
+        sum(row.tokens for row in counted),
+        sum(row.observed_cached_tokens for row in counted),
+        reused,
+        sum(row.observed_cached_tokens == row.reused_tokens[engine] for row in counted),
+        gaps("observed_shortfall"),
+        gaps("observed_excess"),
+        server,
+        _named_model(rows, model),
+    )
+
+
+def _named_model(rows: Sequence[Row], model: str) -> str | None:
+    """The model a counted request names where it is a hosted one or not the loaded ``model`` (None: none such)."""
+    for row in rows:
+        named = row.model
+        if named and (provider_of(named) or (model and not _same_model(named, model))):
+            return named
+    return None
+
+
+def hosted_summary(rows: Sequence[Row]) -> dict:
+    """Per hosted provider the log's requests name: its rule, the requests, tokens and tokens its simulation reuses, and
+    the hit rate (empty for a log of no hosted model)."""
+    out = {}
+    for provider, rule in PROVIDERS.items():
+        covered = [row for row in rows if provider in row.hosted_reused_tokens]
+        if covered:
+            tokens, reused = sum(r.tokens for r in covered), sum(r.hosted_reused_tokens[provider] for r in covered)
+            out[provider] = {
+                "rule": rule,
+                "requests": len(covered),
+                "tokens": tokens,
+                "reused_tokens": reused,
+                "hit_rate": _rate(reused, tokens),
+            }
+    return out | ({"note": TOKENS_NOTE} if out else {})
+
+
+@dataclass(frozen=True)
+class FitSetting:
+    """One block-cache setting tried by ``fit_observed`` and the requests whose observed count it reproduces."""
+
+    block: int
+    budget_tokens: int | None  # None: unbounded
+    matches: int
+
+    def as_dict(self) -> FitSettingDict:
+        return {"block": self.block, "budget_tokens": self.budget_tokens, "matches": self.matches}
+
+
+@dataclass(frozen=True)
+class ObservedFit:
+    """The block sizes and KV budgets tried over the requests with an observed count, best first."""
+
+    requests: int
+    working_set_tokens: int  # tokens an unbounded token cache holds after the whole log
+    tried: tuple[FitSetting, ...]  # most matches first; among ties, in the order tried (unbounded and larger budgets first)
+
+    @property
+    def best(self) -> FitSetting:
+        return self.tried[0]
+
+    def as_dict(self) -> ObservedFitDict:
+        best = self.best
+        return {
+            "requests_with_count": self.requests,
+            "working_set_tokens": self.working_set_tokens,
+            "best": best.as_dict() | {"share": _rate(best.matches, self.requests)},
+            "tied": [s.as_dict() for s in self.tried if s.matches == best.matches],
+            "tried": [s.as_dict() for s in self.tried],
+        }
+
+
+_P = 0x9E3779B97F4A7C15  # odd, so invertible modulo 2**64
+_P_INVERSE = pow(_P, -1, 2**64)
+
+
+def prefix_keys(ids: np.ndarray, powers: np.ndarray, inverses: np.ndarray) -> np.ndarray:
+    """Per position i, a 64-bit polynomial hash of ``ids[: i + 1]`` (the sum of x_j·P^(i-j), modulo 2**64, numpy's
+    wrapping arithmetic): the key of a block ending there, naming it and everything before it."""
+    n = len(ids)
+    x = ids.astype(np.uint64) + np.uint64(1)
+    return powers[:n] * np.cumsum(x * inverses[:n])
+
+
+def _powers(base: int, count: int) -> np.ndarray:
+    return np.cumprod(np.full(count, base, dtype=np.uint64))
+
+
+def fit_observed(
+    rows: Sequence[Row],
+    held: Callable[[int], np.ndarray],
+    blocks: Sequence[int] = FIT_BLOCKS,
+    budgets: Sequence[int | None] | None = None,
+) -> ObservedFit:
+    """The block size and KV budget (tokens) of a vLLM-style block cache that reproduce the most observed counts
+    exactly, over the token pass's ``rows`` and what the server held after each (``held``: request -> its tokens and
+    its reply's, ``TrafficScan.held``): the ids are hashed once, and only the cache is re-run per setting.
+    ``budgets``: by default unbounded, then the log's working set halved, quartered, ... (``FIT_BUDGET_DIVISORS``)."""
+    counted = [(n, row.observed_cached_tokens) for n, row in enumerate(rows) if row.observed_cached_tokens is not None]
+    if not counted:
+        raise RequestLogError(NO_OBSERVED_COUNTS)
+    ids = [held(row.request) for row in rows]
+    longest = max(len(item) for item in ids)
+    powers, inverses = _powers(_P, longest), _powers(_P_INVERSE, longest)
+    keys = [prefix_keys(item, powers, inverses) for item in ids]
+    working = int(len(np.unique(np.concatenate(keys)))) if keys else 0
+    if budgets is None:
+        budgets = [None, *dict.fromkeys(working // d for d in FIT_BUDGET_DIVISORS if working // d > 0)]
+    tried = []
+    for block in blocks:
+        if block < 1:
+            raise RequestLogError(f"a block size is at least 1 token, got {block}")
+        chains = [key[block - 1 :: block].tolist() for key in keys]
+        for budget in budgets:
+            cache = BlockCache(block, None if budget is None else max(budget // block, 1))
+            reused = [cache.insert_keys(chain, row.tokens, row.request) for chain, row in zip(chains, rows)]
+            tried.append(FitSetting(block, budget, sum(reused[n] == observed for n, observed in counted)))
+    ranked = sorted(range(len(tried)), key=lambda k: (-tried[k].matches, k))
+    return ObservedFit(len(counted), working, tuple(tried[k] for k in ranked))

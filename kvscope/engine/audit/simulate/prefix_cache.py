@@ -1,0 +1,116 @@
+"""The one interface every simulated prefix cache fills (SGLang's ``BasePrefixCache``, transformers'
+``CacheLayerMixin``): a request goes in as a ``CacheRequest``, and a cache answers three calls.
+
+- ``match(request)``: the longest prefix of the request's tokens the cache holds now, as the cache counts it (whole
+  blocks for vLLM, 1,024 + k·128 steps for OpenAI, what a breakpoint reads for Anthropic). It changes nothing: no
+  LRU touched, nothing held.
+- ``insert(request)``: the request served: the tokens of its prompt reused (what ``match`` finds, cut to the tokens
+  before the prompt's last, which every engine computes, in vLLM's whole blocks; a hosted provider's own rule), then
+  the cache holds ``request.tokens`` (the prompt and the reply tokens the server computed).
+- ``hold(request)``: the cache also holds ``request.tokens`` without serving it (a reply that the session's next turn
+  resent); a cache that never holds a reply (a hosted provider's) keeps nothing.
+
+A cache is built from the audit's settings (``CacheSettings``, ``from_settings``) and named in the registry
+(``registry.CACHES``: its name, label, description and class); ``serves`` says which requests it sees (a hosted
+provider's only its own models', from what ``HostedRequest`` carries).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+
+from kvscope.engine.audit.changes.fields import BLOCK_TOKENS
+
+if TYPE_CHECKING:
+    from kvscope.engine.audit.report.types import CacheSettingsDict
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    """The simulated engines' settings (None: unbounded)."""
+
+    block: int = BLOCK_TOKENS
+    budget_blocks: int | None = None  # vLLM
+    budget_tokens: int | None = None  # SGLang
+    slots: int | None = None  # llama.cpp (None: one per session; with prompt_cache, the server's 4 with one KV cache)
+    cache_reuse: int = 0  # llama.cpp --cache-reuse N (0: off, its default)
+    prompt_cache: bool = False  # llama.cpp: clients pin no slot; slots by similarity and the RAM prompt cache (``ServerSlots``)
+
+    def as_dict(self) -> CacheSettingsDict:
+        return {
+            "block": self.block,
+            "budget_blocks": self.budget_blocks,
+            "budget_tokens": self.budget_tokens,
+            "slots": self.slots,
+            "cache_reuse": self.cache_reuse,
+            "prompt_cache": self.prompt_cache,
+        }
+
+
+@dataclass(frozen=True)
+class HostedRequest:
+    """What a hosted provider's simulated cache reads of one request besides its token ids: its provider and index,
+    and for Anthropic its breakpoint tokens, its block boundaries, the model's minimum and when it was sent."""
+
+    provider: str
+    index: int
+    breakpoints: tuple[int, ...] = ()
+    boundaries: tuple[int, ...] = ()
+    minimum: int = 0
+    timestamp: float | None = None
+
+
+@dataclass(frozen=True)
+class CacheRequest:
+    """One request as a simulated cache takes it: its prompt's token ids, what the server holds after it (``held``:
+    the prompt and the reply tokens computed; None: the prompt alone), who sent it and when (``time``: its place in
+    the pass, from 1), ``hashes``: the chained block hashes of ``held`` where a worker computed them
+    (``caches.block_hashes``), and ``hosted``: what its hosted provider's cache reads (None: not a hosted model)."""
+
+    ids: np.ndarray
+    request: int
+    session: str | None = None
+    time: int = 0
+    held: np.ndarray | None = None
+    hashes: Sequence[int] | None = None
+    hosted: HostedRequest | None = None
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """What the cache holds after serving the request: ``held``, else the prompt."""
+        return self.ids if self.held is None else self.held
+
+
+class PrefixCache(ABC):
+    """A simulated prefix cache (the module docstring states the contract). ``name``: its key in the registry and the
+    JSON; ``hosted``: a provider's API cache, fed only its provider's requests, rather than a serving engine's."""
+
+    name: ClassVar[str]
+    hosted: ClassVar[bool] = False
+
+    @classmethod
+    @abstractmethod
+    def from_settings(cls, settings: CacheSettings) -> PrefixCache:
+        """The cache as the audit's settings configure it."""
+
+    def serves(self, request: CacheRequest) -> bool:
+        """Whether the request reaches this cache at all: a serving engine's sees every request, a hosted provider's
+        only those that name one of its models."""
+        return not self.hosted or (request.hosted is not None and request.hosted.provider == self.name)
+
+    @abstractmethod
+    def match(self, request: CacheRequest) -> int:
+        """The tokens of ``request.ids`` held now, as this cache counts them; nothing changes."""
+
+    @abstractmethod
+    def insert(self, request: CacheRequest) -> int:
+        """The tokens of ``request.ids`` reused serving it; the cache then holds ``request.tokens``."""
+
+    @abstractmethod
+    def hold(self, request: CacheRequest) -> None:
+        """The cache also holds ``request.tokens``, serving nothing."""

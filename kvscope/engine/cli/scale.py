@@ -1,0 +1,102 @@
+"""``audit``'s flags for logs at scale: many files, a directory of shards or gzip'd JSONL (one reader, ``shards``),
+the token pass and the model pass on Ray (``--ray``, ``--workers``), and fleets of replicas behind a router
+(``--replicas``, ``--routing``)."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+from kvscope.engine.audit.logs.requests import RequestLogError
+from kvscope.engine.audit.logs.shards import LogFiles
+from kvscope.engine.audit.measure.traffic import MeasureTurns, TokenPass
+from kvscope.engine.audit.scan.token_pass import TrafficScan
+from kvscope.engine.audit.simulate.caches import CacheSettings
+from kvscope.engine.audit.simulate.fleet import ROUTINGS, fleet_grid
+from kvscope.engine.cache.loaded import LoadedModel
+from kvscope.engine.cli.common import Group, arg, progress
+
+SCALE: Group = (
+    arg(
+        "--ray",
+        nargs="?",
+        const="local",
+        metavar="ADDRESS",
+        help="run the token pass and the sampled turns on Ray: 'local' (the default) starts one of --workers CPUs, "
+        "an address joins a cluster (whose nodes load --model by its name)",
+    ),
+    arg(
+        "--workers",
+        type=int,
+        default=2,
+        help="with --ray: tokenizer actors, then model actors (and, for --ray local, the CPUs it starts with)",
+    ),
+    arg("--replicas", help="also simulate fleets of this many replicas (comma-separated, e.g. 2,4), each engine per replica"),
+    arg("--routing", help=f"the fleets' routers (comma-separated; default all): {', '.join(ROUTINGS)}"),
+)
+
+
+def log_files(args: argparse.Namespace) -> LogFiles:
+    """The log's files as given, which the token pass reads: in this process, or on Ray (--ray), where what one
+    process alone measures is refused by name."""
+    if args.ray:
+        if args.rewritten or args.template:
+            raise RequestLogError("--rewritten and --template measure a rewrite in one process: drop --ray")
+        if args.fit_observed:
+            raise RequestLogError("--fit-observed re-runs the block cache over every request's tokens, not kept by --ray: drop --ray")
+    return LogFiles.of(args.log, args.format)
+
+
+def fleet_of(args: argparse.Namespace) -> list[tuple[int, str]]:
+    """The (replicas, routing) fleets asked for (none without --replicas)."""
+    if args.replicas is None:
+        if args.routing:
+            raise RequestLogError("--routing names the fleets' routers: add --replicas N")
+        return []
+    return fleet_grid(args.replicas, args.routing)
+
+
+def _start_ray(args: argparse.Namespace) -> None:
+    try:
+        from kvscope.engine.audit.distributed.ray_setup import start_ray
+    except ImportError:
+        raise RequestLogError('--ray needs Ray: pip install -e ".[scale]"') from None
+    start_ray(args.ray, args.workers)
+
+
+def token_pass(args: argparse.Namespace, lm: LoadedModel, settings: CacheSettings) -> TokenPass | None:
+    """With --ray, the distributed token pass (given the log's files and the context limit) for ``audit_traffic``;
+    else None."""
+    if not args.ray:
+        return None
+    _start_ray(args)
+    from kvscope.engine.audit.distributed.token_pass import ray_scan
+
+    fleet = fleet_of(args)
+
+    def run(log: LogFiles, limit: int) -> TrafficScan:
+        return ray_scan(
+            lm.tokenizer,
+            log,
+            settings,
+            limit=limit,
+            model=lm.name,
+            workers=args.workers,
+            sample=args.sample,
+            fleet=fleet,
+            observed_engine=args.observed_engine,
+            progress=progress("token pass: requests"),
+        )
+
+    return run
+
+
+def turn_pass(args: argparse.Namespace, lm: LoadedModel) -> MeasureTurns | None:
+    """With --ray and --sample above 0, the sampled turns measured by --workers Ray actors, each loading --model as
+    ``lm`` was loaded (``ray_turns``), for ``audit_traffic``; else None (in this process)."""
+    if not args.ray or args.sample <= 0:
+        return None
+    _start_ray(args)
+    from kvscope.engine.audit.distributed.turns import ModelSpec, ray_measure_turns
+
+    return functools.partial(ray_measure_turns, ModelSpec.of(args.model, lm), args.workers)

@@ -1,0 +1,98 @@
+"""Knockout: does hiding the top-K notes from the oracle's decision tokens undo the edit?
+
+Dose-response over K = 0, 1, 2, 4, ... all downstream tokens (ranked by attribution), each against K random
+downstream positions hidden (``seeds`` draws). Hiding goes through the attention mask; the cache is unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvscope.engine.cache.notebook import Knockout
+from kvscope.engine.edit.experiment import EditExperiment
+from kvscope.engine.probes.common import (
+    Gap,
+    RandomControl,
+    Reading,
+    k_ladder,
+    random_control,
+    random_draws,
+    ranked_notes,
+    read,
+    reading,
+    require_aligned,
+)
+from kvscope.engine.progress import StepProgress, ticker
+from kvscope.engine.words import counted
+
+HEADLINE_K = 8  # the headline's K: the largest measured K up to this one (the Notes tab's default top-K)
+
+
+@dataclass
+class KnockoutPoint:
+    """The oracle's decision with the top-K notes (and K random downstream positions) hidden."""
+
+    k: int
+    positions: list[int]
+    top: Reading
+    random: RandomControl | None
+
+    def as_dict(self) -> dict:
+        return {
+            "k": self.k,
+            "positions": self.positions,
+            "top": self.top.as_dict(),
+            "random": None if self.random is None else self.random.as_dict(),
+        }
+
+
+@dataclass
+class KnockoutResult:
+    """Dose-response: recovery 1 = oracle unchanged, toward 0 = back to the stale decision."""
+
+    gap: Gap
+    points: list[KnockoutPoint]
+
+    def headline(self) -> str:
+        """What the probe found, in one sentence: the top-K notes knocked out (the largest K ≤ 8 measured) against K
+        random downstream positions."""
+        shown = [point for point in self.points if 0 < point.k <= HEADLINE_K] or [point for point in self.points if point.k]
+        if not shown:
+            return f"Nothing was knocked out ({self.gap.words()})."
+        point, gap = shown[-1], self.gap
+        moved = point.top.margin - gap.oracle
+        share = gap.fraction(-moved)
+        effect = "" if share is None else f", {share:.0%} of the edit's effect"
+        kept = "stays" if point.top.label == gap.oracle_label else "becomes"
+        said = (
+            f"Knocking out the top {counted(point.k, 'note')} moves the new-value margin by {moved:+.2f}{effect} "
+            f"(the decision {kept} {point.top.label})"
+        )
+        if point.random is not None:
+            said += f"; {counted(point.k, 'random position')} move it by {point.random.margin - gap.oracle:+.2f}"
+        return said + "."
+
+    def as_dict(self) -> dict:
+        return {**self.gap.as_dict(), "headline": self.headline(), "points": [p.as_dict() for p in self.points]}
+
+
+def probe_knockout(
+    experiment: EditExperiment, *, progress: StepProgress = None, ks: Sequence[int] | None = None, seeds: int = 3
+) -> KnockoutResult:
+    """Hide the top-K notes from the decision tokens in the oracle cache, K = 0, 1, 2, 4, ... all."""
+    require_aligned(experiment, "knockout")
+    gap, ranked, oracle = Gap.of(experiment), ranked_notes(experiment), experiment.oracle.notebook
+    ks = k_ladder(ks, len(ranked), smallest=0)
+    tick = ticker(progress, len(ks))
+
+    def hidden(positions: Sequence[int]) -> Reading:
+        return reading(read(experiment, oracle, Knockout(tuple(positions))), gap)
+
+    points = []
+    for k in ks:
+        draws = random_draws(experiment.downstream_positions, k, seeds) if k else []
+        control = random_control([hidden(draw).margin for draw in draws], gap) if draws else None
+        points.append(KnockoutPoint(k, ranked[:k], hidden(ranked[:k]), control))
+        tick()
+    return KnockoutResult(gap, points)

@@ -1,0 +1,1 @@
+"""Plotly figure builders from the engine's result objects (no model calls)."""

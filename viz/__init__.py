@@ -1,1 +1,0 @@
-"""Plotly figure builders from engine result objects (no model calls)."""
