@@ -13,7 +13,8 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvscope.engine.audit.changes.fields import BLOCK_TOKENS, FieldChange, TurnDiff, common_prefix, value_kind
+from kvscope.engine.audit.blocks import BLOCK_TOKENS
+from kvscope.engine.audit.changes.fields import FieldChange, TurnDiff, common_prefix, value_kind
 from kvscope.engine.audit.logs.render import RenderedRequest
 from kvscope.engine.audit.logs.requests import Request
 

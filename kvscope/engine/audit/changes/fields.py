@@ -19,13 +19,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kvscope.engine.audit.blocks import BLOCK_TOKENS, block_prefix
 from kvscope.engine.audit.logs.render import RenderedRequest
 from kvscope.engine.audit.logs.requests import RequestLogError
 
 if TYPE_CHECKING:
     from kvscope.engine.audit.report.types import CandidateDict, FieldChangeDict
 
-BLOCK_TOKENS = 16  # vLLM's default KV block size
 ANCHOR_TOKENS = 8  # equal tokens that resynchronise the diff after a change
 REFINE_TOKENS = 600  # changed regions up to this long are aligned exactly (difflib); longer ones are one change
 DATETIME = re.compile(
@@ -57,11 +57,6 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
         return 0
     differ = np.flatnonzero(np.asarray(a[:count]) != np.asarray(b[:count]))
     return int(differ[0]) if len(differ) else count
-
-
-def block_prefix(tokens: int, block: int = BLOCK_TOKENS) -> int:
-    """The part of a common prefix that whole blocks cover."""
-    return tokens // block * block
 
 
 def token_opcodes(a: np.ndarray, b: np.ndarray) -> list[tuple[str, int, int, int, int]]:

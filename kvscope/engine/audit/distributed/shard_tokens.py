@@ -13,13 +13,13 @@ from typing import Any
 
 import numpy as np
 
+from kvscope.engine.audit.blocks import block_hashes
 from kvscope.engine.audit.changes.fields import TurnDiff
 from kvscope.engine.audit.logs.reading import join_traces
 from kvscope.engine.audit.logs.render import render_batch
 from kvscope.engine.audit.logs.requests import Request, RequestLogError, Skipped
 from kvscope.engine.audit.logs.shards import Shard, read_shard
 from kvscope.engine.audit.scan.token_pass import TrafficRequest, compared_row
-from kvscope.engine.audit.simulate.caches import block_hashes
 from kvscope.engine.audit.simulate.hosted import HostedRequest, hosted_request
 from kvscope.engine.audit.simulate.observed import Reported
 from kvscope.engine.audit.simulate.radix import RadixTree

@@ -8,7 +8,7 @@ and engines' reuse); only where the work runs differs:
   and returns their timestamps, the records skipped, the flags and the sessions Langfuse traces name (``LogCount``):
   so every request gets its number in the whole log, in time order where every request has a timestamp (as one
   process orders it, ``reading.time_ordered``), and each observation its trace's session from any shard. The second
-  reads, unwraps, renders and tokenizes each request, hashes its blocks (``caches.block_hashes``) and computes its
+  reads, unwraps, renders and tokenizes each request, hashes its blocks (``blocks.block_hashes``) and computes its
   row against its match among the shard's earlier requests (a radix tree of the shard alone; cold without one;
   ``token_pass.compared_row``: the diff and the causes, which need the texts). A shard's records come back pickled, as bytes.
 - **Stage 2, on the driver**, in time order, over compact records: per request its token ids (int32, for the radix

@@ -4,7 +4,7 @@
 - ``vllm`` (``BlockCache``): whole blocks (16 tokens, ``block``), each keyed by its tokens and every block before it. A
   request reuses the leading blocks found. Under ``budget_blocks`` the least recently used block goes first (a
   request's blocks are touched tail first, so its tail goes before its head). The keys alone, the same in every
-  process, are ``block_hashes``: pure hashing, apart from the pool that holds them.
+  process, are ``blocks.block_hashes``: pure hashing, apart from the pool that holds them.
 - ``sglang`` (``radix.RadixCache``): a token radix tree. A request reuses the longest prefix in the tree. Under
   ``budget_tokens`` the least recently used leaf goes first, a whole node at a time, until the tokens fit.
 - ``llama_cpp`` (``SlotCache``): one slot per session holding its last prompt (a client that pins each session to a
@@ -24,12 +24,12 @@ matched by its head), preferring the same session's latest request among equally
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 
 import numpy as np
 
-from kvscope.engine.audit.changes.fields import BLOCK_TOKENS, common_prefix
+from kvscope.engine.audit.blocks import BLOCK_TOKENS
+from kvscope.engine.audit.changes.fields import common_prefix
 from kvscope.engine.audit.simulate.prefix_cache import CacheRequest, CacheSettings, PrefixCache
 
 
@@ -266,14 +266,3 @@ def _shifted_chunks(cached: np.ndarray, ids: np.ndarray, start: int, minimum: in
         else:
             head_c += 1
     return reused
-
-
-def block_hashes(ids: np.ndarray, block: int) -> np.ndarray:
-    """The chained hashes of ``ids``'s whole blocks (each of its tokens and the hash before it), the same in every
-    process (BLAKE2b, 8 bytes; Python's ``hash`` of bytes is salted per process): what the token pass's workers send."""
-    data = np.ascontiguousarray(ids, dtype=np.int32)
-    out, parent = np.zeros(len(data) // block, dtype=np.int64), b""
-    for number in range(len(out)):
-        parent = hashlib.blake2b(parent + data[number * block : (number + 1) * block].tobytes(), digest_size=8).digest()
-        out[number] = int.from_bytes(parent, "little", signed=True)
-    return out

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from kvscope.engine.audit.changes.fields import BLOCK_TOKENS
+from kvscope.engine.audit.blocks import BLOCK_TOKENS
 
 if TYPE_CHECKING:
     from kvscope.engine.audit.report.types import CacheSettingsDict
@@ -70,7 +70,7 @@ class CacheRequest:
     """One request as a simulated cache takes it: its prompt's token ids, what the server holds after it (``held``:
     the prompt and the reply tokens computed; None: the prompt alone), who sent it and when (``time``: its place in
     the pass, from 1), ``hashes``: the chained block hashes of ``held`` where a worker computed them
-    (``caches.block_hashes``), and ``hosted``: what its hosted provider's cache reads (None: not a hosted model)."""
+    (``blocks.block_hashes``), and ``hosted``: what its hosted provider's cache reads (None: not a hosted model)."""
 
     ids: np.ndarray
     request: int

@@ -41,7 +41,7 @@ REPLY_COUNTS = {
 class Step:
     """One request as every simulated cache takes it: its prompt's token ids, the reply tokens the server computed
     after them (empty: none logged), who sent it, and what its hosted provider's cache reads. ``hashes``: the chained
-    block hashes of prompt + reply where a worker computed them (``caches.block_hashes``)."""
+    block hashes of prompt + reply where a worker computed them (``blocks.block_hashes``)."""
 
     ids: np.ndarray
     reply: np.ndarray

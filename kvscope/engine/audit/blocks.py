@@ -1,0 +1,28 @@
+"""The block arithmetic of a paged KV cache, apart from any cache that holds blocks (vLLM keeps its block hashing
+apart from its pool the same way): the default block size, the part of a prefix whole blocks cover, and the chained
+block hashes every process computes alike. The audit's lowest layer: the diff (``changes``) counts blocks with it, the
+simulated block cache (``simulate.caches.BlockCache``) and the token pass's workers hash with it."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+
+BLOCK_TOKENS = 16  # vLLM's default KV block size
+
+
+def block_prefix(tokens: int, block: int = BLOCK_TOKENS) -> int:
+    """The part of a common prefix that whole blocks cover."""
+    return tokens // block * block
+
+
+def block_hashes(ids: np.ndarray, block: int) -> np.ndarray:
+    """The chained hashes of ``ids``'s whole blocks (each of its tokens and the hash before it), the same in every
+    process (BLAKE2b, 8 bytes; Python's ``hash`` of bytes is salted per process): what the token pass's workers send."""
+    data = np.ascontiguousarray(ids, dtype=np.int32)
+    out, parent = np.zeros(len(data) // block, dtype=np.int64), b""
+    for number in range(len(out)):
+        parent = hashlib.blake2b(parent + data[number * block : (number + 1) * block].tobytes(), digest_size=8).digest()
+        out[number] = int.from_bytes(parent, "little", signed=True)
+    return out

@@ -1,0 +1,34 @@
+"""The block arithmetic of a paged KV cache: whole-block prefixes, and chained block hashes that name a block by its
+tokens and everything before it, alike in every process."""
+
+import subprocess
+import sys
+
+import numpy as np
+
+from kvscope.engine.audit.blocks import BLOCK_TOKENS, block_hashes, block_prefix
+
+
+def test_whole_blocks_cover_a_prefix_rounded_down():
+    assert BLOCK_TOKENS == 16 and [block_prefix(n) for n in (0, 15, 16, 47, 48)] == [0, 0, 16, 32, 48]
+    assert block_prefix(47, block=32) == 32
+
+
+def test_a_block_hash_names_its_tokens_and_every_block_before_it():
+    ids = np.arange(100, dtype=np.int32)
+    whole = block_hashes(ids, 16)
+    assert len(whole) == 6 and len(set(whole.tolist())) == 6  # the 4 tokens past the last whole block are not hashed
+    assert np.array_equal(block_hashes(ids[:50], 16), whole[:3])  # a prefix's blocks hash alike
+    changed = ids.copy()
+    changed[40] = 7  # inside block 2: blocks 0 and 1 keep their hashes, every later block changes
+    moved = block_hashes(changed, 16)
+    assert np.array_equal(moved[:2], whole[:2]) and not np.any(moved[2:] == whole[2:])
+    repeated = np.tile(np.arange(16, dtype=np.int32), 2)  # equal tokens in two places: different blocks (chained)
+    first, second = block_hashes(repeated, 16)
+    assert first != second
+
+
+def test_every_process_hashes_alike():
+    code = "import numpy as np; from kvscope.engine.audit.blocks import block_hashes; print(block_hashes(np.arange(64), 16).tolist())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == str(block_hashes(np.arange(64), 16).tolist())
