@@ -14,13 +14,13 @@ WORKING = ".progress-text, .progress-level, .eta-bar, .meta-text, .meta-text-cen
 LIMIT_S = 900.0  # a bound on any one wait, however long the app keeps working
 
 
-def wait_for_app(page: Page, locator: Locator, quiet_s: float = 180.0) -> None:
-    """Wait until ``locator`` is visible while the app keeps showing progress; raise Playwright's timeout once the app
-    has shown none for ``quiet_s`` seconds (or after ``LIMIT_S``)."""
+def wait_for_app(page: Page, locator: Locator, quiet_s: float = 180.0, state: str = "visible") -> None:
+    """Wait until ``locator`` is in ``state`` (visible, hidden, ...) while the app keeps showing progress; raise
+    Playwright's timeout once the app has shown none for ``quiet_s`` seconds (or after ``LIMIT_S``)."""
     started = last_working = time.monotonic()
     while True:
         try:
-            locator.wait_for(timeout=1_000)
+            locator.wait_for(timeout=1_000, state=state)
             return
         except PlaywrightTimeoutError:
             pass
@@ -28,4 +28,11 @@ def wait_for_app(page: Page, locator: Locator, quiet_s: float = 180.0) -> None:
         if page.locator(WORKING).count():
             last_working = now
         if now - last_working > quiet_s or now - started > LIMIT_S:
-            locator.wait_for(timeout=1)  # raises, naming the locator
+            locator.wait_for(timeout=1, state=state)  # raises, naming the locator
+
+
+def wait_for_audit(page: Page) -> None:
+    """Until the audit under way has measured its turns: the token pass it shows first (its recommendation panel
+    saying "Measuring:") replaced, and Cancel hidden. Call it once the audit has shown something of its own."""
+    wait_for_app(page, page.locator("#audit-recommendation:not(:has-text('Measuring:'))"))
+    wait_for_app(page, page.locator("#cancel-audit"), state="hidden")

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from tests.app.browser_waits import wait_for_app
+from tests.app.browser_waits import wait_for_app, wait_for_audit
 from tests.app.test_browser import CHROMIUM, TOAST, browser  # noqa: F401 (the module's browser fixture)
 from tests.app.test_browser_labels import wide_page  # noqa: F401 (a page at 1,000 and 1,400 px)
 
@@ -36,6 +36,7 @@ def test_the_rag_log_offers_each_changed_field_and_opens_the_one_picked(wide_pag
     page.locator("#audit-sample input[type=number]").fill("1")
     page.locator("#run-audit").click()
     wait_for_app(page, page.locator("#audit-open-status").get_by_text("Open in Notes:"))
+    wait_for_audit(page)  # the token pass shows first; the changed fields are offered once the turns are measured
     assert page.locator(TOAST).count() == 0, page.locator(TOAST).all_inner_texts()
     wait_for_app(page, page.locator("#audit-traffic th").first)  # the tables render after the status line
     headers = page.evaluate(HEADER_LINES)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvscope.app.handlers.your_prompt import size_words
-from tests.app.browser_waits import wait_for_app
+from tests.app.browser_waits import wait_for_app, wait_for_audit
 from tests.app.test_audit_tab import LOG
 from tests.app.test_browser import ARTIFACTS, CHROMIUM, TOAST, browser  # noqa: F401 (the module's browser fixture)
 
@@ -57,7 +57,7 @@ def _audit(page, requests: int) -> None:
     """Audit and wait for the traffic panel to count ``requests`` requests (the log the audit read)."""
     page.locator("#run-audit").click()
     wait_for_app(page, page.locator("#audit-traffic").get_by_text(f"{requests} requests in 1 session"))
-    page.locator("#cancel-audit").wait_for(state="hidden", timeout=10_000)
+    wait_for_audit(page)
 
 
 def test_an_upload_is_audited_as_a_file_and_a_second_replaces_it(page, tmp_path):

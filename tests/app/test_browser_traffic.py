@@ -6,7 +6,7 @@ import pytest
 
 from kvscope.app.handlers.your_prompt import bundled_log_text
 from kvscope.engine.audit.changes.causes import CAUSES
-from tests.app.browser_waits import wait_for_app
+from tests.app.browser_waits import wait_for_app, wait_for_audit
 from tests.app.test_browser import ARTIFACTS, CHROMIUM, TOAST, _plot_data, browser  # noqa: F401 (the module's browser fixture)
 from tests.app.test_browser_labels import wide_page  # noqa: F401 (a page at 1,000 and 1,400 px)
 
@@ -26,6 +26,7 @@ def test_an_interleaved_log_shows_its_sessions_causes_groups_and_timeline(wide_p
     page.locator("#run-audit").click()
     traffic = page.locator("#audit-traffic")
     wait_for_app(page, traffic.get_by_text("Causes of the misses"))
+    wait_for_audit(page)  # the token pass shows first, while the model pass measures
     assert page.locator(TOAST).count() == 0, page.locator(TOAST).all_inner_texts()
     text = traffic.inner_text()
     assert "6 requests in 2 sessions" in text and "skipped records: 1" in text and "line 5, messages" in text, text
