@@ -263,7 +263,7 @@ def model_pass_ratio(lm: LoadedModel, name: str, args) -> dict:
 
 def app_times(spec: str, args) -> list[dict]:
     """Each bundled log through the app's audit handler (the tab's defaults; the model loaded first), in bfloat16."""
-    from kvscope.app.handlers.your_prompt import run_audit
+    from kvscope.app.handlers.your_prompt import AuditInputs, run_audit
     from kvscope.app.state import ModelRegistry, SessionStore
 
     registry, sessions = ModelRegistry(spec, dtype="bfloat16"), SessionStore()
@@ -274,7 +274,7 @@ def app_times(spec: str, args) -> list[dict]:
         load_before, runs = os.getloadavg(), []
         for rep in range(args.app_reps):
             watch = Stopwatch()
-            run_audit(registry, sessions, text, session=f"{name}-{rep}", tokens=args.app_tokens)
+            run_audit(registry, sessions, text, session=f"{name}-{rep}", inputs=AuditInputs(tokens=args.app_tokens))
             runs.append(watch.ms / 1000)
         rows.append({"log": name, "s": _spread(runs), "load_average_before": [round(x, 2) for x in load_before]})
         print(f"  app: {name} {statistics.median(runs):.1f} s", flush=True)

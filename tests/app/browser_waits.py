@@ -4,7 +4,9 @@ fails when the app has shown no progress for ``quiet_s`` seconds and the result 
 
 from __future__ import annotations
 
+import itertools
 import time
+from pathlib import Path
 
 from playwright.sync_api import Locator, Page
 from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
@@ -12,6 +14,8 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 # What Gradio 6 shows while an event runs: the progress bar and its text, and the pending timer ("processing | 3.1s").
 WORKING = ".progress-text, .progress-level, .eta-bar, .meta-text, .meta-text-center, .generating, .pending"
 LIMIT_S = 900.0  # a bound on any one wait, however long the app keeps working
+FAILED_SHOTS = Path("/tmp/kvscope-wait-failed")  # what the page showed when a wait gave up
+_failures = itertools.count(1)
 
 
 def wait_for_app(page: Page, locator: Locator, quiet_s: float = 180.0, state: str = "visible") -> None:
@@ -28,7 +32,20 @@ def wait_for_app(page: Page, locator: Locator, quiet_s: float = 180.0, state: st
         if page.locator(WORKING).count():
             last_working = now
         if now - last_working > quiet_s or now - started > LIMIT_S:
-            locator.wait_for(timeout=1, state=state)  # raises, naming the locator
+            shot = _failed_shot(page)
+            try:
+                locator.wait_for(timeout=1, state=state)  # raises, naming the locator
+            except PlaywrightTimeoutError as error:
+                raise PlaywrightTimeoutError(f"{error.message}\nno progress for {now - last_working:.0f} s; the page: {shot}") from None
+            return
+
+
+def _failed_shot(page: Page) -> Path:
+    """A full-page screenshot of a wait that gave up, numbered in this process."""
+    FAILED_SHOTS.mkdir(exist_ok=True)
+    path = FAILED_SHOTS / f"{next(_failures)}-{int(time.time())}.png"
+    page.screenshot(path=str(path), full_page=True)
+    return path
 
 
 def wait_for_audit(page: Page) -> None:

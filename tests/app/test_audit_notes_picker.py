@@ -12,6 +12,7 @@ import pytest
 from kvscope.app.handlers.common import AppError
 from kvscope.app.handlers.your_prompt import (
     NOTHING_TO_AUDIT,
+    AuditInputs,
     audit_notes_choice,
     audit_notes_scenario,
     bundled_log_text,
@@ -34,7 +35,7 @@ def rag(registry):
     from kvscope.app.state import SessionStore
 
     sessions = SessionStore()
-    view = run_audit(registry, sessions, bundled_log_text("rag"), session="r", repairs=["field_only"], tokens=2)
+    view = run_audit(registry, sessions, bundled_log_text("rag"), session="r", inputs=AuditInputs(["field_only"], 2))
     return view, sessions
 
 

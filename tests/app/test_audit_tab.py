@@ -18,6 +18,7 @@ from kvscope.app.handlers.common import AppError
 from kvscope.app.handlers.notes import EditInputs, run_edit, run_knockout
 from kvscope.app.handlers.your_prompt import (
     NOTHING_TO_AUDIT,
+    AuditInputs,
     audit_fidelity_view,
     audit_notes_scenario,
     bundled_log_text,
@@ -63,7 +64,7 @@ LOG = "\n".join(
         _request("42", "gold", ASK, ANSWER, FOLLOW_UP),  # only growth
     ]
 )
-OPTIONS = {"repairs": ["field_only", "erratum", "hoist"], "tokens": 3}
+OPTIONS = {"inputs": AuditInputs(["field_only", "erratum", "hoist"], 3)}
 
 
 @pytest.fixture
@@ -134,11 +135,11 @@ def test_bad_logs_get_the_engines_message_and_leave_the_last_audit(audited, regi
         with pytest.raises(AppError, match=message):
             run_audit(registry, sessions, text, session="a", **OPTIONS)
     with pytest.raises(AppError, match="unknown repair 'rebuild'"):
-        run_audit(registry, sessions, LOG, session="a", repairs=["rebuild"], tokens=3)
+        run_audit(registry, sessions, LOG, session="a", inputs=AuditInputs(["rebuild"], 3))
     with pytest.raises(AppError, match="unknown grain"):
-        run_audit(registry, sessions, LOG, session="a", grain="week", **OPTIONS)
+        run_audit(registry, sessions, LOG, session="a", inputs=AuditInputs(["field_only", "erratum", "hoist"], 3, grain="week"))
     with pytest.raises(AppError, match="between 0 and 1"):
-        run_audit(registry, sessions, LOG, session="a", min_agreement=1.5, **OPTIONS)
+        run_audit(registry, sessions, LOG, session="a", inputs=AuditInputs(["field_only", "erratum", "hoist"], 3, min_agreement=1.5))
     with pytest.raises(AppError, match="observed counts are compared with one of vllm, sglang, llama_cpp, got 'tgi'"):
         run_audit(registry, sessions, LOG, session="a", observed_engine="tgi", **OPTIONS)
     assert sessions.get("a", "audit") is kept
@@ -152,22 +153,22 @@ def test_the_public_profile_bounds_the_measured_turns_tokens_per_request_and_n(r
 
     sessions = SessionStore()
     ten = "\n".join(_request(f"{40 + i}", "gold", ASK) for i in range(10))  # one change signature: 9 measurable turns
-    view = run_audit(public(), sessions, ten, session="p", repairs=[], tokens=1, sample=9)
+    view = run_audit(public(), sessions, ten, session="p", inputs=AuditInputs([], 1), sample=9)
     (group,) = [group for group in view.summary["groups"] if group["measurable"]]
     assert (group["measurable"], len(group["measured"]), view.summary["sample"], view.summary["sampled"]) == (9, 8, 8, True)
     bound = "this server (public profile) measures at most 8 turns of a log: --sample lowered from 9 to 8"
     assert view.summary["sample_bound"] == bound and markdown_literal(bound) in view.groups_markdown
     assert "**sampled**" in view.groups_markdown and len(view.summary["requests"]) == 10  # the token pass: every request
-    kept = run_audit(public(), sessions, ten, session="p", repairs=[], tokens=1, sample=2)
+    kept = run_audit(public(), sessions, ten, session="p", inputs=AuditInputs([], 1), sample=2)
     assert kept.summary["sample_bound"] is None and [len(g["measured"]) for g in kept.summary["groups"] if g["measurable"]] == [2]
     with pytest.raises(AppError, match="33 greedy tokens per state asked; this server \\(public profile\\) generates at most 32"):
-        run_audit(public(), sessions, LOG, session="q", repairs=[], tokens=33)
+        run_audit(public(), sessions, LOG, session="q", inputs=AuditInputs([], 33))
     with pytest.raises(AppError, match="longer than the context limit of 80"):
-        run_audit(public(max_context_tokens=80), sessions, LOG, session="q", repairs=[], tokens=1)
+        run_audit(public(max_context_tokens=80), sessions, LOG, session="q", inputs=AuditInputs([], 1))
     assert sessions.get("q", "audit") is None
     local = local_profile()
     assert local.max_audit_requests is None and local.max_audit_tokens is None
-    view = run_audit(registry, sessions, ten, session="l", repairs=[], tokens=1, sample=9)  # local: every turn
+    view = run_audit(registry, sessions, ten, session="l", inputs=AuditInputs([], 1), sample=9)  # local: every turn
     assert len(view.summary["turns"]) == 10 and view.summary["sample_bound"] is None and not view.summary["sampled"]
 
 
@@ -328,7 +329,7 @@ def _expected_sessions(lm, text: str, block: int) -> list[dict]:
 def test_an_interleaved_log_is_reported_per_session_and_its_groups_cover_every_turn(registry, sessions):
     text = bundled_log_text("interleaved_agents")
     engines = engine_settings(block=8)
-    view = run_audit(registry, sessions, text, session="t", repairs=["field_only"], tokens=2, sample=1, engines=engines)
+    view = run_audit(registry, sessions, text, session="t", inputs=AuditInputs(["field_only"], 2), sample=1, engines=engines)
     data, requests = view.summary, read_log(text).requests
     assert data["sessions"] == _expected_sessions(registry.get(), text, 8) and len(data["sessions"]) == 2
     assert [row["session"] for row in data["requests"]] == [request.session for request in requests]

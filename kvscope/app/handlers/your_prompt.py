@@ -128,23 +128,34 @@ class AuditView:
     fleet_figure: go.Figure | None = None
 
 
-def audit_options(
-    profile: HostingProfile, requests: int, repairs: Sequence[str] | None, tokens, threshold, min_agreement, grain
-) -> MeasureSettings:
-    """The audit's settings from UI values, checked (the profile bounds the requests, the greedy tokens and the context)."""
-    tokens = number(tokens, "greedy tokens N", DEFAULTS.tokens)
-    threshold = number(threshold, "KL threshold", DEFAULTS.threshold, float)
-    min_agreement = number(min_agreement, "minimum agreement", DEFAULTS.min_agreement, float)
-    if not 0 <= min_agreement <= 1:
-        raise AppError(f"the minimum agreement is a share between 0 and 1, got {min_agreement:g}")
-    if threshold < 0:
-        raise AppError(f"the KL threshold cannot be negative, got {threshold:g}")
-    grain = (grain or "").strip()
-    grain = None if grain in ("", NO_GRAIN) else grain
-    if grain is not None and grain not in GRAINS:
-        raise AppError(f"unknown grain {grain!r}; choose one of {', '.join(GRAINS)} (or none)")
-    profile.check_audit(requests, tokens)
-    return measure_settings(list(repairs or []), tokens, threshold, min_agreement, grain, profile.max_context_tokens)
+@dataclass(frozen=True)
+class AuditInputs:
+    """What every audit of the tab is measured and drawn with, as its widgets give it (:meth:`measure` checks it):
+    the repairs, greedy tokens, the recommendation's bars, coarsen's grain, and the fidelity figure's axes."""
+
+    repairs: Sequence[str] | None = None
+    tokens: int | float | str | None = DEFAULTS.tokens
+    threshold: float | str | None = DEFAULTS.threshold
+    min_agreement: float | str | None = DEFAULTS.min_agreement
+    grain: str | None = None
+    x: str = "computed"
+    y: str = "kl"
+
+    def measure(self, profile: HostingProfile, requests: int) -> MeasureSettings:
+        """The model pass's settings, checked (the profile bounds the requests, the greedy tokens and the context)."""
+        tokens = number(self.tokens, "greedy tokens N", DEFAULTS.tokens)
+        threshold = number(self.threshold, "KL threshold", DEFAULTS.threshold, float)
+        min_agreement = number(self.min_agreement, "minimum agreement", DEFAULTS.min_agreement, float)
+        if not 0 <= min_agreement <= 1:
+            raise AppError(f"the minimum agreement is a share between 0 and 1, got {min_agreement:g}")
+        if threshold < 0:
+            raise AppError(f"the KL threshold cannot be negative, got {threshold:g}")
+        grain = (self.grain or "").strip()
+        grain = None if grain in ("", NO_GRAIN) else grain
+        if grain is not None and grain not in GRAINS:
+            raise AppError(f"unknown grain {grain!r}; choose one of {', '.join(GRAINS)} (or none)")
+        profile.check_audit(requests, tokens)
+        return measure_settings(list(self.repairs or []), tokens, threshold, min_agreement, grain, profile.max_context_tokens)
 
 
 NOTHING_TO_AUDIT = (
@@ -198,13 +209,7 @@ def start_audit(
     *,
     session: str,
     spec: str | None = None,
-    repairs: Sequence[str] | None = None,
-    tokens=DEFAULTS.tokens,
-    threshold=DEFAULTS.threshold,
-    min_agreement=DEFAULTS.min_agreement,
-    grain: str | None = None,
-    x: str = "computed",
-    y: str = "kl",
+    inputs: AuditInputs = AuditInputs(),
     sample=DEFAULT_SAMPLE,
     engines: CacheSettings = CacheSettings(),
     observed_engine: str = "vllm",
@@ -226,7 +231,7 @@ def start_audit(
     profile = registry.profile
     # at most this many turns are measured: every request, or the profile's bound that ``bounded_sample`` keeps to
     measured = min(len(log.requests), profile.max_audit_requests or len(log.requests))
-    measure = audit_options(profile, measured, repairs, tokens, threshold, min_agreement, grain)
+    measure = inputs.measure(profile, measured)
     phases.report("loading", "loading the model" if sample > 0 else "loading the tokenizer (the token pass needs no weights)")
     loading = phases.messages("loading")
     lm = registry.get(spec, progress=loading) if sample > 0 else registry.token_model(spec, progress=loading)
@@ -246,7 +251,7 @@ def start_audit(
     if fits > 0 and scan.requests:
         waiting = pending_report(lm, scan, fits, measure)
         why = "the model pass is running: Open in Notes is offered once it has measured the turns"
-        pending = audit_view(waiting.measured_report(), x, y, why, waiting.as_dict() | {"sample_bound": bound})
+        pending = audit_view(waiting.measured_report(), inputs.x, inputs.y, why, waiting.as_dict() | {"sample_bound": bound})
 
     @guarded
     def finish() -> AuditView:
@@ -259,7 +264,7 @@ def start_audit(
             messages=phases.model_pass(),
         )
         data = traffic.as_dict() | {"sample_bound": bound}
-        return _kept_audit(registry, sessions, session, spec, lm, traffic.measured_report(), x, y, data, phases)
+        return _kept_audit(registry, sessions, session, spec, lm, traffic.measured_report(), inputs.x, inputs.y, data, phases)
 
     return StartedAudit(pending, finish)
 
@@ -298,20 +303,14 @@ def run_audit_value(
     candidate=None,
     find: str | None = None,
     new_value: str | None = None,
-    repairs: Sequence[str] | None = None,
-    tokens=DEFAULTS.tokens,
-    threshold=DEFAULTS.threshold,
-    min_agreement=DEFAULTS.min_agreement,
-    grain: str | None = None,
-    x: str = "computed",
-    y: str = "kl",
+    inputs: AuditInputs = AuditInputs(),
     progress: StepProgress = None,
 ) -> AuditView:
     """One prompt as cached, then as it arrives with one value changed: candidate span number ``candidate`` (as
     :func:`prompt_candidates` numbers them), or the first occurrence of ``find`` (which wins when given), set to
     ``new_value``."""
     request, rendered = _rendered_prompt(registry, spec, text)
-    measure = audit_options(registry.profile, 2, repairs, tokens, threshold, min_agreement, grain)
+    measure = inputs.measure(registry.profile, 2)
     if (find or "").strip():
         site = find_span(request, find)
     elif candidate is not None and str(candidate).strip():
@@ -330,7 +329,7 @@ def run_audit_value(
         measure=measure,
         progress=progress,
     )
-    return _kept_audit(registry, sessions, session, spec, lm, report, x, y)
+    return _kept_audit(registry, sessions, session, spec, lm, report, inputs.x, inputs.y)
 
 
 @guarded

@@ -12,6 +12,7 @@ from kvscope.app.handlers.your_prompt import (
     AUDIT_REPAIRS,
     DEFAULTS,
     NO_GRAIN,
+    AuditInputs,
     AuditView,
     audit_fidelity_view,
     audit_notes_choice,
@@ -262,6 +263,8 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
         budget_tokens,
         cache_reuse,
         replicas,
+        sample,
+        observed_engine,
         request: gr.Request,
         progress=gr.Progress(),
         **settings,
@@ -281,10 +284,12 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
                         text,
                         session=sid,
                         spec=spec,
+                        inputs=AuditInputs(**settings),
+                        sample=sample,
                         engines=simulated,
+                        observed_engine=observed_engine,
                         replicas=replicas,
                         progress=message_progress(progress),
-                        **settings,
                     )
                 if started.pending is not None:  # the token pass, shown while the model pass runs (Cancel stays)
                     yield *_shown(started.pending, sid), gr.update()
@@ -347,12 +352,23 @@ def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
     )
 
     @page.action
-    def on_audit_value(session, spec, text, upload, progress=gr.Progress(), **settings):
+    def on_audit_value(session, spec, text, upload, candidate, find, new_value, progress=gr.Progress(), **settings):
         sid = page.session_id(session)
         text = given_log(text, upload)
         if words := nothing_to_audit(text):
             return _nothing(words, sid)
-        view = run_audit_value(page.registry, page.sessions, text, session=sid, spec=spec, progress=step_progress(progress), **settings)
+        view = run_audit_value(
+            page.registry,
+            page.sessions,
+            text,
+            session=sid,
+            spec=spec,
+            candidate=candidate,
+            find=find,
+            new_value=new_value,
+            inputs=AuditInputs(**settings),
+            progress=step_progress(progress),
+        )
         return _shown(view, sid)
 
     value_button.click(

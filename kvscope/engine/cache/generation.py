@@ -11,17 +11,22 @@ import torch
 
 from kvscope.engine.cache.fused_forward import BranchRun, Continuation, NotebookState, joined, run_notebooks
 
+# tokens guessed by prompt lookup a forward: on a 0.5B model on 2 CPU cores a decode forward of 1 token took 94 ms, of
+# 9 tokens 159 ms, so a wrong guess costs less than the forward it may save (benchmarks/studies/greedy_lookup.py)
+LOOKUP_TOKENS = 8
 
-def _stored(run: BranchRun, continuation: Continuation, segment: str) -> NotebookState:
-    """The computed notebook with a continuation's tokens stored as entries (e.g. a generated token)."""
+
+def _stored(run: BranchRun, continuation: Continuation, segment: str, count: int | None = None) -> NotebookState:
+    """The computed notebook with a continuation's tokens stored as entries (e.g. a generated token): its first
+    ``count`` (default: all; each token's K/V depend only on the tokens before it, so a prefix of them is exact)."""
     base = run.notebook
-    count = len(continuation.token_ids)
+    count = len(continuation.token_ids) if count is None else count
     return dataclass_replace(
         base,
-        computed_keys=joined(base.computed_keys, run.keys, slice(None)),
-        computed_values=joined(base.computed_values, run.values, slice(None)),
-        token_ids=torch.cat([base.token_ids, torch.tensor(continuation.token_ids, dtype=torch.long)]),
-        positions=torch.cat([base.positions, torch.tensor(continuation.positions, dtype=torch.long)]),
+        computed_keys=joined(base.computed_keys, [k[:, :, :count] for k in run.keys], slice(None)),
+        computed_values=joined(base.computed_values, [v[:, :, :count] for v in run.values], slice(None)),
+        token_ids=torch.cat([base.token_ids, torch.tensor(continuation.token_ids[:count], dtype=torch.long)]),
+        positions=torch.cat([base.positions, torch.tensor(continuation.positions[:count], dtype=torch.long)]),
         segments=base.segments + (segment,) * count,
         visible=torch.cat([base.visible, torch.ones(count, dtype=torch.bool)]),
         log=base.log + (f"{segment} {count} tokens",),
@@ -45,52 +50,74 @@ def greedy(
     stop_ids: Sequence[int] = (),
     *,
     draft: Sequence[int] = (),
+    lookup: int = LOOKUP_TOKENS,
     on_forward: Callable[[int], None] | None = None,
 ) -> tuple[NotebookState, list[int]]:
     """Greedy tokens after this notebook, whose next-token ``logits`` are given (e.g. by :func:`step`); returns
     the notebook with them appended (the last one recorded, not run) and the new ids.
 
-    ``draft``: tokens greedy decoding is expected to give (e.g. another state's greedy tokens), checked in one forward
-    as speculative decoding checks a draft: the draft's tokens run together, each position's argmax read, and the
-    longest run of them greedy decoding reproduces taken at once; decoding goes on a token a time from the first token
-    that differs. The tokens are greedy decoding's (the positions' logits are those of one forward, not of one forward
-    per token: they may differ in the last bits, as any two forward extents do). ``on_forward``: told each forward's
-    new tokens."""
+    Each forward runs the newest greedy token with a guess of the tokens after it, and keeps the longest run of the
+    guess that greedy decoding reproduces (speculative decoding's check; the rest of the forward is dropped): the guess
+    is ``draft`` (the tokens greedy decoding is expected to give, e.g. another state's), whole, while the tokens so far
+    follow it, else up to ``lookup`` tokens that followed the last 2 or 3 tokens where they occur earlier in the draft
+    or the context (prompt lookup: a model often copies its context). A right guess of N tokens costs one forward
+    instead of N; a wrong one costs its tokens in a forward that runs anyway (decoding reads the weights once a
+    forward however many tokens it runs). The tokens are greedy decoding's (the positions' logits are those of one
+    forward, not of one forward per token: they may differ in the last bits, as any two forward extents do).
+    ``lookup`` 0: no lookup guess. ``on_forward``: told each forward's new tokens."""
     stops = set(stop_ids)
+    context = notebook.token_ids
     current, generated = notebook, []
-    checked = list(draft[: max_new_tokens - 1]) if draft and int(logits.argmax()) == draft[0] else []
-    if checked:
-        ran, checks = _step_all(notebook, checked)
-        _told(on_forward, len(checked))
-        predicted = [int(logits.argmax()), *(int(row.argmax()) for row in checks)]  # predicted[i]: token i's greedy
-        generated = checked[: next((i for i, token in enumerate(checked) if predicted[i] != token or token in stops), len(checked))]
-        if len(generated) == len(checked):
-            current, logits = ran, checks[-1]
-        elif generated:  # the taken tokens run again alone (cheaper than cutting entries off a notebook of any layout)
-            current, logits = step(notebook, generated, "generated")
-            _told(on_forward, len(generated))
-    while len(generated) < max_new_tokens:
+    while True:
         token = int(logits.argmax())
         if token in stops:
-            break
+            return current, generated
         generated.append(token)
         if len(generated) == max_new_tokens:
             return current.append([token], "generated"), generated
-        current, logits = step(current, [token], "generated")
-        _told(on_forward, 1)
-    return current, generated
+        room = max_new_tokens - len(generated) - 1  # the last token is recorded, not run
+        guess = _guess(generated, draft, context, lookup)[:room]
+        current, logits, taken = _checked(current, [token, *guess], stops)
+        if on_forward is not None:
+            on_forward(1 + len(guess))
+        generated += guess[:taken]
 
 
-def _step_all(notebook: NotebookState, token_ids: Sequence[int]) -> tuple[NotebookState, torch.Tensor]:
-    """Run tokens after the context in one forward, store them, and return every position's next-token logits."""
+def _guess(generated: list[int], draft: Sequence[int], context: torch.Tensor, lookup: int) -> list[int]:
+    """The tokens expected after ``generated``: the draft's rest while ``generated`` follows it, else up to ``lookup``
+    tokens after the latest earlier occurrence of its (or the context's and its) last 3, then 2 tokens, found in the
+    draft first, then in the context and ``generated``."""
+    count = len(generated)
+    if count < len(draft) and list(draft[:count]) == generated:
+        return list(draft[count:])
+    if lookup <= 0:
+        return []
+    history = torch.cat([context, torch.tensor(generated, dtype=torch.long)])
+    for size in (3, 2):
+        if len(history) <= size:
+            continue
+        tail = history[-size:]
+        for corpus in (torch.tensor(list(draft), dtype=torch.long), history[:-1]):
+            if len(corpus) <= size:
+                continue
+            starts = (corpus.unfold(0, size, 1) == tail).all(1).nonzero()[:, 0]
+            starts = starts[starts + size < len(corpus)]  # something follows it
+            if len(starts):
+                first = int(starts[-1]) + size
+                return corpus[first : first + lookup].tolist()
+    return []
+
+
+def _checked(notebook: NotebookState, token_ids: list[int], stops: set[int]) -> tuple[NotebookState, torch.Tensor, int]:
+    """Run a greedy token and a guess of the tokens after it in one forward: the notebook with the token and the
+    guess's longest greedy-reproduced run stored, the next-token logits after them, and that run's length (a stop
+    token ends it: greedy decoding would have stopped before running it)."""
     continuation = Continuation.causal(token_ids, notebook.next_position, list(range(len(token_ids))), notebook.next_rope_offset)
     run = run_notebooks([notebook], [continuation])[0]
-    return _stored(run, continuation, "generated"), run.logits
-
-
-def _told(on_forward: Callable[[int], None] | None, tokens: int) -> None:
-    if on_forward is not None:
-        on_forward(tokens)
+    predicted = run.logits.argmax(-1).tolist()  # predicted[i]: greedy's token after token_ids[i]
+    guess = token_ids[1:]
+    taken = next((i for i, token in enumerate(guess) if predicted[i] != token or token in stops), len(guess))
+    return _stored(run, continuation, "generated", 1 + taken), run.logits[taken], taken
 
 
 def generate(
