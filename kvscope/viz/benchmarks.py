@@ -469,11 +469,13 @@ def audit_cli_figure(data: dict) -> go.Figure:
     ratios = (("baseline_rewrite_ratio", baseline), ("rewrite_ratio", "--rewritten"), ("rewrite_only_ratio", "rewrite alone"))
     colours = {baseline: "#adb5bd", "default audit": PALETTE[0], "--rewritten": PALETTE[1], "rewrite alone": PALETTE[2]}
     shown = set()
+    tops = {1: float(data["goal_audit_s"]), 2: float(data["goal_ratio"])}  # each axis shows its goal and every whisker
     for column, series in ((1, seconds), (2, ratios)):
         for key, name in series:
             if not any(key in row for row in data["logs"]):
                 continue
             stats = [row.get(key) or {} for row in data["logs"]]
+            tops[column] = max([tops[column], *(stat["max"] for stat in stats if stat)])
             medians = [stat.get("median") for stat in stats]
             figure.add_bar(
                 x=logs,
@@ -496,14 +498,57 @@ def audit_cli_figure(data: dict) -> go.Figure:
             shown.add(name)
     figure.add_hline(y=data["goal_audit_s"], line={"color": "#e76f51", "dash": "dot"}, row=1, col=1)
     figure.add_hline(y=data["goal_ratio"], line={"color": "#e76f51", "dash": "dot"}, row=1, col=2)
-    figure.update_yaxes(title_text="seconds", rangemode="tozero", row=1, col=1)
-    figure.update_yaxes(title_text="× plain transformers", rangemode="tozero", row=1, col=2)
+    figure.update_yaxes(title_text="seconds", range=[0, tops[1] * 1.15], row=1, col=1)
+    figure.update_yaxes(title_text="× plain transformers", range=[0, tops[2] * 1.15], row=1, col=2)
     figure.update_layout(height=460, barmode="group", legend=LEGEND_BELOW)
     set_title(
         figure,
         f"The CLI audit's time: {data['dtype']}, {data['tokens']} greedy tokens, {data['reps']} rep(s)",
         _measured_on(data),
         f"dotted: the goals, {data['goal_audit_s']} s a log and ×{data['goal_ratio']:g} plain transformers",
+        subplot_titles=1,
+    )
+    return figure
+
+
+def greedy_lookup_figure(data: dict) -> go.Figure:
+    """Greedy decoding with prompt lookup against a token a forward (``greedy_lookup-*.json``): per bundled log, the
+    forwards each ran for the same tokens, and lookup's speedup (median bar, min-max whisker); a log whose tokens parted
+    (at an exact tie) is marked."""
+    logs = [safe_label(row["log"]) + ("" if row["same_tokens"] else " *") for row in data["logs"]]
+    figure = make_subplots(rows=1, cols=2, horizontal_spacing=0.14, subplot_titles=("decode forwards", "speedup of lookup"))
+    for key, name, colour in (("plain_forwards", "a token a forward", "#adb5bd"), ("lookup_forwards", "prompt lookup", PALETTE[0])):
+        values = [row[key] for row in data["logs"]]
+        figure.add_bar(x=logs, y=values, name=name, marker_color=colour, text=values, textposition="outside", row=1, col=1)
+    speedups = [row["speedup"] for row in data["logs"]]
+    figure.add_bar(
+        x=logs,
+        y=[stat["median"] for stat in speedups],
+        name="speedup",
+        showlegend=False,
+        marker_color=PALETTE[2],
+        error_y={
+            "type": "data",
+            "symmetric": False,
+            "array": [stat["max"] - stat["median"] for stat in speedups],
+            "arrayminus": [stat["median"] - stat["min"] for stat in speedups],
+        },
+        text=[f"×{stat['median']:.2f}" for stat in speedups],
+        textposition="outside",
+        row=1,
+        col=2,
+    )
+    top = max([1.0, *(stat["max"] for stat in speedups)])
+    figure.add_hline(y=1.0, line={"color": "#e76f51", "dash": "dot"}, row=1, col=2)
+    figure.update_yaxes(title_text="forwards", rangemode="tozero", row=1, col=1)
+    figure.update_yaxes(title_text="× a token a forward", range=[0, top * 1.2], row=1, col=2)
+    figure.update_layout(height=440, barmode="group", legend=LEGEND_BELOW)
+    set_title(
+        figure,
+        "Greedy decoding with prompt lookup",
+        _measured_on(data),
+        f"{data['tokens']} tokens a request, {data['reps']} rep(s), guesses of up to {data['lookup_tokens']} tokens; "
+        "dotted: no gain; * the tokens parted at a tie",
         subplot_titles=1,
     )
     return figure

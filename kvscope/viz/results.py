@@ -22,6 +22,7 @@ FIGURES: dict[str, Callable[[dict], go.Figure]] = {  # result kind (the file ste
     "audit": benchmarks.audit_benchmark_figure,
     "audit_replay": benchmarks.audit_replay_figure,
     "audit_cli": benchmarks.audit_cli_figure,
+    "greedy_lookup": benchmarks.greedy_lookup_figure,
     "chat_replay": benchmarks.chat_replay_figure,
 }
 
@@ -32,9 +33,10 @@ def result_kind(stem: str) -> str:
 
 
 def result_figures(results: Mapping[str, dict]) -> list[go.Figure]:
-    """A figure per result of a known kind (TTFT, edit latency, prefill, serving, agent policies, soak, N-skill study,
-    cache reuse, picture splice, models side by side, request-log audits, their llama-server replays, the CLI audit's
-    time, chat sessions replayed on real servers), in order; with two or more serving results, the engines side by side before them."""
+    """A figure per result of a known kind (``FIGURES``: TTFT, edit latency, prefill, serving, agent policies, soak,
+    N-skill study, cache reuse, picture splice, models side by side, request-log audits and their replays, the CLI
+    audit's time, greedy decoding with prompt lookup, chat sessions replayed on real servers), in order; with two or
+    more serving results, the engines side by side before them."""
     figures = []
     serving = {stem: data for stem, data in results.items() if result_kind(stem) == "serving" and data.get("workload", "edit") == "edit"}
     for stem, data in results.items():

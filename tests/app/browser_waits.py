@@ -13,6 +13,7 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeoutError
 
 # What Gradio 6 shows while an event runs: the progress bar and its text, and the pending timer ("processing | 3.1s").
 WORKING = ".progress-text, .progress-level, .eta-bar, .meta-text, .meta-text-center, .generating, .pending"
+TOAST = "[data-testid='toast-body'], .toast-body"  # Gradio's toasts (errors, warnings, information), quoted when a wait gives up
 LIMIT_S = 900.0  # a bound on any one wait, however long the app keeps working
 FAILED_SHOTS = Path("/tmp/kvscope-wait-failed")  # what the page showed when a wait gave up
 _failures = itertools.count(1)
@@ -36,7 +37,9 @@ def wait_for_app(page: Page, locator: Locator, quiet_s: float = 180.0, state: st
             try:
                 locator.wait_for(timeout=1, state=state)  # raises, naming the locator
             except PlaywrightTimeoutError as error:
-                raise PlaywrightTimeoutError(f"{error.message}\nno progress for {now - last_working:.0f} s; the page: {shot}") from None
+                toasts = page.locator(TOAST).all_inner_texts()
+                said = f"no progress for {now - last_working:.0f} s; toasts: {toasts}; the page: {shot}"
+                raise PlaywrightTimeoutError(f"{error.message}\n{said}") from None
             return
 
 

@@ -11,7 +11,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 import pytest
 
 from kvscope.app.permalink import decode_toml, encode_toml
-from tests.app.browser_waits import wait_for_app, wait_for_audit
+from tests.app.browser_waits import TOAST, wait_for_app, wait_for_audit
 from tests.app.conftest import SCENARIO
 from tests.shared import CHROMIUM, CHROMIUM_ARGS
 
@@ -328,7 +328,6 @@ LEARN_STEPS = {  # step → what its result must say (inner text, numbers by pat
         (),
     ),
 }
-TOAST = "[data-testid='toast-body'], .toast-body"
 
 
 @pytest.mark.parametrize("step", LEARN_STEPS, ids=["decisions", "field-only", "erratum", "splicing"])

@@ -10,6 +10,7 @@ from kvscope.viz.benchmarks import (
     cache_reuse_figure,
     chat_replay_figure,
     edit_latency_figure,
+    greedy_lookup_figure,
     prefill_figure,
     serving_figure,
     ttft_figure,
@@ -180,8 +181,26 @@ def test_the_cli_audits_time_draws_medians_with_their_spread_beside_the_goals():
         "rewrite alone": (["rag&lt;b&gt;"], [0.95], [pytest.approx(0.05)], [pytest.approx(0.05)]),
     }
     assert [shape.y0 for shape in figure.layout.shapes] == [60, 1.3]  # the goals, dotted
+    # each axis shows its goal and every whisker, whichever is higher (here the goal of 60 s, the ratio's 1.8)
+    assert figure.layout.yaxis.range == (0, pytest.approx(69.0)) and figure.layout.yaxis2.range == (0, pytest.approx(1.8 * 1.15))
     with_baseline = audit_cli_figure(data | {"logs": [row | {"baseline_default_s": _spread(40.0), "baseline_rewrite_ratio": _spread(2.0)}]})
     names = [(trace.name, trace.showlegend) for trace in with_baseline.data]
     assert names[:2] == [("the baseline checkout", True), ("default audit", True)] and names[2] == ("the baseline checkout", False)
     stored = json.loads(Path("benchmarks/studies/results/audit_cli-embedded-cpu.json").read_text())
     assert "The CLI audit's time" in result_figures({"audit_cli-embedded-cpu": stored})[0].layout.title.text
+
+
+def test_greedy_lookup_draws_both_decodings_forwards_and_the_speedup_with_its_spread():
+    row = {"log": "rag<b>", "same_tokens": False, "plain_forwards": 41, "lookup_forwards": 21, "speedup": _spread(1.7, 1.8, 2.1)}
+    data = {"model": "embedded", "device": "cpu", "tokens": 32, "reps": 3, "lookup_tokens": 8, "logs": [row]}
+    figure = greedy_lookup_figure(data)
+    bars = {trace.name: (list(trace.x), list(trace.y)) for trace in figure.data}
+    assert bars == {
+        "a token a forward": (["rag&lt;b&gt; *"], [41]),  # escaped, marked: its tokens parted at a tie
+        "prompt lookup": (["rag&lt;b&gt; *"], [21]),
+        "speedup": (["rag&lt;b&gt; *"], [1.8]),
+    }
+    assert list(figure.data[2].error_y.array) == [pytest.approx(0.3)] and list(figure.data[2].error_y.arrayminus) == [pytest.approx(0.1)]
+    assert [shape.y0 for shape in figure.layout.shapes] == [1.0] and figure.layout.yaxis2.range == (0, pytest.approx(2.1 * 1.2))
+    stored = json.loads(Path("benchmarks/studies/results/greedy_lookup-embedded-cpu.json").read_text())
+    assert "prompt lookup" in result_figures({"greedy_lookup-embedded-cpu": stored})[0].layout.title.text
