@@ -23,6 +23,7 @@ def wait_for_app(page: Page, locator: Locator, quiet_s: float = 180.0, state: st
     """Wait until ``locator`` is in ``state`` (visible, hidden, ...) while the app keeps showing progress; raise
     Playwright's timeout once the app has shown none for ``quiet_s`` seconds (or after ``LIMIT_S``)."""
     started = last_working = time.monotonic()
+    toasts: dict[str, None] = {}  # every toast shown during the wait, in order (they close after seconds)
     while True:
         try:
             locator.wait_for(timeout=1_000, state=state)
@@ -30,6 +31,7 @@ def wait_for_app(page: Page, locator: Locator, quiet_s: float = 180.0, state: st
         except PlaywrightTimeoutError:
             pass
         now = time.monotonic()
+        toasts.update(dict.fromkeys(page.locator(TOAST).all_inner_texts()))
         if page.locator(WORKING).count():
             last_working = now
         if now - last_working > quiet_s or now - started > LIMIT_S:
@@ -37,8 +39,7 @@ def wait_for_app(page: Page, locator: Locator, quiet_s: float = 180.0, state: st
             try:
                 locator.wait_for(timeout=1, state=state)  # raises, naming the locator
             except PlaywrightTimeoutError as error:
-                toasts = page.locator(TOAST).all_inner_texts()
-                said = f"no progress for {now - last_working:.0f} s; toasts: {toasts}; the page: {shot}"
+                said = f"no progress for {now - last_working:.0f} s; toasts shown while waiting: {list(toasts)}; the page: {shot}"
                 raise PlaywrightTimeoutError(f"{error.message}\n{said}") from None
             return
 

@@ -5,6 +5,7 @@ import json
 import random
 import re
 import string
+import tomllib
 from pathlib import Path
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
@@ -46,12 +47,21 @@ def _shot(page, name: str) -> None:
 
 
 def _set_editor(page, text: str) -> None:
+    """Type ``text`` into the scenario editor and leave it; for a scenario that parses, wait until the panel beside it
+    shows its name (the Field and New value menus change in the same event, as a person sees): an Edit clicked before
+    that sends the previous scenario's field."""
     editor = page.locator("#scenario-editor .cm-content")
     editor.click()
     page.keyboard.press("Control+A")
     page.keyboard.press("Delete")
     editor.fill(text)
     page.locator("#scenario-description").click()
+    try:
+        name = tomllib.loads(text).get("name")
+    except tomllib.TOMLDecodeError:
+        return
+    if name:
+        wait_for_app(page, page.locator("#scenario-description").get_by_text(name))
 
 
 def test_edit_a_field_updates_strategy_cards(page):

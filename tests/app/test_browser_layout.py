@@ -8,6 +8,7 @@ import pytest
 
 from kvscope.app.page import PAIRED_PLOT_MIN_WIDTH
 from tests.app.browser_waits import wait_for_app
+from tests.app.conftest import launched
 from tests.app.test_browser import ARTIFACTS
 from tests.shared import CHROMIUM, CHROMIUM_ARGS
 
@@ -60,17 +61,10 @@ TABS = ["Model", "Notes", "Your prompt", "Probes", "Models", "Composer", "Benchm
 def themed_url(registry):
     """The app as ``kvscope-app`` serves it, in its own theme (the other tests' app has Gradio's default theme, whose
     narrower type fits the tabs in one row)."""
-    from benchmarks.common import free_port, wait_until_serving
     from kvscope.app.ui import build_app, theme
 
     blocks = build_app(registry)
-    port = free_port()
-    blocks.queue(default_concurrency_limit=1).launch(
-        server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True, theme=theme()
-    )
-    url = f"http://127.0.0.1:{port}/"
-    wait_until_serving(url, 60)
-    yield url
+    yield launched(blocks, theme=theme())
     blocks.close()
 
 

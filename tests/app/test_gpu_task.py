@@ -15,7 +15,6 @@ import torch
 from gradio_client import Client
 
 from benchmarks.app.space_cold_start import PeakRss, announced_profile
-from benchmarks.common import free_port, wait_until_serving
 from kvscope.app import gpu
 from kvscope.app.hosting import HostingError, from_env, public_profile
 from kvscope.app.state import ModelRegistry
@@ -23,7 +22,7 @@ from kvscope.engine.cache.loaded import SpliceGate
 from kvscope.engine.cache.selftest import run_selftest
 from kvscope.engine.models import load_model
 from kvscope.viz.common import markdown_literal
-from tests.app.conftest import SCENARIO, TINY
+from tests.app.conftest import SCENARIO, TINY, launched
 from tests.app.test_audit_tab import LOG
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -96,10 +95,7 @@ def zero_gpu_app():
         blocks = build_app(registry)
         handlers = {index: block_fn.fn for index, block_fn in blocks.fns.items()}
         tasks = gpu.gpu_tasks(blocks, registry, environ=ZERO_GPU)
-        port = free_port()
-        blocks.queue(default_concurrency_limit=1).launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
-        url = f"http://127.0.0.1:{port}/"
-        wait_until_serving(url, 60)
+        url = launched(blocks)
         yield SimpleNamespace(
             url=url, registry=registry, recorder=recorder, tasks=tasks, blocks=blocks, handlers=handlers, stage_s=stage_s, group=MODEL_GROUP
         )
