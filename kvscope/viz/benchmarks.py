@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
@@ -550,6 +552,46 @@ def greedy_lookup_figure(data: dict) -> go.Figure:
         f"{data['tokens']} tokens a request, {data['reps']} rep(s), guesses of up to {data['lookup_tokens']} tokens; "
         "dotted: no gain; * the tokens parted at a tie",
         subplot_titles=1,
+    )
+    return figure
+
+
+FORWARD_PATHS = {  # result key -> panel title, the replaced path, the fast one (benchmarks/studies/forward_paths.py)
+    "output_rows": ("output projection, last row kept", "slice", "fresh_view"),
+    "causal_prefill": ("prefill chunk after a cached head", "masked", "padded_causal"),
+}
+
+
+def forward_paths_figure(data: dict) -> go.Figure:
+    """Two fast paths of a forward against the paths they replace (``forward_paths-*.json``): per path, a bar per dtype
+    of the speedup (the replaced path's median ms over the fast one's, log axis; both medians in the hover text); a pair
+    whose numbers differed is marked."""
+    figure = go.Figure()
+    titles = [title for title, *_ in FORWARD_PATHS.values()]
+    for index, (dtype, rows) in enumerate(data["dtypes"].items()):
+        pairs = [(rows[key], replaced, fast) for key, (_, replaced, fast) in FORWARD_PATHS.items()]
+        figure.add_bar(
+            x=titles,
+            y=[row["speedup"] for row, *_ in pairs],
+            name=safe_label(dtype),
+            marker_color=PALETTE[index % len(PALETTE)],
+            text=[f"×{row['speedup']:.2f}" + ("" if row["same"] else " (numbers differ)") for row, *_ in pairs],
+            textposition="outside",
+            hovertext=[
+                f"{replaced}: {row[replaced]['median']:,.1f} ms, {fast}: {row[fast]['median']:,.1f} ms" for row, replaced, fast in pairs
+            ],
+        )
+    top = max([2.0, *(row["speedup"] for rows in data["dtypes"].values() for row in rows.values())])
+    figure.add_hline(y=1.0, line={"color": "#e76f51", "dash": "dot"})
+    figure.update_yaxes(title_text="× the replaced path (median)", type="log", dtick=1, range=[-0.1, math.log10(top) + 0.35])
+    figure.update_layout(height=440, barmode="group", legend=LEGEND_BELOW)
+    same = all(row["same"] for rows in data["dtypes"].values() for row in rows.values())
+    set_title(
+        figure,
+        "Fast paths of a forward, side by side",
+        _measured_on(data),
+        f"a {data['chunk']:,}-token forward after {data['stored']:,} cached tokens; dotted: no gain; "
+        + ("every pair gave the same numbers, bit for bit" if same else "marked: a pair whose numbers differed"),
     )
     return figure
 

@@ -546,6 +546,7 @@ def test_every_stored_benchmark_result_of_a_known_kind_gets_a_figure():
         "chat_replay",
         "audit_cli",
         "greedy_lookup",
+        "forward_paths",
     }
     serving_edits = sum(stem.startswith("serving-") and results[stem].get("workload", "edit") == "edit" for stem in results)
     side_by_side = 1 if serving_edits > 1 else 0  # the serving engines compared, before their own figures

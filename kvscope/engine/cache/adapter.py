@@ -14,6 +14,7 @@ import importlib
 import math
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from transformers import AttentionInterface, DynamicCache, PreTrainedModel
@@ -168,6 +169,15 @@ class ForwardPlan:
             allowed = allowed & ~self.blocked[layer]
         return allowed[None]
 
+    @cached_property
+    def causal_after(self) -> int | None:
+        """How many stored entries this forward's tokens follow when every token sees all of them and the tokens before
+        it among its own (a prefill continuing a cache), else None."""
+        count, keys = self.allowed.shape
+        stored = keys - count
+        causal = torch.ones(count, keys, dtype=torch.bool, device=self.allowed.device).tril(stored)
+        return stored if torch.equal(self.allowed, causal) else None
+
     def mask_for(self, layer: int, sliding_window: int | None, dtype: torch.dtype, chunk: int | None = None) -> torch.Tensor:
         """Additive mask (1, H or 1, Q, K) for one layer: 0 where :meth:`visible_for` sees, the dtype's minimum elsewhere."""
         allowed = self.visible_for(layer, sliding_window, chunk)
@@ -235,6 +245,9 @@ def _kvscope_attention(module, query, key, value, attention_mask, scaling=None, 
     if plan is not None:
         query = _retuned_query(module, query, plan)
         sliding_window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+        stored = _causal_padding(module, plan, query, sliding_window, kwargs.get("softcap"))
+        if stored is not None:
+            return _padded_causal_attention(module, query, key, value, stored, scaling)
         attention_mask = plan.mask_for(module.layer_idx, sliding_window, query.dtype, _attention_chunk(module))
     masks = RowMasks(attention_mask)
     if plan is not None and plan.rescale is not None:
@@ -248,6 +261,31 @@ def _kvscope_attention(module, query, key, value, attention_mask, scaling=None, 
         _, kept = _eager_for(module)(module, query[:, :, rows], key, value, masks.of(rows), scaling=scaling, dropout=0.0, **kwargs)
         plan.attentions[module.layer_idx] = kept[0].float()
     return output, weights
+
+
+def _causal_padding(module, plan: ForwardPlan, query: torch.Tensor, sliding_window: int | None, softcap) -> int | None:
+    """The stored entries to pad the queries by when this layer's attention is plain causal SDPA in disguise: the
+    plan's visibility is a prefill continuing its stored entries (:attr:`ForwardPlan.causal_after`), nothing narrows it
+    in this layer (window, attention chunk, knockout, APE's rescale) or reads its weights, and the new tokens outnumber
+    the stored ones (padding costs their rows; below that the mask costs less). Else None."""
+    if not plan.use_sdpa or plan.rescale is not None or plan.capture_rows is not None or softcap is not None:
+        return None
+    if sliding_window or _attention_chunk(module) or module.layer_idx in plan.blocked:
+        return None
+    count = query.shape[2]
+    stored = plan.causal_after
+    return stored if stored is not None and count > 1 and stored < count else None
+
+
+def _padded_causal_attention(module, query, key, value, stored: int, scaling: float | None) -> tuple[torch.Tensor, None]:
+    """SDPA with ``is_causal`` over every key: the queries padded in front by ``stored`` zero rows (their outputs
+    dropped), so the causal diagonal falls where the mask's would. The same numbers, bit for bit, as the masked call
+    (tested), without computing the masked half: a 1,024-token prefill chunk's attention 33 → 21 ms a layer in
+    bfloat16 on these CPUs."""
+    if stored:
+        query = torch.cat([query.new_zeros(*query.shape[:2], stored, query.shape[3]), query], dim=2)
+    output, _ = sdpa_attention_forward(module, query, key, value, None, scaling=scaling, dropout=0.0, is_causal=True)
+    return output[:, stored:], None
 
 
 def _register_attention() -> None:

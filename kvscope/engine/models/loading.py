@@ -41,7 +41,7 @@ from kvscope.engine.cache.loaded import (
 )
 from kvscope.engine.cache.selftest import run_selftest
 from kvscope.engine.models import gguf
-from kvscope.engine.models.cpu_math import tune_cpu_math
+from kvscope.engine.models.cpu_math import keep_output_rows_dense, tune_cpu_math
 from kvscope.engine.models.dtype import accelerator_dtype, load_with_cpu_dtype_choice
 from kvscope.engine.models.store import cache_dir
 from kvscope.engine.models.tiny import tiny_model, tiny_tokenizer_only
@@ -270,6 +270,7 @@ def _load_pretrained(
             local_files_only=local_only,
         )
         model.eval().requires_grad_(False)
+        keep_output_rows_dense(model)
         return model.to(device)
 
     tokenizer = AutoTokenizer.from_pretrained(location, trust_remote_code=False, local_files_only=local_only)

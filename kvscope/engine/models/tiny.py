@@ -52,7 +52,7 @@ from kvscope.engine.cache.loaded import (
     dtype_name,
 )
 from kvscope.engine.cache.selftest import run_selftest
-from kvscope.engine.models.cpu_math import tune_cpu_math
+from kvscope.engine.models.cpu_math import keep_output_rows_dense, tune_cpu_math
 
 TINY_ARCHS: tuple[str, ...] = (
     "llama",
@@ -424,6 +424,7 @@ def tiny_model(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, 
     auto_class = AutoModelForImageTextToText if arch in VISION_ARCHS else AutoModelForCausalLM
     model = auto_class.from_config(config, attn_implementation=attn, dtype=torch.float32)
     model.to(dtype).eval().requires_grad_(False)
+    keep_output_rows_dense(model)
     name = f"tiny-{arch}"
     # Qwen2-VL's own processor with its defaults (14-pixel patches, 2×2 merge), capped so a picture stays a few tokens
     processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112) if arch in VISION_ARCHS else None
