@@ -26,6 +26,9 @@ CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_bf16", "avx512_vnni", "am
 PERCENTILE = "linear interpolation between closest ranks (numpy's default 'linear')"  # what every p50/p90/p99 is
 
 
+BUNDLED_LOGS = "coding_agent,support_agent,rag"  # the bundled request logs a benchmark runs by default (demos/logs/*.jsonl)
+
+
 def results_dir(script: str) -> Path:
     """Where a benchmark script writes by default: the ``results`` folder beside it (pass its ``__file__``)."""
     return Path(script).resolve().parent / "results"

@@ -51,12 +51,11 @@ from kvscope.engine.scenario import DEMOS
 from kvscope.engine.timing import Stopwatch
 
 LOGS = DEMOS / "logs"
-DEFAULT_LOGS = "coding_agent,support_agent,rag"
 
 
 def _parser():
     parser = common.parser(__doc__)
-    parser.add_argument("--logs", default=DEFAULT_LOGS, help="comma-separated stems of demos/logs/*.jsonl")
+    parser.add_argument("--logs", default=common.BUNDLED_LOGS, help="comma-separated stems of demos/logs/*.jsonl")
     parser.add_argument("--tokens", type=int, default=16, help="greedy tokens generated per state (N; --speed: 8)")
     parser.add_argument("--reps", type=int, default=1, help="audits per log: TTFT is their median, fidelity the first's")
     parser.add_argument("--grain", choices=GRAINS, default="date", help="the coarsen repair's grain")

@@ -54,7 +54,6 @@ from kvscope.engine.models import gguf, load_tokenizer
 from kvscope.engine.scenario import DEMOS
 
 LOGS = DEMOS / "logs"
-DEFAULT_LOGS = "coding_agent,support_agent,rag"
 REWRITES = ("hoist", "erratum")  # the first that applies to a log's last changed field
 GOAL_RATIO = 1.3
 GOAL_AUDIT_S = 60
@@ -63,7 +62,7 @@ TIMED_KEYS = ("reason", "kv_alternative")  # a recommendation's words and its KV
 
 def _parser():
     parser = common.parser(__doc__)
-    parser.add_argument("--logs", default=DEFAULT_LOGS, help="comma-separated stems of demos/logs/*.jsonl")
+    parser.add_argument("--logs", default=common.BUNDLED_LOGS, help="comma-separated stems of demos/logs/*.jsonl")
     parser.add_argument("--reps", type=int, default=3, help="repetitions of every timed command")
     parser.add_argument("--baseline", help="another checkout whose CLI is timed beside this one (same commands)")
     parser.add_argument("--rewrite", choices=REWRITES, default=REWRITES[0], help="the prompt-level repair the rewrite applies")
@@ -145,7 +144,6 @@ def model_dir(spec: str) -> str:
 
 def run(args) -> dict:
     tokenizer = load_tokenizer(args.model, progress=print)
-    dtype = "float32" if args.dtype == "auto" else args.dtype  # what "auto" loads on a CPU
     audit = [sys.executable, "-m", "kvscope", "audit", "--json", "--model", args.model, "--dtype", args.dtype, "--tokens", str(args.tokens)]
     trees = {"this": common.ROOT, **({"baseline": Path(args.baseline).resolve()} if args.baseline else {})}
     work = Path(tempfile.mkdtemp(prefix="audit_cli-"))
@@ -161,14 +159,7 @@ def run(args) -> dict:
             (work / f"{name}.rewritten.jsonl").write_text(text, encoding="utf-8")
             prompts = distinct_prompts(tokenizer, log, read_log(text))
             weights = model_dir(args.model)
-            job = {
-                "model_dir": weights,
-                "dtype": dtype,
-                "tokens": args.tokens,
-                "stop_ids": _stop_ids(tokenizer, weights),
-                "prompts": prompts,
-            }
-            (work / f"{name}.plain.json").write_text(json.dumps(job), encoding="utf-8")
+            row["plain_job"] = {"model_dir": weights, "tokens": args.tokens, "stop_ids": _stop_ids(tokenizer, weights), "prompts": prompts}
             row["prompts"], row["prompt_tokens"] = len(prompts), sum(len(ids) for ids in prompts)
         rows[name] = row
     load_before = os.getloadavg()
@@ -180,6 +171,10 @@ def run(args) -> dict:
                 result = timed([*audit, path], where)
                 row["runs"]["default"].append({"tree": tree, "s": result["s"], "cpu_s": result["cpu_s"]})
                 outputs[tree] = untimed(json.loads(result["stdout"]))
+            row.setdefault("dtype", outputs["this"]["dtype"])  # what the audit loaded ("auto" picks per CPU)
+            if "plain_job" in row:  # plain transformers runs in that dtype too
+                job = {**row.pop("plain_job"), "dtype": row["dtype"]}
+                (work / f"{name}.plain.json").write_text(json.dumps(job), encoding="utf-8")
             if "baseline" in outputs:
                 row.setdefault("same_json", []).append(outputs["this"] == outputs["baseline"])
             if "rewrite" in row:
@@ -198,7 +193,7 @@ def run(args) -> dict:
         "cpu": common.cpu_info(),
         "reps": args.reps,
         "tokens": args.tokens,
-        "dtype": dtype,
+        "dtype": ", ".join(sorted({row["dtype"] for row in rows.values()})),
         "baseline": str(trees["baseline"]) if args.baseline else None,
         "goal_ratio": GOAL_RATIO,
         "goal_audit_s": GOAL_AUDIT_S,

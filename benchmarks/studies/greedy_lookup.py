@@ -29,12 +29,10 @@ from kvscope.engine.cache.loaded import LoadedModel
 from kvscope.engine.cache.notebook import Notebook
 from kvscope.engine.scenario import DEMOS
 
-DEFAULT_LOGS = "coding_agent,support_agent,rag"
-
 
 def _parser():
     parser = common.parser(__doc__)
-    parser.add_argument("--logs", default=DEFAULT_LOGS, help="comma-separated stems of demos/logs/*.jsonl")
+    parser.add_argument("--logs", default=common.BUNDLED_LOGS, help="comma-separated stems of demos/logs/*.jsonl")
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt (the audit's default)")
     parser.add_argument("--reps", type=int, default=3, help="repetitions of each timed decode")
     parser.add_argument("--out", default=str(common.results_dir(__file__)), help="folder for the JSON")
