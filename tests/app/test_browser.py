@@ -47,9 +47,9 @@ def _shot(page, name: str) -> None:
 
 
 def _set_editor(page, text: str) -> None:
-    """Type ``text`` into the scenario editor and leave it; for a scenario that parses, wait until the panel beside it
-    shows its name (the Field and New value menus change in the same event, as a person sees): an Edit clicked before
-    that sends the previous scenario's field."""
+    """Type ``text`` into the scenario editor and leave it; for TOML with a name, wait until the panel beside it shows
+    that name or a warning (the Field and New value menus change in the same event, as a person sees): an Edit clicked
+    before that sends the previous scenario's field."""
     editor = page.locator("#scenario-editor .cm-content")
     editor.click()
     page.keyboard.press("Control+A")
@@ -61,7 +61,7 @@ def _set_editor(page, text: str) -> None:
     except tomllib.TOMLDecodeError:
         return
     if name:
-        wait_for_app(page, page.locator("#scenario-description").get_by_text(name))
+        wait_for_app(page, page.locator("#scenario-description").get_by_text(re.compile(f"{re.escape(name)}|⚠️")))
 
 
 def test_edit_a_field_updates_strategy_cards(page):

@@ -35,8 +35,10 @@ def keep_output_rows_dense(model: PreTrainedModel) -> RemovableHandle | None:
     A forward that keeps the logits of its last rows (``logits_to_keep``) hands the projection a slice of the hidden
     states, shape (1, k, hidden) with the full sequence's batch stride. Torch counts it contiguous, yet its bfloat16
     CPU linear then takes a batched-matmul path that copies the whole transposed weight first: on the embedded model
-    (a 151,936 × 896 projection) 600–750 ms per 1,024-token prefill chunk, where the same rows viewed afresh take
-    20 ms. A view copies nothing, and the logits are the same bit for bit (``benchmarks/studies/output_rows.py``).
+    (a 151,936 × 896 projection) 0.5–0.9 s a forward, where the same row viewed afresh takes 16–32 ms. A view copies
+    nothing, and the logits are the same bit for bit (``benchmarks/studies/forward_paths.py``). The engine's own forwards
+    keep rows by index (a copy already); this serves the model's other callers: attribution, ROME and the weight
+    update, and whoever calls the model or ``generate`` directly.
     """
     projection = model.get_output_embeddings()
     if projection is None:
