@@ -10,6 +10,7 @@ from kvscope.viz.benchmarks import (
     cache_reuse_figure,
     chat_replay_figure,
     edit_latency_figure,
+    forward_paths_figure,
     greedy_lookup_figure,
     prefill_figure,
     serving_figure,
@@ -204,3 +205,33 @@ def test_greedy_lookup_draws_both_decodings_forwards_and_the_speedup_with_its_sp
     assert [shape.y0 for shape in figure.layout.shapes] == [1.0] and figure.layout.yaxis2.range == (0, pytest.approx(2.1 * 1.2))
     stored = json.loads(Path("benchmarks/studies/results/greedy_lookup-embedded-cpu.json").read_text())
     assert "prompt lookup" in result_figures({"greedy_lookup-embedded-cpu": stored})[0].layout.title.text
+
+
+def test_forward_paths_draws_each_dtypes_speedups_and_marks_a_pair_whose_numbers_differed():
+    def pair(replaced: str, fast: str, slow_ms: float, fast_ms: float, same: bool = True) -> dict:
+        return {
+            replaced: _spread(slow_ms, slow_ms, slow_ms),
+            fast: _spread(fast_ms, fast_ms, fast_ms),
+            "speedup": round(slow_ms / fast_ms, 2),
+            "same": same,
+        }
+
+    rows = {
+        "bfloat16": {
+            "output_rows": pair("slice", "fresh_view", 540.0, 16.0),
+            "causal_prefill": pair("masked", "padded_causal", 2860.0, 2573.0),
+        },
+        "float32<b>": {
+            "output_rows": pair("slice", "fresh_view", 39.0, 39.0),
+            "causal_prefill": pair("masked", "padded_causal", 5478.0, 5114.0, same=False),
+        },
+    }
+    figure = forward_paths_figure({"model": "embedded", "device": "cpu", "chunk": 1024, "stored": 42, "dtypes": rows})
+    bars = {trace.name: (list(trace.y), list(trace.text)) for trace in figure.data}
+    assert bars == {
+        "bfloat16": ([33.75, 1.11], ["×33.75", "×1.11"]),
+        "float32&lt;b&gt;": ([1.0, 1.07], ["×1.00", "×1.07 (numbers differ)"]),  # escaped; the differing pair marked
+    }
+    assert figure.data[0].hovertext[0] == "slice: 540.0 ms, fresh_view: 16.0 ms"
+    assert figure.layout.yaxis.type == "log" and figure.layout.yaxis.range[1] > 1.528  # log10(33.75): the top bar fits
+    assert "marked: a pair whose numbers differed" in figure.layout.title.text
