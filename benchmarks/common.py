@@ -1,5 +1,6 @@
 """Shared helpers of the benchmark scripts: each folder's results, the environment and the CPU a number was measured
-on, neutral filler text, the one percentile definition, and a loopback server's port (timing: :mod:`kvscope.engine.timing`)."""
+on, neutral filler text, the one percentile definition, the min/median/max of repeated runs, and a loopback server's
+port (timing: :mod:`kvscope.engine.timing`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import math
 import platform
 import socket
+import statistics
 import time
 import urllib.request
 from collections.abc import Sequence
@@ -81,6 +83,14 @@ def percentile(values: Sequence[float], q: float) -> float:
     low = math.floor(rank)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def spread(values: Sequence[float], digits: int = 3, runs: bool = False) -> dict:
+    """Min, median and max of repeated measurements, rounded to ``digits`` (with every run when ``runs``)."""
+    if not values:
+        raise ValueError("spread of no values")
+    summary = {"min": round(min(values), digits), "median": round(statistics.median(values), digits), "max": round(max(values), digits)}
+    return summary | ({"runs": list(values)} if runs else {})
 
 
 def write_result(name: str, lm: LoadedModel, data: dict, folder: Path) -> Path:

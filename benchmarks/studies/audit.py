@@ -229,10 +229,6 @@ def _stems(text: str) -> list[str]:
     return [stem.strip() for stem in text.split(",") if stem.strip()]
 
 
-def _spread(values: Sequence[float]) -> dict:
-    return {"min": round(min(values), 3), "median": round(statistics.median(values), 3), "max": round(max(values), 3), "runs": values}
-
-
 def model_pass_ratio(lm: LoadedModel, name: str, args) -> dict:
     """One log: the audit's model pass and plain transformers doing its forwards, alternating, ``args.reps`` times."""
     log = read_log((LOGS / f"{name}.jsonl").read_text(encoding="utf-8"))
@@ -251,9 +247,9 @@ def model_pass_ratio(lm: LoadedModel, name: str, args) -> dict:
         "log": name,
         "forwards": len(forwards),
         "forward_tokens": sum(len(step.token_ids) for step in forwards),
-        "audit_s": _spread(audits),
-        "plain_s": _spread(plains),
-        "ratio": _spread(ratios),
+        "audit_s": common.spread(audits, runs=True),
+        "plain_s": common.spread(plains, runs=True),
+        "ratio": common.spread(ratios, runs=True),
         "ratio_of_medians": round(statistics.median(audits) / statistics.median(plains), 3),
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
@@ -275,7 +271,7 @@ def app_times(spec: str, args) -> list[dict]:
             watch = Stopwatch()
             run_audit(registry, sessions, text, session=f"{name}-{rep}", inputs=AuditInputs(tokens=args.app_tokens))
             runs.append(watch.ms / 1000)
-        rows.append({"log": name, "s": _spread(runs), "load_average_before": [round(x, 2) for x in load_before]})
+        rows.append({"log": name, "s": common.spread(runs, runs=True), "load_average_before": [round(x, 2) for x in load_before]})
         print(f"  app: {name} {statistics.median(runs):.1f} s", flush=True)
     return rows
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import os
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -134,7 +133,8 @@ def timed(command: Sequence[str], cwd: Path) -> dict:
 
 
 def spread(values: Sequence[float]) -> dict:
-    return {"min": round(min(values), 2), "median": round(statistics.median(values), 2), "max": round(max(values), 2), "runs": values}
+    """Seconds and ratios of repeated CLI runs, to 2 digits, every run kept."""
+    return common.spread(values, digits=2, runs=True)
 
 
 def model_dir(spec: str) -> str:

@@ -16,7 +16,6 @@ results/greedy_lookup-<model>-cpu.json.
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,10 +36,6 @@ def _parser():
     parser.add_argument("--reps", type=int, default=3, help="repetitions of each timed decode")
     parser.add_argument("--out", default=str(common.results_dir(__file__)), help="folder for the JSON")
     return parser
-
-
-def _spread(values: Sequence[float]) -> dict:
-    return {"min": round(min(values), 3), "median": round(statistics.median(values), 3), "max": round(max(values), 3)}
 
 
 def _decode(state: Notebook, logits, tokens: int, stops: Sequence[int], lookup: int) -> tuple[float, list[int], list[int]]:
@@ -83,9 +78,9 @@ def measure_log(lm: LoadedModel, name: str, tokens: int, reps: int) -> dict:
         "generated_tokens": generated,
         "same_tokens": not differing,
         "differing": differing,
-        "plain_s": _spread(plain_s),
-        "lookup_s": _spread(lookup_s),
-        "speedup": _spread([p / q for p, q in zip(plain_s, lookup_s)]),
+        "plain_s": common.spread(plain_s),
+        "lookup_s": common.spread(lookup_s),
+        "speedup": common.spread([p / q for p, q in zip(plain_s, lookup_s)]),
         "plain_forwards": plain_forwards,
         "lookup_forwards": lookup_forwards,
         "lookup_tokens_per_forward": round(sum(lookup_widths) / max(len(lookup_widths), 1), 2),

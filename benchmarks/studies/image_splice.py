@@ -11,7 +11,6 @@ moved 161 positions, TTFT 2.4–8.4× shorter. Writes benchmarks/studies/results
 
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 
 from tqdm import tqdm
@@ -51,7 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "image_tokens": data["image_tokens"],
                     "rope_span": data["rope_span"],
                     **{k: data[k] for k in ("cosine", "kl", "top1_agree", "decision_agree", "margin_error")},
-                    "speedup": {"min": round(min(ratios), 2), "median": round(statistics.median(ratios), 2), "max": round(max(ratios), 2)},
+                    "speedup": common.spread(ratios, digits=2),
                     "wall_s": round(watch.ms / 1000, 1),
                 }
             )

@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 
@@ -31,10 +30,6 @@ from kvscope.engine.audit.simulate.caches import BlockCache
 from kvscope.engine.audit.simulate.observed import FIT_BLOCKS, fit_observed
 from kvscope.engine.audit.simulate.prefix_cache import CacheRequest
 from kvscope.engine.audit.simulate.radix import RadixTree
-
-
-def _spread(times: list[float]) -> dict:
-    return {"min": round(min(times), 3), "median": round(statistics.median(times), 3), "max": round(max(times), 3)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -93,9 +88,9 @@ def main(argv: list[str] | None = None) -> None:
         "server_setting_among_the_best": any(
             (s.block, s.budget_tokens) == (args.block, budget) for s in fit.tried if s.matches == best.matches
         ),
-        "token_pass_seconds": _spread(passes),
-        "fit_seconds": _spread(fits),
-        "fit_over_token_pass": _spread([f / p for f, p in zip(fits, passes)]),
+        "token_pass_seconds": common.spread(passes),
+        "fit_seconds": common.spread(fits),
+        "fit_over_token_pass": common.spread([f / p for f, p in zip(fits, passes)]),
     }
     path = Path(args.out) / "observed_fit-cpu.json"
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks.common import CPU_FLAGS, PERCENTILE, ROOT, cpu_info, percentile, results_dir
+from benchmarks.common import CPU_FLAGS, PERCENTILE, ROOT, cpu_info, percentile, results_dir, spread
 from benchmarks.studies import keystone
 
 CPUINFO = """processor\t: 0
@@ -35,6 +35,13 @@ def test_percentile_on_known_data_and_bad_input():
         percentile([], 50)
     with pytest.raises(ValueError, match="within 0..100, got 101"):
         percentile([1.0], 101)
+
+
+def test_spread_rounds_min_median_and_max_and_keeps_the_runs_when_asked():
+    assert spread([3.14159, 1.0, 2.71828, 10.0]) == {"min": 1.0, "median": 2.93, "max": 10.0}
+    assert spread([1.234, 5.678], digits=1, runs=True) == {"min": 1.2, "median": 3.5, "max": 5.7, "runs": [1.234, 5.678]}
+    with pytest.raises(ValueError, match="no values"):
+        spread([])
 
 
 def test_cpu_info_reads_the_model_the_cores_and_each_flag(tmp_path):
