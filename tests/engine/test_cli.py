@@ -6,11 +6,12 @@ import json
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
 
-from kvscope.engine.cli import main
+from kvscope.engine.cli import main, parser
 from kvscope.engine.models import load_model
 from tests.shared import SAME_LENGTH_SCENARIO, assert_valid_report
 
@@ -41,6 +42,22 @@ def test_the_entry_point_prints_one_json_line_and_exits_2_on_bad_input():
     assert code == 0 and info["layers"] == 3
     code, error = run_process("decide", "--model", "tiny-qwen2", "--scenario", "missing.toml")
     assert code == 2 and "missing.toml" in error["error"]
+
+
+def test_with_json_what_else_is_printed_meanwhile_goes_to_stderr(monkeypatch, capsys):
+    def chatty(args):  # prints as Ray's driver thread does when a worker dies
+        thread = threading.Thread(target=print, args=("(raylet) A worker died or was killed while executing a task",))
+        thread.start()
+        thread.join()
+        return {"ok": 1}
+
+    monkeypatch.setitem(parser.COMMANDS, "info", chatty)
+    assert main(["info", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"ok": 1} and out.count("\n") == 1
+    assert "(raylet) A worker died" in err
+    assert main(["info"]) == 0  # without --json the command's own output stays on stdout
+    assert "(raylet) A worker died" in capsys.readouterr().out
 
 
 def test_info_and_selftest():

@@ -4,6 +4,7 @@ the flag groups each takes; the flags every command shares (model, device, dtype
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -43,12 +44,22 @@ def _print(result: dict, as_json: bool) -> None:
             print(f"{key}: {value}")
 
 
+def _run(args: argparse.Namespace) -> dict:
+    """The command's result. With --json, whatever else reaches stdout meanwhile goes to stderr, so that stdout carries
+    the one JSON object: libraries print there from their own threads (Ray's driver, e.g., the raylet's word that a
+    worker died, which Ray retries)."""
+    if not args.json:
+        return COMMANDS[args.command](args)
+    with contextlib.redirect_stdout(sys.stderr):
+        return COMMANDS[args.command](args)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
     try:
-        result = COMMANDS[args.command](args)
+        result = _run(args)
     except KVScopeError as error:
         if args.json:
             print(json.dumps({"error": str(error), "type": type(error).__name__}))
