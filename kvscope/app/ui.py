@@ -7,7 +7,9 @@ import gradio as gr
 from kvscope.app import permalink
 from kvscope.app.page import Page
 from kvscope.app.state import ExportFolder, ModelRegistry, SessionStore
-from kvscope.app.tabs import benchmarks, composer, learn, model, models, notes, probes, your_prompt
+from kvscope.app.tabs import TabContext, benchmarks, composer, learn, model, models, notes, probes, your_prompt
+
+TABS = (model, notes, your_prompt, probes, models, composer, benchmarks, learn)  # in the tab strip's order
 
 INTRO = """# KVScope
 See and program a model's KV cache. During prefill a model writes its conclusion about a field onto later tokens'
@@ -35,15 +37,11 @@ def build_app(registry: ModelRegistry, sessions: SessionStore | None = None, exp
         # a first visit opens on the Notes tab, the model card one click away; tabs wider than the page wrap onto a second
         # row (at a 1,000 px window the last two hid under Gradio's "⋯" menu)
         with gr.Tabs(selected="notes", overflow_behavior="wrap") as tabs:
-            loaded = model.build(page)
-            notes_tab = notes.build(page)
-            shared = notes_tab.inputs  # the Notes tab's scenario, field and value: other tabs run on them or load them
-            your_prompt.build(page, shared, tabs)
-            probes.build(page, shared)
-            models.build(page, shared)
-            remedy = composer.build(page)
-            benchmarks.build(page)
-            learn.build(page)
+            ctx = TabContext(page, tabs)
+            for tab in TABS:
+                tab.build(ctx)
+        shared = ctx.shared_notes()
+        loaded = ctx.model
         shared.prepare_after(page, loaded.event)
         page_loaded = blocks.load(
             loaded.handler,
@@ -52,7 +50,8 @@ def build_app(registry: ModelRegistry, sessions: SessionStore | None = None, exp
             api_name=False,
             **page.model_bound(),
         )
-        notes_tab.wire_permalink(page_loaded, remedy, tabs)
+        for wire in ctx.on_page_load:
+            wire(page_loaded)
 
         def prepare_on_load(spec, text, request: gr.Request):
             if request is not None and permalink.is_link(dict(request.query_params)):

@@ -5,15 +5,17 @@ from __future__ import annotations
 import gradio as gr
 
 from kvscope.app.handlers.benchmarks import benchmark_results, quick_ttft
-from kvscope.app.page import Page, step_progress
+from kvscope.app.page import step_progress
+from kvscope.app.tabs import TabContext
 from kvscope.viz.common import figure_label
 from kvscope.viz.results import result_figures
 
 PLOT_SLOTS = 32  # stored results shown at most (hidden slots wait for more)
 
 
-def build(page: Page) -> None:
+def build(ctx: TabContext) -> None:
     """The Benchmarks tab."""
+    page = ctx.page
     with gr.Tab("Benchmarks", id="benchmarks"):
         gr.Markdown("Results written by the scripts under `benchmarks/` (JSON in each folder's `results/`).")
         bench_refresh = gr.Button("Show stored results", elem_id="bench-refresh")

@@ -23,7 +23,8 @@ from kvscope.app.handlers.composer import (
     stop_calibration,
 )
 from kvscope.app.inputs import LenientCheckboxGroup, LenientSlider
-from kvscope.app.page import PAIRED_PLOT_MIN_WIDTH, Page, message_progress, notice, step_progress
+from kvscope.app.page import PAIRED_PLOT_MIN_WIDTH, message_progress, notice, step_progress
+from kvscope.app.tabs import TabContext
 from kvscope.engine import (
     DECISIVE_MARGIN,
     IMAGE_QUESTION,
@@ -52,8 +53,9 @@ PICTURE_INTRO = (
 )
 
 
-def build(page: Page) -> gr.Dropdown:
-    """The Composer tab. Returns the remedy menu (a Notes-tab link carries its choice)."""
+def build(ctx: TabContext) -> None:
+    """The Composer tab; its remedy menu goes on ``ctx`` (a Notes-tab link carries its choice)."""
+    page = ctx.page
     with gr.Tab("Composer", id="composer"):
         composer = SkillComposer(skill_library(), value=["account_gate"], elem_id="composer")
         with gr.Row():
@@ -239,4 +241,4 @@ def build(page: Page) -> gr.Dropdown:
     )
     plots = {"logits_plot": logits_plot, "deviation_plot": deviation_plot, "loop_plot": loop_plot}
     page.export_on(compose_export, "kvscope-composer", result=compose_json, plots=plots, files=compose_files, api_name="export_composer")
-    return remedy
+    ctx.remedy = remedy

@@ -7,7 +7,7 @@ import functools
 import gradio as gr
 
 from kvscope.app.handlers.learn import learn_step
-from kvscope.app.page import Page
+from kvscope.app.tabs import TabContext
 from kvscope.engine import DEFAULT_REMEDY
 from kvscope.viz.learn import FIGURE_LABELS
 from kvscope.viz.text import remedy_words
@@ -39,8 +39,9 @@ LEARN_STEPS = (
 )
 
 
-def build(page: Page) -> None:
+def build(ctx: TabContext) -> None:
     """The Learn tab."""
+    page = ctx.page
 
     def on_step(index: int, session, spec):
         sid = page.session_id(session)

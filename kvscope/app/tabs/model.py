@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import gradio as gr
 
 from kvscope.app.handlers.model import load_model_card, memory_markdown, offered_models
-from kvscope.app.page import Page, message_progress
+from kvscope.app.page import message_progress
+from kvscope.app.tabs import TabContext
 
 
 @dataclass
@@ -19,8 +20,9 @@ class ModelLoad:
     outputs: list
 
 
-def build(page: Page) -> ModelLoad:
+def build(ctx: TabContext) -> None:
     """The Model tab."""
+    page = ctx.page
     with gr.Tab("Model", id="model"):
         with gr.Row():
             model_input = gr.Dropdown(
@@ -61,4 +63,4 @@ def build(page: Page) -> ModelLoad:
         api_name="load_model",
         **page.model_bound(),
     )
-    return ModelLoad(loaded, on_load_model, outputs)
+    ctx.model = ModelLoad(loaded, on_load_model, outputs)

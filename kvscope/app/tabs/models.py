@@ -6,8 +6,7 @@ import gradio as gr
 
 from kvscope.app.handlers.model import offered_models
 from kvscope.app.handlers.models import run_model_comparison
-from kvscope.app.page import Page
-from kvscope.app.tabs.notes import NotesInputs
+from kvscope.app.tabs import TabContext
 
 MODELS_INTRO = (
     "The Notes tab's scenario, field and new value on up to three models: notes share and the recovery of "
@@ -17,8 +16,10 @@ MODELS_INTRO = (
 )
 
 
-def build(page: Page, notes: NotesInputs) -> None:
+def build(ctx: TabContext) -> None:
     """The Models tab."""
+    page = ctx.page
+    notes = ctx.shared_notes()
     with gr.Tab("Models", id="models"):
         gr.Markdown(MODELS_INTRO)
         with gr.Row():

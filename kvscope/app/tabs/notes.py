@@ -24,6 +24,7 @@ from kvscope.app.handlers.notes import (
 )
 from kvscope.app.inputs import LenientCheckboxGroup, LenientSlider
 from kvscope.app.page import PAIRED_PLOT_MIN_WIDTH, Page, step_progress
+from kvscope.app.tabs import TabContext
 from kvscope.engine import DEFAULT_STRATEGIES, STRATEGIES, bundled_scenarios
 from kvscope.viz.common import markdown_literal
 from kvscope.viz.text import strategy_glossary
@@ -86,9 +87,12 @@ def _choices(text: str, chosen_field: str | None = None) -> tuple:
     )
 
 
-def build(page: Page) -> NotesTab:
-    """The Notes tab (its shared inputs: ``.inputs``; Copy link and a link's restore: ``.wire_permalink``)."""
-    return NotesTab(page)
+def build(ctx: TabContext) -> None:
+    """The Notes tab: its scenario, field and value go on ``ctx.notes``; Copy link and a link's restore are wired once
+    the page's load event and the composer's remedy exist."""
+    tab = NotesTab(ctx.page)
+    ctx.notes = tab.inputs
+    ctx.on_page_load.append(lambda page_loaded: tab.wire_permalink(page_loaded, ctx.remedy, ctx.tabs))
 
 
 class NotesTab:

@@ -9,6 +9,7 @@ from kvscope.app.handlers.common import AppMissingInput
 from kvscope.app.handlers.probes import TRIGGER_LABELS, probe_recipe, probe_sentence, run_probe, run_weight_edits
 from kvscope.app.inputs import LenientCheckboxGroup, LenientSlider
 from kvscope.app.page import Page, notice, step_progress
+from kvscope.app.tabs import TabContext
 from kvscope.app.tabs.notes import NotesInputs
 from kvscope.engine import PROBES, WEIGHT_METHODS, LoraSettings
 
@@ -27,8 +28,10 @@ def probe_options(name: str, find: str | None, replacement: str | None, method: 
     return {"method": method} if name == "attribution" else {}
 
 
-def build(page: Page, notes: NotesInputs) -> None:
+def build(ctx: TabContext) -> None:
     """The Probes tab."""
+    page = ctx.page
+    notes = ctx.shared_notes()
     with gr.Tab("Probes", id="probes"):
         gr.Markdown("Each probe runs on the scenario, field and new value chosen in the **Notes** tab.")
         with gr.Row():

@@ -29,8 +29,8 @@ from kvscope.app.handlers.your_prompt import (
     upload_markdown,
 )
 from kvscope.app.inputs import LenientCheckboxGroup, LenientSlider
-from kvscope.app.page import PAIRED_PLOT_MIN_WIDTH, Page, message_progress, notice, step_progress
-from kvscope.app.tabs.notes import NotesInputs
+from kvscope.app.page import PAIRED_PLOT_MIN_WIDTH, message_progress, notice, step_progress
+from kvscope.app.tabs import TabContext
 from kvscope.engine import DEFAULT_SAMPLE, GRAINS, OBSERVED_ENGINES, REPAIR_SUMMARIES, CacheSettings, bundled_logs, cancellable
 from kvscope.viz.common import markdown_literal
 from kvscope.viz.text import glossary
@@ -68,8 +68,10 @@ def with_coarsen(grain: str, chosen: list[str] | None) -> list[str]:
     return chosen + ["coarsen"] if grain != NO_GRAIN and "coarsen" not in chosen else chosen
 
 
-def build(page: Page, notes: NotesInputs, tabs: gr.Tabs) -> None:
+def build(ctx: TabContext) -> None:
     """The Your prompt tab."""
+    page = ctx.page
+    notes, tabs = ctx.shared_notes(), ctx.tabs
     most_tokens = page.registry.profile.max_audit_tokens or 128
     with gr.Tab("Your prompt", id="your-prompt"):
         gr.Markdown(AUDIT_INTRO)
