@@ -53,6 +53,7 @@ CACHES = {
 ENGINES = {name: cache.description for name, cache in CACHES.items() if not cache.hosted}  # in the order rows list them
 PROVIDERS = {name: cache.description for name, cache in CACHES.items() if cache.hosted}
 LABELS = {name: cache.label for name, cache in CACHES.items()}
+DEFAULT_ENGINE = "vllm"  # the serving engine assumed where neither the log nor the user names one
 MATCHING = "sglang"  # the engine whose radix tree names each request's match, routes by prefix and counts a replica's load
 
 
