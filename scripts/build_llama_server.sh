@@ -3,8 +3,9 @@
 # llama.cpp tree vendored in llama-cpp-python 0.3.36's source distribution (a pinned llama.cpp). The sdist comes
 # from PyPI and is checked against its sha256; the build has no web UI and no network at run time.
 # Portable: no -march=native. On x86-64 a fixed vector set (SSE4.2, AVX, AVX2, BMI2, FMA, F16C) with every AVX-512
-# variant, AVX-VNNI and AMX off: ggml's native default used AMX tile instructions on hosts that advertise AMX, and
-# VMs that advertise but trap them killed the server with SIGILL. Elsewhere (aarch64) GGML_NATIVE=OFF, defaults.
+# variant, AVX-VNNI and AMX off: the cached binary runs on every machine kind (AMD with AVX2 only, AMD with AVX-512
+# and no AMX, Intel with AMX), and code for a vector set a CPU lacks dies with SIGILL. The Intel VMs do run AMX once
+# a process asks for it (docs/serving.md, "SGLang on CPU"). Elsewhere (aarch64) GGML_NATIVE=OFF, defaults.
 # The build flags are part of the cache key (SOURCE), and a binary is installed only after a smoke run on the
 # embedded GGUF answered one token. Installs $KVSCOPE_CACHE_DIR/llama-server/bin/llama-server (about 10 min on
 # 2 CPU cores) and prints its path; progress and errors go to stderr.

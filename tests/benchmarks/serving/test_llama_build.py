@@ -1,6 +1,6 @@
 """The llama-server that scripts/build_llama_server.sh builds is portable: no AMX tile instructions and no AVX-512
-code (on an Intel host that advertises AMX, ggml's native build used them and a VM killed the server with SIGILL),
-and its SOURCE file (the cache key) records the portable build flags."""
+code (the cached binary must run on the AVX2-only machines too, where either dies with SIGILL), and its SOURCE
+file (the cache key) records the portable build flags."""
 
 from __future__ import annotations
 
