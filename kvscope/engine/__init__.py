@@ -75,6 +75,8 @@ Auditing request logs
 ``AuditReport``            the measured turns; ``MeasureSettings``: repairs, greedy tokens and the bars, with defaults
 ``REPAIRS``                every audit repair by name (``REPAIR_SUMMARIES``: each in a line); ``GRAINS``: date-time grains
 ``CacheSettings``          the simulated engines' settings (vLLM blocks, SGLang budget, llama.cpp slots)
+``ScanSettings``           the token pass's settings: ``CacheSettings``, the observed engine (``DEFAULT_ENGINE``),
+                           the fleets and the context limit, checked in its constructor
 ``OBSERVED_ENGINES``       the engines a log's observed cached tokens are compared with; ``fit_observed``: the cache
                            settings that reproduce them
 ``prefix_cache_stop``      where an exact prefix cache stops in a turn's text; ``appended_chars``: what was appended
@@ -128,6 +130,8 @@ _PUBLIC = {
     "AuditReport": "kvscope.engine.audit.measure.turn",
     "BudgetedLRU": "kvscope.engine.cache.lru",
     "CacheSettings": "kvscope.engine.audit.simulate.caches",
+    "DEFAULT_ENGINE": "kvscope.engine.audit.simulate.registry",
+    "ScanSettings": "kvscope.engine.audit.scan.settings",
     "CancelToken": "kvscope.engine.cache.budget",
     "Cancelled": "kvscope.engine.cache.budget",
     "ComputeGate": "kvscope.engine.cache.budget",
@@ -266,6 +270,8 @@ __all__ = [
     "AuditReport",
     "BudgetedLRU",
     "CacheSettings",
+    "DEFAULT_ENGINE",
+    "ScanSettings",
     "CancelToken",
     "Cancelled",
     "ComputeGate",
@@ -416,8 +422,10 @@ if TYPE_CHECKING:
     from kvscope.engine.audit.report.gate import rewrite_markdown
     from kvscope.engine.audit.rewrite.measure import apply_template, measure_rewrite
     from kvscope.engine.audit.scan.sampling import bounded_sample, traffic_scan
+    from kvscope.engine.audit.scan.settings import ScanSettings
     from kvscope.engine.audit.simulate.caches import CacheSettings
     from kvscope.engine.audit.simulate.fleet import fleet_grid
+    from kvscope.engine.audit.simulate.registry import DEFAULT_ENGINE
     from kvscope.engine.cache.budget import Cancelled, CancelToken, ComputeGate, WorkBudget, bounded, cancellable, waits_reported
     from kvscope.engine.cache.decision import DECISIVE_MARGIN
     from kvscope.engine.cache.footprint import tensor_bytes

@@ -35,6 +35,7 @@ from kvscope.app.handlers.your_prompt import (
 from kvscope.app.hosting import local_profile, public_profile
 from kvscope.app.state import ExportFolder, ModelRegistry, SessionStore
 from kvscope.app.tabs.your_prompt import with_coarsen
+from kvscope.engine.audit.blocks import BLOCK_TOKENS
 from kvscope.engine.audit.changes.causes import CAUSES
 from kvscope.engine.audit.changes.fields import diff_requests
 from kvscope.engine.audit.logs.reading import parse_log, read_log
@@ -282,7 +283,7 @@ def test_bundled_logs_parse_render_and_change_the_fields_they_describe(registry)
     found = {}
     for name in ("coding_agent", "support_agent", "rag"):  # one session each: every request grows the one before
         rendered = [render_request(lm, request) for request in parse_log(bundled_log_text(name))]
-        found[name] = [[f.name for f in diff_requests(old, new).fields] for old, new in zip(rendered, rendered[1:])]
+        found[name] = [[f.name for f in diff_requests(old, new, BLOCK_TOKENS).fields] for old, new in zip(rendered, rendered[1:])]
     assert found["coding_agent"] == [["session_started"]] * 5  # the minute changes every request
     assert found["support_agent"] == [[], ["account_tier"], []]
     assert all(found["rag"])  # the retrieved passage changes every request

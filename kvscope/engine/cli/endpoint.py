@@ -22,10 +22,10 @@ from kvscope.engine.audit.logs.requests import RequestLog
 from kvscope.engine.audit.logs.shards import LogFiles
 from kvscope.engine.audit.measure.settings import MeasureSettings
 from kvscope.engine.audit.measure.traffic import audit_traffic
+from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.token_pass import sample_groups
-from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.cli.common import Group, arg, progress
-from kvscope.engine.cli.scale import fleet_of, token_pass
+from kvscope.engine.cli.scale import token_pass
 from kvscope.engine.models import LoadedModel
 
 ENDPOINT: Group = (
@@ -57,24 +57,16 @@ def measure_on_endpoint(
     lm: LoadedModel,
     log: LogFiles,
     rewritten: RequestLog | None,
-    settings: CacheSettings,
+    settings: ScanSettings,
     measure: MeasureSettings,
 ) -> dict:
     """The token pass with the local tokenizer (on Ray with --ray, with the fleets of --replicas), then the sampled turns
     and the rewrite (with one) measured on the endpoint."""
     client = endpoint_client(args)
-    text = {"tokenizer": lm.tokenizer, "limit": context_limit(lm), "model": lm.name}
-    traffic = audit_traffic(
-        lm,
-        log,
-        sample=0,
-        settings=settings,
-        measure=measure,
-        observed_engine=args.observed_engine,
-        scan_progress=progress("token pass: requests"),
-        fleet=fleet_of(args),
-        token_pass=token_pass(args, lm, settings),
-    )
+    text = {"tokenizer": lm.tokenizer, "model": lm.name}
+    settings = settings.limited(context_limit(lm))
+    scan = {"settings": settings, "scan_progress": progress("token pass: requests"), "token_pass": token_pass(args, lm)}
+    traffic = audit_traffic(lm, log, sample=0, measure=measure, **scan)
     result = traffic.as_dict()
     groups = sample_groups(traffic.scan, args.sample)
     measured = audit_on_endpoint(client, traffic.scan, groups, measure=measure, progress=progress("endpoint: sampled prompts"), **text)

@@ -25,8 +25,8 @@ from kvscope.engine.audit.measure.repairs import Turn
 from kvscope.engine.audit.measure.settings import MeasureSettings
 from kvscope.engine.audit.measure.turn import AuditReport, AuditTurn, measure_turn
 from kvscope.engine.audit.scan.sampling import traffic_scan
+from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.token_pass import TrafficGroup, TrafficRequest, TrafficScan, is_cold, sample_groups
-from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.observed import hosted_summary, observed_summary
 from kvscope.engine.cache.budget import Cancelled
 from kvscope.engine.cache.loaded import LoadedModel, LoadedTokenizer
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from kvscope.engine.audit.report.types import LogAudit, RepairFidelityDict
 
 DEFAULT_SAMPLE = 3  # turns measured per group
-TokenPass = Callable[[LogFiles, int], TrafficScan]  # a token pass run elsewhere: the log's files and the context limit in
+TokenPass = Callable[[LogFiles, ScanSettings], TrafficScan]  # a token pass run elsewhere: the log's files and its settings in
 
 
 def group_fidelity(turns: Sequence[AuditTurn]) -> dict[str, RepairFidelityDict]:
@@ -86,10 +86,10 @@ class TrafficReport:
                 **scan.reading,
                 "skipped": [item.as_dict() for item in scan.skipped],
                 "skipped_count": len(scan.skipped),
-                "engines": {"settings": scan.settings.as_dict(), **scan.totals()},
+                "engines": {"settings": scan.settings.cache.as_dict(), **scan.totals()},
                 "sessions": [summary.as_dict() for summary in scan.sessions()],
                 "causes": scan.cause_counts(),
-                "observed": observed_summary(scan.requests, scan.observed_engine, self.model).as_dict(),
+                "observed": observed_summary(scan.requests, scan.settings.observed_engine, self.model).as_dict(),
                 "hosted": hosted_summary(scan.requests),
                 "requests": [row.as_dict() for row in scan.requests],
                 "sample": self.sample,
@@ -137,23 +137,21 @@ def audit_traffic(
     log: RequestLog | LogFiles,
     *,
     sample: int = DEFAULT_SAMPLE,
-    settings: CacheSettings = CacheSettings(),
+    settings: ScanSettings = ScanSettings(),
     measure: MeasureSettings = MeasureSettings(),
     scan_progress: StepProgress = None,
     progress: StepProgress = None,
-    observed_engine: str = "vllm",
-    fleet: Sequence[tuple[int, str]] = (),
     token_pass: TokenPass | None = None,
     scan: TrafficScan | None = None,
     measure_turns: MeasureTurns | None = None,
     messages: MessageProgress | None = None,
     states: ComputedStates | None = None,
 ) -> TrafficReport:
-    """The token pass over the whole log, then up to ``sample`` turns of each change signature measured with every
-    repair of ``measure`` (its context limit, ``max_tokens``, the token pass's too). ``log``: the log read, or its
+    """The token pass over the whole log with ``settings`` (its context limit, default the model's), then up to
+    ``sample`` turns of each change signature measured with every repair of ``measure``. ``log``: the log read, or its
     files (``shards.LogFiles``), which this process reads (``LogFiles.log``) unless ``token_pass`` reads them
-    elsewhere (``scan_progress``: requests of the token pass; ``progress``: the measured steps; ``fleet``: the fleets
-    simulated beside; ``token_pass``: another token pass, given the log's files and the context limit, e.g.
+    elsewhere (``scan_progress``: requests of the token pass; ``progress``: the measured steps; ``token_pass``: another
+    token pass, given the log's files and the settings with the context limit set, e.g.
     ``token_pass.ray_scan``; ``measure_turns``: where the sampled turns are measured, default ``measure_in_process``
     with ``lm``, e.g. ``turns.ray_measure_turns``; ``scan``: the token pass already made, e.g. shown while the model
     pass runs (:func:`pending_report`); ``messages``: the model pass a forward at a time with its time left, as
@@ -166,15 +164,12 @@ def audit_traffic(
         raise RequestLogError(f"--sample is the turns measured per group, at least 0, got {sample}")
     if sample > 0 and isinstance(lm, LoadedTokenizer):
         raise RequestLogError(f"--sample {sample} measures turns with the model, and only the tokenizer of {lm.name} was loaded")
-    measure = measure.checked()
-    max_tokens = measure.max_tokens
     if scan is None and token_pass is not None:
         if not isinstance(log, LogFiles):
             raise RequestLogError("a token pass run elsewhere reads the log's files: give them (LogFiles), not the log read")
-        scan = token_pass(log, max_tokens or context_limit(lm))
+        scan = token_pass(log, settings.limited(context_limit(lm)))
     elif scan is None:
-        read = log.log if isinstance(log, LogFiles) else log
-        scan = traffic_scan(lm, read, settings, max_tokens=max_tokens, progress=scan_progress, observed_engine=observed_engine, fleet=fleet)
+        scan = traffic_scan(lm, log.log if isinstance(log, LogFiles) else log, settings, progress=scan_progress)
     if not scan.requests:
         raise RequestLogError(f"no request of the log could be read: {len(scan.skipped)} skipped, the first: {scan.skipped[0].message}")
     groups = sample_groups(scan, sample)
@@ -267,6 +262,6 @@ def measure_in_process(
         store = ComputedStates(lm, measure.tokens)
     turns = {}
     for item in work:
-        turn = Turn(lm, item.old, item.new, item.diff, store.state(item.old.ids), store, measure.grain, measure.max_tokens)
+        turn = Turn(lm, item.old, item.new, item.diff, store.state(item.old.ids), store, measure.grain, measure.context_limit)
         turns[item.request] = measure_turn(turn, measure, tick)
     return turns
