@@ -140,7 +140,7 @@ def test_each_gap_names_the_evidence_the_log_holds(tokenizer):
     cold = scan_log(tokenizer, _observed(log, {1: 10})).requests[0]
     assert [(c.name, c.tokens) for c in cold.causes] == [("new_prefix", cold.tokens), ("observed_excess", 10)]
     assert "more than the 0 tokens any earlier prompt of the log shares with it" in cold.causes[1].detail
-    with pytest.raises(RequestLogError, match="--observed-engine is one of vllm, sglang, llama_cpp, got 'tgi'"):
+    with pytest.raises(RequestLogError, match="observed counts are compared with one of vllm, sglang, llama_cpp, got 'tgi'"):
         scan_log(tokenizer, log, ScanSettings(observed_engine="tgi"))
     # a shortfall that is the shared prefix in whole 64-token blocks (and 32-token ones: the smallest is named), on a log
     # naming a hosted model
