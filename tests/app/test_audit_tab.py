@@ -161,7 +161,7 @@ def test_the_public_profile_bounds_the_measured_turns_tokens_per_request_and_n(r
     assert view.summary["sample_bound"] == bound and markdown_literal(bound) in view.groups_markdown
     assert "**sampled**" in view.groups_markdown and len(view.summary["requests"]) == 10  # the token pass: every request
     kept = run_audit(public(), sessions, ten, session="p", inputs=AuditInputs([], 1), sample=2)
-    assert kept.summary["sample_bound"] is None and [len(g["measured"]) for g in kept.summary["groups"] if g["measurable"]] == [2]
+    assert kept.summary.get("sample_bound") is None and [len(g["measured"]) for g in kept.summary["groups"] if g["measurable"]] == [2]
     with pytest.raises(AppError, match="33 greedy tokens per state asked; this server \\(public profile\\) generates at most 32"):
         run_audit(public(), sessions, LOG, session="q", inputs=AuditInputs([], 33))
     with pytest.raises(AppError, match="longer than the context limit of 80"):
@@ -170,7 +170,7 @@ def test_the_public_profile_bounds_the_measured_turns_tokens_per_request_and_n(r
     local = local_profile()
     assert local.max_audit_requests is None and local.max_audit_tokens is None
     view = run_audit(registry, sessions, ten, session="l", inputs=AuditInputs([], 1), sample=9)  # local: every turn
-    assert len(view.summary["turns"]) == 10 and view.summary["sample_bound"] is None and not view.summary["sampled"]
+    assert len(view.summary["turns"]) == 10 and view.summary.get("sample_bound") is None and not view.summary["sampled"]
 
 
 def test_one_prompt_offers_candidates_and_audits_a_chosen_or_found_value(registry, sessions, tmp_path: Path):

@@ -233,9 +233,9 @@ def start_audit(
     bound = None if fits == sample else f"{profile.label} measures at most {most} turns of a log: --sample lowered from {sample} to {fits}"
     pending = None
     if fits > 0 and scan.requests:
-        waiting = pending_report(lm, scan, fits, measure)
+        waiting = dataclasses.replace(pending_report(lm, scan, fits, measure), sample_bound=bound)
         why = "the model pass is running: Open in Notes is offered once it has measured the turns"
-        pending = audit_view(waiting.measured_report(), inputs.x, inputs.y, why, waiting.as_dict() | {"sample_bound": bound})
+        pending = audit_view(waiting.measured_report(), inputs.x, inputs.y, why, waiting.as_dict())
 
     @guarded
     def finish() -> AuditView:
@@ -247,7 +247,7 @@ def start_audit(
             measure=measure,
             messages=phases.model_pass(),
         )
-        data = traffic.as_dict() | {"sample_bound": bound}
+        data = dataclasses.replace(traffic, sample_bound=bound).as_dict()
         return _kept_audit(registry, sessions, session, spec, lm, traffic.measured_report(), inputs.x, inputs.y, data, phases)
 
     return StartedAudit(pending, finish)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from kvscope.engine.audit.ci.gate import QUANTITIES, gate, markdown, parse_conditions
@@ -24,7 +25,7 @@ from kvscope.engine.audit.report.types import AuditJSON
 from kvscope.engine.audit.rewrite.measure import apply_template, check_pairing, measure_rewrite
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.metrics import observed_aggregate
-from kvscope.engine.audit.simulate.observed import NO_OBSERVED_COUNTS, OBSERVED_ENGINES, fit_observed
+from kvscope.engine.audit.simulate.observed import NO_OBSERVED_COUNTS, OBSERVED_ENGINES
 from kvscope.engine.audit.simulate.registry import DEFAULT_ENGINE
 from kvscope.engine.cli.common import Group, Handler, arg, load, log, names, progress, read_text
 from kvscope.engine.cli.endpoint import ENDPOINT, measure_on_endpoint
@@ -79,11 +80,7 @@ def cmd_audit(args: argparse.Namespace) -> dict:
             **steps,
             **scale,
         )
-        result, report = traffic.as_dict(), traffic.measured_report()
-        if args.fit_observed:
-            result["observed"]["fit"] = fit_observed(traffic.scan.requests, traffic.scan.held).as_dict()
-        if scrapes:
-            result["observed"]["metrics"] = observed_aggregate(scrapes, traffic.scan.totals()["hit_rate"])
+        measured = None
         if rewritten is not None:
             measured = measure_rewrite(
                 lm,
@@ -95,7 +92,8 @@ def cmd_audit(args: argparse.Namespace) -> dict:
                 before=traffic.scan if shared else None,
                 reuse=states,
             )
-            result |= {"rewrite": [row.as_dict() for row in measured.requests], "verdict": measured.verdict()}
+        traffic = dataclasses.replace(traffic, fit=args.fit_observed, scrapes=tuple(scrapes), rewrite=measured)
+        result, report = traffic.as_dict(), traffic.measured_report()
     else:
         if text is None:
             raise RequestLogError("--new audits one prompt: give one plain file")

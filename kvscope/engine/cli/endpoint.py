@@ -5,6 +5,7 @@ token pass. The API key comes from the environment (``KVSCOPE_ENDPOINT_KEY``), n
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from kvscope.engine.audit.endpoint.client import (
@@ -16,7 +17,7 @@ from kvscope.engine.audit.endpoint.client import (
     EndpointClient,
     EndpointSettings,
 )
-from kvscope.engine.audit.endpoint.model_pass import audit_on_endpoint, endpoint_result, measure_rewrite_on_endpoint
+from kvscope.engine.audit.endpoint.model_pass import audit_on_endpoint, measure_rewrite_on_endpoint
 from kvscope.engine.audit.logs.render import context_limit
 from kvscope.engine.audit.logs.requests import RequestLog
 from kvscope.engine.audit.logs.shards import LogFiles
@@ -67,15 +68,12 @@ def measure_on_endpoint(
     settings = settings.limited(context_limit(lm))
     scan = {"settings": settings, "scan_progress": progress("token pass: requests"), "token_pass": token_pass(args, lm)}
     traffic = audit_traffic(lm, log, sample=0, measure=measure, **scan)
-    result = traffic.as_dict()
     groups = sample_groups(traffic.scan, args.sample)
     measured = audit_on_endpoint(client, traffic.scan, groups, measure=measure, progress=progress("endpoint: sampled prompts"), **text)
-    for row, group in zip(result["groups"], groups):
-        row |= {"measured": list(group.measured), "reason": group.reason, "fidelity": measured.group_fidelity(group.measured)}
-    result |= {"sample": args.sample, "endpoint": measured.as_dict()}
+    rewrite = None
     if rewritten is not None:
         rewrite = measure_rewrite_on_endpoint(
             client, log.log, rewritten, settings=settings, tokens=measure.tokens, progress=progress("endpoint: rewrite requests"), **text
         )
-        result |= endpoint_result(rewrite) | {"endpoint": measured.as_dict() | rewrite.endpoint}
-    return result
+        measured = dataclasses.replace(measured, endpoint=measured.endpoint | rewrite.endpoint)
+    return dataclasses.replace(traffic, groups=tuple(groups), sample=args.sample, endpoint=measured, rewrite=rewrite).as_dict()

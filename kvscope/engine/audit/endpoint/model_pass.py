@@ -220,6 +220,9 @@ class EndpointRewrite:
     endpoint: EndpointDescriptionDict
     simulated_engine: str
 
+    def verdict(self) -> str:
+        return self.report.verdict()
+
     def rows(self) -> list[EndpointRewrittenRequestDict]:
         engine = self.simulated_engine
         return [
@@ -285,8 +288,3 @@ def measure_rewrite_on_endpoint(
 
 def _shifted(progress: StepProgress, offset: int, total: int) -> StepProgress:
     return None if progress is None else (lambda done, _: progress(offset + done, total))
-
-
-def endpoint_result(measured: EndpointRewrite) -> dict[str, Any]:
-    """What ``audit --rewritten/--template --endpoint --json`` adds: the rows, the verdict and the endpoint."""
-    return {"rewrite": measured.rows(), "verdict": measured.report.verdict(), "endpoint": measured.endpoint}

@@ -13,7 +13,7 @@ import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvscope.engine.audit.changes.fields import TurnDiff
 from kvscope.engine.audit.logs.render import RenderedRequest, context_limit
@@ -27,13 +27,22 @@ from kvscope.engine.audit.measure.turn import AuditReport, AuditTurn, measure_tu
 from kvscope.engine.audit.scan.sampling import traffic_scan
 from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.token_pass import TrafficGroup, TrafficRequest, TrafficScan, is_cold, sample_groups
-from kvscope.engine.audit.simulate.observed import hosted_summary, observed_summary
+from kvscope.engine.audit.simulate.metrics import observed_aggregate
+from kvscope.engine.audit.simulate.observed import fit_observed, hosted_summary, observed_summary
 from kvscope.engine.cache.budget import Cancelled
 from kvscope.engine.cache.loaded import LoadedModel, LoadedTokenizer
 from kvscope.engine.progress import MessageProgress, StepProgress, Tick
 
 if TYPE_CHECKING:
-    from kvscope.engine.audit.report.types import LogAudit, RepairFidelityDict
+    from kvscope.engine.audit.report.types import (
+        EndpointAuditDict,
+        EndpointRepairFidelityDict,
+        EndpointRewrittenRequestDict,
+        LogAudit,
+        ObservedDict,
+        RepairFidelityDict,
+        RewrittenRequestDict,
+    )
 
 DEFAULT_SAMPLE = 3  # turns measured per group
 TokenPass = Callable[[LogFiles, ScanSettings], TrafficScan]  # a token pass run elsewhere: the log's files and its settings in
@@ -57,9 +66,27 @@ def group_fidelity(turns: Sequence[AuditTurn]) -> dict[str, RepairFidelityDict]:
     return summary
 
 
+class RewritePart(Protocol):
+    """A rewrite measured (``rewrite.measure.RewriteReport``, or on an endpoint ``endpoint.model_pass.EndpointRewrite``)."""
+
+    def rows(self) -> list[RewrittenRequestDict] | list[EndpointRewrittenRequestDict]: ...
+
+    def verdict(self) -> str: ...
+
+
+class EndpointPart(Protocol):
+    """The sampled turns measured on an endpoint (``endpoint.model_pass.EndpointAudit``)."""
+
+    def group_fidelity(self, requests: Sequence[int]) -> dict[str, EndpointRepairFidelityDict]: ...
+
+    def as_dict(self) -> EndpointAuditDict: ...
+
+
 @dataclass(frozen=True)
 class TrafficReport:
-    """A log's token pass, its groups, and the sampled turns measured with every repair."""
+    """A log's token pass, its groups, and the sampled turns measured with every repair; and what the report holds
+    beside where asked for: the observed counts' fit (``fit``), the server's scrapes (``scrapes``), a rewrite measured,
+    the sampled turns measured on an endpoint instead (``endpoint``), and why a host lowered the sample."""
 
     model: str
     dtype: str
@@ -70,6 +97,11 @@ class TrafficReport:
     sample: int
     cancelled: str | None = None  # why no turn was measured: the model pass was cancelled (the token pass is whole)
     pending: str | None = None  # the token pass alone, shown while the model pass measures: what it is measuring
+    fit: bool = False  # --fit-observed: the block-cache settings that reproduce the observed counts searched
+    scrapes: tuple[str, ...] = ()  # --metrics: one or two Prometheus scrapes of the server, beside the simulation
+    rewrite: RewritePart | None = None  # --rewritten / --template: the rewrite measured against the log
+    endpoint: EndpointPart | None = None  # --endpoint: the groups' sampled turns measured there (their fidelity, its part)
+    sample_bound: str | None = None  # why a host lowered --sample (the app's public profile)
 
     @property
     def sampled(self) -> bool:
@@ -89,7 +121,7 @@ class TrafficReport:
                 "engines": {"settings": scan.settings.cache.as_dict(), **scan.totals()},
                 "sessions": [summary.as_dict() for summary in scan.sessions()],
                 "causes": scan.cause_counts(),
-                "observed": observed_summary(scan.requests, scan.settings.observed_engine, self.model).as_dict(),
+                "observed": self.observed(),
                 "hosted": hosted_summary(scan.requests),
                 "requests": [row.as_dict() for row in scan.requests],
                 "sample": self.sample,
@@ -99,15 +131,32 @@ class TrafficReport:
                 "generated_tokens": self.measure.tokens,
                 "repairs": list(self.measure.repairs),
                 "grain": self.measure.grain,
-                "groups": [
-                    group.as_dict() | {"fidelity": group_fidelity([self.turns[i] for i in group.measured])} for group in self.groups
-                ],
+                "groups": [group.as_dict() | {"fidelity": self.fidelity(group.measured)} for group in self.groups],
                 "turns": [turn.as_dict() for turn in self.measured_report().turns],
             }
             | ({"fleet": [result.as_dict() for result in scan.fleet]} if scan.fleet else {})
             | ({"cancelled": self.cancelled} if self.cancelled else {})
             | ({"pending": self.pending} if self.pending else {})
+            | ({"rewrite": self.rewrite.rows(), "verdict": self.rewrite.verdict()} if self.rewrite is not None else {})
+            | ({"endpoint": self.endpoint.as_dict()} if self.endpoint is not None else {})
+            | ({"sample_bound": self.sample_bound} if self.sample_bound else {})
         )
+
+    def observed(self) -> ObservedDict:
+        """The observed counts against the simulation, with the fit and the server's scrapes where asked for."""
+        scan = self.scan
+        summary = observed_summary(scan.requests, scan.settings.observed_engine, self.model).as_dict()
+        if self.fit:
+            summary["fit"] = fit_observed(scan.requests, scan.held).as_dict()
+        if self.scrapes:
+            summary["metrics"] = observed_aggregate(self.scrapes, scan.totals()["hit_rate"])
+        return summary
+
+    def fidelity(self, measured: Sequence[int]) -> dict[str, RepairFidelityDict] | dict[str, EndpointRepairFidelityDict]:
+        """A group's repairs' fidelity over its measured turns: on the endpoint where they were measured there."""
+        if self.endpoint is not None:
+            return self.endpoint.group_fidelity(measured)
+        return group_fidelity([self.turns[i] for i in measured])
 
     def measured_report(self) -> AuditReport:
         """The cold prefills and the measured turns, in request order, in the per-turn audit's shape (what the tab's

@@ -98,6 +98,10 @@ class RewriteReport:
         reused = sum((r.reused_after if after else r.reused_before)[engine] for r in rows)
         return reused / tokens if tokens else 0.0
 
+    def rows(self) -> list[RewrittenRequestDict]:
+        """Each request before and after, as the report holds it."""
+        return [row.as_dict() for row in self.requests]
+
     def verdict(self) -> str:
         rows, n = self.requests, len(self.requests)
         changed = [r.request for r in rows if not r.same_text]
