@@ -25,6 +25,7 @@ from kvscope.engine.audit.prompts.repair_requests import OutputFidelity
 from kvscope.engine.audit.prompts.template import Template
 from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.token_pass import TrafficScan, scan_log
+from kvscope.engine.audit.simulate.registry import DEFAULT_ENGINE
 from kvscope.engine.progress import StepProgress, ticker
 
 if TYPE_CHECKING:  # the model is read by the measurement alone: pairing, templates and reports import no torch
@@ -32,7 +33,7 @@ if TYPE_CHECKING:  # the model is read by the measurement alone: pairing, templa
     from kvscope.engine.audit.report.types import RewrittenRequestDict
     from kvscope.engine.cache.loaded import LoadedModel
 
-REUSE_ENGINE = "vllm"  # the engine the verdict's reuse is said for
+REUSE_ENGINE = DEFAULT_ENGINE  # the engine the verdict's reuse is said for
 
 
 @dataclass(frozen=True)
