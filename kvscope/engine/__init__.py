@@ -75,6 +75,8 @@ Auditing request logs
 ``AuditReport``            the measured turns; ``MeasureSettings``: repairs, greedy tokens and the bars, with defaults
 ``REPAIRS``                every audit repair by name (``REPAIR_SUMMARIES``: each in a line); ``GRAINS``: date-time grains
 ``CacheSettings``          the simulated engines' settings (vLLM blocks, SGLang budget, llama.cpp slots)
+``ScanSettings``           the token pass's settings: ``CacheSettings``, the observed engine (``DEFAULT_ENGINE``),
+                           the fleets and the context limit, checked in its constructor
 ``OBSERVED_ENGINES``       the engines a log's observed cached tokens are compared with; ``fit_observed``: the cache
                            settings that reproduce them
 ``prefix_cache_stop``      where an exact prefix cache stops in a turn's text; ``appended_chars``: what was appended
@@ -132,6 +134,7 @@ _PUBLIC = {
     "Cancelled": "kvscope.engine.cache.budget",
     "ComputeGate": "kvscope.engine.cache.budget",
     "DECISIVE_MARGIN": "kvscope.engine.cache.decision",
+    "DEFAULT_ENGINE": "kvscope.engine.audit.simulate.registry",
     "DEFAULT_REMEDY": "kvscope.engine.compose.remedy",
     "DEFAULT_SAMPLE": "kvscope.engine.audit.measure.traffic",
     "DEFAULT_STRATEGIES": "kvscope.engine.probes.analysis",
@@ -145,6 +148,7 @@ _PUBLIC = {
     "HOST_OPT_IN_ALIASES": "kvscope.engine.models",
     "IMAGE_QUESTION": "kvscope.engine.compose.pictures",
     "KVScopeError": "kvscope.engine.errors",
+    "ScanSettings": "kvscope.engine.audit.scan.settings",
     "Unreachable": "kvscope.engine.errors",
     "Knockout": "kvscope.engine.cache.notebook",
     "LoadedModel": "kvscope.engine.models",
@@ -245,7 +249,7 @@ _PUBLIC = {
     "resolve_device": "kvscope.engine.models",
     "resolve_remedy": "kvscope.engine.compose.calibration",
     "model_remedies": "kvscope.engine.compose.calibration",
-    "rewrite_markdown": "kvscope.engine.audit.report.gate",
+    "rewrite_markdown": "kvscope.engine.audit.ci.gate",
     "run_agent": "kvscope.engine.compose.agent",
     "run_scenario": "kvscope.engine.edit.runs",
     "run_selftest": "kvscope.engine.cache.selftest",
@@ -270,6 +274,7 @@ __all__ = [
     "Cancelled",
     "ComputeGate",
     "DECISIVE_MARGIN",
+    "DEFAULT_ENGINE",
     "DEFAULT_REMEDY",
     "DEFAULT_SAMPLE",
     "DEFAULT_STRATEGIES",
@@ -308,6 +313,7 @@ __all__ = [
     "RomeSettings",
     "STRATEGIES",
     "STUDY_REMEDIES",
+    "ScanSettings",
     "Scenario",
     "ScenarioRun",
     "SelfTestReport",
@@ -402,6 +408,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from kvscope.engine.audit.changes.fields import candidate_spans
+    from kvscope.engine.audit.ci.gate import rewrite_markdown
     from kvscope.engine.audit.endpoint.client import EndpointClient, EndpointSettings
     from kvscope.engine.audit.endpoint.model_pass import measure_rewrite_on_endpoint
     from kvscope.engine.audit.logs.reading import parse_prompt, read_log
@@ -413,11 +420,12 @@ if TYPE_CHECKING:
     from kvscope.engine.audit.measure.traffic import DEFAULT_SAMPLE, audit_traffic, pending_report
     from kvscope.engine.audit.measure.turn import AuditReport, audit_value, repaired_template, scenario_toml
     from kvscope.engine.audit.prompts.text_spans import appended_chars, candidate_menu, candidate_span, find_span, prefix_cache_stop
-    from kvscope.engine.audit.report.gate import rewrite_markdown
     from kvscope.engine.audit.rewrite.measure import apply_template, measure_rewrite
     from kvscope.engine.audit.scan.sampling import bounded_sample, traffic_scan
+    from kvscope.engine.audit.scan.settings import ScanSettings
     from kvscope.engine.audit.simulate.caches import CacheSettings
     from kvscope.engine.audit.simulate.fleet import fleet_grid
+    from kvscope.engine.audit.simulate.registry import DEFAULT_ENGINE
     from kvscope.engine.cache.budget import Cancelled, CancelToken, ComputeGate, WorkBudget, bounded, cancellable, waits_reported
     from kvscope.engine.cache.decision import DECISIVE_MARGIN
     from kvscope.engine.cache.footprint import tensor_bytes

@@ -35,6 +35,7 @@ from kvscope.app.handlers.your_prompt import (
 from kvscope.app.hosting import local_profile, public_profile
 from kvscope.app.state import ExportFolder, ModelRegistry, SessionStore
 from kvscope.app.tabs.your_prompt import with_coarsen
+from kvscope.engine.audit.blocks import BLOCK_TOKENS
 from kvscope.engine.audit.changes.causes import CAUSES
 from kvscope.engine.audit.changes.fields import diff_requests
 from kvscope.engine.audit.logs.reading import parse_log, read_log
@@ -160,7 +161,7 @@ def test_the_public_profile_bounds_the_measured_turns_tokens_per_request_and_n(r
     assert view.summary["sample_bound"] == bound and markdown_literal(bound) in view.groups_markdown
     assert "**sampled**" in view.groups_markdown and len(view.summary["requests"]) == 10  # the token pass: every request
     kept = run_audit(public(), sessions, ten, session="p", inputs=AuditInputs([], 1), sample=2)
-    assert kept.summary["sample_bound"] is None and [len(g["measured"]) for g in kept.summary["groups"] if g["measurable"]] == [2]
+    assert kept.summary.get("sample_bound") is None and [len(g["measured"]) for g in kept.summary["groups"] if g["measurable"]] == [2]
     with pytest.raises(AppError, match="33 greedy tokens per state asked; this server \\(public profile\\) generates at most 32"):
         run_audit(public(), sessions, LOG, session="q", inputs=AuditInputs([], 33))
     with pytest.raises(AppError, match="longer than the context limit of 80"):
@@ -169,7 +170,7 @@ def test_the_public_profile_bounds_the_measured_turns_tokens_per_request_and_n(r
     local = local_profile()
     assert local.max_audit_requests is None and local.max_audit_tokens is None
     view = run_audit(registry, sessions, ten, session="l", inputs=AuditInputs([], 1), sample=9)  # local: every turn
-    assert len(view.summary["turns"]) == 10 and view.summary["sample_bound"] is None and not view.summary["sampled"]
+    assert len(view.summary["turns"]) == 10 and view.summary.get("sample_bound") is None and not view.summary["sampled"]
 
 
 def test_one_prompt_offers_candidates_and_audits_a_chosen_or_found_value(registry, sessions, tmp_path: Path):
@@ -282,7 +283,7 @@ def test_bundled_logs_parse_render_and_change_the_fields_they_describe(registry)
     found = {}
     for name in ("coding_agent", "support_agent", "rag"):  # one session each: every request grows the one before
         rendered = [render_request(lm, request) for request in parse_log(bundled_log_text(name))]
-        found[name] = [[f.name for f in diff_requests(old, new).fields] for old, new in zip(rendered, rendered[1:])]
+        found[name] = [[f.name for f in diff_requests(old, new, BLOCK_TOKENS).fields] for old, new in zip(rendered, rendered[1:])]
     assert found["coding_agent"] == [["session_started"]] * 5  # the minute changes every request
     assert found["support_agent"] == [[], ["account_tier"], []]
     assert all(found["rag"])  # the retrieved passage changes every request

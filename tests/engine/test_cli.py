@@ -240,3 +240,21 @@ def test_audit_reads_a_servers_metrics_scrapes_and_the_llama_server_prompt_cache
     assert code == 2 and "counts less than the first" in error["error"]
     code, error = run_cli(*base, "--metrics", str(log))
     assert code == 2 and "metrics line 1 is not a Prometheus sample" in error["error"]
+
+
+def test_audit_refuses_settings_out_of_range_by_name_with_exit_code_2(tmp_path):
+    log = tmp_path / "log.jsonl"
+    log.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi"}]}))
+    base = ("audit", str(log), "--model", "tiny-qwen2", "--sample", "0")
+    refused = {
+        ("--min-agreement", "3"): "--min-agreement: the minimum agreement is a share between 0 and 1, got 3",
+        ("--threshold", "-1"): "--threshold: the KL threshold cannot be negative, got -1",
+        ("--tokens", "0"): "--tokens: generate at least one token per state, got 0",
+        ("--block-size", "0"): "--block-size is at least 1 token, got 0",
+        ("--kv-budget-blocks", "0"): "--kv-budget-blocks is at least 1 (leave it out: unbounded), got 0",
+    }
+    for flag, message in refused.items():
+        code, error = run_cli(*base, *flag)
+        assert (code, error["error"], error["type"]) == (2, message, "RequestLogError"), flag
+    code, error = run_cli(*base, "--prompt-cache", "--cache-reuse", "256")
+    assert code == 2 and "--cache-reuse is not simulated with it" in error["error"]

@@ -9,9 +9,9 @@ from kvscope.app.handlers.common import AppError, guarded, number
 from kvscope.app.handlers.your_prompt import DEFAULTS, audit_text
 from kvscope.app.state import ModelRegistry
 from kvscope.engine import (
-    CacheSettings,
     EndpointClient,
     EndpointSettings,
+    ScanSettings,
     StepProgress,
     apply_template,
     measure_rewrite_on_endpoint,
@@ -46,7 +46,7 @@ def run_rewrite_on_server(
     lm = registry.get(spec)
     client = EndpointClient(EndpointSettings(url.strip(), (model or "").strip() or None))
     measured = measure_rewrite_on_endpoint(
-        client, log, changed, tokenizer=lm.tokenizer, settings=CacheSettings(), tokens=tokens, model=lm.name, progress=progress
+        client, log, changed, tokenizer=lm.tokenizer, settings=ScanSettings(), tokens=tokens, model=lm.name, progress=progress
     )
     rows = measured.rows()
     endpoint = measured.endpoint

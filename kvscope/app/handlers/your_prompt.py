@@ -15,9 +15,8 @@ from kvscope.app.handlers.common import AppError, ScenarioChoices, guarded, numb
 from kvscope.app.hosting import HostingProfile
 from kvscope.app.state import ExportFolder, ModelRegistry, SessionStore
 from kvscope.engine import (
+    DEFAULT_ENGINE,
     DEFAULT_SAMPLE,
-    GRAINS,
-    OBSERVED_ENGINES,
     REPAIRS,
     AuditReport,
     CacheSettings,
@@ -30,6 +29,7 @@ from kvscope.engine import (
     RenderedRequest,
     Request,
     RequestLogError,
+    ScanSettings,
     StepProgress,
     appended_chars,
     apply_template,
@@ -43,7 +43,6 @@ from kvscope.engine import (
     find_span,
     fleet_grid,
     measure_rewrite,
-    measure_settings,
     notes_choices,
     parse_prompt,
     pending_report,
@@ -146,16 +145,10 @@ class AuditInputs:
         tokens = number(self.tokens, "greedy tokens N", DEFAULTS.tokens)
         threshold = number(self.threshold, "KL threshold", DEFAULTS.threshold, float)
         min_agreement = number(self.min_agreement, "minimum agreement", DEFAULTS.min_agreement, float)
-        if not 0 <= min_agreement <= 1:
-            raise AppError(f"the minimum agreement is a share between 0 and 1, got {min_agreement:g}")
-        if threshold < 0:
-            raise AppError(f"the KL threshold cannot be negative, got {threshold:g}")
         grain = (self.grain or "").strip()
-        grain = None if grain in ("", NO_GRAIN) else grain
-        if grain is not None and grain not in GRAINS:
-            raise AppError(f"unknown grain {grain!r}; choose one of {', '.join(GRAINS)} (or none)")
         profile.check_audit(requests, tokens)
-        return measure_settings(list(self.repairs or []), tokens, threshold, min_agreement, grain, profile.max_context_tokens)
+        grain = None if grain in ("", NO_GRAIN) else grain
+        return MeasureSettings(tuple(self.repairs or ()), tokens, threshold, min_agreement, grain, profile.max_context_tokens)
 
 
 NOTHING_TO_AUDIT = (
@@ -212,7 +205,7 @@ def start_audit(
     inputs: AuditInputs = AuditInputs(),
     sample=DEFAULT_SAMPLE,
     engines: CacheSettings = CacheSettings(),
-    observed_engine: str = "vllm",
+    observed_engine: str = DEFAULT_ENGINE,
     replicas: str | None = None,
     progress: MessageProgress | None = None,
 ) -> StartedAudit:
@@ -222,8 +215,7 @@ def start_audit(
     change signature (malformed records are skipped and named). The measured turns are kept for this session (Open in
     Notes, export, redrawn axes). ``progress`` hears every phase on one bar (:class:`AuditPhases`); with ``sample`` 0
     only the tokenizer is loaded."""
-    if observed_engine not in OBSERVED_ENGINES:
-        raise AppError(f"observed counts are compared with one of {', '.join(OBSERVED_ENGINES)}, got {observed_engine!r}")
+    settings = ScanSettings(engines, observed_engine, tuple(fleets(replicas)), registry.profile.max_context_tokens)
     phases = AuditPhases(progress)
     phases.report("reading", "reading the log")
     log = read_log(audit_text(text, "a request log (one JSON request a line)"))
@@ -235,23 +227,15 @@ def start_audit(
     phases.report("loading", "loading the model" if sample > 0 else "loading the tokenizer (the token pass needs no weights)")
     loading = phases.messages("loading")
     lm = registry.get(spec, progress=loading) if sample > 0 else registry.token_model(spec, progress=loading)
-    scan = traffic_scan(
-        lm,
-        log,
-        engines,
-        max_tokens=profile.max_context_tokens,
-        progress=phases.steps("token pass", "token pass: requests"),
-        observed_engine=observed_engine,
-        fleet=fleets(replicas),
-    )
+    scan = traffic_scan(lm, log, settings, progress=phases.steps("token pass", "token pass: requests"))
     most = profile.max_audit_requests
     fits = bounded_sample(scan, sample, most)
     bound = None if fits == sample else f"{profile.label} measures at most {most} turns of a log: --sample lowered from {sample} to {fits}"
     pending = None
     if fits > 0 and scan.requests:
-        waiting = pending_report(lm, scan, fits, measure)
+        waiting = dataclasses.replace(pending_report(lm, scan, fits, measure), sample_bound=bound)
         why = "the model pass is running: Open in Notes is offered once it has measured the turns"
-        pending = audit_view(waiting.measured_report(), inputs.x, inputs.y, why, waiting.as_dict() | {"sample_bound": bound})
+        pending = audit_view(waiting.measured_report(), inputs.x, inputs.y, why, waiting.as_dict())
 
     @guarded
     def finish() -> AuditView:
@@ -263,7 +247,7 @@ def start_audit(
             measure=measure,
             messages=phases.model_pass(),
         )
-        data = traffic.as_dict() | {"sample_bound": bound}
+        data = dataclasses.replace(traffic, sample_bound=bound).as_dict()
         return _kept_audit(registry, sessions, session, spec, lm, traffic.measured_report(), inputs.x, inputs.y, data, phases)
 
     return StartedAudit(pending, finish)
@@ -350,9 +334,8 @@ def run_rewrite(
     changed = apply_template(given, log) if template else read_log(given)
     tokens = number(tokens, "greedy tokens N", DEFAULTS.tokens)
     registry.profile.check_audit(len(log.requests), tokens)
-    measured = measure_rewrite(
-        registry.get(spec), log, changed, tokens=tokens, max_tokens=registry.profile.max_context_tokens, progress=progress
-    )
+    limited = ScanSettings(context_limit=registry.profile.max_context_tokens)
+    measured = measure_rewrite(registry.get(spec), log, changed, settings=limited, tokens=tokens, progress=progress)
     rows = [row.as_dict() for row in measured.requests]
     return rewrite_markdown(measured.verdict(), rows), {"rewrite": rows, "verdict": measured.verdict()}
 

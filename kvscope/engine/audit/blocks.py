@@ -12,7 +12,7 @@ import numpy as np
 BLOCK_TOKENS = 16  # vLLM's default KV block size
 
 
-def block_prefix(tokens: int, block: int = BLOCK_TOKENS) -> int:
+def block_prefix(tokens: int, block: int) -> int:
     """The part of a common prefix that whole blocks cover."""
     return tokens // block * block
 

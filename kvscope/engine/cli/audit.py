@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
+from kvscope.engine.audit.ci.gate import QUANTITIES, gate, markdown, parse_conditions
 from kvscope.engine.audit.logs.formats import AUTO as AUTO_FORMAT
 from kvscope.engine.audit.logs.formats import FORMATS
 from kvscope.engine.audit.logs.reading import parse_prompt, read_log
@@ -18,16 +20,16 @@ from kvscope.engine.audit.measure.settings import DEFAULT_MIN_AGREEMENT, DEFAULT
 from kvscope.engine.audit.measure.traffic import DEFAULT_SAMPLE, audit_traffic
 from kvscope.engine.audit.measure.turn import audit_value, repaired_template, scenario_toml
 from kvscope.engine.audit.prompts.text_spans import find_span
-from kvscope.engine.audit.report.gate import QUANTITIES, gate, markdown, parse_conditions
 from kvscope.engine.audit.report.schema import report_schema
 from kvscope.engine.audit.report.types import AuditJSON
 from kvscope.engine.audit.rewrite.measure import apply_template, check_pairing, measure_rewrite
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.metrics import observed_aggregate
-from kvscope.engine.audit.simulate.observed import NO_OBSERVED_COUNTS, OBSERVED_ENGINES, fit_observed
+from kvscope.engine.audit.simulate.observed import NO_OBSERVED_COUNTS, OBSERVED_ENGINES
+from kvscope.engine.audit.simulate.registry import DEFAULT_ENGINE
 from kvscope.engine.cli.common import Group, Handler, arg, load, log, names, progress, read_text
 from kvscope.engine.cli.endpoint import ENDPOINT, measure_on_endpoint
-from kvscope.engine.cli.scale import SCALE, fleet_of, log_files, token_pass, turn_pass
+from kvscope.engine.cli.scale import SCALE, log_files, scan_settings, token_pass, turn_pass
 from kvscope.engine.models import load_tokenizer
 
 
@@ -49,11 +51,7 @@ def cmd_audit(args: argparse.Namespace) -> dict:
     tokens_only = args.new is None and (bool(args.endpoint) or (args.sample == 0 and not (args.rewritten or args.template)))
     lm = load_tokenizer(args.model, progress=log) if tokens_only else load(args)
     if args.new is None:
-        if args.prompt_cache and args.cache_reuse:
-            raise RequestLogError("--prompt-cache simulates the server's default slot choice; --cache-reuse is not simulated with it")
-        settings = CacheSettings(
-            args.block_size, args.kv_budget_blocks, args.kv_budget_tokens, args.slots, args.cache_reuse, args.prompt_cache
-        )
+        settings = scan_settings(args)
         if not args.ray:  # read here, once (with --ray the workers read the files, and the driver never holds the log)
             request_log = files.log
             if args.fit_observed and all(request.observed_cached_tokens is None for request in request_log.requests):
@@ -68,7 +66,7 @@ def cmd_audit(args: argparse.Namespace) -> dict:
         rewritten = _rewritten(args, files)
         if args.endpoint:
             return _finish(args, conditions, measure_on_endpoint(args, lm, files, rewritten, settings, measure))
-        scale = {"fleet": fleet_of(args), "token_pass": token_pass(args, lm, settings), "measure_turns": turn_pass(args, lm)}
+        scale = {"token_pass": token_pass(args, lm), "measure_turns": turn_pass(args, lm)}
         # a rewrite reads the log's requests again: from the audit's own store, and after its own token pass (one process)
         shared = rewritten is not None and not args.ray
         states = ComputedStates(lm, args.tokens) if shared else None
@@ -78,16 +76,11 @@ def cmd_audit(args: argparse.Namespace) -> dict:
             sample=args.sample,
             settings=settings,
             measure=measure,
-            observed_engine=args.observed_engine,
             states=states,
             **steps,
             **scale,
         )
-        result, report = traffic.as_dict(), traffic.measured_report()
-        if args.fit_observed:
-            result["observed"]["fit"] = fit_observed(traffic.scan.requests, traffic.scan.held).as_dict()
-        if scrapes:
-            result["observed"]["metrics"] = observed_aggregate(scrapes, traffic.scan.totals()["hit_rate"])
+        measured = None
         if rewritten is not None:
             measured = measure_rewrite(
                 lm,
@@ -99,7 +92,8 @@ def cmd_audit(args: argparse.Namespace) -> dict:
                 before=traffic.scan if shared else None,
                 reuse=states,
             )
-            result |= {"rewrite": [row.as_dict() for row in measured.requests], "verdict": measured.verdict()}
+        traffic = dataclasses.replace(traffic, fit=args.fit_observed, scrapes=tuple(scrapes), rewrite=measured)
+        result, report = traffic.as_dict(), traffic.measured_report()
     else:
         if text is None:
             raise RequestLogError("--new audits one prompt: give one plain file")
@@ -171,7 +165,7 @@ AUDIT: Group = (
     ),
     arg(
         "--observed-engine",
-        default="vllm",
+        default=DEFAULT_ENGINE,
         choices=OBSERVED_ENGINES,
         help="the simulated engine the log's observed cached tokens are compared with (observed_shortfall / observed_excess)",
     ),

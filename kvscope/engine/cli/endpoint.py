@@ -5,6 +5,7 @@ token pass. The API key comes from the environment (``KVSCOPE_ENDPOINT_KEY``), n
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 from kvscope.engine.audit.endpoint.client import (
@@ -16,16 +17,16 @@ from kvscope.engine.audit.endpoint.client import (
     EndpointClient,
     EndpointSettings,
 )
-from kvscope.engine.audit.endpoint.model_pass import audit_on_endpoint, endpoint_result, measure_rewrite_on_endpoint
+from kvscope.engine.audit.endpoint.model_pass import audit_on_endpoint, measure_rewrite_on_endpoint
 from kvscope.engine.audit.logs.render import context_limit
 from kvscope.engine.audit.logs.requests import RequestLog
 from kvscope.engine.audit.logs.shards import LogFiles
 from kvscope.engine.audit.measure.settings import MeasureSettings
 from kvscope.engine.audit.measure.traffic import audit_traffic
+from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.token_pass import sample_groups
-from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.cli.common import Group, arg, progress
-from kvscope.engine.cli.scale import fleet_of, token_pass
+from kvscope.engine.cli.scale import token_pass
 from kvscope.engine.models import LoadedModel
 
 ENDPOINT: Group = (
@@ -57,33 +58,22 @@ def measure_on_endpoint(
     lm: LoadedModel,
     log: LogFiles,
     rewritten: RequestLog | None,
-    settings: CacheSettings,
+    settings: ScanSettings,
     measure: MeasureSettings,
 ) -> dict:
     """The token pass with the local tokenizer (on Ray with --ray, with the fleets of --replicas), then the sampled turns
     and the rewrite (with one) measured on the endpoint."""
     client = endpoint_client(args)
-    text = {"tokenizer": lm.tokenizer, "limit": context_limit(lm), "model": lm.name}
-    traffic = audit_traffic(
-        lm,
-        log,
-        sample=0,
-        settings=settings,
-        measure=measure,
-        observed_engine=args.observed_engine,
-        scan_progress=progress("token pass: requests"),
-        fleet=fleet_of(args),
-        token_pass=token_pass(args, lm, settings),
-    )
-    result = traffic.as_dict()
+    text = {"tokenizer": lm.tokenizer, "model": lm.name}
+    settings = settings.limited(context_limit(lm))
+    scan = {"settings": settings, "scan_progress": progress("token pass: requests"), "token_pass": token_pass(args, lm)}
+    traffic = audit_traffic(lm, log, sample=0, measure=measure, **scan)
     groups = sample_groups(traffic.scan, args.sample)
     measured = audit_on_endpoint(client, traffic.scan, groups, measure=measure, progress=progress("endpoint: sampled prompts"), **text)
-    for row, group in zip(result["groups"], groups):
-        row |= {"measured": list(group.measured), "reason": group.reason, "fidelity": measured.group_fidelity(group.measured)}
-    result |= {"sample": args.sample, "endpoint": measured.as_dict()}
+    rewrite = None
     if rewritten is not None:
         rewrite = measure_rewrite_on_endpoint(
             client, log.log, rewritten, settings=settings, tokens=measure.tokens, progress=progress("endpoint: rewrite requests"), **text
         )
-        result |= endpoint_result(rewrite) | {"endpoint": measured.as_dict() | rewrite.endpoint}
-    return result
+        measured = dataclasses.replace(measured, endpoint=measured.endpoint | rewrite.endpoint)
+    return dataclasses.replace(traffic, groups=tuple(groups), sample=args.sample, endpoint=measured, rewrite=rewrite).as_dict()

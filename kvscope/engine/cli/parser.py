@@ -9,7 +9,7 @@ import json
 import logging
 import sys
 
-from kvscope.engine.audit.report.gate import exit_code
+from kvscope.engine.audit.ci.gate import exit_code
 from kvscope.engine.cli import audit, checks, compare, compose, edit
 from kvscope.engine.cli.common import Group, Handler, log
 from kvscope.engine.errors import KVScopeError

@@ -10,6 +10,7 @@ import functools
 from kvscope.engine.audit.logs.requests import RequestLogError
 from kvscope.engine.audit.logs.shards import LogFiles
 from kvscope.engine.audit.measure.traffic import MeasureTurns, TokenPass
+from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.token_pass import TrafficScan
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.fleet import ROUTINGS, fleet_grid
@@ -64,28 +65,22 @@ def _start_ray(args: argparse.Namespace) -> None:
     start_ray(args.ray, args.workers)
 
 
-def token_pass(args: argparse.Namespace, lm: LoadedModel, settings: CacheSettings) -> TokenPass | None:
-    """With --ray, the distributed token pass (given the log's files and the context limit) for ``audit_traffic``;
-    else None."""
+def scan_settings(args: argparse.Namespace) -> ScanSettings:
+    """The token pass's settings from the flags: the simulated engines', --observed-engine and the fleets asked for."""
+    cache = CacheSettings(args.block_size, args.kv_budget_blocks, args.kv_budget_tokens, args.slots, args.cache_reuse, args.prompt_cache)
+    return ScanSettings(cache, args.observed_engine, tuple(fleet_of(args)))
+
+
+def token_pass(args: argparse.Namespace, lm: LoadedModel) -> TokenPass | None:
+    """With --ray, the distributed token pass (given the log's files and the settings) for ``audit_traffic``; else None."""
     if not args.ray:
         return None
     _start_ray(args)
     from kvscope.engine.audit.distributed.token_pass import ray_scan
 
-    fleet = fleet_of(args)
-
-    def run(log: LogFiles, limit: int) -> TrafficScan:
+    def run(log: LogFiles, settings: ScanSettings) -> TrafficScan:
         return ray_scan(
-            lm.tokenizer,
-            log,
-            settings,
-            limit=limit,
-            model=lm.name,
-            workers=args.workers,
-            sample=args.sample,
-            fleet=fleet,
-            observed_engine=args.observed_engine,
-            progress=progress("token pass: requests"),
+            lm.tokenizer, log, settings, model=lm.name, workers=args.workers, sample=args.sample, progress=progress("token pass: requests")
         )
 
     return run

@@ -10,7 +10,7 @@ from kvscope.engine.audit.blocks import BLOCK_TOKENS, block_hashes, block_prefix
 
 
 def test_whole_blocks_cover_a_prefix_rounded_down():
-    assert BLOCK_TOKENS == 16 and [block_prefix(n) for n in (0, 15, 16, 47, 48)] == [0, 0, 16, 32, 48]
+    assert BLOCK_TOKENS == 16 and [block_prefix(n, BLOCK_TOKENS) for n in (0, 15, 16, 47, 48)] == [0, 0, 16, 32, 48]
     assert block_prefix(47, block=32) == 32
 
 

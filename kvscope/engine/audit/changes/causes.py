@@ -13,7 +13,6 @@ import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvscope.engine.audit.blocks import BLOCK_TOKENS
 from kvscope.engine.audit.changes.fields import FieldChange, TurnDiff, common_prefix, value_kind
 from kvscope.engine.audit.logs.render import RenderedRequest
 from kvscope.engine.audit.logs.requests import Request
@@ -76,7 +75,7 @@ def another_prompt(old: Request, new: Request) -> bool:
     return differing_messages(old, new) > UNRELATED_FIELDS
 
 
-def causes_of(old: RenderedRequest | None, new: RenderedRequest, diff: TurnDiff | None, block: int = BLOCK_TOKENS) -> tuple[Cause, ...]:
+def causes_of(old: RenderedRequest | None, new: RenderedRequest, diff: TurnDiff | None, block: int) -> tuple[Cause, ...]:
     """Every cause of ``new``'s misses against ``old`` (the request it was matched with), in token order; none for
     a request that only grows its match. ``diff`` is None only where there is no match or it is ``another_prompt``."""
     shared = diff.common_prefix_tokens if diff is not None else common_prefix(old.token_ids, new.token_ids) if old is not None else 0

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvscope.engine.audit.blocks import BLOCK_TOKENS, block_prefix
+from kvscope.engine.audit.blocks import block_prefix
 from kvscope.engine.audit.logs.render import RenderedRequest
 from kvscope.engine.audit.logs.requests import RequestLogError
 
@@ -138,7 +138,7 @@ class TurnDiff:
         return bool(self.fields or self.structural) or self.common_prefix_tokens < self.old_growth_start
 
 
-def compare_requests(old: RenderedRequest, new: RenderedRequest, block: int = BLOCK_TOKENS) -> TurnDiff:
+def compare_requests(old: RenderedRequest, new: RenderedRequest, block: int) -> TurnDiff:
     """Compare ``new`` against ``old`` without refusing anything: changes inside one message's content become
     fields, any other change is structural."""
     shared = common_prefix(old.token_ids, new.token_ids)
@@ -158,10 +158,10 @@ def compare_requests(old: RenderedRequest, new: RenderedRequest, block: int = BL
     return TurnDiff(shared, block_prefix(shared, block), tuple(_named(new, merged)), growth_start, old_growth_start, tuple(structural))
 
 
-def diff_requests(old: RenderedRequest, new: RenderedRequest) -> TurnDiff:
+def diff_requests(old: RenderedRequest, new: RenderedRequest, block: int) -> TurnDiff:
     """Compare ``new`` against ``old`` (the request it follows), refusing what the repairs cannot work on: no shared
     prefix at all, or a change to the chat template's own tokens."""
-    diff = compare_requests(old, new)
+    diff = compare_requests(old, new, block)
     if diff.common_prefix_tokens == 0:
         raise RequestLogError(f"{new.request.where} shares no prefix with {old.request.where}: not the same conversation or template")
     if diff.structural:

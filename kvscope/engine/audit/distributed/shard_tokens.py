@@ -19,6 +19,7 @@ from kvscope.engine.audit.logs.reading import join_traces
 from kvscope.engine.audit.logs.render import render_batch
 from kvscope.engine.audit.logs.requests import Request, RequestLogError, Skipped
 from kvscope.engine.audit.logs.shards import Shard, read_shard
+from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.token_pass import TrafficRequest, compared_row
 from kvscope.engine.audit.simulate.hosted import HostedRequest, hosted_request
 from kvscope.engine.audit.simulate.observed import Reported
@@ -61,10 +62,11 @@ class ShardTokens:
 
 class ShardTokenPass:
     """Stage 1's actor: holds the tokenizer; per shard, its requests read, numbered in the log's order, rendered,
-    hashed and diffed. ``sessions``: the Langfuse traces' sessions named anywhere in the log."""
+    hashed and diffed, with the token pass's ``settings``. ``sessions``: the Langfuse traces' sessions named anywhere in
+    the log."""
 
-    def __init__(self, tokenizer: Any, fmt: str, limit: int, model: str, block: int, sessions: dict[str, str]):
-        self.tokenizer, self.fmt, self.limit, self.model, self.block = tokenizer, fmt, limit, model, block
+    def __init__(self, tokenizer: Any, fmt: str, settings: ScanSettings, model: str, sessions: dict[str, str]):
+        self.tokenizer, self.fmt, self.settings, self.model = tokenizer, fmt, settings, model
         self.sessions = sessions
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -82,7 +84,7 @@ class ShardTokenPass:
         place = _places(requests)  # by the files' numbering, which ``where`` re-reads by
         if indexes is not None:
             requests = [dataclasses.replace(request, index=index) for request, index in zip(requests, indexes, strict=True)]
-        rendered = render_batch(self.tokenizer, requests, self.limit, self.model)
+        rendered = render_batch(self.tokenizer, requests, self.settings.limit, self.model)
         records, skipped, local, kept = [], [], RadixTree(), {}  # the shard's own radix tree, its rendered requests
         for request, item, at in zip(requests, rendered, place):
             if isinstance(item, RequestLogError):
@@ -90,14 +92,14 @@ class ShardTokenPass:
                 continue
             _, guess = local.match(item.token_ids, request.session)
             local.insert(item.token_ids, request.index, request.session, len(kept) + 1, item.held)
-            row, diff = compared_row(kept.get(guess), item, guess, self.block)
+            row, diff = compared_row(kept.get(guess), item, guess, self.settings.cache.block)
             records.append(
                 TokenRecord(
                     request.index,
                     request.session,
                     (number, *at),
                     item.token_ids,
-                    block_hashes(item.held, self.block),
+                    block_hashes(item.held, self.settings.cache.block),
                     guess,
                     row,
                     diff,

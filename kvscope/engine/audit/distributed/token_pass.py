@@ -50,10 +50,11 @@ from kvscope.engine.audit.distributed.ray_setup import RETRIES
 from kvscope.engine.audit.distributed.shard_tokens import ShardTokenPass, ShardTokens, TokenRecord
 from kvscope.engine.audit.logs.reading import join_traces, record_requests, time_order
 from kvscope.engine.audit.logs.render import RenderedRequest, end_of_turn_ids, render_batch
-from kvscope.engine.audit.logs.requests import ORDERS, Flagged, Request, RequestLogError, Skipped
+from kvscope.engine.audit.logs.requests import Flagged, Request, RequestLogError, Skipped
+from kvscope.engine.audit.logs.requests import reading as log_reading
 from kvscope.engine.audit.logs.shards import SHARD_LINES, LogFiles, Shard, ShardCount, count_shards, read_shard, shard_lines
+from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.token_pass import TrafficRequest, TrafficScan, compared_row, observed_rows, sample_groups, settling_heap
-from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.observed import Reported
 from kvscope.engine.audit.simulate.step import Simulation, StepResult
 from kvscope.engine.progress import StepProgress
@@ -158,18 +159,15 @@ def _by_request(item: Flagged) -> int:
 def ray_scan(
     tokenizer: Any,
     log: LogFiles,
-    settings: CacheSettings = CacheSettings(),
+    settings: ScanSettings = ScanSettings(),
     *,
-    limit: int = 32_768,
     model: str = "this model",
     workers: int = 2,
     sample: int = 0,
-    fleet: Sequence[tuple[int, str]] = (),
-    observed_engine: str = "vllm",
     shard_lines_: int = SHARD_LINES,
     progress: StepProgress = None,
 ) -> TrafficScan:
-    """``scan_log`` of ``log`` (its files: files, directories of shards, gzip'd JSONL; ``log.log`` is what one process
+    """``scan_log`` of ``log`` with ``settings`` (its files: files, directories of shards, gzip'd JSONL; ``log.log`` is what one process
     reads of them) on the Ray cluster already started (``start_ray``), with ``workers`` tokenizer actors; the requests
     the model pass reads for ``sample`` turns per group (and the cold ones) are rendered on the driver afterwards."""
     import ray
@@ -194,9 +192,8 @@ def ray_scan(
         fn_constructor_kwargs={
             "tokenizer": tokenizer,
             "fmt": fmt,
-            "limit": limit,
+            "settings": settings,
             "model": model,
-            "block": settings.block,
             "sessions": count.sessions,
         },
         compute=ray.data.ActorPoolStrategy(size=workers),
@@ -204,7 +201,7 @@ def ray_scan(
         max_restarts=RETRIES,
         max_task_retries=RETRIES,
     )
-    driver = _Driver(settings, fleet, end_of_turn_ids(tokenizer), reorder=count.indexes is not None)
+    driver = _Driver(settings, end_of_turn_ids(tokenizer), reorder=count.indexes is not None)
     rendering: list[Skipped] = []
     received = 0
     with settling_heap() as settle:
@@ -217,11 +214,11 @@ def ray_scan(
             if progress:
                 progress(received, count.total)
         driver.finish()
-    reread = Rereader(tokenizer, shards, fmt, limit, model, count.sessions)
+    reread = Rereader(tokenizer, shards, fmt, settings.limit, model, count.sessions)
     pending = driver.pending()
     if pending:
-        driver.fill(reread.compared(driver.where, pending, settings.block))
-    scan = driver.scan(count.skipped + rendering, count, observed_engine, model)
+        driver.fill(reread.compared(driver.where, pending, settings.cache.block))
+    scan = driver.scan(count.skipped + rendering, count, model)
     rendered = reread.rendered({i: driver.where[i] for i in _needed(scan, sample)})
     return dataclasses.replace(scan, rendered=rendered)
 
@@ -230,9 +227,9 @@ class _Driver:
     """Stage 2: the radix match, the engines, the hosted providers' caches and the fleets, in time order, over compact
     records (``reorder``: the files are not in time order, so every record is held until the last, then sorted)."""
 
-    def __init__(self, settings: CacheSettings, fleet: Sequence[tuple[int, str]], end_ids: frozenset[int], reorder: bool = False):
+    def __init__(self, settings: ScanSettings, end_ids: frozenset[int], reorder: bool = False):
         self.settings = settings
-        self.simulation = Simulation(settings, fleet, end_ids)
+        self.simulation = Simulation(settings.cache, settings.fleet, end_ids)
         self.rows: list[TrafficRequest] = []
         self.diffs: dict[int, TurnDiff] = {}
         self.where: dict[int, tuple[int, int, int]] = {}
@@ -286,18 +283,12 @@ class _Driver:
             _, at, result = self.unmatched[index]
             self._keep(at, row, diff, result)
 
-    def scan(self, skipped: list[Skipped], count: LogCount, observed_engine: str, model: str) -> TrafficScan:
+    def scan(self, skipped: list[Skipped], count: LogCount, model: str) -> TrafficScan:
         """The token pass's result, the log's reports read against the simulation (``token_pass.observed_rows``)."""
-        rows = observed_rows(self.rows, self.reported, self.served, observed_engine, self.settings.block, model)
+        rows = observed_rows(self.rows, self.reported, self.served, self.settings, model)
         results = tuple(simulated.result() for simulated in self.simulation.fleets)
         diffs = dict(sorted(self.diffs.items()))
-        reading = {
-            "order": count.order,
-            "order_reason": ORDERS[count.order],
-            "untimed_requests": count.untimed,
-            "flagged": [item.as_dict() for item in count.flagged],
-            "session_keys": session_keys(self.reported),
-        }
+        reading = log_reading(count.order, count.untimed, count.flagged, session_keys(self.reported))
         simulation = self.simulation
         return TrafficScan(
             tuple(rows),
@@ -306,7 +297,6 @@ class _Driver:
             self.settings,
             {},
             diffs,
-            observed_engine,
             reading,
             fleet=results,
             replies=dict(simulation.replies),

@@ -28,6 +28,7 @@ from kvscope.engine.audit.logs.requests import Request, RequestLog, RequestLogEr
 from kvscope.engine.audit.measure.settings import MeasureSettings
 from kvscope.engine.audit.prompts.repair_requests import LEVEL_WORDS, REPAIR_LEVELS, Level, RepairNotApplicable, prompt_repair_request
 from kvscope.engine.audit.rewrite.measure import RewriteReport, RewrittenRequest, check_pairing, check_rendered
+from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.token_pass import TrafficGroup, TrafficScan, scan_log
 from kvscope.engine.progress import StepProgress
 
@@ -150,13 +151,11 @@ def audit_on_endpoint(
     *,
     tokenizer: Any,
     measure: MeasureSettings,
-    limit: int = 32_768,
     model: str = "this model",
     progress: StepProgress = None,
 ) -> EndpointAudit:
     """The groups' sampled turns (``token_pass.sample_groups``) measured on the endpoint with every prompt-level repair
-    of ``measure`` (its greedy tokens, grain and bars)."""
-    measure = measure.checked()
+    of ``measure`` (its greedy tokens, grain and bars), each prompt cut at the token pass's limit."""
     repairs, tokens = measure.repairs, measure.tokens
     server = client.connect()
     matched = {row.request: row for row in scan.requests}
@@ -173,7 +172,7 @@ def audit_on_endpoint(
             except RepairNotApplicable as error:
                 built[name] = str(error)
         requests = [item for item in built.values() if isinstance(item, Request)]
-        rendered = iter(render_batch(tokenizer, requests, limit, model))
+        rendered = iter(render_batch(tokenizer, requests, scan.settings.limit, model))
         plans.append((index, {name: item if isinstance(item, str) else _rendered(next(rendered)) for name, item in built.items()}))
     probes, where = [], []
     for index, plan in plans:
@@ -221,6 +220,9 @@ class EndpointRewrite:
     endpoint: EndpointDescriptionDict
     simulated_engine: str
 
+    def verdict(self) -> str:
+        return self.report.verdict()
+
     def rows(self) -> list[EndpointRewrittenRequestDict]:
         engine = self.simulated_engine
         return [
@@ -243,9 +245,8 @@ def measure_rewrite_on_endpoint(
     rewritten: RequestLog,
     *,
     tokenizer: Any,
-    settings: Any,
+    settings: ScanSettings,
     tokens: int,
-    limit: int = 32_768,
     model: str = "this model",
     progress: StepProgress = None,
 ) -> EndpointRewrite:
@@ -255,8 +256,8 @@ def measure_rewrite_on_endpoint(
     if tokens < 1:
         raise RequestLogError(f"generate at least one token per state, got {tokens}")
     server = client.connect()
-    before = scan_log(tokenizer, original, settings, limit=limit, model=model)
-    after = scan_log(tokenizer, rewritten, settings, limit=limit, model=model)
+    before = scan_log(tokenizer, original, settings, model=model)
+    after = scan_log(tokenizer, rewritten, settings, model=model)
     check_rendered(before, after)
     top_k = client.settings.top_k
     rows_before, rows_after = before.requests, after.requests
@@ -287,8 +288,3 @@ def measure_rewrite_on_endpoint(
 
 def _shifted(progress: StepProgress, offset: int, total: int) -> StepProgress:
     return None if progress is None else (lambda done, _: progress(offset + done, total))
-
-
-def endpoint_result(measured: EndpointRewrite) -> dict[str, Any]:
-    """What ``audit --rewritten/--template --endpoint --json`` adds: the rows, the verdict and the endpoint."""
-    return {"rewrite": measured.rows(), "verdict": measured.report.verdict(), "endpoint": measured.endpoint}

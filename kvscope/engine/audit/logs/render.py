@@ -263,6 +263,9 @@ def _owners(offsets: np.ndarray, spans: Sequence[tuple[int, int]]) -> np.ndarray
     return np.where(inside, clipped, -1).astype(np.int32)
 
 
+DEFAULT_CONTEXT_LIMIT = 32_768  # tokens a prompt is cut at where the model's config names no limit
+
+
 def context_limit(lm: LoadedModel | LoadedTokenizer) -> int:
-    """The longest prompt the model takes, in tokens (its config's ``max_positions``, else 32,768)."""
-    return int(lm.info().get("max_positions") or 32_768)
+    """The longest prompt the model takes, in tokens (its config's ``max_positions``, else ``DEFAULT_CONTEXT_LIMIT``)."""
+    return int(lm.info().get("max_positions") or DEFAULT_CONTEXT_LIMIT)

@@ -169,13 +169,19 @@ class RequestLog:
         for request in self.requests:
             if request.session_key:
                 keys[request.session_key] = keys.get(request.session_key, 0) + 1
-        return {
-            "order": self.order,
-            "order_reason": ORDERS[self.order],
-            "untimed_requests": untimed,
-            "flagged": [item.as_dict() for item in self.flagged],
-            "session_keys": keys,
-        }
+        return reading(self.order, untimed, self.flagged, keys)
+
+
+def reading(order: str, untimed: int, flagged: Sequence[Flagged], session_keys: dict[str, int]) -> ReadingDict:
+    """How a log was read, as reports say it (one process's ``RequestLog.reading`` and the distributed pass's alike):
+    the order used (``ORDERS``) and why, the requests without a timestamp, the flags, and the requests per session key."""
+    return {
+        "order": order,
+        "order_reason": ORDERS[order],
+        "untimed_requests": untimed,
+        "flagged": [item.as_dict() for item in flagged],
+        "session_keys": session_keys,
+    }
 
 
 def named_problem(where: str, key: str, reason: str) -> str:

@@ -154,10 +154,10 @@ class Turn:
     cached: Notebook  # the older request's K/V, as the server holds them
     store: ComputedStates  # every state this audit run computed (the greedy tokens per state are its ``tokens``)
     grain: str | None = None  # for ``coarsen``
-    max_tokens: int | None = None
+    context_limit: int | None = None
 
     def render(self, request: Request) -> RenderedRequest:
-        return render_request(self.lm, request, self.max_tokens)
+        return render_request(self.lm, request, self.context_limit)
 
 
 def reference(turn: Turn) -> Reference:

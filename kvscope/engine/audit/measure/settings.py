@@ -1,7 +1,7 @@
 """What every measured turn runs (``MeasureSettings``): the repairs, the greedy tokens generated per state, the
 recommendation's bars (the largest next-token KL, the smallest share of agreeing greedy tokens), the grain coarsen
-rounds date-times to, and the context limit. One object travels from the CLI or the app through the model pass, in
-process, on Ray actors or on an endpoint. Nothing here imports torch: the endpoint's audit reads it too."""
+rounds date-times to, and the context limit. One object, checked in its constructor, travels from the CLI or the app
+through the model pass, in process, on Ray actors or on an endpoint. Nothing here imports torch: the endpoint's audit reads it too."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvscope.engine.audit.logs.requests import RequestLogError
-from kvscope.engine.audit.prompts.repair_requests import REPAIRS
+from kvscope.engine.audit.prompts.repair_requests import GRAINS, REPAIRS
 
 DEFAULT_TOKENS = 32  # greedy tokens generated per state
 DEFAULT_THRESHOLD = 0.05  # nats of KL divergence of the next-token distribution
@@ -26,20 +26,29 @@ def check_repairs(names: Sequence[str]) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class MeasureSettings:
-    """What every measured turn runs: the repairs (``check_repairs``), greedy tokens, and the recommendation's bars."""
+    """What every measured turn runs, checked in the constructor (each setting named where it is refused): the
+    repairs (``check_repairs``: ``recompute`` first), greedy tokens, the recommendation's bars, coarsen's grain, and the
+    context limit a prompt is cut at (None: the model's own)."""
 
     repairs: tuple[str, ...] = REPAIRS
     tokens: int = DEFAULT_TOKENS
     threshold: float = DEFAULT_THRESHOLD
     min_agreement: float = DEFAULT_MIN_AGREEMENT
     grain: str | None = None
-    max_tokens: int | None = None
+    context_limit: int | None = None
 
-    def checked(self) -> MeasureSettings:
-        """The settings with their repairs validated (``recompute`` first) and at least one token generated."""
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "repairs", check_repairs(self.repairs))
         if self.tokens < 1:
-            raise RequestLogError(f"generate at least one token per state, got {self.tokens}")
-        return MeasureSettings(check_repairs(self.repairs), self.tokens, self.threshold, self.min_agreement, self.grain, self.max_tokens)
+            raise RequestLogError(f"--tokens: generate at least one token per state, got {self.tokens}")
+        if self.threshold < 0:
+            raise RequestLogError(f"--threshold: the KL threshold cannot be negative, got {self.threshold:g}")
+        if not 0 <= self.min_agreement <= 1:
+            raise RequestLogError(f"--min-agreement: the minimum agreement is a share between 0 and 1, got {self.min_agreement:g}")
+        if self.grain is not None and self.grain not in GRAINS:
+            raise RequestLogError(f"--grain: unknown grain {self.grain!r}; choose one of {', '.join(GRAINS)}")
+        if self.context_limit is not None and self.context_limit < 1:
+            raise RequestLogError(f"the context limit is at least 1 token, got {self.context_limit}")
 
 
 def measure_settings(
@@ -48,16 +57,8 @@ def measure_settings(
     threshold: float | None = None,
     min_agreement: float | None = None,
     grain: str | None = None,
-    max_tokens: int | None = None,
+    context_limit: int | None = None,
 ) -> MeasureSettings:
-    """What each sampled turn is measured with: the repairs checked, and the defaults where a value is ``None``."""
-    names = check_repairs(repairs)
-    defaults = MeasureSettings(names)
-    return MeasureSettings(
-        names,
-        defaults.tokens if tokens is None else tokens,
-        defaults.threshold if threshold is None else threshold,
-        defaults.min_agreement if min_agreement is None else min_agreement,
-        grain,
-        max_tokens,
-    ).checked()
+    """``MeasureSettings`` with the defaults where a value is ``None``."""
+    given = {"tokens": tokens, "threshold": threshold, "min_agreement": min_agreement}
+    return MeasureSettings(tuple(repairs), grain=grain, context_limit=context_limit, **{k: v for k, v in given.items() if v is not None})

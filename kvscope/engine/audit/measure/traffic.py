@@ -13,7 +13,7 @@ import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from kvscope.engine.audit.changes.fields import TurnDiff
 from kvscope.engine.audit.logs.render import RenderedRequest, context_limit
@@ -25,18 +25,27 @@ from kvscope.engine.audit.measure.repairs import Turn
 from kvscope.engine.audit.measure.settings import MeasureSettings
 from kvscope.engine.audit.measure.turn import AuditReport, AuditTurn, measure_turn
 from kvscope.engine.audit.scan.sampling import traffic_scan
+from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.token_pass import TrafficGroup, TrafficRequest, TrafficScan, is_cold, sample_groups
-from kvscope.engine.audit.simulate.caches import CacheSettings
-from kvscope.engine.audit.simulate.observed import hosted_summary, observed_summary
+from kvscope.engine.audit.simulate.metrics import observed_aggregate
+from kvscope.engine.audit.simulate.observed import fit_observed, hosted_summary, observed_summary
 from kvscope.engine.cache.budget import Cancelled
 from kvscope.engine.cache.loaded import LoadedModel, LoadedTokenizer
 from kvscope.engine.progress import MessageProgress, StepProgress, Tick
 
 if TYPE_CHECKING:
-    from kvscope.engine.audit.report.types import LogAudit, RepairFidelityDict
+    from kvscope.engine.audit.report.types import (
+        EndpointAuditDict,
+        EndpointRepairFidelityDict,
+        EndpointRewrittenRequestDict,
+        LogAudit,
+        ObservedDict,
+        RepairFidelityDict,
+        RewrittenRequestDict,
+    )
 
 DEFAULT_SAMPLE = 3  # turns measured per group
-TokenPass = Callable[[LogFiles, int], TrafficScan]  # a token pass run elsewhere: the log's files and the context limit in
+TokenPass = Callable[[LogFiles, ScanSettings], TrafficScan]  # a token pass run elsewhere: the log's files and its settings in
 
 
 def group_fidelity(turns: Sequence[AuditTurn]) -> dict[str, RepairFidelityDict]:
@@ -57,9 +66,27 @@ def group_fidelity(turns: Sequence[AuditTurn]) -> dict[str, RepairFidelityDict]:
     return summary
 
 
+class RewritePart(Protocol):
+    """A rewrite measured (``rewrite.measure.RewriteReport``, or on an endpoint ``endpoint.model_pass.EndpointRewrite``)."""
+
+    def rows(self) -> list[RewrittenRequestDict] | list[EndpointRewrittenRequestDict]: ...
+
+    def verdict(self) -> str: ...
+
+
+class EndpointPart(Protocol):
+    """The sampled turns measured on an endpoint (``endpoint.model_pass.EndpointAudit``)."""
+
+    def group_fidelity(self, requests: Sequence[int]) -> dict[str, EndpointRepairFidelityDict]: ...
+
+    def as_dict(self) -> EndpointAuditDict: ...
+
+
 @dataclass(frozen=True)
 class TrafficReport:
-    """A log's token pass, its groups, and the sampled turns measured with every repair."""
+    """A log's token pass, its groups, and the sampled turns measured with every repair; and what the report holds
+    beside where asked for: the observed counts' fit (``fit``), the server's scrapes (``scrapes``), a rewrite measured,
+    the sampled turns measured on an endpoint instead (``endpoint``), and why a host lowered the sample."""
 
     model: str
     dtype: str
@@ -70,6 +97,11 @@ class TrafficReport:
     sample: int
     cancelled: str | None = None  # why no turn was measured: the model pass was cancelled (the token pass is whole)
     pending: str | None = None  # the token pass alone, shown while the model pass measures: what it is measuring
+    fit: bool = False  # --fit-observed: the block-cache settings that reproduce the observed counts searched
+    scrapes: tuple[str, ...] = ()  # --metrics: one or two Prometheus scrapes of the server, beside the simulation
+    rewrite: RewritePart | None = None  # --rewritten / --template: the rewrite measured against the log
+    endpoint: EndpointPart | None = None  # --endpoint: the groups' sampled turns measured there (their fidelity, its part)
+    sample_bound: str | None = None  # why a host lowered --sample (the app's public profile)
 
     @property
     def sampled(self) -> bool:
@@ -86,10 +118,10 @@ class TrafficReport:
                 **scan.reading,
                 "skipped": [item.as_dict() for item in scan.skipped],
                 "skipped_count": len(scan.skipped),
-                "engines": {"settings": scan.settings.as_dict(), **scan.totals()},
+                "engines": {"settings": scan.settings.cache.as_dict(), **scan.totals()},
                 "sessions": [summary.as_dict() for summary in scan.sessions()],
                 "causes": scan.cause_counts(),
-                "observed": observed_summary(scan.requests, scan.observed_engine, self.model).as_dict(),
+                "observed": self.observed(),
                 "hosted": hosted_summary(scan.requests),
                 "requests": [row.as_dict() for row in scan.requests],
                 "sample": self.sample,
@@ -99,15 +131,32 @@ class TrafficReport:
                 "generated_tokens": self.measure.tokens,
                 "repairs": list(self.measure.repairs),
                 "grain": self.measure.grain,
-                "groups": [
-                    group.as_dict() | {"fidelity": group_fidelity([self.turns[i] for i in group.measured])} for group in self.groups
-                ],
+                "groups": [group.as_dict() | {"fidelity": self.fidelity(group.measured)} for group in self.groups],
                 "turns": [turn.as_dict() for turn in self.measured_report().turns],
             }
             | ({"fleet": [result.as_dict() for result in scan.fleet]} if scan.fleet else {})
             | ({"cancelled": self.cancelled} if self.cancelled else {})
             | ({"pending": self.pending} if self.pending else {})
+            | ({"rewrite": self.rewrite.rows(), "verdict": self.rewrite.verdict()} if self.rewrite is not None else {})
+            | ({"endpoint": self.endpoint.as_dict()} if self.endpoint is not None else {})
+            | ({"sample_bound": self.sample_bound} if self.sample_bound else {})
         )
+
+    def observed(self) -> ObservedDict:
+        """The observed counts against the simulation, with the fit and the server's scrapes where asked for."""
+        scan = self.scan
+        summary = observed_summary(scan.requests, scan.settings.observed_engine, self.model).as_dict()
+        if self.fit:
+            summary["fit"] = fit_observed(scan.requests, scan.held).as_dict()
+        if self.scrapes:
+            summary["metrics"] = observed_aggregate(self.scrapes, scan.totals()["hit_rate"])
+        return summary
+
+    def fidelity(self, measured: Sequence[int]) -> dict[str, RepairFidelityDict] | dict[str, EndpointRepairFidelityDict]:
+        """A group's repairs' fidelity over its measured turns: on the endpoint where they were measured there."""
+        if self.endpoint is not None:
+            return self.endpoint.group_fidelity(measured)
+        return group_fidelity([self.turns[i] for i in measured])
 
     def measured_report(self) -> AuditReport:
         """The cold prefills and the measured turns, in request order, in the per-turn audit's shape (what the tab's
@@ -137,23 +186,21 @@ def audit_traffic(
     log: RequestLog | LogFiles,
     *,
     sample: int = DEFAULT_SAMPLE,
-    settings: CacheSettings = CacheSettings(),
+    settings: ScanSettings = ScanSettings(),
     measure: MeasureSettings = MeasureSettings(),
     scan_progress: StepProgress = None,
     progress: StepProgress = None,
-    observed_engine: str = "vllm",
-    fleet: Sequence[tuple[int, str]] = (),
     token_pass: TokenPass | None = None,
     scan: TrafficScan | None = None,
     measure_turns: MeasureTurns | None = None,
     messages: MessageProgress | None = None,
     states: ComputedStates | None = None,
 ) -> TrafficReport:
-    """The token pass over the whole log, then up to ``sample`` turns of each change signature measured with every
-    repair of ``measure`` (its context limit, ``max_tokens``, the token pass's too). ``log``: the log read, or its
+    """The token pass over the whole log with ``settings`` (its context limit, default the model's), then up to
+    ``sample`` turns of each change signature measured with every repair of ``measure``. ``log``: the log read, or its
     files (``shards.LogFiles``), which this process reads (``LogFiles.log``) unless ``token_pass`` reads them
-    elsewhere (``scan_progress``: requests of the token pass; ``progress``: the measured steps; ``fleet``: the fleets
-    simulated beside; ``token_pass``: another token pass, given the log's files and the context limit, e.g.
+    elsewhere (``scan_progress``: requests of the token pass; ``progress``: the measured steps; ``token_pass``: another
+    token pass, given the log's files and the settings with the context limit set, e.g.
     ``token_pass.ray_scan``; ``measure_turns``: where the sampled turns are measured, default ``measure_in_process``
     with ``lm``, e.g. ``turns.ray_measure_turns``; ``scan``: the token pass already made, e.g. shown while the model
     pass runs (:func:`pending_report`); ``messages``: the model pass a forward at a time with its time left, as
@@ -166,15 +213,12 @@ def audit_traffic(
         raise RequestLogError(f"--sample is the turns measured per group, at least 0, got {sample}")
     if sample > 0 and isinstance(lm, LoadedTokenizer):
         raise RequestLogError(f"--sample {sample} measures turns with the model, and only the tokenizer of {lm.name} was loaded")
-    measure = measure.checked()
-    max_tokens = measure.max_tokens
     if scan is None and token_pass is not None:
         if not isinstance(log, LogFiles):
             raise RequestLogError("a token pass run elsewhere reads the log's files: give them (LogFiles), not the log read")
-        scan = token_pass(log, max_tokens or context_limit(lm))
+        scan = token_pass(log, settings.limited(context_limit(lm)))
     elif scan is None:
-        read = log.log if isinstance(log, LogFiles) else log
-        scan = traffic_scan(lm, read, settings, max_tokens=max_tokens, progress=scan_progress, observed_engine=observed_engine, fleet=fleet)
+        scan = traffic_scan(lm, log.log if isinstance(log, LogFiles) else log, settings, progress=scan_progress)
     if not scan.requests:
         raise RequestLogError(f"no request of the log could be read: {len(scan.skipped)} skipped, the first: {scan.skipped[0].message}")
     groups = sample_groups(scan, sample)
@@ -267,6 +311,6 @@ def measure_in_process(
         store = ComputedStates(lm, measure.tokens)
     turns = {}
     for item in work:
-        turn = Turn(lm, item.old, item.new, item.diff, store.state(item.old.ids), store, measure.grain, measure.max_tokens)
+        turn = Turn(lm, item.old, item.new, item.diff, store.state(item.old.ids), store, measure.grain, measure.context_limit)
         turns[item.request] = measure_turn(turn, measure, tick)
     return turns

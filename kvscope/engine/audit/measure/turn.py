@@ -26,6 +26,7 @@ from kvscope.engine.audit.measure.repairs import (
 )
 from kvscope.engine.audit.measure.settings import MeasureSettings
 from kvscope.engine.audit.prompts.template import written_template
+from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.cache.loaded import LoadedModel
 from kvscope.engine.progress import StepProgress, Tick, ticker
 from kvscope.engine.scenario import Field, Scenario, escape_braces
@@ -106,16 +107,16 @@ def audit_requests(
     lm: LoadedModel, requests: Sequence[Request], *, measure: MeasureSettings = MeasureSettings(), progress: StepProgress = None
 ) -> AuditReport:
     """Audit each request against the one before it (all rendered first, so a bad request fails before any forward)."""
-    settings = measure.checked()
-    names, grain, max_tokens = settings.repairs, settings.grain, settings.max_tokens
-    rendered = [render_request(lm, request, max_tokens) for request in requests]
-    diffs = [diff_requests(old, new) for old, new in zip(rendered, rendered[1:])]
+    settings = measure  # checked in its constructor
+    names, grain, limit = settings.repairs, settings.grain, settings.context_limit
+    rendered = [render_request(lm, request, limit) for request in requests]
+    diffs = [diff_requests(old, new, CacheSettings.block) for old, new in zip(rendered, rendered[1:])]
     tick = ticker(progress, len(diffs) * (len(names) + 1))
     turns = [AuditTurn(rendered[0].request.index, len(rendered[0]), None, None, {}, None)]
     store = ComputedStates(lm, settings.tokens)
     for old, new, diff in zip(rendered, rendered[1:], diffs):
         # the older request's state: the previous turn's newer one (the server now holds it), or the first, prefilled
-        turn = measure_turn(Turn(lm, old, new, diff, store.state(old.ids), store, grain, max_tokens), settings, tick)
+        turn = measure_turn(Turn(lm, old, new, diff, store.state(old.ids), store, grain, limit), settings, tick)
         turns.append(turn)
     return AuditReport(
         lm.fingerprint.name,

@@ -1,1 +1,1 @@
-"""The report read by CI: ``--fail-on`` conditions and the Markdown summary for a pull request (``gate``)."""
+"""The audit's records, the lowest layer: the report's types (``types``) and the JSON Schema derived from them (``schema``)."""

@@ -18,11 +18,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvscope.engine.audit.logs.render import context_limit
 from kvscope.engine.audit.logs.requests import Request, RequestLog, RequestLogError
+from kvscope.engine.audit.measure.settings import DEFAULT_TOKENS
 from kvscope.engine.audit.prompts.repair_requests import OutputFidelity
 from kvscope.engine.audit.prompts.template import Template
+from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.token_pass import TrafficScan, scan_log
-from kvscope.engine.audit.simulate.caches import CacheSettings
+from kvscope.engine.audit.simulate.registry import DEFAULT_ENGINE
 from kvscope.engine.progress import StepProgress, ticker
 
 if TYPE_CHECKING:  # the model is read by the measurement alone: pairing, templates and reports import no torch
@@ -30,7 +33,7 @@ if TYPE_CHECKING:  # the model is read by the measurement alone: pairing, templa
     from kvscope.engine.audit.report.types import RewrittenRequestDict
     from kvscope.engine.cache.loaded import LoadedModel
 
-REUSE_ENGINE = "vllm"  # the engine the verdict's reuse is said for
+REUSE_ENGINE = DEFAULT_ENGINE  # the engine the verdict's reuse is said for
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,10 @@ class RewriteReport:
         reused = sum((r.reused_after if after else r.reused_before)[engine] for r in rows)
         return reused / tokens if tokens else 0.0
 
+    def rows(self) -> list[RewrittenRequestDict]:
+        """Each request before and after, as the report holds it."""
+        return [row.as_dict() for row in self.requests]
+
     def verdict(self) -> str:
         rows, n = self.requests, len(self.requests)
         changed = [r.request for r in rows if not r.same_text]
@@ -145,16 +152,15 @@ def measure_rewrite(
     original: RequestLog,
     rewritten: RequestLog,
     *,
-    settings: CacheSettings = CacheSettings(),
-    tokens: int = 32,
-    max_tokens: int | None = None,
+    settings: ScanSettings = ScanSettings(),
+    tokens: int = DEFAULT_TOKENS,
     progress: StepProgress = None,
     before: TrafficScan | None = None,
     reuse: ComputedStates | None = None,
 ) -> RewriteReport:
     """Both logs through the token pass, then each rewritten request's clean prefill against the original's
     (``before``, ``reuse``: as :func:`measure_rewrites` takes them)."""
-    options = {"settings": settings, "tokens": tokens, "max_tokens": max_tokens, "progress": progress, "before": before, "reuse": reuse}
+    options = {"settings": settings, "tokens": tokens, "progress": progress, "before": before, "reuse": reuse}
     return measure_rewrites(lm, original, {"rewrite": rewritten}, **options)["rewrite"]
 
 
@@ -163,9 +169,8 @@ def measure_rewrites(
     original: RequestLog,
     rewrites: Mapping[str, RequestLog],
     *,
-    settings: CacheSettings = CacheSettings(),
-    tokens: int = 32,
-    max_tokens: int | None = None,
+    settings: ScanSettings = ScanSettings(),
+    tokens: int = DEFAULT_TOKENS,
     progress: StepProgress = None,
     before: TrafficScan | None = None,
     reuse: ComputedStates | None = None,
@@ -185,10 +190,10 @@ def measure_rewrites(
         check_pairing(original.requests, rewritten.requests)
     if tokens < 1:
         raise RequestLogError(f"generate at least one token per state, got {tokens}")
-    limit = max_tokens or int(lm.info().get("max_positions") or 32_768)
+    settings = settings.limited(context_limit(lm))
     if before is None:
-        before = scan_log(lm.tokenizer, original, settings, limit=limit, model=lm.name)
-    afters = {label: scan_log(lm.tokenizer, log, settings, limit=limit, model=lm.name) for label, log in rewrites.items()}
+        before = scan_log(lm.tokenizer, original, settings, model=lm.name)
+    afters = {label: scan_log(lm.tokenizer, log, settings, model=lm.name) for label, log in rewrites.items()}
     for after in afters.values():
         check_rendered(before, after)
     tick = ticker(progress, len(before.requests) * (len(afters) + 1))

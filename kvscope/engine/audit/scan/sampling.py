@@ -4,13 +4,12 @@ every change signature's measured turns together fit (read from the token pass: 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvscope.engine.audit.logs.render import context_limit
 from kvscope.engine.audit.logs.requests import RequestLog
+from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.token_pass import TrafficScan, sample_groups, scan_log
-from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.progress import StepProgress
 
 if TYPE_CHECKING:  # a tokenizer is all it reads: no torch at import
@@ -20,25 +19,12 @@ if TYPE_CHECKING:  # a tokenizer is all it reads: no torch at import
 def traffic_scan(
     lm: LoadedModel | LoadedTokenizer,
     log: RequestLog,
-    settings: CacheSettings = CacheSettings(),
+    settings: ScanSettings = ScanSettings(),
     *,
-    max_tokens: int | None = None,
     progress: StepProgress = None,
-    observed_engine: str = "vllm",
-    fleet: Sequence[tuple[int, str]] = (),
 ) -> TrafficScan:
-    """The token pass over ``log`` with ``lm``'s tokenizer, each prompt cut at ``max_tokens`` (default the model's
-    context limit), the observed counts set beside ``observed_engine`` and ``fleet``'s fleets simulated."""
-    return scan_log(
-        lm.tokenizer,
-        log,
-        settings,
-        limit=max_tokens or context_limit(lm),
-        model=lm.name,
-        progress=progress,
-        observed_engine=observed_engine,
-        fleet=fleet,
-    )
+    """The token pass over ``log`` with ``lm``'s tokenizer and ``settings`` (its context limit, default the model's)."""
+    return scan_log(lm.tokenizer, log, settings.limited(context_limit(lm)), model=lm.name, progress=progress)
 
 
 def bounded_sample(scan: TrafficScan, sample: int, most: int | None) -> int:

@@ -24,7 +24,7 @@ from kvscope.engine.audit.changes.causes import Cause, another_prompt, causes_of
 from kvscope.engine.audit.changes.fields import TurnDiff, common_prefix, compare_requests
 from kvscope.engine.audit.logs.render import RenderedRequest, end_of_turn_ids, render_batch
 from kvscope.engine.audit.logs.requests import RequestLog, RequestLogError, Skipped
-from kvscope.engine.audit.simulate.caches import CacheSettings
+from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.simulate.fleet import FleetResult
 from kvscope.engine.audit.simulate.hosted import hosted_request
 from kvscope.engine.audit.simulate.observed import Reported, observe
@@ -95,16 +95,15 @@ class SessionSummary:
 
 @dataclass(frozen=True)
 class TrafficScan:
-    """The token pass over a log: every request, its sessions, the records skipped and the engines' settings.
+    """The token pass over a log: every request, its sessions, the records skipped and the settings it ran with.
     ``rendered`` (request index -> tokens) and ``diffs`` are kept for measuring, not reported."""
 
     requests: tuple[TrafficRequest, ...]
     skipped: tuple[Skipped, ...]
     formats: dict[str, int]
-    settings: CacheSettings
+    settings: ScanSettings
     rendered: dict[int, RenderedRequest] = field(repr=False)
     diffs: dict[int, TurnDiff] = field(repr=False)
-    observed_engine: str = "vllm"  # the engine the observed counts are compared with
     reading: ReadingDict = field(default_factory=dict)  # how the log was read: RequestLog.reading()
     fleet: tuple[FleetResult, ...] = ()  # the fleets simulated (``fleet.Fleet``), when asked for
     replies: dict[str, int] = field(default_factory=dict)  # requests per ``step.REPLY_COUNTS`` key
@@ -170,19 +169,17 @@ class TrafficScan:
 def scan_log(
     tokenizer: Any,
     log: RequestLog,
-    settings: CacheSettings = CacheSettings(),
+    settings: ScanSettings = ScanSettings(),
     *,
-    limit: int = 32_768,
     model: str = "this model",
     progress: StepProgress = None,
-    observed_engine: str = "vllm",
-    fleet: Sequence[tuple[int, str]] = (),
 ) -> TrafficScan:
-    """The token pass: render, match, diff, causes and every simulated engine, over every request of ``log``
-    (a request that cannot be rendered is skipped by name); then the observed counts against ``observed_engine``
-    and the hosted providers' caches (``observed.observe``); ``fleet``: (replicas, routing) fleets also simulated."""
+    """The token pass with ``settings``: render (each prompt cut at its context limit), match, diff, causes and every
+    simulated engine and fleet, over every request of ``log`` (a request that cannot be rendered is skipped by name);
+    then the observed counts against its observed engine and the hosted providers' caches (``observed.observe``)."""
+    block = settings.cache.block
     with settling_heap() as settle:
-        rendered = render_batch(tokenizer, log.requests, limit, model)
+        rendered = render_batch(tokenizer, log.requests, settings.limit, model)
         settle()
         skipped = list(log.skipped)
         good = []
@@ -191,7 +188,7 @@ def scan_log(
                 skipped.append(Skipped(request.line, "rendering", str(item)))
             else:
                 good.append(item)
-        simulation = Simulation(settings, fleet, end_of_turn_ids(tokenizer))
+        simulation = Simulation(settings.cache, settings.fleet, end_of_turn_ids(tokenizer))
         kept: dict[int, RenderedRequest] = {}
         diffs: dict[int, TurnDiff] = {}
         rows, served = [], []
@@ -201,7 +198,7 @@ def scan_log(
             hosted = hosted_request(new, breakpoint_tokens(new))
             step = Step(new.token_ids, new.reply_ids, request.index, request.session, request.reply is not None, hosted)
             result = simulation.step(step)
-            row, diff = compared_row(kept.get(result.matched), new, result.matched, settings.block)
+            row, diff = compared_row(kept.get(result.matched), new, result.matched, block)
             served.append(result.hosted)
             kept[request.index] = new
             if diff is not None:
@@ -212,7 +209,7 @@ def scan_log(
             if progress and (time % every == 0 or time == len(good)):
                 progress(time, len(good))
         simulation.finish()
-        rows = observed_rows(rows, [Reported.of(item.request) for item in good], served, observed_engine, settings.block, model)
+        rows = observed_rows(rows, [Reported.of(item.request) for item in good], served, settings, model)
         fleet_results = tuple(simulated.result() for simulated in simulation.fleets)
         return TrafficScan(
             tuple(rows),
@@ -221,7 +218,6 @@ def scan_log(
             settings,
             kept,
             diffs,
-            observed_engine=observed_engine,
             reading=log.reading(),
             fleet=fleet_results,
             replies=dict(simulation.replies),
@@ -242,11 +238,11 @@ def settling_heap() -> Iterator[Callable[[], None]]:
 
 
 def observed_rows(
-    rows: Sequence[TrafficRequest], reported: Sequence[Reported], hosted: Sequence[dict[str, int]], engine: str, block: int, model: str
+    rows: Sequence[TrafficRequest], reported: Sequence[Reported], hosted: Sequence[dict[str, int]], settings: ScanSettings, model: str
 ) -> list[TrafficRequest]:
-    """The rows with what the log reports (``observed.observe``): the observed counts, their gap causes, the hosted
-    providers' reuse; one function for the single-process and the distributed pass."""
-    seen = observe(rows, reported, hosted, engine, block, model)
+    """The rows with what the log reports (``observed.observe``, against the settings' observed engine): the observed
+    counts, their gap causes, the hosted providers' reuse; one function for the single-process and the distributed pass."""
+    seen = observe(rows, reported, hosted, settings.observed_engine, settings.cache.block, model)
     return [
         dataclasses.replace(
             row,

@@ -28,7 +28,6 @@ from collections import OrderedDict
 
 import numpy as np
 
-from kvscope.engine.audit.blocks import BLOCK_TOKENS
 from kvscope.engine.audit.changes.fields import common_prefix
 from kvscope.engine.audit.simulate.prefix_cache import CacheRequest, CacheSettings, PrefixCache
 
@@ -39,7 +38,7 @@ class BlockCache(PrefixCache):
 
     name = "vllm"
 
-    def __init__(self, block: int = BLOCK_TOKENS, budget_blocks: int | None = None):
+    def __init__(self, block: int, budget_blocks: int | None = None):
         if block < 1:
             raise ValueError(f"the block size must be at least 1 token, got {block}")
         self.block = block

@@ -28,6 +28,7 @@ from kvscope.engine.audit.logs.shards import LogFiles
 from kvscope.engine.audit.measure.repairs import REPAIRS
 from kvscope.engine.audit.measure.settings import MeasureSettings, check_repairs, measure_settings
 from kvscope.engine.audit.measure.traffic import TrafficReport, audit_traffic, turn_work
+from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.token_pass import sample_groups, scan_log
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.fleet import fleet_grid
@@ -88,8 +89,8 @@ def test_ray_gives_the_single_process_json(cluster, tokenizer, tmp_path):
     # the bundled logs, as one log of four files, with fleets
     grid = fleet_grid("2", None)
     files = LogFiles.of(BUNDLED)  # the one log both passes take: read here, or planned into shards for Ray
-    single = scan_log(tokenizer, files.log, fleet=grid)
-    spread = distributed.ray_scan(tokenizer, files, fleet=grid, sample=2, workers=2, shard_lines_=3)
+    single = scan_log(tokenizer, files.log, ScanSettings(fleet=grid))
+    spread = distributed.ray_scan(tokenizer, files, ScanSettings(fleet=grid), sample=2, workers=2, shard_lines_=3)
     _same(single, spread, 2)
     assert len(spread.fleet) == 4 and spread.fleet == single.fleet
 
@@ -101,7 +102,7 @@ def test_ray_gives_the_single_process_json(cluster, tokenizer, tmp_path):
         stream.write("\n".join(records[100:]) + "\n")
     broken = gzip.compress(("\n".join(records[:20]) + "\n").encode())
     (tmp_path / "3.jsonl.gz").write_bytes(broken[: len(broken) // 3])
-    settings = CacheSettings(budget_tokens=6_000, budget_blocks=300)
+    settings = ScanSettings(CacheSettings(budget_tokens=6_000, budget_blocks=300))
     files = LogFiles.of([tmp_path])
     single = scan_log(tokenizer, files.log, settings)
     spread = distributed.ray_scan(tokenizer, files, settings, sample=3, workers=2, shard_lines_=40)
@@ -122,8 +123,8 @@ def test_ray_reads_the_exports_as_one_process_does(cluster, tokenizer):
     # observed counts and their causes and the hosted caches are compared on the driver (openai.jsonl has no times, so
     # the log keeps its files' order; the shuffled log below is put in time order)
     files = LogFiles.of(EXPORTS)
-    single = scan_log(tokenizer, files.log, observed_engine="sglang")
-    spread = distributed.ray_scan(tokenizer, files, sample=1, workers=2, shard_lines_=1, observed_engine="sglang")
+    single = scan_log(tokenizer, files.log, ScanSettings(observed_engine="sglang"))
+    spread = distributed.ray_scan(tokenizer, files, ScanSettings(observed_engine="sglang"), sample=1, workers=2, shard_lines_=1)
     _same(single, spread, 1)
     report = _report(spread)
     assert report["observed"]["requests_with_count"] == 7 * 8 and len(spread.requests) == 8 * 10

@@ -23,7 +23,7 @@ from kvscope.engine.audit.logs.reading import read_log
 from kvscope.engine.audit.logs.usage import answer_usage, observed_usage
 from kvscope.engine.audit.report import types
 from kvscope.engine.audit.rewrite.measure import measure_rewrite
-from kvscope.engine.audit.simulate.caches import CacheSettings
+from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.cache.decision import kl_divergence
 from kvscope.engine.cli import main
 from kvscope.engine.errors import Unreachable
@@ -241,7 +241,7 @@ def test_requests_in_flight_stay_within_the_bound_and_a_sessions_requests_never_
 def test_a_rewrite_measured_on_the_endpoint_gives_the_in_process_verdicts(lm):
     original, rewritten = read_log(ORIGINAL), read_log(REWRITTEN)
     local = measure_rewrite(lm, original, rewritten, tokens=TOKENS)
-    options = {"tokenizer": lm.tokenizer, "settings": CacheSettings(), "tokens": TOKENS, "model": lm.name}
+    options = {"tokenizer": lm.tokenizer, "settings": ScanSettings(), "tokens": TOKENS, "model": lm.name}
     for k, tight in ((600, True), (20, False)):  # the whole vocabulary, then the top 20 of 600
         measured = measure_rewrite_on_endpoint(_client(FakeServer(lm), top_k=k), original, rewritten, **options)
         for row, mine, extra in zip(local.requests, measured.report.requests, measured.measured):

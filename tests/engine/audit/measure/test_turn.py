@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from kvscope.engine.audit.blocks import BLOCK_TOKENS
 from kvscope.engine.audit.changes.fields import diff_requests
 from kvscope.engine.audit.logs.reading import parse_log, parse_prompt, read_log
 from kvscope.engine.audit.logs.render import render_request
@@ -77,7 +78,7 @@ def test_the_diff_finds_exactly_the_changed_values_and_tells_growth_apart(lm):
         turns=(("user", "Where is my parcel?"), ("assistant", "It ships today."), ("user", "Thanks!")),
     )
     new = render_request(lm, parse_log(_log(changed))[0])
-    diff = diff_requests(old, new)
+    diff = diff_requests(old, new, BLOCK_TOKENS)
     found = {change.name: (change.old, change.new) for change in diff.fields}
     assert found == {
         "session_started": ("2026-12-01 09:14", "2026-12-01 10:02"),
@@ -242,7 +243,7 @@ def test_one_date_time_pattern_is_found_widened_and_coarsened_alike(lm, value, h
     assert coarse(value, "hour") == hour
     old = render_request(lm, parse_log(_log(_request(time="1999-01-01")))[0])
     new = render_request(lm, parse_log(_log(_request(time=value)))[0])
-    (change,) = diff_requests(old, new).fields
+    (change,) = diff_requests(old, new, BLOCK_TOKENS).fields
     assert (change.old, change.new) == ("1999-01-01", value)
     kinds = {candidate.text: candidate.kind for candidate in candidates(lm, new.request)[1]}
     assert kinds[value] == "datetime"
@@ -417,6 +418,6 @@ def test_requests_that_cannot_be_compared_are_refused_by_name(lm):
     with pytest.raises(RequestLogError, match="change the chat template's own tokens"):
         audit_requests(lm, parse_log(role_changed), measure=measure_settings(tokens=1))
     with pytest.raises(RequestLogError, match=r"line 1 \(request 1\) is \d+ tokens, longer than the context limit of 20"):
-        audit_requests(lm, parse_log(_log(_request(), _request())), measure=measure_settings(tokens=1, max_tokens=20))
+        audit_requests(lm, parse_log(_log(_request(), _request())), measure=measure_settings(tokens=1, context_limit=20))
     with pytest.raises(RequestLogError, match="unknown repair 'magic'"):
         audit_requests(lm, parse_log(_log(_request(), _request())), measure=measure_settings(repairs=["magic"]))

@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from kvscope.engine.audit.blocks import BLOCK_TOKENS
 from kvscope.engine.audit.changes.fields import candidate_spans, diff_requests
 from kvscope.engine.audit.logs.reading import parse_prompt
 from kvscope.engine.audit.logs.render import render_request
@@ -64,7 +65,7 @@ def test_the_menu_pairs_numbered_labels_with_numbers_and_a_pick_is_that_candidat
 
 def test_the_prefix_cache_stops_where_the_texts_part_and_never_inside_the_changed_field(lm):
     old, new = (render_request(lm, parse_prompt(_prompt(minute))) for minute in ("41", "42"))
-    diff = diff_requests(old, new)
+    diff = diff_requests(old, new, BLOCK_TOKENS)
     (field,) = diff.fields
     stop = prefix_cache_stop(diff, new)
     assert old.text[:stop] == new.text[:stop] and stop <= field.char_span[0]
@@ -75,7 +76,7 @@ def test_the_prefix_cache_stops_where_the_texts_part_and_never_inside_the_change
 def test_the_appended_span_holds_the_new_turn(lm):
     old = render_request(lm, parse_prompt(_prompt("41")))
     new = render_request(lm, parse_prompt(_prompt("41", "T-1", "Yes, within the warranty.", "And the brakes?")))
-    diff = diff_requests(old, new)
+    diff = diff_requests(old, new, BLOCK_TOKENS)
     start, end = appended_chars(diff, new)
     assert end == len(new.text) and "And the brakes?" in new.text[start:end] and new.text[:start] in old.text
     assert prefix_cache_stop(diff, new) <= start

@@ -14,6 +14,7 @@ from transformers import PreTrainedTokenizerFast
 import kvscope.engine.audit.logs.render as render_module
 from kvscope.engine.audit.logs.reading import read_log
 from kvscope.engine.audit.logs.render import TextEncoder, render_batch
+from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.token_pass import scan_log
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.radix import RadixTree
@@ -157,7 +158,7 @@ def test_matching_under_a_budget_finds_only_what_the_tree_holds(tokenizer):
     assert cache.evicted == [(1, 2), (2, 2), (2, 2)]  # [3, 4], then [9, 9], then the head [1, 2] once a leaf
     assert cache.match(np.array([1, 2, 3], dtype=np.int32), "a") == (0, None)
     log = read_log(_varied_log(requests=30))
-    bounded = scan_log(tokenizer, log, CacheSettings(budget_tokens=1))
+    bounded = scan_log(tokenizer, log, ScanSettings(CacheSettings(budget_tokens=1)))
     assert all(row.matched_request is None and row.reused_tokens["sglang"] == 0 for row in bounded.requests)
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvscope.engine.audit.logs.reading import read_log
+from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.token_pass import scan_log
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.fleet import Fleet, FleetError, fleet_grid
@@ -52,7 +53,7 @@ def test_one_replica_is_the_single_engine_under_every_routing():
     tokenizer = tiny_tokenizer()
     log = read_log(open("demos/logs/traffic/interleaved_agents.jsonl", encoding="utf-8").read())
     grid = fleet_grid("1,3", None)
-    scan = scan_log(tokenizer, log, fleet=grid)
+    scan = scan_log(tokenizer, log, ScanSettings(fleet=grid))
     single = scan.totals()["reused_tokens"]
     assert [(r.replicas, r.routing) for r in scan.fleet] == grid
     for result in scan.fleet:

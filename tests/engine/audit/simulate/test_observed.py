@@ -12,6 +12,7 @@ import pytest
 from kvscope.engine.audit.changes.causes import Cause
 from kvscope.engine.audit.logs.reading import read_log
 from kvscope.engine.audit.logs.requests import RequestLog, RequestLogError
+from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.token_pass import TrafficRequest, TrafficScan, scan_log
 from kvscope.engine.audit.simulate.caches import BlockCache
 from kvscope.engine.audit.simulate.hosted import AnthropicCache, HostedRequest, OpenAICache, anthropic_minimum, openai_steps, provider_of
@@ -61,9 +62,8 @@ def test_shortfalls_and_excesses_are_found_exactly_where_put_and_nowhere_else(to
     assert summary["equal_share"] == pytest.approx(35 / 38, abs=1e-4)
     assert summary["shortfalls"] == {"requests": 2, "tokens": 64} and summary["excesses"] == {"requests": 1, "tokens": 5}
     # the same log compared with SGLang: its own simulated counts are the ground truth there
-    against = scan_log(
-        tokenizer, _observed(log, {row.request: row.reused_tokens["sglang"] for row in scan.requests}), observed_engine="sglang"
-    )
+    sglang = {row.request: row.reused_tokens["sglang"] for row in scan.requests}
+    against = scan_log(tokenizer, _observed(log, sglang), ScanSettings(observed_engine="sglang"))
     assert not _named(against, "observed_shortfall") and not _named(against, "observed_excess")
     assert observed_summary(against.requests, "sglang").as_dict()["equal_share"] == 1.0
 
@@ -140,8 +140,8 @@ def test_each_gap_names_the_evidence_the_log_holds(tokenizer):
     cold = scan_log(tokenizer, _observed(log, {1: 10})).requests[0]
     assert [(c.name, c.tokens) for c in cold.causes] == [("new_prefix", cold.tokens), ("observed_excess", 10)]
     assert "more than the 0 tokens any earlier prompt of the log shares with it" in cold.causes[1].detail
-    with pytest.raises(RequestLogError, match="--observed-engine is one of vllm, sglang, llama_cpp, got 'tgi'"):
-        scan_log(tokenizer, log, observed_engine="tgi")
+    with pytest.raises(RequestLogError, match="observed counts are compared with one of vllm, sglang, llama_cpp, got 'tgi'"):
+        scan_log(tokenizer, log, ScanSettings(observed_engine="tgi"))
     # a shortfall that is the shared prefix in whole 64-token blocks (and 32-token ones: the smallest is named), on a log
     # naming a hosted model
     whole = first[4].reused_tokens["vllm"] // 64 * 64

@@ -4,7 +4,7 @@ exactly its providers; and the gate, the Markdown and the figures label them fro
 
 import numpy as np
 
-from kvscope.engine.audit.report.gate import QUANTITIES, markdown
+from kvscope.engine.audit.ci.gate import QUANTITIES, markdown
 from kvscope.engine.audit.simulate.caches import CacheSettings, ServerSlots, SlotCache
 from kvscope.engine.audit.simulate.hosted import HostedRequest
 from kvscope.engine.audit.simulate.prefix_cache import CacheRequest, PrefixCache

@@ -127,6 +127,7 @@ class LogAudit(ReadingDict):
     verdict: NotRequired[str]
     endpoint: NotRequired[EndpointAuditDict]
     gate: NotRequired[GateDict]
+    sample_bound: NotRequired[str]  # why a host lowered the sample (the app's public profile)
 
 
 AuditJSON = LogAudit | PromptAudit  # what ``python -m kvscope audit … --json`` prints

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvscope.engine.audit.report.gate import EXIT_FAILED, GateError, exit_code, gate, markdown, parse_conditions, quantity
+from kvscope.engine.audit.ci.gate import EXIT_FAILED, GateError, exit_code, gate, markdown, parse_conditions, quantity
 from kvscope.engine.cli import main
 
 ROWS = [  # two measured requests of a rewrite

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvscope.engine.audit.report.types import AuditJSON, GateConditionDict, GateDict, LogAudit, RepairDict, RewrittenRequestDict
-from kvscope.engine.audit.simulate.registry import ENGINES, LABELS
+from kvscope.engine.audit.simulate.registry import DEFAULT_ENGINE, ENGINES, LABELS
 from kvscope.engine.audit.simulate.step import replies_sentence
 from kvscope.engine.errors import KVScopeError
 
@@ -86,7 +86,7 @@ def quantity(name: str, report: AuditJSON) -> float:
     """A quantity of ``QUANTITIES`` read from an audit report (its JSON, ``types.AuditJSON``)."""
     rewrite = report.get("rewrite")
     if name.startswith("reuse"):
-        engine = name.partition(".")[2] or "vllm"
+        engine = name.partition(".")[2] or DEFAULT_ENGINE
         if rewrite is not None:
             tokens = sum(row["tokens_after"] for row in rewrite)
             reused = sum(row["reused_tokens_after"][engine] for row in rewrite)

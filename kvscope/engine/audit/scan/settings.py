@@ -1,0 +1,58 @@
+"""What the token pass runs with (``ScanSettings``): the simulated engines' settings, the engine the log's observed
+counts are compared with, the fleets simulated beside, and the context limit a prompt is cut at. One object, checked
+in its constructor, travels whole from the CLI, the app or Ray to every stage of the token pass. Text only: no torch."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from kvscope.engine.audit.logs.render import DEFAULT_CONTEXT_LIMIT
+from kvscope.engine.audit.logs.requests import RequestLogError
+from kvscope.engine.audit.simulate.caches import CacheSettings
+from kvscope.engine.audit.simulate.observed import OBSERVED_ENGINES
+from kvscope.engine.audit.simulate.registry import DEFAULT_ENGINE
+
+
+@dataclass(frozen=True)
+class ScanSettings:
+    """The token pass's settings: ``cache`` (the simulated engines'), ``observed_engine`` (what the log's cached counts
+    are compared with), ``fleet`` ((replicas, routing) fleets also simulated, each checked by ``fleet.Fleet``) and
+    ``context_limit`` (tokens a prompt is cut at; None: the model's own, ``logs.render.context_limit``)."""
+
+    cache: CacheSettings = CacheSettings()
+    observed_engine: str = DEFAULT_ENGINE
+    fleet: tuple[tuple[int, str], ...] = ()
+    context_limit: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fleet", tuple((int(count), routing) for count, routing in self.fleet))
+        _check_cache(self.cache)
+        if self.observed_engine not in OBSERVED_ENGINES:
+            engines = ", ".join(OBSERVED_ENGINES)
+            raise RequestLogError(f"observed counts are compared with one of {engines}, got {self.observed_engine!r} (--observed-engine)")
+        if self.context_limit is not None and self.context_limit < 1:
+            raise RequestLogError(f"the context limit is at least 1 token, got {self.context_limit}")
+
+    @property
+    def limit(self) -> int:
+        """The tokens a prompt is cut at: the context limit, else ``DEFAULT_CONTEXT_LIMIT`` (no model known)."""
+        return self.context_limit or DEFAULT_CONTEXT_LIMIT
+
+    def limited(self, limit: int) -> ScanSettings:
+        """These settings with the context limit ``limit`` where none is set (the model's, ``logs.render.context_limit``)."""
+        return self if self.context_limit is not None else dataclasses.replace(self, context_limit=limit)
+
+
+def _check_cache(cache: CacheSettings) -> None:
+    """The simulated engines' settings, each named where it cannot be simulated."""
+    if cache.block < 1:
+        raise RequestLogError(f"--block-size is at least 1 token, got {cache.block}")
+    bounds = {"--kv-budget-blocks": cache.budget_blocks, "--kv-budget-tokens": cache.budget_tokens, "--slots": cache.slots}
+    for flag, value in bounds.items():
+        if value is not None and value < 1:
+            raise RequestLogError(f"{flag} is at least 1 (leave it out: unbounded), got {value}")
+    if cache.cache_reuse < 0:
+        raise RequestLogError(f"--cache-reuse is at least 0 (0: off), got {cache.cache_reuse}")
+    if cache.prompt_cache and cache.cache_reuse:
+        raise RequestLogError("--prompt-cache simulates the server's default slot choice; --cache-reuse is not simulated with it")

@@ -1,0 +1,51 @@
+"""The token pass's and the model pass's settings are checked in their constructors, each refusal naming the setting."""
+
+import pytest
+
+from kvscope.engine.audit.logs.render import DEFAULT_CONTEXT_LIMIT
+from kvscope.engine.audit.logs.requests import RequestLogError
+from kvscope.engine.audit.measure.settings import DEFAULT_MIN_AGREEMENT, MeasureSettings, measure_settings
+from kvscope.engine.audit.scan.settings import ScanSettings
+from kvscope.engine.audit.simulate.caches import CacheSettings
+from kvscope.engine.audit.simulate.registry import DEFAULT_ENGINE
+
+
+def test_scan_settings_default_to_the_one_default_of_each_and_refuse_by_name():
+    settings = ScanSettings()
+    assert (settings.cache.block, settings.observed_engine, settings.fleet, settings.limit) == (
+        16,
+        DEFAULT_ENGINE,
+        (),
+        DEFAULT_CONTEXT_LIMIT,
+    )
+    assert settings.limited(4096).limit == 4096 and ScanSettings(context_limit=512).limited(4096).limit == 512
+    assert ScanSettings(fleet=[[2, "session"]]).fleet == ((2, "session"),)  # a list from JSON or a form, held as a tuple
+    refused = {
+        "--block-size is at least 1 token, got 0": {"cache": CacheSettings(block=0)},
+        "--kv-budget-tokens is at least 1": {"cache": CacheSettings(budget_tokens=0)},
+        "--cache-reuse is at least 0": {"cache": CacheSettings(cache_reuse=-1)},
+        "--cache-reuse is not simulated with it": {"cache": CacheSettings(cache_reuse=8, prompt_cache=True)},
+        "compared with one of vllm, sglang, llama_cpp, got 'tgi'": {"observed_engine": "tgi"},
+        "the context limit is at least 1 token, got 0": {"context_limit": 0},
+    }
+    for message, given in refused.items():
+        with pytest.raises(RequestLogError, match=message):
+            ScanSettings(**given)
+
+
+def test_measure_settings_are_checked_in_the_constructor_whoever_builds_them():
+    assert MeasureSettings(("erratum",)).repairs == ("recompute", "erratum")  # the reference first, always
+    assert measure_settings(["erratum"], tokens=4) == MeasureSettings(("erratum",), 4)
+    assert MeasureSettings().min_agreement == DEFAULT_MIN_AGREEMENT and MeasureSettings(context_limit=64).context_limit == 64
+    refused = {
+        "--min-agreement: the minimum agreement is a share between 0 and 1, got 3": {"min_agreement": 3.0},
+        "--min-agreement: the minimum agreement is a share between 0 and 1, got -0.1": {"min_agreement": -0.1},
+        "--threshold: the KL threshold cannot be negative": {"threshold": -0.5},
+        "--tokens: generate at least one token per state, got 0": {"tokens": 0},
+        "--grain: unknown grain 'week'": {"grain": "week"},
+        "unknown repair 'magic'": {"repairs": ("magic",)},
+        "the context limit is at least 1 token": {"context_limit": 0},
+    }
+    for message, given in refused.items():
+        with pytest.raises(RequestLogError, match=message):
+            MeasureSettings(**given)
