@@ -4,7 +4,8 @@
 - ``vllm`` (``BlockCache``): whole blocks (16 tokens, ``block``), each keyed by its tokens and every block before it. A
   request reuses the leading blocks found. Under ``budget_blocks`` the least recently used block goes first (a
   request's blocks are touched tail first, so its tail goes before its head). The keys alone, the same in every
-  process, are ``blocks.block_hashes``: pure hashing, apart from the pool that holds them.
+  process, are ``blocks.block_hashes`` (the one block hash: the cache, the workers and ``fit_observed`` hash alike),
+  apart from the pool that holds them.
 - ``sglang`` (``radix.RadixCache``): a token radix tree. A request reuses the longest prefix in the tree. Under
   ``budget_tokens`` the least recently used leaf goes first, a whole node at a time, until the tokens fit.
 - ``llama_cpp`` (``SlotCache``): one slot per session holding its last prompt (a client that pins each session to a
@@ -28,7 +29,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from kvscope.engine.audit.blocks import BLOCK_TOKENS
+from kvscope.engine.audit.blocks import BLOCK_TOKENS, block_hashes
 from kvscope.engine.audit.changes.fields import common_prefix
 from kvscope.engine.audit.simulate.prefix_cache import CacheRequest, CacheSettings, PrefixCache
 
@@ -70,13 +71,8 @@ class BlockCache(PrefixCache):
         return list(self.keys(request.tokens) if request.hashes is None else request.hashes)
 
     def keys(self, ids: np.ndarray) -> list[int]:
-        """The chained keys of ``ids``'s whole blocks (Python's ``hash``: one process's keys)."""
-        data = np.ascontiguousarray(ids, dtype=np.int32)
-        keys, parent = [], 0
-        for start in range(0, len(data) // self.block * self.block, self.block):
-            parent = hash((parent, data[start : start + self.block].tobytes()))
-            keys.append(parent)
-        return keys
+        """The chained keys of ``ids``'s whole blocks: ``blocks.block_hashes``, as every process computes them."""
+        return block_hashes(ids, self.block).tolist()
 
     def insert_keys(self, hashes: list[int], tokens: int, request: int) -> int:
         """``insert`` from the block keys of what is held (one per whole block, each naming the block and every block

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from kvscope.engine.audit.blocks import block_hashes
 from kvscope.engine.audit.changes.causes import Cause
 from kvscope.engine.audit.logs.requests import Request, RequestLogError
 from kvscope.engine.audit.simulate.caches import BlockCache
@@ -345,22 +346,6 @@ class ObservedFit:
         }
 
 
-_P = 0x9E3779B97F4A7C15  # odd, so invertible modulo 2**64
-_P_INVERSE = pow(_P, -1, 2**64)
-
-
-def prefix_keys(ids: np.ndarray, powers: np.ndarray, inverses: np.ndarray) -> np.ndarray:
-    """Per position i, a 64-bit polynomial hash of ``ids[: i + 1]`` (the sum of x_j·P^(i-j), modulo 2**64, numpy's
-    wrapping arithmetic): the key of a block ending there, naming it and everything before it."""
-    n = len(ids)
-    x = ids.astype(np.uint64) + np.uint64(1)
-    return powers[:n] * np.cumsum(x * inverses[:n])
-
-
-def _powers(base: int, count: int) -> np.ndarray:
-    return np.cumprod(np.full(count, base, dtype=np.uint64))
-
-
 def fit_observed(
     rows: Sequence[Row],
     held: Callable[[int], np.ndarray],
@@ -369,23 +354,20 @@ def fit_observed(
 ) -> ObservedFit:
     """The block size and KV budget (tokens) of a vLLM-style block cache that reproduce the most observed counts
     exactly, over the token pass's ``rows`` and what the server held after each (``held``: request -> its tokens and
-    its reply's, ``TrafficScan.held``): the ids are hashed once, and only the cache is re-run per setting.
+    its reply's, ``TrafficScan.held``): the ids are hashed once per block size, and only the cache is re-run per budget.
     ``budgets``: by default unbounded, then the log's working set halved, quartered, ... (``FIT_BUDGET_DIVISORS``)."""
     counted = [(n, row.observed_cached_tokens) for n, row in enumerate(rows) if row.observed_cached_tokens is not None]
     if not counted:
         raise RequestLogError(NO_OBSERVED_COUNTS)
     ids = [held(row.request) for row in rows]
-    longest = max(len(item) for item in ids)
-    powers, inverses = _powers(_P, longest), _powers(_P_INVERSE, longest)
-    keys = [prefix_keys(item, powers, inverses) for item in ids]
-    working = int(len(np.unique(np.concatenate(keys)))) if keys else 0
+    working = int(len(np.unique(np.concatenate([block_hashes(item, 1) for item in ids])))) if ids else 0  # one key per prefix held
     if budgets is None:
         budgets = [None, *dict.fromkeys(working // d for d in FIT_BUDGET_DIVISORS if working // d > 0)]
     tried = []
     for block in blocks:
         if block < 1:
             raise RequestLogError(f"a block size is at least 1 token, got {block}")
-        chains = [key[block - 1 :: block].tolist() for key in keys]
+        chains = [block_hashes(item, block).tolist() for item in ids]
         for budget in budgets:
             cache = BlockCache(block, None if budget is None else max(budget // block, 1))
             reused = [cache.insert_keys(chain, row.tokens, row.request) for chain, row in zip(chains, rows)]
