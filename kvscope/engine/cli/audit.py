@@ -165,15 +165,27 @@ AUDIT: Group = (
     arg("--cache-reuse", type=int, default=0, help="llama.cpp --cache-reuse N: shift cached chunks of at least N tokens (0: off)"),
     arg(
         "--prompt-cache",
-        action="store_true",
+        action="store_const",
+        const=True,
+        default=None,
         help="llama.cpp as a client that pins no slot meets it: slots chosen by prompt similarity and its RAM prompt cache "
-        "(--cache-ram, on by default); --slots N: the server's -np (default: 4 slots, one KV cache)",
+        "(--cache-ram, on by default); --slots N: the server's -np (default: 4 slots, one KV cache). The default, unless "
+        "the log pins slots (id_slot) or --cache-reuse is given",
+    ),
+    arg(
+        "--slot-per-session",
+        dest="prompt_cache",
+        action="store_const",
+        const=False,
+        help="llama.cpp with a slot per session (a client that pins each session to a slot, id_slot), its RAM prompt cache "
+        "off; the default where the log pins slots",
     ),
     arg(
         "--observed-engine",
-        default="vllm",
+        default=None,
         choices=OBSERVED_ENGINES,
-        help="the simulated engine the log's observed cached tokens are compared with (observed_shortfall / observed_excess)",
+        help="the simulated engine the log's observed cached tokens are compared with (observed_shortfall / observed_excess); "
+        "default: the server the log's answers name (llama-server's timings, vLLM's and SGLang's own fields), else vllm",
     ),
     arg(
         "--fit-observed",

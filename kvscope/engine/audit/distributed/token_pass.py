@@ -54,7 +54,7 @@ from kvscope.engine.audit.logs.requests import ORDERS, Flagged, Request, Request
 from kvscope.engine.audit.logs.shards import SHARD_LINES, LogFiles, Shard, ShardCount, count_shards, read_shard, shard_lines
 from kvscope.engine.audit.scan.token_pass import TrafficRequest, TrafficScan, compared_row, observed_rows, sample_groups, settling_heap
 from kvscope.engine.audit.simulate.caches import CacheSettings
-from kvscope.engine.audit.simulate.observed import Reported
+from kvscope.engine.audit.simulate.observed import Reported, log_server
 from kvscope.engine.audit.simulate.step import Simulation, StepResult
 from kvscope.engine.progress import StepProgress
 
@@ -165,7 +165,7 @@ def ray_scan(
     workers: int = 2,
     sample: int = 0,
     fleet: Sequence[tuple[int, str]] = (),
-    observed_engine: str = "vllm",
+    observed_engine: str | None = None,
     shard_lines_: int = SHARD_LINES,
     progress: StepProgress = None,
 ) -> TrafficScan:
@@ -204,7 +204,8 @@ def ray_scan(
         max_restarts=RETRIES,
         max_task_retries=RETRIES,
     )
-    driver = _Driver(settings, fleet, end_of_turn_ids(tokenizer), reorder=count.indexes is not None)
+    # llama.cpp's mode where not named: the server's own slot choice (the driver sees no request before it simulates)
+    driver = _Driver(settings.for_log(pinned=False), fleet, end_of_turn_ids(tokenizer), reorder=count.indexes is not None)
     rendering: list[Skipped] = []
     received = 0
     with settling_heap() as settle:
@@ -286,9 +287,10 @@ class _Driver:
             _, at, result = self.unmatched[index]
             self._keep(at, row, diff, result)
 
-    def scan(self, skipped: list[Skipped], count: LogCount, observed_engine: str, model: str) -> TrafficScan:
+    def scan(self, skipped: list[Skipped], count: LogCount, observed_engine: str | None, model: str) -> TrafficScan:
         """The token pass's result, the log's reports read against the simulation (``token_pass.observed_rows``)."""
-        rows = observed_rows(self.rows, self.reported, self.served, observed_engine, self.settings.block, model)
+        server = log_server(self.reported, observed_engine)
+        rows = observed_rows(self.rows, self.reported, self.served, server.engine, self.settings.block, model)
         results = tuple(simulated.result() for simulated in self.simulation.fleets)
         diffs = dict(sorted(self.diffs.items()))
         reading = {
@@ -306,7 +308,8 @@ class _Driver:
             self.settings,
             {},
             diffs,
-            observed_engine,
+            server.engine,
+            server.evidence,
             reading,
             fleet=results,
             replies=dict(simulation.replies),

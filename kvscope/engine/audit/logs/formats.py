@@ -13,8 +13,9 @@ or an OpenAI batch input line ``{"custom_id", "body"}``), then read by its forma
 | ``sharegpt`` | ``conversations`` of ``from`` / ``value`` | one request per assistant turn (what a server received), |
 | | | that turn its reply |
 
-The result is a plain ``dict`` in the OpenAI chat shape, plus ``session`` (the session key a record carries, if any)
-and ``breakpoints`` (``(label, message, characters into its content)``, where the user asked the provider to cache).
+The result is a plain ``dict`` in the OpenAI chat shape, plus ``session`` (the session key a record carries, if any),
+``slot`` (llama-server's ``id_slot``, where the client pins one) and ``breakpoints`` (``(label, message, characters
+into its content)``, where the user asked the provider to cache).
 Errors raise ``RecordError`` naming the key and why.
 """
 
@@ -133,7 +134,9 @@ def read_record(record: Any, fmt: str = AUTO) -> list[dict]:
         "sharegpt": _sharegpt,
     }[name]
     session = envelope_session or session_key(request)
-    return [{**item, "format": name, "session": item.get("session") or session} for item in read(request)]
+    slot = request.get("id_slot")  # llama-server's slot, where the client pins one
+    pinned = {"slot": slot} if isinstance(slot, int) and not isinstance(slot, bool) and slot >= 0 else {}
+    return [{**item, "format": name, "session": item.get("session") or session, **pinned} for item in read(request)]
 
 
 def _openai_chat(request: dict) -> list[dict]:

@@ -91,6 +91,18 @@ def answer_usage(response: Any) -> ObservedUsage:
     return observed
 
 
+def answer_marks(response: Any) -> tuple[str, ...]:
+    """What a server's answer says about the server that wrote it, engine-neutral: the keys it carries (its own, and
+    its choices' as ``choices.KEY``) and its ``system_fingerprint`` as ``system_fingerprint=VALUE``. Each serving
+    engine's entry reads its own marks in them (``PrefixCache.wrote``); nothing here names an engine."""
+    if not isinstance(response, dict):
+        return ()
+    choices = response.get("choices") if isinstance(response.get("choices"), list) else []
+    keys = {*response, *(f"choices.{key}" for choice in choices if isinstance(choice, dict) for key in choice)}
+    fingerprint = response.get("system_fingerprint")
+    return tuple(sorted(keys | ({f"system_fingerprint={fingerprint}"} if isinstance(fingerprint, str) and fingerprint else set())))
+
+
 def _raw(usage: dict, shape: str) -> tuple[str, str, Any, Any, Any]:
     """(read key, written key, read, written, the record's prompt count) as logged, before any check."""
     if shape == "openai":

@@ -24,7 +24,7 @@ def traffic_scan(
     *,
     max_tokens: int | None = None,
     progress: StepProgress = None,
-    observed_engine: str = "vllm",
+    observed_engine: str | None = None,
     fleet: Sequence[tuple[int, str]] = (),
 ) -> TrafficScan:
     """The token pass over ``log`` with ``lm``'s tokenizer, each prompt cut at ``max_tokens`` (default the model's

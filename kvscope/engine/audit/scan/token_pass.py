@@ -27,7 +27,7 @@ from kvscope.engine.audit.logs.requests import RequestLog, RequestLogError, Skip
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.fleet import FleetResult
 from kvscope.engine.audit.simulate.hosted import hosted_request
-from kvscope.engine.audit.simulate.observed import Reported, observe
+from kvscope.engine.audit.simulate.observed import Reported, log_server, observe
 from kvscope.engine.audit.simulate.registry import ENGINES
 from kvscope.engine.audit.simulate.step import REPLY_COUNTS, Simulation, Step
 from kvscope.engine.progress import StepProgress
@@ -105,6 +105,7 @@ class TrafficScan:
     rendered: dict[int, RenderedRequest] = field(repr=False)
     diffs: dict[int, TurnDiff] = field(repr=False)
     observed_engine: str = "vllm"  # the engine the observed counts are compared with
+    observed_evidence: str = ""  # why that engine: named, read from the log's answers, or assumed (``observed.LogServer``)
     reading: ReadingDict = field(default_factory=dict)  # how the log was read: RequestLog.reading()
     fleet: tuple[FleetResult, ...] = ()  # the fleets simulated (``fleet.Fleet``), when asked for
     replies: dict[str, int] = field(default_factory=dict)  # requests per ``step.REPLY_COUNTS`` key
@@ -175,7 +176,7 @@ def scan_log(
     limit: int = 32_768,
     model: str = "this model",
     progress: StepProgress = None,
-    observed_engine: str = "vllm",
+    observed_engine: str | None = None,
     fleet: Sequence[tuple[int, str]] = (),
 ) -> TrafficScan:
     """The token pass: render, match, diff, causes and every simulated engine, over every request of ``log``
@@ -191,6 +192,8 @@ def scan_log(
                 skipped.append(Skipped(request.line, "rendering", str(item)))
             else:
                 good.append(item)
+        server = log_server([Reported.of(request) for request in log.requests], observed_engine)  # None: the log's own
+        settings = settings.for_log(server.pinned > 0)  # llama.cpp's mode, where not named: the server's own, as the log shows
         simulation = Simulation(settings, fleet, end_of_turn_ids(tokenizer))
         kept: dict[int, RenderedRequest] = {}
         diffs: dict[int, TurnDiff] = {}
@@ -212,7 +215,7 @@ def scan_log(
             if progress and (time % every == 0 or time == len(good)):
                 progress(time, len(good))
         simulation.finish()
-        rows = observed_rows(rows, [Reported.of(item.request) for item in good], served, observed_engine, settings.block, model)
+        rows = observed_rows(rows, [Reported.of(item.request) for item in good], served, server.engine, settings.block, model)
         fleet_results = tuple(simulated.result() for simulated in simulation.fleets)
         return TrafficScan(
             tuple(rows),
@@ -221,7 +224,8 @@ def scan_log(
             settings,
             kept,
             diffs,
-            observed_engine=observed_engine,
+            observed_engine=server.engine,
+            observed_evidence=server.evidence,
             reading=log.reading(),
             fleet=fleet_results,
             replies=dict(simulation.replies),

@@ -25,13 +25,17 @@ matched by its head), preferring the same session's latest request among equally
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
+from collections.abc import Collection
 
 import numpy as np
 
-from kvscope.engine.audit.blocks import BLOCK_TOKENS, block_hashes
+from kvscope.engine.audit.blocks import BLOCK_SIZES, BLOCK_TOKENS, block_hashes
 from kvscope.engine.audit.changes.fields import common_prefix
 from kvscope.engine.audit.simulate.prefix_cache import CacheRequest, CacheSettings, PrefixCache
+
+_LLAMA_BUILD = re.compile(r"system_fingerprint=b\d+-[0-9a-f]+")  # llama.cpp's build_info
 
 
 class BlockCache(PrefixCache):
@@ -39,6 +43,28 @@ class BlockCache(PrefixCache):
     a block budget, LRU eviction (a request's blocks are touched tail first, so its head stays longest)."""
 
     name = "vllm"
+    owned_by = "vllm"
+
+    @classmethod
+    def wrote(cls, marks: Collection[str]) -> str | None:
+        """vLLM's marks (``vllm/entrypoints/openai``): its ``system_fingerprint`` (``vllm-<version>-...``,
+        ``fingerprint.py``), else the fields its chat and completions answers add to OpenAI's (``stop_reason`` in
+        each choice, ``kv_transfer_params`` beside them: ``chat_completion/protocol.py``)."""
+        fingerprint = next((mark for mark in marks if mark.startswith("system_fingerprint=vllm-")), None)
+        if fingerprint:
+            return f"{fingerprint.replace('=', ' ', 1)} (vLLM's fingerprint)"
+        found = [mark for mark in ("choices.stop_reason", "kv_transfer_params") if mark in marks]
+        return f"{' and '.join(found)} (fields vLLM adds to OpenAI's answer)" if found else None
+
+    @classmethod
+    def granule(cls, block: int) -> int:
+        return block
+
+    @classmethod
+    def excess_hint(cls, observed: int, usable: int, block: int) -> str | None:
+        size = next((size for size in BLOCK_SIZES if size < block and usable // size * size == observed), None)
+        blocks = f"{size}-token blocks" if size else "blocks"
+        return f"a smaller block: {observed:,} of the {usable:,} shared tokens fit in {blocks}, not {block}-token ones"
 
     def __init__(self, block: int = BLOCK_TOKENS, budget_blocks: int | None = None):
         if block < 1:
@@ -99,6 +125,19 @@ class SlotCache(PrefixCache):
     its session's slot and, with ``cache_reuse`` N > 0, later chunks of at least N equal tokens shifted into place."""
 
     name = "llama_cpp"
+    owned_by = "llamacpp"
+
+    @classmethod
+    def wrote(cls, marks: Collection[str]) -> str | None:
+        """llama-server's marks (``tools/server``): the ``timings`` every answer carries, and its ``system_fingerprint``
+        (the build, ``b<number>-<commit>``)."""
+        found = ["timings"] if "timings" in marks else []
+        found += [mark.replace("=", " ", 1) for mark in marks if _LLAMA_BUILD.fullmatch(mark)]
+        return f"{' and '.join(found)} (llama-server's)" if found else None
+
+    @classmethod
+    def excess_hint(cls, observed: int, usable: int, block: int) -> str | None:
+        return "a cache shared across sessions: a llama.cpp slot holds only its own session's last prompt"
 
     def __init__(self, slots: int | None = None, cache_reuse: int = 0):
         self.slots = slots

@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from kvscope.engine.audit.blocks import block_hashes
+from kvscope.engine.audit.blocks import BLOCK_SIZES, block_hashes
 from kvscope.engine.audit.changes.causes import Cause
 from kvscope.engine.audit.logs.requests import Request, RequestLogError
 from kvscope.engine.audit.simulate.caches import BlockCache
 from kvscope.engine.audit.simulate.hosted import TOKENS_NOTE, provider_of
-from kvscope.engine.audit.simulate.registry import ENGINES, PROVIDERS
+from kvscope.engine.audit.simulate.registry import CACHES, DEFAULT_ENGINE, ENGINES, PROVIDERS, engine_of_answer
 
 if TYPE_CHECKING:
     from kvscope.engine.audit.report.types import FitSettingDict, ObservedDict, ObservedFitDict
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 OBSERVED_ENGINES = tuple(ENGINES)  # the engines --observed-engine may compare with
 OBSERVED_CAUSES = ("observed_shortfall", "observed_excess")  # causes of a gap to what the server reported, not of a miss
 TTL_HINT_SECONDS = 300.0  # a match this long past points to a time-to-live (the shortest documented: Anthropic's 5 minutes)
-FIT_BLOCKS = (1, 16, 32, 64, 128, 256)
+FIT_BLOCKS = BLOCK_SIZES
 NO_OBSERVED_COUNTS = "--fit-observed needs observed cached tokens: no request of the log reports a cached count"
 FIT_BUDGET_DIVISORS = (2, 4, 8, 16, 32)  # budgets tried: the log's working set divided by these (and unbounded)
 EXPLANATIONS = "eviction under a budget, another replica, a time-to-live, another block size, or a tokenizer that is not the served model's"
@@ -65,6 +65,8 @@ class Reported:
     observed_cached_tokens: int | None
     observed_prompt_tokens: int | None = None
     session_key: str | None = None  # the record's key its session was read from (``RequestLog.reading``)
+    slot: int | None = None  # the llama-server slot the request pins (``id_slot``)
+    answer_marks: tuple[str, ...] = ()  # what its logged answer says of its server (``usage.answer_marks``)
 
     @classmethod
     def of(cls, request: Request) -> Reported:
@@ -75,7 +77,39 @@ class Reported:
             request.observed_cached_tokens,
             request.observed_prompt_tokens,
             request.session_key,
+            request.slot,
+            request.answer_marks,
         )
+
+
+@dataclass(frozen=True)
+class LogServer:
+    """The serving engine a log's observed counts are compared with and the evidence, in words (named by the user,
+    read from the answers the log records, or assumed), and how many requests pin a llama-server slot (``id_slot``)."""
+
+    engine: str
+    evidence: str
+    pinned: int = 0
+
+
+def log_server(reported: Sequence[Reported], named: str | None = None) -> LogServer:
+    """The server that wrote the log: ``named`` (``--observed-engine``) where given, else the serving engine most of
+    its answers name (``registry.engine_of_answer``: each engine reads its own marks), else ``DEFAULT_ENGINE``, said so."""
+    if named is not None and named not in OBSERVED_ENGINES:
+        raise RequestLogError(f"--observed-engine is one of {', '.join(OBSERVED_ENGINES)}, got {named!r}")
+    pinned = sum(item.slot is not None for item in reported)
+    found: dict[str, list[str]] = {}
+    for item in reported:
+        hit = engine_of_answer(item.answer_marks)
+        if hit is not None:
+            found.setdefault(hit[0], []).append(hit[1])
+    read = max(found, key=lambda name: len(found[name]), default=None)
+    said = f"{len(found[read]):,} of the log's {len(reported):,} answers carry {found[read][0]}" if read else ""
+    if named is not None:
+        return LogServer(named, "named by --observed-engine" + (f" (the log's answers name {read}: {said})" if read else ""), pinned)
+    if read is not None:
+        return LogServer(read, said, pinned)
+    return LogServer(DEFAULT_ENGINE, f"no answer in the log names its server: {DEFAULT_ENGINE} assumed (the default)", pinned)
 
 
 @dataclass(frozen=True)
@@ -130,7 +164,7 @@ class _Evidence:
     def shortfall(self, row: Row, observed: int, simulated: int, engine: str) -> list[str]:
         usable = min(row.common_prefix_tokens, row.tokens - 1)
         found = []
-        size = _block_size(observed, usable, [b for b in FIT_BLOCKS if b > (self.block if engine == "vllm" else 1)])
+        size = _block_size(observed, usable, [b for b in FIT_BLOCKS if b > CACHES[engine].cache.granule(self.block)])
         if size is not None:
             found.append(f"another block size: {observed:,} is the {usable:,} shared tokens in whole {size}-token blocks")
         elif simulated - observed < self.block:
@@ -159,12 +193,8 @@ class _Evidence:
                 "an earlier reply the log does not record and no later turn resends (servers cache what they generate), "
                 "another tokenizer, or a cache warmed by requests not in the log"
             )
-        elif engine == "vllm":
-            size = _block_size(observed, usable, [b for b in FIT_BLOCKS if b < self.block])
-            blocks = f"{size}-token blocks" if size else "blocks"
-            found.append(f"a smaller block: {observed:,} of the {usable:,} shared tokens fit in {blocks}, not {self.block}-token ones")
-        elif engine == "llama_cpp":
-            found.append("a cache shared across sessions: a llama.cpp slot holds only its own session's last prompt")
+        elif hint := CACHES[engine].cache.excess_hint(observed, usable, self.block):
+            found.append(hint)
         if simulated < usable and observed <= usable:
             found.append("a larger KV budget than simulated: the simulation evicted what the server still held")
         named = self._other_tokenizer(row.request)
@@ -211,6 +241,7 @@ class ObservedSummary:
     excesses: tuple[int, int]
     server_counted: tuple[int, int] = (0, 0)  # (cached, prompt tokens) as the server counted both, where it logged both
     other_tokenizer: str | None = None  # the model the log names where its tokenizer is not the loaded one
+    evidence: str = ""  # why ``engine`` is the one compared with (``LogServer.evidence``)
 
     def hit_rates(self) -> dict[str, float | None]:
         """The observed rate over the server's own prompt counts where the log carries them (a rate over the same tokens
@@ -231,6 +262,7 @@ class ObservedSummary:
     def as_dict(self) -> ObservedDict:
         return {
             "engine": self.engine,
+            **({"engine_evidence": self.evidence} if self.evidence else {}),
             "requests_with_count": self.requests,
             "requests_without_count": self.unreported,
             "tokens": self.tokens,
@@ -249,7 +281,7 @@ def _rate(part: int, whole: int) -> float | None:
     return round(part / whole, 4) if whole else None
 
 
-def observed_summary(rows: Sequence[Row], engine: str, model: str = "") -> ObservedSummary:
+def observed_summary(rows: Sequence[Row], engine: str, model: str = "", evidence: str = "") -> ObservedSummary:
     """The log's observed hit rate beside each engine's (the simulated ones and any hosted provider's, each over the
     requests with a count that it covers), and how many requests match the compared ``engine`` exactly. The observed
     rate is over the server's own prompt counts where every counted request logs one; ``model``: the loaded model, to
@@ -281,6 +313,7 @@ def observed_summary(rows: Sequence[Row], engine: str, model: str = "") -> Obser
         gaps("observed_excess"),
         server,
         _named_model(rows, model),
+        evidence,
     )
 
 

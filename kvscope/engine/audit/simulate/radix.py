@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 
@@ -129,6 +129,15 @@ class RadixCache(PrefixCache):
     """SGLang's RadixAttention: a token radix tree (``tree``) under a token budget, LRU leaves evicted first."""
 
     name = "sglang"
+    owned_by = "sglang"
+    names_matches = True
+
+    @classmethod
+    def wrote(cls, marks: Collection[str]) -> str | None:
+        """SGLang's marks (``python/sglang/srt/entrypoints/openai/protocol.py``): ``matched_stop`` in each choice of its
+        chat and completions answers, and ``sglext`` beside them where it returns its extensions."""
+        found = [mark for mark in ("choices.matched_stop", "sglext") if mark in marks]
+        return f"{' and '.join(found)} (SGLang's fields)" if found else None
 
     def __init__(self, budget_tokens: int | None = None):
         self.tree = RadixTree(budget_tokens)
