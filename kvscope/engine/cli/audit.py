@@ -85,7 +85,7 @@ def cmd_audit(args: argparse.Namespace) -> dict:
         )
         result, report = traffic.as_dict(), traffic.measured_report()
         if args.fit_observed:
-            result["observed"]["fit"] = fit_observed(traffic.scan.requests, traffic.scan.held).as_dict()
+            result["observed"]["fit"] = fit_observed(traffic.scan.requests, traffic.scan.held, traffic.scan.observed_engine).as_dict()
         if scrapes:
             result["observed"]["metrics"] = observed_aggregate(scrapes, traffic.scan.totals()["hit_rate"])
         if rewritten is not None:
@@ -190,7 +190,8 @@ AUDIT: Group = (
     arg(
         "--fit-observed",
         action="store_true",
-        help="search block sizes and KV budgets for the settings that reproduce the most observed cached counts exactly",
+        help="search the compared engine's settings (vLLM: block size and KV budget; SGLang: page size and budget; llama.cpp: "
+        "slots, prompt cache, --cache-reuse) for those that reproduce the most observed cached counts exactly",
     ),
     arg(
         "--metrics",

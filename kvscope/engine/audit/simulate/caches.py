@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
+from typing import Any
 
 import numpy as np
 
 from kvscope.engine.audit.blocks import BLOCK_SIZES, BLOCK_TOKENS, block_hashes
 from kvscope.engine.audit.changes.fields import common_prefix
-from kvscope.engine.audit.simulate.prefix_cache import CacheRequest, CacheSettings, PrefixCache
+from kvscope.engine.audit.simulate.prefix_cache import CacheRequest, CacheSettings, PrefixCache, fit_budgets
 
 _LLAMA_BUILD = re.compile(r"system_fingerprint=b\d+-[0-9a-f]+")  # llama.cpp's build_info
 
@@ -59,6 +60,16 @@ class BlockCache(PrefixCache):
     @classmethod
     def granule(cls, block: int) -> int:
         return block
+
+    @classmethod
+    def fit_grid(cls, working: int) -> list[dict[str, Any]]:
+        """Every block size (``BLOCK_SIZES``) under every budget (``fit_budgets``, in tokens)."""
+        return [{"block": block, "budget_tokens": budget} for block in BLOCK_SIZES for budget in fit_budgets(working)]
+
+    @classmethod
+    def fitted(cls, setting: Mapping[str, Any]) -> BlockCache:
+        block, budget = setting["block"], setting["budget_tokens"]
+        return cls(block, None if budget is None else max(budget // block, 1))
 
     @classmethod
     def excess_hint(cls, observed: int, usable: int, block: int) -> str | None:
@@ -138,6 +149,21 @@ class SlotCache(PrefixCache):
     @classmethod
     def excess_hint(cls, observed: int, usable: int, block: int) -> str | None:
         return "a cache shared across sessions: a llama.cpp slot holds only its own session's last prompt"
+
+    @classmethod
+    def fit_grid(cls, working: int) -> list[dict[str, Any]]:
+        """The server's own slot choice with its RAM prompt cache (``ServerSlots``) at 4 slots with one KV cache (None)
+        or ``-np`` 1, 2, 4, 8; then a slot per session (None) or that many slots, each with ``--cache-reuse`` off or at
+        16, 64 or 256 tokens."""
+        slots = (None, 1, 2, 4, 8)
+        shared = [{"slots": count, "prompt_cache": True, "cache_reuse": 0} for count in slots]
+        return shared + [{"slots": count, "prompt_cache": False, "cache_reuse": reuse} for count in slots for reuse in (0, 16, 64, 256)]
+
+    @classmethod
+    def fitted(cls, setting: Mapping[str, Any]) -> PrefixCache:
+        if setting["prompt_cache"]:
+            return ServerSlots(setting["slots"])
+        return cls(setting["slots"], setting["cache_reuse"])
 
     def __init__(self, slots: int | None = None, cache_reuse: int = 0):
         self.slots = slots

@@ -15,15 +15,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from kvscope.engine.audit.blocks import BLOCK_SIZES, block_hashes
 from kvscope.engine.audit.changes.causes import Cause
 from kvscope.engine.audit.logs.requests import Request, RequestLogError
-from kvscope.engine.audit.simulate.caches import BlockCache
 from kvscope.engine.audit.simulate.hosted import TOKENS_NOTE, provider_of
+from kvscope.engine.audit.simulate.prefix_cache import CacheRequest
 from kvscope.engine.audit.simulate.registry import CACHES, DEFAULT_ENGINE, ENGINES, PROVIDERS, engine_of_answer
 
 if TYPE_CHECKING:
@@ -32,9 +32,7 @@ if TYPE_CHECKING:
 OBSERVED_ENGINES = tuple(ENGINES)  # the engines --observed-engine may compare with
 OBSERVED_CAUSES = ("observed_shortfall", "observed_excess")  # causes of a gap to what the server reported, not of a miss
 TTL_HINT_SECONDS = 300.0  # a match this long past points to a time-to-live (the shortest documented: Anthropic's 5 minutes)
-FIT_BLOCKS = BLOCK_SIZES
 NO_OBSERVED_COUNTS = "--fit-observed needs observed cached tokens: no request of the log reports a cached count"
-FIT_BUDGET_DIVISORS = (2, 4, 8, 16, 32)  # budgets tried: the log's working set divided by these (and unbounded)
 EXPLANATIONS = "eviction under a budget, another replica, a time-to-live, another block size, or a tokenizer that is not the served model's"
 
 
@@ -164,7 +162,7 @@ class _Evidence:
     def shortfall(self, row: Row, observed: int, simulated: int, engine: str) -> list[str]:
         usable = min(row.common_prefix_tokens, row.tokens - 1)
         found = []
-        size = _block_size(observed, usable, [b for b in FIT_BLOCKS if b > CACHES[engine].cache.granule(self.block)])
+        size = _block_size(observed, usable, [b for b in BLOCK_SIZES if b > CACHES[engine].cache.granule(self.block)])
         if size is not None:
             found.append(f"another block size: {observed:,} is the {usable:,} shared tokens in whole {size}-token blocks")
         elif simulated - observed < self.block:
@@ -346,23 +344,24 @@ def hosted_summary(rows: Sequence[Row]) -> dict:
 
 @dataclass(frozen=True)
 class FitSetting:
-    """One block-cache setting tried by ``fit_observed`` and the requests whose observed count it reproduces."""
+    """One setting of the compared engine tried by ``fit_observed`` (its name -> value, as the engine's ``fit_grid``
+    names them) and the requests whose observed count it reproduces."""
 
-    block: int
-    budget_tokens: int | None  # None: unbounded
+    setting: dict[str, Any]
     matches: int
 
     def as_dict(self) -> FitSettingDict:
-        return {"block": self.block, "budget_tokens": self.budget_tokens, "matches": self.matches}
+        return {**self.setting, "matches": self.matches}
 
 
 @dataclass(frozen=True)
 class ObservedFit:
-    """The block sizes and KV budgets tried over the requests with an observed count, best first."""
+    """The compared engine's settings tried over the requests with an observed count, best first."""
 
+    engine: str
     requests: int
     working_set_tokens: int  # tokens an unbounded token cache holds after the whole log
-    tried: tuple[FitSetting, ...]  # most matches first; among ties, in the order tried (unbounded and larger budgets first)
+    tried: tuple[FitSetting, ...]  # most matches first; among ties, in the order tried (the engine's ``fit_grid``)
 
     @property
     def best(self) -> FitSetting:
@@ -371,6 +370,7 @@ class ObservedFit:
     def as_dict(self) -> ObservedFitDict:
         best = self.best
         return {
+            "engine": self.engine,
             "requests_with_count": self.requests,
             "working_set_tokens": self.working_set_tokens,
             "best": best.as_dict() | {"share": _rate(best.matches, self.requests)},
@@ -379,31 +379,24 @@ class ObservedFit:
         }
 
 
-def fit_observed(
-    rows: Sequence[Row],
-    held: Callable[[int], np.ndarray],
-    blocks: Sequence[int] = FIT_BLOCKS,
-    budgets: Sequence[int | None] | None = None,
-) -> ObservedFit:
-    """The block size and KV budget (tokens) of a vLLM-style block cache that reproduce the most observed counts
-    exactly, over the token pass's ``rows`` and what the server held after each (``held``: request -> its tokens and
-    its reply's, ``TrafficScan.held``): the ids are hashed once per block size, and only the cache is re-run per budget.
-    ``budgets``: by default unbounded, then the log's working set halved, quartered, ... (``FIT_BUDGET_DIVISORS``)."""
+def fit_observed(rows: Sequence[Row], held: Callable[[int], np.ndarray], engine: str = DEFAULT_ENGINE) -> ObservedFit:
+    """The settings of ``engine``'s server (its ``fit_grid``: vLLM's block size and budget, SGLang's page size and
+    budget, llama.cpp's slots, prompt cache and ``--cache-reuse``) that reproduce the most observed counts exactly, over
+    the token pass's ``rows`` and what the server held after each (``held``: request -> its tokens and its reply's,
+    ``TrafficScan.held``): the engine's cache re-run per setting, fed in the pass's order."""
     counted = [(n, row.observed_cached_tokens) for n, row in enumerate(rows) if row.observed_cached_tokens is not None]
     if not counted:
         raise RequestLogError(NO_OBSERVED_COUNTS)
+    if engine not in OBSERVED_ENGINES:
+        raise RequestLogError(f"--observed-engine is one of {', '.join(OBSERVED_ENGINES)}, got {engine!r}")
     ids = [held(row.request) for row in rows]
     working = int(len(np.unique(np.concatenate([block_hashes(item, 1) for item in ids])))) if ids else 0  # one key per prefix held
-    if budgets is None:
-        budgets = [None, *dict.fromkeys(working // d for d in FIT_BUDGET_DIVISORS if working // d > 0)]
+    cache = CACHES[engine].cache
     tried = []
-    for block in blocks:
-        if block < 1:
-            raise RequestLogError(f"a block size is at least 1 token, got {block}")
-        chains = [block_hashes(item, block).tolist() for item in ids]
-        for budget in budgets:
-            cache = BlockCache(block, None if budget is None else max(budget // block, 1))
-            reused = [cache.insert_keys(chain, row.tokens, row.request) for chain, row in zip(chains, rows)]
-            tried.append(FitSetting(block, budget, sum(reused[n] == observed for n, observed in counted)))
+    for setting in cache.fit_grid(working):
+        simulated = cache.fitted(setting)
+        fed = enumerate(zip(ids, rows), 1)
+        reused = [simulated.insert(CacheRequest(item[: row.tokens], row.request, row.session, n, held=item)) for n, (item, row) in fed]
+        tried.append(FitSetting(setting, sum(reused[n] == observed for n, observed in counted)))
     ranked = sorted(range(len(tried)), key=lambda k: (-tried[k].matches, k))
-    return ObservedFit(len(counted), working, tuple(tried[k] for k in ranked))
+    return ObservedFit(engine, len(counted), working, tuple(tried[k] for k in ranked))

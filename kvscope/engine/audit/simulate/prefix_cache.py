@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -64,6 +64,15 @@ class CacheSettings:
             "cache_reuse": self.cache_reuse,
             "prompt_cache": self.prompt_cache,
         }
+
+
+FIT_BUDGET_DIVISORS = (2, 4, 8, 16, 32)  # budgets a fit tries: the log's working set divided by these (and unbounded)
+
+
+def fit_budgets(working: int) -> list[int | None]:
+    """The KV budgets (tokens) ``--fit-observed`` tries: unbounded, then the log's working set (``working`` tokens: what
+    an unbounded token cache holds after the log) halved, quartered, ... (``FIT_BUDGET_DIVISORS``)."""
+    return [None, *dict.fromkeys(working // d for d in FIT_BUDGET_DIVISORS if working // d > 0)]
 
 
 @dataclass(frozen=True)
@@ -114,6 +123,17 @@ class PrefixCache(ABC):
         """The evidence, in words, that this engine's server wrote an answer with these marks (``usage.answer_marks``:
         its keys, its choices' keys, its ``system_fingerprint``); None: nothing of this engine's own."""
         return None
+
+    @classmethod
+    def fit_grid(cls, working: int) -> list[dict[str, Any]]:
+        """The settings of this engine's server that ``--fit-observed`` tries, in order (``working``: the log's working
+        set in tokens, for budgets: ``fit_budgets``); empty: none of its own."""
+        return []
+
+    @classmethod
+    def fitted(cls, setting: Mapping[str, Any]) -> PrefixCache:
+        """The cache at one of ``fit_grid``'s settings."""
+        raise NotImplementedError(f"{cls.name} has no settings to fit")
 
     @classmethod
     def granule(cls, block: int) -> int:
