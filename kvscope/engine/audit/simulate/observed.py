@@ -390,13 +390,19 @@ def fit_observed(rows: Sequence[Row], held: Callable[[int], np.ndarray], engine:
     if engine not in OBSERVED_ENGINES:
         raise RequestLogError(f"--observed-engine is one of {', '.join(OBSERVED_ENGINES)}, got {engine!r}")
     ids = [held(row.request) for row in rows]
-    working = int(len(np.unique(np.concatenate([block_hashes(item, 1) for item in ids])))) if ids else 0  # one key per prefix held
+    # per request and block size, its block hashes, computed once for every budget; block 1's also count the working set
+    chains: dict[tuple[int, int], np.ndarray] = {(n, 1): block_hashes(item, 1) for n, item in enumerate(ids, 1)}
+    working = int(len(np.unique(np.concatenate(list(chains.values()))))) if ids else 0  # one key per prefix held
     cache = CACHES[engine].cache
     tried = []
     for setting in cache.fit_grid(working):
-        simulated = cache.fitted(setting)
-        fed = enumerate(zip(ids, rows), 1)
-        reused = [simulated.insert(CacheRequest(item[: row.tokens], row.request, row.session, n, held=item)) for n, (item, row) in fed]
+        simulated, block = cache.fitted(setting), setting.get("block")
+        reused = []
+        for n, (item, row) in enumerate(zip(ids, rows), 1):
+            if block is not None and (n, block) not in chains:
+                chains[n, block] = block_hashes(item, block)
+            hashes = None if block is None else chains[n, block]
+            reused.append(simulated.insert(CacheRequest(item[: row.tokens], row.request, row.session, n, held=item, hashes=hashes)))
         tried.append(FitSetting(setting, sum(reused[n] == observed for n, observed in counted)))
     ranked = sorted(range(len(tried)), key=lambda k: (-tried[k].matches, k))
     return ObservedFit(engine, len(counted), working, tuple(tried[k] for k in ranked))
