@@ -145,9 +145,9 @@ class TrafficReport:
     def observed(self) -> ObservedDict:
         """The observed counts against the simulation, with the fit and the server's scrapes where asked for."""
         scan = self.scan
-        summary = observed_summary(scan.requests, scan.settings.observed_engine, self.model).as_dict()
+        summary = observed_summary(scan.requests, scan.settings.observed_engine, self.model, scan.observed_evidence).as_dict()
         if self.fit:
-            summary["fit"] = fit_observed(scan.requests, scan.held).as_dict()
+            summary["fit"] = fit_observed(scan.requests, scan.held, scan.settings.observed_engine).as_dict()
         if self.scrapes:
             summary["metrics"] = observed_aggregate(self.scrapes, scan.totals()["hit_rate"])
         return summary
