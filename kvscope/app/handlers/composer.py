@@ -14,7 +14,7 @@ import plotly.graph_objects as go
 from PIL import Image
 
 from kvscope.app.handlers import benchmarks as stored_results
-from kvscope.app.handlers.common import AppError, bundled_scenario_text, guarded, number, parse_scenario
+from kvscope.app.handlers.common import AppCancelled, AppError, bundled_scenario_text, guarded, number, parse_scenario
 from kvscope.app.hosting import HostingProfile
 from kvscope.app.state import ModelRegistry
 from kvscope.engine import (
@@ -258,6 +258,31 @@ def run_compose(
         summary={"model": lm.fingerprint.name, **fidelity.as_dict(), "selection": selection(registry, spec, composition)},
         speed_markdown=compose_figures.speed_markdown(model_menu(registry, spec), fidelity),
     )
+
+
+def compose_for_page(
+    registry: ModelRegistry,
+    runs: ComposerRuns,
+    session: str,
+    ticket: int | None,
+    composition: Composition,
+    *,
+    spec: str | None = None,
+    report: MessageProgress | None = None,
+) -> ComposeView | None:
+    """:func:`run_compose` for the page of ``session`` (``ticket``: its selection, None for an API call, which is its own
+    newest selection), after the session's earlier run; None where a newer selection superseded it (cancelled before its
+    next forward, or finished but no longer the page's), so that its result is never shown. A calibration the person
+    cancelled raises :class:`AppCancelled`, as :func:`run_compose` does."""
+    ticket = runs.select(session) if ticket is None else ticket
+    try:
+        with runs.running(session, ticket):
+            view = run_compose(registry, composition, spec=spec, report=report)
+    except AppCancelled:
+        if runs.latest(session, ticket):
+            raise
+        return None
+    return view if runs.latest(session, ticket) else None
 
 
 def fitted_picture(picture: np.ndarray) -> np.ndarray:

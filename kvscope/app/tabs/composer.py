@@ -13,13 +13,13 @@ from kvscope.app.handlers.composer import (
     ComposerRuns,
     Composition,
     calibration_pending,
+    compose_for_page,
     model_menu,
     placed_skills,
     remedy_info,
     remedy_menu,
     remedy_summary,
     run_agent_loop,
-    run_compose,
     run_composition_study,
     run_image_compose,
     run_keystone,
@@ -191,14 +191,13 @@ def _wire_compose(page: Page, chosen: Selectors, compared: Compared, runs: Compo
 
     @page.action
     def on_compose(spec, request: gr.Request, ticket=None, progress=gr.Progress(), **values):
-        session = request.session_hash
-        ticket = runs.select(session) if ticket is None else ticket  # an API call is its own newest selection
         try:
-            with runs.running(session, ticket):
-                view = run_compose(page.registry, Composition(**values), spec=spec, report=message_progress(progress))
-        except AppCancelled as stopped:  # the person cancelled the calibration (information), or a newer selection did
-            return (notice(stopped), None, None, None, gr.skip(), "") if runs.latest(session, ticket) else tuple(gr.skip() for _ in shown)
-        if not runs.latest(session, ticket):
+            view = compose_for_page(
+                page.registry, runs, request.session_hash, ticket, Composition(**values), spec=spec, report=message_progress(progress)
+            )
+        except AppCancelled as stopped:  # the person cancelled the calibration: say so, as information
+            return notice(stopped), None, None, None, gr.skip(), ""
+        if view is None:  # a newer selection superseded this run
             return tuple(gr.skip() for _ in shown)
         return view.metrics_markdown, view.logits_figure, view.deviation_figure, view.summary, view.speed_markdown, ""
 
