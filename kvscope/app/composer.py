@@ -93,7 +93,7 @@ element.addEventListener('click', (e) => {
 class SkillComposer(gr.HTML):
     """Ordered skill ids, edited by drag and drop (or buttons) between a library and a context zone."""
 
-    def __init__(self, library: dict[str, str], value: list[str] | None = None, **kwargs: Any) -> None:
+    def __init__(self, library: dict[str, str], value: list[str] | None = None, placed: list[dict] | None = None, **kwargs: Any) -> None:
         self.library_ids = [skill_id for skill_id in library if SAFE_ID.match(skill_id)]
         self.titles = dict(library)
         entries = [{"id": skill_id, "title": html.escape(library[skill_id], quote=True)} for skill_id in self.library_ids]
@@ -103,7 +103,7 @@ class SkillComposer(gr.HTML):
             css_template=CSS,
             js_on_load=JS,
             library=entries,
-            placed=[],
+            placed=placed or [],
             **kwargs,
         )
 

@@ -506,3 +506,13 @@ def speed_markdown(menu: ModelRemedies, fidelity: SpliceFidelity) -> str:
         f"**Speed-up of {markdown_literal(name)}:** the menu's number was measured on {where} ({markdown_literal(menu.source or '')}); "
         f"{markdown_literal(predicted)}; {measured}."
     )
+
+
+def selection_markdown(selection: Mapping) -> str:
+    """The selection a result was computed for (the handler's ``selection``), as the line above its numbers (Markdown)."""
+    skills = ", ".join(selection["skills"]) or "none dragged in"
+    scenario = selection["scenario"] or "none (a generic yes/no question)"
+    return (
+        f"**Computed for** skills {markdown_literal(skills)} · scenario {markdown_literal(scenario)} · "
+        f"remedy {markdown_literal(selection['remedy'] or 'the default')} · model {markdown_literal(selection['model'])}"
+    )

@@ -248,14 +248,15 @@ def run_compose(
     ``report``) and compare with a full recompute, both timed in this call."""
     lm = registry.get(spec)
     scenario = composed_scenario(composition, registry.profile)
-    chosen = remedy_for(registry, spec, lm, composition.remedy, report)
-    fidelity = compare(lm, scenario, registry.skills(spec), remedy=chosen, reps=COMPOSER_TIMED_ROUNDS, warmup=1)
+    remedy = remedy_for(registry, spec, lm, composition.remedy, report)
+    fidelity = compare(lm, scenario, registry.skills(spec), remedy=remedy, reps=COMPOSER_TIMED_ROUNDS, warmup=1)
     decode = lambda token: lm.tokenizer.decode([token])  # noqa: E731
+    chosen = selection(registry, spec, composition)
     return ComposeView(
-        metrics_markdown=panels.compose_metrics_markdown(fidelity),
+        metrics_markdown=f"{compose_figures.selection_markdown(chosen)}  \n{panels.compose_metrics_markdown(fidelity)}",
         logits_figure=compose_figures.logit_bars_figure(fidelity.spliced, fidelity.recomputed, fidelity.agreement, decode),
         deviation_figure=compose_figures.deviation_figure(fidelity),
-        summary={"model": lm.fingerprint.name, **fidelity.as_dict(), "selection": selection(registry, spec, composition)},
+        summary={"model": lm.fingerprint.name, **fidelity.as_dict(), "selection": chosen},
         speed_markdown=compose_figures.speed_markdown(model_menu(registry, spec), fidelity),
     )
 
