@@ -32,7 +32,7 @@ def test_a_fast_sequence_of_selections_ends_showing_the_last_selections_result(r
 
     threads = []
     for composition in SEQUENCE:
-        thread = threading.Thread(target=page_run, args=(runs.select(session), composition))
+        thread = threading.Thread(target=page_run, args=(runs.select(session, selection(registry, None, composition)), composition))
         thread.start()
         threads.append(thread)
     for thread in threads:
@@ -43,23 +43,27 @@ def test_a_fast_sequence_of_selections_ends_showing_the_last_selections_result(r
     assert shown[-1]["skills"] == list(last.skills) and shown[-1]["remedy"]["name"] == "splice"
 
 
+ONE, TWO = {"skills": ["account_gate"]}, {"skills": ["refund_policy"]}
+
+
 def test_a_newer_selection_cancels_the_run_in_flight_and_its_result_is_dropped():
     runs = ComposerRuns()
-    first = runs.select("page")
+    first = runs.select("page", ONE)
     with runs.running("page", first) as token:
         assert not token.cancelled and runs.latest("page", first)
-        second = runs.select("page")  # the person changes the selection while the first run computes
+        assert runs.select("page", dict(ONE)) == first and not token.cancelled  # one click's two changes: the same selection
+        second = runs.select("page", TWO)  # the person changes the selection while the first run computes
         assert token.cancelled and not runs.latest("page", first) and runs.latest("page", second)
         with pytest.raises(Cancelled, match="superseded by a newer selection"):
             token.check()
-    other = runs.select("another page")  # another session's selection leaves this one alone
+    other = runs.select("another page", ONE)  # another session's selection leaves this one alone
     assert runs.latest("page", second) and runs.latest("another page", other)
 
 
 def test_a_run_started_after_a_newer_selection_stops_at_once():
     runs = ComposerRuns()
-    stale = runs.select("page")
-    runs.select("page")
+    stale = runs.select("page", ONE)
+    runs.select("page", TWO)
     with runs.running("page", stale) as token:
         assert token.cancelled
 

@@ -104,14 +104,20 @@ class ComposerRuns:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._tickets = itertools.count(1)
-        self._latest: dict[str, int] = {}  # session -> its newest selection's ticket
+        self._latest: dict[str, tuple[int, dict]] = {}  # session -> its newest selection's ticket, and that selection
         self._running: dict[str, tuple[int, CancelToken]] = {}  # session -> the ticket and token of its run in flight
         self._turns: dict[str, threading.Lock] = {}  # session -> one run at a time
 
-    def select(self, session: str) -> int:
-        """A new selection on the page of ``session``: its ticket; the session's run for an earlier one is cancelled."""
+    def select(self, session: str, chosen: dict) -> int:
+        """The page of ``session`` shows the selection ``chosen`` (:func:`selection`): its ticket. A selection other than
+        the newest gets a new ticket and cancels the session's run for an earlier one; the same selection again (two
+        changes that one click made) keeps its ticket."""
         with self._lock:
-            ticket = self._latest[session] = next(self._tickets)
+            newest = self._latest.get(session)
+            if newest is not None and newest[1] == chosen:
+                return newest[0]
+            ticket = next(self._tickets)
+            self._latest[session] = (ticket, chosen)
             running = self._running.get(session)
         if running is not None:
             running[1].cancel(self.SUPERSEDED)
@@ -120,7 +126,7 @@ class ComposerRuns:
     def latest(self, session: str, ticket: int) -> bool:
         """Whether ``ticket`` is still the session's newest selection."""
         with self._lock:
-            return self._latest.get(session) == ticket
+            return self._latest.get(session, (None,))[0] == ticket
 
     @contextmanager
     def running(self, session: str, ticket: int) -> Iterator[CancelToken]:
@@ -132,7 +138,7 @@ class ComposerRuns:
             token = CancelToken()
             with self._lock:
                 self._running[session] = (ticket, token)
-                if self._latest.get(session) != ticket:
+                if self._latest.get(session, (None,))[0] != ticket:
                     token.cancel(self.SUPERSEDED)
             try:
                 with cancellable(token):
@@ -275,7 +281,7 @@ def compose_for_page(
     newest selection), after the session's earlier run; None where a newer selection superseded it (cancelled before its
     next forward, or finished but no longer the page's), so that its result is never shown. A calibration the person
     cancelled raises :class:`AppCancelled`, as :func:`run_compose` does."""
-    ticket = runs.select(session) if ticket is None else ticket
+    ticket = runs.select(session, selection(registry, spec, composition)) if ticket is None else ticket
     try:
         with runs.running(session, ticket):
             view = run_compose(registry, composition, spec=spec, report=report)

@@ -177,15 +177,16 @@ def _loop(page: Page) -> Loop:
 
 
 def _wire_compose(page: Page, chosen: Selectors, compared: Compared, runs: ComposerRuns) -> None:
-    """Every change of the skills, the scenario or the remedy (and the button) starts a run for the page's selection,
-    which supersedes the session's earlier run (:class:`ComposerRuns`); a change of the text or the model marks the
-    result shown as another selection's. A result shows only while its selection is still the page's newest."""
+    """A change of the skills (and the button) starts a run for the page's selection, which supersedes the session's
+    earlier run (:class:`ComposerRuns`); a change of the text, the scenario, the remedy (``auto`` may calibrate for
+    minutes) or the model marks the result shown as another selection's. A result shows only while its selection is
+    still the page's newest."""
     shown = compared.outputs(chosen.speed)
 
     def selected(rerunning: bool):
         def on_select(request: gr.Request, result=None, spec=None, **values):
-            ticket = runs.select(request.session_hash)
-            return ticket, stale_words(result, selection(page.registry, spec, Composition(**values)), rerunning)
+            chosen = selection(page.registry, spec, Composition(**values))
+            return runs.select(request.session_hash, chosen), stale_words(result, chosen, rerunning)
 
         return on_select
 
@@ -203,7 +204,7 @@ def _wire_compose(page: Page, chosen: Selectors, compared: Compared, runs: Compo
 
     composition = chosen.composition(page)
     marked = {"result": compared.result, **composition}
-    reruns = [chosen.skills.change, chosen.after.change, chosen.remedy.change, chosen.compose.click]
+    reruns = [chosen.skills.change, chosen.compose.click]
     started = gr.on(
         reruns, selected(True), inputs_kwargs=marked, outputs=[chosen.ticket, compared.stale], api_name=False, concurrency_limit=None
     )
@@ -216,7 +217,7 @@ def _wire_compose(page: Page, chosen: Selectors, compared: Compared, runs: Compo
         **page.model_bound(),
     )
     run.then(lambda: gr.update(visible=False), outputs=chosen.cancel, api_name=False, concurrency_limit=None)
-    marks = [chosen.before.change, chosen.between.change, page.spec.change]
+    marks = [chosen.before.change, chosen.between.change, chosen.after.change, chosen.remedy.change, page.spec.change]
     gr.on(marks, selected(False), inputs_kwargs=marked, outputs=[chosen.ticket, compared.stale], api_name=False, concurrency_limit=None)
 
 
