@@ -8,46 +8,25 @@ from pathlib import Path
 import pytest
 
 from tests.app.browser_waits import WORKING, wait_for_app
-from tests.app.conftest import launched
-from tests.app.test_browser import ARTIFACTS
-from tests.shared import CHROMIUM, CHROMIUM_ARGS
+from tests.app.test_browser import ARTIFACTS, browser  # noqa: F401 (the module's fixture)
+from tests.app.test_browser_layout import themed_url  # noqa: F401 (the app in its own theme)
+from tests.shared import CHROMIUM
 
 pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(), reason="Debian chromium is not installed (scripts/test.sh installs it)")
 QUIET_S = 3.0  # how long the page must show no work before a test reads its final state
 
 
-@pytest.fixture(scope="module")
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        yield chromium
-        chromium.close()
-
-
-@pytest.fixture(scope="module")
-def themed_url(registry):
-    """The app as ``kvscope-app`` serves it, in its own theme."""
-    from kvscope.app.ui import build_app, theme
-
-    blocks = build_app(registry)
-    yield launched(blocks, theme=theme())
-    blocks.close()
-
-
 @pytest.fixture(params=[1000, 1400])
-def composer(request, browser, themed_url):
+def composer(request, browser, themed_url):  # noqa: F811
     """The Composer tab at a ``request.param`` px window."""
     ARTIFACTS.mkdir(exist_ok=True)
-    context = browser.new_context(viewport={"width": request.param, "height": 1000})
-    page = context.new_page()
+    page = browser.new_page(viewport={"width": request.param, "height": 1000})
     page.goto(themed_url)
-    wait_for_app(page, page.locator("#baseline").get_by_text("Now"))
+    wait_for_app(page, page.locator("#baseline").get_by_text("Now"))  # the page opens on Notes, its scenario prepared
     page.get_by_role("tab", name="Composer").click()
-    wait_for_app(page, page.locator('#composer .kv-in[data-id="account_gate"]'))
+    wait_for_app(page, page.locator('#composer .kv-in[data-id="account_gate"]'))  # its default context
     yield page, request.param
-    context.close()
+    page.close()
 
 
 def _settled(page) -> None:
