@@ -1,5 +1,9 @@
 """Composer: skills dragged into a context, splice vs recompute with a remedy (``auto``: calibrated, cancellable), the
-keystone and the agent loop, the N-skill study on the composition, and a picture's K/V spliced into a context."""
+keystone and the agent loop, the N-skill study on the composition, and a picture's K/V spliced into a context.
+
+A result shows only while the page's selection is still the one it was computed for: each run carries its selection,
+a newer selection cancels the session's earlier run and drops its result, and a result left from an earlier selection
+is marked (:class:`kvscope.app.handlers.composer.ComposerRuns`)."""
 
 from __future__ import annotations
 
@@ -99,6 +103,7 @@ class Compared:
     result: gr.JSON
 
     def outputs(self, speed: gr.Markdown) -> list:
+        """What a splice vs recompute fills, in the handler's order (``speed``: the line under the remedy menu)."""
         return [self.metrics, self.logits, self.deviation, self.result, speed, self.stale]
 
 
@@ -115,7 +120,7 @@ class Loop:
     plot: gr.Plot
 
 
-def _context_row(page: Page) -> tuple[SkillComposer, gr.Textbox, gr.Textbox, gr.Dropdown]:
+def _context_row() -> tuple[SkillComposer, gr.Textbox, gr.Textbox, gr.Dropdown]:
     """The skill list, the text around the skills and the scenario after them."""
     skills = SkillComposer(skill_library(), value=["account_gate"], elem_id="composer")
     with gr.Row(equal_height=False):
@@ -133,7 +138,7 @@ def _context_row(page: Page) -> tuple[SkillComposer, gr.Textbox, gr.Textbox, gr.
 
 def _selectors(page: Page) -> Selectors:
     """The context row, the remedy menu (it follows the loaded model: its own default and numbers) and its buttons."""
-    skills, before, between, after = _context_row(page)
+    skills, before, between, after = _context_row()
     gr.HTML(MENU_CSS, visible="hidden", elem_id="composer-style")
     first = page.registry.default_spec
     with gr.Row():
@@ -165,6 +170,7 @@ def _comparison_panels() -> tuple[gr.Markdown, gr.Markdown, gr.Markdown, gr.Plot
 
 
 def _loop(page: Page) -> Loop:
+    """The agent's settings and the keystone and agent buttons, then their plot."""
     with gr.Row():
         most = page.registry.profile.max_agent_turns
         turns = LenientSlider(1, most, value=min(10, most), step=1, label="Agent turns")
@@ -305,6 +311,7 @@ class Study:
 
 
 def _study() -> Study:
+    """The N-skill study's panel, closed until opened."""
     with gr.Accordion("Many skills at once: the N-skill study on this composition", open=False, elem_id="study-panel"):
         gr.Markdown(STUDY_INTRO)
         with gr.Row():
@@ -320,6 +327,8 @@ def _study() -> Study:
 
 
 def _wire_study(page: Page, chosen: Selectors, study: Study) -> None:
+    """The study runs on the page's skills (the first 1..N, in order) and scenario."""
+
     @page.action
     def on_study(spec, progress=gr.Progress(), **values):
         return run_composition_study(page.registry, spec, **values, progress=step_progress(progress))
