@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
+from kvscope.engine.audit.blocks import BLOCK_TOKENS
 from kvscope.engine.audit.changes.causes import CAUSES
 from kvscope.engine.audit.logs.requests import Skipped
 from kvscope.engine.audit.report.types import AuditJSON, AuditTurnDict, LogAudit, RepairDict, RepairFidelityDict, TrafficRequestDict
@@ -82,10 +83,17 @@ def _symbols(results: Sequence[RepairDict], data: AuditJSON) -> list[str]:
     return ["circle" if within(result, data) else "circle-open" for result in results]
 
 
+def block_tokens(data: AuditJSON) -> int:
+    """The block size the report's block-aligned prefixes were counted in: a log's simulated vLLM block (its token pass's
+    engine settings), else vLLM's default (one prompt audited against its change)."""
+    engines = data.get("engines")
+    return engines["settings"]["block"] if engines else BLOCK_TOKENS
+
+
 def reuse_timeline_figure(data: AuditJSON) -> go.Figure:
     """Per turn (request number), the reused fraction of each repair's state (the repairs dodged apart by DODGE), and
-    the 16-token block-aligned prefix a vLLM-style cache keeps; filled markers are within the fidelity threshold, open
-    ones outside it."""
+    the block-aligned prefix a vLLM-style cache keeps (in the report's block size); filled markers are within the
+    fidelity threshold, open ones outside it."""
     turns, names = _audited(data), list(data["repairs"])
     figure = go.Figure()
     if not turns:
@@ -95,7 +103,7 @@ def reuse_timeline_figure(data: AuditJSON) -> go.Figure:
         x=requests,
         y=[turn["block_prefix_tokens"] / turn["tokens"] for turn in turns],
         mode="lines",
-        name="16-token blocks (vLLM)",
+        name=f"{block_tokens(data)}-token blocks (vLLM)",
         line={"color": GREY, "dash": "dash"},
         hovertext=[f"block-aligned prefix: {turn['block_prefix_tokens']:,} of {turn['tokens']:,} tokens" for turn in turns],
         hoverinfo="text",
@@ -209,7 +217,7 @@ def _empty(text: str) -> go.Figure:
 def recommendations_markdown(data: AuditJSON) -> str:
     """Per turn, in words: what a prefix cache reuses, the fields that changed (old → new), what was appended, and the
     recommended repair with the engine's reason; a ``cancelled`` model pass is said first (no repair was measured)."""
-    lines = unmeasured_lines(data)
+    lines, block = unmeasured_lines(data), block_tokens(data)
     lines += [
         f"**{markdown_literal(data['model'])}** ({markdown_literal(data['dtype'])}) · threshold KL ≤ {data['threshold']:g}, "
         f"≥ {data['min_agreement']:.0%} of {data['generated_tokens']} greedy tokens agreeing"
@@ -229,7 +237,7 @@ def recommendations_markdown(data: AuditJSON) -> str:
         )
         reuse = (
             f"a prefix cache reuses {turn['common_prefix_tokens']:,} of {turn['tokens']:,} tokens "
-            f"({turn['common_prefix_tokens'] / turn['tokens']:.0%}; {turn['block_prefix_tokens']:,} in 16-token blocks)"
+            f"({turn['common_prefix_tokens'] / turn['tokens']:.0%}; {turn['block_prefix_tokens']:,} in {block}-token blocks)"
         )
         recommendation = turn["recommendation"]
         lines.append(
@@ -743,7 +751,7 @@ def no_turns(data: AuditJSON, what: str) -> str:
     could be measured."""
     requests = len(data.get("requests") or ())
     if data.get("cancelled"):
-        return f"the model pass was cancelled before a turn was measured, so {what}"
+        return f"the model pass was cancelled, and a cancelled pass keeps no measured turn, so {what}"
     if data.get("pending"):
         return f"the model pass is measuring the sampled turns, so {what} yet"
     if data.get("sample") == 0 and requests > 1:
@@ -761,7 +769,7 @@ def groups_markdown(data: LogAudit) -> str:
     measured = sum(len(group["measured"]) for group in groups)
     signatures = f"**{len(groups):,} change signature{'s' if len(groups) != 1 else ''}**"
     if data.get("cancelled"):
-        head = f"{signatures}; the model pass was cancelled: no turn was measured with the model."
+        head = f"{signatures}; the model pass was cancelled: it keeps no measured turn (the line above says how far it went)."
     elif data.get("pending"):
         head = f"{signatures}; the model pass is measuring the sampled turns now: their fidelity follows when it ends."
     elif data["sample"] == 0:

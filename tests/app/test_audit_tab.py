@@ -14,24 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from kvscope.app.handlers.audit_kept import audit_fidelity_view, audit_notes_scenario, export_audit
+from kvscope.app.handlers.audit_log import NOTHING_TO_AUDIT, bundled_log_text, given_log, size_words, upload_markdown
+from kvscope.app.handlers.audit_settings import AuditInputs, EngineInputs
 from kvscope.app.handlers.common import AppError
 from kvscope.app.handlers.notes import EditInputs, run_edit, run_knockout
-from kvscope.app.handlers.your_prompt import (
-    NOTHING_TO_AUDIT,
-    AuditInputs,
-    audit_fidelity_view,
-    audit_notes_scenario,
-    bundled_log_text,
-    engine_settings,
-    export_audit,
-    given_log,
-    prompt_candidates,
-    run_audit,
-    run_audit_value,
-    run_rewrite,
-    size_words,
-    upload_markdown,
-)
+from kvscope.app.handlers.rewrite import RewriteInputs, run_rewrite
+from kvscope.app.handlers.your_prompt import prompt_candidates, run_audit, run_audit_value
 from kvscope.app.hosting import local_profile, public_profile
 from kvscope.app.state import ExportFolder, ModelRegistry, SessionStore
 from kvscope.app.tabs.your_prompt import with_coarsen
@@ -141,7 +130,7 @@ def test_bad_logs_get_the_engines_message_and_leave_the_last_audit(audited, regi
     with pytest.raises(AppError, match="between 0 and 1"):
         run_audit(registry, sessions, LOG, session="a", inputs=AuditInputs(["field_only", "erratum", "hoist"], 3, min_agreement=1.5))
     with pytest.raises(AppError, match="observed counts are compared with one of vllm, sglang, llama_cpp, got 'tgi'"):
-        run_audit(registry, sessions, LOG, session="a", observed_engine="tgi", **OPTIONS)
+        run_audit(registry, sessions, LOG, session="a", engines=EngineInputs(observed_engine="tgi"), **OPTIONS)
     assert sessions.get("a", "audit") is kept
 
 
@@ -328,7 +317,7 @@ def _expected_sessions(lm, text: str, block: int) -> list[dict]:
 
 def test_an_interleaved_log_is_reported_per_session_and_its_groups_cover_every_turn(registry, sessions):
     text = bundled_log_text("interleaved_agents")
-    engines = engine_settings(block=8)
+    engines = EngineInputs(block=8)
     view = run_audit(registry, sessions, text, session="t", inputs=AuditInputs(["field_only"], 2), sample=1, engines=engines)
     data, requests = view.summary, read_log(text).requests
     assert data["sessions"] == _expected_sessions(registry.get(), text, 8) and len(data["sessions"]) == 2
@@ -351,9 +340,9 @@ def test_an_interleaved_log_is_reported_per_session_and_its_groups_cover_every_t
     drawn = {(x, y) for trace in view.sessions_figure.data if trace.mode == "markers" for x, y in zip(trace.x, trace.y)}
     assert drawn == {(row["request"], row["session"]) for row in data["requests"]}
     with pytest.raises(AppError, match="block size is at least 1"):
-        engine_settings(block=0)
+        EngineInputs(block=0).cache()
     with pytest.raises(AppError, match="SGLang token budget cannot be negative"):
-        engine_settings(budget_tokens=-1)
+        EngineInputs(budget_tokens=-1).cache()
 
 
 def test_the_audit_endpoints_through_the_api(app_url):
@@ -387,13 +376,13 @@ def test_hosts_can_override_the_audit_bounds():
 
 
 def test_a_rewrite_is_measured_against_the_log_and_a_mismatched_one_refused(registry):
-    same, data = run_rewrite(registry, LOG, rewritten=LOG, template=False, tokens=2)
+    same, data = run_rewrite(registry, RewriteInputs(LOG, LOG, False, 2))
     assert all(row["kl"] == 0.0 and row["generation_agreement"] == 1.0 and row["same_text"] for row in data["rewrite"])
     assert [row["request"] for row in data["rewrite"]] == [1, 2, 3] and data["verdict"] in same
     with pytest.raises(AppError, match="3 requests.*2|2.*3 requests"):
-        run_rewrite(registry, LOG, rewritten="\n".join(LOG.splitlines()[:2]), template=False, tokens=2)
+        run_rewrite(registry, RewriteInputs(LOG, "\n".join(LOG.splitlines()[:2]), False, 2))
     with pytest.raises(AppError, match="rewritten log"):
-        run_rewrite(registry, LOG, rewritten="  ", template=False, tokens=2)
+        run_rewrite(registry, RewriteInputs(LOG, "  ", False, 2))
 
 
 def test_coarsen_is_ticked_once_a_grain_is_picked_and_not_before():
@@ -440,3 +429,37 @@ def test_the_audit_hides_cancel_with_its_own_outputs_and_reads_the_upload(regist
     assert all(uploaded in fn.inputs for fn in fns if fn.api_name in readers)
     after = [fn for fn in fns if cancel in fn.outputs and fn.trigger_after == audit._id]
     assert [fn.trigger_only_on_failure for fn in after] == [True]  # no step after a finished audit: its outputs hid Cancel
+
+
+def test_the_figures_and_words_count_blocks_in_the_tabs_block_size(registry, sessions):
+    """With the block size set to 128, the timeline's legend and the recommendation name 128-token blocks, beside block
+    prefixes counted in 128 (not vLLM's default 16)."""
+    view = run_audit(registry, sessions, LOG, session="b", engines=EngineInputs(block=128), **OPTIONS)
+    (line,) = [trace for trace in view.timeline_figure.data if trace.name.endswith("blocks (vLLM)")]
+    assert line.name == "128-token blocks (vLLM)"
+    second = view.summary["turns"][1]
+    assert second["block_prefix_tokens"] == second["common_prefix_tokens"] // 128 * 128
+    words = view.recommendation_markdown
+    assert f"{second['block_prefix_tokens']:,} in 128-token blocks" in words and "16-token" not in words
+    one = run_audit(registry, sessions, LOG, session="b", **OPTIONS)  # the default block, said as such
+    assert (
+        "16-token blocks (vLLM)" in {trace.name for trace in one.timeline_figure.data}
+        and "in 16-token blocks" in one.recommendation_markdown
+    )
+
+
+def test_a_rewrite_simulates_the_engines_the_tab_sets(registry):
+    """The rewrite's reuse before and after is the engine's own with the tab's block size, not a default cache's."""
+    from kvscope.engine import CacheSettings, measure_rewrite
+
+    given = RewriteInputs(LOG, LOG, False, 2)
+    _, default = run_rewrite(registry, given)
+    _, wide = run_rewrite(registry, given, engines=EngineInputs(block=128))
+    log = read_log(LOG)
+    truth = measure_rewrite(registry.get(), log, log, settings=CacheSettings(128), tokens=2)
+    for mine, engine in zip(wide["rewrite"], truth.requests, strict=True):
+        assert mine["reused_tokens_before"] == dict(engine.reused_before) and mine["reused_tokens_after"] == dict(engine.reused_after)
+    assert [row["reused_tokens_before"]["vllm"] for row in wide["rewrite"]] != [
+        row["reused_tokens_before"]["vllm"] for row in default["rewrite"]
+    ]
+    assert all(row["reused_tokens_before"]["vllm"] % 128 == 0 for row in wide["rewrite"])

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvscope.app.handlers.your_prompt import size_words
+from kvscope.app.handlers.audit_log import size_words
 from tests.app.browser_waits import wait_for_app, wait_for_audit
 from tests.app.test_audit_tab import LOG
 from tests.app.test_browser import ARTIFACTS, CHROMIUM, TOAST, browser  # noqa: F401 (the module's browser fixture)

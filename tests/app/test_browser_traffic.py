@@ -4,7 +4,7 @@ per-session timeline drawn with one row per session. Screenshots go to test-arti
 
 import pytest
 
-from kvscope.app.handlers.your_prompt import bundled_log_text
+from kvscope.app.handlers.audit_log import bundled_log_text
 from kvscope.engine.audit.changes.causes import CAUSES
 from tests.app.browser_waits import wait_for_app, wait_for_audit
 from tests.app.test_browser import ARTIFACTS, CHROMIUM, TOAST, _plot_data, browser  # noqa: F401 (the module's browser fixture)

@@ -1,0 +1,95 @@
+"""The Your prompt tab's settings as its widgets give them, each group of values that travel together one dataclass
+checked into the engine's settings: what the model pass measures (:class:`AuditInputs`) and how the engines are
+simulated (:class:`EngineInputs`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import TypeVar
+
+from kvscope.app.handlers.common import AppError, number
+from kvscope.app.hosting import HostingProfile
+from kvscope.engine import GRAINS, OBSERVED_ENGINES, REPAIRS, CacheSettings, MeasureSettings, fleet_grid, measure_settings
+
+AUDIT_REPAIRS = [name for name in REPAIRS if name != "recompute"]  # recompute always runs: the reference
+DEFAULTS = MeasureSettings(tuple(AUDIT_REPAIRS))  # the greedy tokens, KL threshold and minimum agreement by default
+NO_GRAIN = "none"  # the grain menu's entry for no coarsening
+Inputs = TypeVar("Inputs", "AuditInputs", "EngineInputs")
+
+
+@dataclass(frozen=True)
+class AuditInputs:
+    """What every audit of the tab is measured and drawn with, as its widgets give it (:meth:`measure` checks it):
+    the repairs, greedy tokens, the recommendation's bars, coarsen's grain, and the fidelity figure's axes."""
+
+    repairs: Sequence[str] | None = None
+    tokens: int | float | str | None = DEFAULTS.tokens
+    threshold: float | str | None = DEFAULTS.threshold
+    min_agreement: float | str | None = DEFAULTS.min_agreement
+    grain: str | None = None
+    x: str = "computed"
+    y: str = "kl"
+
+    def measure(self, profile: HostingProfile, requests: int) -> MeasureSettings:
+        """The model pass's settings, checked (the profile bounds the requests, the greedy tokens and the context)."""
+        tokens = number(self.tokens, "greedy tokens N", DEFAULTS.tokens)
+        threshold = number(self.threshold, "KL threshold", DEFAULTS.threshold, float)
+        min_agreement = number(self.min_agreement, "minimum agreement", DEFAULTS.min_agreement, float)
+        if not 0 <= min_agreement <= 1:
+            raise AppError(f"the minimum agreement is a share between 0 and 1, got {min_agreement:g}")
+        if threshold < 0:
+            raise AppError(f"the KL threshold cannot be negative, got {threshold:g}")
+        grain = (self.grain or "").strip()
+        grain = None if grain in ("", NO_GRAIN) else grain
+        if grain is not None and grain not in GRAINS:
+            raise AppError(f"unknown grain {grain!r}; choose one of {', '.join(GRAINS)} (or none)")
+        profile.check_audit(requests, tokens)
+        return measure_settings(list(self.repairs or []), tokens, threshold, min_agreement, grain, profile.max_context_tokens)
+
+
+@dataclass(frozen=True)
+class EngineInputs:
+    """How the tab simulates the serving engines, as its widgets give it: vLLM's block size and block budget, SGLang's
+    token budget, llama.cpp's ``--cache-reuse`` (a budget of 0 or empty: unbounded), the engine the log's observed
+    cached counts are compared with, and the replica counts of the fleets (comma-separated; empty: one server).
+    :meth:`cache` and :meth:`fleets` check them; the audit and both rewrite measurements read the same ones."""
+
+    block: int | float | str | None = CacheSettings.block
+    budget_blocks: int | float | str | None = 0
+    budget_tokens: int | float | str | None = 0
+    cache_reuse: int | float | str | None = 0
+    observed_engine: str = "vllm"
+    replicas: str | None = None
+
+    def cache(self) -> CacheSettings:
+        """The simulated caches' settings, checked."""
+        block = number(self.block, "block size", CacheSettings.block)
+        values = {
+            "vLLM block budget": number(self.budget_blocks, "vLLM block budget", 0),
+            "SGLang token budget": number(self.budget_tokens, "SGLang token budget", 0),
+            "llama.cpp --cache-reuse": number(self.cache_reuse, "llama.cpp --cache-reuse", 0),
+        }
+        if block < 1:
+            raise AppError(f"the block size is at least 1 token, got {block}")
+        negative = [name for name, value in values.items() if value < 0]
+        if negative:
+            raise AppError(f"the {negative[0]} cannot be negative (0: unbounded, or off)")
+        blocks, tokens, reuse = values.values()
+        return CacheSettings(block, blocks or None, tokens or None, None, reuse)
+
+    def observed(self) -> str:
+        """The engine observed counts are compared with, checked."""
+        if self.observed_engine not in OBSERVED_ENGINES:
+            raise AppError(f"observed counts are compared with one of {', '.join(OBSERVED_ENGINES)}, got {self.observed_engine!r}")
+        return self.observed_engine
+
+    def fleets(self) -> list[tuple[int, str]]:
+        """The fleets to simulate (none without replica counts), every router at each (a bad count is refused by name, as
+        the CLI refuses it)."""
+        return fleet_grid(self.replicas, None) if (self.replicas or "").strip() else []
+
+
+def taken(kind: type[Inputs], values: Mapping[str, object]) -> Inputs:
+    """``kind`` (one of the dataclasses above) from the widget values named by its fields (an event's keyword inputs)."""
+    return kind(**{field.name: values[field.name] for field in fields(kind) if field.name in values})
