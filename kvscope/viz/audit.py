@@ -680,7 +680,8 @@ def _percent(rate: float | None) -> str:
 
 
 def traffic_markdown(data: LogAudit) -> str:
-    """The log in words and tables: requests, sessions, formats and skipped records; each engine's reuse in total;
+    """The log in words and tables: requests, sessions, formats and the lines that gave no request (each with why: skipped, or
+    read with another record); each engine's reuse in total;
     per session its requests, tokens and reuse; each cause named with its line, the requests and tokens it costs
     (its occurrences are in the JSON)."""
     engines, sessions = data["engines"], data["sessions"]
@@ -689,8 +690,9 @@ def traffic_markdown(data: LogAudit) -> str:
     lines = unmeasured_lines(data)
     lines += [
         f"**{engines['requests']:,} requests** in **{len(sessions):,} session{'s' if len(sessions) != 1 else ''}**, "
-        f"{tokens:,} tokens · formats: {formats} · skipped records: {data['skipped_count']:,}",
-        *(f"- skipped: {markdown_literal(Skipped(**item).message)}" for item in data["skipped"][:MAX_TABLE_ROWS]),
+        # a line can give no request of its own and still be read (an OTel logs batch joined to its spans): each says which
+        f"{tokens:,} tokens · formats: {formats} · lines that gave no request of their own: {data['skipped_count']:,}",
+        *(f"- {markdown_literal(Skipped(**item).message)}" for item in data["skipped"][:MAX_TABLE_ROWS]),
         "",
         "**Tokens the engines reuse** (simulated, fed the log in order): "
         + " · ".join(

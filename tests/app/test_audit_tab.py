@@ -31,6 +31,7 @@ from kvscope.engine.audit.logs.render import render_request
 from kvscope.engine.audit.logs.requests import RequestLogError
 from kvscope.engine.audit.measure.turn import repaired_template
 from kvscope.engine.scenario import Scenario, bundled_logs
+from kvscope.viz.audit import MAX_TABLE_ROWS
 from kvscope.viz.common import markdown_literal
 from tests.app.conftest import TINY
 
@@ -105,7 +106,7 @@ def test_the_marked_prompt_escapes_user_text_and_marks_the_field_and_the_growth(
 def test_malformed_records_are_skipped_by_name_and_the_rest_audited(registry, sessions):
     view = run_audit(registry, sessions, LOG + '\n{not json\n{"messages": [{"role": "robot", "content": "hi"}]}', session="s", **OPTIONS)
     assert [(item["line"], item["key"]) for item in view.summary["skipped"]] == [(4, ""), (5, "message 1")]
-    assert "skipped records: 2" in view.traffic_markdown and "line 4 is not JSON" in view.traffic_markdown
+    assert "lines that gave no request of their own: 2" in view.traffic_markdown and "line 4 is not JSON" in view.traffic_markdown
     assert [turn["request"] for turn in view.summary["turns"]] == [1, 2, 3]  # the rest, audited as without them
     unrelated = run_audit(registry, sessions, _request("41", "gold", ASK) + '\n{"prompt": "else entirely"}', session="s", **OPTIONS)
     assert [cause["name"] for cause in unrelated.summary["requests"][1]["causes"]] == ["new_prefix"]  # a cold prefill, said
@@ -463,3 +464,14 @@ def test_a_rewrite_simulates_the_engines_the_tab_sets(registry):
         row["reused_tokens_before"]["vllm"] for row in default["rewrite"]
     ]
     assert all(row["reused_tokens_before"]["vllm"] % 128 == 0 for row in wide["rewrite"])
+
+
+def test_an_otel_logs_batch_read_with_its_spans_is_counted_as_what_it_is(registry, sessions):
+    """The older OTel client's export: its logs batches give no request of their own (their records were read with the
+    spans), and the traffic panel's count says so rather than calling them skipped records."""
+    text = (Path(__file__).parents[2] / "demos/logs/exports/clients/otel-2.3b0.jsonl").read_text(encoding="utf-8")
+    view = run_audit(registry, sessions, text, session="o", sample=0)
+    said, count = view.traffic_markdown, view.summary["skipped_count"]
+    listed = [line for line in said.splitlines() if line.startswith("- line ")]
+    assert count > 0 and f"lines that gave no request of their own: {count}" in said and "skipped records" not in said
+    assert len(listed) == min(count, MAX_TABLE_ROWS) and any("were read with their spans" in line for line in listed)

@@ -65,6 +65,9 @@ def test_a_server_that_does_not_answer_is_reported_at_once_as_information_naming
     with pytest.raises(AppNotice, match=rf"nothing answers at http://127.0.0.1:{port}") as raised:
         run_rewrite_on_server(registry, REWRITE, url=f"http://127.0.0.1:{port}")
     assert raised.value.warning  # a warning toast: something for the person to do, not an error badge
+    said = raised.value.markdown()  # the panel: the URL as typed (no escapes a link would show), what to do in the app
+    assert f"`http://127.0.0.1:{port}`" in said and "\\" not in said and "--endpoint" not in str(raised.value) + said
+    assert "correct the URL in the box above" in said
 
 
 def test_a_rewrite_on_a_server_simulates_the_engines_the_tab_sets(registry):

@@ -231,7 +231,7 @@ def test_engine_reuse_figure_draws_each_engines_share_per_request_and_its_total(
 
 def test_traffic_and_groups_markdown_name_sessions_causes_and_the_sample_escaped():
     text = traffic_markdown(TRAFFIC)
-    assert "**5 requests** in **2 sessions**, 450 tokens" in text and "skipped records: 1" in text
+    assert "**5 requests** in **2 sessions**, 450 tokens" in text and "lines that gave no request of their own: 1" in text
     assert (
         "line 6 is not JSON" in text
         and "| a&lt;b&gt; | 3 | 340 | 176 (52%) · 189 (56%) · 189 (56%) |" in text
