@@ -88,8 +88,10 @@ def test_a_log_gets_its_fields_every_repair_and_a_recommendation_per_turn(audite
     assert "Recommended: " in view.recommendation_markdown and r"*session\_started* “2026\-05\-12 09:41”" in view.recommendation_markdown
     timeline = {trace.name for trace in view.timeline_figure.data}
     assert {"recompute (exact prefix)", "field_only", "erratum", "hoist", "16-token blocks (vLLM)"} <= timeline
-    points = {trace.name: list(trace.text) for trace in view.fidelity_figure.data}
-    assert points["recompute"] == ["r2", "r3"] and points["field_only"] == ["r2"]  # field_only does not apply to growth
+    points = {trace.name: len(trace.x) for trace in view.fidelity_figure.data if trace.name}
+    assert points["recompute"] == 2 and points["field_only"] == 1  # field_only does not apply to growth
+    (labels,) = [trace for trace in view.fidelity_figure.data if trace.text]  # each place labelled once with its requests
+    assert {request for label in labels.text for request in label.split("·")} == {"r2", "r3"}
     assert sessions.get("a", "audit").as_dict()["turns"] == data["turns"] and sessions.get("a", "audit_traffic") == data
 
 
