@@ -248,7 +248,9 @@ def audit_traffic(
         with told:  # every forward moves the bar
             turns = measure_turns(work, measure, tick)
     except Cancelled:  # what was finished stands: the token pass, with no turn measured
-        why = f"the model pass was cancelled after {done:,} of {total:,} steps: the token pass is whole, no turn was measured"
+        whole = done // (len(measure.repairs) + 1)  # a turn's steps run together: its reference, then each repair
+        measured = f"{whole:,} of {len(chosen):,} turn{'s' if len(chosen) != 1 else ''} measured, not kept"
+        why = f"the model pass was cancelled after {done:,} of {total:,} steps ({measured}): the token pass is whole"
         unmeasured = tuple(sample_groups(scan, 0, "not measured: the model pass was cancelled"))
         return TrafficReport(lm.fingerprint.name, lm.fingerprint.dtype, scan, unmeasured, {}, measure, 0, why)
     return TrafficReport(lm.fingerprint.name, lm.fingerprint.dtype, scan, tuple(groups), turns, measure, sample)

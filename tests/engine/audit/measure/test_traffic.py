@@ -431,7 +431,8 @@ def test_a_cancelled_model_pass_keeps_the_whole_token_pass_and_says_so():
     ]
     assert cancelled_reason in [group["reason"] for group in data["groups"]]
     steps = 2 * (len(report.measure.repairs) + 1)  # two turns to measure, each unrepaired and with every repair
-    assert data["cancelled"] == f"the model pass was cancelled after 1 of {steps} steps: the token pass is whole, no turn was measured"
+    said = f"the model pass was cancelled after 1 of {steps} steps (0 of 2 turns measured, not kept): the token pass is whole"
+    assert data["cancelled"] == said
     assert "cancelled" not in expected
 
 
