@@ -454,13 +454,13 @@ def test_the_figures_and_words_count_blocks_in_the_tabs_block_size(registry, ses
 
 def test_a_rewrite_simulates_the_engines_the_tab_sets(registry):
     """The rewrite's reuse before and after is the engine's own with the tab's block size, not a default cache's."""
-    from kvscope.engine import CacheSettings, measure_rewrite
+    from kvscope.engine import CacheSettings, ScanSettings, measure_rewrite
 
     given = RewriteInputs(LOG, LOG, False, 2)
     _, default = run_rewrite(registry, given)
     _, wide = run_rewrite(registry, given, engines=EngineInputs(block=128))
     log = read_log(LOG)
-    truth = measure_rewrite(registry.get(), log, log, settings=CacheSettings(128), tokens=2)
+    truth = measure_rewrite(registry.get(), log, log, settings=ScanSettings(CacheSettings(128)), tokens=2)
     for mine, engine in zip(wide["rewrite"], truth.requests, strict=True):
         assert mine["reused_tokens_before"] == dict(engine.reused_before) and mine["reused_tokens_after"] == dict(engine.reused_after)
     assert [row["reused_tokens_before"]["vllm"] for row in wide["rewrite"]] != [

@@ -15,6 +15,7 @@ from kvscope.viz.audit import (
     candidates_html,
     engine_reuse_figure,
     fidelity_cost_figure,
+    fit_setting_words,
     groups_markdown,
     marked_prompt_html,
     recommendations_markdown,
@@ -300,6 +301,7 @@ def _observed_traffic() -> dict:
         "shortfalls": {"requests": 1, "tokens": 32},
         "excesses": {"requests": 0, "tokens": 0},
         "fit": {
+            "engine": "vllm",
             "requests_with_count": 4,
             "working_set_tokens": 300,
             "best": {"block": 32, "budget_tokens": 150, "matches": 4, "share": 1.0},
@@ -331,7 +333,7 @@ def test_the_timelines_draw_the_observed_line_mark_the_shortfalls_and_name_the_f
     text = traffic_markdown(data)
     assert "(4 of 5 requests report a cached count; compared with vLLM): hit rate observed 48% · vLLM 56% · SGLang 60%" in text
     assert "Observed equals vLLM on 3 of 4 (75%); **1 shortfall** (32 tokens) · 0 excesses (0 tokens)." in text
-    assert "Best fit: 32-token blocks, KV budget 150 tokens: 4 of 4 exactly (1 tied)." in text
+    assert "Best fit of vLLM's settings: 32-token blocks, KV budget 150 tokens: 4 of 4 exactly (1 tied)." in text
     assert "**Hosted APIs**: OpenAI (simulated): 1 request, hit rate 0%" in text
     none = traffic_markdown({**data, "observed": {**data["observed"], "requests_with_count": 0, "requests_without_count": 5}})
     assert "none of the 5 requests reports one (formats read: litellm&lt;x&gt; 5)" in none
@@ -388,3 +390,12 @@ def test_a_cancelled_model_pass_is_said_before_the_recommendations():
     assert text.split("\n\n", 1)[1] == recommendations_markdown(DATA)
     empty = fidelity_cost_figure({**cancelled, "turns": DATA["turns"][:1]})
     assert "a cancelled pass keeps no measured turn" in empty.layout.annotations[0].text
+
+
+def test_a_fitted_setting_reads_in_words_for_each_engine():
+    assert fit_setting_words({"block": 32, "budget_tokens": None, "matches": 4}) == "32-token blocks, KV budget unbounded"
+    assert fit_setting_words({"page": 16, "budget_tokens": 1200}) == "16-token pages, KV budget 1,200 tokens"
+    assert fit_setting_words({"slots": None, "prompt_cache": True, "cache_reuse": 0}) == (
+        "the server's own slot choice with its RAM prompt cache, --cache-reuse off"
+    )
+    assert fit_setting_words({"slots": 2, "prompt_cache": False, "cache_reuse": 64}) == "-np 2, a slot per session, --cache-reuse 64"
