@@ -125,9 +125,12 @@ def test_fused_report_equals_strategy_by_strategy(lm, scenario, longer):
         if one.applicable:
             assert together.decision.margin == pytest.approx(one.decision.margin, abs=1e-4), name
             assert together.tokens_recomputed == one.tokens_recomputed, name
-    fused_only = [r for n, r in fused.strategies.items() if r.applicable and n not in ("auto", "field_only")]
+    alone = ("auto", "field_only", "full_downstream")  # auto runs its own; field_only and full_downstream: forwards of their own
+    fused_only = [r for n, r in fused.strategies.items() if r.applicable and n not in alone]
     assert all("fused forward" in r.detail["timing"] for r in fused_only)
     assert "timing" not in fused.strategies["field_only"].detail  # a reference: read and timed on its own
+    assert "timing" not in fused.strategies["full_downstream"].detail
+    assert fused.strategies["full_downstream"].decision.scores == fused.oracle.decision.scores  # the oracle's computation
 
 
 @pytest.mark.parametrize("suffix", ["", " and also confirmed by the manager"])

@@ -24,6 +24,7 @@ from kvscope.engine.audit.measure.turn import AuditReport, changed_field, scenar
 from kvscope.engine.cache.decision import RECOVERY_MIN_GAP, Decision, logit_agreement
 from kvscope.engine.cache.loaded import LoadedModel
 from kvscope.engine.cache.notebook import Notebook
+from kvscope.engine.edit.runs import run_scenario
 from kvscope.engine.progress import MessageProgress
 from kvscope.engine.scenario import Scenario, encode, render
 
@@ -131,19 +132,20 @@ def notes_scenario(
     base = scenario_toml(report, ("yes", "no"), request=request, field=field)  # placeholders, replaced by the model's answers below
     scenario = Scenario.from_toml(base, source="audited request")
     field, spec = next(iter(scenario.fields.items()))
-    notebooks, generated, first = {}, {}, {}
+    generated, first = {}, {}
     for side, value in (("old", spec.old), ("new", spec.new)):
         if progress:
             progress(f"reading the model's own answers: clean prefill with the {side} value of {field} ({value!r})")
-        notebooks[side], generated[side], first[side] = _continue(lm, scenario, field, value, tokens)
+        _, generated[side], first[side] = _continue(lm, scenario, field, value, tokens)
     answers, divergence = _answers(lm, generated["old"], generated["new"], first["old"])
     text = dataclasses.replace(scenario, answers={answer.strip(): (answer,) for answer in answers}).to_toml()  # each its own label
     final = Scenario.from_toml(text, source="audited request")
-    sides = {}
-    for side, value in (("old", spec.old), ("new", spec.new)):
-        prompt = render(final, lm.tokenizer, {field: value})  # the same context ids: only the answers changed
-        decision = notebooks[side].read_prompt(prompt, answer_texts=final.answers)
-        sides[side] = Continuation(value, lm.tokenizer.decode(generated[side]), decision)
+    stale = run_scenario(lm, final, {field: spec.old})  # the Notes tab's reads of this scenario: the same margins
+    decisions = {"old": stale.decision, "new": run_scenario(lm, final, {field: spec.new}, reuse=stale).decision}
+    sides = {
+        side: Continuation(value, lm.tokenizer.decode(generated[side]), decisions[side])
+        for side, value in (("old", spec.old), ("new", spec.new))
+    }
     source = ALTERNATIVES if divergence is None else DIVERGENCE
     kl = logit_agreement(first["new"], first["old"])["kl"]
     return NotesScenario(text, field, tuple(final.answers), source, divergence, kl, sides["old"], sides["new"])
