@@ -108,7 +108,9 @@ def model_metrics_figure(comparison: Mapping) -> go.Figure:
     if not models:
         return message_figure("No model compared yet")
     names = [_tick_name(row["model"]) for row in models]
-    figure = make_subplots(rows=1, cols=4, subplot_titles=("recovery", "notes depth", "read heads", "splice cosine"))
+    # Two by two: each panel half the figure's width, so three models' upright names stay under their own bars.
+    titles = ("recovery", "notes depth", "read heads", "splice cosine")
+    figure = make_subplots(rows=2, cols=2, subplot_titles=titles, vertical_spacing=0.3, horizontal_spacing=0.12)
     strategies = comparison.get("strategies") or list(models[0]["recoveries"])
     for index, strategy in enumerate(strategies):
         figure.add_bar(
@@ -119,11 +121,11 @@ def model_metrics_figure(comparison: Mapping) -> go.Figure:
             row=1,
             col=1,
         )
-    for col, key in ((2, "notes_depth"), (3, "read_heads"), (4, "splice_cosine")):
-        figure.add_bar(x=names, y=[row.get(key) for row in models], marker_color=GREY, showlegend=False, row=1, col=col)
+    for (row, col), key in (((1, 2), "notes_depth"), ((2, 1), "read_heads"), ((2, 2), "splice_cosine")):
+        figure.add_bar(x=names, y=[model.get(key) for model in models], marker_color=GREY, showlegend=False, row=row, col=col)
     figure.update_yaxes(range=[0, 1], tickformat=".0%", row=1, col=2)  # the share of the model's layers
-    figure.update_xaxes(tickangle=0, automargin=True)  # upright, wrapped names stay inside their own panel
-    figure.update_layout(height=460, barmode="group", legend={**LEGEND_BELOW, "y": -0.3}, margin={"b": 130})
+    figure.update_xaxes(tickangle=0)  # upright, wrapped names stay inside their own panel
+    figure.update_layout(height=720, barmode="group", legend={**LEGEND_BELOW, "y": -0.16}, margin={"b": 120})
     set_title(figure, "The compared models side by side", subplot_titles=1)
     return figure
 
