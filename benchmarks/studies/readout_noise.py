@@ -44,12 +44,16 @@ def margins(lm: LoadedModel, scenario: Scenario) -> dict[str, float | None]:
     }
 
 
-def model_dtype_readout(lm: LoadedModel) -> None:
-    """Put back the norm's and head's own forwards (the path the float32 readout replaced), keeping the install's mark."""
+def readout(lm: LoadedModel, float32: bool) -> None:
+    """The engine's float32 readout, or (``float32=False``) the norm's and head's own forwards in the model's dtype: the
+    path the float32 readout replaced."""
     adapter.install(lm.model)
-    for module in (adapter.final_norm(lm.model), lm.model.get_output_embeddings()):
-        if module is not None:
-            module.__dict__.pop("forward", None)
+    modules = [module for module in (adapter.final_norm(lm.model), lm.model.get_output_embeddings()) if module is not None]
+    for module in modules:
+        module.__dict__.pop("forward", None)
+    modules[-1].__dict__.pop(adapter.FLOAT32_READOUT, None)
+    if float32:
+        adapter.install_float32_readout(lm.model)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -59,31 +63,35 @@ def main(argv: list[str] | None = None) -> None:
     parser.set_defaults(dtype="bfloat16")
     args = parser.parse_args(argv)
     names = [name.strip() for name in args.scenarios.split(",")] if args.scenarios else sorted(bundled_scenarios())
-    scenarios = {name: Scenario.load(bundled_scenarios()[name]) for name in names}
-    load_before, reads = os.getloadavg()[0], {}
+    load_before, reads = os.getloadavg()[0], {"float32": {}, "float32_readout": {}, "model_dtype_readout": {}}
     reference = load_model(args.model, device=args.device, dtype="float32", progress=print)
-    reads["float32"] = {name: margins(reference, scenario) for name, scenario in scenarios.items()}
-    del reference
     lm = load_model(args.model, device=args.device, dtype=args.dtype, progress=print)
-    reads["float32_readout"] = {name: margins(lm, scenario) for name, scenario in scenarios.items()}
-    model_dtype_readout(lm)
-    reads["model_dtype_readout"] = {name: margins(lm, scenario) for name, scenario in scenarios.items()}
-    rows = {name: _row(reads, name) for name in names}
-    data = {
-        "dtype": args.dtype,
-        "margins": list(MARGINS),
-        "noise_floor": max(value for row in rows.values() for value in row["float32_readout"].values() if value is not None),
-        "noise_floor_model_dtype_readout": max(
-            value for row in rows.values() for value in row["model_dtype_readout"].values() if value is not None
-        ),
-        "load_before": load_before,
-        "load_after": os.getloadavg()[0],
-        "scenarios": rows,
-    }
-    for name, row in rows.items():
-        print(f"{name:>26}: |Δ| {row['float32_readout']} (model-dtype readout {row['model_dtype_readout']})")
-    print(f"noise floor {data['noise_floor']} (model-dtype readout {data['noise_floor_model_dtype_readout']})")
-    print(f"wrote {common.write_result('readout_noise', lm, data, Path(args.out))}")
+    for name in names:  # one scenario at a time, the JSON rewritten after each: a run cut short keeps what it measured
+        scenario = Scenario.load(bundled_scenarios()[name])
+        reads["float32"][name] = margins(reference, scenario)
+        for read in ("float32_readout", "model_dtype_readout"):
+            readout(lm, read == "float32_readout")
+            reads[read][name] = margins(lm, scenario)
+        readout(lm, True)
+        rows = {done: _row(reads, done) for done in reads["float32"]}
+        print(f"{name:>26}: |Δ| {rows[name]['float32_readout']} (model-dtype readout {rows[name]['model_dtype_readout']})", flush=True)
+        data = {
+            "dtype": args.dtype,
+            "margins": list(MARGINS),
+            "noise_floor": _largest(rows, "float32_readout"),
+            "noise_floor_model_dtype_readout": _largest(rows, "model_dtype_readout"),
+            "scenarios_measured": len(rows),
+            "load_before": load_before,
+            "load_after": os.getloadavg()[0],
+            "scenarios": rows,
+        }
+        path = common.write_result("readout_noise", lm, data, Path(args.out))
+    print(f"noise floor {data['noise_floor']} (model-dtype readout {data['noise_floor_model_dtype_readout']}); wrote {path}")
+
+
+def _largest(rows: dict, read: str) -> float:
+    """The largest |read − float32| over every scenario and margin measured."""
+    return max(value for row in rows.values() for value in row[read].values() if value is not None)
 
 
 def _row(reads: dict, name: str) -> dict:

@@ -29,6 +29,13 @@ def margin_noise(dtype: str) -> float:
     return MARGIN_NOISE.get(dtype, 0.0)
 
 
+def recovery_gap(dtype: str, min_gap: float = RECOVERY_MIN_GAP) -> float:
+    """The smallest stale → oracle margin change a recovery is measured against in ``dtype``: ``min_gap`` plus the
+    dtype's noise floor, so a change its rounding alone could make is never a finding (a bfloat16 read and a float32
+    one then agree on whether there is anything to recover)."""
+    return min_gap + margin_noise(dtype)
+
+
 def noise_words(dtype: str, effect: float | None = None) -> str:
     """What the noise floor means for margins read in ``dtype`` (plain text; empty in float32), and where ``effect`` (a
     margin change) is within it, that it is and how to read it exactly."""

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from functools import cached_property
 
-from kvscope.engine.cache.decision import Decision, Recovery, recovery
+from kvscope.engine.cache.decision import Decision, Recovery, recovery, recovery_gap
 from kvscope.engine.cache.loaded import LoadedModel, dtype_name
 from kvscope.engine.cache.notebook import Knockout, Notebook, NotebookError
 from kvscope.engine.cache.patching import EffectMap, attribution_effects, kv_deviation
@@ -210,9 +210,15 @@ class EditExperiment:
         return self.cot_decision(self.stale.notebook)[0], self.cot_decision(self.oracle.notebook)[0]
 
     # ------------------------------------------------------------------ running strategies
+    @property
+    def min_gap(self) -> float:
+        """The smallest stale → oracle margin change a recovery is measured against: the settings' bar plus the model
+        dtype's noise floor (:func:`recovery_gap`)."""
+        return recovery_gap(dtype_name(self.lm.dtype), self.settings.min_gap)
+
     def recovery_of(self, decision: Decision) -> Recovery:
         """Recovery of a decision between this experiment's stale (0) and oracle (1) margins."""
-        return recovery(decision.margin, self.stale.decision.margin, self.oracle.decision.margin, self.settings.min_gap)
+        return recovery(decision.margin, self.stale.decision.margin, self.oracle.decision.margin, self.min_gap)
 
     def _build(self, name: str) -> tuple[Notebook, int, dict, float] | StrategyResult:
         """A fusable strategy's cache, tokens, detail and build ms, or its not-applicable result."""

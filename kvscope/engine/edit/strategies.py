@@ -143,6 +143,7 @@ class EditContext(Protocol):
     old: str
     new: str
     settings: EditSettings
+    min_gap: float  # the settings' bar plus the dtype's noise floor
     stale: ScenarioRun
     prompt: RenderedPrompt
     new_prompt: RenderedPrompt
@@ -221,7 +222,7 @@ def _field_only_cot(experiment: "EditContext") -> StrategyResult:
     ms = watch.ms  # the baselines' chains are the experiment's, not this strategy's
     stale, oracle = experiment.cot_baselines
     detail = {"chain": chain, "stale_cot_margin": round(stale.margin, 4), "oracle_cot_margin": round(oracle.margin, 4)}
-    gain = recovery(decision.margin, stale.margin, oracle.margin, experiment.settings.min_gap)
+    gain = recovery(decision.margin, stale.margin, oracle.margin, experiment.min_gap)
     return StrategyResult("field_only_cot", True, decision, gain, len(experiment.field_positions), ms, detail=detail, notebook=notebook)
 
 
