@@ -22,23 +22,20 @@ def _loud(lm, scale: float = 400.0):
     return lm
 
 
+def _prefill(lm, ids: torch.Tensor) -> adapter.ForwardResult:
+    """A causal prefill of ``ids`` through the engine's forward, every row's logits kept."""
+    count = len(ids)
+    allowed = torch.ones(count, count, dtype=torch.bool).tril()
+    return adapter.forward(lm.model, [], [], torch.arange(0), ids, torch.arange(count), allowed, logit_rows=torch.arange(count))
+
+
 def _reference(lm, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(the engine's logits, a float32 readout of the same last hidden state in the model's dtype), for every row."""
     captured = []
     norm = adapter.final_norm(lm.model)
     handle = norm.register_forward_pre_hook(lambda module, args: captured.append(args[0].detach()))
     try:
-        count = len(ids)
-        result = adapter.forward(
-            lm.model,
-            [],
-            [],
-            torch.arange(0),
-            ids,
-            torch.arange(count),
-            torch.ones(count, count, dtype=torch.bool).tril(),
-            logit_rows=torch.arange(count),
-        )
+        result = _prefill(lm, ids)
     finally:
         handle.remove()
     hidden = captured[-1]
@@ -72,17 +69,7 @@ def test_a_float32_model_reads_as_it_did_bit_for_bit():
     lm = tiny_model("qwen2")
     ids = torch.tensor(lm.tokenizer.encode("the account tier is gold")[:8])
     plain = lm.model(input_ids=ids[None]).logits[0]  # the model's own forward before the readout is installed
-    count = len(ids)
-    engine = adapter.forward(
-        lm.model,
-        [],
-        [],
-        torch.arange(0),
-        ids,
-        torch.arange(count),
-        torch.ones(count, count, dtype=torch.bool).tril(),
-        logit_rows=torch.arange(count),
-    ).logits
+    engine = _prefill(lm, ids).logits
     assert torch.allclose(engine, plain, atol=1e-5)
     assert torch.equal(lm.model(input_ids=ids[None]).logits[0], plain)  # the installed readout leaves float32 untouched
 
