@@ -18,6 +18,7 @@ CARD_CSS = """
 .kv-card.na{opacity:.55;background:#f6f8fa}
 .kv-card.ref{border-style:dashed}
 .kv-card .big{font-size:18px;font-weight:600}
+.kv-noise.within{border-left:4px solid #e76f51;padding-left:8px}
 .kv-notes{font-size:16px;margin:4px 0 8px 0;padding:6px 10px;border-left:4px solid #6a4c93;background:#f6f2fb}
 </style>
 """
@@ -68,7 +69,17 @@ def strategy_cards_html(report: EditReport, dtype: str | None = None) -> str:
         + "</p>"
     )
     legend = f'<p class="kv-legend"><small>{html.escape(RECOVERY_WORDS)} Hover a name for what the strategy does.</small></p>'
-    return CARD_CSS + notes_headline_html(report.notes, dtype) + headline + '<div class="kv-cards">' + "".join(cards) + "</div>" + legend
+    body = headline + noise_html(report.noise_words(), report.within_noise) + '<div class="kv-cards">' + "".join(cards) + "</div>"
+    return CARD_CSS + notes_headline_html(report.notes, dtype) + body + legend
+
+
+def noise_html(words: str, within: bool) -> str:
+    """The noise floor of the margins shown (``words``: the engine's sentence; nothing in float32), marked where the
+    change's effect is within it."""
+    if not words:
+        return ""
+    marked = " within" if within else ""
+    return f'<p class="kv-noise{marked}" id="noise-floor" data-within="{str(within).lower()}"><small>{html.escape(words)}</small></p>'
 
 
 def notes_headline_html(notes: NotesShare, dtype: str | None = None) -> str:

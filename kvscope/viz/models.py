@@ -3,11 +3,14 @@ with the paper's 7–9B values beside the compared models, and each model's numb
 
 from __future__ import annotations
 
+import html
+import re
 from collections.abc import Callable, Mapping
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from kvscope.engine.cache.decision import noise_words
 from kvscope.viz.common import GREY, LEGEND_BELOW, PALETTE, markdown_literal, message_figure, safe_label, set_title
 
 PAPER_COLOUR = "#264653"
@@ -20,6 +23,25 @@ def _billions(parameters: int) -> str:
 
 def _short(model: str) -> str:
     return model.split(":", 1)[-1]
+
+
+TICK_CHARS = 11  # a tick line under a bar of one of four panels at 1,000 px (three models: ~80 px a bar)
+
+
+def _tick_name(model: str, width: int = TICK_CHARS, lines: int = 3) -> str:
+    """A model's name as an upright tick label of short lines, broken after - _ / . or a space (never inside a run of
+    letters unless a run is longer than a line), at most ``lines`` lines: a rotated label would run into the next panel."""
+    parts = re.findall(r"[^-_/. ]*[-_/. ]?", html.unescape(safe_label(_short(model), 60)))  # escaped again per line
+    rows: list[str] = []
+    for part in (p for p in parts if p):
+        for piece in (part[i : i + width] for i in range(0, len(part), width)):
+            if rows and len(rows[-1]) + len(piece) <= width:
+                rows[-1] += piece
+            else:
+                rows.append(piece)
+    if len(rows) > lines:
+        rows = rows[: lines - 1] + [rows[lines - 1][: width - 1] + "…"]
+    return "<br>".join(html.escape(row, quote=False) for row in rows)
 
 
 def notes_share_figure(comparison: Mapping) -> go.Figure:
@@ -85,8 +107,10 @@ def model_metrics_figure(comparison: Mapping) -> go.Figure:
     models = comparison.get("models") or []
     if not models:
         return message_figure("No model compared yet")
-    names = [safe_label(_short(row["model"]), 30) for row in models]
-    figure = make_subplots(rows=1, cols=4, subplot_titles=("recovery", "notes depth", "read heads", "splice cosine"))
+    names = [_tick_name(row["model"]) for row in models]
+    # Two by two: each panel half the figure's width, so three models' upright names stay under their own bars.
+    titles = ("recovery", "notes depth", "read heads", "splice cosine")
+    figure = make_subplots(rows=2, cols=2, subplot_titles=titles, vertical_spacing=0.3, horizontal_spacing=0.12)
     strategies = comparison.get("strategies") or list(models[0]["recoveries"])
     for index, strategy in enumerate(strategies):
         figure.add_bar(
@@ -97,11 +121,11 @@ def model_metrics_figure(comparison: Mapping) -> go.Figure:
             row=1,
             col=1,
         )
-    for col, key in ((2, "notes_depth"), (3, "read_heads"), (4, "splice_cosine")):
-        figure.add_bar(x=names, y=[row.get(key) for row in models], marker_color=GREY, showlegend=False, row=1, col=col)
+    for (row, col), key in (((1, 2), "notes_depth"), ((2, 1), "read_heads"), ((2, 2), "splice_cosine")):
+        figure.add_bar(x=names, y=[model.get(key) for model in models], marker_color=GREY, showlegend=False, row=row, col=col)
     figure.update_yaxes(range=[0, 1], tickformat=".0%", row=1, col=2)  # the share of the model's layers
-    figure.update_xaxes(tickangle=-30)  # model names stay readable in four narrow panels
-    figure.update_layout(height=460, barmode="group", legend={**LEGEND_BELOW, "y": -0.5}, margin={"b": 150})
+    figure.update_xaxes(tickangle=0)  # upright, wrapped names stay inside their own panel
+    figure.update_layout(height=720, barmode="group", legend={**LEGEND_BELOW, "y": -0.16}, margin={"b": 120})
     set_title(figure, "The compared models side by side", subplot_titles=1)
     return figure
 
@@ -147,6 +171,9 @@ def comparison_markdown(comparison: Mapping) -> str:
         shares = ", ".join(f"{markdown_literal(p['model'])} {p['notes_share']:.3f}" for p in paper)
         lines += ["", f"The paper's notes shares at 7–9B (1 − field-only recovery): {shares}."]
     for row in models:
+        words = noise_words(row["details"]["dtype"], row["details"].get("delta_margin"))
+        if words:
+            lines.append(f"- {markdown_literal(_short(row['model']))}: {markdown_literal(words)}")
         for number, reason in row["details"].get("missing", {}).items():
             lines.append(f"- {markdown_literal(_short(row['model']))}: {markdown_literal(number)} is missing: {markdown_literal(reason)}")
     return "\n".join(lines)

@@ -84,3 +84,13 @@ def test_the_benchmark_figure_draws_every_model():
     figure = compare_models_figure(data)
     assert {trace.name for trace in figure.data} >= {"flip under a clean prefill", "notes demos"}
     assert "float32" in figure.layout.title.text
+
+
+def test_the_side_by_side_names_are_upright_short_lines_inside_their_own_panel():
+    long = "smollm2:HuggingFaceTB/SmolLM2-135M-Instruct"
+    comparison = COMPARISON | {"models": [COMPARISON["models"][0] | {"model": long}]}
+    figure = model_metrics_figure(comparison)
+    names = {name for trace in figure.data for name in trace.x}
+    assert names == {"HuggingFace<br>TB/SmolLM2-<br>135M-…"} and all(len(line) <= 11 for line in next(iter(names)).split("<br>"))
+    assert {axis.tickangle for axis in (figure.layout.xaxis, figure.layout.xaxis2, figure.layout.xaxis3, figure.layout.xaxis4)} == {0}
+    assert figure.layout.xaxis.domain[1] < figure.layout.xaxis2.domain[0]  # two panels a row, each half the width

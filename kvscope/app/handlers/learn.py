@@ -8,7 +8,7 @@ from kvscope.app.handlers.common import NOTES_SCENARIO, bundled_scenario_text, g
 from kvscope.app.handlers.composer import Composition, run_compose
 from kvscope.app.handlers.notes import experiment
 from kvscope.app.state import ModelRegistry, SessionStore
-from kvscope.engine import DEFAULT_STRATEGIES, EditExperiment, dtype_name
+from kvscope.engine import EditExperiment, dtype_name
 from kvscope.viz import learn
 from kvscope.viz.cards import strategy_cards_html
 from kvscope.viz.decision import decision_figure
@@ -46,11 +46,7 @@ def learn_step(
         )
     if index in LEARN_STRATEGIES:
         edited = _learn_experiment(registry, sessions, session, spec)
-        # Both steps' strategies are read as the Notes tab's default edit reads them, the four in one fused forward (once
-        # per session): in bfloat16 a forward shared with other caches gives a slightly different margin, and
-        # full_downstream read 0.97 on the Notes tab against 1.00 here when each step read only its own two.
-        edited.report(list(DEFAULT_STRATEGIES), fused=True)
-        report = edited.report(LEARN_STRATEGIES[index], fused=True)
+        report = edited.report(LEARN_STRATEGIES[index], fused=True)  # as the Notes tab's default edit reads them
         cards = strategy_cards_html(report, dtype_name(lm.dtype))
         return learn.strategies_html(report, index) + cards, strategy_figure(report)
     view = run_compose(registry, Composition([SPLICED_SKILL], after=NOTES_SCENARIO), spec=spec)  # the default remedy

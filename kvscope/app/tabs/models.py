@@ -15,6 +15,13 @@ MODELS_INTRO = (
     "the server drops what no longer fits its memory budget and says so below."
 )
 
+# The table's row names never break inside a word (Gradio's prose breaks words anywhere: "field_erratu m" beside three
+# long model names at 1,000 px); the model names in its header break where they must.
+TABLE_CSS = """<style>
+#compare-summary th:first-child,#compare-summary td:first-child{white-space:nowrap;word-break:keep-all;overflow-wrap:normal}
+#compare-summary th{overflow-wrap:anywhere}
+</style>"""
+
 
 def build(ctx: TabContext) -> None:
     """The Models tab."""
@@ -34,6 +41,7 @@ def build(ctx: TabContext) -> None:
                 scale=4,
             )
             run = gr.Button("Compare models", variant="primary", elem_id="compare-run", scale=1)
+        gr.HTML(TABLE_CSS, padding=False, elem_id="compare-table-css")
         summary = gr.Markdown(elem_id="compare-summary")
         share_plot = gr.Plot(label="Notes share against model size, beside the paper's 7–9B models", elem_id="compare-share")
         metrics_plot = gr.Plot(label="Recoveries, notes depth, read heads and splice cosine per model", elem_id="compare-metrics")

@@ -102,96 +102,118 @@ class NotesTab:
     def __init__(self, page: Page) -> None:
         self.page = page
         first_text = bundled_scenario_text(NOTES_SCENARIO)
-        first = scenario_choices(first_text)
         self.heads = page.registry.get().info()["attention_heads"]
         with gr.Tab("Notes", id="notes"):
             with gr.Row():
                 with gr.Column(scale=2):
-                    pick = gr.Dropdown(sorted(bundled_scenarios()), value=NOTES_SCENARIO, label="Bundled scenario", elem_id="scenario")
-                    upload = gr.File(label="…or upload a scenario TOML", file_types=[".toml"], type="filepath", elem_id="scenario-upload")
-                    editor = gr.Code(first_text, language=None, label="Scenario (TOML, editable)", elem_id="scenario-editor", lines=14)
+                    pick, upload, editor = self._scenario_column(first_text)
                 with gr.Column(scale=1):
-                    description = gr.Markdown(first.description, elem_id="scenario-description")
-                    field = gr.Dropdown(first.fields, value=first.fields[0], label="Field", allow_custom_value=True, elem_id="field")
-                    new_value = gr.Dropdown(first.values, value=first.new, label="New value", allow_custom_value=True, elem_id="new-value")
-                    self.strategies = LenientCheckboxGroup(
-                        OFFERED_STRATEGIES,
-                        value=list(DEFAULT_STRATEGIES),
-                        label="Strategies",
-                        info=strategy_glossary(STRATEGIES),
-                        elem_id="strategies",
-                    )
-                    self.top_k = LenientSlider(1, 64, value=8, step=1, label="K (field_topk, knockout)", elem_id="top-k")
-                    self.separately = gr.Checkbox(
-                        False, label="Time each strategy on its own (slower; default reads all in one forward)", elem_id="separately"
-                    )
-                    edit_button = gr.Button("Edit the field", variant="primary", elem_id="run-edit")
-                    baseline = gr.Markdown(elem_id="baseline")
-            cards = gr.HTML(elem_id="strategy-cards")
-            with gr.Row():
-                strategy_plot = gr.Plot(label="Margins by strategy", elem_id="strategy-plot", min_width=PAIRED_PLOT_MIN_WIDTH)
-                self.frontier_plot = gr.Plot(
-                    label="Cost–quality frontier (runs after the edit)", elem_id="frontier-plot", min_width=PAIRED_PLOT_MIN_WIDTH
-                )
-            notes_text = gr.HTML(label="Context coloured by notes effect", elem_id="notes-text")
-            with gr.Row():
-                self.head = LenientSlider(
-                    -1, self.heads - 1, value=-1, step=1, label="Attention head (-1 = mean over heads)", elem_id="head"
-                )
-                self.all_positions = gr.Checkbox(
-                    False, label="Notes map: show every context position (default: the field and after)", elem_id="notes-all-positions"
-                )
-            with gr.Row():
-                attention_plot = gr.Plot(
-                    label="Attention from the decision token", elem_id="attention-plot", min_width=PAIRED_PLOT_MIN_WIDTH
-                )
-                notes_plot = gr.Plot(label="Notes map (layer × position)", elem_id="notes-plot", min_width=PAIRED_PLOT_MIN_WIDTH)
-            with gr.Accordion("Knockout: hide tokens from the decision", open=False):
-                with gr.Row():
-                    knockout_positions = gr.Textbox(label="Positions (e.g. 40, 41, 57); empty = top-K notes", elem_id="knockout-positions")
-                    knockout_button = gr.Button("Knock out and re-read", elem_id="run-knockout")
-                knockout_text = gr.Markdown(elem_id="knockout-result")
-                knockout_plot = gr.Plot(label="Decision after knockout", elem_id="knockout-plot")
-            edit_json = gr.JSON(label="Result", elem_id="edit-json")
-            self.frontier_json = gr.JSON(label="Frontier", elem_id="frontier-json", visible=False)
-            with gr.Row():
-                with gr.Column(scale=1, min_width=200):
-                    notes_export = gr.Button("Export JSON, figures, script + notebook", elem_id="export-notes")
-                    self.copy_link = gr.Button("Copy link", elem_id="copy-link")
-                notes_files = gr.File(label="Exported files", file_count="multiple", elem_id="notes-files", scale=2)
-            self.link_box = gr.Textbox(label="Link to this state", info=permalink.BOUND_WORDS, elem_id="permalink", buttons=["copy"])
-            self.link_status = gr.Markdown(elem_id="permalink-status")
-            recipe = gr.State(None)  # what computed the result shown: the export writes it as a script and a notebook
+                    description, field, new_value, edit_button, baseline = self._edit_column(scenario_choices(first_text))
+            self._result_views()
+            self._knockout_views()
+            self._export_views()
+            self.recipe = gr.State(None)  # what computed the result shown: the export writes it as a script and a notebook
 
-        stale = (cards, strategy_plot, self.frontier_plot, notes_text, attention_plot, notes_plot, knockout_text, knockout_plot)
-        stale += (edit_json, self.link_box, self.link_status)
+        stale = (self.cards, self.strategy_plot, self.frontier_plot, self.notes_text, self.attention_plot, self.notes_plot)
+        stale += (self.knockout_text, self.knockout_plot, self.edit_json, self.link_box, self.link_status)
         self.inputs = NotesInputs(editor, field, new_value, baseline, description, pick, stale)
-        self.edit_outputs = [cards, strategy_plot, notes_text, attention_plot, notes_plot, edit_json, page.session, recipe]
-        self.edit_json, self.recipe = edit_json, recipe  # the session's whole result, and the recipe that reruns it
+        self.edit_outputs = [self.cards, self.strategy_plot, self.notes_text, self.attention_plot, self.notes_plot, self.edit_json]
+        self.edit_outputs += [page.session, self.recipe]
         self._wire_scenario(upload)
-        self._wire_edit(edit_button, notes_plot)
-        knockout_button.click(
+        self._wire_edit(edit_button, self.notes_plot)
+        self._wire_knockout()
+        self._wire_export()
+
+    # ------------------------------------------------------------------------ layout
+    def _scenario_column(self, first_text: str) -> tuple[gr.Dropdown, gr.File, gr.Code]:
+        """The bundled menu, the upload and the editor."""
+        pick = gr.Dropdown(sorted(bundled_scenarios()), value=NOTES_SCENARIO, label="Bundled scenario", elem_id="scenario")
+        upload = gr.File(label="…or upload a scenario TOML", file_types=[".toml"], type="filepath", elem_id="scenario-upload")
+        editor = gr.Code(first_text, language=None, label="Scenario (TOML, editable)", elem_id="scenario-editor", lines=14)
+        return pick, upload, editor
+
+    def _edit_column(self, first) -> tuple[gr.Markdown, gr.Dropdown, gr.Dropdown, gr.Button, gr.Markdown]:
+        """The scenario's description, field and value menus, the strategies and settings, the edit button and the
+        current decision."""
+        description = gr.Markdown(first.description, elem_id="scenario-description")
+        field = gr.Dropdown(first.fields, value=first.fields[0], label="Field", allow_custom_value=True, elem_id="field")
+        new_value = gr.Dropdown(first.values, value=first.new, label="New value", allow_custom_value=True, elem_id="new-value")
+        self.strategies = LenientCheckboxGroup(
+            OFFERED_STRATEGIES, value=list(DEFAULT_STRATEGIES), label="Strategies", info=strategy_glossary(STRATEGIES), elem_id="strategies"
+        )
+        self.top_k = LenientSlider(1, 64, value=8, step=1, label="K (field_topk, knockout)", elem_id="top-k")
+        self.separately = gr.Checkbox(
+            False, label="Time each strategy on its own (slower; default reads all in one forward)", elem_id="separately"
+        )
+        edit_button = gr.Button("Edit the field", variant="primary", elem_id="run-edit")
+        return description, field, new_value, edit_button, gr.Markdown(elem_id="baseline")
+
+    def _result_views(self) -> None:
+        """The cards, the strategy and frontier figures, the coloured context, the attention and the notes map."""
+        self.cards = gr.HTML(elem_id="strategy-cards")
+        with gr.Row():
+            self.strategy_plot = gr.Plot(label="Margins by strategy", elem_id="strategy-plot", min_width=PAIRED_PLOT_MIN_WIDTH)
+            self.frontier_plot = gr.Plot(
+                label="Cost–quality frontier (runs after the edit)", elem_id="frontier-plot", min_width=PAIRED_PLOT_MIN_WIDTH
+            )
+        self.notes_text = gr.HTML(label="Context coloured by notes effect", elem_id="notes-text")
+        with gr.Row():
+            self.head = LenientSlider(-1, self.heads - 1, value=-1, step=1, label="Attention head (-1 = mean over heads)", elem_id="head")
+            self.all_positions = gr.Checkbox(
+                False, label="Notes map: show every context position (default: the field and after)", elem_id="notes-all-positions"
+            )
+        with gr.Row():
+            self.attention_plot = gr.Plot(
+                label="Attention from the decision token", elem_id="attention-plot", min_width=PAIRED_PLOT_MIN_WIDTH
+            )
+            self.notes_plot = gr.Plot(label="Notes map (layer × position)", elem_id="notes-plot", min_width=PAIRED_PLOT_MIN_WIDTH)
+
+    def _knockout_views(self) -> None:
+        with gr.Accordion("Knockout: hide tokens from the decision", open=False):
+            with gr.Row():
+                self.knockout_positions = gr.Textbox(label="Positions (e.g. 40, 41, 57); empty = top-K notes", elem_id="knockout-positions")
+                self.knockout_button = gr.Button("Knock out and re-read", elem_id="run-knockout")
+            self.knockout_text = gr.Markdown(elem_id="knockout-result")
+            self.knockout_plot = gr.Plot(label="Decision after knockout", elem_id="knockout-plot")
+
+    def _export_views(self) -> None:
+        """The session's result, the export and the link to this state."""
+        self.edit_json = gr.JSON(label="Result", elem_id="edit-json")
+        self.frontier_json = gr.JSON(label="Frontier", elem_id="frontier-json", visible=False)
+        with gr.Row():
+            with gr.Column(scale=1, min_width=200):
+                self.notes_export = gr.Button("Export JSON, figures, script + notebook", elem_id="export-notes")
+                self.copy_link = gr.Button("Copy link", elem_id="copy-link")
+            self.notes_files = gr.File(label="Exported files", file_count="multiple", elem_id="notes-files", scale=2)
+        self.link_box = gr.Textbox(label="Link to this state", info=permalink.BOUND_WORDS, elem_id="permalink", buttons=["copy"])
+        self.link_status = gr.Markdown(elem_id="permalink-status")
+
+    def _wire_knockout(self) -> None:
+        page = self.page
+        self.knockout_button.click(
             page.action(self.on_knockout),
-            inputs_kwargs={"session": page.session, "positions": knockout_positions, "top_k": self.top_k, "made": recipe},
-            outputs=[knockout_text, knockout_plot, edit_json, page.session, recipe],
+            inputs_kwargs={"session": page.session, "positions": self.knockout_positions, "top_k": self.top_k, "made": self.recipe},
+            outputs=[self.knockout_text, self.knockout_plot, self.edit_json, page.session, self.recipe],
             api_name="knockout",
             **page.model_bound(),
         )
+
+    def _wire_export(self) -> None:
         plots = {
-            "strategy_plot": strategy_plot,
+            "strategy_plot": self.strategy_plot,
             "frontier_plot": self.frontier_plot,
-            "attention_plot": attention_plot,
-            "notes_plot": notes_plot,
-            "knockout_plot": knockout_plot,
+            "attention_plot": self.attention_plot,
+            "notes_plot": self.notes_plot,
+            "knockout_plot": self.knockout_plot,
         }
-        page.export_on(
-            notes_export,
+        self.page.export_on(
+            self.notes_export,
             "kvscope-notes",
-            result=edit_json,
-            recipe=recipe,
+            result=self.edit_json,
+            recipe=self.recipe,
             plots=plots,
-            views={"notes_text": notes_text},
-            files=notes_files,
+            views={"notes_text": self.notes_text},
+            files=self.notes_files,
             api_name="export_notes",
         )
 
@@ -322,6 +344,33 @@ class NotesTab:
         """Copy link writes this tab's state (and the composer's remedy) as a link; a page opened from one restores
         it after its model load on the Notes tab, prepares the scenario and runs the edit, so the results show."""
         page, inputs = self.page, self.inputs
+        self._wire_copy_link(remedy)
+        restored = gr.State(None)  # the link's state, once parsed
+        restore_outputs = [inputs.scenario_pick, inputs.editor, inputs.description, inputs.field, inputs.new_value, self.strategies]
+        restore_outputs += [self.top_k, self.head, self.separately, self.all_positions, tabs, remedy, self.link_status, restored]
+        self._restore_count = len(restore_outputs)
+        page_loaded.then(self._restore, outputs=restore_outputs, api_name=False, concurrency_limit=None).then(
+            self._restored_prepare,
+            inputs_kwargs={"link": restored, "spec": page.spec, "text": inputs.editor},
+            outputs=inputs.baseline,
+            api_name=False,
+            **page.model_bound(),
+        ).then(
+            self._restored_edit,
+            inputs_kwargs={"link": restored, "session": page.session, "spec": page.spec},
+            outputs=[*self.edit_outputs, self.link_status],
+            api_name=False,
+            **page.model_bound(),
+        ).then(
+            self._restored_frontier,
+            inputs_kwargs={"link": restored, "session": page.session, "made": self.recipe},
+            outputs=self.frontier_outputs,
+            api_name=False,
+            **page.model_bound(),
+        )
+
+    def _wire_copy_link(self, remedy: gr.Dropdown) -> None:
+        """Copy link: the state as a link's query, then the page's URL with it copied to the clipboard."""
 
         def on_link(hint, remedy, **values):
             try:
@@ -331,7 +380,7 @@ class NotesTab:
             return query, "Copied where the browser allows it: the link opens this scenario, field, value and strategies and runs the edit."
 
         edit = self.edit_inputs()
-        link_inputs = {"text": edit.pop("text"), "hint": inputs.scenario_pick}  # the endpoint's parameters, in this order
+        link_inputs = {"text": edit.pop("text"), "hint": self.inputs.scenario_pick}  # the endpoint's parameters, in this order
         link_inputs |= {name: edit.pop(name) for name in ("field", "new", "strategies", "top_k", "head")} | {"remedy": remedy, **edit}
         self.copy_link.click(
             on_link,
@@ -341,86 +390,63 @@ class NotesTab:
             concurrency_limit=None,
         ).then(None, self.link_box, self.link_box, js=COPY_LINK_JS, api_name=False, concurrency_limit=None)
 
-        restored = gr.State(None)  # the link's state, once parsed
-        restore_outputs = [inputs.scenario_pick, inputs.editor, inputs.description, inputs.field, inputs.new_value, self.strategies]
-        restore_outputs += [self.top_k, self.head, self.separately, self.all_positions, tabs, remedy, self.link_status, restored]
-
-        def on_restore(request: gr.Request):
-            unchanged = [gr.update()] * (len(restore_outputs) - 2)
-            try:
-                link = permalink.parse_link(
-                    dict(request.query_params) if request is not None else {},
-                    offered_strategies=OFFERED_STRATEGIES,
-                    default_strategies=DEFAULT_STRATEGIES,
-                    heads=self.heads,
-                    profile=page.registry.profile,
-                )
-                if link is None:
-                    return (*unchanged, gr.update(), None)
-                view = scenario_choices(link.text, link.field)
-            except AppError as error:
-                gr.Warning(html.escape(f"This link cannot be restored: {error}", quote=False))  # a toast: the status is far below
-                return (*unchanged, f"⚠️ This link cannot be restored: {markdown_literal(str(error))}. The page shows its defaults.", None)
-            ignored = f" (not KVScope's, ignored: {', '.join(link.ignored)})" if link.ignored else ""
-            return (
-                gr.update(value=link.scenario),  # none for a scenario carried in the link: the editor holds it
-                link.text,
-                view.description,
-                gr.update(choices=view.fields, value=link.field),
-                gr.update(choices=list(dict.fromkeys([*view.values, link.value])), value=link.value),
-                list(link.strategies),
-                link.k,
-                link.head,
-                link.separately,
-                link.all_positions,
-                gr.Tabs(selected="notes"),  # the tab the link restores
-                gr.update(value=link.remedy) if link.remedy else gr.update(),
-                f"Restored from the link: {markdown_literal(link.summary() + ignored)}.",
-                link,
+    def _restore(self, request: gr.Request) -> tuple:
+        """The link's state as the restore's updates (the last is the parsed link, None without one)."""
+        unchanged = [gr.update()] * (self._restore_count - 2)
+        try:
+            link = permalink.parse_link(
+                dict(request.query_params) if request is not None else {},
+                offered_strategies=OFFERED_STRATEGIES,
+                default_strategies=DEFAULT_STRATEGIES,
+                heads=self.heads,
+                profile=self.page.registry.profile,
             )
-
-        def on_restored_prepare(link, spec, text, request: gr.Request):
-            if request is None or not permalink.is_link(dict(request.query_params)):
-                return gr.update()  # no link: the page's own load prepared the scenario
-            return page.prepare_message(spec, link.text if link else text)
-
-        def on_restored_edit(link, session, spec, progress=gr.Progress()):
-            unchanged = (gr.update(),) * len(self.edit_outputs)
             if link is None:
-                return (*unchanged, gr.update())
-            try:
-                with page.bounded():
-                    shown = self.edit(session, spec, link.edit, progress)
-            except AppError as error:
-                return (*unchanged, f"⚠️ The link's edit did not run: {markdown_literal(str(error))}")
-            return (*shown, gr.update())
-
-        def on_restored_frontier(link, session, made, progress=gr.Progress()):
-            unchanged = (gr.update(),) * len(self.frontier_outputs)
-            if link is None:
-                return unchanged
-            try:
-                with page.bounded():
-                    return self.frontier(session, made, progress)
-            except AppError:
-                return unchanged  # the edit's own message says why
-
-        page_loaded.then(on_restore, outputs=restore_outputs, api_name=False, concurrency_limit=None).then(
-            on_restored_prepare,
-            inputs_kwargs={"link": restored, "spec": page.spec, "text": inputs.editor},
-            outputs=inputs.baseline,
-            api_name=False,
-            **page.model_bound(),
-        ).then(
-            on_restored_edit,
-            inputs_kwargs={"link": restored, "session": page.session, "spec": page.spec},
-            outputs=[*self.edit_outputs, self.link_status],
-            api_name=False,
-            **page.model_bound(),
-        ).then(
-            on_restored_frontier,
-            inputs_kwargs={"link": restored, "session": page.session, "made": self.recipe},
-            outputs=self.frontier_outputs,
-            api_name=False,
-            **page.model_bound(),
+                return (*unchanged, gr.update(), None)
+            view = scenario_choices(link.text, link.field)
+        except AppError as error:
+            gr.Warning(html.escape(f"This link cannot be restored: {error}", quote=False))  # a toast: the status is far below
+            return (*unchanged, f"⚠️ This link cannot be restored: {markdown_literal(str(error))}. The page shows its defaults.", None)
+        ignored = f" (not KVScope's, ignored: {', '.join(link.ignored)})" if link.ignored else ""
+        return (
+            gr.update(value=link.scenario),  # none for a scenario carried in the link: the editor holds it
+            link.text,
+            view.description,
+            gr.update(choices=view.fields, value=link.field),
+            gr.update(choices=list(dict.fromkeys([*view.values, link.value])), value=link.value),
+            list(link.strategies),
+            link.k,
+            link.head,
+            link.separately,
+            link.all_positions,
+            gr.Tabs(selected="notes"),  # the tab the link restores
+            gr.update(value=link.remedy) if link.remedy else gr.update(),
+            f"Restored from the link: {markdown_literal(link.summary() + ignored)}.",
+            link,
         )
+
+    def _restored_prepare(self, link, spec, text, request: gr.Request):
+        if request is None or not permalink.is_link(dict(request.query_params)):
+            return gr.update()  # no link: the page's own load prepared the scenario
+        return self.page.prepare_message(spec, link.text if link else text)
+
+    def _restored_edit(self, link, session, spec, progress=gr.Progress()):
+        unchanged = (gr.update(),) * len(self.edit_outputs)
+        if link is None:
+            return (*unchanged, gr.update())
+        try:
+            with self.page.bounded():
+                shown = self.edit(session, spec, link.edit, progress)
+        except AppError as error:
+            return (*unchanged, f"⚠️ The link's edit did not run: {markdown_literal(str(error))}")
+        return (*shown, gr.update())
+
+    def _restored_frontier(self, link, session, made, progress=gr.Progress()):
+        unchanged = (gr.update(),) * len(self.frontier_outputs)
+        if link is None:
+            return unchanged
+        try:
+            with self.page.bounded():
+                return self.frontier(session, made, progress)
+        except AppError:
+            return unchanged  # the edit's own message says why

@@ -10,8 +10,10 @@ from positions too, so caches never drop entries.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import math
+import types
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -340,6 +342,49 @@ def final_norm(model: PreTrainedModel) -> torch.nn.Module | None:
     return next((module for module in found if isinstance(module, torch.nn.Module)), None)
 
 
+FLOAT32_READOUT = "_kvscope_float32_readout"  # the LM head's attribute: its float32 weight, keyed by the weight it copies
+
+
+def install_float32_readout(model: PreTrainedModel) -> None:
+    """Make the final norm and the LM head read every decision in float32 whatever dtype the model runs in (idempotent).
+
+    The layers keep the model's dtype; the last hidden state (in that dtype) goes through the final norm and the head in
+    float32, so logits and log-probs are not rounded to the dtype's steps (in bfloat16 a logit near 20 moves in steps of
+    0.125, and every margin with it). The head keeps a float32 copy of its weight (4 bytes a parameter, made on first use
+    and again whenever the weight changes); a float32 model runs exactly as before.
+    """
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear) or FLOAT32_READOUT in head.__dict__:
+        return
+    norm = final_norm(model)
+    if norm is not None:
+        norm.forward = types.MethodType(_float32_norm_forward, norm)
+    head.forward = types.MethodType(_float32_head_forward, head)
+    head.__dict__[FLOAT32_READOUT] = None
+
+
+def _float32_norm_forward(norm: torch.nn.Module, hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """The norm's own forward on float32 copies of its input and parameters (a float32 norm runs unchanged)."""
+    if hidden.dtype == torch.float32 and all(p.dtype == torch.float32 for p in norm.parameters(recurse=False)):
+        return type(norm).forward(norm, hidden, *args, **kwargs)
+    shadow = copy.copy(norm)  # shares everything but the parameter dict, which holds float32 copies
+    shadow._parameters = {name: None if p is None else p.float() for name, p in norm._parameters.items()}
+    return type(norm).forward(shadow, hidden.float(), *args, **kwargs)
+
+
+def _float32_head_forward(head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    """Logits (..., vocab) float32 of the hidden state in float32, through a float32 copy of the head's weight."""
+    weight = head.weight
+    if weight.dtype == torch.float32:
+        return torch.nn.Linear.forward(head, hidden.float())
+    key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
+    kept = head.__dict__[FLOAT32_READOUT]
+    if kept is None or kept[0] != key:
+        kept = head.__dict__[FLOAT32_READOUT] = (key, weight.detach().float())
+    bias = None if head.bias is None else head.bias.float()
+    return torch.nn.functional.linear(hidden.float(), kept[1], bias)
+
+
 class CacheUnsupported(KVScopeError):
     """The model's cache is not a per-token K/V in every layer, so entries cannot be read or rewritten."""
 
@@ -365,6 +410,7 @@ def check_per_token_cache(model: PreTrainedModel) -> None:
 def recurrent_forward(model: PreTrainedModel, cache: DynamicCache, input_ids: torch.Tensor, start: int) -> torch.Tensor:
     """Run ``input_ids`` at positions ``start``, ``start + 1``… after a hybrid's own ``cache`` (advanced in place,
     recurrent states included) with the model's own causal attention; next-token logits (T, vocab) float32."""
+    install_float32_readout(model)
     positions = torch.arange(start, start + len(input_ids), device=input_ids.device)
     with torch.no_grad():
         output = model(input_ids=input_ids[None], position_ids=positions[None], cache=cache, use_cache=True)
@@ -377,10 +423,12 @@ def recurrent_cache(model: PreTrainedModel) -> DynamicCache:
 
 
 def install(model: PreTrainedModel) -> None:
-    """Route the model's attention through KVScope's function (idempotent); keeps SDPA where it was used."""
+    """Route the model's attention through KVScope's function and read its decisions in float32
+    (:func:`install_float32_readout`); idempotent; keeps SDPA where it was used."""
     if model.config._attn_implementation == ATTENTION_NAME:
         return
     check_per_token_cache(model)
+    install_float32_readout(model)
     _register_attention()
     original = model.config._attn_implementation or "eager"
     sub_configs = (getattr(model.config, name, None) for name in getattr(model.config, "sub_configs", {}))

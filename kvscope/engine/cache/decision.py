@@ -16,6 +16,40 @@ import torch
 RECOVERY_MIN_GAP = 0.25
 DECISIVE_MARGIN = RECOVERY_MIN_GAP  # a reference margin closer to 0 than this is a tie: agreement with it says little
 
+MARGIN_NOISE = {"bfloat16": 0.15, "float16": 0.15}  # measured 0.1464 (event_ticket_json), rounded up
+"""The noise floor of a margin read in a dtype: the largest |margin − float32's margin| its layers leave (the readout
+itself runs in float32, :func:`kvscope.engine.cache.adapter.install_float32_readout`), over the stale, oracle and
+field_only margins and the effect (oracle − stale) of every bundled scenario on the embedded model
+(``benchmarks/studies/readout_noise.py``, its result in ``benchmarks/studies/results/readout_noise-embedded-cpu.json``).
+float16 is not measured: it keeps 3 more mantissa bits than bfloat16, whose floor stands for it."""
+
+
+def margin_noise(dtype: str) -> float:
+    """The noise floor of a margin read in ``dtype`` (a dtype name, :data:`MARGIN_NOISE`); 0.0 in float32, the reference."""
+    return MARGIN_NOISE.get(dtype, 0.0)
+
+
+def recovery_gap(dtype: str, min_gap: float = RECOVERY_MIN_GAP) -> float:
+    """The smallest stale → oracle margin change a recovery is measured against in ``dtype``: ``min_gap`` plus the
+    dtype's noise floor, so a change its rounding alone could make is never a finding (a bfloat16 read and a float32
+    one then agree on whether there is anything to recover)."""
+    return min_gap + margin_noise(dtype)
+
+
+def noise_words(dtype: str, effect: float | None = None) -> str:
+    """What the noise floor means for margins read in ``dtype`` (plain text; empty in float32), and where ``effect`` (a
+    margin change) is within it, that it is and how to read it exactly."""
+    floor = margin_noise(dtype)
+    if floor == 0.0:
+        return ""
+    words = f"Margins read in {dtype} sit within ±{floor:.2f} of float32's (the noise floor measured on the bundled scenarios)"
+    if effect is not None and abs(effect) <= floor:
+        return (
+            f"{words}; this change moves the margin by {effect:+.2f}, within that floor, so it may be {dtype}'s rounding "
+            "rather than an effect: load the model in float32 (the Model tab's dtype) to read it exactly."
+        )
+    return words + "; load the model in float32 (the Model tab's dtype) for exact margins."
+
 
 @dataclass
 class Decision:

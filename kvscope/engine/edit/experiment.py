@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from functools import cached_property
 
-from kvscope.engine.cache.decision import Decision, Recovery, recovery
-from kvscope.engine.cache.loaded import LoadedModel
+from kvscope.engine.cache.decision import Decision, Recovery, recovery, recovery_gap
+from kvscope.engine.cache.loaded import LoadedModel, dtype_name
 from kvscope.engine.cache.notebook import Knockout, Notebook, NotebookError
 from kvscope.engine.cache.patching import EffectMap, attribution_effects, kv_deviation
 from kvscope.engine.edit.erratum import erratum_ids
@@ -210,9 +210,15 @@ class EditExperiment:
         return self.cot_decision(self.stale.notebook)[0], self.cot_decision(self.oracle.notebook)[0]
 
     # ------------------------------------------------------------------ running strategies
+    @property
+    def min_gap(self) -> float:
+        """The smallest stale → oracle margin change a recovery is measured against: the settings' bar plus the model
+        dtype's noise floor (:func:`recovery_gap`)."""
+        return recovery_gap(dtype_name(self.lm.dtype), self.settings.min_gap)
+
     def recovery_of(self, decision: Decision) -> Recovery:
         """Recovery of a decision between this experiment's stale (0) and oracle (1) margins."""
-        return recovery(decision.margin, self.stale.decision.margin, self.oracle.decision.margin, self.settings.min_gap)
+        return recovery(decision.margin, self.stale.decision.margin, self.oracle.decision.margin, self.min_gap)
 
     def _build(self, name: str) -> tuple[Notebook, int, dict, float] | StrategyResult:
         """A fusable strategy's cache, tokens, detail and build ms, or its not-applicable result."""
@@ -261,7 +267,8 @@ class EditExperiment:
 
     def read_together(self, names: Sequence[str]) -> float:
         """Build the named strategies' caches and read them in one fused forward (several for work beyond
-        ``MAX_FORWARD_TOKENS``), after the references (:meth:`read_references`, not fused).
+        ``MAX_FORWARD_TOKENS``), after the references (:meth:`read_references`, not fused); a strategy marked
+        ``own_forward`` is left to :meth:`run`, which reads it alone.
 
         Results are kept for :meth:`run`; each strategy's ms is its build time plus its share of the
         forward by the tokens it ran there. Returns the fused forward's wall time in ms.
@@ -270,7 +277,7 @@ class EditExperiment:
         wanted = dict.fromkeys(n for name in check_names(names) for n in (AUTO_CANDIDATES if name == "auto" else [name]))
         prepared: dict[str, tuple[Notebook, int, dict, float]] = {}
         for name in wanted:
-            if name not in FUSABLE or name in self._results:
+            if name not in FUSABLE or REGISTRY[name].own_forward or name in self._results:
                 continue
             built = self._build(name)
             if isinstance(built, StrategyResult):
@@ -347,4 +354,5 @@ class EditExperiment:
             oracle,
             results,
             self.notes_share(downstream_patch),
+            dtype_name(self.lm.dtype),
         )

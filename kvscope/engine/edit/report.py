@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 from kvscope.engine.cache import display
-from kvscope.engine.cache.decision import Decision, Recovery
+from kvscope.engine.cache.decision import Decision, Recovery, margin_noise, noise_words
 from kvscope.engine.edit.strategies import StrategyResult
 
 
@@ -156,17 +156,33 @@ class EditReport(FieldEditReport):
     """A field change on a notebook, with the notes share."""
 
     notes: NotesShare
+    dtype: str = "float32"  # the model's, for the noise floor of its margins (:func:`margin_noise`)
 
     @property
     def context_tokens(self) -> int:
         return len(self.stale.notebook)
+
+    @property
+    def margin_noise(self) -> float:
+        """The noise floor of this report's margins (0.0 in float32)."""
+        return margin_noise(self.dtype)
+
+    @property
+    def within_noise(self) -> bool:
+        """Whether the change's effect on the margin (oracle − stale) is within the noise floor."""
+        return abs(self.oracle.decision.margin - self.stale.decision.margin) <= self.margin_noise
+
+    def noise_words(self) -> str:
+        """The noise floor in words, for this change (empty in float32)."""
+        return noise_words(self.dtype, self.oracle.decision.margin - self.stale.decision.margin)
 
     def headline(self) -> str:
         """The notes share's headline."""
         return self.notes.headline()
 
     def as_dict(self) -> dict:
-        return super().as_dict() | {"notes": self.notes.as_dict()}
+        noise = {"dtype": self.dtype, "margin_noise": self.margin_noise, "within_noise": self.within_noise}
+        return super().as_dict() | {"notes": self.notes.as_dict()} | noise
 
 
 @dataclass

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kvscope.engine.cache.adapter import decoder_layers_name
+from kvscope.engine.cache.adapter import decoder_layers_name, install_float32_readout
 from kvscope.engine.cache.budget import compute_slot
 from kvscope.engine.cache.decision import answer_logprob, decision_margin, label_scores
 from kvscope.engine.cache.loaded import LoadedModel, ModelFingerprint
@@ -78,7 +78,8 @@ def edited_lm(lm: LoadedModel, model: torch.nn.Module, tag: str) -> LoadedModel:
 
 def decision_margin_of(model: torch.nn.Module, prompt: RenderedPrompt) -> torch.Tensor:
     """The decision margin of ``prompt`` by a plain forward (differentiable when grad is on): every answer
-    string is a row of one batch after the shared context and question."""
+    string is a row of one batch after the shared context and question; read in float32 as every decision is."""
+    install_float32_readout(model)
     base = list(prompt.context_ids) + list(prompt.decode_ids)
     strings = [(label, list(ids)) for label, options in prompt.answer_ids.items() for ids in options]
     longest = max(len(ids) for _, ids in strings)

@@ -44,7 +44,7 @@ class Gap:
     def of(cls, experiment: EditExperiment) -> "Gap":
         """Stale (old value) to oracle (new value) of an edit experiment."""
         stale, oracle = experiment.stale.decision, experiment.oracle.decision
-        return cls(stale.margin, oracle.margin, stale.label, oracle.label, experiment.settings.min_gap)
+        return cls(stale.margin, oracle.margin, stale.label, oracle.label, experiment.min_gap)
 
     def recovery(self, margin: float) -> float | None:
         """(margin − stale) / (oracle − stale), or None when the gap is below ``min_gap``."""

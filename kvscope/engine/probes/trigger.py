@@ -100,7 +100,7 @@ def probe_trigger(
         flipped.decision.margin,
         original.label,
         flipped.decision.label,
-        experiment.settings.min_gap,
+        experiment.min_gap,
         ("original", "flipped"),
     )
     tick = ticker(progress, 2)

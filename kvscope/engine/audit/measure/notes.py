@@ -21,9 +21,10 @@ import torch
 
 from kvscope.engine.audit.logs.requests import RequestLogError
 from kvscope.engine.audit.measure.turn import AuditReport, changed_field, scenario_toml
-from kvscope.engine.cache.decision import RECOVERY_MIN_GAP, Decision, logit_agreement
-from kvscope.engine.cache.loaded import LoadedModel
+from kvscope.engine.cache.decision import RECOVERY_MIN_GAP, Decision, logit_agreement, recovery_gap
+from kvscope.engine.cache.loaded import LoadedModel, dtype_name
 from kvscope.engine.cache.notebook import Notebook
+from kvscope.engine.edit.runs import run_scenario
 from kvscope.engine.progress import MessageProgress, StepMessage
 from kvscope.engine.scenario import Scenario, encode, render
 
@@ -54,6 +55,7 @@ class NotesScenario:
     next_token_kl: float  # KL(new ‖ old) of the first answer token's distribution
     old: Continuation
     new: Continuation
+    gap: float = RECOVERY_MIN_GAP  # the smallest change a recovery is measured against in the model's dtype (``recovery_gap``)
 
     @property
     def margin_change(self) -> float:
@@ -62,8 +64,8 @@ class NotesScenario:
 
     @property
     def moves(self) -> bool:
-        """Whether the change moves the decision by at least the recovery gap."""
-        return abs(self.margin_change) >= RECOVERY_MIN_GAP
+        """Whether the change moves the decision by at least the recovery gap (the Notes tab's bar in this dtype)."""
+        return abs(self.margin_change) >= self.gap
 
     def words(self) -> str:
         """What the model does with the change, and what the Notes tab will read (plain text)."""
@@ -80,7 +82,8 @@ class NotesScenario:
                 f"{self.answers[1]!r}, {margins}."
             )
         if not self.moves:
-            return f"{head} The margin moves by less than {RECOVERY_MIN_GAP}: there is no decision here for the notes to carry."
+            bar = f"{self.gap:.2f} (the recovery bar in the model's dtype)"
+            return f"{head} The margin moves by less than {bar}: there is no decision here for the notes to carry."
         return head
 
 
@@ -131,22 +134,24 @@ def notes_scenario(
     base = scenario_toml(report, ("yes", "no"), request=request, field=field)  # placeholders, replaced by the model's answers below
     scenario = Scenario.from_toml(base, source="audited request")
     field, spec = next(iter(scenario.fields.items()))
-    notebooks, generated, first = {}, {}, {}
+    generated, first = {}, {}
     for side, value in (("old", spec.old), ("new", spec.new)):
         if progress:
             progress(f"reading the model's own answers: clean prefill with the {side} value of {field} ({value!r})")
-        notebooks[side], generated[side], first[side] = _continue(lm, scenario, field, value, tokens)
+        _, generated[side], first[side] = _continue(lm, scenario, field, value, tokens)
     answers, divergence = _answers(lm, generated["old"], generated["new"], first["old"])
     text = dataclasses.replace(scenario, answers={answer.strip(): (answer,) for answer in answers}).to_toml()  # each its own label
     final = Scenario.from_toml(text, source="audited request")
-    sides = {}
-    for side, value in (("old", spec.old), ("new", spec.new)):
-        prompt = render(final, lm.tokenizer, {field: value})  # the same context ids: only the answers changed
-        decision = notebooks[side].read_prompt(prompt, answer_texts=final.answers)
-        sides[side] = Continuation(value, lm.tokenizer.decode(generated[side]), decision)
+    stale = run_scenario(lm, final, {field: spec.old})  # the Notes tab's reads of this scenario: the same margins
+    decisions = {"old": stale.decision, "new": run_scenario(lm, final, {field: spec.new}, reuse=stale).decision}
+    sides = {
+        side: Continuation(value, lm.tokenizer.decode(generated[side]), decisions[side])
+        for side, value in (("old", spec.old), ("new", spec.new))
+    }
     source = ALTERNATIVES if divergence is None else DIVERGENCE
     kl = logit_agreement(first["new"], first["old"])["kl"]
-    return NotesScenario(text, field, tuple(final.answers), source, divergence, kl, sides["old"], sides["new"])
+    gap = recovery_gap(dtype_name(lm.dtype))  # the bar the Notes tab's edit measures against, so both say the same
+    return NotesScenario(text, field, tuple(final.answers), source, divergence, kl, sides["old"], sides["new"], gap)
 
 
 @dataclass(frozen=True)
