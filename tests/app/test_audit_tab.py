@@ -478,3 +478,17 @@ def test_an_otel_logs_batch_read_with_its_spans_is_counted_as_what_it_is(registr
     listed = [line for line in said.splitlines() if line.startswith("- line ")]
     assert count > 0 and f"lines that gave no request of their own: {count}" in said and "skipped records" not in said
     assert len(listed) == min(count, MAX_TABLE_ROWS) and any("were read with their spans" in line for line in listed)
+
+
+def test_the_tabs_default_engine_is_the_server_the_logs_answers_name(registry, sessions):
+    """A llama-server replay (benchmarks/interop's chat_replay, its answers carrying ``timings``) audited with the tab's
+    defaults is compared with llama.cpp at the server's own slot choice, and the panel says why."""
+    stored = json.loads((Path(__file__).parents[2] / "benchmarks/interop/results/chat_replay-embedded-cpu.json").read_text())
+    text = "".join(json.dumps(record) + "\n" for record in stored["servers"]["llama-default"]["log_token_ids"])
+    view = run_audit(registry, sessions, text, session="auto", sample=0)
+    observed = view.summary["observed"]
+    assert observed["engine"] == "llama_cpp" and "timings" in observed["engine_evidence"]
+    assert view.summary["engines"]["settings"]["prompt_cache"] is True
+    assert "Compared with llama.cpp:" in view.traffic_markdown and "timings" in view.traffic_markdown
+    named = run_audit(registry, sessions, text, session="named", sample=0, engines=EngineInputs(observed_engine="vllm"))
+    assert named.summary["observed"]["engine"] == "vllm" and "named by" in named.summary["observed"]["engine_evidence"]
