@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvscope.engine.audit.logs.replies import Reply
+from kvscope.engine.audit.records import Record
 from kvscope.engine.errors import KVScopeError
 
-if TYPE_CHECKING:  # the model is only read here; the token pass's workers need no torch
-    pass
-    from kvscope.engine.audit.report.types import FlaggedDict, ReadingDict, SkippedDict
+if TYPE_CHECKING:
+    from kvscope.engine.audit.report.types import ReadingDict
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -117,7 +117,7 @@ class Request:
 
 
 @dataclass(frozen=True)
-class Skipped:
+class Skipped(Record):
     """A record left out of the audit, named by its line and key."""
 
     line: int
@@ -128,21 +128,15 @@ class Skipped:
     def message(self) -> str:
         return named_problem(f"line {self.line}", self.key, self.reason)
 
-    def as_dict(self) -> SkippedDict:
-        return {"line": self.line, "key": self.key, "reason": self.reason}
-
 
 @dataclass(frozen=True)
-class Flagged:
+class Flagged(Record):
     """Something a kept request's record says that could not be read (a cached count, a time): dropped, and why."""
 
     request: int
     line: int
     key: str
     reason: str
-
-    def as_dict(self) -> FlaggedDict:
-        return {"request": self.request, "line": self.line, "key": self.key, "reason": self.reason}
 
 
 ORDERS = {

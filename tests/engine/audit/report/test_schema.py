@@ -1,11 +1,13 @@
-"""The report is the schema: every ``as_dict`` of the audit returns one of ``kvscope.engine.audit.report.types``, the published
-JSON Schema (docs/audit-report.schema.json) is the one generated from them and is what ``audit-schema`` prints, each
+"""The report is the schema: every part of the report is a record (its JSON derived from its declaration) or an ``as_dict``
+returning one of ``kvscope.engine.audit.report.types``, the published JSON Schema (docs/audit-report.schema.json) is the
+one generated from them and is what ``audit-schema`` prints, each
 bundled log's report validates against it, and a report missing a required key or holding an unnamed one does not."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import importlib
 import inspect
 import io
@@ -15,9 +17,11 @@ import typing
 from pathlib import Path
 
 import jsonschema
+import typing_extensions
 import pytest
 
 import kvscope.engine.audit
+from kvscope.engine.audit.records import Record
 from kvscope.engine.audit.report import types
 from kvscope.engine.audit.report.schema import PUBLISHED, report_schema, schema_text
 from kvscope.engine.cli import main
@@ -45,18 +49,26 @@ def _audit_modules() -> list:
     return modules
 
 
-def test_every_as_dict_of_the_audit_returns_a_part_of_the_report():
-    typed = {value for value in vars(types).values() if typing.is_typeddict(value)}
-    found = []
+def test_every_part_of_the_report_is_a_record_or_a_typed_as_dict():
+    """A record's JSON is its declaration's (``records.Record``); an ``as_dict`` still written by hand returns one of
+    ``kvscope.engine.audit.report.types``."""
+    typed = {value for value in vars(types).values() if typing_extensions.is_typeddict(value)}
+    records, written = [], []
     for module in _audit_modules():
         for _, cls in inspect.getmembers(module, inspect.isclass):
-            if cls.__module__ == module.__name__ and "as_dict" in vars(cls):
+            if cls.__module__ != module.__name__ or cls is Record:
+                continue
+            if issubclass(cls, Record):
+                assert dataclasses.is_dataclass(cls) and "as_dict" not in vars(cls), f"{cls.__qualname__}: a record declares its JSON"
+                records.append(cls.__qualname__)
+            elif "as_dict" in vars(cls):
                 returned = typing.get_type_hints(cls.as_dict, vars(module), vars(types))["return"]
                 assert returned in typed, (
                     f"{cls.__qualname__}.as_dict returns {returned!r}, not a type of kvscope.engine.audit.report.types"
                 )
-                found.append(cls.__qualname__)
-    assert len(found) >= 23, found
+                written.append(cls.__qualname__)
+    assert {"TrafficRequest", "TrafficGroup", "Skipped", "Recommendation"} <= set(records), records
+    assert len(records) + len(written) >= 24, (records, written)
 
 
 def test_the_published_schema_is_the_generated_one_and_the_cli_prints_it():
@@ -65,7 +77,9 @@ def test_the_published_schema_is_the_generated_one_and_the_cli_prints_it():
     code, printed = _cli("audit-schema")
     assert code == 0 and printed == report_schema()
     defs = report_schema()["$defs"]
-    assert {"LogAudit", "PromptAudit"} <= set(defs) and all(typing.is_typeddict(getattr(types, name)) for name in defs)
+    assert {"LogAudit", "PromptAudit", "TrafficRequest", "Skipped"} <= set(defs)
+    assert defs["TrafficRequest"]["additionalProperties"] is False and "cache_breakpoints" in defs["TrafficRequest"]["required"]
+    assert "prompts_only_reused_tokens" not in defs["TrafficRequest"]["properties"]  # a hidden field stays out of the report
     assert defs["RepairDict"]["description"].startswith("One repair on one turn")  # each part described by its docstring
 
 

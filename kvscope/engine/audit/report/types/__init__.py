@@ -13,7 +13,11 @@ the keys. The parts by pass: ``token_pass`` (``logs``, ``changes``, ``simulate``
 ``from __future__ import annotations`` (``NotRequired`` must stay readable to ``__required_keys__``).
 """
 
-from typing import NotRequired, TypedDict
+from typing import NotRequired
+
+from typing_extensions import TypedDict  # pydantic reads a TypedDict from typing_extensions on Python 3.11
+
+from kvscope.engine.audit.logs.requests import Skipped
 
 from kvscope.engine.audit.report.types.model_pass import (
     AuditTurnDict,
@@ -24,17 +28,15 @@ from kvscope.engine.audit.report.types.model_pass import (
     EndpointRepairFidelityDict,
     EndpointRewrittenRequestDict,
     EndpointTurnDict,
-    KvAlternativeDict,
     MeasuredGroupDict,
     NotApplicableDict,
-    RecommendationDict,
     RepairDict,
     RepairFidelityDict,
     RepairResultDict,
     RewrittenRequestDict,
 )
+from kvscope.engine.audit.scan.token_pass import SessionSummary, TrafficRequest
 from kvscope.engine.audit.report.types.token_pass import (
-    BreakpointDict,
     CacheSettingsDict,
     CandidateDict,
     CauseCountDict,
@@ -43,7 +45,6 @@ from kvscope.engine.audit.report.types.token_pass import (
     FieldChangeDict,
     FitBestDict,
     FitSettingDict,
-    FlaggedDict,
     FleetDict,
     GapDict,
     HostedDict,
@@ -54,11 +55,8 @@ from kvscope.engine.audit.report.types.token_pass import (
     PromptsOnlyDict,
     ReadingDict,
     ServerCountedDict,
-    SessionDict,
-    SkippedDict,
     TotalsDict,
     TrafficGroupDict,
-    TrafficRequestDict,
 )
 
 # ----------------------------------------------------------------------------------------------------------- report
@@ -103,14 +101,14 @@ class LogAudit(ReadingDict):
     model: str
     dtype: str
     formats: dict[str, int]
-    skipped: list[SkippedDict]
+    skipped: list[Skipped]
     skipped_count: int
     engines: EnginesDict
-    sessions: list[SessionDict]
+    sessions: list[SessionSummary]
     causes: dict[str, CauseCountDict]
     observed: ObservedDict
     hosted: HostedDict
-    requests: list[TrafficRequestDict]
+    requests: list[TrafficRequest]
     sample: int
     sampled: bool
     threshold: float
@@ -135,7 +133,6 @@ AuditJSON = LogAudit | PromptAudit  # what ``python -m kvscope audit … --json`
 __all__ = [
     "AuditJSON",
     "AuditTurnDict",
-    "BreakpointDict",
     "CacheSettingsDict",
     "CandidateDict",
     "CauseCountDict",
@@ -151,14 +148,12 @@ __all__ = [
     "FieldChangeDict",
     "FitBestDict",
     "FitSettingDict",
-    "FlaggedDict",
     "FleetDict",
     "GapDict",
     "GateConditionDict",
     "GateDict",
     "HostedDict",
     "HostedProviderDict",
-    "KvAlternativeDict",
     "LogAudit",
     "MeasuredGroupDict",
     "MetricsDict",
@@ -168,15 +163,11 @@ __all__ = [
     "PromptAudit",
     "PromptsOnlyDict",
     "ReadingDict",
-    "RecommendationDict",
     "RepairDict",
     "RepairFidelityDict",
     "RepairResultDict",
     "RewrittenRequestDict",
     "ServerCountedDict",
-    "SessionDict",
-    "SkippedDict",
     "TotalsDict",
     "TrafficGroupDict",
-    "TrafficRequestDict",
 ]

@@ -1,7 +1,11 @@
 """The model pass's parts of the report: each measured turn with every repair and the recommendation (``measure``), a
 rewrite measured against the original (``rewrite``), and the same on a served model (``endpoint``)."""
 
-from typing import Literal, NotRequired, TypedDict
+from typing import Literal, NotRequired
+
+from typing_extensions import TypedDict  # pydantic reads a TypedDict from typing_extensions on Python 3.11
+
+from kvscope.engine.audit.measure.recommend import Recommendation
 
 from kvscope.engine.audit.report.types.token_pass import FieldChangeDict, TrafficGroupDict
 
@@ -66,23 +70,6 @@ class RepairDict(RepairResultDict):
     within_bars: bool | None
 
 
-class KvAlternativeDict(TypedDict):
-    """The cheapest KV-level repair within the bars, where it is cheaper than the prompt-level choice."""
-
-    repair: str
-    saved_tokens: int
-    saved_ttft_ms: float
-
-
-class RecommendationDict(TypedDict):
-    """The cheapest prompt-level repair within the bars, why, and the KV-level one beside it."""
-
-    repair: str
-    level: str
-    reason: str
-    kv_alternative: KvAlternativeDict | None
-
-
 class AuditTurnDict(TypedDict):
     """One request against the one it was matched with: reuse, the fields changed, every repair measured (none for a
     cold prefill) and the one recommended."""
@@ -96,7 +83,7 @@ class AuditTurnDict(TypedDict):
     fields: list[FieldChangeDict]
     full_ttft_ms: float | None
     repairs: dict[str, RepairDict]
-    recommendation: RecommendationDict | None
+    recommendation: Recommendation | None
 
 
 # ---------------------------------------------------------------------------------------------------------- rewrite

@@ -2,26 +2,13 @@
 (``changes``), the simulated caches' reuse and the observed counts (``simulate``), every request, session and change group
 (``scan``)."""
 
-from typing import NotRequired, TypedDict
+from typing import NotRequired
+
+from typing_extensions import TypedDict  # pydantic reads a TypedDict from typing_extensions on Python 3.11
+
+from kvscope.engine.audit.logs.requests import Flagged
 
 # ------------------------------------------------------------------------------------------------------------- logs
-
-
-class SkippedDict(TypedDict):
-    """A record left out of the audit: its line, the key and why."""
-
-    line: int
-    key: str
-    reason: str
-
-
-class FlaggedDict(TypedDict):
-    """Something a kept request's record says that could not be read (a cached count, a time), dropped, and why."""
-
-    request: int
-    line: int
-    key: str
-    reason: str
 
 
 class ReadingDict(TypedDict):
@@ -31,7 +18,7 @@ class ReadingDict(TypedDict):
     order: str
     order_reason: str
     untimed_requests: int
-    flagged: list[FlaggedDict]
+    flagged: list[Flagged]
     session_keys: dict[str, int]
 
 
@@ -200,42 +187,6 @@ HostedDict = dict[str, HostedProviderDict | str]  # per provider the log names, 
 
 
 # ------------------------------------------------------------------------------------------------------------- scan
-
-
-class BreakpointDict(TypedDict):
-    """A ``cache_control`` breakpoint: its label and the token it caches up to (null: not found)."""
-
-    label: str
-    token: int | None
-
-
-class TrafficRequestDict(TypedDict):
-    """One request after the token pass: its match, what changed, why it misses, and what each engine reuses."""
-
-    request: int
-    line: int
-    session: str | None
-    tokens: int
-    matched_request: int | None
-    common_prefix_tokens: int
-    appended_tokens: int
-    fields: list[str]
-    causes: list[CauseDict]
-    reused_tokens: dict[str, int]
-    signature: str
-    cache_breakpoints: list[BreakpointDict]
-    observed_cached_tokens: int | None
-    observed_prompt_tokens: int | None
-    hosted_reused_tokens: dict[str, int]
-
-
-class SessionDict(TypedDict):
-    """One session's requests, tokens and tokens reused per engine."""
-
-    session: str | None
-    requests: int
-    tokens: int
-    reused_tokens: dict[str, int]
 
 
 class CauseCountDict(TypedDict):
