@@ -8,14 +8,13 @@ import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from typing_extensions import TypedDict  # pydantic reads a TypedDict from typing_extensions on Python 3.11
 
 from kvscope.engine.audit.logs.replies import Reply
-from kvscope.engine.audit.records import Record
+from kvscope.engine.audit.report.records import Record
 from kvscope.engine.errors import KVScopeError
-
-if TYPE_CHECKING:
-    from kvscope.engine.audit.report.types import ReadingDict
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -164,6 +163,17 @@ class RequestLog:
             if request.session_key:
                 keys[request.session_key] = keys.get(request.session_key, 0) + 1
         return reading(self.order, untimed, self.flagged, keys)
+
+
+class ReadingDict(TypedDict):
+    """How the log was read: the order used and why, the requests without a timestamp, what was flagged, and the
+    record keys the sessions were read from (with how many requests each)."""
+
+    order: str
+    order_reason: str
+    untimed_requests: int
+    flagged: list[Flagged]
+    session_keys: dict[str, int]
 
 
 def reading(order: str, untimed: int, flagged: Sequence[Flagged], session_keys: dict[str, int]) -> ReadingDict:

@@ -17,7 +17,7 @@ from kvscope.engine.audit.measure.repairs import (
     RepairResult,
 )
 from kvscope.engine.audit.measure.settings import DEFAULT_MIN_AGREEMENT
-from kvscope.engine.audit.records import HIDDEN, Record, rounded
+from kvscope.engine.audit.report.records import HIDDEN, Record, rounded
 
 
 @dataclass(frozen=True)

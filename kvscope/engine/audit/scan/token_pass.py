@@ -25,7 +25,7 @@ from kvscope.engine.audit.changes.causes import Cause, another_prompt, causes_of
 from kvscope.engine.audit.changes.fields import TurnDiff, common_prefix, compare_requests
 from kvscope.engine.audit.logs.render import RenderedRequest, end_of_turn_ids, render_batch
 from kvscope.engine.audit.logs.requests import RequestLog, RequestLogError, Skipped
-from kvscope.engine.audit.records import HIDDEN, Record, rounded
+from kvscope.engine.audit.report.records import HIDDEN, Record, rounded
 from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.simulate.fleet import FleetResult
 from kvscope.engine.audit.simulate.hosted import hosted_request
@@ -35,7 +35,8 @@ from kvscope.engine.audit.simulate.step import REPLY_COUNTS, Simulation, Step
 from kvscope.engine.progress import StepProgress
 
 if TYPE_CHECKING:
-    from kvscope.engine.audit.report.types import CauseCountDict, ReadingDict, TotalsDict
+    from kvscope.engine.audit.logs.requests import ReadingDict
+    from kvscope.engine.audit.report.types import CauseCountDict, TotalsDict
 
 _PROGRESS_STEPS = 50  # progress reports per phase of the token pass
 

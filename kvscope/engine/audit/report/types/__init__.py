@@ -13,29 +13,20 @@ the keys. The parts by pass: ``token_pass`` (``logs``, ``changes``, ``simulate``
 ``from __future__ import annotations`` (``NotRequired`` must stay readable to ``__required_keys__``).
 """
 
-from typing import NotRequired
-
 from typing_extensions import TypedDict  # pydantic reads a TypedDict from typing_extensions on Python 3.11
 
-from kvscope.engine.audit.logs.requests import Skipped
-
 from kvscope.engine.audit.report.types.model_pass import (
-    AuditTurnDict,
     EndpointAuditDict,
     EndpointDescriptionDict,
     EndpointFidelityDict,
     EndpointRepairDict,
-    EndpointRepairFidelityDict,
     EndpointRewrittenRequestDict,
     EndpointTurnDict,
-    MeasuredGroupDict,
     NotApplicableDict,
     RepairDict,
-    RepairFidelityDict,
     RepairResultDict,
     RewrittenRequestDict,
 )
-from kvscope.engine.audit.scan.token_pass import SessionSummary, TrafficRequest
 from kvscope.engine.audit.report.types.token_pass import (
     CacheSettingsDict,
     CandidateDict,
@@ -53,7 +44,6 @@ from kvscope.engine.audit.report.types.token_pass import (
     ObservedDict,
     ObservedFitDict,
     PromptsOnlyDict,
-    ReadingDict,
     ServerCountedDict,
     TotalsDict,
     TrafficGroupDict,
@@ -78,61 +68,7 @@ class GateDict(TypedDict):
     failed: bool
 
 
-class PromptAudit(TypedDict):
-    """One prompt with a new value (``audit FILE --find … --new …``), or the measured turns in that shape: the settings
-    and each turn."""
-
-    model: str
-    dtype: str
-    threshold: float
-    min_agreement: float
-    generated_tokens: int
-    repairs: list[str]
-    grain: str | None
-    turns: list[AuditTurnDict]
-    gate: NotRequired[GateDict]
-
-
-class LogAudit(ReadingDict):
-    """A request log audited: how it was read, the token pass over every request (the engines' reuse, sessions, causes,
-    observed and hosted counts), the change groups with the turns measured, and where asked for the fleets, a rewrite,
-    an endpoint's measurements and the gate."""
-
-    model: str
-    dtype: str
-    formats: dict[str, int]
-    skipped: list[Skipped]
-    skipped_count: int
-    engines: EnginesDict
-    sessions: list[SessionSummary]
-    causes: dict[str, CauseCountDict]
-    observed: ObservedDict
-    hosted: HostedDict
-    requests: list[TrafficRequest]
-    sample: int
-    sampled: bool
-    threshold: float
-    min_agreement: float
-    generated_tokens: int
-    repairs: list[str]
-    grain: str | None
-    groups: list[MeasuredGroupDict]
-    turns: list[AuditTurnDict]
-    fleet: NotRequired[list[FleetDict]]
-    cancelled: NotRequired[str]  # the model pass was cancelled: why no turn was measured
-    pending: NotRequired[str]  # the token pass shown while the model pass runs: what it is measuring
-    rewrite: NotRequired[list[RewrittenRequestDict | EndpointRewrittenRequestDict]]
-    verdict: NotRequired[str]
-    endpoint: NotRequired[EndpointAuditDict]
-    gate: NotRequired[GateDict]
-    sample_bound: NotRequired[str]  # why a host lowered the sample (the app's public profile)
-
-
-AuditJSON = LogAudit | PromptAudit  # what ``python -m kvscope audit … --json`` prints
-
 __all__ = [
-    "AuditJSON",
-    "AuditTurnDict",
     "CacheSettingsDict",
     "CandidateDict",
     "CauseCountDict",
@@ -141,7 +77,6 @@ __all__ = [
     "EndpointDescriptionDict",
     "EndpointFidelityDict",
     "EndpointRepairDict",
-    "EndpointRepairFidelityDict",
     "EndpointRewrittenRequestDict",
     "EndpointTurnDict",
     "EnginesDict",
@@ -154,17 +89,12 @@ __all__ = [
     "GateDict",
     "HostedDict",
     "HostedProviderDict",
-    "LogAudit",
-    "MeasuredGroupDict",
     "MetricsDict",
     "NotApplicableDict",
     "ObservedDict",
     "ObservedFitDict",
-    "PromptAudit",
     "PromptsOnlyDict",
-    "ReadingDict",
     "RepairDict",
-    "RepairFidelityDict",
     "RepairResultDict",
     "RewrittenRequestDict",
     "ServerCountedDict",

@@ -5,41 +5,7 @@ from typing import Literal, NotRequired
 
 from typing_extensions import TypedDict  # pydantic reads a TypedDict from typing_extensions on Python 3.11
 
-from kvscope.engine.audit.measure.recommend import Recommendation
-
-from kvscope.engine.audit.report.types.token_pass import FieldChangeDict, TrafficGroupDict
-
 # ---------------------------------------------------------------------------------------------------------- measure
-
-
-class RepairFidelityDict(TypedDict):
-    """One repair over a group's turns measured in process: turns measured and applicable, how often recommended, its
-    worst KL and agreement, its mean share of computed tokens."""
-
-    measured: int
-    applicable: int
-    recommended: int
-    worst_kl: float | None
-    min_agreement: float | None
-    mean_computed_share: float | None
-
-
-class EndpointRepairFidelityDict(TypedDict):
-    """One prompt-level repair over a group's turns measured on an endpoint: applicable, within the bars, its worst KL
-    with its bound, and its least agreement."""
-
-    measured: int
-    applicable: int
-    within_bars: int
-    worst_kl: float | None
-    worst_kl_bound: float | None
-    min_agreement: float | None
-
-
-class MeasuredGroupDict(TrafficGroupDict):
-    """A group with each repair's fidelity over its measured turns (in process, or on an endpoint)."""
-
-    fidelity: dict[str, RepairFidelityDict | EndpointRepairFidelityDict]
 
 
 class RepairResultDict(TypedDict):
@@ -68,22 +34,6 @@ class RepairDict(RepairResultDict):
     against (null where it does not apply)."""
 
     within_bars: bool | None
-
-
-class AuditTurnDict(TypedDict):
-    """One request against the one it was matched with: reuse, the fields changed, every repair measured (none for a
-    cold prefill) and the one recommended."""
-
-    request: int
-    matched_request: int | None
-    tokens: int
-    common_prefix_tokens: int
-    block_prefix_tokens: int
-    appended_tokens: int
-    fields: list[FieldChangeDict]
-    full_ttft_ms: float | None
-    repairs: dict[str, RepairDict]
-    recommendation: Recommendation | None
 
 
 # ---------------------------------------------------------------------------------------------------------- rewrite

@@ -6,20 +6,7 @@ from typing import NotRequired
 
 from typing_extensions import TypedDict  # pydantic reads a TypedDict from typing_extensions on Python 3.11
 
-from kvscope.engine.audit.logs.requests import Flagged
-
 # ------------------------------------------------------------------------------------------------------------- logs
-
-
-class ReadingDict(TypedDict):
-    """How the log was read: the order used and why, the requests without a timestamp, what was flagged, and the
-    record keys the sessions were read from (with how many requests each)."""
-
-    order: str
-    order_reason: str
-    untimed_requests: int
-    flagged: list[Flagged]
-    session_keys: dict[str, int]
 
 
 # ---------------------------------------------------------------------------------------------------------- changes

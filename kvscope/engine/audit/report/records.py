@@ -1,5 +1,5 @@
 """The audit's records, declared once: each is a dataclass of the stage that makes it, and its JSON form (``as_dict``)
-and its part of the published JSON Schema (``report.schema``) are derived from that declaration by pydantic.
+and its part of the published JSON Schema (``ci.report``) are derived from that declaration by pydantic.
 
 A record subclasses :class:`Record` and says on its fields what the JSON does otherwise: a field left out is
 ``Annotated[T, HIDDEN]``, a key named otherwise ``Annotated[T, Field(serialization_alias=…)]``, a rounded number
