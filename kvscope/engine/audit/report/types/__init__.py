@@ -1,15 +1,11 @@
-"""The audit's JSON report, typed: what ``python -m kvscope audit … --json`` prints, one ``TypedDict`` per part.
+"""The parts of the audit's JSON report still built as dicts, typed: one ``TypedDict`` per part.
 
-Each stage's ``as_dict`` is annotated to return its part (``Cause.as_dict() -> CauseDict``), the gate, the Markdown and
-the figures read these types, and ``kvscope.engine.audit.report.schema`` publishes them as a JSON Schema
-(docs/audit-report.schema.json) for CI users. A key added to an ``as_dict`` is added here, or the schema test fails.
-
-``AuditJSON`` is either report: a log's (``LogAudit``: its token pass over every request, and the sampled turns
-measured) or one prompt's with a new value (``PromptAudit``, ``--new``). Maps keyed by a simulated engine
-(``simulate.registry.ENGINES``), a provider, a repair, a cause or a format are ``dict[str, …]``: their registries name
-the keys. The parts by pass: ``token_pass`` (``logs``, ``changes``, ``simulate``, ``scan``), ``model_pass`` (``measure``,
-``rewrite``, ``endpoint``); here, the gate and the two reports. The stages below ``report`` name these types under
-``TYPE_CHECKING`` only: at run time no stage imports one above it. Text only: no torch, and no
+A part whose JSON is its dataclass's is a record instead (``report.records.Record``) and has no type here; a
+hand-written ``as_dict`` is annotated to return its part (``Cause.as_dict() -> CauseDict``). The report as a whole
+(``LogAudit``, ``PromptAudit``) and its JSON Schema are ``ci.report``'s: they hold the stages' records. Maps keyed by a
+simulated engine (``simulate.registry.ENGINES``), a provider, a repair, a cause or a format are ``dict[str, …]``: their
+registries name the keys. The parts by pass: ``token_pass`` (``logs``, ``changes``, ``simulate``, ``scan``),
+``model_pass`` (``measure``, ``rewrite``, ``endpoint``); here, the gate. Text only: no torch, no stage imported, and no
 ``from __future__ import annotations`` (``NotRequired`` must stay readable to ``__required_keys__``).
 """
 
