@@ -24,10 +24,11 @@ from pathlib import Path
 from benchmarks import common
 from benchmarks.common import cpu_info
 from benchmarks.studies.audit_scale import _embedded_tokenizer_dir, synthetic_log
+from kvscope.engine.audit.blocks import BLOCK_SIZES
 from kvscope.engine.audit.logs.reading import read_log
 from kvscope.engine.audit.scan.token_pass import scan_log
 from kvscope.engine.audit.simulate.caches import BlockCache
-from kvscope.engine.audit.simulate.observed import FIT_BLOCKS, fit_observed
+from kvscope.engine.audit.simulate.observed import fit_observed
 from kvscope.engine.audit.simulate.prefix_cache import CacheRequest
 from kvscope.engine.audit.simulate.radix import RadixTree
 
@@ -82,11 +83,11 @@ def main(argv: list[str] | None = None) -> None:
         "working_set_tokens": fit.working_set_tokens,
         "server": {"block": args.block, "budget_tokens": budget},
         "settings_tried": len(fit.tried),
-        "block_sizes": list(FIT_BLOCKS),
-        "recovered": {"block": best.block, "budget_tokens": best.budget_tokens, "matches": best.matches, "requests": fit.requests},
+        "block_sizes": list(BLOCK_SIZES),
+        "recovered": best.as_dict() | {"requests": fit.requests},
         "tied": [setting.as_dict() for setting in fit.tried if setting.matches == best.matches],
         "server_setting_among_the_best": any(
-            (s.block, s.budget_tokens) == (args.block, budget) for s in fit.tried if s.matches == best.matches
+            s.setting == {"block": args.block, "budget_tokens": budget} for s in fit.tried if s.matches == best.matches
         ),
         "token_pass_seconds": common.spread(passes),
         "fit_seconds": common.spread(fits),

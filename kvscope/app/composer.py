@@ -1,7 +1,9 @@
 """The composer's drag-and-drop skill list: a gr.HTML subclass (library zone → context zone).
 
 The value is the ordered list of skill ids in the context. Chips can be dragged from the library into the
-context and within it; ▲ ▼ ✕ buttons and a + on library chips do the same without a mouse. Titles are
+context and within it; ▲ ▼ ✕ buttons and a + on library chips do the same without a mouse. The skills the chosen
+scenario places itself (``placed``: :meth:`SkillComposer.placed_by`) follow, fixed, so the list shows every skill the
+context splices. Titles are
 escaped in Python (the template inserts raw HTML) and ``preprocess`` keeps only known ids, so nothing the
 browser sends is trusted.
 """
@@ -25,11 +27,13 @@ TEMPLATE = """
   </div>
   <div class="kv-zone kv-context" data-zone="context" id="kv-context-zone">
     <div class="kv-zone-title">Context, in order (drop here)</div>
-    ${(value || []).length === 0 ? '<div class="kv-empty">No skills yet</div>' : ''}
+    ${(value || []).length === 0 && (placed || []).length === 0 ? '<div class="kv-empty">No skills yet</div>' : ''}
     ${(value || []).map((id, i) => `<div class="kv-chip kv-in" draggable="true" data-id="${id}" data-index="${i}" data-from="context">
         <span>${i + 1}. ${(library.find(s => s.id === id) || {title: id}).title}</span>
         <span><button class="kv-btn" data-act="up" data-index="${i}" aria-label="move up">▲</button><button class="kv-btn" data-act="down" data-index="${i}" aria-label="move down">▼</button><button class="kv-btn" data-act="remove" data-index="${i}" aria-label="remove">✕</button></span>
       </div>`).join('')}
+    ${(placed || []).map(s => `<div class="kv-chip kv-placed" data-id="${s.id}" title="placed by the scenario ${s.scenario}">
+        <span>${s.title}</span><span class="kv-note">placed by the scenario</span></div>`).join('')}
   </div>
 </div>
 """
@@ -43,6 +47,8 @@ CSS = """
 .kv-in { background: #e8f4f2; }
 .kv-btn { border: none; background: transparent; cursor: pointer; padding: 0 3px; }
 .kv-empty { color: var(--body-text-color-subdued); font-size: 13px; }
+.kv-placed { background: #eef0f6; cursor: default; }
+.kv-note { color: var(--body-text-color-subdued); font-size: 12px; }
 """
 
 JS = """
@@ -87,8 +93,9 @@ element.addEventListener('click', (e) => {
 class SkillComposer(gr.HTML):
     """Ordered skill ids, edited by drag and drop (or buttons) between a library and a context zone."""
 
-    def __init__(self, library: dict[str, str], value: list[str] | None = None, **kwargs: Any) -> None:
+    def __init__(self, library: dict[str, str], value: list[str] | None = None, placed: list[dict] | None = None, **kwargs: Any) -> None:
         self.library_ids = [skill_id for skill_id in library if SAFE_ID.match(skill_id)]
+        self.titles = dict(library)
         entries = [{"id": skill_id, "title": html.escape(library[skill_id], quote=True)} for skill_id in self.library_ids]
         super().__init__(
             value=self._clean(value or []),
@@ -96,8 +103,21 @@ class SkillComposer(gr.HTML):
             css_template=CSS,
             js_on_load=JS,
             library=entries,
+            placed=placed or [],
             **kwargs,
         )
+
+    def placed_by(self, scenario: str, skill_ids: list[str]) -> list[dict[str, str]]:
+        """The ``placed`` entries for the skills ``scenario`` places itself (titles escaped; unknown ids by their id)."""
+        return [
+            {
+                "id": skill_id,
+                "title": html.escape(self.titles.get(skill_id, skill_id), quote=True),
+                "scenario": html.escape(scenario, quote=True),
+            }
+            for skill_id in skill_ids
+            if SAFE_ID.match(skill_id)
+        ]
 
     def _clean(self, ids: Any) -> list[str]:
         """Known, well-formed ids only, each once, in order."""

@@ -112,7 +112,7 @@ Serving: what a server shares between requests
 ``BudgetedLRU``            entries kept within a byte budget, least recently used dropped first (``tensor_bytes``)
 ``SingleFlight``           computed-once entries: one computation, concurrent callers wait for it
 ``MessageProgress``        a progress callback taking messages; ``StepProgress``: (done, total); ``StepMessage``,
-                           ``fraction``: a message that says how far its work is
+                           ``fraction``: a message that says how far its work is; ``duration_words``: time left
 =========================  ======================================================================================
 
 Importing ``kvscope.engine`` loads nothing and changes no process state: names resolve on first use, the CPU math
@@ -219,6 +219,7 @@ _PUBLIC = {
     "compare_models": "kvscope.engine.comparison",
     "compose_scenario": "kvscope.engine.compose.placing",
     "dtype_name": "kvscope.engine.models",
+    "duration_words": "kvscope.engine.progress",
     "expected_parameter_bytes": "kvscope.engine.models",
     "find_span": "kvscope.engine.audit.prompts.text_spans",
     "fit_observed": "kvscope.engine.audit.simulate.observed",
@@ -356,6 +357,7 @@ __all__ = [
     "compare_models",
     "compose_scenario",
     "dtype_name",
+    "duration_words",
     "expected_parameter_bytes",
     "find_span",
     "first_field_values",
@@ -487,7 +489,7 @@ if TYPE_CHECKING:
     from kvscope.engine.probes.analysis import DEFAULT_STRATEGIES, analyse_edit
     from kvscope.engine.probes.frontier import probe_frontier
     from kvscope.engine.probes.registry import PROBES
-    from kvscope.engine.progress import MessageProgress, StepMessage, StepProgress, fraction
+    from kvscope.engine.progress import MessageProgress, StepMessage, StepProgress, duration_words, fraction
     from kvscope.engine.reproduce import Recipe, recipe_settings, script_text
     from kvscope.engine.reproduce import matches as recipe_matches
     from kvscope.engine.reproduce import notebook as recipe_notebook

@@ -12,12 +12,14 @@ escaped: plotly text through :func:`safe_label`, HTML through :func:`html.escape
 from __future__ import annotations
 
 import html
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import plotly.graph_objects as go
 
+from kvscope.engine.audit.blocks import BLOCK_TOKENS
 from kvscope.engine.audit.changes.causes import CAUSES
 from kvscope.engine.audit.ci.report import AuditJSON, LogAudit
 from kvscope.engine.audit.logs.requests import Skipped
@@ -27,6 +29,7 @@ from kvscope.engine.audit.simulate.hosted import TOKENS_NOTE
 from kvscope.engine.audit.simulate.observed import OBSERVED_CAUSES
 from kvscope.engine.audit.simulate.registry import ENGINES, LABELS, PROVIDERS
 from kvscope.engine.audit.simulate.step import replies_sentence
+from kvscope.engine.words import counted
 from kvscope.viz.common import GREY, LEGEND_BELOW, PALETTE, markdown_literal, safe_label, set_title
 
 KL_FLOOR = 1e-9  # KL drawn on a log axis: exact states (KL 0) sit on this floor
@@ -36,6 +39,7 @@ MAX_SHOWN_CHARS = 600  # an unmarked stretch longer than this is shown by its en
 CONTEXT_CHARS = 200
 RequestRow = dict[str, Any]  # one of the report's requests: a scan.token_pass.TrafficRequest in JSON
 DODGE = 0.05  # requests: each repair's points sit this far apart on the timeline's x axis
+LABEL_BINS = (40, 16)  # fidelity against cost: points within 1/40 of the x span and 1/16 of the y span share one label
 
 
 def _colours(names: Sequence[str]) -> dict[str, str]:
@@ -86,10 +90,17 @@ def _symbols(results: Sequence[RepairDict], data: AuditJSON) -> list[str]:
     return ["circle" if within(result, data) else "circle-open" for result in results]
 
 
+def block_tokens(data: AuditJSON) -> int:
+    """The block size the report's block-aligned prefixes were counted in: a log's simulated vLLM block (its token pass's
+    engine settings), else vLLM's default (one prompt audited against its change)."""
+    engines = data.get("engines")
+    return engines["settings"]["block"] if engines else BLOCK_TOKENS
+
+
 def reuse_timeline_figure(data: AuditJSON) -> go.Figure:
     """Per turn (request number), the reused fraction of each repair's state (the repairs dodged apart by DODGE), and
-    the 16-token block-aligned prefix a vLLM-style cache keeps; filled markers are within the fidelity threshold, open
-    ones outside it."""
+    the block-aligned prefix a vLLM-style cache keeps (in the report's block size); filled markers are within the
+    fidelity threshold, open ones outside it."""
     turns, names = _audited(data), list(data["repairs"])
     figure = go.Figure()
     if not turns:
@@ -99,7 +110,7 @@ def reuse_timeline_figure(data: AuditJSON) -> go.Figure:
         x=requests,
         y=[turn["block_prefix_tokens"] / turn["tokens"] for turn in turns],
         mode="lines",
-        name="16-token blocks (vLLM)",
+        name=f"{block_tokens(data)}-token blocks (vLLM)",
         line={"color": GREY, "dash": "dash"},
         hovertext=[f"block-aligned prefix: {turn['block_prefix_tokens']:,} of {turn['tokens']:,} tokens" for turn in turns],
         hoverinfo="text",
@@ -157,20 +168,18 @@ def fidelity_cost_figure(data: AuditJSON, x: str = "computed", y: str = "kl") ->
     turns, names = _audited(data), list(data["repairs"])
     if not turns:
         return _empty(no_turns(data, "no repair to measure"))
-    figure, colours = go.Figure(), _colours(names)
+    figure, colours, placed = go.Figure(), _colours(names), []
     for name in names:
         points = [(turn, turn["repairs"][name]) for turn in turns if turn["repairs"].get(name, {}).get("applicable")]
         points = [(turn, result) for turn, result in points if _x(result, turn, x) is not None]
         if not points:
             continue
+        placed += [(_x(result, turn, x), _y(result, y), turn["request"]) for turn, result in points]
         figure.add_scatter(
             x=[_x(result, turn, x) for turn, result in points],
             y=[_y(result, y) for _, result in points],
-            mode="markers+text",
+            mode="markers",
             name=safe_label(name),
-            text=[f"r{turn['request']}" for turn, _ in points],
-            textposition="top center",
-            textfont={"size": 9, "color": colours[name]},
             marker={
                 "size": 12,
                 "color": colours[name],
@@ -180,12 +189,17 @@ def fidelity_cost_figure(data: AuditJSON, x: str = "computed", y: str = "kl") ->
             hovertext=[_hover(name, turn, result, data) for turn, result in points],
             hoverinfo="text",
         )
+    _label_points(figure, placed, y == "kl")
     level = data["min_agreement"] if y == "agreement" else data["threshold"]
     figure.add_hline(y=level, line={"color": "#e76f51", "dash": "dash"}, annotation_text="threshold", annotation_position="right")
     if x == "ttft":
         figure.add_vline(x=1.0, line={"color": GREY, "dash": "dot"}, annotation_text="as fast as a full prefill", annotation_position="top")
     figure.update_layout(
-        xaxis={"title": X_AXES[x], "type": "log", "dtick": 1, **({"ticksuffix": "%"} if x == "computed" else {})},
+        xaxis={
+            "title": X_AXES[x],
+            "type": "log",
+            **_log_ticks([p for p, _, _ in placed], "%" if x == "computed" else ""),
+        },
         yaxis={
             "title": Y_AXES[y],
             **({"type": "log", "exponentformat": "power"} if y == "kl" else {"range": [-0.05, 1.1], "tickformat": ".0%"}),
@@ -203,6 +217,42 @@ def fidelity_cost_figure(data: AuditJSON, x: str = "computed", y: str = "kl") ->
     return figure
 
 
+def _log_ticks(values: Sequence[float], suffix: str) -> dict:
+    """A log axis's ticks, each with ``suffix``: one a decade over a decade or more; over less (a log whose points all sit
+    between 22% and 67%), four values across the points, rounded to two digits, since decade ticks would label none."""
+    low, high = math.log10(max(min(values), KL_FLOOR)), math.log10(max(max(values), KL_FLOOR))
+    if high - low >= 1:
+        return {"dtick": 1, "ticksuffix": suffix}
+    ticks = sorted({float(f"{10 ** (low + (high - low) * k / 3):.2g}") for k in range(4)})
+    return {"tickmode": "array", "tickvals": ticks, "ticktext": [f"{tick:g}{suffix}" for tick in ticks]}
+
+
+def _label_points(figure: go.Figure, points: Sequence[tuple[float, float, int]], y_log: bool) -> None:
+    """Each place the repairs' ``points`` (x, y, request) sit labelled once with its requests ("r2·r3"): the repairs of a
+    turn often land on one spot, and a label per point stacked their "rN"s into one glyph. A place is a cell of
+    LABEL_BINS over the drawn span (log on x, and on y where ``y_log``); its label sits over the first point in it."""
+    if not points:
+        return
+    xs = [math.log10(max(x, KL_FLOOR)) for x, _, _ in points]
+    ys = [math.log10(y) if y_log else y for _, y, _ in points]
+    x_step, y_step = ((max(v) - min(v)) / bins or 1.0 for v, bins in zip((xs, ys), LABEL_BINS))
+    places: dict[tuple[int, int], list[int]] = {}
+    for index, (x, y) in enumerate(zip(xs, ys)):
+        places.setdefault((round(x / x_step), round(y / y_step)), []).append(index)
+    firsts = [indices[0] for indices in places.values()]
+    figure.add_scatter(
+        x=[points[i][0] for i in firsts],
+        y=[points[i][1] for i in firsts],
+        mode="markers+text",
+        marker={"size": 12, "opacity": 0},  # the repairs' markers' size: the label sits above them, not on them
+        text=["·".join(f"r{request}" for request in sorted({points[i][2] for i in indices})) for indices in places.values()],
+        textposition="top center",
+        textfont={"size": 11, "color": "#444"},
+        hoverinfo="skip",
+        showlegend=False,
+    )
+
+
 def _empty(text: str) -> go.Figure:
     figure = go.Figure()
     figure.add_annotation(text=safe_label(text), showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper", font={"size": 14})
@@ -213,7 +263,7 @@ def _empty(text: str) -> go.Figure:
 def recommendations_markdown(data: AuditJSON) -> str:
     """Per turn, in words: what a prefix cache reuses, the fields that changed (old → new), what was appended, and the
     recommended repair with the engine's reason; a ``cancelled`` model pass is said first (no repair was measured)."""
-    lines = unmeasured_lines(data)
+    lines, block = unmeasured_lines(data), block_tokens(data)
     lines += [
         f"**{markdown_literal(data['model'])}** ({markdown_literal(data['dtype'])}) · threshold KL ≤ {data['threshold']:g}, "
         f"≥ {data['min_agreement']:.0%} of {data['generated_tokens']} greedy tokens agreeing"
@@ -233,7 +283,7 @@ def recommendations_markdown(data: AuditJSON) -> str:
         )
         reuse = (
             f"a prefix cache reuses {turn['common_prefix_tokens']:,} of {turn['tokens']:,} tokens "
-            f"({turn['common_prefix_tokens'] / turn['tokens']:.0%}; {turn['block_prefix_tokens']:,} in 16-token blocks)"
+            f"({turn['common_prefix_tokens'] / turn['tokens']:.0%}; {turn['block_prefix_tokens']:,} in {block}-token blocks)"
         )
         recommendation = turn["recommendation"]
         lines.append(
@@ -562,11 +612,11 @@ def _observed_line(figure: go.Figure, data: LogAudit, runs: Sequence[Sequence[Re
     """The share each request's (or run's) server reported cached (a gap where none reported one), and the shortfalls
     marked one by one."""
     rows = data["requests"]
-    counted = [row for row in rows if row.get("observed_cached_tokens") is not None]
-    if not counted:
+    reporting = [row for row in rows if row.get("observed_cached_tokens") is not None]
+    if not reporting:
         return
     observed = data.get("observed") or {}
-    tokens, cached = sum(row["tokens"] for row in counted), sum(row["observed_cached_tokens"] for row in counted)
+    tokens, cached = sum(row["tokens"] for row in reporting), sum(row["observed_cached_tokens"] for row in reporting)
     reported = [[row for row in run if row.get("observed_cached_tokens") is not None] for run in runs]
     shares = [sum(r["observed_cached_tokens"] for r in own) / sum(r["tokens"] for r in own) if own else None for own in reported]
     figure.add_scatter(
@@ -574,7 +624,7 @@ def _observed_line(figure: go.Figure, data: LogAudit, runs: Sequence[Sequence[Re
         y=shares,
         mode="lines+markers",
         connectgaps=False,
-        name=f"observed: {cached:,} of {tokens:,} ({_share(cached, tokens)}), {len(counted):,} of {len(rows):,} requests report it",
+        name=f"observed: {cached:,} of {tokens:,} ({_share(cached, tokens)}), {len(reporting):,} of {len(rows):,} requests report it",
         line={"color": OBSERVED_COLOUR, "width": 3},
         marker={"size": 7 if len(runs) == len(rows) else 4},
         hovertext=[
@@ -585,14 +635,14 @@ def _observed_line(figure: go.Figure, data: LogAudit, runs: Sequence[Sequence[Re
         ],
         hoverinfo="text",
     )
-    short = [row for row in counted if observed_gap(row, "observed_shortfall")]
+    short = [row for row in reporting if observed_gap(row, "observed_shortfall")]
     if short:
         engine = ENGINE_LABELS.get(observed.get("engine", "vllm"), "the engine")
         figure.add_scatter(
             x=[row["request"] for row in short],
             y=[row["observed_cached_tokens"] / row["tokens"] for row in short],
             mode="markers",
-            name=f"observed shortfall against {engine}: {len(short):,} requests",
+            name=f"observed shortfall against {engine}: {counted(len(short), 'request')}",
             marker={"color": SHORTFALL_COLOUR, "size": 14, "symbol": "x"},
             hovertext=[
                 "<br>".join(safe_label(c["detail"], 110) for c in row["causes"] if c["name"] == "observed_shortfall") for row in short
@@ -613,7 +663,7 @@ def _hosted_lines(figure: go.Figure, data: LogAudit) -> None:
             x=[_run_x(run) for run in runs],
             y=[sum(r["hosted_reused_tokens"][provider] for r in run) / sum(r["tokens"] for r in run) for run in runs],
             mode="lines+markers",
-            name=f"{label}: {_share(reused, tokens)} of {len(own):,} requests",
+            name=f"{label}: {_share(reused, tokens)} of {counted(len(own), 'request')}",
             line={"color": PALETTE[3 + index], "width": 2, "dash": "dashdot"},
             marker={"size": 6},
             hoverinfo="skip",
@@ -627,9 +677,9 @@ def observed_markdown(data: LogAudit) -> str:
     observed, hosted = data.get("observed"), data.get("hosted") or {}
     lines = []
     if observed:
-        counted = observed["requests_with_count"]
-        total = counted + observed["requests_without_count"]
-        if not counted:
+        reporting = observed["requests_with_count"]
+        total = reporting + observed["requests_without_count"]
+        if not reporting:
             read = ", ".join(f"{markdown_literal(name)} {count:,}" for name, count in data["formats"].items()) or "none"
             lines.append(f"**Observed cached tokens**: none of the {total:,} requests reports one (formats read: {read}).")
         else:
@@ -639,16 +689,18 @@ def observed_markdown(data: LogAudit) -> str:
             )
             engine = ENGINE_LABELS.get(observed["engine"], observed["engine"])
             short, excess = observed["shortfalls"], observed["excesses"]
+            evidence = observed.get("engine_evidence")
             lines += [
-                f"**Observed beside simulated** ({counted:,} of {total:,} requests report a cached count; compared with {engine}): "
+                f"**Observed beside simulated** ({reporting:,} of {total:,} requests report a cached count; compared with {engine}): "
                 f"hit rate {shown}",
+                *(["", f"Compared with {engine}: {markdown_literal(evidence)}."] if evidence else []),
                 *(
                     ["", f"The observed rate is over {markdown_literal(observed['observed_rate_over'])}."]
                     if "observed_rate_over" in observed
                     else []
                 ),
                 "",
-                f"Observed equals {engine} on {observed['equal']:,} of {counted:,} ({_percent(observed['equal_share'])}); "
+                f"Observed equals {engine} on {observed['equal']:,} of {reporting:,} ({_percent(observed['equal_share'])}); "
                 f"**{short['requests']:,} shortfall{'s' if short['requests'] != 1 else ''}** ({short['tokens']:,} tokens) · "
                 f"{excess['requests']:,} excess{'es' if excess['requests'] != 1 else ''} "
                 f"({excess['tokens']:,} tokens).",
@@ -656,14 +708,14 @@ def observed_markdown(data: LogAudit) -> str:
             fit = observed.get("fit")
             if fit:
                 best = fit["best"]
-                budget = "unbounded" if best["budget_tokens"] is None else f"{best['budget_tokens']:,} tokens"
+                fitted = ENGINE_LABELS.get(fit.get("engine", ""), "the engine")
                 lines.append(
-                    f"Best fit: {best['block']}-token blocks, KV budget {budget}: {best['matches']:,} of "
+                    f"Best fit of {fitted}'s settings: {fit_setting_words(best)}: {best['matches']:,} of "
                     f"{fit['requests_with_count']:,} exactly ({len(fit['tied'])} tied)."
                 )
     if hosted:
         providers = " · ".join(
-            f"{PROVIDER_LABELS[name]}: {entry['requests']:,} requests, hit rate {_percent(entry['hit_rate'])}"
+            f"{PROVIDER_LABELS[name]}: {counted(entry['requests'], 'request')}, hit rate {_percent(entry['hit_rate'])}"
             for name, entry in hosted.items()
             if name in PROVIDER_LABELS
         )
@@ -671,12 +723,29 @@ def observed_markdown(data: LogAudit) -> str:
     return "\n".join(lines)
 
 
+FIT_SETTING_WORDS = {  # a fitted setting's value in words, by the key the engine's ``fit_grid`` names it
+    "block": lambda value: f"{value}-token blocks",
+    "page": lambda value: f"{value}-token pages",
+    "budget_tokens": lambda value: "KV budget unbounded" if value is None else f"KV budget {value:,} tokens",
+    "slots": lambda value: f"-np {value}",
+    "prompt_cache": lambda value: "the server's own slot choice with its RAM prompt cache" if value else "a slot per session",
+    "cache_reuse": lambda value: f"--cache-reuse {value}" if value else "--cache-reuse off",
+}
+
+
+def fit_setting_words(setting: dict) -> str:
+    """One fitted setting (``observed.fit.best`` or a tied one) in words, whichever engine's settings it names."""
+    named = {key: value for key, value in setting.items() if key in FIT_SETTING_WORDS and not (key == "slots" and value is None)}
+    return ", ".join(FIT_SETTING_WORDS[key](value) for key, value in named.items())  # slots None: the mode's own
+
+
 def _percent(rate: float | None) -> str:
     return "–" if rate is None else f"{rate:.0%}"
 
 
 def traffic_markdown(data: LogAudit) -> str:
-    """The log in words and tables: requests, sessions, formats and skipped records; each engine's reuse in total;
+    """The log in words and tables: requests, sessions, formats and the lines that gave no request (each with why: skipped, or
+    read with another record); each engine's reuse in total;
     per session its requests, tokens and reuse; each cause named with its line, the requests and tokens it costs
     (its occurrences are in the JSON)."""
     engines, sessions = data["engines"], data["sessions"]
@@ -684,9 +753,10 @@ def traffic_markdown(data: LogAudit) -> str:
     formats = ", ".join(f"{markdown_literal(name)} {count:,}" for name, count in data["formats"].items()) or "none"
     lines = unmeasured_lines(data)
     lines += [
-        f"**{engines['requests']:,} requests** in **{len(sessions):,} session{'s' if len(sessions) != 1 else ''}**, "
-        f"{tokens:,} tokens · formats: {formats} · skipped records: {data['skipped_count']:,}",
-        *(f"- skipped: {markdown_literal(Skipped(**item).message)}" for item in data["skipped"][:MAX_TABLE_ROWS]),
+        f"**{counted(engines['requests'], 'request')}** in **{counted(len(sessions), 'session')}**, "
+        # a line can give no request of its own and still be read (an OTel logs batch joined to its spans): each says which
+        f"{tokens:,} tokens · formats: {formats} · lines that gave no request of their own: {data['skipped_count']:,}",
+        *(f"- {markdown_literal(Skipped(**item).message)}" for item in data["skipped"][:MAX_TABLE_ROWS]),
         "",
         "**Tokens the engines reuse** (simulated, fed the log in order): "
         + " · ".join(
@@ -747,7 +817,7 @@ def no_turns(data: AuditJSON, what: str) -> str:
     could be measured."""
     requests = len(data.get("requests") or ())
     if data.get("cancelled"):
-        return f"the model pass was cancelled before a turn was measured, so {what}"
+        return f"the model pass was cancelled, and a cancelled pass keeps no measured turn, so {what}"
     if data.get("pending"):
         return f"the model pass is measuring the sampled turns, so {what} yet"
     if data.get("sample") == 0 and requests > 1:
@@ -765,7 +835,7 @@ def groups_markdown(data: LogAudit) -> str:
     measured = sum(len(group["measured"]) for group in groups)
     signatures = f"**{len(groups):,} change signature{'s' if len(groups) != 1 else ''}**"
     if data.get("cancelled"):
-        head = f"{signatures}; the model pass was cancelled: no turn was measured with the model."
+        head = f"{signatures}; the model pass was cancelled: it keeps no measured turn (the line above says how far it went)."
     elif data.get("pending"):
         head = f"{signatures}; the model pass is measuring the sampled turns now: their fidelity follows when it ends."
     elif data["sample"] == 0:

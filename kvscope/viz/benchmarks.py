@@ -136,7 +136,10 @@ def serving_figure(data: dict) -> go.Figure:
     completed = sorted({run["completed"] for run in data["runs"] if run.get("completed") is not None})
     workload = [safe_label(str(data["scenario"]))] if data.get("scenario") else []
     if completed:
-        workload.append(f"{completed[0]}{'–' + str(completed[-1]) if len(completed) > 1 else ''} completed requests per point")
+        low, high = completed[0], completed[-1]
+        workload.append(
+            f"{low}–{counted(high, 'completed request')} per point" if high != low else f"{counted(low, 'completed request')} per point"
+        )
     compared = " vs ".join(safe_label(variant) for variant in variants)
     figure.update_layout(height=450, legend=LEGEND_BELOW)
     set_title(figure, f"Serving: {compared}{engine}", ", ".join(workload), subplot_titles=1)
@@ -146,10 +149,12 @@ def serving_figure(data: dict) -> go.Figure:
 def serving_engines_figure(results: dict[str, dict]) -> go.Figure:
     """The edit workload's serving results side by side (``serving-<engine>[-<tag>].json``, one bar group each): the
     erratum's and the in-prefix edit's prefix-cache hit rates, and the in-prefix / erratum p90 TTFT ratio at each
-    result's highest load, with the handbook's length in its name (a ratio grows with the prompt's length)."""
+    result's highest load, with the handbook's length in its name (a ratio grows with the prompt's length). The two
+    panels are stacked, so each result's name reads level and each bar's label at full size at 1,000 px."""
     edits = {stem: data for stem, data in results.items() if "p90_ttft_ratio_in_prefix_over_erratum" in data.get("summary", {})}
     names = [_serving_name(stem, data) for stem, data in edits.items()]
-    figure = make_subplots(rows=1, cols=2, horizontal_spacing=0.12, subplot_titles=("prefix-cache hits", "p90 TTFT, in-prefix / erratum"))
+    titles = ("prefix-cache hits", "p90 TTFT, in-prefix / erratum, at each result's highest load")
+    figure = make_subplots(rows=2, cols=1, vertical_spacing=0.2, subplot_titles=titles)
     for index, variant in enumerate(("erratum", "in_prefix")):
         hits = [data["summary"].get(f"{variant}_prefix_hit_rate") for data in edits.values()]
         figure.add_bar(x=names, y=hits, name=safe_label(variant), marker_color=PALETTE[index], row=1, col=1)
@@ -162,13 +167,17 @@ def serving_engines_figure(results: dict[str, dict]) -> go.Figure:
         marker_color=PALETTE[2],
         text=[f"×{ratio:g} at {load:g} req/s" if ratio else "" for ratio, load in zip(ratios, loads, strict=True)],
         textposition="outside",
+        textfont={"size": 12},
+        constraintext="none",  # plotly shrinks a label to its bar's width (to 5 px tall at 1,000 px): kept at its size
         cliponaxis=False,
-        row=1,
-        col=2,
+        row=2,
+        col=1,
     )
+    figure.update_xaxes(tickangle=0)  # the names wrap on <br>, level (rotated, they ran into each other)
     figure.update_yaxes(title_text="hit rate", range=[0, 1.05], row=1, col=1)
-    figure.update_yaxes(title_text="×", rangemode="tozero", row=1, col=2)  # bars from zero: a log axis hides the smaller one
-    figure.update_layout(height=500, barmode="group", legend=LEGEND_BELOW | {"y": -0.4})  # below names that wrap at 700 px
+    top = max((ratio for ratio in ratios if ratio), default=1)
+    figure.update_yaxes(title_text="×", range=[0, top * 1.15], row=2, col=1)  # bars from zero, room for their labels
+    figure.update_layout(height=760, barmode="group", legend=LEGEND_BELOW | {"y": -0.12})
     set_title(
         figure,
         "Serving engines side by side: erratum vs in-prefix edit",

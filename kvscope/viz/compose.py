@@ -1,4 +1,5 @@
-"""Figures of composition: spliced vs recomputed next-token probabilities and K/V deviation, agent episodes."""
+"""Figures of composition: spliced vs recomputed next-token probabilities and K/V deviation, agent episodes; and the
+line that sets a splice's measured speed-up beside the remedy menu's."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from plotly.subplots import make_subplots
 
 from kvscope.engine.cache.decision import Decision
 from kvscope.engine.compose.agent import AgentReport
+from kvscope.engine.compose.calibration import ModelRemedies
 from kvscope.engine.compose.fidelity import SpliceFidelity
 from kvscope.engine.compose.keystone import KeystoneReport
 from kvscope.viz.common import (
@@ -19,6 +21,7 @@ from kvscope.viz.common import (
     NARROWEST_PLOT_PX,
     PALETTE,
     map_height,
+    markdown_literal,
     place_labels,
     pool_columns,
     safe_label,
@@ -488,3 +491,28 @@ def frontiers_figure(studies: Sequence[dict]) -> go.Figure:
         subplot_titles=1,
     )
     return figure
+
+
+def speed_markdown(menu: ModelRemedies, fidelity: SpliceFidelity) -> str:
+    """A splice's measured speed-up beside the remedy menu's (Markdown): the context lengths the menu's number was
+    measured on, what the stored study's points predict at this context's length (:meth:`ModelRemedies.predicted`), and
+    what this run measured."""
+    name, tokens = fidelity.remedy.name, fidelity.context_tokens
+    measured = f"this run measured ×{fidelity.speedup:.2f} on {tokens:,} context tokens"
+    where, predicted = menu.measured_at(name), menu.predicted(name, tokens)
+    if where is None or predicted is None:
+        return f"**Speed-up of {markdown_literal(name)}:** {measured}; no stored study of {markdown_literal(menu.model)} measured it."
+    return (
+        f"**Speed-up of {markdown_literal(name)}:** the menu's number was measured on {where} ({markdown_literal(menu.source or '')}); "
+        f"{markdown_literal(predicted)}; {measured}."
+    )
+
+
+def selection_markdown(selection: Mapping) -> str:
+    """The selection a result was computed for (the handler's ``selection``), as the line above its numbers (Markdown)."""
+    skills = ", ".join(selection["skills"]) or "none dragged in"
+    scenario = selection["scenario"] or "none (a generic yes/no question)"
+    return (
+        f"**Computed for** skills {markdown_literal(skills)} · scenario {markdown_literal(scenario)} · "
+        f"remedy {markdown_literal(selection['remedy'] or 'the default')} · model {markdown_literal(selection['model'])}"
+    )

@@ -157,24 +157,30 @@ def remedy_info(default: str, stored: str | None = None, choice: RemedyChoice | 
     return f"Default{whose} {choice.point(default).words()}, in {where}{why}.{reason}{beside} {AUTO_WORDS} {REMEDY_GRAMMAR}"
 
 
-def remedy_summary(default: str, choice: RemedyChoice | None = None, *, model: str | None = None) -> str:
-    """One line under the remedy menu: the model's default and what it buys where it was measured (the rest is in
-    :func:`remedy_info`)."""
+def remedy_summary(default: str, choice: RemedyChoice | None = None, *, model: str | None = None, measured_at: str | None = None) -> str:
+    """One line under the remedy menu: the model's default and what it buys where it was measured (``measured_at``: the
+    context lengths of the study's speed-ups); the rest is in :func:`remedy_info`."""
     measured = {point.name: point for point in choice.points} if choice else {}
     numbers = measured[default].numbers() if default in measured else "not measured for this model yet"
+    where = f" on {measured_at}" if measured_at and default in measured else ""
     whose = f" for {model.split(':')[0]}" if model else ""
-    return f"Default{whose} {default}: {numbers}. What each part means, and why this default: below the menu."
+    return f"Default{whose} {default}: {numbers}{where}. What each part means, and why this default: below the menu."
 
 
-def remedy_menu(default: str, auto: str, names: Sequence[str], choice: RemedyChoice | None = None) -> list[tuple[str, str]]:
+def remedy_menu(
+    default: str, auto: str, names: Sequence[str], choice: RemedyChoice | None = None, measured_at: Mapping[str, str] | None = None
+) -> list[tuple[str, str]]:
     """(label, spec) pairs: the default, ``auto``, then ``names``; a remedy the stored study measured shows its decisive
-    agreement and median speedup there against a full recompute, one it did not says so."""
+    agreement and median speedup there against a full recompute (and, from ``measured_at``, the context lengths it was
+    measured on), one it did not says so."""
     measured = {point.name: point for point in choice.points} if choice else {}
+    where = measured_at or {}
 
     def label(name: str) -> str:
         point = measured.get(name)
         numbers = point.numbers() if point else "not measured for this model yet"
-        return f"{name} — {numbers}{' (default)' if name == default else ''}"
+        lengths = f" on {where[name]}" if point and name in where else ""
+        return f"{name} — {numbers}{lengths}{' (default)' if name == default else ''}"
 
     return [(label(default), default), (f"{auto} — this model's calibrated choice (measured once)", auto)] + [
         (label(name), name) for name in names if name != default

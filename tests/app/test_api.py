@@ -61,13 +61,14 @@ def test_bad_scenario_is_an_error_and_the_session_stays_usable(app_url):
 
 
 def test_compose_endpoint_reports_fidelity(app_url):
-    metrics, _, _, data = Client(app_url, verbose=False).predict(["account_gate"], "", "", "", "seam:2", api_name="/compose")
+    metrics, _, _, data, speed, stale = Client(app_url, verbose=False).predict(["account_gate"], "", "", "", "seam:2", api_name="/compose")
     assert (
         data["seam"] == 2
         and data["remedy"]["name"] == "seam:2"
         and {"cosine", "kl", "top1_agree", "decision_agree", "ttft_ms", "speedup"} <= set(data)
     )
-    assert "cosine" in metrics
+    assert "cosine" in metrics and "Computed for** skills account\\_gate" in metrics and data["selection"]["skills"] == ["account_gate"]
+    assert f"×{data['speedup']:.2f} on {data['context_tokens']:,} context tokens" in speed and stale == ""
 
 
 def test_picture_splice_on_a_text_model_is_refused_by_name(app_url):

@@ -9,16 +9,11 @@ import tomllib
 
 import pytest
 
+from kvscope.app.handlers.audit_kept import audit_notes_choice, audit_notes_scenario
+from kvscope.app.handlers.audit_log import NOTHING_TO_AUDIT, bundled_log_text, nothing_to_audit
+from kvscope.app.handlers.audit_settings import AuditInputs
 from kvscope.app.handlers.common import AppError
-from kvscope.app.handlers.your_prompt import (
-    NOTHING_TO_AUDIT,
-    AuditInputs,
-    audit_notes_choice,
-    audit_notes_scenario,
-    bundled_log_text,
-    nothing_to_audit,
-    run_audit,
-)
+from kvscope.app.handlers.your_prompt import run_audit
 from kvscope.engine.audit.measure.notes import NotesChoice
 from kvscope.engine.cache.decision import RECOVERY_MIN_GAP
 

@@ -40,6 +40,12 @@ def test_the_bar_moves_through_every_phase_in_order_and_names_each_turn(registry
     assert model[-1][0].startswith("measured 2 turns (10 steps) in ")
     assert {re.match(r"measuring turn (\d) of 2", text).group(1) for text, _ in model[:-1]} == {"1", "2"}
     assert any("left" in text for text, _ in model[:-1])
+    # the Notes pre-check of the one changed field: two prefills, each said as it starts, with the time left after the first
+    notes = [(t, f) for t, f in zip(texts, fractions) if t.startswith("Open in Notes")]
+    start, end = PHASES["notes"]
+    assert [re.search(r"prefill (\d of \d)", text).group(1) for text, _ in notes[1:]] == ["1 of 2", "2 of 2"]
+    assert "timing the first" in notes[1][0] and re.search(r"about \d+ s left", notes[2][0]), notes
+    assert [fraction for _, fraction in notes] == pytest.approx([start, start, (start + end) / 2], abs=1e-3)
 
 
 def test_a_token_pass_loads_the_tokenizer_only(sessions):

@@ -14,24 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from kvscope.app.handlers.audit_kept import audit_fidelity_view, audit_notes_scenario, export_audit
+from kvscope.app.handlers.audit_log import NOTHING_TO_AUDIT, bundled_log_text, given_log, size_words, upload_markdown
+from kvscope.app.handlers.audit_settings import AuditInputs, EngineInputs
 from kvscope.app.handlers.common import AppError
 from kvscope.app.handlers.notes import EditInputs, run_edit, run_knockout
-from kvscope.app.handlers.your_prompt import (
-    NOTHING_TO_AUDIT,
-    AuditInputs,
-    audit_fidelity_view,
-    audit_notes_scenario,
-    bundled_log_text,
-    engine_settings,
-    export_audit,
-    given_log,
-    prompt_candidates,
-    run_audit,
-    run_audit_value,
-    run_rewrite,
-    size_words,
-    upload_markdown,
-)
+from kvscope.app.handlers.rewrite import RewriteInputs, run_rewrite
+from kvscope.app.handlers.your_prompt import prompt_candidates, run_audit, run_audit_value
 from kvscope.app.hosting import local_profile, public_profile
 from kvscope.app.state import ExportFolder, ModelRegistry, SessionStore
 from kvscope.app.tabs.your_prompt import with_coarsen
@@ -43,6 +32,7 @@ from kvscope.engine.audit.logs.render import render_request
 from kvscope.engine.audit.logs.requests import RequestLogError
 from kvscope.engine.audit.measure.turn import repaired_template
 from kvscope.engine.scenario import Scenario, bundled_logs
+from kvscope.viz.audit import MAX_TABLE_ROWS
 from kvscope.viz.common import markdown_literal
 from tests.app.conftest import TINY
 
@@ -99,8 +89,10 @@ def test_a_log_gets_its_fields_every_repair_and_a_recommendation_per_turn(audite
     assert "Recommended: " in view.recommendation_markdown and r"*session\_started* “2026\-05\-12 09:41”" in view.recommendation_markdown
     timeline = {trace.name for trace in view.timeline_figure.data}
     assert {"recompute (exact prefix)", "field_only", "erratum", "hoist", "16-token blocks (vLLM)"} <= timeline
-    points = {trace.name: list(trace.text) for trace in view.fidelity_figure.data}
-    assert points["recompute"] == ["r2", "r3"] and points["field_only"] == ["r2"]  # field_only does not apply to growth
+    points = {trace.name: len(trace.x) for trace in view.fidelity_figure.data if trace.name}
+    assert points["recompute"] == 2 and points["field_only"] == 1  # field_only does not apply to growth
+    (labels,) = [trace for trace in view.fidelity_figure.data if trace.text]  # each place labelled once with its requests
+    assert {request for label in labels.text for request in label.split("·")} == {"r2", "r3"}
     assert sessions.get("a", "audit").as_dict()["turns"] == data["turns"] and sessions.get("a", "audit_traffic") == data
 
 
@@ -117,7 +109,7 @@ def test_the_marked_prompt_escapes_user_text_and_marks_the_field_and_the_growth(
 def test_malformed_records_are_skipped_by_name_and_the_rest_audited(registry, sessions):
     view = run_audit(registry, sessions, LOG + '\n{not json\n{"messages": [{"role": "robot", "content": "hi"}]}', session="s", **OPTIONS)
     assert [(item["line"], item["key"]) for item in view.summary["skipped"]] == [(4, ""), (5, "message 1")]
-    assert "skipped records: 2" in view.traffic_markdown and "line 4 is not JSON" in view.traffic_markdown
+    assert "lines that gave no request of their own: 2" in view.traffic_markdown and "line 4 is not JSON" in view.traffic_markdown
     assert [turn["request"] for turn in view.summary["turns"]] == [1, 2, 3]  # the rest, audited as without them
     unrelated = run_audit(registry, sessions, _request("41", "gold", ASK) + '\n{"prompt": "else entirely"}', session="s", **OPTIONS)
     assert [cause["name"] for cause in unrelated.summary["requests"][1]["causes"]] == ["new_prefix"]  # a cold prefill, said
@@ -142,7 +134,7 @@ def test_bad_logs_get_the_engines_message_and_leave_the_last_audit(audited, regi
     with pytest.raises(AppError, match="between 0 and 1"):
         run_audit(registry, sessions, LOG, session="a", inputs=AuditInputs(["field_only", "erratum", "hoist"], 3, min_agreement=1.5))
     with pytest.raises(AppError, match="observed counts are compared with one of vllm, sglang, llama_cpp, got 'tgi'"):
-        run_audit(registry, sessions, LOG, session="a", observed_engine="tgi", **OPTIONS)
+        run_audit(registry, sessions, LOG, session="a", engines=EngineInputs(observed_engine="tgi"), **OPTIONS)
     assert sessions.get("a", "audit") is kept
 
 
@@ -329,7 +321,7 @@ def _expected_sessions(lm, text: str, block: int) -> list[dict]:
 
 def test_an_interleaved_log_is_reported_per_session_and_its_groups_cover_every_turn(registry, sessions):
     text = bundled_log_text("interleaved_agents")
-    engines = engine_settings(block=8)
+    engines = EngineInputs(block=8)
     view = run_audit(registry, sessions, text, session="t", inputs=AuditInputs(["field_only"], 2), sample=1, engines=engines)
     data, requests = view.summary, read_log(text).requests
     assert data["sessions"] == _expected_sessions(registry.get(), text, 8) and len(data["sessions"]) == 2
@@ -352,9 +344,9 @@ def test_an_interleaved_log_is_reported_per_session_and_its_groups_cover_every_t
     drawn = {(x, y) for trace in view.sessions_figure.data if trace.mode == "markers" for x, y in zip(trace.x, trace.y)}
     assert drawn == {(row["request"], row["session"]) for row in data["requests"]}
     with pytest.raises(AppError, match="block size is at least 1"):
-        engine_settings(block=0)
+        EngineInputs(block=0).cache()
     with pytest.raises(AppError, match="SGLang token budget cannot be negative"):
-        engine_settings(budget_tokens=-1)
+        EngineInputs(budget_tokens=-1).cache()
 
 
 def test_the_audit_endpoints_through_the_api(app_url):
@@ -388,13 +380,13 @@ def test_hosts_can_override_the_audit_bounds():
 
 
 def test_a_rewrite_is_measured_against_the_log_and_a_mismatched_one_refused(registry):
-    same, data = run_rewrite(registry, LOG, rewritten=LOG, template=False, tokens=2)
+    same, data = run_rewrite(registry, RewriteInputs(LOG, LOG, False, 2))
     assert all(row["kl"] == 0.0 and row["generation_agreement"] == 1.0 and row["same_text"] for row in data["rewrite"])
     assert [row["request"] for row in data["rewrite"]] == [1, 2, 3] and data["verdict"] in same
     with pytest.raises(AppError, match="3 requests.*2|2.*3 requests"):
-        run_rewrite(registry, LOG, rewritten="\n".join(LOG.splitlines()[:2]), template=False, tokens=2)
+        run_rewrite(registry, RewriteInputs(LOG, "\n".join(LOG.splitlines()[:2]), False, 2))
     with pytest.raises(AppError, match="rewritten log"):
-        run_rewrite(registry, LOG, rewritten="  ", template=False, tokens=2)
+        run_rewrite(registry, RewriteInputs(LOG, "  ", False, 2))
 
 
 def test_coarsen_is_ticked_once_a_grain_is_picked_and_not_before():
@@ -441,3 +433,48 @@ def test_the_audit_hides_cancel_with_its_own_outputs_and_reads_the_upload(regist
     assert all(uploaded in fn.inputs for fn in fns if fn.api_name in readers)
     after = [fn for fn in fns if cancel in fn.outputs and fn.trigger_after == audit._id]
     assert [fn.trigger_only_on_failure for fn in after] == [True]  # no step after a finished audit: its outputs hid Cancel
+
+
+def test_the_figures_and_words_count_blocks_in_the_tabs_block_size(registry, sessions):
+    """With the block size set to 128, the timeline's legend and the recommendation name 128-token blocks, beside block
+    prefixes counted in 128 (not vLLM's default 16)."""
+    view = run_audit(registry, sessions, LOG, session="b", engines=EngineInputs(block=128), **OPTIONS)
+    (line,) = [trace for trace in view.timeline_figure.data if trace.name.endswith("blocks (vLLM)")]
+    assert line.name == "128-token blocks (vLLM)"
+    second = view.summary["turns"][1]
+    assert second["block_prefix_tokens"] == second["common_prefix_tokens"] // 128 * 128
+    words = view.recommendation_markdown
+    assert f"{second['block_prefix_tokens']:,} in 128-token blocks" in words and "16-token" not in words
+    one = run_audit(registry, sessions, LOG, session="b", **OPTIONS)  # the default block, said as such
+    assert (
+        "16-token blocks (vLLM)" in {trace.name for trace in one.timeline_figure.data}
+        and "in 16-token blocks" in one.recommendation_markdown
+    )
+
+
+def test_a_rewrite_simulates_the_engines_the_tab_sets(registry):
+    """The rewrite's reuse before and after is the engine's own with the tab's block size, not a default cache's."""
+    from kvscope.engine import CacheSettings, measure_rewrite
+
+    given = RewriteInputs(LOG, LOG, False, 2)
+    _, default = run_rewrite(registry, given)
+    _, wide = run_rewrite(registry, given, engines=EngineInputs(block=128))
+    log = read_log(LOG)
+    truth = measure_rewrite(registry.get(), log, log, settings=CacheSettings(128), tokens=2)
+    for mine, engine in zip(wide["rewrite"], truth.requests, strict=True):
+        assert mine["reused_tokens_before"] == dict(engine.reused_before) and mine["reused_tokens_after"] == dict(engine.reused_after)
+    assert [row["reused_tokens_before"]["vllm"] for row in wide["rewrite"]] != [
+        row["reused_tokens_before"]["vllm"] for row in default["rewrite"]
+    ]
+    assert all(row["reused_tokens_before"]["vllm"] % 128 == 0 for row in wide["rewrite"])
+
+
+def test_an_otel_logs_batch_read_with_its_spans_is_counted_as_what_it_is(registry, sessions):
+    """The older OTel client's export: its logs batches give no request of their own (their records were read with the
+    spans), and the traffic panel's count says so rather than calling them skipped records."""
+    text = (Path(__file__).parents[2] / "demos/logs/exports/clients/otel-2.3b0.jsonl").read_text(encoding="utf-8")
+    view = run_audit(registry, sessions, text, session="o", sample=0)
+    said, count = view.traffic_markdown, view.summary["skipped_count"]
+    listed = [line for line in said.splitlines() if line.startswith("- line ")]
+    assert count > 0 and f"lines that gave no request of their own: {count}" in said and "skipped records" not in said
+    assert len(listed) == min(count, MAX_TABLE_ROWS) and any("were read with their spans" in line for line in listed)

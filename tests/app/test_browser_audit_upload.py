@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvscope.app.handlers.your_prompt import size_words
+from kvscope.app.handlers.audit_log import size_words
 from tests.app.browser_waits import wait_for_app, wait_for_audit
 from tests.app.test_audit_tab import LOG
 from tests.app.test_browser import ARTIFACTS, CHROMIUM, TOAST, browser  # noqa: F401 (the module's browser fixture)
@@ -84,3 +84,33 @@ def test_an_upload_is_audited_as_a_file_and_a_second_replaces_it(page, tmp_path)
     text.fill(LOG)  # text in the box is read instead of the upload
     _audit(page, 3)
     assert page.locator(TOAST).count() == 0, page.locator(TOAST).all_inner_texts()
+
+
+def test_an_empty_then_a_binary_upload_clear_the_earlier_logs_results_and_say_why(page, tmp_path):
+    """After an audit, an empty file then a binary one: each time every panel is cleared and the traffic panel describes
+    the file just given (the empty log; then why the binary one could not be read), once the error toast has gone too."""
+    logged, empty, binary = tmp_path / "bike_desk.jsonl", tmp_path / "empty.jsonl", tmp_path / "photo.jsonl"
+    logged.write_text(LOG, encoding="utf-8")
+    empty.write_text("", encoding="utf-8")
+    binary.write_bytes(bytes(range(256)) * 8 + b"\n\x00\xff\n" * 4)
+    page.get_by_role("tab", name="Your prompt").click()
+    page.locator("#audit-tokens input[type=number]").fill("2")
+    traffic, recommendation = page.locator("#audit-traffic"), page.locator("#audit-recommendation")
+    _upload(page, logged)
+    wait_for_app(page, page.locator("#audit-upload-info").get_by_text("bike_desk.jsonl"))
+    _audit(page, 3)
+    wait_for_app(page, recommendation.get_by_text("Recommended:").first)
+    _upload(page, empty)
+    wait_for_app(page, page.locator("#audit-upload-info").get_by_text("empty.jsonl"))
+    page.locator("#run-audit").click()
+    wait_for_app(page, traffic.get_by_text("Nothing to audit yet"))
+    assert "Recommended:" not in recommendation.inner_text() and "requests in" not in traffic.inner_text()
+    _upload(page, binary)
+    wait_for_app(page, page.locator("#audit-upload-info").get_by_text("photo.jsonl"))
+    page.locator("#run-audit").click()
+    wait_for_app(page, traffic.get_by_text("This log could not be audited"))
+    page.locator(TOAST).first.wait_for(state="detached", timeout=30_000)  # the toast fades; the panel still says why
+    said = traffic.inner_text()
+    assert "no request of the log could be read" in said and "skipped" in said and "the log is empty" not in said, said
+    assert "Recommended:" not in recommendation.inner_text() and page.locator("#cancel-audit").is_hidden()
+    page.screenshot(path=str(ARTIFACTS / "audit-upload-failed.png"), full_page=True)

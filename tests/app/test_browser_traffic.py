@@ -4,7 +4,7 @@ per-session timeline drawn with one row per session. Screenshots go to test-arti
 
 import pytest
 
-from kvscope.app.handlers.your_prompt import bundled_log_text
+from kvscope.app.handlers.audit_log import bundled_log_text
 from kvscope.engine.audit.changes.causes import CAUSES
 from tests.app.browser_waits import wait_for_app, wait_for_audit
 from tests.app.test_browser import ARTIFACTS, CHROMIUM, TOAST, _plot_data, browser  # noqa: F401 (the module's browser fixture)
@@ -29,7 +29,7 @@ def test_an_interleaved_log_shows_its_sessions_causes_groups_and_timeline(wide_p
     wait_for_audit(page)  # the token pass shows first, while the model pass measures
     assert page.locator(TOAST).count() == 0, page.locator(TOAST).all_inner_texts()
     text = traffic.inner_text()
-    assert "6 requests in 2 sessions" in text and "skipped records: 1" in text and "line 5, messages" in text, text
+    assert "6 requests in 2 sessions" in text and "lines that gave no request of their own: 1" in text and "line 5, messages" in text, text
     rows = {cells[0]: cells for cells in (row.split("\t") for row in traffic.locator("table").first.inner_text().splitlines()[1:])}
     assert {"forge-1", "harbor-7"} == set(rows) and rows["forge-1"][1] == "3" and rows["harbor-7"][1] == "3", rows
     for cause in ("new_prefix", "clock", "block_straddle"):

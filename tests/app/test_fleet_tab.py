@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import pytest
 
+from kvscope.app.handlers.audit_log import bundled_log_text
+from kvscope.app.handlers.audit_settings import EngineInputs
 from kvscope.app.handlers.common import AppError
-from kvscope.app.handlers.your_prompt import bundled_log_text, run_audit
+from kvscope.app.handlers.your_prompt import run_audit
 from kvscope.viz.fleet import ROUTING_LABELS
 
 
 def test_fleets_are_simulated_tabled_and_drawn(registry, sessions):
-    view = run_audit(registry, sessions, bundled_log_text("interleaved_agents"), session="f", sample=0, replicas="1,2")
+    log = bundled_log_text("interleaved_agents")
+    view = run_audit(registry, sessions, log, session="f", sample=0, engines=EngineInputs(replicas="1,2"))
     data = view.summary
     fleet = data["fleet"]
     assert [(entry["replicas"], entry["routing"]) for entry in fleet] == [(n, r) for n in (1, 2) for r in ROUTING_LABELS]
@@ -30,4 +33,4 @@ def test_fleets_are_simulated_tabled_and_drawn(registry, sessions):
 
 def test_a_bad_replica_count_is_refused_by_name(registry, sessions):
     with pytest.raises(AppError, match="--replicas must be at least 1"):
-        run_audit(registry, sessions, bundled_log_text("interleaved_agents"), session="f", sample=0, replicas="0")
+        run_audit(registry, sessions, bundled_log_text("interleaved_agents"), session="f", sample=0, engines=EngineInputs(replicas="0"))

@@ -3,6 +3,8 @@ numbers drawn are the numbers given, markers say within or outside the threshold
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from kvscope.viz.audit import (
@@ -92,12 +94,26 @@ def test_fidelity_against_cost_on_either_axis():
     figure = fidelity_cost_figure(DATA)
     traces = {trace.name: trace for trace in figure.data}
     assert list(traces["recompute"].x) == [80.0, 100 * 20 / 120] and list(traces["recompute"].y) == [KL_FLOOR, 1e-8]
-    assert list(traces["field_only"].x) == [3.0] and list(traces["field_only"].text) == ["r2"]
+    assert list(traces["field_only"].x) == [3.0]
+    (labels,) = [trace for trace in figure.data if trace.text]  # each place labelled once, with its requests
+    assert list(zip(labels.x, labels.y, labels.text)) == [(80.0, KL_FLOOR, "r2"), (100 * 20 / 120, 1e-8, "r3"), (3.0, 0.2, "r2")]
     assert figure.layout.shapes[0].y0 == 0.05
     by_speed = fidelity_cost_figure(DATA, "ttft", "agreement")
     assert list({t.name: t for t in by_speed.data}["field_only"].x) == [10.0] and by_speed.layout.shapes[0].y0 == 0.9
     with pytest.raises(ValueError, match="axes"):
         fidelity_cost_figure(DATA, "cost", "kl")
+
+
+def test_repairs_on_one_spot_share_one_label_naming_each_request():
+    """Two turns whose repairs land on one place (here field_only and erratum of r2 and r3 alike): one label, "r2·r3", not
+    four stacked into one glyph; and points within one decade still get x tick labels (decade ticks would label none)."""
+    turns = copy.deepcopy(DATA["turns"])
+    for turn in turns[1:]:
+        turn["tokens"] = turns[1]["tokens"]
+        turn["repairs"] = {name: dict(DATA["turns"][1]["repairs"]["field_only"]) for name in ("field_only", "erratum")}
+    figure = fidelity_cost_figure({**DATA, "repairs": ["field_only", "erratum"], "turns": turns})
+    (labels,) = [trace for trace in figure.data if trace.text]
+    assert list(labels.text) == ["r2·r3"] and list(figure.layout.xaxis.ticktext) == ["3%"]  # within a decade: its own ticks
 
 
 def test_recommendations_escape_markdown_and_html():
@@ -231,7 +247,7 @@ def test_engine_reuse_figure_draws_each_engines_share_per_request_and_its_total(
 
 def test_traffic_and_groups_markdown_name_sessions_causes_and_the_sample_escaped():
     text = traffic_markdown(TRAFFIC)
-    assert "**5 requests** in **2 sessions**, 450 tokens" in text and "skipped records: 1" in text
+    assert "**5 requests** in **2 sessions**, 450 tokens" in text and "lines that gave no request of their own: 1" in text
     assert (
         "line 6 is not JSON" in text
         and "| a&lt;b&gt; | 3 | 340 | 176 (52%) · 189 (56%) · 189 (56%) |" in text
@@ -316,7 +332,7 @@ def test_the_timelines_draw_the_observed_line_mark_the_shortfalls_and_name_the_f
     assert "(4 of 5 requests report a cached count; compared with vLLM): hit rate observed 48% · vLLM 56% · SGLang 60%" in text
     assert "Observed equals vLLM on 3 of 4 (75%); **1 shortfall** (32 tokens) · 0 excesses (0 tokens)." in text
     assert "Best fit: 32-token blocks, KV budget 150 tokens: 4 of 4 exactly (1 tied)." in text
-    assert "**Hosted APIs**: OpenAI (simulated): 1 requests, hit rate 0%" in text
+    assert "**Hosted APIs**: OpenAI (simulated): 1 request, hit rate 0%" in text
     none = traffic_markdown({**data, "observed": {**data["observed"], "requests_with_count": 0, "requests_without_count": 5}})
     assert "none of the 5 requests reports one (formats read: litellm&lt;x&gt; 5)" in none
     assert "observed" not in {trace.name.split(":")[0] for trace in engine_reuse_figure(TRAFFIC).data}  # a stored result without counts
@@ -356,7 +372,7 @@ def test_a_long_log_is_drawn_in_runs_of_requests_and_a_short_one_per_request_on_
 
 def test_a_cancelled_model_pass_heads_the_groups():
     head = groups_markdown({**TRAFFIC, "cancelled": "the model pass was cancelled after 1 of 8 steps"}).split("\n")[0]
-    assert head.startswith("**2 change signatures**; the model pass was cancelled: no turn was measured with the model.")
+    assert head.startswith("**2 change signatures**; the model pass was cancelled: it keeps no measured turn")
 
 
 def test_a_cancelled_audit_says_first_what_it_kept():
@@ -371,4 +387,4 @@ def test_a_cancelled_model_pass_is_said_before_the_recommendations():
     assert text.startswith("**Cancelled**: the model pass was cancelled after 1 of 8 steps.\n\n**")
     assert text.split("\n\n", 1)[1] == recommendations_markdown(DATA)
     empty = fidelity_cost_figure({**cancelled, "turns": DATA["turns"][:1]})
-    assert "the model pass was cancelled before a turn was measured" in str(empty.layout)
+    assert "a cancelled pass keeps no measured turn" in empty.layout.annotations[0].text

@@ -2,17 +2,19 @@
 
 The phases, in order, with their share of the bar: reading the log, loading the model (or its tokenizer alone), the
 token pass, the model pass (most of the bar, said a forward at a time with its time left by the audit's own meter:
-"measuring turn k of n: ..."), the Notes scenario (two prefills of the model's own answers), and the figures. A Cancel
-stops the run before its next forward (:class:`kvscope.engine.CancelToken`).
+"measuring turn k of n: ..."), the Notes scenarios (two prefills of the model's own answers per changed field, said a
+prefill at a time with its time left), and the figures. A Cancel stops the run before its next forward
+(:class:`kvscope.engine.CancelToken`).
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from kvscope.engine import CancelToken, MessageProgress, StepMessage, StepProgress
+from kvscope.engine import CancelToken, MessageProgress, StepMessage, StepProgress, duration_words
 
 PHASES = {  # phase -> (start, end) of the bar
     "reading": (0.0, 0.01),
@@ -23,6 +25,7 @@ PHASES = {  # phase -> (start, end) of the bar
     "figures": (0.97, 1.0),
 }
 _STEPS = 1000  # the bar's resolution
+NOTES_LEAD = "Open in Notes"  # the notes phase's lines start with the button they prepare
 
 
 class AuditPhases:
@@ -54,6 +57,22 @@ class AuditPhases:
         def said(message: str) -> None:
             done, total = (message.done, message.total) if isinstance(message, StepMessage) else (0, 1)
             self.report("measuring", str(message), done, total)
+
+        return said
+
+    def notes(self) -> None:
+        """The Notes phase begins: the pre-checks of the changed fields."""
+        self.report("notes", f"{NOTES_LEAD}: reading the model's own answers (two prefills per changed field)")
+
+    def notes_steps(self, clock: Callable[[], float] = time.perf_counter) -> MessageProgress:
+        """The Notes pre-checks' lines (``notes_choices``'s ``progress``: each prefill's start, a ``StepMessage``), each
+        placed through the notes phase, with the prefills' mean time times those left once one has ended."""
+        started = clock()
+
+        def said(message: str) -> None:
+            done, total = (message.done, message.total) if isinstance(message, StepMessage) else (0, 1)
+            left = "timing the first" if done == 0 else f"about {duration_words((clock() - started) / done * (total - done))} left"
+            self.report("notes", f"{NOTES_LEAD}: {message} (prefill {done + 1} of {total}; {left})", done, total)
 
         return said
 

@@ -3,7 +3,10 @@ calibration, a picture's K/V, the keystone, the agent loop and the N-skill study
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -11,13 +14,14 @@ import plotly.graph_objects as go
 from PIL import Image
 
 from kvscope.app.handlers import benchmarks as stored_results
-from kvscope.app.handlers.common import AppError, bundled_scenario_text, guarded, number, parse_scenario
+from kvscope.app.handlers.common import AppCancelled, AppError, bundled_scenario_text, guarded, number, parse_scenario
 from kvscope.app.hosting import HostingProfile
 from kvscope.app.state import ModelRegistry
 from kvscope.engine import (
     AUTO_REMEDY,
     IMAGE_QUESTION,
     PLACEMENTS,
+    CancelToken,
     LoadedModel,
     MessageProgress,
     ModelRemedies,
@@ -28,6 +32,7 @@ from kvscope.engine import (
     adhoc_scenario,
     bundled_skills,
     cancel_calibration,
+    cancellable,
     check_vision_model,
     compare,
     compare_image,
@@ -62,14 +67,97 @@ class Composition:
     remedy: str | None = None
 
 
+def selection(registry: ModelRegistry, spec: str | None, composition: Composition) -> dict:
+    """What the page selects, as a result carries it (``"selection"``): the model and the composition, empty values alike."""
+    return {
+        "model": (spec or "").strip() or registry.default_spec,
+        "skills": list(composition.skills or ()),
+        "before": composition.before or "",
+        "between": composition.between or "",
+        "scenario": composition.after or "",
+        "remedy": (composition.remedy or "").strip(),
+    }
+
+
+def stale_words(shown: dict | None, current: dict, rerunning: bool) -> str:
+    """The line above a result whose selection (``shown["selection"]``) is not the page's: what it was computed for, and
+    what happens now (Markdown); empty where the result is the page's own, or none is shown."""
+    was = (shown or {}).get("selection") if isinstance(shown, dict) else None
+    if was is None or was == current:
+        return ""
+    changed = ", ".join(name for name in current if was.get(name) != current[name])
+    what = "it is being recomputed for the page's selection" if rerunning else "press **Splice vs recompute** for the page's selection"
+    skills = ", ".join(was.get("skills", [])) or "none"
+    return (
+        f"⚠️ The result below was computed for an earlier selection ({markdown_literal(changed)} differ: skills "
+        f"{markdown_literal(skills)}, remedy {markdown_literal(was.get('remedy') or 'default')}); {what}."
+    )
+
+
+class ComposerRuns:
+    """Each browser session's newest Composer selection and its run: a new selection cancels the session's run for an
+    older one (before its next forward) and drops its result; a session's runs take turns, so an earlier run's work never
+    overlaps a later run's timed rounds (and the timed rounds hold the model: see :func:`kvscope.engine.compare`)."""
+
+    SUPERSEDED = "superseded by a newer selection on the page: its result is not shown"
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tickets = itertools.count(1)
+        self._latest: dict[str, tuple[int, dict]] = {}  # session -> its newest selection's ticket, and that selection
+        self._running: dict[str, tuple[int, CancelToken]] = {}  # session -> the ticket and token of its run in flight
+        self._turns: dict[str, threading.Lock] = {}  # session -> one run at a time
+
+    def select(self, session: str, chosen: dict) -> int:
+        """The page of ``session`` shows the selection ``chosen`` (:func:`selection`): its ticket. A selection other than
+        the newest gets a new ticket and cancels the session's run for an earlier one; the same selection again (two
+        changes that one click made) keeps its ticket."""
+        with self._lock:
+            newest = self._latest.get(session)
+            if newest is not None and newest[1] == chosen:
+                return newest[0]
+            ticket = next(self._tickets)
+            self._latest[session] = (ticket, chosen)
+            running = self._running.get(session)
+        if running is not None:
+            running[1].cancel(self.SUPERSEDED)
+        return ticket
+
+    def latest(self, session: str, ticket: int) -> bool:
+        """Whether ``ticket`` is still the session's newest selection."""
+        with self._lock:
+            return self._latest.get(session, (None,))[0] == ticket
+
+    @contextmanager
+    def running(self, session: str, ticket: int) -> Iterator[CancelToken]:
+        """Within: the session's run for ``ticket``, once its earlier run has ended; every forward checks the yielded
+        token, which a newer selection cancels (a run for a selection already superseded stops at its first forward)."""
+        with self._lock:
+            turn = self._turns.setdefault(session, threading.Lock())
+        with turn:
+            token = CancelToken()
+            with self._lock:
+                self._running[session] = (ticket, token)
+                if self._latest.get(session, (None,))[0] != ticket:
+                    token.cancel(self.SUPERSEDED)
+            try:
+                with cancellable(token):
+                    yield token
+            finally:
+                with self._lock:
+                    if self._running.get(session, (None,))[0] == ticket:
+                        del self._running[session]
+
+
 @dataclass
 class ComposeView:
-    """What the Composer shows after splice vs recompute."""
+    """What the Composer shows after splice vs recompute; ``summary`` carries the selection it was computed for."""
 
     metrics_markdown: str
     logits_figure: go.Figure
     deviation_figure: go.Figure
     summary: dict
+    speed_markdown: str  # the menu's speed-ups: where they were measured, and what this context's length predicts
 
 
 def skill_library() -> dict[str, str]:
@@ -105,14 +193,16 @@ def remedy_info(registry: ModelRegistry, spec: str | None) -> str:
 def remedy_summary(registry: ModelRegistry, spec: str | None) -> str:
     """The remedy menu's one-line info: the model's default and its numbers where it was measured."""
     menu = model_menu(registry, spec)
-    return panels.remedy_summary(menu.default, menu.choice, model=menu.model)
+    return panels.remedy_summary(menu.default, menu.choice, model=menu.model, measured_at=menu.measured_at(menu.default))
 
 
 def remedy_menu(registry: ModelRegistry, spec: str | None, names: Sequence[str]) -> list[tuple[str, str]]:
     """(label, spec) pairs for the Composer's menu: the model's default and ``auto`` first, each remedy labelled with its
     agreement and speedup where the model's default was measured."""
     menu = model_menu(registry, spec)
-    return panels.remedy_menu(menu.default, AUTO_REMEDY, [*dict.fromkeys([menu.default, *names])], menu.choice)
+    names = [*dict.fromkeys([menu.default, *names])]
+    where = {name: at for name in names if (at := menu.measured_at(name))}
+    return panels.remedy_menu(menu.default, AUTO_REMEDY, names, menu.choice, where)
 
 
 def remedy_for(registry: ModelRegistry, spec: str | None, lm: LoadedModel, text, report: MessageProgress | None = None) -> Remedy:
@@ -164,15 +254,42 @@ def run_compose(
     ``report``) and compare with a full recompute, both timed in this call."""
     lm = registry.get(spec)
     scenario = composed_scenario(composition, registry.profile)
-    chosen = remedy_for(registry, spec, lm, composition.remedy, report)
-    fidelity = compare(lm, scenario, registry.skills(spec), remedy=chosen, reps=COMPOSER_TIMED_ROUNDS, warmup=1)
+    remedy = remedy_for(registry, spec, lm, composition.remedy, report)
+    fidelity = compare(lm, scenario, registry.skills(spec), remedy=remedy, reps=COMPOSER_TIMED_ROUNDS, warmup=1)
     decode = lambda token: lm.tokenizer.decode([token])  # noqa: E731
+    chosen = selection(registry, spec, composition)
     return ComposeView(
-        metrics_markdown=panels.compose_metrics_markdown(fidelity),
+        metrics_markdown=f"{compose_figures.selection_markdown(chosen)}  \n{panels.compose_metrics_markdown(fidelity)}",
         logits_figure=compose_figures.logit_bars_figure(fidelity.spliced, fidelity.recomputed, fidelity.agreement, decode),
         deviation_figure=compose_figures.deviation_figure(fidelity),
-        summary={"model": lm.fingerprint.name, **fidelity.as_dict()},
+        summary={"model": lm.fingerprint.name, **fidelity.as_dict(), "selection": chosen},
+        speed_markdown=compose_figures.speed_markdown(model_menu(registry, spec), fidelity),
     )
+
+
+def compose_for_page(
+    registry: ModelRegistry,
+    runs: ComposerRuns,
+    session: str,
+    ticket: int | None,
+    composition: Composition,
+    *,
+    spec: str | None = None,
+    report: MessageProgress | None = None,
+) -> ComposeView | None:
+    """:func:`run_compose` for the page of ``session`` (``ticket``: its selection, None for an API call, which is its own
+    newest selection), after the session's earlier run; None where a newer selection superseded it (cancelled before its
+    next forward, or finished but no longer the page's), so that its result is never shown. A calibration the person
+    cancelled raises :class:`AppCancelled`, as :func:`run_compose` does."""
+    ticket = runs.select(session, selection(registry, spec, composition)) if ticket is None else ticket
+    try:
+        with runs.running(session, ticket):
+            view = run_compose(registry, composition, spec=spec, report=report)
+    except AppCancelled:
+        if runs.latest(session, ticket):
+            raise
+        return None
+    return view if runs.latest(session, ticket) else None
 
 
 def fitted_picture(picture: np.ndarray) -> np.ndarray:
@@ -223,7 +340,7 @@ def run_keystone(
     lm = registry.get(spec)
     scenario = composed_scenario(composition, registry.profile)
     report = keystone(lm, scenario, registry.skills(spec), remedy=remedy_for(registry, spec, lm, composition.remedy), progress=progress)
-    return compose_figures.keystone_figure(report), report.as_dict()
+    return compose_figures.keystone_figure(report), {**report.as_dict(), "selection": selection(registry, spec, composition)}
 
 
 @guarded
@@ -253,7 +370,7 @@ def run_agent_loop(
         policy=policy or "never",
         progress=progress,
     )
-    return compose_figures.agent_figure(report), report.as_dict()
+    return compose_figures.agent_figure(report), {**report.as_dict(), "selection": selection(registry, spec, composition)}
 
 
 @guarded
@@ -291,3 +408,8 @@ def run_composition_study(
     )
     data = {"model": lm.fingerprint.name, **study.as_dict()}
     return compose_figures.study_figure(data), panels.study_markdown(data), data
+
+
+def placed_skills(after: str | None) -> list[str]:
+    """The skills a bundled scenario places itself (its ``{skill:ID}``), in order; none without a scenario."""
+    return list(parse_scenario(bundled_scenario_text(after)).skills) if after else []

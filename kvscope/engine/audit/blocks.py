@@ -10,6 +10,7 @@ import hashlib
 import numpy as np
 
 BLOCK_TOKENS = 16  # vLLM's default KV block size
+BLOCK_SIZES = (1, 16, 32, 64, 128, 256)  # the block sizes a log's counts are read against (``--fit-observed``, the gap causes)
 
 
 def block_prefix(tokens: int, block: int) -> int:

@@ -25,7 +25,6 @@ from kvscope.engine.audit.rewrite.measure import apply_template, check_pairing, 
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.metrics import observed_aggregate
 from kvscope.engine.audit.simulate.observed import NO_OBSERVED_COUNTS, OBSERVED_ENGINES
-from kvscope.engine.audit.simulate.registry import DEFAULT_ENGINE
 from kvscope.engine.cli.common import Group, Handler, arg, load, log, names, progress, read_text
 from kvscope.engine.cli.endpoint import ENDPOINT, measure_on_endpoint
 from kvscope.engine.cli.scale import SCALE, log_files, scan_settings, token_pass, turn_pass
@@ -158,20 +157,33 @@ AUDIT: Group = (
     arg("--cache-reuse", type=int, default=0, help="llama.cpp --cache-reuse N: shift cached chunks of at least N tokens (0: off)"),
     arg(
         "--prompt-cache",
-        action="store_true",
+        action="store_const",
+        const=True,
+        default=None,
         help="llama.cpp as a client that pins no slot meets it: slots chosen by prompt similarity and its RAM prompt cache "
-        "(--cache-ram, on by default); --slots N: the server's -np (default: 4 slots, one KV cache)",
+        "(--cache-ram, on by default); --slots N: the server's -np (default: 4 slots, one KV cache). The default, unless "
+        "the log pins slots (id_slot) or --cache-reuse is given",
+    ),
+    arg(
+        "--slot-per-session",
+        dest="prompt_cache",
+        action="store_const",
+        const=False,
+        help="llama.cpp with a slot per session (a client that pins each session to a slot, id_slot), its RAM prompt cache "
+        "off; the default where the log pins slots",
     ),
     arg(
         "--observed-engine",
-        default=DEFAULT_ENGINE,
+        default=None,
         choices=OBSERVED_ENGINES,
-        help="the simulated engine the log's observed cached tokens are compared with (observed_shortfall / observed_excess)",
+        help="the simulated engine the log's observed cached tokens are compared with (observed_shortfall / observed_excess); "
+        "default: the server the log's answers name (llama-server's timings, vLLM's and SGLang's own fields), else vllm",
     ),
     arg(
         "--fit-observed",
         action="store_true",
-        help="search block sizes and KV budgets for the settings that reproduce the most observed cached counts exactly",
+        help="search the compared engine's settings (vLLM: block size and KV budget; SGLang: page size and budget; llama.cpp: "
+        "slots, prompt cache, --cache-reuse) for those that reproduce the most observed cached counts exactly",
     ),
     arg(
         "--metrics",

@@ -19,7 +19,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from kvscope.engine.cache.budget import CancelToken, cancellable, labelled
@@ -28,6 +28,7 @@ from kvscope.engine.cache.loaded import LoadedModel
 from kvscope.engine.compose.choice import RemedyChoice, choose_remedy, keystone_gaps
 from kvscope.engine.compose.remedy import DEFAULT_REMEDY, Remedy
 from kvscope.engine.compose.skills import SkillStore
+from kvscope.engine.compose.speed import SpeedupFit, speedup_fits
 from kvscope.engine.compose.study import Study, first_field_values, run_study, study_plan
 from kvscope.engine.models.store import cache_dir, read_json, write_json
 from kvscope.engine.once import SingleFlight
@@ -332,13 +333,14 @@ def same_model(stored: str | None, model: str) -> bool:
     return stored is not None and (stored == model or stored.split(":")[0] == model.split(":")[0])
 
 
-def stored_study_choice(folder: Path, model: str) -> tuple[str, RemedyChoice] | None:
+def stored_study_choice(folder: Path, model: str) -> tuple[str, RemedyChoice, dict[str, SpeedupFit]] | None:
     """The default-remedy choice that ``model``'s stored N-skill study in ``folder`` names (the short study before the long
-    one), with the file's stem; None where no stored study of that model names one."""
+    one), with the file's stem and each remedy's speed-up fit over its cases; None where no stored study of that model
+    names one."""
     for path in sorted(folder.glob(STUDY_PATTERN), key=lambda path: ("-long-" in path.stem, path.stem)):
         data = json.loads(path.read_text())
         if data.get("choice") and same_model(data.get("model"), model):
-            return path.stem, RemedyChoice.from_dict(data["choice"])
+            return path.stem, RemedyChoice.from_dict(data["choice"]), speedup_fits(data.get("cases", ()))
     return None
 
 
@@ -350,6 +352,17 @@ class ModelRemedies:
     default: str
     choice: RemedyChoice | None  # None: nothing measured for this model, the static default
     source: str | None  # the stored study's file stem, "calibration", or None
+    speed: dict[str, SpeedupFit] = field(default_factory=dict)  # remedy -> its speed-up against the context length (stored study)
+
+    def measured_at(self, remedy: str) -> str | None:
+        """Where the menu's speed-up of ``remedy`` was measured ("451–1,711-token contexts"); None where unknown."""
+        fit = self.speed.get(remedy)
+        return fit.measured_words() if fit else None
+
+    def predicted(self, remedy: str, tokens: int) -> str | None:
+        """What the stored study's points predict for ``remedy`` at ``tokens`` context tokens, in words (None: no fit)."""
+        fit = self.speed.get(remedy)
+        return fit.words(tokens) if fit else None
 
     def as_dict(self) -> dict:
         return {
@@ -366,7 +379,7 @@ def model_remedies(model: str, folder: Path, lm: LoadedModel | None = None) -> M
     :data:`~kvscope.engine.compose.remedy.DEFAULT_REMEDY` with no numbers."""
     stored = stored_study_choice(folder, model)
     if stored is not None:
-        return ModelRemedies(model, stored[1].remedy, stored[1], stored[0])
+        return ModelRemedies(model, stored[1].remedy, stored[1], stored[0], stored[2])
     calibrated = stored_choice(lm) if lm is not None else None
     if calibrated is not None:
         return ModelRemedies(model, calibrated.remedy, calibrated, "calibration")

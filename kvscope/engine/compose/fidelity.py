@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kvscope.engine.cache import display
+from kvscope.engine.cache.budget import compute_slot
 from kvscope.engine.cache.decision import DECISIVE_MARGIN, Decision, DecisionMatch, logit_agreement
 from kvscope.engine.cache.loaded import LoadedModel
 from kvscope.engine.cache.notebook import Notebook
@@ -147,7 +148,8 @@ def compare(
 
     ``references`` keeps recomputed sides by prompt within one run (a study's remedies on one prompt): a prompt
     seen before reuses its recomputed cache, decision and TTFT, and says so. A ranked remedy's splice time leaves
-    out the recomputed cache it ranks against.
+    out the recomputed cache it ranks against. In a server's request (:func:`~kvscope.engine.cache.budget.bounded` with a
+    gate) the rounds hold the model's gate from the first to the last, so no other request's work overlaps the timing.
     """
     if not scenario.skills:
         raise ScenarioError(f"scenario {scenario.name!r} places no skills (use {{skill:ID}} or --skills)")
@@ -174,7 +176,8 @@ def compare(
         return spliced, spliced.notebook.read_prompt(prompt, answer_texts=answers)
 
     sides = {"splice": splice_and_read} if cached else {"full": recompute, "splice": splice_and_read}
-    results, spreads = side_by_side(sides, reps=reps, warmup=warmup)
+    with compute_slot(len(prompt.context_ids)):  # the model held for the rounds: no other request's forward runs between them
+        results, spreads = side_by_side(sides, reps=reps, warmup=warmup)
     if cached is None:
         reference, recomputed = recomputed_side[0]
         cached = Recomputed(reference.materialized(), recomputed, spreads["full"])

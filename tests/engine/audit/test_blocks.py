@@ -32,3 +32,11 @@ def test_every_process_hashes_alike():
     code = "import numpy as np; from kvscope.engine.audit.blocks import block_hashes; print(block_hashes(np.arange(64), 16).tolist())"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == str(block_hashes(np.arange(64), 16).tolist())
+
+
+def test_the_block_cache_and_the_fit_key_blocks_with_the_one_block_hash():
+    from kvscope.engine.audit.simulate.caches import BlockCache
+
+    ids = np.arange(100) % 37
+    assert BlockCache(16).keys(ids) == block_hashes(ids, 16).tolist()
+    assert BlockCache(32).keys(ids[:95]) == block_hashes(ids, 32).tolist()[:2]

@@ -98,9 +98,9 @@ def test_the_interleaved_log_is_the_table_docs_audit_md_shows(tokenizer):
     table = [  # request, session, matched, tokens, vLLM, SGLang, llama.cpp, causes (docs/audit.md, "A real interleaved log")
         (1, "forge-1", None, 266, 0, 0, 0, ["new_prefix"]),
         (2, "harbor-7", 1, 68, 0, 5, 0, ["other_conversation"]),
-        (3, "forge-1", 1, 324, 32, 38, 38, ["clock:current_time", "block_straddle"]),
+        (3, "forge-1", 1, 324, 32, 38, 0, ["clock:current_time", "block_straddle"]),  # llama-server at its defaults
         (4, "harbor-7", 2, 90, 64, 76, 76, []),  # with request 2's 8-token reply, which this turn resends
-        (5, "forge-1", 3, 384, 32, 38, 38, ["clock:current_time", "tools_reordered", "block_straddle"]),
+        (5, "forge-1", 3, 384, 32, 38, 0, ["clock:current_time", "tools_reordered", "block_straddle"]),
         (6, "harbor-7", 4, 90, 32, 39, 39, ["value:customer_tier", "block_straddle"]),
     ]
     found = [

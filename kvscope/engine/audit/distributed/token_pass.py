@@ -201,7 +201,9 @@ def ray_scan(
         max_restarts=RETRIES,
         max_task_retries=RETRIES,
     )
-    driver = _Driver(settings, end_of_turn_ids(tokenizer), reorder=count.indexes is not None)
+    # llama.cpp's mode where not named: the server's own slot choice (the driver sees no request before it simulates)
+    unpinned = dataclasses.replace(settings, cache=settings.cache.for_log(pinned=False))
+    driver = _Driver(unpinned, end_of_turn_ids(tokenizer), reorder=count.indexes is not None)
     rendering: list[Skipped] = []
     received = 0
     with settling_heap() as settle:
@@ -285,7 +287,8 @@ class _Driver:
 
     def scan(self, skipped: list[Skipped], count: LogCount, model: str) -> TrafficScan:
         """The token pass's result, the log's reports read against the simulation (``token_pass.observed_rows``)."""
-        rows = observed_rows(self.rows, self.reported, self.served, self.settings, model)
+        settings, server = self.settings.for_log(self.reported)
+        rows = observed_rows(self.rows, self.reported, self.served, settings, model)
         results = tuple(simulated.result() for simulated in self.simulation.fleets)
         diffs = dict(sorted(self.diffs.items()))
         reading = log_reading(count.order, count.untimed, count.flagged, session_keys(self.reported))
@@ -294,9 +297,10 @@ class _Driver:
             tuple(rows),
             tuple(skipped),
             count.formats,
-            self.settings,
+            settings,
             {},
             diffs,
+            server.evidence,
             reading,
             fleet=results,
             replies=dict(simulation.replies),

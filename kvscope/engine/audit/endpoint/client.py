@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from kvscope.engine.audit.endpoint.answers import Answer, EndpointError, Probe, read_answer
+from kvscope.engine.audit.simulate.registry import engine_of_owner
 from kvscope.engine.errors import Unreachable
 from kvscope.engine.progress import StepProgress
 
@@ -103,7 +104,7 @@ class Server:
     @property
     def simulated_engine(self) -> str:
         """The simulated cache (``registry.ENGINES``) the server's own cache is set beside."""
-        return {"llamacpp": "llama_cpp", "sglang": "sglang"}.get(self.owned_by, "vllm")
+        return engine_of_owner(self.owned_by)
 
 
 # ---------------------------------------------------------------------------------------------------- the client

@@ -13,26 +13,22 @@ or an OpenAI batch input line ``{"custom_id", "body"}``), then read by its forma
 | ``sharegpt`` | ``conversations`` of ``from`` / ``value`` | one request per assistant turn (what a server received), |
 | | | that turn its reply |
 
-The result is a plain ``dict`` in the OpenAI chat shape, plus ``session`` (the session key a record carries, if any)
-and ``breakpoints`` (``(label, message, characters into its content)``, where the user asked the provider to cache).
+The result is a plain ``dict`` in the OpenAI chat shape, plus ``session`` (the session key a record carries, if any),
+``slot`` (llama-server's ``id_slot``, where the client pins one) and ``breakpoints`` (``(label, message, characters
+into its content)``, where the user asked the provider to cache).
 Errors raise ``RecordError`` naming the key and why.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvscope.engine.audit.logs.replies import Reply
 from kvscope.engine.errors import KVScopeError
 
-FORMATS = {
-    "openai_chat": "OpenAI chat completions: messages, tools, assistant tool_calls, tool messages",
-    "openai_completions": "OpenAI completions: a prompt string, no chat template",
-    "openai_responses": "OpenAI Responses API: instructions, input items, tools",
-    "anthropic": "Anthropic Messages: system, content blocks, tool_use / tool_result, tools, cache_control",
-    "sharegpt": "ShareGPT conversations (from / value): one request per assistant turn",
-}
 AUTO = "auto"
 # Where a session key sits: the record's own keys, then its metadata (OpenAI ``user``, Anthropic ``metadata.user_id``).
 SESSION_KEYS = ("session_id", "session", "conversation_id", "thread_id", "user", "user_id")
@@ -96,15 +92,10 @@ def session_key(record: dict) -> str | None:
 
 
 def detect(request: dict) -> str:
-    """The format of one (unwrapped) request, from its keys."""
-    if "conversations" in request:
-        return "sharegpt"
-    if "messages" in request:
-        return "anthropic" if _looks_anthropic(request) else "openai_chat"
-    if "input" in request:
-        return "openai_responses"
-    if isinstance(request.get("prompt"), str):
-        return "openai_completions"
+    """The format of one (unwrapped) request, from its keys: the first entry of ``REQUEST_FORMATS`` whose ``matches`` it."""
+    for entry in REQUEST_FORMATS.values():
+        if entry.matches(request):
+            return entry.name
     raise RecordError("", "has no 'messages' (chat), 'prompt' (completions), 'input' (Responses) or 'conversations' (ShareGPT)")
 
 
@@ -125,15 +116,11 @@ def read_record(record: Any, fmt: str = AUTO) -> list[dict]:
     name = detect(request) if fmt == AUTO else fmt
     if name not in FORMATS:
         raise RecordError("", f"unknown format {name!r}; choose {AUTO} or one of {', '.join(FORMATS)}")
-    read = {
-        "openai_chat": _openai_chat,
-        "openai_completions": _openai_completions,
-        "openai_responses": _responses,
-        "anthropic": _anthropic,
-        "sharegpt": _sharegpt,
-    }[name]
+    read = REQUEST_FORMATS[name].read
     session = envelope_session or session_key(request)
-    return [{**item, "format": name, "session": item.get("session") or session} for item in read(request)]
+    slot = request.get("id_slot")  # llama-server's slot, where the client pins one
+    pinned = {"slot": slot} if isinstance(slot, int) and not isinstance(slot, bool) and slot >= 0 else {}
+    return [{**item, "format": name, "session": item.get("session") or session, **pinned} for item in read(request)]
 
 
 def _openai_chat(request: dict) -> list[dict]:
@@ -313,3 +300,44 @@ def _sharegpt(request: dict) -> list[dict]:
         requests.append({"messages": messages, "tools": []})
     session = request.get("id") or request.get("conversation_id")
     return [{**item, "session": None if session is None else str(session)} for item in requests]
+
+
+@dataclass(frozen=True)
+class RequestFormat:
+    """One request format: its name, its line, whether an unwrapped request is in it (``matches``: its keys; tried in
+    ``REQUEST_FORMATS``' order), and its reader (OpenAI-shaped requests out)."""
+
+    name: str
+    description: str
+    matches: Callable[[dict], bool]
+    read: Callable[[dict], list[dict]]
+
+
+REQUEST_FORMATS = {  # in the order ``detect`` tries them; adding a format is adding an entry here
+    entry.name: entry
+    for entry in (
+        RequestFormat(
+            "sharegpt", "ShareGPT conversations (from / value): one request per assistant turn", lambda r: "conversations" in r, _sharegpt
+        ),
+        RequestFormat(
+            "anthropic",
+            "Anthropic Messages: system, content blocks, tool_use / tool_result, tools, cache_control",
+            lambda r: "messages" in r and _looks_anthropic(r),
+            _anthropic,
+        ),
+        RequestFormat(
+            "openai_chat",
+            "OpenAI chat completions: messages, tools, assistant tool_calls, tool messages",
+            lambda r: "messages" in r,
+            _openai_chat,
+        ),
+        RequestFormat("openai_responses", "OpenAI Responses API: instructions, input items, tools", lambda r: "input" in r, _responses),
+        RequestFormat(
+            "openai_completions",
+            "OpenAI completions: a prompt string, no chat template",
+            lambda r: isinstance(r.get("prompt"), str),
+            _openai_completions,
+        ),
+    )
+}
+FORMATS = {name: entry.description for name, entry in REQUEST_FORMATS.items()}  # the --format choices, each in a line

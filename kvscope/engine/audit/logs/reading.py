@@ -204,7 +204,10 @@ def _array_item_lines(text: str, count: int) -> list[int]:
 
 
 # What a reader may add beside the request it read: when it was sent, the model named, and what the server cached.
-_OBSERVED_KEYS = ("timestamp", "model", "observed_cached_tokens", "observed_cache_write_tokens", "observed_prompt_tokens", "session_key")
+_OBSERVED_KEYS = (
+    *("timestamp", "model", "observed_cached_tokens", "observed_cache_write_tokens", "observed_prompt_tokens", "session_key"),
+    *("slot", "answer_marks"),  # the slot a request pins (llama-server's ``id_slot``), what its answer says of its server
+)
 
 
 def _request(item: dict, index: int, line: int) -> Request:

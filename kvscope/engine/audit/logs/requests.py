@@ -94,6 +94,8 @@ class Request:
     flags: tuple[tuple[str, str], ...] = ()  # (key, why) of what its record says that could not be read (``Flagged``)
     reply: Reply | None = None  # what the server generated, where the log records it (``replies``)
     session_key: str | None = None  # the record's key its session was read from, where a reader chooses among several
+    slot: int | None = None  # llama-server's slot the request pins (``id_slot``); None: the server chooses
+    answer_marks: tuple[str, ...] = ()  # what the logged answer says of its server (``usage.answer_marks``)
 
     @property
     def where(self) -> str:

@@ -24,7 +24,7 @@ from kvscope.engine.audit.measure.turn import AuditReport, changed_field, scenar
 from kvscope.engine.cache.decision import RECOVERY_MIN_GAP, Decision, logit_agreement
 from kvscope.engine.cache.loaded import LoadedModel
 from kvscope.engine.cache.notebook import Notebook
-from kvscope.engine.progress import MessageProgress
+from kvscope.engine.progress import MessageProgress, StepMessage
 from kvscope.engine.scenario import Scenario, encode, render
 
 NOTES_TOKENS = 16  # greedy tokens decoded per value to find where the model's answers part
@@ -196,17 +196,20 @@ def notes_choices(
     lm: LoadedModel, report: AuditReport, *, most: int = MOST_CHOICES, tokens: int = NOTES_TOKENS, progress: MessageProgress = None
 ) -> tuple[NotesChoice, ...]:
     """Every field the measured turns changed, each at the latest turn that changed it (at most ``most``, the latest),
-    in request order, each with its pre-check (:func:`notes_scenario`) or why it cannot be a scenario."""
+    in request order, each with its pre-check (:func:`notes_scenario`) or why it cannot be a scenario; ``progress`` hears
+    each prefill's start as a :class:`StepMessage` (prefills done of two per field)."""
     latest: dict[str, int] = {}
     for turn in report.turns:
         for change in turn.fields:
             latest[change.name] = turn.request
     picked = sorted(latest.items(), key=lambda item: item[1])[-most:] if most > 0 else []
-    choices = []
+    choices, total = [], 2 * len(picked)  # two prefills per field: its old value, then its new one
+    started = iter(range(total))
+    said = (lambda text: progress(StepMessage(text, next(started), total))) if progress else None
     for field, request in sorted(picked, key=lambda item: (item[1], _position(report, item[1], item[0]))):
         _, change = changed_field(report, request, field)
         try:
-            scenario, refusal = notes_scenario(lm, report, request=request, field=field, tokens=tokens, progress=progress), None
+            scenario, refusal = notes_scenario(lm, report, request=request, field=field, tokens=tokens, progress=said), None
         except RequestLogError as error:
             scenario, refusal = None, str(error)
         choices.append(NotesChoice(request, field, change.old, change.new, scenario, refusal))

@@ -19,9 +19,10 @@ the prefix cache that runs it; ``hoist`` (the lines moved, not restated: that is
 
 A **prompt-level** repair only rewrites the request, so any prefix cache (vLLM, SGLang, llama.cpp) serves it today;
 :func:`repaired_request` builds that request, for the measurement and for the template a user deploys alike. A
-**KV-level** repair edits cached entries, which needs a cache-editing engine. The repairs' names and levels, the
-requests they send and :class:`OutputFidelity` are the text half (:mod:`kvscope.engine.audit.prompts.repair_requests`, no torch),
-importable from here too; this module builds each repair on a cache and measures it.
+**KV-level** repair edits cached entries, which needs a cache-editing engine. Each repair is one entry of
+:data:`REGISTRY` (its name, level, line, the request it sends and its K/V operation), with :class:`OutputFidelity`, in
+the text half (:mod:`kvscope.engine.audit.prompts.repair_requests`, no torch), importable from here too; this module
+runs each entry's operation on a turn's cache (:class:`Turn`) and measures it.
 
 Output fidelity (:class:`OutputFidelity`) is measured against the clean prefill of the newer request, by the
 next-token distribution (KL divergence, top-1 agreement, top-5 overlap) and by greedy generation of N tokens from
@@ -32,7 +33,7 @@ both (common prefix, fraction agreeing). That reference is computed as an exact 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -46,24 +47,20 @@ from kvscope.engine.audit.prompts.repair_requests import (  # the text half, kep
     GRAINS,
     LEVEL_WORDS,
     PROMPT_REPAIRS,
+    REGISTRY,
     REPAIR_LEVELS,
     REPAIRS,
     Level,
     OutputFidelity,
+    Repair,
     RepairNotApplicable,
-    Value,
     check_applies,
     coarse,
     content_chars,
     greedy_agreement,
-    hoisted,
-    new_value,
-    old_value,
     prompt_repair_request,
     repaired_request,
-    with_erratum,
     with_lines_appended,
-    with_values,
 )
 from kvscope.engine.cache.decision import kl_divergence
 from kvscope.engine.cache.loaded import LoadedModel
@@ -74,24 +71,10 @@ if TYPE_CHECKING:
     from kvscope.engine.audit.report.types import RepairResultDict
 
 
-@dataclass(frozen=True)
-class Repair:
-    """An audit repair: where it runs and what it does, in one plain line (the table above)."""
-
-    level: Level
-    summary: str
-
-
-_SUMMARIES = {
-    "recompute": "recompute everything from the first changed token, reusing the common prefix (exact: the reference)",
-    "field_only": STRATEGY_REGISTRY["field_only"].summary,
-    "erratum": STRATEGY_REGISTRY["erratum"].summary,
-    "field_erratum": STRATEGY_REGISTRY["field_erratum"].summary,
-    "hoist": "move the changing lines to the end of the last message, so the prefix before them stays cached",
-    "coarsen": "round the date-time to a coarser grain, so the cached prefix survives while it does not change",
-}  # an edit strategy applied to a request is described by the strategy registry
-_REGISTRY = {name: Repair(level, _SUMMARIES[name]) for name, level in REPAIR_LEVELS.items()}  # the names: repair_requests
-REPAIR_SUMMARIES = {name: f"{repair.summary} ({LEVEL_WORDS[repair.level]})" for name, repair in _REGISTRY.items()}  # the app shows these
+REPAIR_SUMMARIES = {  # each repair in a line, where it runs said (the app shows these): its own, or its edit strategy's
+    name: f"{STRATEGY_REGISTRY[repair.strategy].summary if repair.strategy else repair.summary} ({LEVEL_WORDS[repair.level]})"
+    for name, repair in REGISTRY.items()
+}
 
 
 @dataclass(frozen=True)
@@ -111,7 +94,7 @@ class RepairResult:
 
     @property
     def level(self) -> Level:
-        return REPAIR_LEVELS[self.name]
+        return REGISTRY[self.name].level
 
     def as_dict(self, full_ttft_ms: float) -> RepairResultDict:
         if not self.applicable:
@@ -182,113 +165,23 @@ def fidelity(state: torch.Tensor, generated: Sequence[int], clean: Reference) ->
 def run_repair(name: str, turn: Turn, clean: Reference) -> RepairResult:
     """One repair on ``turn``, measured against ``clean``; a repair that does not apply says why."""
     try:
-        built = _BUILDERS[name](turn)
+        built = REGISTRY[name].build(turn)
     except RepairNotApplicable as error:
         return RepairResult(name, False, reason=str(error))
     prefix, rest = built.prefix, built.rest
     computed = prefix.pending_tokens + len(rest)  # recorded, not yet run: what this repair computes
-    read = turn.store.read(prefix, rest, built.prompt, exact=REPAIR_LEVELS[name] is Level.PROMPT, draft=clean.generated)
+    read = turn.store.read(prefix, rest, built.prompt, exact=REGISTRY[name].level is Level.PROMPT, draft=clean.generated)
     result = fidelity(read.logprobs, read.generated, clean)
     return RepairResult(
         name, True, read.reused_tokens, computed, read.ttft_ms, result, read.generated, detail=built.detail, prompt_ids=built.prompt
     )
 
 
-# ------------------------------------------------------------------------------------------------------- builders
-@dataclass(frozen=True)
-class _Built:
-    """What a repair serves from: a state computed up to where its reuse stops (its recorded steps not yet run), the
-    tokens still to run, and the whole request it serves."""
-
-    prefix: Notebook
-    rest: tuple[int, ...]
-    prompt: tuple[int, ...]
-    detail: dict = field(default_factory=dict)
-
-
-def _sent(turn: Turn, name: str, value_of: Value = new_value) -> tuple[int, ...]:
-    """The token ids of the newer request as prompt-level repair ``name`` sends it."""
-    return turn.render(repaired_request(name, turn.new, turn.diff.fields, value_of)).ids
-
-
-def _prefix_cached(turn: Turn, cached: Sequence[int], target: Sequence[int], detail: dict | None = None) -> _Built:
-    """Exact prefix caching: the common prefix reused (at least the last token is run), the rest computed. The
-    older request's own cache is cut to that prefix; a rewritten one's (hoisted, coarsened) is computed first, from
-    whatever the run's store shares with it (the server held it: not this repair's time)."""
-    keep = min(common_prefix(tuple(cached), tuple(target)), len(target) - 1)
-    prefix = turn.store.prefix(turn.cached, keep) if tuple(cached) == turn.old.ids else turn.store.state(target[:keep])
-    return _Built(prefix, tuple(target[keep:]), tuple(target), detail or {})
-
-
-def _recompute(turn: Turn) -> _Built:
-    return _prefix_cached(turn, turn.old.ids, _sent(turn, "recompute"))
-
-
-def _field_only(turn: Turn) -> _Built:
-    return _edited_in_place(turn, turn.new)
-
-
-def _edited_in_place(turn: Turn, target: RenderedRequest) -> _Built:
-    """The older request's cache with each field's tokens replaced (later entries keep their stale K/V), then
-    whatever follows in ``target`` after the older request's shared part."""
-    if not turn.diff.fields:
-        raise RepairNotApplicable("no field changed inside shared content (only growth): nothing to edit in place")
-    old, fields = turn.old.ids, sorted(turn.diff.fields, key=lambda c: -c.old_start)
-    edited = list(old[: turn.diff.old_growth_start])
-    for change in fields:
-        edited[change.old_start : change.old_end] = turn.new.ids[change.start : change.end]
-    shared = min(common_prefix(tuple(edited), target.ids), len(target) - 1)  # the last token is always run
-    if any(change.end > shared for change in fields):
-        raise RepairNotApplicable(
-            f"the edited cache leaves the target at token {shared}, before a field's end: the fields' tokens do not line up in place"
-        )
-    keep = shared - sum((c.end - c.start) - (c.old_end - c.old_start) for c in fields)
-    cached = turn.cached.prefix(keep)
-    for change in fields:
-        cached = cached.replace(
-            range(change.old_start, change.old_end), list(turn.new.ids[change.start : change.end]), f"field:{change.name}"
-        )
-    return _Built(cached, target.ids[shared:], target.ids)
-
-
-def _erratum(turn: Turn) -> _Built:
-    check_applies("erratum", turn.new, turn.diff, turn.grain)
-    return _prefix_cached(turn, turn.old.ids, _sent(turn, "erratum"))
-
-
-def _field_erratum(turn: Turn) -> _Built:
-    return _edited_in_place(turn, turn.render(with_erratum(turn.new, turn.diff.fields, new_value, new_value)))
-
-
-def _hoist(turn: Turn) -> _Built:
-    check_applies("hoist", turn.new, turn.diff, turn.grain)
-    cached = turn.render(hoisted(turn.old, turn.diff.fields, old_value, older=True))
-    return _prefix_cached(turn, cached.ids, _sent(turn, "hoist"), {"prompt_changed": True})
-
-
-def _coarsen(turn: Turn) -> _Built:
-    check_applies("coarsen", turn.new, turn.diff, turn.grain)
-    olds = {change.name: coarse(change.old, turn.grain) for change in turn.diff.fields}
-    news = {change.name: coarse(change.new, turn.grain) for change in turn.diff.fields}
-    cached = turn.render(with_values(turn.old, turn.diff.fields, lambda change: olds[change.name], older=True))
-    target = _sent(turn, "coarsen", lambda change: news[change.name])
-    return _prefix_cached(turn, cached.ids, target, {"prompt_changed": True, "grain": turn.grain, "coarse_values": news})
-
-
-_BUILDERS: dict[str, Callable[[Turn], _Built]] = {
-    "recompute": _recompute,
-    "field_only": _field_only,
-    "erratum": _erratum,
-    "field_erratum": _field_erratum,
-    "hoist": _hoist,
-    "coarsen": _coarsen,
-}
-
-
 __all__ = [  # with the text half (kvscope.engine.audit.prompts.repair_requests), which the modules that read no model import directly
     "GRAINS",
     "LEVEL_WORDS",
     "PROMPT_REPAIRS",
+    "REGISTRY",
     "REPAIRS",
     "REPAIR_LEVELS",
     "REPAIR_SUMMARIES",

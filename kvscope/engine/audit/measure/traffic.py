@@ -158,9 +158,9 @@ class TrafficReport:
     def observed(self) -> ObservedDict:
         """The observed counts against the simulation, with the fit and the server's scrapes where asked for."""
         scan = self.scan
-        summary = observed_summary(scan.requests, scan.settings.observed_engine, self.model).as_dict()
+        summary = observed_summary(scan.requests, scan.settings.observed_engine, self.model, scan.observed_evidence).as_dict()
         if self.fit:
-            summary["fit"] = fit_observed(scan.requests, scan.held).as_dict()
+            summary["fit"] = fit_observed(scan.requests, scan.held, scan.settings.observed_engine).as_dict()
         if self.scrapes:
             summary["metrics"] = observed_aggregate(self.scrapes, scan.totals()["hit_rate"])
         return summary
@@ -264,7 +264,9 @@ def audit_traffic(
         with told:  # every forward moves the bar
             turns = measure_turns(work, measure, tick)
     except Cancelled:  # what was finished stands: the token pass, with no turn measured
-        why = f"the model pass was cancelled after {done:,} of {total:,} steps: the token pass is whole, no turn was measured"
+        whole = done // (len(measure.repairs) + 1)  # a turn's steps run together: its reference, then each repair
+        measured = f"{whole:,} of {len(chosen):,} turn{'s' if len(chosen) != 1 else ''} measured, not kept"
+        why = f"the model pass was cancelled after {done:,} of {total:,} steps ({measured}): the token pass is whole"
         unmeasured = tuple(sample_groups(scan, 0, "not measured: the model pass was cancelled"))
         return TrafficReport(lm.fingerprint.name, lm.fingerprint.dtype, scan, unmeasured, {}, measure, 0, why)
     return TrafficReport(lm.fingerprint.name, lm.fingerprint.dtype, scan, tuple(groups), turns, measure, sample)

@@ -1,7 +1,10 @@
-"""The audit's repairs as text: their names and where each runs, the request each prompt-level repair sends, and the
-fidelity a measurement fills in. Nothing here imports torch: the template (``template``), the spans (``spans``), the
-endpoint (``endpoint``, ``endpoint_audit``) and the rewrite's pairing (``rewrite``) read these with the tokenizer
-alone; the model's half, each repair built on a cache and measured, is :mod:`kvscope.engine.audit.measure.repairs`.
+"""The audit's repairs, one registry entry each (``REGISTRY``: a ``Repair``, as ``edit.strategies`` keeps its
+strategies): its name, where it runs, its line (its own, or the edit strategy's it applies), the request it sends
+(a prompt-level one), why it does not apply where no field changed, and its K/V operation (``build``: the state it
+serves from, on the cache of what ``RepairTurn`` provides). Adding a repair is adding an entry here. Nothing here
+imports torch: the template (``template``), the spans (``spans``), the endpoint (``endpoint``, ``endpoint_audit``) and
+the rewrite's pairing (``rewrite``) read these with the tokenizer alone; the model's half, each repair measured on a
+cache (``Turn``, ``run_repair``), is :mod:`kvscope.engine.audit.measure.repairs`.
 
 A **prompt-level** repair only rewrites the request, so any prefix cache (vLLM, SGLang, llama.cpp) serves it today;
 :func:`repaired_request` builds that request, for the measurement and for the template a user deploys alike. A
@@ -11,8 +14,9 @@ A **prompt-level** repair only rewrites the request, so any prefix cache (vLLM, 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any, Protocol
 
 from kvscope.engine.audit.changes.fields import DATETIME, FieldChange, TurnDiff, common_prefix
 from kvscope.engine.audit.logs.render import RenderedRequest
@@ -29,17 +33,6 @@ class Level(StrEnum):
 
 
 LEVEL_WORDS = {Level.PROMPT: "prompt-level, any prefix cache serves it today", Level.KV: "KV-level, needs a cache-editing engine"}
-
-REPAIR_LEVELS = {  # every repair, in the audit's order, and where it runs (each one's line: repairs.REPAIR_SUMMARIES)
-    "recompute": Level.PROMPT,
-    "field_only": Level.KV,
-    "erratum": Level.PROMPT,
-    "field_erratum": Level.KV,
-    "hoist": Level.PROMPT,
-    "coarsen": Level.PROMPT,
-}
-REPAIRS = tuple(REPAIR_LEVELS)
-PROMPT_REPAIRS = tuple(name for name, level in REPAIR_LEVELS.items() if level is Level.PROMPT)  # a request carries them
 GRAINS = ("date", "hour", "minute")
 
 
@@ -138,21 +131,14 @@ def hoisted(rendered: RenderedRequest, fields: Sequence[FieldChange], value_of: 
     return rendered.request.with_contents(contents)
 
 
-_REWRITES: dict[str, Callable[[RenderedRequest, Sequence[FieldChange], Value], Request]] = {  # the prompt-level repairs
-    "recompute": with_values,
-    "erratum": _erratum_kept,
-    "hoist": hoisted,
-    "coarsen": with_values,  # at the coarse values
-}
-
-
 def repaired_request(name: str, new: RenderedRequest, fields: Sequence[FieldChange], value_of: Value = new_value) -> Request:
     """The newer request as prompt-level repair ``name`` sends it, each changed field's text at ``value_of``: the
     audit measures it at the values it served (the new ones; ``coarsen``'s coarse ones), the deployable template has
     a placeholder there. A KV-level repair is refused: no request carries it."""
-    if name not in _REWRITES:
-        raise RepairNotApplicable(f"{name} is {LEVEL_WORDS[REPAIR_LEVELS[name]]}: it edits cached entries, no request carries it")
-    return _REWRITES[name](new, fields, value_of)
+    repair = REGISTRY[name]
+    if repair.rewrite is None:
+        raise RepairNotApplicable(f"{name} is {LEVEL_WORDS[repair.level]}: it edits cached entries, no request carries it")
+    return repair.rewrite(new, fields, value_of)
 
 
 def coarse(value: str, grain: str) -> str:
@@ -172,13 +158,9 @@ def check_applies(name: str, new: RenderedRequest, diff: TurnDiff, grain: str | 
     """Refuse (``RepairNotApplicable``, saying why) a prompt-level repair that cannot apply to this turn."""
     if name == "coarsen" and grain is None:
         raise RepairNotApplicable("name a grain to coarsen to (date, hour or minute)")
-    if name != "recompute" and not diff.fields:
-        nothing = {
-            "erratum": "there is nothing to state",
-            "hoist": "there is no volatile line to move",
-            "coarsen": "there is nothing to coarsen",
-        }
-        raise RepairNotApplicable(f"no field changed: {nothing[name]}")
+    nothing = REGISTRY[name].nothing
+    if nothing is not None and not diff.fields:
+        raise RepairNotApplicable(f"no field changed: {nothing}")
     if name == "hoist" and any(change.message == len(new.request.contents) - 1 for change in diff.fields):
         raise RepairNotApplicable("the changed value is already in the last message")
 
@@ -186,8 +168,159 @@ def check_applies(name: str, new: RenderedRequest, diff: TurnDiff, grain: str | 
 def prompt_repair_request(name: str, new: RenderedRequest, diff: TurnDiff, grain: str | None = None) -> Request:
     """The request prompt-level repair ``name`` sends for the newer request of a turn, at the values it serves (the new
     ones; ``coarsen``'s coarse ones), refused as its builder refuses: what a server is asked to measure it."""
-    if REPAIR_LEVELS[name] is not Level.PROMPT:
-        raise RepairNotApplicable(f"{name} is {LEVEL_WORDS[REPAIR_LEVELS[name]]}: it edits cached entries, no request carries it")
+    if REGISTRY[name].level is not Level.PROMPT:
+        raise RepairNotApplicable(f"{name} is {LEVEL_WORDS[REGISTRY[name].level]}: it edits cached entries, no request carries it")
     check_applies(name, new, diff, grain)
     value_of = (lambda change: coarse(change.new, grain)) if name == "coarsen" else new_value
     return repaired_request(name, new, diff.fields, value_of)
+
+
+# ------------------------------------------------------------------------------- each repair's K/V operation
+class RepairTurn(Protocol):
+    """What a repair's K/V operation reads of the turn it repairs (``measure.repairs.Turn`` provides it): the older
+    request as the server cached it (``cached``, a ``Notebook``), the newer one, their diff, and the run's store of
+    computed states (``store``: ``ComputedStates``)."""
+
+    old: RenderedRequest
+    new: RenderedRequest
+    diff: TurnDiff
+    cached: Any
+    store: Any
+    grain: str | None
+
+    def render(self, request: Request) -> RenderedRequest: ...
+
+
+@dataclass(frozen=True)
+class Built:
+    """What a repair serves from: a state computed up to where its reuse stops (its recorded steps not yet run), the
+    tokens still to run, and the whole request it serves."""
+
+    prefix: Any  # a Notebook
+    rest: tuple[int, ...]
+    prompt: tuple[int, ...]
+    detail: dict = field(default_factory=dict)
+
+
+def _sent(turn: RepairTurn, name: str, value_of: Value = new_value) -> tuple[int, ...]:
+    """The token ids of the newer request as prompt-level repair ``name`` sends it."""
+    return turn.render(repaired_request(name, turn.new, turn.diff.fields, value_of)).ids
+
+
+def _prefix_cached(turn: RepairTurn, cached: Sequence[int], target: Sequence[int], detail: dict | None = None) -> Built:
+    """Exact prefix caching: the common prefix reused (at least the last token is run), the rest computed. The
+    older request's own cache is cut to that prefix; a rewritten one's (hoisted, coarsened) is computed first, from
+    whatever the run's store shares with it (the server held it: not this repair's time)."""
+    keep = min(common_prefix(tuple(cached), tuple(target)), len(target) - 1)
+    prefix = turn.store.prefix(turn.cached, keep) if tuple(cached) == turn.old.ids else turn.store.state(target[:keep])
+    return Built(prefix, tuple(target[keep:]), tuple(target), detail or {})
+
+
+def _edited_in_place(turn: RepairTurn, target: RenderedRequest) -> Built:
+    """The older request's cache with each field's tokens replaced (later entries keep their stale K/V), then
+    whatever follows in ``target`` after the older request's shared part."""
+    if not turn.diff.fields:
+        raise RepairNotApplicable("no field changed inside shared content (only growth): nothing to edit in place")
+    old, fields = turn.old.ids, sorted(turn.diff.fields, key=lambda c: -c.old_start)
+    edited = list(old[: turn.diff.old_growth_start])
+    for change in fields:
+        edited[change.old_start : change.old_end] = turn.new.ids[change.start : change.end]
+    shared = min(common_prefix(tuple(edited), target.ids), len(target) - 1)  # the last token is always run
+    if any(change.end > shared for change in fields):
+        raise RepairNotApplicable(
+            f"the edited cache leaves the target at token {shared}, before a field's end: the fields' tokens do not line up in place"
+        )
+    keep = shared - sum((c.end - c.start) - (c.old_end - c.old_start) for c in fields)
+    cached = turn.cached.prefix(keep)
+    for change in fields:
+        cached = cached.replace(
+            range(change.old_start, change.old_end), list(turn.new.ids[change.start : change.end]), f"field:{change.name}"
+        )
+    return Built(cached, target.ids[shared:], target.ids)
+
+
+def _recompute(turn: RepairTurn) -> Built:
+    return _prefix_cached(turn, turn.old.ids, _sent(turn, "recompute"))
+
+
+def _field_only(turn: RepairTurn) -> Built:
+    return _edited_in_place(turn, turn.new)
+
+
+def _erratum(turn: RepairTurn) -> Built:
+    check_applies("erratum", turn.new, turn.diff, turn.grain)
+    return _prefix_cached(turn, turn.old.ids, _sent(turn, "erratum"))
+
+
+def _field_erratum(turn: RepairTurn) -> Built:
+    return _edited_in_place(turn, turn.render(with_erratum(turn.new, turn.diff.fields, new_value, new_value)))
+
+
+def _hoist(turn: RepairTurn) -> Built:
+    check_applies("hoist", turn.new, turn.diff, turn.grain)
+    cached = turn.render(hoisted(turn.old, turn.diff.fields, old_value, older=True))
+    return _prefix_cached(turn, cached.ids, _sent(turn, "hoist"), {"prompt_changed": True})
+
+
+def _coarsen(turn: RepairTurn) -> Built:
+    check_applies("coarsen", turn.new, turn.diff, turn.grain)
+    olds = {change.name: coarse(change.old, turn.grain) for change in turn.diff.fields}
+    news = {change.name: coarse(change.new, turn.grain) for change in turn.diff.fields}
+    cached = turn.render(with_values(turn.old, turn.diff.fields, lambda change: olds[change.name], older=True))
+    target = _sent(turn, "coarsen", lambda change: news[change.name])
+    return _prefix_cached(turn, cached.ids, target, {"prompt_changed": True, "grain": turn.grain, "coarse_values": news})
+
+
+# ------------------------------------------------------------------------------------------------- the registry
+Rewrite = Callable[[RenderedRequest, Sequence[FieldChange], Value], Request]
+
+
+@dataclass(frozen=True)
+class Repair:
+    """One audit repair: its name, where it runs, its line (``summary``; or ``strategy``: the edit strategy it applies,
+    whose line ``edit.strategies.REGISTRY`` holds), the request it sends (``rewrite``: prompt-level only), why it does
+    not apply where no field changed (``nothing``; None: it always applies), and its K/V operation (``build``)."""
+
+    name: str
+    level: Level
+    build: Callable[[RepairTurn], Built]
+    summary: str = ""
+    strategy: str | None = None
+    rewrite: Rewrite | None = None
+    nothing: str | None = None
+
+
+REGISTRY = {  # every repair, in the audit's order
+    repair.name: repair
+    for repair in (
+        Repair(
+            "recompute",
+            Level.PROMPT,
+            _recompute,
+            "recompute everything from the first changed token, reusing the common prefix (exact: the reference)",
+            rewrite=with_values,
+        ),
+        Repair("field_only", Level.KV, _field_only, strategy="field_only"),
+        Repair("erratum", Level.PROMPT, _erratum, strategy="erratum", rewrite=_erratum_kept, nothing="there is nothing to state"),
+        Repair("field_erratum", Level.KV, _field_erratum, strategy="field_erratum"),
+        Repair(
+            "hoist",
+            Level.PROMPT,
+            _hoist,
+            "move the changing lines to the end of the last message, so the prefix before them stays cached",
+            rewrite=hoisted,
+            nothing="there is no volatile line to move",
+        ),
+        Repair(
+            "coarsen",
+            Level.PROMPT,
+            _coarsen,
+            "round the date-time to a coarser grain, so the cached prefix survives while it does not change",
+            rewrite=with_values,  # at the coarse values
+            nothing="there is nothing to coarsen",
+        ),
+    )
+}
+REPAIRS = tuple(REGISTRY)
+REPAIR_LEVELS = {name: repair.level for name, repair in REGISTRY.items()}
+PROMPT_REPAIRS = tuple(name for name, repair in REGISTRY.items() if repair.level is Level.PROMPT)  # a request carries them

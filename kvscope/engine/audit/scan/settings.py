@@ -5,13 +5,13 @@ in its constructor, travels whole from the CLI, the app or Ray to every stage of
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvscope.engine.audit.logs.render import DEFAULT_CONTEXT_LIMIT
 from kvscope.engine.audit.logs.requests import RequestLogError
 from kvscope.engine.audit.simulate.caches import CacheSettings
-from kvscope.engine.audit.simulate.observed import OBSERVED_ENGINES
-from kvscope.engine.audit.simulate.registry import DEFAULT_ENGINE
+from kvscope.engine.audit.simulate.observed import OBSERVED_ENGINES, LogServer, Reported, log_server
 
 
 @dataclass(frozen=True)
@@ -21,14 +21,14 @@ class ScanSettings:
     ``context_limit`` (tokens a prompt is cut at; None: the model's own, ``logs.render.context_limit``)."""
 
     cache: CacheSettings = CacheSettings()
-    observed_engine: str = DEFAULT_ENGINE
+    observed_engine: str | None = None  # None: the server the log's answers name (``observed.log_server``)
     fleet: tuple[tuple[int, str], ...] = ()
     context_limit: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fleet", tuple((int(count), routing) for count, routing in self.fleet))
         _check_cache(self.cache)
-        if self.observed_engine not in OBSERVED_ENGINES:
+        if self.observed_engine is not None and self.observed_engine not in OBSERVED_ENGINES:
             engines = ", ".join(OBSERVED_ENGINES)
             raise RequestLogError(f"observed counts are compared with one of {engines}, got {self.observed_engine!r} (--observed-engine)")
         if self.context_limit is not None and self.context_limit < 1:
@@ -38,6 +38,13 @@ class ScanSettings:
     def limit(self) -> int:
         """The tokens a prompt is cut at: the context limit, else ``DEFAULT_CONTEXT_LIMIT`` (no model known)."""
         return self.context_limit or DEFAULT_CONTEXT_LIMIT
+
+    def for_log(self, reported: Sequence[Reported]) -> tuple[ScanSettings, LogServer]:
+        """These settings decided for a log: the observed engine where not named (the server its answers name, else
+        ``DEFAULT_ENGINE``) and llama.cpp's mode (the server's own slot choice unless the log pins slots); and why."""
+        server = log_server(reported, self.observed_engine)
+        cache = self.cache.for_log(pinned=server.pinned > 0)
+        return dataclasses.replace(self, cache=cache, observed_engine=server.engine), server
 
     def limited(self, limit: int) -> ScanSettings:
         """These settings with the context limit ``limit`` where none is set (the model's, ``logs.render.context_limit``)."""

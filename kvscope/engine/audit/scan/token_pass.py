@@ -94,6 +94,7 @@ class TrafficScan:
     settings: ScanSettings
     rendered: dict[int, RenderedRequest] = field(repr=False)
     diffs: dict[int, TurnDiff] = field(repr=False)
+    observed_evidence: str = ""  # why the observed engine: named, read from the log's answers, or assumed (``observed.LogServer``)
     reading: ReadingDict = field(default_factory=dict)  # how the log was read: RequestLog.reading()
     fleet: tuple[FleetResult, ...] = ()  # the fleets simulated (``fleet.Fleet``), when asked for
     replies: dict[str, int] = field(default_factory=dict)  # requests per ``step.REPLY_COUNTS`` key
@@ -178,6 +179,7 @@ def scan_log(
                 skipped.append(Skipped(request.line, "rendering", str(item)))
             else:
                 good.append(item)
+        settings, server = settings.for_log([Reported.of(request) for request in log.requests])
         simulation = Simulation(settings.cache, settings.fleet, end_of_turn_ids(tokenizer))
         kept: dict[int, RenderedRequest] = {}
         diffs: dict[int, TurnDiff] = {}
@@ -208,6 +210,7 @@ def scan_log(
             settings,
             kept,
             diffs,
+            observed_evidence=server.evidence,
             reading=log.reading(),
             fleet=fleet_results,
             replies=dict(simulation.replies),

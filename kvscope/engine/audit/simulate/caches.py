@@ -4,7 +4,8 @@
 - ``vllm`` (``BlockCache``): whole blocks (16 tokens, ``block``), each keyed by its tokens and every block before it. A
   request reuses the leading blocks found. Under ``budget_blocks`` the least recently used block goes first (a
   request's blocks are touched tail first, so its tail goes before its head). The keys alone, the same in every
-  process, are ``blocks.block_hashes``: pure hashing, apart from the pool that holds them.
+  process, are ``blocks.block_hashes`` (the one block hash: the cache, the workers and ``fit_observed`` hash alike),
+  apart from the pool that holds them.
 - ``sglang`` (``radix.RadixCache``): a token radix tree. A request reuses the longest prefix in the tree. Under
   ``budget_tokens`` the least recently used leaf goes first, a whole node at a time, until the tokens fit.
 - ``llama_cpp`` (``SlotCache``): one slot per session holding its last prompt (a client that pins each session to a
@@ -24,12 +25,18 @@ matched by its head), preferring the same session's latest request among equally
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
+from collections.abc import Collection, Mapping
+from typing import Any
 
 import numpy as np
 
+from kvscope.engine.audit.blocks import BLOCK_SIZES, block_hashes
 from kvscope.engine.audit.changes.fields import common_prefix
-from kvscope.engine.audit.simulate.prefix_cache import CacheRequest, CacheSettings, PrefixCache
+from kvscope.engine.audit.simulate.prefix_cache import CacheRequest, CacheSettings, PrefixCache, fit_budgets
+
+_LLAMA_BUILD = re.compile(r"system_fingerprint=b\d+-[0-9a-f]+")  # llama.cpp's build_info
 
 
 class BlockCache(PrefixCache):
@@ -37,6 +44,38 @@ class BlockCache(PrefixCache):
     a block budget, LRU eviction (a request's blocks are touched tail first, so its head stays longest)."""
 
     name = "vllm"
+    owned_by = "vllm"
+
+    @classmethod
+    def wrote(cls, marks: Collection[str]) -> str | None:
+        """vLLM's marks (``vllm/entrypoints/openai``): its ``system_fingerprint`` (``vllm-<version>-...``,
+        ``fingerprint.py``), else the fields its chat and completions answers add to OpenAI's (``stop_reason`` in
+        each choice, ``kv_transfer_params`` beside them: ``chat_completion/protocol.py``)."""
+        fingerprint = next((mark for mark in marks if mark.startswith("system_fingerprint=vllm-")), None)
+        if fingerprint:
+            return f"{fingerprint.replace('=', ' ', 1)} (vLLM's fingerprint)"
+        found = [mark for mark in ("choices.stop_reason", "kv_transfer_params") if mark in marks]
+        return f"{' and '.join(found)} (fields vLLM adds to OpenAI's answer)" if found else None
+
+    @classmethod
+    def granule(cls, block: int) -> int:
+        return block
+
+    @classmethod
+    def fit_grid(cls, working: int) -> list[dict[str, Any]]:
+        """Every block size (``BLOCK_SIZES``) under every budget (``fit_budgets``, in tokens)."""
+        return [{"block": block, "budget_tokens": budget} for block in BLOCK_SIZES for budget in fit_budgets(working)]
+
+    @classmethod
+    def fitted(cls, setting: Mapping[str, Any]) -> BlockCache:
+        block, budget = setting["block"], setting["budget_tokens"]
+        return cls(block, None if budget is None else max(budget // block, 1))
+
+    @classmethod
+    def excess_hint(cls, observed: int, usable: int, block: int) -> str | None:
+        size = next((size for size in BLOCK_SIZES if size < block and usable // size * size == observed), None)
+        blocks = f"{size}-token blocks" if size else "blocks"
+        return f"a smaller block: {observed:,} of the {usable:,} shared tokens fit in {blocks}, not {block}-token ones"
 
     def __init__(self, block: int, budget_blocks: int | None = None):
         if block < 1:
@@ -69,13 +108,8 @@ class BlockCache(PrefixCache):
         return list(self.keys(request.tokens) if request.hashes is None else request.hashes)
 
     def keys(self, ids: np.ndarray) -> list[int]:
-        """The chained keys of ``ids``'s whole blocks (Python's ``hash``: one process's keys)."""
-        data = np.ascontiguousarray(ids, dtype=np.int32)
-        keys, parent = [], 0
-        for start in range(0, len(data) // self.block * self.block, self.block):
-            parent = hash((parent, data[start : start + self.block].tobytes()))
-            keys.append(parent)
-        return keys
+        """The chained keys of ``ids``'s whole blocks: ``blocks.block_hashes``, as every process computes them."""
+        return block_hashes(ids, self.block).tolist()
 
     def insert_keys(self, hashes: list[int], tokens: int, request: int) -> int:
         """``insert`` from the block keys of what is held (one per whole block, each naming the block and every block
@@ -102,6 +136,34 @@ class SlotCache(PrefixCache):
     its session's slot and, with ``cache_reuse`` N > 0, later chunks of at least N equal tokens shifted into place."""
 
     name = "llama_cpp"
+    owned_by = "llamacpp"
+
+    @classmethod
+    def wrote(cls, marks: Collection[str]) -> str | None:
+        """llama-server's marks (``tools/server``): the ``timings`` every answer carries, and its ``system_fingerprint``
+        (the build, ``b<number>-<commit>``)."""
+        found = ["timings"] if "timings" in marks else []
+        found += [mark.replace("=", " ", 1) for mark in marks if _LLAMA_BUILD.fullmatch(mark)]
+        return f"{' and '.join(found)} (llama-server's)" if found else None
+
+    @classmethod
+    def excess_hint(cls, observed: int, usable: int, block: int) -> str | None:
+        return "a cache shared across sessions: a llama.cpp slot holds only its own session's last prompt"
+
+    @classmethod
+    def fit_grid(cls, working: int) -> list[dict[str, Any]]:
+        """The server's own slot choice with its RAM prompt cache (``ServerSlots``) at 4 slots with one KV cache (None)
+        or ``-np`` 1, 2, 4, 8; then a slot per session (None) or that many slots, each with ``--cache-reuse`` off or at
+        16, 64 or 256 tokens."""
+        slots = (None, 1, 2, 4, 8)
+        shared = [{"slots": count, "prompt_cache": True, "cache_reuse": 0} for count in slots]
+        return shared + [{"slots": count, "prompt_cache": False, "cache_reuse": reuse} for count in slots for reuse in (0, 16, 64, 256)]
+
+    @classmethod
+    def fitted(cls, setting: Mapping[str, Any]) -> PrefixCache:
+        if setting["prompt_cache"]:
+            return ServerSlots(setting["slots"])
+        return cls(setting["slots"], setting["cache_reuse"])
 
     def __init__(self, slots: int | None = None, cache_reuse: int = 0):
         self.slots = slots

@@ -15,15 +15,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from kvscope.engine.audit.blocks import BLOCK_SIZES, block_hashes
 from kvscope.engine.audit.changes.causes import Cause
 from kvscope.engine.audit.logs.requests import Request, RequestLogError
-from kvscope.engine.audit.simulate.caches import BlockCache
 from kvscope.engine.audit.simulate.hosted import TOKENS_NOTE, provider_of
-from kvscope.engine.audit.simulate.registry import ENGINES, PROVIDERS
+from kvscope.engine.audit.simulate.prefix_cache import CacheRequest
+from kvscope.engine.audit.simulate.registry import CACHES, DEFAULT_ENGINE, ENGINES, PROVIDERS, engine_of_answer
 
 if TYPE_CHECKING:
     from kvscope.engine.audit.report.types import FitSettingDict, ObservedDict, ObservedFitDict
@@ -31,9 +32,7 @@ if TYPE_CHECKING:
 OBSERVED_ENGINES = tuple(ENGINES)  # the engines --observed-engine may compare with
 OBSERVED_CAUSES = ("observed_shortfall", "observed_excess")  # causes of a gap to what the server reported, not of a miss
 TTL_HINT_SECONDS = 300.0  # a match this long past points to a time-to-live (the shortest documented: Anthropic's 5 minutes)
-FIT_BLOCKS = (1, 16, 32, 64, 128, 256)
 NO_OBSERVED_COUNTS = "--fit-observed needs observed cached tokens: no request of the log reports a cached count"
-FIT_BUDGET_DIVISORS = (2, 4, 8, 16, 32)  # budgets tried: the log's working set divided by these (and unbounded)
 EXPLANATIONS = "eviction under a budget, another replica, a time-to-live, another block size, or a tokenizer that is not the served model's"
 
 
@@ -64,6 +63,8 @@ class Reported:
     observed_cached_tokens: int | None
     observed_prompt_tokens: int | None = None
     session_key: str | None = None  # the record's key its session was read from (``RequestLog.reading``)
+    slot: int | None = None  # the llama-server slot the request pins (``id_slot``)
+    answer_marks: tuple[str, ...] = ()  # what its logged answer says of its server (``usage.answer_marks``)
 
     @classmethod
     def of(cls, request: Request) -> Reported:
@@ -74,7 +75,39 @@ class Reported:
             request.observed_cached_tokens,
             request.observed_prompt_tokens,
             request.session_key,
+            request.slot,
+            request.answer_marks,
         )
+
+
+@dataclass(frozen=True)
+class LogServer:
+    """The serving engine a log's observed counts are compared with and the evidence, in words (named by the user,
+    read from the answers the log records, or assumed), and how many requests pin a llama-server slot (``id_slot``)."""
+
+    engine: str
+    evidence: str
+    pinned: int = 0
+
+
+def log_server(reported: Sequence[Reported], named: str | None = None) -> LogServer:
+    """The server that wrote the log: ``named`` (``--observed-engine``) where given, else the serving engine most of
+    its answers name (``registry.engine_of_answer``: each engine reads its own marks), else ``DEFAULT_ENGINE``, said so."""
+    if named is not None and named not in OBSERVED_ENGINES:
+        raise RequestLogError(f"--observed-engine is one of {', '.join(OBSERVED_ENGINES)}, got {named!r}")
+    pinned = sum(item.slot is not None for item in reported)
+    found: dict[str, list[str]] = {}
+    for item in reported:
+        hit = engine_of_answer(item.answer_marks)
+        if hit is not None:
+            found.setdefault(hit[0], []).append(hit[1])
+    read = max(found, key=lambda name: len(found[name]), default=None)
+    said = f"{len(found[read]):,} of the log's {len(reported):,} answers carry {found[read][0]}" if read else ""
+    if named is not None:
+        return LogServer(named, "named by --observed-engine" + (f" (the log's answers name {read}: {said})" if read else ""), pinned)
+    if read is not None:
+        return LogServer(read, said, pinned)
+    return LogServer(DEFAULT_ENGINE, f"no answer in the log names its server: {DEFAULT_ENGINE} assumed (the default)", pinned)
 
 
 @dataclass(frozen=True)
@@ -129,7 +162,7 @@ class _Evidence:
     def shortfall(self, row: Row, observed: int, simulated: int, engine: str) -> list[str]:
         usable = min(row.common_prefix_tokens, row.tokens - 1)
         found = []
-        size = _block_size(observed, usable, [b for b in FIT_BLOCKS if b > (self.block if engine == "vllm" else 1)])
+        size = _block_size(observed, usable, [b for b in BLOCK_SIZES if b > CACHES[engine].cache.granule(self.block)])
         if size is not None:
             found.append(f"another block size: {observed:,} is the {usable:,} shared tokens in whole {size}-token blocks")
         elif simulated - observed < self.block:
@@ -158,12 +191,8 @@ class _Evidence:
                 "an earlier reply the log does not record and no later turn resends (servers cache what they generate), "
                 "another tokenizer, or a cache warmed by requests not in the log"
             )
-        elif engine == "vllm":
-            size = _block_size(observed, usable, [b for b in FIT_BLOCKS if b < self.block])
-            blocks = f"{size}-token blocks" if size else "blocks"
-            found.append(f"a smaller block: {observed:,} of the {usable:,} shared tokens fit in {blocks}, not {self.block}-token ones")
-        elif engine == "llama_cpp":
-            found.append("a cache shared across sessions: a llama.cpp slot holds only its own session's last prompt")
+        elif hint := CACHES[engine].cache.excess_hint(observed, usable, self.block):
+            found.append(hint)
         if simulated < usable and observed <= usable:
             found.append("a larger KV budget than simulated: the simulation evicted what the server still held")
         named = self._other_tokenizer(row.request)
@@ -210,6 +239,7 @@ class ObservedSummary:
     excesses: tuple[int, int]
     server_counted: tuple[int, int] = (0, 0)  # (cached, prompt tokens) as the server counted both, where it logged both
     other_tokenizer: str | None = None  # the model the log names where its tokenizer is not the loaded one
+    evidence: str = ""  # why ``engine`` is the one compared with (``LogServer.evidence``)
 
     def hit_rates(self) -> dict[str, float | None]:
         """The observed rate over the server's own prompt counts where the log carries them (a rate over the same tokens
@@ -230,6 +260,7 @@ class ObservedSummary:
     def as_dict(self) -> ObservedDict:
         return {
             "engine": self.engine,
+            **({"engine_evidence": self.evidence} if self.evidence else {}),
             "requests_with_count": self.requests,
             "requests_without_count": self.unreported,
             "tokens": self.tokens,
@@ -248,7 +279,7 @@ def _rate(part: int, whole: int) -> float | None:
     return round(part / whole, 4) if whole else None
 
 
-def observed_summary(rows: Sequence[Row], engine: str, model: str = "") -> ObservedSummary:
+def observed_summary(rows: Sequence[Row], engine: str, model: str = "", evidence: str = "") -> ObservedSummary:
     """The log's observed hit rate beside each engine's (the simulated ones and any hosted provider's, each over the
     requests with a count that it covers), and how many requests match the compared ``engine`` exactly. The observed
     rate is over the server's own prompt counts where every counted request logs one; ``model``: the loaded model, to
@@ -280,6 +311,7 @@ def observed_summary(rows: Sequence[Row], engine: str, model: str = "") -> Obser
         gaps("observed_excess"),
         server,
         _named_model(rows, model),
+        evidence,
     )
 
 
@@ -312,23 +344,24 @@ def hosted_summary(rows: Sequence[Row]) -> dict:
 
 @dataclass(frozen=True)
 class FitSetting:
-    """One block-cache setting tried by ``fit_observed`` and the requests whose observed count it reproduces."""
+    """One setting of the compared engine tried by ``fit_observed`` (its name -> value, as the engine's ``fit_grid``
+    names them) and the requests whose observed count it reproduces."""
 
-    block: int
-    budget_tokens: int | None  # None: unbounded
+    setting: dict[str, Any]
     matches: int
 
     def as_dict(self) -> FitSettingDict:
-        return {"block": self.block, "budget_tokens": self.budget_tokens, "matches": self.matches}
+        return {**self.setting, "matches": self.matches}
 
 
 @dataclass(frozen=True)
 class ObservedFit:
-    """The block sizes and KV budgets tried over the requests with an observed count, best first."""
+    """The compared engine's settings tried over the requests with an observed count, best first."""
 
+    engine: str
     requests: int
     working_set_tokens: int  # tokens an unbounded token cache holds after the whole log
-    tried: tuple[FitSetting, ...]  # most matches first; among ties, in the order tried (unbounded and larger budgets first)
+    tried: tuple[FitSetting, ...]  # most matches first; among ties, in the order tried (the engine's ``fit_grid``)
 
     @property
     def best(self) -> FitSetting:
@@ -337,6 +370,7 @@ class ObservedFit:
     def as_dict(self) -> ObservedFitDict:
         best = self.best
         return {
+            "engine": self.engine,
             "requests_with_count": self.requests,
             "working_set_tokens": self.working_set_tokens,
             "best": best.as_dict() | {"share": _rate(best.matches, self.requests)},
@@ -345,50 +379,30 @@ class ObservedFit:
         }
 
 
-_P = 0x9E3779B97F4A7C15  # odd, so invertible modulo 2**64
-_P_INVERSE = pow(_P, -1, 2**64)
-
-
-def prefix_keys(ids: np.ndarray, powers: np.ndarray, inverses: np.ndarray) -> np.ndarray:
-    """Per position i, a 64-bit polynomial hash of ``ids[: i + 1]`` (the sum of x_j·P^(i-j), modulo 2**64, numpy's
-    wrapping arithmetic): the key of a block ending there, naming it and everything before it."""
-    n = len(ids)
-    x = ids.astype(np.uint64) + np.uint64(1)
-    return powers[:n] * np.cumsum(x * inverses[:n])
-
-
-def _powers(base: int, count: int) -> np.ndarray:
-    return np.cumprod(np.full(count, base, dtype=np.uint64))
-
-
-def fit_observed(
-    rows: Sequence[Row],
-    held: Callable[[int], np.ndarray],
-    blocks: Sequence[int] = FIT_BLOCKS,
-    budgets: Sequence[int | None] | None = None,
-) -> ObservedFit:
-    """The block size and KV budget (tokens) of a vLLM-style block cache that reproduce the most observed counts
-    exactly, over the token pass's ``rows`` and what the server held after each (``held``: request -> its tokens and
-    its reply's, ``TrafficScan.held``): the ids are hashed once, and only the cache is re-run per setting.
-    ``budgets``: by default unbounded, then the log's working set halved, quartered, ... (``FIT_BUDGET_DIVISORS``)."""
+def fit_observed(rows: Sequence[Row], held: Callable[[int], np.ndarray], engine: str = DEFAULT_ENGINE) -> ObservedFit:
+    """The settings of ``engine``'s server (its ``fit_grid``: vLLM's block size and budget, SGLang's page size and
+    budget, llama.cpp's slots, prompt cache and ``--cache-reuse``) that reproduce the most observed counts exactly, over
+    the token pass's ``rows`` and what the server held after each (``held``: request -> its tokens and its reply's,
+    ``TrafficScan.held``): the engine's cache re-run per setting, fed in the pass's order."""
     counted = [(n, row.observed_cached_tokens) for n, row in enumerate(rows) if row.observed_cached_tokens is not None]
     if not counted:
         raise RequestLogError(NO_OBSERVED_COUNTS)
+    if engine not in OBSERVED_ENGINES:
+        raise RequestLogError(f"--observed-engine is one of {', '.join(OBSERVED_ENGINES)}, got {engine!r}")
     ids = [held(row.request) for row in rows]
-    longest = max(len(item) for item in ids)
-    powers, inverses = _powers(_P, longest), _powers(_P_INVERSE, longest)
-    keys = [prefix_keys(item, powers, inverses) for item in ids]
-    working = int(len(np.unique(np.concatenate(keys)))) if keys else 0
-    if budgets is None:
-        budgets = [None, *dict.fromkeys(working // d for d in FIT_BUDGET_DIVISORS if working // d > 0)]
+    # per request and block size, its block hashes, computed once for every budget; block 1's also count the working set
+    chains: dict[tuple[int, int], np.ndarray] = {(n, 1): block_hashes(item, 1) for n, item in enumerate(ids, 1)}
+    working = int(len(np.unique(np.concatenate(list(chains.values()))))) if ids else 0  # one key per prefix held
+    cache = CACHES[engine].cache
     tried = []
-    for block in blocks:
-        if block < 1:
-            raise RequestLogError(f"a block size is at least 1 token, got {block}")
-        chains = [key[block - 1 :: block].tolist() for key in keys]
-        for budget in budgets:
-            cache = BlockCache(block, None if budget is None else max(budget // block, 1))
-            reused = [cache.insert_keys(chain, row.tokens, row.request) for chain, row in zip(chains, rows)]
-            tried.append(FitSetting(block, budget, sum(reused[n] == observed for n, observed in counted)))
+    for setting in cache.fit_grid(working):
+        simulated, block = cache.fitted(setting), setting.get("block")
+        reused = []
+        for n, (item, row) in enumerate(zip(ids, rows), 1):
+            if block is not None and (n, block) not in chains:
+                chains[n, block] = block_hashes(item, block)
+            hashes = None if block is None else chains[n, block]
+            reused.append(simulated.insert(CacheRequest(item[: row.tokens], row.request, row.session, n, held=item, hashes=hashes)))
+        tried.append(FitSetting(setting, sum(reused[n] == observed for n, observed in counted)))
     ranked = sorted(range(len(tried)), key=lambda k: (-tried[k].matches, k))
-    return ObservedFit(len(counted), working, tuple(tried[k] for k in ranked))
+    return ObservedFit(engine, len(counted), working, tuple(tried[k] for k in ranked))

@@ -12,15 +12,19 @@
 
 A cache is built from the audit's settings (``CacheSettings``, ``from_settings``) and named in the registry
 (``registry.CACHES``: its name, label, description and class); ``serves`` says which requests it sees (a hosted
-provider's only its own models', from what ``HostedRequest`` carries).
+provider's only its own models', from what ``HostedRequest`` carries). A serving engine's class also holds its own
+rules beside the simulation: ``wrote`` (the marks its server leaves in an answer, read to name a log's server),
+``owned_by`` (its server's ``/v1/models`` owner, read to name an endpoint's), ``granule`` and ``excess_hint`` (how
+its counts differ from a server's), and ``names_matches`` (the radix tree that names each request's match).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -39,7 +43,17 @@ class CacheSettings:
     budget_tokens: int | None = None  # SGLang
     slots: int | None = None  # llama.cpp (None: one per session; with prompt_cache, the server's 4 with one KV cache)
     cache_reuse: int = 0  # llama.cpp --cache-reuse N (0: off, its default)
-    prompt_cache: bool = False  # llama.cpp: clients pin no slot; slots by similarity and the RAM prompt cache (``ServerSlots``)
+    # llama.cpp: True: clients pin no slot, the server's own choice by similarity and its RAM prompt cache (``ServerSlots``);
+    # False: a slot per session; None: the server's default, as ``for_log`` reads the log (not yet read: a slot per session)
+    prompt_cache: bool | None = None
+
+    def for_log(self, pinned: bool) -> CacheSettings:
+        """The settings with llama.cpp's mode decided for a log: where not named, the server's own slot choice
+        (``prompt_cache``), unless the log pins slots (``pinned``: ``id_slot``) or ``cache_reuse`` is asked for (which
+        the slot-per-session mode simulates)."""
+        if self.prompt_cache is not None:
+            return self
+        return dataclasses.replace(self, prompt_cache=not pinned and self.cache_reuse == 0)
 
     def as_dict(self) -> CacheSettingsDict:
         return {
@@ -50,6 +64,15 @@ class CacheSettings:
             "cache_reuse": self.cache_reuse,
             "prompt_cache": self.prompt_cache,
         }
+
+
+FIT_BUDGET_DIVISORS = (2, 4, 8, 16, 32)  # budgets a fit tries: the log's working set divided by these (and unbounded)
+
+
+def fit_budgets(working: int) -> list[int | None]:
+    """The KV budgets (tokens) ``--fit-observed`` tries: unbounded, then the log's working set (``working`` tokens: what
+    an unbounded token cache holds after the log) halved, quartered, ... (``FIT_BUDGET_DIVISORS``)."""
+    return [None, *dict.fromkeys(working // d for d in FIT_BUDGET_DIVISORS if working // d > 0)]
 
 
 @dataclass(frozen=True)
@@ -92,6 +115,36 @@ class PrefixCache(ABC):
 
     name: ClassVar[str]
     hosted: ClassVar[bool] = False
+    owned_by: ClassVar[str | None] = None  # what the server's ``/v1/models`` says owns its model (``endpoint.client``)
+    names_matches: ClassVar[bool] = False  # the one cache whose tree names each request's match (``Caches.matched``)
+
+    @classmethod
+    def wrote(cls, marks: Collection[str]) -> str | None:
+        """The evidence, in words, that this engine's server wrote an answer with these marks (``usage.answer_marks``:
+        its keys, its choices' keys, its ``system_fingerprint``); None: nothing of this engine's own."""
+        return None
+
+    @classmethod
+    def fit_grid(cls, working: int) -> list[dict[str, Any]]:
+        """The settings of this engine's server that ``--fit-observed`` tries, in order (``working``: the log's working
+        set in tokens, for budgets: ``fit_budgets``); empty: none of its own."""
+        return []
+
+    @classmethod
+    def fitted(cls, setting: Mapping[str, Any]) -> PrefixCache:
+        """The cache at one of ``fit_grid``'s settings."""
+        raise NotImplementedError(f"{cls.name} has no settings to fit")
+
+    @classmethod
+    def granule(cls, block: int) -> int:
+        """The tokens this engine's reuse comes in (its whole blocks: ``block`` for a paged cache, else 1)."""
+        return 1
+
+    @classmethod
+    def excess_hint(cls, observed: int, usable: int, block: int) -> str | None:
+        """This engine's own reading of a server reusing more than its simulation (within the shared prefix): what
+        the simulation of this engine cannot do that the server did (None: no rule of its own)."""
+        return None
 
     @classmethod
     @abstractmethod

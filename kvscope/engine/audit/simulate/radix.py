@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from kvscope.engine.audit.changes.fields import common_prefix
 from kvscope.engine.audit.simulate.caches import CacheSettings
-from kvscope.engine.audit.simulate.prefix_cache import CacheRequest, PrefixCache
+from kvscope.engine.audit.simulate.prefix_cache import CacheRequest, PrefixCache, fit_budgets
 
 
 class _Node:
@@ -129,17 +130,36 @@ class RadixCache(PrefixCache):
     """SGLang's RadixAttention: a token radix tree (``tree``) under a token budget, LRU leaves evicted first."""
 
     name = "sglang"
+    owned_by = "sglang"
+    names_matches = True
 
-    def __init__(self, budget_tokens: int | None = None):
+    @classmethod
+    def wrote(cls, marks: Collection[str]) -> str | None:
+        """SGLang's marks (``python/sglang/srt/entrypoints/openai/protocol.py``): ``matched_stop`` in each choice of its
+        chat and completions answers, and ``sglext`` beside them where it returns its extensions."""
+        found = [mark for mark in ("choices.matched_stop", "sglext") if mark in marks]
+        return f"{' and '.join(found)} (SGLang's fields)" if found else None
+
+    @classmethod
+    def fit_grid(cls, working: int) -> list[dict[str, Any]]:
+        """Every page size (``--page-size``: 1, SGLang's default, then 16, 32, 64) under every budget (``fit_budgets``)."""
+        return [{"page": page, "budget_tokens": budget} for page in (1, 16, 32, 64) for budget in fit_budgets(working)]
+
+    @classmethod
+    def fitted(cls, setting: Mapping[str, Any]) -> RadixCache:
+        return cls(setting["budget_tokens"], setting["page"])
+
+    def __init__(self, budget_tokens: int | None = None, page: int = 1):
         self.tree = RadixTree(budget_tokens)
+        self.page = page  # SGLang's --page-size: a prefix is reused in whole pages
 
     @classmethod
     def from_settings(cls, settings: CacheSettings) -> RadixCache:
         return cls(settings.budget_tokens)
 
     def match(self, request: CacheRequest) -> int:
-        """The longest prefix of the request's tokens in the tree."""
-        return self.tree.match(request.ids, request.session)[0]
+        """The longest prefix of the request's tokens in the tree, in whole pages."""
+        return self.tree.match(request.ids, request.session)[0] // self.page * self.page
 
     def matched(self, request: CacheRequest) -> int | None:
         """The earlier request the longest prefix came from: the same session's latest among those sharing it, else
@@ -147,7 +167,8 @@ class RadixCache(PrefixCache):
         return self.tree.match(request.ids, request.session)[1]
 
     def insert(self, request: CacheRequest) -> int:
-        return self.tree.insert(request.ids, request.request, request.session, request.time, request.held)
+        reused = self.tree.insert(request.ids, request.request, request.session, request.time, request.held)
+        return reused // self.page * self.page
 
     def hold(self, request: CacheRequest) -> None:
         self.tree.insert(request.tokens, request.request, request.session, request.time)

@@ -5,6 +5,7 @@ models."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from kvscope.engine.audit.simulate.caches import BlockCache, CacheSettings, SlotCache
@@ -54,7 +55,24 @@ ENGINES = {name: cache.description for name, cache in CACHES.items() if not cach
 PROVIDERS = {name: cache.description for name, cache in CACHES.items() if cache.hosted}
 LABELS = {name: cache.label for name, cache in CACHES.items()}
 DEFAULT_ENGINE = "vllm"  # the serving engine assumed where neither the log nor the user names one
-MATCHING = "sglang"  # the engine whose radix tree names each request's match, routes by prefix and counts a replica's load
+# the engine whose radix tree names each request's match, routes by prefix and counts a replica's load
+MATCHING = next(name for name, cache in CACHES.items() if cache.cache.names_matches)
+
+
+def engine_of_answer(marks: Collection[str]) -> tuple[str, str] | None:
+    """The serving engine whose server wrote an answer with these marks (``usage.answer_marks``) and the evidence, in
+    the registry's order (each engine reads its own marks: ``PrefixCache.wrote``); None: the answer names none."""
+    for name in ENGINES:
+        evidence = CACHES[name].cache.wrote(marks)
+        if evidence:
+            return name, evidence
+    return None
+
+
+def engine_of_owner(owned_by: str) -> str:
+    """The serving engine whose server's ``/v1/models`` names ``owned_by`` as its model's owner (``PrefixCache.owned_by``),
+    else ``DEFAULT_ENGINE``."""
+    return next((name for name in ENGINES if CACHES[name].cache.owned_by == owned_by), DEFAULT_ENGINE)
 
 
 class Caches:
@@ -66,6 +84,11 @@ class Caches:
 
     def __getitem__(self, name: str) -> PrefixCache:
         return self.caches[name]
+
+    def matched(self, request: CacheRequest) -> int | None:
+        """The earlier request ``request`` shares its longest prefix with, as the cache that names matches sees it
+        (``PrefixCache.names_matches``: the radix tree's ``matched``)."""
+        return self.caches[MATCHING].matched(request)
 
     def insert(self, request: CacheRequest) -> dict[str, int]:
         """The tokens each cache that serves the request reused, in the registry's order (then each holds it)."""

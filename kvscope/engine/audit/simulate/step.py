@@ -28,7 +28,7 @@ from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.fleet import Fleet
 from kvscope.engine.audit.simulate.hosted import HostedRequest
 from kvscope.engine.audit.simulate.prefix_cache import CacheRequest
-from kvscope.engine.audit.simulate.registry import ENGINES, LABELS, MATCHING, Caches
+from kvscope.engine.audit.simulate.registry import ENGINES, LABELS, Caches
 
 REPLY_COUNTS = {
     "logged": "the log records the reply",
@@ -107,7 +107,7 @@ class Simulation:
         self._resent_reply(step)
         self.time += 1
         request = CacheRequest(step.ids, step.request, step.session, self.time, step.held, step.hashes, step.hosted)
-        matched = self.engines[MATCHING].matched(request)  # the radix tree's (``RadixCache.matched``)
+        matched = self.engines.matched(request)  # the radix tree's (``RadixCache.matched``)
         replicas = [simulated.insert(request) for simulated in self.fleets]
         reused = self.engines.insert(request)
         prompt_hashes = None if step.hashes is None else step.hashes[: len(step.ids) // self.settings.block]

@@ -11,6 +11,7 @@ import pytest
 from kvscope.engine.audit.logs.reading import read_log
 from kvscope.engine.audit.logs.render import end_of_turn_ids
 from kvscope.engine.audit.logs.replies import Reply, computed_tokens, finish_of, reply_of
+from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.token_pass import scan_log
 from kvscope.engine.audit.simulate.caches import BlockCache, CacheSettings, ServerSlots, SlotCache
 from kvscope.engine.audit.simulate.prefix_cache import CacheRequest
@@ -190,7 +191,8 @@ def _brute_force(tokenizer, scan, held_after):
 
 
 def test_logged_replies_are_cached_as_servers_cache_them(tokenizer):
-    scan = scan_log(tokenizer, read_log(_sessions_log(1, replies=True)))
+    # the brute force's llama.cpp is a slot per session (the mode a client that pins each session to a slot meets)
+    scan = scan_log(tokenizer, read_log(_sessions_log(1, replies=True)), ScanSettings(CacheSettings(prompt_cache=False)))
     assert scan.totals()["replies"] == {"logged": 24, "next_turn": 0, "none": 0}
     expected = _brute_force(tokenizer, scan, lambda request, now: scan.rendered[request].held.tolist())
     assert [row.reused_tokens for row in scan.requests] == expected

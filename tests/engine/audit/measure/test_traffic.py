@@ -16,8 +16,9 @@ from kvscope.engine.audit.measure.settings import measure_settings
 from kvscope.engine.audit.measure.traffic import audit_traffic, pending_report
 from kvscope.engine.audit.measure.turn import audit_requests
 from kvscope.engine.audit.scan.sampling import bounded_sample, traffic_scan
+from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.token_pass import scan_log
-from kvscope.engine.audit.simulate.caches import BlockCache, SlotCache
+from kvscope.engine.audit.simulate.caches import BlockCache, CacheSettings, SlotCache
 from kvscope.engine.audit.simulate.prefix_cache import CacheRequest
 from kvscope.engine.audit.simulate.radix import RadixTree
 from kvscope.engine.cache.budget import Cancelled
@@ -271,7 +272,7 @@ def _lcp(a, b):
 
 def test_matches_and_engine_reuse_equal_brute_force_counts(tokenizer):
     log = read_log(_interleaved())
-    scan = scan_log(tokenizer, log)
+    scan = scan_log(tokenizer, log, ScanSettings(CacheSettings(prompt_cache=False)))  # the brute force's llama.cpp: a slot per session
     ids = [_ids(tokenizer, request) for request in log.requests]
     sessions = [request.session for request in log.requests]
     for i, row in enumerate(scan.requests):
@@ -430,7 +431,8 @@ def test_a_cancelled_model_pass_keeps_the_whole_token_pass_and_says_so():
     ]
     assert cancelled_reason in [group["reason"] for group in data["groups"]]
     steps = 2 * (len(report.measure.repairs) + 1)  # two turns to measure, each unrepaired and with every repair
-    assert data["cancelled"] == f"the model pass was cancelled after 1 of {steps} steps: the token pass is whole, no turn was measured"
+    said = f"the model pass was cancelled after 1 of {steps} steps (0 of 2 turns measured, not kept): the token pass is whole"
+    assert data["cancelled"] == said
     assert "cancelled" not in expected
 
 

@@ -14,10 +14,12 @@ def test_scan_settings_default_to_the_one_default_of_each_and_refuse_by_name():
     settings = ScanSettings()
     assert (settings.cache.block, settings.observed_engine, settings.fleet, settings.limit) == (
         16,
-        DEFAULT_ENGINE,
+        None,  # the server the log's answers name, decided per log
         (),
         DEFAULT_CONTEXT_LIMIT,
     )
+    decided, server = settings.for_log([])  # a log whose answers name no server: the default engine, said so
+    assert (decided.observed_engine, decided.cache.prompt_cache) == (DEFAULT_ENGINE, True) and "assumed" in server.evidence
     assert settings.limited(4096).limit == 4096 and ScanSettings(context_limit=512).limited(4096).limit == 512
     assert ScanSettings(fleet=[[2, "session"]]).fleet == ((2, "session"),)  # a list from JSON or a form, held as a tuple
     refused = {

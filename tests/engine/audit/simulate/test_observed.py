@@ -18,7 +18,7 @@ from kvscope.engine.audit.simulate.caches import BlockCache
 from kvscope.engine.audit.simulate.hosted import AnthropicCache, HostedRequest, OpenAICache, anthropic_minimum, openai_steps, provider_of
 from kvscope.engine.audit.simulate.observed import fit_observed, hosted_summary, observed_summary
 from kvscope.engine.audit.simulate.prefix_cache import CacheRequest
-from kvscope.engine.audit.simulate.radix import RadixTree
+from kvscope.engine.audit.simulate.radix import RadixCache, RadixTree
 from kvscope.engine.models import load_model
 from kvscope.engine.models.tiny import tiny_tokenizer
 from tests.engine.audit.measure.test_traffic import QWEN_TEMPLATE, _chat, _interleaved
@@ -267,6 +267,27 @@ def test_fit_observed_recovers_the_block_size_and_budget_that_made_the_counts(to
         assert fit["best"] == {"block": block, "budget_tokens": budget, "matches": 79, "share": 1.0}
         assert fit["tied"] == [{"block": block, "budget_tokens": budget, "matches": 79}]
         assert len(fit["tried"]) == 6 * 6
+
+
+def test_fit_observed_recovers_sglangs_page_size_and_budget(tokenizer):
+    log = read_log(_interleaved(seed=5, sessions=6, requests=60))
+    scan = scan_log(tokenizer, log)
+    working = fit_observed(_observed_rows(scan, {}), scan.held, "sglang").working_set_tokens
+    server = RadixCache(working // 4, page=16)
+    counts = {
+        row.request: server.insert(
+            CacheRequest(scan.rendered[row.request].token_ids, row.request, row.session, n, held=scan.held(row.request))
+        )
+        for n, row in enumerate(scan.requests, 1)
+    }
+    fit = fit_observed(_observed_rows(scan, counts), scan.held, "sglang").as_dict()
+    assert fit["engine"] == "sglang" and len(fit["tried"]) == 4 * 6
+    assert {"page": 16, "budget_tokens": working // 4, "matches": 60} in fit["tied"] and fit["best"]["share"] == 1.0
+
+
+def _observed_rows(scan: TrafficScan, counts: dict[int, int]) -> list[TrafficRequest]:
+    """The scan's rows with these observed counts (every other request: 0)."""
+    return [dataclasses.replace(row, observed_cached_tokens=counts.get(row.request, 0)) for row in scan.requests]
 
 
 def gateway_log(counts: list[int | None], sessions: int = 1) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 
 from kvscope.engine.audit.logs.formats import RecordError, read_record
 from kvscope.engine.audit.logs.replies import Reply
-from kvscope.engine.audit.logs.usage import ObservedUsage
+from kvscope.engine.audit.logs.usage import ObservedUsage, answer_marks
 
 
 @dataclass
@@ -77,9 +77,11 @@ def requests_of(
     usage: ObservedUsage = ObservedUsage(),
     reply: Reply | None = None,
     session_key: str | None = None,
+    answer: Any = None,
 ) -> list[dict]:
     """``read_request``'s items as the source's requests: its name as their format, and what the record says beside
-    the request (a session it names wins over one in the request body; the reply the server generated)."""
+    the request (a session it names wins over one in the request body; the reply the server generated; ``answer``: the
+    server's answer as logged, whose marks name the server, ``usage.answer_marks``)."""
     when, time_flags = timestamp
     observed = usage.fields()
     extra = {
@@ -89,6 +91,7 @@ def requests_of(
         **observed,
         "flags": [*time_flags, *observed["flags"]],
         **({"reply": reply} if reply is not None else {}),
+        **({"answer_marks": marks} if (marks := answer_marks(answer)) else {}),
         **({"session_key": session_key} if session_key and session is not None else {}),
     }
     named = str(session) if isinstance(session, str | int) and not isinstance(session, bool) and str(session) else None

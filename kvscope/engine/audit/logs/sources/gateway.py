@@ -37,5 +37,6 @@ def read_gateway(record: dict) -> SourceRead:
             model=asked or served,
             usage=observed_usage(usage, shape, {"openrouter": "response", "llama_server": "response.timings"}.get(shape, "response.usage")),
             reply=reply_of(response),
+            answer=response,
         )
     )

@@ -56,6 +56,7 @@ def read_row(record: dict) -> SourceRead:
             model=record.get("request_model") or record.get("response_model"),
             usage=observed_usage(record, "helicone", ""),
             reply=reply_of(record.get("response_body")),
+            answer=record.get("response_body"),
         )
     )
 
@@ -82,6 +83,7 @@ def read_log(record: dict) -> SourceRead:
             model=next((item["model"] for item in items if item.get("model")), (response or {}).get("model")),
             usage=observed_usage(usage, shape, "providerResponse.json.usage"),
             reply=reply_of(response),
+            answer=response,
         )
     )
 

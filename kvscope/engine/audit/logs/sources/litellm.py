@@ -93,4 +93,5 @@ def _requests(items: list[dict], source: str, record: dict, session: tuple[Any, 
         model=record.get("model"),
         usage=observed,
         reply=reply_of(record.get("response")),
+        answer=record.get("response"),
     )

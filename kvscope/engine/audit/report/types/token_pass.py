@@ -53,7 +53,7 @@ class CacheSettingsDict(TypedDict):
     budget_tokens: int | None
     slots: int | None
     cache_reuse: int
-    prompt_cache: bool
+    prompt_cache: bool | None  # null only before the settings are read against a log (``CacheSettings.for_log``)
 
 
 class PromptsOnlyDict(TypedDict):
@@ -107,10 +107,15 @@ class GapDict(TypedDict):
 
 
 class FitSettingDict(TypedDict):
-    """One block-cache setting tried by ``--fit-observed``, and the requests whose observed count it reproduces."""
+    """One setting of the compared engine tried by ``--fit-observed`` (vLLM: block, budget_tokens; SGLang: page,
+    budget_tokens; llama.cpp: slots, prompt_cache, cache_reuse), and the requests whose observed count it reproduces."""
 
-    block: int
-    budget_tokens: int | None
+    block: NotRequired[int]
+    page: NotRequired[int]
+    budget_tokens: NotRequired[int | None]
+    slots: NotRequired[int | None]
+    prompt_cache: NotRequired[bool]
+    cache_reuse: NotRequired[int]
     matches: int
 
 
@@ -123,6 +128,7 @@ class FitBestDict(FitSettingDict):
 class ObservedFitDict(TypedDict):
     """``--fit-observed``: the settings tried over the requests with an observed count, best first."""
 
+    engine: str
     requests_with_count: int
     working_set_tokens: int
     best: FitBestDict
@@ -145,6 +151,7 @@ class ObservedDict(TypedDict):
     """The cached tokens the log reports against the simulation, over the requests that carry a count."""
 
     engine: str
+    engine_evidence: NotRequired[str]  # why that engine: named, read from the log's answers, or assumed
     requests_with_count: int
     requests_without_count: int
     tokens: int
