@@ -27,19 +27,26 @@ from kvscope.engine.audit.report.types import (
     CauseCountDict,
     EndpointAuditDict,
     EndpointRewrittenRequestDict,
-    EnginesDict,
-    FleetDict,
     GateDict,
     HostedDict,
     ObservedDict,
     RewrittenRequestDict,
+    TotalsDict,
     TrafficGroupDict,
 )
 from kvscope.engine.audit.scan.token_pass import SessionSummary, TrafficRequest
+from kvscope.engine.audit.simulate.caches import CacheSettings
+from kvscope.engine.audit.simulate.fleet import FleetResult
 
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
 PUBLISHED = Path("docs") / "audit-report.schema.json"  # relative to the repository root
 _CLOSED = ConfigDict(extra="forbid", json_schema_serialization_defaults_required=True)  # the TypedDicts (records carry their own)
+
+
+class EnginesDict(TotalsDict):
+    """The totals, with the settings simulated."""
+
+    settings: CacheSettings
 
 
 class MeasuredGroupDict(TrafficGroupDict):
@@ -88,7 +95,7 @@ class LogAudit(ReadingDict):
     grain: str | None
     groups: list[MeasuredGroupDict]
     turns: list[AuditTurnDict]
-    fleet: NotRequired[list[FleetDict]]
+    fleet: NotRequired[list[FleetResult]]
     cancelled: NotRequired[str]  # the model pass was cancelled: why no turn was measured
     pending: NotRequired[str]  # the token pass shown while the model pass runs: what it is measuring
     rewrite: NotRequired[list[RewrittenRequestDict | EndpointRewrittenRequestDict]]

@@ -28,7 +28,7 @@ from kvscope.engine.audit.measure.repairs import (
 )
 from kvscope.engine.audit.measure.settings import MeasureSettings
 from kvscope.engine.audit.prompts.template import written_template
-from kvscope.engine.audit.report.types import FieldChangeDict, RepairDict
+from kvscope.engine.audit.report.types import RepairDict
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.cache.loaded import LoadedModel
 from kvscope.engine.progress import StepProgress, Tick, ticker
@@ -45,7 +45,7 @@ class AuditTurnDict(TypedDict):
     common_prefix_tokens: int
     block_prefix_tokens: int
     appended_tokens: int
-    fields: list[FieldChangeDict]
+    fields: list[FieldChange]
     full_ttft_ms: float | None
     repairs: dict[str, RepairDict]
     recommendation: Recommendation | None

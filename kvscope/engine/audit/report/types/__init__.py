@@ -24,15 +24,9 @@ from kvscope.engine.audit.report.types.model_pass import (
     RewrittenRequestDict,
 )
 from kvscope.engine.audit.report.types.token_pass import (
-    CacheSettingsDict,
-    CandidateDict,
     CauseCountDict,
-    CauseDict,
-    EnginesDict,
-    FieldChangeDict,
     FitBestDict,
     FitSettingDict,
-    FleetDict,
     GapDict,
     HostedDict,
     HostedProviderDict,
@@ -65,21 +59,15 @@ class GateDict(TypedDict):
 
 
 __all__ = [
-    "CacheSettingsDict",
-    "CandidateDict",
     "CauseCountDict",
-    "CauseDict",
     "EndpointAuditDict",
     "EndpointDescriptionDict",
     "EndpointFidelityDict",
     "EndpointRepairDict",
     "EndpointRewrittenRequestDict",
     "EndpointTurnDict",
-    "EnginesDict",
-    "FieldChangeDict",
     "FitBestDict",
     "FitSettingDict",
-    "FleetDict",
     "GapDict",
     "GateConditionDict",
     "GateDict",

@@ -12,48 +12,7 @@ from typing_extensions import TypedDict  # pydantic reads a TypedDict from typin
 # ---------------------------------------------------------------------------------------------------------- changes
 
 
-class CauseDict(TypedDict):
-    """One reason a request misses the cache (``changes.causes.CAUSES``), the field it concerns, and the tokens it costs."""
-
-    name: str
-    field: str | None
-    detail: str
-    tokens: int
-
-
-class FieldChangeDict(TypedDict):
-    """A value that changed inside shared content: its name, old and new text, and its tokens [start, end)."""
-
-    name: str
-    old: str
-    new: str
-    start: int
-    end: int
-
-
-class CandidateDict(TypedDict):
-    """A span of one prompt that looks volatile (``--new``'s candidates; not in the report): its kind, text, tokens
-    [start, end) and characters."""
-
-    kind: str
-    text: str
-    start: int
-    end: int
-    chars: list[int]
-
-
 # --------------------------------------------------------------------------------------------------------- simulate
-
-
-class CacheSettingsDict(TypedDict):
-    """The simulated engines' settings (null: unbounded, or one slot per session)."""
-
-    block: int
-    budget_blocks: int | None
-    budget_tokens: int | None
-    slots: int | None
-    cache_reuse: int
-    prompt_cache: bool | None  # null only before the settings are read against a log (``CacheSettings.for_log``)
 
 
 class PromptsOnlyDict(TypedDict):
@@ -73,23 +32,6 @@ class TotalsDict(TypedDict):
     hit_rate: dict[str, float]
     prompts_only: PromptsOnlyDict
     replies: dict[str, int]
-
-
-class EnginesDict(TotalsDict):
-    """The totals, with the settings simulated."""
-
-    settings: CacheSettingsDict
-
-
-class FleetDict(TypedDict):
-    """One fleet's reuse: N replicas behind one routing policy, per engine."""
-
-    replicas: int
-    routing: str
-    tokens: int
-    reused_tokens: dict[str, int]
-    hit_rate: dict[str, float]
-    requests_per_replica: list[int]
 
 
 class ServerCountedDict(TypedDict):
