@@ -22,18 +22,17 @@ class Record:
     it names is there, as the report is this version's."""
 
     __pydantic_config__ = ConfigDict(
-        arbitrary_types_allowed=True,  # what a hidden field holds (a tokenizer's output, a cache) needs no JSON form
         extra="forbid",
         json_schema_serialization_defaults_required=True,
     )
 
     def as_dict(self) -> dict[str, Any]:
         """The record as the report holds it."""
-        return adapter(type(self)).dump_python(self, mode="json", by_alias=True)
+        return _adapter(type(self)).dump_python(self, mode="json", by_alias=True)
 
 
 @functools.cache
-def adapter(tp: Any) -> TypeAdapter:
+def _adapter(tp: Any) -> TypeAdapter:
     """The one ``TypeAdapter`` of a record, built on first use."""
     return TypeAdapter(tp)
 
