@@ -78,6 +78,6 @@ def assert_valid_report(report: dict) -> None:
     ``kvscope.engine.audit.report.types``): every required key, no unnamed one, each value of its type."""
     import jsonschema
 
-    from kvscope.engine.audit.report.schema import report_schema
+    from kvscope.engine.audit.ci.report import report_schema
 
     jsonschema.validate(report, report_schema(), cls=jsonschema.Draft202012Validator)

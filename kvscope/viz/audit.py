@@ -15,13 +15,16 @@ import html
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import plotly.graph_objects as go
 
 from kvscope.engine.audit.blocks import BLOCK_TOKENS
 from kvscope.engine.audit.changes.causes import CAUSES
+from kvscope.engine.audit.ci.report import AuditJSON, LogAudit
 from kvscope.engine.audit.logs.requests import Skipped
-from kvscope.engine.audit.report.types import AuditJSON, AuditTurnDict, LogAudit, RepairDict, RepairFidelityDict, TrafficRequestDict
+from kvscope.engine.audit.measure.turn import AuditTurnDict
+from kvscope.engine.audit.report.types import RepairDict
 from kvscope.engine.audit.simulate.hosted import TOKENS_NOTE
 from kvscope.engine.audit.simulate.observed import OBSERVED_CAUSES
 from kvscope.engine.audit.simulate.registry import ENGINES, LABELS, PROVIDERS
@@ -34,6 +37,7 @@ X_AXES = {"computed": "context tokens computed (% of the request, log scale)", "
 Y_AXES = {"kl": "next-token KL(clean ‖ repaired), log", "agreement": "greedy tokens agreeing with the clean prefill"}
 MAX_SHOWN_CHARS = 600  # an unmarked stretch longer than this is shown by its ends only
 CONTEXT_CHARS = 200
+RequestRow = dict[str, Any]  # one of the report's requests: a scan.token_pass.TrafficRequest in JSON
 DODGE = 0.05  # requests: each repair's points sit this far apart on the timeline's x axis
 LABEL_BINS = (40, 16)  # fidelity against cost: points within 1/40 of the x span and 1/16 of the y span share one label
 
@@ -402,7 +406,7 @@ def session_name(session: str | None) -> str:
     return NO_SESSION if session is None else session
 
 
-def main_cause(row: TrafficRequestDict) -> str:
+def main_cause(row: RequestRow) -> str:
     """What a request is drawn as: its first cause of a miss in its prompt (a ``CAUSES`` name; the observed gaps are
     marked apart), else ``growth`` when it only appends to its match, else ``reused`` (identical to it)."""
     prompt = [cause for cause in row["causes"] if cause["name"] not in OBSERVED_CAUSES]
@@ -429,7 +433,7 @@ def _share(part: int, whole: int) -> str:
     return f"{part / whole:.0%}" if whole else "–"
 
 
-def _reuse_hover(row: TrafficRequestDict) -> str:
+def _reuse_hover(row: RequestRow) -> str:
     reuse = " · ".join(f"{ENGINE_LABELS[e]} {n:,}" for e, n in row["reused_tokens"].items())
     causes = "<br>".join(f"{safe_label(c['name'])}: {safe_label(c['detail'], 90)}" for c in row["causes"]) or safe_label(
         cause_words(main_cause(row))
@@ -465,7 +469,7 @@ def session_timeline_figure(data: LogAudit) -> go.Figure:
             showlegend=False,
         )
     largest = max(row["tokens"] for row in rows)
-    by_cause: dict[str, list[TrafficRequestDict]] = {}
+    by_cause: dict[str, list[RequestRow]] = {}
     for row in rows:
         by_cause.setdefault(main_cause(row), []).append(row)
     colours = _cause_colours(list(by_cause))
@@ -514,7 +518,7 @@ PER_REQUEST_UP_TO = 100  # requests drawn one point each; a longer log is drawn 
 BINS = 50
 
 
-def request_runs(rows: Sequence[TrafficRequestDict]) -> list[list[TrafficRequestDict]]:
+def request_runs(rows: Sequence[RequestRow]) -> list[list[RequestRow]]:
     """The rows one per point (up to ``PER_REQUEST_UP_TO``), else in ``BINS`` runs of consecutive requests."""
     if len(rows) <= PER_REQUEST_UP_TO:
         return [[row] for row in rows]
@@ -522,16 +526,16 @@ def request_runs(rows: Sequence[TrafficRequestDict]) -> list[list[TrafficRequest
     return [list(rows[start : start + size]) for start in range(0, len(rows), size)]
 
 
-def _run_x(run: Sequence[TrafficRequestDict]) -> float:
+def _run_x(run: Sequence[RequestRow]) -> float:
     """Where a run is drawn: its middle request."""
     return (run[0]["request"] + run[-1]["request"]) / 2
 
 
-def _run_name(run: Sequence[TrafficRequestDict]) -> str:
+def _run_name(run: Sequence[RequestRow]) -> str:
     return f"request {run[0]['request']}" if len(run) == 1 else f"requests {run[0]['request']}–{run[-1]['request']}"
 
 
-def request_axis(rows: Sequence[TrafficRequestDict]) -> dict:
+def request_axis(rows: Sequence[RequestRow]) -> dict:
     """An x axis of request numbers: whole numbers only (every one up to 20 requests)."""
     return {"title": "request (log order)", "tickformat": "d", **({"dtick": 1} if len(rows) <= 20 else {})}
 
@@ -599,12 +603,12 @@ def formats_words(data: LogAudit) -> str:
     return f"formats read: {read or 'none'}"
 
 
-def observed_gap(row: TrafficRequestDict, name: str) -> int:
+def observed_gap(row: RequestRow, name: str) -> int:
     """The tokens of a request's ``observed_shortfall`` or ``observed_excess`` cause (0 without one)."""
     return sum(cause["tokens"] for cause in row["causes"] if cause["name"] == name)
 
 
-def _observed_line(figure: go.Figure, data: LogAudit, runs: Sequence[Sequence[TrafficRequestDict]]) -> None:
+def _observed_line(figure: go.Figure, data: LogAudit, runs: Sequence[Sequence[RequestRow]]) -> None:
     """The share each request's (or run's) server reported cached (a gap where none reported one), and the shortfalls
     marked one by one."""
     rows = data["requests"]
@@ -784,7 +788,7 @@ def traffic_markdown(data: LogAudit) -> str:
     return "\n".join([*lines, *(["", observed] if observed else [])])
 
 
-def _fidelity_words(fidelity: dict[str, RepairFidelityDict]) -> str:
+def _fidelity_words(fidelity: dict[str, dict[str, Any]]) -> str:  # measure.traffic.RepairFidelity per repair, in JSON
     """Per repair over a group's measured turns: its computed share and how often it was recommended, and for the others
     than recompute (the exact reference) their worst KL and least agreement; the repairs that never applied, named last."""
     parts, never = [], []

@@ -8,6 +8,7 @@ import dataclasses
 from pathlib import Path
 
 from kvscope.engine.audit.ci.gate import QUANTITIES, gate, markdown, parse_conditions
+from kvscope.engine.audit.ci.report import AuditJSON, report_schema
 from kvscope.engine.audit.logs.formats import AUTO as AUTO_FORMAT
 from kvscope.engine.audit.logs.formats import FORMATS
 from kvscope.engine.audit.logs.reading import parse_prompt, read_log
@@ -20,8 +21,6 @@ from kvscope.engine.audit.measure.settings import DEFAULT_MIN_AGREEMENT, DEFAULT
 from kvscope.engine.audit.measure.traffic import DEFAULT_SAMPLE, audit_traffic
 from kvscope.engine.audit.measure.turn import audit_value, repaired_template, scenario_toml
 from kvscope.engine.audit.prompts.text_spans import find_span
-from kvscope.engine.audit.report.schema import report_schema
-from kvscope.engine.audit.report.types import AuditJSON
 from kvscope.engine.audit.rewrite.measure import apply_template, check_pairing, measure_rewrite
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.metrics import observed_aggregate

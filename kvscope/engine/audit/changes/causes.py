@@ -11,14 +11,11 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kvscope.engine.audit.changes.fields import FieldChange, TurnDiff, common_prefix, value_kind
 from kvscope.engine.audit.logs.render import RenderedRequest
 from kvscope.engine.audit.logs.requests import Request
-
-if TYPE_CHECKING:
-    from kvscope.engine.audit.report.types import CauseDict
+from kvscope.engine.audit.report.records import Record
 
 CAUSES = {
     "new_prefix": "no earlier request shares a prefix with this one: a cold prefill",
@@ -47,7 +44,7 @@ _SPACE = re.compile(r"\s+")
 
 
 @dataclass(frozen=True)
-class Cause:
+class Cause(Record):
     """One reason a request misses the cache: a ``CAUSES`` name, the field it concerns (if any), what changed in
     words, and ``tokens``: the newer request's tokens recomputed from this change on that the match would otherwise
     have served (for the block causes, the tokens of the prefix a block cache loses)."""
@@ -56,9 +53,6 @@ class Cause:
     detail: str
     tokens: int
     field: str | None = None
-
-    def as_dict(self) -> CauseDict:
-        return {"name": self.name, "field": self.field, "detail": self.detail, "tokens": self.tokens}
 
 
 def differing_messages(old: Request, new: Request) -> int:

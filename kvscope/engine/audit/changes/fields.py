@@ -15,16 +15,15 @@ import difflib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Annotated
 
 import numpy as np
+from pydantic import Field
 
 from kvscope.engine.audit.blocks import block_prefix
 from kvscope.engine.audit.logs.render import RenderedRequest
 from kvscope.engine.audit.logs.requests import RequestLogError
-
-if TYPE_CHECKING:
-    from kvscope.engine.audit.report.types import CandidateDict, FieldChangeDict
+from kvscope.engine.audit.report.records import HIDDEN, Record
 
 ANCHOR_TOKENS = 8  # equal tokens that resynchronise the diff after a change
 REFINE_TOKENS = 600  # changed regions up to this long are aligned exactly (difflib); longer ones are one change
@@ -100,23 +99,20 @@ def _aligned(a: np.ndarray, b: np.ndarray, i1: int, i2: int, j1: int, j2: int) -
 
 
 @dataclass(frozen=True)
-class FieldChange:
+class FieldChange(Record):
     """A value that changed inside shared content: tokens [old_start, old_end) of the older request became
     [start, end) of the newer one; ``old`` and ``new`` are the widened texts."""
 
     name: str
-    message: int  # the message index holding it (0 for a completions prompt)
+    message: Annotated[int, HIDDEN]  # the message index holding it (0 for a completions prompt)
     old: str
     new: str
     start: int
     end: int
-    old_start: int
-    old_end: int
-    char_span: tuple[int, int]  # the new value in the newer request's text
-    old_char_span: tuple[int, int]
-
-    def as_dict(self) -> FieldChangeDict:
-        return {"name": self.name, "old": self.old, "new": self.new, "start": self.start, "end": self.end}
+    old_start: Annotated[int, HIDDEN]
+    old_end: Annotated[int, HIDDEN]
+    char_span: Annotated[tuple[int, int], HIDDEN]  # the new value in the newer request's text
+    old_char_span: Annotated[tuple[int, int], HIDDEN]
 
 
 @dataclass(frozen=True)
@@ -267,17 +263,14 @@ def _named(new: RenderedRequest, fields: list[FieldChange]) -> list[FieldChange]
 
 
 @dataclass(frozen=True)
-class Candidate:
+class Candidate(Record):
     """A span of one prompt that looks volatile (dates and times, ids, hex strings, numbers, ``key: value`` values)."""
 
     kind: str
     text: str
-    char_span: tuple[int, int]
     start: int  # tokens
     end: int
-
-    def as_dict(self) -> CandidateDict:
-        return {"kind": self.kind, "text": self.text, "start": self.start, "end": self.end, "chars": list(self.char_span)}
+    char_span: Annotated[tuple[int, int], Field(serialization_alias="chars")]
 
 
 _VOLATILE = (
@@ -305,7 +298,7 @@ def candidate_spans(rendered: RenderedRequest) -> list[Candidate]:
                     continue
                 taken.append(span)
                 tokens = rendered.tokens_in(*span)
-                found.append(Candidate(kind, rendered.text[slice(*span)], span, tokens.start, tokens.stop))
+                found.append(Candidate(kind, rendered.text[slice(*span)], tokens.start, tokens.stop, span))
     return sorted(found, key=lambda candidate: candidate.char_span)
 
 

@@ -15,7 +15,8 @@ import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvscope.engine.audit.report.types import AuditJSON, GateConditionDict, GateDict, LogAudit, RepairDict, RewrittenRequestDict
+from kvscope.engine.audit.ci.report import AuditJSON, LogAudit
+from kvscope.engine.audit.report.types import GateConditionDict, GateDict, RepairDict, RewrittenRequestDict
 from kvscope.engine.audit.simulate.registry import DEFAULT_ENGINE, ENGINES, LABELS
 from kvscope.engine.audit.simulate.step import replies_sentence
 from kvscope.engine.errors import KVScopeError

@@ -104,7 +104,7 @@ class ShardTokenPass:
                     row,
                     diff,
                     Reported.of(request),
-                    hosted_request(item, [token for _, token in row.breakpoints]),
+                    hosted_request(item, [mark.token for mark in row.breakpoints]),
                     item.reply_ids if request.reply is not None else None,
                 )
             )

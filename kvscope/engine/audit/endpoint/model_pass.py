@@ -27,6 +27,7 @@ from kvscope.engine.audit.logs.render import RenderedRequest, render_batch, temp
 from kvscope.engine.audit.logs.requests import Request, RequestLog, RequestLogError
 from kvscope.engine.audit.measure.settings import MeasureSettings
 from kvscope.engine.audit.prompts.repair_requests import LEVEL_WORDS, REPAIR_LEVELS, Level, RepairNotApplicable, prompt_repair_request
+from kvscope.engine.audit.report.records import Record
 from kvscope.engine.audit.rewrite.measure import RewriteReport, RewrittenRequest, check_pairing, check_rendered
 from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.token_pass import TrafficGroup, TrafficScan, scan_log
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
         EndpointAuditDict,
         EndpointDescriptionDict,
         EndpointRepairDict,
-        EndpointRepairFidelityDict,
         EndpointRewrittenRequestDict,
         EndpointTurnDict,
         NotApplicableDict,
@@ -109,6 +109,19 @@ def _holds(measured: EndpointFidelity, threshold: float, min_agreement: float) -
 
 
 @dataclass(frozen=True)
+class EndpointRepairFidelity(Record):
+    """One prompt-level repair over a group's turns measured on an endpoint: applicable, within the bars, its worst KL
+    with its bound, and its least agreement."""
+
+    measured: int
+    applicable: int
+    within_bars: int
+    worst_kl: float | None
+    worst_kl_bound: float | None
+    min_agreement: float | None
+
+
+@dataclass(frozen=True)
 class EndpointAudit:
     """The sampled turns of a log measured on an endpoint."""
 
@@ -118,22 +131,22 @@ class EndpointAudit:
     threshold: float
     min_agreement: float
 
-    def group_fidelity(self, requests: Sequence[int]) -> dict[str, EndpointRepairFidelityDict]:
+    def group_fidelity(self, requests: Sequence[int]) -> dict[str, EndpointRepairFidelity]:
         """Per prompt-level repair over a group's measured turns: how many it applied to and held the bars on, its worst
         KL (with its bound) and its least agreement."""
         turns = [turn for turn in self.turns if turn.request in requests]
-        summary: dict[str, EndpointRepairFidelityDict] = {}
+        summary: dict[str, EndpointRepairFidelity] = {}
         for name in dict.fromkeys(name for turn in turns for name in turn.repairs if name != "recompute"):
             applied = [turn.repairs[name] for turn in turns if isinstance(turn.repairs.get(name), EndpointFidelity)]
             worst = max(applied, key=lambda m: m.fidelity.kl, default=None)
-            summary[name] = {
-                "measured": len(turns),
-                "applicable": len(applied),
-                "within_bars": sum(_holds(m, self.threshold, self.min_agreement) for m in applied),
-                "worst_kl": worst.fidelity.kl if worst else None,
-                "worst_kl_bound": worst.kl_bound if worst else None,
-                "min_agreement": min((m.fidelity.generation_agreement for m in applied), default=None),
-            }
+            summary[name] = EndpointRepairFidelity(
+                measured=len(turns),
+                applicable=len(applied),
+                within_bars=sum(_holds(m, self.threshold, self.min_agreement) for m in applied),
+                worst_kl=worst.fidelity.kl if worst else None,
+                worst_kl_bound=worst.kl_bound if worst else None,
+                min_agreement=min((m.fidelity.generation_agreement for m in applied), default=None),
+            )
         return summary
 
     def as_dict(self) -> EndpointAuditDict:

@@ -8,14 +8,13 @@ import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from typing_extensions import TypedDict  # pydantic reads a TypedDict from typing_extensions on Python 3.11
 
 from kvscope.engine.audit.logs.replies import Reply
+from kvscope.engine.audit.report.records import Record
 from kvscope.engine.errors import KVScopeError
-
-if TYPE_CHECKING:  # the model is only read here; the token pass's workers need no torch
-    pass
-    from kvscope.engine.audit.report.types import FlaggedDict, ReadingDict, SkippedDict
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -119,7 +118,7 @@ class Request:
 
 
 @dataclass(frozen=True)
-class Skipped:
+class Skipped(Record):
     """A record left out of the audit, named by its line and key."""
 
     line: int
@@ -130,21 +129,15 @@ class Skipped:
     def message(self) -> str:
         return named_problem(f"line {self.line}", self.key, self.reason)
 
-    def as_dict(self) -> SkippedDict:
-        return {"line": self.line, "key": self.key, "reason": self.reason}
-
 
 @dataclass(frozen=True)
-class Flagged:
+class Flagged(Record):
     """Something a kept request's record says that could not be read (a cached count, a time): dropped, and why."""
 
     request: int
     line: int
     key: str
     reason: str
-
-    def as_dict(self) -> FlaggedDict:
-        return {"request": self.request, "line": self.line, "key": self.key, "reason": self.reason}
 
 
 ORDERS = {
@@ -172,6 +165,17 @@ class RequestLog:
             if request.session_key:
                 keys[request.session_key] = keys.get(request.session_key, 0) + 1
         return reading(self.order, untimed, self.flagged, keys)
+
+
+class ReadingDict(TypedDict):
+    """How the log was read: the order used and why, the requests without a timestamp, what was flagged, and the
+    record keys the sessions were read from (with how many requests each)."""
+
+    order: str
+    order_reason: str
+    untimed_requests: int
+    flagged: list[Flagged]
+    session_keys: dict[str, int]
 
 
 def reading(order: str, untimed: int, flagged: Sequence[Flagged], session_keys: dict[str, int]) -> ReadingDict:

@@ -5,7 +5,9 @@ it where one holds them too, and why, in words drawn from the numbers."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Annotated
+
+from pydantic import computed_field
 
 from kvscope.engine.audit.measure.repairs import (
     LEVEL_WORDS,
@@ -15,37 +17,34 @@ from kvscope.engine.audit.measure.repairs import (
     RepairResult,
 )
 from kvscope.engine.audit.measure.settings import DEFAULT_MIN_AGREEMENT
-
-if TYPE_CHECKING:
-    from kvscope.engine.audit.report.types import KvAlternativeDict, RecommendationDict
+from kvscope.engine.audit.report.records import HIDDEN, Record, rounded
 
 
 @dataclass(frozen=True)
-class KvAlternative:
+class KvAlternative(Record):
     """The cheapest KV-level repair within the bars, where it is cheaper than the prompt-level choice (fewer tokens
     computed and a shorter measured TTFT): what a cache-editing engine would save more."""
 
     repair: str
     saved_tokens: int
-    saved_ttft_ms: float
-
-    def as_dict(self) -> KvAlternativeDict:
-        return {"repair": self.repair, "saved_tokens": self.saved_tokens, "saved_ttft_ms": round(self.saved_ttft_ms, 2)}
+    saved_ttft_ms: Annotated[float, rounded(2)]
 
 
 @dataclass(frozen=True)
-class Recommendation:
+class Recommendation(Record):
     """The cheapest prompt-level repair whose fidelity stays within the bars (any prefix cache serves it), the cheaper
     KV-level one beside it where one holds them too and is cheaper, and why, in words drawn from the numbers."""
 
     repair: str
     reason: str
     kv_alternative: KvAlternative | None = None
-    bars: Bars | None = None  # what every repair of the turn was judged against
+    bars: Annotated[Bars | None, HIDDEN] = None  # what every repair of the turn was judged against
 
-    def as_dict(self) -> RecommendationDict:
-        kv = self.kv_alternative.as_dict() if self.kv_alternative else None
-        return {"repair": self.repair, "level": REPAIR_LEVELS[self.repair].value, "reason": self.reason, "kv_alternative": kv}
+    @computed_field
+    @property
+    def level(self) -> str:
+        """The repair's level (``repairs.REPAIR_LEVELS``)."""
+        return REPAIR_LEVELS[self.repair].value
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvscope.engine.audit.changes.fields import TurnDiff
 from kvscope.engine.audit.logs.render import RenderedRequest, context_limit
@@ -24,6 +24,7 @@ from kvscope.engine.audit.measure.meter import ModelPassMeter
 from kvscope.engine.audit.measure.repairs import Turn
 from kvscope.engine.audit.measure.settings import MeasureSettings
 from kvscope.engine.audit.measure.turn import AuditReport, AuditTurn, measure_turn
+from kvscope.engine.audit.report.records import Record
 from kvscope.engine.audit.scan.sampling import traffic_scan
 from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.token_pass import TrafficGroup, TrafficRequest, TrafficScan, is_cold, sample_groups
@@ -34,13 +35,11 @@ from kvscope.engine.cache.loaded import LoadedModel, LoadedTokenizer
 from kvscope.engine.progress import MessageProgress, StepProgress, Tick
 
 if TYPE_CHECKING:
+    from kvscope.engine.audit.endpoint.model_pass import EndpointRepairFidelity
     from kvscope.engine.audit.report.types import (
         EndpointAuditDict,
-        EndpointRepairFidelityDict,
         EndpointRewrittenRequestDict,
-        LogAudit,
         ObservedDict,
-        RepairFidelityDict,
         RewrittenRequestDict,
     )
 
@@ -48,21 +47,34 @@ DEFAULT_SAMPLE = 3  # turns measured per group
 TokenPass = Callable[[LogFiles, ScanSettings], TrafficScan]  # a token pass run elsewhere: the log's files and its settings in
 
 
-def group_fidelity(turns: Sequence[AuditTurn]) -> dict[str, RepairFidelityDict]:
+@dataclass(frozen=True)
+class RepairFidelity(Record):
+    """One repair over a group's turns measured in process: turns measured and applicable, how often recommended, its
+    worst KL and agreement, its mean share of computed tokens."""
+
+    measured: int
+    applicable: int
+    recommended: int
+    worst_kl: float | None
+    min_agreement: float | None
+    mean_computed_share: float | None
+
+
+def group_fidelity(turns: Sequence[AuditTurn]) -> dict[str, RepairFidelity]:
     """Per repair over a group's measured turns: how many it applied to and stayed within the threshold on, its
     worst KL and agreement, and its mean share of computed tokens; and how often each repair was recommended."""
-    summary: dict[str, RepairFidelityDict] = {}
+    summary: dict[str, RepairFidelity] = {}
     for name in dict.fromkeys(name for turn in turns for name in turn.repairs):
         results = [(turn, turn.repairs[name]) for turn in turns if name in turn.repairs]
         applied = [(turn, result) for turn, result in results if result.applicable]
-        summary[name] = {
-            "measured": len(results),
-            "applicable": len(applied),
-            "recommended": sum(turn.recommendation.repair == name for turn, _ in results),
-            "worst_kl": max((r.fidelity.kl for _, r in applied), default=None),
-            "min_agreement": min((r.fidelity.generation_agreement for _, r in applied), default=None),
-            "mean_computed_share": (sum(r.computed_tokens / t.tokens for t, r in applied) / len(applied)) if applied else None,
-        }
+        summary[name] = RepairFidelity(
+            measured=len(results),
+            applicable=len(applied),
+            recommended=sum(turn.recommendation.repair == name for turn, _ in results),
+            worst_kl=max((r.fidelity.kl for _, r in applied), default=None),
+            min_agreement=min((r.fidelity.generation_agreement for _, r in applied), default=None),
+            mean_computed_share=(sum(r.computed_tokens / t.tokens for t, r in applied) / len(applied)) if applied else None,
+        )
     return summary
 
 
@@ -77,7 +89,7 @@ class RewritePart(Protocol):
 class EndpointPart(Protocol):
     """The sampled turns measured on an endpoint (``endpoint.model_pass.EndpointAudit``)."""
 
-    def group_fidelity(self, requests: Sequence[int]) -> dict[str, EndpointRepairFidelityDict]: ...
+    def group_fidelity(self, requests: Sequence[int]) -> dict[str, EndpointRepairFidelity]: ...
 
     def as_dict(self) -> EndpointAuditDict: ...
 
@@ -108,7 +120,8 @@ class TrafficReport:
         """Whether some measurable turn was left unmeasured (the model ran on a sample, not every turn)."""
         return any(group.measurable > len(group.measured) for group in self.groups)
 
-    def as_dict(self) -> LogAudit:
+    def as_dict(self) -> dict[str, Any]:
+        """The report's ``LogAudit`` (``ci.report``), whole: every key the report holds is made here."""
         scan = self.scan
         return (
             {
@@ -152,11 +165,14 @@ class TrafficReport:
             summary["metrics"] = observed_aggregate(self.scrapes, scan.totals()["hit_rate"])
         return summary
 
-    def fidelity(self, measured: Sequence[int]) -> dict[str, RepairFidelityDict] | dict[str, EndpointRepairFidelityDict]:
-        """A group's repairs' fidelity over its measured turns: on the endpoint where they were measured there."""
+    def fidelity(self, measured: Sequence[int]) -> dict[str, dict]:
+        """A group's repairs' fidelity over its measured turns (``RepairFidelity``): on the endpoint where they were
+        measured there (``endpoint.model_pass.EndpointRepairFidelity``)."""
         if self.endpoint is not None:
-            return self.endpoint.group_fidelity(measured)
-        return group_fidelity([self.turns[i] for i in measured])
+            summary = self.endpoint.group_fidelity(measured)
+        else:
+            summary = group_fidelity([self.turns[i] for i in measured])
+        return {name: fidelity.as_dict() for name, fidelity in summary.items()}
 
     def measured_report(self) -> AuditReport:
         """The cold prefills and the measured turns, in request order, in the per-turn audit's shape (what the tab's

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
+
+from typing_extensions import TypedDict  # pydantic reads a TypedDict from typing_extensions on Python 3.11
 
 from kvscope.engine.audit.changes.fields import Candidate, FieldChange, TurnDiff, candidate_spans, diff_requests
 from kvscope.engine.audit.logs.render import RenderedRequest, render_request
@@ -26,13 +28,27 @@ from kvscope.engine.audit.measure.repairs import (
 )
 from kvscope.engine.audit.measure.settings import MeasureSettings
 from kvscope.engine.audit.prompts.template import written_template
+from kvscope.engine.audit.report.types import RepairDict
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.cache.loaded import LoadedModel
 from kvscope.engine.progress import StepProgress, Tick, ticker
 from kvscope.engine.scenario import Field, Scenario, escape_braces
 
-if TYPE_CHECKING:
-    from kvscope.engine.audit.report.types import AuditTurnDict, PromptAudit, RepairDict
+
+class AuditTurnDict(TypedDict):
+    """One request against the one it was matched with: reuse, the fields changed, every repair measured (none for a
+    cold prefill) and the one recommended."""
+
+    request: int
+    matched_request: int | None
+    tokens: int
+    common_prefix_tokens: int
+    block_prefix_tokens: int
+    appended_tokens: int
+    fields: list[FieldChange]
+    full_ttft_ms: float | None
+    repairs: dict[str, RepairDict]
+    recommendation: Recommendation | None
 
 
 @dataclass(frozen=True)
@@ -87,7 +103,8 @@ class AuditReport:
     turns: tuple[AuditTurn, ...]
     rendered: tuple[RenderedRequest, ...]
 
-    def as_dict(self) -> PromptAudit:
+    def as_dict(self) -> dict[str, Any]:
+        """The report's ``PromptAudit`` (``ci.report``): the settings and each turn."""
         return {
             "model": self.model,
             "dtype": self.dtype,

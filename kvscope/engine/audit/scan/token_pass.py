@@ -16,14 +16,16 @@ import gc
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import numpy as np
+from pydantic import Field, computed_field
 
 from kvscope.engine.audit.changes.causes import Cause, another_prompt, causes_of
 from kvscope.engine.audit.changes.fields import TurnDiff, common_prefix, compare_requests
 from kvscope.engine.audit.logs.render import RenderedRequest, end_of_turn_ids, render_batch
 from kvscope.engine.audit.logs.requests import RequestLog, RequestLogError, Skipped
+from kvscope.engine.audit.report.records import HIDDEN, Record, rounded
 from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.simulate.fleet import FleetResult
 from kvscope.engine.audit.simulate.hosted import hosted_request
@@ -33,13 +35,23 @@ from kvscope.engine.audit.simulate.step import REPLY_COUNTS, Simulation, Step
 from kvscope.engine.progress import StepProgress
 
 if TYPE_CHECKING:
-    from kvscope.engine.audit.report.types import CauseCountDict, ReadingDict, SessionDict, TotalsDict, TrafficGroupDict, TrafficRequestDict
+    from kvscope.engine.audit.logs.requests import ReadingDict
+    from kvscope.engine.audit.report.types import CauseCountDict, TotalsDict
 
 _PROGRESS_STEPS = 50  # progress reports per phase of the token pass
 
 
 @dataclass(frozen=True)
-class TrafficRequest:
+class Breakpoint(Record):
+    """A ``cache_control`` breakpoint of a request: its label, and the token the user asked the provider to cache up to
+    (None: after the tool definitions)."""
+
+    label: str
+    token: int | None
+
+
+@dataclass(frozen=True)
+class TrafficRequest(Record):
     """One request after the token pass: its match, what changed, why it misses, and what each engine reuses."""
 
     request: int
@@ -53,44 +65,22 @@ class TrafficRequest:
     causes: tuple[Cause, ...]
     reused_tokens: dict[str, int]  # per engine (``registry.ENGINES``)
     signature: str
-    breakpoints: tuple[tuple[str, int | None], ...] = ()  # (label, token the user asked the provider to cache up to)
+    breakpoints: Annotated[tuple[Breakpoint, ...], Field(serialization_alias="cache_breakpoints")] = ()
     observed_cached_tokens: int | None = None  # what the server reported cached (None: not reported)
-    hosted_reused_tokens: dict[str, int] = field(default_factory=dict)  # its hosted provider's simulated reuse (``hosted``)
-    prompts_only_reused_tokens: dict[str, int] = field(default_factory=dict)  # per engine, were no reply ever cached
     observed_prompt_tokens: int | None = None  # the prompt as the server counted it (None: not reported)
-    model: str | None = None  # the model its record names
-
-    def as_dict(self) -> TrafficRequestDict:
-        return {
-            "request": self.request,
-            "line": self.line,
-            "session": self.session,
-            "tokens": self.tokens,
-            "matched_request": self.matched_request,
-            "common_prefix_tokens": self.common_prefix_tokens,
-            "appended_tokens": self.appended_tokens,
-            "fields": list(self.fields),
-            "causes": [cause.as_dict() for cause in self.causes],
-            "reused_tokens": dict(self.reused_tokens),
-            "signature": self.signature,
-            "cache_breakpoints": [{"label": label, "token": token} for label, token in self.breakpoints],
-            "observed_cached_tokens": self.observed_cached_tokens,
-            "observed_prompt_tokens": self.observed_prompt_tokens,
-            "hosted_reused_tokens": dict(self.hosted_reused_tokens),
-        }
+    hosted_reused_tokens: dict[str, int] = field(default_factory=dict)  # its hosted provider's simulated reuse (``hosted``)
+    prompts_only_reused_tokens: Annotated[dict[str, int], HIDDEN] = field(default_factory=dict)  # per engine, were no reply ever cached
+    model: Annotated[str | None, HIDDEN] = None  # the model its record names
 
 
 @dataclass(frozen=True)
-class SessionSummary:
+class SessionSummary(Record):
     """One session's requests, tokens and tokens reused per engine."""
 
     session: str | None
     requests: int
     tokens: int
     reused_tokens: dict[str, int]
-
-    def as_dict(self) -> SessionDict:
-        return {"session": self.session, "requests": self.requests, "tokens": self.tokens, "reused_tokens": dict(self.reused_tokens)}
 
 
 @dataclass(frozen=True)
@@ -297,7 +287,7 @@ def _row(
         causes,
         reused,
         signature(causes, appended > 0),
-        tuple(zip((mark.label for mark in new.request.breakpoints), breakpoint_tokens(new))),
+        tuple(Breakpoint(mark.label, token) for mark, token in zip(new.request.breakpoints, breakpoint_tokens(new))),
     )
 
 
@@ -325,28 +315,22 @@ def _breakpoint_token(rendered: RenderedRequest, message: int | None, chars: int
 
 
 @dataclass(frozen=True)
-class TrafficGroup:
+class TrafficGroup(Record):
     """One change signature: its requests, their share of the log's tokens, and the turns measured (up to K)."""
 
     signature: str
     requests: tuple[int, ...]
     tokens: int
-    share: float
+    share: Annotated[float, Field(serialization_alias="token_share"), rounded(4)]
     measurable: int  # turns that share a prefix with their match and change only messages' text
     measured: tuple[int, ...]
     reason: str | None  # why none was measured, when none was
 
-    def as_dict(self) -> TrafficGroupDict:
-        return {
-            "signature": self.signature,
-            "count": len(self.requests),
-            "tokens": self.tokens,
-            "token_share": round(self.share, 4),
-            "requests": list(self.requests),
-            "measurable": self.measurable,
-            "measured": list(self.measured),
-            "reason": self.reason,
-        }
+    @computed_field
+    @property
+    def count(self) -> int:
+        """The group's requests."""
+        return len(self.requests)
 
 
 def sample_groups(scan: TrafficScan, sample: int, unmeasured: str = "not measured: --sample 0") -> list[TrafficGroup]:

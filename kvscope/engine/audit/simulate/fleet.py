@@ -21,15 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from pydantic import computed_field
+
+from kvscope.engine.audit.report.records import Record
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.prefix_cache import CacheRequest
 from kvscope.engine.audit.simulate.registry import ENGINES, MATCHING, Caches
 from kvscope.engine.errors import KVScopeError
-
-if TYPE_CHECKING:
-    from kvscope.engine.audit.report.types import FleetDict
 
 ROUTINGS = {
     "round_robin": "the i-th request to replica i mod N",
@@ -44,7 +43,7 @@ class FleetError(KVScopeError):
 
 
 @dataclass(frozen=True)
-class FleetResult:
+class FleetResult(Record):
     """One fleet's reuse: per engine, the tokens its replicas reused and that share of the log's tokens."""
 
     replicas: int
@@ -53,19 +52,10 @@ class FleetResult:
     reused_tokens: dict[str, int]
     requests_per_replica: tuple[int, ...]
 
+    @computed_field
     @property
     def hit_rate(self) -> dict[str, float]:
         return {engine: round(count / self.tokens, 4) if self.tokens else 0.0 for engine, count in self.reused_tokens.items()}
-
-    def as_dict(self) -> FleetDict:
-        return {
-            "replicas": self.replicas,
-            "routing": self.routing,
-            "tokens": self.tokens,
-            "reused_tokens": dict(self.reused_tokens),
-            "hit_rate": self.hit_rate,
-            "requests_per_replica": list(self.requests_per_replica),
-        }
 
 
 class Fleet:

@@ -24,18 +24,16 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
 from kvscope.engine.audit.blocks import BLOCK_TOKENS
-
-if TYPE_CHECKING:
-    from kvscope.engine.audit.report.types import CacheSettingsDict
+from kvscope.engine.audit.report.records import Record
 
 
 @dataclass(frozen=True)
-class CacheSettings:
+class CacheSettings(Record):
     """The simulated engines' settings (None: unbounded)."""
 
     block: int = BLOCK_TOKENS
@@ -54,16 +52,6 @@ class CacheSettings:
         if self.prompt_cache is not None:
             return self
         return dataclasses.replace(self, prompt_cache=not pinned and self.cache_reuse == 0)
-
-    def as_dict(self) -> CacheSettingsDict:
-        return {
-            "block": self.block,
-            "budget_blocks": self.budget_blocks,
-            "budget_tokens": self.budget_tokens,
-            "slots": self.slots,
-            "cache_reuse": self.cache_reuse,
-            "prompt_cache": self.prompt_cache,
-        }
 
 
 FIT_BUDGET_DIVISORS = (2, 4, 8, 16, 32)  # budgets a fit tries: the log's working set divided by these (and unbounded)

@@ -200,7 +200,7 @@ def test_every_format_renders_as_its_openai_request(tokenizer):
     assert log.formats == {"anthropic": 1, "sharegpt": 2} and log.requests[1].session == "c9"
     rendered = render_batch(tokenizer, log.requests[:1], 100_000)[0]
     scan = scan_log(tokenizer, read_log(json.dumps(anthropic)))
-    ((label, token),) = scan.requests[0].breakpoints
+    ((label, token),) = [(mark.label, mark.token) for mark in scan.requests[0].breakpoints]
     cached = tokenizer.decode(rendered.token_ids[:token].tolist())  # up to the token holding the block's last character
     assert label == "system block 1" and cached.rstrip().endswith("Work carefully and briefly.") and "# Tools" not in cached
 

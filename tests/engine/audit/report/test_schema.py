@@ -1,11 +1,13 @@
-"""The report is the schema: every ``as_dict`` of the audit returns one of ``kvscope.engine.audit.report.types``, the published
-JSON Schema (docs/audit-report.schema.json) is the one generated from them and is what ``audit-schema`` prints, each
+"""The report is the schema: every part of the report is a record (its JSON derived from its declaration) or an ``as_dict``
+returning one of ``kvscope.engine.audit.report.types``, the published JSON Schema (docs/audit-report.schema.json) is the
+one generated from them and is what ``audit-schema`` prints, each
 bundled log's report validates against it, and a report missing a required key or holding an unnamed one does not."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import importlib
 import inspect
 import io
@@ -16,10 +18,12 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+import typing_extensions
 
 import kvscope.engine.audit
+from kvscope.engine.audit.ci.report import PUBLISHED, LogAudit, PromptAudit, report_schema, schema_text
 from kvscope.engine.audit.report import types
-from kvscope.engine.audit.report.schema import PUBLISHED, report_schema, schema_text
+from kvscope.engine.audit.report.records import Record
 from kvscope.engine.cli import main
 from tests.shared import assert_valid_report
 
@@ -45,18 +49,26 @@ def _audit_modules() -> list:
     return modules
 
 
-def test_every_as_dict_of_the_audit_returns_a_part_of_the_report():
-    typed = {value for value in vars(types).values() if typing.is_typeddict(value)}
-    found = []
+def test_every_part_of_the_report_is_a_record_or_a_typed_as_dict():
+    """A record's JSON is its declaration's (``records.Record``); an ``as_dict`` still written by hand returns one of
+    ``kvscope.engine.audit.report.types``."""
+    typed = {value for value in vars(types).values() if typing_extensions.is_typeddict(value)}
+    records, written = [], ["TrafficReport", "AuditReport"]  # the two reports: LogAudit and PromptAudit (ci.report) hold the records
     for module in _audit_modules():
         for _, cls in inspect.getmembers(module, inspect.isclass):
-            if cls.__module__ == module.__name__ and "as_dict" in vars(cls):
+            if cls.__module__ != module.__name__ or cls is Record:
+                continue
+            if issubclass(cls, Record):
+                assert dataclasses.is_dataclass(cls) and "as_dict" not in vars(cls), f"{cls.__qualname__}: a record declares its JSON"
+                records.append(cls.__qualname__)
+            elif "as_dict" in vars(cls) and cls.__qualname__ not in written:
                 returned = typing.get_type_hints(cls.as_dict, vars(module), vars(types))["return"]
-                assert returned in typed, (
+                assert returned in typed or returned is getattr(module, returned.__name__, None), (
                     f"{cls.__qualname__}.as_dict returns {returned!r}, not a type of kvscope.engine.audit.report.types"
                 )
-                found.append(cls.__qualname__)
-    assert len(found) >= 23, found
+                written.append(cls.__qualname__)
+    assert {"TrafficRequest", "TrafficGroup", "Skipped", "Recommendation"} <= set(records), records
+    assert len(records) + len(written) >= 24, (records, written)
 
 
 def test_the_published_schema_is_the_generated_one_and_the_cli_prints_it():
@@ -65,7 +77,9 @@ def test_the_published_schema_is_the_generated_one_and_the_cli_prints_it():
     code, printed = _cli("audit-schema")
     assert code == 0 and printed == report_schema()
     defs = report_schema()["$defs"]
-    assert {"LogAudit", "PromptAudit"} <= set(defs) and all(typing.is_typeddict(getattr(types, name)) for name in defs)
+    assert {"LogAudit", "PromptAudit", "TrafficRequest", "Skipped"} <= set(defs)
+    assert defs["TrafficRequest"]["additionalProperties"] is False and "cache_breakpoints" in defs["TrafficRequest"]["required"]
+    assert "prompts_only_reused_tokens" not in defs["TrafficRequest"]["properties"]  # a hidden field stays out of the report
     assert defs["RepairDict"]["description"].startswith("One repair on one turn")  # each part described by its docstring
 
 
@@ -82,12 +96,12 @@ def reports() -> dict[str, dict]:
 @pytest.mark.parametrize("name", [log.stem for log in LOGS])
 def test_each_bundled_log_s_report_validates(reports, name):
     assert_valid_report(reports[name])
-    assert set(reports[name]) <= set(typing.get_type_hints(types.LogAudit))
+    assert set(reports[name]) <= set(typing.get_type_hints(LogAudit))
 
 
 def test_a_report_missing_a_key_or_holding_an_unnamed_one_fails(reports):
     report = reports["support_agent"]
-    assert types.LogAudit.__required_keys__ <= set(report)
+    assert LogAudit.__required_keys__ <= set(report)
     for path in (("engines",), ("engines", "tokens"), ("requests", 0, "causes"), ("groups", 0, "fidelity"), ("observed", "equal")):
         broken = copy.deepcopy(report)
         *parents, key = path
@@ -111,6 +125,6 @@ def test_one_prompt_s_report_validates_and_its_gate_refuses_reuse_by_name(tmp_pa
     code, report = _cli(*args, "--fail-on", "kl>100")
     assert code == 0 and report["gate"]["failed"] is False, report
     assert_valid_report(report)
-    assert set(report) == set(typing.get_type_hints(types.PromptAudit))  # one prompt's report, with its gate
+    assert set(report) == set(typing.get_type_hints(PromptAudit))  # one prompt's report, with its gate
     code, error = _cli(*args, "--fail-on", "reuse<0.5")
     assert code == 2 and "one prompt's audit (--new) simulates no serving engine" in error["error"]

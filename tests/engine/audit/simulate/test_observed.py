@@ -228,8 +228,8 @@ def test_a_log_to_a_hosted_api_gets_its_providers_engine(tokenizer):
     log = read_log("\n".join(json.dumps(r) for r in (record, later, later)))
     models = {1: "claude-sonnet-4-5", 2: "claude-sonnet-4-5", 3: "gpt-4o"}
     scan = scan_log(tokenizer, _observed(log, {}, model=models, timestamp={1: 0.0, 2: 60.0, 3: 61.0}))
-    mark = scan.requests[0].breakpoints[0][1]
-    assert mark >= 1024 and scan.requests[1].breakpoints[0][1] == mark
+    mark = scan.requests[0].breakpoints[0].token
+    assert mark >= 1024 and scan.requests[1].breakpoints[0].token == mark
     assert [row.hosted_reused_tokens for row in scan.requests] == [{"anthropic": 0}, {"anthropic": mark}, {"openai": 0}]
     tokens = [row.tokens for row in scan.requests]
     hosted = hosted_summary(scan.requests)

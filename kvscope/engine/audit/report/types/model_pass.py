@@ -1,41 +1,11 @@
 """The model pass's parts of the report: each measured turn with every repair and the recommendation (``measure``), a
 rewrite measured against the original (``rewrite``), and the same on a served model (``endpoint``)."""
 
-from typing import Literal, NotRequired, TypedDict
+from typing import Literal, NotRequired
 
-from kvscope.engine.audit.report.types.token_pass import FieldChangeDict, TrafficGroupDict
+from typing_extensions import TypedDict  # pydantic reads a TypedDict from typing_extensions on Python 3.11
 
 # ---------------------------------------------------------------------------------------------------------- measure
-
-
-class RepairFidelityDict(TypedDict):
-    """One repair over a group's turns measured in process: turns measured and applicable, how often recommended, its
-    worst KL and agreement, its mean share of computed tokens."""
-
-    measured: int
-    applicable: int
-    recommended: int
-    worst_kl: float | None
-    min_agreement: float | None
-    mean_computed_share: float | None
-
-
-class EndpointRepairFidelityDict(TypedDict):
-    """One prompt-level repair over a group's turns measured on an endpoint: applicable, within the bars, its worst KL
-    with its bound, and its least agreement."""
-
-    measured: int
-    applicable: int
-    within_bars: int
-    worst_kl: float | None
-    worst_kl_bound: float | None
-    min_agreement: float | None
-
-
-class MeasuredGroupDict(TrafficGroupDict):
-    """A group with each repair's fidelity over its measured turns (in process, or on an endpoint)."""
-
-    fidelity: dict[str, RepairFidelityDict | EndpointRepairFidelityDict]
 
 
 class RepairResultDict(TypedDict):
@@ -64,39 +34,6 @@ class RepairDict(RepairResultDict):
     against (null where it does not apply)."""
 
     within_bars: bool | None
-
-
-class KvAlternativeDict(TypedDict):
-    """The cheapest KV-level repair within the bars, where it is cheaper than the prompt-level choice."""
-
-    repair: str
-    saved_tokens: int
-    saved_ttft_ms: float
-
-
-class RecommendationDict(TypedDict):
-    """The cheapest prompt-level repair within the bars, why, and the KV-level one beside it."""
-
-    repair: str
-    level: str
-    reason: str
-    kv_alternative: KvAlternativeDict | None
-
-
-class AuditTurnDict(TypedDict):
-    """One request against the one it was matched with: reuse, the fields changed, every repair measured (none for a
-    cold prefill) and the one recommended."""
-
-    request: int
-    matched_request: int | None
-    tokens: int
-    common_prefix_tokens: int
-    block_prefix_tokens: int
-    appended_tokens: int
-    fields: list[FieldChangeDict]
-    full_ttft_ms: float | None
-    repairs: dict[str, RepairDict]
-    recommendation: RecommendationDict | None
 
 
 # ---------------------------------------------------------------------------------------------------------- rewrite

@@ -2,84 +2,17 @@
 (``changes``), the simulated caches' reuse and the observed counts (``simulate``), every request, session and change group
 (``scan``)."""
 
-from typing import NotRequired, TypedDict
+from typing import NotRequired
+
+from typing_extensions import TypedDict  # pydantic reads a TypedDict from typing_extensions on Python 3.11
 
 # ------------------------------------------------------------------------------------------------------------- logs
-
-
-class SkippedDict(TypedDict):
-    """A record left out of the audit: its line, the key and why."""
-
-    line: int
-    key: str
-    reason: str
-
-
-class FlaggedDict(TypedDict):
-    """Something a kept request's record says that could not be read (a cached count, a time), dropped, and why."""
-
-    request: int
-    line: int
-    key: str
-    reason: str
-
-
-class ReadingDict(TypedDict):
-    """How the log was read: the order used and why, the requests without a timestamp, what was flagged, and the
-    record keys the sessions were read from (with how many requests each)."""
-
-    order: str
-    order_reason: str
-    untimed_requests: int
-    flagged: list[FlaggedDict]
-    session_keys: dict[str, int]
 
 
 # ---------------------------------------------------------------------------------------------------------- changes
 
 
-class CauseDict(TypedDict):
-    """One reason a request misses the cache (``changes.causes.CAUSES``), the field it concerns, and the tokens it costs."""
-
-    name: str
-    field: str | None
-    detail: str
-    tokens: int
-
-
-class FieldChangeDict(TypedDict):
-    """A value that changed inside shared content: its name, old and new text, and its tokens [start, end)."""
-
-    name: str
-    old: str
-    new: str
-    start: int
-    end: int
-
-
-class CandidateDict(TypedDict):
-    """A span of one prompt that looks volatile (``--new``'s candidates; not in the report): its kind, text, tokens
-    [start, end) and characters."""
-
-    kind: str
-    text: str
-    start: int
-    end: int
-    chars: list[int]
-
-
 # --------------------------------------------------------------------------------------------------------- simulate
-
-
-class CacheSettingsDict(TypedDict):
-    """The simulated engines' settings (null: unbounded, or one slot per session)."""
-
-    block: int
-    budget_blocks: int | None
-    budget_tokens: int | None
-    slots: int | None
-    cache_reuse: int
-    prompt_cache: bool | None  # null only before the settings are read against a log (``CacheSettings.for_log``)
 
 
 class PromptsOnlyDict(TypedDict):
@@ -99,23 +32,6 @@ class TotalsDict(TypedDict):
     hit_rate: dict[str, float]
     prompts_only: PromptsOnlyDict
     replies: dict[str, int]
-
-
-class EnginesDict(TotalsDict):
-    """The totals, with the settings simulated."""
-
-    settings: CacheSettingsDict
-
-
-class FleetDict(TypedDict):
-    """One fleet's reuse: N replicas behind one routing policy, per engine."""
-
-    replicas: int
-    routing: str
-    tokens: int
-    reused_tokens: dict[str, int]
-    hit_rate: dict[str, float]
-    requests_per_replica: list[int]
 
 
 class ServerCountedDict(TypedDict):
@@ -207,42 +123,6 @@ HostedDict = dict[str, HostedProviderDict | str]  # per provider the log names, 
 
 
 # ------------------------------------------------------------------------------------------------------------- scan
-
-
-class BreakpointDict(TypedDict):
-    """A ``cache_control`` breakpoint: its label and the token it caches up to (null: not found)."""
-
-    label: str
-    token: int | None
-
-
-class TrafficRequestDict(TypedDict):
-    """One request after the token pass: its match, what changed, why it misses, and what each engine reuses."""
-
-    request: int
-    line: int
-    session: str | None
-    tokens: int
-    matched_request: int | None
-    common_prefix_tokens: int
-    appended_tokens: int
-    fields: list[str]
-    causes: list[CauseDict]
-    reused_tokens: dict[str, int]
-    signature: str
-    cache_breakpoints: list[BreakpointDict]
-    observed_cached_tokens: int | None
-    observed_prompt_tokens: int | None
-    hosted_reused_tokens: dict[str, int]
-
-
-class SessionDict(TypedDict):
-    """One session's requests, tokens and tokens reused per engine."""
-
-    session: str | None
-    requests: int
-    tokens: int
-    reused_tokens: dict[str, int]
 
 
 class CauseCountDict(TypedDict):

@@ -1,0 +1,42 @@
+"""The audit's records, declared once: each is a dataclass of the stage that makes it, and its JSON form (``as_dict``)
+and its part of the published JSON Schema (``ci.report``) are derived from that declaration by pydantic.
+
+A record subclasses :class:`Record` and says on its fields what the JSON does otherwise: a field left out is
+``Annotated[T, HIDDEN]``, a key named otherwise ``Annotated[T, Field(serialization_alias=…)]``, a rounded number
+``Annotated[float, rounded(2)]``, a key derived from the fields a ``computed_field`` property (it follows the fields).
+Text only, no torch.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from pydantic import ConfigDict, Field, PlainSerializer, TypeAdapter
+
+HIDDEN = Field(exclude=True)  # kept for the stages, left out of the report
+
+
+class Record:
+    """A part of the report: its JSON is its declaration's. The schema is closed (no key it does not name) and every key
+    it names is there, as the report is this version's."""
+
+    __pydantic_config__ = ConfigDict(
+        extra="forbid",
+        json_schema_serialization_defaults_required=True,
+    )
+
+    def as_dict(self) -> dict[str, Any]:
+        """The record as the report holds it."""
+        return _adapter(type(self)).dump_python(self, mode="json", by_alias=True)
+
+
+@functools.cache
+def _adapter(tp: Any) -> TypeAdapter:
+    """The one ``TypeAdapter`` of a record, built on first use."""
+    return TypeAdapter(tp)
+
+
+def rounded(digits: int) -> PlainSerializer:
+    """A number written to ``digits`` places (None stays null)."""
+    return PlainSerializer(lambda value: round(value, digits), when_used="unless-none")
