@@ -24,12 +24,13 @@ def block_prefix(tokens: int, block: int) -> int:
 
 def block_of_counts(counts: Iterable[int | None]) -> int | None:
     """The block size a paged server's reported cached counts were served with (it caches whole blocks, so each is a
-    multiple of its block): the largest of ``BLOCK_SIZES`` dividing every nonzero count, where at least
-    ``MIN_BLOCK_COUNTS`` are nonzero; else None (too few to tell a block from a coincidence)."""
+    multiple of its block): the largest of ``BLOCK_SIZES`` above 1 dividing every nonzero count, where at least
+    ``MIN_BLOCK_COUNTS`` are nonzero; else None (too few to tell a block from a coincidence, or counts that are not
+    whole blocks: a token cache's, or counts some other cause moved)."""
     nonzero = [count for count in counts if count]
     if len(nonzero) < MIN_BLOCK_COUNTS:
         return None
-    return max(size for size in BLOCK_SIZES if all(count % size == 0 for count in nonzero))
+    return max((size for size in BLOCK_SIZES if size > 1 and all(count % size == 0 for count in nonzero)), default=None)
 
 
 def block_hashes(ids: np.ndarray, block: int) -> np.ndarray:

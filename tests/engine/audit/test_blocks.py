@@ -21,7 +21,7 @@ def test_the_block_size_is_the_largest_dividing_every_nonzero_count_when_there_a
     assert block_of_counts([32, 64, 96]) is None  # three counts: too few to tell a block from a coincidence
     assert block_of_counts([0] * 10 + [None] * 3) is None
     assert block_of_counts([32, 64, 96, 48]) == 16  # 48 is no multiple of 32: the largest size dividing all
-    assert block_of_counts([47, 46, 82, 30]) == 1  # a token cache's counts (llama.cpp's)
+    assert block_of_counts([47, 46, 82, 30]) is None  # no whole blocks: a token cache's counts (llama.cpp's), none read
 
 
 def test_a_block_hash_names_its_tokens_and_every_block_before_it():
