@@ -42,16 +42,19 @@ def _reported(counts: list[int | None]) -> list[Reported]:
 
 def test_a_vllm_logs_block_size_is_read_from_its_counts_unless_given():
     served_at_32 = _reported([0, 0, 32, 64, 96, 160, None])
-    decided, server = ScanSettings().for_log(served_at_32)  # the default engine, vLLM, assumed
+    vllm = ScanSettings(observed_engine="vllm")  # as where the log's answers name vLLM
+    decided, server = vllm.for_log(served_at_32)
     assert decided.cache.block == 32
     assert server.evidence.endswith("block size 32 read from the log's counts: all 4 nonzero counts are multiples of 32")
-    assert ScanSettings().for_log(_reported([0, 32, 64, 96]))[0].cache.block == 16  # three nonzero: the default, unsaid
-    assert "block size" not in ScanSettings().for_log(_reported([0, 32, 64, 96]))[1].evidence
-    assert ScanSettings().for_log(_reported([32, 64, 96, 48]))[0].cache.block == 16  # the largest size dividing them all
-    given = ScanSettings(block_given=True).for_log(served_at_32)  # --block-size 16 named
+    assert vllm.for_log(_reported([0, 32, 64, 96]))[0].cache.block == 16  # three nonzero: the default, unsaid
+    assert "block size" not in vllm.for_log(_reported([0, 32, 64, 96]))[1].evidence
+    assert vllm.for_log(_reported([32, 64, 96, 48]))[0].cache.block == 16  # the largest size dividing them all
+    given = ScanSettings(observed_engine="vllm", block_given=True).for_log(served_at_32)  # --block-size 16 named
     assert given[0].cache.block == 16 and "block size" not in given[1].evidence
-    assert ScanSettings(CacheSettings(block=64)).for_log(served_at_32)[0].cache.block == 64  # a block other than the default
+    assert ScanSettings(CacheSettings(block=64), "vllm").for_log(served_at_32)[0].cache.block == 64  # a block other than the default
     assert ScanSettings(observed_engine="sglang").for_log(served_at_32)[0].cache.block == 16  # read for vLLM only
+    assumed = ScanSettings().for_log(served_at_32)  # no answer names vLLM: the counts may be a hosted provider's
+    assert assumed[0].cache.block == 16 and "assumed" in assumed[1].evidence and "block size" not in assumed[1].evidence
 
 
 def test_measure_settings_are_checked_in_the_constructor_whoever_builds_them():
