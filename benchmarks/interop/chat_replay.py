@@ -24,8 +24,12 @@ request the server's ``usage.prompt_tokens_details.cached_tokens`` is set beside
   Its chat endpoint returns no ids, so each llama way runs twice on a fresh server: through the chat endpoint (the
   reply read from its text) and through ``/completion`` with the prompt's ids and the generated ids returned.
 
+Each log is also audited with no flags at all (``ScanSettings()``, ``no_flags``): the engine compared with is the one
+the log's answers name, llama.cpp's mode follows whether the log pins ``id_slot``, and a vLLM log's block size is read
+from its own counts (``ScanSettings.for_log``); each records the engine, its evidence and the settings decided.
+
 Writes benchmarks/interop/results/chat_replay-<model>-cpu.json: per server, every request (the server's count, the
-simulation's, their difference) and the share equal.
+simulation's, their difference) and the share equal, with the flags above and with none.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import httpx
 from benchmarks.common import cpu_info
 from benchmarks.serving.serving_servers import SERVER_BINARY, LlamaServer, VllmServer, embedded_gguf
 from kvscope.engine.audit.logs.reading import read_log
+from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.token_pass import scan_log
 from kvscope.engine.audit.simulate.caches import CacheSettings
 
@@ -112,6 +117,7 @@ def replay_sessions_as_ids(base_url: str, tokenizer: Any, sessions: int, turns: 
                 response.raise_for_status()
                 answer = response.json()
                 request = {"model": "embedded", "messages": list(messages), "max_tokens": n_predict}
+                request |= {"id_slot": k} if pinned else {}  # the slot the server was sent, logged as a gateway logs it
                 records.append({"request": request, "response": answer, "timestamp": sent, "session_id": f"session-{k + 1}"})
                 messages.append({"role": "assistant", "content": answer["content"]})
     return records
@@ -130,11 +136,13 @@ def without_token_ids(records: Sequence[dict]) -> list[dict]:
     return out
 
 
-def compared(tokenizer: Any, records: Sequence[dict], engine: str, settings: CacheSettings) -> dict:
-    """The records audited (``read_log`` + ``scan_log`` with ``settings``, observed against ``engine``): per request
-    the server's cached count beside the simulation's, and the share equal."""
+def compared(tokenizer: Any, records: Sequence[dict], settings: ScanSettings = ScanSettings()) -> dict:
+    """The records audited (``read_log`` + ``scan_log`` with ``settings``; the default: with no flags, the engine and
+    its settings decided from the log, ``ScanSettings.for_log``): the engine compared with and why, the settings
+    simulated, per request the server's cached count beside the simulation's, and the share equal."""
     log = read_log("\n".join(json.dumps(record) for record in records))
-    scan = scan_log(tokenizer, log, settings, observed_engine=engine)
+    scan = scan_log(tokenizer, log, settings)
+    engine = scan.settings.observed_engine
     rows = []
     for row in scan.requests:
         rendered = scan.rendered[row.request]
@@ -158,7 +166,8 @@ def compared(tokenizer: Any, records: Sequence[dict], engine: str, settings: Cac
     plain = sum(row["server_cached_tokens"] == row["prompts_only_cached_tokens"] for row in counted)
     return {
         "engine": engine,
-        "settings": settings.as_dict(),
+        "engine_evidence": scan.observed_evidence,
+        "settings": scan.settings.cache.as_dict(),
         "requests": len(rows),
         "equal": equal,
         "equal_share": round(equal / len(counted), 4) if counted else None,
@@ -174,10 +183,12 @@ def run_vllm(model_dir: Path, tokenizer: Any, block: int, args: argparse.Namespa
         server.reset_cache()
         records = replay_sessions(server.base_url, server.model, args.sessions, args.turns, args.max_tokens, {"return_token_ids": True})
         settings = server.settings()
+    flags = ScanSettings(CacheSettings(block=block), "vllm", block_given=True)  # --observed-engine vllm --block-size B
+    logs = {"token_ids": records, "text_only": without_token_ids(records)}
     return {
         "settings": settings,
-        "token_ids": compared(tokenizer, records, "vllm", CacheSettings(block=block)),
-        "text_only": compared(tokenizer, without_token_ids(records), "vllm", CacheSettings(block=block)),
+        **{way: compared(tokenizer, log, flags) for way, log in logs.items()},
+        "no_flags": {way: compared(tokenizer, log) for way, log in logs.items()},
         "log_token_ids": records,
     }
 
@@ -189,8 +200,8 @@ def run_llama(tokenizer: Any, args: argparse.Namespace, pinned: bool) -> dict:
     the chat endpoint (the reply read from its text, as most gateways log it) and through ``/completion`` with the
     generated ids returned (what the slot holds is then known)."""
     slots, cache_ram = (args.sessions, 0) if pinned else (None, None)
-    simulated = CacheSettings(block=1, prompt_cache=not pinned)
-    result: dict[str, Any] = {}
+    flags = ScanSettings(CacheSettings(block=1, prompt_cache=not pinned), "llama_cpp")  # --observed-engine llama_cpp [--prompt-cache]
+    result: dict[str, Any] = {"no_flags": {}}
     for way in ("text_only", "token_ids"):
         log = RESULTS / f"llama-{'pinned' if pinned else 'default'}-{way}-server.log"
         server = LlamaServer(SERVER_BINARY, embedded_gguf(), 4096 * args.sessions, args.threads, log, model="embedded", slots=slots,
@@ -202,7 +213,8 @@ def run_llama(tokenizer: Any, args: argparse.Namespace, pinned: bool) -> dict:
             else:
                 records = replay_sessions_as_ids(server.base_url, tokenizer, args.sessions, args.turns, args.max_tokens, pinned)
             result["settings"] = server.settings()
-        result[way] = compared(tokenizer, records, "llama_cpp", simulated)
+        result[way] = compared(tokenizer, records, flags)
+        result["no_flags"][way] = compared(tokenizer, records)
         result[f"log_{way}"] = records
     return result
 
@@ -242,7 +254,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
         for way in ("token_ids", "text_only"):
             if way in results[name]:
                 part = results[name][way]
-                print(f"{name} ({way}): simulation = server on {part['equal']}/{part['requests']} requests", flush=True)
+                bare = results[name]["no_flags"][way]
+                print(
+                    f"{name} ({way}): simulation = server on {part['equal']}/{part['requests']} requests; with no flags "
+                    f"({bare['engine']}, block {bare['settings']['block']}) {bare['equal']}/{bare['requests']}",
+                    flush=True,
+                )
     out = {
         "benchmark": "chat_replay",
         "cpu": cpu_info(),

@@ -672,20 +672,28 @@ CHAT_REPLAY_WAYS = {  # the ways a chat replay's log was audited (``chat_replay-
     "token_ids": "replies from the server's token ids",
     "text_only": "replies from their text alone",
     "prompts_only": "prompts only (no reply cached)",
+    "no_flags": "with no flags (engine and settings read from the log)",
 }
+
+
+def _chat_replay_part(result: dict, way: str) -> dict | None:
+    """A server's comparison drawn as ``way``: prompts only and no flags read the token-id way where there is one."""
+    if way in ("token_ids", "text_only"):
+        return result.get(way)
+    source = result if way == "prompts_only" else result.get("no_flags") or {}
+    return source.get("token_ids") or source.get("text_only")
 
 
 def chat_replay_figure(data: dict) -> go.Figure:
     """Chat sessions replayed on real servers with their replies fed back (``chat_replay-*.json``): per server and setting,
     the requests where the audit's simulated cache equals the server's own count, with the replies read from token ids,
-    from text alone, and with no reply cached (the simulation before replies were cached)."""
+    from text alone, with no reply cached (the simulation before replies were cached), and audited with no flags."""
     servers = data["servers"]
     figure = go.Figure()
     for index, (way, label) in enumerate(CHAT_REPLAY_WAYS.items()):
         names, equal, text = [], [], []
         for name, result in servers.items():
-            source = result.get("token_ids") or result.get("text_only")
-            part = result.get(way) if way != "prompts_only" else source
+            part = _chat_replay_part(result, way)
             if part is None:
                 continue
             count = part["equal_prompts_only"] if way == "prompts_only" else part["equal"]

@@ -154,13 +154,21 @@ def test_a_chat_replay_draws_simulation_equal_to_server_per_server_and_way():
         "sessions": 4,
         "turns": 5,
         "max_tokens": [8, 24, 64],
-        "servers": {"vllm-32": {"token_ids": part | {"equal": 20}, "text_only": part | {"equal": 20}}, "llama<b>": {"text_only": part}},
+        "servers": {
+            "vllm-32": {
+                "token_ids": part | {"equal": 20},
+                "text_only": part | {"equal": 20},
+                "no_flags": {"token_ids": part | {"equal": 18}},
+            },
+            "llama<b>": {"text_only": part},
+        },
     }
     figure = chat_replay_figure(data)
     bars = {trace.name: (list(trace.x), list(trace.y)) for trace in figure.data}
     assert bars["replies from the server's token ids"] == (["vllm-32"], [20])
     assert bars["replies from their text alone"] == (["vllm-32", "llama&lt;b&gt;"], [20, 19])
     assert bars["prompts only (no reply cached)"] == (["vllm-32", "llama&lt;b&gt;"], [4, 4])
+    assert bars["with no flags (engine and settings read from the log)"] == (["vllm-32"], [18])  # drawn where stored
     title = figure.layout.title.text.replace("<br>", " ")
     assert "4 chat sessions × 5 turns" in title and "8, 24, 64 tokens" in title
 

@@ -53,7 +53,7 @@ class EngineInputs:
     cached counts are compared with, and the replica counts of the fleets (comma-separated; empty: one server).
     :meth:`cache` and :meth:`fleets` check them; the audit and both rewrite measurements read the same ones."""
 
-    block: int | float | str | None = CacheSettings.block
+    block: int | float | str | None = None  # empty: the default, or the block a vLLM log's counts show (``ScanSettings.for_log``)
     budget_blocks: int | float | str | None = 0
     budget_tokens: int | float | str | None = 0
     cache_reuse: int | float | str | None = 0
@@ -80,7 +80,7 @@ class EngineInputs:
         """The token pass's settings, built and checked as the CLI builds them (``ScanSettings``): the caches, the observed
         engine (``AUTO_ENGINE``: the server the log's answers name), the fleets and the context limit."""
         named = None if self.observed_engine in (AUTO_ENGINE, None, "") else self.observed_engine
-        return ScanSettings(self.cache(), named, tuple(self.fleets()), context_limit)
+        return ScanSettings(self.cache(), named, tuple(self.fleets()), context_limit, block_given=self.block not in (None, ""))
 
     def fleets(self) -> list[tuple[int, str]]:
         """The fleets to simulate (none without replica counts), every router at each (a bad count is refused by name, as

@@ -6,16 +6,31 @@ simulated block cache (``simulate.caches.BlockCache``) and the token pass's work
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 
 import numpy as np
 
 BLOCK_TOKENS = 16  # vLLM's default KV block size
 BLOCK_SIZES = (1, 16, 32, 64, 128, 256)  # the block sizes a log's counts are read against (``--fit-observed``, the gap causes)
+# nonzero counts a block size is read from (``block_of_counts``): a block-b server's count is a multiple of 2b about half
+# the time, so 4 counts read a block twice too large by coincidence about 1 time in 16, four times too large 1 in 256
+MIN_BLOCK_COUNTS = 4
 
 
 def block_prefix(tokens: int, block: int) -> int:
     """The part of a common prefix that whole blocks cover."""
     return tokens // block * block
+
+
+def block_of_counts(counts: Iterable[int | None]) -> int | None:
+    """The block size a paged server's reported cached counts were served with (it caches whole blocks, so each is a
+    multiple of its block): the largest of ``BLOCK_SIZES`` above 1 dividing every nonzero count, where at least
+    ``MIN_BLOCK_COUNTS`` are nonzero; else None (too few to tell a block from a coincidence, or counts that are not
+    whole blocks: a token cache's, or counts some other cause moved)."""
+    nonzero = [count for count in counts if count]
+    if len(nonzero) < MIN_BLOCK_COUNTS:
+        return None
+    return max((size for size in BLOCK_SIZES if size > 1 and all(count % size == 0 for count in nonzero)), default=None)
 
 
 def block_hashes(ids: np.ndarray, block: int) -> np.ndarray:

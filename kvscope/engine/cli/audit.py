@@ -150,7 +150,11 @@ AUDIT: Group = (
         help="the log's request format or export (auto: detected per record)",
     ),
     arg("--sample", type=int, default=DEFAULT_SAMPLE, help="turns measured with the model per change signature (0: token pass only)"),
-    arg("--block-size", type=int, default=CacheSettings.block, help="vLLM KV block size in tokens"),
+    arg(
+        "--block-size",
+        type=int,
+        help=f"vLLM KV block size in tokens (default: read from a vLLM log's cached counts, else {CacheSettings.block})",
+    ),
     arg("--kv-budget-blocks", type=int, help="vLLM KV budget in blocks (default: unbounded)"),
     arg("--kv-budget-tokens", type=int, help="SGLang radix-cache budget in tokens (default: unbounded)"),
     arg("--slots", type=int, help="llama.cpp server slots (default: one per session)"),

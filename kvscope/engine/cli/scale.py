@@ -66,9 +66,11 @@ def _start_ray(args: argparse.Namespace) -> None:
 
 
 def scan_settings(args: argparse.Namespace) -> ScanSettings:
-    """The token pass's settings from the flags: the simulated engines', --observed-engine and the fleets asked for."""
-    cache = CacheSettings(args.block_size, args.kv_budget_blocks, args.kv_budget_tokens, args.slots, args.cache_reuse, args.prompt_cache)
-    return ScanSettings(cache, args.observed_engine, tuple(fleet_of(args)))
+    """The token pass's settings from the flags: the simulated engines', --observed-engine and the fleets asked for (no
+    --block-size: the default, or the block a vLLM log's counts show, ``ScanSettings.for_log``)."""
+    block = CacheSettings.block if args.block_size is None else args.block_size
+    cache = CacheSettings(block, args.kv_budget_blocks, args.kv_budget_tokens, args.slots, args.cache_reuse, args.prompt_cache)
+    return ScanSettings(cache, args.observed_engine, tuple(fleet_of(args)), block_given=args.block_size is not None)
 
 
 def token_pass(args: argparse.Namespace, lm: LoadedModel) -> TokenPass | None:

@@ -22,6 +22,7 @@ from benchmarks.serving import serving
 from benchmarks.serving.serving_servers import VllmServer
 from benchmarks.serving.serving_workload import Variant, build_workload, load_scenario
 from kvscope.engine.audit.logs.reading import read_log
+from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.token_pass import scan_log
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.metrics import observed_aggregate
@@ -56,9 +57,14 @@ def replayed(vllm):
 def test_the_simulated_cache_equals_vllms_count_on_every_request(model_dir, replayed):
     records, _, _ = replayed
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    by_ids = compared(tokenizer, records, "vllm", CacheSettings(block=BLOCK))
-    by_text = compared(tokenizer, without_token_ids(records), "vllm", CacheSettings(block=BLOCK))
-    for result in (by_ids, by_text):
+    flags = ScanSettings(CacheSettings(block=BLOCK), "vllm", block_given=True)  # --observed-engine vllm --block-size 32
+    by_ids = compared(tokenizer, records, flags)
+    by_text = compared(tokenizer, without_token_ids(records), flags)
+    # with no flags: vLLM named by its answers, its block read from the 6 follow-ups' counts
+    bare = [compared(tokenizer, records), compared(tokenizer, without_token_ids(records))]
+    for result in bare:
+        assert (result["engine"], result["settings"]["block"]) == ("vllm", BLOCK) and "block size 32 read" in result["engine_evidence"]
+    for result in (by_ids, by_text, *bare):
         assert result["requests"] == 9 and result["replies"] == {"logged": 9, "next_turn": 0, "none": 0}
         assert [row["difference"] for row in result["rows"]] == [0] * 9, result["rows"]
     assert {row["finish"] for row in by_ids["rows"]} <= {"eos", "length"} and "length" in {row["finish"] for row in by_ids["rows"]}
@@ -76,7 +82,8 @@ def test_vllms_counters_are_the_observed_aggregate_and_its_block_size_is_found(m
     assert (aggregate["hits"], aggregate["queries"]) == (cached, prompts)  # the log's window: after less before
     assert aggregate["hit_rate"] == round(cached / prompts, 4)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    scan = scan_log(tokenizer, read_log("\n".join(json.dumps(record) for record in records)), CacheSettings(block=16))
+    given = ScanSettings(CacheSettings(block=16), block_given=True)  # --block-size 16: the fit finds 32 from there
+    scan = scan_log(tokenizer, read_log("\n".join(json.dumps(record) for record in records)), given)
     fit = fit_observed(scan.requests, scan.held).as_dict()
     assert fit["best"]["block"] == BLOCK and fit["best"]["matches"] == 9
 

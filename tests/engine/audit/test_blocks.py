@@ -1,17 +1,27 @@
-"""The block arithmetic of a paged KV cache: whole-block prefixes, and chained block hashes that name a block by its
-tokens and everything before it, alike in every process."""
+"""The block arithmetic of a paged KV cache: whole-block prefixes, chained block hashes that name a block by its
+tokens and everything before it, alike in every process, and the block size a paged server's counts were served with."""
 
 import subprocess
 import sys
 
 import numpy as np
 
-from kvscope.engine.audit.blocks import BLOCK_TOKENS, block_hashes, block_prefix
+from kvscope.engine.audit.blocks import BLOCK_TOKENS, MIN_BLOCK_COUNTS, block_hashes, block_of_counts, block_prefix
 
 
 def test_whole_blocks_cover_a_prefix_rounded_down():
     assert BLOCK_TOKENS == 16 and [block_prefix(n, BLOCK_TOKENS) for n in (0, 15, 16, 47, 48)] == [0, 0, 16, 32, 48]
     assert block_prefix(47, block=32) == 32
+
+
+def test_the_block_size_is_the_largest_dividing_every_nonzero_count_when_there_are_enough():
+    assert MIN_BLOCK_COUNTS == 4
+    assert block_of_counts([0, None, 32, 64, 96, 224, 0]) == 32  # zeros and unreported counts say nothing
+    assert block_of_counts([128, 256, 128, 128]) == 128
+    assert block_of_counts([32, 64, 96]) is None  # three counts: too few to tell a block from a coincidence
+    assert block_of_counts([0] * 10 + [None] * 3) is None
+    assert block_of_counts([32, 64, 96, 48]) == 16  # 48 is no multiple of 32: the largest size dividing all
+    assert block_of_counts([47, 46, 82, 30]) is None  # no whole blocks: a token cache's counts (llama.cpp's), none read
 
 
 def test_a_block_hash_names_its_tokens_and_every_block_before_it():

@@ -201,8 +201,9 @@ def ray_scan(
         max_restarts=RETRIES,
         max_task_retries=RETRIES,
     )
-    # llama.cpp's mode where not named: the server's own slot choice (the driver sees no request before it simulates)
-    unpinned = dataclasses.replace(settings, cache=settings.cache.for_log(pinned=False))
+    # llama.cpp's mode where not named: the server's own slot choice, and the block as given (the driver sees no request
+    # before it simulates, so it reads no block from the log's counts)
+    unpinned = dataclasses.replace(settings, cache=settings.cache.for_log(pinned=False), block_given=True)
     driver = _Driver(unpinned, end_of_turn_ids(tokenizer), reorder=count.indexes is not None)
     rendering: list[Skipped] = []
     received = 0

@@ -8,6 +8,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvscope.engine.audit.blocks import BLOCK_TOKENS, block_of_counts
 from kvscope.engine.audit.logs.render import DEFAULT_CONTEXT_LIMIT
 from kvscope.engine.audit.logs.requests import RequestLogError
 from kvscope.engine.audit.simulate.caches import CacheSettings
@@ -18,12 +19,15 @@ from kvscope.engine.audit.simulate.observed import OBSERVED_ENGINES, LogServer, 
 class ScanSettings:
     """The token pass's settings: ``cache`` (the simulated engines'), ``observed_engine`` (what the log's cached counts
     are compared with), ``fleet`` ((replicas, routing) fleets also simulated, each checked by ``fleet.Fleet``) and
-    ``context_limit`` (tokens a prompt is cut at; None: the model's own, ``logs.render.context_limit``)."""
+    ``context_limit`` (tokens a prompt is cut at; None: the model's own, ``logs.render.context_limit``) and
+    ``block_given`` (whether the user named vLLM's block size: if not, and the cache's is the default, ``for_log`` reads
+    it from a vLLM log's counts)."""
 
     cache: CacheSettings = CacheSettings()
     observed_engine: str | None = None  # None: the server the log's answers name (``observed.log_server``)
     fleet: tuple[tuple[int, str], ...] = ()
     context_limit: int | None = None
+    block_given: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fleet", tuple((int(count), routing) for count, routing in self.fleet))
@@ -41,9 +45,19 @@ class ScanSettings:
 
     def for_log(self, reported: Sequence[Reported]) -> tuple[ScanSettings, LogServer]:
         """These settings decided for a log: the observed engine where not named (the server its answers name, else
-        ``DEFAULT_ENGINE``) and llama.cpp's mode (the server's own slot choice unless the log pins slots); and why."""
+        ``DEFAULT_ENGINE``), llama.cpp's mode (the server's own slot choice unless the log pins slots) and, where the
+        block size is not given and the engine is vLLM (named, or read from the answers: an assumed one's counts may be
+        a hosted provider's), the block its counts were served with; and why."""
         server = log_server(reported, self.observed_engine)
         cache = self.cache.for_log(pinned=server.pinned > 0)
+        if server.engine == "vllm" and not server.assumed and not self.block_given and cache.block == BLOCK_TOKENS:
+            counts = [item.observed_cached_tokens for item in reported]
+            block = block_of_counts(counts)
+            if block is not None:
+                cache = dataclasses.replace(cache, block=block)
+                nonzero = sum(bool(count) for count in counts)
+                said = f"block size {block} read from the log's counts: all {nonzero:,} nonzero counts are multiples of {block}"
+                server = dataclasses.replace(server, evidence=f"{server.evidence}; {said}")
         return dataclasses.replace(self, cache=cache, observed_engine=server.engine), server
 
     def limited(self, limit: int) -> ScanSettings:

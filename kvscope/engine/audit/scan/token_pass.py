@@ -168,7 +168,6 @@ def scan_log(
     """The token pass with ``settings``: render (each prompt cut at its context limit), match, diff, causes and every
     simulated engine and fleet, over every request of ``log`` (a request that cannot be rendered is skipped by name);
     then the observed counts against its observed engine and the hosted providers' caches (``observed.observe``)."""
-    block = settings.cache.block
     with settling_heap() as settle:
         rendered = render_batch(tokenizer, log.requests, settings.limit, model)
         settle()
@@ -180,6 +179,7 @@ def scan_log(
             else:
                 good.append(item)
         settings, server = settings.for_log([Reported.of(request) for request in log.requests])
+        block = settings.cache.block
         simulation = Simulation(settings.cache, settings.fleet, end_of_turn_ids(tokenizer))
         kept: dict[int, RenderedRequest] = {}
         diffs: dict[int, TurnDiff] = {}

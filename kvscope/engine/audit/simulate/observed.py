@@ -83,11 +83,13 @@ class Reported:
 @dataclass(frozen=True)
 class LogServer:
     """The serving engine a log's observed counts are compared with and the evidence, in words (named by the user,
-    read from the answers the log records, or assumed), and how many requests pin a llama-server slot (``id_slot``)."""
+    read from the answers the log records, or assumed: ``assumed``), and how many requests pin a llama-server slot
+    (``id_slot``)."""
 
     engine: str
     evidence: str
     pinned: int = 0
+    assumed: bool = False
 
 
 def log_server(reported: Sequence[Reported], named: str | None = None) -> LogServer:
@@ -107,7 +109,7 @@ def log_server(reported: Sequence[Reported], named: str | None = None) -> LogSer
         return LogServer(named, "named by --observed-engine" + (f" (the log's answers name {read}: {said})" if read else ""), pinned)
     if read is not None:
         return LogServer(read, said, pinned)
-    return LogServer(DEFAULT_ENGINE, f"no answer in the log names its server: {DEFAULT_ENGINE} assumed (the default)", pinned)
+    return LogServer(DEFAULT_ENGINE, f"no answer in the log names its server: {DEFAULT_ENGINE} assumed (the default)", pinned, assumed=True)
 
 
 @dataclass(frozen=True)

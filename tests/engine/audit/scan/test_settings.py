@@ -7,6 +7,7 @@ from kvscope.engine.audit.logs.requests import RequestLogError
 from kvscope.engine.audit.measure.settings import DEFAULT_MIN_AGREEMENT, MeasureSettings, measure_settings
 from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.simulate.caches import CacheSettings
+from kvscope.engine.audit.simulate.observed import Reported
 from kvscope.engine.audit.simulate.registry import DEFAULT_ENGINE
 
 
@@ -33,6 +34,27 @@ def test_scan_settings_default_to_the_one_default_of_each_and_refuse_by_name():
     for message, given in refused.items():
         with pytest.raises(RequestLogError, match=message):
             ScanSettings(**given)
+
+
+def _reported(counts: list[int | None]) -> list[Reported]:
+    return [Reported(n, None, None, count) for n, count in enumerate(counts, 1)]
+
+
+def test_a_vllm_logs_block_size_is_read_from_its_counts_unless_given():
+    served_at_32 = _reported([0, 0, 32, 64, 96, 160, None])
+    vllm = ScanSettings(observed_engine="vllm")  # as where the log's answers name vLLM
+    decided, server = vllm.for_log(served_at_32)
+    assert decided.cache.block == 32
+    assert server.evidence.endswith("block size 32 read from the log's counts: all 4 nonzero counts are multiples of 32")
+    assert vllm.for_log(_reported([0, 32, 64, 96]))[0].cache.block == 16  # three nonzero: the default, unsaid
+    assert "block size" not in vllm.for_log(_reported([0, 32, 64, 96]))[1].evidence
+    assert vllm.for_log(_reported([32, 64, 96, 48]))[0].cache.block == 16  # the largest size dividing them all
+    given = ScanSettings(observed_engine="vllm", block_given=True).for_log(served_at_32)  # --block-size 16 named
+    assert given[0].cache.block == 16 and "block size" not in given[1].evidence
+    assert ScanSettings(CacheSettings(block=64), "vllm").for_log(served_at_32)[0].cache.block == 64  # a block other than the default
+    assert ScanSettings(observed_engine="sglang").for_log(served_at_32)[0].cache.block == 16  # read for vLLM only
+    assumed = ScanSettings().for_log(served_at_32)  # no answer names vLLM: the counts may be a hosted provider's
+    assert assumed[0].cache.block == 16 and "assumed" in assumed[1].evidence and "block size" not in assumed[1].evidence
 
 
 def test_measure_settings_are_checked_in_the_constructor_whoever_builds_them():

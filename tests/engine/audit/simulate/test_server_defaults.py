@@ -1,8 +1,8 @@
 """Defaults that match the server a log came from, checked on the stored replays of real servers (benchmarks/interop's
 ``chat_replay``: four sessions of five turns on llama-server at its defaults, on llama-server with ``id_slot`` pinned,
 and on vLLM's CPU build at block 32 and 128, each answer logged as a gateway logs it) audited as a user would, with
-no flags: the server named from its answers, llama.cpp's own slot choice by default, and ``--fit-observed`` searching
-the named engine's own settings."""
+no flags: the server named from its answers, llama.cpp's own slot choice unless the log pins ``id_slot``, vLLM's block
+read from its own counts, and ``--fit-observed`` searching the named engine's own settings."""
 
 from __future__ import annotations
 
@@ -52,30 +52,49 @@ def test_a_llama_server_log_at_its_defaults_audited_with_no_flags_equals_the_ser
     assert audit["observed"]["equal"] == stored["equal"] == 19
 
 
-def test_a_log_that_pins_slots_gets_a_slot_per_session_and_the_flag_asks_for_it(tmp_path):
-    path, stored = _log(tmp_path, "llama-pinned", "text_only")  # its requests carry id_slot
-    assert all(request.slot is not None for request in read_log(Path(path).read_text()).requests)
-    code, audit = run_cli("audit", path, "--sample", "0")
-    assert audit["engines"]["settings"]["prompt_cache"] is False
-    assert [simulated for _, simulated in _counts(audit)] == [row["simulated_cached_tokens"] for row in stored["rows"]]
-    # the /completion way's log records the request without its id_slot: the log shows no pin, --slot-per-session asks
-    path, stored = _log(tmp_path, "llama-pinned", "token_ids")
-    code, audit = run_cli("audit", path, "--sample", "0", "--slot-per-session")
-    assert audit["engines"]["settings"]["prompt_cache"] is False
-    assert all(server == simulated for server, simulated in _counts(audit)) and stored["equal"] == 20
+def test_a_log_that_pins_slots_gets_a_slot_per_session_with_no_flags(tmp_path):
+    for way in ("text_only", "token_ids"):  # both ways log the id_slot each request was sent with
+        path, stored = _log(tmp_path, "llama-pinned", way)
+        assert all(request.slot is not None for request in read_log(Path(path).read_text()).requests)
+        code, audit = run_cli("audit", path, "--sample", "0")
+        assert audit["engines"]["settings"]["prompt_cache"] is False
+        assert [simulated for _, simulated in _counts(audit)] == [row["simulated_cached_tokens"] for row in stored["rows"]]
+        bare = STORED["llama-pinned"]["no_flags"][way]
+        assert audit["observed"]["equal"] == bare["equal"] == stored["equal"]
+    assert all(server == simulated for server, simulated in _counts(audit))  # from the generated ids: every request
 
 
 @pytest.mark.parametrize("block", [32, 128])
-def test_a_vllm_log_with_no_flags_is_compared_with_vllm_and_the_fit_finds_its_block(tmp_path, block):
+def test_a_vllm_log_with_no_flags_is_compared_with_vllm_at_the_block_its_counts_show(tmp_path, block):
+    for way in ("token_ids", "text_only"):
+        path = _log(tmp_path, f"vllm-{block}", "token_ids")[0] if way == "token_ids" else _text_only(tmp_path, block)
+        code, audit = run_cli("audit", path, "--sample", "0")
+        assert code == 0
+        assert_valid_report(audit)
+        observed = audit["observed"]
+        assert observed["engine"] == "vllm" and f"block size {block} read from the log's counts" in observed["engine_evidence"]
+        assert audit["engines"]["settings"]["block"] == block
+        assert len(_counts(audit)) == 20 and all(server == simulated for server, simulated in _counts(audit))
+        assert STORED[f"vllm-{block}"]["no_flags"][way]["equal"] == STORED[f"vllm-{block}"][way]["equal"] == 20
+
+
+def _text_only(tmp_path: Path, block: int) -> str:
+    """The vLLM replay's log with its token ids dropped, as a gateway that logs text keeps it (``chat_replay``)."""
+    from benchmarks.interop.chat_replay import without_token_ids
+
+    path = tmp_path / f"vllm-{block}-text_only.jsonl"
+    path.write_text("".join(json.dumps(record) + "\n" for record in without_token_ids(STORED[f"vllm-{block}"]["log_token_ids"])))
+    return str(path)
+
+
+@pytest.mark.parametrize("block", [32, 128])
+def test_the_fit_finds_a_vllm_logs_block_and_the_flag_reproduces_it(tmp_path, block):
     path, stored = _log(tmp_path, f"vllm-{block}", "token_ids")
-    code, audit = run_cli("audit", path, "--sample", "0", "--fit-observed")
-    assert code == 0
-    assert_valid_report(audit)
-    observed = audit["observed"]
-    assert observed["engine"] == "vllm" and "system_fingerprint vllm-0.32.0" in observed["engine_evidence"]
-    fit = observed["fit"]
+    code, audit = run_cli("audit", path, "--sample", "0", "--fit-observed", "--block-size", "16")
+    fit = audit["observed"]["fit"]
     assert fit["engine"] == "vllm" and fit["best"] == {"block": block, "budget_tokens": None, "matches": 20, "share": 1.0}
-    assert fit["tied"] == [{"block": block, "budget_tokens": None, "matches": 20}] and stored["equal"] == 20
+    assert fit["tied"] == [{"block": block, "budget_tokens": None, "matches": 20}]
+    assert audit["engines"]["settings"]["block"] == 16 and "block size" not in audit["observed"]["engine_evidence"]  # as given
     code, audit = run_cli("audit", path, "--sample", "0", "--block-size", str(block))
     assert all(server == simulated for server, simulated in _counts(audit))
 
