@@ -13,6 +13,7 @@ from kvscope.engine.audit.logs.render import DEFAULT_CONTEXT_LIMIT
 from kvscope.engine.audit.logs.requests import RequestLogError
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.observed import OBSERVED_ENGINES, LogServer, Reported, log_server
+from kvscope.engine.audit.simulate.registry import CACHES
 
 
 @dataclass(frozen=True)
@@ -46,11 +47,12 @@ class ScanSettings:
     def for_log(self, reported: Sequence[Reported]) -> tuple[ScanSettings, LogServer]:
         """These settings decided for a log: the observed engine where not named (the server its answers name, else
         ``DEFAULT_ENGINE``), llama.cpp's mode (the server's own slot choice unless the log pins slots) and, where the
-        block size is not given and the engine is vLLM (named, or read from the answers: an assumed one's counts may be
-        a hosted provider's), the block its counts were served with; and why."""
+        block size is not given and the engine reports counts in whole blocks (``counts_in_blocks``: vLLM, named or read
+        from the answers; an assumed one's counts may be a hosted provider's), the block its counts were served with;
+        and why."""
         server = log_server(reported, self.observed_engine)
         cache = self.cache.for_log(pinned=server.pinned > 0)
-        if server.engine == "vllm" and not server.assumed and not self.block_given and cache.block == BLOCK_TOKENS:
+        if CACHES[server.engine].cache.counts_in_blocks and not server.assumed and not self.block_given and cache.block == BLOCK_TOKENS:
             counts = [item.observed_cached_tokens for item in reported]
             block = block_of_counts(counts)
             if block is not None:

@@ -45,6 +45,7 @@ class BlockCache(PrefixCache):
 
     name = "vllm"
     owned_by = "vllm"
+    counts_in_blocks = True
 
     @classmethod
     def wrote(cls, marks: Collection[str]) -> str | None:

@@ -103,6 +103,8 @@ class PrefixCache(ABC):
 
     name: ClassVar[str]
     hosted: ClassVar[bool] = False
+    # its server reports cached counts in whole blocks of its block size (so a log's counts tell the block: ``blocks.block_of_counts``)
+    counts_in_blocks: ClassVar[bool] = False
     owned_by: ClassVar[str | None] = None  # what the server's ``/v1/models`` says owns its model (``endpoint.client``)
     names_matches: ClassVar[bool] = False  # the one cache whose tree names each request's match (``Caches.matched``)
 
