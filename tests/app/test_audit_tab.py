@@ -344,7 +344,10 @@ def test_an_interleaved_log_is_reported_per_session_and_its_groups_cover_every_t
     drawn = {(x, y) for trace in view.sessions_figure.data if trace.mode == "markers" for x, y in zip(trace.x, trace.y)}
     assert drawn == {(row["request"], row["session"]) for row in data["requests"]}
     with pytest.raises(AppError, match="block size is at least 1"):
-        EngineInputs(block=0).cache()
+        EngineInputs(block=-4).cache()
+    # 0 or an empty box (a browser sends 0): not given, the log's counts decide, else the default
+    assert EngineInputs(block=0).cache().block == EngineInputs(block=None).cache().block == 16
+    assert not EngineInputs(block=0).block_given and not EngineInputs(block="").block_given and EngineInputs(block=32).block_given
     with pytest.raises(AppError, match="SGLang token budget cannot be negative"):
         EngineInputs(budget_tokens=-1).cache()
 

@@ -53,7 +53,7 @@ class EngineInputs:
     cached counts are compared with, and the replica counts of the fleets (comma-separated; empty: one server).
     :meth:`cache` and :meth:`fleets` check them; the audit and both rewrite measurements read the same ones."""
 
-    block: int | float | str | None = None  # empty: the default, or the block a vLLM log's counts show (``ScanSettings.for_log``)
+    block: int | float | str | None = 0  # 0 or empty: the block a vLLM log's counts show, else the default (``ScanSettings.for_log``)
     budget_blocks: int | float | str | None = 0
     budget_tokens: int | float | str | None = 0
     cache_reuse: int | float | str | None = 0
@@ -62,7 +62,7 @@ class EngineInputs:
 
     def cache(self) -> CacheSettings:
         """The simulated caches' settings, checked."""
-        block = number(self.block, "block size", CacheSettings.block)
+        block = number(self.block, "block size", 0) or CacheSettings.block  # a browser sends an empty box as 0
         values = {
             "vLLM block budget": number(self.budget_blocks, "vLLM block budget", 0),
             "SGLang token budget": number(self.budget_tokens, "SGLang token budget", 0),
@@ -80,7 +80,12 @@ class EngineInputs:
         """The token pass's settings, built and checked as the CLI builds them (``ScanSettings``): the caches, the observed
         engine (``AUTO_ENGINE``: the server the log's answers name), the fleets and the context limit."""
         named = None if self.observed_engine in (AUTO_ENGINE, None, "") else self.observed_engine
-        return ScanSettings(self.cache(), named, tuple(self.fleets()), context_limit, block_given=self.block not in (None, ""))
+        return ScanSettings(self.cache(), named, tuple(self.fleets()), context_limit, block_given=self.block_given)
+
+    @property
+    def block_given(self) -> bool:
+        """Whether the tab names a block size (0 or empty: the log's counts decide, else the default)."""
+        return number(self.block, "block size", 0) != 0
 
     def fleets(self) -> list[tuple[int, str]]:
         """The fleets to simulate (none without replica counts), every router at each (a bad count is refused by name, as

@@ -122,8 +122,8 @@ def engine_widgets() -> EngineWidgets:
     """The simulated engines' settings, folded away."""
     with gr.Accordion("Simulated engines", open=False, elem_id="audit-engine-settings"):
         return EngineWidgets(
-            # empty: the block a vLLM log's counts show, else the default (``ScanSettings.for_log``)
-            block=gr.Number(None, precision=0, label=f"vLLM block size (empty: the log's or {CacheSettings.block})", elem_id="audit-block"),
+            # 0: the block a vLLM log's counts show, else the default (``ScanSettings.for_log``)
+            block=gr.Number(0, precision=0, label=f"vLLM block size (0: the log's, else {CacheSettings.block})", elem_id="audit-block"),
             budget_blocks=gr.Number(0, precision=0, label="vLLM block budget (0: unbounded)", elem_id="audit-budget-blocks"),
             budget_tokens=gr.Number(0, precision=0, label="SGLang token budget (0: unbounded)", elem_id="audit-budget-tokens"),
             cache_reuse=gr.Number(0, precision=0, label="llama.cpp --cache-reuse N (0: off)", elem_id="audit-cache-reuse"),
