@@ -43,7 +43,6 @@ from kvscope.engine.audit.endpoint.answers import Probe
 from kvscope.engine.audit.endpoint.client import COMPLETIONS, EndpointClient, EndpointSettings
 from kvscope.engine.audit.endpoint.model_pass import EndpointAudit, audit_on_endpoint
 from kvscope.engine.audit.logs.reading import read_log
-from kvscope.engine.audit.logs.render import context_limit
 from kvscope.engine.audit.logs.requests import RequestLog
 from kvscope.engine.audit.measure.repairs import GRAINS, PROMPT_REPAIRS, Level
 from kvscope.engine.audit.measure.settings import measure_settings
@@ -117,7 +116,6 @@ def compare_log(lm: LoadedModel, client: EndpointClient, log: RequestLog, sample
         local.groups,
         tokenizer=lm.tokenizer,
         measure=local.measure,
-        limit=context_limit(lm),
         model=lm.name,
     )
     endpoint_s = watch.ms / 1000

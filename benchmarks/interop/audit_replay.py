@@ -60,6 +60,7 @@ from kvscope.engine.audit.measure.settings import DEFAULT_TOKENS, measure_settin
 from kvscope.engine.audit.measure.traffic import audit_traffic
 from kvscope.engine.audit.measure.turn import repaired_template
 from kvscope.engine.audit.rewrite.measure import RewriteReport, apply_template, measure_rewrites
+from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.token_pass import TrafficScan, scan_log
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.models import LoadedModel
@@ -83,7 +84,7 @@ class Rewrites:
     fidelity: dict[str, RewriteReport]
 
 
-def rewrites_of(lm: LoadedModel, log: RequestLog, repairs: Sequence[str], grain: str, tokens: int, settings: CacheSettings) -> Rewrites:
+def rewrites_of(lm: LoadedModel, log: RequestLog, repairs: Sequence[str], grain: str, tokens: int, settings: ScanSettings) -> Rewrites:
     """The log audited, each repair's template written and applied to the log, and every rewrite measured."""
     report = audit_traffic(
         lm, log, measure=measure_settings(repairs=repairs, tokens=tokens, grain=grain), settings=settings
@@ -228,7 +229,7 @@ def context_for(scans: Sequence[TrafficScan], slots: int) -> int:
 def run_log(lm: LoadedModel, name: str, args, gguf: Path, model: str) -> dict:
     """One log and its repairs' rewritten logs, replayed on one server started for them."""
     log = read_log((Path(args.log_dir) / f"{name}.jsonl").read_text(encoding="utf-8"))
-    settings = CacheSettings()  # one slot per session, no --cache-reuse: as the server is started and asked
+    settings = ScanSettings(CacheSettings(prompt_cache=False))  # one slot per session, no --cache-reuse: as the server is started and asked
     print(f"{name}: auditing, writing and measuring the templates of {', '.join(args.repairs)}", flush=True)
     rewrites = rewrites_of(lm, log, args.repairs, args.grain, args.tokens, settings)
     scans = {label: scan_log(lm.tokenizer, rewritten, settings, model=lm.name) for label, rewritten in rewrites.logs.items()}
@@ -314,7 +315,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "generated_tokens": args.tokens,
         "repairs": args.repairs,
         "simulated_engine": ENGINE,
-        "cache_settings": CacheSettings().as_dict(),
+        "cache_settings": CacheSettings(prompt_cache=False).as_dict(),
         "server_cached_source": "timings.cache_n of /completion (timings.prompt_n: tokens evaluated)",
         "logs": logs,
         "summary": summary(logs),

@@ -43,11 +43,13 @@ import torch
 
 from benchmarks import common
 from kvscope.engine.audit.logs.reading import read_log
+from kvscope.engine.audit.logs.render import context_limit
 from kvscope.engine.audit.logs.requests import RequestLog, RequestLogError
 from kvscope.engine.audit.measure.settings import DEFAULT_TOKENS
 from kvscope.engine.audit.prompts.repair_requests import RepairNotApplicable
 from kvscope.engine.audit.prompts.template import written_template
 from kvscope.engine.audit.rewrite.measure import apply_template
+from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.token_pass import scan_log
 from kvscope.engine.models import gguf, load_tokenizer
 from kvscope.engine.scenario import DEMOS
@@ -85,7 +87,7 @@ def rewritten_log(log: RequestLog, tokenizer, repair: str) -> tuple[str, str] | 
     """The log rewritten as ``repair`` sends its last changed field (``--template-out --template-repair``, built from
     the token pass, applied as ``--template`` applies it), as JSONL, and the repair applied; None where neither of
     :data:`REWRITES` applies."""
-    scan = scan_log(tokenizer.tokenizer, log, limit=int(tokenizer.info().get("max_positions") or 32_768), model=tokenizer.name)
+    scan = scan_log(tokenizer.tokenizer, log, ScanSettings(context_limit=context_limit(tokenizer)), model=tokenizer.name)
     changed = [index for index, diff in scan.diffs.items() if diff is not None and diff.fields]
     if not changed:
         return None
@@ -115,7 +117,7 @@ def distinct_prompts(tokenizer, *logs: RequestLog) -> list[list[int]]:
     limit = int(tokenizer.info().get("max_positions") or 32_768)
     prompts = {}
     for log in logs:
-        scan = scan_log(tokenizer.tokenizer, log, limit=limit, model=tokenizer.name)
+        scan = scan_log(tokenizer.tokenizer, log, ScanSettings(context_limit=limit), model=tokenizer.name)
         for rendered in scan.rendered.values():
             prompts.setdefault(tuple(rendered.ids), None)
     return [list(ids) for ids in prompts]

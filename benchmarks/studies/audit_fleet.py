@@ -17,6 +17,7 @@ from pathlib import Path
 from benchmarks import common
 from benchmarks.studies.audit_scale import _embedded_tokenizer_dir, synthetic_log
 from kvscope.engine.audit.logs.reading import read_log
+from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.token_pass import scan_log
 from kvscope.engine.audit.simulate.fleet import fleet_grid
 from kvscope.viz.fleet import fleet_markdown
@@ -24,7 +25,7 @@ from kvscope.viz.fleet import fleet_markdown
 
 def fleet_study(text: str, tokenizer, replicas: str) -> dict:
     """One log's hit rate on one server and behind each router at each replica count."""
-    scan = scan_log(tokenizer, read_log(text), fleet=fleet_grid(replicas, None))
+    scan = scan_log(tokenizer, read_log(text), ScanSettings(fleet=tuple(fleet_grid(replicas, None))))
     return {"requests": len(scan.requests), "engines": scan.totals(), "fleet": [result.as_dict() for result in scan.fleet]}
 
 

@@ -273,12 +273,14 @@ def _worker(log: str, tokenizer_dir: str, budget_tokens: int) -> None:
 
     from kvscope.engine.audit.logs.reading import read_log
     from kvscope.engine.audit.logs.render import TextEncoder
+    from kvscope.engine.audit.scan.settings import ScanSettings
     from kvscope.engine.audit.scan.token_pass import scan_log
     from kvscope.engine.audit.simulate.caches import CacheSettings
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     text = Path(log).read_text(encoding="utf-8")
-    settings = CacheSettings(budget_tokens=budget_tokens, budget_blocks=budget_tokens // 16) if budget_tokens else CacheSettings()
+    cache = CacheSettings(budget_tokens=budget_tokens, budget_blocks=budget_tokens // 16) if budget_tokens else CacheSettings()
+    settings = ScanSettings(cache)
     start, cpu_start = time.perf_counter(), time.process_time()
     log = read_log(text)
     scan = scan_log(tokenizer, log, settings)
@@ -484,16 +486,18 @@ def stage2_memory(size: int, sessions: int, tokenizer_dir: Path, budget_tokens: 
     from kvscope.engine.audit.distributed.token_pass import _Driver
     from kvscope.engine.audit.logs.render import end_of_turn_ids
     from kvscope.engine.audit.logs.shards import plan_shards
+    from kvscope.engine.audit.scan.settings import ScanSettings
     from kvscope.engine.audit.simulate.caches import CacheSettings
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    settings = CacheSettings(budget_tokens=budget_tokens, budget_blocks=budget_tokens // 16) if budget_tokens else CacheSettings()
+    cache = CacheSettings(budget_tokens=budget_tokens, budget_blocks=budget_tokens // 16) if budget_tokens else CacheSettings()
+    settings = ScanSettings(cache)
     with tempfile.TemporaryDirectory() as folder:
         log = Path(folder) / "agents.jsonl"
         log.write_text("\n".join(json.dumps(record) for record in synthetic_log(size, sessions)) + "\n", encoding="utf-8")
-        worker = ShardTokenPass(tokenizer, "auto", 32_768, "embedded", settings.block, {})  # no Langfuse traces to join
+        worker = ShardTokenPass(tokenizer, "auto", settings, "embedded", {})  # no Langfuse traces to join
         tracemalloc.start()
-        driver, first, tokens = _Driver(settings, (), end_of_turn_ids(tokenizer)), 1, 0
+        driver, first, tokens = _Driver(settings, end_of_turn_ids(tokenizer)), 1, 0
         for number, shard in enumerate(plan_shards([log])):
             part = worker.tokens(number, shard, first, None)  # the synthetic log is in time order
             first += len(part.records)
