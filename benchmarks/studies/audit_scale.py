@@ -294,7 +294,7 @@ def _worker(log: str, tokenizer_dir: str, budget_tokens: int) -> None:
                 "seconds": round(seconds, 2),
                 "cpu_seconds": round(cpu_seconds, 2),
                 "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-                "settings": settings.as_dict(),
+                "settings": settings.cache.as_dict(),
                 "requests": len(rows),
                 "tokens": sum(r.tokens for r in rows),
                 "min_tokens": min(r.tokens for r in rows),
@@ -510,7 +510,7 @@ def stage2_memory(size: int, sessions: int, tokenizer_dir: Path, budget_tokens: 
     return {
         "requests": size,
         "mean_tokens": round(tokens / size),
-        "settings": settings.as_dict(),
+        "settings": settings.cache.as_dict(),
         "driver_bytes_per_request": round(kept / size),
         "caches_bytes_per_request": round(caches / size),
     }
