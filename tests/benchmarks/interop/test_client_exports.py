@@ -13,6 +13,7 @@ from benchmarks.interop.client_exports import CLIENTS, EXPORTS, SESSIONS
 from kvscope.engine.audit.logs.reading import read_log
 from kvscope.engine.audit.logs.replies import finish_of
 from kvscope.engine.audit.logs.shards import read_logs
+from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.token_pass import scan_log
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.models.loading import load_tokenizer
@@ -45,7 +46,7 @@ LANGFUSE = ("langfuse", "langfuse-5")  # the SDK 3.15 and 5.x: the same attribut
 CACHED_COUNT_LOGGED = {"litellm", *LANGFUSE, "helicone"}
 TURNS = len(SESSIONS[0]["users"])
 # the server's defaults met by a client that names no slot: 4 slots with one KV cache and the RAM prompt cache
-LLAMA_DEFAULTS = CacheSettings(block=1, prompt_cache=True)
+LLAMA_DEFAULTS = ScanSettings(CacheSettings(block=1, prompt_cache=True), "llama_cpp")
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +59,7 @@ def _answers(client: str) -> dict:
 
 
 def _scan(tokenizer, client: str):
-    return scan_log(tokenizer, read_log((EXPORTS / f"{client}.jsonl").read_text()), LLAMA_DEFAULTS, observed_engine="llama_cpp")
+    return scan_log(tokenizer, read_log((EXPORTS / f"{client}.jsonl").read_text()), LLAMA_DEFAULTS)
 
 
 def _true_session(position: int) -> str:
