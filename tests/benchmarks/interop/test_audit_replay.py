@@ -14,7 +14,7 @@ from kvscope.engine.audit.measure.settings import measure_settings
 from kvscope.engine.audit.measure.traffic import audit_traffic
 from kvscope.engine.audit.measure.turn import repaired_template
 from kvscope.engine.audit.rewrite.measure import apply_template, measure_rewrite
-from kvscope.engine.audit.simulate.caches import CacheSettings
+from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.models.tiny import tiny_model
 from kvscope.viz.audit import KL_FLOOR
 from kvscope.viz.benchmarks import audit_replay_figure
@@ -45,7 +45,7 @@ DESK = [_request("a", "09:41", "Hi"), _request("b", "09:41", "Hi"), _request("a"
 def test_the_replayed_rewrites_are_the_templates_the_audit_writes_measured_as_template_measures_them():
     lm, log = tiny_model("qwen2"), read_log("\n".join(DESK))
     repairs = ["erratum", "hoist", "coarsen"]
-    rewrites = audit_replay.rewrites_of(lm, log, repairs, "hour", 2, CacheSettings())
+    rewrites = audit_replay.rewrites_of(lm, log, repairs, "hour", 2, ScanSettings())
     report = audit_traffic(lm, log, measure=measure_settings(repairs=repairs, tokens=2, grain="hour")).measured_report()
     assert list(rewrites.logs) == ["original", "erratum", "hoist", "coarsen"] and rewrites.logs["original"] == log
     for repair in repairs:  # every request rewritten, not only the one whose clock changed
@@ -67,7 +67,7 @@ def test_the_replayed_rewrites_are_the_templates_the_audit_writes_measured_as_te
     original = audit_replay.with_fidelity({"requests": [{"request": i} for i in (1, 2, 3)]}, rewrites.fidelity["original"])["fidelity"]
     assert original["max_kl"] == 0 and original["top1_agree"] == original["same_text"] == 3
     tier = read_log("\n".join(line.replace("09:42", "09:41").replace("Session started", "Tier: gold\\nSession started") for line in DESK))
-    refused = audit_replay.rewrites_of(lm, tier, ["coarsen"], "date", 1, CacheSettings())
+    refused = audit_replay.rewrites_of(lm, tier, ["coarsen"], "date", 1, ScanSettings())
     assert list(refused.logs) == ["original"] and "no field changed in this log" in refused.templates["coarsen"]["reason"]
 
 
