@@ -49,7 +49,7 @@ def test_the_import_contracts_hold():
         ("kvscope/engine/probes/common.py", "import transformers", "transformers is imported by the cache and model layers"),
         ("kvscope/app/tabs/composer.py", "from kvscope.engine.compose.splice import X", "the app imports the engine's public API only"),
         ("kvscope/engine/audit/logs/requests.py", "import kvscope.engine.audit.measure.turn", "the audit's stages in layers"),
-        ("kvscope/engine/audit/simulate/caches.py", "import kvscope.engine.audit.scan.token_pass", "the audit's stages in layers"),
+        ("kvscope/engine/audit/simulate/caches.py", "import kvscope.engine.audit.scan.traffic_scan", "the audit's stages in layers"),
         ("kvscope/viz/audit.py", "import kvscope.engine.models.gguf", "reach models through LoadedModel"),
     ],
 )

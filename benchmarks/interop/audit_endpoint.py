@@ -41,7 +41,7 @@ from benchmarks.common import cpu_info
 from benchmarks.serving.serving_servers import SERVER_BINARY, LlamaServer, resolve_gguf
 from kvscope.engine.audit.endpoint.answers import Probe
 from kvscope.engine.audit.endpoint.client import COMPLETIONS, EndpointClient, EndpointSettings
-from kvscope.engine.audit.endpoint.model_pass import EndpointAudit, audit_on_endpoint
+from kvscope.engine.audit.endpoint.served_measure import EndpointAudit, audit_on_endpoint
 from kvscope.engine.audit.logs.reading import read_log
 from kvscope.engine.audit.logs.requests import RequestLog
 from kvscope.engine.audit.measure.repairs import GRAINS, PROMPT_REPAIRS, Level

@@ -5,7 +5,7 @@ simulated llama.cpp cache, request by request, for the original log and the rewr
     python -m benchmarks.interop.audit_replay [--logs coding_agent,support_agent,rag,traffic/interleaved_agents]
                                       [--repairs erratum,hoist,coarsen] [--grain date] [--tokens 32] [--reps 1] [--threads 2]
 
-Each log goes through the audit's token pass (``kvscope.engine.audit.scan.token_pass.scan_log``): every request rendered with the
+Each log goes through the audit's token pass (``kvscope.engine.audit.scan.traffic_scan.scan_log``): every request rendered with the
 model's chat template, and fed to the simulated llama.cpp server (``caches.SlotCache``: one slot per session, here
 without ``--cache-reuse``, so only the common prefix with the slot counts). The same token ids are then sent, in log
 order, to one llama-server per log started as the serving benchmark starts it (``serving_servers.LlamaServer``: RAM
@@ -61,7 +61,7 @@ from kvscope.engine.audit.measure.traffic import audit_traffic
 from kvscope.engine.audit.measure.turn import repaired_template
 from kvscope.engine.audit.rewrite.measure import RewriteReport, apply_template, measure_rewrites
 from kvscope.engine.audit.scan.settings import ScanSettings
-from kvscope.engine.audit.scan.token_pass import TrafficScan, scan_log
+from kvscope.engine.audit.scan.traffic_scan import TrafficScan, scan_log
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.models import LoadedModel
 from kvscope.engine.scenario import DEMOS

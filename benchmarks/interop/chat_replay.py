@@ -11,7 +11,7 @@ turn 2, ...) to ``/v1/chat/completions`` at temperature 0, session k with ``max_
 record (``request``, ``response``, ``timestamp``, ``session_id``), the log a gateway in front of the server writes.
 
 The log is then audited as ``kvscope audit LOG --observed-engine E --block-size B`` reads it (``reading.read_log``,
-``token_pass.scan_log``: the replies go into the simulated caches as servers cache them, ``kvscope.engine.audit.logs.replies``), and per
+``traffic_scan.scan_log``: the replies go into the simulated caches as servers cache them, ``kvscope.engine.audit.logs.replies``), and per
 request the server's ``usage.prompt_tokens_details.cached_tokens`` is set beside the simulated engine's reuse:
 
 - ``vllm-B``: vLLM's CPU build (``scripts/vllm_cpu.sh``) at block size B, the simulated ``vllm`` engine at block B.
@@ -47,7 +47,7 @@ from benchmarks.common import cpu_info
 from benchmarks.serving.serving_servers import SERVER_BINARY, LlamaServer, VllmServer, embedded_gguf
 from kvscope.engine.audit.logs.reading import read_log
 from kvscope.engine.audit.scan.settings import ScanSettings
-from kvscope.engine.audit.scan.token_pass import scan_log
+from kvscope.engine.audit.scan.traffic_scan import scan_log
 from kvscope.engine.audit.simulate.caches import CacheSettings
 
 RESULTS = Path(__file__).resolve().parent / "results"

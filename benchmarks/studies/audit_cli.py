@@ -50,7 +50,7 @@ from kvscope.engine.audit.prompts.repair_requests import RepairNotApplicable
 from kvscope.engine.audit.prompts.template import written_template
 from kvscope.engine.audit.rewrite.measure import apply_template
 from kvscope.engine.audit.scan.settings import ScanSettings
-from kvscope.engine.audit.scan.token_pass import scan_log
+from kvscope.engine.audit.scan.traffic_scan import scan_log
 from kvscope.engine.models import gguf, load_tokenizer
 from kvscope.engine.scenario import DEMOS
 

@@ -18,7 +18,7 @@ from benchmarks import common
 from benchmarks.studies.audit_scale import _embedded_tokenizer_dir, synthetic_log
 from kvscope.engine.audit.logs.reading import read_log
 from kvscope.engine.audit.scan.settings import ScanSettings
-from kvscope.engine.audit.scan.token_pass import scan_log
+from kvscope.engine.audit.scan.traffic_scan import scan_log
 from kvscope.engine.audit.simulate.fleet import fleet_grid
 from kvscope.viz.fleet import fleet_markdown
 

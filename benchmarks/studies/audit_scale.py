@@ -5,7 +5,7 @@ line in the system prompt) from 50 interleaved sessions, 1,000 and 10,000 reques
         [--out benchmarks/studies/results]
 
 Each size is written to a JSONL log and, unbounded and again under a KV budget (SGLang ``--budget-tokens``, vLLM as
-many tokens in blocks), its token pass (``kvscope.engine.audit.scan.token_pass.scan_log``: render, match, fields,
+many tokens in blocks), its token pass (``kvscope.engine.audit.scan.traffic_scan.scan_log``: render, match, fields,
 causes and the three simulated engines; no model forward) runs in a fresh process, which reports its wall time and
 peak RSS. Where ``kvlint`` is installed its ``analyze`` runs on the same log with the same tokenizer, in its own
 process, timed the same way (optional: the reason is written when it is not run).
@@ -274,7 +274,7 @@ def _worker(log: str, tokenizer_dir: str, budget_tokens: int) -> None:
     from kvscope.engine.audit.logs.reading import read_log
     from kvscope.engine.audit.logs.render import TextEncoder
     from kvscope.engine.audit.scan.settings import ScanSettings
-    from kvscope.engine.audit.scan.token_pass import scan_log
+    from kvscope.engine.audit.scan.traffic_scan import scan_log
     from kvscope.engine.audit.simulate.caches import CacheSettings
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
@@ -395,13 +395,13 @@ def _scale_worker(mode: str, log: str, tokenizer_dir: str, workers: int) -> None
     from transformers import AutoTokenizer
 
     from kvscope.engine.audit.logs.shards import LogFiles, read_logs
-    from kvscope.engine.audit.scan.token_pass import scan_log
+    from kvscope.engine.audit.scan.traffic_scan import scan_log
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     started = 0.0
     if mode == "ray":
+        from kvscope.engine.audit.distributed.ray_scan import ray_scan
         from kvscope.engine.audit.distributed.ray_setup import start_ray
-        from kvscope.engine.audit.distributed.token_pass import ray_scan
 
         begin = time.perf_counter()
         start_ray("local", workers)
@@ -482,8 +482,8 @@ def stage2_memory(size: int, sessions: int, tokenizer_dir: Path, budget_tokens: 
 
     from transformers import AutoTokenizer
 
+    from kvscope.engine.audit.distributed.ray_scan import _Driver
     from kvscope.engine.audit.distributed.shard_tokens import ShardTokenPass
-    from kvscope.engine.audit.distributed.token_pass import _Driver
     from kvscope.engine.audit.logs.render import end_of_turn_ids
     from kvscope.engine.audit.logs.shards import plan_shards
     from kvscope.engine.audit.scan.settings import ScanSettings

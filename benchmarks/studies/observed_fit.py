@@ -24,9 +24,9 @@ from pathlib import Path
 from benchmarks import common
 from benchmarks.common import cpu_info
 from benchmarks.studies.audit_scale import _embedded_tokenizer_dir, synthetic_log
-from kvscope.engine.audit.blocks import BLOCK_SIZES
 from kvscope.engine.audit.logs.reading import read_log
-from kvscope.engine.audit.scan.token_pass import scan_log
+from kvscope.engine.audit.paged_blocks import BLOCK_SIZES
+from kvscope.engine.audit.scan.traffic_scan import scan_log
 from kvscope.engine.audit.simulate.caches import BlockCache
 from kvscope.engine.audit.simulate.observed import fit_observed
 from kvscope.engine.audit.simulate.prefix_cache import CacheRequest

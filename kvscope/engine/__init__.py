@@ -157,9 +157,9 @@ _PUBLIC = {
     "MeasureSettings": "kvscope.engine.audit.measure.settings",
     "MessageProgress": "kvscope.engine.progress",
     "Notebook": "kvscope.engine.cache.notebook",
-    "NotesScenario": "kvscope.engine.audit.measure.notes",
+    "NotesScenario": "kvscope.engine.audit.measure.notes_scenario",
     "OBSERVED_ENGINES": "kvscope.engine.audit.simulate.observed",
-    "NotesChoice": "kvscope.engine.audit.measure.notes",
+    "NotesChoice": "kvscope.engine.audit.measure.notes_scenario",
     "PLACEMENTS": "kvscope.engine.compose.placing",
     "PROBES": "kvscope.engine.probes.registry",
     "REPAIRS": "kvscope.engine.audit.measure.repairs",
@@ -232,10 +232,10 @@ _PUBLIC = {
     "load_model": "kvscope.engine.models",
     "load_tokenizer": "kvscope.engine.models",
     "measure_rewrite": "kvscope.engine.audit.rewrite.measure",
-    "measure_rewrite_on_endpoint": "kvscope.engine.audit.endpoint.model_pass",
-    "notes_scenario": "kvscope.engine.audit.measure.notes",
-    "notes_choices": "kvscope.engine.audit.measure.notes",
-    "preferred_choice": "kvscope.engine.audit.measure.notes",
+    "measure_rewrite_on_endpoint": "kvscope.engine.audit.endpoint.served_measure",
+    "notes_scenario": "kvscope.engine.audit.measure.notes_scenario",
+    "notes_choices": "kvscope.engine.audit.measure.notes_scenario",
+    "preferred_choice": "kvscope.engine.audit.measure.notes_scenario",
     "offline_aliases": "kvscope.engine.models",
     "parse_prompt": "kvscope.engine.audit.logs.reading",
     "prefix_cache_stop": "kvscope.engine.audit.prompts.text_spans",
@@ -412,11 +412,11 @@ if TYPE_CHECKING:
     from kvscope.engine.audit.changes.fields import candidate_spans
     from kvscope.engine.audit.ci.gate import rewrite_markdown
     from kvscope.engine.audit.endpoint.client import EndpointClient, EndpointSettings
-    from kvscope.engine.audit.endpoint.model_pass import measure_rewrite_on_endpoint
+    from kvscope.engine.audit.endpoint.served_measure import measure_rewrite_on_endpoint
     from kvscope.engine.audit.logs.reading import parse_prompt, read_log
     from kvscope.engine.audit.logs.render import RenderedRequest, render_request
     from kvscope.engine.audit.logs.requests import Request, RequestLogError
-    from kvscope.engine.audit.measure.notes import NotesChoice, NotesScenario, notes_choices, notes_scenario, preferred_choice
+    from kvscope.engine.audit.measure.notes_scenario import NotesChoice, NotesScenario, notes_choices, notes_scenario, preferred_choice
     from kvscope.engine.audit.measure.repairs import GRAINS, REPAIR_SUMMARIES, REPAIRS
     from kvscope.engine.audit.measure.settings import MeasureSettings, check_repairs, measure_settings
     from kvscope.engine.audit.measure.traffic import DEFAULT_SAMPLE, audit_traffic, pending_report

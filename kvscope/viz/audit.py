@@ -19,11 +19,11 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from kvscope.engine.audit.blocks import BLOCK_TOKENS
 from kvscope.engine.audit.changes.causes import CAUSES
 from kvscope.engine.audit.ci.report import AuditJSON, LogAudit
 from kvscope.engine.audit.logs.requests import Skipped
 from kvscope.engine.audit.measure.turn import AuditTurnDict
+from kvscope.engine.audit.paged_blocks import BLOCK_TOKENS
 from kvscope.engine.audit.report.types import RepairDict
 from kvscope.engine.audit.simulate.hosted import TOKENS_NOTE
 from kvscope.engine.audit.simulate.observed import OBSERVED_CAUSES

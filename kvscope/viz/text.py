@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 
-from kvscope.engine.audit.measure.notes import NotesChoice, NotesScenario
+from kvscope.engine.audit.measure.notes_scenario import NotesChoice, NotesScenario
 from kvscope.engine.cache.decision import DECISIVE_MARGIN, Decision
 from kvscope.engine.cache.selftest import SelfTestReport
 from kvscope.engine.checks.support import SupportRow

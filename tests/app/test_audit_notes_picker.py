@@ -14,7 +14,7 @@ from kvscope.app.handlers.audit_log import NOTHING_TO_AUDIT, bundled_log_text, n
 from kvscope.app.handlers.audit_settings import AuditInputs
 from kvscope.app.handlers.common import AppError
 from kvscope.app.handlers.your_prompt import run_audit
-from kvscope.engine.audit.measure.notes import NotesChoice
+from kvscope.engine.audit.measure.notes_scenario import NotesChoice
 from kvscope.engine.cache.decision import RECOVERY_MIN_GAP
 
 # the RAG log's changes, written out by hand from demos/logs/rag.jsonl: (request, field, old, new), the latest of each name

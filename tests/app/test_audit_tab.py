@@ -24,13 +24,13 @@ from kvscope.app.handlers.your_prompt import prompt_candidates, run_audit, run_a
 from kvscope.app.hosting import local_profile, public_profile
 from kvscope.app.state import ExportFolder, ModelRegistry, SessionStore
 from kvscope.app.tabs.your_prompt import with_coarsen
-from kvscope.engine.audit.blocks import BLOCK_TOKENS
 from kvscope.engine.audit.changes.causes import CAUSES
 from kvscope.engine.audit.changes.fields import diff_requests
 from kvscope.engine.audit.logs.reading import parse_log, read_log
 from kvscope.engine.audit.logs.render import render_request
 from kvscope.engine.audit.logs.requests import RequestLogError
 from kvscope.engine.audit.measure.turn import repaired_template
+from kvscope.engine.audit.paged_blocks import BLOCK_TOKENS
 from kvscope.engine.scenario import Scenario, bundled_logs
 from kvscope.viz.audit import MAX_TABLE_ROWS
 from kvscope.viz.common import markdown_literal

@@ -5,7 +5,7 @@ formats read named, and the observed hit rate in words. Screenshots go to test-a
 import pytest
 
 from kvscope.engine.audit.logs.reading import read_log
-from kvscope.engine.audit.scan.token_pass import scan_log
+from kvscope.engine.audit.scan.traffic_scan import scan_log
 from kvscope.engine.models import load_model
 from tests.app.browser_waits import wait_for_app
 from tests.app.conftest import TINY

@@ -3,7 +3,7 @@
 import pytest
 
 from kvscope.engine.audit.logs.reading import read_log
-from kvscope.engine.audit.measure.notes import notes_scenario
+from kvscope.engine.audit.measure.notes_scenario import notes_scenario
 from kvscope.engine.audit.measure.settings import measure_settings
 from kvscope.engine.audit.measure.traffic import audit_traffic
 from kvscope.engine.cache.selftest import run_selftest

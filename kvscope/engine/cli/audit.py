@@ -14,7 +14,7 @@ from kvscope.engine.audit.logs.formats import FORMATS
 from kvscope.engine.audit.logs.reading import parse_prompt, read_log
 from kvscope.engine.audit.logs.requests import RequestLog, RequestLogError
 from kvscope.engine.audit.logs.shards import LogFiles
-from kvscope.engine.audit.logs.sources import SOURCES
+from kvscope.engine.audit.logs.sources import EXPORT_SOURCES
 from kvscope.engine.audit.measure.kv_store import ComputedStates
 from kvscope.engine.audit.measure.repairs import GRAINS, PROMPT_REPAIRS, REPAIRS
 from kvscope.engine.audit.measure.settings import DEFAULT_MIN_AGREEMENT, DEFAULT_THRESHOLD, DEFAULT_TOKENS, MeasureSettings
@@ -146,7 +146,7 @@ AUDIT: Group = (
     arg(
         "--format",
         default=AUTO_FORMAT,
-        choices=[AUTO_FORMAT, *FORMATS, *SOURCES],
+        choices=[AUTO_FORMAT, *FORMATS, *EXPORT_SOURCES],
         help="the log's request format or export (auto: detected per record)",
     ),
     arg("--sample", type=int, default=DEFAULT_SAMPLE, help="turns measured with the model per change signature (0: token pass only)"),

@@ -1,5 +1,5 @@
 """``audit --endpoint URL``: the audit's model pass (sampled groups, ``--rewritten``, ``--template``) measured on an
-OpenAI-compatible endpoint (:mod:`kvscope.engine.audit.endpoint.model_pass`); the local ``--model`` gives only the tokenizer's
+OpenAI-compatible endpoint (:mod:`kvscope.engine.audit.endpoint.served_measure`); the local ``--model`` gives only the tokenizer's
 token pass. The API key comes from the environment (``KVSCOPE_ENDPOINT_KEY``), never from a flag."""
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from kvscope.engine.audit.endpoint.client import (
     EndpointClient,
     EndpointSettings,
 )
-from kvscope.engine.audit.endpoint.model_pass import audit_on_endpoint, measure_rewrite_on_endpoint
+from kvscope.engine.audit.endpoint.served_measure import audit_on_endpoint, measure_rewrite_on_endpoint
 from kvscope.engine.audit.logs.render import context_limit
 from kvscope.engine.audit.logs.requests import RequestLog
 from kvscope.engine.audit.logs.shards import LogFiles
 from kvscope.engine.audit.measure.settings import MeasureSettings
 from kvscope.engine.audit.measure.traffic import audit_traffic
 from kvscope.engine.audit.scan.settings import ScanSettings
-from kvscope.engine.audit.scan.token_pass import sample_groups
+from kvscope.engine.audit.scan.traffic_scan import sample_groups
 from kvscope.engine.cli.common import Group, arg, progress
 from kvscope.engine.cli.scale import token_pass
 from kvscope.engine.models import LoadedModel

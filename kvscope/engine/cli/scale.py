@@ -11,7 +11,7 @@ from kvscope.engine.audit.logs.requests import RequestLogError
 from kvscope.engine.audit.logs.shards import LogFiles
 from kvscope.engine.audit.measure.traffic import MeasureTurns, TokenPass
 from kvscope.engine.audit.scan.settings import ScanSettings
-from kvscope.engine.audit.scan.token_pass import TrafficScan
+from kvscope.engine.audit.scan.traffic_scan import TrafficScan
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.fleet import ROUTINGS, fleet_grid
 from kvscope.engine.cache.loaded import LoadedModel
@@ -78,7 +78,7 @@ def token_pass(args: argparse.Namespace, lm: LoadedModel) -> TokenPass | None:
     if not args.ray:
         return None
     _start_ray(args)
-    from kvscope.engine.audit.distributed.token_pass import ray_scan
+    from kvscope.engine.audit.distributed.ray_scan import ray_scan
 
     def run(log: LogFiles, settings: ScanSettings) -> TrafficScan:
         return ray_scan(

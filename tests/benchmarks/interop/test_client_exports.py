@@ -14,7 +14,7 @@ from kvscope.engine.audit.logs.reading import read_log
 from kvscope.engine.audit.logs.replies import finish_of
 from kvscope.engine.audit.logs.shards import read_logs
 from kvscope.engine.audit.scan.settings import ScanSettings
-from kvscope.engine.audit.scan.token_pass import scan_log
+from kvscope.engine.audit.scan.traffic_scan import scan_log
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.models.loading import load_tokenizer
 

@@ -23,7 +23,7 @@ from benchmarks.serving.serving_servers import VllmServer
 from benchmarks.serving.serving_workload import Variant, build_workload, load_scenario
 from kvscope.engine.audit.logs.reading import read_log
 from kvscope.engine.audit.scan.settings import ScanSettings
-from kvscope.engine.audit.scan.token_pass import scan_log
+from kvscope.engine.audit.scan.traffic_scan import scan_log
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.metrics import observed_aggregate
 from kvscope.engine.audit.simulate.observed import fit_observed

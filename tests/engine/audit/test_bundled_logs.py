@@ -17,7 +17,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from kvscope.engine.audit.logs.reading import read_log
-from kvscope.engine.audit.scan.token_pass import TrafficScan, sample_groups, scan_log
+from kvscope.engine.audit.scan.traffic_scan import TrafficScan, sample_groups, scan_log
 from kvscope.engine.models import load_model
 from kvscope.engine.models.gguf import EMBEDDED_SHA256
 from kvscope.engine.models.store import cache_dir

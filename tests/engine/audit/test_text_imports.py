@@ -17,7 +17,7 @@ def _modules(stage: str) -> list[str]:
 
 
 def test_every_text_stage_module_imports_no_torch():
-    modules = ["kvscope.engine.audit.blocks", *(module for stage in TEXT_STAGES for module in _modules(stage))]
+    modules = ["kvscope.engine.audit.paged_blocks", *(module for stage in TEXT_STAGES for module in _modules(stage))]
     assert len(modules) > 25 and all(module.split(".")[3] in kvscope.engine.audit.__doc__ for module in modules)
     code = f"import sys, {', '.join(modules)}; print(sorted({{'torch', 'transformers'}} & set(sys.modules)))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

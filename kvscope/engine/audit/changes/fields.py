@@ -20,9 +20,9 @@ from typing import Annotated
 import numpy as np
 from pydantic import Field
 
-from kvscope.engine.audit.blocks import block_prefix
 from kvscope.engine.audit.logs.render import RenderedRequest
 from kvscope.engine.audit.logs.requests import RequestLogError
+from kvscope.engine.audit.paged_blocks import block_prefix
 from kvscope.engine.audit.report.records import HIDDEN, Record
 
 ANCHOR_TOKENS = 8  # equal tokens that resynchronise the diff after a change

@@ -19,7 +19,7 @@ from typing import NotRequired
 from pydantic import ConfigDict, TypeAdapter
 from typing_extensions import TypedDict  # pydantic reads a TypedDict from typing_extensions on Python 3.11
 
-from kvscope.engine.audit.endpoint.model_pass import EndpointRepairFidelity
+from kvscope.engine.audit.endpoint.served_measure import EndpointRepairFidelity
 from kvscope.engine.audit.logs.requests import ReadingDict, Skipped
 from kvscope.engine.audit.measure.traffic import RepairFidelity
 from kvscope.engine.audit.measure.turn import AuditTurnDict
@@ -34,7 +34,7 @@ from kvscope.engine.audit.report.types import (
     TotalsDict,
     TrafficGroupDict,
 )
-from kvscope.engine.audit.scan.token_pass import SessionSummary, TrafficRequest
+from kvscope.engine.audit.scan.traffic_scan import SessionSummary, TrafficRequest
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.fleet import FleetResult
 

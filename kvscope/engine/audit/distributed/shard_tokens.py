@@ -1,4 +1,4 @@
-"""Stage 1 of the token pass on Ray (``token_pass`` says the whole plan): an actor that holds the tokenizer reads,
+"""Stage 1 of the token pass on Ray (``ray_scan`` says the whole plan): an actor that holds the tokenizer reads,
 unwraps, renders and tokenizes a shard's requests, hashes their blocks and computes each row against its match among
 the shard's earlier requests (``ShardTokenPass``), returning compact records (``TokenRecord``, ``ShardTokens``)."""
 
@@ -13,14 +13,14 @@ from typing import Any
 
 import numpy as np
 
-from kvscope.engine.audit.blocks import block_hashes
 from kvscope.engine.audit.changes.fields import TurnDiff
 from kvscope.engine.audit.logs.reading import join_traces
 from kvscope.engine.audit.logs.render import render_batch
 from kvscope.engine.audit.logs.requests import Request, RequestLogError, Skipped
 from kvscope.engine.audit.logs.shards import Shard, read_shard
+from kvscope.engine.audit.paged_blocks import block_hashes
 from kvscope.engine.audit.scan.settings import ScanSettings
-from kvscope.engine.audit.scan.token_pass import TrafficRequest, compared_row
+from kvscope.engine.audit.scan.traffic_scan import TrafficRequest, compared_row
 from kvscope.engine.audit.simulate.hosted import HostedRequest, hosted_request
 from kvscope.engine.audit.simulate.observed import Reported
 from kvscope.engine.audit.simulate.radix import RadixTree

@@ -31,7 +31,7 @@ FINISHES = {
 _EOS = {"stop", "eos", "end_turn", "tool_calls", "tool_use", "function_call", "stop_sequence", "word", "completed", "end"}
 _LENGTH = {"length", "max_tokens", "limit", "max_output_tokens", "max_completion_tokens", "incomplete"}
 # Where the reply came from: logged beside the request, or read off the next turn of its session, which resends it.
-SOURCES = {
+REPLY_ORIGINS = {
     "token_ids": "the token ids the server returned",
     "text": "the reply text the log records",
     "next_turn": "the next turn of its session, which resends it (the log records no reply)",
@@ -47,7 +47,7 @@ class Reply:
     tool_calls: tuple[dict, ...] = ()
     token_ids: tuple[int, ...] | None = None
     finish: str = "unknown"
-    source: str = "text"  # SOURCES
+    source: str = "text"  # REPLY_ORIGINS
 
     def as_message(self) -> dict:
         """The reply as the assistant message a chat client sends back on the next turn."""

@@ -1,7 +1,7 @@
 """A whole request log audited as traffic: a token pass over every request (``scan``), the model on a sample only.
 
-``audit_traffic`` runs the token pass (``token_pass.scan_log``, or another pass given, e.g. ``token_pass.ray_scan``), then
-measures up to K turns of each change signature's group (``token_pass.sample_groups``) with every repair against a clean
+``audit_traffic`` runs the token pass (``traffic_scan.scan_log``, or another pass given, e.g. ``ray_scan.ray_scan``), then
+measures up to K turns of each change signature's group (``traffic_scan.sample_groups``) with every repair against a clean
 prefill (``measure_turn``, as the per-turn audit does), so the model's cost is K × groups, not the log's size.
 The turns are measured in this process (``measure_in_process``) or wherever a ``MeasureTurns`` sends them (Ray actors:
 ``ray_turns``), each with its lane (``TurnWork.lane``) so the turns that share a prefix stay together.
@@ -27,7 +27,7 @@ from kvscope.engine.audit.measure.turn import AuditReport, AuditTurn, measure_tu
 from kvscope.engine.audit.report.records import Record
 from kvscope.engine.audit.scan.sampling import traffic_scan
 from kvscope.engine.audit.scan.settings import ScanSettings
-from kvscope.engine.audit.scan.token_pass import TrafficGroup, TrafficRequest, TrafficScan, is_cold, sample_groups
+from kvscope.engine.audit.scan.traffic_scan import TrafficGroup, TrafficRequest, TrafficScan, is_cold, sample_groups
 from kvscope.engine.audit.simulate.metrics import observed_aggregate
 from kvscope.engine.audit.simulate.observed import fit_observed, hosted_summary, observed_summary
 from kvscope.engine.cache.budget import Cancelled
@@ -35,7 +35,7 @@ from kvscope.engine.cache.loaded import LoadedModel, LoadedTokenizer
 from kvscope.engine.progress import MessageProgress, StepProgress, Tick
 
 if TYPE_CHECKING:
-    from kvscope.engine.audit.endpoint.model_pass import EndpointRepairFidelity
+    from kvscope.engine.audit.endpoint.served_measure import EndpointRepairFidelity
     from kvscope.engine.audit.report.types import (
         EndpointAuditDict,
         EndpointRewrittenRequestDict,
@@ -217,7 +217,7 @@ def audit_traffic(
     files (``shards.LogFiles``), which this process reads (``LogFiles.log``) unless ``token_pass`` reads them
     elsewhere (``scan_progress``: requests of the token pass; ``progress``: the measured steps; ``token_pass``: another
     token pass, given the log's files and the settings with the context limit set, e.g.
-    ``token_pass.ray_scan``; ``measure_turns``: where the sampled turns are measured, default ``measure_in_process``
+    ``ray_scan.ray_scan``; ``measure_turns``: where the sampled turns are measured, default ``measure_in_process``
     with ``lm``, e.g. ``turns.ray_measure_turns``; ``scan``: the token pass already made, e.g. shown while the model
     pass runs (:func:`pending_report`); ``messages``: the model pass a forward at a time with its time left, as
     :class:`~kvscope.engine.audit.measure.meter.ModelPassMeter` says it; ``states``: the store of computed states the turns measured
@@ -313,7 +313,7 @@ def turn_work(scan: TrafficScan, chosen: Sequence[int]) -> list[TurnWork]:
 
 
 def _conversation(rows: dict[int, TrafficRequest], index: int) -> int:
-    """The first request of ``index``'s conversation: up its matches to the one that started cold (``token_pass.is_cold``)."""
+    """The first request of ``index``'s conversation: up its matches to the one that started cold (``traffic_scan.is_cold``)."""
     row = rows[index]
     while row.matched_request is not None and not is_cold(row):
         row = rows[row.matched_request]

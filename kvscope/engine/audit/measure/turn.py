@@ -202,7 +202,7 @@ def scenario_toml(report: AuditReport, labels: Sequence[str] | None = None, *, r
     as the context with the field as a placeholder, the last message as the question.
 
     ``labels`` are the two answers to read, each its own surface (default: yes / no;
-    :func:`kvscope.engine.audit.measure.notes.notes_scenario` reads the model's own)."""
+    :func:`kvscope.engine.audit.measure.notes_scenario.notes_scenario` reads the model's own)."""
     turn, change = changed_field(report, request, field)
     new = report.rendered[[t.request for t in report.turns].index(turn.request)]
     contents = [content.strip() for content in new.request.contents]

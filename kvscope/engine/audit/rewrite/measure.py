@@ -8,7 +8,7 @@ request's own question; it may not reorder them).
 
 Per request, the rewritten prompt's clean prefill is compared with the original's (``repairs.fidelity``: next-token
 KL, top-1, top-5 overlap, N greedy tokens), and both greedy continuations are decoded to say whether the text is the
-same. Both logs go through the token pass (``token_pass.scan_log``) with the same engine settings for the reuse.
+same. Both logs go through the token pass (``traffic_scan.scan_log``) with the same engine settings for the reuse.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kvscope.engine.audit.measure.settings import DEFAULT_TOKENS
 from kvscope.engine.audit.prompts.repair_requests import OutputFidelity
 from kvscope.engine.audit.prompts.template import Template
 from kvscope.engine.audit.scan.settings import ScanSettings
-from kvscope.engine.audit.scan.token_pass import TrafficScan, scan_log
+from kvscope.engine.audit.scan.traffic_scan import TrafficScan, scan_log
 from kvscope.engine.audit.simulate.registry import DEFAULT_ENGINE
 from kvscope.engine.progress import StepProgress, ticker
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from kvscope.engine.audit.logs.render import context_limit
 from kvscope.engine.audit.logs.requests import RequestLog
 from kvscope.engine.audit.scan.settings import ScanSettings
-from kvscope.engine.audit.scan.token_pass import TrafficScan, sample_groups, scan_log
+from kvscope.engine.audit.scan.traffic_scan import TrafficScan, sample_groups, scan_log
 from kvscope.engine.progress import StepProgress
 
 if TYPE_CHECKING:  # a tokenizer is all it reads: no torch at import

@@ -8,9 +8,9 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvscope.engine.audit.blocks import BLOCK_TOKENS, block_of_counts
 from kvscope.engine.audit.logs.render import DEFAULT_CONTEXT_LIMIT
 from kvscope.engine.audit.logs.requests import RequestLogError
+from kvscope.engine.audit.paged_blocks import BLOCK_TOKENS, block_of_counts
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.observed import OBSERVED_ENGINES, LogServer, Reported, log_server
 from kvscope.engine.audit.simulate.registry import CACHES

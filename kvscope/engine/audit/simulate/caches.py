@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from kvscope.engine.audit.blocks import BLOCK_SIZES, block_hashes
 from kvscope.engine.audit.changes.fields import common_prefix
+from kvscope.engine.audit.paged_blocks import BLOCK_SIZES, block_hashes
 from kvscope.engine.audit.simulate.prefix_cache import CacheRequest, CacheSettings, PrefixCache, fit_budgets
 
 _LLAMA_BUILD = re.compile(r"system_fingerprint=b\d+-[0-9a-f]+")  # llama.cpp's build_info

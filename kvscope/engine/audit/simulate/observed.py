@@ -19,9 +19,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from kvscope.engine.audit.blocks import BLOCK_SIZES, block_hashes
 from kvscope.engine.audit.changes.causes import Cause
 from kvscope.engine.audit.logs.requests import Request, RequestLogError
+from kvscope.engine.audit.paged_blocks import BLOCK_SIZES, block_hashes
 from kvscope.engine.audit.simulate.hosted import TOKENS_NOTE, provider_of
 from kvscope.engine.audit.simulate.prefix_cache import CacheRequest
 from kvscope.engine.audit.simulate.registry import CACHES, DEFAULT_ENGINE, ENGINES, PROVIDERS, engine_of_answer
@@ -37,7 +37,7 @@ EXPLANATIONS = "eviction under a budget, another replica, a time-to-live, anothe
 
 
 class Row(Protocol):
-    """What this module reads of a token pass's row (``token_pass.TrafficRequest``)."""
+    """What this module reads of a token pass's row (``traffic_scan.TrafficRequest``)."""
 
     request: int
     session: str | None

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from kvscope.engine.audit.blocks import BLOCK_TOKENS
+from kvscope.engine.audit.paged_blocks import BLOCK_TOKENS
 from kvscope.engine.audit.report.records import Record
 
 

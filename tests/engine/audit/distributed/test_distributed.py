@@ -29,7 +29,7 @@ from kvscope.engine.audit.measure.repairs import REPAIRS
 from kvscope.engine.audit.measure.settings import MeasureSettings, check_repairs, measure_settings
 from kvscope.engine.audit.measure.traffic import TrafficReport, audit_traffic, turn_work
 from kvscope.engine.audit.scan.settings import ScanSettings
-from kvscope.engine.audit.scan.token_pass import sample_groups, scan_log
+from kvscope.engine.audit.scan.traffic_scan import sample_groups, scan_log
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.fleet import fleet_grid
 from kvscope.engine.cli import main
@@ -42,7 +42,7 @@ from tests.engine.audit.measure.test_traffic import QWEN_TEMPLATE
 from tests.fake_endpoint import FakeServer, serving
 
 ray = pytest.importorskip("ray")
-distributed = pytest.importorskip("kvscope.engine.audit.distributed.token_pass")
+distributed = pytest.importorskip("kvscope.engine.audit.distributed.ray_scan")
 ray_setup = pytest.importorskip("kvscope.engine.audit.distributed.ray_setup")
 ray_turns = pytest.importorskip("kvscope.engine.audit.distributed.turns")
 
@@ -243,7 +243,7 @@ def test_ray_and_replicas_with_an_endpoint_give_the_one_process_json(cluster, lm
 
 def test_the_token_pass_workers_import_no_torch():
     # each Ray worker imports the module its work lives in: the token pass stays on the tokenizer's imports
-    code = "import sys, kvscope.engine.audit.distributed.token_pass, kvscope.engine.audit.logs.shards; print('torch' in sys.modules)"
+    code = "import sys, kvscope.engine.audit.distributed.ray_scan, kvscope.engine.audit.logs.shards; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "False"
 

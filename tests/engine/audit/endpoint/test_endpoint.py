@@ -18,7 +18,7 @@ import torch
 from kvscope.engine.audit.endpoint.answers import Answer, EndpointError, Probe, read_answer
 from kvscope.engine.audit.endpoint.client import EndpointClient, EndpointSettings, EndpointUnreachable, retry_after
 from kvscope.engine.audit.endpoint.fidelity import compare, estimate_kl
-from kvscope.engine.audit.endpoint.model_pass import measure_rewrite_on_endpoint
+from kvscope.engine.audit.endpoint.served_measure import measure_rewrite_on_endpoint
 from kvscope.engine.audit.logs.reading import read_log
 from kvscope.engine.audit.logs.usage import answer_usage, observed_usage
 from kvscope.engine.audit.report import types

@@ -12,10 +12,10 @@ import pytest
 
 from kvscope.engine.audit.logs.reading import read_log
 from kvscope.engine.audit.logs.shards import plan_shards, read_logs
-from kvscope.engine.audit.logs.sources import SOURCES
+from kvscope.engine.audit.logs.sources import EXPORT_SOURCES
 from kvscope.engine.audit.logs.sources.otel import NOT_CAPTURED
 from kvscope.engine.audit.logs.usage import observed_usage, response_usage
-from kvscope.engine.audit.scan.token_pass import scan_log
+from kvscope.engine.audit.scan.traffic_scan import scan_log
 from kvscope.engine.models.tiny import tiny_tokenizer
 from tests.engine.audit.measure.test_traffic import QWEN_TEMPLATE
 
@@ -49,7 +49,7 @@ def tokenizer():
 
 
 def test_every_source_has_a_bundled_export():
-    assert set(FILES) == set(SOURCES)
+    assert set(FILES) == set(EXPORT_SOURCES)
 
 
 @pytest.mark.parametrize("source", sorted(FILES))

@@ -11,8 +11,8 @@ import pytest
 
 from kvscope.engine.audit.logs.formats import AUTO, FORMATS
 from kvscope.engine.audit.logs.reading import read_log
-from kvscope.engine.audit.logs.sources import SOURCES
-from kvscope.engine.audit.scan.token_pass import scan_log
+from kvscope.engine.audit.logs.sources import EXPORT_SOURCES
+from kvscope.engine.audit.scan.traffic_scan import scan_log
 from kvscope.engine.models.tiny import tiny_tokenizer
 from kvscope.engine.scenario import DEMOS
 from tests.engine.audit.measure.test_traffic import QWEN_TEMPLATE
@@ -72,7 +72,7 @@ def tokenizer():
 
 def test_ten_thousand_mutated_records_are_read_or_skipped_by_name_never_a_traceback(tokenizer):
     rng, seeds = random.Random(0), _seeds()
-    formats = [AUTO, *SOURCES, *FORMATS]
+    formats = [AUTO, *EXPORT_SOURCES, *FORMATS]
     lines, read, skipped = [], 0, 0
     for _ in range(MUTATED):
         record = rng.choice(seeds)

@@ -12,7 +12,7 @@ from kvscope.engine.audit.logs.reading import read_log
 from kvscope.engine.audit.logs.render import end_of_turn_ids
 from kvscope.engine.audit.logs.replies import Reply, computed_tokens, finish_of, reply_of
 from kvscope.engine.audit.scan.settings import ScanSettings
-from kvscope.engine.audit.scan.token_pass import scan_log
+from kvscope.engine.audit.scan.traffic_scan import scan_log
 from kvscope.engine.audit.simulate.caches import BlockCache, CacheSettings, ServerSlots, SlotCache
 from kvscope.engine.audit.simulate.prefix_cache import CacheRequest
 from kvscope.engine.audit.simulate.radix import RadixCache

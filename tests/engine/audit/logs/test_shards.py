@@ -67,7 +67,7 @@ def test_missing_paths_and_empty_directories_are_refused(tmp_path):
 def test_the_log_files_give_one_process_the_log_the_distributed_pass_sees(tmp_path, lines):
     # the one log both passes take: what one process reads (``LogFiles.log``) is what the shards the distributed pass
     # plans hold (read shard by shard, counted, then finished as one log), skipped records and time order included
-    from kvscope.engine.audit.distributed.token_pass import LogCount
+    from kvscope.engine.audit.distributed.ray_scan import LogCount
     from kvscope.engine.audit.logs.reading import finished_log, join_traces
     from kvscope.engine.audit.logs.shards import LogFiles, count_shards
 

@@ -35,7 +35,7 @@ def test_the_reading_puts_requests_in_that_order():
 
 
 def test_the_distributed_count_orders_by_the_same_function():
-    from kvscope.engine.audit.distributed.token_pass import LogCount
+    from kvscope.engine.audit.distributed.ray_scan import LogCount
     from kvscope.engine.audit.logs.shards import ShardCount
 
     times = [np.array([5.0, 1.0]), np.array([5.0, 1.0, 3.0])]

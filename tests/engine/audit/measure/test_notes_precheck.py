@@ -3,7 +3,7 @@ recovery gap in the model's dtype (``recovery_gap``: the settings' bar plus the 
 
 import torch
 
-from kvscope.engine.audit.measure.notes import Continuation, NotesScenario
+from kvscope.engine.audit.measure.notes_scenario import Continuation, NotesScenario
 from kvscope.engine.cache.decision import RECOVERY_MIN_GAP, Decision, recovery_gap
 
 

@@ -17,7 +17,7 @@ from kvscope.engine.audit.measure.traffic import audit_traffic, pending_report
 from kvscope.engine.audit.measure.turn import audit_requests
 from kvscope.engine.audit.scan.sampling import bounded_sample, traffic_scan
 from kvscope.engine.audit.scan.settings import ScanSettings
-from kvscope.engine.audit.scan.token_pass import scan_log
+from kvscope.engine.audit.scan.traffic_scan import scan_log
 from kvscope.engine.audit.simulate.caches import BlockCache, CacheSettings, SlotCache
 from kvscope.engine.audit.simulate.prefix_cache import CacheRequest
 from kvscope.engine.audit.simulate.radix import RadixTree

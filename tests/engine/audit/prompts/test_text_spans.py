@@ -8,11 +8,11 @@ import json
 import numpy as np
 import pytest
 
-from kvscope.engine.audit.blocks import BLOCK_TOKENS
 from kvscope.engine.audit.changes.fields import candidate_spans, diff_requests
 from kvscope.engine.audit.logs.reading import parse_prompt
 from kvscope.engine.audit.logs.render import render_request
 from kvscope.engine.audit.logs.requests import RequestLogError
+from kvscope.engine.audit.paged_blocks import BLOCK_TOKENS
 from kvscope.engine.audit.prompts.text_spans import (
     LABEL_CHARS,
     appended_chars,

@@ -15,7 +15,7 @@ import kvscope.engine.audit.logs.render as render_module
 from kvscope.engine.audit.logs.reading import read_log
 from kvscope.engine.audit.logs.render import TextEncoder, render_batch
 from kvscope.engine.audit.scan.settings import ScanSettings
-from kvscope.engine.audit.scan.token_pass import scan_log
+from kvscope.engine.audit.scan.traffic_scan import scan_log
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.radix import RadixTree
 from kvscope.engine.models.tiny import tiny_tokenizer

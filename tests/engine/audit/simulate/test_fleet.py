@@ -11,7 +11,7 @@ import pytest
 
 from kvscope.engine.audit.logs.reading import read_log
 from kvscope.engine.audit.scan.settings import ScanSettings
-from kvscope.engine.audit.scan.token_pass import scan_log
+from kvscope.engine.audit.scan.traffic_scan import scan_log
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.fleet import Fleet, FleetError, fleet_grid
 from kvscope.engine.audit.simulate.prefix_cache import CacheRequest

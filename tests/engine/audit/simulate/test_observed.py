@@ -13,7 +13,7 @@ from kvscope.engine.audit.changes.causes import Cause
 from kvscope.engine.audit.logs.reading import read_log
 from kvscope.engine.audit.logs.requests import RequestLog, RequestLogError
 from kvscope.engine.audit.scan.settings import ScanSettings
-from kvscope.engine.audit.scan.token_pass import TrafficRequest, TrafficScan, scan_log
+from kvscope.engine.audit.scan.traffic_scan import TrafficRequest, TrafficScan, scan_log
 from kvscope.engine.audit.simulate.caches import BlockCache
 from kvscope.engine.audit.simulate.hosted import AnthropicCache, HostedRequest, OpenAICache, anthropic_minimum, openai_steps, provider_of
 from kvscope.engine.audit.simulate.observed import fit_observed, hosted_summary, observed_summary

@@ -1,6 +1,6 @@
 """Exports of observability tools and proxies, each read as the requests it records, beside what the server cached.
 
-One reader per source, each in its own module, all registered in ``SOURCES`` (as ``kvscope.engine.audit.logs.formats`` registers
+One reader per source, each in its own module, all registered in ``EXPORT_SOURCES`` (as ``kvscope.engine.audit.logs.formats`` registers
 the request formats). A record is matched against the sources in the table's order; one that is none of them is a
 plain request, read by ``formats``. Every request a source reads is counted under the source's name in ``formats``,
 carries ``timestamp``, ``model`` and the observed cached / cache-write tokens (``kvscope.engine.audit.logs.usage``), and flags
@@ -30,7 +30,7 @@ class Source:
     read: Callable[[dict], SourceRead]
 
 
-SOURCES = {
+EXPORT_SOURCES = {
     source.name: source
     for source in (
         Source("otel", "OpenTelemetry GenAI or Langfuse SDK spans, OTLP/JSON as a file exporter writes it", otel.is_batch, otel.read_batch),
@@ -47,11 +47,11 @@ _PAGE_KEYS = {"data", "meta", "error", "pagination"}
 
 def read_any(record: Any, fmt: str = AUTO) -> SourceRead:
     """One log record read by its source (detected, or named by ``fmt``), else as a plain request of its format."""
-    if fmt not in (AUTO, *FORMATS, *SOURCES):
-        raise RecordError("", f"unknown format {fmt!r}; choose {AUTO} or one of {', '.join([*FORMATS, *SOURCES])}")
+    if fmt not in (AUTO, *FORMATS, *EXPORT_SOURCES):
+        raise RecordError("", f"unknown format {fmt!r}; choose {AUTO} or one of {', '.join([*FORMATS, *EXPORT_SOURCES])}")
     if isinstance(record, dict) and isinstance(record.get("data"), list) and set(record) <= _PAGE_KEYS:
         return _page(record["data"], fmt)
-    source = SOURCES.get(fmt) or (detected(record) if fmt == AUTO else None)
+    source = EXPORT_SOURCES.get(fmt) or (detected(record) if fmt == AUTO else None)
     if source is None:
         items = read_record(record, fmt)
         model = record.get("model") if isinstance(record, dict) else None
@@ -71,7 +71,7 @@ def detected(record: Any) -> Source | None:
     """The first source whose records look like this one, or None for a plain request."""
     if not isinstance(record, dict):
         return None
-    return next((source for source in SOURCES.values() if source.detects(record)), None)
+    return next((source for source in EXPORT_SOURCES.values() if source.detects(record)), None)
 
 
 def _page(rows: list, fmt: str) -> SourceRead:

@@ -4,14 +4,14 @@ A part whose JSON is its dataclass's is a record instead (``report.records.Recor
 hand-written ``as_dict`` is annotated to return its part (``Cause.as_dict() -> CauseDict``). The report as a whole
 (``LogAudit``, ``PromptAudit``) and its JSON Schema are ``ci.report``'s: they hold the stages' records. Maps keyed by a
 simulated engine (``simulate.registry.ENGINES``), a provider, a repair, a cause or a format are ``dict[str, …]``: their
-registries name the keys. The parts by pass: ``token_pass`` (``logs``, ``changes``, ``simulate``, ``scan``),
-``model_pass`` (``measure``, ``rewrite``, ``endpoint``); here, the gate. Text only: no torch, no stage imported, and no
+registries name the keys. The parts by pass: ``traffic`` (``logs``, ``changes``, ``simulate``, ``scan``),
+``measured`` (``measure``, ``rewrite``, ``endpoint``); here, the gate. Text only: no torch, no stage imported, and no
 ``from __future__ import annotations`` (``NotRequired`` must stay readable to ``__required_keys__``).
 """
 
 from typing_extensions import TypedDict  # pydantic reads a TypedDict from typing_extensions on Python 3.11
 
-from kvscope.engine.audit.report.types.model_pass import (
+from kvscope.engine.audit.report.types.measured import (
     EndpointAuditDict,
     EndpointDescriptionDict,
     EndpointFidelityDict,
@@ -23,7 +23,7 @@ from kvscope.engine.audit.report.types.model_pass import (
     RepairResultDict,
     RewrittenRequestDict,
 )
-from kvscope.engine.audit.report.types.token_pass import (
+from kvscope.engine.audit.report.types.traffic import (
     CauseCountDict,
     FitBestDict,
     FitSettingDict,

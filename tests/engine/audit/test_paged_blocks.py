@@ -6,7 +6,7 @@ import sys
 
 import numpy as np
 
-from kvscope.engine.audit.blocks import BLOCK_TOKENS, MIN_BLOCK_COUNTS, block_hashes, block_of_counts, block_prefix
+from kvscope.engine.audit.paged_blocks import BLOCK_TOKENS, MIN_BLOCK_COUNTS, block_hashes, block_of_counts, block_prefix
 
 
 def test_whole_blocks_cover_a_prefix_rounded_down():
@@ -39,7 +39,7 @@ def test_a_block_hash_names_its_tokens_and_every_block_before_it():
 
 
 def test_every_process_hashes_alike():
-    code = "import numpy as np; from kvscope.engine.audit.blocks import block_hashes; print(block_hashes(np.arange(64), 16).tolist())"
+    code = "import numpy as np; from kvscope.engine.audit.paged_blocks import block_hashes; print(block_hashes(np.arange(64), 16).tolist())"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == str(block_hashes(np.arange(64), 16).tolist())
 

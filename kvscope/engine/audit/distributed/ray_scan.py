@@ -1,6 +1,6 @@
 """The token pass on Ray: the per-request work on many processes or machines, the cache simulation in one ordered pass.
 
-The result is the single-process ``token_pass.scan_log``'s, request for request (the same rows, causes, diffs, groups
+The result is the single-process ``traffic_scan.scan_log``'s, request for request (the same rows, causes, diffs, groups
 and engines' reuse); only where the work runs differs:
 
 - **Stage 1, on Ray Data** (``map_batches`` over the log's shards, ``shards.plan_shards``, with an actor pool of
@@ -10,13 +10,13 @@ and engines' reuse); only where the work runs differs:
   process orders it, ``reading.time_ordered``), and each observation its trace's session from any shard. The second
   reads, unwraps, renders and tokenizes each request, hashes its blocks (``blocks.block_hashes``) and computes its
   row against its match among the shard's earlier requests (a radix tree of the shard alone; cold without one;
-  ``token_pass.compared_row``: the diff and the causes, which need the texts). A shard's records come back pickled, as bytes.
+  ``traffic_scan.compared_row``: the diff and the causes, which need the texts). A shard's records come back pickled, as bytes.
 - **Stage 2, on the driver**, in time order, over compact records: per request its token ids (int32, for the radix
   tree and the slots), its block hashes (int64), its row and what its record reports (``Reported``, and for a hosted
   model what its provider's cache reads). The radix tree matches the request; when the match is the shard's own guess
   (nearly every request, none included), the row computed on the worker is the row; otherwise the pair is left for
   stage 2b. The engines, the hosted providers' caches (and any ``fleet``) are fed here; the observed
-  counts are compared at the end (``token_pass.observed_rows``, as in one process). The driver keeps each request's row,
+  counts are compared at the end (``traffic_scan.observed_rows``, as in one process). The driver keeps each request's row,
   its diff (the changed values only) and where it is in the log, never a text. Files in time order stream through;
   a log whose files are not (an export written in another order) is held whole, then sorted.
 - **Stage 2b, on the driver**: the pairs whose match was another request or none (a match in an earlier shard, or one the
@@ -54,7 +54,7 @@ from kvscope.engine.audit.logs.requests import Flagged, Request, RequestLogError
 from kvscope.engine.audit.logs.requests import reading as log_reading
 from kvscope.engine.audit.logs.shards import SHARD_LINES, LogFiles, Shard, ShardCount, count_shards, read_shard, shard_lines
 from kvscope.engine.audit.scan.settings import ScanSettings
-from kvscope.engine.audit.scan.token_pass import TrafficRequest, TrafficScan, compared_row, observed_rows, sample_groups, settling_heap
+from kvscope.engine.audit.scan.traffic_scan import TrafficRequest, TrafficScan, compared_row, observed_rows, sample_groups, settling_heap
 from kvscope.engine.audit.simulate.observed import Reported
 from kvscope.engine.audit.simulate.step import Simulation, StepResult
 from kvscope.engine.progress import StepProgress
@@ -287,7 +287,7 @@ class _Driver:
             self._keep(at, row, diff, result)
 
     def scan(self, skipped: list[Skipped], count: LogCount, model: str) -> TrafficScan:
-        """The token pass's result, the log's reports read against the simulation (``token_pass.observed_rows``)."""
+        """The token pass's result, the log's reports read against the simulation (``traffic_scan.observed_rows``)."""
         settings, server = self.settings.for_log(self.reported)
         rows = observed_rows(self.rows, self.reported, self.served, settings, model)
         results = tuple(simulated.result() for simulated in self.simulation.fleets)

@@ -1,7 +1,7 @@
 """The audit's model pass on an endpoint: a log's sampled turns with each prompt-level repair, and a rewrite of the log,
 measured on the served model (:mod:`kvscope.engine.audit.endpoint.client`) instead of in torch.
 
-The token pass is the same as in-process (``token_pass.scan_log`` with the local tokenizer, which must be the served
+The token pass is the same as in-process (``traffic_scan.scan_log`` with the local tokenizer, which must be the served
 model's for token ids to mean the same). Each prompt is sent once, greedy, with the top-k log-probs of its tokens:
 
 - **sampled turns** (``audit --endpoint``): per turn the newer request as logged is the reference (``recompute`` is
@@ -30,7 +30,7 @@ from kvscope.engine.audit.prompts.repair_requests import LEVEL_WORDS, REPAIR_LEV
 from kvscope.engine.audit.report.records import Record
 from kvscope.engine.audit.rewrite.measure import RewriteReport, RewrittenRequest, check_pairing, check_rendered
 from kvscope.engine.audit.scan.settings import ScanSettings
-from kvscope.engine.audit.scan.token_pass import TrafficGroup, TrafficScan, scan_log
+from kvscope.engine.audit.scan.traffic_scan import TrafficGroup, TrafficScan, scan_log
 from kvscope.engine.progress import StepProgress
 
 if TYPE_CHECKING:
@@ -167,7 +167,7 @@ def audit_on_endpoint(
     model: str = "this model",
     progress: StepProgress = None,
 ) -> EndpointAudit:
-    """The groups' sampled turns (``token_pass.sample_groups``) measured on the endpoint with every prompt-level repair
+    """The groups' sampled turns (``traffic_scan.sample_groups``) measured on the endpoint with every prompt-level repair
     of ``measure`` (its greedy tokens, grain and bars), each prompt cut at the token pass's limit."""
     repairs, tokens = measure.repairs, measure.tokens
     server = client.connect()
