@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any
 
 import numpy as np
-from pydantic import Field, computed_field
+from pydantic import Field
 
 from kvscope.engine.audit.changes.causes import Cause, another_prompt, causes_of
 from kvscope.engine.audit.changes.fields import TurnDiff, common_prefix, compare_requests
 from kvscope.engine.audit.logs.render import RenderedRequest, end_of_turn_ids, render_batch
 from kvscope.engine.audit.logs.requests import RequestLog, RequestLogError, Skipped
-from kvscope.engine.audit.report.records import HIDDEN, Record, rounded
+from kvscope.engine.audit.report.records import HIDDEN, Record, derived, rounded
 from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.simulate.fleet import FleetResult
 from kvscope.engine.audit.simulate.hosted import hosted_request
@@ -319,18 +319,16 @@ class TrafficGroup(Record):
     """One change signature: its requests, their share of the log's tokens, and the turns measured (up to K)."""
 
     signature: str
-    requests: tuple[int, ...]
+    count: int = derived()  # the group's requests
     tokens: int
     share: Annotated[float, Field(serialization_alias="token_share"), rounded(4)]
+    requests: tuple[int, ...]
     measurable: int  # turns that share a prefix with their match and change only messages' text
     measured: tuple[int, ...]
     reason: str | None  # why none was measured, when none was
 
-    @computed_field
-    @property
-    def count(self) -> int:
-        """The group's requests."""
-        return len(self.requests)
+    def __post_init__(self) -> None:
+        self.derive(count=len(self.requests))
 
 
 def sample_groups(scan: TrafficScan, sample: int, unmeasured: str = "not measured: --sample 0") -> list[TrafficGroup]:
@@ -346,7 +344,7 @@ def sample_groups(scan: TrafficScan, sample: int, unmeasured: str = "not measure
         if not picked:
             reason = unmeasured if measurable else _unmeasurable(rows[0])
         tokens = sum(row.tokens for row in rows)
-        groups.append(TrafficGroup(key, tuple(row.request for row in rows), tokens, tokens / total, len(measurable), tuple(picked), reason))
+        groups.append(TrafficGroup(key, tokens, tokens / total, tuple(row.request for row in rows), len(measurable), tuple(picked), reason))
     return groups
 
 
