@@ -13,46 +13,47 @@ required; each part is one entry of ``$defs``, described by its docstring. No ``
 """
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NotRequired
 
 from pydantic import ConfigDict, TypeAdapter
 from typing_extensions import TypedDict  # pydantic reads a TypedDict from typing_extensions on Python 3.11
 
-from kvscope.engine.audit.endpoint.served_measure import EndpointRepairFidelity
+from kvscope.engine.audit.endpoint.served_measure import EndpointAudit, EndpointRewrittenRequest
 from kvscope.engine.audit.logs.requests import ReadingDict, Skipped
-from kvscope.engine.audit.measure.traffic import RepairFidelity
+from kvscope.engine.audit.measure.traffic import MeasuredGroup
 from kvscope.engine.audit.measure.turn import AuditTurnDict
-from kvscope.engine.audit.report.types import (
-    CauseCountDict,
-    EndpointAuditDict,
-    EndpointRewrittenRequestDict,
-    GateDict,
-    HostedDict,
-    ObservedDict,
-    RewrittenRequestDict,
-    TotalsDict,
-    TrafficGroupDict,
-)
-from kvscope.engine.audit.scan.traffic_scan import SessionSummary, TrafficRequest
-from kvscope.engine.audit.simulate.caches import CacheSettings
+from kvscope.engine.audit.report.records import Record, derived
+from kvscope.engine.audit.rewrite.measure import RewrittenRequest
+from kvscope.engine.audit.scan.traffic_scan import CauseCount, EngineTotals, SessionSummary, TrafficRequest
 from kvscope.engine.audit.simulate.fleet import FleetResult
+from kvscope.engine.audit.simulate.observed import Hosted, ObservedSummary
 
 DIALECT = "https://json-schema.org/draft/2020-12/schema"
 PUBLISHED = Path("docs") / "audit-report.schema.json"  # relative to the repository root
 _CLOSED = ConfigDict(extra="forbid", json_schema_serialization_defaults_required=True)  # the TypedDicts (records carry their own)
 
 
-class EnginesDict(TotalsDict):
-    """The totals, with the settings simulated."""
+@dataclass(frozen=True)
+class GateCondition(Record):
+    """One ``--fail-on`` condition: as written, its quantity's value, and whether it holds (a hold fails the gate)."""
 
-    settings: CacheSettings
+    condition: str
+    quantity: str
+    value: float
+    holds: bool
 
 
-class MeasuredGroupDict(TrafficGroupDict):
-    """A group with each repair's fidelity over its measured turns (in process, or on an endpoint)."""
+@dataclass(frozen=True)
+class Gate(Record):
+    """``--fail-on`` (``ci.gate``): each condition, and ``failed`` when any holds (exit code 1)."""
 
-    fidelity: dict[str, RepairFidelity | EndpointRepairFidelity]
+    conditions: tuple[GateCondition, ...]
+    failed: bool = derived()
+
+    def __post_init__(self) -> None:
+        self.derive(failed=any(condition.holds for condition in self.conditions))
 
 
 class PromptAudit(TypedDict):
@@ -67,7 +68,7 @@ class PromptAudit(TypedDict):
     repairs: list[str]
     grain: str | None
     turns: list[AuditTurnDict]
-    gate: NotRequired[GateDict]
+    gate: NotRequired[Gate]
 
 
 class LogAudit(ReadingDict):
@@ -80,11 +81,11 @@ class LogAudit(ReadingDict):
     formats: dict[str, int]
     skipped: list[Skipped]
     skipped_count: int
-    engines: EnginesDict
+    engines: EngineTotals
     sessions: list[SessionSummary]
-    causes: dict[str, CauseCountDict]
-    observed: ObservedDict
-    hosted: HostedDict
+    causes: dict[str, CauseCount]
+    observed: ObservedSummary
+    hosted: Hosted
     requests: list[TrafficRequest]
     sample: int
     sampled: bool
@@ -93,15 +94,15 @@ class LogAudit(ReadingDict):
     generated_tokens: int
     repairs: list[str]
     grain: str | None
-    groups: list[MeasuredGroupDict]
+    groups: list[MeasuredGroup]
     turns: list[AuditTurnDict]
     fleet: NotRequired[list[FleetResult]]
     cancelled: NotRequired[str]  # the model pass was cancelled: why no turn was measured
     pending: NotRequired[str]  # the token pass shown while the model pass runs: what it is measuring
-    rewrite: NotRequired[list[RewrittenRequestDict | EndpointRewrittenRequestDict]]
+    rewrite: NotRequired[list[RewrittenRequest | EndpointRewrittenRequest]]
     verdict: NotRequired[str]
-    endpoint: NotRequired[EndpointAuditDict]
-    gate: NotRequired[GateDict]
+    endpoint: NotRequired[EndpointAudit]
+    gate: NotRequired[Gate]
     sample_bound: NotRequired[str]  # why a host lowered the sample (the app's public profile)
 
 

@@ -45,6 +45,11 @@ def _adapter(tp: Any) -> TypeAdapter:
     return TypeAdapter(tp)
 
 
+def init_values(record: Any) -> dict[str, Any]:
+    """A record's values as its constructor takes them (``derived()`` keys left out): to build one that extends it."""
+    return {field.name: getattr(record, field.name) for field in dataclasses.fields(record) if field.init}
+
+
 def derived() -> Any:
     """A key derived from the record's other fields, declared where the report holds it and set by the record's
     ``__post_init__`` (``Record.derive``), never passed in."""

@@ -52,7 +52,12 @@ class FleetResult(Record):
     requests_per_replica: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        self.derive(hit_rate={engine: round(count / self.tokens, 4) if self.tokens else 0.0 for engine, count in self.reused_tokens.items()})
+        self.derive(hit_rate=hit_rates(self.reused_tokens, self.tokens))
+
+
+def hit_rates(reused: dict[str, int], tokens: int) -> dict[str, float]:
+    """Each engine's reused tokens as a share of ``tokens`` (0 for none)."""
+    return {engine: round(count / tokens, 4) if tokens else 0.0 for engine, count in reused.items()}
 
 
 class Fleet:

@@ -1,6 +1,6 @@
 """The report is the schema: every part of the report is a record (its JSON derived from its declaration) or an ``as_dict``
-returning one of ``kvscope.engine.audit.report.types``, the published JSON Schema (docs/audit-report.schema.json) is the
-one generated from them and is what ``audit-schema`` prints, each
+returning one of ``kvscope.engine.audit.report.types`` (or a ``TypedDict`` of its own module), the published JSON Schema
+(docs/audit-report.schema.json) is the one generated from them and is what ``audit-schema`` prints, each
 bundled log's report validates against it, and a report missing a required key or holding an unnamed one does not."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def test_every_part_of_the_report_is_a_record_or_a_typed_as_dict():
     records, written = [], ["TrafficReport", "AuditReport"]  # the two reports: LogAudit and PromptAudit (ci.report) hold the records
     for module in _audit_modules():
         for _, cls in inspect.getmembers(module, inspect.isclass):
-            if cls.__module__ != module.__name__ or cls is Record:
+            if cls.__module__ != module.__name__ or cls is Record or typing_extensions.is_protocol(cls):  # a protocol is no part
                 continue
             if issubclass(cls, Record):
                 assert dataclasses.is_dataclass(cls) and "as_dict" not in vars(cls), f"{cls.__qualname__}: a record declares its JSON"
@@ -68,6 +68,7 @@ def test_every_part_of_the_report_is_a_record_or_a_typed_as_dict():
                 )
                 written.append(cls.__qualname__)
     assert {"TrafficRequest", "TrafficGroup", "Skipped", "Recommendation"} <= set(records), records
+    assert {"ObservedSummary", "EngineTotals", "EndpointAudit", "EndpointTurn", "RewrittenRequest", "Gate"} <= set(records), records
     assert len(records) + len(written) >= 24, (records, written)
 
 
@@ -81,6 +82,7 @@ def test_the_published_schema_is_the_generated_one_and_the_cli_prints_it():
     assert defs["TrafficRequest"]["additionalProperties"] is False and "cache_breakpoints" in defs["TrafficRequest"]["required"]
     assert "prompts_only_reused_tokens" not in defs["TrafficRequest"]["properties"]  # a hidden field stays out of the report
     assert defs["RepairDict"]["description"].startswith("One repair on one turn")  # each part described by its docstring
+    assert defs["ObservedSummary"]["description"].startswith("The cached tokens the log reports")
 
 
 @pytest.fixture(scope="module")
