@@ -23,7 +23,7 @@ from typing_extensions import TypedDict  # pydantic reads a TypedDict from typin
 from kvscope.engine.audit.endpoint.served_measure import EndpointAudit, EndpointRewrittenRequest
 from kvscope.engine.audit.logs.requests import ReadingDict, Skipped
 from kvscope.engine.audit.measure.traffic import MeasuredGroup
-from kvscope.engine.audit.measure.turn import AuditTurnDict
+from kvscope.engine.audit.measure.turn import AuditTurn
 from kvscope.engine.audit.report.records import Record, derived
 from kvscope.engine.audit.rewrite.measure import RewrittenRequest
 from kvscope.engine.audit.scan.traffic_scan import CauseCount, EngineTotals, SessionSummary, TrafficRequest
@@ -67,7 +67,7 @@ class PromptAudit(TypedDict):
     generated_tokens: int
     repairs: list[str]
     grain: str | None
-    turns: list[AuditTurnDict]
+    turns: list[AuditTurn]
     gate: NotRequired[Gate]
 
 
@@ -95,7 +95,7 @@ class LogAudit(ReadingDict):
     repairs: list[str]
     grain: str | None
     groups: list[MeasuredGroup]
-    turns: list[AuditTurnDict]
+    turns: list[AuditTurn]
     fleet: NotRequired[list[FleetResult]]
     cancelled: NotRequired[str]  # the model pass was cancelled: why no turn was measured
     pending: NotRequired[str]  # the token pass shown while the model pass runs: what it is measuring
