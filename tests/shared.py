@@ -74,8 +74,8 @@ def make_tiny_model_dir(arch: str, path: str | Path, *, seed: int = 0) -> Path:
 
 
 def assert_valid_report(report: dict) -> None:
-    """An audit's JSON holds to the published schema (docs/audit-report.schema.json, generated from
-    ``kvscope.engine.audit.report.types``): every required key, no unnamed one, each value of its type."""
+    """An audit's JSON holds to the published schema (docs/audit-report.schema.json, generated from the report's
+    declarations: ``kvscope.engine.audit.ci.report``): every required key, no unnamed one, each value of its type."""
     import jsonschema
 
     from kvscope.engine.audit.ci.report import report_schema

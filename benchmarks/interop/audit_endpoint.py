@@ -126,7 +126,7 @@ def compare_log(lm: LoadedModel, client: EndpointClient, log: RequestLog, sample
         prompts[(turn.request, "reference")] = local.scan.rendered[turn.request].ids
         for name, measured in turn.repairs.items():
             result = mine.repairs[name]
-            if isinstance(measured, str) or not result.applicable or result.level is not Level.PROMPT:
+            if not measured.applicable or not result.applicable or result.level is not Level.PROMPT:
                 continue
             prompts[(turn.request, name)] = tuple(result.prompt_ids)
             pairs.append((turn, name, measured, result))

@@ -172,7 +172,7 @@ def compared(tokenizer: Any, records: Sequence[dict], settings: ScanSettings = S
         "equal": equal,
         "equal_share": round(equal / len(counted), 4) if counted else None,
         "equal_prompts_only": plain,
-        "replies": scan.totals()["replies"],
+        "replies": scan.totals().replies,
         "rows": rows,
     }
 

@@ -26,7 +26,7 @@ from kvscope.viz.fleet import fleet_markdown
 def fleet_study(text: str, tokenizer, replicas: str) -> dict:
     """One log's hit rate on one server and behind each router at each replica count."""
     scan = scan_log(tokenizer, read_log(text), ScanSettings(fleet=tuple(fleet_grid(replicas, None))))
-    return {"requests": len(scan.requests), "engines": scan.totals(), "fleet": [result.as_dict() for result in scan.fleet]}
+    return {"requests": len(scan.requests), "engines": scan.totals().as_dict(), "fleet": [result.as_dict() for result in scan.fleet]}
 
 
 def main(argv: list[str] | None = None) -> None:

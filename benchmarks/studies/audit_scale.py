@@ -301,8 +301,8 @@ def _worker(log: str, tokenizer_dir: str, budget_tokens: int) -> None:
                 "max_tokens": max(r.tokens for r in rows),
                 "sessions": len(scan.sessions()),
                 "groups": len(scan.groups()),
-                "engines": scan.totals(),
-                "causes": scan.cause_counts(),
+                "engines": scan.totals().as_dict(),
+                "causes": {name: count.as_dict() for name, count in scan.cause_counts().items()},
                 "formats": log.formats,
                 "order": log.order,
                 "line_cut_tokenization": TextEncoder(tokenizer).by_lines,
@@ -418,8 +418,8 @@ def _scale_worker(mode: str, log: str, tokenizer_dir: str, workers: int) -> None
                 "rss_before_mb": round(before, 1),
                 "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
                 "requests": len(scan.requests),
-                "totals": scan.totals(),
-                "causes": scan.cause_counts(),
+                "totals": scan.totals().as_dict(),
+                "causes": {name: count.as_dict() for name, count in scan.cause_counts().items()},
                 "groups": len(scan.groups()),
             }
         )

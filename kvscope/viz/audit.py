@@ -3,10 +3,10 @@ against cost, the recommendation per turn in words, and the rendered prompt with
 for a log audited as traffic (``TrafficReport.as_dict()``), its sessions, the engines' reuse, the causes, the sampled
 groups, and a timeline per session.
 
-Figures take the audit's JSON, read by its types (``kvscope.engine.audit.report.types``: ``PromptAudit``, ``LogAudit``, or a
-benchmark file with the same ``turns``), so a stored result draws without a model. Every user or model string is
-escaped: plotly text through :func:`safe_label`, HTML through :func:`html.escape`, Markdown through
-:func:`markdown_literal`.
+Figures take the audit's JSON (``kvscope.engine.audit.ci.report``: ``PromptAudit``, ``LogAudit``, or a benchmark file with
+the same ``turns``; a turn is ``AuditTurn``'s JSON, a repair ``RepairResult``'s), so a stored result draws without a model.
+Every user or model string is escaped: plotly text through :func:`safe_label`, HTML through :func:`html.escape`, Markdown
+through :func:`markdown_literal`.
 """
 
 from __future__ import annotations
@@ -22,15 +22,16 @@ import plotly.graph_objects as go
 from kvscope.engine.audit.changes.causes import CAUSES
 from kvscope.engine.audit.ci.report import AuditJSON, LogAudit
 from kvscope.engine.audit.logs.requests import Skipped
-from kvscope.engine.audit.measure.turn import AuditTurnDict
 from kvscope.engine.audit.paged_blocks import BLOCK_TOKENS
-from kvscope.engine.audit.report.types import RepairDict
 from kvscope.engine.audit.simulate.hosted import TOKENS_NOTE
 from kvscope.engine.audit.simulate.observed import OBSERVED_CAUSES
 from kvscope.engine.audit.simulate.registry import ENGINES, LABELS, PROVIDERS
 from kvscope.engine.audit.simulate.step import replies_sentence
 from kvscope.engine.words import counted
 from kvscope.viz.common import GREY, LEGEND_BELOW, PALETTE, markdown_literal, safe_label, set_title
+
+TurnJSON = dict[str, Any]  # a measured turn as the report holds it (``measure.turn.AuditTurn``'s JSON)
+RepairJSON = dict[str, Any]  # a repair on a turn as the report holds it (``measure.repairs.RepairResult``'s JSON)
 
 KL_FLOOR = 1e-9  # KL drawn on a log axis: exact states (KL 0) sit on this floor
 X_AXES = {"computed": "context tokens computed (% of the request, log scale)", "ttft": "TTFT speed-up vs a full prefill (×, log scale)"}
@@ -46,7 +47,7 @@ def _colours(names: Sequence[str]) -> dict[str, str]:
     return {name: ("black" if name == "recompute" else PALETTE[i % len(PALETTE)]) for i, name in enumerate(names)}
 
 
-def within(result: RepairDict, data: AuditJSON) -> bool:
+def within(result: RepairJSON, data: AuditJSON) -> bool:
     """A repair's fidelity within the bars the audit judged it against (``within_bars``: the thresholds widened to the
     noise floor); a stored result written before that key: KL ≤ the threshold, the same top token and at least
     ``min_agreement`` of the greedy tokens agreeing."""
@@ -60,7 +61,7 @@ def within(result: RepairDict, data: AuditJSON) -> bool:
     )
 
 
-def reused_fraction(result: RepairDict) -> float | None:
+def reused_fraction(result: RepairJSON) -> float | None:
     """The share of the state a repair serves from that was reused from the cache (None when it does not apply)."""
     if not result.get("applicable"):
         return None
@@ -68,11 +69,11 @@ def reused_fraction(result: RepairDict) -> float | None:
     return result["reused_tokens"] / total if total else 0.0
 
 
-def _audited(data: AuditJSON) -> list[AuditTurnDict]:
+def _audited(data: AuditJSON) -> list[TurnJSON]:
     return [turn for turn in data["turns"] if turn["repairs"]]
 
 
-def _hover(name: str, turn: AuditTurnDict, result: RepairDict, data: AuditJSON) -> str:
+def _hover(name: str, turn: TurnJSON, result: RepairJSON, data: AuditJSON) -> str:
     if not result.get("applicable"):
         return f"<b>{safe_label(name)}</b>, request {turn['request']}: not applicable"
     ratio = result.get("ttft_ratio")
@@ -86,7 +87,7 @@ def _hover(name: str, turn: AuditTurnDict, result: RepairDict, data: AuditJSON) 
     )
 
 
-def _symbols(results: Sequence[RepairDict], data: AuditJSON) -> list[str]:
+def _symbols(results: Sequence[RepairJSON], data: AuditJSON) -> list[str]:
     return ["circle" if within(result, data) else "circle-open" for result in results]
 
 
@@ -149,13 +150,13 @@ def reuse_timeline_figure(data: AuditJSON) -> go.Figure:
     return figure
 
 
-def _x(result: RepairDict, turn: AuditTurnDict, axis: str) -> float | None:
+def _x(result: RepairJSON, turn: TurnJSON, axis: str) -> float | None:
     if axis == "ttft":
         return result.get("ttft_ratio")
     return 100 * result["computed_tokens"] / max(turn["tokens"], 1)
 
 
-def _y(result: RepairDict, axis: str) -> float:
+def _y(result: RepairJSON, axis: str) -> float:
     return result["generation_agreement"] if axis == "agreement" else max(result["kl"], KL_FLOOR)
 
 

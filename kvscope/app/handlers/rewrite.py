@@ -116,10 +116,10 @@ def run_rewrite_on_server(
         raise ServerUnreachable(client.settings.base) from error
     rows = measured.rows()
     endpoint = measured.endpoint
-    where = f"{html.escape(str(endpoint['model']))} at {html.escape(endpoint['url'])}"
-    lead = f"Measured on {where} ({endpoint['sent_as']}); top {endpoint['top_k']} log-probs.\n\n"
+    where = f"{html.escape(str(endpoint.model))} at {html.escape(endpoint.url)}"
+    lead = f"Measured on {where} ({endpoint.sent_as}); top {endpoint.top_k} log-probs.\n\n"
     return lead + rewrite_markdown(measured.report.verdict(), rows), {
         "rewrite": rows,
         "verdict": measured.report.verdict(),
-        "endpoint": endpoint,
+        "endpoint": endpoint.as_dict(),
     }

@@ -113,7 +113,7 @@ def cmd_audit(args: argparse.Namespace) -> dict:
 def _finish(args: argparse.Namespace, conditions: list, result: AuditJSON) -> AuditJSON:
     """The gate over the result, and its Markdown summary where asked for."""
     if conditions:
-        result["gate"] = gate(conditions, result)
+        result["gate"] = gate(conditions, result).as_dict()
     if args.markdown and not args.json:
         print(markdown(result), end="")
     return result

@@ -23,6 +23,7 @@ from kvscope.engine.audit.logs.requests import RequestLog
 from kvscope.engine.audit.logs.shards import LogFiles
 from kvscope.engine.audit.measure.settings import MeasureSettings
 from kvscope.engine.audit.measure.traffic import audit_traffic
+from kvscope.engine.audit.report.records import init_values
 from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.traffic_scan import sample_groups
 from kvscope.engine.cli.common import Group, arg, progress
@@ -75,5 +76,5 @@ def measure_on_endpoint(
         rewrite = measure_rewrite_on_endpoint(
             client, log.log, rewritten, settings=settings, tokens=measure.tokens, progress=progress("endpoint: rewrite requests"), **text
         )
-        measured = dataclasses.replace(measured, endpoint=measured.endpoint | rewrite.endpoint)
+        measured = dataclasses.replace(measured, **init_values(rewrite.endpoint))
     return dataclasses.replace(traffic, groups=tuple(groups), sample=args.sample, endpoint=measured, rewrite=rewrite).as_dict()

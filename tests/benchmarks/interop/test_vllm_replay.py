@@ -79,8 +79,8 @@ def test_vllms_counters_are_the_observed_aggregate_and_its_block_size_is_found(m
     cached = sum(record["response"]["usage"]["prompt_tokens_details"]["cached_tokens"] for record in records)
     prompts = sum(record["response"]["usage"]["prompt_tokens"] for record in records)
     aggregate = observed_aggregate([before, after], {"vllm": 0.5})
-    assert (aggregate["hits"], aggregate["queries"]) == (cached, prompts)  # the log's window: after less before
-    assert aggregate["hit_rate"] == round(cached / prompts, 4)
+    assert (aggregate.hits, aggregate.queries) == (cached, prompts)  # the log's window: after less before
+    assert aggregate.hit_rate == round(cached / prompts, 4)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     given = ScanSettings(CacheSettings(block=16), block_given=True)  # --block-size 16: the fit finds 32 from there
     scan = scan_log(tokenizer, read_log("\n".join(json.dumps(record) for record in records)), given)

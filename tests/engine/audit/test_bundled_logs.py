@@ -117,5 +117,5 @@ def test_the_interleaved_log_is_the_table_docs_audit_md_shows(tokenizer):
     assert found == table
     assert "shares 5 tokens" in scan.requests[1].causes[0].detail  # "(5 tokens of template shared)"
     assert [(item.line, item.message) for item in scan.skipped] == [(5, "line 5, messages: must be a non-empty list")]
-    assert scan.totals()["replies"] == {"logged": 0, "next_turn": 1, "none": 5}
+    assert scan.totals().replies == {"logged": 0, "next_turn": 1, "none": 5}
     assert scan.requests[3].prompts_only_reused_tokens == {"vllm": 64, "sglang": 68, "llama_cpp": 68}

@@ -8,6 +8,7 @@ block causes (shorter than one block, or ending mid-block: vLLM recomputes the p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -50,9 +51,9 @@ class Cause(Record):
     have served (for the block causes, the tokens of the prefix a block cache loses)."""
 
     name: str
+    field: str | None = dataclasses.field(default=None, kw_only=True)
     detail: str
     tokens: int
-    field: str | None = None
 
 
 def differing_messages(old: Request, new: Request) -> int:
@@ -134,7 +135,7 @@ def _field_causes(old: RenderedRequest, new: RenderedRequest, fields: tuple[Fiel
             causes.append(Cause("whitespace", f"message {change.message + 1}: whitespace only", lost))
         else:
             kind = _KINDS.get(value_kind(change.new) or value_kind(change.old) or "", "value")
-            causes.append(Cause(kind, f"{change.name}: {change.old!r} -> {change.new!r}", lost, change.name))
+            causes.append(Cause(kind, f"{change.name}: {change.old!r} -> {change.new!r}", lost, field=change.name))
     return causes
 
 

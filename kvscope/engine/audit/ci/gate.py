@@ -14,9 +14,9 @@ import operator
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from kvscope.engine.audit.ci.report import AuditJSON, LogAudit
-from kvscope.engine.audit.report.types import GateConditionDict, GateDict, RepairDict, RewrittenRequestDict
+from kvscope.engine.audit.ci.report import AuditJSON, Gate, GateCondition, LogAudit
 from kvscope.engine.audit.simulate.registry import DEFAULT_ENGINE, ENGINES, LABELS
 from kvscope.engine.audit.simulate.step import replies_sentence
 from kvscope.engine.errors import KVScopeError
@@ -96,7 +96,7 @@ def quantity(name: str, report: AuditJSON) -> float:
         else:
             raise GateError(f"--fail-on {name}: one prompt's audit (--new) simulates no serving engine; gate it on kl, agreement or top1")
         return reused / tokens if tokens else 0.0
-    rows: list[RewrittenRequestDict] | list[RepairDict] = rewrite if rewrite is not None else _recommended(report)
+    rows = rewrite if rewrite is not None else _recommended(report)
     if not rows:
         raise GateError(f"--fail-on {name}: no request was measured with the model (--sample 0?), so there is no {name} to gate on")
     if name == "kl":
@@ -106,18 +106,18 @@ def quantity(name: str, report: AuditJSON) -> float:
     return sum(bool(row["top1_agree"]) for row in rows) / len(rows)
 
 
-def _recommended(report: AuditJSON) -> list[RepairDict]:
+def _recommended(report: AuditJSON) -> list[dict[str, Any]]:
     """Each measured turn's recommended repair, as its JSON row."""
     return [turn["repairs"][turn["recommendation"]["repair"]] for turn in report.get("turns", ()) if turn.get("recommendation")]
 
 
-def gate(conditions: Sequence[Condition], report: AuditJSON) -> GateDict:
+def gate(conditions: Sequence[Condition], report: AuditJSON) -> Gate:
     """Each condition with its value and whether it holds; ``failed`` when any holds."""
-    rows: list[GateConditionDict] = []
+    rows = []
     for condition in conditions:
         value = quantity(condition.quantity, report)
-        rows.append({"condition": condition.text, "quantity": condition.quantity, "value": value, "holds": condition.holds(value)})
-    return {"conditions": rows, "failed": any(row["holds"] for row in rows)}
+        rows.append(GateCondition(condition.text, condition.quantity, value, condition.holds(value)))
+    return Gate(tuple(rows))
 
 
 def exit_code(report: dict) -> int:
@@ -152,7 +152,7 @@ def markdown(report: LogAudit) -> str:
     return "\n".join(parts) + "\n"
 
 
-def rewrite_markdown(verdict: str, rows: list[RewrittenRequestDict]) -> str:
+def rewrite_markdown(verdict: str, rows: list[dict[str, Any]]) -> str:
     """A measured rewrite (``RewrittenRequest.as_dict()`` rows): its verdict, the table per request and each answer that
     changes beside the original's."""
     parts = [f"**{verdict}**", "", _rewrite_table(rows)]
@@ -183,7 +183,7 @@ def _turns_table(report: LogAudit) -> str:
     return "\n".join(lines)
 
 
-def _rewrite_table(rows: list[RewrittenRequestDict]) -> str:
+def _rewrite_table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| request | vLLM reuse before → after | KL | top-1 | top-5 | agreement | common prefix | same text |",
         "|---|---|---|---|---|---|---|---|",

@@ -28,17 +28,14 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import httpx
 
 from kvscope.engine.audit.endpoint.answers import Answer, EndpointError, Probe, read_answer
+from kvscope.engine.audit.report.records import Record
 from kvscope.engine.audit.simulate.registry import engine_of_owner
 from kvscope.engine.errors import Unreachable
 from kvscope.engine.progress import StepProgress
-
-if TYPE_CHECKING:
-    from kvscope.engine.audit.report.types import EndpointDescriptionDict
 
 KEY_ENV = "KVSCOPE_ENDPOINT_KEY"  # the environment variable the API key is read from
 DEFAULT_TOP_K = 20  # the OpenAI API's most; vLLM's --max-logprobs default
@@ -50,6 +47,25 @@ SEND_MODES = ("auto", "tokens", "chat")
 TOKEN_SERVERS = ("llamacpp", "vllm", "sglang")  # ``owned_by`` of servers whose /v1/completions takes token ids
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 _MAX_WAIT_S = 60.0
+
+
+KL_BOUND_WORDS = (
+    "kl ≤ exact KL ≤ kl + kl_bound; kl_bound = tail_mass · max(0, M + log(Q_T/P_T)), M the largest log-ratio "
+    "the top-k lists show, assumed to hold in the tail (docs/audit.md)"
+)
+
+
+@dataclass(frozen=True)
+class EndpointDescription(Record):
+    """The endpoint as the report names it (never its key)."""
+
+    url: str
+    model: str | None
+    served_by: str | None
+    sent_as: str | None
+    top_k: int
+    kl_bound: str = field(default=KL_BOUND_WORDS, init=False)  # what the KL's bound means
+    cache_file: str | None
 
 
 class EndpointUnreachable(EndpointError, Unreachable):
@@ -162,19 +178,17 @@ class EndpointClient:
             base_url=self.settings.base, headers=self._headers(), timeout=timeout, limits=limits, transport=self.transport, trust_env=False
         )
 
-    def describe(self) -> EndpointDescriptionDict:
+    def describe(self) -> EndpointDescription:
         """The endpoint as the JSON names it (never the key)."""
-        server = self.server
-        return {
-            "url": self.settings.base,
-            "model": server.model if server else self.settings.model,
-            "served_by": server.owned_by if server else None,
-            "sent_as": server.sent_as if server else None,
-            "top_k": self.settings.top_k,
-            "kl_bound": "kl ≤ exact KL ≤ kl + kl_bound; kl_bound = tail_mass · max(0, M + log(Q_T/P_T)), M the largest log-ratio "
-            "the top-k lists show, assumed to hold in the tail (docs/audit.md)",
-            "cache_file": str(self.settings.cache_path) if self.settings.cache_path else None,
-        }
+        server, settings = self.server, self.settings
+        return EndpointDescription(
+            settings.base,
+            server.model if server else settings.model,
+            server.owned_by if server else None,
+            server.sent_as if server else None,
+            settings.top_k,
+            str(settings.cache_path) if settings.cache_path else None,
+        )
 
     def connect(self) -> Server:
         """The server's own description, refused by name when it does not serve the model asked for."""

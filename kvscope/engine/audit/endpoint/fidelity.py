@@ -24,14 +24,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
 
 from kvscope.engine.audit.endpoint.answers import Answer, Token
 from kvscope.engine.audit.prompts.repair_requests import OutputFidelity, greedy_agreement
-
-if TYPE_CHECKING:
-    from kvscope.engine.audit.report.types import EndpointFidelityDict
+from kvscope.engine.audit.report.records import Record, rounded
 
 TAIL_FLOOR = 1e-6  # a tail mass at or below it is the float32 rounding of the listed log-probs, not a tail
 
@@ -75,28 +73,36 @@ def _kl_divergence(log_p: Sequence[float], log_q: Sequence[float]) -> float:
 
 
 @dataclass(frozen=True)
-class EndpointFidelity:
-    """One prompt's answer against the reference's: the in-process audit's fields, and the KL's bound."""
+class EndpointFidelity(Record):
+    """One prompt's answer on an endpoint against the reference's: the in-process audit's fields, the KL's bound and
+    the server's cached tokens for it; as a repair, whether it holds the audit's bars (``within_bars``, set by the
+    sampled turns' measurement)."""
 
-    fidelity: OutputFidelity
-    kl_bound: float
-    tail_mass: float
+    applicable: Literal[True] = field(default=True, init=False)  # a repair that applied (else ``NotApplicable``)
+    kl: Annotated[float, rounded(8)]
+    kl_bound: Annotated[float, rounded(8)]
+    tail_mass: Annotated[float, rounded(8)]
     top_k: int  # the shorter of the two lists
+    top1_agree: bool
+    top5_overlap: Annotated[float, rounded(4)]
+    generation_agreement: Annotated[float, rounded(4)]
+    generated_common_prefix: int
     same_text: bool
+    within_bars: bool | None = field(default=None, kw_only=True)
+    server_cached_tokens: int | None  # the server's reported cached tokens for the answer
 
-    def as_dict(self) -> EndpointFidelityDict:
-        f = self.fidelity
-        return {
-            "kl": round(f.kl, 8),
-            "kl_bound": round(self.kl_bound, 8),
-            "tail_mass": round(self.tail_mass, 8),
-            "top_k": self.top_k,
-            "top1_agree": f.top1_agree,
-            "top5_overlap": round(f.top5_overlap, 4),
-            "generation_agreement": round(f.generation_agreement, 4),
-            "generated_common_prefix": f.generated_common_prefix,
-            "same_text": self.same_text,
-        }
+    @property
+    def fidelity(self) -> OutputFidelity:
+        """The fields the in-process audit measures."""
+        return OutputFidelity(self.kl, self.top1_agree, self.top5_overlap, self.generation_agreement, self.generated_common_prefix)
+
+
+@dataclass(frozen=True)
+class NotApplicable(Record):
+    """A repair that does not apply (or that an endpoint cannot measure), and why."""
+
+    applicable: Literal[False] = field(default=False, init=False)
+    reason: str
 
 
 def compare(reference: Answer, other: Answer) -> EndpointFidelity:
@@ -104,7 +110,15 @@ def compare(reference: Answer, other: Answer) -> EndpointFidelity:
     estimate = estimate_kl(reference.top, other.top)
     top5 = len(set(reference.ranked(5)) & set(other.ranked(5))) / 5
     agreement, prefix = greedy_agreement(reference.generated, other.generated)
-    fidelity = OutputFidelity(estimate.kl, reference.top1 == other.top1, top5, agreement, prefix)
     return EndpointFidelity(
-        fidelity, estimate.bound, estimate.tail_mass, min(len(reference.top), len(other.top)), reference.text == other.text
+        kl=estimate.kl,
+        kl_bound=estimate.bound,
+        tail_mass=estimate.tail_mass,
+        top_k=min(len(reference.top), len(other.top)),
+        top1_agree=reference.top1 == other.top1,
+        top5_overlap=top5,
+        generation_agreement=agreement,
+        generated_common_prefix=prefix,
+        same_text=reference.text == other.text,
+        server_cached_tokens=other.cached_tokens,
     )

@@ -16,32 +16,24 @@ model's for token ids to mean the same). Each prompt is sent once, greedy, with 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Annotated, Any
 
 from kvscope.engine.audit.endpoint.answers import Answer, Probe
-from kvscope.engine.audit.endpoint.client import CHAT, COMPLETIONS, EndpointClient, Server
-from kvscope.engine.audit.endpoint.fidelity import EndpointFidelity, compare
+from kvscope.engine.audit.endpoint.client import CHAT, COMPLETIONS, EndpointClient, EndpointDescription, Server
+from kvscope.engine.audit.endpoint.fidelity import EndpointFidelity, NotApplicable, compare
 from kvscope.engine.audit.logs.render import RenderedRequest, render_batch, template_messages
 from kvscope.engine.audit.logs.requests import Request, RequestLog, RequestLogError
 from kvscope.engine.audit.measure.settings import MeasureSettings
+from kvscope.engine.audit.measure.traffic import EndpointRepairFidelity
 from kvscope.engine.audit.prompts.repair_requests import LEVEL_WORDS, REPAIR_LEVELS, Level, RepairNotApplicable, prompt_repair_request
-from kvscope.engine.audit.report.records import Record
+from kvscope.engine.audit.report.records import HIDDEN, Record, derived, init_values, rounded
 from kvscope.engine.audit.rewrite.measure import RewriteReport, RewrittenRequest, check_pairing, check_rendered
 from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.traffic_scan import TrafficGroup, TrafficScan, scan_log
 from kvscope.engine.progress import StepProgress
-
-if TYPE_CHECKING:
-    from kvscope.engine.audit.report.types import (
-        EndpointAuditDict,
-        EndpointDescriptionDict,
-        EndpointRepairDict,
-        EndpointRewrittenRequestDict,
-        EndpointTurnDict,
-        NotApplicableDict,
-    )
 
 
 def probe_for(server: Server, rendered: RenderedRequest, tokens: int, top_k: int, lane: str | None) -> Probe:
@@ -70,66 +62,32 @@ def _not_measurable(names: Sequence[str]) -> dict[str, str]:
 
 # ----------------------------------------------------------------------------------------------- sampled turns
 @dataclass(frozen=True)
-class EndpointTurn:
-    """One sampled turn on the endpoint: the reference's answer and each prompt-level repair's against it."""
+class EndpointTurn(Record):
+    """One sampled turn on the endpoint: the server's cached tokens for the reference, the simulation's, and each
+    prompt-level repair against the reference (or why it does not apply)."""
 
     request: int
     matched_request: int
-    reference: Answer
+    reference: Annotated[Answer, HIDDEN]  # the request as logged, answered
+    server_cached_tokens: int | None = derived()  # the reference's
     simulated_reused_tokens: dict[str, int]
-    repairs: dict[str, EndpointFidelity | str]  # the comparison, or why the repair does not apply
-    cached_tokens: dict[str, int | None]  # per repair, the server's reported cached tokens
+    repairs: dict[str, EndpointFidelity | NotApplicable]
 
-    def as_dict(self, threshold: float, min_agreement: float) -> EndpointTurnDict:
-        repairs: dict[str, EndpointRepairDict | NotApplicableDict] = {}
-        for name, measured in self.repairs.items():
-            if isinstance(measured, str):
-                repairs[name] = {"applicable": False, "reason": measured}
-                continue
-            holds = _holds(measured, threshold, min_agreement)
-            repairs[name] = {
-                "applicable": True,
-                **measured.as_dict(),
-                "within_bars": holds,
-                "server_cached_tokens": self.cached_tokens[name],
-            }
-        return {
-            "request": self.request,
-            "matched_request": self.matched_request,
-            "server_cached_tokens": self.reference.cached_tokens,
-            "simulated_reused_tokens": dict(self.simulated_reused_tokens),
-            "repairs": repairs,
-        }
+    def __post_init__(self) -> None:
+        self.derive(server_cached_tokens=self.reference.cached_tokens)
 
 
 def _holds(measured: EndpointFidelity, threshold: float, min_agreement: float) -> bool:
     """Within the audit's bars: KL ≤ the threshold, the same top token, enough greedy tokens agreeing."""
-    f = measured.fidelity
-    return f.kl <= threshold and f.top1_agree and f.generation_agreement >= min_agreement
+    return measured.kl <= threshold and measured.top1_agree and measured.generation_agreement >= min_agreement
 
 
 @dataclass(frozen=True)
-class EndpointRepairFidelity(Record):
-    """One prompt-level repair over a group's turns measured on an endpoint: applicable, within the bars, its worst KL
-    with its bound, and its least agreement."""
+class EndpointAudit(EndpointDescription):
+    """``--endpoint``: the endpoint, the repairs it cannot measure and why, and the sampled turns of a log measured on it."""
 
-    measured: int
-    applicable: int
-    within_bars: int
-    worst_kl: float | None
-    worst_kl_bound: float | None
-    min_agreement: float | None
-
-
-@dataclass(frozen=True)
-class EndpointAudit:
-    """The sampled turns of a log measured on an endpoint."""
-
-    endpoint: EndpointDescriptionDict
-    turns: tuple[EndpointTurn, ...]
     not_measurable: dict[str, str]
-    threshold: float
-    min_agreement: float
+    turns: tuple[EndpointTurn, ...]
 
     def group_fidelity(self, requests: Sequence[int]) -> dict[str, EndpointRepairFidelity]:
         """Per prompt-level repair over a group's measured turns: how many it applied to and held the bars on, its worst
@@ -138,23 +96,16 @@ class EndpointAudit:
         summary: dict[str, EndpointRepairFidelity] = {}
         for name in dict.fromkeys(name for turn in turns for name in turn.repairs if name != "recompute"):
             applied = [turn.repairs[name] for turn in turns if isinstance(turn.repairs.get(name), EndpointFidelity)]
-            worst = max(applied, key=lambda m: m.fidelity.kl, default=None)
+            worst = max(applied, key=lambda m: m.kl, default=None)
             summary[name] = EndpointRepairFidelity(
                 measured=len(turns),
                 applicable=len(applied),
-                within_bars=sum(_holds(m, self.threshold, self.min_agreement) for m in applied),
-                worst_kl=worst.fidelity.kl if worst else None,
+                within_bars=sum(m.within_bars for m in applied),
+                worst_kl=worst.kl if worst else None,
                 worst_kl_bound=worst.kl_bound if worst else None,
-                min_agreement=min((m.fidelity.generation_agreement for m in applied), default=None),
+                min_agreement=min((m.generation_agreement for m in applied), default=None),
             )
         return summary
-
-    def as_dict(self) -> EndpointAuditDict:
-        return {
-            **self.endpoint,
-            "not_measurable": dict(self.not_measurable),
-            "turns": [turn.as_dict(self.threshold, self.min_agreement) for turn in self.turns],
-        }
 
 
 def audit_on_endpoint(
@@ -200,18 +151,18 @@ def audit_on_endpoint(
     turns = []
     for index, plan in plans:
         reference = answers[(index, None)]
-        measured = (
-            {"recompute": "the reference itself: the request as logged, which a prefix cache serves exactly"}
-            if "recompute" in repairs
-            else {}
-        )
-        cached = {}
+        measured: dict[str, EndpointFidelity | NotApplicable] = {}
+        if "recompute" in repairs:
+            measured["recompute"] = NotApplicable("the reference itself: the request as logged, which a prefix cache serves exactly")
         for name, item in plan.items():
-            measured[name] = item if isinstance(item, str) else compare(reference, answers[(index, name)])
-            cached[name] = None if isinstance(item, str) else answers[(index, name)].cached_tokens
+            if isinstance(item, str):
+                measured[name] = NotApplicable(item)
+            else:
+                found = compare(reference, answers[(index, name)])
+                measured[name] = dataclasses.replace(found, within_bars=_holds(found, measure.threshold, measure.min_agreement))
         row = matched[index]
-        turns.append(EndpointTurn(index, row.matched_request, reference, dict(row.reused_tokens), measured, cached))
-    return EndpointAudit(client.describe(), tuple(turns), _not_measurable(repairs), measure.threshold, measure.min_agreement)
+        turns.append(EndpointTurn(index, row.matched_request, reference, dict(row.reused_tokens), measured))
+    return EndpointAudit(**init_values(client.describe()), not_measurable=_not_measurable(repairs), turns=tuple(turns))
 
 
 def _rendered(item: RenderedRequest | RequestLogError) -> RenderedRequest:
@@ -222,34 +173,37 @@ def _rendered(item: RenderedRequest | RequestLogError) -> RenderedRequest:
 
 # ----------------------------------------------------------------------------------------------------- a rewrite
 @dataclass(frozen=True)
+class EndpointRewrittenRequest(RewrittenRequest):
+    """A rewritten request measured on an endpoint: the KL's bound, and the server's cached tokens beside the simulated."""
+
+    kl_bound: Annotated[float, rounded(8)]
+    tail_mass: Annotated[float, rounded(8)]
+    top_k: int
+    server_cached_tokens_before: int | None
+    server_cached_tokens_after: int | None
+    simulated_engine: str
+    simulated_reused_tokens_before: int = derived()
+    simulated_reused_tokens_after: int = derived()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        engine = self.simulated_engine
+        self.derive(simulated_reused_tokens_before=self.reused_before[engine], simulated_reused_tokens_after=self.reused_after[engine])
+
+
+@dataclass(frozen=True)
 class EndpointRewrite:
-    """A rewrite measured on an endpoint: the in-process report's rows and verdict, with each row's KL bound and the
-    server's reported cached tokens before and after."""
+    """A rewrite measured on an endpoint: the in-process report's rows and verdict, each row with the KL's bound and
+    the server's reported cached tokens before and after, and the endpoint."""
 
     report: RewriteReport
-    measured: tuple[EndpointFidelity, ...]
-    cached_before: tuple[int | None, ...]
-    cached_after: tuple[int | None, ...]
-    endpoint: EndpointDescriptionDict
-    simulated_engine: str
+    endpoint: EndpointDescription
 
     def verdict(self) -> str:
         return self.report.verdict()
 
-    def rows(self) -> list[EndpointRewrittenRequestDict]:
-        engine = self.simulated_engine
-        return [
-            row.as_dict()
-            | {key: measured.as_dict()[key] for key in ("kl_bound", "tail_mass", "top_k")}
-            | {
-                "server_cached_tokens_before": before,
-                "server_cached_tokens_after": after,
-                "simulated_engine": engine,
-                "simulated_reused_tokens_before": row.reused_before[engine],
-                "simulated_reused_tokens_after": row.reused_after[engine],
-            }
-            for row, measured, before, after in zip(self.report.requests, self.measured, self.cached_before, self.cached_after)
-        ]
+    def rows(self) -> list[dict[str, Any]]:
+        return self.report.rows()
 
 
 def measure_rewrite_on_endpoint(
@@ -279,24 +233,15 @@ def measure_rewrite_on_endpoint(
     total = len(originals) + len(rewrites)
     first = client.answer(originals, _shifted(progress, 0, total))
     second = client.answer(rewrites, _shifted(progress, len(originals), total))
-    measured = tuple(compare(a, b) for a, b in zip(first, second))
-    rows = tuple(
-        RewrittenRequest(
-            old.request,
-            old.tokens,
-            new.tokens,
-            old.reused_tokens,
-            new.reused_tokens,
-            m.fidelity,
-            max(len(a.generated), len(b.generated)),
-            a.text,
-            b.text,
-        )
-        for old, new, m, a, b in zip(rows_before, rows_after, measured, first, second)
-    )
-    cached_before = tuple(answer.cached_tokens for answer in first)
-    cached_after = tuple(answer.cached_tokens for answer in second)
-    return EndpointRewrite(RewriteReport(rows, tokens), measured, cached_before, cached_after, client.describe(), server.simulated_engine)
+    rows = []
+    for old, new, a, b in zip(rows_before, rows_after, first, second):
+        m = compare(a, b)
+        generated = max(len(a.generated), len(b.generated))
+        texts = a.text, b.text
+        row = old.request, old.tokens, new.tokens, old.reused_tokens, new.reused_tokens, m.fidelity, generated, *texts
+        served = m.kl_bound, m.tail_mass, m.top_k, a.cached_tokens, b.cached_tokens, server.simulated_engine
+        rows.append(EndpointRewrittenRequest(*row, *served))
+    return EndpointRewrite(RewriteReport(tuple(rows), tokens), client.describe())
 
 
 def _shifted(progress: StepProgress, offset: int, total: int) -> StepProgress:

@@ -33,9 +33,10 @@ both (common prefix, fraction agreeing). That reference is computed as an exact 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Annotated
 
 import torch
 
@@ -62,14 +63,11 @@ from kvscope.engine.audit.prompts.repair_requests import (  # the text half, kep
     repaired_request,
     with_lines_appended,
 )
+from kvscope.engine.audit.report.records import HIDDEN, OMITTED, Record, derived, rounded
 from kvscope.engine.cache.decision import kl_divergence
 from kvscope.engine.cache.loaded import LoadedModel
 from kvscope.engine.cache.notebook import Notebook
 from kvscope.engine.edit.strategies import REGISTRY as STRATEGY_REGISTRY
-
-if TYPE_CHECKING:
-    from kvscope.engine.audit.report.types import RepairResultDict
-
 
 REPAIR_SUMMARIES = {  # each repair in a line, where it runs said (the app shows these): its own, or its edit strategy's
     name: f"{STRATEGY_REGISTRY[repair.strategy].summary if repair.strategy else repair.summary} ({LEVEL_WORDS[repair.level]})"
@@ -78,52 +76,40 @@ REPAIR_SUMMARIES = {  # each repair in a line, where it runs said (the app shows
 
 
 @dataclass(frozen=True)
-class RepairResult:
-    """One repair on one turn: its cost and its fidelity (``reason`` instead when it does not apply)."""
+class RepairResult(Record):
+    """One repair on one turn: its cost and its fidelity against the clean prefill (null where it does not apply, with
+    its ``reason``), what a prompt-level repair changed (``detail``), and as the turn judged it: the clean prefill's
+    TTFT over its own (``ttft_ratio``) and whether it holds the bars the recommendation judged it against."""
 
-    name: str
+    name: Annotated[str, HIDDEN]
     applicable: bool
-    reused_tokens: int = 0
-    computed_tokens: int = 0
-    ttft_ms: float = 0.0
-    fidelity: OutputFidelity | None = None
-    generated: tuple[int, ...] = ()
-    reason: str | None = None
-    detail: dict = field(default_factory=dict)
-    prompt_ids: tuple[int, ...] = ()  # the request it serves, as token ids (its cache may hold stale entries of them)
+    level: Level = derived()
+    reason: Annotated[str | None, OMITTED] = field(default=None, kw_only=True)  # why it does not apply
+    reused_tokens: int | None = None
+    computed_tokens: int | None = None
+    ttft_ms: Annotated[float | None, rounded(2)] = None
+    ttft_ratio: Annotated[float | None, rounded(3)] = field(default=None, kw_only=True)  # set by the turn
+    fidelity: Annotated[OutputFidelity | None, HIDDEN] = None
+    kl: Annotated[float | None, rounded(8)] = derived()  # the fidelity's fields, in the report
+    top1_agree: bool | None = derived()
+    top5_overlap: Annotated[float | None, rounded(4)] = derived()
+    generation_agreement: Annotated[float | None, rounded(4)] = derived()
+    generated_common_prefix: int | None = derived()
+    generated: Annotated[tuple[int, ...], HIDDEN] = ()
+    prompt_changed: Annotated[bool | None, OMITTED] = derived()  # the detail's keys, in the report
+    grain: Annotated[str | None, OMITTED] = derived()
+    coarse_values: Annotated[dict[str, str] | None, OMITTED] = derived()
+    within_bars: bool | None = field(default=None, kw_only=True)  # set by the turn
+    detail: Annotated[dict, HIDDEN] = field(default_factory=dict)
+    prompt_ids: Annotated[tuple[int, ...], HIDDEN] = ()  # the request it serves, as token ids (its cache may hold stale entries of them)
 
-    @property
-    def level(self) -> Level:
-        return REGISTRY[self.name].level
+    def __post_init__(self) -> None:
+        measured = dataclasses.asdict(self.fidelity) if self.fidelity is not None else dict.fromkeys(_FIDELITY_KEYS)
+        self.derive(level=REGISTRY[self.name].level, **measured, **{key: self.detail.get(key) for key in _DETAIL_KEYS})
 
-    def as_dict(self, full_ttft_ms: float) -> RepairResultDict:
-        if not self.applicable:
-            keys = (
-                "reused_tokens",
-                "computed_tokens",
-                "ttft_ms",
-                "ttft_ratio",
-                "kl",
-                "top1_agree",
-                "top5_overlap",
-                "generation_agreement",
-                "generated_common_prefix",
-            )
-            return {"applicable": False, "level": self.level.value, "reason": self.reason, **dict.fromkeys(keys)}
-        return {
-            "applicable": True,
-            "level": self.level.value,
-            "reused_tokens": self.reused_tokens,
-            "computed_tokens": self.computed_tokens,
-            "ttft_ms": round(self.ttft_ms, 2),
-            "ttft_ratio": round(full_ttft_ms / self.ttft_ms, 3) if self.ttft_ms > 0 else None,
-            "kl": round(self.fidelity.kl, 8),
-            "top1_agree": self.fidelity.top1_agree,
-            "top5_overlap": round(self.fidelity.top5_overlap, 4),
-            "generation_agreement": round(self.fidelity.generation_agreement, 4),
-            "generated_common_prefix": self.fidelity.generated_common_prefix,
-            **self.detail,
-        }
+
+_FIDELITY_KEYS = tuple(item.name for item in dataclasses.fields(OutputFidelity))
+_DETAIL_KEYS = ("prompt_changed", "grain", "coarse_values")  # what a prompt-level repair's ``Built.detail`` may say
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,11 @@ The turns are measured in this process (``measure_in_process``) or wherever a ``
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from kvscope.engine.audit.changes.fields import TurnDiff
 from kvscope.engine.audit.logs.render import RenderedRequest, context_limit
@@ -24,24 +25,15 @@ from kvscope.engine.audit.measure.meter import ModelPassMeter
 from kvscope.engine.audit.measure.repairs import Turn
 from kvscope.engine.audit.measure.settings import MeasureSettings
 from kvscope.engine.audit.measure.turn import AuditReport, AuditTurn, measure_turn
-from kvscope.engine.audit.report.records import Record
+from kvscope.engine.audit.report.records import Record, init_values
 from kvscope.engine.audit.scan.sampling import traffic_scan
 from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.traffic_scan import TrafficGroup, TrafficRequest, TrafficScan, is_cold, sample_groups
 from kvscope.engine.audit.simulate.metrics import observed_aggregate
-from kvscope.engine.audit.simulate.observed import fit_observed, hosted_summary, observed_summary
+from kvscope.engine.audit.simulate.observed import ObservedSummary, fit_observed, hosted_summary, observed_summary
 from kvscope.engine.cache.budget import Cancelled
 from kvscope.engine.cache.loaded import LoadedModel, LoadedTokenizer
 from kvscope.engine.progress import MessageProgress, StepProgress, Tick
-
-if TYPE_CHECKING:
-    from kvscope.engine.audit.endpoint.served_measure import EndpointRepairFidelity
-    from kvscope.engine.audit.report.types import (
-        EndpointAuditDict,
-        EndpointRewrittenRequestDict,
-        ObservedDict,
-        RewrittenRequestDict,
-    )
 
 DEFAULT_SAMPLE = 3  # turns measured per group
 TokenPass = Callable[[LogFiles, ScanSettings], TrafficScan]  # a token pass run elsewhere: the log's files and its settings in
@@ -58,6 +50,26 @@ class RepairFidelity(Record):
     worst_kl: float | None
     min_agreement: float | None
     mean_computed_share: float | None
+
+
+@dataclass(frozen=True)
+class EndpointRepairFidelity(Record):
+    """One prompt-level repair over a group's turns measured on an endpoint: applicable, within the bars, its worst KL
+    with its bound, and its least agreement."""
+
+    measured: int
+    applicable: int
+    within_bars: int
+    worst_kl: float | None
+    worst_kl_bound: float | None
+    min_agreement: float | None
+
+
+@dataclass(frozen=True)
+class MeasuredGroup(TrafficGroup):
+    """A group with each repair's fidelity over its measured turns (in process, or on an endpoint)."""
+
+    fidelity: dict[str, RepairFidelity | EndpointRepairFidelity]
 
 
 def group_fidelity(turns: Sequence[AuditTurn]) -> dict[str, RepairFidelity]:
@@ -81,17 +93,17 @@ def group_fidelity(turns: Sequence[AuditTurn]) -> dict[str, RepairFidelity]:
 class RewritePart(Protocol):
     """A rewrite measured (``rewrite.measure.RewriteReport``, or on an endpoint ``endpoint.model_pass.EndpointRewrite``)."""
 
-    def rows(self) -> list[RewrittenRequestDict] | list[EndpointRewrittenRequestDict]: ...
+    def rows(self) -> list[dict[str, Any]]: ...
 
     def verdict(self) -> str: ...
 
 
 class EndpointPart(Protocol):
-    """The sampled turns measured on an endpoint (``endpoint.model_pass.EndpointAudit``)."""
+    """The sampled turns measured on an endpoint (``endpoint.served_measure.EndpointAudit``, a record)."""
 
     def group_fidelity(self, requests: Sequence[int]) -> dict[str, EndpointRepairFidelity]: ...
 
-    def as_dict(self) -> EndpointAuditDict: ...
+    def as_dict(self) -> dict[str, Any]: ...
 
 
 @dataclass(frozen=True)
@@ -131,11 +143,11 @@ class TrafficReport:
                 **scan.reading,
                 "skipped": [item.as_dict() for item in scan.skipped],
                 "skipped_count": len(scan.skipped),
-                "engines": {"settings": scan.settings.cache.as_dict(), **scan.totals()},
+                "engines": scan.totals().as_dict(),
                 "sessions": [summary.as_dict() for summary in scan.sessions()],
-                "causes": scan.cause_counts(),
-                "observed": self.observed(),
-                "hosted": hosted_summary(scan.requests),
+                "causes": {name: count.as_dict() for name, count in scan.cause_counts().items()},
+                "observed": self.observed().as_dict(),
+                "hosted": {name: part if isinstance(part, str) else part.as_dict() for name, part in hosted_summary(scan.requests).items()},
                 "requests": [row.as_dict() for row in scan.requests],
                 "sample": self.sample,
                 "sampled": self.sampled,
@@ -144,7 +156,7 @@ class TrafficReport:
                 "generated_tokens": self.measure.tokens,
                 "repairs": list(self.measure.repairs),
                 "grain": self.measure.grain,
-                "groups": [group.as_dict() | {"fidelity": self.fidelity(group.measured)} for group in self.groups],
+                "groups": [MeasuredGroup(**init_values(group), fidelity=self.fidelity(group.measured)).as_dict() for group in self.groups],
                 "turns": [turn.as_dict() for turn in self.measured_report().turns],
             }
             | ({"fleet": [result.as_dict() for result in scan.fleet]} if scan.fleet else {})
@@ -155,24 +167,20 @@ class TrafficReport:
             | ({"sample_bound": self.sample_bound} if self.sample_bound else {})
         )
 
-    def observed(self) -> ObservedDict:
+    def observed(self) -> ObservedSummary:
         """The observed counts against the simulation, with the fit and the server's scrapes where asked for."""
         scan = self.scan
-        summary = observed_summary(scan.requests, scan.settings.observed_engine, self.model, scan.observed_evidence).as_dict()
-        if self.fit:
-            summary["fit"] = fit_observed(scan.requests, scan.held, scan.settings.observed_engine).as_dict()
-        if self.scrapes:
-            summary["metrics"] = observed_aggregate(self.scrapes, scan.totals()["hit_rate"])
-        return summary
+        summary = observed_summary(scan.requests, scan.settings.observed_engine, self.model, scan.observed_evidence)
+        fit = fit_observed(scan.requests, scan.held, scan.settings.observed_engine) if self.fit else None
+        metrics = observed_aggregate(self.scrapes, scan.totals().hit_rate) if self.scrapes else None
+        return dataclasses.replace(summary, fit=fit, metrics=metrics)
 
-    def fidelity(self, measured: Sequence[int]) -> dict[str, dict]:
+    def fidelity(self, measured: Sequence[int]) -> dict[str, RepairFidelity] | dict[str, EndpointRepairFidelity]:
         """A group's repairs' fidelity over its measured turns (``RepairFidelity``): on the endpoint where they were
-        measured there (``endpoint.model_pass.EndpointRepairFidelity``)."""
+        measured there (``EndpointRepairFidelity``)."""
         if self.endpoint is not None:
-            summary = self.endpoint.group_fidelity(measured)
-        else:
-            summary = group_fidelity([self.turns[i] for i in measured])
-        return {name: fidelity.as_dict() for name, fidelity in summary.items()}
+            return self.endpoint.group_fidelity(measured)
+        return group_fidelity([self.turns[i] for i in measured])
 
     def measured_report(self) -> AuditReport:
         """The cold prefills and the measured turns, in request order, in the per-turn audit's shape (what the tab's

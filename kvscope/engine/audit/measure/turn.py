@@ -8,11 +8,10 @@ placeholder (the Notes tab and ``python -m kvscope edit`` read it) and the repai
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
-
-from typing_extensions import TypedDict  # pydantic reads a TypedDict from typing_extensions on Python 3.11
+from dataclasses import dataclass, field
+from typing import Annotated, Any
 
 from kvscope.engine.audit.changes.fields import Candidate, FieldChange, TurnDiff, candidate_spans, diff_requests
 from kvscope.engine.audit.logs.render import RenderedRequest, render_request
@@ -28,65 +27,50 @@ from kvscope.engine.audit.measure.repairs import (
 )
 from kvscope.engine.audit.measure.settings import MeasureSettings
 from kvscope.engine.audit.prompts.template import written_template
-from kvscope.engine.audit.report.types import RepairDict
+from kvscope.engine.audit.report.records import HIDDEN, Record, derived, rounded
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.cache.loaded import LoadedModel
 from kvscope.engine.progress import StepProgress, Tick, ticker
 from kvscope.engine.scenario import Field, Scenario, escape_braces
 
 
-class AuditTurnDict(TypedDict):
-    """One request against the one it was matched with: reuse, the fields changed, every repair measured (none for a
-    cold prefill) and the one recommended."""
-
-    request: int
-    matched_request: int | None
-    tokens: int
-    common_prefix_tokens: int
-    block_prefix_tokens: int
-    appended_tokens: int
-    fields: list[FieldChange]
-    full_ttft_ms: float | None
-    repairs: dict[str, RepairDict]
-    recommendation: Recommendation | None
-
-
 @dataclass(frozen=True)
-class AuditTurn:
-    """One request of the log against its predecessor."""
+class AuditTurn(Record):
+    """One request against the one it was matched with (none for the first): reuse, the fields changed, every repair
+    measured (none for a cold prefill), each judged against the clean prefill and the recommendation's bars, and the
+    repair recommended."""
 
     request: int
+    matched_request: int | None = field(default=None, kw_only=True)  # the earlier request it was compared with
     tokens: int
-    diff: TurnDiff | None  # None for the first request
-    full_ttft_ms: float | None
+    diff: Annotated[TurnDiff | None, HIDDEN]  # None for the first request
+    common_prefix_tokens: int = derived()
+    block_prefix_tokens: int = derived()
+    appended_tokens: int = derived()
+    fields: tuple[FieldChange, ...] = derived()
+    full_ttft_ms: Annotated[float | None, rounded(2)]
     repairs: dict[str, RepairResult]
     recommendation: Recommendation | None
-    matched_request: int | None = None  # the earlier request it was compared with (None for the first)
 
-    @property
-    def fields(self) -> tuple[FieldChange, ...]:
-        return self.diff.fields if self.diff else ()
-
-    def _repair_dict(self, result: RepairResult) -> RepairDict:
-        """A repair's JSON, with whether it holds the bars the recommendation judged it against."""
-        bars = self.recommendation.bars if self.recommendation else None
-        holds = bars.holds(result) if bars is not None and result.applicable else None
-        return result.as_dict(self.full_ttft_ms or 0.0) | {"within_bars": holds}
-
-    def as_dict(self) -> AuditTurnDict:
+    def __post_init__(self) -> None:
         diff = self.diff
-        return {
-            "request": self.request,
-            "matched_request": self.matched_request,
-            "tokens": self.tokens,
-            "common_prefix_tokens": diff.common_prefix_tokens if diff else 0,
-            "block_prefix_tokens": diff.block_prefix_tokens if diff else 0,
-            "appended_tokens": self.tokens - diff.growth_start if diff else 0,
-            "fields": [change.as_dict() for change in self.fields],
-            "full_ttft_ms": None if self.full_ttft_ms is None else round(self.full_ttft_ms, 2),
-            "repairs": {name: self._repair_dict(result) for name, result in self.repairs.items()},
-            "recommendation": self.recommendation.as_dict() if self.recommendation else None,
-        }
+        self.derive(
+            common_prefix_tokens=diff.common_prefix_tokens if diff else 0,
+            block_prefix_tokens=diff.block_prefix_tokens if diff else 0,
+            appended_tokens=self.tokens - diff.growth_start if diff else 0,
+            fields=diff.fields if diff else (),
+            repairs={name: self._judged(result) for name, result in self.repairs.items()},
+        )
+
+    def _judged(self, result: RepairResult) -> RepairResult:
+        """A repair with the clean prefill's TTFT over its own, and whether it holds the bars the recommendation judged
+        it against (null where it does not apply)."""
+        if not result.applicable:
+            return result
+        bars = self.recommendation.bars if self.recommendation else None
+        full = self.full_ttft_ms or 0.0
+        ratio = full / result.ttft_ms if result.ttft_ms > 0 else None
+        return dataclasses.replace(result, ttft_ratio=ratio, within_bars=bars.holds(result) if bars is not None else None)
 
 
 @dataclass(frozen=True)
@@ -163,7 +147,7 @@ def measure_turn(turn: Turn, settings: MeasureSettings, tick: Tick = lambda: Non
     recommendation = recommend(results, settings.threshold, settings.min_agreement)
     index = turn.new.request.index
     full_ms = turn.store.prefill_ms(turn.new.ids)
-    return AuditTurn(index, len(turn.new), turn.diff, full_ms, results, recommendation, turn.old.request.index)
+    return AuditTurn(index, len(turn.new), turn.diff, full_ms, results, recommendation, matched_request=turn.old.request.index)
 
 
 def audit_value(

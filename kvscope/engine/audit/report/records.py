@@ -3,18 +3,21 @@ and its part of the published JSON Schema (``ci.report``) are derived from that 
 
 A record subclasses :class:`Record` and says on its fields what the JSON does otherwise: a field left out is
 ``Annotated[T, HIDDEN]``, a key named otherwise ``Annotated[T, Field(serialization_alias=…)]``, a rounded number
-``Annotated[float, rounded(2)]``, a key derived from the fields a ``computed_field`` property (it follows the fields).
-Text only, no torch.
+``Annotated[float, rounded(2)]``, a key left out where empty ``Annotated[T, OMITTED]``, a key derived from the other fields
+a ``derived()`` field set in ``__post_init__`` (it keeps its place among them; a ``computed_field`` property follows
+them all). Text only, no torch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
 from pydantic import ConfigDict, Field, PlainSerializer, TypeAdapter
 
 HIDDEN = Field(exclude=True)  # kept for the stages, left out of the report
+OMITTED = Field(exclude_if=lambda value: value is None or value == "")  # a key the report holds only where it has a value
 
 
 class Record:
@@ -30,11 +33,27 @@ class Record:
         """The record as the report holds it."""
         return _adapter(type(self)).dump_python(self, mode="json", by_alias=True)
 
+    def derive(self, **values: Any) -> None:
+        """Sets the record's ``derived()`` keys (in its ``__post_init__``: a record is frozen)."""
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
 
 @functools.cache
 def _adapter(tp: Any) -> TypeAdapter:
     """The one ``TypeAdapter`` of a record, built on first use."""
     return TypeAdapter(tp)
+
+
+def init_values(record: Any) -> dict[str, Any]:
+    """A record's values as its constructor takes them (``derived()`` keys left out): to build one that extends it."""
+    return {field.name: getattr(record, field.name) for field in dataclasses.fields(record) if field.init}
+
+
+def derived() -> Any:
+    """A key derived from the record's other fields, declared where the report holds it and set by the record's
+    ``__post_init__`` (``Record.derive``), never passed in."""
+    return dataclasses.field(init=False, default=None)
 
 
 def rounded(digits: int) -> PlainSerializer:

@@ -16,13 +16,16 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated, Any
+
+from pydantic import Field
 
 from kvscope.engine.audit.logs.render import context_limit
 from kvscope.engine.audit.logs.requests import Request, RequestLog, RequestLogError
 from kvscope.engine.audit.measure.settings import DEFAULT_TOKENS
 from kvscope.engine.audit.prompts.repair_requests import OutputFidelity
 from kvscope.engine.audit.prompts.template import Template
+from kvscope.engine.audit.report.records import HIDDEN, Record, derived, rounded
 from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.traffic_scan import TrafficScan, scan_log
 from kvscope.engine.audit.simulate.registry import DEFAULT_ENGINE
@@ -30,29 +33,35 @@ from kvscope.engine.progress import StepProgress, ticker
 
 if TYPE_CHECKING:  # the model is read by the measurement alone: pairing, templates and reports import no torch
     from kvscope.engine.audit.measure.kv_store import ComputedStates
-    from kvscope.engine.audit.report.types import RewrittenRequestDict
     from kvscope.engine.cache.loaded import LoadedModel
 
 REUSE_ENGINE = DEFAULT_ENGINE  # the engine the verdict's reuse is said for
 
 
 @dataclass(frozen=True)
-class RewrittenRequest:
+class RewrittenRequest(Record):
     """One request before and after the rewrite: its tokens and reuse per engine, and the output compared."""
 
     request: int
     tokens_before: int
     tokens_after: int
-    reused_before: dict[str, int]
-    reused_after: dict[str, int]
-    fidelity: OutputFidelity
-    generated: int  # greedy tokens compared (the longer of the two continuations)
+    reused_before: Annotated[dict[str, int], Field(serialization_alias="reused_tokens_before")]
+    reused_after: Annotated[dict[str, int], Field(serialization_alias="reused_tokens_after")]
+    fidelity: Annotated[OutputFidelity, HIDDEN]
+    kl: Annotated[float, rounded(8)] = derived()  # the fidelity's fields, in the report
+    top1_agree: bool = derived()
+    top5_overlap: Annotated[float, rounded(4)] = derived()
+    generation_agreement: Annotated[float, rounded(4)] = derived()
+    generated_common_prefix: int = derived()
+    same_text: bool = derived()
+    generated: Annotated[int, HIDDEN]  # greedy tokens compared (the longer of the two continuations)
     original_text: str
     rewritten_text: str
+    verdict: str = derived()  # the request's line in words
 
-    @property
-    def same_text(self) -> bool:
-        return self.original_text == self.rewritten_text
+    def __post_init__(self) -> None:
+        self.derive(**dataclasses.asdict(self.fidelity), same_text=self.original_text == self.rewritten_text)
+        self.derive(verdict=self.words())
 
     @property
     def unchanged(self) -> bool:
@@ -65,25 +74,6 @@ class RewrittenRequest:
         first = "the first token unchanged" if f.top1_agree else "the first token changes"
         greedy = f"{f.generation_agreement:.0%} of {self.generated} greedy tokens agree, the first {f.generated_common_prefix} in a row"
         return f"{reuse}; {first}; {greedy}; {'the same text' if self.same_text else 'the text changes'}"
-
-    def as_dict(self) -> RewrittenRequestDict:
-        f = self.fidelity
-        return {
-            "request": self.request,
-            "tokens_before": self.tokens_before,
-            "tokens_after": self.tokens_after,
-            "reused_tokens_before": dict(self.reused_before),
-            "reused_tokens_after": dict(self.reused_after),
-            "kl": round(f.kl, 8),
-            "top1_agree": f.top1_agree,
-            "top5_overlap": round(f.top5_overlap, 4),
-            "generation_agreement": round(f.generation_agreement, 4),
-            "generated_common_prefix": f.generated_common_prefix,
-            "same_text": self.same_text,
-            "original_text": self.original_text,
-            "rewritten_text": self.rewritten_text,
-            "verdict": self.words(),
-        }
 
 
 @dataclass(frozen=True)
@@ -99,7 +89,7 @@ class RewriteReport:
         reused = sum((r.reused_after if after else r.reused_before)[engine] for r in rows)
         return reused / tokens if tokens else 0.0
 
-    def rows(self) -> list[RewrittenRequestDict]:
+    def rows(self) -> list[dict[str, Any]]:
         """Each request before and after, as the report holds it."""
         return [row.as_dict() for row in self.requests]
 

@@ -19,15 +19,16 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any
 
 import numpy as np
-from pydantic import Field, computed_field
+from pydantic import Field
 
 from kvscope.engine.audit.changes.causes import Cause, another_prompt, causes_of
 from kvscope.engine.audit.changes.fields import TurnDiff, common_prefix, compare_requests
 from kvscope.engine.audit.logs.render import RenderedRequest, end_of_turn_ids, render_batch
 from kvscope.engine.audit.logs.requests import RequestLog, RequestLogError, Skipped
-from kvscope.engine.audit.report.records import HIDDEN, Record, rounded
+from kvscope.engine.audit.report.records import HIDDEN, Record, derived, rounded
 from kvscope.engine.audit.scan.settings import ScanSettings
-from kvscope.engine.audit.simulate.fleet import FleetResult
+from kvscope.engine.audit.simulate.caches import CacheSettings
+from kvscope.engine.audit.simulate.fleet import FleetResult, hit_rates
 from kvscope.engine.audit.simulate.hosted import hosted_request
 from kvscope.engine.audit.simulate.observed import Reported, observe
 from kvscope.engine.audit.simulate.registry import ENGINES
@@ -36,7 +37,6 @@ from kvscope.engine.progress import StepProgress
 
 if TYPE_CHECKING:
     from kvscope.engine.audit.logs.requests import ReadingDict
-    from kvscope.engine.audit.report.types import CauseCountDict, TotalsDict
 
 _PROGRESS_STEPS = 50  # progress reports per phase of the token pass
 
@@ -126,35 +126,59 @@ class TrafficScan:
             grouped.setdefault(row.signature, []).append(row)
         return dict(sorted(grouped.items(), key=lambda item: -sum(r.tokens for r in item[1])))
 
-    def totals(self) -> TotalsDict:
+    def totals(self) -> EngineTotals:
         """The log's tokens and each engine's reuse, with replies cached as servers cache them and with prompts only,
         and where the replies came from (``step.REPLY_COUNTS``)."""
         tokens = sum(row.tokens for row in self.requests)
         reused = {engine: sum(row.reused_tokens[engine] for row in self.requests) for engine in ENGINES}
         plain = {engine: sum(row.prompts_only_reused_tokens.get(engine, 0) for row in self.requests) for engine in ENGINES}
-        return {
-            "requests": len(self.requests),
-            "tokens": tokens,
-            "reused_tokens": reused,
-            "hit_rate": {engine: round(count / tokens, 4) if tokens else 0.0 for engine, count in reused.items()},
-            "prompts_only": {
-                "reused_tokens": plain,
-                "hit_rate": {engine: round(count / tokens, 4) if tokens else 0.0 for engine, count in plain.items()},
-            },
-            "replies": {key: self.replies.get(key, 0) for key in REPLY_COUNTS},
-        }
+        replies = {key: self.replies.get(key, 0) for key in REPLY_COUNTS}
+        return EngineTotals(self.settings.cache, len(self.requests), tokens, reused, PromptsOnly(plain, hit_rates(plain, tokens)), replies)
 
-    def cause_counts(self) -> dict[str, CauseCountDict]:
+    def cause_counts(self) -> dict[str, CauseCount]:
         """Per cause: the requests it occurs in, its occurrences, and the tokens it costs."""
-        counts: dict[str, CauseCountDict] = {}
+        found: dict[str, list[Cause]] = {}
+        requests: dict[str, int] = {}
         for row in self.requests:
             for cause in row.causes:
-                entry = counts.setdefault(cause.name, {"requests": 0, "occurrences": 0, "tokens": 0})
-                entry["occurrences"] += 1
-                entry["tokens"] += cause.tokens
+                found.setdefault(cause.name, []).append(cause)
             for name in {cause.name for cause in row.causes}:
-                counts[name]["requests"] += 1
-        return counts
+                requests[name] = requests.get(name, 0) + 1
+        return {name: CauseCount(requests[name], len(causes), sum(c.tokens for c in causes)) for name, causes in found.items()}
+
+
+@dataclass(frozen=True)
+class PromptsOnly(Record):
+    """Each engine's reuse were no reply ever cached."""
+
+    reused_tokens: dict[str, int]
+    hit_rate: dict[str, float]
+
+
+@dataclass(frozen=True)
+class EngineTotals(Record):
+    """The settings simulated, the log's requests and prompt tokens, each engine's reuse and hit rate (with replies
+    cached, and prompts only), and where the replies came from (``simulate.step.REPLY_COUNTS``)."""
+
+    settings: CacheSettings
+    requests: int
+    tokens: int
+    reused_tokens: dict[str, int]
+    hit_rate: dict[str, float] = derived()
+    prompts_only: PromptsOnly
+    replies: dict[str, int]
+
+    def __post_init__(self) -> None:
+        self.derive(hit_rate=hit_rates(self.reused_tokens, self.tokens))
+
+
+@dataclass(frozen=True)
+class CauseCount(Record):
+    """One cause over the log: the requests it occurs in, its occurrences, and the tokens it costs."""
+
+    requests: int
+    occurrences: int
+    tokens: int
 
 
 def scan_log(
@@ -319,18 +343,16 @@ class TrafficGroup(Record):
     """One change signature: its requests, their share of the log's tokens, and the turns measured (up to K)."""
 
     signature: str
-    requests: tuple[int, ...]
+    count: int = derived()  # the group's requests
     tokens: int
     share: Annotated[float, Field(serialization_alias="token_share"), rounded(4)]
+    requests: tuple[int, ...]
     measurable: int  # turns that share a prefix with their match and change only messages' text
     measured: tuple[int, ...]
     reason: str | None  # why none was measured, when none was
 
-    @computed_field
-    @property
-    def count(self) -> int:
-        """The group's requests."""
-        return len(self.requests)
+    def __post_init__(self) -> None:
+        self.derive(count=len(self.requests))
 
 
 def sample_groups(scan: TrafficScan, sample: int, unmeasured: str = "not measured: --sample 0") -> list[TrafficGroup]:
@@ -346,7 +368,7 @@ def sample_groups(scan: TrafficScan, sample: int, unmeasured: str = "not measure
         if not picked:
             reason = unmeasured if measurable else _unmeasurable(rows[0])
         tokens = sum(row.tokens for row in rows)
-        groups.append(TrafficGroup(key, tuple(row.request for row in rows), tokens, tokens / total, len(measurable), tuple(picked), reason))
+        groups.append(TrafficGroup(key, tokens, tokens / total, tuple(row.request for row in rows), len(measurable), tuple(picked), reason))
     return groups
 
 

@@ -22,9 +22,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from pydantic import computed_field
-
-from kvscope.engine.audit.report.records import Record
+from kvscope.engine.audit.report.records import Record, derived
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.prefix_cache import CacheRequest
 from kvscope.engine.audit.simulate.registry import ENGINES, MATCHING, Caches
@@ -50,12 +48,16 @@ class FleetResult(Record):
     routing: str
     tokens: int
     reused_tokens: dict[str, int]
+    hit_rate: dict[str, float] = derived()
     requests_per_replica: tuple[int, ...]
 
-    @computed_field
-    @property
-    def hit_rate(self) -> dict[str, float]:
-        return {engine: round(count / self.tokens, 4) if self.tokens else 0.0 for engine, count in self.reused_tokens.items()}
+    def __post_init__(self) -> None:
+        self.derive(hit_rate=hit_rates(self.reused_tokens, self.tokens))
+
+
+def hit_rates(reused: dict[str, int], tokens: int) -> dict[str, float]:
+    """Each engine's reused tokens as a share of ``tokens`` (0 for none)."""
+    return {engine: round(count / tokens, 4) if tokens else 0.0 for engine, count in reused.items()}
 
 
 class Fleet:

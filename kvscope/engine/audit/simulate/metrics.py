@@ -18,7 +18,9 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Annotated
 
+from kvscope.engine.audit.report.records import OMITTED, Record
 from kvscope.engine.errors import KVScopeError
 
 # (hits, queries) counter pairs, in prompt tokens, newest naming first. Prometheus clients append "_total" to
@@ -105,7 +107,19 @@ def cache_hit_rate_gauge(samples: Sequence[Sample]) -> float | None:
     return None
 
 
-def observed_aggregate(scrapes: Sequence[str], simulated_hit_rate: dict[str, float]) -> dict:
+@dataclass(frozen=True)
+class ServerMetrics(Record):
+    """``--metrics``: what the server's Prometheus scrapes say beside each engine's simulated hit rate (``hits`` and
+    ``queries`` from counters; a hit-rate gauge gives the rate alone)."""
+
+    source: str
+    hits: Annotated[int | None, OMITTED]
+    queries: Annotated[int | None, OMITTED]
+    hit_rate: float | None
+    simulated_hit_rate: dict[str, float]
+
+
+def observed_aggregate(scrapes: Sequence[str], simulated_hit_rate: dict[str, float]) -> ServerMetrics:
     """What one or two scrapes say (two: after minus before, the log's window) beside each simulated engine's hit
     rate over the log; a ``MetricsError`` names a scrape with no known prefix-cache metric."""
     if not 1 <= len(scrapes) <= 2:
@@ -119,18 +133,13 @@ def observed_aggregate(scrapes: Sequence[str], simulated_hit_rate: dict[str, flo
             if gauge is None or len(scrapes) == 2:
                 names = ", ".join(f"{hits}_total / {queries}_total" for hits, queries in COUNTER_PAIRS)
                 raise MetricsError(f"metrics scrape {number} has no prefix-cache counters ({names})")
-            return {"source": "hit-rate gauge (the server's running rate, not the log's)", "hit_rate": round(gauge, 4),
-                    "simulated_hit_rate": simulated_hit_rate}  # fmt: skip
+            gauged = "hit-rate gauge (the server's running rate, not the log's)"
+            return ServerMetrics(gauged, None, None, round(gauge, 4), simulated_hit_rate)
         counted.append(counters)
     hits, queries = counted[-1].hits - (counted[0].hits if len(counted) == 2 else 0), counted[-1].queries
     queries -= counted[0].queries if len(counted) == 2 else 0
     if hits < 0 or queries < 0:
         raise MetricsError("the second metrics scrape counts less than the first: the server restarted between them, or they are swapped")
     window = "the difference of two scrapes (the log's window)" if len(counted) == 2 else "one scrape (since the server started)"
-    return {
-        "source": f"prefix-cache counters, {window}",
-        "hits": int(hits),
-        "queries": int(queries),
-        "hit_rate": round(hits / queries, 4) if queries else None,
-        "simulated_hit_rate": simulated_hit_rate,
-    }
+    rate = round(hits / queries, 4) if queries else None
+    return ServerMetrics(f"prefix-cache counters, {window}", int(hits), int(queries), rate, simulated_hit_rate)

@@ -13,21 +13,22 @@ a grid of block sizes and KV budgets, and names the settings that reproduce the 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Annotated, Protocol
 
 import numpy as np
+from pydantic import Field, SerializerFunctionWrapHandler, model_serializer
 
 from kvscope.engine.audit.changes.causes import Cause
 from kvscope.engine.audit.logs.requests import Request, RequestLogError
 from kvscope.engine.audit.paged_blocks import BLOCK_SIZES, block_hashes
+from kvscope.engine.audit.report.records import HIDDEN, OMITTED, Record, derived
 from kvscope.engine.audit.simulate.hosted import TOKENS_NOTE, provider_of
+from kvscope.engine.audit.simulate.metrics import ServerMetrics
 from kvscope.engine.audit.simulate.prefix_cache import CacheRequest
 from kvscope.engine.audit.simulate.registry import CACHES, DEFAULT_ENGINE, ENGINES, PROVIDERS, engine_of_answer
-
-if TYPE_CHECKING:
-    from kvscope.engine.audit.report.types import FitSettingDict, ObservedDict, ObservedFitDict
 
 OBSERVED_ENGINES = tuple(ENGINES)  # the engines --observed-engine may compare with
 OBSERVED_CAUSES = ("observed_shortfall", "observed_excess")  # causes of a gap to what the server reported, not of a miss
@@ -227,54 +228,67 @@ def _same_model(named: str, loaded: str) -> bool:
 
 
 @dataclass(frozen=True)
-class ObservedSummary:
-    """The observed counts against the simulation over the requests that carry one; ``unreported``: those without."""
+class Gap(Record):
+    """Requests whose observed count falls short of (or exceeds) the simulation, and the tokens."""
+
+    requests: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class ServerCounted(Record):
+    """The cached and prompt tokens as the server counted both, where it logged both (else 0, 0)."""
+
+    cached_tokens: int
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class ObservedSummary(Record):
+    """The cached tokens the log reports against the simulation, over the requests that carry a count (``requests``;
+    ``unreported``: those without), with the fit and the server's scrapes where asked for."""
 
     engine: str
-    requests: int
-    unreported: int
+    evidence: Annotated[str, Field(serialization_alias="engine_evidence"), OMITTED]  # why that engine (``LogServer.evidence``)
+    requests: Annotated[int, Field(serialization_alias="requests_with_count")]
+    unreported: Annotated[int, Field(serialization_alias="requests_without_count")]
     tokens: int
     observed_tokens: int
-    reused: dict[str, tuple[int, int]]  # per engine (and provider): (tokens reused, tokens of the requests it covers)
+    hit_rate: dict[str, float | None] = derived()  # observed beside each engine's: ``hit_rates``
+    observed_rate_over: str = derived()  # what the observed rate is over, in words
+    server_counted: ServerCounted
     equal: int
-    shortfalls: tuple[int, int]  # (requests, tokens)
-    excesses: tuple[int, int]
-    server_counted: tuple[int, int] = (0, 0)  # (cached, prompt tokens) as the server counted both, where it logged both
-    other_tokenizer: str | None = None  # the model the log names where its tokenizer is not the loaded one
-    evidence: str = ""  # why ``engine`` is the one compared with (``LogServer.evidence``)
+    equal_share: float | None = derived()
+    shortfalls: Gap
+    excesses: Gap
+    fit: Annotated[ObservedFit | None, OMITTED] = None  # --fit-observed
+    metrics: Annotated[ServerMetrics | None, OMITTED] = None  # --metrics
+    # per engine (and provider): (tokens reused, tokens of the requests it covers)
+    reused: Annotated[dict[str, tuple[int, int]], HIDDEN] = dataclasses.field(default_factory=dict)
+    other_tokenizer: Annotated[str | None, HIDDEN] = None  # the model the log names where its tokenizer is not the loaded one
+
+    def __post_init__(self) -> None:
+        self.derive(hit_rate=self.hit_rates(), observed_rate_over=self.observed_over(), equal_share=_rate(self.equal, self.requests))
 
     def hit_rates(self) -> dict[str, float | None]:
         """The observed rate over the server's own prompt counts where the log carries them (a rate over the same tokens
         that were counted), else over the loaded tokenizer's; each engine's over the loaded tokenizer's."""
-        cached, prompt = self.server_counted
-        observed = _rate(cached, prompt) if prompt else _rate(self.observed_tokens, self.tokens)
+        counted = self.server_counted
+        if counted.prompt_tokens:
+            observed = _rate(counted.cached_tokens, counted.prompt_tokens)
+        else:
+            observed = _rate(self.observed_tokens, self.tokens)
         return {"observed": observed} | {name: _rate(reused, tokens) for name, (reused, tokens) in self.reused.items()}
 
     def observed_over(self) -> str:
         """What the observed rate is over, in words."""
-        if not self.server_counted[1]:
+        prompt = self.server_counted.prompt_tokens
+        if not prompt:
             return "the loaded tokenizer's prompt tokens (the log carries no prompt count of its own)"
-        words = f"the {self.server_counted[1]:,} prompt tokens the server counted (usage.prompt_tokens and its kin)"
+        words = f"the {prompt:,} prompt tokens the server counted (usage.prompt_tokens and its kin)"
         if self.other_tokenizer:
             words += f"; the log names {self.other_tokenizer}, not the loaded model: its tokens are not the engines'"
         return words
-
-    def as_dict(self) -> ObservedDict:
-        return {
-            "engine": self.engine,
-            **({"engine_evidence": self.evidence} if self.evidence else {}),
-            "requests_with_count": self.requests,
-            "requests_without_count": self.unreported,
-            "tokens": self.tokens,
-            "observed_tokens": self.observed_tokens,
-            "hit_rate": self.hit_rates(),
-            "observed_rate_over": self.observed_over(),
-            "server_counted": {"cached_tokens": self.server_counted[0], "prompt_tokens": self.server_counted[1]},
-            "equal": self.equal,
-            "equal_share": _rate(self.equal, self.requests),
-            "shortfalls": {"requests": self.shortfalls[0], "tokens": self.shortfalls[1]},
-            "excesses": {"requests": self.excesses[0], "tokens": self.excesses[1]},
-        }
 
 
 def _rate(part: int, whole: int) -> float | None:
@@ -297,23 +311,23 @@ def observed_summary(rows: Sequence[Row], engine: str, model: str = "", evidence
         if covered:
             reused[provider] = (sum(r.hosted_reused_tokens[provider] for r in covered), sum(r.tokens for r in covered))
 
-    def gaps(name: str) -> tuple[int, int]:
+    def gaps(name: str) -> Gap:
         found = [cause.tokens for row in counted for cause in row.causes if cause.name == name]
-        return len(found), sum(found)
+        return Gap(len(found), sum(found))
 
     return ObservedSummary(
-        engine,
-        len(counted),
-        len(rows) - len(counted),
-        sum(row.tokens for row in counted),
-        sum(row.observed_cached_tokens for row in counted),
-        reused,
-        sum(row.observed_cached_tokens == row.reused_tokens[engine] for row in counted),
-        gaps("observed_shortfall"),
-        gaps("observed_excess"),
-        server,
-        _named_model(rows, model),
-        evidence,
+        engine=engine,
+        evidence=evidence,
+        requests=len(counted),
+        unreported=len(rows) - len(counted),
+        tokens=sum(row.tokens for row in counted),
+        observed_tokens=sum(row.observed_cached_tokens for row in counted),
+        server_counted=ServerCounted(*server),
+        equal=sum(row.observed_cached_tokens == row.reused_tokens[engine] for row in counted),
+        shortfalls=gaps("observed_shortfall"),
+        excesses=gaps("observed_excess"),
+        reused=reused,
+        other_tokenizer=_named_model(rows, model),
     )
 
 
@@ -326,59 +340,73 @@ def _named_model(rows: Sequence[Row], model: str) -> str | None:
     return None
 
 
-def hosted_summary(rows: Sequence[Row]) -> dict:
+@dataclass(frozen=True)
+class HostedProvider(Record):
+    """A hosted provider's simulated cache over the requests naming its models: its rule, requests, tokens, reuse."""
+
+    rule: str
+    requests: int
+    tokens: int
+    reused_tokens: int
+    hit_rate: float | None = derived()
+
+    def __post_init__(self) -> None:
+        self.derive(hit_rate=_rate(self.reused_tokens, self.tokens))
+
+
+Hosted = dict[str, HostedProvider | str]  # per provider the log names, and "note" (a string) when any
+
+
+def hosted_summary(rows: Sequence[Row]) -> Hosted:
     """Per hosted provider the log's requests name: its rule, the requests, tokens and tokens its simulation reuses, and
     the hit rate (empty for a log of no hosted model)."""
-    out = {}
+    out: Hosted = {}
     for provider, rule in PROVIDERS.items():
         covered = [row for row in rows if provider in row.hosted_reused_tokens]
         if covered:
             tokens, reused = sum(r.tokens for r in covered), sum(r.hosted_reused_tokens[provider] for r in covered)
-            out[provider] = {
-                "rule": rule,
-                "requests": len(covered),
-                "tokens": tokens,
-                "reused_tokens": reused,
-                "hit_rate": _rate(reused, tokens),
-            }
+            out[provider] = HostedProvider(rule, len(covered), tokens, reused)
     return out | ({"note": TOKENS_NOTE} if out else {})
 
 
 @dataclass(frozen=True)
-class FitSetting:
-    """One setting of the compared engine tried by ``fit_observed`` (its name -> value, as the engine's ``fit_grid``
-    names them) and the requests whose observed count it reproduces."""
+class FitSetting(Record):
+    """One setting of the compared engine tried by ``fit_observed`` and the requests whose observed count it reproduces;
+    the setting's keys (its names, as the engine's ``fit_grid`` names them: vLLM block, budget_tokens; SGLang page,
+    budget_tokens; llama.cpp slots, prompt_cache, cache_reuse) stand beside ``matches``."""
 
-    setting: dict[str, Any]
+    setting: dict[str, int | bool | None]
     matches: int
 
-    def as_dict(self) -> FitSettingDict:
-        return {**self.setting, "matches": self.matches}
+    @model_serializer(mode="wrap")
+    def _beside(self, fields: SerializerFunctionWrapHandler) -> dict[str, int | bool | float | None]:
+        """The setting's keys, then the record's own."""
+        out = fields(self)
+        return {**out.pop("setting"), **out}
 
 
 @dataclass(frozen=True)
-class ObservedFit:
-    """The compared engine's settings tried over the requests with an observed count, best first."""
+class FitBest(FitSetting):
+    """The best setting, with its share of the requests with a count."""
+
+    share: float | None
+
+
+@dataclass(frozen=True)
+class ObservedFit(Record):
+    """``--fit-observed``: the compared engine's settings tried over the requests with an observed count, best first."""
 
     engine: str
-    requests: int
+    requests: Annotated[int, Field(serialization_alias="requests_with_count")]
     working_set_tokens: int  # tokens an unbounded token cache holds after the whole log
+    best: FitBest = derived()
+    tied: tuple[FitSetting, ...] = derived()  # as many matches as the best
     tried: tuple[FitSetting, ...]  # most matches first; among ties, in the order tried (the engine's ``fit_grid``)
 
-    @property
-    def best(self) -> FitSetting:
-        return self.tried[0]
-
-    def as_dict(self) -> ObservedFitDict:
-        best = self.best
-        return {
-            "engine": self.engine,
-            "requests_with_count": self.requests,
-            "working_set_tokens": self.working_set_tokens,
-            "best": best.as_dict() | {"share": _rate(best.matches, self.requests)},
-            "tied": [s.as_dict() for s in self.tried if s.matches == best.matches],
-            "tried": [s.as_dict() for s in self.tried],
-        }
+    def __post_init__(self) -> None:
+        first = self.tried[0]
+        best = FitBest(first.setting, first.matches, _rate(first.matches, self.requests))
+        self.derive(best=best, tied=tuple(s for s in self.tried if s.matches == best.matches))
 
 
 def fit_observed(rows: Sequence[Row], held: Callable[[int], np.ndarray], engine: str = DEFAULT_ENGINE) -> ObservedFit:

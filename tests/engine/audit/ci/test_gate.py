@@ -73,7 +73,7 @@ def test_each_quantity_is_over_what_it_names():
 )
 def test_the_gate_fails_exactly_when_a_condition_holds(condition, holds):
     report = {**LOG, "rewrite": ROWS}
-    report["gate"] = gate(parse_conditions([condition]), report)
+    report["gate"] = gate(parse_conditions([condition]), report).as_dict()
     assert report["gate"]["failed"] is holds
     assert exit_code(report) == (EXIT_FAILED if holds else 0)
 

@@ -107,7 +107,7 @@ def test_ray_gives_the_single_process_json(cluster, tokenizer, tmp_path):
     single = scan_log(tokenizer, files.log, settings)
     spread = distributed.ray_scan(tokenizer, files, settings, sample=3, workers=2, shard_lines_=40)
     _same(single, spread, 3)
-    assert len(spread.requests) > 160 and spread.totals()["reused_tokens"]["sglang"] > 0
+    assert len(spread.requests) > 160 and spread.totals().reused_tokens["sglang"] > 0
     assert len({row.session for row in spread.requests}) == len({record["user"] for record in generated})
     assert any(row.matched_request is not None and row.matched_request < row.request - 1 for row in spread.requests)
     unparsed, corrupt = spread.skipped  # in the order read: file by file, line by line

@@ -15,13 +15,13 @@ import httpx
 import pytest
 import torch
 
+from kvscope.engine.audit.ci.report import report_schema
 from kvscope.engine.audit.endpoint.answers import Answer, EndpointError, Probe, read_answer
 from kvscope.engine.audit.endpoint.client import EndpointClient, EndpointSettings, EndpointUnreachable, retry_after
 from kvscope.engine.audit.endpoint.fidelity import compare, estimate_kl
 from kvscope.engine.audit.endpoint.served_measure import measure_rewrite_on_endpoint
 from kvscope.engine.audit.logs.reading import read_log
 from kvscope.engine.audit.logs.usage import answer_usage, observed_usage
-from kvscope.engine.audit.report import types
 from kvscope.engine.audit.rewrite.measure import measure_rewrite
 from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.cache.decision import kl_divergence
@@ -244,14 +244,14 @@ def test_a_rewrite_measured_on_the_endpoint_gives_the_in_process_verdicts(lm):
     options = {"tokenizer": lm.tokenizer, "settings": ScanSettings(), "tokens": TOKENS, "model": lm.name}
     for k, tight in ((600, True), (20, False)):  # the whole vocabulary, then the top 20 of 600
         measured = measure_rewrite_on_endpoint(_client(FakeServer(lm), top_k=k), original, rewritten, **options)
-        for row, mine, extra in zip(local.requests, measured.report.requests, measured.measured):
+        for row, mine in zip(local.requests, measured.report.requests):
             assert mine.fidelity.top1_agree == row.fidelity.top1_agree
             assert mine.fidelity.generation_agreement == row.fidelity.generation_agreement
             assert mine.fidelity.generated_common_prefix == row.fidelity.generated_common_prefix
             assert (mine.original_text, mine.rewritten_text) == (row.original_text, row.rewritten_text)
-            assert mine.fidelity.kl <= row.fidelity.kl + 1e-5 <= mine.fidelity.kl + extra.kl_bound + 2e-5
+            assert mine.fidelity.kl <= row.fidelity.kl + 1e-5 <= mine.fidelity.kl + mine.kl_bound + 2e-5
             if tight:
-                assert mine.fidelity.kl == pytest.approx(row.fidelity.kl, abs=1e-5) and extra.kl_bound == 0.0
+                assert mine.fidelity.kl == pytest.approx(row.fidelity.kl, abs=1e-5) and mine.kl_bound == 0.0
         assert measured.report.verdict() == local.verdict()
 
 
@@ -282,13 +282,13 @@ def test_the_command_gives_the_fidelity_keys_the_endpoint_top_k_and_the_bound_an
         "field_only",
         "field_erratum",
     }
-    rows = result["rewrite"]
-    assert len(rows) == 3 and all(set(row) == set(types.EndpointRewrittenRequestDict.__annotations__) for row in rows)
+    rows, parts = result["rewrite"], report_schema()["$defs"]
+    assert len(rows) == 3 and all(set(row) == set(parts["EndpointRewrittenRequest"]["properties"]) for row in rows)
     assert rows[0]["server_cached_tokens_before"] == 0 and rows[0]["simulated_engine"] == "vllm"
     turns = {turn["request"]: turn for turn in result["endpoint"]["turns"]}
     assert sorted(turns) == [2, 3] and turns[3]["matched_request"] == 1  # request 3: session a's clock changed
     erratum = turns[3]["repairs"]["erratum"]
-    assert erratum["applicable"] and set(erratum) == types.EndpointRepairDict.__required_keys__
+    assert erratum["applicable"] and set(erratum) == set(parts["EndpointFidelity"]["required"])
     assert "already in the last message" in turns[3]["repairs"]["hoist"]["reason"]  # the question changed too
     assert all(header.get("authorization") == "Bearer sk-never-written-7f3a" for header in fake.headers)
     assert "sk-never-written" not in text and "sk-never-written" not in cache.read_text()

@@ -88,13 +88,13 @@ def test_every_export_gives_the_same_tokens_sessions_reuse_and_observed_numbers(
     expected_ids = [ids.token_ids.tolist() for ids in plain.rendered.values()]
     keys = ("session", "tokens", "matched_request", "common_prefix_tokens", "reused_tokens", "signature")
     expected = [[row.as_dict()[k] for k in keys] for row in plain.requests]
-    assert plain.totals()["reused_tokens"]["vllm"] > 0 and len({row.session for row in plain.requests}) == 3
+    assert plain.totals().reused_tokens["vllm"] > 0 and len({row.session for row in plain.requests}) == 3
     for source, name in FILES.items():
         log = read_log(_text(name))
         scan = scan_log(tokenizer, log)
         assert [item.token_ids.tolist() for item in scan.rendered.values()] == expected_ids, source
         assert [[row.as_dict()[k] for k in keys] for row in scan.requests] == expected, source
-        totals, reference = scan.totals(), plain.totals()
+        totals, reference = scan.totals().as_dict(), plain.totals().as_dict()
         assert {k: v for k, v in totals.items() if k != "replies"} == {k: v for k, v in reference.items() if k != "replies"}, source
         assert totals["replies"]["logged"] + totals["replies"]["next_turn"] >= reference["replies"]["next_turn"], source
         assert [r.observed_cached_tokens for r in log.requests] == CACHED, source

@@ -193,7 +193,7 @@ def _brute_force(tokenizer, scan, held_after):
 def test_logged_replies_are_cached_as_servers_cache_them(tokenizer):
     # the brute force's llama.cpp is a slot per session (the mode a client that pins each session to a slot meets)
     scan = scan_log(tokenizer, read_log(_sessions_log(1, replies=True)), ScanSettings(CacheSettings(prompt_cache=False)))
-    assert scan.totals()["replies"] == {"logged": 24, "next_turn": 0, "none": 0}
+    assert scan.totals().replies == {"logged": 24, "next_turn": 0, "none": 0}
     expected = _brute_force(tokenizer, scan, lambda request, now: scan.rendered[request].held.tolist())
     assert [row.reused_tokens for row in scan.requests] == expected
     gained = sum(r.reused_tokens["sglang"] - r.prompts_only_reused_tokens["sglang"] for r in scan.requests)
@@ -203,12 +203,12 @@ def test_logged_replies_are_cached_as_servers_cache_them(tokenizer):
 def test_a_log_without_replies_reads_them_off_the_next_turn_and_gives_both_ways(tokenizer):
     with_replies = scan_log(tokenizer, read_log(_sessions_log(2, replies=True)))
     without = scan_log(tokenizer, read_log(_sessions_log(2, replies=False)))
-    counts = without.totals()["replies"]
+    counts = without.totals().replies
     assert counts["logged"] == 0 and counts["next_turn"] + counts["none"] == 24 and counts["none"] == 4  # each session's last
     # the replies the next turns resend are the logged ones, so the simulation is the same
     assert [r.reused_tokens for r in without.requests] == [r.reused_tokens for r in with_replies.requests]
-    plain = without.totals()["prompts_only"]["reused_tokens"]
-    assert all(plain[engine] < without.totals()["reused_tokens"][engine] for engine in plain)
+    plain = without.totals().prompts_only.reused_tokens
+    assert all(plain[engine] < without.totals().reused_tokens[engine] for engine in plain)
     ids = [without.rendered[row.request].token_ids.tolist() for row in without.requests]
     best = [max((_lcp(ids[j], ids[i]) for j in range(i)), default=0) for i in range(len(ids))]
     assert [r.prompts_only_reused_tokens["sglang"] for r in without.requests] == [min(b, len(x) - 1) for b, x in zip(best, ids)]

@@ -54,10 +54,10 @@ def test_one_replica_is_the_single_engine_under_every_routing():
     log = read_log(open("demos/logs/traffic/interleaved_agents.jsonl", encoding="utf-8").read())
     grid = fleet_grid("1,3", None)
     scan = scan_log(tokenizer, log, ScanSettings(fleet=grid))
-    single = scan.totals()["reused_tokens"]
+    single = scan.totals().reused_tokens
     assert [(r.replicas, r.routing) for r in scan.fleet] == grid
     for result in scan.fleet:
-        assert result.tokens == scan.totals()["tokens"]
+        assert result.tokens == scan.totals().tokens
         if result.replicas == 1:
             assert result.reused_tokens == single
         else:

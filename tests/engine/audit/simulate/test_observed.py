@@ -233,14 +233,14 @@ def test_a_log_to_a_hosted_api_gets_its_providers_engine(tokenizer):
     assert [row.hosted_reused_tokens for row in scan.requests] == [{"anthropic": 0}, {"anthropic": mark}, {"openai": 0}]
     tokens = [row.tokens for row in scan.requests]
     hosted = hosted_summary(scan.requests)
-    assert hosted["anthropic"] | {"rule": ""} == {
+    assert hosted["anthropic"].as_dict() | {"rule": ""} == {
         "rule": "",
         "requests": 2,
         "tokens": tokens[0] + tokens[1],
         "reused_tokens": mark,
         "hit_rate": round(mark / (tokens[0] + tokens[1]), 4),
     }
-    assert hosted["openai"]["requests"] == 1 and hosted["openai"]["reused_tokens"] == 0 and "not the provider's" in hosted["note"]
+    assert hosted["openai"].requests == 1 and hosted["openai"].reused_tokens == 0 and "not the provider's" in hosted["note"]
     assert scan.requests[1].as_dict()["hosted_reused_tokens"] == {"anthropic": mark}
     # five minutes and a second later the system prompt's cache has expired
     late = scan_log(tokenizer, _observed(log, {}, model=models, timestamp={1: 0.0, 2: 301.0, 3: 302.0}))
