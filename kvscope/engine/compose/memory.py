@@ -18,6 +18,7 @@ from kvscope.engine.compose.remedy import Remedy
 from kvscope.engine.compose.skills import SkillStore
 from kvscope.engine.edit.experiment import EditExperiment
 from kvscope.engine.edit.strategies import StrategyResult
+from kvscope.engine.jsonable import attributes
 from kvscope.engine.scenario import Scenario, ScenarioError
 
 PLACEMENTS = ("start", "end")
@@ -58,13 +59,7 @@ class MemoryPlacement:
     placements: dict[str, Placement]
 
     def as_dict(self) -> dict:
-        return {
-            "scenario": self.scenario,
-            "skill": self.skill,
-            "field": self.field,
-            "seam": self.seam,
-            "placements": {at: placement.as_dict() for at, placement in self.placements.items()},
-        }
+        return attributes(self)
 
 
 def without_skill(scenario: Scenario, skill_id: str) -> Scenario:

@@ -9,7 +9,7 @@ ranked by attribution patching (:func:`ranked_notes`, one backward, ``kvscope.en
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvscope.engine.cache.decision import Decision, recovery
@@ -140,17 +140,19 @@ def patched_reading(
     return reading(read(experiment, base.patch(donor, positions, layers)), gap or Gap.of(experiment))
 
 
-def random_control(margins: Sequence[float], gap: Gap) -> RandomControl:
-    """The random draws' margins, their mean and its recovery."""
-    mean = sum(margins) / len(margins)
-    return RandomControl(tuple(margins), mean, gap.recovery(mean))
+def hidden_reading(experiment: EditExperiment, knockout: Knockout | Sequence[Knockout], gap: Gap) -> Reading:
+    """The oracle's decision with ``knockout`` hidden from the decision tokens, as a reading on ``gap``."""
+    return reading(read(experiment, experiment.oracle.notebook, knockout), gap)
 
 
-def random_draws(pool: Sequence, k: int, seeds: int) -> list[list]:
-    """``seeds`` reproducible random k-subsets of ``pool`` (seed 0, 1, ...)."""
+def random_control(pool: Sequence, k: int, seeds: int, gap: Gap, margin_of: Callable[[list], float]) -> RandomControl:
+    """The same operation on ``seeds`` reproducible random k-subsets of ``pool`` (seed 0, 1, ...): ``margin_of`` each
+    draw, their mean and its recovery."""
     if seeds < 1:
         raise ProbeError(f"seeds must be ≥ 1 (random draws for the control), got {seeds}")
-    return [random.Random(seed).sample(list(pool), k) for seed in range(seeds)]
+    margins = [margin_of(random.Random(seed).sample(list(pool), k)) for seed in range(seeds)]
+    mean = sum(margins) / len(margins)
+    return RandomControl(tuple(margins), mean, gap.recovery(mean))
 
 
 def require_aligned(experiment: EditExperiment, probe: str) -> None:

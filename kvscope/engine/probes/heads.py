@@ -17,11 +17,10 @@ from kvscope.engine.probes.common import (
     ProbeError,
     RandomControl,
     Reading,
+    hidden_reading,
     random_control,
-    random_draws,
     ranked_notes,
     read,
-    reading,
     require_aligned,
     rounded,
 )
@@ -97,13 +96,13 @@ def probe_heads(
     top_heads = [(i // head_count, i % head_count) for i in flat]
 
     def knocked(pairs: Sequence[tuple[int, int]]) -> Reading:
-        result = reading(read(experiment, oracle, _head_knockouts(pairs, chosen)), gap)
+        result = hidden_reading(experiment, _head_knockouts(pairs, chosen), gap)
         tick()
         return result
 
     top = knocked(top_heads)
     pool = [(layer, head) for layer in range(layer_count) for head in range(head_count)]
-    control = random_control([knocked(draw).margin for draw in random_draws(pool, count, seeds)], gap)
-    all_heads = reading(read(experiment, oracle, Knockout(tuple(chosen))), gap)
+    control = random_control(pool, count, seeds, gap, lambda draw: knocked(draw).margin)
+    all_heads = hidden_reading(experiment, Knockout(tuple(chosen)), gap)
     tick()
     return HeadsResult(gap, chosen, mass_last.tolist(), mass_mean.tolist(), top_heads, top, control, all_heads)

@@ -15,12 +15,10 @@ from kvscope.engine.probes.common import (
     Gap,
     RandomControl,
     Reading,
+    hidden_reading,
     k_ladder,
     random_control,
-    random_draws,
     ranked_notes,
-    read,
-    reading,
     require_aligned,
 )
 from kvscope.engine.progress import StepProgress, ticker
@@ -82,17 +80,16 @@ def probe_knockout(
 ) -> KnockoutResult:
     """Hide the top-K notes from the decision tokens in the oracle cache, K = 0, 1, 2, 4, ... all."""
     require_aligned(experiment, "knockout")
-    gap, ranked, oracle = Gap.of(experiment), ranked_notes(experiment), experiment.oracle.notebook
+    gap, ranked = Gap.of(experiment), ranked_notes(experiment)
     ks = k_ladder(ks, len(ranked), smallest=0)
     tick = ticker(progress, len(ks))
 
     def hidden(positions: Sequence[int]) -> Reading:
-        return reading(read(experiment, oracle, Knockout(tuple(positions))), gap)
+        return hidden_reading(experiment, Knockout(tuple(positions)), gap)
 
     points = []
     for k in ks:
-        draws = random_draws(experiment.downstream_positions, k, seeds) if k else []
-        control = random_control([hidden(draw).margin for draw in draws], gap) if draws else None
+        control = random_control(experiment.downstream_positions, k, seeds, gap, lambda draw: hidden(draw).margin) if k else None
         points.append(KnockoutPoint(k, ranked[:k], hidden(ranked[:k]), control))
         tick()
     return KnockoutResult(gap, points)

@@ -18,7 +18,6 @@ from kvscope.engine.probes.common import (
     k_ladder,
     patched_reading,
     random_control,
-    random_draws,
     ranked_notes,
     require_aligned,
 )
@@ -82,13 +81,14 @@ def _layer_bands(layers: int) -> dict[str, list[int]]:
 
 def _suffix_point(experiment: EditExperiment, chosen: list[int], bands: dict[str, list[int]], seeds: int, gap: Gap) -> SuffixPoint:
     """Patch the chosen notes in all layers and per band, and as many random downstream positions."""
-    draws = random_draws(experiment.downstream_positions, len(chosen), seeds)
     return SuffixPoint(
         k=len(chosen),
         positions=chosen,
         all_layers=patched_reading(experiment, chosen),
         bands={name: patched_reading(experiment, chosen, layers) for name, layers in bands.items()},
-        random=random_control([patched_reading(experiment, draw).margin for draw in draws], gap),
+        random=random_control(
+            experiment.downstream_positions, len(chosen), seeds, gap, lambda draw: patched_reading(experiment, draw).margin
+        ),
     )
 
 
