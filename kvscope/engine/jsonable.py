@@ -18,6 +18,11 @@ def as_json(value: Any) -> Any:
     return value
 
 
+def rounded(value: float | None, digits: int = 4) -> float | None:
+    """A float rounded for JSON (None stays None)."""
+    return None if value is None else round(float(value), digits)
+
+
 def attributes(record: Any, *names: str) -> dict[str, Any]:
     """``{name: record.name}`` for each of ``names`` (each dataclass field, in order, when none is named), every value
     through :func:`as_json`: the part of a result's ``as_dict`` that restates its own attributes."""

@@ -33,7 +33,7 @@ from kvscope.engine.compose.skills import SkillStore
 from kvscope.engine.edit.experiment import EditExperiment
 from kvscope.engine.edit.strategies import EditSettings
 from kvscope.engine.errors import KVScopeError
-from kvscope.engine.jsonable import attributes
+from kvscope.engine.jsonable import attributes, rounded
 from kvscope.engine.probes.common import ProbeError
 from kvscope.engine.probes.heads import HeadsResult, probe_heads
 from kvscope.engine.probes.notes_map import NotesMapResult, probe_notes_map
@@ -66,12 +66,7 @@ class PaperModel:
         return 1.0 - self.field_only_recovery
 
     def as_dict(self) -> dict:
-        return {
-            "model": self.model,
-            "parameters": self.parameters,
-            "field_only_recovery": self.field_only_recovery,
-            "notes_share": round(self.notes_share, 4),
-        }
+        return {**attributes(self, "model", "parameters", "field_only_recovery"), "notes_share": round(self.notes_share, 4)}
 
 
 PAPER_MODELS = (
@@ -79,10 +74,6 @@ PAPER_MODELS = (
     PaperModel("Llama-3.1-8B", 8_030_000_000, -0.028),
     PaperModel("Gemma-2-9B", 9_240_000_000, 0.005),
 )
-
-
-def _rounded(value: float | None, digits: int = 4) -> float | None:
-    return None if value is None else round(float(value), digits)
 
 
 def notes_depth(result: NotesMapResult, field_positions: Sequence[int], top: int = NOTES_TOP) -> tuple[float | None, list[tuple[int, int]]]:
@@ -144,26 +135,20 @@ class ModelRow:
 
     def as_dict(self) -> dict:
         return {
-            "model": self.model,
-            "parameters": self.parameters,
-            "notes_share": _rounded(self.notes_share),
-            "recoveries": {name: _rounded(value) for name, value in self.recoveries.items()},
-            "notes_depth": _rounded(self.notes_depth),
+            **attributes(self, "model", "parameters"),
+            "notes_share": rounded(self.notes_share),
+            "recoveries": {name: rounded(value) for name, value in self.recoveries.items()},
+            "notes_depth": rounded(self.notes_depth),
             "read_heads": self.read_heads,
-            "splice_cosine": _rounded(self.splice_cosine, 6),
+            "splice_cosine": rounded(self.splice_cosine, 6),
             "details": {
-                "spec": self.spec,
-                "parameter_bytes": self.parameter_bytes,
-                "dtype": self.dtype,
-                "layers": self.layers,
-                "heads": self.heads,
-                "flips": self.flips,
+                **attributes(self, "spec", "parameter_bytes", "dtype", "layers", "heads", "flips"),
                 "stale_decision": self.stale_label,
                 "oracle_decision": self.oracle_label,
-                "delta_margin": _rounded(self.delta_margin),
+                "delta_margin": rounded(self.delta_margin),
                 "headline": self.headline,
                 "notes_cells": [list(cell) for cell in self.notes_cells],
-                "top_heads_recovery_drop": _rounded(self.top_heads_recovery_drop),
+                "top_heads_recovery_drop": rounded(self.top_heads_recovery_drop),
                 "splice_decision_agree": self.splice_decision_agree,
                 "missing": self.missing,
                 "ms": {stage: round(value, 1) for stage, value in self.ms.items()},

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from kvscope.engine.cache.loaded import LoadedModel
 from kvscope.engine.edit.experiment import EditExperiment
+from kvscope.engine.jsonable import rounded
 from kvscope.engine.progress import StepProgress
 from kvscope.engine.scenario import Scenario, ScenarioError
 
@@ -80,9 +81,9 @@ def calibrate_scenario(lm: LoadedModel, path: Path, threshold: float = FLIP_THRE
                 flips=flips,
                 expected_flip=expected_flip,
                 ok=None if expected_flip is None else flips == expected_flip and (not flips or new.label == expect[field.new]),
-                field_only_recovery=None if notes.field_recovery is None else round(notes.field_recovery, 4),
+                field_only_recovery=rounded(notes.field_recovery),
                 field_only_label=notes.field_only_label,
-                notes_share=None if notes.share is None else round(notes.share, 4),
+                notes_share=rounded(notes.share),
                 notes_demo=notes_demo,
             )
         )

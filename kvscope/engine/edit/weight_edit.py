@@ -27,6 +27,7 @@ from kvscope.engine.edit.lora import LoraSettings, lora_edit
 from kvscope.engine.edit.rome import RomeSettings, rome_edit
 from kvscope.engine.edit.runs import run_scenario
 from kvscope.engine.edit.weight_update import WeightEditError, edit_direction
+from kvscope.engine.jsonable import rounded
 from kvscope.engine.progress import StepProgress
 from kvscope.engine.scenario import Scenario
 
@@ -157,7 +158,7 @@ def compare_edits(
             cost = {"edit_ms": edit.edit_ms, "setup_ms": edit.setup_ms, "memory_bytes": edit.memory_bytes, "details": edit.details}
         details = {**cost.pop("details"), "collateral_changed": measured["collateral_changed"]}
         outcomes[method] = MethodOutcome(
-            efficacy=None if efficacy is None else round(efficacy, 4),
+            efficacy=rounded(efficacy),
             decision=label,
             contamination=measured["contamination"],
             contaminated=measured["contaminated"],

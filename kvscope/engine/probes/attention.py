@@ -15,6 +15,7 @@ import torch
 
 from kvscope.engine.edit.experiment import EditExperiment
 from kvscope.engine.edit.runs import ScenarioRun
+from kvscope.engine.jsonable import attributes
 from kvscope.engine.probes.common import Gap, read, rounded
 from kvscope.engine.progress import StepProgress, ticker
 
@@ -36,10 +37,7 @@ class AttentionMap:
         values = np.asarray(self.attention, dtype=np.float64)
         every_head = values.size <= MAX_JSON_VALUES
         return {
-            "label": self.label,
-            "positions": self.positions,
-            "token_texts": self.token_texts,
-            "segments": self.segments,
+            **attributes(self, "label", "positions", "token_texts", "segments"),
             "attention_heads": "all" if every_head else "mean",
             "attention": self.attention if every_head else np.round(values.mean(1), 4).tolist(),  # (layers, heads or —, tokens)
             "mass": {name: [rounded(v) for v in values] for name, values in self.mass.items()},

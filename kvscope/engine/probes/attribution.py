@@ -30,6 +30,7 @@ from kvscope.engine.cache.loaded import LoadedModel
 from kvscope.engine.edit.experiment import EditExperiment
 from kvscope.engine.edit.runs import ScenarioRun
 from kvscope.engine.errors import KVScopeError
+from kvscope.engine.jsonable import attributes
 from kvscope.engine.progress import StepProgress, Tick
 from kvscope.engine.scenario import RenderedPrompt
 from kvscope.engine.timing import Stopwatch
@@ -57,7 +58,7 @@ class Feature:
     score: float
 
     def as_dict(self) -> dict:
-        return {"start": self.start, "end": self.end, "text": self.text, "kind": self.kind, "score": round(self.score, 4)}
+        return {**attributes(self, "start", "end", "text", "kind"), "score": round(self.score, 4)}
 
 
 @dataclass
@@ -102,20 +103,14 @@ class AttributionResult:
 
     def as_dict(self) -> dict:
         return {
-            "model": self.model,
-            "scenario": self.scenario,
+            **attributes(self, "model", "scenario"),
             "headline": self.headline(),
-            "run": self.run,
-            "method": self.method,
-            "granularity": self.granularity,
-            "target": self.target,
-            "baseline_token": self.baseline_token,
+            **attributes(self, "run", "method", "granularity", "target", "baseline_token"),
             "full_score": round(self.full_score, 4),
             "baseline_score": round(self.baseline_score, 4),
             "total": round(self.total, 4),
             "delta": round(self.delta, 4),
-            "steps": self.steps,
-            "features": [feature.as_dict() for feature in self.features],
+            **attributes(self, "steps", "features"),
             "ms": round(self.ms, 1),
         }
 

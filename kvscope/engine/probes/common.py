@@ -17,6 +17,7 @@ from kvscope.engine.cache.notebook import Knockout, Notebook
 from kvscope.engine.cache.patching import EffectMap, attribution_effects
 from kvscope.engine.edit.experiment import EditExperiment
 from kvscope.engine.errors import KVScopeError
+from kvscope.engine.jsonable import rounded
 
 
 class ProbeError(KVScopeError):
@@ -24,11 +25,6 @@ class ProbeError(KVScopeError):
 
 
 # ---------------------------------------------------------------------------- shared results
-def rounded(value: float | None, digits: int = 4) -> float | None:
-    """A float rounded for JSON (None stays None)."""
-    return None if value is None else round(float(value), digits)
-
-
 @dataclass(frozen=True)
 class Gap:
     """The two reference margins a probe's recovery is measured between (0 = ``stale``, 1 = ``oracle``)."""

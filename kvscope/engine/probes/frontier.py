@@ -23,6 +23,7 @@ from kvscope.engine.cache.notebook import Notebook
 from kvscope.engine.edit.experiment import EditExperiment
 from kvscope.engine.edit.report import NotesShare
 from kvscope.engine.edit.strategies import RANKINGS, NotApplicable
+from kvscope.engine.jsonable import attributes, rounded
 from kvscope.engine.probes.common import Gap, k_ladder
 from kvscope.engine.progress import StepProgress
 from kvscope.engine.timing import Stopwatch
@@ -46,13 +47,11 @@ class FrontierPoint:
 
     def as_dict(self) -> dict:
         return {
-            "method": self.method,
-            "k": self.k,
-            "tokens_computed": self.tokens_computed,
+            **attributes(self, "method", "k", "tokens_computed"),
             "fraction": round(self.fraction, 4),
             "margin": round(self.margin, 4),
             "decision": self.label,
-            "recovery": None if self.recovery is None else round(self.recovery, 4),
+            "recovery": rounded(self.recovery),
             "correct": self.correct,
         }
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from kvscope.engine.cache.notebook import Knockout
 from kvscope.engine.edit.experiment import EditExperiment
+from kvscope.engine.jsonable import attributes
 from kvscope.engine.probes.common import (
     Gap,
     RandomControl,
@@ -37,12 +38,7 @@ class KnockoutPoint:
     random: RandomControl | None
 
     def as_dict(self) -> dict:
-        return {
-            "k": self.k,
-            "positions": self.positions,
-            "top": self.top.as_dict(),
-            "random": None if self.random is None else self.random.as_dict(),
-        }
+        return attributes(self)
 
 
 @dataclass

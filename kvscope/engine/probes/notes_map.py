@@ -109,7 +109,7 @@ class NotesMapResult:
             "exact_overlap": rounded(self.exact_overlap),
             "exact_pearson": rounded(self.exact_correlation[0]),
             "exact_spearman": rounded(self.exact_correlation[1]),
-            "exact_ms": None if self.exact_ms is None else round(self.exact_ms, 1),
+            "exact_ms": rounded(self.exact_ms, 1),
         }
 
 

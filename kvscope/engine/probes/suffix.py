@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvscope.engine.edit.experiment import EditExperiment
+from kvscope.engine.jsonable import attributes
 from kvscope.engine.probes.common import (
     Gap,
     RandomControl,
@@ -36,13 +37,7 @@ class SuffixPoint:
     random: RandomControl
 
     def as_dict(self) -> dict:
-        return {
-            "k": self.k,
-            "positions": self.positions,
-            "all_layers": self.all_layers.as_dict(),
-            "bands": {name: reading.as_dict() for name, reading in self.bands.items()},
-            "random": self.random.as_dict(),
-        }
+        return attributes(self)
 
 
 @dataclass
