@@ -9,12 +9,12 @@ paper's phenomenon, visible on this model.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvscope.engine.cache.loaded import LoadedModel
 from kvscope.engine.edit.experiment import EditExperiment
-from kvscope.engine.jsonable import rounded
+from kvscope.engine.jsonable import JsonFields, rounded
 from kvscope.engine.progress import StepProgress
 from kvscope.engine.scenario import Scenario, ScenarioError
 
@@ -23,7 +23,7 @@ NOTES_DEMO_MAX_RECOVERY = 0.4
 
 
 @dataclass
-class Calibration:
+class Calibration(JsonFields):
     """One scenario field: decisions for its old and new value under a clean prefill."""
 
     file: str
@@ -43,9 +43,6 @@ class Calibration:
     field_only_label: str | None
     notes_share: float | None  # 1 − field_only_recovery
     notes_demo: bool  # flips, and field_only keeps the old decision with recovery ≤ NOTES_DEMO_MAX_RECOVERY
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def calibrate_scenario(lm: LoadedModel, path: Path, threshold: float = FLIP_THRESHOLD) -> list[Calibration]:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvscope.engine.cache.notebook import Knockout
 from kvscope.engine.edit.experiment import EditExperiment
-from kvscope.engine.jsonable import attributes
+from kvscope.engine.jsonable import JsonFields
 from kvscope.engine.probes.common import (
     Gap,
     RandomControl,
@@ -29,16 +29,13 @@ HEADLINE_K = 8  # the headline's K: the largest measured K up to this one (the N
 
 
 @dataclass
-class KnockoutPoint:
+class KnockoutPoint(JsonFields):
     """The oracle's decision with the top-K notes (and K random downstream positions) hidden."""
 
     k: int
     positions: list[int]
     top: Reading
     random: RandomControl | None
-
-    def as_dict(self) -> dict:
-        return attributes(self)
 
 
 @dataclass

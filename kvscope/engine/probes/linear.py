@@ -37,7 +37,7 @@ from kvscope.engine.cache.loaded import LoadedModel
 from kvscope.engine.cache.notebook import Notebook
 from kvscope.engine.edit.experiment import EditExperiment
 from kvscope.engine.edit.runs import render_for
-from kvscope.engine.jsonable import attributes, rounded
+from kvscope.engine.jsonable import JsonFields, attributes, rounded
 from kvscope.engine.probes.common import ProbeError
 from kvscope.engine.progress import StepProgress, Tick
 from kvscope.engine.scenario import RenderedPrompt, ScenarioError, Span, is_aggregator
@@ -63,15 +63,12 @@ def surface_variants(value: str) -> list[str]:
 
 
 @dataclass(frozen=True)
-class Sample:
+class Sample(JsonFields):
     """One probe input: the field's text, the scenario value it varies, the model's conclusion."""
 
     text: str
     origin: str
     label: str
-
-    def as_dict(self) -> dict:
-        return attributes(self)
 
 
 def render_value(experiment: EditExperiment, value: str) -> RenderedPrompt:

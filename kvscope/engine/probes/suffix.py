@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvscope.engine.edit.experiment import EditExperiment
-from kvscope.engine.jsonable import attributes
+from kvscope.engine.jsonable import JsonFields
 from kvscope.engine.probes.common import (
     Gap,
     RandomControl,
@@ -27,7 +27,7 @@ from kvscope.engine.words import counted
 
 
 @dataclass
-class SuffixPoint:
+class SuffixPoint(JsonFields):
     """Patching the top-K notes: all layers, each layer band, and random K positions (all layers)."""
 
     k: int
@@ -35,9 +35,6 @@ class SuffixPoint:
     all_layers: Reading
     bands: dict[str, Reading]
     random: RandomControl
-
-    def as_dict(self) -> dict:
-        return attributes(self)
 
 
 @dataclass
