@@ -119,7 +119,7 @@ def train_until(
     for _ in range(steps):
         with torch.enable_grad():
             margin = decision_margin_of(model, prompt)
-            margins.append(float(margin))
+            margins.append(float(margin.detach()))
             if direction * (margins[-1] - target) >= 0:
                 break
             (-direction * margin).backward()
