@@ -403,22 +403,23 @@ class NotesTab:
             )
             if link is None:
                 return (*unchanged, gr.update(), None)
-            view = scenario_choices(link.text, link.field)
+            edit = link.edit
+            view = scenario_choices(edit.text, edit.field)
         except AppError as error:
             gr.Warning(html.escape(f"This link cannot be restored: {error}", quote=False))  # a toast: the status is far below
             return (*unchanged, f"⚠️ This link cannot be restored: {markdown_literal(str(error))}. The page shows its defaults.", None)
         ignored = f" (not KVScope's, ignored: {', '.join(link.ignored)})" if link.ignored else ""
         return (
             gr.update(value=link.scenario),  # none for a scenario carried in the link: the editor holds it
-            link.text,
+            edit.text,
             view.description,
-            gr.update(choices=view.fields, value=link.field),
-            gr.update(choices=list(dict.fromkeys([*view.values, link.value])), value=link.value),
-            list(link.strategies),
-            link.k,
-            link.head,
-            link.separately,
-            link.all_positions,
+            gr.update(choices=view.fields, value=edit.field),
+            gr.update(choices=list(dict.fromkeys([*view.values, edit.new])), value=edit.new),
+            list(edit.strategies),
+            edit.top_k,
+            edit.head,
+            edit.separately,
+            edit.all_positions,
             gr.Tabs(selected="notes"),  # the tab the link restores
             gr.update(value=link.remedy) if link.remedy else gr.update(),
             f"Restored from the link: {markdown_literal(link.summary() + ignored)}.",
@@ -428,7 +429,7 @@ class NotesTab:
     def _restored_prepare(self, link, spec, text, request: gr.Request):
         if request is None or not permalink.is_link(dict(request.query_params)):
             return gr.update()  # no link: the page's own load prepared the scenario
-        return self.page.prepare_message(spec, link.text if link else text)
+        return self.page.prepare_message(spec, link.edit.text if link else text)
 
     def _restored_edit(self, link, session, spec, progress=gr.Progress()):
         unchanged = (gr.update(),) * len(self.edit_outputs)

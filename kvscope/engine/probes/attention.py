@@ -16,7 +16,7 @@ import torch
 from kvscope.engine.edit.experiment import EditExperiment
 from kvscope.engine.edit.runs import ScenarioRun
 from kvscope.engine.jsonable import attributes
-from kvscope.engine.probes.common import Gap, read, rounded
+from kvscope.engine.probes.common import Gap, probe_json, read, rounded
 from kvscope.engine.progress import StepProgress, ticker
 
 MAX_JSON_VALUES = 250_000  # numbers per map in JSON (~2 MB); larger maps keep the mean over heads
@@ -66,7 +66,7 @@ class AttentionResult:
         )
 
     def as_dict(self) -> dict:
-        return {**self.gap.as_dict(), "headline": self.headline(), "stale": self.stale.as_dict(), "oracle": self.oracle.as_dict()}
+        return probe_json(self, attributes(self, "stale", "oracle"))
 
 
 def _nested(tensor: torch.Tensor, digits: int = 4) -> list:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvscope.engine.cache.decision import Decision, recovery
 from kvscope.engine.cache.notebook import Knockout, Notebook
@@ -108,6 +109,12 @@ class RandomControl:
     def words(self) -> str:
         """The mean in a sentence's words: "recovery 0.12", or its margin where recovery is undefined."""
         return f"margin {self.margin:+.2f}" if self.recovery is None else f"recovery {self.recovery:.2f}"
+
+
+def probe_json(result: Any, fields: dict[str, Any]) -> dict[str, Any]:
+    """A probe result's JSON: its gap's margins and labels (``result.gap``), its one-sentence ``headline()``, then
+    ``fields``."""
+    return {**result.gap.as_dict(), "headline": result.headline(), **fields}
 
 
 # ---------------------------------------------------------------------------- shared steps

@@ -18,6 +18,7 @@ from kvscope.engine.probes.common import (
     RandomControl,
     Reading,
     hidden_reading,
+    probe_json,
     random_control,
     ranked_notes,
     read,
@@ -53,17 +54,17 @@ class HeadsResult:
         def drop(knocked: Reading | RandomControl) -> float | None:
             return None if knocked.recovery is None else rounded(1 - knocked.recovery)
 
-        return {
-            **self.gap.as_dict(),
-            "headline": self.headline(),
-            "notes": self.notes,
-            "mass_last": [[rounded(v) for v in row] for row in self.mass_last],
-            "mass_mean": [[rounded(v) for v in row] for row in self.mass_mean],
-            "top_heads": [list(pair) for pair in self.top_heads],
-            "top": {**self.top.as_dict(), "recovery_drop": drop(self.top)},
-            "random": {**self.random.as_dict(), "recovery_drop": drop(self.random)},
-            "all_heads": {**self.all_heads.as_dict(), "recovery_drop": drop(self.all_heads)},
-        }
+        knockouts = {"top": self.top, "random": self.random, "all_heads": self.all_heads}
+        return probe_json(
+            self,
+            {
+                "notes": self.notes,
+                "mass_last": [[rounded(v) for v in row] for row in self.mass_last],
+                "mass_mean": [[rounded(v) for v in row] for row in self.mass_mean],
+                "top_heads": [list(pair) for pair in self.top_heads],
+                **{name: {**knocked.as_dict(), "recovery_drop": drop(knocked)} for name, knocked in knockouts.items()},
+            },
+        )
 
 
 def _head_knockouts(pairs: Sequence[tuple[int, int]], positions: Sequence[int]) -> list[Knockout]:

@@ -11,13 +11,14 @@ from dataclasses import dataclass
 
 from kvscope.engine.cache.notebook import Knockout
 from kvscope.engine.edit.experiment import EditExperiment
-from kvscope.engine.jsonable import JsonFields
+from kvscope.engine.jsonable import JsonFields, attributes
 from kvscope.engine.probes.common import (
     Gap,
     RandomControl,
     Reading,
     hidden_reading,
     k_ladder,
+    probe_json,
     random_control,
     ranked_notes,
     require_aligned,
@@ -65,7 +66,7 @@ class KnockoutResult:
         return said + "."
 
     def as_dict(self) -> dict:
-        return {**self.gap.as_dict(), "headline": self.headline(), "points": [p.as_dict() for p in self.points]}
+        return probe_json(self, attributes(self, "points"))
 
 
 def probe_knockout(

@@ -11,13 +11,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvscope.engine.edit.experiment import EditExperiment
-from kvscope.engine.jsonable import JsonFields
+from kvscope.engine.jsonable import JsonFields, attributes
 from kvscope.engine.probes.common import (
     Gap,
     RandomControl,
     Reading,
     k_ladder,
     patched_reading,
+    probe_json,
     random_control,
     ranked_notes,
     require_aligned,
@@ -62,7 +63,7 @@ class SuffixResult:
         return said + "."
 
     def as_dict(self) -> dict:
-        return {**self.gap.as_dict(), "headline": self.headline(), "bands": self.bands, "points": [p.as_dict() for p in self.points]}
+        return probe_json(self, attributes(self, "bands", "points"))
 
 
 def _layer_bands(layers: int) -> dict[str, list[int]]:
