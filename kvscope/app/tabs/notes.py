@@ -3,6 +3,7 @@ and a link to this state (Copy link; a page opened from one restores it and runs
 
 from __future__ import annotations
 
+import dataclasses
 import html
 from dataclasses import dataclass
 
@@ -223,18 +224,11 @@ class NotesTab:
         return [self.frontier_plot, self.frontier_json, self.edit_json, self.recipe]
 
     def edit_inputs(self) -> dict:
-        """Every input of an edit, by :class:`EditInputs` field name."""
+        """Every input of an edit, by :class:`EditInputs` field name (its components in the fields' order)."""
         inputs = self.inputs
-        return {
-            "text": inputs.editor,
-            "field": inputs.field,
-            "new": inputs.new_value,
-            "strategies": self.strategies,
-            "top_k": self.top_k,
-            "head": self.head,
-            "separately": self.separately,
-            "all_positions": self.all_positions,
-        }
+        edited = (inputs.editor, inputs.field, inputs.new_value)
+        components = (*edited, self.strategies, self.top_k, self.head, self.separately, self.all_positions)
+        return dict(zip((field.name for field in dataclasses.fields(EditInputs)), components, strict=True))
 
     # ------------------------------------------------------------------------ scenario
     def _wire_scenario(self, upload: gr.File) -> None:
