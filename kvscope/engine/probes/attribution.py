@@ -31,7 +31,7 @@ from kvscope.engine.edit.experiment import EditExperiment
 from kvscope.engine.edit.runs import ScenarioRun
 from kvscope.engine.errors import KVScopeError
 from kvscope.engine.jsonable import attributes
-from kvscope.engine.progress import StepProgress, Tick
+from kvscope.engine.progress import StepProgress, Tick, ticker
 from kvscope.engine.scenario import RenderedPrompt
 from kvscope.engine.timing import Stopwatch
 
@@ -298,14 +298,7 @@ def captum_attribution(
     positions = torch.tensor([p for start, end, _ in spans for p in range(start, end)], device=lm.device)
     mask = torch.tensor([index for index, (start, end, _) in enumerate(spans) for _ in range(start, end)], device=lm.device)
 
-    calls = len(spans) + 1 if method == "ablation" else math.ceil(steps / _GRADIENT_BATCH)
-    done = 0
-
-    def tick() -> None:
-        nonlocal done
-        done += 1
-        if progress:
-            progress(min(done, calls), calls)
+    tick = ticker(progress, len(spans) + 1 if method == "ablation" else math.ceil(steps / _GRADIENT_BATCH))
 
     if method == "ablation":
         per_token = _ablation_scores(score, embedding, ids, positions, mask, baseline, tick)
