@@ -202,11 +202,11 @@ def compare_model(
             f"{lm.fingerprint.name} is a hybrid (layers {lm.recurrent_layers} keep a recurrent state): its cache entries cannot "
             "be edited or patched, so it has no notes share, notes map or read heads to compare"
         )
-    steps = _Stages(progress or (lambda message: None), step or (lambda: None))
-    info, missing = lm.info(), steps.missing
+    stages = _Stages(progress or (lambda message: None), step or (lambda: None))
+    info, missing = lm.info(), stages.missing
     name = lm.fingerprint.name
 
-    with steps.stage(f"{name}: edit report ({', '.join(COMPARED_STRATEGIES)})", "edit_report"):
+    with stages.stage(f"{name}: edit report ({', '.join(COMPARED_STRATEGIES)})", "edit_report"):
         experiment = EditExperiment(lm, scenario, field_name, new, settings)
         report = experiment.report(COMPARED_STRATEGIES, fused=True)
         recoveries = {}
@@ -218,13 +218,13 @@ def compare_model(
             missing["notes_share"] = report.notes.reason or "undefined"
 
     depth, cells = None, []
-    with steps.stage(f"{name}: notes map", "notes_map", "notes_depth", ProbeError):
+    with stages.stage(f"{name}: notes map", "notes_map", "notes_depth", ProbeError):
         depth, cells = notes_depth(probe_notes_map(experiment, top=NOTES_TOP), experiment.field_positions)
         if depth is None:
             missing["notes_depth"] = f"no token follows field {experiment.field!r}"
 
     heads, drop = None, None
-    with steps.stage(f"{name}: read heads", "read_heads", "read_heads", ProbeError):
+    with stages.stage(f"{name}: read heads", "read_heads", "read_heads", ProbeError):
         probed = probe_heads(experiment)
         heads = read_heads(probed)
         drop = None if probed.top.recovery is None else 1 - probed.top.recovery
@@ -232,7 +232,7 @@ def compare_model(
             missing["read_heads"] = "no head attends to the top notes"
 
     cosine, agree = None, None
-    with steps.stage(f"{name}: splicing skill {skill}", "splice", "splice_cosine", KVScopeError):
+    with stages.stage(f"{name}: splicing skill {skill}", "splice", "splice_cosine", KVScopeError):
         fidelity = compare(lm, with_skills(scenario, [skill], "start"), store or SkillStore(), remedy=remedy)
         cosine, agree = fidelity.agreement["cosine"], fidelity.decision_agree
 
@@ -258,7 +258,7 @@ def compare_model(
         top_heads_recovery_drop=drop,
         splice_decision_agree=agree,
         missing=missing,
-        ms=steps.ms,
+        ms=stages.ms,
     )
 
 
