@@ -12,27 +12,26 @@ from typing import Any
 import gradio as gr
 
 
-class LenientCheckboxGroup(gr.CheckboxGroup):
-    """A CheckboxGroup whose missing value (``None`` from an API client) is the empty selection."""
+class _DrawnAsParent:
+    """A Gradio component that the browser draws with its Gradio parent's own frontend (a template)..."""
 
-    is_template = True  # the browser draws it with CheckboxGroup's own frontend...
+    is_template = True
 
     @classmethod
     def get_component_class_id(cls) -> str:
-        return gr.CheckboxGroup.get_component_class_id()  # ...which it finds by the parent's class id
+        parent = next(base for base in cls.__mro__ if base.__module__.startswith("gradio."))
+        return parent.get_component_class_id()  # ...which it finds by the parent's class id
+
+
+class LenientCheckboxGroup(_DrawnAsParent, gr.CheckboxGroup):
+    """A CheckboxGroup whose missing value (``None`` from an API client) is the empty selection."""
 
     def preprocess(self, payload: Any) -> Any:
         return super().preprocess([] if payload is None else payload)
 
 
-class LenientSlider(gr.Slider):
+class LenientSlider(_DrawnAsParent, gr.Slider):
     """A Slider whose missing value stays ``None`` (the handler applies its default) instead of failing."""
-
-    is_template = True  # the browser draws it with Slider's own frontend...
-
-    @classmethod
-    def get_component_class_id(cls) -> str:
-        return gr.Slider.get_component_class_id()  # ...which it finds by the parent's class id
 
     def preprocess(self, payload: Any) -> Any:
         return None if payload is None else super().preprocess(payload)

@@ -43,36 +43,16 @@ class LinkError(AppError):
 class NotesLink:
     """A Notes-tab state restored from a link (every value checked)."""
 
-    text: str  # the scenario's TOML, as the editor holds it
+    edit: EditInputs  # the Notes tab's edit it restores: its text is the scenario's TOML as the editor holds it
     scenario: str | None  # the bundled scenario's name, when the link named one
-    field: str
-    value: str
-    strategies: tuple[str, ...]
-    k: int
-    head: int  # -1: mean over heads
     remedy: str | None
-    separately: bool
-    all_positions: bool
     ignored: tuple[str, ...] = ()  # parameters that are not KVScope's
-
-    @property
-    def edit(self) -> EditInputs:
-        """The Notes tab's edit this link restores."""
-        return EditInputs(
-            self.text,
-            field=self.field,
-            new=self.value,
-            strategies=self.strategies,
-            top_k=self.k,
-            head=self.head,
-            separately=self.separately,
-            all_positions=self.all_positions,
-        )
 
     def summary(self) -> str:
         """What was restored, in a line (Markdown-safe parts are the caller's job)."""
+        edit = self.edit
         where = f"bundled scenario {self.scenario}" if self.scenario else "the scenario carried in the link"
-        return f"{where}, {self.field} → {self.value}, strategies {', '.join(self.strategies) or '(default)'}, K {self.k}"
+        return f"{where}, {edit.field} → {edit.new}, strategies {', '.join(edit.strategies) or '(default)'}, K {edit.top_k}"
 
 
 # ---------------------------------------------------------------------------- TOML in a link
@@ -240,16 +220,14 @@ def parse_link(
             Remedy.parse(remedy.strip())
         except KVScopeError as error:
             raise LinkError(f"remedy={remedy!r} in the link: {error}") from error
-    return NotesLink(
-        text=text.strip(),  # as the editor holds it (gr.Code strips it; whitespace around TOML means nothing)
-        scenario=name,
+    edit = EditInputs(
+        text.strip(),  # as the editor holds it (gr.Code strips it; whitespace around TOML means nothing)
         field=field_name,
-        value=value,
+        new=value,
         strategies=strategies,
-        k=k,
+        top_k=k,
         head=head,
-        remedy=remedy,
         separately=_flag(params, "separately"),
         all_positions=_flag(params, "all"),
-        ignored=ignored,
     )
+    return NotesLink(edit, scenario=name, remedy=remedy, ignored=ignored)

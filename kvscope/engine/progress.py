@@ -44,14 +44,14 @@ def reporter(progress: MessageProgress | None, logger: logging.Logger) -> Messag
 
 
 def ticker(progress: StepProgress, total: int) -> Tick:
-    """A callback advancing ``progress`` by one step of ``total``."""
+    """A callback advancing ``progress`` by one step of ``total`` (a step past it reports ``total`` again)."""
     done = 0
 
     def tick() -> None:
         nonlocal done
         done += 1
         if progress:
-            progress(done, total)
+            progress(min(done, total), total)
 
     return tick
 

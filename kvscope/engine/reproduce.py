@@ -24,7 +24,12 @@ from typing import Any
 
 from kvscope.engine.words import counted
 
-KINDS = ("edit", "knockout", "probe")
+KIND_WORDS = {  # a recipe's kind: its result's title and what its script runs, in words
+    "edit": ("edit {where}{frontier}", "run the edit{frontier}"),
+    "knockout": ("edit {where}{frontier} and a knockout of {knocked}", "run the edit{frontier}, then the knockout"),
+    "probe": ("probe {probe} on {where}", "run the probe {probe} on the edit"),
+}
+KINDS = tuple(KIND_WORDS)
 OUTPUT = "reproduced.json"
 NOTEBOOK_FORMAT = (4, 5)  # nbformat 4.5: cells carry ids
 
@@ -72,13 +77,21 @@ class Recipe:
     @property
     def title(self) -> str:
         """What the result is, in a line."""
-        where = f"{self.scenario_name or 'scenario'}: {self.field} -> {self.new}"
-        if self.kind == "probe":
-            return f"probe {self.probe} on {where}"
-        frontier = ", its frontier" if self.frontier else ""
-        if self.kind == "knockout":
-            return f"edit {where}{frontier} and a knockout of {counted(len(self.knockout), 'position')}"
-        return f"edit {where}{frontier}"
+        return self._words(0)
+
+    @property
+    def what_runs(self) -> str:
+        """What its script runs after prefilling the scenario, in words."""
+        return self._words(1)
+
+    def _words(self, which: int) -> str:
+        """Its kind's words (:data:`KIND_WORDS`; 0: the title, 1: what runs) filled in."""
+        return KIND_WORDS[self.kind][which].format(
+            probe=self.probe,
+            where=f"{self.scenario_name or 'scenario'}: {self.field} -> {self.new}",
+            frontier=", its frontier" if self.frontier else "",
+            knocked=counted(len(self.knockout or ()), "position"),
+        )
 
 
 # ---------------------------------------------------------------------------- literals
@@ -221,15 +234,6 @@ def _run(recipe: Recipe) -> str:
     return "\n".join(lines)
 
 
-def _what_runs(recipe: Recipe) -> str:
-    if recipe.kind == "probe":
-        return f"run the probe {recipe.probe} on the edit"
-    frontier = ", its frontier" if recipe.frontier else ""
-    if recipe.kind == "knockout":
-        return f"run the edit{frontier}, then the knockout"
-    return f"run the edit{frontier}"
-
-
 def _write(script: bool) -> str:
     target = f"Path({quoted(OUTPUT)})"
     target = f"Path(sys.argv[1]) if len(sys.argv) > 1 else {target}" if script else target
@@ -250,7 +254,7 @@ def cells(recipe: Recipe, json_name: str | None = None, script: bool = True) -> 
         Cell("code", _imports(recipe, script) + "\n\n" + _constants(recipe)),
         Cell("markdown", "The scenario, exactly as exported (TOML)."),
         Cell("code", "SCENARIO_TOML = " + python_string(recipe.scenario_toml)),
-        Cell("markdown", f"Load the model, prefill the scenario at its old values and {_what_runs(recipe)}."),
+        Cell("markdown", f"Load the model, prefill the scenario at its old values and {recipe.what_runs}."),
         Cell("code", _run(recipe)),
         Cell("code", _write(script)),
     ]

@@ -566,13 +566,13 @@ def test_notes_learn_and_the_locality_probe_show_one_notes_share(sessions):
     """The three places that state the notes demo's notes share read the same field_only and oracle margins: the Notes
     cards, Learn step 2 and the locality probe (tiny-llama in bfloat16, where what shares a forward used to move them)."""
     from kvscope.app.handlers.common import bundled_scenario_text
-    from kvscope.app.handlers.probes import run_probe
+    from kvscope.app.handlers.probes import ProbeCase, run_probe
 
     tiny = ModelRegistry("tiny-llama", dtype="bfloat16")
     text = bundled_scenario_text(NOTES_SCENARIO)
     view = run_edit(tiny, sessions, EditInputs(text), session="one")
     learn_html, _ = learn_step(tiny, sessions, 1, session="one")
-    _, locality = run_probe(tiny, text=text, field=None, new=None, name="locality")
+    _, locality = run_probe(tiny, ProbeCase(text, None, None, "locality"))
     notes = view.summary["notes"]
     assert locality["field_only"]["recovery"] == notes["field_recovery"] and locality["oracle_margin"] == view.summary["oracle"]["margin"]
     assert locality["field_only"]["margin"] == view.summary["strategies"]["field_only"]["margin"]
@@ -597,16 +597,15 @@ def test_the_session_result_holds_the_edit_its_frontier_and_its_knockout(registr
 
 
 def test_the_trigger_probe_asks_for_the_tabs_own_fields(registry):
-    from kvscope.app.handlers.probes import TRIGGER_LABELS, probe_sentence, run_probe
+    from kvscope.app.handlers.probes import TRIGGER_LABELS, ProbeCase, probe_sentence, run_probe
 
-    case = {"text": SCENARIO, "field": "order_status", "new": "pending", "name": "trigger"}
     with pytest.raises(AppError) as refused:
-        run_probe(registry, **case, options={"find": "", "replace": None})
+        run_probe(registry, ProbeCase(SCENARIO, "order_status", "pending", "trigger", {"find": "", "replace": None}))
     said = str(refused.value)
     assert TRIGGER_LABELS["find"] in said and TRIGGER_LABELS["replace"] in said and "find=" not in said and "replace=" not in said
     with pytest.raises(AppError, match=re.escape(repr(TRIGGER_LABELS["replace"]))):
-        run_probe(registry, **case, options={"find": "only", "replace": " "})
-    _, data = run_probe(registry, text=SCENARIO, field="order_status", new="pending", name="knockout")
+        run_probe(registry, ProbeCase(SCENARIO, "order_status", "pending", "trigger", {"find": "only", "replace": " "}))
+    _, data = run_probe(registry, ProbeCase(SCENARIO, "order_status", "pending", "knockout"))
     assert probe_sentence(data).startswith("Knocking out the top ") and data["headline"].endswith(".")
 
 

@@ -5,7 +5,7 @@ and bfloat16 (the Notes, Learn, Models and Composer tabs: test_page_numbers.py, 
 import pytest
 
 from kvscope.app.handlers.common import NOTES_SCENARIO, bundled_scenario_text
-from kvscope.app.handlers.probes import run_probe
+from kvscope.app.handlers.probes import ProbeCase, run_probe
 from kvscope.app.handlers.your_prompt import run_audit
 from kvscope.app.state import ModelRegistry, SessionStore
 from kvscope.engine import bundled_logs, bundled_scenarios
@@ -34,7 +34,7 @@ def _untimed(value):
 
 def test_the_probes_tab_shows_the_clis_knockout(registry):
     options = {"ks": [1, 2], "seeds": 2}
-    _, page = run_probe(registry, text=bundled_scenario_text(NOTES_SCENARIO), field=FIELD, new=NEW, name="knockout", options=options)
+    _, page = run_probe(registry, ProbeCase(bundled_scenario_text(NOTES_SCENARIO), FIELD, NEW, "knockout", options))
     args = ["probe", "knockout", "--model", TINY, "--dtype", registry.dtype, "--scenario", str(bundled_scenarios()[NOTES_SCENARIO])]
     code, cli = run_cli(*args, "--field", FIELD, "--new", NEW, "--opt", "ks=[1,2]", "--opt", "seeds=2")
     assert code == 0, cli

@@ -33,8 +33,9 @@ def test_a_bundled_scenario_travels_by_name_and_comes_back_whole():
     )
     assert "scenario=boarding_visa" in query and "toml=" not in query
     link = _parse(query)
-    assert (link.scenario, link.text, link.field, link.value) == ("boarding_visa", text.strip(), "visa_status", "valid")
-    assert (link.strategies, link.k, link.head, link.remedy, link.separately, link.all_positions) == (
+    edit = link.edit
+    assert (link.scenario, edit.text, edit.field, edit.new) == ("boarding_visa", text.strip(), "visa_status", "valid")
+    assert (edit.strategies, edit.top_k, edit.head, link.remedy, edit.separately, edit.all_positions) == (
         ("field_only", "erratum"),
         4,
         1,
@@ -50,7 +51,8 @@ def test_an_edited_scenario_travels_compressed_and_exactly():
     assert "toml=" in query and "scenario=" not in query
     assert decode_toml(encode_toml(text)) == text
     link = _parse(query)
-    assert link.scenario is None and link.text == text.strip() and link.field == "order_status" and link.strategies == ("erratum",)
+    edit = link.edit
+    assert link.scenario is None and edit.text == text.strip() and edit.field == "order_status" and edit.strategies == ("erratum",)
 
 
 def test_the_links_bound_is_stated_and_enforced():
@@ -111,8 +113,8 @@ def test_every_bad_value_gets_a_message_that_names_it(params, message):
 def test_no_link_parameters_means_no_restore_and_foreign_ones_are_named():
     assert _parse({}) is None and _parse({"__theme": "dark", "view": "api"}) is None
     link = _parse({"scenario": "refund_gate", "utm_source": "mail", "__theme": "dark"})
-    assert link.ignored == ("utm_source",) and link.field == "refund_eligible" and link.value == "true"
-    assert link.strategies == tuple(DEFAULT_STRATEGIES) and link.k == 8 and link.head == -1 and link.remedy is None
+    assert link.ignored == ("utm_source",) and link.edit.field == "refund_eligible" and link.edit.new == "true"
+    assert link.edit.strategies == tuple(DEFAULT_STRATEGIES) and link.edit.top_k == 8 and link.edit.head == -1 and link.remedy is None
     assert _parse({"scenario": "refund_gate", "remedy": "auto"}).remedy == "auto"  # the model's calibrated choice
 
 
@@ -121,7 +123,7 @@ def test_the_public_profile_bounds_apply_to_links():
     long_text = SCENARIO.replace("POLICY", "POLICY " + "x" * profile.max_scenario_chars)
     with pytest.raises(LinkError, match="does not parse: .*accepts at most 12,000"):
         _parse({"toml": encode_toml(long_text)}, profile=profile)
-    assert _parse({"scenario": "refund_gate", "strategies": "erratum,erratum, field_only"}, profile=profile).strategies == (
+    assert _parse({"scenario": "refund_gate", "strategies": "erratum,erratum, field_only"}, profile=profile).edit.strategies == (
         "erratum",
         "field_only",
     )
@@ -129,4 +131,4 @@ def test_the_public_profile_bounds_apply_to_links():
 
 def test_a_link_made_before_a_strategy_was_renamed_opens_with_its_new_name():
     link = _parse({"scenario": "refund_gate", "strategies": "field_only,hoist"})  # hoist appended a line: now restate
-    assert link.strategies == ("field_only", "restate")
+    assert link.edit.strategies == ("field_only", "restate")

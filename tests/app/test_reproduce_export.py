@@ -20,7 +20,7 @@ from kvscope.app.handlers.notes import (
     run_knockout,
     session_result,
 )
-from kvscope.app.handlers.probes import probe_recipe, run_probe
+from kvscope.app.handlers.probes import ProbeCase, probe_recipe, run_probe
 from kvscope.app.state import ExportFolder
 from tests.engine.test_reproduce import ROOT, numbers_agree, run_script
 
@@ -96,8 +96,9 @@ def test_an_export_after_edit_frontier_and_knockout_holds_them_all_and_its_scrip
 
 def test_a_probe_export_reproduces_the_probe(registry, tmp_path):
     text = bundled_scenario_text(SCENARIO_NAME)
-    _, data = run_probe(registry, text=text, field=FIELD, new=VALUE, name="suffix")
-    recipe = probe_recipe(registry, text=text, field=FIELD, new=VALUE, name="suffix", options={})
+    case = ProbeCase(text, FIELD, VALUE, "suffix")
+    _, data = run_probe(registry, case)
+    recipe = probe_recipe(registry, case)
     files = _export(tmp_path, data, recipe, "kvscope-probe")
     assert sorted(files) == ["kvscope-probe-figures.html", "kvscope-probe.ipynb", "kvscope-probe.json", "kvscope-probe.py"]
     numbers_agree(json.loads(files["kvscope-probe.json"].read_text()), run_script(files["kvscope-probe.py"], tmp_path / "probe.json"))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import plotly.graph_objects as go
 
@@ -47,53 +49,46 @@ def probe_sentence(data: dict) -> str:
     return markdown_literal(data.get("headline") or "")
 
 
+@dataclass(frozen=True)
+class ProbeCase:
+    """The Probes tab's question: the Notes tab's edit (scenario text, field, new value; None: the scenario's own), the
+    probe's name and its options."""
+
+    text: str
+    field: str | None
+    new: str | None
+    name: str
+    options: dict = dataclasses.field(default_factory=dict)
+
+
 @guarded
-def run_probe(
-    registry: ModelRegistry,
-    spec: str | None = None,
-    *,
-    text: str,
-    field: str | None,
-    new: str | None,
-    name: str,
-    options: dict | None = None,
-    progress: StepProgress = None,
-) -> tuple[go.Figure, dict]:
+def run_probe(registry: ModelRegistry, case: ProbeCase, spec: str | None = None, progress: StepProgress = None) -> tuple[go.Figure, dict]:
     """One probe (causal, linear or attribution) on the Notes tab's edit, with its figure."""
-    if name not in PROBES:
-        raise AppError(f"unknown probe {name!r}; choose from {', '.join(PROBES)}")
-    if name == "trigger":
-        check_trigger_options(options or {})
-    result = PROBES[name](experiment(registry, spec, text, field, new), progress=progress, **(options or {}))
-    return probe_figure(name, result), result.as_dict()
+    if case.name not in PROBES:
+        raise AppError(f"unknown probe {case.name!r}; choose from {', '.join(PROBES)}")
+    if case.name == "trigger":
+        check_trigger_options(case.options)
+    result = PROBES[case.name](experiment(registry, spec, case.text, case.field, case.new), progress=progress, **case.options)
+    return probe_figure(case.name, result), result.as_dict()
 
 
 @guarded
-def probe_recipe(
-    registry: ModelRegistry,
-    spec: str | None = None,
-    *,
-    text: str,
-    field: str | None,
-    new: str | None,
-    name: str,
-    options: dict | None = None,
-) -> Recipe:
+def probe_recipe(registry: ModelRegistry, case: ProbeCase, spec: str | None = None) -> Recipe:
     """The recipe of :func:`run_probe` with these inputs."""
-    scenario = parse_scenario(text, registry.profile)
-    chosen = scenario.field(field or None)
+    scenario = parse_scenario(case.text, registry.profile)
+    chosen = scenario.field(case.field or None)
     lm = registry.get(spec)
     return Recipe(
         kind="probe",
         model=registry.resolve(spec),
         dtype=dtype_name(lm.dtype),
         device=str(lm.device),
-        scenario_toml=text,
+        scenario_toml=case.text,
         field=chosen.name,
-        new=new or chosen.new,
+        new=case.new or chosen.new,
         settings=recipe_settings(EditSettings(top_k=8)),  # the K of experiment()'s default, which run_probe uses
-        probe=name,
-        probe_options=dict(options or {}),
+        probe=case.name,
+        probe_options=dict(case.options),
         scenario_name=scenario.name,
     )
 

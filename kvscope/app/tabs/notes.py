@@ -3,6 +3,7 @@ and a link to this state (Copy link; a page opened from one restores it and runs
 
 from __future__ import annotations
 
+import dataclasses
 import html
 from dataclasses import dataclass
 
@@ -223,18 +224,11 @@ class NotesTab:
         return [self.frontier_plot, self.frontier_json, self.edit_json, self.recipe]
 
     def edit_inputs(self) -> dict:
-        """Every input of an edit, by :class:`EditInputs` field name."""
+        """Every input of an edit, by :class:`EditInputs` field name (its components in the fields' order)."""
         inputs = self.inputs
-        return {
-            "text": inputs.editor,
-            "field": inputs.field,
-            "new": inputs.new_value,
-            "strategies": self.strategies,
-            "top_k": self.top_k,
-            "head": self.head,
-            "separately": self.separately,
-            "all_positions": self.all_positions,
-        }
+        edited = (inputs.editor, inputs.field, inputs.new_value)
+        components = (*edited, self.strategies, self.top_k, self.head, self.separately, self.all_positions)
+        return dict(zip((field.name for field in dataclasses.fields(EditInputs)), components, strict=True))
 
     # ------------------------------------------------------------------------ scenario
     def _wire_scenario(self, upload: gr.File) -> None:
@@ -403,22 +397,23 @@ class NotesTab:
             )
             if link is None:
                 return (*unchanged, gr.update(), None)
-            view = scenario_choices(link.text, link.field)
+            edit = link.edit
+            view = scenario_choices(edit.text, edit.field)
         except AppError as error:
             gr.Warning(html.escape(f"This link cannot be restored: {error}", quote=False))  # a toast: the status is far below
             return (*unchanged, f"⚠️ This link cannot be restored: {markdown_literal(str(error))}. The page shows its defaults.", None)
         ignored = f" (not KVScope's, ignored: {', '.join(link.ignored)})" if link.ignored else ""
         return (
             gr.update(value=link.scenario),  # none for a scenario carried in the link: the editor holds it
-            link.text,
+            edit.text,
             view.description,
-            gr.update(choices=view.fields, value=link.field),
-            gr.update(choices=list(dict.fromkeys([*view.values, link.value])), value=link.value),
-            list(link.strategies),
-            link.k,
-            link.head,
-            link.separately,
-            link.all_positions,
+            gr.update(choices=view.fields, value=edit.field),
+            gr.update(choices=list(dict.fromkeys([*view.values, edit.new])), value=edit.new),
+            list(edit.strategies),
+            edit.top_k,
+            edit.head,
+            edit.separately,
+            edit.all_positions,
             gr.Tabs(selected="notes"),  # the tab the link restores
             gr.update(value=link.remedy) if link.remedy else gr.update(),
             f"Restored from the link: {markdown_literal(link.summary() + ignored)}.",
@@ -428,7 +423,7 @@ class NotesTab:
     def _restored_prepare(self, link, spec, text, request: gr.Request):
         if request is None or not permalink.is_link(dict(request.query_params)):
             return gr.update()  # no link: the page's own load prepared the scenario
-        return self.page.prepare_message(spec, link.text if link else text)
+        return self.page.prepare_message(spec, link.edit.text if link else text)
 
     def _restored_edit(self, link, session, spec, progress=gr.Progress()):
         unchanged = (gr.update(),) * len(self.edit_outputs)

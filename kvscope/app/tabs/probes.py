@@ -6,7 +6,7 @@ from __future__ import annotations
 import gradio as gr
 
 from kvscope.app.handlers.common import AppMissingInput
-from kvscope.app.handlers.probes import TRIGGER_LABELS, probe_recipe, probe_sentence, run_probe, run_weight_edits
+from kvscope.app.handlers.probes import TRIGGER_LABELS, ProbeCase, probe_recipe, probe_sentence, run_probe, run_weight_edits
 from kvscope.app.inputs import LenientCheckboxGroup, LenientSlider
 from kvscope.app.page import Page, notice, step_progress
 from kvscope.app.tabs import TabContext
@@ -57,12 +57,12 @@ def build(ctx: TabContext) -> None:
     @page.action
     def on_probe(spec, text, field, new, name, find, replacement, method, progress=gr.Progress()):
         options = probe_options(name, find, replacement, method)
-        case = {"text": text, "field": field, "new": new, "name": name, "options": options}
+        case = ProbeCase(text, field, new, name, options)
         try:
-            figure, data = run_probe(page.registry, spec, **case, progress=step_progress(progress))
+            figure, data = run_probe(page.registry, case, spec, step_progress(progress))
         except AppMissingInput as missing:  # e.g. the trigger's texts not given yet: say which, as a warning
             return None, notice(missing), None, None
-        return figure, probe_sentence(data), data, probe_recipe(page.registry, spec, **case)
+        return figure, probe_sentence(data), data, probe_recipe(page.registry, case, spec)
 
     shown = [probe_plot, probe_words, probe_json, recipe]
     probe_name.change(  # another probe: the previous one's result no longer answers what is asked

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvscope.engine.jsonable import rounded
+
 RECOVERY_MIN_GAP = 0.25
 DECISIVE_MARGIN = RECOVERY_MIN_GAP  # a reference margin closer to 0 than this is a tie: agreement with it says little
 
@@ -115,7 +117,7 @@ class Recovery:
     reason: str | None = None
 
     def as_dict(self) -> dict:
-        return {"recovery": None if self.value is None else round(self.value, 4), "reason": self.reason}
+        return {"recovery": rounded(self.value), "reason": self.reason}
 
 
 def recovery(state: float, stale: float, oracle: float, min_gap: float = RECOVERY_MIN_GAP) -> Recovery:

@@ -22,6 +22,7 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 from kvscope.engine.cache import adapter
 from kvscope.engine.cache.image_table import ImageTable
 from kvscope.engine.errors import KVScopeError
+from kvscope.engine.jsonable import JsonFields
 from kvscope.engine.once import SingleFlight
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -46,15 +47,12 @@ class ModelLoadError(KVScopeError):
 
 
 @dataclass(frozen=True)
-class ModelFingerprint:
+class ModelFingerprint(JsonFields):
     """Identifies the exact weights and numeric format that produced a K/V tensor."""
 
     name: str
     config_hash: str
     dtype: str
-
-    def as_dict(self) -> dict[str, str]:
-        return {"name": self.name, "config_hash": self.config_hash, "dtype": self.dtype}
 
 
 class SpliceVerdict(Protocol):

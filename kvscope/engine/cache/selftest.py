@@ -24,13 +24,14 @@ If RoPE is unsupported (e.g. GPT-2), the rotation checks report the reason and s
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
 from kvscope.engine.cache.loaded import LoadedModel
 from kvscope.engine.cache.notebook import Notebook
 from kvscope.engine.cache.rope import RopeUnsupported
+from kvscope.engine.jsonable import JsonFields
 from kvscope.engine.timing import Stopwatch
 
 NOISE_FACTOR = 8.0
@@ -44,7 +45,7 @@ _PROBE_TEXT = (
 
 
 @dataclass(frozen=True)
-class Check:
+class Check(JsonFields):
     """One self-test check: its error, the noise floor it is judged against, and the verdict."""
 
     name: str
@@ -53,12 +54,9 @@ class Check:
     limit: float
     ok: bool
 
-    def as_dict(self) -> dict:
-        return asdict(self)
-
 
 @dataclass
-class SelfTestReport:
+class SelfTestReport(JsonFields):
     """Numbers from :func:`run_selftest`; ``ok`` when every check is within its noise-derived limit."""
 
     ok: bool
@@ -95,9 +93,6 @@ class SelfTestReport:
             f"{c.name} {c.error:.2g} ≤ {c.limit:.2g}" if c.ok else f"{c.name} {c.error:.2g} > {c.limit:.2g}" for c in self.checks
         )
         return f"{verdict} in {self.dtype} (error ≤ {self.noise_factor:g}× this dtype's measured noise floor: {parts})"
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def _probe_ids(lm: LoadedModel, count: int) -> list[int]:

@@ -21,7 +21,8 @@ beside the rows: ``PAPER_MODELS``.
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from kvscope.engine.cache.loaded import LoadedModel
@@ -32,6 +33,7 @@ from kvscope.engine.compose.skills import SkillStore
 from kvscope.engine.edit.experiment import EditExperiment
 from kvscope.engine.edit.strategies import EditSettings
 from kvscope.engine.errors import KVScopeError
+from kvscope.engine.jsonable import attributes, rounded
 from kvscope.engine.probes.common import ProbeError
 from kvscope.engine.probes.heads import HeadsResult, probe_heads
 from kvscope.engine.probes.notes_map import NotesMapResult, probe_notes_map
@@ -64,12 +66,7 @@ class PaperModel:
         return 1.0 - self.field_only_recovery
 
     def as_dict(self) -> dict:
-        return {
-            "model": self.model,
-            "parameters": self.parameters,
-            "field_only_recovery": self.field_only_recovery,
-            "notes_share": round(self.notes_share, 4),
-        }
+        return {**attributes(self, "model", "parameters", "field_only_recovery"), "notes_share": round(self.notes_share, 4)}
 
 
 PAPER_MODELS = (
@@ -77,10 +74,6 @@ PAPER_MODELS = (
     PaperModel("Llama-3.1-8B", 8_030_000_000, -0.028),
     PaperModel("Gemma-2-9B", 9_240_000_000, 0.005),
 )
-
-
-def _rounded(value: float | None, digits: int = 4) -> float | None:
-    return None if value is None else round(float(value), digits)
 
 
 def notes_depth(result: NotesMapResult, field_positions: Sequence[int], top: int = NOTES_TOP) -> tuple[float | None, list[tuple[int, int]]]:
@@ -142,26 +135,20 @@ class ModelRow:
 
     def as_dict(self) -> dict:
         return {
-            "model": self.model,
-            "parameters": self.parameters,
-            "notes_share": _rounded(self.notes_share),
-            "recoveries": {name: _rounded(value) for name, value in self.recoveries.items()},
-            "notes_depth": _rounded(self.notes_depth),
+            **attributes(self, "model", "parameters"),
+            "notes_share": rounded(self.notes_share),
+            "recoveries": {name: rounded(value) for name, value in self.recoveries.items()},
+            "notes_depth": rounded(self.notes_depth),
             "read_heads": self.read_heads,
-            "splice_cosine": _rounded(self.splice_cosine, 6),
+            "splice_cosine": rounded(self.splice_cosine, 6),
             "details": {
-                "spec": self.spec,
-                "parameter_bytes": self.parameter_bytes,
-                "dtype": self.dtype,
-                "layers": self.layers,
-                "heads": self.heads,
-                "flips": self.flips,
+                **attributes(self, "spec", "parameter_bytes", "dtype", "layers", "heads", "flips"),
                 "stale_decision": self.stale_label,
                 "oracle_decision": self.oracle_label,
-                "delta_margin": _rounded(self.delta_margin),
+                "delta_margin": rounded(self.delta_margin),
                 "headline": self.headline,
                 "notes_cells": [list(cell) for cell in self.notes_cells],
-                "top_heads_recovery_drop": _rounded(self.top_heads_recovery_drop),
+                "top_heads_recovery_drop": rounded(self.top_heads_recovery_drop),
                 "splice_decision_agree": self.splice_decision_agree,
                 "missing": self.missing,
                 "ms": {stage: round(value, 1) for stage, value in self.ms.items()},
@@ -183,10 +170,7 @@ class ModelComparison:
 
     def as_dict(self) -> dict:
         return {
-            "scenario": self.scenario,
-            "field": self.field,
-            "old": self.old,
-            "new": self.new,
+            **attributes(self, "scenario", "field", "old", "new"),
             "strategies": list(COMPARED_STRATEGIES),
             "splice_skill": self.skill,
             "remedy": self.remedy.name,
@@ -218,58 +202,39 @@ def compare_model(
             f"{lm.fingerprint.name} is a hybrid (layers {lm.recurrent_layers} keep a recurrent state): its cache entries cannot "
             "be edited or patched, so it has no notes share, notes map or read heads to compare"
         )
-    say = progress or (lambda message: None)
-    advance = step or (lambda: None)
-    info, missing, ms = lm.info(), {}, {}
+    stages = _Stages(progress or (lambda message: None), step or (lambda: None))
+    info, missing = lm.info(), stages.missing
     name = lm.fingerprint.name
 
-    say(f"{name}: edit report ({', '.join(COMPARED_STRATEGIES)})")
-    watch = Stopwatch()
-    experiment = EditExperiment(lm, scenario, field_name, new, settings)
-    report = experiment.report(COMPARED_STRATEGIES, fused=True)
-    recoveries = {}
-    for strategy, result in report.strategies.items():
-        recoveries[strategy] = result.recovery.value if result.applicable and result.recovery is not None else None
-        if recoveries[strategy] is None:
-            missing[f"recoveries.{strategy}"] = result.reason or (result.recovery.reason if result.recovery else "not measured")
-    if report.notes.share is None:
-        missing["notes_share"] = report.notes.reason or "undefined"
-    ms["edit_report"] = watch.ms
-    advance()
+    with stages.stage(f"{name}: edit report ({', '.join(COMPARED_STRATEGIES)})", "edit_report"):
+        experiment = EditExperiment(lm, scenario, field_name, new, settings)
+        report = experiment.report(COMPARED_STRATEGIES, fused=True)
+        recoveries = {}
+        for strategy, result in report.strategies.items():
+            recoveries[strategy] = result.recovery.value if result.applicable and result.recovery is not None else None
+            if recoveries[strategy] is None:
+                missing[f"recoveries.{strategy}"] = result.reason or (result.recovery.reason if result.recovery else "not measured")
+        if report.notes.share is None:
+            missing["notes_share"] = report.notes.reason or "undefined"
 
-    say(f"{name}: notes map")
-    watch, depth, cells = Stopwatch(), None, []
-    try:
+    depth, cells = None, []
+    with stages.stage(f"{name}: notes map", "notes_map", "notes_depth", ProbeError):
         depth, cells = notes_depth(probe_notes_map(experiment, top=NOTES_TOP), experiment.field_positions)
         if depth is None:
             missing["notes_depth"] = f"no token follows field {experiment.field!r}"
-    except ProbeError as error:
-        missing["notes_depth"] = str(error)
-    ms["notes_map"] = watch.ms
-    advance()
 
-    say(f"{name}: read heads")
-    watch, heads, drop = Stopwatch(), None, None
-    try:
+    heads, drop = None, None
+    with stages.stage(f"{name}: read heads", "read_heads", "read_heads", ProbeError):
         probed = probe_heads(experiment)
         heads = read_heads(probed)
         drop = None if probed.top.recovery is None else 1 - probed.top.recovery
         if heads is None:
             missing["read_heads"] = "no head attends to the top notes"
-    except ProbeError as error:
-        missing["read_heads"] = str(error)
-    ms["read_heads"] = watch.ms
-    advance()
 
-    say(f"{name}: splicing skill {skill}")
-    watch, cosine, agree = Stopwatch(), None, None
-    try:
+    cosine, agree = None, None
+    with stages.stage(f"{name}: splicing skill {skill}", "splice", "splice_cosine", KVScopeError):
         fidelity = compare(lm, with_skills(scenario, [skill], "start"), store or SkillStore(), remedy=remedy)
         cosine, agree = fidelity.agreement["cosine"], fidelity.decision_agree
-    except KVScopeError as error:
-        missing["splice_cosine"] = str(error)
-    ms["splice"] = watch.ms
-    advance()
 
     return ModelRow(
         model=name,
@@ -293,8 +258,33 @@ def compare_model(
         top_heads_recovery_drop=drop,
         splice_decision_agree=agree,
         missing=missing,
-        ms=ms,
+        ms=stages.ms,
     )
+
+
+@dataclass
+class _Stages:
+    """:func:`compare_model`'s stages: each says what it does, is timed, advances the progress, and records an error
+    it may meet as the value it could not measure."""
+
+    say: Callable[[str], None]
+    advance: Callable[[], None]
+    missing: dict[str, str] = field(default_factory=dict)
+    ms: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def stage(
+        self, message: str, timed: str, missed: str = "", errors: type[Exception] | tuple[type[Exception], ...] = ()
+    ) -> Iterator[None]:
+        """Say ``message``, time the block as ``ms[timed]``; an ``errors`` it raises becomes ``missing[missed]``."""
+        self.say(message)
+        watch = Stopwatch()
+        try:
+            yield
+        except errors as error:
+            self.missing[missed] = str(error)
+        self.ms[timed] = watch.ms
+        self.advance()
 
 
 def check_specs(specs: Sequence[str]) -> list[str]:

@@ -31,6 +31,7 @@ from kvscope.engine.compose.skills import SkillStore
 from kvscope.engine.compose.splice import splice_prompt
 from kvscope.engine.edit.erratum import WORDINGS, erratum_ids
 from kvscope.engine.edit.runs import render_for, shared_prefix
+from kvscope.engine.jsonable import attributes
 from kvscope.engine.progress import StepProgress
 from kvscope.engine.scenario import RenderedPrompt, Scenario, ScenarioError
 from kvscope.engine.timing import Stopwatch
@@ -88,10 +89,7 @@ class AgentTurn:
     def as_dict(self) -> dict:
         decision = lambda d: {"decision": d.label, "margin": round(d.margin, 4)}  # noqa: E731
         return {
-            "turn": self.turn,
-            "values": self.values,
-            "changed": self.changed,
-            "expected": self.expected,
+            **attributes(self, "turn", "values", "changed", "expected"),
             "cached": decision(self.cached),
             "clean_state": decision(self.clean),
             "identical_tokens": decision(self.identical),

@@ -30,6 +30,7 @@ from kvscope.engine.compose.remedy import DEFAULT_REMEDY, Remedy
 from kvscope.engine.compose.skills import SkillStore
 from kvscope.engine.compose.speed import SpeedupFit, speedup_fits
 from kvscope.engine.compose.study import Study, first_field_values, run_study, study_plan
+from kvscope.engine.jsonable import attributes
 from kvscope.engine.models.store import cache_dir, read_json, write_json
 from kvscope.engine.once import SingleFlight
 from kvscope.engine.progress import MessageProgress, StepMessage, duration_words
@@ -365,12 +366,7 @@ class ModelRemedies:
         return fit.words(tokens) if fit else None
 
     def as_dict(self) -> dict:
-        return {
-            "model": self.model,
-            "default": self.default,
-            "source": self.source,
-            "choice": self.choice.as_dict() if self.choice else None,
-        }
+        return attributes(self, "model", "default", "source", "choice")
 
 
 def model_remedies(model: str, folder: Path, lm: LoadedModel | None = None) -> ModelRemedies:

@@ -24,6 +24,7 @@ from kvscope.engine.compose.keystone import keystone
 from kvscope.engine.compose.remedy import Remedy
 from kvscope.engine.compose.skills import SkillStore
 from kvscope.engine.errors import KVScopeError
+from kvscope.engine.jsonable import attributes
 from kvscope.engine.scenario import Scenario, bundled_scenarios
 
 GOAL_AGREEMENT = 0.97  # of decisive decisions (ties reported apart)
@@ -120,17 +121,14 @@ class RemedyChoice:
 
     def as_dict(self) -> dict:
         return {
-            "remedy": self.remedy,
-            "goal_met": self.goal_met,
+            **attributes(self, "remedy", "goal_met"),
             "goal": {"agreement": GOAL_AGREEMENT, "speed_share_of_splice": GOAL_SPEED_SHARE, "keystone_max_gap": KEYSTONE_MAX_GAP},
-            "reason": self.reason,
-            "splice_speedup": self.splice_speedup,
+            **attributes(self, "reason", "splice_speedup"),
             "fastest": self.fastest.name if self.fastest else None,
             "most_faithful": self.most_faithful.name if self.most_faithful else None,
             "frontier": [point.name for point in self.frontier()],
             "points": [asdict(point) for point in self.points],
-            "source": self.source,
-            "measured": self.measured,
+            **attributes(self, "source", "measured"),
         }
 
     @classmethod

@@ -20,6 +20,7 @@ from kvscope.engine.compose.remedy import DEFAULT_REMEDY, Remedy
 from kvscope.engine.compose.skills import SkillStore
 from kvscope.engine.compose.splice import Spliced, splice_prompt
 from kvscope.engine.edit.runs import render_for
+from kvscope.engine.jsonable import attributes
 from kvscope.engine.scenario import Scenario, ScenarioError
 from kvscope.engine.timing import Spread, Stopwatch, side_by_side
 
@@ -69,18 +70,13 @@ class SpliceFidelity:
 
     def as_dict(self) -> dict:
         return {
-            "scenario": self.scenario,
-            "skills": self.skills,
-            "remedy": self.remedy.as_dict(),
+            **attributes(self, "scenario", "skills", "remedy"),
             "seam": self.remedy.seam,
-            "context_tokens": self.context_tokens,
-            "skill_tokens": self.skill_tokens,
-            "recomputed_tokens": self.recomputed_tokens,
+            **attributes(self, "context_tokens", "skill_tokens", "recomputed_tokens"),
             "recomputed_fraction": round(self.recomputed_tokens / max(self.skill_tokens, 1), 4),
             **{key: round(value, 6) for key, value in self.agreement.items()},
             **self.match.as_dict(),
-            "spliced": self.spliced.as_dict(),
-            "recomputed": self.recomputed.as_dict(),
+            **attributes(self, "spliced", "recomputed"),
             "max_kv_deviation": round(float(self.deviation.max()), 6),
             "ttft_ms": {key: round(value, 1) for key, value in self.ttft_ms.items()},
             "ttft_spread_ms": {key: spread.as_dict() for key, spread in self.ttft.items()},

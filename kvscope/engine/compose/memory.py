@@ -18,6 +18,7 @@ from kvscope.engine.compose.remedy import Remedy
 from kvscope.engine.compose.skills import SkillStore
 from kvscope.engine.edit.experiment import EditExperiment
 from kvscope.engine.edit.strategies import StrategyResult
+from kvscope.engine.jsonable import JsonFields
 from kvscope.engine.scenario import Scenario, ScenarioError
 
 PLACEMENTS = ("start", "end")
@@ -48,7 +49,7 @@ class Placement:
 
 
 @dataclass
-class MemoryPlacement:
+class MemoryPlacement(JsonFields):
     """The memory skill's edit and transplant costs at the start and at the end of the context."""
 
     scenario: str
@@ -56,15 +57,6 @@ class MemoryPlacement:
     field: str
     seam: int
     placements: dict[str, Placement]
-
-    def as_dict(self) -> dict:
-        return {
-            "scenario": self.scenario,
-            "skill": self.skill,
-            "field": self.field,
-            "seam": self.seam,
-            "placements": {at: placement.as_dict() for at, placement in self.placements.items()},
-        }
 
 
 def without_skill(scenario: Scenario, skill_id: str) -> Scenario:

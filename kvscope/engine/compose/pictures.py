@@ -22,6 +22,7 @@ from kvscope.engine.cache.loaded import LoadedModel
 from kvscope.engine.cache.notebook import Notebook, NotebookError
 from kvscope.engine.cache.vision import ImageError, encode_image
 from kvscope.engine.compose.placing import literal
+from kvscope.engine.jsonable import attributes
 from kvscope.engine.scenario import DEMOS, Scenario, render
 from kvscope.engine.timing import Stopwatch, side_by_side
 
@@ -63,16 +64,10 @@ class ImageFidelity:
 
     def as_dict(self) -> dict:
         return {
-            "image": self.image,
-            "image_tokens": self.image_tokens,
-            "rope_span": self.rope_span,
-            "shift": self.shift,
-            "seam": self.seam,
-            "context_tokens": self.context_tokens,
+            **attributes(self, "image", "image_tokens", "rope_span", "shift", "seam", "context_tokens"),
             **{key: round(value, 6) for key, value in self.agreement.items()},
             **self.match.as_dict(),
-            "spliced": self.spliced.as_dict(),
-            "recomputed": self.recomputed.as_dict(),
+            **attributes(self, "spliced", "recomputed"),
             "ttft_ms": {key: round(value, 1) for key, value in self.ttft_ms.items()},
             "speedup": round(self.ttft_ms["full"] / self.ttft_ms["splice"], 2),
             "compile_ms": round(self.compile_ms, 1),

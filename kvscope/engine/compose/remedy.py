@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from kvscope.engine.cache.adapter import AttentionRescale
 from kvscope.engine.errors import NotebookError
+from kvscope.engine.jsonable import attributes
 from kvscope.engine.scenario import ScenarioError
 
 SELECTIONS = ("aggregators", "blend", "query", "deviation", "causal")
@@ -155,13 +156,7 @@ class Remedy:
 
     def as_dict(self) -> dict:
         return {
-            "name": self.name,
-            "seam": self.seam,
-            "prefix": self.prefix,
-            "tail": self.tail,
-            "cover": self.cover,
-            "select": self.select,
-            "fraction": self.fraction,
+            **attributes(self, "name", "seam", "prefix", "tail", "cover", "select", "fraction"),
             "ape": {"temperature": self.ape.temperature, "scale": self.ape.scale} if self.ape else None,
             "needs_reference": self.needs_reference,
         }

@@ -18,6 +18,7 @@ from kvscope.engine.compose.placing import with_skills
 from kvscope.engine.compose.remedy import Remedy
 from kvscope.engine.compose.skills import SkillStore
 from kvscope.engine.errors import KVScopeError
+from kvscope.engine.jsonable import attributes
 from kvscope.engine.progress import StepProgress
 from kvscope.engine.scenario import Scenario
 
@@ -59,8 +60,7 @@ class StudyCase:
     def as_dict(self) -> dict:
         any_result = next(iter(self.results.values()))
         return {
-            "scenario": self.scenario,
-            "values": self.values,
+            **attributes(self, "scenario", "values"),
             "skills": list(self.skills),
             "n": len(self.skills),
             "placement": self.placement,

@@ -5,7 +5,6 @@ live check runs two of them.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -14,13 +13,14 @@ from kvscope.engine.compose.fidelity import compare
 from kvscope.engine.compose.placing import skill_of_length, with_skills
 from kvscope.engine.compose.remedy import DEFAULT_REMEDY, Remedy
 from kvscope.engine.compose.skills import SkillStore
+from kvscope.engine.jsonable import JsonFields
 from kvscope.engine.scenario import Scenario, Skill, bundled_skills
 
 TTFT_SKILL = "long_policy"  # field-free, long enough to repeat or cut to any length
 
 
 @dataclass(frozen=True)
-class TtftRow:
+class TtftRow(JsonFields):
     """One skill length: both sides' median TTFT (ms), their ratio, the one-time compile and the fidelity beside them."""
 
     skill_tokens: int
@@ -31,9 +31,6 @@ class TtftRow:
     compile_ms: float
     cosine: float
     decision_agree: bool | None  # None where the recomputed decision is a tie
-
-    def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def ttft_by_length(

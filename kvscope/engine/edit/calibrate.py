@@ -9,11 +9,12 @@ paper's phenomenon, visible on this model.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvscope.engine.cache.loaded import LoadedModel
 from kvscope.engine.edit.experiment import EditExperiment
+from kvscope.engine.jsonable import JsonFields, rounded
 from kvscope.engine.progress import StepProgress
 from kvscope.engine.scenario import Scenario, ScenarioError
 
@@ -22,7 +23,7 @@ NOTES_DEMO_MAX_RECOVERY = 0.4
 
 
 @dataclass
-class Calibration:
+class Calibration(JsonFields):
     """One scenario field: decisions for its old and new value under a clean prefill."""
 
     file: str
@@ -42,9 +43,6 @@ class Calibration:
     field_only_label: str | None
     notes_share: float | None  # 1 − field_only_recovery
     notes_demo: bool  # flips, and field_only keeps the old decision with recovery ≤ NOTES_DEMO_MAX_RECOVERY
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def calibrate_scenario(lm: LoadedModel, path: Path, threshold: float = FLIP_THRESHOLD) -> list[Calibration]:
@@ -80,9 +78,9 @@ def calibrate_scenario(lm: LoadedModel, path: Path, threshold: float = FLIP_THRE
                 flips=flips,
                 expected_flip=expected_flip,
                 ok=None if expected_flip is None else flips == expected_flip and (not flips or new.label == expect[field.new]),
-                field_only_recovery=None if notes.field_recovery is None else round(notes.field_recovery, 4),
+                field_only_recovery=rounded(notes.field_recovery),
                 field_only_label=notes.field_only_label,
-                notes_share=None if notes.share is None else round(notes.share, 4),
+                notes_share=rounded(notes.share),
                 notes_demo=notes_demo,
             )
         )

@@ -14,9 +14,7 @@ from kvscope.engine.edit.experiment import EditExperiment
 from kvscope.engine.edit.weight_update import (
     WeightEdit,
     WeightEditError,
-    decision_margin_of,
     decoder_prefix,
-    edit_direction,
     edited_lm,
     private_copy,
     train_until,
@@ -56,13 +54,7 @@ def lora_edit(
     adapter = [p for name, p in private.named_parameters() if "lora_" in name]
     for parameter in adapter:
         parameter.requires_grad_(True)
-    direction, prompt = edit_direction(experiment), experiment.stale.prompt
-
-    def objective() -> tuple[torch.Tensor, torch.Tensor]:
-        margin = decision_margin_of(private, prompt)
-        return -direction * margin, margin.detach()
-
-    trace = train_until(adapter, objective, settings.steps, settings.lr, experiment.oracle.decision.margin, direction, progress)
+    trace = train_until(private, adapter, experiment, settings.steps, settings.lr, progress)
     for parameter in adapter:
         parameter.requires_grad_(False)
     return WeightEdit(

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from kvscope.engine.cache import display
 from kvscope.engine.cache.decision import Decision, Recovery, margin_noise, noise_words
 from kvscope.engine.edit.strategies import StrategyResult
+from kvscope.engine.jsonable import attributes
 
 
 @dataclass(frozen=True)
@@ -107,17 +108,9 @@ class FieldEditReport(ABC):
     def as_dict(self) -> dict:
         """What changed, whether a clean prefill flips, stale, oracle, each strategy."""
         return {
-            "model": self.model,
-            "scenario": self.scenario,
-            "field": self.field,
-            "old": self.old,
-            "new": self.new,
-            "context_tokens": self.context_tokens,
-            "flips": self.flips,
+            **attributes(self, "model", "scenario", "field", "old", "new", "context_tokens", "flips"),
             "delta_margin": round(self.oracle.decision.margin - self.stale.decision.margin, 4),
-            "stale": self.stale.as_dict(),
-            "oracle": self.oracle.as_dict(),
-            "strategies": {name: result.as_dict() for name, result in self.strategies.items()},
+            **attributes(self, "stale", "oracle", "strategies"),
         }
 
     def headline(self) -> str:

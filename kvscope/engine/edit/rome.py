@@ -20,7 +20,6 @@ from kvscope.engine.edit.experiment import EditExperiment
 from kvscope.engine.edit.weight_update import (
     WeightEdit,
     WeightEditError,
-    decision_margin_of,
     decoder_prefix,
     edit_direction,
     edited_lm,
@@ -165,22 +164,7 @@ def rome_edit(
     shifted = _ShiftedProjection(original, row)
     private = private_copy(lm.model, [name])
     set_module(private, name, shifted)
-    direction, prompt = edit_direction(experiment), experiment.stale.prompt
-
-    def objective() -> tuple[torch.Tensor, torch.Tensor]:
-        margin = decision_margin_of(private, prompt)
-        return -direction * margin, margin.detach()
-
-    trace = train_until(
-        [shifted.shift],
-        objective,
-        settings.steps,
-        settings.lr,
-        experiment.oracle.decision.margin,
-        direction,
-        progress,
-        weight_decay=settings.weight_decay,
-    )
+    trace = train_until(private, [shifted.shift], experiment, settings.steps, settings.lr, progress, settings.weight_decay)
     delta = shifted.shift.detach()
     weight = rank_one_insert(original.weight, shifted.key, delta, moment, settings.ridge)
     update = weight.float() - original.weight.float()

@@ -17,7 +17,7 @@ edited request's cache).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 from kvscope.engine.cache.adapter import cache_entry_shapes
 from kvscope.engine.cache.decision import recovery
@@ -27,6 +27,7 @@ from kvscope.engine.edit.lora import LoraSettings, lora_edit
 from kvscope.engine.edit.rome import RomeSettings, rome_edit
 from kvscope.engine.edit.runs import run_scenario
 from kvscope.engine.edit.weight_update import WeightEditError, edit_direction
+from kvscope.engine.jsonable import JsonFields, rounded
 from kvscope.engine.progress import StepProgress
 from kvscope.engine.scenario import Scenario
 
@@ -40,7 +41,7 @@ CASE_LINES: tuple[str, ...] = (
 
 
 @dataclass(frozen=True)
-class MethodOutcome:
+class MethodOutcome(JsonFields):
     """One method on one edit: efficacy, contamination, collateral, cost."""
 
     efficacy: float | None
@@ -56,7 +57,7 @@ class MethodOutcome:
 
 
 @dataclass(frozen=True)
-class WeightEditReport:
+class WeightEditReport(JsonFields):
     """Every method on one field change of one scenario, measured in one run."""
 
     model: str
@@ -68,9 +69,6 @@ class WeightEditReport:
     oracle: dict
     probes: dict
     methods: dict[str, MethodOutcome]
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def case_variants(scenario: Scenario) -> list[Scenario]:
@@ -157,7 +155,7 @@ def compare_edits(
             cost = {"edit_ms": edit.edit_ms, "setup_ms": edit.setup_ms, "memory_bytes": edit.memory_bytes, "details": edit.details}
         details = {**cost.pop("details"), "collateral_changed": measured["collateral_changed"]}
         outcomes[method] = MethodOutcome(
-            efficacy=None if efficacy is None else round(efficacy, 4),
+            efficacy=rounded(efficacy),
             decision=label,
             contamination=measured["contamination"],
             contaminated=measured["contaminated"],

@@ -102,26 +102,27 @@ def edit_direction(experiment: EditExperiment) -> float:
 
 
 def train_until(
+    model: torch.nn.Module,
     parameters: list[torch.Tensor],
-    loss_and_margin,
+    experiment: EditExperiment,
     steps: int,
     lr: float,
-    target: float,
-    direction: float,
     progress: StepProgress,
     weight_decay: float = 0.0,
 ) -> dict:
-    """Adam on ``parameters`` until the margin reaches ``target`` (in ``direction``) or ``steps`` run out."""
+    """Adam on ``parameters`` (of ``model``, a private copy) pushing the stale prompt's margin towards the oracle's,
+    until it reaches it or ``steps`` run out."""
+    direction, prompt, target = edit_direction(experiment), experiment.stale.prompt, experiment.oracle.decision.margin
     optimiser = torch.optim.Adam(parameters, lr=lr, weight_decay=weight_decay)
     tick = ticker(progress, steps)
     margins = []
     for _ in range(steps):
         with torch.enable_grad():
-            loss, margin = loss_and_margin()
-            margins.append(float(margin))
+            margin = decision_margin_of(model, prompt)
+            margins.append(float(margin.detach()))
             if direction * (margins[-1] - target) >= 0:
                 break
-            loss.backward()
+            (-direction * margin).backward()
         optimiser.step()
         optimiser.zero_grad()
         tick()

@@ -197,6 +197,18 @@ def tiny_tokenizer(chat_template: bool = True) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+_PLAIN_DECODERS = {  # arch: its config class and how its rope differs from the default
+    "llama": (LlamaConfig, {}),
+    "qwen2": (Qwen2Config, {}),
+    "qwen3": (Qwen3Config, {}),
+    "llama3_scaling": (
+        LlamaConfig,
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    ),
+    "yarn": (Qwen2Config, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
+}
+
+
 def _tiny_config(arch: str, tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
     """The config for one tiny architecture: 3 layers, hidden 64, 4 heads of 16 dims, 2 KV heads where supported."""
     common = {
@@ -218,12 +230,9 @@ def _tiny_config(arch: str, tokenizer: PreTrainedTokenizerFast) -> PretrainedCon
         "max_position_embeddings": 16384,
     }
     rope = {"rope_type": "default", "rope_theta": 10000.0}
-    if arch == "llama":
-        return LlamaConfig(**decoder, rope_parameters=rope)
-    if arch == "qwen2":
-        return Qwen2Config(**decoder, rope_parameters=rope)
-    if arch == "qwen3":
-        return Qwen3Config(**decoder, rope_parameters=rope)
+    if arch in _PLAIN_DECODERS:
+        config_class, rope_scaling = _PLAIN_DECODERS[arch]
+        return config_class(**decoder, rope_parameters={**rope, **rope_scaling})
     if arch == "mistral":
         return MistralConfig(**decoder, rope_parameters=rope, sliding_window=24)
     if arch == "gemma2":
@@ -242,28 +251,6 @@ def _tiny_config(arch: str, tokenizer: PreTrainedTokenizerFast) -> PretrainedCon
     if arch == "phi":
         phi = {k: v for k, v in decoder.items() if k != "head_dim"}
         return PhiConfig(**phi, rope_parameters={**rope, "partial_rotary_factor": 0.5})
-    if arch == "llama3_scaling":
-        return LlamaConfig(
-            **decoder,
-            rope_parameters={
-                "rope_type": "llama3",
-                "rope_theta": 10000.0,
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-        )
-    if arch == "yarn":
-        return Qwen2Config(
-            **decoder,
-            rope_parameters={
-                "rope_type": "yarn",
-                "rope_theta": 10000.0,
-                "factor": 4.0,
-                "original_max_position_embeddings": 128,
-            },
-        )
     if arch == "gpt2":
         return GPT2Config(**common, n_embd=64, n_layer=3, n_head=4, n_inner=128, n_positions=4096)
     return _newer_family_config(arch, decoder, rope)

@@ -15,7 +15,8 @@ import torch
 
 from kvscope.engine.edit.experiment import EditExperiment
 from kvscope.engine.edit.runs import ScenarioRun
-from kvscope.engine.probes.common import Gap, read, rounded
+from kvscope.engine.jsonable import attributes
+from kvscope.engine.probes.common import Gap, probe_json, read, rounded
 from kvscope.engine.progress import StepProgress, ticker
 
 MAX_JSON_VALUES = 250_000  # numbers per map in JSON (~2 MB); larger maps keep the mean over heads
@@ -36,10 +37,7 @@ class AttentionMap:
         values = np.asarray(self.attention, dtype=np.float64)
         every_head = values.size <= MAX_JSON_VALUES
         return {
-            "label": self.label,
-            "positions": self.positions,
-            "token_texts": self.token_texts,
-            "segments": self.segments,
+            **attributes(self, "label", "positions", "token_texts", "segments"),
             "attention_heads": "all" if every_head else "mean",
             "attention": self.attention if every_head else np.round(values.mean(1), 4).tolist(),  # (layers, heads or —, tokens)
             "mass": {name: [rounded(v) for v in values] for name, values in self.mass.items()},
@@ -68,7 +66,7 @@ class AttentionResult:
         )
 
     def as_dict(self) -> dict:
-        return {**self.gap.as_dict(), "headline": self.headline(), "stale": self.stale.as_dict(), "oracle": self.oracle.as_dict()}
+        return probe_json(self, attributes(self, "stale", "oracle"))
 
 
 def _nested(tensor: torch.Tensor, digits: int = 4) -> list:

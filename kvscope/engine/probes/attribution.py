@@ -30,7 +30,8 @@ from kvscope.engine.cache.loaded import LoadedModel
 from kvscope.engine.edit.experiment import EditExperiment
 from kvscope.engine.edit.runs import ScenarioRun
 from kvscope.engine.errors import KVScopeError
-from kvscope.engine.progress import StepProgress, Tick
+from kvscope.engine.jsonable import attributes
+from kvscope.engine.progress import StepProgress, Tick, ticker
 from kvscope.engine.scenario import RenderedPrompt
 from kvscope.engine.timing import Stopwatch
 
@@ -57,7 +58,7 @@ class Feature:
     score: float
 
     def as_dict(self) -> dict:
-        return {"start": self.start, "end": self.end, "text": self.text, "kind": self.kind, "score": round(self.score, 4)}
+        return {**attributes(self, "start", "end", "text", "kind"), "score": round(self.score, 4)}
 
 
 @dataclass
@@ -102,20 +103,14 @@ class AttributionResult:
 
     def as_dict(self) -> dict:
         return {
-            "model": self.model,
-            "scenario": self.scenario,
+            **attributes(self, "model", "scenario"),
             "headline": self.headline(),
-            "run": self.run,
-            "method": self.method,
-            "granularity": self.granularity,
-            "target": self.target,
-            "baseline_token": self.baseline_token,
+            **attributes(self, "run", "method", "granularity", "target", "baseline_token"),
             "full_score": round(self.full_score, 4),
             "baseline_score": round(self.baseline_score, 4),
             "total": round(self.total, 4),
             "delta": round(self.delta, 4),
-            "steps": self.steps,
-            "features": [feature.as_dict() for feature in self.features],
+            **attributes(self, "steps", "features"),
             "ms": round(self.ms, 1),
         }
 
@@ -303,14 +298,7 @@ def captum_attribution(
     positions = torch.tensor([p for start, end, _ in spans for p in range(start, end)], device=lm.device)
     mask = torch.tensor([index for index, (start, end, _) in enumerate(spans) for _ in range(start, end)], device=lm.device)
 
-    calls = len(spans) + 1 if method == "ablation" else math.ceil(steps / _GRADIENT_BATCH)
-    done = 0
-
-    def tick() -> None:
-        nonlocal done
-        done += 1
-        if progress:
-            progress(min(done, calls), calls)
+    tick = ticker(progress, len(spans) + 1 if method == "ablation" else math.ceil(steps / _GRADIENT_BATCH))
 
     if method == "ablation":
         per_token = _ablation_scores(score, embedding, ids, positions, mask, baseline, tick)

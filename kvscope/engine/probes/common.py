@@ -9,14 +9,16 @@ ranked by attribution patching (:func:`ranked_notes`, one backward, ``kvscope.en
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from kvscope.engine.cache.decision import Decision, recovery
 from kvscope.engine.cache.notebook import Knockout, Notebook
 from kvscope.engine.cache.patching import EffectMap, attribution_effects
 from kvscope.engine.edit.experiment import EditExperiment
 from kvscope.engine.errors import KVScopeError
+from kvscope.engine.jsonable import rounded
 
 
 class ProbeError(KVScopeError):
@@ -24,11 +26,6 @@ class ProbeError(KVScopeError):
 
 
 # ---------------------------------------------------------------------------- shared results
-def rounded(value: float | None, digits: int = 4) -> float | None:
-    """A float rounded for JSON (None stays None)."""
-    return None if value is None else round(float(value), digits)
-
-
 @dataclass(frozen=True)
 class Gap:
     """The two reference margins a probe's recovery is measured between (0 = ``stale``, 1 = ``oracle``)."""
@@ -114,6 +111,12 @@ class RandomControl:
         return f"margin {self.margin:+.2f}" if self.recovery is None else f"recovery {self.recovery:.2f}"
 
 
+def probe_json(result: Any, fields: dict[str, Any]) -> dict[str, Any]:
+    """A probe result's JSON: its gap's margins and labels (``result.gap``), its one-sentence ``headline()``, then
+    ``fields``."""
+    return {**result.gap.as_dict(), "headline": result.headline(), **fields}
+
+
 # ---------------------------------------------------------------------------- shared steps
 def read(experiment: EditExperiment, notebook: Notebook, knockout: Knockout | Sequence[Knockout] | None = None, **options) -> Decision:
     """The experiment's decision read from ``notebook``, with knockouts and read options (e.g. capture_attention)."""
@@ -140,17 +143,19 @@ def patched_reading(
     return reading(read(experiment, base.patch(donor, positions, layers)), gap or Gap.of(experiment))
 
 
-def random_control(margins: Sequence[float], gap: Gap) -> RandomControl:
-    """The random draws' margins, their mean and its recovery."""
-    mean = sum(margins) / len(margins)
-    return RandomControl(tuple(margins), mean, gap.recovery(mean))
+def hidden_reading(experiment: EditExperiment, knockout: Knockout | Sequence[Knockout], gap: Gap) -> Reading:
+    """The oracle's decision with ``knockout`` hidden from the decision tokens, as a reading on ``gap``."""
+    return reading(read(experiment, experiment.oracle.notebook, knockout), gap)
 
 
-def random_draws(pool: Sequence, k: int, seeds: int) -> list[list]:
-    """``seeds`` reproducible random k-subsets of ``pool`` (seed 0, 1, ...)."""
+def random_control(pool: Sequence, k: int, seeds: int, gap: Gap, margin_of: Callable[[list], float]) -> RandomControl:
+    """The same operation on ``seeds`` reproducible random k-subsets of ``pool`` (seed 0, 1, ...): ``margin_of`` each
+    draw, their mean and its recovery."""
     if seeds < 1:
         raise ProbeError(f"seeds must be ≥ 1 (random draws for the control), got {seeds}")
-    return [random.Random(seed).sample(list(pool), k) for seed in range(seeds)]
+    margins = [margin_of(random.Random(seed).sample(list(pool), k)) for seed in range(seeds)]
+    mean = sum(margins) / len(margins)
+    return RandomControl(tuple(margins), mean, gap.recovery(mean))
 
 
 def require_aligned(experiment: EditExperiment, probe: str) -> None:

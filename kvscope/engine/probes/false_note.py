@@ -10,11 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvscope.engine.edit.experiment import EditExperiment
+from kvscope.engine.jsonable import attributes
 from kvscope.engine.probes.common import (
     Gap,
     ProbeError,
     Reading,
     patched_reading,
+    probe_json,
     ranked_notes,
     require_aligned,
 )
@@ -48,18 +50,17 @@ class FalseNoteResult:
         return said + (f": {verdict[follows]}." if follows is not None else " (stale and new value agree on the decision anyway).")
 
     def as_dict(self) -> dict:
-        return {
-            **self.gap.as_dict(),
-            "headline": self.headline(),
-            "field_value": self.field_value,
-            "note_value": self.note_value,
-            "k": len(self.positions),
-            "positions": self.positions,
-            "injected": self.injected.as_dict(),
-            "follows_note": self.follows(self.injected),
-            "all_downstream": self.all_downstream.as_dict(),
-            "all_downstream_follows_note": self.follows(self.all_downstream),
-        }
+        return probe_json(
+            self,
+            {
+                **attributes(self, "field_value", "note_value"),
+                "k": len(self.positions),
+                **attributes(self, "positions", "injected"),
+                "follows_note": self.follows(self.injected),
+                "all_downstream": self.all_downstream.as_dict(),
+                "all_downstream_follows_note": self.follows(self.all_downstream),
+            },
+        )
 
 
 def probe_false_note(experiment: EditExperiment, *, progress: StepProgress = None, k: int = 8) -> FalseNoteResult:

@@ -23,7 +23,8 @@ from kvscope.engine.cache.notebook import Notebook
 from kvscope.engine.edit.experiment import EditExperiment
 from kvscope.engine.edit.report import NotesShare
 from kvscope.engine.edit.strategies import RANKINGS, NotApplicable
-from kvscope.engine.probes.common import Gap, k_ladder
+from kvscope.engine.jsonable import attributes, rounded
+from kvscope.engine.probes.common import Gap, k_ladder, probe_json
 from kvscope.engine.progress import StepProgress
 from kvscope.engine.timing import Stopwatch
 from kvscope.engine.words import counted
@@ -46,13 +47,11 @@ class FrontierPoint:
 
     def as_dict(self) -> dict:
         return {
-            "method": self.method,
-            "k": self.k,
-            "tokens_computed": self.tokens_computed,
+            **attributes(self, "method", "k", "tokens_computed"),
             "fraction": round(self.fraction, 4),
             "margin": round(self.margin, 4),
             "decision": self.label,
-            "recovery": None if self.recovery is None else round(self.recovery, 4),
+            "recovery": rounded(self.recovery),
             "correct": self.correct,
         }
 
@@ -91,16 +90,15 @@ class FrontierResult:
 
     def as_dict(self) -> dict:
         cheapest = self.cheapest_correct()
-        return {
-            **self.gap.as_dict(),
-            "headline": self.headline(),
-            "context_tokens": self.context_tokens,
-            "notes": self.notes.as_dict(),
-            "cheapest_correct": None if cheapest is None else cheapest.as_dict(),
-            "points": [point.as_dict() for point in self.points],
-            "not_applicable": self.not_applicable,
-            "ms": round(self.ms, 1),
-        }
+        return probe_json(
+            self,
+            {
+                **attributes(self, "context_tokens", "notes"),
+                "cheapest_correct": None if cheapest is None else cheapest.as_dict(),
+                **attributes(self, "points", "not_applicable"),
+                "ms": round(self.ms, 1),
+            },
+        )
 
 
 def _point(method: str, k: int | None, tokens: int, decision: Decision, gap: Gap, context_tokens: int) -> FrontierPoint:

@@ -17,11 +17,11 @@ from kvscope.engine.probes.common import (
     ProbeError,
     RandomControl,
     Reading,
+    hidden_reading,
+    probe_json,
     random_control,
-    random_draws,
     ranked_notes,
     read,
-    reading,
     require_aligned,
     rounded,
 )
@@ -54,17 +54,17 @@ class HeadsResult:
         def drop(knocked: Reading | RandomControl) -> float | None:
             return None if knocked.recovery is None else rounded(1 - knocked.recovery)
 
-        return {
-            **self.gap.as_dict(),
-            "headline": self.headline(),
-            "notes": self.notes,
-            "mass_last": [[rounded(v) for v in row] for row in self.mass_last],
-            "mass_mean": [[rounded(v) for v in row] for row in self.mass_mean],
-            "top_heads": [list(pair) for pair in self.top_heads],
-            "top": {**self.top.as_dict(), "recovery_drop": drop(self.top)},
-            "random": {**self.random.as_dict(), "recovery_drop": drop(self.random)},
-            "all_heads": {**self.all_heads.as_dict(), "recovery_drop": drop(self.all_heads)},
-        }
+        knockouts = {"top": self.top, "random": self.random, "all_heads": self.all_heads}
+        return probe_json(
+            self,
+            {
+                "notes": self.notes,
+                "mass_last": [[rounded(v) for v in row] for row in self.mass_last],
+                "mass_mean": [[rounded(v) for v in row] for row in self.mass_mean],
+                "top_heads": [list(pair) for pair in self.top_heads],
+                **{name: {**knocked.as_dict(), "recovery_drop": drop(knocked)} for name, knocked in knockouts.items()},
+            },
+        )
 
 
 def _head_knockouts(pairs: Sequence[tuple[int, int]], positions: Sequence[int]) -> list[Knockout]:
@@ -97,13 +97,13 @@ def probe_heads(
     top_heads = [(i // head_count, i % head_count) for i in flat]
 
     def knocked(pairs: Sequence[tuple[int, int]]) -> Reading:
-        result = reading(read(experiment, oracle, _head_knockouts(pairs, chosen)), gap)
+        result = hidden_reading(experiment, _head_knockouts(pairs, chosen), gap)
         tick()
         return result
 
     top = knocked(top_heads)
     pool = [(layer, head) for layer in range(layer_count) for head in range(head_count)]
-    control = random_control([knocked(draw).margin for draw in random_draws(pool, count, seeds)], gap)
-    all_heads = reading(read(experiment, oracle, Knockout(tuple(chosen))), gap)
+    control = random_control(pool, count, seeds, gap, lambda draw: knocked(draw).margin)
+    all_heads = hidden_reading(experiment, Knockout(tuple(chosen)), gap)
     tick()
     return HeadsResult(gap, chosen, mass_last.tolist(), mass_mean.tolist(), top_heads, top, control, all_heads)

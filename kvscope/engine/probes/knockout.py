@@ -11,16 +11,16 @@ from dataclasses import dataclass
 
 from kvscope.engine.cache.notebook import Knockout
 from kvscope.engine.edit.experiment import EditExperiment
+from kvscope.engine.jsonable import JsonFields, attributes
 from kvscope.engine.probes.common import (
     Gap,
     RandomControl,
     Reading,
+    hidden_reading,
     k_ladder,
+    probe_json,
     random_control,
-    random_draws,
     ranked_notes,
-    read,
-    reading,
     require_aligned,
 )
 from kvscope.engine.progress import StepProgress, ticker
@@ -30,21 +30,13 @@ HEADLINE_K = 8  # the headline's K: the largest measured K up to this one (the N
 
 
 @dataclass
-class KnockoutPoint:
+class KnockoutPoint(JsonFields):
     """The oracle's decision with the top-K notes (and K random downstream positions) hidden."""
 
     k: int
     positions: list[int]
     top: Reading
     random: RandomControl | None
-
-    def as_dict(self) -> dict:
-        return {
-            "k": self.k,
-            "positions": self.positions,
-            "top": self.top.as_dict(),
-            "random": None if self.random is None else self.random.as_dict(),
-        }
 
 
 @dataclass
@@ -74,7 +66,7 @@ class KnockoutResult:
         return said + "."
 
     def as_dict(self) -> dict:
-        return {**self.gap.as_dict(), "headline": self.headline(), "points": [p.as_dict() for p in self.points]}
+        return probe_json(self, attributes(self, "points"))
 
 
 def probe_knockout(
@@ -82,17 +74,16 @@ def probe_knockout(
 ) -> KnockoutResult:
     """Hide the top-K notes from the decision tokens in the oracle cache, K = 0, 1, 2, 4, ... all."""
     require_aligned(experiment, "knockout")
-    gap, ranked, oracle = Gap.of(experiment), ranked_notes(experiment), experiment.oracle.notebook
+    gap, ranked = Gap.of(experiment), ranked_notes(experiment)
     ks = k_ladder(ks, len(ranked), smallest=0)
     tick = ticker(progress, len(ks))
 
     def hidden(positions: Sequence[int]) -> Reading:
-        return reading(read(experiment, oracle, Knockout(tuple(positions))), gap)
+        return hidden_reading(experiment, Knockout(tuple(positions)), gap)
 
     points = []
     for k in ks:
-        draws = random_draws(experiment.downstream_positions, k, seeds) if k else []
-        control = random_control([hidden(draw).margin for draw in draws], gap) if draws else None
+        control = random_control(experiment.downstream_positions, k, seeds, gap, lambda draw: hidden(draw).margin) if k else None
         points.append(KnockoutPoint(k, ranked[:k], hidden(ranked[:k]), control))
         tick()
     return KnockoutResult(gap, points)

@@ -37,6 +37,7 @@ from kvscope.engine.cache.loaded import LoadedModel
 from kvscope.engine.cache.notebook import Notebook
 from kvscope.engine.edit.experiment import EditExperiment
 from kvscope.engine.edit.runs import render_for
+from kvscope.engine.jsonable import JsonFields, attributes, rounded
 from kvscope.engine.probes.common import ProbeError
 from kvscope.engine.progress import StepProgress, Tick
 from kvscope.engine.scenario import RenderedPrompt, ScenarioError, Span, is_aggregator
@@ -62,15 +63,12 @@ def surface_variants(value: str) -> list[str]:
 
 
 @dataclass(frozen=True)
-class Sample:
+class Sample(JsonFields):
     """One probe input: the field's text, the scenario value it varies, the model's conclusion."""
 
     text: str
     origin: str
     label: str
-
-    def as_dict(self) -> dict:
-        return {"text": self.text, "origin": self.origin, "label": self.label}
 
 
 def render_value(experiment: EditExperiment, value: str) -> RenderedPrompt:
@@ -316,28 +314,22 @@ class LinearProbeResult:
         )
 
     def as_dict(self) -> dict:
-        def rounded(table: dict[str, list[float] | None]) -> dict[str, list[float] | None]:
+        def by_group(table: dict[str, list[float] | None]) -> dict[str, list[float] | None]:
             return {group: None if row is None else [round(v, 3) for v in row] for group, row in table.items()}
 
         write_depth, commit_depth = self.depth(self.write_layer), self.depth(self.commit_layer)
         return {
-            "model": self.model,
-            "scenario": self.scenario,
-            "field": self.field,
+            **attributes(self, "model", "scenario", "field"),
             "headline": self.headline(),
-            "num_layers": self.num_layers,
-            "n_samples": self.n_samples,
-            "class_counts": self.class_counts,
+            **attributes(self, "num_layers", "n_samples", "class_counts"),
             "value_counts": dict(Counter(sample.origin for sample in self.samples)),
             "chance": round(max(self.class_counts.values()) / self.n_samples, 3),
-            "samples": [sample.as_dict() for sample in self.samples],
-            "conclusion_decodable": self.conclusion_decodable,
-            "reason": self.reason,
-            "accuracy": {"conclusion": rounded(self.conclusion), "value": rounded(self.value)},
+            **attributes(self, "samples", "conclusion_decodable", "reason"),
+            "accuracy": {"conclusion": by_group(self.conclusion), "value": by_group(self.value)},
             "group_notes": self.notes or None,
             "write_threshold": WRITE_THRESHOLD,
             "write_layer": self.write_layer,
-            "write_depth": None if write_depth is None else round(write_depth, 3),
+            "write_depth": rounded(write_depth, 3),
             "commit_layer": self.commit_layer,
             "commit_depth": round(commit_depth, 3),
             "commit_layer_mean": round(sum(self.commit_layers) / self.n_samples, 2),

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvscope.engine.edit.experiment import EditExperiment
-from kvscope.engine.probes.common import Gap, Reading, reading
+from kvscope.engine.jsonable import attributes
+from kvscope.engine.probes.common import Gap, Reading, probe_json, reading
 from kvscope.engine.progress import StepProgress, ticker
 
 
@@ -36,14 +37,8 @@ class LocalityResult:
         return f"Between {self.gap.words()}, {field}{after}."
 
     def as_dict(self) -> dict:
-        return {
-            **self.gap.as_dict(),
-            "headline": self.headline(),
-            "field_only": None if self.field_only is None else self.field_only.as_dict(),
-            "full_downstream": None if self.full_downstream is None else self.full_downstream.as_dict(),
-            "reasons": self.reasons,
-            "ms": {name: round(ms, 1) for name, ms in self.ms.items()},
-        }
+        ms = {name: round(ms, 1) for name, ms in self.ms.items()}
+        return probe_json(self, {**attributes(self, "field_only", "full_downstream", "reasons"), "ms": ms})
 
 
 def probe_locality(experiment: EditExperiment, *, progress: StepProgress = None) -> LocalityResult:

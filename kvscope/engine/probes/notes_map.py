@@ -15,11 +15,13 @@ import torch
 from kvscope.engine.cache.notebook import Notebook
 from kvscope.engine.cache.patching import EffectMap, exact_effects
 from kvscope.engine.edit.experiment import EditExperiment
+from kvscope.engine.jsonable import attributes
 from kvscope.engine.probes.common import (
     Gap,
     ProbeError,
     attribution,
     patched_reading,
+    probe_json,
     require_aligned,
     rounded,
 )
@@ -85,32 +87,29 @@ class NotesMapResult:
         def fraction(value: float) -> float | None:
             return rounded(self.gap.fraction(value))
 
-        return {
-            **self.gap.as_dict(),
-            "headline": self.headline(),
-            "positions": self.positions,
-            "token_texts": self.token_texts,
-            "segments": self.segments,
-            "effects": [[rounded(v) for v in row] for row in self.effects],
-            "effects_fraction": [[fraction(v) for v in row] for row in self.effects],
-            "per_position": [rounded(v) for v in self.per_position()],
-            "per_position_fraction": [fraction(v) for v in self.per_position()],
-            "entry_checks": [c.as_dict() for c in self.entry_checks],
-            "position_checks": [c.as_dict() for c in self.position_checks],
-            "top": self.top,
-            "top_overlap": rounded(self.top_overlap),
-            "entry_pearson": rounded(self.entry_correlation[0]),
-            "entry_spearman": rounded(self.entry_correlation[1]),
-            "position_pearson": rounded(self.position_correlation[0]),
-            "position_spearman": rounded(self.position_correlation[1]),
-            "attribution_ms": round(self.attribution_ms, 1),
-            "verification_ms": round(self.verification_ms, 1),
-            "exact_per_position": None if self.exact_effects is None else [rounded(v) for v in self.exact_effects],
-            "exact_overlap": rounded(self.exact_overlap),
-            "exact_pearson": rounded(self.exact_correlation[0]),
-            "exact_spearman": rounded(self.exact_correlation[1]),
-            "exact_ms": None if self.exact_ms is None else round(self.exact_ms, 1),
-        }
+        return probe_json(
+            self,
+            {
+                **attributes(self, "positions", "token_texts", "segments"),
+                "effects": [[rounded(v) for v in row] for row in self.effects],
+                "effects_fraction": [[fraction(v) for v in row] for row in self.effects],
+                "per_position": [rounded(v) for v in self.per_position()],
+                "per_position_fraction": [fraction(v) for v in self.per_position()],
+                **attributes(self, "entry_checks", "position_checks", "top"),
+                "top_overlap": rounded(self.top_overlap),
+                "entry_pearson": rounded(self.entry_correlation[0]),
+                "entry_spearman": rounded(self.entry_correlation[1]),
+                "position_pearson": rounded(self.position_correlation[0]),
+                "position_spearman": rounded(self.position_correlation[1]),
+                "attribution_ms": round(self.attribution_ms, 1),
+                "verification_ms": round(self.verification_ms, 1),
+                "exact_per_position": None if self.exact_effects is None else [rounded(v) for v in self.exact_effects],
+                "exact_overlap": rounded(self.exact_overlap),
+                "exact_pearson": rounded(self.exact_correlation[0]),
+                "exact_spearman": rounded(self.exact_correlation[1]),
+                "exact_ms": rounded(self.exact_ms, 1),
+            },
+        )
 
 
 def _correlations(a: Sequence[float], b: Sequence[float]) -> tuple[float | None, float | None]:

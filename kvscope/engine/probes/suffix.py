@@ -11,14 +11,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvscope.engine.edit.experiment import EditExperiment
+from kvscope.engine.jsonable import JsonFields, attributes
 from kvscope.engine.probes.common import (
     Gap,
     RandomControl,
     Reading,
     k_ladder,
     patched_reading,
+    probe_json,
     random_control,
-    random_draws,
     ranked_notes,
     require_aligned,
 )
@@ -27,7 +28,7 @@ from kvscope.engine.words import counted
 
 
 @dataclass
-class SuffixPoint:
+class SuffixPoint(JsonFields):
     """Patching the top-K notes: all layers, each layer band, and random K positions (all layers)."""
 
     k: int
@@ -35,15 +36,6 @@ class SuffixPoint:
     all_layers: Reading
     bands: dict[str, Reading]
     random: RandomControl
-
-    def as_dict(self) -> dict:
-        return {
-            "k": self.k,
-            "positions": self.positions,
-            "all_layers": self.all_layers.as_dict(),
-            "bands": {name: reading.as_dict() for name, reading in self.bands.items()},
-            "random": self.random.as_dict(),
-        }
 
 
 @dataclass
@@ -71,7 +63,7 @@ class SuffixResult:
         return said + "."
 
     def as_dict(self) -> dict:
-        return {**self.gap.as_dict(), "headline": self.headline(), "bands": self.bands, "points": [p.as_dict() for p in self.points]}
+        return probe_json(self, attributes(self, "bands", "points"))
 
 
 def _layer_bands(layers: int) -> dict[str, list[int]]:
@@ -82,13 +74,14 @@ def _layer_bands(layers: int) -> dict[str, list[int]]:
 
 def _suffix_point(experiment: EditExperiment, chosen: list[int], bands: dict[str, list[int]], seeds: int, gap: Gap) -> SuffixPoint:
     """Patch the chosen notes in all layers and per band, and as many random downstream positions."""
-    draws = random_draws(experiment.downstream_positions, len(chosen), seeds)
     return SuffixPoint(
         k=len(chosen),
         positions=chosen,
         all_layers=patched_reading(experiment, chosen),
         bands={name: patched_reading(experiment, chosen, layers) for name, layers in bands.items()},
-        random=random_control([patched_reading(experiment, draw).margin for draw in draws], gap),
+        random=random_control(
+            experiment.downstream_positions, len(chosen), seeds, gap, lambda draw: patched_reading(experiment, draw).margin
+        ),
     )
 
 

@@ -13,7 +13,8 @@ from dataclasses import replace as dataclass_replace
 from kvscope.engine.cache.notebook import Notebook
 from kvscope.engine.edit.experiment import EditExperiment
 from kvscope.engine.edit.runs import ScenarioRun, render_for
-from kvscope.engine.probes.common import Gap, ProbeError, Reading, patched_reading, read
+from kvscope.engine.jsonable import attributes
+from kvscope.engine.probes.common import Gap, ProbeError, Reading, patched_reading, probe_json, read
 from kvscope.engine.progress import StepProgress, ticker
 from kvscope.engine.words import counted
 
@@ -40,17 +41,15 @@ class TriggerResult:
         )
 
     def as_dict(self) -> dict:
-        return {
-            **self.gap.as_dict(),
-            "headline": self.headline(),
-            "find": self.find,
-            "replace": self.replace,
-            "trigger_positions": self.trigger_positions,
-            "trigger_texts": [list(pair) for pair in self.trigger_texts],
-            "note_count": len(self.note_positions),
-            "notes_patched": self.notes_patched.as_dict(),
-            "trigger_patched": self.trigger_patched.as_dict(),
-        }
+        return probe_json(
+            self,
+            {
+                **attributes(self, "find", "replace", "trigger_positions"),
+                "trigger_texts": [list(pair) for pair in self.trigger_texts],
+                "note_count": len(self.note_positions),
+                **attributes(self, "notes_patched", "trigger_patched"),
+            },
+        )
 
 
 def _flipped_run(experiment: EditExperiment, find: str | None, replace: str | None) -> tuple[ScenarioRun, list[int]]:
