@@ -35,6 +35,7 @@ from kvscope.engine.audit.report.types import (
     TrafficGroupDict,
 )
 from kvscope.engine.audit.scan.traffic_scan import SessionSummary, TrafficRequest
+from kvscope.engine.audit.simulate.budgets import Budget
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.fleet import FleetResult
 
@@ -44,9 +45,10 @@ _CLOSED = ConfigDict(extra="forbid", json_schema_serialization_defaults_required
 
 
 class EnginesDict(TotalsDict):
-    """The totals, with the settings simulated."""
+    """The totals, with the settings simulated and the budget each serving engine ran with (``registry.budgets``)."""
 
     settings: CacheSettings
+    budgets: list[Budget]
 
 
 class MeasuredGroupDict(TrafficGroupDict):

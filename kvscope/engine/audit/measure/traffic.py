@@ -30,6 +30,7 @@ from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.traffic_scan import TrafficGroup, TrafficRequest, TrafficScan, is_cold, sample_groups
 from kvscope.engine.audit.simulate.metrics import observed_aggregate
 from kvscope.engine.audit.simulate.observed import fit_observed, hosted_summary, observed_summary
+from kvscope.engine.audit.simulate.registry import budgets
 from kvscope.engine.cache.budget import Cancelled
 from kvscope.engine.cache.loaded import LoadedModel, LoadedTokenizer
 from kvscope.engine.progress import MessageProgress, StepProgress, Tick
@@ -131,7 +132,11 @@ class TrafficReport:
                 **scan.reading,
                 "skipped": [item.as_dict() for item in scan.skipped],
                 "skipped_count": len(scan.skipped),
-                "engines": {"settings": scan.settings.cache.as_dict(), **scan.totals()},
+                "engines": {
+                    "settings": scan.settings.cache.as_dict(),
+                    "budgets": [budget.as_dict() for budget in budgets(scan.settings.cache)],
+                    **scan.totals(),
+                },
                 "sessions": [summary.as_dict() for summary in scan.sessions()],
                 "causes": scan.cause_counts(),
                 "observed": self.observed(),
