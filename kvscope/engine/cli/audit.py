@@ -229,4 +229,7 @@ def cmd_audit_schema(args: argparse.Namespace) -> dict:
     return report_schema()
 
 
-COMMANDS: dict[str, tuple[Handler, tuple[Group, ...]]] = {"audit": (cmd_audit, (AUDIT, SERVER_SIZE, SCALE)), "audit-schema": (cmd_audit_schema, ())}
+COMMANDS: dict[str, tuple[Handler, tuple[Group, ...]]] = {
+    "audit": (cmd_audit, (AUDIT, SERVER_SIZE, SCALE)),
+    "audit-schema": (cmd_audit_schema, ()),
+}

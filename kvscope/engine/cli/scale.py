@@ -12,9 +12,9 @@ from kvscope.engine.audit.logs.shards import LogFiles
 from kvscope.engine.audit.measure.traffic import MeasureTurns, TokenPass
 from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.traffic_scan import TrafficScan
+from kvscope.engine.audit.simulate.budgets import DTYPE_BYTES, VLLM_GPU_UTILIZATION, ModelKV, ServerSize
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.fleet import ROUTINGS, fleet_grid
-from kvscope.engine.audit.simulate.budgets import DTYPE_BYTES, VLLM_GPU_UTILIZATION, ModelKV, ServerSize
 from kvscope.engine.cache.loaded import LoadedModel, LoadedTokenizer
 from kvscope.engine.cli.common import Group, arg, progress
 
@@ -48,7 +48,7 @@ SERVER_SIZE: Group = (  # budgets as the servers compute them from their size (`
     arg("--vllm-cpu-kvcache-space", type=float, help="vLLM's CPU backend: VLLM_CPU_KVCACHE_SPACE in GiB (replaces the GPU for vLLM)"),
     arg("--llama-ctx-size", type=int, help="llama-server's -c: the context in tokens, split across its slots"),
     arg("--llama-parallel", type=int, help="llama-server's -np: its slots (default: auto, 4 slots sharing one KV cache)"),
-    arg("--server-dtype", choices=list(DTYPE_BYTES), help="the dtype served (default: the servers' auto: the checkpoint's, float32 as bfloat16)"),
+    arg("--server-dtype", choices=list(DTYPE_BYTES), help="the dtype served (default: the checkpoint's, float32 in bfloat16)"),
 )
 
 

@@ -56,7 +56,7 @@ class ModelKV(Record):
             head_dim = int(text.get("head_dim") or hidden // heads)
             vocab, inner = int(text["vocab_size"]), int(text["intermediate_size"])
         except (KeyError, TypeError, ValueError) as error:
-            raise RequestLogError(f"{name}'s config does not give its KV shape ({error}): a server's size needs a decoder's config") from None
+            raise RequestLogError(f"{name}'s config does not give its KV shape ({error}): a server's size needs a decoder's") from None
         bias = text.get("attention_bias")
         bias = text.get("model_type") == "qwen2" if bias is None else bool(bias)
         attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2 + (heads + 2 * kv_heads) * head_dim * bias
@@ -125,12 +125,14 @@ class ServerSize(Record):
 
     def weights_words(self) -> str:
         """The model's weights as the formulas subtract them, in words."""
-        return f"{self.model.weight_bytes(self.served) / GIB:.2f} GiB of {self.model.name}'s weights ({self.model.parameters:,} × {self.served})"
+        model = self.model
+        return f"{model.weight_bytes(self.served) / GIB:.2f} GiB of {model.name}'s weights ({model.parameters:,} × {self.served})"
 
     def kv_words(self) -> str:
         """The model's KV bytes per token, in words."""
         model = self.model
-        return f"{model.kv_bytes_per_token(self.served):,} B of KV a token (2 × {model.layers} layers × {model.kv_heads} KV heads × {model.head_dim} × {self.served})"
+        shape = f"2 × {model.layers} layers × {model.kv_heads} KV heads × {model.head_dim} × {self.served}"
+        return f"{model.kv_bytes_per_token(self.served):,} B of KV a token ({shape})"
 
 
 @dataclass(frozen=True)

@@ -114,7 +114,8 @@ class BlockCache(PrefixCache):
         if blocks < 2:
             raise RequestLogError(f"{what} holds {blocks} {block}-token block(s) of {size.model.name}: vLLM needs at least 2")
         source = f"vLLM's num_gpu_blocks {blocks:,} − its null block: {what} over {page:,} B a block ({size.kv_words()} × {block})"
-        return Budget(cls.name, "blocks", blocks - 1, (blocks - 1) * block, source + ("" if size.cpu_kvcache_gib else "; activations not counted"))
+        source += "" if size.cpu_kvcache_gib else "; activations not counted"
+        return Budget(cls.name, "blocks", blocks - 1, (blocks - 1) * block, source)
 
     def match(self, request: CacheRequest) -> int:
         """The prompt's leading whole blocks held, in tokens."""
@@ -221,7 +222,8 @@ class SlotCache(PrefixCache):
         if slots is None:
             return Budget(cls.name, "slots", None, None, "a slot per session: no --slots or --llama-parallel")
         if context is None:
-            return Budget(cls.name, "slots", slots, None, f"{'--slots' if named else 'the server default'}; no --llama-ctx-size: no bound on a slot's tokens")
+            named_by = "--slots" if named else "the server default"
+            return Budget(cls.name, "slots", slots, None, f"{named_by}; no --llama-ctx-size: no bound on a slot's tokens")
         each = context if named is None else context // slots
         if each < 1:
             raise RequestLogError(f"--llama-ctx-size {context:,} split across {slots} slots leaves a slot no token")

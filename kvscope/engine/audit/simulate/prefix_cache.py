@@ -30,8 +30,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from kvscope.engine.audit.paged_blocks import BLOCK_TOKENS
-from kvscope.engine.audit.simulate.budgets import Budget, ServerSize
 from kvscope.engine.audit.report.records import Record
+from kvscope.engine.audit.simulate.budgets import Budget, ServerSize
 
 
 @dataclass(frozen=True)

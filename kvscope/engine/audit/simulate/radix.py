@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from kvscope.engine.audit.changes.fields import common_prefix
-from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.budgets import GIB, SGLANG_MEM_FRACTION, Budget, kv_memory
+from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.prefix_cache import CacheRequest, PrefixCache, fit_budgets
 
 
@@ -168,7 +168,8 @@ class RadixCache(PrefixCache):
         if size is None or size.gpu_gib is None:
             return Budget(cls.name, "tokens", None, None, "no --kv-budget-tokens and no --gpu-memory-gib")
         fraction = SGLANG_MEM_FRACTION if size.mem_fraction_static is None else size.mem_fraction_static
-        said = f"{fraction:g}" + (" (assumed: SGLang picks it from the GPU; give --mem-fraction-static)" if size.mem_fraction_static is None else "")
+        assumed = " (assumed: SGLang picks it from the GPU; give --mem-fraction-static)" if size.mem_fraction_static is None else ""
+        said = f"{fraction:g}{assumed}"
         what = f"{size.gpu_gib:g} GiB × mem_fraction_static {said} − {size.weights_words()}"
         memory = kv_memory(size.gpu_gib * GIB * fraction - size.model.weight_bytes(size.served), what)
         tokens = memory // size.model.kv_bytes_per_token(size.served)
