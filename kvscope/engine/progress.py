@@ -7,6 +7,7 @@ never prints.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 MessageProgress = Callable[[str], None]  # "assembling embedded GGUF 2/6", …
@@ -54,6 +55,43 @@ def ticker(progress: StepProgress, total: int) -> Tick:
             progress(done, total)
 
     return tick
+
+
+class StepRate:
+    """A count of ``unit`` (``"token pass: requests"``) said with its rate and the time it has left: "token pass:
+    requests: 5,000/100,000 · 1,234 requests/s · about 1 min 17 s left". The rate is measured from the first report
+    (work done before it, such as tokenizing ahead, is not this count's), so the first report says the count alone."""
+
+    def __init__(self, unit: str, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.unit, self.clock = unit, clock
+        self.noun = unit.split()[-1]  # what is counted: "requests", "steps"
+        self._first: tuple[int, float] | None = None  # (done, when) at the first report
+
+    def rate(self, done: int) -> float | None:
+        """Steps a second since the first report (None: not measurable yet)."""
+        now = self.clock()
+        if self._first is None:
+            self._first = (done, now)
+            return None
+        first_done, first_at = self._first
+        return (done - first_done) / (now - first_at) if done > first_done and now > first_at else None
+
+    def words(self, done: int, total: int) -> str:
+        """The count, with its rate and time left once measurable."""
+        said = f"{self.unit}: {done:,}/{total:,}"
+        rate = self.rate(done)
+        if rate is None:
+            return said
+        said += f" · {rate:,.1f}" if rate < 10 else f" · {rate:,.0f}"
+        left = f" · about {duration_words((total - done) / rate)} left" if done < total else ""
+        return f"{said} {self.noun}/s{left}"
+
+
+def rated(unit: str, say: Callable[[str, int, int], None], clock: Callable[[], float] = time.perf_counter) -> StepProgress:
+    """A step callback that says each count of ``unit`` with its rate and time left (:class:`StepRate`) to ``say``
+    (text, done, total): the CLI's stderr line and the app's bar alike."""
+    rate = StepRate(unit, clock)
+    return lambda done, total: say(rate.words(done, total), done, total)
 
 
 def duration_words(seconds: float) -> str:
