@@ -95,8 +95,7 @@ def server_size(args: argparse.Namespace, lm: LoadedModel | LoadedTokenizer) -> 
     named = [args.gpu_memory_gib, args.vllm_cpu_kvcache_space, args.llama_ctx_size, args.llama_parallel, args.mem_fraction_static]
     if all(value is None for value in named):
         return None
-    config = lm.model.config if isinstance(lm, LoadedModel) else lm.config
-    model = ModelKV.of_config(config.to_dict(), lm.name)
+    model = ModelKV.of_loaded(lm)
     sizes = {"gpu_gib": args.gpu_memory_gib, "mem_fraction_static": args.mem_fraction_static, "dtype": args.server_dtype}
     counts = {"cpu_kvcache_gib": args.vllm_cpu_kvcache_space, "context": args.llama_ctx_size, "parallel": args.llama_parallel}
     return ServerSize(model, gpu_memory_utilization=args.gpu_memory_utilization, **sizes, **counts)

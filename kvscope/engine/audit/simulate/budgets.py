@@ -66,6 +66,13 @@ class ModelKV(Record):
         dtype = str(text.get("dtype") or text.get("torch_dtype") or config.get("dtype") or "float32").removeprefix("torch.")
         return cls(name, layers, kv_heads, head_dim, parameters, dtype)
 
+    @classmethod
+    def of_loaded(cls, lm: Any) -> ModelKV:
+        """The shape of a loaded model (``LoadedModel``: its model's config) or of a tokenizer-only load
+        (``LoadedTokenizer``: its config), read without torch."""
+        config = lm.config if hasattr(lm, "config") else lm.model.config
+        return cls.of_config(config.to_dict(), lm.name)
+
     def served_dtype(self, dtype: str | None) -> str:
         """The dtype a server holds the model and its KV in: ``dtype`` where given, else its "auto" (the checkpoint's,
         a float32 one in bfloat16: ``SERVED_FROM_FLOAT32``)."""
