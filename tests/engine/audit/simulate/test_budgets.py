@@ -155,3 +155,29 @@ def test_a_server_too_small_for_the_weights_is_refused_by_the_settings():
     size = ServerSize(ModelKV.of_config(EMBEDDED, "embedded"), gpu_gib=1.0)  # 0.9 GiB less 1.17 GiB of weights
     with pytest.raises(RequestLogError, match="leaves no memory for KV"):
         ScanSettings(CacheSettings(server=size))
+
+
+def test_on_a_log_the_servers_size_evicts_where_its_block_budget_would():
+    """A small log's token pass with vLLM sized by VLLM_CPU_KVCACHE_SPACE reuses exactly what it reuses under
+    --kv-budget-blocks at that budget, and less than unbounded: eviction starts where the budget says."""
+    from kvscope.engine.audit.logs.reading import read_log
+    from kvscope.engine.audit.scan.traffic_scan import scan_log
+    from kvscope.engine.models import load_tokenizer
+
+    tokenizer = load_tokenizer("tiny-qwen2").tokenizer
+    manual = " ".join(f"rule {n}: refunds need a receipt." for n in range(12))
+    lines = [f'{{"session_id": "s{n}", "messages": [{{"role": "system", "content": "{manual}"}}, {{"role": "user", "content": "q{n}"}}]}}' for n in range(2)]
+    lines += [f'{{"session_id": "t{n}", "messages": [{{"role": "user", "content": "other topic {n} {manual[::-1]}"}}]}}' for n in range(2)]
+    lines.append(lines[0])  # the first session's prompt again, after the others pushed its blocks out
+    log = read_log("\n".join(lines))
+
+    def reused(cache: CacheSettings) -> list[int]:
+        scan = scan_log(tokenizer, log, ScanSettings(cache, "vllm", block_given=True))
+        return [row.reused_tokens["vllm"] for row in scan.requests]
+
+    size = ServerSize(TOY, cpu_kvcache_gib=9 * 16 * 64 / GIB, dtype="float32")  # 9 blocks: 8 for the cache and the null one
+    sized = CacheSettings(block=16, server=size)
+    assert budgets(sized)[0].limit == 8
+    assert reused(sized) == reused(CacheSettings(block=16, budget_blocks=8)) == [0, 128, 0, 0, 0]
+    assert reused(sized) != reused(CacheSettings(block=16, budget_blocks=9))  # one block more (the null one) would reuse more
+    assert sum(reused(sized)) < sum(reused(CacheSettings(block=16)))  # unbounded keeps what the budget evicted
