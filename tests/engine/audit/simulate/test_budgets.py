@@ -166,7 +166,8 @@ def test_on_a_log_the_servers_size_evicts_where_its_block_budget_would():
 
     tokenizer = load_tokenizer("tiny-qwen2").tokenizer
     manual = " ".join(f"rule {n}: refunds need a receipt." for n in range(12))
-    lines = [f'{{"session_id": "s{n}", "messages": [{{"role": "system", "content": "{manual}"}}, {{"role": "user", "content": "q{n}"}}]}}' for n in range(2)]
+    system = f'{{"role": "system", "content": "{manual}"}}'
+    lines = [f'{{"session_id": "s{n}", "messages": [{system}, {{"role": "user", "content": "q{n}"}}]}}' for n in range(2)]
     lines += [f'{{"session_id": "t{n}", "messages": [{{"role": "user", "content": "other topic {n} {manual[::-1]}"}}]}}' for n in range(2)]
     lines.append(lines[0])  # the first session's prompt again, after the others pushed its blocks out
     log = read_log("\n".join(lines))
