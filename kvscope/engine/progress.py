@@ -83,7 +83,8 @@ class StepRate:
         if rate is None:
             return said
         said += f" · {rate:,.1f}" if rate < 10 else f" · {rate:,.0f}"
-        left = f" · about {duration_words((total - done) / rate)} left" if done < total else ""
+        seconds = (total - done) / rate
+        left = "" if done >= total else " · under 1 s left" if seconds < 0.5 else f" · about {duration_words(seconds)} left"
         return f"{said} {self.noun}/s{left}"
 
 

@@ -36,6 +36,14 @@ def test_a_slow_count_keeps_a_decimal_and_hours_read_as_hours():
     assert rate.words(10, 10_000) == "audit steps: 10/10,000 · 2.5 steps/s · about 1 h 06 min left"  # 9,990 / 2.5 = 3,996 s
 
 
+def test_the_last_moments_read_as_under_a_second():
+    clock = FakeClock()
+    rate = StepRate("rewrite: requests", clock)
+    rate.words(1, 4)
+    clock.now += 0.3
+    assert rate.words(3, 4) == "rewrite: requests: 3/4 · 6.7 requests/s · under 1 s left"  # 1 left at 6.7 a second: 0.15 s
+
+
 def test_no_time_passed_or_no_step_done_says_the_count_alone():
     clock = FakeClock()
     rate = StepRate("token pass: requests", clock)
