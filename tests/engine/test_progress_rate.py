@@ -44,6 +44,19 @@ def test_the_last_moments_read_as_under_a_second():
     assert rate.words(3, 4) == "rewrite: requests: 3/4 · 6.7 requests/s · under 1 s left"  # 1 left at 6.7 a second: 0.15 s
 
 
+def test_the_rate_follows_a_pass_that_slows_down():
+    clock = FakeClock()
+    rate = StepRate("token pass: requests", clock, window=2)
+    rate.words(0, 1_000)
+    for done in (100, 200):  # 100 a second
+        clock.now += 1.0
+        rate.words(done, 1_000)
+    for done in (210, 220):  # then 10 a second: the last two reports alone set the rate
+        clock.now += 1.0
+        said = rate.words(done, 1_000)
+    assert said == "token pass: requests: 220/1,000 · 10 requests/s · about 1 min 18 s left"
+
+
 def test_no_time_passed_or_no_step_done_says_the_count_alone():
     clock = FakeClock()
     rate = StepRate("token pass: requests", clock)
