@@ -112,7 +112,8 @@ Serving: what a server shares between requests
 ``BudgetedLRU``            entries kept within a byte budget, least recently used dropped first (``tensor_bytes``)
 ``SingleFlight``           computed-once entries: one computation, concurrent callers wait for it
 ``MessageProgress``        a progress callback taking messages; ``StepProgress``: (done, total); ``StepMessage``,
-                           ``fraction``: a message that says how far its work is; ``duration_words``: time left
+                           ``fraction``: a message that says how far its work is; ``duration_words``: time left;
+                           ``rated``: (done, total) said with its rate and time left
 =========================  ======================================================================================
 
 Importing ``kvscope.engine`` loads nothing and changes no process state: names resolve on first use, the CPU math
@@ -220,6 +221,11 @@ _PUBLIC = {
     "compose_scenario": "kvscope.engine.compose.placing",
     "dtype_name": "kvscope.engine.models",
     "duration_words": "kvscope.engine.progress",
+    "rated": "kvscope.engine.progress",
+    "budget_lines": "kvscope.engine.audit.ci.gate",
+    "budgets": "kvscope.engine.audit.simulate.registry",
+    "ModelKV": "kvscope.engine.audit.simulate.budgets",
+    "ServerSize": "kvscope.engine.audit.simulate.budgets",
     "expected_parameter_bytes": "kvscope.engine.models",
     "find_span": "kvscope.engine.audit.prompts.text_spans",
     "fit_observed": "kvscope.engine.audit.simulate.observed",
@@ -295,6 +301,7 @@ __all__ = [
     "LoraSettings",
     "MeasureSettings",
     "MessageProgress",
+    "ModelKV",
     "ModelRemedies",
     "Notebook",
     "NotesChoice",
@@ -318,6 +325,7 @@ __all__ = [
     "Scenario",
     "ScenarioRun",
     "SelfTestReport",
+    "ServerSize",
     "SingleFlight",
     "Skill",
     "SkillStore",
@@ -338,6 +346,8 @@ __all__ = [
     "available_offline",
     "bounded",
     "bounded_sample",
+    "budget_lines",
+    "budgets",
     "bundled_images",
     "bundled_logs",
     "bundled_scenarios",
@@ -381,6 +391,7 @@ __all__ = [
     "preferred_choice",
     "prefix_cache_stop",
     "probe_frontier",
+    "rated",
     "read_log",
     "read_scenario",
     "recipe_matches",
@@ -410,7 +421,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from kvscope.engine.audit.changes.fields import candidate_spans
-    from kvscope.engine.audit.ci.gate import rewrite_markdown
+    from kvscope.engine.audit.ci.gate import budget_lines, rewrite_markdown
     from kvscope.engine.audit.endpoint.client import EndpointClient, EndpointSettings
     from kvscope.engine.audit.endpoint.served_measure import measure_rewrite_on_endpoint
     from kvscope.engine.audit.logs.reading import parse_prompt, read_log
@@ -425,9 +436,10 @@ if TYPE_CHECKING:
     from kvscope.engine.audit.rewrite.measure import apply_template, measure_rewrite
     from kvscope.engine.audit.scan.sampling import bounded_sample, traffic_scan
     from kvscope.engine.audit.scan.settings import ScanSettings
+    from kvscope.engine.audit.simulate.budgets import ModelKV, ServerSize
     from kvscope.engine.audit.simulate.caches import CacheSettings
     from kvscope.engine.audit.simulate.fleet import fleet_grid
-    from kvscope.engine.audit.simulate.registry import DEFAULT_ENGINE
+    from kvscope.engine.audit.simulate.registry import DEFAULT_ENGINE, budgets
     from kvscope.engine.cache.budget import Cancelled, CancelToken, ComputeGate, WorkBudget, bounded, cancellable, waits_reported
     from kvscope.engine.cache.decision import DECISIVE_MARGIN
     from kvscope.engine.cache.footprint import tensor_bytes
@@ -489,7 +501,7 @@ if TYPE_CHECKING:
     from kvscope.engine.probes.analysis import DEFAULT_STRATEGIES, analyse_edit
     from kvscope.engine.probes.frontier import probe_frontier
     from kvscope.engine.probes.registry import PROBES
-    from kvscope.engine.progress import MessageProgress, StepMessage, StepProgress, duration_words, fraction
+    from kvscope.engine.progress import MessageProgress, StepMessage, StepProgress, duration_words, fraction, rated
     from kvscope.engine.reproduce import Recipe, recipe_settings, script_text
     from kvscope.engine.reproduce import matches as recipe_matches
     from kvscope.engine.reproduce import notebook as recipe_notebook

@@ -7,11 +7,14 @@ never prints.
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from collections.abc import Callable
 
 MessageProgress = Callable[[str], None]  # "assembling embedded GGUF 2/6", …
 StepProgress = Callable[[int, int], None] | None  # (done, total), or None for no report
 Tick = Callable[[], None]  # one more step done
+RATE_WINDOW = 10  # reports a rate is measured over (the token pass reports 50 times a phase)
 
 
 class StepMessage(str):
@@ -54,6 +57,43 @@ def ticker(progress: StepProgress, total: int) -> Tick:
             progress(min(done, total), total)
 
     return tick
+
+
+class StepRate:
+    """A count of ``unit`` (``"token pass: requests"``) said with its rate and the time it has left: "token pass:
+    requests: 5,000/100,000 · 1,234 requests/s · about 1 min 17 s left". The rate is measured over the last
+    ``window`` reports (so a pass that slows down, as caches fill, is followed) and never before the first report (work
+    done before it, such as tokenizing ahead, is not this count's), so the first report says the count alone."""
+
+    def __init__(self, unit: str, clock: Callable[[], float] = time.perf_counter, window: int = RATE_WINDOW) -> None:
+        self.unit, self.clock = unit, clock
+        self.noun = unit.split()[-1]  # what is counted: "requests", "steps"
+        self._said: deque[tuple[int, float]] = deque(maxlen=window + 1)  # (done, when) of the last reports, oldest first
+
+    def rate(self, done: int) -> float | None:
+        """Steps a second over the last reports, this one included (None: not measurable yet)."""
+        now = self.clock()
+        self._said.append((done, now))
+        first_done, first_at = self._said[0]
+        return (done - first_done) / (now - first_at) if done > first_done and now > first_at else None
+
+    def words(self, done: int, total: int) -> str:
+        """The count, with its rate and time left once measurable."""
+        said = f"{self.unit}: {done:,}/{total:,}"
+        rate = self.rate(done)
+        if rate is None:
+            return said
+        said += f" · {rate:,.1f}" if rate < 10 else f" · {rate:,.0f}"
+        seconds = (total - done) / rate
+        left = "" if done >= total else " · under 1 s left" if seconds < 0.5 else f" · about {duration_words(seconds)} left"
+        return f"{said} {self.noun}/s{left}"
+
+
+def rated(unit: str, say: Callable[[str, int, int], None], clock: Callable[[], float] = time.perf_counter) -> StepProgress:
+    """A step callback that says each count of ``unit`` with its rate and time left (:class:`StepRate`) to ``say``
+    (text, done, total): the CLI's stderr line and the app's bar alike."""
+    rate = StepRate(unit, clock)
+    return lambda done, total: say(rate.words(done, total), done, total)
 
 
 def duration_words(seconds: float) -> str:

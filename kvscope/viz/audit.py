@@ -20,6 +20,7 @@ from typing import Any
 import plotly.graph_objects as go
 
 from kvscope.engine.audit.changes.causes import CAUSES
+from kvscope.engine.audit.ci.gate import budget_lines
 from kvscope.engine.audit.ci.report import AuditJSON, LogAudit
 from kvscope.engine.audit.logs.requests import Skipped
 from kvscope.engine.audit.paged_blocks import BLOCK_TOKENS
@@ -765,6 +766,9 @@ def traffic_markdown(data: LogAudit) -> str:
         ),
         "",
         markdown_literal(replies_sentence(engines)),
+        "",
+        "**KV budgets** (where each simulated cache evicts):",
+        *(f"- {markdown_literal(line)}" for line in budget_lines(engines["budgets"])),
         "",
         f"| session | requests | tokens | tokens reused: {' · '.join(ENGINE_LABELS.values())} |",
         "|---|---:|---:|---|",

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from kvscope.app.handlers.audit_progress import PHASES, AuditRuns
+from kvscope.app.handlers.audit_progress import PHASES, AuditPhases, AuditRuns
 from kvscope.app.handlers.your_prompt import run_audit, start_audit
 from kvscope.app.state import ModelRegistry
 from kvscope.engine import LoadedTokenizer, StepMessage, cancellable
@@ -96,3 +96,19 @@ def test_the_token_pass_is_shown_while_the_model_pass_runs_and_nothing_is_kept_u
     view = tokens_only.finish()  # every panel of the measured turns says why it is empty: not "one request only"
     words = [view.prompt_html, *(figure.layout.annotations[0].text for figure in (view.timeline_figure, view.fidelity_figure))]
     assert all("the token pass only (--sample 0)" in text.lower() and "one request only" not in text.lower() for text in words), words
+
+
+def test_the_token_pass_says_its_rate_and_time_left_on_the_bar():
+    """The tab's token pass line is the CLI's (``rated``): its rate and time left from the first report, on a fake clock,
+    placed through the token-pass phase of the bar."""
+    heard, now = [], [10.0]
+    steps = AuditPhases(heard.append).steps("token pass", "token pass: requests", clock=lambda: now[0])
+    steps(10, 100)
+    now[0] += 2.0
+    steps(70, 100)  # 60 requests in 2 s: 30 a second, 30 left: 1 s
+    assert [str(message) for message in heard] == [
+        "token pass: requests: 10/100",
+        "token pass: requests: 70/100 · 30 requests/s · about 1 s left",
+    ]
+    start, end = PHASES["token pass"]
+    assert heard[-1].done == round((start + (end - start) * 0.7) * 1000) and heard[-1].total == 1000

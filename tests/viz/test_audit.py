@@ -7,6 +7,7 @@ import copy
 
 import pytest
 
+from kvscope.engine import CacheSettings, budgets
 from kvscope.viz.audit import (
     ENGINE_LABELS,
     KL_FLOOR,
@@ -175,6 +176,7 @@ TRAFFIC = {
     "skipped_count": 1,
     "engines": {
         "settings": {"block": 16, "budget_blocks": 4, "budget_tokens": None, "slots": None, "cache_reuse": 0},
+        "budgets": [budget.as_dict() for budget in budgets(CacheSettings(budget_blocks=4))],
         "requests": 5,
         "tokens": 450,
         "reused_tokens": {"vllm": 224, "sglang": 239, "llama_cpp": 239},

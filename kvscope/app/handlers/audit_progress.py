@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from kvscope.engine import CancelToken, MessageProgress, StepMessage, StepProgress, duration_words
+from kvscope.engine import CancelToken, MessageProgress, StepMessage, StepProgress, duration_words, rated
 
 PHASES = {  # phase -> (start, end) of the bar
     "reading": (0.0, 0.01),
@@ -46,9 +46,9 @@ class AuditPhases:
         """Plain messages (a model's loading steps) shown at the start of ``phase``."""
         return lambda text: self.report(phase, str(text))
 
-    def steps(self, phase: str, unit: str) -> StepProgress:
-        """``unit: done/total`` through ``phase``."""
-        return lambda done, total: self.report(phase, f"{unit}: {done:,}/{total:,}", done, total)
+    def steps(self, phase: str, unit: str, clock: Callable[[], float] = time.perf_counter) -> StepProgress:
+        """``unit: done/total`` through ``phase``, with its rate and time left (the CLI's words: ``rated``)."""
+        return rated(unit, lambda text, done, total: self.report(phase, text, done, total), clock)
 
     def model_pass(self) -> MessageProgress:
         """The model pass's own lines (``audit_traffic``'s ``messages``: a forward at a time, with the time left), each

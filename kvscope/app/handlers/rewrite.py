@@ -15,6 +15,7 @@ from kvscope.app.state import ModelRegistry
 from kvscope.engine import (
     EndpointClient,
     EndpointSettings,
+    ModelKV,
     StepProgress,
     Unreachable,
     apply_template,
@@ -76,11 +77,12 @@ def run_rewrite(
     """The rewrite measured against the log on the loaded model: each engine's reuse before and after (simulated with
     the tab's ``engines``), and each rewritten prompt's output against the original's clean prefill."""
     log, changed, tokens = _logs(registry, given)
+    lm = registry.get(spec)
     measured = measure_rewrite(
-        registry.get(spec),
+        lm,
         log,
         changed,
-        settings=engines.scan(registry.profile.max_context_tokens),
+        settings=engines.scan(registry.profile.max_context_tokens, ModelKV.of_loaded(lm)),
         tokens=tokens,
         progress=progress,
     )
@@ -108,9 +110,10 @@ def run_rewrite_on_server(
     log, changed, tokens = _logs(registry, given)
     lm = registry.get(spec)
     client = EndpointClient(EndpointSettings(url.strip(), (model or "").strip() or None))
+    settings = engines.scan(None, ModelKV.of_loaded(lm))
     try:
         measured = measure_rewrite_on_endpoint(
-            client, log, changed, tokenizer=lm.tokenizer, settings=engines.scan(), tokens=tokens, model=lm.name, progress=progress
+            client, log, changed, tokenizer=lm.tokenizer, settings=settings, tokens=tokens, model=lm.name, progress=progress
         )
     except Unreachable as error:
         raise ServerUnreachable(client.settings.base) from error

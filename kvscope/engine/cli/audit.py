@@ -7,7 +7,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from kvscope.engine.audit.ci.gate import QUANTITIES, gate, markdown, parse_conditions
+from kvscope.engine.audit.ci.gate import QUANTITIES, budget_lines, gate, markdown, parse_conditions
 from kvscope.engine.audit.ci.report import AuditJSON, report_schema
 from kvscope.engine.audit.logs.formats import AUTO as AUTO_FORMAT
 from kvscope.engine.audit.logs.formats import FORMATS
@@ -25,9 +25,10 @@ from kvscope.engine.audit.rewrite.measure import apply_template, check_pairing, 
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.metrics import observed_aggregate
 from kvscope.engine.audit.simulate.observed import NO_OBSERVED_COUNTS, OBSERVED_ENGINES
+from kvscope.engine.audit.simulate.registry import budgets
 from kvscope.engine.cli.common import Group, Handler, arg, load, log, names, progress, read_text
 from kvscope.engine.cli.endpoint import ENDPOINT, measure_on_endpoint
-from kvscope.engine.cli.scale import SCALE, log_files, scan_settings, token_pass, turn_pass
+from kvscope.engine.cli.scale import SCALE, SERVER_SIZE, log_files, scan_settings, token_pass, turn_pass
 from kvscope.engine.models import load_tokenizer
 
 
@@ -49,7 +50,9 @@ def cmd_audit(args: argparse.Namespace) -> dict:
     tokens_only = args.new is None and (bool(args.endpoint) or (args.sample == 0 and not (args.rewritten or args.template)))
     lm = load_tokenizer(args.model, progress=log) if tokens_only else load(args)
     if args.new is None:
-        settings = scan_settings(args)
+        settings = scan_settings(args, lm)
+        for line in budget_lines([budget.as_dict() for budget in budgets(settings.cache)]):
+            log(f"KV budget: {line}")
         if not args.ray:  # read here, once (with --ray the workers read the files, and the driver never holds the log)
             request_log = files.log
             if args.fit_observed and all(request.observed_cached_tokens is None for request in request_log.requests):
@@ -226,4 +229,7 @@ def cmd_audit_schema(args: argparse.Namespace) -> dict:
     return report_schema()
 
 
-COMMANDS: dict[str, tuple[Handler, tuple[Group, ...]]] = {"audit": (cmd_audit, (AUDIT, SCALE)), "audit-schema": (cmd_audit_schema, ())}
+COMMANDS: dict[str, tuple[Handler, tuple[Group, ...]]] = {
+    "audit": (cmd_audit, (AUDIT, SERVER_SIZE, SCALE)),
+    "audit-schema": (cmd_audit_schema, ()),
+}

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kvscope.engine.audit.logs.requests import RequestLogError
 from kvscope.engine.models import LoadedModel, load_model
-from kvscope.engine.progress import StepProgress
+from kvscope.engine.progress import StepProgress, rated
 from kvscope.engine.scenario import ScenarioError
 
 Handler = Callable[[argparse.Namespace], dict]  # a command: its parsed arguments in, its JSON-ready result out
@@ -35,7 +35,8 @@ def load(args: argparse.Namespace) -> LoadedModel:
 
 
 def progress(unit: str) -> StepProgress:
-    return lambda done, total: log(f"{unit}: {done}/{total}")
+    """Each count of ``unit`` to stderr, with its rate and time left (``rated``)."""
+    return rated(unit, lambda text, done, total: log(text))
 
 
 def parse_pairs(pairs: list[str], flag: str, form: str, value: Callable[[str], object] = str) -> dict:

@@ -12,9 +12,10 @@ from kvscope.engine.audit.logs.shards import LogFiles
 from kvscope.engine.audit.measure.traffic import MeasureTurns, TokenPass
 from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.traffic_scan import TrafficScan
+from kvscope.engine.audit.simulate.budgets import DTYPE_BYTES, VLLM_GPU_UTILIZATION, ModelKV, ServerSize
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.fleet import ROUTINGS, fleet_grid
-from kvscope.engine.cache.loaded import LoadedModel
+from kvscope.engine.cache.loaded import LoadedModel, LoadedTokenizer
 from kvscope.engine.cli.common import Group, arg, progress
 
 SCALE: Group = (
@@ -34,6 +35,20 @@ SCALE: Group = (
     ),
     arg("--replicas", help="also simulate fleets of this many replicas (comma-separated, e.g. 2,4), each engine per replica"),
     arg("--routing", help=f"the fleets' routers (comma-separated; default all): {', '.join(ROUTINGS)}"),
+)
+SERVER_SIZE: Group = (  # budgets as the servers compute them from their size (``simulate.budgets``), where no budget flag is given
+    arg("--gpu-memory-gib", type=float, help="one GPU's memory in GiB: vLLM's and SGLang's KV budgets as each server computes them"),
+    arg(
+        "--gpu-memory-utilization",
+        type=float,
+        default=VLLM_GPU_UTILIZATION,
+        help=f"vLLM's --gpu-memory-utilization (default {VLLM_GPU_UTILIZATION})",
+    ),
+    arg("--mem-fraction-static", type=float, help="SGLang's --mem-fraction-static (default: 0.88 assumed, said in the report)"),
+    arg("--vllm-cpu-kvcache-space", type=float, help="vLLM's CPU backend: VLLM_CPU_KVCACHE_SPACE in GiB (replaces the GPU for vLLM)"),
+    arg("--llama-ctx-size", type=int, help="llama-server's -c: the context in tokens, split across its slots"),
+    arg("--llama-parallel", type=int, help="llama-server's -np: its slots (default: auto, 4 slots sharing one KV cache)"),
+    arg("--server-dtype", choices=list(DTYPE_BYTES), help="the dtype served (default: the checkpoint's, float32 in bfloat16)"),
 )
 
 
@@ -65,12 +80,25 @@ def _start_ray(args: argparse.Namespace) -> None:
     start_ray(args.ray, args.workers)
 
 
-def scan_settings(args: argparse.Namespace) -> ScanSettings:
-    """The token pass's settings from the flags: the simulated engines', --observed-engine and the fleets asked for (no
-    --block-size: the default, or the block a vLLM log's counts show, ``ScanSettings.for_log``)."""
+def scan_settings(args: argparse.Namespace, lm: LoadedModel | LoadedTokenizer) -> ScanSettings:
+    """The token pass's settings from the flags: the simulated engines' (with a server's size, ``server_size``),
+    --observed-engine and the fleets asked for (no --block-size: the default, or the block a vLLM log's counts show,
+    ``ScanSettings.for_log``)."""
     block = CacheSettings.block if args.block_size is None else args.block_size
-    cache = CacheSettings(block, args.kv_budget_blocks, args.kv_budget_tokens, args.slots, args.cache_reuse, args.prompt_cache)
+    server = server_size(args, lm)
+    cache = CacheSettings(block, args.kv_budget_blocks, args.kv_budget_tokens, args.slots, args.cache_reuse, args.prompt_cache, server)
     return ScanSettings(cache, args.observed_engine, tuple(fleet_of(args)), block_given=args.block_size is not None)
+
+
+def server_size(args: argparse.Namespace, lm: LoadedModel | LoadedTokenizer) -> ServerSize | None:
+    """The server's size from its flags (None where none is given), for the model's KV shape read from its config."""
+    named = [args.gpu_memory_gib, args.vllm_cpu_kvcache_space, args.llama_ctx_size, args.llama_parallel, args.mem_fraction_static]
+    if all(value is None for value in named):
+        return None
+    model = ModelKV.of_loaded(lm)
+    sizes = {"gpu_gib": args.gpu_memory_gib, "mem_fraction_static": args.mem_fraction_static, "dtype": args.server_dtype}
+    counts = {"cpu_kvcache_gib": args.vllm_cpu_kvcache_space, "context": args.llama_ctx_size, "parallel": args.llama_parallel}
+    return ServerSize(model, gpu_memory_utilization=args.gpu_memory_utilization, **sizes, **counts)
 
 
 def token_pass(args: argparse.Namespace, lm: LoadedModel) -> TokenPass | None:

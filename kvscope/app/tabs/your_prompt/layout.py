@@ -11,7 +11,7 @@ import gradio as gr
 from kvscope.app.handlers.audit_settings import AUDIT_REPAIRS, AUTO_ENGINE, DEFAULTS, NO_GRAIN
 from kvscope.app.inputs import LenientCheckboxGroup, LenientSlider
 from kvscope.app.page import PAIRED_PLOT_MIN_WIDTH
-from kvscope.engine import DEFAULT_SAMPLE, GRAINS, OBSERVED_ENGINES, REPAIR_SUMMARIES, CacheSettings, bundled_logs
+from kvscope.engine import DEFAULT_SAMPLE, GRAINS, OBSERVED_ENGINES, REPAIR_SUMMARIES, CacheSettings, ServerSize, bundled_logs
 from kvscope.viz.audit import ENGINE_LABELS
 from kvscope.viz.text import glossary
 
@@ -53,6 +53,12 @@ class EngineWidgets:
     cache_reuse: gr.Number
     observed_engine: gr.Dropdown
     replicas: gr.Textbox
+    gpu_gib: gr.Number
+    gpu_memory_utilization: gr.Number
+    mem_fraction_static: gr.Number
+    cpu_kvcache_gib: gr.Number
+    llama_ctx: gr.Number
+    llama_parallel: gr.Number
 
 
 @dataclass(frozen=True)
@@ -136,7 +142,29 @@ def engine_widgets() -> EngineWidgets:
             replicas=gr.Textbox(
                 "", label="Fleets: replica counts behind each router, e.g. 2,4,8 (empty: one server)", elem_id="audit-replicas"
             ),
+            **server_size_widgets(),
         )
+
+
+def server_size_widgets() -> dict[str, gr.Number]:
+    """The budgets as a server of this size computes them for the loaded model, where a budget above is 0 (the CLI's
+    server-size flags; 0: not given)."""
+    gr.Markdown("Budgets from a server's size (each engine's budget left at 0 is computed as its server computes it):")
+    with gr.Row():
+        sizes = {
+            "gpu_gib": gr.Number(0, label="GPU memory, GiB (--gpu-memory-gib)", elem_id="audit-gpu-gib"),
+            "gpu_memory_utilization": gr.Number(
+                ServerSize.gpu_memory_utilization, label="vLLM --gpu-memory-utilization", elem_id="audit-gpu-utilization"
+            ),
+            "mem_fraction_static": gr.Number(0, label="SGLang --mem-fraction-static (0: 0.88 assumed)", elem_id="audit-mem-fraction"),
+        }
+    with gr.Row():
+        sizes |= {
+            "cpu_kvcache_gib": gr.Number(0, label="vLLM CPU: VLLM_CPU_KVCACHE_SPACE, GiB", elem_id="audit-cpu-kvcache"),
+            "llama_ctx": gr.Number(0, precision=0, label="llama.cpp -c, tokens", elem_id="audit-llama-ctx"),
+            "llama_parallel": gr.Number(0, precision=0, label="llama.cpp -np (0: auto, 4 slots)", elem_id="audit-llama-parallel"),
+        }
+    return sizes
 
 
 def run_widgets(most_tokens: int) -> RunWidgets:

@@ -12,11 +12,12 @@ from __future__ import annotations
 import math
 import operator
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvscope.engine.audit.ci.report import AuditJSON, Gate, GateCondition, LogAudit
+from kvscope.engine.audit.simulate.budgets import Budget
 from kvscope.engine.audit.simulate.registry import DEFAULT_ENGINE, ENGINES, LABELS
 from kvscope.engine.audit.simulate.step import replies_sentence
 from kvscope.engine.errors import KVScopeError
@@ -139,6 +140,9 @@ def markdown(report: LogAudit) -> str:
         "",
         replies_sentence(engines),
         "",
+        "KV budgets simulated:",
+        *(f"- {line}" for line in budget_lines(engines["budgets"])),
+        "",
         _turns_table(report),
     ]
     if "rewrite" in report:
@@ -150,6 +154,17 @@ def markdown(report: LogAudit) -> str:
             parts.append(f"- `{row['condition']}`: {row['quantity']} = {row['value']:.4g}, {outcome}")
         parts += ["", "**failed**" if report["gate"]["failed"] else "**passed**"]
     return "\n".join(parts) + "\n"
+
+
+def budget_lines(budgets: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Each serving engine's budget as the report holds it (``engines.budgets``), a line each: its limit and where it
+    came from, or that it ran unbounded (what the CLI logs, the Markdown lists and the app says)."""
+    lines = []
+    for item in budgets:
+        budget = Budget(**{key: value for key, value in item.items() if key != "unbounded"})
+        warning = "; it never evicted, which no real server does" if budget.unbounded else ""
+        lines.append(f"{LABELS[budget.engine]}: {budget.words()}{warning}")
+    return lines
 
 
 def rewrite_markdown(verdict: str, rows: list[dict[str, Any]]) -> str:

@@ -13,7 +13,7 @@ from kvscope.engine.audit.logs.requests import RequestLogError
 from kvscope.engine.audit.paged_blocks import BLOCK_TOKENS, block_of_counts
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.observed import OBSERVED_ENGINES, LogServer, Reported, log_server
-from kvscope.engine.audit.simulate.registry import CACHES
+from kvscope.engine.audit.simulate.registry import CACHES, budgets
 
 
 @dataclass(frozen=True)
@@ -79,3 +79,4 @@ def _check_cache(cache: CacheSettings) -> None:
         raise RequestLogError(f"--cache-reuse is at least 0 (0: off), got {cache.cache_reuse}")
     if cache.prompt_cache and cache.cache_reuse:
         raise RequestLogError("--prompt-cache simulates the server's default slot choice; --cache-reuse is not simulated with it")
+    budgets(cache)  # a server's size that leaves an engine no KV is refused here, by name

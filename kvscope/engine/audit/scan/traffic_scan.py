@@ -27,11 +27,12 @@ from kvscope.engine.audit.logs.render import RenderedRequest, end_of_turn_ids, r
 from kvscope.engine.audit.logs.requests import RequestLog, RequestLogError, Skipped
 from kvscope.engine.audit.report.records import HIDDEN, Record, derived, rounded
 from kvscope.engine.audit.scan.settings import ScanSettings
+from kvscope.engine.audit.simulate.budgets import Budget
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.fleet import FleetResult, hit_rates
 from kvscope.engine.audit.simulate.hosted import hosted_request
 from kvscope.engine.audit.simulate.observed import Reported, observe
-from kvscope.engine.audit.simulate.registry import ENGINES
+from kvscope.engine.audit.simulate.registry import ENGINES, budgets
 from kvscope.engine.audit.simulate.step import REPLY_COUNTS, Simulation, Step
 from kvscope.engine.progress import StepProgress
 
@@ -133,7 +134,15 @@ class TrafficScan:
         reused = {engine: sum(row.reused_tokens[engine] for row in self.requests) for engine in ENGINES}
         plain = {engine: sum(row.prompts_only_reused_tokens.get(engine, 0) for row in self.requests) for engine in ENGINES}
         replies = {key: self.replies.get(key, 0) for key in REPLY_COUNTS}
-        return EngineTotals(self.settings.cache, len(self.requests), tokens, reused, PromptsOnly(plain, hit_rates(plain, tokens)), replies)
+        return EngineTotals(
+            self.settings.cache,
+            budgets(self.settings.cache),
+            len(self.requests),
+            tokens,
+            reused,
+            PromptsOnly(plain, hit_rates(plain, tokens)),
+            replies,
+        )
 
     def cause_counts(self) -> dict[str, CauseCount]:
         """Per cause: the requests it occurs in, its occurrences, and the tokens it costs."""
@@ -157,10 +166,12 @@ class PromptsOnly(Record):
 
 @dataclass(frozen=True)
 class EngineTotals(Record):
-    """The settings simulated, the log's requests and prompt tokens, each engine's reuse and hit rate (with replies
-    cached, and prompts only), and where the replies came from (``simulate.step.REPLY_COUNTS``)."""
+    """The settings simulated, the budget each serving engine ran with (``registry.budgets``), the log's requests and
+    prompt tokens, each engine's reuse and hit rate (with replies cached, and prompts only), and where the replies came
+    from (``simulate.step.REPLY_COUNTS``)."""
 
     settings: CacheSettings
+    budgets: list[Budget]
     requests: int
     tokens: int
     reused_tokens: dict[str, int]

@@ -33,7 +33,9 @@ from typing import Any
 import numpy as np
 
 from kvscope.engine.audit.changes.fields import common_prefix
+from kvscope.engine.audit.logs.requests import RequestLogError
 from kvscope.engine.audit.paged_blocks import BLOCK_SIZES, block_hashes
+from kvscope.engine.audit.simulate.budgets import GIB, LLAMA_AUTO_SLOTS, Budget, kv_memory
 from kvscope.engine.audit.simulate.prefix_cache import CacheRequest, CacheSettings, PrefixCache, fit_budgets
 
 _LLAMA_BUILD = re.compile(r"system_fingerprint=b\d+-[0-9a-f]+")  # llama.cpp's build_info
@@ -89,7 +91,31 @@ class BlockCache(PrefixCache):
 
     @classmethod
     def from_settings(cls, settings: CacheSettings) -> BlockCache:
-        return cls(settings.block, settings.budget_blocks)
+        return cls(settings.block, cls.budget(settings).limit)
+
+    @classmethod
+    def budget(cls, settings: CacheSettings) -> Budget:
+        """--kv-budget-blocks, else vLLM's ``num_gpu_blocks`` less its null block: the KV memory
+        (``determine_available_memory``: ``VLLM_CPU_KVCACHE_SPACE`` on its CPU backend, else the GPU's memory ×
+        ``gpu_memory_utilization`` less the weights) over a block's bytes over every layer (``page_size_bytes`` × layers)."""
+        block, size = settings.block, settings.server
+        if settings.budget_blocks is not None:
+            return Budget(cls.name, "blocks", settings.budget_blocks, settings.budget_blocks * block, "--kv-budget-blocks")
+        if size is None or (size.gpu_gib is None and size.cpu_kvcache_gib is None):
+            return Budget(cls.name, "blocks", None, None, "no --kv-budget-blocks, no --gpu-memory-gib or --vllm-cpu-kvcache-space")
+        if size.cpu_kvcache_gib is not None:
+            what = f"VLLM_CPU_KVCACHE_SPACE={size.cpu_kvcache_gib:g} GiB"
+            memory = kv_memory(size.cpu_kvcache_gib * GIB, what)
+        else:
+            what = f"{size.gpu_gib:g} GiB × gpu_memory_utilization {size.gpu_memory_utilization:g} − {size.weights_words()}"
+            memory = kv_memory(size.gpu_gib * GIB * size.gpu_memory_utilization - size.model.weight_bytes(size.served), what)
+        page = block * size.model.kv_bytes_per_token(size.served)
+        blocks = memory // page
+        if blocks < 2:
+            raise RequestLogError(f"{what} holds {blocks} {block}-token block(s) of {size.model.name}: vLLM needs at least 2")
+        source = f"vLLM's num_gpu_blocks {blocks:,} − its null block: {what} over {page:,} B a block ({size.kv_words()} × {block})"
+        source += "" if size.cpu_kvcache_gib else "; activations not counted"
+        return Budget(cls.name, "blocks", blocks - 1, (blocks - 1) * block, source)
 
     def match(self, request: CacheRequest) -> int:
         """The prompt's leading whole blocks held, in tokens."""
@@ -166,16 +192,43 @@ class SlotCache(PrefixCache):
             return ServerSlots(setting["slots"])
         return cls(setting["slots"], setting["cache_reuse"])
 
-    def __init__(self, slots: int | None = None, cache_reuse: int = 0):
+    def __init__(self, slots: int | None = None, cache_reuse: int = 0, context: int | None = None):
         self.slots = slots
         self.cache_reuse = cache_reuse
+        self.context = context  # tokens a slot holds (its share of -c; None: no bound): the rest of a request is not kept
         self.held: OrderedDict[str | None, np.ndarray] = OrderedDict()  # session -> its slot's tokens, LRU first
 
     @classmethod
     def from_settings(cls, settings: CacheSettings) -> PrefixCache:
         """A slot per session, or with ``prompt_cache`` the server as a client that pins no slot meets it
-        (``ServerSlots``): the registry's one llama.cpp entry, in either mode."""
-        return ServerSlots.from_settings(settings) if settings.prompt_cache else cls(settings.slots, settings.cache_reuse)
+        (``ServerSlots``): the registry's one llama.cpp entry, in either mode, with the slots and context of ``budget``."""
+        if settings.prompt_cache:
+            return ServerSlots.from_settings(settings)
+        budget = cls.budget(settings)
+        return cls(budget.limit, settings.cache_reuse, budget.each)
+
+    @staticmethod
+    def _named_slots(settings: CacheSettings) -> int | None:
+        """The slots named: --slots, else the server size's -np; None: the mode's default."""
+        return settings.slots if settings.slots is not None or settings.server is None else settings.server.parallel
+
+    @classmethod
+    def budget(cls, settings: CacheSettings) -> Budget:
+        """--slots (or -np) slots, each holding its share of -c (``n_ctx_seq``: -c / -np, or all of -c where the server's
+        auto slots share one unified KV cache); without either, the mode's slots and no bound on their tokens."""
+        context = None if settings.server is None else settings.server.context
+        named = cls._named_slots(settings)
+        slots = named if named is not None or not (settings.prompt_cache or context) else LLAMA_AUTO_SLOTS  # a sized server's auto -np
+        if slots is None:
+            return Budget(cls.name, "slots", None, None, "a slot per session: no --slots or --llama-parallel")
+        if context is None:
+            named_by = "--slots" if named else "the server default"
+            return Budget(cls.name, "slots", slots, None, f"{named_by}; no --llama-ctx-size: no bound on a slot's tokens")
+        each = context if named is None else context // slots
+        if each < 1:
+            raise RequestLogError(f"--llama-ctx-size {context:,} split across {slots} slots leaves a slot no token")
+        split = f"all of -c {context:,} in each (auto slots: one unified KV cache)" if named is None else f"-c {context:,} / -np {slots}"
+        return Budget(cls.name, "slots", slots, each * slots, f"{slots} slots of {each:,} tokens: {split}", each)
 
     def match(self, request: CacheRequest) -> int:
         """The tokens the request shares with the slot it would take: its session's, else the least recently used
@@ -198,13 +251,13 @@ class SlotCache(PrefixCache):
             del self.held[request.session]
         elif self.slots is not None and len(self.held) >= self.slots:
             self.held.popitem(last=False)
-        self.held[request.session] = request.tokens
+        self.held[request.session] = request.tokens[: self.context]
         return min(reused, len(request.ids) - 1)
 
     def hold(self, request: CacheRequest) -> None:
         """The session's slot, where it still has one, now holds ``request.tokens`` (its prompt and reply)."""
         if request.session in self.held:
-            self.held[request.session] = request.tokens
+            self.held[request.session] = request.tokens[: self.context]
 
 
 class ServerSlots(PrefixCache):
@@ -219,9 +272,10 @@ class ServerSlots(PrefixCache):
 
     name = "llama_cpp"
 
-    def __init__(self, slots: int | None = None, similarity: float = 0.1):
+    def __init__(self, slots: int | None = None, similarity: float = 0.1, context: int | None = None):
         self.unified = slots is None  # the server's -np auto: 4 slots, one KV cache
-        self.tokens = [np.zeros(0, dtype=np.int32) for _ in range(slots or 4)]
+        self.context = context  # tokens a slot holds (None: no bound)
+        self.tokens = [np.zeros(0, dtype=np.int32) for _ in range(slots or LLAMA_AUTO_SLOTS)]
         self.used = [-1] * len(self.tokens)
         self.similarity = similarity
         self.saved: list[np.ndarray] = []  # the RAM prompt cache, oldest first
@@ -229,7 +283,8 @@ class ServerSlots(PrefixCache):
 
     @classmethod
     def from_settings(cls, settings: CacheSettings) -> ServerSlots:
-        return cls(settings.slots)
+        """The slots named (else the auto 4 on one KV cache), each holding the tokens of ``SlotCache.budget``."""
+        return cls(SlotCache._named_slots(settings), context=SlotCache.budget(settings).each)
 
     def match(self, request: CacheRequest) -> int:
         """The tokens the request shares with the slot chosen for it (or the saved entry that slot would restore)."""
@@ -258,12 +313,12 @@ class ServerSlots(PrefixCache):
                 self.saved = _saved(self.saved, self.tokens[other])
                 if self.unified:
                     self.tokens[other] = np.zeros(0, dtype=np.int32)
-        self.tokens[slot], self.used[slot] = request.tokens, self.time
+        self.tokens[slot], self.used[slot] = request.tokens[: self.context], self.time
         return reused
 
     def hold(self, request: CacheRequest) -> None:
         """What holds the longest prompt that ``request.tokens`` goes on from (a slot, or its saved copy) now holds it."""
-        held = request.tokens
+        held = request.tokens[: self.context]
         places = [*self.tokens, *self.saved]
         fits = [n for n, tokens in enumerate(places) if 0 < len(tokens) < len(held) and np.array_equal(held[: len(tokens)], tokens)]
         if fits:

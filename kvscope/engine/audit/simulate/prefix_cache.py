@@ -10,7 +10,8 @@
 - ``hold(request)``: the cache also holds ``request.tokens`` without serving it (a reply that the session's next turn
   resent); a cache that never holds a reply (a hosted provider's) keeps nothing.
 
-A cache is built from the audit's settings (``CacheSettings``, ``from_settings``) and named in the registry
+A cache is built from the audit's settings (``CacheSettings``, ``from_settings``), a serving engine's under the budget
+its class computes from them (``budget``: its flag, or its server's own formula on a server's size, ``budgets``), and named in the registry
 (``registry.CACHES``: its name, label, description and class); ``serves`` says which requests it sees (a hosted
 provider's only its own models', from what ``HostedRequest`` carries). A serving engine's class also holds its own
 rules beside the simulation: ``wrote`` (the marks its server leaves in an answer, read to name a log's server),
@@ -30,11 +31,13 @@ import numpy as np
 
 from kvscope.engine.audit.paged_blocks import BLOCK_TOKENS
 from kvscope.engine.audit.report.records import Record
+from kvscope.engine.audit.simulate.budgets import Budget, ServerSize
 
 
 @dataclass(frozen=True)
 class CacheSettings(Record):
-    """The simulated engines' settings (None: unbounded)."""
+    """The simulated engines' settings (None: unbounded); ``server``: a server's size, which gives each engine the budget
+    its server would have where its own flag gives none (``PrefixCache.budget``)."""
 
     block: int = BLOCK_TOKENS
     budget_blocks: int | None = None  # vLLM
@@ -44,6 +47,7 @@ class CacheSettings(Record):
     # llama.cpp: True: clients pin no slot, the server's own choice by similarity and its RAM prompt cache (``ServerSlots``);
     # False: a slot per session; None: the server's default, as ``for_log`` reads the log (not yet read: a slot per session)
     prompt_cache: bool | None = None
+    server: ServerSize | None = None
 
     def for_log(self, pinned: bool) -> CacheSettings:
         """The settings with llama.cpp's mode decided for a log: where not named, the server's own slot choice
@@ -124,6 +128,12 @@ class PrefixCache(ABC):
     def fitted(cls, setting: Mapping[str, Any]) -> PrefixCache:
         """The cache at one of ``fit_grid``'s settings."""
         raise NotImplementedError(f"{cls.name} has no settings to fit")
+
+    @classmethod
+    def budget(cls, settings: CacheSettings) -> Budget | None:
+        """The budget this engine's cache runs with under ``settings`` and where it came from: its own flag, else its
+        server's formula on ``settings.server``, else unbounded (``budgets``); None: a cache its provider sizes."""
+        return None
 
     @classmethod
     def granule(cls, block: int) -> int:

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from kvscope.engine.audit.changes.fields import common_prefix
+from kvscope.engine.audit.simulate.budgets import GIB, SGLANG_MEM_FRACTION, Budget, kv_memory
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.prefix_cache import CacheRequest, PrefixCache, fit_budgets
 
@@ -155,7 +156,24 @@ class RadixCache(PrefixCache):
 
     @classmethod
     def from_settings(cls, settings: CacheSettings) -> RadixCache:
-        return cls(settings.budget_tokens)
+        return cls(cls.budget(settings).limit)
+
+    @classmethod
+    def budget(cls, settings: CacheSettings) -> Budget:
+        """--kv-budget-tokens, else SGLang's ``max_total_num_tokens`` (``profile_max_num_token``): the memory free after
+        the weights less the GPU's memory × (1 − ``mem_fraction_static``), over a token's KV bytes (its cell size)."""
+        size = settings.server
+        if settings.budget_tokens is not None:
+            return Budget(cls.name, "tokens", settings.budget_tokens, settings.budget_tokens, "--kv-budget-tokens")
+        if size is None or size.gpu_gib is None:
+            return Budget(cls.name, "tokens", None, None, "no --kv-budget-tokens and no --gpu-memory-gib")
+        fraction = SGLANG_MEM_FRACTION if size.mem_fraction_static is None else size.mem_fraction_static
+        assumed = " (assumed: SGLang picks it from the GPU; give --mem-fraction-static)" if size.mem_fraction_static is None else ""
+        said = f"{fraction:g}{assumed}"
+        what = f"{size.gpu_gib:g} GiB × mem_fraction_static {said} − {size.weights_words()}"
+        memory = kv_memory(size.gpu_gib * GIB * fraction - size.model.weight_bytes(size.served), what)
+        tokens = memory // size.model.kv_bytes_per_token(size.served)
+        return Budget(cls.name, "tokens", tokens, tokens, f"SGLang's max_total_num_tokens: {what} over {size.kv_words()}")
 
     def match(self, request: CacheRequest) -> int:
         """The longest prefix of the request's tokens in the tree, in whole pages."""

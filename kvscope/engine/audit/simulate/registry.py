@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from kvscope.engine.audit.simulate.budgets import Budget
 from kvscope.engine.audit.simulate.caches import BlockCache, CacheSettings, SlotCache
 from kvscope.engine.audit.simulate.hosted import AnthropicCache, OpenAICache
 from kvscope.engine.audit.simulate.prefix_cache import CacheRequest, PrefixCache
@@ -73,6 +74,12 @@ def engine_of_owner(owned_by: str) -> str:
     """The serving engine whose server's ``/v1/models`` names ``owned_by`` as its model's owner (``PrefixCache.owned_by``),
     else ``DEFAULT_ENGINE``."""
     return next((name for name in ENGINES if CACHES[name].cache.owned_by == owned_by), DEFAULT_ENGINE)
+
+
+def budgets(settings: CacheSettings) -> list[Budget]:
+    """The budget each serving engine's cache runs with under ``settings`` and where it came from (each class's
+    ``budget``: its flag, its server's formula on ``settings.server``, or unbounded), in the registry's order."""
+    return [budget for name in ENGINES if (budget := CACHES[name].cache.budget(settings)) is not None]
 
 
 class Caches:

@@ -143,5 +143,5 @@ def test_markdown_prints_the_turns_their_causes_the_verdict_and_the_gate(tmp_pat
     assert "| request | session | matched | tokens | vLLM | SGLang | llama.cpp | causes | recommended |" in out
     assert "clock:current_time" in out and "### Rewrite" in out and "the first 2 tokens unchanged on 2/2" in out
     assert "- `agreement<=1`: agreement = 1, holds: fail" in out and out.rstrip().endswith("**failed**")
-    report = {"model": "m", "skipped_count": 0, "engines": {"requests": 0, "tokens": 0, "hit_rate": {}}, "requests": []}
+    report = {"model": "m", "skipped_count": 0, "engines": {"requests": 0, "tokens": 0, "hit_rate": {}, "budgets": []}, "requests": []}
     assert markdown(report).startswith("## KVScope audit (m)")

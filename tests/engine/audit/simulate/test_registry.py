@@ -8,7 +8,7 @@ from kvscope.engine.audit.ci.gate import QUANTITIES, markdown
 from kvscope.engine.audit.simulate.caches import CacheSettings, ServerSlots, SlotCache
 from kvscope.engine.audit.simulate.hosted import HostedRequest
 from kvscope.engine.audit.simulate.prefix_cache import CacheRequest, PrefixCache
-from kvscope.engine.audit.simulate.registry import CACHES, ENGINES, LABELS, MATCHING, PROVIDERS, Caches
+from kvscope.engine.audit.simulate.registry import CACHES, ENGINES, LABELS, MATCHING, PROVIDERS, Caches, budgets
 from kvscope.engine.audit.simulate.step import Simulation
 from kvscope.viz.audit import ENGINE_LABELS, PROVIDER_LABELS
 
@@ -50,8 +50,10 @@ def test_the_gate_the_markdown_and_the_figures_label_from_the_registry():
     assert ENGINE_LABELS == {name: CACHES[name].label for name in ENGINES}
     assert PROVIDER_LABELS == {name: CACHES[name].label for name in PROVIDERS}
     assert all(LABELS[name] in QUANTITIES[f"reuse.{name}"] for name in ENGINES)
-    engines = {"requests": 2, "tokens": 80, "hit_rate": dict.fromkeys(ENGINES, 0.5)}
+    unbounded = [budget.as_dict() for budget in budgets(CacheSettings())]
+    engines = {"requests": 2, "tokens": 80, "hit_rate": dict.fromkeys(ENGINES, 0.5), "budgets": unbounded}
     report = {"model": "m", "engines": engines, "skipped_count": 0, "turns": [], "requests": [], "sample": 0}
     text = markdown(report)
     assert all(f"{LABELS[name]} 50.0%" in text for name in ENGINES)
+    assert all(f"- {LABELS[name]}: unbounded" in text for name in ENGINES)  # each engine's budget, from the registry's label
     assert "| request | session | matched | tokens | vLLM | SGLang | llama.cpp | causes | recommended |" in text
