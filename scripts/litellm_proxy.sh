@@ -11,9 +11,10 @@
 # environment to the pin, so an older one is rebuilt; it is kept only after `import litellm.proxy.proxy_server` worked.
 #
 # serve: writes DIR/config.yaml (default: a fresh temporary folder), one model routed to the upstream vLLM's
-# OpenAI-compatible API (`hosted_vllm/<model>`) and `litellm_settings: callbacks:` naming KVScope's hook, which reads
-# the policy file named in the config's `environment_variables` (KVSCOPE_POLICY); `--no-hook` leaves the callbacks
-# out (the baseline). The proxy listens on 127.0.0.1 only and runs in the foreground (exec): stop it with Ctrl-C or
+# OpenAI-compatible API (`hosted_vllm/<model>`) and `litellm_settings: callbacks:` naming KVScope's hook
+# (deploy/litellm/kvscope_hook.py, found through PYTHONPATH), which loads the policy file KVSCOPE_POLICY names (set
+# for the proxy, and written in the config's `environment_variables`); `--no-hook` leaves the callbacks out (the
+# baseline). A malformed policy stops the proxy at start, with the field and the reason. The proxy listens on 127.0.0.1 only and runs in the foreground (exec): stop it with Ctrl-C or
 # a signal. It asks for a master key (LITELLM_MASTER_KEY, else a random one), written to DIR/master_key for clients.
 # Progress goes to stderr.
 set -euo pipefail
@@ -21,7 +22,7 @@ version=1.108.7  # the newest whose proxy extras (litellm-proxy-extras, litellm-
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 dest="${KVSCOPE_CACHE_DIR:-$HOME/.cache/kvscope}/litellm-proxy"
 marker="litellm[proxy]==$version python$(python -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
-hook="kvscope.engine.audit.policy.hook.proxy_hook"  # the CustomLogger instance the proxy loads
+hook="kvscope_hook.proxy_handler_instance"  # deploy/litellm/kvscope_hook.py: the CustomLogger instance the proxy loads
 
 install() {
   if [ -x "$dest/bin/python" ] && [ "$(cat "$dest/VERSION" 2>/dev/null)" = "$marker" ]; then
@@ -81,7 +82,7 @@ serve() {
   (umask 077 && printf '%s\n' "$key" > "$dir/master_key")
   echo "LiteLLM proxy on http://127.0.0.1:$port -> $upstream (config $dir/config.yaml, key in $dir/master_key)" >&2
   cd "$dir"
-  LITELLM_MASTER_KEY="$key" PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}" LITELLM_TELEMETRY=False LITELLM_LOCAL_MODEL_COST_MAP=True DISABLE_SCHEMA_UPDATE=True \
+  LITELLM_MASTER_KEY="$key" KVSCOPE_POLICY="$policy" PYTHONPATH="$repo:$repo/deploy/litellm${PYTHONPATH:+:$PYTHONPATH}" LITELLM_TELEMETRY=False LITELLM_LOCAL_MODEL_COST_MAP=True DISABLE_SCHEMA_UPDATE=True \
     exec "$dest/bin/litellm" --config "$dir/config.yaml" --host 127.0.0.1 --port "$port" --num_workers 1
 }
 

@@ -48,6 +48,13 @@ import httpx
 
 from benchmarks.common import ROOT, cpu_info, free_port, percentile, results_dir, spread
 from benchmarks.serving.serving_servers import OpenAIServer, VllmServer, started, stopped
+from kvscope.engine.audit.logs.reading import read_log
+from kvscope.engine.audit.logs.requests import RequestLog, RequestLogError
+from kvscope.engine.audit.measure.settings import measure_settings
+from kvscope.engine.audit.measure.traffic import audit_traffic
+from kvscope.engine.audit.policy.build import forced_policy, policy_from_report
+from kvscope.engine.audit.policy.document import Policy
+from kvscope.engine.audit.scan.traffic_scan import scan_log
 
 RESULTS = results_dir(__file__)
 PROXY_SCRIPT = ROOT / "scripts" / "litellm_proxy.sh"
@@ -95,7 +102,9 @@ class Proxy:
         hook = ["--policy", str(self.policy)] if self.policy else ["--no-hook"]
         command = ["bash", str(PROXY_SCRIPT), "serve", "--upstream", f"{self.upstream}/v1", "--model", self.model,
                    "--port", str(port), "--dir", str(self.folder), *hook]  # fmt: skip
-        self._process = started(command, self.folder / "proxy.log", "LiteLLM proxy", f"{self.base_url}/health/liveliness", None, _PROXY_STARTUP_S)
+        self._process = started(
+            command, self.folder / "proxy.log", "LiteLLM proxy", f"{self.base_url}/health/liveliness", None, _PROXY_STARTUP_S
+        )
         self.headers = {"Authorization": f"Bearer {(self.folder / 'master_key').read_text().strip()}"}
         return self
 
@@ -164,7 +173,11 @@ def clean_answer(server: OpenAIServer, messages: Sequence[dict], max_tokens: int
     response.raise_for_status()
     answer = response.json()
     choice = answer["choices"][0]
-    return {"text": choice["message"]["content"] or "", "token_ids": choice.get("token_ids"), "prompt_tokens": answer["usage"]["prompt_tokens"]}
+    return {
+        "text": choice["message"]["content"] or "",
+        "token_ids": choice.get("token_ids"),
+        "prompt_tokens": answer["usage"]["prompt_tokens"],
+    }
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -202,7 +215,9 @@ def variant_summary(runs: Sequence[list[dict]], baseline_ttft: Sequence[float] |
         "requests": len(rows),
         "repetitions": len(runs),
         "hit_rate_metrics": round(hits / queries, 4) if queries else None,
-        "hit_rate_usage": round(sum(r["cached_tokens"] for r in reported) / sum(r["prompt_tokens"] for r in reported), 4) if reported else None,
+        "hit_rate_usage": round(sum(r["cached_tokens"] for r in reported) / sum(r["prompt_tokens"] for r in reported), 4)
+        if reported
+        else None,
         "usage_reported": len(reported),
         "prompt_tokens": sum(r["prompt_tokens"] or 0 for r in rows),
         "cached_tokens": sum(r["cached_tokens"] or 0 for r in reported),
@@ -219,15 +234,43 @@ def variant_summary(runs: Sequence[list[dict]], baseline_ttft: Sequence[float] |
     return summary
 
 
-def policy_files(variants: Sequence[str], model: str, folder: Path) -> tuple[dict[str, Path | None], dict[str, str]]:
-    """The policy file each variant's proxy loads (None: no hook), and the variants that cannot run, with why."""
+def sessions_log(sessions: dict[str, list[dict]]) -> RequestLog:
+    """The logged sessions as one request log, each record keyed by its session (``session_id``), as the proxy's
+    requests are keyed here."""
+    return read_log("\n".join(json.dumps(record | {"session_id": name}) for name, records in sessions.items() for record in records))
+
+
+def audited_policy(model: str, log: RequestLog, grain: str) -> Policy:
+    """The policy of the log's measured audit on ``model`` (what ``kvscope audit LOG --policy-out`` writes)."""
+    from kvscope.engine.models import load_model
+
+    lm = load_model(model, device="cpu", dtype="auto", progress=print)
+    report = audit_traffic(lm, log, measure=measure_settings(grain=grain)).measured_report()
+    return policy_from_report(report, "demos/logs/coding_agent.jsonl demos/logs/support_agent.jsonl")
+
+
+def policy_files(
+    variants: Sequence[str], model: str, grain: str, tokenizer: Any, folder: Path
+) -> tuple[dict[str, Path | None], dict[str, str]]:
+    """The policy file each variant's proxy loads (None: no hook), written into ``folder``, and the variants that
+    cannot run, with why: ``policy`` from the measured audit, each forced repair on the fields the token pass found."""
+    log = sessions_log(logged_sessions())
     files: dict[str, Path | None] = {}
     not_run: dict[str, str] = {}
     for name in variants:
         if name == "none":
             files[name] = None
-        else:
-            not_run[name] = "the policy hook (kvscope/engine/audit/policy) is not on this branch yet"
+            continue
+        try:
+            if name == "policy":
+                policy = audited_policy(model, log, grain)
+            else:
+                policy = forced_policy(scan_log(tokenizer, log), name, grain if name == "coarsen" else None, model)
+        except RequestLogError as error:
+            not_run[name] = str(error)
+            continue
+        files[name] = folder / f"{name}.policy.json"
+        files[name].write_text(policy.text(), encoding="utf-8")
     return files, not_run
 
 
@@ -242,7 +285,9 @@ def vllm_server(args: argparse.Namespace, model_dir: Path, served: str) -> Itera
         yield server
 
 
-def interleaved(server: OpenAIServer, proxies: dict[str, Proxy], sessions: dict[str, list[dict]], reps: int, max_tokens: int) -> dict[str, list]:
+def interleaved(
+    server: OpenAIServer, proxies: dict[str, Proxy], sessions: dict[str, list[dict]], reps: int, max_tokens: int
+) -> dict[str, list]:
     """Every variant replayed ``reps`` times, interleaved: repetition r replays the variants in turn, rotated by r."""
     names = list(proxies)
     runs: dict[str, list] = {name: [] for name in names}
@@ -272,6 +317,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=16, help="each answer's token budget (replies are fed back cut)")
     parser.add_argument("--agree-tokens", type=int, default=8, help="an answer agrees when its first N tokens equal the clean one's")
+    parser.add_argument("--grain", default="hour", help="coarsen's grain (date, hour or minute)")
     parser.add_argument("--block", type=int, default=32, help="vLLM's block size (a multiple of 32 on CPU)")
     parser.add_argument("--upstream", default="", help="an already-running vLLM (VLLM_SERVER_DEV_MODE=1) instead of starting one")
     parser.add_argument("--out", type=Path, default=None, help="default: results/deploy-<model>-cpu.json")
@@ -294,8 +340,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvscope-deploy-") as tmp, ExitStack() as stack:
         folder = Path(tmp)
         server = stack.enter_context(vllm_server(args, model_dir, args.model))
-        policies, not_run = policy_files(variants, args.model, folder)
-        proxies = {name: stack.enter_context(Proxy(server.base_url, server.model, policy, folder / name)) for name, policy in policies.items()}
+        policies, not_run = policy_files(variants, args.model, args.grain, tokenizer, folder)
+        proxies = {
+            name: stack.enter_context(Proxy(server.base_url, server.model, policy, folder / name)) for name, policy in policies.items()
+        }
         runs = interleaved(server, proxies, sessions, args.reps, args.max_tokens)
         cleans = clean_references(server, runs, args.max_tokens)
         settings = server.settings()
@@ -306,9 +354,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     baseline = [percentile([r["ttft_s"] for r in run], 50) for run in runs.get("none", [])]
     summaries = {name: variant_summary(variant_runs, baseline) for name, variant_runs in runs.items()}
     for name, summary in summaries.items():
+        n = summary["requests"]
         print(f"{name:8s} hit rate {summary['hit_rate_metrics']}  TTFT p50 {summary['ttft_p50_s']['median']} s "
               f"(x{summary.get('ttft_p50_ratio_to_none', 1)})  same first {args.agree_tokens} tokens "
-              f"{summary['same_first_tokens']}/{summary['requests']}, same text {summary['same_text']}/{summary['requests']}", flush=True)  # fmt: skip
+              f"{summary['same_first_tokens']}/{n}, same text {summary['same_text']}/{n}", flush=True)  # fmt: skip
     out = {
         "benchmark": "deploy",
         "model": args.model,
@@ -319,11 +368,15 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "sessions": {name: len(records) for name, records in sessions.items()},
         "reps": args.reps,
         "max_tokens": args.max_tokens,
+        "grain": args.grain,
         "agree_tokens": args.agree_tokens,
         "variants": {name: {"what": VARIANTS[name], **summaries[name]} for name in runs},
         "not_run": not_run,
         "policies": policy_texts,
-        "runs": {name: [[{k: v for k, v in row.items() if k != "messages"} for row in run] for run in variant_runs] for name, variant_runs in runs.items()},
+        "runs": {
+            name: [[{k: v for k, v in row.items() if k != "messages"} for row in run] for run in variant_runs]
+            for name, variant_runs in runs.items()
+        },
     }
     path = args.out or RESULTS / f"deploy-{args.model}-cpu.json"
     path.parent.mkdir(parents=True, exist_ok=True)
