@@ -53,8 +53,9 @@ from kvscope.engine.audit.logs.requests import RequestLog, RequestLogError
 from kvscope.engine.audit.measure.settings import measure_settings
 from kvscope.engine.audit.measure.traffic import audit_traffic
 from kvscope.engine.audit.policy.build import forced_policy, policy_from_report
-from kvscope.engine.audit.policy.document import Policy
+from kvscope.engine.audit.policy.document import Policy, load_policy
 from kvscope.engine.audit.scan.traffic_scan import scan_log
+from kvscope.engine.audit.simulate.metrics import parse_prometheus
 
 RESULTS = results_dir(__file__)
 PROXY_SCRIPT = ROOT / "scripts" / "litellm_proxy.sh"
@@ -250,10 +251,11 @@ def audited_policy(model: str, log: RequestLog, grain: str) -> Policy:
 
 
 def policy_files(
-    variants: Sequence[str], model: str, grain: str, tokenizer: Any, folder: Path
+    variants: Sequence[str], model: str, grain: str, tokenizer: Any, folder: Path, audited: Path | None = None
 ) -> tuple[dict[str, Path | None], dict[str, str]]:
     """The policy file each variant's proxy loads (None: no hook), written into ``folder``, and the variants that
-    cannot run, with why: ``policy`` from the measured audit, each forced repair on the fields the token pass found."""
+    cannot run, with why: ``policy`` from the measured audit (``audited``: one ``--policy-out`` already wrote), each
+    forced repair on the fields the token pass found."""
     log = sessions_log(logged_sessions())
     files: dict[str, Path | None] = {}
     not_run: dict[str, str] = {}
@@ -263,7 +265,7 @@ def policy_files(
             continue
         try:
             if name == "policy":
-                policy = audited_policy(model, log, grain)
+                policy = load_policy(audited.read_text(encoding="utf-8")) if audited else audited_policy(model, log, grain)
             else:
                 policy = forced_policy(scan_log(tokenizer, log), name, grain if name == "coarsen" else None, model)
         except RequestLogError as error:
@@ -272,6 +274,14 @@ def policy_files(
         files[name] = folder / f"{name}.policy.json"
         files[name].write_text(policy.text(), encoding="utf-8")
     return files, not_run
+
+
+def block_size(server: OpenAIServer) -> int | None:
+    """The block size vLLM reports on ``/metrics`` (``vllm:cache_config_info``), or None."""
+    text = server.metrics() or ""
+    info = [sample for sample in parse_prometheus(text) if sample.name == "vllm:cache_config_info"]
+    value = info[0].labels.get("block_size") if info else None
+    return int(value) if value else None
 
 
 @contextmanager
@@ -317,6 +327,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=16, help="each answer's token budget (replies are fed back cut)")
     parser.add_argument("--agree-tokens", type=int, default=8, help="an answer agrees when its first N tokens equal the clean one's")
+    parser.add_argument("--policy", type=Path, default=None, help="the audit's policy (kvscope audit --policy-out); default: audited here")
     parser.add_argument("--grain", default="hour", help="coarsen's grain (date, hour or minute)")
     parser.add_argument("--block", type=int, default=32, help="vLLM's block size (a multiple of 32 on CPU)")
     parser.add_argument("--upstream", default="", help="an already-running vLLM (VLLM_SERVER_DEV_MODE=1) instead of starting one")
@@ -340,13 +351,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvscope-deploy-") as tmp, ExitStack() as stack:
         folder = Path(tmp)
         server = stack.enter_context(vllm_server(args, model_dir, args.model))
-        policies, not_run = policy_files(variants, args.model, args.grain, tokenizer, folder)
+        policies, not_run = policy_files(variants, args.model, args.grain, tokenizer, folder, args.policy)
         proxies = {
             name: stack.enter_context(Proxy(server.base_url, server.model, policy, folder / name)) for name, policy in policies.items()
         }
         runs = interleaved(server, proxies, sessions, args.reps, args.max_tokens)
         cleans = clean_references(server, runs, args.max_tokens)
-        settings = server.settings()
+        settings = server.settings() | {"started_here": not args.upstream, "block_size_metrics": block_size(server)}
         policy_texts = {name: json.loads(path.read_text()) for name, path in policies.items() if path}
     for variant_runs in runs.values():
         for run in variant_runs:
