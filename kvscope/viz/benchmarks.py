@@ -739,7 +739,7 @@ def deploy_figure(data: dict) -> go.Figure:
             mode="markers+text",
             marker={"color": colour, "size": 12, "symbol": ["circle", "diamond-open"]},
             text=[safe_label(name), ""],
-            textposition="top center",
+            textposition="top center" if index % 2 else "bottom center",  # neighbours' labels apart
             hovertext=[hover] * 2,
             hoverinfo="text",
             name=safe_label(name),

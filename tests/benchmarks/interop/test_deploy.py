@@ -88,6 +88,12 @@ def test_fed_back_replaces_replies_but_not_answered_tool_calls() -> None:
     assert LOGS["support_agent"].is_file()
 
 
+def _hoist_policy() -> Policy:
+    """The coding agent's clock line hoisted, forced."""
+    entry = FieldPolicy("session_started", "system", 0, "Session started: {session_started}", "", "hoist", "forced", None, forced=True)
+    return Policy(VERSION, "embedded", "", 0.0, 0.0, (entry,), "")
+
+
 class _Echo(BaseHTTPRequestHandler):
     """A stand-in OpenAI-compatible upstream: each chat answer's content is the JSON of the messages it received."""
 
@@ -141,3 +147,15 @@ def test_proxy_applies_the_hook(tmp_path: Path) -> None:
     assert received[0][0]["content"] != record["messages"][0]["content"]
     assert [m["content"] for m in received[1]] == ["Hello"]
     assert PROXY_SCRIPT.is_file()
+
+
+@pytest.mark.skipif(not (PROXY_ENV / "VERSION").is_file(), reason="the LiteLLM proxy is not installed: bash scripts/litellm_proxy.sh")
+def test_proxy_refuses_a_malformed_policy(tmp_path: Path) -> None:
+    """A policy with one wrong field stops the proxy at start, and the error names that field and the reason."""
+    policy = json.loads(_hoist_policy().text())
+    policy["fields"][0]["message"] = "first"
+    (tmp_path / "policy.json").write_text(json.dumps(policy))
+    with pytest.raises(RuntimeError, match="exited"):
+        with Proxy("http://127.0.0.1:9", "echo", tmp_path / "policy.json", tmp_path / "proxy"):
+            pass
+    assert "PolicyError: fields.0.message: Input should be a valid integer" in (tmp_path / "proxy" / "proxy.log").read_text()
