@@ -25,17 +25,9 @@ marker="litellm[proxy]==$version python$(python -c 'import sys; print("%d.%d" % 
 hook="kvscope_hook.proxy_handler_instance"  # deploy/litellm/kvscope_hook.py: the CustomLogger instance the proxy loads
 
 install() {
-  if [ -x "$dest/bin/python" ] && [ "$(cat "$dest/VERSION" 2>/dev/null)" = "$marker" ]; then
-    return 0
-  fi
-  rm -rf "$dest"
-  echo "installing litellm[proxy]==$version into $dest (once)" >&2
-  python -m venv "$dest"
-  "$dest/bin/python" -m pip install -q --upgrade pip >&2
-  "$dest/bin/python" -m pip install -q "litellm[proxy]==$version" >&2
-  "$dest/bin/python" -c "import litellm.proxy.proxy_server" >&2 \
-    || { echo "litellm[proxy] installed but its proxy does not import (see above); removed" >&2; rm -rf "$dest"; exit 1; }
-  echo "$marker" > "$dest/VERSION"
+  # shellcheck source=scripts/cache_env.sh
+  source "$repo/scripts/cache_env.sh"
+  cache_env "$dest" "$marker" "import litellm.proxy.proxy_server" "litellm[proxy]==$version"
 }
 
 serve() {
