@@ -352,6 +352,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         folder = Path(tmp)
         server = stack.enter_context(vllm_server(args, model_dir, args.model))
         policies, not_run = policy_files(variants, args.model, args.grain, tokenizer, folder, args.policy)
+        not_run |= {name: "not in --variants" for name in VARIANTS if name not in variants}
         proxies = {
             name: stack.enter_context(Proxy(server.base_url, server.model, policy, folder / name)) for name, policy in policies.items()
         }
