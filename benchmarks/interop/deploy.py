@@ -54,6 +54,7 @@ from kvscope.engine.audit.measure.settings import measure_settings
 from kvscope.engine.audit.measure.traffic import audit_traffic
 from kvscope.engine.audit.policy.build import forced_policy, policy_from_report
 from kvscope.engine.audit.policy.document import Policy, load_policy
+from kvscope.engine.audit.prompts.repair_requests import PROMPT_REPAIRS
 from kvscope.engine.audit.scan.traffic_scan import scan_log
 from kvscope.engine.audit.simulate.metrics import parse_prometheus
 
@@ -241,17 +242,20 @@ def sessions_log(sessions: dict[str, list[dict]]) -> RequestLog:
     return read_log("\n".join(json.dumps(record | {"session_id": name}) for name, records in sessions.items() for record in records))
 
 
-def audited_policy(model: str, log: RequestLog, grain: str) -> Policy:
-    """The policy of the log's measured audit on ``model`` (what ``kvscope audit LOG --policy-out`` writes)."""
+def audited_policy(model: str, log: RequestLog, grain: str, sample: int) -> Policy:
+    """The policy of the log's measured audit on ``model`` (what ``kvscope audit LOG --policy-out`` writes), with
+    ``sample`` turns measured per group and the prompt-level repairs only (the ones a gateway applies; a KV-level one
+    would only be named in the policy)."""
     from kvscope.engine.models import load_model
 
     lm = load_model(model, device="cpu", dtype="auto", progress=print)
-    report = audit_traffic(lm, log, measure=measure_settings(grain=grain)).measured_report()
+    measure = measure_settings(repairs=PROMPT_REPAIRS, grain=grain)
+    report = audit_traffic(lm, log, sample=sample, measure=measure).measured_report()
     return policy_from_report(report, "demos/logs/coding_agent.jsonl demos/logs/support_agent.jsonl")
 
 
 def policy_files(
-    variants: Sequence[str], model: str, grain: str, tokenizer: Any, folder: Path, audited: Path | None = None
+    variants: Sequence[str], model: str, grain: str, tokenizer: Any, folder: Path, audited: Path | None = None, sample: int = 3
 ) -> tuple[dict[str, Path | None], dict[str, str]]:
     """The policy file each variant's proxy loads (None: no hook), written into ``folder``, and the variants that
     cannot run, with why: ``policy`` from the measured audit (``audited``: one ``--policy-out`` already wrote), each
@@ -265,7 +269,7 @@ def policy_files(
             continue
         try:
             if name == "policy":
-                policy = load_policy(audited.read_text(encoding="utf-8")) if audited else audited_policy(model, log, grain)
+                policy = load_policy(audited.read_text(encoding="utf-8")) if audited else audited_policy(model, log, grain, sample)
             else:
                 policy = forced_policy(scan_log(tokenizer, log), name, grain if name == "coarsen" else None, model)
         except RequestLogError as error:
@@ -328,6 +332,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=16, help="each answer's token budget (replies are fed back cut)")
     parser.add_argument("--agree-tokens", type=int, default=8, help="an answer agrees when its first N tokens equal the clean one's")
     parser.add_argument("--policy", type=Path, default=None, help="the audit's policy (kvscope audit --policy-out); default: audited here")
+    parser.add_argument("--sample", type=int, default=3, help="turns the audit measures per group for the policy (kvscope audit --sample)")
     parser.add_argument("--grain", default="hour", help="coarsen's grain (date, hour or minute)")
     parser.add_argument("--block", type=int, default=32, help="vLLM's block size (a multiple of 32 on CPU)")
     parser.add_argument("--upstream", default="", help="an already-running vLLM (VLLM_SERVER_DEV_MODE=1) instead of starting one")
@@ -351,7 +356,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="kvscope-deploy-") as tmp, ExitStack() as stack:
         folder = Path(tmp)
         server = stack.enter_context(vllm_server(args, model_dir, args.model))
-        policies, not_run = policy_files(variants, args.model, args.grain, tokenizer, folder, args.policy)
+        policies, not_run = policy_files(variants, args.model, args.grain, tokenizer, folder, args.policy, args.sample)
         not_run |= {name: "not in --variants" for name in VARIANTS if name not in variants}
         proxies = {
             name: stack.enter_context(Proxy(server.base_url, server.model, policy, folder / name)) for name, policy in policies.items()

@@ -716,6 +716,16 @@ def chat_replay_figure(data: dict) -> go.Figure:
     return figure
 
 
+DEPLOY_LABELS = {
+    "none": "bottom center",
+    "policy": "middle left",
+    "erratum": "middle right",
+    "hoist": "bottom center",
+    "coarsen": "top center",
+}
+# where each variant's label sits beside its marker: repairs that reuse alike land on one spot
+
+
 def deploy_figure(data: dict) -> go.Figure:
     """The audit's repairs applied by the LiteLLM proxy's hook in front of vLLM (``deploy-*.json``): per variant (no
     hook, the audit's policy, each repair forced), the reuse it buys (vLLM's prefix-cache hit rate, from ``/metrics``)
@@ -739,7 +749,7 @@ def deploy_figure(data: dict) -> go.Figure:
             mode="markers+text",
             marker={"color": colour, "size": 12, "symbol": ["circle", "diamond-open"]},
             text=[safe_label(name), ""],
-            textposition="top center" if index % 2 else "bottom center",  # neighbours' labels apart
+            textposition=DEPLOY_LABELS.get(name, "top center"),
             hovertext=[hover] * 2,
             hoverinfo="text",
             name=safe_label(name),
