@@ -106,7 +106,7 @@ class FieldPolicy(Record):
         if self.repair is None:
             return f"{where}: passes unchanged; {self.why}{editing}"
         grain = f" to the {self.grain}" if self.grain else ""
-        cost = f"; measured: {self.fidelity.words()}" if self.fidelity else "; not measured"
+        cost = f"; measured: {self.fidelity.words()}" if self.fidelity else ""
         gain = f"; reuse {self.baseline_reused_tokens:,} → {self.reused_tokens:,} of {self.tokens:,} tokens" if self.tokens else ""
         return f"{where}: {self.repair}{grain}{cost}{gain}; {self.why}{editing}"
 
@@ -132,8 +132,9 @@ class Policy(Record):
     def words(self) -> list[str]:
         """One sentence per field, then what a gateway does with them."""
         count = len(self.fields)
-        fields = f"{len(self.applied)} of {count} field{'s' if count != 1 else ''}"
-        head = f"measured on {self.model} ({self.dtype}): {fields} repaired at the gateway"
+        head = f"{len(self.applied)} of {count} field{'s' if count != 1 else ''} repaired at the gateway"
+        if not all(entry.forced for entry in self.fields):
+            head += f", as measured on {self.model} ({self.dtype})"
         return [head, *(entry.words() for entry in self.fields)]
 
     def text(self) -> str:

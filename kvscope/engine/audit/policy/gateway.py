@@ -75,7 +75,7 @@ class Gateway:
         except RecordError as error:
             return Outcome(body, False, f"passed unchanged: {error.key or 'the request'} {error.reason}")
         if read.skipped or len(read.requests) != 1:
-            why = read.skipped[0].message if read.skipped else f"it reads as {len(read.requests)} requests"
+            why = f"{read.skipped[0].key}: {read.skipped[0].reason}" if read.skipped else f"it reads as {len(read.requests)} requests"
             return Outcome(body, False, f"passed unchanged: {why}")
         request = read.requests[0]
         rewritten = rewrite_request(request, self.state, self.policy)
