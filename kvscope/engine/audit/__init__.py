@@ -9,6 +9,7 @@ each a subpackage (docs/architecture.md maps them; an import-linter contract kee
 - ``prompts``: the request each prompt-level repair sends, templates and text spans (text only, no torch);
 - ``measure``: the model pass, each sampled turn measured with every repair against a clean prefill;
 - ``rewrite``: a rewritten log measured against the original;
+- ``policy``: the measured repairs as a policy, applied to a request (``rewrite_request``) offline or at a gateway;
 - ``endpoint``: the model pass on a served model instead of in torch;
 - ``report``: the records every stage declares its results with (the lowest layer);
 - ``ci``: the whole report, its JSON Schema, the CI gate and Markdown over it (the top layer);

@@ -20,6 +20,7 @@ from kvscope.engine.audit.measure.repairs import GRAINS, PROMPT_REPAIRS, REPAIRS
 from kvscope.engine.audit.measure.settings import DEFAULT_MIN_AGREEMENT, DEFAULT_THRESHOLD, DEFAULT_TOKENS, MeasureSettings
 from kvscope.engine.audit.measure.traffic import DEFAULT_SAMPLE, audit_traffic
 from kvscope.engine.audit.measure.turn import audit_value, repaired_template, scenario_toml
+from kvscope.engine.audit.policy.build import policy_from_report
 from kvscope.engine.audit.prompts.text_spans import find_span
 from kvscope.engine.audit.rewrite.measure import apply_template, check_pairing, measure_rewrite
 from kvscope.engine.audit.simulate.caches import CacheSettings
@@ -43,6 +44,8 @@ def cmd_audit(args: argparse.Namespace) -> dict:
         raise RequestLogError("--rewritten and --template are two rewrites: measure one at a time")
     if args.template_repair and not args.template_out:
         raise RequestLogError("--template-repair names the repair whose template --template-out writes: add --template-out FILE")
+    if args.policy_out and (args.endpoint or (args.sample == 0 and args.new is None)):
+        raise RequestLogError("--policy-out writes the repairs measured in this process: measure turns (--sample > 0), without --endpoint")
     if (args.rewritten or args.template) and args.new is not None:
         raise RequestLogError("--rewritten and --template measure a log's rewrite; they do not combine with --new")
     measure = MeasureSettings(tuple(names(args.repairs) or REPAIRS), args.tokens, args.threshold, args.min_agreement, args.grain)
@@ -107,7 +110,8 @@ def cmd_audit(args: argparse.Namespace) -> dict:
         report = audit_value(lm, request, site.chars, args.new, message=site.message, measure=measure, progress=progress("audit steps"))
         result = report.as_dict()
     template = (args.template_out, lambda: repaired_template(report, args.template_repair))
-    for path, build in ((args.scenario_out, lambda: scenario_toml(report)), template):
+    policy = (args.policy_out, lambda: policy_from_report(report, " ".join(args.log)).text())
+    for path, build in ((args.scenario_out, lambda: scenario_toml(report)), template, policy):
         if path:
             Path(path).write_text(build(), encoding="utf-8")
     return _finish(args, conditions, result)
@@ -210,6 +214,7 @@ AUDIT: Group = (
     arg("--scenario-out", help="write the auto-built scenario TOML here (Notes tab, `edit`)"),
     arg("--template-out", help="write the recommended prompt-level repair here, as the prompt template it measured"),
     arg("--template-repair", choices=PROMPT_REPAIRS, help="the prompt-level repair --template-out writes (default: the recommended one)"),
+    arg("--policy-out", help="write the policy here: per changed field, the prompt-level repair measured within the bars (docs/deploy.md)"),
     arg("--rewritten", help="a rewrite of the log (same requests, same order): its reuse and output against the original's"),
     arg("--template", help="a prompt template (as --template-out writes) applied to the log's values: the rewrite to measure"),
     arg(

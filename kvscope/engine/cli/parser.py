@@ -10,11 +10,11 @@ import logging
 import sys
 
 from kvscope.engine.audit.ci.gate import exit_code
-from kvscope.engine.cli import audit, checks, compare, compose, edit
+from kvscope.engine.cli import audit, checks, compare, compose, edit, rewrite
 from kvscope.engine.cli.common import Group, Handler, log
 from kvscope.engine.errors import KVScopeError
 
-_JOBS = (checks, edit, compose, compare, audit)  # the order of the commands in --help
+_JOBS = (checks, edit, compose, compare, audit, rewrite)  # the order of the commands in --help
 COMMANDS: dict[str, Handler] = {name: handler for job in _JOBS for name, (handler, _) in job.COMMANDS.items()}
 _GROUPS: dict[str, tuple[Group, ...]] = {name: groups for job in _JOBS for name, (_, groups) in job.COMMANDS.items()}
 

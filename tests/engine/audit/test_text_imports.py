@@ -8,7 +8,7 @@ import sys
 
 import kvscope.engine.audit
 
-TEXT_STAGES = ("logs", "changes", "simulate", "scan", "prompts", "rewrite", "endpoint", "report")
+TEXT_STAGES = ("logs", "changes", "simulate", "scan", "prompts", "rewrite", "policy", "endpoint", "report")
 
 
 def _modules(stage: str) -> list[str]:

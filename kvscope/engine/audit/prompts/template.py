@@ -95,8 +95,7 @@ class Template:
         values: dict[str, str] = {}
         missing = None
         for line in self.read:
-            literal = PLACEHOLDER.split(line)[::3]
-            pattern = re.compile(r"^[ \t]*" + "(.*?)".join(map(re.escape, literal)) + r"[ \t]*$", re.MULTILINE)
+            pattern = read_pattern(line)
             found = next((match for content in request.contents if (match := pattern.search(content))), None)
             if found is None:
                 missing = missing or line
@@ -150,6 +149,18 @@ class Template:
                 raise RequestLogError(f"{request.where}: {{{name}:{grain}}}: {error}") from None
 
         return PLACEHOLDER.sub(value, text)
+
+
+def read_pattern(line: str) -> re.Pattern:
+    """What finds read line ``line`` (text around ``{placeholders}``) in a message's content: the whole line, one group
+    per placeholder (:func:`placeholder_names`' order); the gateway's policy finds its fields by the same."""
+    literal = PLACEHOLDER.split(line)[::3]
+    return re.compile(r"^[ \t]*" + "(.*?)".join(map(re.escape, literal)) + r"[ \t]*$", re.MULTILINE)
+
+
+def placeholder_names(line: str) -> list[str]:
+    """The names of ``line``'s placeholders, in order (a group each in :func:`read_pattern`)."""
+    return [name for name, _ in _placeholders(line, None)]
 
 
 def _placeholders(text: str, names: frozenset[str] | None) -> list[tuple[str, str | None]]:
