@@ -4,7 +4,7 @@ and the LiteLLM config, and the policy's words name the field, what is done to i
 
 import pytest
 
-from tests.app.browser_waits import wait_for_app, wait_for_audit
+from tests.app.browser_waits import audit_bundled_log, wait_for_app
 from tests.app.test_browser import CHROMIUM, TOAST, browser  # noqa: F401 (the module's browser fixture)
 from tests.app.test_browser_labels import wide_page  # noqa: F401 (a page at 1,000 and 1,400 px)
 
@@ -13,14 +13,7 @@ pytestmark = pytest.mark.skipif(not CHROMIUM, reason="Debian chromium is not ins
 
 def test_download_policy_shows_the_fields_their_repairs_and_their_cost(wide_page):  # noqa: F811
     page, width = wide_page
-    page.get_by_role("tab", name="Your prompt").click()
-    page.locator("#audit-demo input").click()
-    page.get_by_role("option", name="coding_agent", exact=True).click()
-    page.wait_for_function("() => document.querySelector('#audit-input textarea').value.includes('Session started')", timeout=30_000)
-    page.locator("#audit-tokens input[type=number]").fill("2")
-    page.locator("#audit-sample input[type=number]").fill("1")
-    page.locator("#run-audit").click()
-    wait_for_audit(page)
+    audit_bundled_log(page, "coding_agent", "Session started")
     page.locator("#download-policy").click()
     words = page.locator("#policy-words")
     wait_for_app(page, words.get_by_text("repaired at the gateway"))
