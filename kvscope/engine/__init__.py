@@ -83,6 +83,7 @@ Auditing request logs
 ``notes_scenario``         the scenario the Notes tab studies from an audit (``NotesScenario``); ``scenario_toml``
 ``notes_choices``          every changed field with its pre-check (``NotesChoice``); ``preferred_choice``: the default
 ``repaired_template``      the prompt template that keeps the cached prefix stable
+``policy_from_report``     the measured repairs as a gateway's policy (``Policy``); ``hook_config``: the LiteLLM proxy's config
 ``measure_rewrite``        a rewritten log (or ``apply_template``) against the original; ``rewrite_markdown``
 ``measure_rewrite_on_endpoint``  the same on an OpenAI-compatible endpoint (``EndpointClient``, ``EndpointSettings``)
 ``RequestLogError``        a log, prompt or audit refused, with the line and the reason
@@ -253,6 +254,9 @@ _PUBLIC = {
     "recipe_settings": "kvscope.engine.reproduce",
     "render_request": "kvscope.engine.audit.logs.render",
     "repaired_template": "kvscope.engine.audit.measure.turn",
+    "policy_from_report": "kvscope.engine.audit.policy.build",
+    "hook_config": "kvscope.engine.audit.policy.gateway",
+    "Policy": "kvscope.engine.audit.policy.document",
     "resolve_device": "kvscope.engine.models",
     "resolve_remedy": "kvscope.engine.compose.calibration",
     "model_remedies": "kvscope.engine.compose.calibration",
@@ -309,6 +313,7 @@ __all__ = [
     "OBSERVED_ENGINES",
     "PLACEMENTS",
     "PROBES",
+    "Policy",
     "RENAMED_STRATEGIES",
     "REPAIRS",
     "REPAIR_SUMMARIES",
@@ -374,6 +379,7 @@ __all__ = [
     "fit_observed",
     "fleet_grid",
     "fraction",
+    "hook_config",
     "is_offline_alias",
     "keystone",
     "load_cache",
@@ -388,6 +394,7 @@ __all__ = [
     "offline_aliases",
     "parse_prompt",
     "pending_report",
+    "policy_from_report",
     "preferred_choice",
     "prefix_cache_stop",
     "probe_frontier",
@@ -432,6 +439,9 @@ if TYPE_CHECKING:
     from kvscope.engine.audit.measure.settings import MeasureSettings, check_repairs, measure_settings
     from kvscope.engine.audit.measure.traffic import DEFAULT_SAMPLE, audit_traffic, pending_report
     from kvscope.engine.audit.measure.turn import AuditReport, audit_value, repaired_template, scenario_toml
+    from kvscope.engine.audit.policy.build import policy_from_report
+    from kvscope.engine.audit.policy.document import Policy
+    from kvscope.engine.audit.policy.gateway import hook_config
     from kvscope.engine.audit.prompts.text_spans import appended_chars, candidate_menu, candidate_span, find_span, prefix_cache_stop
     from kvscope.engine.audit.rewrite.measure import apply_template, measure_rewrite
     from kvscope.engine.audit.scan.sampling import bounded_sample, traffic_scan

@@ -10,6 +10,7 @@ import json
 from collections.abc import Mapping, Sequence
 
 from kvscope.engine.audit.measure.notes_scenario import NotesChoice, NotesScenario
+from kvscope.engine.audit.policy.document import Policy
 from kvscope.engine.cache.decision import DECISIVE_MARGIN, Decision
 from kvscope.engine.cache.selftest import SelfTestReport
 from kvscope.engine.checks.support import SupportRow
@@ -288,3 +289,19 @@ def notes_choice_markdown(choices: Sequence[NotesChoice], key: str) -> str:
     lead = "**This change does not move the model's answer.**" if picked.scenario is not None else "**This field cannot be opened.**"
     offer = f"Pick one whose change does: {others}." if moving else "No changed field of this audit moves the model's answer."
     return f"{head}  \n{lead} {offer}"
+
+
+POLICY_DEPLOY_WORDS = (
+    "To apply it where the traffic runs: put `config.yaml` beside `deploy/litellm/kvscope_hook.py` (KVScope's repository), "
+    "set its model and `api_base` to your server, and start the proxy with `KVSCOPE_POLICY=kvscope-policy.json litellm "
+    "--config config.yaml`. Requests it does not match pass unchanged; see docs/deploy.md."
+)
+
+
+def policy_markdown(policy: Policy) -> str:
+    """The policy in words, for the person who approves it: what the gateway does, then each field with its repair and
+    its measured cost (``Policy.words``), then how to deploy it."""
+    head, *fields = policy.words()
+    return "\n".join(
+        [f"**Policy:** {markdown_literal(head)}", "", *(f"- {markdown_literal(line)}" for line in fields), "", POLICY_DEPLOY_WORDS]
+    )

@@ -57,3 +57,16 @@ def wait_for_audit(page: Page) -> None:
     saying "Measuring:") replaced, and Cancel hidden. Call it once the audit has shown something of its own."""
     wait_for_app(page, page.locator("#audit-recommendation:not(:has-text('Measuring:'))"))
     wait_for_app(page, page.locator("#cancel-audit"), state="hidden")
+
+
+def audit_bundled_log(page: Page, name: str, holds: str, tokens: int = 2, sample: int = 1) -> None:
+    """In the Your prompt tab, bundled log ``name`` (its text holding ``holds``) audited with ``tokens`` greedy tokens
+    on ``sample`` turns per change, waited for until its turns are measured."""
+    page.get_by_role("tab", name="Your prompt").click()
+    page.locator("#audit-demo input").click()
+    page.get_by_role("option", name=name, exact=True).click()
+    page.wait_for_function(f"() => document.querySelector('#audit-input textarea').value.includes({holds!r})", timeout=30_000)
+    page.locator("#audit-tokens input[type=number]").fill(str(tokens))
+    page.locator("#audit-sample input[type=number]").fill(str(sample))
+    page.locator("#run-audit").click()
+    wait_for_audit(page)

@@ -18,7 +18,9 @@ from kvscope.engine import (
     LoadedTokenizer,
     NotesChoice,
     RequestLogError,
+    hook_config,
     notes_choices,
+    policy_from_report,
     preferred_choice,
     repaired_template,
     scenario_toml,
@@ -28,6 +30,7 @@ from kvscope.viz import text as panels
 from kvscope.viz.common import message_figure
 
 AUDIT_STEM = "kvscope-audit"
+POLICY_STEM = "kvscope-policy"
 
 
 def keep_audit(
@@ -151,3 +154,12 @@ def export_audit(folder: ExportFolder, sessions: SessionStore, *, session: str, 
     figures = [view.sessions_figure, view.engines_figure, view.timeline_figure, view.fidelity_figure]
     paths = folder.write(view.summary, [figure for figure in figures if figure is not None], AUDIT_STEM, [view.prompt_html], extra)
     return [str(path) for path in paths]
+
+
+@guarded
+def download_policy(folder: ExportFolder, sessions: SessionStore, *, session: str) -> tuple[list[str], str]:
+    """The kept audit's policy (its repairs measured within the bars, for the gateway) and the LiteLLM proxy's config,
+    as files, and the policy in words."""
+    policy = policy_from_report(kept_report(sessions, session), "the audit in the app")
+    paths = folder.write(policy.as_dict(), [], POLICY_STEM, extra={"config.yaml": hook_config()})
+    return [str(path) for path in paths if path.suffix != ".html"], panels.policy_markdown(policy)

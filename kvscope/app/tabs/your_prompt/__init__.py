@@ -12,9 +12,9 @@ import gradio as gr
 from kvscope.app.handlers.audit_settings import NO_GRAIN
 from kvscope.app.tabs import TabContext
 from kvscope.app.tabs.your_prompt.audit_events import wire_audit, wire_log, wire_one_prompt
-from kvscope.app.tabs.your_prompt.follow_ups import wire_axes_and_notes, wire_export, wire_open_in_notes, wire_rewrite
+from kvscope.app.tabs.your_prompt.follow_ups import wire_axes_and_notes, wire_export, wire_open_in_notes, wire_policy, wire_rewrite
 from kvscope.app.tabs.your_prompt.layout import log_widgets, one_prompt_widgets, run_widgets
-from kvscope.app.tabs.your_prompt.panels import export_widgets, results, rewrite_widgets
+from kvscope.app.tabs.your_prompt.panels import export_widgets, policy_widgets, results, rewrite_widgets
 
 AUDIT_INTRO = """Paste a request log as your server or gateway records it (OpenAI chat, completions or Responses requests,
 Anthropic Messages, ShareGPT, gateway records or batch lines; one JSON object a line, or a JSON array), upload one, or pick a
@@ -53,6 +53,7 @@ def build(ctx: TabContext) -> None:
         shown = results()
         rewrite = rewrite_widgets()
         export_button, export_files = export_widgets()
+        policy = policy_widgets()
     measure = run.measure
     measure.grain.input(
         with_coarsen,
@@ -69,3 +70,4 @@ def build(ctx: TabContext) -> None:
     wire_open_in_notes(ctx, shown)
     wire_rewrite(page, log, run, rewrite)
     wire_export(page, shown, export_button, export_files)
+    wire_policy(page, policy)

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import gradio as gr
 
-from kvscope.app.handlers.audit_kept import audit_fidelity_view, audit_notes_choice, audit_notes_scenario, export_audit
+from kvscope.app.handlers.audit_kept import audit_fidelity_view, audit_notes_choice, audit_notes_scenario, download_policy, export_audit
 from kvscope.app.handlers.audit_log import given_log
 from kvscope.app.handlers.audit_settings import EngineInputs, taken
 from kvscope.app.handlers.rewrite import RewriteInputs, ServerUnreachable, run_rewrite, run_rewrite_on_server
 from kvscope.app.page import Page, notice, step_progress
 from kvscope.app.tabs import TabContext
 from kvscope.app.tabs.your_prompt.layout import LogWidgets, RunWidgets, by_name
-from kvscope.app.tabs.your_prompt.panels import Results, RewriteWidgets
+from kvscope.app.tabs.your_prompt.panels import PolicyWidgets, Results, RewriteWidgets
 from kvscope.viz.common import markdown_literal
 
 OPEN_IN_NOTES_JS = "() => { const button = document.querySelector('#run-edit'); if (button) { button.click(); } }"
@@ -131,5 +131,21 @@ def wire_export(page: Page, shown: Results, button: gr.Button, files: gr.File) -
         inputs_kwargs={"session": page.session, "x": shown.x, "y": shown.y},
         outputs=files,
         api_name="export_audit",
+        concurrency_limit=None,
+    )
+
+
+def wire_policy(page: Page, widgets: PolicyWidgets) -> None:
+    """Download the kept audit's policy and the hook's config, and say what it does."""
+
+    @page.action
+    def on_policy(session):
+        return download_policy(page.exports, page.sessions, session=page.session_id(session))
+
+    widgets.button.click(
+        on_policy,
+        inputs_kwargs={"session": page.session},
+        outputs=[widgets.files, widgets.words],
+        api_name="download_policy",
         concurrency_limit=None,
     )

@@ -182,3 +182,21 @@ def export_widgets() -> tuple[gr.Button, gr.File]:
         button = gr.Button("Export JSON, figures, scenario TOML + repaired template", elem_id="export-audit")
         files = gr.File(label="Exported files", file_count="multiple", elem_id="audit-files")
     return button, files
+
+
+@dataclass(frozen=True)
+class PolicyWidgets:
+    """Download policy: its button, the policy file and the proxy's config, and the policy in words."""
+
+    button: gr.Button
+    files: gr.File
+    words: gr.Markdown
+
+
+def policy_widgets() -> PolicyWidgets:
+    """After an audit: the policy a gateway applies (the repairs measured within the bars) and the LiteLLM hook's config."""
+    with gr.Row():
+        button = gr.Button("Download policy + LiteLLM hook config", elem_id="download-policy")
+        files = gr.File(label="Policy and proxy config", file_count="multiple", elem_id="policy-files")
+    words = gr.Markdown(elem_id="policy-words")
+    return PolicyWidgets(button, files, words)

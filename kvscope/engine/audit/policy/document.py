@@ -99,7 +99,7 @@ class FieldPolicy(Record):
         """The entry in a sentence: the field, what is done to it and what it costs, said from the numbers."""
         where = f"{self.field} ({self.role} message {self.message + 1}, found by {self.pattern!r})"
         editing = (
-            f"; {', '.join(self.needs_cache_editing)} would hold the bars too but is {LEVEL_WORDS[Level.KV]}: not applied"
+            f"; {', '.join(self.needs_cache_editing)} held the bars too ({LEVEL_WORDS[Level.KV]}): not applied"
             if self.needs_cache_editing
             else ""
         )

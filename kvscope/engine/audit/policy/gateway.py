@@ -20,8 +20,27 @@ from kvscope.engine.audit.logs.reading import record_requests
 from kvscope.engine.audit.policy.document import Policy, PolicyError, load_policy
 from kvscope.engine.audit.policy.rewrite import DEFAULT_SESSIONS, SessionState, rewrite_request
 
+CONFIG = """\
+# A LiteLLM proxy in front of a vLLM server, with KVScope's repair policy applied to every chat request
+# (docs/deploy.md). Run from the folder holding this file and kvscope_hook.py, kvscope importable, the policy named:
+#   KVSCOPE_POLICY=policy.json PYTHONPATH=../.. litellm --config config.yaml --host 127.0.0.1 --port 4000
+model_list:
+  - model_name: served
+    litellm_params:
+      model: hosted_vllm/{served}  # the model vLLM serves (its --served-model-name)
+      api_base: {api_base}  # vLLM's OpenAI-compatible server
+
+litellm_settings:
+  callbacks: kvscope_hook.proxy_handler_instance  # kvscope_hook.py beside this file
+"""
 POLICY_ENV = "KVSCOPE_POLICY"  # the policy file a gateway loads at start
 SESSIONS_ENV = "KVSCOPE_POLICY_SESSIONS"  # how many sessions' first values it keeps (default ``DEFAULT_SESSIONS``)
+
+
+def hook_config(served: str = "Qwen/Qwen2.5-0.5B-Instruct", api_base: str = "http://127.0.0.1:8000/v1") -> str:
+    """The LiteLLM proxy's config.yaml naming the hook (deploy/litellm/config.yaml holds the default; a test keeps it
+    equal), in front of ``served`` at ``api_base``."""
+    return CONFIG.format(served=served, api_base=api_base)
 
 
 @dataclass(frozen=True)

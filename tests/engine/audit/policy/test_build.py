@@ -73,7 +73,7 @@ def test_a_repair_past_the_bars_on_one_turn_is_not_applied_and_the_why_says_its_
     assert entry.repair is None and entry.fidelity is None and entry.reused_tokens == entry.baseline_reused_tokens == 10
     assert "erratum KL 0.3 (bar 0.05)" in entry.why and "hoist KL 0.2 (bar 0.05), 50% of greedy tokens agreeing (bar 90%)" in entry.why
     assert entry.needs_cache_editing == ("field_only",)
-    assert "field_only would hold the bars too but is KV-level, needs a cache-editing engine: not applied" in entry.words()
+    assert "field_only held the bars too (KV-level, needs a cache-editing engine): not applied" in entry.words()
 
 
 def test_the_policy_refuses_at_load_an_applied_repair_outside_its_bars_a_kv_repair_and_a_bad_pattern():

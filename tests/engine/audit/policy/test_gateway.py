@@ -15,7 +15,7 @@ import pytest
 
 from kvscope.engine.audit.logs.reading import record_requests
 from kvscope.engine.audit.policy.document import VERSION, Fidelity, FieldPolicy, Policy, PolicyError
-from kvscope.engine.audit.policy.gateway import Gateway
+from kvscope.engine.audit.policy.gateway import Gateway, hook_config
 from kvscope.engine.audit.policy.rewrite import SessionState, rewrite_request
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -193,3 +193,8 @@ def test_a_malformed_policy_stops_the_hook_at_start_naming_the_field(monkeypatch
     monkeypatch.delenv("KVSCOPE_POLICY")
     with pytest.raises(PolicyError, match="KVSCOPE_POLICY: not set"):
         Gateway.from_env()
+
+
+def test_the_deployed_config_is_the_one_the_app_offers():
+    assert (ROOT / "deploy" / "litellm" / "config.yaml").read_text(encoding="utf-8") == hook_config()
+    assert "callbacks: kvscope_hook.proxy_handler_instance" in hook_config() and HOOK.exists()
