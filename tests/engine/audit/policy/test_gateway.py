@@ -8,7 +8,9 @@ import asyncio
 import copy
 import importlib.util
 import json
+import os
 import random
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -198,3 +200,19 @@ def test_a_malformed_policy_stops_the_hook_at_start_naming_the_field(monkeypatch
 def test_the_deployed_config_is_the_one_the_app_offers():
     assert (ROOT / "deploy" / "litellm" / "config.yaml").read_text(encoding="utf-8") == hook_config()
     assert "callbacks: kvscope_hook.proxy_handler_instance" in hook_config() and HOOK.exists()
+
+
+PROXY_PYTHON = Path(os.environ.get("KVSCOPE_CACHE_DIR", Path.home() / ".cache" / "kvscope")) / "litellm-proxy" / "bin" / "python"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("litellm") is not None, reason="litellm is importable here: the two tests above ran")
+@pytest.mark.skipif(not PROXY_PYTHON.is_file(), reason="the LiteLLM proxy is not installed: bash scripts/litellm_proxy.sh")
+def test_the_hook_tests_pass_in_the_proxy_environment():
+    """Where litellm lives only in the proxy's own environment (scripts/litellm_proxy.sh, as scripts/test.sh installs
+    it), the two tests through the real hook run there, on this repository's kvscope."""
+    done = subprocess.run(
+        [str(PROXY_PYTHON), "-m", "pytest", "-q", "--noconftest", "-o", "addopts=", "-p", "no:cacheprovider", __file__,
+         "-k", "litellm_hook or stops_the_hook"],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0 and "2 passed" in done.stdout, done.stdout[-2000:] + done.stderr[-2000:]
