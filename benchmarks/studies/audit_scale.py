@@ -31,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -62,6 +63,11 @@ HISTORY_CHARS = 850  # a session's task restarts once its messages pass this (re
 
 
 def synthetic_log(requests: int, sessions: int, seed: int = 0) -> list[dict]:
+    """``synthetic_records`` as a list."""
+    return list(synthetic_records(requests, sessions, seed))
+
+
+def synthetic_records(requests: int, sessions: int, seed: int = 0) -> Iterator[dict]:
     """Agent traffic: per session a system prompt (a clock line to the minute, and a policy shared by every
     session), the tools, and turns with tool calls and results growing to ~2k tokens, then a fresh task (whose first
     request carries a task brief, so no request is under ~1.5k tokens); sessions interleaved at random, one request
@@ -69,7 +75,6 @@ def synthetic_log(requests: int, sessions: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     policy = "".join(POLICY.format(n=n) for n in range(RULES))
     turns: dict[int, list[dict]] = {s: [] for s in range(sessions)}
-    records = []
     for number in range(requests):
         s = rng.randrange(sessions)
         history = turns[s]
@@ -105,10 +110,15 @@ def synthetic_log(requests: int, sessions: int, seed: int = 0) -> list[dict]:
             ]
         clock = f"The current time is {(START + number * STEP):%Y-%m-%d %H:%M}."
         system = f"You are Harbor, the shop's support agent.\n{clock}\n\n{policy}"
-        records.append(
-            {"model": "harbor", "user": f"session-{s}", "tools": TOOLS, "messages": [{"role": "system", "content": system}, *history]}
-        )
-    return records
+        yield {"model": "harbor", "user": f"session-{s}", "tools": TOOLS, "messages": [{"role": "system", "content": system}, *history]}
+
+
+def write_log(path: Path, requests: int, sessions: int) -> Path:
+    """The generated log written as JSONL, a record at a time (a million requests is about 7 GB)."""
+    with path.open("w", encoding="utf-8") as stream:
+        for record in synthetic_records(requests, sessions):
+            stream.write(json.dumps(record) + "\n")
+    return path
 
 
 EXPORT_SIZE = 10_000
