@@ -273,40 +273,50 @@ NOTES = {
     "the budget including it (SGLang then reuses nothing, vLLM keeps its head blocks)",
 }
 EXACT_EVERY = 10  # after the timed pass, every 10th request is tokenized whole and compared with the fast path's
+EXACT_CHECKED = 1_000  # at most about this many (spread over the log): each is rendered again
 
 
 def _worker(log: str, tokenizer_dir: str, budget_tokens: int) -> None:
     """One token pass in this process (``budget_tokens`` 0: unbounded; else that SGLang token budget and the vLLM
-    block budget holding as many tokens): its time, peak RSS and results as JSON on stdout, then an exactness check
-    of the line-cut tokenization on every ``EXACT_EVERY``-th request (untimed)."""
+    block budget holding as many tokens), the log read as the CLI reads it (``LogFiles.log``: a large file streamed):
+    its time, peak RSS, what each engine's cache held at the end, and its results as JSON on stdout, then an exactness
+    check of the line-cut tokenization on up to ``EXACT_CHECKED`` requests spread over the log (untimed)."""
     from transformers import AutoTokenizer
 
-    from kvscope.engine.audit.logs.reading import read_log
     from kvscope.engine.audit.logs.render import TextEncoder
+    from kvscope.engine.audit.logs.shards import LogFiles
     from kvscope.engine.audit.scan.settings import ScanSettings
     from kvscope.engine.audit.scan.traffic_scan import scan_log
     from kvscope.engine.audit.simulate.caches import CacheSettings
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    text = Path(log).read_text(encoding="utf-8")
     cache = CacheSettings(budget_tokens=budget_tokens, budget_blocks=budget_tokens // 16) if budget_tokens else CacheSettings()
     settings = ScanSettings(cache)
+    before = _rss_mb()
     start, cpu_start = time.perf_counter(), time.process_time()
-    log = read_log(text)
+    log = LogFiles.of([log]).log
+    read_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     scan = scan_log(tokenizer, log, settings)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     rows = scan.requests
-    checked = [scan.rendered[row.request] for row in rows[::EXACT_EVERY]]
+    checked = [scan.rendered[row.request] for row in rows[:: max(len(rows) // EXACT_CHECKED, EXACT_EVERY)]]
     whole = tokenizer.backend_tokenizer.encode_batch([item.text for item in checked], add_special_tokens=False)
+    tokens = sum(r.tokens for r in rows)
     print(
         json.dumps(
             {
                 "seconds": round(seconds, 2),
                 "cpu_seconds": round(cpu_seconds, 2),
-                "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                "peak_rss_mb": round(peak, 1),
+                "rss_before_mb": round(before, 1),
+                "peak_rss_mb_after_reading": round(read_peak, 1),
+                "bytes_per_request_over_start": round((peak - before) * 2**20 / max(len(rows), 1)),
                 "settings": settings.cache.as_dict(),
+                "caches_held_tokens": scan.cache_tokens,
+                "caches_held_share_of_log_tokens": {name: round(held / max(tokens, 1), 4) for name, held in scan.cache_tokens.items()},
                 "requests": len(rows),
-                "tokens": sum(r.tokens for r in rows),
+                "tokens": tokens,
                 "min_tokens": min(r.tokens for r in rows),
                 "max_tokens": max(r.tokens for r in rows),
                 "sessions": len(scan.sessions()),

@@ -105,6 +105,11 @@ class BlockCache(PrefixCache):
     def hold(self, request: CacheRequest) -> None:
         self.hold_keys(self._held_keys(request), request.request)
 
+    @property
+    def held_tokens(self) -> int:
+        """The tokens held now (its whole blocks)."""
+        return len(self.blocks) * self.block
+
     def _held_keys(self, request: CacheRequest) -> np.ndarray:
         return self.keys(request.tokens) if request.hashes is None else np.asarray(request.hashes, dtype=np.int64)
 
@@ -336,6 +341,11 @@ class SlotCache(PrefixCache):
         self.held[request.session] = request.tokens
         return min(reused, len(request.ids) - 1)
 
+    @property
+    def held_tokens(self) -> int:
+        """The tokens held now, over every slot."""
+        return sum(len(tokens) for tokens in self.held.values())
+
     def hold(self, request: CacheRequest) -> None:
         """The session's slot, where it still has one, now holds ``request.tokens`` (its prompt and reply)."""
         if request.session in self.held:
@@ -395,6 +405,11 @@ class ServerSlots(PrefixCache):
                     self.tokens[other] = np.zeros(0, dtype=np.int32)
         self.tokens[slot], self.used[slot] = request.tokens, self.time
         return reused
+
+    @property
+    def held_tokens(self) -> int:
+        """The tokens held now: the slots' and the RAM prompt cache's."""
+        return sum(len(tokens) for tokens in [*self.tokens, *self.saved])
 
     def hold(self, request: CacheRequest) -> None:
         """What holds the longest prompt that ``request.tokens`` goes on from (a slot, or its saved copy) now holds it."""

@@ -171,6 +171,11 @@ class RadixCache(PrefixCache):
         reused = self.tree.insert(request.ids, request.request, request.session, request.time, request.held)
         return reused // self.page * self.page
 
+    @property
+    def held_tokens(self) -> int:
+        """The tokens held now (the tree's edges)."""
+        return self.tree.tokens
+
     def hold(self, request: CacheRequest) -> None:
         self.tree.insert(request.tokens, request.request, request.session, request.time)
 
