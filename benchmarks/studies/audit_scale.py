@@ -17,6 +17,11 @@ the token pass (read_log included: parsing, time order) runs on each and on the 
 median over the JSONL's, and whether every format gave the same requests, tokens and reuse. Goal: at most 1.5x.
 
 Writes benchmarks/studies/results/audit_scale-cpu.json.
+
+Memory (``--memory 10000,100000,1000000 [--logs DIR]``): one process's peak RSS on the generated log at each size,
+unbounded and under ``--budget-tokens``, each in a fresh process, with what each engine's cache held at the end
+(``--logs``: where the logs are written and reused; a million requests is about 7 GB). Writes
+benchmarks/studies/results/audit_scale_memory-cpu.json.
 """
 
 from __future__ import annotations
@@ -572,6 +577,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ray-compare", type=int, help="instead: one process against --ray local on this many requests")
     parser.add_argument("--workers", type=int, default=2, help="with --ray-compare: the local Ray's CPUs and tokenizer actors")
     parser.add_argument("--stage2-memory", type=int, help="instead: the Ray driver's bytes per request on this many requests")
+    parser.add_argument("--memory", help="instead: one process's peak RSS on generated logs of these sizes (e.g. 10000,100000,1000000)")
+    parser.add_argument("--logs", default=None, help="with --memory: the folder the logs are written to (default: a temporary one)")
     parser.add_argument("--scale-worker", nargs=4, metavar=("MODE", "LOG", "TOKENIZER", "WORKERS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -583,6 +590,9 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer_dir = Path(args.tokenizer) if args.tokenizer else _embedded_tokenizer_dir()
     if args.ray_compare:
         _ray_main(args, tokenizer_dir)
+        return
+    if args.memory:
+        _memory_main(args, tokenizer_dir)
         return
     if args.stage2_memory:
         budgets = [0, args.budget_tokens] if args.budget_tokens else [0]
@@ -616,6 +626,57 @@ def main(argv: list[str] | None = None) -> None:
         "exports": exports,
     }
     path = Path(args.out) / "audit_scale-cpu.json"
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    print(path)
+
+
+MEMORY_GOAL_MB = 2_500  # one process's peak at 100,000 requests (issue 67)
+
+
+def memory_scale(sizes: list[int], sessions: int, budget_tokens: int, tokenizer_dir: Path, folder: Path) -> list[dict]:
+    """One process's token pass (``--sample 0``'s: ``scan_log``, the log read as the CLI reads it) on generated logs
+    of each size, unbounded and under ``budget_tokens`` (0: unbounded only), each in a fresh process: its peak RSS,
+    bytes per request over its start, and what each engine's cache held at the end."""
+    runs = []
+    for size in sizes:
+        log = folder / f"agents-{size}.jsonl"
+        if not log.exists():
+            write_log(log, size, sessions)
+        for budget in [0, budget_tokens] if budget_tokens else [0]:
+            run = _measured([sys.executable, "-m", "benchmarks.studies.audit_scale", "--worker", str(log), str(tokenizer_dir), str(budget)])
+            if run["code"] != 0:
+                runs.append({"requests": size, "budget_tokens": budget, "failed": run["stderr"][-1500:]})
+                continue
+            found = json.loads(run["stdout"])
+            keep = ("seconds", "cpu_seconds", "peak_rss_mb", "rss_before_mb", "peak_rss_mb_after_reading", "bytes_per_request_over_start")
+            runs.append(
+                {"requests": size, "budget_tokens": budget, "log_bytes": log.stat().st_size, "tokens": found["tokens"]}
+                | {key: found[key] for key in keep}
+                | {key: found[key] for key in ("caches_held_tokens", "caches_held_share_of_log_tokens", "exact_check")}
+                | {"hit_rate": found["engines"]["hit_rate"]}
+            )
+            print(f"{size:,} requests, budget {budget or 'none'}: peak {found['peak_rss_mb']} MB, {found['seconds']} s", file=sys.stderr)
+    return runs
+
+
+def _memory_main(args: argparse.Namespace, tokenizer_dir: Path) -> None:
+    """Writes benchmarks/studies/results/audit_scale_memory-cpu.json."""
+    load_before = os.getloadavg()
+    sizes = [int(n) for n in args.memory.split(",")]
+    with tempfile.TemporaryDirectory() as temporary:
+        folder = Path(args.logs) if args.logs else Path(temporary)
+        folder.mkdir(parents=True, exist_ok=True)
+        runs = memory_scale(sizes, args.sessions, args.budget_tokens, tokenizer_dir, folder)
+    data = {
+        "benchmark": "audit_scale_memory",
+        "tokenizer": tokenizer_dir.name,
+        "cpu": cpu_info(),
+        "cpus": os.cpu_count(),
+        "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
+        "goal": f"one process's peak RSS at 100,000 requests at most {MEMORY_GOAL_MB:,} MB; grows with what the caches hold, not the log",
+        "runs": runs,
+    }
+    path = Path(args.out) / "audit_scale_memory-cpu.json"
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     print(path)
 
