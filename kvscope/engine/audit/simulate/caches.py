@@ -164,10 +164,7 @@ class BlockTable:
 
     def slots(self, keys: np.ndarray) -> np.ndarray:
         """Each key's slot (-1: not held)."""
-        mask = len(self.keys) - 1
-        found = np.full(len(keys), -1, dtype=np.int64)
-        probe = keys & mask
-        todo = np.arange(len(keys))
+        mask, found, probe, todo = self._probing(keys)
         while len(todo):
             at = probe[todo]
             state = self.state[at]
@@ -176,6 +173,12 @@ class BlockTable:
             todo = todo[~hit & (state != self._EMPTY)]
             probe[todo] = (probe[todo] + 1) & mask
         return found
+
+    def _probing(self, keys: np.ndarray) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+        """Linear probing's start for ``keys``: the table's mask, a slot per key (-1 until found), each key's first
+        slot to look at, and the keys still looking."""
+        mask = len(self.keys) - 1
+        return mask, np.full(len(keys), -1, dtype=np.int64), keys & mask, np.arange(len(keys))
 
     def leading(self, keys: np.ndarray) -> int:
         """How many of ``keys``, from the first, are held."""
@@ -216,10 +219,7 @@ class BlockTable:
 
     def _insert(self, keys: np.ndarray) -> np.ndarray:
         """Slots for new keys (none held; the table has room for them)."""
-        mask = len(self.keys) - 1
-        slots = np.full(len(keys), -1, dtype=np.int64)
-        probe = keys & mask
-        todo = np.arange(len(keys))
+        mask, slots, probe, todo = self._probing(keys)
         while len(todo):
             at = probe[todo]
             free = self.state[at] != self._HELD
