@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
@@ -72,30 +73,100 @@ def render_batch(
 ) -> list[RenderedRequest | RequestLogError]:
     """Every request rendered, the texts tokenized together by the fast tokenizer; a request that cannot be rendered
     (or exceeds ``limit`` tokens) gets its error in its place."""
-    texts: list[str | RequestLogError] = []
-    spans: list[tuple[tuple[int, int], ...]] = []
-    for request in requests:
-        try:
-            text = _template_text(tokenizer, request, model)
-            texts.append(text)
-            spans.append(((0, len(text)),) if request.messages is None else _locate_contents(text, request))
-        except RequestLogError as error:
-            texts.append(error)
-            spans.append(())
-    good = [i for i, text in enumerate(texts) if isinstance(text, str)]
-    out: list[RenderedRequest | RequestLogError] = [text for text in texts]  # errors stay in place
-    encoder = TextEncoder(tokenizer)
-    ends = end_of_turn_ids(tokenizer) if any(request.reply is not None for request in requests) else frozenset()
-    for begin in range(0, len(good), RENDER_BATCH):
-        chunk = good[begin : begin + RENDER_BATCH]
-        for i, (ids, offsets) in zip(chunk, encoder.encode([texts[i] for i in chunk])):
-            request = requests[i]
-            if len(ids) > limit:
-                out[i] = RequestLogError(f"{request.where} is {len(ids):,} tokens, longer than the context limit of {limit:,}")
-            else:
-                reply = _reply_tokens(tokenizer, request, texts[i], ends) if request.reply is not None else np.zeros(0, dtype=np.int32)
-                out[i] = RenderedRequest(request, texts[i], ids, offsets, _owners(offsets, spans[i]), spans[i], reply)
-    return out
+    return [item for _, item in Renderer(tokenizer, limit, model).stream(requests)]
+
+
+class Renderer:
+    """Requests rendered with one tokenizer into at most ``limit`` tokens each, its encoder's line cache
+    (``TextEncoder``) kept from one call to the next: a log rendered as a stream (``stream``), and any request of it
+    again later (``RenderedLog``)."""
+
+    def __init__(self, tokenizer: Any, limit: int, model: str = "this model"):
+        self.tokenizer, self.limit, self.model = tokenizer, limit, model
+        self.encoder = TextEncoder(tokenizer)
+        self._ends: frozenset[int] | None = None  # end-of-turn ids, read once a logged reply needs them
+
+    def stream(self, requests: Iterable[Request]) -> Iterator[tuple[Request, RenderedRequest | RequestLogError]]:
+        """Each request with its rendering (or its error), in order; the texts tokenized ``RENDER_BATCH`` at a time, so
+        that only one batch's texts and offsets are alive at once."""
+        pending: list[tuple[Request, tuple[str, tuple[tuple[int, int], ...]] | RequestLogError]] = []
+        texts = 0
+        for request in requests:
+            try:
+                text = _template_text(self.tokenizer, request, self.model)
+                spans = ((0, len(text)),) if request.messages is None else _locate_contents(text, request)
+                pending.append((request, (text, spans)))
+                texts += 1
+            except RequestLogError as error:
+                pending.append((request, error))
+            if texts == RENDER_BATCH:
+                yield from self._tokenized(pending)
+                pending, texts = [], 0
+        yield from self._tokenized(pending)
+
+    def _tokenized(self, pending: list) -> Iterator[tuple[Request, RenderedRequest | RequestLogError]]:
+        """One batch: its texts tokenized together, each error in its place."""
+        good = [(request, item) for request, item in pending if not isinstance(item, RequestLogError)]
+        encoded = iter(self.encoder.encode([text for _, (text, _) in good]))
+        for request, item in pending:
+            yield request, item if isinstance(item, RequestLogError) else self._rendered(request, *item, *next(encoded))
+
+    def _rendered(
+        self, request: Request, text: str, spans: tuple[tuple[int, int], ...], ids: np.ndarray, offsets: np.ndarray
+    ) -> RenderedRequest | RequestLogError:
+        if len(ids) > self.limit:
+            return RequestLogError(f"{request.where} is {len(ids):,} tokens, longer than the context limit of {self.limit:,}")
+        reply = np.zeros(0, dtype=np.int32)
+        if request.reply is not None:
+            if self._ends is None:
+                self._ends = end_of_turn_ids(self.tokenizer)
+            reply = _reply_tokens(self.tokenizer, request, text, self._ends)
+        return RenderedRequest(request, text, ids, offsets, _owners(offsets, spans), spans, reply)
+
+
+RECENT_RENDERED = 1_024  # rendered requests a ``RenderedLog`` keeps: a request's match is most often among the latest
+
+
+class RenderedLog(Mapping[int, RenderedRequest]):
+    """A log's rendered requests by index, without holding them all: each request rendered is kept while among the
+    latest ``RECENT_RENDERED`` (LRU), and one read after that is rendered again (the same tokens: rendering is
+    deterministic and the same in any batch). Memory: the recent requests' texts, tokens and offsets, and one
+    reference per request to the log's own ``Request``."""
+
+    def __init__(self, renderer: Renderer):
+        self.renderer = renderer
+        self.recent = RECENT_RENDERED
+        self._requests: dict[int, Request] = {}  # every request rendered, by index
+        self._kept: OrderedDict[int, RenderedRequest] = OrderedDict()  # the latest rendered, least recently used first
+
+    def keep(self, rendered: RenderedRequest) -> None:
+        """Record ``rendered`` as its request's rendering (kept while recent)."""
+        self._requests[rendered.request.index] = rendered.request
+        self._remember(rendered)
+
+    def __getitem__(self, index: int) -> RenderedRequest:
+        if index in self._kept:
+            self._kept.move_to_end(index)
+            return self._kept[index]
+        request = self._requests[index]  # KeyError: not a request of this log that rendered
+        _, rendered = next(self.renderer.stream([request]))
+        self._remember(rendered)
+        return rendered
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._requests)
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __contains__(self, index: object) -> bool:
+        return index in self._requests
+
+    def _remember(self, rendered: RenderedRequest) -> None:
+        self._kept[rendered.request.index] = rendered
+        self._kept.move_to_end(rendered.request.index)
+        while len(self._kept) > self.recent:
+            self._kept.popitem(last=False)
 
 
 _END_MARKERS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|end_of_text|>")
@@ -179,6 +250,9 @@ def _encode_whole(tokenizer: Any, texts: list[str]) -> list[tuple[np.ndarray, np
     return [(np.asarray(ids, dtype=np.int32), np.asarray(offsets, dtype=np.int32).reshape(-1, 2)) for ids, offsets in pairs]
 
 
+LINE_CACHE_TOKENS = 1_000_000  # tokens of the lines a ``TextEncoder`` keeps per generation (two generations)
+
+
 class TextEncoder:
     """Token ids and character offsets of rendered texts, each distinct line tokenized once.
 
@@ -188,21 +262,33 @@ class TextEncoder:
     start: byte-level BPE tokenizers (GPT-2, Llama 3, Qwen) split there before any merge. It is checked on probes
     when the encoder is built, and each batch's first text is also tokenized whole and compared; on any difference
     (e.g. a SentencePiece tokenizer that prefixes a word with "▁" at the start of a text) the encoder tokenizes
-    whole texts from then on (``by_lines`` False)."""
+    whole texts from then on (``by_lines`` False).
+
+    The lines are kept in two generations, bounded by their tokens: a line read from the older one moves to the
+    current one, and once the current one holds ``LINE_CACHE_TOKENS`` it becomes the older one (the line cache holds
+    the log's recent lines, not every line it ever read)."""
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self.by_lines = backend is not None and _splits_at_line_starts(tokenizer)
-        self._lines: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # line -> its token ids and offsets
+        self._lines: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # line -> its token ids and offsets (current generation)
+        self._older: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._tokens = 0  # tokens of the current generation's lines
 
     def encode(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
         if not self.by_lines:
             return _encode_whole(self.tokenizer, texts)
         cuts = [_cut_at_line_starts(text) for text in texts]
-        new = list(dict.fromkeys(line for _, lines in cuts for line in lines if line not in self._lines))
-        self._lines.update(zip(new, _encode_whole(self.tokenizer, new)))
+        needed = dict.fromkeys(line for _, lines in cuts for line in lines if line not in self._lines)
+        moved = {line: self._older[line] for line in needed if line in self._older}
+        new = [line for line in needed if line not in moved]
+        moved.update(zip(new, _encode_whole(self.tokenizer, new)))
+        self._lines.update(moved)
+        self._tokens += sum(len(ids) for ids, _ in moved.values())
         joined = [self._joined(starts, lines) for starts, lines in cuts]
+        if self._tokens >= LINE_CACHE_TOKENS:
+            self._older, self._lines, self._tokens = self._lines, {}, 0
         if joined and not _same_encoding(joined[0], _encode_whole(self.tokenizer, texts[:1])[0]):
             self.by_lines = False
             return _encode_whole(self.tokenizer, texts)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any
@@ -23,7 +23,7 @@ from pydantic import Field
 
 from kvscope.engine.audit.changes.causes import Cause, another_prompt, causes_of
 from kvscope.engine.audit.changes.fields import TurnDiff, common_prefix, compare_requests
-from kvscope.engine.audit.logs.render import RenderedRequest, end_of_turn_ids, render_batch
+from kvscope.engine.audit.logs.render import RenderedLog, RenderedRequest, Renderer, end_of_turn_ids
 from kvscope.engine.audit.logs.requests import RequestLog, RequestLogError, Skipped
 from kvscope.engine.audit.report.records import HIDDEN, Record, derived, rounded
 from kvscope.engine.audit.scan.settings import ScanSettings
@@ -87,19 +87,21 @@ class SessionSummary(Record):
 @dataclass(frozen=True)
 class TrafficScan:
     """The token pass over a log: every request, its sessions, the records skipped and the settings it ran with.
-    ``rendered`` (request index -> tokens) and ``diffs`` are kept for measuring, not reported."""
+    ``rendered`` (request index -> tokens) and ``diffs`` are kept for measuring, not reported: mappings that may render
+    and diff again when read (``RenderedLog``, ``TurnDiffs``)."""
 
     requests: tuple[TrafficRequest, ...]
     skipped: tuple[Skipped, ...]
     formats: dict[str, int]
     settings: ScanSettings
-    rendered: dict[int, RenderedRequest] = field(repr=False)
-    diffs: dict[int, TurnDiff] = field(repr=False)
+    rendered: Mapping[int, RenderedRequest] = field(repr=False)
+    diffs: Mapping[int, TurnDiff] = field(repr=False)
     observed_evidence: str = ""  # why the observed engine: named, read from the log's answers, or assumed (``observed.LogServer``)
     reading: ReadingDict = field(default_factory=dict)  # how the log was read: RequestLog.reading()
     fleet: tuple[FleetResult, ...] = ()  # the fleets simulated (``fleet.Fleet``), when asked for
     replies: dict[str, int] = field(default_factory=dict)  # requests per ``step.REPLY_COUNTS`` key
     reply_from: dict[int, tuple[int, int]] = field(default_factory=dict, repr=False)  # request -> (next turn, reply tokens it resent)
+    cache_tokens: dict[str, int] = field(default_factory=dict)  # tokens each serving engine's cache held at the end (``Simulation.held``)
 
     def held(self, request: int) -> np.ndarray:
         """What the simulated servers held after ``request``: its tokens and its reply's (logged, or resent by the
@@ -202,55 +204,97 @@ def scan_log(
 ) -> TrafficScan:
     """The token pass with ``settings``: render (each prompt cut at its context limit), match, diff, causes and every
     simulated engine and fleet, over every request of ``log`` (a request that cannot be rendered is skipped by name);
-    then the observed counts against its observed engine and the hosted providers' caches (``observed.observe``)."""
+    then the observed counts against its observed engine and the hosted providers' caches (``observed.observe``).
+
+    Memory follows what the simulated caches hold, not the log: requests are rendered as a stream, a batch at a
+    time; only the latest rendered requests are kept (``RenderedLog``: an older one, read as a match or by the model
+    pass, is rendered again), and each diff is kept as its match and its kind (``TurnDiffs``: computed again when read).
+    The rows hold numbers and names. Token ids are ``(tokens,) int32`` numpy arrays throughout."""
+    settings, server = settings.for_log([Reported.of(request) for request in log.requests])
+    block = settings.cache.block
+    rendered = RenderedLog(Renderer(tokenizer, settings.limit, model))
+    diffs = TurnDiffs(rendered, block)
+    simulation = Simulation(settings.cache, settings.fleet, end_of_turn_ids(tokenizer))
+    skipped, rows, served, good = list(log.skipped), [], [], []
+    every = max(len(log.requests) // _PROGRESS_STEPS, 1)
     with settling_heap() as settle:
-        rendered = render_batch(tokenizer, log.requests, settings.limit, model)
-        settle()
-        skipped = list(log.skipped)
-        good = []
-        for request, item in zip(log.requests, rendered):
-            if isinstance(item, RequestLogError):
-                skipped.append(Skipped(request.line, "rendering", str(item)))
+        for time, (request, new) in enumerate(rendered.renderer.stream(log.requests), 1):
+            if isinstance(new, RequestLogError):
+                skipped.append(Skipped(request.line, "rendering", str(new)))
             else:
-                good.append(item)
-        settings, server = settings.for_log([Reported.of(request) for request in log.requests])
-        block = settings.cache.block
-        simulation = Simulation(settings.cache, settings.fleet, end_of_turn_ids(tokenizer))
-        kept: dict[int, RenderedRequest] = {}
-        diffs: dict[int, TurnDiff] = {}
-        rows, served = [], []
-        every = max(len(good) // _PROGRESS_STEPS, 1)
-        for time, new in enumerate(good, 1):
-            request = new.request
-            hosted = hosted_request(new, breakpoint_tokens(new))
-            step = Step(new.token_ids, new.reply_ids, request.index, request.session, request.reply is not None, hosted)
-            result = simulation.step(step)
-            row, diff = compared_row(kept.get(result.matched), new, result.matched, block)
-            served.append(result.hosted)
-            kept[request.index] = new
-            if diff is not None:
-                diffs[request.index] = diff
-            rows.append(dataclasses.replace(row, reused_tokens=result.reused, prompts_only_reused_tokens=result.prompts_only))
+                rows.append(_simulated_row(simulation, rendered, diffs, new, served, block))
+                good.append(request)
             if time % every == 0:
                 settle()
-            if progress and (time % every == 0 or time == len(good)):
-                progress(time, len(good))
+            if progress and (time % every == 0 or time == len(log.requests)):
+                progress(time, len(log.requests))
         simulation.finish()
-        rows = observed_rows(rows, [Reported.of(item.request) for item in good], served, settings, model)
-        fleet_results = tuple(simulated.result() for simulated in simulation.fleets)
+        rows = observed_rows(rows, [Reported.of(request) for request in good], served, settings, model)
         return TrafficScan(
             tuple(rows),
             tuple(skipped),
             dict(log.formats),
             settings,
-            kept,
+            rendered,
             diffs,
             observed_evidence=server.evidence,
             reading=log.reading(),
-            fleet=fleet_results,
+            fleet=tuple(simulated.result() for simulated in simulation.fleets),
             replies=dict(simulation.replies),
             reply_from=dict(simulation.reply_from),
+            cache_tokens=simulation.held(),
         )
+
+
+def _simulated_row(
+    simulation: Simulation, rendered: RenderedLog, diffs: TurnDiffs, new: RenderedRequest, served: list[dict[str, int]], block: int
+) -> TrafficRequest:
+    """``new`` through every simulated cache, and its row against its match (whose diff ``diffs`` records); ``new``
+    is then kept among the recent rendered requests, and its hosted provider's reuse appended to ``served``."""
+    request = new.request
+    hosted = hosted_request(new, breakpoint_tokens(new))
+    step = Step(new.token_ids, new.reply_ids, request.index, request.session, request.reply is not None, hosted)
+    result = simulation.step(step)
+    old = None if result.matched is None else rendered[result.matched]
+    row, diff = compared_row(old, new, result.matched, block)
+    served.append(result.hosted)
+    rendered.keep(new)
+    if diff is not None:
+        diffs.add(request.index, result.matched, diff)
+    return dataclasses.replace(row, reused_tokens=result.reused, prompts_only_reused_tokens=result.prompts_only)
+
+
+class TurnDiffs(Mapping[int, TurnDiff]):
+    """Each request's diff against its match, by request, without holding them: kept as the match and whether the
+    diff changes only messages' text (``flat``), and computed again from the rendered requests when read (the same
+    ``compare_requests``, on the same tokens). A mapping of held diffs (the distributed pass's) reads the same."""
+
+    def __init__(self, rendered: Mapping[int, RenderedRequest], block: int):
+        self.rendered, self.block = rendered, block
+        self._matched: dict[int, int] = {}  # request -> its match, for each request with a diff
+        self._structural: set[int] = set()  # requests whose diff changes something outside messages' text
+
+    def add(self, request: int, matched: int, diff: TurnDiff) -> None:
+        self._matched[request] = matched
+        if diff.structural:
+            self._structural.add(request)
+
+    def flat(self, request: int) -> bool:
+        """Whether the request has a diff, and it changes only messages' text (no structural change)."""
+        return request in self._matched and request not in self._structural
+
+    def __getitem__(self, request: int) -> TurnDiff:
+        matched = self._matched[request]
+        return compare_requests(self.rendered[matched], self.rendered[request], self.block)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._matched)
+
+    def __len__(self) -> int:
+        return len(self._matched)
+
+    def __contains__(self, request: object) -> bool:
+        return request in self._matched
 
 
 @contextmanager
@@ -387,8 +431,15 @@ UNREPAIRABLE = ("new_prefix", "other_conversation")  # causes no field repair ap
 
 
 def _measurable(scan: TrafficScan, row: TrafficRequest) -> bool:
-    diff = scan.diffs.get(row.request)
-    return row.matched_request is not None and diff is not None and not diff.structural and not is_cold(row)
+    return row.matched_request is not None and _flat(scan.diffs, row.request) and not is_cold(row)
+
+
+def _flat(diffs: Mapping[int, TurnDiff], request: int) -> bool:
+    """Whether ``request`` has a diff that changes only messages' text (read off a ``TurnDiffs`` without computing it)."""
+    if isinstance(diffs, TurnDiffs):
+        return diffs.flat(request)
+    diff = diffs.get(request)
+    return diff is not None and not diff.structural
 
 
 def is_cold(row: TrafficRequest) -> bool:
