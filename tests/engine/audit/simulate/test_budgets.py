@@ -97,7 +97,7 @@ def test_vllm_evicts_where_its_block_budget_says():
     cache = Caches(CacheSettings(block=16, server=size))["vllm"]
     for number in range(5):
         cache.insert(_request(number, 32))  # 2 blocks each: 10 blocks after 5 requests
-    assert cache.evicted == [] and len(cache.blocks) == 10
+    assert not cache.evicted and len(cache.blocks) == 10
     cache.insert(_request(5, 16))
     assert len(cache.evicted) == 1 and len(cache.blocks) == 10
     assert cache.evicted[0][0] == 0  # the least recently used: the first request's
