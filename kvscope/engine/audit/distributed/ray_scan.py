@@ -3,14 +3,16 @@
 The result is the single-process ``traffic_scan.scan_log``'s, request for request (the same rows, causes, diffs, groups
 and engines' reuse); only where the work runs differs:
 
-- **Stage 1, on Ray Data** (``map_batches`` over the log's shards, ``shards.plan_shards``, with an actor pool of
-  ``workers`` actors, each holding the tokenizer). A first pass counts each shard's requests (read and unwrap only),
-  and returns their timestamps, the records skipped, the flags and the sessions Langfuse traces name (``LogCount``):
-  so every request gets its number in the whole log, in time order where every request has a timestamp (as one
-  process orders it, ``reading.time_ordered``), and each observation its trace's session from any shard. The second
-  reads, unwraps, renders and tokenizes each request, hashes its blocks (``blocks.block_hashes``) and computes its
-  row against its match among the shard's earlier requests (a radix tree of the shard alone; cold without one;
-  ``traffic_scan.compared_row``: the diff and the causes, which need the texts). A shard's records come back pickled, as bytes.
+- **Stage 1, on tokenizer actors** (``workers`` actors of ``shard_tokens.ShardTokenPass``, one CPU each, each holding
+  the tokenizer, over the log's shards, ``shards.plan_shards``). A first pass counts each shard's requests (read and
+  unwrap only), and returns their timestamps, the records skipped, the flags and the sessions Langfuse traces name
+  (``LogCount``): so every request gets its number in the whole log, in time order where every request has a timestamp
+  (as one process orders it, ``reading.time_ordered``), and each observation its trace's session from any shard. The
+  second reads, unwraps, renders and tokenizes each request, hashes its blocks (``blocks.block_hashes``) and computes
+  its row against its match among the shard's earlier requests (a radix tree of the shard alone; cold without one;
+  ``traffic_scan.compared_row``: the diff and the causes, which need the texts). A shard's records come back pickled,
+  as bytes, token ids as int32 arrays. Both passes stream their shards back in order (``in_order``: ``AHEAD`` shards
+  per actor in flight), so the driver simulates each shard while the actors tokenize the next.
 - **Stage 2, on the driver**, in time order, over compact records: per request its token ids (int32, for the radix
   tree and the slots), its block hashes (int64), its row and what its record reports (``Reported``, and for a hosted
   model what its provider's cache reads). The radix tree matches the request; when the match is the shard's own guess
@@ -30,7 +32,8 @@ and engines' reuse); only where the work runs differs:
 Faults: a shard that cannot be read (a truncated gzip, an unreadable file) is skipped from the line it failed at,
 named by file and line, and the other shards go on; a worker that dies is restarted by Ray and its shard retried
 (``RETRIES``: the actors' ``max_restarts`` and ``max_task_retries``). A log is streamed: each worker reads its
-shard's lines, and the driver holds one shard's records at a time (all of them, for a log out of time order). An
+shard's lines, Ray holds the few shards in flight, and the driver one shard's records at a time (all of them, for a
+log out of time order). An
 OpenTelemetry export is one shard (``shards.LINKED``: its spans' messages and sessions lie on other lines).
 """
 
@@ -184,6 +187,9 @@ def ray_scan(
     the model pass reads for ``sample`` turns per group (and the cold ones) are rendered on the driver afterwards."""
     import ray
 
+    cpus = int(ray.cluster_resources().get("CPU", 0))
+    if workers > cpus:  # an actor without a CPU would never start, and the shards sent to it never come back
+        raise RequestLogError(f"--workers {workers} tokenizer actors need a CPU each; the Ray cluster has {cpus} CPUs")
     shards, fmt = log.shards(shard_lines_), log.fmt
     actor_class = ray.remote(num_cpus=1, max_restarts=RETRIES, max_task_retries=RETRIES)(ShardTokenPass)
     actors = [actor_class.remote(tokenizer, fmt, settings, model) for _ in range(workers)]
