@@ -18,12 +18,14 @@ distributed = pytest.importorskip("kvscope.engine.audit.distributed.ray_scan")
 def two_nodes():
     if ray.is_initialized():  # another module's local Ray
         ray.shutdown()
-    cluster = cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
-    cluster.add_node(num_cpus=1)
-    cluster.wait_for_nodes()
-    yield cluster
-    ray.shutdown()
-    cluster.shutdown()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_worker_register_timeout_seconds", "600")  # a worker's start on a loaded machine (default 60 s)
+        cluster = cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
+        cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        yield cluster
+        ray.shutdown()
+        cluster.shutdown()
 
 
 def test_the_same_command_on_a_cluster_gives_the_one_process_json(two_nodes):
