@@ -17,6 +17,11 @@ the token pass (read_log included: parsing, time order) runs on each and on the 
 median over the JSONL's, and whether every format gave the same requests, tokens and reuse. Goal: at most 1.5x.
 
 Writes benchmarks/studies/results/audit_scale-cpu.json.
+
+Memory (``--memory 10000,100000,1000000 [--logs DIR]``): one process's peak RSS on the generated log at each size,
+unbounded and under ``--budget-tokens``, each in a fresh process, with what each engine's cache held at the end
+(``--logs``: where the logs are written and reused; a million requests is about 7 GB). Writes
+benchmarks/studies/results/audit_scale_memory-cpu.json.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from datetime import datetime, timedelta
 from pathlib import Path
 
@@ -62,6 +68,11 @@ HISTORY_CHARS = 850  # a session's task restarts once its messages pass this (re
 
 
 def synthetic_log(requests: int, sessions: int, seed: int = 0) -> list[dict]:
+    """``synthetic_records`` as a list."""
+    return list(synthetic_records(requests, sessions, seed))
+
+
+def synthetic_records(requests: int, sessions: int, seed: int = 0) -> Iterator[dict]:
     """Agent traffic: per session a system prompt (a clock line to the minute, and a policy shared by every
     session), the tools, and turns with tool calls and results growing to ~2k tokens, then a fresh task (whose first
     request carries a task brief, so no request is under ~1.5k tokens); sessions interleaved at random, one request
@@ -69,7 +80,6 @@ def synthetic_log(requests: int, sessions: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     policy = "".join(POLICY.format(n=n) for n in range(RULES))
     turns: dict[int, list[dict]] = {s: [] for s in range(sessions)}
-    records = []
     for number in range(requests):
         s = rng.randrange(sessions)
         history = turns[s]
@@ -105,10 +115,15 @@ def synthetic_log(requests: int, sessions: int, seed: int = 0) -> list[dict]:
             ]
         clock = f"The current time is {(START + number * STEP):%Y-%m-%d %H:%M}."
         system = f"You are Harbor, the shop's support agent.\n{clock}\n\n{policy}"
-        records.append(
-            {"model": "harbor", "user": f"session-{s}", "tools": TOOLS, "messages": [{"role": "system", "content": system}, *history]}
-        )
-    return records
+        yield {"model": "harbor", "user": f"session-{s}", "tools": TOOLS, "messages": [{"role": "system", "content": system}, *history]}
+
+
+def write_log(path: Path, requests: int, sessions: int) -> Path:
+    """The generated log written as JSONL, a record at a time (a million requests is about 7 GB)."""
+    with path.open("w", encoding="utf-8") as stream:
+        for record in synthetic_records(requests, sessions):
+            stream.write(json.dumps(record) + "\n")
+    return path
 
 
 EXPORT_SIZE = 10_000
@@ -263,40 +278,50 @@ NOTES = {
     "the budget including it (SGLang then reuses nothing, vLLM keeps its head blocks)",
 }
 EXACT_EVERY = 10  # after the timed pass, every 10th request is tokenized whole and compared with the fast path's
+EXACT_CHECKED = 1_000  # at most about this many (spread over the log): each is rendered again
 
 
 def _worker(log: str, tokenizer_dir: str, budget_tokens: int) -> None:
     """One token pass in this process (``budget_tokens`` 0: unbounded; else that SGLang token budget and the vLLM
-    block budget holding as many tokens): its time, peak RSS and results as JSON on stdout, then an exactness check
-    of the line-cut tokenization on every ``EXACT_EVERY``-th request (untimed)."""
+    block budget holding as many tokens), the log read as the CLI reads it (``LogFiles.log``: a large file streamed):
+    its time, peak RSS, what each engine's cache held at the end, and its results as JSON on stdout, then an exactness
+    check of the line-cut tokenization on up to ``EXACT_CHECKED`` requests spread over the log (untimed)."""
     from transformers import AutoTokenizer
 
-    from kvscope.engine.audit.logs.reading import read_log
     from kvscope.engine.audit.logs.render import TextEncoder
+    from kvscope.engine.audit.logs.shards import LogFiles
     from kvscope.engine.audit.scan.settings import ScanSettings
     from kvscope.engine.audit.scan.traffic_scan import scan_log
     from kvscope.engine.audit.simulate.caches import CacheSettings
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    text = Path(log).read_text(encoding="utf-8")
     cache = CacheSettings(budget_tokens=budget_tokens, budget_blocks=budget_tokens // 16) if budget_tokens else CacheSettings()
     settings = ScanSettings(cache)
+    before = _rss_mb()
     start, cpu_start = time.perf_counter(), time.process_time()
-    log = read_log(text)
+    log = LogFiles.of([log]).log
+    read_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     scan = scan_log(tokenizer, log, settings)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     rows = scan.requests
-    checked = [scan.rendered[row.request] for row in rows[::EXACT_EVERY]]
+    checked = [scan.rendered[row.request] for row in rows[:: max(len(rows) // EXACT_CHECKED, EXACT_EVERY)]]
     whole = tokenizer.backend_tokenizer.encode_batch([item.text for item in checked], add_special_tokens=False)
+    tokens = sum(r.tokens for r in rows)
     print(
         json.dumps(
             {
                 "seconds": round(seconds, 2),
                 "cpu_seconds": round(cpu_seconds, 2),
-                "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+                "peak_rss_mb": round(peak, 1),
+                "rss_before_mb": round(before, 1),
+                "peak_rss_mb_after_reading": round(read_peak, 1),
+                "bytes_per_request_over_start": round((peak - before) * 2**20 / max(len(rows), 1)),
                 "settings": settings.cache.as_dict(),
+                "caches_held_tokens": scan.cache_tokens,
+                "caches_held_share_of_log_tokens": {name: round(held / max(tokens, 1), 4) for name, held in scan.cache_tokens.items()},
                 "requests": len(rows),
-                "tokens": sum(r.tokens for r in rows),
+                "tokens": tokens,
                 "min_tokens": min(r.tokens for r in rows),
                 "max_tokens": max(r.tokens for r in rows),
                 "sessions": len(scan.sessions()),
@@ -552,6 +577,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ray-compare", type=int, help="instead: one process against --ray local on this many requests")
     parser.add_argument("--workers", type=int, default=2, help="with --ray-compare: the local Ray's CPUs and tokenizer actors")
     parser.add_argument("--stage2-memory", type=int, help="instead: the Ray driver's bytes per request on this many requests")
+    parser.add_argument("--memory", help="instead: one process's peak RSS on generated logs of these sizes (e.g. 10000,100000,1000000)")
+    parser.add_argument("--logs", default=None, help="with --memory: the folder the logs are written to (default: a temporary one)")
     parser.add_argument("--scale-worker", nargs=4, metavar=("MODE", "LOG", "TOKENIZER", "WORKERS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -563,6 +590,9 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer_dir = Path(args.tokenizer) if args.tokenizer else _embedded_tokenizer_dir()
     if args.ray_compare:
         _ray_main(args, tokenizer_dir)
+        return
+    if args.memory:
+        _memory_main(args, tokenizer_dir)
         return
     if args.stage2_memory:
         budgets = [0, args.budget_tokens] if args.budget_tokens else [0]
@@ -596,6 +626,57 @@ def main(argv: list[str] | None = None) -> None:
         "exports": exports,
     }
     path = Path(args.out) / "audit_scale-cpu.json"
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    print(path)
+
+
+MEMORY_GOAL_MB = 2_500  # one process's peak at 100,000 requests (issue 67)
+
+
+def memory_scale(sizes: list[int], sessions: int, budget_tokens: int, tokenizer_dir: Path, folder: Path) -> list[dict]:
+    """One process's token pass (``--sample 0``'s: ``scan_log``, the log read as the CLI reads it) on generated logs
+    of each size, unbounded and under ``budget_tokens`` (0: unbounded only), each in a fresh process: its peak RSS,
+    bytes per request over its start, and what each engine's cache held at the end."""
+    runs = []
+    for size in sizes:
+        log = folder / f"agents-{size}.jsonl"
+        if not log.exists():
+            write_log(log, size, sessions)
+        for budget in [0, budget_tokens] if budget_tokens else [0]:
+            run = _measured([sys.executable, "-m", "benchmarks.studies.audit_scale", "--worker", str(log), str(tokenizer_dir), str(budget)])
+            if run["code"] != 0:
+                runs.append({"requests": size, "budget_tokens": budget, "failed": run["stderr"][-1500:]})
+                continue
+            found = json.loads(run["stdout"])
+            keep = ("seconds", "cpu_seconds", "peak_rss_mb", "rss_before_mb", "peak_rss_mb_after_reading", "bytes_per_request_over_start")
+            runs.append(
+                {"requests": size, "budget_tokens": budget, "log_bytes": log.stat().st_size, "tokens": found["tokens"]}
+                | {key: found[key] for key in keep}
+                | {key: found[key] for key in ("caches_held_tokens", "caches_held_share_of_log_tokens", "exact_check")}
+                | {"hit_rate": found["engines"]["hit_rate"]}
+            )
+            print(f"{size:,} requests, budget {budget or 'none'}: peak {found['peak_rss_mb']} MB, {found['seconds']} s", file=sys.stderr)
+    return runs
+
+
+def _memory_main(args: argparse.Namespace, tokenizer_dir: Path) -> None:
+    """Writes benchmarks/studies/results/audit_scale_memory-cpu.json."""
+    load_before = os.getloadavg()
+    sizes = [int(n) for n in args.memory.split(",")]
+    with tempfile.TemporaryDirectory() as temporary:
+        folder = Path(args.logs) if args.logs else Path(temporary)
+        folder.mkdir(parents=True, exist_ok=True)
+        runs = memory_scale(sizes, args.sessions, args.budget_tokens, tokenizer_dir, folder)
+    data = {
+        "benchmark": "audit_scale_memory",
+        "tokenizer": tokenizer_dir.name,
+        "cpu": cpu_info(),
+        "cpus": os.cpu_count(),
+        "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
+        "goal": f"one process's peak RSS at 100,000 requests at most {MEMORY_GOAL_MB:,} MB; grows with what the caches hold, not the log",
+        "runs": runs,
+    }
+    path = Path(args.out) / "audit_scale_memory-cpu.json"
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     print(path)
 

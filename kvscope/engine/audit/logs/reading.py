@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -228,7 +229,7 @@ def _request(item: dict, index: int, line: int) -> Request:
     if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
         raise RecordError("tools", "must be a list of tool objects")
     breakpoints = tuple(CacheBreakpoint(*mark) for mark in item.get("breakpoints", ()))
-    encoded = tuple(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    encoded = tuple(sys.intern(json.dumps(tool, ensure_ascii=False)) for tool in tools)  # one copy of a text every request repeats
     return Request(index, line, parsed, tools=encoded, breakpoints=breakpoints, **common)
 
 
@@ -242,7 +243,7 @@ def read_message(message: Any, number: int) -> Message:
         role = "tool"
     if role not in ROLES:
         raise RecordError(at, f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
-    content = text_of(message.get("content"), at)
+    content = sys.intern(text_of(message.get("content"), at))  # a session's requests resend its messages: one copy each
     calls = message.get("tool_calls") or ([{"function": message["function_call"]}] if message.get("function_call") else [])
     if not isinstance(calls, list):
         raise RecordError(f"{at} tool_calls", f"must be a list, got {type(calls).__name__}")

@@ -133,9 +133,9 @@ class RenderedLog(Mapping[int, RenderedRequest]):
     deterministic and the same in any batch). Memory: the recent requests' texts, tokens and offsets, and one
     reference per request to the log's own ``Request``."""
 
-    def __init__(self, renderer: Renderer, recent: int = RECENT_RENDERED):
+    def __init__(self, renderer: Renderer):
         self.renderer = renderer
-        self.recent = recent
+        self.recent = RECENT_RENDERED
         self._requests: dict[int, Request] = {}  # every request rendered, by index
         self._kept: OrderedDict[int, RenderedRequest] = OrderedDict()  # the latest rendered, least recently used first
 

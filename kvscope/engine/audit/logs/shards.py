@@ -32,6 +32,7 @@ from kvscope.engine.audit.logs.sources import joined_records
 
 LOG_SUFFIXES = (".jsonl", ".json", ".gz")
 SHARD_LINES = 2_000  # lines per shard of the distributed token pass
+WHOLE_TEXT_BYTES = 64 << 20  # a plain log file up to this size is read in one process as one text (``LogFiles.log``)
 _BLOCK = 1 << 20  # bytes read at a time while counting lines
 _UNTIL_IT_FAILS = 1 << 62  # the lines of a corrupt file's last shard: read until the error
 # What marks an export whose records complete each other across lines (OpenTelemetry: a span's messages in log
@@ -289,8 +290,10 @@ class LogFiles:
 
     @functools.cached_property
     def log(self) -> RequestLog:
-        """The log read in this process (once: kept for every later reader)."""
-        return read_log(self.text(), self.fmt) if self.one_text else read_logs(self.paths, self.fmt)
+        """The log read in this process (once: kept for every later reader); a plain file over ``WHOLE_TEXT_BYTES`` is
+        streamed line by line (``read_logs``: the same requests), not held whole as text and parsed records."""
+        whole = self.one_text and Path(self.paths[0]).stat().st_size <= WHOLE_TEXT_BYTES
+        return read_log(self.text(), self.fmt) if whole else read_logs(self.paths, self.fmt)
 
     def shards(self, lines_per_shard: int = SHARD_LINES) -> list[Shard]:
         """The log's files cut into the shards the distributed pass reads (``plan_shards``)."""

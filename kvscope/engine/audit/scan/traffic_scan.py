@@ -100,6 +100,7 @@ class TrafficScan:
     fleet: tuple[FleetResult, ...] = ()  # the fleets simulated (``fleet.Fleet``), when asked for
     replies: dict[str, int] = field(default_factory=dict)  # requests per ``step.REPLY_COUNTS`` key
     reply_from: dict[int, tuple[int, int]] = field(default_factory=dict, repr=False)  # request -> (next turn, reply tokens it resent)
+    cache_tokens: dict[str, int] = field(default_factory=dict)  # tokens each serving engine's cache held at the end (``Simulation.held``)
 
     def held(self, request: int) -> np.ndarray:
         """What the simulated servers held after ``request``: its tokens and its reply's (logged, or resent by the
@@ -206,6 +207,7 @@ def scan_log(
             fleet=tuple(simulated.result() for simulated in simulation.fleets),
             replies=dict(simulation.replies),
             reply_from=dict(simulation.reply_from),
+            cache_tokens=simulation.held(),
         )
 
 

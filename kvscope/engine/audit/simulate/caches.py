@@ -26,8 +26,8 @@ matched by its head), preferring the same session's latest request among equally
 from __future__ import annotations
 
 import re
-from collections import OrderedDict
-from collections.abc import Collection, Mapping
+from collections import OrderedDict, deque
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,7 @@ from kvscope.engine.audit.changes.fields import common_prefix
 from kvscope.engine.audit.paged_blocks import BLOCK_SIZES, block_hashes
 from kvscope.engine.audit.simulate.prefix_cache import CacheRequest, CacheSettings, PrefixCache, fit_budgets
 
+EVICTIONS_KEPT = 4_096  # evictions a cache remembers (the latest, for inspection), not every one of a long log's
 _LLAMA_BUILD = re.compile(r"system_fingerprint=b\d+-[0-9a-f]+")  # llama.cpp's build_info
 
 
@@ -83,9 +84,8 @@ class BlockCache(PrefixCache):
             raise ValueError(f"the block size must be at least 1 token, got {block}")
         self.block = block
         self.budget = budget_blocks
-        self.blocks: OrderedDict[int, int] = OrderedDict()  # block hash -> the request that last used it, LRU first
-        self.evicted: list[tuple[int, int]] = []  # (request that last used it, block number in that request)
-        self._position: dict[int, int] = {}
+        self.blocks = BlockTable()  # block hash -> the request that last used it and its number there, in LRU order
+        self.evicted: deque[tuple[int, int]] = deque(maxlen=EVICTIONS_KEPT)  # (request that last used it, block number in it), the latest
 
     @classmethod
     def from_settings(cls, settings: CacheSettings) -> BlockCache:
@@ -94,8 +94,8 @@ class BlockCache(PrefixCache):
     def match(self, request: CacheRequest) -> int:
         """The prompt's leading whole blocks held, in tokens."""
         whole = len(request.ids) // self.block
-        keys = self.keys(request.ids) if request.hashes is None else list(request.hashes[:whole])
-        return next((n for n, key in enumerate(keys) if key not in self.blocks), len(keys)) * self.block
+        keys = self.keys(request.ids) if request.hashes is None else np.asarray(request.hashes[:whole], dtype=np.int64)
+        return self.blocks.leading(keys) * self.block
 
     def insert(self, request: CacheRequest) -> int:
         """The leading blocks already held, within the tokens before the prompt's last; then the whole blocks of
@@ -105,31 +105,171 @@ class BlockCache(PrefixCache):
     def hold(self, request: CacheRequest) -> None:
         self.hold_keys(self._held_keys(request), request.request)
 
-    def _held_keys(self, request: CacheRequest) -> list[int]:
-        return list(self.keys(request.tokens) if request.hashes is None else request.hashes)
+    @property
+    def held_tokens(self) -> int:
+        """The tokens held now (its whole blocks)."""
+        return len(self.blocks) * self.block
 
-    def keys(self, ids: np.ndarray) -> list[int]:
+    def _held_keys(self, request: CacheRequest) -> np.ndarray:
+        return self.keys(request.tokens) if request.hashes is None else np.asarray(request.hashes, dtype=np.int64)
+
+    def keys(self, ids: np.ndarray) -> np.ndarray:
         """The chained keys of ``ids``'s whole blocks: ``blocks.block_hashes``, as every process computes them."""
-        return block_hashes(ids, self.block).tolist()
+        return block_hashes(ids, self.block)
 
-    def insert_keys(self, hashes: list[int], tokens: int, request: int) -> int:
+    def insert_keys(self, hashes: Sequence[int] | np.ndarray, tokens: int, request: int) -> int:
         """``insert`` from the block keys of what is held (one per whole block, each naming the block and every block
         before it) and the prompt's length in tokens: for callers that hash once and simulate many budgets."""
+        hashes = np.asarray(hashes, dtype=np.int64)
         usable = (tokens - 1) // self.block  # blocks wholly before the prompt's last token
-        hits = next((n for n, key in enumerate(hashes[:usable]) if key not in self.blocks), min(usable, len(hashes)))
+        hits = self.blocks.leading(hashes[:usable])
         self.hold_keys(hashes, request)
         return hits * self.block
 
-    def hold_keys(self, hashes: list[int], request: int) -> None:
+    def hold_keys(self, hashes: Sequence[int] | np.ndarray, request: int) -> None:
         """Keep these whole blocks for ``request`` (tail first: the head ends most recently used), then evict."""
-        for number in range(len(hashes) - 1, -1, -1):
-            key = hashes[number]
-            self.blocks[key] = request
-            self.blocks.move_to_end(key)
-            self._position[key] = number
-        while self.budget is not None and len(self.blocks) > self.budget:
-            key, owner = self.blocks.popitem(last=False)
-            self.evicted.append((owner, self._position.pop(key)))
+        self.blocks.touch(np.asarray(hashes, dtype=np.int64), request)
+        if self.budget is not None and len(self.blocks) > self.budget:
+            self.evicted.extend(self.blocks.evict(len(self.blocks) - self.budget))
+
+
+class BlockTable:
+    """The blocks a ``BlockCache`` holds, as an ``OrderedDict`` of block hash -> (request that last used it, its
+    number there) in LRU order would hold them, without a Python object per block (169 bytes a block that way; about
+    60 here: an unbounded cache of a million requests holds tens of millions of blocks).
+
+    The 64-bit keys sit in an open-addressing table (linear probing, deleted slots marked, rebuilt at most 5/8 full),
+    each slot with its request, its number and its stamp. The LRU order is a log of touched slots, oldest first: an
+    entry is current while its slot's stamp is its place in the log (a slot touched again gets a later entry), so the
+    least recently used block is the first current entry. The log is compacted once it is mostly stale."""
+
+    _EMPTY, _HELD, _DELETED = 0, 1, 2
+
+    def __init__(self, capacity: int = 1 << 10):
+        self._allocate(capacity)
+        self.order = np.zeros(capacity, dtype=np.int32)  # the log: touched slots, oldest first
+        self.head = self.end = 0  # the log's entries before ``head`` are all stale
+        self.count = 0  # blocks held
+
+    def _allocate(self, capacity: int) -> None:
+        self.keys = np.zeros(capacity, dtype=np.int64)
+        self.state = np.zeros(capacity, dtype=np.int8)
+        self.owner = np.zeros(capacity, dtype=np.int32)  # the request that last used the block
+        self.number = np.zeros(capacity, dtype=np.int32)  # the block's number in that request
+        self.stamp = np.full(capacity, -1, dtype=np.int32)  # the block's place in the log
+        self.used = 0  # slots held or deleted
+
+    def __len__(self) -> int:
+        return self.count
+
+    def slots(self, keys: np.ndarray) -> np.ndarray:
+        """Each key's slot (-1: not held)."""
+        mask = len(self.keys) - 1
+        found = np.full(len(keys), -1, dtype=np.int64)
+        probe = keys & mask
+        todo = np.arange(len(keys))
+        while len(todo):
+            at = probe[todo]
+            state = self.state[at]
+            hit = (state == self._HELD) & (self.keys[at] == keys[todo])
+            found[todo[hit]] = at[hit]
+            todo = todo[~hit & (state != self._EMPTY)]
+            probe[todo] = (probe[todo] + 1) & mask
+        return found
+
+    def leading(self, keys: np.ndarray) -> int:
+        """How many of ``keys``, from the first, are held."""
+        missing = np.flatnonzero(self.slots(keys) < 0)
+        return int(missing[0]) if len(missing) else len(keys)
+
+    def touch(self, keys: np.ndarray, request: int) -> None:
+        """Hold ``keys`` for ``request`` (key k as its block number k), the last touched first: the first key ends
+        most recently used (a key given twice keeps its first number)."""
+        unique, first = np.unique(keys, return_index=True)
+        if len(unique) < len(keys):
+            keys = keys[np.sort(first)]
+        numbers = np.arange(len(keys), dtype=np.int32) if len(unique) == len(keys) else np.sort(first).astype(np.int32)
+        if (self.used + len(keys)) * 8 > len(self.keys) * 5:  # room for every key first: a rebuild moves the slots
+            self._rebuild(len(self.keys), self.count + len(keys))
+        slots = self.slots(keys)
+        new = slots < 0
+        if new.any():
+            slots[new] = self._insert(keys[new])
+        self.owner[slots], self.number[slots] = request, numbers
+        self._log(slots[::-1])
+
+    def evict(self, count: int) -> list[tuple[int, int]]:
+        """Drop the ``count`` least recently used blocks; their (request, number), oldest first."""
+        gone: list[np.ndarray] = []
+        while count > 0:
+            window = np.arange(self.head, min(self.head + max(count * 2, 64), self.end))
+            slots = self.order[window]
+            current = window[(self.stamp[slots] == window) & (self.state[slots] == self._HELD)][:count]
+            taken = self.order[current]
+            self.state[taken], self.stamp[taken] = self._DELETED, -1
+            self.count -= len(taken)
+            count -= len(taken)
+            gone.append(taken)
+            self.head = int(current[-1]) + 1 if count == 0 and len(current) else int(window[-1]) + 1
+        taken = np.concatenate(gone) if gone else np.zeros(0, dtype=np.int64)
+        return list(zip(self.owner[taken].tolist(), self.number[taken].tolist()))
+
+    def _insert(self, keys: np.ndarray) -> np.ndarray:
+        """Slots for new keys (none held; the table has room for them)."""
+        mask = len(self.keys) - 1
+        slots = np.full(len(keys), -1, dtype=np.int64)
+        probe = keys & mask
+        todo = np.arange(len(keys))
+        while len(todo):
+            at = probe[todo]
+            free = self.state[at] != self._HELD
+            _, first = np.unique(at, return_index=True)  # one new key per free slot a round
+            won = np.zeros(len(todo), dtype=bool)
+            won[first] = True
+            won &= free
+            winners = todo[won]
+            slots[winners] = at[won]
+            self.used += int(np.count_nonzero(self.state[at[won]] == self._EMPTY))
+            self.state[at[won]], self.keys[at[won]] = self._HELD, keys[winners]
+            todo = todo[~won]
+            probe[todo] = np.where(self.state[probe[todo]] == self._HELD, (probe[todo] + 1) & mask, probe[todo])
+        self.count += len(keys)
+        return slots
+
+    def _rebuild(self, capacity: int, needed: int) -> None:
+        """The table with only the blocks held, in a capacity at most a quarter full after ``needed`` blocks; the log
+        compacted to its current entries."""
+        while needed * 4 > capacity:
+            capacity *= 2
+        live = self._current()
+        keys, owner, number = self.keys[live], self.owner[live], self.number[live]
+        self._allocate(capacity)
+        self.head = self.end = 0
+        self.count = 0
+        slots = self._insert(keys)
+        self.owner[slots], self.number[slots] = owner, number
+        self.order = np.zeros(max(len(slots) * 2, 1 << 10), dtype=np.int32)
+        self._log(slots)
+
+    def _current(self) -> np.ndarray:
+        """The held blocks' slots in LRU order (oldest first)."""
+        window = np.arange(self.head, self.end)
+        slots = self.order[window]
+        return slots[(self.stamp[slots] == window) & (self.state[slots] == self._HELD)]
+
+    def _log(self, slots: np.ndarray) -> None:
+        """Append touches of ``slots`` (in this order) to the log, compacting or growing it first."""
+        if self.end + len(slots) > len(self.order):
+            if self.end - self.head > 2 * self.count:
+                current = self._current()
+                self.order[: len(current)] = current
+                self.stamp[current] = np.arange(len(current), dtype=np.int32)
+                self.head, self.end = 0, len(current)
+            if self.end + len(slots) > len(self.order):
+                self.order = np.concatenate([self.order, np.zeros(max(len(self.order), len(slots)), dtype=np.int32)])
+        self.order[self.end : self.end + len(slots)] = slots
+        self.stamp[slots] = np.arange(self.end, self.end + len(slots), dtype=np.int32)
+        self.end += len(slots)
 
 
 class SlotCache(PrefixCache):
@@ -201,6 +341,11 @@ class SlotCache(PrefixCache):
         self.held[request.session] = request.tokens
         return min(reused, len(request.ids) - 1)
 
+    @property
+    def held_tokens(self) -> int:
+        """The tokens held now, over every slot."""
+        return sum(len(tokens) for tokens in self.held.values())
+
     def hold(self, request: CacheRequest) -> None:
         """The session's slot, where it still has one, now holds ``request.tokens`` (its prompt and reply)."""
         if request.session in self.held:
@@ -260,6 +405,11 @@ class ServerSlots(PrefixCache):
                     self.tokens[other] = np.zeros(0, dtype=np.int32)
         self.tokens[slot], self.used[slot] = request.tokens, self.time
         return reused
+
+    @property
+    def held_tokens(self) -> int:
+        """The tokens held now: the slots' and the RAM prompt cache's."""
+        return sum(len(tokens) for tokens in [*self.tokens, *self.saved])
 
     def hold(self, request: CacheRequest) -> None:
         """What holds the longest prompt that ``request.tokens`` goes on from (a slot, or its saved copy) now holds it."""

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from collections import deque
 from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from kvscope.engine.audit.changes.fields import common_prefix
-from kvscope.engine.audit.simulate.caches import CacheSettings
+from kvscope.engine.audit.simulate.caches import EVICTIONS_KEPT, CacheSettings
 from kvscope.engine.audit.simulate.prefix_cache import CacheRequest, PrefixCache, fit_budgets
 
 
@@ -45,7 +46,7 @@ class RadixTree:
         self.root = _Node(np.zeros(0, dtype=np.int32), None)
         self.budget = budget_tokens
         self.tokens = 0  # tokens held (the edges' lengths)
-        self.evicted: list[tuple[int, int]] = []  # (request that last used the node, tokens) per eviction, in order
+        self.evicted: deque[tuple[int, int]] = deque(maxlen=EVICTIONS_KEPT)  # (request that last used the node, tokens), the latest
         self._order = itertools.count()
         # under a budget, (access, order, node) for each node when it became a leaf or was touched as one; an entry whose
         # node has since been touched again, grown children or been evicted is stale and skipped when popped
@@ -169,6 +170,11 @@ class RadixCache(PrefixCache):
     def insert(self, request: CacheRequest) -> int:
         reused = self.tree.insert(request.ids, request.request, request.session, request.time, request.held)
         return reused // self.page * self.page
+
+    @property
+    def held_tokens(self) -> int:
+        """The tokens held now (the tree's edges)."""
+        return self.tree.tokens
 
     def hold(self, request: CacheRequest) -> None:
         self.tree.insert(request.tokens, request.request, request.session, request.time)

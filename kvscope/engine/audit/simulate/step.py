@@ -119,6 +119,10 @@ class Simulation:
             self._waiting[step.session] = _Waiting(step.request, step.ids, step.hashes, replicas)
         return StepResult(matched, reused, prompts_only, self.hosted.insert(request))
 
+    def held(self) -> dict[str, int]:
+        """The tokens each serving engine's cache holds now (with replies; the prompts-only and the fleets' apart)."""
+        return {name: cache.held_tokens for name, cache in self.engines.caches.items()}
+
     def finish(self) -> None:
         """Counts the requests whose reply stayed unknown (no later turn of their session resent it)."""
         self.replies["none"] += len(self._waiting)

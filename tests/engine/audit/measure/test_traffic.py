@@ -306,7 +306,7 @@ def test_radix_budget_evicts_least_recently_used_leaves():
     sequences = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8, 9], [10, 11, 12], [1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8, 9]]
     reused = [cache.insert(np.array(seq, dtype=np.int32), n, None, n) for n, seq in enumerate(sequences, 1)]
     assert reused == [0, 3, 0, 3, 3]  # [4,5,6] went first (request 1), then [7,8,9] (2), then [10,11,12] (3)
-    assert cache.evicted == [(1, 3), (2, 3), (3, 3)] and cache.tokens == 9
+    assert list(cache.evicted) == [(1, 3), (2, 3), (3, 3)] and cache.tokens == 9
 
 
 def test_block_budget_evicts_least_recently_used_blocks_tail_first():
@@ -314,7 +314,7 @@ def test_block_budget_evicts_least_recently_used_blocks_tail_first():
     sequences = [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9, 1], [20, 21, 22, 23, 24], [1, 2, 3, 4, 5, 6, 7, 8, 0]]
     reused = [cache.insert(CacheRequest(np.array(seq, dtype=np.int32), n)) for n, seq in enumerate(sequences, 1)]
     assert reused == [0, 4, 0, 4]  # request 4 finds its first block but not its second (evicted by request 3)
-    assert cache.evicted == [(1, 1), (2, 1)]  # request 1's tail block, then request 2's
+    assert list(cache.evicted) == [(1, 1), (2, 1)]  # request 1's tail block, then request 2's
     assert BlockCache(block=4).insert(CacheRequest(np.arange(8, dtype=np.int32), 1)) == 0
 
 

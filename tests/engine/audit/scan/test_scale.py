@@ -144,7 +144,7 @@ def test_the_radix_heap_evicts_as_a_walk_of_every_leaf(budget):
         assert fast.match(ids, None) == walking.match(ids, None), time
         assert fast.insert(ids, time, None, time) == walking.insert(ids, time, None, time), time
         assert fast.tokens == walking.tokens <= budget
-    assert fast.evicted == walking.evicted and len(fast.evicted) > 50
+    assert list(fast.evicted) == list(walking.evicted) and len(fast.evicted) > 50
 
 
 def test_matching_under_a_budget_finds_only_what_the_tree_holds(tokenizer):
@@ -152,10 +152,10 @@ def test_matching_under_a_budget_finds_only_what_the_tree_holds(tokenizer):
     first, second = np.array([1, 2, 3, 4], dtype=np.int32), np.array([1, 2, 9, 9], dtype=np.int32)
     cache.insert(first, 1, "a", 1)
     cache.insert(second, 2, "b", 2)  # 6 tokens > 5: request 1's tail [3, 4] goes, its head [1, 2] stays
-    assert cache.evicted == [(1, 2)]
+    assert list(cache.evicted) == [(1, 2)]
     assert cache.match(np.array([1, 2, 3, 4, 5], dtype=np.int32), "a") == (2, 1)  # matched by its head only
     cache.insert(np.array([7, 7, 7, 7, 7], dtype=np.int32), 3, "c", 3)  # both earlier requests go
-    assert cache.evicted == [(1, 2), (2, 2), (2, 2)]  # [3, 4], then [9, 9], then the head [1, 2] once a leaf
+    assert list(cache.evicted) == [(1, 2), (2, 2), (2, 2)]  # [3, 4], then [9, 9], then the head [1, 2] once a leaf
     assert cache.match(np.array([1, 2, 3], dtype=np.int32), "a") == (0, None)
     log = read_log(_varied_log(requests=30))
     bounded = scan_log(tokenizer, log, ScanSettings(CacheSettings(budget_tokens=1)))
