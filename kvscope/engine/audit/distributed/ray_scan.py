@@ -342,6 +342,7 @@ class _Driver:
             fleet=results,
             replies=dict(simulation.replies),
             reply_from=dict(simulation.reply_from),
+            cache_tokens=simulation.held(),
         )
 
     def add_rendered(self, rendered: dict[int, RenderedRequest]) -> None:

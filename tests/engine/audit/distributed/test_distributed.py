@@ -75,6 +75,7 @@ def _report(scan) -> dict:
 
 def _same(single, spread, sample: int) -> None:
     assert _report(spread) == _report(single)
+    assert spread.cache_tokens == single.cache_tokens and single.cache_tokens  # what each engine's cache held at the end
     groups = sample_groups(single, sample)
     assert sample_groups(spread, sample) == groups
     # every diff's match and kind; the diffs themselves where the model pass reads them (computed from the rendered)
