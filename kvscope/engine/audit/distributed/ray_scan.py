@@ -192,7 +192,10 @@ def ray_scan(
         raise RequestLogError(f"--workers {workers} tokenizer actors need a CPU each; the Ray cluster has {cpus} CPUs")
     shards, fmt = log.shards(shard_lines_), log.fmt
     actor_class = ray.remote(num_cpus=1, max_restarts=RETRIES, max_task_retries=RETRIES)(ShardTokenPass)
-    actors = [actor_class.remote(tokenizer, fmt, settings, model) for _ in range(workers)]
+    # the tokenizer put once and held here until the actors are gone: an actor restarted after a fault (``RETRIES``)
+    # reads it again, and Ray may free the constructor arguments it put itself once the actors exist (ray issue 53727)
+    held = ray.put(tokenizer)
+    actors = [actor_class.remote(held, fmt, settings, model) for _ in range(workers)]
     try:
         counts = list(in_order(actors, "count", list(enumerate(shards)), AHEAD))
         count = LogCount.of(counts)
@@ -222,6 +225,7 @@ def ray_scan(
     finally:
         for actor in actors:
             ray.kill(actor)
+        del held
     reread = Rereader(tokenizer, shards, fmt, settings.limit, model, count.sessions)
     pending = driver.pending()
     if pending:
