@@ -3,14 +3,16 @@
 The result is the single-process ``traffic_scan.scan_log``'s, request for request (the same rows, causes, diffs, groups
 and engines' reuse); only where the work runs differs:
 
-- **Stage 1, on Ray Data** (``map_batches`` over the log's shards, ``shards.plan_shards``, with an actor pool of
-  ``workers`` actors, each holding the tokenizer). A first pass counts each shard's requests (read and unwrap only),
-  and returns their timestamps, the records skipped, the flags and the sessions Langfuse traces name (``LogCount``):
-  so every request gets its number in the whole log, in time order where every request has a timestamp (as one
-  process orders it, ``reading.time_ordered``), and each observation its trace's session from any shard. The second
-  reads, unwraps, renders and tokenizes each request, hashes its blocks (``blocks.block_hashes``) and computes its
-  row against its match among the shard's earlier requests (a radix tree of the shard alone; cold without one;
-  ``traffic_scan.compared_row``: the diff and the causes, which need the texts). A shard's records come back pickled, as bytes.
+- **Stage 1, on tokenizer actors** (``workers`` actors of ``shard_tokens.ShardTokenPass``, one CPU each, each holding
+  the tokenizer, over the log's shards, ``shards.plan_shards``). A first pass counts each shard's requests (read and
+  unwrap only), and returns their timestamps, the records skipped, the flags and the sessions Langfuse traces name
+  (``LogCount``): so every request gets its number in the whole log, in time order where every request has a timestamp
+  (as one process orders it, ``reading.time_ordered``), and each observation its trace's session from any shard. The
+  second reads, unwraps, renders and tokenizes each request, hashes its blocks (``blocks.block_hashes``) and computes
+  its row against its match among the shard's earlier requests (a radix tree of the shard alone; cold without one;
+  ``traffic_scan.compared_row``: the diff and the causes, which need the texts). A shard's records come back pickled,
+  as bytes, token ids as int32 arrays. Both passes stream their shards back in order (``in_order``: ``AHEAD`` shards
+  per actor in flight), so the driver simulates each shard while the actors tokenize the next.
 - **Stage 2, on the driver**, in time order, over compact records: per request its token ids (int32, for the radix
   tree and the slots), its block hashes (int64), its row and what its record reports (``Reported``, and for a hosted
   model what its provider's cache reads). The radix tree matches the request; when the match is the shard's own guess
@@ -30,12 +32,14 @@ and engines' reuse); only where the work runs differs:
 Faults: a shard that cannot be read (a truncated gzip, an unreadable file) is skipped from the line it failed at,
 named by file and line, and the other shards go on; a worker that dies is restarted by Ray and its shard retried
 (``RETRIES``: the actors' ``max_restarts`` and ``max_task_retries``). A log is streamed: each worker reads its
-shard's lines, and the driver holds one shard's records at a time (all of them, for a log out of time order). An
+shard's lines, Ray holds the few shards in flight, and the driver one shard's records at a time (all of them, for a
+log out of time order). An
 OpenTelemetry export is one shard (``shards.LINKED``: its spans' messages and sessions lie on other lines).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import pickle
@@ -52,9 +56,17 @@ from kvscope.engine.audit.logs.reading import join_traces, record_requests, time
 from kvscope.engine.audit.logs.render import RenderedRequest, end_of_turn_ids, render_batch
 from kvscope.engine.audit.logs.requests import Flagged, Request, RequestLogError, Skipped
 from kvscope.engine.audit.logs.requests import reading as log_reading
-from kvscope.engine.audit.logs.shards import SHARD_LINES, LogFiles, Shard, ShardCount, count_shards, read_shard, shard_lines
+from kvscope.engine.audit.logs.shards import SHARD_LINES, LogFiles, Shard, ShardCount, read_shard, shard_lines
 from kvscope.engine.audit.scan.settings import ScanSettings
-from kvscope.engine.audit.scan.traffic_scan import TrafficRequest, TrafficScan, compared_row, observed_rows, sample_groups, settling_heap
+from kvscope.engine.audit.scan.traffic_scan import (
+    TrafficRequest,
+    TrafficScan,
+    TurnDiffs,
+    compared_row,
+    observed_rows,
+    sample_groups,
+    settling_heap,
+)
 from kvscope.engine.audit.simulate.observed import Reported
 from kvscope.engine.audit.simulate.step import Simulation, StepResult
 from kvscope.engine.progress import StepProgress
@@ -144,16 +156,19 @@ class LogCount:
         skipped = [item for count in counts for item in count.skipped]
         return cls(first, total, skipped, formats, sessions, order.order, indexes, order.untimed, flagged)
 
-    def shard_indexes(self, number: int, requests: int) -> str:
-        """The JSON of shard ``number``'s requests' numbers in time order (``null``: the files' order is the order)."""
+    def shard_indexes(self, number: int, requests: int) -> np.ndarray | None:
+        """Shard ``number``'s requests' numbers in time order (None: the files' order is the order)."""
         if self.indexes is None:
-            return "null"
+            return None
         start = self.first[number] - 1
-        return json.dumps(self.indexes[start : start + requests].tolist())
+        return self.indexes[start : start + requests]
 
 
 def _by_request(item: Flagged) -> int:
     return item.request
+
+
+AHEAD = 2  # shards in flight per tokenizer actor: one tokenized while the driver simulates the one before
 
 
 def ray_scan(
@@ -171,59 +186,84 @@ def ray_scan(
     reads of them) on the Ray cluster already started (``start_ray``), with ``workers`` tokenizer actors; the requests
     the model pass reads for ``sample`` turns per group (and the cold ones) are rendered on the driver afterwards."""
     import ray
-    import ray.data
 
+    cpus = int(ray.cluster_resources().get("CPU", 0))
+    if workers > cpus:  # an actor without a CPU would never start, and the shards sent to it never come back
+        raise RequestLogError(f"--workers {workers} tokenizer actors need a CPU each; the Ray cluster has {cpus} CPUs")
     shards, fmt = log.shards(shard_lines_), log.fmt
-    context = ray.data.DataContext.get_current()
-    context.execution_options.preserve_order = True
-    context.enable_progress_bars = False
-    items = [{"number": n, "shard": json.dumps(dataclasses.asdict(shard))} for n, shard in enumerate(shards)]
-    counted = ray.data.from_items(items).map_batches(count_shards, batch_size=1, fn_kwargs={"fmt": fmt})
-    counts = [row["count"] for row in counted.iter_rows()]
-    count = LogCount.of(counts)
-    if count.total == 0 and not count.skipped:
-        raise RequestLogError("the log is empty: paste one JSON request per line, or a JSON array of requests")
-    requests = {shard.number: shard.requests for shard in counts}
-    for item in items:
-        item |= {"first_index": count.first[item["number"]], "indexes": count.shard_indexes(item["number"], requests[item["number"]])}
-    dataset = ray.data.from_items(items).map_batches(
-        ShardTokenPass,
-        batch_size=1,
-        fn_constructor_kwargs={
-            "tokenizer": tokenizer,
-            "fmt": fmt,
-            "settings": settings,
-            "model": model,
-            "sessions": count.sessions,
-        },
-        compute=ray.data.ActorPoolStrategy(size=workers),
-        num_cpus=1,
-        max_restarts=RETRIES,
-        max_task_retries=RETRIES,
-    )
-    # llama.cpp's mode where not named: the server's own slot choice, and the block as given (the driver sees no request
-    # before it simulates, so it reads no block from the log's counts)
-    unpinned = dataclasses.replace(settings, cache=settings.cache.for_log(pinned=False), block_given=True)
-    driver = _Driver(unpinned, end_of_turn_ids(tokenizer), reorder=count.indexes is not None)
-    rendering: list[Skipped] = []
-    received = 0
-    with settling_heap() as settle:
-        for row in dataset.iter_rows():
-            part: ShardTokens = pickle.loads(row["tokens"])  # what this job's own workers pickled (``ShardTokenPass``)
-            rendering += part.skipped
-            driver.feed(part.records)
-            settle()
-            received += len(part.records)
-            if progress:
-                progress(received, count.total)
-        driver.finish()
+    actor_class = ray.remote(num_cpus=1, max_restarts=RETRIES, max_task_retries=RETRIES)(ShardTokenPass)
+    # the tokenizer put once and held here until the actors are gone: an actor restarted after a fault (``RETRIES``)
+    # reads it again, and Ray may free the constructor arguments it put itself once the actors exist (ray issue 53727)
+    held = ray.put(tokenizer)
+    actors = [actor_class.remote(held, fmt, settings, model) for _ in range(workers)]
+    try:
+        counts = list(in_order(actors, "count", list(enumerate(shards)), AHEAD))
+        count = LogCount.of(counts)
+        if count.total == 0 and not count.skipped:
+            raise RequestLogError("the log is empty: paste one JSON request per line, or a JSON array of requests")
+        sessions = ray.put(count.sessions)
+        ray.get([actor.join.remote(sessions) for actor in actors])
+        calls = [(n, shard, count.first[n], count.shard_indexes(n, counts[n].requests)) for n, shard in enumerate(shards)]
+        # llama.cpp's mode where not named: the server's own slot choice, and the block as given (the driver sees no
+        # request before it simulates, so it reads no block from the log's counts)
+        unpinned = dataclasses.replace(settings, cache=settings.cache.for_log(pinned=False), block_given=True)
+        driver = _Driver(unpinned, end_of_turn_ids(tokenizer), reorder=count.indexes is not None)
+        rendering: list[Skipped] = []
+        received = 0
+        with settling_heap() as settle:
+            for shipped in in_order(actors, "shipped", calls, AHEAD):
+                part: ShardTokens = pickle.loads(shipped)  # what this job's own actors pickled (``ShardTokenPass.shipped``)
+                del shipped
+                rendering += part.skipped
+                received += len(part.records)
+                driver.feed(part.records)
+                del part
+                settle()
+                if progress:
+                    progress(received, count.total)
+            driver.finish()
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+        del held
     reread = Rereader(tokenizer, shards, fmt, settings.limit, model, count.sessions)
     pending = driver.pending()
     if pending:
         driver.fill(reread.compared(driver.where, pending, settings.cache.block))
     scan = driver.scan(count.skipped + rendering, count, model)
-    rendered = reread.rendered({i: driver.where[i] for i in _needed(scan, sample)})
-    return dataclasses.replace(scan, rendered=rendered)
+    driver.add_rendered(reread.rendered({i: driver.where[i] for i in _needed(scan, sample)}))
+    return scan
+
+
+def in_order(actors: Sequence[Any], method: str, calls: Sequence[tuple], ahead: int) -> Iterator[Any]:
+    """Each call's result (``actor.method(*call)``), in the order of ``calls``, as soon as it and those before it are
+    done: at most ``ahead`` calls per actor in flight, each new one sent to the actor with the fewest unfinished
+    (the stream the driver simulates while the actors work on the calls after; what waits is bounded by ``ahead``)."""
+    import ray
+
+    sent: collections.deque[tuple[Any, int]] = collections.deque()  # (its result's reference, its actor), in order
+    waiting = iter(calls)
+
+    def send() -> None:
+        call = next(waiting, None)
+        if call is None:
+            return
+        unfinished = [0] * len(actors)
+        refs = [ref for ref, _ in sent]
+        done = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else set()
+        for ref, actor in sent:
+            unfinished[actor] += ref not in done
+        chosen = unfinished.index(min(unfinished))
+        sent.append((getattr(actors[chosen], method).remote(*call), chosen))
+
+    for _ in range(ahead * len(actors)):
+        send()
+    while sent:
+        ref, _ = sent.popleft()
+        result = ray.get(ref)
+        del ref
+        send()
+        yield result
 
 
 class _Driver:
@@ -234,7 +274,8 @@ class _Driver:
         self.settings = settings
         self.simulation = Simulation(settings.cache, settings.fleet, end_ids)
         self.rows: list[TrafficRequest] = []
-        self.diffs: dict[int, TurnDiff] = {}
+        self.rendered: dict[int, RenderedRequest] = {}  # what the model pass reads, re-read once the pass is done (``with_rendered``)
+        self.diffs = TurnDiffs(self.rendered, settings.cache.block)  # each diff kept as its match and kind, computed again when read
         self.where: dict[int, tuple[int, int, int]] = {}
         self.unmatched: dict[int, tuple[int | None, int, StepResult]] = {}  # request -> (its match, its row's place, its step)
         self.reported: list[Reported] = []
@@ -275,7 +316,7 @@ class _Driver:
         else:
             self.rows[at] = row
         if diff is not None:
-            self.diffs[row.request] = diff
+            self.diffs.add(row.request, result.matched, diff)
 
     def pending(self) -> list[tuple[int, int | None]]:
         """(request, its match) pairs stage 2b compares."""
@@ -291,7 +332,6 @@ class _Driver:
         settings, server = self.settings.for_log(self.reported)
         rows = observed_rows(self.rows, self.reported, self.served, settings, model)
         results = tuple(simulated.result() for simulated in self.simulation.fleets)
-        diffs = dict(sorted(self.diffs.items()))
         reading = log_reading(count.order, count.untimed, count.flagged, session_keys(self.reported))
         simulation = self.simulation
         return TrafficScan(
@@ -299,14 +339,20 @@ class _Driver:
             tuple(skipped),
             count.formats,
             settings,
-            {},
-            diffs,
+            self.rendered,
+            self.diffs,
             server.evidence,
             reading,
             fleet=results,
             replies=dict(simulation.replies),
             reply_from=dict(simulation.reply_from),
+            cache_tokens=simulation.held(),
         )
+
+    def add_rendered(self, rendered: dict[int, RenderedRequest]) -> None:
+        """The requests the model pass reads, re-read and rendered once the pass is done, into the scan's ``rendered``
+        (from which its ``diffs`` are computed when read)."""
+        self.rendered.update(rendered)
 
 
 def session_keys(reported: Sequence[Reported]) -> dict[str, int]:

@@ -27,7 +27,8 @@ def start_ray(address: str = LOCAL, workers: int = 2) -> None:
         # Ray starts its workers at nice 15 (for an interactive driver's sake); here they are the job's work, and on a
         # loaded machine a niced pool barely runs
         os.environ.setdefault("RAY_worker_niceness", "0")
-        _init_on_loopback(num_cpus=workers, **quiet)
+        # 'local': a Ray of its own, even where another is running here (no address would join the latest one started)
+        _init_on_loopback(address=LOCAL, num_cpus=workers, **quiet)
     else:
         ray.init(address=address, **quiet)
 

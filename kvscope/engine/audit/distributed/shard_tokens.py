@@ -17,7 +17,7 @@ from kvscope.engine.audit.changes.fields import TurnDiff
 from kvscope.engine.audit.logs.reading import join_traces
 from kvscope.engine.audit.logs.render import render_batch
 from kvscope.engine.audit.logs.requests import Request, RequestLogError, Skipped
-from kvscope.engine.audit.logs.shards import Shard, read_shard
+from kvscope.engine.audit.logs.shards import Shard, ShardCount, count_shards, read_shard
 from kvscope.engine.audit.paged_blocks import block_hashes
 from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.traffic_scan import TrafficRequest, compared_row
@@ -61,22 +61,28 @@ class ShardTokens:
 
 
 class ShardTokenPass:
-    """Stage 1's actor: holds the tokenizer; per shard, its requests read, numbered in the log's order, rendered,
-    hashed and diffed, with the token pass's ``settings``. ``sessions``: the Langfuse traces' sessions named anywhere in
-    the log."""
+    """Stage 1's actor: holds the tokenizer; per shard, its requests counted (``count``), or read, numbered in the
+    log's order, rendered, hashed and diffed with the token pass's ``settings`` (``tokens``; ``shipped``: pickled for
+    the driver). ``sessions``: the Langfuse traces' sessions named anywhere in the log (``join``, once counted)."""
 
-    def __init__(self, tokenizer: Any, fmt: str, settings: ScanSettings, model: str, sessions: dict[str, str]):
+    def __init__(self, tokenizer: Any, fmt: str, settings: ScanSettings, model: str, sessions: dict[str, str] | None = None):
         self.tokenizer, self.fmt, self.settings, self.model = tokenizer, fmt, settings, model
+        self.sessions = sessions or {}
+
+    def count(self, number: int, shard: Shard) -> ShardCount:
+        """The shard's requests counted (read and unwrapped, not rendered: ``shards.count_shards``)."""
+        (count,) = count_shards({"number": [number], "shard": [json.dumps(dataclasses.asdict(shard))]}, self.fmt)["count"]
+        return count
+
+    def join(self, sessions: dict[str, str]) -> None:
+        """The Langfuse traces' sessions the whole log names, for the shards tokenized from now on."""
         self.sessions = sessions
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        out = []
-        for number, text, first, indexes in zip(batch["number"], batch["shard"], batch["first_index"], batch["indexes"]):
-            part = self.tokens(int(number), Shard(**json.loads(text)), int(first), json.loads(indexes))
-            # bytes, pickled here for the driver of this job (as Ray pickles any result): a column of Python objects
-            # would be converted per object to Arrow's extension type, a third of a shard's time more
-            out.append(pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL))
-        return {"tokens": np.array(out, dtype=object)}
+    def shipped(self, number: int, shard: Shard, first_index: int, indexes: np.ndarray | None) -> bytes:
+        """``tokens`` pickled here: bytes that Ray stores as they are (token ids, int32 arrays, pickled as their
+        buffers), which the driver unpickles into arrays of its own (not views that would pin the object store)."""
+        part = self.tokens(number, shard, first_index, None if indexes is None else indexes.tolist())
+        return pickle.dumps(part, protocol=pickle.HIGHEST_PROTOCOL)
 
     def tokens(self, number: int, shard: Shard, first_index: int, indexes: list[int] | None) -> ShardTokens:
         """The shard's records; ``indexes``: each request's number in the log's time order (None: the files' order)."""

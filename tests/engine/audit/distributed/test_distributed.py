@@ -75,13 +75,16 @@ def _report(scan) -> dict:
 
 def _same(single, spread, sample: int) -> None:
     assert _report(spread) == _report(single)
-    assert spread.diffs == single.diffs
+    assert spread.cache_tokens == single.cache_tokens and single.cache_tokens  # what each engine's cache held at the end
     groups = sample_groups(single, sample)
     assert sample_groups(spread, sample) == groups
+    # every diff's match and kind; the diffs themselves where the model pass reads them (computed from the rendered)
+    assert set(spread.diffs) == set(single.diffs) and all(spread.diffs.flat(i) == single.diffs.flat(i) for i in single.diffs)
+    chosen = {index for group in groups for index in group.measured}
+    assert chosen and all(spread.diffs[i] == single.diffs[i] for i in chosen)
     for index in spread.rendered:  # what the model pass reads: the sampled turns, their matches, the cold requests
         assert spread.rendered[index].ids == single.rendered[index].ids
     matched = {row.request: row.matched_request for row in single.requests}
-    chosen = {index for group in groups for index in group.measured}
     assert chosen | {matched[i] for i in chosen} <= set(spread.rendered)
 
 
