@@ -12,26 +12,27 @@ from typing import Any
 import gradio as gr
 
 
-class _DrawnAsParent:
-    """A Gradio component that the browser draws with its Gradio parent's own frontend (a template)..."""
+class LenientCheckboxGroup(gr.CheckboxGroup):
+    """A CheckboxGroup whose missing value (``None`` from an API client) is the empty selection."""
 
-    is_template = True
+    is_template = True  # the browser draws it with CheckboxGroup's own frontend...
 
     @classmethod
     def get_component_class_id(cls) -> str:
-        parent = next(base for base in cls.__mro__ if base.__module__.startswith("gradio."))
-        return parent.get_component_class_id()  # ...which it finds by the parent's class id
-
-
-class LenientCheckboxGroup(_DrawnAsParent, gr.CheckboxGroup):
-    """A CheckboxGroup whose missing value (``None`` from an API client) is the empty selection."""
+        return gr.CheckboxGroup.get_component_class_id()  # ...which it finds by the parent's class id
 
     def preprocess(self, payload: Any) -> Any:
         return super().preprocess([] if payload is None else payload)
 
 
-class LenientSlider(_DrawnAsParent, gr.Slider):
+class LenientSlider(gr.Slider):
     """A Slider whose missing value stays ``None`` (the handler applies its default) instead of failing."""
+
+    is_template = True  # the browser draws it with Slider's own frontend...
+
+    @classmethod
+    def get_component_class_id(cls) -> str:
+        return gr.Slider.get_component_class_id()  # ...which it finds by the parent's class id
 
     def preprocess(self, payload: Any) -> Any:
         return None if payload is None else super().preprocess(payload)
