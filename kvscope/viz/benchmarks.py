@@ -783,7 +783,7 @@ def deploy_figure(data: dict) -> go.Figure:
     set_title(
         figure,
         f"The audit's repairs at the gateway: LiteLLM proxy + KVScope hook in front of vLLM ({safe_label(str(data.get('model')))}), "
-        f"{data.get('reps')} interleaved rep(s)",
+        f"{data.get('reps')} interleaved rep(s) of {', '.join(safe_label(name) for name in data.get('variants') or {})}",
         f"sessions: {', '.join(safe_label(name) for name in data.get('sessions') or {})}, each reply fed back; filled: the same "
         f"first {agree} tokens, open: the same text; bars: median TTFT p50, min–max over reps, × the no-hook baseline",
         not_run,

@@ -42,7 +42,7 @@ from kvscope.engine.compose.remedy import DEFAULT_REMEDY, Remedy
 from kvscope.engine.edit.experiment import EditExperiment
 from kvscope.engine.scenario import Scenario, bundled_scenarios
 from kvscope.viz.common import markdown_literal
-from kvscope.viz.results import result_figures
+from kvscope.viz.results import FIGURES, result_figures
 from tests.app.conftest import SCENARIO
 
 
@@ -530,24 +530,7 @@ def test_weight_edits_panel_states_the_trade_off_from_the_numbers(registry):
 def test_every_stored_benchmark_result_of_a_known_kind_gets_a_figure():
     results = benchmark_results()
     figures = result_figures(results)
-    kinds = {
-        "ttft",
-        "edit",
-        "prefill",
-        "serving",
-        "agent",
-        "soak",
-        "compose_many",
-        "cache_reuse",
-        "image",
-        "compare_models",
-        "audit",
-        "audit_replay",
-        "chat_replay",
-        "audit_cli",
-        "greedy_lookup",
-        "forward_paths",
-    }
+    kinds = set(FIGURES)  # the kinds the registry draws (kvscope.viz.results)
     serving_edits = sum(stem.startswith("serving-") and results[stem].get("workload", "edit") == "edit" for stem in results)
     side_by_side = 1 if serving_edits > 1 else 0  # the serving engines compared, before their own figures
     assert len(figures) == sum(stem.split("-")[0] in kinds for stem in results) + side_by_side <= PLOT_SLOTS  # the tab's slots

@@ -10,7 +10,7 @@ from kvscope.app.tabs import TabContext
 from kvscope.viz.common import figure_label
 from kvscope.viz.results import result_figures
 
-PLOT_SLOTS = 32  # stored results shown at most (hidden slots wait for more)
+PLOT_SLOTS = 40  # stored results shown at most (hidden slots wait for more)
 
 
 def build(ctx: TabContext) -> None:
