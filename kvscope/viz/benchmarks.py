@@ -776,7 +776,7 @@ def deploy_figure(data: dict) -> go.Figure:
             col=2,
         )
     figure.update_xaxes(title_text="vLLM prefix-cache hit rate (/metrics)", range=[-0.05, 1.05], tickformat=".0%", row=1, col=1)
-    figure.update_yaxes(title_text="answers agreeing with clean prefills", range=[-0.05, 1.12], tickformat=".0%", row=1, col=1)
+    figure.update_yaxes(title_text="answers agreeing with clean prefills", range=[-0.05, 1.25], tickformat=".0%", row=1, col=1)
     figure.update_yaxes(title_text="TTFT p50 through the proxy (s)", row=1, col=2)
     figure.update_layout(height=480, legend=LEGEND_BELOW)
     not_run = "; ".join(f"{safe_label(name)} not run: {safe_label(why)}" for name, why in (data.get("not_run") or {}).items())
