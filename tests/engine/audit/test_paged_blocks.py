@@ -48,5 +48,5 @@ def test_the_block_cache_and_the_fit_key_blocks_with_the_one_block_hash():
     from kvscope.engine.audit.simulate.caches import BlockCache
 
     ids = np.arange(100) % 37
-    assert BlockCache(16).keys(ids) == block_hashes(ids, 16).tolist()
-    assert BlockCache(32).keys(ids[:95]) == block_hashes(ids, 32).tolist()[:2]
+    assert BlockCache(16).keys(ids).tolist() == block_hashes(ids, 16).tolist()
+    assert BlockCache(32).keys(ids[:95]).tolist() == block_hashes(ids, 32).tolist()[:2]

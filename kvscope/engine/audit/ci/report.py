@@ -22,7 +22,7 @@ from typing_extensions import TypedDict  # pydantic reads a TypedDict from typin
 
 from kvscope.engine.audit.endpoint.served_measure import EndpointAudit, EndpointRewrittenRequest
 from kvscope.engine.audit.logs.requests import ReadingDict, Skipped
-from kvscope.engine.audit.measure.traffic import MeasuredGroup
+from kvscope.engine.audit.measure.fidelity import MeasuredGroup
 from kvscope.engine.audit.measure.turn import AuditTurn
 from kvscope.engine.audit.report.records import Record, derived
 from kvscope.engine.audit.rewrite.measure import RewrittenRequest

@@ -26,8 +26,8 @@ from kvscope.engine.audit.endpoint.client import CHAT, COMPLETIONS, EndpointClie
 from kvscope.engine.audit.endpoint.fidelity import EndpointFidelity, NotApplicable, compare
 from kvscope.engine.audit.logs.render import RenderedRequest, render_batch, template_messages
 from kvscope.engine.audit.logs.requests import Request, RequestLog, RequestLogError
+from kvscope.engine.audit.measure.fidelity import EndpointRepairFidelity
 from kvscope.engine.audit.measure.settings import MeasureSettings
-from kvscope.engine.audit.measure.traffic import EndpointRepairFidelity
 from kvscope.engine.audit.prompts.repair_requests import LEVEL_WORDS, REPAIR_LEVELS, Level, RepairNotApplicable, prompt_repair_request
 from kvscope.engine.audit.report.records import HIDDEN, Record, derived, init_values, rounded
 from kvscope.engine.audit.rewrite.measure import RewriteReport, RewrittenRequest, check_pairing, check_rendered

@@ -20,12 +20,13 @@ from kvscope.engine.audit.changes.fields import TurnDiff
 from kvscope.engine.audit.logs.render import RenderedRequest, context_limit
 from kvscope.engine.audit.logs.requests import RequestLog, RequestLogError
 from kvscope.engine.audit.logs.shards import LogFiles
+from kvscope.engine.audit.measure.fidelity import EndpointRepairFidelity, MeasuredGroup, RepairFidelity
 from kvscope.engine.audit.measure.kv_store import ComputedStates
 from kvscope.engine.audit.measure.meter import ModelPassMeter
 from kvscope.engine.audit.measure.repairs import Turn
 from kvscope.engine.audit.measure.settings import MeasureSettings
 from kvscope.engine.audit.measure.turn import AuditReport, AuditTurn, measure_turn
-from kvscope.engine.audit.report.records import Record, init_values
+from kvscope.engine.audit.report.records import init_values
 from kvscope.engine.audit.scan.sampling import traffic_scan
 from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.traffic_scan import TrafficGroup, TrafficRequest, TrafficScan, is_cold, sample_groups
@@ -37,39 +38,6 @@ from kvscope.engine.progress import MessageProgress, StepProgress, Tick
 
 DEFAULT_SAMPLE = 3  # turns measured per group
 TokenPass = Callable[[LogFiles, ScanSettings], TrafficScan]  # a token pass run elsewhere: the log's files and its settings in
-
-
-@dataclass(frozen=True)
-class RepairFidelity(Record):
-    """One repair over a group's turns measured in process: turns measured and applicable, how often recommended, its
-    worst KL and agreement, its mean share of computed tokens."""
-
-    measured: int
-    applicable: int
-    recommended: int
-    worst_kl: float | None
-    min_agreement: float | None
-    mean_computed_share: float | None
-
-
-@dataclass(frozen=True)
-class EndpointRepairFidelity(Record):
-    """One prompt-level repair over a group's turns measured on an endpoint: applicable, within the bars, its worst KL
-    with its bound, and its least agreement."""
-
-    measured: int
-    applicable: int
-    within_bars: int
-    worst_kl: float | None
-    worst_kl_bound: float | None
-    min_agreement: float | None
-
-
-@dataclass(frozen=True)
-class MeasuredGroup(TrafficGroup):
-    """A group with each repair's fidelity over its measured turns (in process, or on an endpoint)."""
-
-    fidelity: dict[str, RepairFidelity | EndpointRepairFidelity]
 
 
 def group_fidelity(turns: Sequence[AuditTurn]) -> dict[str, RepairFidelity]:
