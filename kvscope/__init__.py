@@ -4,10 +4,8 @@ Its layers are subpackages: ``kvscope.engine`` (torch and transformers, no UI), 
 and ``kvscope.app`` (the Gradio explorer); ``python -m kvscope`` is the CLI (``kvscope`` once installed).
 
 ``kvscope`` re-exports the engine's public API, the same names and objects as ``kvscope.engine``
-(``kvscope.load_model is kvscope.engine.load_model``), documented by topic in ``kvscope.engine``'s docstring
-(``help(kvscope.engine)``): models and scenarios, notebooks, edits and probes, composing skills,
-auditing request logs, checks, files and reproduction, and what a server shares between requests. Figures are in
-``kvscope.viz`` (plotly; they display inline in Jupyter).
+(``kvscope.load_model is kvscope.engine.load_model``), described by topic in docs/engine.md#the-public-api. Figures
+are in ``kvscope.viz`` (plotly; they display inline in Jupyter).
 
 Like ``kvscope.engine``, importing ``kvscope`` loads nothing (no torch, no model) and changes no process state: each
 name resolves on first use.

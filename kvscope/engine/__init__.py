@@ -1,430 +1,20 @@
 """KVScope engine: a model's KV cache as an editable, composable notebook (torch + transformers only).
 
-The public API, what a notebook, a script or the app imports (``from kvscope.engine import load_model, Scenario, ...``); the
-app imports nothing else of the engine (an import contract in pyproject.toml holds it):
-
-Models and scenarios
-
-=========================  ======================================================================================
-``load_model``             a model by alias (``embedded``, ``smollm2``, ``tiny-<arch>``), local directory or HF id
-``LoadedModel``            a loaded model: tokenizer, config, device, dtype, fingerprint, ``info()``, its splice gate
-``load_tokenizer``         a model's tokenizer and config without its weights (``LoadedTokenizer``: a token pass)
-``tiny_model``             a tiny random-weight model of one family, for exact cache-math checks
-``DTYPES``                 the dtypes a model loads in, by name; ``dtype_name`` names a torch dtype
-``accelerator_dtype``      the dtype "auto" picks on a GPU (bfloat16 where supported, else float16)
-``expected_parameter_bytes``  a model's parameter bytes before it loads (None when unknown)
-``available_offline``      the specs that load without the hub; ``offline_aliases``, ``is_offline_alias``: the aliases
-``HOST_OPT_IN_ALIASES``    aliases a public host offers only when it names them
-``resolve_device``         ``auto``, ``cpu`` or ``cuda[:n]`` as a torch device
-``Scenario``               a scenario file (TOML): context, fields, question, answers; ``bundled_scenarios()`` lists ours
-``Skill``                  a skill file (TOML): a reusable block of context; ``bundled_skills()`` lists ours
-``bundled_images``         the demo pictures; ``bundled_logs``: the demo request logs (by file stem)
-``run_scenario``           prefill a scenario at given field values and read the decision (a ``ScenarioRun``)
-``read_scenario``          a scenario's decision read on a hybrid (recurrent-layer) model's own cache
-``DECISIVE_MARGIN``        a reference margin closer to 0 than this is a tie
-=========================  ======================================================================================
-
-Notebooks, edits and probes
-
-=========================  ======================================================================================
-``Notebook``               a context's K/V plus per-token ids, positions, segments and visibility; every cache operation
-``Knockout``               positions (layers, heads) hidden from the decision
-``EditExperiment``         one field change: stale, oracle, every repair strategy by name, into an ``EditReport``
-``EditSettings``           the strategies' knobs (erratum wording, K and ranking of field_topk, chain-of-thought length)
-``STRATEGIES``             every edit strategy by name; ``DEFAULT_STRATEGIES``: those an edit runs by default
-``analyse_edit``           what the Notes tab shows for an edit: the report, the decision's attention, notes effects
-``PROBES``                 every probe by name (notes map, knockout, read heads, linear probe, attribution, ...)
-``probe_frontier``         recovery against computed tokens: field_topk over K and the strategies
-``compare_edits``          weight editing (``LoraSettings``, ``RomeSettings``; ``WEIGHT_METHODS``) beside the erratum
-``compare_models``         one edit on several models side by side, beside the paper's 7–9B values
-=========================  ======================================================================================
-
-Composing: skills spliced into contexts
-
-=========================  ======================================================================================
-``SkillStore``             compiled skill blocks (K/V computed once), in memory and optionally on disk
-``Remedy``                 a splice's repair, parsed from its spec (``prefix+seam:1``); ``DEFAULT_REMEDY``, ``AUTO_REMEDY``
-``compare``                splice skills into a context with a ``Remedy`` and compare with a full recompute
-``compose_scenario``       literal text, skills and a bundled scenario (or ``adhoc_scenario``: a generic question)
-``calibrated_remedy``      this model's default remedy, measured once (``RemedyChoice``: numbers, frontier, reason)
-``resolve_remedy``         a remedy spec for a model (empty: the default, ``auto``: calibrated); ``stored_choice``,
-                           ``cancel_calibration``: the calibration kept, and a running one stopped
-``model_remedies``         a model's own menu (``ModelRemedies``): its stored study's default and numbers, else its
-                           calibration, else ``DEFAULT_REMEDY``
-``run_study``              the N-skill study (``skill_prefixes``, ``PLACEMENTS``, ``first_field_values``,
-                           ``STUDY_REMEDIES``)
-``keystone``               edit the field inside a spliced skill: composed vs recomputed per strategy
-``run_agent``              a multi-turn episode with errata on a cached, composed context
-``compare_image``          a picture's K/V spliced behind text vs a recompute from pixels (``check_vision_model``,
-                           ``IMAGE_QUESTION``)
-``ttft_by_length``         time to first token, splice vs full prefill, by skill length (``TtftRow``)
-=========================  ======================================================================================
-
-Auditing request logs
-
-=========================  ======================================================================================
-``read_log``               a request log (JSONL or a JSON array, many formats); ``parse_prompt``: one prompt
-``Request``                one request; ``render_request`` renders it with the model's chat template (``RenderedRequest``)
-``audit_traffic``          a log as traffic: the token pass, then every repair on a sample (``DEFAULT_SAMPLE``)
-``fleet_grid``             the fleets (replicas, routing) a log is also simulated on, behind each router
-``traffic_scan``           the token pass alone, as ``audit_traffic`` makes it (``pending_report``: shown while the
-                           model pass runs on ``measure_settings``)
-``bounded_sample``         the largest sample whose measured turns fit a host's bound
-``audit_value``            one prompt with one value changed (``candidate_spans``, ``candidate_menu``,
-                           ``candidate_span``, ``find_span``: where)
-``AuditReport``            the measured turns; ``MeasureSettings``: repairs, greedy tokens and the bars, with defaults
-``REPAIRS``                every audit repair by name (``REPAIR_SUMMARIES``: each in a line); ``GRAINS``: date-time grains
-``CacheSettings``          the simulated engines' settings (vLLM blocks, SGLang budget, llama.cpp slots)
-``ScanSettings``           the token pass's settings: ``CacheSettings``, the observed engine (``DEFAULT_ENGINE``),
-                           the fleets and the context limit, checked in its constructor
-``OBSERVED_ENGINES``       the engines a log's observed cached tokens are compared with; ``fit_observed``: the cache
-                           settings that reproduce them
-``prefix_cache_stop``      where an exact prefix cache stops in a turn's text; ``appended_chars``: what was appended
-``notes_scenario``         the scenario the Notes tab studies from an audit (``NotesScenario``); ``scenario_toml``
-``notes_choices``          every changed field with its pre-check (``NotesChoice``); ``preferred_choice``: the default
-``repaired_template``      the prompt template that keeps the cached prefix stable
-``policy_from_report``     the measured repairs as a gateway's policy (``Policy``); ``hook_config``: the LiteLLM proxy's config
-``measure_rewrite``        a rewritten log (or ``apply_template``) against the original; ``rewrite_markdown``
-``measure_rewrite_on_endpoint``  the same on an OpenAI-compatible endpoint (``EndpointClient``, ``EndpointSettings``)
-``RequestLogError``        a log, prompt or audit refused, with the line and the reason
-=========================  ======================================================================================
-
-Checks, files and reproduction
-
-=========================  ======================================================================================
-``run_selftest``           the model's numeric check of re-rotation and splicing (``SelfTestReport``)
-``check_model``            the model's row of the support matrix (``SupportRow``): every operation against its forward
-``save_cache``             a notebook's K/V (transformers' layout) with positions, segments, visibility to safetensors
-``load_cache``             a saved cache back into an exact notebook on the model that computed it
-``to_dynamic_cache``       a notebook's visible entries as a transformers ``DynamicCache``, to continue generating
-``Recipe``                 what computed a result; ``script_text`` and ``recipe_notebook`` rerun it,
-                           ``recipe_matches`` says whether it computed a given result, ``recipe_settings``
-``KVScopeError``           the base of every error meant for the user
-``Unreachable``            a service the user named answers nothing (a ``KVScopeError``): final, reported at once
-=========================  ======================================================================================
-
-Serving: what a server shares between requests
-
-=========================  ======================================================================================
-``WorkBudget``             a request's bound on model work; ``bounded`` runs within it, taking turns at a ``ComputeGate``
-``Cancelled``              work a person stopped between two forwards (a ``KVScopeError``: its message says what was kept)
-``waits_reported``         within: each wait at the gate reported as a message
-``cancellable``            within: every forward first checks a ``CancelToken``, raising ``Cancelled`` once it is cancelled
-``BudgetedLRU``            entries kept within a byte budget, least recently used dropped first (``tensor_bytes``)
-``SingleFlight``           computed-once entries: one computation, concurrent callers wait for it
-``MessageProgress``        a progress callback taking messages; ``StepProgress``: (done, total); ``StepMessage``,
-                           ``fraction``: a message that says how far its work is; ``duration_words``: time left;
-                           ``rated``: (done, total) said with its rate and time left
-=========================  ======================================================================================
-
-Importing ``kvscope.engine`` loads nothing and changes no process state: names resolve on first use, the CPU math
-setting is applied by the first model load and the attention function is registered by the first forward.
+The public API is what a notebook, a script or the app imports (``from kvscope.engine import load_model, Scenario, ...``);
+the app imports nothing else of the engine (an import contract in pyproject.toml holds it). docs/engine.md#the-public-api
+describes every name by topic. The imports under ``TYPE_CHECKING`` below are its one declaration: type checkers read them,
+and at run time the same lines, parsed, say where each name resolves on first use. Importing ``kvscope.engine`` loads
+nothing and changes no process state.
 """
+
+# ruff: noqa: F401 (the imports under TYPE_CHECKING are the public API's declaration, read by _declared)
 
 from __future__ import annotations
 
+import ast
 import importlib
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-# name -> the module defining it, or "module:attribute" where the public name differs from the module's own
-_PUBLIC = {
-    "AUTO_REMEDY": "kvscope.engine.compose.calibration:AUTO",
-    "AuditReport": "kvscope.engine.audit.measure.turn",
-    "BudgetedLRU": "kvscope.engine.cache.lru",
-    "CacheSettings": "kvscope.engine.audit.simulate.caches",
-    "CancelToken": "kvscope.engine.cache.budget",
-    "Cancelled": "kvscope.engine.cache.budget",
-    "ComputeGate": "kvscope.engine.cache.budget",
-    "DECISIVE_MARGIN": "kvscope.engine.cache.decision",
-    "DEFAULT_ENGINE": "kvscope.engine.audit.simulate.registry",
-    "DEFAULT_REMEDY": "kvscope.engine.compose.remedy",
-    "DEFAULT_SAMPLE": "kvscope.engine.audit.measure.traffic",
-    "DEFAULT_STRATEGIES": "kvscope.engine.probes.analysis",
-    "DTYPES": "kvscope.engine.models",
-    "EditExperiment": "kvscope.engine.edit.experiment",
-    "EditReport": "kvscope.engine.edit.report",
-    "EditSettings": "kvscope.engine.edit.strategies",
-    "EndpointClient": "kvscope.engine.audit.endpoint.client",
-    "EndpointSettings": "kvscope.engine.audit.endpoint.client",
-    "GRAINS": "kvscope.engine.audit.measure.repairs",
-    "HOST_OPT_IN_ALIASES": "kvscope.engine.models",
-    "IMAGE_QUESTION": "kvscope.engine.compose.pictures",
-    "KVScopeError": "kvscope.engine.errors",
-    "ScanSettings": "kvscope.engine.audit.scan.settings",
-    "Unreachable": "kvscope.engine.errors",
-    "Knockout": "kvscope.engine.cache.notebook",
-    "LoadedModel": "kvscope.engine.models",
-    "LoadedTokenizer": "kvscope.engine.cache.loaded",
-    "LoraSettings": "kvscope.engine.edit.lora",
-    "MeasureSettings": "kvscope.engine.audit.measure.settings",
-    "MessageProgress": "kvscope.engine.progress",
-    "Notebook": "kvscope.engine.cache.notebook",
-    "NotesScenario": "kvscope.engine.audit.measure.notes_scenario",
-    "OBSERVED_ENGINES": "kvscope.engine.audit.simulate.observed",
-    "NotesChoice": "kvscope.engine.audit.measure.notes_scenario",
-    "PLACEMENTS": "kvscope.engine.compose.placing",
-    "PROBES": "kvscope.engine.probes.registry",
-    "REPAIRS": "kvscope.engine.audit.measure.repairs",
-    "REPAIR_SUMMARIES": "kvscope.engine.audit.measure.repairs",
-    "Recipe": "kvscope.engine.reproduce",
-    "Remedy": "kvscope.engine.compose.remedy",
-    "RemedyChoice": "kvscope.engine.compose.choice",
-    "ModelRemedies": "kvscope.engine.compose.calibration",
-    "RenderedRequest": "kvscope.engine.audit.logs.render",
-    "Request": "kvscope.engine.audit.logs.requests",
-    "RequestLogError": "kvscope.engine.audit.logs.requests",
-    "RomeSettings": "kvscope.engine.edit.rome",
-    "STRATEGIES": "kvscope.engine.edit.strategies",
-    "RENAMED_STRATEGIES": "kvscope.engine.edit.strategies:RENAMED",
-    "STUDY_REMEDIES": "kvscope.engine.compose.study:REMEDIES",
-    "Scenario": "kvscope.engine.scenario",
-    "ScenarioRun": "kvscope.engine.edit.runs",
-    "SelfTestReport": "kvscope.engine.cache.selftest",
-    "SingleFlight": "kvscope.engine.once",
-    "Skill": "kvscope.engine.scenario",
-    "SkillStore": "kvscope.engine.compose.skills",
-    "StepMessage": "kvscope.engine.progress",
-    "StepProgress": "kvscope.engine.progress",
-    "SupportRow": "kvscope.engine.checks.support",
-    "TtftRow": "kvscope.engine.compose.ttft",
-    "WEIGHT_METHODS": "kvscope.engine.edit.weight_edit:METHODS",
-    "WorkBudget": "kvscope.engine.cache.budget",
-    "accelerator_dtype": "kvscope.engine.models",
-    "adhoc_scenario": "kvscope.engine.compose.placing",
-    "analyse_edit": "kvscope.engine.probes.analysis",
-    "appended_chars": "kvscope.engine.audit.prompts.text_spans",
-    "apply_template": "kvscope.engine.audit.rewrite.measure",
-    "audit_traffic": "kvscope.engine.audit.measure.traffic",
-    "audit_value": "kvscope.engine.audit.measure.turn",
-    "available_offline": "kvscope.engine.models",
-    "bounded": "kvscope.engine.cache.budget",
-    "cancellable": "kvscope.engine.cache.budget",
-    "bounded_sample": "kvscope.engine.audit.scan.sampling",
-    "traffic_scan": "kvscope.engine.audit.scan.sampling",
-    "pending_report": "kvscope.engine.audit.measure.traffic",
-    "measure_settings": "kvscope.engine.audit.measure.settings",
-    "bundled_images": "kvscope.engine.compose.pictures",
-    "bundled_logs": "kvscope.engine.scenario",
-    "bundled_scenarios": "kvscope.engine.scenario",
-    "bundled_skills": "kvscope.engine.scenario",
-    "calibrated_remedy": "kvscope.engine.compose.calibration",
-    "cancel_calibration": "kvscope.engine.compose.calibration",
-    "candidate_menu": "kvscope.engine.audit.prompts.text_spans",
-    "check_repairs": "kvscope.engine.audit.measure.settings",
-    "candidate_span": "kvscope.engine.audit.prompts.text_spans",
-    "candidate_spans": "kvscope.engine.audit.changes.fields",
-    "check_model": "kvscope.engine.checks.support",
-    "check_vision_model": "kvscope.engine.cache.vision",
-    "compare": "kvscope.engine.compose.fidelity",
-    "compare_edits": "kvscope.engine.edit.weight_edit",
-    "compare_image": "kvscope.engine.compose.pictures",
-    "compare_models": "kvscope.engine.comparison",
-    "compose_scenario": "kvscope.engine.compose.placing",
-    "dtype_name": "kvscope.engine.models",
-    "duration_words": "kvscope.engine.progress",
-    "rated": "kvscope.engine.progress",
-    "budget_lines": "kvscope.engine.audit.ci.gate",
-    "budgets": "kvscope.engine.audit.simulate.registry",
-    "ModelKV": "kvscope.engine.audit.simulate.budgets",
-    "ServerSize": "kvscope.engine.audit.simulate.budgets",
-    "expected_parameter_bytes": "kvscope.engine.models",
-    "find_span": "kvscope.engine.audit.prompts.text_spans",
-    "fit_observed": "kvscope.engine.audit.simulate.observed",
-    "first_field_values": "kvscope.engine.compose.study",
-    "fleet_grid": "kvscope.engine.audit.simulate.fleet",
-    "fraction": "kvscope.engine.progress",
-    "is_offline_alias": "kvscope.engine.models",
-    "keystone": "kvscope.engine.compose.keystone",
-    "load_cache": "kvscope.engine.cache.interop",
-    "load_model": "kvscope.engine.models",
-    "load_tokenizer": "kvscope.engine.models",
-    "measure_rewrite": "kvscope.engine.audit.rewrite.measure",
-    "measure_rewrite_on_endpoint": "kvscope.engine.audit.endpoint.served_measure",
-    "notes_scenario": "kvscope.engine.audit.measure.notes_scenario",
-    "notes_choices": "kvscope.engine.audit.measure.notes_scenario",
-    "preferred_choice": "kvscope.engine.audit.measure.notes_scenario",
-    "offline_aliases": "kvscope.engine.models",
-    "parse_prompt": "kvscope.engine.audit.logs.reading",
-    "prefix_cache_stop": "kvscope.engine.audit.prompts.text_spans",
-    "probe_frontier": "kvscope.engine.probes.frontier",
-    "read_log": "kvscope.engine.audit.logs.reading",
-    "read_scenario": "kvscope.engine.edit.hybrid",
-    "recipe_matches": "kvscope.engine.reproduce:matches",
-    "recipe_notebook": "kvscope.engine.reproduce:notebook",
-    "recipe_settings": "kvscope.engine.reproduce",
-    "render_request": "kvscope.engine.audit.logs.render",
-    "repaired_template": "kvscope.engine.audit.measure.turn",
-    "policy_from_report": "kvscope.engine.audit.policy.build",
-    "hook_config": "kvscope.engine.audit.policy.gateway",
-    "Policy": "kvscope.engine.audit.policy.document",
-    "resolve_device": "kvscope.engine.models",
-    "resolve_remedy": "kvscope.engine.compose.calibration",
-    "model_remedies": "kvscope.engine.compose.calibration",
-    "rewrite_markdown": "kvscope.engine.audit.ci.gate",
-    "run_agent": "kvscope.engine.compose.agent",
-    "run_scenario": "kvscope.engine.edit.runs",
-    "run_selftest": "kvscope.engine.cache.selftest",
-    "run_study": "kvscope.engine.compose.study",
-    "save_cache": "kvscope.engine.cache.interop",
-    "scenario_toml": "kvscope.engine.audit.measure.turn",
-    "script_text": "kvscope.engine.reproduce",
-    "skill_prefixes": "kvscope.engine.compose.study",
-    "stored_choice": "kvscope.engine.compose.calibration",
-    "tensor_bytes": "kvscope.engine.cache.footprint",
-    "tiny_model": "kvscope.engine.models.tiny",
-    "to_dynamic_cache": "kvscope.engine.cache.interop",
-    "ttft_by_length": "kvscope.engine.compose.ttft",
-    "waits_reported": "kvscope.engine.cache.budget",
-}
-__all__ = [
-    "AUTO_REMEDY",
-    "AuditReport",
-    "BudgetedLRU",
-    "CacheSettings",
-    "CancelToken",
-    "Cancelled",
-    "ComputeGate",
-    "DECISIVE_MARGIN",
-    "DEFAULT_ENGINE",
-    "DEFAULT_REMEDY",
-    "DEFAULT_SAMPLE",
-    "DEFAULT_STRATEGIES",
-    "DTYPES",
-    "EditExperiment",
-    "EditReport",
-    "EditSettings",
-    "EndpointClient",
-    "EndpointSettings",
-    "GRAINS",
-    "HOST_OPT_IN_ALIASES",
-    "IMAGE_QUESTION",
-    "KVScopeError",
-    "Knockout",
-    "LoadedModel",
-    "LoadedTokenizer",
-    "LoraSettings",
-    "MeasureSettings",
-    "MessageProgress",
-    "ModelKV",
-    "ModelRemedies",
-    "Notebook",
-    "NotesChoice",
-    "NotesScenario",
-    "OBSERVED_ENGINES",
-    "PLACEMENTS",
-    "PROBES",
-    "Policy",
-    "RENAMED_STRATEGIES",
-    "REPAIRS",
-    "REPAIR_SUMMARIES",
-    "Recipe",
-    "Remedy",
-    "RemedyChoice",
-    "RenderedRequest",
-    "Request",
-    "RequestLogError",
-    "RomeSettings",
-    "STRATEGIES",
-    "STUDY_REMEDIES",
-    "ScanSettings",
-    "Scenario",
-    "ScenarioRun",
-    "SelfTestReport",
-    "ServerSize",
-    "SingleFlight",
-    "Skill",
-    "SkillStore",
-    "StepMessage",
-    "StepProgress",
-    "SupportRow",
-    "TtftRow",
-    "Unreachable",
-    "WEIGHT_METHODS",
-    "WorkBudget",
-    "accelerator_dtype",
-    "adhoc_scenario",
-    "analyse_edit",
-    "appended_chars",
-    "apply_template",
-    "audit_traffic",
-    "audit_value",
-    "available_offline",
-    "bounded",
-    "bounded_sample",
-    "budget_lines",
-    "budgets",
-    "bundled_images",
-    "bundled_logs",
-    "bundled_scenarios",
-    "bundled_skills",
-    "calibrated_remedy",
-    "cancel_calibration",
-    "cancellable",
-    "candidate_menu",
-    "candidate_span",
-    "candidate_spans",
-    "check_model",
-    "check_repairs",
-    "check_vision_model",
-    "compare",
-    "compare_edits",
-    "compare_image",
-    "compare_models",
-    "compose_scenario",
-    "dtype_name",
-    "duration_words",
-    "expected_parameter_bytes",
-    "find_span",
-    "first_field_values",
-    "fit_observed",
-    "fleet_grid",
-    "fraction",
-    "hook_config",
-    "is_offline_alias",
-    "keystone",
-    "load_cache",
-    "load_model",
-    "load_tokenizer",
-    "measure_rewrite",
-    "measure_rewrite_on_endpoint",
-    "measure_settings",
-    "model_remedies",
-    "notes_choices",
-    "notes_scenario",
-    "offline_aliases",
-    "parse_prompt",
-    "pending_report",
-    "policy_from_report",
-    "preferred_choice",
-    "prefix_cache_stop",
-    "probe_frontier",
-    "rated",
-    "read_log",
-    "read_scenario",
-    "recipe_matches",
-    "recipe_notebook",
-    "recipe_settings",
-    "render_request",
-    "repaired_template",
-    "resolve_device",
-    "resolve_remedy",
-    "rewrite_markdown",
-    "run_agent",
-    "run_scenario",
-    "run_selftest",
-    "run_study",
-    "save_cache",
-    "scenario_toml",
-    "script_text",
-    "skill_prefixes",
-    "stored_choice",
-    "tensor_bytes",
-    "tiny_model",
-    "to_dynamic_cache",
-    "traffic_scan",
-    "ttft_by_length",
-    "waits_reported",
-]
 
 if TYPE_CHECKING:
     from kvscope.engine.audit.changes.fields import candidate_spans
@@ -449,6 +39,7 @@ if TYPE_CHECKING:
     from kvscope.engine.audit.simulate.budgets import ModelKV, ServerSize
     from kvscope.engine.audit.simulate.caches import CacheSettings
     from kvscope.engine.audit.simulate.fleet import fleet_grid
+    from kvscope.engine.audit.simulate.observed import OBSERVED_ENGINES, fit_observed
     from kvscope.engine.audit.simulate.registry import DEFAULT_ENGINE, budgets
     from kvscope.engine.cache.budget import Cancelled, CancelToken, ComputeGate, WorkBudget, bounded, cancellable, waits_reported
     from kvscope.engine.cache.decision import DECISIVE_MARGIN
@@ -516,6 +107,21 @@ if TYPE_CHECKING:
     from kvscope.engine.reproduce import matches as recipe_matches
     from kvscope.engine.reproduce import notebook as recipe_notebook
     from kvscope.engine.scenario import Scenario, Skill, bundled_logs, bundled_scenarios, bundled_skills
+
+
+def _declared() -> dict[str, str]:
+    """Each public name -> its module, or "module:attribute" where the public name differs: the TYPE_CHECKING imports, parsed."""
+    guard = next(node for node in ast.parse(Path(__file__).read_text(encoding="utf-8")).body if isinstance(node, ast.If))
+    return {
+        alias.asname or alias.name: f"{node.module}:{alias.name}" if alias.asname else str(node.module)
+        for node in guard.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+    }
+
+
+_PUBLIC = _declared()
+__all__ = sorted(_PUBLIC)
 
 
 def __getattr__(name: str) -> Any:
