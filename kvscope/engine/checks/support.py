@@ -37,13 +37,7 @@ from kvscope.engine.cache.notebook import Knockout, Notebook
 from kvscope.engine.cache.recurrent import RecurrentContext
 from kvscope.engine.cache.selftest import SelfTestReport
 from kvscope.engine.errors import KVScopeError
-from kvscope.engine.models.tiny import (
-    FAMILIES,
-    HYBRID_ARCHS,
-    TINY_ARCHS,
-    tiny_family,
-    tiny_model,
-)
+from kvscope.engine.models.tiny import FAMILIES, tiny_family, tiny_model
 from kvscope.engine.progress import MessageProgress
 from kvscope.engine.timing import Stopwatch
 
@@ -286,7 +280,7 @@ def check_model(lm: LoadedModel, family: str | None = None, tokens: int = 30, se
     )
 
 
-def support_matrix(archs: tuple[str, ...] = TINY_ARCHS + HYBRID_ARCHS, progress: MessageProgress | None = None) -> list[SupportRow]:
+def support_matrix(archs: tuple[str, ...] = tuple(FAMILIES), progress: MessageProgress | None = None) -> list[SupportRow]:
     """One row per tiny family (float32, random weights): the matrix docs/support-matrix.md shows."""
     rows = []
     for index, arch in enumerate(archs):

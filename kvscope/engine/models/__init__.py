@@ -40,7 +40,7 @@ from kvscope.engine.models.loading import (
     resolve_device,
 )
 from kvscope.engine.models.store import cache_dir
-from kvscope.engine.models.tiny import HYBRID_ARCHS, TINY_ARCHS
+from kvscope.engine.models.tiny import FAMILIES
 
 __all__ = [
     "DTYPES",
@@ -82,7 +82,7 @@ def expected_parameter_bytes(spec: str, dtype: str = "auto") -> int | None:
 def offline_aliases() -> tuple[str, ...]:
     """Every alias that names a model shipped with KVScope: the GGUF aliases, then ``tiny-<arch>`` for each tiny
     architecture (hybrids included)."""
-    return (*gguf.ALIASES, *(f"{TINY_PREFIX}{arch}" for arch in TINY_ARCHS + HYBRID_ARCHS))
+    return (*gguf.ALIASES, *(f"{TINY_PREFIX}{arch}" for arch in FAMILIES))
 
 
 def is_offline_alias(spec: str) -> bool:

@@ -265,10 +265,6 @@ def _assemble_embedded(report: MessageProgress) -> Path:
     return _assemble(_split_model("embedded"), report, _embedded_part_paths)
 
 
-def _embedded_provenance() -> str:
-    return _split_model("embedded").provenance
-
-
 # --------------------------------------------------------------------------------------------
 # smollm2: the packaged GGUF → a safetensors copy
 # --------------------------------------------------------------------------------------------

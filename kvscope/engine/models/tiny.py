@@ -54,31 +54,9 @@ from kvscope.engine.cache.loaded import (
 from kvscope.engine.cache.selftest import run_selftest
 from kvscope.engine.models.cpu_math import keep_output_rows_dense, tune_cpu_math
 
-TINY_ARCHS: tuple[str, ...] = (
-    "llama",
-    "qwen2",
-    "qwen3",
-    "mistral",
-    "gemma2",
-    "gpt_neox",
-    "phi",
-    "llama3_scaling",
-    "yarn",
-    "gpt2",
-    "deepseek_v3",
-    "deepseek_v2",
-    "gemma3",
-    "gpt_oss",
-    "llama4",
-    "llama4_nope",
-    "dynamic_ntk",
-    "longrope",
-    "qwen2_vl",
-    "qwen2_5_vl",
-)
 # Hybrids whose recurrent layers keep a running state instead of per-token K/V: built to be refused.
 HYBRID_ARCHS: tuple[str, ...] = ("bamba", "qwen3_next")
-# Where these tiny models stand in for a real family (for the support matrix and the Model card).
+# Every tiny architecture, in the support matrix's order, and the real family it stands in for (the Model card).
 FAMILIES: dict[str, str] = {
     "llama": "Llama 2/3",
     "qwen2": "Qwen2 / Qwen2.5",
@@ -103,6 +81,7 @@ FAMILIES: dict[str, str] = {
     "bamba": "Bamba (Mamba-2 hybrid)",
     "qwen3_next": "Qwen3-Next (gated DeltaNet hybrid)",
 }
+TINY_ARCHS: tuple[str, ...] = tuple(arch for arch in FAMILIES if arch not in HYBRID_ARCHS)  # the families whose K/V are exact
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>")
 
@@ -370,14 +349,18 @@ def _newer_family_config(arch: str, decoder: dict, rope: dict) -> PretrainedConf
             shared_expert_intermediate_size=32,
             rope_parameters={**rope, "partial_rotary_factor": 0.5},
         )
-    raise ModelLoadError(f"unknown tiny architecture {arch!r}; choose one of: {', '.join(TINY_ARCHS)}")
+    raise _unknown(arch)
+
+
+def _unknown(arch: str) -> ModelLoadError:
+    return ModelLoadError(f"unknown tiny architecture {arch!r}; choose one of: {', '.join(FAMILIES)}")
 
 
 def tiny_family(model_type: str) -> str | None:
     """The family label of the first tiny stand-in whose text decoder has this ``model_type`` (None: unknown family)."""
     tokenizer = tiny_tokenizer()
     return next(
-        (FAMILIES[arch] for arch in TINY_ARCHS + HYBRID_ARCHS if _tiny_config(arch, tokenizer).get_text_config().model_type == model_type),
+        (FAMILIES[arch] for arch in FAMILIES if _tiny_config(arch, tokenizer).get_text_config().model_type == model_type),
         None,
     )
 
@@ -390,8 +373,8 @@ def _config_hash(config: PretrainedConfig, seed: int) -> str:
 
 def tiny_tokenizer_only(arch: str, *, chat_template: bool = True) -> LoadedTokenizer:
     """The tokenizer and config of ``tiny-<arch>``, without building its weights."""
-    if arch not in TINY_ARCHS + HYBRID_ARCHS:
-        raise ModelLoadError(f"unknown tiny architecture {arch!r}; choose one of: {', '.join(TINY_ARCHS + HYBRID_ARCHS)}")
+    if arch not in FAMILIES:
+        raise _unknown(arch)
     tokenizer = tiny_tokenizer(chat_template=chat_template)
     return LoadedTokenizer(
         f"tiny-{arch}", tokenizer, _tiny_config(arch, tokenizer), "random weights (kvscope.engine.models.tiny), not built"
@@ -401,8 +384,8 @@ def tiny_tokenizer_only(arch: str, *, chat_template: bool = True) -> LoadedToken
 def tiny_model(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, chat_template: bool = True) -> LoadedModel:
     """Build a tiny random-weight causal LM of `arch` (one of TINY_ARCHS) on CPU, eval mode, no grad."""
     tune_cpu_math()
-    if arch not in TINY_ARCHS + HYBRID_ARCHS:
-        raise ModelLoadError(f"unknown tiny architecture {arch!r}; choose one of: {', '.join(TINY_ARCHS + HYBRID_ARCHS)}")
+    if arch not in FAMILIES:
+        raise _unknown(arch)
     tokenizer = tiny_tokenizer(chat_template=chat_template)
     config = _tiny_config(arch, tokenizer)
     config_hash = _config_hash(config, seed)
