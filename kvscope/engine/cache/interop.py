@@ -1,30 +1,10 @@
 """A notebook's cache as a safetensors file, and as a transformers ``DynamicCache`` to continue generation.
 
-:func:`save_cache` writes a notebook (edited, spliced, anything; pending steps are computed first) to one
-safetensors file; :func:`load_cache` reads it back into an exact twin on the same model (the model
-fingerprint must match). Only safetensors is read or written: nothing is unpickled.
-
-The file holds, as tensors:
-
-- ``layers.{i}.keys`` / ``layers.{i}.values``: layer i's keys (RoPE applied) and values in transformers' cache
-  layout ``[1, kv_heads, entries, head_dim]`` (under multi-head latent attention, DeepSeek-V2/V3, the cache's
-  own slots: the latent and the rope key), entries in *storage order*, the notebook's own dtype;
-- ``token_ids``, ``positions`` (int64) and ``visible`` (bool), one per entry in the same order: entry j sits at
-  ``positions[j]``; a hidden entry (the stale copy of a recomputed token) is stored but never attended to;
-- ``rope_offsets`` (int64, ``[3, entries]``): M-RoPE's rope position − position per axis, present only when an
-  entry has one (a picture on Qwen2-VL); absent means all zero;
-
-and as string metadata: ``format`` (``kvscope-cache``), ``version``, the ``fingerprint`` (model name, config hash,
-dtype; JSON), ``segments`` (JSON runs ``[[label, count], ...]`` in storage order), the operation ``log`` (JSON),
-``layers`` and ``entries``.
-
-:func:`to_dynamic_cache` gives the visible entries in position order as a ``DynamicCache`` for ``model.generate``
-or a forward of the model (docs/engine.md, "Open a KVScope cache in transformers"); it refuses a notebook whose
-visible positions are not 0..N-1, or whose keys carry M-RoPE offsets, saying why.
-
-A picture's patches are stored as their virtual token ids, which only the model load that encoded the picture
-knows (``kvscope.engine.cache.vision``): reads use the stored K/V as they are in any load, but recomputing a patch
-needs the picture encoded again.
+:func:`save_cache` writes every entry (storage order, the notebook's dtype) with its token id, position, visibility and
+segments; :func:`load_cache` reads it back into an exact twin on the model whose fingerprint it carries. Only
+safetensors is read or written: nothing is unpickled. The file's tensors and metadata: docs/engine.md, "Open a KVScope
+cache in transformers". :func:`to_dynamic_cache` refuses a notebook whose visible positions are not 0..N-1, or whose
+keys carry M-RoPE offsets, saying why.
 """
 
 from __future__ import annotations

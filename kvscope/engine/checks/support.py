@@ -1,26 +1,10 @@
 """The support matrix: which cache operations are exact on which model family, proved against ground truth.
 
 For each model (a tiny random-weight stand-in per family from ``kvscope.engine.models.tiny``, or the loaded model) every
-operation runs once and is compared with what the model itself computes:
-
-- **read**: a notebook read equals the model's own forward over context + question (next-token logits);
-  on a hybrid (recurrent layers) the read runs through its own append-only cache (:mod:`kvscope.engine.edit.hybrid`);
-- **chunked prefill**: K/V prefilled in chunks equal one prefill (on a hybrid: the logits read after them);
-- **replace**: a field replaced (same length) with every later token recomputed equals a clean prefill;
-- **patch**: every position patched from a donor reads as the donor;
-- **knockout**: entries knocked out through the mask read as the same entries hidden from the context;
-- **move keys**: a block prefilled at 0 and moved to position Δ has the K/V of the block prefilled at Δ;
-- **splice**: a block spliced back at its own position equals the prefill it came from;
-- **seam repair**: a block compiled elsewhere, spliced with its whole length as seam, equals a prefill;
-- **self-test**: ``kvscope.engine.cache.selftest`` against this dtype's noise floor;
-- **images** (vision-language models only): a context with a generated picture, encoded by the model's own
-  processor and vision tower, read as the model's own forward over pixels reads it; prefilled in chunks, spliced
-  back at its own position, moved 161 positions (keys = the picture prefilled there) and seam-repaired; the
-  worst of the five. Text-only models show "–".
-
-An operation the engine refuses reports the refusal's own message (which family trait and why). Errors are
-max absolute differences in float32 (logits for reads, K/V otherwise). ``python -m kvscope support --json``
-prints the matrix; the table in docs/support-matrix.md is its ``--markdown`` output.
+operation runs once and is compared with what the model itself computes (each check in words: docs/support-matrix.md).
+An operation the engine refuses reports the refusal's own message (which family trait and why). Errors are max absolute
+differences in float32 (logits for reads, K/V otherwise). ``python -m kvscope support --json`` prints the matrix; the
+table in docs/support-matrix.md is its ``--markdown`` output.
 """
 
 from __future__ import annotations

@@ -1,20 +1,9 @@
 """Model loading: the embedded default, packaged GGUFs, tiny models, any HF id or local directory; device and dtype.
 
-- `kvscope.engine.cache.loaded` (beside this package): `LoadedModel`, `ModelFingerprint`, `ModelLoadError`, `config_hash`,
-  `rope_summary`, `DTYPES`, `dtype_name`: what every loader, `kvscope.engine.models.tiny` included, shares. It lives outside
-  the package so that `kvscope.engine.models.tiny` imports it without importing the loader, which imports `kvscope.engine.models.tiny`.
-- `store`: the cache dir and its JSON stores.
-- `gguf`: the `embedded`, `smollm2` and optional `qwen-1.5b` aliases: GGUF assembly, sha256, conversion to
-  safetensors, provenance.
-- `dtype`: the "auto" dtype choice (measured float32 vs bfloat16 on CPU, gated by the cache self-test; on a GPU,
-  `accelerator_dtype`).
-- `loading`: `load_model`, `load_tokenizer` (no weights: a token pass), spec resolution, `resolve_device`,
-  `parse_dtype`, `available_offline`.
-- here: `offline_aliases` and `is_offline_alias`, the specs that name a packaged or tiny model (what a host offers);
-  `HOST_OPT_IN_ALIASES`, those a public host offers only when it names them; `expected_parameter_bytes`, a model's
-  size before it loads.
-
-Monkeypatch a name in the submodule that uses it, not here.
+A module per job (docs/engine.md, "The layers"); here, what a host asks before loading: the offline aliases and a
+model's size. ``LoadedModel`` and what every loader shares live in ``kvscope.engine.cache.loaded``, outside this
+package, so that ``tiny`` imports them without importing the loader, which imports ``tiny``. Monkeypatch a name in
+the submodule that uses it, not here.
 """
 
 from __future__ import annotations
