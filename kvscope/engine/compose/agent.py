@@ -97,8 +97,7 @@ class AgentTurn:
             "agrees_with_identical_tokens": self.cached.label == self.identical.label,
             "cosine_vs_clean_state": round(self.clean_agreement["cosine"], 6),
             "cosine_vs_identical_tokens": round(self.identical_agreement["cosine"], 6),
-            "compacted": self.compacted,
-            "errata": self.errata,
+            **attributes(self, "compacted", "errata"),
             "ttft_ms": {
                 "cached": round(self.cached_ms, 1),
                 "clean_state": round(self.clean_ms, 1),
@@ -131,12 +130,7 @@ class AgentReport:
     def as_dict(self) -> dict:
         cached, clean, identical = (sum(getattr(t, f"{path}_ms") for t in self.turns) for path in ("cached", "clean", "identical"))
         return {
-            "scenario": self.scenario,
-            "fields": self.fields,
-            "remedy": self.remedy,
-            "policy": self.policy,
-            "wording": self.wording,
-            "turns": [t.as_dict() for t in self.turns],
+            **attributes(self, "scenario", "fields", "remedy", "policy", "wording", "turns"),
             "state_sensitive": self.state_sensitive,
             "clean_state_agreement": round(self.clean_agreement, 4),
             "identical_tokens_agreement": round(sum(t.cached.label == t.identical.label for t in self.turns) / len(self.turns), 4),

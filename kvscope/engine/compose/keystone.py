@@ -13,6 +13,7 @@ from kvscope.engine.compose.splice import splice_prompt
 from kvscope.engine.edit.experiment import EditExperiment
 from kvscope.engine.edit.report import EditReport
 from kvscope.engine.edit.strategies import STRATEGIES, EditSettings
+from kvscope.engine.jsonable import rounded
 from kvscope.engine.progress import StepProgress
 from kvscope.engine.scenario import Scenario, ScenarioError
 
@@ -53,7 +54,7 @@ class KeystoneReport:
                 "applicable": composed.applicable,
                 "composed": composed.as_dict(),
                 "recomputed": recomputed.as_dict(),
-                "recovery_gap": None if gaps.get(name) is None else round(gaps[name], 4),
+                "recovery_gap": rounded(gaps.get(name)),
                 **(
                     DecisionMatch.of(composed.decision, recomputed.decision).as_dict()
                     if composed.applicable and recomputed.applicable

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from kvscope.engine.cache import display
 from kvscope.engine.cache.decision import Decision, Recovery, margin_noise, noise_words
 from kvscope.engine.edit.strategies import StrategyResult
-from kvscope.engine.jsonable import attributes
+from kvscope.engine.jsonable import attributes, rounded
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,6 @@ class NotesShare:
         return f"Notes carry {percent} of this decision; recomputing the field alone leaves it at {self.field_only_label}"
 
     def as_dict(self) -> dict:
-        rounded = lambda value: None if value is None else round(value, 4)  # noqa: E731
         return {
             "share": rounded(self.share),
             "field_recovery": rounded(self.field_recovery),
