@@ -37,7 +37,7 @@ from kvscope.engine.jsonable import attributes, rounded
 from kvscope.engine.probes.common import ProbeError
 from kvscope.engine.probes.heads import HeadsResult, probe_heads
 from kvscope.engine.probes.notes_map import NotesMapResult, probe_notes_map
-from kvscope.engine.progress import MessageProgress, StepProgress
+from kvscope.engine.progress import MessageProgress, StepProgress, ticker
 from kvscope.engine.scenario import Scenario, bundled_skills
 from kvscope.engine.timing import Stopwatch
 
@@ -320,14 +320,7 @@ def compare_models(
         raise ComparisonError(f"unknown skill {skill!r} to splice; bundled: {', '.join(sorted(bundled_skills()))}")
     new_value = edited.new if new is None else new
     say = progress or (lambda message: None)
-    total, done = len(chosen) * len(STAGES), 0
-
-    def advance() -> None:
-        nonlocal done
-        done += 1
-        if steps:
-            steps(done, total)
-
+    advance = ticker(steps, len(chosen) * len(STAGES))
     rows = []
     for index, spec in enumerate(chosen, start=1):
         say(f"model {index}/{len(chosen)}: loading {spec}")
