@@ -7,12 +7,9 @@ entry and its stale entry is hidden. A Notebook is immutable: every operation re
 shares unchanged tensors, so forking is free.
 
 Computation is deferred: append, replace, recompute, seam repair and the last chunk of a prefill record a
-*pending step* (which tokens, and which earlier entries they see) and the K/V are computed when something
-needs them: a read runs the pending tokens and the question in one forward (:mod:`kvscope.engine.cache.reading`, several
-forks at once; the planner of that forward is :mod:`kvscope.engine.cache.fused_forward`). Generation is
-:mod:`kvscope.engine.cache.generation`, a block's K/V lifted out and spliced elsewhere :mod:`kvscope.engine.cache.blocks`, and the
-Jupyter view :func:`kvscope.engine.cache.display.notebook_view`; the notebook's ``read``, ``read_many``, ``read_prompt``,
-``step``, ``greedy``, ``generate``, ``block`` and ``splice`` are their functions.
+*pending step* (which tokens, and which earlier entries they see), and the next read runs them with the question in
+one forward. The notebook's reads, generation and blocks are functions of their own modules (``reading``,
+``fused_forward``, ``generation``, ``blocks``; docs/engine.md, "The layers"), its methods their front.
 
 Every entry remembers whether its K/V came from a splice and were never recomputed (``spliced``). A notebook
 :meth:`Notebook.rescaled` with APE's setting (:class:`~kvscope.engine.cache.adapter.AttentionRescale`) reads those entries
