@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from tokenizers import (
@@ -54,35 +58,6 @@ from kvscope.engine.cache.loaded import (
 from kvscope.engine.cache.selftest import run_selftest
 from kvscope.engine.models.cpu_math import keep_output_rows_dense, tune_cpu_math
 
-# Hybrids whose recurrent layers keep a running state instead of per-token K/V: built to be refused.
-HYBRID_ARCHS: tuple[str, ...] = ("bamba", "qwen3_next")
-# Every tiny architecture, in the support matrix's order, and the real family it stands in for (the Model card).
-FAMILIES: dict[str, str] = {
-    "llama": "Llama 2/3",
-    "qwen2": "Qwen2 / Qwen2.5",
-    "qwen3": "Qwen3 (qk-norm)",
-    "mistral": "Mistral (sliding window)",
-    "gemma2": "Gemma-2 (sliding window, soft-capping)",
-    "gpt_neox": "GPT-NeoX / Pythia (partial rotary)",
-    "phi": "Phi-1/2 (partial rotary)",
-    "llama3_scaling": "Llama 3.1 rope scaling",
-    "yarn": "YaRN scaling",
-    "gpt2": "GPT-2 (learned positions)",
-    "deepseek_v3": "DeepSeek-V3 (MLA, interleaved rope)",
-    "deepseek_v2": "DeepSeek-V2 (MLA, complex rope)",
-    "gemma3": "Gemma-3 (per-layer-type rope, sliding, qk-norm)",
-    "gpt_oss": "GPT-OSS (sinks, sliding window, YaRN)",
-    "llama4": "Llama-4 (chunked attention, NoPE layers)",
-    "llama4_nope": "Llama-4-style NoPE layers, no chunking",
-    "dynamic_ntk": "dynamic NTK scaling",
-    "longrope": "LongRoPE (Phi-3)",
-    "qwen2_vl": "Qwen2-VL (M-RoPE, text and images)",
-    "qwen2_5_vl": "Qwen2.5-VL (M-RoPE, window-attention vision tower)",
-    "bamba": "Bamba (Mamba-2 hybrid)",
-    "qwen3_next": "Qwen3-Next (gated DeltaNet hybrid)",
-}
-TINY_ARCHS: tuple[str, ...] = tuple(arch for arch in FAMILIES if arch not in HYBRID_ARCHS)  # the families whose K/V are exact
-
 SPECIAL_TOKENS: tuple[str, ...] = ("<|bos|>", "<|eos|>", "<|pad|>", "<|im_start|>", "<|im_end|>")
 
 CHAT_TEMPLATE = (
@@ -94,8 +69,6 @@ CHAT_TEMPLATE = (
 )
 
 _VOCAB_SIZE = 600
-VISION_ARCHS = ("qwen2_vl", "qwen2_5_vl")  # built with their vision tower and image processor
-_EAGER_ARCHS = frozenset({"gemma2", "gemma3", "gpt_oss"})  # soft-capping and sinks live in their eager attention
 # Qwen2's pre-tokenizer split, so that a saved qwen2 directory (which transformers always reloads through
 # Qwen2Tokenizer, rebuilding the pipeline) tokenizes exactly like the in-memory tokenizer.
 _PRETOKENIZE_REGEX = (
@@ -176,20 +149,217 @@ def tiny_tokenizer(chat_template: bool = True) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-_PLAIN_DECODERS = {  # arch: its config class and how its rope differs from the default
-    "llama": (LlamaConfig, {}),
-    "qwen2": (Qwen2Config, {}),
-    "qwen3": (Qwen3Config, {}),
-    "llama3_scaling": (
-        LlamaConfig,
-        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-    ),
-    "yarn": (Qwen2Config, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
+_SHAPE = {  # every decoder's size: 3 layers, hidden 64, 4 heads of 16 dims, 2 KV heads where supported
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 16384,
+}
+_THREE_TYPES = ["sliding_attention", "full_attention", "sliding_attention"]
+_SOFT_CAPPED = {  # Gemma's sliding layers with soft-capped attention and final logits
+    "sliding_window": 16,
+    "layer_types": _THREE_TYPES,
+    "query_pre_attn_scalar": 16,
+    "attn_logit_softcapping": 4.0,
+    "final_logit_softcapping": 3.0,
+}
+_LATENT = {  # DeepSeek's multi-head latent attention with a few routed experts
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 24,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+}
+_LLAMA4 = {  # Llama-4's MoE with NoPE layers (chunked attention and temperature tuning set per entry)
+    "intermediate_size_mlp": 128,
+    "num_local_experts": 2,
+    "num_experts_per_tok": 1,
+    "interleave_moe_layer_step": 2,
+    "no_rope_layers": [1, 1, 0],
+    "floor_scale": 8,
+}
+_QWEN2_VL_TOWER = {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2, "spatial_merge_size": 2}
+_QWEN2_5_VL_TOWER = {  # windowed vision attention with one full-attention block, as the real tower
+    "depth": 2,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_heads": 2,
+    "out_hidden_size": 64,
+    "window_size": 56,
+    "fullatt_block_indexes": [1],
+    "spatial_merge_size": 2,
 }
 
 
+def _without(settings: dict, *keys: str) -> dict:
+    """``settings`` less the ``keys`` a family's config does not take."""
+    return {key: value for key, value in settings.items() if key not in keys}
+
+
+def _vision(config_class: type[PretrainedConfig], tower: dict) -> Callable[[dict, dict], PretrainedConfig]:
+    """A Qwen2-VL-style model: its text decoder with M-RoPE, a small vision tower, and image tokens at the vocabulary's end."""
+    return lambda decoder, rope: config_class(
+        text_config={
+            **_without(decoder, "initializer_range", "tie_word_embeddings", "head_dim"),
+            "rope_parameters": {**rope, "mrope_section": [2, 3, 3]},
+        },
+        vision_config=copy.deepcopy(tower),
+        image_token_id=decoder["vocab_size"] - 1,
+        video_token_id=decoder["vocab_size"] - 2,
+        vision_start_token_id=decoder["vocab_size"] - 3,
+        vision_end_token_id=decoder["vocab_size"] - 4,
+        initializer_range=0.08,
+        tie_word_embeddings=False,
+    )
+
+
+@dataclass(frozen=True)
+class TinyArch:
+    """One tiny architecture: the real family it stands in for (support matrix, Model card) and its config, made as
+    ``config_class(**decoder less drop, **settings, rope_parameters=the default rope updated by rope)`` unless ``build``
+    makes it."""
+
+    family: str
+    config_class: type[PretrainedConfig] | None = None
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    rope: Mapping[str, Any] | None = field(default_factory=dict)  # how its rope differs from the default; None: no rope parameters
+    drop: tuple[str, ...] = ()  # decoder settings its config does not take
+    build: Callable[[dict, dict], PretrainedConfig] | None = None  # (decoder settings, default rope) -> a config off the pattern
+    kind: str = "text"  # "vision": built with its vision tower and image processor; "hybrid": recurrent layers, built to be refused
+    eager: bool = False  # soft-capping and sinks live in its eager attention
+
+    def config(self, decoder: dict, rope: dict) -> PretrainedConfig:
+        if self.build is not None:
+            return self.build(decoder, rope)
+        parameters = {} if self.rope is None else {"rope_parameters": {**rope, **self.rope}}
+        return self.config_class(**_without(decoder, *self.drop), **copy.deepcopy(self.settings), **parameters)
+
+
+ARCHS: dict[str, TinyArch] = {  # in the support matrix's order
+    "llama": TinyArch("Llama 2/3", LlamaConfig),
+    "qwen2": TinyArch("Qwen2 / Qwen2.5", Qwen2Config),
+    "qwen3": TinyArch("Qwen3 (qk-norm)", Qwen3Config),
+    "mistral": TinyArch("Mistral (sliding window)", MistralConfig, {"sliding_window": 24}),
+    "gemma2": TinyArch("Gemma-2 (sliding window, soft-capping)", Gemma2Config, _SOFT_CAPPED, eager=True),
+    "gpt_neox": TinyArch(
+        "GPT-NeoX / Pythia (partial rotary)", GPTNeoXConfig, rope={"partial_rotary_factor": 0.25}, drop=("num_key_value_heads", "head_dim")
+    ),
+    "phi": TinyArch("Phi-1/2 (partial rotary)", PhiConfig, rope={"partial_rotary_factor": 0.5}, drop=("head_dim",)),
+    "llama3_scaling": TinyArch(
+        "Llama 3.1 rope scaling",
+        LlamaConfig,
+        rope={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "yarn": TinyArch("YaRN scaling", Qwen2Config, rope={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
+    "gpt2": TinyArch(
+        "GPT-2 (learned positions)",
+        GPT2Config,
+        {"n_embd": 64, "n_layer": 3, "n_head": 4, "n_inner": 128, "n_positions": 4096},
+        rope=None,
+        drop=tuple(_SHAPE),
+    ),
+    "deepseek_v3": TinyArch(
+        "DeepSeek-V3 (MLA, interleaved rope)",
+        DeepseekV3Config,
+        {**_LATENT, "q_lora_rank": 32, "n_group": 1, "topk_group": 1, "rope_interleave": True},
+        drop=("head_dim", "num_key_value_heads"),
+    ),
+    "deepseek_v2": TinyArch(
+        "DeepSeek-V2 (MLA, complex rope)", DeepseekV2Config, {**_LATENT, "q_lora_rank": None}, drop=("head_dim", "num_key_value_heads")
+    ),
+    "gemma3": TinyArch(
+        "Gemma-3 (per-layer-type rope, sliding, qk-norm)",
+        build=lambda decoder, rope: Gemma3TextConfig(
+            **decoder,
+            **copy.deepcopy(_SOFT_CAPPED),
+            rope_parameters={"sliding_attention": rope, "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}},
+        ),
+        eager=True,
+    ),
+    "gpt_oss": TinyArch(
+        "GPT-OSS (sinks, sliding window, YaRN)",
+        GptOssConfig,
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16, "layer_types": _THREE_TYPES},
+        rope={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 32.0, "beta_slow": 1.0},
+        eager=True,
+    ),
+    "llama4": TinyArch(
+        "Llama-4 (chunked attention, NoPE layers)",
+        Llama4TextConfig,
+        {**_LLAMA4, "attention_chunk_size": 16, "attn_temperature_tuning": True},
+    ),
+    "llama4_nope": TinyArch(
+        "Llama-4-style NoPE layers, no chunking",
+        Llama4TextConfig,
+        {**_LLAMA4, "attention_chunk_size": None, "attn_temperature_tuning": False},
+    ),
+    "dynamic_ntk": TinyArch("dynamic NTK scaling", LlamaConfig, rope={"rope_type": "dynamic", "factor": 2.0}),
+    "longrope": TinyArch(
+        "LongRoPE (Phi-3)",
+        LlamaConfig,
+        rope={"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "original_max_position_embeddings": 64},
+    ),
+    "qwen2_vl": TinyArch("Qwen2-VL (M-RoPE, text and images)", build=_vision(Qwen2VLConfig, _QWEN2_VL_TOWER), kind="vision"),
+    "qwen2_5_vl": TinyArch(
+        "Qwen2.5-VL (M-RoPE, window-attention vision tower)", build=_vision(Qwen2_5_VLConfig, _QWEN2_5_VL_TOWER), kind="vision"
+    ),
+    "bamba": TinyArch(
+        "Bamba (Mamba-2 hybrid)",
+        BambaConfig,
+        {
+            "attn_layer_indices": [1],
+            "mamba_n_heads": 4,
+            "mamba_d_head": 32,
+            "mamba_d_state": 16,
+            "mamba_n_groups": 1,
+            "mamba_chunk_size": 16,
+        },
+        rope=None,
+        drop=("head_dim",),
+        kind="hybrid",
+    ),
+    "qwen3_next": TinyArch(
+        "Qwen3-Next (gated DeltaNet hybrid)",
+        Qwen3NextConfig,
+        {
+            "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+            "linear_num_value_heads": 4,
+            "linear_num_key_heads": 2,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+        },
+        rope={"partial_rotary_factor": 0.5},
+        kind="hybrid",
+    ),
+}
+FAMILIES: dict[str, str] = {name: arch.family for name, arch in ARCHS.items()}
+HYBRID_ARCHS: tuple[str, ...] = tuple(name for name, arch in ARCHS.items() if arch.kind == "hybrid")
+VISION_ARCHS: tuple[str, ...] = tuple(name for name, arch in ARCHS.items() if arch.kind == "vision")
+TINY_ARCHS: tuple[str, ...] = tuple(name for name in ARCHS if name not in HYBRID_ARCHS)  # the families whose K/V are exact
+
+
 def _tiny_config(arch: str, tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
-    """The config for one tiny architecture: 3 layers, hidden 64, 4 heads of 16 dims, 2 KV heads where supported."""
+    """The config of one tiny architecture, its vocabulary the tokenizer's."""
+    if arch not in ARCHS:
+        raise _unknown(arch)
     common = {
         "vocab_size": len(tokenizer),
         "bos_token_id": tokenizer.bos_token_id,
@@ -198,158 +368,7 @@ def _tiny_config(arch: str, tokenizer: PreTrainedTokenizerFast) -> PretrainedCon
         "initializer_range": 0.08,
         "tie_word_embeddings": False,
     }
-    decoder = {
-        **common,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "max_position_embeddings": 16384,
-    }
-    rope = {"rope_type": "default", "rope_theta": 10000.0}
-    if arch in _PLAIN_DECODERS:
-        config_class, rope_scaling = _PLAIN_DECODERS[arch]
-        return config_class(**decoder, rope_parameters={**rope, **rope_scaling})
-    if arch == "mistral":
-        return MistralConfig(**decoder, rope_parameters=rope, sliding_window=24)
-    if arch == "gemma2":
-        return Gemma2Config(
-            **decoder,
-            rope_parameters=rope,
-            sliding_window=16,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-            query_pre_attn_scalar=16,
-            attn_logit_softcapping=4.0,
-            final_logit_softcapping=3.0,
-        )
-    if arch == "gpt_neox":
-        neox = {k: v for k, v in decoder.items() if k not in ("num_key_value_heads", "head_dim")}
-        return GPTNeoXConfig(**neox, rope_parameters={**rope, "partial_rotary_factor": 0.25})
-    if arch == "phi":
-        phi = {k: v for k, v in decoder.items() if k != "head_dim"}
-        return PhiConfig(**phi, rope_parameters={**rope, "partial_rotary_factor": 0.5})
-    if arch == "gpt2":
-        return GPT2Config(**common, n_embd=64, n_layer=3, n_head=4, n_inner=128, n_positions=4096)
-    return _newer_family_config(arch, decoder, rope)
-
-
-def _newer_family_config(arch: str, decoder: dict, rope: dict) -> PretrainedConfig:
-    """Configs of the families added for reach: latent attention, per-layer rope, sinks, NoPE, hybrids."""
-    three_types = ["sliding_attention", "full_attention", "sliding_attention"]
-    if arch in ("deepseek_v3", "deepseek_v2"):
-        latent = {k: v for k, v in decoder.items() if k not in ("head_dim", "num_key_value_heads")}
-        experts = {
-            "n_routed_experts": 4,
-            "num_experts_per_tok": 2,
-            "moe_intermediate_size": 32,
-            "n_shared_experts": 1,
-            "first_k_dense_replace": 1,
-        }
-        mla = {"num_key_value_heads": 4, "kv_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16, "v_head_dim": 16}
-        if arch == "deepseek_v3":
-            return DeepseekV3Config(
-                **latent, **experts, **mla, q_lora_rank=32, n_group=1, topk_group=1, rope_interleave=True, rope_parameters=rope
-            )
-        return DeepseekV2Config(**latent, **experts, **mla, q_lora_rank=None, rope_parameters=rope)
-    if arch == "gemma3":
-        local, full = {**rope}, {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 8.0}
-        return Gemma3TextConfig(
-            **decoder,
-            sliding_window=16,
-            layer_types=three_types,
-            query_pre_attn_scalar=16,
-            attn_logit_softcapping=4.0,
-            final_logit_softcapping=3.0,
-            rope_parameters={"sliding_attention": local, "full_attention": full},
-        )
-    if arch == "gpt_oss":
-        yarn = {
-            "rope_type": "yarn",
-            "rope_theta": 10000.0,
-            "factor": 4.0,
-            "original_max_position_embeddings": 1024,
-            "beta_fast": 32.0,
-            "beta_slow": 1.0,
-        }
-        return GptOssConfig(
-            **decoder, num_local_experts=4, num_experts_per_tok=2, sliding_window=16, layer_types=three_types, rope_parameters=yarn
-        )
-    if arch in ("llama4", "llama4_nope"):
-        chunked = arch == "llama4"
-        return Llama4TextConfig(
-            **decoder,
-            intermediate_size_mlp=128,
-            num_local_experts=2,
-            num_experts_per_tok=1,
-            interleave_moe_layer_step=2,
-            no_rope_layers=[1, 1, 0],
-            attention_chunk_size=16 if chunked else None,
-            attn_temperature_tuning=chunked,
-            floor_scale=8,
-            rope_parameters=rope,
-        )
-    if arch in ("dynamic_ntk", "longrope"):
-        if arch == "dynamic_ntk":
-            scaled = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
-        else:
-            scaled = {
-                "rope_type": "longrope",
-                "rope_theta": 10000.0,
-                "short_factor": [1.0] * 8,
-                "long_factor": [2.0] * 8,
-                "original_max_position_embeddings": 64,
-            }
-        return LlamaConfig(**decoder, rope_parameters=scaled)
-    if arch in VISION_ARCHS:
-        text = {k: v for k, v in decoder.items() if k not in ("initializer_range", "tie_word_embeddings", "head_dim")}
-        config_class, vision = (
-            Qwen2VLConfig,
-            {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2, "spatial_merge_size": 2},
-        )
-        if arch == "qwen2_5_vl":  # windowed vision attention with one full-attention block, as the real tower
-            vision = {
-                "depth": 2,
-                "hidden_size": 32,
-                "intermediate_size": 64,
-                "num_heads": 2,
-                "out_hidden_size": 64,
-                "window_size": 56,
-                "fullatt_block_indexes": [1],
-                "spatial_merge_size": 2,
-            }
-            config_class = Qwen2_5_VLConfig
-        return config_class(
-            text_config={**text, "rope_parameters": {**rope, "mrope_section": [2, 3, 3]}},
-            vision_config=vision,
-            image_token_id=decoder["vocab_size"] - 1,
-            video_token_id=decoder["vocab_size"] - 2,
-            vision_start_token_id=decoder["vocab_size"] - 3,
-            vision_end_token_id=decoder["vocab_size"] - 4,
-            initializer_range=0.08,
-            tie_word_embeddings=False,
-        )
-    if arch == "bamba":
-        hybrid = {k: v for k, v in decoder.items() if k != "head_dim"}
-        return BambaConfig(
-            **hybrid, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1, mamba_chunk_size=16
-        )
-    if arch == "qwen3_next":
-        return Qwen3NextConfig(
-            **decoder,
-            layer_types=["linear_attention", "full_attention", "linear_attention"],
-            linear_num_value_heads=4,
-            linear_num_key_heads=2,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=32,
-            rope_parameters={**rope, "partial_rotary_factor": 0.5},
-        )
-    raise _unknown(arch)
+    return ARCHS[arch].config({**common, **_SHAPE}, {"rope_type": "default", "rope_theta": 10000.0})
 
 
 def _unknown(arch: str) -> ModelLoadError:
@@ -360,7 +379,7 @@ def tiny_family(model_type: str) -> str | None:
     """The family label of the first tiny stand-in whose text decoder has this ``model_type`` (None: unknown family)."""
     tokenizer = tiny_tokenizer()
     return next(
-        (FAMILIES[arch] for arch in FAMILIES if _tiny_config(arch, tokenizer).get_text_config().model_type == model_type),
+        (arch.family for name, arch in ARCHS.items() if _tiny_config(name, tokenizer).get_text_config().model_type == model_type),
         None,
     )
 
@@ -373,7 +392,7 @@ def _config_hash(config: PretrainedConfig, seed: int) -> str:
 
 def tiny_tokenizer_only(arch: str, *, chat_template: bool = True) -> LoadedTokenizer:
     """The tokenizer and config of ``tiny-<arch>``, without building its weights."""
-    if arch not in FAMILIES:
+    if arch not in ARCHS:
         raise _unknown(arch)
     tokenizer = tiny_tokenizer(chat_template=chat_template)
     return LoadedTokenizer(
@@ -384,20 +403,20 @@ def tiny_tokenizer_only(arch: str, *, chat_template: bool = True) -> LoadedToken
 def tiny_model(arch: str, *, seed: int = 0, dtype: torch.dtype = torch.float32, chat_template: bool = True) -> LoadedModel:
     """Build a tiny random-weight causal LM of `arch` (one of TINY_ARCHS) on CPU, eval mode, no grad."""
     tune_cpu_math()
-    if arch not in FAMILIES:
+    if arch not in ARCHS:
         raise _unknown(arch)
     tokenizer = tiny_tokenizer(chat_template=chat_template)
     config = _tiny_config(arch, tokenizer)
     config_hash = _config_hash(config, seed)
-    attn = "eager" if arch in _EAGER_ARCHS else "sdpa"
+    attn = "eager" if ARCHS[arch].eager else "sdpa"
     torch.manual_seed(seed)
-    auto_class = AutoModelForImageTextToText if arch in VISION_ARCHS else AutoModelForCausalLM
+    auto_class = AutoModelForImageTextToText if ARCHS[arch].kind == "vision" else AutoModelForCausalLM
     model = auto_class.from_config(config, attn_implementation=attn, dtype=torch.float32)
     model.to(dtype).eval().requires_grad_(False)
     keep_output_rows_dense(model)
     name = f"tiny-{arch}"
     # Qwen2-VL's own processor with its defaults (14-pixel patches, 2×2 merge), capped so a picture stays a few tokens
-    processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112) if arch in VISION_ARCHS else None
+    processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112) if ARCHS[arch].kind == "vision" else None
     return LoadedModel(
         name=name,
         model=model,
