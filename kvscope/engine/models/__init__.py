@@ -15,11 +15,10 @@ from kvscope.engine.cache.loaded import (
     ModelLoadError,
     config_hash,
     dtype_name,
-    rope_summary,
 )
 from kvscope.engine.models import gguf
 from kvscope.engine.models.dtype import accelerator_dtype
-from kvscope.engine.models.gguf import EMBEDDED_PACKAGES, EMBEDDED_SHA256, QWEN_1_5B, embedded_gguf_path
+from kvscope.engine.models.gguf import EMBEDDED_PACKAGES, EMBEDDED_SHA256, embedded_gguf_path
 from kvscope.engine.models.loading import (
     TINY_PREFIX,
     available_offline,
@@ -36,7 +35,6 @@ __all__ = [
     "EMBEDDED_PACKAGES",
     "EMBEDDED_SHA256",
     "HOST_OPT_IN_ALIASES",
-    "QWEN_1_5B",
     "LoadedModel",
     "ModelFingerprint",
     "ModelLoadError",
@@ -53,7 +51,6 @@ __all__ = [
     "offline_aliases",
     "parse_dtype",
     "resolve_device",
-    "rope_summary",
 ]
 
 HOST_OPT_IN_ALIASES = gguf.HOST_OPT_IN
