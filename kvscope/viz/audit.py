@@ -29,7 +29,7 @@ from kvscope.engine.audit.simulate.observed import OBSERVED_CAUSES
 from kvscope.engine.audit.simulate.registry import ENGINES, LABELS, PROVIDERS
 from kvscope.engine.audit.simulate.step import replies_sentence
 from kvscope.engine.words import counted
-from kvscope.viz.common import GREY, LEGEND_BELOW, PALETTE, markdown_literal, safe_label, set_title
+from kvscope.viz.common import GREY, LEGEND_BELOW, PALETTE, markdown_literal, message_figure, safe_label, set_title
 
 TurnJSON = dict[str, Any]  # a measured turn as the report holds it (``measure.turn.AuditTurn``'s JSON)
 RepairJSON = dict[str, Any]  # a repair on a turn as the report holds it (``measure.repairs.RepairResult``'s JSON)
@@ -106,7 +106,7 @@ def reuse_timeline_figure(data: AuditJSON) -> go.Figure:
     turns, names = _audited(data), list(data["repairs"])
     figure = go.Figure()
     if not turns:
-        return _empty(no_turns(data, "nothing to draw of a repair's reuse"))
+        return message_figure(no_turns(data, "nothing to draw of a repair's reuse"))
     requests = [turn["request"] for turn in turns]
     figure.add_scatter(
         x=requests,
@@ -169,7 +169,7 @@ def fidelity_cost_figure(data: AuditJSON, x: str = "computed", y: str = "kl") ->
         raise ValueError(f"axes are x in {sorted(X_AXES)} and y in {sorted(Y_AXES)}, got {x!r}, {y!r}")
     turns, names = _audited(data), list(data["repairs"])
     if not turns:
-        return _empty(no_turns(data, "no repair to measure"))
+        return message_figure(no_turns(data, "no repair to measure"))
     figure, colours, placed = go.Figure(), _colours(names), []
     for name in names:
         points = [(turn, turn["repairs"][name]) for turn in turns if turn["repairs"].get(name, {}).get("applicable")]
@@ -253,13 +253,6 @@ def _label_points(figure: go.Figure, points: Sequence[tuple[float, float, int]],
         hoverinfo="skip",
         showlegend=False,
     )
-
-
-def _empty(text: str) -> go.Figure:
-    figure = go.Figure()
-    figure.add_annotation(text=safe_label(text), showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper", font={"size": 14})
-    figure.update_layout(height=220, xaxis={"visible": False}, yaxis={"visible": False})
-    return figure
 
 
 def recommendations_markdown(data: AuditJSON) -> str:
@@ -456,7 +449,7 @@ def session_timeline_figure(data: LogAudit) -> go.Figure:
     the formats read."""
     rows = data["requests"]
     if not rows:
-        return _empty("no request was read: nothing to draw")
+        return message_figure("no request was read: nothing to draw")
     sessions = [session_name(s["session"]) for s in data["sessions"]]
     labels = {name: safe_label(name, 24) for name in sessions}
     figure = go.Figure()
@@ -550,7 +543,7 @@ def engine_reuse_figure(data: LogAudit) -> go.Figure:
     their tokens), so that a long log stays readable."""
     rows = data["requests"]
     if not rows:
-        return _empty("no request was read: nothing to draw")
+        return message_figure("no request was read: nothing to draw")
     engines, runs = data["engines"], request_runs(rows)
     figure = go.Figure()
     for index, engine in enumerate(ENGINE_LABELS):

@@ -9,7 +9,7 @@ from plotly.subplots import make_subplots
 
 from kvscope.engine.words import counted
 from kvscope.viz.audit import KL_FLOOR, reused_fraction, within
-from kvscope.viz.common import LEGEND_BELOW, PALETTE, safe_label, set_title
+from kvscope.viz.common import LEGEND_BELOW, PALETTE, safe_label, set_title, whiskers
 
 
 def ttft_figure(data: dict) -> go.Figure:
@@ -356,12 +356,7 @@ def image_splice_figure(data: dict) -> go.Figure:
             legendgroup=name,
             showlegend=False,
             marker={"color": colour},
-            error_y={
-                "type": "data",
-                "symmetric": False,
-                "array": [row["speedup"]["max"] - m for row, m in zip(rows, medians)],
-                "arrayminus": [m - row["speedup"]["min"] for row, m in zip(rows, medians)],
-            },
+            error_y=whiskers([row["speedup"] for row in rows]),
             row=1,
             col=2,
         )
@@ -495,12 +490,7 @@ def audit_cli_figure(data: dict) -> go.Figure:
                 legendgroup=name,
                 showlegend=name not in shown,
                 marker_color=colours[name],
-                error_y={
-                    "type": "data",
-                    "symmetric": False,
-                    "array": [(stat["max"] - stat["median"]) if stat else None for stat in stats],
-                    "arrayminus": [(stat["median"] - stat["min"]) if stat else None for stat in stats],
-                },
+                error_y=whiskers(stats),
                 text=[("" if value is None else f"{value:.0f} s" if column == 1 else f"×{value:.2f}") for value in medians],
                 textposition="outside",
                 row=1,
@@ -538,12 +528,7 @@ def greedy_lookup_figure(data: dict) -> go.Figure:
         name="speedup",
         showlegend=False,
         marker_color=PALETTE[2],
-        error_y={
-            "type": "data",
-            "symmetric": False,
-            "array": [stat["max"] - stat["median"] for stat in speedups],
-            "arrayminus": [stat["median"] - stat["min"] for stat in speedups],
-        },
+        error_y=whiskers(speedups),
         text=[f"×{stat['median']:.2f}" for stat in speedups],
         textposition="outside",
         row=1,
@@ -761,12 +746,7 @@ def deploy_figure(data: dict) -> go.Figure:
         figure.add_bar(
             x=[safe_label(name)],
             y=[ttft["median"]],
-            error_y={
-                "type": "data",
-                "symmetric": False,
-                "array": [ttft["max"] - ttft["median"]],
-                "arrayminus": [ttft["median"] - ttft["min"]],
-            },
+            error_y=whiskers([ttft]),
             marker_color=colour,
             text=[f"×{result['ttft_p50_ratio_to_none']:.2g}" if "ttft_p50_ratio_to_none" in result else ""],
             textposition="outside",

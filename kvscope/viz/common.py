@@ -24,7 +24,6 @@ import plotly.offline
 MAX_COLUMNS = 512  # heatmap columns sent to the browser (a 512-wide map draws in under a second)
 MAX_TICKS = 28  # token labels on an axis (tilted, they stay apart on a 600 px figure); more are thinned
 DIVERGING = "RdBu_r"  # negative blue, positive red, centred at 0
-SEQUENTIAL = "Viridis"
 PALETTE = ("#2a9d8f", "#e76f51", "#264653", "#e9c46a", "#8e7dbe", "#f4a261", "#457b9d")
 GREY = "#b0bec5"
 FIELD_COLOUR = "#e040fb"  # outlines a field's columns; visible on Viridis and RdBu alike
@@ -147,6 +146,16 @@ def diverging_colour(value: float, limit: float) -> str:
     strength = min(abs(value) / limit, 1.0) if limit > 0 and math.isfinite(value) else 0.0
     red, green, blue = (214, 39, 40) if value > 0 else (31, 119, 180)
     return f"rgba({red},{green},{blue},{0.85 * strength:.3f})"
+
+
+def whiskers(stats: Sequence[dict | None]) -> dict:
+    """An ``error_y`` from each stat's median down to its ``min`` and up to its ``max`` (none for an empty stat)."""
+    return {
+        "type": "data",
+        "symmetric": False,
+        "array": [stat["max"] - stat["median"] if stat else None for stat in stats],
+        "arrayminus": [stat["median"] - stat["min"] if stat else None for stat in stats],
+    }
 
 
 def map_height(layers: int) -> int:
