@@ -130,6 +130,26 @@ def column_of(runs: Sequence[range], index: int) -> int:
     return index // len(runs[0])
 
 
+def layer_token_map(
+    z: np.ndarray,
+    axis: str,
+    texts: Sequence[str] | None = None,
+    positions: Sequence[int] | None = None,
+    segments: Sequence[str] | None = None,
+    **heatmap,
+) -> tuple[go.Figure, list[str], list[range]]:
+    """A layer × token heatmap of ``z`` (layers, tokens), pooled to MAX_COLUMNS, its token axis titled ``axis`` and each
+    field outlined; ``heatmap``: the trace's colours and hover. Returns the figure, its column names and their runs."""
+    pooled, runs = pool_columns(z)
+    names, xaxis = token_columns(runs, texts, positions, segments)
+    figure = go.Figure(go.Heatmap(z=pooled, x=names, y=np.arange(len(pooled)), **heatmap))
+    figure.update_layout(
+        xaxis={**xaxis, "title": axis}, yaxis_title="layer", height=map_height(len(pooled)), margin={"l": 60, "r": 20, "b": 100}
+    )
+    mark_fields(figure, runs, segments)
+    return figure, names, runs
+
+
 def robust_limit(values: np.ndarray, quantile: float = 0.98) -> float:
     """A symmetric colour limit ±r that a few extreme cells cannot wash out: the ``quantile`` of |values|
     (the largest |value| when that is 0; 1 for an all-zero map)."""

@@ -20,13 +20,11 @@ from kvscope.viz.common import (
     LEGEND_BELOW,
     NARROWEST_PLOT_PX,
     PALETTE,
-    map_height,
+    layer_token_map,
     markdown_literal,
     place_labels,
-    pool_columns,
     safe_label,
     set_title,
-    token_columns,
 )
 
 
@@ -77,23 +75,16 @@ def deviation_figure(fidelity: SpliceFidelity, texts: Sequence[str] | None = Non
     deviation = fidelity.deviation.float().numpy()  # (layers, context tokens)
     if texts is not None and len(texts) != deviation.shape[1]:
         raise ValueError(f"got {len(texts)} token texts for {deviation.shape[1]} context tokens")
-    z, runs = pool_columns(deviation)
-    names, xaxis = token_columns(runs, texts)
-    figure = go.Figure(
-        go.Heatmap(
-            z=z,
-            x=names,
-            y=np.arange(len(z)),
-            zmin=0.0,
-            colorscale="Viridis",
-            colorbar={"title": "relative Δ", "exponentformat": "e"},
-            hovertemplate="layer %{y}<br>%{x}<br>relative deviation %{z:.3g}<extra></extra>",
-        )
+    figure, _, _ = layer_token_map(
+        deviation,
+        "context token",
+        texts,
+        zmin=0.0,
+        colorscale="Viridis",
+        colorbar={"title": "relative Δ", "exponentformat": "e"},
+        hovertemplate="layer %{y}<br>%{x}<br>relative deviation %{z:.3g}<extra></extra>",
     )
     repair = f"remedy {safe_label(fidelity.remedy.name)}"
-    figure.update_layout(
-        xaxis={**xaxis, "title": "context token"}, yaxis_title="layer", height=map_height(len(z)), margin={"l": 60, "r": 20, "b": 100}
-    )
     set_title(
         figure,
         "K/V deviation, spliced vs recomputed",
