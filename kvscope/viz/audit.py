@@ -442,11 +442,9 @@ def _reuse_hover(row: RequestRow) -> str:
 
 
 def session_timeline_figure(data: LogAudit) -> go.Figure:
-    """One row per session (in order of first appearance), its requests along the log (request number), each marker
-    coloured by its first cause of a miss (``growth``: only appended; ``reused``: identical), its size by its tokens;
-    a grey line joins a session's requests; a red ring marks each request the server served worse than the compared
-    engine (``observed_shortfall``). Hover: the match, every engine's reuse and every cause in words; the title names
-    the formats read."""
+    """One row per session, its requests along the log, each marker coloured by its first cause of a miss
+    (:func:`main_cause`) and sized by its tokens; a red ring marks each request the server served worse than the compared
+    engine (``observed_shortfall``)."""
     rows = data["requests"]
     if not rows:
         return message_figure("no request was read: nothing to draw")
@@ -536,11 +534,9 @@ def request_axis(rows: Sequence[RequestRow]) -> dict:
 
 
 def engine_reuse_figure(data: LogAudit) -> go.Figure:
-    """Per request (log order), the share of its tokens each simulated engine serves from its cache (and each hosted
-    provider's, on its own requests), beside the share the server reported cached (``observed``: a gap where a request
-    reports none), the requests it served worse than the compared engine marked; the totals in the legend, the formats
-    read in the title. Above ``PER_REQUEST_UP_TO`` requests each point is a run of consecutive requests (the share of
-    their tokens), so that a long log stays readable."""
+    """Per request, the share of its tokens each simulated engine (and hosted provider) serves from its cache, beside the
+    share the server reported cached, its shortfalls marked; above ``PER_REQUEST_UP_TO`` requests each point is a run of
+    consecutive requests (:func:`request_runs`), so that a long log stays readable."""
     rows = data["requests"]
     if not rows:
         return message_figure("no request was read: nothing to draw")
@@ -739,10 +735,8 @@ def _percent(rate: float | None) -> str:
 
 
 def traffic_markdown(data: LogAudit) -> str:
-    """The log in words and tables: requests, sessions, formats and the lines that gave no request (each with why: skipped, or
-    read with another record); each engine's reuse in total;
-    per session its requests, tokens and reuse; each cause named with its line, the requests and tokens it costs
-    (its occurrences are in the JSON)."""
+    """The log in words and tables: requests, sessions, formats and the lines that gave no request (and why); each
+    engine's reuse in total and per session; each cause with the requests and tokens it costs."""
     engines, sessions = data["engines"], data["sessions"]
     tokens = engines["tokens"]
     formats = ", ".join(f"{markdown_literal(name)} {count:,}" for name, count in data["formats"].items()) or "none"

@@ -78,10 +78,8 @@ def prefill_figure(data: dict) -> go.Figure:
 
 
 def serving_figure(data: dict) -> go.Figure:
-    """A serving benchmark per variant vs offered load (log axes): TTFT p50 (solid) and p90 (dashed), throughput,
-    prefix-cache hit rate and accuracy against the clean-prefill answer; from ``serving-<engine>.json``: ``runs``
-    of ``variant``, ``offered_rps``, ``completed``, ``ttft_p50_ms``, ``ttft_p90_ms``, ``throughput_rps``,
-    ``prefix_hit_rate`` and ``accuracy`` (older results without it leave that panel empty)."""
+    """A serving benchmark (``serving-<engine>.json``) per variant vs offered load: TTFT p50 and p90, throughput,
+    prefix-cache hit rate and accuracy against the clean-prefill answer (empty for older results without it)."""
     figure = make_subplots(
         rows=1,
         cols=4,
@@ -591,11 +589,9 @@ def forward_paths_figure(data: dict) -> go.Figure:
 
 
 def audit_replay_figure(data: dict) -> go.Figure:
-    """Request logs replayed on llama-server (``audit_replay-*.json``): per request, the server's measured prompt time
-    against the audit's fidelity of that request's prompt (the share of greedy tokens agreeing with the original's
-    clean prefill, and the next-token KL), one colour per replay (the original log, each repair's deployed template)
-    and one marker per log, open where the top token changes; beside them, the tokens the server kept against the
-    simulated llama.cpp cache's (on the diagonal: equal)."""
+    """Request logs replayed on llama-server (``audit_replay-*.json``): per request, the server's prompt time against the
+    audit's fidelity (greedy agreement, next-token KL), a colour per replay and a marker per log; beside them, the tokens
+    the server kept against the simulated llama.cpp cache's."""
     labels = list(dict.fromkeys(label for log in data["logs"] for label in log["replays"]))
     symbols = ("circle", "square", "diamond", "triangle-up", "star", "hexagon")
     figure = make_subplots(
@@ -712,10 +708,8 @@ DEPLOY_LABELS = {
 
 
 def deploy_figure(data: dict) -> go.Figure:
-    """The audit's repairs applied by the LiteLLM proxy's hook in front of vLLM (``deploy-*.json``): per variant (no
-    hook, the audit's policy, each repair forced), the reuse it buys (vLLM's prefix-cache hit rate, from ``/metrics``)
-    against what it costs the answers (the share agreeing with clean prefills of the requests the agent sent: the same
-    first tokens, the same text); beside it, the median TTFT through the proxy, min to max over repetitions."""
+    """The audit's repairs applied by the LiteLLM proxy's hook in front of vLLM (``deploy-*.json``): per variant, vLLM's
+    prefix-cache hit rate against the share of answers agreeing with clean prefills; beside it, the TTFT through the proxy."""
     variants = data["variants"]
     figure = make_subplots(rows=1, cols=2, horizontal_spacing=0.12, subplot_titles=("reuse vs the answers", "time to first token"))
     agree = data.get("agree_tokens")
