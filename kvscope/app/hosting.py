@@ -1,12 +1,11 @@
 """Hosting profiles: what one server allows its visitors, and the memory it may keep for them.
 
-``local`` (``python app.py``) keeps today's freedom: any alias, HF id or local directory, any context the
-model takes, no time limit. ``public`` (``python app.py --public``, and automatically on a Hugging Face
-Space, where ``SPACE_ID`` is set) is for a Space or a shared classroom machine: models from an allowlist
-only (the offline aliases, except the large ``qwen-1.5b``, plus the models the host names in
-``KVSCOPE_ALLOWED_MODELS``), no local paths,
-bounded context, strategies, turns and model time per request. Both profiles bound memory the same way,
-with budgets scaled to the machine's RAM. Every limit can be overridden by the host (see ``from_env``).
+``local`` (``python app.py``) keeps today's freedom: any alias, HF id or local directory, any context the model takes, no
+time limit. ``public`` (``python app.py --public``, and automatically on a Hugging Face Space, where ``SPACE_ID`` is set)
+is for a Space or a shared classroom machine: models from an allowlist only (the offline aliases, except the large
+``qwen-1.5b``, plus the models the host names in ``KVSCOPE_ALLOWED_MODELS``), no local paths, bounded context, strategies,
+turns and model time per request. Both bound memory alike, with budgets scaled to the machine's RAM. Every limit can be
+overridden by the host (see ``from_env``).
 """
 
 from __future__ import annotations
