@@ -9,7 +9,7 @@ from plotly.subplots import make_subplots
 
 from kvscope.engine.words import counted
 from kvscope.viz.audit import KL_FLOOR, reused_fraction, within
-from kvscope.viz.common import LEGEND_BELOW, PALETTE, safe_label, set_title, whiskers
+from kvscope.viz.common import LEGEND_BELOW, PALETTE, parameter_count, safe_label, set_title, whiskers
 
 
 def ttft_figure(data: dict) -> go.Figure:
@@ -373,16 +373,12 @@ def image_splice_figure(data: dict) -> go.Figure:
     return figure
 
 
-def _parameters(count: float) -> str:
-    """A parameter count as 135 M or 1.78 B."""
-    return f"{count / 1e9:.2f} B" if count >= 1e9 else f"{count / 1e6:.0f} M"
-
-
 def compare_models_figure(data: dict) -> go.Figure:
     """Across models (``compare_models-*.json``): how many bundled scenarios flip under a clean prefill and how many are
     notes demos, and the N-skill study's median splice cosine per remedy, one group per model."""
     models = data["models"]
-    names = [f"{safe_label(row.get('spec') or row['model'].split(':', 1)[-1], 24)} ({_parameters(row['parameters'])})" for row in models]
+    short = [row.get("spec") or row["model"].split(":", 1)[-1] for row in models]
+    names = [f"{safe_label(name, 24)} ({parameter_count(row['parameters'])})" for name, row in zip(short, models)]
     figure = make_subplots(rows=1, cols=2, subplot_titles=("bundled scenarios (calibration)", "splice cosine, median (N-skill study)"))
     figure.add_bar(x=names, y=[row["calibrate"]["flipping"] for row in models], name="flip under a clean prefill", row=1, col=1)
     figure.add_bar(x=names, y=[row["calibrate"]["notes_demos"] for row in models], name="notes demos", row=1, col=1)

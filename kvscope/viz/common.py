@@ -178,6 +178,11 @@ def whiskers(stats: Sequence[dict | None]) -> dict:
     }
 
 
+def parameter_count(count: float) -> str:
+    """A parameter count as 135 M or 1.78 B."""
+    return f"{count / 1e9:.2f} B" if count >= 1e9 else f"{count / 1e6:.0f} M"
+
+
 def map_height(layers: int) -> int:
     """A layer × token map's height: about 16 px per layer below its title and above its tilted token labels, within
     440–900."""
