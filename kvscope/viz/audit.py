@@ -44,7 +44,8 @@ DODGE = 0.05  # requests: each repair's points sit this far apart on the timelin
 LABEL_BINS = (40, 16)  # fidelity against cost: points within 1/40 of the x span and 1/16 of the y span share one label
 
 
-def _colours(names: Sequence[str]) -> dict[str, str]:
+def repair_colours(names: Sequence[str]) -> dict[str, str]:
+    """A colour per repair: recompute (the exact reference) black, the others the palette's."""
     return {name: ("black" if name == "recompute" else PALETTE[i % len(PALETTE)]) for i, name in enumerate(names)}
 
 
@@ -88,7 +89,8 @@ def _hover(name: str, turn: TurnJSON, result: RepairJSON, data: AuditJSON) -> st
     )
 
 
-def _symbols(results: Sequence[RepairJSON], data: AuditJSON) -> list[str]:
+def within_symbols(results: Sequence[RepairJSON], data: AuditJSON) -> list[str]:
+    """Each result's marker: filled within the audit's bars, open outside them."""
     return ["circle" if within(result, data) else "circle-open" for result in results]
 
 
@@ -117,7 +119,7 @@ def reuse_timeline_figure(data: AuditJSON) -> go.Figure:
         hovertext=[f"block-aligned prefix: {turn['block_prefix_tokens']:,} of {turn['tokens']:,} tokens" for turn in turns],
         hoverinfo="text",
     )
-    colours = _colours(names)
+    colours = repair_colours(names)
     for index, name in enumerate(names):
         results = [turn["repairs"].get(name, {"applicable": False}) for turn in turns]
         dodge = DODGE * (index - (len(names) - 1) / 2)  # repairs reusing about as much stay apart
@@ -127,7 +129,7 @@ def reuse_timeline_figure(data: AuditJSON) -> go.Figure:
             mode="lines+markers",
             name="recompute (exact prefix)" if name == "recompute" else safe_label(name),
             line={"color": colours[name], "width": 3 if name == "recompute" else 2},
-            marker={"size": 10, "symbol": _symbols(results, data), "line": {"width": 2, "color": colours[name]}},
+            marker={"size": 10, "symbol": within_symbols(results, data), "line": {"width": 2, "color": colours[name]}},
             hovertext=[_hover(name, turn, result, data) for turn, result in zip(turns, results)],
             hoverinfo="text",
             connectgaps=False,
@@ -170,7 +172,7 @@ def fidelity_cost_figure(data: AuditJSON, x: str = "computed", y: str = "kl") ->
     turns, names = _audited(data), list(data["repairs"])
     if not turns:
         return message_figure(no_turns(data, "no repair to measure"))
-    figure, colours, placed = go.Figure(), _colours(names), []
+    figure, colours, placed = go.Figure(), repair_colours(names), []
     for name in names:
         points = [(turn, turn["repairs"][name]) for turn in turns if turn["repairs"].get(name, {}).get("applicable")]
         points = [(turn, result) for turn, result in points if _x(result, turn, x) is not None]
@@ -185,7 +187,7 @@ def fidelity_cost_figure(data: AuditJSON, x: str = "computed", y: str = "kl") ->
             marker={
                 "size": 12,
                 "color": colours[name],
-                "symbol": _symbols([result for _, result in points], data),
+                "symbol": within_symbols([result for _, result in points], data),
                 "line": {"width": 2, "color": colours[name]},
             },
             hovertext=[_hover(name, turn, result, data) for turn, result in points],

@@ -8,7 +8,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kvscope.engine.words import counted
-from kvscope.viz.audit import KL_FLOOR, reused_fraction, within
+from kvscope.viz.audit import KL_FLOOR, repair_colours, reused_fraction, within_symbols
 from kvscope.viz.common import LEGEND_BELOW, PALETTE, parameter_count, safe_label, set_title, whiskers
 
 
@@ -412,10 +412,10 @@ def audit_benchmark_figure(data: dict) -> go.Figure:
         row=1,
         col=2,
     )
-    for index, name in enumerate(data["repairs"]):
+    colours = repair_colours(data["repairs"])
+    for name in data["repairs"]:
         results = [turn["repairs"][name] for turn in turns]
-        colour = "black" if name == "recompute" else PALETTE[index % len(PALETTE)]
-        symbols = ["circle" if within(result, data) else "circle-open" for result in results]
+        colour, symbols = colours[name], within_symbols(results, data)
         for column, values in (
             (1, [reused_fraction(result) for result in results]),
             (2, [result["ttft_ms"] if result["applicable"] else None for result in results]),
