@@ -1,10 +1,9 @@
 """The composer's drag-and-drop skill list: a gr.HTML subclass (library zone → context zone).
 
-The value is the ordered list of skill ids in the context. Chips can be dragged from the library into the
-context and within it; ▲ ▼ ✕ buttons and a + on library chips do the same without a mouse. The skills the chosen
-scenario places itself (``placed``: :meth:`SkillComposer.placed_by`) follow, fixed, so the list shows every skill the
-context splices. Titles are
-escaped in Python (the template inserts raw HTML) and ``preprocess`` keeps only known ids, so nothing the
+The value is the ordered list of skill ids in the context. Chips can be dragged from the library into the context and
+within it; ▲ ▼ ✕ buttons and a + on library chips do the same without a mouse. The skills the chosen scenario places
+itself (``placed``: :meth:`SkillComposer.placed_by`) follow, fixed, so the list shows every skill the context splices.
+Titles are escaped in Python (the template inserts raw HTML) and ``preprocess`` keeps only known ids, so nothing the
 browser sends is trusted.
 """
 

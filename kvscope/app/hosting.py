@@ -1,12 +1,11 @@
 """Hosting profiles: what one server allows its visitors, and the memory it may keep for them.
 
-``local`` (``python app.py``) keeps today's freedom: any alias, HF id or local directory, any context the
-model takes, no time limit. ``public`` (``python app.py --public``, and automatically on a Hugging Face
-Space, where ``SPACE_ID`` is set) is for a Space or a shared classroom machine: models from an allowlist
-only (the offline aliases, except the large ``qwen-1.5b``, plus the models the host names in
-``KVSCOPE_ALLOWED_MODELS``), no local paths,
-bounded context, strategies, turns and model time per request. Both profiles bound memory the same way,
-with budgets scaled to the machine's RAM. Every limit can be overridden by the host (see ``from_env``).
+``local`` (``python app.py``) keeps today's freedom: any alias, HF id or local directory, any context the model takes, no
+time limit. ``public`` (``python app.py --public``, and automatically on a Hugging Face Space, where ``SPACE_ID`` is set)
+is for a Space or a shared classroom machine: models from an allowlist only (the offline aliases, except the large
+``qwen-1.5b``, plus the models the host names in ``KVSCOPE_ALLOWED_MODELS``), no local paths, bounded context, strategies,
+turns and model time per request. Both bound memory alike, with budgets scaled to the machine's RAM. Every limit can be
+overridden by the host (see ``from_env``).
 """
 
 from __future__ import annotations
@@ -25,14 +24,6 @@ import psutil
 
 from kvscope.engine import HOST_OPT_IN_ALIASES, STRATEGIES, KVScopeError, WorkBudget, offline_aliases
 
-GiB = 2**30
-PUBLIC_MAX_CONTEXT_TOKENS = 1024
-PUBLIC_FORWARD_TOKENS = 128  # new tokens per forward: ~1 s for the embedded model on 2 CPU cores
-PUBLIC_REQUEST_SECONDS = 30.0
-PUBLIC_MAX_SCENARIO_CHARS = 12_000
-PUBLIC_MAX_AGENT_TURNS = 8
-PUBLIC_MAX_AUDIT_REQUESTS = 8  # requests of one audited log (the Your prompt tab)
-PUBLIC_MAX_AUDIT_TOKENS = 32  # greedy tokens generated per state in an audit
 # Shares of the machine's RAM kept for results, per kind (the rest is for models and the work itself).
 SESSION_SHARE, BASELINE_SHARE = 0.06, 0.03
 # Parameter bytes of the models in memory: two Qwen2.5-Coder-1.5B copies in float32 (2 × 7.1 GB, lm_head untied) fit a 24 GB machine.
@@ -159,29 +150,26 @@ def local_profile(memory_bytes: int | None = None) -> HostingProfile:
 
 
 def public_profile(extra_models: Sequence[str] = (), memory_bytes: int | None = None) -> HostingProfile:
-    """A public Space or a shared classroom server: the offline aliases except those a host opts into
-    (``HOST_OPT_IN_ALIASES``: the 1.5B model), plus ``extra_models``."""
+    """A public Space or a shared classroom server: the local profile's memory and concurrency, the offline aliases except
+    those a host opts into (``HOST_OPT_IN_ALIASES``: the 1.5B model) plus ``extra_models``, and bounded work."""
     allowed = (*(alias for alias in offline_aliases() if alias not in HOST_OPT_IN_ALIASES), *extra_models)
-    return HostingProfile(
+    return replace(
+        local_profile(memory_bytes),
         name="public",
         allowed_models=tuple(dict.fromkeys(allowed)),
-        max_context_tokens=PUBLIC_MAX_CONTEXT_TOKENS,
-        forward_tokens=PUBLIC_FORWARD_TOKENS,
-        request_seconds=PUBLIC_REQUEST_SECONDS,
-        max_scenario_chars=PUBLIC_MAX_SCENARIO_CHARS,
-        max_strategies=len(STRATEGIES),
-        max_agent_turns=PUBLIC_MAX_AGENT_TURNS,
+        max_context_tokens=1024,
+        forward_tokens=128,  # new tokens per forward: ~1 s for the embedded model on 2 CPU cores
+        request_seconds=30.0,
+        max_scenario_chars=12_000,
+        max_agent_turns=8,
         session_ttl_s=15 * 60.0,
         export_max_bytes=2 * 2**20,
         export_keep=32,
-        model_capacity=2,
         pin_default_model=True,
-        concurrency=4,
-        max_audit_requests=PUBLIC_MAX_AUDIT_REQUESTS,
-        max_audit_tokens=PUBLIC_MAX_AUDIT_TOKENS,
+        max_audit_requests=8,  # requests of one audited log (the Your prompt tab)
+        max_audit_tokens=32,  # greedy tokens generated per state in an audit
         calibrate_remedies=False,
         measure_on_server=False,
-        **_budgets(memory_bytes or machine_memory_bytes()),
     )
 
 

@@ -3,10 +3,7 @@ Hugging Face Spaces entry point, a shim that calls :func:`main`).
 
 The default model loads before the page is served (the first start converts the embedded GGUF once). On a ZeroGPU
 Space (SPACES_ZERO_GPU set) it is staged instead, and every model-bound handler runs as a GPU task (kvscope/app/gpu.py,
-docs/hosting-spaces.md).
-Settings: --model/KVSCOPE_MODEL, --device/KVSCOPE_DEVICE, --dtype/KVSCOPE_DTYPE, --host, --port, and
---public (automatic on a Hugging Face Space, where SPACE_ID is set) for the public hosting profile; its
-limits and the host's overrides are in kvscope/app/hosting.py and docs/hosting-spaces.md.
+docs/hosting-spaces.md). ``--public`` (automatic on a Space) serves the public hosting profile (kvscope/app/hosting.py).
 """
 
 from __future__ import annotations

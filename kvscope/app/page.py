@@ -25,6 +25,7 @@ from kvscope.engine import MessageProgress, StepProgress, bounded, fraction, wai
 from kvscope.viz.common import markdown_literal
 
 MODEL_GROUP = "model"  # every model-bound handler shares one queue group
+UI_ONLY = {"api_name": False, "concurrency_limit": None}  # event options of a page-only step: no API endpoint, never queued
 # Two plots in a row each get half the page from a 1,400 px window (600 px); below that width they wrap to one plot per
 # row (704 px at a 1,000 px window) instead of shrinking to 344 px, where no title, tick or legend fits.
 PAIRED_PLOT_MIN_WIDTH = 560

@@ -331,11 +331,9 @@ class ModelRegistry:
 
 
 class SessionStore:
-    """Per-session results by (session id, key), each tagged with the model spec it was computed with.
-
-    The store weighs every tensor a session keeps, drops least recently used sessions beyond its byte
-    budget, expires sessions idle for ``ttl_s`` and forgets results of a dropped model.
-    """
+    """Per-session results by (session id, key), each tagged with the model spec it was computed with: every tensor
+    weighed, least recently used sessions dropped beyond the byte budget, idle ones expired after ``ttl_s``, the results
+    of a dropped model forgotten."""
 
     def __init__(self, budget_bytes: int | None = None, ttl_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         defaults = local_profile()

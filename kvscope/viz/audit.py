@@ -29,7 +29,7 @@ from kvscope.engine.audit.simulate.observed import OBSERVED_CAUSES
 from kvscope.engine.audit.simulate.registry import ENGINES, LABELS, PROVIDERS
 from kvscope.engine.audit.simulate.step import replies_sentence
 from kvscope.engine.words import counted
-from kvscope.viz.common import GREY, LEGEND_BELOW, PALETTE, markdown_literal, safe_label, set_title
+from kvscope.viz.common import GREY, LEGEND_BELOW, PALETTE, markdown_literal, message_figure, safe_label, set_title
 
 TurnJSON = dict[str, Any]  # a measured turn as the report holds it (``measure.turn.AuditTurn``'s JSON)
 RepairJSON = dict[str, Any]  # a repair on a turn as the report holds it (``measure.repairs.RepairResult``'s JSON)
@@ -44,7 +44,8 @@ DODGE = 0.05  # requests: each repair's points sit this far apart on the timelin
 LABEL_BINS = (40, 16)  # fidelity against cost: points within 1/40 of the x span and 1/16 of the y span share one label
 
 
-def _colours(names: Sequence[str]) -> dict[str, str]:
+def repair_colours(names: Sequence[str]) -> dict[str, str]:
+    """A colour per repair: recompute (the exact reference) black, the others the palette's."""
     return {name: ("black" if name == "recompute" else PALETTE[i % len(PALETTE)]) for i, name in enumerate(names)}
 
 
@@ -88,7 +89,8 @@ def _hover(name: str, turn: TurnJSON, result: RepairJSON, data: AuditJSON) -> st
     )
 
 
-def _symbols(results: Sequence[RepairJSON], data: AuditJSON) -> list[str]:
+def within_symbols(results: Sequence[RepairJSON], data: AuditJSON) -> list[str]:
+    """Each result's marker: filled within the audit's bars, open outside them."""
     return ["circle" if within(result, data) else "circle-open" for result in results]
 
 
@@ -106,7 +108,7 @@ def reuse_timeline_figure(data: AuditJSON) -> go.Figure:
     turns, names = _audited(data), list(data["repairs"])
     figure = go.Figure()
     if not turns:
-        return _empty(no_turns(data, "nothing to draw of a repair's reuse"))
+        return message_figure(no_turns(data, "nothing to draw of a repair's reuse"))
     requests = [turn["request"] for turn in turns]
     figure.add_scatter(
         x=requests,
@@ -117,7 +119,7 @@ def reuse_timeline_figure(data: AuditJSON) -> go.Figure:
         hovertext=[f"block-aligned prefix: {turn['block_prefix_tokens']:,} of {turn['tokens']:,} tokens" for turn in turns],
         hoverinfo="text",
     )
-    colours = _colours(names)
+    colours = repair_colours(names)
     for index, name in enumerate(names):
         results = [turn["repairs"].get(name, {"applicable": False}) for turn in turns]
         dodge = DODGE * (index - (len(names) - 1) / 2)  # repairs reusing about as much stay apart
@@ -127,7 +129,7 @@ def reuse_timeline_figure(data: AuditJSON) -> go.Figure:
             mode="lines+markers",
             name="recompute (exact prefix)" if name == "recompute" else safe_label(name),
             line={"color": colours[name], "width": 3 if name == "recompute" else 2},
-            marker={"size": 10, "symbol": _symbols(results, data), "line": {"width": 2, "color": colours[name]}},
+            marker={"size": 10, "symbol": within_symbols(results, data), "line": {"width": 2, "color": colours[name]}},
             hovertext=[_hover(name, turn, result, data) for turn, result in zip(turns, results)],
             hoverinfo="text",
             connectgaps=False,
@@ -169,8 +171,8 @@ def fidelity_cost_figure(data: AuditJSON, x: str = "computed", y: str = "kl") ->
         raise ValueError(f"axes are x in {sorted(X_AXES)} and y in {sorted(Y_AXES)}, got {x!r}, {y!r}")
     turns, names = _audited(data), list(data["repairs"])
     if not turns:
-        return _empty(no_turns(data, "no repair to measure"))
-    figure, colours, placed = go.Figure(), _colours(names), []
+        return message_figure(no_turns(data, "no repair to measure"))
+    figure, colours, placed = go.Figure(), repair_colours(names), []
     for name in names:
         points = [(turn, turn["repairs"][name]) for turn in turns if turn["repairs"].get(name, {}).get("applicable")]
         points = [(turn, result) for turn, result in points if _x(result, turn, x) is not None]
@@ -185,7 +187,7 @@ def fidelity_cost_figure(data: AuditJSON, x: str = "computed", y: str = "kl") ->
             marker={
                 "size": 12,
                 "color": colours[name],
-                "symbol": _symbols([result for _, result in points], data),
+                "symbol": within_symbols([result for _, result in points], data),
                 "line": {"width": 2, "color": colours[name]},
             },
             hovertext=[_hover(name, turn, result, data) for turn, result in points],
@@ -253,13 +255,6 @@ def _label_points(figure: go.Figure, points: Sequence[tuple[float, float, int]],
         hoverinfo="skip",
         showlegend=False,
     )
-
-
-def _empty(text: str) -> go.Figure:
-    figure = go.Figure()
-    figure.add_annotation(text=safe_label(text), showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper", font={"size": 14})
-    figure.update_layout(height=220, xaxis={"visible": False}, yaxis={"visible": False})
-    return figure
 
 
 def recommendations_markdown(data: AuditJSON) -> str:
@@ -449,14 +444,12 @@ def _reuse_hover(row: RequestRow) -> str:
 
 
 def session_timeline_figure(data: LogAudit) -> go.Figure:
-    """One row per session (in order of first appearance), its requests along the log (request number), each marker
-    coloured by its first cause of a miss (``growth``: only appended; ``reused``: identical), its size by its tokens;
-    a grey line joins a session's requests; a red ring marks each request the server served worse than the compared
-    engine (``observed_shortfall``). Hover: the match, every engine's reuse and every cause in words; the title names
-    the formats read."""
+    """One row per session, its requests along the log, each marker coloured by its first cause of a miss
+    (:func:`main_cause`) and sized by its tokens; a red ring marks each request the server served worse than the compared
+    engine (``observed_shortfall``)."""
     rows = data["requests"]
     if not rows:
-        return _empty("no request was read: nothing to draw")
+        return message_figure("no request was read: nothing to draw")
     sessions = [session_name(s["session"]) for s in data["sessions"]]
     labels = {name: safe_label(name, 24) for name in sessions}
     figure = go.Figure()
@@ -543,14 +536,12 @@ def request_axis(rows: Sequence[RequestRow]) -> dict:
 
 
 def engine_reuse_figure(data: LogAudit) -> go.Figure:
-    """Per request (log order), the share of its tokens each simulated engine serves from its cache (and each hosted
-    provider's, on its own requests), beside the share the server reported cached (``observed``: a gap where a request
-    reports none), the requests it served worse than the compared engine marked; the totals in the legend, the formats
-    read in the title. Above ``PER_REQUEST_UP_TO`` requests each point is a run of consecutive requests (the share of
-    their tokens), so that a long log stays readable."""
+    """Per request, the share of its tokens each simulated engine (and hosted provider) serves from its cache, beside the
+    share the server reported cached, its shortfalls marked; above ``PER_REQUEST_UP_TO`` requests each point is a run of
+    consecutive requests (:func:`request_runs`), so that a long log stays readable."""
     rows = data["requests"]
     if not rows:
-        return _empty("no request was read: nothing to draw")
+        return message_figure("no request was read: nothing to draw")
     engines, runs = data["engines"], request_runs(rows)
     figure = go.Figure()
     for index, engine in enumerate(ENGINE_LABELS):
@@ -746,10 +737,8 @@ def _percent(rate: float | None) -> str:
 
 
 def traffic_markdown(data: LogAudit) -> str:
-    """The log in words and tables: requests, sessions, formats and the lines that gave no request (each with why: skipped, or
-    read with another record); each engine's reuse in total;
-    per session its requests, tokens and reuse; each cause named with its line, the requests and tokens it costs
-    (its occurrences are in the JSON)."""
+    """The log in words and tables: requests, sessions, formats and the lines that gave no request (and why); each
+    engine's reuse in total and per session; each cause with the requests and tokens it costs."""
     engines, sessions = data["engines"], data["sessions"]
     tokens = engines["tokens"]
     formats = ", ".join(f"{markdown_literal(name)} {count:,}" for name, count in data["formats"].items()) or "none"

@@ -8,8 +8,8 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kvscope.engine.words import counted
-from kvscope.viz.audit import KL_FLOOR, reused_fraction, within
-from kvscope.viz.common import LEGEND_BELOW, PALETTE, safe_label, set_title
+from kvscope.viz.audit import KL_FLOOR, repair_colours, reused_fraction, within_symbols
+from kvscope.viz.common import LEGEND_BELOW, PALETTE, parameter_count, safe_label, set_title, whiskers
 
 
 def ttft_figure(data: dict) -> go.Figure:
@@ -78,10 +78,8 @@ def prefill_figure(data: dict) -> go.Figure:
 
 
 def serving_figure(data: dict) -> go.Figure:
-    """A serving benchmark per variant vs offered load (log axes): TTFT p50 (solid) and p90 (dashed), throughput,
-    prefix-cache hit rate and accuracy against the clean-prefill answer; from ``serving-<engine>.json``: ``runs``
-    of ``variant``, ``offered_rps``, ``completed``, ``ttft_p50_ms``, ``ttft_p90_ms``, ``throughput_rps``,
-    ``prefix_hit_rate`` and ``accuracy`` (older results without it leave that panel empty)."""
+    """A serving benchmark (``serving-<engine>.json``) per variant vs offered load: TTFT p50 and p90, throughput,
+    prefix-cache hit rate and accuracy against the clean-prefill answer (empty for older results without it)."""
     figure = make_subplots(
         rows=1,
         cols=4,
@@ -356,12 +354,7 @@ def image_splice_figure(data: dict) -> go.Figure:
             legendgroup=name,
             showlegend=False,
             marker={"color": colour},
-            error_y={
-                "type": "data",
-                "symmetric": False,
-                "array": [row["speedup"]["max"] - m for row, m in zip(rows, medians)],
-                "arrayminus": [m - row["speedup"]["min"] for row, m in zip(rows, medians)],
-            },
+            error_y=whiskers([row["speedup"] for row in rows]),
             row=1,
             col=2,
         )
@@ -380,16 +373,12 @@ def image_splice_figure(data: dict) -> go.Figure:
     return figure
 
 
-def _parameters(count: float) -> str:
-    """A parameter count as 135 M or 1.78 B."""
-    return f"{count / 1e9:.2f} B" if count >= 1e9 else f"{count / 1e6:.0f} M"
-
-
 def compare_models_figure(data: dict) -> go.Figure:
     """Across models (``compare_models-*.json``): how many bundled scenarios flip under a clean prefill and how many are
     notes demos, and the N-skill study's median splice cosine per remedy, one group per model."""
     models = data["models"]
-    names = [f"{safe_label(row.get('spec') or row['model'].split(':', 1)[-1], 24)} ({_parameters(row['parameters'])})" for row in models]
+    short = [row.get("spec") or row["model"].split(":", 1)[-1] for row in models]
+    names = [f"{safe_label(name, 24)} ({parameter_count(row['parameters'])})" for name, row in zip(short, models)]
     figure = make_subplots(rows=1, cols=2, subplot_titles=("bundled scenarios (calibration)", "splice cosine, median (N-skill study)"))
     figure.add_bar(x=names, y=[row["calibrate"]["flipping"] for row in models], name="flip under a clean prefill", row=1, col=1)
     figure.add_bar(x=names, y=[row["calibrate"]["notes_demos"] for row in models], name="notes demos", row=1, col=1)
@@ -423,10 +412,10 @@ def audit_benchmark_figure(data: dict) -> go.Figure:
         row=1,
         col=2,
     )
-    for index, name in enumerate(data["repairs"]):
+    colours = repair_colours(data["repairs"])
+    for name in data["repairs"]:
         results = [turn["repairs"][name] for turn in turns]
-        colour = "black" if name == "recompute" else PALETTE[index % len(PALETTE)]
-        symbols = ["circle" if within(result, data) else "circle-open" for result in results]
+        colour, symbols = colours[name], within_symbols(results, data)
         for column, values in (
             (1, [reused_fraction(result) for result in results]),
             (2, [result["ttft_ms"] if result["applicable"] else None for result in results]),
@@ -495,12 +484,7 @@ def audit_cli_figure(data: dict) -> go.Figure:
                 legendgroup=name,
                 showlegend=name not in shown,
                 marker_color=colours[name],
-                error_y={
-                    "type": "data",
-                    "symmetric": False,
-                    "array": [(stat["max"] - stat["median"]) if stat else None for stat in stats],
-                    "arrayminus": [(stat["median"] - stat["min"]) if stat else None for stat in stats],
-                },
+                error_y=whiskers(stats),
                 text=[("" if value is None else f"{value:.0f} s" if column == 1 else f"×{value:.2f}") for value in medians],
                 textposition="outside",
                 row=1,
@@ -538,12 +522,7 @@ def greedy_lookup_figure(data: dict) -> go.Figure:
         name="speedup",
         showlegend=False,
         marker_color=PALETTE[2],
-        error_y={
-            "type": "data",
-            "symmetric": False,
-            "array": [stat["max"] - stat["median"] for stat in speedups],
-            "arrayminus": [stat["median"] - stat["min"] for stat in speedups],
-        },
+        error_y=whiskers(speedups),
         text=[f"×{stat['median']:.2f}" for stat in speedups],
         textposition="outside",
         row=1,
@@ -606,11 +585,9 @@ def forward_paths_figure(data: dict) -> go.Figure:
 
 
 def audit_replay_figure(data: dict) -> go.Figure:
-    """Request logs replayed on llama-server (``audit_replay-*.json``): per request, the server's measured prompt time
-    against the audit's fidelity of that request's prompt (the share of greedy tokens agreeing with the original's
-    clean prefill, and the next-token KL), one colour per replay (the original log, each repair's deployed template)
-    and one marker per log, open where the top token changes; beside them, the tokens the server kept against the
-    simulated llama.cpp cache's (on the diagonal: equal)."""
+    """Request logs replayed on llama-server (``audit_replay-*.json``): per request, the server's prompt time against the
+    audit's fidelity (greedy agreement, next-token KL), a colour per replay and a marker per log; beside them, the tokens
+    the server kept against the simulated llama.cpp cache's."""
     labels = list(dict.fromkeys(label for log in data["logs"] for label in log["replays"]))
     symbols = ("circle", "square", "diamond", "triangle-up", "star", "hexagon")
     figure = make_subplots(
@@ -727,10 +704,8 @@ DEPLOY_LABELS = {
 
 
 def deploy_figure(data: dict) -> go.Figure:
-    """The audit's repairs applied by the LiteLLM proxy's hook in front of vLLM (``deploy-*.json``): per variant (no
-    hook, the audit's policy, each repair forced), the reuse it buys (vLLM's prefix-cache hit rate, from ``/metrics``)
-    against what it costs the answers (the share agreeing with clean prefills of the requests the agent sent: the same
-    first tokens, the same text); beside it, the median TTFT through the proxy, min to max over repetitions."""
+    """The audit's repairs applied by the LiteLLM proxy's hook in front of vLLM (``deploy-*.json``): per variant, vLLM's
+    prefix-cache hit rate against the share of answers agreeing with clean prefills; beside it, the TTFT through the proxy."""
     variants = data["variants"]
     figure = make_subplots(rows=1, cols=2, horizontal_spacing=0.12, subplot_titles=("reuse vs the answers", "time to first token"))
     agree = data.get("agree_tokens")
@@ -761,12 +736,7 @@ def deploy_figure(data: dict) -> go.Figure:
         figure.add_bar(
             x=[safe_label(name)],
             y=[ttft["median"]],
-            error_y={
-                "type": "data",
-                "symmetric": False,
-                "array": [ttft["max"] - ttft["median"]],
-                "arrayminus": [ttft["median"] - ttft["min"]],
-            },
+            error_y=whiskers([ttft]),
             marker_color=colour,
             text=[f"×{result['ttft_p50_ratio_to_none']:.2g}" if "ttft_p50_ratio_to_none" in result else ""],
             textposition="outside",

@@ -24,7 +24,6 @@ import plotly.offline
 MAX_COLUMNS = 512  # heatmap columns sent to the browser (a 512-wide map draws in under a second)
 MAX_TICKS = 28  # token labels on an axis (tilted, they stay apart on a 600 px figure); more are thinned
 DIVERGING = "RdBu_r"  # negative blue, positive red, centred at 0
-SEQUENTIAL = "Viridis"
 PALETTE = ("#2a9d8f", "#e76f51", "#264653", "#e9c46a", "#8e7dbe", "#f4a261", "#457b9d")
 GREY = "#b0bec5"
 FIELD_COLOUR = "#e040fb"  # outlines a field's columns; visible on Viridis and RdBu alike
@@ -131,6 +130,26 @@ def column_of(runs: Sequence[range], index: int) -> int:
     return index // len(runs[0])
 
 
+def layer_token_map(
+    z: np.ndarray,
+    axis: str,
+    texts: Sequence[str] | None = None,
+    positions: Sequence[int] | None = None,
+    segments: Sequence[str] | None = None,
+    **heatmap,
+) -> tuple[go.Figure, list[str], list[range]]:
+    """A layer × token heatmap of ``z`` (layers, tokens), pooled to MAX_COLUMNS, its token axis titled ``axis`` and each
+    field outlined; ``heatmap``: the trace's colours and hover. Returns the figure, its column names and their runs."""
+    pooled, runs = pool_columns(z)
+    names, xaxis = token_columns(runs, texts, positions, segments)
+    figure = go.Figure(go.Heatmap(z=pooled, x=names, y=np.arange(len(pooled)), **heatmap))
+    figure.update_layout(
+        xaxis={**xaxis, "title": axis}, yaxis_title="layer", height=map_height(len(pooled)), margin={"l": 60, "r": 20, "b": 100}
+    )
+    mark_fields(figure, runs, segments)
+    return figure, names, runs
+
+
 def robust_limit(values: np.ndarray, quantile: float = 0.98) -> float:
     """A symmetric colour limit ±r that a few extreme cells cannot wash out: the ``quantile`` of |values|
     (the largest |value| when that is 0; 1 for an all-zero map)."""
@@ -147,6 +166,21 @@ def diverging_colour(value: float, limit: float) -> str:
     strength = min(abs(value) / limit, 1.0) if limit > 0 and math.isfinite(value) else 0.0
     red, green, blue = (214, 39, 40) if value > 0 else (31, 119, 180)
     return f"rgba({red},{green},{blue},{0.85 * strength:.3f})"
+
+
+def whiskers(stats: Sequence[dict | None]) -> dict:
+    """An ``error_y`` from each stat's median down to its ``min`` and up to its ``max`` (none for an empty stat)."""
+    return {
+        "type": "data",
+        "symmetric": False,
+        "array": [stat["max"] - stat["median"] if stat else None for stat in stats],
+        "arrayminus": [stat["median"] - stat["min"] if stat else None for stat in stats],
+    }
+
+
+def parameter_count(count: float) -> str:
+    """A parameter count as 135 M or 1.78 B."""
+    return f"{count / 1e9:.2f} B" if count >= 1e9 else f"{count / 1e6:.0f} M"
 
 
 def map_height(layers: int) -> int:

@@ -20,13 +20,11 @@ from kvscope.viz.common import (
     LEGEND_BELOW,
     NARROWEST_PLOT_PX,
     PALETTE,
-    map_height,
+    layer_token_map,
     markdown_literal,
     place_labels,
-    pool_columns,
     safe_label,
     set_title,
-    token_columns,
 )
 
 
@@ -77,23 +75,16 @@ def deviation_figure(fidelity: SpliceFidelity, texts: Sequence[str] | None = Non
     deviation = fidelity.deviation.float().numpy()  # (layers, context tokens)
     if texts is not None and len(texts) != deviation.shape[1]:
         raise ValueError(f"got {len(texts)} token texts for {deviation.shape[1]} context tokens")
-    z, runs = pool_columns(deviation)
-    names, xaxis = token_columns(runs, texts)
-    figure = go.Figure(
-        go.Heatmap(
-            z=z,
-            x=names,
-            y=np.arange(len(z)),
-            zmin=0.0,
-            colorscale="Viridis",
-            colorbar={"title": "relative Δ", "exponentformat": "e"},
-            hovertemplate="layer %{y}<br>%{x}<br>relative deviation %{z:.3g}<extra></extra>",
-        )
+    figure, _, _ = layer_token_map(
+        deviation,
+        "context token",
+        texts,
+        zmin=0.0,
+        colorscale="Viridis",
+        colorbar={"title": "relative Δ", "exponentformat": "e"},
+        hovertemplate="layer %{y}<br>%{x}<br>relative deviation %{z:.3g}<extra></extra>",
     )
     repair = f"remedy {safe_label(fidelity.remedy.name)}"
-    figure.update_layout(
-        xaxis={**xaxis, "title": "context token"}, yaxis_title="layer", height=map_height(len(z)), margin={"l": 60, "r": 20, "b": 100}
-    )
     set_title(
         figure,
         "K/V deviation, spliced vs recomputed",
@@ -238,7 +229,7 @@ def study_figure(study: dict) -> go.Figure:
         horizontal_spacing=0.12,
         subplot_titles=("agreement on decisive cases vs recompute", "mean |margin error| by skills"),
     )
-    colours = PALETTE if len(summary) <= len(PALETTE) else plotly.colors.qualitative.Dark24
+    colours = _remedy_colours(len(summary))
     for index, (name, row) in enumerate(summary.items()):
         colour = colours[index % len(colours)]
         speed = row["speedup"]["median"] if row["speedup"] else float("nan")
@@ -292,6 +283,28 @@ def study_figure(study: dict) -> go.Figure:
     return figure
 
 
+def _remedy_colours(count: int) -> Sequence[str]:
+    """A colour per remedy: the palette, or plotly's 24 where there are more remedies than it holds."""
+    return PALETTE if count <= len(PALETTE) else plotly.colors.qualitative.Dark24
+
+
+def _goal_corner(figure: go.Figure, choice: dict, speeds: Sequence[float], column: int) -> None:
+    """Shade the study's goal (≥ its agreement at ≥ its share of splice's speedup) in panel ``column``, out past ``speeds``."""
+    goal, splice_speed = choice.get("goal", {}), choice.get("splice_speedup")
+    if goal and splice_speed:
+        figure.add_shape(
+            type="rect",
+            x0=goal["speed_share_of_splice"] * splice_speed,
+            x1=max([*speeds, splice_speed]) * 1.08,
+            y0=goal["agreement"],
+            y1=1.02,
+            fillcolor="rgba(44,160,44,0.12)",
+            line={"width": 0},
+            row=1,
+            col=column,
+        )
+
+
 def remedy_choice_figure(study: dict) -> go.Figure:
     """From a stored composition study with its ``choice``: left, each remedy's decisive agreement against its median
     TTFT speedup, the goal's corner shaded (≥ 97% agreement, ≥ 70% of splice's speedup) and the default starred; right,
@@ -309,21 +322,8 @@ def remedy_choice_figure(study: dict) -> go.Figure:
         ),
     )
     goal = choice.get("goal", {})
-    splice_speed = choice.get("splice_speedup")
-    speeds = [row["speedup"]["median"] for row in summary.values() if row["speedup"]]
-    if goal and splice_speed:
-        figure.add_shape(
-            type="rect",
-            x0=goal["speed_share_of_splice"] * splice_speed,
-            x1=max(speeds + [splice_speed]) * 1.08,
-            y0=goal["agreement"],
-            y1=1.02,
-            fillcolor="rgba(44,160,44,0.12)",
-            line={"width": 0},
-            row=1,
-            col=1,
-        )
-    colours = PALETTE if len(summary) <= len(PALETTE) else plotly.colors.qualitative.Dark24
+    _goal_corner(figure, choice, [row["speedup"]["median"] for row in summary.values() if row["speedup"]], 1)
+    colours = _remedy_colours(len(summary))
     default = study.get("default")
     for index, (name, row) in enumerate(summary.items()):
         if not row["speedup"]:
@@ -410,7 +410,7 @@ def frontiers_figure(studies: Sequence[dict]) -> go.Figure:
     ]
     figure = make_subplots(rows=1, cols=len(studies), subplot_titles=titles, horizontal_spacing=0.08)
     names = list(dict.fromkeys(name for study in studies for name, row in study["summary"].items() if not row["needs_reference"]))
-    colours = PALETTE if len(names) <= len(PALETTE) else plotly.colors.qualitative.Dark24
+    colours = _remedy_colours(len(names))
     colour_of = {name: colours[index % len(colours)] for index, name in enumerate(names)}
     for column, study in enumerate(studies, 1):
         choice, default = study.get("choice") or {}, study.get("default")
@@ -419,19 +419,7 @@ def frontiers_figure(studies: Sequence[dict]) -> go.Figure:
             for name, row in study["summary"].items()
             if not row["needs_reference"] and row["speedup"] and row["agreement"] is not None
         }
-        goal, splice_speed = choice.get("goal", {}), choice.get("splice_speedup")
-        if goal and splice_speed:
-            figure.add_shape(
-                type="rect",
-                x0=goal["speed_share_of_splice"] * splice_speed,
-                x1=max([speed for speed, _ in points.values()] + [splice_speed]) * 1.08,
-                y0=goal["agreement"],
-                y1=1.02,
-                fillcolor="rgba(44,160,44,0.12)",
-                line={"width": 0},
-                row=1,
-                col=column,
-            )
+        _goal_corner(figure, choice, [speed for speed, _ in points.values()], column)
         frontier = sorted((point for name, point in points.items() if name in set(choice.get("frontier", []))), key=lambda point: point[0])
         if frontier:
             figure.add_scatter(

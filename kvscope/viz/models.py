@@ -11,14 +11,10 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kvscope.engine.cache.decision import noise_words
-from kvscope.viz.common import GREY, LEGEND_BELOW, PALETTE, markdown_literal, message_figure, safe_label, set_title
+from kvscope.viz.common import GREY, LEGEND_BELOW, PALETTE, markdown_literal, message_figure, parameter_count, safe_label, set_title
 
 PAPER_COLOUR = "#264653"
 PAPER_SYMBOLS = ("diamond", "square", "triangle-up", "cross")
-
-
-def _billions(parameters: int) -> str:
-    return f"{parameters / 1e9:.2f} B" if parameters >= 1e9 else f"{parameters / 1e6:.0f} M"
 
 
 def _short(model: str) -> str:
@@ -62,7 +58,7 @@ def notes_share_figure(comparison: Mapping) -> go.Figure:
             marker={"size": 14, "color": PALETTE[index % len(PALETTE)]},
             name=safe_label(_short(row["model"]), 40),
             hovertext=[
-                f"{safe_label(row['model'], 60)}<br>{_billions(row['parameters'])} parameters<br>notes share {row['notes_share']:.3f}"
+                f"{safe_label(row['model'], 60)}<br>{parameter_count(row['parameters'])} parameters<br>notes share {row['notes_share']:.3f}"
                 + ("" if recovery is None else f" (field-only recovery {recovery:.3f})")
             ],
             hoverinfo="text",
@@ -139,7 +135,7 @@ def _cell(value, digits: int = 3) -> str:
 def _quantities(strategies: list[str]) -> dict[str, Callable[[Mapping], str]]:
     """The table's rows: each quantity's name and how a model's row shows it (Markdown-safe)."""
     return {
-        "parameters": lambda row: _billions(row["parameters"]),
+        "parameters": lambda row: parameter_count(row["parameters"]),
         "dtype": lambda row: markdown_literal(row["details"]["dtype"]),
         "decision": lambda row: markdown_literal(f"{row['details']['stale_decision']} → {row['details']['oracle_decision']}"),
         "notes share": lambda row: _cell(row["notes_share"]),

@@ -18,13 +18,10 @@ from kvscope.viz.common import (
     PALETTE,
     column_of,
     diverging_colour,
-    map_height,
-    mark_fields,
-    pool_columns,
+    layer_token_map,
     robust_limit,
     safe_label,
     set_title,
-    token_columns,
 )
 
 MAX_TEXT_TOKENS = 1024  # tokens drawn in a text view (one <span> each); a longer context shows windows
@@ -151,28 +148,19 @@ def attention_figure(
         raise ValueError(f"got {len(texts)} token texts for {tokens} attended tokens")
     if head is not None and not 0 <= head < heads:
         raise ValueError(f"head {head} is outside 0..{heads - 1}")
-    z, runs = pool_columns(array.mean(1) if head is None else array[:, head])  # (layers, columns)
-    names, xaxis = token_columns(runs, texts, positions, segments)
+    figure, _, _ = layer_token_map(
+        array.mean(1) if head is None else array[:, head],  # (layers, tokens)
+        "context token",
+        texts,
+        positions,
+        segments,
+        zmin=0.0,
+        colorscale="Viridis",
+        colorbar={"title": "attention", "thickness": 14},
+        hovertemplate="layer %{y}<br>%{x}<br>attention %{z:.4f}<extra></extra>",
+    )
     which = "mean over heads" if head is None else f"head {head}"
-    figure = go.Figure(
-        go.Heatmap(
-            z=z,
-            x=names,
-            y=np.arange(layers),
-            zmin=0.0,
-            colorscale="Viridis",
-            colorbar={"title": "attention", "thickness": 14},
-            hovertemplate="layer %{y}<br>%{x}<br>attention %{z:.4f}<extra></extra>",
-        )
-    )
-    figure.update_layout(
-        xaxis={**xaxis, "title": "context token"},
-        yaxis_title="layer",
-        height=map_height(layers),
-        margin={"l": 60, "r": 20, "b": 100},
-    )
     set_title(figure, f"{heading}: {which}", subplot_titles=_field_labels(segments))
-    mark_fields(figure, runs, segments)
     return figure
 
 
@@ -186,28 +174,17 @@ def _effect_heatmap(
 ) -> tuple[go.Figure, list[str], list[range]]:
     """A diverging layer × position heatmap of Δmargin, pooled when wide, its x axis titled ``axis``; returns the figure,
     columns and runs."""
-    z, runs = pool_columns(np.asarray(effects, dtype=np.float32))  # (layers, columns)
-    names, xaxis = token_columns(runs, texts, positions, segments)
-    limit = robust_limit(z)
-    figure = go.Figure(
-        go.Heatmap(
-            z=z,
-            x=names,
-            y=np.arange(len(z)),
-            colorbar={"title": f"Δ margin<br>±{limit:.2g}", "thickness": 14},  # the scale's end: 98th percentile of |Δ|
-            hovertemplate="layer %{y}<br>%{x}<br>attributed Δ margin %{z:+.4f}<extra></extra>",
-            colorscale=DIVERGING,
-            zmin=-limit,
-            zmax=limit,
-        )
+    figure, names, runs = layer_token_map(
+        np.asarray(effects, dtype=np.float32),
+        axis,
+        texts,
+        positions,
+        segments,
+        hovertemplate="layer %{y}<br>%{x}<br>attributed Δ margin %{z:+.4f}<extra></extra>",
+        colorscale=DIVERGING,
     )
-    figure.update_layout(
-        xaxis={**xaxis, "title": axis},
-        yaxis_title="layer",
-        height=map_height(len(z)),
-        margin={"l": 60, "r": 20, "b": 100},
-    )
-    mark_fields(figure, runs, segments)
+    limit = robust_limit(figure.data[0].z)  # the scale's end: 98th percentile of |Δ| in the pooled map
+    figure.update_traces(colorbar={"title": f"Δ margin<br>±{limit:.2g}", "thickness": 14}, zmin=-limit, zmax=limit)
     return figure, names, runs
 
 

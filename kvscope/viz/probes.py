@@ -190,14 +190,8 @@ def heads_figure(result: HeadsResult) -> go.Figure:
 
 
 def linear_probe_figure(result: LinearProbeResult | dict) -> go.Figure:
-    """Cross-validated accuracy vs hidden state per position group, decoding the conclusion (left) and the
-    value (right), with chance, the write layer and the commit layer.
-
-    Takes the result or its ``as_dict()``; keys used: ``accuracy`` {``conclusion``, ``value``} → group →
-    list per hidden state (layers + 1, index 0 = embeddings) or None, ``num_layers``, ``n_samples``,
-    ``chance``, ``value_counts``, ``write_layer`` (None if never written), ``commit_layer``,
-    ``conclusion_decodable``, ``reason``, ``scenario``, ``field``.
-    """
+    """Cross-validated accuracy per hidden state (index 0 = embeddings) and position group, decoding the conclusion (left)
+    and the value (right), with chance, the write layer and the commit layer; from the result or its ``as_dict()``."""
     data = result if isinstance(result, dict) else result.as_dict()
     targets = ("conclusion", "value")
     figure = make_subplots(

@@ -35,11 +35,8 @@ def result_kind(stem: str) -> str:
 
 
 def result_figures(results: Mapping[str, dict]) -> list[go.Figure]:
-    """A figure per result of a known kind (``FIGURES``: TTFT, edit latency, prefill, serving, agent policies, soak,
-    N-skill study, cache reuse, picture splice, models side by side, request-log audits and their replays, the CLI
-    audit's time, greedy decoding with prompt lookup, fast paths of a forward, chat sessions replayed on real servers,
-    the audit's repairs applied at a gateway),
-    in order; with two or more serving results, the engines side by side before them."""
+    """A figure per result of a kind in ``FIGURES``, in order; with two or more serving results, the engines side by side
+    before them."""
     figures = []
     serving = {stem: data for stem, data in results.items() if result_kind(stem) == "serving" and data.get("workload", "edit") == "edit"}
     for stem, data in results.items():

@@ -36,31 +36,27 @@ def weight_edit_figure(report: WeightEditReport) -> go.Figure:
     )
     for index, (name, value) in enumerate(measures):
         values = [value(report.methods[m]) for m in methods]
-        figure.add_trace(
-            go.Bar(
-                name=name,
-                x=methods,
-                y=values,
-                marker_color=PALETTE[index],
-                text=[f"{v:.2f}" for v in values],
-                textposition="outside",
-                legendgroup="effect",
-            ),
+        figure.add_bar(
+            name=name,
+            x=methods,
+            y=values,
+            marker_color=PALETTE[index],
+            text=[f"{v:.2f}" for v in values],
+            textposition="outside",
+            legendgroup="effect",
             row=1,
             col=1,
         )
     edit = [max(report.methods[m].edit_ms, 0.1) for m in methods]
     setup = [report.methods[m].setup_ms for m in methods]
-    figure.add_trace(
-        go.Bar(
-            name="edit",
-            x=methods,
-            y=edit,
-            marker_color=PALETTE[3],
-            text=[f"{v:,.0f}" for v in edit],
-            textposition="inside",
-            offsetgroup="cost",
-        ),
+    figure.add_bar(
+        name="edit",
+        x=methods,
+        y=edit,
+        marker_color=PALETTE[3],
+        text=[f"{v:,.0f}" for v in edit],
+        textposition="inside",
+        offsetgroup="cost",
         row=1,
         col=2,
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvscope.app.handlers.common import AppError
+from kvscope.app.handlers.common import AppError, bundled_text
 from kvscope.engine import bundled_logs
 from kvscope.viz.common import markdown_literal
 
@@ -17,10 +17,7 @@ NOTHING_TO_AUDIT = (
 
 def bundled_log_text(name: str) -> str:
     """The text of a bundled request log."""
-    paths = bundled_logs()
-    if name not in paths:
-        raise AppError(f"unknown demo log {name!r}; bundled: {', '.join(paths)}")
-    return paths[name].read_text(encoding="utf-8")
+    return bundled_text(bundled_logs(), name, "demo log")
 
 
 def size_words(count: int) -> str:

@@ -76,10 +76,9 @@ def audit_view(
     notes: Sequence[NotesChoice] | str | None = None,
     traffic: dict | None = None,
 ) -> AuditView:
-    """The tab's panels of an audit: recommendations, the timeline, fidelity against cost, the marked prompts and what
-    Open in Notes would study (``notes``: every changed field pre-checked, or why there is none); with ``traffic`` (the log's token pass,
-    whose measured turns ``report`` holds), its sessions, engines, causes, groups and timeline per session, and the
-    summary is the traffic's JSON."""
+    """The tab's panels of an audit: recommendations, the timeline, fidelity against cost, the marked prompts and what Open
+    in Notes would study (``notes``); with ``traffic`` (the log's token pass, whose measured turns ``report`` holds), its
+    sessions, engines, causes and groups too, and the summary is the traffic's JSON."""
     data = report.as_dict() | {key: value for key, value in (traffic or {}).items() if key in FROM_TRAFFIC}
     turns = [(turn.request, report.rendered[i].text, _turn_marks(report, i)) for i, turn in enumerate(report.turns) if turn.diff]
     shown = report.last_with_fields() or report.turns[-1]

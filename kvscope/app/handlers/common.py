@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import plotly.graph_objects as go
 
@@ -82,12 +83,16 @@ def number(value, name: str, default: float, kind: type = int) -> float:
         raise AppError(f"{name} must be a {'whole ' if kind is int else ''}number, got {value!r}") from error
 
 
+def bundled_text(paths: Mapping[str, Path], name: str, what: str) -> str:
+    """The text of the bundled file ``name`` among ``paths``; an unknown name is refused as an unknown ``what``."""
+    if name not in paths:
+        raise AppError(f"unknown {what} {name!r}; bundled: {', '.join(paths)}")
+    return paths[name].read_text(encoding="utf-8")
+
+
 def bundled_scenario_text(name: str) -> str:
     """The TOML text of a bundled scenario."""
-    paths = bundled_scenarios()
-    if name not in paths:
-        raise AppError(f"unknown scenario {name!r}; bundled: {', '.join(sorted(paths))}")
-    return paths[name].read_text(encoding="utf-8")
+    return bundled_text(bundled_scenarios(), name, "scenario")  # sorted by name
 
 
 @guarded

@@ -33,7 +33,7 @@ from kvscope.app.handlers.composer import (
     stop_calibration,
 )
 from kvscope.app.inputs import LenientCheckboxGroup, LenientSlider
-from kvscope.app.page import PAIRED_PLOT_MIN_WIDTH, Page, message_progress, notice, step_progress
+from kvscope.app.page import PAIRED_PLOT_MIN_WIDTH, UI_ONLY, Page, message_progress, notice, step_progress
 from kvscope.app.tabs import TabContext
 from kvscope.engine import (
     DECISIVE_MARGIN,
@@ -211,9 +211,7 @@ def _wire_compose(page: Page, chosen: Selectors, compared: Compared, runs: Compo
     composition = chosen.composition(page)
     marked = {"result": compared.result, **composition}
     reruns = [chosen.skills.change, chosen.compose.click]
-    started = gr.on(
-        reruns, selected(True), inputs_kwargs=marked, outputs=[chosen.ticket, compared.stale], api_name=False, concurrency_limit=None
-    )
+    started = gr.on(reruns, selected(True), inputs_kwargs=marked, outputs=[chosen.ticket, compared.stale], **UI_ONLY)
     run = started.then(
         on_compose,
         inputs_kwargs={**composition, "ticket": chosen.ticket},
@@ -222,9 +220,9 @@ def _wire_compose(page: Page, chosen: Selectors, compared: Compared, runs: Compo
         trigger_mode="always_last",
         **page.model_bound(),
     )
-    run.then(lambda: gr.update(visible=False), outputs=chosen.cancel, api_name=False, concurrency_limit=None)
+    run.then(lambda: gr.update(visible=False), outputs=chosen.cancel, **UI_ONLY)
     marks = [chosen.before.change, chosen.between.change, chosen.after.change, chosen.remedy.change, page.spec.change]
-    gr.on(marks, selected(False), inputs_kwargs=marked, outputs=[chosen.ticket, compared.stale], api_name=False, concurrency_limit=None)
+    gr.on(marks, selected(False), inputs_kwargs=marked, outputs=[chosen.ticket, compared.stale], **UI_ONLY)
 
 
 def _wire_menu(page: Page, chosen: Selectors, compared: Compared, loop: Loop) -> None:
@@ -247,8 +245,7 @@ def _wire_menu(page: Page, chosen: Selectors, compared: Compared, loop: Loop) ->
             show_cancel,
             inputs_kwargs={"spec": page.spec, "remedy": chosen.remedy},
             outputs=chosen.cancel,
-            api_name=False,
-            concurrency_limit=None,
+            **UI_ONLY,
         )
     chosen.cancel.click(
         page.action(lambda spec: stop_calibration(page.registry, spec)),
@@ -261,15 +258,14 @@ def _wire_menu(page: Page, chosen: Selectors, compared: Compared, loop: Loop) ->
         lambda after: gr.update(placed=chosen.skills.placed_by(after or "", placed_skills(after))),
         inputs_kwargs={"after": chosen.after},
         outputs=chosen.skills,
-        api_name=False,
-        concurrency_limit=None,
+        **UI_ONLY,
     )
 
 
 def _wire_loop(page: Page, chosen: Selectors, compared: Compared, loop: Loop) -> None:
     """The keystone demo, the keystone (an edit inside a spliced skill) and the agent loop, on the page's selection."""
     composition = chosen.composition(page)
-    hide_cancel = {"fn": lambda: gr.update(visible=False), "outputs": chosen.cancel, "api_name": False, "concurrency_limit": None}
+    hide_cancel = {"fn": lambda: gr.update(visible=False), "outputs": chosen.cancel, **UI_ONLY}
 
     @page.action
     def on_keystone(spec, progress=gr.Progress(), **values):

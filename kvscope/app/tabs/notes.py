@@ -24,7 +24,7 @@ from kvscope.app.handlers.notes import (
     session_result,
 )
 from kvscope.app.inputs import LenientCheckboxGroup, LenientSlider
-from kvscope.app.page import PAIRED_PLOT_MIN_WIDTH, Page, step_progress
+from kvscope.app.page import PAIRED_PLOT_MIN_WIDTH, UI_ONLY, Page, step_progress
 from kvscope.app.tabs import TabContext
 from kvscope.engine import DEFAULT_STRATEGIES, STRATEGIES, bundled_scenarios
 from kvscope.viz.common import markdown_literal
@@ -268,8 +268,7 @@ class NotesTab:
                 lambda text: _choices(text),
                 inputs_kwargs={"text": inputs.editor},
                 outputs=shown[1:],
-                api_name=False,
-                concurrency_limit=None,
+                **UI_ONLY,
             ),
         ):
             inputs.prepare_after(page, event)
@@ -277,8 +276,7 @@ class NotesTab:
             lambda text, field: _choices(text, field)[2],
             inputs_kwargs={"text": inputs.editor, "field": inputs.field},
             outputs=inputs.new_value,
-            api_name=False,
-            concurrency_limit=None,
+            **UI_ONLY,
         )
 
     # ------------------------------------------------------------------------ edit, frontier, notes map, knockout
@@ -329,8 +327,7 @@ class NotesTab:
             lambda session, every: notes_map_view(page.sessions, session=page.session_id(session), all_positions=every),
             inputs_kwargs={"session": page.session, "every": self.all_positions},
             outputs=notes_plot,
-            api_name=False,
-            concurrency_limit=None,
+            **UI_ONLY,
         )
 
     # ------------------------------------------------------------------------ links
@@ -343,7 +340,7 @@ class NotesTab:
         restore_outputs = [inputs.scenario_pick, inputs.editor, inputs.description, inputs.field, inputs.new_value, self.strategies]
         restore_outputs += [self.top_k, self.head, self.separately, self.all_positions, tabs, remedy, self.link_status, restored]
         self._restore_count = len(restore_outputs)
-        page_loaded.then(self._restore, outputs=restore_outputs, api_name=False, concurrency_limit=None).then(
+        page_loaded.then(self._restore, outputs=restore_outputs, **UI_ONLY).then(
             self._restored_prepare,
             inputs_kwargs={"link": restored, "spec": page.spec, "text": inputs.editor},
             outputs=inputs.baseline,
@@ -382,7 +379,7 @@ class NotesTab:
             outputs=[self.link_box, self.link_status],
             api_name="permalink",
             concurrency_limit=None,
-        ).then(None, self.link_box, self.link_box, js=COPY_LINK_JS, api_name=False, concurrency_limit=None)
+        ).then(None, self.link_box, self.link_box, js=COPY_LINK_JS, **UI_ONLY)
 
     def _restore(self, request: gr.Request) -> tuple:
         """The link's state as the restore's updates (the last is the parsed link, None without one)."""

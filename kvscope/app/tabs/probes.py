@@ -8,7 +8,7 @@ import gradio as gr
 from kvscope.app.handlers.common import AppMissingInput
 from kvscope.app.handlers.probes import TRIGGER_LABELS, ProbeCase, probe_recipe, probe_sentence, run_probe, run_weight_edits
 from kvscope.app.inputs import LenientCheckboxGroup, LenientSlider
-from kvscope.app.page import Page, notice, step_progress
+from kvscope.app.page import UI_ONLY, Page, notice, step_progress
 from kvscope.app.tabs import TabContext
 from kvscope.app.tabs.notes import NotesInputs
 from kvscope.engine import PROBES, WEIGHT_METHODS, LoraSettings
@@ -66,7 +66,7 @@ def build(ctx: TabContext) -> None:
 
     shown = [probe_plot, probe_words, probe_json, recipe]
     probe_name.change(  # another probe: the previous one's result no longer answers what is asked
-        lambda: (None, "", None, None), outputs=shown, api_name=False, concurrency_limit=None
+        lambda: (None, "", None, None), outputs=shown, **UI_ONLY
     )
     probe_button.click(
         on_probe,

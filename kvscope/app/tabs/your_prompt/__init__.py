@@ -10,6 +10,7 @@ from __future__ import annotations
 import gradio as gr
 
 from kvscope.app.handlers.audit_settings import NO_GRAIN
+from kvscope.app.page import UI_ONLY
 from kvscope.app.tabs import TabContext
 from kvscope.app.tabs.your_prompt.audit_events import wire_audit, wire_log, wire_one_prompt
 from kvscope.app.tabs.your_prompt.follow_ups import wire_axes_and_notes, wire_export, wire_open_in_notes, wire_policy, wire_rewrite
@@ -59,8 +60,7 @@ def build(ctx: TabContext) -> None:
         with_coarsen,
         inputs=[measure.grain, measure.repairs],
         outputs=measure.repairs,
-        api_name=False,
-        concurrency_limit=None,
+        **UI_ONLY,
         show_progress="hidden",
     )
     wire_log(page, log)

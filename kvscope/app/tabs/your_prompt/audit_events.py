@@ -11,7 +11,7 @@ from kvscope.app.handlers.audit_progress import AuditRuns
 from kvscope.app.handlers.audit_settings import AuditInputs, EngineInputs, taken
 from kvscope.app.handlers.common import AppError
 from kvscope.app.handlers.your_prompt import prompt_candidates, run_audit_value, start_audit
-from kvscope.app.page import Page, message_progress, step_progress
+from kvscope.app.page import UI_ONLY, Page, message_progress, step_progress
 from kvscope.app.tabs.your_prompt.layout import LogWidgets, OnePromptWidgets, RunWidgets, by_name
 from kvscope.app.tabs.your_prompt.panels import Results
 from kvscope.engine import cancellable
@@ -81,9 +81,7 @@ def wire_audit(page: Page, log: LogWidgets, run: RunWidgets, shown: Results) -> 
                 raise
         yield shown.show(view) | {page.session: sid, run.cancel: HIDDEN}
 
-    started = run.audit.click(
-        lambda: ("", gr.update(visible=True)), outputs=[run.status, run.cancel], api_name=False, concurrency_limit=None
-    )
+    started = run.audit.click(lambda: ("", gr.update(visible=True)), outputs=[run.status, run.cancel], **UI_ONLY)
     inputs = {"session": page.session, "spec": page.spec, "text": log.text, "upload": log.uploaded} | by_name(run.measure)
     audit_event = started.then(
         on_audit,
@@ -95,7 +93,7 @@ def wire_audit(page: Page, log: LogWidgets, run: RunWidgets, shown: Results) -> 
         **page.model_bound(),
     )
     # after an error the page runs only .failure steps (gradio 6.31)
-    audit_event.failure(lambda: HIDDEN, outputs=run.cancel, api_name=False, concurrency_limit=None)
+    audit_event.failure(lambda: HIDDEN, outputs=run.cancel, **UI_ONLY)
 
     def on_cancel(request: gr.Request):
         said = runs.cancel(request.session_hash)
