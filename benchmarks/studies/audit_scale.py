@@ -42,6 +42,8 @@ from pathlib import Path
 
 from benchmarks import common
 from benchmarks.common import cpu_info, percentile
+from kvscope.engine.audit.simulate.budgets import ModelKV
+from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.models import cache_dir
 
 POLICY = (
@@ -281,6 +283,14 @@ EXACT_EVERY = 10  # after the timed pass, every 10th request is tokenized whole 
 EXACT_CHECKED = 1_000  # at most about this many (spread over the log): each is rendered again
 
 
+def _cache_settings(tokenizer_dir: Path, budget_tokens: int) -> CacheSettings:
+    """The simulated caches' settings for ``budget_tokens`` (0: unbounded; else that SGLang token budget and the vLLM
+    block budget holding as many tokens), with the model's KV shape (llama.cpp's RAM prompt cache: 8 GiB of it)."""
+    model = ModelKV.of_config(json.loads((tokenizer_dir / "config.json").read_text()), tokenizer_dir.name)
+    budgets = {"budget_tokens": budget_tokens, "budget_blocks": budget_tokens // 16} if budget_tokens else {}
+    return CacheSettings(model=model, **budgets)
+
+
 def _worker(log: str, tokenizer_dir: str, budget_tokens: int) -> None:
     """One token pass in this process (``budget_tokens`` 0: unbounded; else that SGLang token budget and the vLLM
     block budget holding as many tokens), the log read as the CLI reads it (``LogFiles.log``: a large file streamed):
@@ -292,10 +302,9 @@ def _worker(log: str, tokenizer_dir: str, budget_tokens: int) -> None:
     from kvscope.engine.audit.logs.shards import LogFiles
     from kvscope.engine.audit.scan.settings import ScanSettings
     from kvscope.engine.audit.scan.traffic_scan import scan_log
-    from kvscope.engine.audit.simulate.caches import CacheSettings
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    cache = CacheSettings(budget_tokens=budget_tokens, budget_blocks=budget_tokens // 16) if budget_tokens else CacheSettings()
+    cache = _cache_settings(Path(tokenizer_dir), budget_tokens)
     settings = ScanSettings(cache)
     before = _rss_mb()
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -512,10 +521,9 @@ def stage2_memory(size: int, sessions: int, tokenizer_dir: Path, budget_tokens: 
     from kvscope.engine.audit.logs.render import end_of_turn_ids
     from kvscope.engine.audit.logs.shards import plan_shards
     from kvscope.engine.audit.scan.settings import ScanSettings
-    from kvscope.engine.audit.simulate.caches import CacheSettings
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    cache = CacheSettings(budget_tokens=budget_tokens, budget_blocks=budget_tokens // 16) if budget_tokens else CacheSettings()
+    cache = _cache_settings(Path(tokenizer_dir), budget_tokens)
     settings = ScanSettings(cache)
     with tempfile.TemporaryDirectory() as folder:
         log = Path(folder) / "agents.jsonl"

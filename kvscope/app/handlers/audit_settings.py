@@ -81,7 +81,7 @@ class EngineInputs:
         if negative:
             raise AppError(f"the {negative[0]} cannot be negative (0: unbounded, or off)")
         blocks, tokens, reuse = values.values()
-        return CacheSettings(block, blocks or None, tokens or None, None, reuse, server=self.server(model))
+        return CacheSettings(block, blocks or None, tokens or None, None, reuse, server=self.server(model), model=model)
 
     def server(self, model: ModelKV | None) -> ServerSize | None:
         """The server's size where the tab gives one (None: none given), checked in its constructor as the CLI's is."""

@@ -82,7 +82,7 @@ def run_rewrite(
         lm,
         log,
         changed,
-        settings=engines.scan(registry.profile.max_context_tokens, ModelKV.of_loaded(lm)),
+        settings=engines.scan(registry.profile.max_context_tokens, ModelKV.known(lm)),
         tokens=tokens,
         progress=progress,
     )
@@ -110,7 +110,7 @@ def run_rewrite_on_server(
     log, changed, tokens = _logs(registry, given)
     lm = registry.get(spec)
     client = EndpointClient(EndpointSettings(url.strip(), (model or "").strip() or None))
-    settings = engines.scan(None, ModelKV.of_loaded(lm))
+    settings = engines.scan(None, ModelKV.known(lm))
     try:
         measured = measure_rewrite_on_endpoint(
             client, log, changed, tokenizer=lm.tokenizer, settings=settings, tokens=tokens, model=lm.name, progress=progress

@@ -76,7 +76,7 @@ def start_audit(
     phases.report("loading", "loading the model" if sample > 0 else "loading the tokenizer (the token pass needs no weights)")
     loading = phases.messages("loading")
     lm = registry.get(spec, progress=loading) if sample > 0 else registry.token_model(spec, progress=loading)
-    settings = engines.scan(profile.max_context_tokens, ModelKV.of_loaded(lm))
+    settings = engines.scan(profile.max_context_tokens, ModelKV.known(lm))
     scan = traffic_scan(lm, log, settings, progress=phases.steps("token pass", "token pass: requests"))
     most = profile.max_audit_requests
     fits = bounded_sample(scan, sample, most)

@@ -12,7 +12,7 @@ from kvscope.engine.audit.logs.shards import LogFiles
 from kvscope.engine.audit.measure.traffic import MeasureTurns, TokenPass
 from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.traffic_scan import TrafficScan
-from kvscope.engine.audit.simulate.budgets import DTYPE_BYTES, VLLM_GPU_UTILIZATION, ModelKV, ServerSize
+from kvscope.engine.audit.simulate.budgets import DTYPE_BYTES, LLAMA_CACHE_RAM_MIB, VLLM_GPU_UTILIZATION, ModelKV, ServerSize
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.fleet import ROUTINGS, fleet_grid
 from kvscope.engine.cache.loaded import LoadedModel, LoadedTokenizer
@@ -49,6 +49,12 @@ SERVER_SIZE: Group = (  # budgets as the servers compute them from their size (`
     arg("--llama-ctx-size", type=int, help="llama-server's -c: the context in tokens, split across its slots"),
     arg("--llama-parallel", type=int, help="llama-server's -np: its slots (default: auto, 4 slots sharing one KV cache)"),
     arg("--server-dtype", choices=list(DTYPE_BYTES), help="the dtype served (default: the checkpoint's, float32 in bfloat16)"),
+    arg(
+        "--llama-cache-ram",
+        type=int,
+        default=LLAMA_CACHE_RAM_MIB,
+        help=f"llama-server's --cache-ram in MiB: its RAM prompt cache (default {LLAMA_CACHE_RAM_MIB}; 0: none, -1: no limit)",
+    ),
 )
 
 
@@ -86,7 +92,8 @@ def scan_settings(args: argparse.Namespace, lm: LoadedModel | LoadedTokenizer) -
     ``ScanSettings.for_log``)."""
     block = CacheSettings.block if args.block_size is None else args.block_size
     server = server_size(args, lm)
-    cache = CacheSettings(block, args.kv_budget_blocks, args.kv_budget_tokens, args.slots, args.cache_reuse, args.prompt_cache, server)
+    sizes = {"server": server, "cache_ram_mib": args.llama_cache_ram, "model": ModelKV.known(lm)}
+    cache = CacheSettings(block, args.kv_budget_blocks, args.kv_budget_tokens, args.slots, args.cache_reuse, args.prompt_cache, **sizes)
     return ScanSettings(cache, args.observed_engine, tuple(fleet_of(args)), block_given=args.block_size is not None)
 
 

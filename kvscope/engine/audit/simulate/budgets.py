@@ -10,7 +10,9 @@ came from (a flag, the server's size, or none: unbounded).
 - SGLang (``RadixCache``): ``profile_max_num_token``: the memory free after the weights less memory × (1 −
   ``mem_fraction_static``), over the cell size (kv heads × head dim × layers × 2 × dtype bytes): ``max_total_num_tokens``.
 - llama.cpp (``SlotCache``): ``-c`` tokens, split evenly across ``-np`` slots (``n_ctx_seq = n_ctx / n_seq_max``);
-  without ``-np`` the server's 4 slots share one unified KV cache, so each may hold all ``-c`` tokens.
+  without ``-np`` the server's 4 slots share one unified KV cache, so each may hold all ``-c`` tokens. Its RAM prompt
+  cache (``ServerSlots``) holds ``--cache-ram`` MiB (8 GiB by default) of saved slot states, each its tokens' f16 KV
+  (``server_prompt_cache::update``): ``prompt_ram_tokens``.
 Text only: no torch."""
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ SERVED_FROM_FLOAT32 = "bfloat16"  # vLLM's and SGLang's "auto" dtype serves a fl
 SGLANG_MEM_FRACTION = 0.88  # assumed where not given: SGLang picks it from the GPU's size (``--mem-fraction-static``)
 VLLM_GPU_UTILIZATION = 0.9  # vLLM's default ``gpu_memory_utilization``
 LLAMA_AUTO_SLOTS = 4  # llama-server's -np auto: 4 slots on one unified KV cache
+LLAMA_CACHE_RAM_MIB = 8192  # llama-server's --cache-ram default (MiB; 0: no RAM prompt cache, -1: no limit)
+LLAMA_KV_DTYPE = "float16"  # llama-server's -ctk / -ctv default: the KV a saved slot state holds
+MIB = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,14 @@ class ModelKV(Record):
         (``LoadedTokenizer``: its config), read without torch."""
         config = lm.config if hasattr(lm, "config") else lm.model.config
         return cls.of_config(config.to_dict(), lm.name)
+
+    @classmethod
+    def known(cls, lm: Any) -> ModelKV | None:
+        """``of_loaded``, or None where the config gives no KV shape (a byte budget then runs unbounded, and says so)."""
+        try:
+            return cls.of_loaded(lm)
+        except RequestLogError:
+            return None
 
     def served_dtype(self, dtype: str | None) -> str:
         """The dtype a server holds the model and its KV in: ``dtype`` where given, else its "auto" (the checkpoint's,
@@ -154,6 +167,7 @@ class Budget(Record):
     tokens: int | None
     source: str
     each: int | None = None
+    ram_tokens: int | None = None  # llama.cpp's RAM prompt cache: the tokens its saved prompts may hold (None: no limit)
 
     @computed_field
     @property
@@ -174,3 +188,18 @@ def kv_memory(memory: float, what: str) -> int:
     if memory <= 0:
         raise RequestLogError(f"{what} leaves no memory for KV ({memory / GIB:.2f} GiB): give the server more memory")
     return int(memory)
+
+
+def prompt_ram_tokens(cache_ram_mib: int, model: ModelKV | None) -> tuple[int | None, str]:
+    """llama-server's RAM prompt cache limit in tokens (None: no limit) and where it comes from: ``--cache-ram`` MiB over
+    the f16 KV bytes a token of ``model`` (the state a slot saves; the server drops the oldest entries past it)."""
+    if cache_ram_mib < 0:
+        return None, "RAM prompt cache without a limit (--llama-cache-ram -1)"
+    if cache_ram_mib == 0:
+        return 0, "no RAM prompt cache (--llama-cache-ram 0)"
+    if model is None:
+        return None, "RAM prompt cache unbounded: the model's KV shape is not known"
+    per_token = model.kv_bytes_per_token(LLAMA_KV_DTYPE)
+    tokens = cache_ram_mib * MIB // per_token
+    per = f"{per_token:,} B of {LLAMA_KV_DTYPE} KV a token"
+    return tokens, f"RAM prompt cache {tokens:,} tokens: --llama-cache-ram {cache_ram_mib:,} MiB / {per}"

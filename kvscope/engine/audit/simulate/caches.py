@@ -25,6 +25,7 @@ matched by its head), preferring the same session's latest request among equally
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import OrderedDict, deque
 from collections.abc import Collection, Mapping, Sequence
@@ -35,8 +36,9 @@ import numpy as np
 from kvscope.engine.audit.changes.fields import common_prefix
 from kvscope.engine.audit.logs.requests import RequestLogError
 from kvscope.engine.audit.paged_blocks import BLOCK_SIZES, block_hashes
-from kvscope.engine.audit.simulate.budgets import GIB, LLAMA_AUTO_SLOTS, Budget, kv_memory
+from kvscope.engine.audit.simulate.budgets import GIB, LLAMA_AUTO_SLOTS, Budget, kv_memory, prompt_ram_tokens
 from kvscope.engine.audit.simulate.prefix_cache import CacheRequest, CacheSettings, PrefixCache, fit_budgets
+from kvscope.engine.audit.simulate.prompt_ram import PromptRam
 
 EVICTIONS_KEPT = 4_096  # evictions a cache remembers (the latest, for inspection), not every one of a long log's
 _LLAMA_BUILD = re.compile(r"system_fingerprint=b\d+-[0-9a-f]+")  # llama.cpp's build_info
@@ -354,6 +356,16 @@ class SlotCache(PrefixCache):
 
     @classmethod
     def budget(cls, settings: CacheSettings) -> Budget:
+        """The slots' budget (``_slots_budget``), with the server's own slot choice (``prompt_cache``) its RAM prompt
+        cache's limit too (``prompt_ram_tokens``)."""
+        budget = cls._slots_budget(settings)
+        if not settings.prompt_cache:
+            return budget
+        ram_tokens, words = prompt_ram_tokens(settings.cache_ram_mib, settings.kv_model)
+        return dataclasses.replace(budget, source=f"{budget.source}; {words}", ram_tokens=ram_tokens)
+
+    @classmethod
+    def _slots_budget(cls, settings: CacheSettings) -> Budget:
         """--slots (or -np) slots, each holding its share of -c (``n_ctx_seq``: -c / -np, or all of -c where the server's
         auto slots share one unified KV cache); without either, the mode's slots and no bound on their tokens."""
         context = None if settings.server is None else settings.server.context
@@ -408,37 +420,37 @@ class SlotCache(PrefixCache):
 class ServerSlots(PrefixCache):
     """llama.cpp's server as a client that pins no slot meets it, with its defaults: ``slots`` slots (4 with one unified
     KV cache where ``-np`` is not given), each request to the idle slot whose tokens share more than ``similarity`` of
-    its prompt (the most), else to the least recently used slot; and a RAM prompt cache (``--cache-ram``) that the slot
-    saves to when it is about to lose half its tokens or more (or was taken by LRU) and restores from when an entry
-    keeps at least a quarter of itself and beats the slot on both shares; every other idle slot is saved when a request
-    starts (and cleared, with the unified cache). From the pinned build's ``server-context.cpp``
-    (``get_available_slot``, ``cache_idle_slots``) and ``server-task.cpp`` (``server_prompt_cache::alloc`` / ``load``);
-    the cache's 8 GiB size limit is not simulated (an audit's logs stay far below it)."""
+    its prompt (the most), else to the least recently used slot; and a RAM prompt cache (``--cache-ram``, ``PromptRam``)
+    that the slot saves to when it is about to lose half its tokens or more (or was taken by LRU) and restores from
+    where an entry beats it; every other idle slot is saved when a request starts (and cleared, with the unified cache).
+    From the pinned build's ``server-context.cpp`` (``get_available_slot``, ``cache_idle_slots``) and
+    ``server-task.cpp`` (``server_prompt_cache``)."""
 
     name = "llama_cpp"
 
-    def __init__(self, slots: int | None = None, similarity: float = 0.1, context: int | None = None):
+    def __init__(self, slots: int | None = None, similarity: float = 0.1, context: int | None = None, ram_tokens: int | None = None):
         self.unified = slots is None  # the server's -np auto: 4 slots, one KV cache
         self.context = context  # tokens a slot holds (None: no bound)
         self.tokens = [np.zeros(0, dtype=np.int32) for _ in range(slots or LLAMA_AUTO_SLOTS)]
         self.used = [-1] * len(self.tokens)
         self.similarity = similarity
-        self.saved: list[np.ndarray] = []  # the RAM prompt cache, oldest first
+        self.ram = PromptRam(ram_tokens)
         self.time = 0
 
     @classmethod
     def from_settings(cls, settings: CacheSettings) -> ServerSlots:
-        """The slots named (else the auto 4 on one KV cache), each holding the tokens of ``SlotCache.budget``."""
-        return cls(SlotCache._named_slots(settings), context=SlotCache.budget(settings).each)
+        """The slots named (else the auto 4 on one KV cache), each holding the tokens of ``SlotCache.budget``, with
+        its RAM prompt cache's limit."""
+        budget = SlotCache.budget(settings)
+        return cls(SlotCache._named_slots(settings), context=budget.each, ram_tokens=budget.ram_tokens)
 
     def match(self, request: CacheRequest) -> int:
         """The tokens the request shares with the slot chosen for it (or the saved entry that slot would restore)."""
         slot, update = self._choose(request.ids)
         tokens = self.tokens[slot]
         if update:
-            saved = _saved(self.saved, tokens)
-            chosen = _restoring(tokens, saved, request.ids)
-            tokens = tokens if chosen is None else saved[chosen]
+            chosen = self.ram.best(tokens, request.ids, skip=self.ram.would_evict(tokens))
+            tokens = tokens if chosen is None else self.ram.entry_tokens(chosen)
         return common_prefix(tokens, request.ids)
 
     def insert(self, request: CacheRequest) -> int:
@@ -448,14 +460,14 @@ class ServerSlots(PrefixCache):
         self.time += 1
         slot, update = self._choose(ids)
         if update:
-            self.saved = _saved(self.saved, self.tokens[slot])
-            chosen = _restoring(self.tokens[slot], self.saved, ids)
+            self.ram.save(self.tokens[slot])
+            chosen = self.ram.best(self.tokens[slot], ids)
             if chosen is not None:
-                self.tokens[slot] = self.saved.pop(chosen)
+                self.tokens[slot] = self.ram.restore(chosen)
         reused = min(common_prefix(self.tokens[slot], ids), len(ids) - 1)
         for other in range(len(self.tokens)):
             if other != slot:
-                self.saved = _saved(self.saved, self.tokens[other])
+                self.ram.save(self.tokens[other])
                 if self.unified:
                     self.tokens[other] = np.zeros(0, dtype=np.int32)
         self.tokens[slot], self.used[slot] = request.tokens[: self.context], self.time
@@ -464,19 +476,19 @@ class ServerSlots(PrefixCache):
     @property
     def held_tokens(self) -> int:
         """The tokens held now: the slots' and the RAM prompt cache's."""
-        return sum(len(tokens) for tokens in [*self.tokens, *self.saved])
+        return sum(len(tokens) for tokens in self.tokens) + self.ram.tokens
 
     def hold(self, request: CacheRequest) -> None:
-        """What holds the longest prompt that ``request.tokens`` goes on from (a slot, or its saved copy) now holds it."""
+        """What holds the longest prompt that ``request.tokens`` goes on from (a slot, or its saved copy; a slot among
+        equals) now holds it."""
         held = request.tokens[: self.context]
-        places = [*self.tokens, *self.saved]
-        fits = [n for n, tokens in enumerate(places) if 0 < len(tokens) < len(held) and np.array_equal(held[: len(tokens)], tokens)]
-        if fits:
-            best = max(fits, key=lambda n: len(places[n]))
-            if best < len(self.tokens):
-                self.tokens[best] = held
-            else:
-                self.saved[best - len(self.tokens)] = held
+        fits = [n for n, tokens in enumerate(self.tokens) if 0 < len(tokens) < len(held) and np.array_equal(held[: len(tokens)], tokens)]
+        best = max(fits, key=lambda n: len(self.tokens[n]), default=None)
+        saved = self.ram.prefix_entry(held, len(held))
+        if saved is not None and (best is None or self.ram.leaves[saved].depth > len(self.tokens[best])):
+            self.ram.replace(saved, held)
+        elif best is not None:
+            self.tokens[best] = held
 
     def _choose(self, ids: np.ndarray) -> tuple[int, bool]:
         """The slot for ``ids`` and whether the prompt cache is updated first (``get_available_slot``)."""
@@ -493,30 +505,6 @@ class ServerSlots(PrefixCache):
             if self.used[slot] <= self.used[oldest]:
                 oldest = slot
         return oldest, True
-
-
-def _saved(saved: list[np.ndarray], tokens: np.ndarray) -> list[np.ndarray]:
-    """The RAM prompt cache after a slot's ``tokens`` are saved (``server_prompt_cache::alloc``): unchanged for an empty
-    slot or one a saved entry already holds whole; else without the entries the slot's tokens hold whole, and with them."""
-    if not len(tokens) or any(common_prefix(entry, tokens) == len(tokens) for entry in saved):
-        return saved
-    return [*(entry for entry in saved if common_prefix(entry, tokens) < len(entry)), tokens]
-
-
-def _restoring(current: np.ndarray, saved: list[np.ndarray], ids: np.ndarray) -> int | None:
-    """``server_prompt_cache::load``: the saved entry that keeps at least a quarter of itself and beats the slot's
-    own tokens (``current``) on both shares (kept of the entry, and of the new prompt), which replaces them and leaves
-    the cache; None: the slot keeps its own."""
-    shared = common_prefix(current, ids)
-    keep, share = (shared / len(current) if len(current) else -1.0), shared / len(ids)
-    chosen = None
-    for number, entry in enumerate(saved):
-        shared = common_prefix(entry, ids)
-        if shared / len(entry) < 0.25:
-            continue
-        if keep < shared / len(entry) and share < shared / len(ids):
-            keep, share, chosen = shared / len(entry), shared / len(ids), number
-    return chosen
 
 
 def _shifted_chunks(cached: np.ndarray, ids: np.ndarray, start: int, minimum: int) -> int:

@@ -29,9 +29,10 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from kvscope.engine.audit.logs.requests import RequestLogError
 from kvscope.engine.audit.paged_blocks import BLOCK_TOKENS
 from kvscope.engine.audit.report.records import Record
-from kvscope.engine.audit.simulate.budgets import Budget, ServerSize
+from kvscope.engine.audit.simulate.budgets import LLAMA_CACHE_RAM_MIB, Budget, ModelKV, ServerSize
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,17 @@ class CacheSettings(Record):
     # False: a slot per session; None: the server's default, as ``for_log`` reads the log (not yet read: a slot per session)
     prompt_cache: bool | None = None
     server: ServerSize | None = None
+    cache_ram_mib: int = LLAMA_CACHE_RAM_MIB  # llama.cpp --cache-ram: its RAM prompt cache's size (0: none, -1: no limit)
+    model: ModelKV | None = None  # the served model's KV shape (sizes the RAM prompt cache; a server's size has its own)
+
+    def __post_init__(self) -> None:
+        if self.cache_ram_mib < -1:
+            raise RequestLogError(f"--llama-cache-ram is MiB (0: no RAM prompt cache, -1: no limit), got {self.cache_ram_mib}")
+
+    @property
+    def kv_model(self) -> ModelKV | None:
+        """The model whose KV sizes byte budgets: ``model``, else the server size's."""
+        return self.model if self.model is not None or self.server is None else self.server.model
 
     def for_log(self, pinned: bool) -> CacheSettings:
         """The settings with llama.cpp's mode decided for a log: where not named, the server's own slot choice

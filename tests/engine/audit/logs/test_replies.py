@@ -286,10 +286,10 @@ def test_llama_servers_ram_cache_restores_a_session_another_took_the_slot_from()
     slots = ServerSlots()
     assert slots.insert(CacheRequest(a, 1, held=np.concatenate([a, [7, 7]]).astype(np.int32))) == 0
     assert slots.insert(CacheRequest(b, 2)) == 10  # 10 of 50 shared, above a tenth: a's slot, which would lose 42 of its 52
-    assert [len(entry) for entry in slots.saved] == [52]  # a and its reply were saved before the slot was reused
+    assert [len(entry) for entry in slots.ram.entries()] == [52]  # a and its reply were saved before the slot was reused
     a2 = np.concatenate([a, [7, 7, 9, 9, 9]]).astype(np.int32)
     assert slots.insert(CacheRequest(a2, 3)) == 52  # restored: a2 shares all 52 of the saved entry
-    assert [len(entry) for entry in slots.saved] == [50]  # b was saved in its turn, a's entry left the cache
+    assert [len(entry) for entry in slots.ram.entries()] == [50]  # b was saved in its turn, a's entry left the cache
 
 
 def test_llama_servers_slot_choice_needs_more_than_a_tenth_shared():
