@@ -22,8 +22,8 @@ STORED = sorted(RESULTS.glob("deploy-*.json"))
 PROXY_ENV = Path(os.environ.get("KVSCOPE_CACHE_DIR", Path.home() / ".cache" / "kvscope")) / "litellm-proxy"
 
 
-def test_a_result_is_stored() -> None:
-    assert RESULTS / "deploy-embedded-cpu.json" in STORED
+def test_a_result_is_stored_for_both_offline_models() -> None:
+    assert {RESULTS / "deploy-embedded-cpu.json", RESULTS / "deploy-qwen-1.5b-cpu.json"} <= set(STORED)
 
 
 @pytest.mark.parametrize("path", STORED, ids=[path.stem for path in STORED])
@@ -57,6 +57,9 @@ def test_stored_result_is_consistent(path: Path) -> None:
     for name, policy in data["policies"].items():
         assert policy["version"] == VERSION and name in data["variants"]
         assert all(entry["repair"] == name for entry in policy["fields"]) if name != "policy" else True
+        for entry in policy["fields"] if name == "policy" else ():  # the audit's policy: only repairs measured within the bars
+            within = {measured["repair"] for measured in entry["measured"] if measured["within_bars"]}
+            assert entry["repair"] is None or entry["repair"] in within
 
 
 @pytest.mark.parametrize("path", STORED, ids=[path.stem for path in STORED])
