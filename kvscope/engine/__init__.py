@@ -146,7 +146,7 @@ _PUBLIC = {
     "EditSettings": "kvscope.engine.edit.strategies",
     "EndpointClient": "kvscope.engine.audit.endpoint.client",
     "EndpointSettings": "kvscope.engine.audit.endpoint.client",
-    "GRAINS": "kvscope.engine.audit.measure.repairs",
+    "GRAINS": "kvscope.engine.audit.prompts.repair_requests",
     "HOST_OPT_IN_ALIASES": "kvscope.engine.models",
     "IMAGE_QUESTION": "kvscope.engine.compose.pictures",
     "KVScopeError": "kvscope.engine.errors",
@@ -164,7 +164,7 @@ _PUBLIC = {
     "NotesChoice": "kvscope.engine.audit.measure.notes_scenario",
     "PLACEMENTS": "kvscope.engine.compose.placing",
     "PROBES": "kvscope.engine.probes.registry",
-    "REPAIRS": "kvscope.engine.audit.measure.repairs",
+    "REPAIRS": "kvscope.engine.audit.prompts.repair_requests",
     "REPAIR_SUMMARIES": "kvscope.engine.audit.measure.repairs",
     "Recipe": "kvscope.engine.reproduce",
     "Remedy": "kvscope.engine.compose.remedy",
@@ -435,13 +435,14 @@ if TYPE_CHECKING:
     from kvscope.engine.audit.logs.render import RenderedRequest, render_request
     from kvscope.engine.audit.logs.requests import Request, RequestLogError
     from kvscope.engine.audit.measure.notes_scenario import NotesChoice, NotesScenario, notes_choices, notes_scenario, preferred_choice
-    from kvscope.engine.audit.measure.repairs import GRAINS, REPAIR_SUMMARIES, REPAIRS
+    from kvscope.engine.audit.measure.repairs import REPAIR_SUMMARIES
     from kvscope.engine.audit.measure.settings import MeasureSettings, check_repairs, measure_settings
     from kvscope.engine.audit.measure.traffic import DEFAULT_SAMPLE, audit_traffic, pending_report
     from kvscope.engine.audit.measure.turn import AuditReport, audit_value, repaired_template, scenario_toml
     from kvscope.engine.audit.policy.build import policy_from_report
     from kvscope.engine.audit.policy.document import Policy
     from kvscope.engine.audit.policy.gateway import hook_config
+    from kvscope.engine.audit.prompts.repair_requests import GRAINS, REPAIRS
     from kvscope.engine.audit.prompts.text_spans import appended_chars, candidate_menu, candidate_span, find_span, prefix_cache_stop
     from kvscope.engine.audit.rewrite.measure import apply_template, measure_rewrite
     from kvscope.engine.audit.scan.sampling import bounded_sample, traffic_scan

@@ -16,11 +16,11 @@ from kvscope.engine.audit.logs.requests import RequestLog, RequestLogError
 from kvscope.engine.audit.logs.shards import LogFiles
 from kvscope.engine.audit.logs.sources import EXPORT_SOURCES
 from kvscope.engine.audit.measure.kv_store import ComputedStates
-from kvscope.engine.audit.measure.repairs import GRAINS, PROMPT_REPAIRS, REPAIRS
 from kvscope.engine.audit.measure.settings import DEFAULT_MIN_AGREEMENT, DEFAULT_THRESHOLD, DEFAULT_TOKENS, MeasureSettings
 from kvscope.engine.audit.measure.traffic import DEFAULT_SAMPLE, audit_traffic
 from kvscope.engine.audit.measure.turn import audit_value, repaired_template, scenario_toml
 from kvscope.engine.audit.policy.build import policy_from_report
+from kvscope.engine.audit.prompts.repair_requests import GRAINS, PROMPT_REPAIRS, REPAIRS
 from kvscope.engine.audit.prompts.text_spans import find_span
 from kvscope.engine.audit.rewrite.measure import apply_template, check_pairing, measure_rewrite
 from kvscope.engine.audit.simulate.caches import CacheSettings

@@ -9,14 +9,9 @@ from typing import Annotated
 
 from pydantic import computed_field
 
-from kvscope.engine.audit.measure.repairs import (
-    LEVEL_WORDS,
-    REPAIR_LEVELS,
-    Level,
-    OutputFidelity,
-    RepairResult,
-)
+from kvscope.engine.audit.measure.repairs import RepairResult
 from kvscope.engine.audit.measure.settings import DEFAULT_MIN_AGREEMENT
+from kvscope.engine.audit.prompts.repair_requests import LEVEL_WORDS, REPAIR_LEVELS, Level, OutputFidelity
 from kvscope.engine.audit.report.records import HIDDEN, Record, rounded
 
 

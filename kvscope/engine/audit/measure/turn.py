@@ -18,14 +18,9 @@ from kvscope.engine.audit.logs.render import RenderedRequest, render_request
 from kvscope.engine.audit.logs.requests import Request, RequestLogError
 from kvscope.engine.audit.measure.kv_store import ComputedStates
 from kvscope.engine.audit.measure.recommend import Recommendation, recommend
-from kvscope.engine.audit.measure.repairs import (
-    RepairNotApplicable,
-    RepairResult,
-    Turn,
-    reference,
-    run_repair,
-)
+from kvscope.engine.audit.measure.repairs import RepairResult, Turn, reference, run_repair
 from kvscope.engine.audit.measure.settings import MeasureSettings
+from kvscope.engine.audit.prompts.repair_requests import RepairNotApplicable
 from kvscope.engine.audit.prompts.template import written_template
 from kvscope.engine.audit.report.records import HIDDEN, Record, derived, rounded
 from kvscope.engine.audit.simulate.caches import CacheSettings

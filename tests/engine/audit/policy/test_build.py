@@ -11,11 +11,12 @@ import pytest
 from kvscope.engine.audit.changes.fields import FieldChange, TurnDiff
 from kvscope.engine.audit.logs.requests import Message, Request
 from kvscope.engine.audit.measure.recommend import Bars, Recommendation
-from kvscope.engine.audit.measure.repairs import OutputFidelity, RepairResult
+from kvscope.engine.audit.measure.repairs import RepairResult
 from kvscope.engine.audit.measure.turn import AuditReport, AuditTurn
 from kvscope.engine.audit.policy.build import policy_from_report
 from kvscope.engine.audit.policy.document import PUBLISHED, PolicyError, load_policy, policy_schema, schema_text
 from kvscope.engine.audit.policy.rewrite import plain_rendering
+from kvscope.engine.audit.prompts.repair_requests import OutputFidelity
 from kvscope.engine.cli import main
 
 ROOT = Path(__file__).resolve().parents[4]
