@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated
+
+from pydantic import InstanceOf
 
 from kvscope.engine.audit.changes.fields import Candidate, FieldChange, TurnDiff, candidate_spans, diff_requests
 from kvscope.engine.audit.logs.render import RenderedRequest, render_request
@@ -69,8 +71,8 @@ class AuditTurn(Record):
 
 
 @dataclass(frozen=True)
-class AuditReport:
-    """Every turn of a log on one model, with the settings that produced it."""
+class AuditReport(Record):
+    """Every turn of a log on one model, with the settings that produced it (the report's ``PromptAudit``)."""
 
     model: str
     dtype: str
@@ -80,20 +82,7 @@ class AuditReport:
     repairs: tuple[str, ...]
     grain: str | None
     turns: tuple[AuditTurn, ...]
-    rendered: tuple[RenderedRequest, ...]
-
-    def as_dict(self) -> dict[str, Any]:
-        """The report's ``PromptAudit`` (``ci.report``): the settings and each turn."""
-        return {
-            "model": self.model,
-            "dtype": self.dtype,
-            "threshold": self.threshold,
-            "min_agreement": self.min_agreement,
-            "generated_tokens": self.generated_tokens,
-            "repairs": list(self.repairs),
-            "grain": self.grain,
-            "turns": [turn.as_dict() for turn in self.turns],
-        }
+    rendered: Annotated[tuple[InstanceOf[RenderedRequest], ...], HIDDEN]  # InstanceOf: numpy arrays have no pydantic schema
 
     def last_with_fields(self) -> AuditTurn | None:
         return next((turn for turn in reversed(self.turns) if turn.fields), None)
