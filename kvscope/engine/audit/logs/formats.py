@@ -74,10 +74,14 @@ def session_key(record: dict) -> str | None:
     """The session a record names: one of ``SESSION_KEYS``, on the record or in its ``metadata``."""
     for holder in (record, record.get("metadata") if isinstance(record.get("metadata"), dict) else {}):
         for key in SESSION_KEYS:
-            value = holder.get(key)
-            if isinstance(value, str | int) and not isinstance(value, bool) and str(value):
-                return str(value)
+            if (session := session_text(holder.get(key))) is not None:
+                return session
     return None
+
+
+def session_text(value: Any) -> str | None:
+    """A logged session id as text: a non-empty string or an integer (not a bool); None for anything else."""
+    return str(value) if isinstance(value, str | int) and not isinstance(value, bool) and str(value) else None
 
 
 def detect(request: dict) -> str:
