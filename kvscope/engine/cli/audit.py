@@ -9,12 +9,9 @@ from pathlib import Path
 
 from kvscope.engine.audit.ci.gate import QUANTITIES, budget_lines, gate, markdown, parse_conditions
 from kvscope.engine.audit.ci.report import AuditJSON, report_schema
-from kvscope.engine.audit.logs.formats import AUTO as AUTO_FORMAT
-from kvscope.engine.audit.logs.formats import FORMATS
 from kvscope.engine.audit.logs.reading import parse_prompt, read_log
 from kvscope.engine.audit.logs.requests import RequestLog, RequestLogError
 from kvscope.engine.audit.logs.shards import LogFiles
-from kvscope.engine.audit.logs.sources import EXPORT_SOURCES
 from kvscope.engine.audit.measure.kv_store import ComputedStates
 from kvscope.engine.audit.measure.settings import DEFAULT_MIN_AGREEMENT, DEFAULT_THRESHOLD, DEFAULT_TOKENS, MeasureSettings
 from kvscope.engine.audit.measure.traffic import DEFAULT_SAMPLE, audit_traffic
@@ -27,7 +24,7 @@ from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.metrics import observed_aggregate
 from kvscope.engine.audit.simulate.observed import NO_OBSERVED_COUNTS, OBSERVED_ENGINES
 from kvscope.engine.audit.simulate.registry import budgets
-from kvscope.engine.cli.common import Group, Handler, arg, load, log, names, progress, read_text
+from kvscope.engine.cli.common import LOG_FORMAT, Group, Handler, arg, load, log, names, progress, read_text
 from kvscope.engine.cli.endpoint import ENDPOINT, measure_on_endpoint
 from kvscope.engine.cli.scale import SCALE, SERVER_SIZE, log_files, scan_settings, token_pass, turn_pass
 from kvscope.engine.models import load_tokenizer
@@ -150,12 +147,7 @@ AUDIT: Group = (
         help="request log (JSONL or a JSON array, in any of --format's formats; several files, directories of shards, "
         "gzip'd JSONL), or one prompt with --new",
     ),
-    arg(
-        "--format",
-        default=AUTO_FORMAT,
-        choices=[AUTO_FORMAT, *FORMATS, *EXPORT_SOURCES],
-        help="the log's request format or export (auto: detected per record)",
-    ),
+    LOG_FORMAT,
     arg("--sample", type=int, default=DEFAULT_SAMPLE, help="turns measured with the model per change signature (0: token pass only)"),
     arg(
         "--block-size",
