@@ -37,14 +37,7 @@ def cmd_audit(args: argparse.Namespace) -> dict:
     files = log_files(args)
     text = files.text() if files.one_text and not args.ray else None  # one prompt, with --new
     conditions = parse_conditions(args.fail_on)
-    if args.rewritten and args.template:
-        raise RequestLogError("--rewritten and --template are two rewrites: measure one at a time")
-    if args.template_repair and not args.template_out:
-        raise RequestLogError("--template-repair names the repair whose template --template-out writes: add --template-out FILE")
-    if args.policy_out and (args.endpoint or (args.sample == 0 and args.new is None)):
-        raise RequestLogError("--policy-out writes the repairs measured in this process: measure turns (--sample > 0), without --endpoint")
-    if (args.rewritten or args.template) and args.new is not None:
-        raise RequestLogError("--rewritten and --template measure a log's rewrite; they do not combine with --new")
+    _check_outputs(args)
     measure = MeasureSettings(tuple(names(args.repairs) or REPAIRS), args.tokens, args.threshold, args.min_agreement, args.grain)
     # no weights where no forward runs here: the token pass alone, or every measurement on an endpoint
     tokens_only = args.new is None and (bool(args.endpoint) or (args.sample == 0 and not (args.rewritten or args.template)))
@@ -112,6 +105,18 @@ def cmd_audit(args: argparse.Namespace) -> dict:
         if path:
             Path(path).write_text(build(), encoding="utf-8")
     return _finish(args, conditions, result)
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuse, before anything is read or loaded, the flags that ask for a rewrite or a file this run cannot make."""
+    if args.rewritten and args.template:
+        raise RequestLogError("--rewritten and --template are two rewrites: measure one at a time")
+    if args.template_repair and not args.template_out:
+        raise RequestLogError("--template-repair names the repair whose template --template-out writes: add --template-out FILE")
+    if args.policy_out and (args.endpoint or (args.sample == 0 and args.new is None)):
+        raise RequestLogError("--policy-out writes the repairs measured in this process: measure turns (--sample > 0), without --endpoint")
+    if (args.rewritten or args.template) and args.new is not None:
+        raise RequestLogError("--rewritten and --template measure a log's rewrite; they do not combine with --new")
 
 
 def _finish(args: argparse.Namespace, conditions: list, result: AuditJSON) -> AuditJSON:
