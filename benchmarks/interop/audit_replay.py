@@ -55,10 +55,10 @@ from benchmarks.common import cpu_info
 from benchmarks.serving.serving_servers import SERVER_BINARY, LlamaServer, resolve_gguf
 from kvscope.engine.audit.logs.reading import read_log
 from kvscope.engine.audit.logs.requests import RequestLog, RequestLogError
-from kvscope.engine.audit.measure.repairs import GRAINS, PROMPT_REPAIRS
 from kvscope.engine.audit.measure.settings import DEFAULT_TOKENS, measure_settings
 from kvscope.engine.audit.measure.traffic import audit_traffic
 from kvscope.engine.audit.measure.turn import repaired_template
+from kvscope.engine.audit.prompts.repair_requests import GRAINS, PROMPT_REPAIRS
 from kvscope.engine.audit.rewrite.measure import RewriteReport, apply_template, measure_rewrites
 from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.traffic_scan import TrafficScan, scan_log

@@ -25,13 +25,14 @@ if TYPE_CHECKING:
     from kvscope.engine.audit.logs.render import RenderedRequest, render_request
     from kvscope.engine.audit.logs.requests import Request, RequestLogError
     from kvscope.engine.audit.measure.notes_scenario import NotesChoice, NotesScenario, notes_choices, notes_scenario, preferred_choice
-    from kvscope.engine.audit.measure.repairs import GRAINS, REPAIR_SUMMARIES, REPAIRS
+    from kvscope.engine.audit.measure.repairs import REPAIR_SUMMARIES
     from kvscope.engine.audit.measure.settings import MeasureSettings, check_repairs, measure_settings
     from kvscope.engine.audit.measure.traffic import DEFAULT_SAMPLE, audit_traffic, pending_report
     from kvscope.engine.audit.measure.turn import AuditReport, audit_value, repaired_template, scenario_toml
     from kvscope.engine.audit.policy.build import policy_from_report
     from kvscope.engine.audit.policy.document import Policy
     from kvscope.engine.audit.policy.gateway import hook_config
+    from kvscope.engine.audit.prompts.repair_requests import GRAINS, REPAIRS
     from kvscope.engine.audit.prompts.text_spans import appended_chars, candidate_menu, candidate_span, find_span, prefix_cache_stop
     from kvscope.engine.audit.rewrite.measure import apply_template, measure_rewrite
     from kvscope.engine.audit.scan.sampling import bounded_sample, traffic_scan

@@ -9,25 +9,22 @@ from pathlib import Path
 
 from kvscope.engine.audit.ci.gate import QUANTITIES, budget_lines, gate, markdown, parse_conditions
 from kvscope.engine.audit.ci.report import AuditJSON, report_schema
-from kvscope.engine.audit.logs.formats import AUTO as AUTO_FORMAT
-from kvscope.engine.audit.logs.formats import FORMATS
 from kvscope.engine.audit.logs.reading import parse_prompt, read_log
 from kvscope.engine.audit.logs.requests import RequestLog, RequestLogError
 from kvscope.engine.audit.logs.shards import LogFiles
-from kvscope.engine.audit.logs.sources import EXPORT_SOURCES
 from kvscope.engine.audit.measure.kv_store import ComputedStates
-from kvscope.engine.audit.measure.repairs import GRAINS, PROMPT_REPAIRS, REPAIRS
 from kvscope.engine.audit.measure.settings import DEFAULT_MIN_AGREEMENT, DEFAULT_THRESHOLD, DEFAULT_TOKENS, MeasureSettings
 from kvscope.engine.audit.measure.traffic import DEFAULT_SAMPLE, audit_traffic
 from kvscope.engine.audit.measure.turn import audit_value, repaired_template, scenario_toml
 from kvscope.engine.audit.policy.build import policy_from_report
+from kvscope.engine.audit.prompts.repair_requests import GRAINS, PROMPT_REPAIRS, REPAIRS
 from kvscope.engine.audit.prompts.text_spans import find_span
 from kvscope.engine.audit.rewrite.measure import apply_template, check_pairing, measure_rewrite
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.metrics import observed_aggregate
 from kvscope.engine.audit.simulate.observed import NO_OBSERVED_COUNTS, OBSERVED_ENGINES
 from kvscope.engine.audit.simulate.registry import budgets
-from kvscope.engine.cli.common import Group, Handler, arg, load, log, names, progress, read_text
+from kvscope.engine.cli.common import LOG_FORMAT, Group, Handler, arg, load, log, names, progress, read_text
 from kvscope.engine.cli.endpoint import ENDPOINT, measure_on_endpoint
 from kvscope.engine.cli.scale import SCALE, SERVER_SIZE, log_files, scan_settings, token_pass, turn_pass
 from kvscope.engine.models import load_tokenizer
@@ -40,14 +37,7 @@ def cmd_audit(args: argparse.Namespace) -> dict:
     files = log_files(args)
     text = files.text() if files.one_text and not args.ray else None  # one prompt, with --new
     conditions = parse_conditions(args.fail_on)
-    if args.rewritten and args.template:
-        raise RequestLogError("--rewritten and --template are two rewrites: measure one at a time")
-    if args.template_repair and not args.template_out:
-        raise RequestLogError("--template-repair names the repair whose template --template-out writes: add --template-out FILE")
-    if args.policy_out and (args.endpoint or (args.sample == 0 and args.new is None)):
-        raise RequestLogError("--policy-out writes the repairs measured in this process: measure turns (--sample > 0), without --endpoint")
-    if (args.rewritten or args.template) and args.new is not None:
-        raise RequestLogError("--rewritten and --template measure a log's rewrite; they do not combine with --new")
+    _check_outputs(args)
     measure = MeasureSettings(tuple(names(args.repairs) or REPAIRS), args.tokens, args.threshold, args.min_agreement, args.grain)
     # no weights where no forward runs here: the token pass alone, or every measurement on an endpoint
     tokens_only = args.new is None and (bool(args.endpoint) or (args.sample == 0 and not (args.rewritten or args.template)))
@@ -117,6 +107,18 @@ def cmd_audit(args: argparse.Namespace) -> dict:
     return _finish(args, conditions, result)
 
 
+def _check_outputs(args: argparse.Namespace) -> None:
+    """Refuse, before anything is read or loaded, the flags that ask for a rewrite or a file this run cannot make."""
+    if args.rewritten and args.template:
+        raise RequestLogError("--rewritten and --template are two rewrites: measure one at a time")
+    if args.template_repair and not args.template_out:
+        raise RequestLogError("--template-repair names the repair whose template --template-out writes: add --template-out FILE")
+    if args.policy_out and (args.endpoint or (args.sample == 0 and args.new is None)):
+        raise RequestLogError("--policy-out writes the repairs measured in this process: measure turns (--sample > 0), without --endpoint")
+    if (args.rewritten or args.template) and args.new is not None:
+        raise RequestLogError("--rewritten and --template measure a log's rewrite; they do not combine with --new")
+
+
 def _finish(args: argparse.Namespace, conditions: list, result: AuditJSON) -> AuditJSON:
     """The gate over the result, and its Markdown summary where asked for."""
     if conditions:
@@ -150,12 +152,7 @@ AUDIT: Group = (
         help="request log (JSONL or a JSON array, in any of --format's formats; several files, directories of shards, "
         "gzip'd JSONL), or one prompt with --new",
     ),
-    arg(
-        "--format",
-        default=AUTO_FORMAT,
-        choices=[AUTO_FORMAT, *FORMATS, *EXPORT_SOURCES],
-        help="the log's request format or export (auto: detected per record)",
-    ),
+    LOG_FORMAT,
     arg("--sample", type=int, default=DEFAULT_SAMPLE, help="turns measured with the model per change signature (0: token pass only)"),
     arg(
         "--block-size",

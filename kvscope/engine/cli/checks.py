@@ -6,7 +6,7 @@ import argparse
 
 from kvscope.engine.cache.selftest import run_selftest
 from kvscope.engine.checks.support import OPERATIONS, TOLERANCE, check_model, markdown_table, support_matrix
-from kvscope.engine.cli.common import Group, Handler, arg, load, log
+from kvscope.engine.cli.common import Group, Handler, arg, load, log, names
 from kvscope.engine.models import ModelLoadError
 from kvscope.engine.models.tiny import HYBRID_ARCHS, TINY_ARCHS
 
@@ -23,7 +23,7 @@ def cmd_selftest(args: argparse.Namespace) -> dict:
 
 def cmd_support(args: argparse.Namespace) -> dict:
     """Support matrix: every operation on every tiny family against ground truth (and the loaded model with --loaded)."""
-    families = tuple(name.strip() for name in args.families.split(",")) if args.families else TINY_ARCHS + HYBRID_ARCHS
+    families = tuple(names(args.families)) or TINY_ARCHS + HYBRID_ARCHS
     unknown = [name for name in families if name not in TINY_ARCHS + HYBRID_ARCHS]
     if unknown:
         raise ModelLoadError(f"unknown family {unknown[0]!r} in --families; choose from: {', '.join(TINY_ARCHS + HYBRID_ARCHS)}")

@@ -8,7 +8,9 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from kvscope.engine.audit.logs.formats import AUTO, FORMATS
 from kvscope.engine.audit.logs.requests import RequestLogError
+from kvscope.engine.audit.logs.sources import EXPORT_SOURCES
 from kvscope.engine.models import LoadedModel, load_model
 from kvscope.engine.progress import StepProgress, rated
 from kvscope.engine.scenario import ScenarioError
@@ -24,6 +26,9 @@ def arg(*flags: str, **options) -> Argument:
 
 SCENARIO: Group = (arg("--scenario", required=True, help="scenario TOML file"),)
 CHANGE: Group = (arg("--field", help="field to change (default: the first)"), arg("--new", help="new value (default: the field's `new`)"))
+LOG_FORMAT = arg(
+    "--format", default=AUTO, choices=[AUTO, *FORMATS, *EXPORT_SOURCES], help="the log's request format or export (auto: per record)"
+)
 
 
 def log(message: str) -> None:

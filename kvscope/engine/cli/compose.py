@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvscope.engine.cli.common import Group, Handler, arg, load, log, progress
+from kvscope.engine.cli.common import Group, Handler, arg, load, log, names, progress
 from kvscope.engine.cli.edit import edit_settings
 from kvscope.engine.compose.agent import Compaction, run_agent
 from kvscope.engine.compose.calibration import AUTO, calibrated_remedy, resolve_remedy
@@ -23,7 +23,7 @@ from kvscope.engine.scenario import Scenario, ScenarioError
 
 
 def _composition(args: argparse.Namespace) -> Scenario:
-    skills = [s.strip() for s in args.skills.split(",") if s.strip()] if args.skills else []
+    skills = names(args.skills)
     if args.scenario:
         scenario = Scenario.load(args.scenario)
         return with_skills(scenario, skills, args.at) if skills else scenario
@@ -63,7 +63,7 @@ def cmd_agent(args: argparse.Namespace) -> dict:
     """Multi-turn episode: compose once, errata per turn (compacted by --policy), against the clean-state prefill
     and the identical-token re-prefill every turn."""
     scenario = _composition(args)
-    fields = [name.strip() for name in args.fields.split(",")] if args.fields else [scenario.field(args.field).name]
+    fields = names(args.fields) or [scenario.field(args.field).name]
     for name in fields:
         scenario.field(name)
     policy = Compaction.parse(args.policy)

@@ -8,6 +8,7 @@ import inspect
 import json
 
 from kvscope.engine.cli.common import CHANGE, SCENARIO, Group, Handler, arg, load, parse_pairs, progress
+from kvscope.engine.cli.common import names as names_of
 from kvscope.engine.edit.calibrate import FLIP_THRESHOLD, NOTES_DEMO_MAX_RECOVERY, calibrate, scenario_files
 from kvscope.engine.edit.experiment import EditExperiment
 from kvscope.engine.edit.hybrid import hybrid_edit, read_scenario
@@ -44,7 +45,7 @@ def cmd_decide(args: argparse.Namespace) -> dict:
 def cmd_edit(args: argparse.Namespace) -> dict:
     """Change a field old → new and compare every edit strategy's decision and recovery."""
     scenario = Scenario.load(args.scenario)
-    names = check_names(name.strip() for name in args.strategies.split(",")) if args.strategies else list(STRATEGIES)
+    names = check_names(names_of(args.strategies)) if args.strategies else list(STRATEGIES)
     scenario.field(args.field)
     settings = edit_settings(args)
     lm = load(args)
@@ -106,16 +107,10 @@ def cmd_probe(args: argparse.Namespace) -> dict:
 def cmd_weights(args: argparse.Namespace) -> dict:
     """Weight editing (ROME, LoRA) beside field_erratum on one edit: efficacy, contamination, collateral, cost."""
     scenario = Scenario.load(args.scenario)
-    paths = [p.strip() for p in args.others.split(",") if p.strip()] if args.others else list(bundled_scenarios().values())
-    others = [Scenario.load(path) for path in paths]
-    lora = LoraSettings(
-        rank=args.lora_rank,
-        steps=args.lora_steps,
-        lr=args.lora_lr,
-        modules=tuple(m.strip() for m in args.lora_modules.split(",") if m.strip()),
-    )
+    others = [Scenario.load(path) for path in names_of(args.others) or bundled_scenarios().values()]
+    lora = LoraSettings(rank=args.lora_rank, steps=args.lora_steps, lr=args.lora_lr, modules=tuple(names_of(args.lora_modules)))
     rome = RomeSettings(layer=args.rome_layer, steps=args.rome_steps)
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = names_of(args.methods)
     lm = load(args)
     report = compare_edits(
         lm, scenario, others, field_name=args.field, new=args.new, methods=methods, lora=lora, rome=rome, progress=progress("steps")

@@ -7,11 +7,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvscope.engine.audit.logs.formats import AUTO as AUTO_FORMAT
-from kvscope.engine.audit.logs.formats import FORMATS
 from kvscope.engine.audit.logs.requests import RequestLogError
 from kvscope.engine.audit.logs.shards import LogFiles
-from kvscope.engine.audit.logs.sources import EXPORT_SOURCES
 from kvscope.engine.audit.policy.build import DEPLOYABLE, forced_policy
 from kvscope.engine.audit.policy.document import load_policy, policy_schema
 from kvscope.engine.audit.policy.offline import log_text, rewrite_log
@@ -19,7 +16,7 @@ from kvscope.engine.audit.policy.rewrite import DEFAULT_SESSIONS
 from kvscope.engine.audit.prompts.repair_requests import GRAINS
 from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.traffic_scan import scan_log
-from kvscope.engine.cli.common import Group, Handler, arg, log, progress, read_text
+from kvscope.engine.cli.common import LOG_FORMAT, Group, Handler, arg, log, progress, read_text
 from kvscope.engine.models import load_tokenizer
 
 
@@ -45,7 +42,7 @@ def cmd_rewrite(args: argparse.Namespace) -> dict:
 
 REWRITE: Group = (
     arg("log", nargs="+", help="request log (any format audit reads; several files, directories of shards, gzip'd JSONL)"),
-    arg("--format", default=AUTO_FORMAT, choices=[AUTO_FORMAT, *FORMATS, *EXPORT_SOURCES], help="the log's format (auto: per record)"),
+    LOG_FORMAT,
     arg("--policy", help="the policy to apply (audit LOG --policy-out FILE writes it): its measured repairs only"),
     arg("--repair", choices=DEPLOYABLE, help="force this prompt-level repair on every field the token pass finds, unmeasured"),
     arg("--grain", choices=GRAINS, help="with --repair coarsen: the grain date-times are rounded to"),

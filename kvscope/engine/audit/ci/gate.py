@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import operator
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,49 +173,38 @@ def rewrite_markdown(verdict: str, rows: list[dict[str, Any]]) -> str:
     parts = [f"**{verdict}**", "", _rewrite_table(rows)]
     changed = [row for row in rows if not row["same_text"]]
     if changed:
-        lines = [f"| {row['request']} | {_cell(row['original_text'])} | {_cell(row['rewritten_text'])} |" for row in changed]
-        parts += ["", "Answers that change:", "", "| request | original | rewritten |", "|---|---|---|", *lines]
+        cells = [(row["request"], _cell(row["original_text"]), _cell(row["rewritten_text"])) for row in changed]
+        parts += ["", "Answers that change:", "", _table(("request", "original", "rewritten"), cells)]
     return "\n".join(parts)
 
 
 def _turns_table(report: LogAudit) -> str:
     recommended = {turn["request"]: turn["recommendation"]["repair"] for turn in report.get("turns", ()) if turn.get("recommendation")}
     heads = ["request", "session", "matched", "tokens", *(LABELS[engine] for engine in ENGINES), "causes", "recommended"]
-    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    rows = []
     for row in report["requests"]:
-        reused = row["reused_tokens"]
         causes = ", ".join(f"{c['name']}:{c['field']}" if c["field"] else c["name"] for c in row["causes"]) or "–"
-        cells = [
-            row["request"],
-            _cell(row["session"] or "–"),
-            row["matched_request"] or "–",
-            row["tokens"],
-            *(reused[engine] for engine in ENGINES),
-            _cell(causes),
-            recommended.get(row["request"], "–"),
-        ]
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
-    return "\n".join(lines)
+        reused = [row["reused_tokens"][engine] for engine in ENGINES]
+        session, matched = _cell(row["session"] or "–"), row["matched_request"] or "–"
+        rows.append([row["request"], session, matched, row["tokens"], *reused, _cell(causes), recommended.get(row["request"], "–")])
+    return _table(heads, rows)
 
 
 def _rewrite_table(rows: list[dict[str, Any]]) -> str:
-    lines = [
-        "| request | vLLM reuse before → after | KL | top-1 | top-5 | agreement | common prefix | same text |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    heads = ["request", f"{LABELS[DEFAULT_ENGINE]} reuse before → after", "KL", "top-1", "top-5", "agreement", "common prefix", "same text"]
+    cells = []
     for row in rows:
-        cells = [
-            row["request"],
-            f"{row['reused_tokens_before']['vllm']} → {row['reused_tokens_after']['vllm']}",
-            f"{row['kl']:.3g}",
-            "yes" if row["top1_agree"] else "no",
-            f"{row['top5_overlap']:.0%}",
-            f"{row['generation_agreement']:.0%}",
-            row["generated_common_prefix"],
-            "yes" if row["same_text"] else "no",
-        ]
-        lines.append("| " + " | ".join(map(str, cells)) + " |")
-    return "\n".join(lines)
+        reuse = f"{row['reused_tokens_before'][DEFAULT_ENGINE]} → {row['reused_tokens_after'][DEFAULT_ENGINE]}"
+        top1, same = ("yes" if row[key] else "no" for key in ("top1_agree", "same_text"))
+        shares = f"{row['top5_overlap']:.0%}", f"{row['generation_agreement']:.0%}"
+        cells.append([row["request"], reuse, f"{row['kl']:.3g}", top1, *shares, row["generated_common_prefix"], same])
+    return _table(heads, cells)
+
+
+def _table(heads: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """A Markdown table: its header, then a line per row."""
+    lines = ["| " + " | ".join(heads) + " |", "|" + "---|" * len(heads)]
+    return "\n".join([*lines, *("| " + " | ".join(map(str, row)) + " |" for row in rows)])
 
 
 def _cell(text: str) -> str:

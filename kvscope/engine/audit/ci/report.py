@@ -12,7 +12,6 @@ required; each part is one entry of ``$defs``, described by its docstring. No ``
 (``NotRequired`` must stay readable to ``__required_keys__``).
 """
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NotRequired
@@ -24,13 +23,12 @@ from kvscope.engine.audit.endpoint.served_measure import EndpointAudit, Endpoint
 from kvscope.engine.audit.logs.requests import ReadingDict, Skipped
 from kvscope.engine.audit.measure.fidelity import MeasuredGroup
 from kvscope.engine.audit.measure.turn import AuditTurn
-from kvscope.engine.audit.report.records import Record, derived
+from kvscope.engine.audit.report.records import Record, derived, published_schema
 from kvscope.engine.audit.rewrite.measure import RewrittenRequest
 from kvscope.engine.audit.scan.traffic_scan import CauseCount, EngineTotals, SessionSummary, TrafficRequest
 from kvscope.engine.audit.simulate.fleet import FleetResult
 from kvscope.engine.audit.simulate.observed import Hosted, ObservedSummary
 
-DIALECT = "https://json-schema.org/draft/2020-12/schema"
 PUBLISHED = Path("docs") / "audit-report.schema.json"  # relative to the repository root
 _CLOSED = ConfigDict(extra="forbid", json_schema_serialization_defaults_required=True)  # the TypedDicts (records carry their own)
 
@@ -111,17 +109,5 @@ AuditJSON = LogAudit | PromptAudit  # what ``python -m kvscope audit … --json`
 
 def report_schema() -> dict:
     """The JSON Schema of ``AuditJSON``: a log's report or one prompt's, as the records and ``TypedDict``s serialize."""
-    generated = TypeAdapter(AuditJSON, config=_CLOSED).json_schema(mode="serialization", by_alias=True)
-    defs = generated.pop("$defs")
-    return {
-        "$schema": DIALECT,
-        "title": "KVScope audit report",
-        "description": "What `python -m kvscope audit … --json` prints (kvscope/engine/audit/ci/report.py; docs/audit.md).",
-        **generated,
-        "$defs": dict(sorted(defs.items())),
-    }
-
-
-def schema_text() -> str:
-    """The schema as the published file holds it (two-space indent, a final newline)."""
-    return json.dumps(report_schema(), indent=2, ensure_ascii=False) + "\n"
+    description = "What `python -m kvscope audit … --json` prints (kvscope/engine/audit/ci/report.py; docs/audit.md)."
+    return published_schema(TypeAdapter(AuditJSON, config=_CLOSED), "KVScope audit report", description)

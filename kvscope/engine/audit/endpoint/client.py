@@ -1,20 +1,11 @@
 """Fidelity measured on the served model: a well-behaved client of an OpenAI-compatible endpoint (vLLM, SGLang,
-llama-server, TGI, the OpenAI API) and what its answers say about a repair.
+llama-server, TGI, the OpenAI API), as docs/audit.md describes it ("The client").
 
 Per prompt the endpoint answers one greedy request (temperature 0, ``N`` tokens) with the top-k log-probabilities of
-every generated token; the first position's top-k is the next-token distribution the audit compares. Two answers
-(the original request's and a repair's) give the fields the in-process audit gives (:class:`~kvscope.engine.audit.measure.repairs.
-OutputFidelity`): top-1, top-5 overlap, agreement of the N greedy tokens, the same text, and the KL divergence
-estimated from the two top-k lists (``fidelity``).
-
-**The client.** Requests in flight are bounded (``concurrency``); each has a timeout and is retried with exponential
-backoff on 429, 5xx and transport errors (a ``Retry-After`` header is honoured). Before anything is sent the server's
-``/v1/models`` must list the model asked for, and an answer without log-probabilities is refused by name. Every answer
-is kept by the hash of its request (route and body; never the key) in a JSONL file, so an interrupted run resumes and
-no request is sent twice. The API key is read from an environment variable (``KVSCOPE_ENDPOINT_KEY``), sent only as a
-header, and never written anywhere. Requests of one lane (a session) go one after another, in the order given; lanes
-run side by side, each pinned to a llama-server slot (``id_slot``) or named by an ``X-Session-ID`` header a router
-with session affinity can key on.
+every generated token. Requests in flight are bounded (``concurrency``) and retried with backoff (``Retry-After``
+honoured); answers are kept by the hash of their request (route and body, never the key) in a JSONL file, so a run
+resumes and no request is sent twice. The API key is read from ``KVSCOPE_ENDPOINT_KEY``, sent only as a header, never
+written. Requests of one lane (a session) go in order, pinned to a llama-server slot or named by ``X-Session-ID``.
 """
 
 from __future__ import annotations

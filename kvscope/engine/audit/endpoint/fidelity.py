@@ -1,24 +1,14 @@
 """Two answers compared (the original request's and a repair's): the fields the in-process audit gives (top-1,
 top-5 overlap, greedy agreement, the same text) and the KL divergence estimated from the two top-k lists.
 
-The KL estimate and its bound: Let ``S`` be the tokens in both top-k lists and ``T`` every other token (the tail),
-with masses ``P_T = 1 - Σ_S p`` and ``Q_T = 1 - Σ_S q``. The estimate is the KL of the two distributions coarsened to
-``S`` plus one tail bucket::
+The estimate (docs/audit.md, "The KL from top-k lists, and its bound", has the derivation): with ``S`` the tokens in
+both lists and the rest one tail bucket of masses ``P_T``, ``Q_T``::
 
-    KL̂ = Σ_S p log(p/q) + P_T log(P_T/Q_T)
+    KL̂ = Σ_S p log(p/q) + P_T log(P_T/Q_T)        KL̂ ≤ KL ≤ KL̂ + kl_bound,   kl_bound = P_T · max(0, M + log(Q_T/P_T))
 
-By the chain rule of KL over that partition, ``KL(P‖Q) = KL̂ + P_T · KL(P_T‖Q_T)``, where ``P_T``, ``Q_T`` are the two
-distributions conditioned on the tail. So **KL̂ ≤ KL always** (the estimate never overstates a repair's drift), and
-the shortfall is the tail's mass times the tail's own KL. Nothing bounds that from above without knowing the tail
-(one tail token the repair makes arbitrarily unlikely makes the KL infinite), so the upper side rests on one stated
-assumption: no tail token's log-ratio ``log p/q`` exceeds ``M``, the largest log-ratio the lists show or imply (the
-shared tokens' ``|log p/q|``; a reference token missing from the repair's list has ``q`` at most the repair's k-th,
-and the converse). Then ``KL(P_T‖Q_T) = E_{P_T}[log p/q] + log(Q_T/P_T) ≤ M + log(Q_T/P_T)`` and::
-
-    KL̂ ≤ KL ≤ KL̂ + kl_bound,   kl_bound = P_T · max(0, M + log(Q_T/P_T))
-
-Both ``kl_bound`` and ``tail_mass`` (``P_T``) are reported per comparison; with a full distribution (llama-server
-answers ``logprobs`` up to its vocabulary) ``P_T`` is 0 and the estimate is exact."""
+The lower side always holds (chain rule of KL over the partition); the upper one assumes no tail token's ``log p/q``
+exceeds ``M``, the largest log-ratio the lists show or imply. With a full distribution ``P_T`` is 0: exact.
+"""
 
 from __future__ import annotations
 

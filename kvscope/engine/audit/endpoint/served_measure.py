@@ -77,11 +77,6 @@ class EndpointTurn(Record):
         self.derive(server_cached_tokens=self.reference.cached_tokens)
 
 
-def _holds(measured: EndpointFidelity, threshold: float, min_agreement: float) -> bool:
-    """Within the audit's bars: KL ≤ the threshold, the same top token, enough greedy tokens agreeing."""
-    return measured.kl <= threshold and measured.top1_agree and measured.generation_agreement >= min_agreement
-
-
 @dataclass(frozen=True)
 class EndpointAudit(EndpointDescription):
     """``--endpoint``: the endpoint, the repairs it cannot measure and why, and the sampled turns of a log measured on it."""
@@ -159,7 +154,7 @@ def audit_on_endpoint(
                 measured[name] = NotApplicable(item)
             else:
                 found = compare(reference, answers[(index, name)])
-                measured[name] = dataclasses.replace(found, within_bars=_holds(found, measure.threshold, measure.min_agreement))
+                measured[name] = dataclasses.replace(found, within_bars=found.fidelity.within(measure.threshold, measure.min_agreement))
         row = matched[index]
         turns.append(EndpointTurn(index, row.matched_request, reference, dict(row.reused_tokens), measured))
     return EndpointAudit(**init_values(client.describe()), not_measurable=_not_measurable(repairs), turns=tuple(turns))

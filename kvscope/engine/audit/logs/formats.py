@@ -1,22 +1,11 @@
-"""The request formats gateways record, each read as the OpenAI chat (or completions) request it is equivalent to.
+"""The request formats gateways record, each read as the OpenAI chat (or completions) request it is equivalent to: one
+entry per format in ``REQUEST_FORMATS`` (what each reads as: docs/audit.md, "Request formats").
 
 A record is first unwrapped from its envelope (a gateway record ``{"request": {...}, "response": ..., "timestamp"}``
-or an OpenAI batch input line ``{"custom_id", "body"}``), then read by its format, detected from its keys or named:
-
-| format | keys | read as |
-|---|---|---|
-| ``openai_chat`` | ``messages``, ``tools`` / ``functions`` | itself |
-| ``openai_completions`` | ``prompt`` | itself (no chat template) |
-| ``openai_responses`` | ``instructions``, ``input`` items, ``tools`` | a system message, the items as messages, tool calls and results |
-| ``anthropic`` | ``system`` (string or blocks), content blocks, ``tools`` | ``tool_use`` as tool calls, ``tool_result`` as |
-| | | tool messages; ``cache_control`` kept as breakpoints |
-| ``sharegpt`` | ``conversations`` of ``from`` / ``value`` | one request per assistant turn (what a server received), |
-| | | that turn its reply |
-
+or an OpenAI batch input line ``{"custom_id", "body"}``), then read by its format, detected from its keys or named.
 The result is a plain ``dict`` in the OpenAI chat shape, plus ``session`` (the session key a record carries, if any),
 ``slot`` (llama-server's ``id_slot``, where the client pins one) and ``breakpoints`` (``(label, message, characters
-into its content)``, where the user asked the provider to cache).
-Errors raise ``RecordError`` naming the key and why.
+into its content)``, where the user asked the provider to cache). Errors raise ``RecordError`` naming the key and why.
 """
 
 from __future__ import annotations
@@ -85,10 +74,14 @@ def session_key(record: dict) -> str | None:
     """The session a record names: one of ``SESSION_KEYS``, on the record or in its ``metadata``."""
     for holder in (record, record.get("metadata") if isinstance(record.get("metadata"), dict) else {}):
         for key in SESSION_KEYS:
-            value = holder.get(key)
-            if isinstance(value, str | int) and not isinstance(value, bool) and str(value):
-                return str(value)
+            if (session := session_text(holder.get(key))) is not None:
+                return session
     return None
+
+
+def session_text(value: Any) -> str | None:
+    """A logged session id as text: a non-empty string or an integer (not a bool); None for anything else."""
+    return str(value) if isinstance(value, str | int) and not isinstance(value, bool) and str(value) else None
 
 
 def detect(request: dict) -> str:

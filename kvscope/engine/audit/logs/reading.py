@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,9 +57,7 @@ def finished_log(requests: Sequence[Request], skipped: Sequence[Skipped], sessio
     skipped kept in the order read (file by file, line by line), as the distributed pass keeps them."""
     ordered, order, _ = time_ordered(join_traces(requests, sessions))
     flagged = tuple(Flagged(request.index, request.line, key, reason) for request in ordered for key, reason in request.flags)
-    formats: dict[str, int] = {}
-    for request in ordered:
-        formats[request.format] = formats.get(request.format, 0) + 1
+    formats = dict(Counter(request.format for request in ordered))
     return RequestLog(tuple(ordered), tuple(skipped), formats, order, flagged)
 
 

@@ -1,19 +1,11 @@
-"""The reply a log records beside a request, and the tokens of it a server keeps in its prefix cache.
+"""The reply a log records beside a request, and the tokens of it a server keeps in its prefix cache (each engine's
+rule, with its source: docs/audit.md, "Replies").
 
-Servers cache what they generate, not only what they are sent (each engine's source):
-- vLLM (v1 ``KVCacheManager``): every block that fills while a request runs, prompt and generated tokens alike, is
-  hashed and kept once the request ends; only whole blocks.
-- SGLang (``RadixCache.cache_finished_req``): the request's input + output tokens less the last go into the tree.
-- llama.cpp's server: the slot keeps the prompt and every generated token it decoded.
-
-In each, the last sampled token is never fed back through the model, so its K/V is never computed: a reply that
-ended on the end-of-turn token (EOS) leaves every token of its text in the cache (the EOS was the last one sampled),
-and one cut at ``max_tokens`` leaves its text less its last token. ``Reply.finish`` tells the two apart
-(``FINISHES``); a reply whose finish the log does not say is taken as ended on EOS, and counted as such.
-
-A reply is read from every shape a log records it in: OpenAI chat and completions responses (``token_ids`` where
-the server returned them: vLLM's ``return_token_ids``), Anthropic messages, OpenAI Responses, llama-server's
-``/completion`` (``tokens``, ``stop_type``), and a bare assistant message or text (Langfuse's ``output``).
+The last sampled token is never fed back through the model, so its K/V is never computed: a reply that ended on the
+end-of-turn token (EOS) leaves every token of its text cached, one cut at ``max_tokens`` its text less its last token.
+``Reply.finish`` tells the two apart (``FINISHES``); a reply whose finish the log does not say is taken as ended on EOS.
+A reply is read from every shape a log records it in (OpenAI chat, completions and Responses, Anthropic messages,
+llama-server's ``/completion``, a bare assistant message or text), the token ids a server returned used as they are.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -160,11 +161,8 @@ class RequestLog:
     def reading(self) -> ReadingDict:
         """How the log was read, for reports: the order used and why, the requests without a timestamp, the flags."""
         untimed = sum(request.timestamp is None for request in self.requests)
-        keys: dict[str, int] = {}
-        for request in self.requests:
-            if request.session_key:
-                keys[request.session_key] = keys.get(request.session_key, 0) + 1
-        return reading(self.order, untimed, self.flagged, keys)
+        keys = Counter(request.session_key for request in self.requests if request.session_key)
+        return reading(self.order, untimed, self.flagged, dict(keys))
 
 
 class ReadingDict(TypedDict):

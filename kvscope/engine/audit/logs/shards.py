@@ -18,6 +18,7 @@ import functools
 import gzip
 import json
 import zlib
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -233,9 +234,7 @@ def count_shards(batch: dict[str, np.ndarray], fmt: str = AUTO) -> dict[str, np.
     out = []
     for number, text in zip(batch["number"], batch["shard"]):
         read = read_shard(Shard(**json.loads(text)), fmt)
-        formats: dict[str, int] = {}
-        for request in read.requests:
-            formats[request.format] = formats.get(request.format, 0) + 1
+        formats = dict(Counter(request.format for request in read.requests))
         times = np.array([np.nan if r.timestamp is None else r.timestamp for r in read.requests], dtype=np.float64)
         flagged = [Flagged(r.index, r.line, key, reason) for r in read.requests for key, reason in r.flags]
         out.append(ShardCount(int(number), len(read.requests), read.skipped, formats, read.sessions, times, flagged))

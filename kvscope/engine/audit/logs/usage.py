@@ -1,19 +1,6 @@
-"""What a server or provider reported caching for one request, read from the usage a log records beside it.
+"""What a server or provider reported caching for one request, read from the usage a log records beside it, one
+entry per usage shape (``SHAPES``; where each shape keeps its counts: docs/audit.md, "Usage shapes").
 
-Every export reader (``kvscope.engine.audit.logs.sources``) hands its usage object here with the shape it is in:
-
-| shape | cached (read) | written | the record's own prompt count |
-|---|---|---|---|
-| ``openai`` | ``prompt_tokens_details.cached_tokens`` (LiteLLM¹) | ``cache_creation_input_tokens`` (LiteLLM¹) | ``prompt_tokens`` |
-| ``anthropic`` | ``cache_read_input_tokens`` | ``cache_creation_input_tokens`` | ``input_tokens`` + read + written |
-| ``openrouter`` | ``native_tokens_cached`` | — | ``native_tokens_prompt`` |
-| ``langfuse`` | ``input_cached_tokens`` (or ``input_cache_read``) | ``input_cache_creation`` | ``input`` + read + written |
-| ``helicone`` | ``prompt_cache_read_tokens`` | ``prompt_cache_write_tokens`` | ``prompt_tokens`` (+ read + written for Anthropic) |
-| ``otel`` | ``gen_ai.usage.cache_read.input_tokens`` | ``gen_ai.usage.cache_creation.input_tokens`` | ``gen_ai.usage.input_tokens`` |
-| ``llama_server`` | ``timings.cache_n`` (its native ``/completion``) | — | ``cache_n`` + ``prompt_n`` |
-
-¹ LiteLLM's usage adds Anthropic's ``cache_read_input_tokens`` and ``cache_creation_input_tokens`` to OpenAI's shape.
-Anthropic's ``input_tokens`` and Langfuse's ``input`` exclude the cached tokens; the others' prompt counts include them.
 A count the record leaves null or omits is None: not reported, which is not zero. A count that is not an integer,
 is negative, or exceeds the record's own prompt count is dropped to None and flagged (key and why); the request is
 kept. Whether a count exceeds the rendered prompt is only known after tokenizing, so it is not checked here.

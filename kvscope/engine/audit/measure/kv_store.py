@@ -1,29 +1,18 @@
-"""The audit's model pass, each piece of work done once: a per-run store of computed states keyed by token ids.
+"""The audit's model pass, each piece of work done once: a per-run store of computed states keyed by token ids
+(docs/audit.md, "How the model pass computes").
 
-A log's prompts share long prefixes: the older request of turn i+1 is the newer one of turn i, recompute's prompt is
-the clean reference's, and the erratum, hoist and coarsen prompts start as the older request does. The store keeps
-every state the pass computes (each token of a prompt computed from that prompt's own tokens) and computes a new
-prompt as a prefix cache would: the longest prefix it shares with a stored state (found by the radix tree the
-simulated caches use, ``radix.longest_shared``) is taken from that state, and only the rest runs. A prompt is read
-(next-token log-probs, greedy tokens) once; a KV-level repair's state serves the same ids from a different cache
-(stale entries kept), so its reading is its own and is not stored.
+A prompt is computed as a prefix cache would: the longest prefix it shares with a stored state (``radix.longest_shared``)
+is taken from that state, only the rest runs; it is read (next-token log-probs, greedy tokens) once. A KV-level
+repair's state serves the same ids from a cache with stale entries, so its reading is its own and is not stored. The
+store is bounded by bytes of K/V (``budget_bytes``, least recently used out first).
 
-How it is timed (:class:`Reference`): ``ttft_ms`` is the wall time of the one forward that computes what the reader
-does not reuse (its recorded steps and the rest of its prompt, up to the first next-token logits), never the greedy
-tokens after it and never a state another reader computed. A state's ``prefill_ms`` is the time every token of it
-took along the forwards that computed them, as a chunked prefill would take it: the reused prefix's share of its
-source's ``prefill_ms`` (prorated by tokens), plus its own forward.
+Timing (:class:`Reference`): ``ttft_ms`` is the one forward that computes what the reader does not reuse; a state's
+``prefill_ms`` is its tokens' time along the forwards that computed them (the reused prefix's share of its source's,
+prorated by tokens, plus its own forward).
 
-The store is bounded by bytes (``budget_bytes`` of K/V): the least recently used states go first.
-
-Which forwards computed a state is kept beside it (its *chunks*: the tokens [first, end) of each forward, the
-engine's chunks of ``forward_token_limit`` tokens included). A token's K/V are a function of the tokens and of the
-forwards that computed it and the entries it attends to (the same tokens in a forward of other extent may round
-otherwise: its matrix products have another shape), so two states of the same tokens computed by the same chunks hold
-the same numbers, bit for bit. That lets another run's store
-(``reuse``: the rewrite's store reading what the audit's sampled turns read) take a reading from this one exactly
-where it would have computed the same one, and no other. Within ``forwards_told``, every forward is told to a callback
-(its new tokens), for progress.
+Invariant: each state keeps the forwards that computed it (its *chunks*, tokens [first, end) each). The same tokens
+computed by the same chunks are the same numbers bit for bit (a forward of another extent may round otherwise), so
+another run's store (``reuse``) lends a reading exactly where this one would compute the same, and nowhere else.
 """
 
 from __future__ import annotations

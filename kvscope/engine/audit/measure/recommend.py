@@ -9,14 +9,9 @@ from typing import Annotated
 
 from pydantic import computed_field
 
-from kvscope.engine.audit.measure.repairs import (
-    LEVEL_WORDS,
-    REPAIR_LEVELS,
-    Level,
-    OutputFidelity,
-    RepairResult,
-)
+from kvscope.engine.audit.measure.repairs import RepairResult
 from kvscope.engine.audit.measure.settings import DEFAULT_MIN_AGREEMENT
+from kvscope.engine.audit.prompts.repair_requests import LEVEL_WORDS, REPAIR_LEVELS, Level, OutputFidelity
 from kvscope.engine.audit.report.records import HIDDEN, Record, rounded
 
 
@@ -64,8 +59,7 @@ class Bars:
         return cls(max(threshold, floor.kl), min(min_agreement, floor.generation_agreement), floor)
 
     def holds(self, result: RepairResult) -> bool:
-        fidelity = result.fidelity
-        return fidelity.kl <= self.kl and fidelity.top1_agree and fidelity.generation_agreement >= self.min_agreement
+        return result.fidelity.within(self.kl, self.min_agreement)
 
     def words(self, threshold: float, min_agreement: float) -> str:
         """The noise floor, and the bars where it widened them."""

@@ -1,34 +1,10 @@
-"""Repairs of a cached request whose fields changed, each measured against a clean prefill of the new request.
+"""Each repair of :data:`~kvscope.engine.audit.prompts.repair_requests.REGISTRY` (its text half, no torch) run on a
+turn's cache (:class:`Turn`) and measured against the clean prefill of the newer request (docs/audit.md: the repairs).
 
-The server holds the older request's K/V; the newer request arrives with some fields changed (and maybe new turns).
-Every repair builds the state it would serve from, computes only the tokens it must, and is read the same way:
-
-| repair | runs on | what is reused | what is computed | exact? |
-|---|---|---|---|---|
-| ``recompute`` | prompt | the common prefix (exact prefix caching) | everything from the first changed token | yes: the reference |
-| ``field_only`` | KV | every cached entry but the fields' | the fields' new tokens, then the new turns | no: later tokens keep stale K/V |
-| ``erratum`` | prompt | the whole older request (fields unchanged) | ``[STATE UPDATE] field -> new`` after the last message, and new turns | no: the old value is still read |
-| ``field_erratum`` | KV | as ``field_only`` | the fields' tokens and the erratum | no |
-| ``hoist`` | prompt | the prefix before the moved lines | the volatile lines moved to the end of the last message | prompt changes: judged against the original |
-| ``coarsen`` | prompt | the prefix, when the coarse value did not change | from the first changed token | prompt changes: judged against the original |
-
-``field_only``, ``erratum`` and ``field_erratum`` are the edit strategies of :mod:`kvscope.engine.edit.strategies` applied to
-a request: named and described by its ``REGISTRY``. ``recompute`` is what ``full_downstream`` computes, named for
-the prefix cache that runs it; ``hoist`` (the lines moved, not restated: that is the strategy ``restate``) and
-``coarsen`` rewrite the request's text, which no edit strategy does.
-
-A **prompt-level** repair only rewrites the request, so any prefix cache (vLLM, SGLang, llama.cpp) serves it today;
-:func:`repaired_request` builds that request, for the measurement and for the template a user deploys alike. A
-**KV-level** repair edits cached entries, which needs a cache-editing engine. Each repair is one entry of
-:data:`REGISTRY` (its name, level, line, the request it sends and its K/V operation), with :class:`OutputFidelity`, in
-the text half (:mod:`kvscope.engine.audit.prompts.repair_requests`, no torch), importable from here too; this module
-runs each entry's operation on a turn's cache (:class:`Turn`) and measures it.
-
-Output fidelity (:class:`OutputFidelity`) is measured against the clean prefill of the newer request, by the
-next-token distribution (KL divergence, top-1 agreement, top-5 overlap) and by greedy generation of N tokens from
-both (common prefix, fraction agreeing). That reference is computed as an exact prefix cache serves the request
-(:func:`reference`: recompute's own state), and every state comes from the run's store
-(:mod:`kvscope.engine.audit.measure.kv_store`), so no prompt is computed or read twice.
+Output fidelity is read by the next-token distribution (KL divergence, top-1 agreement, top-5 overlap) and by greedy
+generation of N tokens from both. The reference is computed as an exact prefix cache serves the request
+(:func:`reference`: recompute's own state), and every state comes from the run's store (``measure.kv_store``), so no
+prompt is computed or read twice.
 """
 
 from __future__ import annotations
@@ -44,25 +20,7 @@ from kvscope.engine.audit.changes.fields import TurnDiff, common_prefix
 from kvscope.engine.audit.logs.render import RenderedRequest, render_request
 from kvscope.engine.audit.logs.requests import Request
 from kvscope.engine.audit.measure.kv_store import ComputedStates, Reference
-from kvscope.engine.audit.prompts.repair_requests import (  # the text half, kept importable from here
-    GRAINS,
-    LEVEL_WORDS,
-    PROMPT_REPAIRS,
-    REGISTRY,
-    REPAIR_LEVELS,
-    REPAIRS,
-    Level,
-    OutputFidelity,
-    Repair,
-    RepairNotApplicable,
-    check_applies,
-    coarse,
-    content_chars,
-    greedy_agreement,
-    prompt_repair_request,
-    repaired_request,
-    with_lines_appended,
-)
+from kvscope.engine.audit.prompts.repair_requests import LEVEL_WORDS, REGISTRY, Level, OutputFidelity, RepairNotApplicable, greedy_agreement
 from kvscope.engine.audit.report.records import HIDDEN, OMITTED, Record, derived, rounded
 from kvscope.engine.cache.decision import kl_divergence
 from kvscope.engine.cache.loaded import LoadedModel
@@ -161,31 +119,3 @@ def run_repair(name: str, turn: Turn, clean: Reference) -> RepairResult:
     return RepairResult(
         name, True, read.reused_tokens, computed, read.ttft_ms, result, read.generated, detail=built.detail, prompt_ids=built.prompt
     )
-
-
-__all__ = [  # with the text half (kvscope.engine.audit.prompts.repair_requests), which the modules that read no model import directly
-    "GRAINS",
-    "LEVEL_WORDS",
-    "PROMPT_REPAIRS",
-    "REGISTRY",
-    "REPAIRS",
-    "REPAIR_LEVELS",
-    "REPAIR_SUMMARIES",
-    "Level",
-    "OutputFidelity",
-    "Reference",
-    "Repair",
-    "RepairNotApplicable",
-    "RepairResult",
-    "Turn",
-    "check_applies",
-    "coarse",
-    "content_chars",
-    "fidelity",
-    "greedy_agreement",
-    "prompt_repair_request",
-    "reference",
-    "repaired_request",
-    "run_repair",
-    "with_lines_appended",
-]

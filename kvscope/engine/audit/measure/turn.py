@@ -11,21 +11,18 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated
+
+from pydantic import InstanceOf
 
 from kvscope.engine.audit.changes.fields import Candidate, FieldChange, TurnDiff, candidate_spans, diff_requests
 from kvscope.engine.audit.logs.render import RenderedRequest, render_request
 from kvscope.engine.audit.logs.requests import Request, RequestLogError
 from kvscope.engine.audit.measure.kv_store import ComputedStates
 from kvscope.engine.audit.measure.recommend import Recommendation, recommend
-from kvscope.engine.audit.measure.repairs import (
-    RepairNotApplicable,
-    RepairResult,
-    Turn,
-    reference,
-    run_repair,
-)
+from kvscope.engine.audit.measure.repairs import RepairResult, Turn, reference, run_repair
 from kvscope.engine.audit.measure.settings import MeasureSettings
+from kvscope.engine.audit.prompts.repair_requests import RepairNotApplicable
 from kvscope.engine.audit.prompts.template import written_template
 from kvscope.engine.audit.report.records import HIDDEN, Record, derived, rounded
 from kvscope.engine.audit.simulate.caches import CacheSettings
@@ -74,8 +71,8 @@ class AuditTurn(Record):
 
 
 @dataclass(frozen=True)
-class AuditReport:
-    """Every turn of a log on one model, with the settings that produced it."""
+class AuditReport(Record):
+    """Every turn of a log on one model, with the settings that produced it (the report's ``PromptAudit``)."""
 
     model: str
     dtype: str
@@ -85,20 +82,7 @@ class AuditReport:
     repairs: tuple[str, ...]
     grain: str | None
     turns: tuple[AuditTurn, ...]
-    rendered: tuple[RenderedRequest, ...]
-
-    def as_dict(self) -> dict[str, Any]:
-        """The report's ``PromptAudit`` (``ci.report``): the settings and each turn."""
-        return {
-            "model": self.model,
-            "dtype": self.dtype,
-            "threshold": self.threshold,
-            "min_agreement": self.min_agreement,
-            "generated_tokens": self.generated_tokens,
-            "repairs": list(self.repairs),
-            "grain": self.grain,
-            "turns": [turn.as_dict() for turn in self.turns],
-        }
+    rendered: Annotated[tuple[InstanceOf[RenderedRequest], ...], HIDDEN]  # InstanceOf: numpy arrays have no pydantic schema
 
     def last_with_fields(self) -> AuditTurn | None:
         return next((turn for turn in reversed(self.turns) if turn.fields), None)

@@ -20,11 +20,10 @@ from pydantic import Field, TypeAdapter, ValidationError
 from kvscope.engine.audit.logs.requests import RequestLogError
 from kvscope.engine.audit.prompts.repair_requests import GRAINS, LEVEL_WORDS, PROMPT_REPAIRS, REPAIR_LEVELS, Level
 from kvscope.engine.audit.prompts.template import placeholder_names
-from kvscope.engine.audit.report.records import Record, rounded
+from kvscope.engine.audit.report.records import Record, json_text, published_schema, rounded
 
 VERSION = 1  # raised when a key changes meaning; a reader refuses another version
 PUBLISHED = Path("docs") / "audit-policy.schema.json"  # relative to the repository root
-DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
 
 class PolicyError(RequestLogError):
@@ -139,7 +138,7 @@ class Policy(Record):
 
     def text(self) -> str:
         """The policy as its file holds it (two-space indent, a final newline)."""
-        return json.dumps(self.as_dict(), indent=2, ensure_ascii=False) + "\n"
+        return json_text(self.as_dict())
 
 
 def load_policy(text: str) -> Policy:
@@ -191,18 +190,8 @@ def _entry_problem(entry: FieldPolicy) -> str | None:
 
 def policy_schema() -> dict:
     """The JSON Schema of a policy, as its records serialize."""
-    generated = TypeAdapter(Policy).json_schema(mode="serialization", by_alias=True)
-    defs = generated.pop("$defs")
-    return {
-        "$schema": DIALECT,
-        "title": "KVScope repair policy",
-        "description": "What `kvscope audit LOG --policy-out FILE` writes and the gateway applies "
-        "(kvscope/engine/audit/policy/document.py; docs/deploy.md).",
-        **generated,
-        "$defs": dict(sorted(defs.items())),
-    }
-
-
-def schema_text() -> str:
-    """The schema as the published file holds it (two-space indent, a final newline)."""
-    return json.dumps(policy_schema(), indent=2, ensure_ascii=False) + "\n"
+    description = (
+        "What `kvscope audit LOG --policy-out FILE` writes and the gateway applies "
+        "(kvscope/engine/audit/policy/document.py; docs/deploy.md)."
+    )
+    return published_schema(TypeAdapter(Policy), "KVScope repair policy", description)

@@ -50,6 +50,10 @@ class OutputFidelity:
     generation_agreement: float
     generated_common_prefix: int
 
+    def within(self, kl: float, min_agreement: float) -> bool:
+        """Within the bars: KL at most ``kl``, the same top token, at least ``min_agreement`` of greedy tokens agreeing."""
+        return self.kl <= kl and self.top1_agree and self.generation_agreement >= min_agreement
+
 
 def greedy_agreement(reference: Sequence, other: Sequence) -> tuple[float, int]:
     """Two greedy generations compared: the share of positions (of the longer) holding the same token, and how many

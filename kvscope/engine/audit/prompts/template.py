@@ -1,22 +1,14 @@
-"""The prompt template format: what ``kvscope audit --template-out`` writes and ``--template`` applies to a log.
+"""The prompt template format: what ``kvscope audit --template-out`` writes and ``--template`` applies to a log
+(docs/audit.md, "A rewrite measured, and a CI gate", has the format with examples).
 
-A template is JSON, in one of two forms.
-
-- **A list** of ``{"role", "content"}`` messages. The leading ``system`` / ``developer`` messages are the prompt every
-  request gets. The messages after them stand for each request's own conversation, which is kept as logged, except
-  the lines that end the last message and hold a placeholder: those are appended to each request's last message,
-  after a blank line (where ``hoist`` moves a volatile line and ``erratum`` states the new value). A placeholder is
-  ``{name}``, the request's value, or ``{name:grain}``, that value at a coarser grain (``date``, ``hour`` or
-  ``minute``: what ``coarsen`` sends); other braces are literal text. Each value is read from the request's own line
-  that matches the template's line holding the placeholder (the text around it equal, surrounding whitespace aside).
-- **An object** ``{"messages": [...], "read": ["Session started: {session_started}", ...]}``, where the values are
-  stated on lines the log does not hold (the erratum keeps the older values in the prompt and states the request's
-  own on a ``[STATE UPDATE]`` line): each value is read from the request's line matching a ``read`` line, and only
-  the names read there are placeholders in the messages (any other ``{word}`` is literal text).
-
-A template applies to each request whose lines give every placeholder a value; the others (another prompt, such as
-another agent's in an interleaved log) are sent as logged; a template that applies to no request is refused.
-``written_template`` writes a prompt-level repair's request in this format (the list form wherever it reads the same).
+A template is JSON: a list of ``{"role", "content"}`` messages (the leading system / developer ones every request's
+prompt; lines holding a placeholder at the end of the last message appended to each request's last message), or an
+object ``{"messages": [...], "read": [line, ...]}`` whose values are read from the request's lines matching a ``read``
+line (only the names read there are placeholders in its messages). A placeholder is ``{name}`` or ``{name:grain}``
+(``date``, ``hour``, ``minute``: what ``coarsen`` sends); any other brace is literal text. Each value is read from the
+request's line that matches the template's line around it (whitespace aside). Requests a template gives no value to
+are sent as logged; a template for none is refused. ``written_template`` writes a prompt-level repair's request in
+this format (the list form wherever it reads the same).
 """
 
 from __future__ import annotations

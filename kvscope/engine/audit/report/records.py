@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from typing import Any
 
 from pydantic import ConfigDict, Field, PlainSerializer, TypeAdapter
 
 HIDDEN = Field(exclude=True)  # kept for the stages, left out of the report
+DIALECT = "https://json-schema.org/draft/2020-12/schema"  # of the published schemas
 OMITTED = Field(exclude_if=lambda value: value is None or value == "")  # a key the report holds only where it has a value
 
 
@@ -59,3 +61,15 @@ def derived() -> Any:
 def rounded(digits: int) -> PlainSerializer:
     """A number written to ``digits`` places (None stays null)."""
     return PlainSerializer(lambda value: round(value, digits), when_used="unless-none")
+
+
+def published_schema(adapter: TypeAdapter, title: str, description: str) -> dict:
+    """A JSON Schema as docs/ publishes it: the dialect, a title and description, the schema with its ``$defs`` sorted."""
+    generated = adapter.json_schema(mode="serialization", by_alias=True)
+    defs = generated.pop("$defs")
+    return {"$schema": DIALECT, "title": title, "description": description, **generated, "$defs": dict(sorted(defs.items()))}
+
+
+def json_text(value: Any) -> str:
+    """JSON as the published files hold it (two-space indent, a final newline)."""
+    return json.dumps(value, indent=2, ensure_ascii=False) + "\n"

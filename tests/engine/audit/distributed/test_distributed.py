@@ -25,9 +25,9 @@ import pytest
 from benchmarks.studies.audit_scale import synthetic_log
 from kvscope.engine.audit.logs.reading import read_log
 from kvscope.engine.audit.logs.shards import LogFiles
-from kvscope.engine.audit.measure.repairs import REPAIRS
 from kvscope.engine.audit.measure.settings import MeasureSettings, check_repairs, measure_settings
 from kvscope.engine.audit.measure.traffic import TrafficReport, audit_traffic, turn_work
+from kvscope.engine.audit.prompts.repair_requests import REPAIRS
 from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.traffic_scan import sample_groups, scan_log
 from kvscope.engine.audit.simulate.caches import CacheSettings

@@ -3,7 +3,8 @@ floor the exact reference shows), and beside it the KV-level repair a cache-edit
 built so that inverting one test of the bars (KL, top token, agreement, the widening, the level) changes the answer."""
 
 from kvscope.engine.audit.measure.recommend import Bars, KvAlternative, recommend
-from kvscope.engine.audit.measure.repairs import REPAIR_SUMMARIES, REPAIRS, OutputFidelity, RepairResult
+from kvscope.engine.audit.measure.repairs import REPAIR_SUMMARIES, RepairResult
+from kvscope.engine.audit.prompts.repair_requests import REPAIRS, OutputFidelity
 from kvscope.engine.edit.strategies import REGISTRY
 
 

@@ -12,13 +12,14 @@ from kvscope.engine.audit.changes.fields import diff_requests
 from kvscope.engine.audit.logs.reading import parse_log, parse_prompt, read_log
 from kvscope.engine.audit.logs.render import render_request
 from kvscope.engine.audit.logs.requests import RequestLogError
-from kvscope.engine.audit.measure.kv_store import ComputedStates
+from kvscope.engine.audit.measure.kv_store import ComputedStates, Reference
 from kvscope.engine.audit.measure.recommend import recommend
-from kvscope.engine.audit.measure.repairs import Reference, coarse, fidelity
+from kvscope.engine.audit.measure.repairs import fidelity
 from kvscope.engine.audit.measure.settings import measure_settings
 from kvscope.engine.audit.measure.traffic import audit_traffic
 from kvscope.engine.audit.measure.turn import audit_requests, audit_value, candidates, repaired_template, scenario_toml
 from kvscope.engine.audit.paged_blocks import BLOCK_TOKENS
+from kvscope.engine.audit.prompts.repair_requests import coarse
 from kvscope.engine.audit.rewrite.measure import apply_template
 from kvscope.engine.cache.notebook import Notebook
 from kvscope.engine.edit.experiment import EditExperiment

@@ -11,11 +11,13 @@ import pytest
 from kvscope.engine.audit.changes.fields import FieldChange, TurnDiff
 from kvscope.engine.audit.logs.requests import Message, Request
 from kvscope.engine.audit.measure.recommend import Bars, Recommendation
-from kvscope.engine.audit.measure.repairs import OutputFidelity, RepairResult
+from kvscope.engine.audit.measure.repairs import RepairResult
 from kvscope.engine.audit.measure.turn import AuditReport, AuditTurn
 from kvscope.engine.audit.policy.build import policy_from_report
-from kvscope.engine.audit.policy.document import PUBLISHED, PolicyError, load_policy, policy_schema, schema_text
+from kvscope.engine.audit.policy.document import PUBLISHED, PolicyError, load_policy, policy_schema
 from kvscope.engine.audit.policy.rewrite import plain_rendering
+from kvscope.engine.audit.prompts.repair_requests import OutputFidelity
+from kvscope.engine.audit.report.records import json_text
 from kvscope.engine.cli import main
 
 ROOT = Path(__file__).resolve().parents[4]
@@ -104,7 +106,7 @@ def test_the_policy_refuses_at_load_an_applied_repair_outside_its_bars_a_kv_repa
 
 
 def test_the_published_schema_is_the_generated_one_and_a_policy_validates_against_it(capsys):
-    assert (ROOT / PUBLISHED).read_text(encoding="utf-8") == schema_text()
+    assert (ROOT / PUBLISHED).read_text(encoding="utf-8") == json_text(policy_schema())
     assert main(["policy-schema", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == policy_schema()
     policy = json.loads(policy_from_report(_report(_turn(2, "09:41", "09:42", [_result("erratum", 0.01)]))).text())

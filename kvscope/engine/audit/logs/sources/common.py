@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from kvscope.engine.audit.logs.formats import RecordError, read_record
+from kvscope.engine.audit.logs.formats import RecordError, read_record, session_text
 from kvscope.engine.audit.logs.replies import Reply
 from kvscope.engine.audit.logs.usage import ObservedUsage, answer_marks
 
@@ -94,5 +94,5 @@ def requests_of(
         **({"answer_marks": marks} if (marks := answer_marks(answer)) else {}),
         **({"session_key": session_key} if session_key and session is not None else {}),
     }
-    named = str(session) if isinstance(session, str | int) and not isinstance(session, bool) and str(session) else None
+    named = session_text(session)
     return [{**item, **extra, "session": named or item.get("session"), "model": extra["model"] or item.get("model")} for item in items]

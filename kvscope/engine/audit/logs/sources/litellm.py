@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvscope.engine.audit.logs.formats import RecordError
+from kvscope.engine.audit.logs.formats import RecordError, session_text
 from kvscope.engine.audit.logs.replies import reply_of
 from kvscope.engine.audit.logs.sources.common import SourceRead, epoch_seconds, parsed_json, read_request, requests_of
 from kvscope.engine.audit.logs.usage import ObservedUsage, observed_usage
@@ -72,8 +72,7 @@ def _callback_session(record: dict, metadata: dict) -> tuple[Any, str | None]:
     """The payload's session and the key it was read from (``CALLBACK_SESSION_KEYS`` order)."""
     for key in CALLBACK_SESSION_KEYS:
         holder, name = (metadata, key.split(".", 1)[1]) if key.startswith("metadata.") else (record, key)
-        value = holder.get(name)
-        if isinstance(value, str | int) and not isinstance(value, bool) and str(value):
+        if (value := session_text(holder.get(name))) is not None:
             return value, key
     return None, None
 

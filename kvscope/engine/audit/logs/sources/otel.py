@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvscope.engine.audit.logs.formats import RecordError
+from kvscope.engine.audit.logs.formats import RecordError, session_text
 from kvscope.engine.audit.logs.replies import Reply, finish_of
 from kvscope.engine.audit.logs.sources import langfuse
 from kvscope.engine.audit.logs.sources.common import SourceRead, epoch_seconds, parsed_json, read_request, requests_of
@@ -169,9 +169,8 @@ def _links(records: Iterable[Any]) -> _Links:
             links.spans.add(key)
             if isinstance(span.get("parentSpanId"), str) and span["parentSpanId"]:
                 links.parents[key] = span["parentSpanId"]
-            conversation = attribute_values(span.get("attributes")).get(CONVERSATION)
-            if isinstance(conversation, str | int) and not isinstance(conversation, bool) and str(conversation):
-                links.conversations[key] = str(conversation)
+            if (conversation := session_text(attribute_values(span.get("attributes")).get(CONVERSATION))) is not None:
+                links.conversations[key] = conversation
         for item in _log_records(record):
             if (name := _event_name(item)) is not None:
                 links.events.setdefault(_span_key(item), []).append((name, _value(item.get("body"))))
