@@ -18,10 +18,11 @@ median over the JSONL's, and whether every format gave the same requests, tokens
 
 Writes benchmarks/studies/results/audit_scale-cpu.json.
 
-Memory (``--memory 10000,100000,1000000 [--logs DIR]``): one process's peak RSS on the generated log at each size,
-unbounded and under ``--budget-tokens``, each in a fresh process, with what each engine's cache held at the end
-(``--logs``: where the logs are written and reused; a million requests is about 7 GB). Writes
-benchmarks/studies/results/audit_scale_memory-cpu.json.
+Memory (``--memory 10000,100000,1000000 [--memory-budgets 0,2500,gpu:80] [--logs DIR]``): one process's peak RSS on
+the generated log at each size under each budget (unbounded, N tokens, or the budgets vLLM and SGLang compute on a GPU
+of G GiB; llama.cpp's RAM prompt cache at its 8 GiB default throughout), each in a fresh process, with what each
+engine's cache held at the end (``--logs``: where the logs are written and reused; a million requests is about 7 GB).
+Writes benchmarks/studies/results/audit_scale_memory-cpu.json, keeping the runs of sizes not measured this time.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from pathlib import Path
 
 from benchmarks import common
 from benchmarks.common import cpu_info, percentile
-from kvscope.engine.audit.simulate.budgets import ModelKV
+from kvscope.engine.audit.simulate.budgets import ModelKV, ServerSize
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.models import cache_dir
 
@@ -283,18 +284,29 @@ EXACT_EVERY = 10  # after the timed pass, every 10th request is tokenized whole 
 EXACT_CHECKED = 1_000  # at most about this many (spread over the log): each is rendered again
 
 
-def _cache_settings(tokenizer_dir: Path, budget_tokens: int) -> CacheSettings:
-    """The simulated caches' settings for ``budget_tokens`` (0: unbounded; else that SGLang token budget and the vLLM
-    block budget holding as many tokens), with the model's KV shape (llama.cpp's RAM prompt cache: 8 GiB of it)."""
-    model = ModelKV.of_config(json.loads((tokenizer_dir / "config.json").read_text()), tokenizer_dir.name)
-    budgets = {"budget_tokens": budget_tokens, "budget_blocks": budget_tokens // 16} if budget_tokens else {}
-    return CacheSettings(model=model, **budgets)
+def _cache_settings(tokenizer_dir: Path, budget: str | int) -> CacheSettings:
+    """The simulated caches' settings for a budget: 0 unbounded; N that SGLang token budget and the vLLM block budget
+    holding as many tokens; ``gpu:G`` the budgets vLLM and SGLang compute on one GPU of G GiB (``--gpu-memory-gib``).
+    With the model's KV shape, which sizes llama.cpp's RAM prompt cache (8 GiB of it)."""
+    config = tokenizer_dir / "config.json"
+    model = ModelKV.of_config(json.loads(config.read_text()), tokenizer_dir.name) if config.exists() else None
+    spec = str(budget)
+    if spec.startswith("gpu:"):
+        return CacheSettings(model=model, server=ServerSize(model, gpu_gib=float(spec.removeprefix("gpu:"))))
+    tokens = int(spec)
+    return CacheSettings(model=model, **({"budget_tokens": tokens, "budget_blocks": tokens // 16} if tokens else {}))
 
 
-def _worker(log: str, tokenizer_dir: str, budget_tokens: int) -> None:
-    """One token pass in this process (``budget_tokens`` 0: unbounded; else that SGLang token budget and the vLLM
-    block budget holding as many tokens), the log read as the CLI reads it (``LogFiles.log``: a large file streamed):
-    its time, peak RSS, what each engine's cache held at the end, and its results as JSON on stdout, then an exactness
+def _progress_line(done: int, total: int) -> None:
+    """A worker's progress on stderr: requests simulated, and the peak RSS so far."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(f"{time.strftime('%H:%M:%S')} {done:,}/{total:,} requests, peak {peak:,.0f} MB", file=sys.stderr, flush=True)
+
+
+def _worker(log: str, tokenizer_dir: str, budget: str) -> None:
+    """One token pass in this process under ``budget`` (``_cache_settings``), the log read as the CLI reads it
+    (``LogFiles.log``: a large file streamed), its progress and peak RSS so far on stderr: its time, peak RSS, what
+    each engine's cache held at the end, and its results as JSON on stdout, then an exactness
     check of the line-cut tokenization on up to ``EXACT_CHECKED`` requests spread over the log (untimed)."""
     from transformers import AutoTokenizer
 
@@ -304,13 +316,13 @@ def _worker(log: str, tokenizer_dir: str, budget_tokens: int) -> None:
     from kvscope.engine.audit.scan.traffic_scan import scan_log
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    cache = _cache_settings(Path(tokenizer_dir), budget_tokens)
+    cache = _cache_settings(Path(tokenizer_dir), budget)
     settings = ScanSettings(cache)
     before = _rss_mb()
     start, cpu_start = time.perf_counter(), time.process_time()
     log = LogFiles.of([log]).log
     read_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    scan = scan_log(tokenizer, log, settings)
+    scan = scan_log(tokenizer, log, settings, progress=_progress_line)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     rows = scan.requests
@@ -587,10 +599,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stage2-memory", type=int, help="instead: the Ray driver's bytes per request on this many requests")
     parser.add_argument("--memory", help="instead: one process's peak RSS on generated logs of these sizes (e.g. 10000,100000,1000000)")
     parser.add_argument("--logs", default=None, help="with --memory: the folder the logs are written to (default: a temporary one)")
+    parser.add_argument("--memory-budgets", default="0,2500,gpu:80", help="with --memory: 0 unbounded, N tokens, gpu:G a GPU of G GiB")
     parser.add_argument("--scale-worker", nargs=4, metavar=("MODE", "LOG", "TOKENIZER", "WORKERS"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        _worker(args.worker[0], args.worker[1], int(args.worker[2]))
+        _worker(args.worker[0], args.worker[1], args.worker[2])
         return
     if args.scale_worker:
         _scale_worker(args.scale_worker[0], args.scale_worker[1], args.scale_worker[2], int(args.scale_worker[3]))
@@ -641,40 +654,49 @@ def main(argv: list[str] | None = None) -> None:
 MEMORY_GOAL_MB = 2_500  # one process's peak at 100,000 requests (issue 67)
 
 
-def memory_scale(sizes: list[int], sessions: int, budget_tokens: int, tokenizer_dir: Path, folder: Path) -> list[dict]:
+def memory_scale(sizes: list[int], sessions: int, budgets: list[str], tokenizer_dir: Path, folder: Path) -> list[dict]:
     """One process's token pass (``--sample 0``'s: ``scan_log``, the log read as the CLI reads it) on generated logs
-    of each size, unbounded and under ``budget_tokens`` (0: unbounded only), each in a fresh process: its peak RSS,
-    bytes per request over its start, and what each engine's cache held at the end."""
+    of each size under each budget (``_cache_settings``: 0 unbounded, N tokens, ``gpu:G`` a GPU's size), each in a fresh
+    process: its peak RSS, bytes per request over its start, and what each engine's cache held at the end."""
     runs = []
     for size in sizes:
         log = folder / f"agents-{size}.jsonl"
         if not log.exists():
             write_log(log, size, sessions)
-        for budget in [0, budget_tokens] if budget_tokens else [0]:
-            run = _measured([sys.executable, "-m", "benchmarks.studies.audit_scale", "--worker", str(log), str(tokenizer_dir), str(budget)])
+        for budget in budgets:
+            run = _measured([sys.executable, "-m", "benchmarks.studies.audit_scale", "--worker", str(log), str(tokenizer_dir), budget])
             if run["code"] != 0:
-                runs.append({"requests": size, "budget_tokens": budget, "failed": run["stderr"][-1500:]})
+                runs.append({"requests": size, "budget": budget, "failed": run["stderr"][-1500:]})
                 continue
-            found = json.loads(run["stdout"])
-            keep = ("seconds", "cpu_seconds", "peak_rss_mb", "rss_before_mb", "peak_rss_mb_after_reading", "bytes_per_request_over_start")
-            runs.append(
-                {"requests": size, "budget_tokens": budget, "log_bytes": log.stat().st_size, "tokens": found["tokens"]}
-                | {key: found[key] for key in keep}
-                | {key: found[key] for key in ("caches_held_tokens", "caches_held_share_of_log_tokens", "exact_check")}
-                | {"hit_rate": found["engines"]["hit_rate"]}
-            )
-            print(f"{size:,} requests, budget {budget or 'none'}: peak {found['peak_rss_mb']} MB, {found['seconds']} s", file=sys.stderr)
+            runs.append(memory_run(size, budget, log, json.loads(run["stdout"])))
+            print(f"{size:,} requests, budget {budget}: peak {runs[-1]['peak_rss_mb']} MB, {runs[-1]['seconds']} s", file=sys.stderr)
     return runs
 
 
+def memory_run(size: int, budget: str, log: Path, found: dict) -> dict:
+    """One worker's measurement as the memory study stores it."""
+    keep = ("seconds", "cpu_seconds", "peak_rss_mb", "rss_before_mb", "peak_rss_mb_after_reading", "bytes_per_request_over_start")
+    return (
+        {"requests": size, "budget": budget, "log_bytes": log.stat().st_size, "tokens": found["tokens"]}
+        | {key: found[key] for key in keep}
+        | {key: found[key] for key in ("caches_held_tokens", "caches_held_share_of_log_tokens", "exact_check")}
+        | {"budgets": [budget["source"] for budget in found["engines"]["budgets"]], "hit_rate": found["engines"]["hit_rate"]}
+    )
+
+
 def _memory_main(args: argparse.Namespace, tokenizer_dir: Path) -> None:
-    """Writes benchmarks/studies/results/audit_scale_memory-cpu.json."""
+    """Writes benchmarks/studies/results/audit_scale_memory-cpu.json; a size and budget measured before and not now keeps
+    its run (so sizes may be measured in separate invocations)."""
     load_before = os.getloadavg()
     sizes = [int(n) for n in args.memory.split(",")]
     with tempfile.TemporaryDirectory() as temporary:
         folder = Path(args.logs) if args.logs else Path(temporary)
         folder.mkdir(parents=True, exist_ok=True)
-        runs = memory_scale(sizes, args.sessions, args.budget_tokens, tokenizer_dir, folder)
+        runs = memory_scale(sizes, args.sessions, args.memory_budgets.split(","), tokenizer_dir, folder)
+    path = Path(args.out) / "audit_scale_memory-cpu.json"
+    measured = {(run["requests"], run["budget"]) for run in runs}
+    earlier = json.loads(path.read_text()).get("runs", []) if path.exists() else []
+    kept = [run for run in earlier if "budget" in run and (run["requests"], run["budget"]) not in measured]
     data = {
         "benchmark": "audit_scale_memory",
         "tokenizer": tokenizer_dir.name,
@@ -682,9 +704,8 @@ def _memory_main(args: argparse.Namespace, tokenizer_dir: Path) -> None:
         "cpus": os.cpu_count(),
         "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
         "goal": f"one process's peak RSS at 100,000 requests at most {MEMORY_GOAL_MB:,} MB; grows with what the caches hold, not the log",
-        "runs": runs,
+        "runs": sorted(kept + runs, key=lambda run: (run["requests"], run["budget"])),
     }
-    path = Path(args.out) / "audit_scale_memory-cpu.json"
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     print(path)
 
