@@ -21,7 +21,8 @@ Writes benchmarks/studies/results/audit_scale-cpu.json.
 Memory (``--memory 10000,100000,1000000 [--memory-budgets 0,2500,gpu:80] [--logs DIR]``): one process's peak RSS on
 the generated log at each size under each budget (unbounded, N tokens, or the budgets vLLM and SGLang compute on a GPU
 of G GiB; llama.cpp's RAM prompt cache at its 8 GiB default throughout), each in a fresh process, with what each
-engine's cache held at the end (``--logs``: where the logs are written and reused; a million requests is about 7 GB).
+engine's cache held at the end (``--logs``: where the logs are written and reused, a million requests is about 7 GB,
+with each worker's result beside its log, reused until deleted).
 Writes benchmarks/studies/results/audit_scale_memory-cpu.json, keeping the runs of sizes not measured this time.
 """
 
@@ -664,11 +665,14 @@ def memory_scale(sizes: list[int], sessions: int, budgets: list[str], tokenizer_
         if not log.exists():
             write_log(log, size, sessions)
         for budget in budgets:
-            run = _measured([sys.executable, "-m", "benchmarks.studies.audit_scale", "--worker", str(log), str(tokenizer_dir), budget])
-            if run["code"] != 0:
-                runs.append({"requests": size, "budget": budget, "failed": run["stderr"][-1500:]})
-                continue
-            runs.append(memory_run(size, budget, log, json.loads(run["stdout"])))
+            kept = folder / f"agents-{size}.{budget.replace(':', '')}.worker.json"  # a worker's result, reused (delete it to measure again)
+            if not kept.exists():
+                run = _measured([sys.executable, "-m", "benchmarks.studies.audit_scale", "--worker", str(log), str(tokenizer_dir), budget])
+                if run["code"] != 0:
+                    runs.append({"requests": size, "budget": budget, "failed": run["stderr"][-1500:]})
+                    continue
+                kept.write_text(run["stdout"], encoding="utf-8")
+            runs.append(memory_run(size, budget, log, json.loads(kept.read_text(encoding="utf-8"))))
             print(f"{size:,} requests, budget {budget}: peak {runs[-1]['peak_rss_mb']} MB, {runs[-1]['seconds']} s", file=sys.stderr)
     return runs
 
