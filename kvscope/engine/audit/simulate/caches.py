@@ -422,7 +422,8 @@ class ServerSlots(PrefixCache):
     KV cache where ``-np`` is not given), each request to the idle slot whose tokens share more than ``similarity`` of
     its prompt (the most), else to the least recently used slot; and a RAM prompt cache (``--cache-ram``, ``PromptRam``)
     that the slot saves to when it is about to lose half its tokens or more (or was taken by LRU) and restores from
-    where an entry beats it; every other idle slot is saved when a request starts (and cleared, with the unified cache).
+    where an entry beats it; every other idle slot is saved when a request starts (and cleared, with the unified cache;
+    with ``--cache-ram 0`` there is no RAM cache, and idle slots keep their tokens).
     From the pinned build's ``server-context.cpp`` (``get_available_slot``, ``cache_idle_slots``) and
     ``server-task.cpp`` (``server_prompt_cache``)."""
 
@@ -430,6 +431,7 @@ class ServerSlots(PrefixCache):
 
     def __init__(self, slots: int | None = None, similarity: float = 0.1, context: int | None = None, ram_tokens: int | None = None):
         self.unified = slots is None  # the server's -np auto: 4 slots, one KV cache
+        self.clears_idle = self.unified and ram_tokens != 0  # --cache-idle-slots, which --cache-ram 0 turns off
         self.context = context  # tokens a slot holds (None: no bound)
         self.tokens = [np.zeros(0, dtype=np.int32) for _ in range(slots or LLAMA_AUTO_SLOTS)]
         self.used = [-1] * len(self.tokens)
@@ -468,7 +470,7 @@ class ServerSlots(PrefixCache):
         for other in range(len(self.tokens)):
             if other != slot:
                 self.ram.save(self.tokens[other])
-                if self.unified:
+                if self.clears_idle:
                     self.tokens[other] = np.zeros(0, dtype=np.int32)
         self.tokens[slot], self.used[slot] = request.tokens[: self.context], self.time
         return reused

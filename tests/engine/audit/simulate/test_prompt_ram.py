@@ -123,3 +123,13 @@ def test_the_ram_limit_is_cache_ram_over_the_f16_kv_of_a_token():
 def test_a_negative_cache_ram_other_than_minus_one_is_refused():
     with pytest.raises(Exception, match="--llama-cache-ram"):
         CacheSettings(cache_ram_mib=-2)
+
+
+def test_without_a_ram_cache_idle_slots_keep_their_tokens():
+    # --cache-ram 0: no prompt cache, so --cache-idle-slots is off and the unified slots are not cleared
+    a, b = np.arange(10, 60, dtype=np.int32), np.arange(500, 550, dtype=np.int32)
+    for ram_tokens, reused in ((0, 49), (None, 49), (10, 0)):
+        slots = ServerSlots(ram_tokens=ram_tokens)
+        slots.insert(CacheRequest(a, 1))
+        slots.insert(CacheRequest(b, 2))  # a's slot is kept (RAM off), or saved to the RAM cache and cleared
+        assert slots.insert(CacheRequest(a, 3)) == reused  # a 10-token RAM cache cannot hold a's 50 tokens
