@@ -426,18 +426,8 @@ def _pass(log: Path, tokenizer_dir: Path, folder: Path, budget_tokens: int) -> d
     return {"kvscope_token_pass": kvscope, "kvlint_analyze": kvlint}
 
 
-RAY_NOTES = {
-    "baseline": "one process with the tokenizer's own parallelism on (TOKENIZERS_PARALLELISM=true; the fast tokenizer "
-    "encodes each batch of new lines with its Rust thread pool): read_logs + scan_log",
-    "ray": "ray_scan on a local Ray (num_cpus = workers, that many tokenizer actors), the driver in the same process; "
-    "seconds include the log's sharding and both Ray Data passes, not ray.init (reported apart)",
-    "peak_rss": "the driver's peak RSS (stage 2's records, rows and caches) and the single process's; the Ray workers' "
-    "memory is their own (not counted)",
-}
-
-
 def _scale_worker(mode: str, log: str, tokenizer_dir: str, workers: int) -> None:
-    """One token pass of the Ray comparison in this process (``mode``: single or ray): its seconds, peak RSS, the RSS
+    """One token pass of ``audit_scale_ray``'s comparison in this process (``mode``: single or ray): its seconds, peak RSS, the RSS
     before the pass, and its totals (to check that both gave the same) as JSON on stdout."""
     from transformers import AutoTokenizer
 
@@ -477,48 +467,6 @@ def _rss_mb() -> float:
     import psutil
 
     return psutil.Process().memory_info().rss / 2**20
-
-
-def ray_comparison(size: int, sessions: int, workers: int, tokenizer_dir: Path, folder: Path) -> dict:
-    """One process (the tokenizer's own parallelism on) against ``--ray local --workers N`` on one generated log of
-    ``size`` requests, one after the other in this run: seconds, speedup, peak RSS, and whether they agree."""
-    log = folder / f"agents-{size}.jsonl"
-    with log.open("w", encoding="utf-8") as stream:
-        for record in synthetic_log(size, sessions):
-            stream.write(json.dumps(record) + "\n")
-    runs = {}
-    for mode in ("single", "ray"):
-        env = {**os.environ, "TOKENIZERS_PARALLELISM": "true", "RAY_USAGE_STATS_ENABLED": "0"}
-        command = [
-            sys.executable,
-            "-m",
-            "benchmarks.studies.audit_scale",
-            "--scale-worker",
-            mode,
-            str(log),
-            str(tokenizer_dir),
-            str(workers),
-        ]
-        load = os.getloadavg()
-        done = subprocess.run(command, capture_output=True, text=True, env=env)
-        if done.returncode != 0:
-            raise SystemExit(f"the {mode} pass failed: {done.stderr[-3000:]}")
-        runs[mode] = json.loads(done.stdout.strip().splitlines()[-1]) | {"load_average_before": [round(x, 2) for x in load]}
-        print(f"{size:,} requests, {mode}: {runs[mode]['seconds']} s, peak {runs[mode]['peak_rss_mb']} MB", file=sys.stderr)
-    single, ray = runs["single"], runs["ray"]
-    stage2 = ray["peak_rss_mb"] - ray["rss_before_mb"]
-    return {
-        "requests": size,
-        "sessions": sessions,
-        "workers": workers,
-        "log_bytes": log.stat().st_size,
-        "single_process": single,
-        "ray": ray,
-        "speedup": round(single["seconds"] / ray["seconds"], 2),
-        "same_totals_and_causes": single["totals"] == ray["totals"] and single["causes"] == ray["causes"],
-        "driver_bytes_per_request": round(stage2 * 2**20 / size),
-        "single_process_bytes_per_request": round((single["peak_rss_mb"] - single["rss_before_mb"]) * 2**20 / size),
-    }
 
 
 def stage2_memory(size: int, sessions: int, tokenizer_dir: Path, budget_tokens: int = 0) -> dict:
@@ -595,8 +543,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--budget-tokens", type=int, default=2_500, help="also run with this KV budget (0: skip)")
     parser.add_argument("--export-repeats", type=int, default=3, help="token passes per format on the 10,000-request exports (0: skip)")
     parser.add_argument("--worker", nargs=3, metavar=("LOG", "TOKENIZER", "BUDGET"), help=argparse.SUPPRESS)
-    parser.add_argument("--ray-compare", type=int, help="instead: one process against --ray local on this many requests")
-    parser.add_argument("--workers", type=int, default=2, help="with --ray-compare: the local Ray's CPUs and tokenizer actors")
     parser.add_argument("--stage2-memory", type=int, help="instead: the Ray driver's bytes per request on this many requests")
     parser.add_argument("--memory", help="instead: one process's peak RSS on generated logs of these sizes (e.g. 10000,100000,1000000)")
     parser.add_argument("--logs", default=None, help="with --memory: the folder the logs are written to (default: a temporary one)")
@@ -610,9 +556,6 @@ def main(argv: list[str] | None = None) -> None:
         _scale_worker(args.scale_worker[0], args.scale_worker[1], args.scale_worker[2], int(args.scale_worker[3]))
         return
     tokenizer_dir = Path(args.tokenizer) if args.tokenizer else _embedded_tokenizer_dir()
-    if args.ray_compare:
-        _ray_main(args, tokenizer_dir)
-        return
     if args.memory:
         _memory_main(args, tokenizer_dir)
         return
@@ -710,26 +653,6 @@ def _memory_main(args: argparse.Namespace, tokenizer_dir: Path) -> None:
         "goal": f"one process's peak RSS at 100,000 requests at most {MEMORY_GOAL_MB:,} MB; grows with what the caches hold, not the log",
         "runs": sorted(kept + runs, key=lambda run: (run["requests"], run["budget"])),
     }
-    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    print(path)
-
-
-def _ray_main(args: argparse.Namespace, tokenizer_dir: Path) -> None:
-    """Writes benchmarks/studies/results/audit_scale_ray-cpu.json."""
-    load_before = os.getloadavg()
-    with tempfile.TemporaryDirectory() as folder:
-        result = ray_comparison(args.ray_compare, args.sessions, args.workers, tokenizer_dir, Path(folder))
-    data = {
-        "benchmark": "audit_scale_ray",
-        "tokenizer": tokenizer_dir.name,
-        "cpu": cpu_info(),
-        "cpus": os.cpu_count(),
-        "load_average": {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()]},
-        "goal": "--ray local --workers 2 at least 1.5x faster than one process on a 2-core machine, the same totals",
-        "notes": RAY_NOTES,
-        "result": result,
-    }
-    path = Path(args.out) / "audit_scale_ray-cpu.json"
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
     print(path)
 
