@@ -17,7 +17,9 @@ and engines' reuse); only where the work runs differs:
   tree and the slots), its block hashes (int64), its row and what its record reports (``Reported``, and for a hosted
   model what its provider's cache reads). The radix tree matches the request; when the match is the shard's own guess
   (nearly every request, none included), the row computed on the worker is the row; otherwise the pair is left for
-  stage 2b. The engines, the hosted providers' caches (and any ``fleet``) are fed here; the observed
+  stage 2b. The engines and the hosted providers' caches are fed here; each ``fleet`` (replicas behind a router,
+  independent of the engines and of the other fleets) is simulated on an actor of its own (``FleetLane``), sent the
+  same steps in batches without waiting for them, and asked for its result at the end; the observed
   counts are compared at the end (``traffic_scan.observed_rows``, as in one process). The driver keeps each request's row,
   its diff (the changed values only) and where it is in the log, never a text. Files in time order stream through;
   a log whose files are not (an export written in another order) is held whole, then sorted.
@@ -67,8 +69,10 @@ from kvscope.engine.audit.scan.traffic_scan import (
     sample_groups,
     settling_heap,
 )
+from kvscope.engine.audit.simulate.caches import CacheSettings
+from kvscope.engine.audit.simulate.fleet import FleetResult
 from kvscope.engine.audit.simulate.observed import Reported
-from kvscope.engine.audit.simulate.step import Simulation, StepResult
+from kvscope.engine.audit.simulate.step import Simulation, Step, StepResult
 from kvscope.engine.progress import StepProgress
 
 
@@ -169,6 +173,7 @@ def _by_request(item: Flagged) -> int:
 
 
 AHEAD = 2  # shards in flight per tokenizer actor: one tokenized while the driver simulates the one before
+LANE_STEPS = 2_000  # steps sent to the fleets' actors at a time (one object in Ray's store, read by every fleet)
 
 
 def ray_scan(
@@ -207,7 +212,9 @@ def ray_scan(
         # llama.cpp's mode where not named: the server's own slot choice, and the block as given (the driver sees no
         # request before it simulates, so it reads no block from the log's counts)
         unpinned = dataclasses.replace(settings, cache=settings.cache.for_log(pinned=False), block_given=True)
-        driver = _Driver(unpinned, end_of_turn_ids(tokenizer), reorder=count.indexes is not None)
+        lane_class = ray.remote(num_cpus=0)(FleetLane)  # bookkeeping beside the tokenizers: never waits for a CPU
+        lanes = [lane_class.remote(unpinned.cache, fleet, end_of_turn_ids(tokenizer)) for fleet in unpinned.fleet]
+        driver = _Driver(unpinned, end_of_turn_ids(tokenizer), reorder=count.indexes is not None, lanes=lanes)
         rendering: list[Skipped] = []
         received = 0
         with settling_heap() as settle:
@@ -230,7 +237,11 @@ def ray_scan(
     pending = driver.pending()
     if pending:
         driver.fill(reread.compared(driver.where, pending, settings.cache.block))
-    scan = driver.scan(count.skipped + rendering, count, model)
+    try:
+        scan = driver.scan(count.skipped + rendering, count, model)
+    finally:
+        for lane in driver.lanes:
+            ray.kill(lane)
     driver.add_rendered(reread.rendered({i: driver.where[i] for i in _needed(scan, sample)}))
     return scan
 
@@ -266,13 +277,30 @@ def in_order(actors: Sequence[Any], method: str, calls: Sequence[tuple], ahead: 
         yield result
 
 
+class FleetLane:
+    """One fleet (replicas behind a router) simulated apart, on a Ray actor of its own: fed the driver's steps in time
+    order (the replies each session's next turn resends included, as the driver's ``Simulation`` reads them)."""
+
+    def __init__(self, settings: CacheSettings, fleet: tuple[int, str], end_ids: frozenset[int]):
+        self.simulation = Simulation(settings, (fleet,), end_ids, serving=False)
+
+    def feed(self, steps: list[Step]) -> None:
+        for step in steps:
+            self.simulation.step(step)
+
+    def result(self) -> FleetResult:
+        return self.simulation.fleets[0].result()
+
+
 class _Driver:
     """Stage 2: the radix match, the engines, the hosted providers' caches and the fleets, in time order, over compact
     records (``reorder``: the files are not in time order, so every record is held until the last, then sorted)."""
 
-    def __init__(self, settings: ScanSettings, end_ids: frozenset[int], reorder: bool = False):
+    def __init__(self, settings: ScanSettings, end_ids: frozenset[int], reorder: bool = False, lanes: Sequence[Any] = ()):
         self.settings = settings
-        self.simulation = Simulation(settings.cache, settings.fleet, end_ids)
+        self.simulation = Simulation(settings.cache, () if lanes else settings.fleet, end_ids)
+        self.lanes = list(lanes)  # the fleets' actors (``FleetLane``), in ``settings.fleet``'s order; none: simulated here
+        self._for_lanes: list[Step] = []
         self.rows: list[TrafficRequest] = []
         self.rendered: dict[int, RenderedRequest] = {}  # what the model pass reads, re-read once the pass is done (``with_rendered``)
         self.diffs = TurnDiffs(self.rendered, settings.cache.block)  # each diff kept as its match and kind, computed again when read
@@ -297,9 +325,15 @@ class _Driver:
                 self._simulate(record)
         self.held = None
         self.simulation.finish()
+        self._send_lanes()
 
     def _simulate(self, record: TokenRecord) -> None:
-        result = self.simulation.step(record.step())
+        step = record.step()
+        result = self.simulation.step(step)
+        if self.lanes:
+            self._for_lanes.append(step)
+            if len(self._for_lanes) >= LANE_STEPS:
+                self._send_lanes()
         self.served.append(result.hosted)
         self.reported.append(record.reported)
         self.where[record.index] = record.where
@@ -318,6 +352,25 @@ class _Driver:
         if diff is not None:
             self.diffs.add(row.request, result.matched, diff)
 
+    def _send_lanes(self) -> None:
+        """The steps gathered, to every fleet's actor at once (put once; each actor runs its calls in order)."""
+        if not self._for_lanes:
+            return
+        import ray
+
+        steps = ray.put(self._for_lanes)
+        for lane in self.lanes:
+            lane.feed.remote(steps)
+        self._for_lanes = []
+
+    def fleet_results(self) -> tuple[FleetResult, ...]:
+        """Each fleet's result: from its actor, or from the driver's own simulation where there are none."""
+        if not self.lanes:
+            return tuple(simulated.result() for simulated in self.simulation.fleets)
+        import ray
+
+        return tuple(ray.get([lane.result.remote() for lane in self.lanes]))
+
     def pending(self) -> list[tuple[int, int | None]]:
         """(request, its match) pairs stage 2b compares."""
         return [(index, matched) for index, (matched, _, _) in self.unmatched.items()]
@@ -331,7 +384,7 @@ class _Driver:
         """The token pass's result, the log's reports read against the simulation (``traffic_scan.observed_rows``)."""
         settings, server = self.settings.for_log(self.reported)
         rows = observed_rows(self.rows, self.reported, self.served, settings, model)
-        results = tuple(simulated.result() for simulated in self.simulation.fleets)
+        results = self.fleet_results()
         reading = log_reading(count.order, count.untimed, count.flagged, session_keys(self.reported))
         simulation = self.simulation
         return TrafficScan(

@@ -85,6 +85,7 @@ class Simulation:
     settings: CacheSettings
     fleet: Sequence[tuple[int, str]] = ()
     end_ids: Collection[int] = ()
+    serving: bool = True  # False: the fleets alone (a fleet simulated apart, on its own Ray actor: ``ray_scan``)
     engines: Caches = field(init=False)
     prompts_only: Caches = field(init=False)
     fleets: list[Fleet] = field(init=False)
@@ -107,16 +108,18 @@ class Simulation:
         self._resent_reply(step)
         self.time += 1
         request = CacheRequest(step.ids, step.request, step.session, self.time, step.held, step.hashes, step.hosted)
-        matched = self.engines.matched(request)  # the radix tree's (``RadixCache.matched``)
+        matched = self.engines.matched(request) if self.serving else None  # the radix tree's (``RadixCache.matched``)
         replicas = [simulated.insert(request) for simulated in self.fleets]
-        reused = self.engines.insert(request)
-        prompt_hashes = None if step.hashes is None else step.hashes[: len(step.ids) // self.settings.block]
-        prompts_only = self.prompts_only.insert(dataclasses.replace(request, held=None, hashes=prompt_hashes))
         if step.logged_reply:
             self.replies["logged"] += 1
             self._waiting.pop(step.session, None)
         else:
             self._waiting[step.session] = _Waiting(step.request, step.ids, step.hashes, replicas)
+        if not self.serving:
+            return StepResult(matched, {}, {}, {})
+        reused = self.engines.insert(request)
+        prompt_hashes = None if step.hashes is None else step.hashes[: len(step.ids) // self.settings.block]
+        prompts_only = self.prompts_only.insert(dataclasses.replace(request, held=None, hashes=prompt_hashes))
         return StepResult(matched, reused, prompts_only, self.hosted.insert(request))
 
     def held(self) -> dict[str, int]:
@@ -140,7 +143,8 @@ class Simulation:
         self.reply_from[waiting.request] = (step.request, end - len(waiting.ids))
         hashes = None if step.hashes is None else step.hashes[: end // self.settings.block]
         held = CacheRequest(step.ids[:end], waiting.request, step.session, self.time, hashes=hashes)
-        self.engines.hold(held)
+        if self.serving:
+            self.engines.hold(held)
         for simulated, replica in zip(self.fleets, waiting.replicas):
             simulated.engines[replica].hold(held)
 
