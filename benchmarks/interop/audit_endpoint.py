@@ -44,9 +44,9 @@ from kvscope.engine.audit.endpoint.client import COMPLETIONS, EndpointClient, En
 from kvscope.engine.audit.endpoint.served_measure import EndpointAudit, audit_on_endpoint
 from kvscope.engine.audit.logs.reading import read_log
 from kvscope.engine.audit.logs.requests import RequestLog
-from kvscope.engine.audit.measure.repairs import GRAINS, PROMPT_REPAIRS, Level
 from kvscope.engine.audit.measure.settings import measure_settings
 from kvscope.engine.audit.measure.traffic import TrafficReport, audit_traffic
+from kvscope.engine.audit.prompts.repair_requests import GRAINS, PROMPT_REPAIRS, Level
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.cache.decision import kl_divergence
 from kvscope.engine.cache.notebook import Notebook

@@ -41,10 +41,10 @@ from transformers import DynamicCache
 from benchmarks import common
 from benchmarks.common import cpu_info
 from kvscope.engine.audit.logs.reading import parse_log, read_log
-from kvscope.engine.audit.measure.repairs import GRAINS, REPAIRS
 from kvscope.engine.audit.measure.settings import DEFAULT_MIN_AGREEMENT, DEFAULT_THRESHOLD, DEFAULT_TOKENS, measure_settings
 from kvscope.engine.audit.measure.traffic import DEFAULT_SAMPLE, audit_traffic
 from kvscope.engine.audit.measure.turn import AuditReport, audit_requests
+from kvscope.engine.audit.prompts.repair_requests import GRAINS, REPAIRS
 from kvscope.engine.cache import adapter
 from kvscope.engine.models import LoadedModel, load_model
 from kvscope.engine.scenario import DEMOS

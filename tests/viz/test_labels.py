@@ -3,7 +3,8 @@ titles fit a 1,000 px window and tell the figures apart."""
 
 import plotly.graph_objects as go
 
-from kvscope.engine.audit.measure.repairs import REPAIR_SUMMARIES, REPAIRS
+from kvscope.engine.audit.measure.repairs import REPAIR_SUMMARIES
+from kvscope.engine.audit.prompts.repair_requests import REPAIRS
 from kvscope.engine.cache.decision import RECOVERY_WORDS
 from kvscope.engine.compose.choice import RemedyChoice, RemedyPoint
 from kvscope.engine.compose.remedy import RANKED_SELECTIONS, RANKING_WORDS, REMEDY_GRAMMAR
