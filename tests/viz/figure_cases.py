@@ -78,6 +78,16 @@ def figure_builders() -> set[str]:
     return names
 
 
+def _layer_token_map() -> go.Figure:
+    """The layer × token heatmap the notes, attention and deviation figures share, on 4 layers of a 12-token prompt with
+    one field (its columns pooled and outlined as theirs are)."""
+    texts = ["Status", ":", " shipped", ".", "\n", "Refund", "?", " The", " order", " is", " shipped", "."]
+    segments = ["context"] * 2 + ["field:status"] + ["context"] * 9
+    z = torch.arange(48, dtype=torch.float32).reshape(4, 12).numpy() / 48
+    figure, _, _ = common.layer_token_map(z, "prompt token", texts, list(range(12)), segments, colorscale="Blues")
+    return figure
+
+
 def _scaled(report, stale: float, oracle: float):
     """``report`` with its margins mapped linearly so that stale and oracle read ``stale`` and ``oracle`` (a tiny random
     model's margins are hundredths; a real edit's are units, e.g. −1.24 → +2.81), recoveries recomputed."""
@@ -227,6 +237,7 @@ def every_case(lm, experiment, length_change) -> list[Case]:
         Case("engine_reuse_figure", audit.engine_reuse_figure(TRAFFIC), "half"),
         Case("fleet_figure", fleet.fleet_figure(FLEET)),
         Case("message_figure", common.message_figure("run an edit first: the notes map belongs to an edit")),
+        Case("layer_token_map", _layer_token_map()),
     ]
     stored = {stem: data for stem, data in RESULTS.items() if results.result_kind(stem) in results.FIGURES}
     for stem, data in stored.items():

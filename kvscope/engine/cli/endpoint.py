@@ -18,7 +18,6 @@ from kvscope.engine.audit.endpoint.client import (
     EndpointSettings,
 )
 from kvscope.engine.audit.endpoint.served_measure import audit_on_endpoint, measure_rewrite_on_endpoint
-from kvscope.engine.audit.logs.render import context_limit
 from kvscope.engine.audit.logs.requests import RequestLog
 from kvscope.engine.audit.logs.shards import LogFiles
 from kvscope.engine.audit.measure.settings import MeasureSettings
@@ -66,7 +65,7 @@ def measure_on_endpoint(
     and the rewrite (with one) measured on the endpoint."""
     client = endpoint_client(args)
     text = {"tokenizer": lm.tokenizer, "model": lm.name}
-    settings = settings.limited(context_limit(lm))
+    settings = settings.for_model(lm)
     scan = {"settings": settings, "scan_progress": progress("token pass: requests"), "token_pass": token_pass(args, lm)}
     traffic = audit_traffic(lm, log, sample=0, measure=measure, **scan)
     groups = sample_groups(traffic.scan, args.sample)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvscope.engine.audit.changes.fields import TurnDiff
-from kvscope.engine.audit.logs.render import RenderedRequest, context_limit
+from kvscope.engine.audit.logs.render import RenderedRequest
 from kvscope.engine.audit.logs.requests import RequestLog, RequestLogError
 from kvscope.engine.audit.logs.shards import LogFiles
 from kvscope.engine.audit.measure.fidelity import EndpointRepairFidelity, MeasuredGroup, RepairFidelity
@@ -208,7 +208,7 @@ def audit_traffic(
     if scan is None and token_pass is not None:
         if not isinstance(log, LogFiles):
             raise RequestLogError("a token pass run elsewhere reads the log's files: give them (LogFiles), not the log read")
-        scan = token_pass(log, settings.limited(context_limit(lm)))
+        scan = token_pass(log, settings.for_model(lm))
     elif scan is None:
         scan = traffic_scan(lm, log.log if isinstance(log, LogFiles) else log, settings, progress=scan_progress)
     if not scan.requests:

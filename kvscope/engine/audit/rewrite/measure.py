@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from pydantic import Field
 
-from kvscope.engine.audit.logs.render import context_limit
 from kvscope.engine.audit.logs.requests import Request, RequestLog, RequestLogError
 from kvscope.engine.audit.measure.settings import DEFAULT_TOKENS
 from kvscope.engine.audit.prompts.repair_requests import OutputFidelity
@@ -180,7 +179,7 @@ def measure_rewrites(
         check_pairing(original.requests, rewritten.requests)
     if tokens < 1:
         raise RequestLogError(f"generate at least one token per state, got {tokens}")
-    settings = settings.limited(context_limit(lm))
+    settings = settings.for_model(lm)
     if before is None:
         before = scan_log(lm.tokenizer, original, settings, model=lm.name)
     afters = {label: scan_log(lm.tokenizer, log, settings, model=lm.name) for label, log in rewrites.items()}

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvscope.engine.audit.logs.render import context_limit
 from kvscope.engine.audit.logs.requests import RequestLog
 from kvscope.engine.audit.scan.settings import ScanSettings
 from kvscope.engine.audit.scan.traffic_scan import TrafficScan, sample_groups, scan_log
@@ -24,7 +23,7 @@ def traffic_scan(
     progress: StepProgress = None,
 ) -> TrafficScan:
     """The token pass over ``log`` with ``lm``'s tokenizer and ``settings`` (its context limit, default the model's)."""
-    return scan_log(lm.tokenizer, log, settings.limited(context_limit(lm)), model=lm.name, progress=progress)
+    return scan_log(lm.tokenizer, log, settings.for_model(lm), model=lm.name, progress=progress)
 
 
 def bounded_sample(scan: TrafficScan, sample: int, most: int | None) -> int:

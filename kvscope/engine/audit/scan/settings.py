@@ -7,10 +7,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
-from kvscope.engine.audit.logs.render import DEFAULT_CONTEXT_LIMIT
+from kvscope.engine.audit.logs.render import DEFAULT_CONTEXT_LIMIT, context_limit
 from kvscope.engine.audit.logs.requests import RequestLogError
 from kvscope.engine.audit.paged_blocks import BLOCK_TOKENS, block_of_counts
+from kvscope.engine.audit.simulate.budgets import ModelKV
 from kvscope.engine.audit.simulate.caches import CacheSettings
 from kvscope.engine.audit.simulate.observed import OBSERVED_ENGINES, LogServer, Reported, log_server
 from kvscope.engine.audit.simulate.registry import CACHES, budgets
@@ -61,6 +63,14 @@ class ScanSettings:
                 said = f"block size {block} read from the log's counts: all {nonzero:,} nonzero counts are multiples of {block}"
                 server = dataclasses.replace(server, evidence=f"{server.evidence}; {said}")
         return dataclasses.replace(self, cache=cache, observed_engine=server.engine), server
+
+    def for_model(self, lm: Any) -> ScanSettings:
+        """These settings with what the model ``lm`` gives where they set none: its context limit (``limited``) and its
+        KV shape (``ModelKV.known``: it sizes byte budgets, such as llama.cpp's RAM prompt cache)."""
+        settings = self.limited(context_limit(lm))
+        if settings.cache.model is not None:
+            return settings
+        return dataclasses.replace(settings, cache=dataclasses.replace(settings.cache, model=ModelKV.known(lm)))
 
     def limited(self, limit: int) -> ScanSettings:
         """These settings with the context limit ``limit`` where none is set (the model's, ``logs.render.context_limit``)."""

@@ -73,3 +73,15 @@ def test_measure_settings_are_checked_in_the_constructor_whoever_builds_them():
     for message, given in refused.items():
         with pytest.raises(RequestLogError, match=message):
             MeasureSettings(**given)
+
+
+def test_a_model_gives_the_settings_its_context_limit_and_kv_shape_where_they_set_none():
+    from kvscope.engine.audit.simulate.budgets import ModelKV
+    from kvscope.engine.models.tiny import tiny_model
+
+    lm = tiny_model("qwen2")
+    filled = ScanSettings().for_model(lm)
+    assert filled.cache.model == ModelKV.of_loaded(lm) and filled.context_limit is not None
+    other = ModelKV("given", 1, 1, 8, 100, "float16")
+    kept = ScanSettings(CacheSettings(model=other), context_limit=64).for_model(lm)
+    assert kept.cache.model == other and kept.context_limit == 64
