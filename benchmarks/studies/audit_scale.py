@@ -21,8 +21,9 @@ Writes benchmarks/studies/results/audit_scale-cpu.json.
 Memory (``--memory 10000,100000,1000000 [--memory-budgets 0,2500,gpu:80] [--logs DIR]``): one process's peak RSS on
 the generated log at each size under each budget (unbounded, N tokens, or the budgets vLLM and SGLang compute on a GPU
 of G GiB; llama.cpp's RAM prompt cache at its 8 GiB default throughout), each in a fresh process, with what each
-engine's cache held at the end (``--logs``: where the logs are written and reused, a million requests is about 7 GB,
-with each worker's result beside its log, reused until deleted).
+engine's cache held at the end; then ``python -m kvscope audit LOG --sample 0 --json`` with the same budget's flags,
+the whole command a user runs, its own peak RSS (``--logs``: where the logs are written and reused, a million requests
+is about 7 GB, with each run's result beside its log, reused until deleted).
 Writes benchmarks/studies/results/audit_scale_memory-cpu.json, keeping the runs of sizes not measured this time.
 """
 
@@ -432,9 +433,11 @@ def _scale_worker(mode: str, log: str, tokenizer_dir: str, workers: int) -> None
     from transformers import AutoTokenizer
 
     from kvscope.engine.audit.logs.shards import LogFiles, read_logs
+    from kvscope.engine.audit.scan.settings import ScanSettings
     from kvscope.engine.audit.scan.traffic_scan import scan_log
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    settings = ScanSettings(_cache_settings(Path(tokenizer_dir), 0))  # as the CLI runs: unbounded, llama.cpp's RAM cache at 8 GiB
     started = 0.0
     if mode == "ray":
         from kvscope.engine.audit.distributed.ray_scan import ray_scan
@@ -445,7 +448,10 @@ def _scale_worker(mode: str, log: str, tokenizer_dir: str, workers: int) -> None
         started = time.perf_counter() - begin
     before = _rss_mb()
     start = time.perf_counter()
-    scan = ray_scan(tokenizer, LogFiles.of([log]), workers=workers) if mode == "ray" else scan_log(tokenizer, read_logs([log]))
+    if mode == "ray":
+        scan = ray_scan(tokenizer, LogFiles.of([log]), settings, workers=workers)
+    else:
+        scan = scan_log(tokenizer, read_logs([log]), settings)
     seconds = time.perf_counter() - start
     print(
         json.dumps(
@@ -601,7 +607,8 @@ MEMORY_GOAL_MB = 2_500  # one process's peak at 100,000 requests (issue 67)
 def memory_scale(sizes: list[int], sessions: int, budgets: list[str], tokenizer_dir: Path, folder: Path) -> list[dict]:
     """One process's token pass (``--sample 0``'s: ``scan_log``, the log read as the CLI reads it) on generated logs
     of each size under each budget (``_cache_settings``: 0 unbounded, N tokens, ``gpu:G`` a GPU's size), each in a fresh
-    process: its peak RSS, bytes per request over its start, and what each engine's cache held at the end."""
+    process: its peak RSS, bytes per request over its start, and what each engine's cache held at the end; then the
+    whole command a user runs, report included, under the same budget (``command_peak``), in another."""
     runs = []
     for size in sizes:
         log = folder / f"agents-{size}.jsonl"
@@ -615,20 +622,50 @@ def memory_scale(sizes: list[int], sessions: int, budgets: list[str], tokenizer_
                     runs.append({"requests": size, "budget": budget, "failed": run["stderr"][-1500:]})
                     continue
                 kept.write_text(run["stdout"], encoding="utf-8")
-            runs.append(memory_run(size, budget, log, json.loads(kept.read_text(encoding="utf-8"))))
-            print(f"{size:,} requests, budget {budget}: peak {runs[-1]['peak_rss_mb']} MB, {runs[-1]['seconds']} s", file=sys.stderr)
+            ran = folder / f"agents-{size}.{budget.replace(':', '')}.command.json"  # the command's, reused the same way
+            if not ran.exists():
+                ran.write_text(json.dumps(command_peak(log, budget)), encoding="utf-8")
+            found, command = (json.loads(path.read_text(encoding="utf-8")) for path in (kept, ran))
+            runs.append(memory_run(size, budget, log, found, command))
+            peaks = f"pass {found['peak_rss_mb']} MB, command {command['peak_rss_mb']} MB"
+            print(f"{size:,} requests, budget {budget}: {peaks}", file=sys.stderr)
     return runs
 
 
-def memory_run(size: int, budget: str, log: Path, found: dict) -> dict:
-    """One worker's measurement as the memory study stores it."""
+def memory_run(size: int, budget: str, log: Path, found: dict, command: dict) -> dict:
+    """One worker's measurement as the memory study stores it, with the command's (``command_peak``)."""
     keep = ("seconds", "cpu_seconds", "peak_rss_mb", "rss_before_mb", "peak_rss_mb_after_reading", "bytes_per_request_over_start")
     return (
         {"requests": size, "budget": budget, "log_bytes": log.stat().st_size, "tokens": found["tokens"]}
         | {key: found[key] for key in keep}
         | {key: found[key] for key in ("caches_held_tokens", "caches_held_share_of_log_tokens", "exact_check")}
         | {"budgets": [budget["source"] for budget in found["engines"]["budgets"]], "hit_rate": found["engines"]["hit_rate"]}
+        | {"command": command}
     )
+
+
+def budget_flags(budget: str) -> list[str]:
+    """The audit's flags for a budget of ``_cache_settings``: none (unbounded), the token budgets, or the GPU's size."""
+    if budget.startswith("gpu:"):
+        return ["--gpu-memory-gib", budget.removeprefix("gpu:")]
+    tokens = int(budget)
+    return ["--kv-budget-tokens", str(tokens), "--kv-budget-blocks", str(tokens // 16)] if tokens else []
+
+
+def command_peak(log: Path, budget: str) -> dict:
+    """``python -m kvscope audit LOG --sample 0 --json`` under ``budget`` as a user runs it (the report built and
+    printed): its wall seconds and its own peak RSS (``os.wait4``: this child's, not the largest child's so far)."""
+    command = [sys.executable, "-m", "kvscope", "audit", str(log), "--sample", "0", "--json", *budget_flags(budget)]
+    with tempfile.TemporaryFile() as errors:
+        start = time.perf_counter()
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=errors)
+        _, status, usage = os.wait4(process.pid, 0)
+        seconds = time.perf_counter() - start
+        if status:
+            errors.seek(0)
+            raise SystemExit(f"{' '.join(command)} failed: {errors.read()[-2000:].decode(errors='replace')}")
+    peak = round(usage.ru_maxrss / 1024, 1)  # kilobytes on Linux
+    return {"argv": ["kvscope", "audit", log.name, *command[5:]], "seconds": round(seconds, 2), "peak_rss_mb": peak}
 
 
 def _memory_main(args: argparse.Namespace, tokenizer_dir: Path) -> None:

@@ -35,7 +35,8 @@ def cmd_audit(args: argparse.Namespace) -> dict:
     simulated vLLM / SGLang / llama.cpp reuse), then every repair's cost and fidelity on --sample turns per change;
     with --rewritten / --template, the rewrite's reuse and output against the original's; --fail-on gates on it."""
     files = log_files(args)
-    text = files.text() if files.one_text and not args.ray else None  # one prompt, with --new
+    # one prompt, with --new (read before the model loads); a log's text is never held whole (``LogFiles.log`` streams it)
+    text = files.text() if args.new is not None and files.one_text and not args.ray else None
     conditions = parse_conditions(args.fail_on)
     _check_outputs(args)
     measure = MeasureSettings(tuple(names(args.repairs) or REPAIRS), args.tokens, args.threshold, args.min_agreement, args.grain)

@@ -130,6 +130,18 @@ class BlockCache(PrefixCache):
         ``request.tokens`` are held (keyed by ``request.hashes`` where a worker computed them), and the LRU evicted."""
         return self.insert_keys(self._held_keys(request), len(request.ids), request.request)
 
+    @property
+    def tells_prompts_only(self) -> bool:
+        """Unbounded, every block a prompt ever held is held still: each marked when a prompt held it (not only a
+        reply), the marked blocks are the cache a server caching no reply would hold."""
+        return self.budget is None
+
+    def prompts_only(self, request: CacheRequest) -> int:
+        """The prompt's leading blocks an earlier prompt held, within the tokens before its last."""
+        usable = (len(request.ids) - 1) // self.block
+        keys = self.keys(request.ids[: usable * self.block]) if request.hashes is None else request.hashes[:usable]
+        return self.blocks.leading(np.asarray(keys, dtype=np.int64), prompted=True) * self.block
+
     def hold(self, request: CacheRequest) -> None:
         self.hold_keys(self._held_keys(request), request.request)
 
@@ -151,12 +163,13 @@ class BlockCache(PrefixCache):
         hashes = np.asarray(hashes, dtype=np.int64)
         usable = (tokens - 1) // self.block  # blocks wholly before the prompt's last token
         hits = self.blocks.leading(hashes[:usable])
-        self.hold_keys(hashes, request)
+        self.hold_keys(hashes, request, prompt_blocks=tokens // self.block)
         return hits * self.block
 
-    def hold_keys(self, hashes: Sequence[int] | np.ndarray, request: int) -> None:
-        """Keep these whole blocks for ``request`` (tail first: the head ends most recently used), then evict."""
-        self.blocks.touch(np.asarray(hashes, dtype=np.int64), request)
+    def hold_keys(self, hashes: Sequence[int] | np.ndarray, request: int, prompt_blocks: int = 0) -> None:
+        """Keep these whole blocks for ``request`` (tail first: the head ends most recently used; the first
+        ``prompt_blocks`` marked as a prompt's), then evict."""
+        self.blocks.touch(np.asarray(hashes, dtype=np.int64), request, prompt_blocks)
         if self.budget is not None and len(self.blocks) > self.budget:
             self.evicted.extend(self.blocks.evict(len(self.blocks) - self.budget))
 
@@ -167,9 +180,10 @@ class BlockTable:
     60 here: an unbounded cache of a million requests holds tens of millions of blocks).
 
     The 64-bit keys sit in an open-addressing table (linear probing, deleted slots marked, rebuilt at most 5/8 full),
-    each slot with its request, its number and its stamp. The LRU order is a log of touched slots, oldest first: an
-    entry is current while its slot's stamp is its place in the log (a slot touched again gets a later entry), so the
-    least recently used block is the first current entry. The log is compacted once it is mostly stale."""
+    each slot with its request, its number, its stamp and whether a prompt held it (not only a reply). The LRU order
+    is a log of touched slots, oldest first: an entry is current while its slot's stamp is its place in the log (a
+    slot touched again gets a later entry), so the least recently used block is the first current entry. The log is
+    compacted once it is mostly stale."""
 
     _EMPTY, _HELD, _DELETED = 0, 1, 2
 
@@ -185,6 +199,7 @@ class BlockTable:
         self.owner = np.zeros(capacity, dtype=np.int32)  # the request that last used the block
         self.number = np.zeros(capacity, dtype=np.int32)  # the block's number in that request
         self.stamp = np.full(capacity, -1, dtype=np.int32)  # the block's place in the log
+        self.prompted = np.zeros(capacity, dtype=bool)  # a prompt held the block (not only a reply)
         self.used = 0  # slots held or deleted
 
     def __len__(self) -> int:
@@ -208,18 +223,24 @@ class BlockTable:
         mask = len(self.keys) - 1
         return mask, np.full(len(keys), -1, dtype=np.int64), keys & mask, np.arange(len(keys))
 
-    def leading(self, keys: np.ndarray) -> int:
-        """How many of ``keys``, from the first, are held."""
-        missing = np.flatnonzero(self.slots(keys) < 0)
+    def leading(self, keys: np.ndarray, prompted: bool = False) -> int:
+        """How many of ``keys``, from the first, are held (``prompted``: and were held by a prompt)."""
+        slots = self.slots(keys)
+        held = slots >= 0
+        if prompted:
+            held[held] = self.prompted[slots[held]]
+        missing = np.flatnonzero(~held)
         return int(missing[0]) if len(missing) else len(keys)
 
-    def touch(self, keys: np.ndarray, request: int) -> None:
+    def touch(self, keys: np.ndarray, request: int, prompt_blocks: int = 0) -> None:
         """Hold ``keys`` for ``request`` (key k as its block number k), the last touched first: the first key ends
-        most recently used (a key given twice keeps its first number)."""
+        most recently used (a key given twice keeps its first number); the first ``prompt_blocks`` keys are marked as
+        a prompt's."""
+        numbers = np.arange(len(keys), dtype=np.int32)
         unique, first = np.unique(keys, return_index=True)
-        if len(unique) < len(keys):
-            keys = keys[np.sort(first)]
-        numbers = np.arange(len(keys), dtype=np.int32) if len(unique) == len(keys) else np.sort(first).astype(np.int32)
+        if len(unique) < len(keys):  # (chained hashes never repeat in one request; a caller's keys may)
+            numbers = np.sort(first).astype(np.int32)
+            keys = keys[numbers]
         if (self.used + len(keys)) * 8 > len(self.keys) * 5:  # room for every key first: a rebuild moves the slots
             self._rebuild(len(self.keys), self.count + len(keys))
         slots = self.slots(keys)
@@ -227,6 +248,7 @@ class BlockTable:
         if new.any():
             slots[new] = self._insert(keys[new])
         self.owner[slots], self.number[slots] = request, numbers
+        self.prompted[slots[numbers < prompt_blocks]] = True
         self._log(slots[::-1])
 
     def evict(self, count: int) -> list[tuple[int, int]]:
@@ -258,7 +280,7 @@ class BlockTable:
             winners = todo[won]
             slots[winners] = at[won]
             self.used += int(np.count_nonzero(self.state[at[won]] == self._EMPTY))
-            self.state[at[won]], self.keys[at[won]] = self._HELD, keys[winners]
+            self.state[at[won]], self.keys[at[won]], self.prompted[at[won]] = self._HELD, keys[winners], False
             todo = todo[~won]
             probe[todo] = np.where(self.state[probe[todo]] == self._HELD, (probe[todo] + 1) & mask, probe[todo])
         self.count += len(keys)
@@ -270,12 +292,12 @@ class BlockTable:
         while needed * 4 > capacity:
             capacity *= 2
         live = self._current()
-        keys, owner, number = self.keys[live], self.owner[live], self.number[live]
+        keys, owner, number, prompted = self.keys[live], self.owner[live], self.number[live], self.prompted[live]
         self._allocate(capacity)
         self.head = self.end = 0
         self.count = 0
         slots = self._insert(keys)
-        self.owner[slots], self.number[slots] = owner, number
+        self.owner[slots], self.number[slots], self.prompted[slots] = owner, number, prompted
         self.order = np.zeros(max(len(slots) * 2, 1 << 10), dtype=np.int32)
         self._log(slots)
 

@@ -179,3 +179,14 @@ class PrefixCache(ABC):
     @abstractmethod
     def hold(self, request: CacheRequest) -> None:
         """The cache also holds ``request.tokens``, serving nothing."""
+
+    @property
+    def tells_prompts_only(self) -> bool:
+        """Whether ``prompts_only`` reads, off this cache's own state, what it would have reused had no reply ever been
+        cached; else a twin fed the prompts alone simulates that (``step.Simulation``)."""
+        return False
+
+    def prompts_only(self, request: CacheRequest) -> int:
+        """Before ``insert``: the tokens of ``request.ids`` it would reuse were no reply ever cached (only where
+        ``tells_prompts_only``)."""
+        raise NotImplementedError(f"{self.name} does not tell its prompts-only reuse: a twin simulates it")

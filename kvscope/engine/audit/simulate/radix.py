@@ -27,7 +27,7 @@ from kvscope.engine.audit.simulate.prefix_cache import CacheRequest, PrefixCache
 
 
 class _Node:
-    __slots__ = ("key", "children", "parent", "latest", "sessions", "access")
+    __slots__ = ("key", "children", "parent", "latest", "sessions", "access", "prompted")
 
     def __init__(self, key: np.ndarray, parent: _Node | None):
         self.key = key  # the edge's tokens from the parent
@@ -36,6 +36,7 @@ class _Node:
         self.latest = -1  # the latest request passing through
         self.sessions: dict[str | None, int] = {}  # per session, its latest request passing through
         self.access = 0
+        self.prompted = 0  # the edge's leading tokens that a prompt went through (the rest: only replies so far)
 
 
 class RadixTree:
@@ -70,11 +71,29 @@ class RadixTree:
             return 0, None
         return depth, node.sessions.get(session, node.latest)
 
-    def insert(self, ids: np.ndarray, request: int, session: str | None, time: int, held: np.ndarray | None = None) -> int:
+    def prompted_match(self, ids: np.ndarray) -> int:
+        """The longest prefix of ``ids`` that an earlier prompt held (what a tree fed the prompts alone would match;
+        the tokens prompts went through are a prefix of every edge, and every edge above them is whole)."""
+        node, depth = self.root, 0
+        while depth < len(ids):
+            child = node.children.get(int(ids[depth]))
+            if child is None:
+                break
+            shared = min(common_prefix(child.key, ids[depth : depth + len(child.key)]), child.prompted)
+            depth += shared
+            node = child
+            if shared < len(child.key):
+                break
+        return depth
+
+    def insert(
+        self, ids: np.ndarray, request: int, session: str | None, time: int, held: np.ndarray | None = None, prompt: bool = True
+    ) -> int:
         """Cache ``held`` (``ids`` and the reply tokens the server computed after them; ``ids`` alone by default) for
-        ``request``; returns the tokens of ``ids`` reused (the prefix already held, before its last token), then
-        evicts down to the budget."""
+        ``request``, ``ids`` marked as a prompt's unless ``prompt`` is False (a reply held alone); returns the tokens
+        of ``ids`` reused (the prefix already held, before its last token), then evicts down to the budget."""
         held = ids if held is None else held
+        marked = len(ids) if prompt else 0
         node, depth, found = self.root, 0, None
         self._touch(node, request, session, time)
         while depth < len(held):
@@ -84,12 +103,14 @@ class RadixTree:
                 found = depth
                 node = _Node(np.array(held[depth:], dtype=np.int32), node)  # a copy: the tree holds new tokens only
                 node.parent.children[token] = node
+                node.prompted = min(max(marked - depth, 0), len(node.key))
                 self.tokens += len(node.key)
                 self._touch(node, request, session, time)
                 break
             shared = common_prefix(child.key, held[depth : depth + len(child.key)])
             if shared < len(child.key):
                 child = self._split(child, shared)
+            child.prompted = max(child.prompted, min(marked - depth, shared))
             depth += shared
             node = child
             self._touch(node, request, session, time)
@@ -108,6 +129,7 @@ class RadixTree:
         """Cut ``child``'s edge after ``at`` tokens; returns the new upper node."""
         upper = _Node(child.key[:at], child.parent)
         upper.latest, upper.sessions, upper.access = child.latest, dict(child.sessions), child.access
+        upper.prompted, child.prompted = min(child.prompted, at), max(child.prompted - at, 0)
         child.parent.children[int(child.key[0])] = upper
         child.key = child.key[at:]
         child.parent = upper
@@ -195,7 +217,17 @@ class RadixCache(PrefixCache):
         return self.tree.tokens
 
     def hold(self, request: CacheRequest) -> None:
-        self.tree.insert(request.tokens, request.request, request.session, request.time)
+        self.tree.insert(request.tokens, request.request, request.session, request.time, prompt=False)
+
+    @property
+    def tells_prompts_only(self) -> bool:
+        """Unbounded, the tree holds every prompt: the tokens of each edge that a prompt went through (``prompted``) are
+        the tree a server caching no reply would hold."""
+        return self.tree.budget is None
+
+    def prompts_only(self, request: CacheRequest) -> int:
+        """The longest prefix of the prompt an earlier prompt held, before its last token, in whole pages."""
+        return min(self.tree.prompted_match(request.ids), len(request.ids) - 1) // self.page * self.page
 
 
 def longest_shared(keys: Sequence[Sequence[int]], ids: Sequence[int], most: int) -> tuple[int | None, int]:

@@ -86,8 +86,9 @@ class Caches:
     """The registry's serving engines (or, ``hosted``, its providers' caches), built from one set of settings and fed
     together, one request at a time: one serving replica's caches, or the providers'."""
 
-    def __init__(self, settings: CacheSettings, hosted: bool = False):
-        self.caches = {name: entry.cache.from_settings(settings) for name, entry in CACHES.items() if entry.hosted == hosted}
+    def __init__(self, settings: CacheSettings, hosted: bool = False, names: Collection[str] | None = None):
+        built = ((name, entry) for name, entry in CACHES.items() if entry.hosted == hosted and (names is None or name in names))
+        self.caches = {name: entry.cache.from_settings(settings) for name, entry in built}
 
     def __getitem__(self, name: str) -> PrefixCache:
         return self.caches[name]

@@ -1,6 +1,7 @@
 """One simulation step, the one place a request (and its reply) goes into every simulated cache: the registry's
-serving engines (``registry.Caches``), the same engines fed prompts only, any fleets (``fleet.Fleet``) and the hosted
-providers' caches (``registry.Caches(hosted=True)``), each as a ``CacheRequest``. The single-process token pass
+serving engines (``registry.Caches``), their reuse were no reply ever cached (read off an engine's own cache where it
+``tells_prompts_only``, unbounded vLLM's marked blocks; else a twin of it fed prompts only), any fleets
+(``fleet.Fleet``) and the hosted providers' caches (``registry.Caches(hosted=True)``), each as a ``CacheRequest``. The single-process token pass
 (``scan.token_pass``) and the distributed driver (``distributed.token_pass``) both feed a ``Simulation``, request by
 request in time order.
 
@@ -9,7 +10,7 @@ server computed. Where the log records the reply (``Step.reply``), it goes in wi
 the next turn of the same session resends it: when a request's tokens start with the previous request's prompt of its
 session, the tokens after that prompt up to the first end-of-turn token (``end_ids``: what the model generated last,
 and so never computed) are that reply, and every cache that served the previous request now holds it (``reply_from``
-counts these). The prompts-only engines never hold a reply: the reuse of a simulation that ignores them, for logs
+counts these). The prompts-only reuse never counts a reply: the reuse of a simulation that ignores them, for logs
 without replies.
 
 The hosted providers' caches hold prompts only: neither OpenAI nor Anthropic documents caching a reply before the
@@ -95,7 +96,10 @@ class Simulation:
     time: int = 0
 
     def __post_init__(self) -> None:
-        self.engines, self.prompts_only = Caches(self.settings), Caches(self.settings)
+        self.engines = Caches(self.settings)
+        # were no reply ever cached: read off the engines' own caches where they tell it, else a twin fed prompts alone
+        untold = [name for name, cache in self.engines.caches.items() if not cache.tells_prompts_only]
+        self.prompts_only = Caches(self.settings, names=untold)
         self.fleets = [Fleet(replicas, routing, self.settings) for replicas, routing in self.fleet]
         self.hosted = Caches(self.settings, hosted=True)
         self.replies = dict.fromkeys(REPLY_COUNTS, 0)
@@ -117,9 +121,11 @@ class Simulation:
             self._waiting[step.session] = _Waiting(step.request, step.ids, step.hashes, replicas)
         if not self.serving:
             return StepResult(matched, {}, {}, {})
+        told = {name: cache.prompts_only(request) for name, cache in self.engines.caches.items() if cache.tells_prompts_only}
         reused = self.engines.insert(request)
         prompt_hashes = None if step.hashes is None else step.hashes[: len(step.ids) // self.settings.block]
-        prompts_only = self.prompts_only.insert(dataclasses.replace(request, held=None, hashes=prompt_hashes))
+        twin = self.prompts_only.insert(dataclasses.replace(request, held=None, hashes=prompt_hashes))
+        prompts_only = {name: told[name] if name in told else twin[name] for name in reused}
         return StepResult(matched, reused, prompts_only, self.hosted.insert(request))
 
     def held(self) -> dict[str, int]:
