@@ -1,9 +1,9 @@
 """One simulation step, the one place a request (and its reply) goes into every simulated cache: the registry's
 serving engines (``registry.Caches``), their reuse were no reply ever cached (read off an engine's own cache where it
-``tells_prompts_only``, unbounded vLLM's marked blocks; else a twin of it fed prompts only), any fleets
-(``fleet.Fleet``) and the hosted providers' caches (``registry.Caches(hosted=True)``), each as a ``CacheRequest``. The single-process token pass
-(``scan.token_pass``) and the distributed driver (``distributed.token_pass``) both feed a ``Simulation``, request by
-request in time order.
+``tells_prompts_only``: unbounded vLLM's marked blocks and SGLang's marked edges; else a twin of it fed prompts only),
+any fleets (``fleet.Fleet``) and the hosted providers' caches (``registry.Caches(hosted=True)``), each as a
+``CacheRequest``. The single-process token pass (``scan.traffic_scan``) and the distributed driver
+(``distributed.ray_scan``) both feed a ``Simulation``, request by request in time order.
 
 Servers cache their replies (``replies``): after a request, each engine holds its prompt and the reply tokens the
 server computed. Where the log records the reply (``Step.reply``), it goes in with the request. Where it does not,
