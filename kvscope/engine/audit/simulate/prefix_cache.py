@@ -16,7 +16,10 @@ its class computes from them (``budget``: its flag, or its server's own formula 
 provider's only its own models', from what ``HostedRequest`` carries). A serving engine's class also holds its own
 rules beside the simulation: ``wrote`` (the marks its server leaves in an answer, read to name a log's server),
 ``owned_by`` (its server's ``/v1/models`` owner, read to name an endpoint's), ``granule`` and ``excess_hint`` (how
-its counts differ from a server's), and ``names_matches`` (the radix tree that names each request's match).
+its counts differ from a server's), and ``names_matches`` (the radix tree that names each request's match). A cache
+that can read off its own state what it would have reused had no reply ever been cached says so
+(``tells_prompts_only``, ``prompts_only``: unbounded vLLM and SGLang); for the others a twin fed prompts alone is
+simulated beside (``step.Simulation``).
 """
 
 from __future__ import annotations
