@@ -624,7 +624,7 @@ def memory_scale(sizes: list[int], sessions: int, budgets: list[str], tokenizer_
                 kept.write_text(run["stdout"], encoding="utf-8")
             ran = folder / f"agents-{size}.{budget.replace(':', '')}.command.json"  # the command's, reused the same way
             if not ran.exists():
-                ran.write_text(json.dumps(command_peak(log, budget)), encoding="utf-8")
+                ran.write_text(json.dumps(command_peak(log, budget, tokenizer_dir)), encoding="utf-8")
             found, command = (json.loads(path.read_text(encoding="utf-8")) for path in (kept, ran))
             runs.append(memory_run(size, budget, log, found, command))
             peaks = f"pass {found['peak_rss_mb']} MB, command {command['peak_rss_mb']} MB"
@@ -652,20 +652,22 @@ def budget_flags(budget: str) -> list[str]:
     return ["--kv-budget-tokens", str(tokens), "--kv-budget-blocks", str(tokens // 16)] if tokens else []
 
 
-def command_peak(log: Path, budget: str) -> dict:
+def command_peak(log: Path, budget: str, tokenizer_dir: Path) -> dict:
     """``python -m kvscope audit LOG --sample 0 --json`` under ``budget`` as a user runs it (the report built and
-    printed): its wall seconds and its own peak RSS (``os.wait4``: this child's, not the largest child's so far)."""
-    command = [sys.executable, "-m", "kvscope", "audit", str(log), "--sample", "0", "--json", *budget_flags(budget)]
-    with tempfile.TemporaryFile() as errors:
+    printed), with the worker's model: its wall seconds and its own peak RSS (``os.wait4``: this child's, not the
+    largest child's so far)."""
+    flags = ["--sample", "0", "--json", "--model", str(tokenizer_dir), *budget_flags(budget)]
+    command = [sys.executable, "-m", "kvscope", "audit", str(log), *flags]
+    with tempfile.TemporaryFile() as output:
         start = time.perf_counter()
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=errors)
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)  # the report, or its error as JSON
         _, status, usage = os.wait4(process.pid, 0)
         seconds = time.perf_counter() - start
         if status:
-            errors.seek(0)
-            raise SystemExit(f"{' '.join(command)} failed: {errors.read()[-2000:].decode(errors='replace')}")
+            output.seek(0)
+            raise SystemExit(f"{' '.join(command)} failed: {output.read()[-2000:].decode(errors='replace')}")
     peak = round(usage.ru_maxrss / 1024, 1)  # kilobytes on Linux
-    return {"argv": ["kvscope", "audit", log.name, *command[5:]], "seconds": round(seconds, 2), "peak_rss_mb": peak}
+    return {"argv": ["kvscope", "audit", log.name, *flags], "seconds": round(seconds, 2), "peak_rss_mb": peak}
 
 
 def _memory_main(args: argparse.Namespace, tokenizer_dir: Path) -> None:

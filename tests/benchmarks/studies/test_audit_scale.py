@@ -5,6 +5,8 @@ tokenizer's on its whole rendered text."""
 import json
 import re
 
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
 from benchmarks.studies.audit_scale import as_langfuse_traces, as_otlp, memory_scale, stage2_memory, synthetic_log
 from kvscope.engine.audit.logs.reading import read_log
 from kvscope.engine.audit.logs.render import render_batch
@@ -56,11 +58,15 @@ def test_one_process_memory_is_measured_under_each_budget(tmp_path):
     tokenizer = tiny_tokenizer()
     tokenizer.chat_template = QWEN_TEMPLATE
     tokenizer.save_pretrained(tmp_path)
-    config = {"model_type": "qwen2", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64}
-    (tmp_path / "config.json").write_text(json.dumps(config | {"vocab_size": 512, "intermediate_size": 128}))
+    config = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64}
+    # a model dir as the command loads one: its config and (random) weights beside the tokenizer
+    Qwen2ForCausalLM(Qwen2Config(**config, vocab_size=512, intermediate_size=128)).save_pretrained(tmp_path)
     unbounded, bounded, sized = memory_scale([60], 6, ["0", "512", "gpu:1"], tmp_path, tmp_path)
     assert [run["budget"] for run in (unbounded, bounded, sized)] == ["0", "512", "gpu:1"]
     assert unbounded["tokens"] == bounded["tokens"] == sized["tokens"] > 0 and unbounded["exact_check"]["ids_and_offsets_equal"]
     assert all(run["peak_rss_mb"] >= run["rss_before_mb"] > 0 for run in (unbounded, bounded, sized))
     assert unbounded["caches_held_tokens"]["sglang"] > bounded["caches_held_tokens"]["sglang"] <= 512
     assert "GiB" in sized["budgets"][0] and "RAM prompt cache" in sized["budgets"][2]  # vLLM sized by the GPU; llama's RAM cache
+    # the command a user runs, with the same model and budget flags, measured in its own process
+    assert [run["command"]["argv"][-2:] for run in (bounded, sized)] == [["--kv-budget-blocks", "32"], ["--gpu-memory-gib", "1"]]
+    assert all(run["command"]["peak_rss_mb"] > 0 for run in (unbounded, bounded, sized))

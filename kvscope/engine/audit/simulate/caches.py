@@ -177,7 +177,7 @@ class BlockCache(PrefixCache):
 class BlockTable:
     """The blocks a ``BlockCache`` holds, as an ``OrderedDict`` of block hash -> (request that last used it, its
     number there) in LRU order would hold them, without a Python object per block (169 bytes a block that way; about
-    60 here: an unbounded cache of a million requests holds tens of millions of blocks).
+    50 here: an unbounded cache of a million requests holds tens of millions of blocks).
 
     The 64-bit keys sit in an open-addressing table (linear probing, deleted slots marked, rebuilt at most 5/8 full),
     each slot with its request, its number, its stamp and whether a prompt held it (not only a reply). The LRU order
