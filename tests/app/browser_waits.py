@@ -44,6 +44,18 @@ def wait_for_app(page: Page, locator: Locator, quiet_s: float = 180.0, state: st
             return
 
 
+def fill_kept(locator: Locator, text: str, settle_ms: int = 500, tries: int = 5) -> None:
+    """Fill ``locator`` with ``text`` and return once the value has held for ``settle_ms``. Gradio 6 mounts a closed
+    accordion's fields when it opens, and a fill in that moment can be reset to the field's first value (seen on a
+    loaded machine: the fleet test's replica counts emptied, the audit run without them); the fill is then repeated."""
+    for _ in range(tries):
+        locator.fill(text)
+        locator.page.wait_for_timeout(settle_ms)
+        if locator.input_value() == text:
+            return
+    raise AssertionError(f"{locator} did not keep {text!r} after {tries} fills (it holds {locator.input_value()!r})")
+
+
 def _failed_shot(page: Page) -> Path:
     """A full-page screenshot of a wait that gave up, numbered in this process."""
     FAILED_SHOTS.mkdir(exist_ok=True)

@@ -12,7 +12,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 import pytest
 
 from kvscope.app.permalink import decode_toml, encode_toml
-from tests.app.browser_waits import TOAST, wait_for_app, wait_for_audit
+from tests.app.browser_waits import TOAST, fill_kept, wait_for_app, wait_for_audit
 from tests.app.conftest import SCENARIO
 from tests.shared import CHROMIUM, CHROMIUM_ARGS
 
@@ -566,8 +566,8 @@ def test_one_prompt_offers_volatile_spans_and_audits_a_new_value(page):
     marks = page.locator('#audit-candidates mark[data-kind="candidate"]')
     wait_for_app(page, marks.first)
     assert marks.count() >= 3 and page.locator("#audit-candidates i").count() == 0
-    page.locator("#audit-find textarea, #audit-find input").first.fill("shipped")
-    page.locator("#audit-new-value textarea, #audit-new-value input").first.fill("pending")
+    fill_kept(page.locator("#audit-find textarea, #audit-find input").first, "shipped")  # in the accordion opened above
+    fill_kept(page.locator("#audit-new-value textarea, #audit-new-value input").first, "pending")
     page.locator("#audit-tokens input[type=number]").fill("4")
     page.locator("#run-audit-value").click()
     wait_for_app(page, page.locator("#audit-recommendation").get_by_text("Recommended:").first)

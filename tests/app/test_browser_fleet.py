@@ -5,7 +5,7 @@ router in each engine's panel. Screenshots of the figure go to test-artifacts/ (
 import pytest
 
 from kvscope.viz.fleet import ROUTING_LABELS
-from tests.app.browser_waits import wait_for_app
+from tests.app.browser_waits import fill_kept, wait_for_app
 from tests.app.test_browser import ARTIFACTS, CHROMIUM, TOAST, _plot_data, browser  # noqa: F401 (the module's browser fixture)
 from tests.app.test_browser_labels import wide_page  # noqa: F401 (a page at 1,000 and 1,400 px)
 
@@ -20,7 +20,7 @@ def test_fleets_show_a_table_and_a_line_per_router(wide_page):  # noqa: F811
     page.wait_for_function("() => document.querySelector('#audit-input textarea').value.includes('forge-1')", timeout=30_000)
     page.locator("#audit-sample input[type=number]").fill("0")
     page.locator("#audit-engine-settings").get_by_text("Simulated engines").click()
-    page.locator("#audit-replicas textarea").fill("2,3")
+    fill_kept(page.locator("#audit-replicas textarea"), "2,3")  # in the accordion just opened
     page.locator("#run-audit").click()
     table = page.locator("#audit-fleet-table")
     wait_for_app(page, table.get_by_text("the hit rate behind each router"))

@@ -6,7 +6,7 @@ import pytest
 
 from kvscope.app.handlers.audit_log import bundled_log_text
 from kvscope.engine.audit.changes.causes import CAUSES
-from tests.app.browser_waits import wait_for_app, wait_for_audit
+from tests.app.browser_waits import fill_kept, wait_for_app, wait_for_audit
 from tests.app.test_browser import ARTIFACTS, CHROMIUM, TOAST, _plot_data, browser  # noqa: F401 (the module's browser fixture)
 from tests.app.test_browser_labels import wide_page  # noqa: F401 (a page at 1,000 and 1,400 px)
 
@@ -57,7 +57,7 @@ def test_a_rewrite_pasted_beside_the_log_is_measured_against_it(wide_page):  # n
     page.get_by_role("tab", name="Your prompt").click()
     page.locator("#audit-input textarea").fill(log)
     page.get_by_text("Measure a rewrite of this log").click()
-    page.locator("#audit-rewritten textarea").fill(log)  # identical: reuse and output unchanged
+    fill_kept(page.locator("#audit-rewritten textarea"), log)  # in the accordion just opened; identical: reuse and output unchanged
     page.locator("#audit-tokens input[type=number]").fill("2")
     page.locator("#run-rewrite").click()
     view = page.locator("#audit-rewrite")
