@@ -9,7 +9,7 @@ from plotly.subplots import make_subplots
 
 from kvscope.engine.words import counted
 from kvscope.viz.audit import KL_FLOOR, repair_colours, reused_fraction, within_symbols
-from kvscope.viz.common import LEGEND_BELOW, PALETTE, parameter_count, safe_label, set_title, whiskers
+from kvscope.viz.common import LEGEND_BELOW, PALETTE, apart_marker, parameter_count, safe_label, set_title, whiskers
 
 
 def ttft_figure(data: dict) -> go.Figure:
@@ -116,10 +116,10 @@ def serving_figure(data: dict) -> go.Figure:
                 showlegend=False,
                 mode="lines+markers",
                 line={"color": colour, "dash": ("solid", "dot", "dash")[index % 3]},
-                marker={"symbol": ("circle", "square", "diamond")[index % 3], "size": 9 - 2 * (index % 3)},
+                marker=apart_marker(index),
                 row=1,
                 col=column,
-            )  # symbols and dashes keep equal lines (e.g. both accuracies 1.0) apart
+            )  # markers and dashes keep equal lines (e.g. both accuracies 1.0) apart
     loads = sorted({run["offered_rps"] for run in data["runs"]})
     figure.update_xaxes(title_text="offered load (req/s)", type="log", tickvals=loads, ticktext=[f"{load:g}" for load in loads])
     figure.update_yaxes(title_text="TTFT (ms)", type="log", row=1, col=1)

@@ -26,6 +26,7 @@ MAX_TICKS = 28  # token labels on an axis (tilted, they stay apart on a 600 px f
 DIVERGING = "RdBu_r"  # negative blue, positive red, centred at 0
 PALETTE = ("#2a9d8f", "#e76f51", "#264653", "#e9c46a", "#8e7dbe", "#f4a261", "#457b9d")
 GREY = "#b0bec5"
+APART_SYMBOLS = ("circle", "square", "diamond", "cross")
 FIELD_COLOUR = "#e040fb"  # outlines a field's columns; visible on Viridis and RdBu alike
 TEMPLATE = "plotly_white"
 # The theme is plotly's default rather than a per-figure argument: naming a template on a figure
@@ -34,6 +35,12 @@ pio.templates.default = TEMPLATE
 
 _VISIBLE = {"\n": "⏎", "\r": "␍", "\t": "⇥"}
 _HIDDEN = {"Cc", "Cf", "Cs", "Zl", "Zp"}  # control, format (bidi overrides, zero width), surrogates, separators
+
+
+def apart_marker(index: int) -> dict:
+    """The marker of the ``index``-th of lines that may coincide (equal hit rates, both accuracies 1.0): a symbol of its
+    own and a size that shrinks with the index, so a line drawn later sits inside the earlier one's marker."""
+    return {"symbol": APART_SYMBOLS[index % len(APART_SYMBOLS)], "size": 12 - 2 * (index % len(APART_SYMBOLS))}
 
 
 def safe_label(text: str, limit: int | None = None) -> str:

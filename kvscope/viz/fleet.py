@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from kvscope.viz.audit import ENGINE_LABELS
-from kvscope.viz.common import LEGEND_BELOW, PALETTE, set_title
+from kvscope.viz.common import LEGEND_BELOW, PALETTE, apart_marker, set_title
 
 ROUTING_LABELS = {"round_robin": "round robin", "session": "session affinity", "prefix": "prefix-aware", "least_loaded": "least loaded"}
 
@@ -38,7 +38,7 @@ def fleet_figure(data: Mapping) -> go.Figure:
                 legendgroup=routing,
                 showlegend=column == 1,
                 line={"color": PALETTE[index % len(PALETTE)], "width": 2},
-                marker={"size": 8},
+                marker=apart_marker(index),  # routers that keep the same share (often) stay told apart
                 hovertext=[
                     f"{ROUTING_LABELS[routing]}, {e['replicas']} replicas: {ENGINE_LABELS[engine]} reuses "
                     f"{e['reused_tokens'][engine]:,} tokens ({e['hit_rate'][engine]:.1%})"
