@@ -128,11 +128,6 @@ class TurnDiff:
     old_growth_start: int  # the older request's tokens from here on were replaced by that growth
     structural: tuple[tuple[int, int, int, int], ...] = ()  # (old_start, old_end, start, end) token spans
 
-    @property
-    def broken(self) -> bool:
-        """Whether anything the older request held changed (growth alone breaks no cache)."""
-        return bool(self.fields or self.structural) or self.common_prefix_tokens < self.old_growth_start
-
 
 def compare_requests(old: RenderedRequest, new: RenderedRequest, block: int) -> TurnDiff:
     """Compare ``new`` against ``old`` without refusing anything: changes inside one message's content become
