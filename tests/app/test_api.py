@@ -1,5 +1,6 @@
 """The launched app through gradio_client: named endpoints, errors, and concurrent sessions."""
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -9,7 +10,8 @@ from gradio_client import Client, handle_file
 from kvscope.engine.compose.pictures import bundled_images
 from kvscope.engine.edit.experiment import EditExperiment
 from kvscope.engine.scenario import Scenario
-from tests.app.conftest import SCENARIO
+from kvscope.engine.scenario.text import bundled_scenarios
+from tests.app.conftest import SCENARIO, free_port
 
 STRATEGY_SET = ["field_only", "erratum"]
 
@@ -112,3 +114,44 @@ def test_a_permalink_through_the_api(app_url):
         SCENARIO, "refund_gate", "order_status", "pending", ["erratum"], 4, -1, "prefix", False, True, api_name="/permalink"
     )
     assert query[0].startswith("?toml=") and "field=order_status" in query[0] and "all=1" in query[0]
+
+
+def _menu(update: dict) -> tuple[list[str], str]:
+    """A dropdown update's choices and value, as the client receives them."""
+    return [choice for choice, _ in update["choices"]], update["value"]
+
+
+def test_picking_a_bundled_scenario_fills_the_editor_and_its_menus(app_url):
+    """The Notes tab's scenario menu (``/scenario``): the file's text in the editor, its name beside it, its fields and
+    the first field's values offered (the new value chosen), and the last result's views cleared."""
+    text = bundled_scenarios()["refund_gate"].read_text(encoding="utf-8")
+    scenario = Scenario.from_toml(text)
+    first = scenario.field()
+    editor, description, field, value, *cleared = Client(app_url, verbose=False).predict("refund_gate", api_name="/scenario")
+    assert editor == text.rstrip() and f"**{scenario.name}**" in description  # the code box keeps no trailing newline
+    assert _menu(field) == (list(scenario.fields), first.name) and _menu(value) == (list(first.values), first.new)
+    assert cleared and all(view["value"] is None for view in cleared)
+
+
+def test_an_uploaded_scenario_fills_the_editor_escaped_and_a_broken_one_says_where(app_url, tmp_path):
+    """``/upload_scenario``: a person's TOML in the editor, its name escaped beside it, the bundled menu emptied; a file
+    that does not parse still lands in the editor, with the parser's line and column beside it and the menus kept."""
+    client, path = Client(app_url, verbose=False), tmp_path / "mine.toml"
+    text = bundled_scenarios()["refund_gate"].read_text(encoding="utf-8").replace('name = "Refund gate"', 'name = "My <b>gate</b>"')
+    path.write_text(text, encoding="utf-8")
+    editor, description, field, value, pick, *_ = client.predict(handle_file(str(path)), api_name="/upload_scenario")
+    assert editor == text.rstrip() and "&lt;b&gt;" in description and "<b>" not in description
+    assert _menu(field)[0] == ["refund_eligible"] and pick["value"] is None
+    path.write_text("name = [broken", encoding="utf-8")
+    editor, description, field, value, *_ = client.predict(handle_file(str(path)), api_name="/upload_scenario")
+    assert editor == "name = [broken" and description.startswith("⚠️") and "TOML syntax error" in description
+    assert "line 1, column 9" in description and "choices" not in field and "choices" not in value
+
+
+def test_a_rewrite_on_a_server_that_does_not_answer_is_said_in_the_panel(app_url):
+    """``/audit_rewrite_on_server`` with nothing listening at the URL: the panel names the URL and what to do, and the
+    call ends without an error (information, not a failure)."""
+    log = "\n".join(json.dumps({"messages": [{"role": "user", "content": f"Is order {n} shipped?"}]}) for n in (1, 2))
+    url = f"http://127.0.0.1:{free_port()}"
+    words, data = Client(app_url, verbose=False).predict(log, log, False, 2, url, "", api_name="/audit_rewrite_on_server")
+    assert f"Nothing answers at `{url}`" in words and "correct the URL in the box above" in words and data is None
